@@ -1,0 +1,5 @@
+import sys
+
+from dpml.cli import main
+
+sys.exit(main())

@@ -1,0 +1,152 @@
+"""The ``dpml`` command: run the pipeline, run one stage, compute ε."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from dpml.config import ConfigError, load
+
+
+def _summary(results: dict[str, Any]) -> str:
+    train, cert, audit, gate, release = (results[k] for k in ("train", "certify", "audit", "gate", "register"))
+    primary = audit["attacks"][audit["primary_attack"]]
+    eps = cert["epsilon"]
+    lines = [
+        "",
+        "dpml run summary",
+        f"  test accuracy        {train['test_accuracy']:.4f}",
+        f"  certified epsilon    {eps:.4g} at delta = {cert['delta']:g}"
+        + (f"  ({cert['certificate']['accountant']})" if cert.get("certificate") else "  (non-private)"),
+        f"  audit ({audit['primary_attack']})         AUC {primary['auc']:.4f}, TPR@1%FPR {primary['tpr_at_1pct_fpr']:.4f}, "
+        f"TPR@0.1%FPR {primary['tpr_at_0.1pct_fpr']:.4f}",
+        f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
+        f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
+        f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
+        "  UI                   mlflow ui --backend-store-uri " + release["tracking_uri"] + " --host 127.0.0.1",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = load(args.params, args.set)
+    if args.engine == "prefect":
+        from flows.pipeline import privacy_audited_pipeline
+
+        results = privacy_audited_pipeline(params_path=args.params, overrides=args.set)
+    else:
+        from dpml.stages import run_all
+
+        results = run_all(config, progress=True)
+    print(_summary(results))
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from dpml.stages import STAGES
+
+    config = load(args.params, args.set)
+    stage = STAGES[args.name]
+    result = stage(config, progress=True) if args.name == "train" else stage(config)  # type: ignore[call-arg]
+    printable = {k: v for k, v in result.items() if k != "certificate"}
+    print(json.dumps(printable, indent=2, default=str))
+    return 0
+
+
+def cmd_epsilon(args: argparse.Namespace) -> int:
+    from dpml.privacy.accountants import certify
+    from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+
+    mechanism = MechanismDescription(
+        trainer="cli", events=(PoissonGaussianSteps(args.sample_rate, args.noise_multiplier, args.steps),),
+        neighbouring=args.neighbouring, clip_norm=1.0, dataset_size=0,
+    )
+    certificate = certify(mechanism, args.delta)
+    if args.json:
+        print(json.dumps({k: certificate[k] for k in ("epsilon", "delta", "accountant", "accountant_version",
+                                                      "neighbouring", "statement", "answers")}, indent=2))
+    else:
+        print(f"epsilon = {certificate['epsilon']:.6g} at delta = {args.delta:g} ({certificate['accountant']})")
+        for answer in certificate["answers"]:
+            value = f"{answer['epsilon']:.6g}" if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            print(f"  {answer['name']:<20} {value}")
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1]")
+    return value
+
+
+def _delta(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1)")
+    return value
+
+
+def _steps(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be an integer ≥ 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dpml.stages import STAGES
+
+    parser = argparse.ArgumentParser(prog="dpml", description="Privacy-audited model production.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--params", default="params.yaml", help="configuration file (default: params.yaml)")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one parameter, e.g. --set dp.target_epsilon=2 (repeatable)")
+
+    run = sub.add_parser("run", help="run the whole pipeline")
+    config_args(run)
+    run.add_argument("--engine", choices=("prefect", "local"), default="prefect",
+                     help="prefect: a Prefect flow run (default); local: the stages in-process")
+    run.set_defaults(func=cmd_run)
+
+    stage = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
+    stage.add_argument("name", choices=list(STAGES))
+    config_args(stage)
+    stage.set_defaults(func=cmd_stage)
+
+    eps = sub.add_parser("epsilon", help="ε of DP-SGD with Poisson sampling, from every accountant")
+    eps.add_argument("--noise-multiplier", type=_positive_float, required=True)
+    eps.add_argument("--sample-rate", type=_rate, required=True)
+    eps.add_argument("--steps", type=_steps, required=True)
+    eps.add_argument("--delta", type=_delta, default=1e-5)
+    eps.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove")
+    eps.add_argument("--json", action="store_true", help="machine-readable output")
+    eps.set_defaults(func=cmd_epsilon)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as error:
+        print(f"dpml: {error}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as error:
+        print(f"dpml: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

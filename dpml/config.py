@@ -1,0 +1,288 @@
+"""The one schema for ``params.yaml``.
+
+Every parameter of a run lives in ``params.yaml`` (read by DVC for dependency tracking and by
+Prefect / the CLI for execution). It is validated once, here, before any work starts. An invalid
+value is rejected with a :class:`ConfigError` that names the key, the value and what is allowed.
+
+Overrides use dotted keys (``dp.target_epsilon=2``); the value is parsed as YAML, so numbers,
+booleans, ``null`` and lists work as they do in the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+SKLEARN_BUNDLED = ("digits", "iris", "wine", "breast_cancer")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: names each offending key, its value and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Section):
+    """Where the raw records come from.
+
+    ``source`` is one of ``sklearn:NAME`` (a scikit-learn *bundled* set: digits, iris, wine,
+    breast_cancer), ``idx:DIR`` (MNIST-format IDX files), ``csv:PATH`` or ``parquet:PATH``.
+    Tabular sources need ``label_column`` and ``feature_columns`` and, because the label set is a
+    constant that must not be read off the private data, the list of ``classes``.
+    """
+
+    source: str = "sklearn:digits"
+    label_column: str | None = None
+    feature_columns: list[str] | None = None
+    classes: list[str | int] | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        scheme, sep, rest = value.partition(":")
+        allowed = ("sklearn", "idx", "csv", "parquet")
+        if not sep or scheme not in allowed or not rest:
+            raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)}")
+        if scheme == "sklearn" and rest not in SKLEARN_BUNDLED:
+            raise ValueError(f"unknown bundled scikit-learn set; allowed: {', '.join(SKLEARN_BUNDLED)}")
+        if scheme == "idx" and not Path(rest).is_dir():
+            raise ValueError(f"directory {rest} does not exist")
+        if scheme in ("csv", "parquet") and not Path(rest).is_file():
+            raise ValueError(f"file {rest} does not exist")
+        return value
+
+    @model_validator(mode="after")
+    def _tabular_needs_columns(self) -> "DataConfig":
+        scheme = self.source.partition(":")[0]
+        if scheme in ("csv", "parquet"):
+            missing = [
+                k for k in ("label_column", "feature_columns", "classes") if getattr(self, k) in (None, [])
+            ]
+            if missing:
+                raise ValueError(f"a {scheme} source needs data.{', data.'.join(missing)}")
+        return self
+
+
+class SplitConfig(_Section):
+    """Deterministic, seeded, stratified split into train / test / audit population.
+
+    Sources with a predefined test part (IDX ``t10k``) keep it as the test set and ignore
+    ``test_fraction``. The audit population is never trained on: it supplies the attacks'
+    non-members.
+    """
+
+    seed: int = 0
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    audit_fraction: float = Field(0.2, gt=0, lt=1)
+    max_train: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _fractions_leave_training_data(self) -> "SplitConfig":
+        if self.test_fraction + self.audit_fraction >= 0.9:
+            raise ValueError(
+                f"split.test_fraction + split.audit_fraction = "
+                f"{self.test_fraction + self.audit_fraction:g}: must be < 0.9 to leave training data"
+            )
+        return self
+
+
+class PreprocessConfig(_Section):
+    """Public scaling and input norm clipping.
+
+    Features are mapped with *public* constants: x' = (clip(x, lower, upper) − lower) / (upper −
+    lower); then each record is projected onto the L2 ball of radius ``clip_norm`` (X0), or
+    scaled onto its sphere with ``clip_mode: sphere``. No statistic of the private data is used.
+    """
+
+    lower: float = 0.0
+    upper: float = 16.0
+    clip_norm: float = Field(8.0, gt=0)
+    clip_mode: Literal["project", "sphere"] = "project"
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "PreprocessConfig":
+        if not self.upper > self.lower:
+            raise ValueError(f"preprocess.upper = {self.upper}: must be > preprocess.lower = {self.lower}")
+        return self
+
+
+class ModelConfig(_Section):
+    """A fully connected classifier: ``hidden`` widths, ``activation``; [] gives a linear model."""
+
+    kind: Literal["mlp"] = "mlp"
+    hidden: list[int] = Field(default_factory=lambda: [64])
+    activation: Literal["relu", "tanh"] = "tanh"
+
+    @field_validator("hidden")
+    @classmethod
+    def _positive_widths(cls, value: list[int]) -> list[int]:
+        if any(w <= 0 for w in value):
+            raise ValueError("every width must be a positive integer")
+        return value
+
+
+class TrainConfig(_Section):
+    """The optimiser loop. ``algorithm: dpsgd`` is private; ``nonprivate`` is the baseline."""
+
+    algorithm: Literal["dpsgd", "nonprivate"] = "dpsgd"
+    epochs: float = Field(20.0, gt=0)
+    sample_rate: float = Field(0.05, gt=0, le=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    learning_rate: float = Field(0.5, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    physical_batch_size: int = Field(1024, gt=0)
+
+
+class DpConfig(_Section):
+    """The privacy parameters.
+
+    Exactly one of ``noise_multiplier`` (σ, the noise std divided by the clip norm) and
+    ``target_epsilon`` (σ is then calibrated) must be given.
+    """
+
+    delta: float = Field(1e-5, gt=0, lt=1)
+    clip_norm: float = Field(1.0, gt=0)
+    noise_multiplier: float | None = Field(None, gt=0)
+    target_epsilon: float | None = Field(None, gt=0)
+    neighbouring: Literal["add-remove", "replace-one"] = "add-remove"
+
+    @model_validator(mode="after")
+    def _one_noise_source(self) -> "DpConfig":
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(
+                "give exactly one of dp.noise_multiplier and dp.target_epsilon "
+                f"(got noise_multiplier={self.noise_multiplier}, target_epsilon={self.target_epsilon})"
+            )
+        return self
+
+
+class AuditConfig(_Section):
+    """Membership-inference audit: attacks against train members vs audit-population records."""
+
+    attacks: list[Literal["loss"]] = Field(default_factory=lambda: ["loss"])
+    max_records: int = Field(2000, gt=0)
+    seed: int = 0
+
+
+class GateConfig(_Section):
+    """Release gate: the model becomes ``champion`` only when certified ε ≤ ``epsilon_budget``."""
+
+    epsilon_budget: float = Field(4.0, gt=0)
+
+
+class TrackingConfig(_Section):
+    """MLflow. ``MLFLOW_TRACKING_URI`` in the environment overrides ``uri``."""
+
+    uri: str = "sqlite:///mlflow.db"
+    artifact_root: str = "mlartifacts"
+    experiment: str = "dpml"
+    registered_model: str = "dpml-model"
+
+
+class PathsConfig(_Section):
+    """Where stage outputs go (relative paths are relative to the working directory)."""
+
+    data: str = "data"
+    artifacts: str = "artifacts"
+
+
+class Config(_Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    dp: DpConfig = Field(default_factory=DpConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def flat(self) -> dict[str, Any]:
+        """``{"dp.delta": 1e-5, …}``: the form logged as MLflow params."""
+        out: dict[str, Any] = {}
+        for section, values in self.to_dict().items():
+            for key, value in values.items():
+                out[f"{section}.{key}"] = value
+        return out
+
+
+def _format_errors(error: ValidationError, origin: str) -> str:
+    lines = [f"invalid configuration ({origin}):"]
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {key} = {item['input']!r}: unknown key")
+        elif item["type"] == "missing":
+            lines.append(f"  {key}: required")
+        elif key and "input" in item and not isinstance(item["input"], dict):
+            lines.append(f"  {key} = {item['input']!r}: {msg}")
+        else:
+            lines.append(f"  {key or '(top level)'}: {msg}")
+    return "\n".join(lines)
+
+
+def _check_finite(raw: Any, prefix: str = "") -> None:
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            _check_finite(v, f"{prefix}{k}.")
+    elif isinstance(raw, float) and not math.isfinite(raw):
+        raise ConfigError(f"invalid configuration:\n  {prefix[:-1]} = {raw}: must be a finite number")
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (value parsed as YAML) to a raw config mapping."""
+    result = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"invalid override {item!r}: expected section.key=value, e.g. dp.target_epsilon=2")
+        section, name = parts
+        value = yaml.safe_load(text) if text.strip() else None
+        target = result.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"invalid override {item!r}: {section} is not a section")
+        target[name] = value
+    return result
+
+
+def validate(raw: Any, origin: str = "params") -> Config:
+    """Validate a raw mapping into a :class:`Config`, or raise :class:`ConfigError`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"invalid configuration ({origin}): expected a mapping of sections, got {type(raw).__name__}")
+    _check_finite(raw)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error, origin)) from None
+
+
+def load(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
+    """Read, override and validate ``params.yaml``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"configuration file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if overrides:
+        raw = apply_overrides(raw or {}, overrides)
+    return validate(raw, origin=str(path))

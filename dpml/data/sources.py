@@ -1,0 +1,228 @@
+"""Data sources: scikit-learn bundled sets, IDX files, CSV and Parquet.
+
+Every loader returns a :class:`RawData` whose labels are indices into a *public* class list
+(the source's metadata, or ``data.classes`` for tabular files) and checks the records: no
+empty file, no NaN/inf, no unknown label, at least two classes. Each failure is a
+:class:`DataError` naming the file and the row/column at fault.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dpml.config import DataConfig
+
+
+class DataError(ValueError):
+    """Malformed input data; the message names the file, the row/column and the reason."""
+
+
+@dataclass(frozen=True)
+class RawData:
+    """Records as loaded: ``x`` (n, d) float64, ``y`` (n,) int64 indices into ``classes``.
+
+    ``x_test``/``y_test`` hold a test part predefined by the source (IDX ``t10k``), else None.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    classes: list[str]
+    feature_names: list[str]
+    origin: str
+    x_test: np.ndarray | None = None
+    y_test: np.ndarray | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def content_hash(*arrays: np.ndarray) -> str:
+    """SHA-256 over dtype, shape and bytes of each array: the data version recorded with runs."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(str(array.dtype).encode())
+        digest.update(str(array.shape).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def check_records(x: np.ndarray, y: np.ndarray, n_classes: int, origin: str) -> None:
+    """Reject empty data, NaN/inf features, labels outside the class list, a single class."""
+    if x.ndim != 2:
+        raise DataError(f"{origin}: features must be a 2-D table, got shape {x.shape}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise DataError(f"{origin}: no records (shape {x.shape})")
+    if y.shape != (x.shape[0],):
+        raise DataError(f"{origin}: {x.shape[0]} feature rows but labels of shape {y.shape}")
+    bad = ~np.isfinite(x)
+    if bad.any():
+        row, col = (int(v) for v in np.argwhere(bad)[0])
+        raise DataError(
+            f"{origin}: row {row}, column {col}: value {x[row, col]} is not finite "
+            f"({int(bad.sum())} non-finite values in all)"
+        )
+    out_of_range = (y < 0) | (y >= n_classes)
+    if out_of_range.any():
+        row = int(np.argmax(out_of_range))
+        raise DataError(f"{origin}: row {row}: label index {y[row]} is not one of the {n_classes} classes")
+    present = np.unique(y)
+    if present.size < 2:
+        raise DataError(f"{origin}: only one class present ({present.tolist()}); a classifier needs at least two")
+
+
+def load_sklearn(name: str) -> RawData:
+    """A scikit-learn bundled data set (shipped with the package, no download)."""
+    import sklearn.datasets as sk
+
+    loader = getattr(sk, f"load_{name}", None)
+    if loader is None:
+        raise DataError(f"sklearn:{name}: no bundled scikit-learn data set of that name")
+    bunch = loader()
+    x = np.asarray(bunch.data, dtype=np.float64)
+    y = np.asarray(bunch.target, dtype=np.int64)
+    names = getattr(bunch, "target_names", None)
+    classes = [str(c) for c in (names if names is not None else np.unique(y))]
+    features = [str(f) for f in getattr(bunch, "feature_names", [f"x{i}" for i in range(x.shape[1])])]
+    origin = f"sklearn:{name}"
+    check_records(x, y, len(classes), origin)
+    return RawData(x=x, y=y, classes=classes, feature_names=features, origin=origin)
+
+
+_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one IDX file (optionally gzipped): magic 0x0000TTNN, NN big-endian dims, then data."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as handle:
+            blob = handle.read()
+    except (OSError, EOFError) as error:
+        raise DataError(f"{path}: cannot read ({error})") from None
+    if len(blob) < 4 or blob[0] != 0 or blob[1] != 0 or blob[2] not in _IDX_TYPES:
+        raise DataError(f"{path}: wrong magic number {blob[:4].hex() or '(empty file)'}; expected 0000TTNN")
+    ndim = blob[3]
+    header = 4 + 4 * ndim
+    if ndim == 0 or len(blob) < header:
+        raise DataError(f"{path}: truncated header ({len(blob)} bytes, {ndim} dimensions)")
+    shape = tuple(int.from_bytes(blob[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    dtype = np.dtype(_IDX_TYPES[blob[2]])
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(blob) - header != expected:
+        raise DataError(
+            f"{path}: truncated or oversized content: header says shape {shape} "
+            f"({expected} bytes) but {len(blob) - header} bytes follow"
+        )
+    return np.frombuffer(blob, dtype=dtype, offset=header).reshape(shape)
+
+
+def _find_idx(directory: Path, stem: str) -> Path | None:
+    for candidate in (directory / stem, directory / f"{stem}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _idx_pair(directory: Path, images: str, labels: str) -> tuple[np.ndarray, np.ndarray] | None:
+    image_path, label_path = _find_idx(directory, images), _find_idx(directory, labels)
+    if image_path is None and label_path is None:
+        return None
+    if image_path is None or label_path is None:
+        raise DataError(f"{directory}: found only one of {images} and {labels}")
+    x = read_idx(image_path)
+    y = read_idx(label_path)
+    if y.ndim != 1 or x.shape[0] != y.shape[0]:
+        raise DataError(f"{label_path}: {y.shape} labels do not match {x.shape[0]} images in {image_path}")
+    return x.reshape(x.shape[0], -1).astype(np.float64), y.astype(np.int64)
+
+
+def load_idx(directory: str | Path) -> RawData:
+    """MNIST-format IDX files: ``train-images-idx3-ubyte[.gz]`` + labels, and optional ``t10k-*``.
+
+    Labels are the digits 0..9 of the format (the public class list of MNIST-like sets).
+    """
+    directory = Path(directory)
+    train = _idx_pair(directory, "train-images-idx3-ubyte", "train-labels-idx1-ubyte")
+    if train is None:
+        raise DataError(f"{directory}: no train-images-idx3-ubyte[.gz] / train-labels-idx1-ubyte[.gz]")
+    test = _idx_pair(directory, "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    classes = [str(i) for i in range(10)]
+    origin = f"idx:{directory}"
+    check_records(*train, len(classes), f"{origin} (train)")
+    if test is not None:
+        check_records(*test, len(classes), f"{origin} (t10k)")
+    features = [f"px{i}" for i in range(train[0].shape[1])]
+    return RawData(
+        x=train[0], y=train[1], classes=classes, feature_names=features, origin=origin,
+        x_test=None if test is None else test[0], y_test=None if test is None else test[1],
+    )
+
+
+def load_table(path: str | Path, kind: str, label_column: str, feature_columns: list[str],
+               classes: list[str | int]) -> RawData:
+    """A CSV or Parquet table with declared label and feature columns and a declared class list."""
+    import pandas as pd
+
+    path = Path(path)
+    try:
+        frame = pd.read_csv(path) if kind == "csv" else pd.read_parquet(path)
+    except pd.errors.EmptyDataError:
+        raise DataError(f"{path}: the file is empty") from None
+    except Exception as error:  # parser errors of either format
+        raise DataError(f"{path}: cannot parse as {kind}: {error}") from None
+    missing = [c for c in [label_column, *feature_columns] if c not in frame.columns]
+    if missing:
+        raise DataError(f"{path}: column(s) {missing} not found; the file has {list(frame.columns)}")
+    if len(frame) == 0:
+        raise DataError(f"{path}: no records")
+    features = frame[feature_columns]
+    for column in feature_columns:
+        numeric = pd.to_numeric(features[column], errors="coerce")
+        bad = numeric.isna() & features[column].notna()
+        if bad.any():
+            row = int(np.argmax(bad.to_numpy()))
+            raise DataError(f"{path}: row {row}, column {column!r}: {features[column].iloc[row]!r} is not a number")
+        missing_rows = features[column].isna()
+        if missing_rows.any():
+            row = int(np.argmax(missing_rows.to_numpy()))
+            raise DataError(f"{path}: row {row}, column {column!r}: missing value (NaN)")
+    x = features.apply(pd.to_numeric).to_numpy(dtype=np.float64)
+    names = [str(c) for c in classes]
+    index = {name: i for i, name in enumerate(names)}
+    raw_labels = frame[label_column]
+    y = np.empty(len(frame), dtype=np.int64)
+    for row, value in enumerate(raw_labels):
+        key = _label_key(value)
+        if key not in index:
+            raise DataError(f"{path}: row {row}, column {label_column!r}: label {value!r} is not in data.classes {names}")
+        y[row] = index[key]
+    origin = f"{kind}:{path}"
+    bad = ~np.isfinite(x)
+    if bad.any():
+        row, col = (int(v) for v in np.argwhere(bad)[0])
+        raise DataError(f"{path}: row {row}, column {feature_columns[col]!r}: value {x[row, col]} is not finite")
+    check_records(x, y, len(names), str(path))
+    return RawData(x=x, y=y, classes=names, feature_names=list(feature_columns), origin=origin)
+
+
+def _label_key(value: object) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def load_source(config: DataConfig) -> RawData:
+    """Dispatch on the scheme of ``data.source``."""
+    scheme, _, rest = config.source.partition(":")
+    if scheme == "sklearn":
+        return load_sklearn(rest)
+    if scheme == "idx":
+        return load_idx(rest)
+    if not Path(rest).is_file():
+        raise DataError(f"{rest}: file does not exist")
+    assert config.label_column and config.feature_columns and config.classes  # checked by the schema
+    return load_table(rest, scheme, config.label_column, config.feature_columns, config.classes)

@@ -1,0 +1,57 @@
+"""Calibration: the smallest noise multiplier σ whose certified ε meets a target.
+
+ε(σ) is decreasing in σ for the Poisson-subsampled Gaussian, so bisection applies. The search
+keeps the invariant ε(σ_hi) ≤ target with ε from a *pessimistic* (upper-bounding) accountant,
+and returns σ_hi: calibration never lands on the unsafe side. The bracket comes from autodp's
+RDP bound (fast, and ≥ the PLD's ε, so σ_RDP is always safe), then the PLD accountant with a
+coarse pessimistic discretisation narrows it to a relative tolerance.
+"""
+
+from __future__ import annotations
+
+from dpml.privacy.accountants import epsilon_autodp_rdp, epsilon_pld
+from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
+
+SEARCH_DISCRETIZATION = 1e-3
+
+
+def _mechanism(sigma: float, sample_rate: float, steps: int, neighbouring: Neighbouring) -> MechanismDescription:
+    return MechanismDescription(
+        trainer="calibration", events=(PoissonGaussianSteps(sample_rate, sigma, steps),),
+        neighbouring=neighbouring, clip_norm=1.0, dataset_size=0,
+    )
+
+
+def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, neighbouring: Neighbouring) -> float:
+    return epsilon_pld(_mechanism(sigma, sample_rate, steps, neighbouring), delta, SEARCH_DISCRETIZATION)
+
+
+def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps: int, delta: float,
+                               neighbouring: Neighbouring = "add-remove", rel_tol: float = 1e-3) -> float:
+    """Smallest σ (to ``rel_tol``) with ε_PLD(σ; q, T, δ) ≤ ``target_epsilon``; always on the safe side."""
+    if target_epsilon <= 0:
+        raise ValueError(f"target_epsilon = {target_epsilon}: must be > 0")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta = {delta}: must be in (0, 1)")
+    if neighbouring == "add-remove":
+        hi = 0.5
+        while epsilon_autodp_rdp(_mechanism(hi, sample_rate, steps, neighbouring), delta) > target_epsilon:
+            hi *= 1.5
+            if hi > 1e4:
+                raise ValueError(f"target_epsilon = {target_epsilon}: unreachable with σ ≤ 1e4 (q={sample_rate}, T={steps})")
+    else:
+        hi = 0.5
+        while _epsilon(hi, sample_rate, steps, delta, neighbouring) > target_epsilon:
+            hi *= 2.0
+            if hi > 1e4:
+                raise ValueError(f"target_epsilon = {target_epsilon}: unreachable with σ ≤ 1e4 (q={sample_rate}, T={steps})")
+    lo = hi / 2.0
+    while lo > 1e-3 and _epsilon(lo, sample_rate, steps, delta, neighbouring) <= target_epsilon:
+        hi, lo = lo, lo / 2.0
+    while hi - lo > rel_tol * hi:
+        mid = 0.5 * (lo + hi)
+        if _epsilon(mid, sample_rate, steps, delta, neighbouring) <= target_epsilon:
+            hi = mid
+        else:
+            lo = mid
+    return hi

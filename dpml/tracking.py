@@ -1,0 +1,84 @@
+"""Everything MLflow, in one place.
+
+One pipeline run is one MLflow run: every parameter, the metrics (accuracy, ε, δ, audit
+numbers), the privacy report, the certificate, the ROC plot and the model. The model version
+is created with all its privacy tags in one call, so a version never exists without them; the
+``champion`` alias moves only when the release gate passed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import torch
+from mlflow import MlflowClient
+from mlflow.models import infer_signature
+
+from dpml.config import TrackingConfig
+
+CHAMPION = "champion"
+
+
+def tracking_uri(config: TrackingConfig) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else the configured URI (SQLite by default)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or config.uri
+
+
+def _experiment_id(config: TrackingConfig) -> str:
+    experiment = mlflow.get_experiment_by_name(config.experiment)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = Path(config.artifact_root).resolve().as_uri()
+    return mlflow.create_experiment(config.experiment, artifact_location=location)
+
+
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and np.isfinite(v)}
+
+
+def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any], metrics: dict[str, Any],
+                artifacts: list[Path], model: torch.nn.Module, in_features: int, version_tags: dict[str, str],
+                promote: bool, run_tags: dict[str, str]) -> dict[str, Any]:
+    """Log one pipeline run, register its model with ``version_tags``, alias it if ``promote``."""
+    mlflow.set_tracking_uri(tracking_uri(config))
+    experiment_id = _experiment_id(config)
+    client = MlflowClient()
+    # A synthetic input example: a real record would copy private data into the model artifact.
+    example = np.zeros((1, in_features), dtype=np.float32)
+    model = model.to("cpu").eval()
+    with torch.no_grad():
+        output = model(torch.from_numpy(example)).numpy()
+    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name) as run:
+        mlflow.set_tags(run_tags)
+        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        mlflow.log_metrics(_numeric(metrics))
+        for path in artifacts:
+            mlflow.log_artifact(str(path))
+        info = mlflow.pytorch.log_model(
+            model, name="model", input_example=example, signature=infer_signature(example, output),
+            serialization_format="pt2", pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        )
+        try:
+            client.get_registered_model(config.registered_model)
+        except mlflow.exceptions.MlflowException:
+            client.create_registered_model(config.registered_model, description="dpml releases: DP-trained, audited")
+        version = client.create_model_version(
+            name=config.registered_model, source=info.model_uri, run_id=run.info.run_id,
+            tags=version_tags, model_id=info.model_id,
+        )
+        if promote:
+            client.set_registered_model_alias(config.registered_model, CHAMPION, version.version)
+    return {
+        "run_id": run.info.run_id,
+        "experiment_id": experiment_id,
+        "model_name": config.registered_model,
+        "model_version": str(version.version),
+        "model_uri": f"models:/{config.registered_model}/{version.version}",
+        "champion": promote,
+        "tracking_uri": tracking_uri(config),
+    }

@@ -1,0 +1,1 @@
+"""Prefect flows: composition of the tasks in ``tasks/``, nothing else."""

@@ -1,0 +1,1 @@
+"""Thin Prefect tasks over :mod:`dpml.stages`: no logic here, only retries and logging."""

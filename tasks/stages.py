@@ -1,0 +1,78 @@
+"""One Prefect task per pipeline stage; each re-validates nothing and computes nothing itself."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from dpml import stages
+from dpml.config import Config
+
+# Deterministic stages are not retried: a failure there is a bug or bad data, and retrying would
+# hide it. MLflow writes can meet a transient "database is locked": those are retried.
+_stage = dict(cache_policy=NONE, log_prints=True)
+
+
+@task(name="ingest", **_stage)
+def ingest(config: Config) -> dict[str, Any]:
+    return stages.ingest(config)
+
+
+@task(name="split", **_stage)
+def split(config: Config) -> dict[str, Any]:
+    return stages.split(config)
+
+
+@task(name="preprocess", **_stage)
+def preprocess(config: Config) -> dict[str, Any]:
+    return stages.preprocess(config)
+
+
+@task(name="train", **_stage)
+def train(config: Config) -> dict[str, Any]:
+    return stages.train(config)
+
+
+@task(name="certify", **_stage)
+def certify(config: Config) -> dict[str, Any]:
+    return stages.certify(config)
+
+
+@task(name="audit", **_stage)
+def audit(config: Config) -> dict[str, Any]:
+    return stages.audit(config)
+
+
+@task(name="gate", **_stage)
+def gate(config: Config) -> dict[str, Any]:
+    decision = stages.gate(config)
+    create_markdown_artifact(
+        key="privacy-report", markdown=stages.Layout(config).report.read_text(),
+        description="dpml privacy report: guarantee, accountants, audit, release gate",
+    )
+    return decision
+
+
+@task(name="register", retries=3, retry_delay_seconds=5, **_stage)
+def register(config: Config) -> dict[str, Any]:
+    return stages.register(config)
+
+
+@task(name="record-in-dvc", cache_policy=NONE, log_prints=True)
+def record_in_dvc(workdir: str = ".") -> str:
+    """Record the stage outputs in ``dvc.lock`` (``dvc commit``) so ``dvc repro`` sees them as done.
+
+    Only meaningful when the run used ``params.yaml`` unchanged; the flow skips it otherwise.
+    """
+    root = Path(workdir)
+    if not (root / "dvc.yaml").is_file() or not (root / ".dvc").is_dir():
+        return "skipped: not a DVC workspace"
+    done = subprocess.run(["dvc", "commit", "--force", "--quiet"], cwd=root, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dvc commit failed: {done.stderr.strip() or done.stdout.strip()}")
+    return "recorded in dvc.lock"
