@@ -103,9 +103,10 @@ def _steps(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from dpml.stages import STAGES
+STAGE_NAMES = ("ingest", "split", "preprocess", "train", "certify", "audit", "gate", "register")
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpml", description="Privacy-audited model production.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     stage = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
-    stage.add_argument("name", choices=list(STAGES))
+    stage.add_argument("name", choices=STAGE_NAMES)
     config_args(stage)
     stage.set_defaults(func=cmd_stage)
 

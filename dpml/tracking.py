@@ -49,7 +49,8 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
     experiment_id = _experiment_id(config)
     client = MlflowClient()
     # A synthetic input example: a real record would copy private data into the model artifact.
-    example = np.zeros((1, in_features), dtype=np.float32)
+    # Two rows, so torch.export keeps the batch dimension dynamic (one row specialises it to 1).
+    example = np.zeros((2, in_features), dtype=np.float32)
     model = model.to("cpu").eval()
     with torch.no_grad():
         output = model(torch.from_numpy(example)).numpy()

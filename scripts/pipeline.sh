@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/dpml run "$@"
+export PATH="$PWD/.venv/bin:$PATH"
+dpml run "$@"

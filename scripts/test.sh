@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest "$@"
+export PATH="$PWD/.venv/bin:$PATH"
+python -m pytest "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def record_in_dvc(workdir: str = ".") -> str:
     root = Path(workdir)
     if not (root / "dvc.yaml").is_file() or not (root / ".dvc").is_dir():
         return "skipped: not a DVC workspace"
-    done = subprocess.run(["dvc", "commit", "--force", "--quiet"], cwd=root, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", "--quiet"], cwd=root, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"dvc commit failed: {done.stderr.strip() or done.stdout.strip()}")
     return "recorded in dvc.lock"

@@ -84,13 +84,14 @@ def epsilon_autodp_rdp(mechanism: MechanismDescription, delta: float) -> float:
     from autodp.transformer_zoo import AmplificationBySampling, Composition
 
     amplify = AmplificationBySampling(PoissonSampling=True)
-    subsampled = [
-        amplify(GaussianMechanism(sigma=e.noise_multiplier), e.sample_rate, improved_bound_flag=True)
-        for e in mechanism.events
-    ]
-    composed = Composition()(subsampled, [e.steps for e in mechanism.events])
     with warnings.catch_warnings():  # autodp's order search divides by zero on flat stretches; harmless
         warnings.simplefilter("ignore", RuntimeWarning)
+        steps = [
+            GaussianMechanism(sigma=e.noise_multiplier) if e.sample_rate == 1.0
+            else amplify(GaussianMechanism(sigma=e.noise_multiplier), e.sample_rate, improved_bound_flag=True)
+            for e in mechanism.events
+        ]
+        composed = Composition()(steps, [e.steps for e in mechanism.events])
         return float(composed.get_approxDP(delta))
 
 

@@ -80,7 +80,8 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
                 sums[name] += value
             clipped.append(float((norms > clip_norm).float().mean()) if norms.numel() else 0.0)
         for name, p in params.items():
-            noise = torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=noise_source, device=x.device)
+            noise = torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=noise_source,
+                                 device=x.device, dtype=p.dtype)
             p.grad = (sums[name] + noise) / expected_batch
         optimizer.step()
         batch_sizes.append(int(batch.numel()))

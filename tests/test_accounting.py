@@ -1,0 +1,108 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from dpml.privacy.accountants import certify
+from dpml.privacy.calibrate import calibrate_noise_multiplier
+from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+
+
+def mechanism(q: float, sigma: float, steps: int, relation: str = "add-remove") -> MechanismDescription:
+    return MechanismDescription("test", (PoissonGaussianSteps(q, sigma, steps),), relation, 1.0, 1000)  # type: ignore[arg-type]
+
+
+def independent_pld_bounds(q: float, sigma: float, steps: int, delta: float) -> tuple[float, float]:
+    """dp_accounting's PLD called directly: optimistic (a lower bound) and pessimistic (upper) ε."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    out = []
+    for pessimistic in (False, True):
+        dist = pld.from_gaussian_mechanism(
+            standard_deviation=sigma, sampling_prob=q, value_discretization_interval=5e-5,
+            pessimistic_estimate=pessimistic,
+        ).self_compose(steps)
+        out.append(dist.get_epsilon_for_delta(delta))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize(
+    ("q", "sigma", "steps", "delta"),
+    [(0.01, 1.1, 1000, 1e-5), (0.05, 0.8, 200, 1e-5), (0.2, 4.0, 100, 1e-6), (0.001, 0.6, 3000, 1e-5),
+     (0.02, 2.0, 500, 1e-6), (0.1, 1.5, 50, 1e-5)],
+)
+def test_certified_epsilon_agrees_with_independent_pld(q: float, sigma: float, steps: int, delta: float) -> None:
+    certificate = certify(mechanism(q, sigma, steps), delta)
+    lower, upper = independent_pld_bounds(q, sigma, steps, delta)
+    assert certificate["epsilon"] >= lower  # never below the truth
+    assert certificate["epsilon"] <= upper * 1.005 + 1e-3  # and as tight as the PLD
+    names = {a["name"]: a for a in certificate["answers"]}
+    assert names["autodp.rdp"]["epsilon"] >= certificate["epsilon"]  # RDP is looser
+    assert certificate["accountant"] == "dp_accounting.pld"
+
+
+def exact_gaussian_epsilon(mu: float, delta: float) -> float:
+    """Full-batch Gaussian composition is μ-GDP exactly (Dong et al. 2019); Balle & Wang's δ(ε)."""
+    def gap(eps: float) -> float:
+        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
+    return brentq(gap, 0.0, 100.0)
+
+
+@pytest.mark.parametrize(("sigma", "steps"), [(5.0, 10), (20.0, 100), (2.0, 1)])
+def test_full_batch_matches_the_analytical_gaussian(sigma: float, steps: int) -> None:
+    certificate = certify(mechanism(1.0, sigma, steps), 1e-5)
+    exact = exact_gaussian_epsilon(math.sqrt(steps) / sigma, 1e-5)
+    assert exact <= certificate["epsilon"] <= exact * 1.01 + 1e-3
+
+
+def test_replace_one_costs_more_and_autodp_says_why() -> None:
+    add_remove = certify(mechanism(0.01, 1.1, 500), 1e-5)
+    replace = certify(mechanism(0.01, 1.1, 500, "replace-one"), 1e-5)
+    assert replace["epsilon"] > add_remove["epsilon"]
+    autodp = next(a for a in replace["answers"] if a["name"] == "autodp.rdp")
+    assert autodp["epsilon"] is None and "add/remove" in autodp["error"]
+    assert "replace-one" in replace["statement"] and replace["mechanism"]["sensitivity"] == 2.0
+
+
+def test_certificate_records_every_input_and_version() -> None:
+    certificate = certify(mechanism(0.05, 1.0, 100), 1e-5)
+    assert certificate["mechanism"]["events"][0] == {"kind": "poisson_gaussian", "sample_rate": 0.05,
+                                                     "noise_multiplier": 1.0, "steps": 100}
+    for answer in certificate["answers"]:
+        assert answer["version"] and answer["seconds"] >= 0
+    again = certify(MechanismDescription.from_dict(certificate["mechanism"]), 1e-5)
+    assert again["epsilon"] == certificate["epsilon"]
+
+
+@pytest.mark.parametrize(("target", "q", "steps", "relation"), [(2.0, 0.05, 600, "add-remove"), (1.0, 0.01, 2000, "add-remove"),
+                                                                 (4.0, 0.02, 1000, "replace-one")])
+def test_calibration_is_safe_and_tight(target: float, q: float, steps: int, relation: str) -> None:
+    sigma = calibrate_noise_multiplier(target, q, steps, 1e-5, relation)  # type: ignore[arg-type]
+    assert certify(mechanism(q, sigma, steps, relation), 1e-5)["epsilon"] <= target
+    assert certify(mechanism(q, sigma * 0.99, steps, relation), 1e-5)["epsilon"] > target
+
+
+@pytest.mark.parametrize("bad", [{"sample_rate": 0.0}, {"sample_rate": 1.5}, {"noise_multiplier": 0.0}, {"steps": 0}])
+def test_mechanism_rejects_invalid_parameters(bad: dict) -> None:
+    values = {"sample_rate": 0.1, "noise_multiplier": 1.0, "steps": 10} | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        PoissonGaussianSteps(**values)
+
+
+def test_cli_epsilon_json() -> None:
+    done = subprocess.run([sys.executable, "-m", "dpml", "epsilon", "--noise-multiplier", "1.1", "--sample-rate", "0.01",
+                           "--steps", "1000", "--delta", "1e-5", "--json"], capture_output=True, text=True, check=True)
+    payload = json.loads(done.stdout)
+    lower, upper = independent_pld_bounds(0.01, 1.1, 1000, 1e-5)
+    assert lower <= payload["epsilon"] <= upper * 1.005 + 1e-3
+    assert {a["name"] for a in payload["answers"]} == {"dp_accounting.pld", "autodp.rdp", "dp_accounting.rdp"}
+
+
+def test_cli_epsilon_rejects_bad_values() -> None:
+    done = subprocess.run([sys.executable, "-m", "dpml", "epsilon", "--noise-multiplier", "1", "--sample-rate", "2",
+                           "--steps", "10"], capture_output=True, text=True)
+    assert done.returncode != 0 and "--sample-rate: 2: must be in (0, 1]" in done.stderr

@@ -1,0 +1,121 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dpml.models.mlp import MlpSpec, build_mlp
+from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.dpsgd import per_example_cross_entropy, poisson_batch, train_dpsgd
+
+
+def naive_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
+    """Reference: one backward pass per example, clip, add."""
+    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        per_example_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
+        factor = min(1.0, clip / (float(norm) + 1e-6))
+        for n in total:
+            total[n] += factor * grads[n]
+    return total
+
+
+def data(n: int = 40, d: int = 6, k: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g) * 2, torch.randint(0, k, (n,), generator=g)
+
+
+@pytest.mark.parametrize("clip", [0.05, 1.0, 100.0])
+@pytest.mark.parametrize("hidden", [(), (8,), (8, 5)])
+def test_linear_fast_path_matches_naive_loop(hidden: tuple[int, ...], clip: float) -> None:
+    torch.manual_seed(1)
+    model = build_mlp(MlpSpec(6, hidden, 3, "tanh")).double()
+    x, y = data()
+    x = x.double()
+    fast, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
+    reference = naive_clipped_sum(model, x, y, clip)
+    for name in reference:
+        torch.testing.assert_close(fast[name], reference[name], rtol=1e-9, atol=1e-12)
+    assert norms.shape == (40,)
+
+
+class WithNorm(nn.Module):
+    """A layer outside the fast path (LayerNorm's affine parameters) forces the vmap fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def test_fallback_matches_naive_loop() -> None:
+    torch.manual_seed(2)
+    model = WithNorm().double()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    x, y = data()
+    fast, _ = clipped_gradient_sum(model, per_example_cross_entropy, x.double(), y, 0.3)
+    reference = naive_clipped_sum(model, x.double(), y, 0.3)
+    for name in reference:
+        torch.testing.assert_close(fast[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+def test_removing_one_example_moves_the_sum_by_at_most_c() -> None:
+    torch.manual_seed(3)
+    model = build_mlp(MlpSpec(6, (8,), 3))
+    x, y = data(n=30)
+    clip = 0.7
+    full, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
+    for i in range(30):
+        keep = torch.arange(30) != i
+        part, _ = clipped_gradient_sum(model, per_example_cross_entropy, x[keep], y[keep], clip)
+        diff = torch.sqrt(sum((full[n] - part[n]).pow(2).sum() for n in full))
+        assert float(diff) <= clip * (1 + 1e-5)
+
+
+def test_one_dpsgd_step_equals_the_formula() -> None:
+    """θ₁ = θ₀ − η (Σ_{i∈B} clip(∇ℓ_i) + N(0, σ²C²)) / (q n), with the trainer's own RNG streams."""
+    torch.manual_seed(4)
+    x, y = data(n=50)
+    model = build_mlp(MlpSpec(6, (8,), 3)).double()
+    x = x.double()
+    start = copy.deepcopy(model)
+    q, clip, sigma, lr, seed = 0.3, 0.5, 1.3, 0.1, 11
+    result = train_dpsgd(model, x, y, sample_rate=q, epochs=q, clip_norm=clip, noise_multiplier=sigma,
+                         neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=lr), seed=seed,
+                         physical_batch_size=7)
+    assert result.history["steps"] == 1
+    batch = poisson_batch(torch.Generator().manual_seed(seed), 50, q)
+    reference = naive_clipped_sum(start, x[batch], y[batch], clip)
+    noise = torch.Generator().manual_seed(seed + 1)
+    for name, p0 in start.named_parameters():
+        z = torch.normal(0.0, sigma * clip, size=p0.shape, generator=noise, dtype=torch.float64)
+        expected = p0.detach() - lr * (reference[name] + z) / (q * 50)
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), expected, rtol=1e-6, atol=1e-7)
+    event = result.mechanism.events[0]
+    assert (event.sample_rate, event.noise_multiplier, event.steps) == (q, sigma, 1)
+    assert result.mechanism.sensitivity == clip and result.mechanism.threat_model == "all-iterates"
+
+
+def test_poisson_sampling_rate_and_empty_batches() -> None:
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([poisson_batch(g, 1000, 0.05).numel() for _ in range(400)], dtype=torch.float64)
+    assert abs(float(sizes.mean()) - 50) < 1.5  # mean 50, std of the mean ≈ 0.34
+    assert 4 < float(sizes.var()) ** 0.5 < 10  # Binomial(1000, 0.05): std ≈ 6.9 (not a fixed batch size)
+    # An empty batch still takes a noise-only step: the parameters move.
+    torch.manual_seed(0)
+    model = build_mlp(MlpSpec(6, (), 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = data(n=5)
+    result = train_dpsgd(model, x, y, sample_rate=1e-9, epochs=1e-9, clip_norm=1.0, noise_multiplier=1.0,
+                         neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=1e-9), seed=0)
+    assert result.history["empty_batches"] == 1
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))

@@ -1,0 +1,118 @@
+"""DVC and Prefect as users drive them: `dvc repro` in a git checkout, `prefect deploy` to a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+BIN = str(Path(sys.executable).parent)
+
+
+def checkout(target: Path) -> Path:
+    """A git repository holding the project's tracked files, as a fresh clone would."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (REPO / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, target / name)
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.org"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "snapshot"]):
+        subprocess.run(cmd, cwd=target, check=True, env=os.environ | env)
+    return target
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def dvc(root: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, env=environment())
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def metrics(root: Path) -> dict[str, object]:
+    files = ("artifacts/train/metrics.json", "artifacts/certify/metrics.json", "artifacts/audit/metrics.json")
+    return {name: json.loads((root / name).read_text()) for name in files}
+
+
+@pytest.mark.slow
+def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      prefect_harness: None) -> None:
+    root = checkout(tmp_path / "repo")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["train"]["epochs"] = 3
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("PATH", environment()["PATH"])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from flows.pipeline import privacy_audited_pipeline
+
+    results = privacy_audited_pipeline()
+    assert results["dvc"] == "recorded in dvc.lock"
+    from_prefect = metrics(root)
+    # DVC agrees that the Prefect run's outputs are current: nothing to redo.
+    assert "Data and pipelines are up to date." in dvc(root, "repro")
+    # Reproducing from params.yaml and the data alone gives the same metrics.
+    dvc(root, "repro", "--force")
+    assert metrics(root) == from_prefect
+    assert "Data and pipelines are up to date." in dvc(root, "repro")
+    shown = dvc(root, "metrics", "show", "--json")
+    assert "test_accuracy" in shown and "epsilon" in shown
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
+    root = checkout(tmp_path / "repo")
+    port = free_port()
+    env = environment() | {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    server = subprocess.Popen([f"{BIN}/prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "the Prefect server did not start within 120 s"
+            time.sleep(1)
+
+        def prefect(*args: str) -> str:
+            done = subprocess.run([f"{BIN}/prefect", *args], cwd=root, env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout + done.stderr
+            return done.stdout
+
+        prefect("work-pool", "create", "dpml-pool", "--type", "process")
+        prefect("--no-prompt", "deploy", "--all")
+        shown = prefect("deployment", "inspect", "privacy_audited_pipeline/weekly-retrain")
+        assert "'cron': '0 3 * * 1'" in shown and "flows/pipeline.py:privacy_audited_pipeline" in shown
+        assert "'active': True" in shown
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
