@@ -12,7 +12,6 @@ from dpml.config import ConfigError, load
 
 def _summary(results: dict[str, Any]) -> str:
     train, cert, audit, gate, release = (results[k] for k in ("train", "certify", "audit", "gate", "register"))
-    primary = audit["attacks"][audit["primary_attack"]]
     eps = cert["epsilon"]
     lines = [
         "",
@@ -20,8 +19,23 @@ def _summary(results: dict[str, Any]) -> str:
         f"  test accuracy        {train['test_accuracy']:.4f}",
         f"  certified epsilon    {eps:.4g} at delta = {cert['delta']:g}"
         + (f"  ({cert['certificate']['accountant']})" if cert.get("certificate") else "  (non-private)"),
-        f"  audit ({audit['primary_attack']})         AUC {primary['auc']:.4f}, TPR@1%FPR {primary['tpr_at_1pct_fpr']:.4f}, "
-        f"TPR@0.1%FPR {primary['tpr_at_0.1pct_fpr']:.4f}",
+        "  audit                attack: AUC, TPR@1%FPR, TPR@0.1%FPR (target | non-private control)",
+    ]
+    control = audit.get("control", {}).get("attacks", {})
+    for name, r in audit["target"]["attacks"].items():
+        line = f"    {name:<22} {r['auc']:.3f}, {r['tpr_at_1pct_fpr']:.3f}, {r['tpr_at_0.1pct_fpr']:.3f}"
+        if name in control:
+            c = control[name]
+            line += f"  | {c['auc']:.3f}, {c['tpr_at_1pct_fpr']:.3f}, {c['tpr_at_0.1pct_fpr']:.3f}"
+        lines.append(line)
+    for bound in audit["one_run"]:
+        lines.append(f"    {bound['method']:<22} ε ≥ {bound['epsilon']:.3f} ({bound['inputs']['correct']}/"
+                     f"{bound['inputs']['guesses']} guesses right, {bound['inputs']['canaries']} canaries)")
+    lines += [
+        f"  empirical ε bound    {audit['max_lower_bound']:.4g} (largest gating lower bound; certified {eps:.4g})",
+        f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "
+        f"training; {audit['references']['found_stored']} found stored by the audit stage, "
+        f"{audit['references']['trained_by_this_stage']} trained by it)",
         f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
@@ -53,6 +67,26 @@ def cmd_stage(args: argparse.Namespace) -> int:
     printable = {k: v for k, v in result.items() if k != "certificate"}
     print(json.dumps(printable, indent=2, default=str))
     return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpml.stages import audit_registered_model
+
+    config = load(args.params, args.set)
+    out = Path(args.out or "artifacts/reaudit")
+    result = audit_registered_model(args.model, config.tracking, out)
+    audit = result["audit"]
+    print(f"re-audit of {result['model']} (MLflow run {result['audit_run_id']}), outputs in {out}")
+    for name, r in audit["target"]["attacks"].items():
+        print(f"  {name:<22} AUC {r['auc']:.3f}, TPR@1%FPR {r['tpr_at_1pct_fpr']:.3f}, TPR@0.1%FPR {r['tpr_at_0.1pct_fpr']:.3f}")
+    for bound in audit["one_run"]:
+        print(f"  {bound['method']:<22} ε ≥ {bound['epsilon']:.3f}")
+    verdict = "consistent with" if result["consistent"] else "EXCEEDS"
+    print(f"  largest empirical lower bound ε ≥ {audit['max_lower_bound']:.4g}: {verdict} the certified "
+          f"ε = {result['certified_epsilon']:.4g}")
+    return 0 if result["consistent"] else 3
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
@@ -125,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("name", choices=STAGE_NAMES)
     config_args(stage)
     stage.set_defaults(func=cmd_stage)
+
+    aud = sub.add_parser("audit", help="re-audit a registered model version with the data it was trained on")
+    aud.add_argument("--model", required=True, help="models:/NAME@ALIAS or models:/NAME/VERSION")
+    aud.add_argument("--out", default=None, help="folder for the rebuilt data and audit outputs (default artifacts/reaudit)")
+    config_args(aud)
+    aud.set_defaults(func=cmd_audit)
 
     eps = sub.add_parser("epsilon", help="ε of DP-SGD with Poisson sampling, from every accountant")
     eps.add_argument("--noise-multiplier", type=_positive_float, required=True)

@@ -166,12 +166,46 @@ class DpConfig(_Section):
         return self
 
 
-class AuditConfig(_Section):
-    """Membership-inference audit: attacks against train members vs audit-population records."""
+AttackName = Literal["loss", "lira-online", "lira-offline", "lira-online-per-example", "rmia-online", "rmia-offline"]
 
-    attacks: list[Literal["loss"]] = Field(default_factory=lambda: ["loss"])
+
+class AuditConfig(_Section):
+    """Membership-inference audit of the trained model, its positive control and one-run audits.
+
+    Candidates: up to ``max_records`` members (training records) and as many non-members (audit
+    population); the rest of the audit population is RMIA's population z. ``references``
+    reference models per target (DP and non-private control) train on random halves of train ∪
+    audit population. Empirical ε lower bounds are computed at ``confidence`` (Bonferroni-split
+    over the bounds the gate uses).
+    """
+
+    attacks: list[AttackName] = Field(default_factory=lambda: ["loss", "lira-online", "lira-offline",
+                                                                 "rmia-online", "rmia-offline"])
+    references: int = Field(4, ge=0, le=256)
     max_records: int = Field(2000, gt=0)
     seed: int = 0
+    rmia_a: float = Field(0.3, ge=0, le=1)
+    rmia_gamma: float = Field(1.0, gt=0)
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    bound_correction: Literal["split", "bonferroni"] = "split"
+    bootstrap: int = Field(200, ge=0)
+    control: bool = True
+    control_min_tpr_at_1pct_fpr: float = Field(0.01, ge=0, le=1)
+    require_control_power: bool = False
+    white_box_canaries: int = Field(1000, ge=0)
+    black_box_canaries: int = Field(500, ge=0)
+    one_run_guess_fraction: float = Field(0.2, gt=0, le=1)
+    workers: int = Field(2, ge=1)
+    dask_address: str | None = None
+
+    @model_validator(mode="after")
+    def _attacks_have_references(self) -> "AuditConfig":
+        if not self.attacks:
+            raise ValueError("audit.attacks: name at least one attack")
+        needing = [a for a in self.attacks if a != "loss"]
+        if needing and self.references < 1:
+            raise ValueError(f"audit.references = 0 but attacks {needing} need reference models (use ≥ 1, or only loss)")
+        return self
 
 
 class GateConfig(_Section):
@@ -194,6 +228,7 @@ class PathsConfig(_Section):
 
     data: str = "data"
     artifacts: str = "artifacts"
+    cache: str = ".dpml-cache"
 
 
 class Config(_Section):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +19,20 @@ import numpy as np
 import torch
 
 from dpml import io
-from dpml.audit.attacks import ATTACKS
-from dpml.audit.metrics import roc, summarize
-from dpml.audit.plots import plot_roc
-from dpml.config import Config
+from dpml.audit.plots import plot_histograms, plot_roc
+from dpml.audit.references import AuditRecords, audit_records, train_reference
+from dpml.audit.run import control_power, gating_lower_bounds, run_audit
+from dpml.config import Config, TrackingConfig, validate
 from dpml.data.preprocess import preprocess as preprocess_records
 from dpml.data.sources import content_hash, load_source
 from dpml.data.split import split_indices
 from dpml.models.mlp import MlpSpec, build_mlp, pick_device
+from dpml.train.fit import fit, model_spec
 from dpml.privacy.accountants import certify as certify_mechanism
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.report.privacy_report import render
-from dpml.train.dpsgd import make_optimizer, number_of_steps, train_dpsgd, train_nonprivate
+from dpml.train.dpsgd import number_of_steps
 
 PARTS = ("train", "test", "audit")
 
@@ -55,6 +57,9 @@ class Layout:
         self.audit_metrics = art / "audit" / "metrics.json"
         self.roc_png = art / "audit" / "roc.png"
         self.roc_csv = art / "audit" / "roc.csv"
+        self.roc_control_png = art / "audit" / "roc_control.png"
+        self.histograms_png = art / "audit" / "histograms.png"
+        self.scores = art / "audit" / "scores.json"
         self.gate = art / "gate" / "gate.json"
         self.report = art / "gate" / "privacy_report.md"
         self.release = art / "register" / "release.json"
@@ -137,31 +142,20 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     layout = Layout(config)
     meta = io.read_json(layout.prepared_meta)
     x_np, y_np = _load_part(layout, "train")
-    device = pick_device(config.train.device)
-    torch.manual_seed(config.train.seed)
-    spec = MlpSpec(int(x_np.shape[1]), tuple(config.model.hidden), len(meta["classes"]), config.model.activation)
-    model = build_mlp(spec).to(device)
-    optimizer = make_optimizer(model, config.train.optimizer, config.train.learning_rate, config.train.momentum)
-    x, y = torch.as_tensor(x_np, device=device), torch.as_tensor(y_np, device=device)
-    if config.train.algorithm == "dpsgd":
-        sigma = resolve_noise_multiplier(config, int(x_np.shape[0]))
-        result = train_dpsgd(model, x, y, sample_rate=config.train.sample_rate, epochs=config.train.epochs,
-                             clip_norm=config.dp.clip_norm, noise_multiplier=sigma,
-                             neighbouring=config.dp.neighbouring, optimizer=optimizer, seed=config.train.seed,
-                             physical_batch_size=config.train.physical_batch_size, progress=progress)
-    else:
-        result = train_nonprivate(model, x, y, sample_rate=config.train.sample_rate, epochs=config.train.epochs,
-                                  optimizer=optimizer, seed=config.train.seed, progress=progress)
-    model = result.model.to("cpu")
+    private = config.train.algorithm == "dpsgd"
+    sigma = resolve_noise_multiplier(config, int(x_np.shape[0])) if private else None
+    result = fit(config, x_np, y_np, len(meta["classes"]), private=private, noise_multiplier=sigma,
+                 seed=config.train.seed, progress=progress)
+    model = result.model
     with io.atomic_path(layout.model) as temp:
         torch.save(model.state_dict(), temp)
-    io.write_json(layout.model_spec, spec.to_dict())
+    io.write_json(layout.model_spec, model_spec(config, int(x_np.shape[1]), len(meta["classes"])).to_dict())
     io.write_json(layout.mechanism, result.mechanism.to_dict() if result.mechanism else None)
     x_test, y_test = _load_part(layout, "test")
     metrics = {
         "test_accuracy": accuracy(model, x_test, y_test),
         "train_accuracy": accuracy(model, x_np, y_np),
-        "device": str(device),
+        "device": str(pick_device(config.train.device)),
         # Wall-clock time is left out: metrics must reproduce exactly under `dvc repro`.
         **{f"train_{k}": v for k, v in result.history.items() if k != "seconds"},
     }
@@ -192,50 +186,132 @@ def certify(config: Config) -> dict[str, Any]:
     return {"certificate": certificate, **metrics}
 
 
-def audit(config: Config) -> dict[str, Any]:
-    """Run each configured attack: train members vs audit-population non-members (balanced)."""
+@dataclass(frozen=True)
+class AuditContext:
+    records: AuditRecords
+    n_classes: int
+    data_version: str
+    noise_multiplier: float | None
+    train: tuple[np.ndarray, np.ndarray]
+    audit: tuple[np.ndarray, np.ndarray]
+
+
+def audit_context(config: Config) -> AuditContext:
+    """Everything the audit needs besides the model: records, σ of the target, data version."""
     layout = Layout(config)
-    model = load_model(layout)
     x_train, y_train = _load_part(layout, "train")
-    x_out, y_out = _load_part(layout, "audit")
-    rng = np.random.default_rng(config.audit.seed)
-    m = min(config.audit.max_records, x_train.shape[0], x_out.shape[0])
-    members = rng.choice(x_train.shape[0], size=m, replace=False)
-    nonmembers = rng.choice(x_out.shape[0], size=m, replace=False)
-    results, curves = {}, {}
-    for name in config.audit.attacks:
-        attack = ATTACKS[name]
-        member_scores = attack(model, x_train[members], y_train[members])
-        nonmember_scores = attack(model, x_out[nonmembers], y_out[nonmembers])
-        results[name] = summarize(member_scores, nonmember_scores)
-        curves[name] = roc(member_scores, nonmember_scores)
-    plot_roc(curves, layout.roc_png, "membership inference: train members vs audit population")
-    first = config.audit.attacks[0]
-    fpr, tpr = curves[first]
-    keep = np.unique(np.linspace(0, fpr.size - 1, min(fpr.size, 200)).astype(int))
-    with io.atomic_path(layout.roc_csv) as temp:
-        temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep])))
-    summary = {"attacks": results, "primary_attack": first, "records_per_side": int(m)}
+    x_audit, y_audit = _load_part(layout, "audit")
+    mechanism = io.read_json(layout.mechanism)
+    sigma = None if mechanism is None else float(mechanism["events"][0]["noise_multiplier"])
+    records = audit_records(x_train, y_train, x_audit, y_audit, config.audit.max_records, config.audit.seed)
+    return AuditContext(records, len(io.read_json(layout.prepared_meta)["classes"]),
+                        io.read_json(layout.raw_meta)["version"], sigma, (x_train, y_train), (x_audit, y_audit))
+
+
+def audit_reference_jobs(config: Config) -> list[tuple[bool, float | None, int]]:
+    """The reference models the audit will need: (private, σ, index) — for Prefect to fan out."""
+    context = audit_context(config)
+    private = context.noise_multiplier is not None
+    kinds = [(private, context.noise_multiplier)] + ([(False, None)] if private and config.audit.control else [])
+    if all(name == "loss" for name in config.audit.attacks):
+        return []
+    return [(p, s, j) for p, s in kinds for j in range(config.audit.references)]
+
+
+def train_audit_reference(config: Config, job: tuple[bool, float | None, int]) -> dict[str, Any]:
+    """Train (or reuse) one reference model; safe to run in parallel with the others."""
+    torch.set_num_threads(1)
+    context = audit_context(config)
+    private, sigma, index = job
+    return train_reference(config, context.records, context.n_classes, context.data_version,
+                           private=private, noise_multiplier=sigma, index=index)
+
+
+def _strongest(results: dict[str, Any], key: str) -> tuple[str, float]:
+    name = max(results, key=lambda n: results[n][key])
+    return name, float(results[name][key])
+
+
+def audit(config: Config) -> dict[str, Any]:
+    """Attack the trained model (and its non-private control); bound ε empirically; plot."""
+    layout = Layout(config)
+    context = audit_context(config)
+    summary, raw = run_audit(config, load_model(layout), context.noise_multiplier, context.records,
+                             *context.train, *context.audit, context.n_classes, context.data_version)
+    for subject, path, title in (("target", layout.roc_png, "membership inference against the released model"),
+                                 ("control", layout.roc_control_png, "positive control: the same attacks, non-private model")):
+        curves = summary.pop(f"{subject}_curves", None)
+        scores = summary.pop(f"{subject}_scores", None)
+        if curves is None:
+            continue
+        plot_roc(curves, path, title)
+        if subject == "target":
+            plot_histograms(scores, layout.histograms_png, "score distributions: members vs non-members")
+            name, _ = _strongest(summary["target"]["attacks"], "auc")
+            fpr, tpr = curves[name]
+            keep = np.unique(np.linspace(0, fpr.size - 1, min(fpr.size, 200)).astype(int))
+            with io.atomic_path(layout.roc_csv) as temp:
+                temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep])))
+    bounds = gating_lower_bounds(summary)
+    summary["max_lower_bound"] = max((b["epsilon"] for b in bounds), default=0.0)
+    summary["control_power"] = control_power(summary)
     io.write_json(layout.audit, summary)
-    io.write_json(layout.audit_metrics, {f"{name}.{k}": v for name, r in results.items() for k, v in r.items()})
+    io.write_json(layout.scores, raw)
+    metrics = {f"{name}.{k}": v for name, r in summary["target"]["attacks"].items() for k, v in r.items()
+               if isinstance(v, (int, float))}
+    metrics |= {"max_epsilon_lower_bound": summary["max_lower_bound"],
+                "reference_models": summary["references"]["models"]}
+    if summary["control_power"] is not None:
+        metrics["control_best_tpr_at_1pct_fpr"] = summary["control_power"]
+    io.write_json(layout.audit_metrics, metrics)
     return summary
 
 
 def gate(config: Config) -> dict[str, Any]:
-    """Release gate: a certified ε within ``gate.epsilon_budget``; writes the privacy report."""
+    """Release gate and privacy report.
+
+    Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; or
+    an empirical ε lower bound exceeds the certified ε (then the trainer or the accountant is
+    wrong). When the non-private control shows no attack power the audit is not evidence: that
+    fails the gate only with ``audit.require_control_power``.
+    """
     layout = Layout(config)
     certificate = io.read_json(layout.certificate)
+    summary = io.read_json(layout.audit)
     reasons, passed = [], True
     if certificate is None:
         passed = False
         reasons.append("no DP certificate: the model was trained without differential privacy")
-    elif certificate["epsilon"] > config.gate.epsilon_budget:
-        passed = False
-        reasons.append(f"certified ε = {certificate['epsilon']:.4g} exceeds the budget gate.epsilon_budget = "
-                       f"{config.gate.epsilon_budget:g}")
     else:
-        reasons.append(f"certified ε = {certificate['epsilon']:.4g} ≤ budget {config.gate.epsilon_budget:g}")
-    decision = {"passed": passed, "reasons": reasons, "epsilon_budget": config.gate.epsilon_budget}
+        epsilon = certificate["epsilon"]
+        if epsilon > config.gate.epsilon_budget:
+            passed = False
+            reasons.append(f"certified ε = {epsilon:.4g} exceeds the budget gate.epsilon_budget = "
+                           f"{config.gate.epsilon_budget:g}")
+        else:
+            reasons.append(f"certified ε = {epsilon:.4g} ≤ budget {config.gate.epsilon_budget:g}")
+        violations = [b for b in gating_lower_bounds(summary) if b["epsilon"] > epsilon]
+        for bound in violations:
+            passed = False
+            reasons.append(
+                f"empirical lower bound ε ≥ {bound['epsilon']:.4g} ({bound['method']}"
+                f"{', ' + bound['attack'] if 'attack' in bound else ''}, confidence {bound['confidence']:.4g}) "
+                f"exceeds the certified ε = {epsilon:.4g}: the trainer or the accountant is wrong"
+            )
+        if not violations:
+            reasons.append(f"every empirical lower bound ≤ certified ε (largest {summary['max_lower_bound']:.4g})")
+    power = summary.get("control_power")
+    evidence = power is not None and power >= config.audit.control_min_tpr_at_1pct_fpr
+    if power is not None and not evidence:
+        message = (f"positive control: best TPR at 1% FPR against the non-private model is {power:.4g} < "
+                   f"{config.audit.control_min_tpr_at_1pct_fpr:g}; the audit has no demonstrated power")
+        if config.audit.require_control_power:
+            passed = False
+        reasons.append(message + ("" if config.audit.require_control_power else " (not required by audit.require_control_power)"))
+    elif power is not None:
+        reasons.append(f"positive control: the attacks reach TPR {power:.4g} at 1% FPR against the non-private model")
+    decision = {"passed": passed, "reasons": reasons, "epsilon_budget": config.gate.epsilon_budget,
+                "audit_is_evidence": evidence}
     io.write_json(layout.gate, decision)
     data = io.read_json(layout.prepared_meta) | {
         "lower": config.preprocess.lower, "upper": config.preprocess.upper,
@@ -243,7 +319,7 @@ def gate(config: Config) -> dict[str, Any]:
         "version": io.read_json(layout.raw_meta)["version"],
     }
     report = render(data=data, train=io.read_json(layout.train_metrics), certificate=certificate,
-                    audit=io.read_json(layout.audit), gate=decision)
+                    audit=summary, gate=decision)
     io.write_text(layout.report, report)
     return decision
 
@@ -254,11 +330,13 @@ def register(config: Config) -> dict[str, Any]:
 
     layout = Layout(config)
     certificate = io.read_json(layout.certificate)
-    audit_summary = io.read_json(layout.audit)
+    summary = io.read_json(layout.audit)
     decision = io.read_json(layout.gate)
     train_metrics = io.read_json(layout.train_metrics)
     data_meta = io.read_json(layout.raw_meta)
-    primary = audit_summary["attacks"][audit_summary["primary_attack"]]
+    attacks = summary["target"]["attacks"]
+    strongest_auc, auc = _strongest(attacks, "auc")
+    strongest_tpr, tpr = _strongest(attacks, "tpr_at_0.1pct_fpr")
     epsilon = certificate["epsilon"] if certificate else float("inf")
     mechanism = "none (non-private)"
     if certificate:
@@ -272,28 +350,87 @@ def register(config: Config) -> dict[str, Any]:
         "dp.accountant": f"{certificate['accountant']} {certificate['accountant_version']}" if certificate else "none",
         "dp.mechanism": mechanism,
         "data.version": data_meta["version"],
-        "audit.auc": f"{primary['auc']:.6g}",
-        "audit.tpr_at_0.1pct_fpr": f"{primary['tpr_at_0.1pct_fpr']:.6g}",
+        "audit.auc": f"{auc:.6g}",
+        "audit.auc_attack": strongest_auc,
+        "audit.tpr_at_0.1pct_fpr": f"{tpr:.6g}",
+        "audit.tpr_attack": strongest_tpr,
+        "audit.epsilon_lower_bound": f"{summary['max_lower_bound']:.6g}",
+        "audit.control_tpr_at_1pct_fpr": "none" if summary["control_power"] is None else f"{summary['control_power']:.6g}",
+        "audit.is_evidence": str(decision["audit_is_evidence"]).lower(),
+        "audit.references": str(summary["references"]["per_subject"]),
         "gate.passed": str(decision["passed"]).lower(),
-        "gate.reason": "; ".join(decision["reasons"])[:500],
+        "gate.reason": "; ".join(decision["reasons"])[:5000],
     }
     metrics = {
         "test_accuracy": train_metrics["test_accuracy"], "train_accuracy": train_metrics["train_accuracy"],
-        "epsilon": epsilon, "delta": config.dp.delta,
-        **{f"audit.{name}.{k}": v for name, r in audit_summary["attacks"].items() for k, v in r.items()},
+        "epsilon": epsilon, "delta": config.dp.delta, "audit.max_epsilon_lower_bound": summary["max_lower_bound"],
+        **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
+           for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
+        **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
     }
-    artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.roc_png,
-                             layout.gate, layout.model_spec) if p.exists()]
+    artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
+                             layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
+                             layout.model_spec) if p.exists()]
     release = tracking.log_release(
         config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
         params=config.flat(), metrics=metrics, artifacts=artifacts, model=load_model(layout),
         in_features=int(data_meta["n_features"]), version_tags=version_tags, promote=decision["passed"],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "gate.passed": str(decision["passed"]).lower()},
+        documents={"config.json": config.to_dict()},
     )
     release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"]}
     io.write_json(layout.release, release)
     return release
+
+
+def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Path) -> dict[str, Any]:
+    """Re-audit a registered version with the data it was trained on (``dpml audit --model``).
+
+    Rebuilds the data stages from the run's logged configuration into ``workdir``, refuses when the
+    data's content hash differs from the version's ``data.version`` tag, then runs the audit with the
+    certified mechanism's σ and logs the result as a new MLflow run linked from the version.
+    """
+    from dpml import tracking as mlflow_tracking
+
+    registered = mlflow_tracking.resolve_model(model_uri, tracking)
+    logged = validate(registered["config"], origin=f"config.json of run {registered['run_id']}")
+    paths = {"data": str(workdir / "data"), "artifacts": str(workdir / "artifacts"), "cache": logged.paths.cache}
+    config = logged.model_copy(update={"paths": logged.paths.model_copy(update=paths), "tracking": tracking})
+    version = ingest(config)["version"]
+    if version != registered["tags"].get("data.version"):
+        raise ValueError(f"the data at {config.data.source} (version {version[:12]}…) is not the data "
+                         f"{model_uri} was trained on (data.version {registered['tags'].get('data.version', '?')[:12]}…)")
+    split(config)
+    preprocess(config)
+    layout = Layout(config)
+    mechanism = mlflow_artifact_json(registered["run_id"], "mechanism.json")
+    io.write_json(layout.mechanism, mechanism)
+    context = audit_context(config)
+    summary, raw = run_audit(config, registered["model"], context.noise_multiplier, context.records,
+                             *context.train, *context.audit, context.n_classes, context.data_version)
+    curves = summary.pop("target_curves")
+    summary.pop("target_scores")
+    summary.pop("control_curves", None)
+    summary.pop("control_scores", None)
+    plot_roc(curves, layout.roc_png, f"re-audit of {registered['name']} v{registered['version']}")
+    bounds = gating_lower_bounds(summary)
+    summary["max_lower_bound"] = max((b["epsilon"] for b in bounds), default=0.0)
+    summary["control_power"] = control_power(summary)
+    io.write_json(layout.audit, summary)
+    io.write_json(layout.scores, raw)
+    metrics = {f"audit.target.{n}.{k}": v for n, r in summary["target"]["attacks"].items() for k, v in r.items()
+               if isinstance(v, (int, float))} | {"audit.max_epsilon_lower_bound": summary["max_lower_bound"]}
+    run_id = mlflow_tracking.log_audit(tracking, registered, metrics, [layout.audit, layout.scores, layout.roc_png])
+    certified = float(registered["tags"].get("dp.epsilon", "inf"))
+    return {"model": f"{registered['name']}/{registered['version']}", "audit_run_id": run_id, "audit": summary,
+            "certified_epsilon": certified, "consistent": summary["max_lower_bound"] <= certified}
+
+
+def mlflow_artifact_json(run_id: str, name: str) -> Any:
+    import mlflow
+
+    return mlflow.artifacts.load_dict(f"runs:/{run_id}/{name}")
 
 
 STAGES: dict[str, Callable[[Config], dict[str, Any]]] = {

@@ -43,7 +43,7 @@ def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
 
 def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any], metrics: dict[str, Any],
                 artifacts: list[Path], model: torch.nn.Module, in_features: int, version_tags: dict[str, str],
-                promote: bool, run_tags: dict[str, str]) -> dict[str, Any]:
+                promote: bool, run_tags: dict[str, str], documents: dict[str, Any]) -> dict[str, Any]:
     """Log one pipeline run, register its model with ``version_tags``, alias it if ``promote``."""
     mlflow.set_tracking_uri(tracking_uri(config))
     experiment_id = _experiment_id(config)
@@ -60,6 +60,8 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
         mlflow.log_metrics(_numeric(metrics))
         for path in artifacts:
             mlflow.log_artifact(str(path))
+        for name, document in documents.items():
+            mlflow.log_dict(document, name)
         info = mlflow.pytorch.log_model(
             model, name="model", input_example=example, signature=infer_signature(example, output),
             serialization_format="pt2", pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
@@ -83,3 +85,40 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
         "champion": promote,
         "tracking_uri": tracking_uri(config),
     }
+
+
+def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
+    """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its run, tags, config."""
+    mlflow.set_tracking_uri(tracking_uri(config))
+    client = MlflowClient()
+    if not uri.startswith("models:/"):
+        raise ValueError(f"--model {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    rest = uri.removeprefix("models:/")
+    try:
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, number = rest.rsplit("/", 1)
+            version = client.get_model_version(name, number)
+    except mlflow.exceptions.MlflowException as error:
+        raise ValueError(f"--model {uri!r}: not found in {tracking_uri(config)} ({error.message})") from None
+    try:
+        run_config = mlflow.artifacts.load_dict(f"runs:/{version.run_id}/config.json")
+    except mlflow.exceptions.MlflowException:
+        raise ValueError(f"--model {uri!r}: its run {version.run_id} has no config.json (not a dpml release, "
+                         "or one from before dpml logged its configuration)") from None
+    return {"name": version.name, "version": version.version, "run_id": version.run_id, "tags": dict(version.tags),
+            "config": run_config, "model": mlflow.pytorch.load_model(f"models:/{version.name}/{version.version}")}
+
+
+def log_audit(config: TrackingConfig, model: dict[str, Any], metrics: dict[str, Any], artifacts: list[Path]) -> str:
+    """Record a re-audit of a registered version as its own run, linked from the version's tags."""
+    mlflow.set_tracking_uri(tracking_uri(config))
+    with mlflow.start_run(experiment_id=_experiment_id(config), run_name=f"audit-{model['name']}-v{model['version']}") as run:
+        mlflow.set_tags({"audited_model": f"{model['name']}/{model['version']}", "audited_run": model["run_id"]})
+        mlflow.log_metrics(_numeric(metrics))
+        for path in artifacts:
+            mlflow.log_artifact(str(path))
+    MlflowClient().set_model_version_tag(model["name"], model["version"], "audit.latest_reaudit_run", run.info.run_id)
+    return run.info.run_id

@@ -1,31 +1,82 @@
 """The privacy-audited pipeline as a Prefect flow.
 
-ingest → split → preprocess → train → certify → audit → gate → register, then ``dvc commit``
-so DVC's lock file matches what this run produced (when it ran ``params.yaml`` unchanged).
-Runs on an ephemeral Prefect API by default, or against a server (``PREFECT_API_URL``); the
-scheduled deployment is declared in ``prefect.yaml``.
+ingest → split → preprocess → train → certify → [reference models, in parallel] → audit → gate
+→ register, then ``dvc commit`` so DVC's lock file matches what this run produced (when it ran
+``params.yaml`` unchanged). Runs on an ephemeral Prefect API by default, or against a server
+(``PREFECT_API_URL``); the scheduled deployment is declared in ``prefect.yaml``.
+
+The audit's reference models are independent: a subflow fans them out over a Dask task runner
+(a local cluster of ``audit.workers`` processes, or the scheduler at ``audit.dask_address``).
+Models already stored for the same data, split and configuration are reused, not retrained.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_client, unmapped
+from prefect_dask import DaskTaskRunner
 
-from dpml.config import load
+from dpml.config import AuditConfig, Config, load
 from tasks import stages as t
+
+
+def dask_runner(audit: AuditConfig) -> DaskTaskRunner:
+    if audit.dask_address:
+        return DaskTaskRunner(address=audit.dask_address)
+    return DaskTaskRunner(cluster_kwargs={"n_workers": audit.workers, "threads_per_worker": 1,
+                                          "processes": True, "dashboard_address": None})
+
+
+@contextmanager
+def api_shared_with_workers() -> Iterator[None]:
+    """Point Dask worker processes at this run's Prefect API.
+
+    With no ``PREFECT_API_URL`` the run uses an ephemeral API inside this process; workers spawned
+    without the variable would each start an ephemeral API of their own (slow, and their task runs
+    would not show in this one). Exporting the URL while the cluster starts avoids both.
+    """
+    previous = os.environ.get("PREFECT_API_URL")
+    if previous is None:
+        os.environ["PREFECT_API_URL"] = str(get_client(sync_client=True).api_url).rstrip("/")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+
+
+def absolute_paths(config: Config) -> Config:
+    """Pin relative output paths to this directory, so workers elsewhere write to the same place."""
+    paths = {k: str(Path(v).resolve()) for k, v in config.paths.model_dump().items()}
+    return config.model_copy(update={"paths": config.paths.model_copy(update=paths)})
+
+
+@flow(name="train-reference-models", log_prints=True)
+def train_reference_models(config: Config, jobs: list[tuple[bool, float | None, int]]) -> list[dict[str, Any]]:
+    futures = t.train_reference.map(config=unmapped(config), job=jobs)
+    return [future.result() for future in futures]
 
 
 @flow(name="privacy_audited_pipeline", log_prints=True)
 def privacy_audited_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Run every stage for the configuration in ``params_path`` (plus ``overrides``)."""
-    config = load(params_path, overrides or [])
+    config = absolute_paths(load(params_path, overrides or []))
     results: dict[str, Any] = {}
     results["ingest"] = t.ingest(config)
     results["split"] = t.split(config)
     results["preprocess"] = t.preprocess(config)
     results["train"] = t.train(config)
     results["certify"] = t.certify(config)
+    jobs = t.reference_jobs(config)
+    if jobs:
+        with api_shared_with_workers():
+            runner = train_reference_models.with_options(task_runner=dask_runner(config.audit))
+            results["references"] = runner(config, jobs)
     results["audit"] = t.audit(config)
     results["gate"] = t.gate(config)
     results["register"] = t.register(config)

@@ -24,7 +24,8 @@ def small_params(tmp: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     params["dp"] = {"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"}
     params["tracking"] = {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_root": str(tmp / "mlartifacts"),
                           "experiment": "dpml-test", "registered_model": "dpml-test-model"}
-    params["paths"] = {"data": str(tmp / "data"), "artifacts": str(tmp / "artifacts")}
+    params["paths"] = {"data": str(tmp / "data"), "artifacts": str(tmp / "artifacts"), "cache": str(tmp / "cache")}
+    params["audit"] |= {"references": 2, "bootstrap": 50}
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)
     return params

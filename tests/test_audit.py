@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from dpml.audit.attacks import loss_attack
+from dpml.audit.attacks import AttackInputs, loss_attack
 from dpml.audit.metrics import roc, summarize, tpr_at_fpr
-from dpml.audit.signals import cross_entropy_losses
+from dpml.audit.signals import cross_entropy_losses, logits_of
 from dpml.models.mlp import MlpSpec, build_mlp
 
 
@@ -53,6 +53,7 @@ def test_loss_attack_detects_an_overfit_model() -> None:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x[members]), y[members]).backward()
         optimizer.step()
-    scores_in = loss_attack(model, x[:40].numpy(), y[:40].numpy())
-    scores_out = loss_attack(model, x[40:].numpy(), y[40:].numpy())
-    assert summarize(scores_in, scores_out)["auc"] > 0.9
+    logits = logits_of(model, x.numpy())
+    inputs = AttackInputs(logits, y.numpy(), logits[:0], y.numpy()[:0])
+    scores = loss_attack(inputs)
+    assert summarize(scores[:40], scores[40:])["auc"] > 0.9

@@ -16,7 +16,8 @@ from dpml.config import load
 from tests.conftest import small_params, write_params
 
 EXPECTED_TAGS = {"dp.epsilon", "dp.delta", "dp.accountant", "dp.mechanism", "data.version", "audit.auc",
-                 "audit.tpr_at_0.1pct_fpr", "gate.passed"}
+                 "audit.tpr_at_0.1pct_fpr", "gate.passed", "audit.epsilon_lower_bound", "audit.is_evidence",
+                 "audit.control_tpr_at_1pct_fpr"}
 
 
 def client_for(tmp: Path) -> MlflowClient:
@@ -45,10 +46,13 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
 
     run = client.get_run(v1.run_id)
     assert run.data.metrics["epsilon"] == pytest.approx(first["certify"]["epsilon"])
-    assert 0 <= run.data.metrics["test_accuracy"] <= 1 and "audit.loss.auc" in run.data.metrics
+    assert 0 <= run.data.metrics["test_accuracy"] <= 1 and "audit.target.loss.auc" in run.data.metrics and "audit.control.rmia-online.auc" in run.data.metrics
     assert run.data.params["dp.noise_multiplier"] == "1.0"
     logged = {a.path for a in client.list_artifacts(v1.run_id)}
-    assert {"privacy_report.md", "roc.png", "certificate.json", "audit.json"} <= logged
+    assert {"privacy_report.md", "roc.png", "roc_control.png", "histograms.png", "certificate.json", "audit.json",
+            "scores.json"} <= logged
+    # The audit's bounds never exceed the certified ε of a correct trainer.
+    assert float(v1.tags["audit.epsilon_lower_bound"]) <= float(v1.tags["dp.epsilon"])
     report = Path(mlflow.artifacts.download_artifacts(run_id=v1.run_id, artifact_path="privacy_report.md")).read_text()
     assert "add-or-remove-one" in report and "Release gate: PASSED" in report
 
@@ -63,6 +67,15 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
         ours = local(torch.from_numpy(x_test))
         theirs = model(torch.from_numpy(x_test))
     torch.testing.assert_close(theirs, ours)
+
+    # `dpml audit --model` re-audits the registered version with the data it saw: same numbers.
+    from dpml.stages import audit_registered_model
+
+    again = audit_registered_model("models:/dpml-test-model@champion", config.tracking, workdir / "reaudit")
+    assert again["consistent"] and again["model"] == f"dpml-test-model/{v1.version}"
+    assert again["audit"]["target"]["attacks"]["loss"]["auc"] == pytest.approx(
+        first["audit"]["target"]["attacks"]["loss"]["auc"])
+    assert client.get_model_version("dpml-test-model", v1.version).tags["audit.latest_reaudit_run"] == again["audit_run_id"]
 
     # A second release over the budget: tagged as failed, champion stays on version 1.
     over = write_params(workdir / "over.yaml", small_params(workdir, gate={"epsilon_budget": 0.01}))

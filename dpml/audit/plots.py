@@ -33,3 +33,23 @@ def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], target: str | Pat
     with atomic_path(target) as temp:
         figure.savefig(temp, format="png", dpi=100)
     plt.close(figure)
+
+
+def plot_histograms(scores: dict[str, tuple[np.ndarray, np.ndarray]], target: str | Path, title: str) -> None:
+    """Score histograms of members vs non-members, one panel per attack."""
+    count = len(scores)
+    figure, axes = plt.subplots(1, count, figsize=(4 * count, 3.5), squeeze=False)
+    for axis, (name, (member, nonmember)) in zip(axes[0], scores.items()):
+        finite = np.r_[member, nonmember]
+        finite = finite[np.isfinite(finite)]
+        bins = np.linspace(finite.min(), finite.max(), 40) if finite.size and finite.min() < finite.max() else 20
+        axis.hist(nonmember[np.isfinite(nonmember)], bins=bins, alpha=0.6, label="non-members", density=True)
+        axis.hist(member[np.isfinite(member)], bins=bins, alpha=0.6, label="members", density=True)
+        axis.set_title(name)
+        axis.set_xlabel("score (higher = member)")
+        axis.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    with atomic_path(target) as temp:
+        figure.savefig(temp, format="png", dpi=90)
+    plt.close(figure)

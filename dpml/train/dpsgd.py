@@ -31,6 +31,25 @@ class TrainResult:
     model: nn.Module
     mechanism: MechanismDescription | None
     history: dict[str, Any] = field(default_factory=dict)
+    canary_scores: np.ndarray | None = None
+
+
+
+@dataclass(frozen=True)
+class GradientCanaries:
+    """White-box Dirac gradient canaries for a one-run audit (Steinke, Nasr, Jagielski 2023, §6).
+
+    Canary j is a record whose clipped gradient is C·e_{k_j} (a unit vector on flat parameter
+    coordinate k_j, distinct per canary, scaled to the clip norm). Each canary with
+    ``included[j]`` joins the data set: it is Poisson-sampled at rate q every step like any
+    record. The auditor sees every iterate and knows every other record's contribution, so its
+    observation of canary j at step t is (N(0, σ²C²) + C·1[j sampled])_{k_j} / (q n): exactly the
+    Poisson-subsampled Gaussian that the accountant prices (the accountant's bound holds
+    conditionally on the other records' sampling). Score_j = Σ_t of that observation.
+    """
+
+    coordinates: np.ndarray  # (m,) flat parameter indices, distinct
+    included: np.ndarray     # (m,) bool
 
 
 def per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -56,15 +75,21 @@ def poisson_batch(generator: torch.Generator, n: int, sample_rate: float) -> tor
 def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
                 clip_norm: float, noise_multiplier: float, neighbouring: Neighbouring,
                 optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
-                progress: bool = False) -> TrainResult:
+                canaries: GradientCanaries | None = None, progress: bool = False) -> TrainResult:
     """Train in place with DP-SGD; returns the model, its mechanism description and a history."""
-    n = x.shape[0]
+    n = n_total = x.shape[0]
     steps = number_of_steps(epochs, sample_rate)
     expected_batch = sample_rate * n
     sampler = torch.Generator().manual_seed(seed)
     noise_source = torch.Generator(device=x.device).manual_seed(seed + 1)
     params = dict(model.named_parameters())
     batch_sizes, clipped, start = [], [], time.perf_counter()
+    if canaries is not None:
+        locate = _canary_locations(params, canaries.coordinates)
+        canary_sampler = torch.Generator().manual_seed(seed + 2)
+        canary_scores = np.zeros(canaries.coordinates.size)
+        n_total += int(canaries.included.sum())  # included canaries are records of the data set
+        expected_batch = sample_rate * n_total
     model.train()
     iterator = range(steps)
     if progress:
@@ -79,10 +104,18 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
             for name, value in chunk_sums.items():
                 sums[name] += value
             clipped.append(float((norms > clip_norm).float().mean()) if norms.numel() else 0.0)
+        noises = {name: torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=noise_source,
+                                     device=x.device, dtype=p.dtype) for name, p in params.items()}
+        if canaries is not None:
+            sampled = (torch.rand(canaries.coordinates.size, generator=canary_sampler) < sample_rate).numpy()
+            present = sampled & canaries.included
+            for name, (slots, flat) in locate.items():
+                contribution = torch.as_tensor(present[slots] * clip_norm, dtype=sums[name].dtype, device=x.device)
+                sums[name].view(-1)[flat] += contribution
+                observed = noises[name].reshape(-1)[flat].cpu().numpy() + present[slots] * clip_norm
+                canary_scores[slots] += observed / expected_batch
         for name, p in params.items():
-            noise = torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=noise_source,
-                                 device=x.device, dtype=p.dtype)
-            p.grad = (sums[name] + noise) / expected_batch
+            p.grad = (sums[name] + noises[name]) / expected_batch
         optimizer.step()
         batch_sizes.append(int(batch.numel()))
     mechanism = MechanismDescription(
@@ -90,7 +123,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
         events=(PoissonGaussianSteps(sample_rate, noise_multiplier, steps),),
         neighbouring=neighbouring,
         clip_norm=clip_norm,
-        dataset_size=n,
+        dataset_size=n_total,
         threat_model="all-iterates",
         notes=("Poisson sampling; noise std σ·C added to the clipped sum; divided by the expected batch size q·n",),
     )
@@ -101,7 +134,23 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
         "clipped_fraction": float(np.mean(clipped)) if clipped else 0.0,
         "seconds": time.perf_counter() - start,
     }
-    return TrainResult(model, mechanism, history)
+    return TrainResult(model, mechanism, history, canary_scores if canaries is not None else None)
+
+
+def _canary_locations(params: dict[str, torch.Tensor], coordinates: np.ndarray) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
+    """Map flat coordinates (over parameters in order) to (canary slots, flat index in that tensor)."""
+    if np.unique(coordinates).size != coordinates.size:
+        raise ValueError("gradient canary coordinates must be distinct")
+    out, offset = {}, 0
+    for name, p in params.items():
+        inside = (coordinates >= offset) & (coordinates < offset + p.numel())
+        if inside.any():
+            slots = np.nonzero(inside)[0]
+            out[name] = (slots, torch.as_tensor(coordinates[slots] - offset, device=p.device))
+        offset += p.numel()
+    if (coordinates >= offset).any() or (coordinates < 0).any():
+        raise ValueError(f"gradient canary coordinates must lie in [0, {offset})")
+    return out
 
 
 def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,

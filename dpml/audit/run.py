@@ -1,0 +1,163 @@
+"""The audit of one trained model: attacks, metrics, ε lower bounds, positive control, one-run audits.
+
+Reads the pipeline's prepared data and the trained model, trains (or reuses) what the attacks
+need, and returns a JSON-able summary plus the raw scores. Only indices and scores leave this
+module — never the records themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from dpml.audit import attacks as atk
+from dpml.audit.bounds import hypothesis_test_bound
+from dpml.audit.canaries import black_box_audit, white_box_audit
+from dpml.audit.metrics import roc, summarize
+from dpml.audit.references import AuditRecords, load_references, train_reference
+from dpml.audit.signals import logits_of
+from dpml.config import AuditConfig, Config
+from dpml.train.fit import fit
+
+
+def attack_functions(config: AuditConfig) -> dict[str, atk.Attack]:
+    """The configured attacks with their parameters bound."""
+    table: dict[str, atk.Attack] = {
+        "loss": atk.loss_attack,
+        "lira-online": partial(atk.lira_attack, online=True, variance="global"),
+        "lira-offline": partial(atk.lira_attack, online=False, variance="global"),
+        "lira-online-per-example": partial(atk.lira_attack, online=True, variance="per-example"),
+        "rmia-online": partial(atk.rmia_attack, online=True, a=config.rmia_a, gamma=config.rmia_gamma),
+        "rmia-offline": partial(atk.rmia_attack, online=False, a=config.rmia_a, gamma=config.rmia_gamma),
+    }
+    return {name: table[name] for name in config.attacks}
+
+
+@dataclass(frozen=True)
+class Subject:
+    """A model under audit and how it was trained (for its reference models)."""
+
+    name: str
+    model: nn.Module
+    private: bool
+    noise_multiplier: float | None
+
+
+def reference_jobs(config: Config, subjects: list[Subject]) -> list[tuple[bool, float | None, int]]:
+    needs = any(name != "loss" for name in config.audit.attacks)
+    if not needs:
+        return []
+    return [(s.private, s.noise_multiplier, j) for s in subjects for j in range(config.audit.references)]
+
+
+def ensure_references(config: Config, records: AuditRecords, n_classes: int, data_version: str,
+                      subjects: list[Subject]) -> list[dict[str, Any]]:
+    """Train every reference model not already stored (sequentially; Prefect fans these out)."""
+    return [train_reference(config, records, n_classes, data_version, private=p, noise_multiplier=s, index=j)
+            for p, s, j in reference_jobs(config, subjects)]
+
+
+def attack_inputs(model: nn.Module, records: AuditRecords, references: tuple[np.ndarray, np.ndarray] | None) -> atk.AttackInputs:
+    candidates, population = records.candidates, records.population
+    pool_logits = logits_of(model, records.pool_x)
+    ref_logits, ref_in = references if references is not None else (None, None)
+    return atk.AttackInputs(
+        logits=pool_logits[candidates], labels=records.pool_y[candidates],
+        population_logits=pool_logits[population], population_labels=records.pool_y[population],
+        reference_logits=None if ref_logits is None else ref_logits[:, candidates],
+        reference_in=None if ref_in is None else ref_in[:, candidates],
+        population_reference_logits=None if ref_logits is None else ref_logits[:, population],
+        population_reference_in=None if ref_in is None else ref_in[:, population],
+    )
+
+
+def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_version: str,
+                  gating_confidence: float) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Every configured attack against one model: metrics with CIs and ε lower bounds."""
+    references = None
+    if any(name != "loss" for name in config.audit.attacks):
+        references = load_references(config, data_version, subject.private, subject.noise_multiplier,
+                                     config.audit.references)
+    inputs = attack_inputs(subject.model, records, references)
+    m = records.members.size
+    results, scores = {}, {}
+    for name, attack in attack_functions(config.audit).items():
+        score = attack(inputs)
+        member, nonmember = score[:m], score[m:]
+        summary = summarize(member, nonmember, config.audit.bootstrap, config.audit.seed)
+        summary["bounds"] = [
+            hypothesis_test_bound(member, nonmember, config.dp.delta, gating_confidence,
+                                  config.audit.bound_correction, seed=config.audit.seed).to_dict(),
+            hypothesis_test_bound(member, nonmember, config.dp.delta, gating_confidence,
+                                  config.audit.bound_correction, seed=config.audit.seed, gdp=True).to_dict(),
+        ]
+        results[name] = summary
+        scores[name] = (member, nonmember)
+    return results, scores
+
+
+def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None, records: AuditRecords,
+              x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray, y_audit: np.ndarray,
+              n_classes: int, data_version: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole audit; returns (summary, raw scores). Reference models must exist or are trained."""
+    private = noise_multiplier is not None
+    start = time.perf_counter()
+    subjects = [Subject("target", target, private, noise_multiplier)]
+    if config.audit.control and private:
+        control = fit(config, x_train, y_train, n_classes, private=False, noise_multiplier=None,
+                      seed=config.train.seed).model
+        subjects.append(Subject("control", control, False, None))
+    trained = ensure_references(config, records, n_classes, data_version, subjects)
+    one_run = (config.audit.white_box_canaries > 0 and private) + (config.audit.black_box_canaries > 0)
+    gating = len(config.audit.attacks) + one_run
+    confidence = 1.0 - (1.0 - config.audit.confidence) / gating
+    summary: dict[str, Any] = {"confidence": config.audit.confidence, "per_bound_confidence": confidence,
+                               "gating_bounds": gating, "records_per_side": int(records.members.size),
+                               "population": int(records.population.size)}
+    raw: dict[str, Any] = {"members": records.members.tolist(), "nonmembers": records.nonmembers.tolist()}
+    for subject in subjects:
+        results, scores = audit_subject(config, subject, records, data_version, confidence)
+        summary[subject.name] = {"attacks": results, "private": subject.private}
+        raw[subject.name] = {name: {"member": m.tolist(), "nonmember": n.tolist()} for name, (m, n) in scores.items()}
+        summary[f"{subject.name}_curves"] = {name: roc(m, n) for name, (m, n) in scores.items()}
+        summary[f"{subject.name}_scores"] = scores
+    one_runs = []
+    if config.audit.white_box_canaries > 0 and private:
+        one_runs.append(white_box_audit(config, x_train, y_train, n_classes, noise_multiplier, confidence))
+    if config.audit.black_box_canaries > 0:
+        # The canary records come from the audit population's population half (never trained on).
+        pop = records.population - records.n_train
+        one_runs.append(black_box_audit(config, x_train, y_train, x_audit[pop], y_audit[pop], n_classes,
+                                        noise_multiplier, private, confidence))
+    summary["one_run"] = one_runs
+    summary["references"] = {
+        "per_subject": config.audit.references if trained else 0,
+        "models": len(trained),
+        "trained_by_this_stage": sum(not t["reused"] for t in trained),
+        "found_stored": sum(t["reused"] for t in trained),
+        "training_seconds": float(sum(t["seconds"] for t in trained)),
+    }
+    summary["seconds"] = time.perf_counter() - start
+    return summary, raw
+
+
+def gating_lower_bounds(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The bounds the release gate compares with the certified ε: hypothesis tests and one-run audits
+    of the released configuration. GDP-converted bounds assume a Gaussian trade-off curve that DP-SGD
+    does not have, so they are reported but never gate."""
+    bounds = [b | {"attack": name} for name, r in summary["target"]["attacks"].items()
+              for b in r["bounds"] if b["method"] == "hypothesis_test"]
+    return bounds + list(summary.get("one_run", []))
+
+
+def control_power(summary: dict[str, Any]) -> float | None:
+    """The best TPR at 1% FPR any attack reaches against the non-private control."""
+    control = summary.get("control")
+    if control is None:
+        return None
+    return max(r["tpr_at_1pct_fpr"] for r in control["attacks"].values())
