@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from dpml.config import ConfigError, load
+from dpml.privacy.ledger import LedgerError
 
 
 def _summary(results: dict[str, Any]) -> str:
@@ -36,6 +37,7 @@ def _summary(results: dict[str, Any]) -> str:
         f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "
         f"training; {audit['references']['found_stored']} found stored by the audit stage, "
         f"{audit['references']['trained_by_this_stage']} trained by it)",
+        f"  dataset total        ε = {release['dataset_epsilon_total']:.4g} over every DP run on this data (dpml ledger)",
         f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
@@ -87,6 +89,27 @@ def cmd_audit(args: argparse.Namespace) -> int:
     print(f"  largest empirical lower bound ε ≥ {audit['max_lower_bound']:.4g}: {verdict} the certified "
           f"ε = {result['certified_epsilon']:.4g}")
     return 0 if result["consistent"] else 3
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    from dpml.privacy.ledger import Ledger
+
+    config = load(args.params, args.set)
+    summary = Ledger(config.ledger.path, config.ledger.delta).summary(args.dataset)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    if not summary:
+        print(f"{config.ledger.path}: no spends recorded")
+    for entry in summary:
+        left = config.ledger.epsilon_budget - entry["epsilon_total"]
+        print(f"dataset {entry['dataset_version'][:16]}…  total ε = {entry['epsilon_total']:.4g} at δ = {entry['delta']:g} "
+              f"(budget {config.ledger.epsilon_budget:g}, {max(left, 0):.4g} left); "
+              f"{entry['private_spends']} DP runs, {entry['nonprivate_runs']} non-private")
+        for spend in entry["spends"]:
+            alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
+            print(f"  #{spend['id']:<4} {alone:<20} {spend['label']}  [{', '.join(spend['events']) or 'reserved'}]")
+    return 0
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
@@ -166,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(aud)
     aud.set_defaults(func=cmd_audit)
 
+    led = sub.add_parser("ledger", help="the privacy budget ledger: every run per dataset version, composed")
+    led.add_argument("--dataset", default=None, help="one dataset version (content hash)")
+    led.add_argument("--json", action="store_true")
+    config_args(led)
+    led.set_defaults(func=cmd_ledger)
+
     eps = sub.add_parser("epsilon", help="ε of DP-SGD with Poisson sampling, from every accountant")
     eps.add_argument("--noise-multiplier", type=_positive_float, required=True)
     eps.add_argument("--sample-rate", type=_rate, required=True)
@@ -184,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"dpml: {error}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, LedgerError) as error:
         print(f"dpml: error: {error}", file=sys.stderr)
         return 1
 

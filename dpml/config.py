@@ -214,6 +214,14 @@ class GateConfig(_Section):
     epsilon_budget: float = Field(4.0, gt=0)
 
 
+class LedgerConfig(_Section):
+    """The privacy budget ledger: composed ε of every run on a dataset version, at ``delta``."""
+
+    path: str = "ledger.db"
+    epsilon_budget: float = Field(10.0, gt=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
+
+
 class TrackingConfig(_Section):
     """MLflow. ``MLFLOW_TRACKING_URI`` in the environment overrides ``uri``."""
 
@@ -240,6 +248,7 @@ class Config(_Section):
     dp: DpConfig = Field(default_factory=DpConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
 

@@ -32,7 +32,8 @@ from dpml.privacy.accountants import certify as certify_mechanism
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.report.privacy_report import render
-from dpml.train.dpsgd import number_of_steps
+from dpml.privacy.ledger import Ledger
+from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps
 
 PARTS = ("train", "test", "audit")
 
@@ -50,6 +51,7 @@ class Layout:
         self.model = art / "train" / "model.pt"
         self.model_spec = art / "train" / "model.json"
         self.mechanism = art / "train" / "mechanism.json"
+        self.spend = art / "train" / "spend.json"
         self.train_metrics = art / "train" / "metrics.json"
         self.certificate = art / "certify" / "certificate.json"
         self.certify_metrics = art / "certify" / "metrics.json"
@@ -138,14 +140,32 @@ def resolve_noise_multiplier(config: Config, n_train: int) -> float:
 
 
 def train(config: Config, progress: bool = False) -> dict[str, Any]:
-    """Train the configured model with the configured trainer; save model, spec, mechanism."""
+    """Record the planned spend in the ledger, then train; save model, spec, mechanism.
+
+    The spend is committed before any training starts and stays counted whatever happens next;
+    a run whose composed total would exceed ``ledger.epsilon_budget`` is refused untrained.
+    """
     layout = Layout(config)
     meta = io.read_json(layout.prepared_meta)
     x_np, y_np = _load_part(layout, "train")
     private = config.train.algorithm == "dpsgd"
     sigma = resolve_noise_multiplier(config, int(x_np.shape[0])) if private else None
-    result = fit(config, x_np, y_np, len(meta["classes"]), private=private, noise_multiplier=sigma,
-                 seed=config.train.seed, progress=progress)
+    planned = (dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs, config.dp.neighbouring,
+                               config.dp.clip_norm, int(x_np.shape[0])) if private and sigma else None)
+    ledger = Ledger(config.ledger.path, config.ledger.delta)
+    spend = ledger.reserve(meta["data_version"], planned, f"{config.train.algorithm} model ({config.data.source})",
+                           config.ledger.epsilon_budget)
+    io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
+                                 "epsilon_alone": spend.epsilon_alone})
+    try:
+        result = fit(config, x_np, y_np, len(meta["classes"]), private=private, noise_multiplier=sigma,
+                     seed=config.train.seed, progress=progress)
+        if result.mechanism != planned:
+            raise RuntimeError("the trainer's mechanism differs from the one recorded in the ledger")
+    except BaseException as error:
+        ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
+        raise
+    ledger.record_event(spend.id, "trained", {"steps": result.history.get("steps")})
     model = result.model
     with io.atomic_path(layout.model) as temp:
         torch.save(model.state_dict(), temp)
@@ -201,7 +221,7 @@ def audit_context(config: Config) -> AuditContext:
     layout = Layout(config)
     x_train, y_train = _load_part(layout, "train")
     x_audit, y_audit = _load_part(layout, "audit")
-    mechanism = io.read_json(layout.mechanism)
+    mechanism = io.read_json(layout.mechanism) if layout.mechanism.exists() else None
     sigma = None if mechanism is None else float(mechanism["events"][0]["noise_multiplier"])
     records = audit_records(x_train, y_train, x_audit, y_audit, config.audit.max_records, config.audit.seed)
     return AuditContext(records, len(io.read_json(layout.prepared_meta)["classes"]),
@@ -318,8 +338,10 @@ def gate(config: Config) -> dict[str, Any]:
         "clip_norm": config.preprocess.clip_norm, "clip_mode": config.preprocess.clip_mode,
         "version": io.read_json(layout.raw_meta)["version"],
     }
+    ledger = Ledger(config.ledger.path, config.ledger.delta).summary(data["version"])
     report = render(data=data, train=io.read_json(layout.train_metrics), certificate=certificate,
-                    audit=summary, gate=decision)
+                    audit=summary, gate=decision, ledger=ledger[0] if ledger else None,
+                    budget=config.ledger.epsilon_budget)
     io.write_text(layout.report, report)
     return decision
 
@@ -344,8 +366,14 @@ def register(config: Config) -> dict[str, Any]:
         mechanism = (f"dpsgd: poisson-gaussian q={event['sample_rate']:.6g} sigma={event['noise_multiplier']:.6g} "
                      f"steps={event['steps']} C={certificate['mechanism']['clip_norm']:g} "
                      f"{certificate['neighbouring']} {certificate['threat_model']}")
+    ledger = Ledger(config.ledger.path, config.ledger.delta)
+    spend = io.read_json(layout.spend)
+    dataset_total = ledger.total(data_meta["version"])
     version_tags = {
         "dp.epsilon": f"{epsilon:.6g}",
+        "dp.dataset_epsilon_total": f"{dataset_total:.6g}",
+        "dp.dataset_delta": f"{config.ledger.delta:g}",
+        "ledger.spend_id": str(spend["spend_id"]),
         "dp.delta": f"{config.dp.delta:g}",
         "dp.accountant": f"{certificate['accountant']} {certificate['accountant_version']}" if certificate else "none",
         "dp.mechanism": mechanism,
@@ -379,7 +407,9 @@ def register(config: Config) -> dict[str, Any]:
                   "gate.passed": str(decision["passed"]).lower()},
         documents={"config.json": config.to_dict()},
     )
-    release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"]}
+    ledger.record_event(spend["spend_id"], "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})
+    release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
+                "dataset_epsilon_total": dataset_total}
     io.write_json(layout.release, release)
     return release
 

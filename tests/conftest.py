@@ -26,6 +26,7 @@ def small_params(tmp: Path, **sections: dict[str, Any]) -> dict[str, Any]:
                           "experiment": "dpml-test", "registered_model": "dpml-test-model"}
     params["paths"] = {"data": str(tmp / "data"), "artifacts": str(tmp / "artifacts"), "cache": str(tmp / "cache")}
     params["audit"] |= {"references": 2, "bootstrap": 50}
+    params["ledger"] = {"path": str(tmp / "ledger.db"), "epsilon_budget": 1000.0, "delta": 1e-5}
     for name, values in sections.items():
         params.setdefault(name, {}).update(values)
     return params

@@ -12,7 +12,8 @@ def _fmt(value: Any) -> str:
 
 
 def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str, Any] | None,
-           audit: dict[str, Any], gate: dict[str, Any]) -> str:
+           audit: dict[str, Any], gate: dict[str, Any], ledger: dict[str, Any] | None = None,
+           budget: float | None = None) -> str:
     """Markdown for MLflow and the Prefect UI; every number comes from the stage outputs."""
     lines = ["# dpml privacy report", ""]
     if certificate is None:
@@ -35,6 +36,11 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
         lines.append(f"- clip norm C = {_fmt(mech['clip_norm'])}, L2 sensitivity {_fmt(mech['sensitivity'])} "
                      f"under {mech['neighbouring']}; n = {mech['dataset_size']} training records")
         lines += [f"- {note}" for note in mech.get("notes", [])]
+    if ledger is not None:
+        lines += ["", f"**Dataset total.** All {ledger['private_spends']} DP runs on this dataset version, composed "
+                  f"(PLD): ε = {ledger['epsilon_total']:.4g} at δ = {ledger['delta']:g}, of a budget of {_fmt(budget)}."
+                  + (f" {ledger['nonprivate_runs']} non-private baseline run(s) also used it; their models carry "
+                     "no guarantee and must not leave this registry." if ledger["nonprivate_runs"] else "")]
     lines += ["", "**Data.**", ""]
     lines.append(f"- source `{data['origin']}`, version (content SHA-256) `{data['version']}`")
     lines.append(f"- train / test / audit population: {data['n_train']} / {data['n_test']} / {data['n_audit']}")

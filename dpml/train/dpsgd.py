@@ -67,6 +67,20 @@ def number_of_steps(epochs: float, sample_rate: float) -> int:
     return max(1, int(round(epochs / sample_rate)))
 
 
+def dpsgd_mechanism(sample_rate: float, noise_multiplier: float, epochs: float, neighbouring: Neighbouring,
+                    clip_norm: float, dataset_size: int) -> MechanismDescription:
+    """What :func:`train_dpsgd` does with these settings: known before training (the ledger needs it)."""
+    return MechanismDescription(
+        trainer="dpsgd",
+        events=(PoissonGaussianSteps(sample_rate, noise_multiplier, number_of_steps(epochs, sample_rate)),),
+        neighbouring=neighbouring,
+        clip_norm=clip_norm,
+        dataset_size=dataset_size,
+        threat_model="all-iterates",
+        notes=("Poisson sampling; noise std σ·C added to the clipped sum; divided by the expected batch size q·n",),
+    )
+
+
 def poisson_batch(generator: torch.Generator, n: int, sample_rate: float) -> torch.Tensor:
     """Indices of a Poisson sample: each of the n records independently with probability q."""
     return torch.nonzero(torch.rand(n, generator=generator) < sample_rate).flatten()
@@ -118,15 +132,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
             p.grad = (sums[name] + noises[name]) / expected_batch
         optimizer.step()
         batch_sizes.append(int(batch.numel()))
-    mechanism = MechanismDescription(
-        trainer="dpsgd",
-        events=(PoissonGaussianSteps(sample_rate, noise_multiplier, steps),),
-        neighbouring=neighbouring,
-        clip_norm=clip_norm,
-        dataset_size=n_total,
-        threat_model="all-iterates",
-        notes=("Poisson sampling; noise std σ·C added to the clipped sum; divided by the expected batch size q·n",),
-    )
+    mechanism = dpsgd_mechanism(sample_rate, noise_multiplier, epochs, neighbouring, clip_norm, n_total)
     history = {
         "steps": steps,
         "mean_batch_size": float(np.mean(batch_sizes)),

@@ -1,0 +1,136 @@
+"""The budget ledger: composition, refusal, crash safety (SIGKILL), races for the last budget."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpml.privacy.accountants import epsilon_pld
+from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError
+from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from tests.conftest import small_params, write_params
+
+
+def run(q: float = 0.05, sigma: float = 1.0, steps: int = 200, relation: str = "add-remove") -> MechanismDescription:
+    return MechanismDescription("dpsgd", (PoissonGaussianSteps(q, sigma, steps),), relation, 1.0, 1000)  # type: ignore[arg-type]
+
+
+def test_total_is_the_composition_of_every_release(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "l.db", 1e-5)
+    releases = [run(0.05, 1.0, 200), run(0.1, 2.0, 100), run(0.05, 1.0, 200)]
+    for i, mechanism in enumerate(releases):
+        ledger.reserve("data-a", mechanism, f"release {i}", budget=100.0)
+    ledger.reserve("data-b", run(), "other dataset", budget=100.0)
+    together = MechanismDescription("all", tuple(e for m in releases for e in m.events), "add-remove", 1.0, 1000)
+    alone = [epsilon_pld(m, 1e-5) for m in releases]
+    total = ledger.total("data-a")
+    assert total == pytest.approx(epsilon_pld(together, 1e-5))
+    assert max(alone) < total < sum(alone)  # composition is tighter than adding ε's
+    assert ledger.total("data-b") == pytest.approx(alone[0])
+    summary = ledger.summary("data-a")[0]
+    assert summary["private_spends"] == 3 and summary["epsilon_total"] == pytest.approx(total)
+
+
+def test_refusal_leaves_the_ledger_unchanged(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "l.db", 1e-5)
+    first = ledger.reserve("d", run(), "first", budget=6.0)
+    with pytest.raises(BudgetExceeded, match=r"left") as error:
+        ledger.reserve("d", run(), "second", budget=first.epsilon_alone * 1.2)
+    assert "Nothing was recorded" in str(error.value)
+    assert [s.label for s in ledger.spends("d")] == ["first"]
+
+
+def test_nonprivate_runs_are_recorded_but_not_in_the_dp_total(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "l.db", 1e-5)
+    ledger.reserve("d", None, "baseline", budget=1.0)
+    ledger.reserve("d", run(), "dp", budget=100.0)
+    summary = ledger.summary("d")[0]
+    assert summary["nonprivate_runs"] == 1 and summary["epsilon_total"] == pytest.approx(epsilon_pld(run(), 1e-5))
+
+
+def test_mixed_relations_are_refused(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "l.db", 1e-5)
+    ledger.reserve("d", run(), "a", budget=100.0)
+    with pytest.raises(LedgerError, match="different neighbouring relations"):
+        ledger.reserve("d", run(relation="replace-one"), "b", budget=100.0)
+
+
+def test_corrupt_or_newer_ledgers_are_refused_untouched(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"this is not a database" * 100)
+    before = corrupt.read_bytes()
+    with pytest.raises(LedgerError, match="not a readable ledger"):
+        Ledger(corrupt, 1e-5)
+    assert corrupt.read_bytes() == before
+    newer = tmp_path / "newer.db"
+    Ledger(newer, 1e-5)
+    with sqlite3.connect(newer) as db:
+        db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(LedgerError, match="newer dpml"):
+        Ledger(newer, 1e-5)
+
+
+def _race(path: str, budget: float, barrier: multiprocessing.synchronize.Barrier, results: "multiprocessing.Queue[str]") -> None:
+    ledger = Ledger(path, 1e-5)
+    barrier.wait()
+    try:
+        ledger.reserve("d", run(), f"pid {os.getpid()}", budget=budget)
+        results.put("spent")
+    except BudgetExceeded:
+        results.put("refused")
+
+
+def test_two_runs_racing_for_the_last_budget(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    ledger = Ledger(path, 1e-5)
+    first = ledger.reserve("d", run(), "earlier release", budget=100.0)
+    def composed(count: int) -> float:
+        return epsilon_pld(MechanismDescription("x", run().events * count, "add-remove", 1.0, 0), 1e-5)
+
+    budget = (composed(2) + composed(3)) / 2  # room for one more run, not two
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    workers = [context.Process(target=_race, args=(str(path), budget, barrier, results)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    outcomes = sorted(results.get(timeout=5) for _ in workers)
+    assert outcomes == ["refused", "spent"]
+    assert len(ledger.spends("d")) == 2 and first.id == ledger.spends("d")[0].id
+
+
+@pytest.mark.slow
+def test_sigkill_during_training_keeps_the_spend(workdir: Path) -> None:
+    params = small_params(workdir, train={"epochs": 2000})  # long enough to be killed mid-training
+    path = write_params(workdir / "p.yaml", params)
+    for stage in ("ingest", "split", "preprocess"):
+        subprocess.run([sys.executable, "-m", "dpml", "stage", stage, "--params", str(path)], check=True,
+                       capture_output=True)
+    process = subprocess.Popen([sys.executable, "-m", "dpml", "stage", "train", "--params", str(path)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ledger_path = workdir / "ledger.db"
+    deadline = time.time() + 120
+    while not (ledger_path.exists() and Ledger(ledger_path, 1e-5).spends()):
+        assert process.poll() is None and time.time() < deadline, "the spend never appeared"
+        time.sleep(0.2)
+    time.sleep(1.0)  # now inside the training loop
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    ledger = Ledger(ledger_path, 1e-5)
+    [spend] = ledger.spends()
+    assert spend.mechanism is not None and ledger.events(spend.id) == []  # counted, never trained to completion
+    assert ledger.total(spend.dataset_version) == pytest.approx(spend.epsilon_alone)
+    assert not (workdir / "artifacts" / "train" / "model.pt").exists()  # no half-written model
+    # The next run sees the killed run's spend.
+    refused = subprocess.run([sys.executable, "-m", "dpml", "stage", "train", "--params", str(path),
+                              "--set", f"ledger.epsilon_budget={spend.epsilon_alone * 1.5}"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "over the budget" in refused.stderr
