@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from dpml import stages  # noqa: E402
 from dpml.audit.canaries import black_box_audit, white_box_audit  # noqa: E402
-from dpml.audit.run import Subject, audit_subject  # noqa: E402
+from dpml.audit.run import Subject, audit_subject, control_config  # noqa: E402
 from dpml.audit.references import train_reference  # noqa: E402
 from dpml.config import load  # noqa: E402
 from dpml.privacy.accountants import certify  # noqa: E402
@@ -58,6 +58,8 @@ def main() -> None:
         overrides = base + ([f"dp.target_epsilon={target_epsilon}", "train.algorithm=dpsgd"] if private
                             else ["train.algorithm=nonprivate"])
         cfg = load(ROOT / "configs" / "fashion-mnist.yaml", overrides)
+        if not private:  # the non-private model is trained as the audit's positive control is
+            cfg = control_config(cfg)
         context = stages.audit_context(cfg)
         x, y = context.train
         sigma = stages.resolve_noise_multiplier(cfg, x.shape[0]) if private else None
@@ -76,7 +78,7 @@ def main() -> None:
                                        sigma, private, 0.95))
         for k in REFERENCES:
             ref_cfg = cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"references": k, "bootstrap": 0})})
-            results, _ = audit_subject(ref_cfg, Subject("target", result.model, private, sigma), context.records,
+            results, _ = audit_subject(ref_cfg, Subject("target", result.model, private, sigma, ref_cfg), context.records,
                                        context.data_version, 0.95)
             rows.append({"epsilon_target": target_epsilon, "certified_epsilon": certified, "sigma": sigma,
                          "test_accuracy": accuracy, "train_seconds": train_seconds, "references": k,
@@ -115,6 +117,16 @@ def write(rows: list[dict], out: Path, seconds: float, max_train: int) -> None:
             lines.append(f"| {target} | {row['certified_epsilon']:.3f} | {row['test_accuracy']:.4f} | {refs} | {name} | "
                          f"{r['auc']:.3f} | {r['tpr_at_1pct_fpr']:.4f} | {r['tpr_at_0.1pct_fpr']:.4f} | "
                          f"{r['bound_test']:.3f} | {r['bound_gdp']:.3f} |")
+    lines += ["", "LiRA vs RMIA at equal numbers of reference models (best online/offline variant of each, by AUC; "
+              "TPR at 0.1% FPR in brackets):", "", "| ε target | refs | LiRA | RMIA |", "|---|---|---|---|"]
+    for row in rows:
+        target = "∞ (non-private)" if row["epsilon_target"] is None else f"{row['epsilon_target']:g}"
+        best = {}
+        for family in ("lira", "rmia"):
+            name = max((n for n in row["attacks"] if n.startswith(family)), key=lambda n: row["attacks"][n]["auc"])
+            r = row["attacks"][name]
+            best[family] = f"{r['auc']:.3f} ({r['tpr_at_0.1pct_fpr']:.4f}, {name})"
+        lines.append(f"| {target} | {row['references']} | {best['lira']} | {best['rmia']} |")
     lines += ["", "One-run audits (Steinke, Nasr, Jagielski 2023), 95% confidence:", "",
               "| ε target | certified ε | white-box gradient canaries ε_LB | black-box canary records ε_LB |", "|---|---|---|---|"]
     for row in rows:

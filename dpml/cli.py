@@ -112,6 +112,38 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certificate(args: argparse.Namespace) -> int:
+    """Recompute a logged run's certificate from its logged mechanism description."""
+    import mlflow
+
+    from dpml.privacy.accountants import certify
+    from dpml.privacy.mechanism import MechanismDescription
+    from dpml.tracking import tracking_uri
+
+    config = load(args.params, args.set)
+    mlflow.set_tracking_uri(tracking_uri(config.tracking))
+    try:
+        logged = mlflow.artifacts.load_dict(f"runs:/{args.run}/certificate.json")
+        run_config = mlflow.artifacts.load_dict(f"runs:/{args.run}/config.json")
+    except mlflow.exceptions.MlflowException as error:
+        raise ValueError(f"--run {args.run}: no certificate.json/config.json logged ({error.message})") from None
+    if not logged:
+        print(f"run {args.run} trained without differential privacy: no certificate")
+        return 0
+    fresh = certify(MechanismDescription.from_dict(logged["mechanism"]), float(run_config["dp"]["delta"]))
+    same = abs(fresh["epsilon"] - logged["epsilon"]) <= 1e-9 * max(1.0, logged["epsilon"])
+    if args.json:
+        print(json.dumps({"logged": logged, "recomputed": fresh, "match": same}, indent=2))
+    else:
+        print(f"logged:     {logged['statement']}")
+        print(f"recomputed: {fresh['statement']}")
+        for answer in fresh["answers"]:
+            value = f"{answer['epsilon']:.6g}" if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            print(f"  {answer['name']:<20} {answer['version']:<10} {value}")
+        print("match" if same else "MISMATCH: the logged certificate does not follow from the logged mechanism")
+    return 0 if same else 3
+
+
 def cmd_epsilon(args: argparse.Namespace) -> int:
     from dpml.privacy.accountants import certify
     from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
@@ -188,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--out", default=None, help="folder for the rebuilt data and audit outputs (default artifacts/reaudit)")
     config_args(aud)
     aud.set_defaults(func=cmd_audit)
+
+    cert = sub.add_parser("certificate", help="recompute a logged run's certificate from its mechanism description")
+    cert.add_argument("--run", required=True, help="MLflow run id of a pipeline run")
+    cert.add_argument("--json", action="store_true")
+    config_args(cert)
+    cert.set_defaults(func=cmd_certificate)
 
     led = sub.add_parser("ledger", help="the privacy budget ledger: every run per dataset version, composed")
     led.add_argument("--dataset", default=None, help="one dataset version (content hash)")

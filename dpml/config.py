@@ -172,6 +172,10 @@ AttackName = Literal["loss", "lira-online", "lira-offline", "lira-online-per-exa
 class AuditConfig(_Section):
     """Membership-inference audit of the trained model, its positive control and one-run audits.
 
+    The positive control is the same model trained without DP on the same split, with its own
+    (non-private) optimiser settings ``control_*`` so that it is trained the way a non-private
+    model would be; its reference models use the same settings.
+
     Candidates: up to ``max_records`` members (training records) and as many non-members (audit
     population); the rest of the audit population is RMIA's population z. ``references``
     reference models per target (DP and non-private control) train on random halves of train ∪
@@ -190,6 +194,9 @@ class AuditConfig(_Section):
     bound_correction: Literal["split", "bonferroni"] = "split"
     bootstrap: int = Field(200, ge=0)
     control: bool = True
+    control_optimizer: Literal["sgd", "adam"] = "adam"
+    control_learning_rate: float = Field(1e-3, gt=0)
+    control_epochs: float = Field(30.0, gt=0)
     control_min_tpr_at_1pct_fpr: float = Field(0.01, ge=0, le=1)
     require_control_power: bool = False
     white_box_canaries: int = Field(1000, ge=0)

@@ -21,7 +21,7 @@ import torch
 from dpml import io
 from dpml.audit.plots import plot_histograms, plot_roc
 from dpml.audit.references import AuditRecords, audit_records, train_reference
-from dpml.audit.run import control_power, gating_lower_bounds, run_audit
+from dpml.audit.run import control_power, gating_lower_bounds, needs_references, run_audit, subject_config
 from dpml.config import Config, TrackingConfig, validate
 from dpml.data.preprocess import preprocess as preprocess_records
 from dpml.data.sources import content_hash, load_source
@@ -228,22 +228,24 @@ def audit_context(config: Config) -> AuditContext:
                         io.read_json(layout.raw_meta)["version"], sigma, (x_train, y_train), (x_audit, y_audit))
 
 
-def audit_reference_jobs(config: Config) -> list[tuple[bool, float | None, int]]:
-    """The reference models the audit will need: (private, σ, index) — for Prefect to fan out."""
+def audit_reference_jobs(config: Config) -> list[tuple[str, bool, float | None, int]]:
+    """The reference models the audit will need: (kind, private, σ, index) — for Prefect to fan out."""
+    if not needs_references(config):
+        return []
     context = audit_context(config)
     private = context.noise_multiplier is not None
-    kinds = [(private, context.noise_multiplier)] + ([(False, None)] if private and config.audit.control else [])
-    if all(name == "loss" for name in config.audit.attacks):
-        return []
-    return [(p, s, j) for p, s in kinds for j in range(config.audit.references)]
+    kinds = [("target", private, context.noise_multiplier)]
+    if private and config.audit.control:
+        kinds.append(("control", False, None))
+    return [(kind, p, s, j) for kind, p, s in kinds for j in range(config.audit.references)]
 
 
-def train_audit_reference(config: Config, job: tuple[bool, float | None, int]) -> dict[str, Any]:
+def train_audit_reference(config: Config, job: tuple[str, bool, float | None, int]) -> dict[str, Any]:
     """Train (or reuse) one reference model; safe to run in parallel with the others."""
     torch.set_num_threads(1)
     context = audit_context(config)
-    private, sigma, index = job
-    return train_reference(config, context.records, context.n_classes, context.data_version,
+    kind, private, sigma, index = job
+    return train_reference(subject_config(config, kind), context.records, context.n_classes, context.data_version,
                            private=private, noise_multiplier=sigma, index=index)
 
 

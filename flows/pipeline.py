@@ -57,7 +57,7 @@ def absolute_paths(config: Config) -> Config:
 
 
 @flow(name="train-reference-models", log_prints=True)
-def train_reference_models(config: Config, jobs: list[tuple[bool, float | None, int]]) -> list[dict[str, Any]]:
+def train_reference_models(config: Config, jobs: list[tuple[str, bool, float | None, int]]) -> list[dict[str, Any]]:
     futures = t.train_reference.map(config=unmapped(config), job=jobs)
     return [future.result() for future in futures]
 

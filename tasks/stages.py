@@ -45,12 +45,12 @@ def certify(config: Config) -> dict[str, Any]:
 
 
 @task(name="reference-jobs", **_stage)
-def reference_jobs(config: Config) -> list[tuple[bool, float | None, int]]:
+def reference_jobs(config: Config) -> list[tuple[str, bool, float | None, int]]:
     return stages.audit_reference_jobs(config)
 
 
 @task(name="train-reference", retries=1, retry_delay_seconds=2, **_stage)
-def train_reference(config: Config, job: tuple[bool, float | None, int]) -> dict[str, Any]:
+def train_reference(config: Config, job: tuple[str, bool, float | None, int]) -> dict[str, Any]:
     """One reference model; these run in parallel on the Dask task runner."""
     return stages.train_audit_reference(config, job)
 

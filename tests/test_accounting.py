@@ -1,5 +1,7 @@
 import json
 import math
+
+import numpy as np
 import subprocess
 import sys
 
@@ -16,15 +18,18 @@ def mechanism(q: float, sigma: float, steps: int, relation: str = "add-remove") 
     return MechanismDescription("test", (PoissonGaussianSteps(q, sigma, steps),), relation, 1.0, 1000)  # type: ignore[arg-type]
 
 
-def independent_pld_bounds(q: float, sigma: float, steps: int, delta: float) -> tuple[float, float]:
+def independent_pld_bounds(q: float, sigma: float, steps: int, delta: float,
+                           relation: str = "add-remove", interval: float = 5e-5) -> tuple[float, float]:
     """dp_accounting's PLD called directly: optimistic (a lower bound) and pessimistic (upper) ε."""
+    from dp_accounting import NeighboringRelation
     from dp_accounting.pld import privacy_loss_distribution as pld
 
+    rel = NeighboringRelation.ADD_OR_REMOVE_ONE if relation == "add-remove" else NeighboringRelation.REPLACE_ONE
     out = []
     for pessimistic in (False, True):
         dist = pld.from_gaussian_mechanism(
-            standard_deviation=sigma, sampling_prob=q, value_discretization_interval=5e-5,
-            pessimistic_estimate=pessimistic,
+            standard_deviation=sigma, sampling_prob=q, value_discretization_interval=interval,
+            pessimistic_estimate=pessimistic, neighboring_relation=rel, use_connect_dots=pessimistic,
         ).self_compose(steps)
         out.append(dist.get_epsilon_for_delta(delta))
     return out[0], out[1]
@@ -99,10 +104,64 @@ def test_cli_epsilon_json() -> None:
     payload = json.loads(done.stdout)
     lower, upper = independent_pld_bounds(0.01, 1.1, 1000, 1e-5)
     assert lower <= payload["epsilon"] <= upper * 1.005 + 1e-3
-    assert {a["name"] for a in payload["answers"]} == {"dp_accounting.pld", "autodp.rdp", "dp_accounting.rdp"}
+    assert {a["name"] for a in payload["answers"]} == {"dp_accounting.pld", "prv_accountant.prv", "autodp.rdp",
+                                                       "dp_accounting.rdp"}
 
 
 def test_cli_epsilon_rejects_bad_values() -> None:
     done = subprocess.run([sys.executable, "-m", "dpml", "epsilon", "--noise-multiplier", "1", "--sample-rate", "2",
                            "--steps", "10"], capture_output=True, text=True)
     assert done.returncode != 0 and "--sample-rate: 2: must be in (0, 1]" in done.stderr
+
+
+def sweep_settings(count: int = 50) -> list[tuple[float, float, int, float, str]]:
+    rng = np.random.default_rng(2026)
+    grid = [(q, s, t, d, r) for q in (0.001, 0.01, 0.05, 0.2) for s in (0.8, 1.0, 2.0, 5.0)
+            for t in (10, 100, 400) for d in (1e-5, 1e-6) for r in ("add-remove", "replace-one")]
+    return [grid[i] for i in rng.choice(len(grid), size=count, replace=False)]
+
+
+@pytest.mark.exhaustive
+def test_sweep_never_below_a_lower_bound_and_within_2pct_of_the_tightest() -> None:
+    """50 settings, both relations: certified ε ≥ PRV's lower bound (add/remove; dp_accounting's
+    optimistic PLD for replace-one) and ≤ 1.02 × the tightest accountant's value."""
+    from dpml.privacy.accountants import prv_bounds
+
+    checked = 0
+    for q, sigma, steps, delta, relation in sweep_settings():
+        m = mechanism(q, sigma, steps, relation)
+        certificate = certify(m, delta)
+        answers = [a["epsilon"] for a in certificate["answers"] if a["epsilon"] is not None]
+        lower, _ = independent_pld_bounds(q, sigma, steps, delta, relation, interval=1e-4)
+        tightest = min(answers)
+        if relation == "add-remove":
+            try:
+                prv_lower, prv_estimate, _ = prv_bounds(m, delta)
+                lower, tightest = max(lower, prv_lower), min(tightest, prv_estimate)
+            except Exception:  # PRV fails on some large-ε settings; the PLD lower bound stands
+                pass
+        eps = certificate["epsilon"]
+        assert eps >= lower - 1e-9, (q, sigma, steps, delta, relation)
+        assert eps <= 1.02 * tightest + 1e-3, (q, sigma, steps, delta, relation, eps, tightest)
+        checked += 1
+    assert checked == 50
+
+
+@pytest.mark.parametrize(("sigma", "paper"), [(15.0, 1.33), (5.0, 4.76)])
+def test_seed_001_base_dp_sgd_privacy(sigma: float, paper: float) -> None:
+    """Koskela (seed 001, §6): DP-SGD with q = 1/60, 24,000 steps, δ = 1e-5, replace-one is reported
+    as (1.33, 1e-5)-DP for σ = 15 and (4.76, 1e-5)-DP for σ = 5.
+
+    dpml certifies 1.317 and 4.543: never above the paper. Where it is lower (σ = 5, by ≈4.6%),
+    dp_accounting's PLD called directly at a 10× finer discretisation agrees with dpml to 1e-3, and
+    its optimistic estimate (a lower bound on the true ε: 4.42 for σ = 5) shows the truth is below
+    the paper's figure too: the paper's accountant was looser than the exact replace-one privacy
+    loss distribution of the Poisson-subsampled Gaussian (e.g. an RDP conversion)."""
+    certificate = certify(mechanism(1 / 60, sigma, 24_000, "replace-one"), 1e-5)
+    eps = certificate["epsilon"]
+    assert eps <= paper + 0.005  # never above the published figure beyond rounding
+    lower, upper = independent_pld_bounds(1 / 60, sigma, 24_000, 1e-5, "replace-one", interval=1e-5)
+    assert lower <= eps  # never below the truth
+    assert abs(eps - upper) < 1e-3  # an independent, finer computation agrees
+    if eps < paper - 0.01:
+        assert lower < paper  # and the true ε is below the paper's number as well

@@ -68,6 +68,11 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
         theirs = model(torch.from_numpy(x_test))
     torch.testing.assert_close(theirs, ours)
 
+    # `dpml certificate --run` recomputes the certificate from the logged mechanism description.
+    from dpml.cli import main
+
+    assert main(["certificate", "--run", v1.run_id, "--params", str(params)]) == 0
+
     # `dpml audit --model` re-audits the registered version with the data it saw: same numbers.
     from dpml.stages import audit_registered_model
 

@@ -40,26 +40,39 @@ def attack_functions(config: AuditConfig) -> dict[str, atk.Attack]:
 
 @dataclass(frozen=True)
 class Subject:
-    """A model under audit and how it was trained (for its reference models)."""
+    """A model under audit and how it was trained (its reference models are trained the same way)."""
 
     name: str
     model: nn.Module
     private: bool
     noise_multiplier: float | None
+    config: Config
 
 
-def reference_jobs(config: Config, subjects: list[Subject]) -> list[tuple[bool, float | None, int]]:
-    needs = any(name != "loss" for name in config.audit.attacks)
-    if not needs:
-        return []
-    return [(s.private, s.noise_multiplier, j) for s in subjects for j in range(config.audit.references)]
+def control_config(config: Config) -> Config:
+    """The positive control's configuration: the same model and data, trained without DP with the
+    ``audit.control_*`` optimiser settings."""
+    train = config.train.model_copy(update={
+        "algorithm": "nonprivate", "optimizer": config.audit.control_optimizer,
+        "learning_rate": config.audit.control_learning_rate, "epochs": config.audit.control_epochs, "momentum": 0.0,
+    })
+    return config.model_copy(update={"train": train})
 
 
-def ensure_references(config: Config, records: AuditRecords, n_classes: int, data_version: str,
+def subject_config(config: Config, kind: str) -> Config:
+    return control_config(config) if kind == "control" else config
+
+
+def needs_references(config: Config) -> bool:
+    return any(name != "loss" for name in config.audit.attacks)
+
+
+def ensure_references(records: AuditRecords, n_classes: int, data_version: str,
                       subjects: list[Subject]) -> list[dict[str, Any]]:
     """Train every reference model not already stored (sequentially; Prefect fans these out)."""
-    return [train_reference(config, records, n_classes, data_version, private=p, noise_multiplier=s, index=j)
-            for p, s, j in reference_jobs(config, subjects)]
+    return [train_reference(s.config, records, n_classes, data_version, private=s.private,
+                            noise_multiplier=s.noise_multiplier, index=j)
+            for s in subjects if needs_references(s.config) for j in range(s.config.audit.references)]
 
 
 def attack_inputs(model: nn.Module, records: AuditRecords, references: tuple[np.ndarray, np.ndarray] | None) -> atk.AttackInputs:
@@ -80,8 +93,8 @@ def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_
                   gating_confidence: float) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Every configured attack against one model: metrics with CIs and ε lower bounds."""
     references = None
-    if any(name != "loss" for name in config.audit.attacks):
-        references = load_references(config, data_version, subject.private, subject.noise_multiplier,
+    if needs_references(config):
+        references = load_references(subject.config, data_version, subject.private, subject.noise_multiplier,
                                      config.audit.references)
     inputs = attack_inputs(subject.model, records, references)
     m = records.members.size
@@ -107,12 +120,13 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
     """The whole audit; returns (summary, raw scores). Reference models must exist or are trained."""
     private = noise_multiplier is not None
     start = time.perf_counter()
-    subjects = [Subject("target", target, private, noise_multiplier)]
+    subjects = [Subject("target", target, private, noise_multiplier, config)]
     if config.audit.control and private:
-        control = fit(config, x_train, y_train, n_classes, private=False, noise_multiplier=None,
+        settings = control_config(config)
+        control = fit(settings, x_train, y_train, n_classes, private=False, noise_multiplier=None,
                       seed=config.train.seed).model
-        subjects.append(Subject("control", control, False, None))
-    trained = ensure_references(config, records, n_classes, data_version, subjects)
+        subjects.append(Subject("control", control, False, None, settings))
+    trained = ensure_references(records, n_classes, data_version, subjects)
     one_run = (config.audit.white_box_canaries > 0 and private) + (config.audit.black_box_canaries > 0)
     gating = len(config.audit.attacks) + one_run
     confidence = 1.0 - (1.0 - config.audit.confidence) / gating

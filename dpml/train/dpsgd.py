@@ -67,6 +67,26 @@ def number_of_steps(epochs: float, sample_rate: float) -> int:
     return max(1, int(round(epochs / sample_rate)))
 
 
+def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
+                          noise_multiplier: float, physical_batch_size: int, generator: torch.Generator
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the batch (in physical chunks, so a large
+    Poisson batch runs in bounded memory), Gaussian noise N(0, σ²C²) per parameter, and how many
+    examples were clipped (a tensor: no device synchronisation in the training loop)."""
+    params = dict(model.named_parameters())
+    sums = {name: torch.zeros_like(p) for name, p in params.items()}
+    clipped = torch.zeros((), device=x.device)
+    for start in range(0, x.shape[0], physical_batch_size):
+        chunk_sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[start:start + physical_batch_size],
+                                                 y[start:start + physical_batch_size], clip_norm)
+        for name, value in chunk_sums.items():
+            sums[name] += value
+        clipped = clipped + (norms > clip_norm).sum()
+    noises = {name: torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=generator,
+                                 device=x.device, dtype=p.dtype) for name, p in params.items()}
+    return sums, noises, clipped
+
+
 def dpsgd_mechanism(sample_rate: float, noise_multiplier: float, epochs: float, neighbouring: Neighbouring,
                     clip_norm: float, dataset_size: int) -> MechanismDescription:
     """What :func:`train_dpsgd` does with these settings: known before training (the ledger needs it)."""
@@ -97,7 +117,9 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
     sampler = torch.Generator().manual_seed(seed)
     noise_source = torch.Generator(device=x.device).manual_seed(seed + 1)
     params = dict(model.named_parameters())
-    batch_sizes, clipped, start = [], [], time.perf_counter()
+    batch_sizes: list[int] = []
+    clipped: list[torch.Tensor] = []
+    start = time.perf_counter()
     if canaries is not None:
         locate = _canary_locations(params, canaries.coordinates)
         canary_sampler = torch.Generator().manual_seed(seed + 2)
@@ -112,14 +134,9 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
         iterator = tqdm(iterator, desc="DP-SGD", unit="step", leave=False)
     for _ in iterator:
         batch = poisson_batch(sampler, n, sample_rate).to(x.device)
-        sums = {name: torch.zeros_like(p) for name, p in params.items()}
-        for chunk in torch.split(batch, physical_batch_size):
-            chunk_sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[chunk], y[chunk], clip_norm)
-            for name, value in chunk_sums.items():
-                sums[name] += value
-            clipped.append(float((norms > clip_norm).float().mean()) if norms.numel() else 0.0)
-        noises = {name: torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=noise_source,
-                                     device=x.device, dtype=p.dtype) for name, p in params.items()}
+        sums, noises, clipped_count = clipped_sum_and_noise(model, x[batch], y[batch], clip_norm, noise_multiplier,
+                                                            physical_batch_size, noise_source)
+        clipped.append(clipped_count)
         if canaries is not None:
             sampled = (torch.rand(canaries.coordinates.size, generator=canary_sampler) < sample_rate).numpy()
             present = sampled & canaries.included
@@ -137,7 +154,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
         "steps": steps,
         "mean_batch_size": float(np.mean(batch_sizes)),
         "empty_batches": int(sum(b == 0 for b in batch_sizes)),
-        "clipped_fraction": float(np.mean(clipped)) if clipped else 0.0,
+        "clipped_fraction": float(torch.stack(clipped).sum()) / max(sum(batch_sizes), 1) if clipped else 0.0,
         "seconds": time.perf_counter() - start,
     }
     return TrainResult(model, mechanism, history, canary_scores if canaries is not None else None)
