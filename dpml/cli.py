@@ -91,6 +91,26 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if result["consistent"] else 3
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dpml.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
+
+    if (args.steps is None) == (args.noise_multiplier is None):
+        raise ValueError("give exactly one of --steps (to calibrate σ) and --noise-multiplier (to calibrate steps)")
+    if args.steps is not None:
+        sigma = calibrate_noise_multiplier(args.target_epsilon, args.sample_rate, args.steps, args.delta, args.neighbouring)
+        result = {"noise_multiplier": sigma, "steps": args.steps}
+        text = f"noise multiplier σ = {sigma:.6g} for {args.steps} steps"
+    else:
+        steps = calibrate_steps(args.target_epsilon, args.sample_rate, args.noise_multiplier, args.delta, args.neighbouring)
+        result = {"noise_multiplier": args.noise_multiplier, "steps": steps}
+        text = f"at most {steps} steps with σ = {args.noise_multiplier:g}"
+    result |= {"target_epsilon": args.target_epsilon, "sample_rate": args.sample_rate, "delta": args.delta,
+               "neighbouring": args.neighbouring}
+    print(json.dumps(result, indent=2) if args.json else
+          f"{text} keep ε ≤ {args.target_epsilon:g} at δ = {args.delta:g} (q = {args.sample_rate:g}, {args.neighbouring})")
+    return 0
+
+
 def cmd_ledger(args: argparse.Namespace) -> int:
     from dpml.privacy.ledger import Ledger
 
@@ -226,6 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument("--json", action="store_true")
     config_args(cert)
     cert.set_defaults(func=cmd_certificate)
+
+    cal = sub.add_parser("calibrate", help="σ for a target ε (given steps), or the most steps (given σ)")
+    cal.add_argument("--target-epsilon", type=_positive_float, required=True)
+    cal.add_argument("--sample-rate", type=_rate, required=True)
+    cal.add_argument("--steps", type=_steps, default=None)
+    cal.add_argument("--noise-multiplier", type=_positive_float, default=None)
+    cal.add_argument("--delta", type=_delta, default=1e-5)
+    cal.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove")
+    cal.add_argument("--json", action="store_true")
+    cal.set_defaults(func=cmd_calibrate)
 
     led = sub.add_parser("ledger", help="the privacy budget ledger: every run per dataset version, composed")
     led.add_argument("--dataset", default=None, help="one dataset version (content hash)")

@@ -155,6 +155,7 @@ class DpConfig(_Section):
     noise_multiplier: float | None = Field(None, gt=0)
     target_epsilon: float | None = Field(None, gt=0)
     neighbouring: Literal["add-remove", "replace-one"] = "add-remove"
+    allow_delta_above_inverse_n: bool = False
 
     @model_validator(mode="after")
     def _one_noise_source(self) -> "DpConfig":

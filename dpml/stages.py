@@ -10,6 +10,7 @@ call exactly these functions, so both drivers produce the same files.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,16 @@ def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
     return float((logits_of(model, x).argmax(1) == y).mean())
 
 
+def check_delta(config: Config, n: int) -> None:
+    """Refuse δ ≥ 1/n: such a δ allows mechanisms that publish a whole record ("name and shame")."""
+    if config.dp.delta >= 1.0 / n:
+        message = (f"dp.delta = {config.dp.delta:g} is ≥ 1/n = {1.0 / n:.3g} for n = {n} training records: a δ that "
+                   "large permits releasing some record outright; use δ ≪ 1/n")
+        if not config.dp.allow_delta_above_inverse_n:
+            raise ValueError(message + " (or set dp.allow_delta_above_inverse_n: true to proceed anyway)")
+        warnings.warn(message, stacklevel=2)
+
+
 def resolve_noise_multiplier(config: Config, n_train: int) -> float:
     """σ from the config, or calibrated so the certified ε meets ``dp.target_epsilon``."""
     if config.dp.noise_multiplier is not None:
@@ -149,6 +160,7 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     meta = io.read_json(layout.prepared_meta)
     x_np, y_np = _load_part(layout, "train")
     private = config.train.algorithm == "dpsgd"
+    check_delta(config, int(x_np.shape[0]))
     sigma = resolve_noise_multiplier(config, int(x_np.shape[0])) if private else None
     planned = (dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs, config.dp.neighbouring,
                                config.dp.clip_norm, int(x_np.shape[0])) if private and sigma else None)

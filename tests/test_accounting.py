@@ -165,3 +165,14 @@ def test_seed_001_base_dp_sgd_privacy(sigma: float, paper: float) -> None:
     assert abs(eps - upper) < 1e-3  # an independent, finer computation agrees
     if eps < paper - 0.01:
         assert lower < paper  # and the true ε is below the paper's number as well
+
+
+@pytest.mark.parametrize(("target", "q", "sigma"), [(2.0, 0.05, 1.2), (1.0, 0.01, 1.0)])
+def test_steps_calibration_is_safe_and_exact(target: float, q: float, sigma: float) -> None:
+    from dpml.privacy.calibrate import calibrate_steps
+
+    steps = calibrate_steps(target, q, sigma, 1e-5)
+    assert steps > 0
+    assert certify(mechanism(q, sigma, steps), 1e-5)["epsilon"] <= target
+    assert certify(mechanism(q, sigma, steps + max(1, steps // 200)), 1e-5)["epsilon"] > target * 0.995
+    assert calibrate_steps(1e-3, 0.5, 0.5, 1e-5) == 0  # even one step is over budget

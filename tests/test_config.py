@@ -92,3 +92,15 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     bad.write_text("dp: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load(bad)
+
+
+def test_delta_at_least_inverse_n_is_refused_unless_allowed(tmp_path: Path) -> None:
+    from dpml.stages import check_delta
+
+    config = validate(small_params(tmp_path, dp={"delta": 0.01}))
+    with pytest.raises(ValueError, match=r"dp.delta = 0.01 is ≥ 1/n = 0.005 for n = 200"):
+        check_delta(config, 200)
+    check_delta(config, 50)  # 0.01 < 1/50: fine
+    allowed = validate(small_params(tmp_path, dp={"delta": 0.01, "allow_delta_above_inverse_n": True}))
+    with pytest.warns(UserWarning, match="permits releasing some record"):
+        check_delta(allowed, 200)

@@ -58,6 +58,7 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     root = checkout(tmp_path / "repo")
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["train"]["epochs"] = 3
+    params["audit"] |= {"references": 1, "bootstrap": 20}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.chdir(root)
     monkeypatch.setenv("PATH", environment()["PATH"])

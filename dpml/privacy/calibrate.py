@@ -55,3 +55,29 @@ def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps:
         else:
             lo = mid
     return hi
+
+
+def calibrate_steps(target_epsilon: float, sample_rate: float, noise_multiplier: float, delta: float,
+                    neighbouring: Neighbouring = "add-remove", max_steps: int = 10_000_000) -> int:
+    """The largest number of steps T with ε_PLD(σ; q, T, δ) ≤ ``target_epsilon`` (0 if even one step is over).
+
+    ε is increasing in T; doubling finds a bracket, bisection the exact integer, every comparison
+    with the pessimistic (upper-bounding) PLD, so the answer is never on the unsafe side.
+    """
+    if target_epsilon <= 0:
+        raise ValueError(f"target_epsilon = {target_epsilon}: must be > 0")
+
+    def fits(steps: int) -> bool:
+        return _epsilon(noise_multiplier, sample_rate, steps, delta, neighbouring) <= target_epsilon
+
+    if not fits(1):
+        return 0
+    good, bad = 1, 2
+    while fits(bad):
+        good, bad = bad, bad * 2
+        if bad > max_steps:
+            return max_steps
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
