@@ -110,7 +110,7 @@ def main() -> None:
     if args.child:
         model, method, batch = args.child
         batch = int(batch)
-        steps = max(3, min(20, 20_000 // batch))
+        steps = max(9, min(40, 40_000 // batch))
         print(json.dumps(measure(model, method, batch, steps)))
         return
     import torch

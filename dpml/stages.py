@@ -22,7 +22,7 @@ import torch
 from dpml import io
 from dpml.audit.plots import plot_histograms, plot_roc
 from dpml.audit.references import AuditRecords, audit_records, train_reference
-from dpml.audit.run import control_power, gating_lower_bounds, needs_references, run_audit, subject_config
+from dpml.audit.run import gating_lower_bounds, needs_references, run_audit, subject_config
 from dpml.config import Config, TrackingConfig, validate
 from dpml.data.preprocess import preprocess as preprocess_records
 from dpml.data.sources import content_hash, load_source
@@ -270,14 +270,12 @@ def audit(config: Config) -> dict[str, Any]:
     """Attack the trained model (and its non-private control); bound ε empirically; plot."""
     layout = Layout(config)
     context = audit_context(config)
-    summary, raw = run_audit(config, load_model(layout), context.noise_multiplier, context.records,
-                             *context.train, *context.audit, context.n_classes, context.data_version)
-    for subject, path, title in (("target", layout.roc_png, "membership inference against the released model"),
-                                 ("control", layout.roc_control_png, "positive control: the same attacks, non-private model")):
-        curves = summary.pop(f"{subject}_curves", None)
-        scores = summary.pop(f"{subject}_scores", None)
-        if curves is None:
-            continue
+    summary, raw, pictures = run_audit(config, load_model(layout), context.noise_multiplier, context.records,
+                                       *context.train, *context.audit, context.n_classes, context.data_version)
+    titles = {"target": (layout.roc_png, "membership inference against the released model"),
+              "control": (layout.roc_control_png, "positive control: the same attacks, non-private model")}
+    for subject, (curves, scores) in pictures.items():
+        path, title = titles[subject]
         plot_roc(curves, path, title)
         if subject == "target":
             plot_histograms(scores, layout.histograms_png, "score distributions: members vs non-members")
@@ -286,9 +284,6 @@ def audit(config: Config) -> dict[str, Any]:
             keep = np.unique(np.linspace(0, fpr.size - 1, min(fpr.size, 200)).astype(int))
             with io.atomic_path(layout.roc_csv) as temp:
                 temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep])))
-    bounds = gating_lower_bounds(summary)
-    summary["max_lower_bound"] = max((b["epsilon"] for b in bounds), default=0.0)
-    summary["control_power"] = control_power(summary)
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)
     metrics = {f"{name}.{k}": v for name, r in summary["target"]["attacks"].items() for k, v in r.items()
@@ -451,16 +446,9 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     mechanism = mlflow_artifact_json(registered["run_id"], "mechanism.json")
     io.write_json(layout.mechanism, mechanism)
     context = audit_context(config)
-    summary, raw = run_audit(config, registered["model"], context.noise_multiplier, context.records,
-                             *context.train, *context.audit, context.n_classes, context.data_version)
-    curves = summary.pop("target_curves")
-    summary.pop("target_scores")
-    summary.pop("control_curves", None)
-    summary.pop("control_scores", None)
-    plot_roc(curves, layout.roc_png, f"re-audit of {registered['name']} v{registered['version']}")
-    bounds = gating_lower_bounds(summary)
-    summary["max_lower_bound"] = max((b["epsilon"] for b in bounds), default=0.0)
-    summary["control_power"] = control_power(summary)
+    summary, raw, pictures = run_audit(config, registered["model"], context.noise_multiplier, context.records,
+                                       *context.train, *context.audit, context.n_classes, context.data_version)
+    plot_roc(pictures["target"][0], layout.roc_png, f"re-audit of {registered['name']} v{registered['version']}")
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)
     metrics = {f"audit.target.{n}.{k}": v for n, r in summary["target"]["attacks"].items() for k, v in r.items()

@@ -119,3 +119,62 @@ def test_poisson_sampling_rate_and_empty_batches() -> None:
                          neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=1e-9), seed=0)
     assert result.history["empty_batches"] == 1
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+
+class SmallCnn(nn.Module):
+    """Convolutions (strided, padded, dilated), a GroupNorm (vmap path), dense layers on 3-D inputs."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3, stride=2, padding=1)
+        self.c2 = nn.Conv2d(4, 6, 3, dilation=2, bias=False)
+        self.norm = nn.GroupNorm(2, 6) if norm else nn.Identity()
+        self.seq = nn.Linear(3, 5)  # applied per row of a (B, 6, 3·3)-shaped activation: T = 18 positions
+        self.out = nn.Linear(6 * 3 * 5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c1(x))
+        h = torch.tanh(self.norm(self.c2(h)))  # (B, 6, 3, 3)
+        h = torch.tanh(self.seq(h.reshape(h.shape[0], 6 * 3, 3)))
+        return self.out(h.reshape(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_conv_and_sequence_layers_match_naive_loop(norm: bool) -> None:
+    torch.manual_seed(5)
+    model = SmallCnn(norm).double()
+    if norm:
+        with torch.no_grad():
+            model.norm.weight.uniform_(0.5, 1.5)
+            model.norm.bias.uniform_(-0.5, 0.5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(12, 1, 13, 13, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,), generator=g)
+    for clip in (0.01, 0.5, 1e3):
+        fast, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
+        reference = naive_clipped_sum(model, x, y, clip)
+        assert set(fast) == set(reference)
+        for name in reference:
+            torch.testing.assert_close(fast[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+class Shared(nn.Module):
+    """One Linear applied twice: its per-example gradient is a sum over both calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.layer(torch.tanh(self.layer(x)))))
+
+
+def test_a_layer_used_twice_is_handled_exactly() -> None:
+    torch.manual_seed(7)
+    model = Shared().double()
+    x, y = data()
+    fast, _ = clipped_gradient_sum(model, per_example_cross_entropy, x.double(), y, 0.3)
+    reference = naive_clipped_sum(model, x.double(), y, 0.3)
+    for name in reference:
+        torch.testing.assert_close(fast[name], reference[name], rtol=1e-9, atol=1e-12)

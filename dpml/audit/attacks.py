@@ -114,13 +114,3 @@ def rmia_attack(inputs: AttackInputs, online: bool = True, a: float = 0.3, gamma
 
 
 Attack = Callable[[AttackInputs], np.ndarray]
-
-ATTACKS: dict[str, tuple[Attack, bool]] = {
-    # name: (function, needs reference models)
-    "loss": (loss_attack, False),
-    "lira-online": (lambda i: lira_attack(i, online=True, variance="global"), True),
-    "lira-offline": (lambda i: lira_attack(i, online=False, variance="global"), True),
-    "lira-online-per-example": (lambda i: lira_attack(i, online=True, variance="per-example"), True),
-    "rmia-online": (lambda i: rmia_attack(i, online=True), True),
-    "rmia-offline": (lambda i: rmia_attack(i, online=False), True),
-}

@@ -116,8 +116,9 @@ def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_
 
 def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None, records: AuditRecords,
               x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray, y_audit: np.ndarray,
-              n_classes: int, data_version: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The whole audit; returns (summary, raw scores). Reference models must exist or are trained."""
+              n_classes: int, data_version: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The whole audit; returns (JSON summary, raw scores, {subject: (ROC curves, scores)} for plots).
+    Reference models are reused when stored, trained otherwise."""
     private = noise_multiplier is not None
     start = time.perf_counter()
     subjects = [Subject("target", target, private, noise_multiplier, config)]
@@ -134,12 +135,12 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
                                "gating_bounds": gating, "records_per_side": int(records.members.size),
                                "population": int(records.population.size)}
     raw: dict[str, Any] = {"members": records.members.tolist(), "nonmembers": records.nonmembers.tolist()}
+    pictures: dict[str, Any] = {}
     for subject in subjects:
         results, scores = audit_subject(config, subject, records, data_version, confidence)
         summary[subject.name] = {"attacks": results, "private": subject.private}
         raw[subject.name] = {name: {"member": m.tolist(), "nonmember": n.tolist()} for name, (m, n) in scores.items()}
-        summary[f"{subject.name}_curves"] = {name: roc(m, n) for name, (m, n) in scores.items()}
-        summary[f"{subject.name}_scores"] = scores
+        pictures[subject.name] = ({name: roc(m, n) for name, (m, n) in scores.items()}, scores)
     one_runs = []
     if config.audit.white_box_canaries > 0 and private:
         one_runs.append(white_box_audit(config, x_train, y_train, n_classes, noise_multiplier, confidence))
@@ -156,8 +157,10 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
         "found_stored": sum(t["reused"] for t in trained),
         "training_seconds": float(sum(t["seconds"] for t in trained)),
     }
+    summary["max_lower_bound"] = max((b["epsilon"] for b in gating_lower_bounds(summary)), default=0.0)
+    summary["control_power"] = control_power(summary)
     summary["seconds"] = time.perf_counter() - start
-    return summary, raw
+    return summary, raw, pictures
 
 
 def gating_lower_bounds(summary: dict[str, Any]) -> list[dict[str, Any]]:
