@@ -16,6 +16,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-train", type=int, default=10000)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    parser.add_argument("--work", default="/tmp/dpml-audit-bench")
+    parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-audit-bench"))
     args = parser.parse_args()
     data = ROOT.parent / "shared" / "datasets" / "fashion-mnist"
     if not data.is_dir():

@@ -13,6 +13,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from dpml.config import load  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    parser.add_argument("--work", default="/tmp/dpml-pipeline-bench")
+    parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-pipeline-bench"))
     args = parser.parse_args()
     data = ROOT.parent / "shared" / "datasets" / "fashion-mnist"
     if not data.is_dir():
