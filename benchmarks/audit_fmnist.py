@@ -63,7 +63,7 @@ def main() -> None:
             cfg = control_config(cfg)
         context = stages.audit_context(cfg)
         x, y = context.train
-        sigma = stages.resolve_noise_multiplier(cfg, x.shape[0]) if private else None
+        sigma = stages.resolve_noise_multiplier(cfg) if private else None
         t0 = time.perf_counter()
         result = fit(cfg, x, y, context.n_classes, private=private, noise_multiplier=sigma, seed=cfg.train.seed)
         train_seconds = time.perf_counter() - t0

@@ -134,19 +134,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 def cmd_certificate(args: argparse.Namespace) -> int:
     """Recompute a logged run's certificate from its logged mechanism description."""
-    import mlflow
-
     from dpml.privacy.accountants import certify
     from dpml.privacy.mechanism import MechanismDescription
-    from dpml.tracking import tracking_uri
+    from dpml.tracking import load_run_json
 
     config = load(args.params, args.set)
-    mlflow.set_tracking_uri(tracking_uri(config.tracking))
-    try:
-        logged = mlflow.artifacts.load_dict(f"runs:/{args.run}/certificate.json")
-        run_config = mlflow.artifacts.load_dict(f"runs:/{args.run}/config.json")
-    except mlflow.exceptions.MlflowException as error:
-        raise ValueError(f"--run {args.run}: no certificate.json/config.json logged ({error.message})") from None
+    logged = load_run_json(config.tracking, args.run, "certificate.json")
+    run_config = load_run_json(config.tracking, args.run, "config.json")
     if not logged:
         print(f"run {args.run} trained without differential privacy: no certificate")
         return 0
@@ -215,6 +209,16 @@ def _steps(text: str) -> int:
 STAGE_NAMES = ("ingest", "split", "preprocess", "train", "certify", "audit", "gate", "register")
 
 
+def mechanism_args(p: argparse.ArgumentParser, required: bool) -> None:
+    """DP-SGD's parameters; σ and steps are optional where one of them is being calibrated."""
+    p.add_argument("--noise-multiplier", type=_positive_float, required=required, default=None)
+    p.add_argument("--sample-rate", type=_rate, required=True)
+    p.add_argument("--steps", type=_steps, required=required, default=None)
+    p.add_argument("--delta", type=_delta, default=1e-5)
+    p.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpml", description="Privacy-audited model production.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -249,12 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="σ for a target ε (given steps), or the most steps (given σ)")
     cal.add_argument("--target-epsilon", type=_positive_float, required=True)
-    cal.add_argument("--sample-rate", type=_rate, required=True)
-    cal.add_argument("--steps", type=_steps, default=None)
-    cal.add_argument("--noise-multiplier", type=_positive_float, default=None)
-    cal.add_argument("--delta", type=_delta, default=1e-5)
-    cal.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove")
-    cal.add_argument("--json", action="store_true")
+    mechanism_args(cal, required=False)
     cal.set_defaults(func=cmd_calibrate)
 
     led = sub.add_parser("ledger", help="the privacy budget ledger: every run per dataset version, composed")
@@ -264,12 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     led.set_defaults(func=cmd_ledger)
 
     eps = sub.add_parser("epsilon", help="ε of DP-SGD with Poisson sampling, from every accountant")
-    eps.add_argument("--noise-multiplier", type=_positive_float, required=True)
-    eps.add_argument("--sample-rate", type=_rate, required=True)
-    eps.add_argument("--steps", type=_steps, required=True)
-    eps.add_argument("--delta", type=_delta, default=1e-5)
-    eps.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove")
-    eps.add_argument("--json", action="store_true", help="machine-readable output")
+    mechanism_args(eps, required=True)
     eps.set_defaults(func=cmd_epsilon)
     return parser
 

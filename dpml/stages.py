@@ -140,7 +140,7 @@ def check_delta(config: Config, n: int) -> None:
         warnings.warn(message, stacklevel=2)
 
 
-def resolve_noise_multiplier(config: Config, n_train: int) -> float:
+def resolve_noise_multiplier(config: Config) -> float:
     """σ from the config, or calibrated so the certified ε meets ``dp.target_epsilon``."""
     if config.dp.noise_multiplier is not None:
         return config.dp.noise_multiplier
@@ -161,7 +161,7 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     x_np, y_np = _load_part(layout, "train")
     private = config.train.algorithm == "dpsgd"
     check_delta(config, int(x_np.shape[0]))
-    sigma = resolve_noise_multiplier(config, int(x_np.shape[0])) if private else None
+    sigma = resolve_noise_multiplier(config) if private else None
     planned = (dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs, config.dp.neighbouring,
                                config.dp.clip_norm, int(x_np.shape[0])) if private and sigma else None)
     ledger = Ledger(config.ledger.path, config.ledger.delta)
@@ -443,7 +443,7 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     split(config)
     preprocess(config)
     layout = Layout(config)
-    mechanism = mlflow_artifact_json(registered["run_id"], "mechanism.json")
+    mechanism = mlflow_tracking.load_run_json(tracking, registered["run_id"], "mechanism.json")
     io.write_json(layout.mechanism, mechanism)
     context = audit_context(config)
     summary, raw, pictures = run_audit(config, registered["model"], context.noise_multiplier, context.records,
@@ -457,12 +457,6 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     certified = float(registered["tags"].get("dp.epsilon", "inf"))
     return {"model": f"{registered['name']}/{registered['version']}", "audit_run_id": run_id, "audit": summary,
             "certified_epsilon": certified, "consistent": summary["max_lower_bound"] <= certified}
-
-
-def mlflow_artifact_json(run_id: str, name: str) -> Any:
-    import mlflow
-
-    return mlflow.artifacts.load_dict(f"runs:/{run_id}/{name}")
 
 
 STAGES: dict[str, Callable[[Config], dict[str, Any]]] = {

@@ -87,6 +87,15 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
     }
 
 
+def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
+    """A JSON artifact of a logged run; a clear ValueError when the run or the artifact is missing."""
+    mlflow.set_tracking_uri(tracking_uri(config))
+    try:
+        return mlflow.artifacts.load_dict(f"runs:/{run_id}/{name}")
+    except mlflow.exceptions.MlflowException as error:
+        raise ValueError(f"run {run_id}: no {name} logged in {tracking_uri(config)} ({error.message})") from None
+
+
 def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
     """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its run, tags, config."""
     mlflow.set_tracking_uri(tracking_uri(config))
@@ -104,8 +113,8 @@ def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
     except mlflow.exceptions.MlflowException as error:
         raise ValueError(f"--model {uri!r}: not found in {tracking_uri(config)} ({error.message})") from None
     try:
-        run_config = mlflow.artifacts.load_dict(f"runs:/{version.run_id}/config.json")
-    except mlflow.exceptions.MlflowException:
+        run_config = load_run_json(config, version.run_id, "config.json")
+    except ValueError:
         raise ValueError(f"--model {uri!r}: its run {version.run_id} has no config.json (not a dpml release, "
                          "or one from before dpml logged its configuration)") from None
     return {"name": version.name, "version": version.version, "run_id": version.run_id, "tags": dict(version.tags),
