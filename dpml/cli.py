@@ -60,6 +60,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from dpml.config import check_tunable
+
+    config = load(args.params, args.set)
+    check_tunable(config)
+    if args.engine == "prefect":
+        from flows.pipeline import private_hyperparameter_search
+
+        results = private_hyperparameter_search(params_path=args.params, overrides=args.set)
+    else:
+        from dpml.stages import run_all
+
+        results = run_all(config, progress=True, search=True)
+    print(_summary(results))
+    chosen = {k.removeprefix("chosen."): v for k, v in results["train"].items() if k.startswith("chosen.")}
+    print(f"  search               {config.tune.distribution} (E[K] = {config.tune.mean:g}); released the best "
+          f"candidate {chosen}, noisy validation accuracy {results['train']['noisy_validation_accuracy']:.4f}; "
+          "its ε above includes the whole search")
+    return 0
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     from dpml.stages import STAGES
 
@@ -233,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engine", choices=("prefect", "local"), default="prefect",
                      help="prefect: a Prefect flow run (default); local: the stages in-process")
     run.set_defaults(func=cmd_run)
+
+    tun = sub.add_parser("tune", help="private hyperparameter search (tune section), then certify, audit, release")
+    config_args(tun)
+    tun.add_argument("--engine", choices=("prefect", "local"), default="prefect",
+                     help="prefect: a Prefect flow run (default); local: the stages in-process")
+    tun.set_defaults(func=cmd_tune)
 
     stage = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
     stage.add_argument("name", choices=STAGE_NAMES)

@@ -216,6 +216,46 @@ class AuditConfig(_Section):
         return self
 
 
+TUNABLE_KEYS = ("train.learning_rate", "train.momentum", "train.optimizer", "model.hidden", "model.activation")
+
+
+class TuneConfig(_Section):
+    """``dpml tune``: a private hyperparameter search (Papernot & Steinke 2022).
+
+    K candidates run, K drawn from ``distribution`` (``poisson`` with E[K] = ``mean``;
+    ``truncated_negative_binomial`` with shape η = ``shape`` and E[K] = ``mean``; ``fixed``: K =
+    ``mean``). Each draws its hyperparameters uniformly from ``space`` (keys from
+    :data:`TUNABLE_KEYS`: none of them changes the mechanism's σ, q or steps), trains with DP-SGD on
+    the training part minus a validation part of ``validation_fraction``, and is scored by its
+    validation accuracy with Gaussian noise of std ``score_noise`` on the count of correct answers.
+    Only the best candidate is released; the certificate charges the whole search.
+    """
+
+    distribution: Literal["poisson", "truncated_negative_binomial", "fixed"] = "truncated_negative_binomial"
+    mean: float = Field(3.0, ge=1)
+    shape: float = Field(1.0, ge=0)
+    validation_fraction: float = Field(0.15, gt=0, lt=1)
+    score_noise: float = Field(5.0, gt=0)
+    seed: int = 0
+    space: dict[str, list[Any]] = Field(default_factory=lambda: {"train.learning_rate": [0.5, 1.0, 2.0]})
+
+    @model_validator(mode="after")
+    def _valid_search(self) -> "TuneConfig":
+        if self.distribution == "fixed" and self.mean != int(self.mean):
+            raise ValueError(f"tune.mean = {self.mean}: a fixed number of candidates must be an integer")
+        if self.distribution == "truncated_negative_binomial" and self.mean <= 1:
+            raise ValueError(f"tune.mean = {self.mean}: a truncated negative binomial needs E[K] > 1")
+        if not self.space:
+            raise ValueError("tune.space: name at least one hyperparameter to search")
+        for key, values in self.space.items():
+            if key not in TUNABLE_KEYS:
+                raise ValueError(f"tune.space key {key!r}: not tunable; allowed: {', '.join(TUNABLE_KEYS)} "
+                                 "(the others change the privacy mechanism or the data)")
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"tune.space[{key!r}] = {values!r}: must be a non-empty list of values")
+        return self
+
+
 class GateConfig(_Section):
     """Release gate: the model becomes ``champion`` only when certified ε ≤ ``epsilon_budget``."""
 
@@ -255,6 +295,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     dp: DpConfig = Field(default_factory=DpConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -324,6 +365,32 @@ def validate(raw: Any, origin: str = "params") -> Config:
         return Config.model_validate(raw)
     except ValidationError as error:
         raise ConfigError(_format_errors(error, origin)) from None
+
+
+def with_hyperparameters(config: Config, chosen: dict[str, Any]) -> Config:
+    """``config`` with ``{"train.learning_rate": 0.5, …}`` applied and validated again."""
+    overrides = [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+                 for key, value in chosen.items()]
+    return validate(apply_overrides(config.to_dict(), overrides), origin=f"hyperparameters {chosen}")
+
+
+def check_tunable(config: Config) -> None:
+    """Reject a search that cannot run, before any work: every candidate must be a valid config."""
+    problems = []
+    if config.train.algorithm != "dpsgd":
+        problems.append(f"  train.algorithm = {config.train.algorithm!r}: dpml tune searches DP-SGD runs only")
+    if config.tune.distribution != "fixed" and config.dp.neighbouring != "add-remove":
+        problems.append(f"  dp.neighbouring = {config.dp.neighbouring!r}: a random-count search "
+                        f"(tune.distribution = {config.tune.distribution}) is certified for add-remove only; "
+                        "use add-remove or tune.distribution: fixed")
+    for key, values in config.tune.space.items():
+        for value in values:
+            try:
+                with_hyperparameters(config, {key: value})
+            except ConfigError as error:
+                problems.append(f"  tune.space[{key!r}] value {value!r}: " + str(error).splitlines()[-1].strip())
+    if problems:
+        raise ConfigError("invalid configuration for dpml tune:\n" + "\n".join(problems))
 
 
 def load(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:

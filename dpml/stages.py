@@ -2,6 +2,10 @@
 
 ingest → split → preprocess → train → certify → audit → gate → register
 
+``dpml tune`` replaces ``train`` by :func:`tune` (a private hyperparameter search); it writes the
+same files plus ``artifacts/tune/``, and the later stages apply the released candidate's
+hyperparameters (:func:`release_config`).
+
 Each stage reads the previous stages' files and writes its own (atomically) under
 ``paths.data`` / ``paths.artifacts``. The DVC stages (``dpml stage NAME``) and the Prefect tasks
 call exactly these functions, so both drivers produce the same files.
@@ -9,6 +13,7 @@ call exactly these functions, so both drivers produce the same files.
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Callable
@@ -23,7 +28,7 @@ from dpml import io
 from dpml.audit.plots import plot_histograms, plot_roc
 from dpml.audit.references import AuditRecords, audit_records, train_reference
 from dpml.audit.run import gating_lower_bounds, needs_references, run_audit, subject_config
-from dpml.config import Config, TrackingConfig, validate
+from dpml.config import Config, TrackingConfig, check_tunable, validate, with_hyperparameters
 from dpml.data.preprocess import preprocess as preprocess_records
 from dpml.data.sources import content_hash, load_source
 from dpml.data.split import split_indices
@@ -35,6 +40,7 @@ from dpml.privacy.mechanism import MechanismDescription
 from dpml.report.privacy_report import render
 from dpml.privacy.ledger import Ledger
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps
+from dpml.train.search import run_search, score_event, search_mechanism, selection_of, validation_rows
 
 PARTS = ("train", "test", "audit")
 
@@ -66,6 +72,8 @@ class Layout:
         self.gate = art / "gate" / "gate.json"
         self.report = art / "gate" / "privacy_report.md"
         self.release = art / "register" / "release.json"
+        self.tuning = art / "tune" / "tuning.json"
+        self.validation = art / "tune" / "validation.npz"
 
 
 def ingest(config: Config) -> dict[str, Any]:
@@ -157,6 +165,7 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     a run whose composed total would exceed ``ledger.epsilon_budget`` is refused untrained.
     """
     layout = Layout(config)
+    _forget_search(layout)
     meta = io.read_json(layout.prepared_meta)
     x_np, y_np = _load_part(layout, "train")
     private = config.train.algorithm == "dpsgd"
@@ -178,23 +187,96 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
         ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
         raise
     ledger.record_event(spend.id, "trained", {"steps": result.history.get("steps")})
-    model = result.model
+    return _save_trained(config, layout, result.model, result.mechanism, x_np, y_np, result.history)
+
+
+def _save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechanism: MechanismDescription | None,
+                  x_fit: np.ndarray, y_fit: np.ndarray, history: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the released model, its spec, its mechanism and the train metrics."""
+    n_classes = len(io.read_json(layout.prepared_meta)["classes"])
     with io.atomic_path(layout.model) as temp:
         torch.save(model.state_dict(), temp)
-    io.write_json(layout.model_spec, model_spec(config, int(x_np.shape[1]), len(meta["classes"])).to_dict())
-    io.write_json(layout.mechanism, result.mechanism.to_dict() if result.mechanism else None)
+    io.write_json(layout.model_spec, model_spec(config, int(x_fit.shape[1]), n_classes).to_dict())
+    io.write_json(layout.mechanism, mechanism.to_dict() if mechanism else None)
     x_test, y_test = _load_part(layout, "test")
     metrics = {
         "test_accuracy": accuracy(model, x_test, y_test),
-        "train_accuracy": accuracy(model, x_np, y_np),
+        "train_accuracy": accuracy(model, x_fit, y_fit),
         "device": str(pick_device(config.train.device)),
         # Wall-clock time is left out: metrics must reproduce exactly under `dvc repro`.
-        **{f"train_{k}": v for k, v in result.history.items() if k != "seconds"},
+        **{f"train_{k}": v for k, v in history.items() if k != "seconds"},
+        **(extra or {}),
     }
-    if result.mechanism is not None:
-        metrics["noise_multiplier"] = result.mechanism.events[0].noise_multiplier
+    if mechanism is not None:
+        metrics["noise_multiplier"] = mechanism.events[0].noise_multiplier
     io.write_json(layout.train_metrics, metrics)
     return metrics
+
+
+def _forget_search(layout: Layout) -> None:
+    """A plain training run releases no search: drop a previous ``dpml tune``'s files."""
+    for path in (layout.tuning, layout.validation):
+        path.unlink(missing_ok=True)
+
+
+def release_config(config: Config) -> Config:
+    """The configuration of the released model: ``config``, plus the search's choice after ``dpml tune``."""
+    layout = Layout(config)
+    if not layout.tuning.exists():
+        return config
+    return with_hyperparameters(config, io.read_json(layout.tuning)["chosen"])
+
+
+def tune(config: Config, progress: bool = False) -> dict[str, Any]:
+    """Private hyperparameter search in place of :func:`train` (see :mod:`dpml.train.search`).
+
+    The search's whole cost (Papernot & Steinke for a random number of candidates, composition
+    for a fixed one) is recorded in the ledger before the first candidate trains; σ is calibrated
+    so that this whole cost meets ``dp.target_epsilon``.
+    """
+    check_tunable(config)
+    layout = Layout(config)
+    _forget_search(layout)
+    meta = io.read_json(layout.prepared_meta)
+    x_np, y_np = _load_part(layout, "train")
+    n = int(x_np.shape[0])
+    check_delta(config, n)
+    rows = validation_rows(n, config)
+    fit_mask = np.ones(n, dtype=bool)
+    fit_mask[rows] = False
+    x_fit, y_fit = x_np[fit_mask], y_np[fit_mask]
+    sigma = config.dp.noise_multiplier
+    if sigma is None:
+        assert config.dp.target_epsilon is not None
+        steps = number_of_steps(config.train.epochs, config.train.sample_rate)
+        sigma = calibrate_noise_multiplier(config.dp.target_epsilon, config.train.sample_rate, steps, config.dp.delta,
+                                           config.dp.neighbouring, extra=(score_event(config),),
+                                           selection=selection_of(config))
+    planned = search_mechanism(config, sigma, int(x_fit.shape[0]), n)
+    ledger = Ledger(config.ledger.path, config.ledger.delta)
+    spend = ledger.reserve(meta["data_version"], planned,
+                           f"dpml tune: {planned.selection.describe() if planned.selection else ''} ({config.data.source})",
+                           config.ledger.epsilon_budget)
+    io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
+                                 "epsilon_alone": spend.epsilon_alone})
+    try:
+        best = run_search(config, x_fit, y_fit, x_np[rows], y_np[rows], len(meta["classes"]), sigma, progress)
+        if best is None:
+            raise RuntimeError("the random number of candidates came out K = 0: nothing to release "
+                               "(the search's privacy cost stays recorded in the ledger)")
+    except BaseException as error:
+        ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
+        raise
+    ledger.record_event(spend.id, "trained", {"chosen": best.chosen})
+    io.write_npz(layout.validation, rows=rows)
+    io.write_json(layout.tuning, {"chosen": best.chosen, "noisy_validation_accuracy": best.noisy_validation_accuracy,
+                                  "selection": planned.selection.describe() if planned.selection else None,
+                                  "space": config.tune.space, "validation_records": int(rows.size)})
+    chosen_config = with_hyperparameters(config, best.chosen)
+    extra = {"noisy_validation_accuracy": best.noisy_validation_accuracy,
+             **{f"chosen.{k}": v for k, v in best.chosen.items()}}
+    return _save_trained(chosen_config, layout, best.model, planned, x_fit, y_fit, best.history, extra)
 
 
 def load_model(layout: Layout) -> torch.nn.Module:
@@ -232,6 +314,10 @@ def audit_context(config: Config) -> AuditContext:
     """Everything the audit needs besides the model: records, σ of the target, data version."""
     layout = Layout(config)
     x_train, y_train = _load_part(layout, "train")
+    if layout.validation.exists():  # after dpml tune the model never trained on the validation rows
+        keep = np.ones(y_train.size, dtype=bool)
+        keep[io.read_npz(layout.validation)["rows"]] = False
+        x_train, y_train = x_train[keep], y_train[keep]
     x_audit, y_audit = _load_part(layout, "audit")
     mechanism = io.read_json(layout.mechanism) if layout.mechanism.exists() else None
     sigma = None if mechanism is None else float(mechanism["events"][0]["noise_multiplier"])
@@ -242,6 +328,7 @@ def audit_context(config: Config) -> AuditContext:
 
 def audit_reference_jobs(config: Config) -> list[tuple[str, bool, float | None, int]]:
     """The reference models the audit will need: (kind, private, σ, index) — for Prefect to fan out."""
+    config = release_config(config)
     if not needs_references(config):
         return []
     context = audit_context(config)
@@ -254,6 +341,7 @@ def audit_reference_jobs(config: Config) -> list[tuple[str, bool, float | None, 
 
 def train_audit_reference(config: Config, job: tuple[str, bool, float | None, int]) -> dict[str, Any]:
     """Train (or reuse) one reference model; safe to run in parallel with the others."""
+    config = release_config(config)
     torch.set_num_threads(1)
     context = audit_context(config)
     kind, private, sigma, index = job
@@ -268,6 +356,7 @@ def _strongest(results: dict[str, Any], key: str) -> tuple[str, float]:
 
 def audit(config: Config) -> dict[str, Any]:
     """Attack the trained model (and its non-private control); bound ε empirically; plot."""
+    config = release_config(config)
     layout = Layout(config)
     context = audit_context(config)
     summary, raw, pictures = run_audit(config, load_model(layout), context.noise_multiplier, context.records,
@@ -359,6 +448,7 @@ def register(config: Config) -> dict[str, Any]:
     """Log the run to MLflow and register the model version with its privacy tags."""
     from dpml import tracking
 
+    config = release_config(config)
     layout = Layout(config)
     certificate = io.read_json(layout.certificate)
     summary = io.read_json(layout.audit)
@@ -375,6 +465,8 @@ def register(config: Config) -> dict[str, Any]:
         mechanism = (f"dpsgd: poisson-gaussian q={event['sample_rate']:.6g} sigma={event['noise_multiplier']:.6g} "
                      f"steps={event['steps']} C={certificate['mechanism']['clip_norm']:g} "
                      f"{certificate['neighbouring']} {certificate['threat_model']}")
+        if certificate["mechanism"].get("selection"):
+            mechanism += f"; hyperparameter search: {MechanismDescription.from_dict(certificate['mechanism']).selection.describe()}"  # type: ignore[union-attr]
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = io.read_json(layout.spend)
     dataset_total = ledger.total(data_meta["version"])
@@ -405,9 +497,14 @@ def register(config: Config) -> dict[str, Any]:
            for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
     }
+    if layout.tuning.exists():
+        tuning = io.read_json(layout.tuning)
+        version_tags |= {"tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),
+                         "tune.selection": str(tuning["selection"]),
+                         "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}"}
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
-                             layout.model_spec) if p.exists()]
+                             layout.model_spec, layout.tuning) if p.exists()]
     release = tracking.log_release(
         config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
         params=config.flat(), metrics=metrics, artifacts=artifacts, model=load_model(layout),
@@ -465,12 +562,16 @@ STAGES: dict[str, Callable[[Config], dict[str, Any]]] = {
 }
 
 
-def run_all(config: Config, progress: bool = False, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every stage in order (the CLI's ``dpml run`` without Prefect)."""
+def run_all(config: Config, progress: bool = False, echo: Callable[[str], None] = print,
+            search: bool = False) -> dict[str, Any]:
+    """Run every stage in order (the CLI's ``dpml run``/``dpml tune`` without Prefect)."""
     results: dict[str, Any] = {}
-    for name, stage in STAGES.items():
+    stages = STAGES | {"train": tune} if search else STAGES
+    if search:
+        check_tunable(config)
+    for name, stage in stages.items():
         start = time.perf_counter()
-        echo(f"[dpml] {name} …")
+        echo(f"[dpml] {'tune' if search and name == 'train' else name} …")
         results[name] = stage(config, progress=progress) if name == "train" else stage(config)  # type: ignore[call-arg]
         echo(f"[dpml] {name} done in {time.perf_counter() - start:.1f}s")
     return results

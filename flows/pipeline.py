@@ -21,7 +21,7 @@ from typing import Any
 from prefect import flow, get_client, unmapped
 from prefect_dask import DaskTaskRunner
 
-from dpml.config import AuditConfig, Config, load
+from dpml.config import AuditConfig, Config, check_tunable, load
 from tasks import stages as t
 
 
@@ -62,15 +62,11 @@ def train_reference_models(config: Config, jobs: list[tuple[str, bool, float | N
     return [future.result() for future in futures]
 
 
-@flow(name="privacy_audited_pipeline", log_prints=True)
-def privacy_audited_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run every stage for the configuration in ``params_path`` (plus ``overrides``)."""
-    config = absolute_paths(load(params_path, overrides or []))
-    results: dict[str, Any] = {}
-    results["ingest"] = t.ingest(config)
-    results["split"] = t.split(config)
-    results["preprocess"] = t.preprocess(config)
-    results["train"] = t.train(config)
+def _prepare(config: Config) -> dict[str, Any]:
+    return {"ingest": t.ingest(config), "split": t.split(config), "preprocess": t.preprocess(config)}
+
+
+def _certify_audit_release(config: Config, results: dict[str, Any]) -> dict[str, Any]:
     results["certify"] = t.certify(config)
     jobs = t.reference_jobs(config)
     if jobs:
@@ -80,9 +76,34 @@ def privacy_audited_pipeline(params_path: str = "params.yaml", overrides: list[s
     results["audit"] = t.audit(config)
     results["gate"] = t.gate(config)
     results["register"] = t.register(config)
+    return results
+
+
+@flow(name="privacy_audited_pipeline", log_prints=True)
+def privacy_audited_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run every stage for the configuration in ``params_path`` (plus ``overrides``)."""
+    config = absolute_paths(load(params_path, overrides or []))
+    results = _prepare(config)
+    results["train"] = t.train(config)
+    results = _certify_audit_release(config, results)
     if not overrides and params_path == "params.yaml":
         results["dvc"] = t.record_in_dvc()
     return results
+
+
+@flow(name="private_hyperparameter_search", log_prints=True)
+def private_hyperparameter_search(params_path: str = "params.yaml",
+                                  overrides: list[str] | None = None) -> dict[str, Any]:
+    """``dpml tune``: the pipeline with a private search (``tune`` section) in place of one training run.
+
+    The released model is the best candidate; its certificate and the ledger charge the whole
+    search. DVC is not updated: ``dvc.yaml`` describes the single-run pipeline.
+    """
+    config = absolute_paths(load(params_path, overrides or []))
+    check_tunable(config)  # before any work
+    results = _prepare(config)
+    results["train"] = t.tune(config)
+    return _certify_audit_release(config, results)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,12 @@ def train(config: Config) -> dict[str, Any]:
     return stages.train(config)
 
 
+@task(name="tune", **_stage)
+def tune(config: Config) -> dict[str, Any]:
+    """The private hyperparameter search; releases the best candidate only."""
+    return stages.tune(config)
+
+
 @task(name="certify", **_stage)
 def certify(config: Config) -> dict[str, Any]:
     return stages.certify(config)

@@ -1,5 +1,6 @@
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -178,3 +179,27 @@ def test_a_layer_used_twice_is_handled_exactly() -> None:
     reference = naive_clipped_sum(model, x.double(), y, 0.3)
     for name in reference:
         torch.testing.assert_close(fast[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+def test_released_models_draw_batches_and_noise_from_a_secret_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A public seed would make the release a deterministic function of the data (no DP at all)."""
+    from dpml.config import validate
+    from dpml.train.fit import fit
+
+    config = validate({"model": {"hidden": []}, "train": {"epochs": 1, "sample_rate": 0.2},
+                       "dp": {"noise_multiplier": 1.0}})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 6)).astype(np.float32), rng.integers(0, 3, 200)
+
+    def weights(**kwargs: object) -> torch.Tensor:
+        model = fit(config, x, y, 3, private=True, noise_multiplier=1.0, seed=0, **kwargs).model  # type: ignore[arg-type]
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    monkeypatch.delenv("DPML_NOISE_SEED", raising=False)
+    assert not torch.equal(weights(), weights())  # same config and init seed, fresh secret noise
+    torch.testing.assert_close(weights(noise_seed=5), weights(noise_seed=5))  # the audit's simulations
+    monkeypatch.setenv("DPML_NOISE_SEED", "42")  # the operator's secret, to reproduce a release
+    torch.testing.assert_close(weights(), weights())
+    monkeypatch.setenv("DPML_NOISE_SEED", "not a number")
+    with pytest.raises(ValueError, match="DPML_NOISE_SEED"):
+        weights()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,61 @@ def test_invalid_config_fails_before_any_work(workdir: Path) -> None:
                            "--set", "dp.delta=1.5"], capture_output=True, text=True)
     assert done.returncode == 2 and "dp.delta = 1.5" in done.stderr
     assert not (workdir / "data").exists()
+
+
+@pytest.mark.slow
+def test_private_search_releases_the_best_candidate_and_charges_the_search(workdir: Path,
+                                                                           prefect_harness: None) -> None:
+    from dpml.privacy.ledger import Ledger
+    from flows.pipeline import private_hyperparameter_search
+
+    space = {"train.learning_rate": [0.5, 2.0], "model.hidden": [[], [16]]}
+    params = write_params(workdir / "tune.yaml", small_params(
+        workdir, dp={"noise_multiplier": None, "target_epsilon": 2.0},
+        tune={"distribution": "truncated_negative_binomial", "mean": 2.0, "shape": 1.0, "space": space},
+        audit={"references": 1, "white_box_canaries": 0, "black_box_canaries": 0}, gate={"epsilon_budget": 3.0}))
+    results = private_hyperparameter_search(params_path=str(params))
+    config = load(params)
+    certificate = results["certify"]["certificate"]
+    # Calibrated so that the whole search, not one candidate, meets the target.
+    assert certificate["accountant"].startswith("papernot_steinke") and certificate["epsilon"] <= 2.0
+    assert certificate["mechanism"]["selection"] == {"distribution": "truncated_negative_binomial", "mean": 2.0,
+                                                     "shape": 1.0}
+    assert "hyperparameter search" in certificate["statement"]
+    one_candidate = certificate["mechanism"] | {"selection": None}
+    from dpml.privacy.accountants import certify
+    from dpml.privacy.mechanism import MechanismDescription
+
+    assert certify(MechanismDescription.from_dict(one_candidate), 1e-5)["epsilon"] < certificate["epsilon"]
+
+    client = client_for(workdir)
+    [version] = versions(client, "dpml-test-model")
+    chosen = {k.removeprefix("chosen."): v for k, v in results["train"].items() if k.startswith("chosen.")}
+    assert set(chosen) == set(space) and all(chosen[k] in space[k] for k in space)
+    assert version.tags["tune.chosen"] and "truncated negative binomial" in version.tags["dp.mechanism"]
+    run = client.get_run(version.run_id)
+    # The run logs the released candidate's hyperparameters, and nothing about the others.
+    assert run.data.params["train.learning_rate"] == str(float(chosen["train.learning_rate"]))
+    assert "tuning.json" in {a.path for a in client.list_artifacts(version.run_id)}
+    assert not any("candidate" in key for key in run.data.metrics)
+    # The released model has the chosen architecture, and the registered one predicts like it.
+    from dpml.stages import Layout, load_model
+
+    layout = Layout(config)
+    assert list(json.loads(layout.model_spec.read_text())["hidden"]) == chosen["model.hidden"]
+    x = torch.from_numpy(np.load(layout.prepared["test"])["x"][:16])
+    registered = mlflow.pytorch.load_model(f"models:/dpml-test-model/{version.version}")
+    with torch.no_grad():
+        torch.testing.assert_close(registered(x), load_model(layout)(x))
+    # The ledger holds the whole search as one spend, recorded before training; K is not recorded.
+    [spend] = Ledger(config.ledger.path, 1e-5).spends()
+    assert spend.mechanism is not None and spend.mechanism.selection is not None
+    events = dict(Ledger(config.ledger.path, 1e-5).events(spend.id))
+    assert set(events) == {"trained", "released"} and set(events["trained"]) == {"chosen"}
+    # The audit's members are the records the released model trained on: validation rows excluded.
+    n_train = np.load(layout.prepared["train"])["y"].size
+    n_val = np.load(layout.validation)["rows"].size
+    assert n_val == round(config.tune.validation_fraction * n_train)
+    from dpml.stages import audit_context
+
+    assert audit_context(config).train[0].shape[0] == n_train - n_val

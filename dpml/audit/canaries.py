@@ -46,7 +46,7 @@ def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int
     canaries = GradientCanaries(coordinates=rng.choice(n_params, size=m, replace=False),
                                 included=rng.random(m) < 0.5)
     result = fit(config, x, y, n_classes, private=True, noise_multiplier=noise_multiplier,
-                 seed=config.train.seed + 5_000, canaries=canaries)
+                 seed=config.train.seed + 5_000, noise_seed=config.audit.seed + 5_000, canaries=canaries)
     assert result.canary_scores is not None
     return _bound(result.canary_scores, canaries.included, config, confidence, "white_box")
 
@@ -61,6 +61,7 @@ def black_box_audit(config: Config, x: np.ndarray, y: np.ndarray, canary_x: np.n
     cy = (canary_y[chosen] + rng.integers(1, n_classes, size=m)) % n_classes  # a different class
     included = rng.random(m) < 0.5
     result = fit(config, np.concatenate([x, cx[included]]), np.concatenate([y, cy[included]]), n_classes,
-                 private=private, noise_multiplier=noise_multiplier, seed=config.train.seed + 6_000)
+                 private=private, noise_multiplier=noise_multiplier, seed=config.train.seed + 6_000,
+                 noise_seed=config.audit.seed + 6_000)
     scores = -cross_entropy_losses(logits_of(result.model, cx), cy)
     return _bound(scores, included, config, confidence, "black_box")

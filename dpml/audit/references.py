@@ -86,7 +86,8 @@ def train_reference(config: Config, records: AuditRecords, n_classes: int, data_
     rng = np.random.default_rng([config.audit.seed, index, int(private)])
     inside = rng.random(records.pool_x.shape[0]) < 0.5
     result = fit(config, records.pool_x[inside], records.pool_y[inside], n_classes, private=private,
-                 noise_multiplier=noise_multiplier, seed=10_000 + 97 * index + int(private))
+                 noise_multiplier=noise_multiplier, seed=10_000 + 97 * index + int(private),
+                 noise_seed=20_000 + 97 * index + int(private))
     seconds = time.perf_counter() - start
     io.write_npz(path, logits=logits_of(result.model, records.pool_x).astype(np.float32), inside=inside,
                  seconds=np.array(seconds))

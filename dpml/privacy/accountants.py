@@ -18,11 +18,20 @@ bounds:
 - ``dp_accounting.rdp`` — Mironov et al. 2019's RDP of the same mechanism: an independent
   cross-check, not used for the certificate (it never beats autodp's improved bound by much).
 
+A hyperparameter search with a *fixed* number of candidates is priced by every accountant above
+as the composition of the candidates. One with a *random* number of candidates is priced by
+Papernot & Steinke's RDP theorems (:mod:`dpml.privacy.tuning`) on the base algorithm's RDP curve:
+``papernot_steinke.rdp[dp_accounting]`` (curve from dp_accounting, Poisson δ̂ from the PLD) and
+``papernot_steinke.rdp[autodp]`` (curve from autodp) certify; ``dp_accounting.rdp`` then answers
+with dp_accounting's own implementation of the same theorems (``RepeatAndSelectDpEvent``), the
+cross-check. PLD, PRV and plain autodp decline (recorded), having no analysis for it.
+
 The smallest valid upper bound is itself a valid upper bound, hence the certified ε.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
@@ -30,7 +39,10 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from typing import Any, Callable
 
-from dpml.privacy.mechanism import MechanismDescription
+import numpy as np
+
+from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.privacy import tuning
 
 PLD_DISCRETIZATION = 1e-4
 
@@ -45,17 +57,25 @@ class AccountantAnswer:
     used_for_certificate: bool
 
 
-def _dp_events(mechanism: MechanismDescription) -> Any:
+def _dp_events(mechanism: MechanismDescription, with_selection: bool = False) -> Any:
+    """dp_accounting's DpEvent for the mechanism (the random-count selection only on request)."""
     import dp_accounting
 
-    events = [
-        dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(e.sample_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)),
-            e.steps,
-        )
-        for e in mechanism.events
-    ]
-    return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+    def event(events: tuple[PoissonGaussianSteps, ...]) -> Any:
+        parts = [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(e.sample_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)),
+                e.steps,
+            )
+            for e in events
+        ]
+        return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
+
+    selection = mechanism.selection
+    if with_selection and selection is not None and selection.random:
+        shape = math.inf if selection.distribution == "poisson" else selection.shape
+        return dp_accounting.dp_event.RepeatAndSelectDpEvent(event(mechanism.events), selection.mean, shape)
+    return event(mechanism.composed_events())
 
 
 def _relation(mechanism: MechanismDescription) -> Any:
@@ -81,21 +101,25 @@ def epsilon_pld(mechanism: MechanismDescription, delta: float,
 
 def epsilon_autodp_rdp(mechanism: MechanismDescription, delta: float) -> float:
     """ε(δ) from autodp: RDP of each Poisson-subsampled Gaussian, composed, then converted."""
-    if mechanism.neighbouring != "add-remove":
+    events = mechanism.composed_events()
+    with warnings.catch_warnings():  # autodp's order search divides by zero on flat stretches; harmless
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(_autodp_mechanism(mechanism.neighbouring, events).get_approxDP(delta))
+
+
+def _autodp_mechanism(neighbouring: str, events: tuple[PoissonGaussianSteps, ...]) -> Any:
+    if neighbouring != "add-remove":
         raise NotImplementedError("autodp's Poisson-sampling RDP bound holds for add/remove neighbouring only")
     from autodp.mechanism_zoo import GaussianMechanism
     from autodp.transformer_zoo import AmplificationBySampling, Composition
 
     amplify = AmplificationBySampling(PoissonSampling=True)
-    with warnings.catch_warnings():  # autodp's order search divides by zero on flat stretches; harmless
-        warnings.simplefilter("ignore", RuntimeWarning)
-        steps = [
-            GaussianMechanism(sigma=e.noise_multiplier) if e.sample_rate == 1.0
-            else amplify(GaussianMechanism(sigma=e.noise_multiplier), e.sample_rate, improved_bound_flag=True)
-            for e in mechanism.events
-        ]
-        composed = Composition()(steps, [e.steps for e in mechanism.events])
-        return float(composed.get_approxDP(delta))
+    steps = [
+        GaussianMechanism(sigma=e.noise_multiplier) if e.sample_rate == 1.0
+        else amplify(GaussianMechanism(sigma=e.noise_multiplier), e.sample_rate, improved_bound_flag=True)
+        for e in events
+    ]
+    return Composition()(steps, [e.steps for e in events])
 
 
 def epsilon_dp_accounting_rdp(mechanism: MechanismDescription, delta: float) -> float:
@@ -103,8 +127,100 @@ def epsilon_dp_accounting_rdp(mechanism: MechanismDescription, delta: float) -> 
     from dp_accounting.rdp import rdp_privacy_accountant
 
     accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=_relation(mechanism))
-    accountant.compose(_dp_events(mechanism))
+    accountant.compose(_dp_events(mechanism, with_selection=True))
     return float(accountant.get_epsilon(delta))
+
+
+def _random_selection(mechanism: MechanismDescription) -> Any:
+    selection = mechanism.selection
+    if selection is None or not selection.random:
+        raise NotImplementedError("not a random-count selection (the other accountants price this mechanism)")
+    if mechanism.neighbouring != "add-remove":
+        raise NotImplementedError("the RDP of Poisson subsampling used for random-count selection is add/remove only")
+    return selection
+
+
+def base_rdp_dp_accounting(mechanism: MechanismDescription, orders: tuple[float, ...] = tuning.ORDERS) -> np.ndarray:
+    """RDP curve of the events (one candidate, no selection), from dp_accounting (Mironov et al. 2019)."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    base = MechanismDescription(mechanism.trainer, mechanism.events, mechanism.neighbouring, mechanism.clip_norm,
+                                mechanism.dataset_size)
+    accountant = rdp_privacy_accountant.RdpAccountant(list(orders), _relation(base))
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orders near 1 that fail to converge are set to inf (safe), and logged
+    try:
+        accountant.compose(_dp_events(base))
+    finally:
+        absl.setLevel(level)
+    return np.asarray(accountant._rdp, dtype=float)  # the composed curve (dp_accounting keeps it here)
+
+
+def base_rdp_autodp(mechanism: MechanismDescription, orders: tuple[float, ...] = tuning.ORDERS) -> np.ndarray:
+    """RDP curve of the events (one candidate, no selection), from autodp (Zhu & Wang 2019)."""
+    composed = _autodp_mechanism(mechanism.neighbouring, mechanism.events)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.array([float(composed.get_RDP(order)) for order in orders])
+
+
+def base_delta_profile(mechanism: MechanismDescription,
+                       discretization: float = PLD_DISCRETIZATION) -> Callable[[np.ndarray], np.ndarray]:
+    """δ(ε) of one candidate from the PLD (pessimistic: upper bounds), vectorised over ε."""
+    from dp_accounting.pld import pld_privacy_accountant
+
+    base = MechanismDescription(mechanism.trainer, mechanism.events, mechanism.neighbouring, mechanism.clip_norm,
+                                mechanism.dataset_size)
+    accountant = pld_privacy_accountant.PLDAccountant(_relation(base), value_discretization_interval=discretization)
+    accountant.compose(_dp_events(base))
+    pld = accountant._pld  # the composed PLD (dp_accounting keeps it here); vectorised δ(ε)
+
+    def profile(epsilons: np.ndarray) -> np.ndarray:
+        epsilons = np.asarray(epsilons, dtype=float)
+        order = np.argsort(epsilons)  # dp_accounting wants them ascending
+        out = np.empty_like(epsilons)
+        out[order] = pld.get_delta_for_epsilon(epsilons[order].tolist())
+        return out
+
+    return profile
+
+
+def selection_rdp_curve(mechanism: MechanismDescription, curve: str = "dp_accounting",
+                        discretization: float = PLD_DISCRETIZATION) -> np.ndarray:
+    """RDP curve (on :data:`tuning.ORDERS`) of the whole mechanism, selection included."""
+    base = base_rdp_dp_accounting(mechanism) if curve == "dp_accounting" else base_rdp_autodp(mechanism)
+    if mechanism.selection is None:
+        return base
+    poisson = mechanism.selection.distribution == "poisson"
+    delta_hat = base_delta_profile(mechanism, discretization) if poisson else None
+    return tuning.selection_rdp(tuning.ORDERS, base, mechanism.selection, delta_hat)
+
+
+def epsilon_selection_dp_accounting(mechanism: MechanismDescription, delta: float) -> float:
+    """Papernot–Steinke on dp_accounting's base RDP curve, Poisson δ̂ from the PLD."""
+    _random_selection(mechanism)
+    return tuning.rdp_to_epsilon(tuning.ORDERS, selection_rdp_curve(mechanism, "dp_accounting"), delta)
+
+
+def epsilon_selection_autodp(mechanism: MechanismDescription, delta: float) -> float:
+    """Papernot–Steinke on autodp's base RDP curve, Poisson δ̂ from the PLD."""
+    _random_selection(mechanism)
+    return tuning.rdp_to_epsilon(tuning.ORDERS, selection_rdp_curve(mechanism, "autodp"), delta)
+
+
+def tight_epsilon(mechanism: MechanismDescription, delta: float,
+                  discretization: float = PLD_DISCRETIZATION) -> float:
+    """The tightest valid upper bound cheap enough for the ledger and calibration.
+
+    PLD when the mechanism is a composition; Papernot–Steinke on dp_accounting's RDP otherwise.
+    A coarser ``discretization`` is faster and still an upper bound (pessimistic PLD).
+    """
+    if mechanism.selection is not None and mechanism.selection.random:
+        _random_selection(mechanism)
+        curve = selection_rdp_curve(mechanism, "dp_accounting", discretization)
+        return tuning.rdp_to_epsilon(tuning.ORDERS, curve, delta)
+    return epsilon_pld(mechanism, delta, discretization)
 
 
 def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float = 0.01) -> tuple[float, float, float]:
@@ -117,9 +233,10 @@ def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float =
         raise NotImplementedError("prv_accountant's Poisson-subsampled Gaussian is add/remove only")
     from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
 
+    events = mechanism.composed_events()
     prvs = [PoissonSubsampledGaussianMechanism(noise_multiplier=e.noise_multiplier, sampling_probability=e.sample_rate)
-            for e in mechanism.events]
-    counts = [e.steps for e in mechanism.events]
+            for e in events]
+    counts = [e.steps for e in events]
     accountant = PRVAccountant(prvs=prvs, max_self_compositions=counts, eps_error=eps_error, delta_error=delta / 1000)
     lower, estimate, upper = accountant.compute_epsilon(delta=delta, num_self_compositions=counts)
     return float(lower), float(estimate), float(upper)
@@ -135,13 +252,18 @@ ACCOUNTANTS: dict[str, tuple[str, Callable[[MechanismDescription, float], float]
     "prv_accountant.prv": ("prv-accountant", epsilon_prv_upper, True),
     "autodp.rdp": ("autodp", epsilon_autodp_rdp, True),
     "dp_accounting.rdp": ("dp-accounting", epsilon_dp_accounting_rdp, False),
+    "papernot_steinke.rdp[dp_accounting]": ("dp-accounting", epsilon_selection_dp_accounting, True),
+    "papernot_steinke.rdp[autodp]": ("autodp", epsilon_selection_autodp, True),
 }
 
 
 def ask_accountants(mechanism: MechanismDescription, delta: float) -> list[AccountantAnswer]:
     """Every accountant's answer; a failure is recorded with its message, never hidden."""
     answers = []
+    random_selection = mechanism.selection is not None and mechanism.selection.random
     for name, (dist, function, certifying) in ACCOUNTANTS.items():
+        if name.startswith("papernot_steinke") and not random_selection:
+            continue  # only a random-count search needs them
         start = time.perf_counter()
         try:
             epsilon, error = function(mechanism, delta), None
@@ -167,6 +289,8 @@ def certify(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
     best = min(valid, key=lambda a: a.epsilon)  # type: ignore[arg-type, return-value]
     relation = "add-or-remove-one" if mechanism.neighbouring == "add-remove" else "replace-one"
     iterates = "every intermediate model" if mechanism.threat_model == "all-iterates" else "the final model only"
+    if mechanism.selection is not None:
+        iterates += f", including the hyperparameter search ({mechanism.selection.describe()}, the best released)"
     return {
         "epsilon": best.epsilon,
         "delta": delta,

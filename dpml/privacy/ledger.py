@@ -9,7 +9,8 @@ under-count one that did.
 
 The dataset's total privacy loss is the **composition** of all its spends' mechanisms (all
 Poisson-subsampled Gaussian events composed in one PLD accountant, which is tighter than adding
-ε's), at the ledger's δ. :meth:`Ledger.reserve` checks "total with this run ≤ budget" and
+ε's), at the ledger's δ. Once a random-count hyperparameter search is among them (it has an RDP
+curve, no PLD), every spend is composed in RDP instead: still a composition, a little looser. :meth:`Ledger.reserve` checks "total with this run ≤ budget" and
 inserts the spend inside one ``BEGIN IMMEDIATE`` transaction, so two concurrent runs racing for
 the last of the budget are serialised: exactly one proceeds.
 
@@ -59,9 +60,13 @@ def _compose(mechanisms: list[MechanismDescription], delta: float) -> float:
     relations = {m.neighbouring for m in mechanisms}
     if len(relations) > 1:
         raise LedgerError(f"cannot compose spends under different neighbouring relations {sorted(relations)}")
-    from dpml.privacy.accountants import epsilon_pld
+    from dpml.privacy.accountants import epsilon_pld, selection_rdp_curve
+    from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
 
-    events = tuple(e for m in mechanisms for e in m.events)
+    if any(m.selection is not None and m.selection.random for m in mechanisms):
+        # A random-count search has an RDP curve but no PLD: compose every spend in RDP.
+        return rdp_to_epsilon(ORDERS, sum(selection_rdp_curve(m) for m in mechanisms), delta)
+    events = tuple(e for m in mechanisms for e in m.composed_events())
     combined = MechanismDescription("ledger", events, mechanisms[0].neighbouring, 1.0, 0)
     return epsilon_pld(combined, delta)
 
@@ -132,9 +137,9 @@ class Ledger:
     def reserve(self, dataset_version: str, mechanism: MechanismDescription | None, label: str,
                 budget: float) -> Spend:
         """Record a planned run's spend, or raise :class:`BudgetExceeded` (the ledger is then unchanged)."""
-        from dpml.privacy.accountants import epsilon_pld
+        from dpml.privacy.accountants import tight_epsilon
 
-        alone = float("inf") if mechanism is None else epsilon_pld(mechanism, self.delta)
+        alone = float("inf") if mechanism is None else tight_epsilon(mechanism, self.delta)
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")  # one writer at a time: check and insert are atomic
             try:

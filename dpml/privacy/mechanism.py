@@ -12,6 +12,12 @@ Poisson-subsampled Gaussian mechanism with noise multiplier σ (= noise std / se
 steps compose. Under replace-one the same mechanism is analysed with the replace-one dominating
 pair (dp_accounting's PLD; Koskela's seed 001 uses this relation), whose worst case moves the
 sum by up to 2C.
+
+A hyperparameter search adds a :class:`Selection`: the events then describe *one* candidate
+(its training plus its noisy validation score) and the selection says how many candidates ran
+and that only the best was released. A fixed count k is priced by composing k candidates; a
+random count (Poisson or truncated negative binomial, Papernot & Steinke 2022) by their RDP
+theorems in :mod:`dpml.privacy.tuning`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,47 @@ class PoissonGaussianSteps:
             raise ValueError(f"steps = {self.steps}: must be an integer ≥ 1")
 
 
+SelectionDistribution = Literal["poisson", "truncated_negative_binomial", "fixed"]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Best-of-K release: K candidates run, only the one with the best (noisy) score is released.
+
+    ``mean`` is E[K]; for ``fixed`` it is K itself. ``shape`` is η of the truncated negative
+    binomial (0: logarithmic, 1: geometric). The realised K is never recorded: it is part of the
+    mechanism's secret randomness (revealing it voids the random-count analysis).
+    """
+
+    distribution: SelectionDistribution
+    mean: float
+    shape: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.distribution not in ("poisson", "truncated_negative_binomial", "fixed"):
+            raise ValueError(f"selection distribution {self.distribution!r}: must be poisson, "
+                             "truncated_negative_binomial or fixed")
+        if not self.mean >= 1:
+            raise ValueError(f"selection mean = {self.mean}: must be ≥ 1")
+        if self.distribution == "fixed" and self.mean != int(self.mean):
+            raise ValueError(f"selection mean = {self.mean}: a fixed number of candidates must be an integer")
+        if self.distribution == "truncated_negative_binomial" and not self.shape >= 0:
+            raise ValueError(f"selection shape = {self.shape}: must be ≥ 0")
+        if self.distribution == "truncated_negative_binomial" and not self.mean > 1:
+            raise ValueError(f"selection mean = {self.mean}: a truncated negative binomial needs E[K] > 1")
+
+    @property
+    def random(self) -> bool:
+        return self.distribution != "fixed"
+
+    def describe(self) -> str:
+        if self.distribution == "fixed":
+            return f"best of K = {int(self.mean)} candidates"
+        if self.distribution == "poisson":
+            return f"best of K ~ Poisson({self.mean:g}) candidates"
+        return f"best of K ~ truncated negative binomial(η = {self.shape:g}, E[K] = {self.mean:g}) candidates"
+
+
 @dataclass(frozen=True)
 class MechanismDescription:
     """Everything an accountant needs, and everything a reviewer needs to check it."""
@@ -51,6 +98,20 @@ class MechanismDescription:
     dataset_size: int
     threat_model: ThreatModel = "all-iterates"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    selection: Selection | None = None
+
+    def composed_events(self) -> tuple[PoissonGaussianSteps, ...]:
+        """Every event that touched the data, when that is a plain composition.
+
+        A fixed best-of-k search composes k candidates (the k-fold composition bounds the release
+        of all k, hence of the best). A random-count selection is not a composition: it raises.
+        """
+        if self.selection is None:
+            return self.events
+        if self.selection.random:
+            raise NotImplementedError(f"{self.selection.describe()}: not a composition of events; "
+                                      "priced by the Papernot–Steinke RDP bound")
+        return self.events * int(self.selection.mean)
 
     @property
     def sensitivity(self) -> float:
@@ -62,6 +123,7 @@ class MechanismDescription:
         payload["events"] = [asdict(e) | {"kind": "poisson_gaussian"} for e in self.events]
         payload["notes"] = list(self.notes)
         payload["sensitivity"] = self.sensitivity
+        payload["selection"] = None if self.selection is None else asdict(self.selection)
         return payload
 
     @classmethod
@@ -81,4 +143,5 @@ class MechanismDescription:
             dataset_size=int(payload["dataset_size"]),
             threat_model=payload.get("threat_model", "all-iterates"),
             notes=tuple(payload.get("notes", ())),
+            selection=None if payload.get("selection") is None else Selection(**payload["selection"]),
         )

@@ -29,16 +29,25 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
         mech = certificate["mechanism"]
         lines += ["", "**Mechanism.**", ""]
         for event in mech["events"]:
-            lines.append(
-                f"- Poisson-subsampled Gaussian: rate q = {_fmt(event['sample_rate'])}, noise multiplier "
-                f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} steps"
-            )
+            if event["sample_rate"] == 1.0:
+                lines.append(f"- Gaussian mechanism (no subsampling): noise multiplier "
+                             f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} release(s)")
+            else:
+                lines.append(
+                    f"- Poisson-subsampled Gaussian: rate q = {_fmt(event['sample_rate'])}, noise multiplier "
+                    f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} steps"
+                )
+        if mech.get("selection"):
+            from dpml.privacy.mechanism import Selection
+
+            lines.append(f"- hyperparameter search: {Selection(**mech['selection']).describe()}; the events above are "
+                         "one candidate; only the best candidate is released, and the certificate charges the search")
         lines.append(f"- clip norm C = {_fmt(mech['clip_norm'])}, L2 sensitivity {_fmt(mech['sensitivity'])} "
                      f"under {mech['neighbouring']}; n = {mech['dataset_size']} training records")
         lines += [f"- {note}" for note in mech.get("notes", [])]
     if ledger is not None:
         lines += ["", f"**Dataset total.** All {ledger['private_spends']} DP runs on this dataset version, composed "
-                  f"(PLD): ε = {ledger['epsilon_total']:.4g} at δ = {ledger['delta']:g}, of a budget of {_fmt(budget)}."
+                  f": ε = {ledger['epsilon_total']:.4g} at δ = {ledger['delta']:g}, of a budget of {_fmt(budget)}."
                   + (f" {ledger['nonprivate_runs']} non-private baseline run(s) also used it; their models carry "
                      "no guarantee and must not leave this registry." if ledger["nonprivate_runs"] else "")]
     lines += ["", "**Data.**", ""]
@@ -49,6 +58,10 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
                  f"{100 * data['clipped_fraction_train']:.1f}% of training records changed")
     lines += ["", "**Utility.**", ""]
     lines.append(f"- test accuracy {_fmt(train['test_accuracy'])}, train accuracy {_fmt(train['train_accuracy'])}")
+    if "noisy_validation_accuracy" in train:
+        chosen = {k.removeprefix("chosen."): v for k, v in train.items() if k.startswith("chosen.")}
+        lines.append(f"- chosen by the private search: {chosen} (noisy validation accuracy "
+                     f"{_fmt(train['noisy_validation_accuracy'])})")
     lines += _audit_section(audit)
     lines += ["", f"**Release gate: {'PASSED' if gate['passed'] else 'FAILED'}.**", ""]
     lines += [f"- {reason}" for reason in gate["reasons"]]

@@ -13,6 +13,8 @@ keeps the guarantee. The trainer describes the mechanism; :mod:`dpml.privacy` pr
 from __future__ import annotations
 
 import math
+import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +101,27 @@ def dpsgd_mechanism(sample_rate: float, noise_multiplier: float, epochs: float, 
         threat_model="all-iterates",
         notes=("Poisson sampling; noise std σ·C added to the clipped sum; divided by the expected batch size q·n",),
     )
+
+
+NOISE_SEED_VARIABLE = "DPML_NOISE_SEED"
+
+
+def secret_noise_seed() -> int:
+    """The seed of the Poisson sampling and Gaussian noise of a model that will be released.
+
+    DP holds only if the adversary cannot predict the noise or the batches: a seed written in
+    ``params.yaml`` or logged with the run would void the guarantee (the released model would be a
+    deterministic function of the data). So the seed is fresh OS entropy — or the integer in the
+    environment variable ``DPML_NOISE_SEED``, which an operator keeps secret to reproduce a release
+    exactly (``dvc repro``). dpml never writes it anywhere.
+    """
+    text = os.environ.get(NOISE_SEED_VARIABLE)
+    if text is None or not text.strip():
+        return secrets.randbits(62)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{NOISE_SEED_VARIABLE} = {text!r}: must be an integer") from None
 
 
 def poisson_batch(generator: torch.Generator, n: int, sample_rate: float) -> torch.Tensor:

@@ -9,7 +9,8 @@ import torch
 
 from dpml.config import Config
 from dpml.models.mlp import MlpSpec, build_mlp, pick_device
-from dpml.train.dpsgd import GradientCanaries, TrainResult, make_optimizer, train_dpsgd, train_nonprivate
+from dpml.train.dpsgd import (GradientCanaries, TrainResult, make_optimizer, secret_noise_seed, train_dpsgd,
+                              train_nonprivate)
 
 
 def model_spec(config: Config, in_features: int, n_classes: int) -> MlpSpec:
@@ -17,9 +18,14 @@ def model_spec(config: Config, in_features: int, n_classes: int) -> MlpSpec:
 
 
 def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private: bool,
-        noise_multiplier: float | None, seed: int, canaries: GradientCanaries | None = None,
-        progress: bool = False) -> TrainResult:
-    """Train a fresh model on (x, y); DP-SGD with ``noise_multiplier`` when ``private``."""
+        noise_multiplier: float | None, seed: int, noise_seed: int | None = None,
+        canaries: GradientCanaries | None = None, progress: bool = False) -> TrainResult:
+    """Train a fresh model on (x, y); DP-SGD with ``noise_multiplier`` when ``private``.
+
+    ``seed`` fixes the initialisation (public). DP-SGD's batches and noise come from ``noise_seed``
+    — a model that will be released must leave it ``None`` (a secret seed, see
+    :func:`secret_noise_seed`); the audit's own simulations pass fixed seeds to be reproducible.
+    """
     device = pick_device(config.train.device)
     torch.manual_seed(seed)
     model = build_mlp(model_spec(config, int(x.shape[1]), n_classes)).to(device)
@@ -30,7 +36,8 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
             raise ValueError("a private run needs a noise multiplier")
         result = train_dpsgd(model, xt, yt, sample_rate=config.train.sample_rate, epochs=config.train.epochs,
                              clip_norm=config.dp.clip_norm, noise_multiplier=noise_multiplier,
-                             neighbouring=config.dp.neighbouring, optimizer=optimizer, seed=seed,
+                             neighbouring=config.dp.neighbouring, optimizer=optimizer,
+                             seed=secret_noise_seed() if noise_seed is None else noise_seed,
                              physical_batch_size=config.train.physical_batch_size, canaries=canaries,
                              progress=progress)
     else:
