@@ -98,19 +98,30 @@ class PreprocessConfig(_Section):
     """Public scaling and input norm clipping.
 
     Features are mapped with *public* constants: x' = (clip(x, lower, upper) − lower) / (upper −
-    lower); then each record is projected onto the L2 ball of radius ``clip_norm`` (X0), or
-    scaled onto its sphere with ``clip_mode: sphere``. No statistic of the private data is used.
+    lower); with ``features: scatternet`` each image (``image_shape``) becomes its ScatterNet
+    features, normalised per example (:mod:`dpml.data.features`); then each record is projected
+    onto the L2 ball of radius ``clip_norm`` (X0), or scaled onto its sphere with ``clip_mode:
+    sphere``. No statistic of the private data is used.
     """
 
     lower: float = 0.0
     upper: float = 16.0
     clip_norm: float = Field(8.0, gt=0)
     clip_mode: Literal["project", "sphere"] = "project"
+    features: Literal["none", "scatternet"] = "none"
+    image_shape: list[int] | None = None
+    scatter_groups: int = Field(27, gt=0)
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "PreprocessConfig":
         if not self.upper > self.lower:
             raise ValueError(f"preprocess.upper = {self.upper}: must be > preprocess.lower = {self.lower}")
+        if self.features == "scatternet":
+            if self.image_shape is None or len(self.image_shape) != 2 or min(self.image_shape) < 4:
+                raise ValueError(f"preprocess.image_shape = {self.image_shape}: ScatterNet features need the "
+                                 "image's [height, width] (each ≥ 4)")
+            if 81 % self.scatter_groups:
+                raise ValueError(f"preprocess.scatter_groups = {self.scatter_groups}: must divide 81")
         return self
 
 

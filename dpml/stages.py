@@ -109,7 +109,7 @@ def split(config: Config) -> dict[str, Any]:
 
 
 def preprocess(config: Config) -> dict[str, Any]:
-    """Public scaling and input norm clipping of every part; reports the clipped fractions."""
+    """Public scaling, optional ScatterNet features and input norm clipping of every part."""
     layout = Layout(config)
     arrays, meta, index = io.read_npz(layout.raw), io.read_json(layout.raw_meta), io.read_npz(layout.split)
     sources = {"train": ("x", "y"), "audit": ("x", "y"),
@@ -123,6 +123,8 @@ def preprocess(config: Config) -> dict[str, Any]:
         io.write_npz(layout.prepared[part], x=prepared.x.astype(np.float32), y=arrays[ys][rows].astype(np.int64))
         summary[f"n_{part}"] = int(rows.size)
         summary[f"clipped_fraction_{part}"] = prepared.clipped_fraction
+        summary["n_features"] = int(prepared.x.shape[1])  # the model's inputs (after any feature extractor)
+    summary["features"] = config.preprocess.features
     io.write_json(layout.prepared_meta, summary)
     return summary
 
@@ -508,7 +510,7 @@ def register(config: Config) -> dict[str, Any]:
     release = tracking.log_release(
         config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
         params=config.flat(), metrics=metrics, artifacts=artifacts, model=load_model(layout),
-        in_features=int(data_meta["n_features"]), version_tags=version_tags, promote=decision["passed"],
+        in_features=int(io.read_json(layout.prepared_meta)["n_features"]), version_tags=version_tags, promote=decision["passed"],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "gate.passed": str(decision["passed"]).lower()},
         documents={"config.json": config.to_dict()},

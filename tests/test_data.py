@@ -166,3 +166,28 @@ def test_input_norm_clipping_project_and_sphere() -> None:
     assert np.allclose(cos, 1.0)
     sphere = clip_input_norms(x, 2.0, "sphere")
     assert np.allclose(np.linalg.norm(sphere.x, axis=1), 2.0) and np.all(np.linalg.norm(sphere.x, axis=1) <= 2.0)
+
+
+def test_scatternet_features_are_a_per_record_function() -> None:
+    """ScatterNet + per-example GroupNorm: each record's features depend on that record alone."""
+    from dpml.config import PreprocessConfig
+    from dpml.data.features import scatter_features
+    from dpml.data.preprocess import preprocess
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(5, 28 * 28)).astype(np.float64)
+    config = PreprocessConfig(lower=0, upper=255, clip_norm=64.0, features="scatternet", image_shape=[28, 28])
+    together = preprocess(images, config).x
+    assert together.shape == (5, 81 * 7 * 7) and together.dtype == np.float32
+    alone = np.concatenate([preprocess(images[i:i + 1], config).x for i in range(5)])
+    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5)
+    # Every group of 147 features has mean 0 and variance ≤ 1 (= v/(v + 1e-5)) for every record,
+    # so ‖x‖ ≤ √3969 = 63 < X0.
+    groups = together.reshape(5, 27, -1)
+    np.testing.assert_allclose(groups.mean(2), 0, atol=1e-4)
+    assert groups.var(2).max() <= 1 + 1e-5 and np.linalg.norm(together, axis=1).max() <= 63 + 1e-3
+    assert preprocess(images, config).clipped_fraction == 0.0
+    with pytest.raises(ValueError, match="image_shape"):
+        scatter_features(images[:, :700] / 255, (28, 28), 27)
+    with pytest.raises(ValueError, match="image_shape"):
+        PreprocessConfig(features="scatternet")

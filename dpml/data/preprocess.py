@@ -8,6 +8,8 @@ X0 = ``clip_norm``:
 Afterwards ‖x‖ ≤ X0 for every record: this input bound is what Lipschitz/clipless trainers
 and the smoothness constants of the convex trainers rely on. Each record is transformed on its
 own, so the transformation is the same function on neighbouring data sets (no privacy cost).
+Optionally, between scaling and clipping, a data-independent feature extractor (ScatterNet,
+:mod:`dpml.data.features`) replaces the pixels.
 """
 
 from __future__ import annotations
@@ -49,4 +51,10 @@ def clip_input_norms(x: np.ndarray, radius: float, mode: str = "project") -> Pre
 
 
 def preprocess(x: np.ndarray, config: PreprocessConfig) -> Prepared:
-    return clip_input_norms(scale_features(x, config), config.clip_norm, config.clip_mode)
+    scaled = scale_features(x, config)
+    if config.features == "scatternet":
+        from dpml.data.features import scatter_features
+
+        assert config.image_shape is not None
+        scaled = scatter_features(scaled, (config.image_shape[0], config.image_shape[1]), config.scatter_groups)
+    return clip_input_norms(scaled, config.clip_norm, config.clip_mode)

@@ -54,14 +54,23 @@ def _patches(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor)
     return unfolded.transpose(1, 2), output_grad.reshape(batch, output_grad.shape[1], -1).transpose(1, 2)
 
 
-def _weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """‖Σ_t δ_t a_tᵀ‖_F² per example, by the cheaper of the Gram trick and materialising."""
+KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements: materialised per-example weight gradients kept for the sum
+
+
+def _weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """‖Σ_t δ_t a_tᵀ‖_F² per example, by the cheaper of the Gram trick and materialising.
+
+    When it materialises the per-example gradients G_i = Σ_t δ_t a_tᵀ and they are small enough,
+    they are returned too: the clipped sum is then Σ_i c_i G_i, not a second pass over all positions.
+    """
     positions = a.shape[1]
     if positions == 1:
-        return a[:, 0].pow(2).sum(1) * d[:, 0].pow(2).sum(1)
+        return a[:, 0].pow(2).sum(1) * d[:, 0].pow(2).sum(1), None
     if positions * positions <= a.shape[2] * d.shape[2]:
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
-    return torch.bmm(d.transpose(1, 2), a).pow(2).sum((1, 2))
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
+    per_example = torch.bmm(d.transpose(1, 2), a)  # (B, d_out, d_in)
+    keep = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
+    return per_example.pow(2).sum((1, 2)), keep
 
 
 def _per_example_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
@@ -94,7 +103,7 @@ def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     covered = {id(p) for m in fast for p in m.parameters(recurse=False)}
     slow = [n for i, n in names.items() if i not in covered]
     squared = torch.zeros(x.shape[0], device=x.device, dtype=next(model.parameters()).dtype)
-    pieces: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+    pieces: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     if fast:
         records: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         reused: list[nn.Module] = []
@@ -118,9 +127,11 @@ def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
             if output_grad is None:
                 output_grad = torch.zeros_like(records[module][1])
             a, d = _patches(module, records[module][0], output_grad)
-            pieces.append((module, a, d))
+            kept = None
             if module.weight.requires_grad:
-                squared += _weight_norms_squared(a, d)
+                weight_squared, kept = _weight_norms_squared(a, d)
+                squared += weight_squared
+            pieces.append((module, a, d, kept))
             if module.bias is not None and module.bias.requires_grad:
                 squared += d.sum(1).pow(2).sum(1)
     per_example = _per_example_gradients(model, loss_fn, x, y, slow) if slow else {}
@@ -130,10 +141,13 @@ def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     norms = squared.sqrt()
     factors = clip_factors(norms, clip_norm)
     sums: dict[str, torch.Tensor] = {}
-    for module, a, d in pieces:
+    for module, a, d, kept in pieces:
         weighted = d * factors[:, None, None]
         if module.weight.requires_grad:
-            flat = weighted.reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])  # (d_out, d_in)
+            if kept is not None:
+                flat = torch.einsum("b,boi->oi", factors, kept)
+            else:
+                flat = weighted.reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])  # (d_out, d_in)
             sums[names[id(module.weight)]] = flat.reshape(module.weight.shape)
         if module.bias is not None and module.bias.requires_grad:
             sums[names[id(module.bias)]] = weighted.sum((0, 1))
