@@ -130,7 +130,7 @@ def main() -> None:
              f"| same features and model, non-private | {nonprivate['test_accuracy']:.4f} | 1 |",
              "| Tramèr & Boneh (2021), ScatterNet + linear, ε = 3 (published) | 0.897 | |",
              "| Tramèr & Boneh (2021), end-to-end CNN, ε = 3 (published) | 0.860 | |", "",
-             f"Preprocessing (ScatterNet features of all {report['n_train'] + report['n_test']}+ records): "
+             f"Preprocessing (ScatterNet features of the train, test and audit parts): "
              f"{timings['preprocess']:.0f} s; one DP training run ≈ {statistics.mean(r['seconds'] for r in runs):.0f} s.",
              "", "Hyperparameters were chosen on a validation split of the training part (5,000 records), never on the "
              "test set; that selection is **not charged** to the privacy budget (`dpml tune` charges searches)."]

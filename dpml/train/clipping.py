@@ -49,9 +49,24 @@ def _patches(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor)
     batch = inputs.shape[0]
     if isinstance(module, nn.Linear):
         return inputs.reshape(batch, -1, inputs.shape[-1]), output_grad.reshape(batch, -1, output_grad.shape[-1])
-    unfolded = F.unfold(inputs, module.kernel_size, dilation=module.dilation, padding=module.padding,
-                        stride=module.stride)  # (B, C_in·k², T)
+    unfolded = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)
     return unfolded.transpose(1, 2), output_grad.reshape(batch, output_grad.shape[1], -1).transpose(1, 2)
+
+
+def unfold_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
+                   dilation: tuple[int, ...]) -> torch.Tensor:
+    """The convolution's input patches, (B, C·kh·kw, T) — what ``F.unfold`` returns, as one strided view
+    and one copy. (``F.unfold`` itself took ≈4 s instead of ≈30 ms for a 512×1×28×28 batch with two
+    intra-op threads on this CPU build of torch 2.13.)"""
+    if any(padding):
+        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    batch, channels, height, width = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    out_h, out_w = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
+    s = x.stride()
+    patches = x.as_strided((batch, channels, kh, kw, out_h, out_w),
+                           (s[0], s[1], s[2] * dh, s[3] * dw, s[2] * sh, s[3] * sw))
+    return patches.reshape(batch, channels * kh * kw, out_h * out_w)
 
 
 KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements: materialised per-example weight gradients kept for the sum
