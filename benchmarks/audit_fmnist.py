@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_common import fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import stages  # noqa: E402
 from dpml.audit.canaries import black_box_audit, white_box_audit  # noqa: E402
 from dpml.audit.run import Subject, audit_subject, control_config  # noqa: E402
@@ -44,13 +45,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-audit-bench"))
     args = parser.parse_args()
-    data = ROOT.parent / "shared" / "datasets" / "fashion-mnist"
-    if not data.is_dir():
-        sys.exit(f"skipped: {data} is absent")
-    work = Path(args.work)
-    base = [f"data.source=idx:{data}", f"split.max_train={args.max_train}", f"paths.data={work / 'data'}",
-            f"paths.artifacts={work / 'artifacts'}", f"paths.cache={work / 'cache'}",
-            f"audit.attacks={json.dumps(ATTACKS)}", "audit.max_records=2000"]
+    base = fashion_mnist_overrides(Path(args.work)) + [
+        f"split.max_train={args.max_train}", f"audit.attacks={json.dumps(ATTACKS)}", "audit.max_records=2000"]
     config = load(ROOT / "configs" / "fashion-mnist.yaml", base)
     stages.ingest(config), stages.split(config), stages.preprocess(config)
     rows, started = [], time.perf_counter()

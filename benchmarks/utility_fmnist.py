@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_common import fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import stages  # noqa: E402
 from dpml.config import Config, load, with_hyperparameters  # noqa: E402
 from dpml.privacy.accountants import certify  # noqa: E402
@@ -59,14 +60,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-utility-bench"))
     args = parser.parse_args()
-    data = ROOT.parent / "shared" / "datasets" / "fashion-mnist"
-    if not data.is_dir():
-        sys.exit(f"skipped: {data} is absent")
-    work = Path(args.work)
-    config = load(ROOT / "configs" / "fashion-mnist-scatternet.yaml", [
-        f"data.source=idx:{data}", f"paths.data={work / 'data'}", f"paths.artifacts={work / 'artifacts'}",
-        f"paths.cache={work / 'cache'}", f"ledger.path={work / 'ledger.db'}",
-        f"tracking.uri=sqlite:///{work / 'mlflow.db'}", f"tracking.artifact_root={work / 'mlartifacts'}"])
+    config = load(ROOT / "configs" / "fashion-mnist-scatternet.yaml", fashion_mnist_overrides(Path(args.work)))
     timings = {}
     for name in ("ingest", "split", "preprocess"):
         start = time.perf_counter()

@@ -46,33 +46,31 @@ def _summary(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    config = load(args.params, args.set)
-    if args.engine == "prefect":
-        from flows.pipeline import privacy_audited_pipeline
+def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
+    """The whole pipeline (``search``: with ``dpml tune``'s search in place of one training run)."""
+    from dpml.config import check_tunable
 
-        results = privacy_audited_pipeline(params_path=args.params, overrides=args.set)
-    else:
+    config = load(args.params, args.set)
+    if search:
+        check_tunable(config)
+    if args.engine == "local":
         from dpml.stages import run_all
 
-        results = run_all(config, progress=True)
-    print(_summary(results))
+        return run_all(config, progress=True, search=search)
+    from flows.pipeline import private_hyperparameter_search, privacy_audited_pipeline
+
+    flow = private_hyperparameter_search if search else privacy_audited_pipeline
+    return flow(params_path=args.params, overrides=args.set)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    print(_summary(_run_pipeline(args, search=False)))
     return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from dpml.config import check_tunable
-
+    results = _run_pipeline(args, search=True)
     config = load(args.params, args.set)
-    check_tunable(config)
-    if args.engine == "prefect":
-        from flows.pipeline import private_hyperparameter_search
-
-        results = private_hyperparameter_search(params_path=args.params, overrides=args.set)
-    else:
-        from dpml.stages import run_all
-
-        results = run_all(config, progress=True, search=True)
     print(_summary(results))
     chosen = {k.removeprefix("chosen."): v for k, v in results["train"].items() if k.startswith("chosen.")}
     print(f"  search               {config.tune.distribution} (E[K] = {config.tune.mean:g}); released the best "
