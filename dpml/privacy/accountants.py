@@ -35,7 +35,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from typing import Any, Callable
 
@@ -144,8 +144,7 @@ def base_rdp_dp_accounting(mechanism: MechanismDescription, orders: tuple[float,
     """RDP curve of the events (one candidate, no selection), from dp_accounting (Mironov et al. 2019)."""
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    base = MechanismDescription(mechanism.trainer, mechanism.events, mechanism.neighbouring, mechanism.clip_norm,
-                                mechanism.dataset_size)
+    base = replace(mechanism, selection=None)  # one candidate
     accountant = rdp_privacy_accountant.RdpAccountant(list(orders), _relation(base))
     absl = logging.getLogger("absl")
     level = absl.level
@@ -170,8 +169,7 @@ def base_delta_profile(mechanism: MechanismDescription,
     """δ(ε) of one candidate from the PLD (pessimistic: upper bounds), vectorised over ε."""
     from dp_accounting.pld import pld_privacy_accountant
 
-    base = MechanismDescription(mechanism.trainer, mechanism.events, mechanism.neighbouring, mechanism.clip_norm,
-                                mechanism.dataset_size)
+    base = replace(mechanism, selection=None)  # one candidate
     accountant = pld_privacy_accountant.PLDAccountant(_relation(base), value_discretization_interval=discretization)
     accountant.compose(_dp_events(base))
     pld = accountant._pld  # the composed PLD (dp_accounting keeps it here); vectorised δ(ε)
