@@ -126,11 +126,18 @@ class PreprocessConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """A fully connected classifier: ``hidden`` widths, ``activation``; [] gives a linear model."""
+    """The classifier.
 
-    kind: Literal["mlp"] = "mlp"
+    ``kind: mlp``: fully connected, ``hidden`` widths and ``activation`` ([] gives a linear model).
+    ``kind: gated``: seed 001's convex gated-ReLU model — ``gates`` random hyperplanes drawn from
+    ``gate_seed`` (public, stored with the model) and a linear model on the gated features.
+    """
+
+    kind: Literal["mlp", "gated"] = "mlp"
     hidden: list[int] = Field(default_factory=lambda: [64])
     activation: Literal["relu", "tanh"] = "tanh"
+    gates: int = Field(64, gt=0)
+    gate_seed: int = 0
 
     @field_validator("hidden")
     @classmethod
@@ -141,9 +148,13 @@ class ModelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """The optimiser loop. ``algorithm: dpsgd`` is private; ``nonprivate`` is the baseline."""
+    """The optimiser loop. ``algorithm``: ``dpsgd`` (Poisson-sampled DP-SGD, every iterate covered),
+    ``noisycgd`` (seed 001's noisy cyclic GD on the gated model, final model only; settings in the
+    ``noisycgd`` section) or ``nonprivate`` (the baseline). ``loss``: cross-entropy, or the squared
+    loss ½‖z − e_y‖² on the logits."""
 
-    algorithm: Literal["dpsgd", "nonprivate"] = "dpsgd"
+    algorithm: Literal["dpsgd", "noisycgd", "nonprivate"] = "dpsgd"
+    loss: Literal["cross_entropy", "squared"] = "cross_entropy"
     epochs: float = Field(20.0, gt=0)
     sample_rate: float = Field(0.05, gt=0, le=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -168,14 +179,22 @@ class DpConfig(_Section):
     neighbouring: Literal["add-remove", "replace-one"] = "add-remove"
     allow_delta_above_inverse_n: bool = False
 
-    @model_validator(mode="after")
-    def _one_noise_source(self) -> "DpConfig":
-        if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError(
-                "give exactly one of dp.noise_multiplier and dp.target_epsilon "
-                f"(got noise_multiplier={self.noise_multiplier}, target_epsilon={self.target_epsilon})"
-            )
-        return self
+
+class NoisyCgdConfig(_Section):
+    """NoisyCGD (``train.algorithm: noisycgd``; seed 001 Eq. 2.4, Theorem 2.8).
+
+    ``batch_size`` b: the data are split once into ⌈n/b⌉ disjoint batches visited cyclically for
+    ``train.epochs`` (an integer) epochs with step size ``train.learning_rate`` η. ``l2`` is λ;
+    leave it ``null`` to calibrate it so that ε = ``dp.target_epsilon`` at the given
+    ``dp.noise_multiplier``. The certificate is exact when ``dp.clip_norm`` ≥ the cross-entropy's
+    gradient bound √(2P)·X0 (clipping never acts); a smaller clip norm relies on the paper's claim that
+    clipping keeps the loss strongly convex and smooth, and needs
+    ``assume_clipping_preserves_convexity: true`` (recorded in the certificate).
+    """
+
+    batch_size: int = Field(1000, gt=0)
+    l2: float | None = Field(None, ge=0)
+    assume_clipping_preserves_convexity: bool = False
 
 
 AttackName = Literal["loss", "lira-online", "lira-offline", "lira-online-per-example", "rmia-online", "rmia-offline"]
@@ -305,12 +324,25 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     dp: DpConfig = Field(default_factory=DpConfig)
+    noisycgd: NoisyCgdConfig = Field(default_factory=NoisyCgdConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
+
+    @model_validator(mode="after")
+    def _privacy_settings_consistent(self) -> "Config":
+        dp = self.dp
+        if self.train.algorithm == "noisycgd":
+            _check_noisycgd(self)
+        elif self.train.algorithm == "dpsgd" and (dp.noise_multiplier is None) == (dp.target_epsilon is None):
+            raise ValueError(
+                "give exactly one of dp.noise_multiplier and dp.target_epsilon "
+                f"(got noise_multiplier={dp.noise_multiplier}, target_epsilon={dp.target_epsilon})"
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -322,6 +354,43 @@ class Config(_Section):
             for key, value in values.items():
                 out[f"{section}.{key}"] = value
         return out
+
+
+def _check_noisycgd(config: Config) -> None:
+    """Everything Theorem 2.8 needs, checked before any work (each message names the key)."""
+    from dpml.models.gated import lipschitz_bound, smoothness_bound
+
+    train, dp, cgd, model = config.train, config.dp, config.noisycgd, config.model
+    problems = []
+    if model.kind != "gated":
+        problems.append(f"model.kind = {model.kind!r}: NoisyCGD's hidden-state bound needs a strongly convex loss; "
+                        "use model.kind: gated (or train.algorithm: dpsgd)")
+    if dp.neighbouring != "replace-one":
+        problems.append(f"dp.neighbouring = {dp.neighbouring!r}: NoisyCGD's fixed partition is analysed under "
+                        "replace-one only; set dp.neighbouring: replace-one")
+    if dp.noise_multiplier is None:
+        problems.append("dp.noise_multiplier: required for NoisyCGD (dp.target_epsilon then calibrates noisycgd.l2)")
+    if (dp.target_epsilon is None) == (cgd.l2 is None):
+        problems.append(f"give exactly one of dp.target_epsilon and noisycgd.l2 (got target_epsilon={dp.target_epsilon}, "
+                        f"l2={cgd.l2})")
+    if train.optimizer != "sgd" or train.momentum != 0:
+        problems.append(f"train.optimizer = {train.optimizer!r}, train.momentum = {train.momentum:g}: NoisyCGD takes "
+                        "plain gradient steps (sgd, momentum 0); the bound does not cover other optimisers")
+    if train.epochs != int(train.epochs):
+        problems.append(f"train.epochs = {train.epochs:g}: NoisyCGD runs whole epochs (an integer)")
+    smoothness = smoothness_bound(model.gates, config.preprocess.clip_norm, train.loss, cgd.l2 or 0.0)
+    if train.learning_rate >= 2.0 / smoothness:
+        problems.append(f"train.learning_rate = {train.learning_rate:g}: must be < 2/β = {2.0 / smoothness:.6g} "
+                        f"(β = κ·P·X0² + λ = {smoothness:.6g} for {model.gates} gates, X0 = preprocess.clip_norm = "
+                        f"{config.preprocess.clip_norm:g}, {train.loss}); lower it, or lower X0 or the number of gates")
+    bound = lipschitz_bound(model.gates, config.preprocess.clip_norm, train.loss)
+    if (bound is None or dp.clip_norm < bound) and not cgd.assume_clipping_preserves_convexity:
+        limit = "the squared loss has no gradient bound" if bound is None else f"below √(2P)·X0 = {bound:.6g}"
+        problems.append(f"dp.clip_norm = {dp.clip_norm:g}: {limit}, so clipping would act and Theorem 2.8's convexity "
+                        "hypotheses are not proven for the clipped multi-class update; raise dp.clip_norm to the bound, "
+                        "or set noisycgd.assume_clipping_preserves_convexity: true (recorded in the certificate)")
+    if problems:
+        raise ValueError("train.algorithm = 'noisycgd':\n    " + "\n    ".join(problems))
 
 
 def _format_errors(error: ValidationError, origin: str) -> str:

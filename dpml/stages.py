@@ -32,8 +32,10 @@ from dpml.config import Config, TrackingConfig, check_tunable, validate, with_hy
 from dpml.data.preprocess import preprocess as preprocess_records
 from dpml.data.sources import content_hash, load_source
 from dpml.data.split import split_indices
-from dpml.models.mlp import MlpSpec, build_mlp, pick_device
-from dpml.train.fit import fit, model_spec
+from dpml.models import build_model, spec_from_dict
+from dpml.models.mlp import pick_device
+from dpml.train.fit import fit, model_spec, noisycgd_settings
+from dpml.train.noisycgd import noisycgd_mechanism
 from dpml.privacy.accountants import certify as certify_mechanism
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.mechanism import MechanismDescription
@@ -150,8 +152,20 @@ def check_delta(config: Config, n: int) -> None:
         warnings.warn(message, stacklevel=2)
 
 
+def planned_mechanism(config: Config, sigma: float | None, n: int) -> MechanismDescription:
+    """What the configured private trainer will do on n records: known before it runs (the ledger needs it)."""
+    if config.train.algorithm == "noisycgd":
+        return noisycgd_mechanism(noisycgd_settings(config, n), n)
+    assert sigma is not None
+    return dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs, config.dp.neighbouring,
+                           config.dp.clip_norm, n)
+
+
 def resolve_noise_multiplier(config: Config) -> float:
-    """σ from the config, or calibrated so the certified ε meets ``dp.target_epsilon``."""
+    """σ from the config, or calibrated so the certified ε meets ``dp.target_epsilon`` (DP-SGD).
+
+    NoisyCGD always has σ in the config: its ``dp.target_epsilon`` calibrates λ instead.
+    """
     if config.dp.noise_multiplier is not None:
         return config.dp.noise_multiplier
     assert config.dp.target_epsilon is not None
@@ -170,11 +184,10 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     _forget_search(layout)
     meta = io.read_json(layout.prepared_meta)
     x_np, y_np = _load_part(layout, "train")
-    private = config.train.algorithm == "dpsgd"
+    private = config.train.algorithm != "nonprivate"
     check_delta(config, int(x_np.shape[0]))
     sigma = resolve_noise_multiplier(config) if private else None
-    planned = (dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs, config.dp.neighbouring,
-                               config.dp.clip_norm, int(x_np.shape[0])) if private and sigma else None)
+    planned = planned_mechanism(config, sigma, int(x_np.shape[0])) if private else None
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = ledger.reserve(meta["data_version"], planned, f"{config.train.algorithm} model ({config.data.source})",
                            config.ledger.epsilon_budget)
@@ -211,9 +224,17 @@ def _save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechan
         **(extra or {}),
     }
     if mechanism is not None:
-        metrics["noise_multiplier"] = mechanism.events[0].noise_multiplier
+        metrics["noise_multiplier"] = released_noise_multiplier(config, mechanism.to_dict())
     io.write_json(layout.train_metrics, metrics)
     return metrics
+
+
+def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> float:
+    """σ of the released model's trainer: from its DP-SGD event, or NoisyCGD's configured σ."""
+    if mechanism["trainer"] == "noisycgd":
+        assert config.dp.noise_multiplier is not None
+        return float(config.dp.noise_multiplier)
+    return float(mechanism["events"][0]["noise_multiplier"])
 
 
 def _forget_search(layout: Layout) -> None:
@@ -223,11 +244,16 @@ def _forget_search(layout: Layout) -> None:
 
 
 def release_config(config: Config) -> Config:
-    """The configuration of the released model: ``config``, plus the search's choice after ``dpml tune``."""
+    """The configuration of the released model: ``config``, plus the search's choice after ``dpml tune``,
+    plus NoisyCGD's calibrated λ (so the audit's reference models train with the released model's λ,
+    as DP-SGD's train with its σ)."""
     layout = Layout(config)
-    if not layout.tuning.exists():
-        return config
-    return with_hyperparameters(config, io.read_json(layout.tuning)["chosen"])
+    if layout.tuning.exists():
+        config = with_hyperparameters(config, io.read_json(layout.tuning)["chosen"])
+    if config.train.algorithm == "noisycgd" and config.noisycgd.l2 is None and layout.train_metrics.exists():
+        l2 = io.read_json(layout.train_metrics)["train_l2"]
+        config = with_hyperparameters(config, {"noisycgd.l2": l2, "dp.target_epsilon": None})
+    return config
 
 
 def tune(config: Config, progress: bool = False) -> dict[str, Any]:
@@ -282,7 +308,7 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
 
 
 def load_model(layout: Layout) -> torch.nn.Module:
-    model = build_mlp(MlpSpec.from_dict(io.read_json(layout.model_spec)))
+    model = build_model(spec_from_dict(io.read_json(layout.model_spec)))
     model.load_state_dict(torch.load(layout.model, weights_only=True))
     return model.eval()
 
@@ -322,7 +348,7 @@ def audit_context(config: Config) -> AuditContext:
         x_train, y_train = x_train[keep], y_train[keep]
     x_audit, y_audit = _load_part(layout, "audit")
     mechanism = io.read_json(layout.mechanism) if layout.mechanism.exists() else None
-    sigma = None if mechanism is None else float(mechanism["events"][0]["noise_multiplier"])
+    sigma = None if mechanism is None else released_noise_multiplier(config, mechanism)
     records = audit_records(x_train, y_train, x_audit, y_audit, config.audit.max_records, config.audit.seed)
     return AuditContext(records, len(io.read_json(layout.prepared_meta)["classes"]),
                         io.read_json(layout.raw_meta)["version"], sigma, (x_train, y_train), (x_audit, y_audit))
@@ -463,12 +489,7 @@ def register(config: Config) -> dict[str, Any]:
     epsilon = certificate["epsilon"] if certificate else float("inf")
     mechanism = "none (non-private)"
     if certificate:
-        event = certificate["mechanism"]["events"][0]
-        mechanism = (f"dpsgd: poisson-gaussian q={event['sample_rate']:.6g} sigma={event['noise_multiplier']:.6g} "
-                     f"steps={event['steps']} C={certificate['mechanism']['clip_norm']:g} "
-                     f"{certificate['neighbouring']} {certificate['threat_model']}")
-        if certificate["mechanism"].get("selection"):
-            mechanism += f"; hyperparameter search: {MechanismDescription.from_dict(certificate['mechanism']).selection.describe()}"  # type: ignore[union-attr]
+        mechanism = MechanismDescription.from_dict(certificate["mechanism"]).summary()
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = io.read_json(layout.spend)
     dataset_total = ledger.total(data_meta["version"])

@@ -10,18 +10,26 @@ from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import per_example_cross_entropy, poisson_batch, train_dpsgd
 
 
-def naive_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
-    """Reference: one backward pass per example, clip, add."""
-    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+def naive_clipped_sum_and_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                                clip: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Reference: one backward pass per example, clip, add; and the per-example norms (trainable parameters)."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    total = {n: torch.zeros_like(p) for n, p in trainable.items()}
+    norms = []
     for i in range(x.shape[0]):
         model.zero_grad()
         per_example_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in trainable.items()}
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
+        norms.append(norm)
         factor = min(1.0, clip / (float(norm) + 1e-6))
         for n in total:
             total[n] += factor * grads[n]
-    return total
+    return total, torch.stack(norms)
+
+
+def naive_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
+    return naive_clipped_sum_and_norms(model, x, y, clip)[0]
 
 
 def data(n: int = 40, d: int = 6, k: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +52,7 @@ def test_linear_fast_path_matches_naive_loop(hidden: tuple[int, ...], clip: floa
 
 
 class WithNorm(nn.Module):
-    """A layer outside the fast path (LayerNorm's affine parameters) forces the vmap fallback."""
+    """Dense layers around a LayerNorm (fast path for all three; more cases in test_clipping_layers.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,7 +131,7 @@ def test_poisson_sampling_rate_and_empty_batches() -> None:
 
 
 class SmallCnn(nn.Module):
-    """Convolutions (strided, padded, dilated), a GroupNorm (vmap path), dense layers on 3-D inputs."""
+    """Convolutions (strided, padded, dilated), a GroupNorm, dense layers on 3-D inputs."""
 
     def __init__(self, norm: bool) -> None:
         super().__init__()

@@ -184,3 +184,32 @@ def test_private_search_releases_the_best_candidate_and_charges_the_search(workd
     from dpml.stages import audit_context
 
     assert audit_context(config).train[0].shape[0] == n_train - n_val
+
+
+def test_noisycgd_pipeline_certifies_the_final_model_only(workdir: Path) -> None:
+    """seed 001's trainer end to end: λ calibrated to the target, GDP certificate, no white-box canaries,
+    the audit's references trained with the released λ, the version tagged with its mechanism."""
+    from dpml.stages import Layout, release_config, run_all
+
+    config = load(write_params(workdir / "cgd.yaml", small_params(
+        workdir, train={"algorithm": "noisycgd", "learning_rate": 0.005, "epochs": 20},
+        model={"kind": "gated", "gates": 16},
+        dp={"noise_multiplier": 3.0, "target_epsilon": 4.0, "delta": 1e-5, "clip_norm": 34.0,
+            "neighbouring": "replace-one"},
+        noisycgd={"batch_size": 60}, gate={"epsilon_budget": 5.0}, audit={"black_box_canaries": 100})))
+    results = run_all(config, echo=lambda _: None)
+    certificate = results["certify"]["certificate"]
+    assert certificate["epsilon"] == pytest.approx(4.0, abs=1e-6) and certificate["epsilon"] <= 4.0 + 1e-9
+    assert certificate["threat_model"] == "final-model" and "final model only" in certificate["statement"]
+    answers = {a["name"]: a for a in certificate["answers"]}
+    assert answers["gdp.exact"]["epsilon"] == pytest.approx(4.0, abs=1e-6)
+    assert answers["dp_accounting.pld"]["epsilon"] >= 4.0 - 1e-6
+    audit = json.loads((Layout(config).audit).read_text())
+    assert [run["method"] for run in audit["one_run"]] == ["one_run_black_box"]
+    released = release_config(config)
+    l2 = json.loads(Layout(config).train_metrics.read_text())["train_l2"]
+    assert released.noisycgd.l2 == l2 > 0 and released.dp.target_epsilon is None
+    client = client_for(workdir)
+    [version] = versions(client, "dpml-test-model")
+    assert version.tags["dp.mechanism"].startswith("noisycgd: gdp mu=")
+    assert "final-model" in version.tags["dp.mechanism"] and version.tags["gate.passed"] == "true"

@@ -37,10 +37,10 @@ def _bound(scores: np.ndarray, included: np.ndarray, config: Config, confidence:
 def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, noise_multiplier: float,
                     confidence: float) -> dict[str, Any]:
     """Train once with Dirac gradient canaries inserted; bound ε from how well they are found."""
-    from dpml.models.mlp import build_mlp
+    from dpml.models import build_model
     from dpml.train.fit import model_spec
 
-    n_params = sum(p.numel() for p in build_mlp(model_spec(config, x.shape[1], n_classes)).parameters())
+    n_params = sum(p.numel() for p in build_model(model_spec(config, x.shape[1], n_classes)).parameters())
     m = min(config.audit.white_box_canaries, n_params)
     rng = np.random.default_rng([config.audit.seed, 7])
     canaries = GradientCanaries(coordinates=rng.choice(n_params, size=m, replace=False),

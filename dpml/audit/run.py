@@ -128,7 +128,10 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
                       seed=config.train.seed).model
         subjects.append(Subject("control", control, False, None, settings))
     trained = ensure_references(records, n_classes, data_version, subjects)
-    one_run = (config.audit.white_box_canaries > 0 and private) + (config.audit.black_box_canaries > 0)
+    # White-box gradient canaries score every iterate: an audit of DP-SGD's all-iterates guarantee, not of
+    # a final-model-only trainer (NoisyCGD), whose intermediate iterates no adversary sees.
+    white_box = config.audit.white_box_canaries > 0 and private and config.train.algorithm == "dpsgd"
+    one_run = white_box + (config.audit.black_box_canaries > 0)
     gating = len(config.audit.attacks) + one_run
     confidence = 1.0 - (1.0 - config.audit.confidence) / gating
     summary: dict[str, Any] = {"confidence": config.audit.confidence, "per_bound_confidence": confidence,
@@ -142,7 +145,7 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
         raw[subject.name] = {name: {"member": m.tolist(), "nonmember": n.tolist()} for name, (m, n) in scores.items()}
         pictures[subject.name] = ({name: roc(m, n) for name, (m, n) in scores.items()}, scores)
     one_runs = []
-    if config.audit.white_box_canaries > 0 and private:
+    if white_box:
         one_runs.append(white_box_audit(config, x_train, y_train, n_classes, noise_multiplier, confidence))
     if config.audit.black_box_canaries > 0:
         # The canary records come from the audit population's population half (never trained on).

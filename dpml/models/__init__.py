@@ -1,0 +1,25 @@
+"""Model specs (JSON-able, stored with every model) and the one place that builds a model from one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from dpml.models.gated import GatedSpec, build_gated
+from dpml.models.mlp import MlpSpec, build_mlp
+
+ModelSpec = MlpSpec | GatedSpec
+
+
+def spec_from_dict(payload: dict[str, Any]) -> ModelSpec:
+    kind = payload.get("kind", "mlp")
+    if kind == "mlp":
+        return MlpSpec.from_dict(payload)
+    if kind == "gated":
+        return GatedSpec.from_dict(payload)
+    raise ValueError(f"unknown model kind {kind!r}: expected mlp or gated")
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    return build_gated(spec) if isinstance(spec, GatedSpec) else build_mlp(spec)

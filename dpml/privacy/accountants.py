@@ -26,6 +26,13 @@ Papernot & Steinke's RDP theorems (:mod:`dpml.privacy.tuning`) on the base algor
 with dp_accounting's own implementation of the same theorems (``RepeatAndSelectDpEvent``), the
 cross-check. PLD, PRV and plain autodp decline (recorded), having no analysis for it.
 
+A μ-GDP event (NoisyCGD's hidden-state bound) is exactly a Gaussian mechanism with sensitivity 1
+and std 1/μ: ``gdp.exact`` converts it with the closed-form profile (:mod:`dpml.privacy.gdp`) when
+the mechanism is GDP only (μ's compose as sqrt(Σμ²)); dp_accounting (PLD and RDP) and autodp price
+it as that Gaussian mechanism — the independent checks, and the way it composes with DP-SGD spends
+in the ledger. (dp_accounting's PLD gives a plain Gaussian event sensitivity 2 under replace-one
+but its RDP accountant keeps 1; the translation below compensates for each.)
+
 The smallest valid upper bound is itself a valid upper bound, hence the certified ε.
 """
 
@@ -41,8 +48,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
-from dpml.privacy import tuning
+from dpml.privacy.mechanism import Event, GaussianDP, MechanismDescription, PoissonGaussianSteps
+from dpml.privacy import gdp, tuning
 
 PLD_DISCRETIZATION = 1e-4
 
@@ -57,18 +64,26 @@ class AccountantAnswer:
     used_for_certificate: bool
 
 
-def _dp_events(mechanism: MechanismDescription, with_selection: bool = False) -> Any:
-    """dp_accounting's DpEvent for the mechanism (the random-count selection only on request)."""
+def _dp_events(mechanism: MechanismDescription, with_selection: bool = False, for_pld: bool = True) -> Any:
+    """dp_accounting's DpEvent for the mechanism (the random-count selection only on request).
+
+    A μ-GDP event becomes ``GaussianDpEvent(1/μ)``; for the PLD accountant under replace-one, which
+    gives a plain Gaussian sensitivity 2, ``GaussianDpEvent(2/μ)`` (μ already covers the relation).
+    """
     import dp_accounting
 
-    def event(events: tuple[PoissonGaussianSteps, ...]) -> Any:
-        parts = [
-            dp_accounting.SelfComposedDpEvent(
-                dp_accounting.PoissonSampledDpEvent(e.sample_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)),
-                e.steps,
-            )
-            for e in events
-        ]
+    gaussian_scale = 2.0 if for_pld and mechanism.neighbouring == "replace-one" else 1.0
+
+    def one(e: Event) -> Any:
+        if isinstance(e, GaussianDP):
+            return dp_accounting.GaussianDpEvent(gaussian_scale / e.mu)
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(e.sample_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)),
+            e.steps,
+        )
+
+    def event(events: tuple[Event, ...]) -> Any:
+        parts = [one(e) for e in events]
         return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
 
     selection = mechanism.selection
@@ -107,19 +122,21 @@ def epsilon_autodp_rdp(mechanism: MechanismDescription, delta: float) -> float:
         return float(_autodp_mechanism(mechanism.neighbouring, events).get_approxDP(delta))
 
 
-def _autodp_mechanism(neighbouring: str, events: tuple[PoissonGaussianSteps, ...]) -> Any:
-    if neighbouring != "add-remove":
+def _autodp_mechanism(neighbouring: str, events: tuple[Event, ...]) -> Any:
+    """autodp's composition; a μ-GDP event is its Gaussian mechanism with σ = 1/μ (any relation)."""
+    if neighbouring != "add-remove" and not all(isinstance(e, GaussianDP) for e in events):
         raise NotImplementedError("autodp's Poisson-sampling RDP bound holds for add/remove neighbouring only")
     from autodp.mechanism_zoo import GaussianMechanism
     from autodp.transformer_zoo import AmplificationBySampling, Composition
 
     amplify = AmplificationBySampling(PoissonSampling=True)
     steps = [
-        GaussianMechanism(sigma=e.noise_multiplier) if e.sample_rate == 1.0
+        GaussianMechanism(sigma=1.0 / e.mu) if isinstance(e, GaussianDP)
+        else GaussianMechanism(sigma=e.noise_multiplier) if e.sample_rate == 1.0
         else amplify(GaussianMechanism(sigma=e.noise_multiplier), e.sample_rate, improved_bound_flag=True)
         for e in events
     ]
-    return Composition()(steps, [e.steps for e in events])
+    return Composition()(steps, [1 if isinstance(e, GaussianDP) else e.steps for e in events])
 
 
 def epsilon_dp_accounting_rdp(mechanism: MechanismDescription, delta: float) -> float:
@@ -127,7 +144,7 @@ def epsilon_dp_accounting_rdp(mechanism: MechanismDescription, delta: float) -> 
     from dp_accounting.rdp import rdp_privacy_accountant
 
     accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=_relation(mechanism))
-    accountant.compose(_dp_events(mechanism, with_selection=True))
+    accountant.compose(_dp_events(mechanism, with_selection=True, for_pld=False))
     return float(accountant.get_epsilon(delta))
 
 
@@ -150,7 +167,7 @@ def base_rdp_dp_accounting(mechanism: MechanismDescription, orders: tuple[float,
     level = absl.level
     absl.setLevel(logging.ERROR)  # orders near 1 that fail to converge are set to inf (safe), and logged
     try:
-        accountant.compose(_dp_events(base))
+        accountant.compose(_dp_events(base, for_pld=False))
     finally:
         absl.setLevel(level)
     return np.asarray(accountant._rdp, dtype=float)  # the composed curve (dp_accounting keeps it here)
@@ -218,6 +235,8 @@ def tight_epsilon(mechanism: MechanismDescription, delta: float,
         _random_selection(mechanism)
         curve = selection_rdp_curve(mechanism, "dp_accounting", discretization)
         return tuning.rdp_to_epsilon(tuning.ORDERS, curve, delta)
+    if all(isinstance(e, GaussianDP) for e in mechanism.events):
+        return epsilon_gdp_exact(mechanism, delta)
     return epsilon_pld(mechanism, delta, discretization)
 
 
@@ -232,6 +251,8 @@ def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float =
     from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
 
     events = mechanism.composed_events()
+    if any(isinstance(e, GaussianDP) for e in events):
+        raise NotImplementedError("priced by gdp.exact and dp_accounting (a μ-GDP event is not a PRV input here)")
     prvs = [PoissonSubsampledGaussianMechanism(noise_multiplier=e.noise_multiplier, sampling_probability=e.sample_rate)
             for e in events]
     counts = [e.steps for e in events]
@@ -240,12 +261,21 @@ def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float =
     return float(lower), float(estimate), float(upper)
 
 
+def epsilon_gdp_exact(mechanism: MechanismDescription, delta: float) -> float:
+    """ε(δ) of a GDP-only mechanism by the exact μ-GDP profile (Dong et al. 2022 Cor. 2.13)."""
+    events = mechanism.composed_events()
+    if not all(isinstance(e, GaussianDP) for e in events):
+        raise NotImplementedError("the exact GDP conversion needs a mechanism of μ-GDP events only")
+    return gdp.gdp_epsilon(math.sqrt(sum(e.mu ** 2 for e in events)), delta)  # type: ignore[union-attr]
+
+
 def epsilon_prv_upper(mechanism: MechanismDescription, delta: float) -> float:
     return prv_bounds(mechanism, delta)[2]
 
 
 ACCOUNTANTS: dict[str, tuple[str, Callable[[MechanismDescription, float], float], bool]] = {
     # name: (distribution providing it, function, counts for the certificate)
+    "gdp.exact": ("scipy", epsilon_gdp_exact, True),
     "dp_accounting.pld": ("dp-accounting", epsilon_pld, True),
     "prv_accountant.prv": ("prv-accountant", epsilon_prv_upper, True),
     "autodp.rdp": ("autodp", epsilon_autodp_rdp, True),
@@ -262,6 +292,8 @@ def ask_accountants(mechanism: MechanismDescription, delta: float) -> list[Accou
     for name, (dist, function, certifying) in ACCOUNTANTS.items():
         if name.startswith("papernot_steinke") and not random_selection:
             continue  # only a random-count search needs them
+        if name == "gdp.exact" and not any(isinstance(e, GaussianDP) for e in mechanism.events):
+            continue  # only GDP trainers need it
         start = time.perf_counter()
         try:
             epsilon, error = function(mechanism, delta), None

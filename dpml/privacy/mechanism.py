@@ -13,6 +13,10 @@ steps compose. Under replace-one the same mechanism is analysed with the replace
 pair (dp_accounting's PLD; Koskela's seed 001 uses this relation), whose worst case moves the
 sum by up to 2C.
 
+A trainer analysed in one piece — NoisyCGD's hidden-state bound (seed 001 Thm 2.8) — gives a
+:class:`GaussianDP` event instead: its μ already includes the neighbouring relation's sensitivity,
+and its privacy profile is exactly the Gaussian mechanism's with sensitivity 1 and std 1/μ.
+
 A hyperparameter search adds a :class:`Selection`: the events then describe *one* candidate
 (its training plus its noisy validation score) and the selection says how many candidates ran
 and that only the best was released. A fixed count k is priced by composing k candidates; a
@@ -44,6 +48,36 @@ class PoissonGaussianSteps:
             raise ValueError(f"noise_multiplier = {self.noise_multiplier}: must be > 0")
         if not (isinstance(self.steps, int) and self.steps >= 1):
             raise ValueError(f"steps = {self.steps}: must be an integer ≥ 1")
+
+
+@dataclass(frozen=True)
+class GaussianDP:
+    """A μ-GDP mechanism (Dong, Roth & Su 2022), μ stated for the description's neighbouring relation."""
+
+    mu: float
+
+    def __post_init__(self) -> None:
+        if not (self.mu > 0 and self.mu < float("inf")):
+            raise ValueError(f"mu = {self.mu}: must be a finite number > 0")
+
+
+Event = PoissonGaussianSteps | GaussianDP
+EVENT_KINDS: dict[str, type] = {"poisson_gaussian": PoissonGaussianSteps, "gdp": GaussianDP}
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    kind = "gdp" if isinstance(event, GaussianDP) else "poisson_gaussian"
+    return asdict(event) | {"kind": kind}
+
+
+def event_from_dict(payload: dict[str, Any]) -> Event:
+    kind = payload.get("kind", "poisson_gaussian")
+    if kind == "gdp":
+        return GaussianDP(float(payload["mu"]))
+    if kind == "poisson_gaussian":
+        return PoissonGaussianSteps(float(payload["sample_rate"]), float(payload["noise_multiplier"]),
+                                    int(payload["steps"]))
+    raise ValueError(f"unknown mechanism event kind {kind!r}: expected one of {', '.join(EVENT_KINDS)}")
 
 
 SelectionDistribution = Literal["poisson", "truncated_negative_binomial", "fixed"]
@@ -92,7 +126,7 @@ class MechanismDescription:
     """Everything an accountant needs, and everything a reviewer needs to check it."""
 
     trainer: str
-    events: tuple[PoissonGaussianSteps, ...]
+    events: tuple[Event, ...]
     neighbouring: Neighbouring
     clip_norm: float
     dataset_size: int
@@ -100,7 +134,7 @@ class MechanismDescription:
     notes: tuple[str, ...] = field(default_factory=tuple)
     selection: Selection | None = None
 
-    def composed_events(self) -> tuple[PoissonGaussianSteps, ...]:
+    def composed_events(self) -> tuple[Event, ...]:
         """Every event that touched the data, when that is a plain composition.
 
         A fixed best-of-k search composes k candidates (the k-fold composition bounds the release
@@ -113,6 +147,14 @@ class MechanismDescription:
                                       "priced by the Papernot–Steinke RDP bound")
         return self.events * int(self.selection.mean)
 
+    def summary(self) -> str:
+        """One line for tags and listings: trainer, events, clip norm, relation, threat model."""
+        parts = [f"gdp mu={e.mu:.6g}" if isinstance(e, GaussianDP) else
+                 f"poisson-gaussian q={e.sample_rate:.6g} sigma={e.noise_multiplier:.6g} steps={e.steps}"
+                 for e in self.events]
+        text = f"{self.trainer}: {' + '.join(parts)} C={self.clip_norm:g} {self.neighbouring} {self.threat_model}"
+        return text + (f"; hyperparameter search: {self.selection.describe()}" if self.selection else "")
+
     @property
     def sensitivity(self) -> float:
         """L2 sensitivity of one step's clipped-gradient sum under the neighbouring relation."""
@@ -120,7 +162,7 @@ class MechanismDescription:
 
     def to_dict(self) -> dict[str, Any]:
         payload = asdict(self)
-        payload["events"] = [asdict(e) | {"kind": "poisson_gaussian"} for e in self.events]
+        payload["events"] = [event_to_dict(e) for e in self.events]
         payload["notes"] = list(self.notes)
         payload["sensitivity"] = self.sensitivity
         payload["selection"] = None if self.selection is None else asdict(self.selection)
@@ -128,13 +170,7 @@ class MechanismDescription:
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> "MechanismDescription":
-        events = []
-        for event in payload["events"]:
-            if event.get("kind", "poisson_gaussian") != "poisson_gaussian":
-                raise ValueError(f"unknown mechanism event kind {event.get('kind')!r}")
-            events.append(
-                PoissonGaussianSteps(float(event["sample_rate"]), float(event["noise_multiplier"]), int(event["steps"]))
-            )
+        events = [event_from_dict(event) for event in payload["events"]]
         return cls(
             trainer=payload["trainer"],
             events=tuple(events),

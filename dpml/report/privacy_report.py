@@ -29,7 +29,10 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
         mech = certificate["mechanism"]
         lines += ["", "**Mechanism.**", ""]
         for event in mech["events"]:
-            if event["sample_rate"] == 1.0:
+            if event.get("kind") == "gdp":
+                lines.append(f"- μ-GDP with μ = {_fmt(event['mu'])} (the whole training run, final model only; "
+                             "exact conversion to (ε, δ) by the Gaussian trade-off function)")
+            elif event["sample_rate"] == 1.0:
                 lines.append(f"- Gaussian mechanism (no subsampling): noise multiplier "
                              f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} release(s)")
             else:

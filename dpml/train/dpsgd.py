@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
-from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.clipping import LossFn, clipped_gradient_sum
 
 
 @dataclass
@@ -58,6 +58,14 @@ def per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits, y, reduction="none")
 
 
+def per_example_squared(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """½‖z − e_y‖² (seed 001 Eq. 3.8's squared loss on one-hot labels)."""
+    return 0.5 * (logits - F.one_hot(y, logits.shape[1]).to(logits.dtype)).pow(2).sum(1)
+
+
+LOSSES: dict[str, LossFn] = {"cross_entropy": per_example_cross_entropy, "squared": per_example_squared}
+
+
 def make_optimizer(model: nn.Module, name: str, learning_rate: float, momentum: float) -> torch.optim.Optimizer:
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=learning_rate)
@@ -70,8 +78,8 @@ def number_of_steps(epochs: float, sample_rate: float) -> int:
 
 
 def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
-                          noise_multiplier: float, physical_batch_size: int, generator: torch.Generator
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+                          noise_multiplier: float, physical_batch_size: int, generator: torch.Generator,
+                          loss_fn: LossFn = per_example_cross_entropy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the batch (in physical chunks, so a large
     Poisson batch runs in bounded memory), Gaussian noise N(0, σ²C²) per parameter, and how many
     examples were clipped (a tensor: no device synchronisation in the training loop)."""
@@ -79,7 +87,7 @@ def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cl
     sums = {name: torch.zeros_like(p) for name, p in params.items()}
     clipped = torch.zeros((), device=x.device)
     for start in range(0, x.shape[0], physical_batch_size):
-        chunk_sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[start:start + physical_batch_size],
+        chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x[start:start + physical_batch_size],
                                                  y[start:start + physical_batch_size], clip_norm)
         for name, value in chunk_sums.items():
             sums[name] += value
@@ -132,7 +140,8 @@ def poisson_batch(generator: torch.Generator, n: int, sample_rate: float) -> tor
 def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
                 clip_norm: float, noise_multiplier: float, neighbouring: Neighbouring,
                 optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
-                canaries: GradientCanaries | None = None, progress: bool = False) -> TrainResult:
+                canaries: GradientCanaries | None = None, progress: bool = False,
+                loss_fn: LossFn = per_example_cross_entropy) -> TrainResult:
     """Train in place with DP-SGD; returns the model, its mechanism description and a history."""
     n = n_total = x.shape[0]
     steps = number_of_steps(epochs, sample_rate)
@@ -158,7 +167,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
     for _ in iterator:
         batch = poisson_batch(sampler, n, sample_rate).to(x.device)
         sums, noises, clipped_count = clipped_sum_and_noise(model, x[batch], y[batch], clip_norm, noise_multiplier,
-                                                            physical_batch_size, noise_source)
+                                                            physical_batch_size, noise_source, loss_fn)
         clipped.append(clipped_count)
         if canaries is not None:
             sampled = (torch.rand(canaries.coordinates.size, generator=canary_sampler) < sample_rate).numpy()
@@ -200,8 +209,9 @@ def _canary_locations(params: dict[str, torch.Tensor], coordinates: np.ndarray) 
 
 
 def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
-                     optimizer: torch.optim.Optimizer, seed: int, progress: bool = False) -> TrainResult:
-    """Baseline: shuffled minibatches of size ⌈q·n⌉, mean cross-entropy, no clipping, no noise."""
+                     optimizer: torch.optim.Optimizer, seed: int, progress: bool = False,
+                     loss_fn: LossFn = per_example_cross_entropy) -> TrainResult:
+    """Baseline: shuffled minibatches of size ⌈q·n⌉, mean loss, no clipping, no noise."""
     n = x.shape[0]
     batch_size = max(1, math.ceil(sample_rate * n))
     generator = torch.Generator().manual_seed(seed)
@@ -217,7 +227,7 @@ def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, samp
         order = torch.randperm(n, generator=generator).to(x.device)
         for chunk in torch.split(order, batch_size):
             optimizer.zero_grad(set_to_none=True)
-            per_example_cross_entropy(model(x[chunk]), y[chunk]).mean().backward()
+            loss_fn(model(x[chunk]), y[chunk]).mean().backward()
             optimizer.step()
             steps += 1
     return TrainResult(model, None, {"steps": steps, "mean_batch_size": float(batch_size),

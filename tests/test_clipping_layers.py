@@ -1,0 +1,319 @@
+"""Per-example clipping through Embedding, LayerNorm and GroupNorm (activations and output gradients
+only), mixed with parameters that still need per-example vmap, against a one-example-at-a-time loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dpsgd import naive_clipped_sum_and_norms
+from torch import nn
+
+from dpml.train import clipping
+from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.dpsgd import per_example_cross_entropy
+
+
+@pytest.fixture
+def vmapped(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The parameter names each call of the exact vmap path was asked for (``["*"]`` for all of them)."""
+    calls: list[list[str]] = []
+    per_example, everything = clipping._per_example_gradients, clipping._all_by_vmap
+
+    def spy_per_example(model, loss_fn, x, y, names):  # type: ignore[no-untyped-def]
+        calls.append(list(names))
+        return per_example(model, loss_fn, x, y, names)
+
+    def spy_everything(model, loss_fn, x, y, clip_norm):  # type: ignore[no-untyped-def]
+        calls.append(["*"])
+        return everything(model, loss_fn, x, y, clip_norm)
+
+    monkeypatch.setattr(clipping, "_per_example_gradients", spy_per_example)
+    monkeypatch.setattr(clipping, "_all_by_vmap", spy_everything)
+    return calls
+
+
+def assert_matches_naive_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float,
+                              most_clipped: bool = True) -> None:
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
+    reference, reference_norms = naive_clipped_sum_and_norms(model, x, y, clip)
+    assert set(sums) == set(reference)
+    for name in reference:
+        torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
+    if most_clipped:
+        assert float((reference_norms > clip).double().mean()) > 0.75
+
+
+def randomise_affine(model: nn.Module) -> nn.Module:
+    """Normalisation layers start at γ = 1, β = 0: move them off that point."""
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
+                for p in (module.weight, module.bias):
+                    if p is not None:
+                        p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) + 0.5)
+    return model
+
+
+def labels(n: int, classes: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# --- Embedding -------------------------------------------------------------------------------------------
+
+
+class Bag(nn.Module):
+    """Embedding → mean over positions → Linear."""
+
+    def __init__(self, vocabulary: int = 7, dim: int = 5, padding_idx: int | None = 0, sparse: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, dim, padding_idx=padding_idx, sparse=sparse)
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.out(h.reshape(h.shape[0], -1, h.shape[-1]).mean(1))
+
+
+def tokens(shape: tuple[int, ...], vocabulary: int = 7, seed: int = 1) -> torch.Tensor:
+    """Few distinct tokens over many positions: most examples repeat tokens (and hold the padding token 0)."""
+    return torch.randint(0, vocabulary, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0, -1])
+@pytest.mark.parametrize("shape", [(20, 9), (20, 2, 4), (20,)])
+def test_embedding_matches_naive_loop(padding_idx: int | None, shape: tuple[int, ...], vmapped: list) -> None:
+    torch.manual_seed(10)
+    model = Bag(padding_idx=padding_idx).double()
+    x = tokens(shape)
+    assert x.dim() == 1 or all(len(set(row.tolist())) < row.numel() for row in x.reshape(shape[0], -1))  # repeats
+    for clip in (0.02, 1e3):
+        assert_matches_naive_loop(model, x, labels(shape[0]), clip, most_clipped=clip < 1)
+    if padding_idx is not None:
+        sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, labels(shape[0]), 0.02)
+        assert not sums["embed.weight"][model.embed.padding_idx].any()
+    assert vmapped == []
+
+
+def test_embedding_norms_equal_the_gram_formula() -> None:
+    """‖∇W_i‖² = Σ_{t,s} [k_t = k_s](δ_t·δ_s), with a large vocabulary and long, repetitive sequences."""
+    g = torch.Generator().manual_seed(2)
+    tokens_ = torch.randint(0, 5, (6, 40), generator=g) * 1000  # vocabulary 5000, five tokens in use
+    d = torch.randn(6, 40, 3, generator=g, dtype=torch.float64)
+    equal = (tokens_[:, :, None] == tokens_[:, None, :]).double()
+    expected = (equal * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
+    torch.testing.assert_close(clipping._embedding_norms_squared(tokens_, d, 5000), expected, rtol=1e-12, atol=0)
+
+
+def test_sparse_embedding_gives_the_dense_result() -> None:
+    torch.manual_seed(11)
+    dense = Bag().double()
+    sparse = Bag(sparse=True).double()
+    sparse.load_state_dict(dense.state_dict())
+    x, y = tokens((16, 6)), labels(16)
+    expected, expected_norms = clipped_gradient_sum(dense, per_example_cross_entropy, x, y, 0.05)
+    got, norms = clipped_gradient_sum(sparse, per_example_cross_entropy, x, y, 0.05)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-12, atol=0)
+    torch.testing.assert_close(norms, expected_norms, rtol=1e-12, atol=0)
+
+
+# --- LayerNorm -------------------------------------------------------------------------------------------
+
+
+class NormedMlp(nn.Module):
+    """Linear → LayerNorm → ReLU → Linear, on inputs (B, *positions, 6)."""
+
+    def __init__(self, bias: bool = True, inplace: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8, eps=1e-3, bias=bias)
+        self.act = nn.ReLU(inplace=inplace)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.norm(self.inp(x)))
+        return self.out(h.reshape(h.shape[0], -1, 8).mean(1))
+
+
+@pytest.mark.parametrize("positions", [(), (5,), (2, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_matches_naive_loop(positions: tuple[int, ...], bias: bool, vmapped: list) -> None:
+    torch.manual_seed(12)
+    model = randomise_affine(NormedMlp(bias)).double()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, *positions, 6, generator=g, dtype=torch.float64) * 2
+    assert_matches_naive_loop(model, x, labels(24), 0.05)
+    assert vmapped == []
+
+
+class NormOverTwoDims(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm((4, 3))
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4, 3)
+        return self.out(torch.tanh(self.norm(x)).mean(1).flatten(1))
+
+
+def test_layer_norm_over_two_trailing_dims_matches_naive_loop(vmapped: list) -> None:
+    torch.manual_seed(13)
+    model = randomise_affine(NormOverTwoDims()).double()
+    x = torch.randn(16, 5, 4, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(16), 0.05)
+    assert vmapped == []
+
+
+def test_frozen_layer_norm_weight_is_left_out() -> None:
+    torch.manual_seed(14)
+    model = randomise_affine(NormedMlp()).double()
+    model.norm.weight.requires_grad_(False)
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(12), 0.05)
+    assert "norm.weight" not in clipped_gradient_sum(model, per_example_cross_entropy, x, labels(12), 0.05)[0]
+
+
+# --- GroupNorm -------------------------------------------------------------------------------------------
+
+
+class NormedCnn(nn.Module):
+    """Conv2d → GroupNorm → ReLU → flatten → Linear."""
+
+    def __init__(self, groups: int, inplace: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 6, 3, padding=1)
+        self.norm = nn.GroupNorm(groups, 6, eps=1e-4)
+        self.act = nn.ReLU(inplace=inplace)
+        self.out = nn.Linear(6 * 5 * 5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.norm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_group_norm_matches_naive_loop(groups: int, vmapped: list) -> None:
+    torch.manual_seed(15)
+    model = randomise_affine(NormedCnn(groups)).double()
+    x = torch.randn(14, 2, 5, 5, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    for clip in (0.05, 1e3):
+        assert_matches_naive_loop(model, x, labels(14), clip, most_clipped=clip < 1)
+    assert vmapped == []
+
+
+class GroupNormOnVectors(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 6): no spatial dimensions
+        return self.out(torch.tanh(self.norm(x)))
+
+
+def test_group_norm_without_spatial_dims_matches_naive_loop() -> None:
+    torch.manual_seed(16)
+    model = randomise_affine(GroupNormOnVectors()).double()
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 3
+    assert_matches_naive_loop(model, x, labels(16), 0.05)
+
+
+# --- Fast layers mixed with the vmap path ------------------------------------------------------------------
+
+
+class Scale(nn.Module):
+    """A custom module with its own parameter: a learned elementwise scale (only vmap knows it)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+
+class Mixed(nn.Module):
+    """Embedding → Scale → LayerNorm → mean → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(9, 4, padding_idx=0)
+        self.scale = Scale(4)
+        self.norm = nn.LayerNorm(4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.scale(self.embed(tokens))).mean(1))
+
+
+def test_fast_layers_mixed_with_a_custom_parameter(vmapped: list) -> None:
+    torch.manual_seed(17)
+    model = randomise_affine(Mixed()).double()
+    x = tokens((18, 7), vocabulary=9, seed=8)
+    assert_matches_naive_loop(model, x, labels(18), 0.05)
+    assert vmapped == [["scale.scale"]]  # only the custom parameter took the per-example vmap
+
+
+# --- Cases the shortcuts must not take ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
+                                   nn.BatchNorm1d(6)])
+def test_batch_norm_is_refused(model: nn.Module) -> None:
+    x = torch.randn(8, 6)
+    where = "module '1'" if isinstance(model, nn.Sequential) else "the model"
+    with pytest.raises(ValueError, match=f"{where} is a BatchNorm1d.*Use nn.GroupNorm or nn.LayerNorm"):
+        clipped_gradient_sum(model, per_example_cross_entropy, x, labels(8), 1.0)
+
+
+@pytest.mark.parametrize("groups", [None, 2])
+def test_in_place_activation_after_a_fast_layer(groups: int | None, vmapped: list) -> None:
+    """ReLU(inplace=True) overwrites the recorded layer output; the forward is redone with copies."""
+    torch.manual_seed(18)
+    if groups is None:
+        model = randomise_affine(NormedMlp(inplace=True)).double()
+        x = torch.randn(12, 6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    else:
+        model = randomise_affine(NormedCnn(groups, inplace=True)).double()
+        x = torch.randn(12, 2, 5, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(12), 0.05)
+    assert vmapped == []
+
+
+class TiedLanguageModel(nn.Module):
+    """Embedding weight shared with the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens).mean(1))
+
+
+def test_tied_weights_take_the_exact_path(vmapped: list) -> None:
+    torch.manual_seed(20)
+    assert_matches_naive_loop(TiedLanguageModel().double(), tokens((12, 5), vocabulary=6), labels(12, 6), 0.05)
+    assert vmapped[0] == ["*"]  # (_all_by_vmap then asks _per_example_gradients for every parameter)
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention uses out_proj's weights without calling its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_a_fast_layer_whose_forward_never_runs_takes_the_vmap_path(vmapped: list) -> None:
+    torch.manual_seed(21)
+    x = torch.randn(10, 3, 4, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    assert_matches_naive_loop(Attention().double(), x, labels(10), 0.05)
+    assert len(vmapped) == 1 and {"attention.out_proj.weight", "attention.out_proj.bias"} <= set(vmapped[0])
