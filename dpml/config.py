@@ -246,7 +246,8 @@ class AuditConfig(_Section):
         return self
 
 
-TUNABLE_KEYS = ("train.learning_rate", "train.momentum", "train.optimizer", "model.hidden", "model.activation")
+TUNABLE_KEYS = ("train.learning_rate", "train.momentum", "train.optimizer", "model.hidden", "model.activation",
+                "model.gates")
 
 
 class TuneConfig(_Section):
@@ -255,8 +256,9 @@ class TuneConfig(_Section):
     K candidates run, K drawn from ``distribution`` (``poisson`` with E[K] = ``mean``;
     ``truncated_negative_binomial`` with shape η = ``shape`` and E[K] = ``mean``; ``fixed``: K =
     ``mean``). Each draws its hyperparameters uniformly from ``space`` (keys from
-    :data:`TUNABLE_KEYS`: none of them changes the mechanism's σ, q or steps), trains with DP-SGD on
-    the training part minus a validation part of ``validation_fraction``, and is scored by its
+    :data:`TUNABLE_KEYS`: none of them changes the mechanism's σ, q or steps), trains with the
+    configured private trainer (DP-SGD, or NoisyCGD with λ calibrated per candidate) on the
+    training part minus a validation part of ``validation_fraction``, and is scored by its
     validation accuracy with Gaussian noise of std ``score_noise`` on the count of correct answers.
     Only the best candidate is released; the certificate charges the whole search.
     """
@@ -457,9 +459,13 @@ def with_hyperparameters(config: Config, chosen: dict[str, Any]) -> Config:
 def check_tunable(config: Config) -> None:
     """Reject a search that cannot run, before any work: every candidate must be a valid config."""
     problems = []
-    if config.train.algorithm != "dpsgd":
-        problems.append(f"  train.algorithm = {config.train.algorithm!r}: dpml tune searches DP-SGD runs only")
-    if config.tune.distribution != "fixed" and config.dp.neighbouring != "add-remove":
+    if config.train.algorithm == "nonprivate":
+        problems.append("  train.algorithm = 'nonprivate': dpml tune searches private runs (dpsgd, noisycgd) only")
+    if config.train.algorithm == "noisycgd" and config.dp.target_epsilon is None:
+        problems.append("  dp.target_epsilon: required for a NoisyCGD search (it fixes every candidate's μ, and so its λ; "
+                        "noisycgd.l2 must then be null)")
+    if (config.tune.distribution != "fixed" and config.dp.neighbouring != "add-remove"
+            and config.train.algorithm != "noisycgd"):
         problems.append(f"  dp.neighbouring = {config.dp.neighbouring!r}: a random-count search "
                         f"(tune.distribution = {config.tune.distribution}) is certified for add-remove only; "
                         "use add-remove or tune.distribution: fixed")

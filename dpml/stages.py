@@ -42,7 +42,8 @@ from dpml.privacy.mechanism import MechanismDescription
 from dpml.report.privacy_report import render
 from dpml.privacy.ledger import Ledger
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps
-from dpml.train.search import run_search, score_event, search_mechanism, selection_of, validation_rows
+from dpml.train.search import (calibrate_base_mu, check_noisycgd_candidates, run_search, score_event, search_mechanism,
+                               selection_of, validation_rows)
 
 PARTS = ("train", "test", "audit")
 
@@ -231,7 +232,7 @@ def _save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechan
 
 def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> float:
     """σ of the released model's trainer: from its DP-SGD event, or NoisyCGD's configured σ."""
-    if mechanism["trainer"] == "noisycgd":
+    if mechanism["trainer"].startswith("noisycgd"):
         assert config.dp.noise_multiplier is not None
         return float(config.dp.noise_multiplier)
     return float(mechanism["events"][0]["noise_multiplier"])
@@ -275,13 +276,18 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     fit_mask[rows] = False
     x_fit, y_fit = x_np[fit_mask], y_np[fit_mask]
     sigma = config.dp.noise_multiplier
-    if sigma is None:
+    base_mu = None
+    if config.train.algorithm == "noisycgd":  # σ fixed; the target fixes every candidate's μ (and so its λ)
+        base_mu = calibrate_base_mu(config, int(x_fit.shape[0]), n)
+        check_noisycgd_candidates(config, base_mu, int(x_fit.shape[0]))
+    elif sigma is None:
         assert config.dp.target_epsilon is not None
         steps = number_of_steps(config.train.epochs, config.train.sample_rate)
         sigma = calibrate_noise_multiplier(config.dp.target_epsilon, config.train.sample_rate, steps, config.dp.delta,
                                            config.dp.neighbouring, extra=(score_event(config),),
                                            selection=selection_of(config))
-    planned = search_mechanism(config, sigma, int(x_fit.shape[0]), n)
+    assert sigma is not None
+    planned = search_mechanism(config, sigma, int(x_fit.shape[0]), n, base_mu=base_mu)
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = ledger.reserve(meta["data_version"], planned,
                            f"dpml tune: {planned.selection.describe() if planned.selection else ''} ({config.data.source})",
@@ -289,7 +295,8 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
                                  "epsilon_alone": spend.epsilon_alone})
     try:
-        best = run_search(config, x_fit, y_fit, x_np[rows], y_np[rows], len(meta["classes"]), sigma, progress)
+        best = run_search(config, x_fit, y_fit, x_np[rows], y_np[rows], len(meta["classes"]), sigma, progress,
+                          base_mu=base_mu)
         if best is None:
             raise RuntimeError("the random number of candidates came out K = 0: nothing to release "
                                "(the search's privacy cost stays recorded in the ledger)")

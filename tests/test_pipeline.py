@@ -213,3 +213,45 @@ def test_noisycgd_pipeline_certifies_the_final_model_only(workdir: Path) -> None
     [version] = versions(client, "dpml-test-model")
     assert version.tags["dp.mechanism"].startswith("noisycgd: gdp mu=")
     assert "final-model" in version.tags["dp.mechanism"] and version.tags["gate.passed"] == "true"
+
+
+def test_noisycgd_search_calibrates_every_candidate_and_certifies_the_search(workdir: Path) -> None:
+    """seed 001 §5 through dpml tune: K ~ truncated negative binomial under replace-one, every candidate's λ
+    calibrated to the same μ, the whole search ≤ the target, the released λ used by the audit."""
+    from dpml.privacy.accountants import certify as certify_mechanism
+    from dpml.privacy.mechanism import MechanismDescription
+    from dpml.stages import Layout, release_config, run_all
+
+    config = load(write_params(workdir / "cgd-tune.yaml", small_params(
+        workdir, train={"algorithm": "noisycgd", "learning_rate": 0.005, "epochs": 20},
+        model={"kind": "gated", "gates": 16},
+        dp={"noise_multiplier": 3.0, "target_epsilon": 6.0, "delta": 1e-5, "clip_norm": 34.0,
+            "neighbouring": "replace-one"},
+        noisycgd={"batch_size": 60}, gate={"epsilon_budget": 7.0},
+        audit={"black_box_canaries": 0, "white_box_canaries": 0, "control": False, "attacks": ["loss"]},
+        tune={"space": {"train.learning_rate": [0.002, 0.005], "model.gates": [8, 16]}, "mean": 2.0})))
+    results = run_all(config, echo=lambda _: None, search=True)
+    certificate = results["certify"]["certificate"]
+    assert certificate["epsilon"] <= 6.0 + 1e-9 and certificate["epsilon"] == pytest.approx(6.0, abs=1e-3)
+    answers = {a["name"]: a for a in certificate["answers"]}
+    assert answers["papernot_steinke.rdp[dp_accounting]"]["epsilon"] is not None
+    assert answers["dp_accounting.rdp"]["epsilon"] is not None  # dp_accounting's own RepeatAndSelect
+    mechanism = MechanismDescription.from_dict(certificate["mechanism"])
+    assert mechanism.trainer == "noisycgd-search" and mechanism.neighbouring == "replace-one"
+    assert mechanism.selection is not None and mechanism.selection.random
+    released = release_config(config)
+    tuning = json.loads(Layout(config).tuning.read_text())
+    assert released.train.learning_rate == tuning["chosen"]["train.learning_rate"]
+    assert released.noisycgd.l2 is not None and released.dp.target_epsilon is None
+    # The released candidate alone is within the per-candidate μ the search was priced with.
+    from dpml.train.fit import noisycgd_settings
+    from dpml.train.noisycgd import noisycgd_mechanism
+
+    from dpml import io
+    from dpml.stages import _load_part
+
+    layout = Layout(config)
+    n_fit = _load_part(layout, "train")[1].size - io.read_npz(layout.validation)["rows"].size
+    alone = noisycgd_mechanism(noisycgd_settings(released, n_fit), n_fit)
+    assert alone.events[0].mu <= mechanism.events[0].mu * (1 + 1e-9)
+    assert certify_mechanism(alone, 1e-5)["epsilon"] < certificate["epsilon"]

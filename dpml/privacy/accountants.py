@@ -152,8 +152,9 @@ def _random_selection(mechanism: MechanismDescription) -> Any:
     selection = mechanism.selection
     if selection is None or not selection.random:
         raise NotImplementedError("not a random-count selection (the other accountants price this mechanism)")
-    if mechanism.neighbouring != "add-remove":
-        raise NotImplementedError("the RDP of Poisson subsampling used for random-count selection is add/remove only")
+    if mechanism.neighbouring != "add-remove" and not all(isinstance(e, GaussianDP) for e in mechanism.events):
+        raise NotImplementedError("the RDP of Poisson subsampling used for random-count selection is add/remove only "
+                                  "(a mechanism of μ-GDP events has the exact curve αμ²/2 under either relation)")
     return selection
 
 

@@ -123,13 +123,23 @@ def noisycgd_mu(noise_multiplier: float, c: float, batches: int, epochs: int, se
 
 def calibrate_l2(target_epsilon: float, delta: float, noise_multiplier: float, learning_rate: float,
                  data_smoothness: float, batches: int, epochs: int) -> float:
-    """The smallest λ for which NoisyCGD's certified ε ≤ target, at this η, σ, k, E.
+    """The smallest λ for which NoisyCGD's certified ε ≤ target, at this η, σ, k, E (see :func:`calibrate_l2_for_mu`)."""
+    try:
+        return calibrate_l2_for_mu(gdp_mu(target_epsilon, delta), noise_multiplier, learning_rate, data_smoothness,
+                                   batches, epochs)
+    except ValueError as error:
+        raise ValueError(f"target ε = {target_epsilon:g} at δ = {delta:g}: {error}") from None
+
+
+def calibrate_l2_for_mu(mu_target: float, noise_multiplier: float, learning_rate: float, data_smoothness: float,
+                        batches: int, epochs: int) -> float:
+    """The smallest λ with NoisyCGD's μ ≤ ``mu_target``, at this η, σ, k, E.
 
     β = β_data + λ. While 1 − ηλ ≥ |1 − ηβ| (the usual regime, c = 1 − ηλ) μ falls as λ grows, so
     λ is found by bisection on that stretch; a target that needs more forgetting than η allows is
-    refused. Returns the upper end of the bisection, so ε(λ) ≤ target always holds.
+    refused (μ ≥ 2/σ always: the last visit of a record is never forgotten). Returns the upper end
+    of the bisection, so μ(λ) ≤ target always holds.
     """
-    mu_target = gdp_mu(target_epsilon, delta)
 
     def mu_of(l2: float) -> float:
         c = contraction_factor(learning_rate, l2, data_smoothness + l2)
@@ -141,9 +151,10 @@ def calibrate_l2(target_epsilon: float, delta: float, noise_multiplier: float, l
     l2_max = (2.0 / learning_rate - data_smoothness) / 2.0
     if l2_max <= 0 or mu_of(l2_max * (1 - 1e-12)) > mu_target:
         raise ValueError(
-            f"target ε = {target_epsilon:g} at δ = {delta:g} is out of reach for NoisyCGD with σ = {noise_multiplier:g}, "
-            f"η = {learning_rate:g}, k = {batches}, E = {epochs}: even the strongest regularisation the learning rate "
-            f"allows gives μ = {mu_of(max(l2_max, 0.0) * (1 - 1e-12)):.4g} > {mu_target:.4g}; raise σ or lower E")
+            f"μ ≤ {mu_target:.4g} is out of reach for NoisyCGD with σ = {noise_multiplier:g}, η = {learning_rate:g}, "
+            f"k = {batches}, E = {epochs}: even the strongest regularisation the learning rate allows gives "
+            f"μ = {mu_of(max(l2_max, 0.0) * (1 - 1e-12)):.4g} (never below 2/σ = {2 / noise_multiplier:.4g}); "
+            "raise σ or lower E")
     return _bisect_smallest(lambda l2: mu_of(l2) <= mu_target, 0.0, l2_max * (1 - 1e-12))
 
 
