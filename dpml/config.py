@@ -149,11 +149,12 @@ class ModelConfig(_Section):
 
 class TrainConfig(_Section):
     """The optimiser loop. ``algorithm``: ``dpsgd`` (Poisson-sampled DP-SGD, every iterate covered),
+    ``dpgd`` (full-batch DP-GD, seed 002: ``sample_rate`` must be 1, one step per epoch),
     ``noisycgd`` (seed 001's noisy cyclic GD on the gated model, final model only; settings in the
     ``noisycgd`` section) or ``nonprivate`` (the baseline). ``loss``: cross-entropy, or the squared
     loss ½‖z − e_y‖² on the logits."""
 
-    algorithm: Literal["dpsgd", "noisycgd", "nonprivate"] = "dpsgd"
+    algorithm: Literal["dpsgd", "dpgd", "noisycgd", "nonprivate"] = "dpsgd"
     loss: Literal["cross_entropy", "squared"] = "cross_entropy"
     epochs: float = Field(20.0, gt=0)
     sample_rate: float = Field(0.05, gt=0, le=1)
@@ -339,7 +340,10 @@ class Config(_Section):
         dp = self.dp
         if self.train.algorithm == "noisycgd":
             _check_noisycgd(self)
-        elif self.train.algorithm == "dpsgd" and (dp.noise_multiplier is None) == (dp.target_epsilon is None):
+        if self.train.algorithm == "dpgd" and self.train.sample_rate != 1.0:
+            raise ValueError(f"train.sample_rate = {self.train.sample_rate:g}: DP-GD (train.algorithm = 'dpgd') uses the "
+                             "full batch at every step; set train.sample_rate: 1")
+        elif self.train.algorithm in ("dpsgd", "dpgd") and (dp.noise_multiplier is None) == (dp.target_epsilon is None):
             raise ValueError(
                 "give exactly one of dp.noise_multiplier and dp.target_epsilon "
                 f"(got noise_multiplier={dp.noise_multiplier}, target_epsilon={dp.target_epsilon})"

@@ -99,9 +99,17 @@ def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cl
 
 def dpsgd_mechanism(sample_rate: float, noise_multiplier: float, epochs: float, neighbouring: Neighbouring,
                     clip_norm: float, dataset_size: int) -> MechanismDescription:
-    """What :func:`train_dpsgd` does with these settings: known before training (the ledger needs it)."""
+    """What :func:`train_dpsgd` does with these settings: known before training (the ledger needs it).
+
+    With q = 1 it is **DP-GD** (seed 002): every step uses the full batch, so each step is a plain
+    Gaussian mechanism on the clipped sum (the trainer is then named ``dpgd``). Seed 002 writes the
+    step as θ ← θ − η(1/n)Σ clip(g_i) + sqrt(η)(2C/n)σ'·N(0, I): that is this mechanism under
+    replace-one with σ = 2σ'/√η (noise std σC on the sum, sensitivity 2C), and its moments-
+    accountant certificate ε = a + 2·sqrt(a·log(1/δ)), a = ηT/(2σ'²) = 2T/σ², is one of the
+    accountants asked (``moments_accountant.closed_form``).
+    """
     return MechanismDescription(
-        trainer="dpsgd",
+        trainer="dpgd" if sample_rate == 1.0 else "dpsgd",
         events=(PoissonGaussianSteps(sample_rate, noise_multiplier, number_of_steps(epochs, sample_rate)),),
         neighbouring=neighbouring,
         clip_norm=clip_norm,

@@ -65,7 +65,7 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
         result = train_noisycgd(model, xt, yt, settings=noisycgd_settings(config, int(x.shape[0])), loss_fn=loss_fn,
                                 partition_seed=seed, noise_seed=secret,
                                 physical_batch_size=config.train.physical_batch_size, progress=progress)
-    elif private:
+    elif private:  # dpsgd, or dpgd (the same trainer at q = 1, enforced by the config)
         if noise_multiplier is None:
             raise ValueError("a private run needs a noise multiplier")
         optimizer = make_optimizer(model, config.train.optimizer, config.train.learning_rate, config.train.momentum)
