@@ -1,0 +1,62 @@
+"""Initialisation schemes of seed 000 (Ye et al., *Initialization Matters*, Eq. 5 and Table 1).
+
+A bias-free fully connected ReLU network h_0 = x, h_l = relu(W_l h_{l−1}) (l < L), f = W_L h_{L−1},
+W_l ∈ R^{m_l × m_{l−1}}, widths m_0 = d, m_1..m_{L−1} (hidden), m_L = o. Every scheme draws
+W_l ~ N(0, β_l) entrywise with
+
+    LeCun  β_l = 1/m_{l−1}          He      β_l = 2/m_{l−1}
+    NTK    β_l = 2/m_l (l < L), 1/o (l = L)      Xavier  β_l = 2/(m_{l−1} + m_l)
+
+(PyTorch's default ``nn.Linear`` initialisation is none of these.)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+Scheme = Literal["lecun", "he", "ntk", "xavier"]
+SCHEMES: tuple[Scheme, ...] = ("lecun", "he", "ntk", "xavier")
+
+
+def init_variances(scheme: Scheme, widths: list[int]) -> list[float]:
+    """[β_1, …, β_L] for widths [m_0 = d, m_1, …, m_{L−1}, m_L = o] (Eq. 5 / Table 1)."""
+    if len(widths) < 2 or min(widths) < 1:
+        raise ValueError(f"widths = {widths}: need at least [d, o], all ≥ 1")
+    depth = len(widths) - 1
+    out = []
+    for layer in range(1, depth + 1):
+        fan_in, fan_out = widths[layer - 1], widths[layer]
+        if scheme == "lecun":
+            out.append(1.0 / fan_in)
+        elif scheme == "he":
+            out.append(2.0 / fan_in)
+        elif scheme == "ntk":
+            out.append(2.0 / fan_out if layer < depth else 1.0 / fan_out)
+        elif scheme == "xavier":
+            out.append(2.0 / (fan_in + fan_out))
+        else:
+            raise ValueError(f"initialisation scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    return out
+
+
+def bias_free_relu_mlp(widths: list[int]) -> nn.Sequential:
+    """Linear(no bias) → ReLU → … → Linear(no bias): seed 000's network for widths [d, m_1, …, o]."""
+    layers: list[nn.Module] = []
+    for layer, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:]), start=1):
+        layers.append(nn.Linear(fan_in, fan_out, bias=False))
+        if layer < len(widths) - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def initialise(model: nn.Sequential, scheme: Scheme, generator: torch.Generator | None = None) -> nn.Sequential:
+    """Redraw every weight of a :func:`bias_free_relu_mlp` from N(0, β_l) in place."""
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    widths = [linears[0].in_features] + [m.out_features for m in linears]
+    with torch.no_grad():
+        for module, beta in zip(linears, init_variances(scheme, widths)):
+            module.weight.normal_(0.0, beta ** 0.5, generator=generator)
+    return model

@@ -1,0 +1,71 @@
+"""KL privacy of noisy gradient descent without clipping (seed 000, Ye et al.).
+
+**What it is.** KL privacy (Def. 2.3): KL(A(D) ‖ A(D')) ≤ ε_KL for replace-one neighbours. It is
+*not* (ε, δ)-DP: the only conversion the paper gives is Pinsker's, (0, δ)-"DP" with
+δ = sqrt(ε_KL / 2) (App. A.2) — a total-variation bound. dpml reports it as exactly that and never
+relabels it.
+
+**Gradient-norm constant** (Lemma C.3 / Eq. 33, Thm 4.1 / Eq. 7). For the bias-free ReLU network of
+:mod:`dpml.models.init` at initialisation,
+
+    E_W ‖∂f(x)/∂W‖_F² = ‖x‖² · o · Π_{i=1}^{L−1} (β_i m_i / 2) · Σ_{l=1}^{L} β_L / β_l,
+
+and for the linearised network f_lin(W) = f(W0) + J(W0)(W − W0) the mean-gradient difference of
+replace-one neighbours obeys E‖∇L(D) − ∇L(D')‖² ≤ 4B/n² with B the same expression at ‖x‖² ≤ X0²
+(the paper's d for inputs with ‖x‖² ≤ d; dpml's input norm bound X0 takes its place).
+
+**Certificate** (Cor. 4.2, discrete noisy GD W ← W − η∇L + sqrt(2ησ²)Z for K steps):
+KL ≤ 2BKη/(n²σ²). The digest's check: the exact per-step KL of that update is η‖Δ‖²/(4σ²), so
+the paper's constant 1/(2σ²) is conservative by a factor 2; dpml keeps the paper's (valid, upper)
+constant. **Calibration** (Cor. 6.4): σ² = 2BT/(ε_KL n²), T = Kη.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dpml.models.init import Scheme, init_variances
+
+
+def expected_jacobian_norm_sq(input_norm_sq: float, scheme: Scheme, widths: list[int]) -> float:
+    """Eq. 33: E_W ‖∂f(x)/∂W‖_F² for ‖x‖² = ``input_norm_sq`` (Frobenius over all outputs and layers)."""
+    betas = init_variances(scheme, widths)
+    depth = len(widths) - 1
+    product = math.prod(betas[i - 1] * widths[i] / 2 for i in range(1, depth))
+    return input_norm_sq * widths[-1] * product * sum(betas[-1] / beta for beta in betas)
+
+
+def gradient_norm_constant(scheme: Scheme, widths: list[int], input_norm: float) -> float:
+    """B of Eq. 7 for inputs with ‖x‖ ≤ X0 = ``input_norm`` (the paper's d replaced by X0²)."""
+    return expected_jacobian_norm_sq(input_norm ** 2, scheme, widths)
+
+
+def table_1_constant(scheme: Scheme, d: int, m: int, o: int, depth: int) -> float:
+    """Table 1's closed forms of B (inputs with ‖x‖² ≤ d, hidden widths m, L = ``depth`` ≥ 2)."""
+    L = depth
+    if scheme == "lecun":
+        return o * m * (L - 1 + d / m) / 2 ** (L - 1)
+    if scheme == "he":
+        return o * m * (L - 1 + d / m)
+    if scheme == "ntk":
+        return d * m * ((L - 1) / 2 + o / m)
+    return o * d * (L - 1 + (d + o) / (2 * m)) / (2 ** (L - 3) * (1 + d / m) * (1 + o / m))
+
+
+def kl_bound(constant: float, steps: int, learning_rate: float, n: int, sigma: float) -> float:
+    """Cor. 4.2 (discrete): KL ≤ 2·B·K·η / (n²σ²) for K noisy GD steps of size η, noise sqrt(2ησ²)·Z."""
+    if min(constant, learning_rate, sigma) <= 0 or steps < 0 or n < 1:
+        raise ValueError("need B, η, σ > 0, K ≥ 0 and n ≥ 1")
+    return 2.0 * constant * steps * learning_rate / (n * n * sigma * sigma)
+
+
+def pinsker_delta(kl: float) -> float:
+    """The (0, δ) statement KL privacy implies (Pinsker): δ = sqrt(KL / 2) — a total-variation bound."""
+    return math.sqrt(kl / 2.0)
+
+
+def calibrate_sigma_squared(constant: float, time: float, kl_target: float, n: int) -> float:
+    """Cor. 6.4: σ² = 2BT/(ε_KL n²) makes the bound equal ε_KL at training time T = K·η."""
+    if kl_target <= 0:
+        raise ValueError(f"KL target {kl_target}: must be > 0")
+    return 2.0 * constant * time / (kl_target * n * n)
