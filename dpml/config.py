@@ -131,13 +131,17 @@ class ModelConfig(_Section):
     ``kind: mlp``: fully connected, ``hidden`` widths and ``activation`` ([] gives a linear model).
     ``kind: gated``: seed 001's convex gated-ReLU model — ``gates`` random hyperplanes drawn from
     ``gate_seed`` (public, stored with the model) and a linear model on the gated features.
+    ``kind: lipschitz``: seed 004's Lipschitz network — an input bound at X0 (``preprocess.clip_norm``),
+    spectrally normalised dense layers of the (even) ``hidden`` widths with GroupSort2 between them,
+    biases in a ball of radius ``bias_bound``.
     """
 
-    kind: Literal["mlp", "gated"] = "mlp"
+    kind: Literal["mlp", "gated", "lipschitz"] = "mlp"
     hidden: list[int] = Field(default_factory=lambda: [64])
     activation: Literal["relu", "tanh"] = "tanh"
     gates: int = Field(64, gt=0)
     gate_seed: int = 0
+    bias_bound: float = Field(1.0, ge=0)
 
     @field_validator("hidden")
     @classmethod
@@ -150,12 +154,17 @@ class ModelConfig(_Section):
 class TrainConfig(_Section):
     """The optimiser loop. ``algorithm``: ``dpsgd`` (Poisson-sampled DP-SGD, every iterate covered),
     ``dpgd`` (full-batch DP-GD, seed 002: ``sample_rate`` must be 1, one step per epoch),
+    ``clipless`` (seed 004: no clipping, sensitivity from the Lipschitz model's bounds; ``loss`` must
+    be ``tau_cross_entropy`` (CE(τz)/τ, τ = ``loss_tau``) or ``multiclass_hinge``; noise
+    ``clipless_noise`` global or per layer),
     ``noisycgd`` (seed 001's noisy cyclic GD on the gated model, final model only; settings in the
     ``noisycgd`` section) or ``nonprivate`` (the baseline). ``loss``: cross-entropy, or the squared
     loss ½‖z − e_y‖² on the logits."""
 
-    algorithm: Literal["dpsgd", "dpgd", "noisycgd", "nonprivate"] = "dpsgd"
-    loss: Literal["cross_entropy", "squared"] = "cross_entropy"
+    algorithm: Literal["dpsgd", "dpgd", "noisycgd", "clipless", "nonprivate"] = "dpsgd"
+    loss: Literal["cross_entropy", "squared", "tau_cross_entropy", "multiclass_hinge"] = "cross_entropy"
+    loss_tau: float = Field(1.0, gt=0)
+    clipless_noise: Literal["global", "per_layer"] = "global"
     epochs: float = Field(20.0, gt=0)
     sample_rate: float = Field(0.05, gt=0, le=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -340,10 +349,15 @@ class Config(_Section):
         dp = self.dp
         if self.train.algorithm == "noisycgd":
             _check_noisycgd(self)
+        if self.train.algorithm == "clipless":
+            _check_clipless(self)
+        if self.model.kind == "lipschitz" and any(width % 2 for width in self.model.hidden):
+            raise ValueError(f"model.hidden = {self.model.hidden}: a lipschitz model needs even widths (GroupSort2)")
         if self.train.algorithm == "dpgd" and self.train.sample_rate != 1.0:
             raise ValueError(f"train.sample_rate = {self.train.sample_rate:g}: DP-GD (train.algorithm = 'dpgd') uses the "
                              "full batch at every step; set train.sample_rate: 1")
-        elif self.train.algorithm in ("dpsgd", "dpgd") and (dp.noise_multiplier is None) == (dp.target_epsilon is None):
+        elif (self.train.algorithm in ("dpsgd", "dpgd", "clipless")
+              and (dp.noise_multiplier is None) == (dp.target_epsilon is None)):
             raise ValueError(
                 "give exactly one of dp.noise_multiplier and dp.target_epsilon "
                 f"(got noise_multiplier={dp.noise_multiplier}, target_epsilon={dp.target_epsilon})"
@@ -360,6 +374,19 @@ class Config(_Section):
             for key, value in values.items():
                 out[f"{section}.{key}"] = value
         return out
+
+
+def _check_clipless(config: Config) -> None:
+    """Clipless DP-SGD needs the bounds' ingredients: a Lipschitz model and a Lipschitz loss."""
+    problems = []
+    if config.model.kind != "lipschitz":
+        problems.append(f"model.kind = {config.model.kind!r}: clipless DP-SGD bounds gradients through a Lipschitz "
+                        "network; use model.kind: lipschitz")
+    if config.train.loss not in ("tau_cross_entropy", "multiclass_hinge"):
+        problems.append(f"train.loss = {config.train.loss!r}: clipless DP-SGD needs a Lipschitz loss "
+                        "(tau_cross_entropy or multiclass_hinge)")
+    if problems:
+        raise ValueError("train.algorithm = 'clipless':\n    " + "\n    ".join(problems))
 
 
 def _check_noisycgd(config: Config) -> None:

@@ -14,6 +14,7 @@ call exactly these functions, so both drivers produce the same files.
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -34,7 +35,8 @@ from dpml.data.sources import content_hash, load_source
 from dpml.data.split import split_indices
 from dpml.models import build_model, spec_from_dict
 from dpml.models.mlp import pick_device
-from dpml.train.fit import fit, model_spec, noisycgd_settings
+from dpml.train.clipless import clipless_mechanism
+from dpml.train.fit import fit, model_gradient_bounds, model_spec, noisycgd_settings
 from dpml.train.noisycgd import noisycgd_mechanism
 from dpml.privacy.accountants import certify as certify_mechanism
 from dpml.privacy.calibrate import calibrate_noise_multiplier
@@ -153,10 +155,15 @@ def check_delta(config: Config, n: int) -> None:
         warnings.warn(message, stacklevel=2)
 
 
-def planned_mechanism(config: Config, sigma: float | None, n: int) -> MechanismDescription:
+def planned_mechanism(config: Config, sigma: float | None, n: int, in_features: int = 0,
+                      n_classes: int = 0) -> MechanismDescription:
     """What the configured private trainer will do on n records: known before it runs (the ledger needs it)."""
     if config.train.algorithm == "noisycgd":
         return noisycgd_mechanism(noisycgd_settings(config, n), n)
+    if config.train.algorithm == "clipless":
+        assert sigma is not None
+        return clipless_mechanism(model_gradient_bounds(config, in_features, n_classes), config.train.sample_rate,
+                                  sigma, config.train.clipless_noise, config.train.epochs, config.dp.neighbouring, n)
     assert sigma is not None
     return dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs, config.dp.neighbouring,
                            config.dp.clip_norm, n)
@@ -171,8 +178,19 @@ def resolve_noise_multiplier(config: Config) -> float:
         return config.dp.noise_multiplier
     assert config.dp.target_epsilon is not None
     steps = number_of_steps(config.train.epochs, config.train.sample_rate)
-    return calibrate_noise_multiplier(config.dp.target_epsilon, config.train.sample_rate, steps,
-                                      config.dp.delta, config.dp.neighbouring)
+    sigma = calibrate_noise_multiplier(config.dp.target_epsilon, config.train.sample_rate, steps,
+                                       config.dp.delta, config.dp.neighbouring)
+    # Clipless per-layer noise σ acts like one Gaussian with σ/√D: calibrate that, then scale back.
+    return sigma * math.sqrt(clipless_layer_count(config)) if _per_layer_noise(config) else sigma
+
+
+def clipless_layer_count(config: Config) -> int:
+    """D: the parameterised layers of a lipschitz model (hidden layers and the output layer)."""
+    return len(config.model.hidden) + 1
+
+
+def _per_layer_noise(config: Config) -> bool:
+    return config.train.algorithm == "clipless" and config.train.clipless_noise == "per_layer"
 
 
 def train(config: Config, progress: bool = False) -> dict[str, Any]:
@@ -188,7 +206,8 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     private = config.train.algorithm != "nonprivate"
     check_delta(config, int(x_np.shape[0]))
     sigma = resolve_noise_multiplier(config) if private else None
-    planned = planned_mechanism(config, sigma, int(x_np.shape[0])) if private else None
+    planned = (planned_mechanism(config, sigma, int(x_np.shape[0]), int(x_np.shape[1]), len(meta["classes"]))
+               if private else None)
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = ledger.reserve(meta["data_version"], planned, f"{config.train.algorithm} model ({config.data.source})",
                            config.ledger.epsilon_budget)
@@ -235,7 +254,8 @@ def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> floa
     if mechanism["trainer"].startswith("noisycgd"):
         assert config.dp.noise_multiplier is not None
         return float(config.dp.noise_multiplier)
-    return float(mechanism["events"][0]["noise_multiplier"])
+    sigma = float(mechanism["events"][0]["noise_multiplier"])
+    return sigma * math.sqrt(clipless_layer_count(config)) if _per_layer_noise(config) else sigma
 
 
 def _forget_search(layout: Layout) -> None:
@@ -329,10 +349,23 @@ def certify(config: Config) -> dict[str, Any]:
         metrics: dict[str, Any] = {"epsilon": float("inf"), "delta": config.dp.delta, "private": False}
     else:
         certificate = certify_mechanism(MechanismDescription.from_dict(payload), config.dp.delta)
+        certificate = _void_if_unsound(certificate, io.read_json(layout.train_metrics))
         metrics = {"epsilon": certificate["epsilon"], "delta": certificate["delta"], "private": True}
     io.write_json(layout.certificate, certificate)
     io.write_json(layout.certify_metrics, {k: (v if v != float("inf") else "inf") for k, v in metrics.items()})
     return {"certificate": certificate, **metrics}
+
+
+def _void_if_unsound(certificate: dict[str, Any], train_metrics: dict[str, Any]) -> dict[str, Any]:
+    """Clipless DP-SGD's sensitivity is an analytic bound: if the trainer's soundness check found it
+    violated (a per-example gradient above its bound, or a layer with ‖W‖₂ > 1), there is no guarantee."""
+    if train_metrics.get("train_soundness_passed", True):
+        return certificate
+    reason = (f"no guarantee: the soundness check found the gradient bounds violated "
+              f"({train_metrics.get('train_soundness_violations')} per-example violations, worst ratio "
+              f"{train_metrics.get('train_soundness_max_ratio', float('nan')):.4g}, largest spectral norm "
+              f"{train_metrics.get('train_spectral_norm_max', float('nan')):.6g}); the accountants' answers assumed them")
+    return certificate | {"epsilon": float("inf"), "statement": reason, "void": True}
 
 
 @dataclass(frozen=True)
@@ -437,6 +470,8 @@ def gate(config: Config) -> dict[str, Any]:
         reasons.append("no DP certificate: the model was trained without differential privacy")
     else:
         epsilon = certificate["epsilon"]
+        if certificate.get("void"):
+            reasons.append(certificate["statement"])
         if epsilon > config.gate.epsilon_budget:
             passed = False
             reasons.append(f"certified ε = {epsilon:.4g} exceeds the budget gate.epsilon_budget = "

@@ -130,7 +130,7 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
     trained = ensure_references(records, n_classes, data_version, subjects)
     # White-box gradient canaries score every iterate: an audit of DP-SGD's all-iterates guarantee, not of
     # a final-model-only trainer (NoisyCGD), whose intermediate iterates no adversary sees.
-    white_box = config.audit.white_box_canaries > 0 and private and config.train.algorithm in ("dpsgd", "dpgd")
+    white_box = config.audit.white_box_canaries > 0 and private and config.train.algorithm in ("dpsgd", "dpgd")  # (clipless: no canary hook)
     one_run = white_box + (config.audit.black_box_canaries > 0)
     gating = len(config.audit.attacks) + one_run
     confidence = 1.0 - (1.0 - config.audit.confidence) / gating

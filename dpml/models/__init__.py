@@ -7,9 +7,10 @@ from typing import Any
 from torch import nn
 
 from dpml.models.gated import GatedSpec, build_gated
+from dpml.models.lipschitz import LipschitzSpec, build_lipschitz
 from dpml.models.mlp import MlpSpec, build_mlp
 
-ModelSpec = MlpSpec | GatedSpec
+ModelSpec = MlpSpec | GatedSpec | LipschitzSpec
 
 
 def spec_from_dict(payload: dict[str, Any]) -> ModelSpec:
@@ -18,8 +19,14 @@ def spec_from_dict(payload: dict[str, Any]) -> ModelSpec:
         return MlpSpec.from_dict(payload)
     if kind == "gated":
         return GatedSpec.from_dict(payload)
-    raise ValueError(f"unknown model kind {kind!r}: expected mlp or gated")
+    if kind == "lipschitz":
+        return LipschitzSpec.from_dict(payload)
+    raise ValueError(f"unknown model kind {kind!r}: expected mlp, gated or lipschitz")
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
-    return build_gated(spec) if isinstance(spec, GatedSpec) else build_mlp(spec)
+    if isinstance(spec, GatedSpec):
+        return build_gated(spec)
+    if isinstance(spec, LipschitzSpec):
+        return build_lipschitz(spec)
+    return build_mlp(spec)

@@ -66,6 +66,17 @@ def per_example_squared(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 LOSSES: dict[str, LossFn] = {"cross_entropy": per_example_cross_entropy, "squared": per_example_squared}
 
 
+def loss_function(name: str, tau: float = 1.0) -> LossFn:
+    """The per-example loss ``train.loss`` names (the Lipschitz losses of seed 004 included)."""
+    from dpml.models.lipschitz import multiclass_hinge, tau_cross_entropy
+
+    if name == "tau_cross_entropy":
+        return tau_cross_entropy(tau)
+    if name == "multiclass_hinge":
+        return multiclass_hinge(1.0)
+    return LOSSES[name]
+
+
 def make_optimizer(model: nn.Module, name: str, learning_rate: float, momentum: float) -> torch.optim.Optimizer:
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=learning_rate)

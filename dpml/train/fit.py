@@ -12,16 +12,21 @@ import torch
 from dpml.config import Config
 from dpml.models import ModelSpec, build_model
 from dpml.models.gated import GatedSpec, smoothness_bound
+from dpml.models.lipschitz import LOSS_LIPSCHITZ, LipschitzSpec
 from dpml.models.mlp import MlpSpec, pick_device
 from dpml.privacy.gdp import calibrate_l2
-from dpml.train.dpsgd import (LOSSES, GradientCanaries, TrainResult, make_optimizer, secret_noise_seed, train_dpsgd,
-                              train_nonprivate)
+from dpml.train.clipless import GradientBounds, clipless_bounds, train_clipless
+from dpml.train.dpsgd import (GradientCanaries, TrainResult, loss_function, make_optimizer, secret_noise_seed,
+                              train_dpsgd, train_nonprivate)
 from dpml.train.noisycgd import NoisyCgdSettings, train_noisycgd
 
 
 def model_spec(config: Config, in_features: int, n_classes: int) -> ModelSpec:
     if config.model.kind == "gated":
         return GatedSpec(in_features, config.model.gates, n_classes, config.model.gate_seed)
+    if config.model.kind == "lipschitz":
+        return LipschitzSpec(in_features, tuple(config.model.hidden), n_classes, config.preprocess.clip_norm,
+                             config.model.bias_bound)
     return MlpSpec(in_features, tuple(config.model.hidden), n_classes, config.model.activation)
 
 
@@ -43,6 +48,12 @@ def noisycgd_settings(config: Config, n: int) -> NoisyCgdSettings:
         clipping_assumed_convex=config.noisycgd.assume_clipping_preserves_convexity)
 
 
+def model_gradient_bounds(config: Config, in_features: int, n_classes: int) -> GradientBounds:
+    """Clipless DP-SGD's per-parameter bounds for the configured Lipschitz model (data-independent)."""
+    model = build_model(model_spec(config, in_features, n_classes))
+    return clipless_bounds(model, config.preprocess.clip_norm, LOSS_LIPSCHITZ[config.train.loss])  # type: ignore[arg-type]
+
+
 def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private: bool,
         noise_multiplier: float | None, seed: int, noise_seed: int | None = None,
         canaries: GradientCanaries | None = None, progress: bool = False) -> TrainResult:
@@ -55,7 +66,7 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
     device = pick_device(config.train.device)
     torch.manual_seed(seed)
     model = build_model(model_spec(config, int(x.shape[1]), n_classes)).to(device)
-    loss_fn = LOSSES[config.train.loss]
+    loss_fn = loss_function(config.train.loss, config.train.loss_tau)
     xt, yt = torch.as_tensor(x, dtype=torch.float32, device=device), torch.as_tensor(y, device=device)
     secret = secret_noise_seed() if noise_seed is None else noise_seed
     if private and config.train.algorithm == "noisycgd":
@@ -65,6 +76,15 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
         result = train_noisycgd(model, xt, yt, settings=noisycgd_settings(config, int(x.shape[0])), loss_fn=loss_fn,
                                 partition_seed=seed, noise_seed=secret,
                                 physical_batch_size=config.train.physical_batch_size, progress=progress)
+    elif private and config.train.algorithm == "clipless":
+        if noise_multiplier is None or canaries is not None:
+            raise ValueError("clipless DP-SGD needs a noise multiplier and takes no gradient canaries")
+        optimizer = make_optimizer(model, config.train.optimizer, config.train.learning_rate, config.train.momentum)
+        result = train_clipless(model, xt, yt, sample_rate=config.train.sample_rate, epochs=config.train.epochs,  # type: ignore[arg-type]
+                                noise_multiplier=noise_multiplier, noise=config.train.clipless_noise,
+                                bounds=model_gradient_bounds(config, int(x.shape[1]), n_classes),
+                                neighbouring=config.dp.neighbouring, loss_fn=loss_fn, optimizer=optimizer,
+                                seed=secret, physical_batch_size=config.train.physical_batch_size, progress=progress)
     elif private:  # dpsgd, or dpgd (the same trainer at q = 1, enforced by the config)
         if noise_multiplier is None:
             raise ValueError("a private run needs a noise multiplier")

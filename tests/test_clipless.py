@@ -1,0 +1,105 @@
+"""Clipless DP-SGD (seed 004): bounds instead of clipping, the noise the certificate assumes, the soundness check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dpml.config import ConfigError, load
+from dpml.models.lipschitz import LOSS_LIPSCHITZ, LipschitzSpec, build_lipschitz, tau_cross_entropy
+from dpml.train.clipless import clipless_bounds, clipless_mechanism, soundness_check, train_clipless
+from tests.conftest import small_params, write_params
+
+
+def data(n: int = 400, d: int = 10, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(classes, d))
+    y = rng.integers(0, classes, size=n)
+    x = centres[y] + 0.3 * rng.normal(size=(n, d))
+    x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)
+
+
+def test_clipless_training_learns_and_passes_its_soundness_check() -> None:
+    x, y = data()
+    torch.manual_seed(0)
+    model = build_lipschitz(LipschitzSpec(10, (16,), 3, input_bound=1.0, bias_bound=0.5))
+    bounds = clipless_bounds(model, 1.0, LOSS_LIPSCHITZ["tau_cross_entropy"])
+    result = train_clipless(model, x, y, sample_rate=0.25, epochs=30, noise_multiplier=0.5, noise="global",
+                            bounds=bounds, neighbouring="add-remove", loss_fn=tau_cross_entropy(8.0),
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.5), seed=0)
+    assert result.history["soundness_passed"] and result.history["soundness_violations"] == 0
+    assert 0 < result.history["soundness_max_ratio"] <= 1 and result.history["spectral_norm_max"] <= 1 + 1e-4
+    assert float((model(x).argmax(1) == y).float().mean()) > 0.9
+    assert result.mechanism == clipless_mechanism(bounds, 0.25, 0.5, "global", 30, "add-remove", 400)
+    assert result.mechanism.clip_norm == pytest.approx(bounds.total)
+
+
+@pytest.mark.parametrize("noise", ["global", "per_layer"])
+def test_noise_has_the_scale_the_certificate_assumes(noise: str) -> None:
+    """With a zero loss the weights after T full-batch SGD steps (lr 1) are −Σ_t noise_t/n: per coordinate
+    N(0, T·(σΔ)²/n²) for global noise, N(0, T·(σΔ_d)²/n²) for layer d with per-layer noise."""
+    torch.manual_seed(0)
+    model = build_lipschitz(LipschitzSpec(300, (8,), 40, input_bound=1.0, bias_bound=100.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    bounds = clipless_bounds(model, 1.0, 1.0)
+    x, y = torch.zeros(200, 300), torch.zeros(200, dtype=torch.long)
+    sigma, steps = 2.0, 25
+    train_clipless(model, x, y, sample_rate=1.0, epochs=steps, noise_multiplier=sigma, noise=noise, bounds=bounds,
+                   neighbouring="add-remove", loss_fn=lambda z, t: 0.0 * z.sum(1),
+                   optimizer=torch.optim.SGD(model.parameters(), lr=1.0), seed=1, soundness_records=10)
+    layers = bounds.per_layer()
+    for index, layer in (("1", model[1]), ("3", model[3])):
+        delta = bounds.total if noise == "global" else layers[index]
+        expected = sigma * delta * steps ** 0.5 / 200
+        assert float(layer.weight.detach().std()) == pytest.approx(expected, rel=0.12), index
+    mechanism = clipless_mechanism(bounds, 1.0, sigma, noise, steps, "add-remove", 200)
+    assert mechanism.events[0].noise_multiplier == pytest.approx(sigma if noise == "global" else sigma / 2 ** 0.5)
+
+
+def test_the_soundness_check_catches_a_layer_above_its_constraint() -> None:
+    x, y = data()
+    model = build_lipschitz(LipschitzSpec(10, (16,), 3, input_bound=1.0, bias_bound=0.5))
+    bounds = clipless_bounds(model, 1.0, LOSS_LIPSCHITZ["tau_cross_entropy"])
+    with torch.no_grad():
+        model[3].weight.mul_(5.0)  # ‖W‖₂ = 5: the input gradient of the first layer grows fivefold
+        model[3].bias.normal_(0, 5.0)
+    report = soundness_check(model, x, y, tau_cross_entropy(8.0), bounds, 400, seed=0)
+    assert report["soundness_violations"] > 0 and report["soundness_max_ratio"] > 1
+
+
+def test_clipless_configuration_errors() -> None:
+    with pytest.raises(ConfigError) as error:
+        load("params.yaml", ["train.algorithm=clipless"])
+    assert "model.kind = 'mlp'" in str(error.value) and "train.loss = 'cross_entropy'" in str(error.value)
+    with pytest.raises(ConfigError, match="even widths"):
+        load("params.yaml", ["model.kind=lipschitz", "model.hidden=[5]"])
+
+
+def test_clipless_pipeline_certifies_and_voids_an_unsound_run(workdir: Path) -> None:
+    from dpml import io
+    from dpml.stages import STAGES, Layout
+
+    config = load(write_params(workdir / "cl.yaml", small_params(
+        workdir, model={"kind": "lipschitz", "hidden": [32], "bias_bound": 0.5},
+        train={"algorithm": "clipless", "loss": "tau_cross_entropy", "loss_tau": 8.0, "epochs": 10,
+               "learning_rate": 0.5, "clipless_noise": "per_layer"},
+        dp={"noise_multiplier": None, "target_epsilon": 3.0, "delta": 1e-5, "clip_norm": 1.0,
+            "neighbouring": "add-remove"})))
+    for name in ("ingest", "split", "preprocess", "train"):
+        STAGES[name](config)
+    certificate = STAGES["certify"](config)["certificate"]
+    assert certificate["mechanism"]["trainer"] == "clipless" and not certificate.get("void")
+    assert certificate["epsilon"] == pytest.approx(3.0, abs=1e-3) and certificate["epsilon"] <= 3.0 + 1e-9
+    metrics = io.read_json(Layout(config).train_metrics)
+    assert metrics["train_soundness_passed"] is True
+    assert metrics["noise_multiplier"] == pytest.approx(certificate["mechanism"]["events"][0]["noise_multiplier"] * 2 ** 0.5)
+    # A run whose check failed gets no guarantee, and the gate says why.
+    io.write_json(Layout(config).train_metrics, metrics | {"train_soundness_passed": False, "train_soundness_violations": 3})
+    void = STAGES["certify"](config)["certificate"]
+    assert void["void"] and void["epsilon"] == float("inf") and "soundness check" in void["statement"]
