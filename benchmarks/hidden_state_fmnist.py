@@ -22,7 +22,8 @@ search over that grid as dpml tune would (Papernot & Steinke's truncated negativ
 no RDP accountant here bounds Poisson subsampling, so its tuning cost is reported as not certified
 (the paper's Gaussian approximation of the profile is not an upper bound). ``--audit`` also runs
 the whole dpml pipeline (train, certify, audit with 2 reference models, gate) once per method at
-the last level on ``--audit-max-train`` training images and reports the audit's numbers.
+the last level on ``--audit-max-train`` training images (every method calibrated to that ε there) and
+reports the audit's numbers; ``--audit-only`` redoes just that part on the stored results.
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def audit_method(base: Config, method: str, sigma: float, epochs: int, level: fl
         "paths.cache": str(work / f"audit-cache-{slug}"), "ledger.path": str(work / f"audit-{slug}.db"),
         "ledger.epsilon_budget": 1000.0, "tracking.uri": f"sqlite:///{work / f'audit-{slug}-mlflow.db'}",
         "tracking.artifact_root": str(work / f"audit-{slug}-mlartifacts")})
-    if method.startswith("NoisyCGD"):
-        config = with_hyperparameters(config, {"dp.target_epsilon": level})
+    # The same ε for every method on the smaller set: NoisyCGD's λ and DP-SGD's σ calibrated to the level.
+    config = with_hyperparameters(config, {"dp.target_epsilon": level} if method.startswith("NoisyCGD")
+                                  else {"dp.target_epsilon": level, "dp.noise_multiplier": None})
     start = time.perf_counter()
     results = stages.run_all(config, echo=lambda _: None)
     summary = results["audit"]
@@ -150,6 +152,7 @@ def main() -> None:
     parser.add_argument("--validate-epochs", type=int, default=None, help="default: --epochs")
     parser.add_argument("--audit", action="store_true")
     parser.add_argument("--audit-max-train", type=int, default=10_000)
+    parser.add_argument("--audit-only", action="store_true", help="keep the stored accuracy results, redo the audit")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-hidden-state-bench"))
     args = parser.parse_args()
@@ -170,6 +173,13 @@ def main() -> None:
               for level in args.levels]
     report: dict = {"n_train": n, "n_test": int(y_test.size), "batch_size": b, "epochs": args.epochs,
                     "paper_dpsgd_epsilon": paper, "levels": [], "learning_rates": dict(LEARNING_RATES)}
+    if args.audit_only:
+        report = json.loads((Path(args.out) / "hidden_state_fmnist.json").read_text())
+        LEARNING_RATES.update(report["learning_rates"])
+        report["audit"] = {method: audit_method(base, method, sigmas[-1], args.epochs, args.levels[-1],
+                                                args.audit_max_train, work / "audit-only") for method in METHODS}
+        write(report, Path(args.out))
+        return
     if args.validate:
         report["validation"] = validate(base, x, y, n_classes, sigmas[0], args.levels[0],
                                         args.validate_epochs or args.epochs)
