@@ -118,8 +118,7 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
         iterator = tqdm(iterator, desc="clipless DP-SGD", unit="step", leave=False)
     for step in iterator:
         batch = poisson_batch(sampler, n, sample_rate).to(x.device)
-        optimizer.zero_grad(set_to_none=False)
-        for p in params.values():
+        for p in params.values():  # the batch's gradient sum accumulates here (an empty batch leaves zeros)
             p.grad = torch.zeros_like(p)
         for chunk in torch.split(batch, physical_batch_size):
             loss_fn(model(x[chunk]), y[chunk]).sum().backward()
