@@ -87,6 +87,8 @@ class SpectralLinear(nn.Linear, LipschitzLayer):
             if abs(estimate - previous) <= 1e-7 * estimate:
                 break
             previous = estimate
+        if float(v.norm()) == 0.0:  # W v = 0 (e.g. W = 0): restart from a fresh direction next time
+            v = F.normalize(torch.randn_like(v), dim=0)
         self.singular_vector.copy_(v)
         return float((self.weight @ v).norm())
 
