@@ -133,15 +133,33 @@ class ModelConfig(_Section):
     ``gate_seed`` (public, stored with the model) and a linear model on the gated features.
     ``kind: lipschitz``: seed 004's Lipschitz network — an input bound at X0 (``preprocess.clip_norm``),
     spectrally normalised dense layers of the (even) ``hidden`` widths with GroupSort2 between them,
-    biases in a ball of radius ``bias_bound``.
+    biases in a ball of radius ``bias_bound`` (``null``: no biases); ``dense_layer: bjorck`` makes the
+    dense layers gradient-norm preserving (Björck orthogonalisation); ``conv`` (even channel counts)
+    puts 3×3 spectrally normalised convolutions, each followed by GroupSort2 and 2×2 L2-norm pooling,
+    before them, on images of ``input_shape`` [C, H, W].
+    ``kind: bias_free_relu``: seed 000's network — bias-free linear layers of the ``hidden`` widths with
+    ReLU between them, initialised by ``init`` (Eq. 5: ``lecun`` β = 1/fan-in, ``he`` 2/fan-in,
+    ``ntk`` 2/fan-out (1/o for the last layer), ``xavier`` 2/(fan-in + fan-out)).
+    ``kind: random_features``: seed 002's f(x) = φ(Vx)ᵀθ with ``features`` = p random directions
+    V ~ N(0, 1/d) from the public ``feature_seed`` (stored with the model), θ from 0, and φ =
+    ``feature_activation`` (tanh, or ``tanh_even`` whose even part lets a reconstruction recover signs;
+    both satisfy the Hermite conditions φ0 = φ2 = 0, φ1 ≠ 0). Train it with ``train.loss: squared``
+    (``dpgd`` for seed 002's DP-GD); the audit then also runs the reconstruction attack.
     """
 
-    kind: Literal["mlp", "gated", "lipschitz"] = "mlp"
+    kind: Literal["mlp", "gated", "lipschitz", "bias_free_relu", "random_features"] = "mlp"
+    init: Literal["lecun", "he", "ntk", "xavier"] = "he"
+    features: int = Field(1000, gt=0)
+    feature_activation: Literal["tanh", "tanh_even"] = "tanh"
+    feature_seed: int = 0
     hidden: list[int] = Field(default_factory=lambda: [64])
     activation: Literal["relu", "tanh"] = "tanh"
     gates: int = Field(64, gt=0)
     gate_seed: int = 0
-    bias_bound: float = Field(1.0, ge=0)
+    bias_bound: float | None = Field(1.0, ge=0)
+    conv: list[int] = Field(default_factory=list)
+    input_shape: list[int] | None = None
+    dense_layer: Literal["spectral", "bjorck"] = "spectral"
 
     @field_validator("hidden")
     @classmethod
@@ -155,15 +173,22 @@ class TrainConfig(_Section):
     """The optimiser loop. ``algorithm``: ``dpsgd`` (Poisson-sampled DP-SGD, every iterate covered),
     ``dpgd`` (full-batch DP-GD, seed 002: ``sample_rate`` must be 1, one step per epoch),
     ``clipless`` (seed 004: no clipping, sensitivity from the Lipschitz model's bounds; ``loss`` must
-    be ``tau_cross_entropy`` (CE(τz)/τ, τ = ``loss_tau``) or ``multiclass_hinge``; noise
+    be ``tau_cross_entropy`` (CE(τz)/τ, τ = ``loss_tau``), ``multiclass_hinge``, ``kantorovich_rubinstein``
+    or ``hinge_kantorovich_rubinstein`` (α = ``loss_alpha``), each with its proven constant; noise
     ``clipless_noise`` global or per layer),
     ``noisycgd`` (seed 001's noisy cyclic GD on the gated model, final model only; settings in the
-    ``noisycgd`` section) or ``nonprivate`` (the baseline). ``loss``: cross-entropy, or the squared
+    ``noisycgd`` section), ``noisygd`` (seed 000's noisy GD without clipping on the bias-free ReLU
+    network: KL privacy, not (ε, δ)-DP; settings in the ``noisygd`` section; one full-batch step per
+    epoch), ``onepass`` (seed 002's one-pass DP-SGD with aggressive clipping on a linear model,
+    final model only, (ρ²/2)-zCDP by privacy amplification by iteration; settings in the ``onepass``
+    section) or ``nonprivate`` (the baseline). ``loss``: cross-entropy, or the squared
     loss ½‖z − e_y‖² on the logits."""
 
-    algorithm: Literal["dpsgd", "dpgd", "noisycgd", "clipless", "nonprivate"] = "dpsgd"
-    loss: Literal["cross_entropy", "squared", "tau_cross_entropy", "multiclass_hinge"] = "cross_entropy"
+    algorithm: Literal["dpsgd", "dpgd", "noisycgd", "noisygd", "onepass", "clipless", "nonprivate"] = "dpsgd"
+    loss: Literal["cross_entropy", "squared", "tau_cross_entropy", "multiclass_hinge", "kantorovich_rubinstein",
+                  "hinge_kantorovich_rubinstein"] = "cross_entropy"
     loss_tau: float = Field(1.0, gt=0)
+    loss_alpha: float = Field(1.0, gt=0)
     clipless_noise: Literal["global", "per_layer"] = "global"
     epochs: float = Field(20.0, gt=0)
     sample_rate: float = Field(0.05, gt=0, le=1)
@@ -207,6 +232,40 @@ class NoisyCgdConfig(_Section):
     assume_clipping_preserves_convexity: bool = False
 
 
+class NoisyGdConfig(_Section):
+    """Noisy GD without clipping (``train.algorithm: noisygd``; seed 000, App. E).
+
+    ``train.epochs`` (an integer) full-batch steps W ← W − η∇L + sqrt(2ησ²)·Z, η =
+    ``train.learning_rate``. Give exactly one of ``sigma`` (σ) and ``kl_target`` (σ² = 2BT/(KL n²),
+    Cor. 6.4). The guarantee is **KL privacy** (replace-one), certified by Cor. 4.2 only for the
+    ``linearised`` network (first-order expansion at the random initialisation); with
+    ``linearised: false`` training runs but there is no certificate (the gate fails), only the
+    estimated KL. ``kl_probes``: records used for that estimate (training records for remove-one,
+    audit-population records for add-one); 0 turns it off.
+    """
+
+    sigma: float | None = Field(None, gt=0)
+    kl_target: float | None = Field(None, gt=0)
+    linearised: bool = True
+    kl_probes: int = Field(8, ge=0)
+
+
+class OnePassConfig(_Section):
+    """One-pass DP-SGD with aggressive clipping (``train.algorithm: onepass``; seed 002).
+
+    Each training record is used once, in a secret random order, by a linear model (``model.kind:
+    mlp`` with ``hidden: []``) with the squared loss on one-hot targets; per-example gradients are
+    clipped to C = ``clip_constant``·√d; learning rates η_k = η̃(k/n)/n with η̃(0) = ``eta0`` and
+    ``schedule`` ``out`` (constant: all the noise on the last step) or ``const`` (η̃(t) = η̃(0)·√(1 − t):
+    constant noise); the noise schedule is the least that makes the last iterate meet
+    ``dp.target_epsilon`` (only the final model is released). Requires η_k ≤ 2/(X0² + 1).
+    """
+
+    schedule: Literal["out", "const"] = "out"
+    eta0: float = Field(1.0, gt=0)
+    clip_constant: float = Field(1.0, gt=0)
+
+
 AttackName = Literal["loss", "lira-online", "lira-offline", "lira-online-per-example", "rmia-online", "rmia-offline"]
 
 
@@ -221,9 +280,15 @@ class AuditConfig(_Section):
     population); the rest of the audit population is RMIA's population z. ``references``
     reference models per target (DP and non-private control) train on random halves of train ∪
     audit population. Empirical ε lower bounds are computed at ``confidence`` (Bonferroni-split
-    over the bounds the gate uses).
+    over the bounds the gate uses). For a ``random_features`` model the audit also runs seed 002's
+    reconstruction attack on the target and the control, when the training set has at most
+    ``reconstruction_max_train`` records (``reconstruction_restarts`` random starts of
+    ``reconstruction_steps`` projected Adam steps each).
     """
 
+    reconstruction_max_train: int = Field(300, gt=0)
+    reconstruction_restarts: int = Field(8, gt=0)
+    reconstruction_steps: int = Field(500, gt=0)
     attacks: list[AttackName] = Field(default_factory=lambda: ["loss", "lira-online", "lira-offline",
                                                                  "rmia-online", "rmia-offline"])
     references: int = Field(4, ge=0, le=256)
@@ -299,17 +364,28 @@ class TuneConfig(_Section):
 
 
 class GateConfig(_Section):
-    """Release gate: the model becomes ``champion`` only when certified ε ≤ ``epsilon_budget``."""
+    """Release gate: the model becomes ``champion`` only when certified ε ≤ ``epsilon_budget``.
+
+    A KL-private model (``train.algorithm: noisygd``) has no finite ε; it passes only when
+    ``kl_budget`` is set and its certified KL ≤ ``kl_budget`` (the report says it is not (ε, δ)-DP).
+    """
 
     epsilon_budget: float = Field(4.0, gt=0)
+    kl_budget: float | None = Field(None, gt=0)
 
 
 class LedgerConfig(_Section):
-    """The privacy budget ledger: composed ε of every run on a dataset version, at ``delta``."""
+    """The privacy budget ledger: composed ε of every run on a dataset version, at ``delta``.
+
+    KL-private runs (seed 000) are summed in KL (the chain rule composes adaptively) against
+    ``kl_budget`` (``null``: refused). A dataset with a KL-only release has no finite (ε, δ) total,
+    and (ε, δ)-DP runs have no KL bound, so the two kinds exclude each other on one dataset version.
+    """
 
     path: str = "ledger.db"
     epsilon_budget: float = Field(10.0, gt=0)
     delta: float = Field(1e-5, gt=0, lt=1)
+    kl_budget: float | None = Field(None, gt=0)
 
 
 class TrackingConfig(_Section):
@@ -337,6 +413,8 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     dp: DpConfig = Field(default_factory=DpConfig)
     noisycgd: NoisyCgdConfig = Field(default_factory=NoisyCgdConfig)
+    noisygd: NoisyGdConfig = Field(default_factory=NoisyGdConfig)
+    onepass: OnePassConfig = Field(default_factory=OnePassConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
@@ -351,6 +429,10 @@ class Config(_Section):
             _check_noisycgd(self)
         if self.train.algorithm == "clipless":
             _check_clipless(self)
+        if self.train.algorithm == "noisygd":
+            _check_noisygd(self)
+        if self.train.algorithm == "onepass":
+            _check_onepass(self)
         if self.model.kind == "lipschitz" and any(width % 2 for width in self.model.hidden):
             raise ValueError(f"model.hidden = {self.model.hidden}: a lipschitz model needs even widths (GroupSort2)")
         if self.train.algorithm == "dpgd" and self.train.sample_rate != 1.0:
@@ -376,17 +458,88 @@ class Config(_Section):
         return out
 
 
+LIPSCHITZ_LOSSES = ("tau_cross_entropy", "multiclass_hinge", "kantorovich_rubinstein", "hinge_kantorovich_rubinstein")
+
+
+def _lipschitz_spec_problems(config: Config) -> list[str]:
+    """The Lipschitz network's own checks (even widths, conv shapes), reported with model.* keys."""
+    from dpml.models.lipschitz import LipschitzSpec
+
+    model = config.model
+    shape = None if model.input_shape is None else tuple(model.input_shape)
+    if shape is not None and len(shape) != 3:
+        return [f"model.input_shape = {model.input_shape}: give [channels, height, width]"]
+    in_features = 1 if shape is None else shape[0] * shape[1] * shape[2]
+    spec = LipschitzSpec(in_features, tuple(model.hidden), 2, config.preprocess.clip_norm, model.bias_bound,
+                         conv=tuple(model.conv), input_shape=shape, dense_layer=model.dense_layer)  # type: ignore[arg-type]
+    try:
+        spec.validate()
+    except ValueError as error:
+        return [f"model: {error}"]
+    return []
+
+
 def _check_clipless(config: Config) -> None:
     """Clipless DP-SGD needs the bounds' ingredients: a Lipschitz model and a Lipschitz loss."""
     problems = []
     if config.model.kind != "lipschitz":
         problems.append(f"model.kind = {config.model.kind!r}: clipless DP-SGD bounds gradients through a Lipschitz "
                         "network; use model.kind: lipschitz")
-    if config.train.loss not in ("tau_cross_entropy", "multiclass_hinge"):
+    if config.train.loss not in LIPSCHITZ_LOSSES:
         problems.append(f"train.loss = {config.train.loss!r}: clipless DP-SGD needs a Lipschitz loss "
-                        "(tau_cross_entropy or multiclass_hinge)")
+                        f"({', '.join(LIPSCHITZ_LOSSES)})")
+    if config.model.kind == "lipschitz":
+        problems += _lipschitz_spec_problems(config)
     if problems:
         raise ValueError("train.algorithm = 'clipless':\n    " + "\n    ".join(problems))
+
+
+def _check_onepass(config: Config) -> None:
+    """What privacy amplification by iteration needs, checked before any work (each message names the key)."""
+    train, dp, model = config.train, config.dp, config.model
+    problems = []
+    if model.kind != "mlp" or model.hidden:
+        problems.append(f"model.kind = {model.kind!r}, model.hidden = {model.hidden}: one-pass DP-SGD trains a linear "
+                        "model (its loss must be convex); use model.kind: mlp with hidden: []")
+    if train.loss != "squared":
+        problems.append(f"train.loss = {train.loss!r}: one-pass DP-SGD is analysed for the squared loss (clipped: Huber)")
+    if dp.neighbouring != "replace-one":
+        problems.append(f"dp.neighbouring = {dp.neighbouring!r}: the analysis replaces one record; set replace-one")
+    if dp.target_epsilon is None or dp.noise_multiplier is not None:
+        problems.append("dp.target_epsilon: required (it fixes ρ and so the noise schedule); dp.noise_multiplier must be null")
+    if train.epochs != 1:
+        problems.append(f"train.epochs = {train.epochs:g}: one-pass DP-SGD uses each record once; set train.epochs: 1")
+    if problems:
+        raise ValueError("train.algorithm = 'onepass':\n    " + "\n    ".join(problems))
+
+
+def _check_noisygd(config: Config) -> None:
+    """What Cor. 4.2's certificate assumes, checked before any work (each message names the key)."""
+    train, dp, gd = config.train, config.dp, config.noisygd
+    problems = []
+    if config.model.kind != "bias_free_relu":
+        problems.append(f"model.kind = {config.model.kind!r}: seed 000's bound is for the bias-free ReLU network; "
+                        "use model.kind: bias_free_relu (with model.init)")
+    if dp.neighbouring != "replace-one":
+        problems.append(f"dp.neighbouring = {dp.neighbouring!r}: the KL bound is stated for replace-one neighbours; "
+                        "set dp.neighbouring: replace-one")
+    if train.loss != "cross_entropy":
+        problems.append(f"train.loss = {train.loss!r}: the bound uses the cross-entropy's ‖softmax − e_y‖² ≤ 2")
+    if train.sample_rate != 1.0:
+        problems.append(f"train.sample_rate = {train.sample_rate:g}: noisy GD uses the full batch; set train.sample_rate: 1")
+    if train.optimizer != "sgd" or train.momentum != 0:
+        problems.append(f"train.optimizer = {train.optimizer!r}, train.momentum = {train.momentum:g}: noisy GD takes "
+                        "plain gradient steps (sgd, momentum 0)")
+    if train.epochs != int(train.epochs):
+        problems.append(f"train.epochs = {train.epochs:g}: noisy GD takes one full-batch step per epoch (an integer)")
+    if (gd.sigma is None) == (gd.kl_target is None):
+        problems.append(f"give exactly one of noisygd.sigma and noisygd.kl_target (got sigma={gd.sigma}, "
+                        f"kl_target={gd.kl_target})")
+    if dp.noise_multiplier is not None or dp.target_epsilon is not None:
+        problems.append("dp.noise_multiplier / dp.target_epsilon: not used by noisy GD (its noise is noisygd.sigma or "
+                        "noisygd.kl_target); remove them")
+    if problems:
+        raise ValueError("train.algorithm = 'noisygd':\n    " + "\n    ".join(problems))
 
 
 def _check_noisycgd(config: Config) -> None:
@@ -490,8 +643,9 @@ def with_hyperparameters(config: Config, chosen: dict[str, Any]) -> Config:
 def check_tunable(config: Config) -> None:
     """Reject a search that cannot run, before any work: every candidate must be a valid config."""
     problems = []
-    if config.train.algorithm == "nonprivate":
-        problems.append("  train.algorithm = 'nonprivate': dpml tune searches private runs (dpsgd, noisycgd) only")
+    if config.train.algorithm in ("nonprivate", "noisygd"):
+        problems.append(f"  train.algorithm = {config.train.algorithm!r}: dpml tune searches (ε, δ)-DP runs only; "
+                        "a search over KL-private runs has no selection theorem here")
     if config.train.algorithm == "noisycgd" and config.dp.target_epsilon is None:
         problems.append("  dp.target_epsilon: required for a NoisyCGD search (it fixes every candidate's μ, and so its λ; "
                         "noisycgd.l2 must then be null)")

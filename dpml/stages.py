@@ -35,8 +35,10 @@ from dpml.data.sources import content_hash, load_source
 from dpml.data.split import split_indices
 from dpml.models import build_model, spec_from_dict
 from dpml.models.mlp import pick_device
+from dpml.audit.robustness import certified_accuracy
 from dpml.train.clipless import clipless_mechanism
-from dpml.train.fit import fit, model_gradient_bounds, model_spec, noisycgd_settings
+from dpml.train.fit import (fit, model_gradient_bounds, model_spec, noisycgd_settings, noisygd_mechanism,
+                            onepass_mechanism)
 from dpml.train.noisycgd import noisycgd_mechanism
 from dpml.privacy.accountants import certify as certify_mechanism
 from dpml.privacy.calibrate import calibrate_noise_multiplier
@@ -160,6 +162,10 @@ def planned_mechanism(config: Config, sigma: float | None, n: int, in_features: 
     """What the configured private trainer will do on n records: known before it runs (the ledger needs it)."""
     if config.train.algorithm == "noisycgd":
         return noisycgd_mechanism(noisycgd_settings(config, n), n)
+    if config.train.algorithm == "noisygd":
+        return noisygd_mechanism(config, n, in_features, n_classes)
+    if config.train.algorithm == "onepass":
+        return onepass_mechanism(config, n, in_features)
     if config.train.algorithm == "clipless":
         assert sigma is not None
         return clipless_mechanism(model_gradient_bounds(config, in_features, n_classes), config.train.sample_rate,
@@ -185,8 +191,8 @@ def resolve_noise_multiplier(config: Config) -> float:
 
 
 def clipless_layer_count(config: Config) -> int:
-    """D: the parameterised layers of a lipschitz model (hidden layers and the output layer)."""
-    return len(config.model.hidden) + 1
+    """D: the parameterised layers of a lipschitz model (convolutions, hidden layers and the output layer)."""
+    return len(config.model.conv) + len(config.model.hidden) + 1
 
 
 def _per_layer_noise(config: Config) -> bool:
@@ -205,12 +211,12 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     x_np, y_np = _load_part(layout, "train")
     private = config.train.algorithm != "nonprivate"
     check_delta(config, int(x_np.shape[0]))
-    sigma = resolve_noise_multiplier(config) if private else None
+    sigma = resolve_noise_multiplier(config) if private and config.train.algorithm not in ("noisygd", "onepass") else None
     planned = (planned_mechanism(config, sigma, int(x_np.shape[0]), int(x_np.shape[1]), len(meta["classes"]))
                if private else None)
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = ledger.reserve(meta["data_version"], planned, f"{config.train.algorithm} model ({config.data.source})",
-                           config.ledger.epsilon_budget)
+                           config.ledger.epsilon_budget, kl_budget=config.ledger.kl_budget)
     io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
                                  "epsilon_alone": spend.epsilon_alone})
     try:
@@ -245,15 +251,22 @@ def _save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechan
     }
     if mechanism is not None:
         metrics["noise_multiplier"] = released_noise_multiplier(config, mechanism.to_dict())
+    if config.model.kind == "lipschitz":  # seed 004 App. A.3: certified robustness comes with the Lipschitz model
+        robust = certified_accuracy(model, x_test, y_test)  # type: ignore[arg-type]
+        metrics |= {f"robust_{k}": v for k, v in robust.items() if k != "records"}
     io.write_json(layout.train_metrics, metrics)
     return metrics
 
 
 def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> float:
-    """σ of the released model's trainer: from its DP-SGD event, or NoisyCGD's configured σ."""
+    """σ of the released model's trainer: from its DP-SGD or noisy-GD event, or NoisyCGD's configured σ."""
     if mechanism["trainer"].startswith("noisycgd"):
         assert config.dp.noise_multiplier is not None
         return float(config.dp.noise_multiplier)
+    if mechanism["events"][0].get("kind") == "noisy_gd":
+        return float(mechanism["events"][0]["sigma"])
+    if mechanism["events"][0].get("kind") == "zcdp":
+        return 1.0 / math.sqrt(2 * float(mechanism["events"][0]["rho"]))  # the Gaussian with the same zCDP (σ = 1/ρ_s)
     sigma = float(mechanism["events"][0]["noise_multiplier"])
     return sigma * math.sqrt(clipless_layer_count(config)) if _per_layer_noise(config) else sigma
 
@@ -311,7 +324,7 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = ledger.reserve(meta["data_version"], planned,
                            f"dpml tune: {planned.selection.describe() if planned.selection else ''} ({config.data.source})",
-                           config.ledger.epsilon_budget)
+                           config.ledger.epsilon_budget, kl_budget=config.ledger.kl_budget)
     io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
                                  "epsilon_alone": spend.epsilon_alone})
     try:
@@ -468,6 +481,8 @@ def gate(config: Config) -> dict[str, Any]:
     if certificate is None:
         passed = False
         reasons.append("no DP certificate: the model was trained without differential privacy")
+    elif certificate.get("kind") == "kl":
+        passed = _gate_kl(config, certificate, reasons)
     else:
         epsilon = certificate["epsilon"]
         if certificate.get("void"):
@@ -503,7 +518,7 @@ def gate(config: Config) -> dict[str, Any]:
     io.write_json(layout.gate, decision)
     data = io.read_json(layout.prepared_meta) | {
         "lower": config.preprocess.lower, "upper": config.preprocess.upper,
-        "clip_norm": config.preprocess.clip_norm, "clip_mode": config.preprocess.clip_mode,
+        "clip_norm": config.preprocess.clip_norm, "clip_mode": config.preprocess.clip_mode, "features": config.preprocess.features,
         "version": io.read_json(layout.raw_meta)["version"],
     }
     ledger = Ledger(config.ledger.path, config.ledger.delta).summary(data["version"])
@@ -512,6 +527,24 @@ def gate(config: Config) -> dict[str, Any]:
                     budget=config.ledger.epsilon_budget)
     io.write_text(layout.report, report)
     return decision
+
+
+def _gate_kl(config: Config, certificate: dict[str, Any], reasons: list[str]) -> bool:
+    """A KL-private model (seed 000) passes only against ``gate.kl_budget``; it is never called (ε, δ)-DP."""
+    if certificate.get("void"):
+        reasons.append(certificate["statement"])
+        return False
+    kl = certificate["kl"]
+    reasons.append(f"KL privacy, not (ε, δ)-DP: certified KL = {kl:.4g} (Pinsker: total variation ≤ "
+                   f"{certificate['pinsker_delta']:.4g}); no finite ε holds, so gate.epsilon_budget cannot be met")
+    if config.gate.kl_budget is None:
+        reasons.append("gate.kl_budget is not set: KL-private releases are not accepted")
+        return False
+    if kl > config.gate.kl_budget:
+        reasons.append(f"certified KL = {kl:.4g} exceeds gate.kl_budget = {config.gate.kl_budget:g}")
+        return False
+    reasons.append(f"certified KL = {kl:.4g} ≤ gate.kl_budget = {config.gate.kl_budget:g}")
+    return True
 
 
 def register(config: Config) -> dict[str, Any]:
@@ -537,6 +570,7 @@ def register(config: Config) -> dict[str, Any]:
     dataset_total = ledger.total(data_meta["version"])
     version_tags = {
         "dp.epsilon": f"{epsilon:.6g}",
+        "privacy.guarantee": "none" if not certificate else certificate.get("kind", "dp"),
         "dp.dataset_epsilon_total": f"{dataset_total:.6g}",
         "dp.dataset_delta": f"{config.ledger.delta:g}",
         "ledger.spend_id": str(spend["spend_id"]),
@@ -562,6 +596,11 @@ def register(config: Config) -> dict[str, Any]:
            for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
     }
+    metrics |= {k: v for k, v in train_metrics.items() if k.startswith("robust_")}
+    if certificate and certificate.get("kind") == "kl":
+        version_tags |= {"kl.certified": f"{certificate['kl']:.6g}",
+                         "kl.pinsker_delta": f"{certificate['pinsker_delta']:.6g}"}
+        metrics["kl_certified"] = certificate["kl"]
     if layout.tuning.exists():
         tuning = io.read_json(layout.tuning)
         version_tags |= {"tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),

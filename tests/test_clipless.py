@@ -106,3 +106,59 @@ def test_clipless_pipeline_certifies_and_voids_an_unsound_run(workdir: Path) -> 
     io.write_json(Layout(config).train_metrics, metrics | {"train_soundness_passed": False, "train_soundness_violations": 3})
     void = STAGES["certify"](config)["certificate"]
     assert void["void"] and void["epsilon"] == float("inf") and "soundness check" in void["statement"]
+
+
+def image_data(n: int = 400, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1×8×8 images: class 0 is bright on the left half, class 1 on the right; unit-norm inputs."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, size=n)
+    x = 0.3 * rng.normal(size=(n, 1, 8, 8))
+    x[y == 0, :, :, :4] += 1.0
+    x[y == 1, :, :, 4:] += 1.0
+    x = x.reshape(n, -1) / np.linalg.norm(x.reshape(n, -1), axis=1, keepdims=True)
+    return torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)
+
+
+@pytest.mark.parametrize("dense_layer", ["spectral", "bjorck"])
+def test_convolutional_clipless_training_passes_its_certified_soundness_check(dense_layer: str) -> None:
+    x, y = image_data()
+    torch.manual_seed(0)
+    spec = LipschitzSpec(64, (8,), 2, input_bound=1.0, bias_bound=None, conv=(4,), input_shape=(1, 8, 8),
+                         dense_layer=dense_layer)
+    model = build_lipschitz(spec)
+    bounds = clipless_bounds(model, 1.0, LOSS_LIPSCHITZ["tau_cross_entropy"])
+    result = train_clipless(model, x, y, sample_rate=0.25, epochs=10, noise_multiplier=0.5, noise="per_layer",
+                            bounds=bounds, neighbouring="add-remove", loss_fn=tau_cross_entropy(8.0),
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.5), seed=0, soundness_records=400)
+    assert result.history["soundness_passed"] and result.history["soundness_violations"] == 0
+    assert 0 < result.history["soundness_max_ratio"] <= 1
+    assert 0.9 < result.history["spectral_norm_max"] <= 1 + 1e-6  # certified (FFT bound for the convolution)
+    assert float((model(x).argmax(1) == y).float().mean()) > 0.9
+
+
+def test_convolutional_clipless_pipeline_logs_certified_robustness(workdir: Path) -> None:
+    """model.conv through the config: Algorithm 1 over conv layers, certificate, and robustness in the metrics."""
+    from dpml import io
+    from dpml.stages import STAGES, Layout
+
+    config = load(write_params(workdir / "conv.yaml", small_params(
+        workdir, model={"kind": "lipschitz", "conv": [4], "input_shape": [1, 8, 8], "hidden": [16], "bias_bound": None,
+                        "dense_layer": "bjorck"},
+        train={"algorithm": "clipless", "loss": "hinge_kantorovich_rubinstein", "loss_alpha": 4.0, "epochs": 2,
+               "learning_rate": 0.01, "optimizer": "adam"},
+        dp={"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"})))
+    for name in ("ingest", "split", "preprocess", "train"):
+        STAGES[name](config)
+    certificate = STAGES["certify"](config)["certificate"]
+    assert not certificate.get("void")
+    metrics = io.read_json(Layout(config).train_metrics)
+    assert metrics["train_soundness_passed"] is True
+    radii = [metrics[f"robust_certified_accuracy_r{k}"] for k in (0, 1, 2, 4, 8, 16)]
+    assert radii[0] == pytest.approx(metrics["test_accuracy"], abs=1e-9)
+    assert all(a >= b for a, b in zip(radii, radii[1:]))
+    assert 0 < metrics["robust_lipschitz"] <= 1 + 1e-5
+    with pytest.raises(ConfigError, match="conv channels"):
+        load(write_params(workdir / "bad.yaml", small_params(
+            workdir, model={"kind": "lipschitz", "conv": [3], "input_shape": [1, 8, 8], "hidden": [16]},
+            train={"algorithm": "clipless", "loss": "tau_cross_entropy"},
+            dp={"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"})))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dpml.models.init import SCHEMES, bias_free_relu_mlp, init_variances, initialise
-from dpml.privacy.kl import (calibrate_sigma_squared, expected_jacobian_norm_sq, gradient_norm_constant, kl_bound,
-                             pinsker_delta, table_1_constant)
+from dpml.privacy.kl import (calibrate_sigma_squared, expected_jacobian_norm_sq, gradient_gap_bound,
+                             gradient_norm_constant, kl_bound, kl_bound_for_relation, pinsker_delta, table_1_constant)
 
 
 def test_variances_are_eq_5() -> None:
@@ -65,3 +65,20 @@ def test_kl_certificate_arithmetic_and_calibration() -> None:
     # More depth helps under LeCun (Table 1: the 2^{L−1} wins once L is large), hurts under He.
     assert table_1_constant("lecun", 784, 256, 2, 12) < table_1_constant("lecun", 784, 256, 2, 4)
     assert table_1_constant("he", 784, 256, 2, 12) > table_1_constant("he", 784, 256, 2, 4)
+
+
+def test_relation_bounds_follow_the_neighbour_denominator() -> None:
+    constant = table_1_constant("he", 20, 16, 1, 3)
+    assert gradient_gap_bound(constant, 100) == pytest.approx(4 * constant / 100 ** 2)
+    assert gradient_gap_bound(constant, 100, "remove_one") == pytest.approx(4 * constant / 99 ** 2)
+    assert gradient_gap_bound(constant, 100, "add_one") == pytest.approx(4 * constant / 101 ** 2)
+    # KL = (1/(2σ²)) Σ_k η·(4B/n'²): the discrete Cor. 4.2 for every relation.
+    for relation, records in (("replace_one", 100), ("remove_one", 99), ("add_one", 101)):
+        expected = 30 * 0.05 * gradient_gap_bound(constant, 100, relation) / (2 * 0.2 ** 2)
+        assert kl_bound_for_relation(constant, 30, 0.05, 100, 0.2, relation) == pytest.approx(expected)
+        assert kl_bound_for_relation(constant, 30, 0.05, 100, 0.2, relation) == pytest.approx(
+            kl_bound(constant, 30, 0.05, records, 0.2))
+    with pytest.raises(ValueError, match="relation = 'swap'"):
+        gradient_gap_bound(constant, 100, "swap")
+    with pytest.raises(ValueError, match="n = 1"):
+        gradient_gap_bound(constant, 1, "remove_one")

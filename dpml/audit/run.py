@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from dpml.audit import attacks as atk
@@ -114,6 +115,22 @@ def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_
     return results, scores
 
 
+def reconstruction_of(config: Config, model: nn.Module, x_train: np.ndarray) -> dict[str, Any]:
+    """Seed 002's reconstruction attack on a random-features model (training inputs from θ alone),
+    or why it was skipped: it optimises n candidate inputs against an n×n system at every step."""
+    from dpml.audit.reconstruction import reconstruction_audit
+
+    n = int(x_train.shape[0])
+    if n > config.audit.reconstruction_max_train:
+        return {"skipped": f"n = {n} training records > audit.reconstruction_max_train = "
+                           f"{config.audit.reconstruction_max_train} (the attack's cost grows like n³ per step)"}
+    result = reconstruction_audit(model, torch.as_tensor(x_train, dtype=torch.float32),  # type: ignore[arg-type]
+                                  restarts=config.audit.reconstruction_restarts,
+                                  steps=config.audit.reconstruction_steps, seed=config.audit.seed)
+    result.pop("restart_residuals", None)
+    return result
+
+
 def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None, records: AuditRecords,
               x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray, y_audit: np.ndarray,
               n_classes: int, data_version: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -130,7 +147,8 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
     trained = ensure_references(records, n_classes, data_version, subjects)
     # White-box gradient canaries score every iterate: an audit of DP-SGD's all-iterates guarantee, not of
     # a final-model-only trainer (NoisyCGD), whose intermediate iterates no adversary sees.
-    white_box = config.audit.white_box_canaries > 0 and private and config.train.algorithm in ("dpsgd", "dpgd")  # (clipless: no canary hook)
+    white_box = (config.audit.white_box_canaries > 0 and private and config.train.algorithm in ("dpsgd", "dpgd")
+                 and config.model.kind != "random_features")  # (clipless, random features: no canary hook)
     one_run = white_box + (config.audit.black_box_canaries > 0)
     gating = len(config.audit.attacks) + one_run
     confidence = 1.0 - (1.0 - config.audit.confidence) / gating
@@ -153,6 +171,8 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
         one_runs.append(black_box_audit(config, x_train, y_train, x_audit[pop], y_audit[pop], n_classes,
                                         noise_multiplier, private, confidence))
     summary["one_run"] = one_runs
+    if config.model.kind == "random_features":
+        summary["reconstruction"] = {s.name: reconstruction_of(config, s.model, x_train) for s in subjects}
     summary["references"] = {
         "per_subject": config.audit.references if trained else 0,
         "models": len(trained),

@@ -7,10 +7,12 @@ from typing import Any
 from torch import nn
 
 from dpml.models.gated import GatedSpec, build_gated
+from dpml.models.init import BiasFreeReluSpec, build_bias_free_relu
 from dpml.models.lipschitz import LipschitzSpec, build_lipschitz
 from dpml.models.mlp import MlpSpec, build_mlp
+from dpml.models.random_features import RandomFeaturesSpec, build_random_features
 
-ModelSpec = MlpSpec | GatedSpec | LipschitzSpec
+ModelSpec = MlpSpec | GatedSpec | LipschitzSpec | BiasFreeReluSpec | RandomFeaturesSpec
 
 
 def spec_from_dict(payload: dict[str, Any]) -> ModelSpec:
@@ -21,7 +23,11 @@ def spec_from_dict(payload: dict[str, Any]) -> ModelSpec:
         return GatedSpec.from_dict(payload)
     if kind == "lipschitz":
         return LipschitzSpec.from_dict(payload)
-    raise ValueError(f"unknown model kind {kind!r}: expected mlp, gated or lipschitz")
+    if kind == "bias_free_relu":
+        return BiasFreeReluSpec.from_dict(payload)
+    if kind == "random_features":
+        return RandomFeaturesSpec.from_dict(payload)
+    raise ValueError(f"unknown model kind {kind!r}: expected mlp, gated, lipschitz, bias_free_relu or random_features")
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
@@ -29,4 +35,8 @@ def build_model(spec: ModelSpec) -> nn.Module:
         return build_gated(spec)
     if isinstance(spec, LipschitzSpec):
         return build_lipschitz(spec)
+    if isinstance(spec, BiasFreeReluSpec):
+        return build_bias_free_relu(spec)
+    if isinstance(spec, RandomFeaturesSpec):
+        return build_random_features(spec)
     return build_mlp(spec)

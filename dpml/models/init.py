@@ -12,6 +12,7 @@ W_l ~ N(0, β_l) entrywise with
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -60,3 +61,40 @@ def initialise(model: nn.Sequential, scheme: Scheme, generator: torch.Generator 
         for module, beta in zip(linears, init_variances(scheme, widths)):
             module.weight.normal_(0.0, beta ** 0.5, generator=generator)
     return model
+
+
+@dataclass(frozen=True)
+class BiasFreeReluSpec:
+    """Seed 000's network as a model spec: widths [d, *hidden, o], its init scheme, linearised or not.
+
+    The linearised model f_lin(W) = f(W0) + J(W0)(W − W0) stores W0 with its weights, so the spec
+    only says that it is linearised; loading restores W0 from the state dict.
+    """
+
+    in_features: int
+    hidden: tuple[int, ...]
+    n_classes: int
+    init: str = "he"
+    linearised: bool = False
+
+    @property
+    def widths(self) -> list[int]:
+        return [self.in_features, *self.hidden, self.n_classes]
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"kind": "bias_free_relu", "hidden": list(self.hidden)}
+
+    @classmethod
+    def from_dict(cls, payload: dict) -> "BiasFreeReluSpec":
+        return cls(int(payload["in_features"]), tuple(int(h) for h in payload["hidden"]), int(payload["n_classes"]),
+                   str(payload.get("init", "he")), bool(payload.get("linearised", False)))
+
+
+def build_bias_free_relu(spec: BiasFreeReluSpec, generator: torch.Generator | None = None) -> nn.Module:
+    """The network initialised by ``spec.init`` (from ``generator``), wrapped as linearised at that W0 if asked."""
+    network = initialise(bias_free_relu_mlp(spec.widths), spec.init, generator)  # type: ignore[arg-type]
+    if not spec.linearised:
+        return network
+    from dpml.train.noisygd import LinearisedNetwork
+
+    return LinearisedNetwork(network)

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dpml.privacy.mechanism import Event, GaussianDP, MechanismDescription, PoissonGaussianSteps
+from dpml.privacy.mechanism import ConcentratedDP, Event, GaussianDP, MechanismDescription, PoissonGaussianSteps
 from dpml.privacy import gdp, tuning
 
 PLD_DISCRETIZATION = 1e-4
@@ -174,6 +174,17 @@ def base_rdp_dp_accounting(mechanism: MechanismDescription, orders: tuple[float,
     return np.asarray(accountant._rdp, dtype=float)  # the composed curve (dp_accounting keeps it here)
 
 
+def mechanism_rdp_curve(mechanism: MechanismDescription) -> np.ndarray:
+    """RDP curve (on :data:`tuning.ORDERS`) of any (ε, δ) mechanism: a search's Papernot–Steinke curve,
+    zCDP events' ρα plus dp_accounting's curve of the other events, or dp_accounting's curve."""
+    if mechanism.selection is not None:
+        return selection_rdp_curve(mechanism)
+    zcdp = sum(e.rho for e in mechanism.events if isinstance(e, ConcentratedDP))
+    others = tuple(e for e in mechanism.events if not isinstance(e, ConcentratedDP))
+    curve = zcdp * np.asarray(tuning.ORDERS, dtype=float)
+    return curve + base_rdp_dp_accounting(replace(mechanism, events=others)) if others else curve
+
+
 def base_rdp_autodp(mechanism: MechanismDescription, orders: tuple[float, ...] = tuning.ORDERS) -> np.ndarray:
     """RDP curve of the events (one candidate, no selection), from autodp (Zhu & Wang 2019)."""
     composed = _autodp_mechanism(mechanism.neighbouring, mechanism.events)
@@ -232,6 +243,10 @@ def tight_epsilon(mechanism: MechanismDescription, delta: float,
     PLD when the mechanism is a composition; Papernot–Steinke on dp_accounting's RDP otherwise.
     A coarser ``discretization`` is faster and still an upper bound (pessimistic PLD).
     """
+    if mechanism.guarantee == "kl":
+        return float("inf")  # KL privacy gives no finite ε (seed 000): dpml.privacy.kl_certificate
+    if has_zcdp(mechanism):
+        return epsilon_zcdp_rdp(mechanism, delta)
     if mechanism.selection is not None and mechanism.selection.random:
         _random_selection(mechanism)
         curve = selection_rdp_curve(mechanism, "dp_accounting", discretization)
@@ -290,6 +305,44 @@ def epsilon_moments_closed_form(mechanism: MechanismDescription, delta: float) -
     return a + 2 * math.sqrt(a * math.log(1 / delta))
 
 
+def _total_zcdp_rho(mechanism: MechanismDescription) -> float:
+    """ρ of the composition when every event is zCDP (a μ-GDP event is (μ²/2)-zCDP): ρ's add up."""
+    total = 0.0
+    for e in mechanism.composed_events():
+        if isinstance(e, ConcentratedDP):
+            total += e.rho
+        elif isinstance(e, GaussianDP):
+            total += e.mu ** 2 / 2
+        else:
+            raise NotImplementedError("the zCDP accountants take zCDP and GDP events only")
+    return total
+
+
+def epsilon_zcdp_closed_form(mechanism: MechanismDescription, delta: float) -> float:
+    """ρ-zCDP ⇒ (ρ + 2·sqrt(ρ·log(1/δ)), δ)-DP (Bun & Steinke 2016, Prop. 1.3)."""
+    rho = _total_zcdp_rho(mechanism)
+    return rho + 2 * math.sqrt(rho * math.log(1 / delta))
+
+
+def epsilon_zcdp_rdp(mechanism: MechanismDescription, delta: float) -> float:
+    """ρ-zCDP is (α, ρα)-RDP for every α; converted by Canonne, Kamath & Steinke (2020) (dp_accounting)."""
+    rho = _total_zcdp_rho(mechanism)
+    return tuning.rdp_to_epsilon(tuning.ORDERS, [rho * order for order in tuning.ORDERS], delta)
+
+
+def epsilon_autodp_zcdp(mechanism: MechanismDescription, delta: float) -> float:
+    """autodp's zCDP mechanism (its own RDP → (ε, δ) conversion): an independent implementation."""
+    from autodp.mechanism_zoo import zCDP_Mechanism
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(zCDP_Mechanism(_total_zcdp_rho(mechanism), 0.0).get_approxDP(delta))
+
+
+def has_zcdp(mechanism: MechanismDescription) -> bool:
+    return any(isinstance(e, ConcentratedDP) for e in mechanism.events)
+
+
 def epsilon_prv_upper(mechanism: MechanismDescription, delta: float) -> float:
     return prv_bounds(mechanism, delta)[2]
 
@@ -298,6 +351,9 @@ ACCOUNTANTS: dict[str, tuple[str, Callable[[MechanismDescription, float], float]
     # name: (distribution providing it, function, counts for the certificate)
     "gdp.exact": ("scipy", epsilon_gdp_exact, True),
     "moments_accountant.closed_form": ("scipy", epsilon_moments_closed_form, True),
+    "zcdp.rdp[dp_accounting]": ("dp-accounting", epsilon_zcdp_rdp, True),
+    "zcdp.bun_steinke": ("scipy", epsilon_zcdp_closed_form, True),
+    "autodp.zcdp": ("autodp", epsilon_autodp_zcdp, True),
     "dp_accounting.pld": ("dp-accounting", epsilon_pld, True),
     "prv_accountant.prv": ("prv-accountant", epsilon_prv_upper, True),
     "autodp.rdp": ("autodp", epsilon_autodp_rdp, True),
@@ -318,6 +374,8 @@ def ask_accountants(mechanism: MechanismDescription, delta: float) -> list[Accou
             continue  # only GDP trainers need it
         if name == "moments_accountant.closed_form" and mechanism.trainer != "dpgd":
             continue  # DP-GD's own certificate (seed 002)
+        if has_zcdp(mechanism) != (name.startswith("zcdp.") or name == "autodp.zcdp"):
+            continue  # a zCDP event (seed 002's one-pass DP-SGD) has an RDP curve and nothing else
         start = time.perf_counter()
         try:
             epsilon, error = function(mechanism, delta), None
@@ -335,6 +393,10 @@ def certify(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
     """The certificate: the smallest ε among certifying accountants, with every input and answer."""
     if not 0 < delta < 1:
         raise ValueError(f"delta = {delta}: must be in (0, 1)")
+    if mechanism.guarantee == "kl":  # seed 000's noisy GD: a KL certificate, ε = ∞
+        from dpml.privacy.kl_certificate import certify_kl
+
+        return certify_kl(mechanism, delta)
     answers = ask_accountants(mechanism, delta)
     valid = [a for a in answers if a.used_for_certificate and a.epsilon is not None]
     if not valid:

@@ -69,3 +69,32 @@ def calibrate_sigma_squared(constant: float, time: float, kl_target: float, n: i
     if kl_target <= 0:
         raise ValueError(f"KL target {kl_target}: must be > 0")
     return 2.0 * constant * time / (kl_target * n * n)
+
+
+RELATION_RECORDS = {"replace_one": 0, "remove_one": -1, "add_one": 1}
+
+
+def gradient_gap_bound(constant: float, n: int, relation: str = "replace_one") -> float:
+    """Thm 4.1 (Eq. 44): E‖∇L(D) − ∇L(D')‖² ≤ 4B/n'² for the linearised network and a loss with |∂ℓ/∂f| ≤ 1.
+
+    Replace-one (the paper's relation): n' = n. The proof's step ‖Δ‖² ≤ (2/n'²)(‖∇ℓ(z)‖² + ‖∇ℓ(z')‖²)
+    applies unchanged to remove-one, Δ = (∇ℓ(z_j) − ∇L(D))/(n − 1) (with ‖∇L(D)‖² ≤ the mean of the
+    ‖∇ℓ_i‖², Jensen), so n' = n − 1, and to add-one, Δ = (∇L(D) − ∇ℓ(z'))/(n + 1), so n' = n + 1.
+    (For softmax cross-entropy ‖softmax − e_y‖ ≤ sqrt 2, not 1, so that step proves only twice the
+    paper's constant; the logistic loss meets |ℓ'| ≤ 1. tests/test_noisygd.py checks both empirically.)
+    """
+    if relation not in RELATION_RECORDS:
+        raise ValueError(f"relation = {relation!r}: expected one of {', '.join(RELATION_RECORDS)}")
+    records = n + RELATION_RECORDS[relation]
+    if constant <= 0 or records < 1:
+        raise ValueError(f"B = {constant}, n = {n} ({relation}): need B > 0 and a neighbour denominator n' ≥ 1")
+    return 4.0 * constant / (records * records)
+
+
+def kl_bound_for_relation(constant: float, steps: int, learning_rate: float, n: int, sigma: float,
+                          relation: str = "replace_one") -> float:
+    """Cor. 4.2 for each neighbouring relation: KL ≤ (1/(2σ²)) Σ_k η · 4B/n'² = 2BKη/(n'²σ²), n' as in
+    :func:`gradient_gap_bound` (replace-one gives :func:`kl_bound` exactly)."""
+    if relation not in RELATION_RECORDS:
+        raise ValueError(f"relation = {relation!r}: expected one of {', '.join(RELATION_RECORDS)}")
+    return kl_bound(constant, steps, learning_rate, n + RELATION_RECORDS[relation], sigma)

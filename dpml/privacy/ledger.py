@@ -54,21 +54,43 @@ class Spend:
 
 
 def _compose(mechanisms: list[MechanismDescription], delta: float) -> float:
-    """ε(δ) of all mechanisms together: one PLD accountant over every event (a valid upper bound)."""
+    """ε(δ) of all mechanisms together: one PLD accountant over every event (a valid upper bound).
+
+    A KL-private spend (seed 000) has no finite ε at any δ < 1 that the paper proves, so any
+    dataset with one has an unbounded (ε, δ) total.
+    """
     if not mechanisms:
         return 0.0
+    if any(m.guarantee == "kl" for m in mechanisms):
+        return float("inf")
     relations = {m.neighbouring for m in mechanisms}
     if len(relations) > 1:
         raise LedgerError(f"cannot compose spends under different neighbouring relations {sorted(relations)}")
-    from dpml.privacy.accountants import epsilon_pld, selection_rdp_curve
+    from dpml.privacy.accountants import epsilon_pld, has_zcdp, mechanism_rdp_curve
     from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
 
-    if any(m.selection is not None and m.selection.random for m in mechanisms):
-        # A random-count search has an RDP curve but no PLD: compose every spend in RDP.
-        return rdp_to_epsilon(ORDERS, sum(selection_rdp_curve(m) for m in mechanisms), delta)
+    if any((m.selection is not None and m.selection.random) or has_zcdp(m) for m in mechanisms):
+        # A random-count search or a zCDP run has an RDP curve but no PLD: compose every spend in RDP.
+        return rdp_to_epsilon(ORDERS, sum(mechanism_rdp_curve(m) for m in mechanisms), delta)
     events = tuple(e for m in mechanisms for e in m.composed_events())
     combined = MechanismDescription("ledger", events, mechanisms[0].neighbouring, 1.0, 0)
     return epsilon_pld(combined, delta)
+
+
+def _compose_kl(mechanisms: list[MechanismDescription]) -> float:
+    """Total KL of all spends: KL composes additively, adaptively too (the chain rule).
+
+    An (ε, δ)-DP spend with δ > 0 bounds no KL divergence, and an uncertified noisy-GD run bounds
+    nothing: either makes the KL total unbounded.
+    """
+    from dpml.privacy.kl_certificate import certify_kl
+
+    total = 0.0
+    for mechanism in mechanisms:
+        if mechanism.guarantee != "kl":
+            return float("inf")
+        total += certify_kl(mechanism, 0.5)["kl"]
+    return total
 
 
 class Ledger:
@@ -134,19 +156,34 @@ class Ledger:
         """The composed ε of every private spend on the dataset version, at the ledger's δ."""
         return _compose([s.mechanism for s in self.spends(dataset_version) if s.mechanism], self.delta)
 
+    def kl_total(self, dataset_version: str) -> float:
+        """The summed KL of the dataset version's spends (∞ once any (ε, δ)-DP spend is among them)."""
+        return _compose_kl([s.mechanism for s in self.spends(dataset_version) if s.mechanism])
+
     def reserve(self, dataset_version: str, mechanism: MechanismDescription | None, label: str,
-                budget: float) -> Spend:
-        """Record a planned run's spend, or raise :class:`BudgetExceeded` (the ledger is then unchanged)."""
+                budget: float, kl_budget: float | None = None) -> Spend:
+        """Record a planned run's spend, or raise :class:`BudgetExceeded` (the ledger is then unchanged).
+
+        A KL-private run is checked against ``kl_budget`` (refused when it is ``None``), every
+        other private run against ``budget`` in (ε, δ) at the ledger's δ.
+        """
         from dpml.privacy.accountants import tight_epsilon
 
-        alone = float("inf") if mechanism is None else tight_epsilon(mechanism, self.delta)
+        kl_run = mechanism is not None and mechanism.guarantee == "kl"
+        alone = float("inf") if mechanism is None or kl_run else tight_epsilon(mechanism, self.delta)
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")  # one writer at a time: check and insert are atomic
             try:
                 previous = [s.mechanism for s in self._spends(db, dataset_version) if s.mechanism]
-                if mechanism is not None:
+                if kl_run:
+                    self._check_kl_budget(dataset_version, previous, mechanism, kl_budget)  # type: ignore[arg-type]
+                elif mechanism is not None:
                     before = _compose(previous, self.delta)
                     after = _compose(previous + [mechanism], self.delta)
+                    if after > budget and before == float("inf"):
+                        raise BudgetExceeded(
+                            f"dataset {dataset_version[:12]}…: a KL-private (seed 000) release already used it, so its "
+                            "(ε, δ) total is unbounded; no (ε, δ)-DP run can be added. Nothing was recorded.")
                     if after > budget:
                         raise BudgetExceeded(
                             f"dataset {dataset_version[:12]}…: this run would cost ε = {alone:.4g} alone and bring the "
@@ -164,6 +201,20 @@ class Ledger:
                 db.execute("ROLLBACK")
                 raise
         return Spend(int(cursor.lastrowid), dataset_version, label, time.time(), mechanism, alone)
+
+    @staticmethod
+    def _check_kl_budget(dataset_version: str, previous: list[MechanismDescription], mechanism: MechanismDescription,
+                         kl_budget: float | None) -> None:
+        if kl_budget is None:
+            raise BudgetExceeded(f"dataset {dataset_version[:12]}…: this run's guarantee is KL privacy, and "
+                                 "ledger.kl_budget is not set; set it to allow KL-private releases. Nothing was recorded.")
+        if any(m.guarantee != "kl" for m in previous):
+            raise BudgetExceeded(f"dataset {dataset_version[:12]}…: it already has (ε, δ)-DP spends, which bound no KL "
+                                 "divergence; a KL-private run cannot be accounted on it. Nothing was recorded.")
+        before, after = _compose_kl(previous), _compose_kl(previous + [mechanism])
+        if after > kl_budget:
+            raise BudgetExceeded(f"dataset {dataset_version[:12]}…: this run would bring the summed KL from {before:.4g} "
+                                 f"to {after:.4g}, over ledger.kl_budget = {kl_budget:g}. Nothing was recorded.")
 
     def record_event(self, spend_id: int, kind: str, detail: dict[str, Any] | None = None) -> None:
         """Append an event (``trained``, ``released``, ``failed`` …) to a spend; spends never change."""
@@ -190,6 +241,8 @@ class Ledger:
             out.append({
                 "dataset_version": version,
                 "epsilon_total": _compose([s.mechanism for s in spends if s.mechanism], self.delta),
+                "kl_total": _compose_kl([s.mechanism for s in spends if s.mechanism])
+                if any(s.mechanism is not None and s.mechanism.guarantee == "kl" for s in spends) else None,
                 "delta": self.delta,
                 "private_spends": sum(s.mechanism is not None for s in spends),
                 "nonprivate_runs": sum(s.mechanism is None for s in spends),

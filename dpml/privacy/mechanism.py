@@ -61,19 +61,71 @@ class GaussianDP:
             raise ValueError(f"mu = {self.mu}: must be a finite number > 0")
 
 
-Event = PoissonGaussianSteps | GaussianDP
-EVENT_KINDS: dict[str, type] = {"poisson_gaussian": PoissonGaussianSteps, "gdp": GaussianDP}
+@dataclass(frozen=True)
+class NoisyGradientDescent:
+    """Seed 000's noisy GD without clipping: ``steps`` full-batch steps W ← W − η∇L + sqrt(2ησ²)·Z.
+
+    Its guarantee is **KL privacy** (Ye et al. Def. 2.3), not (ε, δ)-DP: KL ≤ 2BKη/(n²σ²)
+    (Cor. 4.2), proven only for the ``linearised`` network; B depends on the initialisation
+    ``scheme``, the ``widths`` [d, m_1, …, o] and the input norm bound X0 = ``input_norm``
+    (:mod:`dpml.privacy.kl`). Without linearisation there is no certificate, only an estimate.
+    """
+
+    scheme: str
+    widths: tuple[int, ...]
+    input_norm: float
+    steps: int
+    learning_rate: float
+    sigma: float
+    linearised: bool
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.steps, int) and self.steps >= 1):
+            raise ValueError(f"steps = {self.steps}: must be an integer ≥ 1")
+        if not (self.learning_rate > 0 and self.sigma > 0 and self.input_norm > 0):
+            raise ValueError(f"learning_rate = {self.learning_rate}, sigma = {self.sigma}, input_norm = "
+                             f"{self.input_norm}: all must be > 0")
+        if len(self.widths) < 2 or min(self.widths) < 1:
+            raise ValueError(f"widths = {list(self.widths)}: need [d, …, o], all ≥ 1")
+
+
+@dataclass(frozen=True)
+class ConcentratedDP:
+    """A ρ-zCDP mechanism (Bun & Steinke 2016): D_α(M(D) ‖ M(D')) ≤ ρα for every α > 1, ρ stated for
+    the description's neighbouring relation. Seed 002's one-pass DP-SGD is (ρ_s²/2)-zCDP by privacy
+    amplification by iteration, i.e. ρ = ρ_s²/2 here."""
+
+    rho: float
+
+    def __post_init__(self) -> None:
+        if not (self.rho > 0 and self.rho < float("inf")):
+            raise ValueError(f"rho = {self.rho}: must be a finite number > 0")
+
+
+Event = PoissonGaussianSteps | GaussianDP | NoisyGradientDescent | ConcentratedDP
+EVENT_KINDS: dict[str, type] = {"poisson_gaussian": PoissonGaussianSteps, "gdp": GaussianDP,
+                                "noisy_gd": NoisyGradientDescent, "zcdp": ConcentratedDP}
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:
-    kind = "gdp" if isinstance(event, GaussianDP) else "poisson_gaussian"
-    return asdict(event) | {"kind": kind}
+    kind = next(name for name, cls in EVENT_KINDS.items() if isinstance(event, cls))
+    payload = asdict(event) | {"kind": kind}
+    if isinstance(event, NoisyGradientDescent):
+        payload["widths"] = list(event.widths)
+    return payload
 
 
 def event_from_dict(payload: dict[str, Any]) -> Event:
     kind = payload.get("kind", "poisson_gaussian")
     if kind == "gdp":
         return GaussianDP(float(payload["mu"]))
+    if kind == "zcdp":
+        return ConcentratedDP(float(payload["rho"]))
+    if kind == "noisy_gd":
+        return NoisyGradientDescent(str(payload["scheme"]), tuple(int(w) for w in payload["widths"]),
+                                    float(payload["input_norm"]), int(payload["steps"]),
+                                    float(payload["learning_rate"]), float(payload["sigma"]),
+                                    bool(payload["linearised"]))
     if kind == "poisson_gaussian":
         return PoissonGaussianSteps(float(payload["sample_rate"]), float(payload["noise_multiplier"]),
                                     int(payload["steps"]))
@@ -121,6 +173,18 @@ class Selection:
         return f"best of K ~ truncated negative binomial(η = {self.shape:g}, E[K] = {self.mean:g}) candidates"
 
 
+def _event_summary(event: Event) -> str:
+    if isinstance(event, GaussianDP):
+        return f"gdp mu={event.mu:.6g}"
+    if isinstance(event, ConcentratedDP):
+        return f"zcdp rho={event.rho:.6g}"
+    if isinstance(event, NoisyGradientDescent):
+        return (f"noisy-gd (KL privacy) steps={event.steps} eta={event.learning_rate:.6g} sigma={event.sigma:.6g} "
+                f"init={event.scheme} widths={'-'.join(map(str, event.widths))} X0={event.input_norm:g}"
+                + (" linearised" if event.linearised else " (not linearised: no certificate)"))
+    return f"poisson-gaussian q={event.sample_rate:.6g} sigma={event.noise_multiplier:.6g} steps={event.steps}"
+
+
 @dataclass(frozen=True)
 class MechanismDescription:
     """Everything an accountant needs, and everything a reviewer needs to check it."""
@@ -149,11 +213,14 @@ class MechanismDescription:
 
     def summary(self) -> str:
         """One line for tags and listings: trainer, events, clip norm, relation, threat model."""
-        parts = [f"gdp mu={e.mu:.6g}" if isinstance(e, GaussianDP) else
-                 f"poisson-gaussian q={e.sample_rate:.6g} sigma={e.noise_multiplier:.6g} steps={e.steps}"
-                 for e in self.events]
+        parts = [_event_summary(e) for e in self.events]
         text = f"{self.trainer}: {' + '.join(parts)} C={self.clip_norm:g} {self.neighbouring} {self.threat_model}"
         return text + (f"; hyperparameter search: {self.selection.describe()}" if self.selection else "")
+
+    @property
+    def guarantee(self) -> Literal["dp", "kl"]:
+        """``kl`` when the trainer's guarantee is KL privacy (seed 000), else ``dp`` ((ε, δ)-DP)."""
+        return "kl" if any(isinstance(e, NoisyGradientDescent) for e in self.events) else "dp"
 
     @property
     def sensitivity(self) -> float:

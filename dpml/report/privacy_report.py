@@ -11,6 +11,26 @@ def _fmt(value: Any) -> str:
     return "—" if value is None else str(value)
 
 
+def _kl_certificate(certificate: dict[str, Any]) -> list[str]:
+    """Seed 000's KL certificate: what it bounds, both computations of B, and what it is not."""
+    lines = [f"**Guarantee.** {certificate['statement']}.", ""]
+    if certificate["answers"]:
+        lines += ["| KL accountant | B | KL bound | used for certificate | error |", "|---|---|---|---|---|"]
+        for answer in certificate["answers"]:
+            lines.append(f"| {answer['name']} | {_fmt(answer['constant'])} | {_fmt(answer['kl'])} | "
+                         f"{'yes' if answer['used_for_certificate'] else 'cross-check'} | {answer['error'] or ''} |")
+    mech = certificate["mechanism"]
+    event = mech["events"][0]
+    lines += ["", "**Mechanism.**", "",
+              f"- noisy gradient descent without clipping: {event['steps']} full-batch steps, η = "
+              f"{_fmt(event['learning_rate'])}, noise sqrt(2ησ²)·N(0, I) with σ = {_fmt(event['sigma'])}; "
+              f"bias-free ReLU network {'-'.join(map(str, event['widths']))}, {event['scheme']} initialisation, "
+              f"{'linearised at W0' if event['linearised'] else 'not linearised'}; inputs ‖x‖ ≤ "
+              f"{_fmt(event['input_norm'])}; n = {mech['dataset_size']} training records, {mech['neighbouring']}"]
+    lines += [f"- {note}" for note in mech.get("notes", [])]
+    return lines
+
+
 def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str, Any] | None,
            audit: dict[str, Any], gate: dict[str, Any], ledger: dict[str, Any] | None = None,
            budget: float | None = None) -> str:
@@ -18,6 +38,8 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
     lines = ["# dpml privacy report", ""]
     if certificate is None:
         lines += ["**No privacy guarantee**: this model was trained without differential privacy.", ""]
+    elif certificate.get("kind") == "kl":
+        lines += _kl_certificate(certificate)
     else:
         lines += [f"**Guarantee.** {certificate['statement']}.", ""]
         lines += ["| accountant | version | ε | used for certificate | error |", "|---|---|---|---|---|"]
@@ -32,6 +54,9 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
             if event.get("kind") == "gdp":
                 lines.append(f"- μ-GDP with μ = {_fmt(event['mu'])} (the whole training run, final model only; "
                              "exact conversion to (ε, δ) by the Gaussian trade-off function)")
+            elif event.get("kind") == "zcdp":
+                lines.append(f"- ρ-zCDP with ρ = {_fmt(event['rho'])} (the whole training run, final model only; "
+                             "converted to (ε, δ) through its Rényi curve ρα)")
             elif event["sample_rate"] == 1.0:
                 lines.append(f"- Gaussian mechanism (no subsampling): noise multiplier "
                              f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} release(s)")
@@ -53,6 +78,18 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
                   f": ε = {ledger['epsilon_total']:.4g} at δ = {ledger['delta']:g}, of a budget of {_fmt(budget)}."
                   + (f" {ledger['nonprivate_runs']} non-private baseline run(s) also used it; their models carry "
                      "no guarantee and must not leave this registry." if ledger["nonprivate_runs"] else "")]
+        if ledger.get("kl_total") is not None:
+            lines.append(f"KL-private runs on this dataset version sum to KL = {ledger['kl_total']:.4g} (the (ε, δ) "
+                         "total is unbounded once a KL-only release exists).")
+    robust = sorted((int(k.rsplit("_r", 1)[1]), v) for k, v in train.items() if k.startswith("robust_certified_accuracy_r"))
+    if robust:
+        from dpml.audit.robustness import robustness_units
+
+        lines += ["", f"**Certified robustness** (Lipschitz constant ℓ = {train['robust_lipschitz']:.4g}; "
+                  f"{robustness_units(data['clip_mode'], data.get('features', 'none'))}; radius margin/(ℓ√2)).", "",
+                  "| radius (×1/255) | " + " | ".join(str(k) for k, _ in robust) + " |",
+                  "|---" * (len(robust) + 1) + "|",
+                  "| certified test accuracy | " + " | ".join(f"{v:.4f}" for _, v in robust) + " |"]
     lines += ["", "**Data.**", ""]
     lines.append(f"- source `{data['origin']}`, version (content SHA-256) `{data['version']}`")
     lines.append(f"- train / test / audit population: {data['n_train']} / {data['n_test']} / {data['n_audit']}")
@@ -104,4 +141,15 @@ def _audit_section(audit: dict[str, Any]) -> list[str]:
               "control, canary runs) use the private data; their outputs are published only as these aggregates "
               "and their privacy cost is not charged to the release.",
               f"Largest gating lower bound: **ε ≥ {audit['max_lower_bound']:.4g}**."]
+    if "reconstruction" in audit:
+        lines += ["", "**Reconstruction attack** (seed 002: training inputs recovered from a random-features "
+                  "model's weights alone; best-match |cosine| overlap per training record, chance = random directions):", ""]
+        for subject, r in audit["reconstruction"].items():
+            if "skipped" in r:
+                lines.append(f"- {subject}: skipped — {r['skipped']}")
+                continue
+            s, c = r["summary"], r["chance_summary"]
+            lines.append(f"- {subject}: mean overlap {s['mean']:.3f} (chance {c['mean']:.3f}), "
+                         f"{s['fraction_above_0.9']:.1%} of {r['n_train']} records above 0.9; "
+                         f"p/(d·n) = {r['p_over_dn']:.3g}")
     return lines

@@ -18,10 +18,11 @@ like one with σ/√D). The neighbouring relation sets the sensitivity as for DP
 replace-one 2Δ), which is the errata's point: the accountant and the sensitivity use one relation.
 
 **Soundness check.** The bounds assume ‖W‖₂ ≤ 1 for every projected layer at every step; power
-iteration estimates the spectral norm from below. So the trainer checks the exact spectral norms
-after every epoch and, after training, the actual per-example gradient norms of every parameter on
-(up to ``soundness_records``) training records against their bounds. A violation is reported in
-the history and fails the certificate (:func:`dpml.stages.certify`).
+iteration estimates the spectral norm from below. So the trainer checks a certified upper bound on
+every constrained operator's norm after every epoch (:func:`largest_spectral_norm`: the exact σ_max
+of dense weights, the FFT bound of convolutions) and, after training, the actual per-example
+gradient norms of every parameter on (up to ``soundness_records``) training records against their
+bounds. A violation is reported in the history and fails the certificate (:func:`dpml.stages.certify`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpml.models.lipschitz import SpectralLinear, gradient_bounds, project_all
+from dpml.models.lipschitz import LipschitzLayer, gradient_bounds, project_all
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.train.clipping import LossFn, _per_example_gradients
-from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch
+from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch, progress_range
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,7 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
     start = time.perf_counter()
     project_all(model)
     model.train()
-    iterator = range(steps)
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(iterator, desc="clipless DP-SGD", unit="step", leave=False)
-    for step in iterator:
+    for step in progress_range(steps, "clipless DP-SGD", "step", progress):
         batch = poisson_batch(sampler, n, sample_rate).to(x.device)
         for p in params.values():  # the batch's gradient sum accumulates here (an empty batch leaves zeros)
             p.grad = torch.zeros_like(p)
@@ -140,8 +136,12 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
 
 @torch.no_grad()
 def largest_spectral_norm(model: nn.Module) -> float:
-    """The exact largest ‖W‖₂ over the spectrally normalised layers (SVD)."""
-    norms = [float(torch.linalg.matrix_norm(m.weight, ord=2)) for m in model.modules() if isinstance(m, SpectralLinear)]
+    """A certified upper bound on the largest operator norm over the constrained layers: each
+    :class:`~dpml.models.lipschitz.LipschitzLayer`'s ``operator_norm_bound()`` — σ_max by SVD (float64)
+    for dense weights, the exact norm of the circular convolution (FFT of the kernel, float64) for
+    convolutions, which is ≥ the zero-padded operator's norm. 0 when no layer is constrained."""
+    norms = [bound for m in model.modules() if isinstance(m, LipschitzLayer)
+             if (bound := m.operator_norm_bound()) is not None]
     return max(norms, default=0.0)
 
 

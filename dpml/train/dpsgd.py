@@ -17,6 +17,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -66,14 +67,19 @@ def per_example_squared(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 LOSSES: dict[str, LossFn] = {"cross_entropy": per_example_cross_entropy, "squared": per_example_squared}
 
 
-def loss_function(name: str, tau: float = 1.0) -> LossFn:
+def loss_function(name: str, tau: float = 1.0, alpha: float = 1.0) -> LossFn:
     """The per-example loss ``train.loss`` names (the Lipschitz losses of seed 004 included)."""
-    from dpml.models.lipschitz import multiclass_hinge, tau_cross_entropy
+    from dpml.models.lipschitz import (hinge_kantorovich_rubinstein, kantorovich_rubinstein, multiclass_hinge,
+                                       tau_cross_entropy)
 
     if name == "tau_cross_entropy":
         return tau_cross_entropy(tau)
     if name == "multiclass_hinge":
         return multiclass_hinge(1.0)
+    if name == "kantorovich_rubinstein":
+        return kantorovich_rubinstein()
+    if name == "hinge_kantorovich_rubinstein":
+        return hinge_kantorovich_rubinstein(alpha)
     return LOSSES[name]
 
 
@@ -81,6 +87,15 @@ def make_optimizer(model: nn.Module, name: str, learning_rate: float, momentum: 
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=learning_rate)
     return torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
+
+
+def progress_range(count: int, description: str, unit: str, progress: bool) -> Iterable[int]:
+    """range(count), with a tqdm progress bar when ``progress`` (the CLI's --progress)."""
+    if not progress:
+        return range(count)
+    from tqdm import tqdm
+
+    return tqdm(range(count), desc=description, unit=unit, leave=False)
 
 
 def number_of_steps(epochs: float, sample_rate: float) -> int:
@@ -178,12 +193,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
         n_total += int(canaries.included.sum())  # included canaries are records of the data set
         expected_batch = sample_rate * n_total
     model.train()
-    iterator = range(steps)
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(iterator, desc="DP-SGD", unit="step", leave=False)
-    for _ in iterator:
+    for _ in progress_range(steps, "DP-SGD", "step", progress):
         batch = poisson_batch(sampler, n, sample_rate).to(x.device)
         sums, noises, clipped_count = clipped_sum_and_noise(model, x[batch], y[batch], clip_norm, noise_multiplier,
                                                             physical_batch_size, noise_source, loss_fn)
@@ -237,12 +247,7 @@ def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, samp
     steps, start = 0, time.perf_counter()
     model.train()
     epoch_count = max(1, int(round(epochs)))
-    iterator = range(epoch_count)
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(iterator, desc="SGD", unit="epoch", leave=False)
-    for _ in iterator:
+    for _ in progress_range(epoch_count, "SGD", "epoch", progress):
         order = torch.randperm(n, generator=generator).to(x.device)
         for chunk in torch.split(order, batch_size):
             optimizer.zero_grad(set_to_none=True)

@@ -34,7 +34,7 @@ from dpml.models.gated import lipschitz_bound, smoothness_bound
 from dpml.privacy.gdp import contraction_factor, noisycgd_mu
 from dpml.privacy.mechanism import GaussianDP, MechanismDescription
 from dpml.train.clipping import LossFn, clipped_gradient_sum
-from dpml.train.dpsgd import TrainResult
+from dpml.train.dpsgd import TrainResult, progress_range
 
 
 @dataclass(frozen=True)
@@ -121,12 +121,7 @@ def train_noisycgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, settin
     noise_std = settings.noise_multiplier * settings.clip_norm / b
     clipped, start = torch.zeros((), device=x.device), time.perf_counter()
     model.train()
-    iterator = range(settings.epochs)
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(iterator, desc="NoisyCGD", unit="epoch", leave=False)
-    for _ in iterator:
+    for _ in progress_range(settings.epochs, "NoisyCGD", "epoch", progress):
         for batch in batches:
             sums = {name: torch.zeros_like(p) for name, p in params.items()}
             for chunk in torch.split(batch, physical_batch_size):
