@@ -175,7 +175,9 @@ class TrainConfig(_Section):
     ``clipless`` (seed 004: no clipping, sensitivity from the Lipschitz model's bounds; ``loss`` must
     be ``tau_cross_entropy`` (CE(τz)/τ, τ = ``loss_tau``), ``multiclass_hinge``, ``kantorovich_rubinstein``
     or ``hinge_kantorovich_rubinstein`` (α = ``loss_alpha``), each with its proven constant; noise
-    ``clipless_noise`` global or per layer),
+    ``clipless_noise`` global or per layer; ``loss_clip_quantile`` γ turns on loss-gradient clipping at
+    a private γ-quantile threshold (start ``loss_clip_initial``, geometric rate ``loss_clip_rate``, noise
+    std ``loss_clip_count_noise`` on each step's count, charged in the certificate)),
     ``noisycgd`` (seed 001's noisy cyclic GD on the gated model, final model only; settings in the
     ``noisycgd`` section), ``noisygd`` (seed 000's noisy GD without clipping on the bias-free ReLU
     network: KL privacy, not (ε, δ)-DP; settings in the ``noisygd`` section; one full-batch step per
@@ -190,6 +192,10 @@ class TrainConfig(_Section):
     loss_tau: float = Field(1.0, gt=0)
     loss_alpha: float = Field(1.0, gt=0)
     clipless_noise: Literal["global", "per_layer"] = "global"
+    loss_clip_quantile: float | None = Field(None, gt=0, lt=1)
+    loss_clip_initial: float = Field(1.0, gt=0)
+    loss_clip_count_noise: float = Field(50.0, gt=0)
+    loss_clip_rate: float = Field(0.2, gt=0)
     epochs: float = Field(20.0, gt=0)
     sample_rate: float = Field(0.05, gt=0, le=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -490,6 +496,9 @@ def _check_clipless(config: Config) -> None:
                         f"({', '.join(LIPSCHITZ_LOSSES)})")
     if config.model.kind == "lipschitz":
         problems += _lipschitz_spec_problems(config)
+    if config.train.loss_clip_quantile is not None and config.dp.target_epsilon is None:
+        problems.append("train.loss_clip_quantile: loss clipping needs dp.target_epsilon (σ is then calibrated for the "
+                        "gradient and the quantile's count together)")
     if problems:
         raise ValueError("train.algorithm = 'clipless':\n    " + "\n    ".join(problems))
 

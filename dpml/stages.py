@@ -36,9 +36,9 @@ from dpml.data.split import split_indices
 from dpml.models import build_model, spec_from_dict
 from dpml.models.mlp import pick_device
 from dpml.audit.robustness import certified_accuracy
-from dpml.train.clipless import clipless_mechanism
-from dpml.train.fit import (fit, model_gradient_bounds, model_spec, noisycgd_settings, noisygd_mechanism,
-                            onepass_mechanism)
+from dpml.train.clipless import clipless_mechanism, gradient_noise_for
+from dpml.train.fit import (fit, loss_clipping_of, model_gradient_bounds, model_spec, noisycgd_settings,
+                            noisygd_mechanism, onepass_mechanism)
 from dpml.train.noisycgd import noisycgd_mechanism
 from dpml.privacy.accountants import certify as certify_mechanism
 from dpml.privacy.calibrate import calibrate_noise_multiplier
@@ -169,7 +169,8 @@ def planned_mechanism(config: Config, sigma: float | None, n: int, in_features: 
     if config.train.algorithm == "clipless":
         assert sigma is not None
         return clipless_mechanism(model_gradient_bounds(config, in_features, n_classes), config.train.sample_rate,
-                                  sigma, config.train.clipless_noise, config.train.epochs, config.dp.neighbouring, n)
+                                  sigma, config.train.clipless_noise, config.train.epochs, config.dp.neighbouring, n,
+                                  loss_clipping_of(config))
     assert sigma is not None
     return dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs, config.dp.neighbouring,
                            config.dp.clip_norm, n)
@@ -186,7 +187,10 @@ def resolve_noise_multiplier(config: Config) -> float:
     steps = number_of_steps(config.train.epochs, config.train.sample_rate)
     sigma = calibrate_noise_multiplier(config.dp.target_epsilon, config.train.sample_rate, steps,
                                        config.dp.delta, config.dp.neighbouring)
-    # Clipless per-layer noise σ acts like one Gaussian with σ/√D: calibrate that, then scale back.
+    # Clipless: the quantile's count shares the step (σ_eff = (σ⁻² + σ_b⁻²)^(−1/2)), and per-layer noise σ acts
+    # like one Gaussian with σ/√D: calibrate the combination, then undo both.
+    clipping = loss_clipping_of(config) if config.train.algorithm == "clipless" else None
+    sigma = gradient_noise_for(sigma, None if clipping is None else clipping.count_noise)
     return sigma * math.sqrt(clipless_layer_count(config)) if _per_layer_noise(config) else sigma
 
 
@@ -220,8 +224,9 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
                                  "epsilon_alone": spend.epsilon_alone})
     try:
+        held_out = _load_part(layout, "audit") if config.train.algorithm == "noisygd" else None  # KL-estimate probes
         result = fit(config, x_np, y_np, len(meta["classes"]), private=private, noise_multiplier=sigma,
-                     seed=config.train.seed, progress=progress)
+                     seed=config.train.seed, progress=progress, held_out=held_out)
         if result.mechanism != planned:
             raise RuntimeError("the trainer's mechanism differs from the one recorded in the ledger")
     except BaseException as error:
@@ -268,6 +273,8 @@ def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> floa
     if mechanism["events"][0].get("kind") == "zcdp":
         return 1.0 / math.sqrt(2 * float(mechanism["events"][0]["rho"]))  # the Gaussian with the same zCDP (σ = 1/ρ_s)
     sigma = float(mechanism["events"][0]["noise_multiplier"])
+    if mechanism["trainer"] == "clipless" and (clipping := loss_clipping_of(config)) is not None:
+        sigma = gradient_noise_for(sigma, clipping.count_noise)  # the event's σ includes the quantile's count
     return sigma * math.sqrt(clipless_layer_count(config)) if _per_layer_noise(config) else sigma
 
 

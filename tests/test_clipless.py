@@ -162,3 +162,65 @@ def test_convolutional_clipless_pipeline_logs_certified_robustness(workdir: Path
             workdir, model={"kind": "lipschitz", "conv": [3], "input_shape": [1, 8, 8], "hidden": [16]},
             train={"algorithm": "clipless", "loss": "tau_cross_entropy"},
             dp={"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"})))
+
+
+def test_loss_gradient_clipping_tracks_a_private_quantile_and_is_charged() -> None:
+    """Clipped logit gradients, noise scaled by min(L, C_t)/L, the threshold near the quantile, the count charged."""
+    from dpml.train.clipless import (LossClipping, backward_with_clipped_loss_gradient, combined_noise_multiplier,
+                                     gradient_noise_for)
+    from dpml.train.dpsgd import make_optimizer
+
+    torch.manual_seed(0)
+    model = build_lipschitz(LipschitzSpec(10, (16,), 3, input_bound=1.0, bias_bound=0.1))
+    x, y = torch.randn(64, 10), torch.randint(0, 3, (64,))
+    loss_fn = tau_cross_entropy(4.0)
+    # The clipped backward equals the sum of per-example gradients with clipped logit gradients.
+    model.zero_grad()
+    kept = backward_with_clipped_loss_gradient(model, loss_fn, x, y, threshold=0.5)
+    expected = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for i in range(64):
+        logits = model(x[i:i + 1])
+        (g,) = torch.autograd.grad(loss_fn(logits, y[i:i + 1]).sum(), logits, retain_graph=True)
+        grads = torch.autograd.grad(logits, list(model.parameters()), grad_outputs=g * min(1.0, 0.5 / float(g.norm())))
+        for (name, _), grad in zip(model.named_parameters(), grads):
+            expected[name] += grad
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6)
+    assert 0 < kept < 64
+    # Training: the threshold settles where about the target fraction is unclipped; the certificate pays for the count.
+    clipping = LossClipping(quantile=0.6, initial=1.4, count_noise=20.0, learning_rate=0.3)
+    x, y = torch.randn(2000, 10), torch.randint(0, 3, (2000,))
+    model = build_lipschitz(LipschitzSpec(10, (16,), 3, input_bound=1.0, bias_bound=0.1))
+    bounds = clipless_bounds(model, 1.0, LOSS_LIPSCHITZ["tau_cross_entropy"])
+    result = train_clipless(model, x, y, sample_rate=0.2, epochs=10, noise_multiplier=1.0, noise="global", bounds=bounds,
+                            neighbouring="add-remove", loss_fn=loss_fn, optimizer=make_optimizer(model, "adam", 0.01, 0.0),
+                            seed=3, loss_clipping=clipping, loss_lipschitz=LOSS_LIPSCHITZ["tau_cross_entropy"])
+    assert 0.45 < result.history["loss_clip_unclipped_fraction"] < 0.75
+    assert result.history["loss_clip_final_threshold"] < LOSS_LIPSCHITZ["tau_cross_entropy"]
+    event = result.mechanism.events[0]
+    assert event.noise_multiplier == pytest.approx(1 / (1 + 20.0 ** -2) ** 0.5)  # (σ⁻² + σ_b⁻²)^(−1/2)
+    assert gradient_noise_for(combined_noise_multiplier(1.3, 20.0), 20.0) == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="loss_clip_count_noise"):
+        gradient_noise_for(2.0, 1.5)
+
+
+def test_loss_clipping_through_the_pipeline_is_calibrated_to_the_target(workdir: Path) -> None:
+    from dpml import io
+    from dpml.stages import STAGES, Layout
+
+    config = load(write_params(workdir / "lc.yaml", small_params(
+        workdir, model={"kind": "lipschitz", "hidden": [32], "bias_bound": 0.5},
+        train={"algorithm": "clipless", "loss": "tau_cross_entropy", "loss_tau": 8.0, "epochs": 4,
+               "learning_rate": 0.01, "optimizer": "adam", "loss_clip_quantile": 0.8, "loss_clip_count_noise": 30.0},
+        dp={"noise_multiplier": None, "target_epsilon": 2.0, "delta": 1e-5, "clip_norm": 1.0,
+            "neighbouring": "add-remove"})))
+    for name in ("ingest", "split", "preprocess", "train"):
+        STAGES[name](config)
+    certificate = STAGES["certify"](config)["certificate"]
+    assert certificate["epsilon"] == pytest.approx(2.0, abs=1e-3) and certificate["epsilon"] <= 2.0 + 1e-9
+    assert any("quantile" in note for note in certificate["mechanism"]["notes"])
+    metrics = io.read_json(Layout(config).train_metrics)
+    event_sigma = certificate["mechanism"]["events"][0]["noise_multiplier"]
+    # the gradient's σ (metrics) is above the event's: the count's noise shares the step's budget
+    assert metrics["noise_multiplier"] == pytest.approx((event_sigma ** -2 - 30.0 ** -2) ** -0.5)
+    assert 0 < metrics["train_loss_clip_unclipped_fraction"] < 1

@@ -68,11 +68,63 @@ def effective_noise_multiplier(noise_multiplier: float, noise: str, layers: int)
     return noise_multiplier if noise == "global" else noise_multiplier / math.sqrt(layers)
 
 
+@dataclass(frozen=True)
+class LossClipping:
+    """Loss-gradient clipping with a privately estimated threshold (seed 004 §3.1 and App. B.5).
+
+    Each step clips every example's ‖∂ℓ/∂z‖ (the logits' gradient, b × classes: cheap) to C_t, which
+    turns the loss constant L of Algorithm 1 into min(L, C_t) — every bound, and so the noise, scales
+    by min(L, C_t)/L. C_t tracks the ``quantile`` γ of the loss-gradient norms by Andrew et al.'s
+    (2021) private quantile: the step also releases the count of unclipped examples plus
+    N(0, ``count_noise``²), b̃ = (count + noise)/(qn), and C_{t+1} = min(L, C_t·exp(−``learning_rate``·(b̃ − γ))).
+    The count has sensitivity 1 and is released on the same Poisson batch as the gradient sum, so
+    the pair is one subsampled Gaussian with whitened sensitivity sqrt(1/σ² + 1/σ_b²): multiplier
+    σ_eff = (σ⁻² + σ_b⁻²)^(−1/2) — the quantile's privacy cost is charged in the certificate. (Under
+    replace-one the count moves by at most 1, less than the relation's 2: the charge is conservative.)
+    """
+
+    quantile: float
+    initial: float
+    count_noise: float
+    learning_rate: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.quantile < 1:
+            raise ValueError(f"train.loss_clip_quantile = {self.quantile}: must be in (0, 1)")
+        if min(self.initial, self.count_noise, self.learning_rate) <= 0:
+            raise ValueError(f"loss clipping: initial {self.initial}, count noise {self.count_noise} and rate "
+                             f"{self.learning_rate} must all be > 0")
+
+
+def combined_noise_multiplier(sigma: float, count_noise: float | None) -> float:
+    """(σ⁻² + σ_b⁻²)^(−1/2): the gradient sum and the count as one Gaussian query (:class:`LossClipping`)."""
+    return sigma if count_noise is None else 1.0 / math.sqrt(sigma ** -2 + count_noise ** -2)
+
+
+def gradient_noise_for(effective: float, count_noise: float | None) -> float:
+    """The inverse of :func:`combined_noise_multiplier`: the gradient's σ that makes the pair cost ``effective``."""
+    if count_noise is None:
+        return effective
+    if count_noise <= effective:
+        raise ValueError(f"train.loss_clip_count_noise = {count_noise:g}: the quantile's count alone would cost more than "
+                         f"the target allows (it must exceed the calibrated multiplier {effective:.4g}); raise it")
+    return 1.0 / math.sqrt(effective ** -2 - count_noise ** -2)
+
+
 def clipless_mechanism(bounds: GradientBounds, sample_rate: float, noise_multiplier: float, noise: str,
-                       epochs: float, neighbouring: Neighbouring, dataset_size: int) -> MechanismDescription:
-    """What :func:`train_clipless` does: DP-SGD's event with C = Δ, σ_eff for the noise mode."""
+                       epochs: float, neighbouring: Neighbouring, dataset_size: int,
+                       loss_clipping: LossClipping | None = None) -> MechanismDescription:
+    """What :func:`train_clipless` does: DP-SGD's event with C = Δ, σ_eff for the noise mode (and the count)."""
     layers = bounds.per_layer()
-    sigma = effective_noise_multiplier(noise_multiplier, noise, len(layers))
+    per_noise = effective_noise_multiplier(noise_multiplier, noise, len(layers))
+    sigma = combined_noise_multiplier(per_noise, None if loss_clipping is None else loss_clipping.count_noise)
+    clipping_notes: tuple[str, ...] = ()
+    if loss_clipping is not None:
+        clipping_notes = (
+            f"loss-gradient clipping at a private {loss_clipping.quantile:g}-quantile (Andrew et al. 2021): every bound "
+            f"scales by min(L, C_t)/L; the count of unclipped examples is released with noise std "
+            f"{loss_clipping.count_noise:g}, so each step is one Gaussian with multiplier (σ_g⁻² + σ_b⁻²)^(−1/2) = "
+            f"{sigma:.6g} (σ_g = {per_noise:.6g})",)
     return MechanismDescription(
         trainer="clipless",
         events=(PoissonGaussianSteps(sample_rate, sigma, number_of_steps(epochs, sample_rate)),),
@@ -89,15 +141,22 @@ def clipless_mechanism(bounds: GradientBounds, sample_rate: float, noise_multipl
                 if noise == "per_layer" else " (std σΔ on the sum)"),
             "the bounds are verified after training (exact spectral norms each epoch, per-example gradient norms on "
             "training records); a violation voids this certificate",
-        ),
+        ) + clipping_notes,
     )
 
 
 def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
                    noise_multiplier: float, noise: str, bounds: GradientBounds, neighbouring: Neighbouring,
                    loss_fn: LossFn, optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
-                   soundness_records: int = 1000, progress: bool = False) -> TrainResult:
-    """Train in place with clipless DP-SGD; returns the model, its mechanism and a history with the soundness check."""
+                   soundness_records: int = 1000, progress: bool = False,
+                   loss_clipping: LossClipping | None = None, loss_lipschitz: float | None = None) -> TrainResult:
+    """Train in place with clipless DP-SGD; returns the model, its mechanism and a history with the soundness check.
+
+    With ``loss_clipping`` (and the loss constant ``loss_lipschitz`` L the bounds were computed with),
+    per-example logit gradients are clipped to an adaptive private threshold (:class:`LossClipping`).
+    """
+    if loss_clipping is not None and loss_lipschitz is None:
+        raise ValueError("loss clipping needs loss_lipschitz: the constant L the bounds were computed with")
     n = x.shape[0]
     steps = number_of_steps(epochs, sample_rate)
     expected_batch = sample_rate * n
@@ -108,6 +167,8 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
     noise_std = {name: noise_multiplier * (bounds.total if noise == "global" else layer_bound[name.split(".")[0]])
                  for name in params}
     steps_per_epoch = max(1, int(round(1 / sample_rate)))
+    threshold = None if loss_clipping is None else min(loss_clipping.initial, loss_lipschitz)  # type: ignore[type-var]
+    thresholds, unclipped_total, seen_total = [], 0, 0
     spectral_max = 0.0
     start = time.perf_counter()
     project_all(model)
@@ -116,22 +177,52 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
         batch = poisson_batch(sampler, n, sample_rate).to(x.device)
         for p in params.values():  # the batch's gradient sum accumulates here (an empty batch leaves zeros)
             p.grad = torch.zeros_like(p)
+        unclipped = 0
         for chunk in torch.split(batch, physical_batch_size):
-            loss_fn(model(x[chunk]), y[chunk]).sum().backward()
+            if threshold is None:
+                loss_fn(model(x[chunk]), y[chunk]).sum().backward()
+            else:
+                unclipped += backward_with_clipped_loss_gradient(model, loss_fn, x[chunk], y[chunk], threshold)
+        scale = 1.0 if threshold is None else threshold / loss_lipschitz  # type: ignore[operator]
         with torch.no_grad():
             for name, p in params.items():
-                noise_sample = torch.normal(0.0, noise_std[name], size=p.shape, generator=noise_source,
+                noise_sample = torch.normal(0.0, noise_std[name] * scale, size=p.shape, generator=noise_source,
                                             device=p.device, dtype=p.dtype)
                 p.grad = (p.grad + noise_sample) / expected_batch
         optimizer.step()
         project_all(model)
+        if loss_clipping is not None and threshold is not None:
+            thresholds.append(threshold)
+            unclipped_total, seen_total = unclipped_total + unclipped, seen_total + int(batch.numel())
+            noisy = (unclipped + float(torch.normal(0.0, loss_clipping.count_noise, size=(), generator=noise_source,
+                                                     device=x.device))) / expected_batch
+            threshold = min(loss_lipschitz, threshold * math.exp(-loss_clipping.learning_rate  # type: ignore[type-var]
+                                                                  * (noisy - loss_clipping.quantile)))
         if (step + 1) % steps_per_epoch == 0 or step == steps - 1:
             spectral_max = max(spectral_max, largest_spectral_norm(model))
     history = {"steps": steps, "seconds": time.perf_counter() - start, "gradient_bound": bounds.total,
                **soundness_check(model, x, y, loss_fn, bounds, soundness_records, seed), "spectral_norm_max": spectral_max}
     history["soundness_passed"] = bool(history["soundness_violations"] == 0 and spectral_max <= 1 + 1e-5)
-    mechanism = clipless_mechanism(bounds, sample_rate, noise_multiplier, noise, epochs, neighbouring, n)
+    if thresholds:
+        history |= {"loss_clip_final_threshold": thresholds[-1], "loss_clip_mean_threshold": float(np.mean(thresholds)),
+                    "loss_clip_unclipped_fraction": unclipped_total / max(seen_total, 1)}
+    mechanism = clipless_mechanism(bounds, sample_rate, noise_multiplier, noise, epochs, neighbouring, n, loss_clipping)
     return TrainResult(model, mechanism, history)
+
+
+def backward_with_clipped_loss_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                                        threshold: float) -> int:
+    """Accumulate Σ_i J_iᵀ·clip(∂ℓ_i/∂z_i, threshold) into the parameters' .grad; return how many were not clipped.
+
+    Each example's loss depends on its own logits only, so clipping the rows of ∂(Σℓ)/∂z clips every
+    example's logit gradient, and one backward pass from z carries the clipped rows to the parameters.
+    """
+    logits = model(x)
+    (gradient,) = torch.autograd.grad(loss_fn(logits, y).sum(), logits)
+    norms = gradient.flatten(1).norm(dim=1)
+    factor = (threshold / norms.clamp_min(1e-30)).clamp(max=1.0)
+    logits.backward(gradient * factor.view(-1, *([1] * (gradient.dim() - 1))))
+    return int((norms <= threshold).sum())
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from dpml.models.random_features import RandomFeaturesSpec
 from dpml.privacy.gdp import calibrate_l2
 from dpml.privacy.kl import calibrate_sigma_squared, gradient_norm_constant
 from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription, NoisyGradientDescent
-from dpml.train.clipless import GradientBounds, clipless_bounds, train_clipless
+from dpml.train.clipless import GradientBounds, LossClipping, clipless_bounds, train_clipless
 from dpml.train.dpsgd import (GradientCanaries, TrainResult, loss_function, make_optimizer, secret_noise_seed,
                               train_dpsgd, train_nonprivate)
 from dpml.train.noisycgd import NoisyCgdSettings, train_noisycgd
@@ -139,6 +139,15 @@ def onepass_mechanism(config: Config, n: int, in_features: int) -> MechanismDesc
                "only the final model is released: intermediate iterates are never logged"))
 
 
+def loss_clipping_of(config: Config) -> LossClipping | None:
+    """Clipless DP-SGD's loss-gradient clipping settings (``train.loss_clip_*``), or None when off."""
+    train = config.train
+    if train.loss_clip_quantile is None:
+        return None
+    return LossClipping(train.loss_clip_quantile, train.loss_clip_initial, train.loss_clip_count_noise,
+                        train.loss_clip_rate)
+
+
 def model_gradient_bounds(config: Config, in_features: int, n_classes: int) -> GradientBounds:
     """Clipless DP-SGD's per-parameter bounds for the configured Lipschitz model (data-independent)."""
     model = build_model(model_spec(config, in_features, n_classes))
@@ -148,8 +157,12 @@ def model_gradient_bounds(config: Config, in_features: int, n_classes: int) -> G
 
 def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private: bool,
         noise_multiplier: float | None, seed: int, noise_seed: int | None = None,
-        canaries: GradientCanaries | None = None, progress: bool = False) -> TrainResult:
+        canaries: GradientCanaries | None = None, progress: bool = False,
+        held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
     """Train a fresh model on (x, y): the configured private trainer when ``private``.
+
+    ``held_out``: records outside the training set, used only as noisy GD's add-one probes for its
+    *estimated* KL (never trained on).
 
     ``seed`` fixes the initialisation (public). The private trainers' batches and noise come from
     ``noise_seed`` — a model that will be released must leave it ``None`` (a secret seed, see
@@ -171,7 +184,7 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
     elif private and config.train.algorithm == "noisygd":
         if canaries is not None:
             raise ValueError("white-box gradient canaries are an audit of DP-SGD's clipped steps: noisy GD has none")
-        result = _fit_noisygd(config, xt, yt, n_classes, secret, progress)
+        result = _fit_noisygd(config, xt, yt, n_classes, secret, progress, held_out)
     elif private and config.train.algorithm == "onepass":
         if canaries is not None:
             raise ValueError("white-box gradient canaries observe every iterate: not an audit of a final-model-only trainer")
@@ -193,7 +206,9 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
                                 noise_multiplier=noise_multiplier, noise=config.train.clipless_noise,
                                 bounds=model_gradient_bounds(config, int(x.shape[1]), n_classes),
                                 neighbouring=config.dp.neighbouring, loss_fn=loss_fn, optimizer=optimizer,
-                                seed=secret, physical_batch_size=config.train.physical_batch_size, progress=progress)
+                                seed=secret, physical_batch_size=config.train.physical_batch_size, progress=progress,
+                                loss_clipping=loss_clipping_of(config),
+                                loss_lipschitz=loss_lipschitz(config.train.loss, n_classes, config.train.loss_alpha))
     elif private:  # dpsgd, or dpgd (the same trainer at q = 1, enforced by the config)
         if noise_multiplier is None:
             raise ValueError("a private run needs a noise multiplier")
@@ -212,7 +227,7 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
 
 
 def _fit_noisygd(config: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, secret: int,
-                 progress: bool) -> TrainResult:
+                 progress: bool, held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
     """Seed 000's noisy GD: W0 drawn from the scheme with *secret* randomness (the certificate averages over W0)."""
     from dpml.train.noisygd import KLPairs, train_noisy_gd
 
@@ -225,6 +240,12 @@ def _fit_noisygd(config: Config, x: torch.Tensor, y: torch.Tensor, n_classes: in
     if config.noisygd.kl_probes:
         rows = torch.randperm(int(x.shape[0]), generator=torch.Generator().manual_seed(config.train.seed))
         probes = KLPairs(removed=rows[:config.noisygd.kl_probes].to(x.device), relations=("remove_one",))
+        if held_out is not None and len(held_out[1]):
+            count = min(config.noisygd.kl_probes, len(held_out[1]))
+            probes = KLPairs(removed=probes.removed,
+                             added_x=torch.as_tensor(held_out[0][:count], dtype=x.dtype, device=x.device),
+                             added_y=torch.as_tensor(held_out[1][:count], device=x.device),
+                             relations=("remove_one", "add_one", "replace_one"))
     run = train_noisy_gd(model, x, y, learning_rate=event.learning_rate, sigma=event.sigma, steps=event.steps,
                          loss="cross_entropy", generator=torch.Generator(device=x.device).manual_seed(secret + 1),
                          kl_pairs=probes, progress=progress)
