@@ -536,14 +536,45 @@ def gate(config: Config) -> dict[str, Any]:
     return decision
 
 
+def total_variation_violations(raw_scores: dict[str, Any], pinsker_delta: float,
+                               confidence: float) -> list[dict[str, Any]]:
+    """Attacks whose advantage contradicts a KL certificate.
+
+    KL ≤ κ bounds the total variation between the outputs on neighbours by δ_P = sqrt(κ/2)
+    (Pinsker), so every membership test has TPR − FPR ≤ δ_P, i.e. the (0, δ_P)-DP statement. The
+    hypothesis-test lower bound at δ = δ_P (Clopper–Pearson limits, threshold chosen on a split) is
+    then 0 for a sound certificate; a positive bound means the audit refutes it.
+    """
+    from dpml.audit.bounds import hypothesis_test_bound
+
+    violations = []
+    for attack, scores in raw_scores.items():
+        bound = hypothesis_test_bound(np.asarray(scores["member"]), np.asarray(scores["nonmember"]),
+                                      min(pinsker_delta, 1 - 1e-12), confidence)
+        if bound.epsilon > 0:
+            violations.append({"attack": attack, "epsilon_at_pinsker_delta": bound.epsilon})
+    return violations
+
+
 def _gate_kl(config: Config, certificate: dict[str, Any], reasons: list[str]) -> bool:
-    """A KL-private model (seed 000) passes only against ``gate.kl_budget``; it is never called (ε, δ)-DP."""
+    """A KL-private model (seed 000) passes only against ``gate.kl_budget``, and only when no attack's
+    advantage exceeds the Pinsker bound (:func:`total_variation_violations`); it is never called (ε, δ)-DP."""
     if certificate.get("void"):
         reasons.append(certificate["statement"])
         return False
     kl = certificate["kl"]
     reasons.append(f"KL privacy, not (ε, δ)-DP: certified KL = {kl:.4g} (Pinsker: total variation ≤ "
                    f"{certificate['pinsker_delta']:.4g}); no finite ε holds, so gate.epsilon_budget cannot be met")
+    layout = Layout(config)
+    summary = io.read_json(layout.audit)
+    violations = total_variation_violations(io.read_json(layout.scores)["target"], certificate["pinsker_delta"],
+                                            summary["per_bound_confidence"])
+    for violation in violations:
+        reasons.append(f"attack {violation['attack']} beats the Pinsker bound: TPR − FPR > {certificate['pinsker_delta']:.4g} "
+                       "at the audit's confidence — the trainer or the KL certificate is wrong")
+    if violations:
+        return False
+    reasons.append(f"no attack's advantage (TPR − FPR) exceeds the Pinsker bound {certificate['pinsker_delta']:.4g}")
     if config.gate.kl_budget is None:
         reasons.append("gate.kl_budget is not set: KL-private releases are not accepted")
         return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dpml.config import ConfigError, load, validate
@@ -139,6 +140,7 @@ def test_noisygd_pipeline_releases_a_kl_certified_model_that_is_never_called_dp(
     STAGES["audit"](config)
     decision = STAGES["gate"](config)
     assert decision["passed"] and any("not (ε, δ)-DP" in r for r in decision["reasons"])
+    assert any("exceeds the Pinsker bound" in r for r in decision["reasons"])  # the audit was checked against it
     report = layout.report.read_text()
     assert "KL privacy" in report and "Pinsker" in report
     release = STAGES["register"](config)
@@ -155,3 +157,16 @@ def test_noisygd_pipeline_releases_a_kl_certified_model_that_is_never_called_dp(
     # Without a KL budget in the gate, the same model is not released as champion.
     strict = load(write_params(workdir / "strict.yaml", params | {"gate": {"kl_budget": None}}))
     assert not STAGES["gate"](strict)["passed"]
+
+
+def test_the_audit_can_refute_a_kl_certificate_through_pinsker() -> None:
+    """TPR − FPR ≤ sqrt(KL/2) for every test: separated scores refute a small KL, identical ones never do."""
+    from dpml.stages import total_variation_violations
+
+    rng = np.random.default_rng(0)
+    separated = {"loss": {"member": rng.normal(1.0, 1.0, 2000).tolist(), "nonmember": rng.normal(0.0, 1.0, 2000).tolist()}}
+    same = {"loss": {"member": rng.normal(0.0, 1.0, 2000).tolist(), "nonmember": rng.normal(0.0, 1.0, 2000).tolist()}}
+    # Two unit Gaussians one apart: total variation 0.38, so KL = 0.01 (δ_P = 0.07) is refuted, KL = 1 (δ_P = 0.71) is not.
+    assert total_variation_violations(separated, pinsker_delta(0.01), 0.95)[0]["attack"] == "loss"
+    assert total_variation_violations(separated, pinsker_delta(1.0), 0.95) == []
+    assert total_variation_violations(same, pinsker_delta(0.01), 0.95) == []
