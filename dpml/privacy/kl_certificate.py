@@ -78,6 +78,15 @@ def ask_kl_accountants(mechanism: MechanismDescription) -> list[KlAnswer]:
     return answers
 
 
+def certified_kl(mechanism: MechanismDescription) -> float:
+    """The certified KL bound of a noisy-GD mechanism (∞ when it is not linearised: nothing is proven)."""
+    event = _the_event(mechanism)
+    if not event.linearised:
+        return float("inf")
+    constant, _ = KL_ACCOUNTANTS["kl.eq7"]
+    return kl_bound(constant(event), event.steps, event.learning_rate, mechanism.dataset_size, event.sigma)
+
+
 def certify_kl(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
     """The KL certificate: KL bound, its Pinsker δ, and ε = ∞ for every (ε, δ) use."""
     event = _the_event(mechanism)

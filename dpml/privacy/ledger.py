@@ -83,13 +83,13 @@ def _compose_kl(mechanisms: list[MechanismDescription]) -> float:
     An (ε, δ)-DP spend with δ > 0 bounds no KL divergence, and an uncertified noisy-GD run bounds
     nothing: either makes the KL total unbounded.
     """
-    from dpml.privacy.kl_certificate import certify_kl
+    from dpml.privacy.kl_certificate import certified_kl
 
     total = 0.0
     for mechanism in mechanisms:
         if mechanism.guarantee != "kl":
             return float("inf")
-        total += certify_kl(mechanism, 0.5)["kl"]
+        total += certified_kl(mechanism)
     return total
 
 
