@@ -83,8 +83,8 @@ def certified_kl(mechanism: MechanismDescription) -> float:
     event = _the_event(mechanism)
     if not event.linearised:
         return float("inf")
-    constant, _ = KL_ACCOUNTANTS["kl.eq7"]
-    return kl_bound(constant(event), event.steps, event.learning_rate, mechanism.dataset_size, event.sigma)
+    constant_of = next(constant_of for constant_of, certifying in KL_ACCOUNTANTS.values() if certifying)
+    return kl_bound(constant_of(event), event.steps, event.learning_rate, mechanism.dataset_size, event.sigma)
 
 
 def certify_kl(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
