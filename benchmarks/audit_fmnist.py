@@ -33,6 +33,7 @@ from dpml.audit.references import train_reference  # noqa: E402
 from dpml.config import load  # noqa: E402
 from dpml.privacy.accountants import certify  # noqa: E402
 from dpml.train.fit import fit  # noqa: E402
+from dpml.train.registry import trainer_for  # noqa: E402
 
 ATTACKS = ["loss", "lira-online", "lira-offline", "rmia-online", "rmia-offline"]
 REFERENCES = [1, 2, 4, 8]
@@ -59,12 +60,12 @@ def main() -> None:
             cfg = control_config(cfg)
         context = stages.audit_context(cfg)
         x, y = context.train
-        sigma = stages.resolve_noise_multiplier(cfg) if private else None
+        sigma = trainer_for(cfg).noise_multiplier(cfg) if private else None
         t0 = time.perf_counter()
         result = fit(cfg, x, y, context.n_classes, private=private, noise_multiplier=sigma, seed=cfg.train.seed)
         train_seconds = time.perf_counter() - t0
         certified = certify(result.mechanism, cfg.dp.delta)["epsilon"] if private else float("inf")
-        x_test, y_test = stages._load_part(stages.Layout(cfg), "test")
+        x_test, y_test = stages.load_part(stages.Layout(cfg), "test")
         accuracy = stages.accuracy(result.model, x_test, y_test)
         for j in range(max(REFERENCES)):
             train_reference(cfg, context.records, context.n_classes, context.data_version, private=private,

@@ -40,8 +40,8 @@ def run_b2(work: Path, epochs_cap: int | None = None) -> dict[str, Any]:
     for name in ("ingest", "split", "preprocess"):
         stages.STAGES[name](config)
     layout = stages.Layout(config)
-    x, y = stages._load_part(layout, "train")
-    x_test, y_test = stages._load_part(layout, "test")
+    x, y = stages.load_part(layout, "train")
+    x_test, y_test = stages.load_part(layout, "test")
     q = 1000 / len(y)
     full = calibrate_steps(3.0, q, 2.0, 1e-5) * q  # epochs the paper's rule allows at ε = 3
     epochs = full if epochs_cap is None else min(full, float(epochs_cap))

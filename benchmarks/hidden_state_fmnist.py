@@ -53,7 +53,8 @@ from dpml.privacy.gdp import gdp_epsilon  # noqa: E402
 from dpml.privacy.mechanism import Selection  # noqa: E402
 from dpml.privacy.tuning import ORDERS, rdp_to_epsilon, selection_rdp  # noqa: E402
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps  # noqa: E402
-from dpml.train.fit import fit, noisycgd_settings  # noqa: E402
+from dpml.train.fit import fit  # noqa: E402
+from dpml.train.trainers.noisycgd import noisycgd_settings  # noqa: E402
 from dpml.train.noisycgd import noisycgd_mechanism  # noqa: E402
 
 METHODS = {
@@ -161,8 +162,8 @@ def main() -> None:
     for name in ("ingest", "split", "preprocess"):
         stages.STAGES[name](base)
     layout = stages.Layout(base)
-    x, y = stages._load_part(layout, "train")
-    x_test, y_test = stages._load_part(layout, "test")
+    x, y = stages.load_part(layout, "train")
+    x_test, y_test = stages.load_part(layout, "test")
     n, n_classes = int(y.size), len(json.loads(layout.prepared_meta.read_text())["classes"])
     b = base.noisycgd.batch_size
     base = with_hyperparameters(base, {"train.sample_rate": b / n})
@@ -216,6 +217,35 @@ def main() -> None:
         write(report, Path(args.out))
 
 
+# Seed 001's published accuracies (after its tuning cost: ε = 2.88 / 8.91 from base 1.33 / 4.76), by method.
+PAPER_TABLES = {
+    "Table 1 (MNIST)": {"NoisyCGD + convex": (0.927, 0.944), "DP-SGD + convex": (0.929, 0.949),
+                        "DP-SGD + ReLU": (0.916, 0.944)},
+    "Table 2 (CIFAR-10)": {"NoisyCGD + convex": (0.416, 0.455), "DP-SGD + convex": (0.417, 0.459),
+                           "DP-SGD + ReLU": (0.427, 0.471)},
+}
+
+
+def paper_comparison(report: dict) -> list[str]:
+    """Seed 001 gives Fashion-MNIST only in figures; its tables are MNIST and CIFAR-10. What carries over
+    is the gap between methods at each level, compared here number by number (percentage points)."""
+    ours = {method: [level["methods"][method]["mean"] for level in report["levels"]]
+            for method in report["levels"][0]["methods"]} if report["levels"] else {}
+    rows = [("ours (Fashion-MNIST, " + f"{report['epochs']} epochs)", {m: tuple(v) for m, v in ours.items()}),
+            *PAPER_TABLES.items()]
+    lines = ["", "Against seed 001's Tables 1–2 (its Fashion-MNIST results are only in figures, so the comparison is "
+             "of the gaps between methods, in percentage points, at the low / high ε level; the paper's levels are "
+             "ε = 2.88 / 8.91 after its tuning cost, ours the base 1.33 / 4.76):", "",
+             "| source | NoisyCGD − DP-SGD, convex model | DP-SGD: convex − ReLU |", "|---|---|---|"]
+    for source, table in rows:
+        if not {"NoisyCGD + convex", "DP-SGD + convex", "DP-SGD + ReLU"} <= set(table):
+            continue
+        gap = [100 * (a - b) for a, b in zip(table["NoisyCGD + convex"], table["DP-SGD + convex"])]
+        arch = [100 * (a - b) for a, b in zip(table["DP-SGD + convex"], table["DP-SGD + ReLU"])]
+        lines.append(f"| {source} | {' / '.join(f'{g:+.1f}' for g in gap)} | {' / '.join(f'{g:+.1f}' for g in arch)} |")
+    return lines
+
+
 def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hidden_state_fmnist.json").write_text(json.dumps(report, indent=2))
@@ -246,6 +276,7 @@ def write(report: dict, out: Path) -> None:
             runs = ", ".join(f"{r['test_accuracy']:.4f}" for r in entry["runs"])
             lines.append(f"| {level['sigma']:.3f} | {method}{extra} | {entry['learning_rate']:g} | "
                          f"{entry['mean']:.4f} ± {entry['std']:.4f} | {runs} | {entry['epsilon']:.3f} | {tuned} |")
+    lines += paper_comparison(report)
     if "validation" in report:
         lines += ["", "Learning-rate grid on the validation split (one run each; the best is used above):", "",
                   "| method | η: validation accuracy |", "|---|---|"]

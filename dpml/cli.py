@@ -80,11 +80,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from dpml.stages import STAGES
+    from dpml.stages import run_stage
 
     config = load(args.params, args.set)
-    stage = STAGES[args.name]
-    result = stage(config, progress=True) if args.name == "train" else stage(config)  # type: ignore[call-arg]
+    result = run_stage(args.name, config, progress=True)
     printable = {k: v for k, v in result.items() if k != "certificate"}
     print(json.dumps(printable, indent=2, default=str))
     return 0

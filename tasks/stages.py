@@ -21,33 +21,33 @@ _stage = dict(cache_policy=NONE, log_prints=True)
 
 @task(name="ingest", **_stage)
 def ingest(config: Config) -> dict[str, Any]:
-    return stages.ingest(config)
+    return stages.run_stage("ingest", config)
 
 
 @task(name="split", **_stage)
 def split(config: Config) -> dict[str, Any]:
-    return stages.split(config)
+    return stages.run_stage("split", config)
 
 
 @task(name="preprocess", **_stage)
 def preprocess(config: Config) -> dict[str, Any]:
-    return stages.preprocess(config)
+    return stages.run_stage("preprocess", config)
 
 
 @task(name="train", **_stage)
 def train(config: Config) -> dict[str, Any]:
-    return stages.train(config)
+    return stages.run_stage("train", config)
 
 
 @task(name="tune", **_stage)
 def tune(config: Config) -> dict[str, Any]:
     """The private hyperparameter search; releases the best candidate only."""
-    return stages.tune(config)
+    return stages.run_stage("train", config, search=True)
 
 
 @task(name="certify", **_stage)
 def certify(config: Config) -> dict[str, Any]:
-    return stages.certify(config)
+    return stages.run_stage("certify", config)
 
 
 @task(name="reference-jobs", **_stage)
@@ -63,12 +63,12 @@ def train_reference(config: Config, job: tuple[str, bool, float | None, int]) ->
 
 @task(name="audit", **_stage)
 def audit(config: Config) -> dict[str, Any]:
-    return stages.audit(config)
+    return stages.run_stage("audit", config)
 
 
 @task(name="gate", **_stage)
 def gate(config: Config) -> dict[str, Any]:
-    decision = stages.gate(config)
+    decision = stages.run_stage("gate", config)
     create_markdown_artifact(
         key="privacy-report", markdown=stages.Layout(config).report.read_text(),
         description="dpml privacy report: guarantee, accountants, audit, release gate",
@@ -78,7 +78,7 @@ def gate(config: Config) -> dict[str, Any]:
 
 @task(name="register", retries=3, retry_delay_seconds=5, **_stage)
 def register(config: Config) -> dict[str, Any]:
-    return stages.register(config)
+    return stages.run_stage("register", config)
 
 
 @task(name="record-in-dvc", cache_policy=NONE, log_prints=True)

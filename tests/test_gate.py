@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import dpml.train.fit as fit_module
+import dpml.train.trainers.dpsgd as fit_module  # the DP-SGD trainer module: where the pipeline calls train_dpsgd
 from dpml import stages
 from dpml.config import load
 from dpml.models.mlp import MlpSpec, build_mlp

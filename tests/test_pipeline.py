@@ -244,14 +244,14 @@ def test_noisycgd_search_calibrates_every_candidate_and_certifies_the_search(wor
     assert released.train.learning_rate == tuning["chosen"]["train.learning_rate"]
     assert released.noisycgd.l2 is not None and released.dp.target_epsilon is None
     # The released candidate alone is within the per-candidate μ the search was priced with.
-    from dpml.train.fit import noisycgd_settings
+    from dpml.train.trainers.noisycgd import noisycgd_settings
     from dpml.train.noisycgd import noisycgd_mechanism
 
     from dpml import io
-    from dpml.stages import _load_part
+    from dpml.stages import load_part
 
     layout = Layout(config)
-    n_fit = _load_part(layout, "train")[1].size - io.read_npz(layout.validation)["rows"].size
+    n_fit = load_part(layout, "train")[1].size - io.read_npz(layout.validation)["rows"].size
     alone = noisycgd_mechanism(noisycgd_settings(released, n_fit), n_fit)
     assert alone.events[0].mu <= mechanism.events[0].mu * (1 + 1e-9)
     assert certify_mechanism(alone, 1e-5)["epsilon"] < certificate["epsilon"]

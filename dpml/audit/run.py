@@ -23,7 +23,9 @@ from dpml.audit.metrics import roc, summarize
 from dpml.audit.references import AuditRecords, load_references, train_reference
 from dpml.audit.signals import logits_of
 from dpml.config import AuditConfig, Config
+from dpml.sections import TrainSettings
 from dpml.train.fit import fit
+from dpml.train.registry import NONPRIVATE, trainer_for
 
 
 def attack_functions(config: AuditConfig) -> dict[str, atk.Attack]:
@@ -53,8 +55,9 @@ class Subject:
 def control_config(config: Config) -> Config:
     """The positive control's configuration: the same model and data, trained without DP with the
     ``audit.control_*`` optimiser settings."""
-    train = config.train.model_copy(update={
-        "algorithm": "nonprivate", "optimizer": config.audit.control_optimizer,
+    common = config.train.model_dump(include=set(TrainSettings.model_fields))
+    train = NONPRIVATE.settings.model_validate(common | {
+        "algorithm": NONPRIVATE.name, "optimizer": config.audit.control_optimizer,
         "learning_rate": config.audit.control_learning_rate, "epochs": config.audit.control_epochs, "momentum": 0.0,
     })
     return config.model_copy(update={"train": train})
@@ -146,9 +149,9 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
         subjects.append(Subject("control", control, False, None, settings))
     trained = ensure_references(records, n_classes, data_version, subjects)
     # White-box gradient canaries score every iterate: an audit of DP-SGD's all-iterates guarantee, not of
-    # a final-model-only trainer (NoisyCGD), whose intermediate iterates no adversary sees.
-    white_box = (config.audit.white_box_canaries > 0 and private and config.train.algorithm in ("dpsgd", "dpgd")
-                 and config.model.kind != "random_features")  # (clipless, random features: no canary hook)
+    # a final-model-only trainer (NoisyCGD), whose intermediate iterates no adversary sees. The trainer says.
+    white_box = (config.audit.white_box_canaries > 0 and private
+                 and trainer_for(config).audit_with_gradient_canaries(config))
     one_run = white_box + (config.audit.black_box_canaries > 0)
     gating = len(config.audit.attacks) + one_run
     confidence = 1.0 - (1.0 - config.audit.confidence) / gating

@@ -22,7 +22,7 @@ iteration estimates the spectral norm from below. So the trainer checks a certif
 every constrained operator's norm after every epoch (:func:`largest_spectral_norm`: the exact σ_max
 of dense weights, the FFT bound of convolutions) and, after training, the actual per-example
 gradient norms of every parameter on (up to ``soundness_records``) training records against their
-bounds. A violation is reported in the history and fails the certificate (:func:`dpml.stages.certify`).
+bounds. A violation is reported in the history and fails the certificate (:meth:`dpml.train.trainers.clipless.Clipless.certify`).
 """
 
 from __future__ import annotations

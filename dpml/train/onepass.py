@@ -36,12 +36,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from dpml.privacy.zcdp import const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp
 from dpml.train.dpsgd import secret_noise_seed
+
+if TYPE_CHECKING:
+    import torch
 
 Schedule = Literal["out", "const"]
 SCHEDULES = {"out": out_schedule, "const": const_schedule}

@@ -30,18 +30,20 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dpml.config import Config, with_hyperparameters
-from dpml.models.gated import smoothness_bound
-from dpml.privacy.gdp import calibrate_l2_for_mu
-from dpml.privacy.mechanism import Event, GaussianDP, MechanismDescription, PoissonGaussianSteps, Selection
+from dpml.privacy.calibrate import calibrate_noise_multiplier
+from dpml.privacy.mechanism import Event, GaussianDP, MechanismDescription, Selection
 from dpml.privacy.tuning import sample_count
-from dpml.train.dpsgd import dpsgd_mechanism
-from dpml.train.fit import fit
+from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps
+from dpml.train.protocol import SearchPlan, Trainer
+from dpml.train.registry import trainer_for
+
+if TYPE_CHECKING:
+    from dpml.config import Config
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,20 @@ def selection_of(config: Config) -> Selection:
 def score_event(config: Config) -> Event:
     """The noisy validation count as an event: a Gaussian with noise multiplier τ / sensitivity 1.
 
-    For NoisyCGD it is stated as (1/τ)-GDP, which every accountant reads with sensitivity 1 under
-    either relation (a replaced record changes the count by at most 1); DP-SGD's search keeps the
-    Poisson-Gaussian form, over-counted as sensitivity 2 under replace-one.
+    A trainer may state it otherwise (NoisyCGD: (1/τ)-GDP, read with sensitivity 1 under either
+    relation); the default keeps the Poisson-Gaussian form, over-counted as sensitivity 2 under
+    replace-one.
     """
-    if config.train.algorithm == "noisycgd":
-        return GaussianDP(1.0 / config.tune.score_noise)
-    return PoissonGaussianSteps(1.0, config.tune.score_noise, 1)
+    return trainer_for(config).score_event(config)
+
+
+def random_count_relation_problems(config: Config) -> list[str]:
+    """Papernot & Steinke's random-count theorem is certified here for add-remove only."""
+    if config.tune.distribution != "fixed" and config.dp.neighbouring != "add-remove":
+        return [f"dp.neighbouring = {config.dp.neighbouring!r}: a random-count search "
+                f"(tune.distribution = {config.tune.distribution}) is certified for add-remove only; "
+                "use add-remove or tune.distribution: fixed"]
+    return []
 
 
 def validation_rows(n: int, config: Config) -> np.ndarray:
@@ -77,67 +86,67 @@ def validation_rows(n: int, config: Config) -> np.ndarray:
     return np.sort(np.random.default_rng([config.tune.seed, 31]).choice(n, size=n_val, replace=False))
 
 
-def search_mechanism(config: Config, noise_multiplier: float, n_fit: int, n_total: int,
-                     base_mu: float | None = None) -> MechanismDescription:
-    """What the whole search does to the n_total training records (candidate events + selection).
+def _search_notes(config: Config, n_fit: int, score: str) -> tuple[str, ...]:
+    return (f"each candidate trains on the {n_fit} non-validation records and is scored by its validation "
+            f"count of correct answers plus N(0, {config.tune.score_noise:g}²) (second event; {score})",
+            "the number of candidates, the losing candidates and their scores are secret and never logged",
+            f"search space {config.tune.space}")
 
-    DP-SGD candidates: their Poisson-Gaussian steps at σ = ``noise_multiplier``. NoisyCGD candidates:
-    one ``base_mu``-GDP event (every candidate's λ is calibrated to it).
-    """
-    if config.train.algorithm == "noisycgd":
-        assert base_mu is not None
-        events: tuple[Event, ...] = (GaussianDP(base_mu),)
-        trainer, threat = "noisycgd-search", "final-model"
-        notes: tuple[str, ...] = (
-            f"NoisyCGD candidates (seed 001): σ = {noise_multiplier:g}, b = {config.noisycgd.batch_size}, "
-            f"E = {int(config.train.epochs)}; each candidate's λ calibrated so that its Theorem 2.8 μ ≤ {base_mu:.6g}",
-            "hidden state: only the released candidate's final iterate is released")
-        score = "(1/τ)-GDP"
-    else:
-        candidate = dpsgd_mechanism(config.train.sample_rate, noise_multiplier, config.train.epochs,
-                                    config.dp.neighbouring, config.dp.clip_norm, n_fit)
-        events, trainer, threat, notes = candidate.events, "dpsgd-search", candidate.threat_model, candidate.notes
-        score = "sensitivity 1, over-counted as 2 under replace-one"
+
+def poisson_gaussian_search_mechanism(config: Config, noise_multiplier: float, n_fit: int,
+                                      n_total: int) -> MechanismDescription:
+    """What a search over DP-SGD candidates does to the n_total training records: the candidates'
+    Poisson-Gaussian steps at σ = ``noise_multiplier``, the noisy score, the random count."""
+    candidate = dpsgd_mechanism(config.train.sample_rate, noise_multiplier, config.train.epochs,
+                                config.dp.neighbouring, config.dp.clip_norm, n_fit)
     return MechanismDescription(
-        trainer=trainer,
-        events=(*events, score_event(config)),
-        neighbouring=config.dp.neighbouring,
-        clip_norm=config.dp.clip_norm,
-        dataset_size=n_total,
-        threat_model=threat,
-        notes=(*notes,
-               f"each candidate trains on the {n_fit} non-validation records and is scored by its validation "
-               f"count of correct answers plus N(0, {config.tune.score_noise:g}²) (second event; {score})",
-               "the number of candidates, the losing candidates and their scores are secret and never logged",
-               f"search space {config.tune.space}"),
+        trainer="dpsgd-search", events=(*candidate.events, score_event(config)), neighbouring=config.dp.neighbouring,
+        clip_norm=config.dp.clip_norm, dataset_size=n_total, threat_model=candidate.threat_model,
+        notes=(*candidate.notes, *_search_notes(config, n_fit, "sensitivity 1, over-counted as 2 under replace-one")),
         selection=selection_of(config),
     )
 
 
-def noisycgd_candidate(config: Config, chosen: dict[str, Any], base_mu: float, n_fit: int) -> Config:
-    """A NoisyCGD candidate's configuration: the drawn hyperparameters, λ calibrated to μ_base for them."""
-    drawn = with_hyperparameters(config, chosen)
-    assert drawn.dp.noise_multiplier is not None
-    l2 = calibrate_l2_for_mu(base_mu, drawn.dp.noise_multiplier, drawn.train.learning_rate,
-                             smoothness_bound(drawn.model.gates, drawn.preprocess.clip_norm, drawn.train.loss),
-                             -(-n_fit // drawn.noisycgd.batch_size), int(drawn.train.epochs))
-    return with_hyperparameters(drawn, {"noisycgd.l2": l2, "dp.target_epsilon": None})
+def poisson_gaussian_search_plan(config: Config, n_fit: int, n_total: int) -> SearchPlan:
+    """σ from the config, or calibrated so that the whole search (candidates, score, selection) meets the target."""
+    sigma = config.dp.noise_multiplier
+    if sigma is None:
+        assert config.dp.target_epsilon is not None
+        steps = number_of_steps(config.train.epochs, config.train.sample_rate)
+        sigma = calibrate_noise_multiplier(config.dp.target_epsilon, config.train.sample_rate, steps, config.dp.delta,
+                                           config.dp.neighbouring, extra=(score_event(config),),
+                                           selection=selection_of(config))
+    return SearchPlan(poisson_gaussian_search_mechanism(config, sigma, n_fit, n_total), sigma)
+
+
+def noisycgd_search_mechanism(config: Config, n_fit: int, n_total: int, base_mu: float) -> MechanismDescription:
+    """What a search over NoisyCGD candidates does: one ``base_mu``-GDP event (every candidate's λ is
+    calibrated to it), the (1/τ)-GDP score, the random count."""
+    notes = (f"NoisyCGD candidates (seed 001): σ = {config.dp.noise_multiplier:g}, b = {config.noisycgd.batch_size}, "
+             f"E = {int(config.train.epochs)}; each candidate's λ calibrated so that its Theorem 2.8 μ ≤ {base_mu:.6g}",
+             "hidden state: only the released candidate's final iterate is released")
+    return MechanismDescription(
+        trainer="noisycgd-search", events=(GaussianDP(base_mu), score_event(config)),
+        neighbouring=config.dp.neighbouring, clip_norm=config.dp.clip_norm, dataset_size=n_total,
+        threat_model="final-model", notes=(*notes, *_search_notes(config, n_fit, "(1/τ)-GDP")),
+        selection=selection_of(config),
+    )
 
 
 def run_search(config: Config, x_fit: np.ndarray, y_fit: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
-               n_classes: int, noise_multiplier: float, progress: bool = False,
-               base_mu: float | None = None) -> SearchResult | None:
+               n_classes: int, plan: SearchPlan, progress: bool = False) -> SearchResult | None:
     """Run the K candidates; return the best by noisy validation accuracy (None when K = 0)."""
     from dpml.audit.signals import logits_of
+    from dpml.train.fit import fit
 
+    trainer = trainer_for(config)
     rng = np.random.default_rng(secrets.randbits(128))  # K, draws and score noise: secret
     best: SearchResult | None = None
     best_score = -np.inf
     for index in range(sample_count(selection_of(config), rng)):
         chosen = {key: values[int(rng.integers(len(values)))] for key, values in config.tune.space.items()}
-        candidate = (noisycgd_candidate(config, chosen, base_mu, y_fit.size) if base_mu is not None
-                     else with_hyperparameters(config, chosen))
-        result = fit(candidate, x_fit, y_fit, n_classes, private=True, noise_multiplier=noise_multiplier,
+        candidate = trainer.candidate_config(config, chosen, plan, y_fit.size)
+        result = fit(candidate, x_fit, y_fit, n_classes, private=True, noise_multiplier=plan.noise_multiplier,
                      seed=config.train.seed + index, progress=progress)
         correct = int((logits_of(result.model, x_val).argmax(1) == y_val).sum())
         score = (correct + rng.normal(0.0, config.tune.score_noise)) / y_val.size
@@ -153,10 +162,10 @@ def calibrate_base_mu(config: Config, n_fit: int, n_total: int) -> float:
     from dpml.privacy.accountants import tight_epsilon
 
     assert config.dp.noise_multiplier is not None and config.dp.target_epsilon is not None
-    target, sigma = config.dp.target_epsilon, config.dp.noise_multiplier
+    target = config.dp.target_epsilon
 
     def epsilon(mu: float) -> float:
-        return tight_epsilon(search_mechanism(config, sigma, n_fit, n_total, base_mu=mu), config.dp.delta)
+        return tight_epsilon(noisycgd_search_mechanism(config, n_fit, n_total, mu), config.dp.delta)
 
     low, high = 0.0, 1.0
     while epsilon(high) <= target:
@@ -173,16 +182,17 @@ def calibrate_base_mu(config: Config, n_fit: int, n_total: int) -> float:
     return low
 
 
-def check_noisycgd_candidates(config: Config, base_mu: float, n_fit: int) -> None:
-    """Every hyperparameter combination of ``tune.space`` must reach μ_base: refuse the search before any work."""
+def check_candidates(trainer: Trainer, config: Config, plan: SearchPlan, n_fit: int) -> None:
+    """Every hyperparameter combination of ``tune.space`` must make a valid candidate: refuse the search
+    before any work otherwise (NoisyCGD: a candidate that cannot reach the per-candidate μ)."""
     keys = list(config.tune.space)
     problems = []
     for values in itertools.product(*(config.tune.space[k] for k in keys)):
         chosen = dict(zip(keys, values))
         try:
-            noisycgd_candidate(config, chosen, base_mu, n_fit)
+            trainer.candidate_config(config, chosen, plan, n_fit)
         except ValueError as error:
             problems.append(f"  {chosen}: {str(error).splitlines()[-1].strip()}")
     if problems:
-        raise ValueError(f"NoisyCGD search: these candidates cannot reach the per-candidate μ = {base_mu:.4g} that "
+        raise ValueError(f"NoisyCGD search: these candidates cannot reach the per-candidate μ = {plan.base_mu:.4g} that "
                          "dp.target_epsilon leaves after the search's cost:\n" + "\n".join(problems))

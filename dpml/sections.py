@@ -1,0 +1,343 @@
+"""The common sections of ``params.yaml``: every section that is not a trainer's own.
+
+Each trainer declares its own settings (its member of the ``train`` union and any section of its
+own) in its module under :mod:`dpml.train.trainers`; :mod:`dpml.config` composes them with these
+into the one validated :class:`~dpml.config.Config`. They live in their own module so that trainer
+modules can import them without importing the composed configuration (which imports the trainers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+SKLEARN_BUNDLED = ("digits", "iris", "wine", "breast_cancer")
+
+
+class Section(BaseModel):
+    """A frozen section that rejects unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+
+class DataConfig(Section):
+    """Where the raw records come from.
+
+    ``source`` is one of ``sklearn:NAME`` (a scikit-learn *bundled* set: digits, iris, wine,
+    breast_cancer), ``idx:DIR`` (MNIST-format IDX files), ``csv:PATH`` or ``parquet:PATH``.
+    Tabular sources need ``label_column`` and ``feature_columns`` and, because the label set is a
+    constant that must not be read off the private data, the list of ``classes``.
+    """
+
+    source: str = "sklearn:digits"
+    label_column: str | None = None
+    feature_columns: list[str] | None = None
+    classes: list[str | int] | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        scheme, sep, rest = value.partition(":")
+        allowed = ("sklearn", "idx", "csv", "parquet")
+        if not sep or scheme not in allowed or not rest:
+            raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)}")
+        if scheme == "sklearn" and rest not in SKLEARN_BUNDLED:
+            raise ValueError(f"unknown bundled scikit-learn set; allowed: {', '.join(SKLEARN_BUNDLED)}")
+        if scheme == "idx" and not Path(rest).is_dir():
+            raise ValueError(f"directory {rest} does not exist")
+        if scheme in ("csv", "parquet") and not Path(rest).is_file():
+            raise ValueError(f"file {rest} does not exist")
+        return value
+
+    @model_validator(mode="after")
+    def _tabular_needs_columns(self) -> "DataConfig":
+        scheme = self.source.partition(":")[0]
+        if scheme in ("csv", "parquet"):
+            missing = [
+                k for k in ("label_column", "feature_columns", "classes") if getattr(self, k) in (None, [])
+            ]
+            if missing:
+                raise ValueError(f"a {scheme} source needs data.{', data.'.join(missing)}")
+        return self
+
+
+class SplitConfig(Section):
+    """Deterministic, seeded, stratified split into train / test / audit population.
+
+    Sources with a predefined test part (IDX ``t10k``) keep it as the test set and ignore
+    ``test_fraction``. The audit population is never trained on: it supplies the attacks'
+    non-members.
+    """
+
+    seed: int = 0
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    audit_fraction: float = Field(0.2, gt=0, lt=1)
+    max_train: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _fractions_leave_training_data(self) -> "SplitConfig":
+        if self.test_fraction + self.audit_fraction >= 0.9:
+            raise ValueError(
+                f"split.test_fraction + split.audit_fraction = "
+                f"{self.test_fraction + self.audit_fraction:g}: must be < 0.9 to leave training data"
+            )
+        return self
+
+
+class PreprocessConfig(Section):
+    """Public scaling and input norm clipping.
+
+    Features are mapped with *public* constants: x' = (clip(x, lower, upper) − lower) / (upper −
+    lower); with ``features: scatternet`` each image (``image_shape``) becomes its ScatterNet
+    features, normalised per example (:mod:`dpml.data.features`); then each record is projected
+    onto the L2 ball of radius ``clip_norm`` (X0), or scaled onto its sphere with ``clip_mode:
+    sphere``. No statistic of the private data is used.
+    """
+
+    lower: float = 0.0
+    upper: float = 16.0
+    clip_norm: float = Field(8.0, gt=0)
+    clip_mode: Literal["project", "sphere"] = "project"
+    features: Literal["none", "scatternet"] = "none"
+    image_shape: list[int] | None = None
+    scatter_groups: int = Field(27, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "PreprocessConfig":
+        if not self.upper > self.lower:
+            raise ValueError(f"preprocess.upper = {self.upper}: must be > preprocess.lower = {self.lower}")
+        if self.features == "scatternet":
+            if self.image_shape is None or len(self.image_shape) != 2 or min(self.image_shape) < 4:
+                raise ValueError(f"preprocess.image_shape = {self.image_shape}: ScatterNet features need the "
+                                 "image's [height, width] (each ≥ 4)")
+            if 81 % self.scatter_groups:
+                raise ValueError(f"preprocess.scatter_groups = {self.scatter_groups}: must divide 81")
+        return self
+
+
+class ModelConfig(Section):
+    """The classifier.
+
+    ``kind: mlp``: fully connected, ``hidden`` widths and ``activation`` ([] gives a linear model).
+    ``kind: gated``: seed 001's convex gated-ReLU model — ``gates`` random hyperplanes drawn from
+    ``gate_seed`` (public, stored with the model) and a linear model on the gated features.
+    ``kind: lipschitz``: seed 004's Lipschitz network — an input bound at X0 (``preprocess.clip_norm``),
+    spectrally normalised dense layers of the (even) ``hidden`` widths with GroupSort2 between them,
+    biases in a ball of radius ``bias_bound`` (``null``: no biases); ``dense_layer: bjorck`` makes the
+    dense layers gradient-norm preserving (Björck orthogonalisation); ``conv`` (even channel counts)
+    puts 3×3 spectrally normalised convolutions, each followed by GroupSort2 and 2×2 L2-norm pooling,
+    before them, on images of ``input_shape`` [C, H, W].
+    ``kind: bias_free_relu``: seed 000's network — bias-free linear layers of the ``hidden`` widths with
+    ReLU between them, initialised by ``init`` (Eq. 5: ``lecun`` β = 1/fan-in, ``he`` 2/fan-in,
+    ``ntk`` 2/fan-out (1/o for the last layer), ``xavier`` 2/(fan-in + fan-out)).
+    ``kind: random_features``: seed 002's f(x) = φ(Vx)ᵀθ with ``features`` = p random directions
+    V ~ N(0, 1/d) from the public ``feature_seed`` (stored with the model), θ from 0, and φ =
+    ``feature_activation`` (tanh, or ``tanh_even`` whose even part lets a reconstruction recover signs;
+    both satisfy the Hermite conditions φ0 = φ2 = 0, φ1 ≠ 0). Train it with ``train.loss: squared``
+    (``dpgd`` for seed 002's DP-GD); the audit then also runs the reconstruction attack.
+    """
+
+    kind: Literal["mlp", "gated", "lipschitz", "bias_free_relu", "random_features"] = "mlp"
+    init: Literal["lecun", "he", "ntk", "xavier"] = "he"
+    features: int = Field(1000, gt=0)
+    feature_activation: Literal["tanh", "tanh_even"] = "tanh"
+    feature_seed: int = 0
+    hidden: list[int] = Field(default_factory=lambda: [64])
+    activation: Literal["relu", "tanh"] = "tanh"
+    gates: int = Field(64, gt=0)
+    gate_seed: int = 0
+    bias_bound: float | None = Field(1.0, ge=0)
+    conv: list[int] = Field(default_factory=list)
+    input_shape: list[int] | None = None
+    dense_layer: Literal["spectral", "bjorck"] = "spectral"
+
+    @field_validator("hidden")
+    @classmethod
+    def _positive_widths(cls, value: list[int]) -> list[int]:
+        if any(w <= 0 for w in value):
+            raise ValueError("every width must be a positive integer")
+        return value
+
+
+
+class TrainSettings(Section):
+    """The optimiser loop, common to every trainer (``train:``). ``algorithm`` names the trainer
+    (:data:`dpml.train.registry.TRAINERS`); each trainer's module subclasses this with the keys it
+    alone reads, and ``train.algorithm`` selects which subclass validates the section. ``loss``:
+    cross-entropy, the squared loss ½‖z − e_y‖² on the logits, or one of the Lipschitz losses
+    (τ-cross-entropy CE(τz)/τ with τ = ``loss_tau``; multiclass hinge; Kantorovich–Rubinstein and
+    hinge-KR with α = ``loss_alpha``). ``seed`` fixes the initialisation only (public): batches and
+    noise use a secret seed."""
+
+    algorithm: str = "dpsgd"
+    loss: Literal["cross_entropy", "squared", "tau_cross_entropy", "multiclass_hinge", "kantorovich_rubinstein",
+                  "hinge_kantorovich_rubinstein"] = "cross_entropy"
+    loss_tau: float = Field(1.0, gt=0)
+    loss_alpha: float = Field(1.0, gt=0)
+    epochs: float = Field(20.0, gt=0)
+    sample_rate: float = Field(0.05, gt=0, le=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    learning_rate: float = Field(0.5, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    physical_batch_size: int = Field(1024, gt=0)
+
+
+class DpConfig(Section):
+    """The privacy parameters.
+
+    Exactly one of ``noise_multiplier`` (σ, the noise std divided by the clip norm) and
+    ``target_epsilon`` (σ is then calibrated) must be given.
+    """
+
+    delta: float = Field(1e-5, gt=0, lt=1)
+    clip_norm: float = Field(1.0, gt=0)
+    noise_multiplier: float | None = Field(None, gt=0)
+    target_epsilon: float | None = Field(None, gt=0)
+    neighbouring: Literal["add-remove", "replace-one"] = "add-remove"
+    allow_delta_above_inverse_n: bool = False
+
+
+
+AttackName = Literal["loss", "lira-online", "lira-offline", "lira-online-per-example", "rmia-online", "rmia-offline"]
+
+
+class AuditConfig(Section):
+    """Membership-inference audit of the trained model, its positive control and one-run audits.
+
+    The positive control is the same model trained without DP on the same split, with its own
+    (non-private) optimiser settings ``control_*`` so that it is trained the way a non-private
+    model would be; its reference models use the same settings.
+
+    Candidates: up to ``max_records`` members (training records) and as many non-members (audit
+    population); the rest of the audit population is RMIA's population z. ``references``
+    reference models per target (DP and non-private control) train on random halves of train ∪
+    audit population. Empirical ε lower bounds are computed at ``confidence`` (Bonferroni-split
+    over the bounds the gate uses). For a ``random_features`` model the audit also runs seed 002's
+    reconstruction attack on the target and the control, when the training set has at most
+    ``reconstruction_max_train`` records (``reconstruction_restarts`` random starts of
+    ``reconstruction_steps`` projected Adam steps each).
+    """
+
+    reconstruction_max_train: int = Field(300, gt=0)
+    reconstruction_restarts: int = Field(8, gt=0)
+    reconstruction_steps: int = Field(500, gt=0)
+    attacks: list[AttackName] = Field(default_factory=lambda: ["loss", "lira-online", "lira-offline",
+                                                                 "rmia-online", "rmia-offline"])
+    references: int = Field(4, ge=0, le=256)
+    max_records: int = Field(2000, gt=0)
+    seed: int = 0
+    rmia_a: float = Field(0.3, ge=0, le=1)
+    rmia_gamma: float = Field(1.0, gt=0)
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    bound_correction: Literal["split", "bonferroni"] = "split"
+    bootstrap: int = Field(200, ge=0)
+    control: bool = True
+    control_optimizer: Literal["sgd", "adam"] = "adam"
+    control_learning_rate: float = Field(1e-3, gt=0)
+    control_epochs: float = Field(30.0, gt=0)
+    control_min_tpr_at_1pct_fpr: float = Field(0.01, ge=0, le=1)
+    require_control_power: bool = False
+    white_box_canaries: int = Field(1000, ge=0)
+    black_box_canaries: int = Field(500, ge=0)
+    one_run_guess_fraction: float = Field(0.2, gt=0, le=1)
+    workers: int = Field(2, ge=1)
+    dask_address: str | None = None
+
+    @model_validator(mode="after")
+    def _attacks_have_references(self) -> "AuditConfig":
+        if not self.attacks:
+            raise ValueError("audit.attacks: name at least one attack")
+        needing = [a for a in self.attacks if a != "loss"]
+        if needing and self.references < 1:
+            raise ValueError(f"audit.references = 0 but attacks {needing} need reference models (use ≥ 1, or only loss)")
+        return self
+
+
+TUNABLE_KEYS = ("train.learning_rate", "train.momentum", "train.optimizer", "model.hidden", "model.activation",
+                "model.gates")
+
+
+class TuneConfig(Section):
+    """``dpml tune``: a private hyperparameter search (Papernot & Steinke 2022).
+
+    K candidates run, K drawn from ``distribution`` (``poisson`` with E[K] = ``mean``;
+    ``truncated_negative_binomial`` with shape η = ``shape`` and E[K] = ``mean``; ``fixed``: K =
+    ``mean``). Each draws its hyperparameters uniformly from ``space`` (keys from
+    :data:`TUNABLE_KEYS`: none of them changes the mechanism's σ, q or steps), trains with the
+    configured private trainer (DP-SGD, or NoisyCGD with λ calibrated per candidate) on the
+    training part minus a validation part of ``validation_fraction``, and is scored by its
+    validation accuracy with Gaussian noise of std ``score_noise`` on the count of correct answers.
+    Only the best candidate is released; the certificate charges the whole search.
+    """
+
+    distribution: Literal["poisson", "truncated_negative_binomial", "fixed"] = "truncated_negative_binomial"
+    mean: float = Field(3.0, ge=1)
+    shape: float = Field(1.0, ge=0)
+    validation_fraction: float = Field(0.15, gt=0, lt=1)
+    score_noise: float = Field(5.0, gt=0)
+    seed: int = 0
+    space: dict[str, list[Any]] = Field(default_factory=lambda: {"train.learning_rate": [0.5, 1.0, 2.0]})
+
+    @model_validator(mode="after")
+    def _valid_search(self) -> "TuneConfig":
+        if self.distribution == "fixed" and self.mean != int(self.mean):
+            raise ValueError(f"tune.mean = {self.mean}: a fixed number of candidates must be an integer")
+        if self.distribution == "truncated_negative_binomial" and self.mean <= 1:
+            raise ValueError(f"tune.mean = {self.mean}: a truncated negative binomial needs E[K] > 1")
+        if not self.space:
+            raise ValueError("tune.space: name at least one hyperparameter to search")
+        for key, values in self.space.items():
+            if key not in TUNABLE_KEYS:
+                raise ValueError(f"tune.space key {key!r}: not tunable; allowed: {', '.join(TUNABLE_KEYS)} "
+                                 "(the others change the privacy mechanism or the data)")
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"tune.space[{key!r}] = {values!r}: must be a non-empty list of values")
+        return self
+
+
+class GateConfig(Section):
+    """Release gate: the model becomes ``champion`` only when certified ε ≤ ``epsilon_budget``.
+
+    A KL-private model (``train.algorithm: noisygd``) has no finite ε; it passes only when
+    ``kl_budget`` is set and its certified KL ≤ ``kl_budget`` (the report says it is not (ε, δ)-DP).
+    """
+
+    epsilon_budget: float = Field(4.0, gt=0)
+    kl_budget: float | None = Field(None, gt=0)
+
+
+class LedgerConfig(Section):
+    """The privacy budget ledger: composed ε of every run on a dataset version, at ``delta``.
+
+    KL-private runs (seed 000) are summed in KL (the chain rule composes adaptively) against
+    ``kl_budget`` (``null``: refused). A dataset with a KL-only release has no finite (ε, δ) total,
+    and (ε, δ)-DP runs have no KL bound, so the two kinds exclude each other on one dataset version.
+    """
+
+    path: str = "ledger.db"
+    epsilon_budget: float = Field(10.0, gt=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
+    kl_budget: float | None = Field(None, gt=0)
+
+
+class TrackingConfig(Section):
+    """MLflow. ``MLFLOW_TRACKING_URI`` in the environment overrides ``uri``."""
+
+    uri: str = "sqlite:///mlflow.db"
+    artifact_root: str = "mlartifacts"
+    experiment: str = "dpml"
+    registered_model: str = "dpml-model"
+
+
+class PathsConfig(Section):
+    """Where stage outputs go (relative paths are relative to the working directory)."""
+
+    data: str = "data"
+    artifacts: str = "artifacts"
+    cache: str = ".dpml-cache"

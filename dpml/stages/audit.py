@@ -1,0 +1,108 @@
+"""Stage audit: attack the trained model and its non-private positive control, bound ε empirically, plot.
+
+The audit's work is :func:`dpml.audit.run.run_audit`; this module feeds it the released model, the
+prepared records and σ of the released trainer, and lets the Prefect flow fan the reference models out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dpml import io
+from dpml.audit.plots import plot_histograms, plot_roc
+from dpml.audit.references import AuditRecords, audit_records, train_reference
+from dpml.audit.run import needs_references, run_audit, subject_config
+from dpml.stages.layout import Layout, load_model, load_part
+from dpml.stages.train import release_config, released_noise_multiplier
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+
+@dataclass(frozen=True)
+class AuditContext:
+    records: AuditRecords
+    n_classes: int
+    data_version: str
+    noise_multiplier: float | None
+    train: tuple[np.ndarray, np.ndarray]
+    audit: tuple[np.ndarray, np.ndarray]
+
+
+def audit_context(config: Config) -> AuditContext:
+    """Everything the audit needs besides the model: records, σ of the target, data version."""
+    layout = Layout(config)
+    x_train, y_train = load_part(layout, "train")
+    if layout.validation.exists():  # after dpml tune the model never trained on the validation rows
+        keep = np.ones(y_train.size, dtype=bool)
+        keep[io.read_npz(layout.validation)["rows"]] = False
+        x_train, y_train = x_train[keep], y_train[keep]
+    x_audit, y_audit = load_part(layout, "audit")
+    mechanism = io.read_json(layout.mechanism) if layout.mechanism.exists() else None
+    sigma = None if mechanism is None else released_noise_multiplier(config, mechanism)
+    records = audit_records(x_train, y_train, x_audit, y_audit, config.audit.max_records, config.audit.seed)
+    return AuditContext(records, len(io.read_json(layout.prepared_meta)["classes"]),
+                        io.read_json(layout.raw_meta)["version"], sigma, (x_train, y_train), (x_audit, y_audit))
+
+
+def audit_reference_jobs(config: Config) -> list[tuple[str, bool, float | None, int]]:
+    """The reference models the audit will need: (kind, private, σ, index) — for Prefect to fan out."""
+    config = release_config(config)
+    if not needs_references(config):
+        return []
+    context = audit_context(config)
+    private = context.noise_multiplier is not None
+    kinds = [("target", private, context.noise_multiplier)]
+    if private and config.audit.control:
+        kinds.append(("control", False, None))
+    return [(kind, p, s, j) for kind, p, s in kinds for j in range(config.audit.references)]
+
+
+def train_audit_reference(config: Config, job: tuple[str, bool, float | None, int]) -> dict[str, Any]:
+    """Train (or reuse) one reference model; safe to run in parallel with the others."""
+    config = release_config(config)
+    torch.set_num_threads(1)
+    context = audit_context(config)
+    kind, private, sigma, index = job
+    return train_reference(subject_config(config, kind), context.records, context.n_classes, context.data_version,
+                           private=private, noise_multiplier=sigma, index=index)
+
+
+def strongest(results: dict[str, Any], key: str) -> tuple[str, float]:
+    name = max(results, key=lambda n: results[n][key])
+    return name, float(results[name][key])
+
+
+def audit(config: Config) -> dict[str, Any]:
+    """Attack the trained model (and its non-private control); bound ε empirically; plot."""
+    config = release_config(config)
+    layout = Layout(config)
+    context = audit_context(config)
+    summary, raw, pictures = run_audit(config, load_model(layout), context.noise_multiplier, context.records,
+                                       *context.train, *context.audit, context.n_classes, context.data_version)
+    titles = {"target": (layout.roc_png, "membership inference against the released model"),
+              "control": (layout.roc_control_png, "positive control: the same attacks, non-private model")}
+    for subject, (curves, scores) in pictures.items():
+        path, title = titles[subject]
+        plot_roc(curves, path, title)
+        if subject == "target":
+            plot_histograms(scores, layout.histograms_png, "score distributions: members vs non-members")
+            name, _ = strongest(summary["target"]["attacks"], "auc")
+            fpr, tpr = curves[name]
+            keep = np.unique(np.linspace(0, fpr.size - 1, min(fpr.size, 200)).astype(int))
+            with io.atomic_path(layout.roc_csv) as temp:
+                temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep])))
+    io.write_json(layout.audit, summary)
+    io.write_json(layout.scores, raw)
+    metrics = {f"{name}.{k}": v for name, r in summary["target"]["attacks"].items() for k, v in r.items()
+               if isinstance(v, (int, float))}
+    metrics |= {"max_epsilon_lower_bound": summary["max_lower_bound"],
+                "reference_models": summary["references"]["models"]}
+    if summary["control_power"] is not None:
+        metrics["control_best_tpr_at_1pct_fpr"] = summary["control_power"]
+    io.write_json(layout.audit_metrics, metrics)
+    return summary

@@ -1,0 +1,135 @@
+"""Stage gate: the release decision and the privacy report.
+
+Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; or an
+empirical ε lower bound exceeds the certified ε (then the trainer or the accountant is wrong). A
+KL-private model passes only against ``gate.kl_budget`` and only when no attack beats the Pinsker
+bound. When the non-private control shows no attack power the audit is not evidence: that fails the
+gate only with ``audit.require_control_power``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dpml import io
+from dpml.audit.run import gating_lower_bounds
+from dpml.privacy.ledger import Ledger
+from dpml.report.privacy_report import render
+from dpml.stages.layout import Layout
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+
+def gate(config: Config) -> dict[str, Any]:
+    """Release gate and privacy report.
+
+    Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; or
+    an empirical ε lower bound exceeds the certified ε (then the trainer or the accountant is
+    wrong). When the non-private control shows no attack power the audit is not evidence: that
+    fails the gate only with ``audit.require_control_power``.
+    """
+    layout = Layout(config)
+    certificate = io.read_json(layout.certificate)
+    summary = io.read_json(layout.audit)
+    reasons, passed = [], True
+    if certificate is None:
+        passed = False
+        reasons.append("no DP certificate: the model was trained without differential privacy")
+    elif certificate.get("kind") == "kl":
+        passed = _gate_kl(config, certificate, reasons)
+    else:
+        epsilon = certificate["epsilon"]
+        if certificate.get("void"):
+            reasons.append(certificate["statement"])
+        if epsilon > config.gate.epsilon_budget:
+            passed = False
+            reasons.append(f"certified ε = {epsilon:.4g} exceeds the budget gate.epsilon_budget = "
+                           f"{config.gate.epsilon_budget:g}")
+        else:
+            reasons.append(f"certified ε = {epsilon:.4g} ≤ budget {config.gate.epsilon_budget:g}")
+        violations = [b for b in gating_lower_bounds(summary) if b["epsilon"] > epsilon]
+        for bound in violations:
+            passed = False
+            reasons.append(
+                f"empirical lower bound ε ≥ {bound['epsilon']:.4g} ({bound['method']}"
+                f"{', ' + bound['attack'] if 'attack' in bound else ''}, confidence {bound['confidence']:.4g}) "
+                f"exceeds the certified ε = {epsilon:.4g}: the trainer or the accountant is wrong"
+            )
+        if not violations:
+            reasons.append(f"every empirical lower bound ≤ certified ε (largest {summary['max_lower_bound']:.4g})")
+    power = summary.get("control_power")
+    evidence = power is not None and power >= config.audit.control_min_tpr_at_1pct_fpr
+    if power is not None and not evidence:
+        message = (f"positive control: best TPR at 1% FPR against the non-private model is {power:.4g} < "
+                   f"{config.audit.control_min_tpr_at_1pct_fpr:g}; the audit has no demonstrated power")
+        if config.audit.require_control_power:
+            passed = False
+        reasons.append(message + ("" if config.audit.require_control_power else " (not required by audit.require_control_power)"))
+    elif power is not None:
+        reasons.append(f"positive control: the attacks reach TPR {power:.4g} at 1% FPR against the non-private model")
+    decision = {"passed": passed, "reasons": reasons, "epsilon_budget": config.gate.epsilon_budget,
+                "audit_is_evidence": evidence}
+    io.write_json(layout.gate, decision)
+    data = io.read_json(layout.prepared_meta) | {
+        "lower": config.preprocess.lower, "upper": config.preprocess.upper,
+        "clip_norm": config.preprocess.clip_norm, "clip_mode": config.preprocess.clip_mode, "features": config.preprocess.features,
+        "version": io.read_json(layout.raw_meta)["version"],
+    }
+    ledger = Ledger(config.ledger.path, config.ledger.delta).summary(data["version"])
+    report = render(data=data, train=io.read_json(layout.train_metrics), certificate=certificate,
+                    audit=summary, gate=decision, ledger=ledger[0] if ledger else None,
+                    budget=config.ledger.epsilon_budget)
+    io.write_text(layout.report, report)
+    return decision
+
+
+def total_variation_violations(raw_scores: dict[str, Any], pinsker_delta: float,
+                               confidence: float) -> list[dict[str, Any]]:
+    """Attacks whose advantage contradicts a KL certificate.
+
+    KL ≤ κ bounds the total variation between the outputs on neighbours by δ_P = sqrt(κ/2)
+    (Pinsker), so every membership test has TPR − FPR ≤ δ_P, i.e. the (0, δ_P)-DP statement. The
+    hypothesis-test lower bound at δ = δ_P (Clopper–Pearson limits, threshold chosen on a split) is
+    then 0 for a sound certificate; a positive bound means the audit refutes it.
+    """
+    from dpml.audit.bounds import hypothesis_test_bound
+
+    violations = []
+    for attack, scores in raw_scores.items():
+        bound = hypothesis_test_bound(np.asarray(scores["member"]), np.asarray(scores["nonmember"]),
+                                      min(pinsker_delta, 1 - 1e-12), confidence)
+        if bound.epsilon > 0:
+            violations.append({"attack": attack, "epsilon_at_pinsker_delta": bound.epsilon})
+    return violations
+
+
+def _gate_kl(config: Config, certificate: dict[str, Any], reasons: list[str]) -> bool:
+    """A KL-private model (seed 000) passes only against ``gate.kl_budget``, and only when no attack's
+    advantage exceeds the Pinsker bound (:func:`total_variation_violations`); it is never called (ε, δ)-DP."""
+    if certificate.get("void"):
+        reasons.append(certificate["statement"])
+        return False
+    kl = certificate["kl"]
+    reasons.append(f"KL privacy, not (ε, δ)-DP: certified KL = {kl:.4g} (Pinsker: total variation ≤ "
+                   f"{certificate['pinsker_delta']:.4g}); no finite ε holds, so gate.epsilon_budget cannot be met")
+    layout = Layout(config)
+    summary = io.read_json(layout.audit)
+    violations = total_variation_violations(io.read_json(layout.scores)["target"], certificate["pinsker_delta"],
+                                            summary["per_bound_confidence"])
+    for violation in violations:
+        reasons.append(f"attack {violation['attack']} beats the Pinsker bound: TPR − FPR > {certificate['pinsker_delta']:.4g} "
+                       "at the audit's confidence — the trainer or the KL certificate is wrong")
+    if violations:
+        return False
+    reasons.append(f"no attack's advantage (TPR − FPR) exceeds the Pinsker bound {certificate['pinsker_delta']:.4g}")
+    if config.gate.kl_budget is None:
+        reasons.append("gate.kl_budget is not set: KL-private releases are not accepted")
+        return False
+    if kl > config.gate.kl_budget:
+        reasons.append(f"certified KL = {kl:.4g} exceeds gate.kl_budget = {config.gate.kl_budget:g}")
+        return False
+    reasons.append(f"certified KL = {kl:.4g} ≤ gate.kl_budget = {config.gate.kl_budget:g}")
+    return True

@@ -1,0 +1,30 @@
+"""Stage ingest: load the configured source, check the records, store them with their content hash."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dpml import io
+from dpml.data.sources import content_hash, load_source
+from dpml.stages.layout import Layout
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+
+def ingest(config: Config) -> dict[str, Any]:
+    """Load the configured source, check the records, store them with their content hash."""
+    layout = Layout(config)
+    raw = load_source(config.data)
+    arrays = {"x": raw.x, "y": raw.y}
+    if raw.x_test is not None and raw.y_test is not None:
+        arrays |= {"x_test": raw.x_test, "y_test": raw.y_test}
+    version = content_hash(*arrays.values())
+    io.write_npz(layout.raw, **arrays)
+    meta = {
+        "origin": raw.origin, "classes": raw.classes, "feature_names": raw.feature_names,
+        "version": version, "n_records": int(raw.x.shape[0]), "n_features": int(raw.x.shape[1]),
+        "predefined_test": raw.x_test is not None,
+    }
+    io.write_json(layout.raw_meta, meta)
+    return meta

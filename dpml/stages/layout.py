@@ -1,0 +1,129 @@
+"""Every file a run reads or writes, and which stage reads and writes which: the stage contract.
+
+The contract is written once, here (:data:`CONTRACT`), and checked twice: :func:`run_stage` refuses
+to start a stage whose inputs are missing (naming the stage that makes them) and fails a stage that
+did not write its outputs; ``tests/test_stage_contract.py`` checks that ``dvc.yaml`` declares the
+same dependencies and outputs, so DVC and the Prefect flow agree on what each stage does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dpml import io
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+PARTS = ("train", "test", "audit")
+
+
+class Layout:
+    """Every file a run reads or writes, in one place."""
+
+    def __init__(self, config: Config) -> None:
+        data, art = Path(config.paths.data), Path(config.paths.artifacts)
+        self.raw = data / "raw" / "records.npz"
+        self.raw_meta = data / "raw" / "meta.json"
+        self.split = data / "split" / "indices.npz"
+        self.prepared = {part: data / "prepared" / f"{part}.npz" for part in PARTS}
+        self.prepared_meta = data / "prepared" / "meta.json"
+        self.model = art / "train" / "model.pt"
+        self.model_spec = art / "train" / "model.json"
+        self.mechanism = art / "train" / "mechanism.json"
+        self.spend = art / "train" / "spend.json"
+        self.train_metrics = art / "train" / "metrics.json"
+        self.certificate = art / "certify" / "certificate.json"
+        self.certify_metrics = art / "certify" / "metrics.json"
+        self.audit = art / "audit" / "audit.json"
+        self.audit_metrics = art / "audit" / "metrics.json"
+        self.roc_png = art / "audit" / "roc.png"
+        self.roc_csv = art / "audit" / "roc.csv"
+        self.roc_control_png = art / "audit" / "roc_control.png"
+        self.histograms_png = art / "audit" / "histograms.png"
+        self.scores = art / "audit" / "scores.json"
+        self.gate = art / "gate" / "gate.json"
+        self.report = art / "gate" / "privacy_report.md"
+        self.release = art / "register" / "release.json"
+        self.tuning = art / "tune" / "tuning.json"
+        self.validation = art / "tune" / "validation.npz"
+
+    def path(self, name: str) -> Path:
+        """The file a contract name stands for: an attribute (``model``) or a prepared part (``prepared.train``)."""
+        attribute, _, part = name.partition(".")
+        value = getattr(self, attribute)
+        return value[part] if part else value
+
+
+@dataclass(frozen=True)
+class StageFiles:
+    """What one stage reads and writes (names of :class:`Layout` files); ``optional`` outputs are written
+    only in some configurations (the control's ROC without a control, a search's files without a search)."""
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+
+PREPARED = tuple(f"prepared.{part}" for part in PARTS)
+
+CONTRACT: dict[str, StageFiles] = {
+    "ingest": StageFiles(reads=(), writes=("raw", "raw_meta")),
+    "split": StageFiles(reads=("raw", "raw_meta"), writes=("split",)),
+    "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta")),
+    "train": StageFiles(reads=(*PREPARED, "prepared_meta"),
+                        writes=("model", "model_spec", "mechanism", "spend", "train_metrics"),
+                        optional=("tuning", "validation")),
+    "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics")),
+    "audit": StageFiles(reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta",
+                               "raw_meta"),
+                        writes=("audit", "scores", "roc_png", "roc_csv", "histograms_png", "audit_metrics"),
+                        optional=("roc_control_png",)),
+    "gate": StageFiles(reads=("certificate", "audit", "scores", "train_metrics", "prepared_meta", "raw_meta"),
+                       writes=("gate", "report")),
+    "register": StageFiles(reads=("certificate", "audit", "scores", "roc_png", "histograms_png", "gate", "report",
+                                  "train_metrics", "model", "model_spec", "mechanism", "spend", "raw_meta",
+                                  "prepared_meta"),
+                           writes=("release",)),
+}
+
+
+def producer_of(name: str) -> str:
+    """The stage that writes file ``name``."""
+    return next(stage for stage, files in CONTRACT.items() if name in files.writes + files.optional)
+
+
+def check_inputs(stage: str, layout: Layout) -> None:
+    """Refuse to start ``stage`` when a file it reads is missing, naming the stage that writes it."""
+    for name in CONTRACT[stage].reads:
+        path = layout.path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"stage {stage} needs {path}, which stage {producer_of(name)} writes: run "
+                                    f"`dpml stage {producer_of(name)}` (or the whole pipeline) first")
+
+
+def check_outputs(stage: str, layout: Layout) -> None:
+    """A stage that returned without writing every output it promises is a bug: say which file is missing."""
+    missing = [str(layout.path(name)) for name in CONTRACT[stage].writes if not layout.path(name).exists()]
+    if missing:
+        raise RuntimeError(f"stage {stage} finished without writing {', '.join(missing)}")
+
+
+def load_part(layout: Layout, part: str) -> tuple[np.ndarray, np.ndarray]:
+    """The prepared records of one part (train, test or audit) as (x, y)."""
+    arrays = io.read_npz(layout.prepared[part])
+    return arrays["x"], arrays["y"]
+
+
+def load_model(layout: Layout) -> torch.nn.Module:
+    """The trained model, rebuilt from its spec and weights."""
+    from dpml.models import build_model, spec_from_dict
+
+    model = build_model(spec_from_dict(io.read_json(layout.model_spec)))
+    model.load_state_dict(torch.load(layout.model, weights_only=True))
+    return model.eval()

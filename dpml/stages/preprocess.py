@@ -1,0 +1,35 @@
+"""Stage preprocess: public scaling, optional ScatterNet features and input norm clipping of every part."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dpml import io
+from dpml.data.preprocess import preprocess as preprocess_records
+from dpml.stages.layout import PARTS, Layout
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+
+def preprocess(config: Config) -> dict[str, Any]:
+    """Public scaling, optional ScatterNet features and input norm clipping of every part."""
+    layout = Layout(config)
+    arrays, meta, index = io.read_npz(layout.raw), io.read_json(layout.raw_meta), io.read_npz(layout.split)
+    sources = {"train": ("x", "y"), "audit": ("x", "y"),
+               "test": ("x_test", "y_test") if bool(index["test_is_predefined"]) else ("x", "y")}
+    summary: dict[str, Any] = {"data_version": meta["version"], "origin": meta["origin"],
+                               "classes": meta["classes"], "n_features": meta["n_features"]}
+    for part in PARTS:
+        xs, ys = sources[part]
+        rows = index[part]
+        prepared = preprocess_records(arrays[xs][rows], config.preprocess)
+        io.write_npz(layout.prepared[part], x=prepared.x.astype(np.float32), y=arrays[ys][rows].astype(np.int64))
+        summary[f"n_{part}"] = int(rows.size)
+        summary[f"clipped_fraction_{part}"] = prepared.clipped_fraction
+        summary["n_features"] = int(prepared.x.shape[1])  # the model's inputs (after any feature extractor)
+    summary["features"] = config.preprocess.features
+    io.write_json(layout.prepared_meta, summary)
+    return summary

@@ -1,0 +1,55 @@
+"""``dpml audit --model``: re-audit a registered model version with the data it was trained on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dpml import io
+from dpml.audit.plots import plot_roc
+from dpml.audit.run import run_audit
+from dpml.stages.audit import audit_context
+from dpml.stages.ingest import ingest
+from dpml.stages.layout import Layout
+from dpml.stages.preprocess import preprocess
+from dpml.stages.split import split
+
+if TYPE_CHECKING:
+    from dpml.config import TrackingConfig
+
+
+def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Path) -> dict[str, Any]:
+    """Re-audit a registered version with the data it was trained on (``dpml audit --model``).
+
+    Rebuilds the data stages from the run's logged configuration into ``workdir``, refuses when the
+    data's content hash differs from the version's ``data.version`` tag, then runs the audit with the
+    certified mechanism's σ and logs the result as a new MLflow run linked from the version.
+    """
+    from dpml import tracking as mlflow_tracking
+    from dpml.config import validate
+
+    registered = mlflow_tracking.resolve_model(model_uri, tracking)
+    logged = validate(registered["config"], origin=f"config.json of run {registered['run_id']}")
+    paths = {"data": str(workdir / "data"), "artifacts": str(workdir / "artifacts"), "cache": logged.paths.cache}
+    config = logged.model_copy(update={"paths": logged.paths.model_copy(update=paths), "tracking": tracking})
+    version = ingest(config)["version"]
+    if version != registered["tags"].get("data.version"):
+        raise ValueError(f"the data at {config.data.source} (version {version[:12]}…) is not the data "
+                         f"{model_uri} was trained on (data.version {registered['tags'].get('data.version', '?')[:12]}…)")
+    split(config)
+    preprocess(config)
+    layout = Layout(config)
+    mechanism = mlflow_tracking.load_run_json(tracking, registered["run_id"], "mechanism.json")
+    io.write_json(layout.mechanism, mechanism)
+    context = audit_context(config)
+    summary, raw, pictures = run_audit(config, registered["model"], context.noise_multiplier, context.records,
+                                       *context.train, *context.audit, context.n_classes, context.data_version)
+    plot_roc(pictures["target"][0], layout.roc_png, f"re-audit of {registered['name']} v{registered['version']}")
+    io.write_json(layout.audit, summary)
+    io.write_json(layout.scores, raw)
+    metrics = {f"audit.target.{n}.{k}": v for n, r in summary["target"]["attacks"].items() for k, v in r.items()
+               if isinstance(v, (int, float))} | {"audit.max_epsilon_lower_bound": summary["max_lower_bound"]}
+    run_id = mlflow_tracking.log_audit(tracking, registered, metrics, [layout.audit, layout.scores, layout.roc_png])
+    certified = float(registered["tags"].get("dp.epsilon", "inf"))
+    return {"model": f"{registered['name']}/{registered['version']}", "audit_run_id": run_id, "audit": summary,
+            "certified_epsilon": certified, "consistent": summary["max_lower_bound"] <= certified}

@@ -1,0 +1,93 @@
+"""Stage register: log the run to MLflow and register the model version with its privacy tags."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from dpml import io
+from dpml.privacy.ledger import Ledger
+from dpml.privacy.mechanism import MechanismDescription
+from dpml.stages.audit import strongest
+from dpml.stages.layout import Layout, load_model
+from dpml.stages.train import release_config
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+
+def register(config: Config) -> dict[str, Any]:
+    """Log the run to MLflow and register the model version with its privacy tags."""
+    from dpml import tracking
+
+    config = release_config(config)
+    layout = Layout(config)
+    certificate = io.read_json(layout.certificate)
+    summary = io.read_json(layout.audit)
+    decision = io.read_json(layout.gate)
+    train_metrics = io.read_json(layout.train_metrics)
+    data_meta = io.read_json(layout.raw_meta)
+    attacks = summary["target"]["attacks"]
+    strongest_auc, auc = strongest(attacks, "auc")
+    strongest_tpr, tpr = strongest(attacks, "tpr_at_0.1pct_fpr")
+    epsilon = certificate["epsilon"] if certificate else float("inf")
+    mechanism = "none (non-private)"
+    if certificate:
+        mechanism = MechanismDescription.from_dict(certificate["mechanism"]).summary()
+    ledger = Ledger(config.ledger.path, config.ledger.delta)
+    spend = io.read_json(layout.spend)
+    dataset_total = ledger.total(data_meta["version"])
+    version_tags = {
+        "dp.epsilon": f"{epsilon:.6g}",
+        "privacy.guarantee": "none" if not certificate else certificate.get("kind", "dp"),
+        "dp.dataset_epsilon_total": f"{dataset_total:.6g}",
+        "dp.dataset_delta": f"{config.ledger.delta:g}",
+        "ledger.spend_id": str(spend["spend_id"]),
+        "dp.delta": f"{config.dp.delta:g}",
+        "dp.accountant": f"{certificate['accountant']} {certificate['accountant_version']}" if certificate else "none",
+        "dp.mechanism": mechanism,
+        "data.version": data_meta["version"],
+        "audit.auc": f"{auc:.6g}",
+        "audit.auc_attack": strongest_auc,
+        "audit.tpr_at_0.1pct_fpr": f"{tpr:.6g}",
+        "audit.tpr_attack": strongest_tpr,
+        "audit.epsilon_lower_bound": f"{summary['max_lower_bound']:.6g}",
+        "audit.control_tpr_at_1pct_fpr": "none" if summary["control_power"] is None else f"{summary['control_power']:.6g}",
+        "audit.is_evidence": str(decision["audit_is_evidence"]).lower(),
+        "audit.references": str(summary["references"]["per_subject"]),
+        "gate.passed": str(decision["passed"]).lower(),
+        "gate.reason": "; ".join(decision["reasons"])[:5000],
+    }
+    metrics = {
+        "test_accuracy": train_metrics["test_accuracy"], "train_accuracy": train_metrics["train_accuracy"],
+        "epsilon": epsilon, "delta": config.dp.delta, "audit.max_epsilon_lower_bound": summary["max_lower_bound"],
+        **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
+           for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
+        **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
+    }
+    metrics |= {k: v for k, v in train_metrics.items() if k.startswith("robust_")}
+    if certificate and certificate.get("kind") == "kl":
+        version_tags |= {"kl.certified": f"{certificate['kl']:.6g}",
+                         "kl.pinsker_delta": f"{certificate['pinsker_delta']:.6g}"}
+        metrics["kl_certified"] = certificate["kl"]
+    if layout.tuning.exists():
+        tuning = io.read_json(layout.tuning)
+        version_tags |= {"tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),
+                         "tune.selection": str(tuning["selection"]),
+                         "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}"}
+    artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
+                             layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
+                             layout.model_spec, layout.tuning) if p.exists()]
+    release = tracking.log_release(
+        config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
+        params=config.flat(), metrics=metrics, artifacts=artifacts, model=load_model(layout),
+        in_features=int(io.read_json(layout.prepared_meta)["n_features"]), version_tags=version_tags, promote=decision["passed"],
+        run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
+                  "gate.passed": str(decision["passed"]).lower()},
+        documents={"config.json": config.to_dict()},
+    )
+    ledger.record_event(spend["spend_id"], "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})
+    release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
+                "dataset_epsilon_total": dataset_total}
+    io.write_json(layout.release, release)
+    return release

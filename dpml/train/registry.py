@@ -1,0 +1,66 @@
+"""The trainer registry: ``train.algorithm`` → the :class:`~dpml.train.protocol.Trainer` that runs it.
+
+Adding a trainer is adding one module under :mod:`dpml.train.trainers` and one line here (or a call
+to :func:`register` from a plugin). Everything else — the configuration schema, the stages, the
+audit, the tuner and the CLI — asks this registry.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dpml.train.protocol import Trainer
+from dpml.train.trainers.clipless import CLIPLESS
+from dpml.train.trainers.dpsgd import DpGd, DpSgd
+from dpml.train.trainers.noisycgd import NoisyCgd
+from dpml.train.trainers.noisygd import NoisyGd
+from dpml.train.trainers.nonprivate import NonPrivate
+from dpml.train.trainers.onepass import OnePass
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+TRAINERS: dict[str, Trainer] = {}
+
+
+def register(trainer: Trainer) -> Trainer:
+    """Add ``trainer`` under its name (refusing a second trainer of the same name) and recompose the
+    configuration schema so that ``train.algorithm: <name>`` validates."""
+    if trainer.name in TRAINERS and not _same_trainer(TRAINERS[trainer.name], trainer):
+        raise ValueError(f"a trainer named {trainer.name!r} is already registered")
+    TRAINERS[trainer.name] = trainer
+    import sys
+
+    config_module = sys.modules.get("dpml.config")
+    if config_module is not None and hasattr(config_module, "recompose"):
+        config_module.recompose()
+    return trainer
+
+
+def _same_trainer(registered: Trainer, new: Trainer) -> bool:
+    """The same trainer class loaded again (a plugin module imported under a second name) replaces itself."""
+    a, b = type(registered), type(new)
+    return registered is new or (a.__qualname__ == b.__qualname__ and _source_file(a) == _source_file(b) is not None)
+
+
+def _source_file(cls: type) -> str | None:
+    """The file a class's methods were compiled from (a module loaded from a path may be absent from sys.modules)."""
+    return next((value.__code__.co_filename for value in vars(cls).values() if hasattr(value, "__code__")), None)
+
+
+def trainer_named(name: str) -> Trainer:
+    try:
+        return TRAINERS[name]
+    except KeyError:
+        raise ValueError(f"train.algorithm = {name!r}: unknown trainer; registered: {', '.join(TRAINERS)}") from None
+
+
+def trainer_for(config: Config) -> Trainer:
+    """The trainer ``config.train.algorithm`` selects."""
+    return trainer_named(config.train.algorithm)
+
+
+NONPRIVATE = NonPrivate()
+
+for _trainer in (DpSgd(), DpGd(), CLIPLESS, NoisyCgd(), NoisyGd(), OnePass(), NONPRIVATE):
+    register(_trainer)

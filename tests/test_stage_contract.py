@@ -1,0 +1,96 @@
+"""The stage contract (which files each stage reads and writes) is written once, in
+``dpml.stages.layout.CONTRACT``; ``dvc.yaml`` must declare the same files, and ``run_stage`` must refuse
+a stage whose inputs are missing and fail a stage that did not write what it promises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, small_params
+from dpml.config import load, validate
+from dpml.stages import STAGES, run_stage
+from dpml.stages.layout import CONTRACT, Layout, check_outputs, producer_of
+
+DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+def _default_layout() -> Layout:
+    return Layout(load(REPO / "params.yaml"))
+
+
+def _relative(path: Path) -> str:
+    return path.as_posix()
+
+
+def _entries(stage: dict, *keys: str) -> list[str]:
+    """dvc.yaml paths of a stage (entries are strings or one-key mappings carrying options)."""
+    paths = []
+    for key in keys:
+        for entry in stage.get(key, []):
+            paths.append(entry if isinstance(entry, str) else next(iter(entry)))
+    return paths
+
+
+def _covered(path: str, declared: list[str]) -> bool:
+    """``path`` is declared itself or lies in a declared directory."""
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in declared)
+
+
+def _data_paths(declared: list[str]) -> list[str]:
+    """Declared paths that are pipeline files (not the code a stage depends on)."""
+    return [d for d in declared if d.startswith(("data/", "artifacts/"))]
+
+
+def test_every_stage_in_the_contract_is_a_dvc_stage_and_a_pipeline_stage() -> None:
+    assert list(CONTRACT) == list(STAGES)
+    assert list(DVC) == list(STAGES)
+
+
+@pytest.mark.parametrize("stage", list(CONTRACT))
+def test_dvc_declares_every_file_the_contract_names(stage: str) -> None:
+    layout, files, dvc = _default_layout(), CONTRACT[stage], DVC[stage]
+    deps, outs = _entries(dvc, "deps"), _entries(dvc, "outs", "metrics", "plots")
+    for name in files.reads:
+        assert _covered(_relative(layout.path(name)), deps), f"dvc.yaml stage {stage} lacks dep {layout.path(name)}"
+    for name in files.writes:
+        assert _covered(_relative(layout.path(name)), outs), f"dvc.yaml stage {stage} lacks out {layout.path(name)}"
+
+
+@pytest.mark.parametrize("stage", list(CONTRACT))
+def test_dvc_declares_no_file_the_contract_does_not_name(stage: str) -> None:
+    layout, files, dvc = _default_layout(), CONTRACT[stage], DVC[stage]
+    reads = [_relative(layout.path(n)) for n in files.reads]
+    writes = [_relative(layout.path(n)) for n in files.writes + files.optional]
+    for dep in _data_paths(_entries(dvc, "deps")):
+        assert any(_covered(r, [dep]) for r in reads), f"dvc.yaml stage {stage} depends on {dep}, which it never reads"
+    for out in _entries(dvc, "outs", "metrics", "plots"):
+        assert any(_covered(w, [out]) for w in writes), f"dvc.yaml stage {stage} declares {out}, which it never writes"
+
+
+def test_every_read_is_written_by_an_earlier_stage() -> None:
+    order = list(CONTRACT)
+    for stage, files in CONTRACT.items():
+        for name in files.reads:
+            assert order.index(producer_of(name)) < order.index(stage), (stage, name)
+
+
+def test_run_stage_refuses_missing_inputs_naming_the_producer(workdir: Path) -> None:
+    config = validate(small_params(workdir))
+    with pytest.raises(FileNotFoundError, match=r"stage certify needs .*mechanism\.json, which stage train writes"):
+        run_stage("certify", config)
+    assert not Layout(config).certificate.exists()
+    run_stage("ingest", config)
+    with pytest.raises(FileNotFoundError, match=r"stage preprocess needs .*indices\.npz, which stage split writes"):
+        run_stage("preprocess", config)
+
+
+def test_a_stage_that_skips_an_output_is_caught(workdir: Path) -> None:
+    config = validate(small_params(workdir))
+    run_stage("ingest", config)
+    layout = Layout(config)
+    layout.raw_meta.unlink()
+    with pytest.raises(RuntimeError, match=r"stage ingest finished without writing .*meta\.json"):
+        check_outputs("ingest", layout)
