@@ -1,9 +1,12 @@
-"""What the Fashion-MNIST benchmarks share: the data location and scratch-folder overrides."""
+"""What the benchmarks share: the Fashion-MNIST location, scratch-folder overrides, and the privacy
+cost of a selection made on private records."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST = ROOT.parent / "shared" / "datasets" / "fashion-mnist"
@@ -19,3 +22,16 @@ def fashion_mnist_overrides(work: Path) -> list[str]:
     return [f"data.source=idx:{FASHION_MNIST}", f"paths.data={work / 'data'}", f"paths.artifacts={work / 'artifacts'}",
             f"paths.cache={work / 'cache'}", f"ledger.path={work / 'ledger.db'}",
             f"tracking.uri=sqlite:///{work / 'mlflow.db'}", f"tracking.artifact_root={work / 'mlartifacts'}"]
+
+
+def selection_epsilon(events: Sequence[Any], neighbouring: str, delta: float, clip_norm: float, dataset_size: int,
+                      threat_model: str = "all-iterates") -> float:
+    """ε at δ of releasing the best of several candidates trained on the same private records: the
+    release is covered by the composition of every candidate's ``events``, priced by dpml's accountants."""
+    from dpml.privacy.accountants import certify
+    from dpml.privacy.mechanism import MechanismDescription
+
+    mechanism = MechanismDescription(trainer="selection", events=tuple(events), neighbouring=neighbouring,  # type: ignore[arg-type]
+                                     clip_norm=clip_norm, dataset_size=dataset_size,
+                                     threat_model=threat_model)  # type: ignore[arg-type]
+    return float(certify(mechanism, delta)["epsilon"])

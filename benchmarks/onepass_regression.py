@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from bench_common import selection_epsilon
 from dpml.train.onepass import excess_risk, rho_for_epsilon, theory_rate, train_onepass_dpsgd
 
 D, TAU, EPSILON, DELTA, CLIP_CONSTANT = 50, 0.5, 1.0, 1e-5, 1.0
@@ -165,16 +166,12 @@ def reading(rows: list[dict[str, Any]], facts: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def selection_epsilon(rho: float, candidates: int = len(KAPPAS)) -> float:
-    """ε at δ = DELTA of releasing the best of ``candidates`` runs on the same records, each (ρ²/2)-zCDP:
-    the composition of all of them, (candidates·ρ²/2)-zCDP, priced by dpml's accountants."""
-    from dpml.privacy.accountants import certify
-    from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
+def best_of_kappas_epsilon(rho: float, candidates: int = len(KAPPAS)) -> float:
+    """ε at δ = DELTA of releasing the best of ``candidates`` runs on the same records, each (ρ²/2)-zCDP."""
+    from dpml.privacy.mechanism import ConcentratedDP
 
-    mechanism = MechanismDescription(trainer="onepass", events=(ConcentratedDP(rho * rho / 2),) * candidates,
-                                     neighbouring="replace-one", clip_norm=CLIP_CONSTANT * math.sqrt(D),
-                                     dataset_size=NS[0], threat_model="final-model")
-    return float(certify(mechanism, DELTA)["epsilon"])
+    return selection_epsilon([ConcentratedDP(rho * rho / 2)] * candidates, "replace-one", DELTA,
+                             CLIP_CONSTANT * math.sqrt(D), NS[0], threat_model="final-model")
 
 
 def markdown(results: dict[str, Any], seeds: int) -> str:
@@ -192,7 +189,7 @@ def markdown(results: dict[str, Any], seeds: int) -> str:
              f"κ ∈ {KAPPAS}, best κ per cell (oracle); excess risk ½‖θ − θ*‖², mean ± sd over seeds.", "",
              f"**Each risk below is the best of {len(KAPPAS)} runs picked on the reported metric** (the population "
              f"risk, which needs θ*): it measures the best-tuned schedule, not a private procedure. Releasing the best "
-             f"of the {len(KAPPAS)} κ on one data set costs ε = {selection_epsilon(rho):.2f} at δ = {DELTA:g} "
+             f"of the {len(KAPPAS)} κ on one data set costs ε = {best_of_kappas_epsilon(rho):.2f} at δ = {DELTA:g} "
              f"(the composition of the {len(KAPPAS)} runs), not {EPSILON:g}.", "",
              "| n | γ = d/n | OUT risk (best κ) | κ | CONST risk (best κ) | κ | γ + γ²/ρ² | A·(γ + γ²/ρ²), OUT's A | OUT rate × A | CONST rate × A | clipped (OUT, CONST) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

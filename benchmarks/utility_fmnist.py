@@ -32,11 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_common import fashion_mnist_overrides, selection_epsilon  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import stages  # noqa: E402
 from dpml.config import Config, load, with_hyperparameters  # noqa: E402
 from dpml.privacy.accountants import certify  # noqa: E402
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps  # noqa: E402
+from dpml.privacy.mechanism import PoissonGaussianSteps  # noqa: E402
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps  # noqa: E402
 from dpml.train.fit import fit  # noqa: E402
 from dpml.train.registry import trainer_for  # noqa: E402
@@ -46,14 +46,11 @@ GRID = [{"train.learning_rate": lr, "train.epochs": epochs} for epochs in (40, 8
 
 def grid_selection_cost(config: Config, n_fit: int) -> float:
     """ε of releasing the best of :data:`GRID` (every candidate trained on the same private records
-    with the released σ): the composition of all candidates' steps, priced by the same accountants as
-    a release. Counts only the recorded grid, not the development runs before it."""
+    with the released σ). Counts only the recorded grid, not the development runs before it."""
     sigma = trainer_for(config).noise_multiplier(config)
     q = config.train.sample_rate
-    events = tuple(PoissonGaussianSteps(q, sigma, number_of_steps(choice["train.epochs"], q)) for choice in GRID)
-    mechanism = MechanismDescription(trainer="dpsgd", events=events, neighbouring=config.dp.neighbouring,
-                                     clip_norm=config.dp.clip_norm, dataset_size=n_fit)
-    return float(certify(mechanism, config.dp.delta)["epsilon"])
+    events = [PoissonGaussianSteps(q, sigma, number_of_steps(choice["train.epochs"], q)) for choice in GRID]
+    return selection_epsilon(events, config.dp.neighbouring, config.dp.delta, config.dp.clip_norm, n_fit)
 
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:

@@ -50,16 +50,6 @@ def check_delta(config: Config, n: int) -> None:
         warnings.warn(message, stacklevel=2)
 
 
-def planned_mechanism(config: Config, n: int, in_features: int = 0, n_classes: int = 0) -> MechanismDescription | None:
-    """What the configured trainer will do on n records: known before it runs (the ledger needs it)."""
-    return trainer_for(config).plan(config, n, in_features, n_classes)
-
-
-def resolve_noise_multiplier(config: Config) -> float | None:
-    """σ of the configured trainer: from the config, or calibrated to ``dp.target_epsilon`` (None if it has none)."""
-    return trainer_for(config).noise_multiplier(config)
-
-
 def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> float | None:
     """σ of the released model's trainer (the audit's reference models train with the same)."""
     return trainer_for(config).released_noise_multiplier(config, mechanism)
