@@ -266,6 +266,7 @@ class Ledger:
         for version in versions:
             spends = self.spends(version)
             listed = self.spends(version, counted_only=False)
+            counted = {s.id for s in spends}
             out.append({
                 "dataset_version": version,
                 "epsilon_total": _compose([s.mechanism for s in spends if s.mechanism], self.delta),
@@ -277,6 +278,6 @@ class Ledger:
                 "cancelled_spends": len(listed) - len(spends),
                 "spends": [{"id": s.id, "label": s.label, "created_at": s.created_at,
                             "epsilon_alone": s.epsilon_alone, "private": s.mechanism is not None,
-                            "counted": s in spends, "events": [k for k, _ in self.events(s.id)]} for s in listed],
+                            "counted": s.id in counted, "events": [k for k, _ in self.events(s.id)]} for s in listed],
             })
         return out
