@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
-from typing import Any
+import traceback
+import warnings
+from typing import Any, NoReturn
 
 from dpml.config import ConfigError, load
 from dpml.privacy.ledger import LedgerError
@@ -143,10 +147,14 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         left = config.ledger.epsilon_budget - entry["epsilon_total"]
         print(f"dataset {entry['dataset_version'][:16]}…  total ε = {entry['epsilon_total']:.4g} at δ = {entry['delta']:g} "
               f"(budget {config.ledger.epsilon_budget:g}, {max(left, 0):.4g} left); "
-              f"{entry['private_spends']} DP runs, {entry['nonprivate_runs']} non-private")
+              f"{entry['private_spends']} DP runs, {entry['nonprivate_runs']} non-private"
+              + (f", {entry['cancelled_spends']} cancelled before training (not counted)"
+                 if entry["cancelled_spends"] else ""))
         for spend in entry["spends"]:
             alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
-            print(f"  #{spend['id']:<4} {alone:<20} {spend['label']}  [{', '.join(spend['events']) or 'reserved'}]")
+            counted = "" if spend["counted"] else "  (not counted)"
+            print(f"  #{spend['id']:<4} {alone:<20} {spend['label']}  [{', '.join(spend['events']) or 'reserved'}]"
+                  f"{counted}")
     return 0
 
 
@@ -196,31 +204,44 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number")
+    return value
+
+
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    value = _number(text)
+    if not 0 < value <= 1e6:
+        raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1e6]")
     return value
 
 
 def _rate(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1]")
     return value
 
 
 def _delta(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1)")
     return value
 
 
 def _steps(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be an integer ≥ 1")
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer ≥ 1") from None
+    if not 1 <= value <= 10 ** 9:
+        raise argparse.ArgumentTypeError(f"{text}: must be an integer in [1, 1e9]")
     return value
 
 
@@ -237,8 +258,18 @@ def mechanism_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with dpml's one-line errors (``dpml: error: …``, exit 2); ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("dpml").strip()
+        print(f"dpml: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpml", description="Privacy-audited model production.")
+    parser = Parser(prog="dpml", description="Privacy-audited model production.")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p: argparse.ArgumentParser) -> None:
@@ -292,16 +323,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    """An error as one line: its message's lines joined (a configuration error lists each key)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"cannot use {error.filename}: {error.strerror or text} (check the path, its permissions and free space)"
+    known = (ConfigError, ValueError, LookupError, LedgerError, RuntimeError)
+    return text if isinstance(error, known) and text else f"{type(error).__name__}: {text or 'no message'}"
+
+
+def _warning_line(message: warnings.WarningMessage | Warning | str, category: type[Warning], filename: str,
+                  lineno: int, file: Any = None, line: str | None = None) -> None:
+    print(f"dpml: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every failure ends as one ``dpml: error: …`` line (the traceback with --debug)."""
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _warning_line
     try:
         return int(args.func(args))
-    except ConfigError as error:
-        print(f"dpml: {error}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, LedgerError) as error:
-        print(f"dpml: error: {error}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:  # `dpml … | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("dpml: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - the CLI boundary: one line, the traceback only with --debug
+        if args.debug:
+            traceback.print_exc()
+        print(f"dpml: error: {_one_line(error)}", file=sys.stderr)
+        return 2 if isinstance(error, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -161,7 +161,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if not sep or len(parts) != 2 or not all(parts):
             raise ConfigError(f"invalid override {item!r}: expected section.key=value, e.g. dp.target_epsilon=2")
         section, name = parts
-        value = yaml.safe_load(text) if text.strip() else None
+        try:
+            value = safe_yaml(text, f"--set {key.strip()}") if text.strip() else None
+        except ConfigError as error:
+            raise ConfigError(f"invalid override {item!r}: {key.strip()} = {text!r} is not valid YAML "
+                              f"({str(error).split('not valid YAML: ', 1)[-1]})") from None
         target = result.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"invalid override {item!r}: {section} is not a section")
@@ -212,6 +216,41 @@ def _import_plugin_file(path: Path) -> None:
     _IMPORTED_PLUGIN_FILES[resolved] = module
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a parameter file is a few kilobytes; refuse anything absurd
+MAX_CONFIG_NODES = 100_000   # nodes after expanding aliases (a "billion laughs" file expands to 10⁹)
+
+
+def safe_yaml(text: str, origin: str) -> Any:
+    """``yaml.safe_load`` with a bound on size and on the nodes its aliases expand to."""
+    if len(text.encode(errors="replace")) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{origin}: larger than {MAX_CONFIG_BYTES} bytes; not a parameter file")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{origin}: not valid YAML: {' '.join(str(error).split())}") from None
+    if node is not None and _expanded_size(node, {}) > MAX_CONFIG_NODES:
+        raise ConfigError(f"{origin}: its aliases expand to more than {MAX_CONFIG_NODES} nodes; refusing to load it")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{origin}: not valid YAML: {' '.join(str(error).split())}") from None
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes in the tree an alias-sharing YAML graph expands to (memoised per shared node)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = MAX_CONFIG_NODES + 1  # a cycle (recursive alias) counts as too large
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = min(size, MAX_CONFIG_NODES + 1)
+    return memo[id(node)]
+
+
 def validate(raw: Any, origin: str = "params") -> Config:
     """Validate a raw mapping into a :class:`Config`, or raise :class:`ConfigError`."""
     if raw is None:
@@ -254,9 +293,12 @@ def load(path: str | Path = "params.yaml", overrides: list[str] | None = None) -
     if not path.is_file():
         raise ConfigError(f"configuration file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a parameter file")
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"configuration file {path}: cannot read it ({error})") from None
+    raw = safe_yaml(text, str(path))
     if overrides:
         raw = apply_overrides(raw or {}, overrides)
     return validate(raw, origin=str(path))

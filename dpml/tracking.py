@@ -3,12 +3,16 @@
 One pipeline run is one MLflow run: every parameter, the metrics (accuracy, ε, δ, audit
 numbers), the privacy report, the certificate, the ROC plot and the model. The model version
 is created with all its privacy tags in one call, so a version never exists without them; the
-``champion`` alias moves only when the release gate passed.
+``champion`` alias moves only when the release gate passed. The store is made ready (created,
+migrated or repaired) by :func:`dpml.store.prepare_store` before any budget is spent, and
+registration runs under the store's lock (:func:`dpml.store.store_lock`), so concurrent runs on one
+SQLite store all register and the alias ends on the newest passing release.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +23,12 @@ from mlflow import MlflowClient
 from mlflow.models import infer_signature
 
 from dpml.config import TrackingConfig
+from dpml.faults import fault_point
+from dpml.store import activate, store_lock, tracking_uri
+
+__all__ = ["CHAMPION", "clean_up_killed_runs", "load_run_json", "log_audit", "log_release", "resolve_model", "tracking_uri"]
 
 CHAMPION = "champion"
-
-
-def tracking_uri(config: TrackingConfig) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else the configured URI (SQLite by default)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or config.uri
 
 
 def _experiment_id(config: TrackingConfig) -> str:
@@ -45,7 +48,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
                 artifacts: list[Path], model: torch.nn.Module, in_features: int, version_tags: dict[str, str],
                 promote: bool, run_tags: dict[str, str], documents: dict[str, Any]) -> dict[str, Any]:
     """Log one pipeline run, register its model with ``version_tags``, alias it if ``promote``."""
-    mlflow.set_tracking_uri(tracking_uri(config))
+    activate(config)
     experiment_id = _experiment_id(config)
     client = MlflowClient()
     # A synthetic input example: a real record would copy private data into the model artifact.
@@ -54,8 +57,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
     model = model.to("cpu").eval()
     with torch.no_grad():
         output = model(torch.from_numpy(example)).numpy()
-    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name) as run:
-        mlflow.set_tags(run_tags)
+    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=run_tags) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         mlflow.log_metrics(_numeric(metrics))
         for path in artifacts:
@@ -66,16 +68,19 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
             model, name="model", input_example=example, signature=infer_signature(example, output),
             serialization_format="pt2", pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
         )
-        try:
-            client.get_registered_model(config.registered_model)
-        except mlflow.exceptions.MlflowException:
-            client.create_registered_model(config.registered_model, description="dpml releases: DP-trained, audited")
-        version = client.create_model_version(
-            name=config.registered_model, source=info.model_uri, run_id=run.info.run_id,
-            tags=version_tags, model_id=info.model_id,
-        )
-        if promote:
-            client.set_registered_model_alias(config.registered_model, CHAMPION, version.version)
+        with store_lock(config):  # one registration at a time: the alias ends on the newest passing release
+            try:
+                client.get_registered_model(config.registered_model)
+            except mlflow.exceptions.MlflowException:
+                client.create_registered_model(config.registered_model,
+                                               description="dpml releases: DP-trained, audited")
+            version = client.create_model_version(
+                name=config.registered_model, source=info.model_uri, run_id=run.info.run_id,
+                tags=version_tags, model_id=info.model_id,
+            )
+            fault_point("register:after_version")
+            if promote:
+                client.set_registered_model_alias(config.registered_model, CHAMPION, version.version)
     return {
         "run_id": run.info.run_id,
         "experiment_id": experiment_id,
@@ -87,9 +92,42 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
     }
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_up_killed_runs(config: TrackingConfig) -> list[dict[str, str]]:
+    """Runs a killed dpml process left RUNNING: mark them KILLED and delete any model version they had
+    created (registration never finished: no alias moved, no ``released`` event). Only runs started on
+    this host by a process that no longer exists are touched. Returns what was cleaned."""
+    activate(config)
+    experiment = mlflow.get_experiment_by_name(config.experiment)
+    if experiment is None:
+        return []
+    client = MlflowClient()
+    cleaned = []
+    for run in client.search_runs([experiment.experiment_id], filter_string="attributes.status = 'RUNNING'"):
+        tags = run.data.tags
+        pid = tags.get("dpml.pid", "")
+        if tags.get("dpml.host") != socket.gethostname() or not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        with store_lock(config):
+            for version in client.search_model_versions(f"run_id = '{run.info.run_id}'"):
+                client.delete_model_version(version.name, version.version)
+            client.set_terminated(run.info.run_id, status="KILLED")
+        cleaned.append({"run_id": run.info.run_id, "spend_id": tags.get("ledger.spend_id", "")})
+    return cleaned
+
+
 def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
     """A JSON artifact of a logged run; a clear ValueError when the run or the artifact is missing."""
-    mlflow.set_tracking_uri(tracking_uri(config))
+    activate(config)
     try:
         return mlflow.artifacts.load_dict(f"runs:/{run_id}/{name}")
     except mlflow.exceptions.MlflowException as error:
@@ -98,11 +136,13 @@ def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
 
 def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
     """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its run, tags, config."""
-    mlflow.set_tracking_uri(tracking_uri(config))
+    activate(config)
     client = MlflowClient()
-    if not uri.startswith("models:/"):
-        raise ValueError(f"--model {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
     rest = uri.removeprefix("models:/")
+    if not uri.startswith("models:/") or not ("@" in rest or "/" in rest) or rest.startswith(("@", "/")) \
+            or rest.endswith(("@", "/")):
+        raise ValueError(f"--model {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
+                         "(e.g. models:/dpml-digits@champion)")
     try:
         if "@" in rest:
             name, alias = rest.split("@", 1)
@@ -123,7 +163,7 @@ def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
 
 def log_audit(config: TrackingConfig, model: dict[str, Any], metrics: dict[str, Any], artifacts: list[Path]) -> str:
     """Record a re-audit of a registered version as its own run, linked from the version's tags."""
-    mlflow.set_tracking_uri(tracking_uri(config))
+    activate(config)
     with mlflow.start_run(experiment_id=_experiment_id(config), run_name=f"audit-{model['name']}-v{model['version']}") as run:
         mlflow.set_tags({"audited_model": f"{model['name']}/{model['version']}", "audited_run": model["run_id"]})
         mlflow.log_metrics(_numeric(metrics))

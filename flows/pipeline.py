@@ -22,6 +22,7 @@ from prefect import flow, get_client, unmapped
 from prefect_dask import DaskTaskRunner
 
 from dpml.config import AuditConfig, Config, check_tunable, load
+from dpml.preflight import preflight
 from tasks import stages as t
 
 
@@ -83,6 +84,7 @@ def _certify_audit_release(config: Config, results: dict[str, Any]) -> dict[str,
 def privacy_audited_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Run every stage for the configuration in ``params_path`` (plus ``overrides``)."""
     config = absolute_paths(load(params_path, overrides or []))
+    preflight(config)  # before any work: device, noise seed, writable folders, MLflow store, ledger
     results = _prepare(config)
     results["train"] = t.train(config)
     results = _certify_audit_release(config, results)
@@ -101,6 +103,7 @@ def private_hyperparameter_search(params_path: str = "params.yaml",
     """
     config = absolute_paths(load(params_path, overrides or []))
     check_tunable(config)  # before any work
+    preflight(config)
     results = _prepare(config)
     results["train"] = t.tune(config)
     return _certify_audit_release(config, results)

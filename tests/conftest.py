@@ -32,6 +32,18 @@ def small_params(tmp: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+@pytest.fixture(autouse=True)
+def _tracking_uri_does_not_leak() -> Iterator[None]:
+    """MLflow's ``set_tracking_uri`` writes MLFLOW_TRACKING_URI into the environment, where the next
+    test's subprocesses would inherit a store that is not theirs: restore it after every test."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.chdir(tmp_path)

@@ -7,6 +7,10 @@ target, plain SGD for the non-private positive control — so for every candidat
 reference models are IN and some OUT. Each model's logits on the whole pool are stored, keyed by
 a hash of everything that determines them (data version, split, preprocessing, model, training,
 privacy parameters, seed, j), so unchanged runs reuse them instead of retraining.
+
+A cache entry cannot lie: it is written atomically and carries its key and a SHA-256 of what it
+holds; an entry that is missing, cut short, unreadable, under another key or failing its checksum is
+rebuilt (retrained), never used and never a crash (:func:`read_reference`).
 """
 
 from __future__ import annotations
@@ -74,14 +78,47 @@ def reference_path(config: Config, key: str) -> Path:
     return Path(config.paths.cache) / "references" / f"{key}.npz"
 
 
+def _checksum(logits: np.ndarray, inside: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    for array in (np.ascontiguousarray(logits, dtype=np.float32), np.ascontiguousarray(inside, dtype=bool)):
+        digest.update(str(array.shape).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def write_reference(path: Path, key: str, logits: np.ndarray, inside: np.ndarray, seconds: float) -> None:
+    """Store one reference model's logits atomically, with its key and checksum."""
+    logits = logits.astype(np.float32)
+    io.write_npz(path, logits=logits, inside=inside, seconds=np.array(seconds), key=np.array(key),
+                 checksum=np.array(_checksum(logits, inside)))
+
+
+def read_reference(path: Path, key: str) -> dict[str, np.ndarray] | None:
+    """The stored entry under ``key``, or None when it is absent or cannot be trusted (then it is removed)."""
+    if not path.exists():
+        return None
+    try:
+        stored = io.read_npz(path)
+        valid = (str(stored["key"]) == key and stored["logits"].ndim == 2
+                 and stored["inside"].shape == stored["logits"].shape[:1]
+                 and str(stored["checksum"]) == _checksum(stored["logits"], stored["inside"]))
+    except Exception:  # noqa: BLE001 - a cut-short zip, a missing field, garbage: all mean "rebuild"
+        valid = False
+    if not valid:
+        path.unlink(missing_ok=True)
+        return None
+    return stored
+
+
 def train_reference(config: Config, records: AuditRecords, n_classes: int, data_version: str, *, private: bool,
                     noise_multiplier: float | None, index: int) -> dict[str, Any]:
     """Train reference model ``index`` on a seeded random half of the pool (or reuse it)."""
     key = reference_key(config, data_version, private, noise_multiplier, index)
     path = reference_path(config, key)
-    if path.exists():
-        seconds = float(io.read_npz(path)["seconds"])
-        return {"index": index, "private": private, "reused": True, "seconds": seconds, "path": str(path)}
+    stored = read_reference(path, key)
+    if stored is not None:
+        return {"index": index, "private": private, "reused": True, "seconds": float(stored["seconds"]),
+                "path": str(path)}
     start = time.perf_counter()
     rng = np.random.default_rng([config.audit.seed, index, int(private)])
     inside = rng.random(records.pool_x.shape[0]) < 0.5
@@ -89,8 +126,7 @@ def train_reference(config: Config, records: AuditRecords, n_classes: int, data_
                  noise_multiplier=noise_multiplier, seed=10_000 + 97 * index + int(private),
                  noise_seed=20_000 + 97 * index + int(private))
     seconds = time.perf_counter() - start
-    io.write_npz(path, logits=logits_of(result.model, records.pool_x).astype(np.float32), inside=inside,
-                 seconds=np.array(seconds))
+    write_reference(path, key, logits_of(result.model, records.pool_x), inside, seconds)
     return {"index": index, "private": private, "reused": False, "seconds": seconds, "path": str(path)}
 
 
@@ -99,7 +135,11 @@ def load_references(config: Config, data_version: str, private: bool, noise_mult
     """(N, pool, k) logits and (N, pool) IN masks of the stored reference models."""
     logits, inside = [], []
     for index in range(count):
-        stored = io.read_npz(reference_path(config, reference_key(config, data_version, private, noise_multiplier, index)))
+        key = reference_key(config, data_version, private, noise_multiplier, index)
+        stored = read_reference(reference_path(config, key), key)
+        if stored is None:
+            raise RuntimeError(f"reference model {index} ({'private' if private else 'control'}) is missing from the "
+                               f"cache {reference_path(config, key)} after training it; run the audit again")
         logits.append(stored["logits"].astype(np.float64))
         inside.append(stored["inside"])
     return np.stack(logits), np.stack(inside)

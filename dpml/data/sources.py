@@ -9,6 +9,7 @@ empty file, no NaN/inf, no unknown label, at least two classes. Each failure is 
 from __future__ import annotations
 
 import gzip
+import zlib
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +102,8 @@ def read_idx(path: Path) -> np.ndarray:
     try:
         with opener(path, "rb") as handle:
             blob = handle.read()
-    except (OSError, EOFError) as error:
-        raise DataError(f"{path}: cannot read ({error})") from None
+    except (OSError, EOFError, zlib.error) as error:
+        raise DataError(f"{path}: cannot read ({error}): the file is cut short or corrupt; replace it") from None
     if len(blob) < 4 or blob[0] != 0 or blob[1] != 0 or blob[2] not in _IDX_TYPES:
         raise DataError(f"{path}: wrong magic number {blob[:4].hex() or '(empty file)'}; expected 0000TTNN")
     ndim = blob[3]

@@ -7,6 +7,12 @@ the planned mechanism description; later rows only add events (``trained``, ``re
 spend counted: the ledger can over-count a run that died before touching the data, never
 under-count one that did.
 
+**When ε counts as spent.** From the reservation on — with one exception: a run that fails after its
+reservation but *before* its trainer was handed the training records (the ``started`` event) cancels
+the spend (:meth:`Ledger.cancel`, event ``cancelled``), which then no longer counts; ``dpml ledger``
+still lists it. Nothing about the data can have been released by such a run. Once ``started`` is
+recorded a spend can never be cancelled, whatever happens next (a crash, a kill, a failed gate).
+
 The dataset's total privacy loss is the **composition** of all its spends' mechanisms (all
 Poisson-subsampled Gaussian events composed in one PLD accountant, which is tighter than adding
 ε's), at the ledger's δ. Once a random-count hyperparameter search is among them (it has an RDP
@@ -139,18 +145,39 @@ class Ledger:
         mechanism = MechanismDescription.from_dict(json.loads(row[5])) if row[4] else None
         return Spend(row[0], row[1], row[2], row[3], mechanism, row[6])
 
-    def _spends(self, db: sqlite3.Connection, dataset_version: str) -> list[Spend]:
+    _COUNTED = "id NOT IN (SELECT spend_id FROM events WHERE kind = 'cancelled')"
+
+    def _spends(self, db: sqlite3.Connection, dataset_version: str, counted_only: bool = True) -> list[Spend]:
+        """The dataset version's spends; by default only those that count (not cancelled)."""
+        where = f"dataset_version = ?{' AND ' + self._COUNTED if counted_only else ''}"
         rows = db.execute("SELECT id, dataset_version, label, created_at, private, mechanism, epsilon_alone "
-                          "FROM spends WHERE dataset_version = ? ORDER BY id", (dataset_version,)).fetchall()
+                          f"FROM spends WHERE {where} ORDER BY id", (dataset_version,)).fetchall()  # noqa: S608
         return [self._spend(r) for r in rows]
 
-    def spends(self, dataset_version: str | None = None) -> list[Spend]:
+    def spends(self, dataset_version: str | None = None, counted_only: bool = True) -> list[Spend]:
+        """Spends (of one dataset version, or all); by default only those that count (not cancelled)."""
         with self._connect() as db:
             if dataset_version is not None:
-                return self._spends(db, dataset_version)
+                return self._spends(db, dataset_version, counted_only)
+            where = f" WHERE {self._COUNTED}" if counted_only else ""
             rows = db.execute("SELECT id, dataset_version, label, created_at, private, mechanism, epsilon_alone "
-                              "FROM spends ORDER BY id").fetchall()
+                              f"FROM spends{where} ORDER BY id").fetchall()  # noqa: S608
             return [self._spend(r) for r in rows]
+
+    def cancel(self, spend_id: int, reason: str) -> bool:
+        """Cancel a spend whose run failed before its trainer saw the data; False (and nothing changes)
+        once the spend has a ``started`` event — from then on it counts for ever."""
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            kinds = {row[0] for row in db.execute("SELECT kind FROM events WHERE spend_id = ?", (spend_id,))}
+            if "started" in kinds:
+                db.execute("ROLLBACK")
+                return False
+            if "cancelled" not in kinds:
+                db.execute("INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, 'cancelled', ?)",
+                           (spend_id, time.time(), json.dumps({"reason": reason})))
+            db.execute("COMMIT")
+        return True
 
     def total(self, dataset_version: str) -> float:
         """The composed ε of every private spend on the dataset version, at the ledger's δ."""
@@ -235,9 +262,11 @@ class Ledger:
     def summary(self, dataset_version: str | None = None) -> list[dict[str, Any]]:
         """Per dataset version: spends with their events, private and non-private counts, composed total."""
         out = []
-        versions = sorted({s.dataset_version for s in self.spends(dataset_version)})
+        versions = sorted({s.dataset_version for s in self.spends(dataset_version, counted_only=False)})
         for version in versions:
             spends = self.spends(version)
+            listed = self.spends(version, counted_only=False)
+            counted = {s.id for s in spends}
             out.append({
                 "dataset_version": version,
                 "epsilon_total": _compose([s.mechanism for s in spends if s.mechanism], self.delta),
@@ -246,8 +275,9 @@ class Ledger:
                 "delta": self.delta,
                 "private_spends": sum(s.mechanism is not None for s in spends),
                 "nonprivate_runs": sum(s.mechanism is None for s in spends),
+                "cancelled_spends": len(listed) - len(spends),
                 "spends": [{"id": s.id, "label": s.label, "created_at": s.created_at,
                             "epsilon_alone": s.epsilon_alone, "private": s.mechanism is not None,
-                            "events": [k for k, _ in self.events(s.id)]} for s in spends],
+                            "counted": s.id in counted, "events": [k for k, _ in self.events(s.id)]} for s in listed],
             })
         return out

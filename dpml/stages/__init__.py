@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dpml.faults import fault_point
+from dpml.preflight import preflight
 from dpml.stages.audit import audit, audit_context, audit_reference_jobs, train_audit_reference
 from dpml.stages.certify import certify
 from dpml.stages.gate import gate, total_variation_violations
@@ -51,11 +53,13 @@ def run_stage(name: str, config: Config, progress: bool = False, search: bool = 
     """
     layout = Layout(config)
     check_inputs(name, layout)
+    fault_point(f"before:{name}")
     if name == "train":
         result = (tune if search else train)(config, progress=progress)
     else:
         result = STAGES[name](config)
     check_outputs(name, layout)
+    fault_point(f"after:{name}")
     return result
 
 
@@ -67,6 +71,7 @@ def run_all(config: Config, progress: bool = False, echo: Callable[[str], None] 
     results: dict[str, Any] = {}
     if search:
         check_tunable(config)
+    preflight(config)
     for name in STAGES:
         start = time.perf_counter()
         echo(f"[dpml] {'tune' if search and name == 'train' else name} …")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
@@ -78,12 +80,21 @@ def register(config: Config) -> dict[str, Any]:
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
                              layout.model_spec, layout.tuning) if p.exists()]
+    for killed in tracking.clean_up_killed_runs(config.tracking):  # a registration a kill interrupted
+        if killed["spend_id"].isdigit() and any(s.id == int(killed["spend_id"])
+                                                 for s in ledger.spends(counted_only=False)):
+            ledger.record_event(int(killed["spend_id"]), "release_abandoned", {"run_id": killed["run_id"]})
+    # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
+    seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()
+    version_tags["noise_seed.fixed"] = seed_fixed
     release = tracking.log_release(
         config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
         params=config.flat(), metrics=metrics, artifacts=artifacts, model=load_model(layout),
         in_features=int(io.read_json(layout.prepared_meta)["n_features"]), version_tags=version_tags, promote=decision["passed"],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
-                  "gate.passed": str(decision["passed"]).lower()},
+                  "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
+                  "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
+                  "ledger.spend_id": str(spend["spend_id"])},
         documents={"config.json": config.to_dict()},
     )
     ledger.record_event(spend["spend_id"], "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})

@@ -1,13 +1,16 @@
 """Stage train (and ``dpml tune``'s search in its place): reserve the spend, train, save the model.
 
-The spend is committed to the ledger before any training starts and stays counted whatever happens
-next; a run whose composed total would exceed ``ledger.epsilon_budget`` is refused untrained. Which
+Pre-flight checks (:mod:`dpml.preflight`) run before the reservation. The spend is committed to the
+ledger before any training starts; it is cancelled if the run fails before the trainer is handed the
+records (no ``started`` event yet), and counts for ever from then on. A run whose composed total
+would exceed ``ledger.epsilon_budget`` is refused untrained. Which
 trainer runs, what it will spend and how it trains are the registry's answers
 (:mod:`dpml.train.registry`).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +20,9 @@ import torch
 
 from dpml import io
 from dpml.audit.robustness import certified_accuracy
+from dpml.faults import fault_point
 from dpml.models.mlp import pick_device
+from dpml.preflight import noise_seed_is_fixed, preflight
 from dpml.privacy.ledger import Ledger
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.stages.layout import Layout, load_part
@@ -69,18 +74,27 @@ def forget_search(layout: Layout) -> None:
 
 
 def _reserve(config: Config, layout: Layout, planned: MechanismDescription | None, purpose: str) -> tuple[Ledger, Any]:
-    """Record the planned spend in the ledger (refused over budget) and note its id beside the model."""
+    """Record the planned spend in the ledger (refused over budget), note its id beside the model, and
+    mark it ``started`` — the moment the records are handed to the trainer. A failure in between
+    cancels the spend: nothing about the data can have left the process."""
     meta = io.read_json(layout.prepared_meta)
     ledger = Ledger(config.ledger.path, config.ledger.delta)
     spend = ledger.reserve(meta["data_version"], planned, purpose, config.ledger.epsilon_budget,
                            kl_budget=config.ledger.kl_budget)
-    io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
-                                 "epsilon_alone": spend.epsilon_alone})
+    try:
+        io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
+                                     "epsilon_alone": spend.epsilon_alone})
+        fault_point("train:reserved")
+        ledger.record_event(spend.id, "started", {"pid": os.getpid()})
+    except BaseException as error:
+        ledger.cancel(spend.id, f"failed before training: {type(error).__name__}: {error}")
+        raise
     return ledger, spend
 
 
 def train(config: Config, progress: bool = False) -> dict[str, Any]:
     """Record the planned spend in the ledger, then train; save model, spec, mechanism."""
+    preflight(config)
     layout = Layout(config)
     forget_search(layout)
     trainer = trainer_for(config)
@@ -114,6 +128,7 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     from dpml.config import check_tunable, with_hyperparameters
 
     check_tunable(config)
+    preflight(config)
     layout = Layout(config)
     forget_search(layout)
     meta = io.read_json(layout.prepared_meta)
@@ -160,6 +175,7 @@ def save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechani
         "test_accuracy": accuracy(model, x_test, y_test),
         "train_accuracy": accuracy(model, x_fit, y_fit),
         "device": str(pick_device(config.train.device)),
+        "noise_seed_fixed": noise_seed_is_fixed(),
         # Wall-clock time is left out: metrics must reproduce exactly under `dvc repro`.
         **{f"train_{k}": v for k, v in history.items() if k != "seconds"},
         **(extra or {}),

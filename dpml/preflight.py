@@ -1,0 +1,114 @@
+"""Pre-flight: everything that can be checked before training is checked before the ledger reserves ε.
+
+:func:`preflight` runs at the start of every pipeline run (CLI, Prefect flow) and again inside the
+train stage before its reservation (so ``dvc repro`` and ``dpml stage train`` get it too). It checks,
+in order, and stops at the first problem with one line naming the key, value or file:
+
+1. the device (``train.device: cuda`` on a machine without CUDA);
+2. the noise-seed variable (``DPML_NOISE_SEED`` must be a non-negative integer when set; a fixed seed
+   is allowed — ``dvc repro`` needs it — but warned about, and recorded on the release);
+3. that the data, artifact, cache, ledger and MLflow artifact folders are writable;
+4. the MLflow store: created, migrated or repaired under its lock (:func:`dpml.store.prepare_store`),
+   or, for a server, reachable;
+5. the ledger: readable, and not from a newer dpml.
+
+The configuration itself was validated when it was loaded, and the data are read by the ingest stage,
+which runs before any spend.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dpml.train.dpsgd import NOISE_SEED_VARIABLE
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+
+class PreflightError(ValueError):
+    """A run that cannot succeed, found before any privacy budget was spent."""
+
+
+class FixedNoiseSeedWarning(UserWarning):
+    """``DPML_NOISE_SEED`` is set: the release is private only while that value stays secret."""
+
+
+def check_device(preference: str) -> None:
+    """``train.device: cuda`` needs a CUDA device; ``auto`` and ``cpu`` always work."""
+    import torch
+
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise PreflightError(f"train.device = 'cuda': no CUDA device is available on this machine (torch "
+                             f"{torch.__version__}); use train.device: auto (CUDA when present, else CPU) or cpu")
+
+
+def noise_seed_is_fixed() -> bool:
+    """True when the operator fixed the noise seed (reproducible, and private only while secret)."""
+    return bool(os.environ.get(NOISE_SEED_VARIABLE, "").strip())
+
+
+def check_noise_seed() -> None:
+    """``DPML_NOISE_SEED``, when set, must be an integer in [0, 2⁶³); a fixed seed is warned about."""
+    text = os.environ.get(NOISE_SEED_VARIABLE, "").strip()
+    if not text:
+        return
+    try:
+        value = int(text)
+    except ValueError:
+        raise PreflightError(f"{NOISE_SEED_VARIABLE} = {text!r}: must be a non-negative integer (or unset, for a "
+                             "fresh secret seed per run)") from None
+    if not 0 <= value < 2 ** 63:
+        raise PreflightError(f"{NOISE_SEED_VARIABLE} = {text!r}: must be in [0, 2^63)")
+    warnings.warn(f"{NOISE_SEED_VARIABLE} is set: the noise is reproducible, and the release is private only while "
+                  "that value stays secret (recorded on the MLflow run and model version as noise_seed.fixed=true; "
+                  "the value itself is never written)", FixedNoiseSeedWarning, stacklevel=2)
+
+
+def check_writable(key: str, folder: str | Path) -> None:
+    """Create ``folder`` if needed and write (then remove) a file in it."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=".dpml-preflight-", dir=folder)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as error:
+        raise PreflightError(f"{key} = {str(folder)!r}: cannot write there ({error.strerror or error}); choose a "
+                             "writable folder or free some space") from None
+
+
+def folders(config: Config) -> dict[str, Path]:
+    """Every folder a run writes to, by the key that names it."""
+    from dpml.store import sqlite_path, tracking_uri
+
+    out = {"paths.data": Path(config.paths.data), "paths.artifacts": Path(config.paths.artifacts),
+           "paths.cache": Path(config.paths.cache), "ledger.path": Path(config.ledger.path).parent,
+           "tracking.artifact_root": Path(config.tracking.artifact_root)}
+    database = sqlite_path(tracking_uri(config.tracking))
+    if database is not None:
+        out["tracking.uri"] = database.parent
+    return out
+
+
+def preflight(config: Config) -> None:
+    """Run every check (module docstring); raise :class:`PreflightError` at the first failure."""
+    from dpml.privacy.ledger import Ledger, LedgerError
+    from dpml.store import StoreError, prepare_store
+
+    check_device(config.train.device)
+    check_noise_seed()
+    for key, folder in folders(config).items():
+        check_writable(key, folder)
+    try:
+        prepare_store(config.tracking)
+    except StoreError as error:
+        raise PreflightError(str(error)) from None
+    try:
+        Ledger(config.ledger.path, config.ledger.delta)
+    except LedgerError as error:
+        raise PreflightError(f"ledger.path = {config.ledger.path!r}: {error}") from None

@@ -1,0 +1,192 @@
+"""The MLflow store, made ready before any privacy budget is spent, and safe against kills and races.
+
+A SQLite store is created or migrated exactly once, under a file lock beside it (``<db>.lock``):
+
+- **created** in a temporary file in the same folder and renamed into place, so the store's path only
+  ever holds a fully migrated database (a kill during creation leaves a stray temporary file, which the
+  next run removes under the lock);
+- **migrated** on a copy, renamed over the original when the migration finished, so a kill during an
+  upgrade leaves the old, intact store;
+- **repaired** when it is half-migrated (a kill inside MLflow's own creation, by an older dpml or by
+  ``mlflow ui``): a store at a schema revision other than the head that holds no run and no registered
+  model is set aside as ``<db>.broken-<time>`` and created afresh; one that holds runs is migrated on a
+  copy, and if that fails it is left untouched with a clear error.
+
+Registration (registered model, version, ``champion`` alias) runs under the same lock (:func:`store_lock`),
+so concurrent runs on one store all register and the alias moves to the newest passing release. A
+tracking *server* (``http(s)://``) serialises writes itself; it is checked for reachability only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from dpml.sections import TrackingConfig
+
+
+class StoreError(RuntimeError):
+    """The MLflow store cannot be used; the message names it and what to do."""
+
+
+_SET_BY_DPML: set[str] = set()
+
+
+def tracking_uri(config: TrackingConfig) -> str:
+    """``MLFLOW_TRACKING_URI`` if the user set it, else the configured URI (SQLite by default).
+
+    ``mlflow.set_tracking_uri`` writes that variable too, so a value dpml itself activated earlier in
+    this process (:func:`activate`) does not override the configuration of a later run.
+    """
+    from_environment = os.environ.get("MLFLOW_TRACKING_URI")
+    if from_environment and from_environment not in _SET_BY_DPML:
+        return from_environment
+    return config.uri
+
+
+def activate(config: TrackingConfig) -> str:
+    """Point MLflow's fluent API at this configuration's store; return its URI."""
+    import mlflow
+
+    uri = tracking_uri(config)
+    _SET_BY_DPML.add(uri)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for any other store)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+@contextmanager
+def store_lock(config: TrackingConfig) -> Iterator[None]:
+    """Hold the store's file lock (a no-op for a tracking server, which serialises writes itself)."""
+    path = sqlite_path(tracking_uri(config))
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prepare_store(config: TrackingConfig) -> str:
+    """Create, migrate or repair the store (see the module docstring); return what was done."""
+    uri = tracking_uri(config)
+    path = sqlite_path(uri)
+    if path is None:
+        return _check_server(uri)
+    try:
+        with store_lock(config):
+            for stray in path.parent.glob(f".{path.name}.creating-*"):
+                stray.unlink(missing_ok=True)  # left by a run killed while creating the store
+            if not path.exists():
+                _create(path, config)
+                return "created"
+            revision = _revision(path)
+            if revision == _head():
+                return "ready"
+            if _holds_nothing(path):
+                broken = path.with_name(f"{path.name}.broken-{int(time.time())}")
+                os.replace(path, broken)
+                _create(path, config)
+                return f"repaired (a half-created store was set aside as {broken.name})"
+            _upgrade_copy(path, revision)
+            return f"migrated from schema {revision}"
+    except OSError as error:
+        raise StoreError(f"tracking.uri = {uri!r}: cannot use {path} ({error.strerror or error}); choose a "
+                         "writable folder") from None
+
+
+def _head() -> str:
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    return str(_get_latest_schema_revision())
+
+
+def _revision(path: Path) -> str | None:
+    """The store's alembic revision (None: no revision recorded — never finished creating)."""
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.DatabaseError:
+        return None
+    return None if row is None else str(row[0])
+
+
+def _holds_nothing(path: Path) -> bool:
+    """True when the store has no run and no registered model (nothing would be lost by recreating it)."""
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            for table in ("runs", "registered_models", "model_versions"):
+                if table in tables and db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]:  # noqa: S608
+                    return False
+    except sqlite3.DatabaseError:
+        return not path.stat().st_size  # unreadable: only an empty file is safe to replace
+    return True
+
+
+def _initialise(path: Path, artifact_root: str) -> None:
+    """Run MLflow's own creation and migrations on the database at ``path``."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore(f"sqlite:///{path}", str(Path(artifact_root).resolve()))
+    store.engine.dispose()
+
+
+def _create(path: Path, config: TrackingConfig) -> None:
+    temp = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    try:
+        _initialise(temp, config.artifact_root)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _upgrade_copy(path: Path, revision: str | None) -> None:
+    from mlflow.store.db.utils import _upgrade_db, create_sqlalchemy_engine
+
+    temp = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    try:
+        shutil.copy2(path, temp)
+        engine = create_sqlalchemy_engine(f"sqlite:///{temp}")
+        try:
+            _upgrade_db(engine)
+        finally:
+            engine.dispose()
+        os.replace(temp, path)
+    except Exception as error:  # noqa: BLE001 - any migration failure leaves the original untouched
+        raise StoreError(f"MLflow store {path} is at schema {revision} and could not be migrated to {_head()} "
+                         f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); it was not modified — back it up and run "
+                         f"`mlflow db upgrade sqlite:///{path}`") from None
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _check_server(uri: str) -> str:
+    """A tracking server or other store must answer a cheap query."""
+    from mlflow import MlflowClient
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as error:  # noqa: BLE001 - whatever the client raises, the store is not usable
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StoreError(f"tracking.uri = {uri!r}: the MLflow store does not answer ({first}); start the server "
+                         "or fix the URI") from None
+    return "reachable"

@@ -1,0 +1,329 @@
+"""Unattended runs: misconfigurations cost nothing, kills leave a usable store and an honest ledger,
+caches cannot lie, and every user error is one line.
+
+Faults are real: subprocesses killed by SIGKILL at named points (``DPML_FAULT``), MLflow's own store
+creation killed mid-migration, concurrent first runs on one new store, cut-short cache files.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import REPO, small_params, write_params
+from dpml.privacy.ledger import Ledger
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "DPML_NOISE_SEED": "11"}
+
+
+def dpml(workdir: Path, *args: str, fault: str | None = None, extra_env: dict[str, str] | None = None,
+         timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    env = {**ENV, **(extra_env or {})}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    if fault:
+        env["DPML_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "dpml.cli", *args], cwd=workdir, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The run failed with exactly one ``dpml: error:`` line and no traceback."""
+    assert result.returncode not in (0, -signal.SIGKILL), result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dpml: error:")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+def quick_params(workdir: Path, attacks: tuple[str, ...] = ("loss",), **sections: dict) -> Path:
+    params = small_params(workdir, audit={"references": 1, "attacks": list(attacks), "bootstrap": 0,
+                                          "white_box_canaries": 0}, gate={"epsilon_budget": 10.0}, **sections)
+    params["tracking"]["registered_model"] = "dpml-reliability"
+    return write_params(workdir / "params.yaml", params)
+
+
+def ledger_of(workdir: Path) -> Ledger:
+    return Ledger(workdir / "ledger.db", 1e-5)
+
+
+def counted_spends(workdir: Path) -> int:
+    return len(ledger_of(workdir).spends()) if (workdir / "ledger.db").exists() else 0
+
+
+# ------------------------------------------------------------------------- misconfigurations cost nothing
+
+
+@pytest.mark.parametrize("override, env, message", [
+    (["--set", "train.device=cuda"], {}, r"train\.device = 'cuda': no CUDA device"),
+    ([], {"DPML_NOISE_SEED": "abc"}, r"DPML_NOISE_SEED = 'abc': must be a non-negative integer"),
+])
+def test_a_misconfigured_run_spends_nothing(workdir: Path, override: list[str], env: dict[str, str],
+                                            message: str) -> None:
+    import torch
+
+    if "train.device=cuda" in override and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: train.device=cuda is valid here")
+    quick_params(workdir)
+    result = dpml(workdir, "run", "--engine", "local", *override, extra_env=env)
+    line = one_error_line(result)
+    assert __import__("re").search(message, line), line
+    assert counted_spends(workdir) == 0
+    assert not (workdir / "data" / "raw").exists()  # stopped before the first stage
+    # the same failure from the train stage alone (what dvc repro runs) also spends nothing
+    assert dpml(workdir, "stage", "ingest").returncode == 0
+    for stage in ("split", "preprocess"):
+        assert dpml(workdir, "stage", stage).returncode == 0
+    one_error_line(dpml(workdir, "stage", "train", *override, extra_env=env))
+    assert counted_spends(workdir) == 0
+
+
+def test_an_unwritable_output_folder_is_refused_before_any_work(workdir: Path) -> None:
+    blocker = workdir / "not-a-folder"
+    blocker.write_text("a file where a folder should be")
+    quick_params(workdir)
+    line = one_error_line(dpml(workdir, "run", "--engine", "local", "--set", f"paths.artifacts={blocker}/art"))
+    assert "paths.artifacts" in line and "cannot write there" in line
+    assert counted_spends(workdir) == 0
+
+
+def test_a_failure_between_reservation_and_training_cancels_the_spend(workdir: Path) -> None:
+    quick_params(workdir)
+    for stage in ("ingest", "split", "preprocess"):
+        assert dpml(workdir, "stage", stage).returncode == 0
+    (workdir / "artifacts" / "train" / "spend.json").mkdir(parents=True)  # the spend note cannot be written
+    one_error_line(dpml(workdir, "stage", "train"))
+    ledger = ledger_of(workdir)
+    [spend] = ledger.spends(counted_only=False)
+    assert ledger.spends() == [] and [kind for kind, _ in ledger.events(spend.id)] == ["cancelled"]
+    listing = dpml(workdir, "ledger")
+    assert listing.returncode == 0 and "(not counted)" in listing.stdout and "1 cancelled" in listing.stdout
+    # a spend that has started can never be cancelled
+    (workdir / "artifacts" / "train" / "spend.json").rmdir()
+    assert dpml(workdir, "stage", "train").returncode == 0
+    started = ledger.spends()[0]
+    assert ledger.cancel(started.id, "too late") is False and len(ledger.spends()) == 1
+
+
+# --------------------------------------------------------------------------------------- kills and races
+
+
+def test_kills_at_stage_boundaries_and_inside_registration(workdir: Path) -> None:
+    """SIGKILL after the reservation, after training, inside registration: the ledger counts what was
+    spent, the store stays usable, the half-registered version is removed, and the next run completes."""
+    from mlflow import MlflowClient
+
+    quick_params(workdir)
+    killed = dpml(workdir, "run", "--engine", "local", fault="train:reserved")
+    assert killed.returncode == -signal.SIGKILL
+    assert counted_spends(workdir) == 1  # reserved and not cancelled: a kill is indistinguishable from a crash
+    killed = dpml(workdir, "run", "--engine", "local", fault="after:train")
+    assert killed.returncode == -signal.SIGKILL and counted_spends(workdir) == 2
+    killed = dpml(workdir, "run", "--engine", "local", fault="register:after_version")
+    assert killed.returncode == -signal.SIGKILL and counted_spends(workdir) == 3
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    [half] = client.search_model_versions("name='dpml-reliability'")
+    assert client.get_run(half.run_id).info.status == "RUNNING"
+    total_before = ledger_of(workdir).summary()[0]["epsilon_total"]
+
+    done = dpml(workdir, "run", "--engine", "local")
+    assert done.returncode == 0, done.stderr
+    assert client.get_run(half.run_id).info.status == "KILLED"
+    versions = client.search_model_versions("name='dpml-reliability'")
+    assert [v.run_id for v in versions] != [half.run_id] and len(versions) == 1
+    assert client.get_registered_model("dpml-reliability").aliases["champion"] == versions[0].version
+    ledger = ledger_of(workdir)
+    spends = ledger.spends()
+    assert len(spends) == 4
+    assert "release_abandoned" in [k for k, _ in ledger.events(spends[2].id)]
+    assert "released" in [k for k, _ in ledger.events(spends[3].id)]
+    assert ledger.summary()[0]["epsilon_total"] > total_before  # nothing forgotten, the new run added
+
+
+def test_concurrent_first_runs_on_one_new_store_all_register(tmp_path: Path) -> None:
+    shared = {"tracking": {"uri": f"sqlite:///{tmp_path / 'shared' / 'mlflow.db'}",
+                           "artifact_root": str(tmp_path / "shared" / "mlartifacts"),
+                           "experiment": "dpml-test", "registered_model": "dpml-race"},
+              "ledger": {"path": str(tmp_path / "shared" / "ledger.db"), "epsilon_budget": 1000.0, "delta": 1e-5}}
+    runs = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        params = small_params(folder, audit={"references": 1, "attacks": ["loss"], "bootstrap": 0,
+                                             "white_box_canaries": 0})
+        params |= {key: dict(value) for key, value in shared.items()}
+        write_params(folder / "params.yaml", params)
+        env = {**ENV}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        runs.append(subprocess.Popen([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=folder,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [run.communicate(timeout=900) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=shared["tracking"]["uri"])
+    versions = client.search_model_versions("name='dpml-race'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+    assert len(Ledger(shared["ledger"]["path"], 1e-5).spends()) == 2
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5, 2.5])
+def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, delay: float) -> None:
+    """MLflow's own creation killed at some point of its migrations: dpml's next run still works."""
+    from dpml.sections import TrackingConfig
+    from dpml.store import prepare_store
+
+    database = tmp_path / "mlflow.db"
+    creator = subprocess.Popen([sys.executable, "-c", "import sys; from mlflow.store.tracking.sqlalchemy_store import "
+                                "SqlAlchemyStore; SqlAlchemyStore(sys.argv[1], sys.argv[2])",
+                                f"sqlite:///{database}", str(tmp_path / "art")], env=ENV)
+    time.sleep(delay)
+    creator.send_signal(signal.SIGKILL)
+    creator.wait()
+    config = TrackingConfig(uri=f"sqlite:///{database}", artifact_root=str(tmp_path / "art"))
+    outcome = prepare_store(config)
+    assert outcome in ("ready", "created") or outcome.startswith("repaired"), outcome
+    assert prepare_store(config) == "ready"
+    _log_one_run(config)
+
+
+def test_a_half_migrated_store_is_set_aside_and_one_with_runs_is_never_touched(tmp_path: Path) -> None:
+    from dpml.sections import TrackingConfig
+    from dpml.store import StoreError, prepare_store
+
+    config = TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"))
+    assert prepare_store(config) == "created"
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:  # what a kill between two migrations leaves
+        db.execute("UPDATE alembic_version SET version_num = '0a8213491aaa'")
+    assert prepare_store(config).startswith("repaired")
+    assert list(tmp_path.glob("mlflow.db.broken-*"))
+    _log_one_run(config)
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = '0a8213491aaa'")
+    before = (tmp_path / "mlflow.db").read_bytes()
+    with pytest.raises(StoreError, match="could not be migrated .* it was not modified"):
+        prepare_store(config)
+    assert (tmp_path / "mlflow.db").read_bytes() == before
+
+
+def _log_one_run(config) -> None:  # noqa: ANN001
+    import mlflow
+
+    from dpml.store import activate
+
+    activate(config)
+    with mlflow.start_run():
+        mlflow.log_metric("x", 1.0)
+    assert mlflow.search_runs(search_all_experiments=True).shape[0] >= 1
+
+
+# ------------------------------------------------------------------------------------- caches cannot lie
+
+
+def test_a_cut_short_or_foreign_cache_entry_is_rebuilt_and_never_used(tmp_path: Path) -> None:
+    from dpml.audit.references import read_reference, write_reference
+
+    logits, inside = np.random.default_rng(0).normal(size=(50, 3)), np.arange(50) % 2 == 0
+    path = tmp_path / "ref.npz"
+    write_reference(path, "key-a", logits, inside, 1.5)
+    stored = read_reference(path, "key-a")
+    assert stored is not None and np.array_equal(stored["logits"], logits.astype(np.float32))
+    assert read_reference(path, "key-b") is None and not path.exists()  # another key's entry
+    write_reference(path, "key-a", logits, inside, 1.5)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut short
+    assert read_reference(path, "key-a") is None and not path.exists()
+    write_reference(path, "key-a", logits, inside, 1.5)
+    tampered = dict(np.load(path))
+    tampered["logits"] = tampered["logits"] + 1.0
+    np.savez(path.with_suffix(""), **tampered)  # valid archive, wrong content for its checksum
+    assert read_reference(path, "key-a") is None
+
+
+def test_a_corrupted_reference_cache_does_not_change_the_audit(workdir: Path) -> None:
+    import json
+
+    quick_params(workdir, attacks=("loss", "rmia-online"))
+    assert dpml(workdir, "run", "--engine", "local").returncode == 0
+    first = json.loads((workdir / "artifacts" / "audit" / "audit.json").read_text())
+    entries = sorted((workdir / "cache" / "references").glob("*.npz"))
+    assert entries
+    entries[0].write_bytes(entries[0].read_bytes()[:100])
+    if len(entries) > 1:
+        entries[1].write_bytes(b"not a zip file")
+    again = dpml(workdir, "stage", "audit")
+    assert again.returncode == 0, again.stderr
+    second = json.loads((workdir / "artifacts" / "audit" / "audit.json").read_text())
+    assert second["target"]["attacks"] == first["target"]["attacks"]
+    assert second["references"]["trained_by_this_stage"] >= 1
+
+
+# ------------------------------------------------------------------------------ one line per user error
+
+
+def _bad_gz_folder(root: Path) -> Path:
+    folder = root / "idx"
+    folder.mkdir()
+    images = np.zeros((20, 2, 2), dtype=np.uint8)
+    blob = bytes([0, 0, 8, 3]) + b"".join(int(d).to_bytes(4, "big") for d in images.shape) + images.tobytes()
+    full = gzip.compress(blob)
+    (folder / "train-images-idx3-ubyte.gz").write_bytes(full[: len(full) // 2])
+    labels = bytes([0, 0, 8, 1]) + (20).to_bytes(4, "big") + bytes(range(2)) * 10
+    (folder / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(labels))
+    return folder
+
+
+def test_a_corpus_of_bad_inputs_each_gives_one_line(workdir: Path) -> None:
+    quick_params(workdir)
+    bomb = workdir / "bomb.yaml"
+    bomb.write_text("a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(8)))
+    folder = _bad_gz_folder(workdir)
+    corpus = [
+        (["epsilon", "--noise-multiplier", "inf", "--sample-rate", "0.01", "--steps", "100"], "finite"),
+        (["epsilon", "--noise-multiplier", "nan", "--sample-rate", "0.01", "--steps", "100"], "finite"),
+        (["calibrate", "--target-epsilon", "1", "--noise-multiplier", "inf", "--sample-rate", "0.01"], "finite"),
+        (["epsilon", "--noise-multiplier", "1e9", "--sample-rate", "0.01", "--steps", "100"], "(0, 1e6]"),
+        (["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "1e99"], "integer"),
+        (["run", "--engine", "local", "--params", str(bomb)], "aliases expand"),
+        (["run", "--engine", "local", "--set", "dp.delta=[1,"], "dp.delta"),
+        (["run", "--engine", "local", "--set", "dp.delta=1.5"], "dp.delta = 1.5"),
+        (["audit", "--model", "models:/dpml-reliability"], "models:/NAME@ALIAS or models:/NAME/VERSION"),
+        (["run", "--engine", "local", "--set", f"data.source=idx:{folder}"], "cut short or corrupt"),
+        (["run", "--engine", "local", "--params", str(workdir / "missing.yaml")], "does not exist"),
+    ]
+    for args, expected in corpus:
+        line = one_error_line(dpml(workdir, *args, timeout=300))
+        assert expected in line, (args, line)
+    assert counted_spends(workdir) == 0
+    # a closed pipe is not an error
+    piped = subprocess.run(f"{sys.executable} -m dpml.cli epsilon --noise-multiplier 1 --sample-rate 0.01 --steps 100 "
+                           "| head -c 1", shell=True, cwd=workdir, env=ENV, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
+    # --debug shows the traceback
+    debug = dpml(workdir, "--debug", "run", "--engine", "local", "--set", f"data.source=idx:{folder}")
+    assert "Traceback" in debug.stderr
+
+
+def test_a_fixed_noise_seed_is_warned_about_and_recorded(workdir: Path) -> None:
+    from mlflow import MlflowClient
+
+    quick_params(workdir)
+    result = dpml(workdir, "run", "--engine", "local")
+    assert result.returncode == 0, result.stderr
+    assert "dpml: warning: DPML_NOISE_SEED is set" in result.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    [version] = client.search_model_versions("name='dpml-reliability'")
+    assert version.tags["noise_seed.fixed"] == "true"
+    assert client.get_run(version.run_id).data.tags["noise_seed.fixed"] == "true"
+    assert "11" not in {v for k, v in client.get_run(version.run_id).data.params.items() if "seed" in k.lower()}
+    params = yaml.safe_load((workdir / "params.yaml").read_text())
+    assert "DPML_NOISE_SEED" not in str(params)
