@@ -41,7 +41,8 @@ def _summary(results: dict[str, Any]) -> str:
         f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "
         f"training; {audit['references']['found_stored']} found stored by the audit stage, "
         f"{audit['references']['trained_by_this_stage']} trained by it)",
-        f"  dataset total        ε = {release['dataset_epsilon_total']:.4g} over every DP run on this data (dpml ledger)",
+        f"  lineage {release['lineage']:<12} largest unit ε = {release['lineage_max_unit_epsilon']:.4g} over every DP "
+        "release of this data set (dpml ledger)",
         f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
@@ -134,13 +135,45 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
-    from dpml.privacy.ledger import Ledger
+    from dpml.stages.train import open_ledger
 
     config = load(args.params, args.set)
-    summary = Ledger(config.ledger.path, config.ledger.delta).summary(args.dataset)
+    summary = open_ledger(config).summary(args.dataset)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
+    if not summary:
+        print(f"{config.ledger.path}: no spends recorded" + (f" for lineage {args.dataset!r}" if args.dataset else ""))
+    budget = config.ledger.epsilon_budget
+    for entry in summary:
+        print(_lineage_text(entry, budget))
+    return 0
+
+
+def _lineage_text(entry: dict[str, Any], budget: float) -> str:
+    """``dpml ledger``'s view of one lineage: versions, spends, people by ε, the largest."""
+    versions = entry["dataset_versions"]
+    lines = [f"lineage {entry['lineage']}: {len(versions)} data version(s), {entry['private_spends']} DP runs, "
+             f"{entry['nonprivate_runs']} non-private"
+             + (f", {entry['cancelled_spends']} cancelled before training (not counted)" if entry["cancelled_spends"] else ""),
+             f"  largest unit ε = {entry['epsilon_total']:.4g} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
+             f"{max(budget - entry['epsilon_total'], 0):.4g} left for the most exposed); {entry['units']:,} units"]
+    if entry["unit_epsilon"]:
+        levels = entry["unit_epsilon"]
+        shown = "  ".join(f"ε {eps:.4g}: {count:,}" for eps, count in levels[:12])
+        lines.append(f"  units by ε   {shown}" + (f"  … {len(levels) - 12} more levels" if len(levels) > 12 else ""))
+    if entry["unknown_unit_spends"]:
+        lines.append("  spends with unknown units (charged to every unit): "
+                     + ", ".join(f"#{i}" for i in entry["unknown_unit_spends"]))
+    if entry.get("filter_order"):
+        lines.append(f"  individual Rényi filter at order α* = {entry['filter_order']:g} (ledger.on_exhausted: exclude)")
+    for spend in entry["spends"]:
+        alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
+        units = "" if spend["units"] is None else f"{spend['units']:,} units"
+        counted = "" if spend["counted"] else "  (not counted)"
+        lines.append(f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
+                     f"[{', '.join(spend['events']) or 'reserved'}]  data {spend['dataset_version'][:12]}{counted}")
+    return "\n".join(lines)
     if not summary:
         print(f"{config.ledger.path}: no spends recorded")
     for entry in summary:
@@ -311,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     mechanism_args(cal, required=False)
     cal.set_defaults(func=cmd_calibrate)
 
-    led = sub.add_parser("ledger", help="the privacy budget ledger: every run per dataset version, composed")
-    led.add_argument("--dataset", default=None, help="one dataset version (content hash)")
+    led = sub.add_parser("ledger", help="the privacy budget ledger: per lineage, its spends and each person's ε")
+    led.add_argument("--dataset", default=None, help="one lineage (ledger.dataset; default: every lineage)")
     led.add_argument("--json", action="store_true")
     config_args(led)
     led.set_defaults(func=cmd_ledger)

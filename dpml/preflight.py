@@ -10,7 +10,7 @@ in order, and stops at the first problem with one line naming the key, value or 
 3. that the data, artifact, cache, ledger and MLflow artifact folders are writable;
 4. the MLflow store: created, migrated or repaired under its lock (:func:`dpml.store.prepare_store`),
    or, for a server, reachable;
-5. the ledger: readable, and not from a newer dpml.
+5. the ledger: readable, not from a newer dpml, and its unit key present and its own.
 
 The configuration itself was validated when it was loaded, and the data are read by the ingest stage,
 which runs before any spend.
@@ -97,7 +97,8 @@ def folders(config: Config) -> dict[str, Path]:
 
 def preflight(config: Config) -> None:
     """Run every check (module docstring); raise :class:`PreflightError` at the first failure."""
-    from dpml.privacy.ledger import Ledger, LedgerError
+    from dpml.privacy.ledger import LedgerError
+    from dpml.stages.train import open_ledger
     from dpml.store import StoreError, prepare_store
 
     check_device(config.train.device)
@@ -109,6 +110,6 @@ def preflight(config: Config) -> None:
     except StoreError as error:
         raise PreflightError(str(error)) from None
     try:
-        Ledger(config.ledger.path, config.ledger.delta)
+        open_ledger(config).check_unit_key()
     except LedgerError as error:
         raise PreflightError(f"ledger.path = {config.ledger.path!r}: {error}") from None

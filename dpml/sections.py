@@ -31,12 +31,17 @@ class DataConfig(Section):
     breast_cancer), ``idx:DIR`` (MNIST-format IDX files), ``csv:PATH`` or ``parquet:PATH``.
     Tabular sources need ``label_column`` and ``feature_columns`` and, because the label set is a
     constant that must not be read off the private data, the list of ``classes``.
+
+    ``id_column`` (tabular sources) names the column that identifies the *privacy unit* — the person
+    a budget protects; several rows may share one id, and each unit then keeps one of its rows
+    (:mod:`dpml.privacy.units`). Without it every row is its own unit, identified by its content.
     """
 
     source: str = "sklearn:digits"
     label_column: str | None = None
     feature_columns: list[str] | None = None
     classes: list[str | int] | None = None
+    id_column: str | None = None
 
     @field_validator("source")
     @classmethod
@@ -62,11 +67,20 @@ class DataConfig(Section):
             ]
             if missing:
                 raise ValueError(f"a {scheme} source needs data.{', data.'.join(missing)}")
+        if self.id_column is not None:
+            if scheme not in ("csv", "parquet"):
+                raise ValueError(f"data.id_column = {self.id_column!r}: only a csv or parquet source has columns; "
+                                 f"{scheme}: records are units by their content")
+            if self.id_column == self.label_column or self.id_column in (self.feature_columns or []):
+                raise ValueError(f"data.id_column = {self.id_column!r} is also the label or a feature column; an id "
+                                 "must never be a model input")
         return self
 
 
 class SplitConfig(Section):
-    """Deterministic, seeded, stratified split into train / test / audit population.
+    """Deterministic, seeded split of the privacy units into train / test / audit population: each unit
+    keeps one row and is placed by its own seeded draw, so it stays in its part as the table grows
+    (:mod:`dpml.data.split`).
 
     Sources with a predefined test part (IDX ``t10k``) keep it as the test set and ignore
     ``test_fraction``. The audit population is never trained on: it supplies the attacks'
@@ -313,17 +327,27 @@ class GateConfig(Section):
 
 
 class LedgerConfig(Section):
-    """The privacy budget ledger: composed ε of every run on a dataset version, at ``delta``.
+    """The privacy budget ledger: each person's composed ε over every release of a lineage, at ``delta``.
+
+    ``dataset`` names the lineage — one account shared by every version of a data set (default: the
+    name of ``data.source``: ``adult`` for ``csv:data/adult.csv``, ``fashion-mnist`` for
+    ``idx:…/fashion-mnist``). ``epsilon_budget`` is per privacy unit. ``on_exhausted``: ``refuse`` a
+    run when any unit of its training data would go over (default), or ``exclude`` such units and
+    train without them (an individual Rényi filter, Feldman & Zrnic 2021). ``unit_key`` is the secret
+    file that keys the unit ids the ledger stores (default ``<path>.key``, created with mode 0600).
 
     KL-private runs (seed 000) are summed in KL (the chain rule composes adaptively) against
-    ``kl_budget`` (``null``: refused). A dataset with a KL-only release has no finite (ε, δ) total,
-    and (ε, δ)-DP runs have no KL bound, so the two kinds exclude each other on one dataset version.
+    ``kl_budget`` (``null``: refused). A unit with a KL-only release has no finite (ε, δ), and
+    (ε, δ)-DP runs have no KL bound, so the two kinds exclude each other on one unit.
     """
 
     path: str = "ledger.db"
     epsilon_budget: float = Field(10.0, gt=0)
     delta: float = Field(1e-5, gt=0, lt=1)
     kl_budget: float | None = Field(None, gt=0)
+    dataset: str | None = Field(None, min_length=1, max_length=200)
+    on_exhausted: Literal["refuse", "exclude"] = "refuse"
+    unit_key: str | None = None
 
 
 class TrackingConfig(Section):

@@ -8,8 +8,9 @@ import pytest
 
 from dpml.config import DataConfig, PreprocessConfig, SplitConfig
 from dpml.data.preprocess import clip_input_norms, preprocess, scale_features
-from dpml.data.sources import DataError, content_hash, load_idx, load_sklearn, load_source, read_idx
+from dpml.data.sources import DataError, RawData, content_hash, load_idx, load_sklearn, load_source, read_idx
 from dpml.data.split import split_indices
+from dpml.privacy.units import digests_of_ids, digests_of_rows
 
 
 def write_idx(path: Path, array: np.ndarray, gz: bool = True) -> Path:
@@ -112,26 +113,56 @@ def test_empty_csv_file(tmp_path: Path) -> None:
         load_source(config)
 
 
-def test_split_is_deterministic_disjoint_and_stratified() -> None:
+def _units(raw: RawData) -> np.ndarray:
+    return digests_of_rows(raw.x, raw.y)
+
+
+def test_split_is_deterministic_disjoint_and_covers_every_class() -> None:
     raw = load_sklearn("digits")
+    units = _units(raw)
     config = SplitConfig(seed=3, test_fraction=0.2, audit_fraction=0.25)
-    first, second = split_indices(raw, config), split_indices(raw, config)
+    first, second = split_indices(raw, units, config), split_indices(raw, units, config)
     assert all(np.array_equal(getattr(first, p), getattr(second, p)) for p in ("train", "test", "audit"))
     parts = [set(first.train), set(first.test), set(first.audit)]
     assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
-    assert sum(map(len, parts)) == raw.x.shape[0]
-    assert abs(len(first.audit) / raw.x.shape[0] - 0.25) < 0.01
+    n_units = np.unique(units.view("V16")).size
+    assert sum(map(len, parts)) == n_units == raw.x.shape[0] - first.rows_dropped
+    assert abs(len(first.audit) / n_units - 0.25) < 0.035  # each unit's own draw: binomial, 3.5 sd
     for part in (first.train, first.test, first.audit):
         assert set(raw.y[part]) == set(range(10))
-    other = split_indices(raw, SplitConfig(seed=4, test_fraction=0.2, audit_fraction=0.25))
+    other = split_indices(raw, units, SplitConfig(seed=4, test_fraction=0.2, audit_fraction=0.25))
     assert not np.array_equal(first.train, other.train)
+
+
+def test_split_is_stable_as_the_table_grows_and_neighbours_differ_in_one_unit() -> None:
+    raw = load_sklearn("digits")
+    units = _units(raw)
+    config = SplitConfig(seed=1, test_fraction=0.2, audit_fraction=0.2)
+    n = 1500
+    small = RawData(raw.x[:n], raw.y[:n], raw.classes, raw.feature_names, raw.origin)
+    before, after = split_indices(small, units[:n], config), split_indices(raw, units, config)
+    for part in ("train", "test", "audit"):  # every unit of the smaller table stays in its part
+        old, new = getattr(before, part), getattr(after, part)
+        assert set(old.tolist()) <= set(new.tolist())
+    without = np.delete(np.arange(raw.x.shape[0]), after.train[7])  # one unit fewer
+    neighbour = split_indices(RawData(raw.x[without], raw.y[without], raw.classes, raw.feature_names, raw.origin),
+                              units[without], config)
+    assert set(without[neighbour.train].tolist()) == set(after.train.tolist()) - {int(after.train[7])}
+
+
+def test_rows_sharing_a_unit_keep_one() -> None:
+    raw = load_sklearn("iris")
+    ids = [i // 3 for i in range(raw.x.shape[0])]  # 50 people with three rows each
+    parts = split_indices(raw, digests_of_ids(ids), SplitConfig(seed=0, test_fraction=0.2, audit_fraction=0.2))
+    rows = np.concatenate([parts.train, parts.test, parts.audit])
+    assert parts.rows_dropped == 100 and sorted(ids[r] for r in rows) == list(range(50))
 
 
 def test_split_keeps_predefined_test(tmp_path: Path) -> None:
     raw = load_idx(make_idx_dir(tmp_path, n=100))
-    parts = split_indices(raw, SplitConfig(audit_fraction=0.2, max_train=50))
+    parts = split_indices(raw, _units(raw), SplitConfig(audit_fraction=0.2, max_train=50))
     assert parts.test_is_predefined and parts.test.tolist() == list(range(20))
-    assert len(parts.train) == 50 and len(parts.audit) == 20 and not set(parts.train) & set(parts.audit)
+    assert len(parts.train) == 50 and not set(parts.train) & set(parts.audit) and len(parts.audit) > 0
 
 
 def test_content_hash_changes_with_data() -> None:

@@ -28,6 +28,8 @@ class RawData:
     """Records as loaded: ``x`` (n, d) float64, ``y`` (n,) int64 indices into ``classes``.
 
     ``x_test``/``y_test`` hold a test part predefined by the source (IDX ``t10k``), else None.
+    ``units`` holds each row's privacy-unit digest when the source names an id column
+    (:mod:`dpml.privacy.units`); None: every row is its own unit, identified by its content.
     """
 
     x: np.ndarray
@@ -38,6 +40,7 @@ class RawData:
     x_test: np.ndarray | None = None
     y_test: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
+    units: np.ndarray | None = None
 
 
 def content_hash(*arrays: np.ndarray) -> str:
@@ -164,8 +167,9 @@ def load_idx(directory: str | Path) -> RawData:
 
 
 def load_table(path: str | Path, kind: str, label_column: str, feature_columns: list[str],
-               classes: list[str | int]) -> RawData:
-    """A CSV or Parquet table with declared label and feature columns and a declared class list."""
+               classes: list[str | int], id_column: str | None = None) -> RawData:
+    """A CSV or Parquet table with declared label and feature columns and a declared class list;
+    ``id_column`` names the privacy unit of each row (every row needs one)."""
     import pandas as pd
 
     path = Path(path)
@@ -175,7 +179,8 @@ def load_table(path: str | Path, kind: str, label_column: str, feature_columns: 
         raise DataError(f"{path}: the file is empty") from None
     except Exception as error:  # parser errors of either format
         raise DataError(f"{path}: cannot parse as {kind}: {error}") from None
-    missing = [c for c in [label_column, *feature_columns] if c not in frame.columns]
+    missing = [c for c in [label_column, *feature_columns, *([id_column] if id_column else [])]
+               if c not in frame.columns]
     if missing:
         raise DataError(f"{path}: column(s) {missing} not found; the file has {list(frame.columns)}")
     if len(frame) == 0:
@@ -207,7 +212,18 @@ def load_table(path: str | Path, kind: str, label_column: str, feature_columns: 
         row, col = (int(v) for v in np.argwhere(bad)[0])
         raise DataError(f"{path}: row {row}, column {feature_columns[col]!r}: value {x[row, col]} is not finite")
     check_records(x, y, len(names), str(path))
-    return RawData(x=x, y=y, classes=names, feature_names=list(feature_columns), origin=origin)
+    units = None
+    if id_column is not None:
+        from dpml.privacy.units import digests_of_ids
+
+        ids = frame[id_column]
+        absent = ids.isna().to_numpy() | (ids.astype(str).str.strip() == "").to_numpy()
+        if absent.any():
+            row = int(np.argmax(absent))
+            raise DataError(f"{path}: row {row}, column {id_column!r}: missing id; every row needs the id of the "
+                            "person it belongs to (data.id_column)")
+        units = digests_of_ids(ids.tolist())
+    return RawData(x=x, y=y, classes=names, feature_names=list(feature_columns), origin=origin, units=units)
 
 
 def _label_key(value: object) -> str:
@@ -226,4 +242,4 @@ def load_source(config: DataConfig) -> RawData:
     if not Path(rest).is_file():
         raise DataError(f"{rest}: file does not exist")
     assert config.label_column and config.feature_columns and config.classes  # checked by the schema
-    return load_table(rest, scheme, config.label_column, config.feature_columns, config.classes)
+    return load_table(rest, scheme, config.label_column, config.feature_columns, config.classes, config.id_column)

@@ -31,6 +31,35 @@ def _kl_certificate(certificate: dict[str, Any]) -> list[str]:
     return lines
 
 
+def lineage_lines(ledger: dict[str, Any], budget: float | None, excluded: int = 0) -> list[str]:
+    """The lineage paragraph: what every release of this data set together has cost its people."""
+    levels = ", ".join(f"{count:,} at ε = {eps:.4g}" for eps, count in ledger["unit_epsilon"][:8])
+    more = len(ledger["unit_epsilon"]) - 8
+    lines = [
+        f"**Lineage {ledger['lineage']!r}: every release together.** The ε above is what this model alone costs "
+        "each person whose record trained it. Across all "
+        f"{ledger['private_spends']} DP releases of this data set ({len(ledger['dataset_versions'])} version(s)), "
+        f"the most exposed person has ε = {ledger['epsilon_total']:.4g} at δ = {ledger['delta']:g} "
+        f"(budget {_fmt(budget)} per person): each person's loss is the composition of the releases that "
+        "used their record.",
+    ]
+    if levels:
+        lines.append(f"People by ε: {levels}" + (f", and {more} more levels" if more > 0 else "") + ".")
+    if ledger["unknown_unit_spends"]:
+        lines.append(f"{len(ledger['unknown_unit_spends'])} release(s) recorded before units were tracked are "
+                     "charged to every person of the lineage.")
+    if excluded:
+        lines.append(f"{excluded:,} people whose budget was spent were left out of this model's training data "
+                     "(ledger.on_exhausted: exclude; an individual Rényi filter, Feldman & Zrnic 2021).")
+    if ledger["nonprivate_runs"]:
+        lines.append(f"{ledger['nonprivate_runs']} non-private baseline run(s) also used this data; their models "
+                     "carry no guarantee and must not leave this registry.")
+    if ledger.get("kl_total") is not None:
+        lines.append(f"KL-private releases sum to KL = {ledger['kl_total']:.4g} for the most exposed person (the "
+                     "(ε, δ) loss is unbounded once a KL-only release used a record).")
+    return lines
+
+
 def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str, Any] | None,
            audit: dict[str, Any], gate: dict[str, Any], ledger: dict[str, Any] | None = None,
            budget: float | None = None) -> str:
@@ -74,13 +103,7 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
                      f"under {mech['neighbouring']}; n = {mech['dataset_size']} training records")
         lines += [f"- {note}" for note in mech.get("notes", [])]
     if ledger is not None:
-        lines += ["", f"**Dataset total.** All {ledger['private_spends']} DP runs on this dataset version, composed "
-                  f": ε = {ledger['epsilon_total']:.4g} at δ = {ledger['delta']:g}, of a budget of {_fmt(budget)}."
-                  + (f" {ledger['nonprivate_runs']} non-private baseline run(s) also used it; their models carry "
-                     "no guarantee and must not leave this registry." if ledger["nonprivate_runs"] else "")]
-        if ledger.get("kl_total") is not None:
-            lines.append(f"KL-private runs on this dataset version sum to KL = {ledger['kl_total']:.4g} (the (ε, δ) "
-                         "total is unbounded once a KL-only release exists).")
+        lines += ["", *lineage_lines(ledger, budget, train.get("units_excluded", 0))]
     robust = sorted((int(k.rsplit("_r", 1)[1]), v) for k, v in train.items() if k.startswith("robust_certified_accuracy_r"))
     if robust:
         from dpml.audit.robustness import robustness_units

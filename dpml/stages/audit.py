@@ -16,7 +16,7 @@ from dpml import io
 from dpml.audit.plots import plot_histograms, plot_roc
 from dpml.audit.references import AuditRecords, audit_records, train_reference
 from dpml.audit.run import needs_references, run_audit, subject_config
-from dpml.stages.layout import Layout, load_model, load_part
+from dpml.stages.layout import Layout, load_model, load_part, load_trained_part
 from dpml.stages.train import release_config, released_noise_multiplier
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class AuditContext:
 def audit_context(config: Config) -> AuditContext:
     """Everything the audit needs besides the model: records, σ of the target, data version."""
     layout = Layout(config)
-    x_train, y_train = load_part(layout, "train")
+    x_train, y_train = load_trained_part(layout)  # less any units the ledger's filter excluded
     if layout.validation.exists():  # after dpml tune the model never trained on the validation rows
         keep = np.ones(y_train.size, dtype=bool)
         keep[io.read_npz(layout.validation)["rows"]] = False

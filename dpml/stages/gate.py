@@ -15,9 +15,9 @@ import numpy as np
 
 from dpml import io
 from dpml.audit.run import gating_lower_bounds
-from dpml.privacy.ledger import Ledger
 from dpml.report.privacy_report import render
 from dpml.stages.layout import Layout
+from dpml.stages.train import lineage_of, open_ledger
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -78,7 +78,7 @@ def gate(config: Config) -> dict[str, Any]:
         "clip_norm": config.preprocess.clip_norm, "clip_mode": config.preprocess.clip_mode, "features": config.preprocess.features,
         "version": io.read_json(layout.raw_meta)["version"],
     }
-    ledger = Ledger(config.ledger.path, config.ledger.delta).summary(data["version"])
+    ledger = open_ledger(config).summary(lineage_of(config))
     report = render(data=data, train=io.read_json(layout.train_metrics), certificate=certificate,
                     audit=summary, gate=decision, ledger=ledger[0] if ledger else None,
                     budget=config.ledger.epsilon_budget)

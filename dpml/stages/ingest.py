@@ -1,11 +1,15 @@
-"""Stage ingest: load the configured source, check the records, store them with their content hash."""
+"""Stage ingest: load the configured source, check the records, store them with their content hash and
+each row's privacy-unit digest (:mod:`dpml.privacy.units`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dpml import io
 from dpml.data.sources import content_hash, load_source
+from dpml.privacy.units import digests_of_rows
 from dpml.stages.layout import Layout
 
 if TYPE_CHECKING:
@@ -19,12 +23,15 @@ def ingest(config: Config) -> dict[str, Any]:
     arrays = {"x": raw.x, "y": raw.y}
     if raw.x_test is not None and raw.y_test is not None:
         arrays |= {"x_test": raw.x_test, "y_test": raw.y_test}
-    version = content_hash(*arrays.values())
-    io.write_npz(layout.raw, **arrays)
+    version = content_hash(*arrays.values(), *([raw.units] if raw.units is not None else []))
+    units = raw.units if raw.units is not None else digests_of_rows(raw.x, raw.y)
+    io.write_npz(layout.raw, **arrays, units=units)
     meta = {
         "origin": raw.origin, "classes": raw.classes, "feature_names": raw.feature_names,
         "version": version, "n_records": int(raw.x.shape[0]), "n_features": int(raw.x.shape[1]),
         "predefined_test": raw.x_test is not None,
+        "unit": f"column {config.data.id_column!r}" if config.data.id_column else "row content",
+        "n_units": int(np.unique(np.ascontiguousarray(units).view("V16")).size),
     }
     io.write_json(layout.raw_meta, meta)
     return meta

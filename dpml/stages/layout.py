@@ -37,6 +37,7 @@ class Layout:
         self.model_spec = art / "train" / "model.json"
         self.mechanism = art / "train" / "mechanism.json"
         self.spend = art / "train" / "spend.json"
+        self.excluded = art / "train" / "excluded.npz"
         self.train_metrics = art / "train" / "metrics.json"
         self.certificate = art / "certify" / "certificate.json"
         self.certify_metrics = art / "certify" / "metrics.json"
@@ -77,11 +78,11 @@ CONTRACT: dict[str, StageFiles] = {
     "split": StageFiles(reads=("raw", "raw_meta"), writes=("split",)),
     "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta")),
     "train": StageFiles(reads=(*PREPARED, "prepared_meta"),
-                        writes=("model", "model_spec", "mechanism", "spend", "train_metrics"),
+                        writes=("model", "model_spec", "mechanism", "spend", "excluded", "train_metrics"),
                         optional=("tuning", "validation")),
     "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics")),
     "audit": StageFiles(reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta",
-                               "raw_meta"),
+                               "raw_meta", "excluded"),
                         writes=("audit", "scores", "roc_png", "roc_csv", "histograms_png", "audit_metrics"),
                         optional=("roc_control_png",)),
     "gate": StageFiles(reads=("certificate", "audit", "scores", "train_metrics", "prepared_meta", "raw_meta"),
@@ -118,6 +119,21 @@ def load_part(layout: Layout, part: str) -> tuple[np.ndarray, np.ndarray]:
     """The prepared records of one part (train, test or audit) as (x, y)."""
     arrays = io.read_npz(layout.prepared[part])
     return arrays["x"], arrays["y"]
+
+
+def load_units(layout: Layout) -> np.ndarray:
+    """The privacy-unit digests of the prepared training part, row by row (:mod:`dpml.privacy.units`)."""
+    return io.read_npz(layout.prepared["train"])["units"]
+
+
+def load_trained_part(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """The training part less the rows the ledger's filter excluded: the records the model saw."""
+    x, y = load_part(layout, "train")
+    if layout.excluded.exists():
+        keep = np.ones(y.size, dtype=bool)
+        keep[io.read_npz(layout.excluded)["rows"]] = False
+        x, y = x[keep], y[keep]
+    return x, y
 
 
 def load_model(layout: Layout) -> torch.nn.Module:

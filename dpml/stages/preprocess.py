@@ -26,7 +26,9 @@ def preprocess(config: Config) -> dict[str, Any]:
         xs, ys = sources[part]
         rows = index[part]
         prepared = preprocess_records(arrays[xs][rows], config.preprocess)
-        io.write_npz(layout.prepared[part], x=prepared.x.astype(np.float32), y=arrays[ys][rows].astype(np.int64))
+        units = {"units": arrays["units"][rows]} if part == "train" else {}  # whom the trainer's records belong to
+        io.write_npz(layout.prepared[part], x=prepared.x.astype(np.float32), y=arrays[ys][rows].astype(np.int64),
+                     **units)
         summary[f"n_{part}"] = int(rows.size)
         summary[f"clipped_fraction_{part}"] = prepared.clipped_fraction
         summary["n_features"] = int(prepared.x.shape[1])  # the model's inputs (after any feature extractor)

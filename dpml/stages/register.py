@@ -8,11 +8,10 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
-from dpml.privacy.ledger import Ledger
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.stages.audit import strongest
 from dpml.stages.layout import Layout, load_model
-from dpml.stages.train import release_config
+from dpml.stages.train import lineage_of, open_ledger, release_config
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -36,14 +35,18 @@ def register(config: Config) -> dict[str, Any]:
     mechanism = "none (non-private)"
     if certificate:
         mechanism = MechanismDescription.from_dict(certificate["mechanism"]).summary()
-    ledger = Ledger(config.ledger.path, config.ledger.delta)
+    ledger = open_ledger(config)
     spend = io.read_json(layout.spend)
-    dataset_total = ledger.total(data_meta["version"])
+    lineage = spend.get("lineage") or lineage_of(config)
+    lineage_max = ledger.total(lineage)
     version_tags = {
         "dp.epsilon": f"{epsilon:.6g}",
         "privacy.guarantee": "none" if not certificate else certificate.get("kind", "dp"),
-        "dp.dataset_epsilon_total": f"{dataset_total:.6g}",
-        "dp.dataset_delta": f"{config.ledger.delta:g}",
+        "dp.lineage": lineage,
+        "dp.lineage_max_unit_epsilon": f"{lineage_max:.6g}",
+        "dp.lineage_delta": f"{config.ledger.delta:g}",
+        "dp.units_trained": "unknown" if spend.get("units") is None else str(spend["units"]),
+        "dp.units_excluded": str(train_metrics.get("units_excluded", 0)),
         "ledger.spend_id": str(spend["spend_id"]),
         "dp.delta": f"{config.dp.delta:g}",
         "dp.accountant": f"{certificate['accountant']} {certificate['accountant_version']}" if certificate else "none",
@@ -99,6 +102,6 @@ def register(config: Config) -> dict[str, Any]:
     )
     ledger.record_event(spend["spend_id"], "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})
     release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
-                "dataset_epsilon_total": dataset_total}
+                "lineage": lineage, "lineage_max_unit_epsilon": lineage_max}
     io.write_json(layout.release, release)
     return release

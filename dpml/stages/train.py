@@ -1,9 +1,10 @@
 """Stage train (and ``dpml tune``'s search in its place): reserve the spend, train, save the model.
 
-Pre-flight checks (:mod:`dpml.preflight`) run before the reservation. The spend is committed to the
-ledger before any training starts; it is cancelled if the run fails before the trainer is handed the
-records (no ``started`` event yet), and counts for ever from then on. A run whose composed total
-would exceed ``ledger.epsilon_budget`` is refused untrained. Which
+Pre-flight checks (:mod:`dpml.preflight`) run before the reservation. The spend and the privacy units
+it touches are committed to the ledger before any training starts; the spend is cancelled if the run
+fails before the trainer is handed the records (no ``started`` event yet), and counts for ever from
+then on. A run that would take any unit of its training data over ``ledger.epsilon_budget`` is refused
+untrained, or — ``ledger.on_exhausted: exclude`` — trains without those units. Which
 trainer runs, what it will spend and how it trains are the registry's answers
 (:mod:`dpml.train.registry`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +25,9 @@ from dpml.audit.robustness import certified_accuracy
 from dpml.faults import fault_point
 from dpml.models.mlp import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
-from dpml.privacy.ledger import Ledger
+from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage
 from dpml.privacy.mechanism import MechanismDescription
-from dpml.stages.layout import Layout, load_part
+from dpml.stages.layout import Layout, load_part, load_units
 from dpml.train.fit import fit, model_spec
 from dpml.train.registry import trainer_for
 from dpml.train.search import run_search, validation_rows
@@ -73,17 +75,62 @@ def forget_search(layout: Layout) -> None:
         path.unlink(missing_ok=True)
 
 
-def _reserve(config: Config, layout: Layout, planned: MechanismDescription | None, purpose: str) -> tuple[Ledger, Any]:
-    """Record the planned spend in the ledger (refused over budget), note its id beside the model, and
-    mark it ``started`` — the moment the records are handed to the trainer. A failure in between
-    cancels the spend: nothing about the data can have left the process."""
+def lineage_of(config: Config) -> str:
+    """The ledger account of this data set: ``ledger.dataset``, else the name of ``data.source``."""
+    return config.ledger.dataset or default_lineage(config.data.source)
+
+
+def open_ledger(config: Config) -> Ledger:
+    return Ledger(config.ledger.path, config.ledger.delta, unit_key=config.ledger.unit_key)
+
+
+def filter_units(config: Config, units: np.ndarray,
+                 plan_for: Callable[[np.ndarray], MechanismDescription | None]) -> tuple[np.ndarray, MechanismDescription | None]:
+    """``ledger.on_exhausted: exclude``: the mask of training units that may take part under the
+    lineage's Rényi filter, and the mechanism planned for exactly those (fewer units → a larger
+    sampling rate → more loss per unit, so this repeats until the set is stable)."""
+    keep = np.ones(units.shape[0], dtype=bool)
+    planned = plan_for(keep)
+    if planned is None or config.ledger.on_exhausted != "exclude":
+        return keep, planned
+    if planned.guarantee == "kl":
+        raise ValueError(f"ledger.on_exhausted = 'exclude' needs an (ε, δ)-DP trainer; train.algorithm = "
+                         f"{config.train.algorithm!r} is KL-private (use on_exhausted: refuse)")
+    ledger = open_ledger(config)
+    for _ in range(50):
+        allowed = keep & ledger.units_within_filter(lineage_of(config), units, planned, config.ledger.epsilon_budget)
+        if not allowed.any():
+            raise BudgetExceeded(f"lineage {lineage_of(config)!r}: every one of the {units.shape[0]:,} privacy units "
+                                 "in this run's training data has exhausted its budget "
+                                 f"(ledger.epsilon_budget = {config.ledger.epsilon_budget:g}); nothing to train on. "
+                                 "Nothing was recorded.")
+        if allowed.sum() == keep.sum():
+            return keep, planned
+        keep = allowed
+        planned = plan_for(keep)
+    raise RuntimeError("the set of units within their budget did not settle in 50 rounds")
+
+
+def write_exclusions(layout: Layout, keep: np.ndarray) -> None:
+    """The training-part rows left out by the filter: the audit must not count them as members."""
+    io.write_npz(layout.excluded, rows=np.flatnonzero(~keep))
+
+
+def _reserve(config: Config, layout: Layout, planned: MechanismDescription | None, purpose: str,
+             units: np.ndarray) -> tuple[Ledger, Any]:
+    """Record the planned spend and the units it touches in the ledger (refused when a unit would go
+    over budget), note its id beside the model, and mark it ``started`` — the moment the records are
+    handed to the trainer. A failure in between cancels the spend: nothing about the data can have
+    left the process."""
     meta = io.read_json(layout.prepared_meta)
-    ledger = Ledger(config.ledger.path, config.ledger.delta)
+    ledger = open_ledger(config)
     spend = ledger.reserve(meta["data_version"], planned, purpose, config.ledger.epsilon_budget,
-                           kl_budget=config.ledger.kl_budget)
+                           kl_budget=config.ledger.kl_budget, lineage=lineage_of(config), units=units,
+                           mode=config.ledger.on_exhausted)
     try:
         io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
-                                     "epsilon_alone": spend.epsilon_alone})
+                                     "epsilon_alone": spend.epsilon_alone, "lineage": spend.lineage,
+                                     "units": spend.n_units})
         fault_point("train:reserved")
         ledger.record_event(spend.id, "started", {"pid": os.getpid()})
     except BaseException as error:
@@ -100,11 +147,13 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     trainer = trainer_for(config)
     meta = io.read_json(layout.prepared_meta)
     x_np, y_np = load_part(layout, "train")
-    n, n_classes = int(x_np.shape[0]), len(meta["classes"])
-    check_delta(config, n)
+    units, n_classes, d = load_units(layout), len(meta["classes"]), int(x_np.shape[1])
+    keep, planned = filter_units(config, units, lambda keep: trainer.plan(config, int(keep.sum()), d, n_classes))
+    x_np, y_np, units = x_np[keep], y_np[keep], units[keep]
+    check_delta(config, int(x_np.shape[0]))
     sigma = trainer.noise_multiplier(config)
-    planned = trainer.plan(config, n, int(x_np.shape[1]), n_classes)
-    ledger, spend = _reserve(config, layout, planned, f"{trainer.name} model ({config.data.source})")
+    write_exclusions(layout, keep)
+    ledger, spend = _reserve(config, layout, planned, f"{trainer.name} model ({config.data.source})", units)
     try:
         held_out = load_part(layout, "audit") if trainer.guarantee == "kl" else None  # KL-estimate probes
         result = fit(config, x_np, y_np, n_classes, private=trainer.private, noise_multiplier=sigma,
@@ -115,7 +164,8 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
         ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
         raise
     ledger.record_event(spend.id, "trained", {"steps": result.history.get("steps")})
-    return save_trained(config, layout, result.model, result.mechanism, x_np, y_np, result.history)
+    return save_trained(config, layout, result.model, result.mechanism, x_np, y_np, result.history,
+                        {"units_excluded": int((~keep).sum())})
 
 
 def tune(config: Config, progress: bool = False) -> dict[str, Any]:
@@ -133,15 +183,23 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     forget_search(layout)
     meta = io.read_json(layout.prepared_meta)
     x_np, y_np = load_part(layout, "train")
+    units, trainer = load_units(layout), trainer_for(config)
+
+    def plan_for(m: int) -> Any:
+        return trainer.search_plan(config, m - validation_rows(m, config).size, m)
+
+    keep, _ = filter_units(config, units, lambda keep: plan_for(int(keep.sum())).mechanism)
+    x_np, y_np, units = x_np[keep], y_np[keep], units[keep]
     n = int(x_np.shape[0])
     check_delta(config, n)
+    write_exclusions(layout, keep)
     rows = validation_rows(n, config)
     fit_mask = np.ones(n, dtype=bool)
     fit_mask[rows] = False
     x_fit, y_fit = x_np[fit_mask], y_np[fit_mask]
-    plan = trainer_for(config).search_plan(config, int(x_fit.shape[0]), n)
+    plan = plan_for(n)
     selection = plan.mechanism.selection.describe() if plan.mechanism.selection else ""
-    ledger, spend = _reserve(config, layout, plan.mechanism, f"dpml tune: {selection} ({config.data.source})")
+    ledger, spend = _reserve(config, layout, plan.mechanism, f"dpml tune: {selection} ({config.data.source})", units)
     try:
         best = run_search(config, x_fit, y_fit, x_np[rows], y_np[rows], len(meta["classes"]), plan, progress)
         if best is None:
@@ -155,7 +213,7 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     io.write_json(layout.tuning, {"chosen": best.chosen, "noisy_validation_accuracy": best.noisy_validation_accuracy,
                                   "selection": selection or None, "space": config.tune.space,
                                   "validation_records": int(rows.size)})
-    extra = {"noisy_validation_accuracy": best.noisy_validation_accuracy,
+    extra = {"noisy_validation_accuracy": best.noisy_validation_accuracy, "units_excluded": int((~keep).sum()),
              **{f"chosen.{k}": v for k, v in best.chosen.items()}}
     return save_trained(with_hyperparameters(config, best.chosen), layout, best.model, plan.mechanism, x_fit, y_fit,
                         best.history, extra)
