@@ -206,6 +206,13 @@ def filter_bound(order: float, budget: float, delta: float) -> float:
     return budget - math.log1p(-1.0 / order) + math.log(delta * order) / (order - 1.0)
 
 
+def _units_phrase(units: int) -> str:
+    """How a budget refusal names the units it is about (a run without a unit list is charged to all)."""
+    if units == 0:
+        return "every privacy unit of the lineage (this run's data carries no unit list)"
+    return f"{units:,} privacy units of this run"
+
+
 def _curve_to_json(curve: np.ndarray) -> str:
     return json.dumps([float(v) if np.isfinite(v) else None for v in curve])
 
@@ -562,12 +569,12 @@ class Ledger:
         for history, candidate, units in zip(standing.histories, candidates, standing.units):
             if any(accounts.mechanism(s).guarantee != "kl" for s in accounts.counted(history)):
                 raise BudgetExceeded(
-                    f"lineage {lineage!r}: {int(units):,} privacy units of this run already have (ε, δ)-DP spends, "
+                    f"lineage {lineage!r}: {_units_phrase(int(units))} already have (ε, δ)-DP spends, "
                     "which bound no KL divergence; a KL-private run cannot be accounted on them. Nothing was recorded.")
             before, after = accounts.kl(history), accounts.kl(candidate)
             if after > kl_budget:
                 raise BudgetExceeded(
-                    f"lineage {lineage!r}: {int(units):,} privacy units of this run would go from KL = {before:.4g} to "
+                    f"lineage {lineage!r}: {_units_phrase(int(units))} would go from summed KL = {before:.4g} to "
                     f"{after:.4g}, over ledger.kl_budget = {kl_budget:g}. Nothing was recorded.")
 
     def _within_filter(self, accounts: _Accounts, histories: list[History], planned: int, budget: float,
