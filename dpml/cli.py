@@ -36,6 +36,7 @@ def _summary(results: dict[str, Any]) -> str:
     for bound in audit["one_run"]:
         lines.append(f"    {bound['method']:<22} ε ≥ {bound['epsilon']:.3f} ({bound['inputs']['correct']}/"
                      f"{bound['inputs']['guesses']} guesses right, {bound['inputs']['canaries']} canaries)")
+    lines += power_summary(audit) + conformance_summary_lines(audit)
     lines += [
         f"  empirical ε bound    {audit['max_lower_bound']:.4g} (largest gating lower bound; certified {eps:.4g})",
         f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "
@@ -108,10 +109,33 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(f"  {name:<22} AUC {r['auc']:.3f}, TPR@1%FPR {r['tpr_at_1pct_fpr']:.3f}, TPR@0.1%FPR {r['tpr_at_0.1pct_fpr']:.3f}")
     for bound in audit["one_run"]:
         print(f"  {bound['method']:<22} ε ≥ {bound['epsilon']:.3f}")
-    verdict = "consistent with" if result["consistent"] else "EXCEEDS"
+    for line in power_summary(audit) + conformance_summary_lines(audit):
+        print(line)
+    verdict = "consistent with" if audit["max_lower_bound"] <= result["certified_epsilon"] else "EXCEEDS"
     print(f"  largest empirical lower bound ε ≥ {audit['max_lower_bound']:.4g}: {verdict} the certified "
           f"ε = {result['certified_epsilon']:.4g}")
+    if not result["conforms"]:
+        print("  the trainer does NOT conform to its certificate (see the conformance lines above)")
     return 0 if result["consistent"] else 3
+
+
+def power_summary(audit: dict) -> list[str]:
+    """One line per ε lower-bound method: its power (largest reportable bound) and whether it gates."""
+    lines = []
+    for name, entry in audit.get("power", {}).items():
+        role = "gates" if entry["gating"] else "not counted: " + entry.get("note", "")
+        lines.append(f"    power {name:<24} {entry['power']:.3f}  ({role})")
+    return lines
+
+
+def conformance_summary_lines(audit: dict) -> list[str]:
+    """The conformance checks of the trainer against its certificate, one line each."""
+    conformance = audit.get("conformance")
+    if not conformance:
+        return []
+    if not conformance["ran"]:
+        return [f"  conformance          not checked: {conformance['reason']}"]
+    return [f"  conformance          {'PASSED' if c['passed'] else 'FAILED'} {c['line']}" for c in conformance["checks"]]
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -260,6 +260,11 @@ class AuditConfig(Section):
     white_box_canaries: int = Field(1000, ge=0)
     black_box_canaries: int = Field(500, ge=0)
     one_run_guess_fraction: float = Field(0.2, gt=0, le=1)
+    white_box_scoring: Literal["likelihood_ratio", "sum"] = "likelihood_ratio"
+    conformance: bool = True
+    conformance_false_alarm: float = Field(1e-6, gt=0, lt=0.5)
+    conformance_tolerance: float = Field(0.05, ge=0, lt=0.5)
+    canary_gradient_norm: float = Field(5.0, gt=1)
     workers: int = Field(2, ge=1)
     dask_address: str | None = None
 

@@ -14,30 +14,34 @@ from dpml import stages
 from dpml.config import load
 from dpml.models.mlp import MlpSpec, build_mlp
 from dpml.privacy.mechanism import PoissonGaussianSteps
-from dpml.train.dpsgd import GradientCanaries, train_dpsgd
+from dpml.audit.conformance import ConformanceProbe, canary_scores
+from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
 from tests.conftest import small_params, write_params
 
 
 def test_gradient_canary_observations_follow_the_subsampled_gaussian() -> None:
-    """Included canaries gain C/(q n) whenever sampled (≈ T·C/n in all); noise std √T·σC/(q n)."""
+    """Included canaries gain C per sampled step (≈ T·q·C in all), excluded ones none; each canary's
+    summed observation has noise std √T·σC — as seen by the auditor's probe through the trainer."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
     model = build_mlp(MlpSpec(5, (), 3))
     m = 18  # all 18 parameters
     rng = np.random.default_rng(0)
-    canaries = GradientCanaries(coordinates=rng.permutation(m), included=np.arange(m) % 2 == 0)
     q, sigma, clip, epochs = 0.2, 0.5, 1.0, 40.0
+    probe = ConformanceProbe(x, y, per_example_cross_entropy, sigma, clip, q, 200, rng.permutation(m),
+                             np.arange(m) % 2 == 0)
     result = train_dpsgd(model, x, y, sample_rate=q, epochs=epochs, clip_norm=clip, noise_multiplier=sigma,
                          neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.01), seed=1,
-                         canaries=canaries)
+                         canaries=probe.canaries())
     n_total, steps = 200 + 9, 200
     assert result.mechanism.dataset_size == n_total
-    scores = result.canary_scores
-    noise_sd = np.sqrt(steps) * sigma * clip / (q * n_total)
-    gap = scores[canaries.included].mean() - scores[~canaries.included].mean()
-    assert gap == pytest.approx(steps * clip / n_total, abs=4 * noise_sd / 3)
-    assert scores[~canaries.included].std() == pytest.approx(noise_sd, rel=0.6)
+    scores = canary_scores(probe, "sum")
+    noise_sd = np.sqrt(steps) * sigma * clip
+    included = probe.included
+    gap = scores[included].mean() - scores[~included].mean()
+    assert gap == pytest.approx(steps * q * clip, abs=4 * noise_sd / 3)
+    assert scores[~included].std() == pytest.approx(noise_sd, rel=0.6)
 
 
 def broken_train_dpsgd(*args, noise_multiplier: float, **kwargs):

@@ -221,3 +221,17 @@ def one_run_guesses(scores: np.ndarray, included: np.ndarray, k_in: int, k_out: 
     bottom = order[:k_out]
     correct = int(included[top].sum()) + int((~included[bottom]).sum())
     return k_in + k_out, correct
+
+
+def hypothesis_test_power(members: int, nonmembers: int, delta: float, confidence: float = 0.95,
+                          correction: Literal["split", "bonferroni"] = "split", thresholds: int = 100) -> float:
+    """The largest ε :func:`hypothesis_test_bound` can report on this many records: every record
+    classified right (FPR = FNR = 0 observed, so only the Clopper–Pearson limits remain). A certified
+    ε above it can be violated without this method ever showing it."""
+    return hypothesis_test_bound(np.ones(members), np.zeros(nonmembers), delta, confidence, correction,
+                                 thresholds).epsilon
+
+
+def one_run_power(canaries: int, guesses: int, delta: float, confidence: float = 0.95) -> float:
+    """The largest ε :func:`one_run_bound` can report: all ``guesses`` right."""
+    return one_run_bound(canaries, guesses, guesses, delta, confidence).epsilon

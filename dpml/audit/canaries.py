@@ -2,13 +2,17 @@
 
 Both modes train one extra model with the target's exact configuration and σ:
 
-- **white box**: Dirac gradient canaries (see :class:`dpml.train.dpsgd.GradientCanaries`), scored
-  by their coordinate of the observed updates over all iterates. Audits the noise and the
-  accounting of the all-iterates threat model; with σ as certified it cannot exceed ε.
+- **white box**: Dirac gradient canaries of norm 5C (see :class:`dpml.train.dpsgd.GradientCanaries`)
+  that go through the trainer's own Poisson sampler and clipping, scored from their coordinate of
+  every observed update (per-step likelihood ratio by default, ``audit.white_box_scoring``). The
+  same run carries the conformance checks of :mod:`dpml.audit.conformance` (noise, clipping,
+  sampling against ``mechanism.json``): those, not this bound, are what catch half noise, missing
+  clipping or shuffled batches — the bound's power (its value when every guess is right) is only a
+  little above typical certified ε.
 - **black box**: canary *records* from the audit population (never in the training set) with
   their labels replaced by a different, seeded random class (mislabelled records are the
-  usual strong canaries), scored by −loss of the final model. Audits clipping, sampling and
-  noise end to end.
+  usual strong canaries), scored by −loss of the final model. With a few hundred canaries its
+  power is below ε ≈ 2 (see the audit's ``power``), so at such ε it is reported, not counted.
 
 Guesses: IN for the k highest scores and OUT for the k lowest, k = ⌈guess_fraction·m/2⌉.
 """
@@ -16,39 +20,79 @@ Guesses: IN for the k highest scores and OUT for the k lowest, k = ⌈guess_frac
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dpml.audit.bounds import one_run_bound, one_run_guesses
 from dpml.audit.signals import cross_entropy_losses, logits_of
 from dpml.config import Config
-from dpml.train.dpsgd import GradientCanaries
 from dpml.train.fit import fit
+
+if TYPE_CHECKING:
+    from dpml.audit.conformance import Check
 
 
 def _bound(scores: np.ndarray, included: np.ndarray, config: Config, confidence: float, mode: str) -> dict[str, Any]:
-    k = max(1, math.ceil(config.audit.one_run_guess_fraction * scores.size / 2))
+    k = max(1, math.ceil(config.audit.one_run_guess_fraction * scores.size / 2))  # (see *_guesses above)
     guesses, correct = one_run_guesses(scores, included, k, k)
     bound = one_run_bound(scores.size, guesses, correct, config.dp.delta, confidence)
     return bound.to_dict() | {"method": f"one_run_{mode}"}
 
 
-def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, noise_multiplier: float,
-                    confidence: float) -> dict[str, Any]:
-    """Train once with Dirac gradient canaries inserted; bound ε from how well they are found."""
-    from dpml.models import build_model
-    from dpml.train.fit import model_spec
+def white_box_canary_count(config: Config, n_params: int) -> int:
+    """m: ``audit.white_box_canaries``, at most one per trainable coordinate (and at least 64 for the
+    conformance checks when the one-run bound is switched off)."""
+    return min(max(config.audit.white_box_canaries, 64), n_params)
 
-    n_params = sum(p.numel() for p in build_model(model_spec(config, x.shape[1], n_classes)).parameters())
-    m = min(config.audit.white_box_canaries, n_params)
+
+def white_box_guesses(config: Config, n_params: int) -> tuple[int, int]:
+    m = white_box_canary_count(config, n_params)
+    return m, 2 * max(1, math.ceil(config.audit.one_run_guess_fraction * m / 2))
+
+
+def black_box_guesses(config: Config, pool: int) -> tuple[int, int]:
+    m = min(config.audit.black_box_canaries, pool)
+    return m, 2 * max(1, math.ceil(config.audit.one_run_guess_fraction * m / 2))
+
+
+def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, noise_multiplier: float,
+                    confidence: float, certified: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Check]]:
+    """Train once with Dirac gradient canaries through the trainer's sampler and clipping, observing every
+    step: the conformance checks against the certified mechanism, and an ε bound from the canaries.
+
+    ``certified``: the released model's ``mechanism.json`` (σ, C, q the checks test against); without it
+    the configuration's values are used."""
+    from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks, trainable_size
+    from dpml.models import build_model
+    from dpml.train.dpsgd import loss_function, number_of_steps
+    from dpml.train.fit import model_spec
+    from dpml.train.protocol import make_tensors
+
+    n_params = trainable_size(build_model(model_spec(config, x.shape[1], n_classes)))
+    m = white_box_canary_count(config, n_params)
     rng = np.random.default_rng([config.audit.seed, 7])
-    canaries = GradientCanaries(coordinates=rng.choice(n_params, size=m, replace=False),
-                                included=rng.random(m) < 0.5)
-    result = fit(config, x, y, n_classes, private=True, noise_multiplier=noise_multiplier,
-                 seed=config.train.seed + 5_000, noise_seed=config.audit.seed + 5_000, canaries=canaries)
-    assert result.canary_scores is not None
-    return _bound(result.canary_scores, canaries.included, config, confidence, "white_box")
+    coordinates = rng.choice(n_params, size=m, replace=False)
+    included = rng.random(m) < 0.5
+    event = (certified or {}).get("events", [{}])[0]
+    sigma = float(event.get("noise_multiplier", noise_multiplier))
+    q = float(event.get("sample_rate", config.train.sample_rate))
+    clip = float((certified or {}).get("clip_norm", config.dp.clip_norm))
+    xt, yt = make_tensors(config, x, y)
+    train = config.train
+    probe = ConformanceProbe(xt, yt, loss_function(train.loss, train.loss_tau, train.loss_alpha), sigma, clip, q,
+                             number_of_steps(train.epochs, train.sample_rate), coordinates, included,
+                             config.audit.canary_gradient_norm, config.audit.seed)
+    fit(config, x, y, n_classes, private=True, noise_multiplier=noise_multiplier,
+        seed=config.train.seed + 5_000, noise_seed=config.audit.seed + 5_000, canaries=probe.canaries())
+    checks = conformance_checks(probe, config.audit.conformance_false_alarm, config.audit.conformance_tolerance)
+    scoring = config.audit.white_box_scoring
+    other = "sum" if scoring == "likelihood_ratio" else "likelihood_ratio"
+    bound = _bound(canary_scores(probe, scoring), included, config, confidence, "white_box") | {"scoring": scoring}
+    # the other scoring, for the record (never gates: choosing the larger would need its own correction)
+    bound["other_scoring"] = {other: _bound(canary_scores(probe, other), included, config, confidence,
+                                            "white_box")["epsilon"]}
+    return bound, checks
 
 
 def black_box_audit(config: Config, x: np.ndarray, y: np.ndarray, canary_x: np.ndarray, canary_y: np.ndarray,

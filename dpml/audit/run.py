@@ -7,6 +7,7 @@ module — never the records themselves.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -17,8 +18,8 @@ import torch
 from torch import nn
 
 from dpml.audit import attacks as atk
-from dpml.audit.bounds import hypothesis_test_bound
-from dpml.audit.canaries import black_box_audit, white_box_audit
+from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_power
+from dpml.audit.canaries import black_box_audit, black_box_guesses, white_box_audit, white_box_guesses
 from dpml.audit.metrics import roc, summarize
 from dpml.audit.references import AuditRecords, load_references, train_reference
 from dpml.audit.signals import logits_of
@@ -94,7 +95,8 @@ def attack_inputs(model: nn.Module, records: AuditRecords, references: tuple[np.
 
 
 def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_version: str,
-                  gating_confidence: float) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+                  gating_confidence: float, plan: dict[str, dict[str, Any]] | None = None,
+                  ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Every configured attack against one model: metrics with CIs and ε lower bounds."""
     references = None
     if needs_references(config):
@@ -109,7 +111,8 @@ def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_
         summary = summarize(member, nonmember, config.audit.bootstrap, config.audit.seed)
         summary["bounds"] = [
             hypothesis_test_bound(member, nonmember, config.dp.delta, gating_confidence,
-                                  config.audit.bound_correction, seed=config.audit.seed).to_dict(),
+                                  config.audit.bound_correction, seed=config.audit.seed).to_dict()
+            | (plan or {}).get(f"attack:{name}", {}),
             hypothesis_test_bound(member, nonmember, config.dp.delta, gating_confidence,
                                   config.audit.bound_correction, seed=config.audit.seed, gdp=True).to_dict(),
         ]
@@ -134,13 +137,89 @@ def reconstruction_of(config: Config, model: nn.Module, x_train: np.ndarray) -> 
     return result
 
 
+def white_box_applies(config: Config, private: bool) -> bool:
+    """The white-box run (conformance checks and the gradient-canary bound) needs a trainer that releases
+    every iterate of clipped Poisson steps and accepts the probe: the trainer says (NoisyCGD, a
+    final-model-only trainer, does not)."""
+    return private and trainer_for(config).audit_with_gradient_canaries(config)
+
+
+def bound_methods(config: Config, records: AuditRecords, n_params: int | None, black_box_pool: int,
+                  private: bool) -> dict[str, Any]:
+    """The gating ε lower-bound methods this audit will run, each with a function of the confidence
+    that gives its **power**: the largest bound it can report (every guess right)."""
+    members = records.members.size
+    split = config.audit.bound_correction == "split"
+    evaluated = (members - members // 2, records.nonmembers.size - records.nonmembers.size // 2) if split \
+        else (members, records.nonmembers.size)
+    delta = config.dp.delta
+    methods: dict[str, Any] = {
+        f"attack:{name}": partial(hypothesis_test_power, evaluated[0], evaluated[1], delta,
+                                  correction=config.audit.bound_correction)
+        for name in config.audit.attacks}
+    if config.audit.white_box_canaries > 0 and n_params is not None and white_box_applies(config, private):
+        m, guesses = white_box_guesses(config, n_params)
+        methods["one_run_white_box"] = partial(one_run_power, m, guesses, delta)
+    if config.audit.black_box_canaries > 0 and black_box_pool > 0:
+        m, guesses = black_box_guesses(config, black_box_pool)
+        methods["one_run_black_box"] = partial(one_run_power, m, guesses, delta)
+    return methods
+
+
+def plan_bounds(config: Config, methods: dict[str, Any], certified_epsilon: float | None) -> tuple[dict[str, dict[str, Any]], float]:
+    """Which methods gate, and at what confidence each: before training, from their power.
+
+    A method whose power at the confidence it would get is below the certified ε cannot detect a
+    violation of that ε: it is reported but not counted, and gets no share of the confidence budget
+    α = 1 − ``audit.confidence``. The budget is split equally (Bonferroni) among the largest set that
+    can use it: for k = all methods, …, 1, the k most powerful (ties in configuration order) gate
+    if each still has power ≥ ε at level α/k. Without a finite certified ε (a non-private target)
+    every method gates."""
+    alpha = 1.0 - config.audit.confidence
+    names = list(methods)
+    gating = names
+    if certified_epsilon is not None and math.isfinite(certified_epsilon):
+        gating = []
+        for k in range(len(names), 0, -1):
+            powers = {name: methods[name](1.0 - alpha / k) for name in names}
+            top = sorted(names, key=lambda name: -powers[name])[:k]
+            if all(powers[name] >= certified_epsilon for name in top):
+                gating = [name for name in names if name in top]
+                break
+    confidence = 1.0 - alpha / max(len(gating), 1)
+    plan = {}
+    for name, power_at in methods.items():
+        power = float(power_at(confidence))
+        entry: dict[str, Any] = {"power": power, "gating": name in gating}
+        if not entry["gating"] and power < (certified_epsilon or math.inf):
+            entry["note"] = (f"cannot detect a violation of ε = {certified_epsilon:.4g}: the largest bound it can "
+                             f"report is {power:.4g}")
+        elif not entry["gating"]:
+            entry["note"] = ("not counted: sharing the confidence budget with it would leave some gating method "
+                             f"unable to detect a violation of ε = {certified_epsilon:.4g}")
+        plan[name] = entry
+    return plan, confidence
+
+
 def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None, records: AuditRecords,
               x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray, y_audit: np.ndarray,
-              n_classes: int, data_version: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+              n_classes: int, data_version: str, *, certified_epsilon: float | None = None,
+              mechanism: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The whole audit; returns (JSON summary, raw scores, {subject: (ROC curves, scores)} for plots).
-    Reference models are reused when stored, trained otherwise."""
+    Reference models are reused when stored, trained otherwise.
+
+    ``certified_epsilon`` decides which ε lower-bound methods have the power to gate (:func:`plan_bounds`);
+    ``mechanism`` (``mechanism.json``) is what the conformance checks test the trainer against."""
+    from dpml.audit.conformance import trainable_size
+    from dpml.models import build_model
+    from dpml.train.fit import model_spec
+
     private = noise_multiplier is not None
     start = time.perf_counter()
+    white_box = white_box_applies(config, private)
+    n_params = trainable_size(build_model(model_spec(config, x_train.shape[1], n_classes))) if white_box else None
+    pop = records.population - records.n_train  # black-box canaries: the population half of the audit part
+    plan, confidence = plan_bounds(config, bound_methods(config, records, n_params, pop.size, private), certified_epsilon)
     subjects = [Subject("target", target, private, noise_multiplier, config)]
     if config.audit.control and private:
         settings = control_config(config)
@@ -148,32 +227,35 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
                       seed=config.train.seed).model
         subjects.append(Subject("control", control, False, None, settings))
     trained = ensure_references(records, n_classes, data_version, subjects)
-    # White-box gradient canaries score every iterate: an audit of DP-SGD's all-iterates guarantee, not of
-    # a final-model-only trainer (NoisyCGD), whose intermediate iterates no adversary sees. The trainer says.
-    white_box = (config.audit.white_box_canaries > 0 and private
-                 and trainer_for(config).audit_with_gradient_canaries(config))
-    one_run = white_box + (config.audit.black_box_canaries > 0)
-    gating = len(config.audit.attacks) + one_run
-    confidence = 1.0 - (1.0 - config.audit.confidence) / gating
+    gating = sum(entry["gating"] for entry in plan.values())
     summary: dict[str, Any] = {"confidence": config.audit.confidence, "per_bound_confidence": confidence,
                                "gating_bounds": gating, "records_per_side": int(records.members.size),
-                               "population": int(records.population.size)}
+                               "population": int(records.population.size),
+                               "certified_epsilon": certified_epsilon, "power": plan}
     raw: dict[str, Any] = {"members": records.members.tolist(), "nonmembers": records.nonmembers.tolist()}
     pictures: dict[str, Any] = {}
     for subject in subjects:
-        results, scores = audit_subject(config, subject, records, data_version, confidence)
+        results, scores = audit_subject(config, subject, records, data_version, confidence,
+                                        plan if subject.name == "target" else None)
         summary[subject.name] = {"attacks": results, "private": subject.private}
         raw[subject.name] = {name: {"member": m.tolist(), "nonmember": n.tolist()} for name, (m, n) in scores.items()}
         pictures[subject.name] = ({name: roc(m, n) for name, (m, n) in scores.items()}, scores)
     one_runs = []
-    if white_box:
-        one_runs.append(white_box_audit(config, x_train, y_train, n_classes, noise_multiplier, confidence))
-    if config.audit.black_box_canaries > 0:
+    checks = None
+    if white_box and (config.audit.conformance or config.audit.white_box_canaries > 0):
+        assert noise_multiplier is not None
+        checked = time.perf_counter()
+        bound, checks = white_box_audit(config, x_train, y_train, n_classes, noise_multiplier, confidence, mechanism)
+        if config.audit.white_box_canaries > 0:
+            one_runs.append(bound | plan.get("one_run_white_box", {}))
+        summary["white_box_seconds"] = time.perf_counter() - checked
+    if config.audit.black_box_canaries > 0 and pop.size > 0:
         # The canary records come from the audit population's population half (never trained on).
-        pop = records.population - records.n_train
-        one_runs.append(black_box_audit(config, x_train, y_train, x_audit[pop], y_audit[pop], n_classes,
-                                        noise_multiplier, private, confidence))
+        bound = black_box_audit(config, x_train, y_train, x_audit[pop], y_audit[pop], n_classes,
+                                noise_multiplier, private, confidence)
+        one_runs.append(bound | plan.get("one_run_black_box", {}))
     summary["one_run"] = one_runs
+    summary["conformance"] = conformance_summary(config, private, checks)
     if config.model.kind == "random_features":
         summary["reconstruction"] = {s.name: reconstruction_of(config, s.model, x_train) for s in subjects}
     summary["references"] = {
@@ -189,10 +271,32 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
     return summary, raw, pictures
 
 
+def conformance_summary(config: Config, private: bool, checks: list[Any] | None) -> dict[str, Any]:
+    """``audit.json``'s ``conformance``: every check with its statistic, or why none ran."""
+    if checks is not None and config.audit.conformance:
+        return {"ran": True, "passed": all(c.passed for c in checks), "false_alarm": config.audit.conformance_false_alarm,
+                "checks": [c.to_dict() for c in checks]}
+    if not private:
+        why = "the model is not private"
+    elif not config.audit.conformance:
+        why = "audit.conformance is false"
+    else:
+        why = (f"trainer {config.train.algorithm!r} has no white-box probe: its noise, clipping and sampling "
+               "are not checked against its certificate")
+    return {"ran": False, "passed": None, "reason": why, "checks": []}
+
+
 def gating_lower_bounds(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The bounds the release gate compares with the certified ε: hypothesis tests and one-run audits
     of the released configuration. GDP-converted bounds assume a Gaussian trade-off curve that DP-SGD
     does not have, so they are reported but never gate."""
+    bounds = [b | {"attack": name} for name, r in summary["target"]["attacks"].items()
+              for b in r["bounds"] if b["method"] == "hypothesis_test"]
+    return [b for b in bounds + list(summary.get("one_run", [])) if b.get("gating", True)]
+
+
+def reported_lower_bounds(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every ε lower bound of the target, gating or not (those without the power to gate are marked)."""
     bounds = [b | {"attack": name} for name, r in summary["target"]["attacks"].items()
               for b in r["bounds"] if b["method"] == "hypothesis_test"]
     return bounds + list(summary.get("one_run", []))

@@ -60,6 +60,33 @@ def lineage_lines(ledger: dict[str, Any], budget: float | None, excluded: int = 
     return lines
 
 
+def _power_lines(audit: dict[str, Any]) -> list[str]:
+    """Each ε lower-bound method's power: the largest bound it could report, computed before training."""
+    if not audit.get("power"):
+        return []
+    lines = ["", "**Power of each ε lower bound** (its value if every guess were right, computed before training). "
+             "A method whose power is below the certified ε could not show a violation of it, so it is not "
+             "counted as evidence and takes no share of the confidence budget:", "",
+             "| method | power | counted |", "|---|---|---|"]
+    for name, entry in audit["power"].items():
+        lines.append(f"| {name} | {entry['power']:.3f} | {'yes' if entry['gating'] else 'no — ' + entry.get('note', '')} |")
+    return lines
+
+
+def _conformance_lines(audit: dict[str, Any]) -> list[str]:
+    """The trainer checked against its certificate: noise, clipping, sampling (``dpml.audit.conformance``)."""
+    conformance = audit.get("conformance")
+    if not conformance:
+        return []
+    if not conformance["ran"]:
+        return ["", f"**Conformance** not checked: {conformance['reason']}."]
+    lines = ["", "**Conformance of the trainer to its certificate** (one extra training run with gradient canaries "
+             "of norm 5C through the trainer's own sampler and clipping; every update recomputed by the auditor; "
+             f"joint false-alarm rate {conformance['false_alarm']:g}):", ""]
+    lines += [f"- {'passed' if c['passed'] else '**FAILED**'}: {c['line']}" for c in conformance["checks"]]
+    return lines
+
+
 def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str, Any] | None,
            audit: dict[str, Any], gate: dict[str, Any], ledger: dict[str, Any] | None = None,
            budget: float | None = None) -> str:
@@ -164,6 +191,7 @@ def _audit_section(audit: dict[str, Any]) -> list[str]:
               "control, canary runs) use the private data; their outputs are published only as these aggregates "
               "and their privacy cost is not charged to the release.",
               f"Largest gating lower bound: **ε ≥ {audit['max_lower_bound']:.4g}**."]
+    lines += _power_lines(audit) + _conformance_lines(audit)
     if "reconstruction" in audit:
         lines += ["", "**Reconstruction attack** (seed 002: training inputs recovered from a random-features "
                   "model's weights alone; best-match |cosine| overlap per training record, chance = random directions):", ""]

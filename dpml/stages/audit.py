@@ -31,6 +31,8 @@ class AuditContext:
     noise_multiplier: float | None
     train: tuple[np.ndarray, np.ndarray]
     audit: tuple[np.ndarray, np.ndarray]
+    mechanism: dict[str, Any] | None = None
+    certified_epsilon: float | None = None
 
 
 def audit_context(config: Config) -> AuditContext:
@@ -45,8 +47,11 @@ def audit_context(config: Config) -> AuditContext:
     mechanism = io.read_json(layout.mechanism) if layout.mechanism.exists() else None
     sigma = None if mechanism is None else released_noise_multiplier(config, mechanism)
     records = audit_records(x_train, y_train, x_audit, y_audit, config.audit.max_records, config.audit.seed)
+    certificate = io.read_json(layout.certificate) if layout.certificate.exists() else None
+    epsilon = None if not certificate or certificate.get("epsilon") is None else float(certificate["epsilon"])
     return AuditContext(records, len(io.read_json(layout.prepared_meta)["classes"]),
-                        io.read_json(layout.raw_meta)["version"], sigma, (x_train, y_train), (x_audit, y_audit))
+                        io.read_json(layout.raw_meta)["version"], sigma, (x_train, y_train), (x_audit, y_audit),
+                        mechanism, epsilon)
 
 
 def audit_reference_jobs(config: Config) -> list[tuple[str, bool, float | None, int]]:
@@ -72,6 +77,17 @@ def train_audit_reference(config: Config, job: tuple[str, bool, float | None, in
                            private=private, noise_multiplier=sigma, index=index)
 
 
+def power_and_conformance_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """MLflow metrics: each ε lower-bound method's power (``power.attack:lira-online`` …) and each
+    conformance check's p-value and verdict (``conformance.noise.p_value`` …)."""
+    metrics = {f"power.{name}": float(entry["power"]) for name, entry in summary.get("power", {}).items()}
+    for check in summary.get("conformance", {}).get("checks", []):
+        key = check["check"].replace(" ", "_")
+        metrics[f"conformance.{key}.p_value"] = float(check["p_value"])
+        metrics[f"conformance.{key}.passed"] = float(check["passed"])
+    return metrics
+
+
 def strongest(results: dict[str, Any], key: str) -> tuple[str, float]:
     name = max(results, key=lambda n: results[n][key])
     return name, float(results[name][key])
@@ -83,7 +99,8 @@ def audit(config: Config) -> dict[str, Any]:
     layout = Layout(config)
     context = audit_context(config)
     summary, raw, pictures = run_audit(config, load_model(layout), context.noise_multiplier, context.records,
-                                       *context.train, *context.audit, context.n_classes, context.data_version)
+                                       *context.train, *context.audit, context.n_classes, context.data_version,
+                                       certified_epsilon=context.certified_epsilon, mechanism=context.mechanism)
     titles = {"target": (layout.roc_png, "membership inference against the released model"),
               "control": (layout.roc_control_png, "positive control: the same attacks, non-private model")}
     for subject, (curves, scores) in pictures.items():
@@ -102,6 +119,7 @@ def audit(config: Config) -> dict[str, Any]:
                if isinstance(v, (int, float))}
     metrics |= {"max_epsilon_lower_bound": summary["max_lower_bound"],
                 "reference_models": summary["references"]["models"]}
+    metrics |= power_and_conformance_metrics(summary)
     if summary["control_power"] is not None:
         metrics["control_best_tpr_at_1pct_fpr"] = summary["control_power"]
     io.write_json(layout.audit_metrics, metrics)

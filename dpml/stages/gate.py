@@ -1,7 +1,9 @@
 """Stage gate: the release decision and the privacy report.
 
-Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; or an
-empirical ε lower bound exceeds the certified ε (then the trainer or the accountant is wrong). A
+Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; an
+empirical ε lower bound (of a method with the power to show it) exceeds the certified ε (then the
+trainer or the accountant is wrong); or a conformance check finds that the trainer's noise, clipping
+or sampling is not what its certificate prices (:mod:`dpml.audit.conformance`). A
 KL-private model passes only against ``gate.kl_budget`` and only when no attack beats the Pinsker
 bound. When the non-private control shows no attack power the audit is not evidence: that fails the
 gate only with ``audit.require_control_power``.
@@ -26,9 +28,9 @@ if TYPE_CHECKING:
 def gate(config: Config) -> dict[str, Any]:
     """Release gate and privacy report.
 
-    Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; or
-    an empirical ε lower bound exceeds the certified ε (then the trainer or the accountant is
-    wrong). When the non-private control shows no attack power the audit is not evidence: that
+    Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; an
+    empirical ε lower bound exceeds the certified ε (then the trainer or the accountant is wrong);
+    or a conformance check fails. When the non-private control shows no attack power the audit is not evidence: that
     fails the gate only with ``audit.require_control_power``.
     """
     layout = Layout(config)
@@ -60,6 +62,8 @@ def gate(config: Config) -> dict[str, Any]:
             )
         if not violations:
             reasons.append(f"every empirical lower bound ≤ certified ε (largest {summary['max_lower_bound']:.4g})")
+        passed = _gate_conformance(summary, reasons) and passed
+        reasons += power_lines(summary)
     power = summary.get("control_power")
     evidence = power is not None and power >= config.audit.control_min_tpr_at_1pct_fpr
     if power is not None and not evidence:
@@ -84,6 +88,33 @@ def gate(config: Config) -> dict[str, Any]:
                     budget=config.ledger.epsilon_budget)
     io.write_text(layout.report, report)
     return decision
+
+
+def _gate_conformance(summary: dict[str, Any], reasons: list[str]) -> bool:
+    """The trainer must do what its certificate prices: every conformance check of the audit passes.
+    One line per failed check, naming it and its figure."""
+    conformance = summary.get("conformance")
+    if not conformance or not conformance.get("ran"):
+        if conformance:
+            reasons.append(f"conformance not checked: {conformance['reason']}")
+        return True
+    failed = [c for c in conformance["checks"] if not c["passed"]]
+    for check in failed:
+        reasons.append(f"{check['line']}: the trainer does not do what its certificate prices")
+    if not failed:
+        reasons.append(f"the trainer conforms to its certificate: {', '.join(c['check'] for c in conformance['checks'])} "
+                       f"checked (false-alarm rate {conformance['false_alarm']:g})")
+    return not failed
+
+
+def power_lines(summary: dict[str, Any]) -> list[str]:
+    """The ε lower-bound methods that cannot detect a violation of the certified ε (not counted as evidence)."""
+    weak = sorted(name for name, entry in summary.get("power", {}).items() if not entry["gating"])
+    if not weak:
+        return []
+    return [f"not counted as evidence ({len(weak)} ε lower-bound method(s) without the power to show a violation "
+            f"of the certified ε at their share of the confidence): "
+            + ", ".join(f"{name} (power {summary['power'][name]['power']:.3g})" for name in weak)]
 
 
 def total_variation_violations(raw_scores: dict[str, Any], pinsker_delta: float,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from dpml import io
 from dpml.audit.plots import plot_roc
 from dpml.audit.run import run_audit
-from dpml.stages.audit import audit_context
+from dpml.stages.audit import audit_context, power_and_conformance_metrics
 from dpml.stages.ingest import ingest
 from dpml.stages.layout import Layout
 from dpml.stages.preprocess import preprocess
@@ -42,14 +42,18 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     mechanism = mlflow_tracking.load_run_json(tracking, registered["run_id"], "mechanism.json")
     io.write_json(layout.mechanism, mechanism)
     context = audit_context(config)
+    certified = float(registered["tags"].get("dp.epsilon", "inf"))
     summary, raw, pictures = run_audit(config, registered["model"], context.noise_multiplier, context.records,
-                                       *context.train, *context.audit, context.n_classes, context.data_version)
+                                       *context.train, *context.audit, context.n_classes, context.data_version,
+                                       certified_epsilon=certified, mechanism=mechanism)
     plot_roc(pictures["target"][0], layout.roc_png, f"re-audit of {registered['name']} v{registered['version']}")
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)
     metrics = {f"audit.target.{n}.{k}": v for n, r in summary["target"]["attacks"].items() for k, v in r.items()
                if isinstance(v, (int, float))} | {"audit.max_epsilon_lower_bound": summary["max_lower_bound"]}
+    metrics |= {f"audit.{k}": v for k, v in power_and_conformance_metrics(summary).items()}
     run_id = mlflow_tracking.log_audit(tracking, registered, metrics, [layout.audit, layout.scores, layout.roc_png])
-    certified = float(registered["tags"].get("dp.epsilon", "inf"))
+    conforms = summary["conformance"]["passed"] is not False
     return {"model": f"{registered['name']}/{registered['version']}", "audit_run_id": run_id, "audit": summary,
-            "certified_epsilon": certified, "consistent": summary["max_lower_bound"] <= certified}
+            "certified_epsilon": certified, "conforms": conforms,
+            "consistent": summary["max_lower_bound"] <= certified and conforms}

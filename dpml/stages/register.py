@@ -9,12 +9,21 @@ from typing import TYPE_CHECKING, Any
 
 from dpml import io
 from dpml.privacy.mechanism import MechanismDescription
-from dpml.stages.audit import strongest
+from dpml.stages.audit import power_and_conformance_metrics, strongest
 from dpml.stages.layout import Layout, load_model
 from dpml.stages.train import lineage_of, open_ledger, release_config
 
 if TYPE_CHECKING:
     from dpml.config import Config
+
+
+def conformance_tag(summary: dict[str, Any]) -> str:
+    """``passed``, ``failed: <check>, …`` or ``not checked: <why>`` (older audit records: ``not checked``)."""
+    conformance = summary.get("conformance")
+    if not conformance or not conformance["ran"]:
+        return "not checked" + (f": {conformance['reason']}" if conformance else "")
+    failed = [c["check"] for c in conformance["checks"] if not c["passed"]]
+    return "passed" if not failed else "failed: " + ", ".join(failed)
 
 
 def register(config: Config) -> dict[str, Any]:
@@ -60,6 +69,7 @@ def register(config: Config) -> dict[str, Any]:
         "audit.control_tpr_at_1pct_fpr": "none" if summary["control_power"] is None else f"{summary['control_power']:.6g}",
         "audit.is_evidence": str(decision["audit_is_evidence"]).lower(),
         "audit.references": str(summary["references"]["per_subject"]),
+        "audit.conformance": conformance_tag(summary),
         "gate.passed": str(decision["passed"]).lower(),
         "gate.reason": "; ".join(decision["reasons"])[:5000],
     }
@@ -69,6 +79,7 @@ def register(config: Config) -> dict[str, Any]:
         **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
            for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
+        **{f"audit.{k}": v for k, v in power_and_conformance_metrics(summary).items()},
     }
     metrics |= {k: v for k, v in train_metrics.items() if k.startswith("robust_")}
     if certificate and certificate.get("kind") == "kl":

@@ -351,23 +351,42 @@ def _per_example_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y
     return vmap(grad(one_loss), in_dims=(None, 0, 0))({n: params[n] for n in names}, x, y)
 
 
-def _all_by_vmap(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                 clip_norm: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    per_example = _per_example_gradients(model, loss_fn, x, y, names)
-    norms = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in per_example.values()).sqrt()  # type: ignore[union-attr]
-    factors = clip_factors(norms, clip_norm)
-    return {n: torch.einsum("b,b...->...", factors, g) for n, g in per_example.items()}, norms.detach()
+@dataclass(frozen=True)
+class DiracGradients:
+    """Extra examples whose whole gradient is a Dirac: example j has gradient ``norm``·e_{k_j}, where k_j
+    (``coordinates[j]``) is a flat index over the model's trainable parameters in ``named_parameters``
+    order. The audit's gradient canaries enter the engine this way: *before* clipping, with a norm well
+    above C, so that they are clipped by the same factor line as the records (and a trainer that does
+    not clip shows it: their contribution is then ``norm``, not C)."""
+
+    coordinates: torch.Tensor  # (b,) int64
+    norm: float
 
 
-def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                         clip_norm: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Σ_i clip_C(∇ℓ_i) per parameter name (trainable parameters only), and the unclipped norms ‖∇ℓ_i‖."""
-    _reject_batch_norm(model)
-    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+def _flat_slots(names: list[str], shapes: list[torch.Size], coordinates: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(parameter name, positions in ``coordinates``, flat index inside that parameter) for each parameter hit."""
+    out, offset = [], 0
+    for name, shape in zip(names, shapes):
+        size = int(torch.Size(shape).numel())
+        inside = (coordinates >= offset) & (coordinates < offset + size)
+        if bool(inside.any()):
+            positions = torch.nonzero(inside).flatten()
+            out.append((name, positions, coordinates[positions] - offset))
+        offset += size
+    if bool(((coordinates < 0) | (coordinates >= offset)).any()):
+        raise ValueError(f"Dirac gradient coordinates must lie in [0, {offset}) (the trainable parameters)")
+    return out
+
+
+def _record_norms_and_sums(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                           names: dict[int, str]) -> tuple[torch.Tensor, Callable[[torch.Tensor], dict[str, torch.Tensor]]]:
+    """The records' per-example squared gradient norms ‖∇ℓ_i‖² (B,), and the map c ↦ {name: Σ_i c_i ∇ℓ_i}."""
+    if x.shape[0] == 0:
+        params = dict(model.named_parameters())
+        return x.new_zeros(0), lambda factors: {n: torch.zeros_like(params[n]) for n in names.values()}
     fast = [m for m in model.modules() if _is_fast(m) and any(id(p) in names for p in _layer_parameters(m))]
     if _shares_parameters(model, fast):  # a tied weight's gradient sums over its modules: exact path
-        return _all_by_vmap(model, loss_fn, x, y, clip_norm)
+        return _all_by_vmap(model, loss_fn, x, y, list(names.values()))
     squared = torch.zeros(x.shape[0], device=x.device, dtype=next(model.parameters()).dtype)
     pieces: list[_Piece] = []
     covered: set[int] = set()
@@ -377,7 +396,7 @@ def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
             recording = _record_forward(model, loss_fn, x, y, fast, copy=True)
         used = [m for m in fast if m in recording.layers]
         if recording.reused or not all(_batch_first(m, recording.layers[m][0], x.shape[0]) for m in used):
-            return _all_by_vmap(model, loss_fn, x, y, clip_norm)  # (a layer applied twice shares its weight)
+            return _all_by_vmap(model, loss_fn, x, y, list(names.values()))  # (a layer applied twice shares its weight)
         output_grads = torch.autograd.grad(recording.losses.sum(), [recording.layers[m][1] for m in used],
                                            allow_unused=True)
         for module, output_grad in zip(used, output_grads):
@@ -390,12 +409,46 @@ def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     per_example = _per_example_gradients(model, loss_fn, x, y, slow) if slow else {}
     for g in per_example.values():
         squared += g.reshape(g.shape[0], -1).pow(2).sum(1)
+
+    def sums_of(factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        sums: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            for p, total in piece.sums(factors):
+                sums[names[id(p)]] = total
+        for name, g in per_example.items():
+            sums[name] = torch.einsum("b,b...->...", factors, g)
+        return sums
+
+    return squared, sums_of
+
+
+def _all_by_vmap(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                 names: list[str]) -> tuple[torch.Tensor, Callable[[torch.Tensor], dict[str, torch.Tensor]]]:
+    per_example = _per_example_gradients(model, loss_fn, x, y, names)
+    squared = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in per_example.values())
+    return squared, lambda factors: {n: torch.einsum("b,b...->...", factors, g) for n, g in per_example.items()}  # type: ignore[return-value]
+
+
+def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
+                         diracs: DiracGradients | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Σ_i clip_C(g_i) per parameter name (trainable parameters only), and the unclipped norms ‖∇ℓ_i‖ of the records.
+
+    The examples i are the records (g_i = ∇ℓ_i) and, with ``diracs``, the Dirac gradients of
+    :class:`DiracGradients`; both are clipped by one factor line, c_i = min(1, C/(‖g_i‖ + 1e-6))."""
+    _reject_batch_norm(model)
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    squared, sums_of = _record_norms_and_sums(model, loss_fn, x, y, names)
+    records = squared.shape[0]
+    if diracs is not None:
+        extra = torch.full((diracs.coordinates.numel(),), float(diracs.norm) ** 2, device=squared.device, dtype=squared.dtype)
+        squared = torch.cat([squared, extra])
     norms = squared.sqrt()
     factors = clip_factors(norms, clip_norm)
-    sums: dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        for p, total in piece.sums(factors):
-            sums[names[id(p)]] = total
-    for name, g in per_example.items():
-        sums[name] = torch.einsum("b,b...->...", factors, g)
-    return sums, norms.detach()
+    sums = sums_of(factors[:records])
+    if diracs is not None and diracs.coordinates.numel():
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        slots = _flat_slots([n for n, _ in trainable], [p.shape for _, p in trainable], diracs.coordinates.to(squared.device))
+        for name, positions, flat in slots:
+            contribution = factors[records:][positions] * float(diracs.norm)
+            sums[name] = sums[name].reshape(-1).index_add(0, flat, contribution.to(sums[name].dtype)).reshape(sums[name].shape)
+    return sums, norms[:records].detach()

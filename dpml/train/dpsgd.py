@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
-from dpml.train.clipping import LossFn, clipped_gradient_sum
+from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
 
 
 @dataclass
@@ -38,21 +38,33 @@ class TrainResult:
 
 
 
+StepObserver = Callable[[torch.Tensor, nn.Module], None]
+
+
 @dataclass(frozen=True)
 class GradientCanaries:
-    """White-box Dirac gradient canaries for a one-run audit (Steinke, Nasr, Jagielski 2023, §6).
+    """White-box Dirac gradient canaries and a step observer: the audit's instrument on one DP-SGD run
+    (Steinke, Nasr, Jagielski 2023, §6, with the canaries moved in front of the clipping).
 
-    Canary j is a record whose clipped gradient is C·e_{k_j} (a unit vector on flat parameter
-    coordinate k_j, distinct per canary, scaled to the clip norm). Each canary with
-    ``included[j]`` joins the data set: it is Poisson-sampled at rate q every step like any
-    record. The auditor sees every iterate and knows every other record's contribution, so its
-    observation of canary j at step t is (N(0, σ²C²) + C·1[j sampled])_{k_j} / (q n): exactly the
-    Poisson-subsampled Gaussian that the accountant prices (the accountant's bound holds
-    conditionally on the other records' sampling). Score_j = Σ_t of that observation.
+    Canary j is a record whose gradient is ``norm_multiple``·C·e_{k_j} (a Dirac on flat trainable-parameter
+    coordinate k_j, distinct per canary, well above the clip norm). The canaries with ``included[j]``
+    join the data set as records n, n+1, …: the trainer's own Poisson sampler draws them with the
+    records, and the engine's own clipping (:func:`dpml.train.clipping.clipped_gradient_sum`) clips
+    them with the records' factor line, so that what the audit sees of them is what the trainer does
+    to any record. ``observer(batch, model)`` is called at every step just before the optimizer
+    steps, with the step's batch (indices over the n + m_in records, canaries last) and the model
+    whose ``.grad`` holds the update; the audit recomputes and tests everything from there
+    (:mod:`dpml.audit.conformance`).
     """
 
-    coordinates: np.ndarray  # (m,) flat parameter indices, distinct
+    coordinates: np.ndarray  # (m,) flat trainable-parameter indices, distinct
     included: np.ndarray     # (m,) bool
+    norm_multiple: float = 5.0
+    observer: StepObserver | None = None
+
+    def included_slots(self) -> np.ndarray:
+        """Canary j of record n + r is ``included_slots()[r]``."""
+        return np.flatnonzero(self.included)
 
 
 def per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -105,16 +117,20 @@ def number_of_steps(epochs: float, sample_rate: float) -> int:
 
 def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
                           noise_multiplier: float, physical_batch_size: int, generator: torch.Generator,
-                          loss_fn: LossFn = per_example_cross_entropy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+                          loss_fn: LossFn = per_example_cross_entropy, diracs: DiracGradients | None = None,
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the batch (in physical chunks, so a large
-    Poisson batch runs in bounded memory), Gaussian noise N(0, σ²C²) per parameter, and how many
-    examples were clipped (a tensor: no device synchronisation in the training loop)."""
+    Poisson batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk),
+    Gaussian noise N(0, σ²C²) per parameter, and how many records were clipped (a tensor: no device
+    synchronisation in the training loop)."""
     params = dict(model.named_parameters())
     sums = {name: torch.zeros_like(p) for name, p in params.items()}
     clipped = torch.zeros((), device=x.device)
-    for start in range(0, x.shape[0], physical_batch_size):
+    starts = list(range(0, x.shape[0], physical_batch_size)) or ([0] if diracs is not None else [])
+    for start in starts:
         chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x[start:start + physical_batch_size],
-                                                 y[start:start + physical_batch_size], clip_norm)
+                                                 y[start:start + physical_batch_size], clip_norm,
+                                                 diracs if start == 0 else None)
         for name, value in chunk_sums.items():
             sums[name] += value
         clipped = clipped + (norms > clip_norm).sum()
@@ -179,7 +195,6 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
     """Train in place with DP-SGD; returns the model, its mechanism description and a history."""
     n = n_total = x.shape[0]
     steps = number_of_steps(epochs, sample_rate)
-    expected_batch = sample_rate * n
     sampler = torch.Generator().manual_seed(seed)
     noise_source = torch.Generator(device=x.device).manual_seed(seed + 1)
     params = dict(model.named_parameters())
@@ -187,27 +202,24 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
     clipped: list[torch.Tensor] = []
     start = time.perf_counter()
     if canaries is not None:
-        locate = _canary_locations(params, canaries.coordinates)
-        canary_sampler = torch.Generator().manual_seed(seed + 2)
-        canary_scores = np.zeros(canaries.coordinates.size)
-        n_total += int(canaries.included.sum())  # included canaries are records of the data set
-        expected_batch = sample_rate * n_total
+        slots = torch.as_tensor(canaries.included_slots(), dtype=torch.long)
+        coordinates = torch.as_tensor(np.asarray(canaries.coordinates), dtype=torch.long)
+        n_total += int(slots.numel())  # included canaries are records n, n+1, … of the data set
+    expected_batch = sample_rate * n_total
     model.train()
     for _ in progress_range(steps, "DP-SGD", "step", progress):
-        batch = poisson_batch(sampler, n, sample_rate).to(x.device)
-        sums, noises, clipped_count = clipped_sum_and_noise(model, x[batch], y[batch], clip_norm, noise_multiplier,
-                                                            physical_batch_size, noise_source, loss_fn)
-        clipped.append(clipped_count)
+        batch = poisson_batch(sampler, n_total, sample_rate)
+        records = batch[batch < n].to(x.device)
+        diracs = None
         if canaries is not None:
-            sampled = (torch.rand(canaries.coordinates.size, generator=canary_sampler) < sample_rate).numpy()
-            present = sampled & canaries.included
-            for name, (slots, flat) in locate.items():
-                contribution = torch.as_tensor(present[slots] * clip_norm, dtype=sums[name].dtype, device=x.device)
-                sums[name].view(-1)[flat] += contribution
-                observed = noises[name].reshape(-1)[flat].cpu().numpy() + present[slots] * clip_norm
-                canary_scores[slots] += observed / expected_batch
+            diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
+        sums, noises, clipped_count = clipped_sum_and_noise(model, x[records], y[records], clip_norm, noise_multiplier,
+                                                            physical_batch_size, noise_source, loss_fn, diracs)
+        clipped.append(clipped_count)
         for name, p in params.items():
             p.grad = (sums[name] + noises[name]) / expected_batch
+        if canaries is not None and canaries.observer is not None:
+            canaries.observer(batch, model)
         optimizer.step()
         batch_sizes.append(int(batch.numel()))
     mechanism = dpsgd_mechanism(sample_rate, noise_multiplier, epochs, neighbouring, clip_norm, n_total)
@@ -218,23 +230,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
         "clipped_fraction": float(torch.stack(clipped).sum()) / max(sum(batch_sizes), 1) if clipped else 0.0,
         "seconds": time.perf_counter() - start,
     }
-    return TrainResult(model, mechanism, history, canary_scores if canaries is not None else None)
-
-
-def _canary_locations(params: dict[str, torch.Tensor], coordinates: np.ndarray) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
-    """Map flat coordinates (over parameters in order) to (canary slots, flat index in that tensor)."""
-    if np.unique(coordinates).size != coordinates.size:
-        raise ValueError("gradient canary coordinates must be distinct")
-    out, offset = {}, 0
-    for name, p in params.items():
-        inside = (coordinates >= offset) & (coordinates < offset + p.numel())
-        if inside.any():
-            slots = np.nonzero(inside)[0]
-            out[name] = (slots, torch.as_tensor(coordinates[slots] - offset, device=p.device))
-        offset += p.numel()
-    if (coordinates >= offset).any() or (coordinates < 0).any():
-        raise ValueError(f"gradient canary coordinates must lie in [0, {offset})")
-    return out
+    return TrainResult(model, mechanism, history)
 
 
 def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,

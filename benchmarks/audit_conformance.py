@@ -1,0 +1,179 @@
+"""Does the audit catch a broken trainer? The default pipeline run with DP-SGD broken five ways.
+
+For digits at ε = 2 (``params.yaml``) and Fashion-MNIST at ε = 3 (``configs/fashion-mnist.yaml``),
+train → certify → audit → gate run once with the intact trainer and once under each bug of
+:mod:`dpml.audit.broken` (the bug is active in every training the audit does too, as it would be
+in a real broken install; the reference-model cache is emptied between cases). Reported per case:
+the ε the bug really costs where an accountant can say, the largest gating ε lower bound, the
+white-box bound under both canary scorings, which conformance checks failed, the gate's verdict,
+and the audit stage's time — with the white-box run (conformance + canary bound) and without it.
+
+    python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist|both] [--max-train N]
+
+Writes ``benchmarks/results/audit_conformance.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_common import fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
+from dpml import io, stages  # noqa: E402
+from dpml.audit import broken  # noqa: E402
+from dpml.config import load  # noqa: E402
+from dpml.privacy.accountants import certify  # noqa: E402
+from dpml.privacy.mechanism import MechanismDescription  # noqa: E402
+from dpml.stages.layout import Layout  # noqa: E402
+
+CASES: dict[str, Any] = {"intact": contextlib.nullcontext, **broken.BUGS}
+
+
+def true_epsilon(case: str, mechanism: dict[str, Any], delta: float) -> str:
+    """What the broken run really costs, where an accountant can price it."""
+    if case == "intact":
+        return f"{certify(MechanismDescription.from_dict(mechanism), delta)['epsilon']:.3g}"
+    if case == "noise × ½":
+        halved = json.loads(json.dumps(mechanism))
+        for event in halved["events"]:
+            event["noise_multiplier"] /= 2
+        return f"≈ {certify(MechanismDescription.from_dict(halved), delta)['epsilon']:.3g}"
+    return {"noise × 0": "∞", "clipping removed": "unbounded", "shuffled fixed-size batches": "not what was priced¹",
+            "noise reused across steps": "not what was priced²"}[case]
+
+
+def run_case(config_path: Path, overrides: list[str], case: str, work: Path) -> dict[str, Any]:
+    config = load(config_path, overrides)
+    layout = Layout(config)
+    shutil.rmtree(config.paths.cache, ignore_errors=True)
+    with CASES[case]():
+        for name in ("train", "certify"):
+            stages.run_stage(name, config)
+        started = time.perf_counter()
+        stages.run_stage("audit", config)
+        audit_seconds = time.perf_counter() - started
+        decision = stages.run_stage("gate", config)
+    audit = io.read_json(layout.audit)
+    mechanism = io.read_json(layout.mechanism)
+    certificate = io.read_json(layout.certificate)
+    white = next((b for b in audit["one_run"] if b["method"] == "one_run_white_box"), None)
+    return {
+        "case": case, "certified_epsilon": certificate["epsilon"],
+        "true_epsilon": true_epsilon(case, mechanism, config.dp.delta),
+        "max_gating_bound": audit["max_lower_bound"],
+        "white_box": None if white is None else {white["scoring"]: white["epsilon"]} | white.get("other_scoring", {}),
+        "failed_checks": [c["check"] for c in audit["conformance"]["checks"] if not c["passed"]],
+        "check_lines": [c["line"] for c in audit["conformance"]["checks"]],
+        "gate_passed": decision["passed"], "gate_reasons": decision["reasons"],
+        "audit_seconds": audit_seconds, "white_box_seconds": audit.get("white_box_seconds", 0.0),
+        "power": audit["power"],
+    }
+
+
+def audit_without_white_box(config_path: Path, overrides: list[str]) -> float:
+    """The audit stage's time with the white-box run switched off (the intact trainer)."""
+    config = load(config_path, overrides + ["audit.white_box_canaries=0", "audit.conformance=false"])
+    shutil.rmtree(config.paths.cache, ignore_errors=True)
+    for name in ("train", "certify"):
+        stages.run_stage(name, config)
+    started = time.perf_counter()
+    stages.run_stage("audit", config)
+    return time.perf_counter() - started
+
+
+def bench(dataset: str, max_train: int | None, work: Path) -> dict[str, Any]:
+    work = work / dataset
+    if dataset == "digits":
+        config_path = ROOT / "params.yaml"
+        overrides = [f"paths.data={work / 'data'}", f"paths.artifacts={work / 'artifacts'}",
+                     f"paths.cache={work / 'cache'}", f"ledger.path={work / 'ledger.db'}",
+                     f"tracking.uri=sqlite:///{work / 'mlflow.db'}", f"tracking.artifact_root={work / 'mlartifacts'}"]
+    else:
+        config_path = ROOT / "configs" / "fashion-mnist.yaml"
+        overrides = fashion_mnist_overrides(work)
+    overrides += ["ledger.epsilon_budget=100000", "gate.epsilon_budget=100"]
+    if max_train:
+        overrides.append(f"split.max_train={max_train}")
+    config = load(config_path, overrides)
+    for name in ("ingest", "split", "preprocess"):
+        stages.run_stage(name, config)
+    rows = []
+    for case in CASES:
+        rows.append(run_case(config_path, overrides, case, work))
+        print(f"{dataset}: {case}: gate {'passes' if rows[-1]['gate_passed'] else 'fails'}, failed checks "
+              f"{rows[-1]['failed_checks']}, audit {rows[-1]['audit_seconds']:.1f} s", flush=True)
+    baseline = audit_without_white_box(config_path, overrides)
+    return {"dataset": dataset, "max_train": max_train, "epsilon": config.dp.target_epsilon, "rows": rows,
+            "audit_seconds_without_white_box": baseline}
+
+
+def write(results: list[dict[str, Any]], out: Path, seconds: float, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit_conformance.json").write_text(json.dumps(results, indent=2))
+    lines = ["# Does the audit catch a broken trainer?", "",
+             f"Command: `{command}` ({seconds / 60:.1f} min). Machine: {platform.machine()}, "
+             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, Python {platform.python_version()}.", "",
+             "Each row: train → certify → audit → gate with the configuration's defaults (5 attacks with 4 reference "
+             "models, a non-private control, 500 black-box and up to 1000 white-box canaries, conformance checks at "
+             "a joint false-alarm rate of 1e-6), under one bug of `dpml/audit/broken.py` that the trainer does "
+             "not report to the accountant. 'Largest bound' is the largest *gating* ε lower bound; the white-box "
+             "bound is shown under both scorings (per-step likelihood ratio, the default, and the plain sum).", ""]
+    for result in results:
+        rows = result["rows"]
+        lines += [f"## {result['dataset']} (ε = {result['epsilon']:g}"
+                  + (f", {result['max_train']} training records" if result["max_train"] else "") + ")", "",
+                  "| trainer | true ε | largest gating bound | white-box bound (LR / sum) | failed conformance checks | gate | audit s |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in rows:
+            white = row["white_box"] or {}
+            wb = f"{white.get('likelihood_ratio', float('nan')):.2f} / {white.get('sum', float('nan')):.2f}"
+            failed = ", ".join(row["failed_checks"]) or "none"
+            lines.append(f"| {row['case']} | {row['true_epsilon']} | {row['max_gating_bound']:.2f} | {wb} | {failed} | "
+                         f"{'passes' if row['gate_passed'] else '**fails**'} | {row['audit_seconds']:.1f} |")
+        intact = rows[0]
+        lines += ["", f"Audit time of the intact run: {intact['audit_seconds']:.1f} s, of which the white-box run "
+                      f"(conformance checks and canary bound) {intact['white_box_seconds']:.1f} s; the same audit "
+                      f"without it: {result['audit_seconds_without_white_box']:.1f} s.", "",
+                  "Power of each ε lower-bound method (the largest bound it can report) and whether the gate counts it:", "",
+                  "| method | power | counted |", "|---|---|---|"]
+        for name, entry in intact["power"].items():
+            lines.append(f"| {name} | {entry['power']:.2f} | {'yes' if entry['gating'] else 'no'} |")
+        lines += ["", "The failing check's line, for each bug:", ""]
+        for row in rows[1:]:
+            failed = [line for line in row["check_lines"] if any(f"'{c}'" in line for c in row["failed_checks"])]
+            lines.append(f"- {row['case']}: " + ("; ".join(failed) if failed else "no check failed"))
+        lines.append("")
+    lines += ["¹ The certificate prices Poisson sampling; fixed-size shuffled batches can cost more ε than that "
+              "account (Chua et al. 2024, *How private are DP-SGD implementations?*).",
+              "² Noise reused across steps cancels in differences of iterates: the all-iterates guarantee is void.", ""]
+    (out / "audit_conformance.md").write_text("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", choices=["digits", "fashion-mnist", "both"], default="both")
+    parser.add_argument("--max-train", type=int, default=10000, help="Fashion-MNIST training records")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-conformance-bench"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    datasets = ["digits", "fashion-mnist"] if args.dataset == "both" else [args.dataset]
+    results = [bench(d, args.max_train if d == "fashion-mnist" else None, Path(args.work)) for d in datasets]
+    write(results, Path(args.out), time.perf_counter() - started, "python " + " ".join(["benchmarks/audit_conformance.py", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()

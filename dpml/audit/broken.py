@@ -1,0 +1,89 @@
+"""Deliberately broken DP-SGD trainers: the audit's positive controls for its conformance checks.
+
+Each context manager breaks the running process's DP-SGD in one classic way for as long as it is
+open, *without* changing what the trainer reports to the accountant (``mechanism.json`` still says
+Poisson sampling at rate q, noise σ, clipping to C). An audit that passes the release under one of
+them has no evidence to offer; ``tests/test_conformance.py`` and ``benchmarks/audit_conformance.py``
+run the whole train → certify → audit → gate chain under each.
+
+- :func:`noise_scaled` (½: a σ/2 bug; 0: no noise at all)
+- :func:`clipping_removed` (the clip factor is 1: per-example sensitivity unbounded)
+- :func:`shuffled_batches` (fixed-size batches from a shuffle per epoch, not Poisson sampling:
+  not what was priced, Chua et al. 2024)
+- :func:`noise_reused` (the first step's noise added again at every step)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import dpml.train.clipping as clipping
+import dpml.train.dpsgd as dpsgd
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, replacement: Any) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def noise_scaled(factor: float) -> contextlib.AbstractContextManager[None]:
+    """Every step's noise multiplied by ``factor``."""
+    original = dpsgd.clipped_sum_and_noise
+
+    def scaled(*args: Any, **kwargs: Any) -> Any:
+        sums, noises, clipped = original(*args, **kwargs)
+        return sums, {name: noise * factor for name, noise in noises.items()}, clipped
+
+    return _patched(dpsgd, "clipped_sum_and_noise", scaled)
+
+
+def clipping_removed() -> contextlib.AbstractContextManager[None]:
+    """Per-example gradients summed unclipped (the clip factor is always 1)."""
+    return _patched(clipping, "clip_factors", lambda norms, clip_norm: torch.ones_like(norms))
+
+
+def shuffled_batches() -> contextlib.AbstractContextManager[None]:
+    """Batches of exactly round(q·n) records, a fresh shuffle each epoch (the sampler of most tutorials)."""
+    queues: dict[int, list[torch.Tensor]] = {}
+
+    def sampler(generator: torch.Generator, n: int, sample_rate: float) -> torch.Tensor:
+        queue = queues.setdefault(id(generator), [])
+        if not queue:
+            size = max(1, round(sample_rate * n))
+            queue.extend(torch.split(torch.randperm(n, generator=generator), size))
+        return queue.pop(0)
+
+    return _patched(dpsgd, "poisson_batch", sampler)
+
+
+def noise_reused() -> contextlib.AbstractContextManager[None]:
+    """The noise of a run's first step added again at every later step (a seed reset per step)."""
+    original = dpsgd.clipped_sum_and_noise
+    first: dict[int, dict[str, torch.Tensor]] = {}
+
+    def reused(*args: Any, **kwargs: Any) -> Any:
+        sums, noises, clipped = original(*args, **kwargs)
+        generator = kwargs.get("generator", args[6] if len(args) > 6 else None)
+        kept = first.setdefault(id(generator), noises)
+        return sums, dict(kept), clipped
+
+    return _patched(dpsgd, "clipped_sum_and_noise", reused)
+
+
+BUGS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "noise × ½": lambda: noise_scaled(0.5),
+    "noise × 0": lambda: noise_scaled(0.0),
+    "clipping removed": clipping_removed,
+    "shuffled fixed-size batches": shuffled_batches,
+    "noise reused across steps": noise_reused,
+}
+"""Each bug by name, as the results page and the tests name them."""

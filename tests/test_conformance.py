@@ -1,0 +1,229 @@
+"""The audit checks the trainer against its certificate: noise, clipping, sampling — and fails a broken one.
+
+The unit tests check each part on its own (the noise of a step with zero gradients, clipped norms
+≤ C, Poisson batch sizes and independence, the probe's statistics under each bug); the pipeline
+tests break DP-SGD five ways (:mod:`dpml.audit.broken`) and run train → certify → audit → gate on
+a small CPU configuration: each bug must fail the gate with a line naming the check, and the
+intact trainer must pass.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dpml import stages
+from dpml.audit import broken
+from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_power
+from dpml.audit.conformance import (ConformanceProbe, canary_scores, chernoff_product_p_value, conformance_checks,
+                                    reference_clipped_sum)
+from dpml.config import load
+from dpml.models import build_model, spec_for
+from dpml.models.mlp import MlpSpec, build_mlp
+from dpml.sections import ModelConfig
+from dpml.train.clipping import DiracGradients, clipped_gradient_sum
+from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, poisson_batch, train_dpsgd
+from tests.conftest import small_params, write_params
+
+
+def test_noise_of_a_step_with_zero_gradients_has_std_sigma_c() -> None:
+    """An empty batch: the step's update is pure noise, N(0, σ²C²) per coordinate (exact χ² test)."""
+    model = build_mlp(MlpSpec(30, (40,), 5))
+    x, y = torch.zeros(0, 30), torch.zeros(0, dtype=torch.long)
+    sigma, clip = 1.7, 0.6
+    generator = torch.Generator().manual_seed(4)
+    draws = []
+    for _ in range(20):
+        sums, noises, _ = clipped_sum_and_noise(model, x, y, clip, sigma, 64, generator)
+        assert all(float(s.abs().max()) == 0.0 for s in sums.values())
+        draws.append(torch.cat([n.reshape(-1) for n in noises.values()]))
+    values = torch.stack(draws).double() / (sigma * clip)
+    chi2 = float(values.pow(2).sum())
+    dof = values.numel()
+    assert 1e-6 < stats.chi2.cdf(chi2, dof) < 1 - 1e-6
+    assert abs(float(values.mean())) < 5 / math.sqrt(dof)
+    # successive steps draw fresh noise
+    assert abs(float(torch.corrcoef(values[:2])[0, 1])) < 0.1
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gated", "bias_free_relu", "random_features", "lipschitz"])
+def test_every_clipped_example_and_canary_has_norm_at_most_c(kind: str) -> None:
+    """‖clip_C(∇ℓ_i)‖ ≤ C for one example at a time, on every model kind the clipping engine trains;
+    a Dirac canary of norm 5C comes out with norm C (the same factor line)."""
+    in_features = 12
+    spec = spec_for(ModelConfig(kind=kind, hidden=[16, 8], features=40), 1.0, in_features, 4)
+    torch.manual_seed(0)
+    model = build_model(spec)
+    clip = 0.3
+    x = torch.randn(16, in_features) * 5
+    y = torch.randint(0, 4, (16,))
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for i in range(x.shape[0]):
+        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[i:i + 1], y[i:i + 1], clip)
+        total = math.sqrt(sum(float(s.pow(2).sum()) for s in sums.values()))
+        assert total <= clip * (1 + 1e-5)
+        if float(norms[0]) > clip:
+            assert total == pytest.approx(clip, rel=1e-4)
+    empty = x[:0], y[:0]
+    canary = DiracGradients(torch.tensor([n_params - 1, 0]), 5 * clip)
+    sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, *empty, clip, canary)
+    flat = torch.cat([s.reshape(-1) for s in sums.values()])
+    assert float(flat[0]) == pytest.approx(clip, rel=1e-5) and float(flat[-1]) == pytest.approx(clip, rel=1e-5)
+    assert int((flat != 0).sum()) == 2
+
+
+def test_the_auditor_recomputes_the_engines_clipped_sum() -> None:
+    """The auditor's own per-example computation agrees with the engine's (ghost norms and all)."""
+    torch.manual_seed(1)
+    model = build_mlp(MlpSpec(10, (20, 20), 3))
+    x, y = torch.randn(50, 10) * 3, torch.randint(0, 3, (50,))
+    sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
+    engine = torch.cat([sums[n].reshape(-1) for n, p in model.named_parameters() if p.requires_grad]).double()
+    reference = reference_clipped_sum(model, per_example_cross_entropy, x, y, 0.5)
+    assert torch.allclose(engine, reference, atol=1e-5)
+
+
+def test_poisson_batches_have_binomial_sizes_and_independent_membership() -> None:
+    generator = torch.Generator().manual_seed(0)
+    n, q, steps = 400, 0.05, 3000
+    member = torch.zeros(steps, n, dtype=torch.bool)
+    for t in range(steps):
+        member[t, poisson_batch(generator, n, q)] = True
+    sizes = member.sum(1).numpy()
+    assert stats.binomtest(int(sizes.sum()), n * steps, q).pvalue > 1e-6
+    dispersion = np.sum((sizes - n * q) ** 2) / (n * q * (1 - q))
+    assert 1e-6 < stats.chi2.cdf(dispersion, steps) < 1 - 1e-6
+    # two records are sampled together at rate q² (independence), and a record's steps are independent
+    m = member.numpy().astype(float)
+    together = (m[:, :200] * m[:, 200:]).sum()
+    assert stats.binomtest(int(together), 200 * steps, q * q).pvalue > 1e-6
+    consecutive = (m[1:] * m[:-1]).sum()
+    assert stats.binomtest(int(consecutive), n * (steps - 1), q * q).pvalue > 1e-6
+
+
+def probe_run(seed: int = 0, steps: int = 100) -> ConformanceProbe:
+    """A small DP-SGD run (q = 0.1, σ = 1, C = 1) with the conformance probe; returns the probe."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(600, 8, generator=g) * 2, torch.randint(0, 3, (600,), generator=g)
+    model = build_mlp(MlpSpec(8, (12,), 3))
+    n_params = sum(p.numel() for p in model.parameters())
+    rng = np.random.default_rng(seed)
+    m = 100
+    probe = ConformanceProbe(x, y, per_example_cross_entropy, 1.0, 1.0, 0.1, steps,
+                             rng.choice(n_params, m, replace=False), rng.random(m) < 0.5, seed=seed)
+    train_dpsgd(model, x, y, sample_rate=0.1, epochs=steps * 0.1, clip_norm=1.0, noise_multiplier=1.0,
+                neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.05), seed=seed + 1,
+                canaries=probe.canaries())
+    return probe
+
+
+def failed_checks(probe: ConformanceProbe) -> set[str]:
+    return {c.name for c in conformance_checks(probe, 1e-6, 0.05) if not c.passed}
+
+
+def test_the_intact_trainer_passes_every_check_across_seeds() -> None:
+    for seed in range(4):
+        checks = conformance_checks(probe_run(seed), 1e-6, 0.05)
+        assert all(c.passed for c in checks), [c.line() for c in checks]
+        noise = next(c for c in checks if c.name == "noise")
+        assert noise.statistics["std_ratio"] == pytest.approx(1.0, abs=0.03)
+
+
+@pytest.mark.parametrize(("bug", "caught_by"), [
+    ("noise × ½", "noise"), ("noise × 0", "noise"), ("clipping removed", "clipping"),
+    ("shuffled fixed-size batches", "sampling"), ("noise reused across steps", "noise independence")])
+def test_each_broken_trainer_fails_the_check_that_names_its_bug(bug: str, caught_by: str) -> None:
+    with broken.BUGS[bug]():
+        probe = probe_run()
+    assert caught_by in failed_checks(probe)
+
+
+def test_the_canaries_are_drawn_by_the_trainers_sampler_and_scored_per_step() -> None:
+    """Included canaries appear in batches at rate q (they are records of the sampler); excluded never.
+    The per-step likelihood-ratio score separates included from excluded canaries at least as well as the sum."""
+    probe = probe_run(steps=200)
+    sampled = np.concatenate(probe.sampled_canaries)
+    assert set(np.unique(sampled)) <= set(np.flatnonzero(probe.included))
+    counts = probe.counts[probe.n:]
+    assert stats.binomtest(int(counts.sum()), counts.size * 200, 0.1).pvalue > 1e-6
+    for scoring in ("sum", "likelihood_ratio"):
+        scores = canary_scores(probe, scoring)  # type: ignore[arg-type]
+        gap = scores[probe.included].mean() - scores[~probe.included].mean()
+        assert gap > 3 * scores[~probe.included].std() / math.sqrt(probe.included.sum())
+
+
+def test_chernoff_bound_on_inner_products_is_valid() -> None:
+    """The noise-reuse p-value bounds the true tail of Σ ξη (simulated) from above."""
+    rng = np.random.default_rng(0)
+    k = 200
+    inner = (rng.standard_normal((20000, k)) * rng.standard_normal((20000, k))).sum(1)
+    for x in (20.0, 40.0, 60.0):
+        assert np.mean(np.abs(inner) >= x) <= chernoff_product_p_value(x, k) + 1e-3
+    assert chernoff_product_p_value(k, k) < 1e-12  # one step's noise against itself
+
+
+def test_power_is_the_bound_when_every_guess_is_right() -> None:
+    assert hypothesis_test_power(1000, 1000, 1e-5, 0.95) == pytest.approx(
+        hypothesis_test_bound(np.ones(1000), np.zeros(1000), 1e-5, 0.95).epsilon)
+    assert one_run_power(650, 130, 1e-5, 0.95) == pytest.approx(one_run_bound(650, 130, 130, 1e-5, 0.95).epsilon)
+    # no outcome of the method can exceed its power
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        members, nonmembers = rng.normal(3, 1, 1000), rng.normal(0, 1, 1000)
+        assert hypothesis_test_bound(members, nonmembers, 1e-5, 0.95).epsilon <= hypothesis_test_power(1000, 1000, 1e-5, 0.95)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Digits ingested, split and preprocessed once for the broken-trainer pipeline runs."""
+    tmp = tmp_path_factory.mktemp("conformance")
+    config = load(write_params(tmp / "params.yaml", pipeline_params(tmp)))
+    for name in ("ingest", "split", "preprocess"):
+        stages.run_stage(name, config)
+    return tmp
+
+
+def pipeline_params(tmp: Path) -> dict:
+    return small_params(tmp, train={"epochs": 4}, dp={"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-5},
+                        gate={"epsilon_budget": 100.0},
+                        audit={"attacks": ["loss"], "references": 0, "control": False, "black_box_canaries": 0,
+                               "bootstrap": 0})
+
+
+@pytest.mark.parametrize("bug", [None, *broken.BUGS])
+def test_the_gate_fails_each_broken_trainer_and_passes_the_intact_one(prepared: Path, bug: str | None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(prepared)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = load(prepared / "params.yaml")
+    if bug is None:
+        for name in ("train", "certify", "audit", "gate"):
+            stages.run_stage(name, config)
+    else:
+        with broken.BUGS[bug]():
+            for name in ("train", "certify", "audit", "gate"):
+                stages.run_stage(name, config)
+    from dpml import io
+    from dpml.stages.layout import Layout
+
+    layout = Layout(config)
+    decision = io.read_json(layout.gate)
+    audit = io.read_json(layout.audit)
+    failed = [line for line in decision["reasons"] if line.startswith("conformance check")]
+    if bug is None:
+        assert decision["passed"] is True, decision["reasons"]
+        assert audit["conformance"]["passed"] is True and not failed
+    else:
+        assert decision["passed"] is False, (bug, decision["reasons"])
+        assert failed and audit["conformance"]["passed"] is False
+        assert all("p " in line and "false-alarm rate" in line for line in failed)
+    # the audit states each method's power; a method counted by the gate can show a violation of ε
+    for name, entry in audit["power"].items():
+        assert entry["power"] > 0
+        assert entry["power"] >= audit["certified_epsilon"] if entry["gating"] else "note" in entry
