@@ -81,6 +81,15 @@ def main() -> None:
     for spends, present, touched, reserve_s, check_s, summary_s, size, largest, levels in rows:
         lines.append(f"| {spends} | {present:,} | {touched:,} | {reserve_s:.2f} | {check_s:.2f} | {summary_s:.2f} | "
                      f"{size:.0f} | {largest:.4g} | {levels} |")
+    lines += [
+        "",
+        "Timings on 2 cores with nothing else running. The issue asks for the pre-run check and the recording "
+        "each under 10 s and a ledger of a few hundred MB at 10 million units and 100 spends. The largest unit ε "
+        "jumps from the PLD value after one spend to an RDP bound once a unit's history holds more than "
+        "`PLD_MAX_EVENTS` = 8 distinct events (every version here has its own sampling rate): at these tiny "
+        "per-spend losses RDP's conversion term log(1/δ)/(α−1) dominates. It is a valid upper bound, looser "
+        "than PLD, never an under-count.",
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from dpml.config import ConfigError, load
@@ -67,6 +70,32 @@ def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
 
     flow = private_hyperparameter_search if search else privacy_audited_pipeline
     return flow(params_path=args.params, overrides=args.set)
+
+
+class _DropTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+# Loggers of the systems dpml drives that log a failure with its traceback before dpml reports it.
+_TRACEBACK_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "mlflow.store.db.utils")
+
+
+@contextlib.contextmanager
+def _logs_without_tracebacks(unless: bool) -> Iterator[None]:
+    """Prefect logs a failed flow or task run with its traceback, MLflow a failed database write; at
+    the CLI a failure is one ``dpml: error:`` line, so their tracebacks go (their one-line messages
+    stay) unless ``--debug``."""
+    loggers = [] if unless else [logging.getLogger(name) for name in _TRACEBACK_LOGGERS]
+    dropper = _DropTraceback()
+    for logger in loggers:
+        logger.addFilter(dropper)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(dropper)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -198,21 +227,6 @@ def _lineage_text(entry: dict[str, Any], budget: float) -> str:
         lines.append(f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
                      f"[{', '.join(spend['events']) or 'reserved'}]  data {spend['dataset_version'][:12]}{counted}")
     return "\n".join(lines)
-    if not summary:
-        print(f"{config.ledger.path}: no spends recorded")
-    for entry in summary:
-        left = config.ledger.epsilon_budget - entry["epsilon_total"]
-        print(f"dataset {entry['dataset_version'][:16]}…  total ε = {entry['epsilon_total']:.4g} at δ = {entry['delta']:g} "
-              f"(budget {config.ledger.epsilon_budget:g}, {max(left, 0):.4g} left); "
-              f"{entry['private_spends']} DP runs, {entry['nonprivate_runs']} non-private"
-              + (f", {entry['cancelled_spends']} cancelled before training (not counted)"
-                 if entry["cancelled_spends"] else ""))
-        for spend in entry["spends"]:
-            alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
-            counted = "" if spend["counted"] else "  (not counted)"
-            print(f"  #{spend['id']:<4} {alone:<20} {spend['label']}  [{', '.join(spend['events']) or 'reserved'}]"
-                  f"{counted}")
-    return 0
 
 
 def cmd_certificate(args: argparse.Namespace) -> int:
@@ -380,9 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_STORAGE_FULL = ("database or disk is full", "disk I/O error", "No space left on device", "File too large")
+
+
 def _one_line(error: BaseException) -> str:
     """An error as one line: its message's lines joined (a configuration error lists each key)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if any(sign in text for sign in _STORAGE_FULL) and "disk full" not in text:  # SQLite on a full disk
+        return (f"a write failed: {text.split(' [SQL:')[0][:300]}; is the disk full? Free space and run again "
+                "(a spend already started stays counted in the ledger)")
     if isinstance(error, OSError) and error.filename is not None:
         return f"cannot use {error.filename}: {error.strerror or text} (check the path, its permissions and free space)"
     known = (ConfigError, ValueError, LookupError, LedgerError, RuntimeError)
@@ -399,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = _warning_line
     try:
-        return int(args.func(args))
+        with _logs_without_tracebacks(unless=args.debug):
+            return int(args.func(args))
     except BrokenPipeError:  # `dpml … | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

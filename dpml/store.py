@@ -149,10 +149,15 @@ def _initialise(path: Path, artifact_root: str) -> None:
 
 
 def _create(path: Path, config: TrackingConfig) -> None:
+    """MLflow's creation on a temporary file, renamed into place: a failure or a kill leaves no store."""
     temp = path.with_name(f".{path.name}.creating-{os.getpid()}")
     try:
         _initialise(temp, config.artifact_root)
         os.replace(temp, path)
+    except Exception as error:  # noqa: BLE001 - whatever MLflow or SQLite raise, say which store and why
+        reason = str(error).strip().splitlines()[0].split(" [SQL:")[0][:200] if str(error).strip() else type(error).__name__
+        raise StoreError(f"cannot create the MLflow store {path}: {reason} (is the disk full or the folder "
+                         "read-only?); nothing was created and nothing was spent") from None
     finally:
         temp.unlink(missing_ok=True)
 

@@ -26,7 +26,7 @@ from dpml.config import TrackingConfig
 from dpml.faults import fault_point
 from dpml.store import activate, store_lock, tracking_uri
 
-__all__ = ["CHAMPION", "clean_up_killed_runs", "load_run_json", "log_audit", "log_release", "resolve_model", "tracking_uri"]
+__all__ = ["CHAMPION", "clean_up_killed_runs", "finished_releases", "load_run_json", "log_audit", "log_release", "resolve_model", "tracking_uri"]
 
 CHAMPION = "champion"
 
@@ -81,6 +81,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
             fault_point("register:after_version")
             if promote:
                 client.set_registered_model_alias(config.registered_model, CHAMPION, version.version)
+            fault_point("register:after_alias")
     return {
         "run_id": run.info.run_id,
         "experiment_id": experiment_id,
@@ -119,10 +120,44 @@ def clean_up_killed_runs(config: TrackingConfig) -> list[dict[str, str]]:
             continue
         with store_lock(config):
             for version in client.search_model_versions(f"run_id = '{run.info.run_id}'"):
+                held_alias = client.get_registered_model(version.name).aliases.get(CHAMPION) == version.version
                 client.delete_model_version(version.name, version.version)
+                if held_alias:  # killed after the alias moved: back to the newest passing release
+                    _point_champion_at_newest_passing(client, version.name)
             client.set_terminated(run.info.run_id, status="KILLED")
         cleaned.append({"run_id": run.info.run_id, "spend_id": tags.get("ledger.spend_id", "")})
     return cleaned
+
+
+def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> None:
+    """The alias policy (newest release whose gate passed), applied to what is left of the model."""
+    passing = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get("gate.passed") == "true"]
+    if passing:
+        client.set_registered_model_alias(name, CHAMPION, max(passing, key=lambda v: int(v.version)).version)
+
+
+def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> dict[int, dict[str, str]]:
+    """For ledger spends without a ``released`` event (id → creation time), the finished MLflow run
+    that released each, if any: a kill between the end of registration and the ledger's event leaves
+    exactly that. One search, bounded by the oldest spend's time."""
+    if not spend_ids:
+        return {}
+    activate(config)
+    experiment = mlflow.get_experiment_by_name(config.experiment)
+    if experiment is None:
+        return {}
+    client = MlflowClient()
+    since = int(min(spend_ids.values()) * 1000) - 60_000
+    found: dict[int, dict[str, str]] = {}
+    for run in client.search_runs([experiment.experiment_id], max_results=10_000,
+                                  filter_string=f"attributes.status = 'FINISHED' AND attributes.start_time >= {since}"):
+        spend = run.data.tags.get("ledger.spend_id", "")
+        if spend.isdigit() and int(spend) in spend_ids:
+            versions = client.search_model_versions(f"run_id = '{run.info.run_id}'")
+            if versions:
+                found[int(spend)] = {"run_id": run.info.run_id,
+                                     "model_uri": f"models:/{versions[0].name}/{versions[0].version}"}
+    return found
 
 
 def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:

@@ -79,6 +79,18 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     shown = dvc(root, "metrics", "show", "--json")
     assert "test_accuracy" in shown and "epsilon" in shown
 
+    # A misconfiguration under dvc repro: dpml's one error line, no traceback, nothing spent.
+    from dpml.privacy.ledger import Ledger
+
+    spent = len(Ledger(root / params["ledger"]["path"], 1e-5).spends(counted_only=False))
+    failed = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "-s", "train"], cwd=root,
+                            capture_output=True, text=True, env=environment() | {"DPML_NOISE_SEED": "abc"})
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "Traceback" not in output, output
+    [line] = [line for line in output.splitlines() if line.startswith("dpml: error:")]
+    assert "DPML_NOISE_SEED = 'abc'" in line
+    assert len(Ledger(root / params["ledger"]["path"], 1e-5).spends(counted_only=False)) == spent
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -128,7 +128,7 @@ def test_sigkill_during_training_keeps_the_spend(workdir: Path) -> None:
     ledger = Ledger(ledger_path, 1e-5)
     [spend] = ledger.spends()
     assert spend.mechanism is not None and [k for k, _ in ledger.events(spend.id)] == ["started"]  # counted, never trained
-    assert ledger.total(spend.dataset_version) == pytest.approx(spend.epsilon_alone)
+    assert ledger.total(spend.lineage) == pytest.approx(spend.epsilon_alone)
     assert not (workdir / "artifacts" / "train" / "model.pt").exists()  # no half-written model
     # The next run sees the killed run's spend.
     refused = subprocess.run([sys.executable, "-m", "dpml", "stage", "train", "--params", str(path),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from dpml import io
 from dpml.config import load
@@ -13,6 +14,7 @@ from dpml.stages import STAGES, Layout
 from tests.conftest import small_params, write_params
 
 
+@pytest.mark.exhaustive
 def test_random_features_release_is_audited_by_reconstruction(workdir: Path) -> None:
     rng = np.random.default_rng(0)
     d = 20

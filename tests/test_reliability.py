@@ -85,6 +85,54 @@ def test_a_misconfigured_run_spends_nothing(workdir: Path, override: list[str], 
         assert dpml(workdir, "stage", stage).returncode == 0
     one_error_line(dpml(workdir, "stage", "train", *override, extra_env=env))
     assert counted_spends(workdir) == 0
+    # and from a Prefect flow run
+    line = one_error_line(dpml(workdir, "run", "--engine", "prefect", *override, extra_env=env))
+    assert __import__("re").search(message, line), line
+    assert counted_spends(workdir) == 0
+
+
+def _disk_of(size: int):  # noqa: ANN202 — a preexec_fn
+    """A disk that fills after ``size`` bytes a file: writes beyond it fail (EFBIG) instead of killing."""
+    def fill() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    return fill
+
+
+@pytest.mark.parametrize("when", ["first run", pytest.param("later run", marks=pytest.mark.exhaustive)])
+def test_a_full_disk_fails_in_one_line_and_loses_nothing(workdir: Path, when: str) -> None:
+    """A disk that fills on the first run (MLflow's store cannot even be created) or on a later run (the
+    store's file may grow by 2 KiB: registration fails): one error line, every spend accounted for, no
+    model version from the failed run, and the next run on a free disk works."""
+    from mlflow import MlflowClient
+
+    quick_params(workdir)
+    env = {**ENV}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    releases = 0
+    size = 400_000
+    if when == "later run":
+        assert dpml(workdir, "run", "--engine", "local").returncode == 0
+        releases, size = 1, (workdir / "mlflow.db").stat().st_size + 2048
+    full = subprocess.run([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=600, preexec_fn=_disk_of(size))
+    line = one_error_line(full)
+    assert "disk" in line and "full" in line, line
+    if (workdir / "ledger.db").exists():
+        ledger = ledger_of(workdir)
+        for spend in ledger.spends(counted_only=False)[releases:]:
+            kinds = [k for k, _ in ledger.events(spend.id)]
+            assert "released" not in kinds  # nothing was released …
+            assert "started" in kinds or "cancelled" in kinds  # … and the spend says what became of it
+    done = dpml(workdir, "run", "--engine", "local")
+    assert done.returncode == 0, done.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    versions = client.search_model_versions("name='dpml-reliability'")
+    assert len(versions) == releases + 1
+    runs = client.search_runs([client.get_experiment_by_name("dpml-test").experiment_id])
+    assert all(run.info.status != "RUNNING" for run in runs)
 
 
 def test_an_unwritable_output_folder_is_refused_before_any_work(workdir: Path) -> None:
@@ -148,7 +196,34 @@ def test_kills_at_stage_boundaries_and_inside_registration(workdir: Path) -> Non
     assert "released" in [k for k, _ in ledger.events(spends[3].id)]
     assert ledger.summary()[0]["epsilon_total"] > total_before  # nothing forgotten, the new run added
 
+    # Killed after the alias moved, inside the still-RUNNING MLflow run: the next run removes that version
+    # and points the alias back at the newest passing release before registering its own.
+    champion = client.get_registered_model("dpml-reliability").aliases["champion"]
+    killed = dpml(workdir, "run", "--engine", "local", fault="register:after_alias")
+    assert killed.returncode == -signal.SIGKILL
+    [aliased] = [v for v in client.search_model_versions("name='dpml-reliability'") if v.version != champion]
+    assert client.get_registered_model("dpml-reliability").aliases["champion"] == aliased.version
+    # The next run fails its gate (no promotion) and is killed after MLflow finished, before the ledger's event.
+    killed = dpml(workdir, "run", "--engine", "local", "--set", "gate.epsilon_budget=0.01",
+                  fault="register:before_released_event")
+    assert killed.returncode == -signal.SIGKILL
+    assert client.get_run(aliased.run_id).info.status == "KILLED"
+    assert client.get_registered_model("dpml-reliability").aliases["champion"] == champion  # back where it was
+    unreleased = ledger_of(workdir).spends()[-1]
+    assert "released" not in [k for k, _ in ledger_of(workdir).events(unreleased.id)]
+    [finished] = [v for v in client.search_model_versions("name='dpml-reliability'") if v.version not in (champion,)]
+    assert client.get_run(finished.run_id).info.status == "FINISHED"
 
+    done = dpml(workdir, "run", "--engine", "local")
+    assert done.returncode == 0, done.stderr
+    events = dict(ledger_of(workdir).events(unreleased.id))
+    assert events["released"]["reconciled"] == "true" and events["released"]["run_id"] == finished.run_id
+    newest = max(int(v.version) for v in client.search_model_versions("name='dpml-reliability'"))
+    assert int(client.get_registered_model("dpml-reliability").aliases["champion"]) == newest
+    assert len(ledger_of(workdir).spends()) == 7  # every spend still counted
+
+
+@pytest.mark.exhaustive
 def test_concurrent_first_runs_on_one_new_store_all_register(tmp_path: Path) -> None:
     shared = {"tracking": {"uri": f"sqlite:///{tmp_path / 'shared' / 'mlflow.db'}",
                            "artifact_root": str(tmp_path / "shared" / "mlartifacts"),
@@ -176,7 +251,7 @@ def test_concurrent_first_runs_on_one_new_store_all_register(tmp_path: Path) -> 
     assert len(Ledger(shared["ledger"]["path"], 1e-5).spends()) == 2
 
 
-@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5, 2.5])
+@pytest.mark.parametrize("delay", [0.8, *(pytest.param(d, marks=pytest.mark.exhaustive) for d in (0.3, 1.5, 2.5))])
 def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, delay: float) -> None:
     """MLflow's own creation killed at some point of its migrations: dpml's next run still works."""
     from dpml.sections import TrackingConfig

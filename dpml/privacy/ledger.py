@@ -47,17 +47,18 @@ guarantee, and the report lists them.
 
 Two concurrent runs racing for the last of a budget are serialised by ``BEGIN IMMEDIATE``: the check
 and the insert are one transaction, and exactly one proceeds.
+
+The parts: :mod:`dpml.privacy.unit_accounts` (a unit's ε from its history),
+:mod:`dpml.privacy.budget_checks` (the check before a run), :mod:`dpml.privacy.ledger_schema` (tables,
+migration, lineage names), :mod:`dpml.privacy.cohorts` (which units have which history).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import re
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,21 +68,27 @@ import numpy as np
 
 from dpml.faults import fault_point
 from dpml.privacy import cohorts
+from dpml.privacy.budget_checks import Standing, check_budget, within_filter
+from dpml.privacy.ledger_schema import SCHEMA_VERSION, create_tables, default_lineage, migrate_from_v1
 from dpml.privacy.mechanism import MechanismDescription
+from dpml.privacy.unit_accounts import (
+    COUNTED,
+    BudgetExceeded,
+    History,
+    LedgerError,
+    UnitAccounts,
+    _compose,
+    _curve_to_json,
+    epsilons_from_rdp,
+    filter_bound,
+    filter_order,
+    rdp_curve,
+)
 from dpml.privacy.units import UnitKeyError, key_fingerprint, keyed_unit_ids, load_or_create_key
 
-SCHEMA_VERSION = 2
-PLD_REFINEMENTS = 4  # the most PLD compositions one check or summary computes beyond its memo
-PLD_MAX_EVENTS = 8  # histories of more distinct events keep their RDP bound (a PLD would take many seconds)
-History = tuple[int, ...]
-
-
-class LedgerError(RuntimeError):
-    """A ledger that cannot be used: corrupt, from a newer dpml, or mixed relations."""
-
-
-class BudgetExceeded(LedgerError):
-    """The planned run would take some unit of the lineage over its budget."""
+# The ledger's public face: its own classes plus what callers use from the modules it is built from.
+__all__ = ["BudgetExceeded", "Ledger", "LedgerError", "Spend", "_compose", "default_lineage", "epsilons_from_rdp",
+           "filter_bound", "filter_order", "rdp_curve"]
 
 
 @dataclass(frozen=True)
@@ -96,239 +103,11 @@ class Spend:
     n_units: int | None = None  # units touched; None: unknown (charged to every unit of the lineage)
 
 
-def default_lineage(source: str) -> str:
-    """The lineage of a ``data.source`` when ``ledger.dataset`` is not set: the file or folder name
-    without extension (``csv:data/adult.csv`` → ``adult``), or the bundled set's name."""
-    scheme, _, rest = source.partition(":")
-    if scheme == "sklearn":
-        return rest
-    path = Path(rest.rstrip("/\\") or rest)
-    return path.name if scheme == "idx" else path.stem
-
-
-_LABEL_SOURCE = re.compile(r"\(((?:sklearn|idx|csv|parquet):[^()]*)\)\s*$")
-
-
-def _compose(mechanisms: list[MechanismDescription], delta: float) -> float:
-    """ε(δ) of all mechanisms together: one PLD accountant over every event (a valid upper bound).
-
-    A KL-private spend (seed 000) has no finite ε at any δ < 1 that the paper proves, so any
-    history with one has an unbounded (ε, δ) total.
-    """
-    if not mechanisms:
-        return 0.0
-    if any(m.guarantee == "kl" for m in mechanisms):
-        return float("inf")
-    relations = {m.neighbouring for m in mechanisms}
-    if len(relations) > 1:
-        raise LedgerError(f"cannot compose spends under different neighbouring relations {sorted(relations)}")
-    from dpml.privacy.accountants import epsilon_pld, has_zcdp, mechanism_rdp_curve
-    from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
-
-    if any((m.selection is not None and m.selection.random) or has_zcdp(m) for m in mechanisms):
-        # A random-count search or a zCDP run has an RDP curve but no PLD: compose every spend in RDP.
-        return rdp_to_epsilon(ORDERS, sum(mechanism_rdp_curve(m) for m in mechanisms), delta)
-    events = tuple(e for m in mechanisms for e in m.composed_events())
-    combined = MechanismDescription("ledger", events, mechanisms[0].neighbouring, 1.0, 0)
-    return epsilon_pld(combined, delta)
-
-
-def _compose_kl(mechanisms: list[MechanismDescription]) -> float:
-    """Total KL of the spends: KL composes additively, adaptively too (the chain rule).
-
-    An (ε, δ)-DP spend with δ > 0 bounds no KL divergence: it makes the KL total unbounded.
-    """
-    from dpml.privacy.kl_certificate import certified_kl
-
-    total = 0.0
-    for mechanism in mechanisms:
-        if mechanism.guarantee != "kl":
-            return float("inf")
-        total += certified_kl(mechanism)
-    return total
-
-
-def rdp_curve(mechanism: MechanismDescription) -> np.ndarray:
-    """The spend's RDP curve on :data:`tuning.ORDERS`; ∞ (a vacuous bound, which leaves the unit's ε
-    to the PLD accountant) for a KL-private spend or one dp_accounting has no RDP for (Poisson
-    sampling under replace-one)."""
-    from dp_accounting import UnsupportedEventError
-
-    from dpml.privacy.accountants import mechanism_rdp_curve
-    from dpml.privacy.tuning import ORDERS
-
-    if mechanism.guarantee == "kl":
-        return np.full(len(ORDERS), np.inf)
-    try:
-        return np.asarray(mechanism_rdp_curve(mechanism), dtype=float)
-    except (UnsupportedEventError, NotImplementedError):
-        return np.full(len(ORDERS), np.inf)
-
-
-def epsilons_from_rdp(rdp: np.ndarray, delta: float) -> np.ndarray:
-    """ε(δ) of each row of RDP values on :data:`tuning.ORDERS`, minimised over the orders.
-
-    ε = min_α ρ(α) + log(1 − 1/α) − log(δα)/(α − 1) (Canonne, Kamath & Steinke 2020, Prop. 12; the
-    conversion dp_accounting's ``compute_epsilon`` uses, vectorised; orders ≤ 1.01 are skipped as
-    there), floored at 0.
-    """
-    from dpml.privacy.tuning import ORDERS
-
-    orders = np.asarray(ORDERS, dtype=float)
-    usable = orders > 1.01
-    with np.errstate(invalid="ignore"):
-        shift = np.log1p(-1.0 / orders[usable]) - np.log(delta * orders[usable]) / (orders[usable] - 1.0)
-        eps = np.atleast_2d(rdp)[:, usable] + shift
-    eps = np.where(np.isnan(eps), np.inf, eps)
-    return np.maximum(eps.min(axis=1), 0.0)
-
-
-def filter_order(budget: float, delta: float) -> float:
-    """α* of a lineage's Rényi filter: the order at which a Gaussian-shaped composition (ρ(α) = cα, the
-    shape of composed subsampled Gaussians at small q) reaching exactly ``budget`` at δ converts best.
-    It depends on the budget and δ only, never on the data, and is fixed at a lineage's first
-    filtered run."""
-    from dpml.privacy.tuning import ORDERS
-
-    orders = np.asarray(ORDERS, dtype=float)
-    low, high = 0.0, budget
-    for _ in range(100):  # bisect c so that min_α ε(cα) = budget
-        c = (low + high) / 2
-        low, high = (c, high) if epsilons_from_rdp(c * orders[None, :], delta)[0] < budget else (low, c)
-    curve = low * orders
-    usable = orders > 1.01
-    shift = np.log1p(-1.0 / orders) - np.log(delta * orders) / (orders - 1.0)
-    return float(orders[usable][np.argmin((curve + shift)[usable])])
-
-
-def filter_bound(order: float, budget: float, delta: float) -> float:
-    """B*: the largest RDP at ``order`` whose conversion (Canonne et al. 2020, Prop. 12) is ≤ ``budget``."""
-    return budget - math.log1p(-1.0 / order) + math.log(delta * order) / (order - 1.0)
-
-
-def _units_phrase(units: int) -> str:
-    """How a budget refusal names the units it is about (a run without a unit list is charged to all)."""
-    if units == 0:
-        return "every privacy unit of the lineage (this run's data carries no unit list)"
-    return f"{units:,} privacy units of this run"
-
-
-def _curve_to_json(curve: np.ndarray) -> str:
-    return json.dumps([float(v) if np.isfinite(v) else None for v in curve])
-
-
-def _curve_from_json(text: str) -> np.ndarray:
-    return np.array([np.inf if v is None else v for v in json.loads(text)], dtype=float)
-
-
-class _Accounts:
-    """Per-unit privacy loss of histories (tuples of spend ids), within one connection."""
-
-    def __init__(self, ledger: Ledger, db: sqlite3.Connection) -> None:
-        from dpml.privacy.tuning import ORDERS
-
-        self.ledger, self.db, self.delta = ledger, db, ledger.delta
-        self.orders = np.asarray(ORDERS, dtype=float)
-        rows = db.execute(f"SELECT id, mechanism, rdp FROM spends WHERE private = 1 AND {Ledger.COUNTED}").fetchall()  # noqa: S608
-        self.mechanisms = {int(i): MechanismDescription.from_dict(json.loads(m)) for i, m, _ in rows}
-        self.curves = {int(i): _curve_from_json(r) if r else rdp_curve(self.mechanisms[int(i)]) for i, _, r in rows}
-        self.extra: dict[int, MechanismDescription] = {}
-
-    def counted(self, history: Sequence[int]) -> History:
-        """The history's spends that count: private and not cancelled (cancelled ones stay listed)."""
-        return tuple(s for s in history if s in self.mechanisms or s in self.extra)
-
-    def add_planned(self, spend_id: int, mechanism: MechanismDescription) -> None:
-        """Account a spend not yet written (the run being checked) under a provisional id."""
-        self.extra[spend_id] = mechanism
-        self.curves[spend_id] = rdp_curve(mechanism)
-
-    def mechanism(self, spend: int) -> MechanismDescription:
-        return self.extra.get(spend) or self.mechanisms[spend]
-
-    def rdp(self, histories: list[History]) -> np.ndarray:
-        """(histories × orders) summed RDP curves."""
-        out = np.zeros((len(histories), self.orders.size))
-        for row, history in enumerate(histories):
-            for spend in self.counted(history):
-                out[row] += self.curves[spend]
-        return out
-
-    def epsilon_rdp(self, histories: list[History]) -> np.ndarray:
-        return epsilons_from_rdp(self.rdp(histories), self.delta) if histories else np.zeros(0)
-
-    def epsilon_pld(self, history: History) -> float:
-        """One PLD composition of the history (memoised in the ledger for written spends)."""
-        history = self.counted(history)
-        if not history:
-            return 0.0
-        memo_key = hashlib.sha256(f"{self.delta!r}|{','.join(map(str, sorted(history)))}".encode()).hexdigest()
-        written = not any(s in self.extra for s in history)
-        if written:
-            row = self.db.execute("SELECT epsilon FROM history_epsilon WHERE key = ?", (memo_key,)).fetchone()
-            if row is not None:
-                return float(row[0])
-        epsilon = _compose([self.mechanism(s) for s in history], self.delta)
-        if written and self.db.in_transaction:
-            self.db.execute("INSERT OR REPLACE INTO history_epsilon (key, epsilon) VALUES (?, ?)", (memo_key, epsilon))
-        return epsilon
-
-    def epsilons(self, histories: list[History], above: float | None = None,
-                 limit: int = PLD_REFINEMENTS) -> np.ndarray:
-        """min(RDP, PLD) ε of each history. PLD is computed only where it can change the answer: for
-        the histories whose RDP value exceeds ``above`` (a budget check; the closest to it first), or —
-        ``above`` None — in descending RDP order until no remaining history can exceed the largest
-        found (a maximum). At most :data:`PLD_REFINEMENTS` PLD compositions per call, of histories of
-        at most :data:`PLD_MAX_EVENTS` distinct events; the rest keep their RDP bound (an over-count:
-        a looser bound, never an unsafe one)."""
-        eps = self.epsilon_rdp(histories)
-        if above is not None:
-            flagged = np.flatnonzero(eps > above)
-            order, limit = flagged[np.argsort(eps[flagged])], min(limit, PLD_REFINEMENTS // 2)
-        else:
-            order = np.argsort(-eps)
-        done, best = 0, -np.inf
-        for index in order:
-            if done >= limit or (above is None and eps[index] <= best):
-                break
-            if self._pld_affordable(histories[index]):
-                eps[index] = min(eps[index], self.epsilon_pld(histories[index]))
-                done += 1
-            best = max(best, eps[index])
-        return eps
-
-    def _pld_affordable(self, history: History) -> bool:
-        """A PLD composition of the history exists (no KL spend, no random-count search) and is quick."""
-        distinct: set[Any] = set()
-        for spend in self.counted(history):
-            mechanism = self.mechanism(spend)
-            if mechanism.guarantee == "kl" or (mechanism.selection is not None and mechanism.selection.random):
-                return False
-            distinct.update(mechanism.composed_events())
-        return len(distinct) <= PLD_MAX_EVENTS
-
-    def kl(self, history: History) -> float:
-        return _compose_kl([self.mechanism(s) for s in self.counted(history)])
-
-    def relations(self, history: History) -> set[str]:
-        return {self.mechanism(s).neighbouring for s in self.counted(history)}
-
-
-@dataclass(frozen=True)
-class _Standing:
-    """The units of one run (or of the whole lineage) grouped by history."""
-
-    histories: list[History]  # each with the lineage's base in front
-    units: np.ndarray          # how many of the run's units have each history
-    lookup: cohorts.Lookup | None
-    cohort_of_history: list[int]
-
-
 class Ledger:
     """Append-only SQLite ledger; ``delta`` is the δ at which totals are stated; ``unit_key`` is the
     secret file that turns unit digests into the ids the ledger stores (default ``<path>.key``)."""
 
-    COUNTED = "id NOT IN (SELECT spend_id FROM events WHERE kind = 'cancelled')"
+    COUNTED = COUNTED
 
     def __init__(self, path: str | Path, delta: float, unit_key: str | Path | None = None) -> None:
         self.path = Path(path)
@@ -361,63 +140,14 @@ class Ledger:
                                       f"(this one reads ≤ {SCHEMA_VERSION}); refusing to touch it")
                 if row is not None and int(row[0]) < SCHEMA_VERSION:
                     db.execute("ROLLBACK")
-                    self._migrate_from_v1()
+                    migrate_from_v1(self.path, self._connect)
                     return
-                self._create_tables(db)
+                create_tables(db)
                 if row is None:
                     db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                 db.execute("COMMIT")
         except sqlite3.DatabaseError as error:
             raise LedgerError(f"{self.path}: not a readable ledger ({error}); it was not modified") from None
-
-    @staticmethod
-    def _create_tables(db: sqlite3.Connection) -> None:
-        db.execute("""CREATE TABLE IF NOT EXISTS spends (
-            id INTEGER PRIMARY KEY AUTOINCREMENT, dataset_version TEXT NOT NULL, label TEXT NOT NULL,
-            created_at REAL NOT NULL, private INTEGER NOT NULL, mechanism TEXT, epsilon_alone REAL NOT NULL,
-            lineage TEXT, n_units INTEGER, rdp TEXT)""")
-        db.execute("""CREATE TABLE IF NOT EXISTS events (
-            id INTEGER PRIMARY KEY AUTOINCREMENT, spend_id INTEGER NOT NULL REFERENCES spends(id),
-            created_at REAL NOT NULL, kind TEXT NOT NULL, detail TEXT NOT NULL)""")
-        db.execute("""CREATE TABLE IF NOT EXISTS lineages (
-            name TEXT PRIMARY KEY, created_at REAL NOT NULL, base TEXT NOT NULL, filter_order REAL)""")
-        db.execute("CREATE TABLE IF NOT EXISTS history_epsilon (key TEXT PRIMARY KEY, epsilon REAL NOT NULL)")
-        for statement in cohorts.SCHEMA:
-            db.execute(statement)
-
-    def _migrate_from_v1(self) -> None:
-        """Schema 1 (one account per dataset version, no units) → 2. A copy of the old file is kept
-        beside it (``<name>.v1``). Every old private spend becomes a spend of unknown units charged to
-        every unit of its lineage — the lineage named after the source in its label (``… (csv:x.csv)``
-        → ``x``), else its dataset version — which can only over-count."""
-        backup = self.path.with_name(self.path.name + ".v1")
-        with self._connect() as db:
-            if not backup.exists():
-                with sqlite3.connect(backup) as copy:
-                    db.backup(copy)
-            db.execute("BEGIN IMMEDIATE")
-            version = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if version is None or int(version[0]) != 1:  # another process migrated meanwhile
-                db.execute("ROLLBACK")
-                return
-            for column in ("lineage TEXT", "n_units INTEGER", "rdp TEXT"):
-                db.execute(f"ALTER TABLE spends ADD COLUMN {column}")
-            self._create_tables(db)
-            base: dict[str, list[int]] = {}
-            for spend_id, version_hash, label, private, mechanism in db.execute(
-                    "SELECT id, dataset_version, label, private, mechanism FROM spends ORDER BY id").fetchall():
-                match = _LABEL_SOURCE.search(label)
-                lineage = default_lineage(match.group(1)) if match else version_hash
-                curve = _curve_to_json(rdp_curve(MechanismDescription.from_dict(json.loads(mechanism)))) if private else None
-                db.execute("UPDATE spends SET lineage = ?, rdp = ? WHERE id = ?", (lineage, curve, spend_id))
-                base.setdefault(lineage, [])
-                if private:
-                    base[lineage].append(int(spend_id))
-            for lineage, spends in base.items():
-                db.execute("INSERT OR IGNORE INTO lineages (name, created_at, base) VALUES (?, ?, ?)",
-                           (lineage, time.time(), json.dumps(spends)))
-            db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-            db.execute("COMMIT")
 
     def _unit_key(self, create: bool) -> bytes:
         """The unit key; its fingerprint is stored in the ledger on first use and checked after."""
@@ -510,80 +240,21 @@ class Ledger:
         row = db.execute("SELECT base FROM lineages WHERE name = ?", (lineage,)).fetchone()
         return tuple(json.loads(row[0])) if row else ()
 
-    def _standing_of_run(self, db: sqlite3.Connection, lineage: str, ids: np.ndarray | None) -> _Standing:
+    def _standing_of_run(self, db: sqlite3.Connection, lineage: str, ids: np.ndarray | None) -> Standing:
         """The run's units by history. ``ids`` None (units unknown): every unit of the lineage."""
         base = self._base(db, lineage)
         if ids is None:
             rows = cohorts.lineage_cohorts(db, lineage)
             histories = [base] + [base + h for _, h, _ in rows]
-            return _Standing(histories, np.array([0] + [s for *_, s in rows]), None, [0] + [c for c, *_ in rows])
+            return Standing(histories, np.array([0] + [s for *_, s in rows]), None, [0] + [c for c, *_ in rows])
         lookup = cohorts.look_up(db, lineage, ids)
         present, counts = cohorts.sorted_unique(lookup.cohort_of_unit)
         history_of = cohorts.histories(db, present)
-        return _Standing([base + history_of[int(c)] for c in present], counts, lookup, [int(c) for c in present])
+        return Standing([base + history_of[int(c)] for c in present], counts, lookup, [int(c) for c in present])
 
-    def _lineage_standing(self, db: sqlite3.Connection, lineage: str) -> _Standing:
+    def _lineage_standing(self, db: sqlite3.Connection, lineage: str) -> Standing:
         """Every unit of the lineage by history (the base alone stands for units not yet seen)."""
         return self._standing_of_run(db, lineage, None)
-
-    # -------------------------------------------------------------------------------------- check
-    def _check(self, accounts: _Accounts, standing: _Standing, lineage: str, planned: int,
-               mechanism: MechanismDescription, budget: float, kl_budget: float | None, mode: str,
-               db: sqlite3.Connection) -> None:
-        """Raise :class:`BudgetExceeded` when any unit of the run would go over its budget."""
-        candidates = [h + (planned,) for h in standing.histories]
-        relations = set().union(*(accounts.relations(h) for h in candidates)) if candidates else set()
-        if len(relations) > 1:
-            raise LedgerError(f"lineage {lineage!r}: cannot compose spends under different neighbouring relations "
-                              f"{sorted(relations)}; nothing was recorded")
-        alone = accounts.epsilons([(planned,)])[0] if mechanism.guarantee != "kl" else math.inf
-        if mechanism.guarantee == "kl":
-            return self._check_kl(accounts, standing, candidates, lineage, kl_budget)
-        if mode == "exclude":
-            over = ~self._within_filter(accounts, standing.histories, planned, budget, db, lineage)
-            rule = "the lineage's Rényi filter"
-        else:
-            over = accounts.epsilons(candidates, above=budget) > budget
-            rule = "composition"
-        if not over.any():
-            return
-        units = int(standing.units[over].sum())
-        now = accounts.epsilons([h for h, o in zip(standing.histories, over) if o], limit=1)
-        after = accounts.epsilon_rdp([c for c, o in zip(candidates, over) if o])
-        total = int(standing.units.sum())
-        kl_units = any(any(accounts.mechanism(s).guarantee == "kl" for s in accounts.counted(h))
-                       for h, o in zip(standing.histories, over) if o)
-        why = (" (a KL-private release already used them, so their (ε, δ) loss is unbounded)" if kl_units else "")
-        raise BudgetExceeded(
-            f"lineage {lineage!r}: {units:,} of the {total:,} privacy units in this run's training data have spent "
-            f"ε = {float(now.min()):.4g}…{float(now.max()):.4g} already{why}; this run (ε = {alone:.4g} alone at "
-            f"δ = {self.delta:g}) would take them to ε ≈ {float(np.min(after)):.4g} or more ({rule}), over "
-            f"ledger.epsilon_budget = {budget:g}; {max(budget - float(now.max()), 0.0):.4g} of their budget is left. "
-            "Nothing was recorded. To train without them, set ledger.on_exhausted: exclude.")
-
-    def _check_kl(self, accounts: _Accounts, standing: _Standing, candidates: list[History], lineage: str,
-                  kl_budget: float | None) -> None:
-        if kl_budget is None:
-            raise BudgetExceeded(f"lineage {lineage!r}: this run's guarantee is KL privacy, and ledger.kl_budget is "
-                                 "not set; set it to allow KL-private releases. Nothing was recorded.")
-        for history, candidate, units in zip(standing.histories, candidates, standing.units):
-            if any(accounts.mechanism(s).guarantee != "kl" for s in accounts.counted(history)):
-                raise BudgetExceeded(
-                    f"lineage {lineage!r}: {_units_phrase(int(units))} already have (ε, δ)-DP spends, "
-                    "which bound no KL divergence; a KL-private run cannot be accounted on them. Nothing was recorded.")
-            before, after = accounts.kl(history), accounts.kl(candidate)
-            if after > kl_budget:
-                raise BudgetExceeded(
-                    f"lineage {lineage!r}: {_units_phrase(int(units))} would go from summed KL = {before:.4g} to "
-                    f"{after:.4g}, over ledger.kl_budget = {kl_budget:g}. Nothing was recorded.")
-
-    def _within_filter(self, accounts: _Accounts, histories: list[History], planned: int, budget: float,
-                       db: sqlite3.Connection, lineage: str) -> np.ndarray:
-        """Per history: may its units take part under the lineage's Rényi filter (Feldman & Zrnic 2021)?"""
-        order = self._filter_order(db, lineage, budget)
-        column = int(np.flatnonzero(accounts.orders == order)[0])
-        spent = accounts.rdp(histories)[:, column] if histories else np.zeros(0)
-        return spent + accounts.curves[planned][column] <= filter_bound(order, budget, self.delta) + 1e-12
 
     def _filter_order(self, db: sqlite3.Connection, lineage: str, budget: float) -> float:
         row = db.execute("SELECT filter_order FROM lineages WHERE name = ?", (lineage,)).fetchone()
@@ -600,9 +271,10 @@ class Ledger:
         inverse = cohorts.inverse_of(ids, unique)
         with self._connect() as db:
             standing = self._standing_of_run(db, lineage, unique)
-            accounts = _Accounts(self, db)
+            accounts = UnitAccounts(self.delta, db)
             accounts.add_planned(-1, mechanism)
-            allowed = self._within_filter(accounts, standing.histories, -1, budget, db, lineage)
+            order = self._filter_order(db, lineage, budget)
+            allowed = within_filter(accounts, standing.histories, -1, order, budget, self.delta)
         allowed_cohorts = np.array([c for c, a in zip(standing.cohort_of_history, allowed) if a], dtype=np.int64)
         assert standing.lookup is not None
         return np.isin(standing.lookup.cohort_of_unit, allowed_cohorts)[inverse.ravel()]
@@ -634,10 +306,11 @@ class Ledger:
                            (lineage, time.time()))
                 standing = None
                 if mechanism is not None:
-                    accounts = _Accounts(self, db)
+                    accounts = UnitAccounts(self.delta, db)
                     accounts.add_planned(-1, mechanism)
                     standing = self._standing_of_run(db, lineage, ids)
-                    self._check(accounts, standing, lineage, -1, mechanism, budget, kl_budget, mode, db)
+                    order = self._filter_order(db, lineage, budget) if mode == "exclude" else None
+                    check_budget(accounts, standing, lineage, -1, mechanism, budget, kl_budget, order, self.delta)
                     if mode == "exclude":
                         db.execute("UPDATE lineages SET filter_order = ? WHERE name = ? AND filter_order IS NULL",
                                    (self._filter_order(db, lineage, budget), lineage))
@@ -671,7 +344,7 @@ class Ledger:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             standing = self._lineage_standing(db, lineage)
-            value = float(_Accounts(self, db).epsilons(standing.histories).max()) if standing.histories else 0.0
+            value = float(UnitAccounts(self.delta, db).epsilons(standing.histories).max()) if standing.histories else 0.0
             db.execute("COMMIT")
         return value
 
@@ -679,7 +352,7 @@ class Ledger:
         """The largest summed KL over the lineage's units (∞ once an (ε, δ)-DP spend touched one)."""
         with self._connect() as db:
             standing = self._lineage_standing(db, lineage)
-            accounts = _Accounts(self, db)
+            accounts = UnitAccounts(self.delta, db)
             return max((accounts.kl(h) for h in standing.histories), default=0.0)
 
     def unit_epsilons(self, lineage: str) -> list[tuple[float, int]]:
@@ -687,7 +360,7 @@ class Ledger:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             standing = self._lineage_standing(db, lineage)
-            eps = _Accounts(self, db).epsilons(standing.histories)
+            eps = UnitAccounts(self.delta, db).epsilons(standing.histories)
             db.execute("COMMIT")
         pairs = [(float(e), int(n)) for e, n in zip(eps, standing.units) if n > 0]
         return sorted(pairs, reverse=True)
@@ -702,7 +375,7 @@ class Ledger:
             with self._connect() as db:
                 db.execute("BEGIN IMMEDIATE")
                 standing = self._lineage_standing(db, name)
-                accounts = _Accounts(self, db)
+                accounts = UnitAccounts(self.delta, db)
                 eps = accounts.epsilons(standing.histories)
                 kl_any = any(s.mechanism is not None and s.mechanism.guarantee == "kl" and s.id in counted
                              for s in listed)

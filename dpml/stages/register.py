@@ -8,6 +8,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
+from dpml.faults import fault_point
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.stages.audit import power_and_conformance_metrics, strongest
 from dpml.stages.layout import Layout, load_model
@@ -15,6 +16,31 @@ from dpml.stages.train import lineage_of, open_ledger, release_config
 
 if TYPE_CHECKING:
     from dpml.config import Config
+    from dpml.privacy.ledger import Ledger
+
+
+RESOLVED = {"released", "release_abandoned", "cancelled", "failed"}  # events after which a spend's release is settled
+
+
+def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
+    """Settle what a killed registration left, before this one registers.
+
+    A run killed inside registration (MLflow run still RUNNING) is marked KILLED and its half-made
+    version deleted (:func:`dpml.tracking.clean_up_killed_runs`): its spend gets ``release_abandoned``.
+    A run killed after its MLflow run finished but before the ledger heard of it released a model the
+    ledger does not name: its spend gets the ``released`` event it missed, marked ``reconciled``.
+    Either way the spend stays counted.
+    """
+    from dpml import tracking
+
+    spends = {s.id: s for s in ledger.spends(counted_only=False)}
+    for killed in tracking.clean_up_killed_runs(config.tracking):
+        if killed["spend_id"].isdigit() and int(killed["spend_id"]) in spends:
+            ledger.record_event(int(killed["spend_id"]), "release_abandoned", {"run_id": killed["run_id"]})
+    unsettled = {s.id: s.created_at for s in spends.values()
+                 if not RESOLVED & {kind for kind, _ in ledger.events(s.id)}}
+    for spend_id, release in tracking.finished_releases(config.tracking, unsettled).items():
+        ledger.record_event(spend_id, "released", release | {"reconciled": "true"})
 
 
 def conformance_tag(summary: dict[str, Any]) -> str:
@@ -94,10 +120,7 @@ def register(config: Config) -> dict[str, Any]:
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
                              layout.model_spec, layout.tuning) if p.exists()]
-    for killed in tracking.clean_up_killed_runs(config.tracking):  # a registration a kill interrupted
-        if killed["spend_id"].isdigit() and any(s.id == int(killed["spend_id"])
-                                                 for s in ledger.spends(counted_only=False)):
-            ledger.record_event(int(killed["spend_id"]), "release_abandoned", {"run_id": killed["run_id"]})
+    reconcile_interrupted_releases(config, ledger)
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
     seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()
     version_tags["noise_seed.fixed"] = seed_fixed
@@ -111,6 +134,7 @@ def register(config: Config) -> dict[str, Any]:
                   "ledger.spend_id": str(spend["spend_id"])},
         documents={"config.json": config.to_dict()},
     )
+    fault_point("register:before_released_event")
     ledger.record_event(spend["spend_id"], "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})
     release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
                 "lineage": lineage, "lineage_max_unit_epsilon": lineage_max}
