@@ -14,45 +14,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from dpml.cli_text import conformance_summary_lines, lineage_text, power_summary, run_summary
 from dpml.config import ConfigError, load
 from dpml.privacy.ledger import LedgerError
-
-
-def _summary(results: dict[str, Any]) -> str:
-    train, cert, audit, gate, release = (results[k] for k in ("train", "certify", "audit", "gate", "register"))
-    eps = cert["epsilon"]
-    lines = [
-        "",
-        "dpml run summary",
-        f"  test accuracy        {train['test_accuracy']:.4f}",
-        f"  certified epsilon    {eps:.4g} at delta = {cert['delta']:g}"
-        + (f"  ({cert['certificate']['accountant']})" if cert.get("certificate") else "  (non-private)"),
-        "  audit                attack: AUC, TPR@1%FPR, TPR@0.1%FPR (target | non-private control)",
-    ]
-    control = audit.get("control", {}).get("attacks", {})
-    for name, r in audit["target"]["attacks"].items():
-        line = f"    {name:<22} {r['auc']:.3f}, {r['tpr_at_1pct_fpr']:.3f}, {r['tpr_at_0.1pct_fpr']:.3f}"
-        if name in control:
-            c = control[name]
-            line += f"  | {c['auc']:.3f}, {c['tpr_at_1pct_fpr']:.3f}, {c['tpr_at_0.1pct_fpr']:.3f}"
-        lines.append(line)
-    for bound in audit["one_run"]:
-        lines.append(f"    {bound['method']:<22} ε ≥ {bound['epsilon']:.3f} ({bound['inputs']['correct']}/"
-                     f"{bound['inputs']['guesses']} guesses right, {bound['inputs']['canaries']} canaries)")
-    lines += power_summary(audit) + conformance_summary_lines(audit)
-    lines += [
-        f"  empirical ε bound    {audit['max_lower_bound']:.4g} (largest gating lower bound; certified {eps:.4g})",
-        f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "
-        f"training; {audit['references']['found_stored']} found stored by the audit stage, "
-        f"{audit['references']['trained_by_this_stage']} trained by it)",
-        f"  lineage {release['lineage']:<12} largest unit ε = {release['lineage_max_unit_epsilon']:.4g} over every DP "
-        "release of this data set (dpml ledger)",
-        f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
-        f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
-        f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
-        "  UI                   mlflow ui --backend-store-uri " + release["tracking_uri"] + " --host 127.0.0.1",
-    ]
-    return "\n".join(lines)
 
 
 def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
@@ -99,14 +63,14 @@ def _logs_without_tracebacks(unless: bool) -> Iterator[None]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    print(_summary(_run_pipeline(args, search=False)))
+    print(run_summary(_run_pipeline(args, search=False)))
     return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     results = _run_pipeline(args, search=True)
     config = load(args.params, args.set)
-    print(_summary(results))
+    print(run_summary(results))
     chosen = {k.removeprefix("chosen."): v for k, v in results["train"].items() if k.startswith("chosen.")}
     print(f"  search               {config.tune.distribution} (E[K] = {config.tune.mean:g}); released the best "
           f"candidate {chosen}, noisy validation accuracy {results['train']['noisy_validation_accuracy']:.4f}; "
@@ -148,25 +112,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if result["consistent"] else 3
 
 
-def power_summary(audit: dict) -> list[str]:
-    """One line per ε lower-bound method: its power (largest reportable bound) and whether it gates."""
-    lines = []
-    for name, entry in audit.get("power", {}).items():
-        role = "gates" if entry["gating"] else "not counted: " + entry.get("note", "")
-        lines.append(f"    power {name:<24} {entry['power']:.3f}  ({role})")
-    return lines
-
-
-def conformance_summary_lines(audit: dict) -> list[str]:
-    """The conformance checks of the trainer against its certificate, one line each."""
-    conformance = audit.get("conformance")
-    if not conformance:
-        return []
-    if not conformance["ran"]:
-        return [f"  conformance          not checked: {conformance['reason']}"]
-    return [f"  conformance          {'PASSED' if c['passed'] else 'FAILED'} {c['line']}" for c in conformance["checks"]]
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dpml.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
 
@@ -199,34 +144,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         print(f"{config.ledger.path}: no spends recorded" + (f" for lineage {args.dataset!r}" if args.dataset else ""))
     budget = config.ledger.epsilon_budget
     for entry in summary:
-        print(_lineage_text(entry, budget))
+        print(lineage_text(entry, budget))
     return 0
-
-
-def _lineage_text(entry: dict[str, Any], budget: float) -> str:
-    """``dpml ledger``'s view of one lineage: versions, spends, people by ε, the largest."""
-    versions = entry["dataset_versions"]
-    lines = [f"lineage {entry['lineage']}: {len(versions)} data version(s), {entry['private_spends']} DP runs, "
-             f"{entry['nonprivate_runs']} non-private"
-             + (f", {entry['cancelled_spends']} cancelled before training (not counted)" if entry["cancelled_spends"] else ""),
-             f"  largest unit ε = {entry['epsilon_total']:.4g} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
-             f"{max(budget - entry['epsilon_total'], 0):.4g} left for the most exposed); {entry['units']:,} units"]
-    if entry["unit_epsilon"]:
-        levels = entry["unit_epsilon"]
-        shown = "  ".join(f"ε {eps:.4g}: {count:,}" for eps, count in levels[:12])
-        lines.append(f"  units by ε   {shown}" + (f"  … {len(levels) - 12} more levels" if len(levels) > 12 else ""))
-    if entry["unknown_unit_spends"]:
-        lines.append("  spends with unknown units (charged to every unit): "
-                     + ", ".join(f"#{i}" for i in entry["unknown_unit_spends"]))
-    if entry.get("filter_order"):
-        lines.append(f"  individual Rényi filter at order α* = {entry['filter_order']:g} (ledger.on_exhausted: exclude)")
-    for spend in entry["spends"]:
-        alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
-        units = "" if spend["units"] is None else f"{spend['units']:,} units"
-        counted = "" if spend["counted"] else "  (not counted)"
-        lines.append(f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
-                     f"[{', '.join(spend['events']) or 'reserved'}]  data {spend['dataset_version'][:12]}{counted}")
-    return "\n".join(lines)
 
 
 def cmd_certificate(args: argparse.Namespace) -> int:

@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from dpml.audit.bounds import (clopper_pearson_upper, epsilon_for_gdp, epsilon_from_error_rates, gdp_delta,
                                hypothesis_test_bound, one_run_bound, one_run_guesses, one_run_p_value)

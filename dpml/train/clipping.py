@@ -50,6 +50,10 @@ LayerNorm).
 
 c_i = min(1, C / (‖g_i‖ + 1e-6)), so ‖c_i g_i‖ < C strictly (the 1e-6 guards rounding and
 g_i = 0): this is what makes the sum's sensitivity C.
+
+The module is one cohesive algorithm: every per-layer closed form above feeds one recording, one
+set of squared norms and one clip factor per example (records and the audit's Dirac gradient
+canaries alike), so it is kept in one file.
 """
 
 from __future__ import annotations
