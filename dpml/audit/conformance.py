@@ -272,7 +272,8 @@ def independence_check(probe: ConformanceProbe, level: float) -> Check:
     p_single = chernoff_product_p_value(float(inner[a, b]), int(common[a, b]))
     p = min(1.0, p_single * pairs)
     return Check("noise independence", p >= level, p, level,
-                 f"noise of steps {steps[a]} and {steps[b]} correlated {correlation[worst]:+.2f}",
+                 f"noise of steps {steps[a]} and {steps[b]}: mean product {correlation[worst]:+.2f} × (σC)² "
+                 f"over {int(common[a, b])} coordinates (independent noise: 0 ± {1 / math.sqrt(max(int(common[a, b]), 1)):.2f})",
                  {"pairs": int(pairs), "sketch_coordinates": int(values.shape[1]),
                   "largest_correlation": float(correlation[worst])})
 
