@@ -319,7 +319,8 @@ _STORAGE_FULL = ("database or disk is full", "disk I/O error", "No space left on
 def _one_line(error: BaseException) -> str:
     """An error as one line: its message's lines joined (a configuration error lists each key)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    if any(sign in text for sign in _STORAGE_FULL) and "disk full" not in text:  # SQLite on a full disk
+    foreign = not type(error).__module__.startswith("dpml")  # dpml's own errors are phrased where they happen
+    if foreign and any(sign in text for sign in _STORAGE_FULL):  # SQLite (via SQLAlchemy) on a full disk
         return (f"a write failed: {text.split(' [SQL:')[0][:300]}; is the disk full? Free space and run again "
                 "(a spend already started stays counted in the ledger)")
     if isinstance(error, OSError) and error.filename is not None:

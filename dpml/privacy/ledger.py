@@ -107,8 +107,6 @@ class Ledger:
     """Append-only SQLite ledger; ``delta`` is the δ at which totals are stated; ``unit_key`` is the
     secret file that turns unit digests into the ids the ledger stores (default ``<path>.key``)."""
 
-    COUNTED = COUNTED
-
     def __init__(self, path: str | Path, delta: float, unit_key: str | Path | None = None) -> None:
         self.path = Path(path)
         self.delta = delta
@@ -197,7 +195,7 @@ class Ledger:
             conditions.append("lineage = ?")
             values.append(lineage)
         if counted_only:
-            conditions.append(self.COUNTED)
+            conditions.append(COUNTED)
         where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
         with self._connect() as db:
             rows = db.execute(f"SELECT {self._COLUMNS} FROM spends{where} ORDER BY id", values).fetchall()  # noqa: S608

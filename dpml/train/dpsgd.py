@@ -209,10 +209,11 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
     model.train()
     for _ in progress_range(steps, "DP-SGD", "step", progress):
         batch = poisson_batch(sampler, n_total, sample_rate)
-        records = batch[batch < n].to(x.device)
-        diracs = None
-        if canaries is not None:
+        records, diracs = batch, None
+        if canaries is not None:  # the audit's run: canaries are indices n, n+1, … of the sample
+            records = batch[batch < n]
             diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
+        records = records.to(x.device)
         sums, noises, clipped_count = clipped_sum_and_noise(model, x[records], y[records], clip_norm, noise_multiplier,
                                                             physical_batch_size, noise_source, loss_fn, diracs)
         clipped.append(clipped_count)
