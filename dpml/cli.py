@@ -112,6 +112,23 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if result["consistent"] else 3
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpml.data.schema_draft import draft_schema
+
+    source = args.source if ":" in args.source.split("/")[0] else \
+        f"{'parquet' if args.source.endswith(('.parquet', '.pq')) else 'csv'}:{args.source}"
+    text = draft_schema(source, args.label, args.id, args.max_categories)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"draft schema written to {args.out}: READ FROM THE DATA, NOT PRIVATE; replace every marked value "
+              "with public knowledge before a private run", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dpml.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
 
@@ -295,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument("--json", action="store_true")
     config_args(cert)
     cert.set_defaults(func=cmd_certificate)
+
+    sch = sub.add_parser("schema", help="draft a table's data: section from its file (read from the data: NOT private)")
+    sch.add_argument("source", help="csv:PATH, parquet:PATH, or a path (.parquet/.pq read as Parquet)")
+    sch.add_argument("--label", required=True, help="the label column")
+    sch.add_argument("--id", default=None, help="the column naming the person each row belongs to")
+    sch.add_argument("--max-categories", type=int, default=30, help="categories kept per column (default 30)")
+    sch.add_argument("--out", default=None, help="write the draft here instead of printing it")
+    sch.set_defaults(func=cmd_schema)
 
     cal = sub.add_parser("calibrate", help="σ for a target ε (given steps), or the most steps (given σ)")
     cal.add_argument("--target-epsilon", type=_positive_float, required=True)

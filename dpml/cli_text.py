@@ -5,6 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 
+def slot_lines(counts: dict[str, dict[str, int]] | None) -> list[str]:
+    """The table's cells that went to a declared fill or slot (printed for the operator; not logged)."""
+    if not counts or not (counts.get("missing") or counts.get("other")):
+        return []
+    parts = [f"{name}: {n} missing" for name, n in counts.get("missing", {}).items()]
+    parts += [f"{name}: {n} <other>" for name, n in counts.get("other", {}).items()]
+    return [f"  table cells          {', '.join(parts)} (to the declared fills and slots; data/raw/meta.json)"]
+
+
 def run_summary(results: dict[str, Any]) -> str:
     train, cert, audit, gate, release = (results[k] for k in ("train", "certify", "audit", "gate", "register"))
     eps = cert["epsilon"]
@@ -27,6 +36,7 @@ def run_summary(results: dict[str, Any]) -> str:
         lines.append(f"    {bound['method']:<22} ε ≥ {bound['epsilon']:.3f} ({bound['inputs']['correct']}/"
                      f"{bound['inputs']['guesses']} guesses right, {bound['inputs']['canaries']} canaries)")
     lines += power_summary(audit) + conformance_summary_lines(audit)
+    lines += slot_lines(results.get("ingest", {}).get("slot_counts"))
     lines += [
         f"  empirical ε bound    {audit['max_lower_bound']:.4g} (largest gating lower bound; certified {eps:.4g})",
         f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "

@@ -4,7 +4,7 @@ Every parameter of a run lives in ``params.yaml`` (read by DVC for dependency tr
 Prefect / the CLI for execution). It is validated once, here, before any work starts. An invalid
 value is rejected with a :class:`ConfigError` that names the key, the value and what is allowed.
 
-Composition: the common sections are in :mod:`dpml.sections`; each trainer
+Composition: the common sections are in :mod:`dpml.sections` (``data`` in :mod:`dpml.data.schema`); each trainer
 (:mod:`dpml.train.registry`) brings its member of the ``train`` union (``train.algorithm`` selects
 it) and any section of its own, and its own cross-section rules (:meth:`Trainer.check`). This module
 keeps the loader and the rules that belong to no one trainer.
@@ -26,9 +26,9 @@ from typing import Annotated, Any, Union
 import yaml
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from dpml.sections import (SKLEARN_BUNDLED, TUNABLE_KEYS, AttackName, AuditConfig, DataConfig, DpConfig, GateConfig,
-                           LedgerConfig, ModelConfig, PathsConfig, PreprocessConfig, Section, SplitConfig,
-                           TrackingConfig, TrainSettings, TuneConfig)
+from dpml.data.schema import SKLEARN_BUNDLED, DataConfig, default_model_name
+from dpml.sections import (TUNABLE_KEYS, AttackName, AuditConfig, DpConfig, GateConfig, LedgerConfig, ModelConfig,
+                           PathsConfig, PreprocessConfig, Section, SplitConfig, TrackingConfig, TrainSettings, TuneConfig)
 from dpml.train.registry import TRAINERS, trainer_for
 
 __all__ = ["SKLEARN_BUNDLED", "TUNABLE_KEYS", "AttackName", "AuditConfig", "Config", "ConfigError", "DataConfig",
@@ -67,8 +67,29 @@ class ConfigBase(Section):
             return {**value, "algorithm": "dpsgd"}
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_the_model(cls, value: Any) -> Any:
+        """``tracking.model_name`` left out: ``dpml-<name of data.source>`` (each data set its own model)."""
+        if not isinstance(value, dict):
+            return value
+        tracking, data = value.get("tracking") or {}, value.get("data") or {}
+        if isinstance(tracking, dict) and isinstance(data, dict) and tracking.get("model_name") is None:
+            source = data.get("source", DataConfig.model_fields["source"].default)
+            if isinstance(source, str):
+                value = {**value, "tracking": {**tracking, "model_name": default_model_name(source)}}
+        return value
+
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "ConfigBase":
+        if self.data.columns is not None:
+            given = sorted({"lower", "upper"} & self.preprocess.model_fields_set)
+            if given:
+                raise ValueError(f"preprocess.{given[0]} = {getattr(self.preprocess, given[0])}: not used with "
+                                 "data.columns, where each numeric column declares its own lower and upper")
+        if self.data.source.partition(":")[0] in ("csv", "parquet") and self.preprocess.features == "scatternet":
+            raise ValueError("preprocess.features = 'scatternet': ScatterNet features are for images, not a "
+                             f"table ({self.data.source})")
         trainer = trainer_for(self)  # type: ignore[arg-type]
         problems = []
         if self.model.kind not in trainer.model_kinds:
@@ -128,9 +149,15 @@ def _format_errors(error: ValidationError, origin: str) -> str:
         loc = list(item["loc"])
         if len(loc) > 1 and loc[0] == "train" and loc[1] in TRAINERS:
             del loc[1]  # the union member's tag: the key is train.KEY
+        if len(loc) > 3 and loc[:2] == ["data", "columns"] and loc[3] in ("numeric", "categorical"):
+            del loc[3]  # the column's type tag: the key is data.columns.NAME.KEY
         key = ".".join(str(p) for p in loc)
         msg = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "union_tag_invalid":
+        if item["type"] in ("union_tag_invalid", "union_tag_not_found") and loc[:2] == ["data", "columns"]:
+            tag = item.get("ctx", {}).get("tag")
+            lines.append(f"  {key}.type{'' if tag is None else f' = {tag!r}'}: "
+                         f"{'required' if tag is None else 'unknown column type'}; use numeric or categorical")
+        elif item["type"] == "union_tag_invalid":
             lines.append(f"  {key}.algorithm = {item['ctx']['tag']!r}: unknown trainer; registered: "
                          f"{', '.join(TRAINERS)} (a trainer of your own: list its module under plugins:)")
         elif item["type"] == "extra_forbidden":

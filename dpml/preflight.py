@@ -10,10 +10,11 @@ in order, and stops at the first problem with one line naming the key, value or 
 3. that the data, artifact, cache, ledger and MLflow artifact folders are writable;
 4. the MLflow store: created, migrated or repaired under its lock (:func:`dpml.store.prepare_store`),
    or, for a server, reachable;
-5. the ledger: readable, not from a newer dpml, and its unit key present and its own.
+5. the ledger: readable, not from a newer dpml, and its unit key present and its own;
+6. a table's header: every declared column (label, features, id) is in the file.
 
-The configuration itself was validated when it was loaded, and the data are read by the ingest stage,
-which runs before any spend.
+The configuration itself was validated when it was loaded, and the records are read by the ingest
+stage, which runs before any spend.
 """
 
 from __future__ import annotations
@@ -113,3 +114,20 @@ def preflight(config: Config) -> None:
         open_ledger(config).check_unit_key()
     except LedgerError as error:
         raise PreflightError(f"ledger.path = {config.ledger.path!r}: {error}") from None
+    check_table_header(config)
+
+
+def check_table_header(config: Config) -> None:
+    """A csv/parquet source's header holds every column the configuration names (no record is read)."""
+    from dpml.data.sources import DataError
+    from dpml.data.tables import check_columns
+
+    data = config.data
+    kind, _, rest = data.source.partition(":")
+    if kind not in ("csv", "parquet"):
+        return
+    named = [c for c in (data.label_column, *data.feature_names_declared(), data.id_column) if c is not None]
+    try:
+        check_columns(Path(rest), kind, named, what="column(s) named under data:")
+    except DataError as error:
+        raise PreflightError(str(error)) from None

@@ -8,13 +8,10 @@ modules can import them without importing the composed configuration (which impo
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-
-SKLEARN_BUNDLED = ("digits", "iris", "wine", "breast_cancer")
 
 
 class Section(BaseModel):
@@ -22,59 +19,6 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-
-class DataConfig(Section):
-    """Where the raw records come from.
-
-    ``source`` is one of ``sklearn:NAME`` (a scikit-learn *bundled* set: digits, iris, wine,
-    breast_cancer), ``idx:DIR`` (MNIST-format IDX files), ``csv:PATH`` or ``parquet:PATH``.
-    Tabular sources need ``label_column`` and ``feature_columns`` and, because the label set is a
-    constant that must not be read off the private data, the list of ``classes``.
-
-    ``id_column`` (tabular sources) names the column that identifies the *privacy unit* — the person
-    a budget protects; several rows may share one id, and each unit then keeps one of its rows
-    (:mod:`dpml.privacy.units`). Without it every row is its own unit, identified by its content.
-    """
-
-    source: str = "sklearn:digits"
-    label_column: str | None = None
-    feature_columns: list[str] | None = None
-    classes: list[str | int] | None = None
-    id_column: str | None = None
-
-    @field_validator("source")
-    @classmethod
-    def _known_scheme(cls, value: str) -> str:
-        scheme, sep, rest = value.partition(":")
-        allowed = ("sklearn", "idx", "csv", "parquet")
-        if not sep or scheme not in allowed or not rest:
-            raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)}")
-        if scheme == "sklearn" and rest not in SKLEARN_BUNDLED:
-            raise ValueError(f"unknown bundled scikit-learn set; allowed: {', '.join(SKLEARN_BUNDLED)}")
-        if scheme == "idx" and not Path(rest).is_dir():
-            raise ValueError(f"directory {rest} does not exist")
-        if scheme in ("csv", "parquet") and not Path(rest).is_file():
-            raise ValueError(f"file {rest} does not exist")
-        return value
-
-    @model_validator(mode="after")
-    def _tabular_needs_columns(self) -> "DataConfig":
-        scheme = self.source.partition(":")[0]
-        if scheme in ("csv", "parquet"):
-            missing = [
-                k for k in ("label_column", "feature_columns", "classes") if getattr(self, k) in (None, [])
-            ]
-            if missing:
-                raise ValueError(f"a {scheme} source needs data.{', data.'.join(missing)}")
-        if self.id_column is not None:
-            if scheme not in ("csv", "parquet"):
-                raise ValueError(f"data.id_column = {self.id_column!r}: only a csv or parquet source has columns; "
-                                 f"{scheme}: records are units by their content")
-            if self.id_column == self.label_column or self.id_column in (self.feature_columns or []):
-                raise ValueError(f"data.id_column = {self.id_column!r} is also the label or a feature column; an id "
-                                 "must never be a model input")
-        return self
 
 
 class SplitConfig(Section):
@@ -355,13 +299,34 @@ class LedgerConfig(Section):
     unit_key: str | None = None
 
 
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+
+
 class TrackingConfig(Section):
-    """MLflow. ``MLFLOW_TRACKING_URI`` in the environment overrides ``uri``."""
+    """MLflow. ``MLFLOW_TRACKING_URI`` in the environment overrides ``uri``. ``model_name``: the
+    registered model the releases become versions of; left out, each data set gets its own,
+    ``dpml-<name of data.source>`` (``dpml-census`` for ``csv:data/census.csv``; filled in by
+    :func:`dpml.config.validate`, so the logged configuration names it)."""
 
     uri: str = "sqlite:///mlflow.db"
     artifact_root: str = "mlartifacts"
     experiment: str = "dpml"
-    registered_model: str = "dpml-model"
+    model_name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_key(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "registered_model" in value:
+            raise ValueError(f"registered_model = {value['registered_model']!r}: renamed to tracking.model_name")
+        return value
+
+    @field_validator("model_name")
+    @classmethod
+    def _valid_model_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(MODEL_NAME_PATTERN, value):
+            raise ValueError("a registered model name is 1-200 letters, digits, '.', '_' or '-', starting with a "
+                             "letter or digit")
+        return value
 
 
 class PathsConfig(Section):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ import mlflow
 import numpy as np
 import torch
 from mlflow import MlflowClient
-from mlflow.models import infer_signature
 
 from dpml.config import TrackingConfig
 from dpml.faults import fault_point
+from dpml.serving import load_network, log_classifier
 from dpml.store import activate, store_lock, tracking_uri
 
 __all__ = ["CHAMPION", "clean_up_killed_runs", "finished_releases", "load_run_json", "log_audit", "log_release", "resolve_model", "tracking_uri"]
@@ -45,18 +46,18 @@ def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any], metrics: dict[str, Any],
-                artifacts: list[Path], model: torch.nn.Module, in_features: int, version_tags: dict[str, str],
-                promote: bool, run_tags: dict[str, str], documents: dict[str, Any]) -> dict[str, Any]:
-    """Log one pipeline run, register its model with ``version_tags``, alias it if ``promote``."""
+                artifacts: list[Path], model: torch.nn.Module, in_features: int, serving_spec: dict[str, Any],
+                version_tags: dict[str, str], promote: bool, run_tags: dict[str, str],
+                documents: dict[str, Any]) -> dict[str, Any]:
+    """Log one pipeline run, register its model with ``version_tags``, alias it if ``promote``.
+
+    The model is the raw-record pyfunc of :mod:`dpml.serving`: ``model`` (taking ``in_features``
+    prepared inputs) behind the public preprocessing that ``serving_spec`` describes."""
     activate(config)
     experiment_id = _experiment_id(config)
     client = MlflowClient()
-    # A synthetic input example: a real record would copy private data into the model artifact.
-    # Two rows, so torch.export keeps the batch dimension dynamic (one row specialises it to 1).
-    example = np.zeros((2, in_features), dtype=np.float32)
-    model = model.to("cpu").eval()
-    with torch.no_grad():
-        output = model(torch.from_numpy(example)).numpy()
+    model_name = config.model_name
+    assert model_name is not None, "tracking.model_name is filled in when the configuration is validated"
     with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=run_tags) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         mlflow.log_metrics(_numeric(metrics))
@@ -64,30 +65,28 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
             mlflow.log_artifact(str(path))
         for name, document in documents.items():
             mlflow.log_dict(document, name)
-        info = mlflow.pytorch.log_model(
-            model, name="model", input_example=example, signature=infer_signature(example, output),
-            serialization_format="pt2", pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-        )
+        with tempfile.TemporaryDirectory(prefix="dpml-model-") as workdir:
+            info = log_classifier(model, in_features, serving_spec, Path(workdir))
         with store_lock(config):  # one registration at a time: the alias ends on the newest passing release
             try:
-                client.get_registered_model(config.registered_model)
+                client.get_registered_model(model_name)
             except mlflow.exceptions.MlflowException:
-                client.create_registered_model(config.registered_model,
+                client.create_registered_model(model_name,
                                                description="dpml releases: DP-trained, audited")
             version = client.create_model_version(
-                name=config.registered_model, source=info.model_uri, run_id=run.info.run_id,
+                name=model_name, source=info.model_uri, run_id=run.info.run_id,
                 tags=version_tags, model_id=info.model_id,
             )
             fault_point("register:after_version")
             if promote:
-                client.set_registered_model_alias(config.registered_model, CHAMPION, version.version)
+                client.set_registered_model_alias(model_name, CHAMPION, version.version)
             fault_point("register:after_alias")
     return {
         "run_id": run.info.run_id,
         "experiment_id": experiment_id,
-        "model_name": config.registered_model,
+        "model_name": model_name,
         "model_version": str(version.version),
-        "model_uri": f"models:/{config.registered_model}/{version.version}",
+        "model_uri": f"models:/{model_name}/{version.version}",
         "champion": promote,
         "tracking_uri": tracking_uri(config),
     }
@@ -193,7 +192,7 @@ def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
         raise ValueError(f"--model {uri!r}: its run {version.run_id} has no config.json (not a dpml release, "
                          "or one from before dpml logged its configuration)") from None
     return {"name": version.name, "version": version.version, "run_id": version.run_id, "tags": dict(version.tags),
-            "config": run_config, "model": mlflow.pytorch.load_model(f"models:/{version.name}/{version.version}")}
+            "config": run_config, "model": load_network(f"models:/{version.name}/{version.version}")}
 
 
 def log_audit(config: TrackingConfig, model: dict[str, Any], metrics: dict[str, Any], artifacts: list[Path]) -> str:

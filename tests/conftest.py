@@ -23,7 +23,7 @@ def small_params(tmp: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     params["train"]["epochs"] = 3
     params["dp"] = {"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"}
     params["tracking"] = {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_root": str(tmp / "mlartifacts"),
-                          "experiment": "dpml-test", "registered_model": "dpml-test-model"}
+                          "experiment": "dpml-test", "model_name": "dpml-test-model"}
     params["paths"] = {"data": str(tmp / "data"), "artifacts": str(tmp / "artifacts"), "cache": str(tmp / "cache")}
     params["audit"] |= {"references": 2, "bootstrap": 50}
     params["ledger"] = {"path": str(tmp / "ledger.db"), "epsilon_budget": 1000.0, "delta": 1e-5}

@@ -81,7 +81,7 @@ def test_tabular_source_needs_declared_columns_and_classes(tmp_path: Path) -> No
     table = tmp_path / "t.csv"
     table.write_text("a,label\n1,x\n")
     params = small_params(tmp_path, data={"source": f"csv:{table}"})
-    with pytest.raises(ConfigError, match="needs data.label_column, data.feature_columns, data.classes"):
+    with pytest.raises(ConfigError, match=r"needs data.label_column, data.classes, data.columns \(or feature_columns\)"):
         validate(params)
 
 

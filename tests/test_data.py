@@ -176,7 +176,7 @@ def test_content_hash_changes_with_data() -> None:
 def test_scaling_uses_public_bounds_only() -> None:
     config = PreprocessConfig(lower=0, upper=10, clip_norm=100)
     x = np.array([[-5.0, 5.0, 20.0]])
-    assert scale_features(x, config).tolist() == [[0.0, 0.5, 1.0]]
+    assert scale_features(x, config.lower, config.upper).tolist() == [[0.0, 0.5, 1.0]]
     # The transformation of a record does not depend on the other records.
     both = np.array([[-5.0, 5.0, 20.0], [1.0, 2.0, 3.0]])
     assert np.array_equal(preprocess(both, config).x[:1], preprocess(x, config).x)

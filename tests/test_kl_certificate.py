@@ -147,7 +147,7 @@ def test_noisygd_pipeline_releases_a_kl_certified_model_that_is_never_called_dp(
     import mlflow
 
     client = mlflow.MlflowClient(config.tracking.uri)
-    version = client.get_model_version(config.tracking.registered_model, release["model_version"])
+    version = client.get_model_version(config.tracking.model_name, release["model_version"])
     assert release["champion"] is True
     assert version.tags["privacy.guarantee"] == "kl" and version.tags["dp.epsilon"] == "inf"
     assert float(version.tags["kl.certified"]) == pytest.approx(1.0, rel=1e-5)

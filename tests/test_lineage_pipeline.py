@@ -34,7 +34,7 @@ def dpml(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "dpml", *args], capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # three whole-pipeline runs (≈ 65 s): CI runs it; the default suite stays near 20 min
 def test_a_growing_table_spends_each_persons_budget_once(workdir: Path) -> None:
     table = workdir / "visits.csv"
     people_table(600).to_csv(table, index=False)

@@ -57,17 +57,20 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     report = Path(mlflow.artifacts.download_artifacts(run_id=v1.run_id, artifact_path="privacy_report.md")).read_text()
     assert "add-or-remove-one" in report and "Release gate: PASSED" in report
 
-    # The registered model reproduces the pipeline's own predictions.
-    model = mlflow.pytorch.load_model(f"models:/dpml-test-model@champion")
+    # The registered model takes raw records and reproduces the pipeline's own predictions on them.
+    model = mlflow.pyfunc.load_model("models:/dpml-test-model@champion")
     config = load(params)
-    x_test = np.load(Path(config.paths.data) / "prepared" / "test.npz")["x"][:32]
     from dpml.stages import Layout, load_model
 
-    local = load_model(Layout(config))
+    layout = Layout(config)
+    test_rows = np.load(layout.split)["test"][:32]
+    raw_test = np.load(layout.raw)["x"][test_rows]
+    x_test = np.load(layout.prepared["test"])["x"][:32]
     with torch.no_grad():
-        ours = local(torch.from_numpy(x_test))
-        theirs = model(torch.from_numpy(x_test))
-    torch.testing.assert_close(theirs, ours)
+        ours = torch.softmax(load_model(layout)(torch.from_numpy(x_test)).double(), 1).numpy()
+    theirs = model.predict(raw_test)
+    np.testing.assert_allclose(theirs[[f"probability({c})" for c in range(10)]].to_numpy(), ours, atol=1e-5)
+    assert theirs["label"].tolist() == [str(i) for i in ours.argmax(1)]
 
     # `dpml certificate --run` recomputes the certificate from the logged mechanism description.
     from dpml.cli import main
@@ -172,7 +175,9 @@ def test_private_search_releases_the_best_candidate_and_charges_the_search(workd
     layout = Layout(config)
     assert list(json.loads(layout.model_spec.read_text())["hidden"]) == chosen["model.hidden"]
     x = torch.from_numpy(np.load(layout.prepared["test"])["x"][:16])
-    registered = mlflow.pytorch.load_model(f"models:/dpml-test-model/{version.version}")
+    from dpml.serving import load_network
+
+    registered = load_network(f"models:/dpml-test-model/{version.version}")
     with torch.no_grad():
         torch.testing.assert_close(registered(x), load_model(layout)(x))
     # The ledger holds the whole search as one spend, recorded before training; K is not recorded.

@@ -48,7 +48,7 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
 def quick_params(workdir: Path, attacks: tuple[str, ...] = ("loss",), **sections: dict) -> Path:
     params = small_params(workdir, audit={"references": 1, "attacks": list(attacks), "bootstrap": 0,
                                           "white_box_canaries": 0}, gate={"epsilon_budget": 10.0}, **sections)
-    params["tracking"]["registered_model"] = "dpml-reliability"
+    params["tracking"]["model_name"] = "dpml-reliability"
     return write_params(workdir / "params.yaml", params)
 
 
@@ -227,7 +227,7 @@ def test_kills_at_stage_boundaries_and_inside_registration(workdir: Path) -> Non
 def test_concurrent_first_runs_on_one_new_store_all_register(tmp_path: Path) -> None:
     shared = {"tracking": {"uri": f"sqlite:///{tmp_path / 'shared' / 'mlflow.db'}",
                            "artifact_root": str(tmp_path / "shared" / "mlartifacts"),
-                           "experiment": "dpml-test", "registered_model": "dpml-race"},
+                           "experiment": "dpml-test", "model_name": "dpml-race"},
               "ledger": {"path": str(tmp_path / "shared" / "ledger.db"), "epsilon_budget": 1000.0, "delta": 1e-5}}
     runs = []
     for name in ("a", "b"):

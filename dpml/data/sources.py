@@ -1,4 +1,4 @@
-"""Data sources: scikit-learn bundled sets, IDX files, CSV and Parquet.
+"""Data sources: scikit-learn bundled sets, IDX files, CSV and Parquet (:mod:`dpml.data.tables`).
 
 Every loader returns a :class:`RawData` whose labels are indices into a *public* class list
 (the source's metadata, or ``data.classes`` for tabular files) and checks the records: no
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpml.config import DataConfig
+from dpml.config import DataConfig, PreprocessConfig
 
 
 class DataError(ValueError):
@@ -30,6 +30,8 @@ class RawData:
     ``x_test``/``y_test`` hold a test part predefined by the source (IDX ``t10k``), else None.
     ``units`` holds each row's privacy-unit digest when the source names an id column
     (:mod:`dpml.privacy.units`); None: every row is its own unit, identified by its content.
+    A table's ``columns`` are its declared feature columns (``feature_names`` the encoded features)
+    and ``slot_counts`` how many cells went to a ``<missing>``/``<other>`` slot or a fill, per column.
     """
 
     x: np.ndarray
@@ -41,6 +43,8 @@ class RawData:
     y_test: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
     units: np.ndarray | None = None
+    columns: list[str] | None = None
+    slot_counts: dict[str, dict[str, int]] | None = None
 
 
 def content_hash(*arrays: np.ndarray) -> str:
@@ -166,74 +170,12 @@ def load_idx(directory: str | Path) -> RawData:
     )
 
 
-def load_table(path: str | Path, kind: str, label_column: str, feature_columns: list[str],
-               classes: list[str | int], id_column: str | None = None) -> RawData:
-    """A CSV or Parquet table with declared label and feature columns and a declared class list;
-    ``id_column`` names the privacy unit of each row (every row needs one)."""
-    import pandas as pd
+def load_source(config: DataConfig, preprocess: PreprocessConfig | None = None) -> RawData:
+    """Dispatch on the scheme of ``data.source`` (a table is encoded with its declared schema,
+    :mod:`dpml.data.tables`; ``preprocess`` gives the shorthand ``feature_columns`` their bounds)."""
+    from dpml.config import PreprocessConfig
+    from dpml.data.tables import load_table
 
-    path = Path(path)
-    try:
-        frame = pd.read_csv(path) if kind == "csv" else pd.read_parquet(path)
-    except pd.errors.EmptyDataError:
-        raise DataError(f"{path}: the file is empty") from None
-    except Exception as error:  # parser errors of either format
-        raise DataError(f"{path}: cannot parse as {kind}: {error}") from None
-    missing = [c for c in [label_column, *feature_columns, *([id_column] if id_column else [])]
-               if c not in frame.columns]
-    if missing:
-        raise DataError(f"{path}: column(s) {missing} not found; the file has {list(frame.columns)}")
-    if len(frame) == 0:
-        raise DataError(f"{path}: no records")
-    features = frame[feature_columns]
-    for column in feature_columns:
-        numeric = pd.to_numeric(features[column], errors="coerce")
-        bad = numeric.isna() & features[column].notna()
-        if bad.any():
-            row = int(np.argmax(bad.to_numpy()))
-            raise DataError(f"{path}: row {row}, column {column!r}: {features[column].iloc[row]!r} is not a number")
-        missing_rows = features[column].isna()
-        if missing_rows.any():
-            row = int(np.argmax(missing_rows.to_numpy()))
-            raise DataError(f"{path}: row {row}, column {column!r}: missing value (NaN)")
-    x = features.apply(pd.to_numeric).to_numpy(dtype=np.float64)
-    names = [str(c) for c in classes]
-    index = {name: i for i, name in enumerate(names)}
-    raw_labels = frame[label_column]
-    y = np.empty(len(frame), dtype=np.int64)
-    for row, value in enumerate(raw_labels):
-        key = _label_key(value)
-        if key not in index:
-            raise DataError(f"{path}: row {row}, column {label_column!r}: label {value!r} is not in data.classes {names}")
-        y[row] = index[key]
-    origin = f"{kind}:{path}"
-    bad = ~np.isfinite(x)
-    if bad.any():
-        row, col = (int(v) for v in np.argwhere(bad)[0])
-        raise DataError(f"{path}: row {row}, column {feature_columns[col]!r}: value {x[row, col]} is not finite")
-    check_records(x, y, len(names), str(path))
-    units = None
-    if id_column is not None:
-        from dpml.privacy.units import digests_of_ids
-
-        ids = frame[id_column]
-        absent = ids.isna().to_numpy() | (ids.astype(str).str.strip() == "").to_numpy()
-        if absent.any():
-            row = int(np.argmax(absent))
-            raise DataError(f"{path}: row {row}, column {id_column!r}: missing id; every row needs the id of the "
-                            "person it belongs to (data.id_column)")
-        units = digests_of_ids(ids.tolist())
-    return RawData(x=x, y=y, classes=names, feature_names=list(feature_columns), origin=origin, units=units)
-
-
-def _label_key(value: object) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def load_source(config: DataConfig) -> RawData:
-    """Dispatch on the scheme of ``data.source``."""
     scheme, _, rest = config.source.partition(":")
     if scheme == "sklearn":
         return load_sklearn(rest)
@@ -241,5 +183,4 @@ def load_source(config: DataConfig) -> RawData:
         return load_idx(rest)
     if not Path(rest).is_file():
         raise DataError(f"{rest}: file does not exist")
-    assert config.label_column and config.feature_columns and config.classes  # checked by the schema
-    return load_table(rest, scheme, config.label_column, config.feature_columns, config.classes, config.id_column)
+    return load_table(config, preprocess or PreprocessConfig())

@@ -18,18 +18,15 @@ from pathlib import Path
 from dpml.privacy import cohorts
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.privacy.unit_accounts import _curve_to_json, rdp_curve
+from dpml.data.schema import source_name
 
 SCHEMA_VERSION = 2
 
 
 def default_lineage(source: str) -> str:
-    """The lineage of a ``data.source`` when ``ledger.dataset`` is not set: the file or folder name
-    without extension (``csv:data/adult.csv`` → ``adult``), or the bundled set's name."""
-    scheme, _, rest = source.partition(":")
-    if scheme == "sklearn":
-        return rest
-    path = Path(rest.rstrip("/\\") or rest)
-    return path.name if scheme == "idx" else path.stem
+    """The lineage of a ``data.source`` when ``ledger.dataset`` is not set: its name
+    (:func:`dpml.data.schema.source_name`)."""
+    return source_name(source)
 
 
 _LABEL_SOURCE = re.compile(r"\(((?:sklearn|idx|csv|parquet):[^()]*)\)\s*$")

@@ -46,7 +46,16 @@ def _digest(payload: bytes) -> bytes:
 
 
 def id_value_text(value: object) -> str:
-    """One spelling per id value: 7, 7.0 and "7" are the same person."""
+    """One spelling per id value: 7, 7.0, "7", "7.0" and " 007" are the same person (a table's cells are
+    read as text, and a typed reader would have read those as the number 7; merging two spellings into
+    one unit only ever makes the accounting more conservative)."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        return id_value_text(number) if np.isfinite(number) else text
     if isinstance(value, (float, np.floating)) and float(value).is_integer():
         return str(int(value))
     if isinstance(value, (np.integer,)):

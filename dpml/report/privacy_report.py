@@ -143,8 +143,14 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
     lines += ["", "**Data.**", ""]
     lines.append(f"- source `{data['origin']}`, version (content SHA-256) `{data['version']}`")
     lines.append(f"- train / test / audit population: {data['n_train']} / {data['n_test']} / {data['n_audit']}")
-    lines.append(f"- public scaling to [0, 1] with bounds [{_fmt(data['lower'])}, {_fmt(data['upper'])}]; "
-                 f"input norm clipping to X0 = {_fmt(data['clip_norm'])} ({data['clip_mode']}): "
+    if data.get("schema"):
+        kinds = list(data["schema"].values())
+        scaling = (f"the declared public schema: {kinds.count('numeric')} numeric column(s) clipped and scaled to "
+                   f"[0, 1] by their own bounds, {kinds.count('categorical')} categorical column(s) one-hot with "
+                   "<missing>/<other> slots (nothing computed from the records)")
+    else:
+        scaling = f"public scaling to [0, 1] with bounds [{_fmt(data['lower'])}, {_fmt(data['upper'])}]"
+    lines.append(f"- {scaling}; input norm clipping to X0 = {_fmt(data['clip_norm'])} ({data['clip_mode']}): "
                  f"{100 * data['clipped_fraction_train']:.1f}% of training records changed")
     lines += ["", "**Utility.**", ""]
     lines.append(f"- test accuracy {_fmt(train['test_accuracy'])}, train accuracy {_fmt(train['train_accuracy'])}")

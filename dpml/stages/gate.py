@@ -81,6 +81,7 @@ def gate(config: Config) -> dict[str, Any]:
         "lower": config.preprocess.lower, "upper": config.preprocess.upper,
         "clip_norm": config.preprocess.clip_norm, "clip_mode": config.preprocess.clip_mode, "features": config.preprocess.features,
         "version": io.read_json(layout.raw_meta)["version"],
+        "schema": None if config.data.columns is None else {name: c.type for name, c in config.data.columns.items()},
     }
     ledger = open_ledger(config).summary(lineage_of(config))
     report = render(data=data, train=io.read_json(layout.train_metrics), certificate=certificate,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def ingest(config: Config) -> dict[str, Any]:
     """Load the configured source, check the records, store them with their content hash."""
     layout = Layout(config)
-    raw = load_source(config.data)
+    raw = load_source(config.data, config.preprocess)
     arrays = {"x": raw.x, "y": raw.y}
     if raw.x_test is not None and raw.y_test is not None:
         arrays |= {"x_test": raw.x_test, "y_test": raw.y_test}
@@ -33,5 +33,7 @@ def ingest(config: Config) -> dict[str, Any]:
         "unit": f"column {config.data.id_column!r}" if config.data.id_column else "row content",
         "n_units": int(np.unique(np.ascontiguousarray(units).view("V16")).size),
     }
+    if raw.columns is not None:  # a table: its declared columns, and the cells that went to a slot or a fill
+        meta |= {"columns": raw.columns, "slot_counts": raw.slot_counts}
     io.write_json(layout.raw_meta, meta)
     return meta

@@ -1,4 +1,5 @@
-"""Stage preprocess: public scaling, optional ScatterNet features and input norm clipping of every part."""
+"""Stage preprocess: public scaling (a table's per-column bounds), optional ScatterNet features and input
+norm clipping of every part (:class:`dpml.data.preprocess.PublicTransform`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpml import io
-from dpml.data.preprocess import preprocess as preprocess_records
+from dpml.data.tables import transform_of
 from dpml.stages.layout import PARTS, Layout
 
 if TYPE_CHECKING:
@@ -22,10 +23,11 @@ def preprocess(config: Config) -> dict[str, Any]:
                "test": ("x_test", "y_test") if bool(index["test_is_predefined"]) else ("x", "y")}
     summary: dict[str, Any] = {"data_version": meta["version"], "origin": meta["origin"],
                                "classes": meta["classes"], "n_features": meta["n_features"]}
+    transform = transform_of(config)
     for part in PARTS:
         xs, ys = sources[part]
         rows = index[part]
-        prepared = preprocess_records(arrays[xs][rows], config.preprocess)
+        prepared = transform.apply(arrays[xs][rows])
         units = {"units": arrays["units"][rows]} if part == "train" else {}  # whom the trainer's records belong to
         io.write_npz(layout.prepared[part], x=prepared.x.astype(np.float32), y=arrays[ys][rows].astype(np.int64),
                      **units)

@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     from dpml.privacy.ledger import Ledger
 
 
+def serving_spec(config: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
+    """What the registered model needs to take raw records (:mod:`dpml.serving`), all public: the class
+    names, the table encoding or the raw feature count, and the public transform."""
+    from dpml.data.tables import table_encoding, transform_of
+
+    encoding = table_encoding(config.data, config.preprocess)
+    source = {"table": encoding.to_dict()} if encoding is not None else {"n_features": int(data_meta["n_features"])}
+    return {"format": 1, "classes": [str(c) for c in data_meta["classes"]], "input": source,
+            "transform": transform_of(config).to_dict()}
+
+
 RESOLVED = {"released", "release_abandoned", "cancelled", "failed"}  # events after which a spend's release is settled
 
 
@@ -127,7 +138,8 @@ def register(config: Config) -> dict[str, Any]:
     release = tracking.log_release(
         config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
         params=config.flat(), metrics=metrics, artifacts=artifacts, model=load_model(layout),
-        in_features=int(io.read_json(layout.prepared_meta)["n_features"]), version_tags=version_tags, promote=decision["passed"],
+        in_features=int(io.read_json(layout.prepared_meta)["n_features"]), serving_spec=serving_spec(config, data_meta),
+        version_tags=version_tags, promote=decision["passed"],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),

@@ -1,0 +1,177 @@
+"""The ``data`` section of ``params.yaml``: where the records come from and a table's public schema.
+
+A table's schema (``data.columns``) declares each feature column as numeric with public bounds or
+categorical with public categories; :mod:`dpml.data.encoding` turns it into features and
+:mod:`dpml.data.tables` reads the table with it. Validated with the other sections by
+:mod:`dpml.config`; every mistake names the column before any ε is spent.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from dpml.sections import Section
+
+SKLEARN_BUNDLED = ("digits", "iris", "wine", "breast_cancer")
+
+
+def source_name(source: str) -> str:
+    """The name of a ``data.source``: the file or folder name without extension (``csv:data/adult.csv``
+    → ``adult``, ``idx:…/fashion-mnist`` → ``fashion-mnist``), or the bundled set's name. It names the
+    ledger's lineage and the registered model unless the configuration names them."""
+    scheme, _, rest = source.partition(":")
+    if scheme == "sklearn":
+        return rest
+    path = Path(rest.rstrip("/\\") or rest)
+    return path.name if scheme == "idx" else path.stem
+
+
+def default_model_name(source: str) -> str:
+    """``dpml-<source name>``, with characters a registered model name cannot hold replaced by '-'."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", source_name(source)).strip("-._") or "data"
+    return f"dpml-{name}"[:200]
+
+
+class NumericColumn(Section):
+    """A numeric feature column with public bounds; ``missing``: the public fill of a missing value
+    (default: the midpoint of the bounds); ``indicator``: add a 0/1 column saying it was missing."""
+
+    type: Literal["numeric"]
+    lower: float
+    upper: float
+    missing: float | None = None
+    indicator: bool = False
+
+    @model_validator(mode="after")
+    def _ordered_bounds_and_fill(self) -> "NumericColumn":
+        if not self.upper > self.lower:
+            raise ValueError(f"upper = {self.upper} must be > lower = {self.lower}")
+        if self.missing is not None and not self.lower <= self.missing <= self.upper:
+            raise ValueError(f"missing = {self.missing}: the fill must lie in [lower, upper] = "
+                             f"[{self.lower}, {self.upper}]")
+        return self
+
+    @property
+    def fill(self) -> float:
+        return self.missing if self.missing is not None else (self.lower + self.upper) / 2
+
+
+class CategoricalColumn(Section):
+    """A categorical feature column, one-hot over its public ``categories`` (plus ``<missing>`` and
+    ``<other>`` slots: :mod:`dpml.data.encoding`)."""
+
+    type: Literal["categorical"]
+    categories: list[str | int]
+
+    @field_validator("categories")
+    @classmethod
+    def _distinct_categories(cls, value: list[str | int]) -> list[str | int]:
+        if not value:
+            raise ValueError("an empty category list; declare the column's categories")
+        texts = [str(c).strip() for c in value]
+        repeated = sorted({t for t in texts if texts.count(t) > 1})
+        if repeated:
+            raise ValueError(f"categories {repeated} are listed more than once")
+        if any(not t for t in texts):
+            raise ValueError("an empty category name; declare empty cells under data.missing_values instead")
+        return value
+
+
+Column = Annotated[Union[NumericColumn, CategoricalColumn], Field(discriminator="type")]
+
+
+class DataConfig(Section):
+    """Where the raw records come from, and the public schema of a table.
+
+    ``source`` is one of ``sklearn:NAME`` (a scikit-learn *bundled* set: digits, iris, wine,
+    breast_cancer), ``idx:DIR`` (MNIST-format IDX files), ``csv:PATH`` or ``parquet:PATH``.
+    Tabular sources need ``label_column`` and, because the label set is a constant that must not be
+    read off the private data, the list of ``classes``, and their feature columns either as
+    ``columns`` (the schema: each column ``numeric`` with public bounds or ``categorical`` with public
+    categories, :mod:`dpml.data.encoding`) or as ``feature_columns`` (shorthand: all numeric, bounded
+    by ``preprocess.lower``/``upper``, no missing values). ``missing_values``: the cell texts read as
+    missing (compared after stripping surrounding whitespace); ``strict``: a categorical value
+    outside its list is an error instead of going to the ``<other>`` slot. ``chunk_rows``: rows read
+    at a time, so a table larger than memory streams through.
+
+    ``id_column`` (tabular sources) names the column that identifies the *privacy unit* — the person
+    a budget protects; several rows may share one id, and each unit then keeps one of its rows
+    (:mod:`dpml.privacy.units`). Without it every row is its own unit, identified by its content.
+    """
+
+    source: str = "sklearn:digits"
+    label_column: str | None = None
+    feature_columns: list[str] | None = None
+    columns: dict[str, Column] | None = None
+    classes: list[str | int] | None = None
+    missing_values: list[str] = Field(default_factory=lambda: [""])
+    strict: bool = False
+    chunk_rows: int = Field(100_000, gt=0)
+    id_column: str | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        scheme, sep, rest = value.partition(":")
+        allowed = ("sklearn", "idx", "csv", "parquet")
+        if not sep or scheme not in allowed or not rest:
+            raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)}")
+        if scheme == "sklearn" and rest not in SKLEARN_BUNDLED:
+            raise ValueError(f"unknown bundled scikit-learn set; allowed: {', '.join(SKLEARN_BUNDLED)}")
+        if scheme == "idx" and not Path(rest).is_dir():
+            raise ValueError(f"directory {rest} does not exist")
+        if scheme in ("csv", "parquet") and not Path(rest).is_file():
+            raise ValueError(f"file {rest} does not exist")
+        return value
+
+    @field_validator("classes")
+    @classmethod
+    def _distinct_classes(cls, value: list[str | int] | None) -> list[str | int] | None:
+        if value is not None:
+            texts = [str(c) for c in value]
+            repeated = sorted({t for t in texts if texts.count(t) > 1})
+            if repeated:
+                raise ValueError(f"classes {repeated} are listed more than once")
+            if len(value) == 1:
+                raise ValueError("a classifier needs at least two classes")
+        return value
+
+    @model_validator(mode="after")
+    def _tabular_needs_columns(self) -> "DataConfig":
+        scheme = self.source.partition(":")[0]
+        tabular = scheme in ("csv", "parquet")
+        if tabular:
+            missing = [k for k in ("label_column", "classes") if getattr(self, k) in (None, [])]
+            if self.columns is None and not self.feature_columns:
+                missing.append("columns (or feature_columns)")
+            if missing:
+                raise ValueError(f"a {scheme} source needs data.{', data.'.join(missing)}")
+            if self.columns is not None and self.feature_columns is not None:
+                raise ValueError("data.columns and data.feature_columns: give one (feature_columns is the "
+                                 "all-numeric shorthand of columns)")
+            if self.columns is not None and not self.columns:
+                raise ValueError("data.columns is empty: declare at least one feature column")
+        elif self.columns is not None or self.feature_columns is not None:
+            key = "data.columns" if self.columns is not None else "data.feature_columns"
+            raise ValueError(f"{key}: only a csv or parquet source has columns; {scheme}: its features are "
+                             "given by the format")
+        features = self.feature_names_declared()
+        if self.label_column is not None and self.label_column in features:
+            raise ValueError(f"data.label_column = {self.label_column!r} is also a feature column; the label must "
+                             "not be a model input")
+        if self.id_column is not None:
+            if not tabular:
+                raise ValueError(f"data.id_column = {self.id_column!r}: only a csv or parquet source has columns; "
+                                 f"{scheme}: records are units by their content")
+            if self.id_column == self.label_column or self.id_column in features:
+                raise ValueError(f"data.id_column = {self.id_column!r} is also the label or a feature column; an id "
+                                 "must never be a model input")
+        return self
+
+    def feature_names_declared(self) -> list[str]:
+        """The declared feature columns (schema or shorthand), in order."""
+        return list(self.columns) if self.columns is not None else list(self.feature_columns or [])
