@@ -83,7 +83,9 @@ class ConfigBase(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "ConfigBase":
         if self.data.columns is not None:
-            given = sorted({"lower", "upper"} & self.preprocess.model_fields_set)
+            # a value other than the default (a dumped configuration carries the defaults, harmlessly)
+            given = [key for key in ("lower", "upper")
+                     if getattr(self.preprocess, key) != PreprocessConfig.model_fields[key].default]
             if given:
                 raise ValueError(f"preprocess.{given[0]} = {getattr(self.preprocess, given[0])}: not used with "
                                  "data.columns, where each numeric column declares its own lower and upper")

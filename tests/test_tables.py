@@ -89,6 +89,12 @@ def test_schema_rules_across_sections(tmp_path: Path) -> None:
         validate({**base, "tracking": {"registered_model": "x"}})
     with pytest.raises(ConfigError, match=r"tracking\.model_name = 'a/b': a registered model name"):
         validate({**base, "tracking": {"model_name": "a/b"}})
+    # A validated configuration survives its own dump (the logged config.json, a search's candidates).
+    from dpml.config import with_hyperparameters
+
+    config = validate(base)
+    assert validate(config.to_dict()) == config
+    assert with_hyperparameters(config, {"train.learning_rate": 0.25}).train.learning_rate == 0.25
     # Each data set its own registered model, unless named.
     assert validate(base).tracking.model_name == "dpml-t"
     assert validate({"dp": {"target_epsilon": 2.0}}).tracking.model_name == "dpml-digits"
