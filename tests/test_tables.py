@@ -307,11 +307,11 @@ def test_pipeline_on_a_table_registers_a_model_that_takes_raw_rows(workdir: Path
         model = mlflow.pyfunc.load_model("models:/dpml-census@champion")
         other = model.predict(pd.DataFrame(rows[1:2] + [[60, "Without-pay", "?", 3]],
                                            columns=["age", "workclass", "hours", "region"]))
-        assert other["probability(>50K)"].iloc[0] == other["probability(>50K)"].iloc[1]
+        assert other["probability(>50K)"].iloc[0] == pytest.approx(other["probability(>50K)"].iloc[1], abs=1e-6)
         without = model.predict(pd.DataFrame([[25, "Gov", None]], columns=["age", "workclass", "hours"]))
         with_missing = model.predict(pd.DataFrame([[25, "Gov", None, None]],
                                                   columns=["age", "workclass", "hours", "region"]))
-        assert without["probability(>50K)"].iloc[0] == with_missing["probability(>50K)"].iloc[0]
+        assert without["probability(>50K)"].iloc[0] == pytest.approx(with_missing["probability(>50K)"].iloc[0], abs=1e-6)
     finally:
         server.terminate()
         server.wait(timeout=30)
