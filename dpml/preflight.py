@@ -126,8 +126,7 @@ def check_table_header(config: Config) -> None:
     kind, _, rest = data.source.partition(":")
     if kind not in ("csv", "parquet"):
         return
-    named = [c for c in (data.label_column, *data.feature_names_declared(), data.id_column) if c is not None]
     try:
-        check_columns(Path(rest), kind, named, what="column(s) named under data:")
+        check_columns(Path(rest), kind, data.named_columns(), what="column(s) named under data:")
     except DataError as error:
         raise PreflightError(str(error)) from None

@@ -19,6 +19,7 @@ the network's outputs).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,7 @@ def log_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any]
     export_network(network, n_inputs, network_path)
     import cloudpickle
 
-    by_value = [encoding_module, preprocess_module, __import__(__name__, fromlist=["_"])]
+    by_value = [encoding_module, preprocess_module, sys.modules[__name__]]
     for module in by_value:
         cloudpickle.register_pickle_by_value(module)
     try:

@@ -50,8 +50,7 @@ def census(n: int, seed: int = 0) -> pd.DataFrame:
 
 
 def data_config(path: Path, **extra: Any):  # noqa: ANN201
-    config = validate({"dp": {"target_epsilon": 2.0}, "data": {"source": f"csv:{path}", **SCHEMA, **extra}})
-    return config
+    return validate({"dp": {"target_epsilon": 2.0}, "data": {"source": f"csv:{path}", **SCHEMA, **extra}})
 
 
 # ----------------------------------------------------------------------------------------- schema checks

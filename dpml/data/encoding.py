@@ -20,7 +20,7 @@ the same encoding to raw rows wherever the model is loaded (:mod:`dpml.serving`)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,18 @@ def numeric_spelling(key: str) -> str:
     except ValueError:
         return key
     return str(int(number)) if number.is_integer() and abs(number) < 2 ** 63 else key
+
+
+def category_codes(values: pd.Series, categories: list[str]) -> tuple[np.ndarray, pd.Series]:
+    """Each cell's index in ``categories`` (-1: not one of them) and its :func:`cell_key` (None: NaN/None).
+
+    A cell matches by its key, or else by its :func:`numeric_spelling` ('3.0' for a declared 3)."""
+    keys = values.astype(object).map(cell_key)
+    codes = pd.Categorical(keys, categories=categories).codes.astype(np.int64)
+    retry = (codes < 0) & keys.notna().to_numpy()
+    if retry.any():
+        codes[retry] = pd.Categorical(keys[retry].map(numeric_spelling), categories=categories).codes
+    return codes, keys
 
 
 @dataclass(frozen=True)
@@ -120,9 +132,7 @@ class TableEncoding:
         return np.asarray(lower, dtype=np.float64), np.asarray(upper, dtype=np.float64)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"missing_values": list(self.missing_values), "strict": self.strict,
-                "columns": [{"name": c.name, "kind": c.kind, "lower": c.lower, "upper": c.upper, "fill": c.fill,
-                             "indicator": c.indicator, "categories": list(c.categories)} for c in self.columns]}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TableEncoding":
@@ -187,12 +197,7 @@ class TableEncoding:
     def _categorical(self, column: ColumnEncoding, values: pd.Series, missing: np.ndarray, first_row: int,
                      origin: str, counts: Counts) -> np.ndarray:
         missing_slot, other_slot = len(column.categories), len(column.categories) + 1
-        keys = values.astype(object).map(cell_key)
-        codes = pd.Categorical(keys, categories=list(column.categories)).codes.astype(np.int64)
-        retry = (codes < 0) & keys.notna().to_numpy()
-        if retry.any():  # a number written as text ("3.0") against a declared integer category (3)
-            respelled = keys[retry].map(numeric_spelling)
-            codes[retry] = pd.Categorical(respelled, categories=list(column.categories)).codes
+        codes, keys = category_codes(values, list(column.categories))
         missing = missing | keys.isna().to_numpy()
         unknown = (codes < 0) & ~missing
         if unknown.any() and self.strict:

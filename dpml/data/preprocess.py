@@ -19,7 +19,7 @@ This module imports nothing from dpml at load (the registered model carries it b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -85,10 +85,7 @@ class PublicTransform:
         return clip_input_norms(scaled, self.clip_norm, self.clip_mode)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lower": list(self.lower), "upper": list(self.upper), "clip_norm": self.clip_norm,
-                "clip_mode": self.clip_mode, "features": self.features,
-                "image_shape": None if self.image_shape is None else list(self.image_shape),
-                "scatter_groups": self.scatter_groups}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PublicTransform":

@@ -175,3 +175,7 @@ class DataConfig(Section):
     def feature_names_declared(self) -> list[str]:
         """The declared feature columns (schema or shorthand), in order."""
         return list(self.columns) if self.columns is not None else list(self.feature_columns or [])
+
+    def named_columns(self) -> list[str]:
+        """Every column of a table the configuration names: label, features, id."""
+        return [c for c in (self.label_column, *self.feature_names_declared(), self.id_column) if c is not None]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from dpml.data.encoding import ColumnEncoding, Counts, EncodingError, TableEncoding, cell_key, numeric_spelling
+from dpml.data.encoding import ColumnEncoding, Counts, EncodingError, TableEncoding, category_codes
 from dpml.data.preprocess import PublicTransform, public_transform
 
 if TYPE_CHECKING:
@@ -103,19 +103,15 @@ def label_indices(values: pd.Series, classes: list[str], column: str, first_row:
     """Each label's index in the public ``classes``; a missing or unknown label is an error naming its row."""
     from dpml.data.sources import DataError
 
-    index = {name: i for i, name in enumerate(classes)}
-    out = np.empty(len(values), dtype=np.int64)
-    for position, value in enumerate(values.tolist()):
-        key = cell_key(value)
-        if key is not None and key not in index:  # "1.0" in a text column for class 1
-            key = numeric_spelling(key)
-        if key is None or key == "":
-            raise DataError(f"{origin}: row {first_row + position}, column {column!r}: missing label")
-        if key not in index:
-            raise DataError(f"{origin}: row {first_row + position}, column {column!r}: label {value!r} is not in "
-                            f"data.classes {classes}")
-        out[position] = index[key]
-    return out
+    codes, keys = category_codes(values, classes)
+    absent = (keys.isna() | (keys == "")).to_numpy()
+    if absent.any():
+        raise DataError(f"{origin}: row {first_row + int(np.argmax(absent))}, column {column!r}: missing label")
+    if (codes < 0).any():
+        position = int(np.argmax(codes < 0))
+        raise DataError(f"{origin}: row {first_row + position}, column {column!r}: label {values.iloc[position]!r} "
+                        f"is not in data.classes {classes}")
+    return codes
 
 
 def unit_ids(values: pd.Series, column: str, first_row: int, origin: str) -> list[Any]:
@@ -138,7 +134,7 @@ def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
     path = Path(rest)
     encoding = table_encoding(config, preprocess)
     assert encoding is not None and config.label_column is not None and config.classes is not None
-    wanted = [config.label_column, *encoding.column_names, *([config.id_column] if config.id_column else [])]
+    wanted = config.named_columns()
     check_columns(path, kind, wanted)
     classes = [str(c) for c in config.classes]
     features, labels, ids, counts, start = [], [], [], Counts(), 0
