@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -126,7 +125,7 @@ def accuracy_table(work: Path, settings: dict[str, Any], levels: list[float], se
 def tightness(work: Path, settings: dict[str, Any], epochs: float, records: int = 1000) -> list[dict[str, Any]]:
     """Per parameter: max and mean of ‖∇_p ℓ_i‖ / Δ_p over training records, after training at ε = 3."""
     from dpml.models.lipschitz import LOSS_LIPSCHITZ
-    from dpml.train.clipping import _per_example_gradients
+    from dpml.train.clipping import per_example_gradients
     from dpml.train.dpsgd import loss_function
 
     config = config_for(work, settings, epochs)
@@ -137,7 +136,7 @@ def tightness(work: Path, settings: dict[str, Any], epochs: float, records: int 
     loss_fn = loss_function(config.train.loss, config.train.loss_tau, config.train.loss_alpha)
     ratios: dict[str, list[np.ndarray]] = {name: [] for name in bounds}
     for chunk in np.array_split(rows, records // 250):
-        grads = _per_example_gradients(model, loss_fn, torch.as_tensor(x[chunk]), torch.as_tensor(y[chunk]), list(bounds))
+        grads = per_example_gradients(model, loss_fn, torch.as_tensor(x[chunk]), torch.as_tensor(y[chunk]), list(bounds))
         for name in bounds:
             ratios[name].append((grads[name].flatten(1).norm(dim=1) / bounds[name]).numpy())
     out = []

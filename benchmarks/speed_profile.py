@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speed import build  # noqa: E402
-from dpml.train.clipping import _is_fast, _record_forward, clipped_gradient_sum  # noqa: E402
+from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E402
+from dpml.train.clipping_layers import is_fast  # noqa: E402
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy  # noqa: E402
 
 
@@ -60,11 +61,11 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
             p.grad = (sums[name] + noises[name]) / batch
         optimizer.step()
 
-    fast = [m for m in model.modules() if _is_fast(m)]
+    fast = [m for m in model.modules() if is_fast(m)]
 
     def forward_backward_to_outputs() -> None:
         recording = _record_forward(model, per_example_cross_entropy, x, y, fast, copy=False)
-        torch.autograd.grad(recording.losses.sum(), [recording.layers[m][1] for m in fast])
+        torch.autograd.grad(recording.losses.sum(), [output for m in fast for _, output in recording.calls[m]])
 
     def clipping() -> None:
         clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0)

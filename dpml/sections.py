@@ -97,9 +97,16 @@ class ModelConfig(Section):
     ``feature_activation`` (tanh, or ``tanh_even`` whose even part lets a reconstruction recover signs;
     both satisfy the Hermite conditions φ0 = φ2 = 0, φ1 ≠ 0). Train it with ``train.loss: squared``
     (``dpgd`` for seed 002's DP-GD); the audit then also runs the reconstruction attack.
+    ``kind: cnn``: ``channels`` blocks of 3×3 convolution → GroupNorm (``norm_groups``) → ``activation`` →
+    2×2 average pooling on images of ``input_shape`` [C, H, W], then dense layers of the ``hidden`` widths.
+    ``kind: wide_resnet``: WRN-``depth``-``widen`` with GroupNorm of ``norm_groups`` groups (WRN-16-4 is the
+    standard DP-SGD image model) on images of ``input_shape``.
+    ``kind: custom``: the user's module, ``factory: package.module:function`` called as
+    ``function(input_shape, n_classes, **options)`` (:mod:`dpml.models.custom`).
     """
 
-    kind: Literal["mlp", "gated", "lipschitz", "bias_free_relu", "random_features"] = "mlp"
+    kind: Literal["mlp", "gated", "lipschitz", "bias_free_relu", "random_features", "cnn", "wide_resnet",
+                  "custom"] = "mlp"
     init: Literal["lecun", "he", "ntk", "xavier"] = "he"
     features: int = Field(1000, gt=0)
     feature_activation: Literal["tanh", "tanh_even"] = "tanh"
@@ -112,13 +119,46 @@ class ModelConfig(Section):
     conv: list[int] = Field(default_factory=list)
     input_shape: list[int] | None = None
     dense_layer: Literal["spectral", "bjorck"] = "spectral"
+    channels: list[int] = Field(default_factory=lambda: [16, 32])
+    norm_groups: int = Field(4, gt=0)
+    depth: int = Field(16, ge=10)
+    widen: int = Field(4, gt=0)
+    factory: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("hidden")
+    @field_validator("hidden", "channels")
     @classmethod
     def _positive_widths(cls, value: list[int]) -> list[int]:
         if any(w <= 0 for w in value):
             raise ValueError("every width must be a positive integer")
         return value
+
+    @model_validator(mode="after")
+    def _kind_rules(self) -> "ModelConfig":
+        image_kind = self.kind in ("cnn", "wide_resnet")
+        if image_kind and (self.input_shape is None or len(self.input_shape) != 3 or min(self.input_shape) <= 0):
+            raise ValueError(f"model.input_shape = {self.input_shape}: model.kind = {self.kind!r} needs "
+                             "[channels, height, width] (positive)")
+        if self.kind == "cnn":
+            for width in self.channels:
+                if width % min(self.norm_groups, width):
+                    raise ValueError(f"model.channels = {self.channels}: {width} channels do not split into "
+                                     f"model.norm_groups = {self.norm_groups} GroupNorm groups")
+        if self.kind == "wide_resnet":
+            if (self.depth - 4) % 6:
+                raise ValueError(f"model.depth = {self.depth}: a wide ResNet has depth 6n + 4 (10, 16, 22, 28, 40)")
+            if 16 % self.norm_groups:
+                raise ValueError(f"model.norm_groups = {self.norm_groups}: must divide 16 (the stem's channels)")
+        if (self.kind == "custom") != (self.factory is not None):
+            raise ValueError(f"model.factory = {self.factory!r}: give it exactly when model.kind is 'custom' "
+                             f"(model.kind = {self.kind!r})")
+        if self.options and self.kind != "custom":
+            raise ValueError(f"model.options = {self.options}: only for model.kind: custom")
+        if self.factory is not None:
+            from dpml.models.custom import load_factory
+
+            load_factory(self.factory)
+        return self
 
 
 

@@ -8,27 +8,23 @@ import torch
 from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
-from dpml.train import clipping
+from dpml.train import clipping, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
 @pytest.fixture
 def vmapped(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The parameter names each call of the exact vmap path was asked for (``["*"]`` for all of them)."""
+    """The parameter names each call of the exact per-example path was asked for (calls with none left out)."""
     calls: list[list[str]] = []
-    per_example, everything = clipping._per_example_gradients, clipping._all_by_vmap
+    exact = clipping.exact_per_example_gradients
 
-    def spy_per_example(model, loss_fn, x, y, names):  # type: ignore[no-untyped-def]
-        calls.append(list(names))
-        return per_example(model, loss_fn, x, y, names)
+    def spy(losses, params):  # type: ignore[no-untyped-def]
+        if params:
+            calls.append(list(params))
+        return exact(losses, params)
 
-    def spy_everything(model, loss_fn, x, y, clip_norm):  # type: ignore[no-untyped-def]
-        calls.append(["*"])
-        return everything(model, loss_fn, x, y, clip_norm)
-
-    monkeypatch.setattr(clipping, "_per_example_gradients", spy_per_example)
-    monkeypatch.setattr(clipping, "_all_by_vmap", spy_everything)
+    monkeypatch.setattr(clipping, "exact_per_example_gradients", spy)
     return calls
 
 
@@ -103,7 +99,7 @@ def test_embedding_norms_equal_the_gram_formula() -> None:
     d = torch.randn(6, 40, 3, generator=g, dtype=torch.float64)
     equal = (tokens_[:, :, None] == tokens_[:, None, :]).double()
     expected = (equal * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
-    torch.testing.assert_close(clipping._embedding_norms_squared(tokens_, d, 5000), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(clipping_layers.embedding_norms_squared(tokens_, d, 5000), expected, rtol=1e-12, atol=0)
 
 
 def test_sparse_embedding_gives_the_dense_result() -> None:
@@ -262,8 +258,8 @@ def test_fast_layers_mixed_with_a_custom_parameter(vmapped: list) -> None:
                                    nn.BatchNorm1d(6)])
 def test_batch_norm_is_refused(model: nn.Module) -> None:
     x = torch.randn(8, 6)
-    where = "module '1'" if isinstance(model, nn.Sequential) else "the model"
-    with pytest.raises(ValueError, match=f"{where} is a BatchNorm1d.*Use nn.GroupNorm or nn.LayerNorm"):
+    where = "model layer '1'" if isinstance(model, nn.Sequential) else "the model"
+    with pytest.raises(ValueError, match=rf"{where} \(BatchNorm1d\):.*use nn.GroupNorm or nn.LayerNorm"):
         clipped_gradient_sum(model, per_example_cross_entropy, x, labels(8), 1.0)
 
 
@@ -297,7 +293,7 @@ class TiedLanguageModel(nn.Module):
 def test_tied_weights_take_the_exact_path(vmapped: list) -> None:
     torch.manual_seed(20)
     assert_matches_naive_loop(TiedLanguageModel().double(), tokens((12, 5), vocabulary=6), labels(12, 6), 0.05)
-    assert vmapped[0] == ["*"]  # (_all_by_vmap then asks _per_example_gradients for every parameter)
+    assert vmapped == [["embed.weight"]]  # the tied weight alone, by the exact path
 
 
 class Attention(nn.Module):

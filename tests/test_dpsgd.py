@@ -216,7 +216,7 @@ def test_released_models_draw_batches_and_noise_from_a_secret_seed(monkeypatch: 
 @pytest.mark.parametrize("kernel,stride,padding,dilation", [((3, 3), (1, 1), (0, 0), (1, 1)), ((8, 8), (2, 2), (3, 3), (1, 1)),
                                                             ((3, 2), (2, 1), (1, 2), (2, 1))])
 def test_patches_equal_torch_unfold(kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> None:
-    from dpml.train.clipping import unfold_patches
+    from dpml.train.clipping_layers import unfold_patches
 
     x = torch.randn(3, 2, 11, 12, dtype=torch.float64)
     expected = torch.nn.functional.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)

@@ -52,7 +52,7 @@ def metrics(root: Path) -> dict[str, object]:
     return {name: json.loads((root / name).read_text()) for name in files}
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # ≈150 s: CI runs it with the exhaustive set
 def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                       prefect_harness: None) -> None:
     root = checkout(tmp_path / "repo")

@@ -6,43 +6,35 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from dpml.models.custom import CustomSpec, build_custom
 from dpml.models.gated import GatedSpec, build_gated
 from dpml.models.init import BiasFreeReluSpec, build_bias_free_relu
 from dpml.models.lipschitz import LipschitzSpec, build_lipschitz
 from dpml.models.mlp import MlpSpec, build_mlp
 from dpml.models.random_features import RandomFeaturesSpec, build_random_features
+from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet, check_input_shape
 
 if TYPE_CHECKING:
     from dpml.sections import ModelConfig
 
-ModelSpec = MlpSpec | GatedSpec | LipschitzSpec | BiasFreeReluSpec | RandomFeaturesSpec
+ModelSpec = MlpSpec | GatedSpec | LipschitzSpec | BiasFreeReluSpec | RandomFeaturesSpec | CnnSpec | WideResNetSpec | CustomSpec
+SPECS: dict[str, Any] = {"mlp": MlpSpec, "gated": GatedSpec, "lipschitz": LipschitzSpec, "bias_free_relu": BiasFreeReluSpec,
+                         "random_features": RandomFeaturesSpec, "cnn": CnnSpec, "wide_resnet": WideResNetSpec,
+                         "custom": CustomSpec}
+BUILDERS: dict[type, Any] = {MlpSpec: build_mlp, GatedSpec: build_gated, LipschitzSpec: build_lipschitz,
+                             BiasFreeReluSpec: build_bias_free_relu, RandomFeaturesSpec: build_random_features,
+                             CnnSpec: build_cnn, WideResNetSpec: build_wide_resnet, CustomSpec: build_custom}
 
 
 def spec_from_dict(payload: dict[str, Any]) -> ModelSpec:
     kind = payload.get("kind", "mlp")
-    if kind == "mlp":
-        return MlpSpec.from_dict(payload)
-    if kind == "gated":
-        return GatedSpec.from_dict(payload)
-    if kind == "lipschitz":
-        return LipschitzSpec.from_dict(payload)
-    if kind == "bias_free_relu":
-        return BiasFreeReluSpec.from_dict(payload)
-    if kind == "random_features":
-        return RandomFeaturesSpec.from_dict(payload)
-    raise ValueError(f"unknown model kind {kind!r}: expected mlp, gated, lipschitz, bias_free_relu or random_features")
+    if kind not in SPECS:
+        raise ValueError(f"unknown model kind {kind!r}: expected one of {', '.join(SPECS)}")
+    return SPECS[kind].from_dict(payload)  # type: ignore[no-any-return]
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
-    if isinstance(spec, GatedSpec):
-        return build_gated(spec)
-    if isinstance(spec, LipschitzSpec):
-        return build_lipschitz(spec)
-    if isinstance(spec, BiasFreeReluSpec):
-        return build_bias_free_relu(spec)
-    if isinstance(spec, RandomFeaturesSpec):
-        return build_random_features(spec)
-    return build_mlp(spec)
+    return BUILDERS[type(spec)](spec)  # type: ignore[no-any-return]
 
 
 def spec_for(model: "ModelConfig", input_bound: float, in_features: int, n_classes: int,
@@ -61,6 +53,19 @@ def spec_for(model: "ModelConfig", input_bound: float, in_features: int, n_class
                              dense_layer=model.dense_layer)
     if model.kind == "random_features":
         return RandomFeaturesSpec(in_features, model.features, n_classes, model.feature_activation, model.feature_seed)
+    if model.kind == "cnn":
+        return CnnSpec(in_features, check_input_shape(_shape(model), in_features, "cnn"), tuple(model.channels),
+                       tuple(model.hidden), n_classes, model.norm_groups, model.activation)
+    if model.kind == "wide_resnet":
+        return WideResNetSpec(in_features, check_input_shape(_shape(model), in_features, "wide_resnet"), n_classes,
+                              model.depth, model.widen, model.norm_groups)
+    if model.kind == "custom":
+        assert model.factory is not None  # checked when the configuration was validated
+        return CustomSpec(in_features, model.factory, n_classes, _shape(model), dict(model.options))
     if model.kind == "bias_free_relu":
         return BiasFreeReluSpec(in_features, tuple(model.hidden), n_classes, model.init, linearised)  # type: ignore[arg-type]
     return MlpSpec(in_features, tuple(model.hidden), n_classes, model.activation)
+
+
+def _shape(model: "ModelConfig") -> tuple[int, ...] | None:
+    return None if model.input_shape is None else tuple(int(v) for v in model.input_shape)

@@ -35,6 +35,7 @@ class Layout:
         self.prepared_meta = data / "prepared" / "meta.json"
         self.model = art / "train" / "model.pt"
         self.model_spec = art / "train" / "model.json"
+        self.model_source = art / "train" / "model_source.py"  # model.kind: custom — the factory's module
         self.mechanism = art / "train" / "mechanism.json"
         self.spend = art / "train" / "spend.json"
         self.excluded = art / "train" / "excluded.npz"
@@ -79,7 +80,7 @@ CONTRACT: dict[str, StageFiles] = {
     "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta")),
     "train": StageFiles(reads=(*PREPARED, "prepared_meta"),
                         writes=("model", "model_spec", "mechanism", "spend", "excluded", "train_metrics"),
-                        optional=("tuning", "validation")),
+                        optional=("tuning", "validation", "model_source")),
     "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics")),
     "audit": StageFiles(reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta",
                                "raw_meta", "excluded"),

@@ -130,7 +130,7 @@ def register(config: Config) -> dict[str, Any]:
                          "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}"}
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
-                             layout.model_spec, layout.tuning) if p.exists()]
+                             layout.model_spec, layout.tuning, layout.model_source) if p.exists()]
     reconcile_interrupted_releases(config, ledger)
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
     seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()

@@ -11,6 +11,7 @@ trainer runs, what it will spend and how it trains are the registry's answers
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -29,11 +30,14 @@ from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.stages.layout import Layout, load_part, load_units
 from dpml.train.fit import fit, model_spec
+from dpml.train.protocol import Trainer
 from dpml.train.registry import trainer_for
 from dpml.train.search import run_search, validation_rows
 
 if TYPE_CHECKING:
     from dpml.config import Config
+
+LOG = logging.getLogger("dpml.clipping")
 
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
@@ -50,6 +54,14 @@ def check_delta(config: Config, n: int) -> None:
         if not config.dp.allow_delta_above_inverse_n:
             raise ValueError(message + " (or set dp.allow_delta_above_inverse_n: true to proceed anyway)")
         warnings.warn(message, stacklevel=2)
+
+
+def check_model(trainer: Trainer, config: Config, in_features: int, n_classes: int) -> None:
+    """The trainer's checks of its model (the clipping probe), before the spend is reserved: a model it
+    cannot train exactly is refused with nothing spent. What it found goes to the run's log."""
+    lines = trainer.check_model(config, in_features, n_classes)
+    for line in lines:
+        LOG.log(logging.WARNING if len(lines) > 1 else logging.INFO, "%s", line)
 
 
 def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> float | None:
@@ -151,6 +163,7 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     keep, planned = filter_units(config, units, lambda keep: trainer.plan(config, int(keep.sum()), d, n_classes))
     x_np, y_np, units = x_np[keep], y_np[keep], units[keep]
     check_delta(config, int(x_np.shape[0]))
+    check_model(trainer, config, d, n_classes)
     sigma = trainer.noise_multiplier(config)
     write_exclusions(layout, keep)
     ledger, spend = _reserve(config, layout, planned, f"{trainer.name} model ({config.data.source})", units)
@@ -192,6 +205,7 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     x_np, y_np, units = x_np[keep], y_np[keep], units[keep]
     n = int(x_np.shape[0])
     check_delta(config, n)
+    check_model(trainer, config, int(x_np.shape[1]), len(meta["classes"]))
     write_exclusions(layout, keep)
     rows = validation_rows(n, config)
     fit_mask = np.ones(n, dtype=bool)
@@ -219,6 +233,18 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
                         best.history, extra)
 
 
+def keep_model_source(config: Config, layout: Layout) -> None:
+    """A custom model's source file as it was when the model trained (logged with the MLflow run)."""
+    from dpml.models.custom import factory_source
+
+    source = factory_source(config.model.factory) if config.model.factory else None
+    if source is None:
+        layout.model_source.unlink(missing_ok=True)
+        return
+    with io.atomic_path(layout.model_source) as temp:
+        temp.write_bytes(source.read_bytes())
+
+
 def save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechanism: MechanismDescription | None,
                  x_fit: np.ndarray, y_fit: np.ndarray, history: dict[str, Any],
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -227,6 +253,7 @@ def save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechani
     with io.atomic_path(layout.model) as temp:
         torch.save(model.state_dict(), temp)
     io.write_json(layout.model_spec, model_spec(config, int(x_fit.shape[1]), n_classes).to_dict())
+    keep_model_source(config, layout)
     io.write_json(layout.mechanism, mechanism.to_dict() if mechanism else None)
     x_test, y_test = load_part(layout, "test")
     metrics = {

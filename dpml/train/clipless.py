@@ -37,7 +37,7 @@ from torch import nn
 
 from dpml.models.lipschitz import LipschitzLayer, gradient_bounds, project_all
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
-from dpml.train.clipping import LossFn, _per_example_gradients
+from dpml.train.clipping import LossFn, per_example_gradients
 from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch, progress_range
 
 
@@ -246,7 +246,7 @@ def soundness_check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn:
     worst, violations = 0.0, 0
     for chunk in np.array_split(rows, max(1, len(rows) // 256)):
         index = torch.as_tensor(chunk, device=x.device)
-        grads = _per_example_gradients(model, loss_fn, x[index], y[index], names)
+        grads = per_example_gradients(model, loss_fn, x[index], y[index], names)
         for name in names:
             ratio = grads[name].flatten(1).norm(dim=1) / bounds.per_parameter[name]
             worst = max(worst, float(ratio.max()))

@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import numpy as np
@@ -118,25 +118,32 @@ def number_of_steps(epochs: float, sample_rate: float) -> int:
 def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
                           noise_multiplier: float, physical_batch_size: int, generator: torch.Generator,
                           loss_fn: LossFn = per_example_cross_entropy, diracs: DiracGradients | None = None,
+                          exact: Collection[str] = (),
                           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the batch (in physical chunks, so a large
     Poisson batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk),
-    Gaussian noise N(0, σ²C²) per parameter, and how many records were clipped (a tensor: no device
-    synchronisation in the training loop)."""
-    params = dict(model.named_parameters())
+    Gaussian noise N(0, σ²C²) per trainable parameter, and how many records were clipped (a tensor: no
+    device synchronisation in the training loop). ``exact``: the clipping plan's parameters
+    (:func:`dpml.train.clipping_check.plan_clipping`)."""
+    params = trainable_parameters(model)
     sums = {name: torch.zeros_like(p) for name, p in params.items()}
     clipped = torch.zeros((), device=x.device)
     starts = list(range(0, x.shape[0], physical_batch_size)) or ([0] if diracs is not None else [])
     for start in starts:
         chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x[start:start + physical_batch_size],
                                                  y[start:start + physical_batch_size], clip_norm,
-                                                 diracs if start == 0 else None)
+                                                 diracs if start == 0 else None, exact)
         for name, value in chunk_sums.items():
             sums[name] += value
         clipped = clipped + (norms > clip_norm).sum()
     noises = {name: torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=generator,
                                  device=x.device, dtype=p.dtype) for name, p in params.items()}
     return sums, noises, clipped
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters DP-SGD updates: frozen ones (``requires_grad = False``) get neither gradient nor noise."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def dpsgd_mechanism(sample_rate: float, noise_multiplier: float, epochs: float, neighbouring: Neighbouring,
@@ -192,12 +199,19 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
                 optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
                 canaries: GradientCanaries | None = None, progress: bool = False,
                 loss_fn: LossFn = per_example_cross_entropy) -> TrainResult:
-    """Train in place with DP-SGD; returns the model, its mechanism description and a history."""
+    """Train in place with DP-SGD; returns the model, its mechanism description and a history.
+
+    Before the first step the clipping engine is checked on a synthetic probe batch of x's shape
+    (:func:`dpml.train.clipping_check.plan_clipping`): a layer whose shortcut is wrong for this model
+    takes the exact path, and a model the engine cannot handle exactly is refused."""
+    from dpml.train.clipping_check import plan_clipping
+
     n = n_total = x.shape[0]
+    plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
     steps = number_of_steps(epochs, sample_rate)
     sampler = torch.Generator().manual_seed(seed)
     noise_source = torch.Generator(device=x.device).manual_seed(seed + 1)
-    params = dict(model.named_parameters())
+    params = trainable_parameters(model)
     batch_sizes: list[int] = []
     clipped: list[torch.Tensor] = []
     start = time.perf_counter()
@@ -215,7 +229,8 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
             diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
         records = records.to(x.device)
         sums, noises, clipped_count = clipped_sum_and_noise(model, x[records], y[records], clip_norm, noise_multiplier,
-                                                            physical_batch_size, noise_source, loss_fn, diracs)
+                                                            physical_batch_size, noise_source, loss_fn, diracs,
+                                                            plan.exact)
         clipped.append(clipped_count)
         for name, p in params.items():
             p.grad = (sums[name] + noises[name]) / expected_batch
@@ -229,6 +244,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
         "mean_batch_size": float(np.mean(batch_sizes)),
         "empty_batches": int(sum(b == 0 for b in batch_sizes)),
         "clipped_fraction": float(torch.stack(clipped).sum()) / max(sum(batch_sizes), 1) if clipped else 0.0,
+        "exact_clipping_parameters": len(plan.exact_parameters),
         "seconds": time.perf_counter() - start,
     }
     return TrainResult(model, mechanism, history)

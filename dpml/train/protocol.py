@@ -10,6 +10,7 @@ and one line in :mod:`dpml.train.registry`. It declares
 - ``model_kinds`` — the model kinds it accepts, with the reason;
 - :meth:`Trainer.check` — its cross-section rules (run once, when the configuration is validated);
 - :meth:`Trainer.plan` — its mechanism description, known before training (the ledger reserves it);
+- :meth:`Trainer.check_model` — checks of its model before any spend (the clipping probe);
 - :meth:`Trainer.fit` — how it trains;
 - :meth:`Trainer.certify` — how its certificate is made (by default: every accountant, smallest ε);
 - ``gradient_canaries`` / :meth:`Trainer.audit_with_gradient_canaries` — what the audit may assume
@@ -84,6 +85,11 @@ class Trainer:
     def model_spec(self, config: Config, in_features: int, n_classes: int) -> ModelSpec:
         """The model this trainer trains (by default the configured kind, as configured)."""
         return spec_for(config.model, config.preprocess.clip_norm, in_features, n_classes)
+
+    def check_model(self, config: Config, in_features: int, n_classes: int) -> list[str]:
+        """Checks of the model this trainer will train, run before any spend; raises on a model it cannot
+        train exactly and returns what the run's log should say (by default: nothing to check)."""
+        return []
 
     def build_model(self, config: Config, in_features: int, n_classes: int, seed: int) -> torch.nn.Module:
         """A fresh model on the configured device, initialised from the public ``seed``."""

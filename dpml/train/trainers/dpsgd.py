@@ -72,6 +72,15 @@ class DpSgd(Trainer):
         return dpsgd_mechanism(config.train.sample_rate, calibrated_sigma(config), config.train.epochs,
                                config.dp.neighbouring, config.dp.clip_norm, n)
 
+    def check_model(self, config: Config, in_features: int, n_classes: int) -> list[str]:
+        """The clipping probe on the model as it will be built (:mod:`dpml.train.clipping_check`)."""
+        from dpml.train.clipping_check import plan_clipping
+
+        train = config.train
+        model = self.build_model(config, in_features, n_classes, train.seed)
+        loss = loss_function(train.loss, train.loss_tau, train.loss_alpha)
+        return plan_clipping(model, loss, (in_features,)).lines()
+
     def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
             seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
             held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:

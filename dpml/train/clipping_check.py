@@ -1,0 +1,303 @@
+"""Before the first private step: check, on a probe batch, that the clipping engine computes exactly
+the per-example gradients autograd defines for *this* model, and plan where it must not take a shortcut.
+
+The engine's layer shortcuts (:mod:`dpml.train.clipping_layers`) see a parameter only through its
+layer's own forward. A weight that also reaches the loss elsewhere — an output layer tied to an
+embedding by ``h @ self.emb.weight.T``, ``F.linear(h, self.a.weight)`` beside ``self.a(x)`` — would get a
+silently wrong gradient (still of norm ≤ C, so private, but not the gradient of the model). No hook
+can see such a use, so it is tested instead, on a deep copy of the model in float64 on the CPU:
+
+1. **Reference.** ℓ_i for a probe batch of B examples and, for each i, g_i = ∂ℓ_i/∂θ by plain autograd
+   (one backward pass per example: the definition, for any module).
+2. **Independence.** Replacing example 0 must leave ℓ_1 … ℓ_{B−1} unchanged. A model whose output for
+   one example depends on another (batch statistics, attention across the batch) is refused:
+   per-example clipping bounds an example's influence only through its own gradient.
+3. **Each fast layer.** Its shortcut's ‖g_i‖² and Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own
+   parameters must equal the reference's to a relative 1e-6. A layer that fails takes the exact path
+   (its parameters' per-example gradients by batched autograd), and the plan says which and why.
+4. **The whole engine** with that plan, at C = the median reference norm: every parameter's clipped
+   sum and every norm must equal the reference's; otherwise the model is refused, naming the
+   parameter, before any ε is spent.
+
+The probe batch is synthetic (from a fixed public seed, so the plan is the same every time): standard
+normal inputs of the model's input shape (integer inputs: token ids below the smallest embedding's
+vocabulary) and uniform labels. It is not a record and nothing about the data enters the plan.
+Each forward pass of the check restores the copy's buffers and the random state first, so dropout
+masks and power-iteration state (spectral norm) are the same in every pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from dpml.train.clipping import LossFn, clip_factors, clipped_gradient_sum, engine_pass, per_example_losses
+from dpml.train.clipping_layers import layer_parameters, reject_batch_norm
+
+PROBE_SEED = 20_261_125
+PROBE_BATCH = 6
+LOG = logging.getLogger("dpml.clipping")
+T = TypeVar("T")
+
+
+class ClippingUnsupported(ValueError):
+    """The engine cannot compute this model's per-example gradients exactly (raised before any ε is spent)."""
+
+
+@dataclass(frozen=True)
+class ClippingPlan:
+    """What the probe decided: the parameters the engine must take exactly, and why (one line each)."""
+
+    exact: frozenset[str] = frozenset()
+    notes: tuple[str, ...] = ()
+    fast_layers: tuple[str, ...] = ()
+    exact_parameters: tuple[str, ...] = field(default=())  # every parameter the engine takes exactly
+
+    def lines(self) -> list[str]:
+        head = (f"per-example clipping: {len(self.fast_layers)} layer(s) by their shortcut, "
+                f"{len(self.exact_parameters)} parameter(s) by exact per-example autograd"
+                + (f" ({', '.join(self.exact_parameters)})" if self.exact_parameters else ""))
+        return [head, *self.notes]
+
+
+def probe_batch(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype,
+                size: int = PROBE_BATCH) -> torch.Tensor:
+    """``size`` + 1 synthetic inputs (the last one replaces example 0 in the independence check)."""
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    shape = (size + 1, *input_shape)
+    if input_dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+    vocabularies = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return torch.randint(0, min(vocabularies, default=2), shape, generator=generator, dtype=input_dtype)
+
+
+def probe_labels(outputs: torch.Tensor, size: int) -> torch.Tensor:
+    """Uniform class labels for the model's (B, classes) outputs."""
+    generator = torch.Generator().manual_seed(PROBE_SEED + 1)
+    return torch.randint(0, max(1, outputs.shape[-1]), (size,), generator=generator)
+
+
+@dataclass
+class _Probe:
+    """The model's copy, the probe batch, and the copy's buffers when the check began."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    x: torch.Tensor
+    y: torch.Tensor
+    replacement: torch.Tensor
+    buffers: dict[str, torch.Tensor]
+
+    @contextmanager
+    def same_state(self) -> Iterator[None]:
+        """Every pass starts from the starting buffers and the same random state (dropout masks, spectral
+        norm's power iteration). Buffers are reset *before* a pass: resetting them after would modify
+        tensors that the pass's graph may still need (``orthogonal``'s base)."""
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(self.buffers[name])
+        device = next(self.model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(PROBE_SEED)
+            yield
+
+
+def _guarded(what: str, step: Callable[[], T]) -> T:
+    try:
+        return step()
+    except ClippingUnsupported:
+        raise
+    except Exception as error:  # a user's module: name the failing step, not a bare KeyError
+        raise ClippingUnsupported(f"model: {what} failed on a synthetic probe batch: {type(error).__name__}: {error}") from error
+
+
+@dataclass
+class _Reference:
+    losses: torch.Tensor
+    gradients: dict[str, torch.Tensor]  # name -> (B, *shape), ∂ℓ_i/∂p by plain autograd
+
+    def squared(self, names: list[str]) -> torch.Tensor:
+        return sum((self.gradients[n].reshape(self.losses.shape[0], -1).pow(2).sum(1) for n in names),
+                   torch.zeros_like(self.losses))
+
+    def weighted(self, name: str, factors: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("b,b...->...", factors, self.gradients[name])
+
+
+def _reference(probe: _Probe) -> _Reference:
+    params = {n: p for n, p in probe.model.named_parameters() if p.requires_grad}
+    with probe.same_state():
+        losses = per_example_losses(probe.model, probe.loss_fn, probe.x, probe.y)
+    rows = [torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+            for i in range(probe.x.shape[0])]
+    gradients = {n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
+                 for k, (n, p) in enumerate(params.items())}
+    return _Reference(losses.detach(), gradients)
+
+
+def _check_independent(probe: _Probe, reference: _Reference, tolerance: float) -> None:
+    changed = probe.x.clone()
+    changed[0] = probe.replacement
+    with probe.same_state(), torch.no_grad():
+        losses = per_example_losses(probe.model, probe.loss_fn, changed, probe.y)
+    scale = reference.losses.abs().max() + 1e-30
+    moved = ((losses[1:] - reference.losses[1:]).abs() > tolerance * scale).nonzero().flatten()
+    if moved.numel():
+        k = int(moved[0]) + 1
+        raise ClippingUnsupported(
+            f"model: replacing example 0 of a probe batch changed the loss of example {k} "
+            f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model mixes the examples of a batch "
+            "(batch statistics, attention or pooling across the batch), so clipping each example's gradient does "
+            "not bound its influence; make each example's output depend on that example alone")
+
+
+def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
+    return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
+
+
+def _layer_errors(probe: _Probe, reference: _Reference, factors: torch.Tensor,
+                  scale: float) -> list[tuple[nn.Module, list[str], float]]:
+    """(layer, its trainable parameter names, relative error of its shortcut) for each fast layer that ran."""
+    with probe.same_state():
+        found = engine_pass(probe.model, probe.loss_fn, probe.x, probe.y)
+    out = []
+    for module, piece in found.fast:
+        names = [found.names[id(p)] for p in layer_parameters(module) if id(p) in found.names]
+        error = _relative(piece.squared, reference.squared(names), scale ** 2)
+        for p, total in piece.sums(factors):
+            error = max(error, _relative(total, reference.weighted(found.names[id(p)], factors), scale))
+        out.append((module, names, error))
+    return out
+
+
+def _confirm(probe: _Probe, reference: _Reference, exact: frozenset[str], tolerance: float, scale: float) -> None:
+    """The whole engine under the plan reproduces the reference's clipped sums and norms."""
+    norms = reference.squared(list(reference.gradients)).sqrt()
+    clip = float(norms.median()) or 1.0
+    with probe.same_state():
+        sums, found_norms = clipped_gradient_sum(probe.model, probe.loss_fn, probe.x, probe.y, clip, exact=exact)
+    factors = clip_factors(norms, clip)
+    errors = {name: _relative(sums[name], reference.weighted(name, factors), scale) for name in reference.gradients}
+    worst = max(errors, key=errors.__getitem__, default=None)
+    if worst is not None and errors[worst] > tolerance:
+        raise ClippingUnsupported(
+            f"model parameter '{worst}': dpml's clipped per-example gradient sum differs from autograd's by "
+            f"{errors[worst]:.2g} (relative) on a synthetic probe batch; dpml cannot train this model exactly — "
+            "write the layer with standard torch.nn modules or report the module")
+    if _relative(found_norms, norms, float(norms.norm())) > tolerance:
+        raise ClippingUnsupported("model: dpml's per-example gradient norms differ from autograd's on a synthetic "
+                                  "probe batch; dpml cannot train this model exactly")
+
+
+def _module_names(model: nn.Module) -> dict[nn.Module, str]:
+    names: dict[nn.Module, str] = {}
+    for name, module in model.named_modules():
+        names.setdefault(module, name or "<model>")
+    return names
+
+
+def _plan_on(reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, labels: torch.Tensor | None,
+             tolerance: float) -> ClippingPlan:
+    x = x_all[:-1]
+    reference_model.train()
+    buffers = {name: b.detach().clone() for name, b in reference_model.named_buffers()}
+    if labels is None:
+        with torch.no_grad():
+            labels = probe_labels(_guarded("the forward pass", lambda: reference_model(x)), x.shape[0])
+    probe = _Probe(reference_model, loss_fn, x, labels, x_all[-1], buffers)
+    reference = _guarded("per-example autograd", lambda: _reference(probe))
+    _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
+    scale = float(reference.squared(list(reference.gradients)).sqrt().max()) or 1.0
+    factors = 0.2 + 0.8 * torch.rand(x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2),
+                                     dtype=reference.losses.dtype)
+    errors = _guarded("the clipping engine", lambda: _layer_errors(probe, reference, factors, scale))
+    module_names = _module_names(reference_model)
+    exact: set[str] = set()
+    notes, fast = [], []
+    for module, names, error in errors:
+        if error <= tolerance:
+            fast.append(module_names[module])
+            continue
+        exact.update(names)
+        notes.append(f"model layer '{module_names[module]}' ({type(module).__name__}): its shortcut is {error:.1%} off "
+                     "autograd's per-example gradient on the probe batch (its weights also reach the loss outside its "
+                     f"own forward: tied, or used through F.linear or a matmul); exact per-example gradients for "
+                     f"{', '.join(names)}")
+    plan = frozenset(exact)
+    _guarded("the clipping engine", lambda: _confirm(probe, reference, plan, tolerance, scale))
+    covered = {n for _, names, error in errors if error <= tolerance for n in names}
+    return ClippingPlan(plan, tuple(notes), tuple(fast), tuple(n for n in reference.gradients if n not in covered))
+
+
+def plan_clipping(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...],
+                  input_dtype: torch.dtype = torch.float32, probe: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> ClippingPlan:
+    """Check the engine on ``model`` (module docstring) and return its plan, or raise
+    :class:`ClippingUnsupported` naming the layer. ``probe``: a public batch (x, y) to use instead of the
+    synthetic one (x's first row is the replacement of the independence check, the rest the batch)."""
+    reject_batch_norm(model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ClippingUnsupported("model: it has no trainable parameter")
+    key = None if probe is not None else _architecture(model, loss_fn, input_shape, input_dtype)
+    if key is not None and key in _PLANS:
+        return _PLANS[key]
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's random state untouched
+        plan = _plan(model, loss_fn, input_shape, input_dtype, probe)
+    if key is not None:
+        _PLANS[key] = plan
+        while len(_PLANS) > 64:
+            _PLANS.pop(next(iter(_PLANS)))
+    return plan
+
+
+_PLANS: dict[tuple[Any, ...], ClippingPlan] = {}
+
+
+def _architecture(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> tuple[Any, ...]:
+    """What the plan depends on: the module classes (their code), the model's structure, attributes and
+    parameter shapes, the loss and the input. The audit trains many models of one architecture: one probe."""
+    attributes = tuple(tuple(sorted((k, repr(v)[:200]) for k, v in vars(m).items() if not k.startswith("_")))
+                       for m in model.modules())  # flags a forward may branch on (not all are in repr)
+    return (tuple(type(m) for m in model.modules()), repr(model), attributes,
+            tuple((n, tuple(p.shape), p.requires_grad, p.dtype) for n, p in model.named_parameters()),
+            loss_fn, tuple(input_shape), input_dtype)
+
+
+def _plan(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
+          probe: tuple[torch.Tensor, torch.Tensor] | None) -> ClippingPlan:
+    attempts: list[tuple[Any, torch.dtype, float]] = [("cpu", torch.float64, 1e-6)]
+    device = next(model.parameters()).device
+    attempts.append((device, next(model.parameters()).dtype, 1e-3))  # a model that only runs as it is
+    failure: ClippingUnsupported | None = None
+    for where, dtype, tolerance in attempts:
+        try:
+            reference_model = copy.deepcopy(model).to(device=where, dtype=dtype)
+        except Exception as error:
+            raise ClippingUnsupported(f"model: copy.deepcopy failed ({type(error).__name__}: {error}); dpml checks "
+                                      "the clipping on a copy before training") from error
+        if probe is None:
+            x_all, labels = probe_batch(model, input_shape, input_dtype), None
+        else:
+            x_all, labels = torch.cat([probe[0][1:], probe[0][:1]]), probe[1][1:].to(where)
+        if x_all.is_floating_point():
+            x_all = x_all.to(dtype)
+        try:
+            plan = _plan_on(reference_model, loss_fn, x_all.to(where), labels, tolerance)
+        except ClippingUnsupported as error:
+            failure = error
+            if dtype == torch.float64 and error.__cause__ is not None:
+                continue  # the model may not run in float64: try it as it is
+            raise
+        for line in plan.lines():
+            LOG.info("%s", line)
+        return plan
+    assert failure is not None
+    raise failure

@@ -1,0 +1,233 @@
+"""The pre-flight clipping probe on modules nobody here wrote: weights used outside their layer's forward,
+parametrized weights, recurrent layers, batch-mixing modules (dpml.train.clipping_check)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrizations
+
+from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
+from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
+
+
+def loop_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Reference: ∂ℓ_i/∂θ by one autograd call per example of one batched forward pass, clipped and added."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    losses = per_example_cross_entropy(model(x), y)
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    norms = []
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        norms.append(norm)
+        for n, g in zip(params, grads):
+            total[n] += min(1.0, clip / (float(norm) + 1e-6)) * g
+    return total, torch.stack(norms).detach()
+
+
+def relative_error(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max(float((found[n] - expected[n]).norm() / expected[n].norm()) for n in expected)
+
+
+class TiedByMatmul(nn.Module):
+    """Output layer tied to the embedding through ``h @ emb.weight.T`` (no module call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(9, 6)
+        self.hidden = nn.Linear(6, 6)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.hidden(self.emb(tokens).mean(1))) @ self.emb.weight.T
+
+
+class FunctionalReuse(nn.Module):
+    """``F.linear(x, self.a.weight)`` beside ``self.a(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.a(x)) + F.linear(x, self.a.weight))
+
+
+def tokens(shape: tuple[int, ...], vocabulary: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocabulary, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def labels(n: int, classes: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", ["matmul", "functional"])
+def test_a_weight_used_outside_its_layer_is_found_and_taken_exactly(case: str) -> None:
+    torch.manual_seed(1)
+    if case == "matmul":
+        model, x, y, layer, shape = TiedByMatmul().double(), tokens((12, 5), 9, 0), labels(12, 9), "emb", (5,)
+        dtype = torch.long
+    else:
+        model, layer, shape, dtype = FunctionalReuse().double(), "a", (6,), torch.float32
+        x, y = torch.randn(12, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64), labels(12, 3)
+    reference, norms = loop_clipped_sum(model, x, y, 0.5)
+    unplanned, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
+    assert relative_error(unplanned, reference) > 0.05  # the shortcut alone is wrong: the probe has work to do
+    plan = plan_clipping(model, per_example_cross_entropy, shape, dtype)
+    assert any(re.search(rf"model layer '{layer}' \(\w+\): its shortcut is [\d.]+% off", note) for note in plan.notes)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5, exact=plan.exact)
+    assert relative_error(sums, reference) < 1e-10
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+
+
+class Parametrized(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        wrap = {"weight_norm": parametrizations.weight_norm, "spectral_norm": parametrizations.spectral_norm,
+                "orthogonal": parametrizations.orthogonal}[kind]
+        self.a = wrap(nn.Linear(6, 6))
+        self.norm = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_weights_get_the_gradients_of_their_original_parameters(kind: str) -> None:
+    torch.manual_seed(2)
+    model = Parametrized(kind).double()
+    plan = plan_clipping(model, per_example_cross_entropy, (6,))
+    originals = [n for n, _ in model.named_parameters() if ".original" in n]
+    assert originals and set(originals) <= set(plan.exact_parameters)
+    x = torch.randn(10, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    state = {n: b.clone() for n, b in model.named_buffers()}
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, labels(10, 3), 0.3, exact=plan.exact)
+    with torch.no_grad():  # the reference's forward pass starts from the same power-iteration state
+        for n, b in model.named_buffers():
+            b.copy_(state[n])
+    reference, reference_norms = loop_clipped_sum(model, x, labels(10, 3), 0.3)
+    assert set(sums) == set(reference)
+    assert relative_error(sums, reference) < 1e-10
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=0)
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.Module], layers: int, bidirectional: bool) -> None:
+        super().__init__()
+        self.rnn = cell(5, 4, num_layers=layers, batch_first=True, bidirectional=bidirectional)
+        self.out = nn.Linear(8 if bidirectional else 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("cell,layers,bidirectional", [(nn.GRU, 1, False), (nn.LSTM, 2, False), (nn.RNN, 1, True),
+                                                       (nn.GRU, 2, True)])
+def test_recurrent_layers_get_exact_per_example_gradients(cell: type[nn.Module], layers: int, bidirectional: bool) -> None:
+    torch.manual_seed(3)
+    model = Recurrent(cell, layers, bidirectional).double()
+    plan = plan_clipping(model, per_example_cross_entropy, (7, 5))
+    assert any(n.startswith("rnn.weight_hh") for n in plan.exact_parameters) and plan.fast_layers == ("out",)
+    x = torch.randn(9, 7, 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, labels(9, 3), 0.2, exact=plan.exact)
+    reference, reference_norms = loop_clipped_sum(model, x, labels(9, 3), 0.2)
+    assert relative_error(sums, reference) < 1e-10
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=0)
+
+
+class CentredOnTheBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x - x.mean(0))
+
+
+def test_a_model_that_mixes_the_examples_of_a_batch_is_refused_before_any_step() -> None:
+    torch.manual_seed(4)
+    model = CentredOnTheBatch()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(50, 6), labels(50, 3)
+    with pytest.raises(ClippingUnsupported, match=r"replacing example 0 of a probe batch changed the loss of example \d"):
+        train_dpsgd(model, x, y, sample_rate=0.2, epochs=1, clip_norm=1.0, noise_multiplier=1.0, neighbouring="add_remove",
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_batch_norm_is_refused_naming_the_layer() -> None:
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"model layer '1' \(BatchNorm1d\): .*use nn.GroupNorm or nn.LayerNorm"):
+        plan_clipping(model, per_example_cross_entropy, (6,))
+
+
+class Crashes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+        self.table: dict[int, int] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.table[x.shape[0]]
+
+
+def test_a_module_that_fails_is_named_in_one_line_not_a_bare_key_error() -> None:
+    with pytest.raises(ClippingUnsupported, match=r"^model: the forward pass failed on a synthetic probe batch: KeyError: 6$"):
+        plan_clipping(Crashes(), per_example_cross_entropy, (6,))
+
+
+def test_a_loss_without_one_value_per_example_is_refused() -> None:
+    def mean_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y)
+
+    with pytest.raises(ValueError, match=r"one loss per example, shape \(6,\); got shape \(\)"):
+        plan_clipping(nn.Linear(6, 3), mean_loss, (6,))
+
+
+class DropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 16)
+        self.drop = nn.Dropout(0.3)
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(F.relu(self.a(x), inplace=True)))
+
+
+def test_dropout_and_in_place_activations_keep_the_shortcuts_and_the_random_state() -> None:
+    model = DropoutNet()
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    plan = plan_clipping(model, per_example_cross_entropy, (6,))
+    assert torch.equal(torch.rand(3), expected)  # the probe left the global random state alone
+    assert plan.exact == frozenset() and plan.exact_parameters == () and set(plan.fast_layers) == {"a", "b"}
+
+
+def test_training_with_a_tied_model_takes_the_planned_exact_path() -> None:
+    torch.manual_seed(5)
+    model = TiedByMatmul()
+    x, y = tokens((80, 5), 9, 6), labels(80, 9)
+    result = train_dpsgd(model, x, y, sample_rate=0.25, epochs=1, clip_norm=1.0, noise_multiplier=1.0,
+                         neighbouring="add_remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=0)
+    assert result.history["exact_clipping_parameters"] == 1  # emb.weight
+
+
+def test_frozen_parameters_get_neither_gradient_nor_noise() -> None:
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    x, y = torch.randn(60, 6), labels(60, 3)
+    train_dpsgd(model, x, y, sample_rate=0.3, epochs=2, clip_norm=1.0, noise_multiplier=2.0, neighbouring="add_remove",
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.5), seed=1)
+    assert torch.equal(model[0].weight, frozen)
