@@ -16,9 +16,13 @@ from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
 
 
-def loop_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Reference: ∂ℓ_i/∂θ by one autograd call per example of one batched forward pass, clipped and added."""
+def loop_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float,
+                     seed: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Reference: ∂ℓ_i/∂θ by one autograd call per example of one batched forward pass, clipped and added
+    (``seed``: the random state of that forward pass, for dropout)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if seed is not None:
+        torch.manual_seed(seed)
     losses = per_example_cross_entropy(model(x), y)
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     norms = []

@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from test_clipping_check import loop_clipped_sum
 from torch import nn
 from torch.nn.utils import parametrizations
 
@@ -158,22 +159,13 @@ def batch(family: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, CLASSES, (n,), generator=generator)
 
 
-def loop_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, seed: int,
-                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Σ_i clip_C(∂ℓ_i/∂θ) by one autograd call per example, and the norms (float64)."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+def generated(family: str, name: str, seed: int) -> tuple[nn.Module, frozenset[str], dict[str, torch.Tensor]]:
+    """The network of ``family`` drawn from ``name``, the probe's exact set and its starting buffers."""
     torch.manual_seed(seed)
-    losses = per_example_cross_entropy(model(x), y)
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
-    norms = []
-    for i in range(x.shape[0]):
-        grads = torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        norms.append(norm)
-        for name, g in zip(params, grads):
-            total[name] += min(1.0, clip / (float(norm) + 1e-6)) * g
-    return total, torch.stack(norms).detach()
+    cls, shape, dtype = FAMILIES[family]
+    model = cls(random.Random(name)).double().train()
+    buffers = {key: b.clone() for key, b in model.named_buffers()}
+    return model, plan_clipping(model, per_example_cross_entropy, shape, dtype).exact, buffers
 
 
 def restore(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
@@ -185,20 +177,15 @@ def restore(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("seed", range(10))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_generated_modules_match_a_per_example_loop(family: str, seed: int) -> None:
-    rng = random.Random(f"{family}-{seed}")
-    torch.manual_seed(seed)
-    cls, shape, dtype = FAMILIES[family]
-    model = cls(rng).double().train()
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    plan = plan_clipping(model, per_example_cross_entropy, shape, dtype)
+    model, exact, buffers = generated(family, f"{family}-{seed}", seed)
     x, y = batch(family, 9, 100 + seed)
     restore(model, buffers)
-    clip = float(loop_reference(model, x, y, 1.0, seed)[1].median())
+    clip = float(loop_clipped_sum(model, x, y, 1.0, seed)[1].median())
     restore(model, buffers)
-    reference, norms = loop_reference(model, x, y, clip, seed)
+    reference, norms = loop_clipped_sum(model, x, y, clip, seed)
     restore(model, buffers)
     torch.manual_seed(seed)
-    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip, exact=plan.exact)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip, exact=exact)
     assert set(sums) == set(reference)
     for name in reference:
         torch.testing.assert_close(sums[name], reference[name], rtol=1e-8, atol=1e-12, msg=f"{family} {seed} {name}")
@@ -209,15 +196,11 @@ def test_generated_modules_match_a_per_example_loop(family: str, seed: int) -> N
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_one_example_contributes_at_most_c(family: str, seed: int) -> None:
-    rng = random.Random(f"one-{family}-{seed}")
-    torch.manual_seed(seed)
-    cls, shape, dtype = FAMILIES[family]
-    model = cls(rng).double().train()
-    plan = plan_clipping(model, per_example_cross_entropy, shape, dtype)
+    model, exact, _ = generated(family, f"one-{family}-{seed}", seed)
     x, y = batch(family, 4, 200 + seed)
     clip = 0.05
     for i in range(x.shape[0]):
-        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[i:i + 1], y[i:i + 1], clip, exact=plan.exact)
+        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[i:i + 1], y[i:i + 1], clip, exact=exact)
         contribution = torch.sqrt(sum(s.pow(2).sum() for s in sums.values()))
         assert float(contribution) <= clip
         norm = float(norms[0])
