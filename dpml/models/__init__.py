@@ -54,10 +54,10 @@ def spec_for(model: "ModelConfig", input_bound: float, in_features: int, n_class
     if model.kind == "random_features":
         return RandomFeaturesSpec(in_features, model.features, n_classes, model.feature_activation, model.feature_seed)
     if model.kind == "cnn":
-        return CnnSpec(in_features, check_input_shape(_shape(model), in_features, "cnn"), tuple(model.channels),
+        return CnnSpec(in_features, check_input_shape(_shape(model), in_features), tuple(model.channels),
                        tuple(model.hidden), n_classes, model.norm_groups, model.activation)
     if model.kind == "wide_resnet":
-        return WideResNetSpec(in_features, check_input_shape(_shape(model), in_features, "wide_resnet"), n_classes,
+        return WideResNetSpec(in_features, check_input_shape(_shape(model), in_features), n_classes,
                               model.depth, model.widen, model.norm_groups)
     if model.kind == "custom":
         assert model.factory is not None  # checked when the configuration was validated

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 import re
 import sys
@@ -87,9 +88,7 @@ class Reshaped(nn.Module):
 
 def build_custom(spec: CustomSpec) -> nn.Module:
     shape = spec.input_shape or (spec.in_features,)
-    count = 1
-    for v in shape:
-        count *= v
+    count = math.prod(shape)
     if count != spec.in_features:
         raise ValueError(f"model.input_shape = {list(shape)}: {count} values, but the prepared records have "
                          f"{spec.in_features} features")

@@ -63,10 +63,10 @@ class WideResNetSpec:
                    int(payload["n_classes"]), int(payload["depth"]), int(payload["widen"]), int(payload["norm_groups"]))
 
 
-def check_input_shape(input_shape: tuple[int, ...] | None, in_features: int, kind: str) -> tuple[int, int, int]:
-    """[C, H, W] whose product is the number of prepared features."""
-    if input_shape is None or len(input_shape) != 3:
-        raise ValueError(f"model.input_shape = {input_shape}: model.kind = {kind!r} needs [channels, height, width]")
+def check_input_shape(input_shape: tuple[int, ...] | None, in_features: int) -> tuple[int, int, int]:
+    """[C, H, W] (its length is checked when the configuration is validated) whose product is the
+    number of prepared features."""
+    assert input_shape is not None and len(input_shape) == 3, "checked by ModelConfig"
     c, h, w = (int(v) for v in input_shape)
     if c * h * w != in_features:
         raise ValueError(f"model.input_shape = {list(input_shape)}: {c}·{h}·{w} = {c * h * w} values, but the "

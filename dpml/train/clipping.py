@@ -158,10 +158,11 @@ class EnginePass:
     fast: list[tuple[nn.Module, Piece]]
     exact: dict[str, torch.Tensor]  # name -> (B, *p.shape)
     names: dict[int, str]
+    zeros: torch.Tensor  # (B,) on the batch's device, in the parameters' dtype
 
-    def squared(self, like: torch.Tensor) -> torch.Tensor:
+    def squared(self) -> torch.Tensor:
         """‖∇ℓ_i‖² (B,): the fast layers' squared norms plus the exact gradients'."""
-        total = like.new_zeros(self.batch)
+        total = self.zeros
         for _, piece in self.fast:
             total = total + piece.squared
         for g in self.exact.values():
@@ -186,8 +187,9 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     names = {id(p): n for n, p in params.items()}
     batch = x.shape[0]
+    zeros = torch.zeros(batch, device=x.device, dtype=next(model.parameters()).dtype)
     if batch == 0:
-        return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names)
+        return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
     candidates = _fast_candidates(model, names, exact)
     state = _rng_state(x.device)
     recording = _record_forward(model, loss_fn, x, y, candidates, copy=False)
@@ -205,7 +207,7 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         for module in used:
             calls = [(inputs, _or_zeros(next(grads), output)) for inputs, output in recording.calls[module]]
             fast.append((module, layer_piece(module, calls)))
-    return EnginePass(batch, fast, per_example, names)
+    return EnginePass(batch, fast, per_example, names, zeros)
 
 
 def _or_zeros(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -258,7 +260,7 @@ def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     :func:`dpml.train.clipping_check.plan_clipping`)."""
     reject_batch_norm(model)
     found = engine_pass(model, loss_fn, x, y, exact)
-    squared = found.squared(x.new_zeros(0, dtype=next(model.parameters()).dtype))
+    squared = found.squared()
     records = squared.shape[0]
     if diracs is not None:
         extra = torch.full((diracs.coordinates.numel(),), float(diracs.norm) ** 2, device=squared.device, dtype=squared.dtype)

@@ -32,7 +32,7 @@ import copy
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -58,7 +58,7 @@ class ClippingPlan:
     exact: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
     fast_layers: tuple[str, ...] = ()
-    exact_parameters: tuple[str, ...] = field(default=())  # every parameter the engine takes exactly
+    exact_parameters: tuple[str, ...] = ()  # every parameter the engine takes exactly
 
     def lines(self) -> list[str]:
         head = (f"per-example clipping: {len(self.fast_layers)} layer(s) by their shortcut, "

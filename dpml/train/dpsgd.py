@@ -12,6 +12,7 @@ keeps the guarantee. The trainer describes the mechanism; :mod:`dpml.privacy` pr
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -27,6 +28,7 @@ from torch import nn
 
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
+from dpml.train.clipping_check import plan_clipping
 
 
 @dataclass
@@ -79,8 +81,10 @@ def per_example_squared(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 LOSSES: dict[str, LossFn] = {"cross_entropy": per_example_cross_entropy, "squared": per_example_squared}
 
 
+@functools.lru_cache(maxsize=None)
 def loss_function(name: str, tau: float = 1.0, alpha: float = 1.0) -> LossFn:
-    """The per-example loss ``train.loss`` names (the Lipschitz losses of seed 004 included)."""
+    """The per-example loss ``train.loss`` names (the Lipschitz losses of seed 004 included). One function
+    per setting, so the clipping plans of a run's models (keyed by the loss) are computed once."""
     from dpml.models.lipschitz import (hinge_kantorovich_rubinstein, kantorovich_rubinstein, multiclass_hinge,
                                        tau_cross_entropy)
 
@@ -204,8 +208,6 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
     Before the first step the clipping engine is checked on a synthetic probe batch of x's shape
     (:func:`dpml.train.clipping_check.plan_clipping`): a layer whose shortcut is wrong for this model
     takes the exact path, and a model the engine cannot handle exactly is refused."""
-    from dpml.train.clipping_check import plan_clipping
-
     n = n_total = x.shape[0]
     plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
     steps = number_of_steps(epochs, sample_rate)

@@ -15,6 +15,7 @@ import numpy as np
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
+from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import (GradientCanaries, TrainResult, dpsgd_mechanism, loss_function, make_optimizer,
                               number_of_steps, train_dpsgd)
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors
@@ -74,8 +75,6 @@ class DpSgd(Trainer):
 
     def check_model(self, config: Config, in_features: int, n_classes: int) -> list[str]:
         """The clipping probe on the model as it will be built (:mod:`dpml.train.clipping_check`)."""
-        from dpml.train.clipping_check import plan_clipping
-
         train = config.train
         model = self.build_model(config, in_features, n_classes, train.seed)
         loss = loss_function(train.loss, train.loss_tau, train.loss_alpha)
