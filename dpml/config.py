@@ -98,6 +98,9 @@ class ConfigBase(Section):
             reason = f"{trainer.model_kind_reason}; " if trainer.model_kind_reason else ""
             problems.append(f"model.kind = {self.model.kind!r}: {reason}use model.kind: "
                             f"{' or '.join(trainer.model_kinds)}")
+        if self.train.world_size > 1 and not trainer.distributed:
+            problems.append(f"train.world_size = {self.train.world_size}: this trainer runs in one process; "
+                            "use train.world_size: 1 (train.algorithm: dpsgd or dpgd run distributed)")
         problems += trainer.check(self)  # type: ignore[arg-type]
         if problems:
             raise ValueError(f"train.algorithm = {trainer.name!r}:\n    " + "\n    ".join(problems))

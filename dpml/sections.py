@@ -184,6 +184,8 @@ class TrainSettings(Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     physical_batch_size: int = Field(1024, gt=0)
+    world_size: int = Field(1, ge=1, le=1024)  # processes of a distributed run (dpml.train.distributed)
+    autocast: Literal["none", "bf16"] = "none"  # bf16 forward pass (dpml.train.clipping.engine_pass)
 
 
 class DpConfig(Section):

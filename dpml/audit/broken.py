@@ -37,13 +37,13 @@ def _patched(module: Any, name: str, replacement: Any) -> Iterator[None]:
 
 def noise_scaled(factor: float) -> contextlib.AbstractContextManager[None]:
     """Every step's noise multiplied by ``factor``."""
-    original = dpsgd.clipped_sum_and_noise
+    original = dpsgd.clipped_chunks_and_noise
 
     def scaled(*args: Any, **kwargs: Any) -> Any:
         sums, noises, clipped = original(*args, **kwargs)
         return sums, {name: noise * factor for name, noise in noises.items()}, clipped
 
-    return _patched(dpsgd, "clipped_sum_and_noise", scaled)
+    return _patched(dpsgd, "clipped_chunks_and_noise", scaled)
 
 
 def clipping_removed() -> contextlib.AbstractContextManager[None]:
@@ -67,16 +67,16 @@ def shuffled_batches() -> contextlib.AbstractContextManager[None]:
 
 def noise_reused() -> contextlib.AbstractContextManager[None]:
     """The noise of a run's first step added again at every later step (a seed reset per step)."""
-    original = dpsgd.clipped_sum_and_noise
+    original = dpsgd.clipped_chunks_and_noise
     first: dict[int, dict[str, torch.Tensor]] = {}
 
     def reused(*args: Any, **kwargs: Any) -> Any:
         sums, noises, clipped = original(*args, **kwargs)
-        generator = kwargs.get("generator", args[6] if len(args) > 6 else None)
+        generator = kwargs.get("generator", args[4] if len(args) > 4 else None)
         kept = first.setdefault(id(generator), noises)
         return sums, dict(kept), clipped
 
-    return _patched(dpsgd, "clipped_sum_and_noise", reused)
+    return _patched(dpsgd, "clipped_chunks_and_noise", reused)
 
 
 BUGS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {

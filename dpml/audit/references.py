@@ -67,7 +67,7 @@ def reference_key(config: Config, data_version: str, private: bool, noise_multip
     payload = {
         "data": data_version, "split": config.split.model_dump(mode="json"),
         "preprocess": config.preprocess.model_dump(mode="json"), "model": config.model.model_dump(mode="json"),
-        "train": config.train.model_dump(mode="json", exclude={"device", "physical_batch_size"}),
+        "train": config.train.model_dump(mode="json", exclude={"device", "physical_batch_size", "world_size"}),
         "dp": config.dp.model_dump(mode="json") if private else None, "sigma": noise_multiplier if private else None,
         "audit_seed": config.audit.seed, "max_records": config.audit.max_records, "index": index, "private": private,
     }

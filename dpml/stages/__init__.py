@@ -30,12 +30,12 @@ from dpml.stages.preprocess import preprocess
 from dpml.stages.reaudit import audit_registered_model
 from dpml.stages.register import register
 from dpml.stages.split import split
-from dpml.stages.train import check_delta, release_config, train, tune
+from dpml.stages.train import accuracy, check_delta, release_config, train, tune
 
 if TYPE_CHECKING:
     from dpml.config import Config
 
-__all__ = ["CONTRACT", "PARTS", "STAGES", "Layout", "audit", "audit_context", "audit_reference_jobs",
+__all__ = ["CONTRACT", "PARTS", "STAGES", "Layout", "accuracy", "audit", "audit_context", "audit_reference_jobs",
            "audit_registered_model", "certify", "check_delta", "gate", "ingest", "load_model", "load_part",
            "preprocess", "register", "release_config", "run_all", "run_stage", "split", "total_variation_violations",
            "train", "train_audit_reference", "tune"]

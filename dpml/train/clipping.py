@@ -181,9 +181,14 @@ class EnginePass:
 
 
 def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                exact: Collection[str] = ()) -> EnginePass:
+                exact: Collection[str] = (), autocast: torch.dtype | None = None) -> EnginePass:
     """Record the forward pass and take each trainable parameter's per-example gradient by its layer's
-    shortcut or, for the parameters named in ``exact`` and any the shortcuts do not cover, exactly."""
+    shortcut or, for the parameters named in ``exact`` and any the shortcuts do not cover, exactly.
+
+    ``autocast`` (``torch.bfloat16``): the forward pass runs under ``torch.autocast``, so the recorded
+    activations and output gradients are bf16; they are cast back to the parameters' dtype before any
+    norm or sum is formed, so each example's norm and its clipped contribution come from one and the
+    same gradient, in float32 (and the noise is drawn in float32): ‖c_i g_i‖ < C holds as without it."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     names = {id(p): n for n, p in params.items()}
     batch = x.shape[0]
@@ -192,10 +197,11 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
     candidates = _fast_candidates(model, names, exact)
     state = _rng_state(x.device)
-    recording = _record_forward(model, loss_fn, x, y, candidates, copy=False)
-    if recording.overwritten:
-        _set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
-        recording = _record_forward(model, loss_fn, x, y, candidates, copy=True)
+    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        recording = _record_forward(model, loss_fn, x, y, candidates, copy=False)
+        if recording.overwritten:
+            _set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
+            recording = _record_forward(model, loss_fn, x, y, candidates, copy=True)
     used = [m for m in candidates if m in recording.calls and _usable(m, recording.calls[m], batch)]
     covered = {id(p) for m in used for p in layer_parameters(m)}
     slow = {n: p for n, p in params.items() if id(p) not in covered}
@@ -205,9 +211,15 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         outputs = [output for m in used for _, output in recording.calls[m]]
         grads = iter(torch.autograd.grad(recording.losses.sum(), outputs, allow_unused=True))
         for module in used:
-            calls = [(inputs, _or_zeros(next(grads), output)) for inputs, output in recording.calls[module]]
+            calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(next(grads), output), zeros.dtype))
+                     for inputs, output in recording.calls[module]]
             fast.append((module, layer_piece(module, calls)))
     return EnginePass(batch, fast, per_example, names, zeros)
+
+
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A floating tensor recorded under autocast, back in the parameters' dtype (token ids stay integers)."""
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
 def _or_zeros(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -250,16 +262,16 @@ def _flat_slots(names: list[str], shapes: list[torch.Size], coordinates: torch.T
 
 
 def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
-                         diracs: DiracGradients | None = None,
-                         exact: Collection[str] = ()) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                         diracs: DiracGradients | None = None, exact: Collection[str] = (),
+                         autocast: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Σ_i clip_C(g_i) per parameter name (trainable parameters only), and the unclipped norms ‖∇ℓ_i‖ of the records.
 
     The examples i are the records (g_i = ∇ℓ_i) and, with ``diracs``, the Dirac gradients of
     :class:`DiracGradients`; both are clipped by one factor line, c_i = min(1, C/(‖g_i‖ + 1e-6)).
     ``exact``: parameter names whose per-example gradients must be taken exactly (the plan of
-    :func:`dpml.train.clipping_check.plan_clipping`)."""
+    :func:`dpml.train.clipping_check.plan_clipping`). ``autocast``: see :func:`engine_pass`."""
     reject_batch_norm(model)
-    found = engine_pass(model, loss_fn, x, y, exact)
+    found = engine_pass(model, loss_fn, x, y, exact, autocast)
     squared = found.squared()
     records = squared.shape[0]
     if diracs is not None:

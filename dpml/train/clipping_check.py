@@ -301,3 +301,24 @@ def _plan(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input
         return plan
     assert failure is not None
     raise failure
+
+
+def check_autocast(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
+                   device: torch.device | str, autocast: torch.dtype | None) -> None:
+    """With ``autocast`` (``train.autocast: bf16``), one engine pass of a copy of the model on ``device`` under
+    it, on the synthetic probe batch: an operator without a kernel for that precision on that device (an
+    LSTM in bf16 on some CPUs) is refused here, before any spend, not in the middle of training."""
+    if autocast is None:
+        return
+    device = torch.device(device)
+    trial = copy.deepcopy(model).to(device)
+    x = probe_batch(trial, input_shape, input_dtype, size=3)[:3]
+    x = x.to(device=device, dtype=next(trial.parameters()).dtype if x.is_floating_point() else x.dtype)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            y = probe_labels(trial(x), 3).to(device)
+            clipped_gradient_sum(trial, loss_fn, x, y, 1.0, autocast=autocast)
+        except Exception as error:
+            raise ClippingUnsupported(f"train.autocast = {str(autocast).removeprefix('torch.')}: the model fails under "
+                                      f"autocast on {device.type}: {type(error).__name__}: {str(error)[:300]}; "
+                                      "use train.autocast: none") from error

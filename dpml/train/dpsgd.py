@@ -18,7 +18,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from torch import nn
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
+from dpml.train.distributed import Collective
 
 
 @dataclass
@@ -78,6 +79,9 @@ def per_example_squared(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logits - F.one_hot(y, logits.shape[1]).to(logits.dtype)).pow(2).sum(1)
 
 
+AUTOCAST: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
+"""``train.autocast``: the forward pass's precision (norms, clipped sums and noise are float32 either way)."""
+
 LOSSES: dict[str, LossFn] = {"cross_entropy": per_example_cross_entropy, "squared": per_example_squared}
 
 
@@ -119,30 +123,54 @@ def number_of_steps(epochs: float, sample_rate: float) -> int:
     return max(1, int(round(epochs / sample_rate)))
 
 
-def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
-                          noise_multiplier: float, physical_batch_size: int, generator: torch.Generator,
-                          loss_fn: LossFn = per_example_cross_entropy, diracs: DiracGradients | None = None,
-                          exact: Collection[str] = (),
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
-    """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the batch (in physical chunks, so a large
-    Poisson batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk),
-    Gaussian noise N(0, σ²C²) per trainable parameter, and how many records were clipped (a tensor: no
-    device synchronisation in the training loop). ``exact``: the clipping plan's parameters
-    (:func:`dpml.train.clipping_check.plan_clipping`)."""
+Chunks = Iterable[tuple[torch.Tensor, torch.Tensor]]
+"""A batch's records in physical chunks (inputs, labels), on the model's device."""
+
+
+def tensor_chunks(x: torch.Tensor, y: torch.Tensor, physical_batch_size: int, at_least_one: bool = False) -> Chunks:
+    """(x, y) in chunks of at most ``physical_batch_size`` rows; ``at_least_one``: an empty batch is one empty
+    chunk (the audit's Dirac canaries join the first chunk, even of an empty batch)."""
+    starts = list(range(0, x.shape[0], physical_batch_size)) or ([0] if at_least_one else [])
+    return [(x[s:s + physical_batch_size], y[s:s + physical_batch_size]) for s in starts]
+
+
+def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float, noise_multiplier: float,
+                             generator: torch.Generator | None, loss_fn: LossFn = per_example_cross_entropy,
+                             diracs: DiracGradients | None = None, exact: Collection[str] = (),
+                             autocast: torch.dtype | None = None,
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the chunks of the batch (so a large Poisson
+    batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk), Gaussian
+    noise N(0, σ²C² I) per trainable parameter drawn from ``generator`` (zeros where it is ``None``: a
+    worker of a distributed run, whose lead draws the step's one noise), and how many records were
+    clipped (a tensor: no device synchronisation in the training loop). ``exact``: the clipping plan's
+    parameters (:func:`dpml.train.clipping_check.plan_clipping`); ``autocast``: the forward pass's
+    lower precision (:func:`dpml.train.clipping.engine_pass`; norms, sums and noise stay float32)."""
     params = trainable_parameters(model)
+    device = next(iter(params.values())).device
     sums = {name: torch.zeros_like(p) for name, p in params.items()}
-    clipped = torch.zeros((), device=x.device)
-    starts = list(range(0, x.shape[0], physical_batch_size)) or ([0] if diracs is not None else [])
-    for start in starts:
-        chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x[start:start + physical_batch_size],
-                                                 y[start:start + physical_batch_size], clip_norm,
-                                                 diracs if start == 0 else None, exact)
+    clipped = torch.zeros((), device=device)
+    for index, (x, y) in enumerate(chunks):
+        chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact,
+                                                 autocast)
         for name, value in chunk_sums.items():
             sums[name] += value
         clipped = clipped + (norms > clip_norm).sum()
+    if generator is None:
+        return sums, {name: torch.zeros_like(p) for name, p in params.items()}, clipped
     noises = {name: torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=generator,
-                                 device=x.device, dtype=p.dtype) for name, p in params.items()}
+                                 device=generator.device, dtype=p.dtype) for name, p in params.items()}
     return sums, noises, clipped
+
+
+def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
+                          noise_multiplier: float, physical_batch_size: int, generator: torch.Generator,
+                          loss_fn: LossFn = per_example_cross_entropy, diracs: DiracGradients | None = None,
+                          exact: Collection[str] = (), autocast: torch.dtype | None = None,
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`clipped_chunks_and_noise` of a batch held as tensors."""
+    return clipped_chunks_and_noise(model, tensor_chunks(x, y, physical_batch_size, diracs is not None), clip_norm,
+                                    noise_multiplier, generator, loss_fn, diracs, exact, autocast)
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -198,57 +226,109 @@ def poisson_batch(generator: torch.Generator, n: int, sample_rate: float) -> tor
     return torch.nonzero(torch.rand(n, generator=generator) < sample_rate).flatten()
 
 
-def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
-                clip_norm: float, noise_multiplier: float, neighbouring: Neighbouring,
-                optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
-                canaries: GradientCanaries | None = None, progress: bool = False,
-                loss_fn: LossFn = per_example_cross_entropy) -> TrainResult:
-    """Train in place with DP-SGD; returns the model, its mechanism description and a history.
-
-    Before the first step the clipping engine is checked on a synthetic probe batch of x's shape
-    (:func:`dpml.train.clipping_check.plan_clipping`): a layer whose shortcut is wrong for this model
-    takes the exact path, and a model the engine cannot handle exactly is refused."""
-    n = n_total = x.shape[0]
-    plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
-    steps = number_of_steps(epochs, sample_rate)
+def poisson_batches(n: int, sample_rate: float, steps: int, seed: int) -> Iterator[torch.Tensor]:
+    """The T Poisson samples of a run, from one generator seeded with the run's (secret) seed: every
+    process of a distributed run draws the same global samples."""
     sampler = torch.Generator().manual_seed(seed)
-    noise_source = torch.Generator(device=x.device).manual_seed(seed + 1)
+    for _ in range(steps):
+        yield poisson_batch(sampler, n, sample_rate)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's data: its Poisson sample (global record indices, on the CPU) and this process's share of
+    the sample's records, in physical chunks on the model's device (:func:`share_of_batch`)."""
+
+    batch: torch.Tensor
+    chunks: Chunks
+    diracs: DiracGradients | None = None
+
+
+def share_of_batch(batch: torch.Tensor, collective: Collective | None) -> torch.Tensor:
+    """The records of the global sample that this process clips: every ``world_size``-th from its rank."""
+    return batch if collective is None else batch[collective.rank::collective.world_size]
+
+
+def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip_norm: float,
+                    noise_multiplier: float, expected_batch: float, optimizer: torch.optim.Optimizer,
+                    noise_source: torch.Generator, loss_fn: LossFn, exact: Collection[str],
+                    observer: StepObserver | None = None, collective: Collective | None = None,
+                    progress: bool = False, autocast: torch.dtype | None = None) -> dict[str, Any]:
+    """The DP-SGD loop: ĝ_t = (Σ_{i∈B_t} clip_C(∇ℓ_i) + N(0, σ²C² I)) / (q n), then the optimizer.
+
+    Distributed (``collective``): each process clips its share of the one global sample B_t, the lead
+    (rank 0) alone draws the noise, and the sums plus the noise are all-reduced, so every process holds
+    the same ĝ_t as one process would: the mechanism, and its certificate, are the single-process ones.
+    """
     params = trainable_parameters(model)
     batch_sizes: list[int] = []
     clipped: list[torch.Tensor] = []
     start = time.perf_counter()
+    lead = collective is None or collective.rank == 0
+    model.train()
+    for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps):
+        sums, noises, clipped_count = clipped_chunks_and_noise(model, step.chunks, clip_norm, noise_multiplier,
+                                                               noise_source if lead else None, loss_fn, step.diracs,
+                                                               exact, autocast)
+        update = {name: sums[name] + noises[name] for name in params}
+        if collective is not None:
+            clipped_count = collective.sum_in_place([*update.values(), clipped_count])[-1]
+        for name, p in params.items():
+            p.grad = update[name] / expected_batch
+        clipped.append(clipped_count)
+        if observer is not None:
+            observer(step.batch, model)
+        optimizer.step()
+        batch_sizes.append(int(step.batch.numel()))
+    return {
+        "steps": len(batch_sizes),
+        "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+        "empty_batches": int(sum(b == 0 for b in batch_sizes)),
+        "clipped_fraction": float(torch.stack(clipped).sum()) / max(sum(batch_sizes), 1) if clipped else 0.0,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
+                clip_norm: float, noise_multiplier: float, neighbouring: Neighbouring,
+                optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
+                canaries: GradientCanaries | None = None, progress: bool = False,
+                loss_fn: LossFn = per_example_cross_entropy, collective: Collective | None = None,
+                autocast: torch.dtype | None = None) -> TrainResult:
+    """Train in place with DP-SGD on records held as tensors; returns the model, its mechanism description
+    and a history. ``collective``: this process's place in a distributed run (:mod:`dpml.train.distributed`);
+    ``autocast``: ``torch.bfloat16`` for a bf16 forward pass (:func:`dpml.train.clipping.engine_pass`).
+
+    Before the first step the clipping engine is checked on a synthetic probe batch of x's shape
+    (:func:`dpml.train.clipping_check.plan_clipping`): a layer whose shortcut is wrong for this model
+    takes the exact path, and a model the engine cannot handle exactly is refused."""
+    if canaries is not None and collective is not None:
+        raise ValueError("the audit's gradient canaries run in one process (collective must be None)")
+    n = n_total = x.shape[0]
+    plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
+    steps = number_of_steps(epochs, sample_rate)
     if canaries is not None:
         slots = torch.as_tensor(canaries.included_slots(), dtype=torch.long)
         coordinates = torch.as_tensor(np.asarray(canaries.coordinates), dtype=torch.long)
         n_total += int(slots.numel())  # included canaries are records n, n+1, … of the data set
-    expected_batch = sample_rate * n_total
-    model.train()
-    for _ in progress_range(steps, "DP-SGD", "step", progress):
-        batch = poisson_batch(sampler, n_total, sample_rate)
-        records, diracs = batch, None
-        if canaries is not None:  # the audit's run: canaries are indices n, n+1, … of the sample
-            records = batch[batch < n]
-            diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
-        records = records.to(x.device)
-        sums, noises, clipped_count = clipped_sum_and_noise(model, x[records], y[records], clip_norm, noise_multiplier,
-                                                            physical_batch_size, noise_source, loss_fn, diracs,
-                                                            plan.exact)
-        clipped.append(clipped_count)
-        for name, p in params.items():
-            p.grad = (sums[name] + noises[name]) / expected_batch
-        if canaries is not None and canaries.observer is not None:
-            canaries.observer(batch, model)
-        optimizer.step()
-        batch_sizes.append(int(batch.numel()))
+
+    def steps_of_run() -> Iterator[Step]:
+        for batch in poisson_batches(n_total, sample_rate, steps, seed):
+            records, diracs = share_of_batch(batch, collective), None
+            if canaries is not None:  # the audit's run: canaries are indices n, n+1, … of the sample
+                records = batch[batch < n]
+                diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
+            records = records.to(x.device)
+            yield Step(batch, tensor_chunks(x[records], y[records], physical_batch_size, diracs is not None), diracs)
+
+    history = run_dpsgd_steps(model, steps_of_run(), count=steps, clip_norm=clip_norm,
+                              noise_multiplier=noise_multiplier, expected_batch=sample_rate * n_total,
+                              optimizer=optimizer, noise_source=torch.Generator(device=x.device).manual_seed(seed + 1),
+                              loss_fn=loss_fn, exact=plan.exact,
+                              observer=canaries.observer if canaries is not None else None,
+                              collective=collective, progress=progress, autocast=autocast)
+    history["exact_clipping_parameters"] = len(plan.exact_parameters)
     mechanism = dpsgd_mechanism(sample_rate, noise_multiplier, epochs, neighbouring, clip_norm, n_total)
-    history = {
-        "steps": steps,
-        "mean_batch_size": float(np.mean(batch_sizes)),
-        "empty_batches": int(sum(b == 0 for b in batch_sizes)),
-        "clipped_fraction": float(torch.stack(clipped).sum()) / max(sum(batch_sizes), 1) if clipped else 0.0,
-        "exact_clipping_parameters": len(plan.exact_parameters),
-        "seconds": time.perf_counter() - start,
-    }
     return TrainResult(model, mechanism, history)
 
 

@@ -66,6 +66,7 @@ class Trainer:
     private: ClassVar[bool] = True
     guarantee: ClassVar[str] = "dp"  # "dp": (ε, δ) certificate; "kl": KL privacy; "none"
     gradient_canaries: ClassVar[bool] = False
+    distributed: ClassVar[bool] = False  # runs across train.world_size processes (torch.distributed)
     summary: ClassVar[str] = ""
 
     # --- configuration -------------------------------------------------------------------------

@@ -8,15 +8,18 @@ noise multiplier σ on the sum of per-example gradients clipped to C (:func:`dps
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import torch
 
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
-from dpml.train.clipping_check import plan_clipping
-from dpml.train.dpsgd import (GradientCanaries, TrainResult, dpsgd_mechanism, loss_function, make_optimizer,
+from dpml.models.mlp import pick_device
+from dpml.train.clipping_check import check_autocast, plan_clipping
+from dpml.train.distributed import Collective, check_world_size, process_device
+from dpml.train.dpsgd import (AUTOCAST, GradientCanaries, TrainResult, dpsgd_mechanism, loss_function, make_optimizer,
                               number_of_steps, train_dpsgd)
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors
 
@@ -61,6 +64,7 @@ class DpSgd(Trainer):
     name = "dpsgd"
     settings = DpSgdSettings
     gradient_canaries = True
+    distributed = True
     summary = "Poisson-sampled DP-SGD, per-example clipping to dp.clip_norm, every iterate covered"
 
     def check(self, config: Config) -> list[str]:
@@ -78,13 +82,32 @@ class DpSgd(Trainer):
         train = config.train
         model = self.build_model(config, in_features, n_classes, train.seed)
         loss = loss_function(train.loss, train.loss_tau, train.loss_alpha)
-        return plan_clipping(model, loss, (in_features,)).lines()
+        check_world_size(train.world_size, str(pick_device(train.device)))
+        plan = plan_clipping(model, loss, (in_features,))
+        check_autocast(model, loss, (in_features,), torch.float32, pick_device(train.device), AUTOCAST[train.autocast])
+        return plan.lines()
 
     def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
             seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
             held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
         if noise_multiplier is None:
             raise ValueError(f"{self.name}: a private run needs a noise multiplier")
+        if config.train.world_size > 1 and canaries is None:
+            from dpml.train.distributed import spawn
+
+            state, mechanism, history = spawn(config.train.world_size, str(pick_device(config.train.device)),
+                                              fit_one_process, self, config, x, y, n_classes, noise_multiplier,
+                                              seed, noise_seed)
+            model = self.build_model(config, int(x.shape[1]), n_classes, seed)
+            model.load_state_dict(state)
+            return TrainResult(model, mechanism, history)
+        return self.fit_here(config, x, y, n_classes, noise_multiplier, seed, noise_seed, canaries, progress)
+
+    def fit_here(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, noise_multiplier: float,
+                 seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
+                 collective: Collective | None = None) -> TrainResult:
+        """Train in this process: the whole run, or one process's part of a distributed run (``collective``).
+        The audit's canary runs are one process whatever ``train.world_size`` says: the mechanism is the same."""
         model = self.build_model(config, int(x.shape[1]), n_classes, seed)
         xt, yt = make_tensors(config, x, y)
         train = config.train
@@ -93,7 +116,8 @@ class DpSgd(Trainer):
                            neighbouring=config.dp.neighbouring,
                            optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
                            seed=noise_seed, physical_batch_size=train.physical_batch_size, canaries=canaries,
-                           progress=progress, loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha))
+                           progress=progress, loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha),
+                           collective=collective, autocast=AUTOCAST[train.autocast])
 
     def audit_with_gradient_canaries(self, config: Config) -> bool:
         # The canary hook adds Dirac gradients to the clipped sum of the engine's layers; the random-features
@@ -109,6 +133,19 @@ class DpSgd(Trainer):
         from dpml.train.search import poisson_gaussian_search_plan
 
         return poisson_gaussian_search_plan(config, n_fit, n_total)
+
+
+def fit_one_process(collective: Collective, trainer: DpSgd, config: Config, x: np.ndarray, y: np.ndarray,
+                    n_classes: int, noise_multiplier: float, seed: int,
+                    noise_seed: int) -> tuple[dict[str, torch.Tensor], MechanismDescription | None, dict[str, Any]]:
+    """One process of a distributed run started by :func:`dpml.train.distributed.spawn` (rank 0's answer
+    is kept): its GPU, its share of every step, the model's weights on the CPU."""
+    device = process_device(str(pick_device(config.train.device)), collective.rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    result = trainer.fit_here(config, x, y, n_classes, noise_multiplier, seed, noise_seed, collective=collective)
+    state = {name: value.detach().cpu() for name, value in result.model.state_dict().items()}
+    return state, result.mechanism, {**result.history, "world_size": collective.world_size}
 
 
 class DpGd(DpSgd):

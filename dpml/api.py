@@ -1,0 +1,372 @@
+"""dpml as a library: train any ``nn.Module`` with DP-SGD on a map-style ``Dataset``, get its certificate.
+
+:func:`train_private` is the pipeline's DP-SGD (Abadi et al. 2016, with true Poisson sampling) for
+notebooks and other pipelines. Step t (:func:`dpml.train.dpsgd.run_dpsgd_steps`):
+
+    B_t = {i : U_i < q}, U_i ~ Uniform(0, 1)                         (Poisson sampling at rate q)
+    ĝ_t = (Σ_{i∈B_t} clip_C(∇ℓ_i(θ_t)) + N(0, σ²C² I)) / (q n),  θ_{t+1} = optimizer(θ_t, ĝ_t)
+
+for T = round(epochs / q) steps. B_t is read in physical chunks of at most ``physical_batch_size``
+records (:mod:`dpml.train.dataset_steps`), so memory is bounded whatever |B_t| turns out to be. The
+mechanism is T Poisson-subsampled Gaussian steps with sensitivity C under the chosen neighbouring
+relation; its (ε, δ) is certified by the smallest answer of the certifying accountants
+(:func:`dpml.privacy.accountants.certify`), and σ, when a target ε is given, is the smallest whose
+certified ε meets it (:func:`dpml.privacy.calibrate.calibrate_noise_multiplier`).
+
+The guarantees of the pipeline hold here too, in this order, before any record is read for training:
+every argument is checked (an error names it, its value and what is allowed); the model is probed by
+:func:`dpml.train.clipping_check.plan_clipping` (a model the clipping engine cannot handle exactly is
+refused); with a ``ledger``, the spend is reserved for the records' privacy units (refused when one
+would go over ``epsilon_budget``) and marked ``started`` — from then on it counts, whatever happens.
+The Poisson samples and the noise come from a secret seed (:func:`dpml.train.dpsgd.secret_noise_seed`).
+
+Distributed: ``world_size = N`` starts N processes on this machine (:func:`dpml.train.distributed.spawn`;
+the model and the data set must then be picklable); under ``torchrun`` every process calls
+:func:`train_private` and rank 0 reserves, logs and certifies (:mod:`dpml.train.distributed`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dpml.models.mlp import pick_device
+from dpml.privacy.accountants import certify
+from dpml.privacy.calibrate import calibrate_noise_multiplier
+from dpml.privacy.ledger import Ledger, Spend
+from dpml.privacy.mechanism import MechanismDescription
+from dpml.privacy.units import digests_of_ids
+from dpml.train.clipping import LossFn
+from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
+from dpml.train.dataset_steps import check_record, dataset_size, dataset_steps
+from dpml.train.distributed import (Collective, check_picklable, check_world_size, from_environment, process_device,
+                                   spawn)
+from dpml.train.dpsgd import (AUTOCAST, LOSSES, dpsgd_mechanism, loss_function, make_optimizer, number_of_steps,
+                              poisson_batches, run_dpsgd_steps, secret_noise_seed)
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerChoice = Union[str, OptimizerFactory]
+
+
+@dataclass
+class PrivateTraining:
+    """What :func:`train_private` returns: the trained model (the one passed in, trained in place and
+    left on the training device), its certificate, mechanism and history, and where it was recorded."""
+
+    model: nn.Module
+    certificate: dict[str, Any]
+    mechanism: MechanismDescription
+    history: dict[str, Any] = field(default_factory=dict)
+    spend_id: int | None = None
+    mlflow_run_id: str | None = None
+
+    @property
+    def epsilon(self) -> float:
+        return float(self.certificate["epsilon"])
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The checked settings of one call (everything a process of a distributed run needs)."""
+
+    n: int
+    sample_rate: float
+    steps: int
+    noise_multiplier: float
+    clip_norm: float
+    epochs: float
+    optimizer: OptimizerChoice
+    learning_rate: float
+    momentum: float
+    physical_batch_size: int
+    device: str
+    num_workers: int
+    n_classes: int
+    input_dtype: torch.dtype
+    progress: bool
+    autocast: str = "none"
+
+
+def _problem(key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{key} = {value!r}: {allowed}")
+
+
+def _positive(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _problem(key, value, "must be a finite number > 0")
+
+
+def check_arguments(*, n: int, epochs: float, clip_norm: float, delta: float, target_epsilon: float | None,
+                    noise_multiplier: float | None, sample_rate: float | None, expected_batch_size: int | None,
+                    optimizer: OptimizerChoice, learning_rate: float, momentum: float, loss: str | LossFn,
+                    neighbouring: str, physical_batch_size: int, device: str, num_workers: int, world_size: int,
+                    ledger: Any, epsilon_budget: float | None, lineage: str | None,
+                    privacy_units: Sequence[object] | None, allow_delta_above_inverse_n: bool,
+                    autocast: str = "none") -> float:
+    """Every argument checked before any work; returns the sample rate q."""
+    if n == 0:
+        raise _problem("dataset", "empty", "needs at least one record")
+    for key, value in (("epochs", epochs), ("clip_norm", clip_norm), ("learning_rate", learning_rate)):
+        _positive(key, value)
+    if not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise _problem("delta", delta, "must be in (0, 1)")
+    if delta >= 1.0 / n and not allow_delta_above_inverse_n:
+        raise _problem("delta", delta, f"is ≥ 1/n = {1.0 / n:.3g} for n = {n} records, which permits releasing "
+                       "some record outright; use δ ≪ 1/n (or allow_delta_above_inverse_n=True)")
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError(f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon="
+                         f"{target_epsilon!r}, noise_multiplier={noise_multiplier!r})")
+    if target_epsilon is not None:
+        _positive("target_epsilon", target_epsilon)
+    if noise_multiplier is not None:
+        _positive("noise_multiplier", noise_multiplier)
+    if (sample_rate is None) == (expected_batch_size is None):
+        raise ValueError(f"give exactly one of sample_rate and expected_batch_size (got sample_rate={sample_rate!r}, "
+                         f"expected_batch_size={expected_batch_size!r})")
+    if sample_rate is not None and (isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float))
+                                    or not 0 < sample_rate <= 1):
+        raise _problem("sample_rate", sample_rate, "must be in (0, 1]")
+    if expected_batch_size is not None and (not isinstance(expected_batch_size, int)
+                                            or not 1 <= expected_batch_size <= n):
+        raise _problem("expected_batch_size", expected_batch_size, f"must be an integer in [1, n = {n}]")
+    if not (callable(optimizer) or optimizer in ("sgd", "adam")):
+        raise _problem("optimizer", optimizer, "must be 'sgd', 'adam' or a function params → torch optimizer")
+    if not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise _problem("momentum", momentum, "must be in [0, 1)")
+    if not (callable(loss) or loss in LOSSES):
+        raise _problem("loss", loss, f"must be one of {sorted(LOSSES)} or a per-example loss (logits, y) → (B,)")
+    if neighbouring not in ("add-remove", "replace-one"):
+        raise _problem("neighbouring", neighbouring, "must be 'add-remove' or 'replace-one'")
+    for key, value, low in (("physical_batch_size", physical_batch_size, 1), ("num_workers", num_workers, 0),
+                            ("world_size", world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise _problem(key, value, f"must be an integer ≥ {low}")
+    if autocast not in AUTOCAST:
+        raise _problem("autocast", autocast, f"must be one of {sorted(AUTOCAST)}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise _problem("device", device, "must be 'auto', 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _problem("device", device, "no CUDA device is available here")
+    if world_size > 1:
+        check_world_size(world_size, str(pick_device(device)), "world_size")
+    if ledger is not None:
+        if epsilon_budget is None:
+            raise _problem("epsilon_budget", None, "a ledger needs the budget each privacy unit may spend")
+        _positive("epsilon_budget", epsilon_budget)
+        if not lineage:
+            raise _problem("lineage", lineage, "a ledger needs the name of the data set's account (its lineage)")
+    if privacy_units is not None:
+        if ledger is None:
+            raise _problem("privacy_units", "…", "only used to charge a ledger; pass ledger= too")
+        check_privacy_units(privacy_units, n)
+    return float(sample_rate) if sample_rate is not None else expected_batch_size / n  # type: ignore[operator]
+
+
+def check_privacy_units(privacy_units: Sequence[object], n: int) -> None:
+    """One id per record, each unit at most once: DP-SGD bounds the influence of one record, so a person
+    with two records would have twice the sensitivity the certificate assumes."""
+    if len(privacy_units) != n:
+        raise _problem("privacy_units", f"{len(privacy_units)} ids", f"must give one id per record (n = {n})")
+    seen: dict[str, int] = {}
+    for index, unit in enumerate(privacy_units):
+        text = str(unit)
+        if text in seen:
+            raise _problem("privacy_units", unit, f"appears at records {seen[text]} and {index}: keep one record per "
+                           "unit (the certificate bounds one record's influence)")
+        seen[text] = index
+
+
+def _first_record(dataset: Dataset[Any]) -> torch.Tensor:
+    item = dataset[0]
+    check_record(item, 0)
+    return torch.as_tensor(item[0])
+
+
+def number_of_classes(model: nn.Module, first_input: torch.Tensor) -> int:
+    """The model's output width on one record: the labels must lie in [0, that)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), torch.random.fork_rng():
+        out = model(first_input[None].to(next(model.parameters()).device))
+    model.train(was_training)
+    if out.dim() != 2:
+        raise ValueError(f"model: its output on one record has shape {tuple(out.shape)}; a classifier returns "
+                         "(batch, classes) logits")
+    return int(out.shape[1])
+
+
+def build_optimizer(choice: OptimizerChoice, model: nn.Module, learning_rate: float,
+                    momentum: float) -> torch.optim.Optimizer:
+    """The user's optimizer factory over the trainable parameters, or the pipeline's ``sgd``/``adam``."""
+    if callable(choice):
+        return choice([p for p in model.parameters() if p.requires_grad])
+    return make_optimizer(model, choice, learning_rate, momentum)
+
+
+def train_in_process(collective: Collective | None, model: nn.Module, dataset: Dataset[Any], run: RunSettings,
+                     loss_fn: LossFn, plan: ClippingPlan, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's part of the run (the whole run when ``collective`` is None)."""
+    device = process_device(run.device, collective.rank if collective else 0)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    model.to(device)
+    optimizer = build_optimizer(run.optimizer, model, run.learning_rate, run.momentum)
+    dtype = next(p for p in model.parameters()).dtype
+    steps = dataset_steps(dataset, poisson_batches(run.n, run.sample_rate, run.steps, seed),
+                          physical_batch_size=run.physical_batch_size, device=torch.device(device), dtype=dtype,
+                          n_classes=run.n_classes, collective=collective, num_workers=run.num_workers)
+    history = run_dpsgd_steps(model, steps, count=run.steps, clip_norm=run.clip_norm,
+                              noise_multiplier=run.noise_multiplier, expected_batch=run.sample_rate * run.n,
+                              optimizer=optimizer, noise_source=torch.Generator(device=device).manual_seed(seed + 1),
+                              loss_fn=loss_fn, exact=plan.exact, collective=collective,
+                              progress=run.progress and (collective is None or collective.lead),
+                              autocast=AUTOCAST[run.autocast])
+    history["world_size"] = collective.world_size if collective else 1
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, history
+
+
+def _reserve(ledger: Ledger, mechanism: MechanismDescription, lineage: str, budget: float,
+             privacy_units: Sequence[object] | None, label: str) -> Spend:
+    """Reserve the spend (refused over budget) and mark it ``started``; a failure in between cancels it."""
+    units = digests_of_ids(privacy_units) if privacy_units is not None else None
+    spend = ledger.reserve(lineage, mechanism, label, budget, lineage=lineage, units=units)
+    try:
+        ledger.record_event(spend.id, "started", {"pid": os.getpid()})
+    except BaseException as error:
+        ledger.cancel(spend.id, f"failed before training: {type(error).__name__}: {error}")
+        raise
+    return spend
+
+
+def log_to_mlflow(tracking_uri: str, experiment: str, run_name: str | None, result: PrivateTraining,
+                  settings: dict[str, Any], artifact_location: str | None = None) -> str:
+    """One MLflow run: the settings, ε and δ, the certificate and mechanism, the trained weights. (A model
+    is *registered* only by the pipeline, after its audit and gate.)"""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location)
+    run = client.create_run(experiment_id, run_name=run_name, tags={"dpml.source": "python-api"})
+    run_id = run.info.run_id
+    try:
+        for key, value in settings.items():
+            client.log_param(run_id, key, str(value)[:500])
+        client.log_metric(run_id, "epsilon", result.epsilon)
+        client.log_metric(run_id, "delta", float(result.certificate["delta"]))
+        client.log_metric(run_id, "train_seconds", float(result.history.get("seconds", 0.0)))
+        client.log_dict(run_id, result.certificate, "certificate.json")
+        with tempfile.TemporaryDirectory(prefix="dpml-api-") as work:
+            path = Path(work) / "model_state.pt"
+            torch.save({k: v.detach().cpu() for k, v in result.model.state_dict().items()}, path)
+            client.log_artifact(run_id, str(path))
+        client.set_terminated(run_id, "FINISHED")
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    return run_id
+
+
+def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, clip_norm: float, delta: float,
+                  target_epsilon: float | None = None, noise_multiplier: float | None = None,
+                  sample_rate: float | None = None, expected_batch_size: int | None = None,
+                  optimizer: OptimizerChoice = "sgd", learning_rate: float = 0.1, momentum: float = 0.0,
+                  loss: str | LossFn = "cross_entropy", neighbouring: str = "add-remove",
+                  physical_batch_size: int = 256, device: str = "auto", num_workers: int = 0, world_size: int = 1,
+                  seed: int | None = None, ledger: str | Path | Ledger | None = None,
+                  epsilon_budget: float | None = None, lineage: str | None = None,
+                  privacy_units: Sequence[object] | None = None, mlflow_tracking_uri: str | None = None,
+                  mlflow_experiment: str = "dpml", mlflow_artifact_location: str | None = None,
+                  run_name: str | None = None, progress: bool = False,
+                  allow_delta_above_inverse_n: bool = False, autocast: str = "none") -> PrivateTraining:
+    """Train ``model`` in place with DP-SGD on ``dataset`` and certify it (module docstring for the math).
+
+    ``dataset``: map-style, ``dataset[i]`` a pair (input tensor, integer label); the labels must lie in
+    [0, the model's output width). Give exactly one of ``target_epsilon`` (σ calibrated to meet it at
+    ``delta``) and ``noise_multiplier`` σ, and exactly one of ``sample_rate`` q and
+    ``expected_batch_size`` q·n. ``loss``: a name (``cross_entropy``, ``squared``) or a function
+    (logits, labels) → per-example losses of shape (B,). ``optimizer``: ``sgd``/``adam`` with
+    ``learning_rate`` (and ``momentum``), or a function params → optimizer (it only post-processes the
+    noisy gradient). ``seed``: ``None`` (a secret seed; what a model to release must use) or a fixed one
+    to reproduce a run. ``ledger`` (a path or :class:`dpml.privacy.ledger.Ledger`): charge the run to
+    ``lineage``'s account, per unit of ``privacy_units`` (one id per record; ``None`` charges every unit
+    of the lineage), refusing it if a unit would exceed ``epsilon_budget`` at ``delta``.
+    ``mlflow_tracking_uri``: log the run (settings, ε, certificate, weights) to that MLflow store, in
+    ``mlflow_experiment`` (created with ``mlflow_artifact_location`` if new; MLflow's default is ./mlruns).
+    ``autocast``: ``bf16`` runs the forward pass under bf16 autocast (norms, sums and noise in float32).
+    """
+    n = dataset_size(dataset)
+    q = check_arguments(n=n, epochs=epochs, clip_norm=clip_norm, delta=delta, target_epsilon=target_epsilon,
+                        noise_multiplier=noise_multiplier, sample_rate=sample_rate,
+                        expected_batch_size=expected_batch_size, optimizer=optimizer, learning_rate=learning_rate,
+                        momentum=momentum, loss=loss, neighbouring=neighbouring,
+                        physical_batch_size=physical_batch_size, device=device, num_workers=num_workers,
+                        world_size=world_size, ledger=ledger, epsilon_budget=epsilon_budget, lineage=lineage,
+                        privacy_units=privacy_units, allow_delta_above_inverse_n=allow_delta_above_inverse_n,
+                        autocast=autocast)
+    first = _first_record(dataset)
+    loss_fn = loss if callable(loss) else loss_function(loss)
+    input_dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
+    plan = plan_clipping(model, loss_fn, tuple(first.shape), input_dtype)  # refuses before any spend
+    check_autocast(model, loss_fn, tuple(first.shape), input_dtype, str(pick_device(device)), AUTOCAST[autocast])
+    steps = number_of_steps(epochs, q)
+    sigma = noise_multiplier if noise_multiplier is not None else calibrate_noise_multiplier(
+        target_epsilon, q, steps, delta, neighbouring)  # type: ignore[arg-type]
+    mechanism = dpsgd_mechanism(q, sigma, epochs, neighbouring, clip_norm, n)  # type: ignore[arg-type]
+    certificate = certify(mechanism, delta)
+    run = RunSettings(n, q, steps, sigma, clip_norm, epochs, optimizer, learning_rate, momentum, physical_batch_size,
+                      str(pick_device(device)), num_workers, number_of_classes(model, first), input_dtype, progress,
+                      autocast)
+    collective = from_environment()  # under torchrun: this process's rank
+    if collective is None and world_size > 1:
+        check_picklable("world_size", world_size, model=model, dataset=dataset, loss=loss_fn, optimizer=optimizer)
+    lead = collective is None or collective.lead
+    agreement_device = process_device(run.device, collective.rank) if collective else "cpu"
+    book = (ledger if isinstance(ledger, Ledger) else Ledger(ledger, delta)) if ledger is not None and lead else None
+    spend, refusal = None, None
+    if book is not None:
+        try:
+            spend = _reserve(book, mechanism, lineage, epsilon_budget, privacy_units,  # type: ignore[arg-type]
+                             f"dpml.train_private: {type(model).__name__} ({n} records)")
+        except BaseException as error:
+            refusal = error
+    if collective is not None and not collective.all_agree(refusal is None, agreement_device):
+        raise refusal or RuntimeError("rank 0 refused the run before training (see its error); nothing trained")
+    if refusal is not None:
+        raise refusal
+    try:
+        secret = seed if seed is not None else secret_noise_seed()
+        if collective is not None:
+            secret = collective.broadcast_int(secret, agreement_device)
+            _, history = train_in_process(collective, model, dataset, run, loss_fn, plan, secret)
+        elif world_size > 1:
+            state, history = spawn(world_size, run.device, train_in_process, model, dataset, run, loss_fn, plan, secret)
+            model.load_state_dict(state)
+            model.to(process_device(run.device, 0))
+        else:
+            _, history = train_in_process(None, model, dataset, run, loss_fn, plan, secret)
+    except BaseException as error:
+        if book is not None and spend is not None:
+            book.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
+        raise
+    if book is not None and spend is not None:
+        book.record_event(spend.id, "trained", {"steps": history.get("steps")})
+    history["exact_clipping_parameters"] = len(plan.exact_parameters)
+    result = PrivateTraining(model, certificate, mechanism, history, spend.id if spend else None)
+    if mlflow_tracking_uri is not None and lead:
+        settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "clip_norm": clip_norm,
+                    "epochs": epochs, "delta": delta, "neighbouring": neighbouring, "n": n,
+                    "physical_batch_size": physical_batch_size, "world_size": history.get("world_size", 1),
+                    "spend_id": result.spend_id}
+        result.mlflow_run_id = log_to_mlflow(mlflow_tracking_uri, mlflow_experiment, run_name, result, settings,
+                                             mlflow_artifact_location)
+    return result

@@ -1,0 +1,136 @@
+"""The steps of a DP-SGD run over a map-style ``torch.utils.data.Dataset`` (records not in memory).
+
+Step t's Poisson sample B_t (:func:`dpml.train.dpsgd.poisson_batches`) is read as physical chunks of
+at most ``physical_batch_size`` records, so memory is bounded by the chunk, never by |B_t|; the
+clipped sums of the chunks add up to the step's sum (:func:`dpml.train.dpsgd.clipped_chunks_and_noise`).
+Reading happens in this process (``num_workers = 0``) or in a ``DataLoader``'s worker processes fed
+by :class:`PoissonChunkSampler`, which runs ahead of the training loop by at most the loader's
+prefetch; either way the records read at step t are exactly B_t's (this process's share of it, in a
+distributed run).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from dpml.train.distributed import Collective
+from dpml.train.dpsgd import Step, share_of_batch
+
+
+def check_record(item: Any, index: int, n_classes: int | None = None) -> None:
+    """A record is a pair (input, integer label); the label in [0, n_classes) when that is known."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise ValueError(f"dataset[{index}]: a record must be a pair (input, label), got {type(item).__name__}"
+                         + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+    label = item[1]
+    if isinstance(label, torch.Tensor):
+        if label.numel() != 1 or label.dtype.is_floating_point:
+            raise ValueError(f"dataset[{index}]: the label must be one integer class, got a {label.dtype} tensor "
+                             f"of shape {tuple(label.shape)}")
+        label = int(label)
+    if not isinstance(label, int) or isinstance(label, bool):
+        raise ValueError(f"dataset[{index}]: the label must be one integer class, got {label!r}")
+    if n_classes is not None and not 0 <= label < n_classes:
+        raise ValueError(f"dataset[{index}]: label {label} is outside the {n_classes} classes [0, {n_classes})")
+
+
+def check_labels(labels: torch.Tensor, indices: torch.Tensor, n_classes: int) -> None:
+    """Every label of a chunk in [0, n_classes); a bad one is named by its record index."""
+    bad = torch.nonzero((labels < 0) | (labels >= n_classes)).flatten()
+    if bad.numel():
+        first = int(bad[0])
+        raise ValueError(f"dataset[{int(indices[first])}]: label {int(labels[first])} is outside the {n_classes} "
+                         f"classes [0, {n_classes})")
+
+
+def index_chunks(indices: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``indices`` in consecutive chunks of at most ``size``; none for an empty sample."""
+    return [chunk for chunk in indices.split(size) if chunk.numel()]
+
+
+def _load(dataset: Dataset[Any], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The records at ``indices``, collated into one (inputs, labels) pair."""
+    x, y = default_collate([dataset[i] for i in indices])
+    return torch.as_tensor(x), torch.as_tensor(y)
+
+
+class PoissonChunkSampler(Sampler[list[int]]):
+    """A ``DataLoader`` batch sampler yielding each step's share of B_t in physical chunks, and
+    recording, per step, the sample and how many chunks it became (for :func:`dataset_steps`)."""
+
+    def __init__(self, batches: Iterable[torch.Tensor], physical_batch_size: int,
+                 collective: Collective | None) -> None:
+        self.batches, self.physical_batch_size, self.collective = batches, physical_batch_size, collective
+        self.plan: deque[tuple[torch.Tensor, int]] = deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            chunks = index_chunks(share_of_batch(batch, self.collective), self.physical_batch_size)
+            self.plan.append((batch, len(chunks)))
+            for chunk in chunks:
+                yield chunk.tolist()
+
+
+def _on_device(chunk: tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = chunk
+    non_blocking = device.type == "cuda"
+    x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else x.dtype, non_blocking=non_blocking)
+    return x, y.to(device=device, dtype=torch.long, non_blocking=non_blocking)
+
+
+def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, physical_batch_size: int,
+                  device: torch.device, dtype: torch.dtype, n_classes: int, collective: Collective | None = None,
+                  num_workers: int = 0) -> Iterator[Step]:
+    """One :class:`dpml.train.dpsgd.Step` per Poisson sample of ``batches``, reading ``dataset``'s records
+    chunk by chunk (labels checked against ``n_classes``, a bad one named by its index)."""
+    if num_workers == 0:
+        for batch in batches:
+            mine = share_of_batch(batch, collective)
+
+            def chunks(mine: torch.Tensor = mine) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                for indices in index_chunks(mine, physical_batch_size):
+                    x, y = _load(dataset, indices.tolist())
+                    check_labels(y, indices, n_classes)
+                    yield _on_device((x, y), device, dtype)
+
+            yield Step(batch, chunks())
+        return
+    sampler = PoissonChunkSampler(batches, physical_batch_size, collective)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=device.type == "cuda")
+    chunk_iterator = iter(loader)
+    waiting: deque[Any] = deque()  # chunks read while looking for the next step's entry in the plan
+
+    def next_chunk() -> Any:
+        return waiting.popleft() if waiting else next(chunk_iterator)
+
+    while True:
+        while not sampler.plan:  # the loader has not reached the next step yet: let it read ahead
+            try:
+                waiting.append(next(chunk_iterator))
+            except StopIteration:
+                return
+        batch, count = sampler.plan.popleft()
+        mine = share_of_batch(batch, collective)
+
+        def chunks(parts: list[torch.Tensor] = index_chunks(mine, physical_batch_size)[:count],
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for indices in parts:
+                x, y = next_chunk()
+                check_labels(torch.as_tensor(y), indices, n_classes)
+                yield _on_device((torch.as_tensor(x), torch.as_tensor(y)), device, dtype)
+
+        yield Step(batch, chunks())
+
+
+def dataset_size(dataset: Dataset[Any]) -> int:
+    """len(dataset) of a map-style data set; an iterable-style one has no fixed n to sample from."""
+    if not isinstance(dataset, Sized):
+        raise ValueError(f"dataset: a map-style torch Dataset with __len__ is needed (Poisson sampling draws each of "
+                         f"n records independently), got {type(dataset).__name__}")
+    return len(dataset)

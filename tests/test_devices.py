@@ -1,0 +1,192 @@
+"""The clipping engine on other devices and precisions.
+
+- bf16 autocast (``train.autocast: bf16``), on the CPU here and on a GPU where there is one: every
+  example's clipped contribution still has norm < C, and the norms and sums are float32 and close to
+  the float32 engine's (bf16 has 8 bits of mantissa: within a few per cent);
+- on a GPU (skipped without one, saying so): clipped sums and norms match the CPU's for the model
+  kinds dpml ships, the whole DP-SGD step loop runs without a host synchronisation, and a run on
+  the GPU with fixed seeds ends where the CPU run ends (the same Poisson samples, and noise of the
+  same law: the GPU's generator draws other numbers, so only the noise-free part is compared).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet
+from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.clipping_check import ClippingUnsupported, check_autocast
+from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, train_dpsgd
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine: the GPU checks did not run")
+
+
+def models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    return {
+        "mlp": nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 5)),
+        "cnn": build_cnn(CnnSpec(64, (1, 8, 8), (8, 16), (16,), 5)),
+        "wide_resnet": build_wide_resnet(WideResNetSpec(64, (1, 8, 8), 5, depth=10, widen=1, norm_groups=4)),
+        "embedding_lstm": EmbeddingLstm(),
+    }
+
+
+class EmbeddingLstm(nn.Module):
+    """Token ids → embedding → LSTM → linear: the exact path next to a shortcut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.lstm = nn.LSTM(16, 16, batch_first=True)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(tokens))
+        return self.out(hidden[:, -1])
+
+
+def batch_for(name: str, device: str, size: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randint(0, 50, (size, 6), generator=generator) if name == "embedding_lstm"
+         else torch.randn(size, 64, generator=generator) * 3)  # the vision kinds take flat rows
+    return x.to(device), torch.randint(0, 5, (size,), generator=generator).to(device)
+
+
+def per_example_contribution_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float,
+                                   autocast: torch.dtype | None) -> torch.Tensor:
+    """‖clip_C(g_i)‖ of each example, one example at a time through the engine."""
+    out = []
+    for i in range(x.shape[0]):
+        sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, x[i:i + 1], y[i:i + 1], clip,
+                                       autocast=autocast)
+        out.append(math.sqrt(sum(float(s.double().pow(2).sum()) for s in sums.values())))
+    return torch.tensor(out)
+
+
+def autograd_gradient_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                          autocast: torch.dtype | None) -> torch.Tensor:
+    """Σ_i ∇ℓ_i by plain autograd (no clipping), under the same autocast: what bf16 itself costs."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = per_example_cross_entropy(model(x), y).sum()
+    loss.backward()
+    out = torch.cat([p.grad.reshape(-1).float() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def check_bf16(device: str) -> None:
+    """Unclipped (C = 1e9), the bf16 engine is off the float32 engine by no more than bf16 autograd is
+    off float32 autograd (plus bf16's own resolution): the error is bf16's, not the engine's."""
+    for name, model in models().items():
+        model.to(device)
+        x, y = batch_for(name, device)
+        try:
+            check_autocast(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, device, torch.bfloat16)
+        except ClippingUnsupported as refused:  # some CPUs have no bf16 LSTM kernel: refused before any spend
+            assert device == "cpu" and name == "embedding_lstm", refused
+            assert "train.autocast = bfloat16: the model fails under autocast on cpu" in str(refused)
+            continue
+        exact_sums, exact_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1e9)
+        half_sums, half_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1e9,
+                                                     autocast=torch.bfloat16)
+        assert half_norms.dtype == torch.float32 and all(s.dtype == torch.float32 for s in half_sums.values())
+        names = [n for n, _ in model.named_parameters()]
+        flat_exact = torch.cat([exact_sums[k].reshape(-1) for k in names])
+        flat_half = torch.cat([half_sums[k].reshape(-1) for k in names])
+        reference = autograd_gradient_sum(model, x, y, None)
+        torch.testing.assert_close(flat_exact, reference, rtol=1e-4, atol=1e-4)  # the float32 engine is autograd
+        bf16_cost = float((autograd_gradient_sum(model, x, y, torch.bfloat16) - reference).norm() / reference.norm())
+        engine_error = float((flat_half - flat_exact).norm() / flat_exact.norm())
+        assert engine_error <= 1.5 * bf16_cost + 4e-3, (name, engine_error, bf16_cost)
+        norm_error = float(((half_norms - exact_norms).abs() / exact_norms).max())
+        assert norm_error <= 1.5 * bf16_cost + 4e-3 + 0.02, (name, norm_error, bf16_cost)
+        clip = float(exact_norms.median())
+        contributions = per_example_contribution_norms(model, x[:8], y[:8], clip, torch.bfloat16)
+        assert float(contributions.max()) <= clip * (1 + 1e-5), name  # the bound is kept in bf16 too
+        assert float(contributions.max()) > 0.5 * clip  # and the test clips something
+
+
+def test_bf16_autocast_keeps_every_contribution_within_c_on_the_cpu() -> None:
+    check_bf16("cpu")
+
+
+@needs_cuda
+def test_bf16_autocast_keeps_every_contribution_within_c_on_the_gpu() -> None:
+    check_bf16("cuda")
+
+
+@needs_cuda
+def test_clipped_sums_and_norms_on_the_gpu_match_the_cpus() -> None:
+    torch.backends.cudnn.allow_tf32 = False  # compare like with like: float32 on both
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name, model in models().items():
+        x, y = batch_for(name, "cpu")
+        clip = 1.0
+        cpu_sums, cpu_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
+        model.to("cuda")
+        gpu_sums, gpu_norms = clipped_gradient_sum(model, per_example_cross_entropy, x.cuda(), y.cuda(), clip)
+        assert gpu_norms.device.type == "cuda"
+        torch.testing.assert_close(gpu_norms.cpu(), cpu_norms, rtol=1e-4, atol=1e-6, msg=name)
+        for key, value in cpu_sums.items():
+            assert gpu_sums[key].device.type == "cuda"
+            torch.testing.assert_close(gpu_sums[key].cpu(), value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+
+@needs_cuda
+def test_the_step_loop_on_the_gpu_never_waits_for_the_host() -> None:
+    """``torch.cuda.set_sync_debug_mode('error')`` turns any synchronising CUDA call into an error."""
+    model = models()["cnn"].to("cuda")
+    x, y = batch_for("cnn", "cuda", size=256)
+    train_dpsgd(model, x, y, sample_rate=0.1, epochs=0.1, clip_norm=1.0, noise_multiplier=1.0,
+                neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=1)  # plans
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_dpsgd(model, x, y, sample_rate=0.1, epochs=1, clip_norm=1.0, noise_multiplier=1.0,
+                    neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+def test_one_step_on_the_gpu_is_the_cpus_step_plus_noise_of_the_same_law() -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = models()["cnn"]
+    x, y = batch_for("cnn", "cpu", size=64)
+    sigma, clip = 1.0, 0.5
+    cpu_sums, _, _ = clipped_sum_and_noise(model, x, y, clip, sigma, 16, torch.Generator().manual_seed(3))
+    model.to("cuda")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    gpu_sums, gpu_noises, _ = clipped_sum_and_noise(model, x.cuda(), y.cuda(), clip, sigma, 16, generator)
+    for key, value in cpu_sums.items():
+        torch.testing.assert_close(gpu_sums[key].cpu(), value, rtol=1e-4, atol=1e-5)
+    noise = torch.cat([n.reshape(-1).double().cpu() for n in gpu_noises.values()]) / (sigma * clip)
+    assert abs(float(noise.std()) - 1.0) < 5 / math.sqrt(noise.numel()) + 0.01
+
+
+def test_train_autocast_bf16_trains_the_pipeline_model_in_bf16(tmp_path: Path) -> None:
+    """``train.autocast: bf16`` reaches the engine: the same seeds give a model a little off the float32 one
+    (bf16 rounding), and the mechanism is unchanged."""
+    from dpml.config import load
+    from dpml.train.registry import trainer_for
+    from tests.conftest import small_params, write_params
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 12, generator=generator).numpy(), torch.randint(0, 3, (200,), generator=generator).numpy()
+    runs = {}
+    for precision in ("none", "bf16"):
+        params = small_params(tmp_path, train={"autocast": precision, "epochs": 1, "sample_rate": 0.2, "device": "cpu"})
+        config = load(write_params(tmp_path / f"{precision}.yaml", params))
+        runs[precision] = trainer_for(config).fit(config, x, y, 3, noise_multiplier=1.0, seed=0, noise_seed=4)
+    full, half = runs["none"], runs["bf16"]
+    assert half.mechanism == full.mechanism
+    difference = max(float((p - q).abs().max()) for p, q in zip(full.model.parameters(), half.model.parameters()))
+    scale = max(float(p.abs().max()) for p in full.model.parameters())
+    assert 0 < difference < 0.05 * scale
