@@ -158,7 +158,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     if not summary:
-        print(f"{config.ledger.path}: no spends recorded" + (f" for lineage {args.dataset!r}" if args.dataset else ""))
+        print(f"{open_ledger(config).location}: no spends recorded" + (f" for lineage {args.dataset!r}" if args.dataset else ""))
     budget = config.ledger.epsilon_budget
     for entry in summary:
         print(lineage_text(entry, budget))

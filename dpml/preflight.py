@@ -87,9 +87,12 @@ def folders(config: Config) -> dict[str, Path]:
     """Every folder a run writes to, by the key that names it."""
     from dpml.store import sqlite_path, tracking_uri
 
+    from dpml.privacy.ledger_db import is_postgres, sqlite_file
+
     out = {"paths.data": Path(config.paths.data), "paths.artifacts": Path(config.paths.artifacts),
-           "paths.cache": Path(config.paths.cache), "ledger.path": Path(config.ledger.path).parent,
-           "tracking.artifact_root": Path(config.tracking.artifact_root)}
+           "paths.cache": Path(config.paths.cache), "tracking.artifact_root": Path(config.tracking.artifact_root)}
+    if not is_postgres(config.ledger.location()):
+        out["ledger.url" if config.ledger.url else "ledger.path"] = sqlite_file(config.ledger.location()).parent
     database = sqlite_path(tracking_uri(config.tracking))
     if database is not None:
         out["tracking.uri"] = database.parent
@@ -99,6 +102,7 @@ def folders(config: Config) -> dict[str, Path]:
 def preflight(config: Config) -> None:
     """Run every check (module docstring); raise :class:`PreflightError` at the first failure."""
     from dpml.privacy.ledger import LedgerError
+    from dpml.privacy.ledger_db import without_password
     from dpml.stages.train import open_ledger
     from dpml.store import StoreError, prepare_store
 
@@ -113,7 +117,8 @@ def preflight(config: Config) -> None:
     try:
         open_ledger(config).check_unit_key()
     except LedgerError as error:
-        raise PreflightError(f"ledger.path = {config.ledger.path!r}: {error}") from None
+        key = "ledger.url" if config.ledger.url else "ledger.path"
+        raise PreflightError(f"{key} = {without_password(config.ledger.location())!r}: {error}") from None
     check_table_header(config)
 
 

@@ -330,15 +330,32 @@ class LedgerConfig(Section):
     KL-private runs (seed 000) are summed in KL (the chain rule composes adaptively) against
     ``kl_budget`` (``null``: refused). A unit with a KL-only release has no finite (ε, δ), and
     (ε, δ)-DP runs have no KL bound, so the two kinds exclude each other on one unit.
+
+    ``url``: where the ledger lives when it is not the SQLite file ``path`` — ``sqlite:///file`` or a
+    PostgreSQL database (``postgresql://user[:password]@host:port/db``) that every worker of a team
+    shares; it then needs ``unit_key`` named (the one secret file every worker holds).
     """
 
     path: str = "ledger.db"
+    url: str | None = Field(None, pattern=r"^(sqlite:///|postgresql://|postgres://)\S+$")
     epsilon_budget: float = Field(10.0, gt=0)
     delta: float = Field(1e-5, gt=0, lt=1)
     kl_budget: float | None = Field(None, gt=0)
     dataset: str | None = Field(None, min_length=1, max_length=200)
     on_exhausted: Literal["refuse", "exclude"] = "refuse"
     unit_key: str | None = None
+
+    @model_validator(mode="after")
+    def _shared_ledger_needs_its_key(self) -> LedgerConfig:
+        if self.url and self.url.startswith(("postgresql://", "postgres://")) and not self.unit_key:
+            raise ValueError("ledger.unit_key: a PostgreSQL ledger (ledger.url) is shared by workers; name the unit "
+                             "key file that every worker holds (the same secret file), e.g. ledger.unit_key: "
+                             "/secrets/dpml-unit.key")
+        return self
+
+    def location(self) -> str:
+        """The ledger's database: ``url`` when given, else the SQLite file ``path``."""
+        return self.url or self.path
 
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"

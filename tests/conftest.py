@@ -63,3 +63,74 @@ def prefect_harness() -> Iterator[None]:
 
     with prefect_test_harness():
         yield
+
+
+def postgres_binaries() -> Path | None:
+    """The folder of PostgreSQL's server binaries (Debian's layout, then PATH), or None."""
+    import glob
+    import shutil
+
+    for folder in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
+        if (Path(folder) / "initdb").exists() and (Path(folder) / "pg_ctl").exists():
+            return Path(folder)
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb and shutil.which("pg_ctl") else None
+
+
+def _as_postgres_user(command: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: run its binaries as the ``postgres`` system user then."""
+    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A real PostgreSQL server for this test session, on 127.0.0.1 and a free port, trust auth;
+    yields its base URL (``postgresql://postgres@127.0.0.1:PORT``). Skipped, saying why, where no
+    server binaries exist."""
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    binaries = postgres_binaries()
+    if binaries is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) on this machine: the PostgreSQL ledger tests did not run")
+    root = Path(tempfile.mkdtemp(prefix="dpml-postgres-"))
+    data = root / "data"
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run(_as_postgres_user([str(binaries / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+                                      "--no-sync", "-E", "UTF8"]), check=True, capture_output=True)
+    options = f"-p {port} -h 127.0.0.1 -k {root} -c max_connections=200 -c fsync=on"
+    subprocess.run(_as_postgres_user([str(binaries / "pg_ctl"), "-D", str(data), "-o", options, "-l",
+                                      str(root / "server.log"), "-w", "start"]), check=True, capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}"
+    finally:
+        subprocess.run(_as_postgres_user([str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
+                       capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> str:
+    """A fresh, empty database on the session's PostgreSQL server."""
+    import uuid
+
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(f"{postgres_server}/postgres", autocommit=True) as connection:
+        connection.execute(f"CREATE DATABASE {name}")
+    return f"{postgres_server}/{name}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a ledger test keeps its ledger: a SQLite file, and a database on a real PostgreSQL server."""
+    if request.param == "sqlite":
+        return str(tmp_path / "l.db")
+    return request.getfixturevalue("postgres_url")

@@ -23,8 +23,8 @@ def run(q: float = 0.05, sigma: float = 1.0, steps: int = 200, relation: str = "
     return MechanismDescription("dpsgd", (PoissonGaussianSteps(q, sigma, steps),), relation, 1.0, 1000)  # type: ignore[arg-type]
 
 
-def test_total_is_the_composition_of_every_release(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "l.db", 1e-5)
+def test_total_is_the_composition_of_every_release(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     releases = [run(0.05, 1.0, 200), run(0.1, 2.0, 100), run(0.05, 1.0, 200)]
     for i, mechanism in enumerate(releases):
         ledger.reserve("data-a", mechanism, f"release {i}", budget=100.0)
@@ -39,8 +39,8 @@ def test_total_is_the_composition_of_every_release(tmp_path: Path) -> None:
     assert summary["private_spends"] == 3 and summary["epsilon_total"] == pytest.approx(total)
 
 
-def test_refusal_leaves_the_ledger_unchanged(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "l.db", 1e-5)
+def test_refusal_leaves_the_ledger_unchanged(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     first = ledger.reserve("d", run(), "first", budget=6.0)
     with pytest.raises(BudgetExceeded, match=r"left") as error:
         ledger.reserve("d", run(), "second", budget=first.epsilon_alone * 1.2)
@@ -48,16 +48,16 @@ def test_refusal_leaves_the_ledger_unchanged(tmp_path: Path) -> None:
     assert [s.label for s in ledger.spends("d")] == ["first"]
 
 
-def test_nonprivate_runs_are_recorded_but_not_in_the_dp_total(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "l.db", 1e-5)
+def test_nonprivate_runs_are_recorded_but_not_in_the_dp_total(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     ledger.reserve("d", None, "baseline", budget=1.0)
     ledger.reserve("d", run(), "dp", budget=100.0)
     summary = ledger.summary("d")[0]
     assert summary["nonprivate_runs"] == 1 and summary["epsilon_total"] == pytest.approx(epsilon_pld(run(), 1e-5))
 
 
-def test_mixed_relations_are_refused(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "l.db", 1e-5)
+def test_mixed_relations_are_refused(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     ledger.reserve("d", run(), "a", budget=100.0)
     with pytest.raises(LedgerError, match="different neighbouring relations"):
         ledger.reserve("d", run(relation="replace-one"), "b", budget=100.0)
@@ -67,7 +67,7 @@ def test_corrupt_or_newer_ledgers_are_refused_untouched(tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.db"
     corrupt.write_bytes(b"this is not a database" * 100)
     before = corrupt.read_bytes()
-    with pytest.raises(LedgerError, match="not a readable ledger"):
+    with pytest.raises(LedgerError, match="not a readable or reachable ledger"):
         Ledger(corrupt, 1e-5)
     assert corrupt.read_bytes() == before
     newer = tmp_path / "newer.db"
@@ -78,8 +78,9 @@ def test_corrupt_or_newer_ledgers_are_refused_untouched(tmp_path: Path) -> None:
         Ledger(newer, 1e-5)
 
 
-def _race(path: str, budget: float, barrier: multiprocessing.synchronize.Barrier, results: "multiprocessing.Queue[str]") -> None:
-    ledger = Ledger(path, 1e-5)
+def _race(location: str, key: str, budget: float, barrier: multiprocessing.synchronize.Barrier,
+          results: "multiprocessing.Queue[str]") -> None:
+    ledger = Ledger(location, 1e-5, unit_key=key)
     barrier.wait()
     try:
         ledger.reserve("d", run(), f"pid {os.getpid()}", budget=budget)
@@ -88,24 +89,30 @@ def _race(path: str, budget: float, barrier: multiprocessing.synchronize.Barrier
         results.put("refused")
 
 
-def test_two_runs_racing_for_the_last_budget(tmp_path: Path) -> None:
-    path = tmp_path / "l.db"
-    ledger = Ledger(path, 1e-5)
+@pytest.mark.parametrize("racers", [pytest.param(16, marks=pytest.mark.exhaustive), 3])
+def test_runs_racing_for_the_last_budget(racers: int, ledger_location: str, tmp_path: Path) -> None:
+    """Processes reserve at once with room for exactly 2 more runs: exactly 2 get it, on either store.
+    With 16 racers each waits its turn for the lock (every check is done inside it)."""
+    key = str(tmp_path / "unit.key")
+    ledger = Ledger(ledger_location, 1e-5, unit_key=key)
     first = ledger.reserve("d", run(), "earlier release", budget=100.0)
+
     def composed(count: int) -> float:
         return epsilon_pld(MechanismDescription("x", run().events * count, "add-remove", 1.0, 0), 1e-5)
 
-    budget = (composed(2) + composed(3)) / 2  # room for one more run, not two
+    budget = (composed(3) + composed(4)) / 2  # room for two more runs, not three
     context = multiprocessing.get_context("spawn")
-    barrier, results = context.Barrier(2), context.Queue()
-    workers = [context.Process(target=_race, args=(str(path), budget, barrier, results)) for _ in range(2)]
+    barrier, results = context.Barrier(racers), context.Queue()
+    workers = [context.Process(target=_race, args=(ledger_location, key, budget, barrier, results))
+               for _ in range(racers)]
     for w in workers:
         w.start()
+    outcomes = sorted(results.get(timeout=1800) for _ in workers)
     for w in workers:
-        w.join(timeout=120)
-    outcomes = sorted(results.get(timeout=5) for _ in workers)
-    assert outcomes == ["refused", "spent"]
-    assert len(ledger.spends("d")) == 2 and first.id == ledger.spends("d")[0].id
+        w.join(timeout=60)
+    assert outcomes == ["refused"] * (racers - 2) + ["spent"] * 2
+    assert len(ledger.spends("d")) == 3 and first.id == ledger.spends("d")[0].id
+    assert ledger.total("d") == pytest.approx(composed(3), rel=1e-3) and ledger.total("d") <= budget
 
 
 @pytest.mark.slow

@@ -51,10 +51,10 @@ def independent_rdp(mechanisms: list[MechanismDescription], orders: list[float] 
     return accountant.get_epsilon(DELTA)
 
 
-def test_a_grown_table_does_not_reset_anyones_budget(tmp_path: Path) -> None:
+def test_a_grown_table_does_not_reset_anyones_budget(ledger_location: str, tmp_path: Path) -> None:
     """The issue's scenario: two runs on a table, five rows appended, a third run is refused for the
     people who were in both versions — and names how many and their ε."""
-    ledger = Ledger(tmp_path / "l.db", DELTA)
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     two = independent_pld([run(), run()])
     budget = (two + independent_pld([run()] * 3)) / 2
     for label in ("week 1", "week 1 again"):
@@ -71,9 +71,9 @@ def test_a_grown_table_does_not_reset_anyones_budget(tmp_path: Path) -> None:
     assert sorted(n for _, n in ledger.unit_epsilons("census")) == [5, 1797]
 
 
-def test_unit_epsilon_is_the_composition_of_the_spends_that_touched_it(tmp_path: Path) -> None:
+def test_unit_epsilon_is_the_composition_of_the_spends_that_touched_it(ledger_location: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
-    ledger = Ledger(tmp_path / "l.db", DELTA)
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     mechanisms = [run(0.05, 1.0, 100), run(0.1, 1.5, 150), run(0.02, 0.9, 300), run(0.08, 1.2, 80)]
     n = 300
     touched = [np.sort(rng.choice(n, size=int(rng.integers(50, n)), replace=False)) for _ in mechanisms]
@@ -99,8 +99,8 @@ def test_unit_epsilon_is_the_composition_of_the_spends_that_touched_it(tmp_path:
     assert ledger.total("L") == pytest.approx(max(pld for _, pld, _ in expected), abs=3e-3)
 
 
-def test_refusal_names_count_and_epsilon_and_changes_nothing(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "l.db", DELTA)
+def test_refusal_names_count_and_epsilon_and_changes_nothing(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     ledger.reserve("v1", run(), "a", 100.0, lineage="L", units=people(range(10)))
     with pytest.raises(BudgetExceeded, match=r"10 of the 20 privacy units"):
         ledger.reserve("v2", run(), "b", independent_pld([run()]) * 1.2, lineage="L", units=people(range(20)))
@@ -108,8 +108,8 @@ def test_refusal_names_count_and_epsilon_and_changes_nothing(tmp_path: Path) -> 
     assert sum(n for _, n in ledger.unit_epsilons("L")) == 10
 
 
-def test_a_lineage_spans_versions_and_separate_lineages_do_not_mix(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "l.db", DELTA)
+def test_a_lineage_spans_versions_and_separate_lineages_do_not_mix(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     one = independent_pld([run()])
     ledger.reserve("v1", run(), "a", one * 1.01, lineage="A", units=people(range(100)))
     ledger.reserve("v1", run(), "b", one * 1.01, lineage="B", units=people(range(100)))  # another account
@@ -119,8 +119,8 @@ def test_a_lineage_spans_versions_and_separate_lineages_do_not_mix(tmp_path: Pat
     assert summary["A"]["units"] == 100 and summary["A"]["dataset_versions"] == {"v1": 1}
 
 
-def test_cancelled_spends_count_for_nobody(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "l.db", DELTA)
+def test_cancelled_spends_count_for_nobody(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     one = independent_pld([run()])
     spend = ledger.reserve("v1", run(), "killed before training", one * 1.5, lineage="L", units=people(range(30)))
     assert ledger.cancel(spend.id, "pre-flight")
@@ -128,12 +128,12 @@ def test_cancelled_spends_count_for_nobody(tmp_path: Path) -> None:
     assert ledger.total("L") == pytest.approx(one, abs=2e-3)
 
 
-def test_renyi_filter_excludes_exactly_the_exhausted_units_and_keeps_every_budget(tmp_path: Path) -> None:
+def test_renyi_filter_excludes_exactly_the_exhausted_units_and_keeps_every_budget(ledger_location: str, tmp_path: Path) -> None:
     """Feldman & Zrnic (2021): with exclude, every unit's composed loss stays within the budget, checked
     by dp_accounting's RDP accountant on the spends that actually touched it; the units excluded are
     exactly those whose RDP at α* would pass B*."""
     rng = np.random.default_rng(11)
-    ledger = Ledger(tmp_path / "l.db", DELTA)
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     budget, n = 2.0, 300
     mechanisms = [run(0.05, 2.0, int(s)) for s in rng.integers(100, 400, size=8)]
     touched_by: dict[int, list[int]] = {u: [] for u in range(n)}
@@ -227,20 +227,21 @@ def test_schema_1_ledgers_migrate_and_charge_old_spends_to_everyone(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_a_kill_inside_the_reservation_leaves_no_spend_and_no_units(tmp_path: Path) -> None:
+def test_a_kill_inside_the_reservation_leaves_no_spend_and_no_units(ledger_location: str, tmp_path: Path) -> None:
+    key = str(tmp_path / "unit.key")
     script = textwrap.dedent(f"""
         import numpy as np
         from dpml.privacy.ledger import Ledger
         from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
         from dpml.privacy.units import digests_of_ids
         m = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.05, 1.0, 200),), "add-remove", 1.0, 1000)
-        Ledger({str(tmp_path / 'l.db')!r}, 1e-5).reserve("v", m, "x", 100.0, lineage="L",
-                                                       units=digests_of_ids(range(20000)))
+        Ledger({ledger_location!r}, 1e-5, unit_key={key!r}).reserve("v", m, "x", 100.0, lineage="L",
+                                                                   units=digests_of_ids(range(20000)))
     """)
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DPML_FAULT": "ledger:units_written"},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    ledger = Ledger(tmp_path / "l.db", DELTA)
+    ledger = Ledger(ledger_location, DELTA, unit_key=key)
     assert ledger.spends(counted_only=False) == [] and ledger.unit_epsilons("L") == []
     ledger.reserve("v", run(), "after", 100.0, lineage="L", units=people(range(10)))
     assert sum(n for _, n in ledger.unit_epsilons("L")) == 10

@@ -5,7 +5,11 @@ A *lineage* (``ledger.dataset``; by default the name of ``data.source``: ``adult
 ``csv:data/adult.csv``) is one account shared by every version of a data set: the weekly table with
 five new rows is the same lineage, and the people in both versions carry their history with them.
 
-**Spends.** One SQLite file holds an append-only table of spends. A spend is written — in one
+**Where.** A SQLite file (the embedded default) or a PostgreSQL database that many workers on many
+machines share (``ledger.url``; :mod:`dpml.privacy.ledger_db`): the same tables, statements and
+guarantees on both.
+
+**Spends.** The ledger holds an append-only table of spends. A spend is written — in one
 transaction with the record of which units it touched, before any training starts — with the planned
 mechanism; later rows only add events (``started``, ``trained``, ``released``, ``failed``) and never
 change or remove a spend. A crash or a SIGKILL at any point leaves the spend counted: the ledger can
@@ -45,8 +49,9 @@ on one unit. Spends of different neighbouring relations cannot be composed and a
 Non-private runs (baselines) are recorded as such and touch no account: their models carry no
 guarantee, and the report lists them.
 
-Two concurrent runs racing for the last of a budget are serialised by ``BEGIN IMMEDIATE``: the check
-and the insert are one transaction, and exactly one proceeds.
+Two concurrent runs racing for the last of a budget are serialised by ``BEGIN IMMEDIATE`` (on
+PostgreSQL: a transaction-scoped advisory lock): the check and the insert are one transaction, and
+exactly one proceeds, whichever machines they run on.
 
 The parts: :mod:`dpml.privacy.unit_accounts` (a unit's ε from its history),
 :mod:`dpml.privacy.budget_checks` (the check before a run), :mod:`dpml.privacy.ledger_schema` (tables,
@@ -56,10 +61,9 @@ migration, lineage names), :mod:`dpml.privacy.cohorts` (which units have which h
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -69,6 +73,7 @@ import numpy as np
 from dpml.faults import fault_point
 from dpml.privacy import cohorts
 from dpml.privacy.budget_checks import Standing, check_budget, within_filter
+from dpml.privacy.ledger_db import SqliteDatabase, open_database
 from dpml.privacy.ledger_schema import SCHEMA_VERSION, create_tables, default_lineage, migrate_from_v1
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.privacy.unit_accounts import (
@@ -104,27 +109,28 @@ class Spend:
 
 
 class Ledger:
-    """Append-only SQLite ledger; ``delta`` is the δ at which totals are stated; ``unit_key`` is the
-    secret file that turns unit digests into the ids the ledger stores (default ``<path>.key``)."""
+    """Append-only ledger at ``location``: a SQLite file (a path or ``sqlite:///path``) or a PostgreSQL
+    database (``postgresql://user@host:port/db``, shared by many workers; :mod:`dpml.privacy.ledger_db`).
+    ``delta`` is the δ at which totals are stated; ``unit_key`` is the secret file that turns unit
+    digests into the ids the ledger stores (default ``<file>.key`` beside a SQLite ledger; a
+    PostgreSQL ledger needs it named, the one file every worker shares)."""
 
-    def __init__(self, path: str | Path, delta: float, unit_key: str | Path | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, location: str | Path, delta: float, unit_key: str | Path | None = None) -> None:
+        self._db = open_database(location)
+        self.location = self._db.describe()
         self.delta = delta
-        self.unit_key_path = Path(unit_key) if unit_key else self.path.with_name(self.path.name + ".key")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if unit_key:
+            self.unit_key_path: Path | None = Path(unit_key)
+        elif isinstance(self._db, SqliteDatabase):
+            self.unit_key_path = self._db.path.with_name(self._db.path.name + ".key")
+        else:
+            self.unit_key_path = None
         self._key: bytes | None = None
         self._check_or_create()
 
     # ----------------------------------------------------------------------------------- storage
-    @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        connection = sqlite3.connect(self.path, timeout=120.0, isolation_level=None)
-        try:
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=FULL")
-            yield connection
-        finally:
-            connection.close()
+    def _connect(self) -> AbstractContextManager[Any]:
+        return self._db.connect()
 
     def _check_or_create(self) -> None:
         try:
@@ -134,22 +140,28 @@ class Ledger:
                 row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 if row is not None and int(row[0]) > SCHEMA_VERSION:
                     db.execute("ROLLBACK")
-                    raise LedgerError(f"{self.path}: ledger schema {row[0]} is from a newer dpml "
+                    raise LedgerError(f"{self.location}: ledger schema {row[0]} is from a newer dpml "
                                       f"(this one reads ≤ {SCHEMA_VERSION}); refusing to touch it")
                 if row is not None and int(row[0]) < SCHEMA_VERSION:
                     db.execute("ROLLBACK")
-                    migrate_from_v1(self.path, self._connect)
+                    if not isinstance(self._db, SqliteDatabase):
+                        raise LedgerError(f"{self.location}: ledger schema {row[0]} has no migration here")
+                    migrate_from_v1(self._db.path, self._connect)
                     return
                 create_tables(db)
                 if row is None:
                     db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                 db.execute("COMMIT")
-        except sqlite3.DatabaseError as error:
-            raise LedgerError(f"{self.path}: not a readable ledger ({error}); it was not modified") from None
+        except self._db.errors as error:
+            raise LedgerError(f"{self.location}: not a readable or reachable ledger ({error}); it was not "
+                              "modified") from None
 
     def _unit_key(self, create: bool) -> bytes:
         """The unit key; its fingerprint is stored in the ledger on first use and checked after."""
         if self._key is None:
+            if self.unit_key_path is None:
+                raise LedgerError(f"{self.location}: a shared (PostgreSQL) ledger needs the unit key file named "
+                                  "(ledger.unit_key), the same secret file on every worker")
             try:
                 key = load_or_create_key(self.unit_key_path, create=create)
             except UnitKeyError as error:
@@ -161,7 +173,7 @@ class Ledger:
                     db.execute("INSERT INTO meta VALUES ('unit_key_fingerprint', ?)", (key_fingerprint(key),))
                 db.execute("COMMIT")
             if row is not None and row[0] != key_fingerprint(key):
-                raise LedgerError(f"{self.unit_key_path}: this is not the unit key {self.path} was written with; "
+                raise LedgerError(f"{self.unit_key_path}: this is not the unit key {self.location} was written with; "
                                   "restore the right key file (or point ledger.unit_key at it)")
             self._key = key
         return self._key
@@ -222,7 +234,7 @@ class Ledger:
             db.execute("BEGIN IMMEDIATE")
             if db.execute("SELECT 1 FROM spends WHERE id = ?", (spend_id,)).fetchone() is None:
                 db.execute("ROLLBACK")
-                raise LedgerError(f"{self.path}: no spend with id {spend_id}")
+                raise LedgerError(f"{self.location}: no spend with id {spend_id}")
             db.execute("INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, ?, ?)",
                        (spend_id, time.time(), kind, json.dumps(detail or {})))
             db.execute("COMMIT")
@@ -234,11 +246,11 @@ class Ledger:
 
     # ---------------------------------------------------------------------------------- standing
     @staticmethod
-    def _base(db: sqlite3.Connection, lineage: str) -> History:
+    def _base(db: Any, lineage: str) -> History:
         row = db.execute("SELECT base FROM lineages WHERE name = ?", (lineage,)).fetchone()
         return tuple(json.loads(row[0])) if row else ()
 
-    def _standing_of_run(self, db: sqlite3.Connection, lineage: str, ids: np.ndarray | None) -> Standing:
+    def _standing_of_run(self, db: Any, lineage: str, ids: np.ndarray | None) -> Standing:
         """The run's units by history. ``ids`` None (units unknown): every unit of the lineage."""
         base = self._base(db, lineage)
         if ids is None:
@@ -250,11 +262,11 @@ class Ledger:
         history_of = cohorts.histories(db, present)
         return Standing([base + history_of[int(c)] for c in present], counts, lookup, [int(c) for c in present])
 
-    def _lineage_standing(self, db: sqlite3.Connection, lineage: str) -> Standing:
+    def _lineage_standing(self, db: Any, lineage: str) -> Standing:
         """Every unit of the lineage by history (the base alone stands for units not yet seen)."""
         return self._standing_of_run(db, lineage, None)
 
-    def _filter_order(self, db: sqlite3.Connection, lineage: str, budget: float) -> float:
+    def _filter_order(self, db: Any, lineage: str, budget: float) -> float:
         row = db.execute("SELECT filter_order FROM lineages WHERE name = ?", (lineage,)).fetchone()
         if row is not None and row[0] is not None:
             return float(row[0])

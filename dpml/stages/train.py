@@ -15,7 +15,6 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -93,7 +92,7 @@ def lineage_of(config: Config) -> str:
 
 
 def open_ledger(config: Config) -> Ledger:
-    return Ledger(config.ledger.path, config.ledger.delta, unit_key=config.ledger.unit_key)
+    return Ledger(config.ledger.location(), config.ledger.delta, unit_key=config.ledger.unit_key)
 
 
 def filter_units(config: Config, units: np.ndarray,
@@ -140,7 +139,7 @@ def _reserve(config: Config, layout: Layout, planned: MechanismDescription | Non
                            kl_budget=config.ledger.kl_budget, lineage=lineage_of(config), units=units,
                            mode=config.ledger.on_exhausted)
     try:
-        io.write_json(layout.spend, {"spend_id": spend.id, "ledger": str(Path(config.ledger.path).resolve()),
+        io.write_json(layout.spend, {"spend_id": spend.id, "ledger": ledger.location,
                                      "epsilon_alone": spend.epsilon_alone, "lineage": spend.lineage,
                                      "units": spend.n_units})
         fault_point("train:reserved")
