@@ -92,9 +92,17 @@ def postgres_server() -> Iterator[str]:
     import subprocess
     import tempfile
 
+    import pwd
+
     binaries = postgres_binaries()
     if binaries is None:
         pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) on this machine: the PostgreSQL ledger tests did not run")
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' user to run the server as (PostgreSQL refuses "
+                        "root): the PostgreSQL ledger tests did not run")
     root = Path(tempfile.mkdtemp(prefix="dpml-postgres-"))
     data = root / "data"
     if os.geteuid() == 0:
