@@ -5,12 +5,9 @@ A *lineage* (``ledger.dataset``; by default the name of ``data.source``: ``adult
 ``csv:data/adult.csv``) is one account shared by every version of a data set: the weekly table with
 five new rows is the same lineage, and the people in both versions carry their history with them.
 
-**Where.** A SQLite file (the embedded default) or a PostgreSQL database that many workers on many
-machines share (``ledger.url``; :mod:`dpml.privacy.ledger_db`): the same tables, statements and
-guarantees on both.
-
-**Spends.** The ledger holds an append-only table of spends. A spend is written — in one
-transaction with the record of which units it touched, before any training starts — with the planned
+**Spends.** A SQLite file, or a PostgreSQL database many workers share (``ledger.url``;
+:mod:`dpml.privacy.ledger_db`; the same statements and guarantees), holds an append-only table of
+spends. A spend is written — in one transaction with the record of which units it touched, before any training starts — with the planned
 mechanism; later rows only add events (``started``, ``trained``, ``released``, ``failed``) and never
 change or remove a spend. A crash or a SIGKILL at any point leaves the spend counted: the ledger can
 over-count a run that died before touching the data, never under-count one that did.
