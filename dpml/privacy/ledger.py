@@ -9,8 +9,9 @@ five new rows is the same lineage, and the people in both versions carry their h
 :mod:`dpml.privacy.ledger_db`; the same statements and guarantees), holds an append-only table of
 spends. A spend is written — in one transaction with the record of which units it touched, before
 any training starts — with the planned mechanism; later rows only add events (``started``,
-``trained``, ``released``, ``failed``) and never change or remove a spend. A crash or a SIGKILL at any point leaves the spend counted: the ledger can
-over-count a run that died before touching the data, never under-count one that did.
+``trained``, ``released``, ``failed``) and never change or remove a spend. A crash or a SIGKILL at
+any point leaves the spend counted: the ledger can over-count a run that died before touching the
+data, never under-count one that did.
 
 **When ε counts as spent.** From the reservation on — with one exception: a run that fails after its
 reservation but *before* its trainer was handed the training records (the ``started`` event) cancels
