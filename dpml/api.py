@@ -83,7 +83,6 @@ class RunSettings:
     steps: int
     noise_multiplier: float
     clip_norm: float
-    epochs: float
     optimizer: OptimizerChoice
     learning_rate: float
     momentum: float
@@ -91,7 +90,6 @@ class RunSettings:
     device: str
     num_workers: int
     n_classes: int
-    input_dtype: torch.dtype
     progress: bool
     autocast: str = "none"
 
@@ -323,8 +321,8 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
         target_epsilon, q, steps, delta, neighbouring)  # type: ignore[arg-type]
     mechanism = dpsgd_mechanism(q, sigma, epochs, neighbouring, clip_norm, n)  # type: ignore[arg-type]
     certificate = certify(mechanism, delta)
-    run = RunSettings(n, q, steps, sigma, clip_norm, epochs, optimizer, learning_rate, momentum, physical_batch_size,
-                      str(pick_device(device)), num_workers, number_of_classes(model, first), input_dtype, progress,
+    run = RunSettings(n, q, steps, sigma, clip_norm, optimizer, learning_rate, momentum, physical_batch_size,
+                      str(pick_device(device)), num_workers, number_of_classes(model, first), progress,
                       autocast)
     collective = from_environment()  # under torchrun: this process's rank
     if collective is None and world_size > 1:

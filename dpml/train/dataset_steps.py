@@ -22,8 +22,8 @@ from dpml.train.distributed import Collective
 from dpml.train.dpsgd import Step, share_of_batch
 
 
-def check_record(item: Any, index: int, n_classes: int | None = None) -> None:
-    """A record is a pair (input, integer label); the label in [0, n_classes) when that is known."""
+def check_record(item: Any, index: int) -> None:
+    """A record is a pair (input, integer label) (the labels' range is checked chunk by chunk, :func:`check_labels`)."""
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise ValueError(f"dataset[{index}]: a record must be a pair (input, label), got {type(item).__name__}"
                          + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
@@ -35,8 +35,6 @@ def check_record(item: Any, index: int, n_classes: int | None = None) -> None:
         label = int(label)
     if not isinstance(label, int) or isinstance(label, bool):
         raise ValueError(f"dataset[{index}]: the label must be one integer class, got {label!r}")
-    if n_classes is not None and not 0 <= label < n_classes:
-        raise ValueError(f"dataset[{index}]: label {label} is outside the {n_classes} classes [0, {n_classes})")
 
 
 def check_labels(labels: torch.Tensor, indices: torch.Tensor, n_classes: int) -> None:

@@ -264,7 +264,7 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
     batch_sizes: list[int] = []
     clipped: list[torch.Tensor] = []
     start = time.perf_counter()
-    lead = collective is None or collective.rank == 0
+    lead = collective is None or collective.lead
     model.train()
     for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps):
         sums, noises, clipped_count = clipped_chunks_and_noise(model, step.chunks, clip_norm, noise_multiplier,
