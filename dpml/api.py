@@ -251,9 +251,10 @@ def log_to_mlflow(tracking_uri: str, experiment: str, run_name: str | None, resu
     is *registered* only by the pipeline, after its audit and gate.)"""
     from mlflow import MlflowClient
 
+    from dpml.tracking import get_or_create_experiment
+
     client = MlflowClient(tracking_uri)
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location)
+    experiment_id = get_or_create_experiment(client, experiment, artifact_location)
     run = client.create_run(experiment_id, run_name=run_name, tags={"dpml.source": "python-api"})
     run_id = run.info.run_id
     try:

@@ -47,9 +47,19 @@ def run_summary(results: dict[str, Any]) -> str:
         f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
-        "  UI                   mlflow ui --backend-store-uri " + release["tracking_uri"] + " --host 127.0.0.1",
+        "  UI                   " + ui_hint(release["tracking_uri"]),
     ]
     return "\n".join(lines)
+
+
+def ui_hint(uri: str) -> str:
+    """Where to look at the release: a tracking server is opened in a browser at its own URL; the embedded
+    store through ``mlflow ui`` on its database."""
+    from dpml.store import is_server
+
+    if is_server(uri):
+        return f"{uri.rstrip('/')}  (the tracking server's UI)"
+    return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1"
 
 
 def power_summary(audit: dict) -> list[str]:

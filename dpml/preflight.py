@@ -85,17 +85,19 @@ def check_writable(key: str, folder: str | Path) -> None:
 
 def folders(config: Config) -> dict[str, Path]:
     """Every folder a run writes to, by the key that names it."""
-    from dpml.store import sqlite_path, tracking_uri
+    from dpml.store import is_server, sqlite_path, tracking_uri
 
     from dpml.privacy.ledger_db import is_postgres, sqlite_file
 
     out = {"paths.data": Path(config.paths.data), "paths.artifacts": Path(config.paths.artifacts),
-           "paths.cache": Path(config.paths.cache), "tracking.artifact_root": Path(config.tracking.artifact_root)}
-    if not is_postgres(config.ledger.location()):
-        out["ledger.url" if config.ledger.url else "ledger.path"] = sqlite_file(config.ledger.location()).parent
+           "paths.cache": Path(config.paths.cache)}
     database = sqlite_path(tracking_uri(config.tracking))
     if database is not None:
         out["tracking.uri"] = database.parent
+    if not is_server(tracking_uri(config.tracking)):  # a server keeps its own artifacts
+        out["tracking.artifact_root"] = Path(config.tracking.artifact_root)
+    if not is_postgres(config.ledger.location()):
+        out["ledger.url" if config.ledger.url else "ledger.path"] = sqlite_file(config.ledger.location()).parent
     return out
 
 

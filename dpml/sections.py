@@ -365,7 +365,9 @@ class TrackingConfig(Section):
     """MLflow. ``MLFLOW_TRACKING_URI`` in the environment overrides ``uri``. ``model_name``: the
     registered model the releases become versions of; left out, each data set gets its own,
     ``dpml-<name of data.source>`` (``dpml-census`` for ``csv:data/census.csv``; filled in by
-    :func:`dpml.config.validate`, so the logged configuration names it)."""
+    :func:`dpml.config.validate`, so the logged configuration names it). ``artifact_root`` is where the
+    embedded store keeps artifacts; with a tracking server (``http(s)://``) the server's artifact store is
+    used instead, so every machine can load what any worker registered."""
 
     uri: str = "sqlite:///mlflow.db"
     artifact_root: str = "mlartifacts"

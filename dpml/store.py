@@ -60,6 +60,11 @@ def activate(config: TrackingConfig) -> str:
     return uri
 
 
+def is_server(uri: str) -> bool:
+    """A tracking *server* (``http(s)://``): it owns its artifact store and serialises writes itself."""
+    return uri.startswith(("http://", "https://"))
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI (None for any other store)."""
     if not uri.startswith("sqlite:///"):

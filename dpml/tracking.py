@@ -25,19 +25,51 @@ from mlflow import MlflowClient
 from dpml.config import TrackingConfig
 from dpml.faults import fault_point
 from dpml.serving import load_network, log_classifier
-from dpml.store import activate, store_lock, tracking_uri
+from dpml.store import activate, is_server, store_lock, tracking_uri
 
-__all__ = ["CHAMPION", "clean_up_killed_runs", "finished_releases", "load_run_json", "log_audit", "log_release", "resolve_model", "tracking_uri"]
+__all__ = ["CHAMPION", "clean_up_killed_runs", "finished_releases", "get_or_create_experiment", "load_run_json",
+           "log_audit", "log_release", "resolve_model", "tracking_uri"]
 
 CHAMPION = "champion"
 
 
 def _experiment_id(config: TrackingConfig) -> str:
-    experiment = mlflow.get_experiment_by_name(config.experiment)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = Path(config.artifact_root).resolve().as_uri()
-    return mlflow.create_experiment(config.experiment, artifact_location=location)
+    """The configured experiment, created if new. On a tracking server its artifact location is left to
+    the server (artifacts go through its proxy to its store, readable from any machine); on the embedded
+    store it is ``tracking.artifact_root``."""
+    uri = tracking_uri(config)
+    location = None if is_server(uri) else Path(config.artifact_root).resolve().as_uri()
+    return get_or_create_experiment(MlflowClient(uri), config.experiment, location)
+
+
+def _already_exists(error: mlflow.exceptions.MlflowException) -> bool:
+    return error.error_code == "RESOURCE_ALREADY_EXISTS"
+
+
+def get_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None) -> str:
+    """The experiment's id, creating it if it does not exist; race-free: when another worker creates it
+    between the lookup and the creation, its experiment is used."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location)
+        except mlflow.exceptions.MlflowException as error:
+            if not _already_exists(error):
+                raise
+            found = client.get_experiment_by_name(name)
+    if found is None or found.lifecycle_stage != "active":
+        raise RuntimeError(f"tracking.experiment = {name!r}: the experiment is deleted in the store; restore it "
+                           f"(mlflow experiments restore --experiment-id ...) or choose another name")
+    return found.experiment_id
+
+
+def _ensure_registered_model(client: MlflowClient, name: str) -> None:
+    """Create the registered model if it does not exist; race-free like :func:`get_or_create_experiment`."""
+    try:
+        client.create_registered_model(name, description="dpml releases: DP-trained, audited")
+    except mlflow.exceptions.MlflowException as error:
+        if not _already_exists(error):
+            raise
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
@@ -68,18 +100,13 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
         with tempfile.TemporaryDirectory(prefix="dpml-model-") as workdir:
             info = log_classifier(model, in_features, serving_spec, Path(workdir))
         with store_lock(config):  # one registration at a time: the alias ends on the newest passing release
-            try:
-                client.get_registered_model(model_name)
-            except mlflow.exceptions.MlflowException:
-                client.create_registered_model(model_name,
-                                               description="dpml releases: DP-trained, audited")
+            _ensure_registered_model(client, model_name)
             version = client.create_model_version(
                 name=model_name, source=info.model_uri, run_id=run.info.run_id,
                 tags=version_tags, model_id=info.model_id,
             )
             fault_point("register:after_version")
-            if promote:
-                client.set_registered_model_alias(model_name, CHAMPION, version.version)
+            champion = _point_champion_at_newest_passing(client, model_name) if promote else None
             fault_point("register:after_alias")
     return {
         "run_id": run.info.run_id,
@@ -87,7 +114,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
         "model_name": model_name,
         "model_version": str(version.version),
         "model_uri": f"models:/{model_name}/{version.version}",
-        "champion": promote,
+        "champion": champion == str(version.version),
         "tracking_uri": tracking_uri(config),
     }
 
@@ -128,11 +155,22 @@ def clean_up_killed_runs(config: TrackingConfig) -> list[dict[str, str]]:
     return cleaned
 
 
-def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> None:
-    """The alias policy (newest release whose gate passed), applied to what is left of the model."""
-    passing = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get("gate.passed") == "true"]
-    if passing:
-        client.set_registered_model_alias(name, CHAMPION, max(passing, key=lambda v: int(v.version)).version)
+def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | None:
+    """The alias policy (newest release whose gate passed), applied to the model's versions; returns the
+    version the alias ends on.
+
+    On a tracking server no lock orders concurrent registrations, so the alias is set, read back and
+    set again until the store agrees: the last worker to write re-reads after every other worker's
+    version exists, so the alias always ends on the newest passing release."""
+    for _ in range(50):
+        passing = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get("gate.passed") == "true"]
+        if not passing:
+            return None
+        newest = str(max(int(v.version) for v in passing))
+        if client.get_registered_model(name).aliases.get(CHAMPION) == newest:
+            return newest
+        client.set_registered_model_alias(name, CHAMPION, newest)
+    raise RuntimeError(f"registered model {name!r}: the {CHAMPION} alias did not settle after 50 writes")
 
 
 def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> dict[int, dict[str, str]]:

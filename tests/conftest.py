@@ -142,3 +142,55 @@ def ledger_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "l.db")
     return request.getfixturevalue("postgres_url")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real ``mlflow server`` on 127.0.0.1 and a free port, as a team would run it: its own backend
+    store and a server-side artifact store (``--artifacts-destination``) that clients reach only through
+    the server's proxy. Yields ``{"url", "artifacts", "log"}``."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    log = root / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    with open(log, "w") as sink:
+        server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                                   "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
+                                   "--artifacts-destination", str(root / "artifact-store"), "--workers", "2"],
+                                  cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield {"url": url, "artifacts": root / "artifact-store", "log": log}
+    finally:
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

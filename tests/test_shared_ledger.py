@@ -1,11 +1,12 @@
-"""One budget for a team: workers in separate checkouts share one ledger on a real PostgreSQL server.
+"""One budget for a team: workers in separate checkouts share one ledger on a real PostgreSQL server
+and one real MLflow tracking server.
 
-Two working directories (two "workers") prepare the same data, then train at the same moment, each
-a real ``dpml stage train`` process, against one PostgreSQL ledger with budget for one run: exactly
-one trains; the other is refused before training with one ``dpml: error:`` line that names the
-lineage, its spent ε and the budget, and no traceback. ``dpml ledger`` run from a third directory
-reads the same account. A configuration naming a PostgreSQL ledger without the shared unit key file
-is refused when it is loaded.
+Two working directories (two "workers") run the whole pipeline on the same data at the same moment,
+each a real ``dpml run`` process, against one PostgreSQL ledger with budget for one run: exactly one
+trains and registers on the server; the other is refused before training with one ``dpml: error:``
+line that names the lineage, its spent ε and the budget, and no traceback. ``dpml ledger`` run from a
+third directory reads the same account. A configuration naming a PostgreSQL ledger without the shared
+unit key file is refused when it is loaded.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from mlflow import MlflowClient
 
 from dpml.config import load
 from dpml.privacy.accountants import epsilon_pld
@@ -38,14 +41,13 @@ def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
-def worker(root: Path, name: str, url: str, key: Path, budget: float) -> Path:
+def worker(root: Path, name: str, url: str, key: Path, budget: float, tracking: str) -> Path:
     workdir = root / name
     workdir.mkdir()
-    params = small_params(workdir, ledger={"url": url, "unit_key": str(key), "epsilon_budget": budget, "delta": 1e-5})
+    params = small_params(workdir, ledger={"url": url, "unit_key": str(key), "epsilon_budget": budget, "delta": 1e-5},
+                          gate={"epsilon_budget": 50.0})
+    params["tracking"] = {"uri": tracking, "experiment": "team", "model_name": "team-model"}
     write_params(workdir / "params.yaml", params)
-    for stage in ("ingest", "split", "preprocess"):
-        code, _, err = finished(dpml(workdir, "stage", stage))
-        assert code == 0, err[-2000:]
     return workdir
 
 
@@ -56,15 +58,17 @@ def one_run_epsilon(workdir: Path, runs: int) -> float:
     return epsilon_pld(MechanismDescription("dpsgd", (step,) * runs, "add-remove", 1.0, 1000), 1e-5)
 
 
-def test_two_workers_one_postgresql_budget_exactly_one_trains(postgres_url: str, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_two_workers_one_postgresql_budget_exactly_one_trains(postgres_url: str, mlflow_server: dict[str, Any],
+                                                              tmp_path: Path) -> None:
     key = tmp_path / "team-unit.key"
     probe = tmp_path / "probe"
     probe.mkdir()
     write_params(probe / "params.yaml", small_params(probe))
     one, two = one_run_epsilon(probe, 1), one_run_epsilon(probe, 2)
     budget = (one + two) / 2  # room for one run on these records, not two
-    workers = [worker(tmp_path, name, postgres_url, key, budget) for name in ("worker-a", "worker-b")]
-    running = [dpml(w, "stage", "train") for w in workers]
+    workers = [worker(tmp_path, name, postgres_url, key, budget, mlflow_server["url"]) for name in ("worker-a", "worker-b")]
+    running = [dpml(w, "run", "--engine", "local") for w in workers]
     outcomes = [finished(p) for p in running]
     codes = sorted(code for code, _, _ in outcomes)
     assert codes[0] == 0 and codes[1] != 0, [err[-2000:] for _, _, err in outcomes]
@@ -76,6 +80,8 @@ def test_two_workers_one_postgresql_budget_exactly_one_trains(postgres_url: str,
     assert f"ε = {one:.4g}" in errors[0] or "spent ε =" in errors[0]
     loser = workers[[code for code, _, _ in outcomes].index(codes[1])]
     assert not (loser / "artifacts" / "train" / "model.pt").exists()
+    versions = MlflowClient(mlflow_server["url"]).search_model_versions("name = 'team-model'")
+    assert [v.version for v in versions] == ["1"]
     ledger = Ledger(postgres_url, 1e-5, unit_key=key)
     (spend,) = ledger.spends()
     assert spend.lineage == "digits" and ledger.total("digits") == pytest.approx(one, rel=1e-3)
