@@ -328,6 +328,8 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     collective = from_environment()  # under torchrun: this process's rank
     if collective is None and world_size > 1:
         check_picklable("world_size", world_size, model=model, dataset=dataset, loss=loss_fn, optimizer=optimizer)
+    if num_workers > 0:  # the loader's workers start from a fork server and receive the dataset pickled
+        check_picklable("num_workers", num_workers, "read in this process (num_workers = 0)", dataset=dataset)
     lead = collective is None or collective.lead
     agreement_device = process_device(run.device, collective.rank) if collective else "cpu"
     book = (ledger if isinstance(ledger, Ledger) else Ledger(ledger, delta)) if ledger is not None and lead else None

@@ -165,6 +165,18 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """Rebuild a release from its provenance and compare (``--verify``: no training, no ε)."""
+    import os
+    from pathlib import Path
+
+    from dpml.reproduce import reproduce
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    config = load(args.params, args.set)
+    return 0 if reproduce(args.model, config, Path.cwd(), args.verify, args.accuracy_band) else 3
+
+
 def cmd_certificate(args: argparse.Namespace) -> int:
     """Recompute a logged run's certificate from its logged mechanism description."""
     from dpml.privacy.accountants import certify
@@ -232,6 +244,13 @@ def _rate(text: str) -> float:
     value = _number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1]")
+    return value
+
+
+def _band(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be in [0, 1]")
     return value
 
 
@@ -306,6 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--out", default=None, help="folder for the rebuilt data and audit outputs (default artifacts/reaudit)")
     config_args(aud)
     aud.set_defaults(func=cmd_audit)
+
+    rep = sub.add_parser("reproduce", help="rebuild a registered release's code, data and certificate and check them")
+    rep.add_argument("model", help="models:/NAME/VERSION or models:/NAME@ALIAS")
+    rep.add_argument("--verify", action="store_true",
+                     help="check out its commit, pull its data from the DVC remote, check both hashes, recompute the "
+                          "certificate; no training, no ε (without it: retrain by dvc repro, charged to the ledger)")
+    rep.add_argument("--accuracy-band", type=_band, default=0.05,
+                     help="retraining: largest accepted |test accuracy - released| (default 0.05)")
+    config_args(rep)
+    rep.set_defaults(func=cmd_reproduce)
 
     cert = sub.add_parser("certificate", help="recompute a logged run's certificate from its mechanism description")
     cert.add_argument("--run", required=True, help="MLflow run id of a pipeline run")

@@ -11,7 +11,9 @@ in order, and stops at the first problem with one line naming the key, value or 
 4. the MLflow store: created, migrated or repaired under its lock (:func:`dpml.store.prepare_store`),
    or, for a server, reachable;
 5. the ledger: readable, not from a newer dpml, and its unit key present and its own;
-6. a table's header: every declared column (label, features, id) is in the file.
+6. a table's header: every declared column (label, features, id) is in the file;
+7. for a run of the workspace's DVC pipeline, its default DVC remote (a local one must be writable),
+   where registration pushes the release's records (:mod:`dpml.provenance`).
 
 The configuration itself was validated when it was loaded, and the records are read by the ingest
 stage, which runs before any spend.
@@ -122,6 +124,22 @@ def preflight(config: Config) -> None:
         key = "ledger.url" if config.ledger.url else "ledger.path"
         raise PreflightError(f"{key} = {without_password(config.ledger.location())!r}: {error}") from None
     check_table_header(config)
+    check_dvc_remote(config)
+
+
+def check_dvc_remote(config: Config) -> None:
+    """A run that registration will record in DVC has a default DVC remote to push its records to."""
+    from dpml.provenance import ProvenanceError, default_remote, is_dvc_pipeline_run
+
+    root = Path.cwd()
+    if is_dvc_pipeline_run(config, root) is not None:
+        return
+    try:
+        name, url = default_remote(root)
+    except ProvenanceError as error:
+        raise PreflightError(str(error)) from None
+    if "://" not in url:
+        check_writable(f"DVC remote {name!r}", Path(url))
 
 
 def check_table_header(config: Config) -> None:

@@ -167,7 +167,7 @@ def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | 
         if not passing:
             return None
         newest = str(max(int(v.version) for v in passing))
-        if client.get_registered_model(name).aliases.get(CHAMPION) == newest:
+        if str(client.get_registered_model(name).aliases.get(CHAMPION)) == newest:  # an int from SQLite, a str from a server
             return newest
         client.set_registered_model_alias(name, CHAMPION, newest)
     raise RuntimeError(f"registered model {name!r}: the {CHAMPION} alias did not settle after 50 writes")

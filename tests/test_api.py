@@ -89,6 +89,16 @@ def test_dataset_path_trains_exactly_what_the_tensor_path_trains() -> None:
     assert largest_difference(other_seed, through_api) > 0.01  # the seed drives the batches and the noise
 
 
+def test_workers_need_a_dataset_that_pickles_and_say_so_before_training() -> None:
+    data = Blobs()
+    data.transform = lambda x: x  # type: ignore[attr-defined]  # a lambda does not pickle
+    model = network()
+    with pytest.raises(ValueError, match=r"num_workers = 2: the dataset goes to each process by pickling .*"
+                                         r"read in this process \(num_workers = 0\)"):
+        dpml.train_private(model, data, num_workers=2, **SETTINGS)
+    assert largest_difference(model, network()) == 0.0
+
+
 class Indices(Dataset):  # type: ignore[type-arg]
     """Record i is (tensor([i]), i % 3): a chunk's inputs say which records it holds."""
 

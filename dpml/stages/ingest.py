@@ -3,6 +3,7 @@ each row's privacy-unit digest (:mod:`dpml.privacy.units`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +24,7 @@ def ingest(config: Config) -> dict[str, Any]:
     arrays = {"x": raw.x, "y": raw.y}
     if raw.x_test is not None and raw.y_test is not None:
         arrays |= {"x_test": raw.x_test, "y_test": raw.y_test}
-    version = content_hash(*arrays.values(), *([raw.units] if raw.units is not None else []))
+    version = records_version(arrays, raw.units)
     units = raw.units if raw.units is not None else digests_of_rows(raw.x, raw.y)
     io.write_npz(layout.raw, **arrays, units=units)
     meta = {
@@ -37,3 +38,17 @@ def ingest(config: Config) -> dict[str, Any]:
         meta |= {"columns": raw.columns, "slot_counts": raw.slot_counts}
     io.write_json(layout.raw_meta, meta)
     return meta
+
+
+def records_version(arrays: dict[str, np.ndarray], units: np.ndarray | None) -> str:
+    """``data.version``: the content hash of the records (``x``, ``y``, a predefined test split) and,
+    when an id column names each row's person, of those ids."""
+    return content_hash(*(arrays[k] for k in ("x", "y", "x_test", "y_test") if k in arrays),
+                        *([units] if units is not None else []))
+
+
+def stored_records_version(path: Path, by_id_column: bool) -> str:
+    """:func:`records_version` of the records the ingest stage stored at ``path``."""
+    with np.load(path) as stored:
+        arrays = {k: stored[k] for k in stored.files}
+    return records_version(arrays, arrays["units"] if by_id_column else None)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from dpml import io
 from dpml.faults import fault_point
 from dpml.privacy.mechanism import MechanismDescription
+from dpml.provenance import release_provenance
 from dpml.stages.audit import power_and_conformance_metrics, strongest
 from dpml.stages.layout import Layout, load_model
 from dpml.stages.train import lineage_of, open_ledger, release_config
@@ -67,6 +68,7 @@ def register(config: Config) -> dict[str, Any]:
     """Log the run to MLflow and register the model version with its privacy tags."""
     from dpml import tracking
 
+    as_run = config
     config = release_config(config)
     layout = Layout(config)
     certificate = io.read_json(layout.certificate)
@@ -132,18 +134,20 @@ def register(config: Config) -> dict[str, Any]:
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
                              layout.model_spec, layout.tuning, layout.model_source) if p.exists()]
     reconcile_interrupted_releases(config, ledger)
+    provenance, logged_files = release_provenance(as_run, searched=layout.tuning.exists())
+    version_tags |= provenance
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
     seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()
     version_tags["noise_seed.fixed"] = seed_fixed
     release = tracking.log_release(
         config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
-        params=config.flat(), metrics=metrics, artifacts=artifacts, model=load_model(layout),
+        params=config.flat(), metrics=metrics, artifacts=artifacts + logged_files, model=load_model(layout),
         in_features=int(io.read_json(layout.prepared_meta)["n_features"]), serving_spec=serving_spec(config, data_meta),
         version_tags=version_tags, promote=decision["passed"],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
-                  "ledger.spend_id": str(spend["spend_id"])},
+                  "ledger.spend_id": str(spend["spend_id"]), **provenance},
         documents={"config.json": config.to_dict()},
     )
     fault_point("register:before_released_event")

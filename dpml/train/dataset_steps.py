@@ -6,17 +6,22 @@ clipped sums of the chunks add up to the step's sum (:func:`dpml.train.dpsgd.cli
 Reading happens in this process (``num_workers = 0``) or in a ``DataLoader``'s worker processes fed
 by :class:`PoissonChunkSampler`, which runs ahead of the training loop by at most the loader's
 prefetch; either way the records read at step t are exactly B_t's (this process's share of it, in a
-distributed run).
+distributed run). The workers start from a fork server (Python 3.14's default on Linux), not as forks
+of this process: a fork of a process that holds threads (a Prefect flow's, Dask's, MLflow's) can die
+silently, so the dataset goes to them pickled.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 from collections import deque
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 
 from dpml.train.distributed import Collective
 from dpml.train.dpsgd import Step, share_of_batch
@@ -100,7 +105,8 @@ def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, phy
             yield Step(batch, chunks())
         return
     sampler = PoissonChunkSampler(batches, physical_batch_size, collective)
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=device.type == "cuda")
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=device.type == "cuda",
+                        multiprocessing_context=WORKER_START)
     chunk_iterator = iter(loader)
     waiting: deque[Any] = deque()  # chunks read while looking for the next step's entry in the plan
 

@@ -128,7 +128,7 @@ def _process_main(rank: int, world_size: int, port: int, backend: str, threads: 
         dist.destroy_process_group()
 
 
-def check_picklable(key: str, world_size: int, **objects: Any) -> None:
+def check_picklable(key: str, world_size: int, remedy: str = "train in one process", **objects: Any) -> None:
     """What :func:`spawn` sends to its processes must pickle (tensors go by shared memory, as they will):
     refused before any spend, naming the object, rather than failing once the run has started."""
     from multiprocessing.reduction import ForkingPickler
@@ -139,7 +139,7 @@ def check_picklable(key: str, world_size: int, **objects: Any) -> None:
         except Exception as error:
             raise ValueError(f"{key} = {world_size}: the {name} goes to each process by pickling and cannot be "
                              f"pickled ({type(error).__name__}: {error}); define its class or function at module "
-                             "level in an importable file, or train in one process") from error
+                             f"level in an importable file, or {remedy}") from error
 
 
 def spawn(world_size: int, device: str, worker: Callable[..., Any], *args: Any) -> Any:

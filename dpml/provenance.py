@@ -1,0 +1,134 @@
+"""Where a release came from: the code (git), the exact records (DVC), the settings (params.yaml, dvc.lock).
+
+Each registered version carries enough to rebuild it on another machine:
+
+- ``code.commit`` and ``code.dirty``: the git commit of the working directory and whether any file
+  other than ``params.yaml`` and ``dvc.lock`` (both logged with the run) differs from it;
+- ``data.dvc_md5``: DVC's hash of ``data/raw`` (the ingested records, the bytes training saw), beside
+  dpml's own ``data.version``, and ``data.dvc_remote``: the DVC remote they were pushed to *before* the
+  version was registered (``dvc push`` of the ingest stage's output);
+- the artifacts ``params.yaml`` and ``dvc.lock``.
+
+The DVC part applies when the run is the workspace's DVC pipeline: the working directory holds
+``dvc.yaml`` and ``.dvc`` and the run's configuration is ``params.yaml`` as it stands (a run with
+``--params``/``--set`` is described by no ``dvc.yaml`` stage). Otherwise ``data.dvc`` says why not.
+``dpml reproduce`` (:mod:`dpml.reproduce`) reads these tags back.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+if TYPE_CHECKING:
+    from dpml.config import Config
+
+LOGGED_FILES = ("params.yaml", "dvc.lock")
+RAW_DATA = "data/raw"
+
+
+class ProvenanceError(RuntimeError):
+    """The release's data could not be recorded; nothing was registered."""
+
+
+def git(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+
+def dvc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True)
+
+
+def code_state(root: Path) -> dict[str, str]:
+    """``code.commit`` (``none`` outside a git checkout) and ``code.dirty`` of the working directory."""
+    head = git(root, "rev-parse", "HEAD")
+    if head.returncode != 0:
+        return {"code.commit": "none", "code.dirty": "unknown"}
+    changed = git(root, "status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in LOGGED_FILES))
+    return {"code.commit": head.stdout.strip(), "code.dirty": str(bool(changed.stdout.strip())).lower()}
+
+
+def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> str | None:
+    """None when this run is the workspace's DVC pipeline, else why not."""
+    from dpml.config import load
+
+    if searched:
+        return "not recorded: a hyperparameter search (dpml tune) is not the pipeline dvc.yaml describes"
+    if not (root / "dvc.yaml").is_file() or not (root / ".dvc").is_dir():
+        return "not recorded: the working directory is not a DVC workspace"
+    if not (root / "params.yaml").is_file():
+        return "not recorded: no params.yaml in the working directory"
+    if _resolved(load(root / "params.yaml")) != _resolved(config):
+        return "not recorded: the run's configuration is not params.yaml as it stands (--params or --set)"
+    if Path(config.paths.data).resolve() != (root / "data").resolve():
+        return "not recorded: paths.data is not the data folder dvc.yaml names"
+    return None
+
+
+def _resolved(config: Config) -> dict:
+    paths = {k: str(Path(v).resolve()) for k, v in config.paths.model_dump().items()}
+    return config.model_copy(update={"paths": config.paths.model_copy(update=paths)}).to_dict()
+
+
+def default_remote(root: Path) -> tuple[str, str]:
+    """The workspace's default DVC remote: its name and its URL (DVC makes a local path absolute)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        name = repo.config["core"].get("remote")
+        remote = repo.config["remote"].get(name, {}) if name else {}
+    if not name:
+        raise ProvenanceError(f"{root}: no default DVC remote; add one (dvc remote add -d NAME URL) to record releases")
+    if not remote.get("url"):
+        raise ProvenanceError(f"{root}: the default DVC remote {name!r} is not defined (dvc remote list)")
+    return str(name), str(remote["url"])
+
+
+def locked_raw_data_md5(root: Path) -> str:
+    """DVC's hash of ``data/raw`` as ``dvc.lock`` records it for the ingest stage."""
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    for out in lock["stages"]["ingest"]["outs"]:
+        if out["path"] == RAW_DATA:
+            return str(out["md5"])
+    raise ProvenanceError(f"{root / 'dvc.lock'}: the ingest stage records no {RAW_DATA}")
+
+
+RECORDED_STAGES = ("ingest", "split", "preprocess", "train", "certify", "audit", "gate")
+
+
+def push_raw_data(root: Path) -> dict[str, str]:
+    """Record the stages before ``register`` in ``dvc.lock`` (``dvc commit``; under ``dvc repro`` they
+    already are) and push the ingest stage's ``data/raw`` to the default remote. Raises
+    :class:`ProvenanceError` if the ingest stage cannot be committed or pushed, before anything is
+    registered. Where a later stage's outputs differ from what ``dvc.yaml`` declares (a setting that
+    leaves one out), only the ingest stage is recorded and ``dvc.lock_scope`` says so."""
+    name, url = default_remote(root)
+    everything = dvc(root, "commit", "--force", "--quiet", *RECORDED_STAGES)
+    scope = "ingest..gate"
+    if everything.returncode != 0:
+        scope = f"ingest only ({(everything.stderr or everything.stdout).strip()[-300:]})"
+    for args in (("commit", "--force", "--quiet", "ingest"), ("push", "--quiet", "ingest")):
+        done = dvc(root, *args)
+        if done.returncode != 0:
+            raise ProvenanceError(f"dvc {' '.join(args)} failed ({(done.stderr or done.stdout).strip()[-800:]}); "
+                                  f"the release's data must reach the DVC remote {name!r} ({url}) before it is "
+                                  "registered")
+    return {"data.dvc_md5": locked_raw_data_md5(root), "data.dvc_remote": url, "data.dvc": "pushed",
+            "dvc.lock_scope": scope}
+
+
+def release_provenance(config: Config, searched: bool, root: Path | None = None) -> tuple[dict[str, str], list[Path]]:
+    """The provenance tags of a release and the files to log with it (see the module docstring)."""
+    root = Path.cwd() if root is None else root
+    tags = code_state(root)
+    why_not = is_dvc_pipeline_run(config, root, searched)
+    if why_not is None:
+        tags |= push_raw_data(root)
+    else:
+        tags["data.dvc"] = why_not
+    files = [root / name for name in LOGGED_FILES if (root / name).is_file() and why_not is None]
+    return tags, files
