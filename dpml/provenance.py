@@ -17,6 +17,7 @@ The DVC part applies when the run is the workspace's DVC pipeline: the working d
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,11 @@ class ProvenanceError(RuntimeError):
 
 
 def git(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    """``git ARGS`` in ``root``; a machine without git answers like a directory outside a repository."""
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(["git", *args], 127, "", "git is not installed")
 
 
 def dvc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -62,7 +67,11 @@ def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> s
         return "not recorded: the working directory is not a DVC workspace"
     if not (root / "params.yaml").is_file():
         return "not recorded: no params.yaml in the working directory"
-    if _resolved(load(root / "params.yaml")) != _resolved(config):
+    try:
+        workspace = load(root / "params.yaml")
+    except Exception as error:  # noqa: BLE001 - an unrelated, broken params.yaml: not this run's description
+        return f"not recorded: params.yaml in the working directory does not load ({type(error).__name__})"
+    if _resolved(workspace) != _resolved(config):
         return "not recorded: the run's configuration is not params.yaml as it stands (--params or --set)"
     if Path(config.paths.data).resolve() != (root / "data").resolve():
         return "not recorded: paths.data is not the data folder dvc.yaml names"
@@ -107,11 +116,15 @@ def push_raw_data(root: Path) -> dict[str, str]:
     registered. Where a later stage's outputs differ from what ``dvc.yaml`` declares (a setting that
     leaves one out), only the ingest stage is recorded and ``dvc.lock_scope`` says so."""
     name, url = default_remote(root)
-    everything = dvc(root, "commit", "--force", "--quiet", *RECORDED_STAGES)
-    scope = "ingest..gate"
-    if everything.returncode != 0:
-        scope = f"ingest only ({(everything.stderr or everything.stdout).strip()[-300:]})"
-    for args in (("commit", "--force", "--quiet", "ingest"), ("push", "--quiet", "ingest")):
+    steps: list[tuple[str, ...]] = [("push", "ingest")]
+    scope = "ingest..gate, recorded by dvc repro"
+    if not os.environ.get("DVC_STAGE"):  # under dvc repro, DVC recorded each stage as it ran it (and locks its outputs)
+        everything = dvc(root, "commit", "--force", *RECORDED_STAGES)
+        scope = "ingest..gate"
+        if everything.returncode != 0:
+            scope = f"ingest only ({(everything.stderr or everything.stdout).strip()[-300:]})"
+        steps.insert(0, ("commit", "--force", "ingest"))
+    for args in steps:
         done = dvc(root, *args)
         if done.returncode != 0:
             raise ProvenanceError(f"dvc {' '.join(args)} failed ({(done.stderr or done.stdout).strip()[-800:]}); "

@@ -21,7 +21,7 @@ from typing import Any
 from prefect import flow, get_client, unmapped
 from prefect_dask import DaskTaskRunner
 
-from dpml.config import AuditConfig, Config, check_tunable, load
+from dpml.config import AuditConfig, Config, ConfigBase, check_tunable, load
 from dpml.preflight import preflight
 from tasks import stages as t
 
@@ -58,7 +58,9 @@ def absolute_paths(config: Config) -> Config:
 
 
 @flow(name="train-reference-models", log_prints=True)
-def train_reference_models(config: Config, jobs: list[tuple[str, bool, float | None, int]]) -> list[dict[str, Any]]:
+def train_reference_models(config: ConfigBase, jobs: list[tuple[str, bool, float | None, int]]) -> list[dict[str, Any]]:
+    # ConfigBase, not Config: Prefect validates a flow's arguments against the annotation, and a trainer
+    # registered at run time (a plugin) rebuilds Config, so an older Config class would refuse them.
     futures = t.train_reference.map(config=unmapped(config), job=jobs)
     return [future.result() for future in futures]
 

@@ -1,0 +1,61 @@
+"""Provenance tags, fast: the git state of a working directory and when a run counts as the DVC pipeline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dpml.config import load
+from dpml.provenance import code_state, is_dvc_pipeline_run
+from tests.conftest import small_params, write_params
+
+GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.org"}
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True, env=GIT_ENV).stdout
+
+
+def test_code_state_names_the_commit_and_counts_every_change_but_the_logged_files(tmp_path: Path) -> None:
+    assert code_state(tmp_path) == {"code.commit": "none", "code.dirty": "unknown"}
+    git(tmp_path, "init", "-q")
+    for name in ("code.py", "params.yaml", "dvc.lock"):
+        (tmp_path / name).write_text("v1\n")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "one")
+    head = git(tmp_path, "rev-parse", "HEAD").strip()
+    assert code_state(tmp_path) == {"code.commit": head, "code.dirty": "false"}
+    (tmp_path / "params.yaml").write_text("v2\n")  # logged with the run: not a code change
+    (tmp_path / "dvc.lock").write_text("v2\n")
+    assert code_state(tmp_path)["code.dirty"] == "false"
+    (tmp_path / "helper.py").write_text("new\n")  # an untracked file the run may import
+    assert code_state(tmp_path)["code.dirty"] == "true"
+    (tmp_path / "helper.py").unlink()
+    (tmp_path / "code.py").write_text("v2\n")
+    assert code_state(tmp_path) == {"code.commit": head, "code.dirty": "true"}
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / ".dvc").mkdir()
+    params = small_params(tmp_path)
+    params["paths"]["data"] = str(tmp_path / "data")
+    write_params(tmp_path / "params.yaml", params)
+    return tmp_path
+
+
+def test_only_params_yaml_as_it_stands_is_the_dvc_pipeline(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    config = load(workspace / "params.yaml")
+    assert is_dvc_pipeline_run(config, workspace) is None
+    assert "a hyperparameter search" in str(is_dvc_pipeline_run(config, workspace, searched=True))
+    changed = load(workspace / "params.yaml", ["train.epochs=1"])
+    assert "not params.yaml as it stands" in str(is_dvc_pipeline_run(changed, workspace))
+    elsewhere = tmp_path_factory.mktemp("plain")
+    assert "not a DVC workspace" in str(is_dvc_pipeline_run(config, elsewhere))
+    (workspace / "params.yaml").write_text("train: [unclosed\n")
+    assert "params.yaml in the working directory does not load" in str(is_dvc_pipeline_run(config, workspace))
