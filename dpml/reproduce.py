@@ -46,25 +46,12 @@ class ReproduceError(RuntimeError):
 
 def release_tags(uri: str, tracking: Any) -> dict[str, Any]:
     """The registered version's name, number, run id and tags (``models:/NAME/VERSION`` or ``@ALIAS``)."""
-    import mlflow
-    from mlflow import MlflowClient
+    from dpml.tracking import find_version
 
-    from dpml.store import activate
-
-    activate(tracking)
-    client = MlflowClient()
-    rest = uri.removeprefix("models:/")
     try:
-        if "@" in rest:
-            name, alias = rest.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
-        else:
-            name, number = rest.rsplit("/", 1)
-            version = client.get_model_version(name, number)
-    except (ValueError, mlflow.exceptions.MlflowException) as error:
-        raise ReproduceError(f"{uri!r}: no such registered version ({getattr(error, 'message', error)}); expected "
-                             "models:/NAME/VERSION or models:/NAME@ALIAS") from None
-    return {"name": version.name, "version": version.version, "run_id": version.run_id, "tags": dict(version.tags)}
+        return find_version(uri, tracking)
+    except ValueError as error:
+        raise ReproduceError(str(error)) from None
 
 
 def required_tags(release: dict[str, Any]) -> dict[str, str]:

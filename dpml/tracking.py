@@ -27,7 +27,7 @@ from dpml.faults import fault_point
 from dpml.serving import load_network, log_classifier
 from dpml.store import activate, is_server, store_lock, tracking_uri
 
-__all__ = ["CHAMPION", "clean_up_killed_runs", "finished_releases", "get_or_create_experiment", "load_run_json",
+__all__ = ["CHAMPION", "clean_up_killed_runs", "find_version", "finished_releases", "get_or_create_experiment", "load_run_json",
            "log_audit", "log_release", "resolve_model", "tracking_uri"]
 
 CHAMPION = "champion"
@@ -206,14 +206,15 @@ def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
         raise ValueError(f"run {run_id}: no {name} logged in {tracking_uri(config)} ({error.message})") from None
 
 
-def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
-    """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its run, tags, config."""
+def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:
+    """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its name, number, run id
+    and tags; a ValueError naming ``uri`` when it is malformed or not in the store."""
     activate(config)
     client = MlflowClient()
     rest = uri.removeprefix("models:/")
     if not uri.startswith("models:/") or not ("@" in rest or "/" in rest) or rest.startswith(("@", "/")) \
             or rest.endswith(("@", "/")):
-        raise ValueError(f"--model {uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
+        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
                          "(e.g. models:/dpml-digits@champion)")
     try:
         if "@" in rest:
@@ -223,14 +224,22 @@ def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
             name, number = rest.rsplit("/", 1)
             version = client.get_model_version(name, number)
     except mlflow.exceptions.MlflowException as error:
-        raise ValueError(f"--model {uri!r}: not found in {tracking_uri(config)} ({error.message})") from None
+        raise ValueError(f"{uri!r}: not found in {tracking_uri(config)} ({error.message})") from None
+    return {"name": version.name, "version": str(version.version), "run_id": version.run_id, "tags": dict(version.tags)}
+
+
+def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
+    """A registered version (:func:`find_version`) with its run's configuration and its network."""
     try:
-        run_config = load_run_json(config, version.run_id, "config.json")
+        found = find_version(uri, config)
+    except ValueError as error:
+        raise ValueError(f"--model {error}") from None
+    try:
+        run_config = load_run_json(config, found["run_id"], "config.json")
     except ValueError:
-        raise ValueError(f"--model {uri!r}: its run {version.run_id} has no config.json (not a dpml release, "
+        raise ValueError(f"--model {uri!r}: its run {found['run_id']} has no config.json (not a dpml release, "
                          "or one from before dpml logged its configuration)") from None
-    return {"name": version.name, "version": version.version, "run_id": version.run_id, "tags": dict(version.tags),
-            "config": run_config, "model": load_network(f"models:/{version.name}/{version.version}")}
+    return found | {"config": run_config, "model": load_network(f"models:/{found['name']}/{found['version']}")}
 
 
 def log_audit(config: TrackingConfig, model: dict[str, Any], metrics: dict[str, Any], artifacts: list[Path]) -> str:

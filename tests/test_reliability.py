@@ -372,6 +372,7 @@ def test_a_corpus_of_bad_inputs_each_gives_one_line(workdir: Path) -> None:
         (["run", "--engine", "local", "--set", "dp.delta=[1,"], "dp.delta"),
         (["run", "--engine", "local", "--set", "dp.delta=1.5"], "dp.delta = 1.5"),
         (["audit", "--model", "models:/dpml-reliability"], "models:/NAME@ALIAS or models:/NAME/VERSION"),
+        (["reproduce", "models:/dpml-reliability", "--verify"], "models:/NAME@ALIAS or models:/NAME/VERSION"),
         (["run", "--engine", "local", "--set", f"data.source=idx:{folder}"], "cut short or corrupt"),
         (["run", "--engine", "local", "--params", str(workdir / "missing.yaml")], "does not exist"),
     ]
