@@ -319,6 +319,12 @@ def check_tunable(config: Config) -> None:
         raise ConfigError("invalid configuration for dpml tune:\n" + "\n".join(problems))
 
 
+def absolute_paths(config: Config) -> Config:
+    """``config`` with its output paths pinned to the working directory (workers elsewhere write there)."""
+    paths = {k: str(Path(v).resolve()) for k, v in config.paths.model_dump().items()}
+    return config.model_copy(update={"paths": config.paths.model_copy(update=paths)})
+
+
 def load(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
     """Read, override and validate ``params.yaml``."""
     path = Path(path)

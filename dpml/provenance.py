@@ -59,7 +59,7 @@ def code_state(root: Path) -> dict[str, str]:
 
 def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> str | None:
     """None when this run is the workspace's DVC pipeline, else why not."""
-    from dpml.config import load
+    from dpml.config import absolute_paths, load
 
     if searched:
         return "not recorded: a hyperparameter search (dpml tune) is not the pipeline dvc.yaml describes"
@@ -71,16 +71,11 @@ def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> s
         workspace = load(root / "params.yaml")
     except Exception as error:  # noqa: BLE001 - an unrelated, broken params.yaml: not this run's description
         return f"not recorded: params.yaml in the working directory does not load ({type(error).__name__})"
-    if _resolved(workspace) != _resolved(config):
+    if absolute_paths(workspace).to_dict() != absolute_paths(config).to_dict():
         return "not recorded: the run's configuration is not params.yaml as it stands (--params or --set)"
     if Path(config.paths.data).resolve() != (root / "data").resolve():
         return "not recorded: paths.data is not the data folder dvc.yaml names"
     return None
-
-
-def _resolved(config: Config) -> dict:
-    paths = {k: str(Path(v).resolve()) for k, v in config.paths.model_dump().items()}
-    return config.model_copy(update={"paths": config.paths.model_copy(update=paths)}).to_dict()
 
 
 def default_remote(root: Path) -> tuple[str, str]:
@@ -123,7 +118,7 @@ def push_raw_data(root: Path) -> dict[str, str]:
         scope = "ingest..gate"
         if everything.returncode != 0:
             scope = f"ingest only ({(everything.stderr or everything.stdout).strip()[-300:]})"
-        steps.insert(0, ("commit", "--force", "ingest"))
+            steps.insert(0, ("commit", "--force", "ingest"))
     for args in steps:
         done = dvc(root, *args)
         if done.returncode != 0:

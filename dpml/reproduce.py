@@ -29,8 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -211,12 +209,14 @@ RETRAINED_STAGES = ("split", "preprocess", "train", "certify", "audit", "gate")
 
 def invoking_ledger(config: Any) -> dict[str, Any]:
     """The invoking configuration's ledger section with its files made absolute, for the worktree."""
+    from dpml.privacy.ledger_db import is_postgres, sqlite_file
+
     ledger = config.ledger.model_dump()
     for key in ("path", "unit_key"):
         if ledger.get(key):
             ledger[key] = str(Path(ledger[key]).resolve())
-    if ledger.get("url") and ledger["url"].startswith("sqlite:///"):
-        ledger["url"] = "sqlite:///" + str(Path(ledger["url"].removeprefix("sqlite:///")).resolve())
+    if ledger.get("url") and not is_postgres(ledger["url"]):
+        ledger["url"] = "sqlite:///" + str(sqlite_file(ledger["url"]).resolve())
     return ledger
 
 
@@ -229,8 +229,7 @@ def retrain_in(tree: Path, ledger: dict[str, Any]) -> dict[str, Any]:
     params["ledger"] = ledger
     (tree / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     for stage in RETRAINED_STAGES:
-        done = subprocess.run([sys.executable, "-m", "dvc", "repro", "--single-item", "--force", "--quiet", stage],
-                              cwd=tree, capture_output=True, text=True)
+        done = dvc(tree, "repro", "--single-item", "--force", "--quiet", stage)
         if done.returncode != 0:
             output = done.stdout + done.stderr
             said = [line for line in output.splitlines() if line.startswith("dpml: error:")]

@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_client, unmapped
 from prefect_dask import DaskTaskRunner
 
-from dpml.config import AuditConfig, Config, ConfigBase, check_tunable, load
+from dpml.config import AuditConfig, Config, ConfigBase, absolute_paths, check_tunable, load
 from dpml.preflight import preflight
 from tasks import stages as t
 
@@ -49,12 +48,6 @@ def api_shared_with_workers() -> Iterator[None]:
     finally:
         if previous is None:
             os.environ.pop("PREFECT_API_URL", None)
-
-
-def absolute_paths(config: Config) -> Config:
-    """Pin relative output paths to this directory, so workers elsewhere write to the same place."""
-    paths = {k: str(Path(v).resolve()) for k, v in config.paths.model_dump().items()}
-    return config.model_copy(update={"paths": config.paths.model_copy(update=paths)})
 
 
 @flow(name="train-reference-models", log_prints=True)

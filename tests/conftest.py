@@ -152,6 +152,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def answers(url: str, server: Any, seconds: float) -> bool:
+    """Whether ``url`` answers 200 within ``seconds`` while the ``server`` process is still running."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if answer.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A real ``mlflow server`` on 127.0.0.1 and a free port, as a team would run it: its own backend
@@ -159,8 +176,6 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     the server's proxy. Yields ``{"url", "artifacts", "log"}``."""
     import subprocess
     import sys
-    import time
-    import urllib.request
 
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
@@ -173,17 +188,8 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
                                   cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        if not answers(f"{url}/health", server, 180):
+            raise RuntimeError(f"mlflow server did not start: {log.read_text()[-3000:]}")
         yield {"url": url, "artifacts": root / "artifact-store", "log": log}
     finally:
         import signal

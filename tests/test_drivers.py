@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, answers, free_port
 
 BIN = str(Path(sys.executable).parent)
 
@@ -92,12 +89,6 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     assert len(Ledger(root / params["ledger"]["path"], 1e-5).spends(counted_only=False)) == spent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
     root = checkout(tmp_path / "repo")
@@ -107,16 +98,7 @@ def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
     server = subprocess.Popen([f"{BIN}/prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the Prefect server did not start within 120 s"
-            time.sleep(1)
+        assert answers(f"http://127.0.0.1:{port}/api/health", server, 120), "the Prefect server did not start within 120 s"
 
         def prefect(*args: str) -> str:
             done = subprocess.run([f"{BIN}/prefect", *args], cwd=root, env=env, capture_output=True, text=True)

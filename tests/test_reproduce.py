@@ -42,16 +42,22 @@ def pipeline_params(root: Path, table: Path) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def checkout_with_table(tmp_path: Path, rows: int, seed: int) -> tuple[Path, Path]:
+    """A git checkout of the project whose params.yaml reads a generated census table beside it."""
+    root = checkout(tmp_path / "repo")
+    table = tmp_path / "census.csv"
+    census(rows, seed=seed).to_csv(table, index=False)
+    pipeline_params(root, table)
+    return root, table
+
+
 def version_tags(root: Path, number: str) -> dict[str, str]:
     return dict(MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_model_version(MODEL, number).tags)
 
 
 @pytest.mark.slow
 def test_a_release_rebuilds_from_its_commit_and_remote_after_the_data_changed(tmp_path: Path) -> None:
-    root = checkout(tmp_path / "repo")
-    table = tmp_path / "census.csv"
-    census(900, seed=1).to_csv(table, index=False)
-    pipeline_params(root, table)
+    root, table = checkout_with_table(tmp_path, 900, seed=1)
     first = dpml(root, "run", "--engine", "local")
     assert first.returncode == 0, first.stderr[-3000:]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
@@ -106,10 +112,7 @@ def test_a_release_rebuilds_from_its_commit_and_remote_after_the_data_changed(tm
 
 @pytest.mark.slow
 def test_a_run_outside_the_dvc_pipeline_says_so_and_cannot_be_reproduced(tmp_path: Path) -> None:
-    root = checkout(tmp_path / "repo")
-    table = tmp_path / "census.csv"
-    census(600, seed=3).to_csv(table, index=False)
-    pipeline_params(root, table)
+    root, _ = checkout_with_table(tmp_path, 600, seed=3)
     run = dpml(root, "run", "--engine", "local", "--set", "train.epochs=1")
     assert run.returncode == 0, run.stderr[-3000:]
     tags = version_tags(root, "1")

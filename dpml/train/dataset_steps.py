@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
-
 from dpml.train.distributed import Collective
 from dpml.train.dpsgd import Step, share_of_batch
+
+WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 
 
 def check_record(item: Any, index: int) -> None:
