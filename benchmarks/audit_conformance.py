@@ -52,7 +52,8 @@ def true_epsilon(case: str, mechanism: dict[str, Any], delta: float) -> str:
             event["noise_multiplier"] /= 2
         return f"≈ {certify(MechanismDescription.from_dict(halved), delta)['epsilon']:.3g}"
     return {"noise × 0": "∞", "clipping removed": "unbounded", "shuffled fixed-size batches": "not what was priced¹",
-            "noise reused across steps": "not what was priced²"}[case]
+            "noise reused across steps": "not what was priced²",
+            "no noise on the last parameter": "∞"}[case]
 
 
 def run_case(config_path: Path, overrides: list[str], case: str, work: Path) -> dict[str, Any]:

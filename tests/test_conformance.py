@@ -21,6 +21,7 @@ from dpml import stages
 from dpml.audit import broken
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_power
 from dpml.audit.conformance import (ConformanceProbe, canary_scores, chernoff_product_p_value, conformance_checks,
+                                    forward_is_random,
                                     reference_clipped_sum)
 from dpml.config import load
 from dpml.models import build_model, spec_for
@@ -88,6 +89,33 @@ def test_the_auditor_recomputes_the_engines_clipped_sum() -> None:
     assert torch.allclose(engine, reference, atol=1e-5)
 
 
+def test_the_auditors_clipped_sum_equals_a_per_example_loop() -> None:
+    """The reference (vmap norms + a reweighted backward pass) equals the definition, one example at a time in
+    float64, on a convolutional model with a frozen layer and a parameter the forward pass never uses."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.GroupNorm(2, 4), torch.nn.Tanh(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
+    model[1].weight.requires_grad_(False)
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
+    x, y = torch.randn(40, 1, 8, 8) * 2, torch.randint(0, 3, (40,))
+    clip = 0.3
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.zeros(sum(p.numel() for p in trainable), dtype=torch.float64)
+    clipped = 0
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(per_example_cross_entropy(model(x[i:i + 1]), y[i:i + 1]).sum(), trainable,
+                                    allow_unused=True)
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                          for g, p in zip(grads, trainable)])
+        clipped += int(flat.norm() > clip)
+        expected += flat * min(1.0, clip / (float(flat.norm()) + 1e-6))
+    reference = reference_clipped_sum(model, per_example_cross_entropy, x, y, clip, chunk=16)
+    assert clipped > 10 and reference.dtype == torch.float64 and reference.shape == expected.shape
+    assert torch.allclose(reference, expected, atol=1e-5, rtol=1e-5)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names[0] == "unused" and bool((reference[:5] == 0).all())  # the module's own parameter comes first
+
+
 def test_poisson_batches_have_binomial_sizes_and_independent_membership() -> None:
     generator = torch.Generator().manual_seed(0)
     n, q, steps = 400, 0.05, 3000
@@ -137,11 +165,25 @@ def test_the_intact_trainer_passes_every_check_across_seeds() -> None:
 
 @pytest.mark.parametrize(("bug", "caught_by"), [
     ("noise × ½", "noise"), ("noise × 0", "noise"), ("clipping removed", "clipping"),
-    ("shuffled fixed-size batches", "sampling"), ("noise reused across steps", "noise independence")])
+    ("shuffled fixed-size batches", "sampling"), ("noise reused across steps", "noise independence"),
+    ("no noise on the last parameter", "noise per coordinate")])
 def test_each_broken_trainer_fails_the_check_that_names_its_bug(bug: str, caught_by: str) -> None:
     with broken.BUGS[bug]():
         probe = probe_run()
     assert caught_by in failed_checks(probe)
+
+
+def test_noise_missing_on_three_of_147_coordinates_is_named_though_the_pooled_std_looks_right() -> None:
+    """The output bias (3 of 147 coordinates) released without noise: the pooled std ratio stays within
+    its tolerance, the per-coordinate test names the parameter."""
+    with broken.BUGS["no noise on the last parameter"]():
+        probe = probe_run()
+    checks = {c.name: c for c in conformance_checks(probe, 1e-6, 0.05)}
+    assert checks["noise"].passed and checks["noise"].statistics["std_ratio"] > 0.95
+    coordinate = checks["noise per coordinate"]
+    assert not coordinate.passed and coordinate.statistics["worst_coordinate"].startswith(
+        list(dict(build_mlp(MlpSpec(8, (12,), 3)).named_parameters()))[-1] + "[")
+    assert coordinate.statistics["coordinates_below"] == 3
 
 
 def test_the_canaries_are_drawn_by_the_trainers_sampler_and_scored_per_step() -> None:
@@ -227,3 +269,42 @@ def test_the_gate_fails_each_broken_trainer_and_passes_the_intact_one(prepared: 
     for name, entry in audit["power"].items():
         assert entry["power"] > 0
         assert entry["power"] >= audit["certified_epsilon"] if entry["gating"] else "note" in entry
+
+
+DROPOUT_MODELS = '''
+from torch import nn
+
+
+def with_dropout(input_shape, n_classes, p=0.3):
+    return nn.Sequential(nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Dropout(p), nn.Linear(16, n_classes))
+'''
+
+
+def test_forward_is_random_sees_dropout_and_keeps_the_random_state() -> None:
+    x = torch.randn(16, 8)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh())
+    dropped = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Dropout(0.3)).eval()
+    state = torch.get_rng_state()
+    assert not forward_is_random(plain, x) and forward_is_random(dropped, x)
+    assert torch.equal(state, torch.get_rng_state()) and not dropped.training  # the mode is restored too
+
+
+def test_a_model_with_dropout_is_reported_not_checked_instead_of_failing_the_noise_check(
+        prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auditor cannot replay the trainer's dropout masks: the checks say so (no false alarm), the canary
+    bound is still computed, and the gate says why conformance was not checked."""
+    (prepared / "dropoutmodels.py").write_text(DROPOUT_MODELS)
+    monkeypatch.chdir(prepared)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = load(prepared / "params.yaml", ["model.kind=custom", "model.factory=dropoutmodels:with_dropout",
+                                             "model.hidden=[]"])
+    for name in ("train", "certify", "audit", "gate"):
+        stages.run_stage(name, config)
+    from dpml import io
+    from dpml.stages.layout import Layout
+
+    audit, decision = io.read_json(Layout(config).audit), io.read_json(Layout(config).gate)
+    assert audit["conformance"]["ran"] is False and "forward pass is random" in audit["conformance"]["reason"]
+    assert any(b["method"] == "one_run_white_box" for b in audit["one_run"])
+    assert not any(line.startswith("conformance check") for line in decision["reasons"])
+    assert any(line.startswith("conformance not checked: the model's forward pass is random") for line in decision["reasons"])

@@ -11,6 +11,8 @@ run the whole train → certify → audit → gate chain under each.
 - :func:`shuffled_batches` (fixed-size batches from a shuffle per epoch, not Poisson sampling:
   not what was priced, Chua et al. 2024)
 - :func:`noise_reused` (the first step's noise added again at every step)
+- :func:`noise_skipped_on_last_parameter` (one parameter tensor, the model's last — usually the output
+  layer's bias — gets no noise: its clipped sum is released in the clear)
 """
 
 from __future__ import annotations
@@ -79,11 +81,24 @@ def noise_reused() -> contextlib.AbstractContextManager[None]:
     return _patched(dpsgd, "clipped_chunks_and_noise", reused)
 
 
+def noise_skipped_on_last_parameter() -> contextlib.AbstractContextManager[None]:
+    """The noise of the last trainable parameter tensor left out (a layer forgotten by the noise loop)."""
+    original = dpsgd.clipped_chunks_and_noise
+
+    def skipped(*args: Any, **kwargs: Any) -> Any:
+        sums, noises, clipped = original(*args, **kwargs)
+        last = list(noises)[-1]
+        return sums, {name: noise * 0 if name == last else noise for name, noise in noises.items()}, clipped
+
+    return _patched(dpsgd, "clipped_chunks_and_noise", skipped)
+
+
 BUGS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "noise × ½": lambda: noise_scaled(0.5),
     "noise × 0": lambda: noise_scaled(0.0),
     "clipping removed": clipping_removed,
     "shuffled fixed-size batches": shuffled_batches,
     "noise reused across steps": noise_reused,
+    "no noise on the last parameter": noise_skipped_on_last_parameter,
 }
 """Each bug by name, as the results page and the tests name them."""

@@ -57,19 +57,28 @@ def black_box_guesses(config: Config, pool: int) -> tuple[int, int]:
 
 
 def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, noise_multiplier: float,
-                    confidence: float, certified: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Check]]:
+                    confidence: float, certified: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Check] | str]:
     """Train once with Dirac gradient canaries through the trainer's sampler and clipping, observing every
     step: the conformance checks against the certified mechanism, and an ε bound from the canaries.
 
+    For a model whose forward pass is random (dropout) the checks cannot recompute the trainer's clipped
+    sums: instead of the checks, the reason is returned. The canary bound stays valid (it rests on the
+    canaries' random inclusion, whatever the score), only less tight.
+
     ``certified``: the released model's ``mechanism.json`` (σ, C, q the checks test against); without it
     the configuration's values are used."""
-    from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks, trainable_size
+    import torch
+
+    from dpml.audit.conformance import (ConformanceProbe, canary_scores, conformance_checks, forward_is_random,
+                                        full_float32, trainable_size)
     from dpml.models import build_model
     from dpml.train.dpsgd import loss_function, number_of_steps
     from dpml.train.fit import model_spec
     from dpml.train.protocol import make_tensors
 
-    n_params = trainable_size(build_model(model_spec(config, x.shape[1], n_classes)))
+    model = build_model(model_spec(config, x.shape[1], n_classes))
+    n_params = trainable_size(model)
+    random_forward = forward_is_random(model, torch.as_tensor(x[:16], dtype=torch.float32))
     m = white_box_canary_count(config, n_params)
     rng = np.random.default_rng([config.audit.seed, 7])
     coordinates = rng.choice(n_params, size=m, replace=False)
@@ -82,10 +91,14 @@ def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int
     train = config.train
     probe = ConformanceProbe(xt, yt, loss_function(train.loss, train.loss_tau, train.loss_alpha), sigma, clip, q,
                              number_of_steps(train.epochs, train.sample_rate), coordinates, included,
-                             config.audit.canary_gradient_norm, config.audit.seed)
-    fit(config, x, y, n_classes, private=True, noise_multiplier=noise_multiplier,
-        seed=config.train.seed + 5_000, noise_seed=config.audit.seed + 5_000, canaries=probe.canaries())
-    checks = conformance_checks(probe, config.audit.conformance_false_alarm, config.audit.conformance_tolerance)
+                             config.audit.canary_gradient_norm, config.audit.seed, recompute=not random_forward)
+    with full_float32():
+        fit(config, x, y, n_classes, private=True, noise_multiplier=noise_multiplier,
+            seed=config.train.seed + 5_000, noise_seed=config.audit.seed + 5_000, canaries=probe.canaries())
+    checks: list[Check] | str = (
+        "the model's forward pass is random (dropout or another random layer): the auditor cannot recompute the "
+        "trainer's clipped sums, so its noise, clipping and sampling are not checked" if random_forward
+        else conformance_checks(probe, config.audit.conformance_false_alarm, config.audit.conformance_tolerance))
     scoring = config.audit.white_box_scoring
     other = "sum" if scoring == "likelihood_ratio" else "likelihood_ratio"
     bound = _bound(canary_scores(probe, scoring), included, config, confidence, "white_box") | {"scoring": scoring}

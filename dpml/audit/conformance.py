@@ -9,8 +9,8 @@ mechanism*: it runs the trainer once more, with Dirac gradient canaries
 (:class:`dpml.train.dpsgd.GradientCanaries`) that enter the trainer's own sampler and clipping
 with norm 5C, and observes every step's update ĝ_t right before the optimizer uses it.
 
-At each step the auditor recomputes, **with its own code** (:func:`reference_clipped_sum`: exact
-per-example gradients by ``torch.func``, clipped by the formula), the clipped sum R_t of the
+At each step the auditor recomputes, **with its own code** (:func:`reference_clipped_sum`: norms of
+exact per-example gradients by ``torch.func``, the clipped sum by a backward pass of the reweighted loss), the clipped sum R_t of the
 records in B_t at θ_t, and forms the observation
 
     o_t = q·n'·ĝ_t − R_t      (n' = n + included canaries; the trainer divides by q·n'),
@@ -25,6 +25,9 @@ checks follow, each with false-alarm rate ≤ α (``audit.conformance_false_alar
   coordinates must look like that of independent N(0, σ²C²) vectors; its p-value is the
   Chernoff bound P[Σ_k ξ_k η_k ≥ x] ≤ exp(−sup_λ (λx + (K/2)·ln(1 − λ²))) for independent
   standard normals (E e^{λξη} = (1 − λ²)^{−1/2}), Bonferroni-corrected over the pairs.
+- **noise per coordinate**: noise missing on part of the model (one layer, the biases) hides in the
+  pooled test, so each coordinate's Σ_t o_{t,k}²/(σC)² ~ χ²_{T_k} is tested for too little noise
+  (exact lower tail, Bonferroni over the coordinates).
 - **clipping**: each canary's observation at a step that sampled it is N(c, σ²C²) with
   c = 5C·min(1, C/(5C + 1e-6)) ≈ C; their mean is tested against [1 − τ, 1 + τ]·c. A trainer
   that does not clip shows 5C.
@@ -43,7 +46,9 @@ likelihood ratio, :func:`canary_scores`).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -60,34 +65,74 @@ SKETCH_COORDINATES = 1024   # coordinates kept per stored step for the noise-reu
 STORED_STEPS = 400          # steps stored for it (in consecutive pairs, spread over the run)
 
 
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """TF32 off for matrix products and cuDNN convolutions while the audit observes a run: on a GPU their
+    10-bit mantissas would differ between the trainer's clipped sum and the auditor's recomputation by
+    more than float32 round-off, and the difference would read as noise."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def forward_is_random(model: nn.Module, x: torch.Tensor) -> bool:
+    """Whether two training-mode forward passes of the same records differ (dropout, a random layer).
+
+    The auditor recomputes the trainer's clipped sums with forward passes of its own; with a random
+    forward pass they differ from the trainer's by more than the noise, so the checks cannot run. The
+    global random state is left as it was."""
+    with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []), torch.no_grad():
+        was_training = model.training
+        model.train()
+        first, second = model(x), model(x)
+        model.train(was_training)
+    return not torch.equal(first, second)
+
+
 def trainable_size(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def reference_clipped_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
                           chunk: int = 256) -> torch.Tensor:
-    """Σ_i g_i·min(1, C/(‖g_i‖ + 1e-6)), g_i = ∇_θ ℓ(θ; x_i, y_i) over the trainable parameters, flat.
+    """Σ_i g_i·min(1, C/(‖g_i‖ + 1e-6)), g_i = ∇_θ ℓ(θ; x_i, y_i) over the trainable parameters, flat, float64.
 
-    The auditor's own computation, independent of the training engine: exact per-example gradients
-    of every trainable parameter with ``torch.func.vmap(grad(·))``, the norm and the clip by the formula."""
-    trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    The auditor's own computation, independent of the training engine (:mod:`dpml.train.clipping`):
+
+    1. the norms ‖g_i‖ from exact per-example gradients of every trainable parameter by
+       ``torch.func.vmap(grad(·))`` (each example alone through the model), accumulated in float64;
+    2. the clipped sum as one ordinary backward pass of the reweighted loss: by linearity of the gradient,
+       ∇_θ Σ_i f_i·ℓ(θ; x_i, y_i) = Σ_i f_i·g_i with the factors f_i = min(1, C/(‖g_i‖ + 1e-6)) held constant.
+
+    Step 2 is exact for any model whose examples do not interact in a batch (the pre-flight probe of
+    :mod:`dpml.train.clipping_check` refuses the others) and spares the (B, D) matrix of step 1 a second
+    pass: the per-example gradients are only reduced to norms, chunk by chunk."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    detached = {n: p.detach() for n, p in trainable.items()}
     frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     buffers = {n: b.detach() for n, b in model.named_buffers()}
-    total = torch.zeros(sum(p.numel() for p in trainable.values()), device=x.device, dtype=torch.float64)
+    size = sum(p.numel() for p in trainable.values())
     if x.shape[0] == 0:
-        return total
+        return torch.zeros(size, device=x.device, dtype=torch.float64)
 
     def one_loss(theta: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         out = functional_call(model, ({**frozen, **theta, **buffers}), (xi.unsqueeze(0),))
         return loss_fn(out, yi.unsqueeze(0)).sum()
 
-    chunk = max(1, min(chunk, 2 ** 25 // max(total.numel(), 1)))  # bounded memory for the (chunk, D) gradients
+    chunk = max(1, min(chunk, 2 ** 25 // max(size, 1)))  # bounded memory for the (chunk, D) gradients
+    squared = []
     for start in range(0, x.shape[0], chunk):
-        per_example = vmap(grad(one_loss), in_dims=(None, 0, 0))(trainable, x[start:start + chunk], y[start:start + chunk])
-        flat = torch.cat([per_example[n].reshape(per_example[n].shape[0], -1) for n in trainable], dim=1)
-        factors = torch.clamp(clip_norm / (flat.double().norm(dim=1) + 1e-6), max=1.0)
-        total += factors @ flat.double()
-    return total
+        per_example = vmap(grad(one_loss), in_dims=(None, 0, 0))(detached, x[start:start + chunk], y[start:start + chunk])
+        squared.append(sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).double() ** 2
+                           for g in per_example.values()))
+    factors = torch.clamp(clip_norm / (torch.cat(squared).sqrt() + 1e-6), max=1.0)
+    weighted = (loss_fn(model(x), y).double() * factors).sum()
+    sums = torch.autograd.grad(weighted, list(trainable.values()), allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                      for g, p in zip(sums, trainable.values())])
 
 
 @dataclass
@@ -108,12 +153,16 @@ class ConformanceProbe:
     included: np.ndarray
     norm_multiple: float = 5.0
     seed: int = 0
+    recompute: bool = True   # False for a random forward pass: o_t = q·n'·ĝ_t, the records' sum left in
     # accumulated
     step: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     noise_sum_squares: float = 0.0
     noise_count: int = 0
+    coordinate_sum_squares: np.ndarray = field(default_factory=lambda: np.zeros(0))   # per coordinate: Σ_t o_t,k²
+    coordinate_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # … over that many steps
+    parameter_names: list[tuple[str, int]] = field(default_factory=list)  # (name, size) of each trainable tensor
     canary_sum: float = 0.0
     canary_count: int = 0
     observations: list[np.ndarray] = field(default_factory=list)   # per step: o_t at every canary coordinate
@@ -142,13 +191,21 @@ class ConformanceProbe:
         records = torch.as_tensor(batch_np[batch_np < self.n], device=self.x.device)
         update = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
                             for p in model.parameters() if p.requires_grad]).double()
-        reference = reference_clipped_sum(model, self.loss_fn, self.x[records], self.y[records], self.clip_norm)
+        reference = reference_clipped_sum(model, self.loss_fn, self.x[records], self.y[records], self.clip_norm) \
+            if self.recompute else torch.zeros_like(update)
         observed = (update * self.scale - reference).cpu().numpy()
         sampled = self.slots[batch_np[batch_np >= self.n] - self.n]
         at_canary = self.coordinates[sampled]
         eligible = np.ones(observed.size, bool)
         eligible[at_canary] = False
-        self.noise_sum_squares += float(np.sum(observed[eligible] ** 2))
+        squares = np.where(eligible, observed * observed, 0.0)
+        if self.coordinate_count.size != observed.size:
+            self.coordinate_sum_squares = np.zeros(observed.size)
+            self.coordinate_count = np.zeros(observed.size, np.int64)
+            self.parameter_names = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+        self.coordinate_sum_squares += squares
+        self.coordinate_count += eligible
+        self.noise_sum_squares += float(squares.sum())
         self.noise_count += int(eligible.sum())
         self.canary_sum += float(observed[at_canary].sum())
         self.canary_count += int(at_canary.size)
@@ -241,6 +298,42 @@ def noise_check(probe: ConformanceProbe, level: float, tolerance: float) -> Chec
     return Check("noise", p >= level, p, level, f"noise std {ratio:.2f} × certified σ·C",
                  {"std_ratio": ratio, "interval": [low, high], "coordinates": probe.noise_count,
                   "certified_sigma": probe.sigma, "certified_clip_norm": probe.clip_norm, "tolerance": tolerance})
+
+
+def parameter_at(probe: ConformanceProbe, coordinate: int) -> str:
+    """``name[index]`` of a flat trainable-parameter coordinate."""
+    offset = 0
+    for name, size in probe.parameter_names:
+        if coordinate < offset + size:
+            return f"{name}[{coordinate - offset}]"
+        offset += size
+    return f"coordinate {coordinate}"
+
+
+def coordinate_noise_check(probe: ConformanceProbe, level: float) -> Check:
+    """Noise missing on part of the model (a layer, the biases, a slice): a pooled test barely moves when a
+    few coordinates go without noise, so every coordinate is tested on its own.
+
+    Coordinate k's observations over the T_k steps it carries no canary are i.i.d. N(0, σ²C²), so
+    S_k/(σC)² ~ χ²_{T_k} and its lower tail P[χ²_{T_k} ≤ S_k/(σC)²] is an exact p-value for "k gets the
+    certified noise"; the smallest over the D coordinates, times D (Bonferroni), is the check's p-value.
+    Only too *little* noise is tested here: float round-off can only add variance."""
+    s2 = (probe.sigma * probe.clip_norm) ** 2
+    counts = probe.coordinate_count
+    if counts.size == 0 or s2 <= 0:
+        return Check("noise per coordinate", False, 0.0, level, "no step was observed", {"steps_observed": probe.step})
+    observed = counts > 0
+    lower = np.ones(counts.size)
+    lower[observed] = stats.chi2.cdf(probe.coordinate_sum_squares[observed] / s2, counts[observed])
+    worst = int(np.argmin(lower))
+    p = float(min(1.0, lower[worst] * int(observed.sum())))
+    ratio = math.sqrt(probe.coordinate_sum_squares[worst] / s2 / max(int(counts[worst]), 1))
+    flagged = int(np.sum(lower * int(observed.sum()) < level))
+    return Check("noise per coordinate", p >= level, p, level,
+                 f"noise std {ratio:.2f} × certified σ·C at {parameter_at(probe, worst)} over {int(counts[worst])} steps"
+                 + (f" ({flagged} coordinates below the certified noise)" if flagged > 1 else ""),
+                 {"worst_coordinate": parameter_at(probe, worst), "worst_std_ratio": ratio, "coordinates": int(observed.sum()),
+                  "coordinates_below": flagged})
 
 
 def chernoff_product_p_value(inner: float, count: int) -> float:
@@ -343,7 +436,7 @@ def sampling_check(probe: ConformanceProbe, level: float) -> Check:
 
 
 def conformance_checks(probe: ConformanceProbe, false_alarm: float, tolerance: float) -> list[Check]:
-    """Every check, each at level false_alarm / 4 (Bonferroni: the run's false-alarm rate ≤ false_alarm)."""
-    level = false_alarm / 4
-    return [noise_check(probe, level, tolerance), independence_check(probe, level),
-            clipping_check(probe, level, tolerance), sampling_check(probe, level)]
+    """Every check, each at level false_alarm / 5 (Bonferroni: the run's false-alarm rate ≤ false_alarm)."""
+    level = false_alarm / 5
+    return [noise_check(probe, level, tolerance), coordinate_noise_check(probe, level),
+            independence_check(probe, level), clipping_check(probe, level, tolerance), sampling_check(probe, level)]

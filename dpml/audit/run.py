@@ -271,8 +271,11 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
     return summary, raw, pictures
 
 
-def conformance_summary(config: Config, private: bool, checks: list[Any] | None) -> dict[str, Any]:
-    """``audit.json``'s ``conformance``: every check with its statistic, or why none ran."""
+def conformance_summary(config: Config, private: bool, checks: list[Any] | str | None) -> dict[str, Any]:
+    """``audit.json``'s ``conformance``: every check with its statistic, or why none ran (``checks`` may be
+    that reason, from :func:`dpml.audit.canaries.white_box_audit`)."""
+    if isinstance(checks, str) and config.audit.conformance:
+        return {"ran": False, "passed": None, "reason": checks, "checks": []}
     if checks is not None and config.audit.conformance:
         return {"ran": True, "passed": all(c.passed for c in checks), "false_alarm": config.audit.conformance_false_alarm,
                 "checks": [c.to_dict() for c in checks]}
