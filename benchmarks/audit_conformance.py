@@ -10,7 +10,8 @@ and the audit stage's time — with the white-box run (conformance + canary boun
 
     python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist|both] [--max-train N]
 
-Writes ``benchmarks/results/audit_conformance.{md,json}``.
+Writes ``benchmarks/results/audit_conformance.{md,json}``. A data set not measured by this run keeps its
+section from the previous results, which states the commit and date it was measured at.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import datetime
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,7 +121,31 @@ def bench(dataset: str, max_train: int | None, work: Path) -> dict[str, Any]:
               f"{rows[-1]['failed_checks']}, audit {rows[-1]['audit_seconds']:.1f} s", flush=True)
     baseline = audit_without_white_box(config_path, overrides)
     return {"dataset": dataset, "max_train": max_train, "epsilon": config.dp.target_epsilon, "rows": rows,
-            "audit_seconds_without_white_box": baseline}
+            "audit_seconds_without_white_box": baseline, "commit": current_commit(),
+            "measured": datetime.date.today().isoformat()}
+
+
+def current_commit() -> str:
+    """The checked-out commit (``+dirty`` with uncommitted changes), or ``unknown`` outside git."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def with_earlier_sections(results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    """This run's data sets, and the previous results' sections for the data sets it did not measure."""
+    previous = out / "audit_conformance.json"
+    if not previous.exists():
+        return results
+    measured = {r["dataset"] for r in results}
+    kept = [r for r in json.loads(previous.read_text()) if r["dataset"] not in measured]
+    order = ["digits", "fashion-mnist"]
+    return sorted(results + kept, key=lambda r: order.index(r["dataset"]) if r["dataset"] in order else len(order))
 
 
 def write(results: list[dict[str, Any]], out: Path, seconds: float, command: str) -> None:
@@ -136,6 +163,9 @@ def write(results: list[dict[str, Any]], out: Path, seconds: float, command: str
         rows = result["rows"]
         lines += [f"## {result['dataset']} (ε = {result['epsilon']:g}"
                   + (f", {result['max_train']} training records" if result["max_train"] else "") + ")", "",
+                  f"Measured at commit {result['commit']} on {result['measured']}"
+                  + (f" (bugs measured: {len(rows) - 1}; later checks or bugs are not in this section)"
+                     if len(rows) < len(CASES) else "") + ".", "",
                   "| trainer | true ε | largest gating bound | white-box bound (LR / sum) | failed conformance checks | gate | audit s |",
                   "|---|---|---|---|---|---|---|"]
         for row in rows:
@@ -173,7 +203,7 @@ def main() -> None:
     started = time.perf_counter()
     datasets = ["digits", "fashion-mnist"] if args.dataset == "both" else [args.dataset]
     results = [bench(d, args.max_train if d == "fashion-mnist" else None, Path(args.work)) for d in datasets]
-    write(results, Path(args.out), time.perf_counter() - started, "python " + " ".join(["benchmarks/audit_conformance.py", *sys.argv[1:]]))
+    write(with_earlier_sections(results, Path(args.out)), Path(args.out), time.perf_counter() - started, "python " + " ".join(["benchmarks/audit_conformance.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
