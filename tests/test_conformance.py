@@ -308,3 +308,17 @@ def test_a_model_with_dropout_is_reported_not_checked_instead_of_failing_the_noi
     assert any(b["method"] == "one_run_white_box" for b in audit["one_run"])
     assert not any(line.startswith("conformance check") for line in decision["reasons"])
     assert any(line.startswith("conformance not checked: the model's forward pass is random") for line in decision["reasons"])
+
+
+def test_the_broken_samplers_state_belongs_to_its_own_run() -> None:
+    """Runs one after another under one bug context (as the audit's runs are): a run never gets another
+    run's batches or noise, even when its generator reuses a freed generator's memory address."""
+    import dpml.train.dpsgd as dpsgd
+
+    with broken.BUGS["shuffled fixed-size batches"]():
+        for n in (50, 30, 50, 20):
+            for _ in range(3):
+                generator = torch.Generator().manual_seed(n)
+                batch = dpsgd.poisson_batch(generator, n, 0.2)
+                assert int(batch.max()) < n and batch.numel() == round(0.2 * n)
+                del generator

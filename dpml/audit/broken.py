@@ -55,10 +55,10 @@ def clipping_removed() -> contextlib.AbstractContextManager[None]:
 
 def shuffled_batches() -> contextlib.AbstractContextManager[None]:
     """Batches of exactly round(q·n) records, a fresh shuffle each epoch (the sampler of most tutorials)."""
-    queues: dict[int, list[torch.Tensor]] = {}
+    queues: dict[int, tuple[torch.Generator, list[torch.Tensor]]] = {}  # the generator is kept: its id stays its own
 
     def sampler(generator: torch.Generator, n: int, sample_rate: float) -> torch.Tensor:
-        queue = queues.setdefault(id(generator), [])
+        queue = queues.setdefault(id(generator), (generator, []))[1]
         if not queue:
             size = max(1, round(sample_rate * n))
             queue.extend(torch.split(torch.randperm(n, generator=generator), size))
@@ -70,12 +70,12 @@ def shuffled_batches() -> contextlib.AbstractContextManager[None]:
 def noise_reused() -> contextlib.AbstractContextManager[None]:
     """The noise of a run's first step added again at every later step (a seed reset per step)."""
     original = dpsgd.clipped_chunks_and_noise
-    first: dict[int, dict[str, torch.Tensor]] = {}
+    first: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # the generator is kept: its id stays its own
 
     def reused(*args: Any, **kwargs: Any) -> Any:
         sums, noises, clipped = original(*args, **kwargs)
         generator = kwargs.get("generator", args[4] if len(args) > 4 else None)
-        kept = first.setdefault(id(generator), noises)
+        kept = first.setdefault(id(generator), (generator, noises))[1]
         return sums, dict(kept), clipped
 
     return _patched(dpsgd, "clipped_chunks_and_noise", reused)
