@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import datetime
+import json
+import os
 import platform
 import shutil
 import subprocess
@@ -153,7 +154,10 @@ def write(results: list[dict[str, Any]], out: Path, seconds: float, command: str
     (out / "audit_conformance.json").write_text(json.dumps(results, indent=2))
     lines = ["# Does the audit catch a broken trainer?", "",
              f"Command: `{command}` ({seconds / 60:.1f} min). Machine: {platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, Python {platform.python_version()}.", "",
+             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, Python {platform.python_version()}; "
+             f"load average over the last 15 minutes when it finished: {os.getloadavg()[2]:.1f} on {os.cpu_count()} "
+             "cores (above the core count, other jobs shared the machine and the times are inflated and not comparable "
+             "between rows; the verdicts do not depend on them).", "",
              "Each row: train → certify → audit → gate with the configuration's defaults (5 attacks with 4 reference "
              "models, a non-private control, 500 black-box and up to 1000 white-box canaries, conformance checks at "
              "a joint false-alarm rate of 1e-6), under one bug of `dpml/audit/broken.py` that the trainer does "
