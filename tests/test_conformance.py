@@ -20,9 +20,8 @@ from scipy import stats
 from dpml import stages
 from dpml.audit import broken
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_power
-from dpml.audit.conformance import (ConformanceProbe, canary_scores, chernoff_product_p_value, conformance_checks,
-                                    forward_is_random,
-                                    reference_clipped_sum)
+from dpml.audit.conformance import ConformanceProbe, canary_scores, chernoff_product_p_value, conformance_checks
+from dpml.audit.recompute import forward_is_random, reference_clipped_sum
 from dpml.config import load
 from dpml.models import build_model, spec_for
 from dpml.models.mlp import MlpSpec, build_mlp

@@ -210,7 +210,7 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
 
     ``certified_epsilon`` decides which ε lower-bound methods have the power to gate (:func:`plan_bounds`);
     ``mechanism`` (``mechanism.json``) is what the conformance checks test the trainer against."""
-    from dpml.audit.conformance import trainable_size
+    from dpml.audit.recompute import trainable_size
     from dpml.models import build_model
     from dpml.train.fit import model_spec
 
