@@ -3,7 +3,8 @@
 Each registered version carries enough to rebuild it on another machine:
 
 - ``code.commit`` and ``code.dirty``: the git commit of the working directory and whether any file
-  other than ``params.yaml`` and ``dvc.lock`` (both logged with the run) differs from it;
+  other than ``params.yaml`` and ``dvc.lock`` (both logged with the run) and the run's summary metrics
+  (``metrics/``, kept in git for ``dvc metrics diff``) differs from it;
 - ``data.dvc_md5``: DVC's hash of ``data/raw`` (the ingested records, the bytes training saw), beside
   dpml's own ``data.version``, and ``data.dvc_remote``: the DVC remote they were pushed to *before* the
   version was registered (``dvc push`` of the ingest stage's output);
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from dpml.config import Config
 
 LOGGED_FILES = ("params.yaml", "dvc.lock")
+METRICS_FOLDER = "metrics"  # the git-tracked metrics dvc.yaml names: a run's output, not code
 RAW_DATA = "data/raw"
 
 
@@ -53,7 +55,8 @@ def code_state(root: Path) -> dict[str, str]:
     head = git(root, "rev-parse", "HEAD")
     if head.returncode != 0:
         return {"code.commit": "none", "code.dirty": "unknown"}
-    changed = git(root, "status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in LOGGED_FILES))
+    outputs = (*LOGGED_FILES, METRICS_FOLDER)
+    changed = git(root, "status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in outputs))
     return {"code.commit": head.stdout.strip(), "code.dirty": str(bool(changed.stdout.strip())).lower()}
 
 

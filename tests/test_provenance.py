@@ -31,6 +31,8 @@ def test_code_state_names_the_commit_and_counts_every_change_but_the_logged_file
     assert code_state(tmp_path) == {"code.commit": head, "code.dirty": "false"}
     (tmp_path / "params.yaml").write_text("v2\n")  # logged with the run: not a code change
     (tmp_path / "dvc.lock").write_text("v2\n")
+    (tmp_path / "metrics").mkdir()  # the run's summary metrics, kept in git: an output, not code
+    (tmp_path / "metrics" / "summary.json").write_text("{}\n")
     assert code_state(tmp_path)["code.dirty"] == "false"
     (tmp_path / "helper.py").write_text("new\n")  # an untracked file the run may import
     assert code_state(tmp_path)["code.dirty"] == "true"
