@@ -79,9 +79,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    from dpml.provenance import refuse_temporary_experiment_copy
     from dpml.stages import run_stage
 
     config = load(args.params, args.set)
+    refuse_temporary_experiment_copy(config)
     result = run_stage(args.name, config, progress=True)
     printable = {k: v for k, v in result.items() if k != "certificate"}
     print(json.dumps(printable, indent=2, default=str))

@@ -1,9 +1,11 @@
 """The stage contract (which files each stage reads and writes) is written once, in
 ``dpml.stages.layout.CONTRACT``; ``dvc.yaml`` must declare the same files, and ``run_stage`` must refuse
-a stage whose inputs are missing and fail a stage that did not write what it promises."""
+a stage whose inputs are missing and fail a stage that did not write what it promises. The parameters each
+stage depends on are part of the contract too: dvc.yaml lists exactly those, each one present in params.yaml."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from dpml.stages import STAGES, run_stage
 from dpml.stages.layout import CONTRACT, Layout, check_outputs, producer_of
 
 DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+PARAMS = yaml.safe_load((REPO / "params.yaml").read_text())
 
 
 def _default_layout() -> Layout:
@@ -41,7 +44,7 @@ def _covered(path: str, declared: list[str]) -> bool:
 
 def _data_paths(declared: list[str]) -> list[str]:
     """Declared paths that are pipeline files (not the code a stage depends on)."""
-    return [d for d in declared if d.startswith(("data/", "artifacts/"))]
+    return [d for d in declared if d.startswith(("data/", "artifacts/", "metrics/"))]
 
 
 def test_every_stage_in_the_contract_is_a_dvc_stage_and_a_pipeline_stage() -> None:
@@ -68,6 +71,41 @@ def test_dvc_declares_no_file_the_contract_does_not_name(stage: str) -> None:
         assert any(_covered(r, [dep]) for r in reads), f"dvc.yaml stage {stage} depends on {dep}, which it never reads"
     for out in _entries(dvc, "outs", "metrics", "plots"):
         assert any(_covered(w, [out]) for w in writes), f"dvc.yaml stage {stage} declares {out}, which it never writes"
+
+
+@pytest.mark.parametrize("stage", list(CONTRACT))
+def test_dvc_declares_exactly_the_parameters_the_contract_names(stage: str) -> None:
+    assert DVC[stage].get("params", []) == list(CONTRACT[stage].params)
+
+
+@pytest.mark.parametrize("stage", list(CONTRACT))
+def test_every_declared_parameter_is_in_params_yaml(stage: str) -> None:
+    """DVC refuses a stage whose parameter is missing from params.yaml (an optional key too)."""
+    for key in CONTRACT[stage].params:
+        section, _, name = key.partition(".")
+        assert section in PARAMS and (not name or name in PARAMS[section]), f"stage {stage}: {key} not in params.yaml"
+
+
+def test_no_budget_retrains_and_every_budget_reaches_the_gate() -> None:
+    for budget in ("gate.epsilon_budget", "gate.kl_budget", "ledger.epsilon_budget", "ledger.kl_budget", "ledger.delta"):
+        section = budget.partition(".")[0]
+        assert budget not in CONTRACT["train"].params and section not in CONTRACT["train"].params, budget
+        assert budget in CONTRACT["gate"].params or section in CONTRACT["gate"].params, budget
+
+
+def test_summary_metrics_are_the_only_dvc_metrics_and_live_outside_the_ignored_folders() -> None:
+    declared = [path for stage in DVC.values() for path in _entries(stage, "metrics")]
+    assert declared == [_relative(_default_layout().summary)] == ["metrics/summary.json"]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "metrics/summary.json"], cwd=REPO)
+    assert ignored.returncode == 1, "metrics/summary.json must be tracked by git, not ignored"
+    assert DVC["gate"]["metrics"][0]["metrics/summary.json"]["cache"] is False
+
+
+def test_every_plot_has_a_title_and_axis_labels() -> None:
+    for stage in DVC.values():
+        for entry in stage.get("plots", []):
+            options = next(iter(entry.values())) if isinstance(entry, dict) else {}
+            assert {"title", "x_label", "y_label"} <= set(options), entry
 
 
 def test_every_read_is_written_by_an_earlier_stage() -> None:
