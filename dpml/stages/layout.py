@@ -54,6 +54,7 @@ class Layout:
         self.release = art / "register" / "release.json"
         self.tuning = art / "tune" / "tuning.json"
         self.validation = art / "tune" / "validation.npz"
+        self.stage_records = art / "stages"  # one <stage>.json per stage run: times, params, metrics (dpml.stages.records)
 
     def path(self, name: str) -> Path:
         """The file a contract name stands for: an attribute (``model``) or a prepared part (``prepared.train``)."""
@@ -65,33 +66,39 @@ class Layout:
 @dataclass(frozen=True)
 class StageFiles:
     """What one stage reads and writes (names of :class:`Layout` files); ``optional`` outputs are written
-    only in some configurations (the control's ROC without a control, a search's files without a search)."""
+    only in some configurations (the control's ROC without a control, a search's files without a search);
+    ``params``: the configuration sections (or keys) it depends on, as ``dvc.yaml`` declares them."""
 
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     optional: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
 
 
 PREPARED = tuple(f"prepared.{part}" for part in PARTS)
 
 CONTRACT: dict[str, StageFiles] = {
-    "ingest": StageFiles(reads=(), writes=("raw", "raw_meta")),
-    "split": StageFiles(reads=("raw", "raw_meta"), writes=("split",)),
-    "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta")),
+    "ingest": StageFiles(reads=(), writes=("raw", "raw_meta"), params=("data",)),
+    "split": StageFiles(reads=("raw", "raw_meta"), writes=("split",), params=("split",)),
+    "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta"),
+                            params=("data", "preprocess")),
     "train": StageFiles(reads=(*PREPARED, "prepared_meta"),
                         writes=("model", "model_spec", "mechanism", "spend", "excluded", "train_metrics"),
-                        optional=("tuning", "validation", "model_source")),
-    "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics")),
+                        optional=("tuning", "validation", "model_source"),
+                        params=("plugins", "model", "train", "dp", "noisycgd", "noisygd", "onepass", "ledger")),
+    "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics"),
+                         params=("dp.delta",)),
     "audit": StageFiles(reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta",
                                "raw_meta", "excluded"),
                         writes=("audit", "scores", "roc_png", "roc_csv", "histograms_png", "audit_metrics"),
-                        optional=("roc_control_png",)),
+                        optional=("roc_control_png",),
+                        params=("plugins", "audit", "model", "train", "dp", "noisycgd", "noisygd", "onepass")),
     "gate": StageFiles(reads=("certificate", "audit", "scores", "train_metrics", "prepared_meta", "raw_meta"),
-                       writes=("gate", "report")),
+                       writes=("gate", "report"), params=("data", "gate")),
     "register": StageFiles(reads=("certificate", "audit", "scores", "roc_png", "histograms_png", "gate", "report",
                                   "train_metrics", "model", "model_spec", "mechanism", "spend", "raw_meta",
                                   "prepared_meta"),
-                           writes=("release",)),
+                           writes=("release",), params=("data", "preprocess", "tracking")),
 }
 
 
