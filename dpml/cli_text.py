@@ -50,6 +50,7 @@ def run_summary(results: dict[str, Any]) -> str:
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
         "  UI                   " + ui_hint(release["tracking_uri"]),
+        "  review view          " + review_hint(release["tracking_uri"], release["experiment_id"]),
     ]
     return "\n".join(lines)
 
@@ -62,6 +63,15 @@ def ui_hint(uri: str) -> str:
     if is_server(uri):
         return f"{uri.rstrip('/')}  (the tracking server's UI)"
     return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1"
+
+
+def review_hint(uri: str, experiment_id: str) -> str:
+    """The runs list with the headline columns (:func:`dpml.tracking.review_url`): a full URL on a tracking
+    server, the path to open in ``mlflow ui`` (at http://127.0.0.1:5000 by default) otherwise."""
+    from dpml.store import is_server
+    from dpml.tracking import review_url
+
+    return review_url(experiment_id, uri if is_server(uri) else "http://127.0.0.1:5000")
 
 
 def power_summary(audit: dict) -> list[str]:

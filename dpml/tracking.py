@@ -15,6 +15,7 @@ SQLite store all register and the alias ends on the newest passing release.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -34,12 +35,15 @@ from dpml.faults import fault_point
 from dpml.serving import load_network, log_classifier
 from dpml.store import activate, is_server, store_lock, tracking_uri
 
-__all__ = ["CHAMPION", "clean_up_killed_runs", "find_version", "finished_releases", "get_or_create_experiment", "load_run_json",
-           "log_audit", "log_release", "resolve_model", "tracking_uri"]
+__all__ = ["CHAMPION", "REVIEW_VIEW", "clean_up_killed_runs", "find_version", "finished_releases", "get_or_create_experiment", "load_run_json",
+           "log_audit", "log_release", "resolve_model", "review_url", "tracking_uri", "training_dataset"]
 
 CHAMPION = "champion"
 EXPERIMENT_KIND = "mlflow.experimentKind"  # the UI opens an experiment in the view this tag names
 MODEL_DEVELOPMENT = "custom_model_development"  # not the GenAI view
+REVIEW_VIEW = "dpml-review"  # the runs list with the release's headline columns (:func:`review_url`)
+REVIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Duration`", "attributes.`Models`", "metrics.`test_accuracy`",
+                  "tags.`dp.epsilon`", "metrics.`delta`", "metrics.`audit.max_epsilon_lower_bound`", "tags.`gate.passed`"]
 
 
 def _experiment_id(config: TrackingConfig) -> str:
@@ -73,6 +77,19 @@ def get_or_create_experiment(client: MlflowClient, name: str, artifact_location:
     if EXPERIMENT_KIND not in found.tags:  # made by an older dpml, or by hand: opened in the GenAI view
         client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, MODEL_DEVELOPMENT)
     return found.experiment_id
+
+
+def _save_review_view(client: MlflowClient, experiment_id: str) -> None:
+    """Store the review view as a shared view of the experiment (the UI's ``viewStateShareKey``): the runs
+    list with the data set, duration, model, test accuracy, certified ε, δ, the largest empirical ε lower
+    bound and the gate as columns. A reviewer opens :func:`review_url` and may keep it as their own view."""
+    client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{REVIEW_VIEW}",
+                              json.dumps({"selectedColumns": REVIEW_COLUMNS}))
+
+
+def review_url(experiment_id: str, ui: str = "") -> str:
+    """The experiment's runs list in the review view, under the UI at ``ui`` (e.g. ``http://127.0.0.1:5000``)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={REVIEW_VIEW}"
 
 
 def _ensure_registered_model(client: MlflowClient, name: str) -> None:
@@ -165,6 +182,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
     client = MlflowClient()
     model_name = config.model_name
     assert model_name is not None, "tracking.model_name is filled in when the configuration is validated"
+    _save_review_view(client, experiment_id)
     started = min((_ms(r["started"]) for r in stage_runs), default=None)
     parent = client.create_run(experiment_id, start_time=started, tags=run_tags, run_name=run_name)
     with mlflow.start_run(run_id=parent.info.run_id) as run:

@@ -175,7 +175,7 @@ def register(config: Config) -> dict[str, Any]:
         dataset=tracking.training_dataset(lineage, config.data.source, data_meta["version"]),
         stage_runs=stage_records(layout, list(CONTRACT)[:-1]) + [own_record],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
-                  "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
+                  "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
                   "ledger.spend_id": str(spend["spend_id"]), **provenance},
         documents={"config.json": config.to_dict()},
