@@ -151,6 +151,7 @@ def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
     run_name = f"digits · dpsgd · ε={epsilon}"
     experiment_id = released["client"].get_experiment_by_name("dpml-test").experiment_id
     runs = rendered_text(review_url(experiment_id, ui), tmp_path / "profile", [run_name, "gate.passed"])
+    assert "Training runs" in runs  # the model-development tabs: absent for an experiment without the kind tag
     # The review view's columns: the run's name, its data set, …, then the certified ε and the gate's verdict.
     assert re.search(rf"{re.escape(run_name)} .*digits \({released['results']['ingest']['version'][:36]}\).* "
                      rf"{re.escape(epsilon)} true\b", runs), runs[:3000]
