@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from dpml.cli_text import conformance_summary_lines, lineage_text, power_summary, run_summary
 from dpml.config import ConfigError, load
+from dpml.formatting import format_epsilon
 from dpml.privacy.ledger import LedgerError
 
 
@@ -108,7 +109,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(line)
     verdict = "consistent with" if audit["max_lower_bound"] <= result["certified_epsilon"] else "EXCEEDS"
     print(f"  largest empirical lower bound ε ≥ {audit['max_lower_bound']:.4g}: {verdict} the certified "
-          f"ε = {result['certified_epsilon']:.4g}")
+          f"ε = {format_epsilon(result['certified_epsilon'])}")
     if not result["conforms"]:
         print("  the trainer does NOT conform to its certificate (see the conformance lines above)")
     return 0 if result["consistent"] else 3

@@ -72,6 +72,20 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     # Reproducing from params.yaml, the data and the secret noise seed gives the same metrics.
     dvc(root, "repro", "--force")
     assert metrics(root) == from_prefect
+    # Both drivers recorded every stage: each release's parent run has one nested run per stage, in order.
+    from mlflow import MlflowClient
+
+    from dpml.config import load
+    from dpml.stages import STAGES
+    from dpml.store import tracking_uri
+
+    client = MlflowClient(tracking_uri(load(root / "params.yaml").tracking))
+    releases = client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")
+    assert len(releases) == 2
+    for release in releases:
+        nested = client.search_runs([client.get_run(release.run_id).info.experiment_id],
+                                    filter_string=f"tags.mlflow.parentRunId = '{release.run_id}'")
+        assert [run.info.run_name for run in sorted(nested, key=lambda run: run.info.start_time)] == list(STAGES)
     assert "Data and pipelines are up to date." in dvc(root, "repro")
     shown = dvc(root, "metrics", "show", "--json")
     assert "test_accuracy" in shown and "epsilon" in shown

@@ -132,3 +132,24 @@ def test_a_stage_that_skips_an_output_is_caught(workdir: Path) -> None:
     layout.raw_meta.unlink()
     with pytest.raises(RuntimeError, match=r"stage ingest finished without writing .*meta\.json"):
         check_outputs("ingest", layout)
+
+
+@pytest.mark.parametrize("stage", list(CONTRACT))
+def test_dvc_declares_the_params_the_contract_names(stage: str) -> None:
+    """The parameters each stage's nested MLflow run logs are the ones DVC re-runs it for."""
+    assert list(CONTRACT[stage].params) == DVC[stage].get("params", [])
+
+
+def test_run_stage_records_times_params_and_metrics(workdir: Path) -> None:
+    from dpml import io
+    from dpml.stages.records import stage_records
+
+    config = validate(small_params(workdir, split={"seed": 7}))
+    run_stage("ingest", config)
+    result = run_stage("split", config)
+    [ingest, split] = stage_records(Layout(config), ["ingest", "split", "preprocess"])
+    assert ingest["stage"] == "ingest" and ingest["started"] <= ingest["ended"] <= split["started"] <= split["ended"]
+    assert split["params"]["split.seed"] == "7" and all(k.startswith("split.") for k in split["params"])
+    assert split["metrics"]["n_train"] == result["n_train"] > 0
+    assert "data.source" in ingest["params"] and "None" not in io.read_json(
+        Layout(config).stage_records / "ingest.json")["params"].values()

@@ -23,6 +23,7 @@ from dpml.audit.canaries import black_box_audit, black_box_guesses, white_box_au
 from dpml.audit.metrics import roc, summarize
 from dpml.audit.references import AuditRecords, load_references, train_reference
 from dpml.audit.signals import logits_of
+from dpml.formatting import format_epsilon
 from dpml.config import AuditConfig, Config
 from dpml.sections import TrainSettings
 from dpml.train.fit import fit
@@ -192,7 +193,7 @@ def plan_bounds(config: Config, methods: dict[str, Any], certified_epsilon: floa
         power = float(power_at(confidence))
         entry: dict[str, Any] = {"power": power, "gating": name in gating}
         if not entry["gating"] and power < (certified_epsilon or math.inf):
-            entry["note"] = (f"cannot detect a violation of ε = {certified_epsilon:.4g}: the largest bound it can "
+            entry["note"] = (f"cannot detect a violation of ε = {format_epsilon(certified_epsilon)}: the largest bound it can "
                              f"report is {power:.4g}")
         elif not entry["gating"]:
             entry["note"] = ("not counted: sharing the confidence budget with it would leave some gating method "

@@ -20,6 +20,7 @@ import numpy as np
 
 from dpml import io
 from dpml.audit.run import gating_lower_bounds
+from dpml.formatting import format_epsilon
 from dpml.privacy.ledger import Ledger
 from dpml.report.privacy_report import render
 from dpml.stages.audit import strongest
@@ -54,17 +55,17 @@ def gate(config: Config) -> dict[str, Any]:
             reasons.append(certificate["statement"])
         if epsilon > config.gate.epsilon_budget:
             passed = False
-            reasons.append(f"certified ε = {epsilon:.4g} exceeds the budget gate.epsilon_budget = "
+            reasons.append(f"certified ε = {format_epsilon(epsilon)} exceeds the budget gate.epsilon_budget = "
                            f"{config.gate.epsilon_budget:g}")
         else:
-            reasons.append(f"certified ε = {epsilon:.4g} ≤ budget {config.gate.epsilon_budget:g}")
+            reasons.append(f"certified ε = {format_epsilon(epsilon)} ≤ budget {config.gate.epsilon_budget:g}")
         violations = [b for b in gating_lower_bounds(summary) if b["epsilon"] > epsilon]
         for bound in violations:
             passed = False
             reasons.append(
                 f"empirical lower bound ε ≥ {bound['epsilon']:.4g} ({bound['method']}"
                 f"{', ' + bound['attack'] if 'attack' in bound else ''}, confidence {bound['confidence']:.4g}) "
-                f"exceeds the certified ε = {epsilon:.4g}: the trainer or the accountant is wrong"
+                f"exceeds the certified ε = {format_epsilon(epsilon)}: the trainer or the accountant is wrong"
             )
         if not violations:
             reasons.append(f"every empirical lower bound ≤ certified ε (largest {summary['max_lower_bound']:.4g})")
@@ -137,10 +138,10 @@ def _gate_ledger(config: Config, ledger: Ledger, certificate: dict[str, Any] | N
     else:
         spent, budget, key, unit = ledger.total(lineage), config.ledger.epsilon_budget, "ledger.epsilon_budget", "ε"
     if spent > budget:
-        reasons.append(f"ledger: lineage {lineage!r} has spent {unit} = {spent:.4g} on some person, over {key} = "
+        reasons.append(f"ledger: lineage {lineage!r} has spent {unit} = {format_epsilon(spent)} on some person, over {key} = "
                        f"{budget:g} (lowered after this model trained?): not released as champion")
         return False
-    reasons.append(f"ledger: lineage {lineage!r}'s largest per-person {unit} = {spent:.4g} ≤ {key} = {budget:g}")
+    reasons.append(f"ledger: lineage {lineage!r}'s largest per-person {unit} = {format_epsilon(spent)} ≤ {key} = {budget:g}")
     return True
 
 

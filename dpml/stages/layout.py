@@ -61,6 +61,7 @@ class Layout:
         self.summary = Path(config.paths.metrics_folder()) / "summary.json"  # kept in git: dvc metrics diff
         self.tuning = art / "tune" / "tuning.json"
         self.validation = art / "tune" / "validation.npz"
+        self.stage_records = art / "stages"  # one <stage>.json per stage run: times, params, metrics (dpml.stages.records)
 
     def path(self, name: str) -> Path:
         """The file a contract name stands for: an attribute (``model``) or a prepared part (``prepared.train``)."""
@@ -72,7 +73,8 @@ class Layout:
 @dataclass(frozen=True)
 class StageFiles:
     """What one stage reads and writes (names of :class:`Layout` files); ``optional`` outputs are written
-    only in some configurations (the control's ROC without a control, a search's files without a search)."""
+    only in some configurations (the control's ROC without a control, a search's files without a search);
+    ``params``: the configuration sections (or keys) it depends on, as ``dvc.yaml`` declares them."""
 
     reads: tuple[str, ...]
     writes: tuple[str, ...]
