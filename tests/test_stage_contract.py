@@ -149,7 +149,7 @@ def test_run_stage_records_times_params_and_metrics(workdir: Path) -> None:
     result = run_stage("split", config)
     [ingest, split] = stage_records(Layout(config), ["ingest", "split", "preprocess"])
     assert ingest["stage"] == "ingest" and ingest["started"] <= ingest["ended"] <= split["started"] <= split["ended"]
-    assert split["params"]["split.seed"] == "7" and all(k.startswith("split.") for k in split["params"])
+    assert split["params"]["split.seed"] == "7" and all(k.startswith(("split.", "data.")) for k in split["params"])
     assert split["metrics"]["n_train"] == result["n_train"] > 0
     assert "data.source" in ingest["params"] and "None" not in io.read_json(
         Layout(config).stage_records / "ingest.json")["params"].values()
