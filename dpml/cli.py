@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.metadata
 import json
 import logging
 import math
@@ -16,11 +15,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from dpml.cli_examples import examples_epilog
+from dpml.cli_help import VERBOSE_HELP, command, examples_epilog, version
 from dpml.cli_text import conformance_summary_lines, lineage_text, power_summary, run_summary
 from dpml.config import ConfigError, load
 from dpml.privacy.ledger import LedgerError
-from dpml.terminal import from_dpml, quiet_third_party_output
+from dpml.terminal import quiet_third_party_output, warning_line
 
 
 def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
@@ -295,23 +294,6 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def version() -> str:
-    """``dpml <version>``, from the installed package's metadata."""
-    try:
-        return f"dpml {importlib.metadata.version('dpml')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "dpml (version unknown: the package is not installed; run scripts/setup.sh)"
-
-
-def command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
-    """The parser of ``dpml NAME``: its one-line summary, and its examples at the end of its --help."""
-    return sub.add_parser(name, help=summary, epilog=examples_epilog(name),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
-VERBOSE_HELP = "also show Dask's, absl's and MLflow's own logs and progress bars, and other libraries' warnings"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dpml", description="Privacy-audited model production.", epilog=examples_epilog("dpml"),
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -407,19 +389,12 @@ def _one_line(error: BaseException) -> str:
     return text if isinstance(error, known) and text else f"{type(error).__name__}: {text or 'no message'}"
 
 
-def _warning_line(message: warnings.WarningMessage | Warning | str, category: type[Warning], filename: str,
-                  lineno: int, file: Any = None, line: str | None = None, *, verbose: bool = False) -> None:
-    """A warning as one ``dpml: warning: …`` line; other libraries' warnings only with ``--verbose``."""
-    if verbose or from_dpml(filename):
-        print(f"dpml: warning: {message}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure ends as one ``dpml: error: …`` line (the traceback with --debug)."""
     args = build_parser().parse_args(argv)
     if not args.verbose:
         quiet_third_party_output()
-    warnings.showwarning = functools.partial(_warning_line, verbose=args.verbose)
+    warnings.showwarning = functools.partial(warning_line, verbose=args.verbose)
     try:
         with _logs_without_tracebacks(unless=args.debug):
             return int(args.func(args))

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 QUIET_ENVIRONMENT = {
     "DASK_LOGGING__DISTRIBUTED": "error",          # Dask's logging config: this process and its workers
@@ -55,3 +58,10 @@ def quiet_third_party_output() -> None:
 def from_dpml(filename: str) -> bool:
     """Whether a warning was raised in dpml's own code (the packages dpml, flows, tasks)."""
     return str(Path(filename).resolve()).startswith(DPML_SOURCES)
+
+
+def warning_line(message: warnings.WarningMessage | Warning | str, category: type[Warning], filename: str,
+                 lineno: int, file: Any = None, line: str | None = None, *, verbose: bool = False) -> None:
+    """A warning as one ``dpml: warning: …`` line; other libraries' warnings only with ``--verbose``."""
+    if verbose or from_dpml(filename):
+        print(f"dpml: warning: {message}", file=sys.stderr)

@@ -17,9 +17,9 @@ import pytest
 
 from conftest import REPO
 from dpml.cli import build_parser, main
-from dpml.cli_examples import EXAMPLES
+from dpml.cli_help import EXAMPLES
 from dpml.progress import progress_over, progress_range
-from dpml.terminal import from_dpml
+from dpml.terminal import from_dpml, warning_line
 
 COMMANDS = ("run", "tune", "stage", "audit", "reproduce", "certificate", "schema", "calibrate", "ledger", "epsilon")
 
@@ -103,11 +103,9 @@ def test_progress_in_a_prefect_run_is_a_few_lines_of_its_log(prefect_harness: No
 
 def test_other_libraries_warnings_are_shown_only_when_verbose(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from dpml.cli import _warning_line
-
     assert from_dpml(str(REPO / "dpml" / "preflight.py")) and from_dpml(str(REPO / "flows" / "pipeline.py"))
     assert not from_dpml(logging.__file__) and not from_dpml(str(tmp_path / "dpml" / "x.py"))
-    _warning_line("from elsewhere", UserWarning, logging.__file__, 1)
-    _warning_line("from dpml", UserWarning, str(REPO / "dpml" / "preflight.py"), 1)
-    _warning_line("from elsewhere, verbose", UserWarning, logging.__file__, 1, verbose=True)
+    warning_line("from elsewhere", UserWarning, logging.__file__, 1)
+    warning_line("from dpml", UserWarning, str(REPO / "dpml" / "preflight.py"), 1)
+    warning_line("from elsewhere, verbose", UserWarning, logging.__file__, 1, verbose=True)
     assert capsys.readouterr().err.splitlines() == ["dpml: warning: from dpml", "dpml: warning: from elsewhere, verbose"]

@@ -1,6 +1,9 @@
-"""The examples at the end of ``dpml --help`` and of each command's ``--help``."""
+"""What ``dpml --help`` and ``dpml --version`` show: each command's parser with its examples at the end."""
 
 from __future__ import annotations
+
+import argparse
+import importlib.metadata
 
 EXAMPLES: dict[str, list[tuple[str, str]]] = {
     "dpml": [
@@ -60,3 +63,20 @@ def examples_epilog(command: str) -> str:
     """``examples:`` and one indented line per example (command, then what it does)."""
     rows = EXAMPLES[command]
     return "examples:\n" + "\n".join(f"  {line}\n      {what}" for line, what in rows)
+
+
+def version() -> str:
+    """``dpml <version>``, from the installed package's metadata."""
+    try:
+        return f"dpml {importlib.metadata.version('dpml')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "dpml (version unknown: the package is not installed; run scripts/setup.sh)"
+
+
+def command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
+    """The parser of ``dpml NAME``: its one-line summary, and its examples at the end of its --help."""
+    return sub.add_parser(name, help=summary, epilog=examples_epilog(name),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+VERBOSE_HELP = "also show Dask's, absl's and MLflow's own logs and progress bars, and other libraries' warnings"
