@@ -8,9 +8,7 @@ import html
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,7 +17,7 @@ from mlflow import MlflowClient
 
 from dpml.config import load
 from dpml.formatting import format_epsilon
-from tests.conftest import answers, free_port, small_params, write_params
+from tests.conftest import serving_mlflow, small_params, write_params
 
 STAGES = ["ingest", "split", "preprocess", "train", "certify", "audit", "gate", "register"]
 
@@ -67,24 +65,9 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def ui(released: dict[str, Any]) -> Iterator[str]:
     """``mlflow ui`` on the run's store, on 127.0.0.1 and a free port."""
     workdir = released["workdir"]
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    with open(workdir / "ui.log", "w") as sink:
-        server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri",
-                                   f"sqlite:///{workdir / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port)],
-                                  cwd=workdir, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if not answers(f"{url}/health", server, 180):
-            raise RuntimeError(f"mlflow ui did not start: {(workdir / 'ui.log').read_text()[-3000:]}")
+    with serving_mlflow("ui", ["--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}"], workdir,
+                        workdir / "ui.log") as url:
         yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 @pytest.mark.slow
