@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -14,9 +15,12 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from dpml.cli_help import VERBOSE_HELP, command, examples_epilog, version
 from dpml.cli_text import conformance_summary_lines, lineage_text, power_summary, run_summary
 from dpml.config import ConfigError, load
+from dpml.formatting import format_epsilon
 from dpml.privacy.ledger import LedgerError
+from dpml.terminal import quiet_third_party_output, warning_line
 
 
 def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
@@ -79,9 +83,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    from dpml.provenance import refuse_temporary_experiment_copy
     from dpml.stages import run_stage
 
     config = load(args.params, args.set)
+    refuse_temporary_experiment_copy(config)
     result = run_stage(args.name, config, progress=True)
     printable = {k: v for k, v in result.items() if k != "certificate"}
     print(json.dumps(printable, indent=2, default=str))
@@ -106,7 +112,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(line)
     verdict = "consistent with" if audit["max_lower_bound"] <= result["certified_epsilon"] else "EXCEEDS"
     print(f"  largest empirical lower bound ε ≥ {audit['max_lower_bound']:.4g}: {verdict} the certified "
-          f"ε = {result['certified_epsilon']:.4g}")
+          f"ε = {format_epsilon(result['certified_epsilon'])}")
     if not result["conforms"]:
         print("  the trainer does NOT conform to its certificate (see the conformance lines above)")
     return 0 if result["consistent"] else 3
@@ -167,12 +173,10 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Rebuild a release from its provenance and compare (``--verify``: no training, no ε)."""
-    import os
     from pathlib import Path
 
     from dpml.reproduce import reproduce
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     config = load(args.params, args.set)
     return 0 if reproduce(args.model, config, Path.cwd(), args.verify, args.accuracy_band) else 3
 
@@ -294,39 +298,44 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="dpml", description="Privacy-audited model production.")
+    parser = Parser(prog="dpml", description="Privacy-audited model production.", epilog=examples_epilog("dpml"),
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version())
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--params", default="params.yaml", help="configuration file (default: params.yaml)")
         p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one parameter, e.g. --set dp.target_epsilon=2 (repeatable)")
+        # also accepted after the command (dpml run --verbose); SUPPRESS keeps `dpml --verbose run`'s value
+        p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
 
-    run = sub.add_parser("run", help="run the whole pipeline")
+    run = command(sub, "run", "run the whole pipeline")
     config_args(run)
     run.add_argument("--engine", choices=("prefect", "local"), default="prefect",
                      help="prefect: a Prefect flow run (default); local: the stages in-process")
     run.set_defaults(func=cmd_run)
 
-    tun = sub.add_parser("tune", help="private hyperparameter search (tune section), then certify, audit, release")
+    tun = command(sub, "tune", "private hyperparameter search (tune section), then certify, audit, release")
     config_args(tun)
     tun.add_argument("--engine", choices=("prefect", "local"), default="prefect",
                      help="prefect: a Prefect flow run (default); local: the stages in-process")
     tun.set_defaults(func=cmd_tune)
 
-    stage = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
+    stage = command(sub, "stage", "run one stage (what dvc.yaml calls)")
     stage.add_argument("name", choices=STAGE_NAMES)
     config_args(stage)
     stage.set_defaults(func=cmd_stage)
 
-    aud = sub.add_parser("audit", help="re-audit a registered model version with the data it was trained on")
+    aud = command(sub, "audit", "re-audit a registered model version with the data it was trained on")
     aud.add_argument("--model", required=True, help="models:/NAME@ALIAS or models:/NAME/VERSION")
     aud.add_argument("--out", default=None, help="folder for the rebuilt data and audit outputs (default artifacts/reaudit)")
     config_args(aud)
     aud.set_defaults(func=cmd_audit)
 
-    rep = sub.add_parser("reproduce", help="rebuild a registered release's code, data and certificate and check them")
+    rep = command(sub, "reproduce", "rebuild a registered release's code, data and certificate and check them")
     rep.add_argument("model", help="models:/NAME/VERSION or models:/NAME@ALIAS")
     rep.add_argument("--verify", action="store_true",
                      help="check out its commit, pull its data from the DVC remote, check both hashes, recompute the "
@@ -336,13 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(rep)
     rep.set_defaults(func=cmd_reproduce)
 
-    cert = sub.add_parser("certificate", help="recompute a logged run's certificate from its mechanism description")
+    cert = command(sub, "certificate", "recompute a logged run's certificate from its mechanism description")
     cert.add_argument("--run", required=True, help="MLflow run id of a pipeline run")
     cert.add_argument("--json", action="store_true")
     config_args(cert)
     cert.set_defaults(func=cmd_certificate)
 
-    sch = sub.add_parser("schema", help="draft a table's data: section from its file (read from the data: NOT private)")
+    sch = command(sub, "schema", "draft a table's data: section from its file (read from the data: NOT private)")
     sch.add_argument("source", help="csv:PATH, parquet:PATH, or a path (.parquet/.pq read as Parquet)")
     sch.add_argument("--label", required=True, help="the label column")
     sch.add_argument("--id", default=None, help="the column naming the person each row belongs to")
@@ -350,18 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--out", default=None, help="write the draft here instead of printing it")
     sch.set_defaults(func=cmd_schema)
 
-    cal = sub.add_parser("calibrate", help="σ for a target ε (given steps), or the most steps (given σ)")
+    cal = command(sub, "calibrate", "σ for a target ε (given steps), or the most steps (given σ)")
     cal.add_argument("--target-epsilon", type=_positive_float, required=True)
     mechanism_args(cal, required=False)
     cal.set_defaults(func=cmd_calibrate)
 
-    led = sub.add_parser("ledger", help="the privacy budget ledger: per lineage, its spends and each person's ε")
+    led = command(sub, "ledger", "the privacy budget ledger: per lineage, its spends and each person's ε")
     led.add_argument("--dataset", default=None, help="one lineage (ledger.dataset; default: every lineage)")
     led.add_argument("--json", action="store_true")
     config_args(led)
     led.set_defaults(func=cmd_ledger)
 
-    eps = sub.add_parser("epsilon", help="ε of DP-SGD with Poisson sampling, from every accountant")
+    eps = command(sub, "epsilon", "ε of DP-SGD with Poisson sampling, from every accountant")
     mechanism_args(eps, required=True)
     eps.set_defaults(func=cmd_epsilon)
     return parser
@@ -383,15 +392,12 @@ def _one_line(error: BaseException) -> str:
     return text if isinstance(error, known) and text else f"{type(error).__name__}: {text or 'no message'}"
 
 
-def _warning_line(message: warnings.WarningMessage | Warning | str, category: type[Warning], filename: str,
-                  lineno: int, file: Any = None, line: str | None = None) -> None:
-    print(f"dpml: warning: {message}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure ends as one ``dpml: error: …`` line (the traceback with --debug)."""
     args = build_parser().parse_args(argv)
-    warnings.showwarning = _warning_line
+    if not args.verbose:
+        quiet_third_party_output()
+    warnings.showwarning = functools.partial(warning_line, verbose=args.verbose)
     try:
         with _logs_without_tracebacks(unless=args.debug):
             return int(args.func(args))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpml.formatting import format_epsilon
+
 
 def slot_lines(counts: dict[str, dict[str, int]] | None) -> list[str]:
     """The table's cells that went to a declared fill or slot (printed for the operator; not logged)."""
@@ -21,7 +23,7 @@ def run_summary(results: dict[str, Any]) -> str:
         "",
         "dpml run summary",
         f"  test accuracy        {train['test_accuracy']:.4f}",
-        f"  certified epsilon    {eps:.4g} at delta = {cert['delta']:g}"
+        f"  certified epsilon    {format_epsilon(eps)} at delta = {cert['delta']:g}"
         + (f"  ({cert['certificate']['accountant']})" if cert.get("certificate") else "  (non-private)"),
         "  audit                attack: AUC, TPR@1%FPR, TPR@0.1%FPR (target | non-private control)",
     ]
@@ -38,16 +40,17 @@ def run_summary(results: dict[str, Any]) -> str:
     lines += power_summary(audit) + conformance_summary_lines(audit)
     lines += slot_lines(results.get("ingest", {}).get("slot_counts"))
     lines += [
-        f"  empirical ε bound    {audit['max_lower_bound']:.4g} (largest gating lower bound; certified {eps:.4g})",
+        f"  empirical ε bound    {audit['max_lower_bound']:.4g} (largest gating lower bound; certified {format_epsilon(eps)})",
         f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "
         f"training; {audit['references']['found_stored']} found stored by the audit stage, "
         f"{audit['references']['trained_by_this_stage']} trained by it)",
-        f"  lineage {release['lineage']:<12} largest unit ε = {release['lineage_max_unit_epsilon']:.4g} over every DP "
+        f"  lineage {release['lineage']:<12} largest unit ε = {format_epsilon(release['lineage_max_unit_epsilon'])} over every DP "
         "release of this data set (dpml ledger)",
         f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
         "  UI                   " + ui_hint(release["tracking_uri"]),
+        "  review view          " + review_hint(release["tracking_uri"], release["experiment_id"]),
     ]
     return "\n".join(lines)
 
@@ -60,6 +63,15 @@ def ui_hint(uri: str) -> str:
     if is_server(uri):
         return f"{uri.rstrip('/')}  (the tracking server's UI)"
     return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1"
+
+
+def review_hint(uri: str, experiment_id: str) -> str:
+    """The runs list with the headline columns (:func:`dpml.tracking.review_url`): a full URL on a tracking
+    server, the path to open in ``mlflow ui`` (at http://127.0.0.1:5000 by default) otherwise."""
+    from dpml.store import is_server
+    from dpml.tracking import review_url
+
+    return review_url(experiment_id, uri if is_server(uri) else "http://127.0.0.1:5000")
 
 
 def power_summary(audit: dict) -> list[str]:

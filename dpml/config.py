@@ -321,7 +321,7 @@ def check_tunable(config: Config) -> None:
 
 def absolute_paths(config: Config) -> Config:
     """``config`` with its output paths pinned to the working directory (workers elsewhere write there)."""
-    paths = {k: str(Path(v).resolve()) for k, v in config.paths.model_dump().items()}
+    paths = {k: str(Path(v).resolve()) for k, v in config.paths.model_dump().items() if v is not None}
     return config.model_copy(update={"paths": config.paths.model_copy(update=paths)})
 
 

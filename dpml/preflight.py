@@ -92,7 +92,7 @@ def folders(config: Config) -> dict[str, Path]:
     from dpml.privacy.ledger_db import is_postgres, sqlite_file
 
     out = {"paths.data": Path(config.paths.data), "paths.artifacts": Path(config.paths.artifacts),
-           "paths.cache": Path(config.paths.cache)}
+           "paths.cache": Path(config.paths.cache), "paths.metrics": Path(config.paths.metrics_folder())}
     database = sqlite_path(tracking_uri(config.tracking))
     if database is not None:
         out["tracking.uri"] = database.parent

@@ -3,7 +3,8 @@
 Each registered version carries enough to rebuild it on another machine:
 
 - ``code.commit`` and ``code.dirty``: the git commit of the working directory and whether any file
-  other than ``params.yaml`` and ``dvc.lock`` (both logged with the run) differs from it;
+  other than ``params.yaml`` and ``dvc.lock`` (both logged with the run) and the run's summary metrics
+  (``metrics/``, kept in git for ``dvc metrics diff``) differs from it;
 - ``data.dvc_md5``: DVC's hash of ``data/raw`` (the ingested records, the bytes training saw), beside
   dpml's own ``data.version``, and ``data.dvc_remote``: the DVC remote they were pushed to *before* the
   version was registered (``dvc push`` of the ingest stage's output);
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from dpml.config import Config
 
 LOGGED_FILES = ("params.yaml", "dvc.lock")
+METRICS_FOLDER = "metrics"  # the git-tracked metrics dvc.yaml names: a run's output, not code
 RAW_DATA = "data/raw"
 
 
@@ -53,8 +55,32 @@ def code_state(root: Path) -> dict[str, str]:
     head = git(root, "rev-parse", "HEAD")
     if head.returncode != 0:
         return {"code.commit": "none", "code.dirty": "unknown"}
-    changed = git(root, "status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in LOGGED_FILES))
+    outputs = (*LOGGED_FILES, METRICS_FOLDER)
+    changed = git(root, "status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in outputs))
     return {"code.commit": head.stdout.strip(), "code.dirty": str(bool(changed.stdout.strip())).lower()}
+
+
+def refuse_temporary_experiment_copy(config: Config, cwd: Path | None = None) -> None:
+    """``dvc exp run --temp``/``--queue`` runs each stage in a copy of the repository under
+    ``.dvc/tmp/exps`` (DVC sets ``DVC_ROOT`` to the real one): a relative ledger or SQLite MLflow store
+    would be a new, empty one there, and the ledger's promise (every run charged to the one account)
+    would silently break. Refuse before any work; experiments run in the workspace (``dvc exp run -S``)."""
+    root = os.environ.get("DVC_ROOT")
+    cwd = Path.cwd() if cwd is None else cwd
+    if not os.environ.get("DVC_EXP_NAME") or not root or Path(root).resolve() == cwd.resolve():
+        return
+    from dpml.privacy.ledger_db import is_postgres, sqlite_file
+    from dpml.store import sqlite_path, tracking_uri
+
+    stores = {"ledger.url" if config.ledger.url else "ledger.path":
+              None if is_postgres(config.ledger.location()) else sqlite_file(config.ledger.location()),
+              "tracking.uri": sqlite_path(tracking_uri(config.tracking))}
+    relative = [f"{key} = {str(path)!r}" for key, path in stores.items() if path is not None and not path.is_absolute()]
+    if relative:
+        raise ValueError(f"{', '.join(relative)}: relative to a temporary copy of the repository ({cwd}), made by "
+                         f"`dvc exp run --temp/--queue`, so this experiment would spend and register in new, empty "
+                         f"stores, not those of {root}; run experiments in the workspace (`dvc exp run -S KEY=VALUE`, "
+                         "one after another) or give absolute paths or a server")
 
 
 def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> str | None:

@@ -9,6 +9,7 @@ modules can import them without importing the composed configuration (which impo
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -391,8 +392,18 @@ class TrackingConfig(Section):
 
 
 class PathsConfig(Section):
-    """Where stage outputs go (relative paths are relative to the working directory)."""
+    """Where stage outputs go (relative paths are relative to the working directory).
+
+    ``metrics``: the folder of the run's summary metrics (``summary.json``), the one stage output kept
+    in git so that ``dvc metrics diff`` and ``dvc exp show`` compare commits and experiments; ``null``
+    (default): ``metrics`` beside the ``artifacts`` folder.
+    """
 
     data: str = "data"
     artifacts: str = "artifacts"
     cache: str = ".dpml-cache"
+    metrics: str | None = None
+
+    def metrics_folder(self) -> str:
+        """``metrics``, or the folder ``metrics`` beside ``artifacts`` when it is not set."""
+        return self.metrics if self.metrics is not None else str(Path(self.artifacts).parent / "metrics")

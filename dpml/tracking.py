@@ -1,8 +1,12 @@
 """Everything MLflow, in one place.
 
-One pipeline run is one MLflow run: every parameter, the metrics (accuracy, ε, δ, audit
-numbers), the privacy report, the certificate, the ROC plot and the model. The model version
-is created with all its privacy tags in one call, so a version never exists without them; the
+One pipeline run is one parent MLflow run, named ``<data set> · <trainer> · ε=<certified ε>``: every
+parameter, the headline metrics (accuracy, ε, δ, the largest empirical ε lower bound, the gate) and the
+audit's numbers, the training data set (``mlflow.log_input``), the privacy report, the certificate, the
+ROC plot and the model; under it one nested run per stage with the times, parameters and metrics that
+stage recorded (:mod:`dpml.stages.records`). The experiment is tagged as a model-development
+experiment. The model version is created with all its privacy tags and its description in one call, so
+a version never exists without them; the
 ``champion`` alias moves only when the release gate passed. The store is made ready (created,
 migrated or repaired) by :func:`dpml.store.prepare_store` before any budget is spent, and
 registration runs under the store's lock (:func:`dpml.store.store_lock`), so concurrent runs on one
@@ -11,6 +15,7 @@ SQLite store all register and the alias ends on the newest passing release.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -21,16 +26,24 @@ import mlflow
 import numpy as np
 import torch
 from mlflow import MlflowClient
+from mlflow.data.dataset_source import DatasetSource
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import Metric, Param
 
 from dpml.config import TrackingConfig
 from dpml.faults import fault_point
 from dpml.serving import load_network, log_classifier
 from dpml.store import activate, is_server, store_lock, tracking_uri
 
-__all__ = ["CHAMPION", "clean_up_killed_runs", "find_version", "finished_releases", "get_or_create_experiment", "load_run_json",
-           "log_audit", "log_release", "resolve_model", "tracking_uri"]
+__all__ = ["CHAMPION", "REVIEW_VIEW", "clean_up_killed_runs", "find_version", "finished_releases", "get_or_create_experiment", "load_run_json",
+           "log_audit", "log_release", "resolve_model", "review_url", "tracking_uri", "training_dataset"]
 
 CHAMPION = "champion"
+EXPERIMENT_KIND = "mlflow.experimentKind"  # the UI opens an experiment in the view this tag names
+MODEL_DEVELOPMENT = "custom_model_development"  # not the GenAI view
+REVIEW_VIEW = "dpml-review"  # the runs list with the release's headline columns (:func:`review_url`)
+REVIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Duration`", "attributes.`Models`", "metrics.`test_accuracy`",
+                  "tags.`dp.epsilon`", "metrics.`delta`", "metrics.`audit.max_epsilon_lower_bound`", "tags.`gate.passed`"]
 
 
 def _experiment_id(config: TrackingConfig) -> str:
@@ -52,7 +65,8 @@ def get_or_create_experiment(client: MlflowClient, name: str, artifact_location:
     found = client.get_experiment_by_name(name)
     if found is None:
         try:
-            return client.create_experiment(name, artifact_location=artifact_location)
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={EXPERIMENT_KIND: MODEL_DEVELOPMENT})
         except mlflow.exceptions.MlflowException as error:
             if not _already_exists(error):
                 raise
@@ -60,7 +74,22 @@ def get_or_create_experiment(client: MlflowClient, name: str, artifact_location:
     if found is None or found.lifecycle_stage != "active":
         raise RuntimeError(f"tracking.experiment = {name!r}: the experiment is deleted in the store; restore it "
                            f"(mlflow experiments restore --experiment-id ...) or choose another name")
+    if EXPERIMENT_KIND not in found.tags:  # made by an older dpml, or by hand: opened in the GenAI view
+        client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, MODEL_DEVELOPMENT)
     return found.experiment_id
+
+
+def _save_review_view(client: MlflowClient, experiment_id: str) -> None:
+    """Store the review view as a shared view of the experiment (the UI's ``viewStateShareKey``): the runs
+    list with the data set, duration, model, test accuracy, certified ε, δ, the largest empirical ε lower
+    bound and the gate as columns. A reviewer opens :func:`review_url` and may keep it as their own view."""
+    client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{REVIEW_VIEW}",
+                              json.dumps({"selectedColumns": REVIEW_COLUMNS}))
+
+
+def review_url(experiment_id: str, ui: str = "") -> str:
+    """The experiment's runs list in the review view, under the UI at ``ui`` (e.g. ``http://127.0.0.1:5000``)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={REVIEW_VIEW}"
 
 
 def _ensure_registered_model(client: MlflowClient, name: str) -> None:
@@ -77,22 +106,89 @@ def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
             and np.isfinite(v)}
 
 
+def _params(params: dict[str, Any]) -> dict[str, str]:
+    """Parameters as MLflow stores them; an unset one (None) is left out, never logged as ``"None"``."""
+    return {k: str(v)[:500] for k, v in params.items() if v is not None}
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+class DataSource(DatasetSource):
+    """Where the training data came from: ``data.source`` (``sklearn:digits``, ``csv:PATH``, ``idx:DIR``…)
+    and its full content version. Recorded for people and lineage; MLflow cannot load it."""
+
+    def __init__(self, uri: str, version: str) -> None:
+        self.uri, self.version = uri, version
+
+    @staticmethod
+    def _get_source_type() -> str:
+        return "dpml"
+
+    def load(self, **kwargs: Any) -> Any:
+        raise NotImplementedError("load the data with dpml (data.source), not through MLflow")
+
+    @staticmethod
+    def _can_resolve(raw_source: Any) -> bool:
+        return False
+
+    @classmethod
+    def _resolve(cls, raw_source: Any) -> DataSource:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, source_dict: dict[Any, Any]) -> DataSource:
+        return cls(source_dict["uri"], source_dict["version"])
+
+
+def training_dataset(name: str, source: str, version: str) -> MetaDataset:
+    """The training data set as MLflow shows it (the runs list's Dataset column): its name, its content
+    version as the digest (MLflow keeps 36 characters of it; the source holds it whole) and its source."""
+    return MetaDataset(DataSource(source, version), name=name, digest=version[:36])
+
+
+def _log_stage_runs(client: MlflowClient, experiment_id: str, parent_id: str, records: list[dict[str, Any]],
+                    tags: dict[str, str]) -> None:
+    """One finished child run of ``parent_id`` per stage record (:mod:`dpml.stages.records`), with the
+    stage's own start and end times, parameters and metrics. A record without ``ended`` ends now."""
+    for record in records:
+        child = client.create_run(experiment_id, start_time=_ms(record["started"]), run_name=record["stage"],
+                                  tags={"mlflow.parentRunId": parent_id, "dpml.stage": record["stage"], **tags})
+        ended = _ms(record["ended"]) if record.get("ended") is not None else None
+        client.log_batch(child.info.run_id,
+                         metrics=[Metric(k, v, ended or _ms(record["started"]), 0)
+                                  for k, v in _numeric(record["metrics"]).items()],
+                         params=[Param(k, v) for k, v in _params(record["params"]).items()])
+        client.set_terminated(child.info.run_id, "FINISHED", end_time=ended)
+
+
 def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any], metrics: dict[str, Any],
                 artifacts: list[Path], model: torch.nn.Module, in_features: int, serving_spec: dict[str, Any],
-                version_tags: dict[str, str], promote: bool, run_tags: dict[str, str],
-                documents: dict[str, Any]) -> dict[str, Any]:
-    """Log one pipeline run, register its model with ``version_tags``, alias it if ``promote``.
+                version_tags: dict[str, str], version_description: str, promote: bool, run_tags: dict[str, str],
+                documents: dict[str, Any], dataset: MetaDataset, stage_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Log one pipeline run, register its model with ``version_tags`` and ``version_description``, alias
+    it if ``promote``.
 
-    The model is the raw-record pyfunc of :mod:`dpml.serving`: ``model`` (taking ``in_features``
-    prepared inputs) behind the public preprocessing that ``serving_spec`` describes."""
+    The parent run starts when the first of ``stage_runs`` (the stages' records) started, so its duration
+    is the pipeline's; each record becomes a nested run. ``dataset`` is logged as the training input. The
+    model is the raw-record pyfunc of :mod:`dpml.serving`: ``model`` (taking ``in_features`` prepared
+    inputs) behind the public preprocessing that ``serving_spec`` describes."""
     activate(config)
     experiment_id = _experiment_id(config)
     client = MlflowClient()
     model_name = config.model_name
     assert model_name is not None, "tracking.model_name is filled in when the configuration is validated"
-    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=run_tags) as run:
-        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+    _save_review_view(client, experiment_id)
+    started = min((_ms(r["started"]) for r in stage_runs), default=None)
+    parent = client.create_run(experiment_id, start_time=started, tags=run_tags, run_name=run_name)
+    with mlflow.start_run(run_id=parent.info.run_id) as run:
+        mlflow.log_params(_params(params))
         mlflow.log_metrics(_numeric(metrics))
+        mlflow.log_input(dataset, context="training")
         for path in artifacts:
             mlflow.log_artifact(str(path))
         for name, document in documents.items():
@@ -103,11 +199,13 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
             _ensure_registered_model(client, model_name)
             version = client.create_model_version(
                 name=model_name, source=info.model_uri, run_id=run.info.run_id,
-                tags=version_tags, model_id=info.model_id,
+                tags=version_tags, model_id=info.model_id, description=version_description,
             )
             fault_point("register:after_version")
             champion = _point_champion_at_newest_passing(client, model_name) if promote else None
             fault_point("register:after_alias")
+        process = {k: run_tags[k] for k in ("dpml.host", "dpml.pid") if k in run_tags}  # a kill is cleaned up alike
+        _log_stage_runs(client, experiment_id, run.info.run_id, stage_runs, process)
     return {
         "run_id": run.info.run_id,
         "experiment_id": experiment_id,
@@ -176,7 +274,8 @@ def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | 
 def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> dict[int, dict[str, str]]:
     """For ledger spends without a ``released`` event (id → creation time), the finished MLflow run
     that released each, if any: a kill between the end of registration and the ledger's event leaves
-    exactly that. One search, bounded by the oldest spend's time."""
+    exactly that. One search, bounded by the oldest spend's time: a run that released a spend ended after
+    the spend was made (it may have started before: a parent run starts with the pipeline's first stage)."""
     if not spend_ids:
         return {}
     activate(config)
@@ -187,7 +286,7 @@ def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> di
     since = int(min(spend_ids.values()) * 1000) - 60_000
     found: dict[int, dict[str, str]] = {}
     for run in client.search_runs([experiment.experiment_id], max_results=10_000,
-                                  filter_string=f"attributes.status = 'FINISHED' AND attributes.start_time >= {since}"):
+                                  filter_string=f"attributes.status = 'FINISHED' AND attributes.end_time >= {since}"):
         spend = run.data.tags.get("ledger.spend_id", "")
         if spend.isdigit() and int(spend) in spend_ids:
             versions = client.search_model_versions(f"run_id = '{run.info.run_id}'")

@@ -18,11 +18,18 @@ from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_client, unmapped
+from prefect.artifacts import create_markdown_artifact
+from prefect.futures import as_completed
 from prefect_dask import DaskTaskRunner
 
+from dpml.cli_text import run_summary
 from dpml.config import AuditConfig, Config, ConfigBase, absolute_paths, check_tunable, load
 from dpml.preflight import preflight
+from dpml.progress import progress_over
 from tasks import stages as t
+
+RELEASE_ARTIFACT = "dpml-release"
+"""Key of the markdown artifact each flow run leaves with its release summary."""
 
 
 def dask_runner(audit: AuditConfig) -> DaskTaskRunner:
@@ -55,7 +62,18 @@ def train_reference_models(config: ConfigBase, jobs: list[tuple[str, bool, float
     # ConfigBase, not Config: Prefect validates a flow's arguments against the annotation, and a trainer
     # registered at run time (a plugin) rebuilds Config, so an older Config class would refuse them.
     futures = t.train_reference.map(config=unmapped(config), job=jobs)
+    for _ in progress_over(as_completed(futures), len(futures), "audit reference models", "model"):
+        pass  # each model's completion advances the progress in this subflow's log
     return [future.result() for future in futures]
+
+
+def release_markdown(results: dict[str, Any]) -> str:
+    """The flow run's ``dpml-release`` artifact: the release gate's verdict, then the run summary."""
+    gate, release = results["gate"], results["register"]
+    verdict = "PASSED" if gate["passed"] else "FAILED"
+    return (f"# dpml release: gate {verdict}\n\n`{release['model_uri']}`"
+            + (" (alias `champion`)" if release["champion"] else "")
+            + f"\n\n```\n{run_summary(results).strip()}\n```\n")
 
 
 def _prepare(config: Config) -> dict[str, Any]:
@@ -72,6 +90,8 @@ def _certify_audit_release(config: Config, results: dict[str, Any]) -> dict[str,
     results["audit"] = t.audit(config)
     results["gate"] = t.gate(config)
     results["register"] = t.register(config)
+    create_markdown_artifact(key=RELEASE_ARTIFACT, markdown=release_markdown(results),
+                             description="dpml release summary: accuracy, certified ε, audit, gate, model version")
     return results
 
 

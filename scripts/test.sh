@@ -3,5 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Headless Chromium for the MLflow UI test (tests/test_review_desk.py): Debian's package, installed only when
+# missing and only where we may (root with apt-get); otherwise that test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium (headless browser for the MLflow UI test)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "chromium could not be installed: the MLflow UI browser test will skip"
+fi
 export PATH="$PWD/.venv/bin:$PATH"
 python -m pytest "$@"

@@ -36,13 +36,14 @@ def preprocess(config: Config) -> dict[str, Any]:
 
 @task(name="train", **_stage)
 def train(config: Config) -> dict[str, Any]:
-    return stages.run_stage("train", config)
+    """Training, its progress in the task run's log."""
+    return stages.run_stage("train", config, progress=True)
 
 
 @task(name="tune", **_stage)
 def tune(config: Config) -> dict[str, Any]:
     """The private hyperparameter search; releases the best candidate only."""
-    return stages.run_stage("train", config, search=True)
+    return stages.run_stage("train", config, progress=True, search=True)
 
 
 @task(name="certify", **_stage)

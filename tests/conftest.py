@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -169,34 +170,43 @@ def answers(url: str, server: Any, seconds: float) -> bool:
     return False
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A real ``mlflow server`` on 127.0.0.1 and a free port, as a team would run it: its own backend
-    store and a server-side artifact store (``--artifacts-destination``) that clients reach only through
-    the server's proxy. Yields ``{"url", "artifacts", "log"}``."""
+@contextlib.contextmanager
+def serving_mlflow(command: str, arguments: list[str], cwd: Path, log: Path) -> Iterator[str]:
+    """``mlflow COMMAND ARGUMENTS`` (``server`` or ``ui``) on 127.0.0.1 and a free port, started in its own
+    process group without the test's MLFLOW_* variables; yields its URL once ``/health`` answers and stops
+    it (TERM, then KILL) afterwards."""
+    import signal
     import subprocess
     import sys
 
-    root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    log = root / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     with open(log, "w") as sink:
-        server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                                   "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-                                   "--artifacts-destination", str(root / "artifact-store"), "--workers", "2"],
-                                  cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen([sys.executable, "-m", "mlflow", command, "--host", "127.0.0.1", "--port", str(port),
+                                   *arguments], cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         if not answers(f"{url}/health", server, 180):
-            raise RuntimeError(f"mlflow server did not start: {log.read_text()[-3000:]}")
-        yield {"url": url, "artifacts": root / "artifact-store", "log": log}
+            raise RuntimeError(f"mlflow {command} did not start: {log.read_text()[-3000:]}")
+        yield url
     finally:
-        import signal
-
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real ``mlflow server`` on 127.0.0.1 and a free port, as a team would run it: its own backend
+    store and a server-side artifact store (``--artifacts-destination``) that clients reach only through
+    the server's proxy. Yields ``{"url", "artifacts", "log"}``."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    log = root / "server.log"
+    with serving_mlflow("server", ["--backend-store-uri", f"sqlite:///{root / 'server.db'}",
+                                   "--artifacts-destination", str(root / "artifact-store"), "--workers", "2"],
+                        root, log) as url:
+        yield {"url": url, "artifacts": root / "artifact-store", "log": log}

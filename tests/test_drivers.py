@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,20 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     # Reproducing from params.yaml, the data and the secret noise seed gives the same metrics.
     dvc(root, "repro", "--force")
     assert metrics(root) == from_prefect
+    # Both drivers recorded every stage: each release's parent run has one nested run per stage, in order.
+    from mlflow import MlflowClient
+
+    from dpml.config import load
+    from dpml.stages import STAGES
+    from dpml.store import tracking_uri
+
+    client = MlflowClient(tracking_uri(load(root / "params.yaml").tracking))
+    releases = client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")
+    assert len(releases) == 2
+    for release in releases:
+        nested = client.search_runs([client.get_run(release.run_id).info.experiment_id],
+                                    filter_string=f"tags.mlflow.parentRunId = '{release.run_id}'")
+        assert [run.info.run_name for run in sorted(nested, key=lambda run: run.info.start_time)] == list(STAGES)
     assert "Data and pipelines are up to date." in dvc(root, "repro")
     shown = dvc(root, "metrics", "show", "--json")
     assert "test_accuracy" in shown and "epsilon" in shown
@@ -110,6 +125,14 @@ def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
         shown = prefect("deployment", "inspect", "privacy_audited_pipeline/weekly-retrain")
         assert "'cron': '0 3 * * 1'" in shown and "flows/pipeline.py:privacy_audited_pipeline" in shown
         assert "'active': True" in shown
+        # the README's trigger by hand and watch commands (no worker here: the run stays scheduled)
+        triggered = prefect("deployment", "run", "privacy_audited_pipeline/weekly-retrain",
+                            "--param", 'overrides=["dp.target_epsilon=2"]')
+        run_id = re.search(r"UUID: ([0-9a-f-]{36})", triggered).group(1)
+        inspected = prefect("flow-run", "inspect", run_id)
+        assert "dp.target_epsilon=2" in inspected and "SCHEDULED" in inspected.upper()
+        listed = json.loads(prefect("flow-run", "ls", "--flow-name", "privacy_audited_pipeline", "-o", "json"))
+        assert run_id in {str(run["id"]) for run in listed}
     finally:
         server.terminate()
         server.wait(timeout=30)

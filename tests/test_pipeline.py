@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ import torch
 from mlflow import MlflowClient
 
 from dpml.config import load
-from tests.conftest import small_params, write_params
+from tests.conftest import REPO, small_params, write_params
 
 EXPECTED_TAGS = {"dp.epsilon", "dp.delta", "dp.accountant", "dp.mechanism", "data.version", "audit.auc",
                  "audit.tpr_at_0.1pct_fpr", "gate.passed", "audit.epsilon_lower_bound", "audit.is_evidence",
@@ -93,6 +95,51 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     v1, v2 = versions(client, "dpml-test-model")
     assert v2.tags["gate.passed"] == "false" and "exceeds the budget" in v2.tags["gate.reason"]
     assert client.get_model_version_by_alias("dpml-test-model", "champion").version == v1.version
+
+
+THIRD_PARTY_NOISE = ("distributed.", "Worker process still alive", "absl", "Downloading artifacts", "INFO mlflow",
+                     "WARNING mlflow", "Add type hints", "Dask")
+"""Signs of Dask's, absl's and MLflow's logs and progress bars (and MLflow's warnings) in dpml's output."""
+
+
+@pytest.mark.slow
+def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdir: Path, prefect_harness: None) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.settings import PREFECT_API_URL
+
+    audit = {"references": 1, "bootstrap": 0, "white_box_canaries": 0}  # quick; LiRA still needs Dask's references
+    params = write_params(workdir / "run.yaml", small_params(workdir, audit=audit))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+           "PREFECT_LOGGING_LEVEL": "INFO"}  # this test session's Prefect API; Prefect's INFO lines shown
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "MLFLOW_LOGGING_LEVEL",
+                 "DASK_LOGGING__DISTRIBUTED"):
+        env.pop(name, None)  # the CLI itself must quieten them (conftest quietens the tests' own processes)
+
+    def dpml_run(*flags: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "dpml", *flags, "run", "--params", str(params)], cwd=workdir,
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        assert "dpml run summary" in done.stdout
+        return done.stdout + done.stderr
+
+    quiet = dpml_run()
+    assert [line for line in quiet.splitlines() if any(sign in line for sign in THIRD_PARTY_NOISE)] == []
+    assert re.search(r"DP-SGD: 100% \((\d+)/\1 steps", quiet)  # training's progress
+    assert re.search(r"audit reference models: 100% \((2)/\1 models", quiet)  # 1 reference × (target, control)
+    run_id = re.search(r"MLflow run\s+([0-9a-f]{32})", quiet).group(1)
+
+    with get_client(sync_client=True) as client:
+        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["dpml-release"])),
+                                           sort=ArtifactSort.CREATED_DESC, limit=1)
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[artifact.flow_run_id])))
+    assert artifact.type == "markdown" and "dpml run summary" in artifact.data and run_id in artifact.data
+    assert artifact.data.startswith("# dpml release: gate FAILED")  # small_params: ε above the default budget
+    assert [log.message for log in logs if log.message.startswith("DP-SGD: 100% (")]  # in the run's Prefect log
+
+    verbose = dpml_run("--verbose")  # the same run again: references stored, Dask still started
+    assert "distributed.scheduler" in verbose and "absl" in verbose and "Downloading artifacts" in verbose
 
 
 @pytest.mark.slow

@@ -31,6 +31,8 @@ def test_code_state_names_the_commit_and_counts_every_change_but_the_logged_file
     assert code_state(tmp_path) == {"code.commit": head, "code.dirty": "false"}
     (tmp_path / "params.yaml").write_text("v2\n")  # logged with the run: not a code change
     (tmp_path / "dvc.lock").write_text("v2\n")
+    (tmp_path / "metrics").mkdir()  # the run's summary metrics, kept in git: an output, not code
+    (tmp_path / "metrics" / "summary.json").write_text("{}\n")
     assert code_state(tmp_path)["code.dirty"] == "false"
     (tmp_path / "helper.py").write_text("new\n")  # an untracked file the run may import
     assert code_state(tmp_path)["code.dirty"] == "true"
@@ -59,3 +61,23 @@ def test_only_params_yaml_as_it_stands_is_the_dvc_pipeline(workspace: Path, tmp_
     assert "not a DVC workspace" in str(is_dvc_pipeline_run(config, elsewhere))
     (workspace / "params.yaml").write_text("train: [unclosed\n")
     assert "params.yaml in the working directory does not load" in str(is_dvc_pipeline_run(config, workspace))
+
+
+def test_a_temporary_experiment_copy_with_relative_stores_is_refused(workspace: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dvc exp run --temp/--queue`` runs stages in a copy (DVC_ROOT names the real repository): relative
+    stores would be new, empty ones there. The workspace itself, or absolute stores, are fine."""
+    from dpml.provenance import refuse_temporary_experiment_copy
+
+    copy = tmp_path_factory.mktemp("exp-copy")
+    relative = load(workspace / "params.yaml", ["ledger.path=ledger.db", "tracking.uri=sqlite:///mlflow.db"])
+    absolute = load(workspace / "params.yaml")  # small_params: both stores absolute
+    monkeypatch.setenv("DVC_ROOT", str(workspace))
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    refuse_temporary_experiment_copy(relative, copy)  # plain dvc repro: not an experiment
+    monkeypatch.setenv("DVC_EXP_NAME", "sweep-1")
+    refuse_temporary_experiment_copy(relative, workspace)  # dvc exp run in the workspace
+    refuse_temporary_experiment_copy(absolute, copy)
+    with pytest.raises(ValueError, match=r"ledger.path = 'ledger.db', tracking.uri = 'mlflow.db': relative to a "
+                                         r"temporary copy .* run experiments in the workspace"):
+        refuse_temporary_experiment_copy(relative, copy)

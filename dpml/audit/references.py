@@ -110,6 +110,11 @@ def read_reference(path: Path, key: str) -> dict[str, np.ndarray] | None:
     return stored
 
 
+def is_stored(config: Config, data_version: str, private: bool, noise_multiplier: float | None, index: int) -> bool:
+    """Whether reference model ``index`` has a cache entry (read and checked only when it is used)."""
+    return reference_path(config, reference_key(config, data_version, private, noise_multiplier, index)).exists()
+
+
 def train_reference(config: Config, records: AuditRecords, n_classes: int, data_version: str, *, private: bool,
                     noise_multiplier: float | None, index: int) -> dict[str, Any]:
     """Train reference model ``index`` on a seeded random half of the pool (or reuse it)."""

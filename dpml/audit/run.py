@@ -21,9 +21,11 @@ from dpml.audit import attacks as atk
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_power
 from dpml.audit.canaries import black_box_audit, black_box_guesses, white_box_audit, white_box_guesses
 from dpml.audit.metrics import roc, summarize
-from dpml.audit.references import AuditRecords, load_references, train_reference
+from dpml.audit.references import AuditRecords, is_stored, load_references, train_reference
 from dpml.audit.signals import logits_of
+from dpml.formatting import format_epsilon
 from dpml.config import AuditConfig, Config
+from dpml.progress import progress_over
 from dpml.sections import TrainSettings
 from dpml.train.fit import fit
 from dpml.train.registry import NONPRIVATE, trainer_for
@@ -74,10 +76,13 @@ def needs_references(config: Config) -> bool:
 
 def ensure_references(records: AuditRecords, n_classes: int, data_version: str,
                       subjects: list[Subject]) -> list[dict[str, Any]]:
-    """Train every reference model not already stored (sequentially; Prefect fans these out)."""
+    """Train every reference model not already stored (sequentially, with progress when one must be trained;
+    Prefect fans these out)."""
+    jobs = [(s, j) for s in subjects if needs_references(s.config) for j in range(s.config.audit.references)]
+    training = not all(is_stored(s.config, data_version, s.private, s.noise_multiplier, j) for s, j in jobs)
     return [train_reference(s.config, records, n_classes, data_version, private=s.private,
                             noise_multiplier=s.noise_multiplier, index=j)
-            for s in subjects if needs_references(s.config) for j in range(s.config.audit.references)]
+            for s, j in progress_over(jobs, len(jobs), "audit reference models", "model", show=training)]
 
 
 def attack_inputs(model: nn.Module, records: AuditRecords, references: tuple[np.ndarray, np.ndarray] | None) -> atk.AttackInputs:
@@ -192,7 +197,7 @@ def plan_bounds(config: Config, methods: dict[str, Any], certified_epsilon: floa
         power = float(power_at(confidence))
         entry: dict[str, Any] = {"power": power, "gating": name in gating}
         if not entry["gating"] and power < (certified_epsilon or math.inf):
-            entry["note"] = (f"cannot detect a violation of ε = {certified_epsilon:.4g}: the largest bound it can "
+            entry["note"] = (f"cannot detect a violation of ε = {format_epsilon(certified_epsilon)}: the largest bound it can "
                              f"report is {power:.4g}")
         elif not entry["gating"]:
             entry["note"] = ("not counted: sharing the confidence budget with it would leave some gating method "

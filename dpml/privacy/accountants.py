@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dpml.formatting import format_epsilon
 from dpml.privacy.mechanism import ConcentratedDP, Event, GaussianDP, MechanismDescription
 from dpml.privacy import tuning
 from dpml.privacy.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
@@ -351,7 +352,7 @@ def certify(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
         "neighbouring": mechanism.neighbouring,
         "threat_model": mechanism.threat_model,
         "statement": (
-            f"({best.epsilon:.4g}, {delta:g})-DP under {relation} neighbouring, for {iterates}, "
+            f"({format_epsilon(best.epsilon)}, {delta:g})-DP under {relation} neighbouring, for {iterates}, "
             f"accountant {best.name} {best.version}"
         ),
         "answers": [asdict(a) for a in answers],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpml.formatting import format_epsilon
+
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
@@ -39,7 +41,7 @@ def lineage_lines(ledger: dict[str, Any], budget: float | None, excluded: int = 
         f"**Lineage {ledger['lineage']!r}: every release together.** The ε above is what this model alone costs "
         "each person whose record trained it. Across all "
         f"{ledger['private_spends']} DP releases of this data set ({len(ledger['dataset_versions'])} version(s)), "
-        f"the most exposed person has ε = {ledger['epsilon_total']:.4g} at δ = {ledger['delta']:g} "
+        f"the most exposed person has ε = {format_epsilon(ledger['epsilon_total'])} at δ = {ledger['delta']:g} "
         f"(budget {_fmt(budget)} per person): each person's loss is the composition of the releases that "
         "used their record.",
     ]
@@ -101,7 +103,7 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
         lines += ["| accountant | version | ε | used for certificate | error |", "|---|---|---|---|---|"]
         for answer in certificate["answers"]:
             lines.append(
-                f"| {answer['name']} | {answer['version']} | {_fmt(answer['epsilon'])} | "
+                f"| {answer['name']} | {answer['version']} | {format_epsilon(answer['epsilon'])} | "
                 f"{'yes' if answer['used_for_certificate'] else 'cross-check'} | {answer['error'] or ''} |"
             )
         mech = certificate["mechanism"]

@@ -27,6 +27,7 @@ from dpml.stages.gate import gate, total_variation_violations
 from dpml.stages.ingest import ingest
 from dpml.stages.layout import CONTRACT, PARTS, Layout, check_inputs, check_outputs, load_model, load_part
 from dpml.stages.preprocess import preprocess
+from dpml.stages.records import record_stage
 from dpml.stages.reaudit import audit_registered_model
 from dpml.stages.register import register
 from dpml.stages.split import split
@@ -47,18 +48,21 @@ STAGES: dict[str, Callable[..., dict[str, Any]]] = {
 
 
 def run_stage(name: str, config: Config, progress: bool = False, search: bool = False) -> dict[str, Any]:
-    """Run one stage under its contract: its inputs must exist before, its outputs after.
+    """Run one stage under its contract: its inputs must exist before, its outputs after; then record its
+    times, parameters and metrics (:mod:`dpml.stages.records`) for the register stage's nested MLflow runs.
 
     ``search``: run ``dpml tune``'s search in place of the train stage (same contract).
     """
     layout = Layout(config)
     check_inputs(name, layout)
     fault_point(f"before:{name}")
+    started = time.time()
     if name == "train":
         result = (tune if search else train)(config, progress=progress)
     else:
         result = STAGES[name](config)
     check_outputs(name, layout)
+    record_stage(config, name, started, time.time(), result)
     fault_point(f"after:{name}")
     return result
 

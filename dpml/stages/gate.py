@@ -3,7 +3,10 @@
 Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; an
 empirical ε lower bound (of a method with the power to show it) exceeds the certified ε (then the
 trainer or the accountant is wrong); or a conformance check finds that the trainer's noise, clipping
-or sampling is not what its certificate prices (:mod:`dpml.audit.conformance`). A
+or sampling is not what its certificate prices (:mod:`dpml.audit.conformance`); or the ledger's
+lineage has spent more on some person than ``ledger.epsilon_budget`` allows as it stands now (the
+budget was lowered after the model trained: the train stage does not depend on the budget, so a changed
+budget re-runs this stage, never training). A
 KL-private model passes only against ``gate.kl_budget`` and only when no attack beats the Pinsker
 bound. When the non-private control shows no attack power the audit is not evidence: that fails the
 gate only with ``audit.require_control_power``.
@@ -17,7 +20,10 @@ import numpy as np
 
 from dpml import io
 from dpml.audit.run import gating_lower_bounds
+from dpml.formatting import format_epsilon
+from dpml.privacy.ledger import Ledger
 from dpml.report.privacy_report import render
+from dpml.stages.audit import strongest
 from dpml.stages.layout import Layout
 from dpml.stages.train import lineage_of, open_ledger
 
@@ -30,8 +36,9 @@ def gate(config: Config) -> dict[str, Any]:
 
     Fails when: there is no DP certificate; the certified ε exceeds ``gate.epsilon_budget``; an
     empirical ε lower bound exceeds the certified ε (then the trainer or the accountant is wrong);
-    or a conformance check fails. When the non-private control shows no attack power the audit is not evidence: that
-    fails the gate only with ``audit.require_control_power``.
+    or a conformance check fails; or the ledger's lineage is over ``ledger.epsilon_budget`` as it stands now.
+    When the non-private control shows no attack power the audit is not evidence: that fails the gate only with
+    ``audit.require_control_power``. Writes the decision, the privacy report and the run's summary metrics.
     """
     layout = Layout(config)
     certificate = io.read_json(layout.certificate)
@@ -48,17 +55,17 @@ def gate(config: Config) -> dict[str, Any]:
             reasons.append(certificate["statement"])
         if epsilon > config.gate.epsilon_budget:
             passed = False
-            reasons.append(f"certified ε = {epsilon:.4g} exceeds the budget gate.epsilon_budget = "
+            reasons.append(f"certified ε = {format_epsilon(epsilon)} exceeds the budget gate.epsilon_budget = "
                            f"{config.gate.epsilon_budget:g}")
         else:
-            reasons.append(f"certified ε = {epsilon:.4g} ≤ budget {config.gate.epsilon_budget:g}")
+            reasons.append(f"certified ε = {format_epsilon(epsilon)} ≤ budget {config.gate.epsilon_budget:g}")
         violations = [b for b in gating_lower_bounds(summary) if b["epsilon"] > epsilon]
         for bound in violations:
             passed = False
             reasons.append(
                 f"empirical lower bound ε ≥ {bound['epsilon']:.4g} ({bound['method']}"
                 f"{', ' + bound['attack'] if 'attack' in bound else ''}, confidence {bound['confidence']:.4g}) "
-                f"exceeds the certified ε = {epsilon:.4g}: the trainer or the accountant is wrong"
+                f"exceeds the certified ε = {format_epsilon(epsilon)}: the trainer or the accountant is wrong"
             )
         if not violations:
             reasons.append(f"every empirical lower bound ≤ certified ε (largest {summary['max_lower_bound']:.4g})")
@@ -74,6 +81,8 @@ def gate(config: Config) -> dict[str, Any]:
         reasons.append(message + ("" if config.audit.require_control_power else " (not required by audit.require_control_power)"))
     elif power is not None:
         reasons.append(f"positive control: the attacks reach TPR {power:.4g} at 1% FPR against the non-private model")
+    ledger = open_ledger(config)
+    passed = _gate_ledger(config, ledger, certificate, reasons) and passed
     decision = {"passed": passed, "reasons": reasons, "epsilon_budget": config.gate.epsilon_budget,
                 "audit_is_evidence": evidence}
     io.write_json(layout.gate, decision)
@@ -83,12 +92,57 @@ def gate(config: Config) -> dict[str, Any]:
         "version": io.read_json(layout.raw_meta)["version"],
         "schema": None if config.data.columns is None else {name: c.type for name, c in config.data.columns.items()},
     }
-    ledger = open_ledger(config).summary(lineage_of(config))
-    report = render(data=data, train=io.read_json(layout.train_metrics), certificate=certificate,
-                    audit=summary, gate=decision, ledger=ledger[0] if ledger else None,
+    train_metrics = io.read_json(layout.train_metrics)
+    standing = ledger.summary(lineage_of(config))
+    report = render(data=data, train=train_metrics, certificate=certificate,
+                    audit=summary, gate=decision, ledger=standing[0] if standing else None,
                     budget=config.ledger.epsilon_budget)
     io.write_text(layout.report, report)
+    io.write_json(layout.summary, summary_metrics(train_metrics, certificate, summary, decision))
     return decision
+
+
+def summary_metrics(train: dict[str, Any], certificate: dict[str, Any] | None, audit: dict[str, Any],
+                    decision: dict[str, Any]) -> dict[str, Any]:
+    """The run's headline numbers (``dvc metrics show``/``diff``, ``dvc exp show``): test accuracy, the
+    certified ε and δ (``inf``/``null`` without an (ε, δ) certificate), the largest empirical ε lower
+    bound, the strongest attack's AUC and TPR at 1% FPR, the control's TPR, σ and the gate's verdict.
+    Nothing from the ledger: its totals grow with every run, and these must reproduce under ``dvc repro``."""
+    attacks = audit["target"]["attacks"]
+    epsilon = None if certificate is None else certificate.get("epsilon")
+    return {
+        "test_accuracy": train["test_accuracy"],
+        "train_accuracy": train["train_accuracy"],
+        "epsilon": "inf" if epsilon is None or epsilon == float("inf") else epsilon,
+        "delta": None if certificate is None else certificate.get("delta"),
+        "max_epsilon_lower_bound": audit["max_lower_bound"],
+        "attack_auc": strongest(attacks, "auc")[1],
+        "attack_tpr_at_1pct_fpr": strongest(attacks, "tpr_at_1pct_fpr")[1],
+        "control_tpr_at_1pct_fpr": audit.get("control_power"),
+        "noise_multiplier": train.get("noise_multiplier"),
+        "gate_passed": decision["passed"],
+    }
+
+
+def _gate_ledger(config: Config, ledger: Ledger, certificate: dict[str, Any] | None, reasons: list[str]) -> bool:
+    """The lineage's largest per-person ε (KL for KL-private releases) must be within the ledger's budget
+    as it stands now. The train stage refused any run that would have gone over the budget of its day;
+    this catches a budget lowered since, which re-runs the gate but not training (nothing more is spent)."""
+    if certificate is None:
+        return True  # a non-private run charges no person's account: the missing certificate fails it
+    lineage = lineage_of(config)
+    if certificate.get("kind") == "kl":
+        spent, budget, key, unit = ledger.kl_total(lineage), config.ledger.kl_budget, "ledger.kl_budget", "KL"
+        if budget is None:
+            return True  # the KL part of the gate answers for a KL release without a KL budget
+    else:
+        spent, budget, key, unit = ledger.total(lineage), config.ledger.epsilon_budget, "ledger.epsilon_budget", "ε"
+    if spent > budget:
+        reasons.append(f"ledger: lineage {lineage!r} has spent {unit} = {format_epsilon(spent)} on some person, over {key} = "
+                       f"{budget:g} (lowered after this model trained?): not released as champion")
+        return False
+    reasons.append(f"ledger: lineage {lineage!r}'s largest per-person {unit} = {format_epsilon(spent)} ≤ {key} = {budget:g}")
+    return True
 
 
 def _gate_conformance(summary: dict[str, Any], reasons: list[str]) -> bool:

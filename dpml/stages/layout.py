@@ -3,7 +3,13 @@
 The contract is written once, here (:data:`CONTRACT`), and checked twice: :func:`run_stage` refuses
 to start a stage whose inputs are missing (naming the stage that makes them) and fails a stage that
 did not write its outputs; ``tests/test_stage_contract.py`` checks that ``dvc.yaml`` declares the
-same dependencies and outputs, so DVC and the Prefect flow agree on what each stage does.
+same dependencies, outputs and parameters, so DVC and the Prefect flow agree on what each stage does.
+
+The parameters (:attr:`StageFiles.params`) are the ``params.yaml`` keys a stage's outputs depend on: a
+whole section (``train``) where it reads the section, ``section.key`` where it reads a few keys of
+it — so that ``dvc repro`` re-runs exactly the stages a changed key concerns (``gate.epsilon_budget`` or
+``ledger.epsilon_budget``: the gate and registration, never training). Pre-flight checks that only
+refuse to start (a writable MLflow store) are not dependencies.
 """
 
 from __future__ import annotations
@@ -52,8 +58,10 @@ class Layout:
         self.gate = art / "gate" / "gate.json"
         self.report = art / "gate" / "privacy_report.md"
         self.release = art / "register" / "release.json"
+        self.summary = Path(config.paths.metrics_folder()) / "summary.json"  # kept in git: dvc metrics diff
         self.tuning = art / "tune" / "tuning.json"
         self.validation = art / "tune" / "validation.npz"
+        self.stage_records = art / "stages"  # one <stage>.json per stage run: times, params, metrics (dpml.stages.records)
 
     def path(self, name: str) -> Path:
         """The file a contract name stands for: an attribute (``model``) or a prepared part (``prepared.train``)."""
@@ -65,33 +73,56 @@ class Layout:
 @dataclass(frozen=True)
 class StageFiles:
     """What one stage reads and writes (names of :class:`Layout` files); ``optional`` outputs are written
-    only in some configurations (the control's ROC without a control, a search's files without a search)."""
+    only in some configurations (the control's ROC without a control, a search's files without a search);
+    ``params``: the configuration sections (or keys) it depends on, as ``dvc.yaml`` declares them."""
 
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     optional: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
 
 
 PREPARED = tuple(f"prepared.{part}" for part in PARTS)
 
+TRAINING = ("plugins", "model", "train", "dp", "noisycgd", "noisygd", "onepass")  # what a trainer reads
+LEDGER_LOCATION = ("ledger.path", "ledger.url", "ledger.unit_key", "ledger.dataset")  # which account
+AUDIT_ONLY = tuple(f"audit.{key}" for key in (
+    "attacks", "references", "max_records", "seed", "rmia_a", "rmia_gamma", "confidence", "bound_correction",
+    "bootstrap", "control", "control_optimizer", "control_learning_rate", "control_epochs", "white_box_canaries",
+    "black_box_canaries", "one_run_guess_fraction", "white_box_scoring", "conformance", "conformance_false_alarm",
+    "conformance_tolerance", "canary_gradient_norm", "reconstruction_max_train", "reconstruction_restarts",
+    "reconstruction_steps"))  # not the gate's control_min_tpr_at_1pct_fpr/require_control_power, nor Prefect's workers
+EVERY_SECTION = ("plugins", "data", "split", "preprocess", "model", "train", "dp", "noisycgd", "noisygd", "onepass",
+                 "audit", "tune", "gate", "ledger", "tracking")
+
 CONTRACT: dict[str, StageFiles] = {
-    "ingest": StageFiles(reads=(), writes=("raw", "raw_meta")),
-    "split": StageFiles(reads=("raw", "raw_meta"), writes=("split",)),
-    "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta")),
+    "ingest": StageFiles(reads=(), writes=("raw", "raw_meta"), params=("data",)),
+    "split": StageFiles(reads=("raw", "raw_meta"), writes=("split",), params=("data", "split")),
+    "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta"),
+                             params=("data", "preprocess")),
+    # The ledger's budget is not here: a run over budget is refused before it trains, and a budget
+    # lowered afterwards fails the gate, which re-runs; training does not (it would spend ε again).
     "train": StageFiles(reads=(*PREPARED, "prepared_meta"),
                         writes=("model", "model_spec", "mechanism", "spend", "excluded", "train_metrics"),
-                        optional=("tuning", "validation", "model_source")),
-    "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics")),
+                        optional=("tuning", "validation", "model_source"),
+                        params=(*TRAINING, "data.source", "preprocess.clip_norm", *LEDGER_LOCATION,
+                                "ledger.on_exhausted")),
+    "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics"),
+                          params=("plugins", "train.algorithm", "dp.delta")),
     "audit": StageFiles(reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta",
                                "raw_meta", "excluded"),
                         writes=("audit", "scores", "roc_png", "roc_csv", "histograms_png", "audit_metrics"),
-                        optional=("roc_control_png",)),
+                        optional=("roc_control_png",), params=(*TRAINING, "split", "preprocess", *AUDIT_ONLY)),
     "gate": StageFiles(reads=("certificate", "audit", "scores", "train_metrics", "prepared_meta", "raw_meta"),
-                       writes=("gate", "report")),
+                       writes=("gate", "report", "summary"),
+                       params=("data", "preprocess", "gate", "audit.control_min_tpr_at_1pct_fpr",
+                               "audit.require_control_power", *LEDGER_LOCATION, "ledger.epsilon_budget",
+                               "ledger.kl_budget", "ledger.delta")),
+    # Registration logs every parameter with the release (MLflow params, config.json).
     "register": StageFiles(reads=("certificate", "audit", "scores", "roc_png", "histograms_png", "gate", "report",
                                   "train_metrics", "model", "model_spec", "mechanism", "spend", "raw_meta",
                                   "prepared_meta"),
-                           writes=("release",)),
+                           writes=("release",), params=EVERY_SECTION),
 }
 
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
 from dpml.faults import fault_point
+from dpml.formatting import format_epsilon
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.provenance import release_provenance
 from dpml.stages.audit import power_and_conformance_metrics, strongest
-from dpml.stages.layout import Layout, load_model
+from dpml.stages.layout import CONTRACT, Layout, load_model
+from dpml.stages.records import stage_params, stage_records
 from dpml.stages.train import lineage_of, open_ledger, release_config
 
 if TYPE_CHECKING:
@@ -64,10 +67,31 @@ def conformance_tag(summary: dict[str, Any]) -> str:
     return "passed" if not failed else "failed: " + ", ".join(failed)
 
 
+def run_name(dataset: str, trainer: str, epsilon: float) -> str:
+    """The parent MLflow run's name, e.g. ``fashion-mnist · dpsgd · ε=2.99987``."""
+    return f"{dataset} · {trainer} · ε={format_epsilon(epsilon)}"
+
+
+def version_description(tags: dict[str, str], decision: dict[str, Any]) -> str:
+    """The model version's description (Markdown, shown at the top of its page): the guarantee, the audit's
+    verdict and the gate, from the version's own tags."""
+    evidence = "counted as evidence" if tags["audit.is_evidence"] == "true" else "not counted as evidence"
+    return "\n".join([
+        f"- **certified ε = {tags['dp.epsilon']}** at δ = {tags['dp.delta']} ({tags['privacy.guarantee']}; "
+        f"accountant {tags['dp.accountant']})",
+        f"- mechanism: {tags['dp.mechanism']}",
+        f"- audit: largest empirical ε lower bound {tags['audit.epsilon_lower_bound']} ({evidence}); strongest "
+        f"attack AUC {tags['audit.auc']} ({tags['audit.auc_attack']}); conformance {tags['audit.conformance']}",
+        f"- **release gate: {'PASSED' if decision['passed'] else 'FAILED'}**: {tags['gate.reason']}",
+        f"- data: {tags['dp.lineage']}, version {tags['data.version'][:12]}",
+    ])[:5000]  # MLflow keeps 5000 characters
+
+
 def register(config: Config) -> dict[str, Any]:
     """Log the run to MLflow and register the model version with its privacy tags."""
     from dpml import tracking
 
+    started = time.time()
     as_run = config
     config = release_config(config)
     layout = Layout(config)
@@ -88,10 +112,10 @@ def register(config: Config) -> dict[str, Any]:
     lineage = spend.get("lineage") or lineage_of(config)
     lineage_max = ledger.total(lineage)
     version_tags = {
-        "dp.epsilon": f"{epsilon:.6g}",
+        "dp.epsilon": format_epsilon(epsilon),
         "privacy.guarantee": "none" if not certificate else certificate.get("kind", "dp"),
         "dp.lineage": lineage,
-        "dp.lineage_max_unit_epsilon": f"{lineage_max:.6g}",
+        "dp.lineage_max_unit_epsilon": format_epsilon(lineage_max),
         "dp.lineage_delta": f"{config.ledger.delta:g}",
         "dp.units_trained": "unknown" if spend.get("units") is None else str(spend["units"]),
         "dp.units_excluded": str(train_metrics.get("units_excluded", 0)),
@@ -115,6 +139,7 @@ def register(config: Config) -> dict[str, Any]:
     metrics = {
         "test_accuracy": train_metrics["test_accuracy"], "train_accuracy": train_metrics["train_accuracy"],
         "epsilon": epsilon, "delta": config.dp.delta, "audit.max_epsilon_lower_bound": summary["max_lower_bound"],
+        "gate.passed": int(decision["passed"]),
         **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
            for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
@@ -139,13 +164,18 @@ def register(config: Config) -> dict[str, Any]:
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
     seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()
     version_tags["noise_seed.fixed"] = seed_fixed
+    own_record = {"stage": "register", "started": started, "ended": None, "params": stage_params(config, "register"),
+                  "metrics": {}}  # ends when its nested run is written, after the model version
     release = tracking.log_release(
-        config=config.tracking, run_name=f"{config.train.algorithm}-{data_meta['version'][:8]}",
+        config=config.tracking, run_name=run_name(lineage, config.train.algorithm, epsilon),
         params=config.flat(), metrics=metrics, artifacts=artifacts + logged_files, model=load_model(layout),
         in_features=int(io.read_json(layout.prepared_meta)["n_features"]), serving_spec=serving_spec(config, data_meta),
-        version_tags=version_tags, promote=decision["passed"],
+        version_tags=version_tags, version_description=version_description(version_tags, decision),
+        promote=decision["passed"],
+        dataset=tracking.training_dataset(lineage, config.data.source, data_meta["version"]),
+        stage_runs=stage_records(layout, list(CONTRACT)[:-1]) + [own_record],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
-                  "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
+                  "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
                   "ledger.spend_id": str(spend["spend_id"]), **provenance},
         documents={"config.json": config.to_dict()},

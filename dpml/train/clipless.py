@@ -37,8 +37,9 @@ from torch import nn
 
 from dpml.models.lipschitz import LipschitzLayer, gradient_bounds, project_all
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
+from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, per_example_gradients
-from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch, progress_range
+from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
+from dpml.progress import progress_range
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.distributed import Collective
@@ -107,15 +108,6 @@ def make_optimizer(model: nn.Module, name: str, learning_rate: float, momentum: 
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=learning_rate)
     return torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
-
-
-def progress_range(count: int, description: str, unit: str, progress: bool) -> Iterable[int]:
-    """range(count), with a tqdm progress bar when ``progress`` (the CLI's --progress)."""
-    if not progress:
-        return range(count)
-    from tqdm import tqdm
-
-    return tqdm(range(count), desc=description, unit=unit, leave=False)
 
 
 def number_of_steps(epochs: float, sample_rate: float) -> int:

@@ -33,8 +33,9 @@ from torch import nn
 from dpml.models.gated import lipschitz_bound, smoothness_bound
 from dpml.privacy.gdp import contraction_factor, noisycgd_mu
 from dpml.privacy.mechanism import GaussianDP, MechanismDescription
+from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, clipped_gradient_sum
-from dpml.train.dpsgd import TrainResult, progress_range
+from dpml.train.dpsgd import TrainResult
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp
 
-from dpml.train.dpsgd import progress_range
+from dpml.progress import progress_range
 from dpml.train.noisygd_kl import (KL_CONVENTION, KL_LABEL, LOSSES, PROBE_CHUNK, RELATIONS, KLPairs, LinearFactors,
                                    _GapRecorder, _require_positive, add_one_difference, check_loss_targets,
                                    estimated_kl, flatten, linear_layers, mean_loss_and_gradient,

@@ -1,0 +1,111 @@
+"""The terminal side of the CLI: --version, help examples, the progress helper, warnings from elsewhere."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import logging
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from dpml.cli import build_parser, main
+from dpml.cli_help import EXAMPLES
+from dpml.progress import progress_over, progress_range
+from dpml.terminal import from_dpml, warning_line
+
+COMMANDS = ("run", "tune", "stage", "audit", "reproduce", "certificate", "schema", "calibrate", "ledger", "epsilon")
+
+
+def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dpml {importlib.metadata.version('dpml')}"
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_every_help_ends_with_its_examples(command: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"] if command else ["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    examples = text[text.index("\nexamples:\n"):]
+    for line, what in EXAMPLES[command or "dpml"]:
+        assert f"\n  {line}\n      {what}" in examples
+    assert set(EXAMPLES) == {"dpml", *COMMANDS}
+
+
+def test_verbose_is_accepted_before_and_after_the_command() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["--verbose", "run"]).verbose and parser.parse_args(["run", "--verbose"]).verbose
+    assert not parser.parse_args(["run"]).verbose and not parser.parse_args(["--verbose", "stage", "train"]).debug
+
+
+def test_progress_off_the_terminal_is_silent_and_untouched(capsys: pytest.CaptureFixture[str]) -> None:
+    assert list(progress_range(7, "train", "step", True)) == list(range(7))
+    assert progress_range(7, "train", "step", False) == range(7)  # no wrapper at all when not asked for
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_in_a_terminal_is_a_tqdm_bar(tmp_path: Path) -> None:
+    script = "from dpml.progress import progress_range\nfor _ in progress_range(40, 'train', 'step', True): pass\n"
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdin=follower, stdout=follower,
+                             stderr=follower, env={**os.environ, "PYTHONPATH": str(REPO)})
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert child.wait(timeout=60) == 0
+    assert b"\rtrain:   0%|" in seen and b"| 0/40 [" in seen  # drawn, then cleared (leave=False)
+
+
+def test_progress_in_a_prefect_run_is_a_few_lines_of_its_log(prefect_harness: None) -> None:
+    from prefect import flow, get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    @flow(name="progress-lines")
+    def counting() -> int:
+        return sum(1 for _ in progress_over(iter(range(750)), 750, "train", "step"))
+
+    runs_log = logging.getLogger("prefect.flow_runs")
+    level = runs_log.level
+    runs_log.setLevel(logging.INFO)  # the tests run Prefect at PREFECT_LOGGING_LEVEL=WARNING (conftest)
+    try:
+        state = counting(return_state=True)
+    finally:
+        runs_log.setLevel(level)
+    assert state.result() == 750
+    APILogHandler().flush()  # send the batched log lines before reading them back
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    lines = [log.message for log in logs if log.message.startswith("train: ")]
+    assert [line.split(" s)")[0].rsplit(",", 1)[0] for line in lines] == [
+        "train: 20% (150/750 steps", "train: 40% (300/750 steps", "train: 60% (450/750 steps",
+        "train: 80% (600/750 steps", "train: 100% (750/750 steps"]
+
+
+def test_other_libraries_warnings_are_shown_only_when_verbose(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert from_dpml(str(REPO / "dpml" / "preflight.py")) and from_dpml(str(REPO / "flows" / "pipeline.py"))
+    assert not from_dpml(logging.__file__) and not from_dpml(str(tmp_path / "dpml" / "x.py"))
+    warning_line("from elsewhere", UserWarning, logging.__file__, 1)
+    warning_line("from dpml", UserWarning, str(REPO / "dpml" / "preflight.py"), 1)
+    warning_line("from elsewhere, verbose", UserWarning, logging.__file__, 1, verbose=True)
+    assert capsys.readouterr().err.splitlines() == ["dpml: warning: from dpml", "dpml: warning: from elsewhere, verbose"]

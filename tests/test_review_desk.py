@@ -1,0 +1,144 @@
+"""MLflow as the review desk: one parent run per pipeline run with its headline numbers, a nested run per
+stage, the training data set, a described model version; checked in the store and in a real browser
+(headless Chromium against ``mlflow ui``), with ε written the same way in the summary, the report and MLflow."""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from mlflow import MlflowClient
+
+from dpml.config import load
+from dpml.formatting import format_epsilon
+from tests.conftest import serving_mlflow, small_params, write_params
+
+STAGES = ["ingest", "split", "preprocess", "train", "certify", "audit", "gate", "register"]
+
+
+def chromium() -> str | None:
+    """Chromium's executable (Debian's ``chromium``; ``scripts/test.sh`` installs it where it can)."""
+    return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+
+
+def rendered_text(url: str, profile: Path, expected: list[str]) -> str:
+    """The visible text of ``url`` once the single-page app has rendered it, as headless Chromium sees it;
+    waits longer (up to three times) while any of ``expected`` is missing."""
+    text = ""
+    for budget in (15_000, 30_000, 60_000):
+        done = subprocess.run([chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--window-size=2400,1400",
+                               f"--user-data-dir={profile}", f"--virtual-time-budget={budget}", "--dump-dom", url],
+                              capture_output=True, text=True, timeout=180)
+        dom = re.sub(r"<script.*?</script>|<style.*?</style>", " ", done.stdout, flags=re.S)
+        text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))
+        if all(e in text for e in expected):
+            break
+    return text
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One small pipeline run (``dpml run --engine local``'s path) into a SQLite store."""
+    from dpml.stages import run_all
+
+    workdir = tmp_path_factory.mktemp("review-desk")
+    before, here = os.environ.get("MLFLOW_TRACKING_URI"), Path.cwd()
+    config = load(write_params(workdir / "run.yaml", small_params(workdir, gate={"epsilon_budget": 50.0})))
+    os.chdir(workdir)  # like the workdir fixture: nothing is written into the checkout
+    try:
+        results = run_all(config, echo=lambda _: None)
+    finally:
+        os.chdir(here)
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+    return {"workdir": workdir, "config": config, "results": results,
+            "client": MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")}
+
+
+@pytest.fixture(scope="module")
+def ui(released: dict[str, Any]) -> Iterator[str]:
+    """``mlflow ui`` on the run's store, on 127.0.0.1 and a free port."""
+    workdir = released["workdir"]
+    with serving_mlflow("ui", ["--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}"], workdir,
+                        workdir / "ui.log") as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_one_parent_run_with_a_nested_run_per_stage(released: dict[str, Any]) -> None:
+    client, results = released["client"], released["results"]
+    epsilon = format_epsilon(results["certify"]["epsilon"])
+    experiment = client.get_experiment_by_name("dpml-test")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    [version] = client.search_model_versions("name='dpml-test-model'")
+    parent = client.get_run(version.run_id)
+    assert parent.info.run_name == f"digits · dpsgd · ε={epsilon}"
+    assert parent.data.tags["dp.epsilon"] == version.tags["dp.epsilon"] == epsilon
+    assert {"ledger.spend_id", "dpml.pid", "dpml.host"} <= set(parent.data.tags)
+    headline = parent.data.metrics
+    assert headline["epsilon"] == results["certify"]["epsilon"] and headline["gate.passed"] == 1.0
+    assert headline["test_accuracy"] == results["train"]["test_accuracy"] and headline["delta"] == 1e-5
+    assert headline["audit.max_epsilon_lower_bound"] == results["audit"]["max_lower_bound"]
+    children = client.search_runs([experiment.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_stage = {run.info.run_name: run for run in children}
+    assert sorted(by_stage) == sorted(STAGES) and all(run.info.status == "FINISHED" for run in children)
+    order = sorted(children, key=lambda run: run.info.start_time)
+    assert [run.info.run_name for run in order] == STAGES  # each stage's own start time
+    assert parent.info.start_time == by_stage["ingest"].info.start_time  # the parent spans the pipeline
+    train = by_stage["train"]
+    assert train.info.end_time - train.info.start_time > 100  # training took its time, recorded by the stage
+    assert train.data.params["dp.noise_multiplier"] == "1.0" and not any(k.startswith("audit.") for k in train.data.params)
+    assert train.data.metrics["test_accuracy"] == results["train"]["test_accuracy"]
+    assert by_stage["certify"].data.metrics["epsilon"] == results["certify"]["epsilon"]
+    for run in [parent, *children]:
+        assert "None" not in run.data.params.values(), run.info.run_name
+    [logged] = parent.inputs.dataset_inputs
+    version_of_data = results["ingest"]["version"]
+    assert logged.dataset.name == "digits" and logged.dataset.digest == version_of_data[:36]
+    assert version_of_data in logged.dataset.source and "sklearn:digits" in logged.dataset.source
+    assert {(t.key, t.value) for t in logged.tags} == {("mlflow.data.context", "training")}
+    assert f"certified ε = {epsilon}** at δ = 1e-05" in version.description
+    assert "release gate: PASSED" in version.description and "accountant dp_accounting.pld" in version.description
+
+
+@pytest.mark.slow
+def test_epsilon_is_written_alike_in_the_summary_the_report_and_mlflow(released: dict[str, Any]) -> None:
+    from dpml.cli_text import run_summary
+    from dpml.stages import Layout
+
+    results = released["results"]
+    epsilon = format_epsilon(results["certify"]["epsilon"])
+    summary = run_summary(results)
+    assert f"certified epsilon    {epsilon} at delta = 1e-05" in summary and f"; certified {epsilon})" in summary
+    assert "viewStateShareKey=dpml-review" in summary
+    report = Layout(released["config"]).report.read_text()
+    assert f"({epsilon}, 1e-05)-DP" in report and f"| {epsilon} | yes |" in report
+
+
+@pytest.mark.slow
+def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
+        released: dict[str, Any], ui: str, tmp_path: Path) -> None:
+    if chromium() is None:
+        pytest.skip("no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
+                    "the MLflow UI was not checked in a browser")
+    from dpml.tracking import review_url
+
+    epsilon = format_epsilon(released["results"]["certify"]["epsilon"])
+    run_name = f"digits · dpsgd · ε={epsilon}"
+    experiment_id = released["client"].get_experiment_by_name("dpml-test").experiment_id
+    runs = rendered_text(review_url(experiment_id, ui), tmp_path / "profile", [run_name, "gate.passed"])
+    assert "Training runs" in runs  # the model-development tabs: absent for an experiment without the kind tag
+    # The review view's columns: the run's name, its data set, …, then the certified ε and the gate's verdict.
+    assert re.search(rf"{re.escape(run_name)} .*digits \({released['results']['ingest']['version'][:36]}\).* "
+                     rf"{re.escape(epsilon)} true\b", runs), runs[:3000]
+    version = rendered_text(f"{ui}/#/models/dpml-test-model/versions/1", tmp_path / "profile",
+                            ["release gate: PASSED"])
+    assert f"certified ε = {epsilon} at δ = 1e-05" in version and "release gate: PASSED" in version, version[:3000]
+    assert f"dp.epsilon {epsilon}" in version and "gate.passed true" in version
