@@ -104,9 +104,14 @@ def test_one_dpsgd_step_equals_the_formula() -> None:
     assert result.history["steps"] == 1
     batch = poisson_batch(torch.Generator().manual_seed(seed), 50, q)
     reference = naive_clipped_sum(start, x[batch], y[batch], clip)
-    noise = torch.Generator().manual_seed(seed + 1)
+    # the step's noise: one flat draw over all parameters, in named_parameters order
+    total = sum(p0.numel() for p0 in start.parameters())
+    flat = torch.normal(0.0, sigma * clip, size=(total,), generator=torch.Generator().manual_seed(seed + 1),
+                        dtype=torch.float64)
+    offset = 0
     for name, p0 in start.named_parameters():
-        z = torch.normal(0.0, sigma * clip, size=p0.shape, generator=noise, dtype=torch.float64)
+        z = flat[offset:offset + p0.numel()].view(p0.shape)
+        offset += p0.numel()
         expected = p0.detach() - lr * (reference[name] + z) / (q * 50)
         torch.testing.assert_close(dict(model.named_parameters())[name].detach(), expected, rtol=1e-6, atol=1e-7)
     event = result.mechanism.events[0]

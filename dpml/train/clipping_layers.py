@@ -202,6 +202,57 @@ def _dense_piece(module: nn.Linear | nn.Conv2d, a: torch.Tensor, d: torch.Tensor
     return Piece(squared, sums)
 
 
+def conv_per_example_gradients(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
+    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in·kh·kw), by one grouped convolution
+    and without unfolding the patches (Rochette et al. 2019): the input's channels become the batch,
+    its examples the groups, and each example's output gradient δ_{i,o} (oh×ow) the kernel of group
+    i, dilated by the layer's stride; the result's first kh×kw positions are ∇_W ℓ_i."""
+    batch, channels = inputs.shape[:2]
+    out_channels, kernel = output_grad.shape[1], module.kernel_size
+    grads = F.conv2d(inputs.transpose(0, 1), output_grad.reshape(batch * out_channels, 1, *output_grad.shape[2:]),
+                     stride=module.dilation, padding=module.padding, dilation=module.stride,  # type: ignore[arg-type]
+                     groups=batch)
+    grads = grads[:, :, :kernel[0], :kernel[1]].reshape(channels, batch, out_channels, kernel[0], kernel[1])
+    return grads.permute(1, 2, 0, 3, 4).reshape(batch, out_channels, -1)
+
+
+def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
+    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches (T² ≤ C_in·kh·kw·C_out) or from
+    the per-example gradients of :func:`conv_per_example_gradients` (kept for the sum when they fit), and
+    the clipped sum without patches: the layer's own weight-gradient convolution of the clip-weighted δ."""
+    batch, out_channels = output_grad.shape[:2]
+    count = output_grad[0, 0].numel()
+    d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
+    squared = output_grad.new_zeros(batch)
+    kept = None
+    if trainable(module.weight):
+        if count * count <= module.weight[0].numel() * out_channels:
+            a = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+            squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
+        else:
+            per_example = conv_per_example_gradients(module, inputs, output_grad)
+            squared = squared + per_example.pow(2).sum((1, 2))
+            kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
+    if trainable(module.bias):
+        squared = squared + d.sum(2).pow(2).sum(1)
+
+    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        out = []
+        weighted = output_grad * factors[:, None, None, None]
+        if trainable(module.weight):
+            if kept is not None:
+                total = torch.einsum("b,boi->oi", factors, kept).reshape(module.weight.shape)
+            else:
+                total = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, weighted, module.stride,  # type: ignore[arg-type]
+                                                    module.padding, module.dilation)  # type: ignore[arg-type]
+            out.append((module.weight, total))
+        if trainable(module.bias):
+            out.append((module.bias, weighted.sum((0, 2, 3))))  # type: ignore[arg-type]
+        return out
+
+    return Piece(squared, sums)
+
+
 def embedding_norms_squared(tokens: torch.Tensor, d: torch.Tensor, vocabulary: int) -> torch.Tensor:
     """Σ_k ‖Σ_{t: k_t = k} δ_t‖² per example = Σ_{t,s} [k_t = k_s](δ_t·δ_s), for tokens (B, T), δ (B, T, D).
 
@@ -255,6 +306,8 @@ def layer_piece(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]
         if len(calls) != 1:
             raise ValueError("a ghost_clipping layer's own shortcut covers one call per forward pass")
         return _own_piece(module, *calls[0])
+    if isinstance(module, nn.Conv2d) and len(calls) == 1:
+        return _conv_piece(module, *calls[0])
     parts = [positions(module, inputs, output_grad) for inputs, output_grad in calls]
     a = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1)
     d = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts], 1)
