@@ -313,3 +313,46 @@ def test_a_fast_layer_whose_forward_never_runs_takes_the_vmap_path(vmapped: list
     x = torch.randn(10, 3, 4, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     assert_matches_naive_loop(Attention().double(), x, labels(10), 0.05)
     assert len(vmapped) == 1 and {"attention.out_proj.weight", "attention.out_proj.bias"} <= set(vmapped[0])
+
+
+# --- Conv2d: grouped-convolution per-example gradients, ghost norms, weight-gradient sums ----------------
+
+
+class Convs(nn.Module):
+    """Two convolutions of rectangular kernels, strides, paddings and dilations, one without bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2))  # many positions
+        self.deep = nn.Conv2d(3, 8, 3, stride=2, bias=False)  # few positions: ghost norm
+        self.out = nn.Linear(8 * 2 * 5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.deep(torch.tanh(self.wide(x)))).flatten(1))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_conv_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list) -> None:
+    """Both Conv2d norms (per-example gradients by a grouped convolution, and ghost norm over the patches)
+    and both clipped sums (from the kept per-example gradients, and by the weight-gradient convolution
+    when they are not kept) equal the one-example-at-a-time loop."""
+    if not keep:
+        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    torch.manual_seed(3)
+    model = Convs().double()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 2, 11, 10, generator=g, dtype=torch.float64)
+    wide = clipping_layers.positions(model.wide, x, torch.zeros(9, 3, 6, 12, dtype=torch.float64))[0]
+    assert wide.shape[1] ** 2 > wide.shape[2] * 3  # the first layer's norms come from its per-example gradients
+    assert_matches_naive_loop(model, x, labels(9), 0.05)
+    assert vmapped == []
+
+
+def test_conv_per_example_gradients_equal_autograd() -> None:
+    conv = nn.Conv2d(3, 4, (4, 3), stride=(2, 3), padding=(2, 1), dilation=(1, 2)).double()
+    x = torch.randn(5, 3, 12, 13, dtype=torch.float64)
+    delta = torch.randn_like(conv(x))
+    expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0]
+                            for i in range(5)])
+    got = clipping_layers.conv_per_example_gradients(conv, x, delta)
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)

@@ -226,3 +226,26 @@ def test_patches_equal_torch_unfold(kernel: tuple, stride: tuple, padding: tuple
     x = torch.randn(3, 2, 11, 12, dtype=torch.float64)
     expected = torch.nn.functional.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
     assert torch.equal(unfold_patches(x, kernel, stride, padding, dilation), expected)
+
+
+def test_prefetched_noise_is_the_synchronous_draw_sequence() -> None:
+    """The noise drawn a step ahead in the background is exactly what synchronous draws from the same
+    seed give, step after step (fresh each step), and a std other than the stream's is refused."""
+    from dpml.train.dpsgd import PrefetchedNoise, gaussian_noise
+
+    params = dict(build_mlp(MlpSpec(6, (8,), 3)).named_parameters())
+    stream = PrefetchedNoise(torch.Generator().manual_seed(9), params, 0.7)
+    reference = torch.Generator().manual_seed(9)
+    try:
+        draws = [stream.draw(0.7) for _ in range(3)]
+        with pytest.raises(ValueError, match="noise std = 1.4"):
+            stream.draw(1.4)
+    finally:
+        stream.close()
+    for draw in draws:
+        expected = gaussian_noise(params, 0.7, reference)
+        assert list(draw) == list(params)
+        for name, p in params.items():
+            assert draw[name].shape == p.shape
+            assert torch.equal(draw[name], expected[name])
+    assert not torch.equal(draws[0]["0.weight"], draws[1]["0.weight"])
