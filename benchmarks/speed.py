@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -165,27 +166,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds (non-private and dpml: one step each)")
     parser.add_argument("--peer-rounds", type=int, default=10, help="rounds in which each Opacus mode is timed")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="torch intra-op thread counts, each measured in turn (default: torch's own)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    for name, value in (("--rounds", args.rounds), ("--peer-rounds", args.peer_rounds), ("--threads", args.threads)):
-        if value is not None and value < 1:
+    for name, value in (("--rounds", args.rounds), ("--peer-rounds", args.peer_rounds), *(("--threads", t) for t in args.threads or ())):
+        if value < 1:
             parser.error(f"{name} = {value}: must be a positive integer")
     import torch
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
+    threads = args.threads or [torch.get_num_threads()]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here")
     methods = ["nonprivate", "dpml"] + (["dpml-bf16"] if args.device == "cuda" else []) + list(args.peers)
     rows = []
-    for model in args.models:
-        for batch in args.batches:
-            for row in measure(model, batch, methods, args.rounds, args.peer_rounds, args.device):
-                rows.append(row)
-                print(row, flush=True)
+    for count in threads:
+        torch.set_num_threads(count)
+        for model in args.models:
+            for batch in args.batches:
+                for row in measure(model, batch, methods, args.rounds, args.peer_rounds, args.device):
+                    rows.append({**row, "threads": count})
+                    print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "speed" if args.device == "cpu" else "speed_cuda"
@@ -194,27 +196,39 @@ def main() -> None:
     print(page(rows, args, torch))
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN001
     """The results page: the machine, the command, and one row per (model, batch, method)."""
     cuda = args.device == "cuda"
     where = f"GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if cuda else "CPU only"
     command = (f"python benchmarks/speed.py --batches {' '.join(map(str, args.batches))} --models "
                f"{' '.join(args.models)} --rounds {args.rounds} --peer-rounds {args.peer_rounds}"
-               + (f" --threads {args.threads}" if args.threads is not None else "") + f" --device {args.device}")
+               + (f" --peers {' '.join(args.peers)}" if list(args.peers) != list(PEERS) else "")
+               + (f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + f" --device {args.device}")
     lines = ["# Step time: non-private vs dpml DP-SGD vs Opacus", "",
-             f"Command: `{command}`. Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
+             f"Command: `{command}`. Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, "
              f"torch {torch.__version__}, Python {platform.python_version()}; {where}. One process; per (model, "
              f"batch) the methods' steps alternate, round after round ({args.rounds} rounds; Opacus in "
              f"{args.peer_rounds} of them); median step time per method.", "",
-             "| model | batch | method | ms / step | steps timed | × non-private time | throughput vs non-private |"
-             + (" peak MB |" if cuda else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+             "| torch threads | model | batch | method | ms / step | steps timed | × non-private time | "
+             "throughput vs non-private |" + (" peak MB |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['method']} | failed: {r['error'][:80]} | | | |"
+            lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | failed: {r['error'][:80]} | | | |"
                          + (" |" if cuda else ""))
             continue
-        lines.append(f"| {r['model']} | {r['batch']} | {r['method']} | {r['ms_per_step']:.1f} | {r['steps']} | "
+        lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {r['ms_per_step']:.1f} | {r['steps']} | "
                      f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |"
                      + (f" {r['peak_mb']:.0f} |" if cuda else ""))
     return "\n".join(lines) + "\n"

@@ -5,7 +5,9 @@
 Times (median over the timed repetitions, after warm-up) of: the non-private step (forward, mean
 loss, backward, SGD update); dpml's whole DP step; and its parts — the forward pass with the layer
 hooks and the backward pass to the layer outputs, the per-example norms and clipped sums (the rest
-of ``clipped_gradient_sum``), and the Gaussian noise for every parameter. Same models as
+of ``clipped_gradient_sum``), and the Gaussian noise for every parameter (one flat draw, as the
+trainer's :func:`gaussian_noise`; the trainer on the CPU draws it a step ahead in a background
+thread, off the step's critical path; the "DP step" here draws it in line). Same models as
 ``speed.py``.
 """
 
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import build  # noqa: E402
 from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E402
 from dpml.train.clipping_layers import is_fast  # noqa: E402
-from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy  # noqa: E402
+from dpml.train.dpsgd import clipped_sum_and_noise, gaussian_noise, per_example_cross_entropy  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:  # noqa: ANN001
@@ -58,7 +60,7 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
     def dp_step() -> None:
         sums, noises, _ = clipped_sum_and_noise(model, x, y, 1.0, 1.0, batch, generator)
         for (name, p) in model.named_parameters():
-            p.grad = (sums[name] + noises[name]) / batch
+            p.grad = sums[name].add_(noises[name]).div_(batch)
         optimizer.step()
 
     fast = [m for m in model.modules() if is_fast(m)]
@@ -70,14 +72,15 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
     def clipping() -> None:
         clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0)
 
+    named = dict(model.named_parameters())
+
     def noise() -> None:
-        for p in params:
-            torch.normal(0.0, 1.0, size=p.shape, generator=generator)
+        gaussian_noise(named, 1.0, generator)
 
     rows = [("non-private step", median_ms(nonprivate, repeats)), ("dpml DP step", median_ms(dp_step, repeats)),
             ("  forward + backward to layer outputs", median_ms(forward_backward_to_outputs, repeats)),
             ("  clipped_gradient_sum (all of the above + norms + clipped sums)", median_ms(clipping, repeats)),
-            (f"  Gaussian noise ({sum(p.numel() for p in params):,} parameters)", median_ms(noise, repeats))]
+            (f"  Gaussian noise ({sum(p.numel() for p in params):,} parameters; the trainer draws it a step ahead)", median_ms(noise, repeats))]
     return rows
 
 
