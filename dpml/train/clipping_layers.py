@@ -139,6 +139,11 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     raise TypeError(f"{type(module).__name__} has no position form")
 
 
+def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
+    """‖t_i‖² of each example's slice t_i = t[i] (B,), by one fused reduction (no squared copy of t)."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
+
+
 KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements: materialised per-example weight gradients kept for the sum
 
 
@@ -150,12 +155,12 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     """
     count = a.shape[1]
     if count == 1:
-        return a[:, 0].pow(2).sum(1) * d[:, 0].pow(2).sum(1), None
+        return row_norms_squared(a[:, 0]) * row_norms_squared(d[:, 0]), None
     if count * count <= a.shape[2] * d.shape[2]:
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
     per_example = torch.bmm(d.transpose(1, 2), a)  # (B, d_out, d_in)
     keep = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
-    return per_example.pow(2).sum((1, 2)), keep
+    return row_norms_squared(per_example), keep
 
 
 @dataclass
@@ -172,7 +177,7 @@ def materialised_piece(per_example: list[tuple[nn.Parameter, torch.Tensor]], lik
     batch = like.shape[0]
     squared = like.new_zeros(batch)
     for _, g in per_example:
-        squared = squared + g.reshape(batch, -1).pow(2).sum(1)
+        squared = squared + row_norms_squared(g)
     return Piece(squared, lambda factors: [(p, torch.einsum("b,b...->...", factors, g)) for p, g in per_example])
 
 
@@ -184,7 +189,7 @@ def _dense_piece(module: nn.Linear | nn.Conv2d, a: torch.Tensor, d: torch.Tensor
         weight_squared, kept = weight_norms_squared(a, d)
         squared = squared + weight_squared
     if trainable(module.bias):
-        squared = squared + d.sum(1).pow(2).sum(1)
+        squared = squared + row_norms_squared(d[:, 0] if d.shape[1] == 1 else d.sum(1))
 
     def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         weighted = d * factors[:, None, None]
@@ -231,23 +236,23 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
             per_example = conv_per_example_gradients(module, inputs, output_grad)
-            squared = squared + per_example.pow(2).sum((1, 2))
+            squared = squared + row_norms_squared(per_example)
             kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
-    if trainable(module.bias):
-        squared = squared + d.sum(2).pow(2).sum(1)
+    bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
+    if bias_grads is not None:
+        squared = squared + row_norms_squared(bias_grads)
 
     def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         out = []
-        weighted = output_grad * factors[:, None, None, None]
         if trainable(module.weight):
             if kept is not None:
                 total = torch.einsum("b,boi->oi", factors, kept).reshape(module.weight.shape)
             else:
-                total = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, weighted, module.stride,  # type: ignore[arg-type]
-                                                    module.padding, module.dilation)  # type: ignore[arg-type]
+                total = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, output_grad * factors[:, None, None, None],
+                                                    module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
             out.append((module.weight, total))
-        if trainable(module.bias):
-            out.append((module.bias, weighted.sum((0, 2, 3))))  # type: ignore[arg-type]
+        if bias_grads is not None:
+            out.append((module.bias, factors @ bias_grads))  # type: ignore[arg-type]
         return out
 
     return Piece(squared, sums)
