@@ -323,9 +323,9 @@ class Convs(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.wide = nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2))  # many positions
-        self.deep = nn.Conv2d(3, 8, 3, stride=2, bias=False)  # few positions: ghost norm
-        self.out = nn.Linear(8 * 2 * 5, 3)
+        self.wide = nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2))  # T = 72 > C_out
+        self.deep = nn.Conv2d(3, 12, 3, stride=2, bias=False)  # T = 10 ≤ C_out
+        self.out = nn.Linear(12 * 2 * 5, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.deep(torch.tanh(self.wide(x)))).flatten(1))
@@ -333,17 +333,17 @@ class Convs(nn.Module):
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_conv_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list) -> None:
-    """Both Conv2d norms (per-example gradients by a grouped convolution, and ghost norm over the patches)
-    and both clipped sums (from the kept per-example gradients, and by the weight-gradient convolution
-    when they are not kept) equal the one-example-at-a-time loop."""
+    """Every Conv2d path equals the one-example-at-a-time loop. Kept (keep): both layers materialise, ``wide``
+    by a grouped convolution (T > C_out), ``deep`` from its patches (T ≤ C_out), and the sums come from
+    the kept gradients. Not kept: ``wide`` still materialises for its norms (T² > C_in·kh·kw·C_out),
+    ``deep`` takes the ghost norm, and both sums come from the weight-gradient convolution."""
     if not keep:
         monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
     torch.manual_seed(3)
     model = Convs().double()
     g = torch.Generator().manual_seed(4)
     x = torch.randn(9, 2, 11, 10, generator=g, dtype=torch.float64)
-    wide = clipping_layers.positions(model.wide, x, torch.zeros(9, 3, 6, 12, dtype=torch.float64))[0]
-    assert wide.shape[1] ** 2 > wide.shape[2] * 3  # the first layer's norms come from its per-example gradients
+    assert clipping_layers.materialise(9, 72, 6, 3) and clipping_layers.materialise(9, 10, 27, 12) == keep
     assert_matches_naive_loop(model, x, labels(9), 0.05)
     assert vmapped == []
 

@@ -156,11 +156,26 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     count = a.shape[1]
     if count == 1:
         return row_norms_squared(a[:, 0]) * row_norms_squared(d[:, 0]), None
-    if count * count <= a.shape[2] * d.shape[2]:
+    if not materialise(a.shape[0], count, a.shape[2], d.shape[2]):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
     per_example = torch.bmm(d.transpose(1, 2), a)  # (B, d_out, d_in)
     keep = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
     return row_norms_squared(per_example), keep
+
+
+def materialise(batch: int, count: int, d_in: int, d_out: int) -> bool:
+    """Whether a dense layer's per-example weight gradients (B, d_out, d_in) over T = ``count`` positions
+    are to be materialised rather than ghost-normed.
+
+    Ghost norm costs T²·(d_in + d_out) per example for the two Gram matrices and then a second pass
+    over the positions for the clipped sum (T·d_in·d_out); materialising costs T·d_in·d_out once, and
+    the clipped sum is then a weighted sum of the kept gradients. So when they fit in
+    ``KEEP_PER_EXAMPLE_LIMIT`` elements they are materialised as soon as the Gram matrices cost more
+    than d_in·d_out; when they do not fit, only where the Gram matrices alone (T² numbers) are larger
+    than the gradient (d_in·d_out numbers), the memory-saving rule of ghost clipping."""
+    if batch * d_in * d_out <= KEEP_PER_EXAMPLE_LIMIT:
+        return count * count * (d_in + d_out) > d_in * d_out
+    return count * count > d_in * d_out
 
 
 @dataclass
@@ -222,20 +237,26 @@ def conv_per_example_gradients(module: nn.Conv2d, inputs: torch.Tensor, output_g
 
 
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
-    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches (T² ≤ C_in·kh·kw·C_out) or from
-    the per-example gradients of :func:`conv_per_example_gradients` (kept for the sum when they fit), and
-    the clipped sum without patches: the layer's own weight-gradient convolution of the clip-weighted δ."""
+    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
+    per-example gradients (:func:`materialise` decides), the latter by one grouped convolution
+    (:func:`conv_per_example_gradients`) where the patches would outnumber the gradient (T > C_out), else
+    from the patches by one batched product. The clipped sum: from the kept per-example gradients, or
+    else without patches, by the layer's own weight-gradient convolution of the clip-weighted δ."""
     batch, out_channels = output_grad.shape[:2]
-    count = output_grad[0, 0].numel()
+    count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
     squared = output_grad.new_zeros(batch)
     kept = None
     if trainable(module.weight):
-        if count * count <= module.weight[0].numel() * out_channels:
+        if not materialise(batch, count, patch, out_channels):
             a = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
-            per_example = conv_per_example_gradients(module, inputs, output_grad)
+            if count > out_channels:  # the patches (T·C_in·kh·kw numbers) outnumber the gradient: no unfold
+                per_example = conv_per_example_gradients(module, inputs, output_grad)
+            else:
+                a = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+                per_example = torch.bmm(d, a.transpose(1, 2))  # (B, C_out, C_in·kh·kw)
             squared = squared + row_norms_squared(per_example)
             kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
