@@ -1,6 +1,6 @@
 """Where a dpml DP-SGD step spends its time, next to the non-private step (same model, batch, process).
 
-    python benchmarks/speed_profile.py [--batch 512] [--models mlp cnn] [--out benchmarks/results]
+    python benchmarks/speed_profile.py [--batch 512] [--models mlp cnn] [--threads N] [--out benchmarks/results]
 
 Times (median over the timed repetitions, after warm-up) of: the non-private step (forward, mean
 loss, backward, SGD update); dpml's whole DP step; and its parts — the forward pass with the layer
@@ -89,10 +89,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads = {args.threads}: must be a positive integer")
+        torch.set_num_threads(args.threads)
     lines = ["# Where the DP-SGD step's time goes", "",
-             f"Command: `python benchmarks/speed_profile.py --batch {args.batch}`. Machine: {platform.machine()}, "
+             f"Command: `python benchmarks/speed_profile.py --batch {args.batch}"
+             + (f" --threads {args.threads}" if args.threads is not None else "") + f"`. Machine: {platform.machine()}, "
              f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; one process, median of "
              f"{args.repeats} repetitions after 3 warm-up ones.", "",
              "| model | part | ms | × non-private step |", "|---|---|---|---|"]
