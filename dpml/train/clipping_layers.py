@@ -8,8 +8,12 @@ share a normalisation's γ and β). Given the recorded input and the output grad
 - **Linear and Conv2d** (Goodfellow 2015; ghost norm / book-keeping of Li et al. 2022, Bu et al.
   2023): ∇_W ℓ_i = Σ_t δ_t a_tᵀ, ∇_b ℓ_i = Σ_t δ_t, and
       ‖∇_W ℓ_i‖_F² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s)   (two T×T Gram matrices; ‖a‖²‖δ‖² for T = 1),
-  or ∇_W ℓ_i materialised, whichever is cheaper (T² against d_in·d_out). The clipped sum is one
-  contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ.
+  or ∇_W ℓ_i materialised, whichever costs less arithmetic (:func:`materialise`; materialised
+  gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
+  the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
+  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A
+  convolution's per-example gradients come from one grouped convolution where its patches would
+  outnumber them (:func:`conv_per_example_gradients`).
 - **Embedding** (z_t = W[k_t]): ‖∇_W ℓ_i‖_F² = Σ_k ‖Σ_{t: k_t = k} δ_t‖², by sorting the
   (example, token) pairs; ``padding_idx`` positions get no gradient. Clipped sum by ``index_add``.
 - **LayerNorm and GroupNorm** (affine, z = x̂⊙γ + β, x̂ recomputed with the layer's own function):
