@@ -1,33 +1,40 @@
-"""Step time and peak memory: non-private SGD vs dpml's DP-SGD vs Opacus (hooks, ghost), side by side.
+"""Step time: non-private SGD vs dpml's DP-SGD vs Opacus (hooks, ghost), measured interleaved.
 
-Every (model, batch size, method) runs in its own fresh process (so peak RSS is its own), one after
-another in this one run; the table reports the median step time over the timed steps and the ratio
-to the non-private step of the same model and batch. Fashion-MNIST shapes (1×28×28, 10 classes),
-random data, SGD, a fixed batch (the sampling is not what is timed). Models: ``mlp``, ``cnn`` (the
+For each (model, batch size) every method gets its own copy of the model (same initialisation) and
+the same fixed batch, all in this one process; after two warm-up steps each, the timed rounds
+alternate the methods (round r: one non-private step, one dpml step, one step of each peer), so
+that the load of a shared machine falls on all of them alike. The table reports each method's
+median step time and its ratio to the non-private median of the same model and batch. Opacus'
+steps are timed in ``--peer-rounds`` evenly spaced rounds only (its hooks take seconds per step
+at batch 4096). Fashion-MNIST shapes (1×28×28, 10 classes), random data, SGD, a fixed batch (the
+sampling is not what is timed); the dpml step is the trainer's own (clipped sums and noise from
+``clipped_sum_and_noise``, the noise drawn a step ahead on the CPU, added in place, divided by the batch). Models: ``mlp``, ``cnn`` (the
 Opacus MNIST example's), ``wrn`` (dpml's WRN-16-4 with GroupNorm, ``model.kind: wide_resnet``).
 
-``--device cuda`` times on the GPU (each step ends with ``torch.cuda.synchronize()``; peak memory is
-``torch.cuda.max_memory_allocated``) and adds ``dpml-bf16`` (``train.autocast: bf16``); it writes
-``speed_cuda.{md,json}`` naming the GPU, beside the CPU page ``speed.{md,json}``.
+``--device cuda`` times on the GPU (each step ends with ``torch.cuda.synchronize()``; the peak memory
+of each method's steps is ``torch.cuda.max_memory_allocated`` after a reset) and adds ``dpml-bf16``
+(``train.autocast: bf16``); it writes ``speed_cuda.{md,json}`` naming the GPU, beside the CPU page
+``speed.{md,json}``. On the CPU no per-method memory is reported: the methods share one process.
 
     pip install -r benchmarks/requirements.txt      # Opacus, for the comparison only
-    python benchmarks/speed.py [--batches 64 512 4096] [--models mlp cnn wrn] [--device cpu|cuda]
+    python benchmarks/speed.py [--batches 512 4096] [--models mlp cnn wrn] [--rounds 40] [--device cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
+PEERS = ("opacus-hooks", "opacus-ghost")
 
 
 def build(model: str):  # noqa: ANN201
@@ -47,138 +54,184 @@ def build(model: str):  # noqa: ANN201
         nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def measure(model_name: str, method: str, batch: int, steps: int, device: str = "cpu") -> dict:
+def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # noqa: ANN001
+    """One training step of ``method`` on the batch (x, y), with its own copy of the model (seed 0)."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    model = build(model_name).to(device)
-    x = torch.randn(batch, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
+    model = build(model_name).to(x.device)
+    batch = x.shape[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if method == "nonprivate":
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
-    elif method in ("dpml", "dpml-bf16"):
+        return step
+    if method in ("dpml", "dpml-bf16"):
         sys.path.insert(0, str(ROOT))
-        from dpml.train.dpsgd import clipped_sum_and_noise
+        from dpml.train.dpsgd import PrefetchedNoise, clipped_sum_and_noise, trainable_parameters
 
-        generator = torch.Generator(device=device).manual_seed(0)
         autocast = torch.bfloat16 if method == "dpml-bf16" else None
-        params = dict(model.named_parameters())
-        flat = x.reshape(batch, -1) if model_name == "mlp" else x
+        flat = x
         if model_name == "mlp":
-            model = model[1:]  # the Flatten is done once above; Linear layers then take 2-D inputs
-            params = dict(model.named_parameters())
+            model = model[1:]  # the Flatten is done once here; Linear layers then take 2-D inputs
+            flat = x.reshape(batch, -1)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        params = trainable_parameters(model)
+        generator = torch.Generator(device=x.device).manual_seed(0)
+        if x.device.type == "cpu":  # as run_dpsgd_steps: the next step's noise drawn in the background
+            generator = PrefetchedNoise(generator, params, 1.0)
 
-        def step() -> None:
+        def dp_step() -> None:  # as run_dpsgd_steps: the noise added to the step's own sums, in place
             sums, noises, _ = clipped_sum_and_noise(model, flat, y, 1.0, 1.0, 1 << 30, generator, autocast=autocast)
             for name, p in params.items():
-                p.grad = (sums[name] + noises[name]) / batch
+                p.grad = sums[name].add_(noises[name]).div_(batch)
             optimizer.step()
+        return dp_step
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch)
+    engine = PrivacyEngine(accountant="prv")
+    mode = "ghost" if method == "opacus-ghost" else "hooks"
+    criterion = torch.nn.CrossEntropyLoss()
+    made = engine.make_private(module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
+                               noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+                               grad_sample_mode=mode)
+    if mode == "ghost":
+        model, optimizer, criterion, _ = made
     else:
-        from opacus import PrivacyEngine
-        from torch.utils.data import DataLoader, TensorDataset
+        model, optimizer, _ = made
 
-        loader = DataLoader(TensorDataset(x, y), batch_size=batch)
-        engine = PrivacyEngine(accountant="prv")
-        mode = "ghost" if method == "opacus-ghost" else "hooks"
-        criterion = torch.nn.CrossEntropyLoss()
-        made = engine.make_private(module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
-                                   noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
-                                   grad_sample_mode=mode)
-        if mode == "ghost":
-            model, optimizer, criterion, _ = made
-        else:
-            model, optimizer, _ = made
+    def peer_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        optimizer.step()
+    return peer_step
 
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            loss = criterion(model(x), y)
-            loss.backward()
-            optimizer.step()
+
+def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_rounds: int,
+            device: str = "cpu") -> list[dict]:
+    """Median step time of each method over interleaved rounds (peers in ``peer_rounds`` of them)."""
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(batch, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
     cuda = device.startswith("cuda")
-
-    def synchronise() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    for _ in range(2):
-        step()
-    synchronise()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        synchronise()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"model": model_name, "method": method, "batch": batch, "ms_per_step": 1000 * statistics.median(times),
-            "peak_mb": peak, "steps": steps, "device": device}
+    steps, errors = {}, {}
+    for method in methods:
+        try:
+            steps[method] = step_function(model_name, method, x, y)
+            for _ in range(2):  # warm-up
+                steps[method]()
+        except Exception as error:  # noqa: BLE001 — a peer that cannot run is reported, not fatal
+            errors[method] = f"{type(error).__name__}: {error}".splitlines()[0]
+            steps.pop(method, None)
+    every = max(1, rounds // max(1, peer_rounds))
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    peaks: dict[str, float] = {m: 0.0 for m in steps}
+    for r in range(rounds):
+        for method, step in steps.items():
+            if method in PEERS and (r % every or len(times[method]) >= peer_rounds):
+                continue
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+                peaks[method] = max(peaks[method], torch.cuda.max_memory_allocated() / 2**20)
+            times[method].append(time.perf_counter() - start)
+    base = statistics.median(times["nonprivate"])
+    rows = []
+    for method in methods:
+        row = {"model": model_name, "method": method, "batch": batch, "device": device}
+        if method in errors:
+            rows.append({**row, "error": errors[method]})
+            continue
+        ms = 1000 * statistics.median(times[method])
+        rows.append({**row, "ms_per_step": ms, "steps": len(times[method]), "time_ratio": ms / (1000 * base),
+                     "peak_mb": peaks[method] if cuda else None})
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 512, 4096])
+    parser.add_argument("--batches", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    parser.add_argument("--rounds", type=int, default=40, help="timed rounds (non-private and dpml: one step each)")
+    parser.add_argument("--peer-rounds", type=int, default=10, help="rounds in which each Opacus mode is timed")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="torch intra-op thread counts, each measured in turn (default: torch's own)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    parser.add_argument("--child", nargs=3, metavar=("MODEL", "METHOD", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        model, method, batch = args.child
-        batch = int(batch)
-        steps = max(9, min(40, 40_000 // batch))
-        print(json.dumps(measure(model, method, batch, steps, args.device)))
-        return
+    for name, value in (("--rounds", args.rounds), ("--peer-rounds", args.peer_rounds), *(("--threads", t) for t in args.threads or ())):
+        if value < 1:
+            parser.error(f"{name} = {value}: must be a positive integer")
     import torch
 
+    threads = args.threads or [torch.get_num_threads()]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here")
-    methods = METHODS + (["dpml-bf16"] if args.device == "cuda" else [])
+    methods = ["nonprivate", "dpml"] + (["dpml-bf16"] if args.device == "cuda" else []) + list(args.peers)
     rows = []
-    for model in args.models:
-        for batch in args.batches:
-            for method in methods:
-                done = subprocess.run([sys.executable, __file__, "--child", model, method, str(batch),
-                                       "--device", args.device],
-                                      capture_output=True, text=True, timeout=1800)
-                if done.returncode != 0:
-                    rows.append({"model": model, "method": method, "batch": batch, "error": done.stderr.strip().splitlines()[-1]})
-                else:
-                    rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(rows[-1], flush=True)
+    for count in threads:
+        torch.set_num_threads(count)
+        for model in args.models:
+            for batch in args.batches:
+                for row in measure(model, batch, methods, args.rounds, args.peer_rounds, args.device):
+                    rows.append({**row, "threads": count})
+                    print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "speed" if args.device == "cpu" else "speed_cuda"
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
-    base = {(r["model"], r["batch"]): r["ms_per_step"] for r in rows if r["method"] == "nonprivate" and "error" not in r}
-    if args.device == "cuda":
-        where = f"GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
-        memory = "peak GPU memory allocated by torch in that process"
-    else:
-        where = "CPU only"
-        memory = "peak RSS of that process (includes the interpreter and torch, ≈ 300 MB)"
+    (out / f"{stem}.md").write_text(page(rows, args, torch))
+    print(page(rows, args, torch))
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN001
+    """The results page: the machine, the command, and one row per (model, batch, method)."""
+    cuda = args.device == "cuda"
+    where = f"GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if cuda else "CPU only"
+    command = (f"python benchmarks/speed.py --batches {' '.join(map(str, args.batches))} --models "
+               f"{' '.join(args.models)} --rounds {args.rounds} --peer-rounds {args.peer_rounds}"
+               + (f" --peers {' '.join(args.peers)}" if list(args.peers) != list(PEERS) else "")
+               + (f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + f" --device {args.device}")
     lines = ["# Step time: non-private vs dpml DP-SGD vs Opacus", "",
-             f"Command: `python benchmarks/speed.py --batches {' '.join(map(str, args.batches))} "
-             f"--models {' '.join(args.models)} --device {args.device}`. "
-             f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-             f"Python {platform.python_version()}; {where}. Each cell is its own process, all from one run; "
-             f"median over the timed steps; {memory}.", "",
-             "| model | batch | method | ms / step | × non-private time | throughput vs non-private | peak MB |",
-             "|---|---|---|---|---|---|---|"]
+             f"Command: `{command}`. Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, "
+             f"torch {torch.__version__}, Python {platform.python_version()}; {where}. One process; per (model, "
+             f"batch) the methods' steps alternate, round after round ({args.rounds} rounds; Opacus in "
+             f"{args.peer_rounds} of them); median step time per method.", "",
+             "| torch threads | model | batch | method | ms / step | steps timed | × non-private time | "
+             "throughput vs non-private |" + (" peak MB |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['method']} | failed: {r['error'][:80]} | | | |")
+            lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | failed: {r['error'][:80]} | | | |"
+                         + (" |" if cuda else ""))
             continue
-        ratio = r["ms_per_step"] / base[(r["model"], r["batch"])]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['method']} | {r['ms_per_step']:.1f} | {ratio:.2f} | "
-                     f"{1 / ratio:.2f} | {r['peak_mb']:.0f} |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {r['ms_per_step']:.1f} | {r['steps']} | "
+                     f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |"
+                     + (f" {r['peak_mb']:.0f} |" if cuda else ""))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

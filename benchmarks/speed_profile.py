@@ -1,11 +1,13 @@
 """Where a dpml DP-SGD step spends its time, next to the non-private step (same model, batch, process).
 
-    python benchmarks/speed_profile.py [--batch 512] [--models mlp cnn] [--out benchmarks/results]
+    python benchmarks/speed_profile.py [--batch 512] [--models mlp cnn] [--threads N] [--out benchmarks/results]
 
-Times (median over the timed repetitions, after warm-up) of: the non-private step (forward, mean
+Times (the parts run in turn, round after round; medians after warm-up) of: the non-private step (forward, mean
 loss, backward, SGD update); dpml's whole DP step; and its parts — the forward pass with the layer
 hooks and the backward pass to the layer outputs, the per-example norms and clipped sums (the rest
-of ``clipped_gradient_sum``), and the Gaussian noise for every parameter. Same models as
+of ``clipped_gradient_sum``), and the Gaussian noise for every parameter (one flat draw, as the
+trainer's :func:`gaussian_noise`; the trainer on the CPU draws it a step ahead in a background
+thread, off the step's critical path; the "DP step" here draws it in line). Same models as
 ``speed.py``.
 """
 
@@ -16,6 +18,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,18 +30,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import build  # noqa: E402
 from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E402
 from dpml.train.clipping_layers import is_fast  # noqa: E402
-from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy  # noqa: E402
+from dpml.train.dpsgd import clipped_sum_and_noise, gaussian_noise, per_example_cross_entropy  # noqa: E402
 
 
-def median_ms(fn, repeats: int) -> float:  # noqa: ANN001
+def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median time of each part, the parts run in turn, round after round (after 3 warm-up rounds), so
+    that the load of a shared machine falls on all of them alike."""
     for _ in range(3):
-        fn()
-    times = []
+        for fn in parts.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in parts}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        for name, fn in parts.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
 
 
 def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]]:
@@ -58,7 +65,7 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
     def dp_step() -> None:
         sums, noises, _ = clipped_sum_and_noise(model, x, y, 1.0, 1.0, batch, generator)
         for (name, p) in model.named_parameters():
-            p.grad = (sums[name] + noises[name]) / batch
+            p.grad = sums[name].add_(noises[name]).div_(batch)
         optimizer.step()
 
     fast = [m for m in model.modules() if is_fast(m)]
@@ -70,15 +77,16 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
     def clipping() -> None:
         clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0)
 
-    def noise() -> None:
-        for p in params:
-            torch.normal(0.0, 1.0, size=p.shape, generator=generator)
+    named = dict(model.named_parameters())
 
-    rows = [("non-private step", median_ms(nonprivate, repeats)), ("dpml DP step", median_ms(dp_step, repeats)),
-            ("  forward + backward to layer outputs", median_ms(forward_backward_to_outputs, repeats)),
-            ("  clipped_gradient_sum (all of the above + norms + clipped sums)", median_ms(clipping, repeats)),
-            (f"  Gaussian noise ({sum(p.numel() for p in params):,} parameters)", median_ms(noise, repeats))]
-    return rows
+    def noise() -> None:
+        gaussian_noise(named, 1.0, generator)
+
+    parts = {"non-private step": nonprivate, "dpml DP step": dp_step,
+             "  forward + backward to layer outputs": forward_backward_to_outputs,
+             "  clipped_gradient_sum (all of the above + norms + clipped sums)": clipping,
+             f"  Gaussian noise ({sum(p.numel() for p in params):,} parameters; the trainer draws it a step ahead)": noise}
+    return list(interleaved_medians_ms(parts, repeats).items())
 
 
 def main() -> None:
@@ -86,12 +94,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads = {args.threads}: must be a positive integer")
+        torch.set_num_threads(args.threads)
     lines = ["# Where the DP-SGD step's time goes", "",
-             f"Command: `python benchmarks/speed_profile.py --batch {args.batch}`. Machine: {platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; one process, median of "
-             f"{args.repeats} repetitions after 3 warm-up ones.", "",
+             f"Command: `python benchmarks/speed_profile.py --batch {args.batch}"
+             + (f" --threads {args.threads}" if args.threads is not None else "") + f"`. Machine: {platform.machine()}, "
+             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; one process, the parts run in turn, median of "
+             f"{args.repeats} rounds after 3 warm-up ones.", "",
              "| model | part | ms | × non-private step |", "|---|---|---|---|"]
     for model_name in args.models:
         rows = profile(model_name, args.batch, args.repeats)

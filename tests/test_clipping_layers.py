@@ -313,3 +313,46 @@ def test_a_fast_layer_whose_forward_never_runs_takes_the_vmap_path(vmapped: list
     x = torch.randn(10, 3, 4, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     assert_matches_naive_loop(Attention().double(), x, labels(10), 0.05)
     assert len(vmapped) == 1 and {"attention.out_proj.weight", "attention.out_proj.bias"} <= set(vmapped[0])
+
+
+# --- Conv2d: grouped-convolution per-example gradients, ghost norms, weight-gradient sums ----------------
+
+
+class Convs(nn.Module):
+    """Two convolutions of rectangular kernels, strides, paddings and dilations, one without bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2))  # T = 72 > C_out
+        self.deep = nn.Conv2d(3, 12, 3, stride=2, bias=False)  # T = 10 ≤ C_out
+        self.out = nn.Linear(12 * 2 * 5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.deep(torch.tanh(self.wide(x)))).flatten(1))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_conv_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list) -> None:
+    """Every Conv2d path equals the one-example-at-a-time loop. Kept (keep): both layers materialise, ``wide``
+    by a grouped convolution (T > C_out), ``deep`` from its patches (T ≤ C_out), and the sums come from
+    the kept gradients. Not kept: ``wide`` still materialises for its norms (T² > C_in·kh·kw·C_out),
+    ``deep`` takes the ghost norm, and both sums come from the weight-gradient convolution."""
+    if not keep:
+        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    torch.manual_seed(3)
+    model = Convs().double()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 2, 11, 10, generator=g, dtype=torch.float64)
+    assert clipping_layers.materialise(9, 72, 6, 3) and clipping_layers.materialise(9, 10, 27, 12) == keep
+    assert_matches_naive_loop(model, x, labels(9), 0.05)
+    assert vmapped == []
+
+
+def test_conv_per_example_gradients_equal_autograd() -> None:
+    conv = nn.Conv2d(3, 4, (4, 3), stride=(2, 3), padding=(2, 1), dilation=(1, 2)).double()
+    x = torch.randn(5, 3, 12, 13, dtype=torch.float64)
+    delta = torch.randn_like(conv(x))
+    expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0]
+                            for i in range(5)])
+    got = clipping_layers.conv_per_example_gradients(conv, x, delta)
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)

@@ -104,9 +104,14 @@ def test_one_dpsgd_step_equals_the_formula() -> None:
     assert result.history["steps"] == 1
     batch = poisson_batch(torch.Generator().manual_seed(seed), 50, q)
     reference = naive_clipped_sum(start, x[batch], y[batch], clip)
-    noise = torch.Generator().manual_seed(seed + 1)
+    # the step's noise: one flat draw over all parameters, in named_parameters order
+    total = sum(p0.numel() for p0 in start.parameters())
+    flat = torch.normal(0.0, sigma * clip, size=(total,), generator=torch.Generator().manual_seed(seed + 1),
+                        dtype=torch.float64)
+    offset = 0
     for name, p0 in start.named_parameters():
-        z = torch.normal(0.0, sigma * clip, size=p0.shape, generator=noise, dtype=torch.float64)
+        z = flat[offset:offset + p0.numel()].view(p0.shape)
+        offset += p0.numel()
         expected = p0.detach() - lr * (reference[name] + z) / (q * 50)
         torch.testing.assert_close(dict(model.named_parameters())[name].detach(), expected, rtol=1e-6, atol=1e-7)
     event = result.mechanism.events[0]
@@ -221,3 +226,26 @@ def test_patches_equal_torch_unfold(kernel: tuple, stride: tuple, padding: tuple
     x = torch.randn(3, 2, 11, 12, dtype=torch.float64)
     expected = torch.nn.functional.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
     assert torch.equal(unfold_patches(x, kernel, stride, padding, dilation), expected)
+
+
+def test_prefetched_noise_is_the_synchronous_draw_sequence() -> None:
+    """The noise drawn a step ahead in the background is exactly what synchronous draws from the same
+    seed give, step after step (fresh each step), and a std other than the stream's is refused."""
+    from dpml.train.dpsgd import PrefetchedNoise, gaussian_noise
+
+    params = dict(build_mlp(MlpSpec(6, (8,), 3)).named_parameters())
+    stream = PrefetchedNoise(torch.Generator().manual_seed(9), params, 0.7)
+    reference = torch.Generator().manual_seed(9)
+    try:
+        draws = [stream.draw(0.7) for _ in range(3)]
+        with pytest.raises(ValueError, match="noise std = 1.4"):
+            stream.draw(1.4)
+    finally:
+        stream.close()
+    for draw in draws:
+        expected = gaussian_noise(params, 0.7, reference)
+        assert list(draw) == list(params)
+        for name, p in params.items():
+            assert draw[name].shape == p.shape
+            assert torch.equal(draw[name], expected[name])
+    assert not torch.equal(draws[0]["0.weight"], draws[1]["0.weight"])

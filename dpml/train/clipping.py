@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dpml.train.clipping_layers import Piece, batch_first, is_fast, layer_parameters, layer_piece, reject_batch_norm
+from dpml.train.clipping_layers import (Piece, batch_first, is_fast, layer_parameters, layer_piece, reject_batch_norm,
+                                       row_norms_squared)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
 
@@ -166,7 +167,7 @@ class EnginePass:
         for _, piece in self.fast:
             total = total + piece.squared
         for g in self.exact.values():
-            total = total + (g.pow(2).reshape(self.batch, -1).sum(1) if g.numel() else 0.0)
+            total = total + (row_norms_squared(g) if g.numel() else 0.0)
         return total
 
     def sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -8,8 +8,12 @@ share a normalisation's γ and β). Given the recorded input and the output grad
 - **Linear and Conv2d** (Goodfellow 2015; ghost norm / book-keeping of Li et al. 2022, Bu et al.
   2023): ∇_W ℓ_i = Σ_t δ_t a_tᵀ, ∇_b ℓ_i = Σ_t δ_t, and
       ‖∇_W ℓ_i‖_F² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s)   (two T×T Gram matrices; ‖a‖²‖δ‖² for T = 1),
-  or ∇_W ℓ_i materialised, whichever is cheaper (T² against d_in·d_out). The clipped sum is one
-  contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ.
+  or ∇_W ℓ_i materialised, whichever costs less arithmetic (:func:`materialise`; materialised
+  gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
+  the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
+  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A
+  convolution's per-example gradients come from one grouped convolution where its patches would
+  outnumber them (:func:`conv_per_example_gradients`).
 - **Embedding** (z_t = W[k_t]): ‖∇_W ℓ_i‖_F² = Σ_k ‖Σ_{t: k_t = k} δ_t‖², by sorting the
   (example, token) pairs; ``padding_idx`` positions get no gradient. Clipped sum by ``index_add``.
 - **LayerNorm and GroupNorm** (affine, z = x̂⊙γ + β, x̂ recomputed with the layer's own function):
@@ -139,6 +143,11 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     raise TypeError(f"{type(module).__name__} has no position form")
 
 
+def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
+    """‖t_i‖² of each example's slice t_i = t[i] (B,), by one fused reduction (no squared copy of t)."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
+
+
 KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements: materialised per-example weight gradients kept for the sum
 
 
@@ -150,12 +159,27 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     """
     count = a.shape[1]
     if count == 1:
-        return a[:, 0].pow(2).sum(1) * d[:, 0].pow(2).sum(1), None
-    if count * count <= a.shape[2] * d.shape[2]:
+        return row_norms_squared(a[:, 0]) * row_norms_squared(d[:, 0]), None
+    if not materialise(a.shape[0], count, a.shape[2], d.shape[2]):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
     per_example = torch.bmm(d.transpose(1, 2), a)  # (B, d_out, d_in)
     keep = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
-    return per_example.pow(2).sum((1, 2)), keep
+    return row_norms_squared(per_example), keep
+
+
+def materialise(batch: int, count: int, d_in: int, d_out: int) -> bool:
+    """Whether a dense layer's per-example weight gradients (B, d_out, d_in) over T = ``count`` positions
+    are to be materialised rather than ghost-normed.
+
+    Ghost norm costs T²·(d_in + d_out) per example for the two Gram matrices and then a second pass
+    over the positions for the clipped sum (T·d_in·d_out); materialising costs T·d_in·d_out once, and
+    the clipped sum is then a weighted sum of the kept gradients. So when they fit in
+    ``KEEP_PER_EXAMPLE_LIMIT`` elements they are materialised as soon as the Gram matrices cost more
+    than d_in·d_out; when they do not fit, only where the Gram matrices alone (T² numbers) are larger
+    than the gradient (d_in·d_out numbers), the memory-saving rule of ghost clipping."""
+    if batch * d_in * d_out <= KEEP_PER_EXAMPLE_LIMIT:
+        return count * count * (d_in + d_out) > d_in * d_out
+    return count * count > d_in * d_out
 
 
 @dataclass
@@ -172,7 +196,7 @@ def materialised_piece(per_example: list[tuple[nn.Parameter, torch.Tensor]], lik
     batch = like.shape[0]
     squared = like.new_zeros(batch)
     for _, g in per_example:
-        squared = squared + g.reshape(batch, -1).pow(2).sum(1)
+        squared = squared + row_norms_squared(g)
     return Piece(squared, lambda factors: [(p, torch.einsum("b,b...->...", factors, g)) for p, g in per_example])
 
 
@@ -184,7 +208,7 @@ def _dense_piece(module: nn.Linear | nn.Conv2d, a: torch.Tensor, d: torch.Tensor
         weight_squared, kept = weight_norms_squared(a, d)
         squared = squared + weight_squared
     if trainable(module.bias):
-        squared = squared + d.sum(1).pow(2).sum(1)
+        squared = squared + row_norms_squared(d[:, 0] if d.shape[1] == 1 else d.sum(1))
 
     def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         weighted = d * factors[:, None, None]
@@ -197,6 +221,63 @@ def _dense_piece(module: nn.Linear | nn.Conv2d, a: torch.Tensor, d: torch.Tensor
             out.append((module.weight, flat.reshape(module.weight.shape)))
         if trainable(module.bias):
             out.append((module.bias, weighted.sum((0, 1))))  # type: ignore[arg-type]
+        return out
+
+    return Piece(squared, sums)
+
+
+def conv_per_example_gradients(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
+    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in·kh·kw), by one grouped convolution
+    and without unfolding the patches (Rochette et al. 2019): the input's channels become the batch,
+    its examples the groups, and each example's output gradient δ_{i,o} (oh×ow) the kernel of group
+    i, dilated by the layer's stride; the result's first kh×kw positions are ∇_W ℓ_i."""
+    batch, channels = inputs.shape[:2]
+    out_channels, kernel = output_grad.shape[1], module.kernel_size
+    grads = F.conv2d(inputs.transpose(0, 1), output_grad.reshape(batch * out_channels, 1, *output_grad.shape[2:]),
+                     stride=module.dilation, padding=module.padding, dilation=module.stride,  # type: ignore[arg-type]
+                     groups=batch)
+    grads = grads[:, :, :kernel[0], :kernel[1]].reshape(channels, batch, out_channels, kernel[0], kernel[1])
+    return grads.permute(1, 2, 0, 3, 4).reshape(batch, out_channels, -1)
+
+
+def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
+    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
+    per-example gradients (:func:`materialise` decides), the latter by one grouped convolution
+    (:func:`conv_per_example_gradients`) where the patches would outnumber the gradient (T > C_out), else
+    from the patches by one batched product. The clipped sum: from the kept per-example gradients, or
+    else without patches, by the layer's own weight-gradient convolution of the clip-weighted δ."""
+    batch, out_channels = output_grad.shape[:2]
+    count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
+    d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
+    squared = output_grad.new_zeros(batch)
+    kept = None
+    if trainable(module.weight):
+        if not materialise(batch, count, patch, out_channels):
+            a = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+            squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
+        else:
+            if count > out_channels:  # the patches (T·C_in·kh·kw numbers) outnumber the gradient: no unfold
+                per_example = conv_per_example_gradients(module, inputs, output_grad)
+            else:
+                a = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+                per_example = torch.bmm(d, a.transpose(1, 2))  # (B, C_out, C_in·kh·kw)
+            squared = squared + row_norms_squared(per_example)
+            kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
+    bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
+    if bias_grads is not None:
+        squared = squared + row_norms_squared(bias_grads)
+
+    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        out = []
+        if trainable(module.weight):
+            if kept is not None:
+                total = torch.einsum("b,boi->oi", factors, kept).reshape(module.weight.shape)
+            else:
+                total = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, output_grad * factors[:, None, None, None],
+                                                    module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+            out.append((module.weight, total))
+        if bias_grads is not None:
+            out.append((module.bias, factors @ bias_grads))  # type: ignore[arg-type]
         return out
 
     return Piece(squared, sums)
@@ -255,6 +336,8 @@ def layer_piece(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]
         if len(calls) != 1:
             raise ValueError("a ghost_clipping layer's own shortcut covers one call per forward pass")
         return _own_piece(module, *calls[0])
+    if isinstance(module, nn.Conv2d) and len(calls) == 1:
+        return _conv_piece(module, *calls[0])
     parts = [positions(module, inputs, output_grad) for inputs, output_grad in calls]
     a = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1)
     d = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts], 1)

@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
@@ -127,32 +128,92 @@ def tensor_chunks(x: torch.Tensor, y: torch.Tensor, physical_batch_size: int, at
 
 
 def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float, noise_multiplier: float,
-                             generator: torch.Generator | None, loss_fn: LossFn = per_example_cross_entropy,
+                             generator: torch.Generator | PrefetchedNoise | None, loss_fn: LossFn = per_example_cross_entropy,
                              diracs: DiracGradients | None = None, exact: Collection[str] = (),
                              autocast: torch.dtype | None = None,
                              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the chunks of the batch (so a large Poisson
     batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk), Gaussian
-    noise N(0, σ²C² I) per trainable parameter drawn from ``generator`` (zeros where it is ``None``: a
-    worker of a distributed run, whose lead draws the step's one noise), and how many records were
+    noise N(0, σ²C² I) per trainable parameter drawn from ``generator`` by :func:`gaussian_noise` (or the
+    next draw of a :class:`PrefetchedNoise` stream; zeros where it is ``None``: a worker of a
+    distributed run, whose lead draws the step's one noise), and how many records were
     clipped (a tensor: no device synchronisation in the training loop). ``exact``: the clipping plan's
     parameters (:func:`dpml.train.clipping_check.plan_clipping`); ``autocast``: the forward pass's
     lower precision (:func:`dpml.train.clipping.engine_pass`; norms, sums and noise stay float32)."""
     params = trainable_parameters(model)
     device = next(iter(params.values())).device
-    sums = {name: torch.zeros_like(p) for name, p in params.items()}
+    sums: dict[str, torch.Tensor] | None = None
     clipped = torch.zeros((), device=device)
     for index, (x, y) in enumerate(chunks):
         chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact,
                                                  autocast)
-        for name, value in chunk_sums.items():
-            sums[name] += value
+        if sums is None:  # the first chunk's sums are fresh tensors: they become the step's accumulators
+            sums = chunk_sums
+        else:
+            for name, value in chunk_sums.items():
+                sums[name] += value
         clipped = clipped + (norms > clip_norm).sum()
+    if sums is None:  # an empty batch: no chunk at all
+        sums = {name: torch.zeros_like(p) for name, p in params.items()}
     if generator is None:
         return sums, {name: torch.zeros_like(p) for name, p in params.items()}, clipped
-    noises = {name: torch.normal(0.0, noise_multiplier * clip_norm, size=p.shape, generator=generator,
-                                 device=generator.device, dtype=p.dtype) for name, p in params.items()}
-    return sums, noises, clipped
+    if isinstance(generator, PrefetchedNoise):
+        return sums, generator.draw(noise_multiplier * clip_norm), clipped
+    return sums, gaussian_noise(params, noise_multiplier * clip_norm, generator), clipped
+
+
+def gaussian_noise(params: dict[str, nn.Parameter], std: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """N(0, std²) i.i.d. for every coordinate of every parameter, on ``generator``'s device.
+
+    One flat buffer per parameter dtype (one in any ordinary model) is filled by one ``normal_`` call
+    from ``generator`` (the run's secret-seeded noise stream: torch's Mersenne Twister on the CPU,
+    Philox on CUDA), and each parameter gets a view of its slice, in ``named_parameters`` order. The
+    draw depends on nothing but the generator's state and the parameters' shapes (never on the data),
+    and a fresh buffer is drawn at every call, so successive steps' noises are independent."""
+    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in params.items():
+        by_dtype.setdefault(p.dtype, []).append((name, p))
+    noises: dict[str, torch.Tensor] = {}
+    for dtype, group in by_dtype.items():
+        flat = torch.empty(sum(p.numel() for _, p in group), dtype=dtype, device=generator.device)
+        flat.normal_(0.0, std, generator=generator)
+        offset = 0
+        for name, p in group:
+            noises[name] = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+    return {name: noises[name] for name in params}
+
+
+class PrefetchedNoise:
+    """A run's noise stream with each step's :func:`gaussian_noise` drawn one step ahead, in a background
+    thread, while the step's clipping runs (on the CPU the draw is serial work that would otherwise
+    hold up the step).
+
+    The draws are the generator's k-th, k+1-th, … ``normal_`` calls, made one at a time by the one
+    worker thread (the generator is touched by no one else while a draw is pending), so step k gets
+    exactly what a synchronous :func:`gaussian_noise` would have drawn at its k-th call: the draw
+    order depends on the step count only, never on the data, and the noise is the same for a given
+    secret seed. ``close`` waits for the pending draw and stops the thread."""
+
+    def __init__(self, generator: torch.Generator, params: dict[str, nn.Parameter], std: float) -> None:
+        self.generator, self.params, self.std = generator, params, std
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpml-noise")
+        self._next: Future[dict[str, torch.Tensor]] = self._submit()
+
+    def _submit(self) -> Future[dict[str, torch.Tensor]]:
+        return self._worker.submit(gaussian_noise, self.params, self.std, self.generator)
+
+    def draw(self, std: float) -> dict[str, torch.Tensor]:
+        """This step's noise (drawn ahead), and the next step's draw started."""
+        if std != self.std:
+            raise ValueError(f"noise std = {std}: this prefetched noise stream draws std {self.std} (σ·C of the run)")
+        noises = self._next.result()
+        self._next = self._submit()
+        return noises
+
+    def close(self) -> None:
+        self._next.result()
+        self._worker.shutdown(wait=True)
 
 
 def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
@@ -257,21 +318,27 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
     clipped: list[torch.Tensor] = []
     start = time.perf_counter()
     lead = collective is None or collective.lead
+    noise: torch.Generator | PrefetchedNoise | None = noise_source if lead else None
+    if lead and noise_source.device.type == "cpu":  # a GPU draws asynchronously already
+        noise = PrefetchedNoise(noise_source, params, noise_multiplier * clip_norm)
     model.train()
-    for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps):
-        sums, noises, clipped_count = clipped_chunks_and_noise(model, step.chunks, clip_norm, noise_multiplier,
-                                                               noise_source if lead else None, loss_fn, step.diracs,
-                                                               exact, autocast)
-        update = {name: sums[name] + noises[name] for name in params}
-        if collective is not None:
-            clipped_count = collective.sum_in_place([*update.values(), clipped_count])[-1]
-        for name, p in params.items():
-            p.grad = update[name] / expected_batch
-        clipped.append(clipped_count)
-        if observer is not None:
-            observer(step.batch, model)
-        optimizer.step()
-        batch_sizes.append(int(step.batch.numel()))
+    try:
+        for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps):
+            sums, noises, clipped_count = clipped_chunks_and_noise(model, step.chunks, clip_norm, noise_multiplier,
+                                                                   noise, loss_fn, step.diracs, exact, autocast)
+            update = {name: sums[name].add_(noises[name]) for name in params}  # the sums are this step's own
+            if collective is not None:
+                clipped_count = collective.sum_in_place([*update.values(), clipped_count])[-1]
+            for name, p in params.items():
+                p.grad = update[name].div_(expected_batch)
+            clipped.append(clipped_count)
+            if observer is not None:
+                observer(step.batch, model)
+            optimizer.step()
+            batch_sizes.append(int(step.batch.numel()))
+    finally:
+        if isinstance(noise, PrefetchedNoise):
+            noise.close()
     return {
         "steps": len(batch_sizes),
         "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0,
