@@ -8,10 +8,11 @@ the ε the bug really costs where an accountant can say, the largest gating ε l
 white-box bound under both canary scorings, which conformance checks failed, the gate's verdict,
 and the audit stage's time — with the white-box run (conformance + canary bound) and without it.
 
-    python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist|both] [--max-train N]
+    python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist|both] [--max-train N] [--render]
 
 Writes ``benchmarks/results/audit_conformance.{md,json}``. A data set not measured by this run keeps its
-section from the previous results, which states the commit and date it was measured at.
+section from the previous results, which states the commit, date and machine it was measured at.
+``--render`` only rewrites the page from the stored JSON.
 """
 
 from __future__ import annotations
@@ -123,7 +124,15 @@ def bench(dataset: str, max_train: int | None, work: Path) -> dict[str, Any]:
     baseline = audit_without_white_box(config_path, overrides)
     return {"dataset": dataset, "max_train": max_train, "epsilon": config.dp.target_epsilon, "rows": rows,
             "audit_seconds_without_white_box": baseline, "commit": current_commit(),
-            "measured": datetime.date.today().isoformat()}
+            "measured": datetime.date.today().isoformat(), "machine": machine_line()}
+
+
+def machine_line() -> str:
+    """Where and under what load this section was measured (the 15-minute load average at its end)."""
+    load = os.getloadavg()[2]
+    return (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, Python "
+            f"{platform.python_version()}; load average over the last 15 minutes {load:.1f} on {os.cpu_count()} cores"
+            + (" (other jobs shared the machine: the times are inflated)" if load > (os.cpu_count() or 1) else ""))
 
 
 def current_commit() -> str:
@@ -149,15 +158,13 @@ def with_earlier_sections(results: list[dict[str, Any]], out: Path) -> list[dict
     return sorted(results + kept, key=lambda r: order.index(r["dataset"]) if r["dataset"] in order else len(order))
 
 
-def write(results: list[dict[str, Any]], out: Path, seconds: float, command: str) -> None:
+def write(results: list[dict[str, Any]], out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit_conformance.json").write_text(json.dumps(results, indent=2))
     lines = ["# Does the audit catch a broken trainer?", "",
-             f"Command: `{command}` ({seconds / 60:.1f} min). Machine: {platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, Python {platform.python_version()}; "
-             f"load average over the last 15 minutes when it finished: {os.getloadavg()[2]:.1f} on {os.cpu_count()} "
-             "cores (above the core count, other jobs shared the machine and the times are inflated and not comparable "
-             "between rows; the verdicts do not depend on them).", "",
+             "Command: `python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist]`; each data set's "
+             "section says when, at which commit and on what machine it was measured (the verdicts do not depend "
+             "on the machine's load; the times do).", "",
              "Each row: train → certify → audit → gate with the configuration's defaults (5 attacks with 4 reference "
              "models, a non-private control, 500 black-box and up to 1000 white-box canaries, conformance checks at "
              "a joint false-alarm rate of 1e-6), under one bug of `dpml/audit/broken.py` that the trainer does "
@@ -169,7 +176,9 @@ def write(results: list[dict[str, Any]], out: Path, seconds: float, command: str
                   + (f", {result['max_train']} training records" if result["max_train"] else "") + ")", "",
                   f"Measured at commit {result['commit']} on {result['measured']}"
                   + (f" (bugs measured: {len(rows) - 1}; later checks or bugs are not in this section)"
-                     if len(rows) < len(CASES) else "") + ".", "",
+                     if len(rows) < len(CASES) else "") + f". `{result.get('command', command)}`"
+                  + (f" ({result['minutes']:.1f} min)" if "minutes" in result else "")
+                  + f". Machine: {result.get('machine', 'not recorded')}.", "",
                   "| trainer | true ε | largest gating bound | white-box bound (LR / sum) | failed conformance checks | gate | audit s |",
                   "|---|---|---|---|---|---|---|"]
         for row in rows:
@@ -203,11 +212,19 @@ def main() -> None:
     parser.add_argument("--max-train", type=int, default=10000, help="Fashion-MNIST training records")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-conformance-bench"))
+    parser.add_argument("--render", action="store_true", help="only rewrite the page from the stored JSON")
     args = parser.parse_args()
-    started = time.perf_counter()
     datasets = ["digits", "fashion-mnist"] if args.dataset == "both" else [args.dataset]
-    results = [bench(d, args.max_train if d == "fashion-mnist" else None, Path(args.work)) for d in datasets]
-    write(with_earlier_sections(results, Path(args.out)), Path(args.out), time.perf_counter() - started, "python " + " ".join(["benchmarks/audit_conformance.py", *sys.argv[1:]]))
+    command = "python " + " ".join(["benchmarks/audit_conformance.py", *sys.argv[1:]])
+    if args.render:
+        write(json.loads((Path(args.out) / "audit_conformance.json").read_text()), Path(args.out), command)
+        return
+    results = []
+    for dataset in datasets:
+        started = time.perf_counter()
+        result = bench(dataset, args.max_train if dataset == "fashion-mnist" else None, Path(args.work))
+        results.append(result | {"command": command, "minutes": (time.perf_counter() - started) / 60})
+    write(with_earlier_sections(results, Path(args.out)), Path(args.out), command)
 
 
 if __name__ == "__main__":
