@@ -133,12 +133,12 @@ def test_poisson_batches_have_binomial_sizes_and_independent_membership() -> Non
     assert stats.binomtest(int(consecutive), n * (steps - 1), q * q).pvalue > 1e-6
 
 
-def probe_run(seed: int = 0, steps: int = 100) -> ConformanceProbe:
+def probe_run(seed: int = 0, steps: int = 100, features: int = 8, hidden: int = 12, scale: float = 2.0) -> ConformanceProbe:
     """A small DP-SGD run (q = 0.1, σ = 1, C = 1) with the conformance probe; returns the probe."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(600, 8, generator=g) * 2, torch.randint(0, 3, (600,), generator=g)
-    model = build_mlp(MlpSpec(8, (12,), 3))
+    x, y = torch.randn(600, features, generator=g) * scale, torch.randint(0, 3, (600,), generator=g)
+    model = build_mlp(MlpSpec(features, (hidden,), 3))
     n_params = sum(p.numel() for p in model.parameters())
     rng = np.random.default_rng(seed)
     m = 100
@@ -165,7 +165,7 @@ def test_the_intact_trainer_passes_every_check_across_seeds() -> None:
 @pytest.mark.parametrize(("bug", "caught_by"), [
     ("noise × ½", "noise"), ("noise × 0", "noise"), ("clipping removed", "clipping"),
     ("shuffled fixed-size batches", "sampling"), ("noise reused across steps", "noise independence"),
-    ("no noise on the last parameter", "noise per coordinate")])
+    ("no noise on the last parameter", "noise per coordinate"), ("last sum counted twice", "noise")])
 def test_each_broken_trainer_fails_the_check_that_names_its_bug(bug: str, caught_by: str) -> None:
     with broken.BUGS[bug]():
         probe = probe_run()
@@ -174,15 +174,37 @@ def test_each_broken_trainer_fails_the_check_that_names_its_bug(bug: str, caught
 
 def test_noise_missing_on_three_of_147_coordinates_is_named_though_the_pooled_std_looks_right() -> None:
     """The output bias (3 of 147 coordinates) released without noise: the pooled std ratio stays within
-    its tolerance, the per-coordinate test names the parameter."""
+    its tolerance; the per-coordinate test names the coordinates, and the noise check's per-tensor test
+    the tensor."""
     with broken.BUGS["no noise on the last parameter"]():
         probe = probe_run()
     checks = {c.name: c for c in conformance_checks(probe, 1e-6, 0.05)}
-    assert checks["noise"].passed and checks["noise"].statistics["std_ratio"] > 0.95
+    last = list(dict(build_mlp(MlpSpec(8, (12,), 3)).named_parameters()))[-1]
+    assert checks["noise"].statistics["std_ratio"] > 0.95
+    assert not checks["noise"].passed and checks["noise"].statistics["worst"] == last
+    assert checks["noise"].statistics["tensors"][last]["std_ratio"] < 0.01
     coordinate = checks["noise per coordinate"]
-    assert not coordinate.passed and coordinate.statistics["worst_coordinate"].startswith(
-        list(dict(build_mlp(MlpSpec(8, (12,), 3)).named_parameters()))[-1] + "[")
+    assert not coordinate.passed and coordinate.statistics["worst_coordinate"].startswith(last + "[")
     assert coordinate.statistics["coordinates_below"] == 3
+
+
+def test_a_residual_in_one_small_tensor_is_named_though_the_pooled_std_is_right() -> None:
+    """The output bias's clipped sum counted twice (3 of 12,483 coordinates carry a residual): the pooled std
+    ratio stays at 1.00, no other check fails, and the noise check's per-tensor test names the tensor;
+    the intact run passes the same per-tensor tests."""
+    for seed in range(2):
+        with broken.BUGS["last sum counted twice"]():
+            probe = probe_run(seed, features=256, hidden=48, scale=0.3)
+        checks = {c.name: c for c in conformance_checks(probe, 1e-6, 0.05)}
+        noise = checks.pop("noise")
+        assert all(c.passed for c in checks.values()), [c.line() for c in checks.values()]
+        assert noise.statistics["std_ratio"] == pytest.approx(1.0, abs=0.02)
+        last = list(dict(build_mlp(MlpSpec(256, (48,), 3)).named_parameters()))[-1]
+        assert not noise.passed and noise.statistics["worst"] == last and f" on {last} (" in noise.line()
+        assert noise.statistics["tensors"][last]["std_ratio"] > 1.3
+        intact = next(c for c in conformance_checks(probe_run(seed, features=256, hidden=48, scale=0.3), 1e-6, 0.05)
+                      if c.name == "noise")
+        assert intact.passed and max(t["std_ratio"] for t in intact.statistics["tensors"].values()) < 1.2
 
 
 def test_the_canaries_are_drawn_by_the_trainers_sampler_and_scored_per_step() -> None:

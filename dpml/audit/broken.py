@@ -13,6 +13,8 @@ run the whole train → certify → audit → gate chain under each.
 - :func:`noise_reused` (the first step's noise added again at every step)
 - :func:`noise_skipped_on_last_parameter` (one parameter tensor, the model's last — usually the output
   layer's bias — gets no noise: its clipped sum is released in the clear)
+- :func:`last_sum_doubled` (the last parameter tensor's clipped sum counted twice, as by a gradient hook
+  registered twice: sensitivity 2C there)
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ def noise_skipped_on_last_parameter() -> contextlib.AbstractContextManager[None]
     return _patched(dpsgd, "clipped_chunks_and_noise", skipped)
 
 
+def last_sum_doubled() -> contextlib.AbstractContextManager[None]:
+    """The last trainable parameter tensor's clipped sum counted twice (a gradient hook registered twice):
+    the sum's sensitivity there is 2C, while the certificate prices C."""
+    original = dpsgd.clipped_chunks_and_noise
+
+    def doubled(*args: Any, **kwargs: Any) -> Any:
+        sums, noises, clipped = original(*args, **kwargs)
+        last = list(sums)[-1]
+        return {name: total * 2 if name == last else total for name, total in sums.items()}, noises, clipped
+
+    return _patched(dpsgd, "clipped_chunks_and_noise", doubled)
+
+
 BUGS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "noise × ½": lambda: noise_scaled(0.5),
     "noise × 0": lambda: noise_scaled(0.0),
@@ -100,5 +115,6 @@ BUGS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "shuffled fixed-size batches": shuffled_batches,
     "noise reused across steps": noise_reused,
     "no noise on the last parameter": noise_skipped_on_last_parameter,
+    "last sum counted twice": last_sum_doubled,
 }
 """Each bug by name, as the results page and the tests name them."""

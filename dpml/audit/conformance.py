@@ -19,10 +19,10 @@ the records in B_t at θ_t, and forms the observation
 which for a conforming trainer is N(0, σ²C² I) plus C·e_{k_j} for each canary j in B_t. Three
 checks follow, each with false-alarm rate ≤ α (``audit.conformance_false_alarm``, default 1e-6):
 
-- **noise**: on the coordinates that carry no canary at that step, Σ o² / (σC)² ~ χ²_N exactly.
-  The test rejects when the (1 − α) interval of the std ratio ŝ/(σC) lies outside
-  [1 − τ, 1 + τ] (τ = ``audit.conformance_tolerance``: room for float round-off, e.g. TF32 on a
-  GPU). Reused noise: for stored pairs of steps the inner product of o_t and o_t' over K sketch
+- **noise**: on the coordinates that carry no canary at that step, Σ o² / (σC)² ~ χ²_N exactly,
+  pooled over the model and over each parameter tensor (a residual in one small layer). The test
+  rejects when the (1 − α) interval of the std ratio ŝ/(σC) lies outside [1 − τ, 1 + τ]
+  (τ = ``audit.conformance_tolerance``: room for float round-off, e.g. bf16 autocast). Reused noise: for stored pairs of steps the inner product of o_t and o_t' over K sketch
   coordinates must look like that of independent N(0, σ²C²) vectors; its p-value is the
   Chernoff bound P[Σ_k ξ_k η_k ≥ x] ≤ exp(−sup_λ (λx + (K/2)·ln(1 − λ²))) for independent
   standard normals (E e^{λξη} = (1 − λ²)^{−1/2}), Bonferroni-corrected over the pairs.
@@ -216,17 +216,45 @@ def _ratio_p_value(sum_squares: float, count: int, tolerance: float) -> float:
     return 1.0
 
 
+def tensor_noise(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
+    """(name, Σ o²/(σC)², count) of each trainable parameter tensor: its coordinates' no-canary observations."""
+    s2 = (probe.sigma * probe.clip_norm) ** 2
+    out, offset = [], 0
+    for name, size in probe.parameter_names:
+        count = int(probe.coordinate_count[offset:offset + size].sum())
+        if count:
+            out.append((name, float(probe.coordinate_sum_squares[offset:offset + size].sum()) / s2, count))
+        offset += size
+    return out
+
+
 def noise_check(probe: ConformanceProbe, level: float, tolerance: float) -> Check:
+    """The noise's std against the certified σ·C, pooled over every coordinate and over each parameter tensor.
+
+    Pooled: Σ o²/(σC)² ~ χ²_N; the band test of :func:`_ratio_p_value`. A wrong clipped sum in one layer
+    (its examples left unclipped, a slice summed twice) leaves a residual there that the pooled sum dilutes
+    when the layer is a small part of the model, so each tensor's own Σ o²/(σC)² ~ χ²_{N_j} is band-tested
+    too; the check's p-value is the smallest of the J + 1 tests' times J + 1 (Bonferroni)."""
     s = probe.sigma * probe.clip_norm
     if probe.noise_count == 0 or s <= 0:
         return Check("noise", False, 0.0, level, "no step was observed", {"steps_observed": probe.step})
     scaled = probe.noise_sum_squares / (s * s)
     ratio = math.sqrt(scaled / probe.noise_count)
-    p = _ratio_p_value(scaled, probe.noise_count, tolerance)
+    tests = [("all", scaled, probe.noise_count)] + tensor_noise(probe)
+    p_values = [_ratio_p_value(total, count, tolerance) for _, total, count in tests]
+    p = min(1.0, min(p_values) * len(tests))
     low, high = _ratio_interval(scaled, probe.noise_count, level)
-    return Check("noise", p >= level, p, level, f"noise std {ratio:.2f} × certified σ·C",
+    worst = 0 if p_values[0] * len(tests) < level else int(np.argmin(p_values))
+    name, total, count = tests[worst]
+    figure = f"noise std {ratio:.2f} × certified σ·C" if worst == 0 else (
+        f"noise std {math.sqrt(total / count):.2f} × certified σ·C on {name} ({count} observations; all "
+        f"coordinates: {ratio:.2f} ×)")
+    tensors = {n: {"std_ratio": math.sqrt(t / c), "observations": c, "p_value": pv}
+               for (n, t, c), pv in zip(tests[1:], p_values[1:])}
+    return Check("noise", p >= level, p, level, figure,
                  {"std_ratio": ratio, "interval": [low, high], "coordinates": probe.noise_count,
-                  "certified_sigma": probe.sigma, "certified_clip_norm": probe.clip_norm, "tolerance": tolerance})
+                  "certified_sigma": probe.sigma, "certified_clip_norm": probe.clip_norm, "tolerance": tolerance,
+                  "worst": name, "tensors": tensors})
 
 
 def parameter_at(probe: ConformanceProbe, coordinate: int) -> str:
