@@ -9,7 +9,9 @@ intact trainer must pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +22,14 @@ from scipy import stats
 from dpml import stages
 from dpml.audit import broken
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_power
-from dpml.audit.conformance import ConformanceProbe, canary_scores, chernoff_product_p_value, conformance_checks
+from dpml.audit.checks import chernoff_product_p_value
+from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
 from dpml.audit.recompute import forward_is_random, reference_clipped_sum
 from dpml.config import load
 from dpml.models import build_model, spec_for
 from dpml.models.mlp import MlpSpec, build_mlp
 from dpml.sections import ModelConfig
+from dpml.train import clipping
 from dpml.train.clipping import DiracGradients, clipped_gradient_sum
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, poisson_batch, train_dpsgd
 from tests.conftest import small_params, write_params
@@ -190,13 +194,15 @@ def test_noise_missing_on_three_of_147_coordinates_is_named_though_the_pooled_st
 
 def test_a_residual_in_one_small_tensor_is_named_though_the_pooled_std_is_right() -> None:
     """The output bias's clipped sum counted twice (3 of 12,483 coordinates carry a residual): the pooled std
-    ratio stays at 1.00, no other check fails, and the noise check's per-tensor test names the tensor;
+    ratio stays at 1.00, no check but the clipped-sum check fails, and the noise check's per-tensor test
+    names the tensor;
     the intact run passes the same per-tensor tests."""
     for seed in range(2):
         with broken.BUGS["last sum counted twice"]():
             probe = probe_run(seed, features=256, hidden=48, scale=0.3)
         checks = {c.name: c for c in conformance_checks(probe, 1e-6, 0.05)}
         noise = checks.pop("noise")
+        checks.pop("clipped sum")  # which sees it too, first order (test below)
         assert all(c.passed for c in checks.values()), [c.line() for c in checks.values()]
         assert noise.statistics["std_ratio"] == pytest.approx(1.0, abs=0.02)
         last = list(dict(build_mlp(MlpSpec(256, (48,), 3)).named_parameters()))[-1]
@@ -205,6 +211,61 @@ def test_a_residual_in_one_small_tensor_is_named_though_the_pooled_std_is_right(
         intact = next(c for c in conformance_checks(probe_run(seed, features=256, hidden=48, scale=0.3), 1e-6, 0.05)
                       if c.name == "noise")
         assert intact.passed and max(t["std_ratio"] for t in intact.statistics["tensors"].values()) < 1.2
+
+
+@contextlib.contextmanager
+def clipped_per_layer() -> Iterator[None]:
+    """Each layer's gradient clipped to C on its own (a per-layer clipping bug: sensitivity √L·C, not C).
+    Every canary is still clipped to C (a Dirac lies in one layer), and the pooled noise barely moves."""
+    original = clipping.EnginePass.sums
+
+    def sums(self: clipping.EnginePass, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for _, piece in self.fast:
+            for p, total in piece.sums(clipping.clip_factors(piece.squared.sqrt(), 1.0)):
+                out[self.names[id(p)]] = total
+        return out
+
+    clipping.EnginePass.sums = sums  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        clipping.EnginePass.sums = original  # type: ignore[method-assign]
+
+
+def test_per_layer_clipping_is_caught_by_the_clipped_sum_check_alone() -> None:
+    """Per-layer clipping passes the noise, clipping, independence and sampling checks (the canaries are
+    Diracs, the pooled std moves by about 4%); the update's projection on the auditor's clipped sum shows
+    it carries more than one clipped sum (first order in R_t)."""
+    for seed in range(2):
+        with clipped_per_layer():
+            probe = probe_run(seed)
+        checks = {c.name: c for c in conformance_checks(probe, 1e-6, 0.05)}
+        clipped = checks.pop("clipped sum")
+        assert all(c.passed for c in checks.values()), [c.line() for c in checks.values()]
+        assert not clipped.passed and clipped.p_value < 1e-12 and clipped.statistics["multiple"] > 1.2
+        assert "× the recomputed clipped sum" in clipped.line()
+
+
+def test_the_clipped_sum_check_names_the_tensor_whose_sum_is_counted_twice() -> None:
+    with broken.BUGS["last sum counted twice"]():
+        probe = probe_run(0, features=256, hidden=48, scale=0.3)
+    clipped = next(c for c in conformance_checks(probe, 1e-6, 0.05) if c.name == "clipped sum")
+    last = list(dict(build_mlp(MlpSpec(256, (48,), 3)).named_parameters()))[-1]
+    assert not clipped.passed and clipped.statistics["worst"] == last
+    assert clipped.statistics["tensors"][last]["multiple"] == pytest.approx(2.0, abs=0.3)
+
+
+def test_the_clipped_sum_statistic_is_standard_normal_for_a_conforming_trainer() -> None:
+    """z_t = ⟨o_t, R_t⟩/(σC‖R_t‖) over the steps of intact runs: mean 0, variance 1 (the band test's null law)."""
+    z = []
+    for seed in range(3):
+        probe = probe_run(seed)
+        projections, norms = np.stack(probe.projections)[:, 0], np.stack(probe.reference_norms)[:, 0]
+        z.append(projections[norms > 0] / norms[norms > 0])
+    values = np.concatenate(z)
+    assert abs(values.mean()) < 5 / math.sqrt(values.size)
+    assert 1e-6 < stats.chi2.cdf(float((values ** 2).sum()), values.size) < 1 - 1e-6
 
 
 def test_the_canaries_are_drawn_by_the_trainers_sampler_and_scored_per_step() -> None:

@@ -30,7 +30,7 @@ from dpml.config import Config
 from dpml.train.fit import fit
 
 if TYPE_CHECKING:
-    from dpml.audit.conformance import Check
+    from dpml.audit.checks import Check
 
 
 def _bound(scores: np.ndarray, included: np.ndarray, config: Config, confidence: float, mode: str) -> dict[str, Any]:
