@@ -189,11 +189,12 @@ def clipped_sum_check(probe: ConformanceProbe, level: float, tolerance: float) -
 
     A trainer whose sum is (1 + β)·R_t in some tensor (a sum counted twice: β = 1; a layer left unclipped
     or clipped on its own: β > 0 there) leaves β·R_t in o_t. Its projection is first-order in R_t, where
-    the noise check's energy only sees ‖β·R_t‖² against D·σ²C². At step t, with R_t fixed before the
-    step's noise ξ_t ~ N(0, σ²C² I) is drawn, z_t = ⟨o_t, R_t⟩/(σC‖R_t‖) = β‖R_t‖/(σC) + N(0, 1)
-    exactly and independently of earlier steps, so each edge of the band β ∈ [−τ, τ] has an exact
-    N(0, 1) statistic (:func:`_band_p_value`). Tested over all no-canary coordinates and over each
-    parameter tensor's; the check's p-value is the smallest of the J + 1 times J + 1."""
+    the noise check's energy only sees ‖β·R_t‖² against D·σ²C². At step t, R_t depends on θ_t and B_t
+    only and the step's noise ξ_t ~ N(0, σ²C² I) is independent of both, so
+    z_t = ⟨o_t, R_t⟩/(σC‖R_t‖) = β‖R_t‖/(σC) + N(0, 1) exactly and independently of earlier steps,
+    and each edge of the band β ∈ [−τ, τ] has an exact N(0, 1) statistic (:func:`_band_p_value`).
+    Tested over all no-canary coordinates and over each parameter tensor's; the check's p-value is the
+    smallest of the J + 1 times J + 1."""
     s = probe.sigma * probe.clip_norm
     if not probe.projections or s <= 0:
         return Check("clipped sum", True, 1.0, level, "no clipped sum was recomputed", {"steps": 0})

@@ -16,16 +16,23 @@ the records in B_t at θ_t, and forms the observation
 
     o_t = q·n'·ĝ_t − R_t      (n' = n + included canaries; the trainer divides by q·n'),
 
-which for a conforming trainer is N(0, σ²C² I) plus C·e_{k_j} for each canary j in B_t. Three
-checks follow, each with false-alarm rate ≤ α (``audit.conformance_false_alarm``, default 1e-6):
+which for a conforming trainer is N(0, σ²C² I) plus C·e_{k_j} for each canary j in B_t. Six
+checks follow (:mod:`dpml.audit.checks`), sharing the false-alarm rate α
+(``audit.conformance_false_alarm``, default 1e-6) by Bonferroni:
 
 - **noise**: on the coordinates that carry no canary at that step, Σ o² / (σC)² ~ χ²_N exactly,
   pooled over the model and over each parameter tensor (a residual in one small layer). The test
   rejects when the (1 − α) interval of the std ratio ŝ/(σC) lies outside [1 − τ, 1 + τ]
-  (τ = ``audit.conformance_tolerance``: room for float round-off, e.g. bf16 autocast). Reused noise: for stored pairs of steps the inner product of o_t and o_t' over K sketch
+  (τ = ``audit.conformance_tolerance``: room for float round-off, e.g. bf16 autocast).
+- **noise independence**: for stored pairs of steps the inner product of o_t and o_t' over K sketch
   coordinates must look like that of independent N(0, σ²C²) vectors; its p-value is the
   Chernoff bound P[Σ_k ξ_k η_k ≥ x] ≤ exp(−sup_λ (λx + (K/2)·ln(1 − λ²))) for independent
   standard normals (E e^{λξη} = (1 − λ²)^{−1/2}), Bonferroni-corrected over the pairs.
+- **clipped sum**: the update carries the clipped sum exactly once. R_t depends on θ_t and B_t
+  only, and the step's noise is independent of both, so z_t = ⟨o_t, R_t⟩/(σC‖R_t‖) ~ N(0, 1)
+  independently across steps; a sum (1 + β)·R_t (a tensor's sum counted twice, per-layer clipping,
+  a layer left unclipped) shifts it by β‖R_t‖/(σC): first order, where the noise check sees second
+  order. Band β ∈ [−τ, τ], pooled and per tensor.
 - **noise per coordinate**: noise missing on part of the model (one layer, the biases) hides in the
   pooled test, so each coordinate's Σ_t o_{t,k}²/(σC)² ~ χ²_{T_k} is tested for too little noise
   (exact lower tail, Bonferroni over the coordinates).
@@ -39,8 +46,9 @@ checks follow, each with false-alarm rate ≤ α (``audit.conformance_false_alar
   statistics' null law is approximated by a scaled χ² with the exact mean and variance
   (Satterthwaite); the other tests are exact.
 
-The checks share α by Bonferroni over the tests they run; each is reported with its statistic in
-``audit.json`` and a failed check fails the release gate with one line naming the check and figure.
+Each check splits its share of α by Bonferroni over the tests it runs and is reported with its
+statistic in ``audit.json``; a failed check fails the release gate with one line naming the check
+and figure.
 The same observations score the canaries for the one-run ε lower bound (sum or per-step
 likelihood ratio, :func:`canary_scores`).
 """
