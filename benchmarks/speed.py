@@ -23,6 +23,7 @@ of each method's steps is ``torch.cuda.max_memory_allocated`` after a reset) and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -89,6 +90,7 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
             for name, p in params.items():
                 p.grad = sums[name].add_(noises[name]).div_(batch)
             optimizer.step()
+        dp_step.close = getattr(generator, "close", lambda: None)  # type: ignore[attr-defined]
         return dp_step
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
@@ -146,6 +148,10 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
                 torch.cuda.synchronize()
                 peaks[method] = max(peaks[method], torch.cuda.max_memory_allocated() / 2**20)
             times[method].append(time.perf_counter() - start)
+    for step in steps.values():  # the noise thread stopped, the models and Opacus' hooks freed before the next shape
+        getattr(step, "close", lambda: None)()
+    steps.clear()
+    gc.collect()
     base = statistics.median(times["nonprivate"])
     rows = []
     for method in methods:
