@@ -1,8 +1,8 @@
 """The six conformance checks of :mod:`dpml.audit.conformance` — noise (pooled and per parameter
 tensor), noise per coordinate, noise independence, clipped sum (pooled and per tensor), clipping
 (pooled and per tensor) and sampling — each a test of "the trainer does what ``mechanism.json``
-certifies" on what a :class:`ConformanceProbe` observed, with its statistic, p-value and one line. The module docstring of
-:mod:`dpml.audit.conformance` states each test and its null law.
+certifies" on what a :class:`ConformanceProbe` observed, with its statistic, p-value and one line.
+The module docstring of :mod:`dpml.audit.conformance` states each test and its null law.
 """
 
 from __future__ import annotations
