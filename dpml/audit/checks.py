@@ -58,16 +58,32 @@ def _ratio_p_value(sum_squares: float, count: int, tolerance: float) -> float:
     return 1.0
 
 
+def tensor_totals(values: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Σ of a flat per-coordinate array (in ``named_parameters`` order) over each parameter tensor's slice."""
+    ends = np.cumsum(sizes, dtype=np.int64)
+    running = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+    return running[ends] - running[ends - np.asarray(sizes, dtype=np.int64)]
+
+
+def _sizes(probe: ConformanceProbe) -> list[int]:
+    return [size for _, size in probe.parameter_names]
+
+
+def _bonferroni(p_values: list[float], level: float) -> tuple[float, int]:
+    """The check's p-value (smallest of the J + 1 tests' times J + 1) and the test its line names: the
+    pooled one (index 0) when it fails on its own, else the one with the smallest p."""
+    count = len(p_values)
+    worst = 0 if p_values[0] * count < level else int(np.argmin(p_values))
+    return min(1.0, min(p_values) * count), worst
+
+
 def tensor_noise(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
     """(name, Σ o²/(σC)², count) of each trainable parameter tensor: its coordinates' no-canary observations."""
     s2 = (probe.sigma * probe.clip_norm) ** 2
-    out, offset = [], 0
-    for name, size in probe.parameter_names:
-        count = int(probe.coordinate_count[offset:offset + size].sum())
-        if count:
-            out.append((name, float(probe.coordinate_sum_squares[offset:offset + size].sum()) / s2, count))
-        offset += size
-    return out
+    sums = tensor_totals(probe.coordinate_sum_squares, _sizes(probe))
+    counts = tensor_totals(probe.coordinate_count, _sizes(probe))
+    return [(name, float(total) / s2, int(count))
+            for (name, _), total, count in zip(probe.parameter_names, sums, counts) if count]
 
 
 def noise_check(probe: ConformanceProbe, level: float, tolerance: float) -> Check:
@@ -84,9 +100,8 @@ def noise_check(probe: ConformanceProbe, level: float, tolerance: float) -> Chec
     ratio = math.sqrt(scaled / probe.noise_count)
     tests = [("all", scaled, probe.noise_count)] + tensor_noise(probe)
     p_values = [_ratio_p_value(total, count, tolerance) for _, total, count in tests]
-    p = min(1.0, min(p_values) * len(tests))
+    p, worst = _bonferroni(p_values, level)
     low, high = _ratio_interval(scaled, probe.noise_count, level)
-    worst = 0 if p_values[0] * len(tests) < level else int(np.argmin(p_values))
     name, total, count = tests[worst]
     figure = f"noise std {ratio:.2f} × certified σ·C" if worst == 0 else (
         f"noise std {math.sqrt(total / count):.2f} × certified σ·C on {name} ({count} observations; all "
@@ -206,8 +221,7 @@ def clipped_sum_check(probe: ConformanceProbe, level: float, tolerance: float) -
         z = projections[seen, j] / (s * norms[seen, j])
         p_values.append(_band_p_value(z, norms[seen, j] / s, tolerance))
         betas.append(float(projections[seen, j].sum() / max((norms[seen, j] ** 2).sum(), 1e-300)))
-    p = min(1.0, min(p_values) * len(names))
-    worst = 0 if p_values[0] * len(names) < level else int(np.argmin(p_values))
+    p, worst = _bonferroni(p_values, level)
     figure = f"the update carries {1 + betas[0]:.2f} × the recomputed clipped sum"
     if worst:
         figure = (f"the update carries {1 + betas[worst]:.2f} × the recomputed clipped sum on {names[worst]} "
@@ -220,19 +234,14 @@ def clipped_sum_check(probe: ConformanceProbe, level: float, tolerance: float) -
 
 def canary_tensor_sums(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
     """(name, Σ o, count) of the canary observations at the steps that sampled them, per parameter tensor."""
-    m = int(probe.coordinates.size)
-    sums, counts = np.zeros(m), np.zeros(m, np.int64)
+    dimension = sum(_sizes(probe))
+    sums, counts = np.zeros(dimension), np.zeros(dimension)
     for observed, sampled in zip(probe.observations, probe.sampled_canaries):
-        np.add.at(sums, sampled, observed[sampled].astype(np.float64))
-        np.add.at(counts, sampled, 1)
-    offsets = np.cumsum([0] + [size for _, size in probe.parameter_names])
-    tensor_of = np.searchsorted(offsets, probe.coordinates, side="right") - 1
-    out = []
-    for k, (name, _) in enumerate(probe.parameter_names):
-        mine = tensor_of == k
-        if counts[mine].sum():
-            out.append((name, float(sums[mine].sum()), int(counts[mine].sum())))
-    return out
+        np.add.at(sums, probe.coordinates[sampled], observed[sampled].astype(np.float64))
+        np.add.at(counts, probe.coordinates[sampled], 1)
+    totals, seen = tensor_totals(sums, _sizes(probe)), tensor_totals(counts, _sizes(probe))
+    return [(name, float(total), int(count))
+            for (name, _), total, count in zip(probe.parameter_names, totals, seen) if count]
 
 
 def _mean_band_p_value(mean: float, standard_error: float, expected: float, tolerance: float) -> float:
@@ -258,9 +267,8 @@ def clipping_check(probe: ConformanceProbe, level: float, tolerance: float) -> C
                      {"canary_observations": 0})
     tests = [("all", probe.canary_sum, probe.canary_count)] + (canary_tensor_sums(probe) if probe.parameter_names else [])
     p_values = [_mean_band_p_value(total / count, s / math.sqrt(count), expected, tolerance) for _, total, count in tests]
-    p = min(1.0, min(p_values) * len(tests))
+    p, worst = _bonferroni(p_values, level)
     mean = probe.canary_sum / probe.canary_count
-    worst = 0 if p_values[0] * len(tests) < level else int(np.argmin(p_values))
     name, total, count = tests[worst]
     figure = f"canary gradients of norm {probe.norm_multiple:g}·C contribute {mean / probe.clip_norm:.2f} × C"
     if worst:

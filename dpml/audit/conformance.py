@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from dpml.audit.checks import (Check, clipped_sum_check, clipping_check, coordinate_noise_check, independence_check,
-                               noise_check, sampling_check)
+                               noise_check, sampling_check, tensor_totals)
 from dpml.audit.recompute import reference_clipped_sum
 from dpml.train.clipping import LossFn
 from dpml.train.dpsgd import GradientCanaries
@@ -163,15 +163,11 @@ class ConformanceProbe:
 
     def _project(self, observed: np.ndarray, reference: np.ndarray, eligible: np.ndarray) -> None:
         """⟨o_t, R_t⟩ and ‖R_t‖ over the no-canary coordinates, for the model and for each parameter tensor."""
-        sizes = np.array([size for _, size in self.parameter_names])
-        ends = np.cumsum(sizes)
-
-        def totals(values: np.ndarray) -> np.ndarray:
-            running = np.concatenate([[0.0], np.cumsum(values)])
-            return np.concatenate([[running[-1]], running[ends] - running[ends - sizes]])
-
-        self.projections.append(totals(np.where(eligible, observed * reference, 0.0)))
-        self.reference_norms.append(np.sqrt(np.maximum(totals(np.where(eligible, reference * reference, 0.0)), 0.0)))
+        sizes = [size for _, size in self.parameter_names]
+        products = np.where(eligible, observed * reference, 0.0)
+        squares = np.where(eligible, reference * reference, 0.0)
+        self.projections.append(np.concatenate([[products.sum()], tensor_totals(products, sizes)]))
+        self.reference_norms.append(np.sqrt(np.maximum(np.concatenate([[squares.sum()], tensor_totals(squares, sizes)]), 0.0)))
 
 
 def stored_steps(steps: int) -> set[int]:
