@@ -7,6 +7,8 @@ A SQLite store is created or migrated exactly once, under a file lock beside it 
   next run removes under the lock);
 - **migrated** on a copy, renamed over the original when the migration finished, so a kill during an
   upgrade leaves the old, intact store;
+- **rolled back** first when a killed writer left a hot journal (``<db>-journal``): SQLite restores the
+  last committed state, so nothing below reads or copies half-written pages;
 - **repaired** when it is half-migrated (a kill inside MLflow's own creation, by an older dpml or by
   ``mlflow ui``): a store at a schema revision other than the head that holds no run and no registered
   model is set aside as ``<db>.broken-<time>`` and created afresh; one that holds runs is migrated on a
@@ -101,12 +103,16 @@ def prepare_store(config: TrackingConfig) -> str:
             if not path.exists():
                 _create(path, config)
                 return "created"
+            _roll_back_interrupted_write(path)
             revision = _revision(path)
             if revision == _head():
                 return "ready"
             if _holds_nothing(path):
                 broken = path.with_name(f"{path.name}.broken-{int(time.time())}")
                 os.replace(path, broken)
+                for suffix in ("-journal", "-wal", "-shm"):  # never leave them to be read as the new store's
+                    if path.with_name(path.name + suffix).exists():
+                        os.replace(path.with_name(path.name + suffix), broken.with_name(broken.name + suffix))
                 _create(path, config)
                 return f"repaired (a half-created store was set aside as {broken.name})"
             _upgrade_copy(path, revision)
@@ -120,6 +126,24 @@ def _head() -> str:
     from mlflow.store.db.utils import _get_latest_schema_revision
 
     return str(_get_latest_schema_revision())
+
+
+def _roll_back_interrupted_write(path: Path) -> None:
+    """Let SQLite roll back a transaction a killed writer left in a hot journal (``<db>-journal``).
+
+    A process killed inside a write transaction (MLflow runs all its migrations in one) can leave pages
+    of the unfinished transaction in the database file; only the journal beside it can restore them, and
+    SQLite does so on the first read through a *writable* connection. A read-only connection refuses
+    (``SQLITE_READONLY_ROLLBACK``), and a copy of the file alone would carry the half-written pages, so
+    this runs before the store is inspected or copied. It is a no-op when there is nothing to roll back,
+    and SQLite's own locks keep it from touching a transaction that a live process still holds.
+    """
+    try:
+        with sqlite3.connect(path, timeout=30) as db:
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        db.close()
+    except sqlite3.DatabaseError:
+        return  # not a database, or unreadable: inspected (and reported) below
 
 
 def _revision(path: Path) -> str | None:

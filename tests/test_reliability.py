@@ -271,6 +271,43 @@ def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, dela
     _log_one_run(config)
 
 
+_KILLED_MID_TRANSACTION = """
+import os, signal, sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("PRAGMA cache_size = 1")  # spill the unfinished transaction's pages into the database file
+db.execute("BEGIN")
+db.execute("DELETE FROM runs")
+db.execute("UPDATE alembic_version SET version_num = '0a8213491aaa'")
+db.execute("CREATE TABLE filler (x BLOB)")
+for _ in range(64):
+    db.execute("INSERT INTO filler VALUES (randomblob(4096))")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_store_whose_writer_was_killed_mid_transaction_is_rolled_back_not_copied(tmp_path: Path) -> None:
+    """A hot journal beside the store: dpml lets SQLite roll it back, and the store's runs survive."""
+    from mlflow import MlflowClient
+
+    from dpml.sections import TrackingConfig
+    from dpml.store import prepare_store
+
+    database = tmp_path / "mlflow.db"
+    config = TrackingConfig(uri=f"sqlite:///{database}", artifact_root=str(tmp_path / "art"))
+    assert prepare_store(config) == "created"
+    _log_one_run(config)
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_TRANSACTION, str(database)], check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / "mlflow.db-journal").stat().st_size > 0
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):  # the journal is hot: a reader must roll back
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as reader:
+            reader.execute("SELECT COUNT(*) FROM runs").fetchone()
+    assert prepare_store(config) == "ready"
+    assert not list(tmp_path.glob("mlflow.db.broken-*"))
+    runs = MlflowClient(tracking_uri=config.uri).search_runs(["0"])
+    assert len(runs) == 1 and runs[0].data.metrics == {"x": 1.0}
+
+
 def test_a_half_migrated_store_is_set_aside_and_one_with_runs_is_never_touched(tmp_path: Path) -> None:
     from dpml.sections import TrackingConfig
     from dpml.store import StoreError, prepare_store
