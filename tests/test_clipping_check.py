@@ -173,6 +173,65 @@ def test_batch_norm_is_refused_naming_the_layer() -> None:
         plan_clipping(model, per_example_cross_entropy, (6,))
 
 
+class RunningAverage(nn.Module):
+    """A user's module that keeps a running average of its inputs in a buffer (data, released unnoised)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+        self.register_buffer("seen_mean", torch.zeros(6))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.seen_mean.mul_(0.9).add_(0.1 * x.mean(0))
+        self.calls += 1
+        return self.a(x)
+
+
+class CountsCalls(RunningAverage):
+    """Only a counter written in the forward pass: nothing about the examples."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.a(x)
+
+
+@pytest.mark.parametrize("case", ["instance-norm", "own-average"])
+def test_a_buffer_written_from_the_examples_is_refused_before_any_step(case: str) -> None:
+    """Such a buffer would be released with the model without noise (the per-example outputs stay independent)."""
+    torch.manual_seed(5)
+    if case == "instance-norm":
+        model: nn.Module = nn.Sequential(nn.Unflatten(1, (2, 3, 3)), nn.Conv2d(2, 4, 2),
+                                         nn.InstanceNorm2d(4, affine=True, track_running_stats=True), nn.Flatten(),
+                                         nn.Linear(16, 3))
+        shape, buffer = (18,), r"'2\.running_mean'"
+    else:
+        model, shape, buffer = RunningAverage(), (6,), "'seen_mean'"
+    x, y = torch.randn(40, *shape), labels(40, 3)
+    before = {n: b.clone() for n, b in model.state_dict().items()}
+    with pytest.raises(ClippingUnsupported, match=rf"model buffer {buffer}: the training-mode forward pass writes the "
+                                                  "examples into it .* without noise"):
+        train_dpsgd(model, x, y, sample_rate=0.2, epochs=1, clip_norm=1.0, noise_multiplier=1.0, neighbouring="add_remove",
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=0)
+    assert all(torch.equal(before[n], b) for n, b in model.state_dict().items())  # not one step taken
+
+
+@pytest.mark.parametrize("case", ["counter", "instance-norm-without-statistics", "spectral-norm"])
+def test_buffers_written_without_the_examples_pass(case: str) -> None:
+    if case == "counter":
+        model: nn.Module = CountsCalls()
+        shape: tuple[int, ...] = (6,)
+    elif case == "spectral-norm":
+        model, shape = nn.Sequential(parametrizations.spectral_norm(nn.Linear(6, 5)), nn.ReLU(), nn.Linear(5, 3)), (6,)
+    else:
+        model, shape = nn.Sequential(nn.Unflatten(1, (2, 3, 3)), nn.Conv2d(2, 4, 2), nn.InstanceNorm2d(4, affine=True),
+                                     nn.Flatten(), nn.Linear(16, 3)), (18,)
+    assert list(model.buffers()) or case == "instance-norm-without-statistics"
+    plan_clipping(model, per_example_cross_entropy, shape)
+
+
 class Crashes(nn.Module):
     def __init__(self) -> None:
         super().__init__()

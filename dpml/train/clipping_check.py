@@ -12,6 +12,12 @@ can see such a use, so it is tested instead, on a deep copy of the model in floa
 2. **Independence.** Replacing example 0 must leave ℓ_1 … ℓ_{B−1} unchanged. A model whose output for
    one example depends on another (batch statistics, attention across the batch) is refused:
    per-example clipping bounds an example's influence only through its own gradient.
+   **No data in the state.** Replacing example 0 must also leave every buffer the training-mode forward
+   pass writes as it was. DP-SGD's guarantee covers the parameters (θ_{t+1} is post-processing of the
+   noisy sums); a buffer written from the examples (InstanceNorm's running statistics with
+   ``track_running_stats=True``, a module's own running average) would be released with the model
+   without noise, so such a model is refused, naming the buffer. Buffers written from the parameters
+   or a counter alone (spectral norm's power iteration, ``num_batches_tracked``) pass.
 3. **Each fast layer.** Its shortcut's ‖g_i‖² and Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own
    parameters must equal the reference's to a relative 1e-6. A layer that fails takes the exact path
    (its parameters' per-example gradients by batched autograd), and the plan says which and why.
@@ -158,6 +164,33 @@ def _check_independent(probe: _Probe, reference: _Reference, tolerance: float) -
             "not bound its influence; make each example's output depend on that example alone")
 
 
+def _buffers_after_forward(probe: _Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    with probe.same_state(), torch.no_grad():
+        per_example_losses(probe.model, probe.loss_fn, x, probe.y)
+        return {name: b.detach().clone() for name, b in probe.model.named_buffers()}
+
+
+def _check_no_data_in_buffers(probe: _Probe, tolerance: float) -> None:
+    """The buffers a training-mode forward pass writes do not depend on the examples (module docstring, 2)."""
+    if not probe.buffers:
+        return
+    changed = probe.x.clone()
+    changed[0] = probe.replacement
+    before, after = _buffers_after_forward(probe, probe.x), _buffers_after_forward(probe, changed)
+    for name, value in before.items():
+        other = after[name]
+        if value.is_floating_point():
+            moved = bool((value - other).abs().max() > tolerance * (value.abs().max() + 1e-30)) if value.numel() else False
+        else:
+            moved = not torch.equal(value, other)
+        if moved:
+            raise ClippingUnsupported(
+                f"model buffer '{name}': the training-mode forward pass writes the examples into it (replacing one "
+                "example of a probe batch changed it), and it would be released with the model without noise, "
+                "outside the DP guarantee; keep no statistics of the data in buffers (nn.InstanceNorm: "
+                "track_running_stats=False; use nn.GroupNorm or nn.LayerNorm for normalisation)")
+
+
 def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
     return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
 
@@ -214,6 +247,7 @@ def _plan_on(reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, l
     probe = _Probe(reference_model, loss_fn, x, labels, x_all[-1], buffers)
     reference = _guarded("per-example autograd", lambda: _reference(probe))
     _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
+    _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.squared(list(reference.gradients)).sqrt().max()) or 1.0
     factors = 0.2 + 0.8 * torch.rand(x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2),
                                      dtype=reference.losses.dtype)
