@@ -10,6 +10,7 @@ from torch import nn
 
 from dpml.train import clipping, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -346,6 +347,72 @@ def test_conv_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatc
     assert clipping_layers.materialise(9, 72, 6, 3) and clipping_layers.materialise(9, 10, 27, 12) == keep
     assert_matches_naive_loop(model, x, labels(9), 0.05)
     assert vmapped == []
+
+
+class Conv1ds(nn.Module):
+    """Two Conv1d layers, one of them called twice (its calls' positions concatenate), and a frozen bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv1d(3, 5, 4, stride=2, padding=2, dilation=2)
+        self.shared = nn.Conv1d(5, 5, 3, padding=1, bias=False)
+        self.out = nn.Linear(5 * 5, 3)
+        self.first.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        return self.out(h.flatten(1))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_conv1d_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list) -> None:
+    """Conv1d takes the dense shortcut (the Conv2d of height 1): materialised and kept, or ghost-normed."""
+    if not keep:
+        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    torch.manual_seed(5)
+    model = Conv1ds().double()
+    x = torch.randn(8, 3, 12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert model.first(x).shape[2] == 5
+    assert_matches_naive_loop(model, x, labels(8), 0.05)
+    assert vmapped == []  # no parameter took the exact path
+    plan = plan_clipping(model, per_example_cross_entropy, (3, 12), torch.float64)
+    assert {"first", "shared"} <= set(plan.fast_layers) and plan.exact == frozenset()
+
+
+class GroupedConvs(nn.Module):
+    """Depthwise with padding="same", groups = 2 with a stride (called twice), a grouped Conv1d with
+    padding="valid", and a "same" Conv1d of even kernel (uneven padding: the exact path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(4, 8, 3, padding="same", groups=4, dilation=2)
+        self.pair = nn.Conv2d(8, 8, 2, stride=2, groups=2, bias=False)
+        self.line = nn.Conv1d(8, 6, 3, padding="valid", groups=2)
+        self.uneven = nn.Conv1d(6, 3, 4, padding="same")
+        self.out = nn.Linear(3 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.depthwise(x))                       # (B, 8, 8, 8)
+        h = torch.tanh(self.pair(torch.tanh(self.pair(h))))     # (B, 8, 2, 2)
+        h = torch.tanh(self.line(h.flatten(2)))                 # (B, 6, 2)
+        return self.out(torch.tanh(self.uneven(h)).flatten(1))  # (B, 3, 2)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_grouped_and_same_padded_convolutions_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch,
+                                                               vmapped: list) -> None:
+    """Kept: the per-example gradients of the whole batch at once; not kept: one example per slice and the
+    clipped sums by the weight-gradient convolution. Only the uneven "same" layer takes the exact path."""
+    if not keep:
+        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    torch.manual_seed(7)
+    model = GroupedConvs().double()
+    x = torch.randn(7, 4, 8, 8, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(7), 0.05)
+    assert vmapped == [["uneven.weight", "uneven.bias"]]
+    plan = plan_clipping(model, per_example_cross_entropy, (4, 8, 8), torch.float64)
+    assert {"depthwise", "pair", "line"} <= set(plan.fast_layers) and plan.exact == frozenset()
 
 
 def test_conv_per_example_gradients_equal_autograd() -> None:

@@ -13,7 +13,10 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
   own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A
   convolution's per-example gradients come from one grouped convolution where its patches would
-  outnumber them (:func:`conv_per_example_gradients`).
+  outnumber them (:func:`conv_per_example_gradients`). A **Conv1d** is the Conv2d of height 1
+  (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
+  A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
+  materialised by one batched product over the (example, group) pairs.
 - **Embedding** (z_t = W[k_t]): ‖∇_W ℓ_i‖_F² = Σ_k ‖Σ_{t: k_t = k} δ_t‖², by sorting the
   (example, token) pairs; ``padding_idx`` positions get no gradient. Clipped sum by ``index_add``.
 - **LayerNorm and GroupNorm** (affine, z = x̂⊙γ + β, x̂ recomputed with the layer's own function):
@@ -40,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dpml.train.clipping_conv import Geometry, as_2d, conv_geometry, conv_per_example_gradients, unfold_patches
+
 ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
 
 
@@ -56,8 +61,8 @@ def is_fast(module: nn.Module) -> bool:
         return True
     if _stock(module, nn.Linear):
         return True
-    if _stock(module, nn.Conv2d):
-        return module.groups == 1 and module.padding_mode == "zeros" and isinstance(module.padding, tuple)
+    if _stock(module, nn.Conv2d) or _stock(module, nn.Conv1d):
+        return module.padding_mode == "zeros" and conv_geometry(module) is not None
     if _stock(module, nn.Embedding):
         # max_norm renormalises rows of W inside the forward; scale_grad_by_freq scales by counts in
         # the whole batch. (sparse only changes the layout of .grad, which the sums here never use.)
@@ -84,6 +89,8 @@ def batch_first(module: nn.Module, inputs: torch.Tensor, batch: int) -> bool:
         return False
     if isinstance(module, nn.Conv2d):
         return inputs.dim() == 4
+    if isinstance(module, nn.Conv1d):
+        return inputs.dim() == 3
     if isinstance(module, nn.LayerNorm):
         return inputs.dim() > len(module.normalized_shape)
     return isinstance(module, nn.Embedding) or inputs.dim() >= 2
@@ -99,22 +106,6 @@ def reject_batch_norm(model: nn.Module) -> None:
                 "(and the running statistics are released without noise); use nn.GroupNorm or nn.LayerNorm instead")
 
 
-def unfold_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
-                   dilation: tuple[int, ...]) -> torch.Tensor:
-    """The convolution's input patches, (B, C·kh·kw, T) — what ``F.unfold`` returns, as one strided view
-    and one copy. (``F.unfold`` itself took ≈4 s instead of ≈30 ms for a 512×1×28×28 batch with two
-    intra-op threads on this CPU build of torch 2.13.)"""
-    if any(padding):
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
-    batch, channels, height, width = x.shape
-    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-    out_h, out_w = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
-    s = x.stride()
-    patches = x.as_strided((batch, channels, kh, kw, out_h, out_w),
-                           (s[0], s[1], s[2] * dh, s[3] * dw, s[2] * sh, s[3] * sw))
-    return patches.reshape(batch, channels * kh * kw, out_h * out_w)
-
-
 def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One call of a fast layer as (A, Δ) over positions t: A (B, T, …) what multiplies γ or W at each
     position (dense input rows, conv patches, tokens, normalised inputs x̂), Δ (B, T, …) the output
@@ -122,8 +113,8 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     batch = inputs.shape[0]
     if isinstance(module, nn.Linear):
         return inputs.reshape(batch, -1, inputs.shape[-1]), output_grad.reshape(batch, -1, output_grad.shape[-1])
-    if isinstance(module, nn.Conv2d):
-        unfolded = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):  # patches (B, C_in·K, T), δ (B, C_out, T), transposed
+        unfolded = unfold_patches(as_2d(module, inputs), *conv_geometry(module))  # type: ignore[misc]
         return unfolded.transpose(1, 2), output_grad.reshape(batch, output_grad.shape[1], -1).transpose(1, 2)
     if isinstance(module, nn.Embedding):
         tokens = inputs.reshape(batch, -1)
@@ -200,8 +191,8 @@ def materialised_piece(per_example: list[tuple[nn.Parameter, torch.Tensor]], lik
     return Piece(squared, lambda factors: [(p, torch.einsum("b,b...->...", factors, g)) for p, g in per_example])
 
 
-def _dense_piece(module: nn.Linear | nn.Conv2d, a: torch.Tensor, d: torch.Tensor) -> Piece:
-    """Linear / Conv2d: ‖Σ_t δ_t a_tᵀ‖² by ghost norm or materialised, ‖Σ_t δ_t‖², and their clipped sums."""
+def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: torch.Tensor) -> Piece:
+    """Linear / Conv1d / Conv2d: ‖Σ_t δ_t a_tᵀ‖² by ghost norm or materialised, ‖Σ_t δ_t‖², and their clipped sums."""
     squared = d.new_zeros(d.shape[0])
     kept = None
     if trainable(module.weight):
@@ -226,20 +217,6 @@ def _dense_piece(module: nn.Linear | nn.Conv2d, a: torch.Tensor, d: torch.Tensor
     return Piece(squared, sums)
 
 
-def conv_per_example_gradients(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
-    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in·kh·kw), by one grouped convolution
-    and without unfolding the patches (Rochette et al. 2019): the input's channels become the batch,
-    its examples the groups, and each example's output gradient δ_{i,o} (oh×ow) the kernel of group
-    i, dilated by the layer's stride; the result's first kh×kw positions are ∇_W ℓ_i."""
-    batch, channels = inputs.shape[:2]
-    out_channels, kernel = output_grad.shape[1], module.kernel_size
-    grads = F.conv2d(inputs.transpose(0, 1), output_grad.reshape(batch * out_channels, 1, *output_grad.shape[2:]),
-                     stride=module.dilation, padding=module.padding, dilation=module.stride,  # type: ignore[arg-type]
-                     groups=batch)
-    grads = grads[:, :, :kernel[0], :kernel[1]].reshape(channels, batch, out_channels, kernel[0], kernel[1])
-    return grads.permute(1, 2, 0, 3, 4).reshape(batch, out_channels, -1)
-
-
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
     """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
     per-example gradients (:func:`materialise` decides), the latter by one grouped convolution
@@ -248,18 +225,19 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     else without patches, by the layer's own weight-gradient convolution of the clip-weighted δ."""
     batch, out_channels = output_grad.shape[:2]
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
+    geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
     squared = output_grad.new_zeros(batch)
     kept = None
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels):
-            a = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+            a = unfold_patches(inputs, *geometry)
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
             if count > out_channels:  # the patches (T·C_in·kh·kw numbers) outnumber the gradient: no unfold
                 per_example = conv_per_example_gradients(module, inputs, output_grad)
             else:
-                a = unfold_patches(inputs, module.kernel_size, module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+                a = unfold_patches(inputs, *geometry)
                 per_example = torch.bmm(d, a.transpose(1, 2))  # (B, C_out, C_in·kh·kw)
             squared = squared + row_norms_squared(per_example)
             kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
@@ -274,11 +252,54 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
                 total = torch.einsum("b,boi->oi", factors, kept).reshape(module.weight.shape)
             else:
                 total = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, output_grad * factors[:, None, None, None],
-                                                    module.stride, module.padding, module.dilation)  # type: ignore[arg-type]
+                                                    geometry[1], geometry[2], geometry[3])
             out.append((module.weight, total))
         if bias_grads is not None:
             out.append((module.bias, factors @ bias_grads))  # type: ignore[arg-type]
         return out
+
+    return Piece(squared, sums)
+
+
+def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> Piece:
+    """A Conv1d or Conv2d with ``groups`` = g > 1 (depthwise when g = C_in), its calls' positions
+    concatenated: group j maps input channels j·C_in/g … to output channels j·C_out/g …, so
+    ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over group j's patches, one batched product over the B·g
+    (example, group) pairs, materialised (B, C_out, C_in/g·K) in batch slices of at most
+    ``KEEP_PER_EXAMPLE_LIMIT`` numbers; kept when the whole batch fits, else the clipped sum is the
+    layer's own weight-gradient convolution of the clip-weighted δ, summed over the calls."""
+    geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
+    groups, weight = module.groups, module.weight
+    batch, out_channels = calls[0][1].shape[:2]
+    patches = torch.cat([unfold_patches(as_2d(module, inputs), *geometry) for inputs, _ in calls], 2)  # (B, C_in·K, T)
+    d = torch.cat([g.reshape(batch, out_channels, -1) for _, g in calls], 2)  # (B, C_out, T)
+    squared, kept = d.new_zeros(batch), []
+    if trainable(weight):
+        step = max(1, KEEP_PER_EXAMPLE_LIMIT // weight.numel())
+        for start in range(0, batch, step):
+            a, dd = patches[start:start + step], d[start:start + step]
+            rows = a.shape[0] * groups
+            per_example = torch.bmm(dd.reshape(rows, out_channels // groups, -1),
+                                    a.reshape(rows, a.shape[1] // groups, -1).transpose(1, 2)).reshape(a.shape[0], -1)
+            squared[start:start + step] += row_norms_squared(per_example)
+            if step >= batch:
+                kept.append(per_example)
+    bias_grads = d.sum(2) if trainable(module.bias) else None  # (B, C_out)
+    if bias_grads is not None:
+        squared = squared + row_norms_squared(bias_grads)
+
+    def weight_sum(factors: torch.Tensor) -> torch.Tensor:
+        if kept:
+            return (factors @ torch.cat(kept)).reshape(weight.shape)
+        one_d = isinstance(module, nn.Conv1d)
+        grad = torch.nn.grad.conv1d_weight if one_d else torch.nn.grad.conv2d_weight
+        stride, padding, dilation = ((g[1],) if one_d else g for g in geometry[1:])
+        return sum(grad(inputs, weight.shape, output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1)),
+                        stride, padding, dilation, groups) for inputs, output_grad in calls)  # type: ignore[return-value]
+
+    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        out = [(weight, weight_sum(factors))] if trainable(weight) else []
+        return out + ([(module.bias, factors @ bias_grads)] if bias_grads is not None else [])  # type: ignore[list-item]
 
     return Piece(squared, sums)
 
@@ -336,6 +357,8 @@ def layer_piece(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]
         if len(calls) != 1:
             raise ValueError("a ghost_clipping layer's own shortcut covers one call per forward pass")
         return _own_piece(module, *calls[0])
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups > 1:
+        return _grouped_conv_piece(module, calls)
     if isinstance(module, nn.Conv2d) and len(calls) == 1:
         return _conv_piece(module, *calls[0])
     parts = [positions(module, inputs, output_grad) for inputs, output_grad in calls]
