@@ -101,7 +101,7 @@ def spread(values: list[float]) -> str:
 def merged(earlier: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The earlier rows not measured again (same model, cap and settings), then this run's rows."""
     def key(row: dict[str, Any]) -> tuple:
-        return row["model"], row.get("max_train"), tuple(row.get("settings", []))
+        return row["model"], row["max_train"], tuple(row["settings"])
     fresh = {key(row) for row in rows}
     return [row for row in earlier if key(row) not in fresh] + rows
 
@@ -119,11 +119,11 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
              "non-private accuracy (epochs) | DP s / run | non-private s / run |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for number, r in enumerate(rows, 1):
-        settings = ", ".join(f"`{s}`" for s in r.get("settings", [])) or "as configured"
+        settings = ", ".join(f"`{s}`" for s in r["settings"]) or "as configured"
         lines.append(f"| {number} | {r['model']} (`{r['config']}`) | {r['train_records']} | {settings} | "
                      f"{r['epsilon']:.3f} ({r['delta']:g}) | {r['sigma']:.3f} | {r['epochs']:g}, {r['sample_rate']:g} | "
                      f"{len(r['dp_accuracy'])} | {spread(r['dp_accuracy'])} | {spread(r['nonprivate_accuracy'])} "
-                     f"({r.get('nonprivate_epochs', 15):g}) | {statistics.mean(r['dp_seconds']):.0f} | "
+                     f"({r['nonprivate_epochs']:g}) | {statistics.mean(r['dp_seconds']):.0f} | "
                      f"{statistics.mean(r['nonprivate_seconds']):.0f} |")
     lines += ["", "Rows:", ""]
     lines += [f"{number}. `{r['command']}` on {r['machine']}." for number, r in enumerate(rows, 1)]

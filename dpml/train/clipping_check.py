@@ -101,6 +101,12 @@ class _Probe:
     replacement: torch.Tensor
     buffers: dict[str, torch.Tensor]
 
+    def replaced(self) -> torch.Tensor:
+        """The probe batch with example 0 replaced (the independence and buffer checks)."""
+        changed = self.x.clone()
+        changed[0] = self.replacement
+        return changed
+
     @contextmanager
     def same_state(self) -> Iterator[None]:
         """Every pass starts from the starting buffers and the same random state (dropout masks, spectral
@@ -149,10 +155,8 @@ def _reference(probe: _Probe) -> _Reference:
 
 
 def _check_independent(probe: _Probe, reference: _Reference, tolerance: float) -> None:
-    changed = probe.x.clone()
-    changed[0] = probe.replacement
     with probe.same_state(), torch.no_grad():
-        losses = per_example_losses(probe.model, probe.loss_fn, changed, probe.y)
+        losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
     scale = reference.losses.abs().max() + 1e-30
     moved = ((losses[1:] - reference.losses[1:]).abs() > tolerance * scale).nonzero().flatten()
     if moved.numel():
@@ -162,6 +166,13 @@ def _check_independent(probe: _Probe, reference: _Reference, tolerance: float) -
             f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model mixes the examples of a batch "
             "(batch statistics, attention or pooling across the batch), so clipping each example's gradient does "
             "not bound its influence; make each example's output depend on that example alone")
+
+
+def _differs(value: torch.Tensor, other: torch.Tensor, tolerance: float) -> bool:
+    """Floating buffers: apart by more than ``tolerance`` relative to the largest entry; others: not equal."""
+    if not value.is_floating_point():
+        return not torch.equal(value, other)
+    return value.numel() > 0 and bool((value - other).abs().max() > tolerance * (value.abs().max() + 1e-30))
 
 
 def _buffers_after_forward(probe: _Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -174,16 +185,9 @@ def _check_no_data_in_buffers(probe: _Probe, tolerance: float) -> None:
     """The buffers a training-mode forward pass writes do not depend on the examples (module docstring, 2)."""
     if not probe.buffers:
         return
-    changed = probe.x.clone()
-    changed[0] = probe.replacement
-    before, after = _buffers_after_forward(probe, probe.x), _buffers_after_forward(probe, changed)
+    before, after = _buffers_after_forward(probe, probe.x), _buffers_after_forward(probe, probe.replaced())
     for name, value in before.items():
-        other = after[name]
-        if value.is_floating_point():
-            moved = bool((value - other).abs().max() > tolerance * (value.abs().max() + 1e-30)) if value.numel() else False
-        else:
-            moved = not torch.equal(value, other)
-        if moved:
+        if _differs(value, after[name], tolerance):
             raise ClippingUnsupported(
                 f"model buffer '{name}': the training-mode forward pass writes the examples into it (replacing one "
                 "example of a probe batch changed it), and it would be released with the model without noise, "

@@ -273,7 +273,7 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
     batch, out_channels = calls[0][1].shape[:2]
     patches = torch.cat([unfold_patches(as_2d(module, inputs), *geometry) for inputs, _ in calls], 2)  # (B, C_in·K, T)
     d = torch.cat([g.reshape(batch, out_channels, -1) for _, g in calls], 2)  # (B, C_out, T)
-    squared, kept = d.new_zeros(batch), []
+    squared, kept = d.new_zeros(batch), None
     if trainable(weight):
         step = max(1, KEEP_PER_EXAMPLE_LIMIT // weight.numel())
         for start in range(0, batch, step):
@@ -282,15 +282,14 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
             per_example = torch.bmm(dd.reshape(rows, out_channels // groups, -1),
                                     a.reshape(rows, a.shape[1] // groups, -1).transpose(1, 2)).reshape(a.shape[0], -1)
             squared[start:start + step] += row_norms_squared(per_example)
-            if step >= batch:
-                kept.append(per_example)
+            kept = per_example if step >= batch else None  # the whole batch in one slice
     bias_grads = d.sum(2) if trainable(module.bias) else None  # (B, C_out)
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
 
     def weight_sum(factors: torch.Tensor) -> torch.Tensor:
-        if kept:
-            return (factors @ torch.cat(kept)).reshape(weight.shape)
+        if kept is not None:
+            return (factors @ kept).reshape(weight.shape)
         one_d = isinstance(module, nn.Conv1d)
         grad = torch.nn.grad.conv1d_weight if one_d else torch.nn.grad.conv2d_weight
         stride, padding, dilation = ((g[1],) if one_d else g for g in geometry[1:])
