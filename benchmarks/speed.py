@@ -120,7 +120,8 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
     import torch
 
     torch.manual_seed(0)
-    x = torch.randn(batch, 1, 28, 28, device=device)
+    shape = (784,) if model_name == "wrn" else (1, 28, 28)  # dpml's WRN takes flat rows, as the pipeline's data
+    x = torch.randn(batch, *shape, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     cuda = device.startswith("cuda")
     steps, errors = {}, {}
@@ -152,6 +153,8 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
         getattr(step, "close", lambda: None)()
     steps.clear()
     gc.collect()
+    if "nonprivate" not in times:  # the baseline itself failed: every ratio would be meaningless
+        raise RuntimeError(f"{model_name}, batch {batch}: the non-private step failed: {errors['nonprivate']}")
     base = statistics.median(times["nonprivate"])
     rows = []
     for method in methods:

@@ -131,6 +131,20 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
     print("\n".join(lines))
 
 
+def recorded_command(argv: list[str]) -> str:
+    """The command that reproduces a row: the arguments as given, less ``--out``/``--work`` (where files go,
+    which changes no number and would write a path of the measuring machine onto the page)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--work"):
+            skip = True
+        elif not arg.startswith(("--out=", "--work=")):
+            kept.append(arg)
+    return " ".join(["python", "benchmarks/vision_utility.py", *kept])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(CONFIGS), default=["cnn", "wrn"])
@@ -143,7 +157,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-vision-utility"))
     args = parser.parse_args()
-    command = "python " + " ".join(["benchmarks/vision_utility.py", *sys.argv[1:]])
+    command = recorded_command(sys.argv[1:])
     rows = [{**run_model(name, args.seeds, args.max_train, args.device, Path(args.work), args.settings,
                          args.nonprivate_epochs), "command": command} for name in args.models]
     saved = Path(args.out) / "vision_utility.json"

@@ -67,7 +67,7 @@ def moved(model: nn.Module, seed: int = 0) -> float:
 
 
 SETTINGS: dict[str, Any] = dict(epochs=2, clip_norm=1.0, delta=1e-4, noise_multiplier=1.0, sample_rate=0.1, seed=5,
-                                physical_batch_size=7, learning_rate=0.5)
+                                physical_batch_size=7, learning_rate=0.5, device="cpu")  # the GPU: test_devices.py
 
 
 def test_dataset_path_trains_exactly_what_the_tensor_path_trains() -> None:

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from dpml.train.distributed import Collective
-from dpml.train.dpsgd import Step, share_of_batch
+from dpml.train.dpsgd import Step, host_to_device, share_of_batch
 
 WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 
@@ -82,9 +82,8 @@ class PoissonChunkSampler(Sampler[list[int]]):
 def _on_device(chunk: tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = chunk
-    non_blocking = device.type == "cuda"
-    x = x.to(device=device, dtype=dtype if x.dtype.is_floating_point else x.dtype, non_blocking=non_blocking)
-    return x, y.to(device=device, dtype=torch.long, non_blocking=non_blocking)
+    x = x.to(dtype) if x.dtype.is_floating_point else x
+    return host_to_device(x, device), host_to_device(y.to(torch.long), device)
 
 
 def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, physical_batch_size: int,

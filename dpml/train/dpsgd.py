@@ -120,6 +120,17 @@ Chunks = Iterable[tuple[torch.Tensor, torch.Tensor]]
 """A batch's records in physical chunks (inputs, labels), on the model's device."""
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without making the host wait for the GPU.
+
+    A copy from ordinary (pageable) host memory to CUDA blocks the host until the GPU has drained its
+    queue, which would synchronise every step; from pinned memory with ``non_blocking`` the copy is queued
+    on the stream like any kernel (torch keeps the pinned block alive until the copy has run)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
 def tensor_chunks(x: torch.Tensor, y: torch.Tensor, physical_batch_size: int, at_least_one: bool = False) -> Chunks:
     """(x, y) in chunks of at most ``physical_batch_size`` rows; ``at_least_one``: an empty batch is one empty
     chunk (the audit's Dirac canaries join the first chunk, even of an empty batch)."""
@@ -377,7 +388,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
             if canaries is not None:  # the audit's run: canaries are indices n, n+1, … of the sample
                 records = batch[batch < n]
                 diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
-            records = records.to(x.device)
+            records = host_to_device(records, x.device)
             yield Step(batch, tensor_chunks(x[records], y[records], physical_batch_size, diracs is not None), diracs)
 
     history = run_dpsgd_steps(model, steps_of_run(), count=steps, clip_norm=clip_norm,
@@ -402,7 +413,7 @@ def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, samp
     model.train()
     epoch_count = max(1, int(round(epochs)))
     for _ in progress_range(epoch_count, "SGD", "epoch", progress):
-        order = torch.randperm(n, generator=generator).to(x.device)
+        order = host_to_device(torch.randperm(n, generator=generator), x.device)
         for chunk in torch.split(order, batch_size):
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model(x[chunk]), y[chunk]).mean().backward()
