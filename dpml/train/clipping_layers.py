@@ -11,9 +11,9 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   or ∇_W ℓ_i materialised, whichever costs less arithmetic (:func:`materialise`; materialised
   gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
-  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A
+  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. On a CPU a
   convolution's per-example gradients come from one grouped convolution where its patches would
-  outnumber them (:func:`conv_per_example_gradients`). A **Conv1d** is the Conv2d of height 1
+  outnumber them (:func:`conv_per_example_gradients`); on a GPU from the patches by a batched product. A **Conv1d** is the Conv2d of height 1
   (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
@@ -219,9 +219,11 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
 
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
     """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
-    per-example gradients (:func:`materialise` decides), the latter by one grouped convolution
+    per-example gradients (:func:`materialise` decides), the latter on a CPU by one grouped convolution
     (:func:`conv_per_example_gradients`) where the patches would outnumber the gradient (T > C_out), else
-    from the patches by one batched product. The clipped sum: from the kept per-example gradients, or
+    from the patches by one batched product (always on a GPU: there a convolution of B·C_in groups runs
+    CUDA's slow depthwise kernel, which took most of a WRN-16-4 step). The clipped sum: from the kept
+    per-example gradients, or
     else without patches, by the layer's own weight-gradient convolution of the clip-weighted δ."""
     batch, out_channels = output_grad.shape[:2]
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
@@ -234,7 +236,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             a = unfold_patches(inputs, *geometry)
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
-            if count > out_channels:  # the patches (T·C_in·kh·kw numbers) outnumber the gradient: no unfold
+            if count > out_channels and inputs.device.type != "cuda":  # the patches outnumber the gradient
                 per_example = conv_per_example_gradients(module, inputs, output_grad)
             else:
                 a = unfold_patches(inputs, *geometry)
