@@ -55,6 +55,16 @@ def build(model: str):  # noqa: ANN201
         nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
+def example_batch(model: str, batch: int, device: str = "cpu"):  # noqa: ANN201
+    """Random Fashion-MNIST-shaped records (seed 0) and labels: images, or flat rows for dpml's WRN (it takes
+    the pipeline's prepared rows and reshapes them itself)."""
+    import torch
+
+    torch.manual_seed(0)
+    shape = (784,) if model == "wrn" else (1, 28, 28)
+    return torch.randn(batch, *shape, device=device), torch.randint(0, 10, (batch,), device=device)
+
+
 def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # noqa: ANN001
     """One training step of ``method`` on the batch (x, y), with its own copy of the model (seed 0)."""
     import torch
@@ -119,10 +129,7 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
     """Median step time of each method over interleaved rounds (peers in ``peer_rounds`` of them)."""
     import torch
 
-    torch.manual_seed(0)
-    shape = (784,) if model_name == "wrn" else (1, 28, 28)  # dpml's WRN takes flat rows, as the pipeline's data
-    x = torch.randn(batch, *shape, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
+    x, y = example_batch(model_name, batch, device)
     cuda = device.startswith("cuda")
     steps, errors = {}, {}
     for method in methods:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import build  # noqa: E402
+from speed import build, example_batch  # noqa: E402
 from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E402
 from dpml.train.clipping_layers import is_fast  # noqa: E402
 from dpml.train.dpsgd import clipped_sum_and_noise, gaussian_noise, per_example_cross_entropy  # noqa: E402
@@ -51,8 +51,7 @@ def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int) -
 def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]]:
     torch.manual_seed(0)
     model = build(model_name)
-    x = torch.randn(batch, 1, 28, 28)
-    y = torch.randint(0, 10, (batch,))
+    x, y = example_batch(model_name, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
     params = list(model.parameters())

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from dpml.models.mlp import pick_device
+from dpml.devices import pick_device
 from dpml.privacy.accountants import certify
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.ledger import Ledger, Spend

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
 from torch import nn
 
 
@@ -37,11 +36,3 @@ def build_mlp(spec: MlpSpec) -> nn.Sequential:
     layers.append(nn.Linear(width, spec.n_classes))
     return nn.Sequential(*layers)
 
-
-def pick_device(preference: str = "auto") -> torch.device:
-    """``cuda`` when asked for or available (``auto``), else CPU."""
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device = 'cuda' but no CUDA device is available")
-    if preference == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda")

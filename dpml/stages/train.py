@@ -23,7 +23,7 @@ import torch
 from dpml import io
 from dpml.audit.robustness import certified_accuracy
 from dpml.faults import fault_point
-from dpml.models.mlp import pick_device
+from dpml.devices import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
 from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage
 from dpml.privacy.mechanism import MechanismDescription

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from dpml.devices import host_to_device
 from dpml.train.distributed import Collective
-from dpml.train.dpsgd import Step, host_to_device, share_of_batch
+from dpml.train.dpsgd import Step, share_of_batch
 
 WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 

@@ -101,6 +101,8 @@ def from_environment() -> Collective | None:
         return None
     if not dist.is_initialized():
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":  # NCCL: each process on its own GPU (torchrun's LOCAL_RANK) before the group forms
+            torch.cuda.set_device(process_device(device, int(os.environ.get("RANK", "0"))))
         dist.init_process_group(backend_for(device), init_method="env://", timeout=TIMEOUT)
     return Collective(dist.get_rank(), dist.get_world_size())
 

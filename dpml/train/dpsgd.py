@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpml.devices import host_to_device
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
@@ -118,17 +119,6 @@ def number_of_steps(epochs: float, sample_rate: float) -> int:
 
 Chunks = Iterable[tuple[torch.Tensor, torch.Tensor]]
 """A batch's records in physical chunks (inputs, labels), on the model's device."""
-
-
-def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device`` without making the host wait for the GPU.
-
-    A copy from ordinary (pageable) host memory to CUDA blocks the host until the GPU has drained its
-    queue, which would synchronise every step; from pinned memory with ``non_blocking`` the copy is queued
-    on the stream like any kernel (torch keeps the pinned block alive until the copy has run)."""
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
 
 
 def tensor_chunks(x: torch.Tensor, y: torch.Tensor, physical_batch_size: int, at_least_one: bool = False) -> Chunks:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dpml.models import ModelSpec, build_model, spec_for
-from dpml.models.mlp import pick_device
+from dpml.devices import pick_device
 from dpml.privacy.mechanism import Event, MechanismDescription, PoissonGaussianSteps
 from dpml.sections import ModelConfig, Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult

@@ -16,7 +16,7 @@ import torch
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
-from dpml.models.mlp import pick_device
+from dpml.devices import pick_device
 from dpml.train.clipping_check import check_autocast, plan_clipping
 from dpml.train.distributed import Collective, check_world_size, process_device
 from dpml.train.dpsgd import (AUTOCAST, GradientCanaries, TrainResult, dpsgd_mechanism, loss_function, make_optimizer,
