@@ -423,3 +423,52 @@ def test_conv_per_example_gradients_equal_autograd() -> None:
                             for i in range(5)])
     got = clipping_layers.conv_per_example_gradients(conv, x, delta)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("channels", [3, 8])
+def test_per_example_gradients_by_the_weight_gradient_equal_autograd(channels: int) -> None:
+    """The grouped weight-gradient way gives the same per-example gradients as autograd, one example at a
+    time, for rectangular kernels, strides, paddings and dilations."""
+    conv = nn.Conv2d(channels, 4, (4, 3), stride=(2, 3), padding=(2, 1), dilation=(1, 2)).double()
+    x = torch.randn(5, channels, 12, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    delta = torch.randn_like(conv(x))
+    expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0]
+                            for i in range(5)])
+    got = clipping_layers.conv_per_example_gradients_by_weight_grad(conv, x, delta)
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_each_conv_way_is_picked_by_device_and_shape() -> None:
+    way = clipping_layers.per_example_conv_way
+    assert way("cpu", 16, 784, 64) == "weight gradient"   # T > C_out, at least 8 input channels
+    assert way("cpu", 3, 1024, 16) == "grouped forward"   # T > C_out, an image of few channels
+    assert way("cpu", 64, 49, 256) == "patches"           # T ≤ C_out
+    assert way("cuda", 64, 784, 64) == way("cuda", 1, 196, 16) == "patches"
+
+
+class WideConvs(nn.Module):
+    """Eight input channels and more positions than output channels: the grouped weight-gradient way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv2d(8, 8, 3, padding=1)
+        self.second = nn.Conv2d(8, 4, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2))
+        self.out = nn.Linear(4 * 5 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.second(torch.tanh(self.first(x)))).flatten(1))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_convolutions_of_eight_channels_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch,
+                                                         vmapped: list) -> None:
+    if not keep:
+        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    torch.manual_seed(10)
+    model = WideConvs().double()
+    x = torch.randn(6, 8, 9, 8, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    assert model.second(model.first(x)).shape[2:] == (5, 6)
+    assert clipping_layers.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
+    assert clipping_layers.materialise(6, 72, 72, 8)  # the first layer materialises (kept or not)
+    assert_matches_naive_loop(model, x, labels(6), 0.05)
+    assert vmapped == []

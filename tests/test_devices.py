@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet
-from dpml.train.clipping import clipped_gradient_sum
+from dpml.train import clipping_layers
+from dpml.train.clipping import clipped_gradient_sum, engine_pass
 from dpml.train.clipping_check import ClippingUnsupported, check_autocast
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, train_dpsgd
 
@@ -186,6 +187,40 @@ def test_one_step_on_the_gpu_is_the_cpus_step_plus_noise_of_the_same_law() -> No
         torch.testing.assert_close(gpu_sums[key].cpu(), value, rtol=1e-4, atol=1e-5)
     noise = torch.cat([n.reshape(-1).double().cpu() for n in gpu_noises.values()]) / (sigma * clip)
     assert abs(float(noise.std()) - 1.0) < 5 / math.sqrt(noise.numel()) + 0.01
+
+
+def check_norms_and_sums_come_from_the_same_numbers(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TF32 switched on globally (cuDNN's default, and ``set_float32_matmul_precision("high")``), each
+    example's norm and its share of the clipped sum (the sum with factors e_i) still agree to float32
+    round-off: the engine forms both without TF32, and leaves the user's settings as they were. Nothing
+    is kept (every sum by the layers' weight-gradient products), so the two are computed apart."""
+    monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        for name, model in models().items():
+            model.to(device)
+            x, y = batch_for(name, device, size=10)
+            found = engine_pass(model, per_example_cross_entropy, x, y)
+            norms = found.squared().sqrt()
+            for i in range(x.shape[0]):
+                alone = found.sums(torch.nn.functional.one_hot(torch.tensor(i), x.shape[0]).to(norms))
+                share = math.sqrt(sum(float(v.double().pow(2).sum()) for v in alone.values()))
+                assert abs(share - float(norms[i])) <= 1e-5 * float(norms[i]), (name, i, share, float(norms[i]))
+            assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def test_norms_and_sums_come_from_the_same_numbers_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_norms_and_sums_come_from_the_same_numbers("cpu", monkeypatch)
+
+
+@needs_cuda
+def test_norms_and_sums_come_from_the_same_numbers_on_the_gpu_with_tf32_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_norms_and_sums_come_from_the_same_numbers("cuda", monkeypatch)
 
 
 class Records(torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -70,7 +70,8 @@ def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int
     import torch
 
     from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
-    from dpml.audit.recompute import forward_is_random, full_float32, trainable_size
+    from dpml.audit.recompute import forward_is_random, trainable_size
+    from dpml.devices import full_float32
     from dpml.models import build_model
     from dpml.train.dpsgd import loss_function, number_of_steps
     from dpml.train.fit import model_spec

@@ -6,27 +6,12 @@ without randomness.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from dpml.devices import full_float32
 from dpml.train.clipping import LossFn
-
-
-@contextlib.contextmanager
-def full_float32() -> Iterator[None]:
-    """TF32 off for matrix products and cuDNN convolutions while the audit observes a run: on a GPU their
-    10-bit mantissas would differ between the trainer's clipped sum and the auditor's recomputation by
-    more than float32 round-off, and the difference would read as noise."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def forward_is_random(model: nn.Module, x: torch.Tensor) -> bool:

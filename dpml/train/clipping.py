@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dpml.devices import full_float32
 from dpml.train.clipping_layers import (Piece, batch_first, is_fast, layer_parameters, layer_piece, reject_batch_norm,
                                        row_norms_squared)
 
@@ -173,11 +174,12 @@ class EnginePass:
     def sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: Σ_i c_i ∇ℓ_i} for every trainable parameter."""
         out: dict[str, torch.Tensor] = {}
-        for _, piece in self.fast:
-            for p, total in piece.sums(factors):
-                out[self.names[id(p)]] = total
-        for name, g in self.exact.items():
-            out[name] = torch.einsum("b,b...->...", factors.to(g.dtype), g)
+        with full_float32():  # the same arithmetic as the norms (engine_pass): no TF32 on a GPU
+            for _, piece in self.fast:
+                for p, total in piece.sums(factors):
+                    out[self.names[id(p)]] = total
+            for name, g in self.exact.items():
+                out[name] = torch.einsum("b,b...->...", factors.to(g.dtype), g)
         return out
 
 
@@ -211,10 +213,11 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     if used:
         outputs = [output for m in used for _, output in recording.calls[m]]
         grads = iter(torch.autograd.grad(recording.losses.sum(), outputs, allow_unused=True))
-        for module in used:
-            calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(next(grads), output), zeros.dtype))
-                     for inputs, output in recording.calls[module]]
-            fast.append((module, layer_piece(module, calls)))
+        with full_float32():  # norms here and sums in EnginePass.sums from the same numbers (no TF32)
+            for module in used:
+                calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(next(grads), output), zeros.dtype))
+                         for inputs, output in recording.calls[module]]
+                fast.append((module, layer_piece(module, calls)))
     return EnginePass(batch, fast, per_example, names, zeros)
 
 

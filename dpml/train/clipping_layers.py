@@ -11,9 +11,9 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   or ∇_W ℓ_i materialised, whichever costs less arithmetic (:func:`materialise`; materialised
   gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
-  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. On a CPU a
-  convolution's per-example gradients come from one grouped convolution where its patches would
-  outnumber them (:func:`conv_per_example_gradients`); on a GPU from the patches by a batched product. A **Conv1d** is the Conv2d of height 1
+  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A convolution's
+  per-example gradients come from its patches by a batched product, or without patches from one
+  convolution with the examples as groups (:func:`per_example_conv_way` picks by device and shape). A **Conv1d** is the Conv2d of height 1
   (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dpml.train.clipping_conv import Geometry, as_2d, conv_geometry, conv_per_example_gradients, unfold_patches
+from dpml.train.clipping_conv import (Geometry, as_2d, conv_geometry, conv_per_example_gradients,
+                                      conv_per_example_gradients_by_weight_grad, unfold_patches)
 
 ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
 
@@ -217,12 +218,31 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     return Piece(squared, sums)
 
 
+WEIGHT_GRAD_MIN_CHANNELS = 8  # from here on the grouped weight gradient beats the grouped forward (CPU)
+
+
+def per_example_conv_way(device_type: str, in_channels: int, count: int, out_channels: int) -> str:
+    """How :func:`_conv_piece` materialises a Conv2d's per-example gradients (B, C_out, C_in·kh·kw), by the
+    measurements of ``benchmarks/conv_per_example.py`` (``results/conv_per_example*.md``):
+
+    - ``"patches"``: unfold the patches and take one batched product, where the gradient is at least as
+      large as a channel's patches (T ≤ C_out), and always on a GPU (there a convolution with B groups
+      runs CUDA's slow depthwise kernel);
+    - else on a CPU ``"weight gradient"``: the weight gradient of one convolution with B groups
+      (:func:`conv_per_example_gradients_by_weight_grad`), from ``WEIGHT_GRAD_MIN_CHANNELS`` input
+      channels up; below that ``"grouped forward"`` (:func:`conv_per_example_gradients`), which is
+      faster for images of one to a few channels."""
+    if in_channels >= WEIGHT_GRAD_MIN_CHANNELS and count > out_channels and device_type != "cuda":
+        return "weight gradient"
+    if count <= out_channels or device_type == "cuda":
+        return "patches"
+    return "grouped forward"
+
+
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
     """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
-    per-example gradients (:func:`materialise` decides), the latter on a CPU by one grouped convolution
-    (:func:`conv_per_example_gradients`) where the patches would outnumber the gradient (T > C_out), else
-    from the patches by one batched product (always on a GPU: there a convolution of B·C_in groups runs
-    CUDA's slow depthwise kernel, which took most of a WRN-16-4 step). The clipped sum: from the kept
+    per-example gradients (:func:`materialise` decides), the latter in the way
+    :func:`per_example_conv_way` picks for the device and shape. The clipped sum: from the kept
     per-example gradients, or
     else without patches, by the layer's own weight-gradient convolution of the clip-weighted δ."""
     batch, out_channels = output_grad.shape[:2]
@@ -236,7 +256,10 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             a = unfold_patches(inputs, *geometry)
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
-            if count > out_channels and inputs.device.type != "cuda":  # the patches outnumber the gradient
+            way = per_example_conv_way(inputs.device.type, module.in_channels, count, out_channels)
+            if way == "weight gradient":
+                per_example = conv_per_example_gradients_by_weight_grad(module, inputs, output_grad)
+            elif way == "grouped forward":
                 per_example = conv_per_example_gradients(module, inputs, output_grad)
             else:
                 a = unfold_patches(inputs, *geometry)

@@ -1,0 +1,148 @@
+"""Per-example weight gradients of a convolution, ∇_W ℓ_i = Σ_t δ_t a_tᵀ, by each of the engine's three ways.
+
+    python benchmarks/conv_per_example.py [--device cpu|cuda] [--threads 2] [--repeats 5]
+
+For each layer shape (the Opacus example CNN's two convolutions, WRN-16-4's, and a sweep of input
+channel counts), on random inputs and output gradients of the layer's shape:
+
+- *grouped forward*: one convolution with the input's channels as its batch, the examples as groups
+  and each example's δ as a kernel (:func:`dpml.train.clipping_conv.conv_per_example_gradients`);
+- *grouped weight gradient*: the weight gradient of one convolution with B groups, the examples
+  folded into the channels (:func:`dpml.train.clipping_conv.conv_per_example_gradients_by_weight_grad`);
+- *patches × δ*: the unfolded patches and one batched matrix product (``unfold_patches`` and ``bmm``);
+- for scale, the batched weight gradient of the whole batch (what a non-private step computes; not
+  per example).
+
+Median milliseconds over the repeats (the ways run in turn, round after round, after one warm-up), and
+the largest difference of the second and third from the first relative to its largest entry. Which way
+the engine takes for which shape (``dpml.train.clipping_layers._conv_piece``) follows this table.
+Writes ``benchmarks/results/conv_per_example[_cuda].{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dpml.train.clipping_conv import (conv_geometry, conv_per_example_gradients,  # noqa: E402
+                                      conv_per_example_gradients_by_weight_grad, unfold_patches)
+
+# name, batch, C_in, C_out, kernel, stride, padding, input height = width
+SHAPES = [
+    ("CNN conv1 (Opacus example)", 512, 1, 16, 8, 2, 3, 28),
+    ("CNN conv2 (Opacus example)", 512, 16, 32, 4, 2, 0, 13),
+    ("RGB 3×3", 256, 3, 16, 3, 1, 1, 32),
+    ("C_in 4", 256, 4, 16, 3, 1, 1, 28),
+    ("C_in 6", 256, 6, 16, 3, 1, 1, 28),
+    ("C_in 8", 256, 8, 32, 3, 1, 1, 28),
+    ("C_in 12", 256, 12, 24, 3, 1, 1, 28),
+    ("C_in 24", 256, 24, 40, 3, 1, 1, 28),
+    ("WRN stem block 16→64", 256, 16, 64, 3, 1, 1, 28),
+    ("WRN 64→64 at 28×28", 256, 64, 64, 3, 1, 1, 28),
+    ("WRN 64→128, stride 2", 256, 64, 128, 3, 2, 1, 28),
+    ("WRN 128→128 at 14×14", 256, 128, 128, 3, 1, 1, 14),
+    ("WRN 256→256 at 7×7", 256, 256, 256, 3, 1, 1, 7),
+]
+
+
+def ways(module: nn.Conv2d, x: torch.Tensor, d: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    def patches_times_delta() -> torch.Tensor:
+        a = unfold_patches(x, *conv_geometry(module))  # type: ignore[misc]
+        return torch.bmm(d.reshape(d.shape[0], d.shape[1], -1), a.transpose(1, 2))
+
+    _, stride, padding, dilation = conv_geometry(module)  # type: ignore[misc]
+    return {"grouped forward": lambda: conv_per_example_gradients(module, x, d),
+            "grouped weight gradient": lambda: conv_per_example_gradients_by_weight_grad(module, x, d),
+            "patches × δ": patches_times_delta,
+            "batch weight gradient (non-private)": lambda: torch.nn.grad.conv2d_weight(
+                x, module.weight.shape, d, stride, padding, dilation)}
+
+
+def measure(shape: tuple, device: str, repeats: int) -> dict:
+    name, batch, c_in, c_out, kernel, stride, padding, size = shape
+    torch.manual_seed(0)
+    module = nn.Conv2d(c_in, c_out, kernel, stride, padding).to(device)
+    x = torch.randn(batch, c_in, size, size, device=device)
+    d = torch.randn_like(module(x))
+    functions = ways(module, x, d)
+    results = {way: fn() for way, fn in functions.items()}  # warm-up, and the results compared
+    first = results["grouped forward"]
+    scale = float(first.abs().max())
+    times: dict[str, list[float]] = {way: [] for way in functions}
+    for _ in range(repeats):
+        for way, fn in functions.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[way].append(1000 * (time.perf_counter() - start))
+    return {"shape": name, "batch": batch, "c_in": c_in, "c_out": c_out, "kernel": kernel, "stride": stride,
+            "positions": int(d[0, 0].numel()), "device": device,
+            "ms": {way: statistics.median(values) for way, values in times.items()},
+            "relative_difference": {way: float((results[way] - first).abs().max()) / scale
+                                    for way in ("grouped weight gradient", "patches × δ")}}
+
+
+def page(rows: list[dict], args: argparse.Namespace) -> str:
+    where = (f"GPU {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if args.device == "cuda"
+             else f"CPU, {torch.get_num_threads()} torch threads")
+    command = f"python benchmarks/conv_per_example.py --device {args.device} --repeats {args.repeats}" + (
+        f" --threads {args.threads}" if args.threads else "")
+    lines = ["# Per-example weight gradients of a convolution: three ways", "",
+             f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, {where}, torch "
+             f"{torch.__version__}, Python {platform.python_version()}. Median ms of {args.repeats} rounds (the ways "
+             "in turn); T = output positions per example; the differences are relative to the largest entry.", "",
+             "| layer | B | C_in → C_out | k, stride | T | grouped forward | grouped weight gradient | patches × δ | "
+             "batch weight gradient (non-private) | fastest per-example way | differences |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["ms"]
+        fastest = min(("grouped forward", "grouped weight gradient", "patches × δ"), key=lambda way: ms[way])
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['c_in']} → {r['c_out']} | {r['kernel']}, {r['stride']} | "
+                     f"{r['positions']} | {ms['grouped forward']:.1f} | {ms['grouped weight gradient']:.1f} | "
+                     f"{ms['patches × δ']:.1f} | {ms['batch weight gradient (non-private)']:.1f} | {fastest} | "
+                     f"{max(r['relative_difference'].values()):.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.backends.cudnn.benchmark = False
+    rows = []
+    for shape in SHAPES:
+        rows.append(measure(shape, args.device, args.repeats))
+        print(rows[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "conv_per_example" + ("_cuda" if args.device == "cuda" else "")
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
+    (out / f"{stem}.md").write_text(page(rows, args))
+    print(page(rows, args))
+
+
+if __name__ == "__main__":
+    main()
