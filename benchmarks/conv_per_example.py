@@ -13,9 +13,10 @@ channel counts), on random inputs and output gradients of the layer's shape:
 - for scale, the batched weight gradient of the whole batch (what a non-private step computes; not
   per example).
 
-Median milliseconds over the repeats (the ways run in turn, round after round, after one warm-up), and
-the largest difference of the second and third from the first relative to its largest entry. Which way
-the engine takes for which shape (``dpml.train.clipping_layers._conv_piece``) follows this table.
+Median milliseconds over the repeats (the ways run in turn, round after round, after one warm-up; TF32
+off, as in the engine), and the largest difference of the second and third from the first relative to its
+largest entry. Which way the engine takes for which shape (``dpml.train.clipping_layers.per_example_conv_way``)
+follows this table.
 Writes ``benchmarks/results/conv_per_example[_cuda].{md,json}``.
 """
 
@@ -37,6 +38,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dpml.devices import full_float32  # noqa: E402
 from dpml.train.clipping_conv import (conv_geometry, conv_per_example_gradients,  # noqa: E402
                                       conv_per_example_gradients_by_weight_grad, unfold_patches)
 
@@ -133,9 +135,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.backends.cudnn.benchmark = False
     rows = []
-    for shape in SHAPES:
-        rows.append(measure(shape, args.device, args.repeats))
-        print(rows[-1], flush=True)
+    with full_float32():  # as in the clipping engine, which forms per-example gradients without TF32
+        for shape in SHAPES:
+            rows.append(measure(shape, args.device, args.repeats))
+            print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "conv_per_example" + ("_cuda" if args.device == "cuda" else "")
