@@ -13,8 +13,8 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
   own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A convolution's
   per-example gradients come from its patches by a batched product, or without patches from one
-  convolution with the examples as groups (:func:`per_example_conv_way` picks by device and shape). A **Conv1d** is the Conv2d of height 1
-  (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
+  convolution with the examples as groups (:func:`per_example_conv_way` picks by device and shape).
+  A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
 - **Embedding** (z_t = W[k_t]): ‖∇_W ℓ_i‖_F² = Σ_k ‖Σ_{t: k_t = k} δ_t‖², by sorting the
@@ -232,19 +232,17 @@ def per_example_conv_way(device_type: str, in_channels: int, count: int, out_cha
       (:func:`conv_per_example_gradients_by_weight_grad`), from ``WEIGHT_GRAD_MIN_CHANNELS`` input
       channels up; below that ``"grouped forward"`` (:func:`conv_per_example_gradients`), which is
       faster for images of one to a few channels."""
-    if in_channels >= WEIGHT_GRAD_MIN_CHANNELS and count > out_channels and device_type != "cuda":
-        return "weight gradient"
     if count <= out_channels or device_type == "cuda":
         return "patches"
-    return "grouped forward"
+    return "weight gradient" if in_channels >= WEIGHT_GRAD_MIN_CHANNELS else "grouped forward"
 
 
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
     """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
     per-example gradients (:func:`materialise` decides), the latter in the way
     :func:`per_example_conv_way` picks for the device and shape. The clipped sum: from the kept
-    per-example gradients, or
-    else without patches, by the layer's own weight-gradient convolution of the clip-weighted δ."""
+    per-example gradients, or else without patches, by the layer's own weight-gradient convolution of
+    the clip-weighted δ."""
     batch, out_channels = output_grad.shape[:2]
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]

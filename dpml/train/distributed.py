@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpml.devices import pick_device
+
 TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -100,7 +102,7 @@ def from_environment() -> Collective | None:
     if world <= 1:
         return None
     if not dist.is_initialized():
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = str(pick_device())
         if device == "cuda":  # NCCL: each process on its own GPU (torchrun's LOCAL_RANK) before the group forms
             torch.cuda.set_device(process_device(device, int(os.environ.get("RANK", "0"))))
         dist.init_process_group(backend_for(device), init_method="env://", timeout=TIMEOUT)
