@@ -3,12 +3,22 @@
 For each (model, batch size) every method gets its own copy of the model (same initialisation) and
 the same fixed batch, all in this one process; after two warm-up steps each, the timed rounds
 alternate the methods (round r: one non-private step, one dpml step, one step of each peer), so
-that the load of a shared machine falls on all of them alike. The table reports each method's
+that the load of a shared machine falls on all of them alike. dpml's CPU step leaves the next step's
+noise drawing in a background thread (``PrefetchedNoise``); so that this work neither escapes dpml's
+time nor lands in the next method's, each dpml turn is an untimed lead-in step and a timed step (whose
+clipping overlaps the draw the lead-in started, as in a training loop), and the timed step's own draw
+is waited for, untimed, before the next method runs. The table reports each method's
 median step time and its ratio to the non-private median of the same model and batch. Opacus'
 steps are timed in ``--peer-rounds`` evenly spaced rounds only (its hooks take seconds per step
 at batch 4096). Fashion-MNIST shapes (1×28×28, 10 classes), random data, SGD, a fixed batch (the
 sampling is not what is timed); the dpml step is the trainer's own (clipped sums and noise from
-``clipped_sum_and_noise``, the noise drawn a step ahead on the CPU, added in place, divided by the batch). Models: ``mlp``, ``cnn`` (the
+``clipped_sum_and_noise``, the noise drawn a step ahead on the CPU, added in place, divided by the batch),
+clipping in the chunk the trainer would take (``train.tune_physical_batch``, with ``physical_batch_size``
+at least the batch: :func:`dpml.train.chunking.fastest_chunk`, timed before the rounds on a synthetic
+probe). Two rows separate what the chunk does from what DP costs: ``dpml-one-chunk`` clips the whole
+batch at once (untuned), and ``nonprivate-chunked`` is the non-private step by gradient accumulation
+over dpml's chunks (the same gradient; what a non-private user could do too). The "rows per chunk"
+column says which chunk each row used. Models: ``mlp``, ``cnn`` (the
 Opacus MNIST example's), ``wrn`` (dpml's WRN-16-4 with GroupNorm, ``model.kind: wide_resnet``).
 
 ``--device cuda`` times on the GPU (each step ends with ``torch.cuda.synchronize()``; the peak memory
@@ -18,6 +28,7 @@ of each method's steps is ``torch.cuda.max_memory_allocated`` after a reset) and
 
     pip install -r benchmarks/requirements.txt      # Opacus, for the comparison only
     python benchmarks/speed.py [--batches 512 4096] [--models mlp cnn wrn] [--rounds 40] [--device cpu|cuda]
+                               [--skip nonprivate-chunked dpml-one-chunk]
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
+METHODS = ["nonprivate", "nonprivate-chunked", "dpml", "dpml-one-chunk", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
 
 
@@ -80,27 +91,44 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
         return step
-    if method in ("dpml", "dpml-bf16"):
-        sys.path.insert(0, str(ROOT))
-        from dpml.train.dpsgd import PrefetchedNoise, clipped_sum_and_noise, trainable_parameters
+    sys.path.insert(0, str(ROOT))
+    from dpml.train.chunking import fastest_chunk
+    from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
+    from dpml.train.noise import PrefetchedNoise
 
-        autocast = torch.bfloat16 if method == "dpml-bf16" else None
-        flat = x
-        if model_name == "mlp":
-            model = model[1:]  # the Flatten is done once here; Linear layers then take 2-D inputs
-            flat = x.reshape(batch, -1)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    autocast = torch.bfloat16 if method == "dpml-bf16" else None
+    dp_model, flat = model, x
+    if model_name == "mlp":
+        dp_model, flat = model[1:], x.reshape(batch, -1)  # the Flatten done once here; the Linear layers take rows
+    # the trainer's chunk (train.tune_physical_batch, physical_batch_size ≥ the batch): timed on a synthetic probe
+    chunk = fastest_chunk(dp_model, per_example_cross_entropy, tuple(flat.shape[1:]), flat.dtype, batch, batch,
+                          autocast=autocast).chunk
+    if method == "nonprivate-chunked":  # the same step by gradient accumulation over dpml's chunks
+        def accumulated() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            for start in range(0, batch, chunk):
+                (F.cross_entropy(model(x[start:start + chunk]), y[start:start + chunk], reduction="sum") / batch).backward()
+            optimizer.step()
+        accumulated.chunk = chunk  # type: ignore[attr-defined]
+        return accumulated
+    if method in ("dpml", "dpml-one-chunk", "dpml-bf16"):
+        if method == "dpml-one-chunk":
+            chunk = batch
+        model = dp_model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         params = trainable_parameters(model)
         generator = torch.Generator(device=x.device).manual_seed(0)
         if x.device.type == "cpu":  # as run_dpsgd_steps: the next step's noise drawn in the background
             generator = PrefetchedNoise(generator, params, 1.0)
 
         def dp_step() -> None:  # as run_dpsgd_steps: the noise added to the step's own sums, in place
-            sums, noises, _ = clipped_sum_and_noise(model, flat, y, 1.0, 1.0, 1 << 30, generator, autocast=autocast)
+            sums, noises, _ = clipped_sum_and_noise(model, flat, y, 1.0, 1.0, chunk, generator, autocast=autocast)
             for name, p in params.items():
                 p.grad = sums[name].add_(noises[name]).div_(batch)
             optimizer.step()
         dp_step.close = getattr(generator, "close", lambda: None)  # type: ignore[attr-defined]
+        dp_step.settle = getattr(generator, "wait", None)  # type: ignore[attr-defined]
+        dp_step.chunk = chunk  # type: ignore[attr-defined]
         return dp_step
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
@@ -131,10 +159,11 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
 
     x, y = example_batch(model_name, batch, device)
     cuda = device.startswith("cuda")
-    steps, errors = {}, {}
+    steps, errors, chunks = {}, {}, {}
     for method in methods:
         try:
             steps[method] = step_function(model_name, method, x, y)
+            chunks[method] = getattr(steps[method], "chunk", None)
             for _ in range(2):  # warm-up
                 steps[method]()
         except Exception as error:  # noqa: BLE001 — a peer that cannot run is reported, not fatal
@@ -147,6 +176,9 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
         for method, step in steps.items():
             if method in PEERS and (r % every or len(times[method]) >= peer_rounds):
                 continue
+            settle = getattr(step, "settle", None)
+            if settle is not None:  # a lead-in step, so the timed one overlaps its own next draw, as in a loop
+                step()
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -156,6 +188,8 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
                 torch.cuda.synchronize()
                 peaks[method] = max(peaks[method], torch.cuda.max_memory_allocated() / 2**20)
             times[method].append(time.perf_counter() - start)
+            if settle is not None:  # its background draw done before the next method is timed
+                settle()
     for step in steps.values():  # the noise thread stopped, the models and Opacus' hooks freed before the next shape
         getattr(step, "close", lambda: None)()
     steps.clear()
@@ -171,7 +205,7 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
             continue
         ms = 1000 * statistics.median(times[method])
         rows.append({**row, "ms_per_step": ms, "steps": len(times[method]), "time_ratio": ms / (1000 * base),
-                     "peak_mb": peaks[method] if cuda else None})
+                     "peak_mb": peaks[method] if cuda else None, "chunk": chunks.get(method)})
     return rows
 
 
@@ -182,6 +216,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds (non-private and dpml: one step each)")
     parser.add_argument("--peer-rounds", type=int, default=10, help="rounds in which each Opacus mode is timed")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--skip", nargs="*", default=[], choices=["nonprivate-chunked", "dpml-one-chunk"],
+                        help="leave out these comparison rows (e.g. the one-chunk DP step of a slow model)")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="torch intra-op thread counts, each measured in turn (default: torch's own)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -195,7 +231,8 @@ def main() -> None:
     threads = args.threads or [torch.get_num_threads()]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here")
-    methods = ["nonprivate", "dpml"] + (["dpml-bf16"] if args.device == "cuda" else []) + list(args.peers)
+    methods = [m for m in METHODS[:4] if m not in args.skip] + (["dpml-bf16"] if args.device == "cuda" else []) \
+        + list(args.peers)
     rows = []
     for count in threads:
         torch.set_num_threads(count)
@@ -230,21 +267,23 @@ def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN
     command = (f"python benchmarks/speed.py --batches {' '.join(map(str, args.batches))} --models "
                f"{' '.join(args.models)} --rounds {args.rounds} --peer-rounds {args.peer_rounds}"
                + (f" --peers {' '.join(args.peers)}" if list(args.peers) != list(PEERS) else "")
+               + (f" --skip {' '.join(args.skip)}" if args.skip else "")
                + (f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + f" --device {args.device}")
     lines = ["# Step time: non-private vs dpml DP-SGD vs Opacus", "",
              f"Command: `{command}`. Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, "
              f"torch {torch.__version__}, Python {platform.python_version()}; {where}. One process; per (model, "
              f"batch) the methods' steps alternate, round after round ({args.rounds} rounds; Opacus in "
              f"{args.peer_rounds} of them); median step time per method.", "",
-             "| torch threads | model | batch | method | ms / step | steps timed | × non-private time | "
+             "| torch threads | model | batch | method | rows per chunk | ms / step | steps timed | × non-private time | "
              "throughput vs non-private |" + (" peak MB |" if cuda else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | failed: {r['error'][:80]} | | | |"
+            lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | | failed: {r['error'][:80]} | | | |"
                          + (" |" if cuda else ""))
             continue
-        lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {r['ms_per_step']:.1f} | {r['steps']} | "
+        chunk = r.get("chunk") or r["batch"]
+        lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {chunk} | {r['ms_per_step']:.1f} | {r['steps']} | "
                      f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |"
                      + (f" {r['peak_mb']:.0f} |" if cuda else ""))
     return "\n".join(lines) + "\n"

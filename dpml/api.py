@@ -45,6 +45,7 @@ from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.ledger import Ledger, Spend
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.privacy.units import digests_of_ids
+from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import LossFn
 from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
 from dpml.train.dataset_steps import check_record, dataset_size, dataset_steps
@@ -92,6 +93,9 @@ class RunSettings:
     n_classes: int
     progress: bool
     autocast: str = "none"
+    tune_physical_batch: bool = True
+    input_shape: tuple[int, ...] = ()
+    input_dtype: torch.dtype = torch.float32
 
 
 def _problem(key: str, value: Any, allowed: str) -> ValueError:
@@ -109,7 +113,7 @@ def check_arguments(*, n: int, epochs: float, clip_norm: float, delta: float, ta
                     neighbouring: str, physical_batch_size: int, device: str, num_workers: int, world_size: int,
                     ledger: Any, epsilon_budget: float | None, lineage: str | None,
                     privacy_units: Sequence[object] | None, allow_delta_above_inverse_n: bool,
-                    autocast: str = "none") -> float:
+                    autocast: str = "none", tune_physical_batch: bool = True) -> float:
     """Every argument checked before any work; returns the sample rate q."""
     if n == 0:
         raise _problem("dataset", "empty", "needs at least one record")
@@ -148,6 +152,8 @@ def check_arguments(*, n: int, epochs: float, clip_norm: float, delta: float, ta
                             ("world_size", world_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise _problem(key, value, f"must be an integer ≥ {low}")
+    if not isinstance(tune_physical_batch, bool):
+        raise _problem("tune_physical_batch", tune_physical_batch, "must be True or False")
     if autocast not in AUTOCAST:
         raise _problem("autocast", autocast, f"must be one of {sorted(AUTOCAST)}")
     if device not in ("auto", "cpu", "cuda"):
@@ -219,8 +225,11 @@ def train_in_process(collective: Collective | None, model: nn.Module, dataset: D
     model.to(device)
     optimizer = build_optimizer(run.optimizer, model, run.learning_rate, run.momentum)
     dtype = next(p for p in model.parameters()).dtype
+    chunk = physical_chunk(run.tune_physical_batch, model, loss_fn, run.input_shape, run.input_dtype,
+                           run.physical_batch_size, run.sample_rate * run.n / (collective.world_size if collective else 1),
+                           plan.exact, AUTOCAST[run.autocast])
     steps = dataset_steps(dataset, poisson_batches(run.n, run.sample_rate, run.steps, seed),
-                          physical_batch_size=run.physical_batch_size, device=torch.device(device), dtype=dtype,
+                          physical_batch_size=chunk, device=torch.device(device), dtype=dtype,
                           n_classes=run.n_classes, collective=collective, num_workers=run.num_workers)
     history = run_dpsgd_steps(model, steps, count=run.steps, clip_norm=run.clip_norm,
                               noise_multiplier=run.noise_multiplier, expected_batch=run.sample_rate * run.n,
@@ -229,6 +238,7 @@ def train_in_process(collective: Collective | None, model: nn.Module, dataset: D
                               progress=run.progress and (collective is None or collective.lead),
                               autocast=AUTOCAST[run.autocast])
     history["world_size"] = collective.world_size if collective else 1
+    history["physical_chunk"] = chunk
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}, history
 
 
@@ -286,7 +296,8 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
                   privacy_units: Sequence[object] | None = None, mlflow_tracking_uri: str | None = None,
                   mlflow_experiment: str = "dpml", mlflow_artifact_location: str | None = None,
                   run_name: str | None = None, progress: bool = False,
-                  allow_delta_above_inverse_n: bool = False, autocast: str = "none") -> PrivateTraining:
+                  allow_delta_above_inverse_n: bool = False, autocast: str = "none",
+                  tune_physical_batch: bool = True) -> PrivateTraining:
     """Train ``model`` in place with DP-SGD on ``dataset`` and certify it (module docstring for the math).
 
     ``dataset``: map-style, ``dataset[i]`` a pair (input tensor, integer label); the labels must lie in
@@ -302,6 +313,8 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     ``mlflow_tracking_uri``: log the run (settings, ε, certificate, weights) to that MLflow store, in
     ``mlflow_experiment`` (created with ``mlflow_artifact_location`` if new; MLflow's default is ./mlruns).
     ``autocast``: ``bf16`` runs the forward pass under bf16 autocast (norms, sums and noise in float32).
+    ``tune_physical_batch``: clip in the fastest chunk of at most ``physical_batch_size`` records, timed
+    on a synthetic probe before training (:mod:`dpml.train.chunking`); the sums are the same either way.
     """
     n = dataset_size(dataset)
     q = check_arguments(n=n, epochs=epochs, clip_norm=clip_norm, delta=delta, target_epsilon=target_epsilon,
@@ -311,7 +324,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
                         physical_batch_size=physical_batch_size, device=device, num_workers=num_workers,
                         world_size=world_size, ledger=ledger, epsilon_budget=epsilon_budget, lineage=lineage,
                         privacy_units=privacy_units, allow_delta_above_inverse_n=allow_delta_above_inverse_n,
-                        autocast=autocast)
+                        autocast=autocast, tune_physical_batch=tune_physical_batch)
     first = _first_record(dataset)
     loss_fn = loss if callable(loss) else loss_function(loss)
     input_dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
@@ -324,7 +337,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     certificate = certify(mechanism, delta)
     run = RunSettings(n, q, steps, sigma, clip_norm, optimizer, learning_rate, momentum, physical_batch_size,
                       str(pick_device(device)), num_workers, number_of_classes(model, first), progress,
-                      autocast)
+                      autocast, tune_physical_batch, tuple(first.shape), input_dtype)
     collective = from_environment()  # under torchrun: this process's rank
     if collective is None and world_size > 1:
         check_picklable("world_size", world_size, model=model, dataset=dataset, loss=loss_fn, optimizer=optimizer)
@@ -366,7 +379,8 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     if mlflow_tracking_uri is not None and lead:
         settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "clip_norm": clip_norm,
                     "epochs": epochs, "delta": delta, "neighbouring": neighbouring, "n": n,
-                    "physical_batch_size": physical_batch_size, "world_size": history.get("world_size", 1),
+                    "physical_batch_size": physical_batch_size, "physical_chunk": history.get("physical_chunk"),
+                    "world_size": history.get("world_size", 1),
                     "spend_id": result.spend_id}
         result.mlflow_run_id = log_to_mlflow(mlflow_tracking_uri, mlflow_experiment, run_name, result, settings,
                                              mlflow_artifact_location)

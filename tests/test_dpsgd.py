@@ -8,6 +8,7 @@ from torch import nn
 from dpml.models.mlp import MlpSpec, build_mlp
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import per_example_cross_entropy, poisson_batch, train_dpsgd
+from dpml.train.noise import gaussian
 
 
 def naive_clipped_sum_and_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -106,8 +107,7 @@ def test_one_dpsgd_step_equals_the_formula() -> None:
     reference = naive_clipped_sum(start, x[batch], y[batch], clip)
     # the step's noise: one flat draw over all parameters, in named_parameters order
     total = sum(p0.numel() for p0 in start.parameters())
-    flat = torch.normal(0.0, sigma * clip, size=(total,), generator=torch.Generator().manual_seed(seed + 1),
-                        dtype=torch.float64)
+    flat = gaussian((total,), sigma * clip, torch.Generator().manual_seed(seed + 1), torch.float64)
     offset = 0
     for name, p0 in start.named_parameters():
         z = flat[offset:offset + p0.numel()].view(p0.shape)

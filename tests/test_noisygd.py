@@ -11,6 +11,7 @@ from torch.func import functional_call, jacrev
 
 from dpml.models.init import SCHEMES, bias_free_relu_mlp, initialise
 from dpml.privacy.kl import gradient_norm_constant, kl_bound, kl_bound_for_relation
+from dpml.train.noise import gaussian
 from dpml.train.noisygd import (KLPairs, LinearisedNetwork, add_one_difference, estimated_kl, flatten,
                                 mean_loss_and_gradient, neighbour_squared_gaps, noisy_gd_step_noise_std,
                                 per_example_gradients, remove_one_difference, replace_one_difference,
@@ -63,7 +64,7 @@ def test_one_step_is_gradient_step_plus_generator_noise() -> None:
     train_noisy_gd(model, x, y, learning_rate=0.1, sigma=0.2, steps=1, loss="logistic", generator=generator)
     std = noisy_gd_step_noise_std(0.1, 0.2)
     for p, w, g in zip(model.parameters(), before, grads):
-        noise = torch.randn(w.shape, generator=replay, dtype=w.dtype)
+        noise = gaussian(w.shape, 1.0, replay, w.dtype)  # the noise module's draws (tests/test_noise.py)
         torch.testing.assert_close(p.detach(), w - 0.1 * g + std * noise, rtol=0, atol=1e-14)
 
 

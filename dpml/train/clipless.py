@@ -40,6 +40,7 @@ from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGa
 from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, per_example_gradients
 from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch
+from dpml.train.noise import gaussian
 
 
 @dataclass(frozen=True)
@@ -187,16 +188,15 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
         scale = 1.0 if threshold is None else threshold / loss_lipschitz  # type: ignore[operator]
         with torch.no_grad():
             for name, p in params.items():
-                noise_sample = torch.normal(0.0, noise_std[name] * scale, size=p.shape, generator=noise_source,
-                                            device=p.device, dtype=p.dtype)
+                noise_sample = gaussian(p.shape, noise_std[name] * scale, noise_source, p.dtype)
                 p.grad = (p.grad + noise_sample) / expected_batch
         optimizer.step()
         project_all(model)
         if loss_clipping is not None and threshold is not None:
             thresholds.append(threshold)
             unclipped_total, seen_total = unclipped_total + unclipped, seen_total + int(batch.numel())
-            noisy = (unclipped + float(torch.normal(0.0, loss_clipping.count_noise, size=(), generator=noise_source,
-                                                     device=x.device))) / expected_batch
+            count_noise = float(gaussian((), loss_clipping.count_noise, noise_source, torch.float64))
+            noisy = (unclipped + count_noise) / expected_batch
             threshold = min(loss_lipschitz, threshold * math.exp(-loss_clipping.learning_rate  # type: ignore[type-var]
                                                                   * (noisy - loss_clipping.quantile)))
         if (step + 1) % steps_per_epoch == 0 or step == steps - 1:

@@ -283,7 +283,7 @@ def plan_clipping(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...
     reject_batch_norm(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ClippingUnsupported("model: it has no trainable parameter")
-    key = None if probe is not None else _architecture(model, loss_fn, input_shape, input_dtype)
+    key = None if probe is not None else architecture_key(model, loss_fn, input_shape, input_dtype)
     if key is not None and key in _PLANS:
         return _PLANS[key]
     device = next(model.parameters()).device
@@ -299,7 +299,7 @@ def plan_clipping(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...
 _PLANS: dict[tuple[Any, ...], ClippingPlan] = {}
 
 
-def _architecture(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> tuple[Any, ...]:
+def architecture_key(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> tuple[Any, ...]:
     """What the plan depends on: the module classes (their code), the model's structure, attributes and
     parameter shapes, the loss and the input. The audit trains many models of one architecture: one probe."""
     attributes = tuple(tuple(sorted((k, repr(v)[:200]) for k, v in vars(m).items() if not k.startswith("_")))

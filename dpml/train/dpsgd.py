@@ -17,7 +17,6 @@ import math
 import os
 import secrets
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
@@ -30,9 +29,11 @@ from torch import nn
 from dpml.devices import host_to_device
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
+from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.distributed import Collective
+from dpml.train.noise import PrefetchedNoise, gaussian_noise
 
 
 @dataclass
@@ -161,60 +162,6 @@ def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float,
     if isinstance(generator, PrefetchedNoise):
         return sums, generator.draw(noise_multiplier * clip_norm), clipped
     return sums, gaussian_noise(params, noise_multiplier * clip_norm, generator), clipped
-
-
-def gaussian_noise(params: dict[str, nn.Parameter], std: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """N(0, std²) i.i.d. for every coordinate of every parameter, on ``generator``'s device.
-
-    One flat buffer per parameter dtype (one in any ordinary model) is filled by one ``normal_`` call
-    from ``generator`` (the run's secret-seeded noise stream: torch's Mersenne Twister on the CPU,
-    Philox on CUDA), and each parameter gets a view of its slice, in ``named_parameters`` order. The
-    draw depends on nothing but the generator's state and the parameters' shapes (never on the data),
-    and a fresh buffer is drawn at every call, so successive steps' noises are independent."""
-    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-    for name, p in params.items():
-        by_dtype.setdefault(p.dtype, []).append((name, p))
-    noises: dict[str, torch.Tensor] = {}
-    for dtype, group in by_dtype.items():
-        flat = torch.empty(sum(p.numel() for _, p in group), dtype=dtype, device=generator.device)
-        flat.normal_(0.0, std, generator=generator)
-        offset = 0
-        for name, p in group:
-            noises[name] = flat[offset:offset + p.numel()].view(p.shape)
-            offset += p.numel()
-    return {name: noises[name] for name in params}
-
-
-class PrefetchedNoise:
-    """A run's noise stream with each step's :func:`gaussian_noise` drawn one step ahead, in a background
-    thread, while the step's clipping runs (on the CPU the draw is serial work that would otherwise
-    hold up the step).
-
-    The draws are the generator's k-th, k+1-th, … ``normal_`` calls, made one at a time by the one
-    worker thread (the generator is touched by no one else while a draw is pending), so step k gets
-    exactly what a synchronous :func:`gaussian_noise` would have drawn at its k-th call: the draw
-    order depends on the step count only, never on the data, and the noise is the same for a given
-    secret seed. ``close`` waits for the pending draw and stops the thread."""
-
-    def __init__(self, generator: torch.Generator, params: dict[str, nn.Parameter], std: float) -> None:
-        self.generator, self.params, self.std = generator, params, std
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpml-noise")
-        self._next: Future[dict[str, torch.Tensor]] = self._submit()
-
-    def _submit(self) -> Future[dict[str, torch.Tensor]]:
-        return self._worker.submit(gaussian_noise, self.params, self.std, self.generator)
-
-    def draw(self, std: float) -> dict[str, torch.Tensor]:
-        """This step's noise (drawn ahead), and the next step's draw started."""
-        if std != self.std:
-            raise ValueError(f"noise std = {std}: this prefetched noise stream draws std {self.std} (σ·C of the run)")
-        noises = self._next.result()
-        self._next = self._submit()
-        return noises
-
-    def close(self) -> None:
-        self._next.result()
-        self._worker.shutdown(wait=True)
 
 
 def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
@@ -354,19 +301,22 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
                 optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
                 canaries: GradientCanaries | None = None, progress: bool = False,
                 loss_fn: LossFn = per_example_cross_entropy, collective: Collective | None = None,
-                autocast: torch.dtype | None = None) -> TrainResult:
+                autocast: torch.dtype | None = None, tune_physical_batch: bool = True) -> TrainResult:
     """Train in place with DP-SGD on records held as tensors; returns the model, its mechanism description
     and a history. ``collective``: this process's place in a distributed run (:mod:`dpml.train.distributed`);
     ``autocast``: ``torch.bfloat16`` for a bf16 forward pass (:func:`dpml.train.clipping.engine_pass`).
 
     Before the first step the clipping engine is checked on a synthetic probe batch of x's shape
     (:func:`dpml.train.clipping_check.plan_clipping`): a layer whose shortcut is wrong for this model
-    takes the exact path, and a model the engine cannot handle exactly is refused."""
+    takes the exact path, and a model the engine cannot handle exactly is refused; ``tune_physical_batch``:
+    chunks of the fastest size ≤ ``physical_batch_size`` (:mod:`dpml.train.chunking`)."""
     if canaries is not None and collective is not None:
         raise ValueError("the audit's gradient canaries run in one process (collective must be None)")
     n = n_total = x.shape[0]
     plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
     steps = number_of_steps(epochs, sample_rate)
+    chunk = physical_chunk(tune_physical_batch, model, loss_fn, tuple(x.shape[1:]), x.dtype, physical_batch_size,
+                           sample_rate * n / (collective.world_size if collective else 1), plan.exact, autocast)
     if canaries is not None:
         slots = torch.as_tensor(canaries.included_slots(), dtype=torch.long)
         coordinates = torch.as_tensor(np.asarray(canaries.coordinates), dtype=torch.long)
@@ -379,7 +329,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
                 records = batch[batch < n]
                 diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
             records = host_to_device(records, x.device)
-            yield Step(batch, tensor_chunks(x[records], y[records], physical_batch_size, diracs is not None), diracs)
+            yield Step(batch, tensor_chunks(x[records], y[records], chunk, diracs is not None), diracs)
 
     history = run_dpsgd_steps(model, steps_of_run(), count=steps, clip_norm=clip_norm,
                               noise_multiplier=noise_multiplier, expected_batch=sample_rate * n_total,
@@ -388,6 +338,7 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
                               observer=canaries.observer if canaries is not None else None,
                               collective=collective, progress=progress, autocast=autocast)
     history["exact_clipping_parameters"] = len(plan.exact_parameters)
+    history["physical_chunk"] = chunk
     mechanism = dpsgd_mechanism(sample_rate, noise_multiplier, epochs, neighbouring, clip_norm, n_total)
     return TrainResult(model, mechanism, history)
 

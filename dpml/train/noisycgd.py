@@ -36,6 +36,7 @@ from dpml.privacy.mechanism import GaussianDP, MechanismDescription
 from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, clipped_gradient_sum
 from dpml.train.dpsgd import TrainResult
+from dpml.train.noise import gaussian
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,7 @@ def train_noisycgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, settin
                 clipped = clipped + (norms > settings.clip_norm).sum()
             with torch.no_grad():
                 for name, p in params.items():
-                    noise = torch.normal(0.0, noise_std, size=p.shape, generator=noise_source, device=p.device,
-                                         dtype=p.dtype)
+                    noise = gaussian(p.shape, noise_std, noise_source, p.dtype)
                     p.sub_(eta * (sums[name] / b + l2 * p + noise))
     history = {
         "steps": settings.epochs * len(batches),

@@ -53,6 +53,7 @@ from torch import nn
 from torch.func import functional_call, jvp
 
 from dpml.progress import progress_range
+from dpml.train.noise import gaussian
 from dpml.train.noisygd_kl import (KL_CONVENTION, KL_LABEL, LOSSES, PROBE_CHUNK, RELATIONS, KLPairs, LinearFactors,
                                    _GapRecorder, _require_positive, add_one_difference, check_loss_targets,
                                    estimated_kl, flatten, linear_layers, mean_loss_and_gradient,
@@ -193,9 +194,10 @@ def train_noisy_gd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, learni
 
 def noisy_gd_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], learning_rate: float,
                     noise_std: float, generator: torch.Generator) -> None:
-    """In place: W ← W − η g + noise_std · Z, Z ~ N(0, I) from ``generator`` (drawn on its device, per parameter)."""
+    """In place: W ← W − η g + noise_std · Z, Z ~ N(0, I) from ``generator`` (drawn on its device in float64,
+    per parameter: :func:`dpml.train.noise.gaussian`)."""
     with torch.no_grad():
         for p, g in zip(params, grads):
-            noise = torch.randn(p.shape, generator=generator, device=generator.device, dtype=p.dtype)
+            noise = gaussian(p.shape, 1.0, generator, p.dtype)
             p.add_(g, alpha=-learning_rate)
             p.add_(noise.to(p.device), alpha=noise_std)

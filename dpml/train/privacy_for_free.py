@@ -43,6 +43,7 @@ from dpml.privacy.closed_forms import epsilon_moments_closed_form
 from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
 from dpml.train.clipping import clip_factors
 from dpml.train.dpsgd import secret_noise_seed
+from dpml.train.noise import gaussian
 
 NOISE_TAG = 2002  # mixed into the noise seed (noise_stream_seed)
 
@@ -200,7 +201,7 @@ def train_dpgd_random_features(model: RandomFeatures, x: torch.Tensor, y: torch.
             mean_gradient = phi.t() @ (2.0 * factors[:, None] * residual) / n
             theta -= learning_rate * mean_gradient
             if noise_std > 0:
-                theta += noise_std * torch.randn(theta.shape, generator=generator, dtype=dtype)
+                theta += noise_std * gaussian(theta.shape, 1.0, generator, dtype)
         model.weight.copy_(theta)
         final_loss = float((phi @ theta - targets).pow(2).sum() / n)
     mechanism = dpgd_mechanism(learning_rate, sigma, steps, clip_norm, n) if sigma > 0 else None

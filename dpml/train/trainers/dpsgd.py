@@ -28,11 +28,16 @@ if TYPE_CHECKING:
 
 
 class DpSgdSettings(TrainSettings):
+    """``tune_physical_batch``: clip each batch in the fastest chunk of at most ``physical_batch_size`` rows,
+    measured on a synthetic probe before training (:mod:`dpml.train.chunking`); off, the chunks are
+    ``physical_batch_size`` rows. The sums, and so the privacy, are the same either way."""
+
     algorithm: Literal["dpsgd"] = "dpsgd"
+    tune_physical_batch: bool = True
 
 
-class DpGdSettings(TrainSettings):
-    algorithm: Literal["dpgd"]
+class DpGdSettings(DpSgdSettings):
+    algorithm: Literal["dpgd"]  # type: ignore[assignment]
 
 
 def exactly_one_noise_setting(config: Config) -> list[str]:
@@ -117,7 +122,8 @@ class DpSgd(Trainer):
                            optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
                            seed=noise_seed, physical_batch_size=train.physical_batch_size, canaries=canaries,
                            progress=progress, loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha),
-                           collective=collective, autocast=AUTOCAST[train.autocast])
+                           collective=collective, autocast=AUTOCAST[train.autocast],
+                           tune_physical_batch=train.tune_physical_batch)
 
     def audit_with_gradient_canaries(self, config: Config) -> bool:
         # The canary hook adds Dirac gradients to the clipped sum of the engine's layers; the random-features
