@@ -100,9 +100,12 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
     dp_model, flat = model, x
     if model_name == "mlp":
         dp_model, flat = model[1:], x.reshape(batch, -1)  # the Flatten done once here; the Linear layers take rows
-    # the trainer's chunk (train.tune_physical_batch, physical_batch_size ≥ the batch): timed on a synthetic probe
-    chunk = fastest_chunk(dp_model, per_example_cross_entropy, tuple(flat.shape[1:]), flat.dtype, batch, batch,
-                          autocast=autocast).chunk
+    if method in ("nonprivate-chunked", "dpml", "dpml-bf16"):
+        # the trainer's chunk (train.tune_physical_batch, physical_batch_size ≥ the batch), timed on a synthetic probe
+        chunk = fastest_chunk(dp_model, per_example_cross_entropy, tuple(flat.shape[1:]), flat.dtype, batch, batch,
+                              autocast=autocast).chunk
+    else:
+        chunk = batch  # dpml-one-chunk; the peers do not chunk
     if method == "nonprivate-chunked":  # the same step by gradient accumulation over dpml's chunks
         def accumulated() -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -112,8 +115,6 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
         accumulated.chunk = chunk  # type: ignore[attr-defined]
         return accumulated
     if method in ("dpml", "dpml-one-chunk", "dpml-bf16"):
-        if method == "dpml-one-chunk":
-            chunk = batch
         model = dp_model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         params = trainable_parameters(model)

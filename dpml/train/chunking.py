@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class ChunkChoice:
 def candidate_chunks(bound: int, expected_batch: float) -> list[int]:
     """16, 32, 64, … below the largest useful chunk, then that chunk: ``bound`` (the memory limit), or the
     expected batch q·n rounded up when it is smaller (a larger chunk than a batch is never filled)."""
-    largest = max(1, min(int(bound), int(-(-expected_batch // 1))))
+    largest = max(1, min(int(bound), math.ceil(expected_batch)))
     sizes, size = [], SMALLEST
     while size < largest:
         sizes.append(size)

@@ -16,9 +16,10 @@ uniforms at about half the speed of NumPy's SFC64 in an ad hoc measurement (Doty
 fast chaotic generator, 256-bit state, reported to pass PractRand and TestU01's BigCrush, whose
 linear-complexity tests MT19937 fails), so each call takes 4 × 62 bits from the secret-seeded torch
 generator and seeds a fresh SFC64 stream with them (through NumPy's ``SeedSequence``): the draw is
-still a function of the generator's state alone, and as secret as its seed. The transcendental functions run in float32 for float32 output: 1 − U is
-exact in float64 and keeps its 24 leading bits in float32 (float32 reaches 2⁻⁵³ with full
-precision), so the bound and the tail are those of the 53-bit uniform.
+still a function of the generator's state alone, and as secret as its seed. The transcendental
+functions run in float32 for float32 output: 1 − U is exact in float64 and keeps its 24 leading bits
+in float32 (float32 reaches 2⁻⁵³ with full precision), so the bound and the tail are those of the
+53-bit uniform.
 """
 
 from __future__ import annotations
