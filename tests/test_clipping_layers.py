@@ -8,7 +8,7 @@ import torch
 from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
-from dpml.train import clipping, clipping_layers
+from dpml.train import clipping, clipping_conv, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -332,14 +332,18 @@ class Convs(nn.Module):
         return self.out(torch.tanh(self.deep(torch.tanh(self.wide(x)))).flatten(1))
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_conv_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list) -> None:
+@pytest.mark.parametrize("keep, slice_elements", [(True, 1 << 19), (True, 1300), (False, 1 << 19)])
+def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypatch: pytest.MonkeyPatch,
+                                      vmapped: list) -> None:
     """Every Conv2d path equals the one-example-at-a-time loop. Kept (keep): both layers materialise, ``wide``
-    by a grouped convolution (T > C_out), ``deep`` from its patches (T ≤ C_out), and the sums come from
-    the kept gradients. Not kept: ``wide`` still materialises for its norms (T² > C_in·kh·kw·C_out),
-    ``deep`` takes the ghost norm, and both sums come from the weight-gradient convolution."""
+    by a grouped convolution (T > C_out) and its sums come from the kept gradients, ``deep`` from its
+    patches a slice of examples at a time (T ≤ C_out: all 9 in one slice, or 2 per slice with the last
+    one short) and its sums by the weight-gradient convolution. Not kept: ``wide`` still materialises
+    for its norms (T² > C_in·kh·kw·C_out), ``deep`` takes the ghost norm, and both sums come from the
+    weight-gradient convolution."""
     if not keep:
         monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    monkeypatch.setattr(clipping_conv, "PATCH_SLICE_ELEMENTS", slice_elements)  # deep: 10·27 + 12·27 = 594 a row
     torch.manual_seed(3)
     model = Convs().double()
     g = torch.Generator().manual_seed(4)
@@ -442,7 +446,7 @@ def test_each_conv_way_is_picked_by_device_and_shape() -> None:
     way = clipping_layers.per_example_conv_way
     assert way("cpu", 16, 784, 64) == "weight gradient"   # T > C_out, at least 8 input channels
     assert way("cpu", 3, 1024, 16) == "grouped forward"   # T > C_out, an image of few channels
-    assert way("cpu", 64, 49, 256) == "patches"           # T ≤ C_out
+    assert way("cpu", 64, 49, 256) == "patch slices"      # T ≤ C_out
     assert way("cuda", 64, 784, 64) == way("cuda", 1, 196, 16) == "patches"
 
 
@@ -471,4 +475,31 @@ def test_convolutions_of_eight_channels_match_naive_loop(keep: bool, monkeypatch
     assert clipping_layers.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
     assert clipping_layers.materialise(6, 72, 72, 8)  # the first layer materialises (kept or not)
     assert_matches_naive_loop(model, x, labels(6), 0.05)
+    assert vmapped == []
+
+
+class TwoBranches(nn.Module):
+    """Two dense layers and two convolutions whose outputs are added: autograd hands each pair one and the
+    same gradient tensor (``AddBackward`` passes it on to both), so a shortcut that scaled its δ in place
+    would scale its partner's too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_a, self.conv_b = nn.Conv2d(2, 6, 3, stride=2), nn.Conv2d(2, 6, 3, stride=2)  # T = 9 ≤ C_out
+        self.left, self.right = nn.Linear(6 * 9, 5), nn.Linear(6 * 9, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv_a(x) + self.conv_b(x)).flatten(1)
+        return self.out(torch.tanh(self.left(h) + self.right(h)))
+
+
+def test_layers_whose_outputs_are_added_match_naive_loop(vmapped: list) -> None:
+    torch.manual_seed(12)
+    model = TwoBranches().double()
+    x = torch.randn(7, 2, 7, 7, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    a, b = model.conv_a(x), model.conv_b(x)
+    grad_a, grad_b = torch.autograd.grad((a + b).tanh().sum(), [a, b])
+    assert grad_a.data_ptr() == grad_b.data_ptr()  # the premise: one gradient tensor for both
+    assert_matches_naive_loop(model, x, labels(7), 0.05)
     assert vmapped == []

@@ -226,18 +226,26 @@ def test_patches_equal_torch_unfold(kernel: tuple, stride: tuple, padding: tuple
     x = torch.randn(3, 2, 11, 12, dtype=torch.float64)
     expected = torch.nn.functional.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
     assert torch.equal(unfold_patches(x, kernel, stride, padding, dilation), expected)
+    from dpml.train.clipping_conv import channels_last_patches  # the same patches, channel fastest
+
+    last = channels_last_patches(x, kernel, stride, padding, dilation)  # (B, T, kh·kw·C)
+    reordered = expected.reshape(3, 2, kernel[0] * kernel[1], -1).permute(0, 3, 2, 1).reshape(last.shape)
+    assert torch.equal(last, reordered)
+    assert torch.equal(channels_last_patches(x.contiguous(memory_format=torch.channels_last), kernel, stride, padding,
+                                             dilation), reordered)
 
 
 def test_prefetched_noise_is_the_synchronous_draw_sequence() -> None:
-    """The noise drawn a step ahead in the background is exactly what synchronous draws from the same
-    seed give, step after step (fresh each step), and a std other than the stream's is refused."""
+    """The noise drawn a step ahead in the background (into two alternating buffers) is exactly what
+    synchronous draws from the same seed give, step after step (fresh each step; each draw valid until
+    the next), and a std other than the stream's is refused."""
     from dpml.train.dpsgd import PrefetchedNoise, gaussian_noise
 
     params = dict(build_mlp(MlpSpec(6, (8,), 3)).named_parameters())
     stream = PrefetchedNoise(torch.Generator().manual_seed(9), params, 0.7)
     reference = torch.Generator().manual_seed(9)
     try:
-        draws = [stream.draw(0.7) for _ in range(3)]
+        draws = [{name: value.clone() for name, value in stream.draw(0.7).items()} for _ in range(3)]
         with pytest.raises(ValueError, match="noise std = 1.4"):
             stream.draw(1.4)
     finally:
@@ -249,3 +257,4 @@ def test_prefetched_noise_is_the_synchronous_draw_sequence() -> None:
             assert draw[name].shape == p.shape
             assert torch.equal(draw[name], expected[name])
     assert not torch.equal(draws[0]["0.weight"], draws[1]["0.weight"])
+    assert not torch.equal(draws[0]["0.weight"], draws[2]["0.weight"])

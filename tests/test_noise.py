@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def box_muller(count: int, std: float, seed: int) -> torch.Tensor:
-    """The construction written out: 4 × 62 bits from the torch generator seed an SFC64 stream; U in
-    float64, V in float32 from it; R = std·√(−2 ln(1 − U)) in float32; (R cos 2πV, R sin 2πV)."""
+    """The construction written out: 4 × 62 bits from the torch generator seed an SFC64 stream; all the U
+    in float64, then all the V in float32 from it; R = std·√(−2 ln(1 − U)) in float32; (R cos 2πV, R sin 2πV)."""
     generator, half = torch.Generator().manual_seed(seed), (count + 1) // 2
     key = torch.randint(0, 2 ** 62, (4,), generator=generator).tolist()
     stream = np.random.Generator(np.random.SFC64(np.random.SeedSequence(key)))
@@ -42,6 +42,8 @@ def test_float32_parameters_get_the_53_bit_box_muller_draw() -> None:
     flat = torch.cat([noise[name].reshape(-1) for name in params])
     assert flat.dtype == torch.float32 and all(noise[n].shape == p.shape for n, p in params.items())
     torch.testing.assert_close(flat, box_muller(flat.numel(), 0.8, 5), rtol=1e-6, atol=1e-6)
+    odd = gaussian((300_001,), 1.5, torch.Generator().manual_seed(6), torch.float32)
+    torch.testing.assert_close(odd, box_muller(300_001, 1.5, 6), rtol=1e-6, atol=1e-6)
     assert gaussian((4, 5), 1.0, torch.Generator(), torch.float64).shape == (4, 5)
     assert gaussian((), 1.0, torch.Generator(), torch.float32).shape == ()
 

@@ -12,8 +12,9 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
   own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A convolution's
-  per-example gradients come from its patches by a batched product, or without patches from one
-  convolution with the examples as groups (:func:`per_example_conv_way` picks by device and shape).
+  per-example gradients come from its patches by a batched product (on a CPU a cache-sized slice of
+  examples at a time, for the norms only), or without patches from one convolution with the
+  examples as groups (:func:`per_example_conv_way` picks by device and shape).
   A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
@@ -44,7 +45,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from dpml.train.clipping_conv import (Geometry, as_2d, conv_geometry, conv_per_example_gradients,
-                                      conv_per_example_gradients_by_weight_grad, unfold_patches)
+                                      conv_per_example_gradients_by_weight_grad, patch_slice_norms_squared,
+                                      unfold_patches)
 
 ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
 
@@ -225,15 +227,18 @@ def per_example_conv_way(device_type: str, in_channels: int, count: int, out_cha
     """How :func:`_conv_piece` materialises a Conv2d's per-example gradients (B, C_out, C_in·kh·kw), by the
     measurements of ``benchmarks/conv_per_example.py`` (``results/conv_per_example*.md``):
 
-    - ``"patches"``: unfold the patches and take one batched product, where the gradient is at least as
-      large as a channel's patches (T ≤ C_out), and always on a GPU (there a convolution with B groups
-      runs CUDA's slow depthwise kernel);
-    - else on a CPU ``"weight gradient"``: the weight gradient of one convolution with B groups
+    - where the gradient is at least as large as a channel's patches (T ≤ C_out): from the patches by
+      batched products — on a GPU ``"patches"``, the whole batch at once; on a CPU ``"patch slices"``
+      (:func:`dpml.train.clipping_conv.patch_slice_norms_squared`), a cache-sized slice of examples at a time, for the norms only;
+    - else on a GPU ``"patches"`` too (there a convolution with B groups runs CUDA's slow depthwise
+      kernel), and on a CPU ``"weight gradient"``: the weight gradient of one convolution with B groups
       (:func:`conv_per_example_gradients_by_weight_grad`), from ``WEIGHT_GRAD_MIN_CHANNELS`` input
       channels up; below that ``"grouped forward"`` (:func:`conv_per_example_gradients`), which is
       faster for images of one to a few channels."""
-    if count <= out_channels or device_type == "cuda":
+    if device_type == "cuda":
         return "patches"
+    if count <= out_channels:
+        return "patch slices"
     return "weight gradient" if in_channels >= WEIGHT_GRAD_MIN_CHANNELS else "grouped forward"
 
 
@@ -241,8 +246,8 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
     per-example gradients (:func:`materialise` decides), the latter in the way
     :func:`per_example_conv_way` picks for the device and shape. The clipped sum: from the kept
-    per-example gradients, or else without patches, by the layer's own weight-gradient convolution of
-    the clip-weighted δ."""
+    per-example gradients, or else (also after ``"patch slices"``, which keep none) without patches, by
+    the layer's own weight-gradient convolution of the clip-weighted δ."""
     batch, out_channels = output_grad.shape[:2]
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
@@ -255,15 +260,19 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
             way = per_example_conv_way(inputs.device.type, module.in_channels, count, out_channels)
-            if way == "weight gradient":
+            if way == "patch slices":
+                per_example = None
+                squared = squared + patch_slice_norms_squared(inputs, d, geometry)
+            elif way == "weight gradient":
                 per_example = conv_per_example_gradients_by_weight_grad(module, inputs, output_grad)
             elif way == "grouped forward":
                 per_example = conv_per_example_gradients(module, inputs, output_grad)
             else:
                 a = unfold_patches(inputs, *geometry)
                 per_example = torch.bmm(d, a.transpose(1, 2))  # (B, C_out, C_in·kh·kw)
-            squared = squared + row_norms_squared(per_example)
-            kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
+            if per_example is not None:
+                squared = squared + row_norms_squared(per_example)
+                kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
