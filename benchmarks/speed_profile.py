@@ -95,7 +95,7 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
              "  clipped_gradient_sum (all of the above + norms + clipped sums)": clipping,
              f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, in NumPy, into buffers "
              f"allocated once ({total:,} parameters; a step ahead, in a background thread)": noise,
-             "  (not used by DP-SGD) the same draw into fresh buffers (`gaussian_noise`: new pages every draw)":
+             "  the same draw into fresh buffers (`gaussian_noise`, the synchronous draw: new pages every draw)":
                  noise_in_fresh_buffers,
              "  (not used) torch's float32 normal_, tails cut at 5.77σ": lambda: float32_buffer.normal_(generator=generator),
              "  (not used) torch's float64 normal_": lambda: float64_buffer.normal_(generator=generator)}

@@ -8,7 +8,7 @@ import torch
 from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
-from dpml.train import clipping, clipping_conv, clipping_layers
+from dpml.train import clipping, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -343,7 +343,7 @@ def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypat
     weight-gradient convolution."""
     if not keep:
         monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
-    monkeypatch.setattr(clipping_conv, "PATCH_SLICE_ELEMENTS", slice_elements)  # deep: 10·27 + 12·27 = 594 a row
+    monkeypatch.setattr(clipping_layers, "PATCH_SLICE_ELEMENTS", slice_elements)  # deep: 10·27 + 12·27 = 594 a row
     torch.manual_seed(3)
     model = Convs().double()
     g = torch.Generator().manual_seed(4)

@@ -75,27 +75,6 @@ def channels_last_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tupl
     return patches.reshape(batch, out_h * out_w, kh * kw * channels)
 
 
-PATCH_SLICE_ELEMENTS = 1 << 19  # numbers of patches and gradients per slice of examples (2 MiB in float32)
-
-
-def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-    """‖∇_W ℓ_i‖_F² of a Conv2d for every example, ∇_W ℓ_i = δ_i A_i with δ_i (C_out, T) and A_i (T, kh·kw·C_in)
-    the example's channels-last patches (:func:`channels_last_patches`; the columns of ∇_W ℓ_i come in
-    another order than W's, which leaves the norm unchanged), a slice of examples at a time: each slice's
-    patches and gradients (at most ``PATCH_SLICE_ELEMENTS`` numbers) stay in the cache between the copy,
-    the product and the norm (one fused reduction), instead of a whole batch's passing through memory three times (on the
-    Opacus example CNN's second convolution, batch 512, 2 threads: ≈4 against ≈10 ms in the step, ad hoc)."""
-    batch, out_channels, count = d.shape
-    patch = inputs.shape[1] * geometry[0][0] * geometry[0][1]
-    step = max(1, PATCH_SLICE_ELEMENTS // (count * patch + out_channels * patch))
-    last = inputs.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # one channels-last copy for every slice
-    squared = d.new_empty(batch)
-    for start in range(0, batch, step):
-        grads = torch.bmm(d[start:start + step], channels_last_patches(last[start:start + step], *geometry))
-        squared[start:start + step] = torch.linalg.vector_norm(grads.reshape(grads.shape[0], -1), dim=1).square()
-    return squared
-
-
 def conv_per_example_gradients(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
     """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in·kh·kw), by one grouped convolution
     and without unfolding the patches (Rochette et al. 2019): the input's channels become the batch,
