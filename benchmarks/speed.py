@@ -3,16 +3,17 @@
 For each (model, batch size) every method gets its own copy of the model (same initialisation) and
 the same fixed batch, all in this one process; after two warm-up steps each, the timed rounds
 alternate the methods (round r: one non-private step, one dpml step, one step of each peer), so
-that the load of a shared machine falls on all of them alike. dpml's CPU step leaves the next step's
-noise drawing in a background thread (``PrefetchedNoise``); so that this work neither escapes dpml's
-time nor lands in the next method's, each dpml turn is an untimed lead-in step and a timed step (whose
-clipping overlaps the draw the lead-in started, as in a training loop), and the timed step's own draw
-is waited for, untimed, before the next method runs. The table reports each method's
+that the load of a shared machine falls on all of them alike. Where torch's threads leave a core
+idle, dpml's CPU step leaves the next step's noise drawing in a background thread (``PrefetchedNoise``;
+with every core taken it draws in the step, ``SynchronousNoise``, as the trainer does); so that this work
+neither escapes dpml's time nor lands in the next method's, each dpml turn is an untimed lead-in step
+and a timed step (whose clipping overlaps the draw the lead-in started, as in a training loop), and the
+timed step's own draw is waited for, untimed, before the next method runs. The table reports each method's
 median step time and its ratio to the non-private median of the same model and batch. Opacus'
 steps are timed in ``--peer-rounds`` evenly spaced rounds only (its hooks take seconds per step
 at batch 4096). Fashion-MNIST shapes (1×28×28, 10 classes), random data, SGD, a fixed batch (the
 sampling is not what is timed); the dpml step is the trainer's own (clipped sums and noise from
-``clipped_sum_and_noise``, the noise drawn a step ahead on the CPU, added in place, divided by the batch),
+``clipped_sum_and_noise``, the noise from the trainer's CPU stream, added in place, divided by the batch),
 clipping in the chunk the trainer would take (``train.tune_physical_batch``, with ``physical_batch_size``
 at least the batch: :func:`dpml.train.chunking.fastest_chunk`, timed before the rounds on a synthetic
 probe). Two rows separate what the chunk does from what DP costs: ``dpml-one-chunk`` clips the whole
@@ -94,7 +95,7 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
     sys.path.insert(0, str(ROOT))
     from dpml.train.chunking import fastest_chunk
     from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
-    from dpml.train.noise import PrefetchedNoise
+    from dpml.train.noise import cpu_noise_stream
 
     autocast = torch.bfloat16 if method == "dpml-bf16" else None
     dp_model, flat = model, x
@@ -119,8 +120,8 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         params = trainable_parameters(model)
         generator = torch.Generator(device=x.device).manual_seed(0)
-        if x.device.type == "cpu":  # as run_dpsgd_steps: the next step's noise drawn in the background
-            generator = PrefetchedNoise(generator, params, 1.0)
+        if x.device.type == "cpu":  # as run_dpsgd_steps: a step ahead where a core is idle, else in the step
+            generator = cpu_noise_stream(generator, params, 1.0)
 
         def dp_step() -> None:  # as run_dpsgd_steps: the noise added to the step's own sums, in place
             sums, noises, _ = clipped_sum_and_noise(model, flat, y, 1.0, 1.0, chunk, generator, autocast=autocast)

@@ -6,9 +6,10 @@ Times (the parts run in turn, round after round; medians after warm-up) of: the 
 loss, backward, SGD update); dpml's whole DP step; and its parts — the forward pass with the layer
 hooks and the backward pass to the layer outputs, the per-example norms and clipped sums (the rest
 of ``clipped_gradient_sum``), and the Gaussian noise for every parameter (one flat draw, as the
-trainer's :func:`gaussian_noise`; the trainer on the CPU draws it a step ahead in a background
-thread, off the step's critical path, into buffers allocated once; the "DP step" here draws it in line,
-into fresh buffers), the same draw into fresh buffers, next to torch's own
+trainer's :func:`gaussian_noise`; the trainer on the CPU draws it into buffers allocated once, a step
+ahead in a background thread where a core is idle, else in the step; the "DP step" here draws it in
+line, into fresh buffers): in compiled code (``_boxmuller.c``, compiled on first use) and in NumPy (the
+fallback where there is no C compiler, the same numbers), the same draw into fresh buffers, next to torch's own
 float32 and float64 ``normal_`` over as many numbers (not used: the float32 one cuts the tails at
 5.77σ, :mod:`dpml.train.noise`). Same models as ``speed.py``.
 """
@@ -34,6 +35,7 @@ from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E
 from dpml.train.clipping_layers import is_fast  # noqa: E402
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy  # noqa: E402
 from dpml.train.noise import BoxMullerBuffers, gaussian_noise  # noqa: E402
+from dpml.train.noise_kernel import compiled_draw  # noqa: E402
 
 
 def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
@@ -81,10 +83,9 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
 
     named = dict(model.named_parameters())
     total = sum(p.numel() for p in params)
-    reused = BoxMullerBuffers(total, torch.float32)
-
-    def noise() -> None:
-        reused.draw(1.0, generator)
+    compiled, in_numpy = BoxMullerBuffers(total, torch.float32), BoxMullerBuffers(total, torch.float32, compiled=False)
+    if compiled_draw() is None:
+        raise SystemExit("dpml/train/_boxmuller.c did not compile here (no C compiler?): the profile times both draws")
 
     def noise_in_fresh_buffers() -> None:
         gaussian_noise(named, 1.0, generator)
@@ -93,10 +94,11 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
     parts = {"non-private step": nonprivate, "dpml DP step": dp_step,
              "  forward + backward to layer outputs": forward_backward_to_outputs,
              "  clipped_gradient_sum (all of the above + norms + clipped sums)": clipping,
-             f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, in NumPy, into buffers "
-             f"allocated once ({total:,} parameters; a step ahead, in a background thread)": noise,
-             "  the same draw into fresh buffers (`gaussian_noise`, the synchronous draw: new pages every draw)":
-                 noise_in_fresh_buffers,
+             f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, compiled, into buffers "
+             f"allocated once ({total:,} parameters)": lambda: compiled.draw(1.0, generator),
+             "  the same draw in NumPy (the fallback where no C compiler is found)":
+                 lambda: in_numpy.draw(1.0, generator),
+             "  the compiled draw into fresh buffers (`gaussian_noise`: new pages every draw)": noise_in_fresh_buffers,
              "  (not used) torch's float32 normal_, tails cut at 5.77σ": lambda: float32_buffer.normal_(generator=generator),
              "  (not used) torch's float64 normal_": lambda: float64_buffer.normal_(generator=generator)}
     return list(interleaved_medians_ms(parts, repeats).items())

@@ -1,4 +1,5 @@
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -235,14 +236,15 @@ def test_patches_equal_torch_unfold(kernel: tuple, stride: tuple, padding: tuple
                                              dilation), reordered)
 
 
-def test_prefetched_noise_is_the_synchronous_draw_sequence() -> None:
-    """The noise drawn a step ahead in the background (into two alternating buffers) is exactly what
-    synchronous draws from the same seed give, step after step (fresh each step; each draw valid until
-    the next), and a std other than the stream's is refused."""
-    from dpml.train.dpsgd import PrefetchedNoise, gaussian_noise
+@pytest.mark.parametrize("stream_class", ["PrefetchedNoise", "SynchronousNoise"])
+def test_cpu_noise_streams_are_the_synchronous_draw_sequence(stream_class: str) -> None:
+    """The noise drawn a step ahead in the background (into two alternating buffers), or in the step into
+    one buffer, is exactly what fresh synchronous draws from the same seed give, step after step (each
+    draw valid until the next), and a std other than the stream's is refused."""
+    from dpml.train import noise
 
     params = dict(build_mlp(MlpSpec(6, (8,), 3)).named_parameters())
-    stream = PrefetchedNoise(torch.Generator().manual_seed(9), params, 0.7)
+    stream = getattr(noise, stream_class)(torch.Generator().manual_seed(9), params, 0.7)
     reference = torch.Generator().manual_seed(9)
     try:
         draws = [{name: value.clone() for name, value in stream.draw(0.7).items()} for _ in range(3)]
@@ -251,10 +253,28 @@ def test_prefetched_noise_is_the_synchronous_draw_sequence() -> None:
     finally:
         stream.close()
     for draw in draws:
-        expected = gaussian_noise(params, 0.7, reference)
+        expected = noise.gaussian_noise(params, 0.7, reference)
         assert list(draw) == list(params)
         for name, p in params.items():
             assert draw[name].shape == p.shape
             assert torch.equal(draw[name], expected[name])
     assert not torch.equal(draws[0]["0.weight"], draws[1]["0.weight"])
     assert not torch.equal(draws[0]["0.weight"], draws[2]["0.weight"])
+
+
+def test_the_noise_is_drawn_ahead_only_where_torch_leaves_a_core_idle() -> None:
+    from dpml.train.noise import PrefetchedNoise, SynchronousNoise, cpu_noise_stream
+
+    params = dict(nn.Linear(3, 2).named_parameters())
+    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        stream = cpu_noise_stream(torch.Generator(), params, 1.0)
+        assert isinstance(stream, SynchronousNoise)
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            stream = cpu_noise_stream(torch.Generator(), params, 1.0)
+            assert isinstance(stream, PrefetchedNoise)
+            stream.close()
+    finally:
+        torch.set_num_threads(threads)

@@ -14,38 +14,77 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 from torch import nn
 
-from dpml.train.noise import PrefetchedNoise, gaussian, gaussian_noise
+from dpml.train import noise, noise_kernel
+from dpml.train.noise import BoxMullerBuffers, PrefetchedNoise, gaussian, gaussian_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def box_muller(count: int, std: float, seed: int) -> torch.Tensor:
-    """The construction written out: 4 × 62 bits from the torch generator seed an SFC64 stream; all the U
-    in float64, then all the V in float32 from it; R = std·√(−2 ln(1 − U)) in float32; (R cos 2πV, R sin 2πV)."""
+    """The construction written out: 4 × 62 bits from the torch generator seed a SeedSequence that spawns
+    4 SFC64 streams; ⌈count/2⌉ pairs rounded up to 4q, stream k draws the q U of pairs kq … in float64,
+    then their q V in float32; R = std·√(−2 ln(1 − U)) in float32; all the R cos 2πV, then all the R sin 2πV."""
     generator, half = torch.Generator().manual_seed(seed), (count + 1) // 2
+    q = -(-half // 4)
     key = torch.randint(0, 2 ** 62, (4,), generator=generator).tolist()
-    stream = np.random.Generator(np.random.SFC64(np.random.SeedSequence(key)))
-    u = torch.from_numpy(stream.random(half))
-    v = torch.from_numpy(stream.random(half, dtype=np.float32))
+    streams = [np.random.Generator(np.random.SFC64(child)) for child in np.random.SeedSequence(key).spawn(4)]
+    uniforms = [(stream.random(q), stream.random(q, dtype=np.float32)) for stream in streams]
+    u = torch.from_numpy(np.concatenate([pair[0] for pair in uniforms]))
+    v = torch.from_numpy(np.concatenate([pair[1] for pair in uniforms]))
     radius = std * torch.sqrt(-2.0 * torch.log((1.0 - u).float()))
     theta = v * (2 * math.pi)
     return torch.cat([radius * torch.cos(theta), radius * torch.sin(theta)])[:count]
 
 
-def test_float32_parameters_get_the_53_bit_box_muller_draw() -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_float32_parameters_get_the_53_bit_box_muller_draw(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if compiled and noise_kernel.compiled_draw() is None:
+        pytest.skip("no C compiler here (or it failed: test_the_compiled_draw_is_the_numpy_draw says): NumPy draws")
+    if not compiled:
+        monkeypatch.setattr(noise, "compiled_draw", lambda: None)
+    assert (BoxMullerBuffers(10, torch.float32).compiled is not None) == compiled  # the path under test
     params = dict(nn.Sequential(nn.Linear(30, 20), nn.Linear(20, 3)).named_parameters())
-    noise = gaussian_noise(params, 0.8, torch.Generator().manual_seed(5))
-    flat = torch.cat([noise[name].reshape(-1) for name in params])
-    assert flat.dtype == torch.float32 and all(noise[n].shape == p.shape for n, p in params.items())
+    drawn = gaussian_noise(params, 0.8, torch.Generator().manual_seed(5))
+    flat = torch.cat([drawn[name].reshape(-1) for name in params])
+    assert flat.dtype == torch.float32 and all(drawn[n].shape == p.shape for n, p in params.items())
     torch.testing.assert_close(flat, box_muller(flat.numel(), 0.8, 5), rtol=1e-6, atol=1e-6)
     odd = gaussian((300_001,), 1.5, torch.Generator().manual_seed(6), torch.float32)
     torch.testing.assert_close(odd, box_muller(300_001, 1.5, 6), rtol=1e-6, atol=1e-6)
     assert gaussian((4, 5), 1.0, torch.Generator(), torch.float64).shape == (4, 5)
     assert gaussian((), 1.0, torch.Generator(), torch.float32).shape == ()
+
+
+def test_the_compiled_draw_is_the_numpy_draw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_boxmuller.c``, compiled here into an empty cache (so a broken C file fails this test wherever a
+    compiler exists, although the trainer would quietly fall back to NumPy), draws the same numbers as the
+    NumPy path: the same uniforms bit for bit, float32 functions a few ulp apart. A second use loads the
+    cached library instead of compiling again, and a changed source compiles anew."""
+    if noise_kernel.c_compiler() is None:
+        pytest.skip("no C compiler here: the noise is drawn in NumPy (the compiled path cannot be built)")
+    library = noise_kernel.compile_kernel(tmp_path)
+    assert library is not None and library.parent == tmp_path, "the C compiler failed on _boxmuller.c"
+    built = noise_kernel.load_kernel(library)
+    assert built is not None
+    for count, std, seed in [(1, 1.0, 0), (2, 0.3, 1), (9, 2.0, 2), (8193, 1.0, 3), (300_001, 4.0, 4)]:
+        reference = BoxMullerBuffers(count, torch.float32, compiled=False).draw(std, torch.Generator().manual_seed(seed))
+        drawn = BoxMullerBuffers(count, torch.float32, compiled=False)
+        drawn.compiled = built
+        fast = drawn.draw(std, torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(fast, reference, rtol=2e-6, atol=2e-6 * std)
+        assert fast.abs().max() <= 8.58 * std  # the 53-bit bound
+    modified = library.stat().st_mtime_ns
+    assert noise_kernel.compile_kernel(tmp_path) == library and library.stat().st_mtime_ns == modified  # cached
+    changed = tmp_path / "changed.c"
+    changed.write_text(noise_kernel.SOURCE.read_text() + "\n/* another version */\n")
+    monkeypatch.setattr(noise_kernel, "SOURCE", changed)
+    again = noise_kernel.compile_kernel(tmp_path)
+    assert again is not None and again != library and len(list(tmp_path.glob("_boxmuller-*.so"))) == 2
+    assert not list(tmp_path.glob(".*.part"))  # no half-written library left behind
 
 
 def test_the_draws_follow_the_normal_law() -> None:

@@ -77,8 +77,9 @@ def noise_reused() -> contextlib.AbstractContextManager[None]:
     def reused(*args: Any, **kwargs: Any) -> Any:
         sums, noises, clipped = original(*args, **kwargs)
         generator = kwargs.get("generator", args[4] if len(args) > 4 else None)
-        kept = first.setdefault(id(generator), (generator, noises))[1]
-        return sums, dict(kept), clipped
+        if id(generator) not in first:  # a copy: a CPU noise stream reuses its buffers at the next draw
+            first[id(generator)] = (generator, {name: value.clone() for name, value in noises.items()})
+        return sums, dict(first[id(generator)][1]), clipped
 
     return _patched(dpsgd, "clipped_chunks_and_noise", reused)
 

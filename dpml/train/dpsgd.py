@@ -33,7 +33,7 @@ from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.distributed import Collective
-from dpml.train.noise import PrefetchedNoise, gaussian_noise
+from dpml.train.noise import NoiseStream, PrefetchedNoise, SynchronousNoise, cpu_noise_stream, gaussian_noise
 
 
 @dataclass
@@ -130,14 +130,14 @@ def tensor_chunks(x: torch.Tensor, y: torch.Tensor, physical_batch_size: int, at
 
 
 def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float, noise_multiplier: float,
-                             generator: torch.Generator | PrefetchedNoise | None, loss_fn: LossFn = per_example_cross_entropy,
+                             generator: torch.Generator | NoiseStream | None, loss_fn: LossFn = per_example_cross_entropy,
                              diracs: DiracGradients | None = None, exact: Collection[str] = (),
                              autocast: torch.dtype | None = None,
                              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the chunks of the batch (so a large Poisson
     batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk), Gaussian
     noise N(0, σ²C² I) per trainable parameter drawn from ``generator`` by :func:`gaussian_noise` (or the
-    next draw of a :class:`PrefetchedNoise` stream; zeros where it is ``None``: a worker of a
+    next draw of a CPU noise stream, :func:`dpml.train.noise.cpu_noise_stream`; zeros where it is ``None``: a worker of a
     distributed run, whose lead draws the step's one noise), and how many records were
     clipped (a tensor: no device synchronisation in the training loop). ``exact``: the clipping plan's
     parameters (:func:`dpml.train.clipping_check.plan_clipping`); ``autocast``: the forward pass's
@@ -159,7 +159,7 @@ def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float,
         sums = {name: torch.zeros_like(p) for name, p in params.items()}
     if generator is None:
         return sums, {name: torch.zeros_like(p) for name, p in params.items()}, clipped
-    if isinstance(generator, PrefetchedNoise):
+    if isinstance(generator, (PrefetchedNoise, SynchronousNoise)):
         return sums, generator.draw(noise_multiplier * clip_norm), clipped
     return sums, gaussian_noise(params, noise_multiplier * clip_norm, generator), clipped
 
@@ -266,9 +266,9 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
     clipped: list[torch.Tensor] = []
     start = time.perf_counter()
     lead = collective is None or collective.lead
-    noise: torch.Generator | PrefetchedNoise | None = noise_source if lead else None
+    noise: torch.Generator | NoiseStream | None = noise_source if lead else None
     if lead and noise_source.device.type == "cpu":  # a GPU draws asynchronously already
-        noise = PrefetchedNoise(noise_source, params, noise_multiplier * clip_norm)
+        noise = cpu_noise_stream(noise_source, params, noise_multiplier * clip_norm)
     model.train()
     try:
         for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps):
@@ -285,7 +285,7 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
             optimizer.step()
             batch_sizes.append(int(step.batch.numel()))
     finally:
-        if isinstance(noise, PrefetchedNoise):
+        if isinstance(noise, (PrefetchedNoise, SynchronousNoise)):
             noise.close()
     return {
         "steps": len(batch_sizes),

@@ -1,6 +1,7 @@
 """DP's Gaussian noise, drawn in one place: N(0, σ²) by Box–Muller with a 53-bit radius (:func:`gaussian`),
 from a run's secret-seeded ``torch.Generator``; for DP-SGD one flat buffer over every trainable parameter
-(:func:`gaussian_noise`), on the CPU drawn a step ahead in a background thread (:class:`PrefetchedNoise`).
+(:func:`gaussian_noise`), on the CPU drawn a step ahead in a background thread where a core is idle
+(:class:`PrefetchedNoise`), else in the step (:class:`SynchronousNoise`; :func:`cpu_noise_stream` picks).
 
 Why not torch's own ``normal_``: the tails. torch's float32 Box–Muller takes its radius √(−2 ln u)
 from a uniform u of 24 bits on the CPU (32 on CUDA), so it never draws beyond 5.77σ (6.66σ). A
@@ -15,22 +16,34 @@ The uniforms. On a GPU: the generator's own (Philox). On the CPU, torch's Mersen
 uniforms at about half the speed of NumPy's SFC64 in an ad hoc measurement (Doty-Humphrey's small
 fast chaotic generator, 256-bit state, reported to pass PractRand and TestU01's BigCrush, whose
 linear-complexity tests MT19937 fails), so each call takes 4 × 62 bits from the secret-seeded torch
-generator and seeds a fresh SFC64 stream with them (through NumPy's ``SeedSequence``): the draw is
-still a function of the generator's state alone, and as secret as its seed. The transcendental
-functions run in float32 for float32 output: 1 − U is exact in float64 and keeps its 24 leading bits
-in float32 (float32 reaches 2⁻⁵³ with full precision), so the bound and the tail are those of the
-53-bit uniform.
+generator, and NumPy's ``SeedSequence`` of them spawns ``STREAMS`` = 4 SFC64 streams, one per quarter
+of the draw's pairs: the draw is still a function of the generator's state alone, and as secret as its
+seed. (Four streams, so that compiled code can run them in lockstep, overlapping four independent
+chains of dependent additions where one stream is one chain; ``SeedSequence.spawn`` is NumPy's way
+to seed streams that are independent for all practical purposes.) The
+transcendental functions run in float32 for float32 output: 1 − U is exact in float64 and keeps its
+24 leading bits in float32 (float32 reaches 2⁻⁵³ with full precision), so the bound and the tail are
+those of the 53-bit uniform.
+
+The CPU draw in float32 runs in compiled code (``_boxmuller.c``, compiled on first use where a C
+compiler is found: :mod:`dpml.train.noise_kernel`): the same uniforms bit for bit, the same float32
+operations in the same order, with glibc's vector log / sin / cos (within a few ulp of NumPy's), in one
+pass instead of a dozen NumPy passes (``benchmarks/results/speed_profile.md`` times both). Without it,
+NumPy computes the same construction.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 from torch import nn
+
+from dpml.train.noise_kernel import compiled_draw
 
 
 def _uniform_pairs(half: int, generator: torch.Generator, angle_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,46 +53,67 @@ def _uniform_pairs(half: int, generator: torch.Generator, angle_dtype: torch.dty
     return u, torch.empty(half, dtype=angle_dtype, device=generator.device).uniform_(generator=generator)
 
 
-def _sfc64_stream(generator: torch.Generator) -> np.random.Generator:
-    """A fresh SFC64 stream seeded by 4 × 62 bits taken from the (secret-seeded) torch ``generator``."""
+STREAMS = 4  # SFC64 streams per CPU draw, one per quarter of its pairs: part of the construction
+
+
+def _sfc64_streams(generator: torch.Generator) -> list[np.random.SFC64]:
+    """``STREAMS`` fresh SFC64 streams spawned by the ``SeedSequence`` of 4 × 62 bits taken from the
+    (secret-seeded) torch ``generator``."""
     key = torch.randint(0, 2 ** 62, (4,), generator=generator).tolist()
-    return np.random.Generator(np.random.SFC64(np.random.SeedSequence(key)))
+    return [np.random.SFC64(child) for child in np.random.SeedSequence(key).spawn(STREAMS)]
 
 
 class BoxMullerBuffers:
     """The arrays of a CPU Box–Muller draw of ``count`` numbers in ``dtype`` (float64, else float32
     arithmetic), allocated once and reused by every :meth:`draw`: fresh megabyte arrays would be fresh
     pages, and on this virtual machine the page faults of a 536k-number draw cost more than its
-    arithmetic (ad hoc: 4.8 against 1.7 ms, 1,800 faults per draw). The arithmetic is NumPy's SIMD
-    code, single-threaded: it holds none of torch's intra-op threads, and its float32 log/sin/cos run
-    ≈ 2× faster than torch's on one thread (ad hoc)."""
+    arithmetic (ad hoc: 4.8 against 1.7 ms, 1,800 faults per draw). With ``compiled`` the draw runs
+    in the compiled kernel where there is one (float32 only: :func:`dpml.train.noise_kernel.compiled_draw`),
+    else in NumPy's SIMD code; single-threaded either way, holding none of torch's intra-op threads.
 
-    def __init__(self, count: int, dtype: torch.dtype) -> None:
+    The P = ``STREAMS``·q pairs (q = ⌈⌈count/2⌉ / STREAMS⌉) are split in quarters, stream k drawing all
+    the U of pairs kq … kq + q − 1 and then all their V; ``out`` holds the P values R cos Θ and then
+    the P values R sin Θ, and the draw is its first ``count`` numbers."""
+
+    def __init__(self, count: int, dtype: torch.dtype, compiled: bool = True) -> None:
         self.dtype = dtype
         work = np.float64 if dtype == torch.float64 else np.float32
-        half = (count + 1) // 2
-        self.u = np.empty(half)  # U, then 1 − U, in float64
-        self.radius, self.angle = np.empty(half, dtype=work), np.empty(half, dtype=work)
-        self.out = np.empty(2 * half, dtype=work)
+        self.compiled = compiled_draw() if compiled and work == np.float32 else None
+        self.q = -(-((count + 1) // 2) // STREAMS)  # pairs per stream
+        pairs = STREAMS * self.q
+        self.u = np.empty(0 if self.compiled else pairs)  # U, then 1 − U, in float64
+        self.radius = np.empty(0 if self.compiled else pairs, dtype=work)
+        self.angle = np.empty(0 if self.compiled else pairs, dtype=work)
+        self.out = np.empty(2 * pairs, dtype=work)
         self.flat = torch.from_numpy(self.out)[:count]  # shares the memory of ``out``
 
     def draw(self, std: float, generator: torch.Generator) -> torch.Tensor:
         """The flat draw of :func:`gaussian`, written into this object's output (valid until the next draw)."""
-        half, u, radius, angle, out = self.u.shape[0], self.u, self.radius, self.angle, self.out
-        stream = _sfc64_stream(generator)
-        stream.random(out=u)
+        streams = _sfc64_streams(generator)
+        if self.compiled is not None:
+            states = np.array([stream.state["state"]["state"] for stream in streams], dtype=np.uint64)
+            self.compiled(states.ctypes.data, self.q, std, self.out.ctypes.data)
+        else:
+            self._draw_in_numpy(streams, std)
+        return self.flat if self.flat.dtype == self.dtype else self.flat.to(self.dtype)
+
+    def _draw_in_numpy(self, streams: list[np.random.SFC64], std: float) -> None:
+        q, u, radius, angle, out = self.q, self.u, self.radius, self.angle, self.out
+        pairs = u.shape[0]
+        for k, stream in enumerate(streams):
+            numbers = np.random.Generator(stream)
+            numbers.random(out=u[k * q:(k + 1) * q])
+            numbers.random(dtype=angle.dtype, out=angle[k * q:(k + 1) * q])
         np.subtract(1.0, u, out=u)  # exact in float64: {2⁻⁵³, …, 1}
         np.copyto(radius, u, casting="same_kind")  # float32 keeps the 24 leading bits of 1 − U
         np.log(radius, out=radius)
         radius *= -2.0 * std * std
         np.sqrt(radius, out=radius)  # R = std·√(−2 ln(1 − U))
-        stream.random(dtype=angle.dtype, out=angle)
         angle *= 2 * math.pi
-        np.cos(angle, out=out[:half])
-        out[:half] *= radius
+        np.cos(angle, out=out[:pairs])
+        out[:pairs] *= radius
         np.sin(angle, out=angle)
-        np.multiply(angle, radius, out=out[half:])
-        return self.flat if self.flat.dtype == self.dtype else self.flat.to(self.dtype)
+        np.multiply(angle, radius, out=out[pairs:])
 
 
 def gaussian(shape: Sequence[int], std: float, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -88,10 +122,11 @@ def gaussian(shape: Sequence[int], std: float, generator: torch.Generator, dtype
         R = std·√(−2 ln(1 − U)),  Θ = 2π V,  Z₁ = R cos Θ,  Z₂ = R sin Θ  (independent N(0, std²);
         Box & Muller 1958),  U uniform on {0, 2⁻⁵³, …, 1 − 2⁻⁵³}, V uniform on [0, 1),
 
-    one (U, V) per pair of outputs: the first half of the flat draw is R cos Θ, the second R sin Θ.
-    1 − U ≥ 2⁻⁵³ bounds |Z| by 8.57·std (module docstring). The functions run in float64 for float64
-    output, else in float32; on the CPU in NumPy (:class:`BoxMullerBuffers`: all the U, then all the V,
-    from one SFC64 stream), on a GPU in torch (the generator's Philox stream)."""
+    one (U, V) per pair of outputs: the first half of the flat draw is R cos Θ, the second R sin Θ
+    (on the CPU, of the pairs rounded up to a multiple of ``STREAMS``). 1 − U ≥ 2⁻⁵³ bounds |Z| by
+    8.57·std (module docstring). The functions run in float64 for float64 output, else in float32; on
+    the CPU in compiled code or NumPy (:class:`BoxMullerBuffers`: ``STREAMS`` SFC64 streams, each
+    drawing all its U, then all its V), on a GPU in torch (the generator's Philox stream)."""
     count = math.prod(shape)
     if generator.device.type == "cpu":
         return BoxMullerBuffers(count, dtype).draw(std, generator).reshape(tuple(shape))
@@ -150,11 +185,21 @@ class _ReusedNoise:
         return {name: noises[name] for name in self.names}
 
 
+def _check_std(std: float, stream_std: float) -> None:
+    if std != stream_std:
+        raise ValueError(f"noise std = {std}: this noise stream draws std {stream_std} (σ·C of the run)")
+
+
+def _check_cpu(generator: torch.Generator, kind: str) -> None:
+    if generator.device.type != "cpu":
+        raise ValueError(f"{kind} draws on the CPU; this generator is on {generator.device}")
+
+
 class PrefetchedNoise:
     """A run's noise stream on the CPU with each step's :func:`gaussian_noise` drawn one step ahead, in a
-    background thread, while the step's clipping runs (the draw is serial work that would otherwise
-    hold up the step; where torch's threads already take every core it costs the step about its own
-    duration either way, ad hoc).
+    background thread, while the step's clipping runs on a core torch's threads leave idle
+    (:func:`cpu_noise_stream` picks it only then: where torch's threads take every core, the draw
+    competes with the step for them, :class:`SynchronousNoise`).
 
     The draws are the generator's k-th, k+1-th, … draws, made one at a time by the one worker thread
     (the generator is touched by no one else while a draw is pending), so step k gets exactly what a
@@ -165,8 +210,7 @@ class PrefetchedNoise:
     for the pending draw and stops the thread."""
 
     def __init__(self, generator: torch.Generator, params: dict[str, nn.Parameter], std: float) -> None:
-        if generator.device.type != "cpu":
-            raise ValueError(f"PrefetchedNoise draws on the CPU; this generator is on {generator.device}")
+        _check_cpu(generator, "PrefetchedNoise")
         self.generator, self.params, self.std = generator, params, std
         self._buffers = (_ReusedNoise(params), _ReusedNoise(params))
         self._draws = 0
@@ -180,8 +224,7 @@ class PrefetchedNoise:
 
     def draw(self, std: float) -> dict[str, torch.Tensor]:
         """This step's noise (drawn ahead; valid until the next call), and the next step's draw started."""
-        if std != self.std:
-            raise ValueError(f"noise std = {std}: this prefetched noise stream draws std {self.std} (σ·C of the run)")
+        _check_std(std, self.std)
         noises = self._next.result()
         self._next = self._submit()
         return noises
@@ -193,3 +236,42 @@ class PrefetchedNoise:
     def close(self) -> None:
         self.wait()
         self._worker.shutdown(wait=True)
+
+
+class SynchronousNoise:
+    """A run's noise stream on the CPU with each step's :func:`gaussian_noise` drawn when the step asks for
+    it, into buffers allocated once (valid until the next :meth:`draw`): for a process whose cores
+    torch's intra-op threads all take, where a background draw would stall them instead of using an
+    idle core (``benchmarks/README.md``: the MLP at batch 512 on two threads). The same draws, in the
+    same order, as :class:`PrefetchedNoise` and as synchronous :func:`gaussian_noise` calls."""
+
+    def __init__(self, generator: torch.Generator, params: dict[str, nn.Parameter], std: float) -> None:
+        _check_cpu(generator, "SynchronousNoise")
+        self.generator, self.std = generator, std
+        self._buffers = _ReusedNoise(params)
+
+    def draw(self, std: float) -> dict[str, torch.Tensor]:
+        """This step's noise (valid until the next call)."""
+        _check_std(std, self.std)
+        return self._buffers(self.std, self.generator)
+
+    def wait(self) -> None:
+        """Nothing is pending: a synchronous stream draws inside :meth:`draw`."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+NoiseStream = PrefetchedNoise | SynchronousNoise
+
+
+def idle_core() -> bool:
+    """Whether torch's intra-op threads leave one of the cores this process may run on idle."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores > torch.get_num_threads()
+
+
+def cpu_noise_stream(generator: torch.Generator, params: dict[str, nn.Parameter], std: float) -> NoiseStream:
+    """The trainer's CPU noise stream: drawn a step ahead on the idle core where there is one
+    (:class:`PrefetchedNoise`), else drawn in the step (:class:`SynchronousNoise`); the numbers are the same."""
+    return (PrefetchedNoise if idle_core() else SynchronousNoise)(generator, params, std)

@@ -1,0 +1,94 @@
+/* The CPU draw of dpml.train.noise's Box-Muller normals in float32, in one pass of compiled code:
+ * exactly the uniforms of NumPy's SFC64 streams, the same float32 arithmetic (glibc's vector math
+ * for log / sin / cos, within a few ulp of NumPy's), loaded with ctypes by noise.py, which falls back
+ * to NumPy when this file was not compiled. The construction and why it is safe: noise.py.
+ *
+ *   dpml_box_muller_f32(states, q, std, out): STREAMS SFC64 streams (states: STREAMS x 4 words, as
+ *   NumPy's SFC64 state array a, b, c, counter), stream k covers pairs k*q ... k*q + q - 1 of the
+ *   P = STREAMS*q pairs: first its q uniforms U (one 64-bit output each, U = (x >> 11) 2^-53), then
+ *   its q uniforms V (32-bit halves of 64-bit outputs, low half first, V = (h >> 8) 2^-24), as
+ *   NumPy's Generator.random(q) and random(q, dtype=float32) draw them. Pair p = k*q + j gives
+ *       R = sqrt(-2 std^2 ln(float32(1 - U))),  out[p] = R cos(2 pi V),  out[P + p] = R sin(2 pi V).
+ *   The streams run in lockstep: their outputs do not depend on each other, so the processor
+ *   overlaps them (one stream alone is one long chain of dependent additions).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "V is read from the 32-bit halves of the outputs, low half first: little-endian only (NumPy draws instead)"
+#endif
+
+#define STREAMS 4
+#define BLOCK 1024 /* pairs per stream per block: the block's numbers stay in the first-level cache */
+
+/* glibc's libmvec has SIMD variants of these; declaring them so lets GCC vectorise the loops without
+ * -ffast-math (compiled with -fno-math-errno, which they need). */
+#pragma omp declare simd notinbranch
+extern float logf(float);
+#pragma omp declare simd notinbranch
+extern float sinf(float);
+#pragma omp declare simd notinbranch
+extern float cosf(float);
+extern float sqrtf(float); /* an instruction, with -fno-math-errno */
+
+typedef struct { uint64_t a, b, c, counter; } sfc64;
+
+/* Doty-Humphrey's SFC64, step for step as NumPy's (numpy/random/src/sfc64/sfc64.h). */
+static inline uint64_t sfc64_next(sfc64 *s) {
+    const uint64_t out = s->a + s->b + s->counter++;
+    s->a = s->b ^ (s->b >> 11);
+    s->b = s->c + (s->c << 3);
+    s->c = ((s->c << 24) | (s->c >> 40)) + out;
+    return out;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+CLONES void dpml_box_muller_f32(uint64_t *states, size_t q, double std, float *out) {
+    sfc64 s[STREAMS];
+    uint64_t bits[STREAMS][BLOCK];
+    uint32_t halves[BLOCK];
+    float angle[BLOCK];
+    const size_t pairs = STREAMS * q;
+    const float scale = (float)(-2.0 * std * std), two_pi = (float)(2.0 * 3.14159265358979323846);
+    for (int k = 0; k < STREAMS; k++) {
+        s[k] = (sfc64){states[4 * k], states[4 * k + 1], states[4 * k + 2], states[4 * k + 3]};
+    }
+    /* every U of each stream: R, parked in the cosine half of out */
+    for (size_t start = 0; start < q; start += BLOCK) {
+        const size_t n = q - start < BLOCK ? q - start : BLOCK;
+        for (size_t j = 0; j < n; j++) {
+            for (int k = 0; k < STREAMS; k++) bits[k][j] = sfc64_next(&s[k]);
+        }
+        for (int k = 0; k < STREAMS; k++) {
+            float *radius = out + k * q + start;
+            for (size_t j = 0; j < n; j++) {  /* float32(1 - U), U = x 2^-53: (2^53 - x) 2^-53, rounded once */
+                radius[j] = (float)(int64_t)((UINT64_C(1) << 53) - (bits[k][j] >> 11)) * 0x1p-53f;
+            }
+#pragma omp simd
+            for (size_t j = 0; j < n; j++) radius[j] = sqrtf(scale * logf(radius[j]));
+        }
+    }
+    /* then every V of each stream: the pair */
+    for (size_t start = 0; start < q; start += BLOCK) {  /* BLOCK is even: a block starts on a low half */
+        const size_t n = q - start < BLOCK ? q - start : BLOCK;
+        for (size_t j = 0; j < (n + 1) / 2; j++) {
+            for (int k = 0; k < STREAMS; k++) bits[k][j] = sfc64_next(&s[k]);
+        }
+        for (int k = 0; k < STREAMS; k++) {
+            float *cosine = out + k * q + start, *sine = out + pairs + k * q + start;
+            memcpy(halves, bits[k], (n + 1) / 2 * sizeof(uint64_t));  /* V_j: low (j even) or high half of output j/2 */
+            for (size_t j = 0; j < n; j++) angle[j] = (float)(int32_t)(halves[j] >> 8) * 0x1p-24f * two_pi;
+#pragma omp simd
+            for (size_t j = 0; j < n; j++) sine[j] = cosine[j] * sinf(angle[j]);
+#pragma omp simd
+            for (size_t j = 0; j < n; j++) cosine[j] = cosine[j] * cosf(angle[j]);
+        }
+    }
+}
