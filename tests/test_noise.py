@@ -87,6 +87,22 @@ def test_the_compiled_draw_is_the_numpy_draw(tmp_path: Path, monkeypatch: pytest
     assert not list(tmp_path.glob(".*.part"))  # no half-written library left behind
 
 
+def test_without_a_working_compiler_the_draw_falls_back_to_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that fails, a missing compiler or a missing C source: no library, nothing half-written
+    left behind, and the draw is NumPy's (the same numbers as the reference construction)."""
+    monkeypatch.setenv("CC", "false")  # a command that fails like a broken compiler
+    assert noise_kernel.compile_kernel(tmp_path) is None and not list(tmp_path.iterdir())
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert noise_kernel.compile_kernel(tmp_path) is None
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(noise_kernel, "SOURCE", tmp_path / "missing.c")
+    assert noise_kernel.compile_kernel(tmp_path) is None
+    monkeypatch.setattr(noise, "compiled_draw", lambda: None)
+    assert BoxMullerBuffers(11, torch.float32).compiled is None
+    drawn = gaussian((11,), 1.0, torch.Generator().manual_seed(3), torch.float32)
+    torch.testing.assert_close(drawn, box_muller(11, 1.0, 3), rtol=1e-6, atol=1e-6)
+
+
 def test_the_draws_follow_the_normal_law() -> None:
     for dtype in (torch.float32, torch.float64):
         z = gaussian((300_001,), 2.5, torch.Generator().manual_seed(11), dtype).double() / 2.5

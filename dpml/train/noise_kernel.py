@@ -18,7 +18,10 @@ import hashlib
 import os
 import platform
 import shutil
+import shlex
 import subprocess
+import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,12 +36,21 @@ float32 output (2·STREAMS·q numbers) as integers; see ``_boxmuller.c``."""
 
 
 def cache_directory() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dpml"
+    """``$XDG_CACHE_HOME/dpml``, else ``~/.cache/dpml``, else (no home directory) a per-user one in the temp directory."""
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "dpml"
+    try:
+        return Path.home() / ".cache" / "dpml"
+    except (RuntimeError, KeyError):
+        return Path(tempfile.gettempdir()) / f"dpml-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
-def c_compiler() -> str | None:
-    """``$CC``, else ``cc`` or ``gcc`` on the PATH, else None."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def c_compiler() -> list[str] | None:
+    """``$CC`` (a command, possibly with options), else ``cc`` or ``gcc`` on the PATH, else None."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc")
+    return None if found is None else [found]
 
 
 def compile_kernel(directory: Path) -> Path | None:
@@ -47,16 +59,16 @@ def compile_kernel(directory: Path) -> Path | None:
     compiler = c_compiler()
     if compiler is None:
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    target = directory / f"_boxmuller-{key}.so"
-    if target.exists():
-        return target
     try:
+        source = SOURCE.read_bytes()  # absent from an installation that left out the C file
+        key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), " ".join(compiler).encode(),
+                                         platform.machine().encode()])).hexdigest()[:16]
+        target = directory / f"_boxmuller-{key}.so"
+        if target.exists():
+            return target
         directory.mkdir(parents=True, exist_ok=True)
-        partial = directory / f".{target.name}.{os.getpid()}.part"
-        done = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
+        partial = directory / f".{target.name}.{os.getpid()}.{threading.get_ident()}.part"
+        done = subprocess.run([*compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
