@@ -81,9 +81,9 @@ class BoxMullerBuffers:
         self.compiled = compiled_draw() if compiled and work == np.float32 else None
         self.q = -(-((count + 1) // 2) // STREAMS)  # pairs per stream
         pairs = STREAMS * self.q
-        self.u = np.empty(0 if self.compiled else pairs)  # U, then 1 − U, in float64
-        self.radius = np.empty(0 if self.compiled else pairs, dtype=work)
-        self.angle = np.empty(0 if self.compiled else pairs, dtype=work)
+        scratch = pairs if self.compiled is None else 0  # NumPy's intermediate arrays (the kernel keeps its own)
+        self.u = np.empty(scratch)  # U, then 1 − U, in float64
+        self.radius, self.angle = np.empty(scratch, dtype=work), np.empty(scratch, dtype=work)
         self.out = np.empty(2 * pairs, dtype=work)
         self.flat = torch.from_numpy(self.out)[:count]  # shares the memory of ``out``
 
