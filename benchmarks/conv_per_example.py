@@ -1,4 +1,4 @@
-"""Per-example weight gradients of a convolution, ∇_W ℓ_i = Σ_t δ_t a_tᵀ, by each of the engine's three ways.
+"""Per-example weight gradients of a convolution, ∇_W ℓ_i = Σ_t δ_t a_tᵀ, by each of the engine's ways.
 
     python benchmarks/conv_per_example.py [--device cpu|cuda] [--threads 2] [--repeats 5]
 
@@ -10,6 +10,9 @@ channel counts), on random inputs and output gradients of the layer's shape:
 - *grouped weight gradient*: the weight gradient of one convolution with B groups, the examples
   folded into the channels (:func:`dpml.train.clipping_conv.conv_per_example_gradients_by_weight_grad`);
 - *patches × δ*: the unfolded patches and one batched matrix product (``unfold_patches`` and ``bmm``);
+- *compiled* (CPU, float32): ``_conv_norms.c``, each example's patches built in a cache-sized buffer and
+  multiplied there, on torch's OpenMP threads (:func:`dpml.train.clipping_conv.compiled_norms`, gradients
+  kept; "n/a" where no C compiler is found);
 - for scale, the batched weight gradient of the whole batch (what a non-private step computes; not
   per example).
 
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dpml.devices import full_float32  # noqa: E402
-from dpml.train.clipping_conv import (conv_geometry, conv_per_example_gradients,  # noqa: E402
+from dpml.train.clipping_conv import (compiled_norms, conv_geometry, conv_per_example_gradients,  # noqa: E402
                                       conv_per_example_gradients_by_weight_grad, unfold_patches)
 
 # name, batch, C_in, C_out, kernel, stride, padding, input height = width
@@ -65,12 +68,16 @@ def ways(module: nn.Conv2d, x: torch.Tensor, d: torch.Tensor) -> dict[str, Calla
         a = unfold_patches(x, *conv_geometry(module))  # type: ignore[misc]
         return torch.bmm(d.reshape(d.shape[0], d.shape[1], -1), a.transpose(1, 2))
 
-    _, stride, padding, dilation = conv_geometry(module)  # type: ignore[misc]
-    return {"grouped forward": lambda: conv_per_example_gradients(module, x, d),
-            "grouped weight gradient": lambda: conv_per_example_gradients_by_weight_grad(module, x, d),
-            "patches × δ": patches_times_delta,
-            "batch weight gradient (non-private)": lambda: torch.nn.grad.conv2d_weight(
-                x, module.weight.shape, d, stride, padding, dilation)}
+    geometry = conv_geometry(module)
+    _, stride, padding, dilation = geometry  # type: ignore[misc]
+    found = {"grouped forward": lambda: conv_per_example_gradients(module, x, d),
+             "grouped weight gradient": lambda: conv_per_example_gradients_by_weight_grad(module, x, d),
+             "patches × δ": patches_times_delta,
+             "batch weight gradient (non-private)": lambda: torch.nn.grad.conv2d_weight(
+                 x, module.weight.shape, d, stride, padding, dilation)}
+    if compiled_norms(x[:1], d[:1], geometry, keep=True) is not None:  # type: ignore[arg-type]
+        found["compiled"] = lambda: compiled_norms(x, d, geometry, keep=True)[1]  # type: ignore[arg-type, index]
+    return found
 
 
 def measure(shape: tuple, device: str, repeats: int) -> dict:
@@ -96,8 +103,8 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
     return {"shape": name, "batch": batch, "c_in": c_in, "c_out": c_out, "kernel": kernel, "stride": stride,
             "positions": int(d[0, 0].numel()), "device": device,
             "ms": {way: statistics.median(values) for way, values in times.items()},
-            "relative_difference": {way: float((results[way] - first).abs().max()) / scale
-                                    for way in ("grouped weight gradient", "patches × δ")}}
+            "relative_difference": {way: float((results[way].reshape(first.shape) - first).abs().max()) / scale
+                                    for way in results if way not in ("grouped forward", "batch weight gradient (non-private)")}}
 
 
 def page(rows: list[dict], args: argparse.Namespace) -> str:
@@ -105,19 +112,20 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
              else f"CPU, {torch.get_num_threads()} torch threads")
     command = f"python benchmarks/conv_per_example.py --device {args.device} --repeats {args.repeats}" + (
         f" --threads {args.threads}" if args.threads else "")
-    lines = ["# Per-example weight gradients of a convolution: three ways", "",
+    lines = ["# Per-example weight gradients of a convolution: the engine's ways", "",
              f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, {where}, torch "
              f"{torch.__version__}, Python {platform.python_version()}. Median ms of {args.repeats} rounds (the ways "
              "in turn); T = output positions per example; the differences are relative to the largest entry.", "",
              "| layer | B | C_in → C_out | k, stride | T | grouped forward | grouped weight gradient | patches × δ | "
-             "batch weight gradient (non-private) | fastest per-example way | differences |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "compiled | batch weight gradient (non-private) | fastest per-example way | differences |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = r["ms"]
-        fastest = min(("grouped forward", "grouped weight gradient", "patches × δ"), key=lambda way: ms[way])
+        fastest = min((way for way in ms if way != "batch weight gradient (non-private)"), key=lambda way: ms[way])
+        compiled = f"{ms['compiled']:.1f}" if "compiled" in ms else "n/a"
         lines.append(f"| {r['shape']} | {r['batch']} | {r['c_in']} → {r['c_out']} | {r['kernel']}, {r['stride']} | "
                      f"{r['positions']} | {ms['grouped forward']:.1f} | {ms['grouped weight gradient']:.1f} | "
-                     f"{ms['patches × δ']:.1f} | {ms['batch weight gradient (non-private)']:.1f} | {fastest} | "
+                     f"{ms['patches × δ']:.1f} | {compiled} | {ms['batch weight gradient (non-private)']:.1f} | {fastest} | "
                      f"{max(r['relative_difference'].values()):.1e} |")
     return "\n".join(lines) + "\n"
 

@@ -35,7 +35,7 @@ from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E
 from dpml.train.clipping_layers import is_fast  # noqa: E402
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy  # noqa: E402
 from dpml.train.noise import BoxMullerBuffers, gaussian_noise  # noqa: E402
-from dpml.train.noise_kernel import compiled_draw  # noqa: E402
+from dpml.train.kernels import compiled_draw  # noqa: E402
 
 
 def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ import torch
 from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
-from dpml.train import clipping, clipping_layers
+from dpml.train import clipping, clipping_conv, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -425,7 +425,7 @@ def test_conv_per_example_gradients_equal_autograd() -> None:
     delta = torch.randn_like(conv(x))
     expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0]
                             for i in range(5)])
-    got = clipping_layers.conv_per_example_gradients(conv, x, delta)
+    got = clipping_conv.conv_per_example_gradients(conv, x, delta)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -438,7 +438,7 @@ def test_per_example_gradients_by_the_weight_gradient_equal_autograd(channels: i
     delta = torch.randn_like(conv(x))
     expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0]
                             for i in range(5)])
-    got = clipping_layers.conv_per_example_gradients_by_weight_grad(conv, x, delta)
+    got = clipping_conv.conv_per_example_gradients_by_weight_grad(conv, x, delta)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -503,3 +503,81 @@ def test_layers_whose_outputs_are_added_match_naive_loop(vmapped: list) -> None:
     assert grad_a.data_ptr() == grad_b.data_ptr()  # the premise: one gradient tensor for both
     assert_matches_naive_loop(model, x, labels(7), 0.05)
     assert vmapped == []
+
+
+# --- The compiled convolution norms (float32 on the CPU) ---------------------------------------------------
+
+COMPILED_GEOMETRIES = [  # (C_in, C_out, kernel, stride, padding, dilation, (H, W), batch)
+    (1, 16, 8, 2, 3, 1, (28, 28), 9),            # the Opacus example CNN's first convolution
+    (16, 32, 4, 2, 0, 1, (13, 13), 7),           # its second: T = 25 ≤ C_out
+    (3, 5, (3, 2), (2, 1), (4, 0), (1, 3), (9, 11), 5),  # rectangular, padding past the kernel, dilation
+    (7, 6, 1, 3, 0, 1, (10, 8), 4),              # 1×1, stride past the kernel
+    (20, 3, 5, 1, 2, 2, (6, 7), 3),              # C_in·K = 500: several column blocks and a partial one
+    (2, 9, (2, 5), (3, 2), (1, 2), (2, 1), (5, 9), 6),   # C_out = 9: a partial block of output channels
+]
+
+
+def compiled_kernel(tmp_path) -> object:  # type: ignore[no-untyped-def]
+    """``_conv_norms.c`` compiled here, into an empty cache: a broken C file fails the tests using it."""
+    from dpml.train import kernels
+
+    if kernels.c_compiler() is None:
+        pytest.skip("no C compiler here: the convolutions' norms take the torch ways (tested above)")
+    library = kernels.compile_kernel(tmp_path, kernels.CONV_SOURCE, kernels.CONV_FLAGS)
+    assert library is not None, "the C compiler failed on _conv_norms.c"
+    kernel = kernels.load_conv_norms(library)
+    assert kernel is not None
+    return kernel
+
+
+@pytest.mark.parametrize("geometry", COMPILED_GEOMETRIES, ids=lambda g: f"{g[0]}x{g[1]}-k{g[2]}-s{g[3]}-p{g[4]}-d{g[5]}")
+def test_compiled_convolution_norms_equal_autograd(geometry: tuple, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Each example's weight gradient (kept) and its squared norm from the compiled kernel equal autograd's,
+    one example at a time in float64, to float32 rounding; and the same bits whether torch runs one or two
+    threads (each example is one thread's work)."""
+    kernel = compiled_kernel(tmp_path)
+    monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: kernel)
+    channels, out_channels, size, stride, padding, dilation, (height, width), batch = geometry
+    conv = nn.Conv2d(channels, out_channels, size, stride=stride, padding=padding, dilation=dilation)
+    g = torch.Generator().manual_seed(len(str(geometry)))
+    x = torch.randn(batch, channels, height, width, generator=g)
+    delta = torch.randn(conv(x).shape, generator=g)
+    exact = conv.double()
+    expected = torch.stack([torch.autograd.grad((exact(x[i:i + 1].double()) * delta[i:i + 1].double()).sum(),
+                                                exact.weight)[0].reshape(out_channels, -1) for i in range(batch)])
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(clipping_conv.compiled_norms(x, delta, clipping_conv.conv_geometry(conv), keep=True))
+    finally:
+        torch.set_num_threads(threads)
+    (squared, grads), (squared_2, grads_2) = results  # type: ignore[misc]
+    assert torch.equal(squared, squared_2) and torch.equal(grads, grads_2)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(grads.double(), expected, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(squared.double(), expected.pow(2).sum((1, 2)), rtol=2e-5, atol=0.0)
+    alone, none = clipping_conv.compiled_norms(x, delta, clipping_conv.conv_geometry(conv), keep=False)  # type: ignore[misc]
+    assert none is None and torch.equal(alone, squared)
+    assert clipping_conv.compiled_norms(x.double(), delta.double(), clipping_conv.conv_geometry(conv), True) is None
+
+
+def test_a_float32_cnn_clips_alike_with_and_without_the_compiled_norms(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The engine on a float32 CNN (both of the Opacus example's convolution shapes, kept and not kept):
+    norms and clipped sums with the compiled kernel equal those of the torch ways to float32 rounding."""
+    kernel = compiled_kernel(tmp_path)
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Conv2d(1, 16, 8, 2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1), nn.Conv2d(16, 32, 4, 2),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(32 * 5 * 5, 10))
+    x, y = torch.randn(33, 1, 28, 28, generator=torch.Generator().manual_seed(15)), labels(33, 10)
+    monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: None)
+    reference, reference_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
+    monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: kernel)
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-5, atol=1e-6)
+    for name in reference:
+        torch.testing.assert_close(sums[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert float((reference_norms > 0.5).float().mean()) > 0.5
+    wide = ((3, 3), (1, 1), (1, 1), (1, 1))  # T = 17 × 17 > COMPILED_MAX_POSITIONS: a torch way is faster there
+    assert clipping_conv.compiled_norms(torch.randn(2, 3, 17, 17), torch.randn(2, 4, 17, 17), wide, False) is None

@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 from torch import nn
 
-from dpml.train import noise, noise_kernel
+from dpml.train import noise, kernels
 from dpml.train.noise import BoxMullerBuffers, PrefetchedNoise, gaussian, gaussian_noise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def box_muller(count: int, std: float, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 def test_float32_parameters_get_the_53_bit_box_muller_draw(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if compiled and noise_kernel.compiled_draw() is None:
+    if compiled and kernels.compiled_draw() is None:
         pytest.skip("no C compiler here (or it failed: test_the_compiled_draw_is_the_numpy_draw says): NumPy draws")
     if not compiled:
         monkeypatch.setattr(noise, "compiled_draw", lambda: None)
@@ -64,11 +64,11 @@ def test_the_compiled_draw_is_the_numpy_draw(tmp_path: Path, monkeypatch: pytest
     compiler exists, although the trainer would quietly fall back to NumPy), draws the same numbers as the
     NumPy path: the same uniforms bit for bit, float32 functions a few ulp apart. A second use loads the
     cached library instead of compiling again, and a changed source compiles anew."""
-    if noise_kernel.c_compiler() is None:
+    if kernels.c_compiler() is None:
         pytest.skip("no C compiler here: the noise is drawn in NumPy (the compiled path cannot be built)")
-    library = noise_kernel.compile_kernel(tmp_path)
+    library = kernels.compile_kernel(tmp_path)
     assert library is not None and library.parent == tmp_path, "the C compiler failed on _boxmuller.c"
-    built = noise_kernel.load_kernel(library)
+    built = kernels.load_kernel(library)
     assert built is not None
     for count, std, seed in [(1, 1.0, 0), (2, 0.3, 1), (9, 2.0, 2), (8193, 1.0, 3), (300_001, 4.0, 4)]:
         reference = BoxMullerBuffers(count, torch.float32, compiled=False).draw(std, torch.Generator().manual_seed(seed))
@@ -78,11 +78,12 @@ def test_the_compiled_draw_is_the_numpy_draw(tmp_path: Path, monkeypatch: pytest
         torch.testing.assert_close(fast, reference, rtol=2e-6, atol=2e-6 * std)
         assert fast.abs().max() <= 8.58 * std  # the 53-bit bound
     modified = library.stat().st_mtime_ns
-    assert noise_kernel.compile_kernel(tmp_path) == library and library.stat().st_mtime_ns == modified  # cached
-    changed = tmp_path / "changed.c"
-    changed.write_text(noise_kernel.SOURCE.read_text() + "\n/* another version */\n")
-    monkeypatch.setattr(noise_kernel, "SOURCE", changed)
-    again = noise_kernel.compile_kernel(tmp_path)
+    assert kernels.compile_kernel(tmp_path) == library and library.stat().st_mtime_ns == modified  # cached
+    changed = tmp_path / "another" / "_boxmuller.c"
+    changed.parent.mkdir()
+    changed.write_text(kernels.SOURCE.read_text() + "\n/* another version */\n")
+    monkeypatch.setattr(kernels, "SOURCE", changed)
+    again = kernels.compile_kernel(tmp_path)
     assert again is not None and again != library and len(list(tmp_path.glob("_boxmuller-*.so"))) == 2
     assert not list(tmp_path.glob(".*.part"))  # no half-written library left behind
 
@@ -91,12 +92,12 @@ def test_without_a_working_compiler_the_draw_falls_back_to_numpy(tmp_path: Path,
     """A compiler that fails, a missing compiler or a missing C source: no library, nothing half-written
     left behind, and the draw is NumPy's (the same numbers as the reference construction)."""
     monkeypatch.setenv("CC", "false")  # a command that fails like a broken compiler
-    assert noise_kernel.compile_kernel(tmp_path) is None and not list(tmp_path.iterdir())
+    assert kernels.compile_kernel(tmp_path) is None and not list(tmp_path.iterdir())
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert noise_kernel.compile_kernel(tmp_path) is None
+    assert kernels.compile_kernel(tmp_path) is None
     monkeypatch.delenv("CC")
-    monkeypatch.setattr(noise_kernel, "SOURCE", tmp_path / "missing.c")
-    assert noise_kernel.compile_kernel(tmp_path) is None
+    monkeypatch.setattr(kernels, "SOURCE", tmp_path / "missing.c")
+    assert kernels.compile_kernel(tmp_path) is None
     monkeypatch.setattr(noise, "compiled_draw", lambda: None)
     assert BoxMullerBuffers(11, torch.float32).compiled is None
     drawn = gaussian((11,), 1.0, torch.Generator().manual_seed(3), torch.float32)

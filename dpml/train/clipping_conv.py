@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpml.train.kernels import compiled_conv_norms
+
 Geometry = tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]
 
 
@@ -104,3 +106,48 @@ def conv_per_example_gradients_by_weight_grad(module: nn.Conv2d, inputs: torch.T
                                         output_grad.reshape(1, batch * out_channels, *output_grad.shape[2:]),
                                         stride, padding, dilation, groups=batch)
     return grads.reshape(batch, out_channels, -1)
+
+
+def per_example_conv_gradients(way: str, module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
+    """∇_W ℓ_i (B, C_out, C_in·kh·kw) in torch by ``way`` (``"weight gradient"``, ``"grouped forward"`` or
+    ``"patches"``: the batched product δ_i A_iᵀ of the unfolded patches)."""
+    if way == "weight gradient":
+        return conv_per_example_gradients_by_weight_grad(module, inputs, output_grad)
+    if way == "grouped forward":
+        return conv_per_example_gradients(module, inputs, output_grad)
+    d = output_grad.reshape(*output_grad.shape[:2], -1)
+    return torch.bmm(d, unfold_patches(inputs, *conv_geometry(module)).transpose(1, 2))  # type: ignore[misc]
+
+
+COMPILED_MAX_POSITIONS = 256
+"""The compiled kernel is taken for layers of at most this many output positions T per example: in
+``results/conv_per_example.md`` it is the fastest way at T = 25, 49 and 196 (the Opacus example CNN's
+two convolutions, WRN-16-4's strided and deeper layers) and slower than a torch way at T ≥ 784 but once."""
+
+
+def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry,
+                   keep: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """‖∇_W ℓ_i‖_F² of a Conv2d (groups = 1) for every example, and with ``keep`` the per-example gradients
+    (B, C_out, C_in·kh·kw) themselves, by the compiled kernel (``_conv_norms.c``: each example's patches
+    built in a cache-sized buffer and multiplied there, G_i = δ_i A_i), the examples split over torch's
+    own intra-op threads (the kernel's OpenMP threads are torch's); None where the kernel is not
+    available (no C compiler), the tensors are not float32 on the CPU, or the layer has more than
+    ``COMPILED_MAX_POSITIONS`` output positions (the caller then takes a torch way)."""
+    kernel = compiled_conv_norms()
+    if (kernel is None or inputs.device.type != "cpu" or inputs.dtype != torch.float32
+            or output_grad.dtype != torch.float32 or output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS):
+        return None
+    x, d = inputs.contiguous(), output_grad.contiguous()
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
+    batch, channels, height, width = x.shape
+    out_channels, out_h, out_w = d.shape[1:]
+    shape = torch.tensor([channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw],
+                         dtype=torch.long)
+    squared = x.new_empty(batch)
+    grads = x.new_empty(batch, out_channels, channels * kh * kw) if keep else None
+    if batch == 0:
+        return squared, grads
+    if kernel(x.data_ptr(), d.data_ptr(), 0, batch, shape.data_ptr(), squared.data_ptr(),
+              0 if grads is None else grads.data_ptr()):
+        raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
+    return squared, grads

@@ -12,9 +12,9 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
   own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A convolution's
-  per-example gradients come from its patches by a batched product (on a CPU a cache-sized slice of
-  examples at a time, for the norms only), or without patches from one convolution with the
-  examples as groups (:func:`per_example_conv_way` picks by device and shape).
+  per-example gradients come on a CPU from a compiled kernel (float32, where a C compiler is found),
+  else from its patches by a batched product (on a CPU a cache-sized slice of examples at a time, for
+  the norms only), or from one convolution with the examples as groups (:func:`per_example_conv_way`).
   A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
@@ -44,9 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dpml.train.clipping_conv import (Geometry, as_2d, channels_last_patches, conv_geometry,
-                                      conv_per_example_gradients, conv_per_example_gradients_by_weight_grad,
-                                      unfold_patches)
+from dpml.train.clipping_conv import (Geometry, as_2d, channels_last_patches, compiled_norms, conv_geometry,
+                                      per_example_conv_gradients, unfold_patches)
 
 ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
 
@@ -234,7 +233,9 @@ def per_example_conv_way(device_type: str, in_channels: int, count: int, out_cha
       kernel), and on a CPU ``"weight gradient"``: the weight gradient of one convolution with B groups
       (:func:`conv_per_example_gradients_by_weight_grad`), from ``WEIGHT_GRAD_MIN_CHANNELS`` input
       channels up; below that ``"grouped forward"`` (:func:`conv_per_example_gradients`), which is
-      faster for images of one to a few channels."""
+      faster for images of one to a few channels.
+
+    On a CPU in float32 :func:`dpml.train.clipping_conv.compiled_norms` (compiled) does the CPU way's work."""
     if device_type == "cuda":
         return "patches"
     if count <= out_channels:
@@ -280,15 +281,14 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
             way = per_example_conv_way(inputs.device.type, module.in_channels, count, out_channels)
-            if way == "patch slices":
+            keep = way != "patch slices" and batch * out_channels * patch <= KEEP_PER_EXAMPLE_LIMIT
+            compiled = compiled_norms(inputs, output_grad, geometry, keep) if way != "patches" else None
+            if compiled is not None:  # the CPU ways' numbers, by the compiled kernel (float32)
+                squared, kept = squared + compiled[0], compiled[1]
+            elif way == "patch slices":
                 squared = squared + patch_slice_norms_squared(inputs, d, geometry)
             else:
-                if way == "weight gradient":
-                    per_example = conv_per_example_gradients_by_weight_grad(module, inputs, output_grad)
-                elif way == "grouped forward":
-                    per_example = conv_per_example_gradients(module, inputs, output_grad)
-                else:
-                    per_example = torch.bmm(d, unfold_patches(inputs, *geometry).transpose(1, 2))  # (B, C_out, C_in·kh·kw)
+                per_example = per_example_conv_gradients(way, module, inputs, output_grad)  # (B, C_out, C_in·kh·kw)
                 squared = squared + row_norms_squared(per_example)
                 kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)

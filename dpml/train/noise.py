@@ -26,7 +26,7 @@ transcendental functions run in float32 for float32 output: 1 − U is exact in 
 those of the 53-bit uniform.
 
 The CPU draw in float32 runs in compiled code (``_boxmuller.c``, compiled on first use where a C
-compiler is found: :mod:`dpml.train.noise_kernel`): the same uniforms bit for bit, the same float32
+compiler is found: :mod:`dpml.train.kernels`): the same uniforms bit for bit, the same float32
 operations in the same order, with glibc's vector log / sin / cos (within a few ulp of NumPy's), in one
 pass instead of a dozen NumPy passes (``benchmarks/results/speed_profile.md`` times both). Without it,
 NumPy computes the same construction.
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpml.train.noise_kernel import compiled_draw
+from dpml.train.kernels import compiled_draw
 
 
 def _uniform_pairs(half: int, generator: torch.Generator, angle_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ class BoxMullerBuffers:
     arithmetic), allocated once and reused by every :meth:`draw`: fresh megabyte arrays would be fresh
     pages, and on this virtual machine the page faults of a 536k-number draw cost more than its
     arithmetic (ad hoc: 4.8 against 1.7 ms, 1,800 faults per draw). With ``compiled`` the draw runs
-    in the compiled kernel where there is one (float32 only: :func:`dpml.train.noise_kernel.compiled_draw`),
+    in the compiled kernel where there is one (float32 only: :func:`dpml.train.kernels.compiled_draw`),
     else in NumPy's SIMD code; single-threaded either way, holding none of torch's intra-op threads.
 
     The P = ``STREAMS``·q pairs (q = ⌈⌈count/2⌉ / STREAMS⌉) are split in quarters, stream k drawing all

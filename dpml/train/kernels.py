@@ -1,5 +1,7 @@
-"""The compiled CPU draw of the DP noise (``_boxmuller.c``): compiled on first use with the system's C
-compiler into a per-user cache, one library per source text, and loaded with ctypes.
+"""dpml's two compiled CPU kernels, compiled on first use with the system's C compiler into a per-user
+cache, one library per source text, and loaded with ctypes: the DP noise draw (``_boxmuller.c``,
+:func:`compiled_draw`) and a convolution's per-example gradient norms (``_conv_norms.c``,
+:func:`compiled_conv_norms`).
 
 Compiled on first use rather than at install, so that every checkout of the project (``dpml reproduce``
 rebuilds a release in a worktree of its commit) draws with the kernel of its own source, and so that
@@ -7,7 +9,8 @@ the package needs no build step. The cache file is named by a hash of the source
 compiler and the machine, so a changed source compiles anew; it is written under a temporary name and
 renamed into place, so concurrent first uses never load half a file. Where no compiler is found, the
 compile fails or the library does not load (no glibc vector math), :func:`compiled_draw` returns None
-and :mod:`dpml.train.noise` draws the same construction in NumPy.
+and :mod:`dpml.train.noise` draws the same construction in NumPy; likewise :func:`compiled_conv_norms`,
+and :mod:`dpml.train.clipping_layers` takes its torch routes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("_boxmuller.c")
+CONV_SOURCE = Path(__file__).with_name("_conv_norms.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared")
+CONV_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
+"""-fopenmp: the examples run on OpenMP threads, those of the libgomp torch has loaded (``_conv_norms.c``)."""
 """-fno-math-errno lets log / sin / cos go to glibc's vector variants (the source declares them SIMD) and
 sqrt to one instruction; no -ffast-math: the float32 operations keep their order and rounding."""
 
@@ -53,22 +59,23 @@ def c_compiler() -> list[str] | None:
     return None if found is None else [found]
 
 
-def compile_kernel(directory: Path) -> Path | None:
-    """The shared library of ``_boxmuller.c`` in ``directory``, compiled unless already there; None where there
-    is no C compiler or it fails."""
+def compile_kernel(directory: Path, source_file: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path | None:
+    """The shared library of a C file (``_boxmuller.c`` by default) in ``directory``, compiled with ``flags``
+    unless already there; None where there is no C compiler or it fails."""
     compiler = c_compiler()
     if compiler is None:
         return None
+    source_file = SOURCE if source_file is None else source_file
     try:
-        source = SOURCE.read_bytes()  # absent from an installation that left out the C file
-        key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), " ".join(compiler).encode(),
+        source = source_file.read_bytes()  # absent from an installation that left out the C file
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), " ".join(compiler).encode(),
                                          platform.machine().encode()])).hexdigest()[:16]
-        target = directory / f"_boxmuller-{key}.so"
+        target = directory / f"{source_file.stem}-{key}.so"
         if target.exists():
             return target
         directory.mkdir(parents=True, exist_ok=True)
         partial = directory / f".{target.name}.{os.getpid()}.{threading.get_ident()}.part"
-        done = subprocess.run([*compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
+        done = subprocess.run([*compiler, *flags, "-o", str(partial), str(source_file), "-lm"], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
@@ -95,3 +102,27 @@ def compiled_draw() -> CompiledDraw | None:
     """The compiled draw of this source (compiled into :func:`cache_directory` on first use), or None."""
     library = compile_kernel(cache_directory())
     return None if library is None else load_kernel(library)
+
+
+ConvNorms = Callable[[int, int, int, int, int, int, int], int]
+"""``dpml_conv_norms(x, d, first, last, shape, squared, grads)``: see ``_conv_norms.c`` (addresses as integers;
+``grads`` 0 for none); returns 0, or −1 when it could not allocate its buffer."""
+
+
+def load_conv_norms(library: Path) -> ConvNorms | None:
+    """``dpml_conv_norms`` from a compiled library, or None if it does not load here."""
+    try:
+        function = ctypes.CDLL(str(library)).dpml_conv_norms
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+@functools.cache
+def compiled_conv_norms() -> ConvNorms | None:
+    """The compiled per-example convolution norms (compiled into :func:`cache_directory` on first use), or None."""
+    library = compile_kernel(cache_directory(), CONV_SOURCE, CONV_FLAGS)
+    return None if library is None else load_conv_norms(library)
