@@ -1,9 +1,9 @@
 /* Per-example weight-gradient norms of a Conv2d (groups = 1) on the CPU, in float32, for
  * dpml.train.clipping_layers (loaded by dpml.train.kernels, which compiles it on first use).
  *
- *   dpml_conv_norms(x, d, first, last, geometry, squared, grads):
- *   x (B, C, H, W) the layer's input, d (B, O, OH, OW) its output gradient, both contiguous float32;
- *   for each example i in [first, last): A_i (T x K) its patches, T = OH OW positions, K = C kh kw in
+ *   dpml_conv_norms(x, d, B, shape, squared, grads):
+ *   x (B, C, H, W) the layer's input, d (B, O, OH, OW) its output gradient, both contiguous float32,
+ *   shape = (C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw); for each example i: A_i (T x K) its patches, T = OH OW positions, K = C kh kw in
  *   the weight's (c, u, v) order, zero where the kernel reaches into the padding; G_i = d_i A_i
  *   (O x K) = the example's weight gradient (Goodfellow 2015); squared[i] = ||G_i||_F^2, and when
  *   grads is not NULL, grads[i] = G_i (B x O x K). The patches of one example are built in a buffer of
@@ -68,23 +68,10 @@ static void patches(const float *x, const geometry *g, float *a) {
     }
 }
 
-/* One block of G_i = d_i A: `rows` output channels from o0, `cols` patch columns from k0, into acc.
- * Full blocks (rows = OB, cols = KB) take the first branch, whose constant bounds let the compiler
- * keep the accumulators in vector registers. */
-static inline __attribute__((always_inline)) void block(const float *di, const float *a, int64_t T, int64_t K, int64_t o0,
-                                                        int64_t rows, int64_t k0, int64_t cols, float acc[OB][KB]) {
-    memset(acc, 0, sizeof(float) * OB * KB);
-    if (rows == OB && cols == KB) {
-        for (int64_t t = 0; t < T; t++) {
-            const float *p = a + t * K + k0;
-            for (int r = 0; r < OB; r++) {
-                const float w = di[(o0 + r) * T + t];
-#pragma omp simd
-                for (int k = 0; k < KB; k++) acc[r][k] += w * p[k];
-            }
-        }
-        return;
-    }
+/* acc = rows x cols of G_i = d_i A, from output channel o0 and patch column k0. */
+static inline __attribute__((always_inline)) void accumulate(const float *di, const float *a, int64_t T, int64_t K,
+                                                             int64_t o0, int64_t rows, int64_t k0, int64_t cols,
+                                                             float acc[OB][KB]) {
     for (int64_t t = 0; t < T; t++) {
         const float *p = a + t * K + k0;
         for (int64_t r = 0; r < rows; r++) {
@@ -92,6 +79,18 @@ static inline __attribute__((always_inline)) void block(const float *di, const f
 #pragma omp simd
             for (int64_t k = 0; k < cols; k++) acc[r][k] += w * p[k];
         }
+    }
+}
+
+/* One block of G_i, zeroed first. A full block (rows = OB, cols = KB) passes its bounds as constants,
+ * so that the inlined loops keep the accumulators in vector registers. */
+static inline __attribute__((always_inline)) void block(const float *di, const float *a, int64_t T, int64_t K, int64_t o0,
+                                                        int64_t rows, int64_t k0, int64_t cols, float acc[OB][KB]) {
+    memset(acc, 0, sizeof(float) * OB * KB);
+    if (rows == OB && cols == KB) {
+        accumulate(di, a, T, K, o0, OB, k0, KB, acc);
+    } else {
+        accumulate(di, a, T, K, o0, rows, k0, cols, acc);
     }
 }
 
@@ -130,15 +129,14 @@ CLONES int dpml_conv_examples(const float *x, const float *d, int64_t first, int
 /* The examples split over the OpenMP threads: linked by soname, this library shares the libgomp that
  * torch has already loaded, so these are torch's own intra-op threads (torch.set_num_threads sets their
  * count), not a second pool competing with them. */
-int dpml_conv_norms(const float *x, const float *d, int64_t first, int64_t last, const int64_t *shape, float *squared,
-                    float *grads) {
+int dpml_conv_norms(const float *x, const float *d, int64_t batch, const int64_t *shape, float *squared, float *grads) {
     const geometry g = {shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6],
                         shape[7], shape[8], shape[9], shape[10], shape[11], shape[12], shape[13]};
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), n = last - first;
-        failed |= dpml_conv_examples(x, d, first + n * me / threads, first + n * (me + 1) / threads, &g, squared, grads);
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        failed |= dpml_conv_examples(x, d, batch * me / threads, batch * (me + 1) / threads, &g, squared, grads);
     }
     return failed ? -1 : 0;
 }

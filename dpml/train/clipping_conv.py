@@ -147,7 +147,7 @@ def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Ge
     grads = x.new_empty(batch, out_channels, channels * kh * kw) if keep else None
     if batch == 0:
         return squared, grads
-    if kernel(x.data_ptr(), d.data_ptr(), 0, batch, shape.data_ptr(), squared.data_ptr(),
+    if kernel(x.data_ptr(), d.data_ptr(), batch, shape.data_ptr(), squared.data_ptr(),
               0 if grads is None else grads.data_ptr()):
         raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
     return squared, grads

@@ -282,7 +282,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
         else:
             way = per_example_conv_way(inputs.device.type, module.in_channels, count, out_channels)
             keep = way != "patch slices" and batch * out_channels * patch <= KEEP_PER_EXAMPLE_LIMIT
-            compiled = compiled_norms(inputs, output_grad, geometry, keep) if way != "patches" else None
+            compiled = compiled_norms(inputs, output_grad, geometry, keep)  # None on a GPU
             if compiled is not None:  # the CPU ways' numbers, by the compiled kernel (float32)
                 squared, kept = squared + compiled[0], compiled[1]
             elif way == "patch slices":

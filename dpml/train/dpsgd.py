@@ -33,7 +33,7 @@ from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.distributed import Collective
-from dpml.train.noise import NoiseStream, PrefetchedNoise, SynchronousNoise, cpu_noise_stream, gaussian_noise
+from dpml.train.noise import NoiseStream, cpu_noise_stream, gaussian_noise
 
 
 @dataclass
@@ -159,7 +159,7 @@ def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float,
         sums = {name: torch.zeros_like(p) for name, p in params.items()}
     if generator is None:
         return sums, {name: torch.zeros_like(p) for name, p in params.items()}, clipped
-    if isinstance(generator, (PrefetchedNoise, SynchronousNoise)):
+    if isinstance(generator, NoiseStream):
         return sums, generator.draw(noise_multiplier * clip_norm), clipped
     return sums, gaussian_noise(params, noise_multiplier * clip_norm, generator), clipped
 
@@ -285,7 +285,7 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
             optimizer.step()
             batch_sizes.append(int(step.batch.numel()))
     finally:
-        if isinstance(noise, (PrefetchedNoise, SynchronousNoise)):
+        if isinstance(noise, NoiseStream):
             noise.close()
     return {
         "steps": len(batch_sizes),

@@ -31,10 +31,10 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("_boxmuller.c")
 CONV_SOURCE = Path(__file__).with_name("_conv_norms.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared")
-CONV_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
-"""-fopenmp: the examples run on OpenMP threads, those of the libgomp torch has loaded (``_conv_norms.c``)."""
 """-fno-math-errno lets log / sin / cos go to glibc's vector variants (the source declares them SIMD) and
 sqrt to one instruction; no -ffast-math: the float32 operations keep their order and rounding."""
+CONV_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
+"""-fopenmp: the examples run on OpenMP threads, those of the libgomp torch has loaded (``_conv_norms.c``)."""
 
 CompiledDraw = Callable[[int, int, float, int], None]
 """``dpml_box_muller_f32(states, q, std, out)``: addresses of the (STREAMS, 4) uint64 SFC64 states and of the
@@ -60,8 +60,8 @@ def c_compiler() -> list[str] | None:
 
 
 def compile_kernel(directory: Path, source_file: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path | None:
-    """The shared library of a C file (``_boxmuller.c`` by default) in ``directory``, compiled with ``flags``
-    unless already there; None where there is no C compiler or it fails."""
+    """The shared library of a C file (``_boxmuller.c``, looked up at the call, by default) in ``directory``,
+    compiled with ``flags`` unless already there; None where there is no C compiler or it fails."""
     compiler = c_compiler()
     if compiler is None:
         return None
@@ -86,15 +86,20 @@ def compile_kernel(directory: Path, source_file: Path | None = None, flags: tupl
     return target
 
 
-def load_kernel(library: Path) -> CompiledDraw | None:
-    """``dpml_box_muller_f32`` from a compiled library, or None if it does not load here."""
+def _load(library: Path, name: str, argtypes: list[type], restype: type | None) -> Callable[..., object] | None:
+    """The C function ``name`` of a compiled library, typed, or None if the library does not load here."""
     try:
-        function = ctypes.CDLL(str(library)).dpml_box_muller_f32
+        function = getattr(ctypes.CDLL(str(library)), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p]
-    function.restype = None
+    function.argtypes, function.restype = argtypes, restype
     return function  # type: ignore[no-any-return]
+
+
+def load_kernel(library: Path) -> CompiledDraw | None:
+    """``dpml_box_muller_f32`` from a compiled library, or None if it does not load here."""
+    return _load(library, "dpml_box_muller_f32", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p],
+                 None)
 
 
 @functools.cache
@@ -104,21 +109,15 @@ def compiled_draw() -> CompiledDraw | None:
     return None if library is None else load_kernel(library)
 
 
-ConvNorms = Callable[[int, int, int, int, int, int, int], int]
-"""``dpml_conv_norms(x, d, first, last, shape, squared, grads)``: see ``_conv_norms.c`` (addresses as integers;
-``grads`` 0 for none); returns 0, or −1 when it could not allocate its buffer."""
+ConvNorms = Callable[[int, int, int, int, int, int], int]
+"""``dpml_conv_norms(x, d, batch, shape, squared, grads)``: see ``_conv_norms.c`` (addresses as integers;
+``grads`` 0 for none); returns 0, or −1 when it could not allocate its buffers."""
 
 
 def load_conv_norms(library: Path) -> ConvNorms | None:
     """``dpml_conv_norms`` from a compiled library, or None if it does not load here."""
-    try:
-        function = ctypes.CDLL(str(library)).dpml_conv_norms
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_void_p]
-    function.restype = ctypes.c_int
-    return function  # type: ignore[no-any-return]
+    pointer = ctypes.c_void_p
+    return _load(library, "dpml_conv_norms", [pointer, pointer, ctypes.c_int64, pointer, pointer, pointer], ctypes.c_int)
 
 
 @functools.cache
