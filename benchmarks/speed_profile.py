@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speed import build, example_batch  # noqa: E402
+from dpml.devices import keep_freed_cpu_memory  # noqa: E402
 from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E402
 from dpml.train.clipping_layers import is_fast  # noqa: E402
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy  # noqa: E402
@@ -116,11 +117,13 @@ def main() -> None:
         if args.threads < 1:
             parser.error(f"--threads = {args.threads}: must be a positive integer")
         torch.set_num_threads(args.threads)
+    keep_freed_cpu_memory()  # as dpml's trainer on the CPU, for the non-private step too
     lines = ["# Where the DP-SGD step's time goes", "",
              f"Command: `python benchmarks/speed_profile.py --batch {args.batch}"
              + (f" --threads {args.threads}" if args.threads is not None else "") + f"`. Machine: {platform.machine()}, "
              f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; one process, the parts run in turn, median of "
-             f"{args.repeats} rounds after 3 warm-up ones.", "",
+             f"{args.repeats} rounds after 3 warm-up ones; freed memory kept for the next step, as the trainer "
+             "keeps it (`dpml.devices.keep_freed_cpu_memory`).", "",
              "| model | part | ms | × non-private step |", "|---|---|---|---|"]
     for model_name in args.models:
         rows = profile(model_name, args.batch, args.repeats)

@@ -514,6 +514,7 @@ COMPILED_GEOMETRIES = [  # (C_in, C_out, kernel, stride, padding, dilation, (H, 
     (7, 6, 1, 3, 0, 1, (10, 8), 4),              # 1×1, stride past the kernel
     (20, 3, 5, 1, 2, 2, (6, 7), 3),              # C_in·K = 500: several column blocks and a partial one
     (2, 9, (2, 5), (3, 2), (1, 2), (2, 1), (5, 9), 6),   # C_out = 9: a partial block of output channels
+    (3, 4, (2, 6), 1, (1, 3), 1, (7, 10), 3),    # a kernel width of no specialised copy (6)
 ]
 
 

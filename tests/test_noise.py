@@ -10,7 +10,10 @@ going through the module.
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +89,33 @@ def test_the_compiled_draw_is_the_numpy_draw(tmp_path: Path, monkeypatch: pytest
     again = kernels.compile_kernel(tmp_path)
     assert again is not None and again != library and len(list(tmp_path.glob("_boxmuller-*.so"))) == 2
     assert not list(tmp_path.glob(".*.part"))  # no half-written library left behind
+
+
+THREADS_CHECK = """
+import sys, torch
+from dpml.train.noise import BoxMullerBuffers
+draws = [BoxMullerBuffers(300_001, torch.float32).draw(1.0, torch.Generator().manual_seed(7), threads).clone()
+         for threads in (1, 2, 3, 4, 8)]
+assert all(torch.equal(draw, draws[0]) for draw in draws[1:])
+print("same", float(draws[0].abs().max()))
+"""
+
+
+@pytest.mark.parametrize("thread_limit", [None, "3", "1"])
+def test_the_compiled_draw_is_the_same_on_any_number_of_threads(thread_limit: str | None) -> None:
+    """The kernel splits its 4 streams over 1, 2 or 4 OpenMP threads (each stream writes its own pairs),
+    so every thread count gives the same numbers bit for bit; so does a team the OpenMP runtime makes
+    smaller than asked (``OMP_THREAD_LIMIT``: its first thread then draws every stream). In a fresh
+    process, so that the limit applies from the start."""
+    if kernels.compiled_draw() is None:
+        pytest.skip("no C compiler here: the noise is drawn in NumPy (single-threaded)")
+    env = {key: value for key, value in os.environ.items() if key != "OMP_THREAD_LIMIT"}
+    if thread_limit is not None:
+        env["OMP_THREAD_LIMIT"] = thread_limit
+    done = subprocess.run([sys.executable, "-c", THREADS_CHECK], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("same") and 3.0 < float(done.stdout.split()[1]) <= 8.58
 
 
 def test_without_a_working_compiler_the_draw_falls_back_to_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

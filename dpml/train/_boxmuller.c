@@ -3,18 +3,20 @@
  * for log / sin / cos, within a few ulp of NumPy's), loaded with ctypes by noise.py, which falls back
  * to NumPy when this file was not compiled. The construction and why it is safe: noise.py.
  *
- *   dpml_box_muller_f32(states, q, std, out): STREAMS SFC64 streams (states: STREAMS x 4 words, as
+ *   dpml_box_muller_f32(states, q, std, out, threads): STREAMS SFC64 streams (states: STREAMS x 4 words, as
  *   NumPy's SFC64 state array a, b, c, counter), stream k covers pairs k*q ... k*q + q - 1 of the
  *   P = STREAMS*q pairs: first its q uniforms U (one 64-bit output each, U = (x >> 11) 2^-53), then
  *   its q uniforms V (32-bit halves of 64-bit outputs, low half first, V = (h >> 8) 2^-24), as
  *   NumPy's Generator.random(q) and random(q, dtype=float32) draw them. Pair p = k*q + j gives
  *       R = sqrt(-2 std^2 ln(float32(1 - U))),  out[p] = R cos(2 pi V),  out[P + p] = R sin(2 pi V).
- *   The streams run in lockstep: their outputs do not depend on each other, so the processor
- *   overlaps them (one stream alone is one long chain of dependent additions).
+ *   The streams run on `threads` OpenMP threads, those of each thread in lockstep: their outputs do
+ *   not depend on each other, so the processor overlaps them (one stream alone is one long chain of
+ *   dependent additions).
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "V is read from the 32-bit halves of the outputs, low half first: little-endian only (NumPy draws instead)"
@@ -50,24 +52,28 @@ static inline uint64_t sfc64_next(sfc64 *s) {
 #define CLONES
 #endif
 
-CLONES void dpml_box_muller_f32(uint64_t *states, size_t q, double std, float *out) {
+/* Streams first ... first + COUNT - 1 of the draw, in lockstep (COUNT a constant at each call, so the
+ * loops over the streams unroll). */
+static inline __attribute__((always_inline)) void draw_streams(const uint64_t *states, size_t q, double std,
+                                                               float *out, const int first, const int COUNT) {
     sfc64 s[STREAMS];
     uint64_t bits[STREAMS][BLOCK];
     uint32_t halves[BLOCK];
     float angle[BLOCK];
     const size_t pairs = STREAMS * q;
     const float scale = (float)(-2.0 * std * std), two_pi = (float)(2.0 * 3.14159265358979323846);
-    for (int k = 0; k < STREAMS; k++) {
-        s[k] = (sfc64){states[4 * k], states[4 * k + 1], states[4 * k + 2], states[4 * k + 3]};
+    for (int k = 0; k < COUNT; k++) {
+        const uint64_t *state = states + 4 * (first + k);
+        s[k] = (sfc64){state[0], state[1], state[2], state[3]};
     }
     /* every U of each stream: R, parked in the cosine half of out */
     for (size_t start = 0; start < q; start += BLOCK) {
         const size_t n = q - start < BLOCK ? q - start : BLOCK;
         for (size_t j = 0; j < n; j++) {
-            for (int k = 0; k < STREAMS; k++) bits[k][j] = sfc64_next(&s[k]);
+            for (int k = 0; k < COUNT; k++) bits[k][j] = sfc64_next(&s[k]);
         }
-        for (int k = 0; k < STREAMS; k++) {
-            float *radius = out + k * q + start;
+        for (int k = 0; k < COUNT; k++) {
+            float *radius = out + (first + k) * q + start;
             for (size_t j = 0; j < n; j++) {  /* float32(1 - U), U = x 2^-53: (2^53 - x) 2^-53, rounded once */
                 radius[j] = (float)(int64_t)((UINT64_C(1) << 53) - (bits[k][j] >> 11)) * 0x1p-53f;
             }
@@ -79,10 +85,10 @@ CLONES void dpml_box_muller_f32(uint64_t *states, size_t q, double std, float *o
     for (size_t start = 0; start < q; start += BLOCK) {  /* BLOCK is even: a block starts on a low half */
         const size_t n = q - start < BLOCK ? q - start : BLOCK;
         for (size_t j = 0; j < (n + 1) / 2; j++) {
-            for (int k = 0; k < STREAMS; k++) bits[k][j] = sfc64_next(&s[k]);
+            for (int k = 0; k < COUNT; k++) bits[k][j] = sfc64_next(&s[k]);
         }
-        for (int k = 0; k < STREAMS; k++) {
-            float *cosine = out + k * q + start, *sine = out + pairs + k * q + start;
+        for (int k = 0; k < COUNT; k++) {
+            float *cosine = out + (first + k) * q + start, *sine = out + pairs + (first + k) * q + start;
             memcpy(halves, bits[k], (n + 1) / 2 * sizeof(uint64_t));  /* V_j: low (j even) or high half of output j/2 */
             for (size_t j = 0; j < n; j++) angle[j] = (float)(int32_t)(halves[j] >> 8) * 0x1p-24f * two_pi;
 #pragma omp simd
@@ -90,5 +96,19 @@ CLONES void dpml_box_muller_f32(uint64_t *states, size_t q, double std, float *o
 #pragma omp simd
             for (size_t j = 0; j < n; j++) cosine[j] = cosine[j] * cosf(angle[j]);
         }
+    }
+}
+
+/* The exported draw: the STREAMS streams on `threads` OpenMP threads (1, 2 or 4; those of the libgomp torch
+ * has loaded), STREAMS / threads streams each; a team of another size (a thread limit) leaves them all to its
+ * first thread. Each stream writes its own pairs only, so the numbers do not depend on the threads. */
+CLONES void dpml_box_muller_f32(const uint64_t *states, size_t q, double std, float *out, int threads) {
+    threads = threads >= 4 ? 4 : threads >= 2 ? 2 : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int team = omp_get_num_threads(), thread = omp_get_thread_num();
+        if (team == 4) draw_streams(states, q, std, out, thread, 1);
+        else if (team == 2) draw_streams(states, q, std, out, 2 * thread, 2);
+        else if (thread == 0) draw_streams(states, q, std, out, 0, 4);
     }
 }

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpml.devices import keep_freed_cpu_memory
 from dpml.train.clipping import LossFn, clipped_gradient_sum
 from dpml.train.clipping_check import architecture_key, probe_batch, probe_labels
 
@@ -149,6 +150,8 @@ def fastest_chunk(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...
     if len(sizes) == 1:
         return ChunkChoice(sizes[0], ())
     device = next(model.parameters()).device
+    if device.type == "cpu":
+        keep_freed_cpu_memory()  # timed under the allocator settings the training steps run under
     key = (architecture_key(model, loss_fn, input_shape, input_dtype), str(device), tuple(sizes),
            tuple(sorted(exact)), autocast, torch.get_num_threads())
     if key not in _CHOICES:

@@ -151,8 +151,6 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     they are returned too: the clipped sum is then Σ_i c_i G_i, not a second pass over all positions.
     """
     count = a.shape[1]
-    if count == 1:
-        return row_norms_squared(a[:, 0]) * row_norms_squared(d[:, 0]), None
     if not materialise(a.shape[0], count, a.shape[2], d.shape[2]):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
     per_example = torch.bmm(d.transpose(1, 2), a)  # (B, d_out, d_in)
@@ -194,25 +192,26 @@ def materialised_piece(per_example: list[tuple[nn.Parameter, torch.Tensor]], lik
 
 
 def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: torch.Tensor) -> Piece:
-    """Linear / Conv1d / Conv2d: ‖Σ_t δ_t a_tᵀ‖² by ghost norm or materialised, ‖Σ_t δ_t‖², and their clipped sums."""
-    squared = d.new_zeros(d.shape[0])
-    kept = None
-    if trainable(module.weight):
-        weight_squared, kept = weight_norms_squared(a, d)
-        squared = squared + weight_squared
-    if trainable(module.bias):
-        squared = squared + row_norms_squared(d[:, 0] if d.shape[1] == 1 else d.sum(1))
+    """Linear / Conv1d / Conv2d: ‖Σ_t δ_t a_tᵀ‖² by ghost norm or materialised (at one position, as a Linear on
+    rows: ‖a‖²‖δ‖², with the bias's ‖δ‖² in the same product), ‖Σ_t δ_t‖², and their clipped sums."""
+    weight, bias, kept = trainable(module.weight), trainable(module.bias), None
+    if d.shape[1] == 1:
+        d_squared = row_norms_squared(d[:, 0])
+        squared = d_squared * (row_norms_squared(a[:, 0]) + float(bias)) if weight else d_squared
+    else:
+        squared = row_norms_squared(d.sum(1)) if bias else d.new_zeros(d.shape[0])
+        if weight:
+            weight_squared, kept = weight_norms_squared(a, d)
+            squared = squared + weight_squared
 
     def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         weighted = d * factors[:, None, None]
         out = []
-        if trainable(module.weight):
-            if kept is not None:
-                flat = torch.einsum("b,boi->oi", factors, kept)
-            else:
-                flat = weighted.reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])  # (d_out, d_in)
+        if weight:
+            flat = (torch.einsum("b,boi->oi", factors, kept) if kept is not None
+                    else weighted.reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2]))  # (d_out, d_in)
             out.append((module.weight, flat.reshape(module.weight.shape)))
-        if trainable(module.bias):
+        if bias:
             out.append((module.bias, weighted.sum((0, 1))))  # type: ignore[arg-type]
         return out
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpml.devices import host_to_device
+from dpml.devices import host_to_device, keep_freed_cpu_memory
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
@@ -262,6 +262,8 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
     the same ĝ_t as one process would: the mechanism, and its certificate, are the single-process ones.
     """
     params = trainable_parameters(model)
+    if all(p.device.type == "cpu" for p in params.values()):
+        keep_freed_cpu_memory()  # the pages a step frees serve the next step
     batch_sizes: list[int] = []
     clipped: list[torch.Tensor] = []
     start = time.perf_counter()

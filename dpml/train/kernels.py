@@ -30,15 +30,17 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("_boxmuller.c")
 CONV_SOURCE = Path(__file__).with_name("_conv_norms.c")
-FLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 """-fno-math-errno lets log / sin / cos go to glibc's vector variants (the source declares them SIMD) and
-sqrt to one instruction; no -ffast-math: the float32 operations keep their order and rounding."""
+sqrt to one instruction; no -ffast-math: the float32 operations keep their order and rounding. -fopenmp:
+the streams run on OpenMP threads, those of the libgomp torch has loaded."""
 CONV_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 """-fopenmp: the examples run on OpenMP threads, those of the libgomp torch has loaded (``_conv_norms.c``)."""
 
-CompiledDraw = Callable[[int, int, float, int], None]
-"""``dpml_box_muller_f32(states, q, std, out)``: addresses of the (STREAMS, 4) uint64 SFC64 states and of the
-float32 output (2·STREAMS·q numbers) as integers; see ``_boxmuller.c``."""
+CompiledDraw = Callable[[int, int, float, int, int], None]
+"""``dpml_box_muller_f32(states, q, std, out, threads)``: addresses of the (STREAMS, 4) uint64 SFC64 states and
+of the float32 output (2·STREAMS·q numbers) as integers, and the OpenMP threads to draw on (1, 2 or 4: the
+numbers are the same); see ``_boxmuller.c``."""
 
 
 def cache_directory() -> Path:
@@ -98,8 +100,8 @@ def _load(library: Path, name: str, argtypes: list[type], restype: type | None) 
 
 def load_kernel(library: Path) -> CompiledDraw | None:
     """``dpml_box_muller_f32`` from a compiled library, or None if it does not load here."""
-    return _load(library, "dpml_box_muller_f32", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p],
-                 None)
+    return _load(library, "dpml_box_muller_f32",
+                 [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p, ctypes.c_int], None)
 
 
 @functools.cache

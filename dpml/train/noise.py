@@ -68,8 +68,9 @@ class BoxMullerBuffers:
     arithmetic), allocated once and reused by every :meth:`draw`: fresh megabyte arrays would be fresh
     pages, and on this virtual machine the page faults of a 536k-number draw cost more than its
     arithmetic (ad hoc: 4.8 against 1.7 ms, 1,800 faults per draw). With ``compiled`` the draw runs
-    in the compiled kernel where there is one (float32 only: :func:`dpml.train.kernels.compiled_draw`),
-    else in NumPy's SIMD code; single-threaded either way, holding none of torch's intra-op threads.
+    in the compiled kernel where there is one (float32 only: :func:`dpml.train.kernels.compiled_draw`), on
+    as many of torch's OpenMP threads as :meth:`draw` is told (one by default), else in NumPy's SIMD code
+    (single-threaded).
 
     The P = ``STREAMS``·q pairs (q = ⌈⌈count/2⌉ / STREAMS⌉) are split in quarters, stream k drawing all
     the U of pairs kq … kq + q − 1 and then all their V; ``out`` holds the P values R cos Θ and then
@@ -87,12 +88,14 @@ class BoxMullerBuffers:
         self.out = np.empty(2 * pairs, dtype=work)
         self.flat = torch.from_numpy(self.out)[:count]  # shares the memory of ``out``
 
-    def draw(self, std: float, generator: torch.Generator) -> torch.Tensor:
-        """The flat draw of :func:`gaussian`, written into this object's output (valid until the next draw)."""
+    def draw(self, std: float, generator: torch.Generator, threads: int = 1) -> torch.Tensor:
+        """The flat draw of :func:`gaussian`, written into this object's output (valid until the next draw);
+        the compiled kernel runs the streams on ``threads`` of torch's OpenMP threads (1, 2 or 4; the same
+        numbers for any)."""
         streams = _sfc64_streams(generator)
         if self.compiled is not None:
             states = np.array([stream.state["state"]["state"] for stream in streams], dtype=np.uint64)
-            self.compiled(states.ctypes.data, self.q, std, self.out.ctypes.data)
+            self.compiled(states.ctypes.data, self.q, std, self.out.ctypes.data, threads)
         else:
             self._draw_in_numpy(streams, std)
         return self.flat if self.flat.dtype == self.dtype else self.flat.to(self.dtype)
@@ -129,7 +132,7 @@ def gaussian(shape: Sequence[int], std: float, generator: torch.Generator, dtype
     drawing all its U, then all its V), on a GPU in torch (the generator's Philox stream)."""
     count = math.prod(shape)
     if generator.device.type == "cpu":
-        return BoxMullerBuffers(count, dtype).draw(std, generator).reshape(tuple(shape))
+        return BoxMullerBuffers(count, dtype).draw(std, generator, torch.get_num_threads()).reshape(tuple(shape))
     half = (count + 1) // 2
     work = torch.float64 if dtype == torch.float64 else torch.float32
     u, angle = _uniform_pairs(half, generator, work)
@@ -178,10 +181,10 @@ class _ReusedNoise:
         self.groups = [(BoxMullerBuffers(sum(p.numel() for _, p in group), dtype), group)
                        for dtype, group in _dtype_groups(params).items()]
 
-    def __call__(self, std: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def __call__(self, std: float, generator: torch.Generator, threads: int = 1) -> dict[str, torch.Tensor]:
         noises: dict[str, torch.Tensor] = {}
         for buffers, group in self.groups:
-            _split(buffers.draw(std, generator), group, noises)
+            _split(buffers.draw(std, generator, threads), group, noises)
         return {name: noises[name] for name in self.names}
 
 
@@ -240,9 +243,10 @@ class PrefetchedNoise:
 
 class SynchronousNoise:
     """A run's noise stream on the CPU with each step's :func:`gaussian_noise` drawn when the step asks for
-    it, into buffers allocated once (valid until the next :meth:`draw`): for a process whose cores
-    torch's intra-op threads all take, where a background draw would stall them instead of using an
-    idle core (``benchmarks/README.md``: the MLP at batch 512 on two threads). The same draws, in the
+    it, into buffers allocated once (valid until the next :meth:`draw`), on torch's intra-op threads
+    (the compiled kernel's streams split over up to 4 of them): for a process whose cores torch's
+    intra-op threads all take, where a background draw would stall them instead of using an idle core
+    (``benchmarks/README.md``: the MLP at batch 512 on two threads). The same draws, in the
     same order, as :class:`PrefetchedNoise` and as synchronous :func:`gaussian_noise` calls."""
 
     def __init__(self, generator: torch.Generator, params: dict[str, nn.Parameter], std: float) -> None:
@@ -253,7 +257,7 @@ class SynchronousNoise:
     def draw(self, std: float) -> dict[str, torch.Tensor]:
         """This step's noise (valid until the next call)."""
         _check_std(std, self.std)
-        return self._buffers(self.std, self.generator)
+        return self._buffers(self.std, self.generator, torch.get_num_threads())
 
     def wait(self) -> None:
         """Nothing is pending: a synchronous stream draws inside :meth:`draw`."""
