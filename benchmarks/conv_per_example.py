@@ -12,7 +12,8 @@ channel counts), on random inputs and output gradients of the layer's shape:
 - *patches × δ*: the unfolded patches and one batched matrix product (``unfold_patches`` and ``bmm``);
 - *compiled* (CPU, float32): ``_conv_norms.c``, each example's patches built in a cache-sized buffer and
   multiplied there, on torch's OpenMP threads (:func:`dpml.train.clipping_conv.compiled_norms`, gradients
-  kept; "n/a" where no C compiler is found);
+  kept; "n/a" where no C compiler is found), timed at every T although the engine takes it only up to
+  ``COMPILED_MAX_POSITIONS`` (this table is where that limit comes from);
 - for scale, the batched weight gradient of the whole batch (what a non-private step computes; not
   per example).
 
@@ -41,7 +42,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dpml.devices import full_float32  # noqa: E402
+from dpml.devices import full_float32, keep_freed_cpu_memory  # noqa: E402
+from dpml.train import clipping_conv  # noqa: E402
 from dpml.train.clipping_conv import (compiled_norms, conv_geometry, conv_per_example_gradients,  # noqa: E402
                                       conv_per_example_gradients_by_weight_grad, unfold_patches)
 
@@ -115,7 +117,9 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
     lines = ["# Per-example weight gradients of a convolution: the engine's ways", "",
              f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, {where}, torch "
              f"{torch.__version__}, Python {platform.python_version()}. Median ms of {args.repeats} rounds (the ways "
-             "in turn); T = output positions per example; the differences are relative to the largest entry.", "",
+             "in turn); T = output positions per example; the differences are relative to the largest entry"
+             + ("; freed memory kept for the next call, as the trainer keeps it" if args.device == "cpu" else "")
+             + "; the compiled kernel timed at every T (the engine takes it up to T = 256).", "",
              "| layer | B | C_in → C_out | k, stride | T | grouped forward | grouped weight gradient | patches × δ | "
              "compiled | batch weight gradient (non-private) | fastest per-example way | differences |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -141,6 +145,9 @@ def main() -> None:
         parser.error("--device cuda: no CUDA device is available here")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        keep_freed_cpu_memory()  # as the trainer on the CPU: no way pays page faults for its fresh outputs
+    clipping_conv.COMPILED_MAX_POSITIONS = 1 << 30  # every layer timed (module docstring)
     torch.backends.cudnn.benchmark = False
     rows = []
     with full_float32():  # as in the clipping engine, which forms per-example gradients without TF32

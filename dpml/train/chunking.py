@@ -21,7 +21,10 @@ largest one within ``PREFER_LARGER`` of it is preferred (fewer passes, steadier 
 model fails on (out of memory, or an error of its own) ends the search with what was measured; if
 nothing could be measured the chunk is the bound, as without tuning, so tuning never fails a run that
 would otherwise train. The choice is measured once per architecture, loss, input, device, bound and
-thread count in a process.
+thread count in a process. On the CPU it is timed under the malloc settings the training loop runs
+under (:func:`dpml.devices.keep_freed_cpu_memory`): under glibc's dynamic defaults a probe chunk and a
+training step could page-fault differently, and the CNN at batch 512 on two threads was given chunks
+of 128 rows that were slower in the loop than the whole batch.
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def per_example_conv_gradients(way: str, module: nn.Conv2d, inputs: torch.Tensor
 COMPILED_MAX_POSITIONS = 256
 """The compiled kernel is taken for layers of at most this many output positions T per example: in
 ``results/conv_per_example.md`` it is the fastest way at T = 25, 49 and 196 (the Opacus example CNN's
-two convolutions, WRN-16-4's strided and deeper layers) and slower than a torch way at T ≥ 784 but once."""
+two convolutions, WRN-16-4's strided and deeper layers); at T = 784 it is faster for some input channel
+counts (12, 16, 64) and slower for others (3 to 8, 24), a rule not yet measured well enough to take."""
 
 
 def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry,
