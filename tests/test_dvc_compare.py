@@ -73,6 +73,7 @@ def offline_template(path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ≈170 s (five dvc repro and one dvc exp run): CI runs it; the default suite stays near 20 min
 def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_run_registers(repo: Path) -> None:
     summary = json.loads((repo / "metrics" / "summary.json").read_text())
     assert {"test_accuracy", "epsilon", "delta", "max_epsilon_lower_bound", "gate_passed"} <= set(summary)

@@ -56,6 +56,7 @@ def version_tags(root: Path, number: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ≈120 s (a release, its verification and its retraining in a worktree): CI runs it; the default suite stays near 20 min
 def test_a_release_rebuilds_from_its_commit_and_remote_after_the_data_changed(tmp_path: Path) -> None:
     root, table = checkout_with_table(tmp_path, 900, seed=1)
     first = dpml(root, "run", "--engine", "local")
