@@ -29,12 +29,8 @@
 
 typedef struct { int64_t C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw; } geometry;
 
-/* xp (C x HP x WP, HP = H + 2 ph, WP = W + 2 pw): the example's input inside its zero padding; the border
- * is zeroed once per buffer (pad_once) and stays zero, each example copies its rows into the interior. */
-static void pad_once(const geometry *g, float *xp) {
-    memset(xp, 0, (size_t)(g->C * (g->H + 2 * g->ph) * (g->W + 2 * g->pw)) * sizeof(float));
-}
-
+/* xp (C x HP x WP, HP = H + 2 ph, WP = W + 2 pw): the example's input inside its zero padding; the buffer
+ * is allocated zeroed and its border stays zero, each example copies its rows into the interior. */
 static void pad(const float *x, const geometry *g, float *xp) {
     const int64_t HP = g->H + 2 * g->ph, WP = g->W + 2 * g->pw;
     for (int64_t c = 0; c < g->C; c++) {
@@ -114,13 +110,12 @@ CLONES int dpml_conv_examples(const float *x, const float *d, int64_t first, int
                     float *grads) {
     const int64_t T = g->OH * g->OW, K = g->C * g->kh * g->kw;
     float *a = malloc((size_t)(T * K) * sizeof(float));
-    float *xp = malloc((size_t)(g->C * (g->H + 2 * g->ph) * (g->W + 2 * g->pw)) * sizeof(float));
+    float *xp = calloc((size_t)(g->C * (g->H + 2 * g->ph) * (g->W + 2 * g->pw)), sizeof(float));
     if (a == NULL || xp == NULL) {
         free(a);
         free(xp);
         return -1;
     }
-    pad_once(g, xp);
     float acc[OB][KB];
     for (int64_t i = first; i < last; i++) {
         const float *di = d + i * g->O * T;
