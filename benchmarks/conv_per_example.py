@@ -19,7 +19,7 @@ channel counts), on random inputs and output gradients of the layer's shape:
 
 Median milliseconds over the repeats (the ways run in turn, round after round, after one warm-up; TF32
 off, as in the engine), and the largest difference of the second and third from the first relative to its
-largest entry. Which way the engine takes for which shape (``dpml.train.clipping_layers.per_example_conv_way``)
+largest entry. Which way the engine takes for which shape (``dpml.train.clipping_conv.per_example_conv_way``)
 follows this table.
 Writes ``benchmarks/results/conv_per_example[_cuda].{md,json}``.
 """

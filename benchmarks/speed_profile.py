@@ -1,6 +1,7 @@
 """Where a dpml DP-SGD step spends its time, next to the non-private step (same model, batch, process).
 
-    python benchmarks/speed_profile.py [--batch 512] [--models mlp cnn] [--threads N] [--out benchmarks/results]
+    python benchmarks/speed_profile.py [--batch 512] [--models mlp cnn] [--threads N] [--device cpu|cuda]
+                                       [--ops N] [--out benchmarks/results]
 
 Times (the parts run in turn, round after round; medians after warm-up) of: the non-private step (forward, mean
 loss, backward, SGD update); dpml's whole DP step; and its parts — the forward pass with the layer
@@ -12,6 +13,11 @@ line, into fresh buffers): in compiled code (``_boxmuller.c``, compiled on first
 fallback where there is no C compiler, the same numbers), the same draw into fresh buffers, next to torch's own
 float32 and float64 ``normal_`` over as many numbers (not used: the float32 one cuts the tails at
 5.77σ, :mod:`dpml.train.noise`). Same models as ``speed.py``.
+
+``--device cuda`` times the same parts on the GPU (each part ends with ``torch.cuda.synchronize()``; the
+noise is the trainer's GPU draw, ``gaussian_noise`` on a CUDA generator; the CPU-only draws are left
+out) and writes ``speed_profile_cuda.md``. ``--ops N`` adds, per model, the N operators that took the most
+time in 5 DP steps (``torch.profiler``: self time on the device where it is a GPU, else on the CPU).
 """
 
 from __future__ import annotations
@@ -39,7 +45,12 @@ from dpml.train.noise import BoxMullerBuffers, gaussian_noise  # noqa: E402
 from dpml.train.kernels import compiled_draw  # noqa: E402
 
 
-def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def _synchronise(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int, device: str = "cpu") -> dict[str, float]:
     """Median time of each part, the parts run in turn, round after round (after 3 warm-up rounds), so
     that the load of a shared machine falls on all of them alike."""
     for _ in range(3):
@@ -48,18 +59,33 @@ def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int) -
     times: dict[str, list[float]] = {name: [] for name in parts}
     for _ in range(repeats):
         for name, fn in parts.items():
+            _synchronise(device)
             start = time.perf_counter()
             fn()
+            _synchronise(device)
             times[name].append(time.perf_counter() - start)
     return {name: 1000 * statistics.median(values) for name, values in times.items()}
 
 
-def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]]:
+def dp_step_function(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     generator: torch.Generator) -> Callable[[], None]:
+    """dpml's DP step on the batch (x, y), clipped in one chunk, its noise drawn in line (SGD, C = σ = 1)."""
+    optimizer, batch = torch.optim.SGD(model.parameters(), lr=0.01), x.shape[0]
+
+    def dp_step() -> None:
+        sums, noises, _ = clipped_sum_and_noise(model, x, y, 1.0, 1.0, batch, generator)
+        for (name, p) in model.named_parameters():
+            p.grad = sums[name].add_(noises[name]).div_(batch)
+        optimizer.step()
+    return dp_step
+
+
+def profile(model_name: str, batch: int, repeats: int, device: str = "cpu") -> list[tuple[str, float]]:
     torch.manual_seed(0)
-    model = build(model_name)
-    x, y = example_batch(model_name, batch)
+    model = build(model_name).to(device)
+    x, y = example_batch(model_name, batch, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
     params = list(model.parameters())
 
     def nonprivate() -> None:
@@ -67,12 +93,7 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
         per_example_cross_entropy(model(x), y).mean().backward()
         optimizer.step()
 
-    def dp_step() -> None:
-        sums, noises, _ = clipped_sum_and_noise(model, x, y, 1.0, 1.0, batch, generator)
-        for (name, p) in model.named_parameters():
-            p.grad = sums[name].add_(noises[name]).div_(batch)
-        optimizer.step()
-
+    dp_step = dp_step_function(model, x, y, generator)
     fast = [m for m in model.modules() if is_fast(m)]
 
     def forward_backward_to_outputs() -> None:
@@ -84,6 +105,13 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
 
     named = dict(model.named_parameters())
     total = sum(p.numel() for p in params)
+    parts = {"non-private step": nonprivate, "dpml DP step": dp_step,
+             "  forward + backward to layer outputs": forward_backward_to_outputs,
+             "  clipped_gradient_sum (all of the above + norms + clipped sums)": clipping}
+    if device == "cuda":
+        parts[f"  Gaussian noise as the trainer draws it on the GPU ({total:,} parameters)"] = \
+            lambda: gaussian_noise(named, 1.0, generator)
+        return list(interleaved_medians_ms(parts, repeats, device).items())
     compiled, in_numpy = BoxMullerBuffers(total, torch.float32), BoxMullerBuffers(total, torch.float32, compiled=False)
     if compiled_draw() is None:
         raise SystemExit("dpml/train/_boxmuller.c did not compile here (no C compiler?): the profile times both draws")
@@ -92,10 +120,7 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
         gaussian_noise(named, 1.0, generator)
 
     float32_buffer, float64_buffer = torch.empty(total), torch.empty(total, dtype=torch.float64)
-    parts = {"non-private step": nonprivate, "dpml DP step": dp_step,
-             "  forward + backward to layer outputs": forward_backward_to_outputs,
-             "  clipped_gradient_sum (all of the above + norms + clipped sums)": clipping,
-             f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, compiled, into buffers "
+    parts |= {f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, compiled, into buffers "
              f"allocated once ({total:,} parameters)": lambda: compiled.draw(1.0, generator),
              "  the same draw in NumPy (the fallback where no C compiler is found)":
                  lambda: in_numpy.draw(1.0, generator),
@@ -105,14 +130,40 @@ def profile(model_name: str, batch: int, repeats: int) -> list[tuple[str, float]
     return list(interleaved_medians_ms(parts, repeats).items())
 
 
+def top_operators(model_name: str, batch: int, device: str, count: int) -> str:
+    """``torch.profiler``'s table of the ``count`` operators with the most self time over 5 DP steps (after 3
+    untimed ones), on the device where it is a GPU, else on the CPU."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.manual_seed(0)
+    model = build(model_name).to(device)
+    x, y = example_batch(model_name, batch, device)
+    dp_step = dp_step_function(model, x, y, torch.Generator(device=device).manual_seed(0))
+    for _ in range(3):
+        dp_step()
+    _synchronise(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as trace:
+        for _ in range(5):
+            dp_step()
+        _synchronise(device)
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    return trace.key_averages().table(sort_by=key, row_limit=count, max_name_column_width=60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ops", type=int, default=0, help="also the N operators with the most self time in a DP step")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads = {args.threads}: must be a positive integer")
@@ -120,18 +171,27 @@ def main() -> None:
     keep_freed_cpu_memory()  # as dpml's trainer on the CPU, for the non-private step too
     lines = ["# Where the DP-SGD step's time goes", "",
              f"Command: `python benchmarks/speed_profile.py --batch {args.batch}"
-             + (f" --threads {args.threads}" if args.threads is not None else "") + f"`. Machine: {platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; one process, the parts run in turn, median of "
+             + (f" --threads {args.threads}" if args.threads is not None else "")
+             + (" --device cuda" if args.device == "cuda" else "") + (f" --ops {args.ops}" if args.ops else "")
+             + f"`. Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+             + (f", GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if args.device == "cuda" else "")
+             + "; one process, the parts run in turn, median of "
              f"{args.repeats} rounds after 3 warm-up ones; freed memory kept for the next step, as the trainer "
              "keeps it (`dpml.devices.keep_freed_cpu_memory`).", "",
              "| model | part | ms | × non-private step |", "|---|---|---|---|"]
+    operators = []
     for model_name in args.models:
-        rows = profile(model_name, args.batch, args.repeats)
+        rows = profile(model_name, args.batch, args.repeats, args.device)
         base = rows[0][1]
-        lines += [f"| {model_name} | {name} | {ms:.1f} | {ms / base:.2f} |" for name, ms in rows]
+        lines += [f"| {model_name} | {name} | {ms:.2f} | {ms / base:.2f} |" for name, ms in rows]
+        if args.ops:
+            operators += ["", f"## {model_name}: the {args.ops} operators with the most self time in 5 DP steps", "",
+                          "```", top_operators(model_name, args.batch, args.device, args.ops), "```"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "speed_profile.md").write_text("\n".join(lines) + "\n")
+    name = "speed_profile_cuda.md" if args.device == "cuda" else "speed_profile.md"
+    lines += operators
+    (out / name).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -4,14 +4,16 @@
 #
 #   bash scripts/gpu_check.sh --fetch [PYTHON_VERSION]   # here, with a network: the missing pure and binary
 #                                                       # wheels into .gpu-wheels/ (default Python 3.12)
-#   bash scripts/gpu_check.sh                            # there: installs them into a temporary directory
-#                                                       # (nothing else is touched), runs the CUDA tests
-#                                                       # and writes benchmarks/results/speed_cuda.{md,json}
+#   bash scripts/gpu_check.sh [--out DIR]                # there: installs them into a temporary directory
+#                                                       # (nothing else is touched), runs the CUDA tests,
+#                                                       # writes speed_cuda.{md,json} and speed_profile_cuda.md
+#                                                       # into DIR (default benchmarks/results)
 #
 # The CUDA tests are those tests/test_devices.py skips without a GPU (the engine on CUDA, TF32 off in
 # the norms and sums, the bounded number of host synchronisations, the CPU step's law on the GPU) and
-# the noise tests (the Box–Muller draw on CUDA uniforms). Each step says what it runs; the exit status
-# is the tests' (the speed table runs either way).
+# the noise tests (the Box–Muller draw on CUDA uniforms), and the chunk tuner on the GPU. Each step says what
+# it runs, under a time limit, so that the whole fits one 10-minute call; the exit status is the tests'
+# (the speed table and the profile run either way). NCCL needs two GPUs: it is not exercised on one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
@@ -31,6 +33,9 @@ if [ "${1:-}" = "--fetch" ]; then
   ls "$WHEELS"
   exit 0
 fi
+RESULTS=benchmarks/results
+[ "${1:-}" = "--out" ] && RESULTS=${2:?--out needs a folder}
+mkdir -p "$RESULTS"
 [ -d "$WHEELS" ] || { echo "[gpu-check] no $WHEELS/: run 'bash scripts/gpu_check.sh --fetch' where there is a network" >&2; exit 2; }
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "[gpu-check] torch sees no CUDA device here" >&2; exit 2; }
@@ -40,8 +45,11 @@ python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir 
 export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
 python3 -c "import torch; print('[gpu-check]', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
 echo "[gpu-check] the CUDA tests"
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py -rs
+timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py -rs
 status=$?
-echo "[gpu-check] the GPU speed table (benchmarks/results/speed_cuda.md)"
-python3 benchmarks/speed.py --device cuda --models mlp cnn wrn --rounds 40 --peer-rounds 5
+echo "[gpu-check] the GPU speed table ($RESULTS/speed_cuda.md)"
+timeout 240 python3 benchmarks/speed.py --device cuda --models mlp cnn wrn --rounds 40 --peer-rounds 5 --out "$RESULTS"
+echo "[gpu-check] where the GPU step's time goes ($RESULTS/speed_profile_cuda.md)"
+timeout 90 python3 benchmarks/speed_profile.py --device cuda --models mlp cnn wrn --ops 12 --out "$RESULTS" \
+  2>&1 | grep -v '^USDT'
 exit $status

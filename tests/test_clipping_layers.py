@@ -443,11 +443,27 @@ def test_per_example_gradients_by_the_weight_gradient_equal_autograd(channels: i
 
 
 def test_each_conv_way_is_picked_by_device_and_shape() -> None:
-    way = clipping_layers.per_example_conv_way
+    way = clipping_conv.per_example_conv_way
     assert way("cpu", 16, 784, 64) == "weight gradient"   # T > C_out, at least 8 input channels
     assert way("cpu", 3, 1024, 16) == "grouped forward"   # T > C_out, an image of few channels
     assert way("cpu", 64, 49, 256) == "patch slices"      # T ≤ C_out
     assert way("cuda", 64, 784, 64) == way("cuda", 1, 196, 16) == "patches"
+
+
+def test_a_gpu_keeps_per_example_gradients_in_proportion_to_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU a layer keeps at most ``KEEP_PER_EXAMPLE_LIMIT`` elements; on a GPU that many per 4 GiB of
+    the device's memory (never fewer than the CPU's), so a limit patched to 0 keeps nothing anywhere."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert clipping_layers.keep_limit(cpu) == clipping_layers.KEEP_PER_EXAMPLE_LIMIT == 1 << 25
+    for memory, times in ((143771 << 20, 35), (80 << 30, 20), (24 << 30, 6), (2 << 30, 1)):
+        monkeypatch.setattr(clipping_layers, "_gpu_memory", lambda index, memory=memory: memory)
+        assert clipping_layers.keep_limit(gpu) == times << 25, memory
+    # what the limit decides: a 128→128 3×3 layer at 14×14 for 512 examples (75M elements) is ghost-normed
+    # within the CPU's limit and materialised within an H200's
+    assert not clipping_layers.materialise(512, 196, 1152, 128, 1 << 25)
+    assert clipping_layers.materialise(512, 196, 1152, 128, 35 << 25)
+    monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    assert clipping_layers.keep_limit(cpu) == clipping_layers.keep_limit(gpu) == 0
 
 
 class WideConvs(nn.Module):
@@ -472,7 +488,7 @@ def test_convolutions_of_eight_channels_match_naive_loop(keep: bool, monkeypatch
     model = WideConvs().double()
     x = torch.randn(6, 8, 9, 8, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     assert model.second(model.first(x)).shape[2:] == (5, 6)
-    assert clipping_layers.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
+    assert clipping_conv.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
     assert clipping_layers.materialise(6, 72, 72, 8)  # the first layer materialises (kept or not)
     assert_matches_naive_loop(model, x, labels(6), 0.05)
     assert vmapped == []

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet
-from dpml.train import clipping_layers
+from dpml.train import chunking, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum, engine_pass
 from dpml.train.clipping_check import ClippingUnsupported, check_autocast
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, train_dpsgd
@@ -174,6 +174,52 @@ def test_the_step_loop_on_the_gpu_never_waits_for_the_host() -> None:
     synchronisations(0.1, 1)  # the first run warms the caches up
     few, many = synchronisations(1, 2), synchronisations(3, 3)
     assert many == few, f"{few} synchronisations in 10 steps, {many} in 30: the step loop waits for the host"
+
+
+@needs_cuda
+def test_the_chunk_tuner_on_the_gpu_times_a_copy_and_leaves_the_model_and_random_state() -> None:
+    """:func:`fastest_chunk` on a model on the GPU: every candidate it timed is one of the candidates (the
+    passes synchronised, so each time is finite and positive), the chunk is one it timed, and the model's
+    parameters, buffers and the CUDA generator's state are as before (the copy runs under ``fork_rng``)."""
+    chunking._CHOICES.clear()
+    model = models()["wide_resnet"].to("cuda")
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    cuda_state = torch.cuda.get_rng_state()
+    choice = chunking.fastest_chunk(model, per_example_cross_entropy, (64,), torch.float32, 256, 256)
+    candidates = chunking.candidate_chunks(256, 256)
+    assert choice.timings and {size for size, _ in choice.timings} <= set(candidates)
+    assert all(math.isfinite(seconds) and seconds > 0 for _, seconds in choice.timings)
+    assert choice.chunk in {size for size, _ in choice.timings}
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    assert torch.equal(cuda_state, torch.cuda.get_rng_state())
+
+
+@needs_cuda
+def test_a_layer_kept_on_the_gpu_beyond_the_cpus_limit_gives_the_ghost_norms_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 128→128 convolution at 14×14 for 512 examples has 75M elements of per-example gradients: past the
+    CPU's keep limit, within a GPU's (:func:`clipping_layers.keep_limit`). Kept, its clipped sum is the
+    weighted sum of the kept gradients (no weight-gradient convolution runs); with the GPU held to the
+    CPU's limit, ghost norm and the layer's weight-gradient convolution; the two agree."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(128, 128, 3, padding=1), nn.Flatten(), nn.Linear(128 * 14 * 14, 5)).cuda()
+    x = torch.randn(512, 128, 14, 14, device="cuda")
+    y = torch.randint(0, 5, (512,), device="cuda")
+    assert clipping_layers.keep_limit(x.device) >= 512 * 128 * 1152 > clipping_layers.KEEP_PER_EXAMPLE_LIMIT
+    weight_gradients = []
+    original = torch.nn.grad.conv2d_weight
+    monkeypatch.setattr(torch.nn.grad, "conv2d_weight", lambda *a, **k: weight_gradients.append(1) or original(*a, **k))
+    results = []
+    for limit in (None, 1 << 60):  # the GPU's own, then 4 GiB per CPU limit on a device of under 1 EiB: ×1
+        if limit is not None:
+            monkeypatch.setattr(clipping_layers, "GPU_MEMORY_PER_KEEP_LIMIT", limit)
+        results.append(clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0))
+        results[-1][1].sum().item()
+        weight_gradients.append("|")
+    assert weight_gradients == ["|", 1, "|"]  # kept: no weight-gradient convolution; held to the CPU's limit: one
+    (kept_sums, kept_norms), (ghost_sums, ghost_norms) = results
+    torch.testing.assert_close(kept_norms, ghost_norms, rtol=1e-4, atol=1e-6)
+    for key, value in ghost_sums.items():
+        torch.testing.assert_close(kept_sums[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
 @needs_cuda

@@ -119,6 +119,31 @@ def per_example_conv_gradients(way: str, module: nn.Conv2d, inputs: torch.Tensor
     return torch.bmm(d, unfold_patches(inputs, *conv_geometry(module)).transpose(1, 2))  # type: ignore[misc]
 
 
+WEIGHT_GRAD_MIN_CHANNELS = 8  # from here on the grouped weight gradient beats the grouped forward (CPU)
+
+
+def per_example_conv_way(device_type: str, in_channels: int, count: int, out_channels: int) -> str:
+    """How :func:`dpml.train.clipping_layers._conv_piece` materialises a Conv2d's per-example gradients
+    (B, C_out, C_in·kh·kw), by the measurements of ``benchmarks/conv_per_example.py``
+    (``results/conv_per_example*.md``):
+
+    - on a GPU ``"patches"``: from the unfolded patches by one batched product over the whole batch
+      (a convolution with B groups, forward or weight gradient, is up to 9× slower there, for WRN-16-4's
+      layers without TF32);
+    - on a CPU, where the gradient is at least as large as a channel's patches (T ≤ C_out), ``"patch
+      slices"`` (:func:`dpml.train.clipping_layers.patch_slice_norms_squared`): the same product a
+      cache-sized slice of examples at a time, for the norms only; else ``"weight gradient"``, the
+      weight gradient of one convolution with B groups (:func:`conv_per_example_gradients_by_weight_grad`),
+      from ``WEIGHT_GRAD_MIN_CHANNELS`` input channels up, and below that ``"grouped forward"``
+      (:func:`conv_per_example_gradients`), faster for images of one to a few channels. In float32 the
+      compiled kernel (:func:`compiled_norms`) does a CPU way's work where it applies."""
+    if device_type == "cuda":
+        return "patches"
+    if count <= out_channels:
+        return "patch slices"
+    return "weight gradient" if in_channels >= WEIGHT_GRAD_MIN_CHANNELS else "grouped forward"
+
+
 COMPILED_MAX_POSITIONS = 256
 """The compiled kernel is taken for layers of at most this many output positions T per example: in
 ``results/conv_per_example.md`` it is the fastest way at T = 25, 49 and 196 (the Opacus example CNN's

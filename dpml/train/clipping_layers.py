@@ -36,6 +36,7 @@ forward; :mod:`dpml.train.clipping_check` verifies that on a probe batch before 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from dpml.train.clipping_conv import (Geometry, as_2d, channels_last_patches, compiled_norms, conv_geometry,
-                                      per_example_conv_gradients, unfold_patches)
+                                      per_example_conv_gradients, per_example_conv_way, unfold_patches)
 
 ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
 
@@ -141,7 +142,25 @@ def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
 
 
-KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements: materialised per-example weight gradients kept for the sum
+KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements (128 MiB in float32) a layer keeps of its per-example gradients on a CPU
+GPU_MEMORY_PER_KEEP_LIMIT = 4 << 30  # bytes: on a GPU, KEEP_PER_EXAMPLE_LIMIT elements per 4 GiB of its memory
+
+
+@functools.cache
+def _gpu_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def keep_limit(device: torch.device) -> int:
+    """How many elements of materialised per-example gradients one layer may keep for its clipped sum
+    (and, kept or not, what :func:`materialise` weighs). On a CPU ``KEEP_PER_EXAMPLE_LIMIT``, sized for
+    its caches; on a GPU the same per ``GPU_MEMORY_PER_KEEP_LIMIT`` bytes of the device's memory (1/32
+    of it in float32: ≈1.1e9 elements on an H200), where keeping them spares a ghost norm and a second
+    weight-gradient pass (WRN-16-4 on an H200 at batch 4096: 280.5 → 199.6 ms a step, ``results/speed_cuda*.md``)."""
+    if device.type != "cuda":
+        return KEEP_PER_EXAMPLE_LIMIT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return KEEP_PER_EXAMPLE_LIMIT * max(1, _gpu_memory(index) // GPU_MEMORY_PER_KEEP_LIMIT)
 
 
 def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -150,25 +169,26 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     When it materialises the per-example gradients G_i = Σ_t δ_t a_tᵀ and they are small enough,
     they are returned too: the clipped sum is then Σ_i c_i G_i, not a second pass over all positions.
     """
-    count = a.shape[1]
-    if not materialise(a.shape[0], count, a.shape[2], d.shape[2]):
+    count, limit = a.shape[1], keep_limit(a.device)
+    if not materialise(a.shape[0], count, a.shape[2], d.shape[2], limit):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
     per_example = torch.bmm(d.transpose(1, 2), a)  # (B, d_out, d_in)
-    keep = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
+    keep = per_example if per_example.numel() <= limit else None
     return row_norms_squared(per_example), keep
 
 
-def materialise(batch: int, count: int, d_in: int, d_out: int) -> bool:
+def materialise(batch: int, count: int, d_in: int, d_out: int, limit: int | None = None) -> bool:
     """Whether a dense layer's per-example weight gradients (B, d_out, d_in) over T = ``count`` positions
     are to be materialised rather than ghost-normed.
 
     Ghost norm costs T²·(d_in + d_out) per example for the two Gram matrices and then a second pass
     over the positions for the clipped sum (T·d_in·d_out); materialising costs T·d_in·d_out once, and
     the clipped sum is then a weighted sum of the kept gradients. So when they fit in
-    ``KEEP_PER_EXAMPLE_LIMIT`` elements they are materialised as soon as the Gram matrices cost more
-    than d_in·d_out; when they do not fit, only where the Gram matrices alone (T² numbers) are larger
-    than the gradient (d_in·d_out numbers), the memory-saving rule of ghost clipping."""
-    if batch * d_in * d_out <= KEEP_PER_EXAMPLE_LIMIT:
+    ``limit`` elements (the device's :func:`keep_limit`; ``KEEP_PER_EXAMPLE_LIMIT`` when not given) they
+    are materialised as soon as the Gram matrices cost more than d_in·d_out; when they do not fit, only
+    where the Gram matrices alone (T² numbers) are larger than the gradient (d_in·d_out numbers), the
+    memory-saving rule of ghost clipping."""
+    if batch * d_in * d_out <= (KEEP_PER_EXAMPLE_LIMIT if limit is None else limit):
         return count * count * (d_in + d_out) > d_in * d_out
     return count * count > d_in * d_out
 
@@ -218,30 +238,6 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     return Piece(squared, sums)
 
 
-WEIGHT_GRAD_MIN_CHANNELS = 8  # from here on the grouped weight gradient beats the grouped forward (CPU)
-
-
-def per_example_conv_way(device_type: str, in_channels: int, count: int, out_channels: int) -> str:
-    """How :func:`_conv_piece` materialises a Conv2d's per-example gradients (B, C_out, C_in·kh·kw), by the
-    measurements of ``benchmarks/conv_per_example.py`` (``results/conv_per_example*.md``):
-
-    - where the gradient is at least as large as a channel's patches (T ≤ C_out): from the patches by
-      batched products — on a GPU ``"patches"``, the whole batch at once; on a CPU ``"patch slices"``
-      (:func:`patch_slice_norms_squared`), a cache-sized slice of examples at a time, for the norms only;
-    - else on a GPU ``"patches"`` too (there a convolution with B groups runs CUDA's slow depthwise
-      kernel), and on a CPU ``"weight gradient"``: the weight gradient of one convolution with B groups
-      (:func:`conv_per_example_gradients_by_weight_grad`), from ``WEIGHT_GRAD_MIN_CHANNELS`` input
-      channels up; below that ``"grouped forward"`` (:func:`conv_per_example_gradients`), which is
-      faster for images of one to a few channels.
-
-    On a CPU in float32 :func:`dpml.train.clipping_conv.compiled_norms` (compiled) does the CPU way's work."""
-    if device_type == "cuda":
-        return "patches"
-    if count <= out_channels:
-        return "patch slices"
-    return "weight gradient" if in_channels >= WEIGHT_GRAD_MIN_CHANNELS else "grouped forward"
-
-
 PATCH_SLICE_ELEMENTS = 1 << 19  # numbers of patches and gradients per slice of examples (2 MiB in float32)
 
 
@@ -272,15 +268,15 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
-    squared = output_grad.new_zeros(batch)
+    squared, limit = output_grad.new_zeros(batch), keep_limit(output_grad.device)
     kept = None
     if trainable(module.weight):
-        if not materialise(batch, count, patch, out_channels):
+        if not materialise(batch, count, patch, out_channels, limit):
             a = unfold_patches(inputs, *geometry)
             squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
             way = per_example_conv_way(inputs.device.type, module.in_channels, count, out_channels)
-            keep = way != "patch slices" and batch * out_channels * patch <= KEEP_PER_EXAMPLE_LIMIT
+            keep = way != "patch slices" and batch * out_channels * patch <= limit
             compiled = compiled_norms(inputs, output_grad, geometry, keep)  # None on a GPU
             if compiled is not None:  # the CPU ways' numbers, by the compiled kernel (float32)
                 squared, kept = squared + compiled[0], compiled[1]
@@ -289,7 +285,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             else:
                 per_example = per_example_conv_gradients(way, module, inputs, output_grad)  # (B, C_out, C_in·kh·kw)
                 squared = squared + row_norms_squared(per_example)
-                kept = per_example if per_example.numel() <= KEEP_PER_EXAMPLE_LIMIT else None
+                kept = per_example if per_example.numel() <= limit else None
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
@@ -315,7 +311,7 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
     concatenated: group j maps input channels j·C_in/g … to output channels j·C_out/g …, so
     ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over group j's patches, one batched product over the B·g
     (example, group) pairs, materialised (B, C_out, C_in/g·K) in batch slices of at most
-    ``KEEP_PER_EXAMPLE_LIMIT`` numbers; kept when the whole batch fits, else the clipped sum is the
+    :func:`keep_limit` numbers; kept when the whole batch fits, else the clipped sum is the
     layer's own weight-gradient convolution of the clip-weighted δ, summed over the calls."""
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     groups, weight = module.groups, module.weight
@@ -324,7 +320,7 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
     d = torch.cat([g.reshape(batch, out_channels, -1) for _, g in calls], 2)  # (B, C_out, T)
     squared, kept = d.new_zeros(batch), None
     if trainable(weight):
-        step = max(1, KEEP_PER_EXAMPLE_LIMIT // weight.numel())
+        step = max(1, keep_limit(d.device) // weight.numel())
         for start in range(0, batch, step):
             a, dd = patches[start:start + step], d[start:start + step]
             rows = a.shape[0] * groups
