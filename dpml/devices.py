@@ -45,11 +45,37 @@ def full_float32() -> Iterator[None]:
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
+    _OVERRIDDEN.append((matmul, cudnn))
     try:
         yield
     finally:
+        _OVERRIDDEN.pop()
         torch.set_float32_matmul_precision(matmul)
         torch.backends.cudnn.allow_tf32 = cudnn
+
+
+_OVERRIDDEN: list[tuple[str, bool]] = []  # the settings each open full_float32 block replaced, innermost last
+
+
+@contextlib.contextmanager
+def convolution_weight_gradient_precision(device: torch.device) -> Iterator[None]:
+    """Inside :func:`full_float32`, on a GPU: the block's float32 matrix products at the precision a
+    convolution's own weight gradient gets outside it — TF32 where cuDNN's flag, as the enclosing block
+    found it, allows TF32 (torch's default), else full float32. Elsewhere: no change.
+
+    For the per-example gradients G_i of a convolution that the engine *keeps*: each example's norm
+    ‖G_i‖ and its share c_i·G_i of the clipped sum are both formed in float32 from the same stored G_i,
+    so ‖c_i G_i‖ ≤ C holds exactly whatever the precision of the product that made G_i; TF32 only
+    changes which gradient G_i is, as it does in the non-private step's weight gradient."""
+    if device.type != "cuda" or not _OVERRIDDEN:
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if _OVERRIDDEN[-1][1] else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from dpml.devices import convolution_weight_gradient_precision, full_float32
 from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet
 from dpml.train import chunking, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum, engine_pass
@@ -262,6 +263,60 @@ def check_norms_and_sums_come_from_the_same_numbers(device: str, monkeypatch: py
     finally:
         torch.set_float32_matmul_precision(matmul)
         torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def test_a_convolutions_kept_gradients_follow_the_callers_cudnn_tf32_flag_on_a_gpu_only() -> None:
+    """:func:`convolution_weight_gradient_precision` inside :func:`full_float32`: on a GPU device TF32 matrix
+    products ("high") where the flag full_float32 found allowed TF32, full float32 where it did not; on the
+    CPU, or outside full_float32, nothing changes; every setting is restored after (no GPU needed: only
+    torch's flags are read and set)."""
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    try:
+        for flag, inside in ((True, "high"), (False, "highest")):
+            torch.backends.cudnn.allow_tf32 = flag
+            torch.set_float32_matmul_precision("medium")
+            with full_float32():
+                assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+                with convolution_weight_gradient_precision(gpu):
+                    assert torch.get_float32_matmul_precision() == inside
+                with convolution_weight_gradient_precision(cpu):
+                    assert torch.get_float32_matmul_precision() == "highest"
+                with full_float32(), convolution_weight_gradient_precision(gpu):  # nested: the flag as the inner found it
+                    assert torch.get_float32_matmul_precision() == "highest"
+                assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+            assert torch.get_float32_matmul_precision() == "medium" and torch.backends.cudnn.allow_tf32 == flag
+            with convolution_weight_gradient_precision(gpu):  # outside full_float32
+                assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@needs_cuda
+def test_kept_convolution_gradients_in_tf32_keep_each_share_of_the_sum_equal_to_its_norm() -> None:
+    """With cuDNN's TF32 flag on (torch's default) a kept convolution's per-example gradients come from TF32
+    products: the norms stay within TF32's rounding of the float32 ones, and each example's share of the
+    clipped sum has exactly its norm (to float32 round-off) — both come from the same stored numbers. Had
+    the sum come from another product (the weight-gradient convolution), they would differ by ~1e-3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.Flatten(), nn.Linear(64 * 14 * 14, 5)).cuda()
+    x, y = torch.randn(8, 64, 14, 14, device="cuda"), torch.randint(0, 5, (8,), device="cuda")
+    cudnn = torch.backends.cudnn.allow_tf32
+    found = {}
+    try:
+        for flag in (False, True):
+            torch.backends.cudnn.allow_tf32 = flag
+            found[flag] = engine_pass(model, per_example_cross_entropy, x, y)
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn
+    conv = found[True].fast[0][1]  # the convolution's piece: kept, so its sums weight the stored gradients
+    exact, tf32 = found[False].fast[0][1].squared, conv.squared
+    assert torch.allclose(tf32, exact, rtol=1e-2), (exact, tf32)
+    for i in range(8):
+        share = conv.sums(torch.nn.functional.one_hot(torch.tensor(i), 8).float().cuda())
+        squared = sum(float(total.double().pow(2).sum()) for _, total in share)
+        assert abs(squared - float(tf32[i])) <= 1e-5 * float(tf32[i]), (i, squared, float(tf32[i]))
 
 
 def test_norms_and_sums_come_from_the_same_numbers_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

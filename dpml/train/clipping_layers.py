@@ -36,6 +36,7 @@ forward; :mod:`dpml.train.clipping_check` verifies that on a probe batch before 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dpml.devices import convolution_weight_gradient_precision
 from dpml.train.clipping_conv import (Geometry, as_2d, channels_last_patches, compiled_norms, conv_geometry,
                                       per_example_conv_gradients, per_example_conv_way, unfold_patches)
 
@@ -261,7 +263,8 @@ def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: G
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
     """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
     per-example gradients (:func:`materialise` decides), the latter in the way
-    :func:`per_example_conv_way` picks for the device and shape. The clipped sum: from the kept
+    :func:`per_example_conv_way` picks for the device and shape (kept ones on a GPU at the precision of the
+    layer's own weight gradient: :func:`convolution_weight_gradient_precision`). The clipped sum: from the kept
     per-example gradients, or else (also after ``"patch slices"``, which keep none) without patches, by
     the layer's own weight-gradient convolution of the clip-weighted δ."""
     batch, out_channels = output_grad.shape[:2]
@@ -283,7 +286,8 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             elif way == "patch slices":
                 squared = squared + patch_slice_norms_squared(inputs, d, geometry)
             else:
-                per_example = per_example_conv_gradients(way, module, inputs, output_grad)  # (B, C_out, C_in·kh·kw)
+                with convolution_weight_gradient_precision(inputs.device) if keep else contextlib.nullcontext():
+                    per_example = per_example_conv_gradients(way, module, inputs, output_grad)  # (B, C_out, C_in·kh·kw)
                 squared = squared + row_norms_squared(per_example)
                 kept = per_example if per_example.numel() <= limit else None
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
