@@ -332,15 +332,16 @@ class Convs(nn.Module):
         return self.out(torch.tanh(self.deep(torch.tanh(self.wide(x)))).flatten(1))
 
 
-@pytest.mark.parametrize("keep, slice_elements", [(True, 1 << 19), (True, 1300), (False, 1 << 19)])
+@pytest.mark.parametrize("keep, slice_elements", [(True, 1 << 19), (True, 1300), (False, 1 << 19), (False, 1000)])
 def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypatch: pytest.MonkeyPatch,
                                       vmapped: list) -> None:
     """Every Conv2d path equals the one-example-at-a-time loop. Kept (keep): both layers materialise, ``wide``
     by a grouped convolution (T > C_out) and its sums come from the kept gradients, ``deep`` from its
     patches a slice of examples at a time (T ≤ C_out: all 9 in one slice, or 2 per slice with the last
     one short) and its sums by the weight-gradient convolution. Not kept: ``wide`` still materialises
-    for its norms (T² > C_in·kh·kw·C_out), ``deep`` takes the ghost norm, and both sums come from the
-    weight-gradient convolution."""
+    for its norms (T² > C_in·kh·kw·C_out), ``deep`` takes the ghost norm, from its patches a slice of
+    examples at a time on the CPU (all 9 in one slice, or 2 per slice with the last one short: 10·27 +
+    2·10² = 470 a row), and both sums come from the weight-gradient convolution."""
     if not keep:
         monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
     monkeypatch.setattr(clipping_layers, "PATCH_SLICE_ELEMENTS", slice_elements)  # deep: 10·27 + 12·27 = 594 a row
