@@ -11,8 +11,8 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   or ∇_W ℓ_i materialised, whichever costs less arithmetic (:func:`materialise`; materialised
   gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
-  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. How a convolution's
-  are formed: :func:`per_example_conv_way`, :func:`patch_slice_norms_squared`, :mod:`~dpml.train.clipping_conv`.
+  own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A convolution's per-example
+  gradients and ghost norms: :func:`per_example_conv_way`, :func:`patch_slice_norms_squared`.
   A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
@@ -261,7 +261,7 @@ def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: G
 
 
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
-    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the unfolded patches or from the materialised
+    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the patches (on a CPU in slices) or from the materialised
     per-example gradients (:func:`materialise` decides), the latter in the way
     :func:`per_example_conv_way` picks for the device and shape (kept ones on a GPU at the precision of the
     layer's own weight gradient: :func:`convolution_weight_gradient_precision`). The clipped sum: from the kept
