@@ -33,6 +33,9 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
 
 
+_OVERRIDDEN: list[tuple[str, bool]] = []  # the settings each open full_float32 block replaced, innermost last
+
+
 @contextlib.contextmanager
 def full_float32() -> Iterator[None]:
     """TF32 off for matrix products and cuDNN convolutions inside the block (restored after).
@@ -52,9 +55,6 @@ def full_float32() -> Iterator[None]:
         _OVERRIDDEN.pop()
         torch.set_float32_matmul_precision(matmul)
         torch.backends.cudnn.allow_tf32 = cudnn
-
-
-_OVERRIDDEN: list[tuple[str, bool]] = []  # the settings each open full_float32 block replaced, innermost last
 
 
 @contextlib.contextmanager

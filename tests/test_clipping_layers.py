@@ -349,7 +349,8 @@ def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypat
     model = Convs().double()
     g = torch.Generator().manual_seed(4)
     x = torch.randn(9, 2, 11, 10, generator=g, dtype=torch.float64)
-    assert clipping_layers.materialise(9, 72, 6, 3) and clipping_layers.materialise(9, 10, 27, 12) == keep
+    limit = clipping_layers.keep_limit(torch.device("cpu"))
+    assert clipping_layers.materialise(9, 72, 6, 3, limit) and clipping_layers.materialise(9, 10, 27, 12, limit) == keep
     assert_matches_naive_loop(model, x, labels(9), 0.05)
     assert vmapped == []
 
@@ -490,7 +491,7 @@ def test_convolutions_of_eight_channels_match_naive_loop(keep: bool, monkeypatch
     x = torch.randn(6, 8, 9, 8, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     assert model.second(model.first(x)).shape[2:] == (5, 6)
     assert clipping_conv.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
-    assert clipping_layers.materialise(6, 72, 72, 8)  # the first layer materialises (kept or not)
+    assert clipping_layers.materialise(6, 72, 72, 8, clipping_layers.keep_limit(torch.device("cpu")))  # kept or not
     assert_matches_naive_loop(model, x, labels(6), 0.05)
     assert vmapped == []
 

@@ -177,18 +177,17 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     return row_norms_squared(per_example), keep
 
 
-def materialise(batch: int, count: int, d_in: int, d_out: int, limit: int | None = None) -> bool:
+def materialise(batch: int, count: int, d_in: int, d_out: int, limit: int) -> bool:
     """Whether a dense layer's per-example weight gradients (B, d_out, d_in) over T = ``count`` positions
     are to be materialised rather than ghost-normed.
 
     Ghost norm costs T²·(d_in + d_out) per example for the two Gram matrices and then a second pass
     over the positions for the clipped sum (T·d_in·d_out); materialising costs T·d_in·d_out once, and
-    the clipped sum is then a weighted sum of the kept gradients. So when they fit in
-    ``limit`` elements (the device's :func:`keep_limit`; ``KEEP_PER_EXAMPLE_LIMIT`` when not given) they
-    are materialised as soon as the Gram matrices cost more than d_in·d_out; when they do not fit, only
-    where the Gram matrices alone (T² numbers) are larger than the gradient (d_in·d_out numbers), the
-    memory-saving rule of ghost clipping."""
-    if batch * d_in * d_out <= (KEEP_PER_EXAMPLE_LIMIT if limit is None else limit):
+    the clipped sum is then a weighted sum of the kept gradients. So when they fit in ``limit`` elements
+    (the device's :func:`keep_limit`) they are materialised as soon as the Gram matrices cost more than
+    d_in·d_out; when they do not fit, only where the Gram matrices alone (T² numbers) are larger than the
+    gradient (d_in·d_out numbers), the memory-saving rule of ghost clipping."""
+    if batch * d_in * d_out <= limit:
         return count * count * (d_in + d_out) > d_in * d_out
     return count * count > d_in * d_out
 
@@ -271,13 +270,14 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
-    squared, limit = output_grad.new_zeros(batch), keep_limit(output_grad.device)
-    kept = None
+    squared, limit, kept = output_grad.new_zeros(batch), keep_limit(output_grad.device), None
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels, limit):
-            a = None if inputs.device.type == "cpu" else unfold_patches(inputs, *geometry)  # a CPU: in slices
-            squared = squared + (patch_slice_norms_squared(inputs, d, geometry, ghost=True) if a is None else
-                                 (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2)))
+            if inputs.device.type == "cpu":  # a cache-sized slice of examples at a time
+                squared = squared + patch_slice_norms_squared(inputs, d, geometry, ghost=True)
+            else:
+                a = unfold_patches(inputs, *geometry)
+                squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
         else:
             way = per_example_conv_way(inputs.device.type, module.in_channels, count, out_channels)
             keep = way != "patch slices" and batch * out_channels * patch <= limit
