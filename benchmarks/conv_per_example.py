@@ -82,6 +82,11 @@ def ways(module: nn.Conv2d, x: torch.Tensor, d: torch.Tensor) -> dict[str, Calla
     return found
 
 
+def _joined(found: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A way's per-example gradients as one tensor (the compiled kernel's come in slices of examples)."""
+    return torch.cat(found) if isinstance(found, list) else found
+
+
 def measure(shape: tuple, device: str, repeats: int) -> dict:
     name, batch, c_in, c_out, kernel, stride, padding, size = shape
     torch.manual_seed(0)
@@ -89,7 +94,7 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
     x = torch.randn(batch, c_in, size, size, device=device)
     d = torch.randn_like(module(x))
     functions = ways(module, x, d)
-    results = {way: fn() for way, fn in functions.items()}  # warm-up, and the results compared
+    results = {way: _joined(fn()) for way, fn in functions.items()}  # warm-up, and the results compared
     first = results["grouped forward"]
     scale = float(first.abs().max())
     times: dict[str, list[float]] = {way: [] for way in functions}

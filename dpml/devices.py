@@ -111,3 +111,20 @@ def keep_freed_cpu_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_BELOW)) and bool(mallopt(M_TRIM_THRESHOLD, FREE_HEAP_KEPT))
+
+
+HEAP_BLOCK_MARGIN = 4096  # bytes below HEAP_BLOCKS_BELOW left for malloc's header and torch's alignment
+
+
+def heap_sized_slices(count: int, bytes_each: int, device: torch.device) -> list[slice]:
+    """Consecutive slices of ``count`` items (a batch's examples), each at least one item, such that a
+    block of ``bytes_each`` bytes per item allocated for a slice stays below ``HEAP_BLOCKS_BELOW`` on a
+    CPU: it then comes from the heap :func:`keep_freed_cpu_memory` keeps, where one block for the whole
+    batch would be mapped afresh at every step, its pages zeroed and faulted in by the kernel (a
+    WRN-16-4 convolution's kept per-example gradients, 75 MB for 128 examples, ≈17 of the 65 ms that
+    made them, ad hoc). One slice on a GPU, whose caching allocator keeps blocks of any size; one
+    empty slice for no items."""
+    if device.type != "cpu" or count == 0:
+        return [slice(0, count)]
+    step = max(1, (HEAP_BLOCKS_BELOW - HEAP_BLOCK_MARGIN) // max(1, bytes_each))
+    return [slice(start, min(count, start + step)) for start in range(0, count, step)]

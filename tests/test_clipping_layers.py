@@ -8,6 +8,7 @@ import torch
 from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
+from dpml import devices
 from dpml.train import clipping, clipping_conv, clipping_layers
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
@@ -344,7 +345,7 @@ def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypat
     2·10² = 470 a row), and both sums come from the weight-gradient convolution."""
     if not keep:
         monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
-    monkeypatch.setattr(clipping_layers, "PATCH_SLICE_ELEMENTS", slice_elements)  # deep: 10·27 + 12·27 = 594 a row
+    monkeypatch.setattr(clipping_conv, "PATCH_SLICE_ELEMENTS", slice_elements)  # deep: 10·27 + 12·27 = 594 a row
     torch.manual_seed(3)
     model = Convs().double()
     g = torch.Generator().manual_seed(4)
@@ -353,6 +354,34 @@ def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypat
     assert clipping_layers.materialise(9, 72, 6, 3, limit) and clipping_layers.materialise(9, 10, 27, 12, limit) == keep
     assert_matches_naive_loop(model, x, labels(9), 0.05)
     assert vmapped == []
+
+
+@pytest.mark.parametrize("model_name", ["convs", "sequence mlp"])
+def test_kept_gradients_in_heap_sized_slices_match_naive_loop(model_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-example gradients kept in slices of examples (each block below the heap's mmap threshold, here
+    made 2 examples' worth: 2, 2, …, 1) give the one-example-at-a-time loop's norms and clipped sums; the
+    slices cover the batch in order, at least one example each, one slice on a GPU."""
+    if model_name == "convs":
+        model, x, per_example = Convs().double(), torch.randn(9, 2, 11, 10, dtype=torch.float64), 3 * 2 * 3 * 2
+    else:
+        model, x, per_example = NormedMlp().double(), torch.randn(9, 2, 3, 6, dtype=torch.float64), 8 * 6
+    monkeypatch.setattr(devices, "HEAP_BLOCKS_BELOW", devices.HEAP_BLOCK_MARGIN + 2 * 8 * per_example + 7)
+    kept: list[list[int]] = []
+    kept_sum = clipping_layers.kept_sum
+
+    def spy(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+        kept.append([part.shape[0] for part in parts])
+        return kept_sum(factors, parts)
+
+    monkeypatch.setattr(clipping_layers, "kept_sum", spy)
+    torch.manual_seed(3)
+    assert_matches_naive_loop(model, x, labels(9), 0.05, most_clipped=False)
+    assert [2, 2, 2, 2, 1] in kept
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert devices.heap_sized_slices(9, 8 * per_example, cpu) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 9)]
+    assert devices.heap_sized_slices(3, 1 << 40, cpu) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert devices.heap_sized_slices(9, 8 * per_example, gpu) == [slice(0, 9)]
+    assert devices.heap_sized_slices(0, 8, cpu) == [slice(0, 0)]
 
 
 class Conv1ds(nn.Module):
@@ -533,7 +562,13 @@ COMPILED_GEOMETRIES = [  # (C_in, C_out, kernel, stride, padding, dilation, (H, 
     (20, 3, 5, 1, 2, 2, (6, 7), 3),              # C_in·K = 500: several column blocks and a partial one
     (2, 9, (2, 5), (3, 2), (1, 2), (2, 1), (5, 9), 6),   # C_out = 9: a partial block of output channels
     (3, 4, (2, 6), 1, (1, 3), 1, (7, 10), 3),    # a kernel width of no specialised copy (6)
+    (32, 9, (3, 2), (2, 1), (2, 0), (1, 2), (9, 8), 5),  # direct: two vectors a kernel offset, partial blocks
+    (16, 4, 1, 2, 0, 1, (7, 9), 4),              # direct 1×1 strided: one vector, a 16-column block
 ]
+BEYOND_THE_PATCH_WAY = (48, 5, 3, 1, 1, 1, (17, 18), 3)  # direct at T = 306 > COMPILED_MAX_POSITIONS; a 48-column tail
+# each geometry by the patch way, and those whose C_in is a multiple of 16 by the direct way too
+COMPILED_CASES = ([(g, True) for g in [*COMPILED_GEOMETRIES, BEYOND_THE_PATCH_WAY] if g[0] % 16 == 0]
+                  + [(g, False) for g in COMPILED_GEOMETRIES])
 
 
 def compiled_kernel(tmp_path) -> object:  # type: ignore[no-untyped-def]
@@ -549,14 +584,20 @@ def compiled_kernel(tmp_path) -> object:  # type: ignore[no-untyped-def]
     return kernel
 
 
-@pytest.mark.parametrize("geometry", COMPILED_GEOMETRIES, ids=lambda g: f"{g[0]}x{g[1]}-k{g[2]}-s{g[3]}-p{g[4]}-d{g[5]}")
-def test_compiled_convolution_norms_equal_autograd(geometry: tuple, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """Each example's weight gradient (kept) and its squared norm from the compiled kernel equal autograd's,
-    one example at a time in float64, to float32 rounding; and the same bits whether torch runs one or two
-    threads (each example is one thread's work)."""
+@pytest.mark.parametrize("geometry, direct", COMPILED_CASES,
+                         ids=lambda g: (("direct" if g else "patches") if isinstance(g, bool)
+                                        else f"{g[0]}x{g[1]}-k{g[2]}-s{g[3]}-p{g[4]}-d{g[5]}"))
+def test_compiled_convolution_norms_equal_autograd(geometry: tuple, direct: bool, tmp_path,  # type: ignore[no-untyped-def]
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each example's weight gradient (kept) and its squared norm from the compiled kernel, by its direct way
+    (columns in (u, v, c) order) or its patch way, equal autograd's, one example at a time in float64, to
+    float32 rounding; and the same bits whether torch runs one or two threads (each example is one thread's
+    work) or the kept gradients come two examples to a slice."""
     kernel = compiled_kernel(tmp_path)
     monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: kernel)
     channels, out_channels, size, stride, padding, dilation, (height, width), batch = geometry
+    if not direct:
+        monkeypatch.setattr(clipping_conv, "direct_way", lambda in_channels: False)
     conv = nn.Conv2d(channels, out_channels, size, stride=stride, padding=padding, dilation=dilation)
     g = torch.Generator().manual_seed(len(str(geometry)))
     x = torch.randn(batch, channels, height, width, generator=g)
@@ -572,14 +613,52 @@ def test_compiled_convolution_norms_equal_autograd(geometry: tuple, tmp_path, mo
             results.append(clipping_conv.compiled_norms(x, delta, clipping_conv.conv_geometry(conv), keep=True))
     finally:
         torch.set_num_threads(threads)
-    (squared, grads), (squared_2, grads_2) = results  # type: ignore[misc]
-    assert torch.equal(squared, squared_2) and torch.equal(grads, grads_2)
+    monkeypatch.setattr(devices, "HEAP_BLOCKS_BELOW", devices.HEAP_BLOCK_MARGIN + 2 * 4 * expected[0].numel())
+    results.append(clipping_conv.compiled_norms(x, delta, clipping_conv.conv_geometry(conv), keep=True))
+    assert [len(part) for part in results[-1][1]] == [2] * (batch // 2) + [1] * (batch % 2)  # type: ignore[index]
+    assert all(found[2] == direct for found in results)  # type: ignore[index]
+    (squared, grads), *others = [(found[0], torch.cat(found[1])) for found in results]  # type: ignore[index]
+    assert all(torch.equal(squared, other[0]) and torch.equal(grads, other[1]) for other in others)
+    if direct:  # (B, C_out, kh, kw, C_in) to the weight's order
+        grads = grads.reshape(batch, out_channels, *conv.kernel_size, channels).permute(0, 1, 4, 2, 3).reshape(batch, out_channels, -1)
     scale = float(expected.abs().max())
     torch.testing.assert_close(grads.double(), expected, rtol=1e-5, atol=1e-5 * scale)
     torch.testing.assert_close(squared.double(), expected.pow(2).sum((1, 2)), rtol=2e-5, atol=0.0)
-    alone, none = clipping_conv.compiled_norms(x, delta, clipping_conv.conv_geometry(conv), keep=False)  # type: ignore[misc]
+    alone, none, _ = clipping_conv.compiled_norms(x, delta, clipping_conv.conv_geometry(conv), keep=False)  # type: ignore[misc]
     assert none is None and torch.equal(alone, squared)
     assert clipping_conv.compiled_norms(x.double(), delta.double(), clipping_conv.conv_geometry(conv), True) is None
+
+
+INPUT_GRAM_GEOMETRIES = [  # stride-1 (C_in, C_out, kernel, padding, dilation, (H, W)): P² < T²·kh·kw
+    (5, 4, 3, 1, 1, (7, 7)),              # WRN-16-4's 7×7 layers' shape
+    (3, 2, (3, 2), (2, 0), (2, 1), (8, 6)),  # rectangular kernel, padding on one axis, dilation on the other
+    (4, 3, 5, 2, 1, (5, 6)),
+    (2, 6, 3, 0, 1, (9, 7)),              # no padding
+]
+
+
+@pytest.mark.parametrize("slice_elements", [1 << 22, 2000])
+@pytest.mark.parametrize("geometry", INPUT_GRAM_GEOMETRIES, ids=lambda g: f"{g[0]}x{g[1]}-k{g[2]}-p{g[3]}-d{g[4]}-{g[5]}")
+def test_ghost_norms_from_the_input_gram_equal_autograd(geometry: tuple, slice_elements: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ghost norm of a stride-1 convolution from the Gram matrix of its padded input's positions (all
+    examples at once, or one per slice) equals ‖∇_W ℓ_i‖² of autograd, one example at
+    a time in float64; it is taken where it pays, not for a strided or 1×1 unpadded convolution."""
+    monkeypatch.setattr(clipping_conv, "INPUT_GRAM_SLICE_ELEMENTS", slice_elements)
+    channels, out_channels, size, padding, dilation, (height, width) = geometry
+    conv = nn.Conv2d(channels, out_channels, size, padding=padding, dilation=dilation).double()
+    g = torch.Generator().manual_seed(height * width)
+    x = torch.randn(7, channels, height, width, generator=g, dtype=torch.float64)
+    delta = torch.randn(conv(x).shape, generator=g, dtype=torch.float64)
+    expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0].pow(2).sum()
+                            for i in range(7)])
+    geo = clipping_conv.conv_geometry(conv)
+    assert geo is not None and clipping_conv.input_gram_pays(x.shape, delta[0, 0].numel(), geo)
+    found = clipping_conv.patch_slice_norms_squared(x, delta.flatten(2), geo, ghost=True)
+    torch.testing.assert_close(found, expected, rtol=1e-10, atol=0.0)
+    strided = clipping_conv.conv_geometry(nn.Conv2d(channels, out_channels, size, stride=2, padding=padding))
+    assert not clipping_conv.input_gram_pays(x.shape, 16, strided)  # type: ignore[arg-type]
+    assert not clipping_conv.input_gram_pays(x.shape, height * width, ((1, 1), (1, 1), (0, 0), (1, 1)))
 
 
 def test_a_float32_cnn_clips_alike_with_and_without_the_compiled_norms(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -600,3 +679,4 @@ def test_a_float32_cnn_clips_alike_with_and_without_the_compiled_norms(tmp_path,
     assert float((reference_norms > 0.5).float().mean()) > 0.5
     wide = ((3, 3), (1, 1), (1, 1), (1, 1))  # T = 17 × 17 > COMPILED_MAX_POSITIONS: a torch way is faster there
     assert clipping_conv.compiled_norms(torch.randn(2, 3, 17, 17), torch.randn(2, 4, 17, 17), wide, False) is None
+    assert clipping_conv.compiled_norms(torch.randn(2, 16, 17, 17), torch.randn(2, 4, 17, 17), wide, False) is not None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpml.devices import heap_sized_slices
 from dpml.train.kernels import compiled_conv_norms
 
 Geometry = tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]
@@ -119,6 +120,70 @@ def per_example_conv_gradients(way: str, module: nn.Conv2d, inputs: torch.Tensor
     return torch.bmm(d, unfold_patches(inputs, *conv_geometry(module)).transpose(1, 2))  # type: ignore[misc]
 
 
+PATCH_SLICE_ELEMENTS = 1 << 19  # numbers of patches and gradients per slice of examples (2 MiB in float32)
+
+
+def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Geometry, ghost: bool = False) -> torch.Tensor:
+    """‖∇_W ℓ_i‖_F² of a Conv2d for every example, ∇_W ℓ_i = δ_i A_i with A_i (T, kh·kw·C_in) the example's
+    channels-last patches (:func:`channels_last_patches`: W's columns reordered,
+    the norm unchanged), or with ``ghost`` Σ_{t,s} (A_i A_iᵀ)_{ts} (δ_iᵀ δ_i)_{ts}, a slice of at most
+    ``PATCH_SLICE_ELEMENTS`` numbers at a time, so the copy and the products stay in the cache (ad hoc, 2
+    threads: the CNN's second conv at batch 512, ≈4 against ≈10 ms at once; WRN-16-4's ghost-normed
+    layers, whose 58 MB of patches at once took new pages each time, ≈430 ms less in a 6.7 s step)."""
+    batch, out_channels, count = d.shape
+    if ghost and input_gram_pays(inputs.shape, count, geometry):
+        return input_gram_norms_squared(inputs, d, geometry)
+    patch = inputs.shape[1] * geometry[0][0] * geometry[0][1]
+    step = max(1, PATCH_SLICE_ELEMENTS // (count * patch + (2 * count * count if ghost else out_channels * patch)))
+    last = inputs.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # one channels-last copy for every slice
+    squared = d.new_empty(batch)
+    for start in range(0, batch, step):
+        a, dd = channels_last_patches(last[start:start + step], *geometry), d[start:start + step]
+        squared[start:start + step] = ((torch.bmm(a, a.transpose(1, 2)) * torch.bmm(dd.transpose(1, 2), dd)).sum((1, 2))
+                                       if ghost else torch.linalg.vector_norm(torch.bmm(dd, a).flatten(1), dim=1).square())
+    return squared
+
+
+INPUT_GRAM_SLICE_ELEMENTS = 1 << 22  # numbers per slice of examples (16 MiB in float32; ad hoc, 2 threads, the
+# fastest or within 5% of it for WRN-16-4's 256-channel 7×7 layers at B = 128 (7.5 ms, against 11.1 at 1/16 of it)
+
+
+def input_gram_pays(shape: torch.Size, count: int, geometry: Geometry) -> bool:
+    """A stride-1 convolution whose padded input has P positions, P² < T²·kh·kw: the Gram matrix of the input's
+    positions (P²·C_in products an example) is then cheaper than that of its patches (T²·C_in·kh·kw)."""
+    (kh, kw), stride, (ph, pw), _ = geometry
+    positions = (shape[2] + 2 * ph) * (shape[3] + 2 * pw)
+    return stride == (1, 1) and positions * positions < count * count * kh * kw
+
+
+def input_gram_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """‖∇_W ℓ_i‖_F² = Σ_{t,s} (A_i A_iᵀ)_{ts} (δ_iᵀ δ_i)_{ts} of a stride-1 Conv2d (the ghost norm) without its
+    patches. With x̃ the zero-padded input, p_t the corner of output position t and o_uv = (u·dh, v·dw), the
+    patch is a_t = (x̃[c, p_t + o_uv])_{c,u,v}, so (A Aᵀ)_{ts} = Σ_{u,v} X[p_t + o_uv, p_s + o_uv] with
+    X = x̃ᵀx̃ the P×P Gram matrix of the padded input's positions over its channels: kh·kw shifted T×T
+    blocks of one P×P product (P²·C_in, against T²·C_in·kh·kw from the patches; WRN-16-4's 256-channel
+    7×7 layers at B = 128, 7.5 against 17.9 ms, ad hoc). A slice of examples at a time
+    (``INPUT_GRAM_SLICE_ELEMENTS`` numbers)."""
+    (kh, kw), _, (ph, pw), (dh, dw) = geometry
+    batch, channels, height, width = inputs.shape
+    rows, cols = height + 2 * ph, width + 2 * pw  # the padded input
+    out_h, out_w = rows - dh * (kh - 1), cols - dw * (kw - 1)
+    count = out_h * out_w
+    step = max(1, INPUT_GRAM_SLICE_ELEMENTS // ((rows * cols) ** 2 + 2 * count * count + channels * rows * cols))
+    squared = d.new_empty(batch)
+    for start in range(0, batch, step):
+        padded = F.pad(inputs[start:start + step], (pw, pw, ph, ph)).flatten(2)  # (b, C, P)
+        gram = torch.bmm(padded.transpose(1, 2), padded).view(-1, rows, cols, rows, cols)
+        shifted = torch.zeros(gram.shape[0], out_h, out_w, out_h, out_w, dtype=gram.dtype, device=gram.device)
+        for u in range(kh):
+            for v in range(kw):
+                r, c = slice(u * dh, u * dh + out_h), slice(v * dw, v * dw + out_w)
+                shifted += gram[:, r, c, r, c]
+        dd = d[start:start + step]
+        squared[start:start + step] = (shifted.view(-1, count, count) * torch.bmm(dd.transpose(1, 2), dd)).sum((1, 2))
+    return squared
+
+
 WEIGHT_GRAD_MIN_CHANNELS = 8  # from here on the grouped weight gradient beats the grouped forward (CPU)
 
 
@@ -131,7 +196,7 @@ def per_example_conv_way(device_type: str, in_channels: int, count: int, out_cha
       (a convolution with B groups, forward or weight gradient, is up to 9× slower there, for WRN-16-4's
       layers without TF32);
     - on a CPU, where the gradient is at least as large as a channel's patches (T ≤ C_out), ``"patch
-      slices"`` (:func:`dpml.train.clipping_layers.patch_slice_norms_squared`): the same product a
+      slices"`` (:func:`patch_slice_norms_squared`): the same product a
       cache-sized slice of examples at a time, for the norms only; else ``"weight gradient"``, the
       weight gradient of one convolution with B groups (:func:`conv_per_example_gradients_by_weight_grad`),
       from ``WEIGHT_GRAD_MIN_CHANNELS`` input channels up, and below that ``"grouped forward"``
@@ -145,35 +210,64 @@ def per_example_conv_way(device_type: str, in_channels: int, count: int, out_cha
 
 
 COMPILED_MAX_POSITIONS = 256
-"""The compiled kernel is taken for layers of at most this many output positions T per example: in
-``results/conv_per_example.md`` it is the fastest way at T = 25, 49 and 196 (the Opacus example CNN's
+"""The compiled kernel's patch way is taken for layers of at most this many output positions T per example:
+in ``results/conv_per_example.md`` it is the fastest way at T = 25, 49 and 196 (the Opacus example CNN's
 two convolutions, WRN-16-4's strided and deeper layers); at T = 784 it is faster for some input channel
-counts (12, 16, 64) and slower for others (3 to 8, 24), a rule not yet measured well enough to take."""
+counts (12, 16, 64) and slower for others (3 to 8, 24). Its direct way (:func:`direct_way`) builds no
+patches and is taken at any T."""
+
+DIRECT_CHANNELS = 16  # the kernel's vector of 16 floats: its direct way needs C_in a multiple of it
+
+
+def direct_way(in_channels: int) -> bool:
+    """Whether the compiled kernel reads each example's patches straight from a channels-last copy of its
+    input (no patch buffer; the gradient's columns then in (u, v, c) order): where C_in is a multiple of
+    ``DIRECT_CHANNELS``. Ad hoc, 2 threads, B = 128, kept gradients, against the patch way: WRN-16-4's
+    128→128 at 14×14 40.1 against 49.0 ms, 64→64 at 28×28 37.4 against 51.5 (the torch way there: ≈41),
+    16→64 at 28×28 9.5 against 15.2, 64→128 stride 2 22.3 against 24.8; 128→256 stride 2 29.4 against
+    27.4 and the Opacus CNN's 16→32 stride 2 at B = 512 2.9 against 2.8, the two it does not win."""
+    return in_channels % DIRECT_CHANNELS == 0
+
+
+def weight_from_columns(total: torch.Tensor, shape: torch.Size, channels_last: bool) -> torch.Tensor:
+    """A (C_out, C_in·kh·kw) sum of per-example weight gradients in the weight's shape (C_out, C_in, kh, kw),
+    its columns in the weight's (c, u, v) order or, ``channels_last``, in the direct way's (u, v, c)."""
+    if not channels_last:
+        return total.reshape(shape)
+    out_channels, channels, kh, kw = shape
+    return total.reshape(out_channels, kh, kw, channels).permute(0, 3, 1, 2).contiguous()
 
 
 def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry,
-                   keep: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                   keep: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None, bool] | None:
     """‖∇_W ℓ_i‖_F² of a Conv2d (groups = 1) for every example, and with ``keep`` the per-example gradients
-    (B, C_out, C_in·kh·kw) themselves, by the compiled kernel (``_conv_norms.c``: each example's patches
-    built in a cache-sized buffer and multiplied there, G_i = δ_i A_i), the examples split over torch's
-    own intra-op threads (the kernel's OpenMP threads are torch's); None where the kernel is not
-    available (no C compiler), the tensors are not float32 on the CPU, or the layer has more than
+    themselves, (B_k, C_out, C_in·kh·kw) for consecutive slices of examples small enough to come from the
+    kept heap (:func:`dpml.devices.heap_sized_slices`), and whether their columns are in the direct way's
+    channels-last order (:func:`weight_from_columns`). By the compiled kernel (``_conv_norms.c``: each
+    example's patches built in a cache-sized buffer, or read from a channels-last copy of it
+    (:func:`direct_way`), and multiplied there, G_i = δ_i A_i), the examples split over torch's own
+    intra-op threads (the kernel's OpenMP threads are torch's); None where the kernel is not available (no
+    C compiler), the tensors are not float32 on the CPU, or the patch way would be taken for more than
     ``COMPILED_MAX_POSITIONS`` output positions (the caller then takes a torch way)."""
     kernel = compiled_conv_norms()
+    direct = direct_way(inputs.shape[1])
     if (kernel is None or inputs.device.type != "cpu" or inputs.dtype != torch.float32
-            or output_grad.dtype != torch.float32 or output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS):
+            or output_grad.dtype != torch.float32
+            or (not direct and output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS)):
         return None
     x, d = inputs.contiguous(), output_grad.contiguous()
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
     batch, channels, height, width = x.shape
     out_channels, out_h, out_w = d.shape[1:]
-    shape = torch.tensor([channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw],
+    shape = torch.tensor([channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct],
                          dtype=torch.long)
-    squared = x.new_empty(batch)
-    grads = x.new_empty(batch, out_channels, channels * kh * kw) if keep else None
-    if batch == 0:
-        return squared, grads
-    if kernel(x.data_ptr(), d.data_ptr(), batch, shape.data_ptr(), squared.data_ptr(),
-              0 if grads is None else grads.data_ptr()):
-        raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
-    return squared, grads
+    squared, numbers = x.new_empty(batch), out_channels * channels * kh * kw
+    parts = []
+    for part in heap_sized_slices(batch, numbers * x.element_size(), x.device):
+        count = part.stop - part.start
+        grads = x.new_empty(count, out_channels, numbers // out_channels) if keep else None
+        if count and kernel(x[part].data_ptr(), d[part].data_ptr(), count, shape.data_ptr(), squared[part].data_ptr(),
+                            0 if grads is None else grads.data_ptr()):
+            raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
+        parts.append(grads)
+    return squared, parts if keep else None, direct  # type: ignore[return-value]

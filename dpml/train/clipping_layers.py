@@ -12,7 +12,10 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   gradients that fit in memory are kept, and the clipped sum is then Σ_i c_i ∇_W ℓ_i). Otherwise
   the clipped sum is one contraction Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ — for a convolution, the layer's
   own weight-gradient convolution of the clip-weighted δ, without unfolded patches. A convolution's per-example
-  gradients and ghost norms: :func:`per_example_conv_way`, :func:`patch_slice_norms_squared`.
+  gradients and ghost norms: :func:`per_example_conv_way`, :func:`patch_slice_norms_squared` (for a stride-1
+  convolution the patches' Gram matrix from that of the padded input's positions:
+  :func:`dpml.train.clipping_conv.input_gram_norms_squared`). Kept gradients come in slices of examples
+  that the CPU's heap keeps between steps (:func:`dpml.devices.heap_sized_slices`).
   A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,9 +48,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dpml.devices import convolution_weight_gradient_precision
-from dpml.train.clipping_conv import (Geometry, as_2d, channels_last_patches, compiled_norms, conv_geometry,
-                                      per_example_conv_gradients, per_example_conv_way, unfold_patches)
+from dpml.devices import convolution_weight_gradient_precision, heap_sized_slices
+from dpml.train.clipping_conv import (Geometry, as_2d, compiled_norms, conv_geometry, patch_slice_norms_squared,
+                                      per_example_conv_gradients, per_example_conv_way, unfold_patches,
+                                      weight_from_columns)
 
 ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
 
@@ -163,18 +168,25 @@ def keep_limit(device: torch.device) -> int:
     return KEEP_PER_EXAMPLE_LIMIT * max(1, _gpu_memory(index) // GPU_MEMORY_PER_KEEP_LIMIT)
 
 
-def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """‖Σ_t δ_t a_tᵀ‖_F² per example, by the cheaper of the Gram trick and materialising.
 
-    When it materialises the per-example gradients G_i = Σ_t δ_t a_tᵀ and they are small enough,
-    they are returned too: the clipped sum is then Σ_i c_i G_i, not a second pass over all positions.
+    When it materialises the per-example gradients G_i = Σ_t δ_t a_tᵀ (in slices of examples:
+    :func:`dpml.devices.heap_sized_slices`) and they are small enough, they are returned too: the clipped
+    sum is then Σ_i c_i G_i (:func:`kept_sum`), not a second pass over all positions.
     """
-    count, limit = a.shape[1], keep_limit(a.device)
-    if not materialise(a.shape[0], count, a.shape[2], d.shape[2], limit):
+    (batch, count, d_in), d_out, limit = a.shape, d.shape[2], keep_limit(a.device)
+    if not materialise(batch, count, d_in, d_out, limit):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
-    per_example = torch.bmm(d.transpose(1, 2), a)  # (B, d_out, d_in)
-    keep = per_example if per_example.numel() <= limit else None
-    return row_norms_squared(per_example), keep
+    parts = [torch.bmm(d[s].transpose(1, 2), a[s]) for s in heap_sized_slices(batch, d_out * d_in * a.element_size(), a.device)]
+    return torch.cat([row_norms_squared(part) for part in parts]), parts if batch * d_in * d_out <= limit else None
+
+
+def kept_sum(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Σ_i c_i G_i of per-example gradients kept in consecutive slices of examples, (B_k, …) each."""
+    starts = itertools.accumulate((part.shape[0] for part in parts), initial=0)
+    terms = [torch.einsum("b,b...->...", factors[start:start + part.shape[0]], part) for start, part in zip(starts, parts)]
+    return functools.reduce(torch.add, terms)  # at least one (possibly empty) slice: heap_sized_slices
 
 
 def materialise(batch: int, count: int, d_in: int, d_out: int, limit: int) -> bool:
@@ -227,7 +239,7 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
         weighted = d * factors[:, None, None]
         out = []
         if weight:
-            flat = (torch.einsum("b,boi->oi", factors, kept) if kept is not None
+            flat = (kept_sum(factors, kept) if kept is not None
                     else weighted.reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2]))  # (d_out, d_in)
             out.append((module.weight, flat.reshape(module.weight.shape)))
         if bias:
@@ -237,30 +249,9 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     return Piece(squared, sums)
 
 
-PATCH_SLICE_ELEMENTS = 1 << 19  # numbers of patches and gradients per slice of examples (2 MiB in float32)
-
-
-def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Geometry, ghost: bool = False) -> torch.Tensor:
-    """‖∇_W ℓ_i‖_F² of a Conv2d for every example, ∇_W ℓ_i = δ_i A_i with A_i (T, kh·kw·C_in) the example's
-    channels-last patches (:func:`dpml.train.clipping_conv.channels_last_patches`: W's columns reordered,
-    the norm unchanged), or with ``ghost`` Σ_{t,s} (A_i A_iᵀ)_{ts} (δ_iᵀ δ_i)_{ts}, a slice of at most
-    ``PATCH_SLICE_ELEMENTS`` numbers at a time, so the copy and the products stay in the cache (ad hoc, 2
-    threads: the CNN's second conv at batch 512, ≈4 against ≈10 ms at once; WRN-16-4's ghost-normed
-    layers, whose 58 MB of patches at once took new pages each time, ≈430 ms less in a 6.7 s step)."""
-    batch, out_channels, count = d.shape
-    patch = inputs.shape[1] * geometry[0][0] * geometry[0][1]
-    step = max(1, PATCH_SLICE_ELEMENTS // (count * patch + (2 * count * count if ghost else out_channels * patch)))
-    last = inputs.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # one channels-last copy for every slice
-    squared = d.new_empty(batch)
-    for start in range(0, batch, step):
-        a, dd = channels_last_patches(last[start:start + step], *geometry), d[start:start + step]
-        squared[start:start + step] = ((torch.bmm(a, a.transpose(1, 2)) * torch.bmm(dd.transpose(1, 2), dd)).sum((1, 2))
-                                       if ghost else row_norms_squared(torch.bmm(dd, a)))
-    return squared
-
-
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
-    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm over the patches (on a CPU in slices) or from the materialised
+    """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm (on a CPU from the Gram matrix of the input's positions or
+    patches a slice at a time: :func:`patch_slice_norms_squared`) or from the materialised
     per-example gradients (:func:`materialise` decides), the latter in the way
     :func:`per_example_conv_way` picks for the device and shape (kept ones on a GPU at the precision of the
     layer's own weight gradient: :func:`convolution_weight_gradient_precision`). The clipped sum: from the kept
@@ -270,7 +261,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
-    squared, limit, kept = output_grad.new_zeros(batch), keep_limit(output_grad.device), None
+    squared, limit, kept, channels_last = output_grad.new_zeros(batch), keep_limit(output_grad.device), None, False
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels, limit):
             if inputs.device.type == "cpu":  # a cache-sized slice of examples at a time
@@ -283,14 +274,15 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             keep = way != "patch slices" and batch * out_channels * patch <= limit
             compiled = compiled_norms(inputs, output_grad, geometry, keep)  # None on a GPU
             if compiled is not None:  # the CPU ways' numbers, by the compiled kernel (float32)
-                squared, kept = squared + compiled[0], compiled[1]
+                squared, kept, channels_last = squared + compiled[0], compiled[1], compiled[2]
             elif way == "patch slices":
                 squared = squared + patch_slice_norms_squared(inputs, d, geometry)
             else:
                 with convolution_weight_gradient_precision(inputs.device) if keep else contextlib.nullcontext():
-                    per_example = per_example_conv_gradients(way, module, inputs, output_grad)  # (B, C_out, C_in·kh·kw)
-                squared = squared + row_norms_squared(per_example)
-                kept = per_example if per_example.numel() <= limit else None
+                    parts = [per_example_conv_gradients(way, module, inputs[s], output_grad[s])  # (B_k, C_out, C_in·kh·kw)
+                             for s in heap_sized_slices(batch, out_channels * patch * inputs.element_size(), inputs.device)]
+                squared = squared + torch.cat([row_norms_squared(part) for part in parts])
+                kept = parts if keep else None
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
@@ -299,7 +291,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
         out = []
         if trainable(module.weight):
             if kept is not None:
-                total = torch.einsum("b,boi->oi", factors, kept).reshape(module.weight.shape)
+                total = weight_from_columns(kept_sum(factors, kept), module.weight.shape, channels_last)
             else:
                 total = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, output_grad * factors[:, None, None, None],
                                                     geometry[1], geometry[2], geometry[3])
