@@ -10,15 +10,17 @@ channel counts), on random inputs and output gradients of the layer's shape:
 - *grouped weight gradient*: the weight gradient of one convolution with B groups, the examples
   folded into the channels (:func:`dpml.train.clipping_conv.conv_per_example_gradients_by_weight_grad`);
 - *patches × δ*: the unfolded patches and one batched matrix product (``unfold_patches`` and ``bmm``);
-- *compiled* (CPU, float32): ``_conv_norms.c``, each example's patches built in a cache-sized buffer and
-  multiplied there, on torch's OpenMP threads (:func:`dpml.train.clipping_conv.compiled_norms`, gradients
+- *compiled, patches* (CPU, float32): ``_conv_norms.c``, each example's patches built in a cache-sized buffer
+  and multiplied there, on torch's OpenMP threads (:func:`dpml.train.clipping_conv.compiled_norms`, gradients
   kept; "n/a" where no C compiler is found), timed at every T although the engine takes it only up to
   ``COMPILED_MAX_POSITIONS`` (this table is where that limit comes from);
+- *compiled, direct* (where C_in is a multiple of 16, the engine's choice there at any T): the same kernel
+  reading each patch's vectors from a channels-last copy of the example (no patch buffer);
 - for scale, the batched weight gradient of the whole batch (what a non-private step computes; not
   per example).
 
 Median milliseconds over the repeats (the ways run in turn, round after round, after one warm-up; TF32
-off, as in the engine), and the largest difference of the second and third from the first relative to its
+off, as in the engine), and the largest difference of every other per-example way from the first relative to its
 largest entry. Which way the engine takes for which shape (``dpml.train.clipping_conv.per_example_conv_way``)
 follows this table.
 Writes ``benchmarks/results/conv_per_example[_cuda].{md,json}``.
@@ -78,8 +80,24 @@ def ways(module: nn.Conv2d, x: torch.Tensor, d: torch.Tensor) -> dict[str, Calla
              "batch weight gradient (non-private)": lambda: torch.nn.grad.conv2d_weight(
                  x, module.weight.shape, d, stride, padding, dilation)}
     if compiled_norms(x[:1], d[:1], geometry, keep=True) is not None:  # type: ignore[arg-type]
-        found["compiled"] = lambda: compiled_norms(x, d, geometry, keep=True)[1]  # type: ignore[arg-type, index]
+        found["compiled, patches"] = compiled_way(x, d, geometry, direct=False)  # type: ignore[arg-type]
+        if clipping_conv.direct_way(x.shape[1]):
+            found["compiled, direct"] = compiled_way(x, d, geometry, direct=True)  # type: ignore[arg-type]
     return found
+
+
+def compiled_way(x: torch.Tensor, d: torch.Tensor, geometry: clipping_conv.Geometry,
+                 direct: bool) -> Callable[[], list[torch.Tensor]]:
+    """The compiled kernel's kept per-example gradients by its patch way or its direct way (whichever the
+    engine would pick for this C_in: :func:`dpml.train.clipping_conv.direct_way`)."""
+    def run() -> list[torch.Tensor]:
+        engine_choice = clipping_conv.direct_way
+        clipping_conv.direct_way = lambda in_channels: direct
+        try:
+            return compiled_norms(x, d, geometry, keep=True)[1]  # type: ignore[index, return-value]
+        finally:
+            clipping_conv.direct_way = engine_choice
+    return run
 
 
 def _joined(found: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -95,6 +113,9 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
     d = torch.randn_like(module(x))
     functions = ways(module, x, d)
     results = {way: _joined(fn()) for way, fn in functions.items()}  # warm-up, and the results compared
+    if "compiled, direct" in results:  # its columns in (u, v, c) order: to the weight's (c, u, v)
+        results["compiled, direct"] = results["compiled, direct"].reshape(batch, c_out, kernel, kernel, c_in).permute(
+            0, 1, 4, 2, 3).reshape(batch, c_out, -1)
     first = results["grouped forward"]
     scale = float(first.abs().max())
     times: dict[str, list[float]] = {way: [] for way in functions}
@@ -124,17 +145,21 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
              f"{torch.__version__}, Python {platform.python_version()}. Median ms of {args.repeats} rounds (the ways "
              "in turn); T = output positions per example; the differences are relative to the largest entry"
              + ("; freed memory kept for the next call, as the trainer keeps it" if args.device == "cpu" else "")
-             + "; the compiled kernel timed at every T (the engine takes it up to T = 256).", "",
+             + "; the compiled kernel's patch way timed at every T (the engine takes it up to T = 256), its direct "
+             "way (any T) where C_in is a multiple of 16 (n/a elsewhere: the engine takes it there).", "",
              "| layer | B | C_in → C_out | k, stride | T | grouped forward | grouped weight gradient | patches × δ | "
-             "compiled | batch weight gradient (non-private) | fastest per-example way | differences |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "compiled, patches | compiled, direct | batch weight gradient (non-private) | fastest per-example way | "
+             "differences |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = r["ms"]
         fastest = min((way for way in ms if way != "batch weight gradient (non-private)"), key=lambda way: ms[way])
-        compiled = f"{ms['compiled']:.1f}" if "compiled" in ms else "n/a"
+        compiled = f"{ms['compiled, patches']:.1f}" if "compiled, patches" in ms else "n/a"
+        direct = f"{ms['compiled, direct']:.1f}" if "compiled, direct" in ms else "n/a"
         lines.append(f"| {r['shape']} | {r['batch']} | {r['c_in']} → {r['c_out']} | {r['kernel']}, {r['stride']} | "
                      f"{r['positions']} | {ms['grouped forward']:.1f} | {ms['grouped weight gradient']:.1f} | "
-                     f"{ms['patches × δ']:.1f} | {compiled} | {ms['batch weight gradient (non-private)']:.1f} | {fastest} | "
+                     f"{ms['patches × δ']:.1f} | {compiled} | {direct} | {ms['batch weight gradient (non-private)']:.1f} | "
+                     f"{fastest} | "
                      f"{max(r['relative_difference'].values()):.1e} |")
     return "\n".join(lines) + "\n"
 
