@@ -129,7 +129,8 @@ def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: G
     the norm unchanged), or with ``ghost`` Σ_{t,s} (A_i A_iᵀ)_{ts} (δ_iᵀ δ_i)_{ts}, a slice of at most
     ``PATCH_SLICE_ELEMENTS`` numbers at a time, so the copy and the products stay in the cache (ad hoc, 2
     threads: the CNN's second conv at batch 512, ≈4 against ≈10 ms at once; WRN-16-4's ghost-normed
-    layers, whose 58 MB of patches at once took new pages each time, ≈430 ms less in a 6.7 s step)."""
+    layers, whose 58 MB of patches at once took new pages each time, ≈430 ms less in a 6.7 s step). A ghost norm
+    that :func:`input_gram_pays` for comes from :func:`input_gram_norms_squared` instead (no patches)."""
     batch, out_channels, count = d.shape
     if ghost and input_gram_pays(inputs.shape, count, geometry):
         return input_gram_norms_squared(inputs, d, geometry)
@@ -261,11 +262,11 @@ def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Ge
     out_channels, out_h, out_w = d.shape[1:]
     shape = torch.tensor([channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct],
                          dtype=torch.long)
-    squared, numbers = x.new_empty(batch), out_channels * channels * kh * kw
+    squared, patch = x.new_empty(batch), channels * kh * kw
     parts = []
-    for part in heap_sized_slices(batch, numbers * x.element_size(), x.device):
+    for part in heap_sized_slices(batch, out_channels * patch * x.element_size(), x.device):
         count = part.stop - part.start
-        grads = x.new_empty(count, out_channels, numbers // out_channels) if keep else None
+        grads = x.new_empty(count, out_channels, patch) if keep else None
         if count and kernel(x[part].data_ptr(), d[part].data_ptr(), count, shape.data_ptr(), squared[part].data_ptr(),
                             0 if grads is None else grads.data_ptr()):
             raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
