@@ -45,6 +45,7 @@ from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.ledger import Ledger, Spend
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.privacy.units import digests_of_ids
+from dpml.routing import resolve_api_tracking
 from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import LossFn
 from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
@@ -263,7 +264,7 @@ def log_to_mlflow(tracking_uri: str, experiment: str, run_name: str | None, resu
 
     from dpml.tracking import get_or_create_experiment
 
-    client = MlflowClient(tracking_uri)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)  # no process-wide URI consulted
     experiment_id = get_or_create_experiment(client, experiment, artifact_location)
     run = client.create_run(experiment_id, run_name=run_name, tags={"dpml.source": "python-api"})
     run_id = run.info.run_id
@@ -294,7 +295,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
                   seed: int | None = None, ledger: str | Path | Ledger | None = None,
                   epsilon_budget: float | None = None, lineage: str | None = None,
                   privacy_units: Sequence[object] | None = None, mlflow_tracking_uri: str | None = None,
-                  mlflow_experiment: str = "dpml", mlflow_artifact_location: str | None = None,
+                  mlflow_experiment: str | None = None, mlflow_artifact_location: str | None = None,
                   run_name: str | None = None, progress: bool = False,
                   allow_delta_above_inverse_n: bool = False, autocast: str = "none",
                   tune_physical_batch: bool = True) -> PrivateTraining:
@@ -312,10 +313,14 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     of the lineage), refusing it if a unit would exceed ``epsilon_budget`` at ``delta``.
     ``mlflow_tracking_uri``: log the run (settings, ε, certificate, weights) to that MLflow store, in
     ``mlflow_experiment`` (created with ``mlflow_artifact_location`` if new; MLflow's default is ./mlruns).
+    Each is resolved once, when the call starts: the argument, else MLflow's own variable
+    (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``), else not logged / ``dpml`` (:mod:`dpml.routing`);
+    MLflow's process-wide URIs are neither read nor changed, so calls with other settings never mix.
     ``autocast``: ``bf16`` runs the forward pass under bf16 autocast (norms, sums and noise in float32).
     ``tune_physical_batch``: clip in the fastest chunk of at most ``physical_batch_size`` records, timed
     on a synthetic probe before training (:mod:`dpml.train.chunking`); the sums are the same either way.
     """
+    mlflow_tracking_uri, mlflow_experiment = resolve_api_tracking(mlflow_tracking_uri, mlflow_experiment, os.environ)
     n = dataset_size(dataset)
     q = check_arguments(n=n, epochs=epochs, clip_norm=clip_norm, delta=delta, target_epsilon=target_epsilon,
                         noise_multiplier=noise_multiplier, sample_rate=sample_rate,

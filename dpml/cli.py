@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -16,9 +17,11 @@ from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from dpml.cli_help import VERBOSE_HELP, command, examples_epilog, version
-from dpml.cli_text import conformance_summary_lines, lineage_text, power_summary, run_summary
+from dpml.cli_text import (conformance_summary_lines, ledger_rename_text, lineage_text, person_text, power_summary,
+                           run_summary)
 from dpml.config import ConfigError, load
 from dpml.formatting import format_epsilon
+from dpml.interrupts import RunStopped, exit_code, spent_line, stop_reason, termination_raises
 from dpml.privacy.ledger import LedgerError
 from dpml.terminal import quiet_third_party_output, warning_line
 
@@ -30,14 +33,51 @@ def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
     config = load(args.params, args.set)
     if search:
         check_tunable(config)
-    if args.engine == "local":
-        from dpml.stages import run_all
+    if args.engine == "local" and args.prefect_api:
+        raise ValueError(f"--prefect-api {args.prefect_api}: only for --engine prefect (the local engine runs no flow)")
+    stages = _StageEcho()
+    with _reporting_what_a_stop_spent(config, stages):
+        if args.engine == "local":
+            from dpml.stages import run_all
 
-        return run_all(config, progress=True, search=search)
-    from flows.pipeline import private_hyperparameter_search, privacy_audited_pipeline
+            return run_all(config, progress=True, search=search, echo=stages)
+        from flows.pipeline import run_from_cli
 
-    flow = private_hyperparameter_search if search else privacy_audited_pipeline
-    return flow(params_path=args.params, overrides=args.set)
+        return run_from_cli(args.params, args.set, search=search, api_flag=args.prefect_api)
+
+
+class _StageEcho:
+    """``run_all``'s echo: prints its ``[dpml] NAME …`` lines and remembers the stage now running."""
+
+    _STARTED = re.compile(r"^\[dpml\] (\w+) …$")
+
+    def __init__(self) -> None:
+        self.stage: str | None = None
+
+    def __call__(self, line: str) -> None:
+        started = self._STARTED.match(line)
+        if started:
+            self.stage = started.group(1)
+        print(line)
+
+
+@contextlib.contextmanager
+def _reporting_what_a_stop_spent(config: Any, stages: _StageEcho) -> Iterator[None]:
+    """Ctrl-C, SIGTERM or a cancellation inside the block: settle the run's spend and attach the line saying
+    what was spent to the exception (:mod:`dpml.stages.stopped`), for :func:`main` to print. A Prefect flow
+    run has already settled and attached it (it knows its stage); the local engine's stage comes from its
+    echo. SIGINT and SIGTERM are held meanwhile: a second Ctrl-C must not cut the clean-up short."""
+    from dpml.interrupts import note_spent, signals_held
+    from dpml.stages.stopped import settle_stopped_run, spend_note
+
+    spend_before = spend_note(config)
+    try:
+        yield
+    except (KeyboardInterrupt, RunStopped) as stop:
+        with signals_held():
+            if spent_line(stop) is None:
+                note_spent(stop, settle_stopped_run(config, spend_before, stop_reason(stop), stages.stage))
+        raise
 
 
 class _DropTraceback(logging.Filter):
@@ -156,9 +196,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
+    """``dpml ledger``: the view (per lineage, and per person); ``dpml ledger rename OLD NEW [--merge]``."""
     from dpml.stages.train import open_ledger
 
+    if args.action:
+        return cmd_ledger_rename(args)
     config = load(args.params, args.set)
+    if args.person is not None:
+        return _ledger_person(open_ledger(config), args.person, args.json)
     summary = open_ledger(config).summary(args.dataset)
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -168,6 +213,36 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     budget = config.ledger.epsilon_budget
     for entry in summary:
         print(lineage_text(entry, budget))
+    return 0
+
+
+def cmd_ledger_rename(args: argparse.Namespace) -> int:
+    """Rename a lineage keeping its history, or merge it into another (``--merge``): an explicit ledger
+    operation, one transaction (:meth:`dpml.privacy.ledger.Ledger.rename_lineage`)."""
+    from dpml.stages.train import open_ledger
+
+    if len(args.action) != 3 or args.action[0] != "rename":
+        raise ConfigError(f"ledger {' '.join(args.action)!r}: the one ledger operation is: dpml ledger rename OLD NEW "
+                          "[--merge]")
+    _, old, new = args.action
+    config = load(args.params, args.set)
+    moved = open_ledger(config).rename_lineage(old, new, merge=args.merge)
+    if args.json:
+        print(json.dumps(moved, indent=2))
+        return 0
+    print(ledger_rename_text(moved, config.ledger.epsilon_budget))
+    return 0
+
+
+def _ledger_person(ledger: Any, person: str, as_json: bool) -> int:
+    """``dpml ledger --person ID``: every release that touched the person of that id (data.id_column)."""
+    from dpml.privacy.units import digests_of_ids
+
+    found = ledger.person(digests_of_ids([person]))
+    if as_json:
+        print(json.dumps({"person": person, **(found or {"lineages": [], "epsilon": 0.0, "releases": []})}, indent=2))
+    else:
+        print(person_text(person, found))
     return 0
 
 
@@ -288,6 +363,13 @@ def mechanism_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def prefect_api_arg(p: argparse.ArgumentParser) -> None:
+    """``--prefect-api URL``: the run's Prefect API, before ``PREFECT_API_URL`` (``flows/prefect_api.py``)."""
+    p.add_argument("--prefect-api", metavar="URL", default=None,
+                   help="the Prefect API of the flow run, e.g. http://127.0.0.1:4200/api (default: PREFECT_API_URL, "
+                        "else a temporary server for this run alone)")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with dpml's one-line errors (``dpml: error: …``, exit 2); ``--help`` shows the usage."""
 
@@ -316,12 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(run)
     run.add_argument("--engine", choices=("prefect", "local"), default="prefect",
                      help="prefect: a Prefect flow run (default); local: the stages in-process")
+    prefect_api_arg(run)
     run.set_defaults(func=cmd_run)
 
     tun = command(sub, "tune", "private hyperparameter search (tune section), then certify, audit, release")
     config_args(tun)
     tun.add_argument("--engine", choices=("prefect", "local"), default="prefect",
                      help="prefect: a Prefect flow run (default); local: the stages in-process")
+    prefect_api_arg(tun)
     tun.set_defaults(func=cmd_tune)
 
     stage = command(sub, "stage", "run one stage (what dvc.yaml calls)")
@@ -365,7 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     led = command(sub, "ledger", "the privacy budget ledger: per lineage, its spends and each person's ε")
+    led.add_argument("action", nargs="*", metavar="rename OLD NEW",
+                     help="rename lineage OLD to NEW, keeping its history (with --merge: into the existing lineage NEW)")
+    led.add_argument("--merge", action="store_true", help="rename: merge OLD into the existing lineage NEW (one "
+                     "account for the people of both)")
     led.add_argument("--dataset", default=None, help="one lineage (ledger.dataset; default: every lineage)")
+    led.add_argument("--person", default=None, metavar="ID",
+                     help="every release that touched the person with this id (data.id_column), across lineages")
     led.add_argument("--json", action="store_true")
     config_args(led)
     led.set_defaults(func=cmd_ledger)
@@ -399,14 +489,16 @@ def main(argv: list[str] | None = None) -> int:
         quiet_third_party_output()
     warnings.showwarning = functools.partial(warning_line, verbose=args.verbose)
     try:
-        with _logs_without_tracebacks(unless=args.debug):
+        with termination_raises(), _logs_without_tracebacks(unless=args.debug):
             return int(args.func(args))
     except BrokenPipeError:  # `dpml … | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print("dpml: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, RunStopped) as stop:  # Ctrl-C, SIGTERM, a cancellation: one line, what was spent
+        if args.debug:
+            traceback.print_exc()
+        print(f"dpml: {spent_line(stop) or stop_reason(stop)}", file=sys.stderr)
+        return exit_code(stop)
     except Exception as error:  # noqa: BLE001 - the CLI boundary: one line, the traceback only with --debug
         if args.debug:
             traceback.print_exc()

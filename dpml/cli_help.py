@@ -14,7 +14,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("dpml COMMAND --help", "a command's options and examples"),
     ],
     "run": [
-        ("dpml run", "a Prefect flow run (ephemeral API, or the server in PREFECT_API_URL)"),
+        ("dpml run", "a Prefect flow run (a temporary API server, or the server in PREFECT_API_URL)"),
+        ("dpml run --prefect-api http://127.0.0.1:4200/api", "on that Prefect server (before PREFECT_API_URL)"),
         ("dpml run --engine local", "the stages in this process, no Prefect"),
         ("dpml run --params configs/census-hi.yaml --set dp.target_epsilon=1", "another configuration, one override"),
         ("dpml run --verbose", "with Dask's, absl's and MLflow's own logs"),
@@ -50,6 +51,9 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     "ledger": [
         ("dpml ledger", "every lineage: spends, units by ε, the largest"),
         ("dpml ledger --dataset digits --json", "one lineage, machine-readable"),
+        ("dpml ledger --person p00042", "every release that touched one person (data.id_column), across lineages"),
+        ("dpml ledger rename patients-2026-11-20 patients", "rename a lineage, keeping its history"),
+        ("dpml ledger rename bom plain --merge", "one account for the people of two lineages"),
     ],
     "epsilon": [
         ("dpml epsilon --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000", "from every accountant"),

@@ -48,21 +48,51 @@ def run_summary(results: dict[str, Any]) -> str:
         "release of this data set (dpml ledger)",
         f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
-        f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else ""),
-        "  UI                   " + ui_hint(release["tracking_uri"]),
+        f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else "")
+        + ("  (this spend's release, registered before)" if release.get("already_released") else ""),
+        *destination_lines(release),
+        "  UI                   " + ui_hint(release["tracking_uri"], release.get("registry_uri")),
         "  review view          " + review_hint(release["tracking_uri"], release["experiment_id"]),
+        *prefect_lines(results.get("prefect")),
     ]
     return "\n".join(lines)
 
 
-def ui_hint(uri: str) -> str:
+def prefect_lines(prefect: dict[str, Any] | None) -> list[str]:
+    """A Prefect run's flow run and the API it reported to, with where that API came from (``--prefect-api``,
+    ``PREFECT_API_URL`` or a temporary server, stopped when the run ended); nothing for ``--engine local``."""
+    if not prefect:
+        return []
+    origin = prefect.get("origin")
+    where = {"temporary server": "a temporary server for this run, stopped when it ended"}.get(origin or "", origin)
+    return [f"  Prefect flow run     {prefect['flow_run_name']} ({prefect['flow_run_id']})",
+            f"  Prefect API          {prefect['api_url']}" + (f"  ({where})" if where else "")]
+
+
+def destination_lines(release: dict[str, Any]) -> list[str]:
+    """Where the run wrote and why: the tracking store, the registry and the experiment, each with the
+    setting it came from (flag, environment variable, params.yaml or default; :mod:`dpml.routing`)."""
+    origins = release.get("origins") or {}
+    if not origins:
+        return []
+    registry = release.get("registry_uri") or release["tracking_uri"]
+    registry_origin = origins.get("registry_uri", "default")
+    shown = [("uri", release["tracking_uri"], origins.get("uri", "default"), "tracking store"),
+             ("registry_uri", registry, "same as the tracking store" if registry == release["tracking_uri"] and
+              registry_origin == "default" else registry_origin, "model registry"),
+             ("experiment", release.get("experiment", ""), origins.get("experiment", "default"), "experiment")]
+    return [f"  {label:<20} {value}  ({origin})" for _, value, origin, label in shown]
+
+
+def ui_hint(uri: str, registry_uri: str | None = None) -> str:
     """Where to look at the release: a tracking server is opened in a browser at its own URL; the embedded
-    store through ``mlflow ui`` on its database."""
+    store through ``mlflow ui`` on its database (and its registry, when that is another store)."""
     from dpml.store import is_server
 
     if is_server(uri):
         return f"{uri.rstrip('/')}  (the tracking server's UI)"
-    return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1"
+    registry = f" --registry-store-uri {registry_uri}" if registry_uri and registry_uri != uri else ""
+    return f"mlflow ui --backend-store-uri {uri}{registry} --host 127.0.0.1"
 
 
 def review_hint(uri: str, experiment_id: str) -> str:
@@ -110,6 +140,7 @@ def lineage_text(entry: dict[str, Any], budget: float) -> str:
                      + ", ".join(f"#{i}" for i in entry["unknown_unit_spends"]))
     if entry.get("filter_order"):
         lines.append(f"  individual Rényi filter at order α* = {entry['filter_order']:g} (ledger.on_exhausted: exclude)")
+    lines += people_lines(entry)
     for spend in entry["spends"]:
         alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
         units = "" if spend["units"] is None else f"{spend['units']:,} units"
@@ -117,3 +148,52 @@ def lineage_text(entry: dict[str, Any], budget: float) -> str:
         lines.append(f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
                      f"[{', '.join(spend['events']) or 'reserved'}]  data {spend['dataset_version'][:12]}{counted}")
     return "\n".join(lines)
+
+
+PEOPLE_SHOWN = 10  # groups of people listed per lineage (``--json`` has them all)
+
+
+def _releases(releases: list[dict[str, Any]]) -> str:
+    return ", ".join(f"#{r['spend']} {r['lineage']}" for r in releases) or "none"
+
+
+def people_lines(entry: dict[str, Any]) -> list[str]:
+    """The lineage's people grouped by every release that touched them, across lineages, largest ε first;
+    and a warning line when other lineages hold some of the same people (a ledger written before one
+    person had one account: merge them with ``dpml ledger rename``)."""
+    people = entry.get("people") or []
+    lines = []
+    if entry.get("shared_with"):
+        shared = ", ".join(f"{name!r} ({count:,})" for name, count in entry["shared_with"].items())
+        lines.append(f"  the same people are also under lineage {shared}: each person's ε above composes the releases "
+                     "of every lineage; make them one account with dpml ledger rename OTHER "
+                     f"{entry['lineage']} --merge")
+    if people:
+        lines.append("  people by the releases that touched them (any lineage):")
+    for group in people[:PEOPLE_SHOWN]:
+        lines.append(f"    {group['units']:>10,} units  ε {group['epsilon']:<8.4g} {_releases(group['releases'])}")
+    if len(people) > PEOPLE_SHOWN:
+        lines.append(f"    … {len(people) - PEOPLE_SHOWN} more groups (dpml ledger --json)")
+    return lines
+
+
+def person_text(person: str, found: dict[str, Any] | None) -> str:
+    """``dpml ledger --person ID``: the releases that touched one person, across lineages, and their ε."""
+    if found is None:
+        return f"person {person!r}: no release has touched them (the ledger has never charged this id)"
+    lines = [f"person {person!r}: ε = {found['epsilon']:.4g} at δ = {found['delta']:g} over {len(found['releases'])} "
+             f"release(s), lineage(s) {', '.join(found['lineages'])}"]
+    for release in found["releases"]:
+        counted = "" if release["counted"] else "  (cancelled: not counted)"
+        lines.append(f"  #{release['spend']:<4} {release['lineage']:<20} ε alone {release['epsilon_alone']:.4g}  "
+                     f"{release['label']}{counted}")
+    return "\n".join(lines)
+
+
+def ledger_rename_text(moved: dict[str, Any], budget: float) -> str:
+    """What ``dpml ledger rename`` did, in one line."""
+    how = "merged into" if moved["merged"] else "renamed to"
+    shared = f"; {moved['shared_units']:,} people were in both, now one account" if moved["merged"] else ""
+    return (f"lineage {moved['old']!r} {how} {moved['new']!r}: {moved['spends']} spend(s) moved, their history kept "
+            f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {moved['epsilon_total']:.4g} "
+            f"(budget {budget:g})")

@@ -9,8 +9,11 @@ Composition: the common sections are in :mod:`dpml.sections` (``data`` in :mod:`
 it) and any section of its own, and its own cross-section rules (:meth:`Trainer.check`). This module
 keeps the loader and the rules that belong to no one trainer.
 
-Overrides use dotted keys (``dp.target_epsilon=2``); the value is parsed as YAML, so numbers,
-booleans, ``null`` and lists work as they do in the file.
+Overrides use dotted keys (``dp.target_epsilon=2``, ``data.columns.age.upper=90``); the value is
+parsed as YAML, so numbers, booleans, ``null`` and lists work as they do in the file. The file and
+every override are read strictly (:mod:`dpml.params_yaml`): a key given twice at any level is an error
+naming both lines, every number must be finite in whatever spelling, and a table's names and
+categories keep the text the user wrote (``[no, yes]`` are two strings, not booleans).
 """
 
 from __future__ import annotations
@@ -19,16 +22,21 @@ import copy
 import importlib
 import importlib.util
 import math
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Union
 
 import yaml
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from dpml.data.schema import SKLEARN_BUNDLED, DataConfig, default_model_name
-from dpml.sections import (TUNABLE_KEYS, AttackName, AuditConfig, DpConfig, GateConfig, LedgerConfig, ModelConfig,
-                           PathsConfig, PreprocessConfig, Section, SplitConfig, TrackingConfig, TrainSettings, TuneConfig)
+from dpml.data.schema import SKLEARN_BUNDLED, VERBATIM_KEYS, VERBATIM_VALUES, DataConfig, default_model_name
+from dpml.params_yaml import MAX_BYTES, MAX_NODES, YamlError, dotted, load_yaml
+from dpml.routing import RoutingError, resolve_tracking
+from dpml.sections import (BOOLEAN_FOR_NUMBER, TUNABLE_KEYS, AttackName, AuditConfig, DpConfig, GateConfig,
+                           LedgerConfig, ModelConfig, PathsConfig, PreprocessConfig, Section, SplitConfig,
+                           TrackingConfig, TrainSettings, TuneConfig)
 from dpml.train.registry import TRAINERS, trainer_for
 
 __all__ = ["SKLEARN_BUNDLED", "TUNABLE_KEYS", "AttackName", "AuditConfig", "Config", "ConfigError", "DataConfig",
@@ -156,6 +164,8 @@ def _format_errors(error: ValidationError, origin: str) -> str:
             del loc[1]  # the union member's tag: the key is train.KEY
         if len(loc) > 3 and loc[:2] == ["data", "columns"] and loc[3] in ("numeric", "categorical"):
             del loc[3]  # the column's type tag: the key is data.columns.NAME.KEY
+        if item["type"] == BOOLEAN_FOR_NUMBER:
+            loc.append(item["ctx"]["field"])
         key = ".".join(str(p) for p in loc)
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] in ("union_tag_invalid", "union_tag_not_found") and loc[:2] == ["data", "columns"]:
@@ -169,6 +179,8 @@ def _format_errors(error: ValidationError, origin: str) -> str:
             lines.append(f"  {key} = {item['input']!r}: unknown key")
         elif item["type"] == "missing":
             lines.append(f"  {key}: required")
+        elif item["type"] == BOOLEAN_FOR_NUMBER:
+            lines.append(f"  {key} = {item['ctx']['value']}: {msg}")
         elif key and "input" in item and not isinstance(item["input"], dict):
             lines.append(f"  {key} = {item['input']!r}: {msg}")
         else:
@@ -176,32 +188,51 @@ def _format_errors(error: ValidationError, origin: str) -> str:
     return "\n".join(lines)
 
 
-def _check_finite(raw: Any, prefix: str = "") -> None:
+def _check_finite(raw: Any, origin: str = "params", path: tuple[Any, ...] = ()) -> None:
+    """Every number of a raw configuration (mappings and lists, any depth) is finite: a budget, ε, δ, σ or
+    bound of ``inf`` or ``nan`` bounds nothing. (Text such as ``"inf"`` in a numeric field is refused by
+    the sections' own validation, :class:`dpml.sections.Section`.)"""
     if isinstance(raw, dict):
-        for k, v in raw.items():
-            _check_finite(v, f"{prefix}{k}.")
-    elif isinstance(raw, float) and not math.isfinite(raw):
-        raise ConfigError(f"invalid configuration:\n  {prefix[:-1]} = {raw}: must be a finite number")
+        for key, value in raw.items():
+            _check_finite(value, origin, (*path, key))
+    elif isinstance(raw, (list, tuple)):
+        for index, value in enumerate(raw):
+            _check_finite(value, origin, (*path, index))
+    elif isinstance(raw, float) and not math.isfinite(raw) or (
+            isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > sys.float_info.max):
+        shown = raw if isinstance(raw, float) else f"{str(raw)[:20]}… (beyond the float range)"
+        raise ConfigError(f"invalid configuration ({origin}):\n  {dotted(path)} = {shown}: must be a finite number")
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` overrides (value parsed as YAML) to a raw config mapping."""
+    """Apply ``section.key=value`` overrides (value parsed as YAML, :func:`safe_yaml`) to a raw config mapping.
+
+    The key is a dotted path of two or more parts (``dp.delta``, ``data.columns.age.upper``); missing
+    mappings on the way are created. The value is read like the file (duplicate keys inside it are an
+    error, names and categories keep their text, numbers must be finite). Giving the same key in two
+    ``--set`` flags is allowed: the last flag wins, as with most command lines (``git -c``, ``dvc exp run
+    -S``); the validated configuration, logged with the run, shows the value that was used."""
     result = copy.deepcopy(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
-        if not sep or len(parts) != 2 or not all(parts):
+        if not sep or len(parts) < 2 or not all(p.strip() for p in parts):
             raise ConfigError(f"invalid override {item!r}: expected section.key=value, e.g. dp.target_epsilon=2")
-        section, name = parts
+        parts = [p.strip() for p in parts]
         try:
-            value = safe_yaml(text, f"--set {key.strip()}") if text.strip() else None
+            value = safe_yaml(text, f"--set {key.strip()}", base=tuple(parts)) if text.strip() else None
         except ConfigError as error:
-            raise ConfigError(f"invalid override {item!r}: {key.strip()} = {text!r} is not valid YAML "
-                              f"({str(error).split('not valid YAML: ', 1)[-1]})") from None
-        target = result.setdefault(section, {})
-        if not isinstance(target, dict):
-            raise ConfigError(f"invalid override {item!r}: {section} is not a section")
-        target[name] = value
+            message = str(error)
+            if "not valid YAML: " in message:
+                message = f"{key.strip()} = {text!r} is not valid YAML ({message.split('not valid YAML: ', 1)[-1]})"
+            raise ConfigError(f"invalid override {item!r}: {message}") from None
+        target = result
+        for depth, part in enumerate(parts[:-1]):
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"invalid override {item!r}: {'.'.join(parts[:depth + 1])} is not a section "
+                                  "(a mapping of keys)")
+        target[parts[-1]] = value
     return result
 
 
@@ -234,7 +265,8 @@ def _import_plugin_file(path: Path) -> None:
     if resolved in _IMPORTED_PLUGIN_FILES:
         return
     if not resolved.is_file():
-        raise FileNotFoundError(f"no such file {path}")
+        raise FileNotFoundError(f"{path} is a directory, not a .py file" if resolved.is_dir()
+                                else f"no such file {path}")
     module_name = f"dpml_plugin_{resolved.stem}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     assert spec is not None and spec.loader is not None
@@ -248,39 +280,19 @@ def _import_plugin_file(path: Path) -> None:
     _IMPORTED_PLUGIN_FILES[resolved] = module
 
 
-MAX_CONFIG_BYTES = 1 << 20  # a parameter file is a few kilobytes; refuse anything absurd
-MAX_CONFIG_NODES = 100_000   # nodes after expanding aliases (a "billion laughs" file expands to 10⁹)
+MAX_CONFIG_BYTES = MAX_BYTES  # a parameter file is a few kilobytes; refuse anything absurd
+MAX_CONFIG_NODES = MAX_NODES  # nodes after expanding aliases (a "billion laughs" file expands to 10⁹)
 
 
-def safe_yaml(text: str, origin: str) -> Any:
-    """``yaml.safe_load`` with a bound on size and on the nodes its aliases expand to."""
-    if len(text.encode(errors="replace")) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{origin}: larger than {MAX_CONFIG_BYTES} bytes; not a parameter file")
+def safe_yaml(text: str, origin: str, base: tuple[str, ...] = ()) -> Any:
+    """The YAML ``text`` read strictly (:mod:`dpml.params_yaml`): duplicate keys at any level refused with
+    both lines, YAML 1.2 numbers and only finite ones, a table's names and category texts as written
+    (:data:`dpml.data.schema.VERBATIM_VALUES`), bounded size and alias expansion. ``base``: where the
+    text sits (``("dp", "delta")`` for ``--set dp.delta=…``)."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{origin}: not valid YAML: {' '.join(str(error).split())}") from None
-    if node is not None and _expanded_size(node, {}) > MAX_CONFIG_NODES:
-        raise ConfigError(f"{origin}: its aliases expand to more than {MAX_CONFIG_NODES} nodes; refusing to load it")
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{origin}: not valid YAML: {' '.join(str(error).split())}") from None
-
-
-def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
-    """Nodes in the tree an alias-sharing YAML graph expands to (memoised per shared node)."""
-    if id(node) in memo:
-        return memo[id(node)]
-    memo[id(node)] = MAX_CONFIG_NODES + 1  # a cycle (recursive alias) counts as too large
-    if isinstance(node, yaml.SequenceNode):
-        size = 1 + sum(_expanded_size(child, memo) for child in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    else:
-        size = 1
-    memo[id(node)] = min(size, MAX_CONFIG_NODES + 1)
-    return memo[id(node)]
+        return load_yaml(text, origin, base, VERBATIM_VALUES, VERBATIM_KEYS)
+    except YamlError as error:
+        raise ConfigError(str(error)) from None
 
 
 def validate(raw: Any, origin: str = "params") -> Config:
@@ -289,7 +301,7 @@ def validate(raw: Any, origin: str = "params") -> Config:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"invalid configuration ({origin}): expected a mapping of sections, got {type(raw).__name__}")
-    _check_finite(raw)
+    _check_finite(raw, origin)
     if "plugins" in raw:
         import_plugins(raw["plugins"], origin)
     try:
@@ -325,18 +337,42 @@ def absolute_paths(config: Config) -> Config:
     return config.model_copy(update={"paths": config.paths.model_copy(update=paths)})
 
 
-def load(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
-    """Read, override and validate ``params.yaml``."""
+def load(path: str | Path = "params.yaml", overrides: list[str] | None = None,
+         environ: Mapping[str, str] | None = None) -> Config:
+    """Read, override and validate ``params.yaml`` (UTF-8, a byte-order mark allowed): the edge of a run,
+    where its destinations are resolved.
+
+    Where the run writes (``tracking.uri``, ``registry_uri``, ``experiment``) follows one precedence:
+    ``overrides`` > MLflow's variables in ``environ`` (default: this process's environment) > the file >
+    the default (:mod:`dpml.routing`); below this, nothing reads those variables again."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"configuration file {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"configuration file {path} is a directory; give the parameter file itself "
+                          f"(e.g. {path / 'params.yaml'})")
+    if not path.is_file():
+        raise ConfigError(f"configuration file {path} is not a regular file")
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a parameter file")
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"configuration file {path}: cannot read it ({error})") from None
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"configuration file {path}: not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                          f"offset {error.start}); save it as UTF-8") from None
+    except OSError as error:
+        raise ConfigError(f"configuration file {path}: cannot read it ({error.strerror or error})") from None
     raw = safe_yaml(text, str(path))
+    if raw is None and not overrides:
+        raise ConfigError(f"configuration file {path} is empty (no sections; comments only)")
+    if isinstance(raw, dict) or raw is None:
+        try:
+            raw = resolve_tracking(raw or {}, overrides or [], os.environ if environ is None else environ, str(path))
+        except RoutingError as error:
+            raise ConfigError(f"invalid configuration ({path}):\n  {error}") from None
     if overrides:
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigError(f"invalid configuration ({path}): expected a mapping of sections, got "
+                              f"{type(raw).__name__}")
         raw = apply_overrides(raw or {}, overrides)
     return validate(raw, origin=str(path))

@@ -87,16 +87,16 @@ def check_writable(key: str, folder: str | Path) -> None:
 
 def folders(config: Config) -> dict[str, Path]:
     """Every folder a run writes to, by the key that names it."""
-    from dpml.store import is_server, sqlite_path, tracking_uri
-
     from dpml.privacy.ledger_db import is_postgres, sqlite_file
+    from dpml.store import is_server, sqlite_path
 
     out = {"paths.data": Path(config.paths.data), "paths.artifacts": Path(config.paths.artifacts),
            "paths.cache": Path(config.paths.cache), "paths.metrics": Path(config.paths.metrics_folder())}
-    database = sqlite_path(tracking_uri(config.tracking))
-    if database is not None:
-        out["tracking.uri"] = database.parent
-    if not is_server(tracking_uri(config.tracking)):  # a server keeps its own artifacts
+    for key, uri in (("tracking.uri", config.tracking.uri), ("tracking.registry_uri", config.tracking.registry)):
+        database = sqlite_path(uri)
+        if database is not None:
+            out.setdefault(key, database.parent)
+    if not is_server(config.tracking.uri):  # a server keeps its own artifacts
         out["tracking.artifact_root"] = Path(config.tracking.artifact_root)
     if not is_postgres(config.ledger.location()):
         out["ledger.url" if config.ledger.url else "ledger.path"] = sqlite_file(config.ledger.location()).parent
@@ -152,6 +152,7 @@ def check_table_header(config: Config) -> None:
     if kind not in ("csv", "parquet"):
         return
     try:
-        check_columns(Path(rest), kind, data.named_columns(), what="column(s) named under data:")
+        check_columns(Path(rest), kind, data.named_columns(), what="column(s) named under data:",
+                      separator=data.separator, encoding=data.encoding)
     except DataError as error:
         raise PreflightError(str(error)) from None

@@ -70,11 +70,12 @@ def refuse_temporary_experiment_copy(config: Config, cwd: Path | None = None) ->
     if not os.environ.get("DVC_EXP_NAME") or not root or Path(root).resolve() == cwd.resolve():
         return
     from dpml.privacy.ledger_db import is_postgres, sqlite_file
-    from dpml.store import sqlite_path, tracking_uri
+    from dpml.store import sqlite_path
 
     stores = {"ledger.url" if config.ledger.url else "ledger.path":
               None if is_postgres(config.ledger.location()) else sqlite_file(config.ledger.location()),
-              "tracking.uri": sqlite_path(tracking_uri(config.tracking))}
+              "tracking.uri": sqlite_path(config.tracking.uri),
+              "tracking.registry_uri": sqlite_path(config.tracking.registry)}
     relative = [f"{key} = {str(path)!r}" for key, path in stores.items() if path is not None and not path.is_absolute()]
     if relative:
         raise ValueError(f"{', '.join(relative)}: relative to a temporary copy of the repository ({cwd}), made by "

@@ -84,12 +84,11 @@ def put_logged_files(tracking: Any, run_id: str, tree: Path) -> None:
     """The run's logged ``params.yaml`` and ``dvc.lock`` into the worktree."""
     import mlflow
 
-    from dpml.store import activate
+    from dpml.store import client
 
-    activate(tracking)
     for name in ("params.yaml", "dvc.lock"):
         try:
-            local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=name, dst_path=str(tree.parent))
+            local = client(tracking).download_artifacts(run_id, name, str(tree.parent))
         except mlflow.exceptions.MlflowException as error:
             raise ReproduceError(f"run {run_id}: no {name} logged ({error.message})") from None
         shutil.copyfile(local, tree / name)
@@ -225,7 +224,11 @@ def retrain_in(tree: Path, ledger: dict[str, Any]) -> dict[str, Any]:
     and the train metrics it produced."""
     import yaml
 
-    params = yaml.safe_load((tree / "params.yaml").read_text())
+    from dpml.config import safe_yaml
+
+    # Read as dpml reads it (category texts such as `no`/`yes` kept as the strings they are, so the dump
+    # quotes them), and written back with only the ledger section changed.
+    params = safe_yaml((tree / "params.yaml").read_text(encoding="utf-8-sig"), str(tree / "params.yaml"))
     params["ledger"] = ledger
     (tree / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     for stage in RETRAINED_STAGES:
@@ -276,12 +279,9 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
 
 
 def _logged_metric(tracking: Any, run_id: str, name: str) -> float:
-    from mlflow import MlflowClient
+    from dpml.store import client
 
-    from dpml.store import activate
-
-    activate(tracking)
-    metrics = MlflowClient().get_run(run_id).data.metrics
+    metrics = client(tracking).get_run(run_id).data.metrics
     if name not in metrics:
         raise ReproduceError(f"run {run_id}: no {name} metric logged")
     return float(metrics[name])

@@ -8,17 +8,67 @@ modules can import them without importing the composed configuration (which impo
 
 from __future__ import annotations
 
+import math
 import re
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class Section(BaseModel):
-    """A frozen section that rejects unknown keys."""
+    """A frozen section that rejects unknown keys, and numbers that are not numbers.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Every number of every section (budgets, ε, δ, σ, clip norms, bounds …) must be finite whatever its
+    spelling: ``allow_inf_nan=False`` refuses ``inf``/``nan`` given as numbers and as the text pydantic
+    would otherwise coerce (``"inf"``, ``"-Infinity"``, ``"nan"``, ``"1e999"``). A boolean is not a number:
+    ``epsilon_budget: yes`` (YAML 1.1's ``yes``, ``on`` …) is refused instead of read as 1.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        for name, item in value.items():
+            field = cls.model_fields.get(name) if isinstance(name, str) else None
+            kind = _number_kind(field.annotation) if field is not None else None
+            flags = [item] if kind == "number" else list(item) if kind == "list" and isinstance(item, list) else []
+            if any(isinstance(flag, bool) for flag in flags):
+                raise PydanticCustomError(
+                    BOOLEAN_FOR_NUMBER, "a boolean (YAML reads yes/no/on/off/true/false as booleans), not a number",
+                    {"field": name, "value": repr(item)})
+        return value
+
+
+BOOLEAN_FOR_NUMBER = "boolean_for_number"  # the error type :func:`dpml.config._format_errors` places at its key
+
+
+def _number_kind(annotation: Any) -> str | None:
+    """``"number"`` for an ``int``/``float`` field (optionally ``None``), ``"list"`` for a list of them."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    members = tuple(m for m in members if m is not type(None))
+    if members and all(m in (int, float) for m in members):
+        return "number"
+    if len(members) == 1 and get_origin(members[0]) is list and _number_kind(get_args(members[0])[0]) == "number":
+        return "list"
+    return None
+
+
+def check_scalable(prefix: str, lower: float, upper: float) -> None:
+    """Bounds a feature can be scaled by: (x − lower)/(upper − lower) needs a finite, positive width. Bounds
+    such as ±1e308 are finite, but their width overflows to infinity and scaled values become 0 or NaN:
+    refused at validation, before any ε is spent (:mod:`dpml.data.preprocess`)."""
+    width = upper - lower
+    if not math.isfinite(width) or width <= 0 or not math.isfinite(1.0 / width):
+        raise ValueError(f"{prefix}lower = {lower:g}, {prefix}upper = {upper:g}: upper − lower = {width:g} cannot "
+                         "scale a value into [0, 1] (it overflows a 64-bit float); declare bounds whose difference "
+                         f"is finite, below {sys.float_info.max:.3g}")
 
 
 
@@ -69,6 +119,7 @@ class PreprocessConfig(Section):
     def _bounds_ordered(self) -> "PreprocessConfig":
         if not self.upper > self.lower:
             raise ValueError(f"preprocess.upper = {self.upper}: must be > preprocess.lower = {self.lower}")
+        check_scalable("preprocess.", self.lower, self.upper)
         if self.features == "scatternet":
             if self.image_shape is None or len(self.image_shape) != 2 or min(self.image_shape) < 4:
                 raise ValueError(f"preprocess.image_shape = {self.image_shape}: ScatterNet features need the "
@@ -319,13 +370,16 @@ class GateConfig(Section):
 
 
 class LedgerConfig(Section):
-    """The privacy budget ledger: each person's composed ε over every release of a lineage, at ``delta``.
+    """The privacy budget ledger: each person's composed ε over every release that touched them, at ``delta``.
 
-    ``dataset`` names the lineage — one account shared by every version of a data set (default: the
-    name of ``data.source``: ``adult`` for ``csv:data/adult.csv``, ``fashion-mnist`` for
-    ``idx:…/fashion-mnist``). ``epsilon_budget`` is per privacy unit. ``on_exhausted``: ``refuse`` a
-    run when any unit of its training data would go over (default), or ``exclude`` such units and
-    train without them (an individual Rényi filter, Feldman & Zrnic 2021). ``unit_key`` is the secret
+    ``dataset`` names the lineage — one account for the people of a data set, shared by every version
+    of it. Left out, the records decide: the lineage that already holds the run's people (a renamed
+    file, another encoding, next week's export), else a new one named after ``data.source`` (``adult``
+    for ``csv:data/adult.csv``). The same people are never two accounts: a run whose people another
+    lineage holds is refused, naming both (``dpml ledger rename`` renames or merges lineages, keeping
+    their history; :mod:`dpml.privacy.lineages`). ``epsilon_budget`` is per privacy unit.
+    ``on_exhausted``: ``refuse`` a run when any unit of its training data would go over (default), or
+    ``exclude`` such units and train without them (an individual Rényi filter, Feldman & Zrnic 2021). ``unit_key`` is the secret
     file that keys the unit ids the ledger stores (default ``<path>.key``, created with mode 0600).
 
     KL-private runs (seed 000) are summed in KL (the chain rule composes adaptively) against
@@ -363,17 +417,33 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 
 
 class TrackingConfig(Section):
-    """MLflow. ``MLFLOW_TRACKING_URI`` in the environment overrides ``uri``. ``model_name``: the
-    registered model the releases become versions of; left out, each data set gets its own,
-    ``dpml-<name of data.source>`` (``dpml-census`` for ``csv:data/census.csv``; filled in by
+    """MLflow: where a run's MLflow run and its model version go.
+
+    ``uri`` (the tracking store), ``registry_uri`` (the model registry; ``null``: the tracking store) and
+    ``experiment`` are resolved once, when the configuration is loaded at the edge of a run (the CLI, the
+    Prefect flow, a DVC stage), by one precedence: ``--set tracking.KEY=…`` > MLflow's own environment
+    variable (``MLFLOW_TRACKING_URI``, ``MLFLOW_REGISTRY_URI``, ``MLFLOW_EXPERIMENT_NAME``) > ``params.yaml``
+    > the default (:mod:`dpml.routing`). ``origins`` records where each resolved value came from (set by
+    dpml, never by hand); both are logged with the run. Nothing below the edge reads those variables or
+    MLflow's process-wide URIs.
+
+    ``model_name``: the registered model the releases become versions of; left out, each data set gets
+    its own, ``dpml-<name of data.source>`` (``dpml-census`` for ``csv:data/census.csv``; filled in by
     :func:`dpml.config.validate`, so the logged configuration names it). ``artifact_root`` is where the
     embedded store keeps artifacts; with a tracking server (``http(s)://``) the server's artifact store is
     used instead, so every machine can load what any worker registered."""
 
-    uri: str = "sqlite:///mlflow.db"
+    uri: str = Field("sqlite:///mlflow.db", min_length=1)
+    registry_uri: str | None = Field(None, min_length=1)
     artifact_root: str = "mlartifacts"
-    experiment: str = "dpml"
+    experiment: str = Field("dpml", min_length=1, max_length=500)
     model_name: str | None = None
+    origins: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def registry(self) -> str:
+        """The model registry's URI: ``registry_uri``, else the tracking store itself."""
+        return self.registry_uri or self.uri
 
     @model_validator(mode="before")
     @classmethod

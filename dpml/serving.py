@@ -19,6 +19,7 @@ the network's outputs).
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,11 @@ def export_network(network: torch.nn.Module, n_inputs: int, path: Path) -> None:
     torch.export.save(program, str(path))
 
 
-def log_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any], workdir: Path) -> Any:
-    """Log the raw-record pyfunc as the active run's ``model``; returns MLflow's ModelInfo."""
+def save_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any], workdir: Path,
+                    mlflow_model: Any = None) -> Path:
+    """Save the raw-record pyfunc as an MLflow model folder under ``workdir`` (returned); ``mlflow_model``
+    (an ``mlflow.models.Model``) carries the run and logged-model ids it is logged under. Storing it is
+    :mod:`dpml.tracking`'s job, against the run's own stores."""
     workdir.mkdir(parents=True, exist_ok=True)
     network_path = workdir / NETWORK_FILE
     export_network(network, n_inputs, network_path)
@@ -154,10 +158,11 @@ def log_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any]
     by_value = [encoding_module, preprocess_module, sys.modules[__name__]]
     for module in by_value:
         cloudpickle.register_pickle_by_value(module)
+    folder = workdir / "model"
     try:
-        return mlflow.pyfunc.log_model(
-            name="model", python_model=RawRecordClassifier(spec), artifacts={"network": str(network_path)},
-            signature=signature(spec), input_example=synthetic_example(spec),
+        mlflow.pyfunc.save_model(
+            path=str(folder), python_model=RawRecordClassifier(spec), artifacts={"network": str(network_path)},
+            signature=signature(spec), input_example=synthetic_example(spec), mlflow_model=mlflow_model,
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"pandas=={pd.__version__}",
                               f"numpy=={np.__version__}", f"mlflow=={mlflow.__version__}",
                               f"cloudpickle=={cloudpickle.__version__}"],
@@ -165,12 +170,15 @@ def log_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any]
     finally:
         for module in by_value:
             cloudpickle.unregister_pickle_by_value(module)
+    for cache in folder.rglob("__pycache__"):  # written when MLflow loads the model to infer its requirements
+        shutil.rmtree(cache, ignore_errors=True)
+    return folder
 
 
-def load_network(model_uri: str) -> torch.nn.Module:
-    """The network inside a registered raw-record model (for a re-audit, which feeds it prepared records)."""
-    local = Path(mlflow.artifacts.download_artifacts(model_uri))
-    matches = sorted(local.rglob(NETWORK_FILE))
+def load_network(local: Path, model_uri: str) -> torch.nn.Module:
+    """The network inside a downloaded raw-record model folder ``local`` (for a re-audit, which feeds it
+    prepared records); ``model_uri`` names it in errors."""
+    matches = sorted(Path(local).rglob(NETWORK_FILE))
     if not matches:
         raise ValueError(f"{model_uri}: no {NETWORK_FILE} inside; not a dpml raw-record model")
     return torch.export.load(str(matches[0])).module()

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from dpml.sections import TrackingConfig
 
@@ -37,29 +38,22 @@ class StoreError(RuntimeError):
     """The MLflow store cannot be used; the message names it and what to do."""
 
 
-_SET_BY_DPML: set[str] = set()
-
-
 def tracking_uri(config: TrackingConfig) -> str:
-    """``MLFLOW_TRACKING_URI`` if the user set it, else the configured URI (SQLite by default).
-
-    ``mlflow.set_tracking_uri`` writes that variable too, so a value dpml itself activated earlier in
-    this process (:func:`activate`) does not override the configuration of a later run.
-    """
-    from_environment = os.environ.get("MLFLOW_TRACKING_URI")
-    if from_environment and from_environment not in _SET_BY_DPML:
-        return from_environment
+    """The run's tracking store: ``config.uri``, resolved once at the edge (:mod:`dpml.routing`)."""
     return config.uri
 
 
-def activate(config: TrackingConfig) -> str:
-    """Point MLflow's fluent API at this configuration's store; return its URI."""
-    import mlflow
+def stores(config: TrackingConfig) -> list[str]:
+    """The stores a run writes: the tracking store, and the model registry when it is another one."""
+    return [config.uri] + ([config.registry] if config.registry != config.uri else [])
 
-    uri = tracking_uri(config)
-    _SET_BY_DPML.add(uri)
-    mlflow.set_tracking_uri(uri)
-    return uri
+
+def client(config: TrackingConfig) -> Any:
+    """An ``MlflowClient`` naming both of the run's stores explicitly, so that neither MLflow's
+    process-wide URIs nor its environment variables can send any call elsewhere."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=config.uri, registry_uri=config.registry)
 
 
 def is_server(uri: str) -> bool:
@@ -75,9 +69,10 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 @contextmanager
-def store_lock(config: TrackingConfig) -> Iterator[None]:
-    """Hold the store's file lock (a no-op for a tracking server, which serialises writes itself)."""
-    path = sqlite_path(tracking_uri(config))
+def store_lock(config: TrackingConfig, uri: str | None = None) -> Iterator[None]:
+    """Hold the file lock of the SQLite store ``uri`` (default: the model registry, where releases are
+    registered); a no-op for a tracking server, which serialises writes itself."""
+    path = sqlite_path(uri or config.registry)
     if path is None:
         yield
         return
@@ -91,13 +86,18 @@ def store_lock(config: TrackingConfig) -> Iterator[None]:
 
 
 def prepare_store(config: TrackingConfig) -> str:
-    """Create, migrate or repair the store (see the module docstring); return what was done."""
-    uri = tracking_uri(config)
+    """Create, migrate or repair the tracking store and, when it is another one, the model registry (see the
+    module docstring); return what was done."""
+    done = [_prepare_one(uri, config) for uri in stores(config)]
+    return done[0] if len(done) == 1 else f"tracking store {done[0]}, model registry {done[1]}"
+
+
+def _prepare_one(uri: str, config: TrackingConfig) -> str:
     path = sqlite_path(uri)
     if path is None:
-        return _check_server(uri)
+        return _check_server(uri, config)
     try:
-        with store_lock(config):
+        with store_lock(config, uri):
             for stray in path.parent.glob(f".{path.name}.creating-*"):
                 stray.unlink(missing_ok=True)  # left by a run killed while creating the store
             if not path.exists():
@@ -118,7 +118,7 @@ def prepare_store(config: TrackingConfig) -> str:
             _upgrade_copy(path, revision)
             return f"migrated from schema {revision}"
     except OSError as error:
-        raise StoreError(f"tracking.uri = {uri!r}: cannot use {path} ({error.strerror or error}); choose a "
+        raise StoreError(f"{_key_of(uri, config)} = {uri!r}: cannot use {path} ({error.strerror or error}); choose a "
                          "writable folder") from None
 
 
@@ -211,16 +211,41 @@ def _upgrade_copy(path: Path, revision: str | None) -> None:
         temp.unlink(missing_ok=True)
 
 
-def _check_server(uri: str) -> str:
-    """A tracking server or other store must answer a cheap query."""
+def _key_of(uri: str, config: TrackingConfig) -> str:
+    """The configuration key a store's URI came from, and the variable when the environment set it."""
+    key = "tracking.uri" if uri == config.uri else "tracking.registry_uri"
+    origin = (config.origins or {}).get(key.removeprefix("tracking."), "")
+    return f"{key} ({origin.removeprefix('environment ')})" if origin.startswith("environment ") else key
+
+
+def _check_server(uri: str, config: TrackingConfig | None = None) -> str:
+    """A tracking server or other store must answer a cheap query (one quick try: a pre-flight check)."""
     from mlflow import MlflowClient
 
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
     try:
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        with _environment_while_checking(quick):
+            MlflowClient(tracking_uri=uri, registry_uri=uri).search_experiments(max_results=1)
     except Exception as error:  # noqa: BLE001 - whatever the client raises, the store is not usable
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise StoreError(f"tracking.uri = {uri!r}: the MLflow store does not answer ({first}); start the server "
+        key = _key_of(uri, config) if config is not None else "tracking.uri"
+        raise StoreError(f"{key} = {uri!r}: the MLflow store does not answer ({first}); start the server "
                          "or fix the URI") from None
     return "reachable"
+
+
+@contextmanager
+def _environment_while_checking(values: dict[str, str]) -> Iterator[None]:
+    """MLflow's HTTP retry settings for one quick reachability check, then as they were: the run's own
+    requests keep MLflow's (or the user's) retries for transient errors."""
+    before = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -2,15 +2,24 @@
 
 One pipeline run is one parent MLflow run, named ``<data set> · <trainer> · ε=<certified ε>``: every
 parameter, the headline metrics (accuracy, ε, δ, the largest empirical ε lower bound, the gate) and the
-audit's numbers, the training data set (``mlflow.log_input``), the privacy report, the certificate, the
-ROC plot and the model; under it one nested run per stage with the times, parameters and metrics that
-stage recorded (:mod:`dpml.stages.records`). The experiment is tagged as a model-development
-experiment. The model version is created with all its privacy tags and its description in one call, so
-a version never exists without them; the
-``champion`` alias moves only when the release gate passed. The store is made ready (created,
-migrated or repaired) by :func:`dpml.store.prepare_store` before any budget is spent, and
-registration runs under the store's lock (:func:`dpml.store.store_lock`), so concurrent runs on one
-SQLite store all register and the alias ends on the newest passing release.
+audit's numbers, the training data set, the privacy report, the certificate, the ROC plot and the model;
+under it one nested run per stage with the times, parameters and metrics that stage recorded
+(:mod:`dpml.stages.records`). The experiment is tagged as a model-development experiment.
+
+Every call names its stores: the client of :func:`dpml.store.client` carries the run's tracking URI and
+registry URI, resolved once at the edge (:mod:`dpml.routing`); nothing here reads or sets MLflow's
+process-wide URIs, so two runs in one process with different settings each go where they say.
+
+**A release is all or nothing, and one per spend** (:func:`log_release`). The model version is created
+with all its privacy tags and its description in one call, after everything else of the run is logged;
+the ``champion`` alias moves only when the release gate passed, under the registry's lock
+(:func:`dpml.store.store_lock`), so concurrent runs all register and the alias ends on the newest
+passing release. Any failure or interrupt inside registration deletes the version it made, puts the
+alias back and ends the MLflow run FAILED (KILLED for an interrupt) before it propagates; a process
+killed outright leaves a RUNNING run, which the next registration cleans up like every FAILED and
+KILLED run still holding a version (:func:`clean_up_unreleased_runs`). A spend that already has its
+version — a retried task, a repeated ``dpml stage register`` — gets that version back, not a second one
+(:func:`release_of_spend`).
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ import json
 import os
 import socket
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +40,18 @@ import torch
 from mlflow import MlflowClient
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.meta_dataset import MetaDataset
-from mlflow.entities import Metric, Param
+from mlflow.entities import DatasetInput, InputTag, LoggedModelOutput, Metric, Param
 
 from dpml.config import TrackingConfig
 from dpml.faults import fault_point
-from dpml.serving import load_network, log_classifier
-from dpml.store import activate, is_server, store_lock, tracking_uri
+from dpml.serving import load_network, save_classifier
+from dpml.store import client as store_client
+from dpml.store import is_server, store_lock
 
-__all__ = ["CHAMPION", "REVIEW_VIEW", "clean_up_killed_runs", "find_version", "finished_releases", "get_or_create_experiment", "load_run_json",
-           "log_audit", "log_release", "resolve_model", "review_url", "tracking_uri", "training_dataset"]
+__all__ = ["CHAMPION", "REVIEW_VIEW", "clean_up_unreleased_runs", "find_version", "finished_releases",
+           "get_or_create_experiment", "load_run_json", "log_audit", "log_release", "record_verdict", "release_of_spend",
+           "resolve_model",
+           "review_url", "training_dataset"]
 
 CHAMPION = "champion"
 EXPERIMENT_KIND = "mlflow.experimentKind"  # the UI opens an experiment in the view this tag names
@@ -46,13 +61,17 @@ REVIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Duration`", "attributes.`
                   "tags.`dp.epsilon`", "metrics.`delta`", "metrics.`audit.max_epsilon_lower_bound`", "tags.`gate.passed`"]
 
 
-def _experiment_id(config: TrackingConfig) -> str:
+def _experiment_id(config: TrackingConfig, client: MlflowClient) -> str:
     """The configured experiment, created if new. On a tracking server its artifact location is left to
     the server (artifacts go through its proxy to its store, readable from any machine); on the embedded
     store it is ``tracking.artifact_root``."""
-    uri = tracking_uri(config)
-    location = None if is_server(uri) else Path(config.artifact_root).resolve().as_uri()
-    return get_or_create_experiment(MlflowClient(uri), config.experiment, location)
+    location = None if is_server(config.uri) else Path(config.artifact_root).resolve().as_uri()
+    return get_or_create_experiment(client, config.experiment, location)
+
+
+def _existing_experiment_id(config: TrackingConfig, client: MlflowClient) -> str | None:
+    found = client.get_experiment_by_name(config.experiment)
+    return None if found is None else str(found.experiment_id)
 
 
 def _already_exists(error: mlflow.exceptions.MlflowException) -> bool:
@@ -166,55 +185,130 @@ def _log_stage_runs(client: MlflowClient, experiment_id: str, parent_id: str, re
         client.set_terminated(child.info.run_id, "FINISHED", end_time=ended)
 
 
+def _log_run_contents(client: MlflowClient, run_id: str, params: dict[str, Any], metrics: dict[str, Any],
+                      dataset: MetaDataset, artifacts: list[Path], documents: dict[str, Any]) -> None:
+    """The parent run's parameters, metrics, training data set, files and JSON documents."""
+    now = _ms_now()
+    logged = list(_params(params).items())
+    for start in range(0, len(logged), 100):  # MLflow takes at most 100 parameters per batch
+        client.log_batch(run_id, params=[Param(k, v) for k, v in logged[start:start + 100]])
+    numbers = list(_numeric(metrics).items())
+    for start in range(0, len(numbers), 1000):
+        client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in numbers[start:start + 1000]])
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
+                                                     tags=[InputTag("mlflow.data.context", "training")])])
+    for path in artifacts:
+        client.log_artifact(run_id, str(path))
+    for name, document in documents.items():
+        client.log_dict(run_id, document, name)
+
+
+def _ms_now() -> int:
+    return int(time.time() * 1000)
+
+
+def _log_model(client: MlflowClient, experiment_id: str, run_id: str, model: torch.nn.Module, in_features: int,
+               serving_spec: dict[str, Any]) -> tuple[str, str]:
+    """Log the raw-record pyfunc (:mod:`dpml.serving`) as the run's logged model ``model``, through the
+    run's own client; returns (logged model id, its artifact location). The version's source is that
+    location, not ``models:/<id>``: MLflow resolves the latter through its process-wide tracking URI."""
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.models import Model
+
+    logged = client.create_logged_model(experiment_id, name="model", source_run_id=run_id)
+    client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
+    description = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id,
+                        model_id=logged.model_id)
+    with tempfile.TemporaryDirectory(prefix="dpml-model-") as workdir:
+        folder = save_classifier(model, in_features, serving_spec, Path(workdir), description)
+        client.log_model_artifacts(logged.model_id, str(folder))
+    client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+    return logged.model_id, logged.artifact_location
+
+
 def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any], metrics: dict[str, Any],
                 artifacts: list[Path], model: torch.nn.Module, in_features: int, serving_spec: dict[str, Any],
                 version_tags: dict[str, str], version_description: str, promote: bool, run_tags: dict[str, str],
                 documents: dict[str, Any], dataset: MetaDataset, stage_runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Log one pipeline run, register its model with ``version_tags`` and ``version_description``, alias
-    it if ``promote``.
+    it if ``promote`` — all or nothing (module docstring).
 
     The parent run starts when the first of ``stage_runs`` (the stages' records) started, so its duration
     is the pipeline's; each record becomes a nested run. ``dataset`` is logged as the training input. The
     model is the raw-record pyfunc of :mod:`dpml.serving`: ``model`` (taking ``in_features`` prepared
-    inputs) behind the public preprocessing that ``serving_spec`` describes."""
-    activate(config)
-    experiment_id = _experiment_id(config)
-    client = MlflowClient()
+    inputs) behind the public preprocessing that ``serving_spec`` describes. The version is created last,
+    after every file, child run and the model are stored; the run ends FINISHED only after it."""
+    client = store_client(config)
+    experiment_id = _experiment_id(config, client)
     model_name = config.model_name
     assert model_name is not None, "tracking.model_name is filled in when the configuration is validated"
     _save_review_view(client, experiment_id)
     started = min((_ms(r["started"]) for r in stage_runs), default=None)
     parent = client.create_run(experiment_id, start_time=started, tags=run_tags, run_name=run_name)
-    with mlflow.start_run(run_id=parent.info.run_id) as run:
-        mlflow.log_params(_params(params))
-        mlflow.log_metrics(_numeric(metrics))
-        mlflow.log_input(dataset, context="training")
-        for path in artifacts:
-            mlflow.log_artifact(str(path))
-        for name, document in documents.items():
-            mlflow.log_dict(document, name)
-        with tempfile.TemporaryDirectory(prefix="dpml-model-") as workdir:
-            info = log_classifier(model, in_features, serving_spec, Path(workdir))
+    run_id = parent.info.run_id
+    with _undone_unless_finished(client, config, run_id):
+        _log_run_contents(client, run_id, params, metrics, dataset, artifacts, documents)
+        model_id, model_source = _log_model(client, experiment_id, run_id, model, in_features, serving_spec)
+        process = {k: run_tags[k] for k in ("dpml.host", "dpml.pid") if k in run_tags}  # a kill is cleaned up alike
+        _log_stage_runs(client, experiment_id, run_id, stage_runs, process)
+        fault_point("register:before_version")
         with store_lock(config):  # one registration at a time: the alias ends on the newest passing release
             _ensure_registered_model(client, model_name)
             version = client.create_model_version(
-                name=model_name, source=info.model_uri, run_id=run.info.run_id,
-                tags=version_tags, model_id=info.model_id, description=version_description,
+                name=model_name, source=model_source, run_id=run_id, tags=version_tags, model_id=model_id,
+                description=version_description,
             )
             fault_point("register:after_version")
             champion = _point_champion_at_newest_passing(client, model_name) if promote else None
             fault_point("register:after_alias")
-        process = {k: run_tags[k] for k in ("dpml.host", "dpml.pid") if k in run_tags}  # a kill is cleaned up alike
-        _log_stage_runs(client, experiment_id, run.info.run_id, stage_runs, process)
+        client.set_terminated(run_id, "FINISHED")
     return {
-        "run_id": run.info.run_id,
+        "run_id": run_id,
         "experiment_id": experiment_id,
         "model_name": model_name,
         "model_version": str(version.version),
         "model_uri": f"models:/{model_name}/{version.version}",
         "champion": champion == str(version.version),
-        "tracking_uri": tracking_uri(config),
+        "tracking_uri": config.uri,
+        "registry_uri": config.registry,
     }
+
+
+@contextmanager
+def _undone_unless_finished(client: MlflowClient, config: TrackingConfig, run_id: str) -> Iterator[None]:
+    """Whatever stops the block — an error, a transient store failure, Ctrl-C, SIGTERM turned into an
+    exception — deletes the model versions the run made, puts the champion alias back on the newest
+    passing release, and ends the run FAILED (KILLED for an interrupt) before it propagates. Undoing is
+    best effort: if the store is gone too, the next registration finishes it
+    (:func:`clean_up_unreleased_runs`), and the original error is the one reported."""
+    try:
+        yield
+    except BaseException as error:
+        status = "FAILED" if isinstance(error, Exception) else "KILLED"
+        try:
+            _withdraw_versions(client, config, run_id)
+            client.set_terminated(run_id, status)
+        except Exception:  # noqa: BLE001, S110 - the original error matters; the next run cleans up
+            pass
+        raise
+
+
+def _withdraw_versions(client: MlflowClient, config: TrackingConfig, run_id: str) -> list[str]:
+    """Delete every model version of ``run_id`` (under the registry's lock) and move the champion alias
+    back to the newest passing release where it pointed at one of them; returns the deleted URIs."""
+    deleted = []
+    with store_lock(config):
+        for version in client.search_model_versions(f"run_id = '{run_id}'"):
+            held_alias = str(client.get_registered_model(version.name).aliases.get(CHAMPION)) == str(version.version)
+            try:
+                client.delete_model_version(version.name, version.version)
+            except mlflow.exceptions.MlflowException as error:
+                if error.error_code != "RESOURCE_DOES_NOT_EXIST":  # withdrawn meanwhile by its own run
+                    raise
+            deleted.append(f"models:/{version.name}/{version.version}")
+            if held_alias:
+                _point_champion_at_newest_passing(client, version.name)
+    return deleted
 
 
 def _process_alive(pid: int) -> bool:
@@ -227,30 +321,61 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def clean_up_killed_runs(config: TrackingConfig) -> list[dict[str, str]]:
-    """Runs a killed dpml process left RUNNING: mark them KILLED and delete any model version they had
-    created (registration never finished: no alias moved, no ``released`` event). Only runs started on
-    this host by a process that no longer exists are touched. Returns what was cleaned."""
-    activate(config)
-    experiment = mlflow.get_experiment_by_name(config.experiment)
-    if experiment is None:
+def _abandoned(run: Any) -> bool:
+    """A run that can never finish its registration: FAILED or KILLED, or RUNNING on this host under a
+    process that no longer exists (killed outright). RUNNING runs of other hosts are left alone: their
+    process cannot be checked from here."""
+    status = run.info.status
+    if status in ("FAILED", "KILLED"):
+        return True
+    if status != "RUNNING":
+        return False
+    tags = run.data.tags
+    pid = tags.get("dpml.pid", "")
+    return tags.get("dpml.host") == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid))
+
+
+def clean_up_unreleased_runs(config: TrackingConfig) -> list[dict[str, str]]:
+    """Withdraw the model versions of every run whose registration never finished (:func:`_abandoned`):
+    delete them and put the champion alias back on the newest passing release; a RUNNING run of a dead
+    process is ended KILLED. Returns, per run cleaned, its id, its spend id and the versions withdrawn."""
+    client = store_client(config)
+    experiment_id = _existing_experiment_id(config, client)
+    if experiment_id is None:
         return []
-    client = MlflowClient()
     cleaned = []
-    for run in client.search_runs([experiment.experiment_id], filter_string="attributes.status = 'RUNNING'"):
-        tags = run.data.tags
-        pid = tags.get("dpml.pid", "")
-        if tags.get("dpml.host") != socket.gethostname() or not pid.isdigit() or _process_alive(int(pid)):
+    holding = {v.run_id for v in client.search_model_versions(f"name = '{config.model_name}'", max_results=10_000)}
+    for run in client.search_runs([experiment_id], filter_string="attributes.status != 'FINISHED'",
+                                  max_results=10_000):
+        running = run.info.status == "RUNNING"
+        if not _abandoned(run) or run.data.tags.get("mlflow.parentRunId") or (
+                not running and run.info.run_id not in holding):  # an ended run without a version: nothing to do
             continue
-        with store_lock(config):
-            for version in client.search_model_versions(f"run_id = '{run.info.run_id}'"):
-                held_alias = client.get_registered_model(version.name).aliases.get(CHAMPION) == version.version
-                client.delete_model_version(version.name, version.version)
-                if held_alias:  # killed after the alias moved: back to the newest passing release
-                    _point_champion_at_newest_passing(client, version.name)
+        withdrawn = _withdraw_versions(client, config, run.info.run_id)
+        if running:
             client.set_terminated(run.info.run_id, status="KILLED")
-        cleaned.append({"run_id": run.info.run_id, "spend_id": tags.get("ledger.spend_id", "")})
+        cleaned.append({"run_id": run.info.run_id, "spend_id": run.data.tags.get("ledger.spend_id", ""),
+                        "withdrawn": ", ".join(withdrawn)})
     return cleaned
+
+
+def release_of_spend(config: TrackingConfig, spend_tag: str) -> dict[str, Any] | None:
+    """The finished release that already registered the spend tagged ``spend_tag`` (``ledger.spend``:
+    the spend's id and reservation time, unique across ledgers) in this registry, as :func:`log_release`
+    returns it plus the verdict its ``gate.passed`` tag records, or None. A version whose run did not
+    finish is not a release (it is being withdrawn)."""
+    client = store_client(config)
+    model_name = config.model_name
+    for version in client.search_model_versions(f"name = '{model_name}' and tags.`ledger.spend` = '{spend_tag}'"):
+        run = client.get_run(version.run_id)
+        if run.info.status != "FINISHED":
+            continue
+        champion = str(client.get_registered_model(model_name).aliases.get(CHAMPION)) == str(version.version)
+        return {"run_id": version.run_id, "experiment_id": run.info.experiment_id, "model_name": model_name,
+                "model_version": str(version.version), "model_uri": f"models:/{model_name}/{version.version}",
+                "champion": champion, "tracking_uri": config.uri, "registry_uri": config.registry,
+                "recorded_verdict": version.tags.get("gate.passed", "")}
+    return None
 
 
 def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | None:
@@ -263,12 +388,30 @@ def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | 
     for _ in range(50):
         passing = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get("gate.passed") == "true"]
         if not passing:
+            if CHAMPION in client.get_registered_model(name).aliases:  # its version no longer passes
+                client.delete_registered_model_alias(name, CHAMPION)
             return None
         newest = str(max(int(v.version) for v in passing))
         if str(client.get_registered_model(name).aliases.get(CHAMPION)) == newest:  # an int from SQLite, a str from a server
             return newest
         client.set_registered_model_alias(name, CHAMPION, newest)
     raise RuntimeError(f"registered model {name!r}: the {CHAMPION} alias did not settle after 50 writes")
+
+
+def record_verdict(config: TrackingConfig, release: dict[str, Any], passed: bool, reason: str,
+                   description: str) -> dict[str, Any]:
+    """A spend's one version judged again (the gate re-ran on the same outputs, e.g. under a changed
+    ``gate.epsilon_budget``): its ``gate.passed``/``gate.reason`` tags and description take the new verdict,
+    and the alias policy is applied again — the alias leaves a version that no longer passes. Returns
+    ``release`` with ``champion`` as it now stands."""
+    client = store_client(config)
+    name, number = release["model_name"], release["model_version"]
+    with store_lock(config):
+        client.set_model_version_tag(name, number, "gate.passed", str(passed).lower())
+        client.set_model_version_tag(name, number, "gate.reason", reason[:5000])
+        client.update_model_version(name, number, description=description)
+        champion = _point_champion_at_newest_passing(client, name)
+    return release | {"champion": champion == str(number)}
 
 
 def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> dict[int, dict[str, str]]:
@@ -278,14 +421,13 @@ def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> di
     the spend was made (it may have started before: a parent run starts with the pipeline's first stage)."""
     if not spend_ids:
         return {}
-    activate(config)
-    experiment = mlflow.get_experiment_by_name(config.experiment)
-    if experiment is None:
+    client = store_client(config)
+    experiment_id = _existing_experiment_id(config, client)
+    if experiment_id is None:
         return {}
-    client = MlflowClient()
     since = int(min(spend_ids.values()) * 1000) - 60_000
     found: dict[int, dict[str, str]] = {}
-    for run in client.search_runs([experiment.experiment_id], max_results=10_000,
+    for run in client.search_runs([experiment_id], max_results=10_000,
                                   filter_string=f"attributes.status = 'FINISHED' AND attributes.end_time >= {since}"):
         spend = run.data.tags.get("ledger.spend_id", "")
         if spend.isdigit() and int(spend) in spend_ids:
@@ -298,18 +440,19 @@ def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> di
 
 def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
     """A JSON artifact of a logged run; a clear ValueError when the run or the artifact is missing."""
-    activate(config)
+    client = store_client(config)
     try:
-        return mlflow.artifacts.load_dict(f"runs:/{run_id}/{name}")
-    except mlflow.exceptions.MlflowException as error:
-        raise ValueError(f"run {run_id}: no {name} logged in {tracking_uri(config)} ({error.message})") from None
+        with tempfile.TemporaryDirectory(prefix="dpml-run-json-") as work:
+            return json.loads(Path(client.download_artifacts(run_id, name, work)).read_text())
+    except (mlflow.exceptions.MlflowException, OSError, ValueError) as error:
+        reason = getattr(error, "message", None) or str(error)
+        raise ValueError(f"run {run_id}: no {name} logged in {config.uri} ({reason})") from None
 
 
 def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:
     """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its name, number, run id
     and tags; a ValueError naming ``uri`` when it is malformed or not in the store."""
-    activate(config)
-    client = MlflowClient()
+    client = store_client(config)
     rest = uri.removeprefix("models:/")
     if not uri.startswith("models:/") or not ("@" in rest or "/" in rest) or rest.startswith(("@", "/")) \
             or rest.endswith(("@", "/")):
@@ -323,8 +466,15 @@ def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:
             name, number = rest.rsplit("/", 1)
             version = client.get_model_version(name, number)
     except mlflow.exceptions.MlflowException as error:
-        raise ValueError(f"{uri!r}: not found in {tracking_uri(config)} ({error.message})") from None
+        raise ValueError(f"{uri!r}: not found in {config.registry} ({error.message})") from None
     return {"name": version.name, "version": str(version.version), "run_id": version.run_id, "tags": dict(version.tags)}
+
+
+def download_model(config: TrackingConfig, name: str, version: str, destination: Path) -> Path:
+    """A registered version's model folder, downloaded from the run's own stores into ``destination``."""
+    source = store_client(config).get_model_version_download_uri(name, version)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(destination),
+                                                    tracking_uri=config.uri, registry_uri=config.registry))
 
 
 def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
@@ -338,16 +488,27 @@ def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
     except ValueError:
         raise ValueError(f"--model {uri!r}: its run {found['run_id']} has no config.json (not a dpml release, "
                          "or one from before dpml logged its configuration)") from None
-    return found | {"config": run_config, "model": load_network(f"models:/{found['name']}/{found['version']}")}
+    with tempfile.TemporaryDirectory(prefix="dpml-model-") as work:
+        local = download_model(config, found["name"], found["version"], Path(work))
+        network = load_network(local, uri)
+    return found | {"config": run_config, "model": network}
 
 
 def log_audit(config: TrackingConfig, model: dict[str, Any], metrics: dict[str, Any], artifacts: list[Path]) -> str:
     """Record a re-audit of a registered version as its own run, linked from the version's tags."""
-    activate(config)
-    with mlflow.start_run(experiment_id=_experiment_id(config), run_name=f"audit-{model['name']}-v{model['version']}") as run:
-        mlflow.set_tags({"audited_model": f"{model['name']}/{model['version']}", "audited_run": model["run_id"]})
-        mlflow.log_metrics(_numeric(metrics))
+    client = store_client(config)
+    run = client.create_run(_experiment_id(config, client), run_name=f"audit-{model['name']}-v{model['version']}",
+                            tags={"audited_model": f"{model['name']}/{model['version']}",
+                                  "audited_run": model["run_id"]})
+    run_id = run.info.run_id
+    try:
+        now = _ms_now()
+        client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in _numeric(metrics).items()])
         for path in artifacts:
-            mlflow.log_artifact(str(path))
-    MlflowClient().set_model_version_tag(model["name"], model["version"], "audit.latest_reaudit_run", run.info.run_id)
-    return run.info.run_id
+            client.log_artifact(run_id, str(path))
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+    client.set_model_version_tag(model["name"], model["version"], "audit.latest_reaudit_run", run_id)
+    return run_id

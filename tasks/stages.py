@@ -1,4 +1,7 @@
-"""One Prefect task per pipeline stage; each re-validates nothing and computes nothing itself."""
+"""One Prefect task per pipeline stage; each re-validates nothing and computes nothing itself.
+
+Every stage but registration may be stopped anywhere inside by a Prefect cancellation (``flows/cancellation.py``).
+"""
 
 from __future__ import annotations
 
@@ -10,50 +13,68 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
+from prefect.states import Cancelled as CancelledState
+from prefect.states import State
 
 from dpml import stages
 from dpml.config import Config
+from dpml.interrupts import Cancelled, stoppable
 
 # Deterministic stages are not retried: a failure there is a bug or bad data, and retrying would
 # hide it. MLflow writes can meet a transient "database is locked": those are retried.
 _stage = dict(cache_policy=NONE, log_prints=True)
 
 
+def _stoppable_stage(name: str, config: Config, **options: Any) -> Any:
+    """A stage that a Prefect cancellation may stop anywhere inside (:func:`dpml.interrupts.stoppable`: only
+    in the flow's main thread, under its cancellation watch); stopped, its task run ends ``Cancelled`` and the
+    flow sees :class:`prefect.exceptions.CancelledRun`. Registration is not one: it runs to its end."""
+    try:
+        with stoppable():
+            return stages.run_stage(name, config, **options)
+    except Cancelled as stop:
+        return CancelledState(message=stop.reason)
+
+
 @task(name="ingest", **_stage)
 def ingest(config: Config) -> dict[str, Any]:
-    return stages.run_stage("ingest", config)
+    return _stoppable_stage("ingest", config)
 
 
 @task(name="split", **_stage)
 def split(config: Config) -> dict[str, Any]:
-    return stages.run_stage("split", config)
+    return _stoppable_stage("split", config)
 
 
 @task(name="preprocess", **_stage)
 def preprocess(config: Config) -> dict[str, Any]:
-    return stages.run_stage("preprocess", config)
+    return _stoppable_stage("preprocess", config)
 
 
 @task(name="train", **_stage)
 def train(config: Config) -> dict[str, Any]:
     """Training, its progress in the task run's log."""
-    return stages.run_stage("train", config, progress=True)
+    return _stoppable_stage("train", config, progress=True)
 
 
 @task(name="tune", **_stage)
 def tune(config: Config) -> dict[str, Any]:
     """The private hyperparameter search; releases the best candidate only."""
-    return stages.run_stage("train", config, progress=True, search=True)
+    return _stoppable_stage("train", config, progress=True, search=True)
 
 
 @task(name="certify", **_stage)
 def certify(config: Config) -> dict[str, Any]:
-    return stages.run_stage("certify", config)
+    return _stoppable_stage("certify", config)
 
 
 @task(name="reference-jobs", **_stage)
 def reference_jobs(config: Config) -> list[tuple[str, bool, float | None, int]]:
-    return stages.audit_reference_jobs(config)
+    try:
+        with stoppable():
+            return stages.audit_reference_jobs(config)
+    except Cancelled as stop:
+        return CancelledState(message=stop.reason)
 
 
 @task(name="train-reference", retries=1, retry_delay_seconds=2, **_stage)
@@ -64,12 +85,14 @@ def train_reference(config: Config, job: tuple[str, bool, float | None, int]) ->
 
 @task(name="audit", **_stage)
 def audit(config: Config) -> dict[str, Any]:
-    return stages.run_stage("audit", config)
+    return _stoppable_stage("audit", config)
 
 
 @task(name="gate", **_stage)
 def gate(config: Config) -> dict[str, Any]:
-    decision = stages.run_stage("gate", config)
+    decision = _stoppable_stage("gate", config)
+    if isinstance(decision, State):  # cancelled
+        return decision
     create_markdown_artifact(
         key="privacy-report", markdown=stages.Layout(config).report.read_text(),
         description="dpml privacy report: guarantee, accountants, audit, release gate",

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_FASHION = REPO.parent / "shared" / "datasets" / "fashion-mnist"
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # the harness's server on 2 cores
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 

@@ -2,8 +2,9 @@
 change to the sums.
 
 - the tuner takes the chunk with the least time per example: a model whose cost per example grows
-  with the chunk gets the smallest, one with a fixed cost per pass the largest (real timings: the
-  model sleeps in its forward pass, so the ranking cannot come out right by accident);
+  with the chunk gets the smallest, one with a fixed cost per pass the largest (declared timings: the
+  model advances the tuner's clock in its forward pass, a virtual clock that moves only then, so the
+  ranking is the declared one exactly, with no sleep and no dependence on the machine's load);
 - it times a copy on synthetic probe inputs only: the model's parameters, buffers, mode and the
   global random state are as before, and no record reaches it;
 - training with the tuned chunk gives the same model as one chunk per batch (same seeds), and the
@@ -15,7 +16,6 @@ change to the sums.
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -29,9 +29,27 @@ from dpml.train.clipping_check import probe_batch
 from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
 
 
+class Clock:
+    """The tuner's clock in these tests (``chunking.time``): it moves only when a model's forward pass says
+    it took time, so what the tuner measures is exactly what the models declare."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+CLOCK = Clock()
+
+
 class Sleeper(nn.Module):
-    """A dense layer whose forward pass sleeps ``fixed`` + ``quadratic``·B² seconds for a batch of B rows,
-    and remembers the inputs it saw and counts its calls in a buffer."""
+    """A dense layer whose forward pass takes ``fixed`` + ``quadratic``·B² seconds of the tuner's clock for a
+    batch of B rows (:class:`Clock`: no real sleep), and remembers the inputs it saw and counts its calls
+    in a buffer."""
 
     def __init__(self, fixed: float, quadratic: float) -> None:
         super().__init__()
@@ -41,15 +59,16 @@ class Sleeper(nn.Module):
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.fixed + self.quadratic * x.shape[0] ** 2)
+        CLOCK.advance(self.fixed + self.quadratic * x.shape[0] ** 2)
         self.seen.append(x.detach().clone())
         self.calls += 1
         return self.dense(x)
 
 
 @pytest.fixture(autouse=True)
-def fresh_choices() -> None:
+def fresh_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     chunking._CHOICES.clear()
+    monkeypatch.setattr(chunking, "time", CLOCK)  # the tuner times passes on the declared clock
 
 
 def test_candidates_stop_at_the_bound_or_the_expected_batch() -> None:
@@ -72,7 +91,7 @@ def test_a_fixed_cost_per_pass_gets_the_largest_chunk() -> None:
     assert choice.chunk == 100, choice.line()
     assert [size for size, _ in choice.timings] == [16, 32, 64, 100]
     seconds = dict(choice.timings)
-    assert seconds[16] > 5 * seconds[100]  # 10 ms over 16 rows vs over 100
+    assert seconds[16] == pytest.approx(100 / 16 * seconds[100], rel=1e-9)  # 10 ms (per forward) over 16 rows vs 100
 
 
 class Picky(Sleeper):

@@ -9,7 +9,7 @@ from torch import nn
 from dpml.models.mlp import MlpSpec, build_mlp
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import per_example_cross_entropy, poisson_batch, train_dpsgd
-from dpml.train.noise import gaussian
+from tests.noise_laws import box_muller
 
 
 def naive_clipped_sum_and_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -93,7 +93,11 @@ def test_removing_one_example_moves_the_sum_by_at_most_c() -> None:
 
 
 def test_one_dpsgd_step_equals_the_formula() -> None:
-    """θ₁ = θ₀ − η (Σ_{i∈B} clip(∇ℓ_i) + N(0, σ²C²)) / (q n), with the trainer's own RNG streams."""
+    """θ₁ = θ₀ − η (Σ_{i∈B} clip(∇ℓ_i) + N(0, σ²C²)) / (q n), with the trainer's own RNG streams.
+
+    The reference noise is the Box–Muller construction written out in the test helper
+    (:func:`tests.noise_laws.box_muller`), not dpml's own :func:`gaussian`: a wrong draw (the planted
+    bug "std × 0.9 in the CPU draw") fails here instead of agreeing with itself."""
     torch.manual_seed(4)
     x, y = data(n=50)
     model = build_mlp(MlpSpec(6, (8,), 3)).double()
@@ -108,7 +112,7 @@ def test_one_dpsgd_step_equals_the_formula() -> None:
     reference = naive_clipped_sum(start, x[batch], y[batch], clip)
     # the step's noise: one flat draw over all parameters, in named_parameters order
     total = sum(p0.numel() for p0 in start.parameters())
-    flat = gaussian((total,), sigma * clip, torch.Generator().manual_seed(seed + 1), torch.float64)
+    flat = box_muller(total, sigma * clip, seed + 1, torch.float64)
     offset = 0
     for name, p0 in start.named_parameters():
         z = flat[offset:offset + p0.numel()].view(p0.shape)

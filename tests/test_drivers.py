@@ -78,9 +78,9 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
 
     from dpml.config import load
     from dpml.stages import STAGES
-    from dpml.store import tracking_uri
+    from dpml.store import client as store_client
 
-    client = MlflowClient(tracking_uri(load(root / "params.yaml").tracking))
+    client = store_client(load(root / "params.yaml", environ={}).tracking)
     releases = client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")
     assert len(releases) == 2
     for release in releases:
@@ -88,6 +88,17 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
                                     filter_string=f"tags.mlflow.parentRunId = '{release.run_id}'")
         assert [run.info.run_name for run in sorted(nested, key=lambda run: run.info.start_time)] == list(STAGES)
     assert "Data and pipelines are up to date." in dvc(root, "repro")
+    # Under dvc repro, MLflow's own variables route the register stage too (they win over params.yaml): the
+    # release lands in the team's store and experiment, the workspace's store gets nothing new.
+    team = f"sqlite:///{tmp_path / 'team.db'}"
+    routed = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "-s", "register"], cwd=root,
+                            capture_output=True, text=True,
+                            env=environment() | {"MLFLOW_TRACKING_URI": team, "MLFLOW_EXPERIMENT_NAME": "team"})
+    assert routed.returncode == 0, routed.stdout + routed.stderr
+    team_client = MlflowClient(team, registry_uri=team)
+    [in_team] = team_client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")
+    assert team_client.get_run(in_team.run_id).info.experiment_id == team_client.get_experiment_by_name("team").experiment_id
+    assert len(client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")) == 2
     shown = dvc(root, "metrics", "show", "--json")
     assert "test_accuracy" in shown and "epsilon" in shown
 

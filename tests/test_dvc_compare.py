@@ -93,7 +93,13 @@ def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_ru
     set_params(repo, gate__epsilon_budget=round(summary["epsilon"] / 2, 3))
     again = dvc(repo, "repro")
     assert ran(again) == {"gate", "register"}, again
-    assert spends(repo) == charged and versions(repo) == registered + 1
+    # One spend, one version: registration re-runs on the same outputs and gives that version the new verdict.
+    assert spends(repo) == charged and versions(repo) == registered
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    [judged] = [v for v in client.search_model_versions(f"name = '{MODEL}'")
+                if v.version == json.loads((repo / "artifacts" / "register" / "release.json").read_text())["model_version"]]
+    assert judged.tags["gate.passed"] == "false" and "exceeds the budget gate.epsilon_budget" in judged.tags["gate.reason"]
+    assert client.get_registered_model(MODEL).aliases.get("champion") != judged.version
     decision = json.loads((repo / "artifacts" / "gate" / "gate.json").read_text())
     assert decision["passed"] is False and any("exceeds the budget gate.epsilon_budget" in r for r in decision["reasons"])
     diff = json.loads(dvc(repo, "metrics", "diff", "HEAD", "--json"))["metrics/summary.json"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 import dpml.train.trainers.dpsgd as fit_module  # the DP-SGD trainer module: where the pipeline calls train_dpsgd
 from dpml import stages
@@ -17,11 +18,19 @@ from dpml.privacy.mechanism import PoissonGaussianSteps
 from dpml.audit.conformance import ConformanceProbe, canary_scores
 from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
 from tests.conftest import small_params, write_params
+from tests.noise_laws import FALSE_ALARM, Z
 
 
 def test_gradient_canary_observations_follow_the_subsampled_gaussian() -> None:
-    """Included canaries gain C per sampled step (≈ T·q·C in all), excluded ones none; each canary's
-    summed observation has noise std √T·σC — as seen by the auditor's probe through the trainer."""
+    """Included canaries gain c ≈ C per sampled step, excluded ones none; each observation o_{t,j} is
+    c·[j sampled at t] + N(0, σ²C²), so each canary's summed observation has noise std √T·σC — as seen
+    by the auditor's probe through the trainer.
+
+    Every bound is derived from a false-alarm rate of 1e-6 (``tests.noise_laws.FALSE_ALARM``) by the
+    exact law of its statistic, and the per-step one has the power the old check lacked: it compared
+    the std of 9 excluded sums with ``rel=0.6``, which the planted bug "half the noise at the add"
+    (std ×0.5) passed. Here the T·m = 3,600 standardised residuals' Σr² ~ χ²_3600 pins the noise std
+    to about ±6 % (a std ×0.9 fails too)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
@@ -35,13 +44,34 @@ def test_gradient_canary_observations_follow_the_subsampled_gaussian() -> None:
                          neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.01), seed=1,
                          canaries=probe.canaries())
     n_total, steps = 200 + 9, 200
-    assert result.mechanism.dataset_size == n_total
+    assert result.mechanism.dataset_size == n_total and len(probe.observations) == steps
+    included = probe.included
+    c = probe.norm_multiple * clip * min(1.0, clip / (probe.norm_multiple * clip + 1e-6))  # a canary clipped to ≈ C
+    sampled = np.zeros((steps, m))
+    for t, canaries in enumerate(probe.sampled_canaries):
+        sampled[t, canaries] = 1.0
+    counts = sampled.sum(0)  # k_j: the steps that sampled canary j
+    low, high = stats.binom(steps * included.sum(), q).ppf([FALSE_ALARM / 2, 1 - FALSE_ALARM / 2])
+    assert low <= counts.sum() <= high  # Σ_j k_j ~ Bin(T·m_in, q)
+    # the per-step law: r_{t,j} = (o_{t,j} − c·[sampled]) / σC are T·m i.i.d. N(0, 1)
+    observations = np.stack(probe.observations).astype(np.float64)
+    residuals = (observations - c * sampled) / (sigma * clip)
+    within_chi2(float((residuals ** 2).sum()), residuals.size)
+    # the summed observations (the canaries' one-run scores): (score_j − c·k_j)/(√T·σC) are m i.i.d. N(0, 1)
     scores = canary_scores(probe, "sum")
     noise_sd = np.sqrt(steps) * sigma * clip
-    included = probe.included
-    gap = scores[included].mean() - scores[~included].mean()
-    assert gap == pytest.approx(steps * q * clip, abs=4 * noise_sd / 3)
-    assert scores[~included].std() == pytest.approx(noise_sd, rel=0.6)
+    within_chi2(float((((scores - c * counts) / noise_sd) ** 2).sum()), m)
+    # the gain per sampled step: ĉ = Σ_in score / Σ k ~ N(c, m_in·T·σ²C² / (Σ k)²)
+    gain = scores[included].sum() / counts.sum()
+    assert abs(gain - c) <= Z * np.sqrt(included.sum()) * noise_sd / counts.sum(), (gain, c)
+    gap = scores[included].mean() - scores[~included].mean()  # ≈ T·q·C, as the audit's scores see it
+    assert abs(gap - c * counts[included].mean()) <= Z * noise_sd * np.sqrt(1 / included.sum() + 1 / (~included).sum())
+
+
+def within_chi2(statistic: float, df: int) -> None:
+    """``statistic`` ~ χ²_df lies in its central (1 − FALSE_ALARM) range."""
+    low, high = stats.chi2.ppf(FALSE_ALARM / 2, df), stats.chi2.isf(FALSE_ALARM / 2, df)
+    assert low <= statistic <= high, (statistic, df, (low, high))
 
 
 def broken_train_dpsgd(*args, noise_multiplier: float, **kwargs):

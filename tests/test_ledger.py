@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
+import select
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -80,13 +83,40 @@ def test_corrupt_or_newer_ledgers_are_refused_untouched(tmp_path: Path) -> None:
 
 def _race(location: str, key: str, budget: float, barrier: multiprocessing.synchronize.Barrier,
           results: "multiprocessing.Queue[str]") -> None:
-    ledger = Ledger(location, 1e-5, unit_key=key)
-    barrier.wait()
+    """One racer: reports "spent", "refused", or how it crashed (any other exception, with its traceback),
+    so a crashed racer fails the test at once instead of leaving it waiting for an answer."""
     try:
+        ledger = Ledger(location, 1e-5, unit_key=key)
+        barrier.wait(timeout=600)
         ledger.reserve("d", run(), f"pid {os.getpid()}", budget=budget)
         results.put("spent")
     except BudgetExceeded:
         results.put("refused")
+    except BaseException:  # noqa: BLE001 — reported to the test, which fails on it
+        results.put(f"crashed in pid {os.getpid()}: {traceback.format_exc()}")
+
+
+def _outcomes(workers: list[multiprocessing.process.BaseProcess], results: "multiprocessing.Queue[str]") -> list[str]:
+    """Every racer's report; a racer that exits without one (killed, or dead before its ``try``) fails the
+    test as soon as its exit is seen, instead of the test waiting out a timeout."""
+    outcomes: list[str] = []
+    deadline = time.monotonic() + 900  # a bound on a racer that hangs, not an ordering
+    while len(outcomes) < len(workers):
+        assert time.monotonic() < deadline, f"racers still running after 900 s; reports: {outcomes}"
+        try:
+            outcomes.append(results.get(timeout=1))  # a bound on each wait, not an ordering
+            continue
+        except queue.Empty:
+            pass
+        silent = [w.exitcode for w in workers if w.exitcode is not None]
+        if len(silent) > len(outcomes):  # more racers ended than reported: drain once more, then fail
+            try:
+                outcomes.append(results.get(timeout=5))
+            except queue.Empty:
+                raise AssertionError(f"a racer died without reporting (exit codes {silent}); reports: {outcomes}") from None
+    crashed = [outcome for outcome in outcomes if outcome.startswith("crashed")]
+    assert not crashed, "\n".join(crashed)
+    return outcomes
 
 
 @pytest.mark.parametrize("racers", [pytest.param(16, marks=pytest.mark.exhaustive), 3])
@@ -107,12 +137,34 @@ def test_runs_racing_for_the_last_budget(racers: int, ledger_location: str, tmp_
                for _ in range(racers)]
     for w in workers:
         w.start()
-    outcomes = sorted(results.get(timeout=1800) for _ in workers)
+    outcomes = sorted(_outcomes(workers, results))
     for w in workers:
         w.join(timeout=60)
     assert outcomes == ["refused"] * (racers - 2) + ["spent"] * 2
     assert len(ledger.spends("d")) == 3 and first.id == ledger.spends("d")[0].id
     assert ledger.total("d") == pytest.approx(composed(3), rel=1e-3) and ledger.total("d") <= budget
+
+
+_TRAIN_UNTIL_STEP = """
+import os, signal, sys
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from dpml.cli import main
+
+stop_at, steps = int(sys.argv[1]), 0
+
+
+def count(optimizer, args, kwargs):
+    global steps
+    steps += 1
+    if steps == stop_at:  # say so, then stop here for the test's SIGKILL
+        print(f"step {steps}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+register_optimizer_step_pre_hook(count)
+sys.exit(main(sys.argv[2:]))
+"""
 
 
 @pytest.mark.slow
@@ -122,16 +174,24 @@ def test_sigkill_during_training_keeps_the_spend(workdir: Path) -> None:
     for stage in ("ingest", "split", "preprocess"):
         subprocess.run([sys.executable, "-m", "dpml", "stage", stage, "--params", str(path)], check=True,
                        capture_output=True)
-    process = subprocess.Popen([sys.executable, "-m", "dpml", "stage", "train", "--params", str(path)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Stopped at its third optimizer step (a hook on every torch optimizer, in the process itself): the kill
+    # lands inside the training loop by the loop's own progress, not after a guessed delay.
+    process = subprocess.Popen([sys.executable, "-c", _TRAIN_UNTIL_STEP, "3", "stage", "train", "--params", str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert process.stdout is not None
+        said = ""
+        while said != "step 3":  # whatever the stage prints first, then the hook's line
+            ready, _, _ = select.select([process.stdout], [], [], 600)  # a bound on a hang, not an ordering
+            said = process.stdout.readline() if ready else ""
+            assert said, "training never reached its third step"
+            said = said.strip()
+        _, status = os.waitpid(process.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)  # stopped inside the loop
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
     ledger_path = workdir / "ledger.db"
-    deadline = time.time() + 120
-    while not (ledger_path.exists() and Ledger(ledger_path, 1e-5).spends()):
-        assert process.poll() is None and time.time() < deadline, "the spend never appeared"
-        time.sleep(0.2)
-    time.sleep(1.0)  # now inside the training loop
-    process.send_signal(signal.SIGKILL)
-    process.wait()
     ledger = Ledger(ledger_path, 1e-5)
     [spend] = ledger.spends()
     assert spend.mechanism is not None and [k for k, _ in ledger.events(spend.id)] == ["started"]  # counted, never trained

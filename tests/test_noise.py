@@ -9,39 +9,23 @@ going through the module.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 from torch import nn
 
 from dpml.train import noise, kernels
 from dpml.train.noise import BoxMullerBuffers, PrefetchedNoise, gaussian, gaussian_noise
+from tests.noise_laws import BOUND_24, BOUND_53, box_muller, check_gaussian_draws, check_tail_resolution, grid_hits
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def box_muller(count: int, std: float, seed: int) -> torch.Tensor:
-    """The construction written out: 4 × 62 bits from the torch generator seed a SeedSequence that spawns
-    4 SFC64 streams; ⌈count/2⌉ pairs rounded up to 4q, stream k draws the q U of pairs kq … in float64,
-    then their q V in float32; R = std·√(−2 ln(1 − U)) in float32; all the R cos 2πV, then all the R sin 2πV."""
-    generator, half = torch.Generator().manual_seed(seed), (count + 1) // 2
-    q = -(-half // 4)
-    key = torch.randint(0, 2 ** 62, (4,), generator=generator).tolist()
-    streams = [np.random.Generator(np.random.SFC64(child)) for child in np.random.SeedSequence(key).spawn(4)]
-    uniforms = [(stream.random(q), stream.random(q, dtype=np.float32)) for stream in streams]
-    u = torch.from_numpy(np.concatenate([pair[0] for pair in uniforms]))
-    v = torch.from_numpy(np.concatenate([pair[1] for pair in uniforms]))
-    radius = std * torch.sqrt(-2.0 * torch.log((1.0 - u).float()))
-    theta = v * (2 * math.pi)
-    return torch.cat([radius * torch.cos(theta), radius * torch.sin(theta)])[:count]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device on this machine: the GPU noise checks did not run")
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
@@ -58,6 +42,9 @@ def test_float32_parameters_get_the_53_bit_box_muller_draw(compiled: bool, monke
     torch.testing.assert_close(flat, box_muller(flat.numel(), 0.8, 5), rtol=1e-6, atol=1e-6)
     odd = gaussian((300_001,), 1.5, torch.Generator().manual_seed(6), torch.float32)
     torch.testing.assert_close(odd, box_muller(300_001, 1.5, 6), rtol=1e-6, atol=1e-6)
+    for even in (8, 14, 300_000):  # ⌈count/2⌉ pairs, not (count + 2)/2: an even count has no spare pair
+        drawn = gaussian((even,), 1.5, torch.Generator().manual_seed(even), torch.float32)
+        torch.testing.assert_close(drawn, box_muller(even, 1.5, even), rtol=1e-6, atol=1e-6)
     assert gaussian((4, 5), 1.0, torch.Generator(), torch.float64).shape == (4, 5)
     assert gaussian((), 1.0, torch.Generator(), torch.float32).shape == ()
 
@@ -135,34 +122,94 @@ def test_without_a_working_compiler_the_draw_falls_back_to_numpy(tmp_path: Path,
 
 
 def test_the_draws_follow_the_normal_law() -> None:
-    for dtype in (torch.float32, torch.float64):
-        z = gaussian((300_001,), 2.5, torch.Generator().manual_seed(11), dtype).double() / 2.5
-        assert z.dtype == torch.float64 and abs(float(z.mean())) < 0.01 and abs(float(z.var()) - 1) < 0.01
-        assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
-        half = z.numel() // 2  # the pair (R cos Θ, R sin Θ) of one (U, V): uncorrelated
-        assert abs(float(torch.corrcoef(torch.stack([z[:half], z[half + 1:]]))[0, 1])) < 0.01
+    """The CPU draw (SFC64 streams, compiled or NumPy): mean, second moment, shape, pair independence, the
+    frequency beyond 4σ, the 8.57σ bound and the 53-bit tail, each at a false-alarm rate of 1e-6
+    (:mod:`tests.noise_laws`). Catches a draw whose std is off by 10 % (second moment 0.81)."""
+    check_gaussian_draws("cpu")
 
 
-def on_the_24_bit_grid(first: torch.Tensor, second: torch.Tensor) -> float:
-    """Among Box–Muller pairs (first_k, second_k) of radius > 4, the fraction whose uniform
-    u = exp(−r²/2) is a multiple of 2⁻²⁴ (to 0.01 of a step): 1 for a sampler whose radius comes from
-    24-bit uniforms, about 0.02 for one with 53-bit uniforms."""
-    r2 = first.double() ** 2 + second.double() ** 2
-    steps = torch.exp(-r2[r2 > 16] / 2) * 2 ** 24
-    assert steps.numel() > 100
-    return float(((steps - steps.round()).abs() < 0.01).double().mean())
+@needs_cuda
+def test_the_gpu_draw_follows_the_same_laws() -> None:
+    """The GPU branch of :func:`gaussian` (the generator's Philox uniforms, torch's functions) checked by the
+    same laws as the CPU draw above, tails included: not only its standard deviation."""
+    check_gaussian_draws("cuda")
 
 
 def test_the_tail_radii_come_from_53_bit_uniforms_not_24_bit_ones() -> None:
     """The tail's resolution is what bounds the draw (5.77σ with 24 bits). torch's float32 sampler pairs
     coordinates j and j + 8 of each block of 16 and puts every tail pair on the 24-bit grid (so the
-    check can see it); dpml's pairs (k, k + n/2) must not be on it."""
-    assert math.sqrt(-2 * math.log(2.0 ** -24)) < 5.77 and math.sqrt(-2 * math.log(2.0 ** -53)) > 8.57
+    check can see it); dpml's pairs (k, k + n/2) must not be on it (at most the 1e-6 quantile of the
+    hits 53-bit uniforms make by chance)."""
+    assert BOUND_24 < 5.77 and BOUND_53 > 8.57
     n = 2_000_000  # ≈ 340 pairs beyond radius 4
     torch_float32 = torch.empty(n).normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0)).reshape(-1, 16)
-    assert on_the_24_bit_grid(torch_float32[:, :8], torch_float32[:, 8:]) == 1.0
+    hits, pairs = grid_hits(torch_float32[:, :8], torch_float32[:, 8:])
+    assert pairs > 100 and hits == pairs
     ours = gaussian_noise({"w": nn.Parameter(torch.zeros(n))}, 1.0, torch.Generator().manual_seed(0))["w"]
-    assert ours.dtype == torch.float32 and on_the_24_bit_grid(ours[:n // 2], ours[n // 2:]) < 0.1
+    assert ours.dtype == torch.float32
+    check_tail_resolution(ours[:n // 2], ours[n // 2:])
+
+
+def test_the_draw_is_returned_in_the_parameters_dtype() -> None:
+    """float64 parameters get the float64 construction; bfloat16 and float16 ones the float32 draw rounded to
+    their dtype (the arithmetic stays float32), both through :func:`gaussian` and :func:`gaussian_noise`."""
+    wide = gaussian_noise({"w": nn.Parameter(torch.zeros(64, dtype=torch.float64))}, 1.0, torch.Generator().manual_seed(2))
+    assert wide["w"].dtype == torch.float64
+    torch.testing.assert_close(wide["w"], box_muller(64, 1.0, 2, torch.float64), rtol=1e-12, atol=1e-12)
+    for narrow in (torch.bfloat16, torch.float16):
+        drawn = gaussian_noise({"w": nn.Parameter(torch.zeros(64, dtype=narrow))}, 1.0, torch.Generator().manual_seed(2))
+        assert drawn["w"].dtype == narrow
+        assert torch.equal(drawn["w"], box_muller(64, 1.0, 2).to(narrow))
+        assert gaussian((5,), 1.0, torch.Generator(), narrow).dtype == narrow
+
+
+def test_cpu_noise_streams_refuse_a_gpu_generator_by_name() -> None:
+    """Only the device of the generator is read, so a stand-in with a CUDA device shows the refusal here."""
+    from types import SimpleNamespace
+
+    from dpml.train.noise import SynchronousNoise
+
+    params = dict(nn.Linear(3, 2).named_parameters())
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 0))
+    for stream in (PrefetchedNoise, SynchronousNoise):
+        with pytest.raises(ValueError, match=rf"^{stream.__name__} draws on the CPU; this generator is on cuda:0$"):
+            stream(elsewhere, params, 1.0)  # type: ignore[arg-type]
+
+
+def test_prefetched_noise_keeps_the_noise_it_returned_while_it_draws_the_next() -> None:
+    """The draws alternate between two sets of buffers: the noise :meth:`draw` returned stays intact while the
+    next step's is drawn in the background (a stream that reused one set would overwrite it)."""
+    params = dict(nn.Linear(40, 10).named_parameters())
+    expected = [gaussian_noise(params, 0.5, generator) for generator in [torch.Generator().manual_seed(3)] for _ in range(3)]
+    stream = PrefetchedNoise(torch.Generator().manual_seed(3), params, 0.5)
+    try:
+        for step in range(3):
+            drawn = stream.draw(0.5)
+            stream.wait()  # the next draw is done: had it gone into these buffers, they would hold it now
+            assert all(torch.equal(drawn[n], expected[step][n]) for n in params), step
+    finally:
+        stream.close()
+
+
+def test_idle_core_counts_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cores are the process's CPU affinity where the system has one, else the CPU count (1 if unknown);
+    a core is idle when torch's intra-op threads are fewer."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(noise.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+        monkeypatch.setattr(noise.os, "cpu_count", lambda: 1)
+        assert noise.idle_core()  # 3 cores in the affinity, whatever the machine's count
+        monkeypatch.setattr(noise.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        monkeypatch.setattr(noise.os, "cpu_count", lambda: 8)
+        assert not noise.idle_core()
+        monkeypatch.delattr(noise.os, "sched_getaffinity", raising=False)
+        assert noise.idle_core()  # no affinity: 8 CPUs
+        monkeypatch.setattr(noise.os, "cpu_count", lambda: None)
+        torch.set_num_threads(1)
+        assert not noise.idle_core()  # unknown: one core
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_prefetched_noise_is_the_same_stream() -> None:

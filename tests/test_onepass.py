@@ -179,3 +179,25 @@ def test_onepass_pipeline_certifies_the_final_model_by_zcdp(workdir) -> None:
     too_fast = params | {"onepass": {"schedule": "out", "eta0": 500.0, "clip_constant": 1.0}}
     with pytest.raises(ValueError, match="onepass.eta0 = 500"):
         STAGES["train"](load(write_params(workdir / "fast.yaml", too_fast)))
+
+
+def test_inputs_projected_in_float32_onto_the_ball_are_accepted_and_held_exactly_inside_it() -> None:
+    """Rows projected onto the X = 1 ball in float32 (as the pipeline's preprocessing hands them over) sit a
+    rounding error outside it in float64: they train (re-projected in float64, so β = X² + 1 holds exactly),
+    the caller's array is not modified; a row clearly outside the ball is still refused."""
+    import torch
+
+    from dpml.train.onepass import onepass_linear_classifier
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(400, 7)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True).astype(np.float32)
+    assert np.linalg.norm(x.astype(np.float64), axis=1).max() > 1.0  # outside by a float32 rounding error
+    before = x.copy()
+    y = rng.integers(0, 3, size=400)
+    arguments = dict(rho=0.5, schedule="const", eta0=1.0, clip_norm=1.0, input_norm_bound=1.0, seed=0)
+    onepass_linear_classifier(torch.nn.Linear(7, 3), x, y, **arguments)
+    np.testing.assert_array_equal(x, before)
+    x[0] *= 1.01
+    with pytest.raises(ValueError, match="exceed the bound X = 1"):
+        onepass_linear_classifier(torch.nn.Linear(7, 3), x, y, **arguments)

@@ -48,6 +48,9 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     assert client.get_model_version_by_alias("dpml-test-model", "champion").version == v1.version
 
     run = client.get_run(v1.run_id)
+    # The flow run that made the release, and the Prefect API it reported to, are on its MLflow run.
+    assert run.data.tags["prefect.flow_run_id"] == first["prefect"]["flow_run_id"]
+    assert run.data.tags["prefect.api_url"] == first["prefect"]["api_url"]
     assert run.data.metrics["epsilon"] == pytest.approx(first["certify"]["epsilon"])
     assert 0 <= run.data.metrics["test_accuracy"] <= 1 and "audit.target.loss.auc" in run.data.metrics and "audit.control.rmia-online.auc" in run.data.metrics
     assert run.data.params["dp.noise_multiplier"] == "1.0"
@@ -222,16 +225,16 @@ def test_private_search_releases_the_best_candidate_and_charges_the_search(workd
     layout = Layout(config)
     assert list(json.loads(layout.model_spec.read_text())["hidden"]) == chosen["model.hidden"]
     x = torch.from_numpy(np.load(layout.prepared["test"])["x"][:16])
-    from dpml.serving import load_network
+    from dpml.tracking import resolve_model
 
-    registered = load_network(f"models:/dpml-test-model/{version.version}")
+    registered = resolve_model(f"models:/dpml-test-model/{version.version}", config.tracking)["model"]
     with torch.no_grad():
         torch.testing.assert_close(registered(x), load_model(layout)(x))
     # The ledger holds the whole search as one spend, recorded before training; K is not recorded.
     [spend] = Ledger(config.ledger.path, 1e-5).spends()
     assert spend.mechanism is not None and spend.mechanism.selection is not None
     events = dict(Ledger(config.ledger.path, 1e-5).events(spend.id))
-    assert set(events) == {"started", "trained", "released"} and set(events["trained"]) == {"chosen"}
+    assert set(events) == {"started", "trained", "released"} and set(events["trained"]) == {"chosen", "trained_outputs"}
     # The audit's members are the records the released model trained on: validation rows excluded.
     n_train = np.load(layout.prepared["train"])["y"].size
     n_val = np.load(layout.validation)["rows"].size

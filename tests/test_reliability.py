@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import gzip
 import os
+import select
 import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -251,22 +251,104 @@ def test_concurrent_first_runs_on_one_new_store_all_register(tmp_path: Path) -> 
     assert len(Ledger(shared["ledger"]["path"], 1e-5).spends()) == 2
 
 
-@pytest.mark.parametrize("delay", [0.8, *(pytest.param(d, marks=pytest.mark.exhaustive) for d in (0.3, 1.5, 2.5))])
-def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, delay: float) -> None:
-    """MLflow's own creation killed at some point of its migrations: dpml's next run still works."""
+_CREATE_STORE_UNTIL = """
+import os, signal, sys
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+point, uri, artifacts = sys.argv[1:4]
+
+
+def stop() -> None:  # say where, then stop here for the test's SIGKILL
+    print(point, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@event.listens_for(Engine, "before_cursor_execute")
+def before(conn, cursor, statement, parameters, context, executemany):
+    words = " ".join(statement.split()).lower()
+    if point == "initial tables" and words.startswith("create table alembic_version"):
+        stop()  # MLflow's initial tables are written, no migration has started
+    if point.startswith("migration ") and words.startswith(("insert into alembic_version", "update alembic_version")) \
+            and f"'{point.split()[1]}'" in words:
+        stop()  # inside that migration: its schema changes made, its revision not yet written
+    if point == "default experiment" and words.startswith("insert into experiments"):
+        stop()  # every migration done, the default experiment not yet created
+
+
+if point == "imported":
+    stop()  # MLflow imported, no database file yet
+SqlAlchemyStore(uri, artifacts)
+print("finished", flush=True)
+"""
+
+
+def _migrations() -> list[tuple[str, str | None]]:
+    """(revision, the revision before it) of MLflow's tracking-store migrations, first to last."""
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+
+    script = ScriptDirectory.from_config(_get_alembic_config(db_url=""))
+    return [(r.revision, r.down_revision) for r in reversed(list(script.walk_revisions()))]  # type: ignore[misc]
+
+
+def _store_state(database: Path) -> tuple[set[str], str | None]:
+    """The tables of the store and its recorded alembic revision, read back without writing."""
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        row = db.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables else None
+    db.close()
+    return tables, None if row is None else str(row[0])
+
+
+@pytest.mark.parametrize("where", ["middle migration", *(pytest.param(w, marks=pytest.mark.exhaustive) for w in (
+    "imported", "initial tables", "first migration", "last migration", "default experiment"))])
+def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, where: str) -> None:
+    """MLflow's own creation SIGKILLed at a named point of it: dpml's next run still works.
+
+    The kill lands where the case says, by the store's own progress, not a clock (a fixed delay once
+    killed before MLflow had even been imported): the creating process stops itself at the SQL
+    statement that marks the point (a listener on SQLAlchemy's statements) and says so on a pipe; the
+    test reads that, checks the process is stopped there, kills it, and reads the store state the kill
+    left back (no file, tables without a revision, the revision before the migration it was in, or a
+    fully migrated store without its default experiment) before dpml repairs it."""
     from dpml.sections import TrackingConfig
     from dpml.store import prepare_store
 
+    migrations = _migrations()
+    revision, before = {"first migration": migrations[0], "middle migration": migrations[len(migrations) // 2],
+                        "last migration": migrations[-1]}.get(where, (None, None))
+    point = f"migration {revision}" if revision else where
     database = tmp_path / "mlflow.db"
-    creator = subprocess.Popen([sys.executable, "-c", "import sys; from mlflow.store.tracking.sqlalchemy_store import "
-                                "SqlAlchemyStore; SqlAlchemyStore(sys.argv[1], sys.argv[2])",
-                                f"sqlite:///{database}", str(tmp_path / "art")], env=ENV)
-    time.sleep(delay)
-    creator.send_signal(signal.SIGKILL)
-    creator.wait()
+    with open(tmp_path / "creator.log", "w") as log:
+        creator = subprocess.Popen([sys.executable, "-c", _CREATE_STORE_UNTIL, point, f"sqlite:///{database}",
+                                    str(tmp_path / "art")], env=ENV, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert creator.stdout is not None
+        ready, _, _ = select.select([creator.stdout], [], [], 600)  # a bound on a hang, not an ordering
+        said = creator.stdout.readline().strip() if ready else "(nothing in 600 s)"
+        assert said == point, f"the creator never reached {point!r}: {said!r}; {(tmp_path / 'creator.log').read_text()[-2000:]}"
+        _, status = os.waitpid(creator.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)  # stopped at the point: nothing after it has run
+    finally:
+        creator.kill()
+        creator.wait()
+    if where == "imported":
+        assert not database.exists()
+    else:
+        tables, recorded = _store_state(database)
+        assert {"experiments", "runs"} <= tables
+        if where == "initial tables":
+            assert "alembic_version" not in tables
+        elif where == "default experiment":
+            assert recorded == migrations[-1][0]
+        else:
+            assert recorded == before and recorded != migrations[-1][0]  # half-migrated: in migration `revision`
     config = TrackingConfig(uri=f"sqlite:///{database}", artifact_root=str(tmp_path / "art"))
     outcome = prepare_store(config)
-    assert outcome in ("ready", "created") or outcome.startswith("repaired"), outcome
+    expected = {"imported": "created", "default experiment": "ready"}.get(where, "repaired")
+    assert outcome.startswith(expected), outcome
     assert prepare_store(config) == "ready"
     _log_one_run(config)
 
@@ -328,14 +410,13 @@ def test_a_half_migrated_store_is_set_aside_and_one_with_runs_is_never_touched(t
 
 
 def _log_one_run(config) -> None:  # noqa: ANN001
-    import mlflow
+    from dpml.store import client
 
-    from dpml.store import activate
-
-    activate(config)
-    with mlflow.start_run():
-        mlflow.log_metric("x", 1.0)
-    assert mlflow.search_runs(search_all_experiments=True).shape[0] >= 1
+    store = client(config)
+    run = store.create_run("0")
+    store.log_metric(run.info.run_id, "x", 1.0)
+    store.set_terminated(run.info.run_id)
+    assert store.search_runs(["0"])
 
 
 # ------------------------------------------------------------------------------------- caches cannot lie

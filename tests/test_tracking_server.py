@@ -96,14 +96,25 @@ def test_two_pipelines_at_once_register_on_the_server_and_load_anywhere(mlflow_s
     workers = [tmp_path / name for name in ("worker-a", "worker-b")]
     for workdir in workers:
         workdir.mkdir()
-        worker_params(workdir, url)
+    worker_params(workers[0], url)  # worker A names the server in its params.yaml
+    # Worker B keeps the default tracking section (sqlite:///mlflow.db, experiment dpml) and is pointed at the
+    # team's server by MLflow's own variables, as a scheduler's environment would: they win over the file.
+    params = small_params(workers[1], gate={"epsilon_budget": 50.0})
+    params["tracking"] = {"model_name": MODEL}
+    write_params(workers[1] / "params.yaml", params)
+    environments = [clean_environment(), clean_environment(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME="team")]
     running = [subprocess.Popen([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=w,
-                                env=clean_environment(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for w in workers]
+                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for w, env in zip(workers, environments)]
     outcomes = [p.communicate(timeout=900) for p in running]
     assert [p.returncode for p in running] == [0, 0], [err[-3000:] for _, err in outcomes]
     for out, _ in outcomes:
         assert f"UI                   {url}" in out and "mlflow ui --backend-store-uri http" not in out
+    assert re.search(r"tracking store\s+" + re.escape(url) + r"\s+\(environment MLFLOW_TRACKING_URI\)", outcomes[1][0])
+    assert re.search(r"experiment\s+team\s+\(environment MLFLOW_EXPERIMENT_NAME\)", outcomes[1][0])
+    assert not (workers[1] / "mlflow.db").exists()  # nothing went to the file params.yaml names
+    team = MlflowClient(url).get_experiment_by_name("team").experiment_id
+    assert {run_id_of(out) for out, _ in outcomes} <= {r.info.run_id for r in MlflowClient(url).search_runs([team])}
 
     client = MlflowClient(url)
     versions = sorted(client.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))

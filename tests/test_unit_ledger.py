@@ -112,11 +112,12 @@ def test_a_lineage_spans_versions_and_separate_lineages_do_not_mix(ledger_locati
     ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     one = independent_pld([run()])
     ledger.reserve("v1", run(), "a", one * 1.01, lineage="A", units=people(range(100)))
-    ledger.reserve("v1", run(), "b", one * 1.01, lineage="B", units=people(range(100)))  # another account
+    ledger.reserve("v1", run(), "b", one * 1.01, lineage="B", units=people(range(1000, 1100)))  # other people
     with pytest.raises(BudgetExceeded):
         ledger.reserve("v2", run(), "c", one * 1.01, lineage="A", units=people(range(50, 150)))
     summary = {s["lineage"]: s for s in ledger.summary()}
     assert summary["A"]["units"] == 100 and summary["A"]["dataset_versions"] == {"v1": 1}
+    assert summary["B"]["units"] == 100 and summary["A"]["shared_with"] == {}
 
 
 def test_cancelled_spends_count_for_nobody(ledger_location: str, tmp_path: Path) -> None:

@@ -144,10 +144,13 @@ def hypothesis_test_bound(member_scores: np.ndarray, nonmember_scores: np.ndarra
 
 
 def gdp_delta(epsilon: float, mu: float) -> float:
-    """δ(ε) of μ-GDP: Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Dong, Roth, Su 2019, Cor. 2.13)."""
+    """δ(ε) of μ-GDP: Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Dong, Roth, Su 2019, Cor. 2.13).
+
+    The second term is formed as exp(ε + ln Φ(·)), so a large ε (the bracket :func:`epsilon_for_gdp` grows)
+    gives its tiny value instead of overflowing e^ε."""
     if mu <= 0:
         return 0.0
-    return float(stats.norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
+    return float(stats.norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon + stats.norm.logcdf(-epsilon / mu - mu / 2)))
 
 
 def epsilon_for_gdp(mu: float, delta: float) -> float:

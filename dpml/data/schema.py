@@ -8,15 +8,29 @@ categorical with public categories; :mod:`dpml.data.encoding` turns it into feat
 
 from __future__ import annotations
 
+import codecs
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from dpml.sections import Section
+from dpml.data.encoding import numeric_spelling
+from dpml.sections import Section, check_scalable
 
 SKLEARN_BUNDLED = ("digits", "iris", "wine", "breast_cancer")
+
+# Where a parameter file's plain scalars keep the text the user typed (:mod:`dpml.params_yaml`): column
+# names, category and class lists and missing-value tokens are texts compared with a table's cells, so
+# YAML 1.1's readings (``no`` → False, ``1.10`` → 1.1, ``010`` → 8, ``2026-11-20`` → a date) would
+# silently send every such cell to ``<other>``. "*": any key, "[]": any list item.
+VERBATIM_VALUES: tuple[tuple[str, ...], ...] = (
+    ("data", "label_column"), ("data", "id_column"), ("data", "feature_columns", "[]"),
+    ("data", "classes", "[]"), ("data", "missing_values", "[]"), ("data", "columns", "*", "categories", "[]"),
+)
+VERBATIM_KEYS: tuple[tuple[str, ...], ...] = (("data", "columns"),)  # the column names of a schema
+SEPARATORS = {",": "comma", ";": "semicolon", "\t": "tab", "|": "pipe"}
 
 
 def source_name(source: str) -> str:
@@ -50,6 +64,7 @@ class NumericColumn(Section):
     def _ordered_bounds_and_fill(self) -> "NumericColumn":
         if not self.upper > self.lower:
             raise ValueError(f"upper = {self.upper} must be > lower = {self.lower}")
+        check_scalable("", self.lower, self.upper)
         if self.missing is not None and not self.lower <= self.missing <= self.upper:
             raise ValueError(f"missing = {self.missing}: the fill must lie in [lower, upper] = "
                              f"[{self.lower}, {self.upper}]")
@@ -57,25 +72,55 @@ class NumericColumn(Section):
 
     @property
     def fill(self) -> float:
-        return self.missing if self.missing is not None else (self.lower + self.upper) / 2
+        """The declared fill, else the midpoint (computed without overflow for bounds near the float range)."""
+        if self.missing is not None:
+            return self.missing
+        middle = (self.lower + self.upper) / 2
+        return middle if math.isfinite(middle) else self.lower / 2 + self.upper / 2
+
+
+def _no_booleans(value: list[object], what: str) -> None:
+    """A boolean in a list of category or class texts is YAML 1.1 reading ``no``/``yes``/``on``/``off`` (a
+    configuration built in Python, or read by another YAML reader): refused with the fix."""
+    flags = [v for v in value if isinstance(v, bool)]
+    if flags:
+        raise ValueError(f"{flags[0]!r} in {what} is a boolean, not a text a cell can hold; write the texts quoted "
+                         "(e.g. ['no', 'yes'])")
+
+
+def category_text(value: str | int | float) -> str:
+    """The text a declared category or class is compared by: stripped, and a number in its plain spelling
+    ('3.0' and 3 → '3', as a cell's text is matched: :func:`dpml.data.encoding.numeric_spelling`)."""
+    text = str(value).strip()
+    return numeric_spelling(text) if text else text
 
 
 class CategoricalColumn(Section):
     """A categorical feature column, one-hot over its public ``categories`` (plus ``<missing>`` and
-    ``<other>`` slots: :mod:`dpml.data.encoding`)."""
+    ``<other>`` slots: :mod:`dpml.data.encoding`). Categories are texts; in ``params.yaml`` each keeps
+    the text written (``[no, yes]``, ``[NO, SE, DK]``, ``[1.10, 1.2]`` are strings, not YAML 1.1's
+    booleans and numbers: :mod:`dpml.params_yaml`)."""
 
     type: Literal["categorical"]
     categories: list[str | int]
+
+    @field_validator("categories", mode="before")
+    @classmethod
+    def _texts_not_booleans(cls, value: object) -> object:
+        if isinstance(value, list):
+            _no_booleans(value, "categories")
+        return value
 
     @field_validator("categories")
     @classmethod
     def _distinct_categories(cls, value: list[str | int]) -> list[str | int]:
         if not value:
             raise ValueError("an empty category list; declare the column's categories")
-        texts = [str(c).strip() for c in value]
+        texts = [category_text(c) for c in value]
         repeated = sorted({t for t in texts if texts.count(t) > 1})
         if repeated:
-            raise ValueError(f"categories {repeated} are listed more than once")
+            raise ValueError(f"categories {repeated} are listed more than once (compared as a cell is: spaces "
+                             "stripped, 3.0 = 3)")
         if any(not t for t in texts):
             raise ValueError("an empty category name; declare empty cells under data.missing_values instead")
         return value
@@ -101,6 +146,12 @@ class DataConfig(Section):
     ``id_column`` (tabular sources) names the column that identifies the *privacy unit* — the person
     a budget protects; several rows may share one id, and each unit then keeps one of its rows
     (:mod:`dpml.privacy.units`). Without it every row is its own unit, identified by its content.
+
+    A CSV file's ``separator`` (default ``,``; ``;``, ``"\t"`` (or ``tab``), ``|`` or any one character)
+    and ``encoding`` (default ``auto``: UTF-8, with or without a byte-order mark, UTF-16/32 by their
+    mark, and a file that is not UTF-8 read as Windows-1252/Latin-1; or any Python codec name). The
+    same records are the same people whatever their file's encoding or line endings: a unit is its id
+    or its encoded content, never the bytes of the file.
     """
 
     source: str = "sklearn:digits"
@@ -112,6 +163,8 @@ class DataConfig(Section):
     strict: bool = False
     chunk_rows: int = Field(100_000, gt=0)
     id_column: str | None = None
+    separator: str = ","
+    encoding: str = "auto"
 
     @field_validator("source")
     @classmethod
@@ -122,17 +175,49 @@ class DataConfig(Section):
             raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)}")
         if scheme == "sklearn" and rest not in SKLEARN_BUNDLED:
             raise ValueError(f"unknown bundled scikit-learn set; allowed: {', '.join(SKLEARN_BUNDLED)}")
-        if scheme == "idx" and not Path(rest).is_dir():
-            raise ValueError(f"directory {rest} does not exist")
-        if scheme in ("csv", "parquet") and not Path(rest).is_file():
-            raise ValueError(f"file {rest} does not exist")
+        path = Path(rest)
+        if scheme == "idx" and not path.is_dir():
+            raise ValueError(f"{rest} is a file, not a directory of IDX files" if path.exists()
+                             else f"directory {rest} does not exist")
+        if scheme in ("csv", "parquet") and not path.is_file():
+            if path.is_dir():
+                raise ValueError(f"{rest} is a directory, not a {scheme} file; name the file itself")
+            raise ValueError(f"{rest} is not a regular file" if path.exists() else f"file {rest} does not exist")
+        return value
+
+    @field_validator("separator")
+    @classmethod
+    def _one_character(cls, value: str) -> str:
+        named = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
+        value = named.get(value.lower() if len(value) > 1 else value, value)
+        if len(value) != 1 or value in ('"', "\n", "\r"):
+            raise ValueError("a CSV separator is one character other than a quote or a line break: ',', ';', "
+                             "'\\t' (tab) or '|'")
+        return value
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str) -> str:
+        if value == "auto":
+            return value
+        try:
+            return codecs.lookup(value).name
+        except LookupError:
+            raise ValueError("not a text encoding Python knows; use auto (UTF-8, with or without BOM, else "
+                             "Windows-1252), or a codec name such as utf-8, latin-1, cp1252, utf-16") from None
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _classes_are_texts(cls, value: object) -> object:
+        if isinstance(value, list):
+            _no_booleans(value, "classes")
         return value
 
     @field_validator("classes")
     @classmethod
     def _distinct_classes(cls, value: list[str | int] | None) -> list[str | int] | None:
         if value is not None:
-            texts = [str(c) for c in value]
+            texts = [category_text(c) for c in value]
             repeated = sorted({t for t in texts if texts.count(t) > 1})
             if repeated:
                 raise ValueError(f"classes {repeated} are listed more than once")
@@ -159,7 +244,14 @@ class DataConfig(Section):
             key = "data.columns" if self.columns is not None else "data.feature_columns"
             raise ValueError(f"{key}: only a csv or parquet source has columns; {scheme}: its features are "
                              "given by the format")
+        if scheme != "csv" and (self.separator != "," or self.encoding != "auto"):
+            key = "separator" if self.separator != "," else "encoding"
+            raise ValueError(f"data.{key} = {getattr(self, key)!r}: only a csv source has a {key}; {scheme}: the "
+                             "format says it")
         features = self.feature_names_declared()
+        repeated = sorted({name for name in features if features.count(name) > 1})
+        if repeated:
+            raise ValueError(f"data.feature_columns: {repeated} listed more than once; each column is one feature")
         if self.label_column is not None and self.label_column in features:
             raise ValueError(f"data.label_column = {self.label_column!r} is also a feature column; the label must "
                              "not be a model input")

@@ -9,15 +9,17 @@ cells keep their types and a null is missing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from dpml.data import table_files as files
 from dpml.data.encoding import ColumnEncoding, Counts, EncodingError, TableEncoding, category_codes
 from dpml.data.preprocess import PublicTransform, public_transform
+from dpml.data.schema import category_text
 
 if TYPE_CHECKING:
     from dpml.config import Config, DataConfig, PreprocessConfig
@@ -35,7 +37,7 @@ def table_encoding(data: DataConfig, preprocess: PreprocessConfig) -> TableEncod
                                               fill=column.fill, indicator=column.indicator))
             else:
                 columns.append(ColumnEncoding(name=name, kind="categorical",
-                                              categories=tuple(str(c).strip() for c in column.categories)))
+                                              categories=tuple(category_text(c) for c in column.categories)))
         return TableEncoding(columns=tuple(columns), missing_values=tuple(v.strip() for v in data.missing_values),
                              strict=data.strict)
     if data.feature_columns:
@@ -54,47 +56,55 @@ def transform_of(config: Config) -> PublicTransform:
     return public_transform(config.preprocess, lower, upper)
 
 
-def header(path: Path, kind: str) -> list[str]:
-    """The column names of a table, reading no records."""
+def header(path: Path, kind: str, separator: str = ",", encoding: str = "auto") -> list[str]:
+    """The column names of a table as written (duplicates kept), reading no records."""
+    return _checked(lambda: files.header(files.TableFile(path, kind, separator, encoding)))
+
+
+def check_columns(path: Path, kind: str, wanted: list[str], what: str = "column(s)", separator: str | None = None,
+                  encoding: str = "auto", categories: dict[str, list[str]] | None = None) -> dict[str, int]:
+    """Each ``wanted`` column's position in the header, else a DataError naming the absent ones (with a
+    separator hint), the ones named twice, or a Parquet column that is not one scalar per row
+    (:func:`dpml.data.table_files.check_header`). ``separator`` None: any usual separator will do (a
+    check made without the configuration; the reader checks again with the declared one)."""
+    table = files.TableFile(path, kind, separator, encoding)
+    return _checked(lambda: files.check_header(table, wanted, what, categories))
+
+
+def _checked(step: Callable[[], Any]) -> Any:
+    """``step()``, its :class:`~dpml.data.table_files.TableFileError` or parser error as a DataError."""
     from dpml.data.sources import DataError
 
     try:
-        if kind == "csv":
-            return [str(c) for c in pd.read_csv(path, nrows=0, dtype=str).columns]
-        import pyarrow.parquet as pq
+        return step()
+    except files.TableFileError as error:
+        raise DataError(str(error)) from None
+    except UnicodeDecodeError as error:
+        raise DataError(f"not valid text ({error.reason} at byte {error.start}); name the file's encoding with "
+                        "data.encoding") from None
+    except OSError as error:
+        raise DataError(f"{error.filename}: cannot read it ({error.strerror or error})") from None
 
-        return [str(c) for c in pq.ParquetFile(path).schema_arrow.names]
-    except pd.errors.EmptyDataError:
-        raise DataError(f"{path}: the file is empty") from None
-    except Exception as error:  # parser errors of either format
-        raise DataError(f"{path}: cannot parse as {kind}: {error}") from None
 
-
-def check_columns(path: Path, kind: str, wanted: list[str], what: str = "column(s)") -> None:
-    """Every ``wanted`` column is in the table's header, else a DataError naming the absent ones."""
+def chunks(path: Path, kind: str, columns: list[str], rows: int, separator: str = ",",
+           encoding: str = "auto") -> Iterator[pd.DataFrame]:
+    """The table's ``columns``, ``rows`` records at a time (CSV as text, Parquet typed). A CSV column named
+    twice is read from its first copy (:func:`check_columns` refuses that for the columns a run uses)."""
     from dpml.data.sources import DataError
 
-    present = header(path, kind)
-    absent = [c for c in wanted if c not in present]
-    if absent:
-        raise DataError(f"{path}: {what} {absent} not found; the file has {present}")
-
-
-def chunks(path: Path, kind: str, columns: list[str], rows: int) -> Iterator[pd.DataFrame]:
-    """The table's ``columns``, ``rows`` records at a time (CSV as text, Parquet typed)."""
-    from dpml.data.sources import DataError
-
+    table = files.TableFile(path, kind, separator, encoding)
     try:
         if kind == "csv":
-            reader = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[], usecols=columns,
-                                 chunksize=rows)
-            with reader:
-                yield from reader
+            names = files.header(table)
+            positions = {name: names.index(name) for name in dict.fromkeys(columns)}
+            yield from files.csv_chunks(table, positions, rows, files.detect_encoding(path, encoding))
         else:
             import pyarrow.parquet as pq
 
             for batch in pq.ParquetFile(path).iter_batches(batch_size=rows, columns=columns):
                 yield batch.to_pandas()
+    except files.TableFileError as error:
+        raise DataError(str(error)) from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError) as error:
         raise DataError(f"{path}: cannot parse as {kind}: {' '.join(str(error).split())}") from None
 
@@ -126,8 +136,19 @@ def unit_ids(values: pd.Series, column: str, first_row: int, origin: str) -> lis
     return values.tolist()
 
 
+def declared_texts(config: DataConfig) -> dict[str, list[str]]:
+    """The texts each categorical feature column (and the label) is matched against, by column."""
+    texts = {name: [category_text(c) for c in column.categories]
+             for name, column in (config.columns or {}).items() if column.type == "categorical"}
+    if config.label_column is not None and config.classes is not None:
+        texts[config.label_column] = [category_text(c) for c in config.classes]
+    return texts
+
+
 def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
-    """Read, check and encode a CSV or Parquet table chunk by chunk."""
+    """Read, check and encode a CSV or Parquet table chunk by chunk: its shape is checked first
+    (:func:`check_columns`: encoding, separator, duplicate names, Parquet types), every cell while it
+    is encoded."""
     from dpml.data.sources import DataError, RawData, check_records
 
     kind, _, rest = config.source.partition(":")
@@ -135,10 +156,12 @@ def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
     encoding = table_encoding(config, preprocess)
     assert encoding is not None and config.label_column is not None and config.classes is not None
     wanted = config.named_columns()
-    check_columns(path, kind, wanted)
-    classes = [str(c) for c in config.classes]
+    check_columns(path, kind, wanted, separator=config.separator, encoding=config.encoding,
+                  categories=declared_texts(config))
+    text_encoding = _checked(lambda: files.detect_encoding(path, config.encoding)) if kind == "csv" else None
+    classes = [category_text(c) for c in config.classes]
     features, labels, ids, counts, start = [], [], [], Counts(), 0
-    for frame in chunks(path, kind, wanted, config.chunk_rows):
+    for frame in chunks(path, kind, wanted, config.chunk_rows, config.separator, text_encoding or "auto"):
         try:
             x, chunk_counts = encoding.encode(frame, first_row=start, origin=str(path))
         except EncodingError as error:
@@ -158,6 +181,8 @@ def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
         from dpml.privacy.units import digests_of_ids
 
         units = digests_of_ids(ids)
+    notes = [f"{path}: not UTF-8; read as {text_encoding} (data.encoding: auto)"] if (
+        config.encoding == "auto" and text_encoding in ("cp1252", "latin-1")) else []
     return RawData(x=x, y=y, classes=classes, feature_names=encoding.feature_names(), origin=f"{kind}:{path}",
-                   units=units, columns=encoding.column_names,
+                   units=units, columns=encoding.column_names, notes=notes,
                    slot_counts={"missing": counts.missing, "other": counts.other})

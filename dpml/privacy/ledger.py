@@ -1,9 +1,15 @@
 """The privacy budget ledger: a budget that follows people, across every version of a data set.
 
 **Units and lineages.** A budget protects a *privacy unit* (a person; :mod:`dpml.privacy.units`).
-A *lineage* (``ledger.dataset``; by default the name of ``data.source``: ``adult`` for
-``csv:data/adult.csv``) is one account shared by every version of a data set: the weekly table with
-five new rows is the same lineage, and the people in both versions carry their history with them.
+A *lineage* is one account for the people of a data set, shared by every version of it: the weekly
+table with five new rows is the same lineage, and the people in both versions carry their history
+with them. The records decide which lineage a run belongs to, never the file's name
+(:func:`dpml.stages.train.lineage_of`): the lineage that already holds the run's units, else
+``ledger.dataset``'s or the source's name for people never seen. **One person, one account**
+(:mod:`dpml.privacy.lineages`): a reservation whose units another lineage already holds is refused
+(:class:`LineageConflict`, one line naming both lineages and how to proceed); ``dpml ledger rename``
+renames a lineage or merges two, keeping every spend; and for ledgers written before that rule, a
+unit's ε composes every release that touched it under any lineage.
 
 **Spends.** A SQLite file, or a PostgreSQL database many workers share (``ledger.url``;
 :mod:`dpml.privacy.ledger_db`; the same statements and guarantees), holds an append-only table of
@@ -69,8 +75,9 @@ from typing import Any, Literal
 import numpy as np
 
 from dpml.faults import fault_point
-from dpml.privacy import cohorts
+from dpml.privacy import cohorts, lineages
 from dpml.privacy.budget_checks import Standing, check_budget, within_filter
+from dpml.privacy.lineages import Group, LineageConflict
 from dpml.privacy.ledger_db import SqliteDatabase, open_database
 from dpml.privacy.ledger_schema import SCHEMA_VERSION, create_tables, default_lineage, migrate_from_v1
 from dpml.privacy.mechanism import MechanismDescription
@@ -90,8 +97,8 @@ from dpml.privacy.unit_accounts import (
 from dpml.privacy.units import UnitKeyError, key_fingerprint, keyed_unit_ids, load_or_create_key
 
 # The ledger's public face: its own classes plus what callers use from the modules it is built from.
-__all__ = ["BudgetExceeded", "Ledger", "LedgerError", "Spend", "_compose", "default_lineage", "epsilons_from_rdp",
-           "filter_bound", "filter_order", "rdp_curve"]
+__all__ = ["BudgetExceeded", "Ledger", "LedgerError", "LineageConflict", "Spend", "_compose", "default_lineage",
+           "epsilons_from_rdp", "filter_bound", "filter_order", "rdp_curve"]
 
 
 @dataclass(frozen=True)
@@ -248,13 +255,19 @@ class Ledger:
         row = db.execute("SELECT base FROM lineages WHERE name = ?", (lineage,)).fetchone()
         return tuple(json.loads(row[0])) if row else ()
 
+    def _groups(self, db: Any, lineage: str) -> list[Group]:
+        """The lineage's units by their history across every lineage (:func:`lineages.lineage_groups`)."""
+        return lineages.lineage_groups(db, lineage, lambda name: self._base(db, name))
+
     def _standing_of_run(self, db: Any, lineage: str, ids: np.ndarray | None) -> Standing:
-        """The run's units by history. ``ids`` None (units unknown): every unit of the lineage."""
+        """The run's units by history. ``ids`` None (units unknown): every unit of the lineage, each with
+        every release that touched it under any lineage."""
         base = self._base(db, lineage)
         if ids is None:
-            rows = cohorts.lineage_cohorts(db, lineage)
-            histories = [base] + [base + h for _, h, _ in rows]
-            return Standing(histories, np.array([0] + [s for *_, s in rows]), None, [0] + [c for c, *_ in rows])
+            groups = self._groups(db, lineage)
+            histories = [base] + [g.releases for g in groups]
+            return Standing(histories, np.array([0] + [g.units for g in groups], dtype=np.int64), None,
+                            [0] * (len(groups) + 1))
         lookup = cohorts.look_up(db, lineage, ids)
         present, counts = cohorts.sorted_unique(lookup.cohort_of_unit)
         history_of = cohorts.histories(db, present)
@@ -278,6 +291,7 @@ class Ledger:
         unique = cohorts.sorted_unique(ids)[0]
         inverse = cohorts.inverse_of(ids, unique)
         with self._connect() as db:
+            self._refuse_other_lineages(db, lineage, unique)
             standing = self._standing_of_run(db, lineage, unique)
             accounts = UnitAccounts(self.delta, db)
             accounts.add_planned(-1, mechanism)
@@ -286,6 +300,70 @@ class Ledger:
         allowed_cohorts = np.array([c for c, a in zip(standing.cohort_of_history, allowed) if a], dtype=np.int64)
         assert standing.lookup is not None
         return np.isin(standing.lookup.cohort_of_unit, allowed_cohorts)[inverse.ravel()]
+
+    @staticmethod
+    def _refuse_other_lineages(db: Any, lineage: str, ids: np.ndarray) -> None:
+        """Raise :class:`LineageConflict` when any of the run's units (sorted unique keyed ids) is already
+        accounted under another lineage: one person, one account (:mod:`dpml.privacy.lineages`)."""
+        found = lineages.holders(db, ids, lineage)
+        if found:
+            exists = db.execute("SELECT 1 FROM lineages WHERE name = ?", (lineage,)).fetchone() is not None
+            raise lineages.conflict(lineage, int(ids.size), found, exists)
+
+    def generation(self) -> tuple[int, int]:
+        """Changes whenever a spend or an event (a rename's too) is written: a key for answers to cache."""
+        with self._connect() as db:
+            spends = db.execute("SELECT MAX(id) FROM spends").fetchone()[0]
+            events = db.execute("SELECT MAX(id) FROM events").fetchone()[0]
+        return int(spends or 0), int(events or 0)
+
+    def lineage_holding(self, digests: np.ndarray, fallback: str) -> str:
+        """The lineage that already holds these units (digests), the one holding most of them if several;
+        ``fallback`` when the ledger has seen none of them. Nothing is written (no key is created)."""
+        if not self._has_unit_records():
+            return fallback
+        ids = cohorts.sorted_unique(self.unit_ids(digests))[0]
+        with self._connect() as db:
+            found = lineages.holders(db, ids, None)
+        if not found:
+            return fallback
+        return min(found, key=lambda name: (-found[name], name != fallback, name))
+
+    def rename_lineage(self, old: str, new: str, merge: bool = False) -> dict[str, Any]:
+        """Rename lineage ``old`` to ``new`` keeping its history, or (``merge``) merge it into the existing
+        lineage ``new``: one account for the people of both (:func:`lineages.rename`). One transaction."""
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                moved = lineages.rename(db, old, new, merge)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return moved | {"epsilon_total": self.total(new)}
+
+    def person(self, digest: np.ndarray) -> dict[str, Any] | None:
+        """One unit (its (1, 16) digest): every release that touched it, across lineages, and its ε; None
+        when the ledger has never charged it."""
+        if not self._has_unit_records():
+            return None
+        unit = self.unit_ids(digest)
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            group = lineages.person(db, unit, lambda name: self._base(db, name))
+            epsilon = 0.0 if group is None else float(UnitAccounts(self.delta, db).epsilons([group.releases])[0])
+            db.execute("COMMIT")
+        if group is None:
+            return None
+        return {"lineages": list(group.lineages), "epsilon": epsilon, "delta": self.delta,
+                "releases": self._releases(group.releases)}
+
+    def _releases(self, history: tuple[int, ...]) -> list[dict[str, Any]]:
+        """The spends of a history as the view lists them: id, lineage, label, ε alone, counted."""
+        listed = {s.id: s for s in self.spends(counted_only=False)}
+        counted = {s.id for s in self.spends()}
+        return [{"spend": i, "lineage": listed[i].lineage, "label": listed[i].label,
+                 "epsilon_alone": listed[i].epsilon_alone, "counted": i in counted} for i in history if i in listed]
 
     # ------------------------------------------------------------------------------------ reserve
     def reserve(self, dataset_version: str, mechanism: MechanismDescription | None, label: str,
@@ -310,6 +388,8 @@ class Ledger:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")  # one writer at a time: check and insert are atomic
             try:
+                if ids is not None:
+                    self._refuse_other_lineages(db, lineage, ids)
                 db.execute("INSERT OR IGNORE INTO lineages (name, created_at, base) VALUES (?, ?, '[]')",
                            (lineage, time.time()))
                 standing = None
@@ -373,16 +453,36 @@ class Ledger:
         pairs = [(float(e), int(n)) for e, n in zip(eps, standing.units) if n > 0]
         return sorted(pairs, reverse=True)
 
+    @staticmethod
+    def _people(lineage: str, groups: list[Group], eps: np.ndarray,
+                lineage_of_spend: dict[int, str]) -> dict[str, Any]:
+        """The view's per-person part: the lineage's units grouped by every release that touched them
+        (across lineages), largest ε first, and how many of its units other lineages hold too."""
+        people = sorted(({"units": g.units, "epsilon": float(e), "lineages": list(g.lineages),
+                          "releases": [{"spend": i, "lineage": lineage_of_spend.get(i)} for i in g.releases]}
+                         for g, e in zip(groups, eps) if g.units > 0), key=lambda p: (-p["epsilon"], -p["units"]))
+        shared: dict[str, int] = {}
+        for group in groups:
+            for other in group.lineages:
+                if other != lineage:
+                    shared[other] = shared.get(other, 0) + group.units
+        return {"people": people, "shared_with": shared}
+
     def summary(self, lineage: str | None = None) -> list[dict[str, Any]]:
-        """Per lineage: versions, spends with their events, the distribution of unit ε, the largest."""
+        """Per lineage: versions, spends with their events, the distribution of unit ε, the largest (each unit's
+        ε composing every release that touched it, whatever its lineage), and ``people``: the units grouped
+        by those releases."""
         out = []
-        listed_all = self.spends(lineage, counted_only=False)
+        every = self.spends(counted_only=False)
+        listed_all = [s for s in every if lineage is None or s.lineage == lineage]
         for name in sorted({s.lineage for s in listed_all}):
             listed = [s for s in listed_all if s.lineage == name]
             counted = {s.id for s in self.spends(name)}
             with self._connect() as db:
                 db.execute("BEGIN IMMEDIATE")
-                standing = self._lineage_standing(db, name)
+                groups = self._groups(db, name)
+                standing = Standing([self._base(db, name)] + [g.releases for g in groups],
+                                    np.array([0] + [g.units for g in groups], dtype=np.int64), None, [])
                 accounts = UnitAccounts(self.delta, db)
                 eps = accounts.epsilons(standing.histories)
                 kl_any = any(s.mechanism is not None and s.mechanism.guarantee == "kl" and s.id in counted
@@ -415,5 +515,6 @@ class Ledger:
                 "spends": [{"id": s.id, "label": s.label, "created_at": s.created_at, "dataset_version": s.dataset_version,
                             "epsilon_alone": s.epsilon_alone, "private": s.mechanism is not None, "units": s.n_units,
                             "counted": s.id in counted, "events": [k for k, _ in self.events(s.id)]} for s in listed],
+                **self._people(name, groups, eps[1:], {s.id: s.lineage for s in every}),
             })
         return out

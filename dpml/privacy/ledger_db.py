@@ -28,6 +28,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from dpml.privacy.unit_accounts import LedgerError
+
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 LOCK_WAIT_SECONDS = 3600.0  # how long a SQLite connection waits for the write lock
 LOCK_KEY = 0x64706D6C  # "dpml": the advisory lock that serialises the ledger's transactions
@@ -63,6 +65,8 @@ class SqliteDatabase:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        if path.is_dir():
+            raise LedgerError(f"{path} is a directory; the ledger is a file in it (e.g. {path / 'ledger.db'})")
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def describe(self) -> str:
@@ -73,8 +77,6 @@ class SqliteDatabase:
         """A connection that waits up to :data:`LOCK_WAIT_SECONDS` for the write lock: reservations are
         serialised and each does its accounting inside the lock, so with many workers the queue can be
         long; it never deadlocks (one lock). A wait beyond that is a clear error, not a traceback."""
-        from dpml.privacy.unit_accounts import LedgerError
-
         connection = sqlite3.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
         try:
             connection.execute("PRAGMA journal_mode=WAL")

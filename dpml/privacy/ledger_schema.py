@@ -24,8 +24,9 @@ SCHEMA_VERSION = 2
 
 
 def default_lineage(source: str) -> str:
-    """The lineage of a ``data.source`` when ``ledger.dataset`` is not set: its name
-    (:func:`dpml.data.schema.source_name`)."""
+    """The name a *new* lineage takes when ``ledger.dataset`` is not set and the ledger has never seen the
+    run's people: the source's name (:func:`dpml.data.schema.source_name`). People the ledger has seen
+    stay in their lineage whatever the file is called (:func:`dpml.stages.train.lineage_of`)."""
     return source_name(source)
 
 

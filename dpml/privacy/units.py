@@ -94,6 +94,8 @@ def one_row_per_unit(digests: np.ndarray, seed: int) -> np.ndarray:
 def load_or_create_key(path: str | Path, create: bool) -> bytes:
     """The unit key (32 random bytes); created with mode 0600 when absent and ``create``."""
     path = Path(path)
+    if path.is_dir():
+        raise UnitKeyError(f"{path} is a directory; ledger.unit_key names the unit key file itself")
     if path.exists():
         key = path.read_bytes()
         if len(key) != KEY_BYTES:

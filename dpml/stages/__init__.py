@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dpml.faults import fault_point
+from dpml.stages.checkout_lock import outputs_locked
 from dpml.preflight import preflight
 from dpml.stages.audit import audit, audit_context, audit_reference_jobs, train_audit_reference
 from dpml.stages.certify import certify
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from dpml.config import Config
 
 __all__ = ["CONTRACT", "PARTS", "STAGES", "Layout", "accuracy", "audit", "audit_context", "audit_reference_jobs",
-           "audit_registered_model", "certify", "check_delta", "gate", "ingest", "load_model", "load_part",
+           "audit_registered_model", "certify", "check_delta", "gate", "ingest", "load_model", "load_part", "outputs_locked",
            "preprocess", "register", "release_config", "run_all", "run_stage", "split", "total_variation_violations",
            "train", "train_audit_reference", "tune"]
 
@@ -54,15 +55,16 @@ def run_stage(name: str, config: Config, progress: bool = False, search: bool = 
     ``search``: run ``dpml tune``'s search in place of the train stage (same contract).
     """
     layout = Layout(config)
-    check_inputs(name, layout)
-    fault_point(f"before:{name}")
-    started = time.time()
-    if name == "train":
-        result = (tune if search else train)(config, progress=progress)
-    else:
-        result = STAGES[name](config)
-    check_outputs(name, layout)
-    record_stage(config, name, started, time.time(), result)
+    with outputs_locked(config, f"dpml stage {name}"):  # re-entrant: a whole run already holds it
+        check_inputs(name, layout)
+        fault_point(f"before:{name}")
+        started = time.time()
+        if name == "train":
+            result = (tune if search else train)(config, progress=progress)
+        else:
+            result = STAGES[name](config)
+        check_outputs(name, layout)
+        record_stage(config, name, started, time.time(), result)
     fault_point(f"after:{name}")
     return result
 
@@ -75,10 +77,11 @@ def run_all(config: Config, progress: bool = False, echo: Callable[[str], None] 
     results: dict[str, Any] = {}
     if search:
         check_tunable(config)
-    preflight(config)
-    for name in STAGES:
-        start = time.perf_counter()
-        echo(f"[dpml] {'tune' if search and name == 'train' else name} …")
-        results[name] = run_stage(name, config, progress=progress, search=search)
-        echo(f"[dpml] {name} done in {time.perf_counter() - start:.1f}s")
+    with outputs_locked(config, "dpml tune" if search else "dpml run"):  # one run at a time in these folders
+        preflight(config)
+        for name in STAGES:
+            start = time.perf_counter()
+            echo(f"[dpml] {'tune' if search and name == 'train' else name} …")
+            results[name] = run_stage(name, config, progress=progress, search=search)
+            echo(f"[dpml] {name} done in {time.perf_counter() - start:.1f}s")
     return results

@@ -17,6 +17,7 @@ from dpml.audit.plots import plot_histograms, plot_roc
 from dpml.audit.references import AuditRecords, audit_records, train_reference
 from dpml.audit.run import needs_references, run_audit, subject_config
 from dpml.stages.layout import Layout, load_model, load_part, load_trained_part
+from dpml.stages.spend_outputs import stamp_for
 from dpml.stages.train import release_config, released_noise_multiplier
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ def audit(config: Config) -> dict[str, Any]:
             keep = np.unique(np.linspace(0, fpr.size - 1, min(fpr.size, 200)).astype(int))
             with io.atomic_path(layout.roc_csv) as temp:
                 temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep])))
+    summary |= stamp_for(layout)  # the model this audit attacked (dpml.stages.spend_outputs)
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)
     metrics = {f"{name}.{k}": v for name, r in summary["target"]["attacks"].items() for k, v in r.items()

@@ -25,6 +25,7 @@ from dpml.privacy.ledger import Ledger
 from dpml.report.privacy_report import render
 from dpml.stages.audit import strongest
 from dpml.stages.layout import Layout
+from dpml.stages.spend_outputs import STAMP
 from dpml.stages.train import lineage_of, open_ledger
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def gate(config: Config) -> dict[str, Any]:
     ledger = open_ledger(config)
     passed = _gate_ledger(config, ledger, certificate, reasons) and passed
     decision = {"passed": passed, "reasons": reasons, "epsilon_budget": config.gate.epsilon_budget,
-                "audit_is_evidence": evidence}
+                "audit_is_evidence": evidence, STAMP: summary.get(STAMP)}  # the model judged (its audit's stamp)
     io.write_json(layout.gate, decision)
     data = io.read_json(layout.prepared_meta) | {
         "lower": config.preprocess.lower, "upper": config.preprocess.upper,

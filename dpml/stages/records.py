@@ -9,6 +9,9 @@ written by registration only, so a run killed earlier leaves no MLflow run behin
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
@@ -46,3 +49,23 @@ def stage_records(layout: Layout, stages: list[str]) -> list[dict[str, Any]]:
     restored by DVC from an older run, may have none)."""
     paths = [layout.stage_records / f"{stage}.json" for stage in stages]
     return [io.read_json(path) for path in paths if path.exists()]
+
+
+_DRIVER: ContextVar[dict[str, str]] = ContextVar("dpml_driver_tags", default={})
+
+
+@contextmanager
+def driven_by(tags: dict[str, str]) -> Iterator[None]:
+    """Name the driver of the stages run inside the block (the Prefect flow run and the API it reports to:
+    ``prefect.flow_run_id``, ``prefect.api_url``); registration tags the MLflow run with them. Set by the
+    driver at its edge and scoped to this context, so a later run in the same process is not tagged."""
+    token = _DRIVER.set(dict(tags))
+    try:
+        yield
+    finally:
+        _DRIVER.reset(token)
+
+
+def driver_tags() -> dict[str, str]:
+    """The tags of the driver running the current stages (:func:`driven_by`); empty outside one."""
+    return dict(_DRIVER.get())

@@ -15,7 +15,8 @@ from dpml.privacy.mechanism import MechanismDescription
 from dpml.provenance import release_provenance
 from dpml.stages.audit import power_and_conformance_metrics, strongest
 from dpml.stages.layout import CONTRACT, Layout, load_model
-from dpml.stages.records import stage_params, stage_records
+from dpml.stages.records import driver_tags, stage_params, stage_records
+from dpml.stages.spend_outputs import check_outputs_of_spend
 from dpml.stages.train import lineage_of, open_ledger, release_config
 
 if TYPE_CHECKING:
@@ -34,28 +35,41 @@ def serving_spec(config: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
             "transform": transform_of(config).to_dict()}
 
 
-RESOLVED = {"released", "release_abandoned", "cancelled", "failed"}  # events after which a spend's release is settled
+RESOLVED = {"released", "release_abandoned", "cancelled", "failed",  # events after which a spend's release is settled
+            "interrupted"}  # stopped before registration (dpml.stages.stopped)
 
 
 def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
-    """Settle what a killed registration left, before this one registers.
+    """Settle what interrupted registrations left, before this one registers.
 
-    A run killed inside registration (MLflow run still RUNNING) is marked KILLED and its half-made
-    version deleted (:func:`dpml.tracking.clean_up_killed_runs`): its spend gets ``release_abandoned``.
-    A run killed after its MLflow run finished but before the ledger heard of it released a model the
-    ledger does not name: its spend gets the ``released`` event it missed, marked ``reconciled``.
-    Either way the spend stays counted.
+    Every run whose registration never finished — FAILED or KILLED, or RUNNING under a process that was
+    killed outright — has its model versions withdrawn and the champion alias put back
+    (:func:`dpml.tracking.clean_up_unreleased_runs`); its spend gets ``release_abandoned`` (it stays
+    counted, and ``dpml stage register`` may still release its outputs). A run killed after its MLflow
+    run finished but before the ledger heard of it released a model the ledger does not name: its spend
+    gets the ``released`` event it missed, marked ``reconciled``.
     """
     from dpml import tracking
 
     spends = {s.id: s for s in ledger.spends(counted_only=False)}
-    for killed in tracking.clean_up_killed_runs(config.tracking):
-        if killed["spend_id"].isdigit() and int(killed["spend_id"]) in spends:
-            ledger.record_event(int(killed["spend_id"]), "release_abandoned", {"run_id": killed["run_id"]})
+    for cleaned in tracking.clean_up_unreleased_runs(config.tracking):
+        spend_id = cleaned["spend_id"]
+        if spend_id.isdigit() and int(spend_id) in spends:
+            ledger.record_event(int(spend_id), "release_abandoned",
+                                {"run_id": cleaned["run_id"], "withdrawn": cleaned["withdrawn"]})
     unsettled = {s.id: s.created_at for s in spends.values()
                  if not RESOLVED & {kind for kind, _ in ledger.events(s.id)}}
     for spend_id, release in tracking.finished_releases(config.tracking, unsettled).items():
         ledger.record_event(spend_id, "released", release | {"reconciled": "true"})
+
+
+def spend_tag(ledger: Ledger, spend_id: int) -> str:
+    """The spend's identity on its model version (``ledger.spend``): its id and the time it was reserved,
+    so that two ledgers' spend 7 never pass for one another in a shared registry."""
+    spend = next((s for s in ledger.spends(counted_only=False) if s.id == spend_id), None)
+    if spend is None:
+        raise RuntimeError(f"spend {spend_id} is not in the ledger at {ledger.location}")
+    return f"{spend_id}@{spend.created_at:.6f}"
 
 
 def conformance_tag(summary: dict[str, Any]) -> str:
@@ -88,17 +102,23 @@ def version_description(tags: dict[str, str], decision: dict[str, Any]) -> str:
 
 
 def register(config: Config) -> dict[str, Any]:
-    """Log the run to MLflow and register the model version with its privacy tags."""
+    """Log the run to MLflow and register the model version with its privacy tags — once per spend, and
+    only the outputs that spend paid for (:mod:`dpml.stages.spend_outputs`): a spend already released in
+    this registry gets its version back (a retried task, a repeated ``dpml stage register``)."""
     from dpml import tracking
 
     started = time.time()
     as_run = config
     config = release_config(config)
     layout = Layout(config)
-    certificate = io.read_json(layout.certificate)
-    summary = io.read_json(layout.audit)
+    ledger = open_ledger(config)
+    spend_id = check_outputs_of_spend(layout, ledger)
+    reconcile_interrupted_releases(config, ledger)
+    identity = spend_tag(ledger, spend_id)
     decision = io.read_json(layout.gate)
     train_metrics = io.read_json(layout.train_metrics)
+    certificate = io.read_json(layout.certificate)
+    summary = io.read_json(layout.audit)
     data_meta = io.read_json(layout.raw_meta)
     attacks = summary["target"]["attacks"]
     strongest_auc, auc = strongest(attacks, "auc")
@@ -107,7 +127,6 @@ def register(config: Config) -> dict[str, Any]:
     mechanism = "none (non-private)"
     if certificate:
         mechanism = MechanismDescription.from_dict(certificate["mechanism"]).summary()
-    ledger = open_ledger(config)
     spend = io.read_json(layout.spend)
     lineage = spend.get("lineage") or lineage_of(config)
     lineage_max = ledger.total(lineage)
@@ -120,6 +139,7 @@ def register(config: Config) -> dict[str, Any]:
         "dp.units_trained": "unknown" if spend.get("units") is None else str(spend["units"]),
         "dp.units_excluded": str(train_metrics.get("units_excluded", 0)),
         "ledger.spend_id": str(spend["spend_id"]),
+        "ledger.spend": identity,
         "dp.delta": f"{config.dp.delta:g}",
         "dp.accountant": f"{certificate['accountant']} {certificate['accountant_version']}" if certificate else "none",
         "dp.mechanism": mechanism,
@@ -155,10 +175,16 @@ def register(config: Config) -> dict[str, Any]:
         version_tags |= {"tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),
                          "tune.selection": str(tuning["selection"]),
                          "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}"}
+    earlier = tracking.release_of_spend(config.tracking, identity)
+    if earlier is not None:  # this spend's one version: judged again if the gate's verdict changed
+        if earlier.pop("recorded_verdict") != version_tags["gate.passed"]:
+            earlier = tracking.record_verdict(config.tracking, earlier, decision["passed"], version_tags["gate.reason"],
+                                              version_description(version_tags, decision))
+        return finish_release(config, layout, ledger, spend_id, earlier | {"already_released": True}, decision,
+                              train_metrics)
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
                              layout.model_spec, layout.tuning, layout.model_source) if p.exists()]
-    reconcile_interrupted_releases(config, ledger)
     provenance, logged_files = release_provenance(as_run, searched=layout.tuning.exists())
     version_tags |= provenance
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
@@ -177,12 +203,23 @@ def register(config: Config) -> dict[str, Any]:
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
-                  "ledger.spend_id": str(spend["spend_id"]), **provenance},
+                  "ledger.spend_id": str(spend["spend_id"]), "ledger.spend": identity, **provenance,
+                  **driver_tags()},
         documents={"config.json": config.to_dict()},
     )
+    return finish_release(config, layout, ledger, spend_id, release, decision, train_metrics)
+
+
+def finish_release(config: Config, layout: Layout, ledger: Ledger, spend_id: int, release: dict[str, Any],
+                   decision: dict[str, Any], train_metrics: dict[str, Any]) -> dict[str, Any]:
+    """Tell the ledger the spend is released (once), write ``release.json`` and return the release."""
     fault_point("register:before_released_event")
-    ledger.record_event(spend["spend_id"], "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})
+    if "released" not in {kind for kind, _ in ledger.events(spend_id)}:
+        ledger.record_event(spend_id, "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})
+    lineage = io.read_json(layout.spend).get("lineage") or lineage_of(config)
+    epsilon = (io.read_json(layout.certificate) or {}).get("epsilon", float("inf"))
     release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
-                "lineage": lineage, "lineage_max_unit_epsilon": lineage_max}
+                "lineage": lineage, "lineage_max_unit_epsilon": ledger.total(lineage), "spend_id": spend_id,
+                "experiment": config.tracking.experiment, "origins": dict(config.tracking.origins)}
     io.write_json(layout.release, release)
     return release

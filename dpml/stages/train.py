@@ -28,6 +28,7 @@ from dpml.preflight import noise_seed_is_fixed, preflight
 from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.stages.layout import Layout, load_part, load_units
+from dpml.stages.spend_outputs import stamp_for
 from dpml.train.fit import fit, model_spec
 from dpml.train.protocol import Trainer
 from dpml.train.registry import trainer_for
@@ -87,8 +88,44 @@ def forget_search(layout: Layout) -> None:
 
 
 def lineage_of(config: Config) -> str:
-    """The ledger account of this data set: ``ledger.dataset``, else the name of ``data.source``."""
-    return config.ledger.dataset or default_lineage(config.data.source)
+    """The ledger account of this run's people: ``ledger.dataset`` when set; else the lineage that already
+    holds the people of the prepared training part (the records decide, not the file's name: a renamed
+    file, another encoding or next week's export of the same people is the same account); else — people
+    the ledger has never seen — a new lineage named after ``data.source``. The reservation refuses a run
+    whose people another lineage holds (:class:`dpml.privacy.ledger.LineageConflict`), so an explicit
+    ``ledger.dataset`` can never open a second account for them."""
+    if config.ledger.dataset:
+        return config.ledger.dataset
+    fallback = default_lineage(config.data.source)
+    units = Layout(config).prepared["train"]
+    if not units.is_file():
+        return fallback
+    stat = units.stat()
+    key = (config.ledger.location(), config.ledger.unit_key, str(units.resolve()), stat.st_mtime_ns, stat.st_size,
+           fallback)
+    ledger = open_ledger(config)
+    generation = ledger.generation()
+    cached = _LINEAGE_OF.get(key)
+    if cached is not None and cached[0] == generation:
+        return cached[1]
+    name = ledger.lineage_holding(load_units(Layout(config)), fallback)
+    _LINEAGE_OF.clear()  # one run's answer is enough to keep
+    _LINEAGE_OF[key] = (generation, name)
+    if name != fallback:
+        warnings.warn(f"lineage {name!r}: the people of {config.data.source} are already accounted under it, so this "
+                      f"run is charged there (ledger.dataset is not set: the lineage follows the records, not the "
+                      f"file's name {fallback!r}; dpml ledger rename renames a lineage)", LineageFollowsRecords,
+                      stacklevel=1)  # one line per process, however many stages ask
+    return name
+
+
+class LineageFollowsRecords(UserWarning):
+    """A run without ``ledger.dataset`` charged to the lineage that already holds its people, whose name
+    is not the source's (a renamed file, another export of the same people)."""
+
+
+# lineage_of's last answer, kept while the units file and the ledger are unchanged
+_LINEAGE_OF: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
 
 
 def open_ledger(config: Config) -> Ledger:
@@ -167,17 +204,19 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     write_exclusions(layout, keep)
     ledger, spend = _reserve(config, layout, planned, f"{trainer.name} model ({config.data.source})", units)
     try:
+        fault_point("train:started")  # the spend counts from here; the previous run's model is still in place
         held_out = load_part(layout, "audit") if trainer.guarantee == "kl" else None  # KL-estimate probes
         result = fit(config, x_np, y_np, n_classes, private=trainer.private, noise_multiplier=sigma,
                      seed=config.train.seed, progress=progress, held_out=held_out)
         if result.mechanism != planned:
             raise RuntimeError("the trainer's mechanism differs from the one recorded in the ledger")
+        metrics = save_trained(config, layout, result.model, result.mechanism, x_np, y_np, result.history,
+                               {"units_excluded": int((~keep).sum())})
     except BaseException as error:
         ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
         raise
-    ledger.record_event(spend.id, "trained", {"steps": result.history.get("steps")})
-    return save_trained(config, layout, result.model, result.mechanism, x_np, y_np, result.history,
-                        {"units_excluded": int((~keep).sum())})
+    ledger.record_event(spend.id, "trained", {"steps": result.history.get("steps"), **stamp_for(layout)})
+    return metrics
 
 
 def tune(config: Config, progress: bool = False) -> dict[str, Any]:
@@ -218,18 +257,19 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
         if best is None:
             raise RuntimeError("the random number of candidates came out K = 0: nothing to release "
                                "(the search's privacy cost stays recorded in the ledger)")
+        io.write_npz(layout.validation, rows=rows)
+        io.write_json(layout.tuning, {"chosen": best.chosen, "noisy_validation_accuracy": best.noisy_validation_accuracy,
+                                      "selection": selection or None, "space": config.tune.space,
+                                      "validation_records": int(rows.size)})
+        extra = {"noisy_validation_accuracy": best.noisy_validation_accuracy, "units_excluded": int((~keep).sum()),
+                 **{f"chosen.{k}": v for k, v in best.chosen.items()}}
+        metrics = save_trained(with_hyperparameters(config, best.chosen), layout, best.model, plan.mechanism, x_fit,
+                               y_fit, best.history, extra)
     except BaseException as error:
         ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
         raise
-    ledger.record_event(spend.id, "trained", {"chosen": best.chosen})
-    io.write_npz(layout.validation, rows=rows)
-    io.write_json(layout.tuning, {"chosen": best.chosen, "noisy_validation_accuracy": best.noisy_validation_accuracy,
-                                  "selection": selection or None, "space": config.tune.space,
-                                  "validation_records": int(rows.size)})
-    extra = {"noisy_validation_accuracy": best.noisy_validation_accuracy, "units_excluded": int((~keep).sum()),
-             **{f"chosen.{k}": v for k, v in best.chosen.items()}}
-    return save_trained(with_hyperparameters(config, best.chosen), layout, best.model, plan.mechanism, x_fit, y_fit,
-                        best.history, extra)
+    ledger.record_event(spend.id, "trained", {"chosen": best.chosen, **stamp_for(layout)})
+    return metrics
 
 
 def keep_model_source(config: Config, layout: Layout) -> None:

@@ -16,19 +16,22 @@ differs from one process.
 Two ways to start the processes:
 
 - :func:`spawn` — dpml launches N processes on this machine (gloo on CPU, NCCL with one GPU per
-  process), joined over TCP on 127.0.0.1, and returns rank 0's result;
+  process), joined through a rendezvous store it holds on 127.0.0.1 and a port the system picks, and
+  returns rank 0's result; the processes never outlive the call (nor the launching process);
 - under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set; one or several machines through
   torchrun's rendezvous), :func:`from_environment` joins the process group torchrun describes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
-import socket
+import pickle
+import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dpml.devices import pick_device
+from dpml.interrupts import die_with_parent
 
 TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -109,27 +113,61 @@ def from_environment() -> Collective | None:
     return Collective(dist.get_rank(), dist.get_world_size())
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _process_main(rank: int, world_size: int, port: int, backend: str, threads: int, result_path: str,
-                  worker: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    """One spawned process: join the group, run ``worker(collective, *args)``, rank 0 saves the result.
-    A module among ``args`` is copied first: spawning passes tensors in shared memory, and N processes
-    stepping one shared set of weights would apply every update N times."""
+def _process_main(rank: int, world_size: int, port: int, backend: str, threads: int, work: str, parent: int) -> None:
+    """One spawned process: tie its life to the launcher's (``parent``), read its task from ``work``, join the
+    group through the launcher's store on ``port``, run ``worker(collective, *args)``, rank 0 saves the
+    result. A module among ``args`` is copied first: tensors come in shared memory, and N processes stepping
+    one shared set of weights would apply every update N times."""
+    die_with_parent(parent)
+    _own_launch_environment(rank)
     torch.set_num_threads(threads)
+    worker, args = pickle.loads((Path(work) / f"task-{rank}.pickle").read_bytes())
     args = tuple(copy.deepcopy(a) if isinstance(a, torch.nn.Module) else a for a in args)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         result = worker(Collective(rank, world_size), *args)
         if rank == 0:
-            torch.save(result, result_path)
+            torch.save(result, Path(work) / "rank0.pt")
     finally:
         dist.destroy_process_group()
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _own_launch_environment(rank: int) -> None:
+    """A process started by :func:`spawn` inherits its launcher's environment, which may be a torchrun job's:
+    its variables would then describe another group (``LOCAL_RANK`` picks the GPU, :func:`process_device`).
+    At this process's edge they are removed, and ``LOCAL_RANK`` says where this process is in its own group."""
+    for name in TORCHRUN_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ["LOCAL_RANK"] = str(rank)  # one machine: the local rank is the rank
+
+
+def _end(processes: list[Any]) -> None:
+    """Stop a distributed run's processes at once (SIGKILL: they hold nothing worth saving) and reap them."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join()
+
+
+@contextlib.contextmanager
+def _interrupts_withheld_from_children() -> Iterator[None]:
+    """Processes started inside the block have SIGINT blocked for life (a signal mask survives fork and exec):
+    a terminal's Ctrl-C reaches the whole process group, and a child caught while still starting would print
+    a traceback. They are stopped by their launcher (:func:`_end`) or die with it instead."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # started later, it would unblock SIGINT in this thread (its own launch does)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def check_picklable(key: str, world_size: int, remedy: str = "train in one process", **objects: Any) -> None:
@@ -149,15 +187,44 @@ def check_picklable(key: str, world_size: int, remedy: str = "train in one proce
 def spawn(world_size: int, device: str, worker: Callable[..., Any], *args: Any) -> Any:
     """Run ``worker(collective, *args)`` in ``world_size`` new processes on this machine; return rank 0's
     result. ``worker`` and ``args`` must be picklable (a module-level function; the processes start
-    fresh). A process that fails makes this raise, with that process's traceback."""
+    fresh). A process that fails makes this raise, with that process's traceback.
+
+    The processes meet at a rendezvous store that this process opens on a port the system picks, and holds
+    open until they have finished: concurrent distributed runs on one machine (the audit's reference models
+    in parallel Dask workers) never share or race for a port. Each reads its task from a file (written
+    before it starts), so starting one never waits on the others and a process killed while its children
+    start leaves them nothing half-read. They never outlive this call: an exception here (Ctrl-C,
+    SIGTERM, a cancellation, a failed process) kills every one of them before it propagates, and each dies
+    with this process should it be killed outright (:func:`dpml.interrupts.die_with_parent`).
+    Starting processes needs a process that may have children: a daemonic one (a Dask worker started with
+    ``distributed.worker.daemon: true``) is refused with a message saying so."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     if world_size < 2:
         raise ValueError(f"world_size = {world_size}: spawn needs at least 2 processes")
+    if multiprocessing.current_process().daemon:
+        raise RuntimeError(f"world_size = {world_size}: this process is daemonic (a Dask worker started with "
+                           "distributed.worker.daemon: true) and cannot start the training processes; start the "
+                           "workers non-daemonic, or train in one process")
+    from multiprocessing.reduction import ForkingPickler
+
     threads = max(1, (os.cpu_count() or 1) // world_size)
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     with tempfile.TemporaryDirectory(prefix="dpml-distributed-") as work:
-        result_path = str(Path(work) / "rank0.pt")
-        mp.start_processes(_process_main, args=(world_size, free_port(), backend_for(device), threads, result_path,
-                                                worker, args),
-                           nprocs=world_size, join=True, start_method="spawn")
-        return torch.load(result_path, weights_only=False)
+        for rank in range(world_size):  # one pickle each: a tensor's shared memory is handed over once per pickle
+            (Path(work) / f"task-{rank}.pickle").write_bytes(ForkingPickler.dumps((worker, args)))
+        with _interrupts_withheld_from_children():
+            context = mp.start_processes(_process_main, args=(world_size, store.port, backend_for(device), threads,
+                                                              work, os.getpid()),
+                                         nprocs=world_size, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except BaseException:
+            _end(context.processes)
+            raise
+        finally:
+            del store
+        return torch.load(Path(work) / "rank0.pt", weights_only=False)

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Mutation testing of the privacy core: plant every small bug mutmut can make in the modules a privacy bug
+# would hide in, run the fast tests that cover each, and list the mutants no test catches.
+#
+#   bash scripts/mutation.sh                 # every target below (the documented run; see the report for its time)
+#   bash scripts/mutation.sh bounds noise    # some targets only (one at a time while developing)
+#   MUTANTS="dpml.audit.bounds.x_gdp_delta__mutmut_*" bash scripts/mutation.sh bounds   # only these mutants
+#
+# Targets (module → the mutants run → the tests that judge them):
+#   bounds       dpml/audit/bounds.py, all                         tests/test_bounds.py
+#   noise        dpml/train/noise.py, all                          tests/test_noise.py (no subprocess test),
+#                                                                  tests/test_dpsgd.py (the trainer's noise streams)
+#   clip         dpml/train/clipping.py, clip_factors only         tests/test_dpsgd.py, tests/test_clipping_property.py
+#   checks       dpml/audit/checks.py, all                         tests/test_conformance.py (the unit tests of the
+#                                                                  checks' statistics, not the training ones)
+#   accountants  dpml/privacy/accountants.py, all                  tests/test_accounting.py (fast part)
+#   ledger       dpml/privacy/ledger.py, composition/reservation   tests/test_ledger.py (SQLite, no race, no kill)
+#
+# It works on a copy of the working tree (build/mutation, or $MUTATION_DIR), never on the checkout: mutmut
+# writes its mutants beside the copy. mutmut is installed into the project's virtual environment when
+# missing (pinned below). Each surviving mutant is printed with its diff and written to
+# build/mutation/survivors.txt; the committed report, benchmarks/results/mutation.md, says for each
+# survivor of the last full run which test now kills it or why it is equivalent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON="$ROOT/.venv/bin/python"
+MUTMUT_VERSION=3.8.1
+if [ "$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("mutmut"))' 2>/dev/null)" != "$MUTMUT_VERSION" ]; then
+  "$PYTHON" -m pip install -q "mutmut==$MUTMUT_VERSION"
+fi
+
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(bounds noise clip checks accountants ledger)
+
+files=() tests=() patterns=() deselect=()
+for target in "${targets[@]}"; do
+  case "$target" in
+    bounds) files+=(dpml/audit/bounds.py); tests+=(tests/test_bounds.py); patterns+=("dpml.audit.bounds.*") ;;
+    noise) files+=(dpml/train/noise.py); tests+=(tests/test_noise.py tests/test_dpsgd.py); patterns+=("dpml.train.noise.*")
+           deselect+=("not any_number_of_threads") ;;
+    clip) files+=(dpml/train/clipping.py); tests+=(tests/test_dpsgd.py tests/test_clipping_property.py)
+          patterns+=("dpml.train.clipping.x_clip_factors__mutmut_*") ;;
+    checks) files+=(dpml/audit/checks.py); tests+=(tests/test_conformance.py); patterns+=("dpml.audit.checks.*")
+            deselect+=("not broken_trainer and not intact_trainer and not the_gate_fails and not across_seeds") ;;
+    accountants) files+=(dpml/privacy/accountants.py); tests+=(tests/test_accounting.py)
+                 patterns+=("dpml.privacy.accountants.*") ;;
+    ledger) files+=(dpml/privacy/ledger.py); tests+=(tests/test_ledger.py)
+            for method in reserve total kl_total unit_epsilons _releases _standing_of_run _lineage_standing; do
+              patterns+=("dpml.privacy.ledger.xǁLedgerǁ${method}__mutmut_*")
+            done
+            deselect+=("not racing and not postgresql") ;;
+    *) echo "unknown target '$target' (bounds, noise, clip, checks, accountants, ledger)" >&2; exit 2 ;;
+  esac
+done
+
+WORK="${MUTATION_DIR:-$ROOT/build/mutation}"
+rm -rf "$WORK"
+mkdir -p "$WORK"
+cp -r dpml tests configs params.yaml pyproject.toml "$WORK/"
+find "$WORK" -name __pycache__ -prune -exec rm -rf {} +
+
+toml_list() { local out="" item; for item in "$@"; do out+="\"$item\", "; done; echo "[${out%, }]"; }
+select="" # test names left out (-k), e.g. the ones that run the code in a subprocess, which mutmut cannot see
+for expression in "${deselect[@]}"; do select+="${select:+ and }($expression)"; done
+by_name=""
+[ -z "$select" ] || by_name=", \"-k\", \"$select\""
+cat >> "$WORK/pyproject.toml" <<EOF
+
+[tool.mutmut]
+source_paths = ["dpml"]
+only_mutate = $(toml_list "${files[@]}")
+pytest_add_cli_args_test_selection = $(toml_list "${tests[@]}")
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow and not exhaustive"$by_name]
+process_isolation = "forkserver"
+use_git_change_detection = false
+EOF
+
+cd "$WORK"
+start=$(date +%s)
+status=0
+[ -z "${MUTANTS:-}" ] || read -r -a patterns <<< "$MUTANTS"
+"$ROOT/.venv/bin/mutmut" run --max-children "${MUTATION_CHILDREN:-2}" "${patterns[@]}" || status=$?
+seconds=$(( $(date +%s) - start ))
+"$ROOT/.venv/bin/mutmut" results > results.txt || true
+grep -E ": (survived|no tests|timeout|suspicious)" results.txt > survivors.txt || true
+echo "mutation run: targets ${targets[*]}, $(wc -l < survivors.txt) not killed, ${seconds} s"
+while read -r line; do
+  name="${line%%:*}"
+  "$ROOT/.venv/bin/mutmut" show "$name" || true
+done < survivors.txt
+exit "$status"
