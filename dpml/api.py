@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpml.devices import pick_device
+from dpml.models.library import adapt, check_input_kind, input_vocabulary
 from dpml.privacy.accountants import certify
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.ledger import Ledger, Spend
@@ -54,6 +55,7 @@ from dpml.train.distributed import (Collective, check_picklable, check_world_siz
                                    spawn)
 from dpml.train.dpsgd import (AUTOCAST, LOSSES, dpsgd_mechanism, loss_function, make_optimizer, number_of_steps,
                               poisson_batches, run_dpsgd_steps, secret_noise_seed)
+from dpml.train.token_records import TokenRecords, check_token_records
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 OptimizerChoice = Union[str, OptimizerFactory]
@@ -196,6 +198,21 @@ def _first_record(dataset: Dataset[Any]) -> torch.Tensor:
     return torch.as_tensor(item[0])
 
 
+def model_inputs(model: nn.Module, dataset: Dataset[Any], n: int,
+                 inputs: str) -> tuple[nn.Module, Dataset[Any], torch.Tensor]:
+    """The model as the engine calls it (one tensor in, logits out: :func:`dpml.models.library.adapt`), the
+    records as it reads them, and the first input. Token inputs (a forward taking ``input_ids`` and
+    ``attention_mask``) are checked record by record here, before any work (:mod:`dpml.train.token_records`)."""
+    if check_input_kind(inputs, model):
+        check_token_records(dataset, n, input_vocabulary(model))
+        dataset = TokenRecords(dataset)
+        first = _first_record(dataset)
+        return adapt(model, tuple(first.shape), first.dtype, "tokens"), dataset, first
+    first = _first_record(dataset)
+    dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
+    return adapt(model, tuple(first.shape), dtype, "tensor"), dataset, first
+
+
 def number_of_classes(model: nn.Module, first_input: torch.Tensor) -> int:
     """The model's output width on one record: the labels must lie in [0, that)."""
     was_training = model.training
@@ -298,7 +315,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
                   mlflow_experiment: str | None = None, mlflow_artifact_location: str | None = None,
                   run_name: str | None = None, progress: bool = False,
                   allow_delta_above_inverse_n: bool = False, autocast: str = "none",
-                  tune_physical_batch: bool = True) -> PrivateTraining:
+                  tune_physical_batch: bool = True, inputs: str = "auto") -> PrivateTraining:
     """Train ``model`` in place with DP-SGD on ``dataset`` and certify it (module docstring for the math).
 
     ``dataset``: map-style, ``dataset[i]`` a pair (input tensor, integer label); the labels must lie in
@@ -319,6 +336,10 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     ``autocast``: ``bf16`` runs the forward pass under bf16 autocast (norms, sums and noise in float32).
     ``tune_physical_batch``: clip in the fastest chunk of at most ``physical_batch_size`` records, timed
     on a synthetic probe before training (:mod:`dpml.train.chunking`); the sums are the same either way.
+    ``inputs``: ``auto`` calls a model whose forward names ``input_ids`` and ``attention_mask`` with them,
+    reading ``dataset[i]`` as ``(input_ids, attention_mask, label)`` (or ``(input_ids, label)``), and any
+    other model with the input tensor; ``tokens``/``tensor`` insist. A forward may return an output
+    object with ``.logits`` (:mod:`dpml.models.library`); ``result.model`` is still the module passed in.
     """
     mlflow_tracking_uri, mlflow_experiment = resolve_api_tracking(mlflow_tracking_uri, mlflow_experiment, os.environ)
     n = dataset_size(dataset)
@@ -330,7 +351,8 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
                         world_size=world_size, ledger=ledger, epsilon_budget=epsilon_budget, lineage=lineage,
                         privacy_units=privacy_units, allow_delta_above_inverse_n=allow_delta_above_inverse_n,
                         autocast=autocast, tune_physical_batch=tune_physical_batch)
-    first = _first_record(dataset)
+    user_model = model
+    model, dataset, first = model_inputs(user_model, dataset, n, inputs)  # token records checked before any work
     loss_fn = loss if callable(loss) else loss_function(loss)
     input_dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
     plan = plan_clipping(model, loss_fn, tuple(first.shape), input_dtype)  # refuses before any spend
@@ -355,7 +377,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     if book is not None:
         try:
             spend = _reserve(book, mechanism, lineage, epsilon_budget, privacy_units,  # type: ignore[arg-type]
-                             f"dpml.train_private: {type(model).__name__} ({n} records)")
+                             f"dpml.train_private: {type(user_model).__name__} ({n} records)")
         except BaseException as error:
             refusal = error
     if collective is not None and not collective.all_agree(refusal is None, agreement_device):
@@ -380,7 +402,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     if book is not None and spend is not None:
         book.record_event(spend.id, "trained", {"steps": history.get("steps")})
     history["exact_clipping_parameters"] = len(plan.exact_parameters)
-    result = PrivateTraining(model, certificate, mechanism, history, spend.id if spend else None)
+    result = PrivateTraining(user_model, certificate, mechanism, history, spend.id if spend else None)
     if mlflow_tracking_uri is not None and lead:
         settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "clip_norm": clip_norm,
                     "epochs": epochs, "delta": delta, "neighbouring": neighbouring, "n": n,

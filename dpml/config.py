@@ -100,6 +100,10 @@ class ConfigBase(Section):
         if self.data.source.partition(":")[0] in ("csv", "parquet") and self.preprocess.features == "scatternet":
             raise ValueError("preprocess.features = 'scatternet': ScatterNet features are for images, not a "
                              f"table ({self.data.source})")
+        tokens = [name for name, column in (self.data.columns or {}).items() if column.type == "tokens"]
+        if tokens and self.model.kind != "custom":
+            raise ValueError(f"model.kind = {self.model.kind!r}: data.columns.{tokens[0]} holds token ids, which only a "
+                             "model taking input_ids and attention_mask reads; use model.kind: custom with such a factory")
         trainer = trainer_for(self)  # type: ignore[arg-type]
         problems = []
         if self.model.kind not in trainer.model_kinds:

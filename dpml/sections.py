@@ -154,7 +154,9 @@ class ModelConfig(Section):
     ``kind: wide_resnet``: WRN-``depth``-``widen`` with GroupNorm of ``norm_groups`` groups (WRN-16-4 is the
     standard DP-SGD image model) on images of ``input_shape``.
     ``kind: custom``: the user's module, ``factory: package.module:function`` called as
-    ``function(input_shape, n_classes, **options)`` (:mod:`dpml.models.custom`).
+    ``function(input_shape, n_classes, **options)`` (:mod:`dpml.models.custom`); ``inputs``: how it is
+    called (``auto``: with ``input_ids`` and ``attention_mask`` keywords when its forward names them, else
+    with one tensor; ``tokens`` or ``tensor`` insist), :mod:`dpml.models.library`.
     """
 
     kind: Literal["mlp", "gated", "lipschitz", "bias_free_relu", "random_features", "cnn", "wide_resnet",
@@ -177,6 +179,7 @@ class ModelConfig(Section):
     widen: int = Field(4, gt=0)
     factory: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    inputs: Literal["auto", "tensor", "tokens"] = "auto"
 
     @field_validator("hidden", "channels")
     @classmethod
@@ -206,6 +209,8 @@ class ModelConfig(Section):
                              f"(model.kind = {self.kind!r})")
         if self.options and self.kind != "custom":
             raise ValueError(f"model.options = {self.options}: only for model.kind: custom")
+        if self.inputs != "auto" and self.kind != "custom":
+            raise ValueError(f"model.inputs = {self.inputs!r}: only for model.kind: custom")
         if self.factory is not None:
             from dpml.models.custom import load_factory
 

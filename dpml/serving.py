@@ -12,7 +12,8 @@ class names, and the network exported with ``torch.export`` (no dpml class is ne
 pyfunc's code and the two preprocessing modules travel inside the model by value (cloudpickle), so
 loading it needs mlflow, torch, numpy and pandas but not dpml (a ScatterNet model also needs dpml
 and kymatio, for the extractor). The signature is the schema's columns (numeric: double, categorical:
-string; a column with a declared way to be missing is optional) or the raw feature shape; the output
+string; a tokens column: its ids as text, ``"101 7592 102"``; a column with a declared way to be missing is
+optional) or the raw feature shape; the output
 is a frame with the predicted ``label`` and ``probability(<class>)`` for each class (the softmax of
 the network's outputs).
 """
@@ -95,6 +96,8 @@ def synthetic_example(spec: dict[str, Any]) -> pd.DataFrame | np.ndarray:
         if column["kind"] == "numeric":
             fill = column["fill"]
             row[column["name"]] = float(fill if fill is not None else (column["lower"] + column["upper"]) / 2)
+        elif column["kind"] == "tokens":  # one padding token
+            row[column["name"]] = str(column["pad_id"])
         else:
             row[column["name"]] = str(column["categories"][0])
     return pd.DataFrame([row, row])
@@ -110,6 +113,8 @@ def _column_type(column: dict[str, Any], missing_values: list[str]) -> Any:
     column with a missing token such as '?' (read as text), categories that look like numbers (read as such)."""
     from mlflow.types.schema import AnyType
 
+    if column["kind"] == "tokens":  # ids as text; a file whose cells hold one id each is read as numbers
+        return AnyType()
     if column["kind"] == "numeric":
         text_tokens = column["fill"] is not None and any(token.strip() for token in missing_values)
         return AnyType() if text_tokens else "double"

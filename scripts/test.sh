@@ -3,6 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The model libraries of the `models` extra (tests/test_library_models.py), pinned in their own lock with the
+# runtime lock as constraints: test and benchmark extras, never runtime dependencies (README, Your own model).
+echo "[test] installing the model libraries pinned in requirements-models.lock"
+.venv/bin/python -m pip install --progress-bar off -r requirements-models.lock -c requirements.lock \
+  | { grep -vE '^Requirement already satisfied' || true; }
 # Headless Chromium for the MLflow UI test (tests/test_review_desk.py): Debian's package, installed only when
 # missing and only where we may (root with apt-get); otherwise that test skips and says why.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -6,7 +6,12 @@ A user declares each feature column under ``data.columns`` (:class:`dpml.data.sc
   column ``NAME:missing`` says it was missing;
 - ``categorical`` with its public ``categories``: one-hot over them, plus an explicit slot
   ``NAME=<missing>`` for a missing value and ``NAME=<other>`` for a value outside the list (with
-  ``strict: true`` such a value is an error instead, and the ``<other>`` slot does not exist).
+  ``strict: true`` such a value is an error instead, and the ``<other>`` slot does not exist);
+- ``tokens`` (``length``, ``vocabulary``, ``pad_id``): a cell is the text of one example's token ids
+  separated by spaces; it becomes ``length`` ids, padded at the end with ``pad_id``, then ``length`` mask
+  values (1 = a token, 0 = padding), the inputs of a model taking ``input_ids`` and ``attention_mask``
+  (:mod:`dpml.models.library`). A missing cell, a part that is not an integer, an id outside
+  [0, vocabulary) and more than ``length`` ids are errors naming the row and the column.
 
 Every constant here comes from the declaration, never from the records, and each record is encoded
 on its own: neighbouring tables are encoded row by row by the same function, so the encoding costs
@@ -69,7 +74,8 @@ def category_codes(values: pd.Series, categories: list[str]) -> tuple[np.ndarray
 @dataclass(frozen=True)
 class ColumnEncoding:
     """One declared feature column: ``kind`` numeric (``lower``, ``upper``, ``fill``, ``indicator``;
-    ``fill`` None: a missing value is an error) or categorical (``categories``)."""
+    ``fill`` None: a missing value is an error), categorical (``categories``) or tokens (``length``,
+    ``vocabulary``, ``pad_id``)."""
 
     name: str
     kind: str
@@ -78,10 +84,16 @@ class ColumnEncoding:
     fill: float | None = None
     indicator: bool = False
     categories: tuple[str, ...] = ()
+    length: int = 0
+    vocabulary: int = 0
+    pad_id: int = 0
 
     def feature_names(self, strict: bool) -> list[str]:
         if self.kind == "numeric":
             return [self.name] + ([f"{self.name}:missing"] if self.indicator else [])
+        if self.kind == "tokens":
+            return ([f"{self.name}[{i}]" for i in range(self.length)]
+                    + [f"{self.name}.mask[{i}]" for i in range(self.length)])
         slots = [*self.categories, MISSING] + ([] if strict else [OTHER])
         return [f"{self.name}={slot}" for slot in slots]
 
@@ -89,6 +101,8 @@ class ColumnEncoding:
         """Per output feature: the public interval the preprocess stage clips and scales by."""
         if self.kind == "numeric":
             return [self.lower] + ([0.0] if self.indicator else []), [self.upper] + ([1.0] if self.indicator else [])
+        if self.kind == "tokens":  # what the values can be; preprocess leaves token inputs unscaled
+            return [0.0] * (2 * self.length), [float(self.vocabulary - 1)] * self.length + [1.0] * self.length
         width = len(self.feature_names(strict))
         return [0.0] * width, [1.0] * width
 
@@ -122,6 +136,11 @@ class TableEncoding:
     def feature_names(self) -> list[str]:
         return [name for column in self.columns for name in column.feature_names(self.strict)]
 
+    @property
+    def tokens(self) -> bool:
+        """Whether the features are token ids and their mask (which no scaling or norm clipping may touch)."""
+        return any(column.kind == "tokens" for column in self.columns)
+
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
         lower: list[float] = []
         upper: list[float] = []
@@ -152,6 +171,8 @@ class TableEncoding:
             missing = self._is_missing(values)
             if column.kind == "numeric":
                 blocks.append(self._numeric(column, values, missing, first_row, origin, counts))
+            elif column.kind == "tokens":
+                blocks.append(_tokens(column, values, missing, first_row, origin))
             else:
                 blocks.append(self._categorical(column, values, missing, first_row, origin, counts))
         if not blocks:
@@ -213,3 +234,40 @@ class TableEncoding:
         if (slots == other_slot).any():
             counts.other[column.name] = int((slots == other_slot).sum())
         return out
+
+
+def _token_ids(column: ColumnEncoding, cell: Any, row: int, origin: str) -> list[int]:
+    """The ids written in one cell (space-separated integers in [0, vocabulary), at most ``length``)."""
+    text = cell_key(cell) or ""
+    ids = []
+    for part in text.split():
+        if not (part.isascii() and part.isdigit()):
+            raise EncodingError(f"{origin}: row {row}, column {column.name!r}: {part!r} is not a token id; a tokens "
+                                f"cell holds integers in [0, {column.vocabulary}) separated by spaces")
+        ids.append(int(part))
+    if not ids:
+        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: no token ids; each example needs at least one")
+    outside = [i for i in ids if i >= column.vocabulary]
+    if outside:
+        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: token id {outside[0]} is outside the "
+                            f"vocabulary [0, {column.vocabulary})")
+    if len(ids) > column.length:
+        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: {len(ids)} token ids, more than its length "
+                            f"{column.length}; truncate the examples or raise data.columns.{column.name}.length")
+    return ids
+
+
+def _tokens(column: ColumnEncoding, values: pd.Series, missing: np.ndarray, first_row: int,
+            origin: str) -> np.ndarray:
+    """(n, 2·length): each row's ids padded with ``pad_id``, then its mask (1 = a token, 0 = padding)."""
+    if missing.any():
+        row = first_row + int(np.argmax(missing))
+        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: missing value; a tokens column has no fill "
+                            "(each example needs its token ids)")
+    out = np.zeros((len(values), 2 * column.length), dtype=np.float64)
+    out[:, : column.length] = column.pad_id
+    for position, cell in enumerate(values.to_numpy(dtype=object)):
+        ids = _token_ids(column, cell, first_row + position, origin)
+        out[position, : len(ids)] = ids
+        out[position, column.length: column.length + len(ids)] = 1.0
+    return out

@@ -61,7 +61,8 @@ def clip_input_norms(x: np.ndarray, radius: float, mode: str = "project") -> Pre
 class PublicTransform:
     """Scaling by public bounds, an optional feature extractor, input norm clipping: record by record.
 
-    ``lower``/``upper`` hold one value per raw feature, or a single value for all of them."""
+    ``lower``/``upper`` hold one value per raw feature, or a single value for all of them. ``unchanged``:
+    the records are token ids and their mask (a table's ``tokens`` column), which pass as they are."""
 
     lower: tuple[float, ...]
     upper: tuple[float, ...]
@@ -70,8 +71,11 @@ class PublicTransform:
     features: str = "none"
     image_shape: tuple[int, int] | None = None
     scatter_groups: int = 27
+    unchanged: bool = False
 
     def apply(self, x: np.ndarray) -> Prepared:
+        if self.unchanged:
+            return Prepared(x=np.array(x, dtype=np.float64), clipped_fraction=0.0)
         lower, upper = np.asarray(self.lower), np.asarray(self.upper)
         if lower.size > 1 and x.shape[1] != lower.size:
             raise ValueError(f"records have {x.shape[1]} features, the public bounds cover {lower.size}")
@@ -93,18 +97,19 @@ class PublicTransform:
         return cls(lower=tuple(data["lower"]), upper=tuple(data["upper"]), clip_norm=float(data["clip_norm"]),
                    clip_mode=data["clip_mode"], features=data["features"],
                    image_shape=None if shape is None else (int(shape[0]), int(shape[1])),
-                   scatter_groups=int(data["scatter_groups"]))
+                   scatter_groups=int(data["scatter_groups"]), unchanged=bool(data.get("unchanged", False)))
 
 
 def public_transform(config: PreprocessConfig, lower: np.ndarray | None = None,
-                     upper: np.ndarray | None = None) -> PublicTransform:
-    """The transform of ``config``; per-feature ``lower``/``upper`` (a table schema's) replace its scalar pair."""
+                     upper: np.ndarray | None = None, unchanged: bool = False) -> PublicTransform:
+    """The transform of ``config``; per-feature ``lower``/``upper`` (a table schema's) replace its scalar pair;
+    ``unchanged``: token inputs, left as they are."""
     shape = None if config.image_shape is None else (int(config.image_shape[0]), int(config.image_shape[1]))
     return PublicTransform(
         lower=tuple(float(v) for v in lower) if lower is not None else (float(config.lower),),
         upper=tuple(float(v) for v in upper) if upper is not None else (float(config.upper),),
         clip_norm=float(config.clip_norm), clip_mode=config.clip_mode, features=config.features,
-        image_shape=shape, scatter_groups=int(config.scatter_groups))
+        image_shape=shape, scatter_groups=int(config.scatter_groups), unchanged=unchanged)
 
 
 def preprocess(x: np.ndarray, config: PreprocessConfig) -> Prepared:

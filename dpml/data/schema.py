@@ -126,7 +126,30 @@ class CategoricalColumn(Section):
         return value
 
 
-Column = Annotated[Union[NumericColumn, CategoricalColumn], Field(discriminator="type")]
+MAX_VOCABULARY = 2 ** 24  # every id below it is exact in the float32 records the pipeline stores
+
+
+class TokensColumn(Section):
+    """A column of token ids, the inputs of a model taking ``input_ids`` and ``attention_mask``
+    (``model.kind: custom``, :mod:`dpml.models.library`). Each cell is the text of one example's ids,
+    separated by spaces (``"101 7592 2088 102"``): at most ``length`` of them, each an integer in
+    [0, ``vocabulary``). It becomes ``length`` ids, padded at the end with ``pad_id``, and ``length`` mask
+    values (1 = a token, 0 = padding): features ``NAME[i]`` then ``NAME.mask[i]``. It is the table's only
+    feature column, and preprocess's scaling and input-norm clipping leave it as it is."""
+
+    type: Literal["tokens"]
+    length: int = Field(gt=0)
+    vocabulary: int = Field(gt=0, le=MAX_VOCABULARY)
+    pad_id: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _pad_in_vocabulary(self) -> "TokensColumn":
+        if self.pad_id >= self.vocabulary:
+            raise ValueError(f"pad_id = {self.pad_id}: must be a token id in [0, vocabulary = {self.vocabulary})")
+        return self
+
+
+Column = Annotated[Union[NumericColumn, CategoricalColumn, TokensColumn], Field(discriminator="type")]
 
 
 class DataConfig(Section):
@@ -137,7 +160,8 @@ class DataConfig(Section):
     Tabular sources need ``label_column`` and, because the label set is a constant that must not be
     read off the private data, the list of ``classes``, and their feature columns either as
     ``columns`` (the schema: each column ``numeric`` with public bounds or ``categorical`` with public
-    categories, :mod:`dpml.data.encoding`) or as ``feature_columns`` (shorthand: all numeric, bounded
+    categories, or one ``tokens`` column of token ids for a model taking ``input_ids`` and
+    ``attention_mask``, :mod:`dpml.data.encoding`) or as ``feature_columns`` (shorthand: all numeric, bounded
     by ``preprocess.lower``/``upper``, no missing values). ``missing_values``: the cell texts read as
     missing (compared after stripping surrounding whitespace); ``strict``: a categorical value
     outside its list is an error instead of going to the ``<other>`` slot. ``chunk_rows``: rows read
@@ -240,6 +264,11 @@ class DataConfig(Section):
                                  "all-numeric shorthand of columns)")
             if self.columns is not None and not self.columns:
                 raise ValueError("data.columns is empty: declare at least one feature column")
+            tokens = [name for name, column in (self.columns or {}).items() if column.type == "tokens"]
+            if tokens and len(self.columns or {}) > 1:
+                raise ValueError(f"data.columns: {tokens[0]!r} is a tokens column, so it must be the only feature column "
+                                 f"(a model taking input_ids and attention_mask reads one sequence); got "
+                                 f"{list(self.columns or {})}")
         elif self.columns is not None or self.feature_columns is not None:
             key = "data.columns" if self.columns is not None else "data.feature_columns"
             raise ValueError(f"{key}: only a csv or parquet source has columns; {scheme}: its features are "

@@ -35,6 +35,9 @@ def table_encoding(data: DataConfig, preprocess: PreprocessConfig) -> TableEncod
             if column.type == "numeric":
                 columns.append(ColumnEncoding(name=name, kind="numeric", lower=column.lower, upper=column.upper,
                                               fill=column.fill, indicator=column.indicator))
+            elif column.type == "tokens":
+                columns.append(ColumnEncoding(name=name, kind="tokens", length=column.length,
+                                              vocabulary=column.vocabulary, pad_id=column.pad_id))
             else:
                 columns.append(ColumnEncoding(name=name, kind="categorical",
                                               categories=tuple(category_text(c) for c in column.categories)))
@@ -48,12 +51,13 @@ def table_encoding(data: DataConfig, preprocess: PreprocessConfig) -> TableEncod
 
 
 def transform_of(config: Config) -> PublicTransform:
-    """The public preprocessing of this configuration: a schema's per-column bounds, else the scalar pair."""
+    """The public preprocessing of this configuration: a schema's per-column bounds, else the scalar pair;
+    token ids and their mask pass unchanged."""
     encoding = table_encoding(config.data, config.preprocess) if config.data.columns is not None else None
     if encoding is None:
         return public_transform(config.preprocess)
     lower, upper = encoding.bounds()
-    return public_transform(config.preprocess, lower, upper)
+    return public_transform(config.preprocess, lower, upper, unchanged=encoding.tokens)
 
 
 def header(path: Path, kind: str, separator: str = ",", encoding: str = "auto") -> list[str]:

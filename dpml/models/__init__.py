@@ -61,7 +61,7 @@ def spec_for(model: "ModelConfig", input_bound: float, in_features: int, n_class
                               model.depth, model.widen, model.norm_groups)
     if model.kind == "custom":
         assert model.factory is not None  # checked when the configuration was validated
-        return CustomSpec(in_features, model.factory, n_classes, _shape(model), dict(model.options))
+        return CustomSpec(in_features, model.factory, n_classes, _shape(model), dict(model.options), model.inputs)
     if model.kind == "bias_free_relu":
         return BiasFreeReluSpec(in_features, tuple(model.hidden), n_classes, model.init, linearised)  # type: ignore[arg-type]
     return MlpSpec(in_features, tuple(model.hidden), n_classes, model.activation)

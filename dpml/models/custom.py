@@ -4,7 +4,9 @@ The function is called as ``function(input_shape, n_classes, **model.options)`` 
 module. ``input_shape`` is ``model.input_shape`` when given (the flat prepared rows are reshaped to it
 before the module sees them), else ``(in_features,)``. The module is looked up on the Python path,
 with the working directory first (a ``models.py`` beside ``params.yaml`` works without installing
-it). Before any ε is spent the pipeline refuses BatchNorm and checks the clipping engine on the module
+it). A module from a library (``transformers``, ``peft``) goes in unchanged: an output object with ``.logits``
+and a forward taking ``input_ids``/``attention_mask`` are adapted once here (:mod:`dpml.models.library`).
+Before any ε is spent the pipeline refuses BatchNorm and checks the clipping engine on the module
 (:mod:`dpml.train.clipping_check`); the module's source file is logged with the MLflow run.
 """
 
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpml.models.library import adapt, check_input_kind
+
 FACTORY_FORMAT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -34,16 +38,19 @@ class CustomSpec:
     n_classes: int
     input_shape: tuple[int, ...] | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    inputs: str = "auto"
 
     def to_dict(self) -> dict:
         return {"kind": "custom", "in_features": self.in_features, "factory": self.factory, "n_classes": self.n_classes,
-                "input_shape": None if self.input_shape is None else list(self.input_shape), "options": dict(self.options)}
+                "input_shape": None if self.input_shape is None else list(self.input_shape), "options": dict(self.options),
+                "inputs": self.inputs}
 
     @classmethod
     def from_dict(cls, payload: dict) -> "CustomSpec":
         shape = payload.get("input_shape")
         return cls(int(payload["in_features"]), str(payload["factory"]), int(payload["n_classes"]),
-                   None if shape is None else tuple(int(v) for v in shape), dict(payload.get("options") or {}))
+                   None if shape is None else tuple(int(v) for v in shape), dict(payload.get("options") or {}),
+                   str(payload.get("inputs", "auto")))
 
 
 def load_factory(factory: str) -> Callable[..., nn.Module]:
@@ -100,4 +107,7 @@ def build_custom(spec: CustomSpec) -> nn.Module:
                          f"n_classes={spec.n_classes}, options {spec.options} failed: {type(error).__name__}: {error}") from None
     if not isinstance(net, nn.Module):
         raise ValueError(f"model.factory = {spec.factory!r}: returned a {type(net).__name__}, not a torch.nn.Module")
+    if check_input_kind(spec.inputs, net, "model.inputs"):  # token inputs: the adapter reads the flat [ids…, mask…]
+        return adapt(net, tuple(shape), inputs="tokens")
+    net = adapt(net, tuple(shape), inputs="tensor", key="model.inputs")  # a library's output object → logits
     return net if spec.input_shape is None or len(shape) == 1 else Reshaped(net, shape)

@@ -27,7 +27,8 @@ can see such a use, so it is tested instead, on a deep copy of the model in floa
 
 The probe batch is synthetic (from a fixed public seed, so the plan is the same every time): standard
 normal inputs of the model's input shape (integer inputs: token ids below the smallest embedding's
-vocabulary) and uniform labels. It is not a record and nothing about the data enters the plan.
+vocabulary; token inputs with a mask: the adapter's ids and masks, with padding) and uniform labels.
+It is not a record and nothing about the data enters the plan.
 Each forward pass of the check restores the copy's buffers and the random state first, so dropout
 masks and power-iteration state (spectral norm) are the same in every pass.
 """
@@ -75,8 +76,14 @@ class ClippingPlan:
 
 def probe_batch(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype,
                 size: int = PROBE_BATCH) -> torch.Tensor:
-    """``size`` + 1 synthetic inputs (the last one replaces example 0 in the independence check)."""
+    """``size`` + 1 synthetic inputs (the last one replaces example 0 in the independence check). A model
+    that draws its own (token inputs: valid ids and masks, :meth:`dpml.models.library.LibraryModel.probe_input`)
+    gets those."""
     generator = torch.Generator().manual_seed(PROBE_SEED)
+    own = getattr(model, "probe_input", None)
+    drawn = own(tuple(input_shape), input_dtype, size + 1, generator) if callable(own) else None
+    if drawn is not None:
+        return drawn
     shape = (size + 1, *input_shape)
     if input_dtype.is_floating_point:
         return torch.randn(shape, generator=generator, dtype=torch.float64)

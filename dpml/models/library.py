@@ -1,0 +1,188 @@
+"""Models from other libraries (Hugging Face ``transformers``, ``peft``, …) as they come: one adapter.
+
+dpml calls a model as ``model(x)`` with one tensor ``x`` and reads ``(batch, classes)`` logits back:
+in training, the clipping probe, the chunk tuner, evaluation, the audit's scoring, the exported
+network of the release and ``dpml reproduce``. A library's module may differ in two ways, and
+:class:`LibraryModel` wraps it once, where the model is built (:func:`adapt`), so that every caller
+sees that plain form:
+
+- **Its output.** A ``ModelOutput``-like object with a ``.logits`` tensor, a dict with ``"logits"``,
+  or a tuple/list whose first item is the logits tensor are turned into that tensor
+  (:func:`logits_from_output`). Anything else is refused before training, naming the type returned.
+- **Its inputs.** A forward that takes ``input_ids`` and ``attention_mask`` keyword arguments (the
+  Hugging Face convention; detected from the signature, or ``inputs="tokens"``) gets *token inputs*:
+  dpml carries each example's ids and mask together as one tensor of shape ``(2, T)`` (row 0 the ids,
+  row 1 the mask: 1 = a token, 0 = padding), or flat as ``2T`` values (``[ids…, mask…]``, how a table's
+  ``tokens`` column is prepared, :mod:`dpml.data.encoding`). The adapter splits them and calls
+  ``net(input_ids=ids, attention_mask=mask)`` with integer tensors. An example's ids and mask are one
+  record, so chunking, batching and Poisson sampling can never separate them.
+
+The adapter holds no parameter of its own: the wrapped module's state dict appears under ``net.``.
+This module imports no library: it recognises them by their conventions.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+INPUT_KINDS = ("auto", "tensor", "tokens")
+TOKEN_KEYWORDS = ("input_ids", "attention_mask")
+ALLOWED_OUTPUTS = ("a (batch, classes) logits tensor, an object with a .logits tensor (a transformers ModelOutput), "
+                   "a dict with a 'logits' tensor, or a tuple/list whose first item is the logits tensor")
+
+
+class ModelOutputError(ValueError):
+    """The module's forward returned something dpml cannot read logits from (raised before training)."""
+
+
+def logits_from_output(output: Any) -> torch.Tensor:
+    """The logits tensor inside a module's output (module docstring), or a :class:`ModelOutputError`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]  # type: ignore[no-any-return]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ModelOutputError(f"model: its forward returned a {type(output).__module__}.{type(output).__qualname__}; "
+                           f"dpml reads the logits from {ALLOWED_OUTPUTS}")
+
+
+def takes_token_keywords(net: nn.Module) -> bool:
+    """Whether ``net``'s forward names both ``input_ids`` and ``attention_mask`` (the Hugging Face convention)."""
+    try:
+        parameters = inspect.signature(net.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in parameters for name in TOKEN_KEYWORDS)
+
+
+def input_vocabulary(net: nn.Module) -> int | None:
+    """The number of token ids the module's input embedding takes (``get_input_embeddings()``, the Hugging Face
+    and peft convention), else that of its only ``nn.Embedding``; None when it cannot be known."""
+    getter = getattr(net, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            embedding = getter()
+        except Exception:  # a module whose getter is not implemented: fall back to the modules
+            embedding = None
+        if isinstance(embedding, nn.Embedding):
+            return int(embedding.num_embeddings)
+    embeddings = [m for m in net.modules() if isinstance(m, nn.Embedding)]
+    return int(embeddings[0].num_embeddings) if len(embeddings) == 1 else None
+
+
+def check_input_kind(inputs: str, net: nn.Module, key: str = "inputs") -> bool:
+    """Whether ``net`` takes token inputs: ``auto`` reads the forward's signature; ``tokens`` insists on it."""
+    if inputs not in INPUT_KINDS:
+        raise ValueError(f"{key} = {inputs!r}: must be one of {', '.join(INPUT_KINDS)}")
+    if inputs == "tokens" and not takes_token_keywords(net):
+        raise ValueError(f"{key} = 'tokens': {type(net).__name__}.forward takes no input_ids and attention_mask "
+                         "keyword arguments")
+    return inputs == "tokens" or (inputs == "auto" and takes_token_keywords(net))
+
+
+def split_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, 2, T)`` or ``(B, 2T)`` token inputs → integer ``input_ids`` and ``attention_mask``, each ``(B, T)``."""
+    if x.dim() == 2 and x.shape[1] % 2 == 0:
+        x = x.reshape(x.shape[0], 2, x.shape[1] // 2)
+    if x.dim() != 3 or x.shape[1] != 2:
+        raise ValueError(f"token inputs: each example must be (2, T) ids and mask, or 2T values [ids…, mask…]; "
+                         f"got a batch of shape {tuple(x.shape)}")
+    if x.is_floating_point():
+        x = x.round()
+    x = x.long()
+    return x[:, 0], x[:, 1]
+
+
+def probe_tokens(count: int, length: int, vocabulary: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` synthetic token examples ``(count, 2, length)``: ids in [1, vocabulary) where the mask keeps
+    them, 0 (padding) where it does not; example i ends in i mod ⌈length/2⌉ padding positions (at least
+    one token is kept)."""
+    low = 1 if vocabulary > 1 else 0
+    ids = torch.randint(low, max(vocabulary, 1), (count, length), generator=generator)
+    padding = torch.arange(count) % max(1, (length + 1) // 2)
+    mask = (torch.arange(length)[None, :] < (length - padding)[:, None]).long()
+    return torch.stack([ids * mask, mask], dim=1)
+
+
+class LibraryModel(nn.Module):
+    """The user's module with dpml's calling convention: one tensor in, plain logits out (module docstring)."""
+
+    def __init__(self, net: nn.Module, tokens: bool, vocabulary: int | None = None) -> None:
+        super().__init__()
+        self.net = net
+        self.tokens = tokens
+        self.vocabulary = vocabulary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tokens:
+            ids, mask = split_tokens(x)
+            return logits_from_output(self.net(input_ids=ids, attention_mask=mask))
+        return logits_from_output(self.net(x))
+
+    def probe_input(self, input_shape: tuple[int, ...], input_dtype: torch.dtype, count: int,
+                    generator: torch.Generator) -> torch.Tensor | None:
+        """The clipping probe's synthetic batch for token inputs (valid ids and masks, some padding), in the
+        shape and dtype the model is fed; None for tensor inputs (the probe's own draw)."""
+        if not self.tokens:
+            return None
+        values = 1
+        for size in input_shape:
+            values *= int(size)
+        if values % 2:
+            raise ValueError(f"token inputs: an example of shape {list(input_shape)} cannot hold ids and a mask "
+                             "of one length (2T values)")
+        tokens = probe_tokens(count, values // 2, self.vocabulary or 2, generator)
+        dtype = torch.float64 if input_dtype.is_floating_point else input_dtype
+        return tokens.reshape(count, *input_shape).to(dtype)
+
+
+def _example_output(net: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> Any:
+    """``net``'s output on two synthetic inputs (eval mode, no gradient, random state kept); None if it fails
+    (the clipping probe then names the failure)."""
+    generator = torch.Generator().manual_seed(0)
+    if input_dtype.is_floating_point:
+        x = torch.randn((2, *input_shape), generator=generator).to(input_dtype)
+    else:
+        x = torch.randint(0, 2, (2, *input_shape), generator=generator, dtype=input_dtype)
+    was_training = net.training
+    try:
+        device = next(net.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    net.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            return net(x.to(device))
+    except Exception:
+        return None
+    finally:
+        net.train(was_training)
+
+
+def adapt(net: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype = torch.float32,
+          inputs: str = "auto", key: str = "inputs") -> nn.Module:
+    """``net`` itself when it already takes one tensor and returns logits; else ``net`` in a
+    :class:`LibraryModel`. An output no logits can be read from is refused here (:func:`logits_from_output`)."""
+    if isinstance(net, LibraryModel):
+        return net
+    if check_input_kind(inputs, net, key):
+        return LibraryModel(net, tokens=True, vocabulary=input_vocabulary(net))
+    output = _example_output(net, input_shape, input_dtype)
+    if output is None or isinstance(output, torch.Tensor):
+        return net
+    logits_from_output(output)
+    return LibraryModel(net, tokens=False)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside an adapter (the module itself otherwise)."""
+    return model.net if isinstance(model, LibraryModel) else model
