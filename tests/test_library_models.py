@@ -143,6 +143,58 @@ def test_a_positional_model_and_a_tuple_output_train_unchanged(tmp_path: Path) -
     assert torch.equal(logged["linear.weight"], net.linear.weight.detach())
 
 
+PLAIN_FACTORIES = textwrap.dedent('''
+    from torch import nn
+
+
+    class Scores(nn.Module):
+        def __init__(self, features, classes, wrap):
+            super().__init__()
+            self.linear = nn.Linear(features, classes)
+            self.wrap = wrap
+
+        def forward(self, x):
+            z = self.linear(x)
+            return {"logits": z} if self.wrap == "dict" else (z, None) if self.wrap == "tuple" else {"scores": z}
+
+
+    def scores(input_shape, n_classes, wrap="dict"):
+        return Scores(input_shape[0], n_classes, wrap)
+''')
+
+
+def test_a_custom_factory_s_output_object_is_adapted_where_the_model_is_built(workdir: Path) -> None:
+    from dpml.models import build_model, spec_for, spec_from_dict
+    from dpml.sections import ModelConfig
+
+    (workdir / "plainmodels.py").write_text(PLAIN_FACTORIES)
+    try:
+        for wrap in ("dict", "tuple"):
+            spec = spec_for(ModelConfig(kind="custom", factory="plainmodels:scores", options={"wrap": wrap}), 1.0, 4, 3)
+            model = build_model(spec)
+            x = torch.randn(5, 4)
+            assert isinstance(model, LibraryModel) and torch.equal(model(x), model.net.linear(x))
+            rebuilt = build_model(spec_from_dict(spec.to_dict()))  # as the register stage and reproduce rebuild it
+            rebuilt.load_state_dict(model.state_dict())
+            assert torch.equal(rebuilt(x), model(x))
+        with pytest.raises(ModelOutputError, match=r"^model: its forward returned a builtins.dict; dpml reads"):
+            build_model(spec_for(ModelConfig(kind="custom", factory="plainmodels:scores", options={"wrap": "other"}),
+                                 1.0, 4, 3))
+        with pytest.raises(ValueError, match=r"^model.inputs = 'tokens': Scores.forward takes no input_ids and "
+                                             r"attention_mask keyword arguments$"):
+            build_model(spec_for(ModelConfig(kind="custom", factory="plainmodels:scores", inputs="tokens"), 1.0, 4, 3))
+    finally:
+        sys.modules.pop("plainmodels", None)
+
+
+def test_an_unknown_inputs_setting_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^inputs = 'ids': must be one of auto, tensor, tokens$"):
+        quick(nn.Linear(4, 2), TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), tmp_path, inputs="ids")
+    with pytest.raises(ValueError, match=r"^inputs = 'tokens': Linear.forward takes no input_ids and attention_mask"):
+        quick(nn.Linear(4, 2), TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), tmp_path, inputs="tokens")
+    assert not (tmp_path / "ledger.db").exists() or Ledger(tmp_path / "ledger.db", 1e-5).spends() == []
+
+
 def _logged_state(result: dpml.PrivateTraining, tmp: Path) -> Path:
     from mlflow import MlflowClient
 
