@@ -514,3 +514,55 @@ def test_dpml_run_releases_a_bert_trained_on_a_tokens_table(library_factories: P
     model = mlflow.pyfunc.load_model("models:/dpml-test-model/1")
     answer = model.predict(frame[["text"]].iloc[:5])
     assert list(answer.columns) == ["label", "probability(low)", "probability(high)"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The libraries are pinned test extras, never runtime dependencies.
+
+LIBRARIES = ("transformers", "peft", "timm", "torchvision", "accelerate")
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def test_the_model_libraries_are_a_pinned_extra_and_never_runtime_dependencies() -> None:
+    import ast
+    import tomllib
+    from importlib import metadata
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = {re.split(r"[=<>\[ ]", d)[0].lower() for d in project["dependencies"]}
+    extra = dict(d.split("==") for d in project["optional-dependencies"]["models"])
+    models_lock, runtime_lock = _pins(REPO / "requirements-models.lock"), _pins(REPO / "requirements.lock")
+    assert not runtime & set(LIBRARIES) and not set(runtime_lock) & set(LIBRARIES)
+    assert {"transformers", "peft"} <= set(extra) and "timm" not in models_lock and "torchvision" not in models_lock
+    for name, version in extra.items():
+        assert models_lock[name] == version, name
+    assert not set(models_lock) & set(runtime_lock)  # the shared packages keep the runtime lock's pins
+    for name, version in models_lock.items():  # the lock is what this environment runs, where it is installed
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        assert installed == version, f"{name}: installed {installed}, locked {version}"
+    for source in (REPO / "dpml").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] in LIBRARIES], f"{source} imports {names}"
+
+
+def test_dpml_runs_without_loading_any_model_library() -> None:
+    code = ("import sys, dpml, dpml.api, dpml.cli, dpml.stages, dpml.serving, dpml.models.library, "
+            "dpml.train.token_records; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"{LIBRARIES!r}))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
