@@ -160,6 +160,23 @@ PLAIN_FACTORIES = textwrap.dedent('''
 
     def scores(input_shape, n_classes, wrap="dict"):
         return Scores(input_shape[0], n_classes, wrap)
+
+
+    class Bag(nn.Module):
+        """The mean embedding of the tokens the mask keeps, then a linear layer."""
+
+        def __init__(self, vocabulary, classes):
+            super().__init__()
+            self.embedding = nn.Embedding(vocabulary, 8)
+            self.out = nn.Linear(8, classes)
+
+        def forward(self, input_ids, attention_mask):
+            kept = attention_mask.unsqueeze(-1).float()
+            return self.out((self.embedding(input_ids) * kept).sum(1) / kept.sum(1))
+
+
+    def bag(input_shape, n_classes):
+        return Bag(32, n_classes)
 ''')
 
 
@@ -566,3 +583,18 @@ def test_dpml_runs_without_loading_any_model_library() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_a_token_model_on_records_that_are_not_tokens_is_refused_before_the_spend(workdir: Path) -> None:
+    """The digits' pixels would be read as ids and masks: the train stage refuses before the ledger is touched."""
+    (workdir / "plainmodels.py").write_text(PLAIN_FACTORIES)
+    params = write_params(workdir / "params.yaml", small_params(
+        workdir, model={"kind": "custom", "factory": "plainmodels:bag", "hidden": []}))
+    try:
+        stages_in_process(params, "ingest", "split", "preprocess")
+        with pytest.raises(ValueError, match=r"model.factory = 'plainmodels:bag': its module is called with input_ids "
+                                             r"and attention_mask, but sklearn:digits has no tokens column"):
+            stages_in_process(params, "train")
+    finally:
+        sys.modules.pop("plainmodels", None)
+    assert not (workdir / "ledger.db").exists() or Ledger(workdir / "ledger.db", 1e-5).spends() == []

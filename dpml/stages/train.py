@@ -59,9 +59,25 @@ def check_delta(config: Config, n: int) -> None:
 def check_model(trainer: Trainer, config: Config, in_features: int, n_classes: int) -> None:
     """The trainer's checks of its model (the clipping probe), before the spend is reserved: a model it
     cannot train exactly is refused with nothing spent. What it found goes to the run's log."""
+    check_token_source(config, in_features, n_classes)
     lines = trainer.check_model(config, in_features, n_classes)
     for line in lines:
         LOG.log(logging.WARNING if len(lines) > 1 else logging.INFO, "%s", line)
+
+
+def check_token_source(config: Config, in_features: int, n_classes: int) -> None:
+    """A custom model called with ``input_ids`` and ``attention_mask`` needs records that are token ids and
+    their mask (a table's ``tokens`` column): any other records would be read as ids. Refused before the spend."""
+    from dpml.models import build_model
+    from dpml.models.library import LibraryModel
+
+    if config.model.kind != "custom" or any(c.type == "tokens" for c in (config.data.columns or {}).values()):
+        return
+    model = build_model(model_spec(config, in_features, n_classes))
+    if isinstance(model, LibraryModel) and model.tokens:
+        raise ValueError(f"model.factory = {config.model.factory!r}: its module is called with input_ids and "
+                         f"attention_mask, but {config.data.source} has no tokens column; declare the token ids as "
+                         "one (data.columns: {NAME: {type: tokens, length, vocabulary}}) or set model.inputs: tensor")
 
 
 def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> float | None:
