@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpml.formatting import format_epsilon
+from dpml.report.verdict import verdict_lines
 
 
 def slot_lines(counts: dict[str, dict[str, int]] | None) -> list[str]:
@@ -46,7 +47,8 @@ def run_summary(results: dict[str, Any]) -> str:
         f"{audit['references']['trained_by_this_stage']} trained by it)",
         f"  lineage {release['lineage']:<12} largest unit ε = {format_epsilon(release['lineage_max_unit_epsilon'])} over every DP "
         "release of this data set (dpml ledger)",
-        f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
+        f"  release gate         {gate['verdict']['title']}  (every reason: gate.json, privacy_report.md)",
+        *verdict_lines(gate["verdict"], indent="    "),
         f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else "")
         + ("  (this spend's release, registered before)" if release.get("already_released") else ""),

@@ -398,17 +398,18 @@ def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | 
     raise RuntimeError(f"registered model {name!r}: the {CHAMPION} alias did not settle after 50 writes")
 
 
-def record_verdict(config: TrackingConfig, release: dict[str, Any], passed: bool, reason: str,
+def record_verdict(config: TrackingConfig, release: dict[str, Any], tags: dict[str, str],
                    description: str) -> dict[str, Any]:
     """A spend's one version judged again (the gate re-ran on the same outputs, e.g. under a changed
-    ``gate.epsilon_budget``): its ``gate.passed``/``gate.reason`` tags and description take the new verdict,
+    ``gate.epsilon_budget``): its verdict tags (``gate.passed``, ``gate.reason``, ``verdict``, ``verdict.*``)
+    and description take the new verdict,
     and the alias policy is applied again — the alias leaves a version that no longer passes. Returns
     ``release`` with ``champion`` as it now stands."""
     client = store_client(config)
     name, number = release["model_name"], release["model_version"]
     with store_lock(config):
-        client.set_model_version_tag(name, number, "gate.passed", str(passed).lower())
-        client.set_model_version_tag(name, number, "gate.reason", reason[:5000])
+        for key, value in tags.items():
+            client.set_model_version_tag(name, number, key, value[:5000])
         client.update_model_version(name, number, description=description)
         champion = _point_champion_at_newest_passing(client, name)
     return release | {"champion": champion == str(number)}

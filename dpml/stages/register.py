@@ -18,6 +18,7 @@ from dpml.stages.layout import CONTRACT, Layout, load_model
 from dpml.stages.records import driver_tags, stage_params, stage_records
 from dpml.stages.spend_outputs import check_outputs_of_spend
 from dpml.stages.train import lineage_of, open_ledger, release_config
+from dpml.report.verdict import verdict_lines, verdict_metrics, verdict_tags
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -91,12 +92,16 @@ def version_description(tags: dict[str, str], decision: dict[str, Any]) -> str:
     verdict and the gate, from the version's own tags."""
     evidence = "counted as evidence" if tags["audit.is_evidence"] == "true" else "not counted as evidence"
     return "\n".join([
+        f"**{decision['verdict']['title']}**",
+        "",
+        *(f"- {line.strip()}" for line in verdict_lines(decision["verdict"])),
+        "",
         f"- **certified ε = {tags['dp.epsilon']}** at δ = {tags['dp.delta']} ({tags['privacy.guarantee']}; "
         f"accountant {tags['dp.accountant']})",
         f"- mechanism: {tags['dp.mechanism']}",
         f"- audit: largest empirical ε lower bound {tags['audit.epsilon_lower_bound']} ({evidence}); strongest "
         f"attack AUC {tags['audit.auc']} ({tags['audit.auc_attack']}); conformance {tags['audit.conformance']}",
-        f"- **release gate: {'PASSED' if decision['passed'] else 'FAILED'}**: {tags['gate.reason']}",
+        f"- release gate: {tags['gate.reason']}",
         f"- data: {tags['dp.lineage']}, version {tags['data.version'][:12]}",
     ])[:5000]  # MLflow keeps 5000 characters
 
@@ -155,11 +160,12 @@ def register(config: Config) -> dict[str, Any]:
         "audit.conformance": conformance_tag(summary),
         "gate.passed": str(decision["passed"]).lower(),
         "gate.reason": "; ".join(decision["reasons"])[:5000],
+        **verdict_tags(decision["verdict"]),
     }
     metrics = {
         "test_accuracy": train_metrics["test_accuracy"], "train_accuracy": train_metrics["train_accuracy"],
         "epsilon": epsilon, "delta": config.dp.delta, "audit.max_epsilon_lower_bound": summary["max_lower_bound"],
-        "gate.passed": int(decision["passed"]),
+        "gate.passed": int(decision["passed"]), **verdict_metrics(decision["verdict"]),
         **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
            for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
@@ -178,8 +184,8 @@ def register(config: Config) -> dict[str, Any]:
     earlier = tracking.release_of_spend(config.tracking, identity)
     if earlier is not None:  # this spend's one version: judged again if the gate's verdict changed
         if earlier.pop("recorded_verdict") != version_tags["gate.passed"]:
-            earlier = tracking.record_verdict(config.tracking, earlier, decision["passed"], version_tags["gate.reason"],
-                                              version_description(version_tags, decision))
+            judged = {k: v for k, v in version_tags.items() if k.startswith(("gate.", "verdict"))}
+            earlier = tracking.record_verdict(config.tracking, earlier, judged, version_description(version_tags, decision))
         return finish_release(config, layout, ledger, spend_id, earlier | {"already_released": True}, decision,
                               train_metrics)
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
@@ -201,7 +207,8 @@ def register(config: Config) -> dict[str, Any]:
         dataset=tracking.training_dataset(lineage, config.data.source, data_meta["version"]),
         stage_runs=stage_records(layout, list(CONTRACT)[:-1]) + [own_record],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
-                  "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
+                  "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(),
+                  **verdict_tags(decision["verdict"]), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
                   "ledger.spend_id": str(spend["spend_id"]), "ledger.spend": identity, **provenance,
                   **driver_tags()},
