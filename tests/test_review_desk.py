@@ -142,3 +142,5 @@ def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
                             ["release gate: PASSED"])
     assert f"certified ε = {epsilon} at δ = 1e-05" in version and "release gate: PASSED" in version, version[:3000]
     assert f"dp.epsilon {epsilon}" in version and "gate.passed true" in version
+    verdict = released["results"]["gate"]["verdict"]
+    assert verdict["title"] in version and f"verdict.attacks {verdict['attacks']['word']}" in version  # three parts

@@ -101,7 +101,7 @@ def version_description(tags: dict[str, str], decision: dict[str, Any]) -> str:
         f"- mechanism: {tags['dp.mechanism']}",
         f"- audit: largest empirical ε lower bound {tags['audit.epsilon_lower_bound']} ({evidence}); strongest "
         f"attack AUC {tags['audit.auc']} ({tags['audit.auc_attack']}); conformance {tags['audit.conformance']}",
-        f"- release gate: {tags['gate.reason']}",
+        f"- release gate: {'PASSED' if decision['passed'] else 'FAILED'}: {tags['gate.reason']}",
         f"- data: {tags['dp.lineage']}, version {tags['data.version'][:12]}",
     ])[:5000]  # MLflow keeps 5000 characters
 
