@@ -77,3 +77,51 @@ def test_a_pass_without_attack_power_says_so_in_its_first_words() -> None:
     evidence = dict(parts, attacks=attacks_part(audit(control_power=0.3), 0, True, 0.01))
     assert verdict_record(True, evidence)["title"] == "PASSED"
     assert verdict_record(False, evidence)["title"] == "FAILED"  # a failure needs no caveat: the parts say why
+
+
+def test_the_dp_limit_is_the_tradeoff_bound_and_a_dp_mechanism_stays_under_it() -> None:
+    """TPR(α) ≤ min(1, e^ε α + δ, 1 − e^{−ε}(1 − δ − α)) (Kairouz et al. 2015): the exact ROC of the Laplace
+    mechanism's likelihood-ratio test (ε-DP, δ = 0) touches it and never crosses it; at α = 0 the limit is δ."""
+    import numpy as np
+    from scipy import stats
+
+    from dpml.report.release_card import dp_limit_tpr
+
+    epsilon = 1.3
+    alpha = np.logspace(-6, 0, 400)
+    limit = dp_limit_tpr(alpha, epsilon, 0.0)
+    assert np.all(np.diff(limit) >= -1e-15) and limit[-1] == 1.0
+    assert dp_limit_tpr(np.array([0.0]), epsilon, 1e-5)[0] == 1e-5
+    # Laplace(0, 1/ε) vs Laplace(1, 1/ε): threshold t gives FPR = S0(t), TPR = S1(t)
+    t = np.linspace(-20, 20, 4001)
+    fpr, tpr = stats.laplace.sf(t, 0, 1 / epsilon), stats.laplace.sf(t, 1, 1 / epsilon)
+    assert np.all(tpr <= dp_limit_tpr(fpr, epsilon, 0.0) + 1e-12)
+    assert np.max(tpr - dp_limit_tpr(fpr, epsilon, 0.0)) > -1e-9  # tight somewhere
+    assert np.any(tpr > dp_limit_tpr(fpr, epsilon * 0.8, 0.0) + 1e-6)  # a smaller ε would be refuted
+
+
+def test_the_card_roc_is_the_attack_roc_at_every_threshold() -> None:
+    """The card draws the attack's own ROC: every threshold's (FPR, TPR), as scikit-learn's roc_curve has it."""
+    import numpy as np
+    from sklearn.metrics import roc_curve
+
+    from dpml.report.release_card import roc_points
+
+    rng = np.random.default_rng(3)
+    member, nonmember = rng.normal(0.4, 1, 300).round(1), rng.normal(0, 1, 500).round(1)  # ties included
+    fpr, tpr = roc_points(member, nonmember)
+    ref_fpr, ref_tpr, _ = roc_curve(np.r_[np.ones(300), np.zeros(500)], np.r_[member, nonmember],
+                                    drop_intermediate=False)
+    # our curve walks ties one record at a time; at each distinct threshold it passes through sklearn's points
+    ours = set(zip(np.round(fpr, 12), np.round(tpr, 12)))
+    assert all((round(a, 12), round(b, 12)) in ours for a, b in zip(ref_fpr, ref_tpr))
+    assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1
+
+
+def test_the_card_says_the_guarantee_in_plain_words_and_refuses_nothing_silently() -> None:
+    """ε and δ in plain words with the catch rate at 1% FPR from the DP limit; no certificate says so."""
+    from dpml.report.release_card import plain_words
+
+    words = plain_words({"epsilon": 2.0, "delta": 1e-5})
+    assert "ε = 2 at δ = 1e-05" in words and "7.39 times" in words and "7.39%" in words
+    assert plain_words(None).startswith("<strong>No privacy guarantee.")

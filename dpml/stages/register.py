@@ -18,6 +18,7 @@ from dpml.stages.layout import CONTRACT, Layout, load_model
 from dpml.stages.records import driver_tags, stage_params, stage_records
 from dpml.stages.spend_outputs import check_outputs_of_spend
 from dpml.stages.train import lineage_of, open_ledger, release_config
+from dpml.report.release_card import render_card
 from dpml.report.verdict import verdict_lines, verdict_metrics, verdict_tags
 
 if TYPE_CHECKING:
@@ -62,6 +63,9 @@ def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
                  if not RESOLVED & {kind for kind, _ in ledger.events(s.id)}}
     for spend_id, release in tracking.finished_releases(config.tracking, unsettled).items():
         ledger.record_event(spend_id, "released", release | {"reconciled": "true"})
+
+
+CARD = "release_card.html"  # the release card's artifact name (MLflow) beside release.json (disk)
 
 
 def spend_tag(ledger: Ledger, spend_id: int) -> str:
@@ -181,17 +185,36 @@ def register(config: Config) -> dict[str, Any]:
         version_tags |= {"tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),
                          "tune.selection": str(tuning["selection"]),
                          "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}"}
+    provenance, logged_files = release_provenance(as_run, searched=layout.tuning.exists())
+    cards: dict[str, str] = {}
+
+    def release_card(run_id: str, version: str) -> dict[str, str]:
+        """The release card, once the version's number exists (:mod:`dpml.report.release_card`)."""
+        facts = {"model": config.tracking.model_name or "", "version": version,
+                    "model URI": f"models:/{config.tracking.model_name}/{version}", "run": run_id,
+                    "commit": provenance.get("code.commit", "none"), "data version": data_meta["version"],
+                    "data set": lineage, "trainer": config.train.algorithm,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "test accuracy": f"{train_metrics['test_accuracy']:.4f}"}
+        standing = ledger.summary(lineage)
+        cards[CARD] = render_card(identity=facts, verdict=decision["verdict"], certificate=certificate, audit=summary,
+                                  scores=io.read_json(layout.scores) if layout.scores.exists() else None,
+                                  ledger=standing[0] if standing else None, budget=config.ledger.epsilon_budget,
+                                  reasons=decision["reasons"])
+        return dict(cards)
+
     earlier = tracking.release_of_spend(config.tracking, identity)
     if earlier is not None:  # this spend's one version: judged again if the gate's verdict changed
         if earlier.pop("recorded_verdict") != version_tags["gate.passed"]:
             judged = {k: v for k, v in version_tags.items() if k.startswith(("gate.", "verdict"))}
             earlier = tracking.record_verdict(config.tracking, earlier, judged, version_description(version_tags, decision))
+        release_card(earlier["run_id"], earlier["model_version"])
+        io.write_text(layout.release_card, cards[CARD])
         return finish_release(config, layout, ledger, spend_id, earlier | {"already_released": True}, decision,
                               train_metrics)
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
                              layout.model_spec, layout.tuning, layout.model_source) if p.exists()]
-    provenance, logged_files = release_provenance(as_run, searched=layout.tuning.exists())
     version_tags |= provenance
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
     seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()
@@ -212,8 +235,10 @@ def register(config: Config) -> dict[str, Any]:
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
                   "ledger.spend_id": str(spend["spend_id"]), "ledger.spend": identity, **provenance,
                   **driver_tags()},
-        documents={"config.json": config.to_dict()},
+        documents={"config.json": config.to_dict()}, after_version=release_card,
     )
+    if CARD in cards:
+        io.write_text(layout.release_card, cards[CARD])  # the same page, to open from disk
     return finish_release(config, layout, ledger, spend_id, release, decision, train_metrics)
 
 
