@@ -93,6 +93,9 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     from dpml.cli import main
 
     assert main(["certificate", "--run", v1.run_id, "--params", str(params)]) == 0
+    for release in ("models:/dpml-test-model@champion", f"models:/dpml-test-model/{v1.version}"):
+        assert main(["certificate", release, "--params", str(params)]) == 0  # a release, as every command takes it
+    assert main(["certificate", "models:/dpml-test-model/99", "--params", str(params)]) != 0
 
     # `dpml audit --model` re-audits the registered version with the data it saw: same numbers.
     from dpml.stages import audit_registered_model
