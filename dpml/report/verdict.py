@@ -125,7 +125,7 @@ def verdict_metrics(verdict: dict[str, Any]) -> dict[str, float]:
     return {f"verdict.{name}": float(SCORES[verdict[name]["word"]]) for name in PARTS}
 
 
-def verdict_lines(verdict: dict[str, Any], indent: str = "") -> list[str]:
-    """One line per part, for the terminal and Markdown lists."""
-    return [f"{indent}{name:<15}{verdict[name]['word']}" + (f" — {verdict[name]['detail']}" if verdict[name]["detail"]
+def verdict_lines(verdict: dict[str, Any], indent: str = "", width: int = 15) -> list[str]:
+    """One line per part, for the terminal and Markdown lists (the part's name padded to ``width``)."""
+    return [f"{indent}{name:<{width}}{verdict[name]['word']}" + (f" — {verdict[name]['detail']}" if verdict[name]["detail"]
                                                             else "") for name in PARTS]

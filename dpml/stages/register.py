@@ -252,6 +252,7 @@ def finish_release(config: Config, layout: Layout, ledger: Ledger, spend_id: int
     epsilon = (io.read_json(layout.certificate) or {}).get("epsilon", float("inf"))
     release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
                 "lineage": lineage, "lineage_max_unit_epsilon": ledger.total(lineage), "spend_id": spend_id,
-                "experiment": config.tracking.experiment, "origins": dict(config.tracking.origins)}
+                "experiment": config.tracking.experiment, "origins": dict(config.tracking.origins),
+                "card": str(layout.release_card), "report": str(layout.report)}
     io.write_json(layout.release, release)
     return release
