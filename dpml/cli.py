@@ -281,7 +281,7 @@ def cmd_certificate(args: argparse.Namespace) -> int:
         print(f"logged:     {logged['statement']}")
         print(f"recomputed: {fresh['statement']}")
         for answer in fresh["answers"]:
-            value = f"{answer['epsilon']:.6g}" if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            value = format_epsilon(answer['epsilon']) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
             print(f"  {answer['name']:<20} {answer['version']:<10} {value}")
         print("match" if same else "MISMATCH: the logged certificate does not follow from the logged mechanism")
     return 0 if same else 3
@@ -300,9 +300,9 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
         print(json.dumps({k: certificate[k] for k in ("epsilon", "delta", "accountant", "accountant_version",
                                                       "neighbouring", "statement", "answers")}, indent=2))
     else:
-        print(f"epsilon = {certificate['epsilon']:.6g} at delta = {args.delta:g} ({certificate['accountant']})")
+        print(f"epsilon = {format_epsilon(certificate['epsilon'])} at delta = {args.delta:g} ({certificate['accountant']})")
         for answer in certificate["answers"]:
-            value = f"{answer['epsilon']:.6g}" if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            value = format_epsilon(answer['epsilon']) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
             print(f"  {answer['name']:<20} {value}")
     return 0
 

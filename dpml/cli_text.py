@@ -131,11 +131,11 @@ def lineage_text(entry: dict[str, Any], budget: float) -> str:
     lines = [f"lineage {entry['lineage']}: {len(versions)} data version(s), {entry['private_spends']} DP runs, "
              f"{entry['nonprivate_runs']} non-private"
              + (f", {entry['cancelled_spends']} cancelled before training (not counted)" if entry["cancelled_spends"] else ""),
-             f"  largest unit ε = {entry['epsilon_total']:.4g} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
+             f"  largest unit ε = {format_epsilon(entry['epsilon_total'])} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
              f"{max(budget - entry['epsilon_total'], 0):.4g} left for the most exposed); {entry['units']:,} units"]
     if entry["unit_epsilon"]:
         levels = entry["unit_epsilon"]
-        shown = "  ".join(f"ε {eps:.4g}: {count:,}" for eps, count in levels[:12])
+        shown = "  ".join(f"ε {format_epsilon(eps)}: {count:,}" for eps, count in levels[:12])
         lines.append(f"  units by ε   {shown}" + (f"  … {len(levels) - 12} more levels" if len(levels) > 12 else ""))
     if entry["unknown_unit_spends"]:
         lines.append("  spends with unknown units (charged to every unit): "
@@ -144,7 +144,7 @@ def lineage_text(entry: dict[str, Any], budget: float) -> str:
         lines.append(f"  individual Rényi filter at order α* = {entry['filter_order']:g} (ledger.on_exhausted: exclude)")
     lines += people_lines(entry)
     for spend in entry["spends"]:
-        alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
+        alone = "non-private" if not spend["private"] else f"ε alone {format_epsilon(spend['epsilon_alone'])}"
         units = "" if spend["units"] is None else f"{spend['units']:,} units"
         counted = "" if spend["counted"] else "  (not counted)"
         lines.append(f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
@@ -183,11 +183,11 @@ def person_text(person: str, found: dict[str, Any] | None) -> str:
     """``dpml ledger --person ID``: the releases that touched one person, across lineages, and their ε."""
     if found is None:
         return f"person {person!r}: no release has touched them (the ledger has never charged this id)"
-    lines = [f"person {person!r}: ε = {found['epsilon']:.4g} at δ = {found['delta']:g} over {len(found['releases'])} "
+    lines = [f"person {person!r}: ε = {format_epsilon(found['epsilon'])} at δ = {found['delta']:g} over {len(found['releases'])} "
              f"release(s), lineage(s) {', '.join(found['lineages'])}"]
     for release in found["releases"]:
         counted = "" if release["counted"] else "  (cancelled: not counted)"
-        lines.append(f"  #{release['spend']:<4} {release['lineage']:<20} ε alone {release['epsilon_alone']:.4g}  "
+        lines.append(f"  #{release['spend']:<4} {release['lineage']:<20} ε alone {format_epsilon(release['epsilon_alone'])}  "
                      f"{release['label']}{counted}")
     return "\n".join(lines)
 
@@ -197,5 +197,5 @@ def ledger_rename_text(moved: dict[str, Any], budget: float) -> str:
     how = "merged into" if moved["merged"] else "renamed to"
     shared = f"; {moved['shared_units']:,} people were in both, now one account" if moved["merged"] else ""
     return (f"lineage {moved['old']!r} {how} {moved['new']!r}: {moved['spends']} spend(s) moved, their history kept "
-            f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {moved['epsilon_total']:.4g} "
+            f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {format_epsilon(moved['epsilon_total'])} "
             f"(budget {budget:g})")

@@ -36,7 +36,7 @@ def _kl_certificate(certificate: dict[str, Any]) -> list[str]:
 
 def lineage_lines(ledger: dict[str, Any], budget: float | None, excluded: int = 0) -> list[str]:
     """The lineage paragraph: what every release of this data set together has cost its people."""
-    levels = ", ".join(f"{count:,} at ε = {eps:.4g}" for eps, count in ledger["unit_epsilon"][:8])
+    levels = ", ".join(f"{count:,} at ε = {format_epsilon(eps)}" for eps, count in ledger["unit_epsilon"][:8])
     more = len(ledger["unit_epsilon"]) - 8
     lines = [
         f"**Lineage {ledger['lineage']!r}: every release together.** The ε above is what this model alone costs "
