@@ -263,10 +263,15 @@ def cmd_certificate(args: argparse.Namespace) -> int:
     from dpml.tracking import load_run_json
 
     config = load(args.params, args.set)
-    logged = load_run_json(config.tracking, args.run, "certificate.json")
-    run_config = load_run_json(config.tracking, args.run, "config.json")
+    run_id = args.run
+    if args.model is not None:
+        from dpml.tracking import find_version
+
+        run_id = find_version(args.model, config.tracking)["run_id"]
+    logged = load_run_json(config.tracking, run_id, "certificate.json")
+    run_config = load_run_json(config.tracking, run_id, "config.json")
     if not logged:
-        print(f"run {args.run} trained without differential privacy: no certificate")
+        print(f"{args.model or 'run ' + run_id} trained without differential privacy: no certificate")
         return 0
     fresh = certify(MechanismDescription.from_dict(logged["mechanism"]), float(run_config["dp"]["delta"]))
     same = abs(fresh["epsilon"] - logged["epsilon"]) <= 1e-9 * max(1.0, logged["epsilon"])
@@ -276,7 +281,7 @@ def cmd_certificate(args: argparse.Namespace) -> int:
         print(f"logged:     {logged['statement']}")
         print(f"recomputed: {fresh['statement']}")
         for answer in fresh["answers"]:
-            value = f"{answer['epsilon']:.6g}" if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            value = format_epsilon(answer['epsilon']) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
             print(f"  {answer['name']:<20} {answer['version']:<10} {value}")
         print("match" if same else "MISMATCH: the logged certificate does not follow from the logged mechanism")
     return 0 if same else 3
@@ -295,9 +300,9 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
         print(json.dumps({k: certificate[k] for k in ("epsilon", "delta", "accountant", "accountant_version",
                                                       "neighbouring", "statement", "answers")}, indent=2))
     else:
-        print(f"epsilon = {certificate['epsilon']:.6g} at delta = {args.delta:g} ({certificate['accountant']})")
+        print(f"epsilon = {format_epsilon(certificate['epsilon'])} at delta = {args.delta:g} ({certificate['accountant']})")
         for answer in certificate["answers"]:
-            value = f"{answer['epsilon']:.6g}" if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            value = format_epsilon(answer['epsilon']) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
             print(f"  {answer['name']:<20} {value}")
     return 0
 
@@ -429,8 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(rep)
     rep.set_defaults(func=cmd_reproduce)
 
-    cert = command(sub, "certificate", "recompute a logged run's certificate from its mechanism description")
-    cert.add_argument("--run", required=True, help="MLflow run id of a pipeline run")
+    cert = command(sub, "certificate", "recompute a release's certificate from its logged mechanism description")
+    which = cert.add_mutually_exclusive_group(required=True)
+    which.add_argument("model", nargs="?", default=None, help="models:/NAME/VERSION or models:/NAME@ALIAS")
+    which.add_argument("--run", default=None, help="MLflow run id of a pipeline run (instead of a release)")
     cert.add_argument("--json", action="store_true")
     config_args(cert)
     cert.set_defaults(func=cmd_certificate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpml.formatting import format_epsilon
+from dpml.report.verdict import verdict_lines
 
 
 def slot_lines(counts: dict[str, dict[str, int]] | None) -> list[str]:
@@ -17,45 +18,45 @@ def slot_lines(counts: dict[str, dict[str, int]] | None) -> list[str]:
 
 
 def run_summary(results: dict[str, Any]) -> str:
+    """The run in at most 15 lines (16 when the model registry is another store): the verdict first, then
+    the numbers it rests on and where the release went; every detail one step away (the release card, the
+    privacy report, ``dpml audit``/``dpml ledger``)."""
     train, cert, audit, gate, release = (results[k] for k in ("train", "certify", "audit", "gate", "register"))
     eps = cert["epsilon"]
+    accountant = f"  ({cert['certificate']['accountant']})" if cert.get("certificate") else "  (non-private)"
     lines = [
         "",
         "dpml run summary",
+        f"  release gate         {gate['verdict']['title']}",
+        *verdict_lines(gate["verdict"], indent="    ", width=17),
+        f"  certified epsilon    {format_epsilon(eps)} at delta = {cert['delta']:g}{accountant}; lineage "
+        f"{release['lineage']}: largest unit ε {format_epsilon(release['lineage_max_unit_epsilon'])} (dpml ledger)",
         f"  test accuracy        {train['test_accuracy']:.4f}",
-        f"  certified epsilon    {format_epsilon(eps)} at delta = {cert['delta']:g}"
-        + (f"  ({cert['certificate']['accountant']})" if cert.get("certificate") else "  (non-private)"),
-        "  audit                attack: AUC, TPR@1%FPR, TPR@0.1%FPR (target | non-private control)",
-    ]
-    control = audit.get("control", {}).get("attacks", {})
-    for name, r in audit["target"]["attacks"].items():
-        line = f"    {name:<22} {r['auc']:.3f}, {r['tpr_at_1pct_fpr']:.3f}, {r['tpr_at_0.1pct_fpr']:.3f}"
-        if name in control:
-            c = control[name]
-            line += f"  | {c['auc']:.3f}, {c['tpr_at_1pct_fpr']:.3f}, {c['tpr_at_0.1pct_fpr']:.3f}"
-        lines.append(line)
-    for bound in audit["one_run"]:
-        lines.append(f"    {bound['method']:<22} ε ≥ {bound['epsilon']:.3f} ({bound['inputs']['correct']}/"
-                     f"{bound['inputs']['guesses']} guesses right, {bound['inputs']['canaries']} canaries)")
-    lines += power_summary(audit) + conformance_summary_lines(audit)
-    lines += slot_lines(results.get("ingest", {}).get("slot_counts"))
-    lines += [
-        f"  empirical ε bound    {audit['max_lower_bound']:.4g} (largest gating lower bound; certified {format_epsilon(eps)})",
-        f"  reference models     {audit['references']['models']} ({audit['references']['training_seconds']:.1f} s of "
-        f"training; {audit['references']['found_stored']} found stored by the audit stage, "
-        f"{audit['references']['trained_by_this_stage']} trained by it)",
-        f"  lineage {release['lineage']:<12} largest unit ε = {format_epsilon(release['lineage_max_unit_epsilon'])} over every DP "
-        "release of this data set (dpml ledger)",
-        f"  release gate         {'PASSED' if gate['passed'] else 'FAILED'}: {'; '.join(gate['reasons'])}",
-        f"  MLflow run           {release['run_id']} ({release['tracking_uri']})",
+        audit_line(audit, eps),
         f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else "")
-        + ("  (this spend's release, registered before)" if release.get("already_released") else ""),
+        + ("  (this spend's release, registered before)" if release.get("already_released") else "")
+        + f"  MLflow run {release['run_id']}",
         *destination_lines(release),
-        "  UI                   " + ui_hint(release["tracking_uri"], release.get("registry_uri")),
-        "  review view          " + review_hint(release["tracking_uri"], release["experiment_id"]),
+        "  UI                   " + ui_hint(release["tracking_uri"], release.get("registry_uri"))
+        + "  then " + review_hint(release["tracking_uri"], release["experiment_id"]),
         *prefect_lines(results.get("prefect")),
+        f"  details              {release.get('card', 'release_card.html')} (release card), "
+        f"{release.get('report', 'privacy_report.md')} (privacy report)",
+        *slot_lines(results.get("ingest", {}).get("slot_counts")),
     ]
     return "\n".join(lines)
+
+
+def audit_line(audit: dict[str, Any], epsilon: float) -> str:
+    """The audit in one line: the largest counted lower bound against the certified ε, the strongest attack
+    (with the non-private control beside it) and the reference models."""
+    attacks, control = audit["target"]["attacks"], audit.get("control", {}).get("attacks", {})
+    name = max(attacks, key=lambda n: attacks[n]["auc"])
+    beside = f" | control {control[name]['auc']:.3f}" if name in control else ""
+    references = audit["references"]
+    return (f"  audit                empirical ε bound {audit['max_lower_bound']:.4g} (certified {format_epsilon(epsilon)}); "
+            f"strongest {name} AUC {attacks[name]['auc']:.3f}{beside}; reference models {references['models']} "
+            f"({references['found_stored']} stored, {references['trained_by_this_stage']} trained)")
 
 
 def prefect_lines(prefect: dict[str, Any] | None) -> list[str]:
@@ -65,23 +66,24 @@ def prefect_lines(prefect: dict[str, Any] | None) -> list[str]:
         return []
     origin = prefect.get("origin")
     where = {"temporary server": "a temporary server for this run, stopped when it ended"}.get(origin or "", origin)
-    return [f"  Prefect flow run     {prefect['flow_run_name']} ({prefect['flow_run_id']})",
-            f"  Prefect API          {prefect['api_url']}" + (f"  ({where})" if where else "")]
+    return [f"  Prefect              flow run {prefect['flow_run_name']} ({prefect['flow_run_id']}) via API "
+            f"{prefect['api_url']}" + (f"  ({where})" if where else "")]
 
 
 def destination_lines(release: dict[str, Any]) -> list[str]:
-    """Where the run wrote and why: the tracking store, the registry and the experiment, each with the
-    setting it came from (flag, environment variable, params.yaml or default; :mod:`dpml.routing`)."""
+    """Where the run wrote and why: the tracking store, the registry (when it was set: otherwise it is the
+    tracking store) and the experiment, each with the setting it came from (flag, environment variable,
+    params.yaml or default; :mod:`dpml.routing`)."""
     origins = release.get("origins") or {}
     if not origins:
         return []
     registry = release.get("registry_uri") or release["tracking_uri"]
     registry_origin = origins.get("registry_uri", "default")
-    shown = [("uri", release["tracking_uri"], origins.get("uri", "default"), "tracking store"),
-             ("registry_uri", registry, "same as the tracking store" if registry == release["tracking_uri"] and
-              registry_origin == "default" else registry_origin, "model registry"),
-             ("experiment", release.get("experiment", ""), origins.get("experiment", "default"), "experiment")]
-    return [f"  {label:<20} {value}  ({origin})" for _, value, origin, label in shown]
+    shown = [(release["tracking_uri"], origins.get("uri", "default"), "tracking store")]
+    if registry != release["tracking_uri"] or registry_origin != "default":
+        shown.append((registry, registry_origin, "model registry"))  # the same store unless told otherwise
+    shown.append((release.get("experiment", ""), origins.get("experiment", "default"), "experiment"))
+    return [f"  {label:<20} {value}  ({origin})" for value, origin, label in shown]
 
 
 def ui_hint(uri: str, registry_uri: str | None = None) -> str:
@@ -129,11 +131,11 @@ def lineage_text(entry: dict[str, Any], budget: float) -> str:
     lines = [f"lineage {entry['lineage']}: {len(versions)} data version(s), {entry['private_spends']} DP runs, "
              f"{entry['nonprivate_runs']} non-private"
              + (f", {entry['cancelled_spends']} cancelled before training (not counted)" if entry["cancelled_spends"] else ""),
-             f"  largest unit ε = {entry['epsilon_total']:.4g} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
+             f"  largest unit ε = {format_epsilon(entry['epsilon_total'])} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
              f"{max(budget - entry['epsilon_total'], 0):.4g} left for the most exposed); {entry['units']:,} units"]
     if entry["unit_epsilon"]:
         levels = entry["unit_epsilon"]
-        shown = "  ".join(f"ε {eps:.4g}: {count:,}" for eps, count in levels[:12])
+        shown = "  ".join(f"ε {format_epsilon(eps)}: {count:,}" for eps, count in levels[:12])
         lines.append(f"  units by ε   {shown}" + (f"  … {len(levels) - 12} more levels" if len(levels) > 12 else ""))
     if entry["unknown_unit_spends"]:
         lines.append("  spends with unknown units (charged to every unit): "
@@ -142,7 +144,7 @@ def lineage_text(entry: dict[str, Any], budget: float) -> str:
         lines.append(f"  individual Rényi filter at order α* = {entry['filter_order']:g} (ledger.on_exhausted: exclude)")
     lines += people_lines(entry)
     for spend in entry["spends"]:
-        alone = "non-private" if not spend["private"] else f"ε alone {spend['epsilon_alone']:.4g}"
+        alone = "non-private" if not spend["private"] else f"ε alone {format_epsilon(spend['epsilon_alone'])}"
         units = "" if spend["units"] is None else f"{spend['units']:,} units"
         counted = "" if spend["counted"] else "  (not counted)"
         lines.append(f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
@@ -181,11 +183,11 @@ def person_text(person: str, found: dict[str, Any] | None) -> str:
     """``dpml ledger --person ID``: the releases that touched one person, across lineages, and their ε."""
     if found is None:
         return f"person {person!r}: no release has touched them (the ledger has never charged this id)"
-    lines = [f"person {person!r}: ε = {found['epsilon']:.4g} at δ = {found['delta']:g} over {len(found['releases'])} "
+    lines = [f"person {person!r}: ε = {format_epsilon(found['epsilon'])} at δ = {found['delta']:g} over {len(found['releases'])} "
              f"release(s), lineage(s) {', '.join(found['lineages'])}"]
     for release in found["releases"]:
         counted = "" if release["counted"] else "  (cancelled: not counted)"
-        lines.append(f"  #{release['spend']:<4} {release['lineage']:<20} ε alone {release['epsilon_alone']:.4g}  "
+        lines.append(f"  #{release['spend']:<4} {release['lineage']:<20} ε alone {format_epsilon(release['epsilon_alone'])}  "
                      f"{release['label']}{counted}")
     return "\n".join(lines)
 
@@ -195,5 +197,5 @@ def ledger_rename_text(moved: dict[str, Any], budget: float) -> str:
     how = "merged into" if moved["merged"] else "renamed to"
     shared = f"; {moved['shared_units']:,} people were in both, now one account" if moved["merged"] else ""
     return (f"lineage {moved['old']!r} {how} {moved['new']!r}: {moved['spends']} spend(s) moved, their history kept "
-            f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {moved['epsilon_total']:.4g} "
+            f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {format_epsilon(moved['epsilon_total'])} "
             f"(budget {budget:g})")

@@ -29,7 +29,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -229,9 +229,11 @@ def _log_model(client: MlflowClient, experiment_id: str, run_id: str, model: tor
 def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any], metrics: dict[str, Any],
                 artifacts: list[Path], model: torch.nn.Module, in_features: int, serving_spec: dict[str, Any],
                 version_tags: dict[str, str], version_description: str, promote: bool, run_tags: dict[str, str],
-                documents: dict[str, Any], dataset: MetaDataset, stage_runs: list[dict[str, Any]]) -> dict[str, Any]:
+                documents: dict[str, Any], dataset: MetaDataset, stage_runs: list[dict[str, Any]],
+                after_version: Callable[[str, str], dict[str, str]] | None = None) -> dict[str, Any]:
     """Log one pipeline run, register its model with ``version_tags`` and ``version_description``, alias
-    it if ``promote`` — all or nothing (module docstring).
+    it if ``promote`` — all or nothing (module docstring). ``after_version(run_id, version)`` returns text
+    files that name the version (the release card), logged with the run once the version number exists.
 
     The parent run starts when the first of ``stage_runs`` (the stages' records) started, so its duration
     is the pipeline's; each record becomes a nested run. ``dataset`` is logged as the training input. The
@@ -258,6 +260,8 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
                 name=model_name, source=model_source, run_id=run_id, tags=version_tags, model_id=model_id,
                 description=version_description,
             )
+            for name, text in (after_version(run_id, str(version.version)) if after_version else {}).items():
+                client.log_text(run_id, text, name)
             fault_point("register:after_version")
             champion = _point_champion_at_newest_passing(client, model_name) if promote else None
             fault_point("register:after_alias")
@@ -398,17 +402,18 @@ def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | 
     raise RuntimeError(f"registered model {name!r}: the {CHAMPION} alias did not settle after 50 writes")
 
 
-def record_verdict(config: TrackingConfig, release: dict[str, Any], passed: bool, reason: str,
+def record_verdict(config: TrackingConfig, release: dict[str, Any], tags: dict[str, str],
                    description: str) -> dict[str, Any]:
     """A spend's one version judged again (the gate re-ran on the same outputs, e.g. under a changed
-    ``gate.epsilon_budget``): its ``gate.passed``/``gate.reason`` tags and description take the new verdict,
+    ``gate.epsilon_budget``): its verdict tags (``gate.passed``, ``gate.reason``, ``verdict``, ``verdict.*``)
+    and description take the new verdict,
     and the alias policy is applied again — the alias leaves a version that no longer passes. Returns
     ``release`` with ``champion`` as it now stands."""
     client = store_client(config)
     name, number = release["model_name"], release["model_version"]
     with store_lock(config):
-        client.set_model_version_tag(name, number, "gate.passed", str(passed).lower())
-        client.set_model_version_tag(name, number, "gate.reason", reason[:5000])
+        for key, value in tags.items():
+            client.set_model_version_tag(name, number, key, value[:5000])
         client.update_model_version(name, number, description=description)
         champion = _point_champion_at_newest_passing(client, name)
     return release | {"champion": champion == str(number)}

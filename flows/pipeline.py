@@ -79,7 +79,7 @@ def train_reference_models(config: ConfigBase, jobs: list[tuple[str, bool, float
 def release_markdown(results: dict[str, Any]) -> str:
     """The flow run's ``dpml-release`` artifact: the release gate's verdict, then the run summary."""
     gate, release = results["gate"], results["register"]
-    verdict = "PASSED" if gate["passed"] else "FAILED"
+    verdict = gate["verdict"]["title"]
     return (f"# dpml release: gate {verdict}\n\n`{release['model_uri']}`"
             + (" (alias `champion`)" if release["champion"] else "")
             + f"\n\n```\n{run_summary(results).strip()}\n```\n")

@@ -61,6 +61,18 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     assert float(v1.tags["audit.epsilon_lower_bound"]) <= float(v1.tags["dp.epsilon"])
     report = Path(mlflow.artifacts.download_artifacts(run_id=v1.run_id, artifact_path="privacy_report.md")).read_text()
     assert "add-or-remove-one" in report and "Release gate: PASSED" in report
+    # The three-part verdict, the same words in gate.json, the version's tags, its run's metrics and the report.
+    verdict = first["gate"]["verdict"]
+    assert verdict["certificate"]["word"] == "within budget"
+    assert verdict["attacks"]["word"] == ("evidence" if first["gate"]["audit_is_evidence"] else "no demonstrated power")
+    for part in ("certificate", "implementation", "attacks"):
+        assert v1.tags[f"verdict.{part}"] == verdict[part]["word"]
+        assert run.data.tags[f"verdict.{part}"] == verdict[part]["word"]
+    assert run.data.metrics["verdict.certificate"] == 1.0
+    assert report.splitlines()[2] == f"**Release gate: {verdict['title']}.**"  # the verdict comes first
+    assert v1.description.startswith(f"**{verdict['title']}**")
+    if not first["gate"]["audit_is_evidence"]:
+        assert verdict["title"] == "PASSED without demonstrated attack power" or "without implementation" in verdict["title"]
 
     # The registered model takes raw records and reproduces the pipeline's own predictions on them.
     model = mlflow.pyfunc.load_model("models:/dpml-test-model@champion")
@@ -81,6 +93,9 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     from dpml.cli import main
 
     assert main(["certificate", "--run", v1.run_id, "--params", str(params)]) == 0
+    for release in ("models:/dpml-test-model@champion", f"models:/dpml-test-model/{v1.version}"):
+        assert main(["certificate", release, "--params", str(params)]) == 0  # a release, as every command takes it
+    assert main(["certificate", "models:/dpml-test-model/99", "--params", str(params)]) != 0
 
     # `dpml audit --model` re-audits the registered version with the data it saw: same numbers.
     from dpml.stages import audit_registered_model
@@ -97,6 +112,7 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     assert second["gate"]["passed"] is False
     v1, v2 = versions(client, "dpml-test-model")
     assert v2.tags["gate.passed"] == "false" and "exceeds the budget" in v2.tags["gate.reason"]
+    assert v2.tags["verdict.certificate"] == "over budget" and v2.tags["verdict"].startswith("FAILED: certificate over budget")
     assert client.get_model_version_by_alias("dpml-test-model", "champion").version == v1.version
 
 
@@ -156,6 +172,7 @@ def test_nonprivate_model_never_becomes_champion(workdir: Path) -> None:
     client = client_for(workdir)
     [version] = versions(client, "dpml-test-model")
     assert version.tags["gate.passed"] == "false" and version.tags["dp.epsilon"] == "inf"
+    assert version.tags["verdict.certificate"] == "none" and results["gate"]["verdict"]["title"] == "FAILED"
     assert not client.get_registered_model("dpml-test-model").aliases
 
 

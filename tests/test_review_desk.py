@@ -116,7 +116,8 @@ def test_epsilon_is_written_alike_in_the_summary_the_report_and_mlflow(released:
     results = released["results"]
     epsilon = format_epsilon(results["certify"]["epsilon"])
     summary = run_summary(results)
-    assert f"certified epsilon    {epsilon} at delta = 1e-05" in summary and f"; certified {epsilon})" in summary
+    assert f"certified epsilon    {epsilon} at delta = 1e-05" in summary and f"(certified {epsilon});" in summary
+    assert len(summary.strip().splitlines()) <= 15 and max(map(len, summary.splitlines())) <= 200  # one screen
     assert "viewStateShareKey=dpml-review" in summary
     report = Layout(released["config"]).report.read_text()
     assert f"({epsilon}, 1e-05)-DP" in report and f"| {epsilon} | yes |" in report
@@ -142,3 +143,37 @@ def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
                             ["release gate: PASSED"])
     assert f"certified ε = {epsilon} at δ = 1e-05" in version and "release gate: PASSED" in version, version[:3000]
     assert f"dp.epsilon {epsilon}" in version and "gate.passed true" in version
+    verdict = released["results"]["gate"]["verdict"]
+    assert verdict["title"] in version and f"verdict.attacks {verdict['attacks']['word']}" in version  # three parts
+
+
+@pytest.mark.slow
+def test_the_release_card_is_one_self_contained_page_with_the_verdict_first(released: dict[str, Any],
+                                                                           tmp_path: Path) -> None:
+    """The release card: logged with the version's run and written beside release.json, the same page; verdict
+    first, ε in plain words, the release's identity, every attack's ROC against the DP limit, the conformance
+    checks, the audit's power and the ledger — with nothing fetched from a network. A browser opening it
+    from disk reads the verdict and ε."""
+    from dpml.stages import Layout
+
+    results = released["results"]
+    layout = Layout(released["config"])
+    card = layout.release_card.read_text()
+    run_id, version = results["register"]["run_id"], results["register"]["model_version"]
+    logged = released["client"].download_artifacts(run_id, "release_card.html", str(tmp_path))
+    assert Path(logged).read_text() == card  # the same page in MLflow and on disk
+    verdict, epsilon = results["gate"]["verdict"], format_epsilon(results["certify"]["epsilon"])
+    assert re.search(r"<(script|link|img|iframe)\b|\bsrc=|@import|url\(", card) is None  # no external resource
+    body = re.sub(r"<style.*?</style>", "", card, flags=re.S)
+    assert body.index(f"Release gate: {verdict['title']}") < body.index("ε = ")  # the verdict comes first
+    for fact in (f"models:/dpml-test-model/{version}", run_id, results["ingest"]["version"], "DP limit (ε = " + epsilon,
+                 *(verdict[part]["word"] for part in ("certificate", "implementation", "attacks")),
+                 *results["audit"]["target"]["attacks"]):
+        assert fact in card, fact
+    assert card.count("<path") >= 2 + len(results["audit"]["target"]["attacks"])  # chance, DP limit, each attack
+    if chromium() is None:
+        pytest.skip("no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
+                    "the card was checked as HTML, not rendered")
+    text = rendered_text(layout.release_card.resolve().as_uri(), tmp_path / "profile", [verdict["title"]])
+    assert f"Release gate: {verdict['title']}" in text and f"ε = {epsilon} at δ = 1e-05." in text
+    assert text.index(verdict["title"]) < text.index("Attacks against the limit")

@@ -201,7 +201,7 @@ def plan_bounds(config: Config, methods: dict[str, Any], certified_epsilon: floa
                              f"report is {power:.4g}")
         elif not entry["gating"]:
             entry["note"] = ("not counted: sharing the confidence budget with it would leave some gating method "
-                             f"unable to detect a violation of ε = {certified_epsilon:.4g}")
+                             f"unable to detect a violation of ε = {format_epsilon(certified_epsilon)}")
         plan[name] = entry
     return plan, confidence
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpml.formatting import format_epsilon
+from dpml.report.verdict import verdict_lines
 
 
 def _fmt(value: Any) -> str:
@@ -35,7 +36,7 @@ def _kl_certificate(certificate: dict[str, Any]) -> list[str]:
 
 def lineage_lines(ledger: dict[str, Any], budget: float | None, excluded: int = 0) -> list[str]:
     """The lineage paragraph: what every release of this data set together has cost its people."""
-    levels = ", ".join(f"{count:,} at ε = {eps:.4g}" for eps, count in ledger["unit_epsilon"][:8])
+    levels = ", ".join(f"{count:,} at ε = {format_epsilon(eps)}" for eps, count in ledger["unit_epsilon"][:8])
     more = len(ledger["unit_epsilon"]) - 8
     lines = [
         f"**Lineage {ledger['lineage']!r}: every release together.** The ε above is what this model alone costs "
@@ -93,7 +94,8 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
            audit: dict[str, Any], gate: dict[str, Any], ledger: dict[str, Any] | None = None,
            budget: float | None = None) -> str:
     """Markdown for MLflow and the Prefect UI; every number comes from the stage outputs."""
-    lines = ["# dpml privacy report", ""]
+    lines = ["# dpml privacy report", "", f"**Release gate: {gate['verdict']['title']}.**", ""]
+    lines += [f"- {line.strip()}" for line in verdict_lines(gate["verdict"])] + [""]
     if certificate is None:
         lines += ["**No privacy guarantee**: this model was trained without differential privacy.", ""]
     elif certificate.get("kind") == "kl":
@@ -161,7 +163,7 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
         lines.append(f"- chosen by the private search: {chosen} (noisy validation accuracy "
                      f"{_fmt(train['noisy_validation_accuracy'])})")
     lines += _audit_section(audit)
-    lines += ["", f"**Release gate: {'PASSED' if gate['passed'] else 'FAILED'}.**", ""]
+    lines += ["", "**The gate's reasons.**", ""]
     lines += [f"- {reason}" for reason in gate["reasons"]]
     return "\n".join(lines) + "\n"
 

@@ -27,6 +27,8 @@ from dpml.stages.audit import strongest
 from dpml.stages.layout import Layout
 from dpml.stages.spend_outputs import STAMP
 from dpml.stages.train import lineage_of, open_ledger
+from dpml.report.verdict import (ATTACKS, CERTIFICATE, IMPLEMENTATION, PARTS, attacks_part, certificate_part,
+                                 implementation_part, verdict_record)
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -44,18 +46,20 @@ def gate(config: Config) -> dict[str, Any]:
     layout = Layout(config)
     certificate = io.read_json(layout.certificate)
     summary = io.read_json(layout.audit)
-    reasons, passed = [], True
+    reasons, passed, violations = [], True, []
+    budget_ok = True  # the certificate within its gate budget (KL: everything _gate_kl requires)
     if certificate is None:
         passed = False
         reasons.append("no DP certificate: the model was trained without differential privacy")
     elif certificate.get("kind") == "kl":
-        passed = _gate_kl(config, certificate, reasons)
+        passed, violations = _gate_kl(config, certificate, reasons)
+        budget_ok = passed
     else:
         epsilon = certificate["epsilon"]
         if certificate.get("void"):
             reasons.append(certificate["statement"])
         if epsilon > config.gate.epsilon_budget:
-            passed = False
+            passed = budget_ok = False
             reasons.append(f"certified ε = {format_epsilon(epsilon)} exceeds the budget gate.epsilon_budget = "
                            f"{config.gate.epsilon_budget:g}")
         else:
@@ -83,9 +87,15 @@ def gate(config: Config) -> dict[str, Any]:
     elif power is not None:
         reasons.append(f"positive control: the attacks reach TPR {power:.4g} at 1% FPR against the non-private model")
     ledger = open_ledger(config)
-    passed = _gate_ledger(config, ledger, certificate, reasons) and passed
-    decision = {"passed": passed, "reasons": reasons, "epsilon_budget": config.gate.epsilon_budget,
-                "audit_is_evidence": evidence, STAMP: summary.get(STAMP)}  # the model judged (its audit's stamp)
+    ledger_ok = _gate_ledger(config, ledger, certificate, reasons)
+    passed = ledger_ok and passed
+    parts = {CERTIFICATE: certificate_part(certificate, config.gate.epsilon_budget, ledger_ok and budget_ok),
+             IMPLEMENTATION: implementation_part(summary),
+             ATTACKS: attacks_part(summary, len(violations), evidence,
+                                   config.audit.control_min_tpr_at_1pct_fpr)}
+    decision = {"passed": passed, "verdict": verdict_record(passed, parts), "reasons": reasons,
+                "epsilon_budget": config.gate.epsilon_budget, "audit_is_evidence": evidence,
+                STAMP: summary.get(STAMP)}  # the model judged (its audit's stamp)
     io.write_json(layout.gate, decision)
     data = io.read_json(layout.prepared_meta) | {
         "lower": config.preprocess.lower, "upper": config.preprocess.upper,
@@ -107,7 +117,8 @@ def summary_metrics(train: dict[str, Any], certificate: dict[str, Any] | None, a
                     decision: dict[str, Any]) -> dict[str, Any]:
     """The run's headline numbers (``dvc metrics show``/``diff``, ``dvc exp show``): test accuracy, the
     certified ε and δ (``inf``/``null`` without an (ε, δ) certificate), the largest empirical ε lower
-    bound, the strongest attack's AUC and TPR at 1% FPR, the control's TPR, σ and the gate's verdict.
+    bound, the strongest attack's AUC and TPR at 1% FPR, the control's TPR, σ, the gate's verdict and the
+    word of each of its three parts (:mod:`dpml.report.verdict`).
     Nothing from the ledger: its totals grow with every run, and these must reproduce under ``dvc repro``."""
     attacks = audit["target"]["attacks"]
     epsilon = None if certificate is None else certificate.get("epsilon")
@@ -122,6 +133,7 @@ def summary_metrics(train: dict[str, Any], certificate: dict[str, Any] | None, a
         "control_tpr_at_1pct_fpr": audit.get("control_power"),
         "noise_multiplier": train.get("noise_multiplier"),
         "gate_passed": decision["passed"],
+        **{f"verdict_{name}": decision["verdict"][name]["word"] for name in PARTS},
     }
 
 
@@ -193,12 +205,13 @@ def total_variation_violations(raw_scores: dict[str, Any], pinsker_delta: float,
     return violations
 
 
-def _gate_kl(config: Config, certificate: dict[str, Any], reasons: list[str]) -> bool:
+def _gate_kl(config: Config, certificate: dict[str, Any], reasons: list[str]) -> tuple[bool, list[dict[str, Any]]]:
     """A KL-private model (seed 000) passes only against ``gate.kl_budget``, and only when no attack's
-    advantage exceeds the Pinsker bound (:func:`total_variation_violations`); it is never called (ε, δ)-DP."""
+    advantage exceeds the Pinsker bound (:func:`total_variation_violations`); it is never called (ε, δ)-DP.
+    Returns the verdict and the attacks that beat the Pinsker bound."""
     if certificate.get("void"):
         reasons.append(certificate["statement"])
-        return False
+        return False, []
     kl = certificate["kl"]
     reasons.append(f"KL privacy, not (ε, δ)-DP: certified KL = {kl:.4g} (Pinsker: total variation ≤ "
                    f"{certificate['pinsker_delta']:.4g}); no finite ε holds, so gate.epsilon_budget cannot be met")
@@ -210,13 +223,13 @@ def _gate_kl(config: Config, certificate: dict[str, Any], reasons: list[str]) ->
         reasons.append(f"attack {violation['attack']} beats the Pinsker bound: TPR − FPR > {certificate['pinsker_delta']:.4g} "
                        "at the audit's confidence — the trainer or the KL certificate is wrong")
     if violations:
-        return False
+        return False, violations
     reasons.append(f"no attack's advantage (TPR − FPR) exceeds the Pinsker bound {certificate['pinsker_delta']:.4g}")
     if config.gate.kl_budget is None:
         reasons.append("gate.kl_budget is not set: KL-private releases are not accepted")
-        return False
+        return False, []
     if kl > config.gate.kl_budget:
         reasons.append(f"certified KL = {kl:.4g} exceeds gate.kl_budget = {config.gate.kl_budget:g}")
-        return False
+        return False, []
     reasons.append(f"certified KL = {kl:.4g} ≤ gate.kl_budget = {config.gate.kl_budget:g}")
-    return True
+    return True, []

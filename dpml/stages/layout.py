@@ -58,6 +58,7 @@ class Layout:
         self.gate = art / "gate" / "gate.json"
         self.report = art / "gate" / "privacy_report.md"
         self.release = art / "register" / "release.json"
+        self.release_card = art / "register" / "release_card.html"  # dpml.report.release_card
         self.summary = Path(config.paths.metrics_folder()) / "summary.json"  # kept in git: dvc metrics diff
         self.tuning = art / "tune" / "tuning.json"
         self.validation = art / "tune" / "validation.npz"
@@ -122,7 +123,7 @@ CONTRACT: dict[str, StageFiles] = {
     "register": StageFiles(reads=("certificate", "audit", "scores", "roc_png", "histograms_png", "gate", "report",
                                   "train_metrics", "model", "model_spec", "mechanism", "spend", "raw_meta",
                                   "prepared_meta"),
-                           writes=("release",), params=EVERY_SECTION),
+                           writes=("release", "release_card"), params=EVERY_SECTION),
 }
 
 

@@ -18,6 +18,8 @@ from dpml.stages.layout import CONTRACT, Layout, load_model
 from dpml.stages.records import driver_tags, stage_params, stage_records
 from dpml.stages.spend_outputs import check_outputs_of_spend
 from dpml.stages.train import lineage_of, open_ledger, release_config
+from dpml.report.release_card import render_card
+from dpml.report.verdict import verdict_lines, verdict_metrics, verdict_tags
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -63,6 +65,9 @@ def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
         ledger.record_event(spend_id, "released", release | {"reconciled": "true"})
 
 
+CARD = "release_card.html"  # the release card's artifact name (MLflow) beside release.json (disk)
+
+
 def spend_tag(ledger: Ledger, spend_id: int) -> str:
     """The spend's identity on its model version (``ledger.spend``): its id and the time it was reserved,
     so that two ledgers' spend 7 never pass for one another in a shared registry."""
@@ -91,12 +96,16 @@ def version_description(tags: dict[str, str], decision: dict[str, Any]) -> str:
     verdict and the gate, from the version's own tags."""
     evidence = "counted as evidence" if tags["audit.is_evidence"] == "true" else "not counted as evidence"
     return "\n".join([
+        f"**{decision['verdict']['title']}**",
+        "",
+        *(f"- {line.strip()}" for line in verdict_lines(decision["verdict"])),
+        "",
         f"- **certified ε = {tags['dp.epsilon']}** at δ = {tags['dp.delta']} ({tags['privacy.guarantee']}; "
         f"accountant {tags['dp.accountant']})",
         f"- mechanism: {tags['dp.mechanism']}",
         f"- audit: largest empirical ε lower bound {tags['audit.epsilon_lower_bound']} ({evidence}); strongest "
         f"attack AUC {tags['audit.auc']} ({tags['audit.auc_attack']}); conformance {tags['audit.conformance']}",
-        f"- **release gate: {'PASSED' if decision['passed'] else 'FAILED'}**: {tags['gate.reason']}",
+        f"- release gate: {'PASSED' if decision['passed'] else 'FAILED'}: {tags['gate.reason']}",
         f"- data: {tags['dp.lineage']}, version {tags['data.version'][:12]}",
     ])[:5000]  # MLflow keeps 5000 characters
 
@@ -155,11 +164,12 @@ def register(config: Config) -> dict[str, Any]:
         "audit.conformance": conformance_tag(summary),
         "gate.passed": str(decision["passed"]).lower(),
         "gate.reason": "; ".join(decision["reasons"])[:5000],
+        **verdict_tags(decision["verdict"]),
     }
     metrics = {
         "test_accuracy": train_metrics["test_accuracy"], "train_accuracy": train_metrics["train_accuracy"],
         "epsilon": epsilon, "delta": config.dp.delta, "audit.max_epsilon_lower_bound": summary["max_lower_bound"],
-        "gate.passed": int(decision["passed"]),
+        "gate.passed": int(decision["passed"]), **verdict_metrics(decision["verdict"]),
         **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
            for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
@@ -175,17 +185,36 @@ def register(config: Config) -> dict[str, Any]:
         version_tags |= {"tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),
                          "tune.selection": str(tuning["selection"]),
                          "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}"}
+    provenance, logged_files = release_provenance(as_run, searched=layout.tuning.exists())
+    cards: dict[str, str] = {}
+
+    def release_card(run_id: str, version: str) -> dict[str, str]:
+        """The release card, once the version's number exists (:mod:`dpml.report.release_card`)."""
+        facts = {"model": config.tracking.model_name or "", "version": version,
+                    "model URI": f"models:/{config.tracking.model_name}/{version}", "run": run_id,
+                    "commit": provenance.get("code.commit", "none"), "data version": data_meta["version"],
+                    "data set": lineage, "trainer": config.train.algorithm,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "test accuracy": f"{train_metrics['test_accuracy']:.4f}"}
+        standing = ledger.summary(lineage)
+        cards[CARD] = render_card(identity=facts, verdict=decision["verdict"], certificate=certificate, audit=summary,
+                                  scores=io.read_json(layout.scores) if layout.scores.exists() else None,
+                                  ledger=standing[0] if standing else None, budget=config.ledger.epsilon_budget,
+                                  reasons=decision["reasons"])
+        return dict(cards)
+
     earlier = tracking.release_of_spend(config.tracking, identity)
     if earlier is not None:  # this spend's one version: judged again if the gate's verdict changed
         if earlier.pop("recorded_verdict") != version_tags["gate.passed"]:
-            earlier = tracking.record_verdict(config.tracking, earlier, decision["passed"], version_tags["gate.reason"],
-                                              version_description(version_tags, decision))
+            judged = {k: v for k, v in version_tags.items() if k.startswith(("gate.", "verdict"))}
+            earlier = tracking.record_verdict(config.tracking, earlier, judged, version_description(version_tags, decision))
+        release_card(earlier["run_id"], earlier["model_version"])
+        io.write_text(layout.release_card, cards[CARD])
         return finish_release(config, layout, ledger, spend_id, earlier | {"already_released": True}, decision,
                               train_metrics)
     artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
                              layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
                              layout.model_spec, layout.tuning, layout.model_source) if p.exists()]
-    provenance, logged_files = release_provenance(as_run, searched=layout.tuning.exists())
     version_tags |= provenance
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
     seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()
@@ -201,12 +230,15 @@ def register(config: Config) -> dict[str, Any]:
         dataset=tracking.training_dataset(lineage, config.data.source, data_meta["version"]),
         stage_runs=stage_records(layout, list(CONTRACT)[:-1]) + [own_record],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
-                  "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(), "noise_seed.fixed": seed_fixed,
+                  "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(),
+                  **verdict_tags(decision["verdict"]), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
                   "ledger.spend_id": str(spend["spend_id"]), "ledger.spend": identity, **provenance,
                   **driver_tags()},
-        documents={"config.json": config.to_dict()},
+        documents={"config.json": config.to_dict()}, after_version=release_card,
     )
+    if CARD in cards:
+        io.write_text(layout.release_card, cards[CARD])  # the same page, to open from disk
     return finish_release(config, layout, ledger, spend_id, release, decision, train_metrics)
 
 
@@ -220,6 +252,7 @@ def finish_release(config: Config, layout: Layout, ledger: Ledger, spend_id: int
     epsilon = (io.read_json(layout.certificate) or {}).get("epsilon", float("inf"))
     release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
                 "lineage": lineage, "lineage_max_unit_epsilon": ledger.total(lineage), "spend_id": spend_id,
-                "experiment": config.tracking.experiment, "origins": dict(config.tracking.origins)}
+                "experiment": config.tracking.experiment, "origins": dict(config.tracking.origins),
+                "card": str(layout.release_card), "report": str(layout.report)}
     io.write_json(layout.release, release)
     return release
