@@ -108,11 +108,12 @@ def test_an_interrupted_distributed_launch_leaves_no_process_and_its_children_ig
     me = psutil.Process()
     seen: dict[int, psutil.Process] = {}
     blocked: list[bool] = []
+    earlier = {p.pid for p in children_of(me.pid)}  # other tests' pool workers (spawn_main too) are not this launch's
 
     def interrupt_once_both_run() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            workers = [p for p in children_of(me.pid) if "spawn_main" in command_line(p)]
+            workers = [p for p in children_of(me.pid) if "spawn_main" in command_line(p) and p.pid not in earlier]
             seen.update({p.pid: p for p in workers})
             if len(workers) == 2:
                 time.sleep(2)
