@@ -75,7 +75,8 @@ def refuse_temporary_experiment_copy(config: Config, cwd: Path | None = None) ->
     stores = {"ledger.url" if config.ledger.url else "ledger.path":
               None if is_postgres(config.ledger.location()) else sqlite_file(config.ledger.location()),
               "tracking.uri": sqlite_path(config.tracking.uri),
-              "tracking.registry_uri": sqlite_path(config.tracking.registry)}
+              "tracking.registry_uri": config.tracking.registry_uri and sqlite_path(config.tracking.registry_uri)}
+    # (an unset registry_uri is the tracking store: named once)
     relative = [f"{key} = {str(path)!r}" for key, path in stores.items() if path is not None and not path.is_absolute()]
     if relative:
         raise ValueError(f"{', '.join(relative)}: relative to a temporary copy of the repository ({cwd}), made by "

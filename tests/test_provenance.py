@@ -81,3 +81,6 @@ def test_a_temporary_experiment_copy_with_relative_stores_is_refused(workspace: 
     with pytest.raises(ValueError, match=r"ledger.path = 'ledger.db', tracking.uri = 'mlflow.db': relative to a "
                                          r"temporary copy .* run experiments in the workspace"):
         refuse_temporary_experiment_copy(relative, copy)
+    split = load(workspace / "params.yaml", ["tracking.registry_uri=sqlite:///registry.db"])  # only the registry relative
+    with pytest.raises(ValueError, match=r"^tracking.registry_uri = 'registry.db': relative to a temporary copy"):
+        refuse_temporary_experiment_copy(split, copy)
