@@ -45,13 +45,18 @@ crash or exhausted memory does not take the others with it):
   not run where their per-example gradients alone (batch × trainable parameters × 4 bytes) would need more
   than half the memory the machine has available (the kernel would kill the process): ``not run: …``.
 
-Timing as ``benchmarks/speed.py``: two warm-up steps each, then rounds that alternate the methods (Opacus
-in ``--peer-rounds`` evenly spaced rounds only); each dpml turn is an untimed lead-in step and a timed step,
-its background noise draw waited for, untimed, before the next method. Median step time per method; the
-throughput ratio is the non-private median over the method's median, from the same rounds.
+Timing as ``benchmarks/speed.py``: warm-up steps each (below), then rounds that alternate the methods (Opacus
+in ``--peer-rounds`` evenly spaced rounds only); where dpml's CPU noise is drawn in a background thread
+(``PrefetchedNoise``, a core left idle by torch's threads) each dpml turn is an untimed lead-in step and a
+timed step, its background draw waited for, untimed, before the next method (where the draw is in the
+step, ``SynchronousNoise``, or on a GPU, one timed step). Median step time per method; the throughput ratio
+is the non-private median over the method's median, from the same rounds. A family run in its own process
+stops its rounds early once three quarters of its ``--family-timeout`` are spent (the page says after how
+many), so that a slow family still gives a row.
 
-Peak memory, after the rounds, one step per method (gradients set to ``None`` first, so that no method
-carries the last step's gradients into the measured one): on a GPU, ``torch.cuda.max_memory_allocated``
+Peak memory, on the untimed warm-up steps before the rounds (a first step, and a second one, whose
+measurement replaces the first's, unless the first took 10 s or more; gradients set to ``None`` first, so
+that no method carries a step's gradients into the measured one): on a GPU, ``torch.cuda.max_memory_allocated``
 during the step minus what was allocated before it (the step's own working memory: activations,
 gradients, per-example state; the models of the other methods stay resident and are not counted), and the
 absolute peak in the JSON; on the CPU, the process's peak resident set size during the step minus its
@@ -447,9 +452,49 @@ def step_memory(step, device, cpu_peak: CpuPeak | None) -> dict[str, float]:  # 
     return {"peak_mib": (peak - before) / 2**20}
 
 
+SLOW_STEP = 10.0  # seconds: a first step this slow is the only warm-up step
+
+
+def warm_up(step, device, cpu_peak: CpuPeak | None, memory: dict, method: str, batch: int) -> None:  # noqa: ANN001
+    """Untimed steps before the rounds: a first one (first-call costs), and a second one unless the first took
+    ``SLOW_STEP`` seconds or more. The peak memory is measured on them (the second's replaces the first's),
+    never on a timed step: the measurement returns freed memory to the system, which the next step would
+    fault in again. dpml in a chunk smaller than the batch: one more step in one chunk of the whole batch,
+    for its memory at the non-private step's physical batch."""
+    measure = device.type == "cuda" or cpu_peak is not None
+    for _ in range(2):
+        start = time.perf_counter()
+        if measure:
+            memory[method] = step_memory(step, device, cpu_peak)
+        else:
+            step()
+        _settle(step)
+        _synchronise(device)
+        if time.perf_counter() - start >= SLOW_STEP:
+            break
+    state = getattr(step, "state", None)
+    if state is not None and state["chunk"] < batch and measure:
+        tuned, state["chunk"] = state["chunk"], batch
+        try:
+            memory[method] |= {f"whole_{k}": v for k, v in step_memory(step, device, cpu_peak).items()}
+        except Exception as error:  # noqa: BLE001 — the whole batch in one chunk may not fit: that is the result
+            memory[method]["whole_error"] = _one_line(error)
+            if device.type == "cuda":
+                _torch().cuda.empty_cache()
+        finally:
+            state["chunk"] = tuned
+
+
+def _settle(step) -> None:  # noqa: ANN001
+    settle = getattr(step, "settle", None)
+    if settle is not None:
+        settle()
+
+
 def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa: C901
     """Every method on one family: set-up, interleaved timed rounds, then one memory step each."""
     torch = _torch()
+    started = time.perf_counter()
     device = torch.device(args.device)
     base = {"family": family, "size": args.size, "batch": args.batch, "length": args.length if family in TEXT else None,
             "device": args.device}
@@ -467,6 +512,9 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
     steps: dict[str, Callable[[], None]] = {}
     errors: dict[str, tuple[str, str]] = {}
     setup_seconds: dict[str, float] = {}
+    memory: dict[str, dict[str, Any]] = {}
+    cpu_peak = CpuPeak() if device.type == "cpu" else None
+    memory_note = cpu_peak.error if cpu_peak is not None else None
     for method in methods:
         start = time.perf_counter()
         try:
@@ -478,12 +526,7 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
         setup_seconds[method] = time.perf_counter() - start
         if method in steps:
             try:
-                for _ in range(2):  # warm-up
-                    steps[method]()
-                    settle = getattr(steps[method], "settle", None)
-                    if settle is not None:
-                        settle()
-                _synchronise(device)
+                warm_up(steps[method], device, cpu_peak if memory_note is None else None, memory, method, args.batch)
             except Exception as error:  # noqa: BLE001
                 errors[method] = ("crashes", _one_line(error))
                 _drop(steps, method, device)
@@ -491,7 +534,13 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
               + (f"; {errors[method][0]}: {errors[method][1]}" if method in errors else ""), flush=True)
     every = max(1, args.rounds // max(1, args.peer_rounds))
     times: dict[str, list[float]] = {m: [] for m in steps}
+    rounds = args.rounds
     for r in range(args.rounds):
+        if r and args.budget and time.perf_counter() - started > 0.75 * args.budget:  # leave time for the memory step
+            rounds = r
+            print(f"[families] {family}: {r} of {args.rounds} rounds done when three quarters of its "
+                  f"{args.budget:.0f} s were spent; the rest are not run", flush=True)
+            break
         for method in list(steps):
             step = steps[method]
             if method in PEERS and (r % every or len(times[method]) >= args.peer_rounds):
@@ -510,22 +559,6 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
             except Exception as error:  # noqa: BLE001
                 errors[method] = ("crashes", _one_line(error))
                 _drop(steps, method, device)
-    memory: dict[str, dict[str, float]] = {}
-    cpu_peak = CpuPeak() if device.type == "cpu" else None
-    memory_note = cpu_peak.error if cpu_peak is not None else None
-    if memory_note is None:
-        for method, step in list(steps.items()):
-            try:
-                memory[method] = step_memory(step, device, cpu_peak)
-                state = getattr(step, "state", None)
-                if state is not None and state["chunk"] < args.batch:  # dpml also in one chunk of the whole batch
-                    tuned, state["chunk"] = state["chunk"], args.batch
-                    memory[method] |= {f"whole_{k}": v for k, v in step_memory(step, device, cpu_peak).items()}
-                    state["chunk"] = tuned
-            except Exception as error:  # noqa: BLE001
-                memory[method] = {"error": _one_line(error)}  # type: ignore[dict-item]
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
     infos = {m: getattr(s, "info", None) for m, s in steps.items()}
     for method in list(steps):
         _drop(steps, method, device)
@@ -536,9 +569,13 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
     base_memory = memory.get("nonprivate", {}).get("peak_mib")
     rows = []
     for method in methods:
-        row: dict[str, Any] = {**base, "method": method, "setup_seconds": setup_seconds.get(method)}
+        row: dict[str, Any] = {**base, "method": method, "setup_seconds": setup_seconds.get(method), "rounds": rounds}
         if method in errors and not times.get(method):
             row.update(verdict=errors[method][0], error=errors[method][1])
+            rows.append(row)
+            continue
+        if not times.get(method):
+            row.update(verdict="not timed", error=f"the family's time ran out after {rounds} rounds, before its turn")
             rows.append(row)
             continue
         if method in errors:  # it ran some rounds, then failed
@@ -572,7 +609,8 @@ def run_isolated(family: str, args: argparse.Namespace) -> list[dict]:
     """The family in a child process of its own under ``--family-timeout`` seconds."""
     with tempfile.TemporaryDirectory() as folder:
         part = Path(folder) / "rows.json"
-        command = [sys.executable, str(Path(__file__).resolve()), *_arguments(args, [family]), "--part", str(part)]
+        command = [sys.executable, str(Path(__file__).resolve()), *_arguments(args, [family]), "--part", str(part),
+                   "--budget", str(max(1.0, args.family_timeout - 10))]
         start = time.perf_counter()
         try:
             finished = subprocess.run(command, timeout=args.family_timeout, check=False)
@@ -719,7 +757,8 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
             dp_cell, ratio, exact_cell, memory, targets = (f"{dp.get('verdict', '?')}: {_short(dp.get('error', ''))}",
                                                            "", "", "", "missed")
             details.append(f"- **{family}** ({non.get('model', '')}): dpml {dp.get('verdict')}: {dp.get('error')}")
-        lines.append(f"| {family} | {where} | {non['batch']} | {non['ms_per_step']:.1f} | {dp_cell} | {ratio} | "
+        cut = f" ({non['rounds']} rounds)" if non.get("rounds", meta["args"]["rounds"]) < meta["args"]["rounds"] else ""
+        lines.append(f"| {family} | {where} | {non['batch']} | {non['ms_per_step']:.1f}{cut} | {dp_cell} | {ratio} | "
                      f"{_cell(by['opacus-hooks']) if 'opacus-hooks' in by else 'not asked'} | "
                      f"{_cell(by['opacus-ghost']) if 'opacus-ghost' in by else 'not asked'} | {memory} | "
                      f"{exact_cell} | {targets} |")
@@ -747,6 +786,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--stem", default=None, help="file names' stem (default families, families_cuda)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process: write its rows here
+    parser.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)  # a child's seconds
     args = parser.parse_args()
     for name, value in (("--batch", args.batch), ("--length", args.length), ("--rounds", args.rounds),
                         ("--peer-rounds", args.peer_rounds)):
@@ -777,7 +817,7 @@ def main() -> None:
     if args.family_timeout != 1800:
         command += f" --family-timeout {args.family_timeout:g}"
     meta = {"command": command, "commit": current_commit(), "date": started, "machine": machine(args),
-            "args": {k: v for k, v in vars(args).items() if k != "part"},
+            "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget")},
             "label": f" ({args.label})" if args.label else ""}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
