@@ -68,7 +68,7 @@ one chunk of the whole batch (the same physical batch as the non-private step; t
 Output: ``<out>/<stem>.md`` and ``.json`` (stem ``families``, ``families_cuda`` on a GPU, or ``--stem``) with the
 command, the machine (CPU model, cores, GPU, library versions), the git commit and the load average.
 
-    pip install -r benchmarks/requirements.txt      # Opacus, for the comparison only
+    pip install -r benchmarks/requirements-families.txt   # Opacus, transformers, peft (timm, torchvision: see there)
     python benchmarks/families.py [--size tiny|small|base] [--batch 64] [--length 128] [--rounds 10]
                                   [--peer-rounds 3] [--families bert gpt2 ...] [--device cpu|cuda]
 """
@@ -748,9 +748,12 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
             if cuda and "memory_ratio" in dp:
                 checks.append(f"memory {'met' if dp['memory_ratio'] <= MEMORY_TARGET else 'missed'}")
             targets = ", ".join(checks)
+            chosen = ("the whole batch in one chunk (`--dpml-chunk whole`, not tuned)"
+                      if meta["args"].get("dpml_chunk") == "whole" else
+                      f"chunk of {dp['chunk']} rows chosen by the trainer's tuner in {dp['tune_seconds']:.1f} s")
             details.append(f"- **{family}** ({non.get('model', '')}; {non.get('trainable', 0):,} of "
                            f"{non.get('parameters', 0):,} parameters trainable): "
-                           f"plan {dp['plan_seconds']:.1f} s, chunk choice {dp['tune_seconds']:.1f} s; "
+                           f"plan {dp['plan_seconds']:.1f} s, {chosen}; "
                            + (f"exact path: {', '.join(f'`{n}`' for n in exact)}" if exact else "exact path: none")
                            + (f". Plan notes: {' '.join(dp['plan_notes'])}" if dp.get("plan_notes") else ""))
         else:
@@ -785,9 +788,15 @@ def main() -> None:
     parser.add_argument("--label", default="", help="words added to the page's title (e.g. 'before ...')")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--stem", default=None, help="file names' stem (default families, families_cuda)")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="only write the page again from a results JSON this script wrote (no measurement)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process: write its rows here
     parser.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)  # a child's seconds
     args = parser.parse_args()
+    if args.render:  # the page from recorded numbers, e.g. after its layout changed
+        saved = json.loads(Path(args.render).read_text())
+        Path(args.render).with_suffix(".md").write_text(page(saved["rows"], saved["meta"]))
+        return
     for name, value in (("--batch", args.batch), ("--length", args.length), ("--rounds", args.rounds),
                         ("--peer-rounds", args.peer_rounds)):
         if value < 1:
@@ -816,6 +825,10 @@ def main() -> None:
     command = "python benchmarks/families.py " + " ".join(_arguments(args, args.families))
     if args.family_timeout != 1800:
         command += f" --family-timeout {args.family_timeout:g}"
+    if args.stem:
+        command += f" --stem {args.stem}"
+    if args.label:
+        command += f" --label '{args.label}'"
     meta = {"command": command, "commit": current_commit(), "date": started, "machine": machine(args),
             "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget")},
             "label": f" ({args.label})" if args.label else ""}
