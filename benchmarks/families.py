@@ -583,7 +583,7 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
         ms = 1000 * statistics.median(times[method])
         row.update(ms_per_step=ms, steps=len(times[method]), throughput=1000 * baseline / ms,
                    **(memory.get(method) or {}), **(infos.get(method) or {}))
-        peak = row.get("whole_peak_mib", row.get("peak_mib"))
+        peak = None if "whole_error" in row else row.get("whole_peak_mib", row.get("peak_mib"))
         if base_memory and isinstance(peak, float):
             row["memory_ratio"] = peak / base_memory
         if memory_note:
@@ -741,12 +741,16 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
             exact_cell = f"{len(exact)} of {dp['trainable_parameters']}"
             memory = f"{dp['memory_ratio']:.2f} ({dp.get('whole_peak_mib', dp.get('peak_mib')):.0f} / " \
                      f"{non['peak_mib']:.0f} MiB)" if "memory_ratio" in dp else dp.get("memory_note", "n/a")
-            if "whole_peak_mib" in dp:
+            if "whole_error" in dp:  # the whole batch in one chunk failed (out of memory): that is the result
+                memory = f"whole batch in one chunk: {_short(dp['whole_error'], 80)}"
+            if "whole_error" in dp or "whole_peak_mib" in dp:
                 memory += f"; in its chunk {dp['peak_mib']:.0f} MiB"
             checks = [f"speed {'met' if dp['throughput'] >= SPEED_TARGET else 'missed'}",
                       f"exact path {'empty' if not exact else 'not empty'}"]
             if cuda and "memory_ratio" in dp:
                 checks.append(f"memory {'met' if dp['memory_ratio'] <= MEMORY_TARGET else 'missed'}")
+            elif cuda and "whole_error" in dp:
+                checks.append("memory missed (the whole batch in one chunk failed)")
             targets = ", ".join(checks)
             chosen = ("the whole batch in one chunk (`--dpml-chunk whole`, not tuned)"
                       if meta["args"].get("dpml_chunk") == "whole" else
