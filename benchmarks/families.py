@@ -30,8 +30,9 @@ rows to the model as ``input_ids`` / ``attention_mask`` and returns ``.logits`` 
 (the sampling is not what is timed).
 
 Methods, each with its own copy of the model (seed 0, the same weights), all in one process per family
-(by default each family runs in a child process of its own, under ``--family-timeout``: one family's
-crash or exhausted memory does not take the others with it):
+(by default each family runs in a child process of its own, under ``--family-timeout``, and all of them
+under ``--total-timeout`` where it is given: one family's crash, exhausted memory or slowness does not take
+the others with it, and its row says what happened):
 
 - ``nonprivate``: forward, mean cross-entropy, backward, ``optimizer.step()`` (SGD);
 - ``dpml``: the trainer's own step: :func:`dpml.train.clipping_check.plan_clipping` first (which parameters
@@ -79,6 +80,7 @@ import argparse
 import ctypes
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -605,26 +607,26 @@ def _drop(steps: dict, method: str, device) -> None:  # noqa: ANN001
 # ----------------------------------------------------------------------------------------- running, output
 
 
-def run_isolated(family: str, args: argparse.Namespace) -> list[dict]:
-    """The family in a child process of its own under ``--family-timeout`` seconds."""
+def run_isolated(family: str, args: argparse.Namespace, limit: float) -> list[dict]:
+    """The family in a child process of its own under ``limit`` seconds."""
     with tempfile.TemporaryDirectory() as folder:
         part = Path(folder) / "rows.json"
         command = [sys.executable, str(Path(__file__).resolve()), *_arguments(args, [family]), "--part", str(part),
-                   "--budget", str(max(1.0, args.family_timeout - 10))]
+                   "--budget", str(max(1.0, limit - 10))]
         start = time.perf_counter()
         try:
-            finished = subprocess.run(command, timeout=args.family_timeout, check=False)
+            finished = subprocess.run(command, timeout=limit, check=False)
             code = finished.returncode
         except subprocess.TimeoutExpired:
             code = None
         if part.exists():
             return json.loads(part.read_text())
         seconds = time.perf_counter() - start
-    reason = (f"timed out after {args.family_timeout} s (--family-timeout)" if code is None
+    reason = (f"timed out after {limit:.0f} s (--family-timeout, or what --total-timeout left)" if code is None
               else f"the family's process ended with status {code}" + (" (killed: out of memory?)" if code in (-9, 137) else "")
               + f" after {seconds:.0f} s")
     return [{"family": family, "size": args.size, "batch": args.batch, "device": args.device, "method": m,
-             "verdict": "crashes", "error": reason} for m in METHODS]
+             "verdict": "not finished" if code is None else "crashes", "error": reason} for m in METHODS]
 
 
 def _arguments(args: argparse.Namespace, families: list[str]) -> list[str]:
@@ -789,6 +791,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     parser.add_argument("--family-timeout", type=float, default=1800,
                         help="seconds each family's child process may take (0: every family in this process)")
+    parser.add_argument("--total-timeout", type=float, default=0,
+                        help="seconds for all the families together: each child gets at most what is left, and a "
+                             "family not started in time gets a row saying so (0: no limit)")
     parser.add_argument("--label", default="", help="words added to the page's title (e.g. 'before ...')")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--stem", default=None, help="file names' stem (default families, families_cuda)")
@@ -820,8 +825,17 @@ def main() -> None:
         return
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
+    begun = time.perf_counter()
     for family in args.families:
-        found = run_isolated(family, args) if args.family_timeout > 0 else measure_family(family, args)
+        left = args.total_timeout - (time.perf_counter() - begun) if args.total_timeout > 0 else math.inf
+        if left < 20:  # not worth starting: the family's row says so
+            found = [{"family": family, "size": args.size, "batch": args.batch, "device": args.device, "method": m,
+                      "verdict": "not run", "error": f"the run's {args.total_timeout:g} s (--total-timeout) were spent "
+                                                     "on the families before it"} for m in METHODS]
+        elif args.family_timeout > 0:
+            found = run_isolated(family, args, min(args.family_timeout, left - 5))
+        else:
+            found = measure_family(family, args)
         for row in found:
             print("[families]", {k: v for k, v in row.items() if k not in ("exact_parameters", "plan_notes")}, flush=True)
         rows += found
@@ -829,12 +843,14 @@ def main() -> None:
     command = "python benchmarks/families.py " + " ".join(_arguments(args, args.families))
     if args.family_timeout != 1800:
         command += f" --family-timeout {args.family_timeout:g}"
+    if args.total_timeout:
+        command += f" --total-timeout {args.total_timeout:g}"
     if args.stem:
         command += f" --stem {args.stem}"
     if args.label:
         command += f" --label '{args.label}'"
     meta = {"command": command, "commit": current_commit(), "date": started, "machine": machine(args),
-            "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget")},
+            "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget", "render")},
             "label": f" ({args.label})" if args.label else ""}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
