@@ -538,7 +538,7 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
     times: dict[str, list[float]] = {m: [] for m in steps}
     rounds = args.rounds
     for r in range(args.rounds):
-        if r and args.budget and time.perf_counter() - started > 0.75 * args.budget:  # leave time for the memory step
+        if r and args.budget and time.perf_counter() - started > 0.75 * args.budget:  # leave time to finish the round
             rounds = r
             print(f"[families] {family}: {r} of {args.rounds} rounds done when three quarters of its "
                   f"{args.budget:.0f} s were spent; the rest are not run", flush=True)
