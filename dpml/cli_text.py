@@ -98,10 +98,10 @@ def ui_hint(uri: str, registry_uri: str | None = None) -> str:
 
 
 def review_hint(uri: str, experiment_id: str) -> str:
-    """The runs list with the headline columns (:func:`dpml.tracking.review_url`): a full URL on a tracking
+    """The runs list with the headline columns (:func:`dpml.review_view.review_url`): a full URL on a tracking
     server, the path to open in ``mlflow ui`` (at http://127.0.0.1:5000 by default) otherwise."""
     from dpml.store import is_server
-    from dpml.tracking import review_url
+    from dpml.review_view import review_url
 
     return review_url(experiment_id, uri if is_server(uri) else "http://127.0.0.1:5000")
 

@@ -35,8 +35,8 @@ from dpml.data.schema import SKLEARN_BUNDLED, VERBATIM_KEYS, VERBATIM_VALUES, Da
 from dpml.params_yaml import MAX_BYTES, MAX_NODES, YamlError, dotted, load_yaml
 from dpml.routing import RoutingError, resolve_tracking
 from dpml.sections import (BOOLEAN_FOR_NUMBER, TUNABLE_KEYS, AttackName, AuditConfig, DpConfig, GateConfig,
-                           LedgerConfig, ModelConfig, PathsConfig, PreprocessConfig, Section, SplitConfig,
-                           TrackingConfig, TrainSettings, TuneConfig)
+                           ModelConfig, PreprocessConfig, Section, SplitConfig, TrainSettings, TuneConfig)
+from dpml.sections_stores import LedgerConfig, PathsConfig, TrackingConfig
 from dpml.train.registry import TRAINERS, trainer_for
 
 __all__ = ["SKLEARN_BUNDLED", "TUNABLE_KEYS", "AttackName", "AuditConfig", "Config", "ConfigError", "DataConfig",

@@ -44,7 +44,7 @@ class ReproduceError(RuntimeError):
 
 def release_tags(uri: str, tracking: Any) -> dict[str, Any]:
     """The registered version's name, number, run id and tags (``models:/NAME/VERSION`` or ``@ALIAS``)."""
-    from dpml.tracking import find_version
+    from dpml.registered import find_version
 
     try:
         return find_version(uri, tracking)
@@ -136,7 +136,7 @@ def recomputed_certificate(tracking: Any, run_id: str) -> tuple[float, float]:
     """(logged ε, ε recomputed by the accountants from the logged mechanism at the logged δ)."""
     from dpml.privacy.accountants import certify
     from dpml.privacy.mechanism import MechanismDescription
-    from dpml.tracking import load_run_json
+    from dpml.registered import load_run_json
 
     logged = load_run_json(tracking, run_id, "certificate.json")
     if not logged:
@@ -150,7 +150,7 @@ def rebuilt_inputs(tree: Path, tracking: Any, release: dict[str, Any], echo: Cal
     """Steps 1–2 in the worktree ``tree``: the logged files put in, the data pulled and both hashes
     checked. Returns ``data_version`` and the ``problems`` found."""
     from dpml.stages.ingest import stored_records_version
-    from dpml.tracking import load_run_json
+    from dpml.registered import load_run_json
 
     tags = release["tags"]
     echo(f"code      {tags['code.commit']} checked out in a clean worktree")
@@ -246,7 +246,7 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
                     echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Retrain the release from its commit and data (module docstring) and compare."""
     from dpml.privacy.ledger_db import without_password
-    from dpml.tracking import load_run_json
+    from dpml.registered import load_run_json
 
     release, checks = _release_and_warnings(uri, config.tracking, echo)
     tags = release["tags"]

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dpml.sections import TrackingConfig
+from dpml.sections_stores import TrackingConfig
 
 
 class StoreError(RuntimeError):

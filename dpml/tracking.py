@@ -24,7 +24,6 @@ version — a retried task, a repeated ``dpml stage register`` — gets that ver
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import tempfile
@@ -38,27 +37,22 @@ import mlflow
 import numpy as np
 import torch
 from mlflow import MlflowClient
-from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, LoggedModelOutput, Metric, Param
 
 from dpml.config import TrackingConfig
 from dpml.faults import fault_point
-from dpml.serving import load_network, save_classifier
+from dpml.review_view import save_review_view
+from dpml.serving import save_classifier
 from dpml.store import client as store_client
 from dpml.store import is_server, store_lock
 
-__all__ = ["CHAMPION", "REVIEW_VIEW", "clean_up_unreleased_runs", "find_version", "finished_releases",
-           "get_or_create_experiment", "load_run_json", "log_audit", "log_release", "record_verdict", "release_of_spend",
-           "resolve_model",
-           "review_url", "training_dataset"]
+__all__ = ["CHAMPION", "clean_up_unreleased_runs", "finished_releases", "get_or_create_experiment", "log_audit",
+           "log_release", "record_verdict", "release_of_spend"]
 
 CHAMPION = "champion"
 EXPERIMENT_KIND = "mlflow.experimentKind"  # the UI opens an experiment in the view this tag names
 MODEL_DEVELOPMENT = "custom_model_development"  # not the GenAI view
-REVIEW_VIEW = "dpml-review"  # the runs list with the release's headline columns (:func:`review_url`)
-REVIEW_COLUMNS = ["attributes.`Dataset`", "attributes.`Duration`", "attributes.`Models`", "metrics.`test_accuracy`",
-                  "tags.`dp.epsilon`", "metrics.`delta`", "metrics.`audit.max_epsilon_lower_bound`", "tags.`gate.passed`"]
 
 
 def _experiment_id(config: TrackingConfig, client: MlflowClient) -> str:
@@ -98,19 +92,6 @@ def get_or_create_experiment(client: MlflowClient, name: str, artifact_location:
     return found.experiment_id
 
 
-def _save_review_view(client: MlflowClient, experiment_id: str) -> None:
-    """Store the review view as a shared view of the experiment (the UI's ``viewStateShareKey``): the runs
-    list with the data set, duration, model, test accuracy, certified ε, δ, the largest empirical ε lower
-    bound and the gate as columns. A reviewer opens :func:`review_url` and may keep it as their own view."""
-    client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{REVIEW_VIEW}",
-                              json.dumps({"selectedColumns": REVIEW_COLUMNS}))
-
-
-def review_url(experiment_id: str, ui: str = "") -> str:
-    """The experiment's runs list in the review view, under the UI at ``ui`` (e.g. ``http://127.0.0.1:5000``)."""
-    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={REVIEW_VIEW}"
-
-
 def _ensure_registered_model(client: MlflowClient, name: str) -> None:
     """Create the registered model if it does not exist; race-free like :func:`get_or_create_experiment`."""
     try:
@@ -132,42 +113,6 @@ def _params(params: dict[str, Any]) -> dict[str, str]:
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
-
-
-class DataSource(DatasetSource):
-    """Where the training data came from: ``data.source`` (``sklearn:digits``, ``csv:PATH``, ``idx:DIR``…)
-    and its full content version. Recorded for people and lineage; MLflow cannot load it."""
-
-    def __init__(self, uri: str, version: str) -> None:
-        self.uri, self.version = uri, version
-
-    @staticmethod
-    def _get_source_type() -> str:
-        return "dpml"
-
-    def load(self, **kwargs: Any) -> Any:
-        raise NotImplementedError("load the data with dpml (data.source), not through MLflow")
-
-    @staticmethod
-    def _can_resolve(raw_source: Any) -> bool:
-        return False
-
-    @classmethod
-    def _resolve(cls, raw_source: Any) -> DataSource:
-        raise NotImplementedError
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri, "version": self.version}
-
-    @classmethod
-    def from_dict(cls, source_dict: dict[Any, Any]) -> DataSource:
-        return cls(source_dict["uri"], source_dict["version"])
-
-
-def training_dataset(name: str, source: str, version: str) -> MetaDataset:
-    """The training data set as MLflow shows it (the runs list's Dataset column): its name, its content
-    version as the digest (MLflow keeps 36 characters of it; the source holds it whole) and its source."""
-    return MetaDataset(DataSource(source, version), name=name, digest=version[:36])
 
 
 def _log_stage_runs(client: MlflowClient, experiment_id: str, parent_id: str, records: list[dict[str, Any]],
@@ -244,7 +189,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
     experiment_id = _experiment_id(config, client)
     model_name = config.model_name
     assert model_name is not None, "tracking.model_name is filled in when the configuration is validated"
-    _save_review_view(client, experiment_id)
+    save_review_view(client, experiment_id)
     started = min((_ms(r["started"]) for r in stage_runs), default=None)
     parent = client.create_run(experiment_id, start_time=started, tags=run_tags, run_name=run_name)
     run_id = parent.info.run_id
@@ -441,62 +386,6 @@ def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> di
                 found[int(spend)] = {"run_id": run.info.run_id,
                                      "model_uri": f"models:/{versions[0].name}/{versions[0].version}"}
     return found
-
-
-def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
-    """A JSON artifact of a logged run; a clear ValueError when the run or the artifact is missing."""
-    client = store_client(config)
-    try:
-        with tempfile.TemporaryDirectory(prefix="dpml-run-json-") as work:
-            return json.loads(Path(client.download_artifacts(run_id, name, work)).read_text())
-    except (mlflow.exceptions.MlflowException, OSError, ValueError) as error:
-        reason = getattr(error, "message", None) or str(error)
-        raise ValueError(f"run {run_id}: no {name} logged in {config.uri} ({reason})") from None
-
-
-def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:
-    """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its name, number, run id
-    and tags; a ValueError naming ``uri`` when it is malformed or not in the store."""
-    client = store_client(config)
-    rest = uri.removeprefix("models:/")
-    if not uri.startswith("models:/") or not ("@" in rest or "/" in rest) or rest.startswith(("@", "/")) \
-            or rest.endswith(("@", "/")):
-        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
-                         "(e.g. models:/dpml-digits@champion)")
-    try:
-        if "@" in rest:
-            name, alias = rest.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
-        else:
-            name, number = rest.rsplit("/", 1)
-            version = client.get_model_version(name, number)
-    except mlflow.exceptions.MlflowException as error:
-        raise ValueError(f"{uri!r}: not found in {config.registry} ({error.message})") from None
-    return {"name": version.name, "version": str(version.version), "run_id": version.run_id, "tags": dict(version.tags)}
-
-
-def download_model(config: TrackingConfig, name: str, version: str, destination: Path) -> Path:
-    """A registered version's model folder, downloaded from the run's own stores into ``destination``."""
-    source = store_client(config).get_model_version_download_uri(name, version)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(destination),
-                                                    tracking_uri=config.uri, registry_uri=config.registry))
-
-
-def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
-    """A registered version (:func:`find_version`) with its run's configuration and its network."""
-    try:
-        found = find_version(uri, config)
-    except ValueError as error:
-        raise ValueError(f"--model {error}") from None
-    try:
-        run_config = load_run_json(config, found["run_id"], "config.json")
-    except ValueError:
-        raise ValueError(f"--model {uri!r}: its run {found['run_id']} has no config.json (not a dpml release, "
-                         "or one from before dpml logged its configuration)") from None
-    with tempfile.TemporaryDirectory(prefix="dpml-model-") as work:
-        local = download_model(config, found["name"], found["version"], Path(work))
-        network = load_network(local, uri)
-    return found | {"config": run_config, "model": network}
 
 
 def log_audit(config: TrackingConfig, model: dict[str, Any], metrics: dict[str, Any], artifacts: list[Path]) -> str:

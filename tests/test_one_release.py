@@ -168,7 +168,7 @@ def test_register_refuses_an_audit_and_gate_of_another_model(workdir: Path) -> N
 def test_the_next_registration_withdraws_versions_of_failed_and_killed_runs(tmp_path: Path) -> None:
     """Versions left behind by runs that ended FAILED or KILLED (an older dpml, a crash inside MLflow) are
     withdrawn before the next release registers, and the alias returns to the newest finished passing one."""
-    from dpml.sections import TrackingConfig
+    from dpml.sections_stores import TrackingConfig
     from dpml.store import prepare_store
     from dpml.tracking import clean_up_unreleased_runs
 

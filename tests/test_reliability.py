@@ -313,7 +313,7 @@ def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, wher
     test reads that, checks the process is stopped there, kills it, and reads the store state the kill
     left back (no file, tables without a revision, the revision before the migration it was in, or a
     fully migrated store without its default experiment) before dpml repairs it."""
-    from dpml.sections import TrackingConfig
+    from dpml.sections_stores import TrackingConfig
     from dpml.store import prepare_store
 
     migrations = _migrations()
@@ -371,7 +371,7 @@ def test_a_store_whose_writer_was_killed_mid_transaction_is_rolled_back_not_copi
     """A hot journal beside the store: dpml lets SQLite roll it back, and the store's runs survive."""
     from mlflow import MlflowClient
 
-    from dpml.sections import TrackingConfig
+    from dpml.sections_stores import TrackingConfig
     from dpml.store import prepare_store
 
     database = tmp_path / "mlflow.db"
@@ -391,7 +391,7 @@ def test_a_store_whose_writer_was_killed_mid_transaction_is_rolled_back_not_copi
 
 
 def test_a_half_migrated_store_is_set_aside_and_one_with_runs_is_never_touched(tmp_path: Path) -> None:
-    from dpml.sections import TrackingConfig
+    from dpml.sections_stores import TrackingConfig
     from dpml.store import StoreError, prepare_store
 
     config = TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"))

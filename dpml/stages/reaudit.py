@@ -27,8 +27,9 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     """
     from dpml import tracking as mlflow_tracking
     from dpml.config import validate
+    from dpml.registered import load_run_json, resolve_model
 
-    registered = mlflow_tracking.resolve_model(model_uri, tracking)
+    registered = resolve_model(model_uri, tracking)
     logged = validate(registered["config"], origin=f"config.json of run {registered['run_id']}")
     paths = {"data": str(workdir / "data"), "artifacts": str(workdir / "artifacts"), "cache": logged.paths.cache}
     config = logged.model_copy(update={"paths": logged.paths.model_copy(update=paths), "tracking": tracking})
@@ -39,7 +40,7 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     split(config)
     preprocess(config)
     layout = Layout(config)
-    mechanism = mlflow_tracking.load_run_json(tracking, registered["run_id"], "mechanism.json")
+    mechanism = load_run_json(tracking, registered["run_id"], "mechanism.json")
     io.write_json(layout.mechanism, mechanism)
     context = audit_context(config)
     certified = float(registered["tags"].get("dp.epsilon", "inf"))

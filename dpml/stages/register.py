@@ -115,6 +115,7 @@ def register(config: Config) -> dict[str, Any]:
     only the outputs that spend paid for (:mod:`dpml.stages.spend_outputs`): a spend already released in
     this registry gets its version back (a retried task, a repeated ``dpml stage register``)."""
     from dpml import tracking
+    from dpml.tracking_dataset import training_dataset
 
     started = time.time()
     as_run = config
@@ -227,7 +228,7 @@ def register(config: Config) -> dict[str, Any]:
         in_features=int(io.read_json(layout.prepared_meta)["n_features"]), serving_spec=serving_spec(config, data_meta),
         version_tags=version_tags, version_description=version_description(version_tags, decision),
         promote=decision["passed"],
-        dataset=tracking.training_dataset(lineage, config.data.source, data_meta["version"]),
+        dataset=training_dataset(lineage, config.data.source, data_meta["version"]),
         stage_runs=stage_records(layout, list(CONTRACT)[:-1]) + [own_record],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(),
