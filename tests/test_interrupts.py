@@ -124,10 +124,16 @@ def test_an_interrupted_distributed_launch_leaves_no_process_and_its_children_ig
             time.sleep(0.1)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
 
+    # Ctrl-C as a terminal delivers it: Python's own SIGINT handler (an earlier test in the session may have
+    # left another one installed, and then no KeyboardInterrupt would come)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_once_both_run, daemon=True).start()
     started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        spawn(2, "cpu", _sleeping_worker)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            spawn(2, "cpu", _sleeping_worker)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert len(seen) == 2 and blocked == [True, True]
     assert time.monotonic() - started < 150
     assert not [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
