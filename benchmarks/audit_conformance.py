@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_common import current_commit, fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import io, stages  # noqa: E402
 from dpml.audit import broken  # noqa: E402
 from dpml.config import load  # noqa: E402
@@ -134,18 +133,6 @@ def machine_line() -> str:
     return (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, Python "
             f"{platform.python_version()}; load average over the last 15 minutes {load:.1f} on {os.cpu_count()} cores"
             + (" (other jobs shared the machine: the times are inflated)" if load > (os.cpu_count() or 1) else ""))
-
-
-def current_commit() -> str:
-    """The checked-out commit (``+dirty`` with uncommitted changes), or ``unknown`` outside git."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit + ("+dirty" if dirty else "")
 
 
 def with_earlier_sections(results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:

@@ -1,8 +1,10 @@
-"""What the benchmarks share: the Fashion-MNIST location, scratch-folder overrides, and the privacy
-cost of a selection made on private records."""
+"""What the benchmarks share: the Fashion-MNIST location, scratch-folder overrides, the privacy cost of a
+selection made on private records, and the machine and commit a table was measured on."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,3 +37,26 @@ def selection_epsilon(events: Sequence[Any], neighbouring: str, delta: float, cl
                                      clip_norm=clip_norm, dataset_size=dataset_size,
                                      threat_model=threat_model)  # type: ignore[arg-type]
     return float(certify(mechanism, delta)["epsilon"])
+
+
+def current_commit() -> str:
+    """The checked-out commit (``+dirty`` with uncommitted changes to tracked files), or ``unknown`` outside git."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -99,6 +99,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
+
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
 TEXT = {"bert", "gpt2", "encoder", "bert-lora"}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
@@ -288,7 +290,6 @@ def step_function(family: str, method: str, args: argparse.Namespace, x, y) -> C
     torch.manual_seed(0)
     model, _ = build(family, args.size, args.length)
     model = model.to(x.device).train()
-    batch = x.shape[0]
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=0.01)
     if method == "nonprivate":
@@ -640,28 +641,6 @@ def _arguments(args: argparse.Namespace, families: list[str]) -> list[str]:
     if args.threads:
         out += ["--threads", str(args.threads)]
     return out
-
-
-def current_commit() -> str:
-    """The checked-out commit (``+dirty`` with uncommitted changes to tracked files), or ``unknown``."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit + ("+dirty" if dirty else "")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def versions() -> dict[str, str]:

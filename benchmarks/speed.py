@@ -48,6 +48,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench_common import cpu_name  # benchmarks/ is the script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["nonprivate", "nonprivate-chunked", "dpml", "dpml-one-chunk", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
@@ -268,17 +270,6 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     (out / f"{stem}.md").write_text(page(rows, args, torch))
     print(page(rows, args, torch))
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN001
