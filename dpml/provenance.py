@@ -87,7 +87,7 @@ def refuse_temporary_experiment_copy(config: Config, cwd: Path | None = None) ->
 
 def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> str | None:
     """None when this run is the workspace's DVC pipeline, else why not."""
-    from dpml.config import absolute_paths, load
+    from dpml.config import load
 
     if searched:
         return "not recorded: a hyperparameter search (dpml tune) is not the pipeline dvc.yaml describes"
@@ -99,11 +99,21 @@ def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> s
         workspace = load(root / "params.yaml")
     except Exception as error:  # noqa: BLE001 - an unrelated, broken params.yaml: not this run's description
         return f"not recorded: params.yaml in the working directory does not load ({type(error).__name__})"
-    if absolute_paths(workspace).to_dict() != absolute_paths(config).to_dict():
+    if parameters_of(workspace) != parameters_of(config):
         return "not recorded: the run's configuration is not params.yaml as it stands (--params or --set)"
     if Path(config.paths.data).resolve() != (root / "data").resolve():
         return "not recorded: paths.data is not the data folder dvc.yaml names"
     return None
+
+
+def parameters_of(config: Config) -> dict:
+    """What a configuration asks for, its paths absolute: ``tracking.origins`` is dpml's record of where each
+    destination came from (it names the parameter file as the run was given it), not a parameter."""
+    from dpml.config import absolute_paths
+
+    parameters = absolute_paths(config).to_dict()
+    parameters["tracking"] = {k: v for k, v in parameters["tracking"].items() if k != "origins"}
+    return parameters
 
 
 def default_remote(root: Path) -> tuple[str, str]:

@@ -46,6 +46,32 @@ def _tracking_uri_does_not_leak() -> Iterator[None]:
         os.environ["MLFLOW_TRACKING_URI"] = before
 
 
+def signal_state() -> dict[str, object]:
+    """This thread's SIGINT/SIGTERM handlers and blocked signals: what every child process starts from (an
+    ignored or blocked SIGINT survives exec, and Python then never raises KeyboardInterrupt in the child)."""
+    import signal
+
+    return {"SIGINT handler": signal.getsignal(signal.SIGINT), "SIGTERM handler": signal.getsignal(signal.SIGTERM),
+            "blocked signals": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+
+
+@pytest.fixture(autouse=True)
+def _signal_state_does_not_leak() -> Iterator[None]:
+    """Code that returns leaves the process's signal handling as it found it (a library embedding dpml
+    inherits whatever it leaves; a later test's subprocess would ignore Ctrl-C): checked after every test."""
+    before = signal_state()
+    yield
+    after = signal_state()
+    if after != before:
+        import signal
+
+        changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+        signal.signal(signal.SIGINT, before["SIGINT handler"])  # type: ignore[arg-type]
+        signal.signal(signal.SIGTERM, before["SIGTERM handler"])  # type: ignore[arg-type]
+        signal.pthread_sigmask(signal.SIG_SETMASK, before["blocked signals"])  # type: ignore[arg-type]
+        pytest.fail(f"this test left the process's signal handling changed (before, after): {changed}")
+
+
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.chdir(tmp_path)

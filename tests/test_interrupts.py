@@ -209,6 +209,9 @@ def test_two_temporary_servers_started_at_once_on_a_fresh_prefect_home_both_serv
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
+    # Servers already running (Prefect's own ephemeral server, started by an earlier test's in-process flow,
+    # lives as long as this process) are not this test's.
+    earlier = {p.pid for p in psutil.Process().children()}
     with temporary_settings(updates={PREFECT_HOME: tmp_path / "prefect-home"}):
         threads = [threading.Thread(target=contextvars.copy_context().run, args=(serve,)) for _ in range(2)]
         for thread in threads:
@@ -216,7 +219,7 @@ def test_two_temporary_servers_started_at_once_on_a_fresh_prefect_home_both_serv
         deadline = time.monotonic() + 400
         while len(urls) + len(errors) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
-        servers = [p for p in psutil.Process().children() if "create_app" in command_line(p)]
+        servers = [p for p in psutil.Process().children() if "create_app" in command_line(p) and p.pid not in earlier]
         import httpx
 
         healthy = [httpx.get(f"{url}/health", timeout=10).status_code for url in urls]
