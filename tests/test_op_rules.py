@@ -296,3 +296,21 @@ def test_peft_lora_on_a_frozen_bert() -> None:
     x = ids_and_mask(6, 7, 30, 0, 10)
     assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
                                         seed=11)
+
+
+# --- sweeps --------------------------------------------------------------------------------------------------
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("batch", [1, 2, 5, 7])
+@pytest.mark.parametrize("seed", range(3))
+def test_sweep_batch_sizes_including_the_sequence_length(batch: int, seed: int) -> None:
+    """Batches equal to the sequence length (5) are where a batch dimension moved by a transpose could be
+    mistaken for another: the example maps must still find each example's rows."""
+    torch.manual_seed(seed)
+    x = torch.randn(batch, 5, 8, generator=generator(seed), dtype=torch.float64)
+    y = torch.randint(0, 3, (batch,), generator=generator(seed + 1))
+    for model in (Encoder(causal=seed % 2 == 1), CrossAttention(), HandWritten(width=8)):
+        assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y, seed=seed, planned=False)
+    tokens = ids_and_mask(batch, 5, 30, 0, seed)
+    assert_exact_without_the_exact_path(HuggingFace(tiny_bert()), per_example_cross_entropy, tokens, y, seed=seed,
+                                        planned=False)

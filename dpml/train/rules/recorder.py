@@ -88,6 +88,13 @@ def _carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) 
     return None
 
 
+def _core(t: torch.Tensor) -> torch.Tensor:
+    """t without its broadcast dimensions (stride 0, kept with size 1): what its values are."""
+    return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
+
+
+_ROW_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
+                 torch.Tensor.unflatten, torch.Tensor.view_as, torch.Tensor.reshape_as}
 _RESHAPE_FOR_INDEX = {torch.Tensor.view: torch.Tensor.reshape}
 
 
@@ -163,6 +170,8 @@ class Recorder(TorchFunctionMode):
         counts = torch.bincount(lead, minlength=self.batch)
         if counts.numel() != self.batch or not bool((counts == lead.numel() // self.batch).all()):
             return None
+        if bool((lead[1:] >= lead[:-1]).all()):  # already example by example (x.view(-1, n) of a batch-first x)
+            return Rows(self.batch, None)
         return Rows(self.batch, torch.argsort(lead, stable=True))
 
     # --- bookkeeping --------------------------------------------------------------------------------
@@ -192,7 +201,10 @@ class Recorder(TorchFunctionMode):
         if examples.stride(0) == 1 and all(s == 0 for s in examples.stride()[1:]) and examples.storage_offset() == 0 \
                 and examples.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr():
             return True
-        return torch.equal(examples, self._base.view(self.batch, *[1] * (examples.dim() - 1)).expand_as(examples))
+        core = _core(examples)
+        if core.shape[0] != self.batch:
+            return False
+        return torch.equal(core, self._base.view(self.batch, *[1] * (core.dim() - 1)).expand_as(core))
 
     def _source_examples(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
         """(whether t's batch is known, its example map): an entry's, or that of a batch-first tensor."""
@@ -208,7 +220,7 @@ class Recorder(TorchFunctionMode):
         one column when it is the same along the last dimension; a batch-first map is not stored."""
         if examples is not None and examples.shape != t.shape:
             examples = None
-        if examples is not None and examples.dim() >= 1 and examples.stride(-1) != 0 \
+        if examples is not None and examples.dim() >= 1 and examples.stride(-1) != 0 and examples.shape[-1] > 1 \
                 and torch.equal(examples, examples[..., :1].expand_as(examples)):
             examples = examples[..., :1].expand(examples.shape)
         if examples is not None and self._trivial(examples):
@@ -227,7 +239,13 @@ class Recorder(TorchFunctionMode):
                     self._keep_examples(o, None)
             return
         try:
-            mapped = [examples] if func in IDENTITY_VIEWS else _outputs(apply_view(func, examples, args, kwargs))
+            if func in IDENTITY_VIEWS:
+                mapped = [examples]
+            elif func in _ROW_RESHAPES and isinstance(out, torch.Tensor) and out.dim() >= 1 \
+                    and out.shape[-1] == source.shape[-1] and examples.stride(-1) == 0:  # the rows, in order
+                mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
+            else:
+                mapped = _outputs(apply_view(func, examples, args, kwargs))
         except (RuntimeError, TypeError, IndexError, ValueError):
             mapped = []
         for k, o in enumerate(_outputs(out)):
