@@ -17,9 +17,9 @@ import torch
 from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, rule
 
 T = torch.Tensor
-_SUMS = {torch.add, T.add, T.__add__, T.__radd__, T.__iadd__}
-_DIFFERENCES = {torch.sub, T.sub, T.__sub__, T.__isub__}
-_PRODUCTS = {torch.mul, T.mul, T.__mul__, T.__rmul__, T.__imul__}
+_SUMS = {torch.add, T.add, T.__add__, T.__radd__}
+_DIFFERENCES = {torch.sub, T.sub, T.__sub__}
+_PRODUCTS = {torch.mul, T.mul, T.__mul__, T.__rmul__}  # (in place, h += pos: the recorder applies these to a copy)
 
 
 def _per_example_view(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked | None:
@@ -54,8 +54,6 @@ def elementwise(call: Call) -> Pending | str:
         return "two parameters"
     if not isinstance(x, torch.Tensor) or not call.batch_first(x) or z.dim() < 1 or z.shape[0] != x.shape[0]:
         return "no batch-first operand"
-    if s_first and getattr(call.func, "__name__", "").startswith("__i"):
-        return "a parameter modified in place"
     batch = x.shape[0]
     if s.dim() > z.dim():
         return "a parameter with more dimensions than the result"

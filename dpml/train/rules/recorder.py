@@ -10,19 +10,22 @@ Besides the rules' pending calls it keeps track of
   reshapes (``x.transpose(0, 1)`` in ``nn.MultiheadAttention``, ``x.view(-1, n)`` before ``torch.addmm``
   in GPT-2's ``Conv1D``): the same view operations applied to ``arange(B)`` broadcast over the
   batch-first tensor give the example of every element (an *example map*), carried on through
-  operations that keep the shape (and through ``F.linear``, which keeps all but the last dimension).
-  A tensor without an example map is batch-first when its first dimension is B, as for the layer hooks;
+  operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast; an
+  output none of these describes is marked *lost*, and no rule assumes where its batch is. A tensor
+  without an example map is batch-first when it was computed from the batch's inputs (position ids and
+  constants were not) and its first dimension is B, as for the layer hooks;
 - **why** a parameter cannot be covered: an operation with no rule (``torch.cumsum has no rule``) or a rule
   that refused the call (``F.linear: its input (shape (3, 5)) is not batch-first``);
 - whether a parameter of a hooked layer (:mod:`dpml.train.clipping`) is used outside that layer's call.
 
+An in-place operation with a rule (``h += pos``, ``h.mul_(scale)``) is applied out of place to a copy of h
+and the result copied into h: the recorded result is then never overwritten by a later in-place operation.
 Composite Python functions of ``torch.nn.functional`` with no rule (``F.multi_head_attention_forward``)
 are run with the recording still active, so the operations inside them meet their rules.
 """
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -69,9 +72,9 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _in_place(func: Any) -> bool:
-    name = getattr(func, "__name__", "")
-    return name.startswith("__i") or (name.endswith("_") and not name.startswith("_"))
+_OUT_OF_PLACE = {torch.Tensor.add_: torch.Tensor.add, torch.Tensor.sub_: torch.Tensor.sub, torch.Tensor.mul_: torch.Tensor.mul,
+                 torch.Tensor.__iadd__: torch.Tensor.add, torch.Tensor.__isub__: torch.Tensor.sub,
+                 torch.Tensor.__imul__: torch.Tensor.mul}
 
 
 def _carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
@@ -288,6 +291,8 @@ class Recorder(TorchFunctionMode):
         self._note_owners(hits)
         if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
             return self._view(func, args, kwargs, hits)
+        if func in _OUT_OF_PLACE:
+            return self._in_place(func, args, kwargs, hits)
         handler = RULES.get(func)
         if handler is None:
             if isinstance(func, types.FunctionType) and func.__module__ in _COMPOSITE_MODULES:
@@ -318,34 +323,54 @@ class Recorder(TorchFunctionMode):
         return out
 
     def _ruled(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
-        before = None
-        if _in_place(func) and args and isinstance(args[0], torch.Tensor):
-            before = args[0].detach().clone()  # the operand's value before the operation overwrites it
         out = func(*args, **kwargs)
         if not any(o.requires_grad for o in _outputs(out)):
             return out
         self._follow_rows(args, kwargs, out)
-        call = Call(func, (before, *args[1:]) if before is not None else args, kwargs, out, self.batch,
-                    self.tracked, self.rows, self.batch_first)
-        result = handler(call)
-        if isinstance(result, str):
-            self._refuse(hits, f"{function_name(func)}: {result}")
-            return out
-        if isinstance(result, Shared):
-            for o, tracked in result.outputs:
-                self._track(o, tracked)
-            return out
-        covered = {id(p) for p in result.params}
-        self._refuse([h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand")
-        result.operation = function_name(func)
-        self.pending.append(result)
-        self.versions.append((result.output, result.output._version))
-        if self.copy and isinstance(out, torch.Tensor):
+        result = self._apply(func, handler, args, kwargs, out, hits)
+        if result is not None and self.copy and isinstance(out, torch.Tensor):
             copied = out.clone()
             self._follow_rows((out,), {}, copied)
             return copied
         return out
 
+    def _in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
+        """``h += pos``, ``h.mul_(scale)``: the out-of-place operation on a copy of h, whose result (recorded: no
+        later in-place operation reaches it) is then copied into h, so h is modified in place as written."""
+        plain = _OUT_OF_PLACE[func]
+        target = args[0]
+        if not isinstance(target, torch.Tensor) or self.tracked(target) is not None:
+            out = func(*args, **kwargs)
+            self._refuse(hits, f"{function_name(func)}: a parameter modified in place")
+            return out
+        source = target.clone()
+        if self.derived(target):
+            self._derived[source] = True
+        known, examples = self._entry(target)
+        if known:
+            self._examples[id(source)] = (source, examples)
+        result = plain(source, *args[1:], **kwargs)
+        if result.requires_grad:
+            self._apply(plain, RULES[plain], (source, *args[1:]), kwargs, result, hits)
+        target.copy_(result)
+        return target
 
-def numel(shape: tuple[int, ...] | torch.Size) -> int:
-    return math.prod(shape)
+    def _apply(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+               hits: list[Tracked]) -> Pending | None:
+        """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
+        call = Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first)
+        result = handler(call)
+        if isinstance(result, str):
+            self._refuse(hits, f"{function_name(func)}: {result}")
+            return None
+        if isinstance(result, Shared):
+            for o, tracked in result.outputs:
+                self._track(o, tracked)
+            return None
+        covered = {id(p) for p in result.params}
+        self._refuse([h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand")
+        result.operation = function_name(func)
+        self.pending.append(result)
+        self.versions.append((result.output, result.output._version))
+        return result
+
