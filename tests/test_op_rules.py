@@ -224,6 +224,26 @@ def test_cross_attention_splits_the_packed_projection() -> None:
     assert_exact_without_the_exact_path(CrossAttention(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
 
 
+class AttentionWithWeights(nn.Module):
+    """nn.MultiheadAttention returning its averaged weights (the batched-matmul path, attention dropout on)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True, dropout=0.1)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, weights = self.attention(x, x, x, need_weights=True)
+        return self.out(h.mean(1)) + weights.mean((1, 2))[:, None]
+
+
+def test_attention_that_returns_its_weights() -> None:
+    torch.manual_seed(12)
+    x = torch.randn(5, 5, 8, generator=generator(15), dtype=torch.float64)  # batch = sequence length
+    assert_exact_without_the_exact_path(AttentionWithWeights(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)),
+                                        seed=3)
+
+
 # --- transformers and peft --------------------------------------------------------------------------------
 
 class HuggingFace(nn.Module):
