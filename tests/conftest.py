@@ -13,6 +13,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SHARED_FASHION = REPO.parent / "shared" / "datasets" / "fashion-mnist"
 
+# Every subprocess a test starts (python -m dpml, dvc, prefect) imports the dpml under test, ahead of any
+# other copy the interpreter would find (an editable install of another checkout): pytest run from the
+# repository imports it from the working directory, a child started in a temporary directory would not.
+_PATHS = [str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(_PATHS))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # the harness's server on 2 cores
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")

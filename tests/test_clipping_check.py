@@ -73,19 +73,60 @@ def labels(n: int, classes: int, seed: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", ["matmul", "functional"])
-def test_a_weight_used_outside_its_layer_is_found_and_taken_exactly(case: str) -> None:
+def test_a_weight_used_outside_its_layer_is_covered_by_the_rules_of_its_operations(case: str) -> None:
+    """The layer's hook alone would miss the second use; the operations' rules see both (cross terms
+    included), so the engine is exact without a plan, and the plan sends nothing to the exact path."""
     torch.manual_seed(1)
     if case == "matmul":
-        model, x, y, layer, shape = TiedByMatmul().double(), tokens((12, 5), 9, 0), labels(12, 9), "emb", (5,)
-        dtype = torch.long
+        model, x, y, shape, dtype = TiedByMatmul().double(), tokens((12, 5), 9, 0), labels(12, 9), (5,), torch.long
     else:
-        model, layer, shape, dtype = FunctionalReuse().double(), "a", (6,), torch.float32
+        model, shape, dtype = FunctionalReuse().double(), (6,), torch.float32
         x, y = torch.randn(12, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64), labels(12, 3)
     reference, norms = loop_clipped_sum(model, x, y, 0.5)
-    unplanned, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
-    assert relative_error(unplanned, reference) > 0.05  # the shortcut alone is wrong: the probe has work to do
+    unplanned, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
+    assert relative_error(unplanned, reference) < 1e-10
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
     plan = plan_clipping(model, per_example_cross_entropy, shape, dtype)
-    assert any(re.search(rf"model layer '{layer}' \(\w+\): its shortcut is [\d.]+% off", note) for note in plan.notes)
+    assert plan.exact_parameters == () and plan.exact == frozenset()
+
+
+class Reflect(torch.autograd.Function):
+    """x ↦ x Wᵀ in a custom autograd Function: no torch function call is seen for its use of W."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class HiddenReuse(nn.Module):
+    """``Reflect.apply(x, self.a.weight)`` beside ``self.a(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.a(x)) + Reflect.apply(x, self.a.weight))
+
+
+def test_a_weight_used_where_no_operation_is_seen_is_found_by_the_probe_and_taken_exactly() -> None:
+    torch.manual_seed(1)
+    model = HiddenReuse().double()
+    x, y = torch.randn(12, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64), labels(12, 3)
+    reference, norms = loop_clipped_sum(model, x, y, 0.5)
+    unplanned, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
+    assert relative_error(unplanned, reference) > 0.05  # the rules alone are wrong: the probe has work to do
+    plan = plan_clipping(model, per_example_cross_entropy, (6,))
+    assert any(re.search(r"model parameter 'a\.weight' \(F\.linear\): its rules are [\d.]+% off", note)
+               for note in plan.notes), plan.notes
+    assert "a.weight" in plan.exact and "a.weight" in plan.exact_parameters
     sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5, exact=plan.exact)
     assert relative_error(sums, reference) < 1e-10
     torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
@@ -276,13 +317,17 @@ def test_dropout_and_in_place_activations_keep_the_shortcuts_and_the_random_stat
     assert plan.exact == frozenset() and plan.exact_parameters == () and set(plan.fast_layers) == {"a", "b"}
 
 
-def test_training_with_a_tied_model_takes_the_planned_exact_path() -> None:
+@pytest.mark.parametrize("model,exact", [(TiedByMatmul, 0), (HiddenReuse, 1)])
+def test_training_takes_the_planned_exact_path(model: type[nn.Module], exact: int) -> None:
+    """A tied embedding is covered by its operations' rules; a weight used inside a custom autograd Function is
+    found by the probe and taken exactly (a.weight)."""
     torch.manual_seed(5)
-    model = TiedByMatmul()
-    x, y = tokens((80, 5), 9, 6), labels(80, 9)
-    result = train_dpsgd(model, x, y, sample_rate=0.25, epochs=1, clip_norm=1.0, noise_multiplier=1.0,
-                         neighbouring="add_remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=0)
-    assert result.history["exact_clipping_parameters"] == 1  # emb.weight
+    built = model()
+    x = tokens((80, 5), 9, 6) if model is TiedByMatmul else torch.randn(80, 6, generator=torch.Generator().manual_seed(6))
+    y = labels(80, 9 if model is TiedByMatmul else 3)
+    result = train_dpsgd(built, x, y, sample_rate=0.25, epochs=1, clip_norm=1.0, noise_multiplier=1.0,
+                         neighbouring="add_remove", optimizer=torch.optim.SGD(built.parameters(), lr=0.1), seed=0)
+    assert result.history["exact_clipping_parameters"] == exact
 
 
 def test_frozen_parameters_get_neither_gradient_nor_noise() -> None:

@@ -1,29 +1,35 @@
 """Per-example clipped gradient sums: Σ_i clip_C(∇_θ ℓ(θ; x_i, y_i)), clip_C(g) = g·min(1, C/‖g‖).
 
-One forward pass records every *fast* layer's calls (forward hooks on their input and output);
-the per-example losses ℓ_i then give two things by backpropagation:
+One forward pass records every *fast* layer's calls (forward hooks on their input and output) and,
+through a ``TorchFunctionMode`` (:mod:`dpml.train.rules`), every torch operation a trainable parameter
+enters; the per-example losses ℓ_i then give two things by backpropagation:
 
-- the output gradients δ_{i,t} = ∂ℓ_i/∂z_{i,t} of the fast layers (one backward pass of Σ_j ℓ_j:
-  ℓ_i depends on example i's rows only, so ∂(Σ_j ℓ_j)/∂z_i = ∂ℓ_i/∂z_i), from which each layer's
-  per-example gradient norms and clipped sums follow in closed form (:mod:`dpml.train.clipping_layers`);
-- the **exact** per-example gradients ∇_p ℓ_i of every other trainable parameter p (custom
-  modules, recurrent layers, parametrized weights — whose gradient is that of the original
-  parameters —, attention's projections, tied weights), by backpropagating the B rows of the identity
+- the output gradients δ_{i,t} = ∂ℓ_i/∂z_{i,t} of the fast layers and of the recorded operations (one
+  backward pass of Σ_j ℓ_j: ℓ_i depends on example i's rows only, so ∂(Σ_j ℓ_j)/∂z_i = ∂ℓ_i/∂z_i), from
+  which each layer's per-example gradient norms and clipped sums follow in closed form
+  (:mod:`dpml.train.clipping_layers`), and each other parameter's from the rules of the operations it
+  enters — a linear map (``F.linear``, ``torch.addmm``, a matmul on either side, of the parameter or a
+  view of it), an embedding lookup (indices per example or shared by the batch), a normalisation's
+  affine, an elementwise affine or a concatenation broadcast over the batch —, its uses added up with
+  their cross terms (a tied embedding: ‖Σ_u G_u‖², :mod:`dpml.train.rules.combine`);
+- the **exact** per-example gradients ∇_p ℓ_i of every other trainable parameter p (an operation with no
+  rule: recurrent layers, parametrized weights — whose gradient is that of the original
+  parameters —, custom autograd Functions), by backpropagating the B rows of the identity
   through the same graph at once (``autograd.grad(..., is_grads_batched=True)``, i.e. a vmap over
   the backward pass; a plain loop over examples where an operator has no batching rule).
 
 Their squared norms add up to ‖∇ℓ_i‖², the clip factor is c_i = min(1, C/(‖∇ℓ_i‖ + 1e-6)), so
 ‖c_i ∇ℓ_i‖ < C strictly (the 1e-6 guards rounding and ∇ℓ_i = 0): the sum's sensitivity is C.
 
-A fast layer takes the exact path instead when a parameter of it is registered on another module
-too (tied weights), when a call's input is not batch-first, when its forward never runs (its
-weights used directly, as ``nn.MultiheadAttention`` does with ``out_proj``), or when the caller
-names its parameters in ``exact`` — which is what the pre-flight probe
-(:mod:`dpml.train.clipping_check`) does for a layer whose parameters also reach the loss outside
-its own forward (``h @ emb.weight.T``), the one case no hook can see. A layer output changed in
+A fast layer's hook is used only when every operation on its parameters ran inside its own calls and
+its inputs are batch-first and computed from the batch; otherwise (tied weights, weights used by
+another module as ``nn.MultiheadAttention`` uses ``out_proj``'s, position ids shared by the batch) its
+parameters go to the rules. The pre-flight probe (:mod:`dpml.train.clipping_check`) checks every layer's
+and every ruled parameter's numbers against autograd and names in ``exact`` those that differ (a use
+no operation shows, such as inside a custom autograd Function). A recorded output changed in
 place later in the forward pass (``ReLU(inplace=True)``) would no longer be the point where δ is
 taken: the forward is then run again (with the same random state, so dropout draws the same
-masks) with the hooks handing on copies of the outputs.
+masks) with the hooks and rules handing on copies of the outputs.
 
 BatchNorm is refused: its batch statistics make each example's output depend on the whole batch,
 so per-example clipping would not bound one example's influence (use GroupNorm or LayerNorm).
@@ -32,14 +38,16 @@ so per-example clipping would not bound one example's influence (use GroupNorm o
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 from torch import nn
 
 from dpml.devices import full_float32
-from dpml.train.clipping_layers import (Piece, batch_first, is_fast, layer_parameters, layer_piece, reject_batch_norm,
-                                       row_norms_squared)
+from dpml.train.clipping_layers import (Piece, batch_first, is_fast, keep_limit, layer_parameters, layer_piece,
+                                       reject_batch_norm, row_norms_squared)
+from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
 
@@ -53,11 +61,12 @@ Call = tuple[torch.Tensor, torch.Tensor]  # (a fast layer's input, its output)
 
 @dataclass
 class _Recording:
-    """One forward pass with every call of the hooked layers recorded."""
+    """One forward pass with every call of the hooked layers and every operation on a parameter recorded."""
 
     losses: torch.Tensor
     calls: dict[nn.Module, list[Call]]
-    overwritten: bool  # some recorded output was modified in place after its layer ran
+    recorder: Recorder
+    overwritten: bool  # some recorded output was modified in place after it was made
 
 
 def per_example_losses(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -80,26 +89,36 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 
 
 def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, layers: list[nn.Module],
-                    copy: bool) -> _Recording:
-    """Per-example losses, with forward hooks on ``layers``. With ``copy`` the hooks pass a copy of each
+                    ruled: list[nn.Parameter], copy: bool) -> _Recording:
+    """Per-example losses, with forward hooks on ``layers`` and the operations on the parameters ``ruled``
+    recorded (:class:`dpml.train.rules.Recorder`). With ``copy`` the hooks and the rules pass a copy of each
     output on, so that in-place operations later in the forward pass (``ReLU(inplace=True)``) leave
     the recorded output, whose gradient is δ, out of the graph's rewrites."""
     calls: dict[nn.Module, list[Call]] = {}
     versions: list[tuple[torch.Tensor, int]] = []
+    owners = {id(p): m for m in layers for p in layer_parameters(m)}
+    recorder = Recorder(ruled, x.shape[0], copy, owners, x.device, x)
+
+    def enter(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        recorder.stack.append(module)
 
     def remember(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
+        recorder.stack.pop()
+        if not recorder.derived(inputs[0]):  # position ids, a constant: not one row per example
+            recorder.unbatched.add(module)
         calls.setdefault(module, []).append((inputs[0].detach(), output))
         versions.append((output, output._version))
         return output.clone() if copy else None
 
-    handles = [m.register_forward_hook(remember) for m in layers]
+    handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
     try:
-        losses = per_example_losses(model, loss_fn, x, y)
+        with recorder:
+            losses = per_example_losses(model, loss_fn, x, y)
     finally:
         for handle in handles:
             handle.remove()
-    overwritten = any(output._version != version for output, version in versions)
-    return _Recording(losses, calls, overwritten)
+    overwritten = any(output._version != version for output, version in versions + recorder.versions)
+    return _Recording(losses, calls, recorder, overwritten)
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:
@@ -152,18 +171,37 @@ def exact_per_example_gradients(losses: torch.Tensor, params: dict[str, torch.Te
     return {name: (p.new_zeros((batch, *p.shape)) if g is None else g) for (name, p), g in zip(params.items(), grads)}
 
 
+@dataclass(frozen=True, eq=False)
+class RuleUnit:
+    """A parameter covered by operation rules (:mod:`dpml.train.rules`): its name and the operations it went through."""
+
+    name: str
+    param: nn.Parameter
+    operations: tuple[str, ...]
+
+
+Unit = Union[nn.Module, RuleUnit]
+
+
+def unit_parameters(unit: Unit) -> list[nn.Parameter]:
+    """The parameters a fast unit accounts for: a hooked layer's weight and bias, or a ruled parameter."""
+    return [unit.param] if isinstance(unit, RuleUnit) else layer_parameters(unit)
+
+
 @dataclass
 class EnginePass:
-    """One batch through the engine: the fast layers' pieces and the exact per-example gradients."""
+    """One batch through the engine: the fast units' pieces (hooked layers and ruled parameters) and the
+    exact per-example gradients, with the reason each exact parameter took that path."""
 
     batch: int
-    fast: list[tuple[nn.Module, Piece]]
+    fast: list[tuple[Unit, Piece]]
     exact: dict[str, torch.Tensor]  # name -> (B, *p.shape)
     names: dict[int, str]
     zeros: torch.Tensor  # (B,) on the batch's device, in the parameters' dtype
+    reasons: dict[str, str] = field(default_factory=dict)  # exact parameter -> why
 
     def squared(self) -> torch.Tensor:
-        """‖∇ℓ_i‖² (B,): the fast layers' squared norms plus the exact gradients'."""
+        """‖∇ℓ_i‖² (B,): the fast units' squared norms plus the exact gradients'."""
         total = self.zeros
         for _, piece in self.fast:
             total = total + piece.squared
@@ -183,10 +221,48 @@ class EnginePass:
         return out
 
 
+def _exact_reason(p: nn.Parameter, name: str, exact: Collection[str], recorder: Recorder) -> str:
+    if name in exact:
+        return "named by the clipping plan (its rules are off autograd on the probe batch)"
+    if id(p) in recorder.refused:
+        return recorder.refused[id(p)]
+    return "no recorded operation uses it through a rule (a custom autograd Function, or not used)"
+
+
+def _rule_pieces(recording: _Recording, ruled: dict[int, str], grads: dict[int, torch.Tensor], batch: int,
+                 dtype: torch.dtype, limit: int) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
+    """The ruled parameters' pieces from their uses; a parameter whose uses cannot be combined, with why."""
+    uses: dict[int, list[Use]] = {key: [] for key in ruled}
+    operations: dict[int, list[str]] = {key: [] for key in ruled}
+    params: dict[int, nn.Parameter] = {}
+    for pending in recording.recorder.pending:
+        if not any(id(p) in ruled for p in pending.params):
+            continue
+        d = _as_dtype(_or_zeros(grads.get(id(pending.output)), pending.output), dtype)
+        for tracked, form in pending.finish(d):
+            key = id(tracked.param)
+            if key in ruled:
+                uses[key].append((tracked, cast_form(form, dtype)))
+                params[key] = tracked.param
+                operations[key].append(pending.operation)
+    pieces, failed = [], {}
+    for key, name in ruled.items():
+        piece = parameter_piece(params[key], uses[key], batch, limit)
+        if isinstance(piece, str):
+            failed[key] = piece
+        else:
+            pieces.append((RuleUnit(name, params[key], tuple(dict.fromkeys(operations[key]))), piece))
+    return pieces, failed
+
+
 def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
                 exact: Collection[str] = (), autocast: torch.dtype | None = None) -> EnginePass:
     """Record the forward pass and take each trainable parameter's per-example gradient by its layer's
-    shortcut or, for the parameters named in ``exact`` and any the shortcuts do not cover, exactly.
+    shortcut, by the rules of the operations it enters (:mod:`dpml.train.rules`) or, for the parameters
+    named in ``exact`` and any neither covers, exactly.
+
+    A hooked layer's shortcut is used when every operation on its parameters ran inside its own calls
+    (and its calls are batch-first); otherwise its parameters go to the rules like any other.
 
     ``autocast`` (``torch.bfloat16``): the forward pass runs under ``torch.autocast``, so the recorded
     activations and output gradients are bf16; they are cast back to the parameters' dtype before any
@@ -199,26 +275,39 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     if batch == 0:
         return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
     candidates = _fast_candidates(model, names, exact)
+    watched = [p for n, p in params.items() if n not in exact]
     state = _rng_state(x.device)
     with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        recording = _record_forward(model, loss_fn, x, y, candidates, copy=False)
+        recording = _record_forward(model, loss_fn, x, y, candidates, watched, copy=False)
         if recording.overwritten:
             _set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
-            recording = _record_forward(model, loss_fn, x, y, candidates, copy=True)
-    used = [m for m in candidates if m in recording.calls and _usable(m, recording.calls[m], batch)]
+            recording = _record_forward(model, loss_fn, x, y, candidates, watched, copy=True)
+    recorder = recording.recorder
+    used = [m for m in candidates if m in recording.calls and _usable(m, recording.calls[m], batch)
+            and not any(id(p) in recorder.outside for p in layer_parameters(m)) and m not in recorder.unbatched]
     covered = {id(p) for m in used for p in layer_parameters(m)}
-    slow = {n: p for n, p in params.items() if id(p) not in covered}
+    seen = {id(p) for pending in recorder.pending for p in pending.params}
+    ruled = {id(p): n for n, p in params.items() if id(p) not in covered and n not in exact and id(p) in seen
+             and id(p) not in recorder.refused}
+    outputs = [output for m in used for _, output in recording.calls[m]]
+    outputs += [pending.output for pending in recorder.pending if any(id(p) in ruled for p in pending.params)]
+    slow = {n: p for n, p in params.items() if id(p) not in covered and id(p) not in ruled}
+    fast: list[tuple[Unit, Piece]] = []
+    grads: dict[int, torch.Tensor] = {}
+    if outputs:
+        found = torch.autograd.grad(recording.losses.sum(), outputs, allow_unused=True, retain_graph=bool(slow or ruled))
+        grads = {id(o): g for o, g in zip(outputs, found) if g is not None}
+    with full_float32():  # norms here and sums in EnginePass.sums from the same numbers (no TF32)
+        for module in used:
+            calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(grads.get(id(output)), output), zeros.dtype))
+                     for inputs, output in recording.calls[module]]
+            fast.append((module, layer_piece(module, calls)))
+        pieces, failed = _rule_pieces(recording, ruled, grads, batch, zeros.dtype, keep_limit(x.device))
+    fast += pieces
+    slow.update({ruled[key]: params[ruled[key]] for key in failed})
+    reasons = {n: failed[id(p)] if id(p) in failed else _exact_reason(p, n, exact, recorder) for n, p in slow.items()}
     per_example = exact_per_example_gradients(recording.losses, slow)
-    fast: list[tuple[nn.Module, Piece]] = []
-    if used:
-        outputs = [output for m in used for _, output in recording.calls[m]]
-        grads = iter(torch.autograd.grad(recording.losses.sum(), outputs, allow_unused=True))
-        with full_float32():  # norms here and sums in EnginePass.sums from the same numbers (no TF32)
-            for module in used:
-                calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(next(grads), output), zeros.dtype))
-                         for inputs, output in recording.calls[module]]
-                fast.append((module, layer_piece(module, calls)))
-    return EnginePass(batch, fast, per_example, names, zeros)
+    return EnginePass(batch, fast, per_example, names, zeros, reasons)
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

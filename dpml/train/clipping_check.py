@@ -1,11 +1,11 @@
 """Before the first private step: check, on a probe batch, that the clipping engine computes exactly
 the per-example gradients autograd defines for *this* model, and plan where it must not take a shortcut.
 
-The engine's layer shortcuts (:mod:`dpml.train.clipping_layers`) see a parameter only through its
-layer's own forward. A weight that also reaches the loss elsewhere — an output layer tied to an
-embedding by ``h @ self.emb.weight.T``, ``F.linear(h, self.a.weight)`` beside ``self.a(x)`` — would get a
-silently wrong gradient (still of norm ≤ C, so private, but not the gradient of the model). No hook
-can see such a use, so it is tested instead, on a deep copy of the model in float64 on the CPU:
+The engine's layer shortcuts (:mod:`dpml.train.clipping_layers`) and operation rules
+(:mod:`dpml.train.rules`) see a parameter only where a module call or a torch function shows it. A
+weight that also reaches the loss where neither does — inside a custom autograd Function — would get a
+silently wrong gradient (still of norm ≤ C, so private, but not the gradient of the model). So every
+shortcut and rule is tested, on a deep copy of the model in float64 on the CPU:
 
 1. **Reference.** ℓ_i for a probe batch of B examples and, for each i, g_i = ∂ℓ_i/∂θ by plain autograd
    (one backward pass per example: the definition, for any module).
@@ -18,9 +18,11 @@ can see such a use, so it is tested instead, on a deep copy of the model in floa
    ``track_running_stats=True``, a module's own running average) would be released with the model
    without noise, so such a model is refused, naming the buffer. Buffers written from the parameters
    or a counter alone (spectral norm's power iteration, ``num_batches_tracked``) pass.
-3. **Each fast layer.** Its shortcut's ‖g_i‖² and Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own
-   parameters must equal the reference's to a relative 1e-6. A layer that fails takes the exact path
-   (its parameters' per-example gradients by batched autograd), and the plan says which and why.
+3. **Each fast unit** — a hooked layer, or a parameter covered by operation rules. Its ‖g_i‖² and
+   Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own parameters must equal the reference's to a relative
+   1e-6. A unit that fails takes the exact path (its parameters' per-example gradients by batched
+   autograd), and the plan says which and why; so does every parameter no rule covers, with the
+   operation that sent it there (``encoder.x.weight: torch.cumsum has no rule``).
 4. **The whole engine** with that plan, at C = the median reference norm: every parameter's clipped
    sum and every norm must equal the reference's; otherwise the model is refused, naming the
    parameter, before any ε is spent.
@@ -45,8 +47,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from dpml.train.clipping import LossFn, clip_factors, clipped_gradient_sum, engine_pass, per_example_losses
-from dpml.train.clipping_layers import layer_parameters, reject_batch_norm
+from dpml.train.clipping import (LossFn, RuleUnit, Unit, clip_factors, clipped_gradient_sum, engine_pass, per_example_losses,
+                                 unit_parameters)
+from dpml.train.clipping_layers import reject_batch_norm
 
 PROBE_SEED = 20_261_125
 PROBE_BATCH = 6
@@ -66,12 +69,15 @@ class ClippingPlan:
     notes: tuple[str, ...] = ()
     fast_layers: tuple[str, ...] = ()
     exact_parameters: tuple[str, ...] = ()  # every parameter the engine takes exactly
+    rule_parameters: tuple[str, ...] = ()  # parameters covered by operation rules (dpml.train.rules)
+    exact_reasons: tuple[str, ...] = ()  # "name: the operation that sent it to the exact path", one per exact parameter
 
     def lines(self) -> list[str]:
         head = (f"per-example clipping: {len(self.fast_layers)} layer(s) by their shortcut, "
+                f"{len(self.rule_parameters)} parameter(s) by operation rules, "
                 f"{len(self.exact_parameters)} parameter(s) by exact per-example autograd"
                 + (f" ({', '.join(self.exact_parameters)})" if self.exact_parameters else ""))
-        return [head, *self.notes]
+        return [head, *self.notes, *self.exact_reasons]
 
 
 def probe_batch(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype,
@@ -206,19 +212,20 @@ def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> floa
     return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
 
 
-def _layer_errors(probe: _Probe, reference: _Reference, factors: torch.Tensor,
-                  scale: float) -> list[tuple[nn.Module, list[str], float]]:
-    """(layer, its trainable parameter names, relative error of its shortcut) for each fast layer that ran."""
+def _unit_errors(probe: _Probe, reference: _Reference, factors: torch.Tensor,
+                 scale: float) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str]]:
+    """(unit, its trainable parameter names, relative error of its norms and clipped sums) for each fast unit —
+    a hooked layer or a parameter covered by operation rules — and why each other parameter went exact."""
     with probe.same_state():
         found = engine_pass(probe.model, probe.loss_fn, probe.x, probe.y)
     out = []
-    for module, piece in found.fast:
-        names = [found.names[id(p)] for p in layer_parameters(module) if id(p) in found.names]
+    for unit, piece in found.fast:
+        names = [found.names[id(p)] for p in unit_parameters(unit) if id(p) in found.names]
         error = _relative(piece.squared, reference.squared(names), scale ** 2)
         for p, total in piece.sums(factors):
             error = max(error, _relative(total, reference.weighted(found.names[id(p)], factors), scale))
-        out.append((module, names, error))
-    return out
+        out.append((unit, names, error))
+    return out, found.reasons
 
 
 def _confirm(probe: _Probe, reference: _Reference, exact: frozenset[str], tolerance: float, scale: float) -> None:
@@ -262,23 +269,32 @@ def _plan_on(reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, l
     scale = float(reference.squared(list(reference.gradients)).sqrt().max()) or 1.0
     factors = 0.2 + 0.8 * torch.rand(x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2),
                                      dtype=reference.losses.dtype)
-    errors = _guarded("the clipping engine", lambda: _layer_errors(probe, reference, factors, scale))
+    errors, reasons = _guarded("the clipping engine", lambda: _unit_errors(probe, reference, factors, scale))
     module_names = _module_names(reference_model)
     exact: set[str] = set()
-    notes, fast = [], []
-    for module, names, error in errors:
+    notes, fast, ruled = [], [], []
+    for unit, names, error in errors:
         if error <= tolerance:
-            fast.append(module_names[module])
+            (ruled.extend(names) if isinstance(unit, RuleUnit) else fast.append(module_names[unit]))
             continue
         exact.update(names)
-        notes.append(f"model layer '{module_names[module]}' ({type(module).__name__}): its shortcut is {error:.1%} off "
-                     "autograd's per-example gradient on the probe batch (its weights also reach the loss outside its "
-                     f"own forward: tied, or used through F.linear or a matmul); exact per-example gradients for "
-                     f"{', '.join(names)}")
+        notes.append(_off_note(unit, module_names, names, error))
     plan = frozenset(exact)
     _guarded("the clipping engine", lambda: _confirm(probe, reference, plan, tolerance, scale))
     covered = {n for _, names, error in errors if error <= tolerance for n in names}
-    return ClippingPlan(plan, tuple(notes), tuple(fast), tuple(n for n in reference.gradients if n not in covered))
+    exact_parameters = tuple(n for n in reference.gradients if n not in covered)
+    return ClippingPlan(plan, tuple(notes), tuple(fast), exact_parameters, tuple(ruled),
+                        tuple(f"{n}: {reasons[n]}" for n in exact_parameters if n in reasons))
+
+
+def _off_note(unit: Unit, module_names: dict[nn.Module, str], names: list[str], error: float) -> str:
+    if isinstance(unit, RuleUnit):
+        return (f"model parameter '{unit.name}' ({', '.join(unit.operations)}): its rules are {error:.1%} off autograd's "
+                "per-example gradient on the probe batch (it also reaches the loss where no operation is seen, such as "
+                "a custom autograd Function); exact per-example gradients for it")
+    return (f"model layer '{module_names[unit]}' ({type(unit).__name__}): its shortcut is {error:.1%} off "
+            "autograd's per-example gradient on the probe batch (its weights also reach the loss outside its "
+            f"own forward where no operation is seen); exact per-example gradients for {', '.join(names)}")
 
 
 def plan_clipping(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...],

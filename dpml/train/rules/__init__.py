@@ -1,0 +1,16 @@
+"""Per-operation clipping rules: where a trainable parameter enters the computation through an operation
+with a rule (a linear map, an embedding lookup, a normalisation's affine, an elementwise affine, a
+concatenation), the engine forms its per-example gradient norm and clipped sum from that operation's
+operands and output gradient, however the module around it is written.
+
+One rule per file, registered for the torch functions it covers (:func:`registry.rule`); a new operation
+is one file (imported below) plus a test. :mod:`.recorder` sees the operations, :mod:`.combine` adds up a
+parameter's uses (cross terms included).
+"""
+
+from dpml.train.rules import concat, convolution, elementwise, embedding, linear, matmul, norm, views  # noqa: F401
+from dpml.train.rules.combine import cast_form, parameter_piece
+from dpml.train.rules.recorder import Recorder
+from dpml.train.rules.registry import RULES, Pending, Tracked, Use, function_name, rule
+
+__all__ = ["RULES", "Pending", "Recorder", "Tracked", "Use", "cast_form", "function_name", "parameter_piece", "rule"]

@@ -1,0 +1,214 @@
+"""One parameter's per-example squared norm and clipped sum from the per-example gradients of its uses.
+
+A parameter θ used by U operations has ∇_θ ℓ_i = Σ_u G_{u,i} (each G_u mapped to θ's coordinates), and
+‖Σ_u G_{u,i}‖² = Σ_u ‖G_{u,i}‖² + 2 Σ_{u<u'} ⟨G_{u,i}, G_{u',i}⟩: the cross terms are what a tied
+embedding (lookup + LM head) or a weight used twice adds. The cheapest exact way is taken:
+
+1. **One use**, or uses over pairwise disjoint elements of θ (``in_proj_weight.chunk(3)``), each view
+   injective: no cross terms; each use's own norm — for a factored G = Σ_t u_t v_tᵀ the ghost norm
+   Σ_{t,s}(u_t·u_s)(v_t·v_s) or the materialised one, whichever :func:`dpml.train.clipping_layers.materialise`
+   picks (Li et al. 2022; Bu et al. 2023), for a one-hot factor the embedding's sorted sums
+   (:func:`dpml.train.clipping_layers.embedding_norms_squared`);
+2. **Overlapping factored uses of a 2-D θ** (as θ or θᵀ): cross terms ⟨G, G'⟩ = Σ_{t,s}(u_t·u'_s)(v_t·v'_s),
+   with a one-hot factor as a gather (u'_s[k_t]) or an index comparison ([k_t = k'_s]);
+3. otherwise every use **materialised** in θ's coordinates (over the elements the uses reach), when the
+   B × that many numbers fit in the device's keep limit; else θ takes the exact path.
+
+The clipped sum is Σ_u of each use's Σ_i c_i G_{u,i}, mapped back to θ by ``index_add`` over the
+view's index — the same numbers as the norms (no TF32: :func:`dpml.devices.full_float32` around the
+caller).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dpml.train.clipping_layers import Piece, embedding_norms_squared, kept_sum, row_norms_squared, weight_norms_squared
+from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
+
+SumFn = Callable[[torch.Tensor], torch.Tensor]  # c (B,) -> Σ_i c_i G_i in the use's coordinates
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+
+def cast_form(form: Form, dtype: torch.dtype) -> Form:
+    """A form recorded under autocast, in the parameters' dtype (indices stay integers)."""
+    if isinstance(form, Dense):
+        return Dense(_cast(form.grads, dtype))
+    return Factored(_cast(form.u, dtype), _cast(form.v, dtype), form.rows, form.cols)
+
+
+def _one_hot(t: torch.Tensor) -> bool:
+    return not t.is_floating_point()
+
+
+def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
+    """‖Σ_t u_t v_tᵀ‖² per example and the clipped sum's function, (rows, cols)."""
+    if _one_hot(form.v) and not _one_hot(form.u):
+        squared, sums = _factored_norms(form.transposed())
+        return squared, lambda factors: sums(factors).t()
+    if _one_hot(form.u):
+        if _one_hot(form.v):
+            raise ValueError("two one-hot factors")
+        tokens, d = form.u, form.v
+
+        def embedded(factors: torch.Tensor) -> torch.Tensor:
+            weighted = (d * factors[:, None, None]).reshape(-1, form.cols)
+            return d.new_zeros(form.rows, form.cols).index_add_(0, tokens.reshape(-1), weighted)
+
+        return embedding_norms_squared(tokens, d, form.rows), embedded
+    u, v = form.u, form.v
+    if u.shape[1] == 1:  # one position: ‖u‖²‖v‖²
+        squared, kept = row_norms_squared(u[:, 0]) * row_norms_squared(v[:, 0]), None
+    else:
+        squared, kept = weight_norms_squared(v, u)  # (B, rows, cols) kept when materialised and small
+
+    def dense(factors: torch.Tensor) -> torch.Tensor:
+        if kept is not None:
+            return kept_sum(factors, kept)
+        return (u * factors[:, None, None]).reshape(-1, form.rows).t() @ v.reshape(-1, form.cols)
+
+    return squared, dense
+
+
+def use_norms(form: Form) -> tuple[torch.Tensor, SumFn]:
+    """One use's per-example squared norm (B,) and its clipped sum in the use's coordinates."""
+    if isinstance(form, Dense):
+        grads = form.grads
+        return row_norms_squared(grads), lambda factors: torch.einsum("b,b...->...", factors, grads)
+    return _factored_norms(form)
+
+
+def to_parameter(tracked: Tracked, total: torch.Tensor) -> torch.Tensor:
+    """A sum in the view's coordinates, in the parameter's (index_add over the view's index)."""
+    p = tracked.param
+    if tracked.index is None:
+        return total.reshape(p.shape)
+    flat = total.new_zeros(p.numel()).index_add_(0, tracked.index.reshape(-1), total.reshape(-1))
+    return flat.reshape(p.shape)
+
+
+def _injective(tracked: Tracked) -> bool:
+    return tracked.index is None or torch.unique(tracked.index).numel() == tracked.index.numel()
+
+
+def _disjoint(uses: list[Use]) -> bool:
+    if not all(_injective(t) for t, _ in uses):
+        return False
+    if sum(t.index is None for t, _ in uses) > (1 if len(uses) == 1 else 0):
+        return False
+    if len(uses) == 1:
+        return True
+    everything = torch.cat([t.index.reshape(-1) for t, _ in uses])  # type: ignore[union-attr]
+    return torch.unique(everything).numel() == everything.numel()
+
+
+def _orientation(tracked: Tracked) -> str | None:
+    """'same' when the view is the 2-D parameter itself, 'transposed' when it is its transpose."""
+    p = tracked.param
+    if tracked.index is None:
+        return "same" if p.dim() == 2 else None
+    if p.dim() != 2:
+        return None
+    grid = torch.arange(p.numel(), device=p.device).view(p.shape)
+    if tracked.index.shape == p.shape and torch.equal(tracked.index, grid):
+        return "same"
+    if tracked.index.shape == p.shape[::-1] and torch.equal(tracked.index, grid.t()):
+        return "transposed"
+    return None
+
+
+def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(x_t · y_s) per example, (B, T, S), a one-hot factor given by its indices."""
+    if _one_hot(x) and _one_hot(y):
+        return (x[:, :, None] == y[:, None, :])
+    if _one_hot(x):
+        return _gram(y, x).transpose(1, 2)
+    if _one_hot(y):  # x_t · e_{k_s} = x_t[k_s]
+        return x.gather(2, y[:, None, :].expand(-1, x.shape[1], -1))
+    return torch.bmm(x, y.transpose(1, 2))
+
+
+def _cross(a: Factored, b: Factored) -> torch.Tensor:
+    """⟨Σ_t u_t v_tᵀ, Σ_s u'_s v'_sᵀ⟩ per example = Σ_{t,s} (u_t·u'_s)(v_t·v'_s)."""
+    left, right = _gram(a.u, b.u), _gram(a.v, b.v)
+    if left.dtype == torch.bool:
+        return right.masked_fill(~left, 0).sum((1, 2))
+    if right.dtype == torch.bool:
+        return left.masked_fill(~right, 0).sum((1, 2))
+    return (left * right).sum((1, 2))
+
+
+def _materialised(form: Form, batch: int) -> torch.Tensor:
+    """A use's per-example gradients (B, numel of its view)."""
+    if isinstance(form, Dense):
+        return form.grads.reshape(batch, -1)
+    if _one_hot(form.v):
+        return _materialised(form.transposed(), batch).view(batch, form.cols, form.rows).transpose(1, 2).reshape(batch, -1)
+    if _one_hot(form.u):
+        keys = (torch.arange(batch, device=form.u.device)[:, None] * form.rows + form.u).reshape(-1)
+        grads = form.v.new_zeros(batch * form.rows, form.cols).index_add_(0, keys, form.v.reshape(-1, form.cols))
+        return grads.view(batch, -1)
+    return torch.bmm(form.u.transpose(1, 2), form.v).reshape(batch, -1)
+
+
+def parameter_piece(param: nn.Parameter, uses: list[Use], batch: int, limit: int) -> Piece | str:
+    """The parameter's piece (module docstring), or why none is formed within ``limit`` numbers."""
+    if _disjoint(uses):
+        return _separate(param, uses)
+    oriented = [(_orientation(t), form) for t, form in uses]
+    if all(o is not None and isinstance(form, Factored) for o, form in oriented):
+        return _with_cross_terms(param, [(form if o == "same" else form.transposed()) for o, form in oriented])  # type: ignore[union-attr]
+    return _all_materialised(param, uses, batch, limit)
+
+
+def _separate(param: nn.Parameter, uses: list[Use]) -> Piece:
+    parts = [(tracked, *use_norms(form)) for tracked, form in uses]
+    squared = sum((s for _, s, _ in parts[1:]), parts[0][1])
+
+    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        totals = [to_parameter(tracked, fn(factors)) for tracked, _, fn in parts]
+        return [(param, sum(totals[1:], totals[0]))]
+
+    return Piece(squared, sums)
+
+
+def _with_cross_terms(param: nn.Parameter, forms: list[Factored]) -> Piece:
+    parts = [use_norms(form) for form in forms]
+    squared = sum((s for s, _ in parts[1:]), parts[0][0])
+    for a, b in itertools.combinations(forms, 2):
+        squared = squared + 2 * _cross(a, b)
+    squared = squared.clamp_min(0)  # rounding of the cross terms; exact arithmetic gives ≥ 0
+
+    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        totals = [fn(factors).reshape(param.shape) for _, fn in parts]
+        return [(param, sum(totals[1:], totals[0]))]
+
+    return Piece(squared, sums)
+
+
+def _all_materialised(param: nn.Parameter, uses: list[Use], batch: int, limit: int) -> Piece | str:
+    indices = [t.flat_index().reshape(-1) for t, _ in uses]
+    reached = torch.unique(torch.cat(indices))
+    largest = max(index.numel() for index in indices)
+    if batch * max(reached.numel(), largest) > limit:
+        return (f"its {len(uses)} uses overlap and their per-example gradients ({batch} × {reached.numel()} numbers) "
+                "do not fit the keep limit")
+    grads = None
+    for index, (_, form) in zip(indices, uses):
+        part = _materialised(form, batch)
+        positions = torch.searchsorted(reached, index)
+        grads = (part.new_zeros(batch, reached.numel()) if grads is None else grads).index_add_(1, positions, part)
+    assert grads is not None
+
+    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        flat = grads.new_zeros(param.numel()).index_add_(0, reached, factors @ grads)
+        return [(param, flat.reshape(param.shape))]
+
+    return Piece(row_norms_squared(grads), sums)

@@ -1,0 +1,74 @@
+"""Elementwise affine uses of a parameter broadcast over the batch: z = x ⊙ S (learned scales), z = x + S
+or x − S (cls tokens, positional embeddings added, biases written by hand), S the parameter or a tracked
+view of it (a shared embedding lookup, ``pos[:, :T]``, ``cls.expand(B, -1, -1)``).
+
+With S right-aligned to z and padded to S' of z's rank: ∇_S ℓ_i = Σ over the dimensions S' broadcasts of
+(∂ℓ_i/∂z_i) ⊙ x_i (product) or ± α ∂ℓ_i/∂z_i (sum), materialised (the size of S per example). S' must be
+shared (leading size 1) or expanded over the batch (the same elements in every example's slice); the other
+operand batch-first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, rule
+
+T = torch.Tensor
+_SUMS = {torch.add, T.add, T.__add__, T.__radd__}
+_DIFFERENCES = {torch.sub, T.sub, T.__sub__}
+_PRODUCTS = {torch.mul, T.mul, T.__mul__, T.__rmul__}  # (in place, h += pos: the recorder applies these to a copy)
+
+
+def _per_example_view(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked | None:
+    """S' (padded) as one example's view of the parameter: its slice for any example, or None when the
+    slices differ (S is then not broadcast over the batch)."""
+    index = s.flat_index().reshape(padded)
+    if padded[0] == 1:
+        return Tracked(s.param, index[0])
+    if padded[0] == batch and torch.equal(index, index[:1].expand_as(index)):
+        return Tracked(s.param, index[0])
+    return None
+
+
+def _coefficient(call: Call, s_first: bool) -> float | None:
+    alpha = float(call.kwargs.get("alpha", 1.0))
+    if call.func in _SUMS:
+        return 1.0 if s_first else alpha
+    if call.func in _DIFFERENCES:
+        return 1.0 if s_first else -alpha
+    if call.func is T.__rsub__:  # self.__rsub__(other) = other − alpha·self
+        return -alpha if s_first else 1.0
+    return None
+
+
+@rule(*_SUMS, *_DIFFERENCES, T.__rsub__, *_PRODUCTS)
+def elementwise(call: Call) -> Pending | str:
+    first, second = call.args[0], call.args[1] if len(call.args) > 1 else call.kwargs.get("other")
+    s_first = call.tracked(first) is not None
+    s, x = (first, second) if s_first else (second, first)
+    tracked, z = call.tracked(s), call.output
+    if call.tracked(x) is not None:
+        return "two parameters"
+    if not isinstance(x, torch.Tensor) or not call.batch_first(x) or z.dim() < 1 or z.shape[0] != x.shape[0]:
+        return "no batch-first operand"
+    batch = x.shape[0]
+    if s.dim() > z.dim():
+        return "a parameter with more dimensions than the result"
+    padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
+    view = _per_example_view(tracked, padded, batch)  # type: ignore[arg-type]
+    if view is None:
+        return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
+    reduce = tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
+    coefficient = _coefficient(call, s_first)
+    other: Any = x.detach() if coefficient is None else None
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        g = d * other if other is not None else (d * coefficient if coefficient != 1.0 else d)
+        if reduce:
+            g = g.sum(reduce, keepdim=True)
+        return [(view, Dense(g.reshape(batch, *padded[1:])))]
+
+    return Pending(z, [tracked.param], finish)  # type: ignore[union-attr]

@@ -1,0 +1,49 @@
+"""Embedding lookups z_t = W[k_t] (``F.embedding``; ``nn.Embedding`` where its hook does not apply).
+
+- **Indices per example** (B, …), computed from the batch's inputs: ∇_W ℓ_i = Σ_t e_{k_t} δ_tᵀ, factored with a one-hot factor (the
+  indices), so ‖∇_W ℓ_i‖² = Σ_k ‖Σ_{t: k_t = k} δ_t‖² (:func:`dpml.train.clipping_layers.embedding_norms_squared`);
+  ``padding_idx`` positions get no gradient.
+- **Indices shared by the batch** (position ids (1, T) or (T,): not computed from the batch's inputs): the output is the same for every example,
+  a view of W (rows k_t), tracked; the operation where it meets the batch (``h + pos``) forms each
+  example's gradient and maps it back through the indices.
+
+``max_norm`` (renormalises W inside the forward) and ``scale_grad_by_freq`` (counts over the whole batch)
+have no rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dpml.train.rules.registry import Call, Factored, Pending, Shared, Tracked, Use, rule
+
+
+@rule(F.embedding)
+def embedding(call: Call) -> Pending | Shared | str:
+    ids, weight = call.arg(0, "input"), call.arg(1, "weight")
+    padding_idx = call.arg(2, "padding_idx")
+    w = call.tracked(weight)
+    if w is None or call.tracked(ids) is not None:
+        return "a parameter as its indices"
+    if call.arg(3, "max_norm") is not None or call.arg(5, "scale_grad_by_freq", False):
+        return "max_norm or scale_grad_by_freq"
+    if len(w.shape()) != 2:
+        return "a table that is not 2-D"
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += w.shape()[0]
+    if call.batch_first(ids):  # computed from the batch, batch-first
+        batch = ids.shape[0]
+        tokens = ids.reshape(batch, -1)
+
+        def finish(d: torch.Tensor) -> list[Use]:
+            d = d.reshape(batch, tokens.shape[1], -1)
+            if padding_idx is not None:
+                d = d * (tokens != padding_idx).unsqueeze(2)
+            return [(w, Factored(tokens, d, w.shape()[0], d.shape[2]))]
+
+        return Pending(call.output, [w.param], finish)
+    if padding_idx is not None and bool((ids == padding_idx).any()):
+        return "shared indices that hit padding_idx"
+    index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter
+    return Shared([(call.output, Tracked(w.param, index, shared=True))])

@@ -1,0 +1,376 @@
+"""The recording forward pass: a ``TorchFunctionMode`` that sees every torch function call and hands
+those with a trainable parameter among their operands to the registered rule of that function.
+
+Besides the rules' pending calls it keeps track of
+
+- **views of parameters** (``w.t()``, ``w.chunk(3)[1]``, ``w[:k]``, ``w.view(…)``, casts): each is a
+  :class:`~dpml.train.rules.registry.Tracked` whose index tensor, obtained by applying the same view
+  operation to ``arange(w.numel()).view(w.shape)``, maps its elements back to the parameter's;
+- **where the batch is** in activations whose batch dimension was moved or merged by transposes and
+  reshapes (``x.transpose(0, 1)`` in ``nn.MultiheadAttention``, ``x.view(-1, n)`` before ``torch.addmm``
+  in GPT-2's ``Conv1D``): the same view operations applied to ``arange(B)`` broadcast over the
+  batch-first tensor give the example of every element (an *example map*), carried on through
+  operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast; an
+  output none of these describes is marked *lost*, and no rule assumes where its batch is. A tensor
+  without an example map is batch-first when it was computed from the batch's inputs (position ids and
+  constants were not) and its first dimension is B, as for the layer hooks;
+- **why** a parameter cannot be covered: an operation with no rule (``torch.cumsum has no rule``) or a rule
+  that refused the call (``F.linear: its input (shape (3, 5)) is not batch-first``);
+- whether a parameter of a hooked layer (:mod:`dpml.train.clipping`) is used outside that layer's call.
+
+An in-place operation with a rule (``h += pos``, ``h.mul_(scale)``) is applied out of place to a copy of h
+and the result copied into h: the recorded result is then never overwritten by a later in-place operation.
+Composite Python functions of ``torch.nn.functional`` with no rule (``F.multi_head_attention_forward``)
+are run with the recording still active, so the operations inside them meet their rules.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from dpml.train.rules.registry import (IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Pending, Rows, Shared, Tracked,
+                                       function_name)
+
+_COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
+_NO_DISPATCH = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+_REENTERED: dict[Any, types.FunctionType] = {}
+
+
+def _reentered(func: types.FunctionType) -> types.FunctionType:
+    """``func`` without its own torch-function dispatch (so its body runs under the mode, whose
+    operations are then seen one by one)."""
+    if func not in _REENTERED:
+        scope = dict(func.__globals__)
+        for name in _NO_DISPATCH:
+            scope[name] = lambda *args, **kwargs: False
+        copy = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+        copy.__kwdefaults__ = func.__kwdefaults__
+        _REENTERED[func] = copy
+    return _REENTERED[func]
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return []
+
+
+_OUT_OF_PLACE = {torch.Tensor.add_: torch.Tensor.add, torch.Tensor.sub_: torch.Tensor.sub, torch.Tensor.mul_: torch.Tensor.mul,
+                 torch.Tensor.__iadd__: torch.Tensor.add, torch.Tensor.__isub__: torch.Tensor.sub,
+                 torch.Tensor.__imul__: torch.Tensor.mul}
+
+
+def _carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
+    """t's example map carried to ``out``: same shape, all but the last dimension kept (the map being the
+    same along it), or broadcast."""
+    if examples is None:
+        return None
+    if out.shape == t.shape:
+        return examples
+    if out.dim() == t.dim() and out.shape[:-1] == t.shape[:-1] and examples.stride(-1) == 0:
+        return examples[..., :1].expand(out.shape)
+    if out.dim() >= t.dim() and all(a == b or a == 1 for a, b in zip(t.shape[::-1], out.shape[::-1])):
+        return examples.expand(out.shape)
+    return None
+
+
+def _core(t: torch.Tensor) -> torch.Tensor:
+    """t without its broadcast dimensions (stride 0, kept with size 1): what its values are."""
+    return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
+
+
+_ROW_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
+                 torch.Tensor.unflatten, torch.Tensor.view_as, torch.Tensor.reshape_as}
+_RESHAPE_FOR_INDEX = {torch.Tensor.view: torch.Tensor.reshape}
+
+
+def apply_view(func: Any, index: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The view operation ``func`` applied to an index tensor in place of its first operand (``view``
+    as ``reshape``: an index tensor need not be contiguous where the viewed tensor was)."""
+    return _RESHAPE_FOR_INDEX.get(func, func)(index, *args[1:], **kwargs)
+
+
+class Recorder(TorchFunctionMode):
+    """The mode active during the recording forward pass (module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], batch: int, copy: bool, owners: dict[int, nn.Module],
+                 device: torch.device, inputs: torch.Tensor) -> None:
+        super().__init__()
+        self._derived = WeakTensorKeyDictionary()  # tensors computed from the batch's inputs
+        self._derived[inputs] = True
+        self.batch, self.copy, self.owners = batch, copy, owners
+        self.pending: list[Pending] = []
+        self.refused: dict[int, str] = {}  # id(parameter) -> the first reason it cannot be covered
+        self.outside: set[int] = set()  # ids of hooked layers' parameters used outside their layer's call
+        self.stack: list[nn.Module] = []  # the hooked layers whose call is under way
+        self.unbatched: set[nn.Module] = set()  # hooked layers called on an input not computed from the batch
+        self.versions: list[tuple[torch.Tensor, int]] = []
+        self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
+        self._examples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._base = torch.arange(batch, device=device)
+
+    # --- what the rules ask -------------------------------------------------------------------------
+    def tracked(self, value: Any) -> Tracked | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        entry = self._tracked.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
+    def _entry(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+        """(whether t has an entry, its example map or None when where its batch is was lost)."""
+        entry = self._examples.get(id(t))
+        return (True, entry[1]) if entry is not None and entry[0] is t else (False, None)
+
+    def examples(self, t: torch.Tensor) -> torch.Tensor | None:
+        return self._entry(t)[1]
+
+    def derived(self, t: torch.Tensor) -> bool:
+        """t was computed from the batch's inputs (position ids, masks built from constants and parameters were not)."""
+        return t in self._derived
+
+    def batch_first(self, t: torch.Tensor) -> bool:
+        if self.tracked(t) is not None or t.dim() < 1 or not self.derived(t):
+            return False
+        if self.batch == 1:
+            return t.shape[0] == 1
+        known, examples = self._entry(t)
+        return not known and t.shape[0] == self.batch
+
+    def rows(self, t: torch.Tensor) -> Rows | None:
+        if t.dim() < 2 or self.tracked(t) is not None:
+            return None
+        if self.batch == 1:
+            return Rows(1, None)
+        if not self.derived(t):
+            return None
+        known, examples = self._entry(t)
+        if not known:
+            return Rows(self.batch, None) if t.shape[0] == self.batch else None
+        if examples is None:
+            return None
+        if examples.stride(-1) != 0 and not torch.equal(examples, examples[..., :1].expand_as(examples)):
+            return None  # a row that holds several examples
+        lead = examples[..., 0].reshape(-1).to(torch.int64)
+        if lead.numel() % self.batch:
+            return None
+        counts = torch.bincount(lead, minlength=self.batch)
+        if counts.numel() != self.batch or not bool((counts == lead.numel() // self.batch).all()):
+            return None
+        if bool((lead[1:] >= lead[:-1]).all()):  # already example by example (x.view(-1, n) of a batch-first x)
+            return Rows(self.batch, None)
+        return Rows(self.batch, torch.argsort(lead, stable=True))
+
+    # --- bookkeeping --------------------------------------------------------------------------------
+    def _hits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tracked]:
+        return [t for t in map(self.tracked, _tensors(args, kwargs)) if t is not None]
+
+    def _refuse(self, hits: list[Tracked], reason: str) -> None:
+        for hit in hits:
+            self.refused.setdefault(id(hit.param), reason)
+
+    def _note_owners(self, hits: list[Tracked]) -> None:
+        for hit in hits:  # (a shared lookup's output is the layer's output: using it is not using the layer's weight)
+            if hit.shared:
+                continue
+            owner = self.owners.get(id(hit.param))
+            if owner is not None and not any(m is owner for m in self.stack):
+                self.outside.add(id(hit.param))
+
+    def _track(self, t: torch.Tensor, tracked: Tracked) -> None:
+        self._tracked[id(t)] = (t, tracked)
+
+    def _trivial(self, examples: torch.Tensor) -> bool:
+        """The example map of a batch-first tensor (arange(B) along dimension 0, broadcast): such a tensor
+        needs no entry (a tensor without one is batch-first when its first dimension is B)."""
+        if examples.dim() < 1 or examples.shape[0] != self.batch:
+            return False
+        if examples.stride(0) == 1 and all(s == 0 for s in examples.stride()[1:]) and examples.storage_offset() == 0 \
+                and examples.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr():
+            return True
+        core = _core(examples)
+        if core.shape[0] != self.batch:
+            return False
+        return torch.equal(core, self._base.view(self.batch, *[1] * (core.dim() - 1)).expand_as(core))
+
+    def _source_examples(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+        """(whether t's batch is known, its example map): an entry's, or that of a batch-first tensor."""
+        known, found = self._entry(t)
+        if known:
+            return found is not None, found
+        if t.dim() >= 1 and t.shape[0] == self.batch and self.derived(t):
+            return True, self._base.view(self.batch, *[1] * (t.dim() - 1)).expand(t.shape)
+        return False, None
+
+    def _keep_examples(self, t: torch.Tensor, examples: torch.Tensor | None) -> None:
+        """Store t's example map (None: its batch dimension is lost, so no rule may assume one), compacted to
+        one column when it is the same along the last dimension; a batch-first map is not stored."""
+        if examples is not None and examples.shape != t.shape:
+            examples = None
+        if examples is not None and examples.dim() >= 1 and examples.stride(-1) != 0 and examples.shape[-1] > 1 \
+                and torch.equal(examples, examples[..., :1].expand_as(examples)):
+            examples = examples[..., :1].expand(examples.shape)
+        if examples is not None and self._trivial(examples):
+            self._examples.pop(id(t), None)
+            return
+        self._examples[id(t)] = (t, examples)
+
+    def _follow_view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is None or self.batch == 1:
+            return
+        known, examples = self._source_examples(source)
+        if not known:
+            if self._entry(source)[0]:  # lost before: lost after
+                for o in _outputs(out):
+                    self._keep_examples(o, None)
+            return
+        try:
+            if func in IDENTITY_VIEWS:
+                mapped = [examples]
+            elif func in _ROW_RESHAPES and isinstance(out, torch.Tensor) and out.dim() >= 1 \
+                    and out.shape[-1] == source.shape[-1] and examples.stride(-1) == 0:  # the rows, in order
+                mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
+            else:
+                mapped = _outputs(apply_view(func, examples, args, kwargs))
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            mapped = []
+        for k, o in enumerate(_outputs(out)):
+            self._keep_examples(o, mapped[k] if k < len(mapped) else None)
+
+    def _follow_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """An operation on a tensor with an entry: each output takes the example map of the first operand whose
+        shape it keeps, keeps but for the last dimension (the map being the same along it) or broadcasts; an
+        output that takes none is marked lost (no rule may then assume where its batch is)."""
+        if not self._examples or self.batch == 1:
+            return
+        tensors = list(_tensors(args, kwargs))
+        entries = [(t, self._entry(t)) for t in tensors]
+        if not any(known for _, (known, _) in entries):
+            return
+        maps = [(t, e) for t, (known, e) in entries if known and e is not None]
+        maps += [(t, self._source_examples(t)[1]) for t, (known, _) in entries if not known and t.dim() >= 1
+                 and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)]
+        for o in _outputs(out):
+            self._keep_examples(o, next((m for m in (_carried(t, e, o) for t, e in maps) if m is not None), None))
+
+    # --- the mode -----------------------------------------------------------------------------------
+    def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = self._dispatch(func, args, kwargs)
+        if any(t in self._derived for t in _tensors(args, kwargs)):
+            for o in _outputs(out):
+                self._derived[o] = True
+        return out
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hits = self._hits(args, kwargs)
+        if not hits:
+            out = func(*args, **kwargs)
+            if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
+                self._follow_view(func, args, kwargs, out)
+            else:
+                self._follow_rows(args, kwargs, out)
+            return out
+        self._note_owners(hits)
+        if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
+            return self._view(func, args, kwargs, hits)
+        if func in _OUT_OF_PLACE:
+            return self._in_place(func, args, kwargs, hits)
+        handler = RULES.get(func)
+        if handler is None:
+            if isinstance(func, types.FunctionType) and func.__module__ in _COMPOSITE_MODULES:
+                with self:
+                    return _reentered(func)(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if any(o.requires_grad for o in _outputs(out)):
+                self._refuse(hits, f"{function_name(func)} has no rule")
+            return out
+        return self._ruled(func, handler, args, kwargs, hits)
+
+    def _view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
+        out = func(*args, **kwargs)
+        source = self.tracked(args[0]) if args else None
+        if source is None or len(hits) != 1:
+            if any(o.requires_grad for o in _outputs(out)):
+                self._refuse(hits, f"{function_name(func)} of a parameter with another operand has no rule")
+            return out
+        if func in IDENTITY_VIEWS:
+            for o in _outputs(out):
+                if o.shape == source.shape():
+                    self._track(o, source)
+            return out
+        mapped = apply_view(func, source.flat_index(), args, kwargs)
+        for o, index in zip(_outputs(out), _outputs(mapped)):
+            if o.shape == index.shape:
+                self._track(o, Tracked(source.param, index, source.shared))
+        return out
+
+    def _ruled(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
+        out = func(*args, **kwargs)
+        if not any(o.requires_grad for o in _outputs(out)):
+            return out
+        self._follow_rows(args, kwargs, out)
+        result = self._apply(func, handler, args, kwargs, out, hits)
+        if result is not None and self.copy and isinstance(out, torch.Tensor):
+            copied = out.clone()
+            self._follow_rows((out,), {}, copied)
+            return copied
+        return out
+
+    def _in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
+        """``h += pos``, ``h.mul_(scale)``: the out-of-place operation on a copy of h, whose result (recorded: no
+        later in-place operation reaches it) is then copied into h, so h is modified in place as written."""
+        plain = _OUT_OF_PLACE[func]
+        target = args[0]
+        if not isinstance(target, torch.Tensor) or self.tracked(target) is not None:
+            out = func(*args, **kwargs)
+            self._refuse(hits, f"{function_name(func)}: a parameter modified in place")
+            return out
+        source = target.clone()
+        if self.derived(target):
+            self._derived[source] = True
+        known, examples = self._entry(target)
+        if known:
+            self._examples[id(source)] = (source, examples)
+        result = plain(source, *args[1:], **kwargs)
+        if result.requires_grad:
+            self._apply(plain, RULES[plain], (source, *args[1:]), kwargs, result, hits)
+        target.copy_(result)
+        return target
+
+    def _apply(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+               hits: list[Tracked]) -> Pending | None:
+        """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
+        call = Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first)
+        result = handler(call)
+        if isinstance(result, str):
+            self._refuse(hits, f"{function_name(func)}: {result}")
+            return None
+        if isinstance(result, Shared):
+            for o, tracked in result.outputs:
+                self._track(o, tracked)
+            return None
+        covered = {id(p) for p in result.params}
+        self._refuse([h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand")
+        result.operation = function_name(func)
+        self.pending.append(result)
+        self.versions.append((result.output, result.output._version))
+        return result
+

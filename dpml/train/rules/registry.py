@@ -1,0 +1,169 @@
+"""The registry of per-operation rules, and what a rule sees and returns.
+
+A *rule* is registered for one or more torch functions (``@rule(F.linear, torch.addmm)``). While the
+engine records the forward pass (:mod:`dpml.train.rules.recorder`), every call of a registered function
+that has a trainable parameter — or a tracked view of one — among its operands is handed to its rule
+as a :class:`Call`. The rule returns one of:
+
+- a :class:`Pending`: the call's output z, the parameters it covers, and ``finish``, which maps the output
+  gradient δ = ∂(Σ_j ℓ_j)/∂z (one backward pass for all rules) to each parameter's per-example
+  gradient in a :class:`Factored` or :class:`Dense` form;
+- a :class:`Shared`: the output is itself a view of a parameter that every example shares (an embedding
+  looked up with position ids (1, T) or (T,)): it is tracked like ``w.t()``, and the operation that
+  meets the batch (``h + pos``) is the one whose rule forms the per-example gradient;
+- a string: why the rule does not apply to this call (the parameter then takes the exact path, and
+  the plan says so).
+
+Per-example gradients are written in the coordinates of the tensor the operation used (V = the
+parameter or a view of it); :class:`Tracked` maps them back: ``index`` holds, for each element of V,
+its flat position in the parameter (``None``: V is the parameter itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, eq=False)
+class Tracked:
+    """A tensor V that is the parameter ``param`` or a view of it: V.flatten()[j] = param.flatten()[index.flatten()[j]]."""
+
+    param: nn.Parameter
+    index: torch.Tensor | None = None  # int64, V's shape; None: V is the parameter
+    shared: bool = False  # the output of an operation (a lookup with shared ids), not the parameter's own view
+
+    def flat_index(self) -> torch.Tensor:
+        if self.index is not None:
+            return self.index
+        return torch.arange(self.param.numel(), device=self.param.device).view(self.param.shape)
+
+    def shape(self) -> torch.Size:
+        return self.param.shape if self.index is None else self.index.shape
+
+
+@dataclass
+class Factored:
+    """Per-example gradient of a 2-D V (rows × cols) as Σ_t u_t v_tᵀ over positions t (Goodfellow 2015):
+    ``u`` (B, T, rows) and ``v`` (B, T, cols) — or, for a one-hot factor (an embedding's rows e_{k_t}),
+    integer indices (B, T) whose entries are the k_t."""
+
+    u: torch.Tensor
+    v: torch.Tensor
+    rows: int
+    cols: int
+
+    def transposed(self) -> Factored:
+        return Factored(self.v, self.u, self.cols, self.rows)
+
+
+@dataclass
+class Dense:
+    """Per-example gradient of V materialised: (B, *V.shape)."""
+
+    grads: torch.Tensor
+
+
+Form = Union[Factored, Dense]
+Use = tuple[Tracked, Form]
+
+
+@dataclass
+class Pending:
+    """A recorded call: its output, the parameters its rule covers, and δ ↦ their per-example gradients."""
+
+    output: torch.Tensor
+    params: list[nn.Parameter]
+    finish: Callable[[torch.Tensor], list[Use]]
+    operation: str = ""  # the function's name (set by the recorder)
+
+
+@dataclass
+class Shared:
+    """The call's outputs are views of a parameter shared by every example (tracked, not yet a use)."""
+
+    outputs: list[tuple[torch.Tensor, Tracked]] = field(default_factory=list)
+
+
+@dataclass
+class Rows:
+    """Where each example's rows are in a tensor whose leading dimensions hold the batch (all but the last):
+    ``order`` lists the flattened leading positions example by example (None: already example-major)."""
+
+    batch: int
+    order: torch.Tensor | None
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example."""
+        flat = t.reshape(-1, t.shape[-1])
+        if self.order is not None:
+            flat = flat[self.order]
+        return flat.reshape(self.batch, -1, t.shape[-1])
+
+
+@dataclass
+class Call:
+    """One call of a registered function, as its rule sees it."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+    batch: int
+    tracked_of: Callable[[Any], Tracked | None]
+    rows_of: Callable[[torch.Tensor], Rows | None]
+    batch_first_of: Callable[[torch.Tensor], bool]
+
+    def arg(self, position: int, name: str, default: Any = None) -> Any:
+        if len(self.args) > position:
+            return self.args[position]
+        return self.kwargs.get(name, default)
+
+    def tracked(self, value: Any) -> Tracked | None:
+        return self.tracked_of(value)
+
+    def rows(self, t: torch.Tensor) -> Rows | None:
+        """t's leading dimensions as example-major rows (a batch-first tensor, or one whose batch dimension
+        the recorder followed through transposes and reshapes); None when that is not known."""
+        return self.rows_of(t)
+
+    def batch_first(self, t: Any) -> bool:
+        """t is an activation whose first dimension is the batch."""
+        return isinstance(t, torch.Tensor) and self.batch_first_of(t)
+
+
+RuleFunction = Callable[[Call], Union[Pending, Shared, str]]
+RULES: dict[Any, RuleFunction] = {}
+INDEX_VIEWS: set[Any] = set()  # value-selecting ops: applied to the index tensors (w.t(), w.chunk(3), w[:k], …)
+IDENTITY_VIEWS: set[Any] = set()  # value-preserving ops: the index passes through (contiguous, clone, casts)
+
+
+def rule(*functions: Any) -> Callable[[RuleFunction], RuleFunction]:
+    """Register a rule for the given torch functions (one registration per rule; one file per rule)."""
+    def register(fn: RuleFunction) -> RuleFunction:
+        for f in functions:
+            if f in RULES:
+                raise ValueError(f"{function_name(f)} has two rules")
+            RULES[f] = fn
+        return fn
+    return register
+
+
+def function_name(func: Any) -> str:
+    """``torch.addmm``, ``F.linear``, ``Tensor.cumsum``: how the plan names an operation."""
+    name = getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None) or ""
+    qualified = getattr(func, "__qualname__", name)
+    if module == "torch.nn.functional" or module == "torch._C._nn":
+        return f"F.{name}"
+    if qualified.startswith(("TensorBase.", "Tensor.")):
+        return "Tensor." + qualified.split(".", 1)[1]
+    if qualified.startswith("_VariableFunctionsClass.") or module == "torch":
+        return f"torch.{name}"
+    if name == "__get__":
+        return "Tensor attribute"
+    return f"{module}.{name}" if module else name

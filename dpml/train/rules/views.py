@@ -1,0 +1,25 @@
+"""Operations that select or rearrange a tensor's elements without computing new values.
+
+On a parameter they make a *tracked view* (``w.t()``, ``w.chunk(3)[1]``, ``w[:k]``, ``w.view(…)``,
+``cls.expand(B, -1, -1)``): the same operation applied to the parameter's index tensor says where each
+element comes from, so a rule's per-example gradient of the view maps back to the parameter's
+coordinates. On an activation they carry its example map (:mod:`dpml.train.rules.recorder`).
+Casts and copies keep every element where it is (the index passes through unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpml.train.rules.registry import IDENTITY_VIEWS, INDEX_VIEWS
+
+T = torch.Tensor
+INDEX_VIEWS.update({
+    T.t, torch.t, T.transpose, torch.transpose, T.swapaxes, torch.swapaxes, T.T.__get__, T.mT.__get__,
+    T.permute, torch.permute, T.movedim, torch.movedim,
+    T.view, T.reshape, torch.reshape, T.view_as, T.reshape_as, T.flatten, torch.flatten, T.unflatten,
+    T.unsqueeze, torch.unsqueeze, T.squeeze, torch.squeeze, T.expand, T.expand_as, T.broadcast_to,
+    T.chunk, torch.chunk, T.split, torch.split, T.unbind, torch.unbind, T.narrow, torch.narrow,
+    T.select, torch.select, T.__getitem__,
+})
+IDENTITY_VIEWS.update({T.contiguous, T.clone, torch.clone, T.to, T.float, T.double, T.half, T.bfloat16, T.type_as})

@@ -1,0 +1,381 @@
+"""Per-operation clipping rules (dpml.train.rules): transformer blocks, transformers' BERT and GPT-2, peft
+LoRA and hand-written parameter uses get per-example norms and clipped sums equal to a float64
+per-example autograd loop, and the plan sends none of their parameters to the exact path."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_clipping_check import loop_clipped_sum, relative_error
+from torch import nn
+
+from dpml.train.clipping import clip_factors, clipped_gradient_sum, engine_pass
+from dpml.train.clipping_check import plan_clipping
+from dpml.train.dpsgd import per_example_cross_entropy
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def loop_reference(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip: float,
+                   seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """∂ℓ_i/∂θ by one autograd call per example of one batched forward pass (random state ``seed``), clipped."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    torch.manual_seed(seed)
+    losses = loss_fn(model(x), y)
+    rows = [torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+            for i in range(x.shape[0])]
+    grads = {n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
+             for k, (n, p) in enumerate(params.items())}
+    norms = sum(g.reshape(x.shape[0], -1).pow(2).sum(1) for g in grads.values()).sqrt()  # type: ignore[union-attr]
+    factors = clip_factors(norms, clip)
+    return {n: torch.einsum("b,b...->...", factors, g) for n, g in grads.items()}, norms
+
+
+def assert_exact_without_the_exact_path(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                                        seed: int = 0, planned: bool = True) -> None:
+    """Clipped sums and norms equal the loop's (C = the median norm, so some examples are clipped), no
+    parameter takes the exact path, and (``planned``) the probe plans none there either."""
+    model = model.double()
+    torch.manual_seed(seed)
+    found = engine_pass(model, loss_fn, x, y)
+    assert found.exact == {}, found.reasons
+    reference, norms = loop_reference(model, loss_fn, x, y, 1.0, seed)
+    clip = float(norms.median())
+    reference, norms = loop_reference(model, loss_fn, x, y, clip, seed)
+    torch.manual_seed(seed)
+    sums, found_norms = clipped_gradient_sum(model, loss_fn, x, y, clip)
+    total = math.sqrt(sum(float(r.norm()) ** 2 for r in reference.values()))
+    errors = {n: float((sums[n] - r).norm()) / (float(r.norm()) + 1e-9 * total) for n, r in reference.items()}
+    assert max(errors.values()) < 1e-10, errors  # (a key bias's gradient is 0 up to rounding: softmax ignores it)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    if planned:
+        plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype, probe=(x, y))
+        assert plan.exact_parameters == () and plan.exact == frozenset(), plan.lines()
+
+
+# --- hand-written uses of a parameter -----------------------------------------------------------------
+
+class HandWritten(nn.Module):
+    """A learned scale, a positional parameter added, a cls token concatenated, a weight used twice (once
+    through its module, once through ``F.linear``, once transposed in a matmul), LoRA factors as matmuls,
+    a packed projection split by ``chunk``, and a GPT-2-style ``torch.addmm`` on flattened rows."""
+
+    def __init__(self, width: int = 6, length: int = 5, rank: int = 2) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(width) + 0.5)
+        self.pos = nn.Parameter(torch.randn(1, length + 3, width) * 0.3)
+        self.cls = nn.Parameter(torch.randn(1, 1, width) * 0.3)
+        self.lin = nn.Linear(width, width)
+        self.lora_a = nn.Parameter(torch.randn(rank, width) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(width, rank) * 0.3)
+        self.packed = nn.Parameter(torch.randn(3 * width, width) * 0.3)
+        self.conv1d_weight = nn.Parameter(torch.randn(width, width) * 0.3)
+        self.conv1d_bias = nn.Parameter(torch.randn(width) * 0.1)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        h = x * self.scale + self.pos[:, :length]
+        h = torch.cat((self.cls.expand(batch, -1, -1), h), dim=1)
+        h = torch.tanh(self.lin(h)) + F.linear(h, self.lin.weight) * 0.5 + h @ self.lin.weight.t() * 0.25
+        h = h + (h @ self.lora_a.T) @ self.lora_b.T
+        q, k, v = self.packed.chunk(3)
+        h = torch.tanh(F.linear(h, q)) + torch.sigmoid(h @ k.t()) * F.linear(h, v)
+        flat = torch.addmm(self.conv1d_bias, h.reshape(-1, width), self.conv1d_weight)
+        return self.out(torch.tanh(flat.view(batch, length + 1, width)).mean(1))
+
+
+def test_hand_written_parameter_uses_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(7, 5, 6, generator=generator(1), dtype=torch.float64)
+    assert_exact_without_the_exact_path(HandWritten(), per_example_cross_entropy, x, torch.randint(0, 3, (7,)))
+
+
+class ConvolutionTwice(nn.Module):
+    """A convolution's kernel used by its layer and again by ``F.conv2d`` (stride 2, padding 1), a Conv1d's by
+    ``F.conv1d``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.line = nn.Conv1d(3, 2, 2)
+        self.out = nn.Linear(3 * 3 * 3 + 2 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        g = F.conv2d(h[:, :2], self.conv.weight, stride=2, padding=1)
+        row = F.conv1d(h.mean(2), self.line.weight, self.line.bias, dilation=2) + torch.tanh(self.line(h.mean(3)))[..., :3].sum(-1, keepdim=True)
+        return self.out(torch.cat([g.flatten(1), row.flatten(1)], 1))
+
+
+def test_a_convolution_used_twice() -> None:
+    torch.manual_seed(9)
+    x = torch.randn(5, 2, 6, 6, generator=generator(12), dtype=torch.float64)
+    assert_exact_without_the_exact_path(ConvolutionTwice(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
+
+
+class TiedLanguageModel(nn.Module):
+    """Input embedding and output layer tied (``F.linear(h, emb.weight)``), positions looked up with ids (T,)
+    shared by the batch, a padding index."""
+
+    def __init__(self, vocabulary: int = 11, width: int = 6, length: int = 5) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocabulary, width, padding_idx=0)
+        self.positions = nn.Embedding(length, width)
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens) + self.positions(torch.arange(tokens.shape[1]))
+        return F.linear(torch.tanh(self.mix(h)), self.emb.weight)  # (B, T, V)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy per example, (B,)."""
+    batch, length, vocabulary = logits.shape
+    return F.cross_entropy(logits.reshape(-1, vocabulary), targets.reshape(-1), reduction="none").view(batch, length).mean(1)
+
+
+def test_tied_embeddings_get_the_norm_of_the_sum_of_their_uses() -> None:
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 11, (6, 5), generator=generator(2))
+    tokens[:, -1] = 0  # padding
+    assert_exact_without_the_exact_path(TiedLanguageModel(), token_loss, tokens,
+                                        torch.randint(0, 11, (6, 5), generator=generator(3)))
+
+
+class Unruled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = nn.Linear(4, 4)
+        self.offset = nn.Parameter(torch.randn(4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.x(x)) + torch.cumsum(self.offset, 0))
+
+
+def test_the_plan_names_each_exact_parameter_and_the_operation_that_sent_it_there() -> None:
+    torch.manual_seed(2)
+    model = Unruled().double()
+    plan = plan_clipping(model, per_example_cross_entropy, (4,))
+    assert plan.exact_parameters == ("offset",)
+    assert "offset: torch.cumsum has no rule" in plan.lines()
+    x, y = torch.randn(5, 4, dtype=torch.float64, generator=generator(3)), torch.randint(0, 2, (5,))
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3, exact=plan.exact)
+    reference, reference_norms = loop_clipped_sum(model, x, y, 0.3)
+    assert relative_error(sums, reference) < 1e-10
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=0)
+
+
+# --- torch transformer blocks ---------------------------------------------------------------------------
+
+class Encoder(nn.Module):
+    """nn.TransformerEncoder on (B, T, D) with padding (features whose first entry is above 1 are padding)
+    and optionally a causal mask; dropout in attention and feed-forward."""
+
+    def __init__(self, causal: bool, width: int = 8, dropout: float = 0.1) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(width, 2, 16, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.causal = causal
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = x[..., 0] > 1.0
+        padding[:, 0] = False
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype) if self.causal else None
+        h = self.encoder(x, mask=mask, src_key_padding_mask=padding, is_causal=self.causal)
+        keep = (~padding).unsqueeze(-1).to(h.dtype)
+        return self.out((h * keep).sum(1) / keep.sum(1))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_transformer_encoder_with_padding_and_masks(causal: bool) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(6, 5, 8, generator=generator(4), dtype=torch.float64)
+    assert_exact_without_the_exact_path(Encoder(causal), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
+                                        seed=7)
+
+
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention with separate query and key/value inputs (the packed weight split by ``chunk``)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.attention(x[:, :2], x, x * 0.5, need_weights=False)
+        return self.out(h.mean(1))
+
+
+def test_cross_attention_splits_the_packed_projection() -> None:
+    torch.manual_seed(4)
+    x = torch.randn(5, 4, 8, generator=generator(5), dtype=torch.float64)
+    assert_exact_without_the_exact_path(CrossAttention(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
+
+
+class AttentionWithWeights(nn.Module):
+    """nn.MultiheadAttention returning its averaged weights (the batched-matmul path, attention dropout on)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True, dropout=0.1)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, weights = self.attention(x, x, x, need_weights=True)
+        return self.out(h.mean(1)) + weights.mean((1, 2))[:, None]
+
+
+def test_attention_that_returns_its_weights() -> None:
+    torch.manual_seed(12)
+    x = torch.randn(5, 5, 8, generator=generator(15), dtype=torch.float64)  # batch = sequence length
+    assert_exact_without_the_exact_path(AttentionWithWeights(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)),
+                                        seed=3)
+
+
+# --- transformers and peft --------------------------------------------------------------------------------
+
+class HuggingFace(nn.Module):
+    """A transformers model on one LongTensor (B, 2, T): token ids and attention mask; returns ``.logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x[:, 0], attention_mask=x[:, 1]).logits
+
+
+def ids_and_mask(batch: int, length: int, vocabulary: int, pad: int, seed: int) -> torch.Tensor:
+    """Token ids with right padding of random lengths (padding tokens ``pad``), and the attention mask."""
+    ids = torch.randint(1, vocabulary, (batch, length), generator=generator(seed))
+    lengths = torch.randint(2, length + 1, (batch,), generator=generator(seed + 1))
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    return torch.stack([ids.masked_fill(mask == 0, pad), mask], dim=1)
+
+
+def tiny_bert(classes: int = 3) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=16, max_position_embeddings=16, num_labels=classes,
+                                     pad_token_id=0, attn_implementation="eager")
+    return transformers.BertForSequenceClassification(config)
+
+
+def tiny_gpt2_config(classes: int = 3):  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    return transformers.GPT2Config(vocab_size=30, n_embd=8, n_layer=2, n_head=2, n_positions=16, num_labels=classes,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=1, attn_implementation="eager")
+
+
+def test_bert_for_sequence_classification() -> None:
+    torch.manual_seed(5)
+    x = ids_and_mask(6, 7, 30, 0, 6)
+    assert_exact_without_the_exact_path(HuggingFace(tiny_bert()), per_example_cross_entropy, x,
+                                        torch.randint(0, 3, (6,)), seed=8)
+
+
+def test_gpt2_for_sequence_classification() -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(6)
+    model = transformers.GPT2ForSequenceClassification(tiny_gpt2_config())
+    x = ids_and_mask(6, 7, 30, 0, 7)
+    assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
+                                        seed=9)
+
+
+def test_gpt2_language_model_with_tied_embeddings() -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(7)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    x = ids_and_mask(5, 6, 30, 0, 8)
+    assert_exact_without_the_exact_path(HuggingFace(model), token_loss, x, torch.randint(0, 30, (5, 6), generator=generator(9)),
+                                        seed=10)
+
+
+def test_peft_lora_on_a_frozen_bert() -> None:
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(8)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"], lora_dropout=0.1,
+                             modules_to_save=["classifier"])
+    model = peft.get_peft_model(tiny_bert(), config)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n or "classifier" in n for n in trainable)
+    x = ids_and_mask(6, 7, 30, 0, 10)
+    assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
+                                        seed=11)
+
+
+class VisionTransformer(nn.Module):
+    """transformers' ViT (cls token concatenated, position embeddings added as a parameter) on (B, C, H, W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+        config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=2, hidden_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=16, num_labels=3,
+                                        attn_implementation="eager")
+        self.model = transformers.ViTForImageClassification(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits
+
+
+def test_vit_cls_token_and_position_embeddings() -> None:
+    torch.manual_seed(10)
+    x = torch.randn(5, 2, 8, 8, generator=generator(13), dtype=torch.float64)
+    assert_exact_without_the_exact_path(VisionTransformer(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
+
+
+class InPlace(nn.Module):
+    """Ruled outputs modified in place afterwards: ``F.linear(…)`` then ``mul_``, ``h += pos`` then ``h *= scale``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 6) * 0.4)
+        self.pos = nn.Parameter(torch.randn(4, 6) * 0.3)
+        self.scale = nn.Parameter(torch.rand(6) + 0.5)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.weight)
+        h.mul_(1.5)
+        h += self.pos
+        h *= self.scale
+        return self.out(torch.tanh(h).mean(1))
+
+
+def test_outputs_modified_in_place_after_their_operation() -> None:
+    torch.manual_seed(11)
+    x = torch.randn(6, 4, 6, generator=generator(14), dtype=torch.float64)
+    assert_exact_without_the_exact_path(InPlace(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+
+
+# --- sweeps --------------------------------------------------------------------------------------------------
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("batch", [1, 2, 5, 7])
+@pytest.mark.parametrize("seed", range(3))
+def test_sweep_batch_sizes_including_the_sequence_length(batch: int, seed: int) -> None:
+    """Batches equal to the sequence length (5) are where a batch dimension moved by a transpose could be
+    mistaken for another: the example maps must still find each example's rows."""
+    torch.manual_seed(seed)
+    x = torch.randn(batch, 5, 8, generator=generator(seed), dtype=torch.float64)
+    y = torch.randint(0, 3, (batch,), generator=generator(seed + 1))
+    for model in (Encoder(causal=seed % 2 == 1), CrossAttention(), HandWritten(width=8)):
+        assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y, seed=seed, planned=False)
+    tokens = ids_and_mask(batch, 5, 30, 0, seed)
+    assert_exact_without_the_exact_path(HuggingFace(tiny_bert()), per_example_cross_entropy, tokens, y, seed=seed,
+                                        planned=False)
