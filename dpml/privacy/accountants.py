@@ -38,6 +38,7 @@ The smallest valid upper bound is itself a valid upper bound, hence the certifie
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -107,7 +108,27 @@ def _relation(mechanism: MechanismDescription) -> Any:
 
 def epsilon_pld(mechanism: MechanismDescription, delta: float,
                 discretization: float = PLD_DISCRETIZATION) -> float:
-    """ε(δ) from dp_accounting's PLD accountant (pessimistic discretisation: an upper bound)."""
+    """ε(δ) from dp_accounting's PLD accountant (pessimistic discretisation: an upper bound).
+
+    A pure function of the events, the neighbouring relation, the selection, δ and the discretisation,
+    so it is computed once per process for each (the train stage's reservation, the certificate and the
+    ledger's composition of one spend price the same mechanism; each PLD takes seconds)."""
+    try:
+        return _epsilon_pld_once(mechanism.events, mechanism.neighbouring, mechanism.selection, float(delta),
+                                 float(discretization))
+    except TypeError:  # an event that cannot be hashed: priced without the memo
+        return _pld_epsilon(mechanism, delta, discretization)
+
+
+@functools.lru_cache(maxsize=512)
+def _epsilon_pld_once(events: tuple[Event, ...], neighbouring: str, selection: Any, delta: float,
+                      discretization: float) -> float:
+    mechanism = MechanismDescription(trainer="", events=events, neighbouring=neighbouring,  # type: ignore[arg-type]
+                                     clip_norm=1.0, dataset_size=1, selection=selection)
+    return _pld_epsilon(mechanism, delta, discretization)
+
+
+def _pld_epsilon(mechanism: MechanismDescription, delta: float, discretization: float) -> float:
     from dp_accounting.pld import pld_privacy_accountant
 
     accountant = pld_privacy_accountant.PLDAccountant(
