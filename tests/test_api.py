@@ -109,7 +109,7 @@ class Indices(Dataset):  # type: ignore[type-arg]
         return torch.tensor([float(i)]), i % 3
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.exhaustive)])
 def test_chunks_are_bounded_and_add_up_to_each_poisson_sample(num_workers: int) -> None:
     """Each step reads exactly its sample (empty ones included), in chunks of at most 4 records; the
     two shares of a 2-process run split it without overlap."""

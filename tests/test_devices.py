@@ -437,6 +437,7 @@ def step_faults(mode: str, **environment: str) -> tuple[list[str], float]:
     return lines[:-1], float(lines[-1])
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_a_cpu_training_process_keeps_freed_memory_for_the_next_step() -> None:
     """In fresh processes, page faults counted by the kernel: the Opacus example CNN's training step at batch

@@ -54,6 +54,7 @@ def test_two_processes_end_with_the_parameters_of_one() -> None:
     assert largest_state_difference(one, tensor_run(None, seed=8)) > 0.01  # the control: another seed
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_the_python_api_on_two_processes_trains_what_one_trains() -> None:
     """The model and the data set go to the processes by pickling (shared memory for tensors): each
     process must step its own copy, or every update would be applied twice."""

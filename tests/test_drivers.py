@@ -115,6 +115,7 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     assert len(Ledger(root / params["ledger"]["path"], 1e-5).spends(counted_only=False)) == spent
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.slow
 def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
     root = checkout(tmp_path / "repo")

@@ -121,6 +121,7 @@ THIRD_PARTY_NOISE = ("distributed.", "Worker process still alive", "absl", "Down
 """Signs of Dask's, absl's and MLflow's logs and progress bars (and MLflow's warnings) in dpml's output."""
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.slow
 def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdir: Path, prefect_harness: None) -> None:
     from prefect import get_client
@@ -201,6 +202,7 @@ def test_invalid_config_fails_before_any_work(workdir: Path) -> None:
     assert not (workdir / "data").exists()
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.slow
 def test_private_search_releases_the_best_candidate_and_charges_the_search(workdir: Path,
                                                                            prefect_harness: None) -> None:

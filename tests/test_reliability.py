@@ -65,7 +65,8 @@ def counted_spends(workdir: Path) -> int:
 
 @pytest.mark.parametrize("override, env, message", [
     (["--set", "train.device=cuda"], {}, r"train\.device = 'cuda': no CUDA device"),
-    ([], {"DPML_NOISE_SEED": "abc"}, r"DPML_NOISE_SEED = 'abc': must be a non-negative integer"),
+    pytest.param([], {"DPML_NOISE_SEED": "abc"}, r"DPML_NOISE_SEED = 'abc': must be a non-negative integer",
+                 marks=pytest.mark.exhaustive),
 ])
 def test_a_misconfigured_run_spends_nothing(workdir: Path, override: list[str], env: dict[str, str],
                                             message: str) -> None:
@@ -144,6 +145,7 @@ def test_an_unwritable_output_folder_is_refused_before_any_work(workdir: Path) -
     assert counted_spends(workdir) == 0
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_a_failure_between_reservation_and_training_cancels_the_spend(workdir: Path) -> None:
     quick_params(workdir)
     for stage in ("ingest", "split", "preprocess"):
@@ -165,6 +167,7 @@ def test_a_failure_between_reservation_and_training_cancels_the_spend(workdir: P
 # --------------------------------------------------------------------------------------- kills and races
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_kills_at_stage_boundaries_and_inside_registration(workdir: Path) -> None:
     """SIGKILL after the reservation, after training, inside registration: the ledger counts what was
     spent, the store stays usable, the half-registered version is removed, and the next run completes."""
@@ -441,6 +444,7 @@ def test_a_cut_short_or_foreign_cache_entry_is_rebuilt_and_never_used(tmp_path: 
     assert read_reference(path, "key-a") is None
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_a_corrupted_reference_cache_does_not_change_the_audit(workdir: Path) -> None:
     import json
 
@@ -474,6 +478,7 @@ def _bad_gz_folder(root: Path) -> Path:
     return folder
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_a_corpus_of_bad_inputs_each_gives_one_line(workdir: Path) -> None:
     quick_params(workdir)
     bomb = workdir / "bomb.yaml"

@@ -111,6 +111,7 @@ def test_a_release_rebuilds_from_its_commit_and_remote_after_the_data_changed(tm
     assert "Traceback" not in corrupted.stderr
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.slow
 def test_a_run_outside_the_dvc_pipeline_says_so_and_cannot_be_reproduced(tmp_path: Path) -> None:
     root, _ = checkout_with_table(tmp_path, 600, seed=3)

@@ -58,6 +58,7 @@ def one_run_epsilon(workdir: Path, runs: int) -> float:
     return epsilon_pld(MechanismDescription("dpsgd", (step,) * runs, "add-remove", 1.0, 1000), 1e-5)
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.slow
 def test_two_workers_one_postgresql_budget_exactly_one_trains(postgres_url: str, mlflow_server: dict[str, Any],
                                                               tmp_path: Path) -> None:

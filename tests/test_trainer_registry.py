@@ -77,6 +77,7 @@ def test_the_readme_shows_the_example_trainer_verbatim() -> None:
     assert EXAMPLE.read_text().strip() in readme
 
 
+@pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_example_trainer_runs_the_whole_pipeline_from_the_cli(tmp_path: Path) -> None:
     """One file listed under plugins: the schema, the ledger, certify, audit, gate and MLflow follow,
     in a fresh process (what `dvc repro` and a scheduled run do)."""
