@@ -135,6 +135,14 @@ class ConfigBase(Section):
                 out[f"{section}.{key}"] = value
         return out
 
+    def run_params(self) -> dict[str, Any]:
+        """:meth:`flat` without the sections of the trainers that did not run (a reviewer reads the settings
+        of this run on its MLflow page, not every registered trainer's defaults); ``config.json`` logged
+        with the run keeps the whole configuration."""
+        unused = {name for trainer in TRAINERS.values() if trainer.name != self.train.algorithm
+                  for name in trainer.sections}
+        return {key: value for key, value in self.flat().items() if key.split(".", 1)[0] not in unused}
+
 
 def compose() -> type[ConfigBase]:
     """The configuration model for the registered trainers: ``train`` is the discriminated union of

@@ -351,7 +351,7 @@ def record_verdict(config: TrackingConfig, release: dict[str, Any], tags: dict[s
                    description: str) -> dict[str, Any]:
     """A spend's one version judged again (the gate re-ran on the same outputs, e.g. under a changed
     ``gate.epsilon_budget``): its verdict tags (``gate.passed``, ``gate.reason``, ``verdict``, ``verdict.*``)
-    and description take the new verdict,
+    and description (the version's and its run's) take the new verdict,
     and the alias policy is applied again — the alias leaves a version that no longer passes. Returns
     ``release`` with ``champion`` as it now stands."""
     client = store_client(config)
@@ -360,6 +360,7 @@ def record_verdict(config: TrackingConfig, release: dict[str, Any], tags: dict[s
         for key, value in tags.items():
             client.set_model_version_tag(name, number, key, value[:5000])
         client.update_model_version(name, number, description=description)
+        client.set_tag(release["run_id"], "mlflow.note.content", description)  # the run page's description
         champion = _point_champion_at_newest_passing(client, name)
     return release | {"champion": champion == str(number)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,6 +19,11 @@ SHARED_FASHION = REPO.parent / "shared" / "datasets" / "fashion-mnist"
 # repository imports it from the working directory, a child started in a temporary directory would not.
 _PATHS = [str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
 os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(_PATHS))
+# A suite started in the background (`pytest &` in a script, nohup, some CI runners) inherits SIGINT ignored, and
+# so would every process a test starts (an ignored signal survives exec): the tests that interrupt a run would
+# see it ignore Ctrl-C. The suite puts Python's own handling back, as an interactive terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # the harness's server on 2 cores
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -54,7 +60,6 @@ def _tracking_uri_does_not_leak() -> Iterator[None]:
 def signal_state() -> dict[str, object]:
     """This thread's SIGINT/SIGTERM handlers and blocked signals: what every child process starts from (an
     ignored or blocked SIGINT survives exec, and Python then never raises KeyboardInterrupt in the child)."""
-    import signal
 
     return {"SIGINT handler": signal.getsignal(signal.SIGINT), "SIGTERM handler": signal.getsignal(signal.SIGTERM),
             "blocked signals": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}
@@ -68,8 +73,6 @@ def _signal_state_does_not_leak() -> Iterator[None]:
     yield
     after = signal_state()
     if after != before:
-        import signal
-
         changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
         signal.signal(signal.SIGINT, before["SIGINT handler"])  # type: ignore[arg-type]
         signal.signal(signal.SIGTERM, before["SIGTERM handler"])  # type: ignore[arg-type]
@@ -207,7 +210,6 @@ def serving_mlflow(command: str, arguments: list[str], cwd: Path, log: Path) -> 
     """``mlflow COMMAND ARGUMENTS`` (``server`` or ``ui``) on 127.0.0.1 and a free port, started in its own
     process group without the test's MLFLOW_* variables; yields its URL once ``/health`` answers and stops
     it (TERM, then KILL) afterwards."""
-    import signal
     import subprocess
     import sys
 

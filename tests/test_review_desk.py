@@ -106,6 +106,13 @@ def test_one_parent_run_with_a_nested_run_per_stage(released: dict[str, Any]) ->
     assert {(t.key, t.value) for t in logged.tags} == {("mlflow.data.context", "training")}
     assert f"certified ε = {epsilon}** at δ = 1e-05" in version.description
     assert "release gate: PASSED" in version.description and "accountant dp_accounting.pld" in version.description
+    # The run page: the version's description, and the settings of the trainer that ran, none of the others'
+    assert parent.data.tags["mlflow.note.content"] == version.description
+    from dpml.train.registry import TRAINERS
+
+    others = {name for t in TRAINERS.values() if t.name != "dpsgd" for name in t.sections}
+    assert others and not [k for k in parent.data.params if k.split(".", 1)[0] in others]
+    assert parent.data.params["train.algorithm"] == "dpsgd" and parent.data.params["dp.noise_multiplier"] == "1.0"
 
 
 @pytest.mark.slow

@@ -224,7 +224,7 @@ def register(config: Config) -> dict[str, Any]:
                   "metrics": {}}  # ends when its nested run is written, after the model version
     release = tracking.log_release(
         config=config.tracking, run_name=run_name(lineage, config.train.algorithm, epsilon),
-        params=config.flat(), metrics=metrics, artifacts=artifacts + logged_files, model=load_model(layout),
+        params=config.run_params(), metrics=metrics, artifacts=artifacts + logged_files, model=load_model(layout),
         in_features=int(io.read_json(layout.prepared_meta)["n_features"]), serving_spec=serving_spec(config, data_meta),
         version_tags=version_tags, version_description=version_description(version_tags, decision),
         promote=decision["passed"],
@@ -235,7 +235,8 @@ def register(config: Config) -> dict[str, Any]:
                   **verdict_tags(decision["verdict"]), "noise_seed.fixed": seed_fixed,
                   "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
                   "ledger.spend_id": str(spend["spend_id"]), "ledger.spend": identity, **provenance,
-                  **driver_tags()},
+                  **driver_tags(),
+                  "mlflow.note.content": version_description(version_tags, decision)},  # the run page's description
         documents={"config.json": config.to_dict()}, after_version=release_card,
     )
     if CARD in cards:
