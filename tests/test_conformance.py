@@ -320,11 +320,10 @@ def pipeline_params(tmp: Path) -> dict:
                                "bootstrap": 0})
 
 
-# Through the pipeline: the intact trainer and the first bug by default, the others with the exhaustive set (each
-# bug is caught by its check in test_each_broken_trainer_fails_the_check_that_names_its_bug, by default).
-@pytest.mark.parametrize("bug", [None, *list(broken.BUGS)[:1], *(pytest.param(b, marks=pytest.mark.exhaustive)
-                                                            for b in list(broken.BUGS)[1:])])
-def test_the_gate_fails_each_broken_trainer_and_passes_the_intact_one(prepared: Path, bug: str | None,
+# Through the pipeline: the intact trainer and one bug (the gate reads the checks' verdict; every bug is caught by
+# its own check in test_each_broken_trainer_fails_the_check_that_names_its_bug, which runs the trainers directly).
+@pytest.mark.parametrize("bug", [None, next(iter(broken.BUGS))])
+def test_the_gate_fails_a_broken_trainer_and_passes_the_intact_one(prepared: Path, bug: str | None,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(prepared)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
