@@ -22,12 +22,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
-if TYPE_CHECKING:
-    from dpml.config import Config
+from dpml.config import Config, absolute_paths, load
 
 LOGGED_FILES = ("params.yaml", "dvc.lock")
 METRICS_FOLDER = "metrics"  # the git-tracked metrics dvc.yaml names: a run's output, not code
@@ -87,8 +85,6 @@ def refuse_temporary_experiment_copy(config: Config, cwd: Path | None = None) ->
 
 def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> str | None:
     """None when this run is the workspace's DVC pipeline, else why not."""
-    from dpml.config import load
-
     if searched:
         return "not recorded: a hyperparameter search (dpml tune) is not the pipeline dvc.yaml describes"
     if not (root / "dvc.yaml").is_file() or not (root / ".dvc").is_dir():
@@ -109,8 +105,6 @@ def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> s
 def parameters_of(config: Config) -> dict:
     """What a configuration asks for, its paths absolute: ``tracking.origins`` is dpml's record of where each
     destination came from (it names the parameter file as the run was given it), not a parameter."""
-    from dpml.config import absolute_paths
-
     parameters = absolute_paths(config).to_dict()
     parameters["tracking"] = {k: v for k, v in parameters["tracking"].items() if k != "origins"}
     return parameters

@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 
 from dpml.config import load
 from dpml.formatting import format_epsilon
+from dpml.train.registry import TRAINERS
 from tests.conftest import serving_mlflow, small_params, write_params
 
 STAGES = ["ingest", "split", "preprocess", "train", "certify", "audit", "gate", "register"]
@@ -108,8 +109,6 @@ def test_one_parent_run_with_a_nested_run_per_stage(released: dict[str, Any]) ->
     assert "release gate: PASSED" in version.description and "accountant dp_accounting.pld" in version.description
     # The run page: the version's description, and the settings of the trainer that ran, none of the others'
     assert parent.data.tags["mlflow.note.content"] == version.description
-    from dpml.train.registry import TRAINERS
-
     others = {name for t in TRAINERS.values() if t.name != "dpsgd" for name in t.sections}
     assert others and not [k for k in parent.data.params if k.split(".", 1)[0] in others]
     assert parent.data.params["train.algorithm"] == "dpsgd" and parent.data.params["dp.noise_multiplier"] == "1.0"
