@@ -173,14 +173,51 @@ def _encoder_classifier():  # noqa: ANN202
 
 def _import(what: str):  # noqa: ANN202
     """Import ``what``, or raise :class:`NotImportable` saying why (any error: a wheel built for another torch
-    fails with RuntimeError, not ImportError)."""
+    fails with RuntimeError, not ImportError). torchvision first gets what :func:`_declare_torchvision_schemas`
+    gives it (timm, and transformers' vision code, import it)."""
     import importlib
 
+    _declare_torchvision_schemas()
     try:
         return importlib.import_module(what)
     except Exception as error:  # noqa: BLE001
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         raise NotImportable(f"{what} not importable beside this torch build ({_torch().__version__}): {reason}") from error
+
+
+def _torchvision_ops_load() -> bool | None:
+    """Whether torchvision's compiled operators load beside this torch (None: torchvision is absent). PyPI's
+    torchvision wheel is built against CUDA torch; beside a CPU-only torch its ``_C`` library cannot load."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return None
+    library = next(Path(spec.origin).parent.glob("_C*.so"), None)
+    if library is None:
+        return False
+    try:
+        _torch().ops.load_library(str(library))
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+_VISION_SCHEMAS: list[Any] = []  # the torch.library that declares them, kept alive for the process
+
+
+def _declare_torchvision_schemas() -> None:
+    """Where torchvision's compiled operators cannot load (see :func:`_torchvision_ops_load`), its import
+    still registers fake kernels for two detection operators, ``nms`` and ``qnms``, and fails because they do
+    not exist: their schemas are declared here first (no kernel), which lets its pure-Python models import.
+    No family calls a torchvision operator (ResNet-18 and the ViT are convolutions, norms, linear maps and
+    attention), so nothing measured runs through them; the page's versions line says when this was done."""
+    if _VISION_SCHEMAS or _torchvision_ops_load() is not False:
+        return
+    library = _torch().library.Library("torchvision", "DEF")
+    for name in ("nms", "qnms"):
+        library.define(f"{name}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _VISION_SCHEMAS.append(library)
 
 
 def _bert(size: dict, length: int):  # noqa: ANN202
@@ -652,6 +689,8 @@ def versions() -> dict[str, str]:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = "absent"
+    if _torchvision_ops_load() is False:
+        found["torchvision"] += " (its compiled operators do not load beside this torch: the models imported without them)"
     return found
 
 

@@ -30,8 +30,36 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
-def small_params(tmp: Path, **sections: dict[str, Any]) -> dict[str, Any]:
-    """The repository's params.yaml made quick (few epochs) and pointed at ``tmp``."""
+_EMPTY_STORE: list[Path] = []  # one MLflow store created by dpml for the whole session, copied where a test needs one
+
+
+def an_empty_store(database: Path, artifact_root: Path) -> None:
+    """Put at ``database`` the SQLite store dpml's own ``prepare_store`` creates on first use (MLflow's tables
+    and migrations, its default experiment rooted at ``artifact_root``), copied from one made once per session:
+    creating a store costs seconds of migrations, which every pipeline test would otherwise pay again. Tests of
+    store creation itself (tests/test_reliability.py, the README's commands) start without one."""
+    import shutil
+    import sqlite3
+    import tempfile
+
+    from dpml.sections_stores import TrackingConfig
+    from dpml.store import prepare_store
+
+    if not _EMPTY_STORE:
+        template = Path(tempfile.mkdtemp(prefix="dpml-empty-store-")) / "mlflow.db"
+        assert prepare_store(TrackingConfig(uri=f"sqlite:///{template}", artifact_root=str(template.parent))) == "created"
+        _EMPTY_STORE.append(template)
+    shutil.copyfile(_EMPTY_STORE[0], database)
+    with contextlib.closing(sqlite3.connect(database)) as db, db:
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                   (str(artifact_root.resolve()),))
+
+
+def small_params(tmp: Path, *, store: bool = True, **sections: dict[str, Any]) -> dict[str, Any]:
+    """The repository's params.yaml made quick (few epochs) and pointed at ``tmp``; its MLflow store
+    ``tmp/mlflow.db`` already exists (empty, see ``an_empty_store``) unless ``store`` is false."""
+    if store and tmp.is_dir() and not (tmp / "mlflow.db").exists():
+        an_empty_store(tmp / "mlflow.db", tmp / "mlartifacts")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["train"]["epochs"] = 3
     params["dp"] = {"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"}

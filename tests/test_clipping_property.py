@@ -206,3 +206,41 @@ def test_one_example_contributes_at_most_c(family: str, seed: int) -> None:
         norm = float(norms[0])
         if norm > clip:  # clipped to C·‖g‖/(‖g‖ + 1e-6)
             assert float(contribution) == pytest.approx(clip * norm / (norm + 1e-6), rel=1e-9)
+
+
+class LastStage(nn.Module):
+    """A residual network's last convolutions on small images: outputs of 1×1 or 2×2 positions, no more
+    than the 3×3 kernel's taps (the clipped sum then comes from the unfolded patches on a CPU, not from
+    the weight-gradient convolution: ``clipping_layers.clip_weighted_conv_weight``)."""
+
+    def __init__(self, stride: int, dilation: int, bias: bool) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 6, 3, stride=stride, padding=1, dilation=dilation, bias=bias)
+        self.conv = nn.Conv2d(6, 6, 3, padding=1, bias=bias)
+        self.head = nn.Linear(6, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.down(x))
+        return self.head(torch.tanh(self.conv(h) + h).mean((2, 3)))
+
+
+@pytest.mark.parametrize(("size", "stride", "dilation", "bias"),
+                         [(1, 1, 1, True), (2, 1, 1, False), (2, 2, 1, True), (4, 2, 1, True), (3, 2, 2, False),
+                          (5, 1, 1, True)])
+def test_convolutions_with_few_output_positions_match_a_per_example_loop(size: int, stride: int, dilation: int,
+                                                                         bias: bool) -> None:
+    torch.manual_seed(size * 10 + stride)
+    model = LastStage(stride, dilation, bias).double().train()
+    exact = plan_clipping(model, per_example_cross_entropy, (3, size, size), torch.float64).exact
+    assert not exact
+    generator = torch.Generator().manual_seed(size)
+    x = 2 * torch.randn((9, 3, size, size), generator=generator, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (9,), generator=generator)
+    clip = float(loop_clipped_sum(model, x, y, 1.0, 0)[1].median())
+    reference, norms = loop_clipped_sum(model, x, y, clip, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip, exact=exact)
+    assert set(sums) == set(reference)
+    for name in reference:
+        torch.testing.assert_close(sums[name], reference[name], rtol=1e-8, atol=1e-12, msg=name)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-8, atol=1e-12)
+    assert float((norms > clip).double().mean()) > 0.3  # clipping is exercised

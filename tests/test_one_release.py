@@ -267,7 +267,7 @@ def test_mlflow_variables_route_the_whole_run(workdir: Path) -> None:
     """MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI / MLFLOW_EXPERIMENT_NAME send the run, its model version and
     its experiment where they say — nothing reaches the store params.yaml names — and the summary says so;
     a variable dpml cannot follow is refused before any spend, in one line."""
-    params = quick_params(workdir)
+    params = quick_params(workdir, store=False)  # nothing may reach the store params.yaml names: none exists
     (workdir / "team").mkdir()
     team, registry = f"sqlite:///{workdir / 'team' / 'team.db'}", f"sqlite:///{workdir / 'team' / 'registry.db'}"
     variables = {"MLFLOW_TRACKING_URI": team, "MLFLOW_REGISTRY_URI": registry, "MLFLOW_EXPERIMENT_NAME": "team-exp"}
@@ -303,8 +303,9 @@ def test_runs_in_one_process_each_go_where_their_configuration_says(workdir: Pat
     from dpml.stages import run_all, run_stage
 
     before = (mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_REGISTRY_URI"))
-    params = small_params(workdir, audit={"references": 0, "attacks": ["loss"], "bootstrap": 0,
-                                          "white_box_canaries": 0, "black_box_canaries": 0, "control": False},
+    params = small_params(workdir, store=False,  # no store where a run that honours its configuration never writes
+                          audit={"references": 0, "attacks": ["loss"], "bootstrap": 0,
+                                 "white_box_canaries": 0, "black_box_canaries": 0, "control": False},
                           gate={"epsilon_budget": 100.0})
     uris = [f"sqlite:///{workdir / f'{name}.db'}" for name in ("a", "b")]
     configs = []

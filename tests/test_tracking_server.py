@@ -99,7 +99,7 @@ def test_two_pipelines_at_once_register_on_the_server_and_load_anywhere(mlflow_s
     worker_params(workers[0], url)  # worker A names the server in its params.yaml
     # Worker B keeps the default tracking section (sqlite:///mlflow.db, experiment dpml) and is pointed at the
     # team's server by MLflow's own variables, as a scheduler's environment would: they win over the file.
-    params = small_params(workers[1], gate={"epsilon_budget": 50.0})
+    params = small_params(workers[1], store=False, gate={"epsilon_budget": 50.0})  # no store where params.yaml points
     params["tracking"] = {"model_name": MODEL}
     write_params(workers[1] / "params.yaml", params)
     environments = [clean_environment(), clean_environment(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME="team")]
