@@ -14,8 +14,11 @@ Families, each built from a config with random weights (nothing is downloaded: `
 - ``resnet18-gn``: torchvision's ResNet-18 with ``GroupNorm(32, C)`` in place of BatchNorm, 32×32 images,
   10 classes (timm's ``resnet18`` with the same norm where torchvision is absent and timm imports).
 
-Where a family's library cannot be imported (timm and torchvision beside a torch build they were not
-built for), its row says so and why, rather than disappearing.
+Where a family's library cannot be imported, its row says so and why, rather than disappearing.
+PyPI's torchvision wheel (which timm imports) is built against CUDA torch: beside a CPU-only torch its
+compiled operators do not load, and its import fails on two detection operators it registers fake kernels
+for. The script declares those two schemas first (:func:`_declare_torchvision_schemas`), so that its
+pure-Python models import; no family calls a torchvision operator, and the page's versions line says so.
 
 Sizes (``--size``): ``base`` is the honest shape (BERT-base / GPT-2 small: 768 wide, 12 layers, 12 heads;
 ViT-Tiny's 12 blocks), ``small`` 256 wide, 4 layers, 4 heads (ViT: 6 blocks), ``tiny`` 128 wide, 2 layers,

@@ -1,5 +1,5 @@
 """Per-operation clipping rules: where a trainable parameter enters the computation through an operation
-with a rule (a linear map, an embedding lookup, a normalisation's affine, an elementwise affine, a
+with a rule (a linear map, an index equation (einsum), an embedding lookup, a normalisation's affine, an elementwise affine, a
 concatenation), the engine forms its per-example gradient norm and clipped sum from that operation's
 operands and output gradient, however the module around it is written.
 
@@ -8,7 +8,8 @@ is one file (imported below) plus a test. :mod:`.recorder` sees the operations, 
 parameter's uses (cross terms included).
 """
 
-from dpml.train.rules import concat, convolution, elementwise, embedding, linear, matmul, norm, views  # noqa: F401
+from dpml.train.rules import (broadcast, concat, convolution, einsum, elementwise, embedding, linear, matmul,  # noqa: F401
+                              norm, views)
 from dpml.train.rules.combine import cast_form, parameter_piece
 from dpml.train.rules.recorder import Recorder
 from dpml.train.rules.registry import RULES, Pending, Tracked, Use, function_name, rule

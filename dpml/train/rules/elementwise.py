@@ -5,7 +5,9 @@ view of it (a shared embedding lookup, ``pos[:, :T]``, ``cls.expand(B, -1, -1)``
 With S right-aligned to z and padded to S' of z's rank: ∇_S ℓ_i = Σ over the dimensions S' broadcasts of
 (∂ℓ_i/∂z_i) ⊙ x_i (product) or ± α ∂ℓ_i/∂z_i (sum), materialised (the size of S per example). S' must be
 shared (leading size 1) or expanded over the batch (the same elements in every example's slice); the other
-operand batch-first.
+operand batch-first. S + c and S − c with c a constant of every example (``1 + w``) are S again, shifted:
+their result is tracked as a view of the parameter, and the operation that meets the batch forms the
+gradient.
 """
 
 from __future__ import annotations
@@ -14,23 +16,12 @@ from typing import Any
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, rule
+from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, rule, view_per_example
 
 T = torch.Tensor
 _SUMS = {torch.add, T.add, T.__add__, T.__radd__}
 _DIFFERENCES = {torch.sub, T.sub, T.__sub__}
 _PRODUCTS = {torch.mul, T.mul, T.__mul__, T.__rmul__}  # (in place, h += pos: the recorder applies these to a copy)
-
-
-def _per_example_view(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked | None:
-    """S' (padded) as one example's view of the parameter: its slice for any example, or None when the
-    slices differ (S is then not broadcast over the batch)."""
-    index = s.flat_index().reshape(padded)
-    if padded[0] == 1:
-        return Tracked(s.param, index[0])
-    if padded[0] == batch and torch.equal(index, index[:1].expand_as(index)):
-        return Tracked(s.param, index[0])
-    return None
 
 
 def _coefficient(call: Call, s_first: bool) -> float | None:
@@ -44,21 +35,36 @@ def _coefficient(call: Call, s_first: bool) -> float | None:
     return None
 
 
+def _shifted(call: Call, s: torch.Tensor, x: Any, tracked: Tracked, coefficient: float | None) -> Shared | None:
+    """S + c or S − c, c a number (or a 0-dimensional tensor without gradient; Gemma's RMSNorm scales by 1 + w):
+    the result is S's view again (∂z/∂S = I), tracked like ``w.t()``; None otherwise."""
+    if coefficient != 1.0 or isinstance(x, bool):
+        return None
+    constant = isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.dim() == 0 and not x.requires_grad)
+    z = call.output
+    if not constant or not isinstance(z, torch.Tensor) or z.shape != s.shape:
+        return None
+    return Shared([(z, Tracked(tracked.param, tracked.index, tracked.shared))])
+
+
 @rule(*_SUMS, *_DIFFERENCES, T.__rsub__, *_PRODUCTS)
-def elementwise(call: Call) -> Pending | str:
+def elementwise(call: Call) -> Pending | Shared | str:
     first, second = call.args[0], call.args[1] if len(call.args) > 1 else call.kwargs.get("other")
     s_first = call.tracked(first) is not None
     s, x = (first, second) if s_first else (second, first)
     tracked, z = call.tracked(s), call.output
     if call.tracked(x) is not None:
         return "two parameters"
+    shifted = _shifted(call, s, x, tracked, _coefficient(call, s_first))  # type: ignore[arg-type]
+    if shifted is not None:
+        return shifted
     if not isinstance(x, torch.Tensor) or not call.batch_first(x) or z.dim() < 1 or z.shape[0] != x.shape[0]:
         return "no batch-first operand"
     batch = x.shape[0]
     if s.dim() > z.dim():
         return "a parameter with more dimensions than the result"
     padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
-    view = _per_example_view(tracked, padded, batch)  # type: ignore[arg-type]
+    view = view_per_example(tracked, padded, batch)  # type: ignore[arg-type]
     if view is None:
         return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
     reduce = tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)

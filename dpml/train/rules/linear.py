@@ -10,10 +10,12 @@ followed through transposes and reshapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Use, rule
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, rule
 
 
 def _not_rows(x: torch.Tensor) -> str:
@@ -33,14 +35,21 @@ def linear(call: Call) -> Pending | str:
     if w is not None and len(w.shape()) != 2:
         return "a weight that is not 2-D"
     a_rows = rows.of(a.detach())
+    return _weight_and_bias(call, w, b, rows, lambda d_rows: Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2]),
+                            1.0)
 
+
+def _weight_and_bias(call: Call, w: Tracked | None, b: Tracked | None, rows: Rows,
+                     weight_form: Callable[[torch.Tensor], Factored], beta: float) -> Pending:
+    """The uses of W (its form from δ's rows (B, T, n_out)) and of b (β Σ_t δ_t per example)."""
     def finish(d: torch.Tensor) -> list[Use]:
         d_rows = rows.of(d)
         uses: list[Use] = []
         if w is not None:
-            uses.append((w, Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2])))
+            uses.append((w, weight_form(d_rows)))
         if b is not None:
-            uses.append((b, Dense(d_rows.sum(1).reshape(d_rows.shape[0], *b.shape()))))
+            total = d_rows.sum(1) * beta if beta != 1.0 else d_rows.sum(1)
+            uses.append((b, Dense(total.reshape(d_rows.shape[0], *b.shape()))))
         return uses
 
     return Pending(call.output, [t.param for t in (w, b) if t is not None], finish)
@@ -61,14 +70,7 @@ def addmm(call: Call) -> Pending | str:
         return "a bias that is not broadcast over the rows"
     a_rows = rows.of(a.detach())
 
-    def finish(d: torch.Tensor) -> list[Use]:
-        d_rows = rows.of(d)
-        uses: list[Use] = []
-        if w is not None:  # ∇_W = α Σ_t a_t δ_tᵀ, W (n_in, n_out)
-            uses.append((w, Factored(a_rows, d_rows * alpha if alpha != 1.0 else d_rows, a_rows.shape[2], d_rows.shape[2])))
-        if b is not None:
-            total = d_rows.sum(1) * beta if beta != 1.0 else d_rows.sum(1)
-            uses.append((b, Dense(total.reshape(d_rows.shape[0], *b.shape()))))
-        return uses
+    def weight_form(d_rows: torch.Tensor) -> Factored:  # ∇_W = α Σ_t a_t δ_tᵀ, W (n_in, n_out)
+        return Factored(a_rows, d_rows * alpha if alpha != 1.0 else d_rows, a_rows.shape[2], d_rows.shape[2])
 
-    return Pending(call.output, [t.param for t in (w, b) if t is not None], finish)
+    return _weight_and_bias(call, w, b, rows, weight_form, beta)

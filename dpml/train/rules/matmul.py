@@ -1,5 +1,6 @@
 """A parameter on either side of a matrix product: ``x @ W``, ``W @ x``, ``torch.matmul``, ``torch.mm``
-(with W a 2-D parameter, or a view of one: ``x @ w.t()``, ``x @ w[:, :k]``; a 1-D one is a column).
+(with W a 2-D parameter, or a view of one: ``x @ w.t()``, ``x @ w[:, :k]``; a 1-D one is a column; one of
+more dimensions, broadcast against x's leading ones, goes to :func:`dpml.train.rules.einsum.matmul_batched`).
 
 - x @ W, x (B, …, T, n_in), W (n_in, n_out): ∇_W ℓ_i = Σ_t a_t δ_tᵀ, factored (u = a, v = δ);
 - W @ x, x (B, …, n_in, T), W (n_out, n_in): ∇_W ℓ_i = Σ_t δ_t a_tᵀ over the columns t (u = δ, v = a).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dpml.train.rules.einsum import matmul_batched
 from dpml.train.rules.registry import Call, Factored, Pending, Tracked, Use, rule
 
 
@@ -34,8 +36,8 @@ def matmul(call: Call) -> Pending | str:
 
 
 def _param_on_the_right(call: Call, x: torch.Tensor, w: Tracked) -> Pending | str:
-    if len(w.shape()) not in (1, 2):
-        return "a parameter with more than 2 dimensions"
+    if len(w.shape()) > 2:
+        return matmul_batched(call, x, w, s_left=False)
     rows = call.rows(x) if x.dim() >= 2 else None
     if rows is None:
         return f"its activation (shape {tuple(x.shape)}) has no known batch dimension"
@@ -50,6 +52,8 @@ def _param_on_the_right(call: Call, x: torch.Tensor, w: Tracked) -> Pending | st
 
 
 def _param_on_the_left(call: Call, x: torch.Tensor, w: Tracked) -> Pending | str:
+    if len(w.shape()) > 2:
+        return matmul_batched(call, x, w, s_left=True)
     if len(w.shape()) != 2:
         return "a parameter on the left that is not 2-D"
     if x.dim() < 3 or not call.batch_first(x):

@@ -35,8 +35,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dpml.train.rules.registry import (IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Pending, Rows, Shared, Tracked,
-                                       function_name)
+from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Pending, Rows,
+                                       Shared, Tracked, function_name, view_per_example)
 
 _COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
 _NO_DISPATCH = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
@@ -293,6 +293,8 @@ class Recorder(TorchFunctionMode):
             return self._view(func, args, kwargs, hits)
         if func in _OUT_OF_PLACE:
             return self._in_place(func, args, kwargs, hits)
+        if func in BROADCASTING:
+            return self._per_example_copies(func, args, kwargs, hits)
         handler = RULES.get(func)
         if handler is None:
             if isinstance(func, types.FunctionType) and func.__module__ in _COMPOSITE_MODULES:
@@ -333,6 +335,64 @@ class Recorder(TorchFunctionMode):
             self._follow_rows((out,), {}, copied)
             return copied
         return out
+
+    def _per_example_copies(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
+        """A broadcasting function (:mod:`dpml.train.rules.broadcast`) called with each parameter view that every
+        example shares replaced by its copy per index of the batch operand's first dimension, S_b (recorded: the
+        rows of its gradient, added up per example, are the examples' gradients)."""
+        batch_operand, owners = next(((t, o) for t in _tensors(args, kwargs) if self.tracked(t) is None
+                                      for o in [self._leading_examples(t)] if o is not None), (None, None))
+        copies: dict[int, tuple[torch.Tensor, Tracked]] = {}
+        for t in _tensors(args, kwargs):
+            tracked = self.tracked(t)
+            if tracked is None or batch_operand is None or t.dim() > batch_operand.dim() or id(t) in copies:
+                continue
+            padded = (1,) * (batch_operand.dim() - t.dim()) + tuple(t.shape)
+            view = view_per_example(tracked, padded, batch_operand.shape[0])
+            if view is not None:
+                copies[id(t)] = (t.reshape(padded).expand(batch_operand.shape[0], *padded[1:]).clone(), view)
+
+        def swap(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and id(value) in copies and copies[id(value)][0] is not value:
+                return copies[id(value)][0]
+            if isinstance(value, (list, tuple)):
+                return type(value)(swap(v) for v in value)
+            return value
+
+        args, kwargs = tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        self._follow_rows(args, kwargs, out)
+        if not any(o.requires_grad for o in _outputs(out)):
+            return out
+        name = function_name(func)
+        for copy, view in copies.values():
+            def finish(d: torch.Tensor, view: Tracked = view) -> list[tuple[Tracked, Dense]]:
+                rows = d.reshape(d.shape[0], *view.shape())
+                if owners is None or (owners.numel() == self.batch and bool((owners == self._base).all())):
+                    return [(view, Dense(rows))]
+                return [(view, Dense(rows.new_zeros(self.batch, *view.shape()).index_add_(0, owners, rows)))]
+
+            self.pending.append(Pending(copy, [view.param], finish, name))  # type: ignore[arg-type]
+            self.versions.append((copy, copy._version))
+        covered = {id(v.param) for _, v in copies.values()}
+        reason = "no batch-first operand" if batch_operand is None else "an operand not broadcast over the batch"
+        self._refuse([h for h in hits if id(h.param) not in covered], f"{name}: {reason}")
+        return out
+
+    def _leading_examples(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The example of each index of t's first dimension, (N,), when each of its slices belongs to one example
+        (a batch-first tensor: 0 … B − 1; Swin's windows, (B·windows, …): each window's example); else None."""
+        if t.dim() < 1 or not self.derived(t):
+            return None
+        known, examples = self._entry(t)
+        if not known:
+            return self._base if t.shape[0] == self.batch else None
+        if examples is None or examples.shape[0] == 0:
+            return None
+        rows = examples.reshape(examples.shape[0], -1)
+        if not torch.equal(rows, rows[:, :1].expand_as(rows)):
+            return None
+        return rows[:, 0].to(torch.int64)
 
     def _in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         """``h += pos``, ``h.mul_(scale)``: the out-of-place operation on a copy of h, whose result (recorded: no

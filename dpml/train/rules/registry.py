@@ -136,8 +136,20 @@ class Call:
         return isinstance(t, torch.Tensor) and self.batch_first_of(t)
 
 
+def view_per_example(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked | None:
+    """S' (S with leading 1s, ``padded``) as one example's view of the parameter: its slice for any example, or
+    None when the slices differ (S is then not broadcast over the batch)."""
+    index = s.flat_index().reshape(padded)
+    if padded[0] == 1:
+        return Tracked(s.param, index[0])
+    if padded[0] == batch and torch.equal(index, index[:1].expand_as(index)):
+        return Tracked(s.param, index[0])
+    return None
+
+
 RuleFunction = Callable[[Call], Union[Pending, Shared, str]]
 RULES: dict[Any, RuleFunction] = {}
+BROADCASTING: set[Any] = set()  # functions that broadcast a shared operand over the batch: per-example copies
 INDEX_VIEWS: set[Any] = set()  # value-selecting ops: applied to the index tensors (w.t(), w.chunk(3), w[:k], …)
 IDENTITY_VIEWS: set[Any] = set()  # value-preserving ops: the index passes through (contiguous, clone, casts)
 
@@ -162,7 +174,7 @@ def function_name(func: Any) -> str:
         return f"F.{name}"
     if qualified.startswith(("TensorBase.", "Tensor.")):
         return "Tensor." + qualified.split(".", 1)[1]
-    if qualified.startswith("_VariableFunctionsClass.") or module == "torch":
+    if qualified.startswith("_VariableFunctionsClass.") or module in ("torch", "torch.functional"):
         return f"torch.{name}"
     if name == "__get__":
         return "Tensor attribute"

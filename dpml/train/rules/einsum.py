@@ -1,0 +1,174 @@
+"""Products written as index equations, a parameter S against one activation x: ``torch.einsum`` with two
+operands, ``torch.bmm`` with a parameter expanded over the batch (``w.expand(B, n, m)``), and a matrix
+product with a parameter of more than two dimensions (per-head weights, ``x @ w`` with x (B, H, T, d) and
+w (H, d, e)).
+
+z = einsum(x, S) with subscripts X, S, Z, and b = x's first subscript, its batch dimension. Each example's
+z_i depends on x_i and S only, so ∇_S ℓ_i = einsum(x_i, δ_i → S): the same contraction with δ = ∂ℓ/∂z in
+place of the other operand, and b kept (Goodfellow 2015, written for any contraction):
+
+- when S is 2-D with one index (p) only in x and the other (q) only in z, every other index of x either b, a
+  *position* shared by x and z, or summed in x alone, and every other index of z either b, a position or
+  broadcast from x: ∇_S ℓ_i = Σ_t u_{i,t} v_{i,t}ᵀ over the positions t, with u = x summed to (b, t, p) and
+  v = δ summed to (b, t, q) — factored, so its norm is a ghost norm or a materialised one, as a linear layer's
+  (:mod:`dpml.train.rules.combine`);
+- otherwise materialised: einsum(x, δ → b S), B × |S| numbers, refused beyond the device's keep limit.
+
+b must not index S (a parameter indexed by the example is not shared by the batch), every index of S must
+appear in x or z, and no operand may repeat an index (a diagonal). An ellipsis may stand in x and z, not in S.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+
+from dpml.train.clipping_layers import keep_limit
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule
+
+
+def _expanded(equation: str, x_dims: int) -> tuple[str, str, str] | str:
+    """('x subscripts', 'S subscripts', 'z subscripts') of a two-operand equation whose first operand is x, with
+    x's ellipsis written out in unused letters; or why it cannot be."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    operands = lhs.split(",")
+    if len(operands) != 2:
+        return f"an equation of {len(operands)} operands"
+    x_subs, s_subs = operands
+    if "..." in s_subs:
+        return "a parameter under '...'"
+    fresh = [c for c in string.ascii_letters if c not in equation]
+    explicit = len(x_subs.replace("...", ""))
+    covered = "".join(fresh[: x_dims - explicit]) if "..." in x_subs else ""
+    x_subs = x_subs.replace("...", covered)
+    if not arrow:  # implicit output: the ellipsis, then the indices that appear once, in ASCII order
+        counts = x_subs.replace(covered, "") + s_subs
+        rhs = covered + "".join(sorted(c for c in set(counts) if counts.count(c) == 1))
+    else:
+        rhs = rhs.replace("...", covered)
+    return x_subs, s_subs, rhs
+
+
+def product(call: Call, x: torch.Tensor, s: Tracked, subscripts: tuple[str, str, str]) -> Pending | str:
+    """The use of S in z = einsum(X, S → Z) (module docstring), x the activation."""
+    x_subs, s_subs, z_subs = subscripts
+    if any(len(set(t)) != len(t) for t in subscripts):
+        return "a repeated index (a diagonal)"
+    if len(x_subs) != x.dim() or len(s_subs) != len(s.shape()):
+        return "subscripts that do not match the operands"
+    if not call.batch_first(x):
+        return f"its activation (shape {tuple(x.shape)}) is not batch-first"
+    b = x_subs[0]
+    if b in s_subs or b not in z_subs:
+        return "the batch index on the parameter or summed away"
+    if any(c not in x_subs and c not in z_subs for c in s_subs):
+        return "a parameter index summed alone"
+    a = x.detach()
+    batch = x.shape[0]
+    out = call.output
+    same_sizes = all(x.shape[x_subs.index(c)] == out.shape[z_subs.index(c)] for c in x_subs if c in z_subs)
+    factored = _factored_layout(x_subs, s_subs, z_subs) if same_sizes else None  # (no size-1 broadcast)
+    if factored is not None:
+        u_subs, v_subs, swapped = factored
+
+        def finish_factored(d: torch.Tensor) -> list[Use]:
+            u = torch.einsum(f"{x_subs}->{u_subs}", a).reshape(batch, -1, a.shape[x_subs.index(u_subs[-1])])
+            v = torch.einsum(f"{z_subs}->{v_subs}", d).reshape(batch, -1, d.shape[z_subs.index(v_subs[-1])])
+            form = Factored(u, v, u.shape[2], v.shape[2])
+            return [(s, form.transposed() if swapped else form)]
+
+        return Pending(call.output, [s.param], finish_factored)
+    count = batch * int(torch.Size(s.shape()).numel())
+    if count > keep_limit(x.device):
+        return f"its per-example gradients ({batch} × {tuple(s.shape())}) do not fit the keep limit"
+
+    def finish_dense(d: torch.Tensor) -> list[Use]:
+        return [(s, Dense(torch.einsum(f"{x_subs},{z_subs}->{b}{s_subs}", a, d)))]
+
+    return Pending(call.output, [s.param], finish_dense)
+
+
+def _factored_layout(x_subs: str, s_subs: str, z_subs: str) -> tuple[str, str, bool] | None:
+    """(u's subscripts b·t·p, v's b·t·q, whether S is (q, p)) when S is a 2-D map from an index of x to one of z."""
+    if len(s_subs) != 2:
+        return None
+    first, second = s_subs
+    if first in x_subs and first not in z_subs and second in z_subs and second not in x_subs:
+        p, q, swapped = first, second, False
+    elif second in x_subs and second not in z_subs and first in z_subs and first not in x_subs:
+        p, q, swapped = second, first, True
+    else:
+        return None
+    b = x_subs[0]
+    positions = "".join(c for c in x_subs if c in z_subs and c != b)
+    return f"{b}{positions}{p}", f"{b}{positions}{q}", swapped
+
+
+@rule(torch.einsum)
+def einsum(call: Call) -> Pending | str:
+    """torch.einsum(equation, x, S) or (equation, S, x), or with the two operands in one list."""
+    equation, *operands = call.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2:
+        return "an equation of other than two operands"
+    first, second = operands
+    s_first = call.tracked(first) is not None
+    s, x = (first, second) if s_first else (second, first)
+    tracked = call.tracked(s)
+    if tracked is None or call.tracked(x) is not None or not isinstance(x, torch.Tensor):
+        return "a product of two parameters"
+    if s_first:  # the equation with x's operand first
+        lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+        left, _, right = lhs.partition(",")
+        equation = f"{right},{left}{arrow}{rhs}"
+    subscripts = _expanded(equation, x.dim())
+    if isinstance(subscripts, str):
+        return subscripts
+    return product(call, x, tracked, subscripts)
+
+
+def _shared_over(s: Tracked, dim: int) -> Tracked | None:
+    """S without dimension ``dim`` when S is the same along it (expanded, or of size 1), else None."""
+    index = s.flat_index()
+    first = index.select(dim, 0)
+    if not torch.equal(index, first.unsqueeze(dim).expand_as(index)):
+        return None
+    return Tracked(s.param, first, s.shared)
+
+
+@rule(torch.bmm, torch.Tensor.bmm)
+def bmm(call: Call) -> Pending | str:
+    """torch.bmm(x, S) or (S, x) with S (B, n, m) a parameter expanded over the batch (``w.expand(B, n, m)``):
+    z_i = x_i S_0 or S_0 x_i — ``b i j, j k → b i k`` with S_0 the shared matrix."""
+    left, right = call.arg(0, "input"), call.arg(1, "mat2")
+    s_left = call.tracked(left) is not None
+    s, x = (left, right) if s_left else (right, left)
+    tracked = call.tracked(s)
+    if tracked is None or call.tracked(x) is not None:
+        return "a product of two parameters"
+    shared = _shared_over(tracked, 0)
+    if shared is None:
+        return "a parameter batch whose matrices differ"
+    return product(call, x, shared, ("bjk", "ij", "bik") if s_left else ("bij", "jk", "bik"))
+
+
+def matmul_batched(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pending | str:
+    """x @ S or S @ x with S of 3 or more dimensions, its leading ones broadcast against x's (``torch.matmul``'s
+    rule): S's dimensions of size 1 are dropped, and the rest lettered right-aligned with x's."""
+    shape = s.shape()
+    if x.dim() < len(shape) or x.dim() > 20:
+        return f"an activation (shape {tuple(x.shape)}) with fewer batch dimensions than the parameter"
+    letters = string.ascii_letters[: x.dim() + 1]
+    batch_letters = letters[: x.dim() - 2]
+    x_subs = batch_letters + ("xy" if not s_left else "yz")
+    s_subs = batch_letters[len(batch_letters) - (len(shape) - 2):] + ("yz" if not s_left else "xy")
+    z_subs = batch_letters + "xz"
+    for dim in reversed(range(len(shape) - 2)):
+        if shape[dim] == 1:
+            squeezed = _shared_over(s, dim)
+            assert squeezed is not None
+            s, s_subs = squeezed, s_subs[:dim] + s_subs[dim + 1:]
+    return product(call, x, s, (x_subs, s_subs, z_subs))
