@@ -416,6 +416,38 @@ def test_a_shared_bias_inside_fused_attention_and_attention_windows() -> None:
     assert_exact_without_the_exact_path(Pixels(swin), per_example_cross_entropy, x, torch.randint(0, 3, (5,)), seed=17)
 
 
+class WindowAttention(nn.Module):
+    """Swin-style attention written out: the image's tokens split into 2×2 windows ((B·windows, 4, C): each row
+    of the first dimension is one example's window), a relative-position bias table indexed and added to the
+    scores with ``+`` (timm's way), the windows merged back."""
+
+    def __init__(self, channels: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(channels, 3 * channels)
+        self.table = nn.Parameter(torch.randn(9, heads) * 0.5)
+        coords = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), indexing="ij")).flatten(1)
+        relative = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + 1
+        self.register_buffer("index", relative[..., 0] * 3 + relative[..., 1], persistent=False)
+        self.head = nn.Linear(channels, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, channels, size = x.shape[0], x.shape[1], x.shape[2]
+        h = x.permute(0, 2, 3, 1).reshape(batch, size // 2, 2, size // 2, 2, channels)
+        windows = h.permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, channels)  # (B·windows, 4, C)
+        q, k, v = self.qkv(windows).reshape(-1, 4, 3, self.heads, channels // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index.view(-1)].view(4, 4, self.heads).permute(2, 0, 1)
+        attention = torch.softmax(q @ k.transpose(-2, -1) * 0.5 + bias.unsqueeze(0), -1)
+        out = (attention @ v).transpose(1, 2).reshape(-1, 4, channels)
+        return self.head(torch.tanh(out).reshape(batch, -1, channels).mean(1))
+
+
+def test_a_bias_shared_by_attention_windows() -> None:
+    torch.manual_seed(18)
+    x = torch.randn(5, 4, 4, 4, generator=generator(19), dtype=torch.float64)
+    assert_exact_without_the_exact_path(WindowAttention(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
+
+
 def test_gpt2_language_model_with_tied_embeddings() -> None:
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     torch.manual_seed(7)

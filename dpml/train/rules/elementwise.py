@@ -5,7 +5,8 @@ view of it (a shared embedding lookup, ``pos[:, :T]``, ``cls.expand(B, -1, -1)``
 With S right-aligned to z and padded to S' of z's rank: ∇_S ℓ_i = Σ over the dimensions S' broadcasts of
 (∂ℓ_i/∂z_i) ⊙ x_i (product) or ± α ∂ℓ_i/∂z_i (sum), materialised (the size of S per example). S' must be
 shared (leading size 1) or expanded over the batch (the same elements in every example's slice); the other
-operand batch-first. S + c and S − c with c a constant of every example (``1 + w``) are S again, shifted:
+operand batch-first, or with a first dimension whose slices each belong to one example (Swin's attention
+windows, (B·windows, …)): its rows' gradients are then added up per example. S + c and S − c with c a constant of every example (``1 + w``) are S again, shifted:
 their result is tracked as a view of the parameter, and the operation that meets the batch forms the
 gradient.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, rule, view_per_example
+from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, per_example, rule, view_per_example
 
 T = torch.Tensor
 _SUMS = {torch.add, T.add, T.__add__, T.__radd__}
@@ -58,13 +59,14 @@ def elementwise(call: Call) -> Pending | Shared | str:
     shifted = _shifted(call, s, x, tracked, _coefficient(call, s_first))  # type: ignore[arg-type]
     if shifted is not None:
         return shifted
-    if not isinstance(x, torch.Tensor) or not call.batch_first(x) or z.dim() < 1 or z.shape[0] != x.shape[0]:
+    owners = call.leading_examples(x)
+    if owners is None or z.dim() < 1 or z.shape[0] != x.shape[0]:
         return "no batch-first operand"
-    batch = x.shape[0]
+    rows = x.shape[0]  # the batch, or rows that each belong to one example (Swin's windows)
     if s.dim() > z.dim():
         return "a parameter with more dimensions than the result"
     padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
-    view = view_per_example(tracked, padded, batch)  # type: ignore[arg-type]
+    view = view_per_example(tracked, padded, rows)  # type: ignore[arg-type]
     if view is None:
         return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
     reduce = tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
@@ -75,6 +77,6 @@ def elementwise(call: Call) -> Pending | Shared | str:
         g = d * other if other is not None else (d * coefficient if coefficient != 1.0 else d)
         if reduce:
             g = g.sum(reduce, keepdim=True)
-        return [(view, Dense(g.reshape(batch, *padded[1:])))]
+        return [(view, Dense(per_example(g.reshape(rows, *padded[1:]), owners, call.batch)))]
 
     return Pending(z, [tracked.param], finish)  # type: ignore[union-attr]

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Pending, Rows,
-                                       Shared, Tracked, function_name, view_per_example)
+                                       Shared, Tracked, function_name, per_example, view_per_example)
 
 _COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
 _NO_DISPATCH = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
@@ -341,7 +341,7 @@ class Recorder(TorchFunctionMode):
         example shares replaced by its copy per index of the batch operand's first dimension, S_b (recorded: the
         rows of its gradient, added up per example, are the examples' gradients)."""
         batch_operand, owners = next(((t, o) for t in _tensors(args, kwargs) if self.tracked(t) is None
-                                      for o in [self._leading_examples(t)] if o is not None), (None, None))
+                                      for o in [self._leading_examples(t)] if o is not None), (None, self._base))
         copies: dict[int, tuple[torch.Tensor, Tracked]] = {}
         for t in _tensors(args, kwargs):
             tracked = self.tracked(t)
@@ -367,10 +367,7 @@ class Recorder(TorchFunctionMode):
         name = function_name(func)
         for copy, view in copies.values():
             def finish(d: torch.Tensor, view: Tracked = view) -> list[tuple[Tracked, Dense]]:
-                rows = d.reshape(d.shape[0], *view.shape())
-                if owners is None or (owners.numel() == self.batch and bool((owners == self._base).all())):
-                    return [(view, Dense(rows))]
-                return [(view, Dense(rows.new_zeros(self.batch, *view.shape()).index_add_(0, owners, rows)))]
+                return [(view, Dense(per_example(d.reshape(d.shape[0], *view.shape()), owners, self.batch)))]
 
             self.pending.append(Pending(copy, [view.param], finish, name))  # type: ignore[arg-type]
             self.versions.append((copy, copy._version))
@@ -418,7 +415,7 @@ class Recorder(TorchFunctionMode):
     def _apply(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
                hits: list[Tracked]) -> Pending | None:
         """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
-        call = Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first)
+        call = Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first, self._leading_examples)
         result = handler(call)
         if isinstance(result, str):
             self._refuse(hits, f"{function_name(func)}: {result}")

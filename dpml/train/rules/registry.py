@@ -117,6 +117,7 @@ class Call:
     tracked_of: Callable[[Any], Tracked | None]
     rows_of: Callable[[torch.Tensor], Rows | None]
     batch_first_of: Callable[[torch.Tensor], bool]
+    leading_examples_of: Callable[[torch.Tensor], torch.Tensor | None]
 
     def arg(self, position: int, name: str, default: Any = None) -> Any:
         if len(self.args) > position:
@@ -134,6 +135,18 @@ class Call:
     def batch_first(self, t: Any) -> bool:
         """t is an activation whose first dimension is the batch."""
         return isinstance(t, torch.Tensor) and self.batch_first_of(t)
+
+    def leading_examples(self, t: Any) -> torch.Tensor | None:
+        """The example of each index of t's first dimension (N,) when each of its slices belongs to one example: 0 …
+        B − 1 for a batch-first activation, each window's example for Swin's (B·windows, …); else None."""
+        return self.leading_examples_of(t) if isinstance(t, torch.Tensor) else None
+
+
+def per_example(rows: torch.Tensor, owners: torch.Tensor, batch: int) -> torch.Tensor:
+    """(N, …) per-row gradients added up per example, (B, …): ``owners`` (N,) the example of each row."""
+    if owners.numel() == batch and bool((owners == torch.arange(batch, device=owners.device)).all()):
+        return rows
+    return rows.new_zeros(batch, *rows.shape[1:]).index_add_(0, owners, rows)
 
 
 def view_per_example(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked | None:
