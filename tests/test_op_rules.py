@@ -215,7 +215,7 @@ class Unruled(nn.Module):
         self.out = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.x(x)) + torch.cumsum(self.offset, 0))
+        return self.out(torch.atan2(torch.tanh(self.x(x)), torch.cumsum(self.offset, 0) + 2))
 
 
 def test_the_plan_names_each_exact_parameter_and_the_operation_that_sent_it_there() -> None:
@@ -223,12 +223,66 @@ def test_the_plan_names_each_exact_parameter_and_the_operation_that_sent_it_ther
     model = Unruled().double()
     plan = plan_clipping(model, per_example_cross_entropy, (4,))
     assert plan.exact_parameters == ("offset",)
-    assert "offset: torch.cumsum has no rule" in plan.lines()
+    assert "offset: torch.atan2 has no rule" in plan.lines()
     x, y = torch.randn(5, 4, dtype=torch.float64, generator=generator(3)), torch.randint(0, 2, (5,))
     sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3, exact=plan.exact)
     reference, reference_norms = loop_clipped_sum(model, x, y, 0.3)
     assert relative_error(sums, reference) < 1e-10
     torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=0)
+
+
+class ComputedFromParameters(nn.Module):
+    """Weights computed from parameters alone before they meet the batch: a cumulative sum, a bias concatenated
+    with a constant (timm's BEiT and EVA: q, zeros, v), a position table interpolated (transformers' BEiT), a
+    weight normalised by hand and through ``weight_norm`` (a parametrization), a product of two parameters, and
+    the same weight used both directly and through its computation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(4))
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(4) * 0.3), nn.Parameter(torch.randn(4) * 0.3)
+        self.register_buffer("k_bias", torch.zeros(4), persistent=False)
+        self.qkv = nn.Parameter(torch.randn(12, 4) * 0.3)
+        self.table = nn.Parameter(torch.randn(1, 2, 3, 3) * 0.3)
+        self.direction = nn.Parameter(torch.randn(4, 4))
+        self.normed = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+        self.low_a, self.low_b = nn.Parameter(torch.randn(4, 2) * 0.5), nn.Parameter(torch.randn(2, 4) * 0.5)
+        self.out = nn.Linear(4 + 2 * 16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x + torch.cumsum(self.offset, 0))
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        q, k, v = F.linear(h, self.qkv, bias).chunk(3, -1)
+        h = torch.tanh(q * k + v)
+        unit = self.direction / self.direction.norm(dim=1, keepdim=True)
+        h = torch.tanh(F.linear(h, unit) + 0.5 * F.linear(h, self.direction) + self.normed(h) + h @ (self.low_a @ self.low_b))
+        scores = F.interpolate(self.table, size=(4, 4), mode="bilinear", align_corners=False)  # (1, 2, 4, 4)
+        mixed = torch.tanh(h[:, None, :, None] * scores).flatten(1)
+        return self.out(torch.cat([h, mixed], 1))
+
+
+def test_weights_computed_from_parameters_alone_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(20)
+    x = torch.randn(6, 4, generator=generator(21), dtype=torch.float64)
+    assert_exact_without_the_exact_path(ComputedFromParameters(), per_example_cross_entropy, x, torch.randint(0, 2, (6,)))
+
+
+def test_a_computation_on_parameters_too_large_to_materialise_per_example_goes_exact_and_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight_norm weight's per-example gradients are materialised to pull them back to g and v: where B·n
+    passes the keep limit the parameters take the exact path (named, with the sizes), and stay exact."""
+    torch.manual_seed(22)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2)).double()
+    x, y = torch.randn(6, 8, generator=generator(23), dtype=torch.float64), torch.randint(0, 2, (6,))
+    assert engine_pass(model, per_example_cross_entropy, x, y).exact == {}
+    monkeypatch.setattr("dpml.train.clipping_layers.KEEP_PER_EXAMPLE_LIMIT", 6 * 64 - 1)
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    originals = {n for n, _ in model.named_parameters() if ".original" in n}
+    assert set(found.exact) == originals, found.reasons
+    assert all("exceed the keep limit" in found.reasons[n] and "384 numbers" in found.reasons[n] for n in originals)
+    reference, _ = loop_clipped_sum(model, x, y, 0.4)
+    sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.4)
+    assert relative_error(sums, reference) < 1e-10
 
 
 # --- torch transformer blocks ---------------------------------------------------------------------------

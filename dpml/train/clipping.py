@@ -11,10 +11,11 @@ enters; the per-example losses ℓ_i then give two things by backpropagation:
   enters — a linear map (``F.linear``, ``torch.addmm``, a matmul on either side, of the parameter or a
   view of it), an embedding lookup (indices per example or shared by the batch), a normalisation's
   affine, an elementwise affine or a concatenation broadcast over the batch —, its uses added up with
-  their cross terms (a tied embedding: ‖Σ_u G_u‖², :mod:`dpml.train.rules.combine`);
+  their cross terms (a tied embedding: ‖Σ_u G_u‖², :mod:`dpml.train.rules.combine`); a weight computed
+  from parameters alone (a parametrization W = g(W₀)) gets its uses' per-example gradients pulled back
+  through that computation's Jacobian, ∇_{W₀} ℓ_i = (∂W/∂W₀)ᵀ ∇_W ℓ_i (:func:`pull_back`);
 - the **exact** per-example gradients ∇_p ℓ_i of every other trainable parameter p (an operation with no
-  rule: recurrent layers, parametrized weights — whose gradient is that of the original
-  parameters —, custom autograd Functions), by backpropagating the B rows of the identity
+  rule: recurrent layers, custom autograd Functions), by backpropagating the B rows of the identity
   through the same graph at once (``autograd.grad(..., is_grads_batched=True)``, i.e. a vmap over
   the backward pass; a plain loop over examples where an operator has no batching rule).
 
@@ -47,7 +48,8 @@ from torch import nn
 from dpml.devices import full_float32
 from dpml.train.clipping_layers import (Piece, batch_first, is_fast, keep_limit, layer_parameters, layer_piece,
                                        reject_batch_norm, row_norms_squared)
-from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
+from dpml.train.rules import Recorder, Use, cast_form, parameter_piece, per_example_gradients_of
+from dpml.train.rules.registry import Dense, Derived
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
 
@@ -229,30 +231,68 @@ def _exact_reason(p: nn.Parameter, name: str, exact: Collection[str], recorder: 
     return "no recorded operation uses it through a rule (a custom autograd Function, or not used)"
 
 
-def _rule_pieces(recording: _Recording, ruled: dict[int, str], grads: dict[int, torch.Tensor], batch: int,
-                 dtype: torch.dtype, limit: int) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
-    """The ruled parameters' pieces from their uses; a parameter whose uses cannot be combined, with why."""
-    uses: dict[int, list[Use]] = {key: [] for key in ruled}
-    operations: dict[int, list[str]] = {key: [] for key in ruled}
+def _rule_pieces(recording: _Recording, ruled: dict[int, str], relevant: set[int], grads: dict[int, torch.Tensor],
+                 batch: int, dtype: torch.dtype, limit: int) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
+    """The ruled parameters' pieces from their uses (``relevant``: their ids and those of the computations on
+    them, :class:`dpml.train.rules.registry.Derived`, whose uses are pulled back to theirs first); a parameter
+    whose uses cannot be combined, with why."""
+    uses: dict[int, list[Use]] = {key: [] for key in relevant}
+    operations: dict[int, list[str]] = {key: [] for key in relevant}
     params: dict[int, nn.Parameter] = {}
     for pending in recording.recorder.pending:
-        if not any(id(p) in ruled for p in pending.params):
+        if not any(id(p) in relevant for p in pending.params):
             continue
         d = _as_dtype(_or_zeros(grads.get(id(pending.output)), pending.output), dtype)
         for tracked, form in pending.finish(d):
             key = id(tracked.param)
-            if key in ruled:
+            if key in relevant:
                 uses[key].append((tracked, cast_form(form, dtype)))
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
-    pieces, failed = [], {}
+    failed: dict[int, str] = {}
+    for node in reversed(recording.recorder.derived_nodes):  # a computation before those it feeds
+        if id(node.output) not in relevant:
+            continue
+        size = batch * max(t.numel() for t in (node.output, *node.leaves))
+        if size > limit:  # its per-example gradients are materialised: past the limit its parameters go exact
+            failed.update({id(p): f"{node.operation} on parameters: its per-example gradients ({size} numbers) "
+                           f"exceed the keep limit ({limit})" for p in node.params if id(p) in ruled})
+            continue
+        gradients = per_example_gradients_of(uses.pop(id(node.output)), node.output, batch, dtype)
+        for (_, tracked), g in zip(node.sources, pull_back(node, gradients)):
+            key = id(tracked.param)
+            if key in relevant:
+                uses[key].append((tracked, Dense(_as_dtype(g, dtype))))
+                params[key] = tracked.param
+                operations[key] += operations[id(node.output)] + [node.operation]
+    pieces = []
     for key, name in ruled.items():
+        if key in failed:
+            continue
         piece = parameter_piece(params[key], uses[key], batch, limit)
         if isinstance(piece, str):
             failed[key] = piece
         else:
             pieces.append((RuleUnit(name, params[key], tuple(dict.fromkeys(operations[key]))), piece))
     return pieces, failed
+
+
+def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:
+    """Each example's gradient of a :class:`Derived` output, (B, *output.shape), as the gradients of its sources,
+    each (B, *source.shape): B vector-Jacobian products of the operation alone at once (a loop where an
+    operator has no batching rule), the chain rule's step ∂ℓ_i/∂s = (∂o/∂s)ᵀ ∂ℓ_i/∂o with the sources
+    independent (a source that is itself a Derived output passes its share on when its own turn comes)."""
+    batch, tensors = gradients.shape[0], node.leaves
+    cotangents = gradients.to(node.local.dtype)
+    try:
+        found = torch.autograd.grad(node.local, tensors, grad_outputs=cotangents, is_grads_batched=True,
+                                    retain_graph=True, allow_unused=True)
+    except RuntimeError:
+        rows = [torch.autograd.grad(node.local, tensors, grad_outputs=cotangents[i], retain_graph=True, allow_unused=True)
+                for i in range(batch)]
+        found = tuple(torch.stack([torch.zeros_like(t) if row[k] is None else row[k] for row in rows])
+                      for k, t in enumerate(tensors))
+    return [t.new_zeros((batch, *t.shape)) if g is None else g for t, g in zip(tensors, found)]
 
 
 def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
@@ -287,10 +327,12 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
             and not any(id(p) in recorder.outside for p in layer_parameters(m)) and m not in recorder.unbatched]
     covered = {id(p) for m in used for p in layer_parameters(m)}
     seen = {id(p) for pending in recorder.pending for p in pending.params}
+    seen |= {id(p) for node in recorder.derived_nodes for p in node.params}
     ruled = {id(p): n for n, p in params.items() if id(p) not in covered and n not in exact and id(p) in seen
              and id(p) not in recorder.refused}
+    relevant = set(ruled) | {id(node.output) for node in recorder.derived_nodes if any(id(p) in ruled for p in node.params)}
     outputs = [output for m in used for _, output in recording.calls[m]]
-    outputs += [pending.output for pending in recorder.pending if any(id(p) in ruled for p in pending.params)]
+    outputs += [pending.output for pending in recorder.pending if any(id(p) in relevant for p in pending.params)]
     slow = {n: p for n, p in params.items() if id(p) not in covered and id(p) not in ruled}
     fast: list[tuple[Unit, Piece]] = []
     grads: dict[int, torch.Tensor] = {}
@@ -302,7 +344,7 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
             calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(grads.get(id(output)), output), zeros.dtype))
                      for inputs, output in recording.calls[module]]
             fast.append((module, layer_piece(module, calls)))
-        pieces, failed = _rule_pieces(recording, ruled, grads, batch, zeros.dtype, keep_limit(x.device))
+        pieces, failed = _rule_pieces(recording, ruled, relevant, grads, batch, zeros.dtype, keep_limit(x.device))
     fast += pieces
     slow.update({ruled[key]: params[ruled[key]] for key in failed})
     reasons = {n: failed[id(p)] if id(p) in failed else _exact_reason(p, n, exact, recorder) for n, p in slow.items()}

@@ -63,7 +63,7 @@ def _stock(module: nn.Module, cls: type[nn.Module]) -> bool:
 
 def is_fast(module: nn.Module) -> bool:
     """Layers whose per-example gradients follow from their activations and output gradients."""
-    if parametrize.is_parametrized(module):  # W = g(W₀): the gradient wanted is W₀'s (the exact path's)
+    if parametrize.is_parametrized(module):  # W = g(W₀): the gradient wanted is W₀'s (the operation rules pull it back)
         return False
     if getattr(module, "ghost_clipping", False):  # a dpml layer that computes its own (e.g. GatedLinear)
         return True

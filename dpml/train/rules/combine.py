@@ -158,6 +158,15 @@ def _materialised(form: Form, batch: int) -> torch.Tensor:
     return torch.bmm(form.u.transpose(1, 2), form.v).reshape(batch, -1)
 
 
+def per_example_gradients_of(uses: list[Use], like: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """Σ_u G_{u,i} materialised in the coordinates of ``like`` (a :class:`dpml.train.rules.registry.Derived`
+    output the uses are views of), (B, *like.shape); zeros when it has no use."""
+    total = torch.zeros(batch, like.numel(), dtype=dtype, device=like.device)
+    for tracked, form in uses:
+        total.index_add_(1, tracked.flat_index().reshape(-1), _materialised(form, batch).to(dtype))
+    return total.view(batch, *like.shape)
+
+
 def parameter_piece(param: nn.Parameter, uses: list[Use], batch: int, limit: int) -> Piece | str:
     """The parameter's piece (module docstring), or why none is formed within ``limit`` numbers."""
     if _disjoint(uses):

@@ -35,8 +35,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Pending, Rows,
-                                       Shared, Tracked, function_name, per_example, view_per_example)
+from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Derived, Pending,
+                                       Rows, Shared, Tracked, function_name, per_example, view_per_example)
 
 _COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
 _NO_DISPATCH = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
@@ -117,6 +117,8 @@ class Recorder(TorchFunctionMode):
         self._derived[inputs] = True
         self.batch, self.copy, self.owners = batch, copy, owners
         self.pending: list[Pending] = []
+        self.derived_nodes: list[Derived] = []  # computations on parameters alone, in the order they ran
+        self._nodes: dict[int, Derived] = {}  # id(output) -> its node
         self.refused: dict[int, str] = {}  # id(parameter) -> the first reason it cannot be covered
         self.outside: set[int] = set()  # ids of hooked layers' parameters used outside their layer's call
         self.stack: list[nn.Module] = []  # the hooked layers whose call is under way
@@ -183,7 +185,71 @@ class Recorder(TorchFunctionMode):
 
     def _refuse(self, hits: list[Tracked], reason: str) -> None:
         for hit in hits:
-            self.refused.setdefault(id(hit.param), reason)
+            node = self._nodes.get(id(hit.param))
+            if node is not None:  # a computation on parameters: the parameters it came from are not covered
+                self._refuse([tracked for _, tracked in node.sources], reason)
+            else:
+                self.refused.setdefault(id(hit.param), reason)
+
+    def _parameter_only(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Every tensor operand is a (view of a) parameter or a constant: nothing from the batch."""
+        return all(self.tracked(t) is not None or (not self.derived(t) and not t.requires_grad)
+                   for t in _tensors(args, kwargs))
+
+    def _on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call on parameters and constants alone: the view its rule makes of it where there is one (an embedding
+        looked up with position ids), else its outputs tracked as :class:`Derived`."""
+        out = func(*args, **kwargs)
+        if not any(o.requires_grad for o in _outputs(out)):
+            return out
+        handler = RULES.get(func)
+        if handler is not None:
+            result = handler(Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first,
+                                  self._leading_examples))
+            if isinstance(result, Shared):
+                for o, tracked in result.outputs:
+                    self._track(o, tracked)
+                return out
+        self._derive(func, args, kwargs, out)
+        return out
+
+    def _derive(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Track each output of a computation on parameters alone as a :class:`Derived` (registry): the operation is
+        run again on detached copies of its parameter operands, for its local Jacobian; one that does not give the
+        same numbers again (random draws: dropout on a weight) is refused."""
+        sources: dict[int, tuple[torch.Tensor, Tracked]] = {}
+        for t in _tensors(args, kwargs):
+            tracked = self.tracked(t)
+            if tracked is not None:
+                sources.setdefault(id(t), (t, tracked))
+        leaves = {key: t.detach().requires_grad_(True) for key, (t, _) in sources.items()}
+
+        def swap(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and id(value) in leaves and sources[id(value)][0] is value:
+                return leaves[id(value)]
+            if isinstance(value, (list, tuple)):
+                return type(value)(swap(v) for v in value)
+            return value
+
+        with torch.enable_grad():
+            local = _outputs(func(*(swap(a) for a in args), **{k: swap(v) for k, v in kwargs.items()}))
+        recorded = _outputs(out)
+        name = function_name(func)
+        if len(local) != len(recorded) or not all(torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded)):
+            self._refuse([tracked for _, tracked in sources.values()], f"{name} on parameters gives other numbers when run "
+                         "again (random draws)")
+            return
+        params: list[nn.Parameter] = []
+        for _, tracked in sources.values():
+            node = self._nodes.get(id(tracked.param))
+            params += node.params if node is not None else [tracked.param]
+        params = list({id(p): p for p in params}.values())
+        for o, again in zip(recorded, local):
+            if o.requires_grad:
+                node = Derived(o, list(sources.values()), params, again, list(leaves.values()), name)
+                self.derived_nodes.append(node)
+                self._nodes[id(o)] = node
+                self._track(o, Tracked(o))  # type: ignore[arg-type]
 
     def _note_owners(self, hits: list[Tracked]) -> None:
         for hit in hits:  # (a shared lookup's output is the layer's output: using it is not using the layer's weight)
@@ -293,6 +359,8 @@ class Recorder(TorchFunctionMode):
             return self._view(func, args, kwargs, hits)
         if func in _OUT_OF_PLACE:
             return self._in_place(func, args, kwargs, hits)
+        if self._parameter_only(args, kwargs):
+            return self._on_parameters(func, args, kwargs)
         if func in BROADCASTING:
             return self._per_example_copies(func, args, kwargs, hits)
         handler = RULES.get(func)
