@@ -285,6 +285,32 @@ def test_a_computation_on_parameters_too_large_to_materialise_per_example_goes_e
     assert relative_error(sums, reference) < 1e-10
 
 
+class MaskToken(nn.Module):
+    """A mask token (DINOv2's, BEiT's) that replaces the masked positions only when the forward pass is given a
+    mask: without one the loss never reaches it."""
+
+    def __init__(self, masked: bool, width: int = 6) -> None:
+        super().__init__()
+        self.masked = masked
+        self.mask_token = nn.Parameter(torch.randn(1, 1, width) * 0.3)
+        self.embed, self.out = nn.Linear(width, width), nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.masked:
+            h = torch.where((x[..., :1] > 0.5), self.mask_token.to(h.dtype), h)
+        return self.out(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_parameter_the_loss_does_not_reach_is_zero_without_the_exact_path(masked: bool) -> None:
+    torch.manual_seed(24)
+    x = torch.randn(6, 5, 6, generator=generator(25), dtype=torch.float64)
+    assert_exact_without_the_exact_path(MaskToken(masked), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+    sums, _ = clipped_gradient_sum(MaskToken(masked).double(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), 0.5)
+    assert (float(sums["mask_token"].abs().max()) > 0) == masked
+
+
 # --- torch transformer blocks ---------------------------------------------------------------------------
 
 class Encoder(nn.Module):

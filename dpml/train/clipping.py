@@ -335,6 +335,8 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     outputs += [pending.output for pending in recorder.pending if any(id(p) in relevant for p in pending.params)]
     slow = {n: p for n, p in params.items() if id(p) not in covered and id(p) not in ruled}
     fast: list[tuple[Unit, Piece]] = []
+    for name in _outside_the_graph(recording.losses, slow):  # ∇_p ℓ_i = 0 for every i: nothing to take exactly
+        fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
     grads: dict[int, torch.Tensor] = {}
     if outputs:
         found = torch.autograd.grad(recording.losses.sum(), outputs, allow_unused=True, retain_graph=bool(slow or ruled))
@@ -350,6 +352,33 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     reasons = {n: failed[id(p)] if id(p) in failed else _exact_reason(p, n, exact, recorder) for n, p in slow.items()}
     per_example = exact_per_example_gradients(recording.losses, slow)
     return EnginePass(batch, fast, per_example, names, zeros, reasons)
+
+
+UNUSED = "not reached by this batch's loss"
+
+
+def _outside_the_graph(losses: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str]:
+    """The named parameters the losses' autograd graph does not reach (a mask token used only when a mask is
+    passed, a head this forward pass skips): their per-example gradients are exactly zero."""
+    if not params or losses.grad_fn is None:
+        return list(params)
+    reached: set[int] = set()
+    stack, visited = [losses.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor of the graph
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return [n for n, p in params.items() if id(p) not in reached]
+
+
+def _zero_piece(param: nn.Parameter, zeros: torch.Tensor) -> Piece:
+    """The piece of a parameter the loss does not reach: ‖∇_p ℓ_i‖² = 0 and Σ_i c_i ∇_p ℓ_i = 0."""
+    return Piece(zeros, lambda factors: [(param, torch.zeros_like(param))])
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
