@@ -45,7 +45,7 @@ from dpml.privacy.accountants import certify
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.ledger import Ledger, Spend
 from dpml.privacy.mechanism import MechanismDescription
-from dpml.privacy.units import digests_of_ids
+from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
 from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import LossFn

@@ -73,7 +73,7 @@ def cmd_ledger_rename(args: argparse.Namespace) -> int:
 
 def _ledger_person(ledger: Any, person: str, as_json: bool) -> int:
     """``dpml ledger --person ID``: every release that touched the person of that id (data.id_column)."""
-    from dpml.privacy.units import digests_of_ids
+    from dpml.data.units import digests_of_ids
 
     found = ledger.person(digests_of_ids([person]))
     if as_json:

@@ -123,6 +123,13 @@ class ConfigBase(Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    def with_hyperparameters(self, chosen: dict[str, Any]) -> ConfigBase:
+        """This configuration with ``{"train.learning_rate": 0.5, …}`` applied and validated again (a method,
+        so that the trainers below this module can vary the configuration they are given)."""
+        overrides = [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+                     for key, value in chosen.items()]
+        return validate(apply_overrides(self.to_dict(), overrides), origin=f"hyperparameters {chosen}")
+
     def flat(self) -> dict[str, Any]:
         """``{"dp.delta": 1e-5, …}``: the form logged as MLflow params."""
         out: dict[str, Any] = {}
@@ -324,9 +331,7 @@ def validate(raw: Any, origin: str = "params") -> Config:
 
 def with_hyperparameters(config: Config, chosen: dict[str, Any]) -> Config:
     """``config`` with ``{"train.learning_rate": 0.5, …}`` applied and validated again."""
-    overrides = [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
-                 for key, value in chosen.items()]
-    return validate(apply_overrides(config.to_dict(), overrides), origin=f"hyperparameters {chosen}")
+    return config.with_hyperparameters(chosen)
 
 
 def check_tunable(config: Config) -> None:

@@ -105,9 +105,8 @@ def folders(config: Config) -> dict[str, Path]:
 
 def preflight(config: Config) -> None:
     """Run every check (module docstring); raise :class:`PreflightError` at the first failure."""
-    from dpml.privacy.ledger import LedgerError
+    from dpml.privacy.ledger import LedgerError, ledger_of
     from dpml.privacy.ledger_db import without_password
-    from dpml.stages.train import open_ledger
     from dpml.store import StoreError, prepare_store
 
     check_device(config.train.device)
@@ -119,7 +118,7 @@ def preflight(config: Config) -> None:
     except StoreError as error:
         raise PreflightError(str(error)) from None
     try:
-        open_ledger(config).check_unit_key()
+        ledger_of(config.ledger).check_unit_key()
     except LedgerError as error:
         key = "ledger.url" if config.ledger.url else "ledger.path"
         raise PreflightError(f"{key} = {without_password(config.ledger.location())!r}: {error}") from None
@@ -144,7 +143,7 @@ def check_dvc_remote(config: Config) -> None:
 
 def check_table_header(config: Config) -> None:
     """A csv/parquet source's header holds every column the configuration names (no record is read)."""
-    from dpml.data.sources import DataError
+    from dpml.data.records import DataError
     from dpml.data.tables import check_columns
 
     data = config.data

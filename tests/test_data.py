@@ -10,7 +10,7 @@ from dpml.config import DataConfig, PreprocessConfig, SplitConfig
 from dpml.data.preprocess import clip_input_norms, preprocess, scale_features
 from dpml.data.sources import DataError, RawData, content_hash, load_idx, load_sklearn, load_source, read_idx
 from dpml.data.split import split_indices
-from dpml.privacy.units import digests_of_ids, digests_of_rows
+from dpml.data.units import digests_of_ids, digests_of_rows
 
 
 def write_idx(path: Path, array: np.ndarray, gz: bool = True) -> Path:

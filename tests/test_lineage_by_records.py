@@ -23,7 +23,7 @@ import pytest
 from dpml.config import validate
 from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError, LineageConflict, _compose
 from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
-from dpml.privacy.units import digests_of_ids
+from dpml.data.units import digests_of_ids
 from dpml.stages import run_stage
 from dpml.stages.train import LineageFollowsRecords
 from tests.conftest import REPO, small_params, write_params

@@ -19,7 +19,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError, epsilons_from_rdp, filter_bound
 from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
-from dpml.privacy.units import digests_of_ids, digests_of_rows, one_row_per_unit
+from dpml.data.units import digests_of_ids, digests_of_rows, one_row_per_unit
 
 DELTA = 1e-5
 
@@ -234,7 +234,7 @@ def test_a_kill_inside_the_reservation_leaves_no_spend_and_no_units(ledger_locat
         import numpy as np
         from dpml.privacy.ledger import Ledger
         from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
-        from dpml.privacy.units import digests_of_ids
+        from dpml.data.units import digests_of_ids
         m = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.05, 1.0, 200),), "add-remove", 1.0, 1000)
         Ledger({ledger_location!r}, 1e-5, unit_key={key!r}).reserve("v", m, "x", 100.0, lineage="L",
                                                                    units=digests_of_ids(range(20000)))

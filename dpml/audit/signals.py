@@ -11,21 +11,11 @@ All are computed from logits z with log-sum-exp, so nothing overflows or takes l
 from __future__ import annotations
 
 import numpy as np
-import torch
 from scipy.special import logsumexp
-from torch import nn
 
+from dpml.models.predict import logits_of
 
-@torch.no_grad()
-def logits_of(model: nn.Module, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:
-    device = next(model.parameters()).device
-    try:
-        model.eval()
-    except NotImplementedError:  # a torch.export (pt2) module loaded from MLflow is always in eval mode
-        pass
-    parts = [model(torch.as_tensor(x[i:i + batch_size], dtype=torch.float32, device=device)).double().cpu()
-             for i in range(0, x.shape[0], batch_size)]
-    return torch.cat(parts).numpy() if parts else np.zeros((0, 0))
+__all__ = ["cross_entropy_losses", "logit_scaled_confidence", "logits_of", "true_label_probability"]
 
 
 def _label_index(logits: np.ndarray, y: np.ndarray) -> np.ndarray:

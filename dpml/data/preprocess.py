@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from dpml.config import PreprocessConfig
+    from dpml.sections import PreprocessConfig
 
 
 @dataclass(frozen=True)

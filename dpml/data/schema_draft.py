@@ -85,7 +85,7 @@ def _number(value: float) -> str:
 def draft_schema(source: str, label: str, id_column: str | None = None, max_categories: int = 30,
                  chunk_rows: int = 100_000) -> str:
     """The draft ``data:`` section (YAML text with the not-private warning) for ``csv:PATH`` or ``parquet:PATH``."""
-    from dpml.data.sources import DataError
+    from dpml.data.records import DataError
 
     kind, _, rest = source.partition(":")
     if kind not in ("csv", "parquet") or not rest:

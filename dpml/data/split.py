@@ -1,6 +1,6 @@
 """A stable, seeded split of the privacy units into train / test / audit population.
 
-Each unit keeps one row (contribution bounding, :func:`dpml.privacy.units.one_row_per_unit`) and is
+Each unit keeps one row (contribution bounding, :func:`dpml.data.units.one_row_per_unit`) and is
 placed by a number u ∈ [0, 1) drawn from its own digest and the seed: u < ``test_fraction`` → test,
 then the next ``audit_fraction`` → audit population, the rest → train. A unit's part depends on
 nothing but its own record and the seed, so
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpml.config import SplitConfig
-from dpml.data.sources import DataError, RawData
-from dpml.privacy.units import one_row_per_unit
+from dpml.sections import SplitConfig
+from dpml.data.records import DataError, RawData
+from dpml.data.units import one_row_per_unit
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

@@ -19,11 +19,12 @@ import pandas as pd
 from dpml.data import table_files as files
 from dpml.data.encoding import ColumnEncoding, Counts, EncodingError, TableEncoding, category_codes
 from dpml.data.preprocess import PublicTransform, public_transform
+from dpml.data.records import DataError, RawData, check_records
 from dpml.data.schema import category_text
+from dpml.data.units import digests_of_ids
 
 if TYPE_CHECKING:
     from dpml.config import Config, DataConfig, PreprocessConfig
-    from dpml.data.sources import RawData
 
 
 def table_encoding(data: DataConfig, preprocess: PreprocessConfig) -> TableEncoding | None:
@@ -77,7 +78,6 @@ def check_columns(path: Path, kind: str, wanted: list[str], what: str = "column(
 
 def _checked(step: Callable[[], Any]) -> Any:
     """``step()``, its :class:`~dpml.data.table_files.TableFileError` or parser error as a DataError."""
-    from dpml.data.sources import DataError
 
     try:
         return step()
@@ -94,7 +94,6 @@ def chunks(path: Path, kind: str, columns: list[str], rows: int, separator: str 
            encoding: str = "auto") -> Iterator[pd.DataFrame]:
     """The table's ``columns``, ``rows`` records at a time (CSV as text, Parquet typed). A CSV column named
     twice is read from its first copy (:func:`check_columns` refuses that for the columns a run uses)."""
-    from dpml.data.sources import DataError
 
     table = files.TableFile(path, kind, separator, encoding)
     try:
@@ -115,7 +114,6 @@ def chunks(path: Path, kind: str, columns: list[str], rows: int, separator: str 
 
 def label_indices(values: pd.Series, classes: list[str], column: str, first_row: int, origin: str) -> np.ndarray:
     """Each label's index in the public ``classes``; a missing or unknown label is an error naming its row."""
-    from dpml.data.sources import DataError
 
     codes, keys = category_codes(values, classes)
     absent = (keys.isna() | (keys == "")).to_numpy()
@@ -130,7 +128,6 @@ def label_indices(values: pd.Series, classes: list[str], column: str, first_row:
 
 def unit_ids(values: pd.Series, column: str, first_row: int, origin: str) -> list[Any]:
     """The ids of the privacy units; every row needs one."""
-    from dpml.data.sources import DataError
 
     absent = values.isna().to_numpy() | (values.astype(str).str.strip() == "").to_numpy()
     if absent.any():
@@ -153,7 +150,6 @@ def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
     """Read, check and encode a CSV or Parquet table chunk by chunk: its shape is checked first
     (:func:`check_columns`: encoding, separator, duplicate names, Parquet types), every cell while it
     is encoded."""
-    from dpml.data.sources import DataError, RawData, check_records
 
     kind, _, rest = config.source.partition(":")
     path = Path(rest)
@@ -182,8 +178,6 @@ def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
     check_records(x, y, len(classes), str(path))
     units = None
     if config.id_column:
-        from dpml.privacy.units import digests_of_ids
-
         units = digests_of_ids(ids)
     notes = [f"{path}: not UTF-8; read as {text_encoding} (data.encoding: auto)"] if (
         config.encoding == "auto" and text_encoding in ("cp1252", "latin-1")) else []

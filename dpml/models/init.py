@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dpml.models.linearised import LinearisedNetwork
+
 Scheme = Literal["lecun", "he", "ntk", "xavier"]
 SCHEMES: tuple[Scheme, ...] = ("lecun", "he", "ntk", "xavier")
 
@@ -95,6 +97,4 @@ def build_bias_free_relu(spec: BiasFreeReluSpec, generator: torch.Generator | No
     network = initialise(bias_free_relu_mlp(spec.widths), spec.init, generator)  # type: ignore[arg-type]
     if not spec.linearised:
         return network
-    from dpml.train.noisygd import LinearisedNetwork
-
     return LinearisedNetwork(network)

@@ -70,7 +70,7 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -97,9 +97,12 @@ from dpml.privacy.unit_accounts import (
 )
 from dpml.privacy.units import UnitKeyError, key_fingerprint, keyed_unit_ids, load_or_create_key
 
+if TYPE_CHECKING:
+    from dpml.sections_stores import LedgerConfig
+
 # The ledger's public face: its own classes plus what callers use from the modules it is built from.
 __all__ = ["BudgetExceeded", "Ledger", "LedgerError", "LineageConflict", "Spend", "_compose", "default_lineage",
-           "epsilons_from_rdp", "filter_bound", "filter_order", "rdp_curve"]
+           "epsilons_from_rdp", "ledger_of", "filter_bound", "filter_order", "rdp_curve"]
 
 
 @dataclass(frozen=True)
@@ -403,3 +406,9 @@ class Ledger(LedgerViews):
                 raise
         return Spend(spend_id, dataset_version, label, time.time(), mechanism, alone, lineage,
                      None if ids is None else int(ids.size))
+
+
+def ledger_of(settings: LedgerConfig) -> Ledger:
+    """The ledger a configuration's ``ledger:`` section names: its location (a SQLite file or a PostgreSQL
+    URL), the δ it composes at and its privacy-unit key."""
+    return Ledger(settings.location(), settings.delta, unit_key=settings.unit_key)

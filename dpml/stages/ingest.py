@@ -1,5 +1,5 @@
 """Stage ingest: load the configured source, check the records, store them with their content hash and
-each row's privacy-unit digest (:mod:`dpml.privacy.units`)."""
+each row's privacy-unit digest (:mod:`dpml.data.units`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from dpml import io
 from dpml.data.sources import content_hash, load_source
-from dpml.privacy.units import digests_of_rows
+from dpml.data.units import digests_of_rows
 from dpml.stages.layout import Layout
 
 if TYPE_CHECKING:

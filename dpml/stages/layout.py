@@ -155,7 +155,7 @@ def load_part(layout: Layout, part: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_units(layout: Layout) -> np.ndarray:
-    """The privacy-unit digests of the prepared training part, row by row (:mod:`dpml.privacy.units`)."""
+    """The privacy-unit digests of the prepared training part, row by row (:mod:`dpml.data.units`)."""
     return io.read_npz(layout.prepared["train"])["units"]
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpml import io
-from dpml.data.sources import RawData
+from dpml.data.records import RawData
 from dpml.data.split import split_indices
 from dpml.stages.layout import Layout
 

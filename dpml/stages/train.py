@@ -25,7 +25,7 @@ from dpml.audit.robustness import certified_accuracy
 from dpml.faults import fault_point
 from dpml.devices import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
-from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage
+from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage, ledger_of
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.stages.layout import Layout, load_part, load_units
 from dpml.stages.spend_outputs import stamp_for
@@ -41,7 +41,7 @@ LOG = logging.getLogger("dpml.clipping")
 
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
-    from dpml.audit.signals import logits_of
+    from dpml.models.predict import logits_of
 
     return float((logits_of(model, x).argmax(1) == y).mean())
 
@@ -145,7 +145,7 @@ _LINEAGE_OF: dict[tuple[Any, ...], tuple[tuple[int, int], str]] = {}
 
 
 def open_ledger(config: Config) -> Ledger:
-    return Ledger(config.ledger.location(), config.ledger.delta, unit_key=config.ledger.unit_key)
+    return ledger_of(config.ledger)
 
 
 def filter_units(config: Config, units: np.ndarray,

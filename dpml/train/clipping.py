@@ -13,7 +13,7 @@ enters; the per-example losses ℓ_i then give two things by backpropagation:
   affine, an elementwise affine or a concatenation broadcast over the batch —, its uses added up with
   their cross terms (a tied embedding: ‖Σ_u G_u‖², :mod:`dpml.train.rules.combine`); a weight computed
   from parameters alone (a parametrization W = g(W₀)) gets its uses' per-example gradients pulled back
-  through that computation's Jacobian, ∇_{W₀} ℓ_i = (∂W/∂W₀)ᵀ ∇_W ℓ_i (:func:`pull_back`);
+  through that computation's Jacobian, ∇_{W₀} ℓ_i = (∂W/∂W₀)ᵀ ∇_W ℓ_i (:mod:`dpml.train.rules.derived`);
 - the **exact** per-example gradients ∇_p ℓ_i of every other trainable parameter p (an operation with no
   rule: recurrent layers, custom autograd Functions), by backpropagating the B rows of the identity
   through the same graph at once (``autograd.grad(..., is_grads_batched=True)``, i.e. a vmap over
@@ -48,8 +48,10 @@ from torch import nn
 from dpml.devices import full_float32
 from dpml.train.clipping_layers import (Piece, batch_first, is_fast, keep_limit, layer_parameters, layer_piece,
                                        reject_batch_norm, row_norms_squared)
+from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece, per_example_gradients_of
-from dpml.train.rules.registry import Dense, Derived
+from dpml.train.rules.derived import pull_back
+from dpml.train.rules.registry import Dense
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
 
@@ -151,26 +153,6 @@ def _usable(module: nn.Module, calls: list[Call], batch: int) -> bool:
     if getattr(module, "ghost_clipping", False) and len(calls) != 1:
         return False
     return all(batch_first(module, inputs, batch) for inputs, _ in calls)
-
-
-def exact_per_example_gradients(losses: torch.Tensor, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """∇_p ℓ_i for every example i and named parameter p, each (B, *p.shape), from one forward pass.
-
-    The B rows of the identity are backpropagated at once (a vmap over the backward pass); where an
-    operator has no batching rule torch loops internally, and where the batched pass fails altogether
-    the examples are taken one by one. Either way each row is exactly autograd's ∂ℓ_i/∂p. The graph is
-    kept (the fast layers' backward pass follows)."""
-    if not params:
-        return {}
-    batch, tensors = losses.shape[0], list(params.values())
-    try:
-        grads = torch.autograd.grad(losses, tensors, grad_outputs=torch.eye(batch, dtype=losses.dtype, device=losses.device),
-                                    is_grads_batched=True, retain_graph=True, allow_unused=True)
-    except RuntimeError:
-        rows = [torch.autograd.grad(losses[i], tensors, retain_graph=True, allow_unused=True) for i in range(batch)]
-        grads = tuple(torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows]) if batch else
-                      p.new_zeros((0, *p.shape)) for k, p in enumerate(tensors))
-    return {name: (p.new_zeros((batch, *p.shape)) if g is None else g) for (name, p), g in zip(params.items(), grads)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,24 +259,6 @@ def _rule_pieces(recording: _Recording, ruled: dict[int, str], relevant: set[int
     return pieces, failed
 
 
-def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:
-    """Each example's gradient of a :class:`Derived` output, (B, *output.shape), as the gradients of its sources,
-    each (B, *source.shape): B vector-Jacobian products of the operation alone at once (a loop where an
-    operator has no batching rule), the chain rule's step ∂ℓ_i/∂s = (∂o/∂s)ᵀ ∂ℓ_i/∂o with the sources
-    independent (a source that is itself a Derived output passes its share on when its own turn comes)."""
-    batch, tensors = gradients.shape[0], node.leaves
-    cotangents = gradients.to(node.local.dtype)
-    try:
-        found = torch.autograd.grad(node.local, tensors, grad_outputs=cotangents, is_grads_batched=True,
-                                    retain_graph=True, allow_unused=True)
-    except RuntimeError:
-        rows = [torch.autograd.grad(node.local, tensors, grad_outputs=cotangents[i], retain_graph=True, allow_unused=True)
-                for i in range(batch)]
-        found = tuple(torch.stack([torch.zeros_like(t) if row[k] is None else row[k] for row in rows])
-                      for k, t in enumerate(tensors))
-    return [t.new_zeros((batch, *t.shape)) if g is None else g for t, g in zip(tensors, found)]
-
-
 def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
                 exact: Collection[str] = (), autocast: torch.dtype | None = None) -> EnginePass:
     """Record the forward pass and take each trainable parameter's per-example gradient by its layer's
@@ -335,7 +299,7 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     outputs += [pending.output for pending in recorder.pending if any(id(p) in relevant for p in pending.params)]
     slow = {n: p for n, p in params.items() if id(p) not in covered and id(p) not in ruled}
     fast: list[tuple[Unit, Piece]] = []
-    for name in _outside_the_graph(recording.losses, slow):  # ∇_p ℓ_i = 0 for every i: nothing to take exactly
+    for name in unreached_parameters(recording.losses, slow):  # ∇_p ℓ_i = 0 for every i: nothing to take exactly
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
     grads: dict[int, torch.Tensor] = {}
     if outputs:
@@ -355,25 +319,6 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
 
 
 UNUSED = "not reached by this batch's loss"
-
-
-def _outside_the_graph(losses: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str]:
-    """The named parameters the losses' autograd graph does not reach (a mask token used only when a mask is
-    passed, a head this forward pass skips): their per-example gradients are exactly zero."""
-    if not params or losses.grad_fn is None:
-        return list(params)
-    reached: set[int] = set()
-    stack, visited = [losses.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor of the graph
-        if variable is not None:
-            reached.add(id(variable))
-        stack.extend(child for child, _ in node.next_functions)
-    return [n for n, p in params.items() if id(p) not in reached]
 
 
 def _zero_piece(param: nn.Parameter, zeros: torch.Tensor) -> Piece:

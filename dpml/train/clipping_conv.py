@@ -272,3 +272,22 @@ def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Ge
             raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
         parts.append(grads)
     return squared, parts if keep else None, direct  # type: ignore[return-value]
+
+
+def clip_weighted_conv_weight(module: nn.Conv2d, inputs: torch.Tensor, weighted: torch.Tensor,
+                              geometry: Geometry) -> torch.Tensor:
+    """Σ_i Σ_t (c_i δ_{i,t}) a_{i,t}ᵀ for an ungrouped Conv2d, given the clip-weighted output gradient (B, C_out, H', W').
+
+    The layer's own weight-gradient convolution, except on a CPU where the output has no more positions per
+    example than the kernel has taps (T ≤ kh·kw: ResNet's last stages on small images, where most of each patch
+    is padding): there one product of the unfolded patches, (C_out, B·T) @ (B·T, C_in·kh·kw), the same sum.
+    On this CPU build (oneDNN) the convolution took 147 ms against 6 ms for that product at B = 64, 512 → 512
+    channels, 3×3, on 1×1 outputs; 18.5 against 11.3 ms for 256 → 512, stride 2, 2×2 → 1×1; 9.7 against 7.4
+    for 256 → 256 on 2×2; and it is the faster one from 4×4 outputs up (4.5 against 9.3 ms for 128 → 128)."""
+    batch, out_channels = weighted.shape[:2]
+    count, taps = weighted[0, 0].numel(), geometry[0][0] * geometry[0][1]
+    if inputs.device.type != "cpu" or count > taps:
+        return torch.nn.grad.conv2d_weight(inputs, module.weight.shape, weighted, geometry[1], geometry[2], geometry[3])
+    patches = unfold_patches(inputs, *geometry)  # (B, C_in·kh·kw, T)
+    rows = weighted.reshape(batch, out_channels, count).permute(1, 0, 2).reshape(out_channels, batch * count)
+    return (rows @ patches.transpose(1, 2).reshape(batch * count, -1)).view(module.weight.shape)

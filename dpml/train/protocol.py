@@ -140,9 +140,7 @@ class Trainer:
 
     def candidate_config(self, config: Config, chosen: dict[str, Any], plan: SearchPlan, n_fit: int) -> Config:
         """The configuration one search candidate trains with."""
-        from dpml.config import with_hyperparameters
-
-        return with_hyperparameters(config, chosen)
+        return config.with_hyperparameters(chosen)
 
 
 def make_tensors(config: Config, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The recording forward pass: a ``TorchFunctionMode`` that sees every torch function call and hands
-those with a trainable parameter among their operands to the registered rule of that function.
+"""The recording forward pass: a ``TorchFunctionMode`` that sees every torch function call and hands those with a
+trainable parameter among their operands to the registered rule of that function.
 
 Besides the rules' pending calls it keeps track of
 
@@ -18,16 +18,14 @@ Besides the rules' pending calls it keeps track of
   that refused the call (``F.linear: its input (shape (3, 5)) is not batch-first``);
 - whether a parameter of a hooked layer (:mod:`dpml.train.clipping`) is used outside that layer's call.
 
-An in-place operation with a rule (``h += pos``, ``h.mul_(scale)``) is applied out of place to a copy of h
-and the result copied into h: the recorded result is then never overwritten by a later in-place operation.
-Composite Python functions of ``torch.nn.functional`` with no rule (``F.multi_head_attention_forward``)
-are run with the recording still active, so the operations inside them meet their rules.
+An in-place operation with a rule (``h += pos``, ``h.mul_(scale)``) is applied out of place to a copy of h and the
+result copied into h: the recorded result is then never overwritten by a later in-place operation. Composite Python
+functions of ``torch.nn.functional`` with no rule (``F.multi_head_attention_forward``) are run with the recording
+still active, so the operations inside them meet their rules.
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,76 +33,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Derived, Pending,
-                                       Rows, Shared, Tracked, function_name, per_example, view_per_example)
-
-_COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
-_NO_DISPATCH = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
-_REENTERED: dict[Any, types.FunctionType] = {}
-
-
-def _reentered(func: types.FunctionType) -> types.FunctionType:
-    """``func`` without its own torch-function dispatch (so its body runs under the mode, whose
-    operations are then seen one by one)."""
-    if func not in _REENTERED:
-        scope = dict(func.__globals__)
-        for name in _NO_DISPATCH:
-            scope[name] = lambda *args, **kwargs: False
-        copy = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
-        copy.__kwdefaults__ = func.__kwdefaults__
-        _REENTERED[func] = copy
-    return _REENTERED[func]
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
-
-
-def _outputs(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [o for o in out if isinstance(o, torch.Tensor)]
-    return []
-
-
-_OUT_OF_PLACE = {torch.Tensor.add_: torch.Tensor.add, torch.Tensor.sub_: torch.Tensor.sub, torch.Tensor.mul_: torch.Tensor.mul,
-                 torch.Tensor.__iadd__: torch.Tensor.add, torch.Tensor.__isub__: torch.Tensor.sub,
-                 torch.Tensor.__imul__: torch.Tensor.mul}
-
-
-def _carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
-    """t's example map carried to ``out``: same shape, all but the last dimension kept (the map being the
-    same along it), or broadcast."""
-    if examples is None:
-        return None
-    if out.shape == t.shape:
-        return examples
-    if out.dim() == t.dim() and out.shape[:-1] == t.shape[:-1] and examples.stride(-1) == 0:
-        return examples[..., :1].expand(out.shape)
-    if out.dim() >= t.dim() and all(a == b or a == 1 for a, b in zip(t.shape[::-1], out.shape[::-1])):
-        return examples.expand(out.shape)
-    return None
-
-
-def _core(t: torch.Tensor) -> torch.Tensor:
-    """t without its broadcast dimensions (stride 0, kept with size 1): what its values are."""
-    return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
-
-
-_ROW_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
-                 torch.Tensor.unflatten, torch.Tensor.view_as, torch.Tensor.reshape_as}
-_RESHAPE_FOR_INDEX = {torch.Tensor.view: torch.Tensor.reshape}
-
-
-def apply_view(func: Any, index: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The view operation ``func`` applied to an index tensor in place of its first operand (``view``
-    as ``reshape``: an index tensor need not be contiguous where the viewed tensor was)."""
-    return _RESHAPE_FOR_INDEX.get(func, func)(index, *args[1:], **kwargs)
+from dpml.train.rules.derived import Derived, run_on_leaves
+from dpml.train.rules.operands import (OUT_OF_PLACE, ROW_RESHAPES, apply_view, carried, core, is_composite, outputs,
+                                       reentered, substituted, tensors)
+from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Pending, Rows,
+                                       Shared, Tracked, function_name, per_example, view_per_example)
 
 
 class Recorder(TorchFunctionMode):
@@ -181,7 +114,7 @@ class Recorder(TorchFunctionMode):
 
     # --- bookkeeping --------------------------------------------------------------------------------
     def _hits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tracked]:
-        return [t for t in map(self.tracked, _tensors(args, kwargs)) if t is not None]
+        return [t for t in map(self.tracked, tensors(args, kwargs)) if t is not None]
 
     def _refuse(self, hits: list[Tracked], reason: str) -> None:
         for hit in hits:
@@ -194,13 +127,13 @@ class Recorder(TorchFunctionMode):
     def _parameter_only(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Every tensor operand is a (view of a) parameter or a constant: nothing from the batch."""
         return all(self.tracked(t) is not None or (not self.derived(t) and not t.requires_grad)
-                   for t in _tensors(args, kwargs))
+                   for t in tensors(args, kwargs))
 
     def _on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call on parameters and constants alone: the view its rule makes of it where there is one (an embedding
         looked up with position ids), else its outputs tracked as :class:`Derived`."""
         out = func(*args, **kwargs)
-        if not any(o.requires_grad for o in _outputs(out)):
+        if not any(o.requires_grad for o in outputs(out)):
             return out
         handler = RULES.get(func)
         if handler is not None:
@@ -214,39 +147,28 @@ class Recorder(TorchFunctionMode):
         return out
 
     def _derive(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Track each output of a computation on parameters alone as a :class:`Derived` (registry): the operation is
-        run again on detached copies of its parameter operands, for its local Jacobian; one that does not give the
-        same numbers again (random draws: dropout on a weight) is refused."""
+        """Track each output of a computation on parameters alone as a :class:`Derived`; one that does not give the
+        same numbers when run again (random draws: dropout on a weight) is refused."""
         sources: dict[int, tuple[torch.Tensor, Tracked]] = {}
-        for t in _tensors(args, kwargs):
+        for t in tensors(args, kwargs):
             tracked = self.tracked(t)
             if tracked is not None:
                 sources.setdefault(id(t), (t, tracked))
-        leaves = {key: t.detach().requires_grad_(True) for key, (t, _) in sources.items()}
-
-        def swap(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and id(value) in leaves and sources[id(value)][0] is value:
-                return leaves[id(value)]
-            if isinstance(value, (list, tuple)):
-                return type(value)(swap(v) for v in value)
-            return value
-
-        with torch.enable_grad():
-            local = _outputs(func(*(swap(a) for a in args), **{k: swap(v) for k, v in kwargs.items()}))
-        recorded = _outputs(out)
         name = function_name(func)
-        if len(local) != len(recorded) or not all(torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded)):
+        again = run_on_leaves(func, args, kwargs, out, {key: t for key, (t, _) in sources.items()})
+        if again is None:
             self._refuse([tracked for _, tracked in sources.values()], f"{name} on parameters gives other numbers when run "
                          "again (random draws)")
             return
+        local, leaves = again
         params: list[nn.Parameter] = []
         for _, tracked in sources.values():
             node = self._nodes.get(id(tracked.param))
             params += node.params if node is not None else [tracked.param]
         params = list({id(p): p for p in params}.values())
-        for o, again in zip(recorded, local):
+        for o, recomputed in zip(outputs(out), local):
             if o.requires_grad:
-                node = Derived(o, list(sources.values()), params, again, list(leaves.values()), name)
+                node = Derived(o, list(sources.values()), params, recomputed, leaves, name)
                 self.derived_nodes.append(node)
                 self._nodes[id(o)] = node
                 self._track(o, Tracked(o))  # type: ignore[arg-type]
@@ -270,10 +192,10 @@ class Recorder(TorchFunctionMode):
         if examples.stride(0) == 1 and all(s == 0 for s in examples.stride()[1:]) and examples.storage_offset() == 0 \
                 and examples.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr():
             return True
-        core = _core(examples)
-        if core.shape[0] != self.batch:
+        values = core(examples)
+        if values.shape[0] != self.batch:
             return False
-        return torch.equal(core, self._base.view(self.batch, *[1] * (core.dim() - 1)).expand_as(core))
+        return torch.equal(values, self._base.view(self.batch, *[1] * (values.dim() - 1)).expand_as(values))
 
     def _source_examples(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
         """(whether t's batch is known, its example map): an entry's, or that of a batch-first tensor."""
@@ -304,20 +226,20 @@ class Recorder(TorchFunctionMode):
         known, examples = self._source_examples(source)
         if not known:
             if self._entry(source)[0]:  # lost before: lost after
-                for o in _outputs(out):
+                for o in outputs(out):
                     self._keep_examples(o, None)
             return
         try:
             if func in IDENTITY_VIEWS:
                 mapped = [examples]
-            elif func in _ROW_RESHAPES and isinstance(out, torch.Tensor) and out.dim() >= 1 \
+            elif func in ROW_RESHAPES and isinstance(out, torch.Tensor) and out.dim() >= 1 \
                     and out.shape[-1] == source.shape[-1] and examples.stride(-1) == 0:  # the rows, in order
                 mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
             else:
-                mapped = _outputs(apply_view(func, examples, args, kwargs))
+                mapped = outputs(apply_view(func, examples, args, kwargs))
         except (RuntimeError, TypeError, IndexError, ValueError):
             mapped = []
-        for k, o in enumerate(_outputs(out)):
+        for k, o in enumerate(outputs(out)):
             self._keep_examples(o, mapped[k] if k < len(mapped) else None)
 
     def _follow_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -326,22 +248,21 @@ class Recorder(TorchFunctionMode):
         output that takes none is marked lost (no rule may then assume where its batch is)."""
         if not self._examples or self.batch == 1:
             return
-        tensors = list(_tensors(args, kwargs))
-        entries = [(t, self._entry(t)) for t in tensors]
+        entries = [(t, self._entry(t)) for t in tensors(args, kwargs)]
         if not any(known for _, (known, _) in entries):
             return
         maps = [(t, e) for t, (known, e) in entries if known and e is not None]
         maps += [(t, self._source_examples(t)[1]) for t, (known, _) in entries if not known and t.dim() >= 1
                  and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)]
-        for o in _outputs(out):
-            self._keep_examples(o, next((m for m in (_carried(t, e, o) for t, e in maps) if m is not None), None))
+        for o in outputs(out):
+            self._keep_examples(o, next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None))
 
     # --- the mode -----------------------------------------------------------------------------------
     def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = self._dispatch(func, args, kwargs)
-        if any(t in self._derived for t in _tensors(args, kwargs)):
-            for o in _outputs(out):
+        if any(t in self._derived for t in tensors(args, kwargs)):
+            for o in outputs(out):
                 self._derived[o] = True
         return out
 
@@ -357,7 +278,7 @@ class Recorder(TorchFunctionMode):
         self._note_owners(hits)
         if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
             return self._view(func, args, kwargs, hits)
-        if func in _OUT_OF_PLACE:
+        if func in OUT_OF_PLACE:
             return self._in_place(func, args, kwargs, hits)
         if self._parameter_only(args, kwargs):
             return self._on_parameters(func, args, kwargs)
@@ -365,11 +286,11 @@ class Recorder(TorchFunctionMode):
             return self._per_example_copies(func, args, kwargs, hits)
         handler = RULES.get(func)
         if handler is None:
-            if isinstance(func, types.FunctionType) and func.__module__ in _COMPOSITE_MODULES:
+            if is_composite(func):
                 with self:
-                    return _reentered(func)(*args, **kwargs)
+                    return reentered(func)(*args, **kwargs)
             out = func(*args, **kwargs)
-            if any(o.requires_grad for o in _outputs(out)):
+            if any(o.requires_grad for o in outputs(out)):
                 self._refuse(hits, f"{function_name(func)} has no rule")
             return out
         return self._ruled(func, handler, args, kwargs, hits)
@@ -378,23 +299,23 @@ class Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         source = self.tracked(args[0]) if args else None
         if source is None or len(hits) != 1:
-            if any(o.requires_grad for o in _outputs(out)):
+            if any(o.requires_grad for o in outputs(out)):
                 self._refuse(hits, f"{function_name(func)} of a parameter with another operand has no rule")
             return out
         if func in IDENTITY_VIEWS:
-            for o in _outputs(out):
+            for o in outputs(out):
                 if o.shape == source.shape():
                     self._track(o, source)
             return out
         mapped = apply_view(func, source.flat_index(), args, kwargs)
-        for o, index in zip(_outputs(out), _outputs(mapped)):
+        for o, index in zip(outputs(out), outputs(mapped)):
             if o.shape == index.shape:
                 self._track(o, Tracked(source.param, index, source.shared))
         return out
 
     def _ruled(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         out = func(*args, **kwargs)
-        if not any(o.requires_grad for o in _outputs(out)):
+        if not any(o.requires_grad for o in outputs(out)):
             return out
         self._follow_rows(args, kwargs, out)
         result = self._apply(func, handler, args, kwargs, out, hits)
@@ -408,38 +329,33 @@ class Recorder(TorchFunctionMode):
         """A broadcasting function (:mod:`dpml.train.rules.broadcast`) called with each parameter view that every
         example shares replaced by its copy per index of the batch operand's first dimension, S_b (recorded: the
         rows of its gradient, added up per example, are the examples' gradients)."""
-        batch_operand, owners = next(((t, o) for t in _tensors(args, kwargs) if self.tracked(t) is None
+        batch_operand, owners = next(((t, o) for t in tensors(args, kwargs) if self.tracked(t) is None
                                       for o in [self._leading_examples(t)] if o is not None), (None, self._base))
-        copies: dict[int, tuple[torch.Tensor, Tracked]] = {}
-        for t in _tensors(args, kwargs):
+        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(t) -> (t, its per-row copy)
+        views: dict[int, Tracked] = {}
+        for t in tensors(args, kwargs):
             tracked = self.tracked(t)
             if tracked is None or batch_operand is None or t.dim() > batch_operand.dim() or id(t) in copies:
                 continue
             padded = (1,) * (batch_operand.dim() - t.dim()) + tuple(t.shape)
             view = view_per_example(tracked, padded, batch_operand.shape[0])
             if view is not None:
-                copies[id(t)] = (t.reshape(padded).expand(batch_operand.shape[0], *padded[1:]).clone(), view)
-
-        def swap(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and id(value) in copies and copies[id(value)][0] is not value:
-                return copies[id(value)][0]
-            if isinstance(value, (list, tuple)):
-                return type(value)(swap(v) for v in value)
-            return value
-
-        args, kwargs = tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+                copies[id(t)] = (t, t.reshape(padded).expand(batch_operand.shape[0], *padded[1:]).clone())
+                views[id(t)] = view
+        args, kwargs = substituted(args, kwargs, copies)
         out = func(*args, **kwargs)
         self._follow_rows(args, kwargs, out)
-        if not any(o.requires_grad for o in _outputs(out)):
+        if not any(o.requires_grad for o in outputs(out)):
             return out
         name = function_name(func)
-        for copy, view in copies.values():
+        for key, (_, copy) in copies.items():
+            view = views[key]
             def finish(d: torch.Tensor, view: Tracked = view) -> list[tuple[Tracked, Dense]]:
                 return [(view, Dense(per_example(d.reshape(d.shape[0], *view.shape()), owners, self.batch)))]
 
             self.pending.append(Pending(copy, [view.param], finish, name))  # type: ignore[arg-type]
             self.versions.append((copy, copy._version))
-        covered = {id(v.param) for _, v in copies.values()}
+        covered = {id(v.param) for v in views.values()}
         reason = "no batch-first operand" if batch_operand is None else "an operand not broadcast over the batch"
         self._refuse([h for h in hits if id(h.param) not in covered], f"{name}: {reason}")
         return out
@@ -462,7 +378,7 @@ class Recorder(TorchFunctionMode):
     def _in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         """``h += pos``, ``h.mul_(scale)``: the out-of-place operation on a copy of h, whose result (recorded: no
         later in-place operation reaches it) is then copied into h, so h is modified in place as written."""
-        plain = _OUT_OF_PLACE[func]
+        plain = OUT_OF_PLACE[func]
         target = args[0]
         if not isinstance(target, torch.Tensor) or self.tracked(target) is not None:
             out = func(*args, **kwargs)

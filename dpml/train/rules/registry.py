@@ -82,24 +82,6 @@ class Pending:
     operation: str = ""  # the function's name (set by the recorder)
 
 
-@dataclass(eq=False)
-class Derived:
-    """The output of a computation on parameters alone (no operand from the batch): a weight formed by its
-    parametrization (``weight_norm``'s g·v/‖v‖), a bias concatenated with constants, a position table
-    interpolated. The recorder tracks ``output`` as if it were a parameter; the per-example gradients its
-    uses give, (B, *output.shape), are pulled back to ``sources`` through the operation's own Jacobian (one
-    batched vector-Jacobian product on ``local``, the operation run again on detached copies of the sources,
-    ``leaves``: the local derivative, so that a source computed from another source of the same operation is
-    not counted twice), and become uses of the parameters — or of the Derived outputs the sources are."""
-
-    output: torch.Tensor
-    sources: list[tuple[torch.Tensor, Tracked]]  # the operands that are parameters or their views (or Derived outputs)
-    params: list[nn.Parameter]  # the parameters it depends on, through other Derived outputs too
-    local: torch.Tensor  # the same output from ``leaves`` (checked equal to ``output`` when recorded)
-    leaves: list[torch.Tensor]  # detached copies of the sources' tensors, requiring gradient
-    operation: str = ""
-
-
 @dataclass
 class Shared:
     """The call's outputs are views of a parameter shared by every example (tracked, not yet a use)."""

@@ -24,6 +24,7 @@ from dpml.train.clipless import (GradientBounds, LossClipping, clipless_bounds, 
                                  train_clipless)
 from dpml.train.dpsgd import GradientCanaries, TrainResult, loss_function, make_optimizer
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors, refuse_canaries
+from dpml.train.search_pricing import poisson_gaussian_search_plan, random_count_relation_problems
 from dpml.train.trainers.dpsgd import calibrated_sigma, exactly_one_noise_setting
 
 if TYPE_CHECKING:
@@ -170,8 +171,6 @@ class Clipless(Trainer):
         return sigma * math.sqrt(layer_count(config)) if per_layer_noise(config) else sigma
 
     def search_problems(self, config: Config) -> list[str]:
-        from dpml.train.search import random_count_relation_problems
-
         problems = random_count_relation_problems(config)
         if per_layer_noise(config) or loss_clipping_of(config) is not None:
             problems.append("train.clipless_noise / train.loss_clip_quantile: dpml tune prices clipless candidates as "
@@ -180,9 +179,7 @@ class Clipless(Trainer):
         return problems
 
     def search_plan(self, config: Config, n_fit: int, n_total: int) -> SearchPlan:
-        from dpml.train.search import poisson_gaussian_search_plan
-
-        return poisson_gaussian_search_plan(config, n_fit, n_total)
+        return poisson_gaussian_search_plan(self, config, n_fit, n_total)
 
 
 CLIPLESS = Clipless()

@@ -22,6 +22,7 @@ from dpml.train.distributed import Collective, check_world_size, process_device
 from dpml.train.dpsgd import (AUTOCAST, GradientCanaries, TrainResult, dpsgd_mechanism, loss_function, make_optimizer,
                               number_of_steps, train_dpsgd)
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors
+from dpml.train.search_pricing import poisson_gaussian_search_plan, random_count_relation_problems
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -131,14 +132,10 @@ class DpSgd(Trainer):
         return config.model.kind != "random_features"
 
     def search_problems(self, config: Config) -> list[str]:
-        from dpml.train.search import random_count_relation_problems
-
         return random_count_relation_problems(config)
 
     def search_plan(self, config: Config, n_fit: int, n_total: int) -> SearchPlan:
-        from dpml.train.search import poisson_gaussian_search_plan
-
-        return poisson_gaussian_search_plan(config, n_fit, n_total)
+        return poisson_gaussian_search_plan(self, config, n_fit, n_total)
 
 
 def fit_one_process(collective: Collective, trainer: DpSgd, config: Config, x: np.ndarray, y: np.ndarray,

@@ -21,6 +21,7 @@ from dpml.sections import Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult, loss_function
 from dpml.train.noisycgd import NoisyCgdSettings, noisycgd_mechanism, train_noisycgd
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors, refuse_canaries
+from dpml.train.search_pricing import calibrate_base_mu, check_candidates, noisycgd_search_mechanism
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -130,11 +131,9 @@ class NoisyCgd(Trainer):
     def release_config(self, config: Config, train_metrics: dict[str, Any]) -> Config:
         """With λ calibrated, the released model's λ (so the audit's reference models train with it, as
         DP-SGD's train with its σ)."""
-        from dpml.config import with_hyperparameters
-
         if config.noisycgd.l2 is not None or "train_l2" not in train_metrics:
             return config
-        return with_hyperparameters(config, {"noisycgd.l2": train_metrics["train_l2"], "dp.target_epsilon": None})
+        return config.with_hyperparameters({"noisycgd.l2": train_metrics["train_l2"], "dp.target_epsilon": None})
 
     # --- dpml tune (seed 001 §5) -----------------------------------------------------------------
     def search_problems(self, config: Config) -> list[str]:
@@ -149,21 +148,18 @@ class NoisyCgd(Trainer):
 
     def search_plan(self, config: Config, n_fit: int, n_total: int) -> SearchPlan:
         """σ, b and E fixed; the largest μ_base meeting the target for the whole search; every candidate checked."""
-        from dpml.train.search import calibrate_base_mu, check_candidates, noisycgd_search_mechanism
-
-        base_mu = calibrate_base_mu(config, n_fit, n_total)
-        plan = SearchPlan(noisycgd_search_mechanism(config, n_fit, n_total, base_mu), config.dp.noise_multiplier, base_mu)
+        base_mu = calibrate_base_mu(self, config, n_fit, n_total)
+        plan = SearchPlan(noisycgd_search_mechanism(self, config, n_fit, n_total, base_mu), config.dp.noise_multiplier,
+                          base_mu)
         check_candidates(self, config, plan, n_fit)
         return plan
 
     def candidate_config(self, config: Config, chosen: dict[str, Any], plan: SearchPlan, n_fit: int) -> Config:
         """The drawn hyperparameters, with λ calibrated so the candidate's Theorem 2.8 μ is μ_base."""
-        from dpml.config import with_hyperparameters
-
         assert plan.base_mu is not None
-        drawn = with_hyperparameters(config, chosen)
+        drawn = config.with_hyperparameters(chosen)
         assert drawn.dp.noise_multiplier is not None
         l2 = calibrate_l2_for_mu(plan.base_mu, drawn.dp.noise_multiplier, drawn.train.learning_rate,
                                  smoothness_bound(drawn.model.gates, drawn.preprocess.clip_norm, drawn.train.loss),
                                  -(-n_fit // drawn.noisycgd.batch_size), int(drawn.train.epochs))
-        return with_hyperparameters(drawn, {"noisycgd.l2": l2, "dp.target_epsilon": None})
+        return drawn.with_hyperparameters({"noisycgd.l2": l2, "dp.target_epsilon": None})

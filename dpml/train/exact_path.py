@@ -1,0 +1,47 @@
+"""The exact path of the clipping engine: each example's gradient by autograd itself, for the parameters no
+layer shortcut or operation rule covers, and the parameters a pass's loss never reaches (whose per-example
+gradients are zero without any backward pass)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def exact_per_example_gradients(losses: torch.Tensor, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """∇_p ℓ_i for every example i and named parameter p, each (B, *p.shape), from one forward pass.
+
+    The B rows of the identity are backpropagated at once (a vmap over the backward pass); where an
+    operator has no batching rule torch loops internally, and where the batched pass fails altogether
+    the examples are taken one by one. Either way each row is exactly autograd's ∂ℓ_i/∂p. The graph is
+    kept (the fast layers' backward pass follows)."""
+    if not params:
+        return {}
+    batch, tensors = losses.shape[0], list(params.values())
+    try:
+        grads = torch.autograd.grad(losses, tensors, grad_outputs=torch.eye(batch, dtype=losses.dtype, device=losses.device),
+                                    is_grads_batched=True, retain_graph=True, allow_unused=True)
+    except RuntimeError:
+        rows = [torch.autograd.grad(losses[i], tensors, retain_graph=True, allow_unused=True) for i in range(batch)]
+        grads = tuple(torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows]) if batch else
+                      p.new_zeros((0, *p.shape)) for k, p in enumerate(tensors))
+    return {name: (p.new_zeros((batch, *p.shape)) if g is None else g) for (name, p), g in zip(params.items(), grads)}
+
+
+def unreached_parameters(losses: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str]:
+    """The named parameters the losses' autograd graph does not reach (a mask token used only when a mask is
+    passed, a head this forward pass skips): their per-example gradients are exactly zero."""
+    if not params or losses.grad_fn is None:
+        return list(params)
+    reached: set[int] = set()
+    stack, visited = [losses.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor of the graph
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return [n for n, p in params.items() if id(p) not in reached]

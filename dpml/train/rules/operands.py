@@ -1,0 +1,99 @@
+"""The operands and outputs of a torch call as the recorder (:mod:`dpml.train.rules.recorder`) walks them: the
+tensors among the arguments, the tensors of an output, how an example map is carried to an output, the view
+operations replayed on index tensors, and Python composites run again under the mode."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
+_NO_DISPATCH = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+_REENTERED: dict[Any, types.FunctionType] = {}
+
+
+def is_composite(func: Any) -> bool:
+    """A Python function of ``torch.nn.functional`` (or ``torch.functional``), run again under the mode when
+    no rule covers it (:func:`reentered`)."""
+    return isinstance(func, types.FunctionType) and func.__module__ in COMPOSITE_MODULES
+
+
+def reentered(func: types.FunctionType) -> types.FunctionType:
+    """``func`` without its own torch-function dispatch (so its body runs under the mode, whose
+    operations are then seen one by one)."""
+    if func not in _REENTERED:
+        scope = dict(func.__globals__)
+        for name in _NO_DISPATCH:
+            scope[name] = lambda *args, **kwargs: False
+        copy = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+        copy.__kwdefaults__ = func.__kwdefaults__
+        _REENTERED[func] = copy
+    return _REENTERED[func]
+
+
+def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def outputs(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return []
+
+
+OUT_OF_PLACE = {torch.Tensor.add_: torch.Tensor.add, torch.Tensor.sub_: torch.Tensor.sub, torch.Tensor.mul_: torch.Tensor.mul,
+                 torch.Tensor.__iadd__: torch.Tensor.add, torch.Tensor.__isub__: torch.Tensor.sub,
+                 torch.Tensor.__imul__: torch.Tensor.mul}
+
+
+def carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
+    """t's example map carried to ``out``: same shape, all but the last dimension kept (the map being the
+    same along it), or broadcast."""
+    if examples is None:
+        return None
+    if out.shape == t.shape:
+        return examples
+    if out.dim() == t.dim() and out.shape[:-1] == t.shape[:-1] and examples.stride(-1) == 0:
+        return examples[..., :1].expand(out.shape)
+    if out.dim() >= t.dim() and all(a == b or a == 1 for a, b in zip(t.shape[::-1], out.shape[::-1])):
+        return examples.expand(out.shape)
+    return None
+
+
+def core(t: torch.Tensor) -> torch.Tensor:
+    """t without its broadcast dimensions (stride 0, kept with size 1): what its values are."""
+    return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
+
+
+ROW_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
+                 torch.Tensor.unflatten, torch.Tensor.view_as, torch.Tensor.reshape_as}
+_RESHAPE_FOR_INDEX = {torch.Tensor.view: torch.Tensor.reshape}
+
+
+def apply_view(func: Any, index: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The view operation ``func`` applied to an index tensor in place of its first operand (``view``
+    as ``reshape``: an index tensor need not be contiguous where the viewed tensor was)."""
+    return _RESHAPE_FOR_INDEX.get(func, func)(index, *args[1:], **kwargs)
+
+
+def substituted(args: tuple[Any, ...], kwargs: dict[str, Any],
+                replacements: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's operands with each tensor t (found by ``id``, checked by identity) replaced by
+    ``replacements[id(t)][1]``, inside lists and tuples too."""
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in replacements and replacements[id(value)][0] is value:
+            return replacements[id(value)][1]
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
