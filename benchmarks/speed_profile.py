@@ -97,7 +97,7 @@ def profile(model_name: str, batch: int, repeats: int, device: str = "cpu") -> l
     fast = [m for m in model.modules() if is_fast(m)]
 
     def forward_backward_to_outputs() -> None:
-        recording = _record_forward(model, per_example_cross_entropy, x, y, fast, copy=False)
+        recording = _record_forward(model, per_example_cross_entropy, x, y, fast, [], frozenset())
         torch.autograd.grad(recording.losses.sum(), [output for m in fast for _, output in recording.calls[m]])
 
     def clipping() -> None:

@@ -34,12 +34,12 @@ from pydantic import Field, ValidationError, create_model, field_validator, mode
 from dpml.data.schema import SKLEARN_BUNDLED, VERBATIM_KEYS, VERBATIM_VALUES, DataConfig, default_model_name
 from dpml.params_yaml import MAX_BYTES, MAX_NODES, YamlError, dotted, load_yaml
 from dpml.routing import RoutingError, resolve_tracking
-from dpml.sections import (BOOLEAN_FOR_NUMBER, TUNABLE_KEYS, AttackName, AuditConfig, DpConfig, GateConfig,
+from dpml.sections import (BOOLEAN_FOR_NUMBER, TUNABLE_KEYS, AuditConfig, DpConfig, GateConfig,
                            ModelConfig, PreprocessConfig, Section, SplitConfig, TrainSettings, TuneConfig)
 from dpml.sections_stores import LedgerConfig, PathsConfig, TrackingConfig
 from dpml.train.registry import TRAINERS, trainer_for
 
-__all__ = ["SKLEARN_BUNDLED", "TUNABLE_KEYS", "AttackName", "AuditConfig", "Config", "ConfigError", "DataConfig",
+__all__ = ["SKLEARN_BUNDLED", "TUNABLE_KEYS", "AuditConfig", "Config", "ConfigError", "DataConfig",
            "DpConfig", "GateConfig", "LedgerConfig", "ModelConfig", "PathsConfig", "PreprocessConfig", "SplitConfig",
            "TrackingConfig", "TrainSettings", "TuneConfig", "apply_overrides", "check_tunable", "load", "validate",
            "with_hyperparameters"]

@@ -16,6 +16,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from dpml.audit.attacks import ATTACKS
+
 
 class Section(BaseModel):
     """A frozen section that rejects unknown keys, and numbers that are not numbers.
@@ -259,9 +261,6 @@ class DpConfig(Section):
 
 
 
-AttackName = Literal["loss", "lira-online", "lira-offline", "lira-online-per-example", "rmia-online", "rmia-offline"]
-
-
 class AuditConfig(Section):
     """Membership-inference audit of the trained model, its positive control and one-run audits.
 
@@ -282,8 +281,8 @@ class AuditConfig(Section):
     reconstruction_max_train: int = Field(300, gt=0)
     reconstruction_restarts: int = Field(8, gt=0)
     reconstruction_steps: int = Field(500, gt=0)
-    attacks: list[AttackName] = Field(default_factory=lambda: ["loss", "lira-online", "lira-offline",
-                                                                 "rmia-online", "rmia-offline"])
+    attacks: list[str] = Field(default_factory=lambda: ["loss", "lira-online", "lira-offline", "rmia-online",
+                                                        "rmia-offline"])
     references: int = Field(4, ge=0, le=256)
     max_records: int = Field(2000, gt=0)
     seed: int = 0
@@ -309,13 +308,26 @@ class AuditConfig(Section):
     workers: int = Field(2, ge=1)
     dask_address: str | None = None
 
+    @field_validator("attacks")
+    @classmethod
+    def _registered_attacks(cls, names: list[str]) -> list[str]:
+        """Each name is a registered attack (:data:`dpml.audit.attacks.ATTACKS`: the built-in ones and any a plugin
+        registered)."""
+        for index, name in enumerate(names):
+            if name not in ATTACKS:
+                raise ValueError(f"{name!r} (item {index}): unknown attack; registered: {', '.join(ATTACKS)} "
+                                 "(an attack of your own: register it in a module listed under plugins:)")
+        return names
+
     @model_validator(mode="after")
     def _attacks_have_references(self) -> "AuditConfig":
         if not self.attacks:
             raise ValueError("audit.attacks: name at least one attack")
-        needing = [a for a in self.attacks if a != "loss"]
+        needing = [a for a in self.attacks if ATTACKS[a].needs_references]
         if needing and self.references < 1:
-            raise ValueError(f"audit.references = 0 but attacks {needing} need reference models (use ≥ 1, or only loss)")
+            alone = [name for name, kind in ATTACKS.items() if not kind.needs_references]
+            raise ValueError(f"audit.references = 0 but attacks {needing} need reference models (use ≥ 1, or only "
+                             f"{', '.join(alone)})")
         return self
 
 

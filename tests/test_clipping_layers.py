@@ -279,6 +279,60 @@ def test_in_place_activation_after_a_fast_layer(groups: int | None, vmapped: lis
     assert vmapped == []
 
 
+class Residual(nn.Module):
+    """Conv → GroupNorm → ReLU(inplace) → Conv → GroupNorm, ``out += x`` in place, ReLU(inplace): ResNet's block,
+    whose norms' recorded outputs the in-place operations overwrite. ``extra``: one more in-place ReLU on the
+    first convolution's output, for a pass that goes another way than the earlier ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1)
+        self.norm1, self.norm2 = nn.GroupNorm(1, 2), nn.GroupNorm(2, 2)
+        self.out = nn.Linear(2 * 4 * 4, 3)
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(x)
+        if self.extra:
+            h = torch.relu_(h)
+        h = torch.relu_(self.norm1(h))
+        h = self.norm2(self.conv2(h))
+        h += x
+        return self.out(torch.relu_(h).flatten(1))
+
+
+def test_a_model_that_overwrites_its_outputs_is_copied_where_it_did_in_one_forward_pass_after_the_first() -> None:
+    """The first pass finds the overwritten outputs and runs the forward pass again with copies; later passes
+    copy just those from the start (one forward pass); a pass that overwrites another output is found and redone,
+    so every pass matches the per-example loop."""
+    torch.manual_seed(21)
+    model = randomise_affine(Residual()).double()
+    passes = []
+    model.register_forward_pre_hook(lambda module, inputs: passes.append(1))
+    x = torch.randn(10, 2, 4, 4, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    for step, expected in enumerate([2, 1, 1]):
+        passes.clear()
+        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, labels(10), 0.05)
+        assert len(passes) == expected, step
+    learnt = clipping._OVERWRITTEN_OUTPUTS[model]
+    assert learnt and len(learnt) < 5  # the norms' outputs, not every recorded output
+    passes.clear()
+    reference, reference_norms = naive_clipped_sum_and_norms(model, x, labels(10), 0.05)
+    for name in reference:
+        torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
+    model.extra = True  # now conv1's output is overwritten too: found, redone with copies, learnt
+    for expected in (2, 1):
+        passes.clear()
+        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, labels(10), 0.05)
+        assert len(passes) == expected
+    assert clipping._OVERWRITTEN_OUTPUTS[model] > learnt
+    reference, reference_norms = naive_clipped_sum_and_norms(model, x, labels(10), 0.05)
+    for name in reference:
+        torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
+
+
 class TiedLanguageModel(nn.Module):
     """Embedding weight shared with the output layer."""
 

@@ -209,9 +209,10 @@ def test_one_example_contributes_at_most_c(family: str, seed: int) -> None:
 
 
 class LastStage(nn.Module):
-    """A residual network's last convolutions on small images: outputs of 1×1 or 2×2 positions, no more
-    than the 3×3 kernel's taps (the clipped sum then comes from the unfolded patches on a CPU, not from
-    the weight-gradient convolution: ``clipping_conv.clip_weighted_conv_weight``)."""
+    """A residual network's last convolutions on small images: outputs of 1×1 or 2×2 positions (at one position
+    the clipped sum comes, on a CPU, from one product over the kernel taps that read the input, not from the
+    weight-gradient convolution: ``clipping_conv.clip_weighted_conv_weight``; 1×1 maps under a 3×3 kernel,
+    dilated or not, leave most taps on padding)."""
 
     def __init__(self, stride: int, dilation: int, bias: bool) -> None:
         super().__init__()

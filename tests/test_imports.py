@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                      "dpml.progress", "dpml.params_yaml", "dpml.cli_help", "dpml.review_view", "dpml.tracking_dataset",
                      "dpml.routing")),
     ("models", ("dpml.models",)),
+    ("attack statistics", ("dpml.audit.attacks", "dpml.audit.signals")),
     ("settings", ("dpml.sections", "dpml.sections_stores")),
     ("data", ("dpml.data",)),
     ("privacy", ("dpml.privacy",)),

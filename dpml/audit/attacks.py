@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -114,3 +115,61 @@ def rmia_attack(inputs: AttackInputs, online: bool = True, a: float = 0.3, gamma
 
 
 Attack = Callable[[AttackInputs], np.ndarray]
+
+
+@dataclass(frozen=True)
+class AttackKind:
+    """One membership-inference attack as the audit runs it: its name in ``audit.attacks``, whether it needs
+    reference models (the audit then trains ``audit.references`` of them per target; a configuration that
+    names it with ``references: 0`` is refused) and its scores, higher = "member", from the inputs and the
+    ``audit`` section (for settings of its own, such as RMIA's ``rmia_a``)."""
+
+    name: str
+    needs_references: bool
+    scores: Callable[[AttackInputs, Any], np.ndarray]
+
+
+ATTACKS: dict[str, AttackKind] = {}
+
+
+def register_attack(kind: AttackKind) -> AttackKind:
+    """Add an attack under its name (a plugin module listed under ``plugins:`` calls this before the
+    configuration is validated); a second attack of the same name is refused."""
+    registered = ATTACKS.get(kind.name)
+    if registered is not None and not _same_attack(registered, kind):
+        raise ValueError(f"an attack named {kind.name!r} is already registered")
+    ATTACKS[kind.name] = kind
+    return kind
+
+
+def _same_attack(registered: AttackKind, new: AttackKind) -> bool:
+    """The same attack loaded again (a plugin module imported under a second name) replaces itself."""
+    def origin(kind: AttackKind) -> tuple[str, str | None]:
+        code = getattr(kind.scores, "__code__", None)
+        return getattr(kind.scores, "__qualname__", ""), None if code is None else code.co_filename
+    return registered == new or (origin(registered) == origin(new) and origin(new)[1] is not None)
+
+
+def _loss(inputs: AttackInputs, audit: Any) -> np.ndarray:
+    return loss_attack(inputs)
+
+
+def _lira(online: bool, variance: str) -> Callable[[AttackInputs, Any], np.ndarray]:
+    def scores(inputs: AttackInputs, audit: Any) -> np.ndarray:
+        return lira_attack(inputs, online=online, variance=variance)
+    return scores
+
+
+def _rmia(online: bool) -> Callable[[AttackInputs, Any], np.ndarray]:
+    def scores(inputs: AttackInputs, audit: Any) -> np.ndarray:
+        return rmia_attack(inputs, online=online, a=audit.rmia_a, gamma=audit.rmia_gamma)
+    return scores
+
+
+for _kind in (AttackKind("loss", False, _loss),
+              AttackKind("lira-online", True, _lira(True, "global")),
+              AttackKind("lira-offline", True, _lira(False, "global")),
+              AttackKind("lira-online-per-example", True, _lira(True, "per-example")),
+              AttackKind("rmia-online", True, _rmia(True)),
+              AttackKind("rmia-offline", True, _rmia(False))):
+    register_attack(_kind)

@@ -32,16 +32,8 @@ from dpml.train.registry import NONPRIVATE, trainer_for
 
 
 def attack_functions(config: AuditConfig) -> dict[str, atk.Attack]:
-    """The configured attacks with their parameters bound."""
-    table: dict[str, atk.Attack] = {
-        "loss": atk.loss_attack,
-        "lira-online": partial(atk.lira_attack, online=True, variance="global"),
-        "lira-offline": partial(atk.lira_attack, online=False, variance="global"),
-        "lira-online-per-example": partial(atk.lira_attack, online=True, variance="per-example"),
-        "rmia-online": partial(atk.rmia_attack, online=True, a=config.rmia_a, gamma=config.rmia_gamma),
-        "rmia-offline": partial(atk.rmia_attack, online=False, a=config.rmia_a, gamma=config.rmia_gamma),
-    }
-    return {name: table[name] for name in config.attacks}
+    """The configured attacks (:data:`dpml.audit.attacks.ATTACKS`) with the audit section's settings bound."""
+    return {name: partial(atk.ATTACKS[name].scores, audit=config) for name in config.attacks}
 
 
 @dataclass(frozen=True)
@@ -71,7 +63,7 @@ def subject_config(config: Config, kind: str) -> Config:
 
 
 def needs_references(config: Config) -> bool:
-    return any(name != "loss" for name in config.audit.attacks)
+    return any(atk.ATTACKS[name].needs_references for name in config.audit.attacks)
 
 
 def ensure_references(records: AuditRecords, n_classes: int, data_version: str,

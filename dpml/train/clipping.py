@@ -38,6 +38,7 @@ so per-example clipping would not bound one example's influence (use GroupNorm o
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Union
@@ -70,7 +71,7 @@ class _Recording:
     losses: torch.Tensor
     calls: dict[nn.Module, list[Call]]
     recorder: Recorder
-    overwritten: bool  # some recorded output was modified in place after it was made
+    overwritten: frozenset[tuple[str, int]]  # the recorded outputs modified in place after they were made
 
 
 def per_example_losses(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -93,15 +94,18 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 
 
 def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, layers: list[nn.Module],
-                    ruled: list[nn.Parameter], copy: bool) -> _Recording:
+                    ruled: list[nn.Parameter], copies: frozenset[tuple[str, int]] | None) -> _Recording:
     """Per-example losses, with forward hooks on ``layers`` and the operations on the parameters ``ruled``
-    recorded (:class:`dpml.train.rules.Recorder`). With ``copy`` the hooks and the rules pass a copy of each
-    output on, so that in-place operations later in the forward pass (``ReLU(inplace=True)``) leave
-    the recorded output, whose gradient is δ, out of the graph's rewrites."""
+    recorded (:class:`dpml.train.rules.Recorder`). The hooks and the rules pass a copy of the outputs named in
+    ``copies`` on (``("layer", k)``: the k-th hooked call's output; ``("rule", j)``: the j-th ruled call's;
+    None: every output), so that in-place operations later in the forward pass (``ReLU(inplace=True)``,
+    ``out += identity``) leave the recorded output, whose gradient is δ, out of the graph's rewrites; the
+    recording says which recorded outputs were modified in place all the same."""
     calls: dict[nn.Module, list[Call]] = {}
     versions: list[tuple[torch.Tensor, int]] = []
     owners = {id(p): m for m in layers for p in layer_parameters(m)}
-    recorder = Recorder(ruled, x.shape[0], copy, owners, x.device, x)
+    recorder = Recorder(ruled, x.shape[0], None if copies is None else {j for kind, j in copies if kind == "rule"},
+                        owners, x.device, x)
 
     def enter(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         recorder.stack.append(module)
@@ -112,7 +116,7 @@ def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
             recorder.unbatched.add(module)
         calls.setdefault(module, []).append((inputs[0].detach(), output))
         versions.append((output, output._version))
-        return output.clone() if copy else None
+        return output.clone() if copies is None or ("layer", len(versions) - 1) in copies else None
 
     handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
     try:
@@ -121,8 +125,17 @@ def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
     finally:
         for handle in handles:
             handle.remove()
-    overwritten = any(output._version != version for output, version in versions + recorder.versions)
-    return _Recording(losses, calls, recorder, overwritten)
+    hooked = {id(output) for output, _ in versions}  # a ruled output that is a layer's: the layer's copy suffices
+    overwritten = {("layer", k) for k, (output, version) in enumerate(versions) if output._version != version}
+    overwritten |= {("rule", j) for j, (output, version) in enumerate(recorder.versions)
+                    if output._version != version and id(output) not in hooked}
+    return _Recording(losses, calls, recorder, frozenset(overwritten))
+
+
+# The recorded outputs a model's forward pass modified in place (ReLU(inplace=True) after a norm, ``out += x``), by
+# their place in the pass (:func:`_record_forward`): its later passes copy those from the start instead of running
+# the forward pass a second time with a copy of every output.
+_OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, int]]] = weakref.WeakKeyDictionary()
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:
@@ -282,10 +295,12 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     watched = [p for n, p in params.items() if n not in exact]
     state = _rng_state(x.device)
     with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        recording = _record_forward(model, loss_fn, x, y, candidates, watched, copy=False)
-        if recording.overwritten:
+        copies = _OVERWRITTEN_OUTPUTS.get(model, frozenset())  # learnt from earlier passes: one forward pass
+        recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies)
+        if recording.overwritten:  # (a pass that goes another way than the earlier ones)
+            _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
             _set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
-            recording = _record_forward(model, loss_fn, x, y, candidates, watched, copy=True)
+            recording = _record_forward(model, loss_fn, x, y, candidates, watched, None)
     recorder = recording.recorder
     used = [m for m in candidates if m in recording.calls and _usable(m, recording.calls[m], batch)
             and not any(id(p) in recorder.outside for p in layer_parameters(m)) and m not in recorder.unbatched]

@@ -26,6 +26,7 @@ still active, so the operations inside them meet their rules.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -43,12 +44,13 @@ from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS
 class Recorder(TorchFunctionMode):
     """The mode active during the recording forward pass (module docstring)."""
 
-    def __init__(self, params: list[nn.Parameter], batch: int, copy: bool, owners: dict[int, nn.Module],
-                 device: torch.device, inputs: torch.Tensor) -> None:
+    def __init__(self, params: list[nn.Parameter], batch: int, copy: Collection[int] | None,
+                 owners: dict[int, nn.Module], device: torch.device, inputs: torch.Tensor) -> None:
         super().__init__()
         self._derived = WeakTensorKeyDictionary()  # tensors computed from the batch's inputs
         self._derived[inputs] = True
-        self.batch, self.copy, self.owners = batch, copy, owners
+        self.batch, self.owners = batch, owners
+        self.copy = copy  # the ruled outputs (by their place in ``versions``) passed on as copies; None: all
         self.pending: list[Pending] = []
         self.derived_nodes: list[Derived] = []  # computations on parameters alone, in the order they ran
         self._nodes: dict[int, Derived] = {}  # id(output) -> its node
@@ -319,7 +321,8 @@ class Recorder(TorchFunctionMode):
             return out
         self._follow_rows(args, kwargs, out)
         result = self._apply(func, handler, args, kwargs, out, hits)
-        if result is not None and self.copy and isinstance(out, torch.Tensor):
+        if result is not None and isinstance(out, torch.Tensor) and (self.copy is None
+                                                                     or len(self.versions) - 1 in self.copy):
             copied = out.clone()
             self._follow_rows((out,), {}, copied)
             return copied
