@@ -333,6 +333,38 @@ def test_a_model_that_overwrites_its_outputs_is_copied_where_it_did_in_one_forwa
     torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
 
 
+class ReadsOneToken(nn.Module):
+    """Two Linear layers on (B, T, 6), the second read at its first position only (as a classifier reads [CLS]):
+    the second layer's δ_t is zero at every other position, for every example; the first layer's is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix, self.last, self.out = nn.Linear(6, 6), nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(x))
+        h = h + h.mean(1, keepdim=True)
+        return self.out(torch.tanh(self.last(h))[:, 0])
+
+
+def test_positions_where_no_example_has_a_gradient_are_left_out_and_the_sums_stay_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(22)
+    model = ReadsOneToken().double()
+    x = torch.randn(10, 7, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    kept = []
+    original = clipping_layers.without_silent_positions
+
+    def spy(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = original(a, d)
+        kept.append((d.shape[1], out[1].shape[1]))
+        return out
+
+    monkeypatch.setattr(clipping_layers, "without_silent_positions", spy)
+    assert_matches_naive_loop(model, x, labels(10), 0.05)
+    assert sorted(kept) == [(1, 1), (7, 1), (7, 7)]  # out (one row), last (one position left), mix (all)
+
+
 class TiedLanguageModel(nn.Module):
     """Embedding weight shared with the output layer."""
 

@@ -232,29 +232,45 @@ def materialised_piece(per_example: list[tuple[nn.Parameter, torch.Tensor]], lik
 
 def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: torch.Tensor) -> Piece:
     """Linear / Conv1d / Conv2d: ‖Σ_t δ_t a_tᵀ‖² by ghost norm or materialised (at one position, as a Linear on
-    rows: ‖a‖²‖δ‖², with the bias's ‖δ‖² in the same product), ‖Σ_t δ_t‖², and their clipped sums."""
+    rows: ‖a‖²‖δ‖², with the bias's ‖δ‖² in the same product), ‖Σ_t δ_t‖², and their clipped sums; on a CPU
+    over the positions where some example's δ_t is not zero only (:func:`without_silent_positions`)."""
+    if a.device.type == "cpu":
+        a, d = without_silent_positions(a, d)
     weight, bias, kept = trainable(module.weight), trainable(module.bias), None
+    bias_grads = (d[:, 0] if d.shape[1] == 1 else d.sum(1)) if bias else None  # ∇_b ℓ_i = Σ_t δ_t, (B, d_out)
     if d.shape[1] == 1:
         d_squared = row_norms_squared(d[:, 0])
         squared = d_squared * (row_norms_squared(a[:, 0]) + float(bias)) if weight else d_squared
     else:
-        squared = row_norms_squared(d.sum(1)) if bias else d.new_zeros(d.shape[0])
+        squared = row_norms_squared(bias_grads) if bias_grads is not None else d.new_zeros(d.shape[0])
         if weight:
             weight_squared, kept = weight_norms_squared(a, d)
             squared = squared + weight_squared
 
     def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        weighted = d * factors[:, None, None]
         out = []
         if weight:
             flat = (kept_sum(factors, kept) if kept is not None
-                    else weighted.reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2]))  # (d_out, d_in)
-            out.append((module.weight, flat.reshape(module.weight.shape)))
-        if bias:
-            out.append((module.bias, weighted.sum((0, 1))))  # type: ignore[arg-type]
+                    else (d * factors[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2]))
+            out.append((module.weight, flat.reshape(module.weight.shape)))  # (d_out, d_in)
+        if bias_grads is not None:
+            out.append((module.bias, factors @ bias_grads))  # type: ignore[arg-type]
         return out
 
     return Piece(squared, sums)
+
+
+def without_silent_positions(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, Δ) over positions (B, T, …) without the positions t at which δ_{i,t} = 0 for every example i: they add
+    nothing to any example's Σ_t δ_t a_tᵀ or Σ_t δ_t (a classifier that reads one token: every position but that
+    one in its last block). Dropped where at least half the positions are silent (copying A and Δ costs more than
+    a few positions save). The test reads Δ once; a sync on a GPU, so it is taken on a CPU only."""
+    live = d.flatten(2).any(2).any(0)  # (T,): some example's δ_t has a non-zero entry
+    count = int(live.sum())
+    if 2 * count > d.shape[1]:
+        return a, d
+    index = live.nonzero().squeeze(1) if count else live.new_zeros(1, dtype=torch.int64)
+    return a.index_select(1, index), d.index_select(1, index)
 
 
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
