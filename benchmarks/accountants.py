@@ -56,11 +56,11 @@ def main() -> None:
     for q, sigma, steps in SETTINGS:
         for relation in ("add-remove", "replace-one"):
             m = mechanism(q, sigma, steps, relation)
-            for name, (_, function, _) in accountants.ACCOUNTANTS.items():
+            for name, accountant in accountants.ACCOUNTANTS.items():
                 if name.startswith("papernot_steinke"):
                     continue
                 try:
-                    eps, seconds = timed(lambda: function(m, DELTA), args.repeat)
+                    eps, seconds = timed(lambda: accountant.epsilon(m, DELTA), args.repeat)
                     rows.append({"task": f"ε, q={q:g} σ={sigma:g} T={steps} {relation}", "tool": name,
                                  "seconds": seconds, "epsilon": eps})
                 except Exception as error:  # unsupported relation: reported as such

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dpml.formatting import format_epsilon
-from dpml.privacy.mechanism import ConcentratedDP, Event, GaussianDP, MechanismDescription
+from dpml.privacy.mechanism import ConcentratedDP, Event, GaussianDP, MechanismDescription, PoissonGaussianSteps
 from dpml.privacy import tuning
 from dpml.privacy.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
                                        epsilon_zcdp_closed_form, epsilon_zcdp_rdp, has_zcdp)
@@ -305,45 +305,94 @@ def epsilon_prv_upper(mechanism: MechanismDescription, delta: float) -> float:
     return prv_bounds(mechanism, delta)[2]
 
 
-ACCOUNTANTS: dict[str, tuple[str, Callable[[MechanismDescription, float], float], bool]] = {
-    # name: (distribution providing it, function, counts for the certificate)
-    "gdp.exact": ("scipy", epsilon_gdp_exact, True),
-    "moments_accountant.closed_form": ("scipy", epsilon_moments_closed_form, True),
-    "zcdp.rdp[dp_accounting]": ("dp-accounting", epsilon_zcdp_rdp, True),
-    "zcdp.bun_steinke": ("scipy", epsilon_zcdp_closed_form, True),
-    "autodp.zcdp": ("autodp", epsilon_autodp_zcdp, True),
-    "dp_accounting.pld": ("dp-accounting", epsilon_pld, True),
-    "prv_accountant.prv": ("prv-accountant", epsilon_prv_upper, True),
-    "autodp.rdp": ("autodp", epsilon_autodp_rdp, True),
-    "dp_accounting.rdp": ("dp-accounting", epsilon_dp_accounting_rdp, False),
-    "papernot_steinke.rdp[dp_accounting]": ("dp-accounting", epsilon_selection_dp_accounting, True),
-    "papernot_steinke.rdp[autodp]": ("autodp", epsilon_selection_autodp, True),
-}
+@dataclass(frozen=True)
+class Accountant:
+    """One accountant the certificate asks, shaped like dp_accounting's (an interpreter of mechanism
+    descriptions that says which it supports): ``epsilon(mechanism, δ)``; ``supports(mechanism)``, the
+    descriptions it models (it is asked about those only, so that none answers for what it does not model: a
+    random-count search, a zCDP event); ``certifying``, whether its answer may be the certificate (else a
+    cross-check, recorded beside it); ``distribution``, the package whose version is recorded with its answer."""
+
+    name: str
+    distribution: str
+    epsilon: Callable[[MechanismDescription, float], float]
+    supports: Callable[[MechanismDescription], bool]
+    certifying: bool = True
+
+
+ACCOUNTANTS: dict[str, Accountant] = {}
+
+
+def register_accountant(accountant: Accountant) -> Accountant:
+    """Add an accountant under its name (a plugin module listed under ``plugins:`` calls this); a second one of
+    the same name is refused. Every registered accountant that supports a mechanism is asked about it."""
+    if accountant.name in ACCOUNTANTS and ACCOUNTANTS[accountant.name] != accountant:
+        raise ValueError(f"an accountant named {accountant.name!r} is already registered")
+    ACCOUNTANTS[accountant.name] = accountant
+    return accountant
+
+
+def random_selection(mechanism: MechanismDescription) -> bool:
+    """A best-of-K search with a random K (priced by the Papernot–Steinke bound, not as a composition)."""
+    return mechanism.selection is not None and mechanism.selection.random
+
+
+def without_zcdp(mechanism: MechanismDescription) -> bool:
+    """No ρ-zCDP event: a zCDP event has an RDP curve and nothing else, so it is the zCDP accountants' alone."""
+    return not has_zcdp(mechanism)
+
+
+def zcdp_composed(mechanism: MechanismDescription) -> bool:
+    """A ρ-zCDP event (seed 002's one-pass DP-SGD) with μ-GDP events, composed (no random count)."""
+    return has_zcdp(mechanism) and not random_selection(mechanism)
+
+
+def full_batch_gaussian(mechanism: MechanismDescription) -> bool:
+    """Full-batch (q = 1) Gaussian steps, with μ-GDP events beside them, composed (no random count): what the
+    moments accountant's closed form prices (seed 002's DP-GD certificate)."""
+    if random_selection(mechanism) or has_zcdp(mechanism):
+        return False
+    events = mechanism.composed_events()
+    steps = [e for e in events if isinstance(e, PoissonGaussianSteps)]
+    return bool(steps) and all(e.sample_rate == 1.0 for e in steps) and all(
+        isinstance(e, (PoissonGaussianSteps, GaussianDP)) for e in events)
+
+
+for _accountant in (
+    Accountant("gdp.exact", "scipy", epsilon_gdp_exact,
+               lambda m: without_zcdp(m) and any(isinstance(e, GaussianDP) for e in m.events)),
+    Accountant("moments_accountant.closed_form", "scipy", epsilon_moments_closed_form, full_batch_gaussian),
+    Accountant("zcdp.rdp[dp_accounting]", "dp-accounting", epsilon_zcdp_rdp, zcdp_composed),
+    Accountant("zcdp.bun_steinke", "scipy", epsilon_zcdp_closed_form, zcdp_composed),
+    Accountant("autodp.zcdp", "autodp", epsilon_autodp_zcdp, zcdp_composed),
+    Accountant("dp_accounting.pld", "dp-accounting", epsilon_pld, without_zcdp),
+    Accountant("prv_accountant.prv", "prv-accountant", epsilon_prv_upper, without_zcdp),
+    Accountant("autodp.rdp", "autodp", epsilon_autodp_rdp, without_zcdp),
+    Accountant("dp_accounting.rdp", "dp-accounting", epsilon_dp_accounting_rdp, without_zcdp, certifying=False),
+    Accountant("papernot_steinke.rdp[dp_accounting]", "dp-accounting", epsilon_selection_dp_accounting,
+               lambda m: without_zcdp(m) and random_selection(m)),
+    Accountant("papernot_steinke.rdp[autodp]", "autodp", epsilon_selection_autodp,
+               lambda m: without_zcdp(m) and random_selection(m)),
+):
+    register_accountant(_accountant)
 
 
 def ask_accountants(mechanism: MechanismDescription, delta: float) -> list[AccountantAnswer]:
-    """Every accountant's answer; a failure is recorded with its message, never hidden."""
+    """The answer of every registered accountant that supports the mechanism; a failure is recorded with its
+    message, never hidden."""
     answers = []
-    random_selection = mechanism.selection is not None and mechanism.selection.random
-    for name, (dist, function, certifying) in ACCOUNTANTS.items():
-        if name.startswith("papernot_steinke") and not random_selection:
-            continue  # only a random-count search needs them
-        if name == "gdp.exact" and not any(isinstance(e, GaussianDP) for e in mechanism.events):
-            continue  # only GDP trainers need it
-        if name == "moments_accountant.closed_form" and mechanism.trainer != "dpgd":
-            continue  # DP-GD's own certificate (seed 002)
-        if has_zcdp(mechanism) != (name.startswith("zcdp.") or name == "autodp.zcdp"):
-            continue  # a zCDP event (seed 002's one-pass DP-SGD) has an RDP curve and nothing else
+    for accountant in ACCOUNTANTS.values():
+        if not accountant.supports(mechanism):
+            continue
         start = time.perf_counter()
         try:
-            epsilon, error = function(mechanism, delta), None
+            epsilon, error = accountant.epsilon(mechanism, delta), None
             if not math.isfinite(epsilon) or epsilon < 0:
                 epsilon, error = None, f"returned a non-finite or negative ε ({epsilon})"
         except Exception as exc:  # each accountant's own failure modes; recorded, not raised
             epsilon, error = None, f"{type(exc).__name__}: {exc}"
-        answers.append(
-            AccountantAnswer(name, version(dist), epsilon, error, time.perf_counter() - start, certifying)
-        )
+        answers.append(AccountantAnswer(accountant.name, version(accountant.distribution), epsilon, error,
+                                        time.perf_counter() - start, accountant.certifying))
     return answers
 
 

@@ -1,0 +1,91 @@
+"""Accountants are an extension point shaped like the trainer (README, Design): one file registers an
+accountant that says which mechanism descriptions it supports, and the certificate asks it about those only.
+
+- the example accountant of the README (``examples/full_batch_gaussian_accountant.py``) is shown there verbatim;
+- listed under ``plugins:``, it answers for full-batch DP-GD, agreeing with dp_accounting's PLD (an independent
+  accountant) and never above the moments closed form, and is not asked about a subsampled or random-count
+  mechanism;
+- each built-in accountant is asked exactly about the descriptions it supports: a zCDP event only by the zCDP
+  ones, a random-count search by the Papernot–Steinke ones and no plain composition.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dp_accounting
+import pytest
+import yaml
+
+from dpml.config import validate
+from dpml.privacy.accountants import ACCOUNTANTS, Accountant, ask_accountants, certify, register_accountant
+from dpml.privacy.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, PoissonGaussianSteps,
+                                    Selection)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "full_batch_gaussian_accountant.py"
+NAME = "gaussian.full_batch_exact"
+DELTA = 1e-5
+
+
+def registered_example() -> None:
+    validate({**yaml.safe_load((ROOT / "params.yaml").read_text()), "plugins": [str(EXAMPLE)]})
+    assert NAME in ACCOUNTANTS
+
+
+def full_batch(sigma: float, steps: int, relation: str = "add-remove") -> MechanismDescription:
+    return MechanismDescription("dpgd", (PoissonGaussianSteps(1.0, sigma, steps),), relation, 1.0, 1000)  # type: ignore[arg-type]
+
+
+def test_the_readme_shows_the_example_accountant_verbatim() -> None:
+    assert EXAMPLE.read_text().strip() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("relation", ["add-remove", "replace-one"])
+def test_the_example_accountant_prices_full_batch_steps_as_an_independent_accountant_does(relation: str) -> None:
+    registered_example()
+    sigma, steps = 8.0, 50
+    answers = {a.name: a for a in ask_accountants(full_batch(sigma, steps, relation), DELTA)}
+    assert answers[NAME].error is None and answers[NAME].used_for_certificate
+    pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    scale = 2.0 if relation == "replace-one" else 1.0  # replace-one: twice the sensitivity
+    pld.compose(dp_accounting.GaussianDpEvent(sigma / scale), steps)
+    independent = pld.get_epsilon(DELTA)
+    assert answers[NAME].epsilon == pytest.approx(independent, rel=2e-3)
+    assert answers[NAME].epsilon <= answers["moments_accountant.closed_form"].epsilon  # the exact one is tighter
+    assert certify(full_batch(sigma, steps, relation), DELTA)["epsilon"] <= answers[NAME].epsilon
+
+
+def test_the_example_accountant_is_not_asked_about_what_it_does_not_model() -> None:
+    registered_example()
+    subsampled = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 100),), "add-remove", 1.0, 1000)
+    searched = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(1.0, 8.0, 50),), "add-remove", 1.0, 1000,
+                                    selection=Selection("poisson", 3.0))
+    fixed = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(1.0, 8.0, 50),), "add-remove", 1.0, 1000,
+                                 selection=Selection("fixed", 3.0))
+    for mechanism in (subsampled, searched):
+        assert NAME not in {a.name for a in ask_accountants(mechanism, DELTA)}
+    three = {a.name: a.epsilon for a in ask_accountants(fixed, DELTA)}  # three candidates composed
+    assert three[NAME] == pytest.approx({a.name: a.epsilon for a in ask_accountants(full_batch(8.0, 150), DELTA)}[NAME])
+
+
+def test_a_second_accountant_of_the_same_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="an accountant named 'dp_accounting.pld' is already registered"):
+        register_accountant(Accountant("dp_accounting.pld", "scipy", lambda m, d: 0.0, lambda m: True))
+
+
+def test_each_built_in_accountant_is_asked_about_what_it_supports_only() -> None:
+    builtin = {name for name in ACCOUNTANTS if name != NAME}
+    zcdp = MechanismDescription("onepass", (ConcentratedDP(0.1),), "replace-one", 1.0, 1000)
+    asked = {a.name for a in ask_accountants(zcdp, DELTA)} & builtin
+    assert asked == {"zcdp.rdp[dp_accounting]", "zcdp.bun_steinke", "autodp.zcdp"}
+    search = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(0.01, 1.0, 100),
+                                                   PoissonGaussianSteps(1.0, 10.0, 1)), "add-remove", 1.0, 1000,
+                                  selection=Selection("poisson", 3.0))
+    answers = {a.name: a for a in ask_accountants(search, DELTA)}
+    assert {"papernot_steinke.rdp[dp_accounting]", "papernot_steinke.rdp[autodp]"} <= set(answers)
+    assert "moments_accountant.closed_form" not in answers and not set(answers) & {n for n in builtin if "zcdp" in n}
+    gdp = MechanismDescription("noisycgd", (GaussianDP(0.5),), "replace-one", 1.0, 1000)
+    asked = {a.name for a in ask_accountants(gdp, DELTA)}
+    assert "gdp.exact" in asked and "moments_accountant.closed_form" not in asked and not asked & {"autodp.zcdp"}
+    assert "moments_accountant.closed_form" in {a.name for a in ask_accountants(full_batch(8.0, 50), DELTA)}
