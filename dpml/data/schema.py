@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, field_validator, model_validator
 
 from dpml.data.encoding import numeric_spelling
+from dpml.data.source_kinds import BUILT_IN, SOURCES
 from dpml.sections import Section, check_scalable
 
 SKLEARN_BUNDLED = ("digits", "iris", "wine", "breast_cancer")
@@ -194,9 +195,15 @@ class DataConfig(Section):
     @classmethod
     def _known_scheme(cls, value: str) -> str:
         scheme, sep, rest = value.partition(":")
-        allowed = ("sklearn", "idx", "csv", "parquet")
+        allowed = (*BUILT_IN, *SOURCES)
         if not sep or scheme not in allowed or not rest:
-            raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)}")
+            raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)} (a source of your own: "
+                             "register it in a module listed under plugins:)")
+        if scheme in SOURCES:
+            problem = SOURCES[scheme].check(rest)
+            if problem:
+                raise ValueError(problem)
+            return value
         if scheme == "sklearn" and rest not in SKLEARN_BUNDLED:
             raise ValueError(f"unknown bundled scikit-learn set; allowed: {', '.join(SKLEARN_BUNDLED)}")
         path = Path(rest)

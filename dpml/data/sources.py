@@ -17,6 +17,7 @@ import numpy as np
 from dpml.data.schema import DataConfig
 from dpml.sections import PreprocessConfig
 from dpml.data.records import DataError, RawData, check_records, content_hash
+from dpml.data.source_kinds import SOURCES, load_registered
 from dpml.data.tables import load_table
 
 __all__ = ["DataError", "RawData", "check_records", "content_hash", "load_idx", "load_sklearn", "load_source",
@@ -113,8 +114,11 @@ def load_idx(directory: str | Path) -> RawData:
 
 def load_source(config: DataConfig, preprocess: PreprocessConfig | None = None) -> RawData:
     """Dispatch on the scheme of ``data.source`` (a table is encoded with its declared schema,
-    :mod:`dpml.data.tables`; ``preprocess`` gives the shorthand ``feature_columns`` their bounds)."""
+    :mod:`dpml.data.tables`; ``preprocess`` gives the shorthand ``feature_columns`` their bounds; a scheme a
+    plugin registered, :mod:`dpml.data.source_kinds`)."""
     scheme, _, rest = config.source.partition(":")
+    if scheme in SOURCES:
+        return load_registered(scheme, rest)
     if scheme == "sklearn":
         return load_sklearn(rest)
     if scheme == "idx":

@@ -1,0 +1,66 @@
+"""Data sources of your own, by the scheme ``data.source`` names (``scheme:rest``), shaped like the trainer
+registry: one file registers a :class:`SourceKind` (a plugin module listed under ``plugins:``, imported before
+the configuration is validated).
+
+The built-in schemes (``sklearn``, ``idx``, ``csv``, ``parquet``: :mod:`dpml.data.sources`) are read by dpml
+itself; a registered kind brings ``check(rest)``, run when the configuration is validated (a problem refuses
+the run before any work, naming ``data.source``), and ``load(rest)``, which returns the records with their
+*public* class list. dpml checks what it returns as it checks its own sources (:func:`check_records`: no empty
+data, no NaN or infinite feature, every label one of the classes, two classes at least) before anything is
+stored; every row is then its own privacy unit, identified by its content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dpml.data.records import DataError, RawData, check_records
+
+BUILT_IN = ("sklearn", "idx", "csv", "parquet")
+
+
+def _no_problem(rest: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """One kind of source: its ``scheme``, its ``load(rest) -> RawData`` and its ``check(rest)``, the problem
+    with the part after the colon (or None), before any work."""
+
+    scheme: str
+    load: Callable[[str], RawData]
+    check: Callable[[str], str | None] = _no_problem
+
+
+SOURCES: dict[str, SourceKind] = {}
+
+
+def register_source(kind: SourceKind) -> SourceKind:
+    """Add a source kind under its scheme; a built-in scheme or a second kind of the same scheme is refused."""
+    if kind.scheme in BUILT_IN or not kind.scheme.isidentifier():
+        raise ValueError(f"source scheme {kind.scheme!r}: built-in schemes ({', '.join(BUILT_IN)}) are taken, and a "
+                         "scheme is a name of letters, digits and underscores")
+    registered = SOURCES.get(kind.scheme)
+    if registered is not None and registered != kind and _origin(registered) != _origin(kind):
+        raise ValueError(f"a source of scheme {kind.scheme!r} is already registered")
+    SOURCES[kind.scheme] = kind
+    return kind
+
+
+def _origin(kind: SourceKind) -> tuple[str, str | None]:
+    """Where the loader was defined (a plugin imported under a second name registers the same kind again)."""
+    code = getattr(kind.load, "__code__", None)
+    return getattr(kind.load, "__qualname__", ""), None if code is None else code.co_filename
+
+
+def load_registered(scheme: str, rest: str) -> RawData:
+    """The records of a registered source, checked as dpml checks its own."""
+    raw = SOURCES[scheme].load(rest)
+    if not isinstance(raw, RawData):
+        raise DataError(f"{scheme}:{rest}: the {scheme} source returned {type(raw).__name__}, not RawData")
+    check_records(raw.x, raw.y, len(raw.classes), raw.origin)
+    if raw.x_test is not None and raw.y_test is not None:
+        check_records(raw.x_test, raw.y_test, len(raw.classes), f"{raw.origin} (test)")
+    return raw
