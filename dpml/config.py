@@ -167,12 +167,17 @@ def compose() -> type[ConfigBase]:
 
 
 Config = compose()
+_COMPOSED_FOR = tuple(TRAINERS.values())
 
 
-def recompose() -> None:
-    """Rebuild :data:`Config` after a trainer was registered at run time (:func:`dpml.train.registry.register`)."""
-    global Config
-    Config = compose()
+def config_model() -> type[ConfigBase]:
+    """:data:`Config` for the trainers registered now: composed again when one was registered since (a plugin's,
+    :func:`dpml.train.registry.register`), so that the registry need not know this module."""
+    global Config, _COMPOSED_FOR
+    registered = tuple(TRAINERS.values())
+    if registered != _COMPOSED_FOR:
+        Config, _COMPOSED_FOR = compose(), registered
+    return Config
 
 
 def _format_errors(error: ValidationError, origin: str) -> str:
@@ -324,7 +329,7 @@ def validate(raw: Any, origin: str = "params") -> Config:
     if "plugins" in raw:
         import_plugins(raw["plugins"], origin)
     try:
-        return Config.model_validate(raw)
+        return config_model().model_validate(raw)
     except ValidationError as error:
         raise ConfigError(_format_errors(error, origin)) from None
 

@@ -134,7 +134,7 @@ def sweep_settings(count: int = 50) -> list[tuple[float, float, int, float, str]
 def test_sweep_never_below_a_lower_bound_and_within_2pct_of_the_tightest() -> None:
     """50 settings, both relations: certified ε ≥ PRV's lower bound (add/remove; dp_accounting's
     optimistic PLD for replace-one) and ≤ 1.02 × the tightest accountant's value."""
-    from dpml.privacy.accountants import prv_bounds
+    from dpml.privacy.prv import prv_bounds
 
     checked = 0
     for q, sigma, steps, delta, relation in sweep_settings():

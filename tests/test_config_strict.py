@@ -125,7 +125,7 @@ def test_non_finite_numbers_in_lists_and_free_form_values_are_refused(tmp_path: 
 
 @pytest.mark.parametrize("spelling", ["yes", "no", "on", "off", "true", "True", "FALSE"])
 def test_a_boolean_is_not_a_number(tmp_path: Path, spelling: str) -> None:
-    with pytest.raises(ConfigError, match=rf"ledger.epsilon_budget = (True|False): a boolean"):
+    with pytest.raises(ConfigError, match=r"ledger.epsilon_budget = (True|False): a boolean"):
         load(written(tmp_path, BASE), [f"ledger.epsilon_budget={spelling}"])
     with pytest.raises(ConfigError, match=r"model.hidden = \[(True|False)\]: a boolean"):
         load(written(tmp_path, BASE), [f"model.hidden=[{spelling}]"])

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpml.devices import full_float32
 from dpml.train.clipping import LossFn
 
 

@@ -52,6 +52,7 @@ import numpy as np
 from dpml.formatting import format_epsilon
 from dpml.privacy.mechanism import ConcentratedDP, Event, GaussianDP, MechanismDescription, PoissonGaussianSteps
 from dpml.privacy import tuning
+from dpml.privacy.prv import epsilon_prv_upper
 from dpml.privacy.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
                                        epsilon_zcdp_closed_form, epsilon_zcdp_rdp, has_zcdp)
 
@@ -278,31 +279,6 @@ def tight_epsilon(mechanism: MechanismDescription, delta: float,
     if all(isinstance(e, GaussianDP) for e in mechanism.events):
         return epsilon_gdp_exact(mechanism, delta)
     return epsilon_pld(mechanism, delta, discretization)
-
-
-def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float = 0.01) -> tuple[float, float, float]:
-    """(lower, estimate, upper) ε(δ) from Microsoft's PRV accountant (Gopi, Lee, Wutschitz 2021).
-
-    The upper value is a certified upper bound; the lower one is what the tests hold dpml to
-    never go below. Add/remove neighbouring only.
-    """
-    if mechanism.neighbouring != "add-remove":
-        raise NotImplementedError("prv_accountant's Poisson-subsampled Gaussian is add/remove only")
-    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
-
-    events = mechanism.composed_events()
-    if any(isinstance(e, GaussianDP) for e in events):
-        raise NotImplementedError("priced by gdp.exact and dp_accounting (a μ-GDP event is not a PRV input here)")
-    prvs = [PoissonSubsampledGaussianMechanism(noise_multiplier=e.noise_multiplier, sampling_probability=e.sample_rate)
-            for e in events]
-    counts = [e.steps for e in events]
-    accountant = PRVAccountant(prvs=prvs, max_self_compositions=counts, eps_error=eps_error, delta_error=delta / 1000)
-    lower, estimate, upper = accountant.compute_epsilon(delta=delta, num_self_compositions=counts)
-    return float(lower), float(estimate), float(upper)
-
-
-def epsilon_prv_upper(mechanism: MechanismDescription, delta: float) -> float:
-    return prv_bounds(mechanism, delta)[2]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +51,7 @@ from dpml.devices import convolution_weight_gradient_precision, heap_sized_slice
 from dpml.train.clipping_conv import (Geometry, as_2d, clip_weighted_conv_weight, compiled_norms, conv_geometry,
                                       patch_slice_norms_squared, per_example_conv_gradients, per_example_conv_way,
                                       unfold_patches, weight_from_columns)
+from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared, without_silent_positions
 
 ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
 
@@ -142,11 +142,6 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     raise TypeError(f"{type(module).__name__} has no position form")
 
 
-def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
-    """‖t_i‖² of each example's slice t_i = t[i] (B,), by one fused reduction (no squared copy of t)."""
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
-
-
 KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements (128 MiB in float32) a layer keeps of its per-example gradients on a CPU
 GPU_MEMORY_PER_KEEP_LIMIT = 4 << 30  # bytes: on a GPU, KEEP_PER_EXAMPLE_LIMIT elements per 4 GiB of its memory
 
@@ -180,13 +175,6 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
     parts = [torch.bmm(d[s].transpose(1, 2), a[s]) for s in heap_sized_slices(batch, d_out * d_in * a.element_size(), a.device)]
     return torch.cat([row_norms_squared(part) for part in parts]), parts if batch * d_in * d_out <= limit else None
-
-
-def kept_sum(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Σ_i c_i G_i of per-example gradients kept in consecutive slices of examples, (B_k, …) each."""
-    starts = itertools.accumulate((part.shape[0] for part in parts), initial=0)
-    terms = [torch.einsum("b,b...->...", factors[start:start + part.shape[0]], part) for start, part in zip(starts, parts)]
-    return functools.reduce(torch.add, terms)  # at least one (possibly empty) slice: heap_sized_slices
 
 
 KEEP_TRAFFIC = 4
@@ -258,19 +246,6 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
         return out
 
     return Piece(squared, sums)
-
-
-def without_silent_positions(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, Δ) over positions (B, T, …) without the positions t at which δ_{i,t} = 0 for every example i: they add
-    nothing to any example's Σ_t δ_t a_tᵀ or Σ_t δ_t (a classifier that reads one token: every position but that
-    one in its last block). Dropped where at least half the positions are silent (copying A and Δ costs more than
-    a few positions save). The test reads Δ once; a sync on a GPU, so it is taken on a CPU only."""
-    live = d.flatten(2).any(2).any(0)  # (T,): some example's δ_t has a non-zero entry
-    count = int(live.sum())
-    if 2 * count > d.shape[1]:
-        return a, d
-    index = live.nonzero().squeeze(1) if count else live.new_zeros(1, dtype=torch.int64)
-    return a.index_select(1, index), d.index_select(1, index)
 
 
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
@@ -366,24 +341,6 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         return out + ([(module.bias, factors @ bias_grads)] if bias_grads is not None else [])  # type: ignore[list-item]
 
     return Piece(squared, sums)
-
-
-def embedding_norms_squared(tokens: torch.Tensor, d: torch.Tensor, vocabulary: int) -> torch.Tensor:
-    """Σ_k ‖Σ_{t: k_t = k} δ_t‖² per example = Σ_{t,s} [k_t = k_s](δ_t·δ_s), for tokens (B, T), δ (B, T, D).
-
-    The B·T pairs (i, k_{i,t}) are sorted; equal pairs are then adjacent, and a running count of
-    "new pair" flags numbers them, so one ``index_add`` gives the row sums Σ_{t: k_t = k} δ_{i,t}.
-    Shapes stay fixed (at most B·T distinct pairs; unused rows stay zero): no device synchronisation.
-    """
-    batch, count = tokens.shape
-    keys = (torch.arange(batch, device=tokens.device)[:, None] * vocabulary + tokens).reshape(-1)
-    keys, order = keys.sort()
-    new = torch.ones_like(keys, dtype=torch.bool)
-    new[1:] = keys[1:] != keys[:-1]
-    pair = new.cumsum(0) - 1  # (B·T,): which distinct (example, token) pair each sorted position holds
-    rows = d.new_zeros(batch * count, d.shape[2]).index_add_(0, pair, d.reshape(-1, d.shape[2])[order])
-    example_of_pair = torch.zeros_like(pair).scatter_(0, pair, keys // vocabulary)
-    return d.new_zeros(batch).index_add_(0, example_of_pair, rows.pow(2).sum(1))
 
 
 def _embedding_piece(module: nn.Embedding, tokens: torch.Tensor, d: torch.Tensor) -> Piece:

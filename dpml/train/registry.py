@@ -24,16 +24,12 @@ TRAINERS: dict[str, Trainer] = {}
 
 
 def register(trainer: Trainer) -> Trainer:
-    """Add ``trainer`` under its name (refusing a second trainer of the same name) and recompose the
-    configuration schema so that ``train.algorithm: <name>`` validates."""
+    """Add ``trainer`` under its name (refusing a second trainer of the same name); the configuration schema
+    is composed again from the registry when it next validates (:func:`dpml.config.config_model`), so that
+    ``train.algorithm: <name>`` validates."""
     if trainer.name in TRAINERS and not _same_trainer(TRAINERS[trainer.name], trainer):
         raise ValueError(f"a trainer named {trainer.name!r} is already registered")
     TRAINERS[trainer.name] = trainer
-    import sys
-
-    config_module = sys.modules.get("dpml.config")
-    if config_module is not None and hasattr(config_module, "recompose"):
-        config_module.recompose()
     return trainer
 
 
