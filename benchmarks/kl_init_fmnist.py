@@ -244,7 +244,7 @@ def readings(report: dict[str, Any]) -> list[str]:
     ]
     for epoch, claim in ((20, "paper Fig. 2a at 20 epochs: He worsens with depth; LeCun and Xavier worsen up to depth "
                                "≈ 8 and improve beyond"),
-                         (steps, f"paper Fig. 2b at 50 epochs: all initialisations worsen with depth")):
+                         (steps, "paper Fig. 2b at 50 epochs: all initialisations worsen with depth")):
         parts = []
         for scheme in SCHEMES:
             values = [results[f"{scheme}/{depth}/{s['depth_width']}"]["summary"][f"kl_{epoch}"] for depth in s["depths"]]
@@ -406,7 +406,7 @@ def write(report: dict[str, Any], out: Path) -> None:
                          f"{e[f'kl_{long_steps}']:.3g} | {e['initial_loss']:.4f} → {e['final_loss']:.4f} |")
     if report.get("linearised"):
         row0 = report["linearised"][0]
-        lines += ["", f"## Linearised network (Eq. 3): estimate vs the Cor. 4.2 certificate", "",
+        lines += ["", "## Linearised network (Eq. 3): estimate vs the Cor. 4.2 certificate", "",
                   f"Depth {row0['depth']}, width {row0['width']}, same data and noisy GD, {row0['runs']} runs; estimate = "
                   f"worst over {s['linearised_probes']} remove-one and {s['linearised_probes']} add-one neighbours of "
                   "the run-averaged Eq. 74 sum; certificate = 2BKη/(n'²σ²), n' = n − 1 (remove) or n + 1 (add).", "",
