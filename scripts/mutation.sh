@@ -13,7 +13,8 @@
 #   clip         dpml/train/clipping.py, clip_factors only         tests/test_dpsgd.py, tests/test_clipping_property.py
 #   checks       dpml/audit/checks.py, all                         tests/test_conformance.py (the unit tests of the
 #                                                                  checks' statistics, not the training ones)
-#   accountants  dpml/privacy/accountants.py, all                  tests/test_accounting.py (fast part)
+#   accountants  dpml/privacy/accountants.py, all                  tests/test_accounting.py (fast part),
+#                                                                  tests/test_accountant_registry.py
 #   ledger       dpml/privacy/ledger.py, composition/reservation   tests/test_ledger.py (SQLite, no race, no kill)
 #
 # It works on a copy of the working tree (build/mutation, or $MUTATION_DIR), never on the checkout: mutmut
@@ -43,7 +44,7 @@ for target in "${targets[@]}"; do
           patterns+=("dpml.train.clipping.x_clip_factors__mutmut_*") ;;
     checks) files+=(dpml/audit/checks.py); tests+=(tests/test_conformance.py); patterns+=("dpml.audit.checks.*")
             deselect+=("not broken_trainer and not intact_trainer and not the_gate_fails and not across_seeds") ;;
-    accountants) files+=(dpml/privacy/accountants.py); tests+=(tests/test_accounting.py)
+    accountants) files+=(dpml/privacy/accountants.py); tests+=(tests/test_accounting.py tests/test_accountant_registry.py)
                  patterns+=("dpml.privacy.accountants.*") ;;
     ledger) files+=(dpml/privacy/ledger.py); tests+=(tests/test_ledger.py)
             for method in reserve total kl_total unit_epsilons _releases _standing_of_run _lineage_standing; do

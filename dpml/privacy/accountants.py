@@ -318,6 +318,16 @@ def without_zcdp(mechanism: MechanismDescription) -> bool:
     return not has_zcdp(mechanism)
 
 
+def gdp_without_zcdp(mechanism: MechanismDescription) -> bool:
+    """A μ-GDP event (NoisyCGD's), no zCDP event: the exact GDP profile's mechanisms (it declines mixed ones)."""
+    return without_zcdp(mechanism) and any(isinstance(e, GaussianDP) for e in mechanism.events)
+
+
+def random_count_without_zcdp(mechanism: MechanismDescription) -> bool:
+    """A best-of-K search with a random K and no zCDP event: the Papernot–Steinke accountants' mechanisms."""
+    return without_zcdp(mechanism) and random_selection(mechanism)
+
+
 def zcdp_composed(mechanism: MechanismDescription) -> bool:
     """A ρ-zCDP event (seed 002's one-pass DP-SGD) with μ-GDP events, composed (no random count)."""
     return has_zcdp(mechanism) and not random_selection(mechanism)
@@ -335,8 +345,7 @@ def full_batch_gaussian(mechanism: MechanismDescription) -> bool:
 
 
 for _accountant in (
-    Accountant("gdp.exact", "scipy", epsilon_gdp_exact,
-               lambda m: without_zcdp(m) and any(isinstance(e, GaussianDP) for e in m.events)),
+    Accountant("gdp.exact", "scipy", epsilon_gdp_exact, gdp_without_zcdp),
     Accountant("moments_accountant.closed_form", "scipy", epsilon_moments_closed_form, full_batch_gaussian),
     Accountant("zcdp.rdp[dp_accounting]", "dp-accounting", epsilon_zcdp_rdp, zcdp_composed),
     Accountant("zcdp.bun_steinke", "scipy", epsilon_zcdp_closed_form, zcdp_composed),
@@ -346,9 +355,8 @@ for _accountant in (
     Accountant("autodp.rdp", "autodp", epsilon_autodp_rdp, without_zcdp),
     Accountant("dp_accounting.rdp", "dp-accounting", epsilon_dp_accounting_rdp, without_zcdp, certifying=False),
     Accountant("papernot_steinke.rdp[dp_accounting]", "dp-accounting", epsilon_selection_dp_accounting,
-               lambda m: without_zcdp(m) and random_selection(m)),
-    Accountant("papernot_steinke.rdp[autodp]", "autodp", epsilon_selection_autodp,
-               lambda m: without_zcdp(m) and random_selection(m)),
+               random_count_without_zcdp),
+    Accountant("papernot_steinke.rdp[autodp]", "autodp", epsilon_selection_autodp, random_count_without_zcdp),
 ):
     register_accountant(_accountant)
 
