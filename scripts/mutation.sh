@@ -58,7 +58,7 @@ done
 WORK="${MUTATION_DIR:-$ROOT/build/mutation}"
 rm -rf "$WORK"
 mkdir -p "$WORK"
-cp -r dpml tests configs params.yaml pyproject.toml "$WORK/"
+cp -r dpml tests configs examples params.yaml pyproject.toml README.md "$WORK/"
 find "$WORK" -name __pycache__ -prune -exec rm -rf {} +
 
 toml_list() { local out="" item; for item in "$@"; do out+="\"$item\", "; done; echo "[${out%, }]"; }
@@ -74,6 +74,7 @@ only_mutate = $(toml_list "${files[@]}")
 pytest_add_cli_args_test_selection = $(toml_list "${tests[@]}")
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow and not exhaustive"$by_name]
 process_isolation = "forkserver"
+also_copy = ["examples", "params.yaml", "README.md", "configs"]
 use_git_change_detection = false
 EOF
 

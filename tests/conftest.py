@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -118,6 +120,18 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def write_params(path: Path, params: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
+
+
+def run_pipeline_with_plugin(tmp: Path, plugin: Path, **sections: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``dpml run --engine local`` in a fresh process in ``tmp`` (as `dvc repro` and a scheduled run start), on
+    :func:`small_params` with ``plugin`` listed under ``plugins:``, a loss-only audit and ``sections`` on top."""
+    audit = {"attacks": ["loss"], "references": 0, "white_box_canaries": 0, "black_box_canaries": 100,
+             "control": False} | sections.pop("audit", {})
+    params = small_params(tmp, audit=audit, **sections)
+    params["plugins"] = [str(plugin)]
+    write_params(tmp / "params.yaml", params)
+    return subprocess.run([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=tmp,
+                          env={**os.environ, "DPML_NOISE_SEED": "7"}, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="session")

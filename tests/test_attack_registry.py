@@ -13,14 +13,12 @@ audit runs it beside the built-in ones.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from conftest import run_pipeline_with_plugin
 
 from dpml import io
 from dpml.audit.attacks import ATTACKS, AttackInputs, AttackKind, register_attack
@@ -112,17 +110,7 @@ def test_the_example_attack_is_the_difficulty_calibrated_loss_and_has_power() ->
 @pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_the_example_attack_runs_through_the_pipeline(tmp_path: Path) -> None:
     """Listed under plugins:, the attack is audited beside LOSS in a fresh process (as `dvc repro` runs)."""
-    config = params()
-    config["plugins"] = [str(EXAMPLE)]
-    config["audit"] |= {"attacks": ["loss", "loss-calibrated"], "references": 2, "white_box_canaries": 0,
-                        "black_box_canaries": 100, "control": False}
-    config["paths"] = {"data": str(tmp_path / "data"), "artifacts": str(tmp_path / "art"),
-                       "cache": str(tmp_path / "cache")}
-    config["ledger"] |= {"path": str(tmp_path / "ledger.db")}
-    config["tracking"] |= {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_root": str(tmp_path / "mlartifacts")}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=tmp_path,
-                          env={**os.environ, "DPML_NOISE_SEED": "7"}, capture_output=True, text=True, timeout=900)
+    done = run_pipeline_with_plugin(tmp_path, EXAMPLE, audit={"attacks": ["loss", "loss-calibrated"], "references": 2})
     assert done.returncode == 0, done.stderr[-3000:]
     from dpml.stages import Layout
 

@@ -10,14 +10,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from conftest import run_pipeline_with_plugin
 
 from dpml import io
 from dpml.config import ConfigError, load, validate
@@ -79,18 +77,7 @@ def test_what_a_registered_source_returns_is_checked_as_dpml_checks_its_own(tmp_
 @pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 def test_a_pipeline_trains_and_registers_a_model_from_the_example_source(tmp_path: Path) -> None:
     records = write_records(tmp_path / "records.npz", n=600)
-    config = params()
-    config["plugins"] = [str(EXAMPLE)]
-    config["data"] = {"source": f"npz:{records}"}
-    config["audit"] |= {"attacks": ["loss"], "references": 0, "white_box_canaries": 0, "black_box_canaries": 100,
-                        "control": False}
-    config["paths"] = {"data": str(tmp_path / "data"), "artifacts": str(tmp_path / "art"),
-                       "cache": str(tmp_path / "cache")}
-    config["ledger"] |= {"path": str(tmp_path / "ledger.db")}
-    config["tracking"] |= {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_root": str(tmp_path / "mlartifacts")}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=tmp_path,
-                          env={**os.environ, "DPML_NOISE_SEED": "7"}, capture_output=True, text=True, timeout=900)
+    done = run_pipeline_with_plugin(tmp_path, EXAMPLE, data={"source": f"npz:{records}"})
     assert done.returncode == 0, done.stderr[-3000:]
     from dpml.stages import Layout
 
