@@ -11,6 +11,7 @@ accountant that says which mechanism descriptions it supports, and the certifica
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import dp_accounting
@@ -95,3 +96,33 @@ def test_each_built_in_accountant_is_asked_about_what_it_supports_only() -> None
     asked = {a.name for a in ask_accountants(gdp, DELTA)}
     assert "gdp.exact" in asked and "moments_accountant.closed_form" not in asked and not asked & {"autodp.zcdp"}
     assert "moments_accountant.closed_form" in {a.name for a in ask_accountants(full_batch(8.0, 50), DELTA)}
+
+
+def test_an_answer_that_is_not_a_finite_non_negative_epsilon_is_recorded_as_an_error_and_never_certifies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Pins the mutants of ``ask_accountants`` that mutation testing found alive: NaN or ∞ accepted when the
+    test is an ``and``, ε = 0 refused, the failure's type or message dropped, a negative duration.)"""
+    def probe(mechanism: MechanismDescription) -> bool:
+        return mechanism.trainer == "probe"
+
+    def failing(mechanism: MechanismDescription, delta: float) -> float:
+        raise KeyError("boom")
+
+    values = {"test.nan": float("nan"), "test.inf": float("inf"), "test.negative": -1.0, "test.zero": 0.0}
+    for name, value in values.items():
+        monkeypatch.setitem(ACCOUNTANTS, name, Accountant(name, "scipy", lambda m, d, v=value: v, probe,
+                                                          certifying=name != "test.zero"))
+    monkeypatch.setitem(ACCOUNTANTS, "test.raises", Accountant("test.raises", "scipy", failing, probe))
+    mechanism = MechanismDescription("probe", (PoissonGaussianSteps(1.0, 8.0, 5),), "add-remove", 1.0, 1000)
+    start = time.perf_counter()
+    answers = {a.name: a for a in ask_accountants(mechanism, DELTA)}
+    elapsed = time.perf_counter() - start
+    for name in ("test.nan", "test.inf", "test.negative"):
+        assert answers[name].epsilon is None, name
+        assert answers[name].error is not None and answers[name].error.startswith("returned a non-finite or negative ε")
+    assert answers["test.zero"].epsilon == 0.0 and answers["test.zero"].error is None
+    assert answers["test.raises"].epsilon is None and answers["test.raises"].error == "KeyError: 'boom'"
+    assert all(0 <= a.seconds <= elapsed for a in answers.values())  # each answer's own time, within the call's
+    certificate = certify(mechanism, DELTA)
+    assert certificate["epsilon"] > 0 and certificate["epsilon"] == min(
+        a.epsilon for a in answers.values() if a.used_for_certificate and a.epsilon is not None)
