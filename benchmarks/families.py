@@ -55,8 +55,9 @@ in ``--peer-rounds`` evenly spaced rounds only); where dpml's CPU noise is drawn
 timed step, its background draw waited for, untimed, before the next method (where the draw is in the
 step, ``SynchronousNoise``, or on a GPU, one timed step). On the CPU each family's process runs under the
 malloc settings dpml's trainer sets there (:func:`dpml.devices.keep_freed_cpu_memory`: freed memory kept
-for the next step), so every method, non-private included, steps without faulting its pages in anew. Median step time per method; the throughput ratio
-is the non-private median over the method's median, from the same rounds. A family run in its own process
+for the next step), so every method, non-private included, steps without faulting its pages in anew.
+Median step time per method; the throughput ratio is the non-private median over the method's median, from
+the same rounds. A family run in its own process
 stops its rounds early once three quarters of its ``--family-timeout`` are spent (the page says after how
 many), so that a slow family still gives a row.
 
@@ -558,10 +559,6 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
     errors: dict[str, tuple[str, str]] = {}
     setup_seconds: dict[str, float] = {}
     memory: dict[str, dict[str, Any]] = {}
-    if device.type == "cpu":
-        from dpml.devices import keep_freed_cpu_memory
-
-        keep_freed_cpu_memory()  # as the trainer on the CPU, for every method alike (module docstring)
     cpu_peak = CpuPeak() if device.type == "cpu" else None
     memory_note = cpu_peak.error if cpu_peak is not None else None
     for method in methods:

@@ -9,6 +9,7 @@ from typing import Any
 
 from dpml.cli_text import ledger_rename_text, lineage_text, person_text
 from dpml.config import ConfigError, load
+from dpml.data.units import digests_of_ids
 from dpml.formatting import format_epsilon
 
 
@@ -73,8 +74,6 @@ def cmd_ledger_rename(args: argparse.Namespace) -> int:
 
 def _ledger_person(ledger: Any, person: str, as_json: bool) -> int:
     """``dpml ledger --person ID``: every release that touched the person of that id (data.id_column)."""
-    from dpml.data.units import digests_of_ids
-
     found = ledger.person(digests_of_ids([person]))
     if as_json:
         print(json.dumps({"person": person, **(found or {"lineages": [], "epsilon": 0.0, "releases": []})}, indent=2))

@@ -27,6 +27,12 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpml.data.records import DataError
+from dpml.data.tables import check_columns
+from dpml.privacy.ledger import LedgerError, ledger_of
+from dpml.privacy.ledger_db import is_postgres, sqlite_file, without_password
+from dpml.provenance import ProvenanceError, default_remote, is_dvc_pipeline_run
+from dpml.store import StoreError, is_server, prepare_store, sqlite_path
 from dpml.train.dpsgd import NOISE_SEED_VARIABLE
 
 if TYPE_CHECKING:
@@ -87,9 +93,6 @@ def check_writable(key: str, folder: str | Path) -> None:
 
 def folders(config: Config) -> dict[str, Path]:
     """Every folder a run writes to, by the key that names it."""
-    from dpml.privacy.ledger_db import is_postgres, sqlite_file
-    from dpml.store import is_server, sqlite_path
-
     out = {"paths.data": Path(config.paths.data), "paths.artifacts": Path(config.paths.artifacts),
            "paths.cache": Path(config.paths.cache), "paths.metrics": Path(config.paths.metrics_folder())}
     for key, uri in (("tracking.uri", config.tracking.uri), ("tracking.registry_uri", config.tracking.registry)):
@@ -105,10 +108,6 @@ def folders(config: Config) -> dict[str, Path]:
 
 def preflight(config: Config) -> None:
     """Run every check (module docstring); raise :class:`PreflightError` at the first failure."""
-    from dpml.privacy.ledger import LedgerError, ledger_of
-    from dpml.privacy.ledger_db import without_password
-    from dpml.store import StoreError, prepare_store
-
     check_device(config.train.device)
     check_noise_seed()
     for key, folder in folders(config).items():
@@ -128,8 +127,6 @@ def preflight(config: Config) -> None:
 
 def check_dvc_remote(config: Config) -> None:
     """A run that registration will record in DVC has a default DVC remote to push its records to."""
-    from dpml.provenance import ProvenanceError, default_remote, is_dvc_pipeline_run
-
     root = Path.cwd()
     if is_dvc_pipeline_run(config, root) is not None:
         return
@@ -143,9 +140,6 @@ def check_dvc_remote(config: Config) -> None:
 
 def check_table_header(config: Config) -> None:
     """A csv/parquet source's header holds every column the configuration names (no record is read)."""
-    from dpml.data.records import DataError
-    from dpml.data.tables import check_columns
-
     data = config.data
     kind, _, rest = data.source.partition(":")
     if kind not in ("csv", "parquet"):

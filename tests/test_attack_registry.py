@@ -26,6 +26,7 @@ from dpml.audit.metrics import auc
 from dpml.audit.run import attack_functions, needs_references
 from dpml.audit.signals import cross_entropy_losses
 from dpml.config import ConfigError, load, validate
+from dpml.stages import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calibrated_loss_attack.py"
@@ -112,8 +113,6 @@ def test_the_example_attack_runs_through_the_pipeline(tmp_path: Path) -> None:
     """Listed under plugins:, the attack is audited beside LOSS in a fresh process (as `dvc repro` runs)."""
     done = run_pipeline_with_plugin(tmp_path, EXAMPLE, audit={"attacks": ["loss", "loss-calibrated"], "references": 2})
     assert done.returncode == 0, done.stderr[-3000:]
-    from dpml.stages import Layout
-
     audit = io.read_json(Layout(load(tmp_path / "params.yaml")).audit)
     attacks = audit["target"]["attacks"]
     assert set(attacks) == {"loss", "loss-calibrated"}

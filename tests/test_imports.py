@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("dpml.formatting", "dpml.faults", "dpml.io", "dpml.terminal", "dpml.devices", "dpml.interrupts",
                      "dpml.progress", "dpml.params_yaml", "dpml.cli_help", "dpml.review_view", "dpml.tracking_dataset",
-                     "dpml.routing")),
+                     "dpml.routing", "dpml.definitions")),
     ("models", ("dpml.models",)),
     ("attack statistics", ("dpml.audit.attacks", "dpml.audit.signals")),
     ("settings", ("dpml.sections", "dpml.sections_stores")),

@@ -22,6 +22,7 @@ from dpml.config import ConfigError, load, validate
 from dpml.data.records import DataError
 from dpml.data.source_kinds import SOURCES, SourceKind, register_source
 from dpml.data.sources import load_source
+from dpml.stages import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "npz_source.py"
@@ -79,8 +80,6 @@ def test_a_pipeline_trains_and_registers_a_model_from_the_example_source(tmp_pat
     records = write_records(tmp_path / "records.npz", n=600)
     done = run_pipeline_with_plugin(tmp_path, EXAMPLE, data={"source": f"npz:{records}"})
     assert done.returncode == 0, done.stderr[-3000:]
-    from dpml.stages import Layout
-
     layout = Layout(load(tmp_path / "params.yaml"))
     meta = io.read_json(layout.raw_meta)
     assert meta["origin"] == f"npz:{records}" and meta["n_records"] == 600 and meta["classes"] == ["low", "mid", "high"]

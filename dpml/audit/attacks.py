@@ -29,6 +29,7 @@ import numpy as np
 from scipy import stats
 
 from dpml.audit.signals import cross_entropy_losses, logit_scaled_confidence, true_label_probability
+from dpml.definitions import same_definition
 
 
 @dataclass(frozen=True)
@@ -136,18 +137,10 @@ def register_attack(kind: AttackKind) -> AttackKind:
     """Add an attack under its name (a plugin module listed under ``plugins:`` calls this before the
     configuration is validated); a second attack of the same name is refused."""
     registered = ATTACKS.get(kind.name)
-    if registered is not None and not _same_attack(registered, kind):
+    if registered is not None and registered != kind and not same_definition(registered.scores, kind.scores):
         raise ValueError(f"an attack named {kind.name!r} is already registered")
     ATTACKS[kind.name] = kind
     return kind
-
-
-def _same_attack(registered: AttackKind, new: AttackKind) -> bool:
-    """The same attack loaded again (a plugin module imported under a second name) replaces itself."""
-    def origin(kind: AttackKind) -> tuple[str, str | None]:
-        code = getattr(kind.scores, "__code__", None)
-        return getattr(kind.scores, "__qualname__", ""), None if code is None else code.co_filename
-    return registered == new or (origin(registered) == origin(new) and origin(new)[1] is not None)
 
 
 def _loss(inputs: AttackInputs, audit: Any) -> np.ndarray:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dpml.data.records import DataError
 from dpml.data.tables import chunks, header
 
 MISSING_TOKENS = ("", "?", "NA", "N/A", "NaN", "nan", "null", "NULL", "None", "-", ".")
@@ -85,8 +86,6 @@ def _number(value: float) -> str:
 def draft_schema(source: str, label: str, id_column: str | None = None, max_categories: int = 30,
                  chunk_rows: int = 100_000) -> str:
     """The draft ``data:`` section (YAML text with the not-private warning) for ``csv:PATH`` or ``parquet:PATH``."""
-    from dpml.data.records import DataError
-
     kind, _, rest = source.partition(":")
     if kind not in ("csv", "parquet") or not rest:
         raise DataError(f"{source}: expected csv:PATH or parquet:PATH")

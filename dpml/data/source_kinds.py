@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dpml.data.records import DataError, RawData, check_records
+from dpml.definitions import same_definition
 
 BUILT_IN = ("sklearn", "idx", "csv", "parquet")
 
@@ -43,16 +44,10 @@ def register_source(kind: SourceKind) -> SourceKind:
         raise ValueError(f"source scheme {kind.scheme!r}: built-in schemes ({', '.join(BUILT_IN)}) are taken, and a "
                          "scheme is a name of letters, digits and underscores")
     registered = SOURCES.get(kind.scheme)
-    if registered is not None and registered != kind and _origin(registered) != _origin(kind):
+    if registered is not None and registered != kind and not same_definition(registered.load, kind.load):
         raise ValueError(f"a source of scheme {kind.scheme!r} is already registered")
     SOURCES[kind.scheme] = kind
     return kind
-
-
-def _origin(kind: SourceKind) -> tuple[str, str | None]:
-    """Where the loader was defined (a plugin imported under a second name registers the same kind again)."""
-    code = getattr(kind.load, "__code__", None)
-    return getattr(kind.load, "__qualname__", ""), None if code is None else code.co_filename
 
 
 def load_registered(scheme: str, rest: str) -> RawData:

@@ -23,6 +23,7 @@ import torch
 from dpml import io
 from dpml.audit.robustness import certified_accuracy
 from dpml.faults import fault_point
+from dpml.models.predict import logits_of
 from dpml.devices import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
 from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage, ledger_of
@@ -41,8 +42,6 @@ LOG = logging.getLogger("dpml.clipping")
 
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
-    from dpml.models.predict import logits_of
-
     return float((logits_of(model, x).argmax(1) == y).mean())
 
 

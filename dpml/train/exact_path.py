@@ -18,14 +18,26 @@ def exact_per_example_gradients(losses: torch.Tensor, params: dict[str, torch.Te
     if not params:
         return {}
     batch, tensors = losses.shape[0], list(params.values())
+    if batch == 0:
+        return {name: p.new_zeros((0, *p.shape)) for name, p in params.items()}
+    grads = batched_vjp(losses, tensors, torch.eye(batch, dtype=losses.dtype, device=losses.device))
+    return dict(zip(params, grads))
+
+
+def batched_vjp(output: torch.Tensor, inputs: list[torch.Tensor], cotangents: torch.Tensor) -> list[torch.Tensor]:
+    """(∂output/∂x)ᵀ c_b for each row c_b of ``cotangents`` (B, *output.shape) and each input x: (B, *x.shape),
+    zeros where the output does not reach x. One backward pass over the B rows at once (a vmap over it); where
+    it fails altogether (an operator with no batching rule), one pass per row. The graph is kept."""
+    batch = cotangents.shape[0]
     try:
-        grads = torch.autograd.grad(losses, tensors, grad_outputs=torch.eye(batch, dtype=losses.dtype, device=losses.device),
-                                    is_grads_batched=True, retain_graph=True, allow_unused=True)
+        found = torch.autograd.grad(output, inputs, grad_outputs=cotangents, is_grads_batched=True,
+                                    retain_graph=True, allow_unused=True)
     except RuntimeError:
-        rows = [torch.autograd.grad(losses[i], tensors, retain_graph=True, allow_unused=True) for i in range(batch)]
-        grads = tuple(torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows]) if batch else
-                      p.new_zeros((0, *p.shape)) for k, p in enumerate(tensors))
-    return {name: (p.new_zeros((batch, *p.shape)) if g is None else g) for (name, p), g in zip(params.items(), grads)}
+        rows = [torch.autograd.grad(output, inputs, grad_outputs=cotangents[i], retain_graph=True, allow_unused=True)
+                for i in range(batch)]
+        found = tuple(torch.stack([torch.zeros_like(x) if row[k] is None else row[k] for row in rows])
+                      for k, x in enumerate(inputs))
+    return [x.new_zeros((batch, *x.shape)) if g is None else g for x, g in zip(inputs, found)]
 
 
 def unreached_parameters(losses: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str]:

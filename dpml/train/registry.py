@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dpml.definitions import same_definition
 from dpml.train.protocol import Trainer
 from dpml.train.trainers.clipless import CLIPLESS
 from dpml.train.trainers.dpsgd import DpGd, DpSgd
@@ -27,21 +28,11 @@ def register(trainer: Trainer) -> Trainer:
     """Add ``trainer`` under its name (refusing a second trainer of the same name); the configuration schema
     is composed again from the registry when it next validates (:func:`dpml.config.config_model`), so that
     ``train.algorithm: <name>`` validates."""
-    if trainer.name in TRAINERS and not _same_trainer(TRAINERS[trainer.name], trainer):
+    if trainer.name in TRAINERS and not (TRAINERS[trainer.name] is trainer
+                                         or same_definition(type(TRAINERS[trainer.name]), type(trainer))):
         raise ValueError(f"a trainer named {trainer.name!r} is already registered")
     TRAINERS[trainer.name] = trainer
     return trainer
-
-
-def _same_trainer(registered: Trainer, new: Trainer) -> bool:
-    """The same trainer class loaded again (a plugin module imported under a second name) replaces itself."""
-    a, b = type(registered), type(new)
-    return registered is new or (a.__qualname__ == b.__qualname__ and _source_file(a) == _source_file(b) is not None)
-
-
-def _source_file(cls: type) -> str | None:
-    """The file a class's methods were compiled from (a module loaded from a path may be absent from sys.modules)."""
-    return next((value.__code__.co_filename for value in vars(cls).values() if hasattr(value, "__code__")), None)
 
 
 def trainer_named(name: str) -> Trainer:

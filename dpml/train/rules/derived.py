@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpml.train.exact_path import batched_vjp
 from dpml.train.rules.operands import outputs, substituted
 from dpml.train.rules.registry import Tracked
 
@@ -54,14 +55,4 @@ def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:
     each (B, *source.shape): B vector-Jacobian products of the operation alone at once (a loop where an
     operator has no batching rule), the chain rule's step ∂ℓ_i/∂s = (∂o/∂s)ᵀ ∂ℓ_i/∂o with the sources
     independent (a source that is itself a Derived output passes its share on when its own turn comes)."""
-    batch, tensors = gradients.shape[0], node.leaves
-    cotangents = gradients.to(node.local.dtype)
-    try:
-        found = torch.autograd.grad(node.local, tensors, grad_outputs=cotangents, is_grads_batched=True,
-                                    retain_graph=True, allow_unused=True)
-    except RuntimeError:
-        rows = [torch.autograd.grad(node.local, tensors, grad_outputs=cotangents[i], retain_graph=True, allow_unused=True)
-                for i in range(batch)]
-        found = tuple(torch.stack([torch.zeros_like(t) if row[k] is None else row[k] for row in rows])
-                      for k, t in enumerate(tensors))
-    return [t.new_zeros((batch, *t.shape)) if g is None else g for t, g in zip(tensors, found)]
+    return batched_vjp(node.local, node.leaves, gradients.to(node.local.dtype))

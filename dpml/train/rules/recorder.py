@@ -139,8 +139,7 @@ class Recorder(TorchFunctionMode):
             return out
         handler = RULES.get(func)
         if handler is not None:
-            result = handler(Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first,
-                                  self._leading_examples))
+            result = handler(self._call(func, args, kwargs, out))
             if isinstance(result, Shared):
                 for o, tracked in result.outputs:
                     self._track(o, tracked)
@@ -163,11 +162,9 @@ class Recorder(TorchFunctionMode):
                          "again (random draws)")
             return
         local, leaves = again
-        params: list[nn.Parameter] = []
-        for _, tracked in sources.values():
-            node = self._nodes.get(id(tracked.param))
-            params += node.params if node is not None else [tracked.param]
-        params = list({id(p): p for p in params}.values())
+        params = list({id(p): p for _, tracked in sources.values()  # through other computations to the parameters
+                       for p in (self._nodes[id(tracked.param)].params if id(tracked.param) in self._nodes
+                                 else [tracked.param])}.values())
         for o, recomputed in zip(outputs(out), local):
             if o.requires_grad:
                 node = Derived(o, list(sources.values()), params, recomputed, leaves, name)
@@ -399,11 +396,14 @@ class Recorder(TorchFunctionMode):
         target.copy_(result)
         return target
 
+    def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Call:
+        """The call as its rule sees it, with the recorder's views of where the batch is."""
+        return Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first, self._leading_examples)
+
     def _apply(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
                hits: list[Tracked]) -> Pending | None:
         """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
-        call = Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first, self._leading_examples)
-        result = handler(call)
+        result = handler(self._call(func, args, kwargs, out))
         if isinstance(result, str):
             self._refuse(hits, f"{function_name(func)}: {result}")
             return None
