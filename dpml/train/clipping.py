@@ -96,11 +96,12 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, layers: list[nn.Module],
                     ruled: list[nn.Parameter], copies: frozenset[tuple[str, int]] | None) -> _Recording:
     """Per-example losses, with forward hooks on ``layers`` and the operations on the parameters ``ruled``
-    recorded (:class:`dpml.train.rules.Recorder`). The hooks and the rules pass a copy of the outputs named in
-    ``copies`` on (``("layer", k)``: the k-th hooked call's output; ``("rule", j)``: the j-th ruled call's;
-    None: every output), so that in-place operations later in the forward pass (``ReLU(inplace=True)``,
-    ``out += identity``) leave the recorded output, whose gradient is δ, out of the graph's rewrites; the
-    recording says which recorded outputs were modified in place all the same."""
+    recorded (:class:`dpml.train.rules.Recorder`). Each recorded output's gradient edge is kept as it is made, so
+    that its δ comes through however in-place operations later in the forward pass (``ReLU(inplace=True)``,
+    ``out += identity``) rewrite it. A view's edge does not survive that, so the hooks and the rules pass a copy
+    of the outputs named in ``copies`` on (``("layer", k)``: the k-th hooked call's output; ``("rule", j)``:
+    the j-th ruled call's; None: every output), and the recording says which recorded views were modified
+    in place all the same."""
     calls: dict[nn.Module, list[Call]] = {}
     versions: list[tuple[torch.Tensor, int]] = []
     owners = {id(p): m for m in layers for p in layer_parameters(m)}
@@ -112,11 +113,13 @@ def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
 
     def remember(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
         recorder.stack.pop()
-        if not recorder.derived(inputs[0]):  # position ids, a constant: not one row per example
-            recorder.unbatched.add(module)
-        calls.setdefault(module, []).append((inputs[0].detach(), output))
-        versions.append((output, output._version))
-        return output.clone() if copies is None or ("layer", len(versions) - 1) in copies else None
+        with torch._C.DisableTorchFunction():  # bookkeeping, not the model's computation: not recorded
+            if not recorder.derived(inputs[0]):  # position ids, a constant: not one row per example
+                recorder.unbatched.add(module)
+            calls.setdefault(module, []).append((inputs[0].detach(), output))
+            versions.append((output, output._version))
+        recorder.keep_edge(output)
+        return output.clone() if copies is None or ("layer", len(versions) - 1) in copies else None  # recorded
 
     handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
     try:
@@ -126,13 +129,20 @@ def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
         for handle in handles:
             handle.remove()
     hooked = {id(output) for output, _ in versions}  # a ruled output that is a layer's: the layer's copy suffices
-    overwritten = {("layer", k) for k, (output, version) in enumerate(versions) if output._version != version}
+    overwritten = {("layer", k) for k, (output, version) in enumerate(versions) if _rewritten(output, version)}
     overwritten |= {("rule", j) for j, (output, version) in enumerate(recorder.versions)
-                    if output._version != version and id(output) not in hooked}
+                    if _rewritten(output, version) and id(output) not in hooked}
     return _Recording(losses, calls, recorder, frozenset(overwritten))
 
 
-# The recorded outputs a model's forward pass modified in place (ReLU(inplace=True) after a norm, ``out += x``), by
+def _rewritten(output: torch.Tensor, version: int) -> bool:
+    """A recorded output that an in-place operation later in the pass rewrote, and whose gradient its edge
+    cannot give (:meth:`dpml.train.rules.Recorder.keep_output`): a view (autograd rebases its base, and the view's
+    recorded edge is left off the graph). Any other output's δ comes through its edge."""
+    return output._version != version and output._is_view()
+
+
+# The recorded views a model's forward pass modified in place (:func:`_rewritten`), by
 # their place in the pass (:func:`_record_forward`): its later passes copy those from the start instead of running
 # the forward pass a second time with a copy of every output.
 _OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, int]]] = weakref.WeakKeyDictionary()
@@ -318,7 +328,8 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
     grads: dict[int, torch.Tensor] = {}
     if outputs:
-        found = torch.autograd.grad(recording.losses.sum(), outputs, allow_unused=True, retain_graph=bool(slow or ruled))
+        found = torch.autograd.grad(recording.losses.sum(), [recorder.gradient_target(o) for o in outputs],
+                                    allow_unused=True, retain_graph=bool(slow or ruled))
         grads = {id(o): g for o, g in zip(outputs, found) if g is not None}
     with full_float32():  # norms here and sums in EnginePass.sums from the same numbers (no TF32)
         for module in used:
