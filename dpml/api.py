@@ -277,9 +277,9 @@ def log_to_mlflow(tracking_uri: str, experiment: str, run_name: str | None, resu
                   settings: dict[str, Any], artifact_location: str | None = None) -> str:
     """One MLflow run: the settings, ε and δ, the certificate and mechanism, the trained weights. (A model
     is *registered* only by the pipeline, after its audit and gate.)"""
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: MLflow only where a run is recorded
 
-    from dpml.tracking import get_or_create_experiment
+    from dpml.tracking import get_or_create_experiment  # lazy: MLflow only where a run is recorded
 
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)  # no process-wide URI consulted
     experiment_id = get_or_create_experiment(client, experiment, artifact_location)

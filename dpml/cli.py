@@ -14,6 +14,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 from dpml.cli_help import VERBOSE_HELP, command, examples_epilog, version
@@ -28,7 +29,7 @@ from dpml.terminal import quiet_third_party_output, warning_line
 
 def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
     """The whole pipeline (``search``: with ``dpml tune``'s search in place of one training run)."""
-    from dpml.config import check_tunable
+    from dpml.config import check_tunable  # lazy: per command
 
     config = load(args.params, args.set)
     if search:
@@ -38,10 +39,10 @@ def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
     stages = _StageEcho()
     with _reporting_what_a_stop_spent(config, stages):
         if args.engine == "local":
-            from dpml.stages import run_all
+            from dpml.stages import run_all  # lazy: per command
 
             return run_all(config, progress=True, search=search, echo=stages)
-        from flows.pipeline import run_from_cli
+        from flows.pipeline import run_from_cli  # lazy: per command
 
         return run_from_cli(args.params, args.set, search=search, api_flag=args.prefect_api)
 
@@ -67,8 +68,8 @@ def _reporting_what_a_stop_spent(config: Any, stages: _StageEcho) -> Iterator[No
     what was spent to the exception (:mod:`dpml.stages.stopped`), for :func:`main` to print. A Prefect flow
     run has already settled and attached it (it knows its stage); the local engine's stage comes from its
     echo. SIGINT and SIGTERM are held meanwhile: a second Ctrl-C must not cut the clean-up short."""
-    from dpml.interrupts import note_spent, signals_held
-    from dpml.stages.stopped import settle_stopped_run, spend_note
+    from dpml.interrupts import note_spent, signals_held  # lazy: per command
+    from dpml.stages.stopped import settle_stopped_run, spend_note  # lazy: per command
 
     spend_before = spend_note(config)
     try:
@@ -123,8 +124,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from dpml.provenance import refuse_temporary_experiment_copy
-    from dpml.stages import run_stage
+    from dpml.provenance import refuse_temporary_experiment_copy  # lazy: per command
+    from dpml.stages import run_stage  # lazy: per command
 
     config = load(args.params, args.set)
     refuse_temporary_experiment_copy(config)
@@ -135,9 +136,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dpml.stages import audit_registered_model
+    from dpml.stages import audit_registered_model  # lazy: per command
 
     config = load(args.params, args.set)
     out = Path(args.out or "artifacts/reaudit")
@@ -159,9 +158,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dpml.data.schema_draft import draft_schema
+    from dpml.data.schema_draft import draft_schema  # lazy: per command
 
     source = args.source if ":" in args.source.split("/")[0] else \
         f"{'parquet' if args.source.endswith(('.parquet', '.pq')) else 'csv'}:{args.source}"
@@ -177,9 +174,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Rebuild a release from its provenance and compare (``--verify``: no training, no ε)."""
-    from pathlib import Path
-
-    from dpml.reproduce import reproduce
+    from dpml.reproduce import reproduce  # lazy: per command
 
     config = load(args.params, args.set)
     return 0 if reproduce(args.model, config, Path.cwd(), args.verify, args.accuracy_band) else 3

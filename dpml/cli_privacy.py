@@ -14,7 +14,7 @@ from dpml.formatting import format_epsilon
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from dpml.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
+    from dpml.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps  # lazy: per command
 
     if (args.steps is None) == (args.noise_multiplier is None):
         raise ValueError("give exactly one of --steps (to calibrate σ) and --noise-multiplier (to calibrate steps)")
@@ -35,7 +35,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_ledger(args: argparse.Namespace) -> int:
     """``dpml ledger``: the view (per lineage, and per person); ``dpml ledger rename OLD NEW [--merge]``."""
-    from dpml.stages.train import open_ledger
+    from dpml.stages.train import open_ledger  # lazy: per command
 
     if args.action:
         return cmd_ledger_rename(args)
@@ -57,7 +57,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 def cmd_ledger_rename(args: argparse.Namespace) -> int:
     """Rename a lineage keeping its history, or merge it into another (``--merge``): an explicit ledger
     operation, one transaction (:meth:`dpml.privacy.ledger.Ledger.rename_lineage`)."""
-    from dpml.stages.train import open_ledger
+    from dpml.stages.train import open_ledger  # lazy: per command
 
     if len(args.action) != 3 or args.action[0] != "rename":
         raise ConfigError(f"ledger {' '.join(args.action)!r}: the one ledger operation is: dpml ledger rename OLD NEW "
@@ -84,14 +84,14 @@ def _ledger_person(ledger: Any, person: str, as_json: bool) -> int:
 
 def cmd_certificate(args: argparse.Namespace) -> int:
     """Recompute a logged run's certificate from its logged mechanism description."""
-    from dpml.privacy.accountants import certify
-    from dpml.privacy.mechanism import MechanismDescription
-    from dpml.registered import load_run_json
+    from dpml.privacy.accountants import certify  # lazy: per command
+    from dpml.privacy.mechanism import MechanismDescription  # lazy: per command
+    from dpml.registered import load_run_json  # lazy: per command
 
     config = load(args.params, args.set)
     run_id = args.run
     if args.model is not None:
-        from dpml.registered import find_version
+        from dpml.registered import find_version  # lazy: per command
 
         run_id = find_version(args.model, config.tracking)["run_id"]
     logged = load_run_json(config.tracking, run_id, "certificate.json")
@@ -114,8 +114,8 @@ def cmd_certificate(args: argparse.Namespace) -> int:
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
-    from dpml.privacy.accountants import certify
-    from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+    from dpml.privacy.accountants import certify  # lazy: per command
+    from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps  # lazy: per command
 
     mechanism = MechanismDescription(
         trainer="cli", events=(PoissonGaussianSteps(args.sample_rate, args.noise_multiplier, args.steps),),

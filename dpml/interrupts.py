@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import os
 import signal
 import sys
@@ -264,7 +265,6 @@ def die_with_parent(parent_pid: int) -> None:
     still stops its children; only a SIGKILL of the caller can then leave one behind)."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
 
     pr_set_pdeathsig = 1
     try:

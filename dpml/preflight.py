@@ -27,6 +27,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from dpml.data.records import DataError
 from dpml.data.tables import check_columns
 from dpml.privacy.ledger import LedgerError, ledger_of
@@ -49,8 +51,6 @@ class FixedNoiseSeedWarning(UserWarning):
 
 def check_device(preference: str) -> None:
     """``train.device: cuda`` needs a CUDA device; ``auto`` and ``cpu`` always work."""
-    import torch
-
     if preference == "cuda" and not torch.cuda.is_available():
         raise PreflightError(f"train.device = 'cuda': no CUDA device is available on this machine (torch "
                              f"{torch.__version__}); use train.device: auto (CUDA when present, else CPU) or cpu")

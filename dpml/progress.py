@@ -29,8 +29,8 @@ def prefect_run_logger() -> logging.Logger | logging.LoggerAdapter | None:
     for the question: a process that never imported it is in no run)."""
     if "prefect" not in sys.modules:
         return None
-    from prefect import get_run_logger
-    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect import get_run_logger  # lazy: Prefect only inside a flow run
+    from prefect.context import FlowRunContext, TaskRunContext  # lazy: Prefect only inside a flow run
 
     if TaskRunContext.get() is None and FlowRunContext.get() is None:
         return None
@@ -63,7 +63,7 @@ def progress_over(items: Iterable[T], total: int, description: str, unit: str, s
     if log is not None:
         return _logged(items, total, description, unit, log)
     if sys.stderr.isatty():
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: tqdm only when a progress bar is shown
 
         return tqdm(items, total=total, desc=description, unit=unit, leave=False)
     return items

@@ -26,6 +26,8 @@ from pathlib import Path
 import yaml
 
 from dpml.config import Config, absolute_paths, load
+from dpml.privacy.ledger_db import is_postgres, sqlite_file
+from dpml.store import sqlite_path
 
 LOGGED_FILES = ("params.yaml", "dvc.lock")
 METRICS_FOLDER = "metrics"  # the git-tracked metrics dvc.yaml names: a run's output, not code
@@ -67,9 +69,6 @@ def refuse_temporary_experiment_copy(config: Config, cwd: Path | None = None) ->
     cwd = Path.cwd() if cwd is None else cwd
     if not os.environ.get("DVC_EXP_NAME") or not root or Path(root).resolve() == cwd.resolve():
         return
-    from dpml.privacy.ledger_db import is_postgres, sqlite_file
-    from dpml.store import sqlite_path
-
     stores = {"ledger.url" if config.ledger.url else "ledger.path":
               None if is_postgres(config.ledger.location()) else sqlite_file(config.ledger.location()),
               "tracking.uri": sqlite_path(config.tracking.uri),
@@ -112,7 +111,7 @@ def parameters_of(config: Config) -> dict:
 
 def default_remote(root: Path) -> tuple[str, str]:
     """The workspace's default DVC remote: its name and its URL (DVC makes a local path absolute)."""
-    from dvc.repo import Repo
+    from dvc.repo import Repo  # lazy: DVC only where provenance asks it
 
     with Repo(str(root)) as repo:
         name = repo.config["core"].get("remote")

@@ -35,7 +35,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from dpml.config import safe_yaml
+from dpml.privacy.accountants import certify
+from dpml.privacy.ledger_db import is_postgres, sqlite_file, without_password
+from dpml.privacy.mechanism import MechanismDescription
 from dpml.provenance import RAW_DATA, dvc, git, locked_raw_data_md5
+from dpml.stages.ingest import stored_records_version
+from dpml.store import client
 
 
 class ReproduceError(RuntimeError):
@@ -44,7 +52,7 @@ class ReproduceError(RuntimeError):
 
 def release_tags(uri: str, tracking: Any) -> dict[str, Any]:
     """The registered version's name, number, run id and tags (``models:/NAME/VERSION`` or ``@ALIAS``)."""
-    from dpml.registered import find_version
+    from dpml.registered import find_version  # lazy: MLflow only where a run is recorded
 
     try:
         return find_version(uri, tracking)
@@ -82,9 +90,7 @@ def worktree_at(commit: str, repository: Path) -> Iterator[Path]:
 
 def put_logged_files(tracking: Any, run_id: str, tree: Path) -> None:
     """The run's logged ``params.yaml`` and ``dvc.lock`` into the worktree."""
-    import mlflow
-
-    from dpml.store import client
+    import mlflow  # lazy: MLflow only where a run is recorded
 
     for name in ("params.yaml", "dvc.lock"):
         try:
@@ -134,9 +140,7 @@ def dvc_directory_mismatches(tree: Path, expected: str) -> list[str]:
 
 def recomputed_certificate(tracking: Any, run_id: str) -> tuple[float, float]:
     """(logged ε, ε recomputed by the accountants from the logged mechanism at the logged δ)."""
-    from dpml.privacy.accountants import certify
-    from dpml.privacy.mechanism import MechanismDescription
-    from dpml.registered import load_run_json
+    from dpml.registered import load_run_json  # lazy: MLflow only where a run is recorded
 
     logged = load_run_json(tracking, run_id, "certificate.json")
     if not logged:
@@ -149,8 +153,7 @@ def recomputed_certificate(tracking: Any, run_id: str) -> tuple[float, float]:
 def rebuilt_inputs(tree: Path, tracking: Any, release: dict[str, Any], echo: Callable[[str], None]) -> dict[str, Any]:
     """Steps 1–2 in the worktree ``tree``: the logged files put in, the data pulled and both hashes
     checked. Returns ``data_version`` and the ``problems`` found."""
-    from dpml.stages.ingest import stored_records_version
-    from dpml.registered import load_run_json
+    from dpml.registered import load_run_json  # lazy: MLflow only where a run is recorded
 
     tags = release["tags"]
     echo(f"code      {tags['code.commit']} checked out in a clean worktree")
@@ -208,8 +211,6 @@ RETRAINED_STAGES = ("split", "preprocess", "train", "certify", "audit", "gate")
 
 def invoking_ledger(config: Any) -> dict[str, Any]:
     """The invoking configuration's ledger section with its files made absolute, for the worktree."""
-    from dpml.privacy.ledger_db import is_postgres, sqlite_file
-
     ledger = config.ledger.model_dump()
     for key in ("path", "unit_key"):
         if ledger.get(key):
@@ -222,10 +223,6 @@ def invoking_ledger(config: Any) -> dict[str, Any]:
 def retrain_in(tree: Path, ledger: dict[str, Any]) -> dict[str, Any]:
     """``dvc repro`` of each stage from split to gate in ``tree``, charging ``ledger``; the certificate
     and the train metrics it produced."""
-    import yaml
-
-    from dpml.config import safe_yaml
-
     # Read as dpml reads it (category texts such as `no`/`yes` kept as the strings they are, so the dump
     # quotes them), and written back with only the ledger section changed.
     params = safe_yaml((tree / "params.yaml").read_text(encoding="utf-8-sig"), str(tree / "params.yaml"))
@@ -245,8 +242,7 @@ def retrain_in(tree: Path, ledger: dict[str, Any]) -> dict[str, Any]:
 def rebuild_release(uri: str, config: Any, repository: Path, band: float,
                     echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Retrain the release from its commit and data (module docstring) and compare."""
-    from dpml.privacy.ledger_db import without_password
-    from dpml.registered import load_run_json
+    from dpml.registered import load_run_json  # lazy: MLflow only where a run is recorded
 
     release, checks = _release_and_warnings(uri, config.tracking, echo)
     tags = release["tags"]
@@ -279,8 +275,6 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
 
 
 def _logged_metric(tracking: Any, run_id: str, name: str) -> float:
-    from dpml.store import client
-
     metrics = client(tracking).get_run(run_id).data.metrics
     if name not in metrics:
         raise ReproduceError(f"run {run_id}: no {name} metric logged")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from dpml.audit.attacks import ATTACKS
+from dpml.models.custom import load_factory
 
 
 class Section(BaseModel):
@@ -212,8 +213,6 @@ class ModelConfig(Section):
         if self.inputs != "auto" and self.kind != "custom":
             raise ValueError(f"model.inputs = {self.inputs!r}: only for model.kind: custom")
         if self.factory is not None:
-            from dpml.models.custom import load_factory
-
             load_factory(self.factory)
         return self
 

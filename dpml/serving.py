@@ -111,7 +111,7 @@ def _optional(column: dict[str, Any]) -> bool:
 def _column_type(column: dict[str, Any], missing_values: list[str]) -> Any:
     """double/string where a raw frame read by pandas holds that type; ``any`` where it may not: a numeric
     column with a missing token such as '?' (read as text), categories that look like numbers (read as such)."""
-    from mlflow.types.schema import AnyType
+    from mlflow.types.schema import AnyType  # lazy: MLflow only where a run is recorded
 
     if column["kind"] == "tokens":  # ids as text; a file whose cells hold one id each is read as numbers
         return AnyType()
@@ -130,7 +130,7 @@ def _column_type(column: dict[str, Any], missing_values: list[str]) -> Any:
 
 def signature(spec: dict[str, Any]) -> mlflow.models.ModelSignature:
     """Inputs: the schema's columns (or the raw feature shape); outputs: label and probabilities."""
-    from mlflow.types.schema import ColSpec, Schema, TensorSpec
+    from mlflow.types.schema import ColSpec, Schema, TensorSpec  # lazy: MLflow only where a run is recorded
 
     table = spec["input"].get("table")
     if table is None:
@@ -158,7 +158,7 @@ def save_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any
     workdir.mkdir(parents=True, exist_ok=True)
     network_path = workdir / NETWORK_FILE
     export_network(network, n_inputs, network_path)
-    import cloudpickle
+    import cloudpickle  # lazy: cloudpickle only when a model is packaged
 
     by_value = [encoding_module, preprocess_module, sys.modules[__name__]]
     for module in by_value:

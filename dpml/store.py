@@ -51,7 +51,7 @@ def stores(config: TrackingConfig) -> list[str]:
 def client(config: TrackingConfig) -> Any:
     """An ``MlflowClient`` naming both of the run's stores explicitly, so that neither MLflow's
     process-wide URIs nor its environment variables can send any call elsewhere."""
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: MLflow only where a run is recorded
 
     return MlflowClient(tracking_uri=config.uri, registry_uri=config.registry)
 
@@ -123,7 +123,7 @@ def _prepare_one(uri: str, config: TrackingConfig) -> str:
 
 
 def _head() -> str:
-    from mlflow.store.db.utils import _get_latest_schema_revision
+    from mlflow.store.db.utils import _get_latest_schema_revision  # lazy: MLflow only where a run is recorded
 
     return str(_get_latest_schema_revision())
 
@@ -171,7 +171,7 @@ def _holds_nothing(path: Path) -> bool:
 
 def _initialise(path: Path, artifact_root: str) -> None:
     """Run MLflow's own creation and migrations on the database at ``path``."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # lazy: MLflow only where a run is recorded
 
     store = SqlAlchemyStore(f"sqlite:///{path}", str(Path(artifact_root).resolve()))
     store.engine.dispose()
@@ -192,7 +192,7 @@ def _create(path: Path, config: TrackingConfig) -> None:
 
 
 def _upgrade_copy(path: Path, revision: str | None) -> None:
-    from mlflow.store.db.utils import _upgrade_db, create_sqlalchemy_engine
+    from mlflow.store.db.utils import _upgrade_db, create_sqlalchemy_engine  # lazy: MLflow only where a run is recorded
 
     temp = path.with_name(f".{path.name}.creating-{os.getpid()}")
     try:
@@ -220,7 +220,7 @@ def _key_of(uri: str, config: TrackingConfig) -> str:
 
 def _check_server(uri: str, config: TrackingConfig | None = None) -> str:
     """A tracking server or other store must answer a cheap query (one quick try: a pre-flight check)."""
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: MLflow only where a run is recorded
 
     quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
     try:

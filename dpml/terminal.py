@@ -47,7 +47,7 @@ def quiet_third_party_output() -> None:
     for name, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     try:
-        import absl.logging  # noqa: F401 - absl's own logger class must exist before its level is set
+        import absl.logging  # noqa: F401 - lazy: absl's logger class must exist before its level is set
     except ImportError:  # absl comes with dp_accounting; without it there is nothing to quieten
         pass
     for name, level in QUIET_LEVELS.items():

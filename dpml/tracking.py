@@ -157,8 +157,8 @@ def _log_model(client: MlflowClient, experiment_id: str, run_id: str, model: tor
     """Log the raw-record pyfunc (:mod:`dpml.serving`) as the run's logged model ``model``, through the
     run's own client; returns (logged model id, its artifact location). The version's source is that
     location, not ``models:/<id>``: MLflow resolves the latter through its process-wide tracking URI."""
-    from mlflow.entities import LoggedModelStatus
-    from mlflow.models import Model
+    from mlflow.entities import LoggedModelStatus  # lazy: MLflow only where a run is recorded
+    from mlflow.models import Model  # lazy: MLflow only where a run is recorded
 
     logged = client.create_logged_model(experiment_id, name="model", source_run_id=run_id)
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])

@@ -9,6 +9,7 @@ from a package (``from dpml import io``) is an edge to that module, not to the p
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -187,3 +188,32 @@ def test_imports_point_down() -> None:
               for a, targets in sorted(graph.items()) for b, line in sorted(targets.items())
               if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]  # type: ignore[operator]
     assert upward == [], "imports that point up a layer:\n" + "\n".join(upward)
+
+
+LAZY = re.compile(r"#.*\blazy: \S")
+
+
+def untagged_function_imports(source: str) -> list[int]:
+    """Lines of imports inside functions without ``# lazy: <reason>`` on their first line."""
+    lines = source.splitlines()
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found |= {sub.lineno for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))
+                      and not LAZY.search(lines[sub.lineno - 1])}
+    return sorted(found)
+
+
+def test_every_import_inside_a_function_says_why_it_is_there() -> None:
+    """An import inside a function is for an optional dependency or a load kept off a path that does not need it
+    (the command line's start, MLflow where nothing is recorded), with the reason on its line; any other import
+    is at the top of its module."""
+    untagged = {name: lines for name, path in modules().items()
+                if (lines := untagged_function_imports(path.read_text(encoding="utf-8")))}
+    assert untagged == {}
+
+
+def test_an_untagged_import_inside_a_function_is_found() -> None:
+    source = ("import os\n\n\ndef f():\n    import json  # lazy: json only here\n    from dpml import config\n"
+              "    return json, config\n")
+    assert untagged_function_imports(source) == [6]

@@ -23,11 +23,18 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from dpml.audit.bounds import one_run_bound, one_run_guesses
+from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
+from dpml.audit.recompute import forward_is_random, trainable_size
 from dpml.audit.signals import cross_entropy_losses, logits_of
 from dpml.config import Config
-from dpml.train.fit import fit
+from dpml.devices import full_float32
+from dpml.models import build_model
+from dpml.train.dpsgd import loss_function, number_of_steps
+from dpml.train.fit import fit, model_spec
+from dpml.train.protocol import make_tensors
 
 if TYPE_CHECKING:
     from dpml.audit.checks import Check
@@ -67,16 +74,6 @@ def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int
 
     ``certified``: the released model's ``mechanism.json`` (σ, C, q the checks test against); without it
     the configuration's values are used."""
-    import torch
-
-    from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
-    from dpml.audit.recompute import forward_is_random, trainable_size
-    from dpml.devices import full_float32
-    from dpml.models import build_model
-    from dpml.train.dpsgd import loss_function, number_of_steps
-    from dpml.train.fit import model_spec
-    from dpml.train.protocol import make_tensors
-
     model = build_model(model_spec(config, x.shape[1], n_classes))
     n_params = trainable_size(model)
     random_forward = forward_is_random(model, torch.as_tensor(x[:16], dtype=torch.float32))

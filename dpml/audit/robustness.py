@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from dpml.models.lipschitz import LipschitzLayer, Residual
 
 RADII_255 = (0, 1, 2, 4, 8, 16)
 
@@ -35,8 +36,6 @@ def layer_lipschitz(layer: nn.Module) -> float:
     """The layer's Lipschitz constant: its certified operator-norm bound when it has a constraint
     (exact σ_max for dense layers, the FFT bound for convolutions), a residual block's
     ½(1 + Π inner) from its own layers' measured constants, the analytic ``lipschitz`` otherwise."""
-    from dpml.models.lipschitz import LipschitzLayer, Residual
-
     if isinstance(layer, Residual):
         return 0.5 * (1.0 + math.prod(layer_lipschitz(inner) for inner in layer.inner))
     if not isinstance(layer, LipschitzLayer):

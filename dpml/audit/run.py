@@ -21,13 +21,16 @@ from dpml.audit import attacks as atk
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_power
 from dpml.audit.canaries import black_box_audit, black_box_guesses, white_box_audit, white_box_guesses
 from dpml.audit.metrics import roc, summarize
+from dpml.audit.recompute import trainable_size
+from dpml.audit.reconstruction import reconstruction_audit
 from dpml.audit.references import AuditRecords, is_stored, load_references, train_reference
 from dpml.audit.signals import logits_of
 from dpml.formatting import format_epsilon
 from dpml.config import AuditConfig, Config
+from dpml.models import build_model
 from dpml.progress import progress_over
 from dpml.sections import TrainSettings
-from dpml.train.fit import fit
+from dpml.train.fit import fit, model_spec
 from dpml.train.registry import NONPRIVATE, trainer_for
 
 
@@ -121,8 +124,6 @@ def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_
 def reconstruction_of(config: Config, model: nn.Module, x_train: np.ndarray) -> dict[str, Any]:
     """Seed 002's reconstruction attack on a random-features model (training inputs from θ alone),
     or why it was skipped: it optimises n candidate inputs against an n×n system at every step."""
-    from dpml.audit.reconstruction import reconstruction_audit
-
     n = int(x_train.shape[0])
     if n > config.audit.reconstruction_max_train:
         return {"skipped": f"n = {n} training records > audit.reconstruction_max_train = "
@@ -207,10 +208,6 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
 
     ``certified_epsilon`` decides which ε lower-bound methods have the power to gate (:func:`plan_bounds`);
     ``mechanism`` (``mechanism.json``) is what the conformance checks test the trainer against."""
-    from dpml.audit.recompute import trainable_size
-    from dpml.models import build_model
-    from dpml.train.fit import model_spec
-
     private = noise_multiplier is not None
     start = time.perf_counter()
     white_box = white_box_applies(config, private)

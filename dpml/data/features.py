@@ -22,7 +22,7 @@ SCATTER_CHANNELS = 81  # 1 + J·L + L²·J(J−1)/2 for J = 2, L = 8
 def _scattering(shape: tuple[int, int]):  # noqa: ANN202
     # kymatio.torch also imports its 3-D code, which needs scipy.special.sph_harm (gone in SciPy 1.17);
     # the 2-D frontend alone is all we use.
-    from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
+    from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D  # lazy: optional dependency
 
     return ScatteringTorch2D(J=2, L=8, shape=shape)
 

@@ -26,7 +26,7 @@ __all__ = ["DataError", "RawData", "check_records", "content_hash", "load_idx", 
 
 def load_sklearn(name: str) -> RawData:
     """A scikit-learn bundled data set (shipped with the package, no download)."""
-    import sklearn.datasets as sk
+    import sklearn.datasets as sk  # lazy: scikit-learn's data sets only for the sources that read them
 
     loader = getattr(sk, f"load_{name}", None)
     if loader is None:

@@ -150,7 +150,7 @@ def _first_record(handle: io.TextIOBase) -> str | None:
 
 
 def _parquet_schema(path: Path) -> list[object]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow only for Parquet files
 
     try:
         return list(pq.ParquetFile(path).schema_arrow)
@@ -236,7 +236,7 @@ _NESTED_TYPES = ("is_list", "is_large_list", "is_fixed_size_list", "is_struct", 
 
 def _check_parquet_types(path: Path, wanted: list[str], categories: dict[str, list[str]]) -> None:
     """Every named Parquet column holds one scalar per row (module docstring)."""
-    import pyarrow.types as pt
+    import pyarrow.types as pt  # lazy: pyarrow only for Parquet files
 
     fields = {field.name: field for field in _parquet_schema(path)}  # type: ignore[attr-defined]
     for name in wanted:

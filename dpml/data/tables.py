@@ -102,7 +102,7 @@ def chunks(path: Path, kind: str, columns: list[str], rows: int, separator: str 
             positions = {name: names.index(name) for name in dict.fromkeys(columns)}
             yield from files.csv_chunks(table, positions, rows, files.detect_encoding(path, encoding))
         else:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazy: pyarrow only for Parquet files
 
             for batch in pq.ParquetFile(path).iter_batches(batch_size=rows, columns=columns):
                 yield batch.to_pandas()

@@ -50,6 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dpml.formatting import format_epsilon
+from dpml.privacy.kl_certificate import certify_kl
 from dpml.privacy.mechanism import ConcentratedDP, Event, GaussianDP, MechanismDescription, PoissonGaussianSteps
 from dpml.privacy import tuning
 from dpml.privacy.prv import epsilon_prv_upper
@@ -75,7 +76,7 @@ def _dp_events(mechanism: MechanismDescription, with_selection: bool = False, fo
     A μ-GDP event becomes ``GaussianDpEvent(1/μ)``; for the PLD accountant under replace-one, which
     gives a plain Gaussian sensitivity 2, ``GaussianDpEvent(2/μ)`` (μ already covers the relation).
     """
-    import dp_accounting
+    import dp_accounting  # lazy: when this accountant is asked
 
     gaussian_scale = 2.0 if for_pld and mechanism.neighbouring == "replace-one" else 1.0
 
@@ -99,7 +100,7 @@ def _dp_events(mechanism: MechanismDescription, with_selection: bool = False, fo
 
 
 def _relation(mechanism: MechanismDescription) -> Any:
-    import dp_accounting
+    import dp_accounting  # lazy: when this accountant is asked
 
     return {
         "add-remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -130,7 +131,7 @@ def _epsilon_pld_once(events: tuple[Event, ...], neighbouring: str, selection: A
 
 
 def _pld_epsilon(mechanism: MechanismDescription, delta: float, discretization: float) -> float:
-    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.pld import pld_privacy_accountant  # lazy: when this accountant is asked
 
     accountant = pld_privacy_accountant.PLDAccountant(
         _relation(mechanism), value_discretization_interval=discretization
@@ -151,8 +152,8 @@ def _autodp_mechanism(neighbouring: str, events: tuple[Event, ...]) -> Any:
     """autodp's composition; a μ-GDP event is its Gaussian mechanism with σ = 1/μ (any relation)."""
     if neighbouring != "add-remove" and not all(isinstance(e, GaussianDP) for e in events):
         raise NotImplementedError("autodp's Poisson-sampling RDP bound holds for add/remove neighbouring only")
-    from autodp.mechanism_zoo import GaussianMechanism
-    from autodp.transformer_zoo import AmplificationBySampling, Composition
+    from autodp.mechanism_zoo import GaussianMechanism  # lazy: when this accountant is asked
+    from autodp.transformer_zoo import AmplificationBySampling, Composition  # lazy: when this accountant is asked
 
     amplify = AmplificationBySampling(PoissonSampling=True)
     steps = [
@@ -166,7 +167,7 @@ def _autodp_mechanism(neighbouring: str, events: tuple[Event, ...]) -> Any:
 
 def epsilon_dp_accounting_rdp(mechanism: MechanismDescription, delta: float) -> float:
     """ε(δ) from dp_accounting's RDP accountant (cross-check; add/remove only for Poisson)."""
-    from dp_accounting.rdp import rdp_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant  # lazy: when this accountant is asked
 
     accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=_relation(mechanism))
     accountant.compose(_dp_events(mechanism, with_selection=True, for_pld=False))
@@ -185,7 +186,7 @@ def _random_selection(mechanism: MechanismDescription) -> Any:
 
 def base_rdp_dp_accounting(mechanism: MechanismDescription, orders: tuple[float, ...] = tuning.ORDERS) -> np.ndarray:
     """RDP curve of the events (one candidate, no selection), from dp_accounting (Mironov et al. 2019)."""
-    from dp_accounting.rdp import rdp_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant  # lazy: when this accountant is asked
 
     base = replace(mechanism, selection=None)  # one candidate
     accountant = rdp_privacy_accountant.RdpAccountant(list(orders), _relation(base))
@@ -221,7 +222,7 @@ def base_rdp_autodp(mechanism: MechanismDescription, orders: tuple[float, ...] =
 def base_delta_profile(mechanism: MechanismDescription,
                        discretization: float = PLD_DISCRETIZATION) -> Callable[[np.ndarray], np.ndarray]:
     """δ(ε) of one candidate from the PLD (pessimistic: upper bounds), vectorised over ε."""
-    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.pld import pld_privacy_accountant  # lazy: when this accountant is asked
 
     base = replace(mechanism, selection=None)  # one candidate
     accountant = pld_privacy_accountant.PLDAccountant(_relation(base), value_discretization_interval=discretization)
@@ -385,7 +386,6 @@ def certify(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
     if not 0 < delta < 1:
         raise ValueError(f"delta = {delta}: must be in (0, 1)")
     if mechanism.guarantee == "kl":  # seed 000's noisy GD: a KL certificate, ε = ∞
-        from dpml.privacy.kl_certificate import certify_kl
 
         return certify_kl(mechanism, delta)
     answers = ask_accountants(mechanism, delta)

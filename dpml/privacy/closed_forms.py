@@ -69,7 +69,7 @@ def epsilon_zcdp_rdp(mechanism: MechanismDescription, delta: float) -> float:
 
 def epsilon_autodp_zcdp(mechanism: MechanismDescription, delta: float) -> float:
     """autodp's zCDP mechanism (its own RDP → (ε, δ) conversion): an independent implementation."""
-    from autodp.mechanism_zoo import zCDP_Mechanism
+    from autodp.mechanism_zoo import zCDP_Mechanism  # lazy: when this accountant is asked
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

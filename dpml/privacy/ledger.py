@@ -76,6 +76,7 @@ import numpy as np
 
 from dpml.faults import fault_point
 from dpml.privacy import cohorts, lineages
+from dpml.privacy.accountants import tight_epsilon
 from dpml.privacy.budget_checks import Standing, check_budget, within_filter
 from dpml.privacy.lineages import Group, LineageConflict
 from dpml.privacy.ledger_db import SqliteDatabase, open_database
@@ -359,8 +360,6 @@ class Ledger(LedgerViews):
         composition of every touched unit against ``budget``; ``exclude`` checks the lineage's Rényi
         filter (the caller passes only the units :meth:`units_within_filter` allowed).
         """
-        from dpml.privacy.accountants import tight_epsilon
-
         lineage = lineage or dataset_version
         kl_run = mechanism is not None and mechanism.guarantee == "kl"
         alone = float("inf") if mechanism is None or kl_run else tight_epsilon(mechanism, self.delta)

@@ -145,7 +145,7 @@ class PostgresConnection:
     @property
     def in_transaction(self) -> bool:
         """Inside an explicit transaction (as ``sqlite3.Connection.in_transaction``)."""
-        from psycopg.pq import TransactionStatus
+        from psycopg.pq import TransactionStatus  # lazy: PostgreSQL's driver only for a PostgreSQL ledger
 
         return bool(self._connection.info.transaction_status != TransactionStatus.IDLE)
 
@@ -167,7 +167,7 @@ class PostgresDatabase:
     """A ledger on a PostgreSQL server (``postgresql://user[:password]@host:port/database``)."""
 
     def __init__(self, url: str) -> None:
-        import psycopg
+        import psycopg  # lazy: PostgreSQL's driver only for a PostgreSQL ledger
 
         self.url = url
         self.errors: tuple[type[Exception], ...] = (psycopg.Error,)
@@ -177,7 +177,7 @@ class PostgresDatabase:
 
     @contextmanager
     def connect(self) -> Iterator[PostgresConnection]:
-        import psycopg
+        import psycopg  # lazy: PostgreSQL's driver only for a PostgreSQL ledger
 
         connection = psycopg.connect(self.url, autocommit=True, connect_timeout=30)
         try:

@@ -15,7 +15,7 @@ def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float =
     """
     if mechanism.neighbouring != "add-remove":
         raise NotImplementedError("prv_accountant's Poisson-subsampled Gaussian is add/remove only")
-    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant  # lazy: when this accountant is asked
 
     events = mechanism.composed_events()
     if any(isinstance(e, GaussianDP) for e in events):

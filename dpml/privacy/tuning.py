@@ -107,7 +107,7 @@ def selection_rdp(orders: Sequence[float], rdp: Sequence[float], selection: Sele
 
 def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
     """(ε, δ) from an RDP curve: Canonne, Kamath & Steinke (2020), Prop. 12 (dp_accounting)."""
-    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon  # lazy: when this accountant is asked
 
     epsilon, _ = compute_epsilon(list(orders), list(rdp), delta)
     return float(epsilon)

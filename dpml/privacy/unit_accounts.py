@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from dpml.privacy.accountants import epsilon_pld, has_zcdp, mechanism_rdp_curve
+from dpml.privacy.kl_certificate import certified_kl
 from dpml.privacy.mechanism import MechanismDescription
+from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
 
 PLD_REFINEMENTS = 4  # the most PLD compositions one check or summary computes beyond its memo
 PLD_MAX_EVENTS = 8  # histories of more distinct events keep their RDP bound (a PLD would take many seconds)
@@ -48,9 +51,6 @@ def _compose(mechanisms: list[MechanismDescription], delta: float) -> float:
     relations = {m.neighbouring for m in mechanisms}
     if len(relations) > 1:
         raise LedgerError(f"cannot compose spends under different neighbouring relations {sorted(relations)}")
-    from dpml.privacy.accountants import epsilon_pld, has_zcdp, mechanism_rdp_curve
-    from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
-
     if any((m.selection is not None and m.selection.random) or has_zcdp(m) for m in mechanisms):
         # A random-count search or a zCDP run has an RDP curve but no PLD: compose every spend in RDP.
         return rdp_to_epsilon(ORDERS, sum(mechanism_rdp_curve(m) for m in mechanisms), delta)
@@ -64,8 +64,6 @@ def _compose_kl(mechanisms: list[MechanismDescription]) -> float:
 
     An (ε, δ)-DP spend with δ > 0 bounds no KL divergence: it makes the KL total unbounded.
     """
-    from dpml.privacy.kl_certificate import certified_kl
-
     total = 0.0
     for mechanism in mechanisms:
         if mechanism.guarantee != "kl":
@@ -78,10 +76,7 @@ def rdp_curve(mechanism: MechanismDescription) -> np.ndarray:
     """The spend's RDP curve on :data:`tuning.ORDERS`; ∞ (a vacuous bound, which leaves the unit's ε
     to the PLD accountant) for a KL-private spend or one dp_accounting has no RDP for (Poisson
     sampling under replace-one)."""
-    from dp_accounting import UnsupportedEventError
-
-    from dpml.privacy.accountants import mechanism_rdp_curve
-    from dpml.privacy.tuning import ORDERS
+    from dp_accounting import UnsupportedEventError  # lazy: when this accountant is asked
 
     if mechanism.guarantee == "kl":
         return np.full(len(ORDERS), np.inf)
@@ -98,8 +93,6 @@ def epsilons_from_rdp(rdp: np.ndarray, delta: float) -> np.ndarray:
     conversion dp_accounting's ``compute_epsilon`` uses, vectorised; orders ≤ 1.01 are skipped as
     there), floored at 0.
     """
-    from dpml.privacy.tuning import ORDERS
-
     orders = np.asarray(ORDERS, dtype=float)
     usable = orders > 1.01
     with np.errstate(invalid="ignore"):
@@ -114,8 +107,6 @@ def filter_order(budget: float, delta: float) -> float:
     shape of composed subsampled Gaussians at small q) reaching exactly ``budget`` at δ converts best.
     It depends on the budget and δ only, never on the data, and is fixed at a lineage's first
     filtered run."""
-    from dpml.privacy.tuning import ORDERS
-
     orders = np.asarray(ORDERS, dtype=float)
     low, high = 0.0, budget
     for _ in range(100):  # bisect c so that min_α ε(cα) = budget
@@ -144,8 +135,6 @@ class UnitAccounts:
     """Per-unit privacy loss of histories (tuples of spend ids), within one connection."""
 
     def __init__(self, delta: float, db: sqlite3.Connection) -> None:
-        from dpml.privacy.tuning import ORDERS
-
         self.db, self.delta = db, delta
         self.orders = np.asarray(ORDERS, dtype=float)
         rows = db.execute(f"SELECT id, mechanism, rdp FROM spends WHERE private = 1 AND {COUNTED}").fetchall()  # noqa: S608

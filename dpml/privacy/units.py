@@ -80,7 +80,7 @@ def keyed_unit_ids(digests: np.ndarray, key: bytes) -> np.ndarray:
     AES is a pseudorandom permutation of 128-bit blocks, so each block is encrypted on its own
     (ECB is exactly "one PRF call per unit" here; no block is ever a message in itself).
     """
-    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # lazy: keyed unit ids only
 
     digests = np.ascontiguousarray(digests, dtype=np.uint8)
     if digests.ndim != 2 or digests.shape[1] != DIGEST_BYTES:

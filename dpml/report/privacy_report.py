@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpml.audit.robustness import robustness_units
 from dpml.formatting import format_epsilon
+from dpml.privacy.mechanism import Selection
 from dpml.report.verdict import verdict_lines
 
 
@@ -126,8 +128,6 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
                     f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} steps"
                 )
         if mech.get("selection"):
-            from dpml.privacy.mechanism import Selection
-
             lines.append(f"- hyperparameter search: {Selection(**mech['selection']).describe()}; the events above are "
                          "one candidate; only the best candidate is released, and the certificate charges the search")
         lines.append(f"- clip norm C = {_fmt(mech['clip_norm'])}, L2 sensitivity {_fmt(mech['sensitivity'])} "
@@ -137,8 +137,6 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
         lines += ["", *lineage_lines(ledger, budget, train.get("units_excluded", 0))]
     robust = sorted((int(k.rsplit("_r", 1)[1]), v) for k, v in train.items() if k.startswith("robust_certified_accuracy_r"))
     if robust:
-        from dpml.audit.robustness import robustness_units
-
         lines += ["", f"**Certified robustness** (Lipschitz constant ℓ = {train['robust_lipschitz']:.4g}; "
                   f"{robustness_units(data['clip_mode'], data.get('features', 'none'))}; radius margin/(ℓ√2)).", "",
                   "| radius (×1/255) | " + " | ".join(str(k) for k, _ in robust) + " |",

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dpml.formatting import format_epsilon
-from dpml.report.verdict import PARTS
+from dpml.report.verdict import PARTS, SCORES
 
 LOW_FPR = 1e-3  # the ROC plot's left edge (log axes)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
@@ -125,8 +125,6 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
 
 
 def _verdict_block(verdict: dict[str, Any]) -> str:
-    from dpml.report.verdict import SCORES
-
     rows = "".join(
         f'<tr><th>{name}</th><td class="word" style="color:{WORD_COLOURS[SCORES[verdict[name]["word"]]]}">'
         f'{_e(verdict[name]["word"])}</td><td>{_e(verdict[name]["detail"])}</td></tr>' for name in PARTS)

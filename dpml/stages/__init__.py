@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dpml.config import check_tunable
 from dpml.faults import fault_point
 from dpml.stages.checkout_lock import outputs_locked
 from dpml.preflight import preflight
@@ -72,8 +73,6 @@ def run_stage(name: str, config: Config, progress: bool = False, search: bool = 
 def run_all(config: Config, progress: bool = False, echo: Callable[[str], None] = print,
             search: bool = False) -> dict[str, Any]:
     """Run every stage in order (the CLI's ``dpml run``/``dpml tune`` without Prefect)."""
-    from dpml.config import check_tunable
-
     results: dict[str, Any] = {}
     if search:
         check_tunable(config)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpml import io
+from dpml.audit.bounds import hypothesis_test_bound
 from dpml.audit.run import gating_lower_bounds
 from dpml.formatting import format_epsilon
 from dpml.privacy.ledger import Ledger
@@ -194,8 +195,6 @@ def total_variation_violations(raw_scores: dict[str, Any], pinsker_delta: float,
     hypothesis-test lower bound at δ = δ_P (Clopper–Pearson limits, threshold chosen on a split) is
     then 0 for a sound certificate; a positive bound means the audit refutes it.
     """
-    from dpml.audit.bounds import hypothesis_test_bound
-
     violations = []
     for attack, scores in raw_scores.items():
         bound = hypothesis_test_bound(np.asarray(scores["member"]), np.asarray(scores["nonmember"]),

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dpml import io
+from dpml.models import build_model, spec_from_dict
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -171,8 +172,6 @@ def load_trained_part(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
 
 def load_model(layout: Layout) -> torch.nn.Module:
     """The trained model, rebuilt from its spec and weights."""
-    from dpml.models import build_model, spec_from_dict
-
     model = build_model(spec_from_dict(io.read_json(layout.model_spec)))
     model.load_state_dict(torch.load(layout.model, weights_only=True))
     return model.eval()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from dpml import io
 from dpml.audit.plots import plot_roc
 from dpml.audit.run import run_audit
+from dpml.config import validate
 from dpml.stages.audit import audit_context, power_and_conformance_metrics
 from dpml.stages.ingest import ingest
 from dpml.stages.layout import Layout
@@ -25,9 +26,8 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     data's content hash differs from the version's ``data.version`` tag, then runs the audit with the
     certified mechanism's σ and logs the result as a new MLflow run linked from the version.
     """
-    from dpml import tracking as mlflow_tracking
-    from dpml.config import validate
-    from dpml.registered import load_run_json, resolve_model
+    from dpml import tracking as mlflow_tracking  # lazy: MLflow only where a run is recorded
+    from dpml.registered import load_run_json, resolve_model  # lazy: MLflow only where a run is recorded
 
     registered = resolve_model(model_uri, tracking)
     logged = validate(registered["config"], origin=f"config.json of run {registered['run_id']}")

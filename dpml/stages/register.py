@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
+from dpml.data.tables import table_encoding, transform_of
 from dpml.faults import fault_point
 from dpml.formatting import format_epsilon
 from dpml.privacy.mechanism import MechanismDescription
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 def serving_spec(config: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
     """What the registered model needs to take raw records (:mod:`dpml.serving`), all public: the class
     names, the table encoding or the raw feature count, and the public transform."""
-    from dpml.data.tables import table_encoding, transform_of
-
     encoding = table_encoding(config.data, config.preprocess)
     source = {"table": encoding.to_dict()} if encoding is not None else {"n_features": int(data_meta["n_features"])}
     return {"format": 1, "classes": [str(c) for c in data_meta["classes"]], "input": source,
@@ -51,7 +50,7 @@ def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
     run finished but before the ledger heard of it released a model the ledger does not name: its spend
     gets the ``released`` event it missed, marked ``reconciled``.
     """
-    from dpml import tracking
+    from dpml import tracking  # lazy: MLflow only where a run is recorded
 
     spends = {s.id: s for s in ledger.spends(counted_only=False)}
     for cleaned in tracking.clean_up_unreleased_runs(config.tracking):
@@ -114,8 +113,8 @@ def register(config: Config) -> dict[str, Any]:
     """Log the run to MLflow and register the model version with its privacy tags — once per spend, and
     only the outputs that spend paid for (:mod:`dpml.stages.spend_outputs`): a spend already released in
     this registry gets its version back (a retried task, a repeated ``dpml stage register``)."""
-    from dpml import tracking
-    from dpml.tracking_dataset import training_dataset
+    from dpml import tracking  # lazy: MLflow only where a run is recorded
+    from dpml.tracking_dataset import training_dataset  # lazy: MLflow only where a run is recorded
 
     started = time.time()
     as_run = config

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from dpml import io
 from dpml.formatting import format_epsilon
 from dpml.stages.layout import Layout
+from dpml.stages.train import open_ledger
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -62,8 +63,6 @@ def settle_stopped_run(config: Config, note_before: SpendNote | None, reason: st
     (ledger spend 7 …)``. ``note_before``: :func:`spend_note` when the run started. ``stage``: the stage
     that was running when it stopped, where the caller knows it; before registration, the spend gets the
     ``interrupted`` event (once)."""
-    from dpml.stages.train import open_ledger
-
     where = f" during {stage}" if stage else ""
     spend_id = noted_spend(config)
     if spend_id is None or spend_note(config) == note_before:

@@ -22,7 +22,11 @@ import torch
 
 from dpml import io
 from dpml.audit.robustness import certified_accuracy
+from dpml.config import with_hyperparameters, check_tunable
 from dpml.faults import fault_point
+from dpml.models import build_model
+from dpml.models.custom import factory_source
+from dpml.models.library import LibraryModel
 from dpml.models.predict import logits_of
 from dpml.devices import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
@@ -67,9 +71,6 @@ def check_model(trainer: Trainer, config: Config, in_features: int, n_classes: i
 def check_token_source(config: Config, in_features: int, n_classes: int) -> None:
     """A custom model called with ``input_ids`` and ``attention_mask`` needs records that are token ids and
     their mask (a table's ``tokens`` column): any other records would be read as ids. Refused before the spend."""
-    from dpml.models import build_model
-    from dpml.models.library import LibraryModel
-
     if config.model.kind != "custom" or any(c.type == "tokens" for c in (config.data.columns or {}).values()):
         return
     model = build_model(model_spec(config, in_features, n_classes))
@@ -87,8 +88,6 @@ def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> floa
 def release_config(config: Config) -> Config:
     """The configuration of the released model: ``config``, plus the search's choice after ``dpml tune``,
     plus whatever the trainer fixed while training (NoisyCGD's calibrated λ)."""
-    from dpml.config import with_hyperparameters
-
     layout = Layout(config)
     if layout.tuning.exists():
         config = with_hyperparameters(config, io.read_json(layout.tuning)["chosen"])
@@ -241,8 +240,6 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     for a fixed one) is recorded in the ledger before the first candidate trains; σ (or NoisyCGD's
     per-candidate μ) is calibrated so that this whole cost meets ``dp.target_epsilon``.
     """
-    from dpml.config import check_tunable, with_hyperparameters
-
     check_tunable(config)
     preflight(config)
     layout = Layout(config)
@@ -289,8 +286,6 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
 
 def keep_model_source(config: Config, layout: Layout) -> None:
     """A custom model's source file as it was when the model trained (logged with the MLflow run)."""
-    from dpml.models.custom import factory_source
-
     source = factory_source(config.model.factory) if config.model.factory else None
     if source is None:
         layout.model_source.unlink(missing_ok=True)

@@ -34,10 +34,14 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+import multiprocessing
+from multiprocessing import resource_tracker
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from dpml.devices import pick_device
 from dpml.interrupts import die_with_parent
@@ -160,8 +164,6 @@ def _interrupts_withheld_from_children() -> Iterator[None]:
     """Processes started inside the block have SIGINT blocked for life (a signal mask survives fork and exec):
     a terminal's Ctrl-C reaches the whole process group, and a child caught while still starting would print
     a traceback. They are stopped by their launcher (:func:`_end`) or die with it instead."""
-    from multiprocessing import resource_tracker
-
     resource_tracker.ensure_running()  # started later, it would unblock SIGINT in this thread (its own launch does)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -173,8 +175,6 @@ def _interrupts_withheld_from_children() -> Iterator[None]:
 def check_picklable(key: str, world_size: int, remedy: str = "train in one process", **objects: Any) -> None:
     """What :func:`spawn` sends to its processes must pickle (tensors go by shared memory, as they will):
     refused before any spend, naming the object, rather than failing once the run has started."""
-    from multiprocessing.reduction import ForkingPickler
-
     for name, value in objects.items():
         try:
             ForkingPickler.dumps(value)
@@ -198,17 +198,12 @@ def spawn(world_size: int, device: str, worker: Callable[..., Any], *args: Any) 
     with this process should it be killed outright (:func:`dpml.interrupts.die_with_parent`).
     Starting processes needs a process that may have children: a daemonic one (a Dask worker started with
     ``distributed.worker.daemon: true``) is refused with a message saying so."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
     if world_size < 2:
         raise ValueError(f"world_size = {world_size}: spawn needs at least 2 processes")
     if multiprocessing.current_process().daemon:
         raise RuntimeError(f"world_size = {world_size}: this process is daemonic (a Dask worker started with "
                            "distributed.worker.daemon: true) and cannot start the training processes; start the "
                            "workers non-daemonic, or train in one process")
-    from multiprocessing.reduction import ForkingPickler
 
     threads = max(1, (os.cpu_count() or 1) // world_size)
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=TIMEOUT)

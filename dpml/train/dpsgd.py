@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpml.devices import host_to_device, keep_freed_cpu_memory
+from dpml.models.lipschitz import (hinge_kantorovich_rubinstein, kantorovich_rubinstein, multiclass_hinge,
+                                   tau_cross_entropy)
 from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
@@ -93,9 +95,6 @@ LOSSES: dict[str, LossFn] = {"cross_entropy": per_example_cross_entropy, "square
 def loss_function(name: str, tau: float = 1.0, alpha: float = 1.0) -> LossFn:
     """The per-example loss ``train.loss`` names (the Lipschitz losses of seed 004 included). One function
     per setting, so the clipping plans of a run's models (keyed by the loss) are computed once."""
-    from dpml.models.lipschitz import (hinge_kantorovich_rubinstein, kantorovich_rubinstein, multiclass_hinge,
-                                       tau_cross_entropy)
-
     if name == "tau_cross_entropy":
         return tau_cross_entropy(tau)
     if name == "multiclass_hinge":

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import torch
 
 from dpml.privacy.zcdp import const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp
 from dpml.train.dpsgd import secret_noise_seed
@@ -215,7 +216,6 @@ def onepass_linear_classifier(model: "torch.nn.Linear", x: np.ndarray, y: np.nda
         theta -= (etas[step] * factor) * np.outer(residual, xk)
         if sigmas[step] > 0:
             theta += rng.standard_normal(theta.shape) * (2.0 * clip_norm * sigmas[step])
-    import torch
 
     with torch.no_grad():
         model.weight.copy_(torch.as_tensor(theta[:, :d], dtype=model.weight.dtype))

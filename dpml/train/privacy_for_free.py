@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpml.models.random_features import RandomFeatures, hermite_coefficients
+from dpml.models.random_features import RandomFeatures, hermite_coefficients, ACTIVATIONS
 from dpml.privacy.closed_forms import epsilon_moments_closed_form
 from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
 from dpml.train.clipping import clip_factors
@@ -91,8 +91,6 @@ def default_learning_rate(d: int, p: int, activation: str = "tanh") -> float:
     GD is stable for η < d/(pφ1²); E[φ²] ≥ φ1² makes this η at most half of that. A heuristic
     for well-spread data (it is not a bound); it reads no data, so it costs no privacy.
     """
-    from dpml.models.random_features import ACTIVATIONS
-
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation = {activation!r}: must be one of {', '.join(sorted(ACTIVATIONS))}")
     phi = ACTIVATIONS[activation]

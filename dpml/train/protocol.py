@@ -31,6 +31,7 @@ import torch
 
 from dpml.models import ModelSpec, build_model, spec_for
 from dpml.devices import pick_device
+from dpml.privacy.accountants import certify
 from dpml.privacy.mechanism import Event, MechanismDescription, PoissonGaussianSteps
 from dpml.sections import ModelConfig, Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult
@@ -108,8 +109,6 @@ class Trainer:
     # --- after training ------------------------------------------------------------------------
     def certify(self, mechanism: MechanismDescription, delta: float, train_metrics: dict[str, Any]) -> dict[str, Any]:
         """The certificate of the mechanism that ran: every accountant asked, the smallest valid ε kept."""
-        from dpml.privacy.accountants import certify
-
         return certify(mechanism, delta)
 
     def released_noise_multiplier(self, config: Config, mechanism: dict[str, Any]) -> float | None:

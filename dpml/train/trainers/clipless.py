@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import Field
 
 from dpml.models import build_model
-from dpml.models.lipschitz import loss_lipschitz
+from dpml.models.lipschitz import loss_lipschitz, LipschitzSpec
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
 from dpml.train.clipless import (GradientBounds, LossClipping, clipless_bounds, clipless_mechanism, gradient_noise_for,
@@ -79,8 +79,6 @@ def model_gradient_bounds(config: Config, in_features: int, n_classes: int) -> G
 
 def lipschitz_spec_problems(config: Config) -> list[str]:
     """The Lipschitz network's own checks (even widths, conv shapes), reported with model.* keys."""
-    from dpml.models.lipschitz import LipschitzSpec
-
     model = config.model
     shape = None if model.input_shape is None else tuple(model.input_shape)
     if shape is not None and len(shape) != 3:

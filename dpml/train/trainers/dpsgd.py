@@ -18,7 +18,7 @@ from dpml.privacy.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
 from dpml.devices import pick_device
 from dpml.train.clipping_check import check_autocast, plan_clipping
-from dpml.train.distributed import Collective, check_world_size, process_device
+from dpml.train.distributed import Collective, check_world_size, process_device, spawn
 from dpml.train.dpsgd import (AUTOCAST, GradientCanaries, TrainResult, dpsgd_mechanism, loss_function, make_optimizer,
                               number_of_steps, train_dpsgd)
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors
@@ -99,8 +99,6 @@ class DpSgd(Trainer):
         if noise_multiplier is None:
             raise ValueError(f"{self.name}: a private run needs a noise multiplier")
         if config.train.world_size > 1 and canaries is None:
-            from dpml.train.distributed import spawn
-
             state, mechanism, history = spawn(config.train.world_size, str(pick_device(config.train.device)),
                                               fit_one_process, self, config, x, y, n_classes, noise_multiplier,
                                               seed, noise_seed)

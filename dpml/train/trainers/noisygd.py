@@ -19,6 +19,7 @@ from dpml.privacy.kl import calibrate_sigma_squared, gradient_norm_constant
 from dpml.privacy.mechanism import MechanismDescription, NoisyGradientDescent
 from dpml.sections import Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult
+from dpml.train.noisygd import KLPairs, train_noisy_gd
 from dpml.train.protocol import Trainer, make_tensors, refuse_canaries
 
 if TYPE_CHECKING:
@@ -139,8 +140,6 @@ class NoisyGd(Trainer):
             held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
         """W0 drawn from the scheme with *secret* randomness (the certificate averages over W0); ``held_out``
         records are add-one probes of the *estimated* KL only (never trained on)."""
-        from dpml.train.noisygd import KLPairs, train_noisy_gd
-
         refuse_canaries(self.name, canaries, "are an audit of DP-SGD's clipped steps: noisy GD has none")
         torch.manual_seed(seed)
         xt, yt = make_tensors(config, x, y)

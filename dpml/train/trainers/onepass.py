@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import Field
 
+from dpml.privacy.closed_forms import epsilon_zcdp_rdp
 from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
 from dpml.sections import Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult
+from dpml.train.onepass import rho_for_epsilon, check_step_sizes, learning_rate_schedule, onepass_linear_classifier
 from dpml.train.protocol import Trainer, refuse_canaries
 
 if TYPE_CHECKING:
@@ -46,9 +48,6 @@ class OnePassConfig(Section):
 def onepass_rho(config: Config) -> float:
     """The lectures' ρ (release (ρ²/2)-zCDP): the largest whose certified ε (the zCDP → (ε, δ)
     conversion of Canonne, Kamath & Steinke) meets ``dp.target_epsilon``, found by bisection."""
-    from dpml.privacy.closed_forms import epsilon_zcdp_rdp
-    from dpml.train.onepass import rho_for_epsilon
-
     assert config.dp.target_epsilon is not None  # checked when the configuration was validated
     target, delta = config.dp.target_epsilon, config.dp.delta
 
@@ -68,8 +67,6 @@ def onepass_rho(config: Config) -> float:
 
 def onepass_mechanism(config: Config, n: int, in_features: int) -> MechanismDescription:
     """What one-pass DP-SGD will do on n records; refuses step sizes above 2/β before any work."""
-    from dpml.train.onepass import check_step_sizes, learning_rate_schedule
-
     x0 = config.preprocess.clip_norm
     try:
         check_step_sizes(learning_rate_schedule(config.onepass.schedule, config.onepass.eta0, n), x0 * x0 + 1.0)
@@ -125,8 +122,6 @@ class OnePass(Trainer):
     def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
             seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
             held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
-        from dpml.train.onepass import onepass_linear_classifier
-
         refuse_canaries(self.name, canaries, "observe every iterate: not an audit of a final-model-only trainer")
         model = self.build_model(config, int(x.shape[1]), n_classes, seed)
         mechanism = onepass_mechanism(config, int(x.shape[0]), int(x.shape[1]))
