@@ -31,6 +31,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -45,6 +46,7 @@ from dpml.privacy.accountants import certify
 from dpml.privacy.calibrate import calibrate_noise_multiplier
 from dpml.privacy.ledger import Ledger, Spend
 from dpml.privacy.mechanism import MechanismDescription
+from dpml.privacy.spending import reserve_and_start, training_recorded
 from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
 from dpml.train.chunking import physical_chunk
@@ -262,15 +264,10 @@ def train_in_process(collective: Collective | None, model: nn.Module, dataset: D
 
 def _reserve(ledger: Ledger, mechanism: MechanismDescription, lineage: str, budget: float,
              privacy_units: Sequence[object] | None, label: str) -> Spend:
-    """Reserve the spend (refused over budget) and mark it ``started``; a failure in between cancels it."""
+    """Reserve the spend (refused over budget) and mark it ``started`` (:func:`reserve_and_start`), charged to
+    ``lineage`` (also its dataset version: the API's records have no version of their own)."""
     units = digests_of_ids(privacy_units) if privacy_units is not None else None
-    spend = ledger.reserve(lineage, mechanism, label, budget, lineage=lineage, units=units)
-    try:
-        ledger.record_event(spend.id, "started", {"pid": os.getpid()})
-    except BaseException as error:
-        ledger.cancel(spend.id, f"failed before training: {type(error).__name__}: {error}")
-        raise
-    return spend
+    return reserve_and_start(ledger, lineage, mechanism, label, budget, lineage=lineage, units=units)
 
 
 def log_to_mlflow(tracking_uri: str, experiment: str, run_name: str | None, result: PrivateTraining,
@@ -384,7 +381,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
         raise refusal or RuntimeError("rank 0 refused the run before training (see its error); nothing trained")
     if refusal is not None:
         raise refusal
-    try:
+    with training_recorded(book, spend) if book is not None and spend is not None else nullcontext({}) as outcome:
         secret = seed if seed is not None else secret_noise_seed()
         if collective is not None:
             secret = collective.broadcast_int(secret, agreement_device)
@@ -395,12 +392,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
             model.to(process_device(run.device, 0))
         else:
             _, history = train_in_process(None, model, dataset, run, loss_fn, plan, secret)
-    except BaseException as error:
-        if book is not None and spend is not None:
-            book.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
-        raise
-    if book is not None and spend is not None:
-        book.record_event(spend.id, "trained", {"steps": history.get("steps")})
+        outcome["steps"] = history.get("steps")
     history["exact_clipping_parameters"] = len(plan.exact_parameters)
     result = PrivateTraining(user_model, certificate, mechanism, history, spend.id if spend else None)
     if mlflow_tracking_uri is not None and lead:

@@ -24,3 +24,24 @@ def test_the_linter_finds_a_planted_unused_import(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--config",
                            str(ROOT / "pyproject.toml"), str(planted)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "F401" in done.stdout, done.stdout + done.stderr
+
+
+STRICTLY_TYPED = ["dpml/privacy"]  # the type checker's strict mode holds here ([tool.mypy] in pyproject.toml)
+
+
+def _mypy(*arguments: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache),
+                           "--config-file", str(ROOT / "pyproject.toml"), *arguments], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_privacy_package_passes_the_type_checker_in_strict_mode(tmp_path: Path) -> None:
+    done = _mypy(*STRICTLY_TYPED, cache=tmp_path / "cache")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def test_the_type_checker_finds_a_planted_type_error(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text("def epsilon(delta: float) -> float:\n    return str(delta)\n")
+    done = _mypy(str(planted), cache=tmp_path / "cache")
+    assert done.returncode == 1 and "[return-value]" in done.stdout, done.stdout + done.stderr

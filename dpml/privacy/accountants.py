@@ -51,7 +51,8 @@ import numpy as np
 
 from dpml.formatting import format_epsilon
 from dpml.privacy.kl_certificate import certify_kl
-from dpml.privacy.mechanism import ConcentratedDP, Event, GaussianDP, MechanismDescription, PoissonGaussianSteps
+from dpml.privacy.mechanism import (ConcentratedDP, Event, GaussianDP, GaussianEvent, MechanismDescription,
+                                    PoissonGaussianSteps, gaussian_only)
 from dpml.privacy import tuning
 from dpml.privacy.prv import epsilon_prv_upper
 from dpml.privacy.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
@@ -80,7 +81,7 @@ def _dp_events(mechanism: MechanismDescription, with_selection: bool = False, fo
 
     gaussian_scale = 2.0 if for_pld and mechanism.neighbouring == "replace-one" else 1.0
 
-    def one(e: Event) -> Any:
+    def one(e: GaussianEvent) -> Any:
         if isinstance(e, GaussianDP):
             return dp_accounting.GaussianDpEvent(gaussian_scale / e.mu)
         return dp_accounting.SelfComposedDpEvent(
@@ -89,7 +90,7 @@ def _dp_events(mechanism: MechanismDescription, with_selection: bool = False, fo
         )
 
     def event(events: tuple[Event, ...]) -> Any:
-        parts = [one(e) for e in events]
+        parts = [one(e) for e in gaussian_only(events)]
         return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
 
     selection = mechanism.selection
@@ -142,13 +143,13 @@ def _pld_epsilon(mechanism: MechanismDescription, delta: float, discretization: 
 
 def epsilon_autodp_rdp(mechanism: MechanismDescription, delta: float) -> float:
     """ε(δ) from autodp: RDP of each Poisson-subsampled Gaussian, composed, then converted."""
-    events = mechanism.composed_events()
+    events = mechanism.gaussian_events()
     with warnings.catch_warnings():  # autodp's order search divides by zero on flat stretches; harmless
         warnings.simplefilter("ignore", RuntimeWarning)
         return float(_autodp_mechanism(mechanism.neighbouring, events).get_approxDP(delta))
 
 
-def _autodp_mechanism(neighbouring: str, events: tuple[Event, ...]) -> Any:
+def _autodp_mechanism(neighbouring: str, events: tuple[GaussianEvent, ...]) -> Any:
     """autodp's composition; a μ-GDP event is its Gaussian mechanism with σ = 1/μ (any relation)."""
     if neighbouring != "add-remove" and not all(isinstance(e, GaussianDP) for e in events):
         raise NotImplementedError("autodp's Poisson-sampling RDP bound holds for add/remove neighbouring only")
@@ -213,7 +214,7 @@ def mechanism_rdp_curve(mechanism: MechanismDescription) -> np.ndarray:
 
 def base_rdp_autodp(mechanism: MechanismDescription, orders: tuple[float, ...] = tuning.ORDERS) -> np.ndarray:
     """RDP curve of the events (one candidate, no selection), from autodp (Zhu & Wang 2019)."""
-    composed = _autodp_mechanism(mechanism.neighbouring, mechanism.events)
+    composed = _autodp_mechanism(mechanism.neighbouring, gaussian_only(mechanism.events))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.array([float(composed.get_RDP(order)) for order in orders])
@@ -366,6 +367,7 @@ def ask_accountants(mechanism: MechanismDescription, delta: float) -> list[Accou
     """The answer of every registered accountant that supports the mechanism; a failure is recorded with its
     message, never hidden."""
     answers = []
+    epsilon: float | None
     for accountant in ACCOUNTANTS.values():
         if not accountant.supports(mechanism):
             continue

@@ -52,7 +52,7 @@ def within_filter(accounts: UnitAccounts, histories: list[History], planned: int
     Σ ρ_s(α*) + ρ_planned(α*) ≤ B*(α*, budget, δ)."""
     column = int(np.flatnonzero(accounts.orders == order)[0])
     spent = accounts.rdp(histories)[:, column] if histories else np.zeros(0)
-    return spent + accounts.curves[planned][column] <= filter_bound(order, budget, delta) + 1e-12
+    return np.asarray(spent + accounts.curves[planned][column] <= filter_bound(order, budget, delta) + 1e-12)
 
 
 def check_budget(accounts: UnitAccounts, standing: Standing, lineage: str, planned: int,

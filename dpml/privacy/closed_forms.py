@@ -19,7 +19,7 @@ def epsilon_gdp_exact(mechanism: MechanismDescription, delta: float) -> float:
     events = mechanism.composed_events()
     if not all(isinstance(e, GaussianDP) for e in events):
         raise NotImplementedError("the exact GDP conversion needs a mechanism of μ-GDP events only")
-    return gdp.gdp_epsilon(math.sqrt(sum(e.mu ** 2 for e in events)), delta)  # type: ignore[union-attr]
+    return gdp.gdp_epsilon(math.sqrt(sum(e.mu ** 2 for e in events if isinstance(e, GaussianDP))), delta)
 
 
 def epsilon_moments_closed_form(mechanism: MechanismDescription, delta: float) -> float:
@@ -31,7 +31,7 @@ def epsilon_moments_closed_form(mechanism: MechanismDescription, delta: float) -
     = a + 2·sqrt(a·log(1/δ)) at α = 1 + sqrt(log(1/δ)/a) (Abadi et al.'s moments accountant).
     """
     a = 0.0
-    for e in mechanism.composed_events():
+    for e in mechanism.gaussian_events():
         if isinstance(e, GaussianDP):
             a += e.mu ** 2 / 2
         elif e.sample_rate == 1.0:

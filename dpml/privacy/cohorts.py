@@ -121,7 +121,8 @@ def record_spend(db: sqlite3.Connection, lineage: str, lookup: Lookup, touched: 
         history = [*history_of[cohort], spend_id]
         cursor = db.execute("INSERT INTO cohorts (lineage, history, size) VALUES (?, ?, ?)",
                             (lineage, json.dumps(history), count))
-        new_cohort[cohort] = int(cursor.lastrowid)
+        assert cursor.lastrowid is not None  # an INSERT's row id
+        new_cohort[cohort] = cursor.lastrowid
         if cohort != 0:
             db.execute("UPDATE cohorts SET size = size - ? WHERE id = ?", (count, cohort))
     mapping_from = np.array(list(new_cohort), dtype=np.int64)

@@ -105,7 +105,10 @@ def noisycgd_mu_factor(c: float, batches: int, epochs: int) -> float:
     if c == 0.0:
         return math.sqrt(2.0) if k == 1 else 1.0
     log_c = math.log(c)
-    one_minus = lambda power: -math.expm1(power * log_c)  # 1 − c^power  # noqa: E731
+
+    def one_minus(power: float) -> float:  # 1 − c^power
+        return -math.expm1(power * log_c)
+
     tail = one_minus(k * later) / (2.0 - one_minus(k * later))
     return math.sqrt(1.0 + math.exp((2 * k - 2) * log_c) * one_minus(2) / one_minus(k) ** 2 * tail)
 

@@ -44,12 +44,12 @@ def table_1_constant(scheme: Scheme, d: int, m: int, o: int, depth: int) -> floa
     """Table 1's closed forms of B (inputs with ‖x‖² ≤ d, hidden widths m, L = ``depth`` ≥ 2)."""
     L = depth
     if scheme == "lecun":
-        return o * m * (L - 1 + d / m) / 2 ** (L - 1)
+        return float(o * m * (L - 1 + d / m) / 2 ** (L - 1))
     if scheme == "he":
         return o * m * (L - 1 + d / m)
     if scheme == "ntk":
         return d * m * ((L - 1) / 2 + o / m)
-    return o * d * (L - 1 + (d + o) / (2 * m)) / (2 ** (L - 3) * (1 + d / m) * (1 + o / m))
+    return float(o * d * (L - 1 + (d + o) / (2 * m)) / (2 ** (L - 3) * (1 + d / m) * (1 + o / m)))
 
 
 def kl_bound(constant: float, steps: int, learning_rate: float, n: int, sigma: float) -> float:

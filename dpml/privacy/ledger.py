@@ -304,7 +304,7 @@ class Ledger(LedgerViews):
             allowed = within_filter(accounts, standing.histories, -1, order, budget, self.delta)
         allowed_cohorts = np.array([c for c, a in zip(standing.cohort_of_history, allowed) if a], dtype=np.int64)
         assert standing.lookup is not None
-        return np.isin(standing.lookup.cohort_of_unit, allowed_cohorts)[inverse.ravel()]
+        return np.asarray(np.isin(standing.lookup.cohort_of_unit, allowed_cohorts)[inverse.ravel()])
 
     @staticmethod
     def _refuse_other_lineages(db: Any, lineage: str, ids: np.ndarray) -> None:
@@ -394,7 +394,7 @@ class Ledger(LedgerViews):
                 if mechanism is not None and ids is None:
                     base = list(self._base(db, lineage)) + [spend_id]
                     db.execute("UPDATE lineages SET base = ? WHERE name = ?", (json.dumps(base), lineage))
-                elif mechanism is not None and standing is not None and standing.lookup is not None:
+                elif mechanism is not None and ids is not None and standing is not None and standing.lookup is not None:
                     history_of = cohorts.histories(db, standing.lookup.cohort_of_unit)
                     cohorts.record_spend(db, lineage, standing.lookup, np.ones(ids.size, dtype=bool), spend_id,
                                          history_of)

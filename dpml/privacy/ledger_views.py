@@ -5,7 +5,7 @@ by ε, the ``dpml ledger`` view, and one person's releases across lineages. A mi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -14,6 +14,29 @@ from dpml.privacy.budget_checks import Standing
 from dpml.privacy.lineages import Group
 from dpml.privacy.unit_accounts import UnitAccounts
 
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from dpml.privacy.ledger import Spend
+
+
+class LedgerHost(Protocol):
+    """What the views read of the :class:`dpml.privacy.ledger.Ledger` they are mixed into (for the type checker)."""
+
+    delta: float
+
+    def _connect(self) -> AbstractContextManager[Any]: ...
+    def unit_ids(self, digests: np.ndarray) -> np.ndarray: ...
+    def _has_unit_records(self) -> bool: ...
+    def spends(self, lineage: str | None = None, counted_only: bool = True) -> list[Spend]: ...
+    def events(self, spend_id: int) -> list[tuple[str, dict[str, Any]]]: ...
+    def _base(self, db: Any, lineage: str) -> tuple[int, ...]: ...
+    def _groups(self, db: Any, lineage: str) -> list[Group]: ...
+    def _lineage_standing(self, db: Any, lineage: str) -> Standing: ...
+    def _releases(self, history: tuple[int, ...]) -> list[dict[str, Any]]: ...
+    def _people(self, lineage: str, groups: list[Group], eps: np.ndarray,
+                lineage_of_spend: dict[int, str]) -> dict[str, Any]: ...
+
 
 class LedgerViews:
     """Read-only answers of the ledger (the per-person ε of Mironov 2017 / the tight accountants, composed by
@@ -21,7 +44,7 @@ class LedgerViews:
 
     delta: float
 
-    def person(self, digest: np.ndarray) -> dict[str, Any] | None:
+    def person(self: LedgerHost, digest: np.ndarray) -> dict[str, Any] | None:
         """One unit (its (1, 16) digest): every release that touched it, across lineages, and its ε; None
         when the ledger has never charged it."""
         if not self._has_unit_records():
@@ -37,7 +60,7 @@ class LedgerViews:
         return {"lineages": list(group.lineages), "epsilon": epsilon, "delta": self.delta,
                 "releases": self._releases(group.releases)}
 
-    def _releases(self, history: tuple[int, ...]) -> list[dict[str, Any]]:
+    def _releases(self: LedgerHost, history: tuple[int, ...]) -> list[dict[str, Any]]:
         """The spends of a history as the view lists them: id, lineage, label, ε alone, counted."""
         listed = {s.id: s for s in self.spends(counted_only=False)}
         counted = {s.id for s in self.spends()}
@@ -46,7 +69,7 @@ class LedgerViews:
 
 
     # ------------------------------------------------------------------------------------ totals
-    def total(self, lineage: str) -> float:
+    def total(self: LedgerHost, lineage: str) -> float:
         """The lineage's guarantee: the largest ε(δ) over its units (at the ledger's δ)."""
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
@@ -55,14 +78,14 @@ class LedgerViews:
             db.execute("COMMIT")
         return value
 
-    def kl_total(self, lineage: str) -> float:
+    def kl_total(self: LedgerHost, lineage: str) -> float:
         """The largest summed KL over the lineage's units (∞ once an (ε, δ)-DP spend touched one)."""
         with self._connect() as db:
             standing = self._lineage_standing(db, lineage)
             accounts = UnitAccounts(self.delta, db)
             return max((accounts.kl(h) for h in standing.histories), default=0.0)
 
-    def unit_epsilons(self, lineage: str) -> list[tuple[float, int]]:
+    def unit_epsilons(self: LedgerHost, lineage: str) -> list[tuple[float, int]]:
         """(ε, number of units) for every history of the lineage's units, largest first."""
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
@@ -77,9 +100,11 @@ class LedgerViews:
                 lineage_of_spend: dict[int, str]) -> dict[str, Any]:
         """The view's per-person part: the lineage's units grouped by every release that touched them
         (across lineages), largest ε first, and how many of its units other lineages hold too."""
-        people = sorted(({"units": g.units, "epsilon": float(e), "lineages": list(g.lineages),
-                          "releases": [{"spend": i, "lineage": lineage_of_spend.get(i)} for i in g.releases]}
-                         for g, e in zip(groups, eps) if g.units > 0), key=lambda p: (-p["epsilon"], -p["units"]))
+        ranked = sorted(((g, float(e)) for g, e in zip(groups, eps) if g.units > 0),
+                        key=lambda ge: (-ge[1], -ge[0].units))
+        people = [{"units": g.units, "epsilon": e, "lineages": list(g.lineages),
+                   "releases": [{"spend": i, "lineage": lineage_of_spend.get(i)} for i in g.releases]}
+                  for g, e in ranked]
         shared: dict[str, int] = {}
         for group in groups:
             for other in group.lineages:
@@ -87,7 +112,7 @@ class LedgerViews:
                     shared[other] = shared.get(other, 0) + group.units
         return {"people": people, "shared_with": shared}
 
-    def summary(self, lineage: str | None = None) -> list[dict[str, Any]]:
+    def summary(self: LedgerHost, lineage: str | None = None) -> list[dict[str, Any]]:
         """Per lineage: versions, spends with their events, the distribution of unit ε, the largest (each unit's
         ε composing every release that touched it, whatever its lineage), and ``people``: the units grouped
         by those releases."""

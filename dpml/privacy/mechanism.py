@@ -103,6 +103,18 @@ class ConcentratedDP:
 
 
 Event = PoissonGaussianSteps | GaussianDP | NoisyGradientDescent | ConcentratedDP
+GaussianEvent = PoissonGaussianSteps | GaussianDP
+
+
+def gaussian_only(events: tuple[Event, ...]) -> tuple[GaussianEvent, ...]:
+    """``events``, each (subsampled) Gaussian steps or a μ-GDP event; NotImplementedError for any other."""
+    gaussian = tuple(e for e in events if isinstance(e, (PoissonGaussianSteps, GaussianDP)))
+    if len(gaussian) != len(events):
+        other = next(e for e in events if not isinstance(e, (PoissonGaussianSteps, GaussianDP)))
+        raise NotImplementedError(f"a {type(other).__name__} event is neither Gaussian steps nor a μ-GDP event")
+    return gaussian
+
+
 EVENT_KINDS: dict[str, type] = {"poisson_gaussian": PoissonGaussianSteps, "gdp": GaussianDP,
                                 "noisy_gd": NoisyGradientDescent, "zcdp": ConcentratedDP}
 
@@ -210,6 +222,12 @@ class MechanismDescription:
             raise NotImplementedError(f"{self.selection.describe()}: not a composition of events; "
                                       "priced by the Papernot–Steinke RDP bound")
         return self.events * int(self.selection.mean)
+
+    def gaussian_events(self) -> tuple[GaussianEvent, ...]:
+        """:meth:`composed_events` when each is (subsampled) Gaussian steps or a μ-GDP event, what the Gaussian
+        accountants price; NotImplementedError for a KL or zCDP event (their accountants' ``supports`` keep such
+        mechanisms away: this says so if one comes all the same)."""
+        return gaussian_only(self.composed_events())
 
     def summary(self) -> str:
         """One line for tags and listings: trainer, events, clip norm, relation, threat model."""

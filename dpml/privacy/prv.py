@@ -4,7 +4,7 @@ dpml to never go below."""
 
 from __future__ import annotations
 
-from dpml.privacy.mechanism import GaussianDP, MechanismDescription
+from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
 
 
 def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float = 0.01) -> tuple[float, float, float]:
@@ -17,8 +17,8 @@ def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float =
         raise NotImplementedError("prv_accountant's Poisson-subsampled Gaussian is add/remove only")
     from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant  # lazy: when this accountant is asked
 
-    events = mechanism.composed_events()
-    if any(isinstance(e, GaussianDP) for e in events):
+    events = [e for e in mechanism.gaussian_events() if isinstance(e, PoissonGaussianSteps)]
+    if len(events) != len(mechanism.composed_events()):
         raise NotImplementedError("priced by gdp.exact and dp_accounting (a μ-GDP event is not a PRV input here)")
     prvs = [PoissonSubsampledGaussianMechanism(noise_multiplier=e.noise_multiplier, sampling_probability=e.sample_rate)
             for e in events]

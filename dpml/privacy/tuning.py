@@ -53,7 +53,7 @@ def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
     def expected(gamma: float) -> float:
         if shape == 0:
             return (1.0 / gamma - 1.0) / math.log(1.0 / gamma)
-        return shape * (1.0 - gamma) / (gamma * (1.0 - gamma ** shape))
+        return float(shape * (1.0 - gamma) / (gamma * (1.0 - gamma ** shape)))
 
     return float(brentq(lambda g: expected(g) - mean, 1e-15, 1.0 - 1e-12, xtol=1e-15, rtol=1e-14))
 
@@ -73,7 +73,7 @@ def sample_count(selection: Selection, rng: np.random.Generator) -> int:
             return k
 
 
-def selection_rdp(orders: Sequence[float], rdp: Sequence[float], selection: Selection,
+def selection_rdp(orders: Sequence[float], rdp: Sequence[float] | np.ndarray, selection: Selection,
                   delta_hat: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """RDP curve of the best-of-K search from the base algorithm's curve (module docstring).
 
@@ -105,7 +105,7 @@ def selection_rdp(orders: Sequence[float], rdp: Sequence[float], selection: Sele
     return np.minimum.accumulate(out[::-1])[::-1]
 
 
-def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
+def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float] | np.ndarray, delta: float) -> float:
     """(ε, δ) from an RDP curve: Canonne, Kamath & Steinke (2020), Prop. 12 (dp_accounting)."""
     from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon  # lazy: when this accountant is asked
 

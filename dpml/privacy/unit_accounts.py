@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from dpml.privacy.accountants import epsilon_pld, has_zcdp, mechanism_rdp_curve
+from dpml.privacy.accountants import epsilon_pld, mechanism_rdp_curve
+from dpml.privacy.closed_forms import has_zcdp
 from dpml.privacy.kl_certificate import certified_kl
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
@@ -53,7 +54,7 @@ def _compose(mechanisms: list[MechanismDescription], delta: float) -> float:
         raise LedgerError(f"cannot compose spends under different neighbouring relations {sorted(relations)}")
     if any((m.selection is not None and m.selection.random) or has_zcdp(m) for m in mechanisms):
         # A random-count search or a zCDP run has an RDP curve but no PLD: compose every spend in RDP.
-        return rdp_to_epsilon(ORDERS, sum(mechanism_rdp_curve(m) for m in mechanisms), delta)
+        return rdp_to_epsilon(ORDERS, sum((mechanism_rdp_curve(m) for m in mechanisms), np.zeros(len(ORDERS))), delta)
     events = tuple(e for m in mechanisms for e in m.composed_events())
     combined = MechanismDescription("ledger", events, mechanisms[0].neighbouring, 1.0, 0)
     return epsilon_pld(combined, delta)
@@ -99,7 +100,7 @@ def epsilons_from_rdp(rdp: np.ndarray, delta: float) -> np.ndarray:
         shift = np.log1p(-1.0 / orders[usable]) - np.log(delta * orders[usable]) / (orders[usable] - 1.0)
         eps = np.atleast_2d(rdp)[:, usable] + shift
     eps = np.where(np.isnan(eps), np.inf, eps)
-    return np.maximum(eps.min(axis=1), 0.0)
+    return np.asarray(np.maximum(eps.min(axis=1), 0.0), dtype=float)
 
 
 def filter_order(budget: float, delta: float) -> float:

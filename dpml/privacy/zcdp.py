@@ -46,7 +46,7 @@ def minimal_noise_schedule(learning_rates: np.ndarray, rho: float) -> np.ndarray
     if np.any(np.diff(etas) > 0):
         raise ValueError("the learning-rate schedule must be non-increasing (η_k² − η_{k+1}² ≥ 0)")
     squares = etas ** 2 - np.append(etas[1:], 0.0) ** 2
-    return np.sqrt(squares) / rho
+    return np.asarray(np.sqrt(squares) / rho, dtype=float)
 
 
 def out_schedule(eta0: float, n: int) -> np.ndarray:

@@ -12,7 +12,6 @@ trainer runs, what it will spend and how it trains are the registry's answers
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,8 +29,9 @@ from dpml.models.library import LibraryModel
 from dpml.models.predict import logits_of
 from dpml.devices import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
-from dpml.privacy.ledger import BudgetExceeded, Ledger, default_lineage, ledger_of
+from dpml.privacy.ledger import BudgetExceeded, Ledger, Spend, default_lineage, ledger_of
 from dpml.privacy.mechanism import MechanismDescription
+from dpml.privacy.spending import reserve_and_start, training_recorded
 from dpml.stages.layout import Layout, load_part, load_units
 from dpml.stages.spend_outputs import stamp_for
 from dpml.train.fit import fit, model_spec
@@ -179,25 +179,21 @@ def write_exclusions(layout: Layout, keep: np.ndarray) -> None:
 
 
 def _reserve(config: Config, layout: Layout, planned: MechanismDescription | None, purpose: str,
-             units: np.ndarray) -> tuple[Ledger, Any]:
+             units: np.ndarray) -> tuple[Ledger, Spend]:
     """Record the planned spend and the units it touches in the ledger (refused when a unit would go
-    over budget), note its id beside the model, and mark it ``started`` — the moment the records are
-    handed to the trainer. A failure in between cancels the spend: nothing about the data can have
-    left the process."""
+    over budget), note its id beside the model, and mark it ``started`` (:func:`reserve_and_start`)."""
     meta = io.read_json(layout.prepared_meta)
     ledger = open_ledger(config)
-    spend = ledger.reserve(meta["data_version"], planned, purpose, config.ledger.epsilon_budget,
-                           kl_budget=config.ledger.kl_budget, lineage=lineage_of(config), units=units,
-                           mode=config.ledger.on_exhausted)
-    try:
+
+    def note_beside_the_model(spend: Spend) -> None:
         io.write_json(layout.spend, {"spend_id": spend.id, "ledger": ledger.location,
                                      "epsilon_alone": spend.epsilon_alone, "lineage": spend.lineage,
                                      "units": spend.n_units})
         fault_point("train:reserved")
-        ledger.record_event(spend.id, "started", {"pid": os.getpid()})
-    except BaseException as error:
-        ledger.cancel(spend.id, f"failed before training: {type(error).__name__}: {error}")
-        raise
+
+    spend = reserve_and_start(ledger, meta["data_version"], planned, purpose, config.ledger.epsilon_budget,
+                              kl_budget=config.ledger.kl_budget, lineage=lineage_of(config), units=units,
+                              mode=config.ledger.on_exhausted, before_start=note_beside_the_model)
     return ledger, spend
 
 
@@ -217,7 +213,7 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     sigma = trainer.noise_multiplier(config)
     write_exclusions(layout, keep)
     ledger, spend = _reserve(config, layout, planned, f"{trainer.name} model ({config.data.source})", units)
-    try:
+    with training_recorded(ledger, spend) as outcome:
         fault_point("train:started")  # the spend counts from here; the previous run's model is still in place
         held_out = load_part(layout, "audit") if trainer.guarantee == "kl" else None  # KL-estimate probes
         result = fit(config, x_np, y_np, n_classes, private=trainer.private, noise_multiplier=sigma,
@@ -226,10 +222,7 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
             raise RuntimeError("the trainer's mechanism differs from the one recorded in the ledger")
         metrics = save_trained(config, layout, result.model, result.mechanism, x_np, y_np, result.history,
                                {"units_excluded": int((~keep).sum())})
-    except BaseException as error:
-        ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
-        raise
-    ledger.record_event(spend.id, "trained", {"steps": result.history.get("steps"), **stamp_for(layout)})
+        outcome.update({"steps": result.history.get("steps"), **stamp_for(layout)})
     return metrics
 
 
@@ -264,7 +257,7 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     plan = plan_for(n)
     selection = plan.mechanism.selection.describe() if plan.mechanism.selection else ""
     ledger, spend = _reserve(config, layout, plan.mechanism, f"dpml tune: {selection} ({config.data.source})", units)
-    try:
+    with training_recorded(ledger, spend) as outcome:
         best = run_search(config, x_fit, y_fit, x_np[rows], y_np[rows], len(meta["classes"]), plan, progress)
         if best is None:
             raise RuntimeError("the random number of candidates came out K = 0: nothing to release "
@@ -277,10 +270,7 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
                  **{f"chosen.{k}": v for k, v in best.chosen.items()}}
         metrics = save_trained(with_hyperparameters(config, best.chosen), layout, best.model, plan.mechanism, x_fit,
                                y_fit, best.history, extra)
-    except BaseException as error:
-        ledger.record_event(spend.id, "failed", {"error": f"{type(error).__name__}: {error}"})
-        raise
-    ledger.record_event(spend.id, "trained", {"chosen": best.chosen, **stamp_for(layout)})
+        outcome.update({"chosen": best.chosen, **stamp_for(layout)})
     return metrics
 
 
