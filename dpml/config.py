@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 import yaml
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
@@ -166,7 +166,16 @@ def compose() -> type[ConfigBase]:
     return create_model("Config", __base__=ConfigBase, __module__=__name__, **fields)
 
 
-Config = compose()
+if TYPE_CHECKING:
+    class Config(ConfigBase):
+        """What the type checker reads :data:`Config` as: the common sections typed, and ``train`` and the
+        trainers' own sections (composed at run time from the registry, :func:`compose`) read as ``Any``."""
+
+        train: Any
+
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    Config = compose()
 _COMPOSED_FOR = tuple(TRAINERS.values())
 
 
@@ -176,7 +185,7 @@ def config_model() -> type[ConfigBase]:
     global Config, _COMPOSED_FOR
     registered = tuple(TRAINERS.values())
     if registered != _COMPOSED_FOR:
-        Config, _COMPOSED_FOR = compose(), registered
+        Config, _COMPOSED_FOR = compose(), registered  # type: ignore[misc]  # (a class to the type checker)
     return Config
 
 
