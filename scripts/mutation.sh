@@ -15,7 +15,10 @@
 #                                                                  checks' statistics, not the training ones)
 #   accountants  dpml/privacy/accountants.py, all                  tests/test_accounting.py (fast part),
 #                                                                  tests/test_accountant_registry.py
-#   ledger       dpml/privacy/ledger.py, composition/reservation   tests/test_ledger.py (SQLite, no race, no kill)
+#   ledger       the ledger's reservation, composition, budget      tests/test_ledger.py, tests/test_unit_ledger.py,
+#                checks, views and spend lifecycle (dpml/privacy/     tests/test_spending.py (SQLite, no race)
+#                ledger.py, ledger_views.py, unit_accounts.py,
+#                budget_checks.py, spending.py)
 #
 # It works on a copy of the working tree (build/mutation, or $MUTATION_DIR), never on the checkout: mutmut
 # writes its mutants beside the copy. mutmut is installed into the project's virtual environment when
@@ -46,10 +49,16 @@ for target in "${targets[@]}"; do
             deselect+=("not broken_trainer and not intact_trainer and not the_gate_fails and not across_seeds") ;;
     accountants) files+=(dpml/privacy/accountants.py); tests+=(tests/test_accounting.py tests/test_accountant_registry.py)
                  patterns+=("dpml.privacy.accountants.*") ;;
-    ledger) files+=(dpml/privacy/ledger.py); tests+=(tests/test_ledger.py)
-            for method in reserve total kl_total unit_epsilons _releases _standing_of_run _lineage_standing; do
+    ledger) files+=(dpml/privacy/ledger.py dpml/privacy/ledger_views.py dpml/privacy/unit_accounts.py
+                    dpml/privacy/budget_checks.py dpml/privacy/spending.py)
+            tests+=(tests/test_ledger.py tests/test_unit_ledger.py tests/test_spending.py)
+            for method in reserve cancel record_event _standing_of_run _lineage_standing _filter_order; do
               patterns+=("dpml.privacy.ledger.xǁLedgerǁ${method}__mutmut_*")
             done
+            for method in person total kl_total unit_epsilons _releases; do
+              patterns+=("dpml.privacy.ledger_views.xǁLedgerViewsǁ${method}__mutmut_*")
+            done
+            patterns+=("dpml.privacy.unit_accounts.*" "dpml.privacy.budget_checks.*" "dpml.privacy.spending.*")
             deselect+=("not racing and not postgresql") ;;
     *) echo "unknown target '$target' (bounds, noise, clip, checks, accountants, ledger)" >&2; exit 2 ;;
   esac
