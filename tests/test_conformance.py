@@ -22,7 +22,7 @@ from scipy import stats
 from dpml import stages
 from dpml.audit import broken
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_power
-from dpml.audit.checks import chernoff_product_p_value
+from dpml.audit.checks import Check, chernoff_product_p_value
 from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
 from dpml.audit.recompute import forward_is_random, reference_clipped_sum
 from dpml.config import load
@@ -406,3 +406,15 @@ def test_the_broken_samplers_state_belongs_to_its_own_run() -> None:
                 batch = dpsgd.poisson_batch(generator, n, 0.2)
                 assert int(batch.max()) < n and batch.numel() == round(0.2 * n)
                 del generator
+
+
+def test_a_check_is_recorded_with_its_own_verdict_and_numbers() -> None:
+    """The audit's record of a check (``audit.json``'s ``checks``, which the gate and the report read) carries the
+    check's own verdict, p-value, false-alarm rate, figure, line and statistics under their names (pins
+    Check.to_dict, which mutation testing found no conformance test reached)."""
+    for passed in (True, False):
+        check = Check("clipped_sum", passed, 3.2e-7, 1e-6, "ŝ/s = 0.91", {"count": 40, "ratio": 0.91})
+        assert check.to_dict() == {"check": "clipped_sum", "passed": passed, "p_value": 3.2e-7, "false_alarm": 1e-6,
+                                   "figure": "ŝ/s = 0.91", "statistics": {"count": 40, "ratio": 0.91},
+                                   "line": "conformance check 'clipped_sum': ŝ/s = 0.91, p = 3.2e-07 "
+                                           "(false-alarm rate 1.0e-06)"}

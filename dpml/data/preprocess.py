@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from dpml.data.features import scatter_features
 
 if TYPE_CHECKING:
     from dpml.sections import PreprocessConfig
@@ -83,6 +82,8 @@ class PublicTransform:
         scaled = scale_features(x, lower if lower.size > 1 else float(lower[0]),
                                 upper if upper.size > 1 else float(upper[0]))
         if self.features == "scatternet":
+            from dpml.data.features import scatter_features  # lazy: the served model pickles this module by value
+
             assert self.image_shape is not None
             scaled = scatter_features(scaled, (self.image_shape[0], self.image_shape[1]), self.scatter_groups)
         return clip_input_norms(scaled, self.clip_norm, self.clip_mode)

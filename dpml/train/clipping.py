@@ -45,6 +45,7 @@ from typing import Union
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from dpml.devices import full_float32
 from dpml.train.clipping_layers import (Piece, batch_first, is_fast, keep_limit, layer_parameters, layer_piece,
@@ -52,6 +53,7 @@ from dpml.train.clipping_layers import (Piece, batch_first, is_fast, keep_limit,
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece, per_example_gradients_of
 from dpml.train.rules.derived import pull_back
+from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.registry import Dense
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
@@ -71,7 +73,12 @@ class _Recording:
     losses: torch.Tensor
     calls: dict[nn.Module, list[Call]]
     recorder: Recorder
-    overwritten: frozenset[tuple[str, int]]  # the recorded outputs modified in place after they were made
+    overwritten: frozenset[tuple[str, int]]  # the recorded views modified in place after they were made
+    kept: RecordedOutputs  # the hooked calls' outputs
+
+    def gradient_target(self, output: torch.Tensor) -> torch.Tensor | GradientEdge:
+        """What to ask autograd for a recorded output's δ: its edge as it was kept, else the tensor."""
+        return self.kept.edge(output) or self.recorder.kept.edge(output) or output
 
 
 def per_example_losses(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -96,14 +103,13 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, layers: list[nn.Module],
                     ruled: list[nn.Parameter], copies: frozenset[tuple[str, int]] | None) -> _Recording:
     """Per-example losses, with forward hooks on ``layers`` and the operations on the parameters ``ruled``
-    recorded (:class:`dpml.train.rules.Recorder`). Each recorded output's gradient edge is kept as it is made, so
-    that its δ comes through however in-place operations later in the forward pass (``ReLU(inplace=True)``,
-    ``out += identity``) rewrite it. A view's edge does not survive that, so the hooks and the rules pass a copy
-    of the outputs named in ``copies`` on (``("layer", k)``: the k-th hooked call's output; ``("rule", j)``:
-    the j-th ruled call's; None: every output), and the recording says which recorded views were modified
-    in place all the same."""
+    recorded (:class:`dpml.train.rules.Recorder`), each output kept with its gradient edge
+    (:mod:`dpml.train.rules.outputs`). A view's edge does not survive an in-place rewrite, so the hooks and the
+    rules pass a copy of the outputs named in ``copies`` on (``("layer", k)``: the k-th hooked call's output;
+    ``("rule", j)``: the j-th ruled call's; None: every output), and the recording says which recorded views
+    were modified in place all the same."""
     calls: dict[nn.Module, list[Call]] = {}
-    versions: list[tuple[torch.Tensor, int]] = []
+    kept = RecordedOutputs()  # the hooked calls' outputs
     owners = {id(p): m for m in layers for p in layer_parameters(m)}
     recorder = Recorder(ruled, x.shape[0], None if copies is None else {j for kind, j in copies if kind == "rule"},
                         owners, x.device, x)
@@ -117,9 +123,8 @@ def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
             if not recorder.derived(inputs[0]):  # position ids, a constant: not one row per example
                 recorder.unbatched.add(module)
             calls.setdefault(module, []).append((inputs[0].detach(), output))
-            versions.append((output, output._version))
-        recorder.keep_edge(output)
-        return output.clone() if copies is None or ("layer", len(versions) - 1) in copies else None  # recorded
+        place = kept.keep(output)
+        return output.clone() if copies is None or ("layer", place) in copies else None  # (the copy is recorded)
 
     handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
     try:
@@ -128,23 +133,14 @@ def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
     finally:
         for handle in handles:
             handle.remove()
-    hooked = {id(output) for output, _ in versions}  # a ruled output that is a layer's: the layer's copy suffices
-    overwritten = {("layer", k) for k, (output, version) in enumerate(versions) if _rewritten(output, version)}
-    overwritten |= {("rule", j) for j, (output, version) in enumerate(recorder.versions)
-                    if _rewritten(output, version) and id(output) not in hooked}
-    return _Recording(losses, calls, recorder, frozenset(overwritten))
+    hooked = {id(output) for output, _ in kept.versions}  # a ruled output that is a layer's: the layer's copy suffices
+    overwritten = {("layer", k) for k in kept.rewritten_views()}
+    overwritten |= {("rule", j) for j, t in recorder.kept.rewritten_views().items() if id(t) not in hooked}
+    return _Recording(losses, calls, recorder, frozenset(overwritten), kept)
 
 
-def _rewritten(output: torch.Tensor, version: int) -> bool:
-    """A recorded output that an in-place operation later in the pass rewrote, and whose gradient its edge
-    cannot give (:meth:`dpml.train.rules.Recorder.keep_output`): a view (autograd rebases its base, and the view's
-    recorded edge is left off the graph). Any other output's δ comes through its edge."""
-    return output._version != version and output._is_view()
-
-
-# The recorded views a model's forward pass modified in place (:func:`_rewritten`), by
-# their place in the pass (:func:`_record_forward`): its later passes copy those from the start instead of running
-# the forward pass a second time with a copy of every output.
+# The recorded views a model's forward pass modified in place (:meth:`RecordedOutputs.rewritten_views`), by place:
+# its later passes copy those from the start instead of running the forward pass again with a copy of every output.
 _OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, int]]] = weakref.WeakKeyDictionary()
 
 
@@ -328,7 +324,7 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
     grads: dict[int, torch.Tensor] = {}
     if outputs:
-        found = torch.autograd.grad(recording.losses.sum(), [recorder.gradient_target(o) for o in outputs],
+        found = torch.autograd.grad(recording.losses.sum(), [recording.gradient_target(o) for o in outputs],
                                     allow_unused=True, retain_graph=bool(slow or ruled))
         grads = {id(o): g for o, g in zip(outputs, found) if g is not None}
     with full_float32():  # norms here and sums in EnginePass.sums from the same numbers (no TF32)

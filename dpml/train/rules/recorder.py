@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from dpml.train.rules.derived import Derived, run_on_leaves
+from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.operands import (OUT_OF_PLACE, ROW_RESHAPES, apply_view, carried, core, is_composite, outputs,
                                        reentered, substituted, tensors)
 from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Pending, Rows,
@@ -51,7 +51,7 @@ class Recorder(TorchFunctionMode):
         self._derived = WeakTensorKeyDictionary()  # tensors computed from the batch's inputs
         self._derived[inputs] = True
         self.batch, self.owners = batch, owners
-        self.copy = copy  # the ruled outputs (by their place in ``versions``) passed on as copies; None: all
+        self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
         self.pending: list[Pending] = []
         self.derived_nodes: list[Derived] = []  # computations on parameters alone, in the order they ran
         self._nodes: dict[int, Derived] = {}  # id(output) -> its node
@@ -59,8 +59,7 @@ class Recorder(TorchFunctionMode):
         self.outside: set[int] = set()  # ids of hooked layers' parameters used outside their layer's call
         self.stack: list[nn.Module] = []  # the hooked layers whose call is under way
         self.unbatched: set[nn.Module] = set()  # hooked layers called on an input not computed from the batch
-        self.versions: list[tuple[torch.Tensor, int]] = []
-        self.edges: dict[int, GradientEdge] = {}  # id(recorded output) -> where its gradient enters the graph
+        self.kept = RecordedOutputs()  # the pending calls' outputs (:mod:`dpml.train.rules.outputs`)
         self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
         self._examples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._base = torch.arange(batch, device=device)
@@ -321,7 +320,7 @@ class Recorder(TorchFunctionMode):
         self._follow_rows(args, kwargs, out)
         result = self._apply(func, handler, args, kwargs, out, hits)
         if result is not None and isinstance(out, torch.Tensor) and (self.copy is None
-                                                                     or len(self.versions) - 1 in self.copy):
+                                                                     or len(self.kept.versions) - 1 in self.copy):
             copied = out.clone()
             self._follow_rows((out,), {}, copied)
             return copied
@@ -356,7 +355,7 @@ class Recorder(TorchFunctionMode):
                 return [(view, Dense(per_example(d.reshape(d.shape[0], *view.shape()), owners, self.batch)))]
 
             self.pending.append(Pending(copy, [view.param], finish, name))  # type: ignore[arg-type]
-            self.keep_output(copy)
+            self.kept.keep(copy)
         covered = {id(v.param) for v in views.values()}
         reason = "no batch-first operand" if batch_operand is None else "an operand not broadcast over the batch"
         self._refuse([h for h in hits if id(h.param) not in covered], f"{name}: {reason}")
@@ -417,27 +416,5 @@ class Recorder(TorchFunctionMode):
         self._refuse([h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand")
         result.operation = function_name(func)
         self.pending.append(result)
-        self.keep_output(result.output)
+        self.kept.keep(result.output)
         return result
-
-    def keep_output(self, t: torch.Tensor) -> None:
-        """Note a recorded output as it is now: its version (an in-place operation later in the pass changes it)
-        and its gradient edge, through which δ = ∂(Σ ℓ_i)/∂t reaches it even when a later in-place operation
-        (``relu_``, ``out += x``) rewrites t's history. Not for a view, whose rewrite replaces the edge
-        (autograd rebases the view's base): a view modified in place is passed on as a copy from the next pass
-        on (:func:`dpml.train.clipping._record_forward`)."""
-        with torch._C.DisableTorchFunction():
-            self.versions.append((t, t._version))
-        self.keep_edge(t)
-
-    def keep_edge(self, t: torch.Tensor) -> None:
-        """Keep t's gradient edge now (not for a view: :meth:`keep_output`), outside the recording: reading a
-        tensor's autograd attributes under the mode would pass through it as torch functions."""
-        with torch._C.DisableTorchFunction():
-            if t.requires_grad and not t._is_view():
-                self.edges[id(t)] = get_gradient_edge(t)
-
-    def gradient_target(self, t: torch.Tensor) -> torch.Tensor | GradientEdge:
-        """What to ask autograd for t's gradient: its edge as it was recorded (:meth:`keep_output`), else t."""
-        return self.edges.get(id(t), t)
-
