@@ -13,7 +13,7 @@
 #   clip         dpml/train/clipping.py, clip_factors only         tests/test_dpsgd.py, tests/test_clipping_property.py
 #   checks       dpml/audit/checks.py, all                         tests/test_conformance.py (the unit tests of the
 #                                                                  checks' statistics, not the training ones)
-#   accountants  dpml/privacy/accountants.py, all                  tests/test_accounting.py (fast part),
+#   accountants  dpml/privacy/accountants.py, supports.py, all     tests/test_accounting.py (fast part),
 #                                                                  tests/test_accountant_registry.py
 #   ledger       the ledger's reservation, composition, budget      tests/test_ledger.py, tests/test_unit_ledger.py,
 #                checks, views and spend lifecycle (dpml/privacy/     tests/test_spending.py (SQLite, no race)
@@ -47,8 +47,9 @@ for target in "${targets[@]}"; do
           patterns+=("dpml.train.clipping.x_clip_factors__mutmut_*") ;;
     checks) files+=(dpml/audit/checks.py); tests+=(tests/test_conformance.py); patterns+=("dpml.audit.checks.*")
             deselect+=("not broken_trainer and not intact_trainer and not the_gate_fails and not across_seeds") ;;
-    accountants) files+=(dpml/privacy/accountants.py); tests+=(tests/test_accounting.py tests/test_accountant_registry.py)
-                 patterns+=("dpml.privacy.accountants.*") ;;
+    accountants) files+=(dpml/privacy/accountants.py dpml/privacy/supports.py)
+                 tests+=(tests/test_accounting.py tests/test_accountant_registry.py)
+                 patterns+=("dpml.privacy.accountants.*" "dpml.privacy.supports.*") ;;
     ledger) files+=(dpml/privacy/ledger.py dpml/privacy/ledger_views.py dpml/privacy/unit_accounts.py
                     dpml/privacy/budget_checks.py dpml/privacy/spending.py)
             tests+=(tests/test_ledger.py tests/test_unit_ledger.py tests/test_spending.py)

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from dpml.config import validate
-from dpml.privacy.accountants import ACCOUNTANTS, Accountant, ask_accountants, certify, register_accountant
+from dpml.privacy.accountants import (ACCOUNTANTS, Accountant, ask_accountants, certify, epsilon_selection_autodp,
+                                      epsilon_selection_dp_accounting, register_accountant, tight_epsilon)
 from dpml.privacy.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, PoissonGaussianSteps,
                                     Selection)
 
@@ -126,3 +127,58 @@ def test_an_answer_that_is_not_a_finite_non_negative_epsilon_is_recorded_as_an_e
     certificate = certify(mechanism, DELTA)
     assert certificate["epsilon"] > 0 and certificate["epsilon"] == min(
         a.epsilon for a in answers.values() if a.used_for_certificate and a.epsilon is not None)
+
+
+def supported_mechanisms() -> dict[str, MechanismDescription]:
+    """One description of each kind the built-in accountants price."""
+    steps = PoissonGaussianSteps(0.01, 1.0, 100)
+    return {
+        "DP-SGD, add/remove": MechanismDescription("dpsgd", (steps,), "add-remove", 1.0, 1000),
+        "DP-SGD, replace-one": MechanismDescription("dpsgd", (steps,), "replace-one", 1.0, 1000),
+        "DP-GD": full_batch(8.0, 50),
+        "μ-GDP, replace-one": MechanismDescription("noisycgd", (GaussianDP(0.5),), "replace-one", 1.0, 1000),
+        "zCDP and μ-GDP": MechanismDescription("onepass", (ConcentratedDP(0.1), GaussianDP(0.3)), "replace-one",
+                                               1.0, 1000),
+        "fixed best-of-3": MechanismDescription("dpsgd-search", (steps,), "add-remove", 1.0, 1000,
+                                                selection=Selection("fixed", 3.0)),
+        "Poisson search": MechanismDescription("dpsgd-search", (steps,), "add-remove", 1.0, 1000,
+                                               selection=Selection("poisson", 3.0)),
+        "negative-binomial search": MechanismDescription("dpsgd-search", (steps,), "add-remove", 1.0, 1000,
+                                                         selection=Selection("truncated_negative_binomial", 3.0, 1.0)),
+        "μ-GDP Poisson search, replace-one": MechanismDescription("noisycgd-search", (GaussianDP(0.5),), "replace-one",
+                                                                  1.0, 1000, selection=Selection("poisson", 3.0)),
+    }
+
+
+@pytest.mark.parametrize("kind", list(supported_mechanisms()))
+def test_every_accountant_asked_answers_and_the_independent_ones_agree(kind: str) -> None:
+    """Every built-in accountant asked about a description it supports answers with a finite ε, not an error (a
+    failure is only recorded, and the certificate is the smallest answer left, so a broken accountant would
+    pass unnoticed: pins the mutants of the Papernot–Steinke wrappers, dp_accounting's RDP curve and the
+    selection checks that mutation testing found surviving). The two Papernot–Steinke accountants, on
+    independent base curves (dp_accounting, autodp), agree within 2 %; the ledger's ε (``tight_epsilon``) is a
+    valid bound no tighter than the certificate and within 10 % of it."""
+    mechanism = supported_mechanisms()[kind]
+    answers = {a.name: a for a in ask_accountants(mechanism, DELTA) if a.name in ACCOUNTANTS and a.name != NAME}
+    assert answers
+    for name, answer in answers.items():
+        assert answer.error is None and answer.epsilon is not None and 0 <= answer.epsilon < 1e3, (name, answer)
+    selection = [answers[n].epsilon for n in ("papernot_steinke.rdp[dp_accounting]", "papernot_steinke.rdp[autodp]")
+                 if n in answers]
+    if len(selection) == 2:
+        assert selection[0] == pytest.approx(selection[1], rel=0.02)
+    certified = certify(mechanism, DELTA)["epsilon"]
+    assert certified * (1 - 1e-9) <= tight_epsilon(mechanism, DELTA) <= 1.1 * certified
+
+
+def test_a_random_count_accountant_refuses_what_it_does_not_price() -> None:
+    """Asked directly (the registry never does), the Papernot–Steinke accountants refuse a plain composition and a
+    subsampled search under replace-one, saying why."""
+    plain = supported_mechanisms()["DP-SGD, add/remove"]
+    replace_one = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(0.01, 1.0, 100),), "replace-one", 1.0,
+                                       1000, selection=Selection("poisson", 3.0))
+    for accountant in (epsilon_selection_dp_accounting, epsilon_selection_autodp):
+        with pytest.raises(NotImplementedError, match="not a random-count selection"):
+            accountant(plain, DELTA)
+        with pytest.raises(NotImplementedError, match="add/remove only"):
+            accountant(replace_one, DELTA)

@@ -3,12 +3,15 @@ fails before its trainer starts, counted and marked failed when it fails after, 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from dpml.privacy.ledger import BudgetExceeded, Ledger
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.data.units import digests_of_ids
+from dpml.privacy.accountants import certify
+from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError
+from dpml.privacy.mechanism import MechanismDescription, NoisyGradientDescent, PoissonGaussianSteps
 from dpml.privacy.spending import reserve_and_start, training_recorded
 
 
@@ -32,7 +35,9 @@ def test_a_failure_before_the_start_cancels_the_spend(ledger_location: str, tmp_
         reserve_and_start(ledger, "v1", mechanism(), "run", 10.0, before_start=fails)
     (spend,) = seen
     assert kinds(ledger, spend.id)[-1] == "cancelled" and "started" not in kinds(ledger, spend.id)
+    assert ledger.events(spend.id)[-1][1] == {"reason": "failed before training: OSError: disk full"}
     assert ledger.spends() == []  # a cancelled spend counts for no one
+    assert ledger.cancel(spend.id, "again") and kinds(ledger, spend.id).count("cancelled") == 1  # recorded once
 
 
 def test_a_failure_during_training_is_recorded_and_the_spend_still_counts(ledger_location: str, tmp_path: Path) -> None:
@@ -62,3 +67,40 @@ def test_a_refused_reservation_starts_nothing(ledger_location: str, tmp_path: Pa
     with pytest.raises(BudgetExceeded):
         reserve_and_start(ledger, "v1", mechanism(), "run", 0.01, before_start=called.append)
     assert called == [] and ledger.spends(counted_only=False) == []
+
+
+def test_the_spend_is_reserved_with_every_setting_it_was_given(ledger_location: str, tmp_path: Path) -> None:
+    """Each argument of reserve_and_start reaches the reservation: the data version, purpose, lineage and units
+    on the spend, the start's process id on its event (pins the pass-through mutation testing found unchecked)."""
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+    spend = reserve_and_start(ledger, "v7", mechanism(), "census model", 10.0, lineage="census",
+                              units=digests_of_ids(range(20)))
+    assert (spend.dataset_version, spend.label, spend.lineage, spend.n_units) == ("v7", "census model", "census", 20)
+    assert ledger.events(spend.id)[-1] == ("started", {"pid": os.getpid()})
+    assert ledger.summary("census")[0]["filter_order"] is None  # refuse mode, the default: no Rényi filter
+
+
+def test_the_exclude_mode_and_the_kl_budget_reach_the_reservation(ledger_location: str, tmp_path: Path) -> None:
+    """``mode="exclude"`` fixes the lineage's Rényi filter order at its first filtered run; a KL-private run is
+    checked against ``kl_budget`` (refused without one, and over it)."""
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+    reserve_and_start(ledger, "v1", mechanism(), "filtered", 10.0, lineage="F", units=digests_of_ids(range(10)),
+                      mode="exclude")
+    assert ledger.summary("F")[0]["filter_order"] is not None
+    kl_run = MechanismDescription("noisygd", (NoisyGradientDescent("lecun", (20, 64, 3), 2.0, 50, 0.05, 0.5, True),),
+                                  "replace-one", 0.0, 400)
+    kl = certify(kl_run, 1e-5)["kl"]
+    with pytest.raises(BudgetExceeded, match="kl_budget is not set"):
+        reserve_and_start(ledger, "k", kl_run, "kl run", 10.0)
+    with pytest.raises(BudgetExceeded, match="summed KL"):
+        reserve_and_start(ledger, "k", kl_run, "kl run", 10.0, kl_budget=0.5 * kl)
+    assert reserve_and_start(ledger, "k", kl_run, "kl run", 10.0, kl_budget=2 * kl).lineage == "k"
+
+
+def test_an_event_for_no_spend_is_refused_and_leaves_the_ledger_usable(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+    spend = reserve_and_start(ledger, "v1", mechanism(), "run", 10.0)
+    with pytest.raises(LedgerError, match="no spend with id 999"):
+        ledger.record_event(999, "trained", {})
+    ledger.record_event(spend.id, "trained", {"steps": 1})  # the refused event's transaction was rolled back
+    assert kinds(ledger, spend.id) == ["started", "trained"]

@@ -52,11 +52,13 @@ import numpy as np
 from dpml.formatting import format_epsilon
 from dpml.privacy.kl_certificate import certify_kl
 from dpml.privacy.mechanism import (ConcentratedDP, Event, GaussianDP, GaussianEvent, MechanismDescription,
-                                    PoissonGaussianSteps, gaussian_only)
+                                    gaussian_only)
 from dpml.privacy import tuning
 from dpml.privacy.prv import epsilon_prv_upper
 from dpml.privacy.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
                                        epsilon_zcdp_closed_form, epsilon_zcdp_rdp, has_zcdp)
+from dpml.privacy.supports import (autodp_composition, composed_without_zcdp, dp_accounting_rdp, full_batch_gaussian,
+                                   gdp_only, random_count_without_zcdp, subsampled_gaussian_add_remove, zcdp_composed)
 
 PLD_DISCRETIZATION = 1e-4
 
@@ -310,52 +312,16 @@ def register_accountant(accountant: Accountant) -> Accountant:
     return accountant
 
 
-def random_selection(mechanism: MechanismDescription) -> bool:
-    """A best-of-K search with a random K (priced by the Papernot–Steinke bound, not as a composition)."""
-    return mechanism.selection is not None and mechanism.selection.random
-
-
-def without_zcdp(mechanism: MechanismDescription) -> bool:
-    """No ρ-zCDP event: a zCDP event has an RDP curve and nothing else, so it is the zCDP accountants' alone."""
-    return not has_zcdp(mechanism)
-
-
-def gdp_without_zcdp(mechanism: MechanismDescription) -> bool:
-    """A μ-GDP event (NoisyCGD's), no zCDP event: the exact GDP profile's mechanisms (it declines mixed ones)."""
-    return without_zcdp(mechanism) and any(isinstance(e, GaussianDP) for e in mechanism.events)
-
-
-def random_count_without_zcdp(mechanism: MechanismDescription) -> bool:
-    """A best-of-K search with a random K and no zCDP event: the Papernot–Steinke accountants' mechanisms."""
-    return without_zcdp(mechanism) and random_selection(mechanism)
-
-
-def zcdp_composed(mechanism: MechanismDescription) -> bool:
-    """A ρ-zCDP event (seed 002's one-pass DP-SGD) with μ-GDP events, composed (no random count)."""
-    return has_zcdp(mechanism) and not random_selection(mechanism)
-
-
-def full_batch_gaussian(mechanism: MechanismDescription) -> bool:
-    """Full-batch (q = 1) Gaussian steps, with μ-GDP events beside them, composed (no random count): what the
-    moments accountant's closed form prices (seed 002's DP-GD certificate)."""
-    if random_selection(mechanism) or has_zcdp(mechanism):
-        return False
-    events = mechanism.composed_events()
-    steps = [e for e in events if isinstance(e, PoissonGaussianSteps)]
-    return bool(steps) and all(e.sample_rate == 1.0 for e in steps) and all(
-        isinstance(e, (PoissonGaussianSteps, GaussianDP)) for e in events)
-
-
 for _accountant in (
-    Accountant("gdp.exact", "scipy", epsilon_gdp_exact, gdp_without_zcdp),
+    Accountant("gdp.exact", "scipy", epsilon_gdp_exact, gdp_only),
     Accountant("moments_accountant.closed_form", "scipy", epsilon_moments_closed_form, full_batch_gaussian),
     Accountant("zcdp.rdp[dp_accounting]", "dp-accounting", epsilon_zcdp_rdp, zcdp_composed),
     Accountant("zcdp.bun_steinke", "scipy", epsilon_zcdp_closed_form, zcdp_composed),
     Accountant("autodp.zcdp", "autodp", epsilon_autodp_zcdp, zcdp_composed),
-    Accountant("dp_accounting.pld", "dp-accounting", epsilon_pld, without_zcdp),
-    Accountant("prv_accountant.prv", "prv-accountant", epsilon_prv_upper, without_zcdp),
-    Accountant("autodp.rdp", "autodp", epsilon_autodp_rdp, without_zcdp),
-    Accountant("dp_accounting.rdp", "dp-accounting", epsilon_dp_accounting_rdp, without_zcdp, certifying=False),
+    Accountant("dp_accounting.pld", "dp-accounting", epsilon_pld, composed_without_zcdp),
+    Accountant("prv_accountant.prv", "prv-accountant", epsilon_prv_upper, subsampled_gaussian_add_remove),
+    Accountant("autodp.rdp", "autodp", epsilon_autodp_rdp, autodp_composition),
+    Accountant("dp_accounting.rdp", "dp-accounting", epsilon_dp_accounting_rdp, dp_accounting_rdp, certifying=False),
     Accountant("papernot_steinke.rdp[dp_accounting]", "dp-accounting", epsilon_selection_dp_accounting,
                random_count_without_zcdp),
     Accountant("papernot_steinke.rdp[autodp]", "autodp", epsilon_selection_autodp, random_count_without_zcdp),
