@@ -12,7 +12,9 @@ from scipy.stats import norm
 from dpml.privacy import accountants
 from dpml.privacy.accountants import certify
 from dpml.privacy.calibrate import calibrate_noise_multiplier
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.privacy.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, NoisyGradientDescent,
+                                    PoissonGaussianSteps, Selection)
+from dpml.privacy.tuning import ORDERS
 
 
 def mechanism(q: float, sigma: float, steps: int, relation: str = "add-remove") -> MechanismDescription:
@@ -188,3 +190,40 @@ def test_steps_calibration_is_safe_and_exact(target: float, q: float, sigma: flo
     assert certify(mechanism(q, sigma, steps), 1e-5)["epsilon"] <= target
     assert accountants.epsilon_pld(mechanism(q, sigma, steps + 1), 1e-5) > target  # exact: one more step is over
     assert calibrate_steps(1e-3, 0.5, 0.5, 1e-5) == 0  # even one step is over budget
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, 1.5, -1e-5])
+def test_a_delta_outside_zero_one_is_refused(delta: float) -> None:
+    """(Pins the bounds of certify's δ check: δ = 0 and δ = 1 are refused, not priced; mutation testing.)"""
+    with pytest.raises(ValueError, match=r"delta = .*: must be in \(0, 1\)"):
+        certify(mechanism(0.01, 1.0, 100), delta)
+
+
+def test_a_kl_mechanism_gets_a_kl_certificate_and_no_epsilon() -> None:
+    kl_run = MechanismDescription("noisygd", (NoisyGradientDescent("lecun", (20, 64, 3), 2.0, 50, 0.05, 0.5, True),),
+                                  "replace-one", 0.0, 400)
+    certificate = certify(kl_run, 1e-5)
+    assert certificate["epsilon"] == math.inf and 0 < certificate["kl"] < math.inf and certificate["delta"] == 1e-5
+
+
+def test_a_mechanism_no_accountant_models_is_refused_naming_why() -> None:
+    """A random-count search of a zCDP run: the zCDP accountants price compositions, the Papernot–Steinke ones no
+    zCDP event, so none is asked and certify refuses it rather than certifying nothing."""
+    search = MechanismDescription("onepass-search", (ConcentratedDP(0.1),), "replace-one", 1.0, 1000,
+                                  selection=Selection("poisson", 3.0))
+    with pytest.raises(RuntimeError, match=r"no accountant could certify this mechanism \(\)"):
+        certify(search, 1e-5)
+
+
+def test_the_rdp_curve_of_a_zcdp_run_with_gdp_events_is_their_exact_sum() -> None:
+    """ρ-zCDP gives ρα and a μ-GDP event αμ²/2 (its Gaussian of σ = 1/μ, through dp_accounting), so the ledger's
+    curve of one-pass DP-SGD with a NoisyCGD event is (ρ + μ²/2)·α at every order; a search's curve is its
+    Papernot–Steinke curve (pins mechanism_rdp_curve, which no accounting test reached)."""
+    mixed = MechanismDescription("onepass", (ConcentratedDP(0.1), GaussianDP(0.3)), "replace-one", 1.0, 1000)
+    orders = np.asarray(ORDERS, dtype=float)
+    np.testing.assert_allclose(accountants.mechanism_rdp_curve(mixed), (0.1 + 0.3 ** 2 / 2) * orders, rtol=1e-9)
+    only_zcdp = MechanismDescription("onepass", (ConcentratedDP(0.2),), "replace-one", 1.0, 1000)
+    np.testing.assert_allclose(accountants.mechanism_rdp_curve(only_zcdp), 0.2 * orders, rtol=1e-12)
+    search = MechanismDescription("s", (PoissonGaussianSteps(0.01, 1.0, 100),), "add-remove", 1.0, 1000,
+                                  selection=Selection("poisson", 3.0))
+    np.testing.assert_array_equal(accountants.mechanism_rdp_curve(search), accountants.selection_rdp_curve(search))
