@@ -16,8 +16,10 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+from scipy.optimize import brentq
 
-from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError, epsilons_from_rdp, filter_bound
+from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError, epsilons_from_rdp, filter_bound, filter_order
+from dpml.privacy.tuning import ORDERS
 from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
 from dpml.data.units import digests_of_ids, digests_of_rows, one_row_per_unit
 
@@ -256,3 +258,37 @@ def test_vectorised_conversion_matches_dp_accounting() -> None:
     ours = epsilons_from_rdp(curves, DELTA)
     theirs = [rdp_to_epsilon(ORDERS, c, DELTA) for c in curves]
     assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize(("budget", "delta"), [(1.0, 1e-5), (3.0, 1e-5), (8.0, 1e-6)])
+def test_the_filter_order_and_bound_agree_with_dp_accountings_conversion(budget: float, delta: float) -> None:
+    """α* is the order dp_accounting's RDP → (ε, δ) conversion picks for the Gaussian-shaped curve cα reaching the
+    budget, and the filter's bound B*(α*) converts back to exactly the budget (pins filter_order and filter_bound,
+    whose mutants the filter tests let through: any fixed α keeps the filter valid, so only tightness showed it)."""
+    orders = np.asarray(ORDERS, dtype=float)
+    c = brentq(lambda c: rdp_privacy_accountant.compute_epsilon(orders, c * orders, delta)[0] - budget, 1e-9, budget)
+    _, best = rdp_privacy_accountant.compute_epsilon(orders, c * orders, delta)
+    order = filter_order(budget, delta)
+    assert order == best
+    eps, _ = rdp_privacy_accountant.compute_epsilon([order], [filter_bound(order, budget, delta)], delta)
+    assert eps == pytest.approx(budget, rel=1e-9)
+
+
+def test_the_views_of_a_ledger_name_nobody_at_zero_and_list_units_largest_epsilon_first(
+        ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
+    assert ledger.total("nobody") == 0.0 and ledger.unit_epsilons("nobody") == []
+    ledger.reserve("v1", run(), "first", 1e6, lineage="L", units=people(range(10)))
+    ledger.reserve("v2", run(), "second", 1e6, lineage="L", units=people(range(5)))
+    levels = ledger.unit_epsilons("L")
+    assert [count for _, count in levels] == [5, 5] and levels[0][0] > levels[1][0]
+    assert ledger.total("L") == pytest.approx(levels[0][0])
+
+
+def test_a_reservation_under_another_neighbouring_relation_than_its_units_history_is_refused(
+        ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
+    ledger.reserve("v1", run(), "add/remove", 1e6, lineage="L", units=people(range(10)))
+    other = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.05, 2.0, 100),), "replace-one", 1.0, 1000)
+    with pytest.raises(LedgerError, match="neighbouring"):
+        ledger.reserve("v2", other, "replace-one", 1e6, lineage="L", units=people(range(10)))
