@@ -204,6 +204,7 @@ def test_a_kl_mechanism_gets_a_kl_certificate_and_no_epsilon() -> None:
                                   "replace-one", 0.0, 400)
     certificate = certify(kl_run, 1e-5)
     assert certificate["epsilon"] == math.inf and 0 < certificate["kl"] < math.inf and certificate["delta"] == 1e-5
+    assert accountants.tight_epsilon(kl_run, 1e-5) == math.inf  # the ledger's ε of a KL run
 
 
 def test_a_mechanism_no_accountant_models_is_refused_naming_why() -> None:

@@ -260,7 +260,7 @@ def test_vectorised_conversion_matches_dp_accounting() -> None:
     assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
 
 
-@pytest.mark.parametrize(("budget", "delta"), [(1.0, 1e-5), (3.0, 1e-5), (8.0, 1e-6)])
+@pytest.mark.parametrize(("budget", "delta"), [(1.0, 1e-5), (3.0, 1e-5), (8.0, 1e-6), (40.0, 1e-5), (200.0, 1e-5)])
 def test_the_filter_order_and_bound_agree_with_dp_accountings_conversion(budget: float, delta: float) -> None:
     """α* is the order dp_accounting's RDP → (ε, δ) conversion picks for the Gaussian-shaped curve cα reaching the
     budget, and the filter's bound B*(α*) converts back to exactly the budget (pins filter_order and filter_bound,
