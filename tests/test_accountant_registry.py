@@ -165,8 +165,10 @@ def test_every_accountant_asked_answers_and_the_independent_ones_agree(kind: str
         assert answer.error is None and answer.epsilon is not None and 0 <= answer.epsilon < 1e3, (name, answer)
     selection = [answers[n].epsilon for n in ("papernot_steinke.rdp[dp_accounting]", "papernot_steinke.rdp[autodp]")
                  if n in answers]
-    if len(selection) == 2:  # close, and not one curve twice: the cross-check stays independent
-        assert selection[0] == pytest.approx(selection[1], rel=0.02) and selection[0] != selection[1]
+    if len(selection) == 2:
+        assert selection[0] == pytest.approx(selection[1], rel=0.02)
+        if any(isinstance(e, PoissonGaussianSteps) for e in mechanism.events):  # not one base curve twice (μ-GDP's
+            assert selection[0] != selection[1]  # curve αμ²/2 is exact in both, subsampling's is not)
     certified = certify(mechanism, DELTA)["epsilon"]
     assert certified * (1 - 1e-9) <= tight_epsilon(mechanism, DELTA) <= 1.1 * certified
 
