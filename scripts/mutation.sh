@@ -16,7 +16,9 @@
 #   accountants  dpml/privacy/accountants.py, supports.py, all     tests/test_accounting.py (fast part),
 #                                                                  tests/test_accountant_registry.py
 #   ledger       the ledger's reservation, composition, budget      tests/test_ledger.py, tests/test_unit_ledger.py,
-#                checks, views and spend lifecycle (dpml/privacy/     tests/test_spending.py (SQLite, no race)
+#                checks, views and spend lifecycle (dpml/privacy/     tests/test_spending.py, test_kl_certificate.py,
+#                                                                  test_lineage_by_records.py (SQLite, no race, no
+#                                                                  pipeline run)
 #                ledger.py, ledger_views.py, unit_accounts.py,
 #                budget_checks.py, spending.py)
 #
@@ -52,7 +54,8 @@ for target in "${targets[@]}"; do
                  patterns+=("dpml.privacy.accountants.*" "dpml.privacy.supports.*") ;;
     ledger) files+=(dpml/privacy/ledger.py dpml/privacy/ledger_views.py dpml/privacy/unit_accounts.py
                     dpml/privacy/budget_checks.py dpml/privacy/spending.py)
-            tests+=(tests/test_ledger.py tests/test_unit_ledger.py tests/test_spending.py)
+            tests+=(tests/test_ledger.py tests/test_unit_ledger.py tests/test_spending.py tests/test_kl_certificate.py
+                    tests/test_lineage_by_records.py)
             for method in reserve cancel record_event _standing_of_run _lineage_standing _filter_order; do
               patterns+=("dpml.privacy.ledger.xǁLedgerǁ${method}__mutmut_*")
             done
@@ -60,7 +63,7 @@ for target in "${targets[@]}"; do
               patterns+=("dpml.privacy.ledger_views.xǁLedgerViewsǁ${method}__mutmut_*")
             done
             patterns+=("dpml.privacy.unit_accounts.*" "dpml.privacy.budget_checks.*" "dpml.privacy.spending.*")
-            deselect+=("not racing and not postgresql") ;;
+            deselect+=("not racing and not postgresql and not three_names_and_encodings and not weekly_export") ;;
     *) echo "unknown target '$target' (bounds, noise, clip, checks, accountants, ledger)" >&2; exit 2 ;;
   esac
 done
