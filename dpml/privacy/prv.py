@@ -17,8 +17,9 @@ def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float =
         raise NotImplementedError("prv_accountant's Poisson-subsampled Gaussian is add/remove only")
     from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant  # lazy: when this accountant is asked
 
-    events = [e for e in mechanism.gaussian_events() if isinstance(e, PoissonGaussianSteps)]
-    if len(events) != len(mechanism.composed_events()):
+    gaussian = mechanism.gaussian_events()
+    events = [e for e in gaussian if isinstance(e, PoissonGaussianSteps)]
+    if len(events) != len(gaussian):
         raise NotImplementedError("priced by gdp.exact and dp_accounting (a μ-GDP event is not a PRV input here)")
     prvs = [PoissonSubsampledGaussianMechanism(noise_multiplier=e.noise_multiplier, sampling_probability=e.sample_rate)
             for e in events]
