@@ -558,6 +558,7 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
     steps: dict[str, Callable[[], None]] = {}
     errors: dict[str, tuple[str, str]] = {}
     setup_seconds: dict[str, float] = {}
+    infos: dict[str, dict[str, Any] | None] = {}  # the plan and chunk of each step, kept if it crashes later
     memory: dict[str, dict[str, Any]] = {}
     cpu_peak = CpuPeak() if device.type == "cpu" else None
     memory_note = cpu_peak.error if cpu_peak is not None else None
@@ -571,10 +572,12 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
             errors[method] = ("crashes", _one_line(error))
         setup_seconds[method] = time.perf_counter() - start
         if method in steps:
+            infos[method] = getattr(steps[method], "info", None)
             try:
                 warm_up(steps[method], device, cpu_peak if memory_note is None else None, memory, method, args.batch)
             except Exception as error:  # noqa: BLE001
                 errors[method] = ("crashes", _one_line(error))
+            if method in errors:  # dropped after the except clause: its traceback's frames no longer hold its tensors
                 _drop(steps, method, device)
         print(f"[families] {family} {method}: set up in {setup_seconds[method]:.1f} s"
               + (f"; {errors[method][0]}: {errors[method][1]}" if method in errors else ""), flush=True)
@@ -604,8 +607,8 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
                     settle()
             except Exception as error:  # noqa: BLE001
                 errors[method] = ("crashes", _one_line(error))
+            if method in errors:  # as in the set-up: dropped once the traceback is gone
                 _drop(steps, method, device)
-    infos = {m: getattr(s, "info", None) for m, s in steps.items()}
     for method in list(steps):
         _drop(steps, method, device)
     if "nonprivate" not in times or not times["nonprivate"]:
@@ -760,7 +763,7 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
             lines.append(f"| {family} | {where} | {meta['args']['batch']} | {non.get('verdict', '?')}: "
                          f"{_short(non.get('error', ''), 240)} | | | | | | | |")
             continue
-        if "ms_per_step" in dp:
+        if "ms_per_step" in dp and "verdict" not in dp:
             dp_cell = f"{dp['ms_per_step']:.1f} ({dp['chunk']})"
             ratio = f"**{dp['throughput']:.2f}**"
             exact = dp.get("exact_parameters", [])
@@ -786,10 +789,11 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
                            f"plan {dp['plan_seconds']:.1f} s, {chosen}; "
                            + (f"exact path: {', '.join(f'`{n}`' for n in exact)}" if exact else "exact path: none")
                            + (f". Plan notes: {' '.join(dp['plan_notes'])}" if dp.get("plan_notes") else ""))
-        else:
-            dp_cell, ratio, exact_cell, memory, targets = (f"{dp.get('verdict', '?')}: {_short(dp.get('error', ''))}",
-                                                           "", "", "", "missed")
-            details.append(f"- **{family}** ({non.get('model', '')}): dpml {dp.get('verdict')}: {dp.get('error')}")
+        else:  # refused, or crashed: in its set-up, or in a step after others were timed (said with their median)
+            before = (f" after {dp['steps']} timed step(s) of {dp['ms_per_step']:.1f} ms" if "ms_per_step" in dp else "")
+            dp_cell, ratio, exact_cell, memory, targets = (
+                f"{dp.get('verdict', '?')}{before}: {_short(dp.get('error', ''))}", "", "", "", "missed")
+            details.append(f"- **{family}** ({non.get('model', '')}): dpml {dp.get('verdict')}{before}: {dp.get('error')}")
         cut = f" ({non['rounds']} rounds)" if non.get("rounds", meta["args"]["rounds"]) < meta["args"]["rounds"] else ""
         lines.append(f"| {family} | {where} | {non['batch']} | {non['ms_per_step']:.1f}{cut} | {dp_cell} | {ratio} | "
                      f"{_cell(by['opacus-hooks']) if 'opacus-hooks' in by else 'not asked'} | "

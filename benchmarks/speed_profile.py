@@ -16,7 +16,9 @@ float32 and float64 ``normal_`` over as many numbers (not used: the float32 one 
 
 ``--device cuda`` times the same parts on the GPU (each part ends with ``torch.cuda.synchronize()``; the
 noise is the trainer's GPU draw, ``gaussian_noise`` on a CUDA generator; the CPU-only draws are left
-out) and writes ``speed_profile_cuda.md``. ``--ops N`` adds, per model, the N operators that took the most
+out) and writes ``speed_profile_cuda.md``. ``--models`` also takes the model families of ``families.py`` (``bert``,
+``gpt2``, ``encoder``, ``bert-lora``, ``vit``, ``resnet18-gn``; ``--size`` and ``--length`` as there; only their
+trainable parameters are stepped), and ``--out-name`` names the page. ``--ops N`` adds, per model, the N operators that took the most
 time in 5 DP steps (``torch.profiler``: self time on the device where it is a GPU, else on the CPU).
 """
 
@@ -36,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import build, example_batch  # noqa: E402
+import families  # noqa: E402
+import speed  # noqa: E402
 from dpml.devices import keep_freed_cpu_memory  # noqa: E402
 from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E402
 from dpml.train.clipping_layers import is_fast  # noqa: E402
@@ -67,26 +70,39 @@ def interleaved_medians_ms(parts: dict[str, Callable[[], None]], repeats: int, d
     return {name: 1000 * statistics.median(values) for name, values in times.items()}
 
 
+SHAPES = {"size": "tiny", "length": 128}  # a family's size and sequence length (``--size``, ``--length``)
+
+
+def model_and_batch(name: str, batch: int, device: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """``speed.py``'s model (``mlp``, ``cnn``, ``wrn``) or a family of ``families.py``, seed 0, and its batch."""
+    torch.manual_seed(0)
+    if name in families.FAMILIES:
+        model, _ = families.build(name, SHAPES["size"], SHAPES["length"])
+        x, y = families.example_batch(name, batch, SHAPES["length"], device)
+    else:
+        model, (x, y) = speed.build(name), speed.example_batch(name, batch, device)
+    return model.to(device).train(), x, y
+
+
 def dp_step_function(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                      generator: torch.Generator) -> Callable[[], None]:
     """dpml's DP step on the batch (x, y), clipped in one chunk, its noise drawn in line (SGD, C = σ = 1)."""
-    optimizer, batch = torch.optim.SGD(model.parameters(), lr=0.01), x.shape[0]
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer, batch = torch.optim.SGD(trainable.values(), lr=0.01), x.shape[0]
 
     def dp_step() -> None:
         sums, noises, _ = clipped_sum_and_noise(model, x, y, 1.0, 1.0, batch, generator)
-        for (name, p) in model.named_parameters():
+        for name, p in trainable.items():
             p.grad = sums[name].add_(noises[name]).div_(batch)
         optimizer.step()
     return dp_step
 
 
 def profile(model_name: str, batch: int, repeats: int, device: str = "cpu") -> list[tuple[str, float]]:
-    torch.manual_seed(0)
-    model = build(model_name).to(device)
-    x, y = example_batch(model_name, batch, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, x, y = model_and_batch(model_name, batch, device)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     generator = torch.Generator(device=device).manual_seed(0)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def nonprivate() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -94,16 +110,17 @@ def profile(model_name: str, batch: int, repeats: int, device: str = "cpu") -> l
         optimizer.step()
 
     dp_step = dp_step_function(model, x, y, generator)
-    fast = [m for m in model.modules() if is_fast(m)]
+    fast = [m for m in model.modules() if is_fast(m) and any(p.requires_grad for p in m.parameters(recurse=False))]
 
     def forward_backward_to_outputs() -> None:
         recording = _record_forward(model, per_example_cross_entropy, x, y, fast, [], frozenset())
-        torch.autograd.grad(recording.losses.sum(), [output for m in fast for _, output in recording.calls[m]])
+        outputs = [recording.gradient_target(output) for m in fast for _, output in recording.calls.get(m, ())]
+        torch.autograd.grad(recording.losses.sum(), outputs, allow_unused=True)
 
     def clipping() -> None:
         clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0)
 
-    named = dict(model.named_parameters())
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = sum(p.numel() for p in params)
     parts = {"non-private step": nonprivate, "dpml DP step": dp_step,
              "  forward + backward to layer outputs": forward_backward_to_outputs,
@@ -136,9 +153,7 @@ def top_operators(model_name: str, batch: int, device: str, count: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    torch.manual_seed(0)
-    model = build(model_name).to(device)
-    x, y = example_batch(model_name, batch, device)
+    model, x, y = model_and_batch(model_name, batch, device)
     dp_step = dp_step_function(model, x, y, torch.Generator(device=device).manual_seed(0))
     for _ in range(3):
         dp_step()
@@ -160,8 +175,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--ops", type=int, default=0, help="also the N operators with the most self time in a DP step")
+    parser.add_argument("--size", choices=list(families.SIZES), default="tiny", help="a family's size")
+    parser.add_argument("--length", type=int, default=128, help="a token family's sequence length")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out-name", default=None, help="the page's file name (default speed_profile[_cuda].md)")
     args = parser.parse_args()
+    SHAPES.update(size=args.size, length=args.length)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.threads is not None:
@@ -170,7 +189,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     keep_freed_cpu_memory()  # as dpml's trainer on the CPU, for the non-private step too
     lines = ["# Where the DP-SGD step's time goes", "",
-             f"Command: `python benchmarks/speed_profile.py --batch {args.batch}"
+             f"Command: `python benchmarks/speed_profile.py --batch {args.batch} --models {' '.join(args.models)}"
+             + (f" --size {args.size} --length {args.length}" if set(args.models) & set(families.FAMILIES) else "")
              + (f" --threads {args.threads}" if args.threads is not None else "")
              + (" --device cuda" if args.device == "cuda" else "") + (f" --ops {args.ops}" if args.ops else "")
              + f"`. Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
@@ -189,7 +209,7 @@ def main() -> None:
                           "```", top_operators(model_name, args.batch, args.device, args.ops), "```"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "speed_profile_cuda.md" if args.device == "cuda" else "speed_profile.md"
+    name = args.out_name or ("speed_profile_cuda.md" if args.device == "cuda" else "speed_profile.md")
     lines += operators
     (out / name).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -9,7 +9,7 @@ from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
 from dpml import devices
-from dpml.train import clipping, clipping_conv, clipping_layers
+from dpml.train import clipping, clipping_conv, clipping_layers, keep_budget
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -466,13 +466,13 @@ def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypat
     examples at a time on the CPU (all 9 in one slice, or 2 per slice with the last one short: 10·27 +
     2·10² = 470 a row), and both sums come from the weight-gradient convolution."""
     if not keep:
-        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
     monkeypatch.setattr(clipping_conv, "PATCH_SLICE_ELEMENTS", slice_elements)  # deep: 10·27 + 12·27 = 594 a row
     torch.manual_seed(3)
     model = Convs().double()
     g = torch.Generator().manual_seed(4)
     x = torch.randn(9, 2, 11, 10, generator=g, dtype=torch.float64)
-    limit = clipping_layers.keep_limit(torch.device("cpu"))
+    limit = keep_budget.keep_limit(torch.device("cpu"))
     assert clipping_layers.materialise(9, 72, 6, 3, limit) and clipping_layers.materialise(9, 10, 27, 12, limit) == keep
     assert_matches_naive_loop(model, x, labels(9), 0.05)
     assert vmapped == []
@@ -526,7 +526,7 @@ class Conv1ds(nn.Module):
 def test_conv1d_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list) -> None:
     """Conv1d takes the dense shortcut (the Conv2d of height 1): materialised and kept, or ghost-normed."""
     if not keep:
-        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
     torch.manual_seed(5)
     model = Conv1ds().double()
     x = torch.randn(8, 3, 12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
@@ -562,7 +562,7 @@ def test_grouped_and_same_padded_convolutions_match_naive_loop(keep: bool, monke
     """Kept: the per-example gradients of the whole batch at once; not kept: one example per slice and the
     clipped sums by the weight-gradient convolution. Only the uneven "same" layer takes the exact path."""
     if not keep:
-        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
     torch.manual_seed(7)
     model = GroupedConvs().double()
     x = torch.randn(7, 4, 8, 8, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
@@ -607,16 +607,16 @@ def test_a_gpu_keeps_per_example_gradients_in_proportion_to_its_memory(monkeypat
     """On a CPU a layer keeps at most ``KEEP_PER_EXAMPLE_LIMIT`` elements; on a GPU that many per 4 GiB of
     the device's memory (never fewer than the CPU's), so a limit patched to 0 keeps nothing anywhere."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert clipping_layers.keep_limit(cpu) == clipping_layers.KEEP_PER_EXAMPLE_LIMIT == 1 << 25
+    assert keep_budget.keep_limit(cpu) == keep_budget.KEEP_PER_EXAMPLE_LIMIT == 1 << 25
     for memory, times in ((143771 << 20, 35), (80 << 30, 20), (24 << 30, 6), (2 << 30, 1)):
-        monkeypatch.setattr(clipping_layers, "_gpu_memory", lambda index, memory=memory: memory)
-        assert clipping_layers.keep_limit(gpu) == times << 25, memory
+        monkeypatch.setattr(keep_budget, "_gpu_memory", lambda index, memory=memory: memory)
+        assert keep_budget.keep_limit(gpu) == times << 25, memory
     # what the limit decides: a 128→128 3×3 layer at 14×14 for 512 examples (75M elements) is ghost-normed
     # within the CPU's limit and materialised within an H200's
     assert not clipping_layers.materialise(512, 196, 1152, 128, 1 << 25)
     assert clipping_layers.materialise(512, 196, 1152, 128, 35 << 25)
-    monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
-    assert clipping_layers.keep_limit(cpu) == clipping_layers.keep_limit(gpu) == 0
+    monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    assert keep_budget.keep_limit(cpu) == keep_budget.keep_limit(gpu) == 0
 
 
 class WideConvs(nn.Module):
@@ -636,13 +636,13 @@ class WideConvs(nn.Module):
 def test_convolutions_of_eight_channels_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch,
                                                          vmapped: list) -> None:
     if not keep:
-        monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
     torch.manual_seed(10)
     model = WideConvs().double()
     x = torch.randn(6, 8, 9, 8, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     assert model.second(model.first(x)).shape[2:] == (5, 6)
     assert clipping_conv.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
-    assert clipping_layers.materialise(6, 72, 72, 8, clipping_layers.keep_limit(torch.device("cpu")))  # kept or not
+    assert clipping_layers.materialise(6, 72, 72, 8, keep_budget.keep_limit(torch.device("cpu")))  # kept or not
     assert_matches_naive_loop(model, x, labels(6), 0.05)
     assert vmapped == []
 

@@ -4,7 +4,8 @@
   example's clipped contribution still has norm < C, and the norms and sums are float32 and close to
   the float32 engine's (bf16 has 8 bits of mantissa: within a few per cent);
 - on a GPU (skipped without one, saying so): clipped sums and norms match the CPU's for the model
-  kinds dpml ships and the convolution shortcuts, the DP-SGD step loop runs without a host
+  kinds dpml ships, the convolution shortcuts and the per-operation rules (a transformer encoder layer, an
+  in-place residual block), the DP-SGD step loop runs without a host
   synchronisation (a run synchronises a fixed number of times, however many steps it takes), a step
   on the GPU is the CPU's step plus noise of the same law (the GPU's generator draws other numbers,
   so only the noise-free part is compared; the noise is held to the CPU tests' laws,
@@ -28,9 +29,9 @@ from torch import nn
 
 from dpml.devices import convolution_weight_gradient_precision, full_float32
 from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet
-from dpml.train import chunking, clipping_layers
+from dpml.train import chunking, keep_budget
 from dpml.train.clipping import clipped_gradient_sum, engine_pass
-from dpml.train.clipping_check import ClippingUnsupported, check_autocast
+from dpml.train.clipping_check import ClippingUnsupported, check_autocast, plan_clipping
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, train_dpsgd
 from tests.noise_laws import check_standard_normal
 
@@ -200,21 +201,21 @@ def test_the_chunk_tuner_on_the_gpu_times_a_copy_and_leaves_the_model_and_random
 @needs_cuda
 def test_a_layer_kept_on_the_gpu_beyond_the_cpus_limit_gives_the_ghost_norms_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     """A 128→128 convolution at 14×14 for 512 examples has 75M elements of per-example gradients: past the
-    CPU's keep limit, within a GPU's (:func:`clipping_layers.keep_limit`). Kept, its clipped sum is the
+    CPU's keep limit, within a GPU's (:func:`keep_budget.keep_limit`). Kept, its clipped sum is the
     weighted sum of the kept gradients (no weight-gradient convolution runs); with the GPU held to the
     CPU's limit, ghost norm and the layer's weight-gradient convolution; the two agree."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(128, 128, 3, padding=1), nn.Flatten(), nn.Linear(128 * 14 * 14, 5)).cuda()
     x = torch.randn(512, 128, 14, 14, device="cuda")
     y = torch.randint(0, 5, (512,), device="cuda")
-    assert clipping_layers.keep_limit(x.device) >= 512 * 128 * 1152 > clipping_layers.KEEP_PER_EXAMPLE_LIMIT
+    assert keep_budget.keep_limit(x.device) >= 512 * 128 * 1152 > keep_budget.KEEP_PER_EXAMPLE_LIMIT
     weight_gradients = []
     original = torch.nn.grad.conv2d_weight
     monkeypatch.setattr(torch.nn.grad, "conv2d_weight", lambda *a, **k: weight_gradients.append(1) or original(*a, **k))
     results = []
     for limit in (None, 1 << 60):  # the GPU's own, then 4 GiB per CPU limit on a device of under 1 EiB: ×1
         if limit is not None:
-            monkeypatch.setattr(clipping_layers, "GPU_MEMORY_PER_KEEP_LIMIT", limit)
+            monkeypatch.setattr(keep_budget, "GPU_MEMORY_PER_KEEP_LIMIT", limit)
         results.append(clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0))
         results[-1][1].sum().item()
         weight_gradients.append("|")
@@ -247,7 +248,7 @@ def check_norms_and_sums_come_from_the_same_numbers(device: str, monkeypatch: py
     example's norm and its share of the clipped sum (the sum with factors e_i) still agree to float32
     round-off: the engine forms both without TF32, and leaves the user's settings as they were. Nothing
     is kept (every sum by the layers' weight-gradient products), so the two are computed apart."""
-    monkeypatch.setattr(clipping_layers, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
@@ -379,7 +380,7 @@ def test_train_autocast_bf16_trains_the_pipeline_model_in_bf16(tmp_path: Path) -
     x, y = torch.randn(200, 12, generator=generator).numpy(), torch.randint(0, 3, (200,), generator=generator).numpy()
     runs = {}
     for precision in ("none", "bf16"):
-        params = small_params(tmp_path, train={"autocast": precision, "epochs": 1, "sample_rate": 0.2, "device": "cpu"})
+        params = small_params(tmp_path, store=False, train={"autocast": precision, "epochs": 1, "sample_rate": 0.2, "device": "cpu"})
         config = load(write_params(tmp_path / f"{precision}.yaml", params))
         runs[precision] = trainer_for(config).fit(config, x, y, 3, noise_multiplier=1.0, seed=0, noise_seed=4)
     full, half = runs["none"], runs["bf16"]
@@ -454,3 +455,70 @@ def test_a_cpu_training_process_keeps_freed_memory_for_the_next_step() -> None:
     assert said == ["set"] and said_environment == ["unset"]
     few = max(256.0, default / 10)  # a few pages a step stay (Python's own arenas, the kernel's bookkeeping)
     assert kept <= few and after_training <= few, (default, kept, after_training)
+
+
+class TokenEncoder(nn.Module):
+    """Token and learned position embeddings (the position table indexed by ``arange(T)``, shared by the
+    batch), one ``nn.TransformerEncoderLayer`` (packed attention, LayerNorm, GELU), mean pooling, a head:
+    the per-operation rules of attention, normalisation and a batch-shared embedding on one model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(50, 16)
+        self.positions = nn.Embedding(6, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation="gelu", batch_first=True)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.out(self.layer(self.tokens(tokens) + self.positions(positions)).mean(1))
+
+
+class InPlaceResidual(nn.Module):
+    """A ResNet block as torchvision writes it: ``relu_`` in place, GroupNorm, ``out += identity``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.norm = nn.GroupNorm(4, 8)
+        self.out = nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = self.stem(x.reshape(-1, 1, 8, 8)).relu_()
+        out = self.norm(self.conv(identity))
+        out += identity
+        return self.out(out.relu_().flatten(1))
+
+
+def rule_models() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, 5, (24,), generator=generator)
+    return {"token_encoder": (TokenEncoder(), (torch.randint(0, 50, (24, 6), generator=generator), labels)),
+            "in_place_residual": (InPlaceResidual(), (torch.randn(24, 64, generator=generator) * 3, labels))}
+
+
+def check_rules_match_across_devices(device: str) -> None:
+    """The planned step (the plan's exact parameters, the rules for the rest) on ``device`` gives the CPU's
+    clipped sums and norms, with a clip that binds for some examples and not others."""
+    for name, (model, (x, y)) in rule_models().items():
+        plan = plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype)
+        assert not plan.exact_parameters, (name, plan.lines())  # the shortcuts and rules are what is compared
+        _, unclipped = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1e9, exact=plan.exact)
+        clip = float(unclipped.median())
+        cpu_sums, cpu_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip, exact=plan.exact)
+        model.to(device)
+        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x.to(device), y.to(device), clip,
+                                           exact=plan.exact)
+        assert norms.device.type == device
+        torch.testing.assert_close(norms.cpu(), cpu_norms, rtol=1e-4, atol=1e-6, msg=name)
+        for key, value in cpu_sums.items():
+            torch.testing.assert_close(sums[key].cpu(), value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+
+@needs_cuda
+def test_the_per_operation_rules_on_the_gpu_give_the_cpus_clipped_sums() -> None:
+    torch.backends.cudnn.allow_tf32 = False  # compare like with like: float32 on both
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_rules_match_across_devices("cuda")

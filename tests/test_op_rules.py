@@ -275,7 +275,7 @@ def test_a_computation_on_parameters_too_large_to_materialise_per_example_goes_e
     model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2)).double()
     x, y = torch.randn(6, 8, generator=generator(23), dtype=torch.float64), torch.randint(0, 2, (6,))
     assert engine_pass(model, per_example_cross_entropy, x, y).exact == {}
-    monkeypatch.setattr("dpml.train.clipping_layers.KEEP_PER_EXAMPLE_LIMIT", 6 * 64 - 1)
+    monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 6 * 64 - 1)
     found = engine_pass(model, per_example_cross_entropy, x, y)
     originals = {n for n, _ in model.named_parameters() if ".original" in n}
     assert set(found.exact) == originals, found.reasons

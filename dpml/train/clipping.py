@@ -48,9 +48,10 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from dpml.devices import full_float32
-from dpml.train.clipping_layers import (Piece, batch_first, is_fast, keep_limit, layer_parameters, layer_piece,
+from dpml.train.clipping_layers import (Piece, batch_first, is_fast, layer_parameters, layer_piece,
                                        reject_batch_norm, row_norms_squared)
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
+from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece, per_example_gradients_of
 from dpml.train.rules.derived import pull_back
 from dpml.train.rules.outputs import RecordedOutputs
@@ -280,17 +281,16 @@ def _rule_pieces(recording: _Recording, ruled: dict[int, str], relevant: set[int
 
 def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
                 exact: Collection[str] = (), autocast: torch.dtype | None = None) -> EnginePass:
-    """Record the forward pass and take each trainable parameter's per-example gradient by its layer's
-    shortcut, by the rules of the operations it enters (:mod:`dpml.train.rules`) or, for the parameters
-    named in ``exact`` and any neither covers, exactly.
+    """Record the forward pass and take each trainable parameter's per-example gradient by its layer's shortcut, by the
+    rules of the operations it enters (:mod:`dpml.train.rules`) or, for the parameters named in ``exact`` and any
+    neither covers, exactly.
 
-    A hooked layer's shortcut is used when every operation on its parameters ran inside its own calls
-    (and its calls are batch-first); otherwise its parameters go to the rules like any other.
+    A hooked layer's shortcut is used when every operation on its parameters ran inside its own (batch-first) calls,
+    else its parameters go to the rules; kept per-example gradients are bounded per pass (:mod:`.keep_budget`).
 
-    ``autocast`` (``torch.bfloat16``): the forward pass runs under ``torch.autocast``, so the recorded
-    activations and output gradients are bf16; they are cast back to the parameters' dtype before any
-    norm or sum is formed, so each example's norm and its clipped contribution come from one and the
-    same gradient, in float32 (and the noise is drawn in float32): ‖c_i g_i‖ < C holds as without it."""
+    ``autocast`` (``torch.bfloat16``): the forward pass runs under ``torch.autocast``; the recorded bf16 activations
+    and output gradients are cast back to the parameters' dtype before any norm or sum, so each example's norm and
+    its clipped contribution come from one gradient, in float32 (the noise too): ‖c_i g_i‖ < C."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     names = {id(p): n for n, p in params.items()}
     batch = x.shape[0]
@@ -327,7 +327,7 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         found = torch.autograd.grad(recording.losses.sum(), [recording.gradient_target(o) for o in outputs],
                                     allow_unused=True, retain_graph=bool(slow or ruled))
         grads = {id(o): g for o, g in zip(outputs, found) if g is not None}
-    with full_float32():  # norms here and sums in EnginePass.sums from the same numbers (no TF32)
+    with full_float32(), pass_budget(x.device):  # norms and sums from the same numbers (no TF32)
         for module in used:
             calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(grads.get(id(output)), output), zeros.dtype))
                      for inputs, output in recording.calls[module]]
@@ -348,13 +348,13 @@ def _zero_piece(param: nn.Parameter, zeros: torch.Tensor) -> Piece:
     return Piece(zeros, lambda factors: [(param, torch.zeros_like(param))])
 
 
+def _or_zeros(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if gradient is None else gradient
+
+
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A floating tensor recorded under autocast, back in the parameters' dtype (token ids stay integers)."""
     return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
-
-
-def _or_zeros(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if gradient is None else gradient
 
 
 def per_example_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,

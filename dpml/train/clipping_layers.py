@@ -38,7 +38,6 @@ forward; :mod:`dpml.train.clipping_check` verifies that on a probe batch before 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from dpml.devices import convolution_weight_gradient_precision, heap_sized_slices
+from dpml.train.keep_budget import keep_limit, room, spend
 from dpml.train.clipping_conv import (Geometry, as_2d, clip_weighted_conv_weight, compiled_norms, conv_geometry,
                                       patch_slice_norms_squared, per_example_conv_gradients, per_example_conv_way,
                                       unfold_patches, weight_from_columns)
@@ -142,27 +142,6 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     raise TypeError(f"{type(module).__name__} has no position form")
 
 
-KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements (128 MiB in float32) a layer keeps of its per-example gradients on a CPU
-GPU_MEMORY_PER_KEEP_LIMIT = 4 << 30  # bytes: on a GPU, KEEP_PER_EXAMPLE_LIMIT elements per 4 GiB of its memory
-
-
-@functools.cache
-def _gpu_memory(index: int) -> int:
-    return torch.cuda.get_device_properties(index).total_memory
-
-
-def keep_limit(device: torch.device) -> int:
-    """How many elements of materialised per-example gradients one layer may keep for its clipped sum
-    (and, kept or not, what :func:`materialise` weighs). On a CPU ``KEEP_PER_EXAMPLE_LIMIT``, sized for
-    its caches; on a GPU the same per ``GPU_MEMORY_PER_KEEP_LIMIT`` bytes of the device's memory (1/32
-    of it in float32: ≈1.1e9 elements on an H200), where keeping them spares a ghost norm and a second
-    weight-gradient pass (WRN-16-4 on an H200 at batch 4096: 280.5 → 199.6 ms a step, ``results/speed_cuda*.md``)."""
-    if device.type != "cuda":
-        return KEEP_PER_EXAMPLE_LIMIT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return KEEP_PER_EXAMPLE_LIMIT * max(1, _gpu_memory(index) // GPU_MEMORY_PER_KEEP_LIMIT)
-
-
 def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """‖Σ_t δ_t a_tᵀ‖_F² per example, by the cheaper of the Gram trick and materialising.
 
@@ -170,11 +149,14 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     :func:`dpml.devices.heap_sized_slices`) and they are small enough, they are returned too: the clipped
     sum is then Σ_i c_i G_i (:func:`kept_sum`), not a second pass over all positions.
     """
-    (batch, count, d_in), d_out, limit = a.shape, d.shape[2], keep_limit(a.device)
+    (batch, count, d_in), d_out, limit = a.shape, d.shape[2], room(keep_limit(a.device))
     if not materialise(batch, count, d_in, d_out, limit):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
     parts = [torch.bmm(d[s].transpose(1, 2), a[s]) for s in heap_sized_slices(batch, d_out * d_in * a.element_size(), a.device)]
-    return torch.cat([row_norms_squared(part) for part in parts]), parts if batch * d_in * d_out <= limit else None
+    keep = batch * d_in * d_out <= limit
+    if keep:
+        spend(batch * d_in * d_out)
+    return torch.cat([row_norms_squared(part) for part in parts]), parts if keep else None
 
 
 KEEP_TRAFFIC = 4
@@ -260,7 +242,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
-    squared, limit, kept, channels_last = output_grad.new_zeros(batch), keep_limit(output_grad.device), None, False
+    squared, limit, kept, channels_last = output_grad.new_zeros(batch), room(keep_limit(output_grad.device)), None, False
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels, limit):
             if inputs.device.type == "cpu":  # a cache-sized slice of examples at a time
@@ -282,6 +264,8 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
                              for s in heap_sized_slices(batch, out_channels * patch * inputs.element_size(), inputs.device)]
                 squared = squared + torch.cat([row_norms_squared(part) for part in parts])
                 kept = parts if keep else None
+            if kept is not None:
+                spend(batch * out_channels * patch)
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
@@ -322,7 +306,9 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
             per_example = torch.bmm(dd.reshape(rows, out_channels // groups, -1),
                                     a.reshape(rows, a.shape[1] // groups, -1).transpose(1, 2)).reshape(a.shape[0], -1)
             squared[start:start + step] += row_norms_squared(per_example)
-            kept = per_example if step >= batch else None  # the whole batch in one slice
+            kept = per_example if step >= batch and batch * weight.numel() <= room(step * weight.numel()) else None
+        if kept is not None:  # the whole batch in one slice, within the pass's budget
+            spend(kept.numel())
     bias_grads = d.sum(2) if trainable(module.bias) else None  # (B, C_out)
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)

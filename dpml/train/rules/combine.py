@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dpml.train.clipping_layers import Piece, embedding_norms_squared, kept_sum, row_norms_squared, weight_norms_squared
+from dpml.train.keep_budget import spend
 from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
 
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # c (B,) -> Σ_i c_i G_i in the use's coordinates
@@ -215,6 +216,7 @@ def _all_materialised(param: nn.Parameter, uses: list[Use], batch: int, limit: i
         positions = torch.searchsorted(reached, index)
         grads = (part.new_zeros(batch, reached.numel()) if grads is None else grads).index_add_(1, positions, part)
     assert grads is not None
+    spend(grads.numel())  # kept whatever the pass's budget: the exact path's alternative keeps as many
 
     def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         flat = grads.new_zeros(param.numel()).index_add_(0, reached, factors @ grads)

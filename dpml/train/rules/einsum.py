@@ -24,7 +24,7 @@ import string
 
 import torch
 
-from dpml.train.clipping_layers import keep_limit
+from dpml.train.keep_budget import keep_limit
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule
 
 

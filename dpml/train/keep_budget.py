@@ -1,0 +1,82 @@
+"""How many numbers of materialised per-example gradients one engine pass keeps, all its layers together.
+
+A layer whose per-example gradients G_i are materialised may keep them until the clip factors are known,
+so that its clipped sum is Σ_i c_i G_i rather than a second pass over its positions
+(:func:`dpml.train.clipping_layers.materialise`). Each layer's share is bounded by :func:`keep_limit`;
+:func:`pass_budget` bounds their total in one pass: without it a
+model of many wide layers keeps B × (its dense parameters) numbers at once — BERT-base at batch 256 asked
+for ≈ 86 GB beside its activations, and ran out of an 80 GB GPU where the non-private step needs 36 GB.
+Past the pass's budget a layer takes the way that keeps nothing (ghost norm, or its norm from slices that
+are dropped, and its clipped sum by a second pass): slower for that layer, never more memory. Which way a
+layer takes changes only the floating-point order of its sums, never the clipping (both are exact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+
+import torch
+
+KEEP_PER_EXAMPLE_LIMIT = 1 << 25  # elements (128 MiB in float32) a layer keeps of its per-example gradients on a CPU
+GPU_MEMORY_PER_KEEP_LIMIT = 4 << 30  # bytes: on a GPU, KEEP_PER_EXAMPLE_LIMIT elements per 4 GiB of its memory
+
+
+@functools.cache
+def _gpu_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def keep_limit(device: torch.device) -> int:
+    """How many elements of materialised per-example gradients one layer may keep for its clipped sum
+    (and, kept or not, what :func:`dpml.train.clipping_layers.materialise` weighs). On a CPU ``KEEP_PER_EXAMPLE_LIMIT``, sized for
+    its caches; on a GPU the same per ``GPU_MEMORY_PER_KEEP_LIMIT`` bytes of the device's memory (1/32
+    of it in float32: ≈1.1e9 elements on an H200), where keeping them spares a ghost norm and a second
+    weight-gradient pass (WRN-16-4 on an H200 at batch 4096: 280.5 → 199.6 ms a step, ``results/speed_cuda*.md``)."""
+    if device.type != "cuda":
+        return KEEP_PER_EXAMPLE_LIMIT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return KEEP_PER_EXAMPLE_LIMIT * max(1, _gpu_memory(index) // GPU_MEMORY_PER_KEEP_LIMIT)
+
+
+PASS_KEEP_LAYERS = 4
+"""A pass keeps at most this many layers' limits' worth (``PASS_KEEP_LAYERS`` × the device's keep limit)."""
+
+
+class _Budget:
+    def __init__(self, total: int) -> None:
+        self.left = total
+
+
+_CURRENT: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("dpml_keep_budget", default=None)
+
+
+@contextlib.contextmanager
+def pass_budget(device: torch.device) -> Iterator[None]:
+    """Within the block, the layers' kept numbers together stay within ``PASS_KEEP_LAYERS`` × :func:`keep_limit`."""
+    token = _CURRENT.set(_Budget(PASS_KEEP_LAYERS * keep_limit(device)))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def room(layer_limit: int) -> int:
+    """How many numbers the next layer may keep: its own limit, or what the pass has left if that is less."""
+    budget = _CURRENT.get()
+    return layer_limit if budget is None else max(0, min(layer_limit, budget.left))
+
+
+def spend(count: int) -> None:
+    """Record that a layer kept ``count`` numbers (outside a pass: nothing to record)."""
+    budget = _CURRENT.get()
+    if budget is not None:
+        budget.left -= count
+
+
+def left() -> int | None:
+    """What the current pass has left to keep (None outside a pass)."""
+    budget = _CURRENT.get()
+    return None if budget is None else budget.left

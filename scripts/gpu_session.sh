@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Everything a lent GPU session measures, in one call of at most 10 minutes, for a CUDA machine whose Python
+# has CUDA PyTorch, NumPy, scikit-learn, transformers, peft, timm and torchvision but not this project's
+# other dependencies, and no network:
+#
+#   bash scripts/gpu_check.sh --fetch && bash scripts/gpu_families.sh --fetch   # here, with a network
+#   bash scripts/gpu_session.sh --out DIR                                       # there, .gpu-wheels carried
+#
+# It installs the wheels once into a temporary directory (SciPy only where the machine has none; nothing
+# else is touched) and runs, each step under its own time limit so that a slow or crashing step costs only
+# its own output, and each step's log written beside its results in DIR:
+#   1. the CUDA tests (tests/test_devices.py, tests/test_noise.py): 100 s;
+#   2. the model families at base size, batch 256 (benchmarks/families.py, families_cuda.{md,json}): 280 s;
+#   3. the speed table, one process per model (benchmarks/speed.py, speed_cuda_<model>/): mlp and cnn at
+#      batches 512 and 4096, wrn-16-4 at 512: 130 s in all;
+#   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
+#      families_profile_cuda.md): 45 s.
+# SESSION_STEPS="tests families speed profile" picks steps; SESSION_PACK=1 leaves DIR holding one archive,
+# session.tar.gz, of everything it wrote (for a transfer that counts files). The exit status is the tests'.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.gpu-wheels
+OUT=benchmarks/results
+[ "${1:-}" = "--out" ] && OUT=${2:?--out needs a folder}
+mkdir -p "$OUT"
+STEPS=${SESSION_STEPS:-tests families speed profile}
+say() { echo "[gpu-session $(date -u +%H:%M:%S)] $*"; }
+[ -d "$WHEELS" ] || { say "no $WHEELS/: fetch the wheels first where there is a network" >&2; exit 2; }
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { say "torch sees no CUDA device" >&2; exit 2; }
+site=$(mktemp -d)
+wheels=()
+for wheel in "$WHEELS"/*.whl; do
+  case "${wheel##*/}" in scipy-*) python3 -c "import scipy" 2>/dev/null && continue ;; esac
+  wheels+=("$wheel")
+done
+say "installing ${#wheels[@]} wheels into a temporary directory"
+python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}" || exit
+export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -c "import torch; print('[gpu-session]', torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
+status=0
+if [[ " $STEPS " == *" tests "* ]]; then
+  say "1. the CUDA tests"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py -rs \
+    2>&1 | tee "$OUT/tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [[ " $STEPS " == *" families "* ]]; then
+  say "2. the model families"
+  timeout 280 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
+    --peer-rounds 1 --family-timeout 65 --total-timeout 265 --families bert-lora vit resnet18-gn bert encoder gpt2 \
+    --out "$OUT" > "$OUT/families.log" 2>&1
+  say "families: exit $?"; tail -n 25 "$OUT/families.log"
+fi
+if [[ " $STEPS " == *" speed "* ]]; then
+  say "3. the speed table"
+  for spec in "mlp 512 4096:30" "cnn 512 4096:40" "wrn 512:60"; do
+    model=${spec%% *}; rest=${spec#* }; batches=${rest%:*}; limit=${rest##*:}
+    timeout "$limit" python3 benchmarks/speed.py --device cuda --models "$model" --batches $batches --rounds 20 \
+      --peer-rounds 2 --out "$OUT/speed_cuda_$model" > "$OUT/speed_$model.log" 2>&1
+    say "speed $model: exit $?"; grep -E "^\| [0-9]" "$OUT/speed_cuda_$model/speed_cuda.md" 2>/dev/null | cut -c1-150
+  done
+fi
+if [[ " $STEPS " == *" profile "* ]]; then
+  say "4. where the families' DP steps spend their time"
+  timeout 45 python3 benchmarks/speed_profile.py --device cuda --models resnet18-gn vit --size base --batch 256 \
+    --repeats 10 --ops 15 --out "$OUT" --out-name families_profile_cuda.md > "$OUT/profile.log" 2>&1
+  say "profile: exit $?"; grep -E "^\| [a-z]" "$OUT/families_profile_cuda.md" 2>/dev/null
+fi
+if [ "${SESSION_PACK:-0}" = 1 ]; then
+  tar -czf /tmp/gpu-session.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-session.tar.gz "$OUT/session.tar.gz"
+  say "packed into $OUT/session.tar.gz"
+fi
+exit $status
