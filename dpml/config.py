@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Union
+from typing import Annotated, Any, Self, TYPE_CHECKING, Union
 
 import yaml
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
@@ -123,7 +123,7 @@ class ConfigBase(Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
-    def with_hyperparameters(self, chosen: dict[str, Any]) -> ConfigBase:
+    def with_hyperparameters(self, chosen: dict[str, Any]) -> Self:
         """This configuration with ``{"train.learning_rate": 0.5, …}`` applied and validated again (a method,
         so that the trainers below this module can vary the configuration they are given)."""
         overrides = [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"

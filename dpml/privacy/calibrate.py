@@ -20,13 +20,13 @@ import math
 from collections.abc import Callable
 
 from dpml.privacy.accountants import PLD_DISCRETIZATION, epsilon_autodp_rdp, epsilon_pld, tight_epsilon
-from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps, Selection
+from dpml.privacy.mechanism import Event, MechanismDescription, Neighbouring, PoissonGaussianSteps, Selection
 
 SEARCH_DISCRETIZATION = 1e-3
 
 
 def _mechanism(sigma: float, sample_rate: float, steps: int, neighbouring: Neighbouring,
-               extra: tuple[PoissonGaussianSteps, ...] = (), selection: Selection | None = None) -> MechanismDescription:
+               extra: tuple[Event, ...] = (), selection: Selection | None = None) -> MechanismDescription:
     return MechanismDescription(
         trainer="calibration", events=(PoissonGaussianSteps(sample_rate, sigma, steps), *extra),
         neighbouring=neighbouring, clip_norm=1.0, dataset_size=0, selection=selection,
@@ -34,7 +34,7 @@ def _mechanism(sigma: float, sample_rate: float, steps: int, neighbouring: Neigh
 
 
 def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, neighbouring: Neighbouring,
-             extra: tuple[PoissonGaussianSteps, ...] = (), selection: Selection | None = None,
+             extra: tuple[Event, ...] = (), selection: Selection | None = None,
              discretization: float = SEARCH_DISCRETIZATION) -> float:
     mechanism = _mechanism(sigma, sample_rate, steps, neighbouring, extra, selection)
     if selection is not None or extra:
@@ -72,7 +72,7 @@ def _illinois(g: Callable[[float], float], good: float, bad: float, g_good: floa
 
 def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps: int, delta: float,
                                neighbouring: Neighbouring = "add-remove", rel_tol: float = 1e-3,
-                               extra: tuple[PoissonGaussianSteps, ...] = (),
+                               extra: tuple[Event, ...] = (),
                                selection: Selection | None = None) -> float:
     """Smallest σ (to ``rel_tol``) with ε(σ; q, T, δ) ≤ ``target_epsilon``; always on the safe side.
 
@@ -119,7 +119,7 @@ def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps:
 
 
 def _refine_sigma(hi: float, target: float, rel_tol: float, sample_rate: float, steps: int, delta: float,
-                  neighbouring: Neighbouring, extra: tuple[PoissonGaussianSteps, ...],
+                  neighbouring: Neighbouring, extra: tuple[Event, ...],
                   selection: Selection | None) -> float:
     """Second phase at the certificate's own discretisation (the coarse one over-states ε over many
     steps, which made σ loose): false position on log ε(σ) − log target from the coarse answer."""

@@ -189,6 +189,7 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
         with torch.no_grad():
             for name, p in params.items():
                 noise_sample = gaussian(p.shape, noise_std[name] * scale, noise_source, p.dtype)
+                assert p.grad is not None  # zeros at the start of the step, then the chunks' sums
                 p.grad = (p.grad + noise_sample) / expected_batch
         optimizer.step()
         project_all(model)

@@ -48,8 +48,8 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from dpml.devices import full_float32
-from dpml.train.clipping_layers import (Piece, batch_first, is_fast, layer_parameters, layer_piece,
-                                       reject_batch_norm, row_norms_squared)
+from dpml.train.clipping_layers import Piece, batch_first, is_fast, layer_parameters, layer_piece, reject_batch_norm
+from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece, per_example_gradients_of
@@ -267,7 +267,7 @@ def _rule_pieces(recording: _Recording, ruled: dict[int, str], relevant: set[int
                 uses[key].append((tracked, Dense(_as_dtype(g, dtype))))
                 params[key] = tracked.param
                 operations[key] += operations[id(node.output)] + [node.operation]
-    pieces = []
+    pieces: list[tuple[Unit, Piece]] = []
     for key, name in ruled.items():
         if key in failed:
             continue
@@ -324,8 +324,8 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
     grads: dict[int, torch.Tensor] = {}
     if outputs:
-        found = torch.autograd.grad(recording.losses.sum(), [recording.gradient_target(o) for o in outputs],
-                                    allow_unused=True, retain_graph=bool(slow or ruled))
+        found = torch.autograd.grad(recording.losses.sum(), [recording.gradient_target(o) for o in outputs],  # type: ignore[arg-type]
+                                    allow_unused=True, retain_graph=bool(slow or ruled))  # (tensors and edges mixed: autograd takes both)
         grads = {id(o): g for o, g in zip(outputs, found) if g is not None}
     with full_float32(), pass_budget(x.device):  # norms and sums from the same numbers (no TF32)
         for module in used:

@@ -87,7 +87,7 @@ def probe_batch(model: nn.Module, input_shape: tuple[int, ...], input_dtype: tor
     gets those."""
     generator = torch.Generator().manual_seed(PROBE_SEED)
     own = getattr(model, "probe_input", None)
-    drawn = own(tuple(input_shape), input_dtype, size + 1, generator) if callable(own) else None
+    drawn: torch.Tensor | None = own(tuple(input_shape), input_dtype, size + 1, generator) if callable(own) else None
     if drawn is not None:
         return drawn
     shape = (size + 1, *input_shape)

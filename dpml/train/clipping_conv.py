@@ -9,6 +9,7 @@ so one set of formulas serves both.
 from __future__ import annotations
 
 import torch
+import torch.nn.grad
 import torch.nn.functional as F
 from torch import nn
 
@@ -105,7 +106,7 @@ def conv_per_example_gradients_by_weight_grad(module: nn.Conv2d, inputs: torch.T
     batch, channels = inputs.shape[:2]
     out_channels = output_grad.shape[1]
     kernel, stride, padding, dilation = conv_geometry(module)  # type: ignore[misc]
-    grads = torch.nn.grad.conv2d_weight(inputs.reshape(1, batch * channels, *inputs.shape[2:]),
+    grads: torch.Tensor = torch.nn.grad.conv2d_weight(inputs.reshape(1, batch * channels, *inputs.shape[2:]),
                                         (batch * out_channels, channels, *kernel),
                                         output_grad.reshape(1, batch * out_channels, *output_grad.shape[2:]),
                                         stride, padding, dilation, groups=batch)
@@ -302,7 +303,9 @@ def clip_weighted_conv_weight(module: nn.Conv2d, inputs: torch.Tensor, weighted:
     the earlier machine had 9.7 against 7.4)."""
     batch, out_channels = weighted.shape[:2]
     if inputs.device.type != "cpu" or weighted[0, 0].numel() > 1:
-        return torch.nn.grad.conv2d_weight(inputs, module.weight.shape, weighted, geometry[1], geometry[2], geometry[3])
+        total: torch.Tensor = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, weighted, geometry[1], geometry[2],
+                                                          geometry[3])
+        return total
     rows, columns = live_taps(geometry, tuple(inputs.shape[-2:]), tuple(weighted.shape[-2:]))
     total = weighted.new_zeros(module.weight.shape)
     if len(rows) and len(columns):

@@ -40,23 +40,27 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard, TypeVar
 
 import torch
 import torch.nn.functional as F
+import torch.nn.grad
 from torch import nn
 from torch.nn.utils import parametrize
 
 from dpml.devices import convolution_weight_gradient_precision, heap_sized_slices
-from dpml.train.keep_budget import keep_limit, room, spend
 from dpml.train.clipping_conv import (Geometry, as_2d, clip_weighted_conv_weight, compiled_norms, conv_geometry,
                                       patch_slice_norms_squared, per_example_conv_gradients, per_example_conv_way,
                                       unfold_patches, weight_from_columns)
 from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared, without_silent_positions
+from dpml.train.keep_budget import keep_limit, room, spend
 
-ClippedSums = Callable[[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]  # c (B,) -> [(p, Σ_i c_i ∇_p ℓ_i)]
+M = TypeVar("M", bound=nn.Module)
+
+ClippedSums = Callable[[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]  # c (B,) -> [(parameter p, Σ_i c_i ∇_p ℓ_i)]
 
 
-def _stock(module: nn.Module, cls: type[nn.Module]) -> bool:
+def _stock(module: nn.Module, cls: type[M]) -> TypeGuard[M]:
     """``module`` is a ``cls`` that runs ``cls``'s own forward (a subclass may compute something else)."""
     return isinstance(module, cls) and type(module).forward is cls.forward
 
@@ -87,7 +91,7 @@ def layer_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in (getattr(module, "weight", None), getattr(module, "bias", None)) if p is not None]
 
 
-def trainable(p: nn.Parameter | None) -> bool:
+def trainable(p: torch.Tensor | None) -> bool:
     return p is not None and p.requires_grad
 
 
@@ -191,7 +195,7 @@ class Piece:
     sums: ClippedSums
 
 
-def materialised_piece(per_example: list[tuple[nn.Parameter, torch.Tensor]], like: torch.Tensor) -> Piece:
+def materialised_piece(per_example: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> Piece:
     """A piece from explicit per-example gradients G_i (B, *p.shape): ‖G_i‖² and Σ_i c_i G_i (B = len(like))."""
     batch = like.shape[0]
     squared = like.new_zeros(batch)
@@ -217,14 +221,14 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
             weight_squared, kept = weight_norms_squared(a, d)
             squared = squared + weight_squared
 
-    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         if weight:
             flat = (kept_sum(factors, kept) if kept is not None
                     else (d * factors[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2]))
             out.append((module.weight, flat.reshape(module.weight.shape)))  # (d_out, d_in)
-        if bias_grads is not None:
-            out.append((module.bias, factors @ bias_grads))  # type: ignore[arg-type]
+        if bias_grads is not None and module.bias is not None:
+            out.append((module.bias, factors @ bias_grads))
         return out
 
     return Piece(squared, sums)
@@ -270,7 +274,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
 
-    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         if trainable(module.weight):
             if kept is not None:
@@ -278,8 +282,8 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             else:
                 total = clip_weighted_conv_weight(module, inputs, output_grad * factors[:, None, None, None], geometry)
             out.append((module.weight, total))
-        if bias_grads is not None:
-            out.append((module.bias, factors @ bias_grads))  # type: ignore[arg-type]
+        if bias_grads is not None and module.bias is not None:
+            out.append((module.bias, factors @ bias_grads))
         return out
 
     return Piece(squared, sums)
@@ -317,12 +321,12 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         if kept is not None:
             return (factors @ kept).reshape(weight.shape)
         one_d = isinstance(module, nn.Conv1d)
-        grad = torch.nn.grad.conv1d_weight if one_d else torch.nn.grad.conv2d_weight
+        grad: Callable[..., torch.Tensor] = torch.nn.grad.conv1d_weight if one_d else torch.nn.grad.conv2d_weight
         stride, padding, dilation = ((g[1],) if one_d else g for g in geometry[1:])
         return sum(grad(inputs, weight.shape, output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1)),
                         stride, padding, dilation, groups) for inputs, output_grad in calls)  # type: ignore[return-value]
 
-    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = [(weight, weight_sum(factors))] if trainable(weight) else []
         return out + ([(module.bias, factors @ bias_grads)] if bias_grads is not None else [])  # type: ignore[list-item]
 
@@ -332,7 +336,7 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
 def _embedding_piece(module: nn.Embedding, tokens: torch.Tensor, d: torch.Tensor) -> Piece:
     """Embedding: ∇_W ℓ_i = Σ_t e_{k_t} δ_tᵀ (padding positions already zeroed); clipped sum by ``index_add``."""
 
-    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         weighted = (d * factors[:, None, None]).reshape(-1, module.embedding_dim)
         return [(module.weight, torch.zeros_like(module.weight).index_add_(0, tokens.reshape(-1), weighted))]
 

@@ -12,7 +12,8 @@ import torch
 
 def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
     """‖t_i‖² of each example's slice t_i = t[i] (B,), by one fused reduction (no squared copy of t)."""
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
+    norms: torch.Tensor = torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1)
+    return norms.square()
 
 def kept_sum(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """Σ_i c_i G_i of per-example gradients kept in consecutive slices of examples, (B_k, …) each."""

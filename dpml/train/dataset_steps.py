@@ -122,14 +122,14 @@ def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, phy
         batch, count = sampler.plan.popleft()
         mine = share_of_batch(batch, collective)
 
-        def chunks(parts: list[torch.Tensor] = index_chunks(mine, physical_batch_size)[:count],
-                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        def chunks_read(parts: list[torch.Tensor] = index_chunks(mine, physical_batch_size)[:count],
+                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for indices in parts:
                 x, y = next_chunk()
                 check_labels(torch.as_tensor(y), indices, n_classes)
                 yield _on_device((torch.as_tensor(x), torch.as_tensor(y)), device, dtype)
 
-        yield Step(batch, chunks())
+        yield Step(batch, chunks_read())
 
 
 def dataset_size(dataset: Dataset[Any]) -> int:

@@ -4,11 +4,14 @@ gradients are zero without any backward pass)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 
 
-def exact_per_example_gradients(losses: torch.Tensor, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def exact_per_example_gradients(losses: torch.Tensor, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """∇_p ℓ_i for every example i and named parameter p, each (B, *p.shape), from one forward pass.
 
     The B rows of the identity are backpropagated at once (a vmap over the backward pass); where an
@@ -46,7 +49,8 @@ def unreached_parameters(losses: torch.Tensor, params: dict[str, nn.Parameter]) 
     if not params or losses.grad_fn is None:
         return list(params)
     reached: set[int] = set()
-    stack, visited = [losses.grad_fn], set()
+    stack: list[Any] = [losses.grad_fn]  # autograd nodes, and None where an input needs no gradient
+    visited: set[Any] = set()
     while stack:
         node = stack.pop()
         if node is None or node in visited:

@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import cast
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("_boxmuller.c")
@@ -100,8 +101,8 @@ def _load(library: Path, name: str, argtypes: list[type], restype: type | None) 
 
 def load_kernel(library: Path) -> CompiledDraw | None:
     """``dpml_box_muller_f32`` from a compiled library, or None if it does not load here."""
-    return _load(library, "dpml_box_muller_f32",
-                 [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p, ctypes.c_int], None)
+    return cast("CompiledDraw | None", _load(library, "dpml_box_muller_f32",
+                [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p, ctypes.c_int], None))
 
 
 @functools.cache
@@ -119,7 +120,8 @@ ConvNorms = Callable[[int, int, int, int, int, int], int]
 def load_conv_norms(library: Path) -> ConvNorms | None:
     """``dpml_conv_norms`` from a compiled library, or None if it does not load here."""
     pointer = ctypes.c_void_p
-    return _load(library, "dpml_conv_norms", [pointer, pointer, ctypes.c_int64, pointer, pointer, pointer], ctypes.c_int)
+    return cast("ConvNorms | None",
+                _load(library, "dpml_conv_norms", [pointer, pointer, ctypes.c_int64, pointer, pointer, pointer], ctypes.c_int))
 
 
 @functools.cache

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import Any, cast
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -101,7 +102,8 @@ class BoxMullerBuffers:
         return self.flat if self.flat.dtype == self.dtype else self.flat.to(self.dtype)
 
     def _draw_in_numpy(self, streams: list[np.random.SFC64], std: float) -> None:
-        q, u, radius, angle, out = self.q, self.u, self.radius, self.angle, self.out
+        q: int = self.q
+        u, radius, angle, out = (cast(Any, array) for array in (self.u, self.radius, self.angle, self.out))
         pairs = u.shape[0]
         for k, stream in enumerate(streams):
             numbers = np.random.Generator(stream)

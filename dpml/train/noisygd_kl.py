@@ -176,7 +176,7 @@ class KLPairs:
             raise ValueError("removed: must be a 1-d integer tensor of training-set indices")
         if self.removed.numel() and (int(self.removed.min()) < 0 or int(self.removed.max()) >= n):
             raise ValueError(f"removed: indices must lie in [0, {n})")
-        if self.removed.unique().numel() != self.removed.numel():
+        if torch.unique(self.removed).numel() != self.removed.numel():
             raise ValueError("removed: indices must be distinct")
 
 
@@ -322,7 +322,8 @@ def _materialised_gaps(model: nn.Module, loss: str, mean: torch.Tensor, n: int, 
         if "add_one" in relations:
             out["add_one"] = squared_norms(add_one_difference(mean, added, n))
     if removed_x is not None and removed_y is not None:
-        remove_rows, replace_rows = [], []
+        remove_rows: list[torch.Tensor] = []
+        replace_rows: list[torch.Tensor] = []
         for start in range(0, removed_x.shape[0], PROBE_CHUNK):
             chunk = per_example_gradients(model, removed_x[start:start + PROBE_CHUNK],
                                           removed_y[start:start + PROBE_CHUNK], loss)

@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dpml.train.clipping_layers import Piece, embedding_norms_squared, kept_sum, row_norms_squared, weight_norms_squared
+from dpml.train.clipping_layers import Piece, weight_norms_squared
+from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared
 from dpml.train.keep_budget import spend
 from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
 
@@ -106,8 +107,8 @@ def _disjoint(uses: list[Use]) -> bool:
         return False
     if len(uses) == 1:
         return True
-    everything = torch.cat([t.index.reshape(-1) for t, _ in uses])  # type: ignore[union-attr]
-    return torch.unique(everything).numel() == everything.numel()
+    everything = torch.cat([t.index.reshape(-1) for t, _ in uses if t.index is not None])  # (none is None here)
+    return bool(torch.unique(everything).numel() == everything.numel())
 
 
 def _orientation(tracked: Tracked) -> str | None:
@@ -173,8 +174,9 @@ def parameter_piece(param: nn.Parameter, uses: list[Use], batch: int, limit: int
     if _disjoint(uses):
         return _separate(param, uses)
     oriented = [(_orientation(t), form) for t, form in uses]
-    if all(o is not None and isinstance(form, Factored) for o, form in oriented):
-        return _with_cross_terms(param, [(form if o == "same" else form.transposed()) for o, form in oriented])  # type: ignore[union-attr]
+    factored = [(o, form) for o, form in oriented if o is not None and isinstance(form, Factored)]
+    if len(factored) == len(oriented):
+        return _with_cross_terms(param, [(form if o == "same" else form.transposed()) for o, form in factored])
     return _all_materialised(param, uses, batch, limit)
 
 
@@ -182,7 +184,7 @@ def _separate(param: nn.Parameter, uses: list[Use]) -> Piece:
     parts = [(tracked, *use_norms(form)) for tracked, form in uses]
     squared = sum((s for _, s, _ in parts[1:]), parts[0][1])
 
-    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         totals = [to_parameter(tracked, fn(factors)) for tracked, _, fn in parts]
         return [(param, sum(totals[1:], totals[0]))]
 
@@ -196,7 +198,7 @@ def _with_cross_terms(param: nn.Parameter, forms: list[Factored]) -> Piece:
         squared = squared + 2 * _cross(a, b)
     squared = squared.clamp_min(0)  # rounding of the cross terms; exact arithmetic gives ≥ 0
 
-    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         totals = [fn(factors).reshape(param.shape) for _, fn in parts]
         return [(param, sum(totals[1:], totals[0]))]
 
@@ -218,7 +220,7 @@ def _all_materialised(param: nn.Parameter, uses: list[Use], batch: int, limit: i
     assert grads is not None
     spend(grads.numel())  # kept whatever the pass's budget: the exact path's alternative keeps as many
 
-    def sums(factors: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         flat = grads.new_zeros(param.numel()).index_add_(0, reached, factors @ grads)
         return [(param, flat.reshape(param.shape))]
 

@@ -94,7 +94,7 @@ def _factored_layout(x_subs: str, s_subs: str, z_subs: str) -> tuple[str, str, b
     """(u's subscripts b·t·p, v's b·t·q, whether S is (q, p)) when S is a 2-D map from an index of x to one of z."""
     if len(s_subs) != 2:
         return None
-    first, second = s_subs
+    first, second = s_subs[0], s_subs[1]
     if first in x_subs and first not in z_subs and second in z_subs and second not in x_subs:
         p, q, swapped = first, second, False
     elif second in x_subs and second not in z_subs and first in z_subs and first not in x_subs:

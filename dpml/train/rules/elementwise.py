@@ -50,7 +50,8 @@ def _shifted(call: Call, s: torch.Tensor, x: Any, tracked: Tracked, coefficient:
 
 @rule(*_SUMS, *_DIFFERENCES, T.__rsub__, *_PRODUCTS)
 def elementwise(call: Call) -> Pending | Shared | str:
-    first, second = call.args[0], call.args[1] if len(call.args) > 1 else call.kwargs.get("other")
+    first: Any = call.args[0]
+    second: Any = call.args[1] if len(call.args) > 1 else call.kwargs.get("other")
     s_first = call.tracked(first) is not None
     s, x = (first, second) if s_first else (second, first)
     tracked, z = call.tracked(s), call.output
@@ -72,9 +73,10 @@ def elementwise(call: Call) -> Pending | Shared | str:
     reduce = tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
     coefficient = _coefficient(call, s_first)
     other: Any = x.detach() if coefficient is None else None
+    scale = 1.0 if coefficient is None else coefficient
 
     def finish(d: torch.Tensor) -> list[Use]:
-        g = d * other if other is not None else (d * coefficient if coefficient != 1.0 else d)
+        g = d * other if other is not None else (d * scale if scale != 1.0 else d)
         if reduce:
             g = g.sum(reduce, keepdim=True)
         return [(view, Dense(per_example(g.reshape(rows, *padded[1:]), owners, call.batch)))]

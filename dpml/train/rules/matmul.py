@@ -11,6 +11,8 @@ batch-first with at least 3 dimensions for W @ x (a 2-D right operand is one mat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dpml.train.rules.einsum import matmul_batched
@@ -19,8 +21,8 @@ from dpml.train.rules.registry import Call, Factored, Pending, Tracked, Use, rul
 
 def _operands(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     """(left, right) of the product, whichever way it was written."""
-    first = call.arg(0, "input")
-    second = call.args[1] if len(call.args) > 1 else call.kwargs.get("other", call.kwargs.get("mat2"))
+    first: torch.Tensor = call.arg(0, "input")
+    second: Any = call.args[1] if len(call.args) > 1 else call.kwargs.get("other", call.kwargs.get("mat2"))
     return (second, first) if getattr(call.func, "__name__", "") == "__rmatmul__" else (first, second)
 
 

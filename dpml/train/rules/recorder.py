@@ -61,7 +61,7 @@ class Recorder(TorchFunctionMode):
         self.unbatched: set[nn.Module] = set()  # hooked layers called on an input not computed from the batch
         self.kept = RecordedOutputs()  # the pending calls' outputs (:mod:`dpml.train.rules.outputs`)
         self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
-        self._examples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
         self._base = torch.arange(batch, device=device)
 
     # --- what the rules ask -------------------------------------------------------------------------
@@ -224,19 +224,19 @@ class Recorder(TorchFunctionMode):
         if source is None or self.batch == 1:
             return
         known, examples = self._source_examples(source)
-        if not known:
+        if not known or examples is None:
             if self._entry(source)[0]:  # lost before: lost after
                 for o in outputs(out):
                     self._keep_examples(o, None)
             return
         try:
             if func in IDENTITY_VIEWS:
-                mapped = [examples]
+                mapped: list[torch.Tensor | None] = [examples]
             elif func in ROW_RESHAPES and isinstance(out, torch.Tensor) and out.dim() >= 1 \
                     and out.shape[-1] == source.shape[-1] and examples.stride(-1) == 0:  # the rows, in order
                 mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
             else:
-                mapped = outputs(apply_view(func, examples, args, kwargs))
+                mapped = list(outputs(apply_view(func, examples, args, kwargs)))
         except (RuntimeError, TypeError, IndexError, ValueError):
             mapped = []
         for k, o in enumerate(outputs(out)):
@@ -251,7 +251,7 @@ class Recorder(TorchFunctionMode):
         entries = [(t, self._entry(t)) for t in tensors(args, kwargs)]
         if not any(known for _, (known, _) in entries):
             return
-        maps = [(t, e) for t, (known, e) in entries if known and e is not None]
+        maps: list[tuple[torch.Tensor, torch.Tensor | None]] = [(t, e) for t, (known, e) in entries if known and e is not None]
         maps += [(t, self._source_examples(t)[1]) for t, (known, _) in entries if not known and t.dim() >= 1
                  and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)]
         for o in outputs(out):
@@ -404,7 +404,7 @@ class Recorder(TorchFunctionMode):
     def _apply(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
                hits: list[Tracked]) -> Pending | None:
         """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
-        result = handler(self._call(func, args, kwargs, out))
+        result: Pending | Shared | str = handler(self._call(func, args, kwargs, out))
         if isinstance(result, str):
             self._refuse(hits, f"{function_name(func)}: {result}")
             return None

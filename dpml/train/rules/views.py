@@ -15,7 +15,7 @@ from dpml.train.rules.registry import IDENTITY_VIEWS, INDEX_VIEWS
 
 T = torch.Tensor
 INDEX_VIEWS.update({
-    T.t, torch.t, T.transpose, torch.transpose, T.swapaxes, torch.swapaxes, T.T.__get__, T.mT.__get__,
+    T.t, torch.t, T.transpose, torch.transpose, T.swapaxes, torch.swapaxes, T.T.__get__, T.mT.__get__,  # type: ignore[attr-defined]  # (the properties' getters)
     T.permute, torch.permute, T.movedim, torch.movedim,
     T.view, T.reshape, torch.reshape, T.view_as, T.reshape_as, T.flatten, torch.flatten, T.unflatten,
     T.unsqueeze, torch.unsqueeze, T.squeeze, torch.squeeze, T.expand, T.expand_as, T.broadcast_to,

@@ -85,7 +85,7 @@ def lipschitz_spec_problems(config: Config) -> list[str]:
         return [f"model.input_shape = {model.input_shape}: give [channels, height, width]"]
     in_features = 1 if shape is None else shape[0] * shape[1] * shape[2]
     spec = LipschitzSpec(in_features, tuple(model.hidden), 2, config.preprocess.clip_norm, model.bias_bound,
-                         conv=tuple(model.conv), input_shape=shape, dense_layer=model.dense_layer)  # type: ignore[arg-type]
+                         conv=tuple(model.conv), input_shape=shape, dense_layer=model.dense_layer)
     try:
         spec.validate()
     except ValueError as error:

@@ -8,7 +8,7 @@ noise multiplier σ on the sum of per-example gradients clipped to C (:func:`dps
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, ClassVar, Literal, TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ class DpSgd(Trainer):
     """Poisson-sampled DP-SGD with per-example clipping (Abadi et al. 2016); all iterates released."""
 
     name = "dpsgd"
-    settings = DpSgdSettings
+    settings: ClassVar[type[TrainSettings]] = DpSgdSettings
     gradient_canaries = True
     distributed = True
     summary = "Poisson-sampled DP-SGD, per-example clipping to dp.clip_norm, every iterate covered"

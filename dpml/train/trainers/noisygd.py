@@ -63,7 +63,7 @@ NOTES = (
 def noisygd_sigma(config: Config, n: int, widths: list[int]) -> float:
     """σ of noisy GD: ``noisygd.sigma``, or Cor. 6.4's σ² = 2BT/(KL n²) for ``noisygd.kl_target`` (T = Kη)."""
     if config.noisygd.sigma is not None:
-        return config.noisygd.sigma
+        return float(config.noisygd.sigma)
     assert config.noisygd.kl_target is not None  # checked when the configuration was validated
     constant = gradient_norm_constant(config.model.init, widths, config.preprocess.clip_norm)
     time = int(config.train.epochs) * config.train.learning_rate
@@ -80,7 +80,7 @@ def noisygd_mechanism(config: Config, n: int, in_features: int, n_classes: int) 
                                 dataset_size=n, threat_model="all-iterates", notes=NOTES)
 
 
-def summarise_kl_estimate(history: dict) -> dict:
+def summarise_kl_estimate(history: dict[str, Any]) -> dict[str, Any]:
     """The trainer's estimated-KL trajectories reduced to their final values (labelled estimates: not a bound)."""
     out = {k: v for k, v in history.items() if k not in ("kl_estimate", "loss_function", "seconds")}
     estimate = history.get("kl_estimate")
