@@ -98,6 +98,9 @@ def test_one_parent_run_with_a_nested_run_per_stage(released: dict[str, Any]) ->
     assert train.data.params["dp.noise_multiplier"] == "1.0" and not any(k.startswith("audit.") for k in train.data.params)
     assert train.data.metrics["test_accuracy"] == results["train"]["test_accuracy"]
     assert by_stage["certify"].data.metrics["epsilon"] == results["certify"]["epsilon"]
+    # The audit's detail (every attack, bound, power and check) on its own stage run; the parent stays a headline.
+    detail = {k for k in by_stage["audit"].data.metrics if k.startswith(("audit.target.", "audit.conformance."))}
+    assert detail and not detail & set(headline) and len(headline) < 20, sorted(headline)
     for run in [parent, *children]:
         assert "None" not in run.data.params.values(), run.info.run_name
     [logged] = parent.inputs.dataset_inputs

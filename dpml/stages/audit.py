@@ -91,6 +91,17 @@ def power_and_conformance_metrics(summary: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
+def audit_detail_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The audit's numbers beyond the headline: every attack's on the target and the control, each one-run
+    method's lower bound, each bound's power and each conformance check (``audit.target.loss.auc`` …)."""
+    return {
+        **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
+           for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
+        **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
+        **{f"audit.{k}": v for k, v in power_and_conformance_metrics(summary).items()},
+    }
+
+
 def strongest(results: dict[str, Any], key: str) -> tuple[str, float]:
     name = max(results, key=lambda n: results[n][key])
     return name, float(results[name][key])

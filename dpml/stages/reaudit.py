@@ -9,7 +9,7 @@ from dpml import io
 from dpml.audit.plots import plot_roc
 from dpml.audit.run import run_audit
 from dpml.config import validate
-from dpml.stages.audit import audit_context, power_and_conformance_metrics
+from dpml.stages.audit import audit_context, audit_detail_metrics
 from dpml.stages.ingest import ingest
 from dpml.stages.layout import Layout
 from dpml.stages.preprocess import preprocess
@@ -50,9 +50,7 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     plot_roc(pictures["target"][0], layout.roc_png, f"re-audit of {registered['name']} v{registered['version']}")
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)
-    metrics = {f"audit.target.{n}.{k}": v for n, r in summary["target"]["attacks"].items() for k, v in r.items()
-               if isinstance(v, (int, float))} | {"audit.max_epsilon_lower_bound": summary["max_lower_bound"]}
-    metrics |= {f"audit.{k}": v for k, v in power_and_conformance_metrics(summary).items()}
+    metrics = audit_detail_metrics(summary) | {"audit.max_epsilon_lower_bound": summary["max_lower_bound"]}
     run_id = mlflow_tracking.log_audit(tracking, registered, metrics, [layout.audit, layout.scores, layout.roc_png])
     conforms = summary["conformance"]["passed"] is not False
     return {"model": f"{registered['name']}/{registered['version']}", "audit_run_id": run_id, "audit": summary,

@@ -14,7 +14,7 @@ from dpml.faults import fault_point
 from dpml.formatting import format_epsilon
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.provenance import release_provenance
-from dpml.stages.audit import power_and_conformance_metrics, strongest
+from dpml.stages.audit import audit_detail_metrics, strongest
 from dpml.stages.layout import CONTRACT, Layout, load_model
 from dpml.stages.records import driver_tags, stage_params, stage_records
 from dpml.stages.spend_outputs import check_outputs_of_spend
@@ -170,10 +170,6 @@ def register(config: Config) -> dict[str, Any]:
         "test_accuracy": train_metrics["test_accuracy"], "train_accuracy": train_metrics["train_accuracy"],
         "epsilon": epsilon, "delta": config.dp.delta, "audit.max_epsilon_lower_bound": summary["max_lower_bound"],
         "gate.passed": int(decision["passed"]), **verdict_metrics(decision["verdict"]),
-        **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
-           for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
-        **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
-        **{f"audit.{k}": v for k, v in power_and_conformance_metrics(summary).items()},
     }
     metrics |= {k: v for k, v in train_metrics.items() if k.startswith("robust_")}
     if certificate and certificate.get("kind") == "kl":
@@ -228,7 +224,7 @@ def register(config: Config) -> dict[str, Any]:
         version_tags=version_tags, version_description=version_description(version_tags, decision),
         promote=decision["passed"],
         dataset=training_dataset(lineage, config.data.source, data_meta["version"]),
-        stage_runs=stage_records(layout, list(CONTRACT)[:-1]) + [own_record],
+        stage_runs=with_audit_detail(stage_records(layout, list(CONTRACT)[:-1]), summary) + [own_record],
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(),
                   **verdict_tags(decision["verdict"]), "noise_seed.fixed": seed_fixed,
@@ -241,6 +237,18 @@ def register(config: Config) -> dict[str, Any]:
     if CARD in cards:
         io.write_text(layout.release_card, cards[CARD])  # the same page, to open from disk
     return finish_release(config, layout, ledger, spend_id, release, decision, train_metrics)
+
+
+def with_audit_detail(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stage records with the audit's detail on the audit stage's own nested run, so that the release's
+    run keeps the headline numbers a reviewer sorts by. Where the audit stage left no record (outputs restored
+    from before dpml kept them), the detail gets a record of its own, so nothing is dropped."""
+    detail = audit_detail_metrics(summary)
+    audited = [r for r in records if r["stage"] == "audit"]
+    if not audited:
+        now = time.time()
+        return records + [{"stage": "audit", "started": now, "ended": now, "params": {}, "metrics": detail}]
+    return [r | {"metrics": r["metrics"] | detail} if r["stage"] == "audit" else r for r in records]
 
 
 def finish_release(config: Config, layout: Layout, ledger: Ledger, spend_id: int, release: dict[str, Any],
