@@ -115,13 +115,12 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
-def _log_stage_runs(client: MlflowClient, experiment_id: str, parent_id: str, records: list[dict[str, Any]],
-                    tags: dict[str, str]) -> None:
+def _log_stage_runs(client: MlflowClient, experiment_id: str, parent_id: str, records: list[dict[str, Any]]) -> None:
     """One finished child run of ``parent_id`` per stage record (:mod:`dpml.stages.records`), with the
     stage's own start and end times, parameters and metrics. A record without ``ended`` ends now."""
     for record in records:
         child = client.create_run(experiment_id, start_time=_ms(record["started"]), run_name=record["stage"],
-                                  tags={"mlflow.parentRunId": parent_id, "dpml.stage": record["stage"], **tags})
+                                  tags={"mlflow.parentRunId": parent_id, "dpml.stage": record["stage"]})
         ended = _ms(record["ended"]) if record.get("ended") is not None else None
         client.log_batch(child.info.run_id,
                          metrics=[Metric(k, v, ended or _ms(record["started"]), 0)
@@ -196,8 +195,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
     with _undone_unless_finished(client, config, run_id):
         _log_run_contents(client, run_id, params, metrics, dataset, artifacts, documents)
         model_id, model_source = _log_model(client, experiment_id, run_id, model, in_features, serving_spec)
-        process = {k: run_tags[k] for k in ("dpml.host", "dpml.pid") if k in run_tags}  # a kill is cleaned up alike
-        _log_stage_runs(client, experiment_id, run_id, stage_runs, process)
+        _log_stage_runs(client, experiment_id, run_id, stage_runs)
         fault_point("register:before_version")
         with store_lock(config):  # one registration at a time: the alias ends on the newest passing release
             _ensure_registered_model(client, model_name)
@@ -270,21 +268,32 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _abandoned(run: Any) -> bool:
-    """A run that can never finish its registration: FAILED or KILLED, or RUNNING on this host under a
-    process that no longer exists (killed outright). RUNNING runs of other hosts are left alone: their
-    process cannot be checked from here."""
+Process = tuple[str, int]  # (host name, process id) of a process that registers a release
+ProcessesOf = Callable[[dict[str, str]], list[Process]]
+"""The processes that may be registering the release of a run with these tags (the ledger records them:
+``registering`` events, :func:`dpml.stages.register.registering_processes`); none where it is not known."""
+
+
+def _no_process_known(tags: dict[str, str]) -> list[Process]:
+    return []
+
+
+def _abandoned(run: Any, processes_of: ProcessesOf) -> bool:
+    """A run that can never finish its registration: FAILED or KILLED, or RUNNING while every process that
+    may be registering it ran on this host and no longer exists (killed outright). A RUNNING run with a
+    process elsewhere, alive, or not known is left alone: nothing here can tell that it stopped."""
     status = run.info.status
     if status in ("FAILED", "KILLED"):
         return True
     if status != "RUNNING":
         return False
-    tags = run.data.tags
-    pid = tags.get("dpml.pid", "")
-    return tags.get("dpml.host") == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid))
+    processes = processes_of(run.data.tags)
+    here = socket.gethostname()
+    return bool(processes) and all(host == here and not _process_alive(pid) for host, pid in processes)
 
 
-def clean_up_unreleased_runs(config: TrackingConfig) -> list[dict[str, str]]:
+def clean_up_unreleased_runs(config: TrackingConfig, processes_of: ProcessesOf = _no_process_known,
+                             ) -> list[dict[str, str]]:
     """Withdraw the model versions of every run whose registration never finished (:func:`_abandoned`):
     delete them and put the champion alias back on the newest passing release; a RUNNING run of a dead
     process is ended KILLED. Returns, per run cleaned, its id, its spend id and the versions withdrawn."""
@@ -297,7 +306,7 @@ def clean_up_unreleased_runs(config: TrackingConfig) -> list[dict[str, str]]:
     for run in client.search_runs([experiment_id], filter_string="attributes.status != 'FINISHED'",
                                   max_results=10_000):
         running = run.info.status == "RUNNING"
-        if not _abandoned(run) or run.data.tags.get("mlflow.parentRunId") or (
+        if not _abandoned(run, processes_of) or run.data.tags.get("mlflow.parentRunId") or (
                 not running and run.info.run_id not in holding):  # an ended run without a version: nothing to do
             continue
         withdrawn = _withdraw_versions(client, config, run.info.run_id)

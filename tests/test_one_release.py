@@ -189,6 +189,47 @@ def test_the_next_registration_withdraws_versions_of_failed_and_killed_runs(tmp_
     assert clean_up_unreleased_runs(config) == []  # nothing left to withdraw
 
 
+def test_a_running_run_is_withdrawn_only_when_every_process_registering_its_spend_is_gone(tmp_path: Path) -> None:
+    """A run left RUNNING (its process killed outright mid-registration) is judged by the processes the ledger
+    recorded as registering its spend (``registering`` events; the MLflow run carries no process id or host):
+    all of them gone on this host → its version withdrawn and the run ended KILLED; one alive, one on another
+    host, or none recorded (a run of another ledger) → left alone."""
+    import socket
+
+    from dpml.privacy.spending import reserve_and_start
+    from dpml.sections_stores import TrackingConfig
+    from dpml.stages.register import REGISTERING, identity_of, registering_processes
+    from dpml.store import prepare_store
+    from dpml.tracking import clean_up_unreleased_runs
+
+    config = TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"),
+                            experiment="dpml", model_name=MODEL)
+    prepare_store(config)
+    client = store(tmp_path)
+    experiment = client.create_experiment("dpml")
+    client.create_registered_model(MODEL)
+    ledger = Ledger(str(tmp_path / "ledger.db"), 1e-5, unit_key=tmp_path / "unit.key")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, here = int(gone.stdout), socket.gethostname()
+    registered_by = {"dead here": [(here, dead)], "alive here": [(here, os.getpid())],
+                     "dead elsewhere": [("another-host", dead)], "dead and alive": [(here, dead), (here, os.getpid())],
+                     "not recorded": []}
+    runs = {}
+    for case, processes in registered_by.items():
+        spend = reserve_and_start(ledger, "v1", None, case, 10.0)
+        for host, pid in processes:
+            ledger.record_event(spend.id, REGISTERING, {"host": host, "pid": pid})
+        run = client.create_run(experiment, tags={"ledger.spend_id": str(spend.id), "ledger.spend": identity_of(spend)})
+        client.create_model_version(MODEL, source=str(tmp_path), run_id=run.info.run_id, tags={"gate.passed": "true"})
+        runs[case] = run.info.run_id
+    assert clean_up_unreleased_runs(config) == []  # without the ledger no process is known: nothing is touched
+    cleaned = clean_up_unreleased_runs(config, registering_processes(ledger))
+    assert [c["run_id"] for c in cleaned] == [runs["dead here"]]
+    assert client.get_run(runs["dead here"]).info.status == "KILLED"
+    assert {v.run_id for v in versions(client)} == set(runs.values()) - {runs["dead here"]}
+    assert all(client.get_run(runs[case]).info.status == "RUNNING" for case in registered_by if case != "dead here")
+
+
 @pytest.mark.exhaustive
 def test_two_runs_started_at_once_in_one_checkout_each_release_their_own_model(workdir: Path) -> None:
     """`dpml run & dpml run` with different ε in one checkout: both succeed, the second waits its turn, and

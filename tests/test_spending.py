@@ -40,6 +40,14 @@ def test_a_failure_before_the_start_cancels_the_spend(ledger_location: str, tmp_
     assert ledger.cancel(spend.id, "again") and kinds(ledger, spend.id).count("cancelled") == 1  # recorded once
 
 
+def test_the_spend_returned_is_the_spend_stored(ledger_location: str, tmp_path: Path) -> None:
+    """Its reservation time too: with its id it is the spend's identity on a model version (``id@time``)."""
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+    for mechanism_of_run in (mechanism(), None):
+        spend = reserve_and_start(ledger, "v1", mechanism_of_run, "run", 10.0)
+        assert [s for s in ledger.spends(counted_only=False) if s.id == spend.id] == [spend]
+
+
 def test_a_failure_during_training_is_recorded_and_the_spend_still_counts(ledger_location: str, tmp_path: Path) -> None:
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     spend = reserve_and_start(ledger, "v1", mechanism(), "run", 10.0)

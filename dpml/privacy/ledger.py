@@ -382,10 +382,11 @@ class Ledger(LedgerViews):
                     if mode == "exclude":
                         db.execute("UPDATE lineages SET filter_order = ? WHERE name = ? AND filter_order IS NULL",
                                    (self._filter_order(db, lineage, budget), lineage))
+                created = time.time()  # the reservation time, as stored and as returned (its identity: id@time)
                 cursor = db.execute(
                     "INSERT INTO spends (dataset_version, label, created_at, private, mechanism, epsilon_alone, "
                     "lineage, n_units, rdp) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (dataset_version, label, time.time(), int(mechanism is not None),
+                    (dataset_version, label, created, int(mechanism is not None),
                      json.dumps(mechanism.to_dict()) if mechanism else None, alone, lineage,
                      None if ids is None else int(ids.size),
                      None if curve is None else _curve_to_json(curve)),
@@ -403,7 +404,7 @@ class Ledger(LedgerViews):
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return Spend(spend_id, dataset_version, label, time.time(), mechanism, alone, lineage,
+        return Spend(spend_id, dataset_version, label, created, mechanism, alone, lineage,
                      None if ids is None else int(ids.size))
 
 

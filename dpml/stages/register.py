@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
@@ -24,7 +25,7 @@ from dpml.report.verdict import verdict_lines, verdict_metrics, verdict_tags
 
 if TYPE_CHECKING:
     from dpml.config import Config
-    from dpml.privacy.ledger import Ledger
+    from dpml.privacy.ledger import Ledger, Spend
 
 
 def serving_spec(config: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
     from dpml import tracking  # lazy: MLflow only where a run is recorded
 
     spends = {s.id: s for s in ledger.spends(counted_only=False)}
-    for cleaned in tracking.clean_up_unreleased_runs(config.tracking):
+    for cleaned in tracking.clean_up_unreleased_runs(config.tracking, registering_processes(ledger)):
         spend_id = cleaned["spend_id"]
         if spend_id.isdigit() and int(spend_id) in spends:
             ledger.record_event(int(spend_id), "release_abandoned",
@@ -62,6 +63,21 @@ def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
                  if not RESOLVED & {kind for kind, _ in ledger.events(s.id)}}
     for spend_id, release in tracking.finished_releases(config.tracking, unsettled).items():
         ledger.record_event(spend_id, "released", release | {"reconciled": "true"})
+
+
+REGISTERING = "registering"  # a spend's event: the host and process that start registering its release
+
+
+def registering_processes(ledger: Ledger) -> Callable[[dict[str, str]], list[tuple[str, int]]]:
+    """For a run's tags, the processes this ledger recorded as registering its spend (``ledger.spend``, the
+    spend's identity: :func:`spend_tag`); none for a run of another ledger or of no spend."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for spend in ledger.spends(counted_only=False):
+        processes = [(str(d.get("host", "")), int(d["pid"])) for kind, d in ledger.events(spend.id)
+                     if kind == REGISTERING and str(d.get("pid", "")).isdigit()]
+        if processes:
+            found[identity_of(spend)] = processes
+    return lambda tags: found.get(tags.get("ledger.spend", ""), [])
 
 
 CARD = "release_card.html"  # the release card's artifact name (MLflow) beside release.json (disk)
@@ -73,7 +89,12 @@ def spend_tag(ledger: Ledger, spend_id: int) -> str:
     spend = next((s for s in ledger.spends(counted_only=False) if s.id == spend_id), None)
     if spend is None:
         raise RuntimeError(f"spend {spend_id} is not in the ledger at {ledger.location}")
-    return f"{spend_id}@{spend.created_at:.6f}"
+    return identity_of(spend)
+
+
+def identity_of(spend: Spend) -> str:
+    """``<id>@<reservation time>``: unique across ledgers sharing a registry."""
+    return f"{spend.id}@{spend.created_at:.6f}"
 
 
 def conformance_tag(summary: dict[str, Any]) -> str:
@@ -217,6 +238,7 @@ def register(config: Config) -> dict[str, Any]:
     version_tags["noise_seed.fixed"] = seed_fixed
     own_record = {"stage": "register", "started": started, "ended": None, "params": stage_params(config, "register"),
                   "metrics": {}}  # ends when its nested run is written, after the model version
+    ledger.record_event(spend_id, REGISTERING, {"host": socket.gethostname(), "pid": os.getpid()})  # for a kill
     release = tracking.log_release(
         config=config.tracking, run_name=run_name(lineage, config.train.algorithm, epsilon),
         params=config.run_params(), metrics=metrics, artifacts=artifacts + logged_files, model=load_model(layout),
@@ -228,7 +250,6 @@ def register(config: Config) -> dict[str, Any]:
         run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
                   "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(),
                   **verdict_tags(decision["verdict"]), "noise_seed.fixed": seed_fixed,
-                  "dpml.host": socket.gethostname(), "dpml.pid": str(os.getpid()),
                   "ledger.spend_id": str(spend["spend_id"]), "ledger.spend": identity, **provenance,
                   **driver_tags(),
                   "mlflow.note.content": version_description(version_tags, decision)},  # the run page's description
