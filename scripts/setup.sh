@@ -24,6 +24,9 @@ if command -v npm >/dev/null 2>&1; then
   mkdir -p build/npm
   (cd build/npm && npm pack --silent vega@5.20.2 vega-lite@5.2.0 vega-embed@6.18.2 >/dev/null)
   .venv/bin/python scripts/build_plots_template.py build/npm build/dvc-plots-offline.html
+  # and DVC told to use it (this checkout only: .dvc/config.local is not committed), so that a plain
+  # `dvc plots show` renders offline; the path is relative to .dvc/
+  .venv/bin/dvc config --local plots.html_template ../build/dvc-plots-offline.html
 else
   echo "npm not found: dvc plots show needs a network for its charts (README, Comparing runs with DVC)" >&2
 fi

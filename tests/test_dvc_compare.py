@@ -82,12 +82,17 @@ def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_ru
     assert "metrics/summary.json" in shown and "test_accuracy" in shown and "!" not in shown
     charged, registered = spends(repo), versions(repo)
 
-    # The plots page: our template (no CDN scripts), the ROC with its title and axis labels.
-    dvc(repo, "plots", "show", "--html-template", str(offline_template(repo.parent / "page.html")),
-        "-o", str(repo.parent / "plots"))
+    # The plots page, without flags: our template as scripts/setup.sh configures it (no CDN scripts); the ROC
+    # with its title and axis labels, against the DP limit at the certified ε.
+    (repo / "build").mkdir(exist_ok=True)
+    template = offline_template(repo / "build" / "dvc-plots-offline.html")
+    dvc(repo, "config", "--local", "plots.html_template", "../build/dvc-plots-offline.html")
+    assert template.exists() and "html_template = ../build/dvc-plots-offline.html" in (repo / ".dvc" / "config.local").read_text()
+    dvc(repo, "plots", "show", "-o", str(repo.parent / "plots"))
     html = (repo.parent / "plots" / "index.html").read_text()
     assert "window.inlinedLibraries = true;" in html and not re.search(r"<script[^>]*src=", html)
     assert "Membership inference ROC" in html and "false positive rate" in html and "true positive rate" in html
+    assert "roc_limit.csv" in html and "against the DP limit" in html
 
     # The gate's budget below the certified ε: the gate (and registration) re-run, training does not.
     set_params(repo, gate__epsilon_budget=round(summary["epsilon"] / 2, 3))

@@ -3,7 +3,10 @@ evidence, a pass without attack power saying so in its first words, and the same
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from dpml.report.verdict import (ATTACKS, CERTIFICATE, IMPLEMENTATION, attacks_part, certificate_part,
                                  implementation_part, verdict_lines, verdict_metrics, verdict_record, verdict_tags)
@@ -85,7 +88,7 @@ def test_the_dp_limit_is_the_tradeoff_bound_and_a_dp_mechanism_stays_under_it() 
     import numpy as np
     from scipy import stats
 
-    from dpml.report.release_card import dp_limit_tpr
+    from dpml.audit.bounds import dp_limit_tpr
 
     epsilon = 1.3
     alpha = np.logspace(-6, 0, 400)
@@ -98,6 +101,31 @@ def test_the_dp_limit_is_the_tradeoff_bound_and_a_dp_mechanism_stays_under_it() 
     assert np.all(tpr <= dp_limit_tpr(fpr, epsilon, 0.0) + 1e-12)
     assert np.max(tpr - dp_limit_tpr(fpr, epsilon, 0.0)) > -1e-9  # tight somewhere
     assert np.any(tpr > dp_limit_tpr(fpr, epsilon * 0.8, 0.0) + 1e-6)  # a smaller ε would be refuted
+
+
+def test_the_dp_limit_written_for_dvc_plots_is_the_limit_with_its_corner(tmp_path: Path) -> None:
+    """``roc_limit.csv`` (drawn by ``dvc plots show`` beside the attack's ROC): the limit at the certified ε and δ
+    on a grid that holds the corner where its two lines meet (each line's value there), and TPR = 1 without one."""
+    import math
+
+    import numpy as np
+
+    from dpml.stages.audit import write_dp_limit
+
+    epsilon, delta = 2.0, 1e-5
+    write_dp_limit(tmp_path / "limit.csv", epsilon, delta)
+    lines = (tmp_path / "limit.csv").read_text().splitlines()
+    assert lines[0] == "fpr,tpr"
+    fpr, tpr = np.array([[float(v) for v in line.split(",")] for line in lines[1:]]).T
+    assert fpr[0] == 0.0 and fpr[-1] == 1.0 and np.all(np.diff(fpr) > 0) and np.all(np.diff(tpr) >= 0)
+    corner = (1 - delta) / (math.exp(epsilon) + 1)
+    at = int(np.argmin(np.abs(fpr - corner)))
+    assert abs(fpr[at] - corner) < 1e-6
+    assert tpr[at] == pytest.approx(math.exp(epsilon) * corner + delta, abs=2e-6)
+    assert tpr[at] == pytest.approx(1 - math.exp(-epsilon) * (1 - delta - corner), abs=2e-6)
+    assert tpr[0] == pytest.approx(delta, abs=1e-6) and tpr[-1] == 1.0
+    write_dp_limit(tmp_path / "none.csv", None, delta)
+    assert {line.split(",")[1] for line in (tmp_path / "none.csv").read_text().splitlines()[1:]} == {"1.000000"}
 
 
 def test_the_card_roc_is_the_attack_roc_at_every_threshold() -> None:

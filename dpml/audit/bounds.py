@@ -238,3 +238,13 @@ def hypothesis_test_power(members: int, nonmembers: int, delta: float, confidenc
 def one_run_power(canaries: int, guesses: int, delta: float, confidence: float = 0.95) -> float:
     """The largest ε :func:`one_run_bound` can report: all ``guesses`` right."""
     return one_run_bound(canaries, guesses, guesses, delta, confidence).epsilon
+
+
+def dp_limit_tpr(fpr: np.ndarray, epsilon: float, delta: float) -> np.ndarray:
+    """The largest TPR any membership test can have at false-positive rate α = ``fpr`` against an (ε, δ)-DP
+    release (Kairouz, Oh & Viswanath 2015, Thm. 2.1; the trade-off function of Dong, Roth & Su 2022, eq. 6):
+    TPR(α) ≤ min(1, e^ε·α + δ, 1 − e^{−ε}·(1 − δ − α)); 1 everywhere for ε = ∞ (no certificate)."""
+    if math.isinf(epsilon):
+        return np.ones_like(fpr)
+    e = math.exp(min(epsilon, 700.0))
+    return np.asarray(np.minimum.reduce([np.ones_like(fpr), e * fpr + delta, 1 - (1 - delta - fpr) / e]))

@@ -20,20 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from dpml.audit.bounds import dp_limit_tpr
 from dpml.formatting import format_epsilon
 from dpml.report.verdict import PARTS, SCORES
 
 LOW_FPR = 1e-3  # the ROC plot's left edge (log axes)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 WORD_COLOURS = {1: "#1b7f3b", 0: "#8a6d00", -1: "#b00020"}
-
-
-def dp_limit_tpr(fpr: np.ndarray, epsilon: float, delta: float) -> np.ndarray:
-    """The largest TPR any membership test can have at ``fpr`` against an (ε, δ)-DP release (module docstring)."""
-    if math.isinf(epsilon):
-        return np.ones_like(fpr)
-    e = math.exp(min(epsilon, 700.0))
-    return np.minimum.reduce([np.ones_like(fpr), e * fpr + delta, 1 - (1 - delta - fpr) / e])
 
 
 def roc_points(member: np.ndarray, nonmember: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -6,13 +6,16 @@ prepared records and σ of the released trainer, and lets the Prefect flow fan t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dpml import io
+from dpml.audit.bounds import dp_limit_tpr
 from dpml.audit.plots import plot_histograms, plot_roc
 from dpml.audit.references import AuditRecords, audit_records, train_reference
 from dpml.audit.run import needs_references, run_audit, subject_config
@@ -102,6 +105,18 @@ def audit_detail_metrics(summary: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def write_dp_limit(path: Path, epsilon: float | None, delta: float) -> None:
+    """The ROC no membership test can exceed against the release's certificate, beside the attack's
+    (``dvc plots show``): TPR ≤ min(1, e^ε·FPR + δ, 1 − e^{−ε}(1 − δ − FPR)) (:func:`dp_limit_tpr`), on a grid
+    of FPRs with the corner FPR = (1 − δ)/(e^ε + 1) where its two lines meet; TPR = 1 without a certificate."""
+    eps = math.inf if epsilon is None else epsilon
+    corner = [] if math.isinf(eps) else [(1 - delta) / (math.exp(min(eps, 700.0)) + 1)]
+    fpr = np.unique(np.concatenate([np.linspace(0.0, 1.0, 201), corner]))
+    tpr = dp_limit_tpr(fpr, eps, delta)
+    with io.atomic_path(path) as temp:
+        temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr, tpr)))
+
+
 def strongest(results: dict[str, Any], key: str) -> tuple[str, float]:
     name = max(results, key=lambda n: results[n][key])
     return name, float(results[name][key])
@@ -127,6 +142,7 @@ def audit(config: Config) -> dict[str, Any]:
             keep = np.unique(np.linspace(0, fpr.size - 1, min(fpr.size, 200)).astype(int))
             with io.atomic_path(layout.roc_csv) as temp:
                 temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep])))
+            write_dp_limit(layout.roc_limit_csv, context.certified_epsilon, config.dp.delta)
     summary |= stamp_for(layout)  # the model this audit attacked (dpml.stages.spend_outputs)
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)

@@ -53,6 +53,7 @@ class Layout:
         self.audit_metrics = art / "audit" / "metrics.json"
         self.roc_png = art / "audit" / "roc.png"
         self.roc_csv = art / "audit" / "roc.csv"
+        self.roc_limit_csv = art / "audit" / "roc_limit.csv"
         self.roc_control_png = art / "audit" / "roc_control.png"
         self.histograms_png = art / "audit" / "histograms.png"
         self.scores = art / "audit" / "scores.json"
@@ -113,7 +114,7 @@ CONTRACT: dict[str, StageFiles] = {
                           params=("plugins", "train.algorithm", "dp.delta")),
     "audit": StageFiles(reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta",
                                "raw_meta", "excluded"),
-                        writes=("audit", "scores", "roc_png", "roc_csv", "histograms_png", "audit_metrics"),
+                        writes=("audit", "scores", "roc_png", "roc_csv", "roc_limit_csv", "histograms_png", "audit_metrics"),
                         optional=("roc_control_png",), params=(*TRAINING, "split", "preprocess", *AUDIT_ONLY)),
     "gate": StageFiles(reads=("certificate", "audit", "scores", "train_metrics", "prepared_meta", "raw_meta"),
                        writes=("gate", "report", "summary"),
