@@ -71,13 +71,16 @@ REGISTERING = "registering"  # a spend's event: the host and process that start 
 def registering_processes(ledger: Ledger) -> Callable[[dict[str, str]], list[tuple[str, int]]]:
     """For a run's tags, the processes this ledger recorded as registering its spend (``ledger.spend``, the
     spend's identity: :func:`spend_tag`); none for a run of another ledger or of no spend."""
-    found: dict[str, list[tuple[str, int]]] = {}
-    for spend in ledger.spends(counted_only=False):
-        processes = [(str(d.get("host", "")), int(d["pid"])) for kind, d in ledger.events(spend.id)
-                     if kind == REGISTERING and str(d.get("pid", "")).isdigit()]
-        if processes:
-            found[identity_of(spend)] = processes
-    return lambda tags: found.get(tags.get("ledger.spend", ""), [])
+    spend_ids = {identity_of(spend): spend.id for spend in ledger.spends(counted_only=False)}
+
+    def processes(tags: dict[str, str]) -> list[tuple[str, int]]:  # asked for the unfinished runs only
+        spend_id = spend_ids.get(tags.get("ledger.spend", ""))
+        if spend_id is None:
+            return []
+        return [(str(d.get("host", "")), int(d["pid"])) for kind, d in ledger.events(spend_id)
+                if kind == REGISTERING and str(d.get("pid", "")).isdigit()]
+
+    return processes
 
 
 CARD = "release_card.html"  # the release card's artifact name (MLflow) beside release.json (disk)
