@@ -258,7 +258,8 @@ def test_private_search_releases_the_best_candidate_and_charges_the_search(workd
     [spend] = Ledger(config.ledger.path, 1e-5).spends()
     assert spend.mechanism is not None and spend.mechanism.selection is not None
     events = dict(Ledger(config.ledger.path, 1e-5).events(spend.id))
-    assert set(events) == {"started", "trained", "released"} and set(events["trained"]) == {"chosen", "trained_outputs"}
+    assert set(events) == {"started", "trained", "registering", "released"}
+    assert set(events["trained"]) == {"chosen", "trained_outputs"} and set(events["registering"]) == {"host", "pid"}
     # The audit's members are the records the released model trained on: validation rows excluded.
     n_train = np.load(layout.prepared["train"])["y"].size
     n_val = np.load(layout.validation)["rows"].size
