@@ -6,16 +6,23 @@ import numpy as np
 import subprocess
 import sys
 
+import dp_accounting
 import pytest
+from dp_accounting import UnsupportedEventError
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
 from scipy.optimize import brentq
 from scipy.stats import norm
 
+from dpml.formatting import format_epsilon
 from dpml.privacy import accountants
 from dpml.privacy.accountants import certify
 from dpml.privacy.calibrate import calibrate_noise_multiplier
+from dpml.privacy.closed_forms import epsilon_gdp_exact
 from dpml.privacy.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, NoisyGradientDescent,
                                     PoissonGaussianSteps, Selection)
 from dpml.privacy.tuning import ORDERS
+from dpml.privacy.unit_accounts import rdp_curve
 
 
 def mechanism(q: float, sigma: float, steps: int, relation: str = "add-remove") -> MechanismDescription:
@@ -264,8 +271,6 @@ def test_the_pld_epsilon_is_computed_once_per_mechanism_and_unhashable_events_ar
 def test_the_discretisation_asked_for_is_the_one_the_pld_uses() -> None:
     """A coarse discretisation (1e-2) gives dp_accounting's PLD at that interval, not at the default; the
     tight ε of a mechanism without selection is that PLD's."""
-    from dp_accounting.pld import pld_privacy_accountant
-
     m = mechanism(0.05, 1.1, 40)
     direct = pld_privacy_accountant.PLDAccountant(accountants._relation(m), value_discretization_interval=1e-2)
     direct.compose(accountants._dp_events(m))
@@ -278,10 +283,6 @@ def test_the_discretisation_asked_for_is_the_one_the_pld_uses() -> None:
 def test_no_rdp_curve_is_made_for_poisson_sampling_under_replace_one() -> None:
     """dp_accounting has no RDP for Poisson sampling under replace-one: the curve is refused rather than taken
     under add/remove (smaller, so a person's ε would be under-counted), and the ledger's curve is vacuous."""
-    from dp_accounting import UnsupportedEventError
-
-    from dpml.privacy.unit_accounts import rdp_curve
-
     m = mechanism(0.05, 1.1, 40, "replace-one")
     with pytest.raises(UnsupportedEventError):
         accountants.base_rdp_dp_accounting(m)
@@ -292,8 +293,6 @@ def test_no_rdp_curve_is_made_for_poisson_sampling_under_replace_one() -> None:
 def test_the_delta_profile_under_replace_one_is_the_replace_one_pld() -> None:
     """The δ(ε) profile of one candidate (random-count selection) at the mechanism's own relation and the
     discretisation asked for: dp_accounting's PLD under replace-one, above the add/remove one."""
-    from dp_accounting.pld import pld_privacy_accountant
-
     m = mechanism(0.05, 1.1, 40, "replace-one")
     epsilons = np.array([0.5, 1.0, 2.0, 4.0])
     profile = accountants.base_delta_profile(m, 1e-2)(epsilons)
@@ -307,8 +306,6 @@ def test_the_delta_profile_under_replace_one_is_the_replace_one_pld() -> None:
 def test_dp_accountings_rdp_of_gdp_events_under_replace_one_is_never_below_the_exact_epsilon() -> None:
     """μ already covers the relation: the RDP accountant takes σ = 1/μ under either relation (the PLD's σ = 2/μ
     for replace-one would price a quarter of the RDP). An upper bound is never below the exact GDP ε."""
-    from dpml.privacy.closed_forms import epsilon_gdp_exact
-
     m = MechanismDescription(trainer="noisygd", events=(GaussianDP(0.8),), neighbouring="replace-one",
                              clip_norm=1.0, dataset_size=1000)
     exact = epsilon_gdp_exact(m, 1e-5)
@@ -322,8 +319,6 @@ def test_the_pld_of_gdp_events_is_the_exact_gdp_epsilon_under_either_relation(re
     """μ covers the relation already: the PLD prices a μ-GDP event as a Gaussian of σ = 1/μ under add/remove
     and σ = 2/μ under replace-one (where dp_accounting's Gaussian has sensitivity 2), so under both relations its
     ε is the exact GDP ε (pessimistic discretisation: a hair above it, never below)."""
-    from dpml.privacy.closed_forms import epsilon_gdp_exact
-
     m = MechanismDescription(trainer="noisygd", events=(GaussianDP(0.8), GaussianDP(0.5)), neighbouring=relation,
                              clip_norm=1.0, dataset_size=1000)
     exact = epsilon_gdp_exact(m, 1e-5)
@@ -337,11 +332,6 @@ def test_a_random_count_selection_reaches_dp_accounting_as_its_repeat_and_select
         distribution: str, shape: float, expected_shape: float) -> None:
     """dp_accounting's ``RepeatAndSelectDpEvent`` reads a Poisson count as η = ∞ and the truncated negative
     binomial by its own η: its RDP ε of the search is that event's, composed once."""
-    import dp_accounting
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    from dpml.privacy.mechanism import Selection
-
     m = replace(mechanism(0.05, 1.1, 40), selection=Selection(distribution, 3.0, shape))  # type: ignore[arg-type]
     direct = rdp_privacy_accountant.RdpAccountant()
     direct.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(accountants._dp_events(replace(m, selection=None)),
@@ -353,8 +343,6 @@ def test_each_selection_curve_is_built_on_the_base_curve_it_names() -> None:
     """``selection_rdp_curve(m, "dp_accounting")`` rests on dp_accounting's base RDP, ``"autodp"`` on autodp's (the
     two Papernot–Steinke accountants stay independent cross-checks); without a selection it is that base curve,
     with one it is above it (K candidates cost more than one)."""
-    from dpml.privacy.mechanism import Selection
-
     one = mechanism(0.05, 1.1, 40)
     dp_base, autodp_base = accountants.base_rdp_dp_accounting(one), accountants.base_rdp_autodp(one)
     assert not np.allclose(dp_base, autodp_base, rtol=1e-9)  # the two libraries' curves tell them apart
@@ -370,8 +358,6 @@ def test_each_selection_curve_is_built_on_the_base_curve_it_names() -> None:
 
 def test_the_pld_of_a_fixed_best_of_k_search_composes_its_k_candidates() -> None:
     """A fixed best-of-3 search is the 3-fold composition of one candidate (through the memo and without it)."""
-    from dpml.privacy.mechanism import Selection
-
     one = mechanism(0.05, 1.1, 40)
     searched = replace(one, selection=Selection("fixed", 3.0))
     composed = replace(one, events=one.events * 3)
@@ -382,8 +368,6 @@ def test_the_pld_of_a_fixed_best_of_k_search_composes_its_k_candidates() -> None
 def test_the_certificate_records_every_input_and_says_its_epsilon_in_words() -> None:
     """certificate.json: ε, δ, the accountant and its version, the relation, the threat model, every answer and
     the mechanism; the statement gives the certified ε as ``format_epsilon`` writes it."""
-    from dpml.formatting import format_epsilon
-
     m = mechanism(0.05, 1.1, 40, "replace-one")
     certificate = certify(m, 1e-5)
     best = min((a for a in certificate["answers"] if a["used_for_certificate"] and a["epsilon"] is not None),

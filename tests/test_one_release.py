@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,11 @@ from mlflow import MlflowClient
 
 from conftest import REPO, small_params, write_params
 from dpml.privacy.ledger import Ledger
+from dpml.privacy.spending import reserve_and_start
+from dpml.sections_stores import TrackingConfig
+from dpml.stages.register import REGISTERING, identity_of, registering_processes
+from dpml.store import prepare_store
+from dpml.tracking import clean_up_unreleased_runs
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {
     "PYTHONPATH": str(REPO), "DPML_NOISE_SEED": "11", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
@@ -162,19 +168,21 @@ def test_register_refuses_an_audit_and_gate_of_another_model(workdir: Path) -> N
     assert len(versions(client)) == 2
 
 
-def test_the_next_registration_withdraws_versions_of_failed_and_killed_runs(tmp_path: Path) -> None:
-    """Versions left behind by runs that ended FAILED or KILLED (an older dpml, a crash inside MLflow) are
-    withdrawn before the next release registers, and the alias returns to the newest finished passing one."""
-    from dpml.sections_stores import TrackingConfig
-    from dpml.store import prepare_store
-    from dpml.tracking import clean_up_unreleased_runs
-
+def empty_registry(tmp_path: Path) -> tuple[TrackingConfig, MlflowClient, str]:
+    """A prepared MLflow store with the experiment ``dpml`` and the registered model, nothing else."""
     config = TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"),
                             experiment="dpml", model_name=MODEL)
     prepare_store(config)
     client = store(tmp_path)
     experiment = client.create_experiment("dpml")
     client.create_registered_model(MODEL)
+    return config, client, experiment
+
+
+def test_the_next_registration_withdraws_versions_of_failed_and_killed_runs(tmp_path: Path) -> None:
+    """Versions left behind by runs that ended FAILED or KILLED (an older dpml, a crash inside MLflow) are
+    withdrawn before the next release registers, and the alias returns to the newest finished passing one."""
+    config, client, experiment = empty_registry(tmp_path)
     made = {}
     for status in ("FINISHED", "FAILED", "KILLED"):
         run = client.create_run(experiment, tags={"ledger.spend_id": "7"})
@@ -194,20 +202,7 @@ def test_a_running_run_is_withdrawn_only_when_every_process_registering_its_spen
     recorded as registering its spend (``registering`` events; the MLflow run carries no process id or host):
     all of them gone on this host → its version withdrawn and the run ended KILLED; one alive, one on another
     host, or none recorded (a run of another ledger) → left alone."""
-    import socket
-
-    from dpml.privacy.spending import reserve_and_start
-    from dpml.sections_stores import TrackingConfig
-    from dpml.stages.register import REGISTERING, identity_of, registering_processes
-    from dpml.store import prepare_store
-    from dpml.tracking import clean_up_unreleased_runs
-
-    config = TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"),
-                            experiment="dpml", model_name=MODEL)
-    prepare_store(config)
-    client = store(tmp_path)
-    experiment = client.create_experiment("dpml")
-    client.create_registered_model(MODEL)
+    config, client, experiment = empty_registry(tmp_path)
     ledger = Ledger(str(tmp_path / "ledger.db"), 1e-5, unit_key=tmp_path / "unit.key")
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, here = int(gone.stdout), socket.gethostname()

@@ -304,14 +304,15 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
     squared, kept = d.new_zeros(batch), None
     if trainable(weight):
         step = max(1, keep_limit(d.device) // weight.numel())
+        keep = batch * weight.numel() <= room(keep_limit(d.device))  # the whole batch in one slice, within the budget
         for start in range(0, batch, step):
             a, dd = patches[start:start + step], d[start:start + step]
             rows = a.shape[0] * groups
             per_example = torch.bmm(dd.reshape(rows, out_channels // groups, -1),
                                     a.reshape(rows, a.shape[1] // groups, -1).transpose(1, 2)).reshape(a.shape[0], -1)
             squared[start:start + step] += row_norms_squared(per_example)
-            kept = per_example if step >= batch and batch * weight.numel() <= room(step * weight.numel()) else None
-        if kept is not None:  # the whole batch in one slice, within the pass's budget
+        if keep:
+            kept = per_example
             spend(kept.numel())
     bias_grads = d.sum(2) if trainable(module.bias) else None  # (B, C_out)
     if bias_grads is not None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -84,9 +84,10 @@ class BoxMullerBuffers:
         self.q = -(-((count + 1) // 2) // STREAMS)  # pairs per stream
         pairs = STREAMS * self.q
         scratch = pairs if self.compiled is None else 0  # NumPy's intermediate arrays (the kernel keeps its own)
-        self.u = np.empty(scratch)  # U, then 1 − U, in float64
-        self.radius, self.angle = np.empty(scratch, dtype=work), np.empty(scratch, dtype=work)
-        self.out = np.empty(2 * pairs, dtype=work)
+        self.u: np.ndarray[Any, Any] = np.empty(scratch)  # U, then 1 − U, in float64
+        self.radius: np.ndarray[Any, Any] = np.empty(scratch, dtype=work)
+        self.angle: np.ndarray[Any, Any] = np.empty(scratch, dtype=work)
+        self.out: np.ndarray[Any, Any] = np.empty(2 * pairs, dtype=work)
         self.flat = torch.from_numpy(self.out)[:count]  # shares the memory of ``out``
 
     def draw(self, std: float, generator: torch.Generator, threads: int = 1) -> torch.Tensor:
@@ -102,8 +103,7 @@ class BoxMullerBuffers:
         return self.flat if self.flat.dtype == self.dtype else self.flat.to(self.dtype)
 
     def _draw_in_numpy(self, streams: list[np.random.SFC64], std: float) -> None:
-        q: int = self.q
-        u, radius, angle, out = (cast(Any, array) for array in (self.u, self.radius, self.angle, self.out))
+        q, u, radius, angle, out = self.q, self.u, self.radius, self.angle, self.out
         pairs = u.shape[0]
         for k, stream in enumerate(streams):
             numbers = np.random.Generator(stream)

@@ -26,7 +26,7 @@ still active, so the operations inside them meet their rules.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -231,12 +231,12 @@ class Recorder(TorchFunctionMode):
             return
         try:
             if func in IDENTITY_VIEWS:
-                mapped: list[torch.Tensor | None] = [examples]
+                mapped: Sequence[torch.Tensor | None] = [examples]
             elif func in ROW_RESHAPES and isinstance(out, torch.Tensor) and out.dim() >= 1 \
                     and out.shape[-1] == source.shape[-1] and examples.stride(-1) == 0:  # the rows, in order
                 mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
             else:
-                mapped = list(outputs(apply_view(func, examples, args, kwargs)))
+                mapped = outputs(apply_view(func, examples, args, kwargs))
         except (RuntimeError, TypeError, IndexError, ValueError):
             mapped = []
         for k, o in enumerate(outputs(out)):
