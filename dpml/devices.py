@@ -22,6 +22,21 @@ def pick_device(preference: str = "auto") -> torch.device:
     return torch.device("cuda")
 
 
+RngState = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def rng_state(device: torch.device) -> RngState:
+    """torch's random state for work on ``device`` (the CPU generator's, and the GPU's where it is one)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_rng_state(state: RngState, device: torch.device) -> None:
+    """Back to a state :func:`rng_state` returned: the next draws repeat (dropout masks of a pass run again)."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device`` without making the host wait for the GPU.
 

@@ -488,6 +488,7 @@ def test_kept_gradients_in_heap_sized_slices_match_naive_loop(model_name: str, m
     else:
         model, x, per_example = NormedMlp().double(), torch.randn(9, 2, 3, 6, dtype=torch.float64), 8 * 6
     monkeypatch.setattr(devices, "HEAP_BLOCKS_BELOW", devices.HEAP_BLOCK_MARGIN + 2 * 8 * per_example + 7)
+    monkeypatch.setattr(keep_budget, "KEEP_SHARE", 1e9)  # kept whatever the share of the pass (tests/test_keep_budget.py)
     kept: list[list[int]] = []
     kept_sum = clipping_layers.kept_sum
 
@@ -524,7 +525,9 @@ class Conv1ds(nn.Module):
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_conv1d_layers_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list) -> None:
-    """Conv1d takes the dense shortcut (the Conv2d of height 1): materialised and kept, or ghost-normed."""
+    """Conv1d takes the dense shortcut (the Conv2d of height 1): materialised and kept (whatever the pass's share,
+    tests/test_keep_budget.py), or ghost-normed."""
+    monkeypatch.setattr(keep_budget, "KEEP_SHARE", 1e9)
     if not keep:
         monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
     torch.manual_seed(5)

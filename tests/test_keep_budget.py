@@ -1,14 +1,21 @@
 """One engine pass keeps at most ``PASS_KEEP_LAYERS`` × the device's keep limit of materialised per-example
-gradients, all layers together (:mod:`dpml.train.keep_budget`), and its clipped sums stay exact past it."""
+gradients, all layers together, and at most ``KEEP_SHARE`` of the numbers it holds anyway (its layers' inputs and
+output gradients) (:mod:`dpml.train.keep_budget`); its clipped sums stay exact past either bound. The recorded
+outputs are let go before the backward pass (:mod:`dpml.train.released`), and a ruled parameter whose uses do not
+combine is taken exactly from the forward pass run again, with the same random draws."""
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import pytest
 import torch
-from test_clipping_layers import assert_matches_naive_loop, labels
+from test_clipping_layers import assert_matches_naive_loop, labels, naive_clipped_sum_and_norms
 from torch import nn
 
-from dpml.train import clipping_layers, keep_budget
+from dpml.train import clipping, clipping_layers, keep_budget
+from dpml.train.dpsgd import per_example_cross_entropy
 
 BATCH, POSITIONS, WIDTH, LAYERS = 9, 6, 8, 8
 
@@ -28,12 +35,16 @@ class DeepSequenceMlp(nn.Module):
         return self.out(x.flatten(1))
 
 
-def kept_layers(monkeypatch: pytest.MonkeyPatch, pass_layers: int) -> list[int]:
+HELD = LAYERS * 2 * BATCH * POSITIONS * WIDTH + BATCH * (POSITIONS * WIDTH + 3)  # the layers' inputs and δ
+
+
+def kept_layers(monkeypatch: pytest.MonkeyPatch, pass_layers: int, share: float = 1e9) -> list[int]:
     """Runs the engine against the one-example-at-a-time loop; returns the numbers each layer's clipped sum
     read from kept per-example gradients (one entry per layer that kept them)."""
     layer_limit = BATCH * WIDTH * WIDTH  # one hidden layer's per-example weight gradients, exactly
     monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", layer_limit)
     monkeypatch.setattr(keep_budget, "PASS_KEEP_LAYERS", pass_layers)
+    monkeypatch.setattr(keep_budget, "KEEP_SHARE", share)
     assert clipping_layers.materialise(BATCH, POSITIONS, WIDTH, WIDTH, layer_limit)
     kept: list[int] = []
     kept_sum = clipping_layers.kept_sum
@@ -59,13 +70,115 @@ def test_the_budget_is_what_stops_the_keeping(monkeypatch: pytest.MonkeyPatch) -
     assert kept_layers(monkeypatch, pass_layers=100) == [BATCH * WIDTH * WIDTH] * LAYERS
 
 
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_a_pass_keeps_no_more_than_its_share_of_what_it_holds(share: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for every layer by the layer count, the share of the held numbers (inputs and δ) is the bound."""
+    kept = kept_layers(monkeypatch, pass_layers=100, share=share)
+    assert kept == [BATCH * WIDTH * WIDTH] * int(share * HELD // (BATCH * WIDTH * WIDTH))
+    assert 0 < len(kept) < LAYERS
+
+
+def test_the_default_share_is_a_quarter() -> None:
+    """The share the families' memory was measured with (benchmarks/results/families.md): DP peak ≤ 1.5×."""
+    assert keep_budget.KEEP_SHARE == 0.25
+    assert keep_budget.pass_total(torch.device("cpu"), 1000) == 250
+
+
 def test_outside_a_pass_a_layer_keeps_up_to_its_own_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 10)
     assert keep_budget.left() is None and keep_budget.room(123) == 123
-    with keep_budget.pass_budget(torch.device("cpu")):
+    with keep_budget.pass_budget(torch.device("cpu"), held=10**9):
         assert keep_budget.room(100) == 10 * keep_budget.PASS_KEEP_LAYERS
         keep_budget.spend(10 * keep_budget.PASS_KEEP_LAYERS - 3)
         assert keep_budget.room(100) == 3 and keep_budget.left() == 3
         keep_budget.spend(5)
         assert keep_budget.room(100) == 0
+    with keep_budget.pass_budget(torch.device("cpu"), held=100):  # a quarter of what the pass holds: 25
+        assert keep_budget.room(100) == 25 and keep_budget.room(7) == 7 and keep_budget.left() == 25
     assert keep_budget.left() is None
+
+
+class Chain(nn.Module):
+    """Three dense layers, GELU and tanh between them: GELU saves its input (the first layer's output z₁), tanh its
+    result, so once the forward pass is over only the engine holds the middle layer's output z₂, and only autograd's
+    saved tensors z₁."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(6, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.middle(nn.functional.gelu(self.first(x)))))
+
+
+def test_the_recorded_outputs_are_let_go_and_the_graph_freed_as_the_backward_pass_goes() -> None:
+    """When the backward pass reaches the first layer's output z₁, z₂ (recorded for its δ) is freed already: the
+    engine asks for δ by gradient edge, not by holding the outputs; and so is z₁, which only GELU's saved tensors
+    held: the graph is not kept when no parameter takes the exact path. The sums stay exact."""
+    torch.manual_seed(2)
+    model = Chain().double()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    outputs: dict[str, weakref.ref[torch.Tensor]] = {}
+    alive_then: list[tuple[bool, bool]] = []
+
+    def watch(name: str) -> Any:
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            outputs[name] = weakref.ref(output)
+            if name == "first":
+                output.register_hook(lambda grad: alive_then.append((outputs["middle"]() is not None,
+                                                                     outputs["first"]() is not None)))
+        return hook
+
+    hooks = [getattr(model, name).register_forward_hook(watch(name)) for name in ("first", "middle")]
+    sums, _ = clipping.clipped_gradient_sum(model, per_example_cross_entropy, x, labels(8), 0.05)
+    for hook in hooks:
+        hook.remove()
+    assert alive_then == [(False, False)]
+    reference, _ = naive_clipped_sum_and_norms(model, x, labels(8), 0.05)
+    for name in reference:
+        torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+class DroppedNormed(nn.Module):
+    """Dropout, then a weight-normed layer (W = g·v/‖v‖: a computation on parameters, :mod:`dpml.train.rules.derived`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(5, 16)
+        self.drop = nn.Dropout(0.5)
+        self.outer = nn.utils.parametrizations.weight_norm(nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.drop(torch.tanh(self.inner(x))))
+
+
+def test_a_ruled_parameter_that_does_not_fit_is_taken_exactly_with_the_same_dropout_masks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the keep limit the weight norm's parameters go to the exact path after the first backward pass freed
+    its graph: the forward pass runs again from the same random state. The sums and norms equal those of the
+    one-batch forward pass's own per-example gradients (the same dropout masks), and the random state after the
+    pass is the one a single forward pass leaves (the next draw is the same)."""
+    monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    torch.manual_seed(4)
+    model = DroppedNormed().double().train()
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    y, clip = labels(7), 0.05
+    torch.manual_seed(6)
+    found = clipping.engine_pass(model, per_example_cross_entropy, x, y)
+    assert {name for name, reason in found.reasons.items() if "keep limit" in reason} == {
+        "outer.parametrizations.weight.original0", "outer.parametrizations.weight.original1"}
+    torch.manual_seed(6)
+    sums, norms = clipping.clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
+    after_engine = torch.rand(3)
+    torch.manual_seed(6)
+    losses = clipping.per_example_losses(model, per_example_cross_entropy, x, y)
+    after_forward = torch.rand(3)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    rows = [torch.autograd.grad(losses[i], list(params.values()), retain_graph=True) for i in range(7)]
+    reference_norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in row)) for row in rows])
+    factors = clipping.clip_factors(reference_norms, clip)
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
+    for k, name in enumerate(params):
+        expected = sum(factors[i] * rows[i][k] for i in range(7))
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(after_engine, after_forward, rtol=0, atol=0)

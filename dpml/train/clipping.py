@@ -47,11 +47,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from dpml.devices import full_float32
+from dpml.devices import full_float32, rng_state, set_rng_state
 from dpml.train.clipping_layers import Piece, batch_first, is_fast, layer_parameters, layer_piece, reject_batch_norm
 from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
+from dpml.train.released import RuledCall, Slot, Targets
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece, per_example_gradients_of
 from dpml.train.rules.derived import pull_back
 from dpml.train.rules.outputs import RecordedOutputs
@@ -81,6 +82,12 @@ class _Recording:
         """What to ask autograd for a recorded output's δ: its edge as it was kept, else the tensor."""
         return self.kept.edge(output) or self.recorder.kept.edge(output) or output
 
+    def let_go(self) -> None:
+        """Drop every reference to the recorded outputs (:mod:`dpml.train.released`): the layers' inputs stay."""
+        self.calls.clear()
+        self.kept = RecordedOutputs()
+        self.recorder.let_go()
+
 
 def per_example_losses(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """ℓ_i for the batch, checked to be one loss per example (shape (B,))."""
@@ -89,16 +96,6 @@ def per_example_losses(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: to
         raise ValueError(f"the loss function must return one loss per example, shape ({x.shape[0]},); "
                          f"got shape {tuple(losses.shape)} (use reduction='none')")
     return losses
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, layers: list[nn.Module],
@@ -233,18 +230,17 @@ def _exact_reason(p: nn.Parameter, name: str, exact: Collection[str], recorder: 
     return "no recorded operation uses it through a rule (a custom autograd Function, or not used)"
 
 
-def _rule_pieces(recording: _Recording, ruled: dict[int, str], relevant: set[int], grads: dict[int, torch.Tensor],
-                 batch: int, dtype: torch.dtype, limit: int) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
+def _rule_pieces(recording: _Recording, calls: list[RuledCall], ruled: dict[int, str], relevant: set[int],
+                 deltas: list[torch.Tensor | None], batch: int, dtype: torch.dtype,
+                 limit: int) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
     """The ruled parameters' pieces from their uses (``relevant``: their ids and those of the computations on
     them, :class:`dpml.train.rules.registry.Derived`, whose uses are pulled back to theirs first); a parameter
     whose uses cannot be combined, with why."""
     uses: dict[int, list[Use]] = {key: [] for key in relevant}
     operations: dict[int, list[str]] = {key: [] for key in relevant}
     params: dict[int, nn.Parameter] = {}
-    for pending in recording.recorder.pending:
-        if not any(id(p) in relevant for p in pending.params):
-            continue
-        d = _as_dtype(_or_zeros(grads.get(id(pending.output)), pending.output), dtype)
+    for pending in calls:
+        d = _as_dtype(_delta(deltas, pending.slot), dtype)
         for tracked, form in pending.finish(d):
             key = id(tracked.param)
             if key in relevant:
@@ -299,13 +295,13 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
     candidates = _fast_candidates(model, names, exact)
     watched = [p for n, p in params.items() if n not in exact]
-    state = _rng_state(x.device)
+    state = rng_state(x.device)
     with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         copies = _OVERWRITTEN_OUTPUTS.get(model, frozenset())  # learnt from earlier passes: one forward pass
         recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies)
         if recording.overwritten:  # (a pass that goes another way than the earlier ones)
             _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
-            _set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
+            set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
             recording = _record_forward(model, loss_fn, x, y, candidates, watched, None)
     recorder = recording.recorder
     used = [m for m in candidates if m in recording.calls and _usable(m, recording.calls[m], batch)
@@ -316,27 +312,30 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     ruled = {id(p): n for n, p in params.items() if id(p) not in covered and n not in exact and id(p) in seen
              and id(p) not in recorder.refused}
     relevant = set(ruled) | {id(node.output) for node in recorder.derived_nodes if any(id(p) in ruled for p in node.params)}
-    outputs = [output for m in used for _, output in recording.calls[m]]
-    outputs += [pending.output for pending in recorder.pending if any(id(p) in relevant for p in pending.params)]
+    targets = Targets()  # the recorded outputs let go before the backward pass (:mod:`dpml.train.released`)
+    layer_calls = {m: [(a, targets.slot(o, recording.gradient_target(o))) for a, o in recording.calls[m]] for m in used}
+    ruled_calls = [targets.ruled(pending, recording.gradient_target(pending.output)) for pending in recorder.pending
+                   if any(id(p) in relevant for p in pending.params)]
+    recording.let_go()
+    held = targets.numbers() + sum(a.numel() for calls in layer_calls.values() for a, _ in calls)  # δ and inputs
     slow = {n: p for n, p in params.items() if id(p) not in covered and id(p) not in ruled}
     fast: list[tuple[Unit, Piece]] = []
     for name in unreached_parameters(recording.losses, slow):  # ∇_p ℓ_i = 0 for every i: nothing to take exactly
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
-    grads: dict[int, torch.Tensor] = {}
-    if outputs:
-        found = torch.autograd.grad(recording.losses.sum(), [recording.gradient_target(o) for o in outputs],  # type: ignore[arg-type]
-                                    allow_unused=True, retain_graph=bool(slow or ruled))  # (tensors and edges mixed: autograd takes both)
-        grads = {id(o): g for o, g in zip(outputs, found) if g is not None}
-    with full_float32(), pass_budget(x.device):  # norms and sums from the same numbers (no TF32)
-        for module in used:
-            calls = [(_as_dtype(inputs, zeros.dtype), _as_dtype(_or_zeros(grads.get(id(output)), output), zeros.dtype))
-                     for inputs, output in recording.calls[module]]
-            fast.append((module, layer_piece(module, calls)))
-        pieces, failed = _rule_pieces(recording, ruled, relevant, grads, batch, zeros.dtype, keep_limit(x.device))
+    deltas = targets.deltas(recording.losses, retain_graph=bool(slow))  # (kept only for the exact path)
+    with full_float32(), pass_budget(x.device, held):  # norms and sums from the same numbers (no TF32)
+        for module, calls in layer_calls.items():
+            fast.append((module, layer_piece(module, [(_as_dtype(a, zeros.dtype), _as_dtype(_delta(deltas, slot), zeros.dtype))
+                                                      for a, slot in calls])))
+        pieces, failed = _rule_pieces(recording, ruled_calls, ruled, relevant, deltas, batch, zeros.dtype, keep_limit(x.device))
     fast += pieces
-    slow.update({ruled[key]: params[ruled[key]] for key in failed})
-    reasons = {n: failed[id(p)] if id(p) in failed else _exact_reason(p, n, exact, recorder) for n, p in slow.items()}
+    reasons = {n: _exact_reason(p, n, exact, recorder) for n, p in slow.items()}
     per_example = exact_per_example_gradients(recording.losses, slow)
+    if failed:  # ruled parameters whose uses did not combine: exactly, from the forward pass again (its graph is freed)
+        reasons.update({ruled[key]: reason for key, reason in failed.items()})
+        set_rng_state(state, x.device)  # the same dropout masks
+        with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            per_example.update(per_example_gradients(model, loss_fn, x, y, [ruled[key] for key in failed]))
     return EnginePass(batch, fast, per_example, names, zeros, reasons)
 
 
@@ -348,8 +347,9 @@ def _zero_piece(param: nn.Parameter, zeros: torch.Tensor) -> Piece:
     return Piece(zeros, lambda factors: [(param, torch.zeros_like(param))])
 
 
-def _or_zeros(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if gradient is None else gradient
+def _delta(deltas: list[torch.Tensor | None], slot: Slot) -> torch.Tensor:
+    found = deltas[slot.place]
+    return slot.zeros() if found is None else found
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

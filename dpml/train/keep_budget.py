@@ -43,6 +43,9 @@ def keep_limit(device: torch.device) -> int:
 
 PASS_KEEP_LAYERS = 4
 """A pass keeps at most this many layers' limits' worth (``PASS_KEEP_LAYERS`` × the device's keep limit)."""
+KEEP_SHARE = 0.25
+"""…and at most this share of the numbers the pass holds anyway for its shortcuts (the recorded inputs and the
+output gradients): a peak memory in proportion to the model's own activations, whatever the device."""
 
 
 class _Budget:
@@ -53,10 +56,16 @@ class _Budget:
 _CURRENT: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("dpml_keep_budget", default=None)
 
 
+def pass_total(device: torch.device, held: int) -> int:
+    """What one pass may keep in all: ``PASS_KEEP_LAYERS`` × :func:`keep_limit`, and at most ``KEEP_SHARE`` × the
+    ``held`` numbers of its recorded inputs and output gradients."""
+    return min(PASS_KEEP_LAYERS * keep_limit(device), int(KEEP_SHARE * held))
+
+
 @contextlib.contextmanager
-def pass_budget(device: torch.device) -> Iterator[None]:
-    """Within the block, the layers' kept numbers together stay within ``PASS_KEEP_LAYERS`` × :func:`keep_limit`."""
-    token = _CURRENT.set(_Budget(PASS_KEEP_LAYERS * keep_limit(device)))
+def pass_budget(device: torch.device, held: int) -> Iterator[None]:
+    """Within the block, the layers' kept numbers together stay within :func:`pass_total`."""
+    token = _CURRENT.set(_Budget(pass_total(device, held)))
     try:
         yield
     finally:

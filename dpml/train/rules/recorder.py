@@ -3,25 +3,22 @@ trainable parameter among their operands to the registered rule of that function
 
 Besides the rules' pending calls it keeps track of
 
-- **views of parameters** (``w.t()``, ``w.chunk(3)[1]``, ``w[:k]``, ``w.view(…)``, casts): each is a
-  :class:`~dpml.train.rules.registry.Tracked` whose index tensor, obtained by applying the same view
-  operation to ``arange(w.numel()).view(w.shape)``, maps its elements back to the parameter's;
-- **where the batch is** in activations whose batch dimension was moved or merged by transposes and
-  reshapes (``x.transpose(0, 1)`` in ``nn.MultiheadAttention``, ``x.view(-1, n)`` before ``torch.addmm``
-  in GPT-2's ``Conv1D``): the same view operations applied to ``arange(B)`` broadcast over the
-  batch-first tensor give the example of every element (an *example map*), carried on through
-  operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast; an
-  output none of these describes is marked *lost*, and no rule assumes where its batch is. A tensor
-  without an example map is batch-first when it was computed from the batch's inputs (position ids and
-  constants were not) and its first dimension is B, as for the layer hooks;
-- **why** a parameter cannot be covered: an operation with no rule (``torch.cumsum has no rule``) or a rule
-  that refused the call (``F.linear: its input (shape (3, 5)) is not batch-first``);
+- **views of parameters** (``w.t()``, ``w.chunk(3)[1]``, ``w[:k]``, ``w.view(…)``, casts): each is a :class:`Tracked`
+  whose index tensor (the same view of ``arange(w.numel()).view(w.shape)``) maps its elements to the parameter's;
+- **where the batch is** in activations whose batch dimension was moved or merged by transposes and reshapes
+  (``x.transpose(0, 1)`` in ``nn.MultiheadAttention``, ``x.view(-1, n)`` before GPT-2's ``torch.addmm``): the same
+  views of ``arange(B)`` broadcast over the batch-first tensor give the example of every element (an *example map*),
+  carried on through operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast;
+  an output none of these describes is marked *lost*, and no rule assumes where its batch is. A tensor without an
+  example map is batch-first when it was computed from the batch's inputs (position ids and constants were not) and
+  its first dimension is B, as for the layer hooks;
+- **why** a parameter cannot be covered: an operation with no rule (``torch.cumsum has no rule``) or a rule that
+  refused the call (``F.linear: its input (shape (3, 5)) is not batch-first``);
 - whether a parameter of a hooked layer (:mod:`dpml.train.clipping`) is used outside that layer's call.
 
-An in-place operation with a rule (``h += pos``, ``h.mul_(scale)``) is applied out of place to a copy of h and the
-result copied into h: the recorded result is then never overwritten by a later in-place operation. Composite Python
-functions of ``torch.nn.functional`` with no rule (``F.multi_head_attention_forward``) are run with the recording
-still active, so the operations inside them meet their rules.
+An in-place operation with a rule (``h += pos``) is applied out of place to a copy of h, the result copied into h: no
+later in-place operation overwrites the recorded result. Composite functions of ``torch.nn.functional`` with no rule
+(``F.multi_head_attention_forward``) run with the recording active, so the operations inside meet their rules.
 """
 
 from __future__ import annotations
@@ -63,6 +60,11 @@ class Recorder(TorchFunctionMode):
         self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
         self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
         self._base = torch.arange(batch, device=device)
+
+    def let_go(self) -> None:
+        """After the forward pass: drop the pending calls, the outputs and the example maps (:mod:`..released`)."""
+        self.pending, self.kept = [], RecordedOutputs()
+        self._examples.clear()
 
     # --- what the rules ask -------------------------------------------------------------------------
     def tracked(self, value: Any) -> Tracked | None:
@@ -257,13 +259,11 @@ class Recorder(TorchFunctionMode):
         for o in outputs(out):
             self._keep_examples(o, next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None))
 
-    # --- the mode -----------------------------------------------------------------------------------
     def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = self._dispatch(func, args, kwargs)
         if any(t in self._derived for t in tensors(args, kwargs)):
-            for o in outputs(out):
-                self._derived[o] = True
+            self._derived.update((o, True) for o in outputs(out))
         return out
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
