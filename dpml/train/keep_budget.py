@@ -3,10 +3,14 @@
 A layer whose per-example gradients G_i are materialised may keep them until the clip factors are known,
 so that its clipped sum is Σ_i c_i G_i rather than a second pass over its positions
 (:func:`dpml.train.clipping_layers.materialise`). Each layer's share is bounded by :func:`keep_limit`;
-:func:`pass_budget` bounds their total in one pass: without it a
-model of many wide layers keeps B × (its dense parameters) numbers at once — BERT-base at batch 256 asked
-for ≈ 86 GB beside its activations, and ran out of an 80 GB GPU where the non-private step needs 36 GB.
-Past the pass's budget a layer takes the way that keeps nothing (ghost norm, or its norm from slices that
+:func:`pass_budget` bounds their total in one pass (:func:`pass_total`): without it a model of many wide
+layers keeps B × (its dense parameters) numbers at once — BERT-base at batch 256 asked for ≈ 86 GB beside
+its activations, and ran out of an 80 GB GPU where the non-private step needs 36 GB. The total is also at
+most ``KEEP_SHARE`` of what the pass holds anyway (its layers' inputs and output gradients), so that the DP
+step's peak memory follows the model's activations, not the device's size: a transformer's per-example
+weight gradients (d_in·d_out numbers an example) outweigh its activations (T·(d_in + d_out)) at short
+sequences, and keeping them all cost ViT-tiny 2.5× the non-private peak on this project's CPU for no speed
+(``benchmarks/results/families.md``). Past the pass's budget a layer takes the way that keeps nothing (ghost norm, or its norm from slices that
 are dropped, and its clipped sum by a second pass): slower for that layer, never more memory. Which way a
 layer takes changes only the floating-point order of its sums, never the clipping (both are exact).
 """
