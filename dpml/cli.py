@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dpml.cli_help import VERBOSE_HELP, command, examples_epilog, version
+from dpml.cli_completion import SHELLS, completion_script
+from dpml.cli_help import JSON_HELP, VERBOSE_HELP, command, examples_epilog, version
 from dpml.cli_privacy import cmd_calibrate, cmd_certificate, cmd_epsilon, cmd_ledger
 from dpml.cli_text import conformance_summary_lines, power_summary, run_summary
 from dpml.config import ConfigError, load
@@ -233,12 +234,14 @@ STAGE_NAMES = ("ingest", "split", "preprocess", "train", "certify", "audit", "ga
 
 def mechanism_args(p: argparse.ArgumentParser, required: bool) -> None:
     """DP-SGD's parameters; σ and steps are optional where one of them is being calibrated."""
-    p.add_argument("--noise-multiplier", type=_positive_float, required=required, default=None)
-    p.add_argument("--sample-rate", type=_rate, required=True)
-    p.add_argument("--steps", type=_steps, required=required, default=None)
-    p.add_argument("--delta", type=_delta, default=1e-5)
-    p.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--noise-multiplier", type=_positive_float, required=required, default=None,
+                   help="σ: the Gaussian noise's standard deviation over the clip norm")
+    p.add_argument("--sample-rate", type=_rate, required=True, help="q: each record's Poisson sampling rate, in (0, 1]")
+    p.add_argument("--steps", type=_steps, required=required, default=None, help="the number of DP-SGD steps")
+    p.add_argument("--delta", type=_delta, default=1e-5, help="δ of the (ε, δ) guarantee (default 1e-5)")
+    p.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove",
+                   help="the neighbouring relation: add or remove one record (default), or replace one")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def prefect_api_arg(p: argparse.ArgumentParser) -> None:
@@ -287,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     tun.set_defaults(func=cmd_tune)
 
     stage = command(sub, "stage", "run one stage (what dvc.yaml calls)")
-    stage.add_argument("name", choices=STAGE_NAMES)
+    stage.add_argument("name", choices=STAGE_NAMES, help="the stage: " + ", ".join(STAGE_NAMES))
     config_args(stage)
     stage.set_defaults(func=cmd_stage)
 
@@ -311,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = cert.add_mutually_exclusive_group(required=True)
     which.add_argument("model", nargs="?", default=None, help="models:/NAME/VERSION or models:/NAME@ALIAS")
     which.add_argument("--run", default=None, help="MLflow run id of a pipeline run (instead of a release)")
-    cert.add_argument("--json", action="store_true")
+    cert.add_argument("--json", action="store_true", help=JSON_HELP)
     config_args(cert)
     cert.set_defaults(func=cmd_certificate)
 
@@ -324,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     sch.set_defaults(func=cmd_schema)
 
     cal = command(sub, "calibrate", "σ for a target ε (given steps), or the most steps (given σ)")
-    cal.add_argument("--target-epsilon", type=_positive_float, required=True)
+    cal.add_argument("--target-epsilon", type=_positive_float, required=True, help="the ε to reach")
     mechanism_args(cal, required=False)
     cal.set_defaults(func=cmd_calibrate)
 
@@ -336,14 +339,23 @@ def build_parser() -> argparse.ArgumentParser:
     led.add_argument("--dataset", default=None, help="one lineage (ledger.dataset; default: every lineage)")
     led.add_argument("--person", default=None, metavar="ID",
                      help="every release that touched the person with this id (data.id_column), across lineages")
-    led.add_argument("--json", action="store_true")
+    led.add_argument("--json", action="store_true", help=JSON_HELP)
     config_args(led)
     led.set_defaults(func=cmd_ledger)
 
     eps = command(sub, "epsilon", "ε of DP-SGD with Poisson sampling, from every accountant")
     mechanism_args(eps, required=True)
     eps.set_defaults(func=cmd_epsilon)
+
+    comp = command(sub, "completion", "print the shell completion script of dpml (bash or zsh)")
+    comp.add_argument("shell", choices=SHELLS, help="the shell: " + " or ".join(SHELLS))
+    comp.set_defaults(func=cmd_completion)
     return parser
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(completion_script(build_parser(), args.shell), end="")
+    return 0
 
 
 _STORAGE_FULL = ("database or disk is full", "disk I/O error", "No space left on device", "File too large")

@@ -55,6 +55,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("dpml ledger rename patients-2026-11-20 patients", "rename a lineage, keeping its history"),
         ("dpml ledger rename bom plain --merge", "one account for the people of two lineages"),
     ],
+    "completion": [
+        ('eval "$(dpml completion bash)"', "complete dpml's commands, options and choices in this shell (~/.bashrc)"),
+        ('eval "$(dpml completion zsh)"', "the same in zsh (~/.zshrc)"),
+    ],
     "epsilon": [
         ("dpml epsilon --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000", "from every accountant"),
         ("dpml epsilon --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000 --neighbouring replace-one --json",
@@ -78,9 +82,11 @@ def version() -> str:
 
 
 def command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
-    """The parser of ``dpml NAME``: its one-line summary, and its examples at the end of its --help."""
-    return sub.add_parser(name, help=summary, epilog=examples_epilog(name),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser of ``dpml NAME``: its one-line summary (in ``dpml --help``'s list and as its own --help's description
+    line), and its examples at the end of its --help."""
+    return sub.add_parser(name, help=summary, description=summary[:1].upper() + summary[1:] + ".",
+                          epilog=examples_epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+JSON_HELP = "print the result as JSON (for scripts) instead of text"
 VERBOSE_HELP = "also show Dask's, absl's and MLflow's own logs and progress bars, and other libraries' warnings"

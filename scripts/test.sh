@@ -5,9 +5,13 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The model libraries of the `models` extra (tests/test_library_models.py), pinned in their own lock with the
 # runtime lock as constraints: test and benchmark extras, never runtime dependencies (README, Your own model).
-echo "[test] installing the model libraries pinned in requirements-models.lock"
-.venv/bin/python -m pip install --progress-bar off -r requirements-models.lock -c requirements.lock \
-  | { grep -vE '^Requirement already satisfied' || true; }
+echo "[test] installing the model libraries pinned in requirements-models.lock (pip's lines: build/setup.log)"
+if ! .venv/bin/python -m pip install --progress-bar off -r requirements-models.lock -c requirements.lock \
+    >> build/setup.log 2>&1; then
+  echo "[test] failed: installing requirements-models.lock (the last lines of build/setup.log below)" >&2
+  tail -n 30 build/setup.log >&2
+  exit 1
+fi
 # Headless Chromium for the MLflow UI test (tests/test_review_desk.py): Debian's package, installed only when
 # missing and only where we may (root with apt-get); otherwise that test skips and says why.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -21,7 +21,8 @@ from dpml.cli_help import EXAMPLES
 from dpml.progress import progress_over, progress_range
 from dpml.terminal import from_dpml, warning_line
 
-COMMANDS = ("run", "tune", "stage", "audit", "reproduce", "certificate", "schema", "calibrate", "ledger", "epsilon")
+COMMANDS = ("run", "tune", "stage", "audit", "reproduce", "certificate", "schema", "calibrate", "ledger", "epsilon",
+            "completion")
 
 
 def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:

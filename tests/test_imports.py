@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import from its own layer and the layers below it, never from one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("dpml.formatting", "dpml.faults", "dpml.io", "dpml.terminal", "dpml.devices", "dpml.interrupts",
-                     "dpml.progress", "dpml.params_yaml", "dpml.cli_help", "dpml.review_view", "dpml.tracking_dataset",
+                     "dpml.progress", "dpml.params_yaml", "dpml.cli_help", "dpml.cli_completion", "dpml.review_view",
+                     "dpml.tracking_dataset",
                      "dpml.routing", "dpml.definitions")),
     ("models", ("dpml.models",)),
     ("attack statistics", ("dpml.audit.attacks", "dpml.audit.signals")),
