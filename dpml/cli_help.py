@@ -18,7 +18,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("dpml run --prefect-api http://127.0.0.1:4200/api", "on that Prefect server (before PREFECT_API_URL)"),
         ("dpml run --engine local", "the stages in this process, no Prefect"),
         ("dpml run --params configs/census-hi.yaml --set dp.target_epsilon=1", "another configuration, one override"),
-        ("dpml run --verbose", "with Dask's, absl's and MLflow's own logs"),
+        ("dpml run --verbose", "with Prefect's, Dask's, absl's and MLflow's own logs"),
     ],
     "tune": [
         ("dpml tune", "private hyperparameter search (tune section), then certify, audit, release"),
@@ -89,4 +89,5 @@ def command(sub: argparse._SubParsersAction, name: str, summary: str) -> argpars
 
 
 JSON_HELP = "print the result as JSON (for scripts) instead of text"
-VERBOSE_HELP = "also show Dask's, absl's and MLflow's own logs and progress bars, and other libraries' warnings"
+VERBOSE_HELP = ("also show Prefect's, Dask's, absl's and MLflow's own logs and progress bars, and other libraries' "
+                "warnings")

@@ -7,6 +7,10 @@ as the Dask workers of a Prefect run):
   killing" warning at shutdown), and Prefect's Dask task runner's own INFO lines;
 * absl's warnings (``dp_accounting``'s RDP orders that fail to converge: they are excluded, safely);
 * MLflow's INFO and WARNING logs and its artifact download progress bars;
+* Prefect's own INFO lines on the console (a flow run began, its URL, each task run's "Finished in state
+  Completed()"): Prefect's logging settings with :class:`PrefectOwnInfo` on its console handler
+  (``PREFECT_LOGGING_SETTINGS_PATH``, inherited by its workers). dpml's lines through a run's logger (the
+  progress of training and of the audit) still print, and every line still reaches the Prefect API and UI;
 * Python warnings raised outside dpml's own code (``dpml: warning: …`` stays for dpml's own).
 
 Errors of every library still reach the terminal; a variable the user already set is left alone.
@@ -14,12 +18,17 @@ Errors of every library still reach the terminal; a variable the user already se
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import logging
 import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 QUIET_ENVIRONMENT = {
     "DASK_LOGGING__DISTRIBUTED": "error",          # Dask's logging config: this process and its workers
@@ -42,10 +51,54 @@ class _WarningsAndAbove(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
+class PrefectOwnInfo(logging.Filter):
+    """Passes warnings and errors, and lines logged from dpml's own code; drops Prefect's own INFO lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or from_dpml(record.pathname)
+
+
+FILTER_NAME = "dpml_prefect_own_info"
+
+
+def prefect_console_settings() -> Path | None:
+    """Prefect's own logging settings (its installed ``logging.yml``) with :class:`PrefectOwnInfo` on the console
+    handler, in a new private file (``mkstemp``: no other user's file is ever read as settings) removed when this
+    process exits; None where Prefect is not installed."""
+    spec = importlib.util.find_spec("prefect")
+    if spec is None or spec.origin is None:
+        return None
+    settings = yaml.safe_load((Path(spec.origin).parent / "logging" / "logging.yml").read_text(encoding="utf-8"))
+    settings.setdefault("filters", {})[FILTER_NAME] = {"()": f"{__name__}.{PrefectOwnInfo.__name__}"}
+    console = settings["handlers"]["console"]
+    console["filters"] = [*console.get("filters", []), FILTER_NAME]
+    handle, name = tempfile.mkstemp(prefix="dpml-prefect-logging-", suffix=".yml")
+    with os.fdopen(handle, "w", encoding="utf-8") as file:
+        yaml.safe_dump(settings, file, sort_keys=False)
+    atexit.register(lambda: Path(name).unlink(missing_ok=True))
+    return Path(name)
+
+
+def _filter_prefect_consoles() -> None:
+    """Prefect configured its logging already in this process: the filter on its console handlers as they are."""
+    for logger in (logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+                                         if n.startswith("prefect"))):
+        for handler in logger.handlers:
+            if type(handler).__name__ == "PrefectConsoleHandler" and not any(
+                    isinstance(f, PrefectOwnInfo) for f in handler.filters):
+                handler.addFilter(PrefectOwnInfo())
+
+
 def quiet_third_party_output() -> None:
-    """Keep Dask's, absl's and MLflow's noise out of this process's output and its children's."""
+    """Keep Dask's, absl's, MLflow's and Prefect's noise out of this process's output and its children's."""
     for name, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    if "PREFECT_LOGGING_SETTINGS_PATH" not in os.environ:  # an operator's own settings stand
+        settings = prefect_console_settings()
+        if settings is not None:
+            os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(settings)
+            if "prefect" in sys.modules:
+                _filter_prefect_consoles()
     try:
         import absl.logging  # noqa: F401 - lazy: absl's logger class must exist before its level is set
     except ImportError:  # absl comes with dp_accounting; without it there is nothing to quieten

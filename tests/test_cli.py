@@ -110,3 +110,41 @@ def test_other_libraries_warnings_are_shown_only_when_verbose(tmp_path: Path,
     warning_line("from dpml", UserWarning, str(REPO / "dpml" / "preflight.py"), 1)
     warning_line("from elsewhere, verbose", UserWarning, logging.__file__, 1, verbose=True)
     assert capsys.readouterr().err.splitlines() == ["dpml: warning: from dpml", "dpml: warning: from elsewhere, verbose"]
+
+
+PREFECT_RUN = """
+import sys
+from dpml.terminal import quiet_third_party_output
+if sys.argv[1] == "quiet":
+    quiet_third_party_output()  # as `dpml run` does without --verbose, before Prefect is imported
+from prefect import flow, task
+from prefect.testing.utilities import prefect_test_harness
+from dpml.progress import progress_over
+
+@task(name="count-task")
+def count() -> int:
+    return sum(1 for _ in progress_over(iter(range(50)), 50, "train", "step"))
+
+@flow(name="quiet-check")
+def pipeline() -> int:
+    return count()
+
+with prefect_test_harness():
+    print("result", pipeline())
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "verbose"])
+def test_prefects_own_lines_leave_the_console_unless_verbose_and_dpmls_stay(mode: str, tmp_path: Path) -> None:
+    """A real flow run with a task in a child process: quietened as the CLI does, Prefect's own INFO lines (a run
+    began, "Finished in state Completed()") are gone from the console and dpml's progress lines are there; without
+    it (``--verbose``) both are."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_LOGGING")}
+    env.update(PREFECT_LOGGING_LEVEL="INFO", PREFECT_HOME=str(tmp_path / "prefect"))
+    done = subprocess.run([sys.executable, "-c", PREFECT_RUN, mode], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "result 50" in done.stdout, done.stderr[-3000:]
+    progress = [line for line in done.stderr.splitlines() if "train: " in line]
+    assert len(progress) == 5 and progress[-1].split(" - ", 1)[1].startswith("train: 100% (50/50 steps")
+    prefects_own = [line for line in done.stderr.splitlines() if "Finished in state" in line or "Beginning flow run" in line]
+    assert (prefects_own == []) == (mode == "quiet"), done.stderr[-3000:]

@@ -122,8 +122,8 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
 
 
 THIRD_PARTY_NOISE = ("distributed.", "Worker process still alive", "absl", "Downloading artifacts", "INFO mlflow",
-                     "WARNING mlflow", "Add type hints", "Dask")
-"""Signs of Dask's, absl's and MLflow's logs and progress bars (and MLflow's warnings) in dpml's output."""
+                     "WARNING mlflow", "Add type hints", "Dask", "Finished in state", "Beginning flow run")
+"""Signs of Prefect's, Dask's, absl's and MLflow's logs and progress bars (and MLflow's warnings) in dpml's output."""
 
 
 @pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
@@ -139,7 +139,7 @@ def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdi
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
            "PREFECT_LOGGING_LEVEL": "INFO"}  # this test session's Prefect API; Prefect's INFO lines shown
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "MLFLOW_LOGGING_LEVEL",
-                 "DASK_LOGGING__DISTRIBUTED"):
+                 "DASK_LOGGING__DISTRIBUTED", "PREFECT_LOGGING_SETTINGS_PATH"):
         env.pop(name, None)  # the CLI itself must quieten them (conftest quietens the tests' own processes)
 
     def dpml_run(*flags: str) -> str:
@@ -165,6 +165,7 @@ def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdi
 
     verbose = dpml_run("--verbose")  # the same run again: references stored, Dask still started
     assert "distributed.scheduler" in verbose and "absl" in verbose and "Downloading artifacts" in verbose
+    assert "Finished in state Completed()" in verbose  # Prefect's own lines, kept out of the quiet run
 
 
 @pytest.mark.slow
