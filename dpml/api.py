@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -270,36 +269,6 @@ def _reserve(ledger: Ledger, mechanism: MechanismDescription, lineage: str, budg
     return reserve_and_start(ledger, lineage, mechanism, label, budget, lineage=lineage, units=units)
 
 
-def log_to_mlflow(tracking_uri: str, experiment: str, run_name: str | None, result: PrivateTraining,
-                  settings: dict[str, Any], artifact_location: str | None = None) -> str:
-    """One MLflow run: the settings, ε and δ, the certificate and mechanism, the trained weights. (A model
-    is *registered* only by the pipeline, after its audit and gate.)"""
-    from mlflow import MlflowClient  # lazy: MLflow only where a run is recorded
-
-    from dpml.tracking import get_or_create_experiment  # lazy: MLflow only where a run is recorded
-
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)  # no process-wide URI consulted
-    experiment_id = get_or_create_experiment(client, experiment, artifact_location)
-    run = client.create_run(experiment_id, run_name=run_name, tags={"dpml.source": "python-api"})
-    run_id = run.info.run_id
-    try:
-        for key, value in settings.items():
-            client.log_param(run_id, key, str(value)[:500])
-        client.log_metric(run_id, "epsilon", result.epsilon)
-        client.log_metric(run_id, "delta", float(result.certificate["delta"]))
-        client.log_metric(run_id, "train_seconds", float(result.history.get("seconds", 0.0)))
-        client.log_dict(run_id, result.certificate, "certificate.json")
-        with tempfile.TemporaryDirectory(prefix="dpml-api-") as work:
-            path = Path(work) / "model_state.pt"
-            torch.save({k: v.detach().cpu() for k, v in result.model.state_dict().items()}, path)
-            client.log_artifact(run_id, str(path))
-        client.set_terminated(run_id, "FINISHED")
-    except BaseException:
-        client.set_terminated(run_id, "FAILED")
-        raise
-    return run_id
-
-
 def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, clip_norm: float, delta: float,
                   target_epsilon: float | None = None, noise_multiplier: float | None = None,
                   sample_rate: float | None = None, expected_batch_size: int | None = None,
@@ -401,6 +370,9 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
                     "physical_batch_size": physical_batch_size, "physical_chunk": history.get("physical_chunk"),
                     "world_size": history.get("world_size", 1),
                     "spend_id": result.spend_id}
-        result.mlflow_run_id = log_to_mlflow(mlflow_tracking_uri, mlflow_experiment, run_name, result, settings,
-                                             mlflow_artifact_location)
+        from dpml.tracking.library_runs import log_training  # lazy: MLflow only where a run is recorded
+
+        result.mlflow_run_id = log_training(mlflow_tracking_uri, mlflow_experiment, run_name, settings,
+                                            result.certificate, result.model, float(result.history.get("seconds", 0.0)),
+                                            mlflow_artifact_location)
     return result

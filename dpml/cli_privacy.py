@@ -86,12 +86,12 @@ def cmd_certificate(args: argparse.Namespace) -> int:
     """Recompute a logged run's certificate from its logged mechanism description."""
     from dpml.privacy.accountants import certify  # lazy: per command
     from dpml.privacy.mechanism import MechanismDescription  # lazy: per command
-    from dpml.registered import load_run_json  # lazy: per command
+    from dpml.tracking.registered import load_run_json  # lazy: per command
 
     config = load(args.params, args.set)
     run_id = args.run
     if args.model is not None:
-        from dpml.registered import find_version  # lazy: per command
+        from dpml.tracking.registered import find_version  # lazy: per command
 
         run_id = find_version(args.model, config.tracking)["run_id"]
     logged = load_run_json(config.tracking, run_id, "certificate.json")

@@ -89,7 +89,7 @@ def destination_lines(release: dict[str, Any]) -> list[str]:
 def ui_hint(uri: str, registry_uri: str | None = None) -> str:
     """Where to look at the release: a tracking server is opened in a browser at its own URL; the embedded
     store through ``mlflow ui`` on its database (and its registry, when that is another store)."""
-    from dpml.store import is_server  # lazy: per command
+    from dpml.tracking.store import is_server  # lazy: per command
 
     if is_server(uri):
         return f"{uri.rstrip('/')}  (the tracking server's UI)"
@@ -98,10 +98,10 @@ def ui_hint(uri: str, registry_uri: str | None = None) -> str:
 
 
 def review_hint(uri: str, experiment_id: str) -> str:
-    """The runs list with the headline columns (:func:`dpml.review_view.review_url`): a full URL on a tracking
+    """The runs list with the headline columns (:func:`dpml.tracking.review_view.review_url`): a full URL on a tracking
     server, the path to open in ``mlflow ui`` (at http://127.0.0.1:5000 by default) otherwise."""
-    from dpml.store import is_server  # lazy: per command
-    from dpml.review_view import review_url  # lazy: per command
+    from dpml.tracking.store import is_server  # lazy: per command
+    from dpml.tracking.review_view import review_url  # lazy: per command
 
     return review_url(experiment_id, uri if is_server(uri) else "http://127.0.0.1:5000")
 

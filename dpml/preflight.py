@@ -8,7 +8,7 @@ in order, and stops at the first problem with one line naming the key, value or 
 2. the noise-seed variable (``DPML_NOISE_SEED`` must be a non-negative integer when set; a fixed seed
    is allowed — ``dvc repro`` needs it — but warned about, and recorded on the release);
 3. that the data, artifact, cache, ledger and MLflow artifact folders are writable;
-4. the MLflow store: created, migrated or repaired under its lock (:func:`dpml.store.prepare_store`),
+4. the MLflow store: created, migrated or repaired under its lock (:func:`dpml.tracking.store.prepare_store`),
    or, for a server, reachable;
 5. the ledger: readable, not from a newer dpml, and its unit key present and its own;
 6. a table's header: every declared column (label, features, id) is in the file;
@@ -34,7 +34,7 @@ from dpml.data.tables import check_columns
 from dpml.privacy.ledger import LedgerError, ledger_of
 from dpml.privacy.ledger_db import is_postgres, sqlite_file, without_password
 from dpml.provenance import ProvenanceError, default_remote, is_dvc_pipeline_run
-from dpml.store import StoreError, is_server, prepare_store, sqlite_path
+from dpml.tracking.store import StoreError, is_server, prepare_store, sqlite_path
 from dpml.train.dpsgd import NOISE_SEED_VARIABLE
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ import yaml
 
 from dpml.config import Config, absolute_paths, load
 from dpml.privacy.ledger_db import is_postgres, sqlite_file
-from dpml.store import sqlite_path
+from dpml.tracking.store import sqlite_path
 
 LOGGED_FILES = ("params.yaml", "dvc.lock")
 METRICS_FOLDER = "metrics"  # the git-tracked metrics dvc.yaml names: a run's output, not code

@@ -43,7 +43,6 @@ from dpml.privacy.ledger_db import is_postgres, sqlite_file, without_password
 from dpml.privacy.mechanism import MechanismDescription
 from dpml.provenance import RAW_DATA, dvc, git, locked_raw_data_md5
 from dpml.stages.ingest import stored_records_version
-from dpml.store import client
 
 
 class ReproduceError(RuntimeError):
@@ -52,7 +51,7 @@ class ReproduceError(RuntimeError):
 
 def release_tags(uri: str, tracking: Any) -> dict[str, Any]:
     """The registered version's name, number, run id and tags (``models:/NAME/VERSION`` or ``@ALIAS``)."""
-    from dpml.registered import find_version  # lazy: MLflow only where a run is recorded
+    from dpml.tracking.registered import find_version  # lazy: MLflow only where a run is recorded
 
     try:
         return find_version(uri, tracking)
@@ -90,13 +89,13 @@ def worktree_at(commit: str, repository: Path) -> Iterator[Path]:
 
 def put_logged_files(tracking: Any, run_id: str, tree: Path) -> None:
     """The run's logged ``params.yaml`` and ``dvc.lock`` into the worktree."""
-    import mlflow  # lazy: MLflow only where a run is recorded
+    from dpml.tracking.registered import download_run_file  # lazy: MLflow only where a run is recorded
 
     for name in ("params.yaml", "dvc.lock"):
         try:
-            local = client(tracking).download_artifacts(run_id, name, str(tree.parent))
-        except mlflow.exceptions.MlflowException as error:
-            raise ReproduceError(f"run {run_id}: no {name} logged ({error.message})") from None
+            local = download_run_file(tracking, run_id, name, tree.parent)
+        except ValueError as error:
+            raise ReproduceError(str(error)) from None
         shutil.copyfile(local, tree / name)
 
 
@@ -140,7 +139,7 @@ def dvc_directory_mismatches(tree: Path, expected: str) -> list[str]:
 
 def recomputed_certificate(tracking: Any, run_id: str) -> tuple[float, float]:
     """(logged ε, ε recomputed by the accountants from the logged mechanism at the logged δ)."""
-    from dpml.registered import load_run_json  # lazy: MLflow only where a run is recorded
+    from dpml.tracking.registered import load_run_json  # lazy: MLflow only where a run is recorded
 
     logged = load_run_json(tracking, run_id, "certificate.json")
     if not logged:
@@ -153,7 +152,7 @@ def recomputed_certificate(tracking: Any, run_id: str) -> tuple[float, float]:
 def rebuilt_inputs(tree: Path, tracking: Any, release: dict[str, Any], echo: Callable[[str], None]) -> dict[str, Any]:
     """Steps 1–2 in the worktree ``tree``: the logged files put in, the data pulled and both hashes
     checked. Returns ``data_version`` and the ``problems`` found."""
-    from dpml.registered import load_run_json  # lazy: MLflow only where a run is recorded
+    from dpml.tracking.registered import load_run_json  # lazy: MLflow only where a run is recorded
 
     tags = release["tags"]
     echo(f"code      {tags['code.commit']} checked out in a clean worktree")
@@ -242,7 +241,7 @@ def retrain_in(tree: Path, ledger: dict[str, Any]) -> dict[str, Any]:
 def rebuild_release(uri: str, config: Any, repository: Path, band: float,
                     echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Retrain the release from its commit and data (module docstring) and compare."""
-    from dpml.registered import load_run_json  # lazy: MLflow only where a run is recorded
+    from dpml.tracking.registered import load_run_json  # lazy: MLflow only where a run is recorded
 
     release, checks = _release_and_warnings(uri, config.tracking, echo)
     tags = release["tags"]
@@ -275,7 +274,9 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
 
 
 def _logged_metric(tracking: Any, run_id: str, name: str) -> float:
-    metrics = client(tracking).get_run(run_id).data.metrics
+    from dpml.tracking.registered import run_metrics  # lazy: MLflow only where a run is recorded
+
+    metrics = run_metrics(tracking, run_id)
     if name not in metrics:
         raise ReproduceError(f"run {run_id}: no {name} metric logged")
     return float(metrics[name])

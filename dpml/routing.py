@@ -16,7 +16,7 @@ params key                        environment variable        default
 The resolved values live in the configuration (``tracking.*``, with ``tracking.origins`` saying where
 each came from), which every stage, task and worker receives; they are logged with the MLflow run and
 printed in the run's summary. Every MLflow call below the edge names its store explicitly
-(:func:`dpml.store.client`): nothing reads these variables or MLflow's process-wide URIs
+(:func:`dpml.tracking.store.client`): nothing reads these variables or MLflow's process-wide URIs
 (``mlflow.set_tracking_uri``), and nothing writes them, so a second run in the same process with
 another setting goes where its own configuration says.
 

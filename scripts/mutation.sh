@@ -17,8 +17,8 @@
 #                                                                  tests/test_accountant_registry.py
 #   ledger       the ledger's reservation, composition, budget      tests/test_ledger.py, tests/test_unit_ledger.py,
 #                checks, views and spend lifecycle (dpml/privacy/     tests/test_spending.py, test_kl_certificate.py,
-#                                                                  test_lineage_by_records.py (SQLite, no race, no
-#                                                                  pipeline run)
+#                                                                  test_lineage_by_records.py, test_ledger_views.py
+#                                                                  (SQLite, no race, no pipeline run)
 #                ledger.py, ledger_views.py, unit_accounts.py,
 #                budget_checks.py, spending.py)
 #
@@ -55,7 +55,7 @@ for target in "${targets[@]}"; do
     ledger) files+=(dpml/privacy/ledger.py dpml/privacy/ledger_views.py dpml/privacy/unit_accounts.py
                     dpml/privacy/budget_checks.py dpml/privacy/spending.py)
             tests+=(tests/test_ledger.py tests/test_unit_ledger.py tests/test_spending.py tests/test_kl_certificate.py
-                    tests/test_lineage_by_records.py)
+                    tests/test_lineage_by_records.py tests/test_ledger_views.py)
             for method in reserve cancel record_event _standing_of_run _lineage_standing _filter_order; do
               patterns+=("dpml.privacy.ledger.xǁLedgerǁ${method}__mutmut_*")
             done

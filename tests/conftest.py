@@ -45,7 +45,7 @@ def an_empty_store(database: Path, artifact_root: Path) -> None:
     import tempfile
 
     from dpml.sections_stores import TrackingConfig
-    from dpml.store import prepare_store
+    from dpml.tracking.store import prepare_store
 
     if not _EMPTY_STORE:
         template = Path(tempfile.mkdtemp(prefix="dpml-empty-store-")) / "mlflow.db"

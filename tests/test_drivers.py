@@ -78,7 +78,7 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
 
     from dpml.config import load
     from dpml.stages import STAGES
-    from dpml.store import client as store_client
+    from dpml.tracking.store import client as store_client
 
     client = store_client(load(root / "params.yaml", environ={}).tracking)
     releases = client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")

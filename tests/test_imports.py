@@ -18,8 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import from its own layer and the layers below it, never from one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("dpml.formatting", "dpml.faults", "dpml.io", "dpml.terminal", "dpml.devices", "dpml.interrupts",
-                     "dpml.progress", "dpml.params_yaml", "dpml.cli_help", "dpml.cli_completion", "dpml.review_view",
-                     "dpml.tracking_dataset",
+                     "dpml.progress", "dpml.params_yaml", "dpml.cli_help", "dpml.cli_completion",
                      "dpml.routing", "dpml.definitions")),
     ("models", ("dpml.models",)),
     ("attack statistics", ("dpml.audit.attacks", "dpml.audit.signals")),
@@ -28,8 +27,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("privacy", ("dpml.privacy",)),
     ("training", ("dpml.train",)),
     ("configuration", ("dpml.config",)),
-    ("evidence and stores", ("dpml.audit", "dpml.report", "dpml.store", "dpml.serving")),
-    ("records of a run", ("dpml.tracking", "dpml.provenance", "dpml.registered", "dpml.preflight")),
+    ("evidence", ("dpml.audit", "dpml.report")),
+    ("records of a run", ("dpml.tracking", "dpml.provenance", "dpml.preflight")),
     ("stages", ("dpml.stages",)),
     ("front doors", ("dpml", "dpml.__main__", "dpml.api", "dpml.cli", "dpml.cli_privacy", "dpml.cli_text",
                      "dpml.reproduce")),
@@ -218,3 +217,34 @@ def test_an_untagged_import_inside_a_function_is_found() -> None:
     source = ("import os\n\n\ndef f():\n    import json  # lazy: json only here\n    from dpml import config\n"
               "    return json, config\n")
     assert untagged_function_imports(source) == [6]
+
+
+def imports_of_package(source: str, package: str) -> list[int]:
+    """Lines that import ``package`` or one of its modules, anywhere in ``source`` (inside functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name == package or name.startswith(package + ".") for name in names):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_only_the_tracking_package_imports_mlflow() -> None:
+    """Everything MLflow lives in ``dpml/tracking/`` (README, Design): a stage, a front door or a report that needs
+    a run, a version or a store asks that package, so an MLflow change is made in one place."""
+    elsewhere = {name: lines for name, path in modules().items()
+                 if not (name == "dpml.tracking" or name.startswith("dpml.tracking."))
+                 and (lines := imports_of_package(path.read_text(encoding="utf-8"), "mlflow"))}
+    assert elsewhere == {}, f"mlflow imported outside dpml/tracking/ (module: lines): {elsewhere}"
+    assert imports_of_package((ROOT / "dpml" / "tracking" / "runs.py").read_text(encoding="utf-8"), "mlflow")
+
+
+def test_an_mlflow_import_is_found_wherever_it_is_written() -> None:
+    source = ("import os\nimport mlflow.pyfunc\n\n\ndef f():\n    from mlflow import MlflowClient  # lazy: x\n"
+              "    import mlflowx\n    from .mlflow import y\n    return MlflowClient\n")
+    assert imports_of_package(source, "mlflow") == [2, 6]

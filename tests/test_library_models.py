@@ -421,7 +421,7 @@ def test_the_pipeline_trains_a_library_model_on_a_tokens_table_and_serves_it(fac
     from dpml.config import load
     from dpml.models import build_model, spec_from_dict
     from dpml.stages.layout import Layout
-    from dpml.serving import save_classifier
+    from dpml.tracking.serving import save_classifier
 
     frame = token_table(library_factories / "tokens.csv")
     params = token_params(library_factories, factory)
@@ -576,7 +576,7 @@ def test_the_model_libraries_are_a_pinned_extra_and_never_runtime_dependencies()
 
 
 def test_dpml_runs_without_loading_any_model_library() -> None:
-    code = ("import sys, dpml, dpml.api, dpml.cli, dpml.stages, dpml.serving, dpml.models.library, "
+    code = ("import sys, dpml, dpml.api, dpml.cli, dpml.stages, dpml.tracking.serving, dpml.models.library, "
             "dpml.train.token_records; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             f"{LIBRARIES!r}))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -29,8 +29,8 @@ from dpml.privacy.ledger import Ledger
 from dpml.privacy.spending import reserve_and_start
 from dpml.sections_stores import TrackingConfig
 from dpml.stages.register import REGISTERING, identity_of, registering_processes
-from dpml.store import prepare_store
-from dpml.tracking import clean_up_unreleased_runs
+from dpml.tracking.store import prepare_store
+from dpml.tracking.runs import clean_up_unreleased_runs
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {
     "PYTHONPATH": str(REPO), "DPML_NOISE_SEED": "11", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}

@@ -250,7 +250,7 @@ def test_private_search_releases_the_best_candidate_and_charges_the_search(workd
     layout = Layout(config)
     assert list(json.loads(layout.model_spec.read_text())["hidden"]) == chosen["model.hidden"]
     x = torch.from_numpy(np.load(layout.prepared["test"])["x"][:16])
-    from dpml.registered import resolve_model
+    from dpml.tracking.registered import resolve_model
 
     registered = resolve_model(f"models:/dpml-test-model/{version.version}", config.tracking)["model"]
     with torch.no_grad():

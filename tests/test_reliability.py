@@ -317,7 +317,7 @@ def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, wher
     left back (no file, tables without a revision, the revision before the migration it was in, or a
     fully migrated store without its default experiment) before dpml repairs it."""
     from dpml.sections_stores import TrackingConfig
-    from dpml.store import prepare_store
+    from dpml.tracking.store import prepare_store
 
     migrations = _migrations()
     revision, before = {"first migration": migrations[0], "middle migration": migrations[len(migrations) // 2],
@@ -375,7 +375,7 @@ def test_a_store_whose_writer_was_killed_mid_transaction_is_rolled_back_not_copi
     from mlflow import MlflowClient
 
     from dpml.sections_stores import TrackingConfig
-    from dpml.store import prepare_store
+    from dpml.tracking.store import prepare_store
 
     database = tmp_path / "mlflow.db"
     config = TrackingConfig(uri=f"sqlite:///{database}", artifact_root=str(tmp_path / "art"))
@@ -395,7 +395,7 @@ def test_a_store_whose_writer_was_killed_mid_transaction_is_rolled_back_not_copi
 
 def test_a_half_migrated_store_is_set_aside_and_one_with_runs_is_never_touched(tmp_path: Path) -> None:
     from dpml.sections_stores import TrackingConfig
-    from dpml.store import StoreError, prepare_store
+    from dpml.tracking.store import StoreError, prepare_store
 
     config = TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"))
     assert prepare_store(config) == "created"
@@ -413,7 +413,7 @@ def test_a_half_migrated_store_is_set_aside_and_one_with_runs_is_never_touched(t
 
 
 def _log_one_run(config) -> None:  # noqa: ANN001
-    from dpml.store import client
+    from dpml.tracking.store import client
 
     store = client(config)
     run = store.create_run("0")

@@ -138,7 +138,7 @@ def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
     if chromium() is None:
         pytest.skip("no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
                     "the MLflow UI was not checked in a browser")
-    from dpml.review_view import review_url
+    from dpml.tracking.review_view import review_url
 
     epsilon = format_epsilon(released["results"]["certify"]["epsilon"])
     run_name = f"digits · dpsgd · ε={epsilon}"

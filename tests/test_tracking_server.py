@@ -26,7 +26,7 @@ import torch
 from mlflow import MlflowClient
 
 from dpml.config import load
-from dpml.tracking import get_or_create_experiment
+from dpml.tracking.runs import get_or_create_experiment
 from tests.conftest import small_params, write_params
 
 MODEL = "dpml-test-model"
@@ -38,7 +38,7 @@ def clean_environment(**extra: str) -> dict[str, str]:
 
 
 def test_workers_creating_the_experiment_and_model_at_once_share_them(mlflow_server: dict[str, Any]) -> None:
-    from dpml.tracking import _ensure_registered_model
+    from dpml.tracking.runs import _ensure_registered_model
 
     workers = 8
     barrier = threading.Barrier(workers)

@@ -19,7 +19,7 @@ no privacy (the same argument as for the scaling in :mod:`dpml.data.preprocess`)
 bounds it returns (one-hot and indicator columns: [0, 1]) are what the preprocess stage scales by.
 
 This module imports nothing from dpml: the registered MLflow model carries it (by value) to apply
-the same encoding to raw rows wherever the model is loaded (:mod:`dpml.serving`).
+the same encoding to raw rows wherever the model is loaded (:mod:`dpml.tracking.serving`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Optionally, between scaling and clipping, a data-independent feature extractor (
 :mod:`dpml.data.features`) replaces the pixels.
 
 :class:`PublicTransform` holds these constants and nothing else: the preprocess stage applies it to
-every part, and the registered model applies the same object to raw records (:mod:`dpml.serving`).
+every part, and the registered model applies the same object to raw records (:mod:`dpml.tracking.serving`).
 This module imports nothing from dpml at load (the registered model carries it by value).
 """
 

@@ -26,8 +26,8 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     data's content hash differs from the version's ``data.version`` tag, then runs the audit with the
     certified mechanism's σ and logs the result as a new MLflow run linked from the version.
     """
-    from dpml import tracking as mlflow_tracking  # lazy: MLflow only where a run is recorded
-    from dpml.registered import load_run_json, resolve_model  # lazy: MLflow only where a run is recorded
+    from dpml.tracking import runs as mlflow_tracking  # lazy: MLflow only where a run is recorded
+    from dpml.tracking.registered import load_run_json, resolve_model  # lazy: MLflow only where a run is recorded
 
     registered = resolve_model(model_uri, tracking)
     logged = validate(registered["config"], origin=f"config.json of run {registered['run_id']}")

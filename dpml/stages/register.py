@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def serving_spec(config: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
-    """What the registered model needs to take raw records (:mod:`dpml.serving`), all public: the class
+    """What the registered model needs to take raw records (:mod:`dpml.tracking.serving`), all public: the class
     names, the table encoding or the raw feature count, and the public transform."""
     encoding = table_encoding(config.data, config.preprocess)
     source = {"table": encoding.to_dict()} if encoding is not None else {"n_features": int(data_meta["n_features"])}
@@ -46,12 +46,12 @@ def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
 
     Every run whose registration never finished — FAILED or KILLED, or RUNNING under a process that was
     killed outright — has its model versions withdrawn and the champion alias put back
-    (:func:`dpml.tracking.clean_up_unreleased_runs`); its spend gets ``release_abandoned`` (it stays
+    (:func:`dpml.tracking.runs.clean_up_unreleased_runs`); its spend gets ``release_abandoned`` (it stays
     counted, and ``dpml stage register`` may still release its outputs). A run killed after its MLflow
     run finished but before the ledger heard of it released a model the ledger does not name: its spend
     gets the ``released`` event it missed, marked ``reconciled``.
     """
-    from dpml import tracking  # lazy: MLflow only where a run is recorded
+    from dpml.tracking import runs as tracking  # lazy: MLflow only where a run is recorded
 
     spends = {s.id: s for s in ledger.spends(counted_only=False)}
     for cleaned in tracking.clean_up_unreleased_runs(config.tracking, registering_processes(ledger)):
@@ -137,8 +137,8 @@ def register(config: Config) -> dict[str, Any]:
     """Log the run to MLflow and register the model version with its privacy tags — once per spend, and
     only the outputs that spend paid for (:mod:`dpml.stages.spend_outputs`): a spend already released in
     this registry gets its version back (a retried task, a repeated ``dpml stage register``)."""
-    from dpml import tracking  # lazy: MLflow only where a run is recorded
-    from dpml.tracking_dataset import training_dataset  # lazy: MLflow only where a run is recorded
+    from dpml.tracking import runs as tracking  # lazy: MLflow only where a run is recorded
+    from dpml.tracking.dataset import training_dataset  # lazy: MLflow only where a run is recorded
 
     started = time.time()
     as_run = config

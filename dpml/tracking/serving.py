@@ -154,7 +154,7 @@ def save_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any
                     mlflow_model: Any = None) -> Path:
     """Save the raw-record pyfunc as an MLflow model folder under ``workdir`` (returned); ``mlflow_model``
     (an ``mlflow.models.Model``) carries the run and logged-model ids it is logged under. Storing it is
-    :mod:`dpml.tracking`'s job, against the run's own stores."""
+    :mod:`dpml.tracking.runs`'s job, against the run's own stores."""
     workdir.mkdir(parents=True, exist_ok=True)
     network_path = workdir / NETWORK_FILE
     export_network(network, n_inputs, network_path)

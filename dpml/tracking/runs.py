@@ -6,14 +6,14 @@ audit's numbers, the training data set, the privacy report, the certificate, the
 under it one nested run per stage with the times, parameters and metrics that stage recorded
 (:mod:`dpml.stages.records`). The experiment is tagged as a model-development experiment.
 
-Every call names its stores: the client of :func:`dpml.store.client` carries the run's tracking URI and
+Every call names its stores: the client of :func:`dpml.tracking.store.client` carries the run's tracking URI and
 registry URI, resolved once at the edge (:mod:`dpml.routing`); nothing here reads or sets MLflow's
 process-wide URIs, so two runs in one process with different settings each go where they say.
 
 **A release is all or nothing, and one per spend** (:func:`log_release`). The model version is created
 with all its privacy tags and its description in one call, after everything else of the run is logged;
 the ``champion`` alias moves only when the release gate passed, under the registry's lock
-(:func:`dpml.store.store_lock`), so concurrent runs all register and the alias ends on the newest
+(:func:`dpml.tracking.store.store_lock`), so concurrent runs all register and the alias ends on the newest
 passing release. Any failure or interrupt inside registration deletes the version it made, puts the
 alias back and ends the MLflow run FAILED (KILLED for an interrupt) before it propagates; a process
 killed outright leaves a RUNNING run, which the next registration cleans up like every FAILED and
@@ -42,10 +42,10 @@ from mlflow.entities import DatasetInput, InputTag, LoggedModelOutput, Metric, P
 
 from dpml.config import TrackingConfig
 from dpml.faults import fault_point
-from dpml.review_view import save_review_view
-from dpml.serving import save_classifier
-from dpml.store import client as store_client
-from dpml.store import is_server, store_lock
+from dpml.tracking.review_view import save_review_view
+from dpml.tracking.serving import save_classifier
+from dpml.tracking.store import client as store_client
+from dpml.tracking.store import is_server, store_lock
 
 __all__ = ["CHAMPION", "clean_up_unreleased_runs", "finished_releases", "get_or_create_experiment", "log_audit",
            "log_release", "record_verdict", "release_of_spend"]
@@ -153,7 +153,7 @@ def _ms_now() -> int:
 
 def _log_model(client: MlflowClient, experiment_id: str, run_id: str, model: torch.nn.Module, in_features: int,
                serving_spec: dict[str, Any]) -> tuple[str, str]:
-    """Log the raw-record pyfunc (:mod:`dpml.serving`) as the run's logged model ``model``, through the
+    """Log the raw-record pyfunc (:mod:`dpml.tracking.serving`) as the run's logged model ``model``, through the
     run's own client; returns (logged model id, its artifact location). The version's source is that
     location, not ``models:/<id>``: MLflow resolves the latter through its process-wide tracking URI."""
     from mlflow.entities import LoggedModelStatus  # lazy: MLflow only where a run is recorded
@@ -181,7 +181,7 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
 
     The parent run starts when the first of ``stage_runs`` (the stages' records) started, so its duration
     is the pipeline's; each record becomes a nested run. ``dataset`` is logged as the training input. The
-    model is the raw-record pyfunc of :mod:`dpml.serving`: ``model`` (taking ``in_features`` prepared
+    model is the raw-record pyfunc of :mod:`dpml.tracking.serving`: ``model`` (taking ``in_features`` prepared
     inputs) behind the public preprocessing that ``serving_spec`` describes. The version is created last,
     after every file, child run and the model are stored; the run ends FINISHED only after it."""
     client = store_client(config)

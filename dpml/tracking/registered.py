@@ -12,8 +12,8 @@ from typing import Any
 import mlflow
 
 from dpml.config import TrackingConfig
-from dpml.serving import load_network
-from dpml.store import client as store_client
+from dpml.tracking.serving import load_network
+from dpml.tracking.store import client as store_client
 
 
 def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
@@ -25,6 +25,19 @@ def load_run_json(config: TrackingConfig, run_id: str, name: str) -> Any:
     except (mlflow.exceptions.MlflowException, OSError, ValueError) as error:
         reason = getattr(error, "message", None) or str(error)
         raise ValueError(f"run {run_id}: no {name} logged in {config.uri} ({reason})") from None
+
+
+def download_run_file(config: TrackingConfig, run_id: str, name: str, directory: Path) -> Path:
+    """A file artifact of a logged run, downloaded into ``directory``; a ValueError naming it when it is missing."""
+    try:
+        return Path(store_client(config).download_artifacts(run_id, name, str(directory)))
+    except mlflow.exceptions.MlflowException as error:
+        raise ValueError(f"run {run_id}: no {name} logged ({error.message})") from None
+
+
+def run_metrics(config: TrackingConfig, run_id: str) -> dict[str, float]:
+    """A logged run's metrics (the last value of each)."""
+    return dict(store_client(config).get_run(run_id).data.metrics)
 
 
 def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:

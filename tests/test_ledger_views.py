@@ -1,0 +1,111 @@
+"""The ledger's answers about one person and about a lineage's filter, pinned by the ledger's mutation round
+(``bash scripts/mutation.sh ledger``; ``benchmarks/results/mutation.md`` lists each mutant these tests kill).
+
+Each test names the bug it pins. The ledgers are real (SQLite, and PostgreSQL where a test takes
+``ledger_location``); the mechanisms are ρ-zCDP releases, composed in closed form, so every expected ε is
+recomputed here from a ledger holding one release of the summed ρ (zCDP composes by adding ρ: Bun & Steinke
+2016, Lemma 2.3), not from the code under test's own sum.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpml.data.units import digests_of_ids
+from dpml.privacy.ledger import BudgetExceeded, Ledger
+from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
+from dpml.privacy.unit_accounts import filter_bound, filter_order
+
+DELTA = 1e-5
+
+
+def release(rho: float) -> MechanismDescription:
+    return MechanismDescription("onepass", (ConcentratedDP(rho),), "add-remove", 1.0, 100)
+
+
+def people(ids: range | list[int]) -> np.ndarray:
+    return digests_of_ids([f"p{i:05d}" for i in ids])
+
+
+def epsilon_of_one_release(rho: float, tmp_path: Path) -> float:
+    """ε at DELTA of a single ρ-zCDP release, from a ledger of its own."""
+    alone = Ledger(str(tmp_path / f"alone-{rho!r}.db"), DELTA)
+    alone.reserve("v", release(rho), "alone", 1e9, lineage="alone")
+    return alone.total("alone")
+
+
+def test_a_persons_view_lists_every_release_that_touched_them_with_its_numbers(ledger_location: str,
+                                                                              tmp_path: Path) -> None:
+    """``dpml ledger person``: the releases charged to the person's units, a release charged to the whole lineage
+    (no unit list) among them, a cancelled one listed as not counted, each with its lineage, label and ε alone;
+    the person's ε composes the counted ones, at the ledger's δ. Pins: the lineage-wide releases left out of a
+    person's history (``_base`` asked about no lineage), a cancelled release listed as counted or dropped from
+    the list (the listing taken from the counted spends only), the record's keys."""
+    ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
+    first = ledger.reserve("v1", release(0.05), "first", 100.0, lineage="L", units=people(range(100)))
+    everyone = ledger.reserve("v1", release(0.02), "everyone", 100.0, lineage="L")
+    dropped = ledger.reserve("v1", release(0.03), "dropped", 100.0, lineage="L", units=people(range(50, 60)))
+    ledger.cancel(dropped.id, "the run failed before it started")
+    view = ledger.person(people([55]))
+    assert view is not None and view["lineages"] == ["L"] and view["delta"] == DELTA
+    assert view["releases"] == [
+        {"spend": first.id, "lineage": "L", "label": "first", "epsilon_alone": pytest.approx(first.epsilon_alone),
+         "counted": True},
+        {"spend": everyone.id, "lineage": "L", "label": "everyone",
+         "epsilon_alone": pytest.approx(everyone.epsilon_alone), "counted": True},
+        {"spend": dropped.id, "lineage": "L", "label": "dropped", "epsilon_alone": pytest.approx(dropped.epsilon_alone),
+         "counted": False}]
+    assert view["epsilon"] == pytest.approx(epsilon_of_one_release(0.07, tmp_path), rel=1e-9)
+    assert first.epsilon_alone == pytest.approx(epsilon_of_one_release(0.05, tmp_path), rel=1e-9)
+    assert ledger.person(people([5]))["epsilon"] == pytest.approx(view["epsilon"], rel=1e-12)  # not in `dropped`
+    assert ledger.person(people([500])) is None
+
+
+def test_the_refusal_names_the_spent_epsilon_once_when_the_units_agree_and_as_a_range_when_they_differ(
+        tmp_path: Path) -> None:
+    """The refusal's "spent ε = …" is one number when every unit over the budget has the same ε and
+    ``low…high`` otherwise. Pins the comparison that picks the form (always a range, never a range, reversed)."""
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
+    ledger.reserve("v1", release(0.05), "all", 100.0, lineage="L", units=people(range(200)))
+    ledger.reserve("v1", release(0.05), "some", 100.0, lineage="L", units=people(range(100, 200)))
+    low, high = sorted(e for e, _ in ledger.unit_epsilons("L"))
+    assert f"{low:.4g}" != f"{high:.4g}"
+
+    def refusal(units: np.ndarray) -> str:
+        with pytest.raises(BudgetExceeded) as refused:
+            ledger.reserve("v2", release(0.05), "next", 0.99 * high, lineage="L", units=units)
+        return str(refused.value)
+
+    assert re.search(rf"spent ε = {re.escape(f'{high:.4g}')} already", refusal(people(range(100, 200))))
+    assert f"spent ε = {low:.4g}…{high:.4g} already" in refusal(people(range(200)))
+
+
+def test_a_run_that_reaches_the_filters_bound_exactly_may_take_part(tmp_path: Path) -> None:
+    """The Rényi filter admits a run whose RDP at α* reaches B*(α*) exactly (Feldman & Zrnic 2021: the filter
+    is Σ ρ_s(α*) ≤ B*, not <) and refuses one a hair above. Pins the tolerance's sign at the bound."""
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
+    order = filter_order(1.0, DELTA)
+    rho = filter_bound(order, 1.0, DELTA) / order  # ρ-zCDP: RDP ρα, so ρ·α* = B*
+    assert ledger.units_within_filter("F", people(range(5)), release(rho), 1.0).all()
+    assert not ledger.units_within_filter("F", people(range(5)), release(rho * (1 + 1e-9)), 1.0).any()
+
+
+def test_the_filters_order_is_the_one_fixed_at_the_lineages_first_filtered_run(tmp_path: Path) -> None:
+    """α* is chosen once, at a lineage's first filtered run, from that run's budget; a later run with another
+    budget is checked at the same α* (a filter whose order moves with each run's settings is no longer the
+    filter of Feldman & Zrnic's theorem). Pins the stored order ignored (recomputed from each run's budget)."""
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
+    first, later = 1.0, 8.0
+    fixed, moved = filter_order(first, DELTA), filter_order(later, DELTA)
+    assert fixed != moved
+    ledger.reserve("v1", release(0.001), "first", first, lineage="L", units=people(range(10)), mode="exclude")
+    room_fixed = filter_bound(fixed, later, DELTA) / fixed - 0.001   # the largest ρ the fixed order admits
+    room_moved = filter_bound(moved, later, DELTA) / moved - 0.001   # … and the order this budget would pick
+    assert room_fixed < room_moved
+    between = release((room_fixed + room_moved) / 2)
+    assert not ledger.units_within_filter("L", people(range(10)), between, later).any()
+    assert ledger.units_within_filter("L", people(range(10)), release(room_fixed * 0.99), later).all()
