@@ -7,7 +7,7 @@ training processes are stopped there) and the CLI prints one line saying what wa
 - **Ctrl-C** (SIGINT): Python's :class:`KeyboardInterrupt`, wherever the main thread is.
 - **SIGTERM**: Python's default ends the process on the spot, with no cleanup, leaving its child
   processes behind; inside :func:`termination_raises` it raises :class:`Terminated` instead, wherever
-  the main thread is (what a kill at that point leaves is already safe: see the README, Reliability).
+  the main thread is (what a kill at that point leaves is already safe: see the documentation, Reliability).
 - **A request from another thread** (a Prefect cancellation seen by the flow's watcher,
   ``flows/cancellation.py``): :class:`StopRequests` raises :class:`Cancelled` in the main thread only
   at safe points — at a :meth:`~StopRequests.checkpoint` (between stages) or anywhere inside a

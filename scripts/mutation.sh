@@ -71,7 +71,7 @@ done
 WORK="${MUTATION_DIR:-$ROOT/build/mutation}"
 rm -rf "$WORK"
 mkdir -p "$WORK"
-cp -r dpml tests configs examples params.yaml pyproject.toml README.md "$WORK/"
+cp -r dpml tests configs examples docs params.yaml pyproject.toml README.md "$WORK/"
 find "$WORK" -name __pycache__ -prune -exec rm -rf {} +
 
 toml_list() { local out="" item; for item in "$@"; do out+="\"$item\", "; done; echo "[${out%, }]"; }
@@ -87,7 +87,7 @@ only_mutate = $(toml_list "${files[@]}")
 pytest_add_cli_args_test_selection = $(toml_list "${tests[@]}")
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow and not exhaustive"$by_name]
 process_isolation = "forkserver"
-also_copy = ["examples", "params.yaml", "README.md", "configs"]
+also_copy = ["examples", "docs", "params.yaml", "README.md", "configs"]
 use_git_change_detection = false
 EOF
 

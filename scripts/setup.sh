@@ -43,6 +43,6 @@ if command -v npm >/dev/null 2>&1; then
   # `dvc plots show` renders offline; the path is relative to .dvc/
   .venv/bin/dvc config --local plots.html_template ../build/dvc-plots-offline.html
 else
-  echo "npm not found: dvc plots show needs a network for its charts (README, Comparing runs with DVC)" >&2
+  echo "npm not found: dvc plots show needs a network for its charts (docs: Compare runs with DVC)" >&2
 fi
 say "done: $(.venv/bin/dpml --version)"

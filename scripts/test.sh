@@ -4,11 +4,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The model libraries of the `models` extra (tests/test_library_models.py), pinned in their own lock with the
-# runtime lock as constraints: test and benchmark extras, never runtime dependencies (README, Your own model).
+# runtime lock as constraints: test and benchmark extras, never runtime dependencies (docs: Your own model).
 echo "[test] installing the model libraries pinned in requirements-models.lock (pip's lines: build/setup.log)"
 if ! .venv/bin/python -m pip install --progress-bar off -r requirements-models.lock -c requirements.lock \
     >> build/setup.log 2>&1; then
   echo "[test] failed: installing requirements-models.lock (the last lines of build/setup.log below)" >&2
+  tail -n 30 build/setup.log >&2
+  exit 1
+fi
+# The documentation site's tools (tests/test_docs.py builds it with warnings as errors), pinned the same way.
+echo "[test] installing the documentation tools pinned in requirements-docs.lock (pip's lines: build/setup.log)"
+if ! .venv/bin/python -m pip install --progress-bar off -r requirements-docs.lock -c requirements.lock \
+    >> build/setup.log 2>&1; then
+  echo "[test] failed: installing requirements-docs.lock (the last lines of build/setup.log below)" >&2
   tail -n 30 build/setup.log >&2
   exit 1
 fi

@@ -1,7 +1,7 @@
-"""Accountants are an extension point shaped like the trainer (README, Design): one file registers an
+"""Accountants are an extension point shaped like the trainer (docs/explanations/design.md): one file registers an
 accountant that says which mechanism descriptions it supports, and the certificate asks it about those only.
 
-- the example accountant of the README (``examples/full_batch_gaussian_accountant.py``) is shown there verbatim;
+- the example accountant of the documentation's Design page (``examples/full_batch_gaussian_accountant.py``) is shown there verbatim;
 - listed under ``plugins:``, it answers for full-batch DP-GD, agreeing with dp_accounting's PLD (an independent
   accountant) and never above the moments closed form, and is not asked about a subsampled or random-count
   mechanism;
@@ -39,8 +39,8 @@ def full_batch(sigma: float, steps: int, relation: str = "add-remove") -> Mechan
     return MechanismDescription("dpgd", (PoissonGaussianSteps(1.0, sigma, steps),), relation, 1.0, 1000)  # type: ignore[arg-type]
 
 
-def test_the_readme_shows_the_example_accountant_verbatim() -> None:
-    assert EXAMPLE.read_text().strip() in (ROOT / "README.md").read_text()
+def test_the_design_page_shows_the_example_accountant_verbatim() -> None:
+    assert EXAMPLE.read_text().strip() in (ROOT / "docs" / "explanations" / "design.md").read_text()
 
 
 @pytest.mark.parametrize("relation", ["add-remove", "replace-one"])

@@ -1,8 +1,8 @@
-"""Attacks are an extension point shaped like the trainer (README, Design): one file registers an attack, the
+"""Attacks are an extension point shaped like the trainer (docs/explanations/design.md): one file registers an attack, the
 configuration validates its name, the audit trains reference models when it says it needs them, and the
 audit runs it beside the built-in ones.
 
-- the example attack of the README (``examples/calibrated_loss_attack.py``) is shown there verbatim;
+- the example attack of the documentation's Design page (``examples/calibrated_loss_attack.py``) is shown there verbatim;
 - its name validates only once its module is listed under ``plugins:``, and an attack that needs reference
   models is refused with ``audit.references: 0``;
 - its scores are the difficulty-calibrated loss, and they separate members whose loss sits below their
@@ -36,8 +36,8 @@ def params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-def test_the_readme_shows_the_example_attack_verbatim() -> None:
-    assert EXAMPLE.read_text().strip() in (ROOT / "README.md").read_text()
+def test_the_design_page_shows_the_example_attack_verbatim() -> None:
+    assert EXAMPLE.read_text().strip() in (ROOT / "docs" / "explanations" / "design.md").read_text()
 
 
 def test_an_attack_validates_once_its_plugin_registered_it() -> None:

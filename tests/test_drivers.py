@@ -137,7 +137,7 @@ def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
         shown = prefect("deployment", "inspect", "privacy_audited_pipeline/weekly-retrain")
         assert "'cron': '0 3 * * 1'" in shown and "flows/pipeline.py:privacy_audited_pipeline" in shown
         assert "'active': True" in shown
-        # the README's trigger by hand and watch commands (no worker here: the run stays scheduled)
+        # the documented (Scheduling) trigger by hand and watch commands (no worker here: the run stays scheduled)
         triggered = prefect("deployment", "run", "privacy_audited_pipeline/weekly-retrain",
                             "--param", 'overrides=["dp.target_epsilon=2"]')
         run_id = re.search(r"UUID: ([0-9a-f-]{36})", triggered).group(1)

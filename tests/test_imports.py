@@ -1,4 +1,4 @@
-"""The import graph of ``dpml/`` points one way (README, Design: "Layers").
+"""The import graph of ``dpml/`` points one way (docs/explanations/design.md: "Layers").
 
 The graph is derived from the source with ``ast``: every ``import``/``from … import`` of a dpml module, at
 module level or inside a function (a function-level import still runs, so it counts), except those under
@@ -179,7 +179,7 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
 
 def test_every_module_has_a_layer() -> None:
     unplaced = sorted(m for m in modules() if layer_of(m) is None)
-    assert unplaced == [], f"place these modules in a layer (tests/test_imports.py LAYERS, README Design): {unplaced}"
+    assert unplaced == [], f"place these modules in a layer (tests/test_imports.py LAYERS, docs/explanations/design.md): {unplaced}"
 
 
 def test_imports_point_down() -> None:
@@ -235,7 +235,7 @@ def imports_of_package(source: str, package: str) -> list[int]:
 
 
 def test_only_the_tracking_package_imports_mlflow() -> None:
-    """Everything MLflow lives in ``dpml/tracking/`` (README, Design): a stage, a front door or a report that needs
+    """Everything MLflow lives in ``dpml/tracking/`` (docs/explanations/design.md): a stage, a front door or a report that needs
     a run, a version or a store asks that package, so an MLflow change is made in one place."""
     elsewhere = {name: lines for name, path in modules().items()
                  if not (name == "dpml.tracking" or name.startswith("dpml.tracking."))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ["dpml", "tests", "examples", "benchmarks", "flows", "tasks", "scripts"]
+CHECKED = ["dpml", "tests", "examples", "benchmarks", "flows", "tasks", "scripts", "docs"]
 
 
 def test_the_code_passes_the_linter() -> None:

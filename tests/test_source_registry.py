@@ -1,7 +1,7 @@
-"""Data sources are an extension point shaped like the trainer (README, Design): one file registers a scheme for
+"""Data sources are an extension point shaped like the trainer (docs/explanations/design.md): one file registers a scheme for
 ``data.source``; the configuration checks it before any work and dpml checks the records it returns.
 
-- the example source of the README (``examples/npz_source.py``) is shown there verbatim;
+- the example source of the documentation's Design page (``examples/npz_source.py``) is shown there verbatim;
 - ``npz:PATH`` validates only once its module is listed under ``plugins:``; a missing file is refused then,
   naming ``data.source``; a built-in scheme cannot be taken;
 - what it returns is checked as dpml's own sources are (a NaN feature, a label outside the classes);
@@ -43,8 +43,8 @@ def write_records(path: Path, n: int = 300, nan: bool = False, label: int = 0) -
     return path
 
 
-def test_the_readme_shows_the_example_source_verbatim() -> None:
-    assert EXAMPLE.read_text().strip() in (ROOT / "README.md").read_text()
+def test_the_design_page_shows_the_example_source_verbatim() -> None:
+    assert EXAMPLE.read_text().strip() in (ROOT / "docs" / "explanations" / "design.md").read_text()
 
 
 def test_a_source_validates_once_its_plugin_registered_it(tmp_path: Path) -> None:

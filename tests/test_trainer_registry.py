@@ -4,7 +4,7 @@
   settings; a key of another trainer is refused for this one);
 - no module outside the registry compares algorithm names, and no file in ``dpml/`` is over ~400 lines
   unless its docstring says it is one cohesive algorithm;
-- the example trainer of the README (``examples/step_decay_trainer.py``) runs through the whole
+- the example trainer of the documentation's Design page (``examples/step_decay_trainer.py``) runs through the whole
   pipeline, and its certificate equals an independent accountant's composition of its planned events.
 """
 
@@ -72,9 +72,8 @@ def test_no_module_over_400_lines_unless_one_cohesive_algorithm() -> None:
     assert long == []
 
 
-def test_the_readme_shows_the_example_trainer_verbatim() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert EXAMPLE.read_text().strip() in readme
+def test_the_design_page_shows_the_example_trainer_verbatim() -> None:
+    assert EXAMPLE.read_text().strip() in (ROOT / "docs" / "explanations" / "design.md").read_text()
 
 
 @pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
