@@ -15,12 +15,12 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from dpml.cli_completion import SHELLS, completion_script
 from dpml.cli_help import JSON_HELP, VERBOSE_HELP, command, examples_epilog, version
 from dpml.cli_privacy import cmd_calibrate, cmd_certificate, cmd_epsilon, cmd_ledger
-from dpml.cli_text import conformance_summary_lines, power_summary, run_summary
+from dpml.cli_text import audit_record, conformance_summary_lines, power_summary, run_record, run_summary
 from dpml.config import ConfigError, load
 from dpml.formatting import format_epsilon
 from dpml.interrupts import RunStopped, exit_code, spent_line, stop_reason, termination_raises
@@ -37,7 +37,7 @@ def _run_pipeline(args: argparse.Namespace, search: bool) -> dict[str, Any]:
         check_tunable(config)
     if args.engine == "local" and args.prefect_api:
         raise ValueError(f"--prefect-api {args.prefect_api}: only for --engine prefect (the local engine runs no flow)")
-    stages = _StageEcho()
+    stages = _StageEcho(sys.stderr if args.json else sys.stdout)  # --json: stdout is the JSON alone
     with _reporting_what_a_stop_spent(config, stages):
         if args.engine == "local":
             from dpml.stages import run_all  # lazy: per command
@@ -53,14 +53,15 @@ class _StageEcho:
 
     _STARTED = re.compile(r"^\[dpml\] (\w+) …$")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self.stage: str | None = None
+        self.stream = stream
 
     def __call__(self, line: str) -> None:
         started = self._STARTED.match(line)
         if started:
             self.stage = started.group(1)
-        print(line)
+        print(line, file=self.stream)
 
 
 @contextlib.contextmanager
@@ -109,15 +110,20 @@ def _logs_without_tracebacks(unless: bool) -> Iterator[None]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    print(run_summary(_run_pipeline(args, search=False)))
+    results = _run_pipeline(args, search=False)
+    print(json.dumps(run_record(results), indent=2, default=str) if args.json else run_summary(results))
     return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     results = _run_pipeline(args, search=True)
     config = load(args.params, args.set)
-    print(run_summary(results))
     chosen = {k.removeprefix("chosen."): v for k, v in results["train"].items() if k.startswith("chosen.")}
+    if args.json:
+        print(json.dumps(run_record(results) | {"chosen": chosen, "noisy_validation_accuracy":
+                                                 results["train"]["noisy_validation_accuracy"]}, indent=2, default=str))
+        return 0
+    print(run_summary(results))
     print(f"  search               {config.tune.distribution} (E[K] = {config.tune.mean:g}); released the best "
           f"candidate {chosen}, noisy validation accuracy {results['train']['noisy_validation_accuracy']:.4f}; "
           "its ε above includes the whole search")
@@ -142,6 +148,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     config = load(args.params, args.set)
     out = Path(args.out or "artifacts/reaudit")
     result = audit_registered_model(args.model, config.tracking, out)
+    if args.json:
+        print(json.dumps(audit_record(result, str(out)), indent=2, default=str))
+        return 0 if result["consistent"] else 3
     audit = result["audit"]
     print(f"re-audit of {result['model']} (MLflow run {result['audit_run_id']}), outputs in {out}")
     for name, r in audit["target"]["attacks"].items():
@@ -178,7 +187,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from dpml.reproduce import reproduce  # lazy: per command
 
     config = load(args.params, args.set)
-    return 0 if reproduce(args.model, config, Path.cwd(), args.verify, args.accuracy_band) else 3
+    echo = (lambda line: print(line, file=sys.stderr)) if args.json else print  # --json: stdout is the JSON alone
+    result = reproduce(args.model, config, Path.cwd(), args.verify, args.accuracy_band, echo)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    return 0 if result["verified"] else 3
 
 
 def _number(text: str) -> float:
@@ -280,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engine", choices=("prefect", "local"), default="prefect",
                      help="prefect: a Prefect flow run (default); local: the stages in-process")
     prefect_api_arg(run)
+    run.add_argument("--json", action="store_true", help=JSON_HELP)
     run.set_defaults(func=cmd_run)
 
     tun = command(sub, "tune", "private hyperparameter search (tune section), then certify, audit, release")
@@ -287,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument("--engine", choices=("prefect", "local"), default="prefect",
                      help="prefect: a Prefect flow run (default); local: the stages in-process")
     prefect_api_arg(tun)
+    tun.add_argument("--json", action="store_true", help=JSON_HELP)
     tun.set_defaults(func=cmd_tune)
 
     stage = command(sub, "stage", "run one stage (what dvc.yaml calls)")
@@ -298,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--model", required=True, help="models:/NAME@ALIAS or models:/NAME/VERSION")
     aud.add_argument("--out", default=None, help="folder for the rebuilt data and audit outputs (default artifacts/reaudit)")
     config_args(aud)
+    aud.add_argument("--json", action="store_true", help=JSON_HELP)
     aud.set_defaults(func=cmd_audit)
 
     rep = command(sub, "reproduce", "rebuild a registered release's code, data and certificate and check them")
@@ -308,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--accuracy-band", type=_band, default=0.05,
                      help="retraining: largest accepted |test accuracy - released| (default 0.05)")
     config_args(rep)
+    rep.add_argument("--json", action="store_true", help=JSON_HELP)
     rep.set_defaults(func=cmd_reproduce)
 
     cert = command(sub, "certificate", "recompute a release's certificate from its logged mechanism description")

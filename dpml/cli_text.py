@@ -47,6 +47,36 @@ def run_summary(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_record(results: dict[str, Any]) -> dict[str, Any]:
+    """``dpml run --json`` (and ``tune``): what :func:`run_summary` says, as data — the three-part verdict, the
+    certificate's numbers, the audit's headline and where the release went."""
+    cert, audit, gate, release = (results[k] for k in ("certify", "audit", "gate", "register"))
+    return {
+        "verdict": gate["verdict"],
+        "epsilon": cert["epsilon"], "delta": cert["delta"],
+        "accountant": (cert.get("certificate") or {}).get("accountant"),
+        "test_accuracy": results["train"]["test_accuracy"],
+        "largest_lower_bound": audit["max_lower_bound"],
+        "lineage": release["lineage"], "lineage_max_unit_epsilon": release["lineage_max_unit_epsilon"],
+        "model_uri": release["model_uri"], "champion": release["champion"],
+        "already_released": bool(release.get("already_released")), "run_id": release["run_id"],
+        "tracking_uri": release["tracking_uri"], "registry_uri": release.get("registry_uri") or release["tracking_uri"],
+        "experiment_id": release["experiment_id"], "release_card": release.get("card"),
+        "privacy_report": release.get("report"), "prefect": results.get("prefect"),
+    }
+
+
+def audit_record(result: dict[str, Any], out: str) -> dict[str, Any]:
+    """``dpml audit --json``: the re-audit's attacks, bounds and verdict against the certified ε, as data."""
+    audit = result["audit"]
+    return {"model_uri": f"models:/{result['model']}", "audit_run_id": result["audit_run_id"], "outputs": out,
+            "certified_epsilon": result["certified_epsilon"], "largest_lower_bound": audit["max_lower_bound"],
+            "consistent": bool(result["consistent"]), "conforms": bool(result["conforms"]),
+            "attacks": {name: {k: r[k] for k in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
+                        for name, r in audit["target"]["attacks"].items()},
+            "one_run": [{"method": b["method"], "epsilon": b["epsilon"]} for b in audit["one_run"]]}
+
+
 def audit_line(audit: dict[str, Any], epsilon: float) -> str:
     """The audit in one line: the largest counted lower bound against the certified ε, the strongest attack
     (with the non-private control beside it) and the reference models."""

@@ -283,8 +283,9 @@ def _logged_metric(tracking: Any, run_id: str, name: str) -> float:
 
 
 def reproduce(uri: str, config: Any, repository: Path, verify: bool, band: float,
-              echo: Callable[[str], None] = print) -> bool:
-    """``dpml reproduce``: :func:`verify_release` or :func:`rebuild_release`, reported; True if it matched."""
+              echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """``dpml reproduce``: :func:`verify_release` or :func:`rebuild_release`, reported; its result (``verified``:
+    whether it matched)."""
     if verify:
         result = verify_release(uri, config.tracking, repository, echo)
         what = "code, data and certificate rebuilt as released"
@@ -294,4 +295,4 @@ def reproduce(uri: str, config: Any, repository: Path, verify: bool, band: float
     for problem in result["problems"]:
         echo(f"  MISMATCH: {problem}")
     echo(f"{result['model']}: " + (f"verified: {what}" if result["verified"] else "NOT verified"))
-    return bool(result["verified"])
+    return result

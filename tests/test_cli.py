@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import importlib.metadata
 import logging
 import os
@@ -148,3 +149,30 @@ def test_prefects_own_lines_leave_the_console_unless_verbose_and_dpmls_stay(mode
     assert len(progress) == 5 and progress[-1].split(" - ", 1)[1].startswith("train: 100% (50/50 steps")
     prefects_own = [line for line in done.stderr.splitlines() if "Finished in state" in line or "Beginning flow run" in line]
     assert (prefects_own == []) == (mode == "quiet"), done.stderr[-3000:]
+
+
+def test_run_and_audit_with_json_print_only_their_record(tmp_path: Path) -> None:
+    """``--json`` on the commands that report a run: stdout is one JSON document (a script reads it whole) whose
+    numbers are the run's own files', and the progress lines go to stderr. A real pipeline run and re-audit."""
+    from conftest import small_params, write_params
+
+    audit = {"attacks": ["loss"], "references": 0, "white_box_canaries": 0, "black_box_canaries": 100,
+             "control": False}
+    write_params(tmp_path / "params.yaml", small_params(tmp_path, audit=audit))
+    env = {**os.environ, "DPML_NOISE_SEED": "7"}
+    done = subprocess.run([sys.executable, "-m", "dpml", "run", "--engine", "local", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout)
+    assert "[dpml] train …" in done.stderr and "dpml run summary" not in done.stdout + done.stderr
+    certificate = json.loads((tmp_path / "artifacts" / "certify" / "certificate.json").read_text())
+    assert record["epsilon"] == certificate["epsilon"] and record["delta"] == 1e-5
+    assert record["model_uri"] == "models:/dpml-test-model/1" and record["verdict"]["title"].startswith(("PASSED", "FAILED"))
+    assert set(record["verdict"]) >= {"title"} and record["lineage"] and record["run_id"]
+
+    again = subprocess.run([sys.executable, "-m", "dpml", "audit", "--model", record["model_uri"], "--json"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode in (0, 3), again.stderr[-3000:]
+    audited = json.loads(again.stdout)
+    assert audited["model_uri"] == record["model_uri"] and audited["certified_epsilon"] == pytest.approx(record["epsilon"])
+    assert set(audited["attacks"]) == {"loss"} and audited["consistent"] == (again.returncode == 0)

@@ -83,6 +83,10 @@ def test_a_release_rebuilds_from_its_commit_and_remote_after_the_data_changed(tm
     assert verified.returncode == 0, verified.stdout + verified.stderr[-3000:]
     assert f"models:/{MODEL}/1: verified" in verified.stdout and v1["data.dvc_md5"] in verified.stdout
     assert dpml(root, "ledger", "--json").stdout == spends_before  # no training, no ε
+    as_json = dpml(root, "reproduce", f"models:/{MODEL}/1", "--verify", "--json")  # stdout: the result alone
+    assert as_json.returncode == 0 and f"models:/{MODEL}/1: verified" in as_json.stderr, as_json.stderr[-3000:]
+    result = json.loads(as_json.stdout)
+    assert result["verified"] is True and result["model"] == f"models:/{MODEL}/1" and result["problems"] == []
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=root, capture_output=True, text=True).stdout
     assert len(worktrees.strip().splitlines()) == 1, worktrees  # the temporary worktree is gone
 
