@@ -164,7 +164,9 @@ def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdi
     assert [log.message for log in logs if log.message.startswith("DP-SGD: 100% (")]  # in the run's Prefect log
 
     verbose = dpml_run("--verbose")  # the same run again: references stored, Dask still started
-    assert "distributed.scheduler" in verbose and "absl" in verbose and "Downloading artifacts" in verbose
+    # (absl's one warning of a run, an RDP order that did not converge, is dropped by dpml even here: it is
+    # safe by construction, dpml.privacy.accountants.non_converging_orders_unlogged)
+    assert "distributed.scheduler" in verbose and "Downloading artifacts" in verbose
     assert "Finished in state Completed()" in verbose  # Prefect's own lines, kept out of the quiet run
 
 

@@ -38,6 +38,7 @@ The smallest valid upper bound is itself a valid upper bound, hence the certifie
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -45,6 +46,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -168,12 +170,43 @@ def _autodp_mechanism(neighbouring: str, events: tuple[GaussianEvent, ...]) -> A
     return Composition()(steps, [1 if isinstance(e, GaussianDP) else e.steps for e in events])
 
 
+NOT_CONVERGED = "_compute_log_a_frac failed to converge"
+
+
+class _NonConvergingOrders(logging.Filter):
+    """Drops dp_accounting's one warning that an RDP order's series did not converge, and counts them. The order is
+    then excluded from the minimum over orders (its RDP is taken as ∞), so ε can only come out larger: safe, and
+    no reason to print seven lines a call. Every other record passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(NOT_CONVERGED):
+            self.dropped += 1
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def non_converging_orders_unlogged() -> Iterator[_NonConvergingOrders]:
+    """Inside the block, absl's logger drops only :class:`_NonConvergingOrders`' warning (no level changed)."""
+    absl, dropped = logging.getLogger("absl"), _NonConvergingOrders()
+    absl.addFilter(dropped)
+    try:
+        yield dropped
+    finally:
+        absl.removeFilter(dropped)
+
+
 def epsilon_dp_accounting_rdp(mechanism: MechanismDescription, delta: float) -> float:
     """ε(δ) from dp_accounting's RDP accountant (cross-check; add/remove only for Poisson)."""
     from dp_accounting.rdp import rdp_privacy_accountant  # lazy: when this accountant is asked
 
     accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=_relation(mechanism))
-    accountant.compose(_dp_events(mechanism, with_selection=True, for_pld=False))
+    with non_converging_orders_unlogged():
+        accountant.compose(_dp_events(mechanism, with_selection=True, for_pld=False))
     return float(accountant.get_epsilon(delta))
 
 
@@ -193,13 +226,8 @@ def base_rdp_dp_accounting(mechanism: MechanismDescription, orders: tuple[float,
 
     base = replace(mechanism, selection=None)  # one candidate
     accountant = rdp_privacy_accountant.RdpAccountant(list(orders), _relation(base))
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # orders near 1 that fail to converge are set to inf (safe), and logged
-    try:
+    with non_converging_orders_unlogged():  # orders near 1 that fail to converge are set to ∞ (safe)
         accountant.compose(_dp_events(base, for_pld=False))
-    finally:
-        absl.setLevel(level)
     return np.asarray(accountant._rdp, dtype=float)  # the composed curve (dp_accounting keeps it here)
 
 
