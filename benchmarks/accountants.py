@@ -17,9 +17,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
-from dpml.privacy import accountants
-from dpml.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps, Selection
+from dpml.accounting import accountants
+from dpml.accounting.calibrate import calibrate_noise_multiplier, calibrate_steps
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps, Selection
 
 DELTA = 1e-5
 SETTINGS = [  # (q, σ, steps): the 10⁵-step settings the issue asks for, and one Fashion-MNIST-like run

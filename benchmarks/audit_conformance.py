@@ -39,8 +39,8 @@ from bench_common import current_commit, fashion_mnist_overrides  # noqa: E402  
 from dpml import io, stages  # noqa: E402
 from dpml.audit import broken  # noqa: E402
 from dpml.config import load  # noqa: E402
-from dpml.privacy.accountants import certify  # noqa: E402
-from dpml.privacy.mechanism import MechanismDescription  # noqa: E402
+from dpml.accounting.accountants import certify  # noqa: E402
+from dpml.accounting.mechanism import MechanismDescription  # noqa: E402
 from dpml.stages.layout import Layout  # noqa: E402
 
 CASES: dict[str, Any] = {"intact": contextlib.nullcontext, **broken.BUGS}

@@ -31,7 +31,7 @@ from dpml.audit.canaries import black_box_audit, white_box_audit  # noqa: E402
 from dpml.audit.run import Subject, audit_subject, control_config  # noqa: E402
 from dpml.audit.references import train_reference  # noqa: E402
 from dpml.config import load  # noqa: E402
-from dpml.privacy.accountants import certify  # noqa: E402
+from dpml.accounting.accountants import certify  # noqa: E402
 from dpml.train.fit import fit  # noqa: E402
 from dpml.train.registry import trainer_for  # noqa: E402
 

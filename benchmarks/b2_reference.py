@@ -22,8 +22,8 @@ from bench_common import fashion_mnist_overrides
 from dpml import stages
 from dpml.audit.robustness import RADII_255, certified_accuracy
 from dpml.config import load
-from dpml.privacy.accountants import certify
-from dpml.privacy.calibrate import calibrate_steps
+from dpml.accounting.accountants import certify
+from dpml.accounting.calibrate import calibrate_steps
 from dpml.train.dpsgd import number_of_steps
 from dpml.train.fit import fit
 

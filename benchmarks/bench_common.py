@@ -30,8 +30,8 @@ def selection_epsilon(events: Sequence[Any], neighbouring: str, delta: float, cl
                       threat_model: str = "all-iterates") -> float:
     """ε at δ of releasing the best of several candidates trained on the same private records: the
     release is covered by the composition of every candidate's ``events``, priced by dpml's accountants."""
-    from dpml.privacy.accountants import certify
-    from dpml.privacy.mechanism import MechanismDescription
+    from dpml.accounting.accountants import certify
+    from dpml.accounting.mechanism import MechanismDescription
 
     mechanism = MechanismDescription(trainer="selection", events=tuple(events), neighbouring=neighbouring,  # type: ignore[arg-type]
                                      clip_norm=clip_norm, dataset_size=dataset_size,

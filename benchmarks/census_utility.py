@@ -190,7 +190,7 @@ def main() -> None:
     from dpml import io as dio
     from dpml import stages
     from dpml.config import Config, load
-    from dpml.privacy.mechanism import PoissonGaussianSteps
+    from dpml.accounting.mechanism import PoissonGaussianSteps
     from dpml.train.dpsgd import NOISE_SEED_VARIABLE, number_of_steps
     from dpml.stages.train import accuracy
     from dpml.train.fit import fit

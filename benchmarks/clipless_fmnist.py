@@ -69,7 +69,7 @@ def train_and_score(config: Config, x: np.ndarray, y: np.ndarray, x_eval: np.nda
     start = time.perf_counter()
     result = fit(config, x, y, 10, private=True, noise_multiplier=sigma, seed=noise_seed, noise_seed=1000 + noise_seed)
     seconds = time.perf_counter() - start
-    from dpml.privacy.accountants import certify
+    from dpml.accounting.accountants import certify
 
     certificate = certify(result.mechanism, config.dp.delta)
     robust = certified_accuracy(result.model, x_eval, y_eval)
@@ -85,7 +85,7 @@ def grid_selection_cost(rows: list[dict[str, Any]], epochs: float, sample_rate: 
                         delta: float = 1e-5) -> float:
     """ε of releasing the best of the validation grid (every candidate trained on the same private
     records, add-remove)."""
-    from dpml.privacy.mechanism import PoissonGaussianSteps
+    from dpml.accounting.mechanism import PoissonGaussianSteps
     from dpml.train.dpsgd import number_of_steps
 
     steps = number_of_steps(epochs, sample_rate)

@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import fashion_mnist_overrides  # noqa: E402
 from dpml import stages  # noqa: E402
 from dpml.config import Config, load, with_hyperparameters  # noqa: E402
-from dpml.privacy.accountants import certify  # noqa: E402
-from dpml.privacy.calibrate import calibrate_noise_multiplier  # noqa: E402
-from dpml.privacy.gdp import gdp_epsilon  # noqa: E402
-from dpml.privacy.mechanism import Selection  # noqa: E402
-from dpml.privacy.tuning import ORDERS, rdp_to_epsilon, selection_rdp  # noqa: E402
+from dpml.accounting.accountants import certify  # noqa: E402
+from dpml.accounting.calibrate import calibrate_noise_multiplier  # noqa: E402
+from dpml.accounting.gdp import gdp_epsilon  # noqa: E402
+from dpml.accounting.mechanism import Selection  # noqa: E402
+from dpml.accounting.tuning import ORDERS, rdp_to_epsilon, selection_rdp  # noqa: E402
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps  # noqa: E402
 from dpml.train.fit import fit  # noqa: E402
 from dpml.train.trainers.noisycgd import noisycgd_settings  # noqa: E402

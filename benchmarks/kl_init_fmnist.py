@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import FASHION_MNIST  # noqa: E402
 from dpml.data.sources import load_idx  # noqa: E402
 from dpml.models.init import bias_free_relu_mlp, initialise  # noqa: E402
-from dpml.privacy.kl import gradient_norm_constant, kl_bound, kl_bound_for_relation  # noqa: E402
+from dpml.accounting.kl import gradient_norm_constant, kl_bound, kl_bound_for_relation  # noqa: E402
 from dpml.train.noisygd import KLPairs, LinearisedNetwork, train_noisy_gd  # noqa: E402
 
 SCHEMES = ("lecun", "xavier", "he")

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from dpml.data.split import unit_uniforms
-from dpml.privacy.ledger import BudgetExceeded, Ledger
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.ledger.ledger import BudgetExceeded, Ledger
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 
 DELTA = 1e-6
 

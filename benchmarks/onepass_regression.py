@@ -168,7 +168,7 @@ def reading(rows: list[dict[str, Any]], facts: dict[str, Any]) -> str:
 
 def best_of_kappas_epsilon(rho: float, candidates: int = len(KAPPAS)) -> float:
     """ε at δ = DELTA of releasing the best of ``candidates`` runs on the same records, each (ρ²/2)-zCDP."""
-    from dpml.privacy.mechanism import ConcentratedDP
+    from dpml.accounting.mechanism import ConcentratedDP
 
     return selection_epsilon([ConcentratedDP(rho * rho / 2)] * candidates, "replace-one", DELTA,
                              CLIP_CONSTANT * math.sqrt(D), NS[0], threat_model="final-model")

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 from bench_common import fashion_mnist_overrides, selection_epsilon  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import stages  # noqa: E402
 from dpml.config import Config, load, with_hyperparameters  # noqa: E402
-from dpml.privacy.accountants import certify  # noqa: E402
-from dpml.privacy.mechanism import PoissonGaussianSteps  # noqa: E402
+from dpml.accounting.accountants import certify  # noqa: E402
+from dpml.accounting.mechanism import PoissonGaussianSteps  # noqa: E402
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps  # noqa: E402
 from dpml.train.fit import fit  # noqa: E402
 from dpml.train.registry import trainer_for  # noqa: E402

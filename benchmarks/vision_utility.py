@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from bench_common import fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import io, stages  # noqa: E402
 from dpml.config import load  # noqa: E402
-from dpml.privacy.accountants import certify  # noqa: E402
+from dpml.accounting.accountants import certify  # noqa: E402
 
 from dpml.train.fit import fit  # noqa: E402
 from dpml.train.registry import trainer_for  # noqa: E402

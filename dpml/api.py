@@ -10,8 +10,8 @@ for T = round(epochs / q) steps. B_t is read in physical chunks of at most ``phy
 records (:mod:`dpml.train.dataset_steps`), so memory is bounded whatever |B_t| turns out to be. The
 mechanism is T Poisson-subsampled Gaussian steps with sensitivity C under the chosen neighbouring
 relation; its (ε, δ) is certified by the smallest answer of the certifying accountants
-(:func:`dpml.privacy.accountants.certify`), and σ, when a target ε is given, is the smallest whose
-certified ε meets it (:func:`dpml.privacy.calibrate.calibrate_noise_multiplier`).
+(:func:`dpml.accounting.accountants.certify`), and σ, when a target ε is given, is the smallest whose
+certified ε meets it (:func:`dpml.accounting.calibrate.calibrate_noise_multiplier`).
 
 The guarantees of the pipeline hold here too, in this order, before any record is read for training:
 every argument is checked (an error names it, its value and what is allowed); the model is probed by
@@ -41,11 +41,11 @@ from torch.utils.data import Dataset
 
 from dpml.devices import pick_device
 from dpml.models.library import adapt, check_input_kind, input_vocabulary
-from dpml.privacy.accountants import certify
-from dpml.privacy.calibrate import calibrate_noise_multiplier
-from dpml.privacy.ledger import Ledger, Spend
-from dpml.privacy.mechanism import MechanismDescription
-from dpml.privacy.spending import reserve_and_start, training_recorded
+from dpml.accounting.accountants import certify
+from dpml.accounting.calibrate import calibrate_noise_multiplier
+from dpml.ledger.ledger import Ledger, Spend
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.ledger.spending import reserve_and_start, training_recorded
 from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
 from dpml.train.chunking import physical_chunk
@@ -291,7 +291,7 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     (logits, labels) → per-example losses of shape (B,). ``optimizer``: ``sgd``/``adam`` with
     ``learning_rate`` (and ``momentum``), or a function params → optimizer (it only post-processes the
     noisy gradient). ``seed``: ``None`` (a secret seed; what a model to release must use) or a fixed one
-    to reproduce a run. ``ledger`` (a path or :class:`dpml.privacy.ledger.Ledger`): charge the run to
+    to reproduce a run. ``ledger`` (a path or :class:`dpml.ledger.ledger.Ledger`): charge the run to
     ``lineage``'s account, per unit of ``privacy_units`` (one id per record; ``None`` charges every unit
     of the lineage), refusing it if a unit would exceed ``epsilon_budget`` at ``delta``.
     ``mlflow_tracking_uri``: log the run (settings, ε, certificate, weights) to that MLflow store, in

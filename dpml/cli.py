@@ -24,7 +24,7 @@ from dpml.cli_text import audit_record, conformance_summary_lines, power_summary
 from dpml.config import ConfigError, load
 from dpml.formatting import format_epsilon
 from dpml.interrupts import RunStopped, exit_code, spent_line, stop_reason, termination_raises
-from dpml.privacy.ledger import LedgerError
+from dpml.ledger.ledger import LedgerError
 from dpml.terminal import quiet_third_party_output, warning_line
 
 

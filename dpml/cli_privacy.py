@@ -14,7 +14,7 @@ from dpml.formatting import format_epsilon
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from dpml.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps  # lazy: per command
+    from dpml.accounting.calibrate import calibrate_noise_multiplier, calibrate_steps  # lazy: per command
 
     if (args.steps is None) == (args.noise_multiplier is None):
         raise ValueError("give exactly one of --steps (to calibrate σ) and --noise-multiplier (to calibrate steps)")
@@ -56,7 +56,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 def cmd_ledger_rename(args: argparse.Namespace) -> int:
     """Rename a lineage keeping its history, or merge it into another (``--merge``): an explicit ledger
-    operation, one transaction (:meth:`dpml.privacy.ledger.Ledger.rename_lineage`)."""
+    operation, one transaction (:meth:`dpml.ledger.ledger.Ledger.rename_lineage`)."""
     from dpml.stages.train import open_ledger  # lazy: per command
 
     if len(args.action) != 3 or args.action[0] != "rename":
@@ -84,8 +84,8 @@ def _ledger_person(ledger: Any, person: str, as_json: bool) -> int:
 
 def cmd_certificate(args: argparse.Namespace) -> int:
     """Recompute a logged run's certificate from its logged mechanism description."""
-    from dpml.privacy.accountants import certify  # lazy: per command
-    from dpml.privacy.mechanism import MechanismDescription  # lazy: per command
+    from dpml.accounting.accountants import certify  # lazy: per command
+    from dpml.accounting.mechanism import MechanismDescription  # lazy: per command
     from dpml.tracking.registered import load_run_json  # lazy: per command
 
     config = load(args.params, args.set)
@@ -114,8 +114,8 @@ def cmd_certificate(args: argparse.Namespace) -> int:
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
-    from dpml.privacy.accountants import certify  # lazy: per command
-    from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps  # lazy: per command
+    from dpml.accounting.accountants import certify  # lazy: per command
+    from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps  # lazy: per command
 
     mechanism = MechanismDescription(
         trainer="cli", events=(PoissonGaussianSteps(args.sample_rate, args.noise_multiplier, args.steps),),

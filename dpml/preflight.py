@@ -31,8 +31,8 @@ import torch
 
 from dpml.data.records import DataError
 from dpml.data.tables import check_columns
-from dpml.privacy.ledger import LedgerError, ledger_of
-from dpml.privacy.ledger_db import is_postgres, sqlite_file, without_password
+from dpml.ledger.ledger import LedgerError, ledger_of
+from dpml.ledger.db import is_postgres, sqlite_file, without_password
 from dpml.provenance import ProvenanceError, default_remote, is_dvc_pipeline_run
 from dpml.tracking.store import StoreError, is_server, prepare_store, sqlite_path
 from dpml.train.dpsgd import NOISE_SEED_VARIABLE

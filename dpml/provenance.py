@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from dpml.config import Config, absolute_paths, load
-from dpml.privacy.ledger_db import is_postgres, sqlite_file
+from dpml.ledger.db import is_postgres, sqlite_file
 from dpml.tracking.store import sqlite_path
 
 LOGGED_FILES = ("params.yaml", "dvc.lock")

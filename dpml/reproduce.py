@@ -11,7 +11,7 @@ From the version's provenance tags (:mod:`dpml.provenance`):
    (the ``.dir`` manifest's MD5 equals ``data.dvc_md5`` and every file's MD5 equals the manifest's entry)
    and dpml's own content hash of the records (equals ``data.version``);
 3. the guarantee: the certificate is recomputed from the logged mechanism description by the
-   accountants (:func:`dpml.privacy.accountants.certify`) and must equal the logged ε.
+   accountants (:func:`dpml.accounting.accountants.certify`) and must equal the logged ε.
 
 No training, no ledger charge. Any mismatch is reported by name and makes the check fail.
 
@@ -38,9 +38,9 @@ from typing import Any
 import yaml
 
 from dpml.config import safe_yaml
-from dpml.privacy.accountants import certify
-from dpml.privacy.ledger_db import is_postgres, sqlite_file, without_password
-from dpml.privacy.mechanism import MechanismDescription
+from dpml.accounting.accountants import certify
+from dpml.ledger.db import is_postgres, sqlite_file, without_password
+from dpml.accounting.mechanism import MechanismDescription
 from dpml.provenance import RAW_DATA, dvc, git, locked_raw_data_md5
 from dpml.stages.ingest import stored_records_version
 

@@ -19,7 +19,7 @@ class LedgerConfig(Section):
     file, another encoding, next week's export), else a new one named after ``data.source`` (``adult``
     for ``csv:data/adult.csv``). The same people are never two accounts: a run whose people another
     lineage holds is refused, naming both (``dpml ledger rename`` renames or merges lineages, keeping
-    their history; :mod:`dpml.privacy.lineages`). ``epsilon_budget`` is per privacy unit.
+    their history; :mod:`dpml.ledger.lineages`). ``epsilon_budget`` is per privacy unit.
     ``on_exhausted``: ``refuse`` a run when any unit of its training data would go over (default), or
     ``exclude`` such units and train without them (an individual Rényi filter, Feldman & Zrnic 2021). ``unit_key`` is the secret
     file that keys the unit ids the ledger stores (default ``<path>.key``, created with mode 0600).

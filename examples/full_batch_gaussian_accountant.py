@@ -1,9 +1,9 @@
 """An example accountant: full-batch Gaussian steps priced exactly, as one Gaussian mechanism."""
 import math
 
-from dpml.privacy.accountants import Accountant, register_accountant
-from dpml.privacy.gdp import gdp_epsilon
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.accounting.accountants import Accountant, register_accountant
+from dpml.accounting.gdp import gdp_epsilon
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 
 
 def supports(mechanism: MechanismDescription) -> bool:

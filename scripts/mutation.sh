@@ -13,14 +13,12 @@
 #   clip         dpml/train/clipping.py, clip_factors only         tests/test_dpsgd.py, tests/test_clipping_property.py
 #   checks       dpml/audit/checks.py, all                         tests/test_conformance.py (the unit tests of the
 #                                                                  checks' statistics, not the training ones)
-#   accountants  dpml/privacy/accountants.py, supports.py, all     tests/test_accounting.py (fast part),
+#   accountants  dpml/accounting/accountants.py, supports.py, all  tests/test_accounting.py (fast part),
 #                                                                  tests/test_accountant_registry.py
 #   ledger       the ledger's reservation, composition, budget      tests/test_ledger.py, tests/test_unit_ledger.py,
-#                checks, views and spend lifecycle (dpml/privacy/     tests/test_spending.py, test_kl_certificate.py,
-#                                                                  test_lineage_by_records.py, test_ledger_views.py
-#                                                                  (SQLite, no race, no pipeline run)
-#                ledger.py, ledger_views.py, unit_accounts.py,
-#                budget_checks.py, spending.py)
+#                checks, views and spend lifecycle (dpml/ledger/:   tests/test_spending.py, test_kl_certificate.py,
+#                ledger.py, views.py, unit_accounts.py,             test_lineage_by_records.py, test_ledger_views.py
+#                budget_checks.py, spending.py)                     (SQLite, no race, no pipeline run)
 #
 # It works on a copy of the working tree (build/mutation, or $MUTATION_DIR), never on the checkout: mutmut
 # writes its mutants beside the copy. mutmut is installed into the project's virtual environment when
@@ -49,20 +47,20 @@ for target in "${targets[@]}"; do
           patterns+=("dpml.train.clipping.x_clip_factors__mutmut_*") ;;
     checks) files+=(dpml/audit/checks.py); tests+=(tests/test_conformance.py); patterns+=("dpml.audit.checks.*")
             deselect+=("not broken_trainer and not intact_trainer and not the_gate_fails and not across_seeds") ;;
-    accountants) files+=(dpml/privacy/accountants.py dpml/privacy/supports.py)
+    accountants) files+=(dpml/accounting/accountants.py dpml/accounting/supports.py)
                  tests+=(tests/test_accounting.py tests/test_accountant_registry.py)
-                 patterns+=("dpml.privacy.accountants.*" "dpml.privacy.supports.*") ;;
-    ledger) files+=(dpml/privacy/ledger.py dpml/privacy/ledger_views.py dpml/privacy/unit_accounts.py
-                    dpml/privacy/budget_checks.py dpml/privacy/spending.py)
+                 patterns+=("dpml.accounting.accountants.*" "dpml.accounting.supports.*") ;;
+    ledger) files+=(dpml/ledger/ledger.py dpml/ledger/views.py dpml/ledger/unit_accounts.py
+                    dpml/ledger/budget_checks.py dpml/ledger/spending.py)
             tests+=(tests/test_ledger.py tests/test_unit_ledger.py tests/test_spending.py tests/test_kl_certificate.py
                     tests/test_lineage_by_records.py tests/test_ledger_views.py)
             for method in reserve cancel record_event _standing_of_run _lineage_standing _filter_order; do
-              patterns+=("dpml.privacy.ledger.xǁLedgerǁ${method}__mutmut_*")
+              patterns+=("dpml.ledger.ledger.xǁLedgerǁ${method}__mutmut_*")
             done
             for method in person total kl_total unit_epsilons _releases; do
-              patterns+=("dpml.privacy.ledger_views.xǁLedgerViewsǁ${method}__mutmut_*")
+              patterns+=("dpml.ledger.views.xǁLedgerViewsǁ${method}__mutmut_*")
             done
-            patterns+=("dpml.privacy.unit_accounts.*" "dpml.privacy.budget_checks.*" "dpml.privacy.spending.*")
+            patterns+=("dpml.ledger.unit_accounts.*" "dpml.ledger.budget_checks.*" "dpml.ledger.spending.*")
             deselect+=("not racing and not postgresql and not three_names_and_encodings and not weekly_export") ;;
     *) echo "unknown target '$target' (bounds, noise, clip, checks, accountants, ledger)" >&2; exit 2 ;;
   esac

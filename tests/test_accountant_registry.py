@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from dpml.config import validate
-from dpml.privacy.accountants import (ACCOUNTANTS, Accountant, ask_accountants, certify, epsilon_selection_autodp,
+from dpml.accounting.accountants import (ACCOUNTANTS, Accountant, ask_accountants, certify, epsilon_selection_autodp,
                                       epsilon_selection_dp_accounting, register_accountant, tight_epsilon)
-from dpml.privacy.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, PoissonGaussianSteps,
+from dpml.accounting.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, PoissonGaussianSteps,
                                     Selection)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,14 +15,14 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from dpml.formatting import format_epsilon
-from dpml.privacy import accountants
-from dpml.privacy.accountants import certify
-from dpml.privacy.calibrate import calibrate_noise_multiplier
-from dpml.privacy.closed_forms import epsilon_gdp_exact
-from dpml.privacy.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, NoisyGradientDescent,
+from dpml.accounting import accountants
+from dpml.accounting.accountants import certify
+from dpml.accounting.calibrate import calibrate_noise_multiplier
+from dpml.accounting.closed_forms import epsilon_gdp_exact
+from dpml.accounting.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, NoisyGradientDescent,
                                     PoissonGaussianSteps, Selection)
-from dpml.privacy.tuning import ORDERS
-from dpml.privacy.unit_accounts import rdp_curve
+from dpml.accounting.tuning import ORDERS
+from dpml.ledger.unit_accounts import rdp_curve
 
 
 def mechanism(q: float, sigma: float, steps: int, relation: str = "add-remove") -> MechanismDescription:
@@ -147,7 +147,7 @@ def sweep_settings(count: int = 50) -> list[tuple[float, float, int, float, str]
 def test_sweep_never_below_a_lower_bound_and_within_2pct_of_the_tightest() -> None:
     """50 settings, both relations: certified ε ≥ PRV's lower bound (add/remove; dp_accounting's
     optimistic PLD for replace-one) and ≤ 1.02 × the tightest accountant's value."""
-    from dpml.privacy.prv import prv_bounds
+    from dpml.accounting.prv import prv_bounds
 
     checked = 0
     for q, sigma, steps, delta, relation in sweep_settings():
@@ -191,7 +191,7 @@ def test_seed_001_base_dp_sgd_privacy(sigma: float, paper: float) -> None:
 
 @pytest.mark.parametrize(("target", "q", "sigma"), [(2.0, 0.05, 1.2), (1.0, 0.01, 1.0)])
 def test_steps_calibration_is_safe_and_exact(target: float, q: float, sigma: float) -> None:
-    from dpml.privacy.calibrate import calibrate_steps
+    from dpml.accounting.calibrate import calibrate_steps
 
     steps = calibrate_steps(target, q, sigma, 1e-5)
     assert steps > 0

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import dpml
-from dpml.privacy.ledger import BudgetExceeded, Ledger
+from dpml.ledger.ledger import BudgetExceeded, Ledger
 from dpml.train.clipping_check import ClippingUnsupported
 from dpml.train.dpsgd import train_dpsgd
 

@@ -15,8 +15,8 @@ import pytest
 
 from dpml.config import ConfigError, load, validate
 from dpml.data.sources import load_source
-from dpml.privacy.ledger import Ledger, LedgerError
-from dpml.privacy.units import UnitKeyError, load_or_create_key
+from dpml.ledger.ledger import Ledger, LedgerError
+from dpml.ledger.units import UnitKeyError, load_or_create_key
 from tests.conftest import REPO, small_params, write_params
 
 BASE = """\

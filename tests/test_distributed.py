@@ -23,7 +23,7 @@ import torch
 import dpml
 
 from dpml.config import load
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 from dpml.train.distributed import Collective, spawn
 from dpml.train.dpsgd import train_dpsgd
 from dpml.train.registry import trainer_for

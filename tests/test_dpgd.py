@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dpml.config import ConfigError, load
-from dpml.privacy.accountants import epsilon_moments_closed_form, epsilon_pld
+from dpml.accounting.accountants import epsilon_moments_closed_form, epsilon_pld
 from dpml.train.dpsgd import dpsgd_mechanism
 from tests.conftest import small_params, write_params
 

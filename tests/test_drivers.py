@@ -103,7 +103,7 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     assert "test_accuracy" in shown and "epsilon" in shown
 
     # A misconfiguration under dvc repro: dpml's one error line, no traceback, nothing spent.
-    from dpml.privacy.ledger import Ledger
+    from dpml.ledger.ledger import Ledger
 
     spent = len(Ledger(root / params["ledger"]["path"], 1e-5).spends(counted_only=False))
     failed = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "-s", "train"], cwd=root,

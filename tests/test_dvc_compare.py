@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 from tests.conftest import REPO
 from tests.test_drivers import checkout, dvc
 

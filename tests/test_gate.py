@@ -14,7 +14,7 @@ import dpml.train.trainers.dpsgd as fit_module  # the DP-SGD trainer module: whe
 from dpml import stages
 from dpml.config import load
 from dpml.models.mlp import MlpSpec, build_mlp
-from dpml.privacy.mechanism import PoissonGaussianSteps
+from dpml.accounting.mechanism import PoissonGaussianSteps
 from dpml.audit.conformance import ConformanceProbe, canary_scores
 from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
 from tests.conftest import small_params, write_params

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import REPO, small_params, write_params
 from dpml.interrupts import Cancelled, StopRequests, Terminated, termination_raises
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 ENV.pop("DPML_NOISE_SEED", None)

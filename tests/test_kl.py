@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dpml.models.init import SCHEMES, bias_free_relu_mlp, init_variances, initialise
-from dpml.privacy.kl import (calibrate_sigma_squared, expected_jacobian_norm_sq, gradient_gap_bound,
+from dpml.accounting.kl import (calibrate_sigma_squared, expected_jacobian_norm_sq, gradient_gap_bound,
                              gradient_norm_constant, kl_bound, kl_bound_for_relation, pinsker_delta, table_1_constant)
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from dpml.config import ConfigError, load, validate
-from dpml.privacy.accountants import certify, tight_epsilon
-from dpml.privacy.kl import gradient_norm_constant, kl_bound, pinsker_delta
-from dpml.privacy.kl_certificate import certify_kl
-from dpml.privacy.ledger import BudgetExceeded, Ledger
-from dpml.privacy.mechanism import MechanismDescription, NoisyGradientDescent, PoissonGaussianSteps
+from dpml.accounting.accountants import certify, tight_epsilon
+from dpml.accounting.kl import gradient_norm_constant, kl_bound, pinsker_delta
+from dpml.accounting.kl_certificate import certify_kl
+from dpml.ledger.ledger import BudgetExceeded, Ledger
+from dpml.accounting.mechanism import MechanismDescription, NoisyGradientDescent, PoissonGaussianSteps
 
 
 def kl_mechanism(widths: tuple[int, ...] = (20, 64, 64, 3), scheme: str = "lecun", linearised: bool = True,

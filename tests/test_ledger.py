@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dpml.privacy.accountants import epsilon_pld
-from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.accounting.accountants import epsilon_pld
+from dpml.ledger.ledger import BudgetExceeded, Ledger, LedgerError
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 from tests.conftest import small_params, write_params
 
 

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from dpml.data.units import digests_of_ids
-from dpml.privacy.ledger import BudgetExceeded, Ledger
-from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
-from dpml.privacy.unit_accounts import filter_bound, filter_order
+from dpml.accounting.accountants import certify
+from dpml.accounting.mechanism import (ConcentratedDP, MechanismDescription, NoisyGradientDescent,
+                                       PoissonGaussianSteps)
+from dpml.ledger.ledger import BudgetExceeded, Ledger
+from dpml.ledger.unit_accounts import LedgerError, filter_bound, filter_order
 
 DELTA = 1e-5
 
@@ -109,3 +111,50 @@ def test_the_filters_order_is_the_one_fixed_at_the_lineages_first_filtered_run(t
     between = release((room_fixed + room_moved) / 2)
     assert not ledger.units_within_filter("L", people(range(10)), between, later).any()
     assert ledger.units_within_filter("L", people(range(10)), release(room_fixed * 0.99), later).all()
+
+
+def kl_release() -> MechanismDescription:
+    """Noisy GD of a linearised network (Ye et al.), certified in KL only; replace-one, as its theorem."""
+    return MechanismDescription("noisygd", (NoisyGradientDescent("lecun", (20, 64, 64, 3), 2.0, 50, 0.05, 0.5, True),),
+                                "replace-one", 0.0, 400)
+
+
+def test_a_kl_run_may_reach_the_kl_budget_exactly_and_a_refusal_names_the_units_it_is_about(tmp_path: Path) -> None:
+    """KL composes by addition (the chain rule; Ye et al., Def. 2.3), and ``ledger.kl_budget`` bounds the sum:
+    a run that takes a unit's summed KL to the budget exactly is admitted, one a step further is refused,
+    naming how many of the run's units would go over and from which sum to which. A KL run on units that an
+    (ε, δ)-DP release already touched is refused naming those units. Pins: ``>`` → ``>=`` at the budget,
+    the before and after sums swapped or misformatted, the count of units taken from the wrong history."""
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
+    kl = certify(kl_release(), DELTA)["kl"]
+    ledger.reserve("v1", kl_release(), "first", 10.0, 100.0, lineage="L", units=people(range(100)))
+    ledger.reserve("v1", kl_release(), "second", 10.0, 100.0, lineage="L", units=people(range(50, 150)))
+    three = 0.0
+    for _ in range(3):
+        three += kl  # the chain rule's sum, term by term
+    ledger.reserve("v1", kl_release(), "to the budget", 10.0, three, lineage="L", units=people(range(50, 60)))
+    assert ledger.kl_total("L") == three
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", kl_release(), "over", 10.0, three, lineage="L", units=people([55, 56, 57, 58, 120]))
+    assert (f"4 privacy units of this run would go from summed KL = {three:.4g} to {three + kl:.4g}, over "
+            f"ledger.kl_budget = {three:g}") in str(refused.value)
+    assert [s.label for s in ledger.spends("L")] == ["first", "second", "to the budget"]
+
+    dp = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 100),), "replace-one", 1.0, 1000)
+    ledger.reserve("v1", dp, "dp", 10.0, lineage="L", units=people(range(200, 206)))
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", kl_release(), "after dp", 10.0, 100.0, lineage="L", units=people(range(203, 220)))
+    assert "3 privacy units of this run already have (ε, δ)-DP spends" in str(refused.value)
+
+
+def test_a_reservation_in_a_mode_the_ledger_does_not_know_is_refused_before_anything_is_recorded(
+        tmp_path: Path) -> None:
+    """``mode`` is ``refuse`` or ``exclude`` (``ledger.on_exhausted``); any other value (a typo through the Python
+    API) is refused naming it, not silently read as ``refuse``, and the ledger is unchanged. Pins the mode
+    check, and the default ``refuse`` passed on where a caller leaves it out."""
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
+    with pytest.raises(LedgerError, match="mode = 'exlude'.*'refuse'.*'exclude'"):
+        ledger.reserve("v1", release(0.01), "typo", 10.0, lineage="L", units=people(range(10)),
+                       mode="exlude")  # type: ignore[arg-type]
+    assert ledger.spends("L") == [] and ledger.spends("L", counted_only=False) == []
+    ledger.reserve("v1", release(0.01), "default", 10.0, lineage="L", units=people(range(10)))

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 import dpml
 from dpml.models.library import LibraryModel, ModelOutputError, adapt, logits_from_output
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 
 VOCABULARY, LENGTH = 32, 8
 NEEDS_TRANSFORMERS = "transformers is a test extra (requirements-models.lock); not installed here"

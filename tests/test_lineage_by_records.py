@@ -21,8 +21,8 @@ import pandas as pd
 import pytest
 
 from dpml.config import validate
-from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError, LineageConflict, _compose
-from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
+from dpml.ledger.ledger import BudgetExceeded, Ledger, LedgerError, LineageConflict, _compose
+from dpml.accounting.mechanism import ConcentratedDP, MechanismDescription
 from dpml.data.units import digests_of_ids
 from dpml.stages import run_stage
 from dpml.stages.train import LineageFollowsRecords

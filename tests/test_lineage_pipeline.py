@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from dpml.privacy.ledger import Ledger, filter_bound, filter_order, rdp_curve
-from dpml.privacy.tuning import ORDERS
+from dpml.ledger.ledger import Ledger, filter_bound, filter_order, rdp_curve
+from dpml.accounting.tuning import ORDERS
 from tests.conftest import small_params, write_params
 
 
@@ -52,7 +52,7 @@ def test_a_growing_table_spends_each_persons_budget_once(workdir: Path) -> None:
     assert spend.mechanism is not None
     one = spend.epsilon_alone
     assert ledger.total("visits") == pytest.approx(one, rel=2e-3)
-    from dpml.privacy.ledger import _compose  # noqa: PLC2701 — the ledger's own PLD composition
+    from dpml.ledger.ledger import _compose  # noqa: PLC2701 — the ledger's own PLD composition
 
     both = _compose([spend.mechanism, spend.mechanism], 1e-5)
     budget = 0.999 * both  # room for one more release of a new person, not of an old one

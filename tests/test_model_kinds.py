@@ -21,7 +21,7 @@ from torch import nn
 
 from dpml.config import load
 from dpml.models import build_model, spec_for, spec_from_dict
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 from dpml.sections import ModelConfig
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping

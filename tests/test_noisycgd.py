@@ -11,11 +11,11 @@ from scipy.optimize import minimize
 
 from dpml.config import ConfigError, load
 from dpml.models.gated import GatedLinear, GatedSpec, lipschitz_bound, smoothness_bound
-from dpml.privacy.accountants import certify, epsilon_pld, tight_epsilon
-from dpml.privacy.gdp import (calibrate_l2, contraction_factor, gdp_delta, gdp_epsilon, gdp_mu, noisycgd_mu,
+from dpml.accounting.accountants import certify, epsilon_pld, tight_epsilon
+from dpml.accounting.gdp import (calibrate_l2, contraction_factor, gdp_delta, gdp_epsilon, gdp_mu, noisycgd_mu,
                               noisycgd_mu_factor)
-from dpml.privacy.ledger import Ledger
-from dpml.privacy.mechanism import GaussianDP, MechanismDescription, PoissonGaussianSteps
+from dpml.ledger.ledger import Ledger
+from dpml.accounting.mechanism import GaussianDP, MechanismDescription, PoissonGaussianSteps
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import LOSSES
 from dpml.train.noisycgd import NoisyCgdSettings, cyclic_batches, noisycgd_mechanism, train_noisycgd

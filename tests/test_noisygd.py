@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 from dpml.models.init import SCHEMES, bias_free_relu_mlp, initialise
-from dpml.privacy.kl import gradient_norm_constant, kl_bound, kl_bound_for_relation
+from dpml.accounting.kl import gradient_norm_constant, kl_bound, kl_bound_for_relation
 from dpml.train.noise import gaussian
 from dpml.train.noisygd import (KLPairs, LinearisedNetwork, add_one_difference, estimated_kl, flatten,
                                 mean_loss_and_gradient, neighbour_squared_gaps, noisy_gd_step_noise_std,

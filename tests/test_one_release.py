@@ -25,8 +25,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import REPO, small_params, write_params
-from dpml.privacy.ledger import Ledger
-from dpml.privacy.spending import reserve_and_start
+from dpml.ledger.ledger import Ledger
+from dpml.ledger.spending import reserve_and_start
 from dpml.sections_stores import TrackingConfig
 from dpml.stages.register import REGISTERING, identity_of, registering_processes
 from dpml.tracking.store import prepare_store

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dpml.privacy.zcdp import schedule_rho, zcdp_to_dp
+from dpml.accounting.zcdp import schedule_rho, zcdp_to_dp
 from dpml.train.onepass import (clip_inputs, excess_risk, learning_rate_schedule, rho_for_epsilon, theory_rate,
                                 train_onepass_dpsgd)
 
@@ -65,7 +65,7 @@ def test_step_sizes_above_two_over_beta_are_refused() -> None:
 
 def test_noise_std_is_two_c_sigma_per_step() -> None:
     """Zero inputs give zero gradients, so θ_n is the noise alone: OUT puts all of it on the last step,
-    std 2Cσ_n = 2·c√d·η_n/ρ (the convention of dpml.privacy.zcdp)."""
+    std 2Cσ_n = 2·c√d·η_n/ρ (the convention of dpml.accounting.zcdp)."""
     n, d, c = 3, 20_000, 0.7
     x, y = np.zeros((n, d)), np.ones(n)
     result = train_onepass_dpsgd(x, y, epsilon=1.0, delta=1e-5, schedule="out", eta0=0.9, clip_constant=c,
@@ -120,9 +120,9 @@ def test_invalid_parameters_are_refused() -> None:
 @pytest.mark.parametrize("rho", [0.005, 0.05, 0.5, 2.0])
 def test_zcdp_accountants_are_never_below_the_exact_gaussian_and_agree_in_order(rho: float) -> None:
     """A Gaussian mechanism with μ = sqrt(2ρ) is ρ-zCDP, so no valid ρ-zCDP conversion may be below its exact ε."""
-    from dpml.privacy.accountants import certify
-    from dpml.privacy.gdp import gdp_epsilon
-    from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
+    from dpml.accounting.accountants import certify
+    from dpml.accounting.gdp import gdp_epsilon
+    from dpml.accounting.mechanism import ConcentratedDP, MechanismDescription
 
     mechanism = MechanismDescription("onepass", (ConcentratedDP(rho),), "replace-one", 1.0, 1000, "final-model")
     certificate = certify(mechanism, 1e-5)
@@ -136,9 +136,9 @@ def test_zcdp_accountants_are_never_below_the_exact_gaussian_and_agree_in_order(
 
 
 def test_ledger_composes_a_zcdp_spend_with_dp_sgd_in_rdp(tmp_path) -> None:
-    from dpml.privacy.accountants import tight_epsilon
-    from dpml.privacy.ledger import Ledger
-    from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription, PoissonGaussianSteps
+    from dpml.accounting.accountants import tight_epsilon
+    from dpml.ledger.ledger import Ledger
+    from dpml.accounting.mechanism import ConcentratedDP, MechanismDescription, PoissonGaussianSteps
 
     zcdp = MechanismDescription("onepass", (ConcentratedDP(0.05),), "add-remove", 1.0, 1000, "final-model")
     dpsgd = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 500),), "add-remove", 1.0, 1000)

@@ -165,7 +165,7 @@ def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdi
 
     verbose = dpml_run("--verbose")  # the same run again: references stored, Dask still started
     # (absl's one warning of a run, an RDP order that did not converge, is dropped by dpml even here: it is
-    # safe by construction, dpml.privacy.accountants.non_converging_orders_unlogged)
+    # safe by construction, dpml.accounting.accountants.non_converging_orders_unlogged)
     assert "distributed.scheduler" in verbose and "Downloading artifacts" in verbose
     assert "Finished in state Completed()" in verbose  # Prefect's own lines, kept out of the quiet run
 
@@ -214,7 +214,7 @@ def test_invalid_config_fails_before_any_work(workdir: Path) -> None:
 @pytest.mark.slow
 def test_private_search_releases_the_best_candidate_and_charges_the_search(workdir: Path,
                                                                            prefect_harness: None) -> None:
-    from dpml.privacy.ledger import Ledger
+    from dpml.ledger.ledger import Ledger
     from flows.pipeline import private_hyperparameter_search
 
     space = {"train.learning_rate": [0.5, 2.0], "model.hidden": [[], [16]]}
@@ -231,8 +231,8 @@ def test_private_search_releases_the_best_candidate_and_charges_the_search(workd
                                                      "shape": 1.0}
     assert "hyperparameter search" in certificate["statement"]
     one_candidate = certificate["mechanism"] | {"selection": None}
-    from dpml.privacy.accountants import certify
-    from dpml.privacy.mechanism import MechanismDescription
+    from dpml.accounting.accountants import certify
+    from dpml.accounting.mechanism import MechanismDescription
 
     assert certify(MechanismDescription.from_dict(one_candidate), 1e-5)["epsilon"] < certificate["epsilon"]
 
@@ -304,8 +304,8 @@ def test_noisycgd_pipeline_certifies_the_final_model_only(workdir: Path) -> None
 def test_noisycgd_search_calibrates_every_candidate_and_certifies_the_search(workdir: Path) -> None:
     """seed 001 §5 through dpml tune: K ~ truncated negative binomial under replace-one, every candidate's λ
     calibrated to the same μ, the whole search ≤ the target, the released λ used by the audit."""
-    from dpml.privacy.accountants import certify as certify_mechanism
-    from dpml.privacy.mechanism import MechanismDescription
+    from dpml.accounting.accountants import certify as certify_mechanism
+    from dpml.accounting.mechanism import MechanismDescription
     from dpml.stages import Layout, release_config, run_all
 
     config = load(write_params(workdir / "cgd-tune.yaml", small_params(

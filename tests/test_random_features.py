@@ -10,7 +10,7 @@ import torch
 
 from dpml.models.random_features import (RandomFeatures, RandomFeaturesSpec, check_activation, fit_min_norm,
                                          hermite_coefficients, tanh_even)
-from dpml.privacy.accountants import epsilon_moments_closed_form
+from dpml.accounting.accountants import epsilon_moments_closed_form
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.privacy_for_free import (certified_epsilon, dpgd_noise_std, privacy_for_free_hyperparameters,
                                          sigma_for_epsilon, steps_for, train_dpgd_random_features)

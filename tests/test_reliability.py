@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from conftest import REPO, small_params, write_params
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "DPML_NOISE_SEED": "11"}
 

@@ -91,7 +91,7 @@ def test_a_release_rebuilds_from_its_commit_and_remote_after_the_data_changed(tm
     assert len(worktrees.strip().splitlines()) == 1, worktrees  # the temporary worktree is gone
 
     # Retraining from the commit and the pulled records: charged, announced, the same release.
-    from dpml.privacy.ledger import Ledger
+    from dpml.ledger.ledger import Ledger
 
     spends = len(Ledger(root / "ledger.db", 1e-5).spends(counted_only=False))
     retrained = dpml(root, "reproduce", f"models:/{MODEL}/1", "--accuracy-band", "0")

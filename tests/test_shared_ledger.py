@@ -21,9 +21,9 @@ import pytest
 from mlflow import MlflowClient
 
 from dpml.config import load
-from dpml.privacy.accountants import epsilon_pld
-from dpml.privacy.ledger import Ledger
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.accounting.accountants import epsilon_pld
+from dpml.ledger.ledger import Ledger
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 from dpml.train.dpsgd import number_of_steps
 from tests.conftest import small_params, write_params
 
@@ -103,7 +103,7 @@ def test_a_postgresql_ledger_without_its_shared_key_is_refused(tmp_path: Path) -
 
 
 def test_an_unreachable_ledger_is_a_clear_error_without_the_password() -> None:
-    from dpml.privacy.ledger import LedgerError
+    from dpml.ledger.ledger import LedgerError
 
     with pytest.raises(LedgerError) as raised:
         Ledger("postgresql://dpml:s3cret@127.0.0.1:1/ledger", 1e-5, unit_key="unused.key")

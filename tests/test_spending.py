@@ -1,4 +1,4 @@
-"""A run's spend through its life (dpml/privacy/spending.py), as both front doors make it: cancelled when the run
+"""A run's spend through its life (dpml/ledger/spending.py), as both front doors make it: cancelled when the run
 fails before its trainer starts, counted and marked failed when it fails after, trained with its details."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from dpml.data.units import digests_of_ids
-from dpml.privacy.accountants import certify
-from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError
-from dpml.privacy.mechanism import MechanismDescription, NoisyGradientDescent, PoissonGaussianSteps
-from dpml.privacy.spending import reserve_and_start, training_recorded
+from dpml.accounting.accountants import certify
+from dpml.ledger.ledger import BudgetExceeded, Ledger, LedgerError
+from dpml.accounting.mechanism import MechanismDescription, NoisyGradientDescent, PoissonGaussianSteps
+from dpml.ledger.spending import reserve_and_start, training_recorded
 
 
 def mechanism() -> MechanismDescription:

@@ -22,7 +22,7 @@ import pytest
 from dpml.config import validate
 from dpml.data.sources import DataError, load_source
 from dpml.preflight import PreflightError, check_table_header
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 from dpml.data.units import digests_of_rows
 from dpml.stages import run_all
 from tests.conftest import REPO, small_params, write_params

@@ -86,7 +86,7 @@ def test_example_trainer_runs_the_whole_pipeline_from_the_cli(tmp_path: Path) ->
     import yaml
 
     from dpml import io
-    from dpml.privacy.ledger import Ledger
+    from dpml.ledger.ledger import Ledger
     from dpml.stages import Layout
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())

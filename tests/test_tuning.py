@@ -10,10 +10,10 @@ import pytest
 from scipy import stats
 
 from dpml.config import ConfigError, check_tunable, validate, with_hyperparameters
-from dpml.privacy import accountants, tuning
-from dpml.privacy.calibrate import calibrate_noise_multiplier
-from dpml.privacy.ledger import Ledger
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps, Selection
+from dpml.accounting import accountants, tuning
+from dpml.accounting.calibrate import calibrate_noise_multiplier
+from dpml.ledger.ledger import Ledger
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps, Selection
 
 DELTA = 1e-5
 SELECTIONS = [Selection("poisson", 4.0), Selection("poisson", 1.0), Selection("truncated_negative_binomial", 4.0, 0.0),

@@ -18,9 +18,9 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy.optimize import brentq
 
-from dpml.privacy.ledger import BudgetExceeded, Ledger, LedgerError, epsilons_from_rdp, filter_bound, filter_order
-from dpml.privacy.tuning import ORDERS
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.ledger.ledger import BudgetExceeded, Ledger, LedgerError, epsilons_from_rdp, filter_bound, filter_order
+from dpml.accounting.tuning import ORDERS
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 from dpml.data.units import digests_of_ids, digests_of_rows, one_row_per_unit
 
 DELTA = 1e-5
@@ -86,7 +86,7 @@ def test_unit_epsilon_is_the_composition_of_the_spends_that_touched_it(ledger_lo
         history = tuple(i for i, rows in enumerate(touched) if unit in set(rows.tolist()))
         if history:
             histories[history] = histories.get(history, 0) + 1
-    from dpml.privacy.tuning import ORDERS
+    from dpml.accounting.tuning import ORDERS
 
     expected = sorted(((independent_rdp([mechanisms[i] for i in h], list(ORDERS)), independent_pld([mechanisms[i] for i in h]), c)
                        for h, c in histories.items()), reverse=True)
@@ -234,8 +234,8 @@ def test_a_kill_inside_the_reservation_leaves_no_spend_and_no_units(ledger_locat
     key = str(tmp_path / "unit.key")
     script = textwrap.dedent(f"""
         import numpy as np
-        from dpml.privacy.ledger import Ledger
-        from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+        from dpml.ledger.ledger import Ledger
+        from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
         from dpml.data.units import digests_of_ids
         m = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.05, 1.0, 200),), "add-remove", 1.0, 1000)
         Ledger({ledger_location!r}, 1e-5, unit_key={key!r}).reserve("v", m, "x", 100.0, lineage="L",
@@ -251,7 +251,7 @@ def test_a_kill_inside_the_reservation_leaves_no_spend_and_no_units(ledger_locat
 
 
 def test_vectorised_conversion_matches_dp_accounting() -> None:
-    from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
+    from dpml.accounting.tuning import ORDERS, rdp_to_epsilon
 
     rng = np.random.default_rng(0)
     curves = np.cumsum(rng.uniform(0, 0.3, size=(20, len(ORDERS))), axis=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpml.privacy.gdp import gdp_epsilon
-from dpml.privacy.zcdp import (const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp)
+from dpml.accounting.gdp import gdp_epsilon
+from dpml.accounting.zcdp import (const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp)
 
 
 @pytest.mark.parametrize("make", [out_schedule, const_schedule])

@@ -170,7 +170,7 @@ class DataConfig(Section):
 
     ``id_column`` (tabular sources) names the column that identifies the *privacy unit* — the person
     a budget protects; several rows may share one id, and each unit then keeps one of its rows
-    (:mod:`dpml.privacy.units`). Without it every row is its own unit, identified by its content.
+    (:mod:`dpml.ledger.units`). Without it every row is its own unit, identified by its content.
 
     A CSV file's ``separator`` (default ``,``; ``;``, ``"\t"`` (or ``tab``), ``|`` or any one character)
     and ``encoding`` (default ``auto``: UTF-8, with or without a byte-order mark, UTF-16/32 by their

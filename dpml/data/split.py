@@ -6,7 +6,7 @@ then the next ``audit_fraction`` → audit population, the rest → train. A uni
 nothing but its own record and the seed, so
 
 - when the table grows, every unit stays in its part: a record once in the test part never trains a
-  later version, and the histories of a lineage's units stay nested (:mod:`dpml.privacy.cohorts`);
+  later version, and the histories of a lineage's units stay nested (:mod:`dpml.ledger.cohorts`);
 - neighbouring tables (one unit more) give training sets that differ in that unit alone, which is the
   relation the trainers' accountants assume (a split re-drawn over the whole table would not).
 

@@ -4,7 +4,7 @@ A *privacy unit* is what a budget protects: a person. ``data.id_column`` names t
 identifies one (several rows may share it); without it, every row is its own unit, identified by
 its content (features and label). At ingestion each row gets a 128-bit BLAKE2b digest of its unit's
 id value, or of the row's bytes; files that hold the records anyway may hold their digests. The
-ledger never stores a digest: it stores a keyed id of it (:mod:`dpml.privacy.units`).
+ledger never stores a digest: it stores a keyed id of it (:mod:`dpml.ledger.units`).
 
 Sensitivity acts on units through **contribution bounding** (Amin et al. 2019, "Bounding user
 contributions"): before the split, each unit keeps exactly one of its rows (a seeded uniform

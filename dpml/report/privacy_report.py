@@ -6,7 +6,7 @@ from typing import Any
 
 from dpml.audit.robustness import robustness_units
 from dpml.formatting import format_epsilon
-from dpml.privacy.mechanism import Selection
+from dpml.accounting.mechanism import Selection
 from dpml.report.verdict import verdict_lines
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
-from dpml.privacy.mechanism import MechanismDescription
+from dpml.accounting.mechanism import MechanismDescription
 from dpml.stages.layout import Layout
 from dpml.train.registry import trainer_for
 

@@ -22,7 +22,7 @@ from dpml import io
 from dpml.audit.bounds import hypothesis_test_bound
 from dpml.audit.run import gating_lower_bounds
 from dpml.formatting import format_epsilon
-from dpml.privacy.ledger import Ledger
+from dpml.ledger.ledger import Ledger
 from dpml.report.privacy_report import render
 from dpml.stages.audit import strongest
 from dpml.stages.layout import Layout

@@ -13,7 +13,7 @@ from dpml import io
 from dpml.data.tables import table_encoding, transform_of
 from dpml.faults import fault_point
 from dpml.formatting import format_epsilon
-from dpml.privacy.mechanism import MechanismDescription
+from dpml.accounting.mechanism import MechanismDescription
 from dpml.provenance import release_provenance
 from dpml.stages.audit import audit_detail_metrics, strongest
 from dpml.stages.layout import CONTRACT, Layout, load_model
@@ -25,7 +25,7 @@ from dpml.report.verdict import verdict_lines, verdict_metrics, verdict_tags
 
 if TYPE_CHECKING:
     from dpml.config import Config
-    from dpml.privacy.ledger import Ledger, Spend
+    from dpml.ledger.ledger import Ledger, Spend
 
 
 def serving_spec(config: Config, data_meta: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dpml import io
 from dpml.stages.layout import Layout
 
 if TYPE_CHECKING:
-    from dpml.privacy.ledger import Ledger
+    from dpml.ledger.ledger import Ledger
 
 STAMP = "trained_outputs"
 """The key under which the audit and the gate record the digest of the training outputs they used."""

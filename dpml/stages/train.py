@@ -29,9 +29,9 @@ from dpml.models.library import LibraryModel
 from dpml.models.predict import logits_of
 from dpml.devices import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
-from dpml.privacy.ledger import BudgetExceeded, Ledger, Spend, default_lineage, ledger_of
-from dpml.privacy.mechanism import MechanismDescription
-from dpml.privacy.spending import reserve_and_start, training_recorded
+from dpml.ledger.ledger import BudgetExceeded, Ledger, Spend, default_lineage, ledger_of
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.ledger.spending import reserve_and_start, training_recorded
 from dpml.stages.layout import Layout, load_part, load_units
 from dpml.stages.spend_outputs import stamp_for
 from dpml.train.fit import fit, model_spec
@@ -106,7 +106,7 @@ def lineage_of(config: Config) -> str:
     holds the people of the prepared training part (the records decide, not the file's name: a renamed
     file, another encoding or next week's export of the same people is the same account); else — people
     the ledger has never seen — a new lineage named after ``data.source``. The reservation refuses a run
-    whose people another lineage holds (:class:`dpml.privacy.ledger.LineageConflict`), so an explicit
+    whose people another lineage holds (:class:`dpml.ledger.ledger.LineageConflict`), so an explicit
     ``ledger.dataset`` can never open a second account for them."""
     if config.ledger.dataset:
         return config.ledger.dataset

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dpml.models.lipschitz import LipschitzLayer, gradient_bounds, project_all
-from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
+from dpml.accounting.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, per_example_gradients
 from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch

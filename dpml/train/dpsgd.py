@@ -7,7 +7,7 @@ One step t of :func:`train_dpsgd`:
 The denominator is the *expected* batch size q·n, a public constant: dividing by |B_t| would
 leak the batch size. An empty batch still takes a (pure-noise) step, as the analysis assumes.
 T = round(epochs / q) steps. The optimizer only post-processes ĝ_t, so any torch optimizer
-keeps the guarantee. The trainer describes the mechanism; :mod:`dpml.privacy` prices it.
+keeps the guarantee. The trainer describes the mechanism; :mod:`dpml.accounting` prices it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 from dpml.devices import host_to_device, keep_freed_cpu_memory
 from dpml.models.lipschitz import (hinge_kantorovich_rubinstein, kantorovich_rubinstein, multiclass_hinge,
                                    tau_cross_entropy)
-from dpml.privacy.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
+from dpml.accounting.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum

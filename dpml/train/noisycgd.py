@@ -14,7 +14,7 @@ not the regulariser λθ.
 (``numpy.array_split`` of the permutation), and every batch is averaged with the *fixed*
 denominator b. So each step's loss (1/b) Σ_{B_j} h + (λ/2)‖θ‖² is still λ-strongly convex and at
 most β-smooth, and a replaced record still moves the step by at most 2C/b: Theorem 2.8 applies with
-k = ⌈n/b⌉ (see :mod:`dpml.privacy.gdp`).
+k = ⌈n/b⌉ (see :mod:`dpml.accounting.gdp`).
 
 The mechanism (one μ-GDP event) is computed from the settings before training, so the ledger can
 record it first; the trainer itself never computes ε.
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from dpml.models.gated import lipschitz_bound, smoothness_bound
-from dpml.privacy.gdp import contraction_factor, noisycgd_mu
-from dpml.privacy.mechanism import GaussianDP, MechanismDescription
+from dpml.accounting.gdp import contraction_factor, noisycgd_mu
+from dpml.accounting.mechanism import GaussianDP, MechanismDescription
 from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, clipped_gradient_sum
 from dpml.train.dpsgd import TrainResult

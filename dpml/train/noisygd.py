@@ -21,7 +21,7 @@ two Gaussians N(μ, 2ησ²I), N(μ', 2ησ²I) with μ − μ' = −ηΔ is η�
 conservative by a factor 2; it is kept, so numbers compare with the paper's.) Such numbers are
 **estimates** of the privacy loss at the probes, not certificates: they hold for neither the worst
 neighbour nor the expectation. The only closed-form certificate is Cor. 4.2 for the *linearised*
-network, :func:`dpml.privacy.kl.kl_bound`.
+network, :func:`dpml.accounting.kl.kl_bound`.
 
 **Neighbour gradient differences** Δ = ∇L(D) − ∇L(D') from the step's ∇L(D) = ḡ and per-example
 gradients g of the probe records, with mean losses over n and |D'| records:

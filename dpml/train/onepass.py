@@ -13,7 +13,7 @@ residual clipped at C/‖x_k‖ — the lectures' r_c(θ, x, y) = r/max(1, |r|/c
 clipped step is a gradient step on the Huber loss h_{C/‖x‖}(xᵀθ − y), which is convex and
 ‖x‖²-smooth: that is what privacy amplification by iteration needs.
 
-**Certificate** (seed 002's proposition, after Feldman, Koren & Talwar 2020; :mod:`dpml.privacy.zcdp`).
+**Certificate** (seed 002's proposition, after Feldman, Koren & Talwar 2020; :mod:`dpml.accounting.zcdp`).
 Replacing record k moves step k by ≤ 2Cη_k; the noise of steps k..n (std 2Cσ_j) hides it, so the
 released last iterate θ^n (intermediate iterates stay hidden) is (ρ²/2)-zCDP with
 ρ = max_k η_k/sqrt(Σ_{j≥k} σ_j²), provided each step map θ ↦ θ − η_k·clip_C(g_k(θ)) is
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from dpml.privacy.zcdp import const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp
+from dpml.accounting.zcdp import const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp
 from dpml.train.dpsgd import secret_noise_seed
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ the moments accountant's closed form (Abadi et al. 2016, as in the lectures)
 In dpml's mechanism language this is a full-batch (q = 1) Gaussian step on the clipped *sum* with
 noise std s·C, where the sum's noise s·C/n·η must equal sqrt(η)(2C/n)σ: s = 2σ/√η, under
 replace-one (sensitivity 2C) — the mapping of :func:`dpml.train.dpsgd.dpsgd_mechanism`; the
-moments closed form of :func:`dpml.privacy.closed_forms.epsilon_moments_closed_form` then divides
+moments closed form of :func:`dpml.accounting.closed_forms.epsilon_moments_closed_form` then divides
 s by 2 (replace-one) and gives a = T/(2(σ/√η)²) = ηT/(2σ²) exactly.
 
 **Privacy for free** (Bombari & Mondelli, PNAS 2025): with C = sqrt(p)·log²n and continuous time
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from dpml.models.random_features import RandomFeatures, hermite_coefficients, ACTIVATIONS
-from dpml.privacy.closed_forms import epsilon_moments_closed_form
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.accounting.closed_forms import epsilon_moments_closed_form
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 from dpml.train.clipping import clip_factors
 from dpml.train.dpsgd import secret_noise_seed
 from dpml.train.noise import gaussian

@@ -31,8 +31,8 @@ import torch
 
 from dpml.models import ModelSpec, build_model, spec_for
 from dpml.devices import pick_device
-from dpml.privacy.accountants import certify
-from dpml.privacy.mechanism import Event, MechanismDescription, PoissonGaussianSteps
+from dpml.accounting.accountants import certify
+from dpml.accounting.mechanism import Event, MechanismDescription, PoissonGaussianSteps
 from dpml.sections import ModelConfig, Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from dpml.models.predict import logits_of
-from dpml.privacy.tuning import sample_count
+from dpml.accounting.tuning import sample_count
 from dpml.train.fit import fit
 from dpml.train.protocol import SearchPlan
 from dpml.train.registry import trainer_for

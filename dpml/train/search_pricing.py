@@ -9,9 +9,9 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from dpml.privacy.accountants import tight_epsilon
-from dpml.privacy.calibrate import calibrate_noise_multiplier
-from dpml.privacy.mechanism import GaussianDP, MechanismDescription, Selection
+from dpml.accounting.accountants import tight_epsilon
+from dpml.accounting.calibrate import calibrate_noise_multiplier
+from dpml.accounting.mechanism import GaussianDP, MechanismDescription, Selection
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps
 from dpml.train.protocol import SearchPlan, Trainer
 

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from dpml.models import build_model
 from dpml.models.lipschitz import loss_lipschitz, LipschitzSpec
-from dpml.privacy.mechanism import MechanismDescription
+from dpml.accounting.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
 from dpml.train.clipless import (GradientBounds, LossClipping, clipless_bounds, clipless_mechanism, gradient_noise_for,
                                  train_clipless)

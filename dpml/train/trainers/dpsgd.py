@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Literal, TYPE_CHECKING
 import numpy as np
 import torch
 
-from dpml.privacy.calibrate import calibrate_noise_multiplier
-from dpml.privacy.mechanism import MechanismDescription
+from dpml.accounting.calibrate import calibrate_noise_multiplier
+from dpml.accounting.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
 from dpml.devices import pick_device
 from dpml.train.clipping_check import check_autocast, plan_clipping

@@ -15,8 +15,8 @@ import numpy as np
 from pydantic import Field
 
 from dpml.models.gated import lipschitz_bound, smoothness_bound
-from dpml.privacy.gdp import calibrate_l2, calibrate_l2_for_mu
-from dpml.privacy.mechanism import Event, GaussianDP, MechanismDescription
+from dpml.accounting.gdp import calibrate_l2, calibrate_l2_for_mu
+from dpml.accounting.mechanism import Event, GaussianDP, MechanismDescription
 from dpml.sections import Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult, loss_function
 from dpml.train.noisycgd import NoisyCgdSettings, noisycgd_mechanism, train_noisycgd

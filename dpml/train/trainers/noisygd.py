@@ -1,7 +1,7 @@
 """Noisy GD without clipping on the bias-free ReLU network (seed 000): KL privacy, not (ε, δ)-DP.
 
 The algorithm is :func:`dpml.train.noisygd.train_noisy_gd`; the certificate is Cor. 4.2's KL bound
-(:mod:`dpml.privacy.kl_certificate`), which exists only for the linearised network.
+(:mod:`dpml.accounting.kl_certificate`), which exists only for the linearised network.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pydantic import Field
 
 from dpml.models import ModelSpec, spec_for
 from dpml.models.init import build_bias_free_relu
-from dpml.privacy.kl import calibrate_sigma_squared, gradient_norm_constant
-from dpml.privacy.mechanism import MechanismDescription, NoisyGradientDescent
+from dpml.accounting.kl import calibrate_sigma_squared, gradient_norm_constant
+from dpml.accounting.mechanism import MechanismDescription, NoisyGradientDescent
 from dpml.sections import Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult
 from dpml.train.noisygd import KLPairs, train_noisy_gd

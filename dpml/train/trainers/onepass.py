@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import Field
 
-from dpml.privacy.closed_forms import epsilon_zcdp_rdp
-from dpml.privacy.mechanism import ConcentratedDP, MechanismDescription
+from dpml.accounting.closed_forms import epsilon_zcdp_rdp
+from dpml.accounting.mechanism import ConcentratedDP, MechanismDescription
 from dpml.sections import Section, TrainSettings
 from dpml.train.dpsgd import GradientCanaries, TrainResult
 from dpml.train.onepass import rho_for_epsilon, check_step_sizes, learning_rate_schedule, onepass_linear_classifier

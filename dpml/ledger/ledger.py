@@ -1,18 +1,18 @@
 """The privacy budget ledger: a budget that follows people, across every version of a data set.
 
-**Units and lineages.** A budget protects a *privacy unit* (a person; :mod:`dpml.privacy.units`).
+**Units and lineages.** A budget protects a *privacy unit* (a person; :mod:`dpml.ledger.units`).
 A *lineage* is one account for the people of a data set, shared by every version of it: the weekly
 table with five new rows is the same lineage, and the people in both versions carry their history
 with them. The records decide which lineage a run belongs to, never the file's name
 (:func:`dpml.stages.train.lineage_of`): the lineage that already holds the run's units, else
 ``ledger.dataset``'s or the source's name for people never seen. **One person, one account**
-(:mod:`dpml.privacy.lineages`): a reservation whose units another lineage already holds is refused
+(:mod:`dpml.ledger.lineages`): a reservation whose units another lineage already holds is refused
 (:class:`LineageConflict`, one line naming both lineages and how to proceed); ``dpml ledger rename``
 renames a lineage or merges two, keeping every spend; and for ledgers written before that rule, a
 unit's ε composes every release that touched it under any lineage.
 
 **Spends.** A SQLite file, or a PostgreSQL database many workers share (``ledger.url``;
-:mod:`dpml.privacy.ledger_db`; the same statements and guarantees), holds an append-only table of
+:mod:`dpml.ledger.db`; the same statements and guarantees), holds an append-only table of
 spends. A spend is written — in one transaction with the record of which units it touched, before
 any training starts — with the planned mechanism; later rows only add events (``started``,
 ``trained``, ``released``, ``failed``) and never change or remove a spend. A crash or a SIGKILL at
@@ -25,7 +25,7 @@ the spend (:meth:`Ledger.cancel`, event ``cancelled``), which then no longer cou
 ``dpml ledger`` still lists it. Once ``started`` is recorded a spend can never be cancelled.
 
 **Per-unit accounting.** Each spend records exactly which units it touched (the training part of the
-run's data), stored as cohorts of units with one history (:mod:`dpml.privacy.cohorts`). A unit's
+run's data), stored as cohorts of units with one history (:mod:`dpml.ledger.cohorts`). A unit's
 privacy loss is the composition of the mechanisms of the counted private spends that touched it: the
 smaller of two valid upper bounds, RDP (Mironov 2017, summed curves; converted by Canonne, Kamath &
 Steinke 2020, Prop. 12) and, where it matters, one PLD accountant over every event (tighter). The
@@ -57,9 +57,9 @@ Two concurrent runs racing for the last of a budget are serialised by ``BEGIN IM
 PostgreSQL: a transaction-scoped advisory lock): the check and the insert are one transaction, and
 exactly one proceeds, whichever machines they run on.
 
-The parts: :mod:`dpml.privacy.unit_accounts` (a unit's ε from its history),
-:mod:`dpml.privacy.budget_checks` (the check before a run), :mod:`dpml.privacy.ledger_schema` (tables,
-migration, lineage names), :mod:`dpml.privacy.cohorts` (which units have which history).
+The parts: :mod:`dpml.ledger.unit_accounts` (a unit's ε from its history),
+:mod:`dpml.ledger.budget_checks` (the check before a run), :mod:`dpml.ledger.schema` (tables,
+migration, lineage names), :mod:`dpml.ledger.cohorts` (which units have which history).
 """
 
 from __future__ import annotations
@@ -75,15 +75,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from dpml.faults import fault_point
-from dpml.privacy import cohorts, lineages
-from dpml.privacy.accountants import tight_epsilon
-from dpml.privacy.budget_checks import Standing, check_budget, within_filter
-from dpml.privacy.lineages import Group, LineageConflict
-from dpml.privacy.ledger_db import SqliteDatabase, open_database
-from dpml.privacy.ledger_schema import SCHEMA_VERSION, create_tables, default_lineage, migrate_from_v1
-from dpml.privacy.ledger_views import LedgerViews
-from dpml.privacy.mechanism import MechanismDescription
-from dpml.privacy.unit_accounts import (
+from dpml.ledger import cohorts, lineages
+from dpml.accounting.accountants import tight_epsilon
+from dpml.ledger.budget_checks import Standing, check_budget, within_filter
+from dpml.ledger.lineages import Group, LineageConflict
+from dpml.ledger.db import SqliteDatabase, open_database
+from dpml.ledger.schema import SCHEMA_VERSION, create_tables, default_lineage, migrate_from_v1
+from dpml.ledger.views import LedgerViews
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.ledger.unit_accounts import (
     COUNTED,
     BudgetExceeded,
     History,
@@ -96,7 +96,7 @@ from dpml.privacy.unit_accounts import (
     filter_order,
     rdp_curve,
 )
-from dpml.privacy.units import UnitKeyError, key_fingerprint, keyed_unit_ids, load_or_create_key
+from dpml.ledger.units import UnitKeyError, key_fingerprint, keyed_unit_ids, load_or_create_key
 
 if TYPE_CHECKING:
     from dpml.sections_stores import LedgerConfig
@@ -120,7 +120,7 @@ class Spend:
 
 class Ledger(LedgerViews):
     """Append-only ledger at ``location``: a SQLite file (a path or ``sqlite:///path``) or a PostgreSQL
-    database (``postgresql://user@host:port/db``, shared by many workers; :mod:`dpml.privacy.ledger_db`).
+    database (``postgresql://user@host:port/db``, shared by many workers; :mod:`dpml.ledger.db`).
     ``delta`` is the δ at which totals are stated; ``unit_key`` is the secret file that turns unit
     digests into the ids the ledger stores (default ``<file>.key`` beside a SQLite ledger; a
     PostgreSQL ledger needs it named, the one file every worker shares)."""
@@ -309,7 +309,7 @@ class Ledger(LedgerViews):
     @staticmethod
     def _refuse_other_lineages(db: Any, lineage: str, ids: np.ndarray) -> None:
         """Raise :class:`LineageConflict` when any of the run's units (sorted unique keyed ids) is already
-        accounted under another lineage: one person, one account (:mod:`dpml.privacy.lineages`)."""
+        accounted under another lineage: one person, one account (:mod:`dpml.ledger.lineages`)."""
         found = lineages.holders(db, ids, lineage)
         if found:
             exists = db.execute("SELECT 1 FROM lineages WHERE name = ?", (lineage,)).fetchone() is not None
@@ -354,12 +354,17 @@ class Ledger(LedgerViews):
         """Record a planned run's spend and the units it touches, or raise :class:`BudgetExceeded`
         (the ledger is then unchanged).
 
-        ``units``: the (n, 16) digests of the training data's units (:mod:`dpml.privacy.units`);
+        ``units``: the (n, 16) digests of the training data's units (:mod:`dpml.ledger.units`);
         ``None`` charges the spend to every unit of the lineage. ``lineage`` defaults to the dataset
         version (one account per version, the schema-1 behaviour). ``mode``: ``refuse`` checks the
         composition of every touched unit against ``budget``; ``exclude`` checks the lineage's Rényi
-        filter (the caller passes only the units :meth:`units_within_filter` allowed).
+        filter (the caller passes only the units :meth:`units_within_filter` allowed); any other mode is
+        refused before anything is read or written (:class:`LedgerError`), not taken as ``refuse``.
         """
+        if mode not in ("refuse", "exclude"):
+            raise LedgerError(f"mode = {mode!r}: the ledger checks a run by 'refuse' (composition against the "
+                              "budget) or 'exclude' (the Rényi filter) only (ledger.on_exhausted); nothing was "
+                              "recorded")
         lineage = lineage or dataset_version
         kl_run = mechanism is not None and mechanism.guarantee == "kl"
         alone = float("inf") if mechanism is None or kl_run else tight_epsilon(mechanism, self.delta)

@@ -20,14 +20,14 @@ bounds:
 
 A hyperparameter search with a *fixed* number of candidates is priced by every accountant above
 as the composition of the candidates. One with a *random* number of candidates is priced by
-Papernot & Steinke's RDP theorems (:mod:`dpml.privacy.tuning`) on the base algorithm's RDP curve:
+Papernot & Steinke's RDP theorems (:mod:`dpml.accounting.tuning`) on the base algorithm's RDP curve:
 ``papernot_steinke.rdp[dp_accounting]`` (curve from dp_accounting, Poisson δ̂ from the PLD) and
 ``papernot_steinke.rdp[autodp]`` (curve from autodp) certify; ``dp_accounting.rdp`` then answers
 with dp_accounting's own implementation of the same theorems (``RepeatAndSelectDpEvent``), the
 cross-check. PLD, PRV and plain autodp decline (recorded), having no analysis for it.
 
 A μ-GDP event (NoisyCGD's hidden-state bound) is exactly a Gaussian mechanism with sensitivity 1
-and std 1/μ: ``gdp.exact`` converts it with the closed-form profile (:mod:`dpml.privacy.gdp`) when
+and std 1/μ: ``gdp.exact`` converts it with the closed-form profile (:mod:`dpml.accounting.gdp`) when
 the mechanism is GDP only (μ's compose as sqrt(Σμ²)); dp_accounting (PLD and RDP) and autodp price
 it as that Gaussian mechanism — the independent checks, and the way it composes with DP-SGD spends
 in the ledger. (dp_accounting's PLD gives a plain Gaussian event sensitivity 2 under replace-one
@@ -52,14 +52,14 @@ from typing import Any, Callable
 import numpy as np
 
 from dpml.formatting import format_epsilon
-from dpml.privacy.kl_certificate import certify_kl
-from dpml.privacy.mechanism import (ConcentratedDP, Event, GaussianDP, GaussianEvent, MechanismDescription,
+from dpml.accounting.kl_certificate import certify_kl
+from dpml.accounting.mechanism import (ConcentratedDP, Event, GaussianDP, GaussianEvent, MechanismDescription,
                                     gaussian_only)
-from dpml.privacy import tuning
-from dpml.privacy.prv import epsilon_prv_upper
-from dpml.privacy.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
+from dpml.accounting import tuning
+from dpml.accounting.prv import epsilon_prv_upper
+from dpml.accounting.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
                                        epsilon_zcdp_closed_form, epsilon_zcdp_rdp, has_zcdp)
-from dpml.privacy.supports import (autodp_composition, composed_without_zcdp, dp_accounting_rdp, full_batch_gaussian,
+from dpml.accounting.supports import (autodp_composition, composed_without_zcdp, dp_accounting_rdp, full_batch_gaussian,
                                    gdp_only, random_count_without_zcdp, subsampled_gaussian_add_remove, zcdp_composed)
 
 PLD_DISCRETIZATION = 1e-4
@@ -301,7 +301,7 @@ def tight_epsilon(mechanism: MechanismDescription, delta: float,
     A coarser ``discretization`` is faster and still an upper bound (pessimistic PLD).
     """
     if mechanism.guarantee == "kl":
-        return float("inf")  # KL privacy gives no finite ε (seed 000): dpml.privacy.kl_certificate
+        return float("inf")  # KL privacy gives no finite ε (seed 000): dpml.accounting.kl_certificate
     if has_zcdp(mechanism):
         return epsilon_zcdp_rdp(mechanism, delta)
     if mechanism.selection is not None and mechanism.selection.random:

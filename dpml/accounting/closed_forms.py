@@ -2,7 +2,7 @@
 
 μ-GDP events by their exact profile, full-batch Gaussian steps by the moments accountant's closed
 form (seed 002's DP-GD certificate), and ρ-zCDP (seed 002's one-pass DP-SGD) by three conversions.
-Each is one of the accountants :func:`dpml.privacy.accountants.certify` asks.
+Each is one of the accountants :func:`dpml.accounting.accountants.certify` asks.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import warnings
 
-from dpml.privacy import gdp, tuning
-from dpml.privacy.mechanism import ConcentratedDP, GaussianDP, MechanismDescription
+from dpml.accounting import gdp, tuning
+from dpml.accounting.mechanism import ConcentratedDP, GaussianDP, MechanismDescription
 
 
 def epsilon_gdp_exact(mechanism: MechanismDescription, delta: float) -> float:

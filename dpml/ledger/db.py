@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from dpml.privacy.unit_accounts import LedgerError
+from dpml.ledger.unit_accounts import LedgerError
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 LOCK_WAIT_SECONDS = 3600.0  # how long a SQLite connection waits for the write lock

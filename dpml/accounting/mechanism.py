@@ -2,7 +2,7 @@
 
 A trainer never computes its own ε. It returns a :class:`MechanismDescription` (sampling,
 noise, sensitivity, number of steps, neighbouring relation, threat model) and the accountants in
-:mod:`dpml.privacy.accountants` interpret it — the design of dp_accounting's ``DpEvent``. The
+:mod:`dpml.accounting.accountants` interpret it — the design of dp_accounting's ``DpEvent``. The
 description is plain JSON, logged with every run, so a certificate can be recomputed later.
 
 DP-SGD with Poisson sampling (Abadi et al. 2016), step t:
@@ -21,7 +21,7 @@ A hyperparameter search adds a :class:`Selection`: the events then describe *one
 (its training plus its noisy validation score) and the selection says how many candidates ran
 and that only the best was released. A fixed count k is priced by composing k candidates; a
 random count (Poisson or truncated negative binomial, Papernot & Steinke 2022) by their RDP
-theorems in :mod:`dpml.privacy.tuning`.
+theorems in :mod:`dpml.accounting.tuning`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class NoisyGradientDescent:
     Its guarantee is **KL privacy** (Ye et al. Def. 2.3), not (ε, δ)-DP: KL ≤ 2BKη/(n²σ²)
     (Cor. 4.2), proven only for the ``linearised`` network; B depends on the initialisation
     ``scheme``, the ``widths`` [d, m_1, …, o] and the input norm bound X0 = ``input_norm``
-    (:mod:`dpml.privacy.kl`). Without linearisation there is no certificate, only an estimate.
+    (:mod:`dpml.accounting.kl`). Without linearisation there is no certificate, only an estimate.
     """
 
     scheme: str

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from dpml.privacy.accountants import epsilon_pld, mechanism_rdp_curve
-from dpml.privacy.closed_forms import has_zcdp
-from dpml.privacy.kl_certificate import certified_kl
-from dpml.privacy.mechanism import MechanismDescription
-from dpml.privacy.tuning import ORDERS, rdp_to_epsilon
+from dpml.accounting.accountants import epsilon_pld, mechanism_rdp_curve
+from dpml.accounting.closed_forms import has_zcdp
+from dpml.accounting.kl_certificate import certified_kl
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.accounting.tuning import ORDERS, rdp_to_epsilon
 
 PLD_REFINEMENTS = 4  # the most PLD compositions one check or summary computes beyond its memo
 PLD_MAX_EVENTS = 8  # histories of more distinct events keep their RDP bound (a PLD would take many seconds)

@@ -1,12 +1,12 @@
-"""Which mechanism descriptions each built-in accountant models (its ``supports``, :class:`dpml.privacy.accountants.
+"""Which mechanism descriptions each built-in accountant models (its ``supports``, :class:`dpml.accounting.accountants.
 Accountant`): it is asked about those only, so that none answers for what it does not model, and a certificate
 records no error from an accountant asked outside its model. Predicates on the description alone.
 """
 
 from __future__ import annotations
 
-from dpml.privacy.closed_forms import has_zcdp
-from dpml.privacy.mechanism import GaussianDP, MechanismDescription, PoissonGaussianSteps
+from dpml.accounting.closed_forms import has_zcdp
+from dpml.accounting.mechanism import GaussianDP, MechanismDescription, PoissonGaussianSteps
 
 
 def random_selection(mechanism: MechanismDescription) -> bool:

@@ -1,6 +1,6 @@
 """What the ledger says about its lineages and people: each lineage's largest unit ε (and KL), the units
 by ε, the ``dpml ledger`` view, and one person's releases across lineages. A mixin of
-:class:`dpml.privacy.ledger.Ledger`: it reads through the ledger's own connection and standing
+:class:`dpml.ledger.ledger.Ledger`: it reads through the ledger's own connection and standing
 (``_connect``, ``_lineage_standing``, ``_groups``, ``_base``, ``spends``, ``events``, ``unit_ids``)."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from dpml.privacy import lineages
-from dpml.privacy.budget_checks import Standing
-from dpml.privacy.lineages import Group
-from dpml.privacy.unit_accounts import UnitAccounts
+from dpml.ledger import lineages
+from dpml.ledger.budget_checks import Standing
+from dpml.ledger.lineages import Group
+from dpml.ledger.unit_accounts import UnitAccounts
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from dpml.privacy.ledger import Spend
+    from dpml.ledger.ledger import Spend
 
 
 class LedgerHost(Protocol):
-    """What the views read of the :class:`dpml.privacy.ledger.Ledger` they are mixed into (for the type checker)."""
+    """What the views read of the :class:`dpml.ledger.ledger.Ledger` they are mixed into (for the type checker)."""
 
     delta: float
 
@@ -40,7 +40,7 @@ class LedgerHost(Protocol):
 
 class LedgerViews:
     """Read-only answers of the ledger (the per-person ε of Mironov 2017 / the tight accountants, composed by
-    :class:`dpml.privacy.unit_accounts.UnitAccounts` over each unit's history)."""
+    :class:`dpml.ledger.unit_accounts.UnitAccounts` over each unit's history)."""
 
     delta: float
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from dpml.privacy.accountants import PLD_DISCRETIZATION, epsilon_autodp_rdp, epsilon_pld, tight_epsilon
-from dpml.privacy.mechanism import Event, MechanismDescription, Neighbouring, PoissonGaussianSteps, Selection
+from dpml.accounting.accountants import PLD_DISCRETIZATION, epsilon_autodp_rdp, epsilon_pld, tight_epsilon
+from dpml.accounting.mechanism import Event, MechanismDescription, Neighbouring, PoissonGaussianSteps, Selection
 
 SEARCH_DISCRETIZATION = 1e-3
 

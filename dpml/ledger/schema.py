@@ -2,7 +2,7 @@
 
 Schema 2: ``spends`` (append-only; ``lineage``, ``n_units`` and the RDP curve per spend), ``events``,
 ``lineages`` (``base``: spends charged to every unit of the lineage; the Rényi filter's order), a memo
-of PLD compositions, and the unit cohorts of :mod:`dpml.privacy.cohorts`.
+of PLD compositions, and the unit cohorts of :mod:`dpml.ledger.cohorts`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from dpml.privacy import cohorts
-from dpml.privacy.mechanism import MechanismDescription
-from dpml.privacy.unit_accounts import _curve_to_json, rdp_curve
+from dpml.ledger import cohorts
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.ledger.unit_accounts import _curve_to_json, rdp_curve
 from dpml.data.schema import source_name
 
 SCHEMA_VERSION = 2

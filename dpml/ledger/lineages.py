@@ -1,9 +1,9 @@
 """One person, one account: which lineages hold a unit, every release that touched it, renames and merges.
 
 A lineage is an account of *people* (privacy units), not of a file: the ledger recognises a unit by its
-keyed id (:mod:`dpml.privacy.units`), whatever the file it came from was called or how it was encoded.
+keyed id (:mod:`dpml.ledger.units`), whatever the file it came from was called or how it was encoded.
 This module keeps that true across lineages, on SQLite and PostgreSQL alike (plain SQL over the
-tables of :mod:`dpml.privacy.cohorts`; no schema change):
+tables of :mod:`dpml.ledger.cohorts`; no schema change):
 
 - :func:`holders`: the lineages other than a run's own that already hold some of its units. The
   ledger refuses such a run (:class:`LineageConflict`, one line naming both lineages and the fix), so
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from dpml.privacy import cohorts
-from dpml.privacy.unit_accounts import History, LedgerError
+from dpml.ledger import cohorts
+from dpml.ledger.unit_accounts import History, LedgerError
 
 MAX_NAME = 200  # characters of a lineage name (ledger.dataset)
 

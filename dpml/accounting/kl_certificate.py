@@ -1,6 +1,6 @@
 """The certificate of a KL-private trainer (seed 000's noisy GD): what it guarantees, and what it does not.
 
-A :class:`~dpml.privacy.mechanism.NoisyGradientDescent` event is priced in KL divergence, not in
+A :class:`~dpml.accounting.mechanism.NoisyGradientDescent` event is priced in KL divergence, not in
 (ε, δ). For the linearised network Cor. 4.2 of Ye et al. gives, for replace-one neighbours and the
 whole trajectory W_[0:K],
 
@@ -26,8 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dpml.privacy.kl import gradient_norm_constant, kl_bound, pinsker_delta, table_1_constant
-from dpml.privacy.mechanism import MechanismDescription, NoisyGradientDescent
+from dpml.accounting.kl import gradient_norm_constant, kl_bound, pinsker_delta, table_1_constant
+from dpml.accounting.mechanism import MechanismDescription, NoisyGradientDescent
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Microsoft's privacy random variable accountant (Gopi, Lee & Wutschitz 2021) as one of the accountants
-:func:`dpml.privacy.accountants.certify` asks: its certified upper bound on ε, and the lower one the tests hold
+:func:`dpml.accounting.accountants.certify` asks: its certified upper bound on ε, and the lower one the tests hold
 dpml to never go below."""
 
 from __future__ import annotations
 
-from dpml.privacy.mechanism import MechanismDescription, PoissonGaussianSteps
+from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 
 
 def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float = 0.01) -> tuple[float, float, float]:

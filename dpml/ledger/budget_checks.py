@@ -4,11 +4,11 @@ Two rules (``ledger.on_exhausted``), both evaluated per history — the units of
 history, so a check costs one composition per cohort, not per unit:
 
 - ``refuse``: the run's units are checked by composition, min(RDP, PLD) of the spends that touched
-  each plus the planned one (:class:`~dpml.privacy.unit_accounts.UnitAccounts`), against
+  each plus the planned one (:class:`~dpml.ledger.unit_accounts.UnitAccounts`), against
   ``ledger.epsilon_budget``. Any unit over it refuses the run, naming how many units and their ε.
 - ``exclude``: the individual Rényi filter (Feldman & Zrnic 2021, Thm. 3.1 with the individual
   losses of Alg. 1): at the lineage's fixed order α*, a unit takes part only while
-  Σ_{s touched it} ρ_s(α*) + ρ_new(α*) ≤ B* (:func:`~dpml.privacy.unit_accounts.filter_bound`).
+  Σ_{s touched it} ρ_s(α*) + ρ_new(α*) ≤ B* (:func:`~dpml.ledger.unit_accounts.filter_bound`).
 
 KL-private runs (seed 000) are checked in summed KL against ``ledger.kl_budget``.
 """
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpml.privacy import cohorts
-from dpml.privacy.mechanism import MechanismDescription
-from dpml.privacy.unit_accounts import BudgetExceeded, History, LedgerError, UnitAccounts, filter_bound
+from dpml.ledger import cohorts
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.ledger.unit_accounts import BudgetExceeded, History, LedgerError, UnitAccounts, filter_bound
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 - :func:`reserve_and_start` reserves the planned mechanism's spend (refused over budget: the ledger is then
   unchanged), runs the front door's own bookkeeping (the pipeline notes the spend's id beside the model),
   and records ``started``: the moment the records are handed to the trainer. A failure before
-  ``started`` cancels the spend (:meth:`dpml.privacy.ledger.Ledger.cancel`): nothing about the data can
+  ``started`` cancels the spend (:meth:`dpml.ledger.ledger.Ledger.cancel`): nothing about the data can
   have left the process.
 - :func:`training_recorded` wraps the training: an exception (a kill, a Ctrl-C, a bug) records ``failed``
   with the error and propagates, and the spend keeps counting (the trainer saw the data); a normal end
@@ -20,15 +20,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dpml.privacy.ledger import Ledger, Spend
-from dpml.privacy.mechanism import MechanismDescription
+from dpml.ledger.ledger import Ledger, Spend
+from dpml.accounting.mechanism import MechanismDescription
 
 
 def reserve_and_start(ledger: Ledger, dataset_version: str, mechanism: MechanismDescription | None, purpose: str,
                       budget: float, *, kl_budget: float | None = None, lineage: str | None = None,
                       units: np.ndarray | None = None, mode: Literal["refuse", "exclude"] = "refuse",
                       before_start: Callable[[Spend], None] = lambda spend: None) -> Spend:
-    """Reserve the spend (:meth:`Ledger.reserve`; :class:`dpml.privacy.ledger.BudgetExceeded` over budget), call
+    """Reserve the spend (:meth:`Ledger.reserve`; :class:`dpml.ledger.ledger.BudgetExceeded` over budget), call
     ``before_start`` with it, and mark it ``started``; a failure in between cancels it and propagates."""
     spend = ledger.reserve(dataset_version, mechanism, purpose, budget, kl_budget, lineage=lineage, units=units,
                            mode=mode)
