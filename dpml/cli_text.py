@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpml.formatting import format_epsilon
+from dpml.formatting import format_epsilon, format_lower_bound
 from dpml.report.verdict import verdict_lines
 
 
@@ -84,7 +84,8 @@ def audit_line(audit: dict[str, Any], epsilon: float) -> str:
     name = max(attacks, key=lambda n: attacks[n]["auc"])
     beside = f" | control {control[name]['auc']:.3f}" if name in control else ""
     references = audit["references"]
-    return (f"  audit                empirical ε bound {audit['max_lower_bound']:.4g} (certified {format_epsilon(epsilon)}); "
+    return (f"  audit                empirical ε bound {format_lower_bound(audit['max_lower_bound'])} "
+            f"(certified {format_epsilon(epsilon)}); "
             f"strongest {name} AUC {attacks[name]['auc']:.3f}{beside}; reference models {references['models']} "
             f"({references['found_stored']} stored, {references['trained_by_this_stage']} trained)")
 

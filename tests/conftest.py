@@ -139,7 +139,7 @@ def prefect_harness() -> Iterator[None]:
     """One ephemeral Prefect API for the whole test run (≈10 s to start)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=120):  # 30 s by default: too short on a loaded machine
         yield
 
 

@@ -130,7 +130,7 @@ def count() -> int:
 def pipeline() -> int:
     return count()
 
-with prefect_test_harness():
+with prefect_test_harness(server_startup_timeout=120):  # a loaded machine starts the server slowly
     print("result", pipeline())
 """
 
@@ -174,5 +174,5 @@ def test_run_and_audit_with_json_print_only_their_record(tmp_path: Path) -> None
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode in (0, 3), again.stderr[-3000:]
     audited = json.loads(again.stdout)
-    assert audited["model_uri"] == record["model_uri"] and audited["certified_epsilon"] == pytest.approx(record["epsilon"])
+    assert audited["model_uri"] == record["model_uri"] and audited["certified_epsilon"] == record["epsilon"]
     assert set(audited["attacks"]) == {"loss"} and audited["consistent"] == (again.returncode == 0)

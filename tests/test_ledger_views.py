@@ -144,7 +144,28 @@ def test_a_kl_run_may_reach_the_kl_budget_exactly_and_a_refusal_names_the_units_
     ledger.reserve("v1", dp, "dp", 10.0, lineage="L", units=people(range(200, 206)))
     with pytest.raises(BudgetExceeded) as refused:
         ledger.reserve("v1", kl_release(), "after dp", 10.0, 100.0, lineage="L", units=people(range(203, 220)))
-    assert "3 privacy units of this run already have (ε, δ)-DP spends" in str(refused.value)
+    assert str(refused.value) == (
+        "lineage 'L': 3 privacy units of this run already have (ε, δ)-DP spends, which bound no KL divergence; a "
+        "KL-private run cannot be accounted on them. Nothing was recorded.")
+
+
+def test_the_kl_refusals_say_what_to_set_and_name_a_run_without_a_unit_list_as_every_unit(tmp_path: Path) -> None:
+    """A KL-private run with no ``ledger.kl_budget`` is refused saying so; one without a unit list on a lineage that an
+    (ε, δ)-DP release touched is refused naming every unit of the lineage. The whole sentences are pinned: they are
+    what an operator reads (pins their wording, case and the unit phrase of a run without units)."""
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", kl_release(), "no budget", 10.0, lineage="K")
+    assert str(refused.value) == ("lineage 'K': this run's guarantee is KL privacy, and ledger.kl_budget is not set; "
+                                  "set it to allow KL-private releases. Nothing was recorded.")
+    dp = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 100),), "replace-one", 1.0, 1000)
+    ledger.reserve("v1", dp, "dp", 10.0, lineage="K")
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", kl_release(), "after dp", 10.0, 100.0, lineage="K")
+    assert str(refused.value) == (
+        "lineage 'K': every privacy unit of the lineage (this run's data carries no unit list) already have (ε, δ)-DP "
+        "spends, which bound no KL divergence; a KL-private run cannot be accounted on them. Nothing was recorded.")
+    assert [s.label for s in ledger.spends("K")] == ["dp"]
 
 
 def test_a_reservation_in_a_mode_the_ledger_does_not_know_is_refused_before_anything_is_recorded(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpml.audit.robustness import robustness_units
-from dpml.formatting import format_epsilon
+from dpml.formatting import format_epsilon, format_lower_bound
 from dpml.accounting.mechanism import Selection
 from dpml.report.verdict import verdict_lines
 
@@ -198,7 +198,7 @@ def _audit_section(audit: dict[str, Any]) -> list[str]:
               "assume a Gaussian trade-off curve and never gate. The audit's own training runs (reference models, "
               "control, canary runs) use the private data; their outputs are published only as these aggregates "
               "and their privacy cost is not charged to the release.",
-              f"Largest gating lower bound: **ε ≥ {audit['max_lower_bound']:.4g}**."]
+              f"Largest gating lower bound: **ε ≥ {format_lower_bound(audit['max_lower_bound'])}**."]
     lines += _power_lines(audit) + _conformance_lines(audit)
     if "reconstruction" in audit:
         lines += ["", "**Reconstruction attack** (seed 002: training inputs recovered from a random-features "

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dpml.audit.bounds import dp_limit_tpr
-from dpml.formatting import format_epsilon
+from dpml.formatting import format_epsilon, format_lower_bound
 from dpml.report.verdict import PARTS, SCORES
 
 LOW_FPR = 1e-3  # the ROC plot's left edge (log axes)
@@ -176,7 +176,7 @@ def _power_html(audit: dict[str, Any]) -> str:
         lines.append(_table(["ε lower-bound method", "power (largest bound it could report)", "counted"],
                             [[n, f"{e['power']:.3f}", "yes" if e["gating"] else "no — " + e.get("note", "")]
                              for n, e in power.items()]))
-    lines.append(f"<p>Largest counted empirical lower bound: ε ≥ {audit['max_lower_bound']:.4g}.</p>")
+    lines.append(f"<p>Largest counted empirical lower bound: ε ≥ {format_lower_bound(audit['max_lower_bound'])}.</p>")
     return "".join(lines)
 
 

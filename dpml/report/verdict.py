@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dpml.formatting import format_epsilon
+from dpml.formatting import format_epsilon, format_lower_bound
 
 CERTIFICATE, IMPLEMENTATION, ATTACKS = "certificate", "implementation", "attacks"
 PARTS = (CERTIFICATE, IMPLEMENTATION, ATTACKS)
@@ -83,9 +83,9 @@ def attacks_part(audit: dict[str, Any], violations: int, has_power: bool, min_po
     largest = float(audit["max_lower_bound"])
     if violations:
         return Part("violation", largest, f"{violations} empirical lower bound(s) above the certified ε, largest "
-                                          f"{largest:.4g}")
+                                          f"{format_lower_bound(largest)}")
     if has_power:
-        return Part("evidence", largest, f"largest empirical lower bound ε ≥ {largest:.4g}; the attacks reach TPR "
+        return Part("evidence", largest, f"largest empirical lower bound ε ≥ {format_lower_bound(largest)}; the attacks reach TPR "
                                          f"{audit['control_power']:.3g} at 1% FPR on the non-private control")
     control = audit.get("control_power")
     if control is None:

@@ -21,7 +21,7 @@ import numpy as np
 from dpml import io
 from dpml.audit.bounds import hypothesis_test_bound
 from dpml.audit.run import gating_lower_bounds
-from dpml.formatting import format_epsilon
+from dpml.formatting import format_epsilon, format_lower_bound
 from dpml.ledger.ledger import Ledger
 from dpml.report.privacy_report import render
 from dpml.stages.audit import strongest
@@ -74,7 +74,7 @@ def gate(config: Config) -> dict[str, Any]:
                 f"exceeds the certified ε = {format_epsilon(epsilon)}: the trainer or the accountant is wrong"
             )
         if not violations:
-            reasons.append(f"every empirical lower bound ≤ certified ε (largest {summary['max_lower_bound']:.4g})")
+            reasons.append(f"every empirical lower bound ≤ certified ε (largest {format_lower_bound(summary['max_lower_bound'])})")
         passed = _gate_conformance(summary, reasons) and passed
         reasons += power_lines(summary)
     power = summary.get("control_power")

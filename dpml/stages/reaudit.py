@@ -43,7 +43,8 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     mechanism = load_run_json(tracking, registered["run_id"], "mechanism.json")
     io.write_json(layout.mechanism, mechanism)
     context = audit_context(config)
-    certified = float(registered["tags"].get("dp.epsilon", "inf"))
+    certificate = load_run_json(tracking, registered["run_id"], "certificate.json")  # the exact ε, not the tag's text
+    certified = float(certificate["epsilon"]) if certificate else float("inf")
     summary, raw, pictures = run_audit(config, registered["model"], context.noise_multiplier, context.records,
                                        *context.train, *context.audit, context.n_classes, context.data_version,
                                        certified_epsilon=certified, mechanism=mechanism)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from dpml import io
 from dpml.data.tables import table_encoding, transform_of
 from dpml.faults import fault_point
-from dpml.formatting import format_epsilon
+from dpml.formatting import format_epsilon, format_lower_bound, format_score
 from dpml.accounting.mechanism import MechanismDescription
 from dpml.provenance import release_provenance
 from dpml.stages.audit import audit_detail_metrics, strongest
@@ -181,7 +181,7 @@ def register(config: Config) -> dict[str, Any]:
         "audit.auc_attack": strongest_auc,
         "audit.tpr_at_0.1pct_fpr": f"{tpr:.6g}",
         "audit.tpr_attack": strongest_tpr,
-        "audit.epsilon_lower_bound": f"{summary['max_lower_bound']:.6g}",
+        "audit.epsilon_lower_bound": format_lower_bound(summary["max_lower_bound"]),
         "audit.control_tpr_at_1pct_fpr": "none" if summary["control_power"] is None else f"{summary['control_power']:.6g}",
         "audit.is_evidence": str(decision["audit_is_evidence"]).lower(),
         "audit.references": str(summary["references"]["per_subject"]),
@@ -190,9 +190,12 @@ def register(config: Config) -> dict[str, Any]:
         "gate.reason": "; ".join(decision["reasons"])[:5000],
         **verdict_tags(decision["verdict"]),
     }
-    metrics = {
-        "test_accuracy": train_metrics["test_accuracy"], "train_accuracy": train_metrics["train_accuracy"],
-        "epsilon": epsilon, "delta": config.dp.delta, "audit.max_epsilon_lower_bound": summary["max_lower_bound"],
+    metrics = {  # as written everywhere else (dpml.formatting: ε rounded up, the lower bound down); the exact
+        # values are on the stage runs (train: accuracies, certify: ε) and in their files
+        "test_accuracy": float(format_score(train_metrics["test_accuracy"])),
+        "train_accuracy": float(format_score(train_metrics["train_accuracy"])),
+        "epsilon": float(format_epsilon(epsilon)), "delta": config.dp.delta,
+        "audit.max_epsilon_lower_bound": float(format_lower_bound(summary["max_lower_bound"])),
         "gate.passed": int(decision["passed"]), **verdict_metrics(decision["verdict"]),
     }
     metrics |= {k: v for k, v in train_metrics.items() if k.startswith("robust_")}
