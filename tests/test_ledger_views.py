@@ -167,6 +167,13 @@ def test_the_kl_refusals_say_what_to_set_and_name_a_run_without_a_unit_list_as_e
         "spends, which bound no KL divergence; a KL-private run cannot be accounted on them. Nothing was recorded.")
     assert [s.label for s in ledger.spends("K")] == ["dp"]
 
+    ledger.reserve("v1", kl_release(), "kl", 10.0, 100.0, lineage="J", units=people(range(300, 310)))
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", dp, "dp after kl", 10.0, lineage="J", units=people(range(300, 310)))
+    assert ("lineage 'J': 10 of the 10 privacy units in this run's training data have spent ε = inf already (a "
+            "KL-private release already used them, so their (ε, δ) loss is unbounded); this run (ε = ") in \
+        str(refused.value)
+
 
 def test_a_reservation_in_a_mode_the_ledger_does_not_know_is_refused_before_anything_is_recorded(
         tmp_path: Path) -> None:
@@ -174,8 +181,67 @@ def test_a_reservation_in_a_mode_the_ledger_does_not_know_is_refused_before_anyt
     API) is refused naming it, not silently read as ``refuse``, and the ledger is unchanged. Pins the mode
     check, and the default ``refuse`` passed on where a caller leaves it out."""
     ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
-    with pytest.raises(LedgerError, match="mode = 'exlude'.*'refuse'.*'exclude'"):
+    with pytest.raises(LedgerError) as refused:
         ledger.reserve("v1", release(0.01), "typo", 10.0, lineage="L", units=people(range(10)),
                        mode="exlude")  # type: ignore[arg-type]
+    assert str(refused.value) == ("mode = 'exlude': the ledger checks a run by 'refuse' (composition against the "
+                                  "budget) or 'exclude' (the Rényi filter) only (ledger.on_exhausted); nothing was "
+                                  "recorded")
     assert ledger.spends("L") == [] and ledger.spends("L", counted_only=False) == []
     ledger.reserve("v1", release(0.01), "default", 10.0, lineage="L", units=people(range(10)))
+
+
+def test_a_run_that_takes_its_units_to_the_budget_exactly_is_admitted_and_one_a_hair_over_is_refused(
+        tmp_path: Path) -> None:
+    """``refuse``: a unit may spend up to ``ledger.epsilon_budget`` inclusive (the budget is the largest ε allowed).
+    The composed ε is taken from another ledger holding the same two releases, so the check sees the very same
+    number. Pins ``>`` → ``>=`` at the budget."""
+    twice = Ledger(str(tmp_path / "twice.db"), DELTA, unit_key=tmp_path / "unit.key")
+    for label in ("first", "second"):
+        twice.reserve("v1", release(0.05), label, 1e9, lineage="X", units=people(range(10)))
+    reached = twice.total("X")
+    assert reached == pytest.approx(epsilon_of_one_release(0.10, tmp_path), rel=1e-9)
+    below = Ledger(str(tmp_path / "below.db"), DELTA, unit_key=tmp_path / "unit.key")
+    below.reserve("v1", release(0.05), "first", 1e9, lineage="X", units=people(range(10)))
+    with pytest.raises(BudgetExceeded):
+        below.reserve("v1", release(0.05), "second", float(np.nextafter(reached, 0.0)), lineage="X",
+                      units=people(range(10)))
+    below.reserve("v1", release(0.05), "second", reached, lineage="X", units=people(range(10)))
+    assert below.total("X") == reached
+
+
+def test_a_refusal_says_who_how_much_by_which_rule_and_what_is_left(tmp_path: Path) -> None:
+    """The whole refusal a person reads, recomputed from ledgers of one release each (ρ-zCDP composes by adding ρ):
+    with a unit list, how many of the run's units would go over, their spent ε, the run's ε alone, where it takes
+    them, the rule (composition, or the lineage's Rényi filter under ``exclude``), the budget, what is left and
+    how to train without them; without a unit list, every unit of the lineage. Pins the rule's and the units'
+    phrases, their case and decoration, and the phrase a run without units gets."""
+    one, two = epsilon_of_one_release(0.05, tmp_path), epsilon_of_one_release(0.10, tmp_path)
+    budget = (one + two) / 2
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
+    ledger.reserve("v1", release(0.05), "first", 100.0, lineage="L", units=people(range(10)))
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", release(0.05), "second", budget, lineage="L", units=people(range(5, 15)))
+    assert str(refused.value) == (
+        f"lineage 'L': 5 of the 10 privacy units in this run's training data have spent ε = {one:.4g} already; this "
+        f"run (ε = {one:.4g} alone at δ = 1e-05) would take them to ε ≈ {two:.4g} or more (composition), over the "
+        f"budget (ledger.epsilon_budget = {budget:g}); {budget - one:.4g} of it is left. Nothing was recorded. To "
+        "train without them, set ledger.on_exhausted: exclude.")
+
+    ledger.reserve("v1", release(0.05), "first", 100.0, lineage="M")
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", release(0.05), "second", budget, lineage="M")
+    assert str(refused.value) == (
+        f"lineage 'M': every privacy unit of the lineage (this run's data carries no unit list) has spent ε = "
+        f"{one:.4g} already; this run (ε = {one:.4g} alone at δ = 1e-05) would take them to ε ≈ {two:.4g} or more "
+        f"(composition), over the budget (ledger.epsilon_budget = {budget:g}); {budget - one:.4g} of it is left. "
+        "Nothing was recorded.")
+
+    ledger.reserve("v1", release(0.05), "first", budget, lineage="F", units=people(range(100, 110)), mode="exclude")
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", release(0.05), "second", budget, lineage="F", units=people(range(100, 110)),
+                       mode="exclude")
+    assert "would take them to ε ≈" in str(refused.value)
+    assert f"or more (the lineage's Rényi filter), over the budget (ledger.epsilon_budget = {budget:g})" in \
+        str(refused.value)
+    assert [s.label for s in ledger.spends()] == ["first", "first", "first"]
