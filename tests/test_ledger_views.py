@@ -20,7 +20,8 @@ from dpml.accounting.accountants import certify
 from dpml.accounting.mechanism import (ConcentratedDP, MechanismDescription, NoisyGradientDescent,
                                        PoissonGaussianSteps)
 from dpml.ledger.ledger import BudgetExceeded, Ledger
-from dpml.ledger.unit_accounts import LedgerError, filter_bound, filter_order
+from dpml.accounting.tuning import ORDERS
+from dpml.ledger.unit_accounts import LedgerError, epsilons_from_rdp, filter_bound, filter_order
 
 DELTA = 1e-5
 
@@ -245,3 +246,16 @@ def test_a_refusal_says_who_how_much_by_which_rule_and_what_is_left(tmp_path: Pa
     assert f"or more (the lineage's Rényi filter), over the budget (ledger.epsilon_budget = {budget:g})" in \
         str(refused.value)
     assert [s.label for s in ledger.spends()] == ["first", "first", "first"]
+
+
+def test_an_rdp_order_without_a_value_is_skipped_not_carried_into_epsilon() -> None:
+    """ε = min over the orders α of ρ(α) + log(1 − 1/α) − log(δα)/(α − 1) (Canonne, Kamath & Steinke 2020,
+    Prop. 12): an order whose RDP value is NaN (no value) must drop out of the minimum, as an ∞ one does. Carried
+    into the minimum, NaN makes ε NaN, and ``NaN > budget`` is false: the budget check would admit anything. Pins
+    the NaN → ∞ mapping (dropped, or mapped to None)."""
+    curve = 0.05 * np.asarray(ORDERS, dtype=float)  # 0.05-zCDP
+    holes = np.arange(len(ORDERS)) % 7 == 3
+    without = np.where(holes, np.nan, curve)
+    expected = epsilons_from_rdp(np.where(holes, np.inf, curve)[None, :], DELTA)[0]
+    assert np.isfinite(expected) and expected >= epsilons_from_rdp(curve[None, :], DELTA)[0]
+    assert epsilons_from_rdp(without[None, :], DELTA)[0] == expected
