@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpml.data.units import digests_of_ids
+from test_kl_certificate import dp_mechanism, kl_mechanism
+
 from dpml.accounting.accountants import certify
-from dpml.accounting.mechanism import (ConcentratedDP, MechanismDescription, NoisyGradientDescent,
-                                       PoissonGaussianSteps)
-from dpml.ledger.ledger import BudgetExceeded, Ledger
+from dpml.accounting.mechanism import ConcentratedDP, MechanismDescription
 from dpml.accounting.tuning import ORDERS
+from dpml.data.units import digests_of_ids
+from dpml.ledger.ledger import BudgetExceeded, Ledger
 from dpml.ledger.unit_accounts import LedgerError, epsilons_from_rdp, filter_bound, filter_order
 
 DELTA = 1e-5
@@ -114,12 +115,6 @@ def test_the_filters_order_is_the_one_fixed_at_the_lineages_first_filtered_run(t
     assert ledger.units_within_filter("L", people(range(10)), release(room_fixed * 0.99), later).all()
 
 
-def kl_release() -> MechanismDescription:
-    """Noisy GD of a linearised network (Ye et al.), certified in KL only; replace-one, as its theorem."""
-    return MechanismDescription("noisygd", (NoisyGradientDescent("lecun", (20, 64, 64, 3), 2.0, 50, 0.05, 0.5, True),),
-                                "replace-one", 0.0, 400)
-
-
 def test_a_kl_run_may_reach_the_kl_budget_exactly_and_a_refusal_names_the_units_it_is_about(tmp_path: Path) -> None:
     """KL composes by addition (the chain rule; Ye et al., Def. 2.3), and ``ledger.kl_budget`` bounds the sum:
     a run that takes a unit's summed KL to the budget exactly is admitted, one a step further is refused,
@@ -127,24 +122,24 @@ def test_a_kl_run_may_reach_the_kl_budget_exactly_and_a_refusal_names_the_units_
     (ε, δ)-DP release already touched is refused naming those units. Pins: ``>`` → ``>=`` at the budget,
     the before and after sums swapped or misformatted, the count of units taken from the wrong history."""
     ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
-    kl = certify(kl_release(), DELTA)["kl"]
-    ledger.reserve("v1", kl_release(), "first", 10.0, 100.0, lineage="L", units=people(range(100)))
-    ledger.reserve("v1", kl_release(), "second", 10.0, 100.0, lineage="L", units=people(range(50, 150)))
+    kl = certify(kl_mechanism(), DELTA)["kl"]
+    ledger.reserve("v1", kl_mechanism(), "first", 10.0, 100.0, lineage="L", units=people(range(100)))
+    ledger.reserve("v1", kl_mechanism(), "second", 10.0, 100.0, lineage="L", units=people(range(50, 150)))
     three = 0.0
     for _ in range(3):
         three += kl  # the chain rule's sum, term by term
-    ledger.reserve("v1", kl_release(), "to the budget", 10.0, three, lineage="L", units=people(range(50, 60)))
+    ledger.reserve("v1", kl_mechanism(), "to the budget", 10.0, three, lineage="L", units=people(range(50, 60)))
     assert ledger.kl_total("L") == three
     with pytest.raises(BudgetExceeded) as refused:
-        ledger.reserve("v1", kl_release(), "over", 10.0, three, lineage="L", units=people([55, 56, 57, 58, 120]))
+        ledger.reserve("v1", kl_mechanism(), "over", 10.0, three, lineage="L", units=people([55, 56, 57, 58, 120]))
     assert (f"4 privacy units of this run would go from summed KL = {three:.4g} to {three + kl:.4g}, over "
             f"ledger.kl_budget = {three:g}") in str(refused.value)
     assert [s.label for s in ledger.spends("L")] == ["first", "second", "to the budget"]
 
-    dp = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 100),), "replace-one", 1.0, 1000)
+    dp = dp_mechanism()
     ledger.reserve("v1", dp, "dp", 10.0, lineage="L", units=people(range(200, 206)))
     with pytest.raises(BudgetExceeded) as refused:
-        ledger.reserve("v1", kl_release(), "after dp", 10.0, 100.0, lineage="L", units=people(range(203, 220)))
+        ledger.reserve("v1", kl_mechanism(), "after dp", 10.0, 100.0, lineage="L", units=people(range(203, 220)))
     assert str(refused.value) == (
         "lineage 'L': 3 privacy units of this run already have (ε, δ)-DP spends, which bound no KL divergence; a "
         "KL-private run cannot be accounted on them. Nothing was recorded.")
@@ -156,19 +151,19 @@ def test_the_kl_refusals_say_what_to_set_and_name_a_run_without_a_unit_list_as_e
     what an operator reads (pins their wording, case and the unit phrase of a run without units)."""
     ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
     with pytest.raises(BudgetExceeded) as refused:
-        ledger.reserve("v1", kl_release(), "no budget", 10.0, lineage="K")
+        ledger.reserve("v1", kl_mechanism(), "no budget", 10.0, lineage="K")
     assert str(refused.value) == ("lineage 'K': this run's guarantee is KL privacy, and ledger.kl_budget is not set; "
                                   "set it to allow KL-private releases. Nothing was recorded.")
-    dp = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 100),), "replace-one", 1.0, 1000)
+    dp = dp_mechanism()
     ledger.reserve("v1", dp, "dp", 10.0, lineage="K")
     with pytest.raises(BudgetExceeded) as refused:
-        ledger.reserve("v1", kl_release(), "after dp", 10.0, 100.0, lineage="K")
+        ledger.reserve("v1", kl_mechanism(), "after dp", 10.0, 100.0, lineage="K")
     assert str(refused.value) == (
         "lineage 'K': every privacy unit of the lineage (this run's data carries no unit list) already have (ε, δ)-DP "
         "spends, which bound no KL divergence; a KL-private run cannot be accounted on them. Nothing was recorded.")
     assert [s.label for s in ledger.spends("K")] == ["dp"]
 
-    ledger.reserve("v1", kl_release(), "kl", 10.0, 100.0, lineage="J", units=people(range(300, 310)))
+    ledger.reserve("v1", kl_mechanism(), "kl", 10.0, 100.0, lineage="J", units=people(range(300, 310)))
     with pytest.raises(BudgetExceeded) as refused:
         ledger.reserve("v1", dp, "dp after kl", 10.0, lineage="J", units=people(range(300, 310)))
     assert ("lineage 'J': 10 of the 10 privacy units in this run's training data have spent ε = inf already (a "
