@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from dpml.config import safe_yaml
+from dpml.formatting import format_score
 from dpml.accounting.accountants import certify
 from dpml.ledger.db import is_postgres, sqlite_file, without_password
 from dpml.accounting.mechanism import MechanismDescription
@@ -246,7 +247,7 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
     release, checks = _release_and_warnings(uri, config.tracking, echo)
     tags = release["tags"]
     logged = load_run_json(config.tracking, release["run_id"], "certificate.json")
-    released_accuracy = _logged_metric(config.tracking, release["run_id"], "test_accuracy")
+    released_accuracy, rounded = released_test_accuracy(config.tracking, release["run_id"])
     ledger = invoking_ledger(config)
     echo(f"retraining is a private run: it charges the ledger {without_password(ledger['url'] or ledger['path'])} "
          f"(lineage {tags.get('dp.lineage', '?')}, about ε = {tags.get('dp.epsilon', '?')}, budget "
@@ -264,7 +265,8 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
         problems.append(f"the retrained certificate (ε = {(fresh or {}).get('epsilon')}) differs from the released "
                         f"one (ε = {(logged or {}).get('epsilon')})")
     accuracy = float(rebuilt["train"]["test_accuracy"])
-    if abs(accuracy - released_accuracy) > band:
+    compared = float(format_score(accuracy)) if rounded else accuracy  # at the precision the release wrote
+    if abs(compared - released_accuracy) > band:
         problems.append(f"test accuracy {accuracy:.4f} is {abs(accuracy - released_accuracy):.4f} from the released "
                         f"{released_accuracy:.4f}, outside the band ±{band:g}")
     echo(f"result    certificate {'identical' if same_certificate else 'DIFFERENT'}; "
@@ -273,13 +275,19 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
                      "released_test_accuracy": released_accuracy, "verified": not problems, "retrained": True}
 
 
-def _logged_metric(tracking: Any, run_id: str, name: str) -> float:
-    from dpml.tracking.registered import run_metrics  # lazy: MLflow only where a run is recorded
+def released_test_accuracy(tracking: Any, run_id: str) -> tuple[float, bool]:
+    """The release's test accuracy and whether it was written rounded: exact from the train stage's child
+    run; from the release run's own metric (rounded by :func:`dpml.formatting.format_score`) only for a
+    release without stage runs, so that a retrained accuracy is compared at the precision recorded."""
+    from dpml.tracking.registered import run_metrics, stage_run_metrics  # lazy: MLflow only where a run is recorded
 
+    exact = stage_run_metrics(tracking, run_id, "train")
+    if exact is not None and "test_accuracy" in exact:
+        return float(exact["test_accuracy"]), False
     metrics = run_metrics(tracking, run_id)
-    if name not in metrics:
-        raise ReproduceError(f"run {run_id}: no {name} metric logged")
-    return float(metrics[name])
+    if "test_accuracy" not in metrics:
+        raise ReproduceError(f"run {run_id}: no test_accuracy metric logged")
+    return float(metrics["test_accuracy"]), True
 
 
 def reproduce(uri: str, config: Any, repository: Path, verify: bool, band: float,

@@ -40,6 +40,16 @@ def run_metrics(config: TrackingConfig, run_id: str) -> dict[str, float]:
     return dict(store_client(config).get_run(run_id).data.metrics)
 
 
+def stage_run_metrics(config: TrackingConfig, run_id: str, stage: str) -> dict[str, float] | None:
+    """The exact metrics of ``stage``'s child run of the release run ``run_id`` (the parent run writes some of
+    them rounded, :mod:`dpml.formatting`); None when the release has no such child run."""
+    client = store_client(config)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    children = client.search_runs([experiment_id], max_results=2, filter_string=(
+        f"tags.mlflow.parentRunId = '{run_id}' and tags.`dpml.stage` = '{stage}'"))
+    return dict(children[0].data.metrics) if children else None
+
+
 def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:
     """A registered version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): its name, number, run id
     and tags; a ValueError naming ``uri`` when it is malformed or not in the store."""
