@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PrivateTraining", "train_private"]
+__all__ = ["DpConfig", "DpSgdSettings", "LedgerConfig", "PrivateTraining", "train_private"]
 
 
 def __getattr__(name: str) -> Any:

@@ -27,13 +27,12 @@ the model and the data set must then be picklable); under ``torchrun`` every pro
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,10 +40,12 @@ from torch.utils.data import Dataset
 
 from dpml.devices import pick_device
 from dpml.models.library import adapt, check_input_kind, input_vocabulary
+from dpml.sections import DpConfig, TrainSettings
+from dpml.sections_stores import LedgerConfig
 from dpml.accounting.accountants import certify
 from dpml.accounting.calibrate import calibrate_noise_multiplier
-from dpml.ledger.ledger import Ledger, Spend
 from dpml.accounting.mechanism import MechanismDescription
+from dpml.ledger.ledger import Ledger, Spend, ledger_of
 from dpml.ledger.spending import reserve_and_start, training_recorded
 from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
@@ -52,14 +53,14 @@ from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import LossFn
 from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
 from dpml.train.dataset_steps import check_record, dataset_size, dataset_steps
-from dpml.train.distributed import (Collective, check_picklable, check_world_size, from_environment, process_device,
-                                   spawn)
-from dpml.train.dpsgd import (AUTOCAST, LOSSES, dpsgd_mechanism, loss_function, make_optimizer, number_of_steps,
-                              poisson_batches, run_dpsgd_steps, secret_noise_seed)
+from dpml.train.distributed import Collective, check_picklable, from_environment, process_device, spawn
+from dpml.train.trainers.dpsgd import DpSgdSettings
+from dpml.train.dpsgd import (AUTOCAST, dpsgd_mechanism, make_optimizer, number_of_steps, poisson_batches,
+                              run_dpsgd_steps, secret_noise_seed)
 from dpml.train.token_records import TokenRecords, check_token_records
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-OptimizerChoice = Union[str, OptimizerFactory]
+from dpml.api_settings import OptimizerChoice, check_workers, ledger_terms, library_settings
+__all__ = ["DpConfig", "DpSgdSettings", "LedgerConfig", "PrivateTraining", "train_private"]
+"""The library's names: the call, its result, and the pipeline's sections it takes its settings as."""
 
 
 @dataclass
@@ -100,97 +101,6 @@ class RunSettings:
     tune_physical_batch: bool = True
     input_shape: tuple[int, ...] = ()
     input_dtype: torch.dtype = torch.float32
-
-
-def _problem(key: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{key} = {value!r}: {allowed}")
-
-
-def _positive(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _problem(key, value, "must be a finite number > 0")
-
-
-def check_arguments(*, n: int, epochs: float, clip_norm: float, delta: float, target_epsilon: float | None,
-                    noise_multiplier: float | None, sample_rate: float | None, expected_batch_size: int | None,
-                    optimizer: OptimizerChoice, learning_rate: float, momentum: float, loss: str | LossFn,
-                    neighbouring: str, physical_batch_size: int, device: str, num_workers: int, world_size: int,
-                    ledger: Any, epsilon_budget: float | None, lineage: str | None,
-                    privacy_units: Sequence[object] | None, allow_delta_above_inverse_n: bool,
-                    autocast: str = "none", tune_physical_batch: bool = True) -> float:
-    """Every argument checked before any work; returns the sample rate q."""
-    if n == 0:
-        raise _problem("dataset", "empty", "needs at least one record")
-    for key, value in (("epochs", epochs), ("clip_norm", clip_norm), ("learning_rate", learning_rate)):
-        _positive(key, value)
-    if not isinstance(delta, (int, float)) or not 0 < delta < 1:
-        raise _problem("delta", delta, "must be in (0, 1)")
-    if delta >= 1.0 / n and not allow_delta_above_inverse_n:
-        raise _problem("delta", delta, f"is ≥ 1/n = {1.0 / n:.3g} for n = {n} records, which permits releasing "
-                       "some record outright; use δ ≪ 1/n (or allow_delta_above_inverse_n=True)")
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError(f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon="
-                         f"{target_epsilon!r}, noise_multiplier={noise_multiplier!r})")
-    if target_epsilon is not None:
-        _positive("target_epsilon", target_epsilon)
-    if noise_multiplier is not None:
-        _positive("noise_multiplier", noise_multiplier)
-    if (sample_rate is None) == (expected_batch_size is None):
-        raise ValueError(f"give exactly one of sample_rate and expected_batch_size (got sample_rate={sample_rate!r}, "
-                         f"expected_batch_size={expected_batch_size!r})")
-    if sample_rate is not None and (isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float))
-                                    or not 0 < sample_rate <= 1):
-        raise _problem("sample_rate", sample_rate, "must be in (0, 1]")
-    if expected_batch_size is not None and (not isinstance(expected_batch_size, int)
-                                            or not 1 <= expected_batch_size <= n):
-        raise _problem("expected_batch_size", expected_batch_size, f"must be an integer in [1, n = {n}]")
-    if not (callable(optimizer) or optimizer in ("sgd", "adam")):
-        raise _problem("optimizer", optimizer, "must be 'sgd', 'adam' or a function params → torch optimizer")
-    if not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-        raise _problem("momentum", momentum, "must be in [0, 1)")
-    if not (callable(loss) or loss in LOSSES):
-        raise _problem("loss", loss, f"must be one of {sorted(LOSSES)} or a per-example loss (logits, y) → (B,)")
-    if neighbouring not in ("add-remove", "replace-one"):
-        raise _problem("neighbouring", neighbouring, "must be 'add-remove' or 'replace-one'")
-    for key, value, low in (("physical_batch_size", physical_batch_size, 1), ("num_workers", num_workers, 0),
-                            ("world_size", world_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise _problem(key, value, f"must be an integer ≥ {low}")
-    if not isinstance(tune_physical_batch, bool):
-        raise _problem("tune_physical_batch", tune_physical_batch, "must be True or False")
-    if autocast not in AUTOCAST:
-        raise _problem("autocast", autocast, f"must be one of {sorted(AUTOCAST)}")
-    if device not in ("auto", "cpu", "cuda"):
-        raise _problem("device", device, "must be 'auto', 'cpu' or 'cuda'")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise _problem("device", device, "no CUDA device is available here")
-    if world_size > 1:
-        check_world_size(world_size, str(pick_device(device)), "world_size")
-    if ledger is not None:
-        if epsilon_budget is None:
-            raise _problem("epsilon_budget", None, "a ledger needs the budget each privacy unit may spend")
-        _positive("epsilon_budget", epsilon_budget)
-        if not lineage:
-            raise _problem("lineage", lineage, "a ledger needs the name of the data set's account (its lineage)")
-    if privacy_units is not None:
-        if ledger is None:
-            raise _problem("privacy_units", "…", "only used to charge a ledger; pass ledger= too")
-        check_privacy_units(privacy_units, n)
-    return float(sample_rate) if sample_rate is not None else expected_batch_size / n  # type: ignore[operator]
-
-
-def check_privacy_units(privacy_units: Sequence[object], n: int) -> None:
-    """One id per record, each unit at most once: DP-SGD bounds the influence of one record, so a person
-    with two records would have twice the sensitivity the certificate assumes."""
-    if len(privacy_units) != n:
-        raise _problem("privacy_units", f"{len(privacy_units)} ids", f"must give one id per record (n = {n})")
-    seen: dict[str, int] = {}
-    for index, unit in enumerate(privacy_units):
-        text = str(unit)
-        if text in seen:
-            raise _problem("privacy_units", unit, f"appears at records {seen[text]} and {index}: keep one record per "
-                           "unit (the certificate bounds one record's influence)")
-        seen[text] = index
 
 
 def _first_record(dataset: Dataset[Any]) -> torch.Tensor:
@@ -261,6 +171,14 @@ def train_in_process(collective: Collective | None, model: nn.Module, dataset: D
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}, history
 
 
+def open_book(ledger: str | Path | Ledger | LedgerConfig | None, delta: float) -> Ledger | None:
+    """The ledger ``ledger=`` names: a :class:`Ledger` as given; a ``LedgerConfig`` as the pipeline opens it
+    (at its own δ); a SQLite path or a URL at the run's δ."""
+    if ledger is None or isinstance(ledger, Ledger):
+        return ledger
+    return ledger_of(ledger) if isinstance(ledger, LedgerConfig) else Ledger(ledger, delta)
+
+
 def _reserve(ledger: Ledger, mechanism: MechanismDescription, lineage: str, budget: float,
              privacy_units: Sequence[object] | None, label: str) -> Spend:
     """Reserve the spend (refused over budget) and mark it ``started`` (:func:`reserve_and_start`), charged to
@@ -269,30 +187,34 @@ def _reserve(ledger: Ledger, mechanism: MechanismDescription, lineage: str, budg
     return reserve_and_start(ledger, lineage, mechanism, label, budget, lineage=lineage, units=units)
 
 
-def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, clip_norm: float, delta: float,
-                  target_epsilon: float | None = None, noise_multiplier: float | None = None,
-                  sample_rate: float | None = None, expected_batch_size: int | None = None,
-                  optimizer: OptimizerChoice = "sgd", learning_rate: float = 0.1, momentum: float = 0.0,
-                  loss: str | LossFn = "cross_entropy", neighbouring: str = "add-remove",
-                  physical_batch_size: int = 256, device: str = "auto", num_workers: int = 0, world_size: int = 1,
-                  seed: int | None = None, ledger: str | Path | Ledger | None = None,
-                  epsilon_budget: float | None = None, lineage: str | None = None,
-                  privacy_units: Sequence[object] | None = None, mlflow_tracking_uri: str | None = None,
-                  mlflow_experiment: str | None = None, mlflow_artifact_location: str | None = None,
-                  run_name: str | None = None, progress: bool = False,
-                  allow_delta_above_inverse_n: bool = False, autocast: str = "none",
-                  tune_physical_batch: bool = True, inputs: str = "auto") -> PrivateTraining:
+def train_private(model: nn.Module, dataset: Dataset[Any], dp: DpConfig | None = None,
+                  train: TrainSettings | None = None, *, expected_batch_size: int | None = None,
+                  num_workers: int = 0, seed: int | None = None, inputs: str = "auto",
+                  ledger: str | Path | Ledger | LedgerConfig | None = None, epsilon_budget: float | None = None,
+                  lineage: str | None = None, privacy_units: Sequence[object] | None = None,
+                  mlflow_tracking_uri: str | None = None, mlflow_experiment: str | None = None,
+                  mlflow_artifact_location: str | None = None, run_name: str | None = None,
+                  progress: bool = False, **settings: Any) -> PrivateTraining:
     """Train ``model`` in place with DP-SGD on ``dataset`` and certify it (module docstring for the math).
 
     ``dataset``: map-style, ``dataset[i]`` a pair (input tensor, integer label); the labels must lie in
-    [0, the model's output width). Give exactly one of ``target_epsilon`` (σ calibrated to meet it at
-    ``delta``) and ``noise_multiplier`` σ, and exactly one of ``sample_rate`` q and
-    ``expected_batch_size`` q·n. ``loss``: a name (``cross_entropy``, ``squared``) or a function
-    (logits, labels) → per-example losses of shape (B,). ``optimizer``: ``sgd``/``adam`` with
-    ``learning_rate`` (and ``momentum``), or a function params → optimizer (it only post-processes the
-    noisy gradient). ``seed``: ``None`` (a secret seed; what a model to release must use) or a fixed one
-    to reproduce a run. ``ledger`` (a path or :class:`dpml.ledger.ledger.Ledger`): charge the run to
-    ``lineage``'s account, per unit of ``privacy_units`` (one id per record; ``None`` charges every unit
+    [0, the model's output width).
+
+    The settings are the pipeline's own sections (:mod:`dpml.api_settings`): ``dp=`` a
+    :class:`dpml.DpConfig` (``delta``, ``clip_norm``, exactly one of ``target_epsilon`` — σ calibrated to
+    meet it — and ``noise_multiplier`` σ, ``neighbouring``, ``allow_delta_above_inverse_n``) and ``train=``
+    a :class:`dpml.DpSgdSettings` (``epochs``, ``sample_rate`` q, ``optimizer``, ``learning_rate``,
+    ``momentum``, ``loss``, ``device``, ``physical_batch_size``, ``world_size``, ``autocast``,
+    ``tune_physical_batch`` …), with the pipeline's defaults. Each may instead be given as a keyword
+    (``delta=1e-5, epochs=3``), validated by its section the same way; a setting given both ways is refused.
+    ``optimizer`` and ``loss`` may also be functions: params → a torch optimizer (it only post-processes
+    the noisy gradient), and (logits, labels) → per-example losses of shape (B,).
+    ``expected_batch_size``: q·n, in place of ``sample_rate``.
+
+    ``seed``: ``None`` (a secret seed of batches and noise; what a model to release must use) or a fixed
+    one to reproduce a run. ``ledger`` (a path, URL, :class:`dpml.ledger.ledger.Ledger` or the pipeline's
+    :class:`dpml.LedgerConfig`, which then holds ``epsilon_budget`` and the lineage as ``dataset``): charge the run
+    to ``lineage``'s account, per unit of ``privacy_units`` (one id per record; ``None`` charges every unit
     of the lineage), refusing it if a unit would exceed ``epsilon_budget`` at ``delta``.
     ``mlflow_tracking_uri``: log the run (settings, ε, certificate, weights) to that MLflow store, in
     ``mlflow_experiment`` (created with ``mlflow_artifact_location`` if new; MLflow's default is ./mlruns).
@@ -309,36 +231,32 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     """
     mlflow_tracking_uri, mlflow_experiment = resolve_api_tracking(mlflow_tracking_uri, mlflow_experiment, os.environ)
     n = dataset_size(dataset)
-    q = check_arguments(n=n, epochs=epochs, clip_norm=clip_norm, delta=delta, target_epsilon=target_epsilon,
-                        noise_multiplier=noise_multiplier, sample_rate=sample_rate,
-                        expected_batch_size=expected_batch_size, optimizer=optimizer, learning_rate=learning_rate,
-                        momentum=momentum, loss=loss, neighbouring=neighbouring,
-                        physical_batch_size=physical_batch_size, device=device, num_workers=num_workers,
-                        world_size=world_size, ledger=ledger, epsilon_budget=epsilon_budget, lineage=lineage,
-                        privacy_units=privacy_units, allow_delta_above_inverse_n=allow_delta_above_inverse_n,
-                        autocast=autocast, tune_physical_batch=tune_physical_batch)
+    checked = library_settings(n, dp, train, settings, expected_batch_size)
+    check_workers(num_workers)
+    epsilon_budget, lineage = ledger_terms(ledger, epsilon_budget, lineage, privacy_units, n)
+    dpc, tr, q, loss_fn = checked.dp, checked.train, checked.sample_rate, checked.loss
     user_model = model
     model, dataset, first = model_inputs(user_model, dataset, n, inputs)  # token records checked before any work
-    loss_fn = loss if callable(loss) else loss_function(loss)
     input_dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
     plan = plan_clipping(model, loss_fn, tuple(first.shape), input_dtype)  # refuses before any spend
-    check_autocast(model, loss_fn, tuple(first.shape), input_dtype, str(pick_device(device)), AUTOCAST[autocast])
-    steps = number_of_steps(epochs, q)
-    sigma = noise_multiplier if noise_multiplier is not None else calibrate_noise_multiplier(
-        target_epsilon, q, steps, delta, neighbouring)  # type: ignore[arg-type]
-    mechanism = dpsgd_mechanism(q, sigma, epochs, neighbouring, clip_norm, n)  # type: ignore[arg-type]
-    certificate = certify(mechanism, delta)
-    run = RunSettings(n, q, steps, sigma, clip_norm, optimizer, learning_rate, momentum, physical_batch_size,
-                      str(pick_device(device)), num_workers, number_of_classes(model, first), progress,
-                      autocast, tune_physical_batch, tuple(first.shape), input_dtype)
+    check_autocast(model, loss_fn, tuple(first.shape), input_dtype, str(pick_device(tr.device)), AUTOCAST[tr.autocast])
+    steps = number_of_steps(tr.epochs, q)
+    sigma = dpc.noise_multiplier if dpc.noise_multiplier is not None else calibrate_noise_multiplier(
+        dpc.target_epsilon, q, steps, dpc.delta, dpc.neighbouring)  # type: ignore[arg-type]
+    mechanism = dpsgd_mechanism(q, sigma, tr.epochs, dpc.neighbouring, dpc.clip_norm, n)
+    certificate = certify(mechanism, dpc.delta)
+    run = RunSettings(n, q, steps, sigma, dpc.clip_norm, checked.optimizer, tr.learning_rate, tr.momentum,
+                      tr.physical_batch_size, str(pick_device(tr.device)), num_workers, number_of_classes(model, first),
+                      progress, tr.autocast, tr.tune_physical_batch, tuple(first.shape), input_dtype)
     collective = from_environment()  # under torchrun: this process's rank
-    if collective is None and world_size > 1:
-        check_picklable("world_size", world_size, model=model, dataset=dataset, loss=loss_fn, optimizer=optimizer)
+    if collective is None and tr.world_size > 1:
+        check_picklable("world_size", tr.world_size, model=model, dataset=dataset, loss=loss_fn,
+                        optimizer=checked.optimizer)
     if num_workers > 0:  # the loader's workers start from a fork server and receive the dataset pickled
         check_picklable("num_workers", num_workers, "read in this process (num_workers = 0)", dataset=dataset)
     lead = collective is None or collective.lead
     agreement_device = process_device(run.device, collective.rank) if collective else "cpu"
-    book = (ledger if isinstance(ledger, Ledger) else Ledger(ledger, delta)) if ledger is not None and lead else None
+    book = open_book(ledger, dpc.delta) if lead else None
     spend, refusal = None, None
     if book is not None:
         try:
@@ -355,8 +273,9 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
         if collective is not None:
             secret = collective.broadcast_int(secret, agreement_device)
             _, history = train_in_process(collective, model, dataset, run, loss_fn, plan, secret)
-        elif world_size > 1:
-            state, history = spawn(world_size, run.device, train_in_process, model, dataset, run, loss_fn, plan, secret)
+        elif tr.world_size > 1:
+            state, history = spawn(tr.world_size, run.device, train_in_process, model, dataset, run, loss_fn, plan,
+                                   secret)
             model.load_state_dict(state)
             model.to(process_device(run.device, 0))
         else:
@@ -365,14 +284,13 @@ def train_private(model: nn.Module, dataset: Dataset[Any], *, epochs: float, cli
     history["exact_clipping_parameters"] = len(plan.exact_parameters)
     result = PrivateTraining(user_model, certificate, mechanism, history, spend.id if spend else None)
     if mlflow_tracking_uri is not None and lead:
-        settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "clip_norm": clip_norm,
-                    "epochs": epochs, "delta": delta, "neighbouring": neighbouring, "n": n,
-                    "physical_batch_size": physical_batch_size, "physical_chunk": history.get("physical_chunk"),
-                    "world_size": history.get("world_size", 1),
-                    "spend_id": result.spend_id}
+        logged = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "clip_norm": dpc.clip_norm,
+                  "epochs": tr.epochs, "delta": dpc.delta, "neighbouring": dpc.neighbouring, "n": n,
+                  "physical_batch_size": tr.physical_batch_size, "physical_chunk": history.get("physical_chunk"),
+                  "world_size": history.get("world_size", 1), "spend_id": result.spend_id}
         from dpml.tracking.library_runs import log_training  # lazy: MLflow only where a run is recorded
 
-        result.mlflow_run_id = log_training(mlflow_tracking_uri, mlflow_experiment, run_name, settings,
+        result.mlflow_run_id = log_training(mlflow_tracking_uri, mlflow_experiment, run_name, logged,
                                             result.certificate, result.model, float(result.history.get("seconds", 0.0)),
                                             mlflow_artifact_location)
     return result

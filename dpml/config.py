@@ -189,7 +189,8 @@ def config_model() -> type[ConfigBase]:
     return Config
 
 
-def _format_errors(error: ValidationError, origin: str) -> str:
+def format_errors(error: ValidationError, origin: str) -> str:
+    """A validation error as one line per problem, each naming its key, its value and what is allowed."""
     lines = [f"invalid configuration ({origin}):"]
     for item in error.errors():
         loc = list(item["loc"])
@@ -340,7 +341,7 @@ def validate(raw: Any, origin: str = "params") -> Config:
     try:
         return config_model().model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(_format_errors(error, origin)) from None
+        raise ConfigError(format_errors(error, origin)) from None
 
 
 def with_hyperparameters(config: Config, chosen: dict[str, Any]) -> Config:

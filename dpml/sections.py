@@ -47,7 +47,7 @@ class Section(BaseModel):
         return value
 
 
-BOOLEAN_FOR_NUMBER = "boolean_for_number"  # the error type :func:`dpml.config._format_errors` places at its key
+BOOLEAN_FOR_NUMBER = "boolean_for_number"  # the error type :func:`dpml.config.format_errors` places at its key
 
 
 def _number_kind(annotation: Any) -> str | None:

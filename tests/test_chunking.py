@@ -185,6 +185,6 @@ def test_the_library_records_its_chunk_and_checks_the_setting() -> None:
                           noise_multiplier=1.0, sample_rate=0.5, physical_batch_size=64, seed=1, device="cpu",
                           tune_physical_batch=False)
     assert fixed.history["physical_chunk"] == 64
-    with pytest.raises(ValueError, match="tune_physical_batch = 'yes': must be True or False"):
+    with pytest.raises(ValueError, match="tune_physical_batch = 'yes': Input should be a valid boolean"):
         train_private(Sleeper(0.0, 0.0), TensorDataset(x.float(), y), epochs=0.5, clip_norm=1.0, delta=1e-5,
                       noise_multiplier=1.0, sample_rate=0.5, tune_physical_batch="yes")  # type: ignore[arg-type]
