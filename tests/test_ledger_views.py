@@ -254,3 +254,29 @@ def test_an_rdp_order_without_a_value_is_skipped_not_carried_into_epsilon() -> N
     expected = epsilons_from_rdp(np.where(holes, np.inf, curve)[None, :], DELTA)[0]
     assert np.isfinite(expected) and expected >= epsilons_from_rdp(curve[None, :], DELTA)[0]
     assert epsilons_from_rdp(without[None, :], DELTA)[0] == expected
+
+
+def test_a_planned_runs_epsilon_is_never_kept_for_the_next_reservation(tmp_path: Path) -> None:
+    """The ledger keeps each written history's composed ε (``history_epsilon``), but a planned run is accounted
+    under the provisional id -1, which every reservation reuses. Kept for a planned run, the small run's ε
+    would stand for the next reservation's run at the same place: a larger run for people nobody has charged
+    would be checked as the small one and admitted over budget. Pins ``written`` in ``epsilon_pld`` (the
+    mutants that memoise a history holding the planned run)."""
+    small, large = 0.02, 0.5
+    large_alone = epsilon_of_one_release(large, tmp_path)
+    budget = (epsilon_of_one_release(small, tmp_path) + large_alone) / 2
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA)
+    ledger.reserve("v1", release(small), "small", budget, lineage="L", units=people(range(100)))
+    with pytest.raises(BudgetExceeded):
+        ledger.reserve("v1", release(large), "large", budget, lineage="L", units=people(range(100, 200)))
+    refused = ledger_refusal(ledger, release(large), budget)
+    assert float(re.search(r"this run \(ε = ([\d.]+)", refused).group(1)) == pytest.approx(  # type: ignore[union-attr]
+        large_alone, rel=1e-3)
+    assert [s.label for s in ledger.spends("L")] == ["small"]
+
+
+def ledger_refusal(ledger: Ledger, mechanism: MechanismDescription, budget: float) -> str:
+    """The refusal a person reads for ``mechanism`` on people the lineage has never charged."""
+    with pytest.raises(BudgetExceeded) as refused:
+        ledger.reserve("v1", mechanism, "again", budget, lineage="L", units=people(range(300, 400)))
+    return str(refused.value)
