@@ -63,7 +63,7 @@ def test_a_growing_table_spends_each_persons_budget_once(workdir: Path) -> None:
     pd.concat([people_table(600), people_table(90, start=600)]).to_csv(table, index=False)
     refused = dpml("run", "--engine", "local", "--params", str(path), "--set", f"ledger.epsilon_budget={budget}")
     assert refused.returncode != 0
-    [line] = [l for l in refused.stderr.splitlines() if l.startswith("dpml: error:")]
+    [line] = [said for said in refused.stderr.splitlines() if said.startswith("dpml: error:")]
     assert "lineage 'visits'" in line and "privacy units in this run's training data have spent" in line
     assert f"{spend.n_units:,} of the" in line  # exactly the people trained on before
     assert len(ledger.spends("visits", counted_only=False)) == 1  # nothing recorded

@@ -1,12 +1,14 @@
-"""The code passes the linter the project pins (ruff, ``[tool.ruff]`` in pyproject.toml: pyflakes and syntax
-errors) — what a reviewer would otherwise find by hand: an unused import, an undefined name, an f-string without
-a placeholder."""
+"""The code passes the linter the project pins (ruff, ``[tool.ruff]`` in pyproject.toml: pyflakes, pycodestyle,
+bugbear and flake8-pie) — what a reviewer would otherwise find by hand: an unused import, an undefined name, an
+f-string without a placeholder, a mutable default, a loop variable never used."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ["dpml", "tests", "examples", "benchmarks", "flows", "tasks", "scripts", "docs"]
@@ -18,12 +20,14 @@ def test_the_code_passes_the_linter() -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
-def test_the_linter_finds_a_planted_unused_import(tmp_path: Path) -> None:
+@pytest.mark.parametrize("code, rule", [("import os\n", "F401"), ("def f(x=[]):\n    return x\n", "B006"),
+                                        ("for i in range(3):\n    print(0)\n", "B007")])
+def test_the_linter_finds_a_planted_mistake(code: str, rule: str, tmp_path: Path) -> None:
     planted = tmp_path / "planted.py"
-    planted.write_text("import os\n")
+    planted.write_text(code)
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--config",
                            str(ROOT / "pyproject.toml"), str(planted)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and "F401" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 1 and rule in done.stdout, done.stdout + done.stderr
 
 
 # the type checker's strict mode holds here ([tool.mypy] in pyproject.toml)

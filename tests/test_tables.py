@@ -208,8 +208,8 @@ def test_schema_draft_is_marked_not_private_and_validates(tmp_path: Path) -> Non
     assert columns["age"]["type"] == "numeric" and columns["hours"]["type"] == "numeric"
     assert columns["hours"].get("indicator") is True  # '?' cells: missing
     assert set(columns["workclass"]["categories"]) == {*WORK, "Without-pay"}
-    for name, column in columns.items():  # every drafted value is marked as read from the data
-        line = next(l for l in text.splitlines() if l.strip().startswith(f'"{name}"'))
+    for name in columns:  # every drafted value is marked as read from the data
+        line = next(row for row in text.splitlines() if row.strip().startswith(f'"{name}"'))
         assert "READ FROM THE DATA" in line
     validate({"dp": {"target_epsilon": 2.0}, "data": draft})
 

@@ -155,7 +155,7 @@ def test_renyi_filter_excludes_exactly_the_exhausted_units_and_keeps_every_budge
     [entry] = ledger.summary("F")
     order = entry["filter_order"]
     bound = filter_bound(order, budget, DELTA)
-    for unit, spends in touched_by.items():
+    for spends in touched_by.values():
         if spends:
             assert independent_rdp([mechanisms[i] for i in spends], [order]) <= budget + 1e-9
             rdp = rdp_privacy_accountant.RdpAccountant([order])

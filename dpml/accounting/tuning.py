@@ -41,7 +41,7 @@ from scipy.optimize import brentq
 
 from dpml.accounting.mechanism import Selection
 
-ORDERS: tuple[float, ...] = tuple([1 + x / 20.0 for x in range(1, 40)] + [3 + x / 4.0 for x in range(0, 28)]
+ORDERS: tuple[float, ...] = tuple([1 + x / 20.0 for x in range(1, 40)] + [3 + x / 4.0 for x in range(28)]
                                   + list(range(10, 64)) + [64, 80, 96, 128, 192, 256, 384, 512, 1024])
 
 

@@ -9,9 +9,10 @@ written by registration only, so a run killed earlier leaves no MLflow run behin
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from dpml import io
@@ -51,7 +52,7 @@ def stage_records(layout: Layout, stages: list[str]) -> list[dict[str, Any]]:
     return [io.read_json(path) for path in paths if path.exists()]
 
 
-_DRIVER: ContextVar[dict[str, str]] = ContextVar("dpml_driver_tags", default={})
+_DRIVER: ContextVar[Mapping[str, str]] = ContextVar("dpml_driver_tags", default=MappingProxyType({}))
 
 
 @contextmanager

@@ -122,7 +122,7 @@ def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, phy
         batch, count = sampler.plan.popleft()
         mine = share_of_batch(batch, collective)
 
-        def chunks_read(parts: list[torch.Tensor] = index_chunks(mine, physical_batch_size)[:count],
+        def chunks_read(parts: list[torch.Tensor] = index_chunks(mine, physical_batch_size)[:count],  # noqa: B008 (this step's chunks, bound now)
                         ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for indices in parts:
                 x, y = next_chunk()
