@@ -77,12 +77,12 @@ def check_budget(accounts: UnitAccounts, standing: Standing, lineage: str, plann
     if not over.any():
         return
     known = standing.lookup is not None
-    now = accounts.epsilons([h for h, o in zip(standing.histories, over) if o], limit=1)
-    after = accounts.epsilon_rdp([c for c, o in zip(candidates, over) if o])
+    now = accounts.epsilons([h for h, o in zip(standing.histories, over, strict=True) if o], limit=1)
+    after = accounts.epsilon_rdp([c for c, o in zip(candidates, over, strict=True) if o])
     who = (f"{int(standing.units[over].sum()):,} of the {int(standing.units.sum()):,} privacy units in this run's "
            "training data have" if known else units_phrase(0, known=False) + " has")
     kl_units = any(any(accounts.mechanism(s).guarantee == "kl" for s in accounts.counted(h))
-                   for h, o in zip(standing.histories, over) if o)
+                   for h, o in zip(standing.histories, over, strict=True) if o)
     why = " (a KL-private release already used them, so their (ε, δ) loss is unbounded)" if kl_units else ""
     raise BudgetExceeded(
         f"lineage {lineage!r}: {who} spent ε = {_epsilon_range(now)} already{why}; this run (ε = {alone:.4g} "
@@ -99,7 +99,7 @@ def check_kl(accounts: UnitAccounts, standing: Standing, candidates: list[Histor
         raise BudgetExceeded(f"lineage {lineage!r}: this run's guarantee is KL privacy, and ledger.kl_budget is "
                              "not set; set it to allow KL-private releases. Nothing was recorded.")
     known = standing.lookup is not None
-    for history, candidate, units in zip(standing.histories, candidates, standing.units):
+    for history, candidate, units in zip(standing.histories, candidates, standing.units, strict=True):
         if any(accounts.mechanism(s).guarantee != "kl" for s in accounts.counted(history)):
             raise BudgetExceeded(
                 f"lineage {lineage!r}: {units_phrase(int(units), known)} already have (ε, δ)-DP spends, "

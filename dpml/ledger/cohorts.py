@@ -117,7 +117,7 @@ def record_spend(db: sqlite3.Connection, lineage: str, lookup: Lookup, touched: 
     old = lookup.cohort_of_unit[touched]
     moved, counts = sorted_unique(old)
     new_cohort: dict[int, int] = {}
-    for cohort, count in zip(moved.tolist(), counts.tolist()):
+    for cohort, count in zip(moved.tolist(), counts.tolist(), strict=True):
         history = [*history_of[cohort], spend_id]
         cursor = db.execute("INSERT INTO cohorts (lineage, history, size) VALUES (?, ?, ?)",
                             (lineage, json.dumps(history), count))

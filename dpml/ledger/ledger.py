@@ -302,7 +302,8 @@ class Ledger(LedgerViews):
             accounts.add_planned(-1, mechanism)
             order = self._filter_order(db, lineage, budget)
             allowed = within_filter(accounts, standing.histories, -1, order, budget, self.delta)
-        allowed_cohorts = np.array([c for c, a in zip(standing.cohort_of_history, allowed) if a], dtype=np.int64)
+        allowed_cohorts = np.array([c for c, a in zip(standing.cohort_of_history, allowed, strict=True) if a],
+                                   dtype=np.int64)
         assert standing.lookup is not None
         return np.asarray(np.isin(standing.lookup.cohort_of_unit, allowed_cohorts)[inverse.ravel()])
 

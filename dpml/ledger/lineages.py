@@ -121,11 +121,11 @@ def lineage_groups(db: Any, lineage: str, base_of: Callable[[str], History]) -> 
     history_of = cohorts.histories(db, np.unique(matrix))
     groups = []
     alone, alone_counts = cohorts.sorted_unique(own[~shared])
-    for cohort, count in zip(alone.tolist(), alone_counts.tolist()):
+    for cohort, count in zip(alone.tolist(), alone_counts.tolist(), strict=True):
         groups.append(Group(_union(base_of(lineage), history_of[cohort]), int(count), (lineage,)))
     keys, counts = np.unique(matrix[shared], axis=0, return_counts=True)
-    for key, count in zip(keys.tolist(), counts.tolist()):
-        where = [(lineage, key[0])] + [(n, c) for n, c in zip(names, key[1:]) if c]
+    for key, count in zip(keys.tolist(), counts.tolist(), strict=True):
+        where = [(lineage, key[0])] + [(n, c) for n, c in zip(names, key[1:], strict=True) if c]
         releases = _union(*(base_of(n) + history_of[c] for n, c in where))
         groups.append(Group(releases, int(count), tuple(n for n, _ in where)))
     return groups
@@ -204,7 +204,7 @@ def _merge_units(db: Any, old: str, new: str) -> int:
     history_of = cohorts.histories(db, np.unique(np.concatenate([pairs[:, 0], pairs[:, 1], [0]])))
     keys, counts = np.unique(pairs, axis=0, return_counts=True) if pairs.size else (pairs, np.zeros(0, np.int64))
     combined: dict[tuple[int, int], int] = {}
-    for (a, b), count in zip(keys.tolist(), counts.tolist()):
+    for (a, b), count in zip(keys.tolist(), counts.tolist(), strict=True):
         cursor = db.execute("INSERT INTO cohorts (lineage, history, size) VALUES (?, ?, ?)",
                             (new, json.dumps(list(_union(history_of[a], history_of[b]))), count))
         combined[(a, b)] = int(cursor.lastrowid)

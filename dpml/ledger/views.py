@@ -92,7 +92,7 @@ class LedgerViews:
             standing = self._lineage_standing(db, lineage)
             eps = UnitAccounts(self.delta, db).epsilons(standing.histories)
             db.execute("COMMIT")
-        pairs = [(float(e), int(n)) for e, n in zip(eps, standing.units) if n > 0]
+        pairs = [(float(e), int(n)) for e, n in zip(eps, standing.units, strict=True) if n > 0]
         return sorted(pairs, reverse=True)
 
     @staticmethod
@@ -100,7 +100,7 @@ class LedgerViews:
                 lineage_of_spend: dict[int, str]) -> dict[str, Any]:
         """The view's per-person part: the lineage's units grouped by every release that touched them
         (across lineages), largest ε first, and how many of its units other lineages hold too."""
-        ranked = sorted(((g, float(e)) for g, e in zip(groups, eps) if g.units > 0),
+        ranked = sorted(((g, float(e)) for g, e in zip(groups, eps, strict=True) if g.units > 0),
                         key=lambda ge: (-ge[1], -ge[0].units))
         people = [{"units": g.units, "epsilon": e, "lineages": list(g.lineages),
                    "releases": [{"spend": i, "lineage": lineage_of_spend.get(i)} for i in g.releases]}
@@ -136,7 +136,7 @@ class LedgerViews:
                 order_row = db.execute("SELECT filter_order FROM lineages WHERE name = ?", (name,)).fetchone()
                 db.execute("COMMIT")
             levels: dict[float, int] = {}
-            for value, count in zip(eps, standing.units):
+            for value, count in zip(eps, standing.units, strict=True):
                 if count > 0:
                     level = float(f"{value:.4g}")
                     levels[level] = levels.get(level, 0) + int(count)
