@@ -18,11 +18,11 @@ import pytest
 from test_kl_certificate import dp_mechanism, kl_mechanism
 
 from dpml.accounting.accountants import certify
-from dpml.accounting.mechanism import ConcentratedDP, MechanismDescription
+from dpml.accounting.mechanism import ConcentratedDP, MechanismDescription, PoissonGaussianSteps
 from dpml.accounting.tuning import ORDERS
 from dpml.data.units import digests_of_ids
 from dpml.ledger.ledger import BudgetExceeded, Ledger
-from dpml.ledger.unit_accounts import LedgerError, epsilons_from_rdp, filter_bound, filter_order
+from dpml.ledger.unit_accounts import LedgerError, UnitAccounts, epsilons_from_rdp, filter_bound, filter_order
 
 DELTA = 1e-5
 
@@ -280,3 +280,25 @@ def ledger_refusal(ledger: Ledger, mechanism: MechanismDescription, budget: floa
     with pytest.raises(BudgetExceeded) as refused:
         ledger.reserve("v1", mechanism, "again", budget, lineage="L", units=people(range(300, 400)))
     return str(refused.value)
+
+
+def test_a_run_the_pld_admits_is_not_refused_on_the_looser_rdp_bound_of_two_histories(tmp_path: Path) -> None:
+    """A budget check refines by PLD up to two histories whose RDP bound is over the budget (the RDP bound of
+    subsampled Gaussians is the looser one): two groups of people, each with one release, each taken by the run
+    to a PLD ε under the budget and an RDP ε over it, must both be refined, and the run admitted. Pins the
+    number of refinements a check makes (``epsilons``' limit, its count of refinements done)."""
+    sampled = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 400),), "add-remove", 1.0, 1000)
+    pairs = Ledger(str(tmp_path / "pairs.db"), DELTA)
+    pairs.reserve("v", sampled, "first", 1e9, lineage="pair")
+    pairs.reserve("v", sampled, "second", 1e9, lineage="pair")
+    with pairs._connect() as db:
+        accounts = UnitAccounts(DELTA, db)
+        spent = [s.id for s in pairs.spends("pair")]
+        by_rdp, by_pld = float(accounts.epsilon_rdp([tuple(spent)])[0]), accounts.epsilon_pld(tuple(spent))
+    assert by_pld < by_rdp * 0.97  # a gap to put the budget in
+    budget = (by_pld + by_rdp) / 2
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA)
+    ledger.reserve("v1", sampled, "A", budget, lineage="L", units=people(range(100)))
+    ledger.reserve("v1", sampled, "B", budget, lineage="L", units=people(range(100, 200)))
+    both = ledger.reserve("v1", sampled, "both", budget, lineage="L", units=people(range(200)))
+    assert both.n_units == 200 and ledger.total("L") <= budget
