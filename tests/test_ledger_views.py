@@ -302,3 +302,20 @@ def test_a_run_the_pld_admits_is_not_refused_on_the_looser_rdp_bound_of_two_hist
     ledger.reserve("v1", sampled, "B", budget, lineage="L", units=people(range(100, 200)))
     both = ledger.reserve("v1", sampled, "both", budget, lineage="L", units=people(range(200)))
     assert both.n_units == 200 and ledger.total("L") <= budget
+
+
+def test_a_spend_written_without_its_rdp_curve_is_accounted_from_its_mechanism(tmp_path: Path) -> None:
+    """A ledger written before spends stored their RDP curve (the ``rdp`` column empty) still accounts every
+    spend: the curve is recomputed from the stored mechanism, and ε is what it was. Pins ``UnitAccounts``'
+    fallback (an empty curve read as JSON, or the mechanism looked up wrongly, fails here)."""
+    sampled = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 400),), "add-remove", 1.0, 1000)
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA)
+    ledger.reserve("v1", sampled, "A", 100.0, lineage="L", units=people(range(100)))
+    ledger.reserve("v1", release(0.05), "B", 100.0, lineage="L", units=people(range(50, 150)))
+    before = (ledger.total("L"), ledger.unit_epsilons("L"))
+    with ledger._connect() as db:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("UPDATE spends SET rdp = NULL")
+        db.execute("DELETE FROM history_epsilon")  # nothing remembered: every ε is composed again
+        db.execute("COMMIT")
+    assert (ledger.total("L"), ledger.unit_epsilons("L")) == before
