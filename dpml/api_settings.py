@@ -77,10 +77,9 @@ def train_section(train: TrainSettings | None) -> TrainSettings | None:
     """``train=`` as given: a :class:`TrainSettings` of the DP-SGD trainer, without a ``seed``."""
     if train is None:
         return None
-    if not isinstance(train, TrainSettings) or train.algorithm != "dpsgd":
-        shown = getattr(train, "algorithm", type(train).__name__)
-        raise _problem("train", shown, "must be the DP-SGD trainer's settings (dpml.DpSgdSettings, or a "
-                       "TrainSettings with algorithm 'dpsgd'); other trainers run in the pipeline")
+    if not isinstance(train, TrainSettings):  # another trainer's settings fail DpSgdSettings' own validation
+        raise _problem("train", type(train).__name__, "must be the DP-SGD trainer's settings (dpml.DpSgdSettings, "
+                       "or a TrainSettings of algorithm dpsgd); other trainers run in the pipeline")
     if "seed" in train.model_fields_set:
         raise _problem("train.seed", train.seed, "initialises a model the pipeline builds; train_private trains "
                        "the model passed in (seed= fixes its batches and noise)")

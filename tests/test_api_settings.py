@@ -22,7 +22,7 @@ from dpml.config import validate
 from dpml.ledger.ledger import BudgetExceeded, Ledger
 from dpml.sections import DpConfig, TrainSettings
 from dpml.sections_stores import LedgerConfig
-from dpml.train.trainers.dpsgd import DpSgdSettings
+from dpml.train.trainers.dpsgd import DpGdSettings, DpSgdSettings
 from test_api import SETTINGS, Blobs, largest_difference, moved, network
 
 DP_SETTINGS = {"delta": 1e-4, "clip_norm": 1.0, "noise_multiplier": 1.0}
@@ -106,7 +106,8 @@ def test_a_misspelt_setting_is_refused_naming_the_settings() -> None:
 
 
 @pytest.mark.parametrize("train, fragment", [
-    (TrainSettings(algorithm="noisycgd"), "train = 'noisycgd': must be the DP-SGD trainer's settings"),
+    (TrainSettings(algorithm="noisycgd"), "algorithm = 'noisycgd': Input should be 'dpsgd'"),
+    (DpGdSettings(algorithm="dpgd"), "algorithm = 'dpgd': Input should be 'dpsgd'"),
     (DpSgdSettings(seed=3), "train.seed = 3: initialises a model the pipeline builds"),
     ({"epochs": 2}, "train = 'dict': must be the DP-SGD trainer's settings"),
 ])
