@@ -319,3 +319,20 @@ def test_a_spend_written_without_its_rdp_curve_is_accounted_from_its_mechanism(t
         db.execute("DELETE FROM history_epsilon")  # nothing remembered: every ε is composed again
         db.execute("COMMIT")
     assert (ledger.total("L"), ledger.unit_epsilons("L")) == before
+
+
+def test_a_lineages_filter_keeps_the_order_fixed_at_its_first_filtered_run(tmp_path: Path) -> None:
+    """The individual Rényi filter's order α* is fixed at a lineage's first filtered run (Feldman & Zrnic 2021
+    need it chosen before the data: ``filter_order``). Here it is fixed at budget 1 (α* = 18); a later run at
+    budget 8, whose own best order is 4, is still checked at 18, where these people's sum of RDP at that order
+    is over the filter's bound, and refused. Pins the lineage passed to the stored order's lookup."""
+    assert (filter_order(1.0, DELTA), filter_order(8.0, DELTA)) == (18.0, 4.0)
+    ledger = Ledger(str(tmp_path / "l.db"), DELTA)
+    ledger.reserve("v1", release(0.001), "first", 1.0, lineage="L", units=people(range(100)), mode="exclude")
+    rho = 0.8  # with 0.001 spent: over the bound at order 18 (0.419 per order), within it at order 4 (1.228)
+    assert filter_bound(18.0, 8.0, DELTA) / 18.0 < rho + 0.001 <= filter_bound(4.0, 8.0, DELTA) / 4.0
+    with pytest.raises(BudgetExceeded, match="Rényi filter"):
+        ledger.reserve("v1", release(rho), "second", 8.0, lineage="L", units=people(range(100)), mode="exclude")
+    fresh = Ledger(str(tmp_path / "fresh.db"), DELTA)  # a lineage whose first filtered run is at budget 8
+    fresh.reserve("v1", release(0.001), "first", 8.0, lineage="L", units=people(range(100)), mode="exclude")
+    fresh.reserve("v1", release(rho), "second", 8.0, lineage="L", units=people(range(100)), mode="exclude")
