@@ -41,11 +41,14 @@ def test_a_failure_before_the_start_cancels_the_spend(ledger_location: str, tmp_
 
 
 def test_the_spend_returned_is_the_spend_stored(ledger_location: str, tmp_path: Path) -> None:
-    """Its reservation time too: with its id it is the spend's identity on a model version (``id@time``)."""
+    """Its reservation time too: with its id it is the spend's identity on a model version (``id@time``); and the
+    number of units it charged, as stored (a spend without a unit list charged every unit: ``None``)."""
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
-    for mechanism_of_run in (mechanism(), None):
-        spend = reserve_and_start(ledger, "v1", mechanism_of_run, "run", 10.0)
+    three = digests_of_ids(["a", "b", "c"])
+    for mechanism_of_run, units in ((mechanism(), None), (None, None), (mechanism(), three)):
+        spend = reserve_and_start(ledger, "v1", mechanism_of_run, "run", 10.0, units=units)
         assert [s for s in ledger.spends(counted_only=False) if s.id == spend.id] == [spend]
+    assert spend.n_units == 3
 
 
 def test_a_failure_during_training_is_recorded_and_the_spend_still_counts(ledger_location: str, tmp_path: Path) -> None:
