@@ -98,19 +98,19 @@ def library_settings(n: int, dp: DpConfig | None, train: TrainSettings | None, k
         raise _problem("dataset", "empty", "needs at least one record")
     given = {k: v for k, v in keywords.items() if v is not None}
     loss, optimizer = given.pop("loss", None), given.pop("optimizer", None)
-    named = {k: v for k, v in (("loss", loss), ("optimizer", optimizer)) if isinstance(v, str) or
-             not callable(v) and v is not None}  # a name goes to the section; a function is the library's own
+    named = {k: v for k, v in (("loss", loss), ("optimizer", optimizer))
+             if v is not None and not callable(v)}  # a name goes to the section; a function is the library's own
     dp_section: DpConfig = _section(DpConfig, dp, {k: v for k, v in given.items() if k in DP_KEYS}, "dp")
-    train_section_: DpSgdSettings = _section(DpSgdSettings, train_section(train),
+    train_settings: DpSgdSettings = _section(DpSgdSettings, train_section(train),
                                              {k: v for k, v in {**given, **named}.items() if k in TRAIN_KEYS},
                                              "train")
     check_noise_and_delta(dp_section, n)
-    sample_rate = check_sample_rate(train_section_, "sample_rate" in given, expected_batch_size, n)
-    check_world(train_section_)
-    loss_fn = loss if callable(loss) else loss_function(train_section_.loss, train_section_.loss_tau,
-                                                        train_section_.loss_alpha)
-    return LibrarySettings(dp_section, train_section_, sample_rate, loss_fn,
-                           optimizer if callable(optimizer) else train_section_.optimizer)
+    sample_rate = check_sample_rate(train_settings, expected_batch_size, n)
+    check_world(train_settings)
+    loss_fn = loss if callable(loss) else loss_function(train_settings.loss, train_settings.loss_tau,
+                                                        train_settings.loss_alpha)
+    return LibrarySettings(dp_section, train_settings, sample_rate, loss_fn,
+                           optimizer if callable(optimizer) else train_settings.optimizer)
 
 
 def check_noise_and_delta(dp: DpConfig, n: int) -> None:
@@ -124,11 +124,12 @@ def check_noise_and_delta(dp: DpConfig, n: int) -> None:
                        "some record outright; use δ ≪ 1/n (or allow_delta_above_inverse_n=True)")
 
 
-def check_sample_rate(train: DpSgdSettings, rate_given: bool, expected_batch_size: int | None, n: int) -> float:
-    """The Poisson rate q: ``train.sample_rate``, or ``expected_batch_size`` / n — one of the two."""
+def check_sample_rate(train: DpSgdSettings, expected_batch_size: int | None, n: int) -> float:
+    """The Poisson rate q: ``train.sample_rate``, or ``expected_batch_size`` / n — one of the two (a rate given
+    as a keyword or in the section object is in the section's set fields either way)."""
     if expected_batch_size is None:
         return train.sample_rate
-    if rate_given or "sample_rate" in train.model_fields_set:
+    if "sample_rate" in train.model_fields_set:
         raise ValueError(f"give exactly one of sample_rate and expected_batch_size (got sample_rate="
                          f"{train.sample_rate!r}, expected_batch_size={expected_batch_size!r})")
     if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) \
