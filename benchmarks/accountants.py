@@ -39,8 +39,9 @@ def timed(function: Callable[[], Any], repeat: int) -> tuple[Any, float]:
     return value, statistics.median(times)
 
 
-def mechanism(q: float, sigma: float, steps: int, neighbouring: str = "add-remove",
-              selection: Selection | None = None) -> MechanismDescription:
+def mechanism(
+    q: float, sigma: float, steps: int, neighbouring: str = "add-remove", selection: Selection | None = None
+) -> MechanismDescription:
     events = (PoissonGaussianSteps(q, sigma, steps),)
     if selection is not None:
         events += (PoissonGaussianSteps(1.0, 5.0, 1),)
@@ -61,37 +62,79 @@ def main() -> None:
                     continue
                 try:
                     eps, seconds = timed(lambda: accountant.epsilon(m, DELTA), args.repeat)
-                    rows.append({"task": f"ε, q={q:g} σ={sigma:g} T={steps} {relation}", "tool": name,
-                                 "seconds": seconds, "epsilon": eps})
+                    rows.append(
+                        {
+                            "task": f"ε, q={q:g} σ={sigma:g} T={steps} {relation}",
+                            "tool": name,
+                            "seconds": seconds,
+                            "epsilon": eps,
+                        }
+                    )
                 except Exception as error:  # unsupported relation: reported as such
-                    rows.append({"task": f"ε, q={q:g} σ={sigma:g} T={steps} {relation}", "tool": name,
-                                 "seconds": None, "epsilon": None, "note": f"{type(error).__name__}"})
+                    rows.append(
+                        {
+                            "task": f"ε, q={q:g} σ={sigma:g} T={steps} {relation}",
+                            "tool": name,
+                            "seconds": None,
+                            "epsilon": None,
+                            "note": f"{type(error).__name__}",
+                        }
+                    )
                 print(rows[-1], flush=True)
     for target, q, steps in [(3.0, 0.01, 100_000), (1.0, 0.001, 100_000), (3.0, 0.02, 750)]:
         sigma, seconds = timed(lambda: calibrate_noise_multiplier(target, q, steps, DELTA), args.repeat)
         check = accountants.epsilon_pld(mechanism(q, sigma, steps), DELTA)
-        rows.append({"task": f"calibrate σ: ε={target:g}, q={q:g}, T={steps}", "tool": "dpml calibrate",
-                     "seconds": seconds, "epsilon": check, "note": f"σ = {sigma:.5g}"})
+        rows.append(
+            {
+                "task": f"calibrate σ: ε={target:g}, q={q:g}, T={steps}",
+                "tool": "dpml calibrate",
+                "seconds": seconds,
+                "epsilon": check,
+                "note": f"σ = {sigma:.5g}",
+            }
+        )
         print(rows[-1], flush=True)
     found, seconds = timed(lambda: calibrate_steps(3.0, 0.01, 1.0, DELTA), args.repeat)
-    rows.append({"task": "calibrate steps: ε=3, q=0.01, σ=1", "tool": "dpml calibrate", "seconds": seconds,
-                 "epsilon": accountants.epsilon_pld(mechanism(0.01, 1.0, found), DELTA), "note": f"T = {found}"})
+    rows.append(
+        {
+            "task": "calibrate steps: ε=3, q=0.01, σ=1",
+            "tool": "dpml calibrate",
+            "seconds": seconds,
+            "epsilon": accountants.epsilon_pld(mechanism(0.01, 1.0, found), DELTA),
+            "note": f"T = {found}",
+        }
+    )
     print(rows[-1], flush=True)
     for selection in (Selection("truncated_negative_binomial", 10.0, 1.0), Selection("poisson", 10.0)):
         m = mechanism(0.01, 1.0, 10_000, selection=selection)
         cert, seconds = timed(lambda: accountants.certify(m, DELTA), args.repeat)
-        rows.append({"task": f"certificate of a search: {selection.describe()}, q=0.01 σ=1 T=10⁴",
-                     "tool": f"dpml certify ({cert['accountant']})", "seconds": seconds, "epsilon": cert["epsilon"]})
+        rows.append(
+            {
+                "task": f"certificate of a search: {selection.describe()}, q=0.01 σ=1 T=10⁴",
+                "tool": f"dpml certify ({cert['accountant']})",
+                "seconds": seconds,
+                "epsilon": cert["epsilon"],
+            }
+        )
         print(rows[-1], flush=True)
-    environment = {"machine": platform.processor() or platform.machine(), "cpus": __import__("os").cpu_count(),
-                   "python": platform.python_version(),
-                   **{p: version(p) for p in ("dp-accounting", "prv-accountant", "autodp")}}
+    environment = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": __import__("os").cpu_count(),
+        "python": platform.python_version(),
+        **{p: version(p) for p in ("dp-accounting", "prv-accountant", "autodp")},
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accountants.json").write_text(json.dumps({"environment": environment, "rows": rows}, indent=2))
-    lines = ["# Accountant time", "", f"Environment: {json.dumps(environment)}; δ = {DELTA:g}; median of "
-             f"{args.repeat} runs; command `python benchmarks/accountants.py`.", "",
-             "| task | accountant / tool | seconds | ε | note |", "|---|---|---|---|---|"]
+    lines = [
+        "# Accountant time",
+        "",
+        f"Environment: {json.dumps(environment)}; δ = {DELTA:g}; median of "
+        f"{args.repeat} runs; command `python benchmarks/accountants.py`.",
+        "",
+        "| task | accountant / tool | seconds | ε | note |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         seconds = "—" if r["seconds"] is None else f"{r['seconds']:.3f}"
         eps = "—" if r["epsilon"] is None else f"{r['epsilon']:.4f}"

@@ -56,9 +56,13 @@ def true_epsilon(case: str, mechanism: dict[str, Any], delta: float) -> str:
             event["noise_multiplier"] /= 2
         value = f"{certify(MechanismDescription.from_dict(halved), delta)['epsilon']:.3g}"
         return f"≈ {value}" if case == "noise × ½" else f"up to ≈ {value}³"
-    return {"noise × 0": "∞", "clipping removed": "unbounded", "shuffled fixed-size batches": "not what was priced¹",
-            "noise reused across steps": "not what was priced²",
-            "no noise on the last parameter": "∞"}[case]
+    return {
+        "noise × 0": "∞",
+        "clipping removed": "unbounded",
+        "shuffled fixed-size batches": "not what was priced¹",
+        "noise reused across steps": "not what was priced²",
+        "no noise on the last parameter": "∞",
+    }[case]
 
 
 def run_case(config_path: Path, overrides: list[str], case: str, work: Path) -> dict[str, Any]:
@@ -77,14 +81,17 @@ def run_case(config_path: Path, overrides: list[str], case: str, work: Path) -> 
     certificate = io.read_json(layout.certificate)
     white = next((b for b in audit["one_run"] if b["method"] == "one_run_white_box"), None)
     return {
-        "case": case, "certified_epsilon": certificate["epsilon"],
+        "case": case,
+        "certified_epsilon": certificate["epsilon"],
         "true_epsilon": true_epsilon(case, mechanism, config.dp.delta),
         "max_gating_bound": audit["max_lower_bound"],
         "white_box": None if white is None else {white["scoring"]: white["epsilon"]} | white.get("other_scoring", {}),
         "failed_checks": [c["check"] for c in audit["conformance"]["checks"] if not c["passed"]],
         "check_lines": [c["line"] for c in audit["conformance"]["checks"]],
-        "gate_passed": decision["passed"], "gate_reasons": decision["reasons"],
-        "audit_seconds": audit_seconds, "white_box_seconds": audit.get("white_box_seconds", 0.0),
+        "gate_passed": decision["passed"],
+        "gate_reasons": decision["reasons"],
+        "audit_seconds": audit_seconds,
+        "white_box_seconds": audit.get("white_box_seconds", 0.0),
         "power": audit["power"],
     }
 
@@ -104,9 +111,14 @@ def bench(dataset: str, max_train: int | None, work: Path) -> dict[str, Any]:
     work = work / dataset
     if dataset == "digits":
         config_path = ROOT / "params.yaml"
-        overrides = [f"paths.data={work / 'data'}", f"paths.artifacts={work / 'artifacts'}",
-                     f"paths.cache={work / 'cache'}", f"ledger.path={work / 'ledger.db'}",
-                     f"tracking.uri=sqlite:///{work / 'mlflow.db'}", f"tracking.artifact_root={work / 'mlartifacts'}"]
+        overrides = [
+            f"paths.data={work / 'data'}",
+            f"paths.artifacts={work / 'artifacts'}",
+            f"paths.cache={work / 'cache'}",
+            f"ledger.path={work / 'ledger.db'}",
+            f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
+            f"tracking.artifact_root={work / 'mlartifacts'}",
+        ]
     else:
         config_path = ROOT / "configs" / "fashion-mnist.yaml"
         overrides = fashion_mnist_overrides(work)
@@ -119,20 +131,32 @@ def bench(dataset: str, max_train: int | None, work: Path) -> dict[str, Any]:
     rows = []
     for case in CASES:
         rows.append(run_case(config_path, overrides, case, work))
-        print(f"{dataset}: {case}: gate {'passes' if rows[-1]['gate_passed'] else 'fails'}, failed checks "
-              f"{rows[-1]['failed_checks']}, audit {rows[-1]['audit_seconds']:.1f} s", flush=True)
+        print(
+            f"{dataset}: {case}: gate {'passes' if rows[-1]['gate_passed'] else 'fails'}, failed checks "
+            f"{rows[-1]['failed_checks']}, audit {rows[-1]['audit_seconds']:.1f} s",
+            flush=True,
+        )
     baseline = audit_without_white_box(config_path, overrides)
-    return {"dataset": dataset, "max_train": max_train, "epsilon": config.dp.target_epsilon, "rows": rows,
-            "audit_seconds_without_white_box": baseline, "commit": current_commit(),
-            "measured": datetime.date.today().isoformat(), "machine": machine_line()}
+    return {
+        "dataset": dataset,
+        "max_train": max_train,
+        "epsilon": config.dp.target_epsilon,
+        "rows": rows,
+        "audit_seconds_without_white_box": baseline,
+        "commit": current_commit(),
+        "measured": datetime.date.today().isoformat(),
+        "machine": machine_line(),
+    }
 
 
 def machine_line() -> str:
     """Where and under what load this section was measured (the 15-minute load average at its end)."""
     load = os.getloadavg()[2]
-    return (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, Python "
-            f"{platform.python_version()}; load average over the last 15 minutes {load:.1f} on {os.cpu_count()} cores"
-            + (" (other jobs shared the machine: the times are inflated)" if load > (os.cpu_count() or 1) else ""))
+    return (
+        f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, Python "
+        f"{platform.python_version()}; load average over the last 15 minutes {load:.1f} on {os.cpu_count()} cores"
+        + (" (other jobs shared the machine: the times are inflated)" if load > (os.cpu_count() or 1) else "")
+    )
 
 
 def with_earlier_sections(results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
@@ -149,38 +173,60 @@ def with_earlier_sections(results: list[dict[str, Any]], out: Path) -> list[dict
 def write(results: list[dict[str, Any]], out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit_conformance.json").write_text(json.dumps(results, indent=2))
-    lines = ["# Does the audit catch a broken trainer?", "",
-             "Command: `python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist]`; each data set's "
-             "section says when, at which commit and on what machine it was measured (the verdicts do not depend "
-             "on the machine's load; the times do).", "",
-             "Each row: train → certify → audit → gate with the configuration's defaults (5 attacks with 4 reference "
-             "models, a non-private control, 500 black-box and up to 1000 white-box canaries, conformance checks at "
-             "a joint false-alarm rate of 1e-6), under one bug of `dpml/audit/broken.py` that the trainer does "
-             "not report to the accountant. 'Largest bound' is the largest *gating* ε lower bound; the white-box "
-             "bound is shown under both scorings (per-step likelihood ratio, the default, and the plain sum).", ""]
+    lines = [
+        "# Does the audit catch a broken trainer?",
+        "",
+        "Command: `python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist]`; each data set's "
+        "section says when, at which commit and on what machine it was measured (the verdicts do not depend "
+        "on the machine's load; the times do).",
+        "",
+        "Each row: train → certify → audit → gate with the configuration's defaults (5 attacks with 4 reference "
+        "models, a non-private control, 500 black-box and up to 1000 white-box canaries, conformance checks at "
+        "a joint false-alarm rate of 1e-6), under one bug of `dpml/audit/broken.py` that the trainer does "
+        "not report to the accountant. 'Largest bound' is the largest *gating* ε lower bound; the white-box "
+        "bound is shown under both scorings (per-step likelihood ratio, the default, and the plain sum).",
+        "",
+    ]
     for result in results:
         rows = result["rows"]
-        lines += [f"## {result['dataset']} (ε = {result['epsilon']:g}"
-                  + (f", {result['max_train']} training records" if result["max_train"] else "") + ")", "",
-                  f"Measured at commit {result['commit']} on {result['measured']}"
-                  + (f" (bugs measured: {len(rows) - 1}; later checks or bugs are not in this section)"
-                     if len(rows) < len(CASES) else "") + f". `{result.get('command', command)}`"
-                  + (f" ({result['minutes']:.1f} min)" if "minutes" in result else "")
-                  + f". Machine: {result.get('machine', 'not recorded')}.", "",
-                  "| trainer | true ε | largest gating bound | white-box bound (LR / sum) | failed conformance checks | gate | audit s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {result['dataset']} (ε = {result['epsilon']:g}"
+            + (f", {result['max_train']} training records" if result["max_train"] else "")
+            + ")",
+            "",
+            f"Measured at commit {result['commit']} on {result['measured']}"
+            + (
+                f" (bugs measured: {len(rows) - 1}; later checks or bugs are not in this section)"
+                if len(rows) < len(CASES)
+                else ""
+            )
+            + f". `{result.get('command', command)}`"
+            + (f" ({result['minutes']:.1f} min)" if "minutes" in result else "")
+            + f". Machine: {result.get('machine', 'not recorded')}.",
+            "",
+            "| trainer | true ε | largest gating bound | white-box bound (LR / sum) | failed conformance checks | gate | audit s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for row in rows:
             white = row["white_box"] or {}
             wb = f"{white.get('likelihood_ratio', float('nan')):.2f} / {white.get('sum', float('nan')):.2f}"
             failed = ", ".join(row["failed_checks"]) or "none"
-            lines.append(f"| {row['case']} | {row['true_epsilon']} | {row['max_gating_bound']:.2f} | {wb} | {failed} | "
-                         f"{'passes' if row['gate_passed'] else '**fails**'} | {row['audit_seconds']:.1f} |")
+            lines.append(
+                f"| {row['case']} | {row['true_epsilon']} | {row['max_gating_bound']:.2f} | {wb} | {failed} | "
+                f"{'passes' if row['gate_passed'] else '**fails**'} | {row['audit_seconds']:.1f} |"
+            )
         intact = rows[0]
-        lines += ["", f"Audit time of the intact run: {intact['audit_seconds']:.1f} s, of which the white-box run "
-                      f"(conformance checks and canary bound) {intact['white_box_seconds']:.1f} s; the same audit "
-                      f"without it: {result['audit_seconds_without_white_box']:.1f} s.", "",
-                  "Power of each ε lower-bound method (the largest bound it can report) and whether the gate counts it:", "",
-                  "| method | power | counted |", "|---|---|---|"]
+        lines += [
+            "",
+            f"Audit time of the intact run: {intact['audit_seconds']:.1f} s, of which the white-box run "
+            f"(conformance checks and canary bound) {intact['white_box_seconds']:.1f} s; the same audit "
+            f"without it: {result['audit_seconds_without_white_box']:.1f} s.",
+            "",
+            "Power of each ε lower-bound method (the largest bound it can report) and whether the gate counts it:",
+            "",
+            "| method | power | counted |",
+            "|---|---|---|",
+        ]
         for name, entry in intact["power"].items():
             lines.append(f"| {name} | {entry['power']:.2f} | {'yes' if entry['gating'] else 'no'} |")
         lines += ["", "The failing check's line, for each bug:", ""]
@@ -188,11 +234,14 @@ def write(results: list[dict[str, Any]], out: Path, command: str) -> None:
             failed = [line for line in row["check_lines"] if any(f"'{c}'" in line for c in row["failed_checks"])]
             lines.append(f"- {row['case']}: " + ("; ".join(failed) if failed else "no check failed"))
         lines.append("")
-    lines += ["¹ The certificate prices Poisson sampling; fixed-size shuffled batches can cost more ε than that "
-              "account (Chua et al. 2024, *How private are DP-SGD implementations?*).",
-              "² Noise reused across steps cancels in differences of iterates: the all-iterates guarantee is void.",
-              "³ One tensor's clipped sum counted twice: an example whose gradient lies in that tensor moves the sum by "
-              "up to 2C, the ε of σ/2 at sensitivity C.", ""]
+    lines += [
+        "¹ The certificate prices Poisson sampling; fixed-size shuffled batches can cost more ε than that "
+        "account (Chua et al. 2024, *How private are DP-SGD implementations?*).",
+        "² Noise reused across steps cancels in differences of iterates: the all-iterates guarantee is void.",
+        "³ One tensor's clipped sum counted twice: an example whose gradient lies in that tensor moves the sum by "
+        "up to 2C, the ε of σ/2 at sensitivity C.",
+        "",
+    ]
     (out / "audit_conformance.md").write_text("\n".join(lines))
 
 

@@ -47,14 +47,20 @@ def main() -> None:
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-audit-bench"))
     args = parser.parse_args()
     base = fashion_mnist_overrides(Path(args.work)) + [
-        f"split.max_train={args.max_train}", f"audit.attacks={json.dumps(ATTACKS)}", "audit.max_records=2000"]
+        f"split.max_train={args.max_train}",
+        f"audit.attacks={json.dumps(ATTACKS)}",
+        "audit.max_records=2000",
+    ]
     config = load(ROOT / "configs" / "fashion-mnist.yaml", base)
     stages.ingest(config), stages.split(config), stages.preprocess(config)
     rows, started = [], time.perf_counter()
     for target_epsilon in EPSILONS:
         private = target_epsilon is not None
-        overrides = base + ([f"dp.target_epsilon={target_epsilon}", "train.algorithm=dpsgd"] if private
-                            else ["train.algorithm=nonprivate"])
+        overrides = base + (
+            [f"dp.target_epsilon={target_epsilon}", "train.algorithm=dpsgd"]
+            if private
+            else ["train.algorithm=nonprivate"]
+        )
         cfg = load(ROOT / "configs" / "fashion-mnist.yaml", overrides)
         if not private:  # the non-private model is trained as the audit's positive control is
             cfg = control_config(cfg)
@@ -68,23 +74,50 @@ def main() -> None:
         x_test, y_test = stages.load_part(stages.Layout(cfg), "test")
         accuracy = stages.accuracy(result.model, x_test, y_test)
         for j in range(max(REFERENCES)):
-            train_reference(cfg, context.records, context.n_classes, context.data_version, private=private,
-                            noise_multiplier=sigma, index=j)
+            train_reference(
+                cfg,
+                context.records,
+                context.n_classes,
+                context.data_version,
+                private=private,
+                noise_multiplier=sigma,
+                index=j,
+            )
         one_run = [white_box_audit(cfg, x, y, context.n_classes, sigma, 0.95)] if private else []
         pop = context.records.population - context.records.n_train
-        one_run.append(black_box_audit(cfg, x, y, context.audit[0][pop], context.audit[1][pop], context.n_classes,
-                                       sigma, private, 0.95))
+        one_run.append(
+            black_box_audit(
+                cfg, x, y, context.audit[0][pop], context.audit[1][pop], context.n_classes, sigma, private, 0.95
+            )
+        )
         for k in REFERENCES:
             ref_cfg = cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"references": k, "bootstrap": 0})})
-            results, _ = audit_subject(ref_cfg, Subject("target", result.model, private, sigma, ref_cfg), context.records,
-                                       context.data_version, 0.95)
-            rows.append({"epsilon_target": target_epsilon, "certified_epsilon": certified, "sigma": sigma,
-                         "test_accuracy": accuracy, "train_seconds": train_seconds, "references": k,
-                         "attacks": {n: {key: r[key] for key in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
-                                     | {"bound_test": next(b["epsilon"] for b in r["bounds"] if b["method"] == "hypothesis_test"),
-                                        "bound_gdp": next(b["epsilon"] for b in r["bounds"] if b["method"] == "gdp")}
-                                     for n, r in results.items()},
-                         "one_run": {b["method"]: b["epsilon"] for b in one_run}})
+            results, _ = audit_subject(
+                ref_cfg,
+                Subject("target", result.model, private, sigma, ref_cfg),
+                context.records,
+                context.data_version,
+                0.95,
+            )
+            rows.append(
+                {
+                    "epsilon_target": target_epsilon,
+                    "certified_epsilon": certified,
+                    "sigma": sigma,
+                    "test_accuracy": accuracy,
+                    "train_seconds": train_seconds,
+                    "references": k,
+                    "attacks": {
+                        n: {key: r[key] for key in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
+                        | {
+                            "bound_test": next(b["epsilon"] for b in r["bounds"] if b["method"] == "hypothesis_test"),
+                            "bound_gdp": next(b["epsilon"] for b in r["bounds"] if b["method"] == "gdp"),
+                        }
+                        for n, r in results.items()
+                    },
+                    "one_run": {b["method"]: b["epsilon"] for b in one_run},
+                }
+            )
         print(f"done ε={target_epsilon}: accuracy {accuracy:.4f}, certified {certified:.3f}", flush=True)
     write(rows, Path(args.out), time.perf_counter() - started, args.max_train)
 
@@ -93,16 +126,19 @@ def write(rows: list[dict], out: Path, seconds: float, max_train: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit_fmnist.json").write_text(json.dumps(rows, indent=2))
     lines = [
-        "# Audit benchmark: Fashion-MNIST", "",
+        "# Audit benchmark: Fashion-MNIST",
+        "",
         f"Command: `python benchmarks/audit_fmnist.py --max-train {max_train}` ({seconds / 60:.1f} min). "
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"Python {platform.python_version()}.", "",
+        f"Python {platform.python_version()}.",
+        "",
         f"Model and training: `configs/fashion-mnist.yaml` (MLP 784-256-10, DP-SGD with Poisson sampling), "
         f"{max_train} training records; 2000 members vs 2000 non-members (audit population); δ = 1e-5. "
         "Reference models train on random halves of train ∪ audit population with the target's own "
         "configuration (same σ). Bounds at 95% confidence each; 'test' = Clopper–Pearson hypothesis-test "
         "bound (threshold chosen on one half, bounded on the other), 'GDP' = the same error rates read "
-        "through a Gaussian trade-off curve (informational, not a valid bound for DP-SGD in general).", "",
+        "through a Gaussian trade-off curve (informational, not a valid bound for DP-SGD in general).",
+        "",
         "| ε target | certified ε | test acc. | refs | attack | AUC | TPR@1%FPR | TPR@0.1%FPR | ε_LB test | ε_LB GDP |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -112,11 +148,19 @@ def write(rows: list[dict], out: Path, seconds: float, max_train: int) -> None:
             if name == "loss" and row["references"] != REFERENCES[0]:
                 continue  # LOSS uses no reference models: one row per model
             refs = "—" if name == "loss" else str(row["references"])
-            lines.append(f"| {target} | {row['certified_epsilon']:.3f} | {row['test_accuracy']:.4f} | {refs} | {name} | "
-                         f"{r['auc']:.3f} | {r['tpr_at_1pct_fpr']:.4f} | {r['tpr_at_0.1pct_fpr']:.4f} | "
-                         f"{r['bound_test']:.3f} | {r['bound_gdp']:.3f} |")
-    lines += ["", "LiRA vs RMIA at equal numbers of reference models (best online/offline variant of each, by AUC; "
-              "TPR at 0.1% FPR in brackets):", "", "| ε target | refs | LiRA | RMIA |", "|---|---|---|---|"]
+            lines.append(
+                f"| {target} | {row['certified_epsilon']:.3f} | {row['test_accuracy']:.4f} | {refs} | {name} | "
+                f"{r['auc']:.3f} | {r['tpr_at_1pct_fpr']:.4f} | {r['tpr_at_0.1pct_fpr']:.4f} | "
+                f"{r['bound_test']:.3f} | {r['bound_gdp']:.3f} |"
+            )
+    lines += [
+        "",
+        "LiRA vs RMIA at equal numbers of reference models (best online/offline variant of each, by AUC; "
+        "TPR at 0.1% FPR in brackets):",
+        "",
+        "| ε target | refs | LiRA | RMIA |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
         target = "∞ (non-private)" if row["epsilon_target"] is None else f"{row['epsilon_target']:g}"
         best = {}
@@ -125,15 +169,22 @@ def write(rows: list[dict], out: Path, seconds: float, max_train: int) -> None:
             r = row["attacks"][name]
             best[family] = f"{r['auc']:.3f} ({r['tpr_at_0.1pct_fpr']:.4f}, {name})"
         lines.append(f"| {target} | {row['references']} | {best['lira']} | {best['rmia']} |")
-    lines += ["", "One-run audits (Steinke, Nasr, Jagielski 2023), 95% confidence:", "",
-              "| ε target | certified ε | white-box gradient canaries ε_LB | black-box canary records ε_LB |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "One-run audits (Steinke, Nasr, Jagielski 2023), 95% confidence:",
+        "",
+        "| ε target | certified ε | white-box gradient canaries ε_LB | black-box canary records ε_LB |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
         if row["references"] != REFERENCES[0]:
             continue
         target = "∞ (non-private)" if row["epsilon_target"] is None else f"{row['epsilon_target']:g}"
         wb = row["one_run"].get("one_run_white_box")
-        lines.append(f"| {target} | {row['certified_epsilon']:.3f} | {'—' if wb is None else f'{wb:.3f}'} | "
-                     f"{row['one_run']['one_run_black_box']:.3f} |")
+        lines.append(
+            f"| {target} | {row['certified_epsilon']:.3f} | {'—' if wb is None else f'{wb:.3f}'} | "
+            f"{row['one_run']['one_run_black_box']:.3f} |"
+        )
     (out / "audit_fmnist.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

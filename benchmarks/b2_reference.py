@@ -28,11 +28,25 @@ from dpml.train.dpsgd import number_of_steps
 from dpml.train.fit import fit
 
 ROOT = Path(__file__).resolve().parents[1]
-B2 = ["train.algorithm=clipless", "model.kind=lipschitz", "model.conv=[32,64]", "model.hidden=[512]",
-      "model.bias_bound=null", "model.input_shape=[1,28,28]", "preprocess.clip_norm=20.0",
-      "train.loss=tau_cross_entropy", "train.loss_tau=18.0", "train.optimizer=sgd", "train.learning_rate=0.0002",
-      "train.momentum=0.9", "train.clipless_noise=global", "dp.noise_multiplier=2.0", "dp.target_epsilon=null",
-      "dp.delta=1e-5", "dp.neighbouring=add-remove"]
+B2 = [
+    "train.algorithm=clipless",
+    "model.kind=lipschitz",
+    "model.conv=[32,64]",
+    "model.hidden=[512]",
+    "model.bias_bound=null",
+    "model.input_shape=[1,28,28]",
+    "preprocess.clip_norm=20.0",
+    "train.loss=tau_cross_entropy",
+    "train.loss_tau=18.0",
+    "train.optimizer=sgd",
+    "train.learning_rate=0.0002",
+    "train.momentum=0.9",
+    "train.clipless_noise=global",
+    "dp.noise_multiplier=2.0",
+    "dp.target_epsilon=null",
+    "dp.delta=1e-5",
+    "dp.neighbouring=add-remove",
+]
 
 
 def run_b2(work: Path, epochs_cap: int | None = None) -> dict[str, Any]:
@@ -45,21 +59,30 @@ def run_b2(work: Path, epochs_cap: int | None = None) -> dict[str, Any]:
     q = 1000 / len(y)
     full = calibrate_steps(3.0, q, 2.0, 1e-5) * q  # epochs the paper's rule allows at ε = 3
     epochs = full if epochs_cap is None else min(full, float(epochs_cap))
-    config = load(ROOT / "configs" / "fashion-mnist.yaml", fashion_mnist_overrides(work) + B2
-                  + [f"train.sample_rate={q}", f"train.epochs={epochs}"])
+    config = load(
+        ROOT / "configs" / "fashion-mnist.yaml",
+        fashion_mnist_overrides(work) + B2 + [f"train.sample_rate={q}", f"train.epochs={epochs}"],
+    )
     start = time.perf_counter()
     result = fit(config, x, y, 10, private=True, noise_multiplier=2.0, seed=0, noise_seed=2024)
     seconds = time.perf_counter() - start
     certificate = certify(result.mechanism, 1e-5)
     robust = certified_accuracy(result.model, x_test, y_test)
     return {
-        "description": (f"Paper's settings (conv 32-64, dense 512, no biases, X0 = 20, τ = 18, SGD 2e-4 momentum 0.9, "
-                        f"batch 1000 → Poisson q = {q:.5f}, σ = 2, global noise). ε = 3 allows {full:.1f} epochs here; "
-                        f"{epochs:g} were run ({'capped by --b2-epochs' if epochs < full else 'full length'}). Soundness check "
-                        f"{'passed' if result.history['soundness_passed'] else 'FAILED'} (worst ratio "
-                        f"{result.history['soundness_max_ratio']:.3f}, gradient bound Δ = "
-                        f"{result.history['gradient_bound']:.4g})."),
-        "epochs": epochs, "steps": number_of_steps(epochs, q), "epochs_for_epsilon_3": full, "epsilon": certificate["epsilon"], "sigma": 2.0,
-        "accuracy": stages.accuracy(result.model, x_test, y_test), "seconds_per_epoch": seconds / epochs,
+        "description": (
+            f"Paper's settings (conv 32-64, dense 512, no biases, X0 = 20, τ = 18, SGD 2e-4 momentum 0.9, "
+            f"batch 1000 → Poisson q = {q:.5f}, σ = 2, global noise). ε = 3 allows {full:.1f} epochs here; "
+            f"{epochs:g} were run ({'capped by --b2-epochs' if epochs < full else 'full length'}). Soundness check "
+            f"{'passed' if result.history['soundness_passed'] else 'FAILED'} (worst ratio "
+            f"{result.history['soundness_max_ratio']:.3f}, gradient bound Δ = "
+            f"{result.history['gradient_bound']:.4g})."
+        ),
+        "epochs": epochs,
+        "steps": number_of_steps(epochs, q),
+        "epochs_for_epsilon_3": full,
+        "epsilon": certificate["epsilon"],
+        "sigma": 2.0,
+        "accuracy": stages.accuracy(result.model, x_test, y_test),
+        "seconds_per_epoch": seconds / epochs,
         **{f"r{k}": robust[f"certified_accuracy_r{k}"] for k in RADII_255},
     }

@@ -21,31 +21,54 @@ def fashion_mnist_overrides(work: Path) -> list[str]:
     """
     if not FASHION_MNIST.is_dir():
         sys.exit(f"skipped: {FASHION_MNIST} is absent")
-    return [f"data.source=idx:{FASHION_MNIST}", f"paths.data={work / 'data'}", f"paths.artifacts={work / 'artifacts'}",
-            f"paths.cache={work / 'cache'}", f"ledger.path={work / 'ledger.db'}",
-            f"tracking.uri=sqlite:///{work / 'mlflow.db'}", f"tracking.artifact_root={work / 'mlartifacts'}"]
+    return [
+        f"data.source=idx:{FASHION_MNIST}",
+        f"paths.data={work / 'data'}",
+        f"paths.artifacts={work / 'artifacts'}",
+        f"paths.cache={work / 'cache'}",
+        f"ledger.path={work / 'ledger.db'}",
+        f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
+        f"tracking.artifact_root={work / 'mlartifacts'}",
+    ]
 
 
-def selection_epsilon(events: Sequence[Any], neighbouring: str, delta: float, clip_norm: float, dataset_size: int,
-                      threat_model: str = "all-iterates") -> float:
+def selection_epsilon(
+    events: Sequence[Any],
+    neighbouring: str,
+    delta: float,
+    clip_norm: float,
+    dataset_size: int,
+    threat_model: str = "all-iterates",
+) -> float:
     """ε at δ of releasing the best of several candidates trained on the same private records: the
     release is covered by the composition of every candidate's ``events``, priced by dpml's accountants."""
     from dpml.accounting.accountants import certify
     from dpml.accounting.mechanism import MechanismDescription
 
-    mechanism = MechanismDescription(trainer="selection", events=tuple(events), neighbouring=neighbouring,  # type: ignore[arg-type]
-                                     clip_norm=clip_norm, dataset_size=dataset_size,
-                                     threat_model=threat_model)  # type: ignore[arg-type]
+    mechanism = MechanismDescription(
+        trainer="selection",
+        events=tuple(events),
+        neighbouring=neighbouring,  # type: ignore[arg-type]
+        clip_norm=clip_norm,
+        dataset_size=dataset_size,
+        threat_model=threat_model,
+    )  # type: ignore[arg-type]
     return float(certify(mechanism, delta)["epsilon"])
 
 
 def current_commit() -> str:
     """The checked-out commit (``+dirty`` with uncommitted changes to tracked files), or ``unknown`` outside git."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")

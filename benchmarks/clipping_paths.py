@@ -36,16 +36,43 @@ from dpml.train.dpsgd import per_example_cross_entropy  # noqa: E402
 def models() -> dict[str, tuple[Callable[[], nn.Module], list[str]]]:
     """name -> (builder, the modules whose parameters the exact variant takes exactly)."""
     return {
-        "Conv1d ×2 (rows of the image as a sequence)": (lambda: nn.Sequential(
-            nn.Flatten(1, 2), nn.Conv1d(28, 32, 5, padding=2), nn.ReLU(), nn.Conv1d(32, 32, 5, padding=2), nn.ReLU(),
-            nn.Flatten(), nn.Linear(32 * 28, 10)), ["1", "3"]),
-        'Conv2d padding="same" + depthwise': (lambda: nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding="same"), nn.GroupNorm(4, 16), nn.ReLU(),
-            nn.Conv2d(16, 16, 3, padding="same", groups=16), nn.Conv2d(16, 32, 1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)), ["0", "3"]),
-        "Conv2d groups = 4": (lambda: nn.Sequential(
-            nn.Conv2d(1, 16, 3, stride=2), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, groups=4), nn.ReLU(),
-            nn.Flatten(), nn.Linear(32 * 6 * 6, 10)), ["2"]),
+        "Conv1d ×2 (rows of the image as a sequence)": (
+            lambda: nn.Sequential(
+                nn.Flatten(1, 2),
+                nn.Conv1d(28, 32, 5, padding=2),
+                nn.ReLU(),
+                nn.Conv1d(32, 32, 5, padding=2),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(32 * 28, 10),
+            ),
+            ["1", "3"],
+        ),
+        'Conv2d padding="same" + depthwise': (
+            lambda: nn.Sequential(
+                nn.Conv2d(1, 16, 3, padding="same"),
+                nn.GroupNorm(4, 16),
+                nn.ReLU(),
+                nn.Conv2d(16, 16, 3, padding="same", groups=16),
+                nn.Conv2d(16, 32, 1),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(32, 10),
+            ),
+            ["0", "3"],
+        ),
+        "Conv2d groups = 4": (
+            lambda: nn.Sequential(
+                nn.Conv2d(1, 16, 3, stride=2),
+                nn.ReLU(),
+                nn.Conv2d(16, 32, 3, stride=2, groups=4),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(32 * 6 * 6, 10),
+            ),
+            ["2"],
+        ),
     }
 
 
@@ -64,27 +91,46 @@ def measure(name: str, build: Callable[[], nn.Module], layers: list[str], batch:
     model = build()
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
     exact = [n for n, _ in model.named_parameters() if n.split(".")[0] in layers]
-    fast_ms, (fast_sums, fast_norms) = timed(lambda: clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0), repeats)
+    fast_ms, (fast_sums, fast_norms) = timed(
+        lambda: clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0), repeats
+    )
     exact_ms, (exact_sums, exact_norms) = timed(
-        lambda: clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0, exact=exact), repeats)
-    difference = max([float((fast_sums[k] - exact_sums[k]).abs().max()) for k in fast_sums]
-                     + [float((fast_norms - exact_norms).abs().max())])
+        lambda: clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1.0, exact=exact), repeats
+    )
+    difference = max(
+        [float((fast_sums[k] - exact_sums[k]).abs().max()) for k in fast_sums]
+        + [float((fast_norms - exact_norms).abs().max())]
+    )
     print(f"{name}: shortcut {fast_ms:.1f} ms, exact {exact_ms:.1f} ms", flush=True)
-    return {"model": name, "batch": batch, "exact_parameters": exact, "shortcut_ms": fast_ms, "exact_ms": exact_ms,
-            "speed_up": exact_ms / fast_ms, "max_difference": difference}
+    return {
+        "model": name,
+        "batch": batch,
+        "exact_parameters": exact,
+        "shortcut_ms": fast_ms,
+        "exact_ms": exact_ms,
+        "speed_up": exact_ms / fast_ms,
+        "max_difference": difference,
+    }
 
 
 def write(rows: list[dict], command: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "clipping_paths.json").write_text(json.dumps(rows, indent=2))
-    lines = ["# Clipped gradient sum: convolution shortcuts vs the exact path", "",
-             f"Command: `{command}`. Machine: {platform.machine()}, CPU, {torch.get_num_threads()} torch threads, "
-             f"torch {torch.__version__}, Python {platform.python_version()}. Median of the timed calls after one "
-             "warm-up; the largest difference is over every clipped sum and norm (float32).", "",
-             "| model | batch | shortcut ms | exact path ms | exact / shortcut | largest difference |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['batch']} | {r['shortcut_ms']:.1f} | {r['exact_ms']:.1f} | {r['speed_up']:.0f} | "
-              f"{r['max_difference']:.1e} |" for r in rows]
+    lines = [
+        "# Clipped gradient sum: convolution shortcuts vs the exact path",
+        "",
+        f"Command: `{command}`. Machine: {platform.machine()}, CPU, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, Python {platform.python_version()}. Median of the timed calls after one "
+        "warm-up; the largest difference is over every clipped sum and norm (float32).",
+        "",
+        "| model | batch | shortcut ms | exact path ms | exact / shortcut | largest difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['batch']} | {r['shortcut_ms']:.1f} | {r['exact_ms']:.1f} | {r['speed_up']:.0f} | "
+        f"{r['max_difference']:.1e} |"
+        for r in rows
+    ]
     (out / "clipping_paths.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -46,8 +46,13 @@ sys.path.insert(0, str(ROOT))
 
 from dpml.devices import full_float32, keep_freed_cpu_memory  # noqa: E402
 from dpml.train import clipping_conv  # noqa: E402
-from dpml.train.clipping_conv import (compiled_norms, conv_geometry, conv_per_example_gradients,  # noqa: E402
-                                      conv_per_example_gradients_by_weight_grad, unfold_patches)
+from dpml.train.clipping_conv import (  # noqa: E402
+    compiled_norms,
+    conv_geometry,
+    conv_per_example_gradients,
+    conv_per_example_gradients_by_weight_grad,
+    unfold_patches,
+)
 
 # name, batch, C_in, C_out, kernel, stride, padding, input height = width
 SHAPES = [
@@ -74,11 +79,14 @@ def ways(module: nn.Conv2d, x: torch.Tensor, d: torch.Tensor) -> dict[str, Calla
 
     geometry = conv_geometry(module)
     _, stride, padding, dilation = geometry  # type: ignore[misc]
-    found = {"grouped forward": lambda: conv_per_example_gradients(module, x, d),
-             "grouped weight gradient": lambda: conv_per_example_gradients_by_weight_grad(module, x, d),
-             "patches × δ": patches_times_delta,
-             "batch weight gradient (non-private)": lambda: torch.nn.grad.conv2d_weight(
-                 x, module.weight.shape, d, stride, padding, dilation)}
+    found = {
+        "grouped forward": lambda: conv_per_example_gradients(module, x, d),
+        "grouped weight gradient": lambda: conv_per_example_gradients_by_weight_grad(module, x, d),
+        "patches × δ": patches_times_delta,
+        "batch weight gradient (non-private)": lambda: torch.nn.grad.conv2d_weight(
+            x, module.weight.shape, d, stride, padding, dilation
+        ),
+    }
     if compiled_norms(x[:1], d[:1], geometry, keep=True) is not None:  # type: ignore[arg-type]
         found["compiled, patches"] = compiled_way(x, d, geometry, direct=False)  # type: ignore[arg-type]
         if clipping_conv.direct_way(x.shape[1]):
@@ -86,10 +94,12 @@ def ways(module: nn.Conv2d, x: torch.Tensor, d: torch.Tensor) -> dict[str, Calla
     return found
 
 
-def compiled_way(x: torch.Tensor, d: torch.Tensor, geometry: clipping_conv.Geometry,
-                 direct: bool) -> Callable[[], list[torch.Tensor]]:
+def compiled_way(
+    x: torch.Tensor, d: torch.Tensor, geometry: clipping_conv.Geometry, direct: bool
+) -> Callable[[], list[torch.Tensor]]:
     """The compiled kernel's kept per-example gradients by its patch way or its direct way (whichever the
     engine would pick for this C_in: :func:`dpml.train.clipping_conv.direct_way`)."""
+
     def run() -> list[torch.Tensor]:
         engine_choice = clipping_conv.direct_way
         clipping_conv.direct_way = lambda in_channels: direct
@@ -97,6 +107,7 @@ def compiled_way(x: torch.Tensor, d: torch.Tensor, geometry: clipping_conv.Geome
             return compiled_norms(x, d, geometry, keep=True)[1]  # type: ignore[index, return-value]
         finally:
             clipping_conv.direct_way = engine_choice
+
     return run
 
 
@@ -114,8 +125,12 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
     functions = ways(module, x, d)
     results = {way: _joined(fn()) for way, fn in functions.items()}  # warm-up, and the results compared
     if "compiled, direct" in results:  # its columns in (u, v, c) order: to the weight's (c, u, v)
-        results["compiled, direct"] = results["compiled, direct"].reshape(batch, c_out, kernel, kernel, c_in).permute(
-            0, 1, 4, 2, 3).reshape(batch, c_out, -1)
+        results["compiled, direct"] = (
+            results["compiled, direct"]
+            .reshape(batch, c_out, kernel, kernel, c_in)
+            .permute(0, 1, 4, 2, 3)
+            .reshape(batch, c_out, -1)
+        )
     first = results["grouped forward"]
     scale = float(first.abs().max())
     times: dict[str, list[float]] = {way: [] for way in functions}
@@ -128,39 +143,60 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             times[way].append(1000 * (time.perf_counter() - start))
-    return {"shape": name, "batch": batch, "c_in": c_in, "c_out": c_out, "kernel": kernel, "stride": stride,
-            "positions": int(d[0, 0].numel()), "device": device,
-            "ms": {way: statistics.median(values) for way, values in times.items()},
-            "relative_difference": {way: float((results[way].reshape(first.shape) - first).abs().max()) / scale
-                                    for way in results if way not in ("grouped forward", "batch weight gradient (non-private)")}}
+    return {
+        "shape": name,
+        "batch": batch,
+        "c_in": c_in,
+        "c_out": c_out,
+        "kernel": kernel,
+        "stride": stride,
+        "positions": int(d[0, 0].numel()),
+        "device": device,
+        "ms": {way: statistics.median(values) for way, values in times.items()},
+        "relative_difference": {
+            way: float((results[way].reshape(first.shape) - first).abs().max()) / scale
+            for way in results
+            if way not in ("grouped forward", "batch weight gradient (non-private)")
+        },
+    }
 
 
 def page(rows: list[dict], args: argparse.Namespace) -> str:
-    where = (f"GPU {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if args.device == "cuda"
-             else f"CPU, {torch.get_num_threads()} torch threads")
+    where = (
+        f"GPU {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+        if args.device == "cuda"
+        else f"CPU, {torch.get_num_threads()} torch threads"
+    )
     command = f"python benchmarks/conv_per_example.py --device {args.device} --repeats {args.repeats}" + (
-        f" --threads {args.threads}" if args.threads else "")
-    lines = ["# Per-example weight gradients of a convolution: the engine's ways", "",
-             f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, {where}, torch "
-             f"{torch.__version__}, Python {platform.python_version()}. Median ms of {args.repeats} rounds (the ways "
-             "in turn); T = output positions per example; the differences are relative to the largest entry"
-             + ("; freed memory kept for the next call, as the trainer keeps it" if args.device == "cpu" else "")
-             + "; the compiled kernel's patch way timed at every T (the engine takes it up to T = 256), its direct "
-             "way (any T) where C_in is a multiple of 16 (n/a elsewhere: the engine takes it there).", "",
-             "| layer | B | C_in → C_out | k, stride | T | grouped forward | grouped weight gradient | patches × δ | "
-             "compiled, patches | compiled, direct | batch weight gradient (non-private) | fastest per-example way | "
-             "differences |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        f" --threads {args.threads}" if args.threads else ""
+    )
+    lines = [
+        "# Per-example weight gradients of a convolution: the engine's ways",
+        "",
+        f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, {where}, torch "
+        f"{torch.__version__}, Python {platform.python_version()}. Median ms of {args.repeats} rounds (the ways "
+        "in turn); T = output positions per example; the differences are relative to the largest entry"
+        + ("; freed memory kept for the next call, as the trainer keeps it" if args.device == "cpu" else "")
+        + "; the compiled kernel's patch way timed at every T (the engine takes it up to T = 256), its direct "
+        "way (any T) where C_in is a multiple of 16 (n/a elsewhere: the engine takes it there).",
+        "",
+        "| layer | B | C_in → C_out | k, stride | T | grouped forward | grouped weight gradient | patches × δ | "
+        "compiled, patches | compiled, direct | batch weight gradient (non-private) | fastest per-example way | "
+        "differences |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ms = r["ms"]
         fastest = min((way for way in ms if way != "batch weight gradient (non-private)"), key=lambda way: ms[way])
         compiled = f"{ms['compiled, patches']:.1f}" if "compiled, patches" in ms else "n/a"
         direct = f"{ms['compiled, direct']:.1f}" if "compiled, direct" in ms else "n/a"
-        lines.append(f"| {r['shape']} | {r['batch']} | {r['c_in']} → {r['c_out']} | {r['kernel']}, {r['stride']} | "
-                     f"{r['positions']} | {ms['grouped forward']:.1f} | {ms['grouped weight gradient']:.1f} | "
-                     f"{ms['patches × δ']:.1f} | {compiled} | {direct} | {ms['batch weight gradient (non-private)']:.1f} | "
-                     f"{fastest} | "
-                     f"{max(r['relative_difference'].values()):.1e} |")
+        lines.append(
+            f"| {r['shape']} | {r['batch']} | {r['c_in']} → {r['c_out']} | {r['kernel']}, {r['stride']} | "
+            f"{r['positions']} | {ms['grouped forward']:.1f} | {ms['grouped weight gradient']:.1f} | "
+            f"{ms['patches × δ']:.1f} | {compiled} | {direct} | {ms['batch weight gradient (non-private)']:.1f} | "
+            f"{fastest} | "
+            f"{max(r['relative_difference'].values()):.1e} |"
+        )
     return "\n".join(lines) + "\n"
 
 

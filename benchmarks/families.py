@@ -188,7 +188,9 @@ def _import(what: str):  # noqa: ANN202
         return importlib.import_module(what)
     except Exception as error:  # noqa: BLE001
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        raise NotImportable(f"{what} not importable beside this torch build ({_torch().__version__}): {reason}") from error
+        raise NotImportable(
+            f"{what} not importable beside this torch build ({_torch().__version__}): {reason}"
+        ) from error
 
 
 def _torchvision_ops_load() -> bool | None:
@@ -228,10 +230,15 @@ def _declare_torchvision_schemas() -> None:
 
 def _bert(size: dict, length: int):  # noqa: ANN202
     transformers = _import("transformers")
-    config = transformers.BertConfig(vocab_size=BERT_VOCAB, hidden_size=size["hidden"],
-                                     num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-                                     intermediate_size=size["ffn"], max_position_embeddings=max(512, length),
-                                     num_labels=TEXT_CLASSES)
+    config = transformers.BertConfig(
+        vocab_size=BERT_VOCAB,
+        hidden_size=size["hidden"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        intermediate_size=size["ffn"],
+        max_position_embeddings=max(512, length),
+        num_labels=TEXT_CLASSES,
+    )
     return transformers.BertForSequenceClassification(config)
 
 
@@ -243,9 +250,16 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
         return _token_wrapper()(model), f"BertForSequenceClassification, attention {model.config._attn_implementation}"
     if family == "gpt2":
         transformers = _import("transformers")
-        config = transformers.GPT2Config(vocab_size=GPT2_VOCAB, n_embd=size["hidden"], n_layer=size["layers"],
-                                         n_head=size["heads"], n_inner=size["ffn"], n_positions=max(1024, length),
-                                         num_labels=TEXT_CLASSES, pad_token_id=0)
+        config = transformers.GPT2Config(
+            vocab_size=GPT2_VOCAB,
+            n_embd=size["hidden"],
+            n_layer=size["layers"],
+            n_head=size["heads"],
+            n_inner=size["ffn"],
+            n_positions=max(1024, length),
+            num_labels=TEXT_CLASSES,
+            pad_token_id=0,
+        )
         model = transformers.GPT2ForSequenceClassification(config)
         return _token_wrapper()(model), f"GPT2ForSequenceClassification, attention {model.config._attn_implementation}"
     if family == "encoder":
@@ -254,14 +268,21 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family == "bert-lora":
         peft = _import("peft")
         bert = _bert(size, length)
-        config = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=8, lora_alpha=16, lora_dropout=0.1,
-                                 target_modules=["query", "value"])
+        config = peft.LoraConfig(
+            task_type=peft.TaskType.SEQ_CLS, r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["query", "value"]
+        )
         model = peft.get_peft_model(bert, config)
         return _token_wrapper()(model), "peft LoRA r=8 on BERT's query and value, the body frozen"
     if family == "vit":
         timm = _import("timm")
-        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4,
-                                  num_classes=IMAGE_CLASSES, depth=size["vit_depth"])
+        model = timm.create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=32,
+            patch_size=4,
+            num_classes=IMAGE_CLASSES,
+            depth=size["vit_depth"],
+        )
         return model, f"timm {timm.__version__} ViT (192 wide, 3 heads, {size['vit_depth']} blocks, patch 4)"
     if family == "resnet18-gn":
         from torch import nn
@@ -271,14 +292,18 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
 
         try:
             models = _import("torchvision.models")
-            return models.resnet18(num_classes=IMAGE_CLASSES, norm_layer=group_norm), "torchvision ResNet-18, GroupNorm(32, C)"
+            return models.resnet18(
+                num_classes=IMAGE_CLASSES, norm_layer=group_norm
+            ), "torchvision ResNet-18, GroupNorm(32, C)"
         except NotImportable as missing:
             try:
                 timm = _import("timm")
             except NotImportable as also:
                 raise NotImportable(f"{missing}; {also}") from also
-            return (timm.create_model("resnet18", pretrained=False, num_classes=IMAGE_CLASSES, norm_layer=group_norm),
-                    "timm ResNet-18, GroupNorm(32, C)")
+            return (
+                timm.create_model("resnet18", pretrained=False, num_classes=IMAGE_CLASSES, norm_layer=group_norm),
+                "timm ResNet-18, GroupNorm(32, C)",
+            )
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -311,7 +336,7 @@ class MethodError(Exception):
 
 def _one_line(error: BaseException, limit: int = 400) -> str:
     text = f"{type(error).__name__}: {error}".replace("\n", " ").strip()
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _available_bytes() -> int | None:
@@ -336,10 +361,12 @@ def step_function(family: str, method: str, args: argparse.Namespace, x, y) -> C
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=0.01)
     if method == "nonprivate":
+
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
+
         step.model = model  # type: ignore[attr-defined]
         return step
     if method == "dpml":
@@ -364,8 +391,11 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
     exact_set = getattr(plan, "exact", frozenset())
     exact_names = list(getattr(plan, "exact_parameters", None) or sorted(exact_set))
     start = time.perf_counter()
-    chunk = batch if args.dpml_chunk == "whole" else physical_chunk(True, model, per_example_cross_entropy, shape,
-                                                                     x.dtype, batch, batch, exact_set)
+    chunk = (
+        batch
+        if args.dpml_chunk == "whole"
+        else physical_chunk(True, model, per_example_cross_entropy, shape, x.dtype, batch, batch, exact_set)
+    )
     tune_seconds = time.perf_counter() - start
     params = trainable_parameters(model)
     generator: Any = torch.Generator(device=x.device).manual_seed(0)
@@ -378,15 +408,21 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
         for name, p in params.items():
             p.grad = sums[name].add_(noises[name]).div_(batch)
         optimizer.step()
+
     dp_step.model = model  # type: ignore[attr-defined]
     dp_step.state = state  # type: ignore[attr-defined]
     dp_step.close = getattr(generator, "close", lambda: None)  # type: ignore[attr-defined]
     # a lead-in step and a wait only where the draw runs in the background (PrefetchedNoise): a synchronous
     # stream draws inside the timed step
     dp_step.settle = generator.wait if isinstance(generator, PrefetchedNoise) else None  # type: ignore[attr-defined]
-    dp_step.info = {"chunk": chunk, "exact_parameters": exact_names,  # type: ignore[attr-defined]
-                    "trainable_parameters": len(params), "plan_seconds": plan_seconds,
-                    "tune_seconds": tune_seconds, "plan_notes": list(getattr(plan, "notes", ()))}
+    dp_step.info = {
+        "chunk": chunk,
+        "exact_parameters": exact_names,  # type: ignore[attr-defined]
+        "trainable_parameters": len(params),
+        "plan_seconds": plan_seconds,
+        "tune_seconds": tune_seconds,
+        "plan_notes": list(getattr(plan, "notes", ())),
+    }
     return dp_step
 
 
@@ -396,9 +432,12 @@ def _opacus_step(model, optimizer, method: str, x, y) -> Callable[[], None]:  # 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     available = _available_bytes()
     if method == "opacus-hooks" and x.device.type == "cpu" and available and batch * trainable * 4 > available / 2:
-        raise MethodError("not run", f"its per-example gradients alone need {batch * trainable * 4 / 2**30:.1f} GiB "
-                                     f"({batch} × {trainable:,} × 4 bytes), more than half the "
-                                     f"{available / 2**30:.1f} GiB available")
+        raise MethodError(
+            "not run",
+            f"its per-example gradients alone need {batch * trainable * 4 / 2**30:.1f} GiB "
+            f"({batch} × {trainable:,} × 4 bytes), more than half the "
+            f"{available / 2**30:.1f} GiB available",
+        )
     try:
         from opacus import PrivacyEngine
         from torch.utils.data import DataLoader, TensorDataset
@@ -406,8 +445,15 @@ def _opacus_step(model, optimizer, method: str, x, y) -> Callable[[], None]:  # 
         loader = DataLoader(TensorDataset(x, y), batch_size=batch)
         mode = "ghost" if method == "opacus-ghost" else "hooks"
         made = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=optimizer, data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
-            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode)
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            criterion=torch.nn.CrossEntropyLoss(),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode=mode,
+        )
     except Exception as error:  # noqa: BLE001 — Opacus' own checks, or its set-up failing on this model
         raise MethodError("refuses", _one_line(error)) from error
     if mode == "ghost":
@@ -419,6 +465,7 @@ def _opacus_step(model, optimizer, method: str, x, y) -> Callable[[], None]:  # 
         private_optimizer.zero_grad(set_to_none=True)
         criterion(private(x), y).backward()
         private_optimizer.step()
+
     peer_step.model = private  # type: ignore[attr-defined]
     peer_step.optimizer = private_optimizer  # type: ignore[attr-defined]
     return peer_step
@@ -542,8 +589,13 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
     torch = _torch()
     started = time.perf_counter()
     device = torch.device(args.device)
-    base = {"family": family, "size": args.size, "batch": args.batch, "length": args.length if family in TEXT else None,
-            "device": args.device}
+    base = {
+        "family": family,
+        "size": args.size,
+        "batch": args.batch,
+        "length": args.length if family in TEXT else None,
+        "device": args.device,
+    }
     try:
         torch.manual_seed(0)
         model, description = build(family, args.size, args.length)
@@ -579,16 +631,22 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
                 errors[method] = ("crashes", _one_line(error))
             if method in errors:  # dropped after the except clause: its traceback's frames no longer hold its tensors
                 _drop(steps, method, device)
-        print(f"[families] {family} {method}: set up in {setup_seconds[method]:.1f} s"
-              + (f"; {errors[method][0]}: {errors[method][1]}" if method in errors else ""), flush=True)
+        print(
+            f"[families] {family} {method}: set up in {setup_seconds[method]:.1f} s"
+            + (f"; {errors[method][0]}: {errors[method][1]}" if method in errors else ""),
+            flush=True,
+        )
     every = max(1, args.rounds // max(1, args.peer_rounds))
     times: dict[str, list[float]] = {m: [] for m in steps}
     rounds = args.rounds
     for r in range(args.rounds):
         if r and args.budget and time.perf_counter() - started > 0.75 * args.budget:  # leave time to finish the round
             rounds = r
-            print(f"[families] {family}: {r} of {args.rounds} rounds done when three quarters of its "
-                  f"{args.budget:.0f} s were spent; the rest are not run", flush=True)
+            print(
+                f"[families] {family}: {r} of {args.rounds} rounds done when three quarters of its "
+                f"{args.budget:.0f} s were spent; the rest are not run",
+                flush=True,
+            )
             break
         for method in list(steps):
             step = steps[method]
@@ -630,8 +688,13 @@ def measure_family(family: str, args: argparse.Namespace) -> list[dict]:  # noqa
         if method in errors:  # it ran some rounds, then failed
             row.update(verdict=errors[method][0], error=errors[method][1])
         ms = 1000 * statistics.median(times[method])
-        row.update(ms_per_step=ms, steps=len(times[method]), throughput=1000 * baseline / ms,
-                   **(memory.get(method) or {}), **(infos.get(method) or {}))
+        row.update(
+            ms_per_step=ms,
+            steps=len(times[method]),
+            throughput=1000 * baseline / ms,
+            **(memory.get(method) or {}),
+            **(infos.get(method) or {}),
+        )
         peak = None if "whole_error" in row else row.get("whole_peak_mib", row.get("peak_mib"))
         if base_memory and isinstance(peak, float):
             row["memory_ratio"] = peak / base_memory
@@ -658,8 +721,15 @@ def run_isolated(family: str, args: argparse.Namespace, limit: float) -> list[di
     """The family in a child process of its own under ``limit`` seconds."""
     with tempfile.TemporaryDirectory() as folder:
         part = Path(folder) / "rows.json"
-        command = [sys.executable, str(Path(__file__).resolve()), *_arguments(args, [family]), "--part", str(part),
-                   "--budget", str(max(1.0, limit - 10))]
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *_arguments(args, [family]),
+            "--part",
+            str(part),
+            "--budget",
+            str(max(1.0, limit - 10)),
+        ]
         start = time.perf_counter()
         try:
             finished = subprocess.run(command, timeout=limit, check=False)
@@ -669,17 +739,45 @@ def run_isolated(family: str, args: argparse.Namespace, limit: float) -> list[di
         if part.exists():
             return json.loads(part.read_text())
         seconds = time.perf_counter() - start
-    reason = (f"timed out after {limit:.0f} s (--family-timeout, or what --total-timeout left)" if code is None
-              else f"the family's process ended with status {code}" + (" (killed: out of memory?)" if code in (-9, 137) else "")
-              + f" after {seconds:.0f} s")
-    return [{"family": family, "size": args.size, "batch": args.batch, "device": args.device, "method": m,
-             "verdict": "not finished" if code is None else "crashes", "error": reason} for m in METHODS]
+    reason = (
+        f"timed out after {limit:.0f} s (--family-timeout, or what --total-timeout left)"
+        if code is None
+        else f"the family's process ended with status {code}"
+        + (" (killed: out of memory?)" if code in (-9, 137) else "")
+        + f" after {seconds:.0f} s"
+    )
+    return [
+        {
+            "family": family,
+            "size": args.size,
+            "batch": args.batch,
+            "device": args.device,
+            "method": m,
+            "verdict": "not finished" if code is None else "crashes",
+            "error": reason,
+        }
+        for m in METHODS
+    ]
 
 
 def _arguments(args: argparse.Namespace, families: list[str]) -> list[str]:
     """The options that reproduce this run (for the child processes and the page's command line)."""
-    out = ["--size", args.size, "--batch", str(args.batch), "--length", str(args.length), "--rounds", str(args.rounds),
-           "--peer-rounds", str(args.peer_rounds), "--device", args.device, "--families", *families]
+    out = [
+        "--size",
+        args.size,
+        "--batch",
+        str(args.batch),
+        "--length",
+        str(args.length),
+        "--rounds",
+        str(args.rounds),
+        "--peer-rounds",
+        str(args.peer_rounds),
+        "--device",
+        args.device,
+        "--families",
+        *families,
+    ]
     if list(args.peers) != list(PEERS):
         out += ["--peers", *args.peers]
     if args.dpml_chunk != "tuned":
@@ -699,14 +797,21 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             found[name] = "absent"
     if _torchvision_ops_load() is False:
-        found["torchvision"] += " (its compiled operators do not load beside this torch: the models imported without them)"
+        found["torchvision"] += (
+            " (its compiled operators do not load beside this torch: the models imported without them)"
+        )
     return found
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
     torch = _torch()
-    found = {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-             "versions": versions(), "load_average_15min_at_end": round(os.getloadavg()[2], 2)}
+    found = {
+        "cpu": cpu_name(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "versions": versions(),
+        "load_average_15min_at_end": round(os.getloadavg()[2], 2),
+    }
     if args.device == "cuda":
         found["gpu"] = torch.cuda.get_device_name(0)
         found["cuda"] = torch.version.cuda
@@ -723,84 +828,121 @@ def _cell(row: dict) -> str:
 
 def _short(text: str, limit: int = 160) -> str:
     text = text.replace("|", "\\|")
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
     cuda = meta["args"]["device"] == "cuda"
     where = f"GPU {meta['machine']['gpu']}" if cuda else "CPU"
     v = meta["machine"]["versions"]
-    memory_how = ("`torch.cuda.max_memory_allocated` during one step minus what was allocated before it"
-                  if cuda else "peak resident set size during one step minus the resident set size before it "
-                  "(`VmHWM` reset through `/proc/self/clear_refs`, after `gc.collect()` and `malloc_trim(0)`)")
-    lines = [f"# Model families: dpml's DP-SGD step against non-private and Opacus{meta['label']}", "",
-             f"Command: `{meta['command']}`. Commit {meta['commit']}, {meta['date']}. Machine: {meta['machine']['cpu']}, "
-             f"{meta['machine']['logical_cpus']} logical CPUs, {meta['machine']['torch_threads']} torch threads"
-             + (f", {meta['machine']['gpu']} (CUDA {meta['machine']['cuda']})" if cuda else "")
-             + f"; torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, timm {v['timm']}, "
-             f"torchvision {v['torchvision']}, opacus {v['opacus']}, Python {v['python']}. Load average over the "
-             f"last 15 minutes at the end: {meta['machine']['load_average_15min_at_end']} on "
-             f"{meta['machine']['logical_cpus']} cores"
-             + (" (other jobs shared the machine: the times are noisy)"
-                if meta['machine']['load_average_15min_at_end'] > 0.5 * (meta['machine']['logical_cpus'] or 1) and not cuda
-                else "") + ".", "",
-             f"Size `{meta['args']['size']}`, batch {meta['args']['batch']} (token families: sequences of "
-             f"{meta['args']['length']} tokens, T/2 to T of them real; images 3×32×32). Per family one process, the "
-             f"methods' steps alternating over {meta['args']['rounds']} rounds (Opacus in {meta['args']['peer_rounds']}"
-             f" of them), median step time; throughput = non-private median / the method's. Peak memory: "
-             f"{memory_how}; dpml in one chunk of the whole batch (the non-private step's physical batch). "
-             f"Targets: DP throughput ≥ {SPEED_TARGET} × non-private, no parameter on the exact path"
-             + (f", DP peak memory ≤ {MEMORY_TARGET} × non-private" if cuda else "") + ".", "",
-             "| family | where | batch | non-private ms | dpml ms (chunk) | dpml throughput | Opacus hooks | "
-             "Opacus ghost | peak memory DP / non-private | exact-path parameters | targets |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    memory_how = (
+        "`torch.cuda.max_memory_allocated` during one step minus what was allocated before it"
+        if cuda
+        else "peak resident set size during one step minus the resident set size before it "
+        "(`VmHWM` reset through `/proc/self/clear_refs`, after `gc.collect()` and `malloc_trim(0)`)"
+    )
+    lines = [
+        f"# Model families: dpml's DP-SGD step against non-private and Opacus{meta['label']}",
+        "",
+        f"Command: `{meta['command']}`. Commit {meta['commit']}, {meta['date']}. Machine: {meta['machine']['cpu']}, "
+        f"{meta['machine']['logical_cpus']} logical CPUs, {meta['machine']['torch_threads']} torch threads"
+        + (f", {meta['machine']['gpu']} (CUDA {meta['machine']['cuda']})" if cuda else "")
+        + f"; torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, timm {v['timm']}, "
+        f"torchvision {v['torchvision']}, opacus {v['opacus']}, Python {v['python']}. Load average over the "
+        f"last 15 minutes at the end: {meta['machine']['load_average_15min_at_end']} on "
+        f"{meta['machine']['logical_cpus']} cores"
+        + (
+            " (other jobs shared the machine: the times are noisy)"
+            if meta["machine"]["load_average_15min_at_end"] > 0.5 * (meta["machine"]["logical_cpus"] or 1) and not cuda
+            else ""
+        )
+        + ".",
+        "",
+        f"Size `{meta['args']['size']}`, batch {meta['args']['batch']} (token families: sequences of "
+        f"{meta['args']['length']} tokens, T/2 to T of them real; images 3×32×32). Per family one process, the "
+        f"methods' steps alternating over {meta['args']['rounds']} rounds (Opacus in {meta['args']['peer_rounds']}"
+        f" of them), median step time; throughput = non-private median / the method's. Peak memory: "
+        f"{memory_how}; dpml in one chunk of the whole batch (the non-private step's physical batch). "
+        f"Targets: DP throughput ≥ {SPEED_TARGET} × non-private, no parameter on the exact path"
+        + (f", DP peak memory ≤ {MEMORY_TARGET} × non-private" if cuda else "")
+        + ".",
+        "",
+        "| family | where | batch | non-private ms | dpml ms (chunk) | dpml throughput | Opacus hooks | "
+        "Opacus ghost | peak memory DP / non-private | exact-path parameters | targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     families = list(dict.fromkeys(r["family"] for r in rows))
     details = []
     for family in families:
         by = {r["method"]: r for r in rows if r["family"] == family}
         non, dp = by.get("nonprivate", {}), by.get("dpml", {})
         if "ms_per_step" not in non:
-            lines.append(f"| {family} | {where} | {meta['args']['batch']} | {non.get('verdict', '?')}: "
-                         f"{_short(non.get('error', ''), 240)} | | | | | | | |")
+            lines.append(
+                f"| {family} | {where} | {meta['args']['batch']} | {non.get('verdict', '?')}: "
+                f"{_short(non.get('error', ''), 240)} | | | | | | | |"
+            )
             continue
         if "ms_per_step" in dp and "verdict" not in dp:
             dp_cell = f"{dp['ms_per_step']:.1f} ({dp['chunk']})"
             ratio = f"**{dp['throughput']:.2f}**"
             exact = dp.get("exact_parameters", [])
             exact_cell = f"{len(exact)} of {dp['trainable_parameters']}"
-            memory = f"{dp['memory_ratio']:.2f} ({dp.get('whole_peak_mib', dp.get('peak_mib')):.0f} / " \
-                     f"{non['peak_mib']:.0f} MiB)" if "memory_ratio" in dp else dp.get("memory_note", "n/a")
+            memory = (
+                f"{dp['memory_ratio']:.2f} ({dp.get('whole_peak_mib', dp.get('peak_mib')):.0f} / "
+                f"{non['peak_mib']:.0f} MiB)"
+                if "memory_ratio" in dp
+                else dp.get("memory_note", "n/a")
+            )
             if "whole_error" in dp:  # the whole batch in one chunk failed (out of memory): that is the result
                 memory = f"whole batch in one chunk: {_short(dp['whole_error'], 80)}"
             if "whole_error" in dp or "whole_peak_mib" in dp:
                 memory += f"; in its chunk {dp['peak_mib']:.0f} MiB"
-            checks = [f"speed {'met' if dp['throughput'] >= SPEED_TARGET else 'missed'}",
-                      f"exact path {'empty' if not exact else 'not empty'}"]
+            checks = [
+                f"speed {'met' if dp['throughput'] >= SPEED_TARGET else 'missed'}",
+                f"exact path {'empty' if not exact else 'not empty'}",
+            ]
             if cuda and "memory_ratio" in dp:
                 checks.append(f"memory {'met' if dp['memory_ratio'] <= MEMORY_TARGET else 'missed'}")
             elif cuda and "whole_error" in dp:
                 checks.append("memory missed (the whole batch in one chunk failed)")
             targets = ", ".join(checks)
-            chosen = ("the whole batch in one chunk (`--dpml-chunk whole`, not tuned)"
-                      if meta["args"].get("dpml_chunk") == "whole" else
-                      f"chunk of {dp['chunk']} rows chosen by the trainer's tuner in {dp['tune_seconds']:.1f} s")
-            details.append(f"- **{family}** ({non.get('model', '')}; {non.get('trainable', 0):,} of "
-                           f"{non.get('parameters', 0):,} parameters trainable): "
-                           f"plan {dp['plan_seconds']:.1f} s, {chosen}; "
-                           + (f"exact path: {', '.join(f'`{n}`' for n in exact)}" if exact else "exact path: none")
-                           + (f". Plan notes: {' '.join(dp['plan_notes'])}" if dp.get("plan_notes") else ""))
+            chosen = (
+                "the whole batch in one chunk (`--dpml-chunk whole`, not tuned)"
+                if meta["args"].get("dpml_chunk") == "whole"
+                else f"chunk of {dp['chunk']} rows chosen by the trainer's tuner in {dp['tune_seconds']:.1f} s"
+            )
+            details.append(
+                f"- **{family}** ({non.get('model', '')}; {non.get('trainable', 0):,} of "
+                f"{non.get('parameters', 0):,} parameters trainable): "
+                f"plan {dp['plan_seconds']:.1f} s, {chosen}; "
+                + (f"exact path: {', '.join(f'`{n}`' for n in exact)}" if exact else "exact path: none")
+                + (f". Plan notes: {' '.join(dp['plan_notes'])}" if dp.get("plan_notes") else "")
+            )
         else:  # refused, or crashed: in its set-up, or in a step after others were timed (said with their median)
-            before = (f" after {dp['steps']} timed step(s) of {dp['ms_per_step']:.1f} ms" if "ms_per_step" in dp else "")
+            before = f" after {dp['steps']} timed step(s) of {dp['ms_per_step']:.1f} ms" if "ms_per_step" in dp else ""
             dp_cell, ratio, exact_cell, memory, targets = (
-                f"{dp.get('verdict', '?')}{before}: {_short(dp.get('error', ''))}", "", "", "", "missed")
-            details.append(f"- **{family}** ({non.get('model', '')}): dpml {dp.get('verdict')}{before}: {dp.get('error')}")
+                f"{dp.get('verdict', '?')}{before}: {_short(dp.get('error', ''))}",
+                "",
+                "",
+                "",
+                "missed",
+            )
+            details.append(
+                f"- **{family}** ({non.get('model', '')}): dpml {dp.get('verdict')}{before}: {dp.get('error')}"
+            )
         cut = f" ({non['rounds']} rounds)" if non.get("rounds", meta["args"]["rounds"]) < meta["args"]["rounds"] else ""
-        lines.append(f"| {family} | {where} | {non['batch']} | {non['ms_per_step']:.1f}{cut} | {dp_cell} | {ratio} | "
-                     f"{_cell(by['opacus-hooks']) if 'opacus-hooks' in by else 'not asked'} | "
-                     f"{_cell(by['opacus-ghost']) if 'opacus-ghost' in by else 'not asked'} | {memory} | "
-                     f"{exact_cell} | {targets} |")
-    lines += ["", "Per family (the model, the plan's time, the parameters the plan sends to the exact path):", "",
-              *details]
+        lines.append(
+            f"| {family} | {where} | {non['batch']} | {non['ms_per_step']:.1f}{cut} | {dp_cell} | {ratio} | "
+            f"{_cell(by['opacus-hooks']) if 'opacus-hooks' in by else 'not asked'} | "
+            f"{_cell(by['opacus-ghost']) if 'opacus-ghost' in by else 'not asked'} | {memory} | "
+            f"{exact_cell} | {targets} |"
+        )
+    lines += [
+        "",
+        "Per family (the model, the plan's time, the parameters the plan sends to the exact path):",
+        "",
+        *details,
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -813,20 +955,36 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (non-private and dpml: one step each)")
     parser.add_argument("--peer-rounds", type=int, default=3, help="rounds in which each Opacus mode is timed")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
-    parser.add_argument("--dpml-chunk", choices=["tuned", "whole"], default="tuned",
-                        help="dpml's physical chunk: the trainer's tuned choice (≤ the batch) or the whole batch")
+    parser.add_argument(
+        "--dpml-chunk",
+        choices=["tuned", "whole"],
+        default="tuned",
+        help="dpml's physical chunk: the trainer's tuned choice (≤ the batch) or the whole batch",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
-    parser.add_argument("--family-timeout", type=float, default=1800,
-                        help="seconds each family's child process may take (0: every family in this process)")
-    parser.add_argument("--total-timeout", type=float, default=0,
-                        help="seconds for all the families together: each child gets at most what is left, and a "
-                             "family not started in time gets a row saying so (0: no limit)")
+    parser.add_argument(
+        "--family-timeout",
+        type=float,
+        default=1800,
+        help="seconds each family's child process may take (0: every family in this process)",
+    )
+    parser.add_argument(
+        "--total-timeout",
+        type=float,
+        default=0,
+        help="seconds for all the families together: each child gets at most what is left, and a "
+        "family not started in time gets a row saying so (0: no limit)",
+    )
     parser.add_argument("--label", default="", help="words added to the page's title (e.g. 'before ...')")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--stem", default=None, help="file names' stem (default families, families_cuda)")
-    parser.add_argument("--render", default=None, metavar="JSON",
-                        help="only write the page again from a results JSON this script wrote (no measurement)")
+    parser.add_argument(
+        "--render",
+        default=None,
+        metavar="JSON",
+        help="only write the page again from a results JSON this script wrote (no measurement)",
+    )
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process: write its rows here
     parser.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)  # a child's seconds
     args = parser.parse_args()
@@ -834,8 +992,12 @@ def main() -> None:
         saved = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(page(saved["rows"], saved["meta"]))
         return
-    for name, value in (("--batch", args.batch), ("--length", args.length), ("--rounds", args.rounds),
-                        ("--peer-rounds", args.peer_rounds)):
+    for name, value in (
+        ("--batch", args.batch),
+        ("--length", args.length),
+        ("--rounds", args.rounds),
+        ("--peer-rounds", args.peer_rounds),
+    ):
         if value < 1:
             parser.error(f"{name} = {value}: must be a positive integer")
     torch = _torch()
@@ -857,15 +1019,27 @@ def main() -> None:
     for family in args.families:
         left = args.total_timeout - (time.perf_counter() - begun) if args.total_timeout > 0 else math.inf
         if left < 20:  # not worth starting: the family's row says so
-            found = [{"family": family, "size": args.size, "batch": args.batch, "device": args.device, "method": m,
-                      "verdict": "not run", "error": f"the run's {args.total_timeout:g} s (--total-timeout) were spent "
-                                                     "on the families before it"} for m in METHODS]
+            found = [
+                {
+                    "family": family,
+                    "size": args.size,
+                    "batch": args.batch,
+                    "device": args.device,
+                    "method": m,
+                    "verdict": "not run",
+                    "error": f"the run's {args.total_timeout:g} s (--total-timeout) were spent "
+                    "on the families before it",
+                }
+                for m in METHODS
+            ]
         elif args.family_timeout > 0:
             found = run_isolated(family, args, min(args.family_timeout, left - 5))
         else:
             found = measure_family(family, args)
         for row in found:
-            print("[families]", {k: v for k, v in row.items() if k not in ("exact_parameters", "plan_notes")}, flush=True)
+            print(
+                "[families]", {k: v for k, v in row.items() if k not in ("exact_parameters", "plan_notes")}, flush=True
+            )
         rows += found
     stem = args.stem or ("families" if args.device == "cpu" else "families_cuda")
     command = "python benchmarks/families.py " + " ".join(_arguments(args, args.families))
@@ -877,9 +1051,14 @@ def main() -> None:
         command += f" --stem {args.stem}"
     if args.label:
         command += f" --label '{args.label}'"
-    meta = {"command": command, "commit": current_commit(), "date": started, "machine": machine(args),
-            "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget", "render")},
-            "label": f" ({args.label})" if args.label else ""}
+    meta = {
+        "command": command,
+        "commit": current_commit(),
+        "date": started,
+        "machine": machine(args),
+        "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget", "render")},
+        "label": f" ({args.label})" if args.label else "",
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))

@@ -65,8 +65,19 @@ def main() -> None:
                 start = time.perf_counter()
                 summary = ledger.summary("scale")[0]
                 summary_s = time.perf_counter() - start
-                rows.append((k + 1, present, int(units.shape[0]), reserve_s, check_s, summary_s, size,
-                             summary["epsilon_total"], len(summary["unit_epsilon"])))
+                rows.append(
+                    (
+                        k + 1,
+                        present,
+                        int(units.shape[0]),
+                        reserve_s,
+                        check_s,
+                        summary_s,
+                        size,
+                        summary["epsilon_total"],
+                        len(summary["unit_epsilon"]),
+                    )
+                )
                 print(rows[-1], flush=True)
     lines = [
         "# Per-unit ledger at scale",
@@ -79,8 +90,10 @@ def main() -> None:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for spends, present, touched, reserve_s, check_s, summary_s, size, largest, levels in rows:
-        lines.append(f"| {spends} | {present:,} | {touched:,} | {reserve_s:.2f} | {check_s:.2f} | {summary_s:.2f} | "
-                     f"{size:.0f} | {largest:.4g} | {levels} |")
+        lines.append(
+            f"| {spends} | {present:,} | {touched:,} | {reserve_s:.2f} | {check_s:.2f} | {summary_s:.2f} | "
+            f"{size:.0f} | {largest:.4g} | {levels} |"
+        )
     lines += [
         "",
         "Timings on 2 cores with nothing else running. The issue asks for the pre-run check and the recording "

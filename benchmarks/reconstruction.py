@@ -31,25 +31,26 @@ import torch
 
 from dpml.audit.reconstruction import reconstruction_audit
 from dpml.models.random_features import RandomFeatures, RandomFeaturesSpec, fit_min_norm
-from dpml.train.privacy_for_free import (privacy_for_free_hyperparameters, sigma_for_epsilon,
-                                         train_dpgd_random_features)
+from dpml.train.privacy_for_free import privacy_for_free_hyperparameters, sigma_for_epsilon, train_dpgd_random_features
 
 D, N, DELTA = 10, 5, 1e-5
-RATIOS = [0.2, 0.5, 1, 2, 5, 20, 100]       # p/(dn)
-EPSILON = 10.0                              # the DP arm of the first table
+RATIOS = [0.2, 0.5, 1, 2, 5, 20, 100]  # p/(dn)
+EPSILON = 10.0  # the DP arm of the first table
 EPSILONS = [1.0, 10.0, 100.0, 1e3, 1e4, 1e5]  # the sweep at the widest model
-GD_STEPS = 50                               # η = (continuous time)/50
+GD_STEPS = 50  # η = (continuous time)/50
 
 
 def sphere_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(N, D, generator=generator, dtype=torch.float64)
-    return x / x.norm(dim=1, keepdim=True) * math.sqrt(D), torch.sign(torch.randn(N, generator=generator,
-                                                                                  dtype=torch.float64))
+    return x / x.norm(dim=1, keepdim=True) * math.sqrt(D), torch.sign(
+        torch.randn(N, generator=generator, dtype=torch.float64)
+    )
 
 
-def trained_model(p: int, seed: int, arm: str, epsilon: float | None = None,
-                  activation: str = "tanh") -> tuple[RandomFeatures, torch.Tensor, float | None]:
+def trained_model(
+    p: int, seed: int, arm: str, epsilon: float | None = None, activation: str = "tanh"
+) -> tuple[RandomFeatures, torch.Tensor, float | None]:
     """The model of one arm, its training inputs, and the fraction of clipped gradients (None for min-norm)."""
     x, y = sphere_data(seed)
     model = RandomFeatures(RandomFeaturesSpec(D, p, activation=activation, feature_seed=seed)).double()
@@ -58,16 +59,28 @@ def trained_model(p: int, seed: int, arm: str, epsilon: float | None = None,
         return model, x, None
     hp = privacy_for_free_hyperparameters(N, D, p)
     sigma = 0.0 if epsilon is None else sigma_for_epsilon(epsilon, DELTA, hp.continuous_time)
-    result = train_dpgd_random_features(model, x, y, learning_rate=hp.continuous_time / GD_STEPS, steps=GD_STEPS,
-                                        clip_norm=hp.clip_norm, sigma=sigma, seed=10_000 + seed)
+    result = train_dpgd_random_features(
+        model,
+        x,
+        y,
+        learning_rate=hp.continuous_time / GD_STEPS,
+        steps=GD_STEPS,
+        clip_norm=hp.clip_norm,
+        sigma=sigma,
+        seed=10_000 + seed,
+    )
     return model, x, result.clipped_fraction
 
 
 def attack(model: RandomFeatures, x: torch.Tensor, seed: int, signed: bool = False) -> dict[str, Any]:
     report = reconstruction_audit(model, x, seed=seed, signed=signed)
-    return {"mean": report["summary"]["mean"], "above_0.9": report["summary"]["fraction_above_0.9"],
-            "chance": report["chance_summary"]["mean"], "residual": report["residual_fraction"],
-            "seconds": report["seconds"]}
+    return {
+        "mean": report["summary"]["mean"],
+        "above_0.9": report["summary"]["fraction_above_0.9"],
+        "chance": report["chance_summary"]["mean"],
+        "residual": report["residual_fraction"],
+        "seconds": report["seconds"],
+    }
 
 
 def mean_sd(values: list[float]) -> str:
@@ -82,21 +95,45 @@ def run(seeds: int) -> dict[str, Any]:
         for arm, epsilon in arms:
             for seed in range(seeds):
                 model, x, clipped = trained_model(p, seed, "min-norm" if arm == "min-norm" else "dpgd", epsilon)
-                rows.append({"table": "ratio", "p": p, "ratio": ratio, "arm": arm, "seed": seed,
-                             "clipped_fraction": clipped, **attack(model, x, seed)})
+                rows.append(
+                    {
+                        "table": "ratio",
+                        "p": p,
+                        "ratio": ratio,
+                        "arm": arm,
+                        "seed": seed,
+                        "clipped_fraction": clipped,
+                        **attack(model, x, seed),
+                    }
+                )
                 print(rows[-1], flush=True)
     p_wide = int(RATIOS[-1] * D * N)
     for epsilon in EPSILONS:
         for seed in range(seeds):
             model, x, clipped = trained_model(p_wide, seed, "dpgd", epsilon)
-            rows.append({"table": "epsilon", "p": p_wide, "epsilon": epsilon, "seed": seed,
-                         "clipped_fraction": clipped, **attack(model, x, seed)})
+            rows.append(
+                {
+                    "table": "epsilon",
+                    "p": p_wide,
+                    "epsilon": epsilon,
+                    "seed": seed,
+                    "clipped_fraction": clipped,
+                    **attack(model, x, seed),
+                }
+            )
             print(rows[-1], flush=True)
     for activation in ("tanh", "tanh_even"):
         for seed in range(seeds):
             model, x, _ = trained_model(p_wide, seed, "min-norm", activation=activation)
-            rows.append({"table": "sign", "p": p_wide, "activation": activation, "seed": seed,
-                         **attack(model, x, seed, signed=True)})
+            rows.append(
+                {
+                    "table": "sign",
+                    "p": p_wide,
+                    "activation": activation,
+                    "seed": seed,
+                    **attack(model, x, seed, signed=True),
+                }
+            )
             print(rows[-1], flush=True)
     return {"rows": rows}
 
@@ -107,6 +144,7 @@ def select(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
 
 def reading(rows: list[dict[str, Any]]) -> str:
     """A few sentences computed from the numbers (so they stay true when the benchmark is re-run)."""
+
     def mean_of(**match: Any) -> float:
         return float(np.mean([r["mean"] for r in select(rows, **match)]))
 
@@ -125,11 +163,16 @@ def reading(rows: list[dict[str, Any]]) -> str:
         f"(θ stays in span{{φ(Vx_i)}}; clipped fraction {max(gd_clipped):.2f} at most).",
         f"- DP-GD at ε = {EPSILON:g} stays at chance for every width (mean overlap "
         f"{min(private):.2f}–{max(private):.2f}). At p/(dn) = {RATIOS[-1]} the attack "
-        + (f"recovers the points again only from ε = {leaking_eps:g} on" if leaking_eps is not None
-           else f"stays near chance for every ε up to {EPSILONS[-1]:g}")
+        + (
+            f"recovers the points again only from ε = {leaking_eps:g} on"
+            if leaking_eps is not None
+            else f"stays near chance for every ε up to {EPSILONS[-1]:g}"
+        )
         + "; clipped fraction of the DP runs by ε: "
-        + ", ".join(f"{e:g}: {np.mean([r['clipped_fraction'] for r in select(rows, table='epsilon', epsilon=e)]):.2f}"
-                    for e in EPSILONS)
+        + ", ".join(
+            f"{e:g}: {np.mean([r['clipped_fraction'] for r in select(rows, table='epsilon', epsilon=e)]):.2f}"
+            for e in EPSILONS
+        )
         + " (where clipping binds it is the accumulated noise, not the data, that makes the residuals large: "
         "the noiseless runs never clip). An ε where the attack works again is no privacy at all.",
         f"- Sign: with tanh (odd) the signed overlap is {tanh_signed:.2f} (each point is found as x or −x at "
@@ -144,38 +187,58 @@ def reading(rows: list[dict[str, Any]]) -> str:
 def markdown(results: dict[str, Any], seeds: int, seconds: float) -> str:
     rows = results["rows"]
     env = results["environment"]
-    lines = ["# Reconstruction attack on random-features models (seed 002)", "",
-             f"Environment: {json.dumps(env)}; {seeds} seeds; {seconds:.0f} s in all, one thread. "
-             "Command: `python benchmarks/reconstruction.py"
-             + (f" --seeds {seeds}" if seeds != 3 else "") + "`.", "",
-             f"d = {D}, n = {N} points uniform on the sphere of radius √d, labels ±1 at random, φ = tanh, V ~ N(0, 1/d), "
-             f"θ0 = 0. Attack: n candidates, 8 restarts × 500 projected Adam steps. Overlap of a training point = "
-             "best |cos| with a reconstruction; numbers are mean ± sd over seeds of the per-model mean overlap. "
-             f"DP-GD: C = √p·log²n, ηT = (d/p)·log²n, {GD_STEPS} steps, σ from ε = a + 2√(a·log(1/δ)), δ = {DELTA:g}.",
-             "", "## Overlap as p/(dn) grows", "",
-             "| p/(dn) | p | arm | mean overlap | fraction > 0.9 | chance overlap | attack residual ‖P⊥θ‖²/‖θ‖² | clipped fraction |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Reconstruction attack on random-features models (seed 002)",
+        "",
+        f"Environment: {json.dumps(env)}; {seeds} seeds; {seconds:.0f} s in all, one thread. "
+        "Command: `python benchmarks/reconstruction.py" + (f" --seeds {seeds}" if seeds != 3 else "") + "`.",
+        "",
+        f"d = {D}, n = {N} points uniform on the sphere of radius √d, labels ±1 at random, φ = tanh, V ~ N(0, 1/d), "
+        f"θ0 = 0. Attack: n candidates, 8 restarts × 500 projected Adam steps. Overlap of a training point = "
+        "best |cos| with a reconstruction; numbers are mean ± sd over seeds of the per-model mean overlap. "
+        f"DP-GD: C = √p·log²n, ηT = (d/p)·log²n, {GD_STEPS} steps, σ from ε = a + 2√(a·log(1/δ)), δ = {DELTA:g}.",
+        "",
+        "## Overlap as p/(dn) grows",
+        "",
+        "| p/(dn) | p | arm | mean overlap | fraction > 0.9 | chance overlap | attack residual ‖P⊥θ‖²/‖θ‖² | clipped fraction |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for ratio in RATIOS:
         for arm in ("min-norm", "GD (pff C, T)", f"DP-GD ε={EPSILON:g}"):
             group = select(rows, table="ratio", ratio=ratio, arm=arm)
             clipped = [r["clipped_fraction"] for r in group if r["clipped_fraction"] is not None]
-            lines.append(f"| {ratio:g} | {group[0]['p']} | {arm} | {mean_sd([r['mean'] for r in group])} | "
-                         f"{mean_sd([r['above_0.9'] for r in group])} | {np.mean([r['chance'] for r in group]):.3f} | "
-                         f"{np.median([r['residual'] for r in group]):.2e} | "
-                         f"{'—' if not clipped else f'{np.mean(clipped):.3f}'} |")
-    lines += ["", f"## DP-GD across ε at p/(dn) = {RATIOS[-1]:g}", "",
-              "| ε | mean overlap | fraction > 0.9 | attack residual | clipped fraction |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {ratio:g} | {group[0]['p']} | {arm} | {mean_sd([r['mean'] for r in group])} | "
+                f"{mean_sd([r['above_0.9'] for r in group])} | {np.mean([r['chance'] for r in group]):.3f} | "
+                f"{np.median([r['residual'] for r in group]):.2e} | "
+                f"{'—' if not clipped else f'{np.mean(clipped):.3f}'} |"
+            )
+    lines += [
+        "",
+        f"## DP-GD across ε at p/(dn) = {RATIOS[-1]:g}",
+        "",
+        "| ε | mean overlap | fraction > 0.9 | attack residual | clipped fraction |",
+        "|---|---|---|---|---|",
+    ]
     for epsilon in EPSILONS:
         group = select(rows, table="epsilon", epsilon=epsilon)
-        lines.append(f"| {epsilon:g} | {mean_sd([r['mean'] for r in group])} | "
-                     f"{mean_sd([r['above_0.9'] for r in group])} | {np.median([r['residual'] for r in group]):.3f} | "
-                     f"{np.mean([r['clipped_fraction'] for r in group]):.3f} |")
-    lines += ["", f"## Sign recovery (min-norm, p/(dn) = {RATIOS[-1]:g}, signed overlap = best cos without |·|)", "",
-              "| activation | mean signed overlap | fraction > 0.9 |", "|---|---|---|"]
+        lines.append(
+            f"| {epsilon:g} | {mean_sd([r['mean'] for r in group])} | "
+            f"{mean_sd([r['above_0.9'] for r in group])} | {np.median([r['residual'] for r in group]):.3f} | "
+            f"{np.mean([r['clipped_fraction'] for r in group]):.3f} |"
+        )
+    lines += [
+        "",
+        f"## Sign recovery (min-norm, p/(dn) = {RATIOS[-1]:g}, signed overlap = best cos without |·|)",
+        "",
+        "| activation | mean signed overlap | fraction > 0.9 |",
+        "|---|---|---|",
+    ]
     for activation in ("tanh", "tanh_even"):
         group = select(rows, table="sign", activation=activation)
-        lines.append(f"| {activation} | {mean_sd([r['mean'] for r in group])} | "
-                     f"{mean_sd([r['above_0.9'] for r in group])} |")
+        lines.append(
+            f"| {activation} | {mean_sd([r['mean'] for r in group])} | {mean_sd([r['above_0.9'] for r in group])} |"
+        )
     lines += ["", "![overlap](reconstruction.png)", "", "## Reading", "", reading(rows), ""]
     return "\n".join(lines)
 
@@ -193,14 +256,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
         left.plot(RATIOS, means, marker="o", label=arm)
     chance = np.mean([r["chance"] for r in rows if r["table"] == "ratio"])
     left.axhline(chance, color="grey", linestyle=":", label="chance")
-    left.set(xscale="log", xlabel="p/(dn)", ylabel="mean best-match |cos|", ylim=(0, 1.05),
-             title=f"d={D}, n={N}, tanh")
+    left.set(xscale="log", xlabel="p/(dn)", ylabel="mean best-match |cos|", ylim=(0, 1.05), title=f"d={D}, n={N}, tanh")
     left.legend()
     means = [np.mean([r["mean"] for r in select(rows, table="epsilon", epsilon=e)]) for e in EPSILONS]
     right.plot(EPSILONS, means, marker="o")
     right.axhline(chance, color="grey", linestyle=":")
-    right.set(xscale="log", xlabel="ε (δ = 1e-5)", ylabel="mean best-match |cos|", ylim=(0, 1.05),
-              title=f"DP-GD, p/(dn) = {RATIOS[-1]:g}")
+    right.set(
+        xscale="log",
+        xlabel="ε (δ = 1e-5)",
+        ylabel="mean best-match |cos|",
+        ylim=(0, 1.05),
+        title=f"DP-GD, p/(dn) = {RATIOS[-1]:g}",
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110, metadata={"Software": None})
 
@@ -221,9 +288,12 @@ def main() -> None:
         start = time.perf_counter()
         results = run(args.seeds)
         seconds = time.perf_counter() - start
-        results["environment"] = {"machine": platform.processor() or platform.machine(),
-                                  "python": platform.python_version(), "torch": torch.__version__,
-                                  "threads": torch.get_num_threads()}
+        results["environment"] = {
+            "machine": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        }
         results["seconds"] = seconds
         (out / "reconstruction.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "reconstruction.png")

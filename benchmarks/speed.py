@@ -64,12 +64,21 @@ def build(model: str):  # noqa: ANN201
 
         return build_wide_resnet(WideResNetSpec(784, (1, 28, 28), 10))
     if model == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
-                             nn.Linear(256, 10))
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
     return nn.Sequential(  # the Opacus MNIST example's CNN
-        nn.Conv2d(1, 16, 8, 2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1),
-        nn.Conv2d(16, 32, 4, 2), nn.ReLU(), nn.MaxPool2d(2, 1), nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
+        nn.Conv2d(1, 16, 8, 2, padding=3),
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, 2),
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
 
 
 def example_batch(model: str, batch: int, device: str = "cpu"):  # noqa: ANN201
@@ -92,10 +101,12 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
     batch = x.shape[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if method == "nonprivate":
+
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
+
         return step
     sys.path.insert(0, str(ROOT))
     from dpml.train.chunking import fastest_chunk
@@ -108,16 +119,21 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
         dp_model, flat = model[1:], x.reshape(batch, -1)  # the Flatten done once here; the Linear layers take rows
     if method in ("nonprivate-chunked", "dpml", "dpml-bf16"):
         # the trainer's chunk (train.tune_physical_batch, physical_batch_size ≥ the batch), timed on a synthetic probe
-        chunk = fastest_chunk(dp_model, per_example_cross_entropy, tuple(flat.shape[1:]), flat.dtype, batch, batch,
-                              autocast=autocast).chunk
+        chunk = fastest_chunk(
+            dp_model, per_example_cross_entropy, tuple(flat.shape[1:]), flat.dtype, batch, batch, autocast=autocast
+        ).chunk
     else:
         chunk = batch  # dpml-one-chunk; the peers do not chunk
     if method == "nonprivate-chunked":  # the same step by gradient accumulation over dpml's chunks
+
         def accumulated() -> None:
             optimizer.zero_grad(set_to_none=True)
             for start in range(0, batch, chunk):
-                (F.cross_entropy(model(x[start:start + chunk]), y[start:start + chunk], reduction="sum") / batch).backward()
+                (
+                    F.cross_entropy(model(x[start : start + chunk]), y[start : start + chunk], reduction="sum") / batch
+                ).backward()
             optimizer.step()
+
         accumulated.chunk = chunk  # type: ignore[attr-defined]
         return accumulated
     if method in ("dpml", "dpml-one-chunk", "dpml-bf16"):
@@ -133,6 +149,7 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
             for name, p in params.items():
                 p.grad = sums[name].add_(noises[name]).div_(batch)
             optimizer.step()
+
         dp_step.close = getattr(generator, "close", lambda: None)  # type: ignore[attr-defined]
         dp_step.settle = getattr(generator, "wait", None)  # type: ignore[attr-defined]
         dp_step.chunk = chunk  # type: ignore[attr-defined]
@@ -144,9 +161,16 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
     engine = PrivacyEngine(accountant="prv")
     mode = "ghost" if method == "opacus-ghost" else "hooks"
     criterion = torch.nn.CrossEntropyLoss()
-    made = engine.make_private(module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
-                               noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
-                               grad_sample_mode=mode)
+    made = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        criterion=criterion,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+    )
     if mode == "ghost":
         model, optimizer, criterion, _ = made
     else:
@@ -156,11 +180,13 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
         optimizer.zero_grad(set_to_none=True)
         criterion(model(x), y).backward()
         optimizer.step()
+
     return peer_step
 
 
-def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_rounds: int,
-            device: str = "cpu") -> list[dict]:
+def measure(
+    model_name: str, batch: int, methods: list[str], rounds: int, peer_rounds: int, device: str = "cpu"
+) -> list[dict]:
     """Median step time of each method over interleaved rounds (peers in ``peer_rounds`` of them)."""
     import torch
 
@@ -212,8 +238,16 @@ def measure(model_name: str, batch: int, methods: list[str], rounds: int, peer_r
             rows.append({**row, "error": errors[method]})
             continue
         ms = 1000 * statistics.median(times[method])
-        rows.append({**row, "ms_per_step": ms, "steps": len(times[method]), "time_ratio": ms / (1000 * base),
-                     "peak_mb": peaks[method] if cuda else None, "chunk": chunks.get(method)})
+        rows.append(
+            {
+                **row,
+                "ms_per_step": ms,
+                "steps": len(times[method]),
+                "time_ratio": ms / (1000 * base),
+                "peak_mb": peaks[method] if cuda else None,
+                "chunk": chunks.get(method),
+            }
+        )
     return rows
 
 
@@ -230,16 +264,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds (non-private and dpml: one step each)")
     parser.add_argument("--peer-rounds", type=int, default=10, help="rounds in which each Opacus mode is timed")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
-    parser.add_argument("--skip", nargs="*", default=[], choices=["nonprivate", "nonprivate-chunked", "dpml-one-chunk"],
-                        help="leave out these comparison rows (e.g. the one-chunk DP step of a slow model; the "
-                             "one-pass non-private step where it does not fit in memory: the ratios are then "
-                             "against nonprivate-chunked)")
-    parser.add_argument("--threads", type=int, nargs="+", default=None,
-                        help="torch intra-op thread counts, each measured in turn (default: torch's own)")
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["nonprivate", "nonprivate-chunked", "dpml-one-chunk"],
+        help="leave out these comparison rows (e.g. the one-chunk DP step of a slow model; the "
+        "one-pass non-private step where it does not fit in memory: the ratios are then "
+        "against nonprivate-chunked)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="torch intra-op thread counts, each measured in turn (default: torch's own)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    for name, value in (("--rounds", args.rounds), ("--peer-rounds", args.peer_rounds), *(("--threads", t) for t in args.threads or ())):
+    for name, value in (
+        ("--rounds", args.rounds),
+        ("--peer-rounds", args.peer_rounds),
+        *(("--threads", t) for t in args.threads or ()),
+    ):
         if value < 1:
             parser.error(f"{name} = {value}: must be a positive integer")
     if {"nonprivate", "nonprivate-chunked"} <= set(args.skip):
@@ -254,8 +302,11 @@ def main() -> None:
         from dpml.devices import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()  # as the trainer on the CPU, for every method alike (module docstring)
-    methods = [m for m in METHODS[:4] if m not in args.skip] + (["dpml-bf16"] if args.device == "cuda" else []) \
+    methods = (
+        [m for m in METHODS[:4] if m not in args.skip]
+        + (["dpml-bf16"] if args.device == "cuda" else [])
         + list(args.peers)
+    )
     rows = []
     for count in threads:
         torch.set_num_threads(count)
@@ -276,31 +327,45 @@ def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN
     """The results page: the machine, the command, and one row per (model, batch, method)."""
     cuda = args.device == "cuda"
     where = f"GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if cuda else "CPU only"
-    command = (f"python benchmarks/speed.py --batches {' '.join(map(str, args.batches))} --models "
-               f"{' '.join(args.models)} --rounds {args.rounds} --peer-rounds {args.peer_rounds}"
-               + (f" --peers {' '.join(args.peers)}" if list(args.peers) != list(PEERS) else "")
-               + (f" --skip {' '.join(args.skip)}" if args.skip else "")
-               + (f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + f" --device {args.device}")
-    lines = ["# Step time: non-private vs dpml DP-SGD vs Opacus", "",
-             f"Command: `{command}`. Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, "
-             f"torch {torch.__version__}, Python {platform.python_version()}; {where}. One process; per (model, "
-             f"batch) the methods' steps alternate, round after round ({args.rounds} rounds; Opacus in "
-             f"{args.peer_rounds} of them); median step time per method."
-             + ("" if "nonprivate" not in args.skip else " The one-pass non-private step is left out (its activations "
-                "for the whole batch do not fit in this machine's memory): the ratio columns are against "
-                "`nonprivate-chunked`, the non-private step accumulated over the same chunks as dpml's."), "",
-             "| torch threads | model | batch | method | rows per chunk | ms / step | steps timed | × non-private time | "
-             "throughput vs non-private |" + (" peak MB |" if cuda else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+    command = (
+        f"python benchmarks/speed.py --batches {' '.join(map(str, args.batches))} --models "
+        f"{' '.join(args.models)} --rounds {args.rounds} --peer-rounds {args.peer_rounds}"
+        + (f" --peers {' '.join(args.peers)}" if list(args.peers) != list(PEERS) else "")
+        + (f" --skip {' '.join(args.skip)}" if args.skip else "")
+        + (f" --threads {' '.join(map(str, args.threads))}" if args.threads else "")
+        + f" --device {args.device}"
+    )
+    lines = [
+        "# Step time: non-private vs dpml DP-SGD vs Opacus",
+        "",
+        f"Command: `{command}`. Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, "
+        f"torch {torch.__version__}, Python {platform.python_version()}; {where}. One process; per (model, "
+        f"batch) the methods' steps alternate, round after round ({args.rounds} rounds; Opacus in "
+        f"{args.peer_rounds} of them); median step time per method."
+        + (
+            ""
+            if "nonprivate" not in args.skip
+            else " The one-pass non-private step is left out (its activations "
+            "for the whole batch do not fit in this machine's memory): the ratio columns are against "
+            "`nonprivate-chunked`, the non-private step accumulated over the same chunks as dpml's."
+        ),
+        "",
+        "| torch threads | model | batch | method | rows per chunk | ms / step | steps timed | × non-private time | "
+        "throughput vs non-private |" + (" peak MB |" if cuda else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""),
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | | failed: {r['error'][:80]} | | | |"
-                         + (" |" if cuda else ""))
+            lines.append(
+                f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | | failed: {r['error'][:80]} | | | |"
+                + (" |" if cuda else "")
+            )
             continue
         chunk = r.get("chunk") or r["batch"]
-        lines.append(f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {chunk} | {r['ms_per_step']:.1f} | {r['steps']} | "
-                     f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |"
-                     + (f" {r['peak_mb']:.0f} |" if cuda else ""))
+        lines.append(
+            f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {chunk} | {r['ms_per_step']:.1f} | {r['steps']} | "
+            f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |" + (f" {r['peak_mb']:.0f} |" if cuda else "")
+        )
     return "\n".join(lines) + "\n"
 
 

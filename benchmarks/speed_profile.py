@@ -84,8 +84,9 @@ def model_and_batch(name: str, batch: int, device: str) -> tuple[torch.nn.Module
     return model.to(device).train(), x, y
 
 
-def dp_step_function(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                     generator: torch.Generator) -> Callable[[], None]:
+def dp_step_function(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator
+) -> Callable[[], None]:
     """dpml's DP step on the batch (x, y), clipped in one chunk, its noise drawn in line (SGD, C = σ = 1)."""
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     optimizer, batch = torch.optim.SGD(trainable.values(), lr=0.01), x.shape[0]
@@ -95,6 +96,7 @@ def dp_step_function(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         for name, p in trainable.items():
             p.grad = sums[name].add_(noises[name]).div_(batch)
         optimizer.step()
+
     return dp_step
 
 
@@ -122,12 +124,16 @@ def profile(model_name: str, batch: int, repeats: int, device: str = "cpu") -> l
 
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = sum(p.numel() for p in params)
-    parts = {"non-private step": nonprivate, "dpml DP step": dp_step,
-             "  forward + backward to layer outputs": forward_backward_to_outputs,
-             "  clipped_gradient_sum (all of the above + norms + clipped sums)": clipping}
+    parts = {
+        "non-private step": nonprivate,
+        "dpml DP step": dp_step,
+        "  forward + backward to layer outputs": forward_backward_to_outputs,
+        "  clipped_gradient_sum (all of the above + norms + clipped sums)": clipping,
+    }
     if device == "cuda":
-        parts[f"  Gaussian noise as the trainer draws it on the GPU ({total:,} parameters)"] = \
-            lambda: gaussian_noise(named, 1.0, generator)
+        parts[f"  Gaussian noise as the trainer draws it on the GPU ({total:,} parameters)"] = lambda: gaussian_noise(
+            named, 1.0, generator
+        )
         return list(interleaved_medians_ms(parts, repeats, device).items())
     compiled, in_numpy = BoxMullerBuffers(total, torch.float32), BoxMullerBuffers(total, torch.float32, compiled=False)
     if compiled_draw() is None:
@@ -137,13 +143,14 @@ def profile(model_name: str, batch: int, repeats: int, device: str = "cpu") -> l
         gaussian_noise(named, 1.0, generator)
 
     float32_buffer, float64_buffer = torch.empty(total), torch.empty(total, dtype=torch.float64)
-    parts |= {f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, compiled, into buffers "
-             f"allocated once ({total:,} parameters)": lambda: compiled.draw(1.0, generator),
-             "  the same draw in NumPy (the fallback where no C compiler is found)":
-                 lambda: in_numpy.draw(1.0, generator),
-             "  the compiled draw into fresh buffers (`gaussian_noise`: new pages every draw)": noise_in_fresh_buffers,
-             "  (not used) torch's float32 normal_, tails cut at 5.77σ": lambda: float32_buffer.normal_(generator=generator),
-             "  (not used) torch's float64 normal_": lambda: float64_buffer.normal_(generator=generator)}
+    parts |= {
+        f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, compiled, into buffers "
+        f"allocated once ({total:,} parameters)": lambda: compiled.draw(1.0, generator),
+        "  the same draw in NumPy (the fallback where no C compiler is found)": lambda: in_numpy.draw(1.0, generator),
+        "  the compiled draw into fresh buffers (`gaussian_noise`: new pages every draw)": noise_in_fresh_buffers,
+        "  (not used) torch's float32 normal_, tails cut at 5.77σ": lambda: float32_buffer.normal_(generator=generator),
+        "  (not used) torch's float64 normal_": lambda: float64_buffer.normal_(generator=generator),
+    }
     return list(interleaved_medians_ms(parts, repeats).items())
 
 
@@ -188,25 +195,37 @@ def main() -> None:
             parser.error(f"--threads = {args.threads}: must be a positive integer")
         torch.set_num_threads(args.threads)
     keep_freed_cpu_memory()  # as dpml's trainer on the CPU, for the non-private step too
-    lines = ["# Where the DP-SGD step's time goes", "",
-             f"Command: `python benchmarks/speed_profile.py --batch {args.batch} --models {' '.join(args.models)}"
-             + (f" --size {args.size} --length {args.length}" if set(args.models) & set(families.FAMILIES) else "")
-             + (f" --threads {args.threads}" if args.threads is not None else "")
-             + (" --device cuda" if args.device == "cuda" else "") + (f" --ops {args.ops}" if args.ops else "")
-             + f"`. Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-             + (f", GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if args.device == "cuda" else "")
-             + "; one process, the parts run in turn, median of "
-             f"{args.repeats} rounds after 3 warm-up ones; freed memory kept for the next step, as the trainer "
-             "keeps it (`dpml.devices.keep_freed_cpu_memory`).", "",
-             "| model | part | ms | × non-private step |", "|---|---|---|---|"]
+    lines = [
+        "# Where the DP-SGD step's time goes",
+        "",
+        f"Command: `python benchmarks/speed_profile.py --batch {args.batch} --models {' '.join(args.models)}"
+        + (f" --size {args.size} --length {args.length}" if set(args.models) & set(families.FAMILIES) else "")
+        + (f" --threads {args.threads}" if args.threads is not None else "")
+        + (" --device cuda" if args.device == "cuda" else "")
+        + (f" --ops {args.ops}" if args.ops else "")
+        + f"`. Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+        + (f", GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if args.device == "cuda" else "")
+        + "; one process, the parts run in turn, median of "
+        f"{args.repeats} rounds after 3 warm-up ones; freed memory kept for the next step, as the trainer "
+        "keeps it (`dpml.devices.keep_freed_cpu_memory`).",
+        "",
+        "| model | part | ms | × non-private step |",
+        "|---|---|---|---|",
+    ]
     operators = []
     for model_name in args.models:
         rows = profile(model_name, args.batch, args.repeats, args.device)
         base = rows[0][1]
         lines += [f"| {model_name} | {name} | {ms:.2f} | {ms / base:.2f} |" for name, ms in rows]
         if args.ops:
-            operators += ["", f"## {model_name}: the {args.ops} operators with the most self time in 5 DP steps", "",
-                          "```", top_operators(model_name, args.batch, args.device, args.ops), "```"]
+            operators += [
+                "",
+                f"## {model_name}: the {args.ops} operators with the most self time in 5 DP steps",
+                "",
+                "```",
+                top_operators(model_name, args.batch, args.device, args.ops),
+                "```",
+            ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = args.out_name or ("speed_profile_cuda.md" if args.device == "cuda" else "speed_profile.md")

@@ -36,8 +36,9 @@ class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCABULARY, 128)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 512, batch_first=True), 2,
-                                             enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(128, 4, 512, batch_first=True), 2, enable_nested_tensor=False
+        )
         self.out = nn.Linear(128, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,29 +48,54 @@ class Encoder(nn.Module):
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     batch, length, vocabulary = logits.shape
-    return F.cross_entropy(logits.reshape(-1, vocabulary), targets.reshape(-1), reduction="none").view(batch, length).mean(1)
+    return (
+        F.cross_entropy(logits.reshape(-1, vocabulary), targets.reshape(-1), reduction="none")
+        .view(batch, length)
+        .mean(1)
+    )
 
 
 def models() -> dict[str, tuple[nn.Module, Callable, torch.Tensor]]:
     import transformers
-    bert = transformers.BertConfig(vocab_size=VOCABULARY, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                   intermediate_size=512, max_position_embeddings=64, num_labels=2)
-    gpt2 = transformers.GPT2Config(vocab_size=VOCABULARY, n_embd=128, n_layer=2, n_head=2, n_positions=64,
-                                   bos_token_id=1, eos_token_id=1, pad_token_id=0)
+
+    bert = transformers.BertConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
+    gpt2 = transformers.GPT2Config(
+        vocab_size=VOCABULARY,
+        n_embd=128,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     generator = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 2, (BATCH,), generator=generator)
     tokens = torch.randint(0, VOCABULARY, (BATCH, LENGTH), generator=generator)
-    return {"tiny BERT (classification)": (HuggingFace(transformers.BertForSequenceClassification(bert)),
-                                           per_example_cross_entropy, labels),
-            "tiny GPT-2 (LM, tied)": (HuggingFace(transformers.GPT2LMHeadModel(gpt2)), token_loss, tokens),
-            "nn.TransformerEncoder": (Encoder(), per_example_cross_entropy, labels)}
+    return {
+        "tiny BERT (classification)": (
+            HuggingFace(transformers.BertForSequenceClassification(bert)),
+            per_example_cross_entropy,
+            labels,
+        ),
+        "tiny GPT-2 (LM, tied)": (HuggingFace(transformers.GPT2LMHeadModel(gpt2)), token_loss, tokens),
+        "nn.TransformerEncoder": (Encoder(), per_example_cross_entropy, labels),
+    }
 
 
 def batch() -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCABULARY, (BATCH, LENGTH), generator=generator)
     mask = torch.ones_like(ids)
-    mask[: BATCH // 2, LENGTH - 5:] = 0
+    mask[: BATCH // 2, LENGTH - 5 :] = 0
     return torch.stack([ids.masked_fill(mask == 0, 0), mask], 1)
 
 
@@ -100,8 +126,11 @@ def main(rounds: int) -> None:
             times["non-private"].append(seconds(nonprivate))
             times["private"].append(seconds(private))
         base, dp = statistics.median(times["non-private"]), statistics.median(times["private"])
-        print(f"{name}: non-private {base * 1e3:.1f} ms, DP {dp * 1e3:.1f} ms, throughput ratio {base / dp:.3f} "
-              f"({len(plan.exact_parameters)} parameter(s) exact)", flush=True)
+        print(
+            f"{name}: non-private {base * 1e3:.1f} ms, DP {dp * 1e3:.1f} ms, throughput ratio {base / dp:.3f} "
+            f"({len(plan.exact_parameters)} parameter(s) exact)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -82,8 +82,12 @@ def main() -> None:
     x, y = stages.load_part(layout, "train")
     x_test, y_test = stages.load_part(layout, "test")
     n_classes = len(json.loads(layout.prepared_meta.read_text())["classes"])
-    report: dict = {"n_train": int(y.size), "n_test": int(y_test.size), "n_features": int(x.shape[1]),
-                    "preprocess_seconds": timings}
+    report: dict = {
+        "n_train": int(y.size),
+        "n_test": int(y_test.size),
+        "n_features": int(x.shape[1]),
+        "preprocess_seconds": timings,
+    }
 
     if args.validate:
         rng = np.random.default_rng(123)
@@ -99,55 +103,91 @@ def main() -> None:
 
     sigma = trainer_for(config).noise_multiplier(config)
     steps = number_of_steps(config.train.epochs, config.train.sample_rate)
-    certificate = certify(dpsgd_mechanism(config.train.sample_rate, sigma, config.train.epochs,
-                                          config.dp.neighbouring, config.dp.clip_norm, int(y.size)), config.dp.delta)
+    certificate = certify(
+        dpsgd_mechanism(
+            config.train.sample_rate,
+            sigma,
+            config.train.epochs,
+            config.dp.neighbouring,
+            config.dp.clip_norm,
+            int(y.size),
+        ),
+        config.dp.delta,
+    )
     runs = []
     for seed in args.seeds:
         model, seconds = dp_run(config, x, y, n_classes, seed)
         runs.append({"seed": seed, "test_accuracy": accuracy(model, x_test, y_test), "seconds": seconds})
         print(runs[-1], flush=True)
-    nonprivate_config = config.model_copy(update={"train": config.train.model_copy(
-        update={"algorithm": "nonprivate", "sample_rate": 256 / y.size, "learning_rate": 0.1, "epochs": 30.0,
-                "momentum": 0.0})})
+    nonprivate_config = config.model_copy(
+        update={
+            "train": config.train.model_copy(
+                update={
+                    "algorithm": "nonprivate",
+                    "sample_rate": 256 / y.size,
+                    "learning_rate": 0.1,
+                    "epochs": 30.0,
+                    "momentum": 0.0,
+                }
+            )
+        }
+    )
     start = time.perf_counter()
     baseline = fit(nonprivate_config, x, y, n_classes, private=False, noise_multiplier=None, seed=0).model
     nonprivate = {"test_accuracy": accuracy(baseline, x_test, y_test), "seconds": time.perf_counter() - start}
     accuracies = [r["test_accuracy"] for r in runs]
     report["grid_selection_epsilon"] = grid_selection_cost(config, int(y.size) - 5000)
-    report |= {"sigma": sigma, "steps": steps, "epsilon": certificate["epsilon"], "accountant": certificate["accountant"],
-               "runs": runs, "mean": statistics.mean(accuracies),
-               "std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0, "nonprivate": nonprivate}
+    report |= {
+        "sigma": sigma,
+        "steps": steps,
+        "epsilon": certificate["epsilon"],
+        "accountant": certificate["accountant"],
+        "runs": runs,
+        "mean": statistics.mean(accuracies),
+        "std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+        "nonprivate": nonprivate,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "utility_fmnist.json").write_text(json.dumps(report, indent=2))
     t = config.train
-    lines = ["# Fashion-MNIST test accuracy at ε = 3 (δ = 1e-5)", "",
-             f"Command: `python benchmarks/utility_fmnist.py{' --validate' if args.validate else ''}` — "
-             f"`configs/fashion-mnist-scatternet.yaml`: ScatterNet (J = 2, L = 8, per-example GroupNorm with "
-             f"{config.preprocess.scatter_groups} groups; {report['n_features']} features) + linear model, DP-SGD with "
-             f"Poisson rate q = {t.sample_rate:g} (≈{t.sample_rate * y.size:.0f} per batch), {steps} steps "
-             f"({t.epochs:g} epochs), C = {config.dp.clip_norm:g}, SGD lr {t.learning_rate:g} momentum {t.momentum:g}, "
-             f"σ = {sigma:.4f} → certified ε = {certificate['epsilon']:.4f} ({certificate['accountant']}). "
-             f"{report['n_train']} training records, {report['n_test']} test records (t10k). Machine: "
-             f"{platform.machine()}, torch {torch.__version__}.", "",
-             "| model | test accuracy | runs |", "|---|---|---|",
-             f"| DP-SGD, ε = 3 | **{report['mean']:.4f} ± {report['std']:.4f}** | "
-             + ", ".join(f"{a:.4f}" for a in accuracies) + f" (seeds {args.seeds}) |",
-             f"| same features and model, non-private | {nonprivate['test_accuracy']:.4f} | 1 |",
-             "| Tramèr & Boneh (2021), ScatterNet + linear, ε = 3 (published) | 0.897 | |",
-             "| Tramèr & Boneh (2021), end-to-end CNN, ε = 3 (published) | 0.860 | |", "",
-             f"Preprocessing (ScatterNet features of the train, test and audit parts): "
-             f"{timings['preprocess']:.0f} s; one DP training run ≈ {statistics.mean(r['seconds'] for r in runs):.0f} s.",
-             "", "Hyperparameters were chosen on a validation split of the training part (5,000 records), never on the "
-             "test set; that selection is **not charged** to the privacy budget (`dpml tune` charges searches). "
-             f"The accuracy above is that of the best cell of the grid, picked on private records: releasing the best of "
-             f"the {len(GRID)} recorded candidates costs ε = {report['grid_selection_epsilon']:.2f} at "
-             f"δ = {config.dp.delta:g} (the composition of every candidate's steps, same accountants), not 3; the "
-             "development runs before the grid were not logged, so that is a lower bound on the selection's cost."]
+    lines = [
+        "# Fashion-MNIST test accuracy at ε = 3 (δ = 1e-5)",
+        "",
+        f"Command: `python benchmarks/utility_fmnist.py{' --validate' if args.validate else ''}` — "
+        f"`configs/fashion-mnist-scatternet.yaml`: ScatterNet (J = 2, L = 8, per-example GroupNorm with "
+        f"{config.preprocess.scatter_groups} groups; {report['n_features']} features) + linear model, DP-SGD with "
+        f"Poisson rate q = {t.sample_rate:g} (≈{t.sample_rate * y.size:.0f} per batch), {steps} steps "
+        f"({t.epochs:g} epochs), C = {config.dp.clip_norm:g}, SGD lr {t.learning_rate:g} momentum {t.momentum:g}, "
+        f"σ = {sigma:.4f} → certified ε = {certificate['epsilon']:.4f} ({certificate['accountant']}). "
+        f"{report['n_train']} training records, {report['n_test']} test records (t10k). Machine: "
+        f"{platform.machine()}, torch {torch.__version__}.",
+        "",
+        "| model | test accuracy | runs |",
+        "|---|---|---|",
+        f"| DP-SGD, ε = 3 | **{report['mean']:.4f} ± {report['std']:.4f}** | "
+        + ", ".join(f"{a:.4f}" for a in accuracies)
+        + f" (seeds {args.seeds}) |",
+        f"| same features and model, non-private | {nonprivate['test_accuracy']:.4f} | 1 |",
+        "| Tramèr & Boneh (2021), ScatterNet + linear, ε = 3 (published) | 0.897 | |",
+        "| Tramèr & Boneh (2021), end-to-end CNN, ε = 3 (published) | 0.860 | |",
+        "",
+        f"Preprocessing (ScatterNet features of the train, test and audit parts): "
+        f"{timings['preprocess']:.0f} s; one DP training run ≈ {statistics.mean(r['seconds'] for r in runs):.0f} s.",
+        "",
+        "Hyperparameters were chosen on a validation split of the training part (5,000 records), never on the "
+        "test set; that selection is **not charged** to the privacy budget (`dpml tune` charges searches). "
+        f"The accuracy above is that of the best cell of the grid, picked on private records: releasing the best of "
+        f"the {len(GRID)} recorded candidates costs ε = {report['grid_selection_epsilon']:.2f} at "
+        f"δ = {config.dp.delta:g} (the composition of every candidate's steps, same accountants), not 3; the "
+        "development runs before the grid were not logged, so that is a lower bound on the selection's cost.",
+    ]
     if args.validate:
         lines += ["", "| epochs | learning rate | validation accuracy (one run) |", "|---|---|---|"]
-        lines += [f"| {r['train.epochs']:g} | {r['train.learning_rate']:g} | {r['validation_accuracy']:.4f} |"
-                  for r in report["validation_grid"]]
+        lines += [
+            f"| {r['train.epochs']:g} | {r['train.learning_rate']:g} | {r['validation_accuracy']:.4f} |"
+            for r in report["validation_grid"]
+        ]
     (out / "utility_fmnist.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -53,12 +53,21 @@ def nonprivate_settings(epochs: float) -> list[str]:
 
 
 def machine(device: str) -> str:
-    where = f"GPU {torch.cuda.get_device_name(0)}" if device == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
+    where = (
+        f"GPU {torch.cuda.get_device_name(0)}" if device == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
+    )
     return f"{platform.machine()}, {where}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def run_model(name: str, seeds: list[int], max_train: int | None, device: str, work: Path, settings: list[str],
-              nonprivate_epochs: float) -> dict[str, Any]:
+def run_model(
+    name: str,
+    seeds: list[int],
+    max_train: int | None,
+    device: str,
+    work: Path,
+    settings: list[str],
+    nonprivate_epochs: float,
+) -> dict[str, Any]:
     overrides = fashion_mnist_overrides(work / name) + [f"train.device={device}"] + settings
     if max_train:
         overrides.append(f"split.max_train={max_train}")
@@ -86,11 +95,25 @@ def run_model(name: str, seeds: list[int], max_train: int | None, device: str, w
         baseline_seconds.append(time.perf_counter() - start)
         baseline.append(stages.accuracy(result.model, x_test, y_test))
         print(f"{name} non-private seed {seed}: accuracy {baseline[-1]:.4f}, {baseline_seconds[-1]:.0f} s", flush=True)
-    return {"model": name, "config": f"configs/{CONFIGS[name]}", "settings": settings, "max_train": max_train,
-            "machine": machine(device), "nonprivate_epochs": nonprivate_epochs, "train_records": int(x.shape[0]),
-            "test_records": int(x_test.shape[0]), "epsilon": epsilon, "delta": config.dp.delta, "sigma": sigma,
-            "epochs": config.train.epochs, "sample_rate": config.train.sample_rate, "dp_accuracy": private,
-            "dp_seconds": seconds, "nonprivate_accuracy": baseline, "nonprivate_seconds": baseline_seconds}
+    return {
+        "model": name,
+        "config": f"configs/{CONFIGS[name]}",
+        "settings": settings,
+        "max_train": max_train,
+        "machine": machine(device),
+        "nonprivate_epochs": nonprivate_epochs,
+        "train_records": int(x.shape[0]),
+        "test_records": int(x_test.shape[0]),
+        "epsilon": epsilon,
+        "delta": config.dp.delta,
+        "sigma": sigma,
+        "epochs": config.train.epochs,
+        "sample_rate": config.train.sample_rate,
+        "dp_accuracy": private,
+        "dp_seconds": seconds,
+        "nonprivate_accuracy": baseline,
+        "nonprivate_seconds": baseline_seconds,
+    }
 
 
 def spread(values: list[float]) -> str:
@@ -100,8 +123,10 @@ def spread(values: list[float]) -> str:
 
 def merged(earlier: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The earlier rows not measured again (same model, cap and settings), then this run's rows."""
+
     def key(row: dict[str, Any]) -> tuple:
         return row["model"], row["max_train"], tuple(row["settings"])
+
     fresh = {key(row) for row in rows}
     return [row for row in earlier if key(row) not in fresh] + rows
 
@@ -109,22 +134,28 @@ def merged(earlier: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[di
 def write(rows: list[dict[str, Any]], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "vision_utility.json").write_text(json.dumps(rows, indent=2))
-    lines = ["# Image models on Fashion-MNIST: DP-SGD next to non-private", "",
-             "DP: the configuration's DP-SGD (σ calibrated by dpml to ε = 3), one run per noise seed. Non-private: "
-             "the same model, records and sampling rate q, Adam (1e-3). Test accuracy on the split's test part "
-             "(mean ± std over seeds). Each row's command and machine are listed below the table. A row with "
-             "settings or fewer training records ran a reduced budget so that a CPU finishes it: it is not the "
-             "configuration's result, which needs a GPU for the WRN.", "",
-             "| # | model | training records | settings | certified ε (δ) | σ | epochs, q | seeds | DP accuracy | "
-             "non-private accuracy (epochs) | DP s / run | non-private s / run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Image models on Fashion-MNIST: DP-SGD next to non-private",
+        "",
+        "DP: the configuration's DP-SGD (σ calibrated by dpml to ε = 3), one run per noise seed. Non-private: "
+        "the same model, records and sampling rate q, Adam (1e-3). Test accuracy on the split's test part "
+        "(mean ± std over seeds). Each row's command and machine are listed below the table. A row with "
+        "settings or fewer training records ran a reduced budget so that a CPU finishes it: it is not the "
+        "configuration's result, which needs a GPU for the WRN.",
+        "",
+        "| # | model | training records | settings | certified ε (δ) | σ | epochs, q | seeds | DP accuracy | "
+        "non-private accuracy (epochs) | DP s / run | non-private s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for number, r in enumerate(rows, 1):
         settings = ", ".join(f"`{s}`" for s in r["settings"]) or "as configured"
-        lines.append(f"| {number} | {r['model']} (`{r['config']}`) | {r['train_records']} | {settings} | "
-                     f"{r['epsilon']:.3f} ({r['delta']:g}) | {r['sigma']:.3f} | {r['epochs']:g}, {r['sample_rate']:g} | "
-                     f"{len(r['dp_accuracy'])} | {spread(r['dp_accuracy'])} | {spread(r['nonprivate_accuracy'])} "
-                     f"({r['nonprivate_epochs']:g}) | {statistics.mean(r['dp_seconds']):.0f} | "
-                     f"{statistics.mean(r['nonprivate_seconds']):.0f} |")
+        lines.append(
+            f"| {number} | {r['model']} (`{r['config']}`) | {r['train_records']} | {settings} | "
+            f"{r['epsilon']:.3f} ({r['delta']:g}) | {r['sigma']:.3f} | {r['epochs']:g}, {r['sample_rate']:g} | "
+            f"{len(r['dp_accuracy'])} | {spread(r['dp_accuracy'])} | {spread(r['nonprivate_accuracy'])} "
+            f"({r['nonprivate_epochs']:g}) | {statistics.mean(r['dp_seconds']):.0f} | "
+            f"{statistics.mean(r['nonprivate_seconds']):.0f} |"
+        )
     lines += ["", "Rows:", ""]
     lines += [f"{number}. `{r['command']}` on {r['machine']}." for number, r in enumerate(rows, 1)]
     (out / "vision_utility.md").write_text("\n".join(lines) + "\n")
@@ -151,15 +182,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--max-train", type=int, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--set", dest="settings", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="configuration overrides for both runs (recorded on the row)")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="configuration overrides for both runs (recorded on the row)",
+    )
     parser.add_argument("--nonprivate-epochs", type=float, default=15.0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dpml-vision-utility"))
     args = parser.parse_args()
     command = recorded_command(sys.argv[1:])
-    rows = [{**run_model(name, args.seeds, args.max_train, args.device, Path(args.work), args.settings,
-                         args.nonprivate_epochs), "command": command} for name in args.models]
+    rows = [
+        {
+            **run_model(
+                name, args.seeds, args.max_train, args.device, Path(args.work), args.settings, args.nonprivate_epochs
+            ),
+            "command": command,
+        }
+        for name in args.models
+    ]
     saved = Path(args.out) / "vision_utility.json"
     earlier = json.loads(saved.read_text()) if saved.exists() else []
     write(merged(earlier, rows), Path(args.out))

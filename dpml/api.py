@@ -55,10 +55,18 @@ from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clippin
 from dpml.train.dataset_steps import check_record, dataset_size, dataset_steps
 from dpml.train.distributed import Collective, check_picklable, from_environment, process_device, spawn
 from dpml.train.trainers.dpsgd import DpSgdSettings
-from dpml.train.dpsgd import (AUTOCAST, dpsgd_mechanism, make_optimizer, number_of_steps, poisson_batches,
-                              run_dpsgd_steps, secret_noise_seed)
+from dpml.train.dpsgd import (
+    AUTOCAST,
+    dpsgd_mechanism,
+    make_optimizer,
+    number_of_steps,
+    poisson_batches,
+    run_dpsgd_steps,
+    secret_noise_seed,
+)
 from dpml.train.token_records import TokenRecords, check_token_records
 from dpml.api_settings import OptimizerChoice, check_workers, ledger_terms, library_settings
+
 __all__ = ["DpConfig", "DpSgdSettings", "LedgerConfig", "PrivateTraining", "train_private"]
 """The library's names: the call, its result, and the pipeline's sections it takes its settings as."""
 
@@ -109,8 +117,9 @@ def _first_record(dataset: Dataset[Any]) -> torch.Tensor:
     return torch.as_tensor(item[0])
 
 
-def model_inputs(model: nn.Module, dataset: Dataset[Any], n: int,
-                 inputs: str) -> tuple[nn.Module, Dataset[Any], torch.Tensor]:
+def model_inputs(
+    model: nn.Module, dataset: Dataset[Any], n: int, inputs: str
+) -> tuple[nn.Module, Dataset[Any], torch.Tensor]:
     """The model as the engine calls it (one tensor in, logits out: :func:`dpml.models.library.adapt`), the
     records as it reads them, and the first input. Token inputs (a forward taking ``input_ids`` and
     ``attention_mask``) are checked record by record here, before any work (:mod:`dpml.train.token_records`)."""
@@ -132,21 +141,31 @@ def number_of_classes(model: nn.Module, first_input: torch.Tensor) -> int:
         out = model(first_input[None].to(next(model.parameters()).device))
     model.train(was_training)
     if out.dim() != 2:
-        raise ValueError(f"model: its output on one record has shape {tuple(out.shape)}; a classifier returns "
-                         "(batch, classes) logits")
+        raise ValueError(
+            f"model: its output on one record has shape {tuple(out.shape)}; a classifier returns "
+            "(batch, classes) logits"
+        )
     return int(out.shape[1])
 
 
-def build_optimizer(choice: OptimizerChoice, model: nn.Module, learning_rate: float,
-                    momentum: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    choice: OptimizerChoice, model: nn.Module, learning_rate: float, momentum: float
+) -> torch.optim.Optimizer:
     """The user's optimizer factory over the trainable parameters, or the pipeline's ``sgd``/``adam``."""
     if callable(choice):
         return choice([p for p in model.parameters() if p.requires_grad])
     return make_optimizer(model, choice, learning_rate, momentum)
 
 
-def train_in_process(collective: Collective | None, model: nn.Module, dataset: Dataset[Any], run: RunSettings,
-                     loss_fn: LossFn, plan: ClippingPlan, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def train_in_process(
+    collective: Collective | None,
+    model: nn.Module,
+    dataset: Dataset[Any],
+    run: RunSettings,
+    loss_fn: LossFn,
+    plan: ClippingPlan,
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This process's part of the run (the whole run when ``collective`` is None)."""
     device = process_device(run.device, collective.rank if collective else 0)
     if device.startswith("cuda"):
@@ -154,18 +173,42 @@ def train_in_process(collective: Collective | None, model: nn.Module, dataset: D
     model.to(device)
     optimizer = build_optimizer(run.optimizer, model, run.learning_rate, run.momentum)
     dtype = next(p for p in model.parameters()).dtype
-    chunk = physical_chunk(run.tune_physical_batch, model, loss_fn, run.input_shape, run.input_dtype,
-                           run.physical_batch_size, run.sample_rate * run.n / (collective.world_size if collective else 1),
-                           plan.exact, AUTOCAST[run.autocast])
-    steps = dataset_steps(dataset, poisson_batches(run.n, run.sample_rate, run.steps, seed),
-                          physical_batch_size=chunk, device=torch.device(device), dtype=dtype,
-                          n_classes=run.n_classes, collective=collective, num_workers=run.num_workers)
-    history = run_dpsgd_steps(model, steps, count=run.steps, clip_norm=run.clip_norm,
-                              noise_multiplier=run.noise_multiplier, expected_batch=run.sample_rate * run.n,
-                              optimizer=optimizer, noise_source=torch.Generator(device=device).manual_seed(seed + 1),
-                              loss_fn=loss_fn, exact=plan.exact, collective=collective,
-                              progress=run.progress and (collective is None or collective.lead),
-                              autocast=AUTOCAST[run.autocast])
+    chunk = physical_chunk(
+        run.tune_physical_batch,
+        model,
+        loss_fn,
+        run.input_shape,
+        run.input_dtype,
+        run.physical_batch_size,
+        run.sample_rate * run.n / (collective.world_size if collective else 1),
+        plan.exact,
+        AUTOCAST[run.autocast],
+    )
+    steps = dataset_steps(
+        dataset,
+        poisson_batches(run.n, run.sample_rate, run.steps, seed),
+        physical_batch_size=chunk,
+        device=torch.device(device),
+        dtype=dtype,
+        n_classes=run.n_classes,
+        collective=collective,
+        num_workers=run.num_workers,
+    )
+    history = run_dpsgd_steps(
+        model,
+        steps,
+        count=run.steps,
+        clip_norm=run.clip_norm,
+        noise_multiplier=run.noise_multiplier,
+        expected_batch=run.sample_rate * run.n,
+        optimizer=optimizer,
+        noise_source=torch.Generator(device=device).manual_seed(seed + 1),
+        loss_fn=loss_fn,
+        exact=plan.exact,
+        collective=collective,
+        progress=run.progress and (collective is None or collective.lead),
+        autocast=AUTOCAST[run.autocast],
+    )
     history["world_size"] = collective.world_size if collective else 1
     history["physical_chunk"] = chunk
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}, history
@@ -179,22 +222,41 @@ def open_book(ledger: str | Path | Ledger | LedgerConfig | None, delta: float) -
     return ledger_of(ledger) if isinstance(ledger, LedgerConfig) else Ledger(ledger, delta)
 
 
-def _reserve(ledger: Ledger, mechanism: MechanismDescription, lineage: str, budget: float,
-             privacy_units: Sequence[object] | None, label: str) -> Spend:
+def _reserve(
+    ledger: Ledger,
+    mechanism: MechanismDescription,
+    lineage: str,
+    budget: float,
+    privacy_units: Sequence[object] | None,
+    label: str,
+) -> Spend:
     """Reserve the spend (refused over budget) and mark it ``started`` (:func:`reserve_and_start`), charged to
     ``lineage`` (also its dataset version: the API's records have no version of their own)."""
     units = digests_of_ids(privacy_units) if privacy_units is not None else None
     return reserve_and_start(ledger, lineage, mechanism, label, budget, lineage=lineage, units=units)
 
 
-def train_private(model: nn.Module, dataset: Dataset[Any], dp: DpConfig | None = None,
-                  train: TrainSettings | None = None, *, expected_batch_size: int | None = None,
-                  num_workers: int = 0, seed: int | None = None, inputs: str = "auto",
-                  ledger: str | Path | Ledger | LedgerConfig | None = None, epsilon_budget: float | None = None,
-                  lineage: str | None = None, privacy_units: Sequence[object] | None = None,
-                  mlflow_tracking_uri: str | None = None, mlflow_experiment: str | None = None,
-                  mlflow_artifact_location: str | None = None, run_name: str | None = None,
-                  progress: bool = False, **settings: Any) -> PrivateTraining:
+def train_private(
+    model: nn.Module,
+    dataset: Dataset[Any],
+    dp: DpConfig | None = None,
+    train: TrainSettings | None = None,
+    *,
+    expected_batch_size: int | None = None,
+    num_workers: int = 0,
+    seed: int | None = None,
+    inputs: str = "auto",
+    ledger: str | Path | Ledger | LedgerConfig | None = None,
+    epsilon_budget: float | None = None,
+    lineage: str | None = None,
+    privacy_units: Sequence[object] | None = None,
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str | None = None,
+    mlflow_artifact_location: str | None = None,
+    run_name: str | None = None,
+    progress: bool = False,
+    **settings: Any,
+) -> PrivateTraining:
     """Train ``model`` in place with DP-SGD on ``dataset`` and certify it (module docstring for the math).
 
     ``dataset``: map-style, ``dataset[i]`` a pair (input tensor, integer label); the labels must lie in
@@ -241,17 +303,37 @@ def train_private(model: nn.Module, dataset: Dataset[Any], dp: DpConfig | None =
     plan = plan_clipping(model, loss_fn, tuple(first.shape), input_dtype)  # refuses before any spend
     check_autocast(model, loss_fn, tuple(first.shape), input_dtype, str(pick_device(tr.device)), AUTOCAST[tr.autocast])
     steps = number_of_steps(tr.epochs, q)
-    sigma = dpc.noise_multiplier if dpc.noise_multiplier is not None else calibrate_noise_multiplier(
-        dpc.target_epsilon, q, steps, dpc.delta, dpc.neighbouring)  # type: ignore[arg-type]
+    sigma = (
+        dpc.noise_multiplier
+        if dpc.noise_multiplier is not None
+        else calibrate_noise_multiplier(dpc.target_epsilon, q, steps, dpc.delta, dpc.neighbouring)
+    )  # type: ignore[arg-type]
     mechanism = dpsgd_mechanism(q, sigma, tr.epochs, dpc.neighbouring, dpc.clip_norm, n)
     certificate = certify(mechanism, dpc.delta)
-    run = RunSettings(n, q, steps, sigma, dpc.clip_norm, checked.optimizer, tr.learning_rate, tr.momentum,
-                      tr.physical_batch_size, str(pick_device(tr.device)), num_workers, number_of_classes(model, first),
-                      progress, tr.autocast, tr.tune_physical_batch, tuple(first.shape), input_dtype)
+    run = RunSettings(
+        n,
+        q,
+        steps,
+        sigma,
+        dpc.clip_norm,
+        checked.optimizer,
+        tr.learning_rate,
+        tr.momentum,
+        tr.physical_batch_size,
+        str(pick_device(tr.device)),
+        num_workers,
+        number_of_classes(model, first),
+        progress,
+        tr.autocast,
+        tr.tune_physical_batch,
+        tuple(first.shape),
+        input_dtype,
+    )
     collective = from_environment()  # under torchrun: this process's rank
     if collective is None and tr.world_size > 1:
-        check_picklable("world_size", tr.world_size, model=model, dataset=dataset, loss=loss_fn,
-                        optimizer=checked.optimizer)
+        check_picklable(
+            "world_size", tr.world_size, model=model, dataset=dataset, loss=loss_fn, optimizer=checked.optimizer
+        )
     if num_workers > 0:  # the loader's workers start from a fork server and receive the dataset pickled
         check_picklable("num_workers", num_workers, "read in this process (num_workers = 0)", dataset=dataset)
     lead = collective is None or collective.lead
@@ -260,8 +342,14 @@ def train_private(model: nn.Module, dataset: Dataset[Any], dp: DpConfig | None =
     spend, refusal = None, None
     if book is not None:
         try:
-            spend = _reserve(book, mechanism, lineage, epsilon_budget, privacy_units,  # type: ignore[arg-type]
-                             f"dpml.train_private: {type(user_model).__name__} ({n} records)")
+            spend = _reserve(
+                book,
+                mechanism,
+                lineage,
+                epsilon_budget,
+                privacy_units,  # type: ignore[arg-type]
+                f"dpml.train_private: {type(user_model).__name__} ({n} records)",
+            )
         except BaseException as error:
             refusal = error
     if collective is not None and not collective.all_agree(refusal is None, agreement_device):
@@ -274,8 +362,9 @@ def train_private(model: nn.Module, dataset: Dataset[Any], dp: DpConfig | None =
             secret = collective.broadcast_int(secret, agreement_device)
             _, history = train_in_process(collective, model, dataset, run, loss_fn, plan, secret)
         elif tr.world_size > 1:
-            state, history = spawn(tr.world_size, run.device, train_in_process, model, dataset, run, loss_fn, plan,
-                                   secret)
+            state, history = spawn(
+                tr.world_size, run.device, train_in_process, model, dataset, run, loss_fn, plan, secret
+            )
             model.load_state_dict(state)
             model.to(process_device(run.device, 0))
         else:
@@ -284,13 +373,30 @@ def train_private(model: nn.Module, dataset: Dataset[Any], dp: DpConfig | None =
     history["exact_clipping_parameters"] = len(plan.exact_parameters)
     result = PrivateTraining(user_model, certificate, mechanism, history, spend.id if spend else None)
     if mlflow_tracking_uri is not None and lead:
-        logged = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "clip_norm": dpc.clip_norm,
-                  "epochs": tr.epochs, "delta": dpc.delta, "neighbouring": dpc.neighbouring, "n": n,
-                  "physical_batch_size": tr.physical_batch_size, "physical_chunk": history.get("physical_chunk"),
-                  "world_size": history.get("world_size", 1), "spend_id": result.spend_id}
+        logged = {
+            "sample_rate": q,
+            "steps": steps,
+            "noise_multiplier": sigma,
+            "clip_norm": dpc.clip_norm,
+            "epochs": tr.epochs,
+            "delta": dpc.delta,
+            "neighbouring": dpc.neighbouring,
+            "n": n,
+            "physical_batch_size": tr.physical_batch_size,
+            "physical_chunk": history.get("physical_chunk"),
+            "world_size": history.get("world_size", 1),
+            "spend_id": result.spend_id,
+        }
         from dpml.tracking.library_runs import log_training  # lazy: MLflow only where a run is recorded
 
-        result.mlflow_run_id = log_training(mlflow_tracking_uri, mlflow_experiment, run_name, logged,
-                                            result.certificate, result.model, float(result.history.get("seconds", 0.0)),
-                                            mlflow_artifact_location)
+        result.mlflow_run_id = log_training(
+            mlflow_tracking_uri,
+            mlflow_experiment,
+            run_name,
+            logged,
+            result.certificate,
+            result.model,
+            float(result.history.get("seconds", 0.0)),
+            mlflow_artifact_location,
+        )
     return result

@@ -63,8 +63,12 @@ def _section(kind: type[Any], given: Any, keywords: dict[str, Any], name: str) -
     """``given`` (a section object) or the section built from ``keywords``, never both; validated by it."""
     if given is not None and keywords:
         key, value = next(iter(keywords.items()))
-        raise _problem(key, value, f"also given in {name}= ({name}.{key} = {getattr(given, key)!r}); give each "
-                       "setting once, as a keyword or in the section object")
+        raise _problem(
+            key,
+            value,
+            f"also given in {name}= ({name}.{key} = {getattr(given, key)!r}); give each "
+            "setting once, as a keyword or in the section object",
+        )
     try:  # a keyword is a Python value: strictly its field's type ('yes' is no boolean, 7.0 no count)
         if given is not None:
             return kind.model_validate(given.model_dump(exclude_unset=True))  # what was set stays set
@@ -78,50 +82,72 @@ def train_section(train: TrainSettings | None) -> TrainSettings | None:
     if train is None:
         return None
     if not isinstance(train, TrainSettings):  # another trainer's settings fail DpSgdSettings' own validation
-        raise _problem("train", type(train).__name__, "must be the DP-SGD trainer's settings (dpml.DpSgdSettings, "
-                       "or a TrainSettings of algorithm dpsgd); other trainers run in the pipeline")
+        raise _problem(
+            "train",
+            type(train).__name__,
+            "must be the DP-SGD trainer's settings (dpml.DpSgdSettings, "
+            "or a TrainSettings of algorithm dpsgd); other trainers run in the pipeline",
+        )
     if "seed" in train.model_fields_set:
-        raise _problem("train.seed", train.seed, "initialises a model the pipeline builds; train_private trains "
-                       "the model passed in (seed= fixes its batches and noise)")
+        raise _problem(
+            "train.seed",
+            train.seed,
+            "initialises a model the pipeline builds; train_private trains "
+            "the model passed in (seed= fixes its batches and noise)",
+        )
     return train
 
 
-def library_settings(n: int, dp: DpConfig | None, train: TrainSettings | None, keywords: dict[str, Any],
-                     expected_batch_size: int | None) -> LibrarySettings:
+def library_settings(
+    n: int, dp: DpConfig | None, train: TrainSettings | None, keywords: dict[str, Any], expected_batch_size: int | None
+) -> LibrarySettings:
     """Every setting of the call checked, before any work; refusals name the key, the value and what is
     allowed. ``keywords``: the call's setting keywords (each a field of ``dp`` or ``train``)."""
     unknown = [k for k in keywords if k not in DP_KEYS + TRAIN_KEYS]
     if unknown:
-        raise TypeError(f"dpml.train_private got an unknown setting {unknown[0]!r}; its settings are the dp "
-                        f"section's ({', '.join(DP_KEYS)}) and the train section's ({', '.join(TRAIN_KEYS)})")
+        raise TypeError(
+            f"dpml.train_private got an unknown setting {unknown[0]!r}; its settings are the dp "
+            f"section's ({', '.join(DP_KEYS)}) and the train section's ({', '.join(TRAIN_KEYS)})"
+        )
     if n == 0:
         raise _problem("dataset", "empty", "needs at least one record")
     given = {k: v for k, v in keywords.items() if v is not None}
     loss, optimizer = given.pop("loss", None), given.pop("optimizer", None)
-    named = {k: v for k, v in (("loss", loss), ("optimizer", optimizer))
-             if v is not None and not callable(v)}  # a name goes to the section; a function is the library's own
+    named = {
+        k: v for k, v in (("loss", loss), ("optimizer", optimizer)) if v is not None and not callable(v)
+    }  # a name goes to the section; a function is the library's own
     dp_section: DpConfig = _section(DpConfig, dp, {k: v for k, v in given.items() if k in DP_KEYS}, "dp")
-    train_settings: DpSgdSettings = _section(DpSgdSettings, train_section(train),
-                                             {k: v for k, v in {**given, **named}.items() if k in TRAIN_KEYS},
-                                             "train")
+    train_settings: DpSgdSettings = _section(
+        DpSgdSettings, train_section(train), {k: v for k, v in {**given, **named}.items() if k in TRAIN_KEYS}, "train"
+    )
     check_noise_and_delta(dp_section, n)
     sample_rate = check_sample_rate(train_settings, expected_batch_size, n)
     check_world(train_settings)
-    loss_fn = loss if callable(loss) else loss_function(train_settings.loss, train_settings.loss_tau,
-                                                        train_settings.loss_alpha)
-    return LibrarySettings(dp_section, train_settings, sample_rate, loss_fn,
-                           optimizer if callable(optimizer) else train_settings.optimizer)
+    loss_fn = (
+        loss
+        if callable(loss)
+        else loss_function(train_settings.loss, train_settings.loss_tau, train_settings.loss_alpha)
+    )
+    return LibrarySettings(
+        dp_section, train_settings, sample_rate, loss_fn, optimizer if callable(optimizer) else train_settings.optimizer
+    )
 
 
 def check_noise_and_delta(dp: DpConfig, n: int) -> None:
     """Exactly one of ``target_epsilon`` and ``noise_multiplier``; δ < 1/n unless allowed (a δ ≥ 1/n
     permits mechanisms that publish some record outright)."""
     if (dp.target_epsilon is None) == (dp.noise_multiplier is None):
-        raise ValueError(f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon="
-                         f"{dp.target_epsilon!r}, noise_multiplier={dp.noise_multiplier!r})")
+        raise ValueError(
+            f"give exactly one of target_epsilon and noise_multiplier (got target_epsilon="
+            f"{dp.target_epsilon!r}, noise_multiplier={dp.noise_multiplier!r})"
+        )
     if dp.delta >= 1.0 / n and not dp.allow_delta_above_inverse_n:
-        raise _problem("delta", dp.delta, f"is ≥ 1/n = {1.0 / n:.3g} for n = {n} records, which permits releasing "
-                       "some record outright; use δ ≪ 1/n (or allow_delta_above_inverse_n=True)")
+        raise _problem(
+            "delta",
+            dp.delta,
+            f"is ≥ 1/n = {1.0 / n:.3g} for n = {n} records, which permits releasing "
+            "some record outright; use δ ≪ 1/n (or allow_delta_above_inverse_n=True)",
+        )
 
 
 def check_sample_rate(train: DpSgdSettings, expected_batch_size: int | None, n: int) -> float:
@@ -130,10 +156,15 @@ def check_sample_rate(train: DpSgdSettings, expected_batch_size: int | None, n: 
     if expected_batch_size is None:
         return train.sample_rate
     if "sample_rate" in train.model_fields_set:
-        raise ValueError(f"give exactly one of sample_rate and expected_batch_size (got sample_rate="
-                         f"{train.sample_rate!r}, expected_batch_size={expected_batch_size!r})")
-    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) \
-            or not 1 <= expected_batch_size <= n:
+        raise ValueError(
+            f"give exactly one of sample_rate and expected_batch_size (got sample_rate="
+            f"{train.sample_rate!r}, expected_batch_size={expected_batch_size!r})"
+        )
+    if (
+        isinstance(expected_batch_size, bool)
+        or not isinstance(expected_batch_size, int)
+        or not 1 <= expected_batch_size <= n
+    ):
         raise _problem("expected_batch_size", expected_batch_size, f"must be an integer in [1, n = {n}]")
     return expected_batch_size / n
 
@@ -151,37 +182,55 @@ def check_workers(num_workers: int) -> None:
         raise _problem("num_workers", num_workers, "must be an integer ≥ 0")
 
 
-def ledger_terms(ledger: Any, epsilon_budget: float | None, lineage: str | None,
-                 privacy_units: Sequence[object] | None, n: int) -> tuple[float | None, str | None]:
+def ledger_terms(
+    ledger: Any, epsilon_budget: float | None, lineage: str | None, privacy_units: Sequence[object] | None, n: int
+) -> tuple[float | None, str | None]:
     """The budget each unit may spend and the lineage the run charges: from ``ledger=`` when it is the
     pipeline's :class:`~dpml.sections_stores.LedgerConfig` (``epsilon_budget``, ``dataset``), else the
     keywords; both checked (:func:`check_ledger`)."""
     if isinstance(ledger, LedgerConfig):
         for key, value in (("epsilon_budget", epsilon_budget), ("lineage", lineage)):
             if value is not None:
-                raise _problem(key, value, "also given in ledger= (a LedgerConfig holds epsilon_budget, and the "
-                               "lineage as dataset); give each once")
+                raise _problem(
+                    key,
+                    value,
+                    "also given in ledger= (a LedgerConfig holds epsilon_budget, and the "
+                    "lineage as dataset); give each once",
+                )
         if ledger.on_exhausted != "refuse":
-            raise _problem("ledger.on_exhausted", ledger.on_exhausted, "train_private trains on every record it is "
-                           "given, so only 'refuse' (leave people without budget out of the dataset yourself)")
+            raise _problem(
+                "ledger.on_exhausted",
+                ledger.on_exhausted,
+                "train_private trains on every record it is "
+                "given, so only 'refuse' (leave people without budget out of the dataset yourself)",
+            )
         epsilon_budget, lineage = ledger.epsilon_budget, ledger.dataset
     check_ledger(ledger, epsilon_budget, lineage, privacy_units, n)
     return epsilon_budget, lineage
 
 
-def check_ledger(ledger: Any, epsilon_budget: float | None, lineage: str | None,
-                 privacy_units: Sequence[object] | None, n: int) -> None:
+def check_ledger(
+    ledger: Any, epsilon_budget: float | None, lineage: str | None, privacy_units: Sequence[object] | None, n: int
+) -> None:
     """A ledger needs the budget each unit may spend and the lineage it charges; ``privacy_units`` only
     with a ledger, one id per record, each unit at most once."""
     if ledger is not None:
         if epsilon_budget is None:
             raise _problem("epsilon_budget", None, "a ledger needs the budget each privacy unit may spend")
-        if isinstance(epsilon_budget, bool) or not isinstance(epsilon_budget, (int, float)) \
-                or not math.isfinite(epsilon_budget) or epsilon_budget <= 0:
+        if (
+            isinstance(epsilon_budget, bool)
+            or not isinstance(epsilon_budget, (int, float))
+            or not math.isfinite(epsilon_budget)
+            or epsilon_budget <= 0
+        ):
             raise _problem("epsilon_budget", epsilon_budget, "must be a finite number > 0")
         if not lineage:
-            raise _problem("lineage", lineage, "a ledger needs the name of the data set's account (its lineage: "
-                           "lineage=, or dataset in a LedgerConfig)")
+            raise _problem(
+                "lineage",
+                lineage,
+                "a ledger needs the name of the data set's account (its lineage: "
+                "lineage=, or dataset in a LedgerConfig)",
+            )
     if privacy_units is not None:
         if ledger is None:
             raise _problem("privacy_units", "…", "only used to charge a ledger; pass ledger= too")
@@ -197,6 +246,10 @@ def check_privacy_units(privacy_units: Sequence[object], n: int) -> None:
     for index, unit in enumerate(privacy_units):
         text = str(unit)
         if text in seen:
-            raise _problem("privacy_units", unit, f"appears at records {seen[text]} and {index}: keep one record per "
-                           "unit (the certificate bounds one record's influence)")
+            raise _problem(
+                "privacy_units",
+                unit,
+                f"appears at records {seen[text]} and {index}: keep one record per "
+                "unit (the certificate bounds one record's influence)",
+            )
         seen[text] = index

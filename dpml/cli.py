@@ -120,13 +120,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     config = load(args.params, args.set)
     chosen = {k.removeprefix("chosen."): v for k, v in results["train"].items() if k.startswith("chosen.")}
     if args.json:
-        print(json.dumps(run_record(results) | {"chosen": chosen, "noisy_validation_accuracy":
-                                                 results["train"]["noisy_validation_accuracy"]}, indent=2, default=str))
+        print(
+            json.dumps(
+                run_record(results)
+                | {"chosen": chosen, "noisy_validation_accuracy": results["train"]["noisy_validation_accuracy"]},
+                indent=2,
+                default=str,
+            )
+        )
         return 0
     print(run_summary(results))
-    print(f"  search               {config.tune.distribution} (E[K] = {config.tune.mean:g}); released the best "
-          f"candidate {chosen}, noisy validation accuracy {results['train']['noisy_validation_accuracy']:.4f}; "
-          "its ε above includes the whole search")
+    print(
+        f"  search               {config.tune.distribution} (E[K] = {config.tune.mean:g}); released the best "
+        f"candidate {chosen}, noisy validation accuracy {results['train']['noisy_validation_accuracy']:.4f}; "
+        "its ε above includes the whole search"
+    )
     return 0
 
 
@@ -154,14 +162,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
     audit = result["audit"]
     print(f"re-audit of {result['model']} (MLflow run {result['audit_run_id']}), outputs in {out}")
     for name, r in audit["target"]["attacks"].items():
-        print(f"  {name:<22} AUC {r['auc']:.3f}, TPR@1%FPR {r['tpr_at_1pct_fpr']:.3f}, TPR@0.1%FPR {r['tpr_at_0.1pct_fpr']:.3f}")
+        print(
+            f"  {name:<22} AUC {r['auc']:.3f}, TPR@1%FPR {r['tpr_at_1pct_fpr']:.3f}, TPR@0.1%FPR {r['tpr_at_0.1pct_fpr']:.3f}"
+        )
     for bound in audit["one_run"]:
         print(f"  {bound['method']:<22} ε ≥ {bound['epsilon']:.3f}")
     for line in power_summary(audit) + conformance_summary_lines(audit):
         print(line)
     verdict = "consistent with" if audit["max_lower_bound"] <= result["certified_epsilon"] else "EXCEEDS"
-    print(f"  largest empirical lower bound ε ≥ {audit['max_lower_bound']:.4g}: {verdict} the certified "
-          f"ε = {format_epsilon(result['certified_epsilon'])}")
+    print(
+        f"  largest empirical lower bound ε ≥ {audit['max_lower_bound']:.4g}: {verdict} the certified "
+        f"ε = {format_epsilon(result['certified_epsilon'])}"
+    )
     if not result["conforms"]:
         print("  the trainer does NOT conform to its certificate (see the conformance lines above)")
     return 0 if result["consistent"] else 3
@@ -170,13 +182,19 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     from dpml.data.schema_draft import draft_schema  # lazy: per command
 
-    source = args.source if ":" in args.source.split("/")[0] else \
-        f"{'parquet' if args.source.endswith(('.parquet', '.pq')) else 'csv'}:{args.source}"
+    source = (
+        args.source
+        if ":" in args.source.split("/")[0]
+        else f"{'parquet' if args.source.endswith(('.parquet', '.pq')) else 'csv'}:{args.source}"
+    )
     text = draft_schema(source, args.label, args.id, args.max_categories)
     if args.out:
         Path(args.out).write_text(text)
-        print(f"draft schema written to {args.out}: READ FROM THE DATA, NOT PRIVATE; replace every marked value "
-              "with public knowledge before a private run", file=sys.stderr)
+        print(
+            f"draft schema written to {args.out}: READ FROM THE DATA, NOT PRIVATE; replace every marked value "
+            "with public knowledge before a private run",
+            file=sys.stderr,
+        )
     else:
         print(text, end="")
     return 0
@@ -237,7 +255,7 @@ def _steps(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: must be an integer ≥ 1") from None
-    if not 1 <= value <= 10 ** 9:
+    if not 1 <= value <= 10**9:
         raise argparse.ArgumentTypeError(f"{text}: must be an integer in [1, 1e9]")
     return value
 
@@ -247,21 +265,34 @@ STAGE_NAMES = ("ingest", "split", "preprocess", "train", "certify", "audit", "ga
 
 def mechanism_args(p: argparse.ArgumentParser, required: bool) -> None:
     """DP-SGD's parameters; σ and steps are optional where one of them is being calibrated."""
-    p.add_argument("--noise-multiplier", type=_positive_float, required=required, default=None,
-                   help="σ: the Gaussian noise's standard deviation over the clip norm")
+    p.add_argument(
+        "--noise-multiplier",
+        type=_positive_float,
+        required=required,
+        default=None,
+        help="σ: the Gaussian noise's standard deviation over the clip norm",
+    )
     p.add_argument("--sample-rate", type=_rate, required=True, help="q: each record's Poisson sampling rate, in (0, 1]")
     p.add_argument("--steps", type=_steps, required=required, default=None, help="the number of DP-SGD steps")
     p.add_argument("--delta", type=_delta, default=1e-5, help="δ of the (ε, δ) guarantee (default 1e-5)")
-    p.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove",
-                   help="the neighbouring relation: add or remove one record (default), or replace one")
+    p.add_argument(
+        "--neighbouring",
+        choices=("add-remove", "replace-one"),
+        default="add-remove",
+        help="the neighbouring relation: add or remove one record (default), or replace one",
+    )
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def prefect_api_arg(p: argparse.ArgumentParser) -> None:
     """``--prefect-api URL``: the run's Prefect API, before ``PREFECT_API_URL`` (``flows/prefect_api.py``)."""
-    p.add_argument("--prefect-api", metavar="URL", default=None,
-                   help="the Prefect API of the flow run, e.g. http://127.0.0.1:4200/api (default: PREFECT_API_URL, "
-                        "else a temporary server for this run alone)")
+    p.add_argument(
+        "--prefect-api",
+        metavar="URL",
+        default=None,
+        help="the Prefect API of the flow run, e.g. http://127.0.0.1:4200/api (default: PREFECT_API_URL, "
+        "else a temporary server for this run alone)",
+    )
 
 
 class Parser(argparse.ArgumentParser):
@@ -274,8 +305,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="dpml", description="Privacy-audited model production.", epilog=examples_epilog("dpml"),
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="dpml",
+        description="Privacy-audited model production.",
+        epilog=examples_epilog("dpml"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=version())
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -283,23 +318,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     def config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--params", default="params.yaml", help="configuration file (default: params.yaml)")
-        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one parameter, e.g. --set dp.target_epsilon=2 (repeatable)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override one parameter, e.g. --set dp.target_epsilon=2 (repeatable)",
+        )
         # also accepted after the command (dpml run --verbose); SUPPRESS keeps `dpml --verbose run`'s value
         p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
 
     run = command(sub, "run", "run the whole pipeline")
     config_args(run)
-    run.add_argument("--engine", choices=("prefect", "local"), default="prefect",
-                     help="prefect: a Prefect flow run (default); local: the stages in-process")
+    run.add_argument(
+        "--engine",
+        choices=("prefect", "local"),
+        default="prefect",
+        help="prefect: a Prefect flow run (default); local: the stages in-process",
+    )
     prefect_api_arg(run)
     run.add_argument("--json", action="store_true", help=JSON_HELP)
     run.set_defaults(func=cmd_run)
 
     tun = command(sub, "tune", "private hyperparameter search (tune section), then certify, audit, release")
     config_args(tun)
-    tun.add_argument("--engine", choices=("prefect", "local"), default="prefect",
-                     help="prefect: a Prefect flow run (default); local: the stages in-process")
+    tun.add_argument(
+        "--engine",
+        choices=("prefect", "local"),
+        default="prefect",
+        help="prefect: a Prefect flow run (default); local: the stages in-process",
+    )
     prefect_api_arg(tun)
     tun.add_argument("--json", action="store_true", help=JSON_HELP)
     tun.set_defaults(func=cmd_tune)
@@ -311,18 +359,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     aud = command(sub, "audit", "re-audit a registered model version with the data it was trained on")
     aud.add_argument("--model", required=True, help="models:/NAME@ALIAS or models:/NAME/VERSION")
-    aud.add_argument("--out", default=None, help="folder for the rebuilt data and audit outputs (default artifacts/reaudit)")
+    aud.add_argument(
+        "--out", default=None, help="folder for the rebuilt data and audit outputs (default artifacts/reaudit)"
+    )
     config_args(aud)
     aud.add_argument("--json", action="store_true", help=JSON_HELP)
     aud.set_defaults(func=cmd_audit)
 
     rep = command(sub, "reproduce", "rebuild a registered release's code, data and certificate and check them")
     rep.add_argument("model", help="models:/NAME/VERSION or models:/NAME@ALIAS")
-    rep.add_argument("--verify", action="store_true",
-                     help="check out its commit, pull its data from the DVC remote, check both hashes, recompute the "
-                          "certificate; no training, no ε (without it: retrain by dvc repro, charged to the ledger)")
-    rep.add_argument("--accuracy-band", type=_band, default=0.05,
-                     help="retraining: largest accepted |test accuracy - released| (default 0.05)")
+    rep.add_argument(
+        "--verify",
+        action="store_true",
+        help="check out its commit, pull its data from the DVC remote, check both hashes, recompute the "
+        "certificate; no training, no ε (without it: retrain by dvc repro, charged to the ledger)",
+    )
+    rep.add_argument(
+        "--accuracy-band",
+        type=_band,
+        default=0.05,
+        help="retraining: largest accepted |test accuracy - released| (default 0.05)",
+    )
     config_args(rep)
     rep.add_argument("--json", action="store_true", help=JSON_HELP)
     rep.set_defaults(func=cmd_reproduce)
@@ -349,13 +406,24 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     led = command(sub, "ledger", "the privacy budget ledger: per lineage, its spends and each person's ε")
-    led.add_argument("action", nargs="*", metavar="rename OLD NEW",
-                     help="rename lineage OLD to NEW, keeping its history (with --merge: into the existing lineage NEW)")
-    led.add_argument("--merge", action="store_true", help="rename: merge OLD into the existing lineage NEW (one "
-                     "account for the people of both)")
+    led.add_argument(
+        "action",
+        nargs="*",
+        metavar="rename OLD NEW",
+        help="rename lineage OLD to NEW, keeping its history (with --merge: into the existing lineage NEW)",
+    )
+    led.add_argument(
+        "--merge",
+        action="store_true",
+        help="rename: merge OLD into the existing lineage NEW (one account for the people of both)",
+    )
     led.add_argument("--dataset", default=None, help="one lineage (ledger.dataset; default: every lineage)")
-    led.add_argument("--person", default=None, metavar="ID",
-                     help="every release that touched the person with this id (data.id_column), across lineages")
+    led.add_argument(
+        "--person",
+        default=None,
+        metavar="ID",
+        help="every release that touched the person with this id (data.id_column), across lineages",
+    )
     led.add_argument("--json", action="store_true", help=JSON_HELP)
     config_args(led)
     led.set_defaults(func=cmd_ledger)
@@ -383,8 +451,10 @@ def _one_line(error: BaseException) -> str:
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
     foreign = not type(error).__module__.startswith("dpml")  # dpml's own errors are phrased where they happen
     if foreign and any(sign in text for sign in _STORAGE_FULL):  # SQLite (via SQLAlchemy) on a full disk
-        return (f"a write failed: {text.split(' [SQL:')[0][:300]}; is the disk full? Free space and run again "
-                "(a spend already started stays counted in the ledger)")
+        return (
+            f"a write failed: {text.split(' [SQL:')[0][:300]}; is the disk full? Free space and run again "
+            "(a spend already started stays counted in the ledger)"
+        )
     if isinstance(error, OSError) and error.filename is not None:
         return f"cannot use {error.filename}: {error.strerror or text} (check the path, its permissions and free space)"
     known = (ConfigError, ValueError, LookupError, LedgerError, RuntimeError)

@@ -61,8 +61,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "epsilon": [
         ("dpml epsilon --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000", "from every accountant"),
-        ("dpml epsilon --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000 --neighbouring replace-one --json",
-         "replace-one neighbours, as JSON"),
+        (
+            "dpml epsilon --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000 --neighbouring replace-one --json",
+            "replace-one neighbours, as JSON",
+        ),
     ],
 }
 
@@ -84,10 +86,16 @@ def version() -> str:
 def command(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
     """The parser of ``dpml NAME``: its one-line summary (in ``dpml --help``'s list and as its own --help's description
     line), and its examples at the end of its --help."""
-    return sub.add_parser(name, help=summary, description=summary[:1].upper() + summary[1:] + ".",
-                          epilog=examples_epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=summary[:1].upper() + summary[1:] + ".",
+        epilog=examples_epilog(name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 JSON_HELP = "print the result as JSON (for scripts) instead of text"
-VERBOSE_HELP = ("also show Prefect's, Dask's, absl's and MLflow's own logs and progress bars, and other libraries' "
-                "warnings")
+VERBOSE_HELP = (
+    "also show Prefect's, Dask's, absl's and MLflow's own logs and progress bars, and other libraries' warnings"
+)

@@ -19,17 +19,28 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if (args.steps is None) == (args.noise_multiplier is None):
         raise ValueError("give exactly one of --steps (to calibrate σ) and --noise-multiplier (to calibrate steps)")
     if args.steps is not None:
-        sigma = calibrate_noise_multiplier(args.target_epsilon, args.sample_rate, args.steps, args.delta, args.neighbouring)
+        sigma = calibrate_noise_multiplier(
+            args.target_epsilon, args.sample_rate, args.steps, args.delta, args.neighbouring
+        )
         result = {"noise_multiplier": sigma, "steps": args.steps}
         text = f"noise multiplier σ = {sigma:.6g} for {args.steps} steps"
     else:
-        steps = calibrate_steps(args.target_epsilon, args.sample_rate, args.noise_multiplier, args.delta, args.neighbouring)
+        steps = calibrate_steps(
+            args.target_epsilon, args.sample_rate, args.noise_multiplier, args.delta, args.neighbouring
+        )
         result = {"noise_multiplier": args.noise_multiplier, "steps": steps}
         text = f"at most {steps} steps with σ = {args.noise_multiplier:g}"
-    result |= {"target_epsilon": args.target_epsilon, "sample_rate": args.sample_rate, "delta": args.delta,
-               "neighbouring": args.neighbouring}
-    print(json.dumps(result, indent=2) if args.json else
-          f"{text} keep ε ≤ {args.target_epsilon:g} at δ = {args.delta:g} (q = {args.sample_rate:g}, {args.neighbouring})")
+    result |= {
+        "target_epsilon": args.target_epsilon,
+        "sample_rate": args.sample_rate,
+        "delta": args.delta,
+        "neighbouring": args.neighbouring,
+    }
+    print(
+        json.dumps(result, indent=2)
+        if args.json
+        else f"{text} keep ε ≤ {args.target_epsilon:g} at δ = {args.delta:g} (q = {args.sample_rate:g}, {args.neighbouring})"
+    )
     return 0
 
 
@@ -47,7 +58,10 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     if not summary:
-        print(f"{open_ledger(config).location}: no spends recorded" + (f" for lineage {args.dataset!r}" if args.dataset else ""))
+        print(
+            f"{open_ledger(config).location}: no spends recorded"
+            + (f" for lineage {args.dataset!r}" if args.dataset else "")
+        )
     budget = config.ledger.epsilon_budget
     for entry in summary:
         print(lineage_text(entry, budget))
@@ -60,8 +74,9 @@ def cmd_ledger_rename(args: argparse.Namespace) -> int:
     from dpml.stages.train import open_ledger  # lazy: per command
 
     if len(args.action) != 3 or args.action[0] != "rename":
-        raise ConfigError(f"ledger {' '.join(args.action)!r}: the one ledger operation is: dpml ledger rename OLD NEW "
-                          "[--merge]")
+        raise ConfigError(
+            f"ledger {' '.join(args.action)!r}: the one ledger operation is: dpml ledger rename OLD NEW [--merge]"
+        )
     _, old, new = args.action
     config = load(args.params, args.set)
     moved = open_ledger(config).rename_lineage(old, new, merge=args.merge)
@@ -107,7 +122,7 @@ def cmd_certificate(args: argparse.Namespace) -> int:
         print(f"logged:     {logged['statement']}")
         print(f"recomputed: {fresh['statement']}")
         for answer in fresh["answers"]:
-            value = format_epsilon(answer['epsilon']) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            value = format_epsilon(answer["epsilon"]) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
             print(f"  {answer['name']:<20} {answer['version']:<10} {value}")
         print("match" if same else "MISMATCH: the logged certificate does not follow from the logged mechanism")
     return 0 if same else 3
@@ -118,16 +133,36 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
     from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps  # lazy: per command
 
     mechanism = MechanismDescription(
-        trainer="cli", events=(PoissonGaussianSteps(args.sample_rate, args.noise_multiplier, args.steps),),
-        neighbouring=args.neighbouring, clip_norm=1.0, dataset_size=0,
+        trainer="cli",
+        events=(PoissonGaussianSteps(args.sample_rate, args.noise_multiplier, args.steps),),
+        neighbouring=args.neighbouring,
+        clip_norm=1.0,
+        dataset_size=0,
     )
     certificate = certify(mechanism, args.delta)
     if args.json:
-        print(json.dumps({k: certificate[k] for k in ("epsilon", "delta", "accountant", "accountant_version",
-                                                      "neighbouring", "statement", "answers")}, indent=2))
+        print(
+            json.dumps(
+                {
+                    k: certificate[k]
+                    for k in (
+                        "epsilon",
+                        "delta",
+                        "accountant",
+                        "accountant_version",
+                        "neighbouring",
+                        "statement",
+                        "answers",
+                    )
+                },
+                indent=2,
+            )
+        )
     else:
-        print(f"epsilon = {format_epsilon(certificate['epsilon'])} at delta = {args.delta:g} ({certificate['accountant']})")
+        print(
+            f"epsilon = {format_epsilon(certificate['epsilon'])} at delta = {args.delta:g} ({certificate['accountant']})"
+        )
         for answer in certificate["answers"]:
-            value = format_epsilon(answer['epsilon']) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
+            value = format_epsilon(answer["epsilon"]) if answer["epsilon"] is not None else f"n/a ({answer['error']})"
             print(f"  {answer['name']:<20} {value}")
     return 0

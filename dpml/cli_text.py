@@ -33,12 +33,15 @@ def run_summary(results: dict[str, Any]) -> str:
         f"{release['lineage']}: largest unit ε {format_epsilon(release['lineage_max_unit_epsilon'])} (dpml ledger)",
         f"  test accuracy        {train['test_accuracy']:.4f}",
         audit_line(audit, eps),
-        f"  model version        {release['model_uri']}" + ("  → alias champion" if release["champion"] else "")
+        f"  model version        {release['model_uri']}"
+        + ("  → alias champion" if release["champion"] else "")
         + ("  (this spend's release, registered before)" if release.get("already_released") else "")
         + f"  MLflow run {release['run_id']}",
         *destination_lines(release),
-        "  UI                   " + ui_hint(release["tracking_uri"], release.get("registry_uri"))
-        + "  then " + review_hint(release["tracking_uri"], release["experiment_id"]),
+        "  UI                   "
+        + ui_hint(release["tracking_uri"], release.get("registry_uri"))
+        + "  then "
+        + review_hint(release["tracking_uri"], release["experiment_id"]),
         *prefect_lines(results.get("prefect")),
         f"  details              {release.get('card', 'release_card.html')} (release card), "
         f"{release.get('report', 'privacy_report.md')} (privacy report)",
@@ -53,28 +56,43 @@ def run_record(results: dict[str, Any]) -> dict[str, Any]:
     cert, audit, gate, release = (results[k] for k in ("certify", "audit", "gate", "register"))
     return {
         "verdict": gate["verdict"],
-        "epsilon": cert["epsilon"], "delta": cert["delta"],
+        "epsilon": cert["epsilon"],
+        "delta": cert["delta"],
         "accountant": (cert.get("certificate") or {}).get("accountant"),
         "test_accuracy": results["train"]["test_accuracy"],
         "largest_lower_bound": audit["max_lower_bound"],
-        "lineage": release["lineage"], "lineage_max_unit_epsilon": release["lineage_max_unit_epsilon"],
-        "model_uri": release["model_uri"], "champion": release["champion"],
-        "already_released": bool(release.get("already_released")), "run_id": release["run_id"],
-        "tracking_uri": release["tracking_uri"], "registry_uri": release.get("registry_uri") or release["tracking_uri"],
-        "experiment_id": release["experiment_id"], "release_card": release.get("card"),
-        "privacy_report": release.get("report"), "prefect": results.get("prefect"),
+        "lineage": release["lineage"],
+        "lineage_max_unit_epsilon": release["lineage_max_unit_epsilon"],
+        "model_uri": release["model_uri"],
+        "champion": release["champion"],
+        "already_released": bool(release.get("already_released")),
+        "run_id": release["run_id"],
+        "tracking_uri": release["tracking_uri"],
+        "registry_uri": release.get("registry_uri") or release["tracking_uri"],
+        "experiment_id": release["experiment_id"],
+        "release_card": release.get("card"),
+        "privacy_report": release.get("report"),
+        "prefect": results.get("prefect"),
     }
 
 
 def audit_record(result: dict[str, Any], out: str) -> dict[str, Any]:
     """``dpml audit --json``: the re-audit's attacks, bounds and verdict against the certified ε, as data."""
     audit = result["audit"]
-    return {"model_uri": f"models:/{result['model']}", "audit_run_id": result["audit_run_id"], "outputs": out,
-            "certified_epsilon": result["certified_epsilon"], "largest_lower_bound": audit["max_lower_bound"],
-            "consistent": bool(result["consistent"]), "conforms": bool(result["conforms"]),
-            "attacks": {name: {k: r[k] for k in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
-                        for name, r in audit["target"]["attacks"].items()},
-            "one_run": [{"method": b["method"], "epsilon": b["epsilon"]} for b in audit["one_run"]]}
+    return {
+        "model_uri": f"models:/{result['model']}",
+        "audit_run_id": result["audit_run_id"],
+        "outputs": out,
+        "certified_epsilon": result["certified_epsilon"],
+        "largest_lower_bound": audit["max_lower_bound"],
+        "consistent": bool(result["consistent"]),
+        "conforms": bool(result["conforms"]),
+        "attacks": {
+            name: {k: r[k] for k in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
+            for name, r in audit["target"]["attacks"].items()
+        },
+        "one_run": [{"method": b["method"], "epsilon": b["epsilon"]} for b in audit["one_run"]],
+    }
 
 
 def audit_line(audit: dict[str, Any], epsilon: float) -> str:
@@ -84,10 +102,12 @@ def audit_line(audit: dict[str, Any], epsilon: float) -> str:
     name = max(attacks, key=lambda n: attacks[n]["auc"])
     beside = f" | control {control[name]['auc']:.3f}" if name in control else ""
     references = audit["references"]
-    return (f"  audit                empirical ε bound {format_lower_bound(audit['max_lower_bound'])} "
-            f"(certified {format_epsilon(epsilon)}); "
-            f"strongest {name} AUC {attacks[name]['auc']:.3f}{beside}; reference models {references['models']} "
-            f"({references['found_stored']} stored, {references['trained_by_this_stage']} trained)")
+    return (
+        f"  audit                empirical ε bound {format_lower_bound(audit['max_lower_bound'])} "
+        f"(certified {format_epsilon(epsilon)}); "
+        f"strongest {name} AUC {attacks[name]['auc']:.3f}{beside}; reference models {references['models']} "
+        f"({references['found_stored']} stored, {references['trained_by_this_stage']} trained)"
+    )
 
 
 def prefect_lines(prefect: dict[str, Any] | None) -> list[str]:
@@ -97,8 +117,10 @@ def prefect_lines(prefect: dict[str, Any] | None) -> list[str]:
         return []
     origin = prefect.get("origin")
     where = {"temporary server": "a temporary server for this run, stopped when it ended"}.get(origin or "", origin)
-    return [f"  Prefect              flow run {prefect['flow_run_name']} ({prefect['flow_run_id']}) via API "
-            f"{prefect['api_url']}" + (f"  ({where})" if where else "")]
+    return [
+        f"  Prefect              flow run {prefect['flow_run_name']} ({prefect['flow_run_id']}) via API "
+        f"{prefect['api_url']}" + (f"  ({where})" if where else "")
+    ]
 
 
 def destination_lines(release: dict[str, Any]) -> list[str]:
@@ -153,33 +175,47 @@ def conformance_summary_lines(audit: dict) -> list[str]:
         return []
     if not conformance["ran"]:
         return [f"  conformance          not checked: {conformance['reason']}"]
-    return [f"  conformance          {'PASSED' if c['passed'] else 'FAILED'} {c['line']}" for c in conformance["checks"]]
+    return [
+        f"  conformance          {'PASSED' if c['passed'] else 'FAILED'} {c['line']}" for c in conformance["checks"]
+    ]
 
 
 def lineage_text(entry: dict[str, Any], budget: float) -> str:
     """``dpml ledger``'s view of one lineage: versions, spends, people by ε, the largest."""
     versions = entry["dataset_versions"]
-    lines = [f"lineage {entry['lineage']}: {len(versions)} data version(s), {entry['private_spends']} DP runs, "
-             f"{entry['nonprivate_runs']} non-private"
-             + (f", {entry['cancelled_spends']} cancelled before training (not counted)" if entry["cancelled_spends"] else ""),
-             f"  largest unit ε = {format_epsilon(entry['epsilon_total'])} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
-             f"{max(budget - entry['epsilon_total'], 0):.4g} left for the most exposed); {entry['units']:,} units"]
+    lines = [
+        f"lineage {entry['lineage']}: {len(versions)} data version(s), {entry['private_spends']} DP runs, "
+        f"{entry['nonprivate_runs']} non-private"
+        + (
+            f", {entry['cancelled_spends']} cancelled before training (not counted)"
+            if entry["cancelled_spends"]
+            else ""
+        ),
+        f"  largest unit ε = {format_epsilon(entry['epsilon_total'])} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
+        f"{max(budget - entry['epsilon_total'], 0):.4g} left for the most exposed); {entry['units']:,} units",
+    ]
     if entry["unit_epsilon"]:
         levels = entry["unit_epsilon"]
         shown = "  ".join(f"ε {format_epsilon(eps)}: {count:,}" for eps, count in levels[:12])
         lines.append(f"  units by ε   {shown}" + (f"  … {len(levels) - 12} more levels" if len(levels) > 12 else ""))
     if entry["unknown_unit_spends"]:
-        lines.append("  spends with unknown units (charged to every unit): "
-                     + ", ".join(f"#{i}" for i in entry["unknown_unit_spends"]))
+        lines.append(
+            "  spends with unknown units (charged to every unit): "
+            + ", ".join(f"#{i}" for i in entry["unknown_unit_spends"])
+        )
     if entry.get("filter_order"):
-        lines.append(f"  individual Rényi filter at order α* = {entry['filter_order']:g} (ledger.on_exhausted: exclude)")
+        lines.append(
+            f"  individual Rényi filter at order α* = {entry['filter_order']:g} (ledger.on_exhausted: exclude)"
+        )
     lines += people_lines(entry)
     for spend in entry["spends"]:
         alone = "non-private" if not spend["private"] else f"ε alone {format_epsilon(spend['epsilon_alone'])}"
         units = "" if spend["units"] is None else f"{spend['units']:,} units"
         counted = "" if spend["counted"] else "  (not counted)"
-        lines.append(f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
-                     f"[{', '.join(spend['events']) or 'reserved'}]  data {spend['dataset_version'][:12]}{counted}")
+        lines.append(
+            f"  #{spend['id']:<4} {alone:<18} {units:<14} {spend['label']}  "
+            f"[{', '.join(spend['events']) or 'reserved'}]  data {spend['dataset_version'][:12]}{counted}"
+        )
     return "\n".join(lines)
 
 
@@ -198,9 +234,11 @@ def people_lines(entry: dict[str, Any]) -> list[str]:
     lines = []
     if entry.get("shared_with"):
         shared = ", ".join(f"{name!r} ({count:,})" for name, count in entry["shared_with"].items())
-        lines.append(f"  the same people are also under lineage {shared}: each person's ε above composes the releases "
-                     "of every lineage; make them one account with dpml ledger rename OTHER "
-                     f"{entry['lineage']} --merge")
+        lines.append(
+            f"  the same people are also under lineage {shared}: each person's ε above composes the releases "
+            "of every lineage; make them one account with dpml ledger rename OTHER "
+            f"{entry['lineage']} --merge"
+        )
     if people:
         lines.append("  people by the releases that touched them (any lineage):")
     for group in people[:PEOPLE_SHOWN]:
@@ -214,12 +252,16 @@ def person_text(person: str, found: dict[str, Any] | None) -> str:
     """``dpml ledger --person ID``: the releases that touched one person, across lineages, and their ε."""
     if found is None:
         return f"person {person!r}: no release has touched them (the ledger has never charged this id)"
-    lines = [f"person {person!r}: ε = {format_epsilon(found['epsilon'])} at δ = {found['delta']:g} over {len(found['releases'])} "
-             f"release(s), lineage(s) {', '.join(found['lineages'])}"]
+    lines = [
+        f"person {person!r}: ε = {format_epsilon(found['epsilon'])} at δ = {found['delta']:g} over {len(found['releases'])} "
+        f"release(s), lineage(s) {', '.join(found['lineages'])}"
+    ]
     for release in found["releases"]:
         counted = "" if release["counted"] else "  (cancelled: not counted)"
-        lines.append(f"  #{release['spend']:<4} {release['lineage']:<20} ε alone {format_epsilon(release['epsilon_alone'])}  "
-                     f"{release['label']}{counted}")
+        lines.append(
+            f"  #{release['spend']:<4} {release['lineage']:<20} ε alone {format_epsilon(release['epsilon_alone'])}  "
+            f"{release['label']}{counted}"
+        )
     return "\n".join(lines)
 
 
@@ -227,6 +269,8 @@ def ledger_rename_text(moved: dict[str, Any], budget: float) -> str:
     """What ``dpml ledger rename`` did, in one line."""
     how = "merged into" if moved["merged"] else "renamed to"
     shared = f"; {moved['shared_units']:,} people were in both, now one account" if moved["merged"] else ""
-    return (f"lineage {moved['old']!r} {how} {moved['new']!r}: {moved['spends']} spend(s) moved, their history kept "
-            f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {format_epsilon(moved['epsilon_total'])} "
-            f"(budget {budget:g})")
+    return (
+        f"lineage {moved['old']!r} {how} {moved['new']!r}: {moved['spends']} spend(s) moved, their history kept "
+        f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {format_epsilon(moved['epsilon_total'])} "
+        f"(budget {budget:g})"
+    )

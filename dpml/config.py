@@ -34,15 +34,45 @@ from pydantic import Field, ValidationError, create_model, field_validator, mode
 from dpml.data.schema import SKLEARN_BUNDLED, VERBATIM_KEYS, VERBATIM_VALUES, DataConfig, default_model_name
 from dpml.params_yaml import MAX_BYTES, MAX_NODES, YamlError, dotted, load_yaml
 from dpml.routing import RoutingError, resolve_tracking
-from dpml.sections import (BOOLEAN_FOR_NUMBER, TUNABLE_KEYS, AuditConfig, DpConfig, GateConfig,
-                           ModelConfig, PreprocessConfig, Section, SplitConfig, TrainSettings, TuneConfig)
+from dpml.sections import (
+    BOOLEAN_FOR_NUMBER,
+    TUNABLE_KEYS,
+    AuditConfig,
+    DpConfig,
+    GateConfig,
+    ModelConfig,
+    PreprocessConfig,
+    Section,
+    SplitConfig,
+    TrainSettings,
+    TuneConfig,
+)
 from dpml.sections_stores import LedgerConfig, PathsConfig, TrackingConfig
 from dpml.train.registry import TRAINERS, trainer_for
 
-__all__ = ["SKLEARN_BUNDLED", "TUNABLE_KEYS", "AuditConfig", "Config", "ConfigError", "DataConfig",
-           "DpConfig", "GateConfig", "LedgerConfig", "ModelConfig", "PathsConfig", "PreprocessConfig", "SplitConfig",
-           "TrackingConfig", "TrainSettings", "TuneConfig", "apply_overrides", "check_tunable", "load", "validate",
-           "with_hyperparameters"]
+__all__ = [
+    "SKLEARN_BUNDLED",
+    "TUNABLE_KEYS",
+    "AuditConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DpConfig",
+    "GateConfig",
+    "LedgerConfig",
+    "ModelConfig",
+    "PathsConfig",
+    "PreprocessConfig",
+    "SplitConfig",
+    "TrackingConfig",
+    "TrainSettings",
+    "TuneConfig",
+    "apply_overrides",
+    "check_tunable",
+    "load",
+    "validate",
+    "with_hyperparameters",
+]
 
 
 class ConfigError(ValueError):
@@ -92,27 +122,39 @@ class ConfigBase(Section):
     def _cross_section_rules(self) -> "ConfigBase":
         if self.data.columns is not None:
             # a value other than the default (a dumped configuration carries the defaults, harmlessly)
-            given = [key for key in ("lower", "upper")
-                     if getattr(self.preprocess, key) != PreprocessConfig.model_fields[key].default]
+            given = [
+                key
+                for key in ("lower", "upper")
+                if getattr(self.preprocess, key) != PreprocessConfig.model_fields[key].default
+            ]
             if given:
-                raise ValueError(f"preprocess.{given[0]} = {getattr(self.preprocess, given[0])}: not used with "
-                                 "data.columns, where each numeric column declares its own lower and upper")
+                raise ValueError(
+                    f"preprocess.{given[0]} = {getattr(self.preprocess, given[0])}: not used with "
+                    "data.columns, where each numeric column declares its own lower and upper"
+                )
         if self.data.source.partition(":")[0] in ("csv", "parquet") and self.preprocess.features == "scatternet":
-            raise ValueError("preprocess.features = 'scatternet': ScatterNet features are for images, not a "
-                             f"table ({self.data.source})")
+            raise ValueError(
+                "preprocess.features = 'scatternet': ScatterNet features are for images, not a "
+                f"table ({self.data.source})"
+            )
         tokens = [name for name, column in (self.data.columns or {}).items() if column.type == "tokens"]
         if tokens and self.model.kind != "custom":
-            raise ValueError(f"model.kind = {self.model.kind!r}: data.columns.{tokens[0]} holds token ids, which only a "
-                             "model taking input_ids and attention_mask reads; use model.kind: custom with such a factory")
+            raise ValueError(
+                f"model.kind = {self.model.kind!r}: data.columns.{tokens[0]} holds token ids, which only a "
+                "model taking input_ids and attention_mask reads; use model.kind: custom with such a factory"
+            )
         trainer = trainer_for(self)  # type: ignore[arg-type]
         problems = []
         if self.model.kind not in trainer.model_kinds:
             reason = f"{trainer.model_kind_reason}; " if trainer.model_kind_reason else ""
-            problems.append(f"model.kind = {self.model.kind!r}: {reason}use model.kind: "
-                            f"{' or '.join(trainer.model_kinds)}")
+            problems.append(
+                f"model.kind = {self.model.kind!r}: {reason}use model.kind: {' or '.join(trainer.model_kinds)}"
+            )
         if self.train.world_size > 1 and not trainer.distributed:
-            problems.append(f"train.world_size = {self.train.world_size}: this trainer runs in one process; "
-                            "use train.world_size: 1 (train.algorithm: dpsgd or dpgd run distributed)")
+            problems.append(
+                f"train.world_size = {self.train.world_size}: this trainer runs in one process; "
+                "use train.world_size: 1 (train.algorithm: dpsgd or dpgd run distributed)"
+            )
         problems += trainer.check(self)  # type: ignore[arg-type]
         if problems:
             raise ValueError(f"train.algorithm = {trainer.name!r}:\n    " + "\n    ".join(problems))
@@ -126,8 +168,10 @@ class ConfigBase(Section):
     def with_hyperparameters(self, chosen: dict[str, Any]) -> Self:
         """This configuration with ``{"train.learning_rate": 0.5, …}`` applied and validated again (a method,
         so that the trainers below this module can vary the configuration they are given)."""
-        overrides = [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
-                     for key, value in chosen.items()]
+        overrides = [
+            f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for key, value in chosen.items()
+        ]
         return validate(apply_overrides(self.to_dict(), overrides), origin=f"hyperparameters {chosen}")
 
     def flat(self) -> dict[str, Any]:
@@ -146,8 +190,9 @@ class ConfigBase(Section):
         """:meth:`flat` without the sections of the trainers that did not run (a reviewer reads the settings
         of this run on its MLflow page, not every registered trainer's defaults); ``config.json`` logged
         with the run keeps the whole configuration."""
-        unused = {name for trainer in TRAINERS.values() if trainer.name != self.train.algorithm
-                  for name in trainer.sections}
+        unused = {
+            name for trainer in TRAINERS.values() if trainer.name != self.train.algorithm for name in trainer.sections
+        }
         return {key: value for key, value in self.flat().items() if key.split(".", 1)[0] not in unused}
 
 
@@ -167,6 +212,7 @@ def compose() -> type[ConfigBase]:
 
 
 if TYPE_CHECKING:
+
     class Config(ConfigBase):
         """What the type checker reads :data:`Config` as: the common sections typed, and ``train`` and the
         trainers' own sections (composed at run time from the registry, :func:`compose`) read as ``Any``."""
@@ -204,11 +250,15 @@ def format_errors(error: ValidationError, origin: str) -> str:
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] in ("union_tag_invalid", "union_tag_not_found") and loc[:2] == ["data", "columns"]:
             tag = item.get("ctx", {}).get("tag")
-            lines.append(f"  {key}.type{'' if tag is None else f' = {tag!r}'}: "
-                         f"{'required' if tag is None else 'unknown column type'}; use numeric or categorical")
+            lines.append(
+                f"  {key}.type{'' if tag is None else f' = {tag!r}'}: "
+                f"{'required' if tag is None else 'unknown column type'}; use numeric or categorical"
+            )
         elif item["type"] == "union_tag_invalid":
-            lines.append(f"  {key}.algorithm = {item['ctx']['tag']!r}: unknown trainer; registered: "
-                         f"{', '.join(TRAINERS)} (a trainer of your own: list its module under plugins:)")
+            lines.append(
+                f"  {key}.algorithm = {item['ctx']['tag']!r}: unknown trainer; registered: "
+                f"{', '.join(TRAINERS)} (a trainer of your own: list its module under plugins:)"
+            )
         elif item["type"] == "extra_forbidden":
             lines.append(f"  {key} = {item['input']!r}: unknown key")
         elif item["type"] == "missing":
@@ -232,8 +282,11 @@ def _check_finite(raw: Any, origin: str = "params", path: tuple[Any, ...] = ()) 
     elif isinstance(raw, (list, tuple)):
         for index, value in enumerate(raw):
             _check_finite(value, origin, (*path, index))
-    elif isinstance(raw, float) and not math.isfinite(raw) or (
-            isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > sys.float_info.max):
+    elif (
+        isinstance(raw, float)
+        and not math.isfinite(raw)
+        or (isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > sys.float_info.max)
+    ):
         shown = raw if isinstance(raw, float) else f"{str(raw)[:20]}… (beyond the float range)"
         raise ConfigError(f"invalid configuration ({origin}):\n  {dotted(path)} = {shown}: must be a finite number")
 
@@ -264,8 +317,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         for depth, part in enumerate(parts[:-1]):
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
-                raise ConfigError(f"invalid override {item!r}: {'.'.join(parts[:depth + 1])} is not a section "
-                                  "(a mapping of keys)")
+                raise ConfigError(
+                    f"invalid override {item!r}: {'.'.join(parts[: depth + 1])} is not a section (a mapping of keys)"
+                )
         target[parts[-1]] = value
     return result
 
@@ -281,8 +335,9 @@ def import_plugins(names: Any, origin: str = "params") -> None:
     imported once per process, so validating the same configuration twice registers nothing twice.
     """
     if not isinstance(names, list) or not all(isinstance(name, str) and name.strip() for name in names):
-        raise ConfigError(f"invalid configuration ({origin}):\n  plugins = {names!r}: expected a list of module "
-                          f"names or .py files")
+        raise ConfigError(
+            f"invalid configuration ({origin}):\n  plugins = {names!r}: expected a list of module names or .py files"
+        )
     for index, name in enumerate(names):
         try:
             if name.endswith(".py"):
@@ -290,8 +345,10 @@ def import_plugins(names: Any, origin: str = "params") -> None:
             else:
                 importlib.import_module(name)
         except Exception as error:  # noqa: BLE001 - any failure of a user's module is reported with its key
-            raise ConfigError(f"invalid configuration ({origin}):\n  plugins[{index}] = {name!r}: cannot import it: "
-                              f"{type(error).__name__}: {error}") from None
+            raise ConfigError(
+                f"invalid configuration ({origin}):\n  plugins[{index}] = {name!r}: cannot import it: "
+                f"{type(error).__name__}: {error}"
+            ) from None
 
 
 def _import_plugin_file(path: Path) -> None:
@@ -299,8 +356,9 @@ def _import_plugin_file(path: Path) -> None:
     if resolved in _IMPORTED_PLUGIN_FILES:
         return
     if not resolved.is_file():
-        raise FileNotFoundError(f"{path} is a directory, not a .py file" if resolved.is_dir()
-                                else f"no such file {path}")
+        raise FileNotFoundError(
+            f"{path} is a directory, not a .py file" if resolved.is_dir() else f"no such file {path}"
+        )
     module_name = f"dpml_plugin_{resolved.stem}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     assert spec is not None and spec.loader is not None
@@ -369,8 +427,9 @@ def absolute_paths(config: Config) -> Config:
     return config.model_copy(update={"paths": config.paths.model_copy(update=paths)})
 
 
-def load(path: str | Path = "params.yaml", overrides: list[str] | None = None,
-         environ: Mapping[str, str] | None = None) -> Config:
+def load(
+    path: str | Path = "params.yaml", overrides: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Config:
     """Read, override and validate ``params.yaml`` (UTF-8, a byte-order mark allowed): the edge of a run,
     where its destinations are resolved.
 
@@ -381,8 +440,9 @@ def load(path: str | Path = "params.yaml", overrides: list[str] | None = None,
     if not path.exists():
         raise ConfigError(f"configuration file {path} does not exist")
     if path.is_dir():
-        raise ConfigError(f"configuration file {path} is a directory; give the parameter file itself "
-                          f"(e.g. {path / 'params.yaml'})")
+        raise ConfigError(
+            f"configuration file {path} is a directory; give the parameter file itself (e.g. {path / 'params.yaml'})"
+        )
     if not path.is_file():
         raise ConfigError(f"configuration file {path} is not a regular file")
     try:
@@ -390,8 +450,10 @@ def load(path: str | Path = "params.yaml", overrides: list[str] | None = None,
             raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a parameter file")
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
-        raise ConfigError(f"configuration file {path}: not UTF-8 text (byte {error.object[error.start]:#04x} at "
-                          f"offset {error.start}); save it as UTF-8") from None
+        raise ConfigError(
+            f"configuration file {path}: not UTF-8 text (byte {error.object[error.start]:#04x} at "
+            f"offset {error.start}); save it as UTF-8"
+        ) from None
     except OSError as error:
         raise ConfigError(f"configuration file {path}: cannot read it ({error.strerror or error})") from None
     raw = safe_yaml(text, str(path))
@@ -404,7 +466,8 @@ def load(path: str | Path = "params.yaml", overrides: list[str] | None = None,
             raise ConfigError(f"invalid configuration ({path}):\n  {error}") from None
     if overrides:
         if raw is not None and not isinstance(raw, dict):
-            raise ConfigError(f"invalid configuration ({path}): expected a mapping of sections, got "
-                              f"{type(raw).__name__}")
+            raise ConfigError(
+                f"invalid configuration ({path}): expected a mapping of sections, got {type(raw).__name__}"
+            )
         raw = apply_overrides(raw or {}, overrides)
     return validate(raw, origin=str(path))

@@ -118,7 +118,9 @@ def keep_freed_cpu_memory() -> bool:
     dynamic thresholds)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    if any(os.environ.get(name) for name in MALLOC_ENVIRONMENT) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if any(os.environ.get(name) for name in MALLOC_ENVIRONMENT) or "glibc.malloc." in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

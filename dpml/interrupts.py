@@ -292,6 +292,6 @@ def spent_line(stop: BaseException) -> str | None:
         seen.add(id(current))
         for note in getattr(current, "__notes__", ()):
             if note.startswith(_SPENT_NOTE):
-                return note[len(_SPENT_NOTE):]
+                return note[len(_SPENT_NOTE) :]
         current = current.__cause__ or current.__context__
     return None

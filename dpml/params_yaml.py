@@ -44,15 +44,21 @@ _FLOAT, _INT, _NULL = "tag:yaml.org,2002:float", "tag:yaml.org,2002:int", "tag:y
 _STR = "tag:yaml.org,2002:str"
 
 # YAML 1.2 core schema numbers (with YAML 1.1's digit separators '_').
-_FLOAT_PATTERN = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+_FLOAT_PATTERN = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
     |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X)
-_INT_PATTERN = re.compile(r"""^(?:[-+]?0b[0-1_]+
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_INT_PATTERN = re.compile(
+    r"""^(?:[-+]?0b[0-1_]+
     |[-+]?0o[0-7_]+
     |[-+]?0x[0-9a-fA-F_]+
-    |[-+]?[0-9][0-9_]*)$""", re.X)
+    |[-+]?[0-9][0-9_]*)$""",
+    re.X,
+)
 
 
 class YamlError(ValueError):
@@ -84,8 +90,13 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
 _Loader.add_constructor(_INT, _construct_int)
 
 
-def load_yaml(text: str, origin: str, base: Path = (), verbatim_values: Sequence[Pattern] = (),
-              verbatim_keys: Sequence[Pattern] = ()) -> Any:
+def load_yaml(
+    text: str,
+    origin: str,
+    base: Path = (),
+    verbatim_values: Sequence[Pattern] = (),
+    verbatim_keys: Sequence[Pattern] = (),
+) -> Any:
     """The value of ``text`` (module docstring), or :class:`YamlError` naming ``origin`` and the line.
 
     ``base`` is where the text sits in the configuration (``("dp",)`` for ``--set dp={…}``): paths in
@@ -126,8 +137,9 @@ def _matches(path: Path, patterns: tuple[Pattern, ...]) -> bool:
 class _Builder:
     """Builds Python values from a composed node graph, path by path (module docstring)."""
 
-    def __init__(self, loader: _Loader, origin: str, verbatim_values: tuple[Pattern, ...],
-                 verbatim_keys: tuple[Pattern, ...]) -> None:
+    def __init__(
+        self, loader: _Loader, origin: str, verbatim_values: tuple[Pattern, ...], verbatim_keys: tuple[Pattern, ...]
+    ) -> None:
         self.loader, self.origin = loader, origin
         self.verbatim_values, self.verbatim_keys = verbatim_values, verbatim_keys
 
@@ -156,12 +168,17 @@ class _Builder:
             value = self.loader.construct_object(node, deep=True)
         except yaml.YAMLError as error:
             raise YamlError(f"{self.where(node)}: {dotted(path)}: {' '.join(str(error).split())}") from None
-        if isinstance(value, float) and not math.isfinite(value) or (
-                isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max):
+        if (
+            isinstance(value, float)
+            and not math.isfinite(value)
+            or (isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max)
+        ):
             shown = node.value if len(node.value) <= 40 else f"{node.value[:20]}…({len(node.value)} characters)"
-            raise YamlError(f"{self.where(node)}: {dotted(path)} = {shown}: not a finite number "
-                            f"({'it overflows to infinity' if 'nan' not in node.value.lower() else 'not a number'}); "
-                            "every number in the configuration must be finite")
+            raise YamlError(
+                f"{self.where(node)}: {dotted(path)} = {shown}: not a finite number "
+                f"({'it overflows to infinity' if 'nan' not in node.value.lower() else 'not a number'}); "
+                "every number in the configuration must be finite"
+            )
         return value
 
     def mapping(self, node: yaml.MappingNode, path: Path) -> dict[Any, Any]:
@@ -177,8 +194,10 @@ class _Builder:
                         merged.setdefault(key, value)
                 continue
             if not isinstance(key_node, yaml.ScalarNode):
-                raise YamlError(f"{self.where(key_node)}: {dotted(path)}: a key must be a plain name, not a "
-                                f"{'list' if isinstance(key_node, yaml.SequenceNode) else 'mapping'}")
+                raise YamlError(
+                    f"{self.where(key_node)}: {dotted(path)}: a key must be a plain name, not a "
+                    f"{'list' if isinstance(key_node, yaml.SequenceNode) else 'mapping'}"
+                )
             key = self.scalar(key_node, path, verbatim_keys)
             first = lines.get(key)
             if first is not None:
@@ -202,10 +221,11 @@ class _Builder:
         if first.value == second.value:
             what = f"{dotted((*path, key))} is given twice"
         else:
-            what = (f"under {dotted(path)}, the keys {first.value!r} and {second.value!r} are the same key "
-                    f"({key!r})")
-        return (f"{self.origin}: {what} ({where}); each key may appear once: keep one (YAML readers differ on "
-                "which one wins; PyYAML silently keeps the last)")
+            what = f"under {dotted(path)}, the keys {first.value!r} and {second.value!r} are the same key ({key!r})"
+        return (
+            f"{self.origin}: {what} ({where}); each key may appear once: keep one (YAML readers differ on "
+            "which one wins; PyYAML silently keeps the last)"
+        )
 
 
 def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:

@@ -52,8 +52,10 @@ class FixedNoiseSeedWarning(UserWarning):
 def check_device(preference: str) -> None:
     """``train.device: cuda`` needs a CUDA device; ``auto`` and ``cpu`` always work."""
     if preference == "cuda" and not torch.cuda.is_available():
-        raise PreflightError(f"train.device = 'cuda': no CUDA device is available on this machine (torch "
-                             f"{torch.__version__}); use train.device: auto (CUDA when present, else CPU) or cpu")
+        raise PreflightError(
+            f"train.device = 'cuda': no CUDA device is available on this machine (torch "
+            f"{torch.__version__}); use train.device: auto (CUDA when present, else CPU) or cpu"
+        )
 
 
 def noise_seed_is_fixed() -> bool:
@@ -69,13 +71,19 @@ def check_noise_seed() -> None:
     try:
         value = int(text)
     except ValueError:
-        raise PreflightError(f"{NOISE_SEED_VARIABLE} = {text!r}: must be a non-negative integer (or unset, for a "
-                             "fresh secret seed per run)") from None
-    if not 0 <= value < 2 ** 63:
+        raise PreflightError(
+            f"{NOISE_SEED_VARIABLE} = {text!r}: must be a non-negative integer (or unset, for a "
+            "fresh secret seed per run)"
+        ) from None
+    if not 0 <= value < 2**63:
         raise PreflightError(f"{NOISE_SEED_VARIABLE} = {text!r}: must be in [0, 2^63)")
-    warnings.warn(f"{NOISE_SEED_VARIABLE} is set: the noise is reproducible, and the release is private only while "
-                  "that value stays secret (recorded on the MLflow run and model version as noise_seed.fixed=true; "
-                  "the value itself is never written)", FixedNoiseSeedWarning, stacklevel=2)
+    warnings.warn(
+        f"{NOISE_SEED_VARIABLE} is set: the noise is reproducible, and the release is private only while "
+        "that value stays secret (recorded on the MLflow run and model version as noise_seed.fixed=true; "
+        "the value itself is never written)",
+        FixedNoiseSeedWarning,
+        stacklevel=2,
+    )
 
 
 def check_writable(key: str, folder: str | Path) -> None:
@@ -87,14 +95,20 @@ def check_writable(key: str, folder: str | Path) -> None:
         os.close(handle)
         os.unlink(name)
     except OSError as error:
-        raise PreflightError(f"{key} = {str(folder)!r}: cannot write there ({error.strerror or error}); choose a "
-                             "writable folder or free some space") from None
+        raise PreflightError(
+            f"{key} = {str(folder)!r}: cannot write there ({error.strerror or error}); choose a "
+            "writable folder or free some space"
+        ) from None
 
 
 def folders(config: Config) -> dict[str, Path]:
     """Every folder a run writes to, by the key that names it."""
-    out = {"paths.data": Path(config.paths.data), "paths.artifacts": Path(config.paths.artifacts),
-           "paths.cache": Path(config.paths.cache), "paths.metrics": Path(config.paths.metrics_folder())}
+    out = {
+        "paths.data": Path(config.paths.data),
+        "paths.artifacts": Path(config.paths.artifacts),
+        "paths.cache": Path(config.paths.cache),
+        "paths.metrics": Path(config.paths.metrics_folder()),
+    }
     for key, uri in (("tracking.uri", config.tracking.uri), ("tracking.registry_uri", config.tracking.registry)):
         database = sqlite_path(uri)
         if database is not None:
@@ -145,7 +159,13 @@ def check_table_header(config: Config) -> None:
     if kind not in ("csv", "parquet"):
         return
     try:
-        check_columns(Path(rest), kind, data.named_columns(), what="column(s) named under data:",
-                      separator=data.separator, encoding=data.encoding)
+        check_columns(
+            Path(rest),
+            kind,
+            data.named_columns(),
+            what="column(s) named under data:",
+            separator=data.separator,
+            encoding=data.encoding,
+        )
     except DataError as error:
         raise PreflightError(str(error)) from None

@@ -43,8 +43,9 @@ def progress_line(description: str, done: int, total: int, unit: str, seconds: f
     return f"{description}: {percent}% ({done}/{total} {unit}s, {seconds:.1f} s)"
 
 
-def _logged(items: Iterable[T], total: int, description: str, unit: str,
-            log: logging.Logger | logging.LoggerAdapter) -> Iterator[T]:
+def _logged(
+    items: Iterable[T], total: int, description: str, unit: str, log: logging.Logger | logging.LoggerAdapter
+) -> Iterator[T]:
     """``items``, with a log line each time another fifth of ``total`` is done."""
     marks = {math.ceil(total * k / LOG_LINES) for k in range(1, LOG_LINES + 1)}
     start = time.perf_counter()

@@ -69,17 +69,22 @@ def refuse_temporary_experiment_copy(config: Config, cwd: Path | None = None) ->
     cwd = Path.cwd() if cwd is None else cwd
     if not os.environ.get("DVC_EXP_NAME") or not root or Path(root).resolve() == cwd.resolve():
         return
-    stores = {"ledger.url" if config.ledger.url else "ledger.path":
-              None if is_postgres(config.ledger.location()) else sqlite_file(config.ledger.location()),
-              "tracking.uri": sqlite_path(config.tracking.uri),
-              "tracking.registry_uri": config.tracking.registry_uri and sqlite_path(config.tracking.registry_uri)}
+    stores = {
+        "ledger.url" if config.ledger.url else "ledger.path": None
+        if is_postgres(config.ledger.location())
+        else sqlite_file(config.ledger.location()),
+        "tracking.uri": sqlite_path(config.tracking.uri),
+        "tracking.registry_uri": config.tracking.registry_uri and sqlite_path(config.tracking.registry_uri),
+    }
     # (an unset registry_uri is the tracking store: named once)
     relative = [f"{key} = {str(path)!r}" for key, path in stores.items() if path is not None and not path.is_absolute()]
     if relative:
-        raise ValueError(f"{', '.join(relative)}: relative to a temporary copy of the repository ({cwd}), made by "
-                         f"`dvc exp run --temp/--queue`, so this experiment would spend and register in new, empty "
-                         f"stores, not those of {root}; run experiments in the workspace (`dvc exp run -S KEY=VALUE`, "
-                         "one after another) or give absolute paths or a server")
+        raise ValueError(
+            f"{', '.join(relative)}: relative to a temporary copy of the repository ({cwd}), made by "
+            f"`dvc exp run --temp/--queue`, so this experiment would spend and register in new, empty "
+            f"stores, not those of {root}; run experiments in the workspace (`dvc exp run -S KEY=VALUE`, "
+            "one after another) or give absolute paths or a server"
+        )
 
 
 def is_dvc_pipeline_run(config: Config, root: Path, searched: bool = False) -> str | None:
@@ -153,11 +158,17 @@ def push_raw_data(root: Path) -> dict[str, str]:
     for args in steps:
         done = dvc(root, *args)
         if done.returncode != 0:
-            raise ProvenanceError(f"dvc {' '.join(args)} failed ({(done.stderr or done.stdout).strip()[-800:]}); "
-                                  f"the release's data must reach the DVC remote {name!r} ({url}) before it is "
-                                  "registered")
-    return {"data.dvc_md5": locked_raw_data_md5(root), "data.dvc_remote": url, "data.dvc": "pushed",
-            "dvc.lock_scope": scope}
+            raise ProvenanceError(
+                f"dvc {' '.join(args)} failed ({(done.stderr or done.stdout).strip()[-800:]}); "
+                f"the release's data must reach the DVC remote {name!r} ({url}) before it is "
+                "registered"
+            )
+    return {
+        "data.dvc_md5": locked_raw_data_md5(root),
+        "data.dvc_remote": url,
+        "data.dvc": "pushed",
+        "dvc.lock_scope": scope,
+    }
 
 
 def release_provenance(config: Config, searched: bool, root: Path | None = None) -> tuple[dict[str, str], list[Path]]:

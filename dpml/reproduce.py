@@ -64,7 +64,9 @@ def required_tags(release: dict[str, Any]) -> dict[str, str]:
     tags = release["tags"]
     where = f"models:/{release['name']}/{release['version']}"
     if tags.get("data.dvc") != "pushed":
-        raise ReproduceError(f"{where}: its data was not recorded in DVC ({tags.get('data.dvc', 'released before dpml recorded provenance')})")
+        raise ReproduceError(
+            f"{where}: its data was not recorded in DVC ({tags.get('data.dvc', 'released before dpml recorded provenance')})"
+        )
     if tags.get("code.commit", "none") == "none":
         raise ReproduceError(f"{where}: no code.commit (it was not run from a git checkout)")
     return tags
@@ -102,7 +104,10 @@ def put_logged_files(tracking: Any, run_id: str, tree: Path) -> None:
 
 def pull_raw_data(tree: Path, remote: str) -> None:
     """``data/raw`` at the hash the logged ``dvc.lock`` records, from the release's remote."""
-    for args in (("remote", "add", "--local", "--force", "--default", "release", remote), ("pull", "--quiet", "ingest")):
+    for args in (
+        ("remote", "add", "--local", "--force", "--default", "release", remote),
+        ("pull", "--quiet", "ingest"),
+    ):
         done = dvc(tree, *args)
         if done.returncode != 0:
             raise ReproduceError(f"dvc {' '.join(args)}: {(done.stderr or done.stdout).strip()[-800:]}")
@@ -133,8 +138,11 @@ def dvc_directory_mismatches(tree: Path, expected: str) -> list[str]:
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
     if present != set(listed):
         problems.append(f"{RAW_DATA} holds {sorted(present)}, the manifest lists {sorted(listed)}")
-    problems += [f"{RAW_DATA}/{name}: MD5 {_md5(folder / name)}, the manifest says {md5}"
-                 for name, md5 in sorted(listed.items()) if name in present and _md5(folder / name) != md5]
+    problems += [
+        f"{RAW_DATA}/{name}: MD5 {_md5(folder / name)}, the manifest says {md5}"
+        for name, md5 in sorted(listed.items())
+        if name in present and _md5(folder / name) != md5
+    ]
     return problems
 
 
@@ -161,8 +169,9 @@ def rebuilt_inputs(tree: Path, tracking: Any, release: dict[str, Any], echo: Cal
     problems = []
     locked = locked_raw_data_md5(tree)
     if locked != tags["data.dvc_md5"]:
-        problems.append(f"the logged dvc.lock records {RAW_DATA} as {locked}, the version's data.dvc_md5 is "
-                        f"{tags['data.dvc_md5']}")
+        problems.append(
+            f"the logged dvc.lock records {RAW_DATA} as {locked}, the version's data.dvc_md5 is {tags['data.dvc_md5']}"
+        )
     pull_raw_data(tree, tags["data.dvc_remote"])
     problems += dvc_directory_mismatches(tree, tags["data.dvc_md5"])
     run_config = load_run_json(tracking, release["run_id"], "config.json")
@@ -171,20 +180,31 @@ def rebuilt_inputs(tree: Path, tracking: Any, release: dict[str, Any], echo: Cal
     except Exception as error:  # noqa: BLE001 - damaged bytes: reported as a mismatch, not a crash
         version = f"unreadable ({type(error).__name__}: {error})"
     if version != tags.get("data.version"):
-        problems.append(f"the pulled records hash to data.version {version}, the release says {tags.get('data.version')}")
-    echo(f"data      {RAW_DATA} pulled from {tags['data.dvc_remote']}: DVC {tags['data.dvc_md5']}, "
-         f"data.version {version[:16]}…")
+        problems.append(
+            f"the pulled records hash to data.version {version}, the release says {tags.get('data.version')}"
+        )
+    echo(
+        f"data      {RAW_DATA} pulled from {tags['data.dvc_remote']}: DVC {tags['data.dvc_md5']}, "
+        f"data.version {version[:16]}…"
+    )
     return {"data_version": version, "problems": problems}
 
 
-def _release_and_warnings(uri: str, tracking: Any, echo: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _release_and_warnings(
+    uri: str, tracking: Any, echo: Callable[[str], None]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     release = release_tags(uri, tracking)
     tags = required_tags(release)
-    checks = {"model": f"models:/{release['name']}/{release['version']}", "commit": tags["code.commit"],
-              "code_dirty": tags.get("code.dirty", "unknown")}
+    checks = {
+        "model": f"models:/{release['name']}/{release['version']}",
+        "commit": tags["code.commit"],
+        "code_dirty": tags.get("code.dirty", "unknown"),
+    }
     if checks["code_dirty"] != "false":
-        echo(f"note: the release ran with uncommitted changes (code.dirty = {checks['code_dirty']}); the commit "
-             "is checked out, which may differ from the code that ran")
+        echo(
+            f"note: the release ran with uncommitted changes (code.dirty = {checks['code_dirty']}); the commit "
+            "is checked out, which may differ from the code that ran"
+        )
     return release, checks
 
 
@@ -198,11 +218,18 @@ def verify_release(uri: str, tracking: Any, repository: Path, echo: Callable[[st
     version = checks["data_version"]
     logged, fresh = recomputed_certificate(tracking, release["run_id"])
     if abs(fresh - logged) > 1e-9 * max(1.0, logged):
-        problems.append(f"the certificate recomputed from the logged mechanism gives ε = {fresh:.6g}, the run logged "
-                        f"ε = {logged:.6g}")
+        problems.append(
+            f"the certificate recomputed from the logged mechanism gives ε = {fresh:.6g}, the run logged "
+            f"ε = {logged:.6g}"
+        )
     echo(f"guarantee ε = {fresh:.6g} recomputed from the logged mechanism (logged {logged:.6g})")
-    checks |= {"data_version": version, "dvc_md5": tags["data.dvc_md5"], "epsilon_logged": logged,
-               "epsilon_recomputed": fresh, "verified": not problems}
+    checks |= {
+        "data_version": version,
+        "dvc_md5": tags["data.dvc_md5"],
+        "epsilon_logged": logged,
+        "epsilon_recomputed": fresh,
+        "verified": not problems,
+    }
     return checks
 
 
@@ -233,14 +260,19 @@ def retrain_in(tree: Path, ledger: dict[str, Any]) -> dict[str, Any]:
         if done.returncode != 0:
             output = done.stdout + done.stderr
             said = [line for line in output.splitlines() if line.startswith("dpml: error:")]
-            raise ReproduceError(f"dvc repro {stage} failed: " + (said[0].removeprefix("dpml: error: ") if said
-                                                                   else output.strip()[-800:]))
-    return {"certificate": json.loads((tree / "artifacts/certify/certificate.json").read_text()),
-            "train": json.loads((tree / "artifacts/train/metrics.json").read_text())}
+            raise ReproduceError(
+                f"dvc repro {stage} failed: "
+                + (said[0].removeprefix("dpml: error: ") if said else output.strip()[-800:])
+            )
+    return {
+        "certificate": json.loads((tree / "artifacts/certify/certificate.json").read_text()),
+        "train": json.loads((tree / "artifacts/train/metrics.json").read_text()),
+    }
 
 
-def rebuild_release(uri: str, config: Any, repository: Path, band: float,
-                    echo: Callable[[str], None] = print) -> dict[str, Any]:
+def rebuild_release(
+    uri: str, config: Any, repository: Path, band: float, echo: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Retrain the release from its commit and data (module docstring) and compare."""
     from dpml.tracking.registered import load_run_json  # lazy: MLflow only where a run is recorded
 
@@ -249,9 +281,11 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
     logged = load_run_json(config.tracking, release["run_id"], "certificate.json")
     released_accuracy, rounded = released_test_accuracy(config.tracking, release["run_id"])
     ledger = invoking_ledger(config)
-    echo(f"retraining is a private run: it charges the ledger {without_password(ledger['url'] or ledger['path'])} "
-         f"(lineage {tags.get('dp.lineage', '?')}, about ε = {tags.get('dp.epsilon', '?')}, budget "
-         f"{ledger['epsilon_budget']:g})")
+    echo(
+        f"retraining is a private run: it charges the ledger {without_password(ledger['url'] or ledger['path'])} "
+        f"(lineage {tags.get('dp.lineage', '?')}, about ε = {tags.get('dp.epsilon', '?')}, budget "
+        f"{ledger['epsilon_budget']:g})"
+    )
     with worktree_at(tags["code.commit"], repository) as tree:
         checks |= rebuilt_inputs(tree, config.tracking, release, echo)
         if checks["problems"]:
@@ -262,17 +296,28 @@ def rebuild_release(uri: str, config: Any, repository: Path, band: float,
     fresh = rebuilt["certificate"]
     same_certificate = all((fresh or {}).get(k) == (logged or {}).get(k) for k in ("epsilon", "delta", "mechanism"))
     if not same_certificate:
-        problems.append(f"the retrained certificate (ε = {(fresh or {}).get('epsilon')}) differs from the released "
-                        f"one (ε = {(logged or {}).get('epsilon')})")
+        problems.append(
+            f"the retrained certificate (ε = {(fresh or {}).get('epsilon')}) differs from the released "
+            f"one (ε = {(logged or {}).get('epsilon')})"
+        )
     accuracy = float(rebuilt["train"]["test_accuracy"])
     compared = float(format_score(accuracy)) if rounded else accuracy  # at the precision the release wrote
     if abs(compared - released_accuracy) > band:
-        problems.append(f"test accuracy {accuracy:.4f} is {abs(accuracy - released_accuracy):.4f} from the released "
-                        f"{released_accuracy:.4f}, outside the band ±{band:g}")
-    echo(f"result    certificate {'identical' if same_certificate else 'DIFFERENT'}; "
-         f"test accuracy {accuracy:.4f} (released {released_accuracy:.4f}, band ±{band:g})")
-    return checks | {"epsilon": (fresh or {}).get("epsilon"), "test_accuracy": accuracy,
-                     "released_test_accuracy": released_accuracy, "verified": not problems, "retrained": True}
+        problems.append(
+            f"test accuracy {accuracy:.4f} is {abs(accuracy - released_accuracy):.4f} from the released "
+            f"{released_accuracy:.4f}, outside the band ±{band:g}"
+        )
+    echo(
+        f"result    certificate {'identical' if same_certificate else 'DIFFERENT'}; "
+        f"test accuracy {accuracy:.4f} (released {released_accuracy:.4f}, band ±{band:g})"
+    )
+    return checks | {
+        "epsilon": (fresh or {}).get("epsilon"),
+        "test_accuracy": accuracy,
+        "released_test_accuracy": released_accuracy,
+        "verified": not problems,
+        "retrained": True,
+    }
 
 
 def released_test_accuracy(tracking: Any, run_id: str) -> tuple[float, bool]:
@@ -290,8 +335,9 @@ def released_test_accuracy(tracking: Any, run_id: str) -> tuple[float, bool]:
     return float(metrics["test_accuracy"]), True
 
 
-def reproduce(uri: str, config: Any, repository: Path, verify: bool, band: float,
-              echo: Callable[[str], None] = print) -> dict[str, Any]:
+def reproduce(
+    uri: str, config: Any, repository: Path, verify: bool, band: float, echo: Callable[[str], None] = print
+) -> dict[str, Any]:
     """``dpml reproduce``: :func:`verify_release` or :func:`rebuild_release`, reported; its result (``verified``:
     whether it matched)."""
     if verify:

@@ -40,7 +40,7 @@ ROUTES: dict[str, str] = {
 
 REFUSED: dict[str, str] = {
     "MLFLOW_EXPERIMENT_ID": "dpml logs into the experiment it names (tracking.experiment); set "
-                            "MLFLOW_EXPERIMENT_NAME or --set tracking.experiment=NAME instead, and unset it",
+    "MLFLOW_EXPERIMENT_NAME or --set tracking.experiment=NAME instead, and unset it",
     "MLFLOW_RUN_ID": "dpml opens one MLflow run per pipeline run and cannot log into an existing one; unset it",
 }
 """MLflow variables that would route part of a run elsewhere and that dpml refuses rather than ignores."""
@@ -67,8 +67,9 @@ def override_keys(overrides: list[str]) -> set[str]:
     return {item.partition("=")[0].strip() for item in overrides if "=" in item}
 
 
-def resolve_tracking(raw: dict[str, Any], overrides: list[str], environ: Mapping[str, str],
-                     origin: str) -> dict[str, Any]:
+def resolve_tracking(
+    raw: dict[str, Any], overrides: list[str], environ: Mapping[str, str], origin: str
+) -> dict[str, Any]:
     """``raw`` (a params mapping, before its ``--set`` overrides are applied) with ``tracking.uri``,
     ``registry_uri`` and ``experiment`` taken from the environment where no flag sets them, and
     ``tracking.origins`` naming where each resolved value comes from (module docstring).
@@ -85,8 +86,10 @@ def resolve_tracking(raw: dict[str, Any], overrides: list[str], environ: Mapping
     if not isinstance(tracking, dict):
         return resolved  # validation names the malformed section
     if "origins" in tracking:
-        raise RoutingError(f"tracking.origins ({origin}): recorded by dpml when it resolves where a run writes; "
-                           "not a parameter — remove it")
+        raise RoutingError(
+            f"tracking.origins ({origin}): recorded by dpml when it resolves where a run writes; "
+            "not a parameter — remove it"
+        )
     origins: dict[str, str] = {}
     for key, variable in ROUTES.items():
         from_environment = _set(environ, variable)
@@ -103,8 +106,9 @@ def resolve_tracking(raw: dict[str, Any], overrides: list[str], environ: Mapping
     return resolved
 
 
-def resolve_api_tracking(tracking_uri: str | None, experiment: str | None,
-                         environ: Mapping[str, str]) -> tuple[str | None, str]:
+def resolve_api_tracking(
+    tracking_uri: str | None, experiment: str | None, environ: Mapping[str, str]
+) -> tuple[str | None, str]:
     """``dpml.train_private``'s MLflow destination: (tracking URI, experiment), each from its argument,
     else MLflow's environment variable (else the experiment ``dpml``); no URI anywhere means the run is
     not logged (None). The API logs a run and registers no model, so no registry is resolved."""
@@ -120,6 +124,8 @@ def describe(tracking: Any) -> list[tuple[str, str, str]]:
     registry_origin = origins.get("registry_uri", "default")
     if tracking.registry_uri is None:
         registry_origin = "the tracking store"
-    return [("tracking store", tracking.uri, origins.get("uri", "default")),
-            ("model registry", registry, registry_origin),
-            ("experiment", tracking.experiment, origins.get("experiment", "default"))]
+    return [
+        ("tracking store", tracking.uri, origins.get("uri", "default")),
+        ("model registry", registry, registry_origin),
+        ("experiment", tracking.experiment, origins.get("experiment", "default")),
+    ]

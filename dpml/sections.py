@@ -42,8 +42,10 @@ class Section(BaseModel):
             flags = [item] if kind == "number" else list(item) if kind == "list" and isinstance(item, list) else []
             if any(isinstance(flag, bool) for flag in flags):
                 raise PydanticCustomError(
-                    BOOLEAN_FOR_NUMBER, "a boolean (YAML reads yes/no/on/off/true/false as booleans), not a number",
-                    {"field": name, "value": repr(item)})
+                    BOOLEAN_FOR_NUMBER,
+                    "a boolean (YAML reads yes/no/on/off/true/false as booleans), not a number",
+                    {"field": name, "value": repr(item)},
+                )
         return value
 
 
@@ -67,10 +69,11 @@ def check_scalable(prefix: str, lower: float, upper: float) -> None:
     refused at validation, before any ε is spent (:mod:`dpml.data.preprocess`)."""
     width = upper - lower
     if not math.isfinite(width) or width <= 0 or not math.isfinite(1.0 / width):
-        raise ValueError(f"{prefix}lower = {lower:g}, {prefix}upper = {upper:g}: upper − lower = {width:g} cannot "
-                         "scale a value into [0, 1] (it overflows a 64-bit float); declare bounds whose difference "
-                         f"is finite, below {sys.float_info.max:.3g}")
-
+        raise ValueError(
+            f"{prefix}lower = {lower:g}, {prefix}upper = {upper:g}: upper − lower = {width:g} cannot "
+            "scale a value into [0, 1] (it overflows a 64-bit float); declare bounds whose difference "
+            f"is finite, below {sys.float_info.max:.3g}"
+        )
 
 
 class SplitConfig(Section):
@@ -123,8 +126,10 @@ class PreprocessConfig(Section):
         check_scalable("preprocess.", self.lower, self.upper)
         if self.features == "scatternet":
             if self.image_shape is None or len(self.image_shape) != 2 or min(self.image_shape) < 4:
-                raise ValueError(f"preprocess.image_shape = {self.image_shape}: ScatterNet features need the "
-                                 "image's [height, width] (each ≥ 4)")
+                raise ValueError(
+                    f"preprocess.image_shape = {self.image_shape}: ScatterNet features need the "
+                    "image's [height, width] (each ≥ 4)"
+                )
             if 81 % self.scatter_groups:
                 raise ValueError(f"preprocess.scatter_groups = {self.scatter_groups}: must divide 81")
         return self
@@ -160,8 +165,9 @@ class ModelConfig(Section):
     with one tensor; ``tokens`` or ``tensor`` insist), :mod:`dpml.models.library`.
     """
 
-    kind: Literal["mlp", "gated", "lipschitz", "bias_free_relu", "random_features", "cnn", "wide_resnet",
-                  "custom"] = "mlp"
+    kind: Literal["mlp", "gated", "lipschitz", "bias_free_relu", "random_features", "cnn", "wide_resnet", "custom"] = (
+        "mlp"
+    )
     init: Literal["lecun", "he", "ntk", "xavier"] = "he"
     features: int = Field(1000, gt=0)
     feature_activation: Literal["tanh", "tanh_even"] = "tanh"
@@ -193,21 +199,27 @@ class ModelConfig(Section):
     def _kind_rules(self) -> "ModelConfig":
         image_kind = self.kind in ("cnn", "wide_resnet")
         if image_kind and (self.input_shape is None or len(self.input_shape) != 3 or min(self.input_shape) <= 0):
-            raise ValueError(f"model.input_shape = {self.input_shape}: model.kind = {self.kind!r} needs "
-                             "[channels, height, width] (positive)")
+            raise ValueError(
+                f"model.input_shape = {self.input_shape}: model.kind = {self.kind!r} needs "
+                "[channels, height, width] (positive)"
+            )
         if self.kind == "cnn":
             for width in self.channels:
                 if width % min(self.norm_groups, width):
-                    raise ValueError(f"model.channels = {self.channels}: {width} channels do not split into "
-                                     f"model.norm_groups = {self.norm_groups} GroupNorm groups")
+                    raise ValueError(
+                        f"model.channels = {self.channels}: {width} channels do not split into "
+                        f"model.norm_groups = {self.norm_groups} GroupNorm groups"
+                    )
         if self.kind == "wide_resnet":
             if (self.depth - 4) % 6:
                 raise ValueError(f"model.depth = {self.depth}: a wide ResNet has depth 6n + 4 (10, 16, 22, 28, 40)")
             if 16 % self.norm_groups:
                 raise ValueError(f"model.norm_groups = {self.norm_groups}: must divide 16 (the stem's channels)")
         if (self.kind == "custom") != (self.factory is not None):
-            raise ValueError(f"model.factory = {self.factory!r}: give it exactly when model.kind is 'custom' "
-                             f"(model.kind = {self.kind!r})")
+            raise ValueError(
+                f"model.factory = {self.factory!r}: give it exactly when model.kind is 'custom' "
+                f"(model.kind = {self.kind!r})"
+            )
         if self.options and self.kind != "custom":
             raise ValueError(f"model.options = {self.options}: only for model.kind: custom")
         if self.inputs != "auto" and self.kind != "custom":
@@ -215,7 +227,6 @@ class ModelConfig(Section):
         if self.factory is not None:
             load_factory(self.factory)
         return self
-
 
 
 class TrainSettings(Section):
@@ -228,8 +239,14 @@ class TrainSettings(Section):
     noise use a secret seed."""
 
     algorithm: str = "dpsgd"
-    loss: Literal["cross_entropy", "squared", "tau_cross_entropy", "multiclass_hinge", "kantorovich_rubinstein",
-                  "hinge_kantorovich_rubinstein"] = "cross_entropy"
+    loss: Literal[
+        "cross_entropy",
+        "squared",
+        "tau_cross_entropy",
+        "multiclass_hinge",
+        "kantorovich_rubinstein",
+        "hinge_kantorovich_rubinstein",
+    ] = "cross_entropy"
     loss_tau: float = Field(1.0, gt=0)
     loss_alpha: float = Field(1.0, gt=0)
     epochs: float = Field(20.0, gt=0)
@@ -259,7 +276,6 @@ class DpConfig(Section):
     allow_delta_above_inverse_n: bool = False
 
 
-
 class AuditConfig(Section):
     """Membership-inference audit of the trained model, its positive control and one-run audits.
 
@@ -280,8 +296,9 @@ class AuditConfig(Section):
     reconstruction_max_train: int = Field(300, gt=0)
     reconstruction_restarts: int = Field(8, gt=0)
     reconstruction_steps: int = Field(500, gt=0)
-    attacks: list[str] = Field(default_factory=lambda: ["loss", "lira-online", "lira-offline", "rmia-online",
-                                                        "rmia-offline"])
+    attacks: list[str] = Field(
+        default_factory=lambda: ["loss", "lira-online", "lira-offline", "rmia-online", "rmia-offline"]
+    )
     references: int = Field(4, ge=0, le=256)
     max_records: int = Field(2000, gt=0)
     seed: int = 0
@@ -314,8 +331,10 @@ class AuditConfig(Section):
         registered)."""
         for index, name in enumerate(names):
             if name not in ATTACKS:
-                raise ValueError(f"{name!r} (item {index}): unknown attack; registered: {', '.join(ATTACKS)} "
-                                 "(an attack of your own: register it in a module listed under plugins:)")
+                raise ValueError(
+                    f"{name!r} (item {index}): unknown attack; registered: {', '.join(ATTACKS)} "
+                    "(an attack of your own: register it in a module listed under plugins:)"
+                )
         return names
 
     @model_validator(mode="after")
@@ -325,13 +344,21 @@ class AuditConfig(Section):
         needing = [a for a in self.attacks if ATTACKS[a].needs_references]
         if needing and self.references < 1:
             alone = [name for name, kind in ATTACKS.items() if not kind.needs_references]
-            raise ValueError(f"audit.references = 0 but attacks {needing} need reference models (use ≥ 1, or only "
-                             f"{', '.join(alone)})")
+            raise ValueError(
+                f"audit.references = 0 but attacks {needing} need reference models (use ≥ 1, or only "
+                f"{', '.join(alone)})"
+            )
         return self
 
 
-TUNABLE_KEYS = ("train.learning_rate", "train.momentum", "train.optimizer", "model.hidden", "model.activation",
-                "model.gates")
+TUNABLE_KEYS = (
+    "train.learning_rate",
+    "train.momentum",
+    "train.optimizer",
+    "model.hidden",
+    "model.activation",
+    "model.gates",
+)
 
 
 class TuneConfig(Section):
@@ -365,8 +392,10 @@ class TuneConfig(Section):
             raise ValueError("tune.space: name at least one hyperparameter to search")
         for key, values in self.space.items():
             if key not in TUNABLE_KEYS:
-                raise ValueError(f"tune.space key {key!r}: not tunable; allowed: {', '.join(TUNABLE_KEYS)} "
-                                 "(the others change the privacy mechanism or the data)")
+                raise ValueError(
+                    f"tune.space key {key!r}: not tunable; allowed: {', '.join(TUNABLE_KEYS)} "
+                    "(the others change the privacy mechanism or the data)"
+                )
             if not isinstance(values, list) or not values:
                 raise ValueError(f"tune.space[{key!r}] = {values!r}: must be a non-empty list of values")
         return self

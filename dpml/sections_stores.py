@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from dpml.sections import Section
 
+
 class LedgerConfig(Section):
     """The privacy budget ledger: each person's composed ε over every release that touched them, at ``delta``.
 
@@ -45,9 +46,11 @@ class LedgerConfig(Section):
     @model_validator(mode="after")
     def _shared_ledger_needs_its_key(self) -> LedgerConfig:
         if self.url and self.url.startswith(("postgresql://", "postgres://")) and not self.unit_key:
-            raise ValueError("ledger.unit_key: a PostgreSQL ledger (ledger.url) is shared by workers; name the unit "
-                             "key file that every worker holds (the same secret file), e.g. ledger.unit_key: "
-                             "/secrets/dpml-unit.key")
+            raise ValueError(
+                "ledger.unit_key: a PostgreSQL ledger (ledger.url) is shared by workers; name the unit "
+                "key file that every worker holds (the same secret file), e.g. ledger.unit_key: "
+                "/secrets/dpml-unit.key"
+            )
         return self
 
     def location(self) -> str:
@@ -98,8 +101,9 @@ class TrackingConfig(Section):
     @classmethod
     def _valid_model_name(cls, value: str | None) -> str | None:
         if value is not None and not re.match(MODEL_NAME_PATTERN, value):
-            raise ValueError("a registered model name is 1-200 letters, digits, '.', '_' or '-', starting with a "
-                             "letter or digit")
+            raise ValueError(
+                "a registered model name is 1-200 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
         return value
 
 

@@ -31,8 +31,8 @@ from typing import Any
 import yaml
 
 QUIET_ENVIRONMENT = {
-    "DASK_LOGGING__DISTRIBUTED": "error",          # Dask's logging config: this process and its workers
-    "MLFLOW_LOGGING_LEVEL": "ERROR",               # MLflow sets its loggers' level from this at import
+    "DASK_LOGGING__DISTRIBUTED": "error",  # Dask's logging config: this process and its workers
+    "MLFLOW_LOGGING_LEVEL": "ERROR",  # MLflow sets its loggers' level from this at import
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }
 
@@ -81,11 +81,14 @@ def prefect_console_settings() -> Path | None:
 
 def _filter_prefect_consoles() -> None:
     """Prefect configured its logging already in this process: the filter on its console handlers as they are."""
-    for logger in (logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
-                                         if n.startswith("prefect"))):
+    for logger in (
+        logging.getLogger(),
+        *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("prefect")),
+    ):
         for handler in logger.handlers:
             if type(handler).__name__ == "PrefectConsoleHandler" and not any(
-                    isinstance(f, PrefectOwnInfo) for f in handler.filters):
+                isinstance(f, PrefectOwnInfo) for f in handler.filters
+            ):
                 handler.addFilter(PrefectOwnInfo())
 
 
@@ -113,8 +116,16 @@ def from_dpml(filename: str) -> bool:
     return str(Path(filename).resolve()).startswith(DPML_SOURCES)
 
 
-def warning_line(message: warnings.WarningMessage | Warning | str, category: type[Warning], filename: str,
-                 lineno: int, file: Any = None, line: str | None = None, *, verbose: bool = False) -> None:
+def warning_line(
+    message: warnings.WarningMessage | Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+    *,
+    verbose: bool = False,
+) -> None:
     """A warning as one ``dpml: warning: …`` line; other libraries' warnings only with ``--verbose``."""
     if verbose or from_dpml(filename):
         print(f"dpml: warning: {message}", file=sys.stderr)

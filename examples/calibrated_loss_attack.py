@@ -1,4 +1,5 @@
 """An example attack: the LOSS attack calibrated by each record's difficulty (Watson et al. 2022)."""
+
 import numpy as np
 
 from dpml.audit.attacks import AttackInputs, AttackKind, register_attack

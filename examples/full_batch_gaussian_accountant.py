@@ -1,4 +1,5 @@
 """An example accountant: full-batch Gaussian steps priced exactly, as one Gaussian mechanism."""
+
 import math
 
 from dpml.accounting.accountants import Accountant, register_accountant

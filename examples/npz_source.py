@@ -1,4 +1,5 @@
 """An example data source: records in a NumPy .npz file, data.source: npz:PATH."""
+
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,13 @@ def load(rest: str) -> RawData:
             raise DataError(f"{rest}: no array {missing[0]!r} (an npz source holds x, y and classes)")
         x, y, classes = arrays["x"], arrays["y"], arrays["classes"]
     x = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
-    return RawData(x=x, y=np.asarray(y, dtype=np.int64), classes=[str(c) for c in classes],
-                   feature_names=[f"x{i}" for i in range(x.shape[1])], origin=f"npz:{rest}")
+    return RawData(
+        x=x,
+        y=np.asarray(y, dtype=np.int64),
+        classes=[str(c) for c in classes],
+        feature_names=[f"x{i}" for i in range(x.shape[1])],
+        origin=f"npz:{rest}",
+    )
 
 
 register_source(SourceKind("npz", load, check))

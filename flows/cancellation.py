@@ -38,13 +38,15 @@ class CancellationWatch:
     def __enter__(self) -> CancellationWatch:
         # The thread runs in a copy of this context: Prefect's scoped settings (the run's API URL) go with it.
         context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._watch,), name="dpml-cancellation-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=context.run, args=(self._watch,), name="dpml-cancellation-watch", daemon=True
+        )
         self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self._done.set()
         if self._thread is not None:
             self._thread.join(timeout=self.poll_s + 5)

@@ -81,8 +81,13 @@ def reference_cluster(audit: AuditConfig, api_url: str, world_size: int) -> Iter
     from distributed import LocalCluster
 
     with workers_may_start_processes(world_size > 1):
-        cluster = LocalCluster(n_workers=audit.workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                               env={"PREFECT_API_URL": api_url})
+        cluster = LocalCluster(
+            n_workers=audit.workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            env={"PREFECT_API_URL": api_url},
+        )
     try:
         yield cluster.scheduler_address
     except BaseException:
@@ -115,7 +120,9 @@ def check_dask_workers(config: Config) -> None:
     except OSError as error:
         raise PreflightError(f"{settings}: the Dask scheduler does not answer ({error})") from None
     if daemonic:
-        raise PreflightError(f"{settings}: {len(daemonic)} worker(s) of that cluster are daemonic processes, which "
-                             f"cannot start the {world} training processes of each reference model; start them "
-                             "with distributed.worker.daemon: false, or set train.world_size: 1, or leave "
-                             "audit.dask_address unset (a local cluster)")
+        raise PreflightError(
+            f"{settings}: {len(daemonic)} worker(s) of that cluster are daemonic processes, which "
+            f"cannot start the {world} training processes of each reference model; start them "
+            "with distributed.worker.daemon: false, or set train.world_size: 1, or leave "
+            "audit.dask_address unset (a local cluster)"
+        )

@@ -80,9 +80,11 @@ def release_markdown(results: dict[str, Any]) -> str:
     """The flow run's ``dpml-release`` artifact: the release gate's verdict, then the run summary."""
     gate, release = results["gate"], results["register"]
     verdict = gate["verdict"]["title"]
-    return (f"# dpml release: gate {verdict}\n\n`{release['model_uri']}`"
-            + (" (alias `champion`)" if release["champion"] else "")
-            + f"\n\n```\n{run_summary(results).strip()}\n```\n")
+    return (
+        f"# dpml release: gate {verdict}\n\n`{release['model_uri']}`"
+        + (" (alias `champion`)" if release["champion"] else "")
+        + f"\n\n```\n{run_summary(results).strip()}\n```\n"
+    )
 
 
 class _Run:
@@ -117,10 +119,14 @@ class _Run:
         self.stage = "register"
         results["register"] = t.register(config)
         if self.stops.requested:
-            get_run_logger().warning("%s during registration: too late to stop, the release was completed",
-                                     self.stops.requested)
-        create_markdown_artifact(key=RELEASE_ARTIFACT, markdown=release_markdown(results),
-                                 description="dpml release summary: accuracy, certified ε, audit, gate, model version")
+            get_run_logger().warning(
+                "%s during registration: too late to stop, the release was completed", self.stops.requested
+            )
+        create_markdown_artifact(
+            key=RELEASE_ARTIFACT,
+            markdown=release_markdown(results),
+            description="dpml release summary: accuracy, certified ε, audit, gate, model version",
+        )
         return results
 
 
@@ -135,8 +141,9 @@ def this_runs_api() -> tuple[str, dict[str, str]]:
     return url, {"api_url": url, "flow_run_id": str(run.id) if run else "", "flow_run_name": run.name if run else ""}
 
 
-def _stopped(config: Config, run: _Run | None, spend_before: SpendNote | None, stops: StopRequests,
-             stop: BaseException) -> State:
+def _stopped(
+    config: Config, run: _Run | None, spend_before: SpendNote | None, stops: StopRequests, stop: BaseException
+) -> State:
     """Settle and report a stopped run: a cancellation ends the flow run ``Cancelled`` (returned); Ctrl-C and
     SIGTERM go on up, carrying the line (:func:`dpml.interrupts.note_spent`)."""
     cancelled = isinstance(stop, (Cancelled, CancelledRun))
@@ -214,8 +221,9 @@ def private_hyperparameter_search(params_path: str = "params.yaml", overrides: l
     return _pipeline(config, body, search=True)
 
 
-def run_from_cli(params_path: str, overrides: list[str], search: bool = False,
-                 api_flag: str | None = None) -> dict[str, Any]:
+def run_from_cli(
+    params_path: str, overrides: list[str], search: bool = False, api_flag: str | None = None
+) -> dict[str, Any]:
     """``dpml run`` / ``dpml tune`` on the Prefect engine: resolve the Prefect API once (``--prefect-api`` >
     ``PREFECT_API_URL`` > a temporary server, :func:`flows.prefect_api.prefect_api`), run the flow on it, and
     stop the temporary server afterwards whatever happened. A cancelled flow run raises

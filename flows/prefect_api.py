@@ -64,16 +64,33 @@ def _free_port() -> int:
 
 
 # Runs in the server's process before uvicorn: die with dpml, even when dpml is SIGKILLed.
-_LAUNCHER = ("import runpy, sys; from dpml.interrupts import die_with_parent; die_with_parent(int(sys.argv[1])); "
-             "sys.argv = ['uvicorn', *sys.argv[2:]]; runpy.run_module('uvicorn', run_name='__main__')")
+_LAUNCHER = (
+    "import runpy, sys; from dpml.interrupts import die_with_parent; die_with_parent(int(sys.argv[1])); "
+    "sys.argv = ['uvicorn', *sys.argv[2:]]; runpy.run_module('uvicorn', run_name='__main__')"
+)
 
 
 def _server_command(port: int) -> list[str]:
     import prefect
 
-    return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), "--app-dir", str(Path(prefect.__file__).parent.parent),
-            "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "error", "--lifespan", "on"]
+    return [
+        sys.executable,
+        "-c",
+        _LAUNCHER,
+        str(os.getpid()),
+        "--app-dir",
+        str(Path(prefect.__file__).parent.parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
 
 
 def _server_environment() -> dict[str, str]:
@@ -82,8 +99,13 @@ def _server_environment() -> dict[str, str]:
     from prefect.settings import get_current_settings
 
     source = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
-           "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    env = {
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
     return env
@@ -117,8 +139,14 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def _start(log: IO[bytes], deadline: float) -> tuple[subprocess.Popen[bytes], str]:
     """One try: the server on a fresh port; returns it once it answers, or once it has ended or the time is up."""
     port = _free_port()
-    process = subprocess.Popen(_server_command(port), env=_server_environment(), stdout=log, stderr=log,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        _server_command(port),
+        env=_server_environment(),
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/api"
     while process.poll() is None and time.monotonic() < deadline and not _healthy(url):
         time.sleep(0.2)
@@ -161,11 +189,12 @@ def temporary_server(timeout: float = STARTUP_TIMEOUT_S, tries: int = 3) -> Iter
                 else:
                     log.seek(0)
                     tail = " ".join(log.read().decode(errors="replace").strip().splitlines()[-3:])
-                    raise RuntimeError(f"the temporary Prefect server did not start within {timeout:.0f} s"
-                                       + (f" (exit status {process.returncode})" if process and process.returncode
-                                          else "")
-                                       + (f": {tail}" if tail else "")
-                                       + "; set PREFECT_API_URL (or pass --prefect-api) to a running Prefect server")
+                    raise RuntimeError(
+                        f"the temporary Prefect server did not start within {timeout:.0f} s"
+                        + (f" (exit status {process.returncode})" if process and process.returncode else "")
+                        + (f": {tail}" if tail else "")
+                        + "; set PREFECT_API_URL (or pass --prefect-api) to a running Prefect server"
+                    )
             yield url
         finally:
             if process is not None:
@@ -200,8 +229,10 @@ def prefect_api(flag: str | None = None) -> Iterator[PrefectApi]:
 
     chosen = PrefectApi(flag.rstrip("/"), "--prefect-api") if flag else configured_api()
     if chosen is None and not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        raise PreflightError("no Prefect API: pass --prefect-api URL or set PREFECT_API_URL to a running Prefect "
-                             "server, or allow a temporary one (PREFECT_SERVER_ALLOW_EPHEMERAL_MODE=true)")
+        raise PreflightError(
+            "no Prefect API: pass --prefect-api URL or set PREFECT_API_URL to a running Prefect "
+            "server, or allow a temporary one (PREFECT_SERVER_ALLOW_EPHEMERAL_MODE=true)"
+        )
     with _server_if(chosen) as api, temporary_settings(updates={PREFECT_API_URL: api.url}):
         try:
             yield api

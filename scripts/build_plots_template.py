@@ -17,8 +17,11 @@ import sys
 import tarfile
 from pathlib import Path
 
-LIBRARIES = {"vega-5.20.2.tgz": "package/build/vega.min.js", "vega-lite-5.2.0.tgz": "package/build/vega-lite.min.js",
-             "vega-embed-6.18.2.tgz": "package/build/vega-embed.min.js"}
+LIBRARIES = {
+    "vega-5.20.2.tgz": "package/build/vega.min.js",
+    "vega-lite-5.2.0.tgz": "package/build/vega-lite.min.js",
+    "vega-embed-6.18.2.tgz": "package/build/vega-embed.min.js",
+}
 PACKAGES = ("vega@5.20.2", "vega-lite@5.2.0", "vega-embed@6.18.2")  # what `npm pack` fetches
 
 
@@ -33,9 +36,11 @@ def library(tarball: Path, member: str) -> str:
 
 
 def page(scripts: list[str]) -> str:
-    inline = "\n".join(f"<script type=\"text/javascript\">\n{text}\n</script>" for text in scripts)
-    return ("<!DOCTYPE html>\n<html>\n<head>\n{refresh_tag}\n<meta charset=\"utf-8\">\n<title>dpml: DVC plots</title>\n"
-            f"{inline}\n<style>table {{ border-spacing: 15px; }}</style>\n</head>\n<body>\n{{plot_divs}}\n</body>\n</html>\n")
+    inline = "\n".join(f'<script type="text/javascript">\n{text}\n</script>' for text in scripts)
+    return (
+        '<!DOCTYPE html>\n<html>\n<head>\n{refresh_tag}\n<meta charset="utf-8">\n<title>dpml: DVC plots</title>\n'
+        f"{inline}\n<style>table {{ border-spacing: 15px; }}</style>\n</head>\n<body>\n{{plot_divs}}\n</body>\n</html>\n"
+    )
 
 
 def main(folder: str, out: str) -> int:

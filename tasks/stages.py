@@ -94,7 +94,8 @@ def gate(config: Config) -> dict[str, Any]:
     if isinstance(decision, State):  # cancelled
         return decision
     create_markdown_artifact(
-        key="privacy-report", markdown=stages.Layout(config).report.read_text(),
+        key="privacy-report",
+        markdown=stages.Layout(config).report.read_text(),
         description="dpml privacy report: guarantee, accountants, audit, release gate",
     )
     return decision
@@ -114,7 +115,9 @@ def record_in_dvc(workdir: str = ".") -> str:
     root = Path(workdir)
     if not (root / "dvc.yaml").is_file() or not (root / ".dvc").is_dir():
         return "skipped: not a DVC workspace"
-    done = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", "--quiet"], cwd=root, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "commit", "--force", "--quiet"], cwd=root, capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise RuntimeError(f"dvc commit failed: {done.stderr.strip() or done.stdout.strip()}")
     return "recorded in dvc.lock"

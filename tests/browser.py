@@ -33,8 +33,9 @@ def _debugging_port(profile: Path, process: subprocess.Popen[bytes], timeout: fl
     raise RuntimeError(f"Chromium did not open its debugging port (exit status {process.poll()})")
 
 
-async def _evaluate_until(websocket_url: str, url: str, width: int, height: int, script: str,
-                          ready: Callable[[Any], bool], timeout: float) -> Any:
+async def _evaluate_until(
+    websocket_url: str, url: str, width: int, height: int, script: str, ready: Callable[[Any], bool], timeout: float
+) -> Any:
     async with websockets.connect(websocket_url, max_size=None) as socket:
         counter = 0
 
@@ -51,23 +52,37 @@ async def _evaluate_until(websocket_url: str, url: str, width: int, height: int,
         await call("Page.navigate", url=url)
         value, end = None, time.monotonic() + timeout
         while time.monotonic() < end:
-            value = (await call("Runtime.evaluate", expression=script, returnByValue=True)).get("result", {}).get("value")
+            value = (
+                (await call("Runtime.evaluate", expression=script, returnByValue=True)).get("result", {}).get("value")
+            )
             if value is not None and ready(value):
                 return value
             await asyncio.sleep(1.0)
         return value
 
 
-def evaluate_in_page(url: str, script: str, ready: Callable[[Any], bool], *, width: int = 1600, height: int = 1000,
-                     timeout: float = 90.0) -> Any:
+def evaluate_in_page(
+    url: str, script: str, ready: Callable[[Any], bool], *, width: int = 1600, height: int = 1000, timeout: float = 90.0
+) -> Any:
     """Open ``url`` in a ``width`` × ``height`` window and evaluate ``script`` (a JavaScript expression returning
     JSON-able data) once a second until ``ready`` accepts its value or ``timeout`` passes; the last value."""
     executable = chromium()
     assert executable is not None, "no Chromium"
     profile = Path(tempfile.mkdtemp(prefix="dpml-chromium-"))
-    process = subprocess.Popen([executable, "--headless", "--disable-gpu", "--no-sandbox", f"--window-size={width},{height}",
-                                f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            executable,
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            f"--window-size={width},{height}",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         port = _debugging_port(profile, process)
         targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=30).read())

@@ -49,12 +49,15 @@ def an_empty_store(database: Path, artifact_root: Path) -> None:
 
     if not _EMPTY_STORE:
         template = Path(tempfile.mkdtemp(prefix="dpml-empty-store-")) / "mlflow.db"
-        assert prepare_store(TrackingConfig(uri=f"sqlite:///{template}", artifact_root=str(template.parent))) == "created"
+        assert (
+            prepare_store(TrackingConfig(uri=f"sqlite:///{template}", artifact_root=str(template.parent))) == "created"
+        )
         _EMPTY_STORE.append(template)
     shutil.copyfile(_EMPTY_STORE[0], database)
     with contextlib.closing(sqlite3.connect(database)) as db, db:
-        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
-                   (str(artifact_root.resolve()),))
+        db.execute(
+            "UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (str(artifact_root.resolve()),)
+        )
 
 
 def small_params(tmp: Path, *, store: bool = True, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -65,8 +68,12 @@ def small_params(tmp: Path, *, store: bool = True, **sections: dict[str, Any]) -
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["train"]["epochs"] = 3
     params["dp"] = {"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"}
-    params["tracking"] = {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_root": str(tmp / "mlartifacts"),
-                          "experiment": "dpml-test", "model_name": "dpml-test-model"}
+    params["tracking"] = {
+        "uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "artifact_root": str(tmp / "mlartifacts"),
+        "experiment": "dpml-test",
+        "model_name": "dpml-test-model",
+    }
     params["paths"] = {"data": str(tmp / "data"), "artifacts": str(tmp / "artifacts"), "cache": str(tmp / "cache")}
     params["audit"] |= {"references": 2, "bootstrap": 50}
     params["ledger"] = {"path": str(tmp / "ledger.db"), "epsilon_budget": 1000.0, "delta": 1e-5}
@@ -91,8 +98,11 @@ def signal_state() -> dict[str, object]:
     """This thread's SIGINT/SIGTERM handlers and blocked signals: what every child process starts from (an
     ignored or blocked SIGINT survives exec, and Python then never raises KeyboardInterrupt in the child)."""
 
-    return {"SIGINT handler": signal.getsignal(signal.SIGINT), "SIGTERM handler": signal.getsignal(signal.SIGTERM),
-            "blocked signals": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+    return {
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
+        "SIGTERM handler": signal.getsignal(signal.SIGTERM),
+        "blocked signals": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -125,13 +135,24 @@ def write_params(path: Path, params: dict[str, Any]) -> Path:
 def run_pipeline_with_plugin(tmp: Path, plugin: Path, **sections: dict[str, Any]) -> subprocess.CompletedProcess[str]:
     """``dpml run --engine local`` in a fresh process in ``tmp`` (as `dvc repro` and a scheduled run start), on
     :func:`small_params` with ``plugin`` listed under ``plugins:``, a loss-only audit and ``sections`` on top."""
-    audit = {"attacks": ["loss"], "references": 0, "white_box_canaries": 0, "black_box_canaries": 100,
-             "control": False} | sections.pop("audit", {})
+    audit = {
+        "attacks": ["loss"],
+        "references": 0,
+        "white_box_canaries": 0,
+        "black_box_canaries": 100,
+        "control": False,
+    } | sections.pop("audit", {})
     params = small_params(tmp, audit=audit, **sections)
     params["plugins"] = [str(plugin)]
     write_params(tmp / "params.yaml", params)
-    return subprocess.run([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=tmp,
-                          env={**os.environ, "DPML_NOISE_SEED": "7"}, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "dpml.cli", "run", "--engine", "local"],
+        cwd=tmp,
+        env={**os.environ, "DPML_NOISE_SEED": "7"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -174,13 +195,17 @@ def postgres_server() -> Iterator[str]:
 
     binaries = postgres_binaries()
     if binaries is None:
-        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) on this machine: the PostgreSQL ledger tests did not run")
+        pytest.skip(
+            "no PostgreSQL server binaries (initdb, pg_ctl) on this machine: the PostgreSQL ledger tests did not run"
+        )
     if os.geteuid() == 0:
         try:
             pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no 'postgres' user to run the server as (PostgreSQL refuses "
-                        "root): the PostgreSQL ledger tests did not run")
+            pytest.skip(
+                "running as root and there is no 'postgres' user to run the server as (PostgreSQL refuses "
+                "root): the PostgreSQL ledger tests did not run"
+            )
     root = Path(tempfile.mkdtemp(prefix="dpml-postgres-"))
     data = root / "data"
     if os.geteuid() == 0:
@@ -188,16 +213,28 @@ def postgres_server() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    subprocess.run(_as_postgres_user([str(binaries / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                                      "--no-sync", "-E", "UTF8"]), check=True, capture_output=True)
+    subprocess.run(
+        _as_postgres_user(
+            [str(binaries / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"]
+        ),
+        check=True,
+        capture_output=True,
+    )
     options = f"-p {port} -h 127.0.0.1 -k {root} -c max_connections=200 -c fsync=on"
-    subprocess.run(_as_postgres_user([str(binaries / "pg_ctl"), "-D", str(data), "-o", options, "-l",
-                                      str(root / "server.log"), "-w", "start"]), check=True, capture_output=True)
+    subprocess.run(
+        _as_postgres_user(
+            [str(binaries / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(root / "server.log"), "-w", "start"]
+        ),
+        check=True,
+        capture_output=True,
+    )
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}"
     finally:
-        subprocess.run(_as_postgres_user([str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-                       capture_output=True)
+        subprocess.run(
+            _as_postgres_user([str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
+            capture_output=True,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -258,9 +295,14 @@ def serving_mlflow(command: str, arguments: list[str], cwd: Path, log: Path) -> 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     with open(log, "w") as sink:
-        server = subprocess.Popen([sys.executable, "-m", "mlflow", command, "--host", "127.0.0.1", "--port", str(port),
-                                   *arguments], cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", command, "--host", "127.0.0.1", "--port", str(port), *arguments],
+            cwd=cwd,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         if not answers(f"{url}/health", server, 180):
@@ -282,7 +324,17 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     the server's proxy. Yields ``{"url", "artifacts", "log"}``."""
     root = tmp_path_factory.mktemp("mlflow-server")
     log = root / "server.log"
-    with serving_mlflow("server", ["--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-                                   "--artifacts-destination", str(root / "artifact-store"), "--workers", "2"],
-                        root, log) as url:
+    with serving_mlflow(
+        "server",
+        [
+            "--backend-store-uri",
+            f"sqlite:///{root / 'server.db'}",
+            "--artifacts-destination",
+            str(root / "artifact-store"),
+            "--workers",
+            "2",
+        ],
+        root,
+        log,
+    ) as url:
         yield {"url": url, "artifacts": root / "artifact-store", "log": log}

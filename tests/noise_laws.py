@@ -28,8 +28,8 @@ from scipy import stats
 
 FALSE_ALARM = 1e-6  # per check: the chance a correct sampler fails it
 Z = float(stats.norm.isf(FALSE_ALARM / 2))  # two-sided normal quantile, ≈ 4.89
-BOUND_53 = math.sqrt(-2 * math.log(2.0 ** -53))  # 8.5716…: the largest radius 1 − U ≥ 2⁻⁵³ allows
-BOUND_24 = math.sqrt(-2 * math.log(2.0 ** -24))  # 5.7678…: torch's float32 CPU sampler's
+BOUND_53 = math.sqrt(-2 * math.log(2.0**-53))  # 8.5716…: the largest radius 1 − U ≥ 2⁻⁵³ allows
+BOUND_24 = math.sqrt(-2 * math.log(2.0**-24))  # 5.7678…: torch's float32 CPU sampler's
 
 
 def box_muller(count: int, std: float, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -39,7 +39,7 @@ def box_muller(count: int, std: float, seed: int, dtype: torch.dtype = torch.flo
     precision; all the R cos 2πV, then all the R sin 2πV."""
     generator, half = torch.Generator().manual_seed(seed), (count + 1) // 2
     q = -(-half // 4)
-    key = torch.randint(0, 2 ** 62, (4,), generator=generator).tolist()
+    key = torch.randint(0, 2**62, (4,), generator=generator).tolist()
     streams = [np.random.Generator(np.random.SFC64(child)) for child in np.random.SeedSequence(key).spawn(4)]
     angle_dtype = np.float64 if dtype == torch.float64 else np.float32
     uniforms = [(stream.random(q), stream.random(q, dtype=angle_dtype)) for stream in streams]
@@ -87,7 +87,7 @@ def check_standard_normal(z: torch.Tensor | np.ndarray, pairs: bool = True) -> N
     beyond = int((np.abs(values) > 4).sum())
     low_count, high_count = _two_sided_binomial(n, 2 * stats.norm.sf(4))
     assert low_count <= beyond <= high_count, ("beyond 4σ", beyond, (low_count, high_count))
-    assert np.abs(values).max() <= BOUND_53 * (1 + 2 ** -22), np.abs(values).max()
+    assert np.abs(values).max() <= BOUND_53 * (1 + 2**-22), np.abs(values).max()
 
 
 def grid_hits(first: torch.Tensor, second: torch.Tensor) -> tuple[int, int]:
@@ -96,7 +96,7 @@ def grid_hits(first: torch.Tensor, second: torch.Tensor) -> tuple[int, int]:
     radius comes from 24-bit uniforms; for 53-bit uniforms u·2²⁴ has a uniform fractional part, so each
     is a hit with probability 0.02."""
     r2 = first.double().cpu() ** 2 + second.double().cpu() ** 2
-    steps = torch.exp(-r2[r2 > 16] / 2) * 2 ** 24
+    steps = torch.exp(-r2[r2 > 16] / 2) * 2**24
     return int(((steps - steps.round()).abs() < 0.01).sum()), int(steps.numel())
 
 
@@ -123,8 +123,9 @@ def check_gaussian_draws(device: str) -> None:
         assert drawn.dtype == dtype and drawn.device.type == device
         check_standard_normal(drawn.double() / 2.5)
     n = 2_000_000  # ≈ 340 pairs beyond radius 4; n/2 a multiple of 4, so the CPU's pairs are (k, k + n/2) too
-    noise = gaussian_noise({"w": nn.Parameter(torch.zeros(n, device=device))}, 1.0,
-                           torch.Generator(device=device).manual_seed(0))["w"]
+    noise = gaussian_noise(
+        {"w": nn.Parameter(torch.zeros(n, device=device))}, 1.0, torch.Generator(device=device).manual_seed(0)
+    )["w"]
     assert noise.dtype == torch.float32 and noise.device.type == device
     check_standard_normal(noise)
-    check_tail_resolution(noise[:n // 2], noise[n // 2:])
+    check_tail_resolution(noise[: n // 2], noise[n // 2 :])

@@ -19,10 +19,17 @@ import pytest
 import yaml
 
 from dpml.config import validate
-from dpml.accounting.accountants import (ACCOUNTANTS, Accountant, ask_accountants, certify, epsilon_selection_autodp,
-                                      epsilon_selection_dp_accounting, register_accountant, tight_epsilon)
-from dpml.accounting.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, PoissonGaussianSteps,
-                                    Selection)
+from dpml.accounting.accountants import (
+    ACCOUNTANTS,
+    Accountant,
+    ask_accountants,
+    certify,
+    epsilon_selection_autodp,
+    epsilon_selection_dp_accounting,
+    register_accountant,
+    tight_epsilon,
+)
+from dpml.accounting.mechanism import ConcentratedDP, GaussianDP, MechanismDescription, PoissonGaussianSteps, Selection
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "full_batch_gaussian_accountant.py"
@@ -61,10 +68,22 @@ def test_the_example_accountant_prices_full_batch_steps_as_an_independent_accoun
 def test_the_example_accountant_is_not_asked_about_what_it_does_not_model() -> None:
     registered_example()
     subsampled = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.01, 1.0, 100),), "add-remove", 1.0, 1000)
-    searched = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(1.0, 8.0, 50),), "add-remove", 1.0, 1000,
-                                    selection=Selection("poisson", 3.0))
-    fixed = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(1.0, 8.0, 50),), "add-remove", 1.0, 1000,
-                                 selection=Selection("fixed", 3.0))
+    searched = MechanismDescription(
+        "dpsgd-search",
+        (PoissonGaussianSteps(1.0, 8.0, 50),),
+        "add-remove",
+        1.0,
+        1000,
+        selection=Selection("poisson", 3.0),
+    )
+    fixed = MechanismDescription(
+        "dpsgd-search",
+        (PoissonGaussianSteps(1.0, 8.0, 50),),
+        "add-remove",
+        1.0,
+        1000,
+        selection=Selection("fixed", 3.0),
+    )
     for mechanism in (subsampled, searched):
         assert NAME not in {a.name for a in ask_accountants(mechanism, DELTA)}
     three = {a.name: a.epsilon for a in ask_accountants(fixed, DELTA)}  # three candidates composed
@@ -87,9 +106,14 @@ def test_each_built_in_accountant_is_asked_about_what_it_supports_only() -> None
         zcdp = MechanismDescription("onepass", events, "replace-one", 1.0, 1000)
         asked = {a.name for a in ask_accountants(zcdp, DELTA)} & builtin
         assert asked == {"zcdp.rdp[dp_accounting]", "zcdp.bun_steinke", "autodp.zcdp"}, events
-    search = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(0.01, 1.0, 100),
-                                                   PoissonGaussianSteps(1.0, 10.0, 1)), "add-remove", 1.0, 1000,
-                                  selection=Selection("poisson", 3.0))
+    search = MechanismDescription(
+        "dpsgd-search",
+        (PoissonGaussianSteps(0.01, 1.0, 100), PoissonGaussianSteps(1.0, 10.0, 1)),
+        "add-remove",
+        1.0,
+        1000,
+        selection=Selection("poisson", 3.0),
+    )
     answers = {a.name: a for a in ask_accountants(search, DELTA)}
     assert {"papernot_steinke.rdp[dp_accounting]", "papernot_steinke.rdp[autodp]"} <= set(answers)
     assert "moments_accountant.closed_form" not in answers and not set(answers) & {n for n in builtin if "zcdp" in n}
@@ -100,9 +124,11 @@ def test_each_built_in_accountant_is_asked_about_what_it_supports_only() -> None
 
 
 def test_an_answer_that_is_not_a_finite_non_negative_epsilon_is_recorded_as_an_error_and_never_certifies(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """(Pins the mutants of ``ask_accountants`` that mutation testing found alive: NaN or ∞ accepted when the
     test is an ``and``, ε = 0 refused, the failure's type or message dropped, a negative duration.)"""
+
     def probe(mechanism: MechanismDescription) -> bool:
         return mechanism.trainer == "probe"
 
@@ -111,8 +137,9 @@ def test_an_answer_that_is_not_a_finite_non_negative_epsilon_is_recorded_as_an_e
 
     values = {"test.nan": float("nan"), "test.inf": float("inf"), "test.negative": -1.0, "test.zero": 0.0}
     for name, value in values.items():
-        monkeypatch.setitem(ACCOUNTANTS, name, Accountant(name, "scipy", lambda m, d, v=value: v, probe,
-                                                          certifying=name != "test.zero"))
+        monkeypatch.setitem(
+            ACCOUNTANTS, name, Accountant(name, "scipy", lambda m, d, v=value: v, probe, certifying=name != "test.zero")
+        )
     monkeypatch.setitem(ACCOUNTANTS, "test.raises", Accountant("test.raises", "scipy", failing, probe))
     mechanism = MechanismDescription("probe", (PoissonGaussianSteps(1.0, 8.0, 5),), "add-remove", 1.0, 1000)
     start = time.perf_counter()
@@ -126,7 +153,8 @@ def test_an_answer_that_is_not_a_finite_non_negative_epsilon_is_recorded_as_an_e
     assert all(0 <= a.seconds <= elapsed for a in answers.values())  # each answer's own time, within the call's
     certificate = certify(mechanism, DELTA)
     assert certificate["epsilon"] > 0 and certificate["epsilon"] == min(
-        a.epsilon for a in answers.values() if a.used_for_certificate and a.epsilon is not None)
+        a.epsilon for a in answers.values() if a.used_for_certificate and a.epsilon is not None
+    )
 
 
 def supported_mechanisms() -> dict[str, MechanismDescription]:
@@ -137,16 +165,26 @@ def supported_mechanisms() -> dict[str, MechanismDescription]:
         "DP-SGD, replace-one": MechanismDescription("dpsgd", (steps,), "replace-one", 1.0, 1000),
         "DP-GD": full_batch(8.0, 50),
         "μ-GDP, replace-one": MechanismDescription("noisycgd", (GaussianDP(0.5),), "replace-one", 1.0, 1000),
-        "zCDP and μ-GDP": MechanismDescription("onepass", (ConcentratedDP(0.1), GaussianDP(0.3)), "replace-one",
-                                               1.0, 1000),
-        "fixed best-of-3": MechanismDescription("dpsgd-search", (steps,), "add-remove", 1.0, 1000,
-                                                selection=Selection("fixed", 3.0)),
-        "Poisson search": MechanismDescription("dpsgd-search", (steps,), "add-remove", 1.0, 1000,
-                                               selection=Selection("poisson", 3.0)),
-        "negative-binomial search": MechanismDescription("dpsgd-search", (steps,), "add-remove", 1.0, 1000,
-                                                         selection=Selection("truncated_negative_binomial", 3.0, 1.0)),
-        "μ-GDP Poisson search, replace-one": MechanismDescription("noisycgd-search", (GaussianDP(0.5),), "replace-one",
-                                                                  1.0, 1000, selection=Selection("poisson", 3.0)),
+        "zCDP and μ-GDP": MechanismDescription(
+            "onepass", (ConcentratedDP(0.1), GaussianDP(0.3)), "replace-one", 1.0, 1000
+        ),
+        "fixed best-of-3": MechanismDescription(
+            "dpsgd-search", (steps,), "add-remove", 1.0, 1000, selection=Selection("fixed", 3.0)
+        ),
+        "Poisson search": MechanismDescription(
+            "dpsgd-search", (steps,), "add-remove", 1.0, 1000, selection=Selection("poisson", 3.0)
+        ),
+        "negative-binomial search": MechanismDescription(
+            "dpsgd-search",
+            (steps,),
+            "add-remove",
+            1.0,
+            1000,
+            selection=Selection("truncated_negative_binomial", 3.0, 1.0),
+        ),
+        "μ-GDP Poisson search, replace-one": MechanismDescription(
+            "noisycgd-search", (GaussianDP(0.5),), "replace-one", 1.0, 1000, selection=Selection("poisson", 3.0)
+        ),
     }
 
 
@@ -163,8 +201,11 @@ def test_every_accountant_asked_answers_and_the_independent_ones_agree(kind: str
     assert answers
     for name, answer in answers.items():
         assert answer.error is None and answer.epsilon is not None and 0 <= answer.epsilon < 1e3, (name, answer)
-    selection = [answers[n].epsilon for n in ("papernot_steinke.rdp[dp_accounting]", "papernot_steinke.rdp[autodp]")
-                 if n in answers]
+    selection = [
+        answers[n].epsilon
+        for n in ("papernot_steinke.rdp[dp_accounting]", "papernot_steinke.rdp[autodp]")
+        if n in answers
+    ]
     if len(selection) == 2:
         assert selection[0] == pytest.approx(selection[1], rel=0.02)
         if any(isinstance(e, PoissonGaussianSteps) for e in mechanism.events):  # not one base curve twice (μ-GDP's
@@ -177,8 +218,14 @@ def test_a_random_count_accountant_refuses_what_it_does_not_price() -> None:
     """Asked directly (the registry never does), the Papernot–Steinke accountants refuse a plain composition and a
     subsampled search under replace-one, saying why."""
     plain = supported_mechanisms()["DP-SGD, add/remove"]
-    replace_one = MechanismDescription("dpsgd-search", (PoissonGaussianSteps(0.01, 1.0, 100),), "replace-one", 1.0,
-                                       1000, selection=Selection("poisson", 3.0))
+    replace_one = MechanismDescription(
+        "dpsgd-search",
+        (PoissonGaussianSteps(0.01, 1.0, 100),),
+        "replace-one",
+        1.0,
+        1000,
+        selection=Selection("poisson", 3.0),
+    )
     for accountant in (epsilon_selection_dp_accounting, epsilon_selection_autodp):
         with pytest.raises(NotImplementedError, match="not a random-count selection"):
             accountant(plain, DELTA)

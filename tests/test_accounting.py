@@ -19,8 +19,14 @@ from dpml.accounting import accountants
 from dpml.accounting.accountants import certify
 from dpml.accounting.calibrate import calibrate_noise_multiplier
 from dpml.accounting.closed_forms import epsilon_gdp_exact
-from dpml.accounting.mechanism import (ConcentratedDP, GaussianDP, MechanismDescription, NoisyGradientDescent,
-                                    PoissonGaussianSteps, Selection)
+from dpml.accounting.mechanism import (
+    ConcentratedDP,
+    GaussianDP,
+    MechanismDescription,
+    NoisyGradientDescent,
+    PoissonGaussianSteps,
+    Selection,
+)
 from dpml.accounting.tuning import ORDERS
 from dpml.ledger.unit_accounts import rdp_curve
 
@@ -29,8 +35,9 @@ def mechanism(q: float, sigma: float, steps: int, relation: str = "add-remove") 
     return MechanismDescription("test", (PoissonGaussianSteps(q, sigma, steps),), relation, 1.0, 1000)  # type: ignore[arg-type]
 
 
-def independent_pld_bounds(q: float, sigma: float, steps: int, delta: float,
-                           relation: str = "add-remove", interval: float = 5e-5) -> tuple[float, float]:
+def independent_pld_bounds(
+    q: float, sigma: float, steps: int, delta: float, relation: str = "add-remove", interval: float = 5e-5
+) -> tuple[float, float]:
     """dp_accounting's PLD called directly: optimistic (a lower bound) and pessimistic (upper) ε."""
     from dp_accounting import NeighboringRelation
     from dp_accounting.pld import privacy_loss_distribution as pld
@@ -39,8 +46,12 @@ def independent_pld_bounds(q: float, sigma: float, steps: int, delta: float,
     out = []
     for pessimistic in (False, True):
         dist = pld.from_gaussian_mechanism(
-            standard_deviation=sigma, sampling_prob=q, value_discretization_interval=interval,
-            pessimistic_estimate=pessimistic, neighboring_relation=rel, use_connect_dots=pessimistic,
+            standard_deviation=sigma,
+            sampling_prob=q,
+            value_discretization_interval=interval,
+            pessimistic_estimate=pessimistic,
+            neighboring_relation=rel,
+            use_connect_dots=pessimistic,
         ).self_compose(steps)
         out.append(dist.get_epsilon_for_delta(delta))
     return out[0], out[1]
@@ -48,8 +59,14 @@ def independent_pld_bounds(q: float, sigma: float, steps: int, delta: float,
 
 @pytest.mark.parametrize(
     ("q", "sigma", "steps", "delta"),
-    [(0.01, 1.1, 1000, 1e-5), (0.05, 0.8, 200, 1e-5), (0.2, 4.0, 100, 1e-6), (0.001, 0.6, 3000, 1e-5),
-     (0.02, 2.0, 500, 1e-6), (0.1, 1.5, 50, 1e-5)],
+    [
+        (0.01, 1.1, 1000, 1e-5),
+        (0.05, 0.8, 200, 1e-5),
+        (0.2, 4.0, 100, 1e-6),
+        (0.001, 0.6, 3000, 1e-5),
+        (0.02, 2.0, 500, 1e-6),
+        (0.1, 1.5, 50, 1e-5),
+    ],
 )
 def test_certified_epsilon_agrees_with_independent_pld(q: float, sigma: float, steps: int, delta: float) -> None:
     certificate = certify(mechanism(q, sigma, steps), delta)
@@ -63,8 +80,10 @@ def test_certified_epsilon_agrees_with_independent_pld(q: float, sigma: float, s
 
 def exact_gaussian_epsilon(mu: float, delta: float) -> float:
     """Full-batch Gaussian composition is μ-GDP exactly (Dong et al. 2019); Balle & Wang's δ(ε)."""
+
     def gap(eps: float) -> float:
         return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
+
     return brentq(gap, 0.0, 100.0)
 
 
@@ -89,16 +108,22 @@ def test_replace_one_costs_more_and_only_accountants_that_model_it_are_asked() -
 
 def test_certificate_records_every_input_and_version() -> None:
     certificate = certify(mechanism(0.05, 1.0, 100), 1e-5)
-    assert certificate["mechanism"]["events"][0] == {"kind": "poisson_gaussian", "sample_rate": 0.05,
-                                                     "noise_multiplier": 1.0, "steps": 100}
+    assert certificate["mechanism"]["events"][0] == {
+        "kind": "poisson_gaussian",
+        "sample_rate": 0.05,
+        "noise_multiplier": 1.0,
+        "steps": 100,
+    }
     for answer in certificate["answers"]:
         assert answer["version"] and answer["seconds"] >= 0
     again = certify(MechanismDescription.from_dict(certificate["mechanism"]), 1e-5)
     assert again["epsilon"] == certificate["epsilon"]
 
 
-@pytest.mark.parametrize(("target", "q", "steps", "relation"), [(2.0, 0.05, 600, "add-remove"), (1.0, 0.01, 2000, "add-remove"),
-                                                                 (4.0, 0.02, 1000, "replace-one")])
+@pytest.mark.parametrize(
+    ("target", "q", "steps", "relation"),
+    [(2.0, 0.05, 600, "add-remove"), (1.0, 0.01, 2000, "add-remove"), (4.0, 0.02, 1000, "replace-one")],
+)
 def test_calibration_is_safe_and_tight(target: float, q: float, steps: int, relation: str) -> None:
     sigma = calibrate_noise_multiplier(target, q, steps, 1e-5, relation)  # type: ignore[arg-type]
     assert certify(mechanism(q, sigma, steps, relation), 1e-5)["epsilon"] <= target
@@ -121,25 +146,56 @@ def test_mechanism_rejects_invalid_parameters(bad: dict) -> None:
 
 
 def test_cli_epsilon_json() -> None:
-    done = subprocess.run([sys.executable, "-m", "dpml", "epsilon", "--noise-multiplier", "1.1", "--sample-rate", "0.01",
-                           "--steps", "1000", "--delta", "1e-5", "--json"], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpml",
+            "epsilon",
+            "--noise-multiplier",
+            "1.1",
+            "--sample-rate",
+            "0.01",
+            "--steps",
+            "1000",
+            "--delta",
+            "1e-5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     payload = json.loads(done.stdout)
     lower, upper = independent_pld_bounds(0.01, 1.1, 1000, 1e-5)
     assert lower <= payload["epsilon"] <= upper * 1.005 + 1e-3
-    assert {a["name"] for a in payload["answers"]} == {"dp_accounting.pld", "prv_accountant.prv", "autodp.rdp",
-                                                       "dp_accounting.rdp"}
+    assert {a["name"] for a in payload["answers"]} == {
+        "dp_accounting.pld",
+        "prv_accountant.prv",
+        "autodp.rdp",
+        "dp_accounting.rdp",
+    }
 
 
 def test_cli_epsilon_rejects_bad_values() -> None:
-    done = subprocess.run([sys.executable, "-m", "dpml", "epsilon", "--noise-multiplier", "1", "--sample-rate", "2",
-                           "--steps", "10"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "epsilon", "--noise-multiplier", "1", "--sample-rate", "2", "--steps", "10"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode != 0 and "--sample-rate: 2: must be in (0, 1]" in done.stderr
 
 
 def sweep_settings(count: int = 50) -> list[tuple[float, float, int, float, str]]:
     rng = np.random.default_rng(2026)
-    grid = [(q, s, t, d, r) for q in (0.001, 0.01, 0.05, 0.2) for s in (0.8, 1.0, 2.0, 5.0)
-            for t in (10, 100, 400) for d in (1e-5, 1e-6) for r in ("add-remove", "replace-one")]
+    grid = [
+        (q, s, t, d, r)
+        for q in (0.001, 0.01, 0.05, 0.2)
+        for s in (0.8, 1.0, 2.0, 5.0)
+        for t in (10, 100, 400)
+        for d in (1e-5, 1e-6)
+        for r in ("add-remove", "replace-one")
+    ]
     return [grid[i] for i in rng.choice(len(grid), size=count, replace=False)]
 
 
@@ -208,8 +264,9 @@ def test_a_delta_outside_zero_one_is_refused(delta: float) -> None:
 
 
 def test_a_kl_mechanism_gets_a_kl_certificate_and_no_epsilon() -> None:
-    kl_run = MechanismDescription("noisygd", (NoisyGradientDescent("lecun", (20, 64, 3), 2.0, 50, 0.05, 0.5, True),),
-                                  "replace-one", 0.0, 400)
+    kl_run = MechanismDescription(
+        "noisygd", (NoisyGradientDescent("lecun", (20, 64, 3), 2.0, 50, 0.05, 0.5, True),), "replace-one", 0.0, 400
+    )
     certificate = certify(kl_run, 1e-5)
     assert certificate["epsilon"] == math.inf and 0 < certificate["kl"] < math.inf and certificate["delta"] == 1e-5
     assert accountants.tight_epsilon(kl_run, 1e-5) == math.inf  # the ledger's ε of a KL run
@@ -218,8 +275,9 @@ def test_a_kl_mechanism_gets_a_kl_certificate_and_no_epsilon() -> None:
 def test_a_mechanism_no_accountant_models_is_refused_naming_why() -> None:
     """A random-count search of a zCDP run: the zCDP accountants price compositions, the Papernot–Steinke ones no
     zCDP event, so none is asked and certify refuses it rather than certifying nothing."""
-    search = MechanismDescription("onepass-search", (ConcentratedDP(0.1),), "replace-one", 1.0, 1000,
-                                  selection=Selection("poisson", 3.0))
+    search = MechanismDescription(
+        "onepass-search", (ConcentratedDP(0.1),), "replace-one", 1.0, 1000, selection=Selection("poisson", 3.0)
+    )
     with pytest.raises(RuntimeError, match=r"no accountant could certify this mechanism \(\)"):
         certify(search, 1e-5)
 
@@ -230,11 +288,12 @@ def test_the_rdp_curve_of_a_zcdp_run_with_gdp_events_is_their_exact_sum() -> Non
     Papernot–Steinke curve (pins mechanism_rdp_curve, which no accounting test reached)."""
     mixed = MechanismDescription("onepass", (ConcentratedDP(0.1), GaussianDP(0.3)), "replace-one", 1.0, 1000)
     orders = np.asarray(ORDERS, dtype=float)
-    np.testing.assert_allclose(accountants.mechanism_rdp_curve(mixed), (0.1 + 0.3 ** 2 / 2) * orders, rtol=1e-9)
+    np.testing.assert_allclose(accountants.mechanism_rdp_curve(mixed), (0.1 + 0.3**2 / 2) * orders, rtol=1e-9)
     only_zcdp = MechanismDescription("onepass", (ConcentratedDP(0.2),), "replace-one", 1.0, 1000)
     np.testing.assert_allclose(accountants.mechanism_rdp_curve(only_zcdp), 0.2 * orders, rtol=1e-12)
-    search = MechanismDescription("s", (PoissonGaussianSteps(0.01, 1.0, 100),), "add-remove", 1.0, 1000,
-                                  selection=Selection("poisson", 3.0))
+    search = MechanismDescription(
+        "s", (PoissonGaussianSteps(0.01, 1.0, 100),), "add-remove", 1.0, 1000, selection=Selection("poisson", 3.0)
+    )
     np.testing.assert_array_equal(accountants.mechanism_rdp_curve(search), accountants.selection_rdp_curve(search))
 
 
@@ -247,8 +306,10 @@ def test_the_certificate_statement_names_the_relation_and_what_is_released() -> 
     final = replace(mechanism(0.01, 1.0, 100, "replace-one"), threat_model="final-model")
     assert "under replace-one neighbouring, for the final model only, accountant " in certify(final, 1e-5)["statement"]
     search = replace(mechanism(0.01, 1.0, 100), selection=Selection("poisson", 3.0))
-    assert "for every intermediate model, including the hyperparameter search (best of K ~ Poisson(3) candidates, " \
-           "the best released)" in certify(search, 1e-5)["statement"]
+    assert (
+        "for every intermediate model, including the hyperparameter search (best of K ~ Poisson(3) candidates, "
+        "the best released)" in certify(search, 1e-5)["statement"]
+    )
 
 
 # ------------------------------------------------------------------ what the mutation round found unpinned
@@ -306,8 +367,9 @@ def test_the_delta_profile_under_replace_one_is_the_replace_one_pld() -> None:
 def test_dp_accountings_rdp_of_gdp_events_under_replace_one_is_never_below_the_exact_epsilon() -> None:
     """μ already covers the relation: the RDP accountant takes σ = 1/μ under either relation (the PLD's σ = 2/μ
     for replace-one would price a quarter of the RDP). An upper bound is never below the exact GDP ε."""
-    m = MechanismDescription(trainer="noisygd", events=(GaussianDP(0.8),), neighbouring="replace-one",
-                             clip_norm=1.0, dataset_size=1000)
+    m = MechanismDescription(
+        trainer="noisygd", events=(GaussianDP(0.8),), neighbouring="replace-one", clip_norm=1.0, dataset_size=1000
+    )
     exact = epsilon_gdp_exact(m, 1e-5)
     rdp = accountants.epsilon_dp_accounting_rdp(m, 1e-5)
     assert exact <= rdp <= 1.5 * exact
@@ -319,23 +381,33 @@ def test_the_pld_of_gdp_events_is_the_exact_gdp_epsilon_under_either_relation(re
     """μ covers the relation already: the PLD prices a μ-GDP event as a Gaussian of σ = 1/μ under add/remove
     and σ = 2/μ under replace-one (where dp_accounting's Gaussian has sensitivity 2), so under both relations its
     ε is the exact GDP ε (pessimistic discretisation: a hair above it, never below)."""
-    m = MechanismDescription(trainer="noisygd", events=(GaussianDP(0.8), GaussianDP(0.5)), neighbouring=relation,
-                             clip_norm=1.0, dataset_size=1000)
+    m = MechanismDescription(
+        trainer="noisygd",
+        events=(GaussianDP(0.8), GaussianDP(0.5)),
+        neighbouring=relation,
+        clip_norm=1.0,
+        dataset_size=1000,
+    )
     exact = epsilon_gdp_exact(m, 1e-5)
     assert exact <= accountants.epsilon_pld(m, 1e-5) <= exact * 1.01
 
 
-@pytest.mark.parametrize("distribution, shape, expected_shape", [("poisson", 0.0, math.inf),
-                                                                  ("truncated_negative_binomial", 1.0, 1.0),
-                                                                  ("truncated_negative_binomial", 0.0, 0.0)])
+@pytest.mark.parametrize(
+    "distribution, shape, expected_shape",
+    [("poisson", 0.0, math.inf), ("truncated_negative_binomial", 1.0, 1.0), ("truncated_negative_binomial", 0.0, 0.0)],
+)
 def test_a_random_count_selection_reaches_dp_accounting_as_its_repeat_and_select_event(
-        distribution: str, shape: float, expected_shape: float) -> None:
+    distribution: str, shape: float, expected_shape: float
+) -> None:
     """dp_accounting's ``RepeatAndSelectDpEvent`` reads a Poisson count as η = ∞ and the truncated negative
     binomial by its own η: its RDP ε of the search is that event's, composed once."""
     m = replace(mechanism(0.05, 1.1, 40), selection=Selection(distribution, 3.0, shape))  # type: ignore[arg-type]
     direct = rdp_privacy_accountant.RdpAccountant()
-    direct.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(accountants._dp_events(replace(m, selection=None)),
-                                                                  3.0, expected_shape))
+    direct.compose(
+        dp_accounting.dp_event.RepeatAndSelectDpEvent(
+            accountants._dp_events(replace(m, selection=None)), 3.0, expected_shape
+        )
+    )
     assert accountants.epsilon_dp_accounting_rdp(m, 1e-5) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
 
 
@@ -370,8 +442,10 @@ def test_the_certificate_records_every_input_and_says_its_epsilon_in_words() -> 
     the mechanism; the statement gives the certified ε as ``format_epsilon`` writes it."""
     m = mechanism(0.05, 1.1, 40, "replace-one")
     certificate = certify(m, 1e-5)
-    best = min((a for a in certificate["answers"] if a["used_for_certificate"] and a["epsilon"] is not None),
-               key=lambda a: a["epsilon"])
+    best = min(
+        (a for a in certificate["answers"] if a["used_for_certificate"] and a["epsilon"] is not None),
+        key=lambda a: a["epsilon"],
+    )
     assert certificate["epsilon"] == best["epsilon"] and certificate["delta"] == 1e-5
     assert (certificate["accountant"], certificate["accountant_version"]) == (best["name"], best["version"])
     assert certificate["neighbouring"] == "replace-one" and certificate["threat_model"] == m.threat_model
@@ -380,7 +454,8 @@ def test_the_certificate_records_every_input_and_says_its_epsilon_in_words() -> 
 
 
 def test_only_the_non_converging_order_warning_is_dropped_and_only_inside_the_block(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """dp_accounting warns once per RDP order whose series does not converge (seven a call at q = 0.25); the order
     is then left out of the minimum, so ε only grows: dpml drops that warning, counted, while it computes, and no
     other. Pins a filter that drops every absl record, or one left on the logger after the computation."""
@@ -400,11 +475,13 @@ def test_only_the_non_converging_order_warning_is_dropped_and_only_inside_the_bl
 def test_the_python_api_prints_no_non_converging_order_warnings_and_still_asks_the_rdp_accountant() -> None:
     """The issue's case: ``train_private`` at q = 0.25 printed seven absl lines; now none, and dp_accounting's RDP
     accountant still answers (a finite ε at least the certified one, which is the smallest answer)."""
-    script = ("import torch, json\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nimport dpml\n"
-              "torch.manual_seed(0)\nx = torch.randn(200, 5)\ny = (x[:, 0] > 0).long()\n"
-              "r = dpml.train_private(nn.Linear(5, 2), TensorDataset(x, y), epochs=1, clip_norm=1.0, delta=1e-5,"
-              " target_epsilon=2.0, sample_rate=0.25, seed=1)\n"
-              "print(json.dumps({'epsilon': r.epsilon, 'answers': r.certificate['answers']}))\n")
+    script = (
+        "import torch, json\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nimport dpml\n"
+        "torch.manual_seed(0)\nx = torch.randn(200, 5)\ny = (x[:, 0] > 0).long()\n"
+        "r = dpml.train_private(nn.Linear(5, 2), TensorDataset(x, y), epochs=1, clip_norm=1.0, delta=1e-5,"
+        " target_epsilon=2.0, sample_rate=0.25, seed=1)\n"
+        "print(json.dumps({'epsilon': r.epsilon, 'answers': r.certificate['answers']}))\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "failed to converge" not in done.stdout + done.stderr and "absl" not in done.stderr, done.stderr[-3000:]

@@ -66,8 +66,17 @@ def moved(model: nn.Module, seed: int = 0) -> float:
     return largest_difference(model, network(seed))
 
 
-SETTINGS: dict[str, Any] = dict(epochs=2, clip_norm=1.0, delta=1e-4, noise_multiplier=1.0, sample_rate=0.1, seed=5,
-                                physical_batch_size=7, learning_rate=0.5, device="cpu")  # the GPU: test_devices.py
+SETTINGS: dict[str, Any] = dict(
+    epochs=2,
+    clip_norm=1.0,
+    delta=1e-4,
+    noise_multiplier=1.0,
+    sample_rate=0.1,
+    seed=5,
+    physical_batch_size=7,
+    learning_rate=0.5,
+    device="cpu",
+)  # the GPU: test_devices.py
 
 
 def test_dataset_path_trains_exactly_what_the_tensor_path_trains() -> None:
@@ -75,9 +84,19 @@ def test_dataset_path_trains_exactly_what_the_tensor_path_trains() -> None:
     through_api = network()
     result = dpml.train_private(through_api, data, **SETTINGS)
     reference = network()
-    train_dpsgd(reference, data.x, data.y, sample_rate=0.1, epochs=2, clip_norm=1.0, noise_multiplier=1.0,
-                neighbouring="add-remove", optimizer=torch.optim.SGD(reference.parameters(), lr=0.5), seed=5,
-                physical_batch_size=7)
+    train_dpsgd(
+        reference,
+        data.x,
+        data.y,
+        sample_rate=0.1,
+        epochs=2,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        neighbouring="add-remove",
+        optimizer=torch.optim.SGD(reference.parameters(), lr=0.5),
+        seed=5,
+        physical_batch_size=7,
+    )
     assert moved(reference) > 0.05  # the comparison is between trained models
     assert largest_difference(through_api, reference) < 1e-5
     assert result.history["steps"] == 20 and result.history["world_size"] == 1
@@ -93,8 +112,11 @@ def test_workers_need_a_dataset_that_pickles_and_say_so_before_training() -> Non
     data = Blobs()
     data.transform = lambda x: x  # type: ignore[attr-defined]  # a lambda does not pickle
     model = network()
-    with pytest.raises(ValueError, match=r"num_workers = 2: the dataset goes to each process by pickling .*"
-                                         r"read in this process \(num_workers = 0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_workers = 2: the dataset goes to each process by pickling .*"
+        r"read in this process \(num_workers = 0\)",
+    ):
         dpml.train_private(model, data, num_workers=2, **SETTINGS)
     assert largest_difference(model, network()) == 0.0
 
@@ -121,8 +143,16 @@ def test_chunks_are_bounded_and_add_up_to_each_poisson_sample(num_workers: int) 
     assert any(b.numel() == 0 for b in batches) and max(b.numel() for b in batches) > 8
     shares: list[list[list[int]]] = []
     for collective in (None, Collective(0, 2), Collective(1, 2)):
-        steps = dataset_steps(Indices(), iter(batches), physical_batch_size=4, device=torch.device("cpu"),
-                              dtype=torch.float32, n_classes=3, collective=collective, num_workers=num_workers)
+        steps = dataset_steps(
+            Indices(),
+            iter(batches),
+            physical_batch_size=4,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            n_classes=3,
+            collective=collective,
+            num_workers=num_workers,
+        )
         read = []
         for step, batch in zip(steps, batches, strict=True):
             assert torch.equal(step.batch, batch)
@@ -137,31 +167,42 @@ def test_chunks_are_bounded_and_add_up_to_each_poisson_sample(num_workers: int) 
         assert sorted(first[step] + second[step]) == batch.tolist() and not set(first[step]) & set(second[step])
 
 
-@pytest.mark.parametrize("change, fragment", [
-    ({"epochs": 0}, "epochs = 0: Input should be greater than 0"),
-    ({"clip_norm": float("nan")}, "clip_norm = nan"),
-    ({"delta": 0.5}, "delta = 0.5: is ≥ 1/n"),
-    ({"delta": 1.5}, "delta = 1.5: Input should be less than 1"),
-    ({"target_epsilon": 2.0}, "give exactly one of target_epsilon and noise_multiplier"),
-    ({"noise_multiplier": -1.0}, "noise_multiplier = -1.0"),
-    ({"expected_batch_size": 30}, "give exactly one of sample_rate and expected_batch_size"),
-    ({"sample_rate": 1.5}, "sample_rate = 1.5: Input should be less than or equal to 1"),
-    ({"sample_rate": None, "expected_batch_size": 301}, "expected_batch_size = 301: must be an integer in [1, n = 300]"),
-    ({"optimizer": "lbfgs"}, "optimizer = 'lbfgs'"),
-    ({"loss": "hinge"}, "loss = 'hinge'"),
-    ({"neighbouring": "swap"}, "neighbouring = 'swap'"),
-    ({"physical_batch_size": 0}, "physical_batch_size = 0: Input should be greater than 0"),
-    ({"world_size": 0}, "world_size = 0"),
-    ({"device": "tpu"}, "device = 'tpu'"),
-    ({"ledger": "x.sqlite"}, "epsilon_budget = None: a ledger needs"),
-    ({"ledger": "x.sqlite", "epsilon_budget": 3.0}, "lineage = None"),
-    ({"ledger": "x.sqlite", "epsilon_budget": 3.0, "lineage": "l", "privacy_units": [1, 2]},
-     "privacy_units = '2 ids': must give one id per record"),
-    ({"ledger": "x.sqlite", "epsilon_budget": 3.0, "lineage": "l", "privacy_units": [0] + list(range(299))},
-     "privacy_units = 0: appears at records 0 and 1"),
-])
-def test_bad_arguments_are_refused_before_any_record_is_read(change: dict[str, Any], fragment: str,
-                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"epochs": 0}, "epochs = 0: Input should be greater than 0"),
+        ({"clip_norm": float("nan")}, "clip_norm = nan"),
+        ({"delta": 0.5}, "delta = 0.5: is ≥ 1/n"),
+        ({"delta": 1.5}, "delta = 1.5: Input should be less than 1"),
+        ({"target_epsilon": 2.0}, "give exactly one of target_epsilon and noise_multiplier"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier = -1.0"),
+        ({"expected_batch_size": 30}, "give exactly one of sample_rate and expected_batch_size"),
+        ({"sample_rate": 1.5}, "sample_rate = 1.5: Input should be less than or equal to 1"),
+        (
+            {"sample_rate": None, "expected_batch_size": 301},
+            "expected_batch_size = 301: must be an integer in [1, n = 300]",
+        ),
+        ({"optimizer": "lbfgs"}, "optimizer = 'lbfgs'"),
+        ({"loss": "hinge"}, "loss = 'hinge'"),
+        ({"neighbouring": "swap"}, "neighbouring = 'swap'"),
+        ({"physical_batch_size": 0}, "physical_batch_size = 0: Input should be greater than 0"),
+        ({"world_size": 0}, "world_size = 0"),
+        ({"device": "tpu"}, "device = 'tpu'"),
+        ({"ledger": "x.sqlite"}, "epsilon_budget = None: a ledger needs"),
+        ({"ledger": "x.sqlite", "epsilon_budget": 3.0}, "lineage = None"),
+        (
+            {"ledger": "x.sqlite", "epsilon_budget": 3.0, "lineage": "l", "privacy_units": [1, 2]},
+            "privacy_units = '2 ids': must give one id per record",
+        ),
+        (
+            {"ledger": "x.sqlite", "epsilon_budget": 3.0, "lineage": "l", "privacy_units": [0] + list(range(299))},
+            "privacy_units = 0: appears at records 0 and 1",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_record_is_read(
+    change: dict[str, Any], fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     data, model = Blobs(), network()
     with pytest.raises(ValueError) as raised:
@@ -176,7 +217,9 @@ def test_malformed_records_are_named() -> None:
         def __getitem__(self, i: int) -> Any:
             return self.x[i], int(self.y[i]), 0
 
-    with pytest.raises(ValueError, match=r"dataset\[0\]: a record must be a pair \(input, label\), got tuple of length 3"):
+    with pytest.raises(
+        ValueError, match=r"dataset\[0\]: a record must be a pair \(input, label\), got tuple of length 3"
+    ):
         dpml.train_private(network(), Triples(), **SETTINGS)
 
     class FloatLabels(Blobs):
@@ -215,7 +258,8 @@ def test_certificate_matches_an_independent_pld_accountant_and_meets_the_target(
     q, sigma, steps = 0.1, 1.0, 20
     result = dpml.train_private(network(), Blobs(), **SETTINGS)
     event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
     independent = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4).compose(event)
     expected = independent.get_epsilon(1e-4)
     assert result.mechanism.to_dict()["events"][0]["noise_multiplier"] == sigma
@@ -247,8 +291,14 @@ def test_the_ledger_is_charged_per_unit_and_refuses_a_run_over_budget(tmp_path: 
 def test_a_run_that_fails_after_it_started_stays_counted(tmp_path: Path) -> None:
     ledger_path = tmp_path / "ledger.sqlite"
     with pytest.raises(ValueError, match=r"dataset\[(\d+)\]: label 7 is outside the 3 classes \[0, 3\)"):
-        dpml.train_private(network(), Blobs(bad_label_at=150), ledger=ledger_path, epsilon_budget=50.0,
-                           lineage="blobs", **{**SETTINGS, "epochs": 5})
+        dpml.train_private(
+            network(),
+            Blobs(bad_label_at=150),
+            ledger=ledger_path,
+            epsilon_budget=50.0,
+            lineage="blobs",
+            **{**SETTINGS, "epochs": 5},
+        )
     ledger = Ledger(ledger_path, 1e-4)
     (spend,) = ledger.spends()
     kinds = [kind for kind, _ in ledger.events(spend.id)]
@@ -261,15 +311,24 @@ def test_mlflow_run_holds_the_certificate_and_weights(tmp_path: Path) -> None:
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     model = network()
-    result = dpml.train_private(model, Blobs(), mlflow_tracking_uri=uri, mlflow_experiment="api-test",
-                                mlflow_artifact_location=str(tmp_path / "artifacts"), run_name="notebook", **SETTINGS)
+    result = dpml.train_private(
+        model,
+        Blobs(),
+        mlflow_tracking_uri=uri,
+        mlflow_experiment="api-test",
+        mlflow_artifact_location=str(tmp_path / "artifacts"),
+        run_name="notebook",
+        **SETTINGS,
+    )
     client = MlflowClient(uri)
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "notebook"
     assert (tmp_path / "artifacts").is_dir()  # the artifacts went where they were sent
     assert run.data.metrics["epsilon"] == pytest.approx(result.epsilon)
     assert run.data.params["noise_multiplier"] == "1.0" and run.data.params["sample_rate"] == "0.1"
-    certificate = json.loads(Path(client.download_artifacts(run.info.run_id, "certificate.json", str(tmp_path))).read_text())
+    certificate = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "certificate.json", str(tmp_path))).read_text()
+    )
     assert certificate["statement"] == result.certificate["statement"]
     state = torch.load(client.download_artifacts(run.info.run_id, "model_state.pt", str(tmp_path)))
     reloaded = network(seed=3)
@@ -285,8 +344,9 @@ def documented_example() -> str:
 
 
 def test_the_documented_example_runs_as_printed(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", documented_example()], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", documented_example()], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     statement = done.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"\([\d.]+, 1e-05\)-DP under add-or-remove-one neighbouring, .*", statement), statement

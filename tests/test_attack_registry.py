@@ -44,14 +44,20 @@ def test_an_attack_validates_once_its_plugin_registered_it() -> None:
     base = params()
     wanted = {**base, "audit": {**base.get("audit", {}), "attacks": ["loss", "loss-calibrated"], "references": 2}}
     if "loss-calibrated" not in ATTACKS:  # (another test of this process may have imported the plugin already)
-        with pytest.raises(ConfigError, match=r"'loss-calibrated' \(item 1\): unknown attack; registered: loss, "
-                                              r"lira-online.*register it in a module listed under plugins"):
+        with pytest.raises(
+            ConfigError,
+            match=r"'loss-calibrated' \(item 1\): unknown attack; registered: loss, "
+            r"lira-online.*register it in a module listed under plugins",
+        ):
             validate(wanted)
     config = validate({**wanted, "plugins": [str(EXAMPLE)]})
     assert config.audit.attacks == ["loss", "loss-calibrated"] and needs_references(config)
     assert set(attack_functions(config.audit)) == {"loss", "loss-calibrated"}
-    with pytest.raises(ConfigError, match=r"audit.references = 0 but attacks \['loss-calibrated'\] need reference "
-                                          r"models \(use ≥ 1, or only loss\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"audit.references = 0 but attacks \['loss-calibrated'\] need reference "
+        r"models \(use ≥ 1, or only loss\)",
+    ):
         validate({**wanted, "plugins": [str(EXAMPLE)], "audit": {**wanted["audit"], "references": 0}})
     only_loss = validate({**wanted, "audit": {**wanted["audit"], "attacks": ["loss"], "references": 0}})
     assert not needs_references(only_loss)
@@ -91,10 +97,21 @@ def test_the_example_attack_is_the_difficulty_calibrated_loss_and_has_power() ->
     reference_loss = difficulty * rng.uniform(0.9, 1.1, (references, n))
     reference_loss = np.where(reference_in, 0.5 * reference_loss, reference_loss)
     target_loss = np.where(member, 0.5, 1.0) * difficulty * rng.uniform(0.9, 1.1, n)
-    inputs = AttackInputs(logits_with_loss(target_loss), labels, np.zeros((0, k)), np.zeros(0, dtype=int),
-                          np.stack([logits_with_loss(loss) for loss in reference_loss]), reference_in)
-    config = validate({**params(), "plugins": [str(EXAMPLE)],
-                       "audit": {**params().get("audit", {}), "attacks": ["loss", "loss-calibrated"], "references": 6}})
+    inputs = AttackInputs(
+        logits_with_loss(target_loss),
+        labels,
+        np.zeros((0, k)),
+        np.zeros(0, dtype=int),
+        np.stack([logits_with_loss(loss) for loss in reference_loss]),
+        reference_in,
+    )
+    config = validate(
+        {
+            **params(),
+            "plugins": [str(EXAMPLE)],
+            "audit": {**params().get("audit", {}), "attacks": ["loss", "loss-calibrated"], "references": 6},
+        }
+    )
     scores = attack_functions(config.audit)
     calibrated = scores["loss-calibrated"](inputs)
     outside = ~reference_in

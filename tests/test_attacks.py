@@ -13,7 +13,9 @@ def two_class_logits(phi: np.ndarray) -> np.ndarray:
     return np.stack([phi, np.zeros_like(phi)], axis=-1)
 
 
-def world(n: int = 400, n_pop: int = 400, refs: int = 8, shift: float = 2.0, seed: int = 0) -> tuple[AttackInputs, np.ndarray]:
+def world(
+    n: int = 400, n_pop: int = 400, refs: int = 8, shift: float = 2.0, seed: int = 0
+) -> tuple[AttackInputs, np.ndarray]:
     rng = np.random.default_rng(seed)
     total = n + n_pop
     difficulty = rng.normal(0, 4, size=total)  # per-example baseline confidence, wide spread
@@ -23,8 +25,16 @@ def world(n: int = 400, n_pop: int = 400, refs: int = 8, shift: float = 2.0, see
     ref_phi = difficulty + shift * ref_in + rng.normal(0, 0.5, (refs, total))
     labels = np.zeros(total, int)
     logits, ref_logits = two_class_logits(target_phi), two_class_logits(ref_phi)
-    inputs = AttackInputs(logits[:n], labels[:n], logits[n:], labels[n:], ref_logits[:, :n], ref_in[:, :n],
-                          ref_logits[:, n:], ref_in[:, n:])
+    inputs = AttackInputs(
+        logits[:n],
+        labels[:n],
+        logits[n:],
+        labels[n:],
+        ref_logits[:, :n],
+        ref_in[:, :n],
+        ref_logits[:, n:],
+        ref_in[:, n:],
+    )
     return inputs, member[:n]
 
 
@@ -37,13 +47,17 @@ def test_logit_scaled_confidence_of_the_construction() -> None:
     assert np.allclose(logit_scaled_confidence(two_class_logits(phi), np.zeros(3, int)), phi)
 
 
-@pytest.mark.parametrize(("attack", "minimum"), [
-    (lambda i: lira_attack(i, online=True), 0.95), (lambda i: lira_attack(i, online=False), 0.95),
-    (lambda i: lira_attack(i, online=True, variance="per-example"), 0.9),
-    (lambda i: rmia_attack(i, online=True), 0.9),
-    # offline RMIA's linear approximation of Pr(x) (parameter a) is coarse in this world
-    (lambda i: rmia_attack(i, online=False, a=0.3), 0.78),
-])
+@pytest.mark.parametrize(
+    ("attack", "minimum"),
+    [
+        (lambda i: lira_attack(i, online=True), 0.95),
+        (lambda i: lira_attack(i, online=False), 0.95),
+        (lambda i: lira_attack(i, online=True, variance="per-example"), 0.9),
+        (lambda i: rmia_attack(i, online=True), 0.9),
+        # offline RMIA's linear approximation of Pr(x) (parameter a) is coarse in this world
+        (lambda i: rmia_attack(i, online=False, a=0.3), 0.78),
+    ],
+)
 def test_reference_attacks_see_through_per_example_difficulty(attack, minimum: float) -> None:
     inputs, member = world()
     loss_auc = auc_of(loss_attack(inputs), member)

@@ -12,10 +12,21 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpml.audit.bounds import (_candidate_thresholds, _clopper_pearson_upper_many, clopper_pearson_upper,
-                               epsilon_for_gdp, epsilon_from_error_rates, epsilon_from_gdp_rates, gdp_delta,
-                               hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_guesses,
-                               one_run_p_value, one_run_power)
+from dpml.audit.bounds import (
+    _candidate_thresholds,
+    _clopper_pearson_upper_many,
+    clopper_pearson_upper,
+    epsilon_for_gdp,
+    epsilon_from_error_rates,
+    epsilon_from_gdp_rates,
+    gdp_delta,
+    hypothesis_test_bound,
+    hypothesis_test_power,
+    one_run_bound,
+    one_run_guesses,
+    one_run_p_value,
+    one_run_power,
+)
 
 
 def test_clopper_pearson_zero_failures_closed_form() -> None:
@@ -78,11 +89,15 @@ def test_bonferroni_divides_the_level_by_twice_the_number_of_thresholds(levels: 
 def test_chance_level_scores_give_no_bound() -> None:
     rng = np.random.default_rng(1)
     for correction in ("split", "bonferroni"):
-        assert hypothesis_test_bound(rng.normal(size=2000), rng.normal(size=2000), 1e-5, correction=correction).epsilon < 0.1
+        assert (
+            hypothesis_test_bound(rng.normal(size=2000), rng.normal(size=2000), 1e-5, correction=correction).epsilon
+            < 0.1
+        )
 
 
-def randomized_response_scores(false_positives: int, false_negatives: int, records: int,
-                               correction: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def randomized_response_scores(
+    false_positives: int, false_negatives: int, records: int, correction: str, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Binary scores of ``records`` members and as many non-members whose *evaluated* records hold exactly
     the given error counts: all of them under ``bonferroni``; under ``split`` the evaluation halves, found
     by drawing the permutations :func:`hypothesis_test_bound` draws for ``seed`` (the bound reports the
@@ -114,9 +129,12 @@ def test_hypothesis_test_bound_is_valid_for_randomized_response(epsilon: float, 
     p = math.exp(epsilon) / (1 + math.exp(epsilon))
 
     def over(false_positives: int, false_negatives: int) -> bool:
-        bound = hypothesis_test_bound(*randomized_response_scores(false_positives, false_negatives, records,
-                                                                  correction, seed), 0.0, correction=correction,
-                                      seed=seed)
+        bound = hypothesis_test_bound(
+            *randomized_response_scores(false_positives, false_negatives, records, correction, seed),
+            0.0,
+            correction=correction,
+            seed=seed,
+        )
         assert (bound.inputs["false_positives"], bound.inputs["false_negatives"]) == (false_positives, false_negatives)
         assert (bound.inputs["members_evaluated"], bound.inputs["nonmembers_evaluated"]) == (evaluated, evaluated)
         return bound.epsilon > epsilon
@@ -154,17 +172,17 @@ def test_one_run_p_value_by_exact_enumeration() -> None:
     """β + 2mδ·α with β and α summed term by term from the binomial pmf."""
     r, v, m, delta, eps = 6, 5, 20, 1e-3, 1.0
     q = 1 / (1 + math.exp(-eps))
-    pmf = [math.comb(r, k) * q ** k * (1 - q) ** (r - k) for k in range(r + 1)]
+    pmf = [math.comb(r, k) * q**k * (1 - q) ** (r - k) for k in range(r + 1)]
     beta = sum(pmf[v:])
-    alpha = max(sum(pmf[v - i: v]) / i for i in range(1, v + 1))
+    alpha = max(sum(pmf[v - i : v]) / i for i in range(1, v + 1))
     assert one_run_p_value(eps, delta, m, r, v) == pytest.approx(beta + 2 * m * delta * alpha, rel=1e-12)
 
 
 def enumerated_p_value(epsilon: float, delta: float, m: int, r: int, v: int) -> tuple[float, int]:
     """β + 2mδ·α summed term by term from the binomial pmf, and the i at which α's maximum is reached."""
     q = 1 / (1 + math.exp(-epsilon))
-    pmf = [math.comb(r, k) * q ** k * (1 - q) ** (r - k) for k in range(r + 1)]
-    terms = [sum(pmf[v - i: v]) / i for i in range(1, v + 1)]
+    pmf = [math.comb(r, k) * q**k * (1 - q) ** (r - k) for k in range(r + 1)]
+    terms = [sum(pmf[v - i : v]) / i for i in range(1, v + 1)]
     return sum(pmf[v:]) + 2 * m * delta * max(terms), int(np.argmax(terms)) + 1
 
 
@@ -186,8 +204,9 @@ def test_one_run_with_one_correct_guess_and_delta() -> None:
     for epsilon in (0.0, 0.7, 3.0):
         q = 1 / (1 + math.exp(-epsilon))
         beta, alpha = 1 - (1 - q) ** r, (1 - q) ** r
-        assert one_run_p_value(epsilon, delta, m, r, 1) == pytest.approx(min(1.0, beta + 2 * m * delta * alpha),
-                                                                         rel=1e-12)
+        assert one_run_p_value(epsilon, delta, m, r, 1) == pytest.approx(
+            min(1.0, beta + 2 * m * delta * alpha), rel=1e-12
+        )
         assert one_run_p_value(epsilon, delta, m, r, 1) == pytest.approx(enumerated_p_value(epsilon, delta, m, r, 1)[0])
     assert one_run_bound(100, 8, 1, delta).epsilon == 0.0  # one right guess in eight proves nothing
     assert one_run_bound(100, 1, 1, delta).epsilon == 0.0
@@ -242,8 +261,9 @@ def test_clopper_pearson_edges_and_the_vectorised_form() -> None:
 
 
 def test_candidate_thresholds_are_midpoints_between_consecutive_distinct_scores() -> None:
-    np.testing.assert_array_equal(_candidate_thresholds(np.array([0.0, 1.0, 3.0, 3.0]), np.array([6.0, 0.0]), 10),
-                                  [0.5, 2.0, 4.5])
+    np.testing.assert_array_equal(
+        _candidate_thresholds(np.array([0.0, 1.0, 3.0, 3.0]), np.array([6.0, 0.0]), 10), [0.5, 2.0, 4.5]
+    )
     np.testing.assert_array_equal(_candidate_thresholds(np.arange(10.0), np.arange(10.0), 2), [0.5, 8.5])
 
 
@@ -263,15 +283,33 @@ def test_each_hypothesis_bound_records_what_a_reviewer_needs_to_recompute_it(cor
     inputs = record["inputs"]
     evaluated = (150, 250) if correction == "split" else (300, 500)
     extra = {"thresholds_tested"} if correction == "bonferroni" else set()
-    assert set(inputs) == {"threshold", "false_positives", "false_negatives", "fpr_upper", "fnr_upper",
-                           "members_evaluated", "nonmembers_evaluated", "delta", "correction", "seed"} | extra
+    assert (
+        set(inputs)
+        == {
+            "threshold",
+            "false_positives",
+            "false_negatives",
+            "fpr_upper",
+            "fnr_upper",
+            "members_evaluated",
+            "nonmembers_evaluated",
+            "delta",
+            "correction",
+            "seed",
+        }
+        | extra
+    )
     assert (inputs["members_evaluated"], inputs["nonmembers_evaluated"]) == evaluated
     assert (inputs["delta"], inputs["correction"], inputs["seed"]) == (delta, correction, 3)
     tested = inputs.get("thresholds_tested", 1)
     assert tested == (40 if correction == "bonferroni" else 1)
     alpha_each = (1 - confidence) / (2 * tested)
-    assert inputs["fpr_upper"] == pytest.approx(clopper_pearson_upper(inputs["false_positives"], evaluated[1], alpha_each))
-    assert inputs["fnr_upper"] == pytest.approx(clopper_pearson_upper(inputs["false_negatives"], evaluated[0], alpha_each))
+    assert inputs["fpr_upper"] == pytest.approx(
+        clopper_pearson_upper(inputs["false_positives"], evaluated[1], alpha_each)
+    )
+    assert inputs["fnr_upper"] == pytest.approx(
+        clopper_pearson_upper(inputs["false_negatives"], evaluated[0], alpha_each)
+    )
     if correction == "bonferroni":  # the counts are those of "member iff score ≥ threshold"
         assert inputs["false_positives"] == int((nonmembers >= inputs["threshold"]).sum())
         assert inputs["false_negatives"] == int((members < inputs["threshold"]).sum())
@@ -280,7 +318,9 @@ def test_each_hypothesis_bound_records_what_a_reviewer_needs_to_recompute_it(cor
         mu = stats.norm.ppf(1 - fpr) - stats.norm.ppf(fnr)
         expected = epsilon_for_gdp(mu, delta)
         assert record["method"] == "gdp"
-        assert record["assumption"] == "Gaussian trade-off curve (μ-GDP); records' outcomes treated as independent trials"
+        assert (
+            record["assumption"] == "Gaussian trade-off curve (μ-GDP); records' outcomes treated as independent trials"
+        )
     else:
         expected = epsilon_from_error_rates(fpr, fnr, delta)
         assert record["method"] == "hypothesis_test"
@@ -360,8 +400,13 @@ def test_each_one_run_bound_records_what_a_reviewer_needs_to_recompute_it() -> N
     for correct, positive in ((100, False), (170, True)):
         record = one_run_bound(1000, 200, correct, 1e-5, confidence=0.9).to_dict()
         assert (record["epsilon"] > 0) == positive
-        assert record == {"method": "one_run", "epsilon": record["epsilon"], "confidence": 0.9, "assumption": assumption,
-                          "inputs": {"canaries": 1000, "guesses": 200, "correct": correct, "delta": 1e-5}}
+        assert record == {
+            "method": "one_run",
+            "epsilon": record["epsilon"],
+            "confidence": 0.9,
+            "assumption": assumption,
+            "inputs": {"canaries": 1000, "guesses": 200, "correct": correct, "delta": 1e-5},
+        }
         if positive:
             assert one_run_p_value(record["epsilon"], 1e-5, 1000, 200, correct) == pytest.approx(0.1, abs=1e-6)
     with pytest.raises(ValueError, match=r"need 0 ≤ correct \(9\) ≤ guesses \(8\) ≤ canaries \(100\)"):

@@ -137,8 +137,9 @@ def test_the_tuner_times_a_copy_on_probe_inputs_and_leaves_everything_as_it_was(
         fastest_chunk(model, per_example_cross_entropy, (4,), torch.float32, 64, 64)
     finally:
         chunking.copy.deepcopy = original  # type: ignore[assignment]
-    assert twin.seen and all(torch.equal(seen, probe_batch(model, (4,), torch.float32, len(seen))[:len(seen)].float())
-                             for seen in twin.seen)
+    assert twin.seen and all(
+        torch.equal(seen, probe_batch(model, (4,), torch.float32, len(seen))[: len(seen)].float()) for seen in twin.seen
+    )
 
 
 def test_the_choice_is_made_once_per_architecture_and_setting() -> None:
@@ -162,9 +163,20 @@ def test_training_in_the_tuned_chunk_gives_the_model_of_one_chunk_per_batch() ->
     for tune in (True, False):
         torch.manual_seed(0)
         model = Sleeper(0.0, 5e-5).double()  # small chunks are the fastest here
-        result = train_dpsgd(model, x, y, sample_rate=0.4, epochs=0.8, clip_norm=0.7, noise_multiplier=1.1,
-                             neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.2), seed=5,
-                             physical_batch_size=1000, tune_physical_batch=tune)
+        result = train_dpsgd(
+            model,
+            x,
+            y,
+            sample_rate=0.4,
+            epochs=0.8,
+            clip_norm=0.7,
+            noise_multiplier=1.1,
+            neighbouring="add-remove",
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.2),
+            seed=5,
+            physical_batch_size=1000,
+            tune_physical_batch=tune,
+        )
         models[tune] = model
         assert result.history["physical_chunk"] == (16 if tune else 1000)
         batch_sizes = {seen.shape[0] for seen in model.seen}
@@ -177,14 +189,42 @@ def test_the_library_records_its_chunk_and_checks_the_setting() -> None:
     x, y = data(200)
     torch.manual_seed(0)
     model = Sleeper(0.0, 5e-5)
-    result = train_private(model, TensorDataset(x.float(), y), epochs=0.5, clip_norm=1.0, delta=1e-5,
-                           noise_multiplier=1.0, sample_rate=0.5, physical_batch_size=64, seed=1, device="cpu")
+    result = train_private(
+        model,
+        TensorDataset(x.float(), y),
+        epochs=0.5,
+        clip_norm=1.0,
+        delta=1e-5,
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        physical_batch_size=64,
+        seed=1,
+        device="cpu",
+    )
     assert result.history["physical_chunk"] == 16
     torch.manual_seed(0)
-    fixed = train_private(Sleeper(0.0, 0.0), TensorDataset(x.float(), y), epochs=0.5, clip_norm=1.0, delta=1e-5,
-                          noise_multiplier=1.0, sample_rate=0.5, physical_batch_size=64, seed=1, device="cpu",
-                          tune_physical_batch=False)
+    fixed = train_private(
+        Sleeper(0.0, 0.0),
+        TensorDataset(x.float(), y),
+        epochs=0.5,
+        clip_norm=1.0,
+        delta=1e-5,
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        physical_batch_size=64,
+        seed=1,
+        device="cpu",
+        tune_physical_batch=False,
+    )
     assert fixed.history["physical_chunk"] == 64
     with pytest.raises(ValueError, match="tune_physical_batch = 'yes': Input should be a valid boolean"):
-        train_private(Sleeper(0.0, 0.0), TensorDataset(x.float(), y), epochs=0.5, clip_norm=1.0, delta=1e-5,
-                      noise_multiplier=1.0, sample_rate=0.5, tune_physical_batch="yes")  # type: ignore[arg-type]
+        train_private(
+            Sleeper(0.0, 0.0),
+            TensorDataset(x.float(), y),
+            epochs=0.5,
+            clip_norm=1.0,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            sample_rate=0.5,
+            tune_physical_batch="yes",
+        )  # type: ignore[arg-type]

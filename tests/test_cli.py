@@ -22,8 +22,19 @@ from dpml.cli_help import EXAMPLES
 from dpml.progress import progress_over, progress_range
 from dpml.terminal import from_dpml, warning_line
 
-COMMANDS = ("run", "tune", "stage", "audit", "reproduce", "certificate", "schema", "calibrate", "ledger", "epsilon",
-            "completion")
+COMMANDS = (
+    "run",
+    "tune",
+    "stage",
+    "audit",
+    "reproduce",
+    "certificate",
+    "schema",
+    "calibrate",
+    "ledger",
+    "epsilon",
+    "completion",
+)
 
 
 def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,7 +50,7 @@ def test_every_help_ends_with_its_examples(command: str | None, capsys: pytest.C
         main([command, "--help"] if command else ["--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    examples = text[text.index("\nexamples:\n"):]
+    examples = text[text.index("\nexamples:\n") :]
     for line, what in EXAMPLES[command or "dpml"]:
         assert f"\n  {line}\n      {what}" in examples
     assert set(EXAMPLES) == {"dpml", *COMMANDS}
@@ -61,8 +72,14 @@ def test_progress_in_a_terminal_is_a_tqdm_bar(tmp_path: Path) -> None:
     script = "from dpml.progress import progress_range\nfor _ in progress_range(40, 'train', 'step', True): pass\n"
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
-    child = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdin=follower, stdout=follower,
-                             stderr=follower, env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     os.close(follower)
     seen = b""
     while True:
@@ -99,18 +116,26 @@ def test_progress_in_a_prefect_run_is_a_few_lines_of_its_log(prefect_harness: No
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     lines = [log.message for log in logs if log.message.startswith("train: ")]
     assert [line.split(" s)")[0].rsplit(",", 1)[0] for line in lines] == [
-        "train: 20% (150/750 steps", "train: 40% (300/750 steps", "train: 60% (450/750 steps",
-        "train: 80% (600/750 steps", "train: 100% (750/750 steps"]
+        "train: 20% (150/750 steps",
+        "train: 40% (300/750 steps",
+        "train: 60% (450/750 steps",
+        "train: 80% (600/750 steps",
+        "train: 100% (750/750 steps",
+    ]
 
 
-def test_other_libraries_warnings_are_shown_only_when_verbose(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_other_libraries_warnings_are_shown_only_when_verbose(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert from_dpml(str(REPO / "dpml" / "preflight.py")) and from_dpml(str(REPO / "flows" / "pipeline.py"))
     assert not from_dpml(logging.__file__) and not from_dpml(str(tmp_path / "dpml" / "x.py"))
     warning_line("from elsewhere", UserWarning, logging.__file__, 1)
     warning_line("from dpml", UserWarning, str(REPO / "dpml" / "preflight.py"), 1)
     warning_line("from elsewhere, verbose", UserWarning, logging.__file__, 1, verbose=True)
-    assert capsys.readouterr().err.splitlines() == ["dpml: warning: from dpml", "dpml: warning: from elsewhere, verbose"]
+    assert capsys.readouterr().err.splitlines() == [
+        "dpml: warning: from dpml",
+        "dpml: warning: from elsewhere, verbose",
+    ]
 
 
 PREFECT_RUN = """
@@ -142,12 +167,15 @@ def test_prefects_own_lines_leave_the_console_unless_verbose_and_dpmls_stay(mode
     it (``--verbose``) both are."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_LOGGING")}
     env.update(PREFECT_LOGGING_LEVEL="INFO", PREFECT_HOME=str(tmp_path / "prefect"))
-    done = subprocess.run([sys.executable, "-c", PREFECT_RUN, mode], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PREFECT_RUN, mode], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and "result 50" in done.stdout, done.stderr[-3000:]
     progress = [line for line in done.stderr.splitlines() if "train: " in line]
     assert len(progress) == 5 and progress[-1].split(" - ", 1)[1].startswith("train: 100% (50/50 steps")
-    prefects_own = [line for line in done.stderr.splitlines() if "Finished in state" in line or "Beginning flow run" in line]
+    prefects_own = [
+        line for line in done.stderr.splitlines() if "Finished in state" in line or "Beginning flow run" in line
+    ]
     assert (prefects_own == []) == (mode == "quiet"), done.stderr[-3000:]
 
 
@@ -156,22 +184,35 @@ def test_run_and_audit_with_json_print_only_their_record(tmp_path: Path) -> None
     numbers are the run's own files', and the progress lines go to stderr. A real pipeline run and re-audit."""
     from conftest import small_params, write_params
 
-    audit = {"attacks": ["loss"], "references": 0, "white_box_canaries": 0, "black_box_canaries": 100,
-             "control": False}
+    audit = {"attacks": ["loss"], "references": 0, "white_box_canaries": 0, "black_box_canaries": 100, "control": False}
     write_params(tmp_path / "params.yaml", small_params(tmp_path, audit=audit))
     env = {**os.environ, "DPML_NOISE_SEED": "7"}
-    done = subprocess.run([sys.executable, "-m", "dpml", "run", "--engine", "local", "--json"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "run", "--engine", "local", "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout)
     assert "[dpml] train …" in done.stderr and "dpml run summary" not in done.stdout + done.stderr
     certificate = json.loads((tmp_path / "artifacts" / "certify" / "certificate.json").read_text())
     assert record["epsilon"] == certificate["epsilon"] and record["delta"] == 1e-5
-    assert record["model_uri"] == "models:/dpml-test-model/1" and record["verdict"]["title"].startswith(("PASSED", "FAILED"))
+    assert record["model_uri"] == "models:/dpml-test-model/1" and record["verdict"]["title"].startswith(
+        ("PASSED", "FAILED")
+    )
     assert set(record["verdict"]) >= {"title"} and record["lineage"] and record["run_id"]
 
-    again = subprocess.run([sys.executable, "-m", "dpml", "audit", "--model", record["model_uri"], "--json"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(
+        [sys.executable, "-m", "dpml", "audit", "--model", record["model_uri"], "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert again.returncode in (0, 3), again.stderr[-3000:]
     audited = json.loads(again.stdout)
     assert audited["model_uri"] == record["model_uri"] and audited["certified_epsilon"] == record["epsilon"]

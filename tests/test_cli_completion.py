@@ -16,12 +16,19 @@ from dpml.cli import STAGE_NAMES, build_parser
 
 PARSER = build_parser()
 SUBCOMMANDS: dict[str, argparse.ArgumentParser] = next(
-    dict(a.choices) for a in PARSER._actions if isinstance(a, argparse._SubParsersAction))
+    dict(a.choices) for a in PARSER._actions if isinstance(a, argparse._SubParsersAction)
+)
 
 
 def script(shell: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dpml", "completion", shell], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "completion", shell],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return done.stdout
 
 
@@ -36,7 +43,7 @@ def complete(bash_script: str, *words: str) -> list[str]:
     """What bash offers for the command line ``words`` (the last one being completed), through the function the
     script registered with ``complete``."""
     program = f"""{bash_script}
-COMP_WORDS=({' '.join(repr(w) for w in words)})
+COMP_WORDS=({" ".join(repr(w) for w in words)})
 COMP_CWORD={len(words) - 1}
 function=$(complete -p dpml | sed -E 's/.* -F ([^ ]+) .*/\\1/')
 "$function"
@@ -86,8 +93,9 @@ def test_zsh_loads_the_script_through_bashcompinit() -> None:
 
 
 def test_an_unknown_shell_is_refused_naming_the_shells() -> None:
-    done = subprocess.run([sys.executable, "-m", "dpml", "completion", "fish"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "completion", "fish"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "fish" in done.stderr and "bash" in done.stderr and "zsh" in done.stderr
 
 

@@ -28,9 +28,20 @@ def test_clipless_training_learns_and_passes_its_soundness_check() -> None:
     torch.manual_seed(0)
     model = build_lipschitz(LipschitzSpec(10, (16,), 3, input_bound=1.0, bias_bound=0.5))
     bounds = clipless_bounds(model, 1.0, LOSS_LIPSCHITZ["tau_cross_entropy"])
-    result = train_clipless(model, x, y, sample_rate=0.25, epochs=30, noise_multiplier=0.5, noise="global",
-                            bounds=bounds, neighbouring="add-remove", loss_fn=tau_cross_entropy(8.0),
-                            optimizer=torch.optim.SGD(model.parameters(), lr=0.5), seed=0)
+    result = train_clipless(
+        model,
+        x,
+        y,
+        sample_rate=0.25,
+        epochs=30,
+        noise_multiplier=0.5,
+        noise="global",
+        bounds=bounds,
+        neighbouring="add-remove",
+        loss_fn=tau_cross_entropy(8.0),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        seed=0,
+    )
     assert result.history["soundness_passed"] and result.history["soundness_violations"] == 0
     assert 0 < result.history["soundness_max_ratio"] <= 1 and result.history["spectral_norm_max"] <= 1 + 1e-4
     assert float((model(x).argmax(1) == y).float().mean()) > 0.9
@@ -52,17 +63,29 @@ def test_noise_has_the_scale_the_certificate_assumes(noise: str) -> None:
     n = 2000
     x, y = torch.zeros(n, 300), torch.zeros(n, dtype=torch.long)
     sigma, steps = 2.0, 25
-    train_clipless(model, x, y, sample_rate=1.0, epochs=steps, noise_multiplier=sigma, noise=noise, bounds=bounds,
-                   neighbouring="add-remove", loss_fn=lambda z, t: 0.0 * z.sum(1),
-                   optimizer=torch.optim.SGD(model.parameters(), lr=1.0), seed=1, soundness_records=10)
+    train_clipless(
+        model,
+        x,
+        y,
+        sample_rate=1.0,
+        epochs=steps,
+        noise_multiplier=sigma,
+        noise=noise,
+        bounds=bounds,
+        neighbouring="add-remove",
+        loss_fn=lambda z, t: 0.0 * z.sum(1),
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        seed=1,
+        soundness_records=10,
+    )
     layers = bounds.per_layer()
     for index, layer in (("1", model[1]), ("3", model[3])):
         assert float(torch.linalg.matrix_norm(layer.weight.detach(), ord=2)) < 0.5  # no projection happened
         delta = bounds.total if noise == "global" else layers[index]
-        expected = sigma * delta * steps ** 0.5 / n
+        expected = sigma * delta * steps**0.5 / n
         assert float(layer.weight.detach().std()) == pytest.approx(expected, rel=0.12), index
     mechanism = clipless_mechanism(bounds, 1.0, sigma, noise, steps, "add-remove", n)
-    assert mechanism.events[0].noise_multiplier == pytest.approx(sigma if noise == "global" else sigma / 2 ** 0.5)
+    assert mechanism.events[0].noise_multiplier == pytest.approx(sigma if noise == "global" else sigma / 2**0.5)
 
 
 def test_the_soundness_check_catches_a_layer_above_its_constraint() -> None:
@@ -88,12 +111,30 @@ def test_clipless_pipeline_certifies_and_voids_an_unsound_run(workdir: Path) -> 
     from dpml import io
     from dpml.stages import STAGES, Layout
 
-    config = load(write_params(workdir / "cl.yaml", small_params(
-        workdir, model={"kind": "lipschitz", "hidden": [32], "bias_bound": 0.5},
-        train={"algorithm": "clipless", "loss": "tau_cross_entropy", "loss_tau": 8.0, "epochs": 10,
-               "learning_rate": 0.5, "clipless_noise": "per_layer"},
-        dp={"noise_multiplier": None, "target_epsilon": 3.0, "delta": 1e-5, "clip_norm": 1.0,
-            "neighbouring": "add-remove"})))
+    config = load(
+        write_params(
+            workdir / "cl.yaml",
+            small_params(
+                workdir,
+                model={"kind": "lipschitz", "hidden": [32], "bias_bound": 0.5},
+                train={
+                    "algorithm": "clipless",
+                    "loss": "tau_cross_entropy",
+                    "loss_tau": 8.0,
+                    "epochs": 10,
+                    "learning_rate": 0.5,
+                    "clipless_noise": "per_layer",
+                },
+                dp={
+                    "noise_multiplier": None,
+                    "target_epsilon": 3.0,
+                    "delta": 1e-5,
+                    "clip_norm": 1.0,
+                    "neighbouring": "add-remove",
+                },
+            ),
+        )
+    )
     for name in ("ingest", "split", "preprocess", "train"):
         STAGES[name](config)
     certificate = STAGES["certify"](config)["certificate"]
@@ -101,9 +142,13 @@ def test_clipless_pipeline_certifies_and_voids_an_unsound_run(workdir: Path) -> 
     assert certificate["epsilon"] == pytest.approx(3.0, abs=1e-3) and certificate["epsilon"] <= 3.0 + 1e-9
     metrics = io.read_json(Layout(config).train_metrics)
     assert metrics["train_soundness_passed"] is True
-    assert metrics["noise_multiplier"] == pytest.approx(certificate["mechanism"]["events"][0]["noise_multiplier"] * 2 ** 0.5)
+    assert metrics["noise_multiplier"] == pytest.approx(
+        certificate["mechanism"]["events"][0]["noise_multiplier"] * 2**0.5
+    )
     # A run whose check failed gets no guarantee, and the gate says why.
-    io.write_json(Layout(config).train_metrics, metrics | {"train_soundness_passed": False, "train_soundness_violations": 3})
+    io.write_json(
+        Layout(config).train_metrics, metrics | {"train_soundness_passed": False, "train_soundness_violations": 3}
+    )
     void = STAGES["certify"](config)["certificate"]
     assert void["void"] and void["epsilon"] == float("inf") and "soundness check" in void["statement"]
 
@@ -123,13 +168,26 @@ def image_data(n: int = 400, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
 def test_convolutional_clipless_training_passes_its_certified_soundness_check(dense_layer: str) -> None:
     x, y = image_data()
     torch.manual_seed(0)
-    spec = LipschitzSpec(64, (8,), 2, input_bound=1.0, bias_bound=None, conv=(4,), input_shape=(1, 8, 8),
-                         dense_layer=dense_layer)
+    spec = LipschitzSpec(
+        64, (8,), 2, input_bound=1.0, bias_bound=None, conv=(4,), input_shape=(1, 8, 8), dense_layer=dense_layer
+    )
     model = build_lipschitz(spec)
     bounds = clipless_bounds(model, 1.0, LOSS_LIPSCHITZ["tau_cross_entropy"])
-    result = train_clipless(model, x, y, sample_rate=0.25, epochs=10, noise_multiplier=0.5, noise="per_layer",
-                            bounds=bounds, neighbouring="add-remove", loss_fn=tau_cross_entropy(8.0),
-                            optimizer=torch.optim.SGD(model.parameters(), lr=0.5), seed=0, soundness_records=400)
+    result = train_clipless(
+        model,
+        x,
+        y,
+        sample_rate=0.25,
+        epochs=10,
+        noise_multiplier=0.5,
+        noise="per_layer",
+        bounds=bounds,
+        neighbouring="add-remove",
+        loss_fn=tau_cross_entropy(8.0),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        seed=0,
+        soundness_records=400,
+    )
     assert result.history["soundness_passed"] and result.history["soundness_violations"] == 0
     assert 0 < result.history["soundness_max_ratio"] <= 1
     assert 0.9 < result.history["spectral_norm_max"] <= 1 + 1e-6  # certified (FFT bound for the convolution)
@@ -141,12 +199,31 @@ def test_convolutional_clipless_pipeline_logs_certified_robustness(workdir: Path
     from dpml import io
     from dpml.stages import STAGES, Layout
 
-    config = load(write_params(workdir / "conv.yaml", small_params(
-        workdir, model={"kind": "lipschitz", "conv": [4], "input_shape": [1, 8, 8], "hidden": [16], "bias_bound": None,
-                        "dense_layer": "bjorck"},
-        train={"algorithm": "clipless", "loss": "hinge_kantorovich_rubinstein", "loss_alpha": 4.0, "epochs": 2,
-               "learning_rate": 0.01, "optimizer": "adam"},
-        dp={"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"})))
+    config = load(
+        write_params(
+            workdir / "conv.yaml",
+            small_params(
+                workdir,
+                model={
+                    "kind": "lipschitz",
+                    "conv": [4],
+                    "input_shape": [1, 8, 8],
+                    "hidden": [16],
+                    "bias_bound": None,
+                    "dense_layer": "bjorck",
+                },
+                train={
+                    "algorithm": "clipless",
+                    "loss": "hinge_kantorovich_rubinstein",
+                    "loss_alpha": 4.0,
+                    "epochs": 2,
+                    "learning_rate": 0.01,
+                    "optimizer": "adam",
+                },
+                dp={"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"},
+            ),
+        )
+    )
     for name in ("ingest", "split", "preprocess", "train"):
         STAGES[name](config)
     certificate = STAGES["certify"](config)["certificate"]
@@ -158,16 +235,27 @@ def test_convolutional_clipless_pipeline_logs_certified_robustness(workdir: Path
     assert all(a >= b for a, b in zip(radii, radii[1:]))
     assert 0 < metrics["robust_lipschitz"] <= 1 + 1e-5
     with pytest.raises(ConfigError, match="conv channels"):
-        load(write_params(workdir / "bad.yaml", small_params(
-            workdir, model={"kind": "lipschitz", "conv": [3], "input_shape": [1, 8, 8], "hidden": [16]},
-            train={"algorithm": "clipless", "loss": "tau_cross_entropy"},
-            dp={"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"})))
+        load(
+            write_params(
+                workdir / "bad.yaml",
+                small_params(
+                    workdir,
+                    model={"kind": "lipschitz", "conv": [3], "input_shape": [1, 8, 8], "hidden": [16]},
+                    train={"algorithm": "clipless", "loss": "tau_cross_entropy"},
+                    dp={"noise_multiplier": 1.0, "delta": 1e-5, "clip_norm": 1.0, "neighbouring": "add-remove"},
+                ),
+            )
+        )
 
 
 def test_loss_gradient_clipping_tracks_a_private_quantile_and_is_charged() -> None:
     """Clipped logit gradients, noise scaled by min(L, C_t)/L, the threshold near the quantile, the count charged."""
-    from dpml.train.clipless import (LossClipping, backward_with_clipped_loss_gradient, combined_noise_multiplier,
-                                     gradient_noise_for)
+    from dpml.train.clipless import (
+        LossClipping,
+        backward_with_clipped_loss_gradient,
+        combined_noise_multiplier,
+        gradient_noise_for,
+    )
     from dpml.train.dpsgd import make_optimizer
 
     torch.manual_seed(0)
@@ -179,8 +267,8 @@ def test_loss_gradient_clipping_tracks_a_private_quantile_and_is_charged() -> No
     kept = backward_with_clipped_loss_gradient(model, loss_fn, x, y, threshold=0.5)
     expected = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
     for i in range(64):
-        logits = model(x[i:i + 1])
-        (g,) = torch.autograd.grad(loss_fn(logits, y[i:i + 1]).sum(), logits, retain_graph=True)
+        logits = model(x[i : i + 1])
+        (g,) = torch.autograd.grad(loss_fn(logits, y[i : i + 1]).sum(), logits, retain_graph=True)
         grads = torch.autograd.grad(logits, list(model.parameters()), grad_outputs=g * min(1.0, 0.5 / float(g.norm())))
         for (name, _), grad in zip(model.named_parameters(), grads):
             expected[name] += grad
@@ -192,13 +280,26 @@ def test_loss_gradient_clipping_tracks_a_private_quantile_and_is_charged() -> No
     x, y = torch.randn(2000, 10), torch.randint(0, 3, (2000,))
     model = build_lipschitz(LipschitzSpec(10, (16,), 3, input_bound=1.0, bias_bound=0.1))
     bounds = clipless_bounds(model, 1.0, LOSS_LIPSCHITZ["tau_cross_entropy"])
-    result = train_clipless(model, x, y, sample_rate=0.2, epochs=10, noise_multiplier=1.0, noise="global", bounds=bounds,
-                            neighbouring="add-remove", loss_fn=loss_fn, optimizer=make_optimizer(model, "adam", 0.01, 0.0),
-                            seed=3, loss_clipping=clipping, loss_lipschitz=LOSS_LIPSCHITZ["tau_cross_entropy"])
+    result = train_clipless(
+        model,
+        x,
+        y,
+        sample_rate=0.2,
+        epochs=10,
+        noise_multiplier=1.0,
+        noise="global",
+        bounds=bounds,
+        neighbouring="add-remove",
+        loss_fn=loss_fn,
+        optimizer=make_optimizer(model, "adam", 0.01, 0.0),
+        seed=3,
+        loss_clipping=clipping,
+        loss_lipschitz=LOSS_LIPSCHITZ["tau_cross_entropy"],
+    )
     assert 0.45 < result.history["loss_clip_unclipped_fraction"] < 0.75
     assert result.history["loss_clip_final_threshold"] < LOSS_LIPSCHITZ["tau_cross_entropy"]
     event = result.mechanism.events[0]
-    assert event.noise_multiplier == pytest.approx(1 / (1 + 20.0 ** -2) ** 0.5)  # (σ⁻² + σ_b⁻²)^(−1/2)
+    assert event.noise_multiplier == pytest.approx(1 / (1 + 20.0**-2) ** 0.5)  # (σ⁻² + σ_b⁻²)^(−1/2)
     assert gradient_noise_for(combined_noise_multiplier(1.3, 20.0), 20.0) == pytest.approx(1.3)
     with pytest.raises(ValueError, match="loss_clip_count_noise"):
         gradient_noise_for(2.0, 1.5)
@@ -208,12 +309,32 @@ def test_loss_clipping_through_the_pipeline_is_calibrated_to_the_target(workdir:
     from dpml import io
     from dpml.stages import STAGES, Layout
 
-    config = load(write_params(workdir / "lc.yaml", small_params(
-        workdir, model={"kind": "lipschitz", "hidden": [32], "bias_bound": 0.5},
-        train={"algorithm": "clipless", "loss": "tau_cross_entropy", "loss_tau": 8.0, "epochs": 4,
-               "learning_rate": 0.01, "optimizer": "adam", "loss_clip_quantile": 0.8, "loss_clip_count_noise": 30.0},
-        dp={"noise_multiplier": None, "target_epsilon": 2.0, "delta": 1e-5, "clip_norm": 1.0,
-            "neighbouring": "add-remove"})))
+    config = load(
+        write_params(
+            workdir / "lc.yaml",
+            small_params(
+                workdir,
+                model={"kind": "lipschitz", "hidden": [32], "bias_bound": 0.5},
+                train={
+                    "algorithm": "clipless",
+                    "loss": "tau_cross_entropy",
+                    "loss_tau": 8.0,
+                    "epochs": 4,
+                    "learning_rate": 0.01,
+                    "optimizer": "adam",
+                    "loss_clip_quantile": 0.8,
+                    "loss_clip_count_noise": 30.0,
+                },
+                dp={
+                    "noise_multiplier": None,
+                    "target_epsilon": 2.0,
+                    "delta": 1e-5,
+                    "clip_norm": 1.0,
+                    "neighbouring": "add-remove",
+                },
+            ),
+        )
+    )
     for name in ("ingest", "split", "preprocess", "train"):
         STAGES[name](config)
     certificate = STAGES["certify"](config)["certificate"]
@@ -222,5 +343,5 @@ def test_loss_clipping_through_the_pipeline_is_calibrated_to_the_target(workdir:
     metrics = io.read_json(Layout(config).train_metrics)
     event_sigma = certificate["mechanism"]["events"][0]["noise_multiplier"]
     # the gradient's σ (metrics) is above the event's: the count's noise shares the step's budget
-    assert metrics["noise_multiplier"] == pytest.approx((event_sigma ** -2 - 30.0 ** -2) ** -0.5)
+    assert metrics["noise_multiplier"] == pytest.approx((event_sigma**-2 - 30.0**-2) ** -0.5)
     assert 0 < metrics["train_loss_clip_unclipped_fraction"] < 1

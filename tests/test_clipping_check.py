@@ -16,8 +16,9 @@ from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
 
 
-def loop_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float,
-                     seed: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def loop_clipped_sum(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, seed: int | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Reference: ∂ℓ_i/∂θ by one autograd call per example of one batched forward pass, clipped and added
     (``seed``: the random state of that forward pass, for dropout)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -124,8 +125,9 @@ def test_a_weight_used_where_no_operation_is_seen_is_found_by_the_probe_and_take
     unplanned, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)
     assert relative_error(unplanned, reference) > 0.05  # the rules alone are wrong: the probe has work to do
     plan = plan_clipping(model, per_example_cross_entropy, (6,))
-    assert any(re.search(r"model parameter 'a\.weight' \(F\.linear\): its rules are [\d.]+% off", note)
-               for note in plan.notes), plan.notes
+    assert any(
+        re.search(r"model parameter 'a\.weight' \(F\.linear\): its rules are [\d.]+% off", note) for note in plan.notes
+    ), plan.notes
     assert "a.weight" in plan.exact and "a.weight" in plan.exact_parameters
     sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5, exact=plan.exact)
     assert relative_error(sums, reference) < 1e-10
@@ -135,8 +137,11 @@ def test_a_weight_used_where_no_operation_is_seen_is_found_by_the_probe_and_take
 class Parametrized(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
-        wrap = {"weight_norm": parametrizations.weight_norm, "spectral_norm": parametrizations.spectral_norm,
-                "orthogonal": parametrizations.orthogonal}[kind]
+        wrap = {
+            "weight_norm": parametrizations.weight_norm,
+            "spectral_norm": parametrizations.spectral_norm,
+            "orthogonal": parametrizations.orthogonal,
+        }[kind]
         self.a = wrap(nn.Linear(6, 6))
         self.norm = nn.LayerNorm(6)
         self.out = nn.Linear(6, 3)
@@ -176,9 +181,12 @@ class Recurrent(nn.Module):
         return self.out(self.rnn(x)[0][:, -1])
 
 
-@pytest.mark.parametrize("cell,layers,bidirectional", [(nn.GRU, 1, False), (nn.LSTM, 2, False), (nn.RNN, 1, True),
-                                                       (nn.GRU, 2, True)])
-def test_recurrent_layers_get_exact_per_example_gradients(cell: type[nn.Module], layers: int, bidirectional: bool) -> None:
+@pytest.mark.parametrize(
+    "cell,layers,bidirectional", [(nn.GRU, 1, False), (nn.LSTM, 2, False), (nn.RNN, 1, True), (nn.GRU, 2, True)]
+)
+def test_recurrent_layers_get_exact_per_example_gradients(
+    cell: type[nn.Module], layers: int, bidirectional: bool
+) -> None:
     torch.manual_seed(3)
     model = Recurrent(cell, layers, bidirectional).double()
     plan = plan_clipping(model, per_example_cross_entropy, (7, 5))
@@ -204,9 +212,21 @@ def test_a_model_that_mixes_the_examples_of_a_batch_is_refused_before_any_step()
     model = CentredOnTheBatch()
     before = [p.detach().clone() for p in model.parameters()]
     x, y = torch.randn(50, 6), labels(50, 3)
-    with pytest.raises(ClippingUnsupported, match=r"replacing example 0 of a probe batch changed the loss of example \d"):
-        train_dpsgd(model, x, y, sample_rate=0.2, epochs=1, clip_norm=1.0, noise_multiplier=1.0, neighbouring="add_remove",
-                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=0)
+    with pytest.raises(
+        ClippingUnsupported, match=r"replacing example 0 of a probe batch changed the loss of example \d"
+    ):
+        train_dpsgd(
+            model,
+            x,
+            y,
+            sample_rate=0.2,
+            epochs=1,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            neighbouring="add_remove",
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            seed=0,
+        )
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -246,18 +266,35 @@ def test_a_buffer_written_from_the_examples_is_refused_before_any_step(case: str
     """Such a buffer would be released with the model without noise (the per-example outputs stay independent)."""
     torch.manual_seed(5)
     if case == "instance-norm":
-        model: nn.Module = nn.Sequential(nn.Unflatten(1, (2, 3, 3)), nn.Conv2d(2, 4, 2),
-                                         nn.InstanceNorm2d(4, affine=True, track_running_stats=True), nn.Flatten(),
-                                         nn.Linear(16, 3))
+        model: nn.Module = nn.Sequential(
+            nn.Unflatten(1, (2, 3, 3)),
+            nn.Conv2d(2, 4, 2),
+            nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+            nn.Flatten(),
+            nn.Linear(16, 3),
+        )
         shape, buffer = (18,), r"'2\.running_mean'"
     else:
         model, shape, buffer = RunningAverage(), (6,), "'seen_mean'"
     x, y = torch.randn(40, *shape), labels(40, 3)
     before = {n: b.clone() for n, b in model.state_dict().items()}
-    with pytest.raises(ClippingUnsupported, match=rf"model buffer {buffer}: the training-mode forward pass writes the "
-                                                  "examples into it .* without noise"):
-        train_dpsgd(model, x, y, sample_rate=0.2, epochs=1, clip_norm=1.0, noise_multiplier=1.0, neighbouring="add_remove",
-                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1), seed=0)
+    with pytest.raises(
+        ClippingUnsupported,
+        match=rf"model buffer {buffer}: the training-mode forward pass writes the "
+        "examples into it .* without noise",
+    ):
+        train_dpsgd(
+            model,
+            x,
+            y,
+            sample_rate=0.2,
+            epochs=1,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            neighbouring="add_remove",
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            seed=0,
+        )
     assert all(torch.equal(before[n], b) for n, b in model.state_dict().items())  # not one step taken
 
 
@@ -269,8 +306,16 @@ def test_buffers_written_without_the_examples_pass(case: str) -> None:
     elif case == "spectral-norm":
         model, shape = nn.Sequential(parametrizations.spectral_norm(nn.Linear(6, 5)), nn.ReLU(), nn.Linear(5, 3)), (6,)
     else:
-        model, shape = nn.Sequential(nn.Unflatten(1, (2, 3, 3)), nn.Conv2d(2, 4, 2), nn.InstanceNorm2d(4, affine=True),
-                                     nn.Flatten(), nn.Linear(16, 3)), (18,)
+        model, shape = (
+            nn.Sequential(
+                nn.Unflatten(1, (2, 3, 3)),
+                nn.Conv2d(2, 4, 2),
+                nn.InstanceNorm2d(4, affine=True),
+                nn.Flatten(),
+                nn.Linear(16, 3),
+            ),
+            (18,),
+        )
     assert list(model.buffers()) or case == "instance-norm-without-statistics"
     plan_clipping(model, per_example_cross_entropy, shape)
 
@@ -286,7 +331,9 @@ class Crashes(nn.Module):
 
 
 def test_a_module_that_fails_is_named_in_one_line_not_a_bare_key_error() -> None:
-    with pytest.raises(ClippingUnsupported, match=r"^model: the forward pass failed on a synthetic probe batch: KeyError: 6$"):
+    with pytest.raises(
+        ClippingUnsupported, match=r"^model: the forward pass failed on a synthetic probe batch: KeyError: 6$"
+    ):
         plan_clipping(Crashes(), per_example_cross_entropy, (6,))
 
 
@@ -325,10 +372,24 @@ def test_training_takes_the_planned_exact_path(model: type[nn.Module], exact: in
     found by the probe and taken exactly (a.weight)."""
     torch.manual_seed(5)
     built = model()
-    x = tokens((80, 5), 9, 6) if model is TiedByMatmul else torch.randn(80, 6, generator=torch.Generator().manual_seed(6))
+    x = (
+        tokens((80, 5), 9, 6)
+        if model is TiedByMatmul
+        else torch.randn(80, 6, generator=torch.Generator().manual_seed(6))
+    )
     y = labels(80, 9 if model is TiedByMatmul else 3)
-    result = train_dpsgd(built, x, y, sample_rate=0.25, epochs=1, clip_norm=1.0, noise_multiplier=1.0,
-                         neighbouring="add_remove", optimizer=torch.optim.SGD(built.parameters(), lr=0.1), seed=0)
+    result = train_dpsgd(
+        built,
+        x,
+        y,
+        sample_rate=0.25,
+        epochs=1,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        neighbouring="add_remove",
+        optimizer=torch.optim.SGD(built.parameters(), lr=0.1),
+        seed=0,
+    )
     assert result.history["exact_clipping_parameters"] == exact
 
 
@@ -338,6 +399,16 @@ def test_frozen_parameters_get_neither_gradient_nor_noise() -> None:
     model[0].weight.requires_grad_(False)
     frozen = model[0].weight.detach().clone()
     x, y = torch.randn(60, 6), labels(60, 3)
-    train_dpsgd(model, x, y, sample_rate=0.3, epochs=2, clip_norm=1.0, noise_multiplier=2.0, neighbouring="add_remove",
-                optimizer=torch.optim.SGD(model.parameters(), lr=0.5), seed=1)
+    train_dpsgd(
+        model,
+        x,
+        y,
+        sample_rate=0.3,
+        epochs=2,
+        clip_norm=1.0,
+        noise_multiplier=2.0,
+        neighbouring="add_remove",
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        seed=1,
+    )
     assert torch.equal(model[0].weight, frozen)

@@ -30,8 +30,9 @@ def vmapped(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     return calls
 
 
-def assert_matches_naive_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float,
-                              most_clipped: bool = True) -> None:
+def assert_matches_naive_loop(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, most_clipped: bool = True
+) -> None:
     sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
     reference, reference_norms = naive_clipped_sum_and_norms(model, x, y, clip)
     assert set(sums) == set(reference)
@@ -256,8 +257,9 @@ def test_fast_layers_mixed_with_a_custom_parameter(vmapped: list) -> None:
 # --- Cases the shortcuts must not take ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", [nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
-                                   nn.BatchNorm1d(6)])
+@pytest.mark.parametrize(
+    "model", [nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)), nn.BatchNorm1d(6)]
+)
 def test_batch_norm_is_refused(model: nn.Module) -> None:
     x = torch.randn(8, 6)
     where = "model layer '1'" if isinstance(model, nn.Sequential) else "the model"
@@ -384,7 +386,8 @@ class ReadsOneToken(nn.Module):
 
 
 def test_positions_where_no_example_has_a_gradient_are_left_out_and_the_sums_stay_exact(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch.manual_seed(22)
     model = ReadsOneToken().double()
     x = torch.randn(10, 7, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
@@ -456,8 +459,9 @@ class Convs(nn.Module):
 
 
 @pytest.mark.parametrize("keep, slice_elements", [(True, 1 << 19), (True, 1300), (False, 1 << 19), (False, 1000)])
-def test_conv_layers_match_naive_loop(keep: bool, slice_elements: int, monkeypatch: pytest.MonkeyPatch,
-                                      vmapped: list) -> None:
+def test_conv_layers_match_naive_loop(
+    keep: bool, slice_elements: int, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
     """Every Conv2d path equals the one-example-at-a-time loop. Kept (keep): both layers materialise, ``wide``
     by a grouped convolution (T > C_out) and its sums come from the kept gradients, ``deep`` from its
     patches a slice of examples at a time (T ≤ C_out: all 9 in one slice, or 2 per slice with the last
@@ -488,7 +492,9 @@ def test_kept_gradients_in_heap_sized_slices_match_naive_loop(model_name: str, m
     else:
         model, x, per_example = NormedMlp().double(), torch.randn(9, 2, 3, 6, dtype=torch.float64), 8 * 6
     monkeypatch.setattr(devices, "HEAP_BLOCKS_BELOW", devices.HEAP_BLOCK_MARGIN + 2 * 8 * per_example + 7)
-    monkeypatch.setattr(keep_budget, "KEEP_SHARE", 1e9)  # kept whatever the share of the pass (tests/test_keep_budget.py)
+    monkeypatch.setattr(
+        keep_budget, "KEEP_SHARE", 1e9
+    )  # kept whatever the share of the pass (tests/test_keep_budget.py)
     kept: list[list[int]] = []
     kept_sum = clipping_layers.kept_sum
 
@@ -501,7 +507,13 @@ def test_kept_gradients_in_heap_sized_slices_match_naive_loop(model_name: str, m
     assert_matches_naive_loop(model, x, labels(9), 0.05, most_clipped=False)
     assert [2, 2, 2, 2, 1] in kept
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert devices.heap_sized_slices(9, 8 * per_example, cpu) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 9)]
+    assert devices.heap_sized_slices(9, 8 * per_example, cpu) == [
+        slice(0, 2),
+        slice(2, 4),
+        slice(4, 6),
+        slice(6, 8),
+        slice(8, 9),
+    ]
     assert devices.heap_sized_slices(3, 1 << 40, cpu) == [slice(0, 1), slice(1, 2), slice(2, 3)]
     assert devices.heap_sized_slices(9, 8 * per_example, gpu) == [slice(0, 9)]
     assert devices.heap_sized_slices(0, 8, cpu) == [slice(0, 0)]
@@ -553,15 +565,16 @@ class GroupedConvs(nn.Module):
         self.out = nn.Linear(3 * 2, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.depthwise(x))                       # (B, 8, 8, 8)
-        h = torch.tanh(self.pair(torch.tanh(self.pair(h))))     # (B, 8, 2, 2)
-        h = torch.tanh(self.line(h.flatten(2)))                 # (B, 6, 2)
+        h = torch.tanh(self.depthwise(x))  # (B, 8, 8, 8)
+        h = torch.tanh(self.pair(torch.tanh(self.pair(h))))  # (B, 8, 2, 2)
+        h = torch.tanh(self.line(h.flatten(2)))  # (B, 6, 2)
         return self.out(torch.tanh(self.uneven(h)).flatten(1))  # (B, 3, 2)
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_grouped_and_same_padded_convolutions_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch,
-                                                               vmapped: list) -> None:
+def test_grouped_and_same_padded_convolutions_match_naive_loop(
+    keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
     """Kept: the per-example gradients of the whole batch at once; not kept: one example per slice and the
     clipped sums by the weight-gradient convolution. Only the uneven "same" layer takes the exact path."""
     if not keep:
@@ -579,8 +592,9 @@ def test_conv_per_example_gradients_equal_autograd() -> None:
     conv = nn.Conv2d(3, 4, (4, 3), stride=(2, 3), padding=(2, 1), dilation=(1, 2)).double()
     x = torch.randn(5, 3, 12, 13, dtype=torch.float64)
     delta = torch.randn_like(conv(x))
-    expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0]
-                            for i in range(5)])
+    expected = torch.stack(
+        [torch.autograd.grad((conv(x[i : i + 1]) * delta[i : i + 1]).sum(), conv.weight)[0] for i in range(5)]
+    )
     got = clipping_conv.conv_per_example_gradients(conv, x, delta)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
@@ -592,17 +606,18 @@ def test_per_example_gradients_by_the_weight_gradient_equal_autograd(channels: i
     conv = nn.Conv2d(channels, 4, (4, 3), stride=(2, 3), padding=(2, 1), dilation=(1, 2)).double()
     x = torch.randn(5, channels, 12, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     delta = torch.randn_like(conv(x))
-    expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0]
-                            for i in range(5)])
+    expected = torch.stack(
+        [torch.autograd.grad((conv(x[i : i + 1]) * delta[i : i + 1]).sum(), conv.weight)[0] for i in range(5)]
+    )
     got = clipping_conv.conv_per_example_gradients_by_weight_grad(conv, x, delta)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_each_conv_way_is_picked_by_device_and_shape() -> None:
     way = clipping_conv.per_example_conv_way
-    assert way("cpu", 16, 784, 64) == "weight gradient"   # T > C_out, at least 8 input channels
-    assert way("cpu", 3, 1024, 16) == "grouped forward"   # T > C_out, an image of few channels
-    assert way("cpu", 64, 49, 256) == "patch slices"      # T ≤ C_out
+    assert way("cpu", 16, 784, 64) == "weight gradient"  # T > C_out, at least 8 input channels
+    assert way("cpu", 3, 1024, 16) == "grouped forward"  # T > C_out, an image of few channels
+    assert way("cpu", 64, 49, 256) == "patch slices"  # T ≤ C_out
     assert way("cuda", 64, 784, 64) == way("cuda", 1, 196, 16) == "patches"
 
 
@@ -636,8 +651,9 @@ class WideConvs(nn.Module):
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_convolutions_of_eight_channels_match_naive_loop(keep: bool, monkeypatch: pytest.MonkeyPatch,
-                                                         vmapped: list) -> None:
+def test_convolutions_of_eight_channels_match_naive_loop(
+    keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
     if not keep:
         monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
     torch.manual_seed(10)
@@ -680,20 +696,21 @@ def test_layers_whose_outputs_are_added_match_naive_loop(vmapped: list) -> None:
 # --- The compiled convolution norms (float32 on the CPU) ---------------------------------------------------
 
 COMPILED_GEOMETRIES = [  # (C_in, C_out, kernel, stride, padding, dilation, (H, W), batch)
-    (1, 16, 8, 2, 3, 1, (28, 28), 9),            # the Opacus example CNN's first convolution
-    (16, 32, 4, 2, 0, 1, (13, 13), 7),           # its second: T = 25 ≤ C_out
+    (1, 16, 8, 2, 3, 1, (28, 28), 9),  # the Opacus example CNN's first convolution
+    (16, 32, 4, 2, 0, 1, (13, 13), 7),  # its second: T = 25 ≤ C_out
     (3, 5, (3, 2), (2, 1), (4, 0), (1, 3), (9, 11), 5),  # rectangular, padding past the kernel, dilation
-    (7, 6, 1, 3, 0, 1, (10, 8), 4),              # 1×1, stride past the kernel
-    (20, 3, 5, 1, 2, 2, (6, 7), 3),              # C_in·K = 500: several column blocks and a partial one
-    (2, 9, (2, 5), (3, 2), (1, 2), (2, 1), (5, 9), 6),   # C_out = 9: a partial block of output channels
-    (3, 4, (2, 6), 1, (1, 3), 1, (7, 10), 3),    # a kernel width of no specialised copy (6)
+    (7, 6, 1, 3, 0, 1, (10, 8), 4),  # 1×1, stride past the kernel
+    (20, 3, 5, 1, 2, 2, (6, 7), 3),  # C_in·K = 500: several column blocks and a partial one
+    (2, 9, (2, 5), (3, 2), (1, 2), (2, 1), (5, 9), 6),  # C_out = 9: a partial block of output channels
+    (3, 4, (2, 6), 1, (1, 3), 1, (7, 10), 3),  # a kernel width of no specialised copy (6)
     (32, 9, (3, 2), (2, 1), (2, 0), (1, 2), (9, 8), 5),  # direct: two vectors a kernel offset, partial blocks
-    (16, 4, 1, 2, 0, 1, (7, 9), 4),              # direct 1×1 strided: one vector, a 16-column block
+    (16, 4, 1, 2, 0, 1, (7, 9), 4),  # direct 1×1 strided: one vector, a 16-column block
 ]
 BEYOND_THE_PATCH_WAY = (48, 5, 3, 1, 1, 1, (17, 18), 3)  # direct at T = 306 > COMPILED_MAX_POSITIONS; a 48-column tail
 # each geometry by the patch way, and those whose C_in is a multiple of 16 by the direct way too
-COMPILED_CASES = ([(g, True) for g in [*COMPILED_GEOMETRIES, BEYOND_THE_PATCH_WAY] if g[0] % 16 == 0]
-                  + [(g, False) for g in COMPILED_GEOMETRIES])
+COMPILED_CASES = [(g, True) for g in [*COMPILED_GEOMETRIES, BEYOND_THE_PATCH_WAY] if g[0] % 16 == 0] + [
+    (g, False) for g in COMPILED_GEOMETRIES
+]
 
 
 def compiled_kernel(tmp_path) -> object:  # type: ignore[no-untyped-def]
@@ -709,11 +726,19 @@ def compiled_kernel(tmp_path) -> object:  # type: ignore[no-untyped-def]
     return kernel
 
 
-@pytest.mark.parametrize("geometry, direct", COMPILED_CASES,
-                         ids=lambda g: (("direct" if g else "patches") if isinstance(g, bool)
-                                        else f"{g[0]}x{g[1]}-k{g[2]}-s{g[3]}-p{g[4]}-d{g[5]}"))
-def test_compiled_convolution_norms_equal_autograd(geometry: tuple, direct: bool, tmp_path,  # type: ignore[no-untyped-def]
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "geometry, direct",
+    COMPILED_CASES,
+    ids=lambda g: (
+        ("direct" if g else "patches") if isinstance(g, bool) else f"{g[0]}x{g[1]}-k{g[2]}-s{g[3]}-p{g[4]}-d{g[5]}"
+    ),
+)
+def test_compiled_convolution_norms_equal_autograd(
+    geometry: tuple,
+    direct: bool,
+    tmp_path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Each example's weight gradient (kept) and its squared norm from the compiled kernel, by its direct way
     (columns in (u, v, c) order) or its patch way, equal autograd's, one example at a time in float64, to
     float32 rounding; and the same bits whether torch runs one or two threads (each example is one thread's
@@ -728,8 +753,14 @@ def test_compiled_convolution_norms_equal_autograd(geometry: tuple, direct: bool
     x = torch.randn(batch, channels, height, width, generator=g)
     delta = torch.randn(conv(x).shape, generator=g)
     exact = conv.double()
-    expected = torch.stack([torch.autograd.grad((exact(x[i:i + 1].double()) * delta[i:i + 1].double()).sum(),
-                                                exact.weight)[0].reshape(out_channels, -1) for i in range(batch)])
+    expected = torch.stack(
+        [
+            torch.autograd.grad((exact(x[i : i + 1].double()) * delta[i : i + 1].double()).sum(), exact.weight)[
+                0
+            ].reshape(out_channels, -1)
+            for i in range(batch)
+        ]
+    )
     threads = torch.get_num_threads()
     try:
         results = []
@@ -745,7 +776,11 @@ def test_compiled_convolution_norms_equal_autograd(geometry: tuple, direct: bool
     (squared, grads), *others = [(found[0], torch.cat(found[1])) for found in results]  # type: ignore[index]
     assert all(torch.equal(squared, other[0]) and torch.equal(grads, other[1]) for other in others)
     if direct:  # (B, C_out, kh, kw, C_in) to the weight's order
-        grads = grads.reshape(batch, out_channels, *conv.kernel_size, channels).permute(0, 1, 4, 2, 3).reshape(batch, out_channels, -1)
+        grads = (
+            grads.reshape(batch, out_channels, *conv.kernel_size, channels)
+            .permute(0, 1, 4, 2, 3)
+            .reshape(batch, out_channels, -1)
+        )
     scale = float(expected.abs().max())
     torch.testing.assert_close(grads.double(), expected, rtol=1e-5, atol=1e-5 * scale)
     torch.testing.assert_close(squared.double(), expected.pow(2).sum((1, 2)), rtol=2e-5, atol=0.0)
@@ -755,17 +790,20 @@ def test_compiled_convolution_norms_equal_autograd(geometry: tuple, direct: bool
 
 
 INPUT_GRAM_GEOMETRIES = [  # stride-1 (C_in, C_out, kernel, padding, dilation, (H, W)): P² < T²·kh·kw
-    (5, 4, 3, 1, 1, (7, 7)),              # WRN-16-4's 7×7 layers' shape
+    (5, 4, 3, 1, 1, (7, 7)),  # WRN-16-4's 7×7 layers' shape
     (3, 2, (3, 2), (2, 0), (2, 1), (8, 6)),  # rectangular kernel, padding on one axis, dilation on the other
     (4, 3, 5, 2, 1, (5, 6)),
-    (2, 6, 3, 0, 1, (9, 7)),              # no padding
+    (2, 6, 3, 0, 1, (9, 7)),  # no padding
 ]
 
 
 @pytest.mark.parametrize("slice_elements", [1 << 22, 2000])
-@pytest.mark.parametrize("geometry", INPUT_GRAM_GEOMETRIES, ids=lambda g: f"{g[0]}x{g[1]}-k{g[2]}-p{g[3]}-d{g[4]}-{g[5]}")
-def test_ghost_norms_from_the_input_gram_equal_autograd(geometry: tuple, slice_elements: int,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "geometry", INPUT_GRAM_GEOMETRIES, ids=lambda g: f"{g[0]}x{g[1]}-k{g[2]}-p{g[3]}-d{g[4]}-{g[5]}"
+)
+def test_ghost_norms_from_the_input_gram_equal_autograd(
+    geometry: tuple, slice_elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The ghost norm of a stride-1 convolution from the Gram matrix of its padded input's positions (all
     examples at once, or one per slice) equals ‖∇_W ℓ_i‖² of autograd, one example at
     a time in float64; it is taken where it pays, not for a strided or 1×1 unpadded convolution."""
@@ -775,8 +813,12 @@ def test_ghost_norms_from_the_input_gram_equal_autograd(geometry: tuple, slice_e
     g = torch.Generator().manual_seed(height * width)
     x = torch.randn(7, channels, height, width, generator=g, dtype=torch.float64)
     delta = torch.randn(conv(x).shape, generator=g, dtype=torch.float64)
-    expected = torch.stack([torch.autograd.grad((conv(x[i:i + 1]) * delta[i:i + 1]).sum(), conv.weight)[0].pow(2).sum()
-                            for i in range(7)])
+    expected = torch.stack(
+        [
+            torch.autograd.grad((conv(x[i : i + 1]) * delta[i : i + 1]).sum(), conv.weight)[0].pow(2).sum()
+            for i in range(7)
+        ]
+    )
     geo = clipping_conv.conv_geometry(conv)
     assert geo is not None and clipping_conv.input_gram_pays(x.shape, delta[0, 0].numel(), geo)
     found = clipping_conv.patch_slice_norms_squared(x, delta.flatten(2), geo, ghost=True)
@@ -786,13 +828,22 @@ def test_ghost_norms_from_the_input_gram_equal_autograd(geometry: tuple, slice_e
     assert not clipping_conv.input_gram_pays(x.shape, height * width, ((1, 1), (1, 1), (0, 0), (1, 1)))
 
 
-def test_a_float32_cnn_clips_alike_with_and_without_the_compiled_norms(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_float32_cnn_clips_alike_with_and_without_the_compiled_norms(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """The engine on a float32 CNN (both of the Opacus example's convolution shapes, kept and not kept):
     norms and clipped sums with the compiled kernel equal those of the torch ways to float32 rounding."""
     kernel = compiled_kernel(tmp_path)
     torch.manual_seed(14)
-    model = nn.Sequential(nn.Conv2d(1, 16, 8, 2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1), nn.Conv2d(16, 32, 4, 2),
-                          nn.ReLU(), nn.Flatten(), nn.Linear(32 * 5 * 5, 10))
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 8, 2, padding=3),
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, 2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 5 * 5, 10),
+    )
     x, y = torch.randn(33, 1, 28, 28, generator=torch.Generator().manual_seed(15)), labels(33, 10)
     monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: None)
     reference, reference_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.5)

@@ -69,8 +69,18 @@ class Block(nn.Module):
         return F.relu(out, inplace=True) if self.kind == "linear" and self.inplace else torch.tanh(out)
 
 
-BLOCKS = ["linear", "twice", "functional_reuse", "frozen", "weight_norm", "spectral_norm", "orthogonal", "layer_norm",
-          "scale", "dropout"]
+BLOCKS = [
+    "linear",
+    "twice",
+    "functional_reuse",
+    "frozen",
+    "weight_norm",
+    "spectral_norm",
+    "orthogonal",
+    "layer_norm",
+    "scale",
+    "dropout",
+]
 
 
 class VectorNet(nn.Module):
@@ -94,8 +104,15 @@ class ImageNet(nn.Module):
         super().__init__()
         channels = rng.choice([2, 4])
         groups = rng.choice([1, 2])
-        self.conv = nn.Conv2d(2, channels, kernel_size=rng.choice([1, 2, 3]), stride=rng.choice([1, 2]),
-                              padding=rng.choice([0, 1]), dilation=rng.choice([1, 2]), bias=rng.random() < 0.7)
+        self.conv = nn.Conv2d(
+            2,
+            channels,
+            kernel_size=rng.choice([1, 2, 3]),
+            stride=rng.choice([1, 2]),
+            padding=rng.choice([0, 1]),
+            dilation=rng.choice([1, 2]),
+            bias=rng.random() < 0.7,
+        )
         self.norm = nn.GroupNorm(groups, channels, affine=rng.random() < 0.8)
         self.grouped = nn.Conv2d(channels, channels, 3, padding=1, groups=rng.choice([1, 2]))
         self.repeat = rng.random() < 0.4
@@ -145,8 +162,12 @@ class TokenNet(nn.Module):
         return self.head(h)
 
 
-FAMILIES = {"vector": (VectorNet, (6,), torch.float64), "image": (ImageNet, (2, 6, 6), torch.float64),
-            "sequence": (SequenceNet, (4, 5), torch.float64), "tokens": (TokenNet, (6,), torch.long)}
+FAMILIES = {
+    "vector": (VectorNet, (6,), torch.float64),
+    "image": (ImageNet, (2, 6, 6), torch.float64),
+    "sequence": (SequenceNet, (4, 5), torch.float64),
+    "tokens": (TokenNet, (6,), torch.long),
+}
 
 
 def batch(family: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +221,9 @@ def test_one_example_contributes_at_most_c(family: str, seed: int) -> None:
     x, y = batch(family, 4, 200 + seed)
     clip = 0.05
     for i in range(x.shape[0]):
-        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[i:i + 1], y[i:i + 1], clip, exact=exact)
+        sums, norms = clipped_gradient_sum(
+            model, per_example_cross_entropy, x[i : i + 1], y[i : i + 1], clip, exact=exact
+        )
         contribution = torch.sqrt(sum(s.pow(2).sum() for s in sums.values()))
         assert float(contribution) <= clip
         norm = float(norms[0])
@@ -225,11 +248,13 @@ class LastStage(nn.Module):
         return self.head(torch.tanh(self.conv(h) + h).mean((2, 3)))
 
 
-@pytest.mark.parametrize(("size", "stride", "dilation", "bias"),
-                         [(1, 1, 1, True), (2, 1, 1, False), (2, 2, 1, True), (4, 2, 1, True), (3, 2, 2, False),
-                          (5, 1, 1, True)])
-def test_convolutions_with_few_output_positions_match_a_per_example_loop(size: int, stride: int, dilation: int,
-                                                                         bias: bool) -> None:
+@pytest.mark.parametrize(
+    ("size", "stride", "dilation", "bias"),
+    [(1, 1, 1, True), (2, 1, 1, False), (2, 2, 1, True), (4, 2, 1, True), (3, 2, 2, False), (5, 1, 1, True)],
+)
+def test_convolutions_with_few_output_positions_match_a_per_example_loop(
+    size: int, stride: int, dilation: int, bias: bool
+) -> None:
     torch.manual_seed(size * 10 + stride)
     model = LastStage(stride, dilation, bias).double().train()
     exact = plan_clipping(model, per_example_cross_entropy, (3, size, size), torch.float64).exact

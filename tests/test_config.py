@@ -31,8 +31,9 @@ def test_repository_params_are_valid() -> None:
         ("dp", "noise_multiplier", float("nan"), "must be a finite number"),
     ],
 )
-def test_invalid_values_name_key_value_and_rule(tmp_path: Path, section: str, key: str, value: object,
-                                                  fragment: str) -> None:
+def test_invalid_values_name_key_value_and_rule(
+    tmp_path: Path, section: str, key: str, value: object, fragment: str
+) -> None:
     params = small_params(tmp_path)
     params[section][key] = value
     if section == "dp" and key == "target_epsilon":
@@ -81,7 +82,9 @@ def test_tabular_source_needs_declared_columns_and_classes(tmp_path: Path) -> No
     table = tmp_path / "t.csv"
     table.write_text("a,label\n1,x\n")
     params = small_params(tmp_path, data={"source": f"csv:{table}"})
-    with pytest.raises(ConfigError, match=r"needs data.label_column, data.classes, data.columns \(or feature_columns\)"):
+    with pytest.raises(
+        ConfigError, match=r"needs data.label_column, data.classes, data.columns \(or feature_columns\)"
+    ):
         validate(params)
 
 

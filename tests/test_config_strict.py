@@ -35,21 +35,38 @@ def written(tmp_path: Path, text: str, name: str = "params.yaml") -> Path:
 
 # ------------------------------------------------------------------------------------------ duplicates
 
-@pytest.mark.parametrize(("text", "key", "lines"), [
-    (BASE + "gate: {epsilon_budget: 4}\nledger:\n  epsilon_budget: 1000\n", "ledger", "lines 2 and 6"),
-    ("dp:\n  target_epsilon: 2\n  delta: 1.0e-5\n  target_epsilon: 20\n", "dp.target_epsilon", "lines 2 and 4"),
-    ("dp: {target_epsilon: 2, target_epsilon: 20}\n", "dp.target_epsilon", "line 1, columns 6 and 25"),
-    ("data:\n  columns:\n    age:\n      type: numeric\n      lower: 0\n      upper: 9\n      lower: -1\n",
-     "data.columns.age.lower", "lines 5 and 7"),
-    ("data:\n  columns:\n    age: {type: numeric, lower: 0, upper: 9}\n    age: {type: numeric, lower: 0, upper: 90}\n",
-     "data.columns.age", "lines 3 and 4"),
-    ("tune:\n  space:\n    train.learning_rate: [1]\n    train.learning_rate: [2]\n", "tune.space.train.learning_rate",
-     "lines 3 and 4"),
-    ("dp: {noise_multiplier: 1.0}\naudit:\n  attacks: [loss]\n  'attacks': [rmia-online]\n", "audit.attacks",
-     "lines 3 and 4"),
-])
-def test_a_key_given_twice_at_any_level_is_refused_naming_it_and_both_lines(tmp_path: Path, text: str, key: str,
-                                                                            lines: str) -> None:
+
+@pytest.mark.parametrize(
+    ("text", "key", "lines"),
+    [
+        (BASE + "gate: {epsilon_budget: 4}\nledger:\n  epsilon_budget: 1000\n", "ledger", "lines 2 and 6"),
+        ("dp:\n  target_epsilon: 2\n  delta: 1.0e-5\n  target_epsilon: 20\n", "dp.target_epsilon", "lines 2 and 4"),
+        ("dp: {target_epsilon: 2, target_epsilon: 20}\n", "dp.target_epsilon", "line 1, columns 6 and 25"),
+        (
+            "data:\n  columns:\n    age:\n      type: numeric\n      lower: 0\n      upper: 9\n      lower: -1\n",
+            "data.columns.age.lower",
+            "lines 5 and 7",
+        ),
+        (
+            "data:\n  columns:\n    age: {type: numeric, lower: 0, upper: 9}\n    age: {type: numeric, lower: 0, upper: 90}\n",
+            "data.columns.age",
+            "lines 3 and 4",
+        ),
+        (
+            "tune:\n  space:\n    train.learning_rate: [1]\n    train.learning_rate: [2]\n",
+            "tune.space.train.learning_rate",
+            "lines 3 and 4",
+        ),
+        (
+            "dp: {noise_multiplier: 1.0}\naudit:\n  attacks: [loss]\n  'attacks': [rmia-online]\n",
+            "audit.attacks",
+            "lines 3 and 4",
+        ),
+    ],
+)
+def test_a_key_given_twice_at_any_level_is_refused_naming_it_and_both_lines(
+    tmp_path: Path, text: str, key: str, lines: str
+) -> None:
     with pytest.raises(ConfigError) as refused:
         load(written(tmp_path, text))
     message = str(refused.value)
@@ -68,8 +85,9 @@ def test_two_spellings_of_one_key_are_one_key(tmp_path: Path) -> None:
 def test_overrides_are_read_as_strictly_as_the_file(tmp_path: Path) -> None:
     path = written(tmp_path, BASE)
     with pytest.raises(ConfigError, match=r"--set data.columns: data.columns.age is given twice"):
-        load(path, ["data.columns={age: {type: numeric, lower: 0, upper: 1}, "
-                    "age: {type: numeric, lower: 0, upper: 9}}"])
+        load(
+            path, ["data.columns={age: {type: numeric, lower: 0, upper: 1}, age: {type: numeric, lower: 0, upper: 9}}"]
+        )
     with pytest.raises(ConfigError, match=r"--set tune.space: tune.space.train.momentum is given twice"):
         load(path, ["tune.space={train.momentum: [0.1], train.momentum: [0.9]}"])
     # the same key in two flags: the last flag wins (documented), and the file's duplicates are still refused
@@ -79,8 +97,10 @@ def test_overrides_are_read_as_strictly_as_the_file(tmp_path: Path) -> None:
     # deeper keys reach a column's bounds
     table = tmp_path / "t.csv"
     table.write_text("age,label\n30,a\n40,b\n")
-    data = (f"data: {{source: 'csv:{table}', label_column: label, classes: [a, b], "
-            "columns: {age: {type: numeric, lower: 0, upper: 100}}}\n")
+    data = (
+        f"data: {{source: 'csv:{table}', label_column: label, classes: [a, b], "
+        "columns: {age: {type: numeric, lower: 0, upper: 100}}}\n"
+    )
     assert load(written(tmp_path, BASE + data), ["data.columns.age.upper=120"]).data.columns["age"].upper == 120
 
 
@@ -94,10 +114,40 @@ def test_a_merge_key_may_be_overridden_it_is_not_a_duplicate(tmp_path: Path) -> 
 
 # --------------------------------------------------------------------------------------- finite numbers
 
-NON_FINITE = [".inf", ".Inf", ".INF", "+.inf", "-.inf", "-.Inf", ".nan", ".NaN", ".NAN", "1e999", "-1e999",
-              "1.0e+400", "1E400", "'inf'", "'-Infinity'", "'nan'", "'NaN'", "'1e999'", '"+inf"', "1" + "0" * 400]
-BOUNDING = ["ledger.epsilon_budget", "ledger.kl_budget", "ledger.delta", "dp.target_epsilon", "dp.noise_multiplier",
-            "dp.delta", "dp.clip_norm", "gate.epsilon_budget", "preprocess.clip_norm", "preprocess.upper"]
+NON_FINITE = [
+    ".inf",
+    ".Inf",
+    ".INF",
+    "+.inf",
+    "-.inf",
+    "-.Inf",
+    ".nan",
+    ".NaN",
+    ".NAN",
+    "1e999",
+    "-1e999",
+    "1.0e+400",
+    "1E400",
+    "'inf'",
+    "'-Infinity'",
+    "'nan'",
+    "'NaN'",
+    "'1e999'",
+    '"+inf"',
+    "1" + "0" * 400,
+]
+BOUNDING = [
+    "ledger.epsilon_budget",
+    "ledger.kl_budget",
+    "ledger.delta",
+    "dp.target_epsilon",
+    "dp.noise_multiplier",
+    "dp.delta",
+    "dp.clip_norm",
+    "gate.epsilon_budget",
+    "preprocess.clip_norm",
+    "preprocess.upper",
+]
 
 
 @pytest.mark.parametrize("spelling", NON_FINITE)
@@ -138,16 +188,27 @@ def test_yaml_12_numbers_mean_what_they_say(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------ category texts
 
+
 def test_category_lists_keep_the_text_written(tmp_path: Path) -> None:
     """YAML 1.1 reads no/yes/NO/on/off as booleans, 1.10 as 1.1, 010 as 8 and 2026-11-20 as a date; each cell
     of those texts must land in its own slot, never in <other>."""
     table = tmp_path / "t.csv"
-    frame = pd.DataFrame({"answer": ["no", "yes", "yes", "no"], "country": ["NO", "SE", "DK", "NO"],
-                          "switch": ["on", "off", "off", "on"], "version": ["1.10", "1.2", "1.10", "1.2"],
-                          "code": ["010", "011", "010", "011"], "day": ["2026-11-20", "2026-11-27"] * 2,
-                          "no": [1, 2, 3, 4], "label": ["no", "yes", "no", "yes"]})
+    frame = pd.DataFrame(
+        {
+            "answer": ["no", "yes", "yes", "no"],
+            "country": ["NO", "SE", "DK", "NO"],
+            "switch": ["on", "off", "off", "on"],
+            "version": ["1.10", "1.2", "1.10", "1.2"],
+            "code": ["010", "011", "010", "011"],
+            "day": ["2026-11-20", "2026-11-27"] * 2,
+            "no": [1, 2, 3, 4],
+            "label": ["no", "yes", "no", "yes"],
+        }
+    )
     frame.to_csv(table, index=False)
-    text = BASE + f"""\
+    text = (
+        BASE
+        + f"""\
 data:
   source: csv:{table}
   label_column: label
@@ -161,6 +222,7 @@ data:
     day: {{type: categorical, categories: [2026-11-20, 2026-11-27]}}
     no: {{type: numeric, lower: 0, upper: 9}}
 """
+    )
     config = load(written(tmp_path, text))
     assert config.data.classes == ["no", "yes"] and "no" in config.data.columns
     assert config.data.columns["version"].categories == ["1.10", "1.2"]
@@ -171,19 +233,32 @@ data:
     over = load(written(tmp_path, text), ["data.columns.answer.categories=[yes, no]"])
     assert over.data.columns["answer"].categories == ["yes", "no"]
     with pytest.raises(ConfigError, match=r"False in categories is a boolean.*quoted \(e\.g\. \['no', 'yes'\]\)"):
-        validate({"dp": {"noise_multiplier": 1.0}, "data": {
-            "source": f"csv:{table}", "label_column": "label", "classes": ["no", "yes"],
-            "columns": {"answer": {"type": "categorical", "categories": [False, True]}}}})
+        validate(
+            {
+                "dp": {"noise_multiplier": 1.0},
+                "data": {
+                    "source": f"csv:{table}",
+                    "label_column": "label",
+                    "classes": ["no", "yes"],
+                    "columns": {"answer": {"type": "categorical", "categories": [False, True]}},
+                },
+            }
+        )
 
 
 # ------------------------------------------------------------------------------------------ bounds
+
 
 @pytest.mark.parametrize(("lower", "upper"), [(-1e308, 1e308), (-1.7e308, 0.5e308), (0.0, 5e-324)])
 def test_bounds_whose_width_overflows_are_refused_at_validation(tmp_path: Path, lower: float, upper: float) -> None:
     table = tmp_path / "t.csv"
     table.write_text("x,label\n1,a\n2,b\n")
-    data = {"source": f"csv:{table}", "label_column": "label", "classes": ["a", "b"],
-            "columns": {"x": {"type": "numeric", "lower": lower, "upper": upper}}}
+    data = {
+        "source": f"csv:{table}",
+        "label_column": "label",
+        "classes": ["a", "b"],
+        "columns": {"x": {"type": "numeric", "lower": lower, "upper": upper}},
+    }
     with pytest.raises(ConfigError, match=r"data\.columns\.x: lower = .*upper − lower = .* cannot scale"):
         validate({"dp": {"noise_multiplier": 1.0}, "data": data})
     with pytest.raises(ConfigError, match=r"preprocess\.lower = .*cannot scale"):
@@ -193,14 +268,23 @@ def test_bounds_whose_width_overflows_are_refused_at_validation(tmp_path: Path, 
 def test_bounds_near_the_float_range_that_do_fit_have_a_finite_midpoint(tmp_path: Path) -> None:
     table = tmp_path / "t.csv"
     table.write_text("x,label\n,a\n1e308,b\n")
-    config = validate({"dp": {"noise_multiplier": 1.0}, "data": {
-        "source": f"csv:{table}", "label_column": "label", "classes": ["a", "b"],
-        "columns": {"x": {"type": "numeric", "lower": 1.0e308, "upper": 1.7e308}}}})
+    config = validate(
+        {
+            "dp": {"noise_multiplier": 1.0},
+            "data": {
+                "source": f"csv:{table}",
+                "label_column": "label",
+                "classes": ["a", "b"],
+                "columns": {"x": {"type": "numeric", "lower": 1.0e308, "upper": 1.7e308}},
+            },
+        }
+    )
     raw = load_source(config.data)
     assert np.isfinite(raw.x).all() and raw.x[0, 0] == pytest.approx(1.35e308)
 
 
 # ------------------------------------------------------------------------------------ the real problem
+
 
 def test_a_directory_is_not_reported_as_missing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"configuration file .* is a directory; give the parameter file itself"):
@@ -208,8 +292,17 @@ def test_a_directory_is_not_reported_as_missing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load(tmp_path / "absent.yaml")
     with pytest.raises(ConfigError, match=r"data\.source = 'csv:.*': .* is a directory, not a csv file"):
-        validate({"dp": {"noise_multiplier": 1.0}, "data": {"source": f"csv:{tmp_path}", "label_column": "y",
-                                                            "classes": ["a", "b"], "feature_columns": ["x"]}})
+        validate(
+            {
+                "dp": {"noise_multiplier": 1.0},
+                "data": {
+                    "source": f"csv:{tmp_path}",
+                    "label_column": "y",
+                    "classes": ["a", "b"],
+                    "feature_columns": ["x"],
+                },
+            }
+        )
     with pytest.raises(LedgerError, match=r"is a directory; the ledger is a file in it"):
         Ledger(tmp_path, 1e-5)
     with pytest.raises(UnitKeyError, match=r"is a directory; ledger.unit_key names the unit key file itself"):
@@ -221,8 +314,14 @@ def test_a_directory_is_not_reported_as_missing(tmp_path: Path) -> None:
 
 
 def dpml(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dpml", *args], cwd=workdir, capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "dpml", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_the_cli_refuses_each_in_one_line_before_the_ledger_exists(workdir: Path) -> None:
@@ -232,8 +331,18 @@ def test_the_cli_refuses_each_in_one_line_before_the_ledger_exists(workdir: Path
     cases = [
         (["run", "--engine", "local"], r"params\.yaml: ledger is given twice \(lines \d+ and \d+\)"),
         (["run", "--engine", "local", "--params", str(workdir)], r"is a directory"),
-        (["run", "--engine", "local", "--params", str(write_params(workdir / "ok.yaml", params)), "--set",
-          "ledger.epsilon_budget=1e999"], r"ledger\.epsilon_budget = 1e999: not a finite number"),
+        (
+            [
+                "run",
+                "--engine",
+                "local",
+                "--params",
+                str(write_params(workdir / "ok.yaml", params)),
+                "--set",
+                "ledger.epsilon_budget=1e999",
+            ],
+            r"ledger\.epsilon_budget = 1e999: not a finite number",
+        ),
     ]
     for args, expected in cases:
         result = dpml(workdir, *args)

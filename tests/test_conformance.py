@@ -68,7 +68,7 @@ def test_every_clipped_example_and_canary_has_norm_at_most_c(kind: str) -> None:
     y = torch.randint(0, 4, (16,))
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     for i in range(x.shape[0]):
-        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[i:i + 1], y[i:i + 1], clip)
+        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x[i : i + 1], y[i : i + 1], clip)
         total = math.sqrt(sum(float(s.pow(2).sum()) for s in sums.values()))
         assert total <= clip * (1 + 1e-5)
         if float(norms[0]) > clip:
@@ -96,8 +96,13 @@ def test_the_auditors_clipped_sum_equals_a_per_example_loop() -> None:
     """The reference (vmap norms + a reweighted backward pass) equals the definition, one example at a time in
     float64, on a convolutional model with a frozen layer and a parameter the forward pass never uses."""
     torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.GroupNorm(2, 4), torch.nn.Tanh(),
-                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3),
+        torch.nn.GroupNorm(2, 4),
+        torch.nn.Tanh(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 6 * 6, 3),
+    )
     model[1].weight.requires_grad_(False)
     model.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
     x, y = torch.randn(40, 1, 8, 8) * 2, torch.randint(0, 3, (40,))
@@ -106,10 +111,12 @@ def test_the_auditors_clipped_sum_equals_a_per_example_loop() -> None:
     expected = torch.zeros(sum(p.numel() for p in trainable), dtype=torch.float64)
     clipped = 0
     for i in range(x.shape[0]):
-        grads = torch.autograd.grad(per_example_cross_entropy(model(x[i:i + 1]), y[i:i + 1]).sum(), trainable,
-                                    allow_unused=True)
-        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
-                          for g, p in zip(grads, trainable)])
+        grads = torch.autograd.grad(
+            per_example_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum(), trainable, allow_unused=True
+        )
+        flat = torch.cat(
+            [(g if g is not None else torch.zeros_like(p)).reshape(-1).double() for g, p in zip(grads, trainable)]
+        )
         clipped += int(flat.norm() > clip)
         expected += flat * min(1.0, clip / (float(flat.norm()) + 1e-6))
     reference = reference_clipped_sum(model, per_example_cross_entropy, x, y, clip, chunk=16)
@@ -137,7 +144,9 @@ def test_poisson_batches_have_binomial_sizes_and_independent_membership() -> Non
     assert stats.binomtest(int(consecutive), n * (steps - 1), q * q).pvalue > 1e-6
 
 
-def probe_run(seed: int = 0, steps: int = 100, features: int = 8, hidden: int = 12, scale: float = 2.0) -> ConformanceProbe:
+def probe_run(
+    seed: int = 0, steps: int = 100, features: int = 8, hidden: int = 12, scale: float = 2.0
+) -> ConformanceProbe:
     """A small DP-SGD run (q = 0.1, σ = 1, C = 1) with the conformance probe; returns the probe."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
@@ -146,11 +155,31 @@ def probe_run(seed: int = 0, steps: int = 100, features: int = 8, hidden: int = 
     n_params = sum(p.numel() for p in model.parameters())
     rng = np.random.default_rng(seed)
     m = 100
-    probe = ConformanceProbe(x, y, per_example_cross_entropy, 1.0, 1.0, 0.1, steps,
-                             rng.choice(n_params, m, replace=False), rng.random(m) < 0.5, seed=seed)
-    train_dpsgd(model, x, y, sample_rate=0.1, epochs=steps * 0.1, clip_norm=1.0, noise_multiplier=1.0,
-                neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.05), seed=seed + 1,
-                canaries=probe.canaries())
+    probe = ConformanceProbe(
+        x,
+        y,
+        per_example_cross_entropy,
+        1.0,
+        1.0,
+        0.1,
+        steps,
+        rng.choice(n_params, m, replace=False),
+        rng.random(m) < 0.5,
+        seed=seed,
+    )
+    train_dpsgd(
+        model,
+        x,
+        y,
+        sample_rate=0.1,
+        epochs=steps * 0.1,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        neighbouring="add-remove",
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        seed=seed + 1,
+        canaries=probe.canaries(),
+    )
     return probe
 
 
@@ -166,10 +195,18 @@ def test_the_intact_trainer_passes_every_check_across_seeds() -> None:
         assert noise.statistics["std_ratio"] == pytest.approx(1.0, abs=0.03)
 
 
-@pytest.mark.parametrize(("bug", "caught_by"), [
-    ("noise × ½", "noise"), ("noise × 0", "noise"), ("clipping removed", "clipping"),
-    ("shuffled fixed-size batches", "sampling"), ("noise reused across steps", "noise independence"),
-    ("no noise on the last parameter", "noise per coordinate"), ("last sum counted twice", "noise")])
+@pytest.mark.parametrize(
+    ("bug", "caught_by"),
+    [
+        ("noise × ½", "noise"),
+        ("noise × 0", "noise"),
+        ("clipping removed", "clipping"),
+        ("shuffled fixed-size batches", "sampling"),
+        ("noise reused across steps", "noise independence"),
+        ("no noise on the last parameter", "noise per coordinate"),
+        ("last sum counted twice", "noise"),
+    ],
+)
 def test_each_broken_trainer_fails_the_check_that_names_its_bug(bug: str, caught_by: str) -> None:
     with broken.BUGS[bug]():
         probe = probe_run()
@@ -208,8 +245,11 @@ def test_a_residual_in_one_small_tensor_is_named_though_the_pooled_std_is_right(
         last = list(dict(build_mlp(MlpSpec(256, (48,), 3)).named_parameters()))[-1]
         assert not noise.passed and noise.statistics["worst"] == last and f" on {last} (" in noise.line()
         assert noise.statistics["tensors"][last]["std_ratio"] > 1.3
-        intact = next(c for c in conformance_checks(probe_run(seed, features=256, hidden=48, scale=0.3), 1e-6, 0.05)
-                      if c.name == "noise")
+        intact = next(
+            c
+            for c in conformance_checks(probe_run(seed, features=256, hidden=48, scale=0.3), 1e-6, 0.05)
+            if c.name == "noise"
+        )
         assert intact.passed and max(t["std_ratio"] for t in intact.statistics["tensors"].values()) < 1.2
 
 
@@ -265,7 +305,7 @@ def test_the_clipped_sum_statistic_is_standard_normal_for_a_conforming_trainer()
         z.append(projections[norms > 0] / norms[norms > 0])
     values = np.concatenate(z)
     assert abs(values.mean()) < 5 / math.sqrt(values.size)
-    assert 1e-6 < stats.chi2.cdf(float((values ** 2).sum()), values.size) < 1 - 1e-6
+    assert 1e-6 < stats.chi2.cdf(float((values**2).sum()), values.size) < 1 - 1e-6
 
 
 def test_the_canaries_are_drawn_by_the_trainers_sampler_and_scored_per_step() -> None:
@@ -274,7 +314,7 @@ def test_the_canaries_are_drawn_by_the_trainers_sampler_and_scored_per_step() ->
     probe = probe_run(steps=200)
     sampled = np.concatenate(probe.sampled_canaries)
     assert set(np.unique(sampled)) <= set(np.flatnonzero(probe.included))
-    counts = probe.counts[probe.n:]
+    counts = probe.counts[probe.n :]
     assert stats.binomtest(int(counts.sum()), counts.size * 200, 0.1).pvalue > 1e-6
     for scoring in ("sum", "likelihood_ratio"):
         scores = canary_scores(probe, scoring)  # type: ignore[arg-type]
@@ -294,13 +334,16 @@ def test_chernoff_bound_on_inner_products_is_valid() -> None:
 
 def test_power_is_the_bound_when_every_guess_is_right() -> None:
     assert hypothesis_test_power(1000, 1000, 1e-5, 0.95) == pytest.approx(
-        hypothesis_test_bound(np.ones(1000), np.zeros(1000), 1e-5, 0.95).epsilon)
+        hypothesis_test_bound(np.ones(1000), np.zeros(1000), 1e-5, 0.95).epsilon
+    )
     assert one_run_power(650, 130, 1e-5, 0.95) == pytest.approx(one_run_bound(650, 130, 130, 1e-5, 0.95).epsilon)
     # no outcome of the method can exceed its power
     rng = np.random.default_rng(0)
     for _ in range(20):
         members, nonmembers = rng.normal(3, 1, 1000), rng.normal(0, 1, 1000)
-        assert hypothesis_test_bound(members, nonmembers, 1e-5, 0.95).epsilon <= hypothesis_test_power(1000, 1000, 1e-5, 0.95)
+        assert hypothesis_test_bound(members, nonmembers, 1e-5, 0.95).epsilon <= hypothesis_test_power(
+            1000, 1000, 1e-5, 0.95
+        )
 
 
 @pytest.fixture(scope="module")
@@ -314,17 +357,21 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pipeline_params(tmp: Path) -> dict:
-    return small_params(tmp, train={"epochs": 4}, dp={"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-5},
-                        gate={"epsilon_budget": 100.0},
-                        audit={"attacks": ["loss"], "references": 0, "control": False, "black_box_canaries": 0,
-                               "bootstrap": 0})
+    return small_params(
+        tmp,
+        train={"epochs": 4},
+        dp={"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-5},
+        gate={"epsilon_budget": 100.0},
+        audit={"attacks": ["loss"], "references": 0, "control": False, "black_box_canaries": 0, "bootstrap": 0},
+    )
 
 
 # Through the pipeline: the intact trainer and one bug (the gate reads the checks' verdict; every bug is caught by
 # its own check in test_each_broken_trainer_fails_the_check_that_names_its_bug, which runs the trainers directly).
 @pytest.mark.parametrize("bug", [None, next(iter(broken.BUGS))])
-def test_the_gate_fails_a_broken_trainer_and_passes_the_intact_one(prepared: Path, bug: str | None,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_gate_fails_a_broken_trainer_and_passes_the_intact_one(
+    prepared: Path, bug: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(prepared)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = load(prepared / "params.yaml")
@@ -355,13 +402,13 @@ def test_the_gate_fails_a_broken_trainer_and_passes_the_intact_one(prepared: Pat
         assert entry["power"] >= audit["certified_epsilon"] if entry["gating"] else "note" in entry
 
 
-DROPOUT_MODELS = '''
+DROPOUT_MODELS = """
 from torch import nn
 
 
 def with_dropout(input_shape, n_classes, p=0.3):
     return nn.Sequential(nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Dropout(p), nn.Linear(16, n_classes))
-'''
+"""
 
 
 def test_forward_is_random_sees_dropout_and_keeps_the_random_state() -> None:
@@ -374,14 +421,16 @@ def test_forward_is_random_sees_dropout_and_keeps_the_random_state() -> None:
 
 
 def test_a_model_with_dropout_is_reported_not_checked_instead_of_failing_the_noise_check(
-        prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The auditor cannot replay the trainer's dropout masks: the checks say so (no false alarm), the canary
     bound is still computed, and the gate says why conformance was not checked."""
     (prepared / "dropoutmodels.py").write_text(DROPOUT_MODELS)
     monkeypatch.chdir(prepared)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    config = load(prepared / "params.yaml", ["model.kind=custom", "model.factory=dropoutmodels:with_dropout",
-                                             "model.hidden=[]"])
+    config = load(
+        prepared / "params.yaml", ["model.kind=custom", "model.factory=dropoutmodels:with_dropout", "model.hidden=[]"]
+    )
     for name in ("train", "certify", "audit", "gate"):
         stages.run_stage(name, config)
     from dpml import io
@@ -391,7 +440,9 @@ def test_a_model_with_dropout_is_reported_not_checked_instead_of_failing_the_noi
     assert audit["conformance"]["ran"] is False and "forward pass is random" in audit["conformance"]["reason"]
     assert any(b["method"] == "one_run_white_box" for b in audit["one_run"])
     assert not any(line.startswith("conformance check") for line in decision["reasons"])
-    assert any(line.startswith("conformance not checked: the model's forward pass is random") for line in decision["reasons"])
+    assert any(
+        line.startswith("conformance not checked: the model's forward pass is random") for line in decision["reasons"]
+    )
 
 
 def test_the_broken_samplers_state_belongs_to_its_own_run() -> None:
@@ -414,7 +465,12 @@ def test_a_check_is_recorded_with_its_own_verdict_and_numbers() -> None:
     Check.to_dict, which mutation testing found no conformance test reached)."""
     for passed in (True, False):
         check = Check("clipped_sum", passed, 3.2e-7, 1e-6, "ŝ/s = 0.91", {"count": 40, "ratio": 0.91})
-        assert check.to_dict() == {"check": "clipped_sum", "passed": passed, "p_value": 3.2e-7, "false_alarm": 1e-6,
-                                   "figure": "ŝ/s = 0.91", "statistics": {"count": 40, "ratio": 0.91},
-                                   "line": "conformance check 'clipped_sum': ŝ/s = 0.91, p = 3.2e-07 "
-                                           "(false-alarm rate 1.0e-06)"}
+        assert check.to_dict() == {
+            "check": "clipped_sum",
+            "passed": passed,
+            "p_value": 3.2e-7,
+            "false_alarm": 1e-6,
+            "figure": "ŝ/s = 0.91",
+            "statistics": {"count": 40, "ratio": 0.91},
+            "line": "conformance check 'clipped_sum': ŝ/s = 0.91, p = 3.2e-07 (false-alarm rate 1.0e-06)",
+        }

@@ -83,7 +83,9 @@ def table(tmp_path: Path, frame: pd.DataFrame, kind: str = "csv") -> DataConfig:
 
 @pytest.mark.parametrize("kind", ["csv", "parquet"])
 def test_tabular_sources(tmp_path: Path, kind: str) -> None:
-    frame = pd.DataFrame({"a": [1.0, 2, 3, 4], "b": [0.5, 0, 1, 2], "label": ["no", "yes", "yes", "no"], "id": range(4)})
+    frame = pd.DataFrame(
+        {"a": [1.0, 2, 3, 4], "b": [0.5, 0, 1, 2], "label": ["no", "yes", "yes", "no"], "id": range(4)}
+    )
     raw = load_source(table(tmp_path, frame, kind))
     assert raw.x.tolist() == [[1, 0.5], [2, 0], [3, 1], [4, 2]]
     assert raw.y.tolist() == [0, 1, 1, 0]
@@ -93,9 +95,18 @@ def test_tabular_sources(tmp_path: Path, kind: str) -> None:
     ("frame", "message"),
     [
         (pd.DataFrame({"a": [1.0, np.nan], "b": [1, 2], "label": ["no", "yes"]}), r"row 1, column 'a': missing value"),
-        (pd.DataFrame({"a": [1.0, np.inf], "b": [1, 2], "label": ["no", "yes"]}), r"row 1, column 'a': value inf is not finite"),
-        (pd.DataFrame({"a": [1.0, 2], "b": [1, "x"], "label": ["no", "yes"]}), r"row 1, column 'b': 'x' is not a number"),
-        (pd.DataFrame({"a": [1.0, 2], "b": [1, 2], "label": ["no", "maybe"]}), r"row 1, column 'label': label 'maybe' is not in data.classes"),
+        (
+            pd.DataFrame({"a": [1.0, np.inf], "b": [1, 2], "label": ["no", "yes"]}),
+            r"row 1, column 'a': value inf is not finite",
+        ),
+        (
+            pd.DataFrame({"a": [1.0, 2], "b": [1, "x"], "label": ["no", "yes"]}),
+            r"row 1, column 'b': 'x' is not a number",
+        ),
+        (
+            pd.DataFrame({"a": [1.0, 2], "b": [1, 2], "label": ["no", "maybe"]}),
+            r"row 1, column 'label': label 'maybe' is not in data.classes",
+        ),
         (pd.DataFrame({"a": [1.0, 2], "b": [1, 2], "label": ["no", "no"]}), r"only one class present"),
         (pd.DataFrame({"a": [1.0], "b": [1], "lbl": ["no"]}), r"column\(s\) \['label'\] not found"),
         (pd.DataFrame({"a": [], "b": [], "label": []}), r"no records"),
@@ -145,8 +156,9 @@ def test_split_is_stable_as_the_table_grows_and_neighbours_differ_in_one_unit() 
         old, new = getattr(before, part), getattr(after, part)
         assert set(old.tolist()) <= set(new.tolist())
     without = np.delete(np.arange(raw.x.shape[0]), after.train[7])  # one unit fewer
-    neighbour = split_indices(RawData(raw.x[without], raw.y[without], raw.classes, raw.feature_names, raw.origin),
-                              units[without], config)
+    neighbour = split_indices(
+        RawData(raw.x[without], raw.y[without], raw.classes, raw.feature_names, raw.origin), units[without], config
+    )
     assert set(without[neighbour.train].tolist()) == set(after.train.tolist()) - {int(after.train[7])}
 
 
@@ -210,7 +222,7 @@ def test_scatternet_features_are_a_per_record_function() -> None:
     config = PreprocessConfig(lower=0, upper=255, clip_norm=64.0, features="scatternet", image_shape=[28, 28])
     together = preprocess(images, config).x
     assert together.shape == (5, 81 * 7 * 7) and together.dtype == np.float32
-    alone = np.concatenate([preprocess(images[i:i + 1], config).x for i in range(5)])
+    alone = np.concatenate([preprocess(images[i : i + 1], config).x for i in range(5)])
     np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5)
     # Every group of 147 features has mean 0 and variance ≤ 1 (= v/(v + 1e-5)) for every record,
     # so ‖x‖ ≤ √3969 = 63 < X0.

@@ -47,9 +47,17 @@ def models() -> dict[str, nn.Module]:
         "wide_resnet": build_wide_resnet(WideResNetSpec(64, (1, 8, 8), 5, depth=10, widen=1, norm_groups=4)),
         "embedding_lstm": EmbeddingLstm(),
         "grouped_convs": nn.Sequential(  # the convolution shortcuts of clipping_conv: 1-D, "same", grouped
-            nn.Unflatten(1, (4, 16)), nn.Conv1d(4, 8, 3, padding="same"), nn.ReLU(),
-            nn.Conv1d(8, 8, 5, groups=8, padding="same"), nn.GroupNorm(2, 8), nn.Unflatten(1, (2, 4)),
-            nn.Conv2d(2, 4, 3, groups=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 16, 5)),
+            nn.Unflatten(1, (4, 16)),
+            nn.Conv1d(4, 8, 3, padding="same"),
+            nn.ReLU(),
+            nn.Conv1d(8, 8, 5, groups=8, padding="same"),
+            nn.GroupNorm(2, 8),
+            nn.Unflatten(1, (2, 4)),
+            nn.Conv2d(2, 4, 3, groups=2, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(4 * 4 * 16, 5),
+        ),
     }
 
 
@@ -69,24 +77,30 @@ class EmbeddingLstm(nn.Module):
 
 def batch_for(name: str, device: str, size: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    x = (torch.randint(0, 50, (size, 6), generator=generator) if name == "embedding_lstm"
-         else torch.randn(size, 64, generator=generator) * 3)  # the vision kinds take flat rows
+    x = (
+        torch.randint(0, 50, (size, 6), generator=generator)
+        if name == "embedding_lstm"
+        else torch.randn(size, 64, generator=generator) * 3
+    )  # the vision kinds take flat rows
     return x.to(device), torch.randint(0, 5, (size,), generator=generator).to(device)
 
 
-def per_example_contribution_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float,
-                                   autocast: torch.dtype | None) -> torch.Tensor:
+def per_example_contribution_norms(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, autocast: torch.dtype | None
+) -> torch.Tensor:
     """‖clip_C(g_i)‖ of each example, one example at a time through the engine."""
     out = []
     for i in range(x.shape[0]):
-        sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, x[i:i + 1], y[i:i + 1], clip,
-                                       autocast=autocast)
+        sums, _ = clipped_gradient_sum(
+            model, per_example_cross_entropy, x[i : i + 1], y[i : i + 1], clip, autocast=autocast
+        )
         out.append(math.sqrt(sum(float(s.double().pow(2).sum()) for s in sums.values())))
     return torch.tensor(out)
 
 
-def autograd_gradient_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                          autocast: torch.dtype | None) -> torch.Tensor:
+def autograd_gradient_sum(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: torch.dtype | None
+) -> torch.Tensor:
     """Σ_i ∇ℓ_i by plain autograd (no clipping), under the same autocast: what bf16 itself costs."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -110,8 +124,9 @@ def check_bf16(device: str) -> None:
             assert "train.autocast = bfloat16: the model fails under autocast on cpu" in str(refused)
             continue
         exact_sums, exact_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1e9)
-        half_sums, half_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 1e9,
-                                                     autocast=torch.bfloat16)
+        half_sums, half_norms = clipped_gradient_sum(
+            model, per_example_cross_entropy, x, y, 1e9, autocast=torch.bfloat16
+        )
         assert half_norms.dtype == torch.float32 and all(s.dtype == torch.float32 for s in half_sums.values())
         names = [n for n, _ in model.named_parameters()]
         flat_exact = torch.cat([exact_sums[k].reshape(-1) for k in names])
@@ -167,9 +182,18 @@ def test_the_step_loop_on_the_gpu_never_waits_for_the_host() -> None:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                result = train_dpsgd(model, x, y, sample_rate=0.1, epochs=epochs, clip_norm=1.0, noise_multiplier=1.0,
-                                     neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                     seed=seed)
+                result = train_dpsgd(
+                    model,
+                    x,
+                    y,
+                    sample_rate=0.1,
+                    epochs=epochs,
+                    clip_norm=1.0,
+                    noise_multiplier=1.0,
+                    neighbouring="add-remove",
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    seed=seed,
+                )
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert result.history["steps"] == round(epochs / 0.1)
@@ -199,7 +223,9 @@ def test_the_chunk_tuner_on_the_gpu_times_a_copy_and_leaves_the_model_and_random
 
 
 @needs_cuda
-def test_a_layer_kept_on_the_gpu_beyond_the_cpus_limit_gives_the_ghost_norms_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_layer_kept_on_the_gpu_beyond_the_cpus_limit_gives_the_ghost_norms_sums(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A 128→128 convolution at 14×14 for 512 examples has 75M elements of per-example gradients: past the
     CPU's keep limit, within a GPU's (:func:`keep_budget.keep_limit`). Kept, its clipped sum is the
     weighted sum of the kept gradients (no weight-gradient convolution runs); with the GPU held to the
@@ -285,7 +311,10 @@ def test_a_convolutions_kept_gradients_follow_the_callers_cudnn_tf32_flag_on_a_g
                     assert torch.get_float32_matmul_precision() == inside
                 with convolution_weight_gradient_precision(cpu):
                     assert torch.get_float32_matmul_precision() == "highest"
-                with full_float32(), convolution_weight_gradient_precision(gpu):  # nested: the flag as the inner found it
+                with (
+                    full_float32(),
+                    convolution_weight_gradient_precision(gpu),
+                ):  # nested: the flag as the inner found it
                     assert torch.get_float32_matmul_precision() == "highest"
                 assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
             assert torch.get_float32_matmul_precision() == "medium" and torch.backends.cudnn.allow_tf32 == flag
@@ -353,8 +382,16 @@ def test_the_python_api_trains_a_host_dataset_on_the_gpu_as_on_the_cpu() -> None
 
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    settings = dict(epochs=2, clip_norm=0.5, delta=1e-4, noise_multiplier=1e-6, sample_rate=0.1, seed=3,
-                    physical_batch_size=8, learning_rate=0.5)
+    settings = dict(
+        epochs=2,
+        clip_norm=0.5,
+        delta=1e-4,
+        noise_multiplier=1e-6,
+        sample_rate=0.1,
+        seed=3,
+        physical_batch_size=8,
+        learning_rate=0.5,
+    )
     trained = {}
     for device in ("cpu", "cuda"):
         model = models()["cnn"]
@@ -365,7 +402,9 @@ def test_the_python_api_trains_a_host_dataset_on_the_gpu_as_on_the_cpu() -> None
     assert gpu_run.history["steps"] == cpu_run.history["steps"] == 20
     start = models()["cnn"]
     moved = max(float((p - q).detach().abs().max()) for p, q in zip(cpu_model.parameters(), start.parameters()))
-    apart = max(float((p.cpu() - q).detach().abs().max()) for p, q in zip(gpu_model.parameters(), cpu_model.parameters()))
+    apart = max(
+        float((p.cpu() - q).detach().abs().max()) for p, q in zip(gpu_model.parameters(), cpu_model.parameters())
+    )
     assert moved > 0.01 and apart < 1e-3 * max(1.0, moved), (moved, apart)
 
 
@@ -380,12 +419,16 @@ def test_train_autocast_bf16_trains_the_pipeline_model_in_bf16(tmp_path: Path) -
     x, y = torch.randn(200, 12, generator=generator).numpy(), torch.randint(0, 3, (200,), generator=generator).numpy()
     runs = {}
     for precision in ("none", "bf16"):
-        params = small_params(tmp_path, store=False, train={"autocast": precision, "epochs": 1, "sample_rate": 0.2, "device": "cpu"})
+        params = small_params(
+            tmp_path, store=False, train={"autocast": precision, "epochs": 1, "sample_rate": 0.2, "device": "cpu"}
+        )
         config = load(write_params(tmp_path / f"{precision}.yaml", params))
         runs[precision] = trainer_for(config).fit(config, x, y, 3, noise_multiplier=1.0, seed=0, noise_seed=4)
     full, half = runs["none"], runs["bf16"]
     assert half.mechanism == full.mechanism
-    difference = max(float((p - q).detach().abs().max()) for p, q in zip(full.model.parameters(), half.model.parameters()))
+    difference = max(
+        float((p - q).detach().abs().max()) for p, q in zip(full.model.parameters(), half.model.parameters())
+    )
     scale = max(float(p.abs().max()) for p in full.model.parameters())
     assert 0 < difference < 0.05 * scale
 
@@ -429,10 +472,17 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 
 def step_faults(mode: str, **environment: str) -> tuple[list[str], float]:
     """(what the process said, minor page faults per training step after five warm-up steps)."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("MALLOC_") and key != "GLIBC_TUNABLES"} | environment
-    done = subprocess.run([sys.executable, "-c", STEP_FAULTS, mode], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    env = {
+        key: value for key, value in os.environ.items() if not key.startswith("MALLOC_") and key != "GLIBC_TUNABLES"
+    } | environment
+    done = subprocess.run(
+        [sys.executable, "-c", STEP_FAULTS, mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.split()
     return lines[:-1], float(lines[-1])
@@ -451,7 +501,9 @@ def test_a_cpu_training_process_keeps_freed_memory_for_the_next_step() -> None:
     said, kept = step_faults("set")
     _, after_training = step_faults("train")
     said_environment, _ = step_faults("set", MALLOC_TRIM_THRESHOLD_="131072")
-    print(f"page faults per step: glibc's settings {default:.0f}, kept {kept:.0f}, after a DP-SGD run {after_training:.0f}")
+    print(
+        f"page faults per step: glibc's settings {default:.0f}, kept {kept:.0f}, after a DP-SGD run {after_training:.0f}"
+    )
     assert said == ["set"] and said_environment == ["unset"]
     few = max(256.0, default / 10)  # a few pages a step stay (Python's own arenas, the kernel's bookkeeping)
     assert kept <= few and after_training <= few, (default, kept, after_training)
@@ -495,8 +547,10 @@ def rule_models() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, torch.Tensor
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(2)
     labels = torch.randint(0, 5, (24,), generator=generator)
-    return {"token_encoder": (TokenEncoder(), (torch.randint(0, 50, (24, 6), generator=generator), labels)),
-            "in_place_residual": (InPlaceResidual(), (torch.randn(24, 64, generator=generator) * 3, labels))}
+    return {
+        "token_encoder": (TokenEncoder(), (torch.randint(0, 50, (24, 6), generator=generator), labels)),
+        "in_place_residual": (InPlaceResidual(), (torch.randn(24, 64, generator=generator) * 3, labels)),
+    }
 
 
 def check_rules_match_across_devices(device: str) -> None:
@@ -509,8 +563,9 @@ def check_rules_match_across_devices(device: str) -> None:
         clip = float(unclipped.median())
         cpu_sums, cpu_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip, exact=plan.exact)
         model.to(device)
-        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x.to(device), y.to(device), clip,
-                                           exact=plan.exact)
+        sums, norms = clipped_gradient_sum(
+            model, per_example_cross_entropy, x.to(device), y.to(device), clip, exact=plan.exact
+        )
         assert norms.device.type == device
         torch.testing.assert_close(norms.cpu(), cpu_norms, rtol=1e-4, atol=1e-6, msg=name)
         for key, value in cpu_sums.items():

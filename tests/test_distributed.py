@@ -36,9 +36,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def tensor_run(collective: Collective | None, seed: int = 7) -> dict[str, torch.Tensor]:
     """DP-SGD on in-memory tensors: the whole run, or one process's part of it."""
     model, data = network(), Blobs(200)
-    train_dpsgd(model, data.x, data.y, sample_rate=0.2, epochs=2, clip_norm=1.0, noise_multiplier=1.0,
-                neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.5), seed=seed,
-                physical_batch_size=16, collective=collective)
+    train_dpsgd(
+        model,
+        data.x,
+        data.y,
+        sample_rate=0.2,
+        epochs=2,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        neighbouring="add-remove",
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        seed=seed,
+        physical_batch_size=16,
+        collective=collective,
+    )
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -90,7 +101,7 @@ def test_a_trainer_that_runs_in_one_process_refuses_train_world_size(tmp_path: P
         load(write_params(tmp_path / "params.yaml", params))
 
 
-TORCHRUN_SCRIPT = textwrap.dedent('''
+TORCHRUN_SCRIPT = textwrap.dedent("""
     import sys
     import torch
     import dpml
@@ -102,16 +113,31 @@ TORCHRUN_SCRIPT = textwrap.dedent('''
     if torch.distributed.get_rank() == 0:
         torch.save({k: v.detach() for k, v in model.state_dict().items()}, sys.argv[3])
         print("SPEND", result.spend_id, result.history["world_size"])
-''')
+""")
 
 
 def torchrun(tmp_path: Path, budget: float) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tmp_path / "ledger.sqlite"), str(budget), str(tmp_path / "rank0.pt")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(tmp_path / "ledger.sqlite"),
+            str(budget),
+            str(tmp_path / "rank0.pt"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.exhaustive  # ≈45 s: two torchrun launches; CI runs it with the exhaustive set
@@ -140,6 +166,7 @@ def test_what_cannot_reach_the_processes_is_refused_before_the_spend(tmp_path: P
 
     ledger_path = tmp_path / "ledger.sqlite"
     with pytest.raises(ValueError, match=r"world_size = 2: the dataset goes to each process by pickling"):
-        dpml.train_private(network(), LocalData(), world_size=2, ledger=ledger_path, epsilon_budget=10.0,
-                           lineage="blobs", **SETTINGS)
+        dpml.train_private(
+            network(), LocalData(), world_size=2, ledger=ledger_path, epsilon_budget=10.0, lineage="blobs", **SETTINGS
+        )
     assert not ledger_path.exists() or Ledger(ledger_path, 1e-4).spends() == []

@@ -29,8 +29,14 @@ MARKER = re.compile(r"<!--[^>]*\bruns: (tests/[\w/]+\.py)::(\w+)[^>]*-->\n```pyt
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return out
 
@@ -47,8 +53,12 @@ def test_the_site_builds_with_warnings_as_errors_and_every_page_is_reached(site:
 
 def test_the_configuration_reference_lists_every_key_of_every_section(site: Path) -> None:
     text = page_text(site, "reference/configuration")
-    keys = [f"{name}.{key}" for name, field in config_model().model_fields.items() if name != "train"
-            for key in getattr(field.annotation, "model_fields", {})]
+    keys = [
+        f"{name}.{key}"
+        for name, field in config_model().model_fields.items()
+        if name != "train"
+        for key in getattr(field.annotation, "model_fields", {})
+    ]
     keys += [f"train.{key}" for trainer in TRAINERS.values() for key in trainer.settings.model_fields]
     assert len(keys) > 100
     assert [key for key in keys if key not in text] == []
@@ -75,7 +85,7 @@ def test_every_python_block_of_the_documentation_names_the_test_that_runs_it() -
         named = {m.end() for m in MARKER.finditer(text)}
         for block in re.finditer(r"```python\n", text):
             if block.end() not in named:
-                unnamed.append(f"{page.relative_to(ROOT)}:{text[:block.start()].count(chr(10)) + 1}")
+                unnamed.append(f"{page.relative_to(ROOT)}:{text[: block.start()].count(chr(10)) + 1}")
         for test_file, test in MARKER.findall(text):
             source = ROOT / test_file
             if not source.exists() or not re.search(rf"^def {test}\(", source.read_text(encoding="utf-8"), re.M):

@@ -12,8 +12,9 @@ from dpml.train.dpsgd import per_example_cross_entropy, poisson_batch, train_dps
 from tests.noise_laws import box_muller
 
 
-def naive_clipped_sum_and_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                                clip: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def naive_clipped_sum_and_norms(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Reference: one backward pass per example, clip, add; and the per-example norms (trainable parameters)."""
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = {n: torch.zeros_like(p) for n, p in trainable.items()}
@@ -21,7 +22,9 @@ def naive_clipped_sum_and_norms(model: nn.Module, x: torch.Tensor, y: torch.Tens
     for i in range(x.shape[0]):
         model.zero_grad()
         per_example_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
-        grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in trainable.items()}
+        grads = {
+            n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in trainable.items()
+        }
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
         norms.append(norm)
         factor = min(1.0, clip / (float(norm) + 1e-6))
@@ -104,9 +107,19 @@ def test_one_dpsgd_step_equals_the_formula() -> None:
     x = x.double()
     start = copy.deepcopy(model)
     q, clip, sigma, lr, seed = 0.3, 0.5, 1.3, 0.1, 11
-    result = train_dpsgd(model, x, y, sample_rate=q, epochs=q, clip_norm=clip, noise_multiplier=sigma,
-                         neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=lr), seed=seed,
-                         physical_batch_size=7)
+    result = train_dpsgd(
+        model,
+        x,
+        y,
+        sample_rate=q,
+        epochs=q,
+        clip_norm=clip,
+        noise_multiplier=sigma,
+        neighbouring="add-remove",
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        seed=seed,
+        physical_batch_size=7,
+    )
     assert result.history["steps"] == 1
     batch = poisson_batch(torch.Generator().manual_seed(seed), 50, q)
     reference = naive_clipped_sum(start, x[batch], y[batch], clip)
@@ -115,7 +128,7 @@ def test_one_dpsgd_step_equals_the_formula() -> None:
     flat = box_muller(total, sigma * clip, seed + 1, torch.float64)
     offset = 0
     for name, p0 in start.named_parameters():
-        z = flat[offset:offset + p0.numel()].view(p0.shape)
+        z = flat[offset : offset + p0.numel()].view(p0.shape)
         offset += p0.numel()
         expected = p0.detach() - lr * (reference[name] + z) / (q * 50)
         torch.testing.assert_close(dict(model.named_parameters())[name].detach(), expected, rtol=1e-6, atol=1e-7)
@@ -134,8 +147,18 @@ def test_poisson_sampling_rate_and_empty_batches() -> None:
     model = build_mlp(MlpSpec(6, (), 3))
     before = [p.detach().clone() for p in model.parameters()]
     x, y = data(n=5)
-    result = train_dpsgd(model, x, y, sample_rate=1e-9, epochs=1e-9, clip_norm=1.0, noise_multiplier=1.0,
-                         neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=1e-9), seed=0)
+    result = train_dpsgd(
+        model,
+        x,
+        y,
+        sample_rate=1e-9,
+        epochs=1e-9,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        neighbouring="add-remove",
+        optimizer=torch.optim.SGD(model.parameters(), lr=1e-9),
+        seed=0,
+    )
     assert result.history["empty_batches"] == 1
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
@@ -204,8 +227,9 @@ def test_released_models_draw_batches_and_noise_from_a_secret_seed(monkeypatch: 
     from dpml.config import validate
     from dpml.train.fit import fit
 
-    config = validate({"model": {"hidden": []}, "train": {"epochs": 1, "sample_rate": 0.2},
-                       "dp": {"noise_multiplier": 1.0}})
+    config = validate(
+        {"model": {"hidden": []}, "train": {"epochs": 1, "sample_rate": 0.2}, "dp": {"noise_multiplier": 1.0}}
+    )
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(200, 6)).astype(np.float32), rng.integers(0, 3, 200)
 
@@ -223,8 +247,10 @@ def test_released_models_draw_batches_and_noise_from_a_secret_seed(monkeypatch: 
         weights()
 
 
-@pytest.mark.parametrize("kernel,stride,padding,dilation", [((3, 3), (1, 1), (0, 0), (1, 1)), ((8, 8), (2, 2), (3, 3), (1, 1)),
-                                                            ((3, 2), (2, 1), (1, 2), (2, 1))])
+@pytest.mark.parametrize(
+    "kernel,stride,padding,dilation",
+    [((3, 3), (1, 1), (0, 0), (1, 1)), ((8, 8), (2, 2), (3, 3), (1, 1)), ((3, 2), (2, 1), (1, 2), (2, 1))],
+)
 def test_patches_equal_torch_unfold(kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> None:
     from dpml.train.clipping_layers import unfold_patches
 
@@ -236,8 +262,10 @@ def test_patches_equal_torch_unfold(kernel: tuple, stride: tuple, padding: tuple
     last = channels_last_patches(x, kernel, stride, padding, dilation)  # (B, T, kh·kw·C)
     reordered = expected.reshape(3, 2, kernel[0] * kernel[1], -1).permute(0, 3, 2, 1).reshape(last.shape)
     assert torch.equal(last, reordered)
-    assert torch.equal(channels_last_patches(x.contiguous(memory_format=torch.channels_last), kernel, stride, padding,
-                                             dilation), reordered)
+    assert torch.equal(
+        channels_last_patches(x.contiguous(memory_format=torch.channels_last), kernel, stride, padding, dilation),
+        reordered,
+    )
 
 
 @pytest.mark.parametrize("stream_class", ["PrefetchedNoise", "SynchronousNoise"])

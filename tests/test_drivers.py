@@ -25,8 +25,12 @@ def checkout(target: Path) -> Path:
         if (REPO / name).is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, target / name)
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@example.org"}
+    env = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.org",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.org",
+    }
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "snapshot"]):
         subprocess.run(cmd, cwd=target, check=True, env=os.environ | env)
     return target
@@ -40,7 +44,9 @@ def environment() -> dict[str, str]:
 
 
 def dvc(root: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, env=environment())
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, env=environment()
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
@@ -51,8 +57,9 @@ def metrics(root: Path) -> dict[str, object]:
 
 
 @pytest.mark.exhaustive  # ≈150 s: CI runs it with the exhaustive set
-def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                      prefect_harness: None) -> None:
+def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_harness: None
+) -> None:
     root = checkout(tmp_path / "repo")
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["train"]["epochs"] = 3
@@ -84,20 +91,29 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     releases = client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")
     assert len(releases) == 2
     for release in releases:
-        nested = client.search_runs([client.get_run(release.run_id).info.experiment_id],
-                                    filter_string=f"tags.mlflow.parentRunId = '{release.run_id}'")
+        nested = client.search_runs(
+            [client.get_run(release.run_id).info.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{release.run_id}'",
+        )
         assert [run.info.run_name for run in sorted(nested, key=lambda run: run.info.start_time)] == list(STAGES)
     assert "Data and pipelines are up to date." in dvc(root, "repro")
     # Under dvc repro, MLflow's own variables route the register stage too (they win over params.yaml): the
     # release lands in the team's store and experiment, the workspace's store gets nothing new.
     team = f"sqlite:///{tmp_path / 'team.db'}"
-    routed = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "-s", "register"], cwd=root,
-                            capture_output=True, text=True,
-                            env=environment() | {"MLFLOW_TRACKING_URI": team, "MLFLOW_EXPERIMENT_NAME": "team"})
+    routed = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "--force", "-s", "register"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=environment() | {"MLFLOW_TRACKING_URI": team, "MLFLOW_EXPERIMENT_NAME": "team"},
+    )
     assert routed.returncode == 0, routed.stdout + routed.stderr
     team_client = MlflowClient(team, registry_uri=team)
     [in_team] = team_client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")
-    assert team_client.get_run(in_team.run_id).info.experiment_id == team_client.get_experiment_by_name("team").experiment_id
+    assert (
+        team_client.get_run(in_team.run_id).info.experiment_id
+        == team_client.get_experiment_by_name("team").experiment_id
+    )
     assert len(client.search_model_versions(f"name='{load(root / 'params.yaml').tracking.model_name}'")) == 2
     shown = dvc(root, "metrics", "show", "--json")
     assert "test_accuracy" in shown and "epsilon" in shown
@@ -106,8 +122,13 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
     from dpml.ledger.ledger import Ledger
 
     spent = len(Ledger(root / params["ledger"]["path"], 1e-5).spends(counted_only=False))
-    failed = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "-s", "train"], cwd=root,
-                            capture_output=True, text=True, env=environment() | {"DPML_NOISE_SEED": "abc"})
+    failed = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "--force", "-s", "train"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=environment() | {"DPML_NOISE_SEED": "abc"},
+    )
     output = failed.stdout + failed.stderr
     assert failed.returncode != 0 and "Traceback" not in output, output
     [line] = [line for line in output.splitlines() if line.startswith("dpml: error:")]
@@ -120,12 +141,21 @@ def test_prefect_run_is_recorded_in_dvc_and_dvc_repro_reproduces_it(tmp_path: Pa
 def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
     root = checkout(tmp_path / "repo")
     port = free_port()
-    env = environment() | {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    server = subprocess.Popen([f"{BIN}/prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = environment() | {
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
+    server = subprocess.Popen(
+        [f"{BIN}/prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        assert answers(f"http://127.0.0.1:{port}/api/health", server, 120), "the Prefect server did not start within 120 s"
+        assert answers(f"http://127.0.0.1:{port}/api/health", server, 120), (
+            "the Prefect server did not start within 120 s"
+        )
 
         def prefect(*args: str) -> str:
             done = subprocess.run([f"{BIN}/prefect", *args], cwd=root, env=env, capture_output=True, text=True)
@@ -138,8 +168,13 @@ def test_prefect_deploy_registers_the_weekly_schedule(tmp_path: Path) -> None:
         assert "'cron': '0 3 * * 1'" in shown and "flows/pipeline.py:privacy_audited_pipeline" in shown
         assert "'active': True" in shown
         # the documented (Scheduling) trigger by hand and watch commands (no worker here: the run stays scheduled)
-        triggered = prefect("deployment", "run", "privacy_audited_pipeline/weekly-retrain",
-                            "--param", 'overrides=["dp.target_epsilon=2"]')
+        triggered = prefect(
+            "deployment",
+            "run",
+            "privacy_audited_pipeline/weekly-retrain",
+            "--param",
+            'overrides=["dp.target_epsilon=2"]',
+        )
         run_id = re.search(r"UUID: ([0-9a-f-]{36})", triggered).group(1)
         inspected = prefect("flow-run", "inspect", run_id)
         assert "dp.target_epsilon=2" in inspected and "SCHEDULED" in inspected.upper()

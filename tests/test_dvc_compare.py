@@ -32,8 +32,9 @@ def set_params(root: Path, **changes: object) -> None:
 
 def git_commit(root: Path, message: str) -> None:
     subprocess.run(["git", "add", "-A"], cwd=root, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", message],
-                   cwd=root, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", message], cwd=root, check=True
+    )
 
 
 def ran(output: str) -> set[str]:
@@ -53,8 +54,15 @@ def versions(root: Path) -> int:
 def repo(tmp_path: Path) -> Path:
     """A checkout with a quick configuration, reproduced once and committed (dvc.lock and metrics/)."""
     root = checkout(tmp_path / "repo")
-    set_params(root, train__epochs=2, audit__references=1, audit__bootstrap=20, audit__control_epochs=3,
-               audit__white_box_canaries=0, audit__black_box_canaries=0)
+    set_params(
+        root,
+        train__epochs=2,
+        audit__references=1,
+        audit__bootstrap=20,
+        audit__control_epochs=3,
+        audit__white_box_canaries=0,
+        audit__black_box_canaries=0,
+    )
     first = dvc(root, "repro")
     assert ran(first) == {"ingest", "split", "preprocess", "train", "certify", "audit", "gate", "register"}, first
     assert subprocess.run(["git", "check-ignore", "-q", "metrics/summary.json"], cwd=root).returncode == 1
@@ -87,7 +95,10 @@ def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_ru
     (repo / "build").mkdir(exist_ok=True)
     template = offline_template(repo / "build" / "dvc-plots-offline.html")
     dvc(repo, "config", "--local", "plots.html_template", "../build/dvc-plots-offline.html")
-    assert template.exists() and "html_template = ../build/dvc-plots-offline.html" in (repo / ".dvc" / "config.local").read_text()
+    assert (
+        template.exists()
+        and "html_template = ../build/dvc-plots-offline.html" in (repo / ".dvc" / "config.local").read_text()
+    )
     dvc(repo, "plots", "show", "-o", str(repo.parent / "plots"))
     html = (repo.parent / "plots" / "index.html").read_text()
     assert "window.inlinedLibraries = true;" in html and not re.search(r"<script[^>]*src=", html)
@@ -104,10 +115,14 @@ def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_ru
     released = json.loads((repo / "artifacts" / "register" / "release.json").read_text())["model_version"]
     # (MLflow gives a version number as an int from a SQLite store, as a str from a server)
     [judged] = [v for v in client.search_model_versions(f"name = '{MODEL}'") if str(v.version) == released]
-    assert judged.tags["gate.passed"] == "false" and "exceeds the budget gate.epsilon_budget" in judged.tags["gate.reason"]
+    assert (
+        judged.tags["gate.passed"] == "false" and "exceeds the budget gate.epsilon_budget" in judged.tags["gate.reason"]
+    )
     assert str(client.get_registered_model(MODEL).aliases.get("champion")) != released
     decision = json.loads((repo / "artifacts" / "gate" / "gate.json").read_text())
-    assert decision["passed"] is False and any("exceeds the budget gate.epsilon_budget" in r for r in decision["reasons"])
+    assert decision["passed"] is False and any(
+        "exceeds the budget gate.epsilon_budget" in r for r in decision["reasons"]
+    )
     diff = json.loads(dvc(repo, "metrics", "diff", "HEAD", "--json"))["metrics/summary.json"]
     assert diff["gate_passed"] == {"old": True, "new": False, "diff": -1}  # DVC counts a verdict as 1 or 0
     git_commit(repo, "gate budget halved")

@@ -38,11 +38,22 @@ def test_gradient_canary_observations_follow_the_subsampled_gaussian() -> None:
     m = 18  # all 18 parameters
     rng = np.random.default_rng(0)
     q, sigma, clip, epochs = 0.2, 0.5, 1.0, 40.0
-    probe = ConformanceProbe(x, y, per_example_cross_entropy, sigma, clip, q, 200, rng.permutation(m),
-                             np.arange(m) % 2 == 0)
-    result = train_dpsgd(model, x, y, sample_rate=q, epochs=epochs, clip_norm=clip, noise_multiplier=sigma,
-                         neighbouring="add-remove", optimizer=torch.optim.SGD(model.parameters(), lr=0.01), seed=1,
-                         canaries=probe.canaries())
+    probe = ConformanceProbe(
+        x, y, per_example_cross_entropy, sigma, clip, q, 200, rng.permutation(m), np.arange(m) % 2 == 0
+    )
+    result = train_dpsgd(
+        model,
+        x,
+        y,
+        sample_rate=q,
+        epochs=epochs,
+        clip_norm=clip,
+        noise_multiplier=sigma,
+        neighbouring="add-remove",
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        seed=1,
+        canaries=probe.canaries(),
+    )
     n_total, steps = 200 + 9, 200
     assert result.mechanism.dataset_size == n_total and len(probe.observations) == steps
     included = probe.included
@@ -56,7 +67,7 @@ def test_gradient_canary_observations_follow_the_subsampled_gaussian() -> None:
     # the per-step law: r_{t,j} = (o_{t,j} − c·[sampled]) / σC are T·m i.i.d. N(0, 1)
     observations = np.stack(probe.observations).astype(np.float64)
     residuals = (observations - c * sampled) / (sigma * clip)
-    within_chi2(float((residuals ** 2).sum()), residuals.size)
+    within_chi2(float((residuals**2).sum()), residuals.size)
     # the summed observations (the canaries' one-run scores): (score_j − c·k_j)/(√T·σC) are m i.i.d. N(0, 1)
     scores = canary_scores(probe, "sum")
     noise_sd = np.sqrt(steps) * sigma * clip
@@ -86,8 +97,12 @@ def broken_train_dpsgd(*args, noise_multiplier: float, **kwargs):
 def test_gate_catches_a_trainer_that_adds_too_little_noise(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(fit_module.__dict__, "_real_train_dpsgd", fit_module.train_dpsgd)
     monkeypatch.setattr(fit_module, "train_dpsgd", broken_train_dpsgd)
-    params = small_params(workdir, dp={"noise_multiplier": 3.0}, gate={"epsilon_budget": 10.0},
-                          audit={"references": 1, "attacks": ["loss", "rmia-online"], "bootstrap": 0})
+    params = small_params(
+        workdir,
+        dp={"noise_multiplier": 3.0},
+        gate={"epsilon_budget": 10.0},
+        audit={"references": 1, "attacks": ["loss", "rmia-online"], "bootstrap": 0},
+    )
     config = load(write_params(workdir / "p.yaml", params))
     results = stages.run_all(config, echo=lambda _: None)
     certified = results["certify"]["epsilon"]
@@ -106,10 +121,23 @@ def test_gate_catches_a_trainer_that_adds_too_little_noise(workdir: Path, monkey
     assert not client.get_registered_model("dpml-test-model").aliases
 
     # Requiring a demonstrated positive control fails the gate when the control lacks power.
-    strict = load(write_params(workdir / "strict.yaml", small_params(
-        workdir, dp={"noise_multiplier": 3.0}, gate={"epsilon_budget": 10.0},
-        audit={"references": 1, "attacks": ["loss", "rmia-online"], "bootstrap": 0,
-               "require_control_power": True, "control_min_tpr_at_1pct_fpr": 1.0})))
+    strict = load(
+        write_params(
+            workdir / "strict.yaml",
+            small_params(
+                workdir,
+                dp={"noise_multiplier": 3.0},
+                gate={"epsilon_budget": 10.0},
+                audit={
+                    "references": 1,
+                    "attacks": ["loss", "rmia-online"],
+                    "bootstrap": 0,
+                    "require_control_power": True,
+                    "control_min_tpr_at_1pct_fpr": 1.0,
+                },
+            ),
+        )
+    )
     decision = stages.gate(strict)
     assert decision["passed"] is False and decision["audit_is_evidence"] is False
     assert any("positive control" in reason for reason in decision["reasons"])

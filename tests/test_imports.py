@@ -17,9 +17,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import from its own layer and the layers below it, never from one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("dpml.formatting", "dpml.faults", "dpml.io", "dpml.terminal", "dpml.devices", "dpml.interrupts",
-                     "dpml.progress", "dpml.params_yaml", "dpml.cli_help", "dpml.cli_completion",
-                     "dpml.routing", "dpml.definitions")),
+    (
+        "foundations",
+        (
+            "dpml.formatting",
+            "dpml.faults",
+            "dpml.io",
+            "dpml.terminal",
+            "dpml.devices",
+            "dpml.interrupts",
+            "dpml.progress",
+            "dpml.params_yaml",
+            "dpml.cli_help",
+            "dpml.cli_completion",
+            "dpml.routing",
+            "dpml.definitions",
+        ),
+    ),
     ("models", ("dpml.models",)),
     ("attack statistics", ("dpml.audit.attacks", "dpml.audit.signals")),
     ("settings", ("dpml.sections", "dpml.sections_stores")),
@@ -31,8 +45,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("evidence", ("dpml.audit", "dpml.report")),
     ("records of a run", ("dpml.tracking", "dpml.provenance", "dpml.preflight")),
     ("stages", ("dpml.stages",)),
-    ("front doors", ("dpml", "dpml.__main__", "dpml.api", "dpml.cli", "dpml.cli_privacy", "dpml.cli_text",
-                     "dpml.reproduce")),
+    (
+        "front doors",
+        ("dpml", "dpml.__main__", "dpml.api", "dpml.cli", "dpml.cli_privacy", "dpml.cli_text", "dpml.reproduce"),
+    ),
 ]
 
 
@@ -75,7 +91,7 @@ def imports_of(module: str, path: Path, known: dict[str, Path]) -> list[tuple[st
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             names = [f"{base}.{alias.name}" for alias in node.names]
             if not any(name in known for name in names):
                 names = [base]
@@ -167,8 +183,10 @@ def test_the_graph_is_read_from_the_code() -> None:
 def test_no_import_cycle() -> None:
     graph = import_graph()
     found = cycles(graph)
-    described = ["; ".join(f"{a} imports {b} (line {graph[a][b]})" for a in component for b in graph[a]
-                           if b in component) for component in found]
+    described = [
+        "; ".join(f"{a} imports {b} (line {graph[a][b]})" for a in component for b in graph[a] if b in component)
+        for component in found
+    ]
     assert found == [], "import cycles:\n" + "\n".join(described)
 
 
@@ -180,14 +198,19 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
 
 def test_every_module_has_a_layer() -> None:
     unplaced = sorted(m for m in modules() if layer_of(m) is None)
-    assert unplaced == [], f"place these modules in a layer (tests/test_imports.py LAYERS, docs/explanations/design.md): {unplaced}"
+    assert unplaced == [], (
+        f"place these modules in a layer (tests/test_imports.py LAYERS, docs/explanations/design.md): {unplaced}"
+    )
 
 
 def test_imports_point_down() -> None:
     graph = import_graph()
-    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}), line {line}"  # type: ignore[index]
-              for a, targets in sorted(graph.items()) for b, line in sorted(targets.items())
-              if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]  # type: ignore[operator]
+    upward = [
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}), line {line}"  # type: ignore[index]
+        for a, targets in sorted(graph.items())
+        for b, line in sorted(targets.items())
+        if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)
+    ]  # type: ignore[operator]
     assert upward == [], "imports that point up a layer:\n" + "\n".join(upward)
 
 
@@ -200,8 +223,11 @@ def untagged_function_imports(source: str) -> list[int]:
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            found |= {sub.lineno for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))
-                      and not LAZY.search(lines[sub.lineno - 1])}
+            found |= {
+                sub.lineno
+                for sub in ast.walk(node)
+                if isinstance(sub, (ast.Import, ast.ImportFrom)) and not LAZY.search(lines[sub.lineno - 1])
+            }
     return sorted(found)
 
 
@@ -209,14 +235,19 @@ def test_every_import_inside_a_function_says_why_it_is_there() -> None:
     """An import inside a function is for an optional dependency or a load kept off a path that does not need it
     (the command line's start, MLflow where nothing is recorded), with the reason on its line; any other import
     is at the top of its module."""
-    untagged = {name: lines for name, path in modules().items()
-                if (lines := untagged_function_imports(path.read_text(encoding="utf-8")))}
+    untagged = {
+        name: lines
+        for name, path in modules().items()
+        if (lines := untagged_function_imports(path.read_text(encoding="utf-8")))
+    }
     assert untagged == {}
 
 
 def test_an_untagged_import_inside_a_function_is_found() -> None:
-    source = ("import os\n\n\ndef f():\n    import json  # lazy: json only here\n    from dpml import config\n"
-              "    return json, config\n")
+    source = (
+        "import os\n\n\ndef f():\n    import json  # lazy: json only here\n    from dpml import config\n"
+        "    return json, config\n"
+    )
     assert untagged_function_imports(source) == [6]
 
 
@@ -238,14 +269,19 @@ def imports_of_package(source: str, package: str) -> list[int]:
 def test_only_the_tracking_package_imports_mlflow() -> None:
     """Everything MLflow lives in ``dpml/tracking/`` (docs/explanations/design.md): a stage, a front door or a report that needs
     a run, a version or a store asks that package, so an MLflow change is made in one place."""
-    elsewhere = {name: lines for name, path in modules().items()
-                 if not (name == "dpml.tracking" or name.startswith("dpml.tracking."))
-                 and (lines := imports_of_package(path.read_text(encoding="utf-8"), "mlflow"))}
+    elsewhere = {
+        name: lines
+        for name, path in modules().items()
+        if not (name == "dpml.tracking" or name.startswith("dpml.tracking."))
+        and (lines := imports_of_package(path.read_text(encoding="utf-8"), "mlflow"))
+    }
     assert elsewhere == {}, f"mlflow imported outside dpml/tracking/ (module: lines): {elsewhere}"
     assert imports_of_package((ROOT / "dpml" / "tracking" / "runs.py").read_text(encoding="utf-8"), "mlflow")
 
 
 def test_an_mlflow_import_is_found_wherever_it_is_written() -> None:
-    source = ("import os\nimport mlflow.pyfunc\n\n\ndef f():\n    from mlflow import MlflowClient  # lazy: x\n"
-              "    import mlflowx\n    from .mlflow import y\n    return MlflowClient\n")
+    source = (
+        "import os\nimport mlflow.pyfunc\n\n\ndef f():\n    from mlflow import MlflowClient  # lazy: x\n"
+        "    import mlflowx\n    from .mlflow import y\n    return MlflowClient\n"
+    )
     assert imports_of_package(source, "mlflow") == [2, 6]

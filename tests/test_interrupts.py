@@ -67,6 +67,7 @@ def test_a_cancellation_swallowed_by_a_gc_callback_comes_again(capfd: pytest.Cap
         pass
 
     with StopRequests() as stops:
+
         def callback(_: Any) -> None:
             stops.request("cancelled while collecting")
             for _ in range(10_000):  # the wake's handler raises here, inside the callback: swallowed
@@ -155,8 +156,12 @@ time.sleep(600)
 
 
 def test_a_child_tied_to_its_parent_dies_with_it_even_by_sigkill() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     child = psutil.Process(int(parent.stdout.readline()))
     time.sleep(2)
     assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
@@ -190,7 +195,9 @@ def test_the_prefect_api_is_the_flag_then_prefect_s_setting_then_a_temporary_ser
 
 
 @pytest.mark.exhaustive  # ≈ 1 minute: two servers migrating a fresh database one after the other
-def test_two_temporary_servers_started_at_once_on_a_fresh_prefect_home_both_serve_each_in_its_own_session(tmp_path: Path) -> None:
+def test_two_temporary_servers_started_at_once_on_a_fresh_prefect_home_both_serve_each_in_its_own_session(
+    tmp_path: Path,
+) -> None:
     import contextvars
 
     from prefect.settings import PREFECT_HOME, temporary_settings
@@ -274,17 +281,27 @@ class Descendants:
 
 def slow_training_params(workdir: Path, **sections: dict[str, Any]) -> Path:
     """Training long enough (≈ minutes) that a stop lands inside it; everything after it kept small."""
-    params = small_params(workdir, train={"epochs": 3000},
-                          audit={"references": 1, "attacks": ["loss"], "bootstrap": 0, "white_box_canaries": 0,
-                                 "black_box_canaries": 0}, **sections)
+    params = small_params(
+        workdir,
+        train={"epochs": 3000},
+        audit={"references": 1, "attacks": ["loss"], "bootstrap": 0, "white_box_canaries": 0, "black_box_canaries": 0},
+        **sections,
+    )
     return write_params(workdir / "params.yaml", params)
 
 
 def start_dpml(workdir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``dpml ARGS`` in its own process group (a terminal's foreground job), output to files."""
     with open(workdir / "out.txt", "w") as out, open(workdir / "err.txt", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "dpml", *args], cwd=workdir, env=env or ENV, text=True,
-                                stdout=out, stderr=err, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "dpml", *args],
+            cwd=workdir,
+            env=env or ENV,
+            text=True,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
 
 
 def wait_until_training(workdir: Path, process: subprocess.Popen[str], timeout: float = 300) -> int:
@@ -295,8 +312,11 @@ def wait_until_training(workdir: Path, process: subprocess.Popen[str], timeout: 
         assert process.poll() is None, (workdir / "err.txt").read_text()[-3000:]
         if ledger_path.exists():
             ledger = Ledger(ledger_path, 1e-5)
-            started = [s.id for s in ledger.spends(counted_only=False)
-                       if "started" in [kind for kind, _ in ledger.events(s.id)]]
+            started = [
+                s.id
+                for s in ledger.spends(counted_only=False)
+                if "started" in [kind for kind, _ in ledger.events(s.id)]
+            ]
             if started:
                 return started[-1]
         time.sleep(0.3)
@@ -347,8 +367,11 @@ def test_ctrl_c_stops_dpml_run_within_seconds_and_its_temporary_prefect_server_w
 
 @pytest.mark.parametrize("command", ["run", pytest.param("tune", marks=pytest.mark.exhaustive)])
 def test_sigterm_stops_a_local_run_within_seconds_saying_what_was_spent(workdir: Path, command: str) -> None:
-    sections = {"tune": {"distribution": "fixed", "mean": 1, "space": {"train.learning_rate": [0.5]}}} \
-        if command == "tune" else {}
+    sections = (
+        {"tune": {"distribution": "fixed", "mean": 1, "space": {"train.learning_rate": [0.5]}}}
+        if command == "tune"
+        else {}
+    )
     slow_training_params(workdir, **sections)
     run = start_dpml(workdir, command, "--engine", "local")
     spend_id = wait_until_training(workdir, run)
@@ -418,10 +441,20 @@ def test_a_prefect_cancellation_stops_dpml_run_before_registration(workdir: Path
 @pytest.mark.exhaustive  # ≈ 2–3 minutes on 2 cores: a whole Prefect run with Dask reference models
 def test_train_world_size_2_runs_end_to_end_under_the_default_prefect_engine(workdir: Path) -> None:
     """The release and the audit's reference models (in Dask worker processes) each train on 2 gloo processes."""
-    write_params(workdir / "params.yaml", small_params(
-        workdir, train={"world_size": 2, "epochs": 2},
-        audit={"references": 1, "attacks": ["loss", "lira-online"], "bootstrap": 0, "white_box_canaries": 0,
-               "black_box_canaries": 0}))
+    write_params(
+        workdir / "params.yaml",
+        small_params(
+            workdir,
+            train={"world_size": 2, "epochs": 2},
+            audit={
+                "references": 1,
+                "attacks": ["loss", "lira-online"],
+                "bootstrap": 0,
+                "white_box_canaries": 0,
+                "black_box_canaries": 0,
+            },
+        ),
+    )
     run = start_dpml(workdir, "run")
     family = Descendants(run.pid)
     run.wait(timeout=900)
@@ -432,7 +465,10 @@ def test_train_world_size_2_runs_end_to_end_under_the_default_prefect_engine(wor
 
     assert json.loads((workdir / "artifacts" / "train" / "metrics.json").read_text())["train_world_size"] == 2
     assert "reference models 2 (2 stored, 0 trained)" in out  # trained by the Dask workers, found by the audit
-    assert re.search(r"Prefect +flow run .* via API http://127\.0\.0\.1:", out) and "(a temporary server for this run" in out
+    assert (
+        re.search(r"Prefect +flow run .* via API http://127\.0\.0\.1:", out)
+        and "(a temporary server for this run" in out
+    )
     assert family.left_behind() == []
 
 
@@ -440,10 +476,21 @@ def test_train_world_size_2_runs_end_to_end_under_the_default_prefect_engine(wor
 def test_sigterm_during_distributed_reference_models_leaves_no_dask_or_training_process(workdir: Path) -> None:
     """SIGTERM while Dask workers train the audit's reference models, one of them on 2 processes of its own:
     the workers and their training processes are killed (not asked to finish), the run ends in one line."""
-    write_params(workdir / "params.yaml", small_params(
-        workdir, train={"world_size": 2, "epochs": 100},  # LiRA needs reference models: the Dask subflow
-        audit={"references": 1, "attacks": ["loss", "lira-online"], "bootstrap": 0, "white_box_canaries": 0,
-               "black_box_canaries": 0, "control_epochs": 5000}))
+    write_params(
+        workdir / "params.yaml",
+        small_params(
+            workdir,
+            train={"world_size": 2, "epochs": 100},  # LiRA needs reference models: the Dask subflow
+            audit={
+                "references": 1,
+                "attacks": ["loss", "lira-online"],
+                "bootstrap": 0,
+                "white_box_canaries": 0,
+                "black_box_canaries": 0,
+                "control_epochs": 5000,
+            },
+        ),
+    )
     run = start_dpml(workdir, "run")
     family = Descendants(run.pid)
     spend_id = wait_until_training(workdir, run)

@@ -125,8 +125,10 @@ def test_the_recorded_outputs_are_let_go_and_the_graph_freed_as_the_backward_pas
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             outputs[name] = weakref.ref(output)
             if name == "first":
-                output.register_hook(lambda grad: alive_then.append((outputs["middle"]() is not None,
-                                                                     outputs["first"]() is not None)))
+                output.register_hook(
+                    lambda grad: alive_then.append((outputs["middle"]() is not None, outputs["first"]() is not None))
+                )
+
         return hook
 
     hooks = [getattr(model, name).register_forward_hook(watch(name)) for name in ("first", "middle")]
@@ -153,7 +155,8 @@ class DroppedNormed(nn.Module):
 
 
 def test_a_ruled_parameter_that_does_not_fit_is_taken_exactly_with_the_same_dropout_masks(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Past the keep limit the weight norm's parameters go to the exact path after the first backward pass freed
     its graph: the forward pass runs again from the same random state. The sums and norms equal those of the
     one-batch forward pass's own per-example gradients (the same dropout masks), and the random state after the
@@ -166,7 +169,9 @@ def test_a_ruled_parameter_that_does_not_fit_is_taken_exactly_with_the_same_drop
     torch.manual_seed(6)
     found = clipping.engine_pass(model, per_example_cross_entropy, x, y)
     assert {name for name, reason in found.reasons.items() if "keep limit" in reason} == {
-        "outer.parametrizations.weight.original0", "outer.parametrizations.weight.original1"}
+        "outer.parametrizations.weight.original0",
+        "outer.parametrizations.weight.original1",
+    }
     torch.manual_seed(6)
     sums, norms = clipping.clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
     after_engine = torch.rand(3)

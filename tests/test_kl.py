@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from dpml.models.init import SCHEMES, bias_free_relu_mlp, init_variances, initialise
-from dpml.accounting.kl import (calibrate_sigma_squared, expected_jacobian_norm_sq, gradient_gap_bound,
-                             gradient_norm_constant, kl_bound, kl_bound_for_relation, pinsker_delta, table_1_constant)
+from dpml.accounting.kl import (
+    calibrate_sigma_squared,
+    expected_jacobian_norm_sq,
+    gradient_gap_bound,
+    gradient_norm_constant,
+    kl_bound,
+    kl_bound_for_relation,
+    pinsker_delta,
+    table_1_constant,
+)
 
 
 def test_variances_are_eq_5() -> None:
@@ -28,7 +36,8 @@ def test_eq_7_equals_table_1(scheme: str, depth: int) -> None:
     d, m, o = 12, 40, 3
     widths = [d] + [m] * (depth - 1) + [o]
     assert gradient_norm_constant(scheme, widths, math.sqrt(d)) == pytest.approx(
-        table_1_constant(scheme, d, m, o, depth), rel=1e-12)
+        table_1_constant(scheme, d, m, o, depth), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -58,7 +67,7 @@ def test_eq_33_gradient_norm_identity_by_monte_carlo(scheme: str) -> None:
 def test_kl_certificate_arithmetic_and_calibration() -> None:
     constant = table_1_constant("lecun", 784, 256, 2, 4)
     kl = kl_bound(constant, steps=500, learning_rate=0.01, n=10_000, sigma=0.1)
-    assert kl == pytest.approx(2 * constant * 500 * 0.01 / (10_000 ** 2 * 0.01))
+    assert kl == pytest.approx(2 * constant * 500 * 0.01 / (10_000**2 * 0.01))
     assert pinsker_delta(kl) == pytest.approx(math.sqrt(kl / 2))
     sigma_sq = calibrate_sigma_squared(constant, time=500 * 0.01, kl_target=kl, n=10_000)
     assert sigma_sq == pytest.approx(0.01)
@@ -69,15 +78,16 @@ def test_kl_certificate_arithmetic_and_calibration() -> None:
 
 def test_relation_bounds_follow_the_neighbour_denominator() -> None:
     constant = table_1_constant("he", 20, 16, 1, 3)
-    assert gradient_gap_bound(constant, 100) == pytest.approx(4 * constant / 100 ** 2)
-    assert gradient_gap_bound(constant, 100, "remove_one") == pytest.approx(4 * constant / 99 ** 2)
-    assert gradient_gap_bound(constant, 100, "add_one") == pytest.approx(4 * constant / 101 ** 2)
+    assert gradient_gap_bound(constant, 100) == pytest.approx(4 * constant / 100**2)
+    assert gradient_gap_bound(constant, 100, "remove_one") == pytest.approx(4 * constant / 99**2)
+    assert gradient_gap_bound(constant, 100, "add_one") == pytest.approx(4 * constant / 101**2)
     # KL = (1/(2σ²)) Σ_k η·(4B/n'²): the discrete Cor. 4.2 for every relation.
     for relation, records in (("replace_one", 100), ("remove_one", 99), ("add_one", 101)):
-        expected = 30 * 0.05 * gradient_gap_bound(constant, 100, relation) / (2 * 0.2 ** 2)
+        expected = 30 * 0.05 * gradient_gap_bound(constant, 100, relation) / (2 * 0.2**2)
         assert kl_bound_for_relation(constant, 30, 0.05, 100, 0.2, relation) == pytest.approx(expected)
         assert kl_bound_for_relation(constant, 30, 0.05, 100, 0.2, relation) == pytest.approx(
-            kl_bound(constant, 30, 0.05, records, 0.2))
+            kl_bound(constant, 30, 0.05, records, 0.2)
+        )
     with pytest.raises(ValueError, match="relation = 'swap'"):
         gradient_gap_bound(constant, 100, "swap")
     with pytest.raises(ValueError, match="n = 1"):

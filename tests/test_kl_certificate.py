@@ -16,8 +16,14 @@ from dpml.ledger.ledger import BudgetExceeded, Ledger
 from dpml.accounting.mechanism import MechanismDescription, NoisyGradientDescent, PoissonGaussianSteps
 
 
-def kl_mechanism(widths: tuple[int, ...] = (20, 64, 64, 3), scheme: str = "lecun", linearised: bool = True,
-                 sigma: float = 0.5, steps: int = 50, n: int = 400) -> MechanismDescription:
+def kl_mechanism(
+    widths: tuple[int, ...] = (20, 64, 64, 3),
+    scheme: str = "lecun",
+    linearised: bool = True,
+    sigma: float = 0.5,
+    steps: int = 50,
+    n: int = 400,
+) -> MechanismDescription:
     event = NoisyGradientDescent(scheme, widths, 2.0, steps, 0.05, sigma, linearised)
     return MechanismDescription("noisygd", (event,), "replace-one", 0.0, n)
 
@@ -30,7 +36,7 @@ def test_kl_certificate_is_cor_4_2_with_both_computations_of_b(scheme: str) -> N
     expected = kl_bound(constant, 50, 0.05, 400, 0.5)
     assert certificate["kind"] == "kl"
     assert certificate["kl"] == pytest.approx(expected, rel=1e-12)
-    assert certificate["kl"] == pytest.approx(2 * constant * 50 * 0.05 / (400 ** 2 * 0.25), rel=1e-12)
+    assert certificate["kl"] == pytest.approx(2 * constant * 50 * 0.05 / (400**2 * 0.25), rel=1e-12)
     eq7, table1 = certificate["answers"]
     assert (eq7["name"], table1["name"]) == ("kl.eq7", "kl.table1")
     assert table1["kl"] == pytest.approx(eq7["kl"], rel=1e-9)  # Table 1's closed form, scaled from d to X0²
@@ -49,7 +55,9 @@ def test_unequal_widths_skip_table_1_and_uncertified_runs_are_void() -> None:
 
 
 def test_kl_is_monotone_in_the_noise_and_steps_and_the_event_round_trips() -> None:
-    assert certify(kl_mechanism(sigma=1.0), 1e-5)["kl"] == pytest.approx(certify(kl_mechanism(sigma=0.5), 1e-5)["kl"] / 4)
+    assert certify(kl_mechanism(sigma=1.0), 1e-5)["kl"] == pytest.approx(
+        certify(kl_mechanism(sigma=0.5), 1e-5)["kl"] / 4
+    )
     assert certify(kl_mechanism(steps=100), 1e-5)["kl"] == pytest.approx(2 * certify(kl_mechanism(), 1e-5)["kl"])
     mechanism = kl_mechanism()
     assert MechanismDescription.from_dict(mechanism.to_dict()) == mechanism
@@ -86,11 +94,12 @@ def test_ledger_keeps_a_kl_account_and_never_mixes_it_with_epsilon(tmp_path: Pat
 
 
 def noisygd_params(**overrides: dict) -> dict:
-    params = {"model": {"kind": "bias_free_relu", "hidden": [32, 32], "init": "lecun"},
-              "train": {"algorithm": "noisygd", "sample_rate": 1.0, "epochs": 20, "optimizer": "sgd",
-                        "learning_rate": 0.1},
-              "dp": {"neighbouring": "replace-one", "delta": 1e-5},
-              "noisygd": {"kl_target": 0.5}}
+    params = {
+        "model": {"kind": "bias_free_relu", "hidden": [32, 32], "init": "lecun"},
+        "train": {"algorithm": "noisygd", "sample_rate": 1.0, "epochs": 20, "optimizer": "sgd", "learning_rate": 0.1},
+        "dp": {"neighbouring": "replace-one", "delta": 1e-5},
+        "noisygd": {"kl_target": 0.5},
+    }
     for section, values in overrides.items():
         params[section] = params.get(section, {}) | values
     return params
@@ -98,14 +107,16 @@ def noisygd_params(**overrides: dict) -> dict:
 
 def test_noisygd_configuration_errors_name_the_keys() -> None:
     validate(noisygd_params())
-    cases = [({"model": {"kind": "mlp"}}, "model.kind = 'mlp'"),
-             ({"dp": {"neighbouring": "add-remove"}}, "dp.neighbouring = 'add-remove'"),
-             ({"train": {"sample_rate": 0.1}}, "train.sample_rate = 0.1"),
-             ({"train": {"momentum": 0.9}}, "train.momentum = 0.9"),
-             ({"train": {"epochs": 2.5}}, "train.epochs = 2.5"),
-             ({"noisygd": {"sigma": 1.0}}, "exactly one of noisygd.sigma and noisygd.kl_target"),
-             ({"dp": {"noise_multiplier": 1.0}}, "not used by noisy GD"),
-             ({"model": {"init": "orthogonal"}}, "model.init")]
+    cases = [
+        ({"model": {"kind": "mlp"}}, "model.kind = 'mlp'"),
+        ({"dp": {"neighbouring": "add-remove"}}, "dp.neighbouring = 'add-remove'"),
+        ({"train": {"sample_rate": 0.1}}, "train.sample_rate = 0.1"),
+        ({"train": {"momentum": 0.9}}, "train.momentum = 0.9"),
+        ({"train": {"epochs": 2.5}}, "train.epochs = 2.5"),
+        ({"noisygd": {"sigma": 1.0}}, "exactly one of noisygd.sigma and noisygd.kl_target"),
+        ({"dp": {"noise_multiplier": 1.0}}, "not used by noisy GD"),
+        ({"model": {"init": "orthogonal"}}, "model.init"),
+    ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
             validate(noisygd_params(**overrides))
@@ -118,12 +129,16 @@ def test_noisygd_pipeline_releases_a_kl_certified_model_that_is_never_called_dp(
     from tests.conftest import small_params, write_params
 
     monkeypatch.setenv("DPML_NOISE_SEED", "11")
-    params = small_params(workdir, model={"kind": "bias_free_relu", "hidden": [32], "init": "lecun"},
-                          train={"algorithm": "noisygd", "sample_rate": 1.0, "epochs": 50, "learning_rate": 0.5},
-                          dp={"noise_multiplier": None, "delta": 1e-5, "neighbouring": "replace-one"},
-                          noisygd={"kl_target": 1.0, "kl_probes": 4},
-                          gate={"kl_budget": 2.0}, ledger={"kl_budget": 1.5},
-                          audit={"white_box_canaries": 0, "black_box_canaries": 0})
+    params = small_params(
+        workdir,
+        model={"kind": "bias_free_relu", "hidden": [32], "init": "lecun"},
+        train={"algorithm": "noisygd", "sample_rate": 1.0, "epochs": 50, "learning_rate": 0.5},
+        dp={"noise_multiplier": None, "delta": 1e-5, "neighbouring": "replace-one"},
+        noisygd={"kl_target": 1.0, "kl_probes": 4},
+        gate={"kl_budget": 2.0},
+        ledger={"kl_budget": 1.5},
+        audit={"white_box_canaries": 0, "black_box_canaries": 0},
+    )
     config = load(write_params(workdir / "gd.yaml", params))
     for name in ("ingest", "split", "preprocess", "train"):
         STAGES[name](config)
@@ -164,7 +179,9 @@ def test_the_audit_can_refute_a_kl_certificate_through_pinsker() -> None:
     from dpml.stages import total_variation_violations
 
     rng = np.random.default_rng(0)
-    separated = {"loss": {"member": rng.normal(1.0, 1.0, 2000).tolist(), "nonmember": rng.normal(0.0, 1.0, 2000).tolist()}}
+    separated = {
+        "loss": {"member": rng.normal(1.0, 1.0, 2000).tolist(), "nonmember": rng.normal(0.0, 1.0, 2000).tolist()}
+    }
     same = {"loss": {"member": rng.normal(0.0, 1.0, 2000).tolist(), "nonmember": rng.normal(0.0, 1.0, 2000).tolist()}}
     # Two unit Gaussians one apart: total variation 0.38, so KL = 0.01 (δ_P = 0.07) is refuted, KL = 1 (δ_P = 0.71) is not.
     assert total_variation_violations(separated, pinsker_delta(0.01), 0.95)[0]["attack"] == "loss"

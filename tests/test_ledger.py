@@ -81,8 +81,13 @@ def test_corrupt_or_newer_ledgers_are_refused_untouched(tmp_path: Path) -> None:
         Ledger(newer, 1e-5)
 
 
-def _race(location: str, key: str, budget: float, barrier: multiprocessing.synchronize.Barrier,
-          results: "multiprocessing.Queue[str]") -> None:
+def _race(
+    location: str,
+    key: str,
+    budget: float,
+    barrier: multiprocessing.synchronize.Barrier,
+    results: "multiprocessing.Queue[str]",
+) -> None:
     """One racer: reports "spent", "refused", or how it crashed (any other exception, with its traceback),
     so a crashed racer fails the test at once instead of leaving it waiting for an answer."""
     try:
@@ -113,7 +118,9 @@ def _outcomes(workers: list[multiprocessing.process.BaseProcess], results: "mult
             try:
                 outcomes.append(results.get(timeout=5))
             except queue.Empty:
-                raise AssertionError(f"a racer died without reporting (exit codes {silent}); reports: {outcomes}") from None
+                raise AssertionError(
+                    f"a racer died without reporting (exit codes {silent}); reports: {outcomes}"
+                ) from None
     crashed = [outcome for outcome in outcomes if outcome.startswith("crashed")]
     assert not crashed, "\n".join(crashed)
     return outcomes
@@ -133,8 +140,9 @@ def test_runs_racing_for_the_last_budget(racers: int, ledger_location: str, tmp_
     budget = (composed(3) + composed(4)) / 2  # room for two more runs, not three
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(racers), context.Queue()
-    workers = [context.Process(target=_race, args=(ledger_location, key, budget, barrier, results))
-               for _ in range(racers)]
+    workers = [
+        context.Process(target=_race, args=(ledger_location, key, budget, barrier, results)) for _ in range(racers)
+    ]
     for w in workers:
         w.start()
     outcomes = sorted(_outcomes(workers, results))
@@ -172,12 +180,17 @@ def test_sigkill_during_training_keeps_the_spend(workdir: Path) -> None:
     params = small_params(workdir, train={"epochs": 2000})  # long enough to be killed mid-training
     path = write_params(workdir / "p.yaml", params)
     for stage in ("ingest", "split", "preprocess"):
-        subprocess.run([sys.executable, "-m", "dpml", "stage", stage, "--params", str(path)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "dpml", "stage", stage, "--params", str(path)], check=True, capture_output=True
+        )
     # Stopped at its third optimizer step (a hook on every torch optimizer, in the process itself): the kill
     # lands inside the training loop by the loop's own progress, not after a guessed delay.
-    process = subprocess.Popen([sys.executable, "-c", _TRAIN_UNTIL_STEP, "3", "stage", "train", "--params", str(path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_UNTIL_STEP, "3", "stage", "train", "--params", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert process.stdout is not None
         said = ""
@@ -194,10 +207,25 @@ def test_sigkill_during_training_keeps_the_spend(workdir: Path) -> None:
     ledger_path = workdir / "ledger.db"
     ledger = Ledger(ledger_path, 1e-5)
     [spend] = ledger.spends()
-    assert spend.mechanism is not None and [k for k, _ in ledger.events(spend.id)] == ["started"]  # counted, never trained
+    assert spend.mechanism is not None and [k for k, _ in ledger.events(spend.id)] == [
+        "started"
+    ]  # counted, never trained
     assert ledger.total(spend.lineage) == pytest.approx(spend.epsilon_alone)
     assert not (workdir / "artifacts" / "train" / "model.pt").exists()  # no half-written model
     # The next run sees the killed run's spend.
-    refused = subprocess.run([sys.executable, "-m", "dpml", "stage", "train", "--params", str(path),
-                              "--set", f"ledger.epsilon_budget={spend.epsilon_alone * 1.5}"], capture_output=True, text=True)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpml",
+            "stage",
+            "train",
+            "--params",
+            str(path),
+            "--set",
+            f"ledger.epsilon_budget={spend.epsilon_alone * 1.5}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert refused.returncode == 1 and "over the budget" in refused.stderr

@@ -42,8 +42,9 @@ def epsilon_of_one_release(rho: float, tmp_path: Path) -> float:
     return alone.total("alone")
 
 
-def test_a_persons_view_lists_every_release_that_touched_them_with_its_numbers(ledger_location: str,
-                                                                              tmp_path: Path) -> None:
+def test_a_persons_view_lists_every_release_that_touched_them_with_its_numbers(
+    ledger_location: str, tmp_path: Path
+) -> None:
     """``dpml ledger person``: the releases charged to the person's units, a release charged to the whole lineage
     (no unit list) among them, a cancelled one listed as not counted, each with its lineage, label and ε alone;
     the person's ε composes the counted ones, at the ledger's δ. Pins: the lineage-wide releases left out of a
@@ -57,12 +58,28 @@ def test_a_persons_view_lists_every_release_that_touched_them_with_its_numbers(l
     view = ledger.person(people([55]))
     assert view is not None and view["lineages"] == ["L"] and view["delta"] == DELTA
     assert view["releases"] == [
-        {"spend": first.id, "lineage": "L", "label": "first", "epsilon_alone": pytest.approx(first.epsilon_alone),
-         "counted": True},
-        {"spend": everyone.id, "lineage": "L", "label": "everyone",
-         "epsilon_alone": pytest.approx(everyone.epsilon_alone), "counted": True},
-        {"spend": dropped.id, "lineage": "L", "label": "dropped", "epsilon_alone": pytest.approx(dropped.epsilon_alone),
-         "counted": False}]
+        {
+            "spend": first.id,
+            "lineage": "L",
+            "label": "first",
+            "epsilon_alone": pytest.approx(first.epsilon_alone),
+            "counted": True,
+        },
+        {
+            "spend": everyone.id,
+            "lineage": "L",
+            "label": "everyone",
+            "epsilon_alone": pytest.approx(everyone.epsilon_alone),
+            "counted": True,
+        },
+        {
+            "spend": dropped.id,
+            "lineage": "L",
+            "label": "dropped",
+            "epsilon_alone": pytest.approx(dropped.epsilon_alone),
+            "counted": False,
+        },
+    ]
     assert view["epsilon"] == pytest.approx(epsilon_of_one_release(0.07, tmp_path), rel=1e-9)
     assert first.epsilon_alone == pytest.approx(epsilon_of_one_release(0.05, tmp_path), rel=1e-9)
     assert ledger.person(people([5]))["epsilon"] == pytest.approx(view["epsilon"], rel=1e-12)  # not in `dropped`
@@ -70,7 +87,8 @@ def test_a_persons_view_lists_every_release_that_touched_them_with_its_numbers(l
 
 
 def test_the_refusal_names_the_spent_epsilon_once_when_the_units_agree_and_as_a_range_when_they_differ(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """The refusal's "spent ε = …" is one number when every unit over the budget has the same ε and
     ``low…high`` otherwise. Pins the comparison that picks the form (always a range, never a range, reversed)."""
     ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
@@ -107,8 +125,8 @@ def test_the_filters_order_is_the_one_fixed_at_the_lineages_first_filtered_run(t
     fixed, moved = filter_order(first, DELTA), filter_order(later, DELTA)
     assert fixed != moved
     ledger.reserve("v1", release(0.001), "first", first, lineage="L", units=people(range(10)), mode="exclude")
-    room_fixed = filter_bound(fixed, later, DELTA) / fixed - 0.001   # the largest ρ the fixed order admits
-    room_moved = filter_bound(moved, later, DELTA) / moved - 0.001   # … and the order this budget would pick
+    room_fixed = filter_bound(fixed, later, DELTA) / fixed - 0.001  # the largest ρ the fixed order admits
+    room_moved = filter_bound(moved, later, DELTA) / moved - 0.001  # … and the order this budget would pick
     assert room_fixed < room_moved
     between = release((room_fixed + room_moved) / 2)
     assert not ledger.units_within_filter("L", people(range(10)), between, later).any()
@@ -132,8 +150,10 @@ def test_a_kl_run_may_reach_the_kl_budget_exactly_and_a_refusal_names_the_units_
     assert ledger.kl_total("L") == three
     with pytest.raises(BudgetExceeded) as refused:
         ledger.reserve("v1", kl_mechanism(), "over", 10.0, three, lineage="L", units=people([55, 56, 57, 58, 120]))
-    assert (f"4 privacy units of this run would go from summed KL = {three:.4g} to {three + kl:.4g}, over "
-            f"ledger.kl_budget = {three:g}") in str(refused.value)
+    assert (
+        f"4 privacy units of this run would go from summed KL = {three:.4g} to {three + kl:.4g}, over "
+        f"ledger.kl_budget = {three:g}"
+    ) in str(refused.value)
     assert [s.label for s in ledger.spends("L")] == ["first", "second", "to the budget"]
 
     dp = dp_mechanism()
@@ -142,7 +162,8 @@ def test_a_kl_run_may_reach_the_kl_budget_exactly_and_a_refusal_names_the_units_
         ledger.reserve("v1", kl_mechanism(), "after dp", 10.0, 100.0, lineage="L", units=people(range(203, 220)))
     assert str(refused.value) == (
         "lineage 'L': 3 privacy units of this run already have (ε, δ)-DP spends, which bound no KL divergence; a "
-        "KL-private run cannot be accounted on them. Nothing was recorded.")
+        "KL-private run cannot be accounted on them. Nothing was recorded."
+    )
 
 
 def test_the_kl_refusals_say_what_to_set_and_name_a_run_without_a_unit_list_as_every_unit(tmp_path: Path) -> None:
@@ -152,43 +173,50 @@ def test_the_kl_refusals_say_what_to_set_and_name_a_run_without_a_unit_list_as_e
     ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
     with pytest.raises(BudgetExceeded) as refused:
         ledger.reserve("v1", kl_mechanism(), "no budget", 10.0, lineage="K")
-    assert str(refused.value) == ("lineage 'K': this run's guarantee is KL privacy, and ledger.kl_budget is not set; "
-                                  "set it to allow KL-private releases. Nothing was recorded.")
+    assert str(refused.value) == (
+        "lineage 'K': this run's guarantee is KL privacy, and ledger.kl_budget is not set; "
+        "set it to allow KL-private releases. Nothing was recorded."
+    )
     dp = dp_mechanism()
     ledger.reserve("v1", dp, "dp", 10.0, lineage="K")
     with pytest.raises(BudgetExceeded) as refused:
         ledger.reserve("v1", kl_mechanism(), "after dp", 10.0, 100.0, lineage="K")
     assert str(refused.value) == (
         "lineage 'K': every privacy unit of the lineage (this run's data carries no unit list) already have (ε, δ)-DP "
-        "spends, which bound no KL divergence; a KL-private run cannot be accounted on them. Nothing was recorded.")
+        "spends, which bound no KL divergence; a KL-private run cannot be accounted on them. Nothing was recorded."
+    )
     assert [s.label for s in ledger.spends("K")] == ["dp"]
 
     ledger.reserve("v1", kl_mechanism(), "kl", 10.0, 100.0, lineage="J", units=people(range(300, 310)))
     with pytest.raises(BudgetExceeded) as refused:
         ledger.reserve("v1", dp, "dp after kl", 10.0, lineage="J", units=people(range(300, 310)))
-    assert ("lineage 'J': 10 of the 10 privacy units in this run's training data have spent ε = inf already (a "
-            "KL-private release already used them, so their (ε, δ) loss is unbounded); this run (ε = ") in \
-        str(refused.value)
+    assert (
+        "lineage 'J': 10 of the 10 privacy units in this run's training data have spent ε = inf already (a "
+        "KL-private release already used them, so their (ε, δ) loss is unbounded); this run (ε = "
+    ) in str(refused.value)
 
 
 def test_a_reservation_in_a_mode_the_ledger_does_not_know_is_refused_before_anything_is_recorded(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """``mode`` is ``refuse`` or ``exclude`` (``ledger.on_exhausted``); any other value (a typo through the Python
     API) is refused naming it, not silently read as ``refuse``, and the ledger is unchanged. Pins the mode
     check, and the default ``refuse`` passed on where a caller leaves it out."""
     ledger = Ledger(str(tmp_path / "l.db"), DELTA, unit_key=tmp_path / "unit.key")
     with pytest.raises(LedgerError) as refused:
-        ledger.reserve("v1", release(0.01), "typo", 10.0, lineage="L", units=people(range(10)),
-                       mode="exlude")  # type: ignore[arg-type]
-    assert str(refused.value) == ("mode = 'exlude': the ledger checks a run by 'refuse' (composition against the "
-                                  "budget) or 'exclude' (the Rényi filter) only (ledger.on_exhausted); nothing was "
-                                  "recorded")
+        ledger.reserve("v1", release(0.01), "typo", 10.0, lineage="L", units=people(range(10)), mode="exlude")  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "mode = 'exlude': the ledger checks a run by 'refuse' (composition against the "
+        "budget) or 'exclude' (the Rényi filter) only (ledger.on_exhausted); nothing was "
+        "recorded"
+    )
     assert ledger.spends("L") == [] and ledger.spends("L", counted_only=False) == []
     ledger.reserve("v1", release(0.01), "default", 10.0, lineage="L", units=people(range(10)))
 
 
 def test_a_run_that_takes_its_units_to_the_budget_exactly_is_admitted_and_one_a_hair_over_is_refused(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """``refuse``: a unit may spend up to ``ledger.epsilon_budget`` inclusive (the budget is the largest ε allowed).
     The composed ε is taken from another ledger holding the same two releases, so the check sees the very same
     number. Pins ``>`` → ``>=`` at the budget."""
@@ -200,8 +228,9 @@ def test_a_run_that_takes_its_units_to_the_budget_exactly_is_admitted_and_one_a_
     below = Ledger(str(tmp_path / "below.db"), DELTA, unit_key=tmp_path / "unit.key")
     below.reserve("v1", release(0.05), "first", 1e9, lineage="X", units=people(range(10)))
     with pytest.raises(BudgetExceeded):
-        below.reserve("v1", release(0.05), "second", float(np.nextafter(reached, 0.0)), lineage="X",
-                      units=people(range(10)))
+        below.reserve(
+            "v1", release(0.05), "second", float(np.nextafter(reached, 0.0)), lineage="X", units=people(range(10))
+        )
     below.reserve("v1", release(0.05), "second", reached, lineage="X", units=people(range(10)))
     assert below.total("X") == reached
 
@@ -222,7 +251,8 @@ def test_a_refusal_says_who_how_much_by_which_rule_and_what_is_left(tmp_path: Pa
         f"lineage 'L': 5 of the 10 privacy units in this run's training data have spent ε = {one:.4g} already; this "
         f"run (ε = {one:.4g} alone at δ = 1e-05) would take them to ε ≈ {two:.4g} or more (composition), over the "
         f"budget (ledger.epsilon_budget = {budget:g}); {budget - one:.4g} of it is left. Nothing was recorded. To "
-        "train without them, set ledger.on_exhausted: exclude.")
+        "train without them, set ledger.on_exhausted: exclude."
+    )
 
     ledger.reserve("v1", release(0.05), "first", 100.0, lineage="M")
     with pytest.raises(BudgetExceeded) as refused:
@@ -231,15 +261,18 @@ def test_a_refusal_says_who_how_much_by_which_rule_and_what_is_left(tmp_path: Pa
         f"lineage 'M': every privacy unit of the lineage (this run's data carries no unit list) has spent ε = "
         f"{one:.4g} already; this run (ε = {one:.4g} alone at δ = 1e-05) would take them to ε ≈ {two:.4g} or more "
         f"(composition), over the budget (ledger.epsilon_budget = {budget:g}); {budget - one:.4g} of it is left. "
-        "Nothing was recorded.")
+        "Nothing was recorded."
+    )
 
     ledger.reserve("v1", release(0.05), "first", budget, lineage="F", units=people(range(100, 110)), mode="exclude")
     with pytest.raises(BudgetExceeded) as refused:
-        ledger.reserve("v1", release(0.05), "second", budget, lineage="F", units=people(range(100, 110)),
-                       mode="exclude")
+        ledger.reserve(
+            "v1", release(0.05), "second", budget, lineage="F", units=people(range(100, 110)), mode="exclude"
+        )
     assert "would take them to ε ≈" in str(refused.value)
-    assert f"or more (the lineage's Rényi filter), over the budget (ledger.epsilon_budget = {budget:g})" in \
-        str(refused.value)
+    assert f"or more (the lineage's Rényi filter), over the budget (ledger.epsilon_budget = {budget:g})" in str(
+        refused.value
+    )
     assert [s.label for s in ledger.spends()] == ["first", "first", "first"]
 
 
@@ -271,7 +304,8 @@ def test_a_planned_runs_epsilon_is_never_kept_for_the_next_reservation(tmp_path:
         ledger.reserve("v1", release(large), "large", budget, lineage="L", units=people(range(100, 200)))
     refused = ledger_refusal(ledger, release(large), budget)
     assert float(re.search(r"this run \(ε = ([\d.]+)", refused).group(1)) == pytest.approx(  # type: ignore[union-attr]
-        large_alone, rel=1e-3)
+        large_alone, rel=1e-3
+    )
     assert [s.label for s in ledger.spends("L")] == ["small"]
 
 

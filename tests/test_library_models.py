@@ -48,8 +48,15 @@ def tiny_bert(n_classes: int = 2, seed: int = 0) -> nn.Module:
     """A one-layer BERT classifier with random weights (dropout as configured by default)."""
     transformers = transformers_module()
     torch.manual_seed(seed)
-    config = transformers.BertConfig(vocab_size=VOCABULARY, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=LENGTH, num_labels=n_classes)
+    config = transformers.BertConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=LENGTH,
+        num_labels=n_classes,
+    )
     return transformers.BertForSequenceClassification(config)
 
 
@@ -57,8 +64,17 @@ def tiny_gpt2(n_classes: int = 2, seed: int = 0) -> nn.Module:
     """A one-layer GPT-2 classifier with random weights; id 0 is its padding token."""
     transformers = transformers_module()
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=VOCABULARY, n_embd=16, n_layer=1, n_head=2, n_positions=LENGTH,
-                                     num_labels=n_classes, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    config = transformers.GPT2Config(
+        vocab_size=VOCABULARY,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        n_positions=LENGTH,
+        num_labels=n_classes,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     return transformers.GPT2ForSequenceClassification(config)
 
 
@@ -74,9 +90,20 @@ def token_data(n: int = 128, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor,
 
 def quick(model: nn.Module, dataset: Dataset[Any], tmp: Path, **extra: Any) -> dpml.PrivateTraining:
     """A short private run charged to a ledger and logged to MLflow, as a user would call it."""
-    settings: dict[str, Any] = dict(noise_multiplier=1.0, delta=1e-5, epochs=1, clip_norm=1.0, expected_batch_size=32,
-                                    physical_batch_size=64, learning_rate=0.5, tune_physical_batch=False, seed=0,
-                                    ledger=str(tmp / "ledger.db"), epsilon_budget=100.0, lineage="tokens")
+    settings: dict[str, Any] = dict(
+        noise_multiplier=1.0,
+        delta=1e-5,
+        epochs=1,
+        clip_norm=1.0,
+        expected_batch_size=32,
+        physical_batch_size=64,
+        learning_rate=0.5,
+        tune_physical_batch=False,
+        seed=0,
+        ledger=str(tmp / "ledger.db"),
+        epsilon_budget=100.0,
+        lineage="tokens",
+    )
     return dpml.train_private(model, dataset, **(settings | extra))
 
 
@@ -109,8 +136,11 @@ class Returning(nn.Module):
         return self.wrap(self.linear(x))
 
 
-@pytest.mark.parametrize("wrap", [Output, lambda z: {"logits": z, "hidden": z}, lambda z: (z, z.sum()), lambda z: [z]],
-                         ids=["attribute", "dict", "tuple", "list"])
+@pytest.mark.parametrize(
+    "wrap",
+    [Output, lambda z: {"logits": z, "hidden": z}, lambda z: (z, z.sum()), lambda z: [z]],
+    ids=["attribute", "dict", "tuple", "list"],
+)
 def test_an_output_object_becomes_its_logits_in_one_adapter(wrap: Callable[[torch.Tensor], Any]) -> None:
     net = Returning(wrap)
     model = adapt(net, (4,))
@@ -123,8 +153,11 @@ def test_an_output_object_becomes_its_logits_in_one_adapter(wrap: Callable[[torc
 
 
 def test_an_output_without_logits_is_refused_before_any_budget_is_spent(tmp_path: Path) -> None:
-    with pytest.raises(ModelOutputError, match=r"^model: its forward returned a builtins.set; dpml reads the logits "
-                                               r"from a \(batch, classes\) logits tensor, an object with a .logits"):
+    with pytest.raises(
+        ModelOutputError,
+        match=r"^model: its forward returned a builtins.set; dpml reads the logits "
+        r"from a \(batch, classes\) logits tensor, an object with a .logits",
+    ):
         adapt(Returning(lambda z: {1, 2}), (4,))
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     with pytest.raises(ModelOutputError, match=r"its forward returned a builtins.dict"):
@@ -135,8 +168,13 @@ def test_an_output_without_logits_is_refused_before_any_budget_is_spent(tmp_path
 def test_a_positional_model_and_a_tuple_output_train_unchanged(tmp_path: Path) -> None:
     net = Returning(lambda z: (z,))
     before = net.linear.weight.detach().clone()
-    result = quick(net, TensorDataset(torch.randn(128, 4), torch.randint(0, 2, (128,))), tmp_path,
-                   mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow_artifact_location=str(tmp_path / "a"))
+    result = quick(
+        net,
+        TensorDataset(torch.randn(128, 4), torch.randint(0, 2, (128,))),
+        tmp_path,
+        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        mlflow_artifact_location=str(tmp_path / "a"),
+    )
     assert result.model is net and not torch.equal(net.linear.weight, before)
     logged = torch.load(_logged_state(result, tmp_path))
     assert set(logged) == {"linear.weight", "linear.bias"}  # the user's own keys, no adapter prefix
@@ -195,10 +233,14 @@ def test_a_custom_factory_s_output_object_is_adapted_where_the_model_is_built(wo
             rebuilt.load_state_dict(model.state_dict())
             assert torch.equal(rebuilt(x), model(x))
         with pytest.raises(ModelOutputError, match=r"^model: its forward returned a builtins.dict; dpml reads"):
-            build_model(spec_for(ModelConfig(kind="custom", factory="plainmodels:scores", options={"wrap": "other"}),
-                                 1.0, 4, 3))
-        with pytest.raises(ValueError, match=r"^model.inputs = 'tokens': Scores.forward takes no input_ids and "
-                                             r"attention_mask keyword arguments$"):
+            build_model(
+                spec_for(ModelConfig(kind="custom", factory="plainmodels:scores", options={"wrap": "other"}), 1.0, 4, 3)
+            )
+        with pytest.raises(
+            ValueError,
+            match=r"^model.inputs = 'tokens': Scores.forward takes no input_ids and "
+            r"attention_mask keyword arguments$",
+        ):
             build_model(spec_for(ModelConfig(kind="custom", factory="plainmodels:scores", inputs="tokens"), 1.0, 4, 3))
     finally:
         sys.modules.pop("plainmodels", None)
@@ -224,13 +266,19 @@ def _logged_state(result: dpml.PrivateTraining, tmp: Path) -> Path:
 
 
 @pytest.mark.parametrize("build", [tiny_bert, tiny_gpt2], ids=["bert", "gpt2"])
-def test_train_private_trains_a_transformers_classifier_on_padded_tokens(build: Callable[..., nn.Module],
-                                                                        tmp_path: Path) -> None:
+def test_train_private_trains_a_transformers_classifier_on_padded_tokens(
+    build: Callable[..., nn.Module], tmp_path: Path
+) -> None:
     model = build()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids, mask, y = token_data()
-    result = quick(model, TensorDataset(ids, mask, y), tmp_path, mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                   mlflow_artifact_location=str(tmp_path / "artifacts"))
+    result = quick(
+        model,
+        TensorDataset(ids, mask, y),
+        tmp_path,
+        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        mlflow_artifact_location=str(tmp_path / "artifacts"),
+    )
     assert result.model is model and 0 < result.epsilon < 100
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it trained
     [spend] = Ledger(tmp_path / "ledger.db", 1e-5).spends()
@@ -248,7 +296,9 @@ def test_padding_the_mask_marks_does_not_change_a_prediction() -> None:
     """A property of the model, checked through dpml's adapter: the mask reaches the model."""
     model = LibraryModel(tiny_bert(), tokens=True, vocabulary=VOCABULARY).eval()
     ids, mask, _ = token_data(32)
-    other = torch.where(mask.bool(), ids, torch.randint(1, VOCABULARY, ids.shape, generator=torch.Generator().manual_seed(5)))
+    other = torch.where(
+        mask.bool(), ids, torch.randint(1, VOCABULARY, ids.shape, generator=torch.Generator().manual_seed(5))
+    )
     assert not torch.equal(other, ids) and (mask == 0).any()
     with torch.no_grad():
         padded = model(torch.stack([ids, mask], 1))
@@ -261,8 +311,9 @@ def test_padding_the_mask_marks_does_not_change_a_prediction() -> None:
 
 def test_peft_lora_trains_its_adapter_and_leaves_the_frozen_body(tmp_path: Path) -> None:
     peft = pytest.importorskip("peft", reason="peft is a test extra (requirements-models.lock); not installed here")
-    model = peft.get_peft_model(tiny_bert(), peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
-                                                             target_modules=["query", "value"]))
+    model = peft.get_peft_model(
+        tiny_bert(), peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"])
+    )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and any("lora_" in n for n in trainable) and not any("embeddings" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -297,22 +348,48 @@ def _mixed_lengths(ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> Da
     return Records(items)
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda i, m, y: TensorDataset(i, m * 2, y), r"dataset\[0\] attention_mask: value 2; a mask holds only 1"),
-    (lambda i, m, y: TensorDataset(i + VOCABULARY * m, m, y),
-     rf"dataset\[0\] input_ids: token id \d+; ids must be in \[0, {VOCABULARY}\) \(the model's input embedding"),
-    (lambda i, m, y: TensorDataset(i - 2 * m, m, y), r"dataset\[\d+\] input_ids: token id -\d+; ids must be in \[0, "),
-    (lambda i, m, y: TensorDataset(i, torch.cat([m[:, :1] * 0, m[:, 1:] * 0], 1), y),
-     r"dataset\[0\] attention_mask: all 0 \(only padding\); each example needs at least one token"),
-    (lambda i, m, y: TensorDataset(i.float(), m, y), r"dataset\[0\] input_ids: a torch.float32 tensor of shape \[8\]; "
-                                                     r"each example's ids must be one integer tensor"),
-    (lambda i, m, y: Records([(i[k], m[k][:4], int(y[k])) for k in range(len(y))]),
-     r"dataset\[0\] attention_mask: shape \[4\] differs from its input_ids' \[8\]"),
-    (_mixed_lengths, r"dataset\[3\] input_ids: length 5, but dataset\[0\] has 8; pad every example to one length"),
-    (lambda i, m, y: Records([({"input_ids": i[k]},) for k in range(len(y))]),
-     r"dataset\[0\]: a record for a model taking input_ids and attention_mask is \(input_ids, attention_mask, label\)"),
-], ids=["mask-value", "id-above-vocabulary", "negative-id", "all-padding", "float-ids", "mask-shape", "lengths",
-        "record-form"])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda i, m, y: TensorDataset(i, m * 2, y), r"dataset\[0\] attention_mask: value 2; a mask holds only 1"),
+        (
+            lambda i, m, y: TensorDataset(i + VOCABULARY * m, m, y),
+            rf"dataset\[0\] input_ids: token id \d+; ids must be in \[0, {VOCABULARY}\) \(the model's input embedding",
+        ),
+        (
+            lambda i, m, y: TensorDataset(i - 2 * m, m, y),
+            r"dataset\[\d+\] input_ids: token id -\d+; ids must be in \[0, ",
+        ),
+        (
+            lambda i, m, y: TensorDataset(i, torch.cat([m[:, :1] * 0, m[:, 1:] * 0], 1), y),
+            r"dataset\[0\] attention_mask: all 0 \(only padding\); each example needs at least one token",
+        ),
+        (
+            lambda i, m, y: TensorDataset(i.float(), m, y),
+            r"dataset\[0\] input_ids: a torch.float32 tensor of shape \[8\]; "
+            r"each example's ids must be one integer tensor",
+        ),
+        (
+            lambda i, m, y: Records([(i[k], m[k][:4], int(y[k])) for k in range(len(y))]),
+            r"dataset\[0\] attention_mask: shape \[4\] differs from its input_ids' \[8\]",
+        ),
+        (_mixed_lengths, r"dataset\[3\] input_ids: length 5, but dataset\[0\] has 8; pad every example to one length"),
+        (
+            lambda i, m, y: Records([({"input_ids": i[k]},) for k in range(len(y))]),
+            r"dataset\[0\]: a record for a model taking input_ids and attention_mask is \(input_ids, attention_mask, label\)",
+        ),
+    ],
+    ids=[
+        "mask-value",
+        "id-above-vocabulary",
+        "negative-id",
+        "all-padding",
+        "float-ids",
+        "mask-shape",
+        "lengths",
+        "record-form",
+    ],
+)
 def test_bad_token_inputs_are_refused_before_any_budget_is_spent(change: Any, message: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=message):
         quick(tiny_bert(), _bad(change), tmp_path)
@@ -333,9 +410,15 @@ def test_each_example_s_mask_goes_with_its_ids_through_sampling_chunks_and_worke
     kept = ids[:, 0] % LENGTH + 1
     mask = (torch.arange(LENGTH)[None, :] < kept[:, None]).long()
     labels = torch.arange(200) % 2
-    steps = dataset_steps(TokenRecords(TensorDataset(ids * mask, mask, labels)), poisson_batches(200, 0.3, 3, seed=7),
-                          physical_batch_size=5, device=torch.device("cpu"), dtype=torch.float32, n_classes=2,
-                          num_workers=workers)
+    steps = dataset_steps(
+        TokenRecords(TensorDataset(ids * mask, mask, labels)),
+        poisson_batches(200, 0.3, 3, seed=7),
+        physical_batch_size=5,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        n_classes=2,
+        num_workers=workers,
+    )
     rows = 0
     for step in steps:
         chunks = list(step.chunks)
@@ -383,10 +466,17 @@ def token_table(path: Path, n: int = 300, seed: int = 0) -> pd.DataFrame:
 
 
 def token_params(tmp: Path, factory: str) -> Path:
-    params = small_params(tmp, data={"source": "csv:tokens.csv", "label_column": "label", "classes": ["low", "high"],
-                                     "columns": {"text": {"type": "tokens", "length": LENGTH, "vocabulary": VOCABULARY}}},
-                          model={"kind": "custom", "factory": factory, "hidden": []},
-                          train={"epochs": 1, "sample_rate": 0.25, "tune_physical_batch": False})
+    params = small_params(
+        tmp,
+        data={
+            "source": "csv:tokens.csv",
+            "label_column": "label",
+            "classes": ["low", "high"],
+            "columns": {"text": {"type": "tokens", "length": LENGTH, "vocabulary": VOCABULARY}},
+        },
+        model={"kind": "custom", "factory": factory, "hidden": []},
+        train={"epochs": 1, "sample_rate": 0.25, "tune_physical_batch": False},
+    )
     params["preprocess"] = {"clip_norm": 1.0}
     return write_params(tmp / "params.yaml", params)
 
@@ -400,9 +490,18 @@ def library_factories(workdir: Path) -> Iterator[Path]:
 
 
 def stage(workdir: Path, params: Path, name: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "dpml", "stage", name, "--params", str(params)], capture_output=True,
-                          text=True, cwd=workdir, env=env)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "dpml", "stage", name, "--params", str(params)],
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        env=env,
+    )
 
 
 def stages_in_process(params: Path, *names: str) -> None:
@@ -415,8 +514,9 @@ def stages_in_process(params: Path, *names: str) -> None:
 
 
 @pytest.mark.parametrize("factory", ["hfmodels:bert", pytest.param("hfmodels:gpt2", marks=pytest.mark.exhaustive)])
-def test_the_pipeline_trains_a_library_model_on_a_tokens_table_and_serves_it(factory: str,
-                                                                            library_factories: Path) -> None:
+def test_the_pipeline_trains_a_library_model_on_a_tokens_table_and_serves_it(
+    factory: str, library_factories: Path
+) -> None:
     """GPT-2 pools the last token that is not its padding id, BERT the first: both read the mask."""
     from dpml.config import load
     from dpml.models import build_model, spec_from_dict
@@ -467,20 +567,31 @@ def test_a_bad_tokens_table_is_refused_before_any_budget_is_spent(workdir: Path)
     (workdir / "hfmodels.py").write_text("def bert(input_shape, n_classes):\n    raise AssertionError\n")
     frame = token_table(workdir / "tokens.csv")
     params = token_params(workdir, "hfmodels:bert")
-    for number, (cell, message) in enumerate([(f"3 {VOCABULARY} 4", rf"row 7, column 'text': token id {VOCABULARY} is outside the "
-                                                rf"vocabulary \[0, {VOCABULARY}\)"),
-                          ("3 -1", r"row 7, column 'text': '-1' is not a token id; a tokens cell holds integers in"),
-                          (" ".join(["5"] * (LENGTH + 1)), rf"row 7, column 'text': {LENGTH + 1} token ids, more than its "
-                                                           rf"length {LENGTH}; truncate"),
-                          ("", r"row 7, column 'text': missing value; a tokens column has no fill")]):
+    for number, (cell, message) in enumerate(
+        [
+            (
+                f"3 {VOCABULARY} 4",
+                rf"row 7, column 'text': token id {VOCABULARY} is outside the "
+                rf"vocabulary \[0, {VOCABULARY}\)",
+            ),
+            ("3 -1", r"row 7, column 'text': '-1' is not a token id; a tokens cell holds integers in"),
+            (
+                " ".join(["5"] * (LENGTH + 1)),
+                rf"row 7, column 'text': {LENGTH + 1} token ids, more than its "
+                rf"length {LENGTH}; truncate",
+            ),
+            ("", r"row 7, column 'text': missing value; a tokens column has no fill"),
+        ]
+    ):
         bad = frame.copy()
         bad.loc[7, "text"] = cell
         bad.to_csv(workdir / "tokens.csv", index=False)
         if number == 0:  # the command's one line
             done = stage(workdir, params, "ingest")
             assert done.returncode == 1, done.stderr[-2000:]
-            assert any(re.search(f"^dpml: error: .*{message}", line) for line in done.stderr.splitlines()), \
-                done.stderr[-2000:]
+            assert any(re.search(f"^dpml: error: .*{message}", line) for line in done.stderr.splitlines()), done.stderr[
+                -2000:
+            ]
         else:
             with pytest.raises(DataError, match=message):
                 stages_in_process(params, "ingest")
@@ -488,18 +599,33 @@ def test_a_bad_tokens_table_is_refused_before_any_budget_is_spent(workdir: Path)
     sys.modules.pop("hfmodels", None)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"model": {"kind": "mlp"}}, r"model.kind = 'mlp': data.columns.text holds token ids, which only a model taking "
-                                 r"input_ids and attention_mask reads"),
-    ({"data": {"columns": {"text": {"type": "tokens", "length": 4, "vocabulary": 8}, "n": {"type": "numeric",
-                                                                                        "lower": 0, "upper": 1}}}},
-     r"'text' is a tokens column, so it must be the only feature column"),
-    ({"data": {"columns": {"text": {"type": "tokens", "length": 4, "vocabulary": 8, "pad_id": 8}}}},
-     r"pad_id = 8: must be a token id in \[0, vocabulary = 8\)"),
-    ({"model": {"inputs": "tokens", "kind": "mlp"}}, r"model.inputs = 'tokens': only for model.kind: custom"),
-])
-def test_token_settings_are_checked_with_the_configuration(change: dict[str, Any], message: str,
-                                                          workdir: Path) -> None:
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"model": {"kind": "mlp"}},
+            r"model.kind = 'mlp': data.columns.text holds token ids, which only a model taking "
+            r"input_ids and attention_mask reads",
+        ),
+        (
+            {
+                "data": {
+                    "columns": {
+                        "text": {"type": "tokens", "length": 4, "vocabulary": 8},
+                        "n": {"type": "numeric", "lower": 0, "upper": 1},
+                    }
+                }
+            },
+            r"'text' is a tokens column, so it must be the only feature column",
+        ),
+        (
+            {"data": {"columns": {"text": {"type": "tokens", "length": 4, "vocabulary": 8, "pad_id": 8}}}},
+            r"pad_id = 8: must be a token id in \[0, vocabulary = 8\)",
+        ),
+        ({"model": {"inputs": "tokens", "kind": "mlp"}}, r"model.inputs = 'tokens': only for model.kind: custom"),
+    ],
+)
+def test_token_settings_are_checked_with_the_configuration(change: dict[str, Any], message: str, workdir: Path) -> None:
     from dpml.config import load
 
     (workdir / "hfmodels.py").write_text("def bert(input_shape, n_classes):\n    raise AssertionError\n")
@@ -524,9 +650,18 @@ def test_dpml_run_releases_a_bert_trained_on_a_tokens_table(library_factories: P
     mlflow.set_tracking_uri(f"sqlite:///{library_factories / 'mlflow.db'}")
     frame = token_table(library_factories / "tokens.csv")
     params = token_params(library_factories, "hfmodels:bert")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(params)],
-                          capture_output=True, text=True, cwd=library_factories, env=env)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(params)],
+        capture_output=True,
+        text=True,
+        cwd=library_factories,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     model = mlflow.pyfunc.load_model("models:/dpml-test-model/1")
     answer = model.predict(frame[["text"]].iloc[:5])
@@ -570,15 +705,22 @@ def test_the_model_libraries_are_a_pinned_extra_and_never_runtime_dependencies()
         assert installed == version, f"{name}: installed {installed}, locked {version}"
     for source in (REPO / "dpml").rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not [n for n in names if n.split(".")[0] in LIBRARIES], f"{source} imports {names}"
 
 
 def test_dpml_runs_without_loading_any_model_library() -> None:
-    code = ("import sys, dpml, dpml.api, dpml.cli, dpml.stages, dpml.tracking.serving, dpml.models.library, "
-            "dpml.train.token_records; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            f"{LIBRARIES!r}))")
+    code = (
+        "import sys, dpml, dpml.api, dpml.cli, dpml.stages, dpml.tracking.serving, dpml.models.library, "
+        "dpml.train.token_records; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        f"{LIBRARIES!r}))"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -588,12 +730,17 @@ def test_dpml_runs_without_loading_any_model_library() -> None:
 def test_a_token_model_on_records_that_are_not_tokens_is_refused_before_the_spend(workdir: Path) -> None:
     """The digits' pixels would be read as ids and masks: the train stage refuses before the ledger is touched."""
     (workdir / "plainmodels.py").write_text(PLAIN_FACTORIES)
-    params = write_params(workdir / "params.yaml", small_params(
-        workdir, model={"kind": "custom", "factory": "plainmodels:bag", "hidden": []}))
+    params = write_params(
+        workdir / "params.yaml",
+        small_params(workdir, model={"kind": "custom", "factory": "plainmodels:bag", "hidden": []}),
+    )
     try:
         stages_in_process(params, "ingest", "split", "preprocess")
-        with pytest.raises(ValueError, match=r"model.factory = 'plainmodels:bag': its module is called with input_ids "
-                                             r"and attention_mask, but sklearn:digits has no tokens column"):
+        with pytest.raises(
+            ValueError,
+            match=r"model.factory = 'plainmodels:bag': its module is called with input_ids "
+            r"and attention_mask, but sklearn:digits has no tokens column",
+        ):
             stages_in_process(params, "train")
     finally:
         sys.modules.pop("plainmodels", None)

@@ -38,11 +38,19 @@ def dpml(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_growing_table_spends_each_persons_budget_once(workdir: Path) -> None:
     table = workdir / "visits.csv"
     people_table(600).to_csv(table, index=False)
-    params = small_params(workdir, data={"source": f"csv:{table}", "label_column": "label", "id_column": "person",
-                                         "feature_columns": ["a", "b"], "classes": ["no", "yes"]},
-                          preprocess={"lower": -5.0, "upper": 5.0},
-                          audit={"references": 1, "white_box_canaries": 0, "black_box_canaries": 0, "control": False},
-                          gate={"epsilon_budget": 1e6})
+    params = small_params(
+        workdir,
+        data={
+            "source": f"csv:{table}",
+            "label_column": "label",
+            "id_column": "person",
+            "feature_columns": ["a", "b"],
+            "classes": ["no", "yes"],
+        },
+        preprocess={"lower": -5.0, "upper": 5.0},
+        audit={"references": 1, "white_box_canaries": 0, "black_box_canaries": 0, "control": False},
+        gate={"epsilon_budget": 1e6},
+    )
     path = write_params(workdir / "p.yaml", params)
     first = dpml("run", "--engine", "local", "--params", str(path))
     assert first.returncode == 0, first.stderr
@@ -68,8 +76,17 @@ def test_a_growing_table_spends_each_persons_budget_once(workdir: Path) -> None:
     assert f"{spend.n_units:,} of the" in line  # exactly the people trained on before
     assert len(ledger.spends("visits", counted_only=False)) == 1  # nothing recorded
 
-    excluded = dpml("run", "--engine", "local", "--params", str(path), "--set", f"ledger.epsilon_budget={budget}",
-                    "--set", "ledger.on_exhausted=exclude")
+    excluded = dpml(
+        "run",
+        "--engine",
+        "local",
+        "--params",
+        str(path),
+        "--set",
+        f"ledger.epsilon_budget={budget}",
+        "--set",
+        "ledger.on_exhausted=exclude",
+    )
     assert excluded.returncode == 0, excluded.stderr
     spends = ledger.spends("visits")
     assert len(spends) == 2 and 0 < (spends[1].n_units or 0) <= 90

@@ -8,16 +8,32 @@ import pytest
 import torch
 from torch import nn
 
-from dpml.models.lipschitz import (LOSS_LIPSCHITZ, GroupSort2, InputBound, LayerCentering, SpectralLinear,
-                                   gradient_bounds, multiclass_hinge, project_all, tau_cross_entropy)
+from dpml.models.lipschitz import (
+    LOSS_LIPSCHITZ,
+    GroupSort2,
+    InputBound,
+    LayerCentering,
+    SpectralLinear,
+    gradient_bounds,
+    multiclass_hinge,
+    project_all,
+    tau_cross_entropy,
+)
 
 LOSSES = {"tau_cross_entropy": tau_cross_entropy(4.0), "multiclass_hinge": multiclass_hinge(1.0)}
 
 
 def lipschitz_net(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(InputBound(2.0), SpectralLinear(12, 16, bias_bound=0.5), GroupSort2(), LayerCentering(),
-                         SpectralLinear(16, 16, bias_bound=0.5), GroupSort2(), SpectralLinear(16, 4)).double()
+    return nn.Sequential(
+        InputBound(2.0),
+        SpectralLinear(12, 16, bias_bound=0.5),
+        GroupSort2(),
+        LayerCentering(),
+        SpectralLinear(16, 16, bias_bound=0.5),
+        GroupSort2(),
+        SpectralLinear(16, 4),
+    ).double()
 
 
 def randomise(model: nn.Sequential, seed: int) -> None:
@@ -43,7 +59,7 @@ def test_per_example_gradients_never_exceed_the_bounds(loss_name: str) -> None:
         x = torch.randn(40, 12, generator=generator, dtype=torch.float64) * 3  # many above X0: InputBound acts
         y = torch.randint(0, 4, (40,), generator=generator)
         for i in range(40):
-            grads = torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]).sum(), list(model.parameters()))
+            grads = torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]).sum(), list(model.parameters()))
             for (name, _), g in zip(model.named_parameters(), grads):
                 ratio = float(g.norm()) / bounds[name]
                 assert ratio <= 1 + 1e-9, (name, ratio)
@@ -72,10 +88,10 @@ def test_losses_are_root_two_lipschitz_and_the_constant_is_attained() -> None:
     y = torch.randint(0, 5, (500,), generator=generator)
     for name, loss in LOSSES.items():
         z = logits.clone().requires_grad_(True)
-        g, = torch.autograd.grad(loss(z, y).sum(), z)
+        (g,) = torch.autograd.grad(loss(z, y).sum(), z)
         assert float(g.norm(dim=1).max()) <= LOSS_LIPSCHITZ[name] + 1e-12
     z = torch.tensor([[-50.0, 50.0, 0.0]], dtype=torch.float64, requires_grad=True)  # confidently wrong
-    g, = torch.autograd.grad(tau_cross_entropy(1.0)(z, torch.tensor([0])).sum(), z)
+    (g,) = torch.autograd.grad(tau_cross_entropy(1.0)(z, torch.tensor([0])).sum(), z)
     assert float(g.norm()) == pytest.approx(math.sqrt(2), rel=1e-6)
 
 

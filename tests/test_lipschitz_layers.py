@@ -13,16 +13,39 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpml.models.lipschitz import (LOSS_LIPSCHITZ, BjorckLinear, Flatten, GroupSort2, InputBound, L2NormPool2d,
-                                   LayerCentering, LipschitzSpec, Residual, SpectralConv2d, SpectralLinear,
-                                   Unflatten, build_lipschitz, gradient_bounds, hinge_kantorovich_rubinstein,
-                                   kantorovich_rubinstein, loss_lipschitz, project_all, tau_cross_entropy)
+from dpml.models.lipschitz import (
+    LOSS_LIPSCHITZ,
+    BjorckLinear,
+    Flatten,
+    GroupSort2,
+    InputBound,
+    L2NormPool2d,
+    LayerCentering,
+    LipschitzSpec,
+    Residual,
+    SpectralConv2d,
+    SpectralLinear,
+    Unflatten,
+    build_lipschitz,
+    gradient_bounds,
+    hinge_kantorovich_rubinstein,
+    kantorovich_rubinstein,
+    loss_lipschitz,
+    project_all,
+    tau_cross_entropy,
+)
 from dpml.train.clipless import GradientBounds, largest_spectral_norm
 
 # (C, F, kernel, H, W, padding) and a floor on exact/certified: measured over 20 random kernels each as
 # 0.87–0.95, 0.88–0.97, 0.73–0.87 (a 5×5 kernel on a 6×6 image), 0.83–0.93, 0.93–0.98, 0.97–0.99 (14×14).
-CONV_CASES = [((2, 4, 3, 6, 6, 1), 0.85), ((3, 2, 3, 5, 7, 1), 0.85), ((1, 4, 5, 6, 6, 2), 0.7),
-              ((2, 3, 3, 6, 6, 0), 0.8), ((2, 6, 2, 5, 5, 0), 0.9), ((2, 4, 3, 14, 14, 1), 0.95)]
+CONV_CASES = [
+    ((2, 4, 3, 6, 6, 1), 0.85),
+    ((3, 2, 3, 5, 7, 1), 0.85),
+    ((1, 4, 5, 6, 6, 2), 0.7),
+    ((2, 3, 3, 6, 6, 0), 0.8),
+    ((2, 6, 2, 5, 5, 0), 0.9),
+    ((2, 4, 3, 14, 14, 1), 0.95),
+]
 
 
 def dense_matrix(layer: SpectralConv2d) -> torch.Tensor:
@@ -56,8 +79,9 @@ def random_conv(case: tuple[int, ...], seed: int) -> SpectralConv2d:
 
 
 @pytest.mark.parametrize(("case", "floor"), CONV_CASES)
-def test_certified_conv_bound_is_the_circular_norm_and_bounds_the_exact_norm(case: tuple[int, ...],
-                                                                              floor: float) -> None:
+def test_certified_conv_bound_is_the_circular_norm_and_bounds_the_exact_norm(
+    case: tuple[int, ...], floor: float
+) -> None:
     layer = random_conv(case, seed=sum(case))
     certified = layer.certified_spectral_norm()
     exact = exact_norm(dense_matrix(layer))
@@ -138,7 +162,7 @@ def test_l2_norm_pooling_is_the_window_norm_one_lipschitz_and_norm_non_increasin
     assert bool(((pool(a) - pool(b)).flatten(1).norm(dim=1) <= (a - b).flatten(1).norm(dim=1) + 1e-12).all())
     assert bool((pool(a).flatten(1).norm(dim=1) <= a.flatten(1).norm(dim=1) + 1e-12).all())
     zero = torch.zeros(1, 1, 4, 4, dtype=torch.float64, requires_grad=True)
-    g, = torch.autograd.grad(pool(zero).sum(), zero)
+    (g,) = torch.autograd.grad(pool(zero).sum(), zero)
     assert bool(torch.isfinite(g).all()) and float(g.abs().max()) == 0.0
 
 
@@ -160,23 +184,40 @@ def test_groupsort_over_channels_and_reshapes_are_isometries() -> None:
 
 def conv_net() -> nn.Sequential:
     return nn.Sequential(
-        InputBound(3.0), Unflatten((2, 6, 6)), SpectralConv2d(2, 4, 3, (2, 6, 6), bias_bound=0.3), GroupSort2(dim=1),
-        L2NormPool2d(2), SpectralConv2d(4, 4, 3, (4, 3, 3)), GroupSort2(dim=1), Flatten(),
-        BjorckLinear(36, 6, bias_bound=0.2), GroupSort2(), SpectralLinear(6, 3)).double()
+        InputBound(3.0),
+        Unflatten((2, 6, 6)),
+        SpectralConv2d(2, 4, 3, (2, 6, 6), bias_bound=0.3),
+        GroupSort2(dim=1),
+        L2NormPool2d(2),
+        SpectralConv2d(4, 4, 3, (4, 3, 3)),
+        GroupSort2(dim=1),
+        Flatten(),
+        BjorckLinear(36, 6, bias_bound=0.2),
+        GroupSort2(),
+        SpectralLinear(6, 3),
+    ).double()
 
 
 def residual_net() -> nn.Sequential:
     return nn.Sequential(
-        InputBound(3.0), SpectralLinear(8, 8, bias_bound=0.3),
-        Residual([SpectralLinear(8, 8, bias_bound=0.2), GroupSort2(), BjorckLinear(8, 8)]), GroupSort2(),
-        Residual([Residual([SpectralLinear(8, 8)]), LayerCentering()]), SpectralLinear(8, 3)).double()
+        InputBound(3.0),
+        SpectralLinear(8, 8, bias_bound=0.3),
+        Residual([SpectralLinear(8, 8, bias_bound=0.2), GroupSort2(), BjorckLinear(8, 8)]),
+        GroupSort2(),
+        Residual([Residual([SpectralLinear(8, 8)]), LayerCentering()]),
+        SpectralLinear(8, 3),
+    ).double()
 
 
 NETWORKS = {"conv": (conv_net, 72), "residual": (residual_net, 8)}
-LOSSES = {"tau_cross_entropy": (tau_cross_entropy(4.0), loss_lipschitz("tau_cross_entropy")),
-          "kantorovich_rubinstein": (kantorovich_rubinstein(), loss_lipschitz("kantorovich_rubinstein", 3)),
-          "hinge_kantorovich_rubinstein": (hinge_kantorovich_rubinstein(2.0),
-                                           loss_lipschitz("hinge_kantorovich_rubinstein", 3, alpha=2.0))}
+LOSSES = {
+    "tau_cross_entropy": (tau_cross_entropy(4.0), loss_lipschitz("tau_cross_entropy")),
+    "kantorovich_rubinstein": (kantorovich_rubinstein(), loss_lipschitz("kantorovich_rubinstein", 3)),
+    "hinge_kantorovich_rubinstein": (
+        hinge_kantorovich_rubinstein(2.0),
+        loss_lipschitz("hinge_kantorovich_rubinstein", 3, alpha=2.0),
+    ),
+}
 # Honest floors on the worst ratio per parameter (measured: conv weights 0.09–0.25, biases 0.13–0.97,
 # residual parameters 0.29–0.79): the bounds are within ~10× of what random data reach.
 FLOOR = {"conv": 0.05, "residual": 0.2}
@@ -237,7 +278,8 @@ def test_residual_names_group_into_top_level_layers_and_propagate_as_documented(
     inner_out = 3.0 + 0.2  # SpectralLinear(bias 0.2) → GroupSort2 → BjorckLinear
     assert block.propagate_inputs(3.0) == pytest.approx(0.5 * (3.0 + inner_out))
     assert block.parameter_gradient_bounds(3.0, 2.0) == pytest.approx(
-        {"inner.0.weight": 1.0 * 3.0, "inner.0.bias": 1.0, "inner.2.weight": 1.0 * inner_out})
+        {"inner.0.weight": 1.0 * 3.0, "inner.0.bias": 1.0, "inner.2.weight": 1.0 * inner_out}
+    )
     x = torch.randn(100, 8, dtype=torch.float64)
     z = torch.randn(100, 8, dtype=torch.float64)
     assert bool(((block(x) - block(z)).norm(dim=1) <= (x - z).norm(dim=1) + 1e-12).all())
@@ -252,7 +294,7 @@ def test_residual_names_group_into_top_level_layers_and_propagate_as_documented(
 
 def logit_gradients(loss, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     z = logits.clone().requires_grad_(True)
-    g, = torch.autograd.grad(loss(z, y).sum(), z)
+    (g,) = torch.autograd.grad(loss(z, y).sum(), z)
     return g
 
 
@@ -307,8 +349,14 @@ def test_spec_round_trips_and_old_payloads_still_load() -> None:
     for spec in (REFERENCE, LipschitzSpec(10, (16,), 3, 1.0, 0.5, dense_layer="bjorck")):
         payload = json.loads(json.dumps(spec.to_dict()))
         assert payload["kind"] == "lipschitz" and LipschitzSpec.from_dict(payload) == spec
-    old = {"kind": "lipschitz", "in_features": 10, "hidden": [16], "n_classes": 3, "input_bound": 1.0,
-           "bias_bound": 0.5}
+    old = {
+        "kind": "lipschitz",
+        "in_features": 10,
+        "hidden": [16],
+        "n_classes": 3,
+        "input_bound": 1.0,
+        "bias_bound": 0.5,
+    }
     assert LipschitzSpec.from_dict(old) == LipschitzSpec(10, (16,), 3, 1.0, 0.5)
 
 
@@ -316,26 +364,42 @@ def test_reference_architecture_builds_with_certified_constraints() -> None:
     torch.manual_seed(0)
     model = build_lipschitz(REFERENCE)
     kinds = [type(m).__name__ for m in model]
-    assert kinds == ["InputBound", "Unflatten", "SpectralConv2d", "GroupSort2", "L2NormPool2d", "SpectralConv2d",
-                     "GroupSort2", "L2NormPool2d", "Flatten", "SpectralLinear", "GroupSort2", "SpectralLinear"]
+    assert kinds == [
+        "InputBound",
+        "Unflatten",
+        "SpectralConv2d",
+        "GroupSort2",
+        "L2NormPool2d",
+        "SpectralConv2d",
+        "GroupSort2",
+        "L2NormPool2d",
+        "Flatten",
+        "SpectralLinear",
+        "GroupSort2",
+        "SpectralLinear",
+    ]
     assert model[9].in_features == 64 * 7 * 7 and all(getattr(m, "bias", None) is None for m in model)
     assert model(torch.randn(2, 784)).shape == (2, 10)
     bounds = gradient_bounds(model, REFERENCE.input_bound, LOSS_LIPSCHITZ["tau_cross_entropy"])
     assert set(bounds) == {n for n, _ in model.named_parameters()}
     assert bounds["2.weight"] == pytest.approx(3 * math.sqrt(2) * 20.0)  # √9 · L · X0 (every layer 1-Lipschitz)
     assert largest_spectral_norm(model) <= 1 + 1e-6
-    assert [type(m).__name__ for m in build_lipschitz(LipschitzSpec(10, (16,), 3, 1.0, None, dense_layer="bjorck"))
-            ] == ["InputBound", "BjorckLinear", "GroupSort2", "BjorckLinear"]
+    assert [
+        type(m).__name__ for m in build_lipschitz(LipschitzSpec(10, (16,), 3, 1.0, None, dense_layer="bjorck"))
+    ] == ["InputBound", "BjorckLinear", "GroupSort2", "BjorckLinear"]
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"conv": (3,)}, r"conv channels \[3\]"),
-    ({"dense_layer": "cayley"}, "dense_layer = 'cayley'"),
-    ({"input_shape": (1, 28, 27)}, r"input_shape = \(1, 28, 27\) has 756 entries, in_features = 784"),
-    ({"input_shape": None}, "input_shape = None: conv layers need"),
-    ({"conv": (), "input_shape": (1, 28, 28)}, "only used with conv"),
-    ({"hidden": (5,)}, "even widths"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"conv": (3,)}, r"conv channels \[3\]"),
+        ({"dense_layer": "cayley"}, "dense_layer = 'cayley'"),
+        ({"input_shape": (1, 28, 27)}, r"input_shape = \(1, 28, 27\) has 756 entries, in_features = 784"),
+        ({"input_shape": None}, "input_shape = None: conv layers need"),
+        ({"conv": (), "input_shape": (1, 28, 28)}, "only used with conv"),
+        ({"hidden": (5,)}, "even widths"),
+    ],
+)
 def test_spec_errors_name_the_field(changes: dict, message: str) -> None:
     spec = LipschitzSpec(**(REFERENCE.__dict__ | changes))
     with pytest.raises(ValueError, match=message):

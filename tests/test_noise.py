@@ -24,8 +24,9 @@ from dpml.train.noise import BoxMullerBuffers, PrefetchedNoise, gaussian, gaussi
 from tests.noise_laws import BOUND_24, BOUND_53, box_muller, check_gaussian_draws, check_tail_resolution, grid_hits
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device on this machine: the GPU noise checks did not run")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine: the GPU noise checks did not run"
+)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
@@ -61,7 +62,9 @@ def test_the_compiled_draw_is_the_numpy_draw(tmp_path: Path, monkeypatch: pytest
     built = kernels.load_kernel(library)
     assert built is not None
     for count, std, seed in [(1, 1.0, 0), (2, 0.3, 1), (9, 2.0, 2), (8193, 1.0, 3), (300_001, 4.0, 4)]:
-        reference = BoxMullerBuffers(count, torch.float32, compiled=False).draw(std, torch.Generator().manual_seed(seed))
+        reference = BoxMullerBuffers(count, torch.float32, compiled=False).draw(
+            std, torch.Generator().manual_seed(seed)
+        )
         drawn = BoxMullerBuffers(count, torch.float32, compiled=False)
         drawn.compiled = built
         fast = drawn.draw(std, torch.Generator().manual_seed(seed))
@@ -99,13 +102,16 @@ def test_the_compiled_draw_is_the_same_on_any_number_of_threads(thread_limit: st
     env = {key: value for key, value in os.environ.items() if key != "OMP_THREAD_LIMIT"}
     if thread_limit is not None:
         env["OMP_THREAD_LIMIT"] = thread_limit
-    done = subprocess.run([sys.executable, "-c", THREADS_CHECK], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS_CHECK], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("same") and 3.0 < float(done.stdout.split()[1]) <= 8.58
 
 
-def test_without_a_working_compiler_the_draw_falls_back_to_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_working_compiler_the_draw_falls_back_to_numpy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A compiler that fails, a missing compiler or a missing C source: no library, nothing half-written
     left behind, and the draw is NumPy's (the same numbers as the reference construction)."""
     monkeypatch.setenv("CC", "false")  # a command that fails like a broken compiler
@@ -147,17 +153,21 @@ def test_the_tail_radii_come_from_53_bit_uniforms_not_24_bit_ones() -> None:
     assert pairs > 100 and hits == pairs
     ours = gaussian_noise({"w": nn.Parameter(torch.zeros(n))}, 1.0, torch.Generator().manual_seed(0))["w"]
     assert ours.dtype == torch.float32
-    check_tail_resolution(ours[:n // 2], ours[n // 2:])
+    check_tail_resolution(ours[: n // 2], ours[n // 2 :])
 
 
 def test_the_draw_is_returned_in_the_parameters_dtype() -> None:
     """float64 parameters get the float64 construction; bfloat16 and float16 ones the float32 draw rounded to
     their dtype (the arithmetic stays float32), both through :func:`gaussian` and :func:`gaussian_noise`."""
-    wide = gaussian_noise({"w": nn.Parameter(torch.zeros(64, dtype=torch.float64))}, 1.0, torch.Generator().manual_seed(2))
+    wide = gaussian_noise(
+        {"w": nn.Parameter(torch.zeros(64, dtype=torch.float64))}, 1.0, torch.Generator().manual_seed(2)
+    )
     assert wide["w"].dtype == torch.float64
     torch.testing.assert_close(wide["w"], box_muller(64, 1.0, 2, torch.float64), rtol=1e-12, atol=1e-12)
     for narrow in (torch.bfloat16, torch.float16):
-        drawn = gaussian_noise({"w": nn.Parameter(torch.zeros(64, dtype=narrow))}, 1.0, torch.Generator().manual_seed(2))
+        drawn = gaussian_noise(
+            {"w": nn.Parameter(torch.zeros(64, dtype=narrow))}, 1.0, torch.Generator().manual_seed(2)
+        )
         assert drawn["w"].dtype == narrow
         assert torch.equal(drawn["w"], box_muller(64, 1.0, 2).to(narrow))
         assert gaussian((5,), 1.0, torch.Generator(), narrow).dtype == narrow
@@ -180,7 +190,9 @@ def test_prefetched_noise_keeps_the_noise_it_returned_while_it_draws_the_next() 
     """The draws alternate between two sets of buffers: the noise :meth:`draw` returned stays intact while the
     next step's is drawn in the background (a stream that reused one set would overwrite it)."""
     params = dict(nn.Linear(40, 10).named_parameters())
-    expected = [gaussian_noise(params, 0.5, generator) for generator in [torch.Generator().manual_seed(3)] for _ in range(3)]
+    expected = [
+        gaussian_noise(params, 0.5, generator) for generator in [torch.Generator().manual_seed(3)] for _ in range(3)
+    ]
     stream = PrefetchedNoise(torch.Generator().manual_seed(3), params, 0.5)
     try:
         for step in range(3):
@@ -227,8 +239,14 @@ def test_no_trainer_draws_noise_outside_the_noise_module() -> None:
     """Every Gaussian a trainer adds for privacy goes through dpml.train.noise, none through torch's
     samplers directly."""
     direct = re.compile(r"torch\.normal\(|torch\.randn\(|\.normal_\(|randn_like\(")
-    offenders = [(str(path.relative_to(ROOT)), line.strip()) for path in sorted((ROOT / "dpml" / "train").rglob("*.py"))
-                 if path.name != "noise.py" for line in path.read_text().splitlines() if direct.search(line)]
+    offenders = [
+        (str(path.relative_to(ROOT)), line.strip())
+        for path in sorted((ROOT / "dpml" / "train").rglob("*.py"))
+        if path.name != "noise.py"
+        for line in path.read_text().splitlines()
+        if direct.search(line)
+    ]
     # the clipping probe's synthetic inputs are the one sanctioned use (public inputs, not noise)
-    assert offenders == [("dpml/train/clipping_check.py",
-                          "return torch.randn(shape, generator=generator, dtype=torch.float64)")], offenders
+    assert offenders == [
+        ("dpml/train/clipping_check.py", "return torch.randn(shape, generator=generator, dtype=torch.float64)")
+    ], offenders

@@ -12,8 +12,15 @@ from scipy.optimize import minimize
 from dpml.config import ConfigError, load
 from dpml.models.gated import GatedLinear, GatedSpec, lipschitz_bound, smoothness_bound
 from dpml.accounting.accountants import certify, epsilon_pld, tight_epsilon
-from dpml.accounting.gdp import (calibrate_l2, contraction_factor, gdp_delta, gdp_epsilon, gdp_mu, noisycgd_mu,
-                              noisycgd_mu_factor)
+from dpml.accounting.gdp import (
+    calibrate_l2,
+    contraction_factor,
+    gdp_delta,
+    gdp_epsilon,
+    gdp_mu,
+    noisycgd_mu,
+    noisycgd_mu_factor,
+)
 from dpml.ledger.ledger import Ledger
 from dpml.accounting.mechanism import GaussianDP, MechanismDescription, PoissonGaussianSteps
 from dpml.train.clipping import clipped_gradient_sum
@@ -22,6 +29,7 @@ from dpml.train.noisycgd import NoisyCgdSettings, cyclic_batches, noisycgd_mecha
 
 
 # --- Theorem 2.8 against the GDP composition it comes from ------------------------------------------
+
 
 def shifted_interpolation_mu(c: float, k: int, epochs: int, position: int) -> float:
     """min sqrt(Σ_t a_t²) over shifts a_t ≥ 0 with z_t = c z_{t−1} + s_t − a_t ≥ 0, z_T = 0 (z_0 = 0).
@@ -41,10 +49,18 @@ def shifted_interpolation_mu(c: float, k: int, epochs: int, position: int) -> fl
             out.append(z)
         return np.array(out)
 
-    result = minimize(lambda a: float((a ** 2).sum()), s.copy(), jac=lambda a: 2 * a, method="SLSQP",
-                      bounds=[(0, None)] * steps, options={"ftol": 1e-14, "maxiter": 1000},
-                      constraints=[{"type": "eq", "fun": lambda a: distances(a)[-1]},
-                                   {"type": "ineq", "fun": lambda a: distances(a)[:-1]}])
+    result = minimize(
+        lambda a: float((a**2).sum()),
+        s.copy(),
+        jac=lambda a: 2 * a,
+        method="SLSQP",
+        bounds=[(0, None)] * steps,
+        options={"ftol": 1e-14, "maxiter": 1000},
+        constraints=[
+            {"type": "eq", "fun": lambda a: distances(a)[-1]},
+            {"type": "ineq", "fun": lambda a: distances(a)[:-1]},
+        ],
+    )
     assert result.success, result.message
     return math.sqrt(result.fun)
 
@@ -56,7 +72,7 @@ def linear_gaussian_mu(c: float, k: int, epochs: int, position: int) -> float:
     weights = np.array([c ** (steps - 1 - t) for t in range(steps)])
     visits = np.zeros(steps)
     visits[[position - 1 + k * e for e in range(epochs)]] = 1.0
-    return float(weights @ visits / np.sqrt((weights ** 2).sum()))
+    return float(weights @ visits / np.sqrt((weights**2).sum()))
 
 
 @pytest.mark.parametrize("c", [0.5, 0.8, 0.95])
@@ -91,6 +107,7 @@ def test_the_digest_check_value_of_seed_001() -> None:
 
 
 # --- the exact GDP conversion ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mu", [0.05, 0.5, 1.0, 3.0])
 def test_gdp_conversion_against_dp_accountings_gaussian(mu: float) -> None:
@@ -132,6 +149,7 @@ def test_ledger_composes_gdp_spends_and_dpsgd_spends(tmp_path) -> None:
 
 
 # --- the model's curvature and gradient bounds ---------------------------------------------------
+
 
 def _loss_of_flat_weights(spec: GatedSpec, x: torch.Tensor, y: torch.Tensor, loss: str):
     model = GatedLinear(spec).double()
@@ -195,17 +213,31 @@ def test_unsafe_learning_rates_are_refused() -> None:
 
 # --- configuration -----------------------------------------------------------------------------
 
-NOISYCGD = ["train.algorithm=noisycgd", "model.kind=gated", "model.gates=16", "dp.neighbouring=replace-one",
-            "dp.noise_multiplier=4", "dp.clip_norm=34", "train.learning_rate=0.005", "noisycgd.batch_size=100",
-            "train.epochs=20"]
+NOISYCGD = [
+    "train.algorithm=noisycgd",
+    "model.kind=gated",
+    "model.gates=16",
+    "dp.neighbouring=replace-one",
+    "dp.noise_multiplier=4",
+    "dp.clip_norm=34",
+    "train.learning_rate=0.005",
+    "noisycgd.batch_size=100",
+    "train.epochs=20",
+]
 
 
 def test_noisycgd_configuration_errors_name_each_key() -> None:
     with pytest.raises(ConfigError) as error:
         load("params.yaml", ["train.algorithm=noisycgd", "train.momentum=0.5", "train.epochs=2.5"])
     text = str(error.value)
-    for expected in ("model.kind = 'mlp'", "dp.neighbouring = 'add-remove'", "dp.noise_multiplier: required",
-                     "train.momentum = 0.5", "train.epochs = 2.5", "dp.clip_norm = 1: below"):
+    for expected in (
+        "model.kind = 'mlp'",
+        "dp.neighbouring = 'add-remove'",
+        "dp.noise_multiplier: required",
+        "train.momentum = 0.5",
+        "train.epochs = 2.5",
+        "dp.clip_norm = 1: below",
+    ):
         assert expected in text
     with pytest.raises(ConfigError, match="exactly one of dp.target_epsilon and noisycgd.l2"):
         load("params.yaml", NOISYCGD + ["noisycgd.l2=0.1"])
@@ -227,6 +259,7 @@ def test_calibrated_lambda_meets_the_target_tightly() -> None:
 
 # --- the model and the trainer -----------------------------------------------------------------
 
+
 def test_gated_model_matches_explicit_gated_features_and_naive_clipping() -> None:
     spec = GatedSpec(in_features=7, n_gates=5, n_classes=3, gate_seed=2)
     model = GatedLinear(spec).double()
@@ -241,7 +274,7 @@ def test_gated_model_matches_explicit_gated_features_and_naive_clipping() -> Non
         sums, norms = clipped_gradient_sum(model, LOSSES[loss], x, y, clip_norm=0.5)
         expected, expected_norms = torch.zeros_like(model.weight), []
         for i in range(12):
-            g, = torch.autograd.grad(LOSSES[loss](model(x[i:i + 1]), y[i:i + 1]).sum(), model.weight)
+            (g,) = torch.autograd.grad(LOSSES[loss](model(x[i : i + 1]), y[i : i + 1]).sum(), model.weight)
             expected_norms.append(g.norm())
             expected += g * min(1.0, 0.5 / (float(g.norm()) + 1e-6))
         torch.testing.assert_close(norms, torch.stack(expected_norms), rtol=1e-10, atol=1e-12)
@@ -250,8 +283,17 @@ def test_gated_model_matches_explicit_gated_features_and_naive_clipping() -> Non
 
 
 def _settings(**overrides) -> NoisyCgdSettings:
-    values = dict(noise_multiplier=3.0, clip_norm=2 * math.sqrt(8) * 1.0, batch_size=7, epochs=3, learning_rate=0.05,
-                  l2=0.5, n_gates=4, input_norm=1.0, loss="cross_entropy")
+    values = dict(
+        noise_multiplier=3.0,
+        clip_norm=2 * math.sqrt(8) * 1.0,
+        batch_size=7,
+        epochs=3,
+        learning_rate=0.05,
+        l2=0.5,
+        n_gates=4,
+        input_norm=1.0,
+        loss="cross_entropy",
+    )
     return NoisyCgdSettings(**(values | overrides))
 
 
@@ -275,8 +317,9 @@ def test_noise_has_the_certified_scale() -> None:
     spec = GatedSpec(in_features=30, n_gates=4, n_classes=10, gate_seed=0)
     model = GatedLinear(spec)
     x, y = torch.zeros(70, 30), torch.zeros(70, dtype=torch.long)
-    result = train_noisycgd(model, x, y, settings=settings, loss_fn=LOSSES["cross_entropy"], partition_seed=0,
-                            noise_seed=123)
+    result = train_noisycgd(
+        model, x, y, settings=settings, loss_fn=LOSSES["cross_entropy"], partition_seed=0, noise_seed=123
+    )
     steps = result.history["steps"]
     assert steps == 40 * 10
     expected = 0.01 * settings.noise_multiplier * settings.clip_norm / settings.batch_size * math.sqrt(steps)
@@ -291,10 +334,25 @@ def test_noisycgd_learns_a_separable_problem() -> None:
     x = centres[y] + 0.3 * rng.normal(size=(600, 10))
     x = x / np.linalg.norm(x, axis=1, keepdims=True)
     spec = GatedSpec(in_features=10, n_gates=8, n_classes=3, gate_seed=0)
-    settings = _settings(noise_multiplier=1.0, clip_norm=4.0, batch_size=50, epochs=30, learning_rate=0.2,
-                         l2=1e-3, n_gates=8, input_norm=1.0)
+    settings = _settings(
+        noise_multiplier=1.0,
+        clip_norm=4.0,
+        batch_size=50,
+        epochs=30,
+        learning_rate=0.2,
+        l2=1e-3,
+        n_gates=8,
+        input_norm=1.0,
+    )
     model = GatedLinear(spec)
-    train_noisycgd(model, torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y), settings=settings,
-                   loss_fn=LOSSES["cross_entropy"], partition_seed=0, noise_seed=0)
+    train_noisycgd(
+        model,
+        torch.as_tensor(x, dtype=torch.float32),
+        torch.as_tensor(y),
+        settings=settings,
+        loss_fn=LOSSES["cross_entropy"],
+        partition_seed=0,
+        noise_seed=0,
+    )
     accuracy = float((model(torch.as_tensor(x, dtype=torch.float32)).argmax(1).numpy() == y).mean())
     assert accuracy > 0.9

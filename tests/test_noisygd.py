@@ -12,10 +12,21 @@ from torch.func import functional_call, jacrev
 from dpml.models.init import SCHEMES, bias_free_relu_mlp, initialise
 from dpml.accounting.kl import gradient_norm_constant, kl_bound, kl_bound_for_relation
 from dpml.train.noise import gaussian
-from dpml.train.noisygd import (KLPairs, LinearisedNetwork, add_one_difference, estimated_kl, flatten,
-                                mean_loss_and_gradient, neighbour_squared_gaps, noisy_gd_step_noise_std,
-                                per_example_gradients, remove_one_difference, replace_one_difference,
-                                squared_norms, train_noisy_gd)
+from dpml.train.noisygd import (
+    KLPairs,
+    LinearisedNetwork,
+    add_one_difference,
+    estimated_kl,
+    flatten,
+    mean_loss_and_gradient,
+    neighbour_squared_gaps,
+    noisy_gd_step_noise_std,
+    per_example_gradients,
+    remove_one_difference,
+    replace_one_difference,
+    squared_norms,
+    train_noisy_gd,
+)
 
 
 def mlp(widths: list[int], scheme: str = "he", seed: int = 0) -> nn.Sequential:
@@ -43,10 +54,18 @@ def test_zero_gradient_walk_has_std_sqrt_2_eta_sigma_squared_k() -> None:
     start = flatten([p.detach().clone() for p in model.parameters()])
     x, y = torch.zeros(10, 6, dtype=torch.float64), labels(10, 2, 0)
     eta, sigma, steps = 0.05, 0.3, 20
-    result = train_noisy_gd(model, x, y, learning_rate=eta, sigma=sigma, steps=steps, loss="cross_entropy",
-                            generator=torch.Generator().manual_seed(1))
+    result = train_noisy_gd(
+        model,
+        x,
+        y,
+        learning_rate=eta,
+        sigma=sigma,
+        steps=steps,
+        loss="cross_entropy",
+        generator=torch.Generator().manual_seed(1),
+    )
     walk = flatten(list(model.parameters())).detach() - start
-    expected = math.sqrt(2 * eta * sigma ** 2 * steps)
+    expected = math.sqrt(2 * eta * sigma**2 * steps)
     assert walk.numel() > 6000  # the std estimate has relative error ≈ 1/sqrt(2·numel) < 1%
     assert float(walk.std()) == pytest.approx(expected, rel=0.03)  # sqrt(ησ²) would be 29% off
     assert abs(float(walk.mean())) < 4 * expected / math.sqrt(walk.numel())
@@ -118,7 +137,7 @@ def test_linearised_gradient_is_jacobian_at_w0_transposed_times_dloss_df() -> No
             w.add_(0.5 * torch.randn_like(w))  # far from W0: J(W) ≠ J(W0) for the network itself
     _, grads = mean_loss_and_gradient(lin, x, y, "cross_entropy")
     outputs = lin(x).detach().requires_grad_(True)
-    dloss_df, = torch.autograd.grad(nn.functional.cross_entropy(outputs, y), outputs)
+    (dloss_df,) = torch.autograd.grad(nn.functional.cross_entropy(outputs, y), outputs)
     names = [name for name, _ in net.named_parameters()]
     anchor = {name: w0 for name, w0 in zip(names, lin.anchor())}
     jacobian = jacrev(lambda params: functional_call(net, params, (x,)))(anchor)  # (b, o, *shape) per layer
@@ -136,8 +155,9 @@ def test_linearised_gradient_is_jacobian_at_w0_transposed_times_dloss_df() -> No
 @pytest.mark.parametrize("loss,outputs", [("cross_entropy", 3), ("logistic", 1)])
 def test_neighbour_formulas_equal_brute_force_recomputation(loss: str, outputs: int) -> None:
     torch.manual_seed(8)
-    model = nn.Sequential(nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 7, bias=False), nn.Tanh(),
-                          nn.Linear(7, outputs)).double()  # biases and another activation exercise the factors
+    model = nn.Sequential(
+        nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 7, bias=False), nn.Tanh(), nn.Linear(7, outputs)
+    ).double()  # biases and another activation exercise the factors
     n = 12
     x = torch.randn(n, 5, dtype=torch.float64)
     y = labels(n, outputs, 9) if outputs > 1 else labels(n, 2, 9)
@@ -155,18 +175,22 @@ def test_neighbour_formulas_equal_brute_force_recomputation(loss: str, outputs: 
         keep = torch.arange(n) != j
         brute["remove_one"].append(mean - gradient_on(x[keep], y[keep]))
         for i in range(3):
-            brute["replace_one"].append(mean - gradient_on(torch.cat([x[keep], extra_x[i:i + 1]]),
-                                                           torch.cat([y[keep], extra_y[i:i + 1]])))
+            brute["replace_one"].append(
+                mean - gradient_on(torch.cat([x[keep], extra_x[i : i + 1]]), torch.cat([y[keep], extra_y[i : i + 1]]))
+            )
     for i in range(3):
-        brute["add_one"].append(mean - gradient_on(torch.cat([x, extra_x[i:i + 1]]), torch.cat([y, extra_y[i:i + 1]])))
+        brute["add_one"].append(
+            mean - gradient_on(torch.cat([x, extra_x[i : i + 1]]), torch.cat([y, extra_y[i : i + 1]]))
+        )
     brute_vectors = {k: torch.stack(v) for k, v in brute.items()}
 
     g_removed = per_example_gradients(model, x[removed], y[removed], loss)
     g_added = per_example_gradients(model, extra_x, extra_y, loss)
     torch.testing.assert_close(remove_one_difference(mean, g_removed, n), brute_vectors["remove_one"])
     torch.testing.assert_close(add_one_difference(mean, g_added, n), brute_vectors["add_one"])
-    torch.testing.assert_close(torch.cat([replace_one_difference(g, g_added, n) for g in g_removed]),
-                               brute_vectors["replace_one"])
+    torch.testing.assert_close(
+        torch.cat([replace_one_difference(g, g_added, n) for g in g_removed]), brute_vectors["replace_one"]
+    )
 
     pairs = KLPairs(removed=removed, added_x=extra_x, added_y=extra_y)
     auto = neighbour_squared_gaps(model, x, y, loss, grads, pairs)
@@ -188,9 +212,20 @@ def test_estimated_kl_is_eq_74_and_the_history_agrees() -> None:
     model = mlp([4, 8, 2])
     x = torch.randn(20, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
     y = (x[:, 1] > 0).long()
-    pairs = KLPairs(removed=torch.arange(5), added_x=torch.randn(2, 4, dtype=torch.float64), added_y=torch.tensor([0, 1]))
-    history = train_noisy_gd(model, x, y, learning_rate=0.05, sigma=0.1, steps=6, loss="cross_entropy",
-                             generator=torch.Generator().manual_seed(12), kl_pairs=pairs).history
+    pairs = KLPairs(
+        removed=torch.arange(5), added_x=torch.randn(2, 4, dtype=torch.float64), added_y=torch.tensor([0, 1])
+    )
+    history = train_noisy_gd(
+        model,
+        x,
+        y,
+        learning_rate=0.05,
+        sigma=0.1,
+        steps=6,
+        loss="cross_entropy",
+        generator=torch.Generator().manual_seed(12),
+        kl_pairs=pairs,
+    ).history
     kl = history["kl_estimate"]
     assert "estimate" in kl["label"] and "not a certificate" in kl["label"]
     for relation, probes in (("remove_one", 5), ("add_one", 2), ("replace_one", 10)):
@@ -208,10 +243,19 @@ def test_estimated_kl_is_eq_74_and_the_history_agrees() -> None:
 
 # Every initialisation scheme for each loss; the default suite keeps the quick ones (lecun for both losses, he
 # for the logistic), CI runs the rest with the exhaustive set.
-@pytest.mark.parametrize("loss, scheme", [
-    pytest.param(loss, scheme, marks=() if (scheme == "lecun" or (loss, scheme) == ("logistic", "he"))
-                 else pytest.mark.exhaustive, id=f"{loss}-{scheme}")
-    for loss in ("logistic", "cross_entropy") for scheme in SCHEMES])
+@pytest.mark.parametrize(
+    "loss, scheme",
+    [
+        pytest.param(
+            loss,
+            scheme,
+            marks=() if (scheme == "lecun" or (loss, scheme) == ("logistic", "he")) else pytest.mark.exhaustive,
+            id=f"{loss}-{scheme}",
+        )
+        for loss in ("logistic", "cross_entropy")
+        for scheme in SCHEMES
+    ],
+)
 def test_linearised_estimated_kl_stays_below_the_certified_bound(scheme: str, loss: str) -> None:
     """Cor. 4.2 for the linearised network, inputs with ‖x‖ = X0, the estimate averaged over runs.
 
@@ -226,13 +270,25 @@ def test_linearised_estimated_kl_stays_below_the_certified_bound(scheme: str, lo
     x = radius * x / x.norm(dim=1, keepdim=True)
     y = (x[:, 0] + 0.3 * torch.randn(n, dtype=torch.float64, generator=data) > 0).long()
     extra = torch.randn(4, d, dtype=torch.float64, generator=data)
-    pairs = KLPairs(removed=torch.arange(6), added_x=radius * extra / extra.norm(dim=1, keepdim=True),
-                    added_y=torch.tensor([0, 1, 0, 1]))
+    pairs = KLPairs(
+        removed=torch.arange(6),
+        added_x=radius * extra / extra.norm(dim=1, keepdim=True),
+        added_y=torch.tensor([0, 1, 0, 1]),
+    )
     per_probe: dict[str, torch.Tensor] = {}
     for run in range(runs):
         lin = LinearisedNetwork(mlp(widths, scheme, seed=100 + run))
-        kl = train_noisy_gd(lin, x, y, learning_rate=eta, sigma=sigma, steps=steps, loss=loss,
-                            generator=torch.Generator().manual_seed(200 + run), kl_pairs=pairs).history["kl_estimate"]
+        kl = train_noisy_gd(
+            lin,
+            x,
+            y,
+            learning_rate=eta,
+            sigma=sigma,
+            steps=steps,
+            loss=loss,
+            generator=torch.Generator().manual_seed(200 + run),
+            kl_pairs=pairs,
+        ).history["kl_estimate"]
         for relation in ("remove_one", "add_one", "replace_one"):
             per_probe[relation] = per_probe.get(relation, 0) + torch.tensor(kl[relation]["final_per_probe"]) / runs
     constant = gradient_norm_constant(scheme, widths, radius)
@@ -254,8 +310,9 @@ def test_training_reduces_the_loss_on_a_separable_problem(loss: str, outputs: in
     x = torch.randn(80, 5, dtype=torch.float64, generator=data) * 0.5
     x[:, 0] += 3.0 * (2 * y.double() - 1)
     model = mlp([5, 32, outputs], "lecun", seed=15)
-    history = train_noisy_gd(model, x, y, learning_rate=0.5, sigma=0.01, steps=60, loss=loss,
-                             generator=torch.Generator().manual_seed(16)).history
+    history = train_noisy_gd(
+        model, x, y, learning_rate=0.5, sigma=0.01, steps=60, loss=loss, generator=torch.Generator().manual_seed(16)
+    ).history
     assert history["final_loss"] < 0.25 * history["initial_loss"]
     accuracy = ((model(x).argmax(1) if outputs > 1 else (model(x).squeeze(1) > 0).long()) == y).double().mean()
     assert float(accuracy) == 1.0
@@ -284,5 +341,11 @@ def test_invalid_parameters_raise_value_errors_naming_them() -> None:
     with pytest.raises(ValueError, match="added_x / added_y: needed"):
         KLPairs(removed=torch.tensor([0]))
     with pytest.raises(ValueError, match=r"removed: indices must lie in \[0, 5\)"):
-        train_noisy_gd(model, x, y, loss="cross_entropy", kl_pairs=KLPairs(removed=torch.tensor([5]),
-                                                                          relations=("remove_one",)), **common)
+        train_noisy_gd(
+            model,
+            x,
+            y,
+            loss="cross_entropy",
+            kl_pairs=KLPairs(removed=torch.tensor([5]), relations=("remove_one",)),
+            **common,
+        )

@@ -33,23 +33,36 @@ from dpml.tracking.store import prepare_store
 from dpml.tracking.runs import clean_up_unreleased_runs
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {
-    "PYTHONPATH": str(REPO), "DPML_NOISE_SEED": "11", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+    "PYTHONPATH": str(REPO),
+    "DPML_NOISE_SEED": "11",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+}
 MODEL = "dpml-one-release"
 
 
-def dpml(workdir: Path, *args: str, fault: str | None = None, env: dict[str, str] | None = None,
-         timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def dpml(
+    workdir: Path, *args: str, fault: str | None = None, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
     environment = {**ENV, **(env or {})}
     if fault:
         environment["DPML_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "dpml.cli", *args], cwd=workdir, env=environment,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dpml.cli", *args],
+        cwd=workdir,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def quick_params(workdir: Path, **sections: dict[str, Any]) -> Path:
-    params = small_params(workdir, audit={"references": 1, "attacks": ["loss"], "bootstrap": 0,
-                                          "white_box_canaries": 0, "black_box_canaries": 0},
-                          gate={"epsilon_budget": 100.0}, **sections)
+    params = small_params(
+        workdir,
+        audit={"references": 1, "attacks": ["loss"], "bootstrap": 0, "white_box_canaries": 0, "black_box_canaries": 0},
+        gate={"epsilon_budget": 100.0},
+        **sections,
+    )
     params["tracking"]["model_name"] = MODEL
     return write_params(workdir / "params.yaml", params)
 
@@ -85,12 +98,14 @@ def error_line(result: subprocess.CompletedProcess[str]) -> str:
 # ------------------------------------------------------------------ interrupts, store errors, repeats
 
 
-EVERY_FAULT_IN_REGISTRATION = (("register:before_version@SIGINT", 130, "KILLED"),
-                               ("register:after_version@SIGINT", 130, "KILLED"),
-                               ("register:after_alias@SIGINT", 130, "KILLED"),
-                               ("register:before_version@error", 1, "FAILED"),
-                               ("register:after_version@error", 1, "FAILED"),
-                               ("register:after_alias@error", 1, "FAILED"))
+EVERY_FAULT_IN_REGISTRATION = (
+    ("register:before_version@SIGINT", 130, "KILLED"),
+    ("register:after_version@SIGINT", 130, "KILLED"),
+    ("register:after_alias@SIGINT", 130, "KILLED"),
+    ("register:before_version@error", 1, "FAILED"),
+    ("register:after_version@error", 1, "FAILED"),
+    ("register:after_alias@error", 1, "FAILED"),
+)
 
 
 @pytest.mark.exhaustive  # ≈ 4 minutes on 2 cores: CI runs it with the exhaustive set
@@ -114,8 +129,11 @@ def test_registration_is_all_or_nothing_and_once_per_spend(workdir: Path) -> Non
         assert result.returncode == code, (fault, result.stderr[-2000:])
         assert [v.version for v in versions(client)] == [first.version], fault  # nothing left registered
         assert champion(client) == first.version, fault  # the alias is back on the last finished release
-        [parent] = [r for r in client.search_runs(["1"]) if r.info.run_id not in runs_before
-                    and "mlflow.parentRunId" not in r.data.tags]
+        [parent] = [
+            r
+            for r in client.search_runs(["1"])
+            if r.info.run_id not in runs_before and "mlflow.parentRunId" not in r.data.tags
+        ]
         assert parent.info.status == status, fault
         assert "released" not in events(workdir, spend), fault
 
@@ -170,8 +188,12 @@ def test_register_refuses_an_audit_and_gate_of_another_model(workdir: Path) -> N
 
 def empty_registry(tmp_path: Path) -> tuple[TrackingConfig, MlflowClient, str]:
     """A prepared MLflow store with the experiment ``dpml`` and the registered model, nothing else."""
-    config = TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"),
-                            experiment="dpml", model_name=MODEL)
+    config = TrackingConfig(
+        uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        artifact_root=str(tmp_path / "art"),
+        experiment="dpml",
+        model_name=MODEL,
+    )
     prepare_store(config)
     client = store(tmp_path)
     experiment = client.create_experiment("dpml")
@@ -186,8 +208,9 @@ def test_the_next_registration_withdraws_versions_of_failed_and_killed_runs(tmp_
     made = {}
     for status in ("FINISHED", "FAILED", "KILLED"):
         run = client.create_run(experiment, tags={"ledger.spend_id": "7"})
-        made[status] = client.create_model_version(MODEL, source=str(tmp_path), run_id=run.info.run_id,
-                                                   tags={"gate.passed": "true"}).version
+        made[status] = client.create_model_version(
+            MODEL, source=str(tmp_path), run_id=run.info.run_id, tags={"gate.passed": "true"}
+        ).version
         client.set_terminated(run.info.run_id, status)
     client.set_registered_model_alias(MODEL, "champion", made["KILLED"])
     cleaned = clean_up_unreleased_runs(config)
@@ -206,9 +229,13 @@ def test_a_running_run_is_withdrawn_only_when_every_process_registering_its_spen
     ledger = Ledger(str(tmp_path / "ledger.db"), 1e-5, unit_key=tmp_path / "unit.key")
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, here = int(gone.stdout), socket.gethostname()
-    registered_by = {"dead here": [(here, dead)], "alive here": [(here, os.getpid())],
-                     "dead elsewhere": [("another-host", dead)], "dead and alive": [(here, dead), (here, os.getpid())],
-                     "not recorded": []}
+    registered_by = {
+        "dead here": [(here, dead)],
+        "alive here": [(here, os.getpid())],
+        "dead elsewhere": [("another-host", dead)],
+        "dead and alive": [(here, dead), (here, os.getpid())],
+        "not recorded": [],
+    }
     runs = {}
     for case, processes in registered_by.items():
         spend = reserve_and_start(ledger, "v1", None, case, 10.0)
@@ -231,10 +258,28 @@ def test_two_runs_started_at_once_in_one_checkout_each_release_their_own_model(w
     each version carries the network its own run trained under its own spend, with its own ε."""
     quick_params(workdir)
     targets = ("1", "2.5")
-    running = [subprocess.Popen([sys.executable, "-m", "dpml.cli", "run", "--engine", "local", "--set",
-                                 f"dp.target_epsilon={target}", "--set", "dp.noise_multiplier=null"],
-                                cwd=workdir, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for target in targets]
+    running = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dpml.cli",
+                "run",
+                "--engine",
+                "local",
+                "--set",
+                f"dp.target_epsilon={target}",
+                "--set",
+                "dp.noise_multiplier=null",
+            ],
+            cwd=workdir,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for target in targets
+    ]
     outcomes = [run.communicate(timeout=900) for run in running]
     assert [run.returncode for run in running] == [0, 0], [err[-2000:] for _, err in outcomes]
     assert sum("is in use by dpml run" in err for _, err in outcomes) == 1  # exactly one had to wait
@@ -250,8 +295,11 @@ def test_two_runs_started_at_once_in_one_checkout_each_release_their_own_model(w
         assert dict(ledger(workdir).events(spend))["released"]["model_uri"] == f"models:/{MODEL}/{version.version}"
         with tempfile.TemporaryDirectory() as folder:
             local = mlflow.artifacts.download_artifacts(
-                artifact_uri=client.get_model_version_download_uri(MODEL, version.version), dst_path=folder,
-                tracking_uri=client.tracking_uri, registry_uri=client._registry_uri)
+                artifact_uri=client.get_model_version_download_uri(MODEL, version.version),
+                dst_path=folder,
+                tracking_uri=client.tracking_uri,
+                registry_uri=client._registry_uri,
+            )
             [network] = Path(local).rglob("network.pt2")
             networks.add(hashlib.sha256(network.read_bytes()).hexdigest())
         summary = next(out for out, _ in outcomes if f"models:/{MODEL}/{version.version}" in out)
@@ -269,8 +317,11 @@ def test_precedence_flag_over_environment_over_file_over_default(tmp_path: Path)
 
     dp = {"dp": {"target_epsilon": 1.0}}
     file_only = write_params(tmp_path / "p.yaml", {**dp, "tracking": {"uri": "sqlite:///file.db"}})
-    variables = {"MLFLOW_TRACKING_URI": "sqlite:///env.db", "MLFLOW_REGISTRY_URI": "sqlite:///reg.db",
-                 "MLFLOW_EXPERIMENT_NAME": "env-exp"}
+    variables = {
+        "MLFLOW_TRACKING_URI": "sqlite:///env.db",
+        "MLFLOW_REGISTRY_URI": "sqlite:///reg.db",
+        "MLFLOW_EXPERIMENT_NAME": "env-exp",
+    }
     default = load(write_params(tmp_path / "d.yaml", dp), environ={}).tracking
     assert (default.uri, default.registry, default.experiment) == ("sqlite:///mlflow.db", "sqlite:///mlflow.db", "dpml")
     assert default.origins == {"uri": "default", "registry_uri": "default", "experiment": "default"}
@@ -279,10 +330,15 @@ def test_precedence_flag_over_environment_over_file_over_default(tmp_path: Path)
     assert in_file.origins["uri"] == f"{file_only} tracking.uri"
     from_environment = load(file_only, environ=variables).tracking
     assert (from_environment.uri, from_environment.registry, from_environment.experiment) == (
-        "sqlite:///env.db", "sqlite:///reg.db", "env-exp")
-    assert from_environment.origins == {"uri": "environment MLFLOW_TRACKING_URI",
-                                        "registry_uri": "environment MLFLOW_REGISTRY_URI",
-                                        "experiment": "environment MLFLOW_EXPERIMENT_NAME"}
+        "sqlite:///env.db",
+        "sqlite:///reg.db",
+        "env-exp",
+    )
+    assert from_environment.origins == {
+        "uri": "environment MLFLOW_TRACKING_URI",
+        "registry_uri": "environment MLFLOW_REGISTRY_URI",
+        "experiment": "environment MLFLOW_EXPERIMENT_NAME",
+    }
     flagged = load(file_only, ["tracking.uri=sqlite:///flag.db", "tracking.experiment=flag-exp"], environ=variables)
     assert (flagged.tracking.uri, flagged.tracking.experiment) == ("sqlite:///flag.db", "flag-exp")
     assert flagged.tracking.origins["uri"] == "--set tracking.uri"
@@ -317,9 +373,11 @@ def test_mlflow_variables_route_the_whole_run(workdir: Path) -> None:
     [version] = routed.search_model_versions(f"name = '{MODEL}'")
     assert version.run_id == run.info.run_id
     assert not MlflowClient(tracking_uri=team, registry_uri=team).search_registered_models()  # not split
-    for label, value, origin in (("tracking store", team, "MLFLOW_TRACKING_URI"),
-                                 ("model registry", registry, "MLFLOW_REGISTRY_URI"),
-                                 ("experiment", "team-exp", "MLFLOW_EXPERIMENT_NAME")):
+    for label, value, origin in (
+        ("tracking store", team, "MLFLOW_TRACKING_URI"),
+        ("model registry", registry, "MLFLOW_REGISTRY_URI"),
+        ("experiment", "team-exp", "MLFLOW_EXPERIMENT_NAME"),
+    ):
         assert re.search(rf"{label}\s+{re.escape(value)}\s+\(environment {origin}\)", done.stdout), done.stdout
     assert f"--backend-store-uri {team} --registry-store-uri {registry}" in done.stdout
 
@@ -339,10 +397,19 @@ def test_runs_in_one_process_each_go_where_their_configuration_says(workdir: Pat
     from dpml.stages import run_all, run_stage
 
     before = (mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_REGISTRY_URI"))
-    params = small_params(workdir, store=False,  # no store where a run that honours its configuration never writes
-                          audit={"references": 0, "attacks": ["loss"], "bootstrap": 0,
-                                 "white_box_canaries": 0, "black_box_canaries": 0, "control": False},
-                          gate={"epsilon_budget": 100.0})
+    params = small_params(
+        workdir,
+        store=False,  # no store where a run that honours its configuration never writes
+        audit={
+            "references": 0,
+            "attacks": ["loss"],
+            "bootstrap": 0,
+            "white_box_canaries": 0,
+            "black_box_canaries": 0,
+            "control": False,
+        },
+        gate={"epsilon_budget": 100.0},
+    )
     uris = [f"sqlite:///{workdir / f'{name}.db'}" for name in ("a", "b")]
     configs = []
     for name, uri in zip(("a", "b"), uris):
@@ -364,10 +431,19 @@ def test_runs_in_one_process_each_go_where_their_configuration_says(workdir: Pat
             return torch.full((3,), float(i % 2)), i % 2
 
     for name in ("c", "d"):
-        dpml.train_private(torch.nn.Linear(3, 2), Blobs(), epochs=1, clip_norm=1.0, delta=1e-3, noise_multiplier=1.0,
-                           sample_rate=0.5, mlflow_tracking_uri=f"sqlite:///{workdir / f'{name}.db'}",
-                           mlflow_experiment=f"api-{name}", mlflow_artifact_location=str(workdir / name),
-                           tune_physical_batch=False)
+        dpml.train_private(
+            torch.nn.Linear(3, 2),
+            Blobs(),
+            epochs=1,
+            clip_norm=1.0,
+            delta=1e-3,
+            noise_multiplier=1.0,
+            sample_rate=0.5,
+            mlflow_tracking_uri=f"sqlite:///{workdir / f'{name}.db'}",
+            mlflow_experiment=f"api-{name}",
+            mlflow_artifact_location=str(workdir / name),
+            tune_physical_batch=False,
+        )
         client = MlflowClient(f"sqlite:///{workdir / f'{name}.db'}")
         [experiment] = [e for e in client.search_experiments() if e.name.startswith("api-")]
         assert experiment.name == f"api-{name}" and len(client.search_runs([experiment.experiment_id])) == 1
@@ -380,15 +456,32 @@ def test_the_lock_makes_a_second_run_wait_and_is_released_by_a_kill(workdir: Pat
     """A holder of the checkout's lock (here a process that then gets SIGKILLed) makes `dpml stage` wait
     with one line naming it; the kernel frees the lock with the holder, and the stage then runs."""
     quick_params(workdir)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "from dpml.config import load\n"
-        "from dpml.stages.checkout_lock import outputs_locked\n"
-        "with outputs_locked(load('params.yaml', environ={}), 'the holder'):\n"
-        "    print('held', flush=True); time.sleep(600)\n")], cwd=workdir, env=ENV, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\n"
+                "from dpml.config import load\n"
+                "from dpml.stages.checkout_lock import outputs_locked\n"
+                "with outputs_locked(load('params.yaml', environ={}), 'the holder'):\n"
+                "    print('held', flush=True); time.sleep(600)\n"
+            ),
+        ],
+        cwd=workdir,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
-    waiting = subprocess.Popen([sys.executable, "-m", "dpml.cli", "stage", "ingest"], cwd=workdir, env=ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "dpml.cli", "stage", "ingest"],
+        cwd=workdir,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     said = waiting.stderr.readline()  # blocks until the stage reaches the lock and says who holds it
     assert re.search(r"is in use by the holder \(pid \d+ on .*, since \d\d:\d\d:\d\d\); waiting", said), said
     time.sleep(2)
@@ -408,7 +501,9 @@ def test_a_retried_registration_under_prefect_registers_one_version(workdir: Pat
     from prefect.settings import PREFECT_API_URL
 
     quick_params(workdir)
-    done = dpml(workdir, "run", fault="register:after_alias@error", env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})
+    done = dpml(
+        workdir, "run", fault="register:after_alias@error", env={"PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     client = store(workdir)
     [version] = versions(client)

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 
 from dpml.accounting.zcdp import schedule_rho, zcdp_to_dp
-from dpml.train.onepass import (clip_inputs, excess_risk, learning_rate_schedule, rho_for_epsilon, theory_rate,
-                                train_onepass_dpsgd)
+from dpml.train.onepass import (
+    clip_inputs,
+    excess_risk,
+    learning_rate_schedule,
+    rho_for_epsilon,
+    theory_rate,
+    train_onepass_dpsgd,
+)
 
 
 def regression(n: int, d: int, seed: int, label_noise: float = 0.5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -35,15 +41,24 @@ def test_rho_for_epsilon_inverts_the_zcdp_conversion_exactly(epsilon: float, del
 @pytest.mark.parametrize("schedule", ["out", "const"])
 def test_certified_rho_equals_the_target(schedule: str) -> None:
     x, y, _ = regression(500, 10, seed=0)
-    result = train_onepass_dpsgd(x, y, epsilon=2.0, delta=1e-5, schedule=schedule, eta0=1.0, clip_constant=1.0,
-                                 input_norm_bound=math.sqrt(10) + 3, seed=0)
+    result = train_onepass_dpsgd(
+        x,
+        y,
+        epsilon=2.0,
+        delta=1e-5,
+        schedule=schedule,
+        eta0=1.0,
+        clip_constant=1.0,
+        input_norm_bound=math.sqrt(10) + 3,
+        seed=0,
+    )
     target = rho_for_epsilon(2.0, 1e-5)
     assert result.rho == pytest.approx(target, rel=1e-9)
     assert result.rho == pytest.approx(schedule_rho(result.learning_rates, result.noise), rel=1e-12)
     assert result.epsilon == pytest.approx(2.0, rel=1e-9)
     expected_rates = learning_rate_schedule(schedule, 1.0, 500)  # type: ignore[arg-type]
     np.testing.assert_allclose(result.learning_rates, expected_rates)
-    assert result.certificate()["zcdp"] == pytest.approx(target ** 2 / 2)
+    assert result.certificate()["zcdp"] == pytest.approx(target**2 / 2)
     if schedule == "out":
         assert np.all(result.noise[:-1] == 0) and result.noise[-1] > 0
     else:
@@ -54,10 +69,12 @@ def test_step_sizes_above_two_over_beta_are_refused() -> None:
     x, y, _ = regression(100, 4, seed=1)
     bound = 3.0  # β = X² = 9, so η_k ≤ 2/9; OUT gives η_k = eta0/100
     with pytest.raises(ValueError, match=r"η_1 = 0\.25 exceeds 2/β = 0\.222222 \(β = X² = 9\)"):
-        train_onepass_dpsgd(x, y, epsilon=1.0, delta=1e-5, schedule="out", eta0=25.0, clip_constant=1.0,
-                            input_norm_bound=bound, seed=0)
-    result = train_onepass_dpsgd(x, y, epsilon=1.0, delta=1e-5, schedule="out", eta0=22.0, clip_constant=1.0,
-                                 input_norm_bound=bound, seed=0)
+        train_onepass_dpsgd(
+            x, y, epsilon=1.0, delta=1e-5, schedule="out", eta0=25.0, clip_constant=1.0, input_norm_bound=bound, seed=0
+        )
+    result = train_onepass_dpsgd(
+        x, y, epsilon=1.0, delta=1e-5, schedule="out", eta0=22.0, clip_constant=1.0, input_norm_bound=bound, seed=0
+    )
     assert result.inputs_clipped == int(np.sum(np.linalg.norm(x, axis=1) > bound)) > 0
     clipped, count = clip_inputs(x, bound)
     assert count == result.inputs_clipped and np.all(np.linalg.norm(clipped, axis=1) <= bound + 1e-12)
@@ -68,8 +85,9 @@ def test_noise_std_is_two_c_sigma_per_step() -> None:
     std 2Cσ_n = 2·c√d·η_n/ρ (the convention of dpml.accounting.zcdp)."""
     n, d, c = 3, 20_000, 0.7
     x, y = np.zeros((n, d)), np.ones(n)
-    result = train_onepass_dpsgd(x, y, epsilon=1.0, delta=1e-5, schedule="out", eta0=0.9, clip_constant=c,
-                                 input_norm_bound=1.0, seed=3)
+    result = train_onepass_dpsgd(
+        x, y, epsilon=1.0, delta=1e-5, schedule="out", eta0=0.9, clip_constant=c, input_norm_bound=1.0, seed=3
+    )
     expected = 2 * c * math.sqrt(d) * (0.9 / n) / rho_for_epsilon(1.0, 1e-5)
     assert result.clip_norm == pytest.approx(c * math.sqrt(d))
     assert float(np.std(result.theta)) == pytest.approx(expected, rel=0.03)
@@ -93,9 +111,17 @@ def test_excess_risk_decreases_with_n() -> None:
             values = []
             for seed in range(3):
                 x, y, theta_star = regression(n, d, seed)
-                result = train_onepass_dpsgd(x, y, epsilon=2.0, delta=1e-5, schedule=schedule,  # type: ignore[arg-type]
-                                             eta0=eta0, clip_constant=1.0, input_norm_bound=math.sqrt(d) + 4,
-                                             seed=seed)
+                result = train_onepass_dpsgd(
+                    x,
+                    y,
+                    epsilon=2.0,
+                    delta=1e-5,
+                    schedule=schedule,  # type: ignore[arg-type]
+                    eta0=eta0,
+                    clip_constant=1.0,
+                    input_norm_bound=math.sqrt(d) + 4,
+                    seed=seed,
+                )
                 values.append(excess_risk(result.theta, theta_star))
             risks.append(float(np.mean(values)))
         assert risks[0] > 2 * risks[1] > 4 * risks[2], (schedule, risks)
@@ -116,6 +142,7 @@ def test_invalid_parameters_are_refused() -> None:
 
 
 # ---- the zCDP event in the accountants, the ledger and the pipeline (train.algorithm: onepass) ----
+
 
 @pytest.mark.parametrize("rho", [0.005, 0.05, 0.5, 2.0])
 def test_zcdp_accountants_are_never_below_the_exact_gaussian_and_agree_in_order(rho: float) -> None:
@@ -156,12 +183,15 @@ def test_onepass_pipeline_certifies_the_final_model_by_zcdp(workdir) -> None:
     from dpml.stages import STAGES, Layout
     from tests.conftest import small_params, write_params
 
-    params = small_params(workdir, model={"kind": "mlp", "hidden": []},
-                          train={"algorithm": "onepass", "loss": "squared", "epochs": 1},
-                          dp={"noise_multiplier": None, "target_epsilon": 8.0, "delta": 1e-5,
-                              "neighbouring": "replace-one"},
-                          onepass={"schedule": "const", "eta0": 30.0, "clip_constant": 0.5},
-                          audit={"white_box_canaries": 0, "black_box_canaries": 0}, gate={"epsilon_budget": 8.0})
+    params = small_params(
+        workdir,
+        model={"kind": "mlp", "hidden": []},
+        train={"algorithm": "onepass", "loss": "squared", "epochs": 1},
+        dp={"noise_multiplier": None, "target_epsilon": 8.0, "delta": 1e-5, "neighbouring": "replace-one"},
+        onepass={"schedule": "const", "eta0": 30.0, "clip_constant": 0.5},
+        audit={"white_box_canaries": 0, "black_box_canaries": 0},
+        gate={"epsilon_budget": 8.0},
+    )
     config = load(write_params(workdir / "op.yaml", params))
     for name in ("ingest", "split", "preprocess", "train", "certify", "audit"):
         STAGES[name](config)

@@ -24,23 +24,35 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def loop_reference(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip: float,
-                   seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def loop_reference(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip: float, seed: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """∂ℓ_i/∂θ by one autograd call per example of one batched forward pass (random state ``seed``), clipped."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     torch.manual_seed(seed)
     losses = loss_fn(model(x), y)
-    rows = [torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
-            for i in range(x.shape[0])]
-    grads = {n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
-             for k, (n, p) in enumerate(params.items())}
+    rows = [
+        torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+        for i in range(x.shape[0])
+    ]
+    grads = {
+        n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
+        for k, (n, p) in enumerate(params.items())
+    }
     norms = sum(g.reshape(x.shape[0], -1).pow(2).sum(1) for g in grads.values()).sqrt()  # type: ignore[union-attr]
     factors = clip_factors(norms, clip)
     return {n: torch.einsum("b,b...->...", factors, g) for n, g in grads.items()}, norms
 
 
-def assert_exact_without_the_exact_path(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                                        seed: int = 0, planned: bool = True, tolerance: float = 1e-10) -> None:
+def assert_exact_without_the_exact_path(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    seed: int = 0,
+    planned: bool = True,
+    tolerance: float = 1e-10,
+) -> None:
     """Clipped sums and norms equal the loop's (C = the median norm, so some examples are clipped) to
     ``tolerance`` (float64 rounding, unless the model computes in float32 itself), no parameter takes the
     exact path, and (``planned``) the probe plans none there either."""
@@ -63,6 +75,7 @@ def assert_exact_without_the_exact_path(model: nn.Module, loss_fn: LossFn, x: to
 
 
 # --- hand-written uses of a parameter -----------------------------------------------------------------
+
 
 class HandWritten(nn.Module):
     """A learned scale, a positional parameter added, a cls token concatenated, a weight used twice (once
@@ -90,8 +103,9 @@ class HandWritten(nn.Module):
         h = h + (h @ self.lora_a.T) @ self.lora_b.T
         q, k, v = self.packed.chunk(3)
         h = torch.tanh(F.linear(h, q)) + torch.sigmoid(h @ k.t()) * F.linear(h, v)
-        flat = torch.addmm(self.conv1d_bias, h.reshape(-1, width), self.conv1d_weight) \
-            + torch.addmm(self.conv1d_bias, h.reshape(-1, width), self.conv1d_weight, beta=0.5, alpha=-1.5)
+        flat = torch.addmm(self.conv1d_bias, h.reshape(-1, width), self.conv1d_weight) + torch.addmm(
+            self.conv1d_bias, h.reshape(-1, width), self.conv1d_weight, beta=0.5, alpha=-1.5
+        )
         return self.out(torch.tanh(flat.view(batch, length + 1, width)).mean(1))
 
 
@@ -150,9 +164,16 @@ def test_an_index_equation_summing_over_the_batch_is_left_to_the_exact_path_and_
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.out(x @ self.w) + torch.einsum("bi,ij->j", x, self.w).mean()
 
-    found = engine_pass(BatchMean().double(), per_example_cross_entropy, torch.randn(5, 4, dtype=torch.float64),
-                        torch.randint(0, 2, (5,)))
-    assert set(found.exact) == {"w"} and "torch.einsum: the batch index on the parameter or summed away" in found.reasons["w"]
+    found = engine_pass(
+        BatchMean().double(),
+        per_example_cross_entropy,
+        torch.randn(5, 4, dtype=torch.float64),
+        torch.randint(0, 2, (5,)),
+    )
+    assert (
+        set(found.exact) == {"w"}
+        and "torch.einsum: the batch index on the parameter or summed away" in found.reasons["w"]
+    )
 
 
 class ConvolutionTwice(nn.Module):
@@ -168,7 +189,9 @@ class ConvolutionTwice(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.conv(x))
         g = F.conv2d(h[:, :2], self.conv.weight, stride=2, padding=1)
-        row = F.conv1d(h.mean(2), self.line.weight, self.line.bias, dilation=2) + torch.tanh(self.line(h.mean(3)))[..., :3].sum(-1, keepdim=True)
+        row = F.conv1d(h.mean(2), self.line.weight, self.line.bias, dilation=2) + torch.tanh(self.line(h.mean(3)))[
+            ..., :3
+        ].sum(-1, keepdim=True)
         return self.out(torch.cat([g.flatten(1), row.flatten(1)], 1))
 
 
@@ -196,15 +219,20 @@ class TiedLanguageModel(nn.Module):
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy per example, (B,)."""
     batch, length, vocabulary = logits.shape
-    return F.cross_entropy(logits.reshape(-1, vocabulary), targets.reshape(-1), reduction="none").view(batch, length).mean(1)
+    return (
+        F.cross_entropy(logits.reshape(-1, vocabulary), targets.reshape(-1), reduction="none")
+        .view(batch, length)
+        .mean(1)
+    )
 
 
 def test_tied_embeddings_get_the_norm_of_the_sum_of_their_uses() -> None:
     torch.manual_seed(1)
     tokens = torch.randint(0, 11, (6, 5), generator=generator(2))
     tokens[:, -1] = 0  # padding
-    assert_exact_without_the_exact_path(TiedLanguageModel(), token_loss, tokens,
-                                        torch.randint(0, 11, (6, 5), generator=generator(3)))
+    assert_exact_without_the_exact_path(
+        TiedLanguageModel(), token_loss, tokens, torch.randint(0, 11, (6, 5), generator=generator(3))
+    )
 
 
 class Unruled(nn.Module):
@@ -255,7 +283,9 @@ class ComputedFromParameters(nn.Module):
         q, k, v = F.linear(h, self.qkv, bias).chunk(3, -1)
         h = torch.tanh(q * k + v)
         unit = self.direction / self.direction.norm(dim=1, keepdim=True)
-        h = torch.tanh(F.linear(h, unit) + 0.5 * F.linear(h, self.direction) + self.normed(h) + h @ (self.low_a @ self.low_b))
+        h = torch.tanh(
+            F.linear(h, unit) + 0.5 * F.linear(h, self.direction) + self.normed(h) + h @ (self.low_a @ self.low_b)
+        )
         scores = F.interpolate(self.table, size=(4, 4), mode="bilinear", align_corners=False)  # (1, 2, 4, 4)
         mixed = torch.tanh(h[:, None, :, None] * scores).flatten(1)
         return self.out(torch.cat([h, mixed], 1))
@@ -264,11 +294,14 @@ class ComputedFromParameters(nn.Module):
 def test_weights_computed_from_parameters_alone_are_exact_without_the_exact_path() -> None:
     torch.manual_seed(20)
     x = torch.randn(6, 4, generator=generator(21), dtype=torch.float64)
-    assert_exact_without_the_exact_path(ComputedFromParameters(), per_example_cross_entropy, x, torch.randint(0, 2, (6,)))
+    assert_exact_without_the_exact_path(
+        ComputedFromParameters(), per_example_cross_entropy, x, torch.randint(0, 2, (6,))
+    )
 
 
 def test_a_computation_on_parameters_too_large_to_materialise_per_example_goes_exact_and_says_why(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A weight_norm weight's per-example gradients are materialised to pull them back to g and v: where B·n
     passes the keep limit the parameters take the exact path (named, with the sizes), and stay exact."""
     torch.manual_seed(22)
@@ -307,11 +340,14 @@ def test_a_parameter_the_loss_does_not_reach_is_zero_without_the_exact_path(mask
     torch.manual_seed(24)
     x = torch.randn(6, 5, 6, generator=generator(25), dtype=torch.float64)
     assert_exact_without_the_exact_path(MaskToken(masked), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
-    sums, _ = clipped_gradient_sum(MaskToken(masked).double(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), 0.5)
+    sums, _ = clipped_gradient_sum(
+        MaskToken(masked).double(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), 0.5
+    )
     assert (float(sums["mask_token"].abs().max()) > 0) == masked
 
 
 # --- torch transformer blocks ---------------------------------------------------------------------------
+
 
 class Encoder(nn.Module):
     """nn.TransformerEncoder on (B, T, D) with padding (features whose first entry is above 1 are padding)
@@ -337,8 +373,9 @@ class Encoder(nn.Module):
 def test_transformer_encoder_with_padding_and_masks(causal: bool) -> None:
     torch.manual_seed(3)
     x = torch.randn(6, 5, 8, generator=generator(4), dtype=torch.float64)
-    assert_exact_without_the_exact_path(Encoder(causal), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
-                                        seed=7)
+    assert_exact_without_the_exact_path(
+        Encoder(causal), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), seed=7
+    )
 
 
 class CrossAttention(nn.Module):
@@ -376,11 +413,13 @@ class AttentionWithWeights(nn.Module):
 def test_attention_that_returns_its_weights() -> None:
     torch.manual_seed(12)
     x = torch.randn(5, 5, 8, generator=generator(15), dtype=torch.float64)  # batch = sequence length
-    assert_exact_without_the_exact_path(AttentionWithWeights(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)),
-                                        seed=3)
+    assert_exact_without_the_exact_path(
+        AttentionWithWeights(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)), seed=3
+    )
 
 
 # --- transformers and peft --------------------------------------------------------------------------------
+
 
 class HuggingFace(nn.Module):
     """A transformers model on one LongTensor (B, 2, T): token ids and attention mask; returns ``.logits``."""
@@ -403,23 +442,42 @@ def ids_and_mask(batch: int, length: int, vocabulary: int, pad: int, seed: int) 
 
 def tiny_bert(classes: int = 3) -> nn.Module:
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=16, max_position_embeddings=16, num_labels=classes,
-                                     pad_token_id=0, attn_implementation="eager")
+    config = transformers.BertConfig(
+        vocab_size=30,
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        num_labels=classes,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
     return transformers.BertForSequenceClassification(config)
 
 
 def tiny_gpt2_config(classes: int = 3):  # type: ignore[no-untyped-def]
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    return transformers.GPT2Config(vocab_size=30, n_embd=8, n_layer=2, n_head=2, n_positions=16, num_labels=classes,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=1, attn_implementation="eager")
+    return transformers.GPT2Config(
+        vocab_size=30,
+        n_embd=8,
+        n_layer=2,
+        n_head=2,
+        n_positions=16,
+        num_labels=classes,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+        attn_implementation="eager",
+    )
 
 
 def test_bert_for_sequence_classification() -> None:
     torch.manual_seed(5)
     x = ids_and_mask(6, 7, 30, 0, 6)
-    assert_exact_without_the_exact_path(HuggingFace(tiny_bert()), per_example_cross_entropy, x,
-                                        torch.randint(0, 3, (6,)), seed=8)
+    assert_exact_without_the_exact_path(
+        HuggingFace(tiny_bert()), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), seed=8
+    )
 
 
 def test_gpt2_for_sequence_classification() -> None:
@@ -427,8 +485,9 @@ def test_gpt2_for_sequence_classification() -> None:
     torch.manual_seed(6)
     model = transformers.GPT2ForSequenceClassification(tiny_gpt2_config())
     x = ids_and_mask(6, 7, 30, 0, 7)
-    assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
-                                        seed=9)
+    assert_exact_without_the_exact_path(
+        HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), seed=9
+    )
 
 
 def decoder_families():  # type: ignore[no-untyped-def]
@@ -437,14 +496,32 @@ def decoder_families():  # type: ignore[no-untyped-def]
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     common = {"vocab_size": 30, "num_labels": 3, "pad_token_id": 0, "max_position_embeddings": 16}
     return {
-        "opt": lambda: transformers.OPTForSequenceClassification(transformers.OPTConfig(
-            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, ffn_dim=16, word_embed_proj_dim=8, **common)),
-        "gemma": lambda: transformers.GemmaForSequenceClassification(transformers.GemmaConfig(
-            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-            intermediate_size=16, **common)),
-        "llama": lambda: transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
-            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
-            **common)),
+        "opt": lambda: transformers.OPTForSequenceClassification(
+            transformers.OPTConfig(
+                hidden_size=8, num_hidden_layers=1, num_attention_heads=2, ffn_dim=16, word_embed_proj_dim=8, **common
+            )
+        ),
+        "gemma": lambda: transformers.GemmaForSequenceClassification(
+            transformers.GemmaConfig(
+                hidden_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=4,
+                intermediate_size=16,
+                **common,
+            )
+        ),
+        "llama": lambda: transformers.LlamaForSequenceClassification(
+            transformers.LlamaConfig(
+                hidden_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                intermediate_size=16,
+                **common,
+            )
+        ),
     }
 
 
@@ -456,8 +533,9 @@ def test_decoders_of_other_families(family: str) -> None:
     # Gemma's RMSNorm computes in float32 whatever the model's dtype (x.float(), 1 + w.float()): its weights'
     # gradients carry float32 rounding (ε = 1.2e-7) in the loop and in the engine alike.
     tolerance = 1e-6 if family == "gemma" else 1e-10
-    assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
-                                        seed=13, tolerance=tolerance)
+    assert_exact_without_the_exact_path(
+        HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), seed=13, tolerance=tolerance
+    )
 
 
 def test_a_shared_bias_inside_fused_attention_and_attention_windows() -> None:
@@ -470,8 +548,9 @@ def test_a_shared_bias_inside_fused_attention_and_attention_windows() -> None:
     class T5Classifier(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            config = transformers.T5Config(vocab_size=30, d_model=8, d_kv=4, d_ff=16, num_layers=2, num_heads=2,
-                                           attn_implementation="sdpa")
+            config = transformers.T5Config(
+                vocab_size=30, d_model=8, d_kv=4, d_ff=16, num_layers=2, num_heads=2, attn_implementation="sdpa"
+            )
             self.encoder = transformers.T5EncoderModel(config)
             self.head = nn.Linear(8, 3)
 
@@ -488,10 +567,14 @@ def test_a_shared_bias_inside_fused_attention_and_attention_windows() -> None:
             return self.model(pixel_values=x).logits
 
     torch.manual_seed(12)
-    assert_exact_without_the_exact_path(T5Classifier(), per_example_cross_entropy, ids_and_mask(6, 7, 30, 0, 14),
-                                        torch.randint(0, 3, (6,)), seed=15)
-    swin = transformers.SwinForImageClassification(transformers.SwinConfig(
-        image_size=8, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=3))
+    assert_exact_without_the_exact_path(
+        T5Classifier(), per_example_cross_entropy, ids_and_mask(6, 7, 30, 0, 14), torch.randint(0, 3, (6,)), seed=15
+    )
+    swin = transformers.SwinForImageClassification(
+        transformers.SwinConfig(
+            image_size=8, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=3
+        )
+    )
     x = torch.randn(5, 3, 8, 8, generator=generator(16), dtype=torch.float64)
     assert_exact_without_the_exact_path(Pixels(swin), per_example_cross_entropy, x, torch.randint(0, 3, (5,)), seed=17)
 
@@ -534,21 +617,24 @@ def test_gpt2_language_model_with_tied_embeddings() -> None:
     model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
     assert model.lm_head.weight is model.transformer.wte.weight
     x = ids_and_mask(5, 6, 30, 0, 8)
-    assert_exact_without_the_exact_path(HuggingFace(model), token_loss, x, torch.randint(0, 30, (5, 6), generator=generator(9)),
-                                        seed=10)
+    assert_exact_without_the_exact_path(
+        HuggingFace(model), token_loss, x, torch.randint(0, 30, (5, 6), generator=generator(9)), seed=10
+    )
 
 
 def test_peft_lora_on_a_frozen_bert() -> None:
     peft = pytest.importorskip("peft", reason="peft is not installed")
     torch.manual_seed(8)
-    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"], lora_dropout=0.1,
-                             modules_to_save=["classifier"])
+    config = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["query", "value"], lora_dropout=0.1, modules_to_save=["classifier"]
+    )
     model = peft.get_peft_model(tiny_bert(), config)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n or "classifier" in n for n in trainable)
     x = ids_and_mask(6, 7, 30, 0, 10)
-    assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)),
-                                        seed=11)
+    assert_exact_without_the_exact_path(
+        HuggingFace(model), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), seed=11
+    )
 
 
 class VisionTransformer(nn.Module):
@@ -557,9 +643,17 @@ class VisionTransformer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-        config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=2, hidden_size=8, num_hidden_layers=1,
-                                        num_attention_heads=2, intermediate_size=16, num_labels=3,
-                                        attn_implementation="eager")
+        config = transformers.ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=2,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=16,
+            num_labels=3,
+            attn_implementation="eager",
+        )
         self.model = transformers.ViTForImageClassification(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -598,6 +692,7 @@ def test_outputs_modified_in_place_after_their_operation() -> None:
 
 # --- sweeps --------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("batch", [1, 2, 5, 7])
 @pytest.mark.parametrize("seed", range(3))
@@ -610,5 +705,6 @@ def test_sweep_batch_sizes_including_the_sequence_length(batch: int, seed: int) 
     for model in (Encoder(causal=seed % 2 == 1), CrossAttention(), HandWritten(width=8)):
         assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y, seed=seed, planned=False)
     tokens = ids_and_mask(batch, 5, 30, 0, seed)
-    assert_exact_without_the_exact_path(HuggingFace(tiny_bert()), per_example_cross_entropy, tokens, y, seed=seed,
-                                        planned=False)
+    assert_exact_without_the_exact_path(
+        HuggingFace(tiny_bert()), per_example_cross_entropy, tokens, y, seed=seed, planned=False
+    )

@@ -53,8 +53,11 @@ def test_python_is_a_floor_only() -> None:
 
 
 def _wheel(out: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(ROOT),
-                    "-w", str(out)], check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(ROOT), "-w", str(out)],
+        check=True,
+        timeout=600,
+    )
     (wheel,) = out.glob("dpml-*.whl")
     return wheel
 
@@ -63,9 +66,23 @@ def _resolve(environment: Path, *requirements: str) -> subprocess.CompletedProce
     """pip's resolver in a fresh virtual environment, without installing (``--dry-run``): it succeeds only when
     every requirement of every package it would install is met, what ``pip check`` checks after an install."""
     clean = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # the checkout is no install
-    return subprocess.run([str(environment / "bin" / "python"), "-m", "pip", "install", "--dry-run", "-q",
-                           "--report", str(environment / "report.json"), *requirements],
-                          capture_output=True, text=True, timeout=1800, env=clean)
+    return subprocess.run(
+        [
+            str(environment / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "-q",
+            "--report",
+            str(environment / "report.json"),
+            *requirements,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=clean,
+    )
 
 
 @pytest.mark.exhaustive
@@ -79,8 +96,10 @@ def test_the_wheel_resolves_beside_an_unrelated_package_set(tmp_path: Path) -> N
     locked_torch = str(locked()["torch"]).split("+")[0]
     done = _resolve(environment, str(wheel), *BESIDE, f"torch!={locked_torch}")
     assert done.returncode == 0, done.stderr[-3000:]
-    chosen = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-              for item in json.loads((environment / "report.json").read_text())["install"]}
+    chosen = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads((environment / "report.json").read_text())["install"]
+    }
     assert chosen["dpml"] == "0.1.0" and chosen["torch"].split("+")[0] != locked_torch
     refused = _resolve(environment, str(wheel), "pandas<3")
     assert refused.returncode != 0 and "dpml" in refused.stderr and "pandas" in refused.stderr, refused.stderr[-3000:]

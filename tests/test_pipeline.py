@@ -19,9 +19,19 @@ from dpml.config import load
 from dpml.formatting import format_epsilon
 from tests.conftest import REPO, small_params, write_params
 
-EXPECTED_TAGS = {"dp.epsilon", "dp.delta", "dp.accountant", "dp.mechanism", "data.version", "audit.auc",
-                 "audit.tpr_at_0.1pct_fpr", "gate.passed", "audit.epsilon_lower_bound", "audit.is_evidence",
-                 "audit.control_tpr_at_1pct_fpr"}
+EXPECTED_TAGS = {
+    "dp.epsilon",
+    "dp.delta",
+    "dp.accountant",
+    "dp.mechanism",
+    "data.version",
+    "audit.auc",
+    "audit.tpr_at_0.1pct_fpr",
+    "gate.passed",
+    "audit.epsilon_lower_bound",
+    "audit.is_evidence",
+    "audit.control_tpr_at_1pct_fpr",
+}
 
 
 def client_for(tmp: Path) -> MlflowClient:
@@ -53,17 +63,30 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     assert run.data.tags["prefect.flow_run_id"] == first["prefect"]["flow_run_id"]
     assert run.data.tags["prefect.api_url"] == first["prefect"]["api_url"]
     # The parent's metrics are written as the summary writes them: ε rounded up, never below the certificate.
-    assert run.data.metrics["epsilon"] == float(format_epsilon(first["certify"]["epsilon"])) >= first["certify"]["epsilon"]
+    assert (
+        run.data.metrics["epsilon"] == float(format_epsilon(first["certify"]["epsilon"])) >= first["certify"]["epsilon"]
+    )
     assert 0 <= run.data.metrics["test_accuracy"] <= 1 and "audit.max_epsilon_lower_bound" in run.data.metrics
     # The audit's detail is on the audit stage's nested run; the release's run keeps the headline numbers.
-    [audit_run] = client.search_runs([run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}' "
-                                     "and tags.`dpml.stage` = 'audit'")
-    assert "audit.target.loss.auc" in audit_run.data.metrics and "audit.control.rmia-online.auc" in audit_run.data.metrics
+    [audit_run] = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}' and tags.`dpml.stage` = 'audit'",
+    )
+    assert (
+        "audit.target.loss.auc" in audit_run.data.metrics and "audit.control.rmia-online.auc" in audit_run.data.metrics
+    )
     assert not any(k.startswith(("audit.target.", "audit.control.", "audit.conformance.")) for k in run.data.metrics)
     assert run.data.params["dp.noise_multiplier"] == "1.0"
     logged = {a.path for a in client.list_artifacts(v1.run_id)}
-    assert {"privacy_report.md", "roc.png", "roc_control.png", "histograms.png", "certificate.json", "audit.json",
-            "scores.json"} <= logged
+    assert {
+        "privacy_report.md",
+        "roc.png",
+        "roc_control.png",
+        "histograms.png",
+        "certificate.json",
+        "audit.json",
+        "scores.json",
+    } <= logged
     # The audit's bounds never exceed the certified ε of a correct trainer.
     assert float(v1.tags["audit.epsilon_lower_bound"]) <= float(v1.tags["dp.epsilon"])
     report = Path(mlflow.artifacts.download_artifacts(run_id=v1.run_id, artifact_path="privacy_report.md")).read_text()
@@ -79,7 +102,10 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     assert report.splitlines()[2] == f"**Release gate: {verdict['title']}.**"  # the verdict comes first
     assert v1.description.startswith(f"**{verdict['title']}**")
     if not first["gate"]["audit_is_evidence"]:
-        assert verdict["title"] == "PASSED without demonstrated attack power" or "without implementation" in verdict["title"]
+        assert (
+            verdict["title"] == "PASSED without demonstrated attack power"
+            or "without implementation" in verdict["title"]
+        )
 
     # The registered model takes raw records and reproduces the pipeline's own predictions on them.
     model = mlflow.pyfunc.load_model("models:/dpml-test-model@champion")
@@ -110,8 +136,12 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     again = audit_registered_model("models:/dpml-test-model@champion", config.tracking, workdir / "reaudit")
     assert again["consistent"] and again["model"] == f"dpml-test-model/{v1.version}"
     assert again["audit"]["target"]["attacks"]["loss"]["auc"] == pytest.approx(
-        first["audit"]["target"]["attacks"]["loss"]["auc"])
-    assert client.get_model_version("dpml-test-model", v1.version).tags["audit.latest_reaudit_run"] == again["audit_run_id"]
+        first["audit"]["target"]["attacks"]["loss"]["auc"]
+    )
+    assert (
+        client.get_model_version("dpml-test-model", v1.version).tags["audit.latest_reaudit_run"]
+        == again["audit_run_id"]
+    )
 
     # A second release over the budget: tagged as failed, champion stays on version 1.
     over = write_params(workdir / "over.yaml", small_params(workdir, gate={"epsilon_budget": 0.01}))
@@ -119,12 +149,24 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     assert second["gate"]["passed"] is False
     v1, v2 = versions(client, "dpml-test-model")
     assert v2.tags["gate.passed"] == "false" and "exceeds the budget" in v2.tags["gate.reason"]
-    assert v2.tags["verdict.certificate"] == "over budget" and v2.tags["verdict"].startswith("FAILED: certificate over budget")
+    assert v2.tags["verdict.certificate"] == "over budget" and v2.tags["verdict"].startswith(
+        "FAILED: certificate over budget"
+    )
     assert client.get_model_version_by_alias("dpml-test-model", "champion").version == v1.version
 
 
-THIRD_PARTY_NOISE = ("distributed.", "Worker process still alive", "absl", "Downloading artifacts", "INFO mlflow",
-                     "WARNING mlflow", "Add type hints", "Dask", "Finished in state", "Beginning flow run")
+THIRD_PARTY_NOISE = (
+    "distributed.",
+    "Worker process still alive",
+    "absl",
+    "Downloading artifacts",
+    "INFO mlflow",
+    "WARNING mlflow",
+    "Add type hints",
+    "Dask",
+    "Finished in state",
+    "Beginning flow run",
+)
 """Signs of Prefect's, Dask's, absl's and MLflow's logs and progress bars (and MLflow's warnings) in dpml's output."""
 
 
@@ -138,15 +180,30 @@ def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdi
 
     audit = {"references": 1, "bootstrap": 0, "white_box_canaries": 0}  # quick; LiRA still needs Dask's references
     params = write_params(workdir / "run.yaml", small_params(workdir, audit=audit))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-           "PREFECT_LOGGING_LEVEL": "INFO"}  # this test session's Prefect API; Prefect's INFO lines shown
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "MLFLOW_LOGGING_LEVEL",
-                 "DASK_LOGGING__DISTRIBUTED", "PREFECT_LOGGING_SETTINGS_PATH"):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "PREFECT_LOGGING_LEVEL": "INFO",
+    }  # this test session's Prefect API; Prefect's INFO lines shown
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR",
+        "MLFLOW_LOGGING_LEVEL",
+        "DASK_LOGGING__DISTRIBUTED",
+        "PREFECT_LOGGING_SETTINGS_PATH",
+    ):
         env.pop(name, None)  # the CLI itself must quieten them (conftest quietens the tests' own processes)
 
     def dpml_run(*flags: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "dpml", *flags, "run", "--params", str(params)], cwd=workdir,
-                              env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-m", "dpml", *flags, "run", "--params", str(params)],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr
         assert "dpml run summary" in done.stdout
         return done.stdout + done.stderr
@@ -158,8 +215,11 @@ def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdi
     run_id = re.search(r"MLflow run\s+([0-9a-f]{32})", quiet).group(1)
 
     with get_client(sync_client=True) as client:
-        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["dpml-release"])),
-                                           sort=ArtifactSort.CREATED_DESC, limit=1)
+        [artifact] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["dpml-release"])),
+            sort=ArtifactSort.CREATED_DESC,
+            limit=1,
+        )
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[artifact.flow_run_id])))
     assert artifact.type == "markdown" and "dpml run summary" in artifact.data and run_id in artifact.data
     assert artifact.data.startswith("# dpml release: gate FAILED")  # small_params: ε above the default budget
@@ -176,8 +236,11 @@ def test_dpml_run_shows_progress_and_its_summary_and_no_third_party_noise(workdi
 def test_nonprivate_model_never_becomes_champion(workdir: Path) -> None:
     from dpml.stages import run_all
 
-    config = load(write_params(workdir / "np.yaml", small_params(workdir, train={"algorithm": "nonprivate"},
-                                                                 gate={"epsilon_budget": 1e6})))
+    config = load(
+        write_params(
+            workdir / "np.yaml", small_params(workdir, train={"algorithm": "nonprivate"}, gate={"epsilon_budget": 1e6})
+        )
+    )
     results = run_all(config, echo=lambda _: None)
     assert results["gate"]["passed"] is False and results["certify"]["epsilon"] == float("inf")
     client = client_for(workdir)
@@ -190,47 +253,66 @@ def test_nonprivate_model_never_becomes_champion(workdir: Path) -> None:
 def test_bad_data_fails_before_registering_anything(workdir: Path) -> None:
     table = workdir / "records.csv"
     table.write_text("a,b,label\n1,2,x\n3,,y\n5,6,x\n")
-    params = small_params(workdir, data={"source": f"csv:{table}", "label_column": "label",
-                                         "feature_columns": ["a", "b"], "classes": ["x", "y"]})
+    params = small_params(
+        workdir,
+        data={"source": f"csv:{table}", "label_column": "label", "feature_columns": ["a", "b"], "classes": ["x", "y"]},
+    )
     path = write_params(workdir / "bad.yaml", params)
-    done = subprocess.run([sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(path)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1
     assert "records.csv: row 1, column 'b': missing value (NaN)" in done.stderr
     assert not [p for p in (workdir / "artifacts").rglob("*") if p.is_file()]  # pre-flight made the folder only
     if (workdir / "mlflow.db").exists():  # pre-flight prepares the store before ingestion; it stays empty
         client = client_for(workdir)
         assert not client.search_registered_models() and not client.search_runs(
-            [e.experiment_id for e in client.search_experiments()])
+            [e.experiment_id for e in client.search_experiments()]
+        )
 
 
 def test_invalid_config_fails_before_any_work(workdir: Path) -> None:
     path = write_params(workdir / "p.yaml", small_params(workdir))
-    done = subprocess.run([sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(path),
-                           "--set", "dp.delta=1.5"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(path), "--set", "dp.delta=1.5"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "dp.delta = 1.5" in done.stderr
     assert not (workdir / "data").exists()
 
 
 @pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.slow
-def test_private_search_releases_the_best_candidate_and_charges_the_search(workdir: Path,
-                                                                           prefect_harness: None) -> None:
+def test_private_search_releases_the_best_candidate_and_charges_the_search(
+    workdir: Path, prefect_harness: None
+) -> None:
     from dpml.ledger.ledger import Ledger
     from flows.pipeline import private_hyperparameter_search
 
     space = {"train.learning_rate": [0.5, 2.0], "model.hidden": [[], [16]]}
-    params = write_params(workdir / "tune.yaml", small_params(
-        workdir, dp={"noise_multiplier": None, "target_epsilon": 2.0},
-        tune={"distribution": "truncated_negative_binomial", "mean": 2.0, "shape": 1.0, "space": space},
-        audit={"references": 1, "white_box_canaries": 0, "black_box_canaries": 0}, gate={"epsilon_budget": 3.0}))
+    params = write_params(
+        workdir / "tune.yaml",
+        small_params(
+            workdir,
+            dp={"noise_multiplier": None, "target_epsilon": 2.0},
+            tune={"distribution": "truncated_negative_binomial", "mean": 2.0, "shape": 1.0, "space": space},
+            audit={"references": 1, "white_box_canaries": 0, "black_box_canaries": 0},
+            gate={"epsilon_budget": 3.0},
+        ),
+    )
     results = private_hyperparameter_search(params_path=str(params))
     config = load(params)
     certificate = results["certify"]["certificate"]
     # Calibrated so that the whole search, not one candidate, meets the target.
     assert certificate["accountant"].startswith("papernot_steinke") and certificate["epsilon"] <= 2.0
-    assert certificate["mechanism"]["selection"] == {"distribution": "truncated_negative_binomial", "mean": 2.0,
-                                                     "shape": 1.0}
+    assert certificate["mechanism"]["selection"] == {
+        "distribution": "truncated_negative_binomial",
+        "mean": 2.0,
+        "shape": 1.0,
+    }
     assert "hyperparameter search" in certificate["statement"]
     one_candidate = certificate["mechanism"] | {"selection": None}
     from dpml.accounting.accountants import certify
@@ -279,12 +361,26 @@ def test_noisycgd_pipeline_certifies_the_final_model_only(workdir: Path) -> None
     the audit's references trained with the released λ, the version tagged with its mechanism."""
     from dpml.stages import Layout, release_config, run_all
 
-    config = load(write_params(workdir / "cgd.yaml", small_params(
-        workdir, train={"algorithm": "noisycgd", "learning_rate": 0.005, "epochs": 20},
-        model={"kind": "gated", "gates": 16},
-        dp={"noise_multiplier": 3.0, "target_epsilon": 4.0, "delta": 1e-5, "clip_norm": 34.0,
-            "neighbouring": "replace-one"},
-        noisycgd={"batch_size": 60}, gate={"epsilon_budget": 5.0}, audit={"black_box_canaries": 100})))
+    config = load(
+        write_params(
+            workdir / "cgd.yaml",
+            small_params(
+                workdir,
+                train={"algorithm": "noisycgd", "learning_rate": 0.005, "epochs": 20},
+                model={"kind": "gated", "gates": 16},
+                dp={
+                    "noise_multiplier": 3.0,
+                    "target_epsilon": 4.0,
+                    "delta": 1e-5,
+                    "clip_norm": 34.0,
+                    "neighbouring": "replace-one",
+                },
+                noisycgd={"batch_size": 60},
+                gate={"epsilon_budget": 5.0},
+                audit={"black_box_canaries": 100},
+            ),
+        )
+    )
     results = run_all(config, echo=lambda _: None)
     certificate = results["certify"]["certificate"]
     assert certificate["epsilon"] == pytest.approx(4.0, abs=1e-6) and certificate["epsilon"] <= 4.0 + 1e-9
@@ -310,14 +406,27 @@ def test_noisycgd_search_calibrates_every_candidate_and_certifies_the_search(wor
     from dpml.accounting.mechanism import MechanismDescription
     from dpml.stages import Layout, release_config, run_all
 
-    config = load(write_params(workdir / "cgd-tune.yaml", small_params(
-        workdir, train={"algorithm": "noisycgd", "learning_rate": 0.005, "epochs": 20},
-        model={"kind": "gated", "gates": 16},
-        dp={"noise_multiplier": 3.0, "target_epsilon": 6.0, "delta": 1e-5, "clip_norm": 34.0,
-            "neighbouring": "replace-one"},
-        noisycgd={"batch_size": 60}, gate={"epsilon_budget": 7.0},
-        audit={"black_box_canaries": 0, "white_box_canaries": 0, "control": False, "attacks": ["loss"]},
-        tune={"space": {"train.learning_rate": [0.002, 0.005], "model.gates": [8, 16]}, "mean": 2.0})))
+    config = load(
+        write_params(
+            workdir / "cgd-tune.yaml",
+            small_params(
+                workdir,
+                train={"algorithm": "noisycgd", "learning_rate": 0.005, "epochs": 20},
+                model={"kind": "gated", "gates": 16},
+                dp={
+                    "noise_multiplier": 3.0,
+                    "target_epsilon": 6.0,
+                    "delta": 1e-5,
+                    "clip_norm": 34.0,
+                    "neighbouring": "replace-one",
+                },
+                noisycgd={"batch_size": 60},
+                gate={"epsilon_budget": 7.0},
+                audit={"black_box_canaries": 0, "white_box_canaries": 0, "control": False, "attacks": ["loss"]},
+                tune={"space": {"train.learning_rate": [0.002, 0.005], "model.gates": [8, 16]}, "mean": 2.0},
+            ),
+        )
+    )
     results = run_all(config, echo=lambda _: None, search=True)
     certificate = results["certify"]["certificate"]
     assert certificate["epsilon"] <= 6.0 + 1e-9 and certificate["epsilon"] == pytest.approx(6.0, abs=1e-3)

@@ -12,8 +12,13 @@ from dpml.config import load
 from dpml.provenance import code_state, is_dvc_pipeline_run
 from tests.conftest import small_params, write_params
 
-GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@example.org"}
+GIT_ENV = {
+    **os.environ,
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.org",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.org",
+}
 
 
 def git(root: Path, *args: str) -> str:
@@ -51,8 +56,9 @@ def workspace(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_only_params_yaml_as_it_stands_is_the_dvc_pipeline(workspace: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_params_yaml_as_it_stands_is_the_dvc_pipeline(
+    workspace: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = load(workspace / "params.yaml")
     assert is_dvc_pipeline_run(config, workspace) is None
     # as `dpml run` and `dvc repro` load it: the file named relative to the workspace (where each destination
@@ -68,8 +74,9 @@ def test_only_params_yaml_as_it_stands_is_the_dvc_pipeline(workspace: Path, tmp_
     assert "params.yaml in the working directory does not load" in str(is_dvc_pipeline_run(config, workspace))
 
 
-def test_a_temporary_experiment_copy_with_relative_stores_is_refused(workspace: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_temporary_experiment_copy_with_relative_stores_is_refused(
+    workspace: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``dvc exp run --temp/--queue`` runs stages in a copy (DVC_ROOT names the real repository): relative
     stores would be new, empty ones there. The workspace itself, or absolute stores, are fine."""
     from dpml.provenance import refuse_temporary_experiment_copy
@@ -83,9 +90,14 @@ def test_a_temporary_experiment_copy_with_relative_stores_is_refused(workspace: 
     monkeypatch.setenv("DVC_EXP_NAME", "sweep-1")
     refuse_temporary_experiment_copy(relative, workspace)  # dvc exp run in the workspace
     refuse_temporary_experiment_copy(absolute, copy)
-    with pytest.raises(ValueError, match=r"ledger.path = 'ledger.db', tracking.uri = 'mlflow.db': relative to a "
-                                         r"temporary copy .* run experiments in the workspace"):
+    with pytest.raises(
+        ValueError,
+        match=r"ledger.path = 'ledger.db', tracking.uri = 'mlflow.db': relative to a "
+        r"temporary copy .* run experiments in the workspace",
+    ):
         refuse_temporary_experiment_copy(relative, copy)
-    split = load(workspace / "params.yaml", ["tracking.registry_uri=sqlite:///registry.db"])  # only the registry relative
+    split = load(
+        workspace / "params.yaml", ["tracking.registry_uri=sqlite:///registry.db"]
+    )  # only the registry relative
     with pytest.raises(ValueError, match=r"^tracking.registry_uri = 'registry.db': relative to a temporary copy"):
         refuse_temporary_experiment_copy(split, copy)

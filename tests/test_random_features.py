@@ -8,12 +8,24 @@ import numpy as np
 import pytest
 import torch
 
-from dpml.models.random_features import (RandomFeatures, RandomFeaturesSpec, check_activation, fit_min_norm,
-                                         hermite_coefficients, tanh_even)
+from dpml.models.random_features import (
+    RandomFeatures,
+    RandomFeaturesSpec,
+    check_activation,
+    fit_min_norm,
+    hermite_coefficients,
+    tanh_even,
+)
 from dpml.accounting.accountants import epsilon_moments_closed_form
 from dpml.train.clipping import clipped_gradient_sum
-from dpml.train.privacy_for_free import (certified_epsilon, dpgd_noise_std, privacy_for_free_hyperparameters,
-                                         sigma_for_epsilon, steps_for, train_dpgd_random_features)
+from dpml.train.privacy_for_free import (
+    certified_epsilon,
+    dpgd_noise_std,
+    privacy_for_free_hyperparameters,
+    sigma_for_epsilon,
+    steps_for,
+    train_dpgd_random_features,
+)
 
 
 def sphere_data(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,10 +37,11 @@ def sphere_data(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- Hermite coefficients
 
+
 def test_hermite_coefficients_of_known_functions() -> None:
-    he3 = lambda t: (t ** 3 - 3 * t) / math.sqrt(6)  # noqa: E731 — the normalised He_3 itself
+    he3 = lambda t: (t**3 - 3 * t) / math.sqrt(6)  # noqa: E731 — the normalised He_3 itself
     np.testing.assert_allclose(hermite_coefficients(he3, 5), [0, 0, 0, 1, 0, 0], atol=1e-9)
-    np.testing.assert_allclose(hermite_coefficients(lambda t: t ** 2, 4), [1, 0, math.sqrt(2), 0, 0], atol=1e-9)
+    np.testing.assert_allclose(hermite_coefficients(lambda t: t**2, 4), [1, 0, math.sqrt(2), 0, 0], atol=1e-9)
     relu = hermite_coefficients(lambda t: np.maximum(t, 0.0), 2)  # 1/√(2π), 1/2, 1/(2√π)
     np.testing.assert_allclose(relu, [1 / math.sqrt(2 * math.pi), 0.5, 1 / (2 * math.sqrt(math.pi))], atol=1e-7)
     tanh = hermite_coefficients(torch.tanh, 21)
@@ -36,14 +49,14 @@ def test_hermite_coefficients_of_known_functions() -> None:
     assert tanh[1] == pytest.approx(0.6057055, abs=1e-6) and tanh[3] == pytest.approx(-0.1484372, abs=1e-6)
     t = np.linspace(-12, 12, 240_001)
     second_moment = np.trapezoid(np.tanh(t) ** 2 * np.exp(-t * t / 2), t) / math.sqrt(2 * math.pi)
-    assert float(np.sum(tanh ** 2)) == pytest.approx(second_moment, abs=1e-4)  # Parseval
+    assert float(np.sum(tanh**2)) == pytest.approx(second_moment, abs=1e-4)  # Parseval
 
 
 def test_activation_conditions_are_enforced_with_a_clear_error() -> None:
     check_activation(torch.tanh)
     coefficients = check_activation(tanh_even, require_sign_recovery=True)
     assert abs(coefficients[0]) < 1e-9 and abs(coefficients[2]) < 1e-9  # e0 = e2 = 0 in closed form
-    assert abs(coefficients[3]) > 0.1 and abs(coefficients[4]) > 0.1     # both parities of order ≥ 3
+    assert abs(coefficients[3]) > 0.1 and abs(coefficients[4]) > 0.1  # both parities of order ≥ 3
     with pytest.raises(ValueError, match=r"relu violates .*φ0 = 0\.39894.*φ2 = 0\.28209"):
         check_activation(torch.relu, "relu")
     with pytest.raises(ValueError, match=r"φ0 = 0\.5 \(must be 0\)"):
@@ -51,7 +64,7 @@ def test_activation_conditions_are_enforced_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="non-linear"):
         check_activation(lambda t: 2 * t, "linear")
     with pytest.raises(ValueError, match=r"φ1 = .* \(must be ≠ 0\)"):
-        check_activation(lambda t: t ** 3 - 3 * t, "He3")
+        check_activation(lambda t: t**3 - 3 * t, "He3")
     with pytest.raises(ValueError, match="different parity"):
         check_activation(torch.tanh, "tanh", require_sign_recovery=True)
 
@@ -67,11 +80,12 @@ def test_feature_kernel_matches_the_hermite_series() -> None:
     empirical = (phi @ phi.t() / phi.shape[1]).numpy()
     coefficients = hermite_coefficients(tanh_even, 20)
     cosines = (x @ x.t() / d).numpy()
-    series = sum(c * c * cosines ** ell for ell, c in enumerate(coefficients))
+    series = sum(c * c * cosines**ell for ell, c in enumerate(coefficients))
     np.testing.assert_allclose(empirical, series, atol=6e-3)
 
 
 # ---------------------------------------------------------------- the model
+
 
 def test_spec_round_trip_public_features_and_zero_init() -> None:
     spec = RandomFeaturesSpec(12, 3000, n_outputs=2, activation="tanh_even", feature_seed=5)
@@ -96,7 +110,7 @@ def test_clipping_engine_shortcut_matches_per_example_autograd() -> None:
     y = torch.randn(7, 2, dtype=torch.float64)
     loss = lambda out, target: (out - target).pow(2).sum(1)  # noqa: E731
     sums, norms = clipped_gradient_sum(model, loss, x, y, clip_norm=1.0)
-    grads = [torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]).sum(), model.weight)[0] for i in range(7)]
+    grads = [torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]).sum(), model.weight)[0] for i in range(7)]
     expected_norms = torch.stack([g.norm() for g in grads])
     torch.testing.assert_close(norms, expected_norms)
     factors = torch.clamp(1.0 / (expected_norms + 1e-6), max=1.0)
@@ -104,6 +118,7 @@ def test_clipping_engine_shortcut_matches_per_example_autograd() -> None:
 
 
 # ---------------------------------------------------------------- DP-GD and privacy for free
+
 
 def test_privacy_for_free_hyperparameters_formula() -> None:
     hp = privacy_for_free_hyperparameters(n=1000, d=20, p=4000)
@@ -122,8 +137,16 @@ def test_dpgd_noise_matches_the_certificates_sigma() -> None:
     p, n, eta, clip, sigma, steps = 40_000, 50, 0.04, 3.0, 1.7, 4
     model = RandomFeatures(RandomFeaturesSpec(5, p)).double()
     zeros = torch.zeros(n, 5, dtype=torch.float64)
-    result = train_dpgd_random_features(model, zeros, torch.zeros(n, dtype=torch.float64), learning_rate=eta,
-                                        steps=steps, clip_norm=clip, sigma=sigma, seed=11)
+    result = train_dpgd_random_features(
+        model,
+        zeros,
+        torch.zeros(n, dtype=torch.float64),
+        learning_rate=eta,
+        steps=steps,
+        clip_norm=clip,
+        sigma=sigma,
+        seed=11,
+    )
     expected = math.sqrt(steps) * math.sqrt(eta) * 2 * clip / n * sigma
     assert result.noise_std == pytest.approx(dpgd_noise_std(eta, clip, n, sigma))
     assert float(result.theta.std()) == pytest.approx(expected, rel=0.02)
@@ -131,7 +154,7 @@ def test_dpgd_noise_matches_the_certificates_sigma() -> None:
     assert (event.sample_rate, event.steps, result.mechanism.neighbouring) == (1.0, steps, "replace-one")
     # dpml's dpgd: θ ← θ − η(Σ clip + N(0, s²C²))/n, so the per-step std on θ is η·s·C/n.
     assert eta * event.noise_multiplier * clip / n == pytest.approx(result.noise_std, rel=1e-12)
-    a = eta * steps / (2 * sigma ** 2)
+    a = eta * steps / (2 * sigma**2)
     assert certified_epsilon(result, 1e-5) == pytest.approx(a + 2 * math.sqrt(a * math.log(1e5)), rel=1e-12)
 
 
@@ -140,8 +163,9 @@ def test_sigma_for_epsilon_inverts_the_closed_form() -> None:
         sigma = sigma_for_epsilon(epsilon, 1e-6, continuous_time=0.7)
         model = RandomFeatures(RandomFeaturesSpec(3, 10)).double()
         x, y = sphere_data(4, 3, seed=0)
-        result = train_dpgd_random_features(model, x, y, learning_rate=0.07, steps=10, clip_norm=1.0, sigma=sigma,
-                                            seed=0)
+        result = train_dpgd_random_features(
+            model, x, y, learning_rate=0.07, steps=10, clip_norm=1.0, sigma=sigma, seed=0
+        )
         assert epsilon_moments_closed_form(result.mechanism, 1e-6) == pytest.approx(epsilon, rel=1e-9)
     with pytest.raises(ValueError, match="epsilon = -1"):
         sigma_for_epsilon(-1, 1e-5, 1.0)
@@ -152,8 +176,9 @@ def test_clipped_fraction_is_zero_for_a_huge_clip_norm_and_one_for_a_tiny_one() 
     # the noise std is proportional to C, so the huge-C run takes a tiny σ (noise std ≈ 7e-6 per coordinate)
     for clip, sigma, expected in ((1e9, 1e-12, 0.0), (1e-9, 0.5, 1.0)):
         model = RandomFeatures(RandomFeaturesSpec(6, 300)).double()
-        result = train_dpgd_random_features(model, x, y, learning_rate=0.01, steps=20, clip_norm=clip, sigma=sigma,
-                                            seed=1)
+        result = train_dpgd_random_features(
+            model, x, y, learning_rate=0.01, steps=20, clip_norm=clip, sigma=sigma, seed=1
+        )
         assert result.clipped_fraction == expected
 
 

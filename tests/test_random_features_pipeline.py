@@ -23,16 +23,34 @@ def test_random_features_release_is_audited_by_reconstruction(workdir: Path) -> 
     frame.to_csv(workdir / "records.csv", index=False)
     params = small_params(
         workdir,
-        data={"source": f"csv:{workdir / 'records.csv'}", "label_column": "label",
-              "feature_columns": [f"f{i}" for i in range(d)], "classes": [0, 1]},
-        preprocess={"lower": -4.0, "upper": 4.0, "clip_norm": d ** 0.5, "clip_mode": "sphere"},
+        data={
+            "source": f"csv:{workdir / 'records.csv'}",
+            "label_column": "label",
+            "feature_columns": [f"f{i}" for i in range(d)],
+            "classes": [0, 1],
+        },
+        preprocess={"lower": -4.0, "upper": 4.0, "clip_norm": d**0.5, "clip_mode": "sphere"},
         model={"kind": "random_features", "features": 4000, "feature_activation": "tanh"},
         train={"algorithm": "dpgd", "loss": "squared", "sample_rate": 1.0, "epochs": 30, "learning_rate": 0.5},
-        dp={"noise_multiplier": None, "target_epsilon": 1.0, "delta": 1e-5, "clip_norm": 1.0,
-            "neighbouring": "replace-one"},
-        audit={"control_optimizer": "sgd", "control_learning_rate": 0.0005, "control_epochs": 300,
-               "black_box_canaries": 0, "white_box_canaries": 0, "max_records": 40, "references": 1,
-               "reconstruction_restarts": 3, "reconstruction_steps": 300})
+        dp={
+            "noise_multiplier": None,
+            "target_epsilon": 1.0,
+            "delta": 1e-5,
+            "clip_norm": 1.0,
+            "neighbouring": "replace-one",
+        },
+        audit={
+            "control_optimizer": "sgd",
+            "control_learning_rate": 0.0005,
+            "control_epochs": 300,
+            "black_box_canaries": 0,
+            "white_box_canaries": 0,
+            "max_records": 40,
+            "references": 1,
+            "reconstruction_restarts": 3,
+            "reconstruction_steps": 300,
+        },
+    )
     config = load(write_params(workdir / "rf.yaml", params))
     for name in ("ingest", "split", "preprocess", "train", "certify", "audit", "gate"):
         STAGES[name](config)

@@ -10,8 +10,12 @@ import torch
 
 from dpml.audit.reconstruction import best_match_overlaps, reconstruction_audit, residual_fraction
 from dpml.models.random_features import RandomFeatures, RandomFeaturesSpec, fit_min_norm
-from dpml.train.privacy_for_free import (privacy_for_free_hyperparameters, sigma_for_epsilon, steps_for,
-                                         train_dpgd_random_features)
+from dpml.train.privacy_for_free import (
+    privacy_for_free_hyperparameters,
+    sigma_for_epsilon,
+    steps_for,
+    train_dpgd_random_features,
+)
 
 D, N = 10, 5
 
@@ -19,8 +23,9 @@ D, N = 10, 5
 def sphere_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(N, D, generator=generator, dtype=torch.float64)
-    return x / x.norm(dim=1, keepdim=True) * math.sqrt(D), torch.sign(torch.randn(N, generator=generator,
-                                                                                  dtype=torch.float64))
+    return x / x.norm(dim=1, keepdim=True) * math.sqrt(D), torch.sign(
+        torch.randn(N, generator=generator, dtype=torch.float64)
+    )
 
 
 def interpolator(p: int, seed: int, activation: str = "tanh") -> tuple[RandomFeatures, torch.Tensor]:
@@ -46,8 +51,9 @@ def test_overlaps_are_best_match_absolute_cosines() -> None:
     x = torch.eye(3, dtype=torch.float64)
     candidates = torch.tensor([[-2.0, 0.0, 0.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
     np.testing.assert_allclose(best_match_overlaps(x, candidates), [1.0, 1 / math.sqrt(2), 1 / math.sqrt(2)])
-    np.testing.assert_allclose(best_match_overlaps(x, candidates, signed=True), [0.0, 1 / math.sqrt(2),
-                                                                                1 / math.sqrt(2)])
+    np.testing.assert_allclose(
+        best_match_overlaps(x, candidates, signed=True), [0.0, 1 / math.sqrt(2), 1 / math.sqrt(2)]
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -64,7 +70,7 @@ def test_attack_fails_below_dn_parameters() -> None:
     """p = 25 < dn = 50: five candidates span θ whatever they are, so the objective carries no information."""
     model, x = interpolator(25, seed=0)
     report = reconstruction_audit(model, x, seed=0)
-    assert report["residual_fraction"] < 1e-6           # the attack did solve its problem ...
+    assert report["residual_fraction"] < 1e-6  # the attack did solve its problem ...
     assert report["summary"]["fraction_above_0.9"] <= 0.4  # ... and the solution is not the training set
 
 
@@ -75,9 +81,16 @@ def test_dp_gd_model_leaks_much_less() -> None:
     hp = privacy_for_free_hyperparameters(N, D, p)
     eta = hp.continuous_time / 20
     model = RandomFeatures(RandomFeaturesSpec(D, p, feature_seed=0)).double()
-    train_dpgd_random_features(model, x, y, learning_rate=eta, steps=steps_for(hp.continuous_time, eta),
-                               clip_norm=hp.clip_norm, sigma=sigma_for_epsilon(1.0, 1e-5, hp.continuous_time),
-                               seed=5)
+    train_dpgd_random_features(
+        model,
+        x,
+        y,
+        learning_rate=eta,
+        steps=steps_for(hp.continuous_time, eta),
+        clip_norm=hp.clip_norm,
+        sigma=sigma_for_epsilon(1.0, 1e-5, hp.continuous_time),
+        seed=5,
+    )
     private = reconstruction_audit(model, x, seed=0)
     open_model, _ = interpolator(p, seed=0)
     public = reconstruction_audit(open_model, x, seed=0)

@@ -26,14 +26,16 @@ from dpml.ledger.ledger import Ledger
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "DPML_NOISE_SEED": "11"}
 
 
-def dpml(workdir: Path, *args: str, fault: str | None = None, extra_env: dict[str, str] | None = None,
-         timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def dpml(
+    workdir: Path, *args: str, fault: str | None = None, extra_env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
     env = {**ENV, **(extra_env or {})}
     env.pop("MLFLOW_TRACKING_URI", None)
     if fault:
         env["DPML_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "dpml.cli", *args], cwd=workdir, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dpml.cli", *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -46,8 +48,12 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def quick_params(workdir: Path, attacks: tuple[str, ...] = ("loss",), **sections: dict) -> Path:
-    params = small_params(workdir, audit={"references": 1, "attacks": list(attacks), "bootstrap": 0,
-                                          "white_box_canaries": 0}, gate={"epsilon_budget": 10.0}, **sections)
+    params = small_params(
+        workdir,
+        audit={"references": 1, "attacks": list(attacks), "bootstrap": 0, "white_box_canaries": 0},
+        gate={"epsilon_budget": 10.0},
+        **sections,
+    )
     params["tracking"]["model_name"] = "dpml-reliability"
     return write_params(workdir / "params.yaml", params)
 
@@ -63,13 +69,21 @@ def counted_spends(workdir: Path) -> int:
 # ------------------------------------------------------------------------- misconfigurations cost nothing
 
 
-@pytest.mark.parametrize("override, env, message", [
-    (["--set", "train.device=cuda"], {}, r"train\.device = 'cuda': no CUDA device"),
-    pytest.param([], {"DPML_NOISE_SEED": "abc"}, r"DPML_NOISE_SEED = 'abc': must be a non-negative integer",
-                 marks=pytest.mark.exhaustive),
-])
-def test_a_misconfigured_run_spends_nothing(workdir: Path, override: list[str], env: dict[str, str],
-                                            message: str) -> None:
+@pytest.mark.parametrize(
+    "override, env, message",
+    [
+        (["--set", "train.device=cuda"], {}, r"train\.device = 'cuda': no CUDA device"),
+        pytest.param(
+            [],
+            {"DPML_NOISE_SEED": "abc"},
+            r"DPML_NOISE_SEED = 'abc': must be a non-negative integer",
+            marks=pytest.mark.exhaustive,
+        ),
+    ],
+)
+def test_a_misconfigured_run_spends_nothing(
+    workdir: Path, override: list[str], env: dict[str, str], message: str
+) -> None:
     import torch
 
     if "train.device=cuda" in override and torch.cuda.is_available():
@@ -94,11 +108,13 @@ def test_a_misconfigured_run_spends_nothing(workdir: Path, override: list[str], 
 
 def _disk_of(size: int):  # noqa: ANN202 — a preexec_fn
     """A disk that fills after ``size`` bytes a file: writes beyond it fail (EFBIG) instead of killing."""
+
     def fill() -> None:
         import resource
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
     return fill
 
 
@@ -117,8 +133,15 @@ def test_a_full_disk_fails_in_one_line_and_loses_nothing(workdir: Path, when: st
     if when == "later run":
         assert dpml(workdir, "run", "--engine", "local").returncode == 0
         releases, size = 1, (workdir / "mlflow.db").stat().st_size + 2048
-    full = subprocess.run([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=600, preexec_fn=_disk_of(size))
+    full = subprocess.run(
+        [sys.executable, "-m", "dpml.cli", "run", "--engine", "local"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_disk_of(size),
+    )
     line = one_error_line(full)
     assert "disk" in line and "full" in line, line
     if (workdir / "ledger.db").exists():
@@ -207,8 +230,9 @@ def test_kills_at_stage_boundaries_and_inside_registration(workdir: Path) -> Non
     [aliased] = [v for v in client.search_model_versions("name='dpml-reliability'") if v.version != champion]
     assert client.get_registered_model("dpml-reliability").aliases["champion"] == aliased.version
     # The next run fails its gate (no promotion) and is killed after MLflow finished, before the ledger's event.
-    killed = dpml(workdir, "run", "--engine", "local", "--set", "gate.epsilon_budget=0.01",
-                  fault="register:before_released_event")
+    killed = dpml(
+        workdir, "run", "--engine", "local", "--set", "gate.epsilon_budget=0.01", fault="register:before_released_event"
+    )
     assert killed.returncode == -signal.SIGKILL
     assert client.get_run(aliased.run_id).info.status == "KILLED"
     assert client.get_registered_model("dpml-reliability").aliases["champion"] == champion  # back where it was
@@ -228,22 +252,36 @@ def test_kills_at_stage_boundaries_and_inside_registration(workdir: Path) -> Non
 
 @pytest.mark.exhaustive
 def test_concurrent_first_runs_on_one_new_store_all_register(tmp_path: Path) -> None:
-    shared = {"tracking": {"uri": f"sqlite:///{tmp_path / 'shared' / 'mlflow.db'}",
-                           "artifact_root": str(tmp_path / "shared" / "mlartifacts"),
-                           "experiment": "dpml-test", "model_name": "dpml-race"},
-              "ledger": {"path": str(tmp_path / "shared" / "ledger.db"), "epsilon_budget": 1000.0, "delta": 1e-5}}
+    shared = {
+        "tracking": {
+            "uri": f"sqlite:///{tmp_path / 'shared' / 'mlflow.db'}",
+            "artifact_root": str(tmp_path / "shared" / "mlartifacts"),
+            "experiment": "dpml-test",
+            "model_name": "dpml-race",
+        },
+        "ledger": {"path": str(tmp_path / "shared" / "ledger.db"), "epsilon_budget": 1000.0, "delta": 1e-5},
+    }
     runs = []
     for name in ("a", "b"):
         folder = tmp_path / name
         folder.mkdir()
-        params = small_params(folder, audit={"references": 1, "attacks": ["loss"], "bootstrap": 0,
-                                             "white_box_canaries": 0})
+        params = small_params(
+            folder, audit={"references": 1, "attacks": ["loss"], "bootstrap": 0, "white_box_canaries": 0}
+        )
         params |= {key: dict(value) for key, value in shared.items()}
         write_params(folder / "params.yaml", params)
         env = {**ENV}
         env.pop("MLFLOW_TRACKING_URI", None)
-        runs.append(subprocess.Popen([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=folder,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        runs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "dpml.cli", "run", "--engine", "local"],
+                cwd=folder,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [run.communicate(timeout=900) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
     from mlflow import MlflowClient
@@ -305,8 +343,16 @@ def _store_state(database: Path) -> tuple[set[str], str | None]:
     return tables, None if row is None else str(row[0])
 
 
-@pytest.mark.parametrize("where", ["middle migration", *(pytest.param(w, marks=pytest.mark.exhaustive) for w in (
-    "imported", "initial tables", "first migration", "last migration", "default experiment"))])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "middle migration",
+        *(
+            pytest.param(w, marks=pytest.mark.exhaustive)
+            for w in ("imported", "initial tables", "first migration", "last migration", "default experiment")
+        ),
+    ],
+)
 def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, where: str) -> None:
     """MLflow's own creation SIGKILLed at a named point of it: dpml's next run still works.
 
@@ -320,18 +366,28 @@ def test_a_store_killed_while_mlflow_creates_it_is_repaired(tmp_path: Path, wher
     from dpml.tracking.store import prepare_store
 
     migrations = _migrations()
-    revision, before = {"first migration": migrations[0], "middle migration": migrations[len(migrations) // 2],
-                        "last migration": migrations[-1]}.get(where, (None, None))
+    revision, before = {
+        "first migration": migrations[0],
+        "middle migration": migrations[len(migrations) // 2],
+        "last migration": migrations[-1],
+    }.get(where, (None, None))
     point = f"migration {revision}" if revision else where
     database = tmp_path / "mlflow.db"
     with open(tmp_path / "creator.log", "w") as log:
-        creator = subprocess.Popen([sys.executable, "-c", _CREATE_STORE_UNTIL, point, f"sqlite:///{database}",
-                                    str(tmp_path / "art")], env=ENV, stdout=subprocess.PIPE, stderr=log, text=True)
+        creator = subprocess.Popen(
+            [sys.executable, "-c", _CREATE_STORE_UNTIL, point, f"sqlite:///{database}", str(tmp_path / "art")],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     try:
         assert creator.stdout is not None
         ready, _, _ = select.select([creator.stdout], [], [], 600)  # a bound on a hang, not an ordering
         said = creator.stdout.readline().strip() if ready else "(nothing in 600 s)"
-        assert said == point, f"the creator never reached {point!r}: {said!r}; {(tmp_path / 'creator.log').read_text()[-2000:]}"
+        assert said == point, (
+            f"the creator never reached {point!r}: {said!r}; {(tmp_path / 'creator.log').read_text()[-2000:]}"
+        )
         _, status = os.waitpid(creator.pid, os.WUNTRACED)
         assert os.WIFSTOPPED(status)  # stopped at the point: nothing after it has run
     finally:
@@ -482,8 +538,10 @@ def _bad_gz_folder(root: Path) -> Path:
 def test_a_corpus_of_bad_inputs_each_gives_one_line(workdir: Path) -> None:
     quick_params(workdir)
     bomb = workdir / "bomb.yaml"
-    bomb.write_text("a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(8)))
+    bomb.write_text(
+        "a: &a [x,x,x,x,x,x,x,x,x,x]\n"
+        + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(8))
+    )
     folder = _bad_gz_folder(workdir)
     corpus = [
         (["epsilon", "--noise-multiplier", "inf", "--sample-rate", "0.01", "--steps", "100"], "finite"),
@@ -504,8 +562,15 @@ def test_a_corpus_of_bad_inputs_each_gives_one_line(workdir: Path) -> None:
         assert expected in line, (args, line)
     assert counted_spends(workdir) == 0
     # a closed pipe is not an error
-    piped = subprocess.run(f"{sys.executable} -m dpml.cli epsilon --noise-multiplier 1 --sample-rate 0.01 --steps 100 "
-                           "| head -c 1", shell=True, cwd=workdir, env=ENV, capture_output=True, text=True, timeout=300)
+    piped = subprocess.run(
+        f"{sys.executable} -m dpml.cli epsilon --noise-multiplier 1 --sample-rate 0.01 --steps 100 | head -c 1",
+        shell=True,
+        cwd=workdir,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
     # --debug shows the traceback
     debug = dpml(workdir, "--debug", "run", "--engine", "local", "--set", f"data.source=idx:{folder}")

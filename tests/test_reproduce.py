@@ -28,14 +28,22 @@ MODEL = "census-release"
 
 
 def dpml(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dpml", *args], cwd=root, capture_output=True, text=True,
-                          env=environment() | {"PYTHONHASHSEED": "0", "DPML_NOISE_SEED": "8675309"}, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "dpml", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=environment() | {"PYTHONHASHSEED": "0", "DPML_NOISE_SEED": "8675309"},
+        timeout=900,
+    )
 
 
 def pipeline_params(root: Path, table: Path) -> None:
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["data"] = {"source": f"csv:{table}", **SCHEMA, "id_column": "id"}
-    params["preprocess"] = {k: v for k, v in params["preprocess"].items() if k not in ("lower", "upper")} | {"clip_norm": 3.0}
+    params["preprocess"] = {k: v for k, v in params["preprocess"].items() if k not in ("lower", "upper")} | {
+        "clip_norm": 3.0
+    }
     params["train"]["epochs"] = 2
     params["audit"] |= {"references": 1, "bootstrap": 20, "white_box_canaries": 0, "black_box_canaries": 0}
     params["tracking"]["model_name"] = MODEL

@@ -28,9 +28,22 @@ def rendered_text(url: str, profile: Path, expected: list[str]) -> str:
     waits longer (up to three times) while any of ``expected`` is missing."""
     text = ""
     for budget in (15_000, 30_000, 60_000):
-        done = subprocess.run([chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--window-size=2400,1400",
-                               f"--user-data-dir={profile}", f"--virtual-time-budget={budget}", "--dump-dom", url],
-                              capture_output=True, text=True, timeout=180)
+        done = subprocess.run(
+            [
+                chromium(),
+                "--headless",
+                "--disable-gpu",
+                "--no-sandbox",
+                "--window-size=2400,1400",
+                f"--user-data-dir={profile}",
+                f"--virtual-time-budget={budget}",
+                "--dump-dom",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         dom = re.sub(r"<script.*?</script>|<style.*?</style>", " ", done.stdout, flags=re.S)
         text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))
         if all(e in text for e in expected):
@@ -53,16 +66,21 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         os.chdir(here)
         if before is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
-    return {"workdir": workdir, "config": config, "results": results,
-            "client": MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")}
+    return {
+        "workdir": workdir,
+        "config": config,
+        "results": results,
+        "client": MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}"),
+    }
 
 
 @pytest.fixture(scope="module")
 def ui(released: dict[str, Any]) -> Iterator[str]:
     """``mlflow ui`` on the run's store, on 127.0.0.1 and a free port."""
     workdir = released["workdir"]
-    with serving_mlflow("ui", ["--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}"], workdir,
-                        workdir / "ui.log") as url:
+    with serving_mlflow(
+        "ui", ["--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}"], workdir, workdir / "ui.log"
+    ) as url:
         yield url
 
 
@@ -76,7 +94,9 @@ def test_one_parent_run_with_a_nested_run_per_stage(released: dict[str, Any]) ->
     parent = client.get_run(version.run_id)
     assert parent.info.run_name == f"digits · dpsgd · ε={epsilon}"
     assert parent.data.tags["dp.epsilon"] == version.tags["dp.epsilon"] == epsilon
-    assert "ledger.spend_id" in parent.data.tags and not {"dpml.pid", "dpml.host"} & set(parent.data.tags)  # in the ledger
+    assert "ledger.spend_id" in parent.data.tags and not {"dpml.pid", "dpml.host"} & set(
+        parent.data.tags
+    )  # in the ledger
     headline = parent.data.metrics
     # The headline as the summary writes it (dpml.formatting): ε rounded up, the lower bound down, the accuracy to
     # four digits; the exact numbers on the stage runs below.
@@ -85,8 +105,9 @@ def test_one_parent_run_with_a_nested_run_per_stage(released: dict[str, Any]) ->
     assert headline["delta"] == 1e-5
     assert headline["audit.max_epsilon_lower_bound"] == float(format_lower_bound(results["audit"]["max_lower_bound"]))
     assert headline["audit.max_epsilon_lower_bound"] <= results["audit"]["max_lower_bound"]
-    children = client.search_runs([experiment.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    children = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
     by_stage = {run.info.run_name: run for run in children}
     assert sorted(by_stage) == sorted(STAGES) and all(run.info.status == "FINISHED" for run in children)
     order = sorted(children, key=lambda run: run.info.start_time)
@@ -94,7 +115,9 @@ def test_one_parent_run_with_a_nested_run_per_stage(released: dict[str, Any]) ->
     assert parent.info.start_time == by_stage["ingest"].info.start_time  # the parent spans the pipeline
     train = by_stage["train"]
     assert train.info.end_time - train.info.start_time > 100  # training took its time, recorded by the stage
-    assert train.data.params["dp.noise_multiplier"] == "1.0" and not any(k.startswith("audit.") for k in train.data.params)
+    assert train.data.params["dp.noise_multiplier"] == "1.0" and not any(
+        k.startswith("audit.") for k in train.data.params
+    )
     assert train.data.metrics["test_accuracy"] == results["train"]["test_accuracy"]
     assert by_stage["certify"].data.metrics["epsilon"] == results["certify"]["epsilon"]
     # The audit's detail (every attack, bound, power and check) on its own stage run; the parent stays a headline.
@@ -133,10 +156,13 @@ def test_epsilon_is_written_alike_in_the_summary_the_report_and_mlflow(released:
 
 @pytest.mark.slow
 def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
-        released: dict[str, Any], ui: str, tmp_path: Path) -> None:
+    released: dict[str, Any], ui: str, tmp_path: Path
+) -> None:
     if chromium() is None:
-        pytest.skip("no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
-                    "the MLflow UI was not checked in a browser")
+        pytest.skip(
+            "no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
+            "the MLflow UI was not checked in a browser"
+        )
     from dpml.tracking.review_view import review_url
 
     epsilon = format_epsilon(released["results"]["certify"]["epsilon"])
@@ -144,8 +170,7 @@ def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
     experiment_id = released["client"].get_experiment_by_name("dpml-test").experiment_id
     runs = rendered_text(review_url(experiment_id, ui), tmp_path / "profile", [run_name, "within budget"])
     assert "Training runs" in runs  # the model-development tabs: absent for an experiment without the kind tag
-    version = rendered_text(f"{ui}/#/models/dpml-test-model/versions/1", tmp_path / "profile",
-                            ["release gate: PASSED"])
+    version = rendered_text(f"{ui}/#/models/dpml-test-model/versions/1", tmp_path / "profile", ["release gate: PASSED"])
     assert f"certified ε = {epsilon} at δ = 1e-05" in version and "release gate: PASSED" in version, version[:3000]
     assert f"dp.epsilon {epsilon}" in version and "gate.passed true" in version
     verdict = released["results"]["gate"]["verdict"]
@@ -153,22 +178,29 @@ def test_a_browser_shows_epsilon_and_the_gate_on_the_experiment_and_the_version(
 
 
 @pytest.mark.slow
-def test_the_review_view_shows_what_a_reviewer_decides_from_inside_1600_pixels(released: dict[str, Any],
-                                                                               ui: str) -> None:
+def test_the_review_view_shows_what_a_reviewer_decides_from_inside_1600_pixels(
+    released: dict[str, Any], ui: str
+) -> None:
     """Opened at 1600 × 1000 in a real browser, the review view draws the run's certified ε, δ, accuracy, largest
     lower bound and the three parts of the verdict, each cell inside the window and showing the run's own value
     (a column off to the right is not drawn at all: the grid draws only what the window shows)."""
     if chromium() is None:
-        pytest.skip("no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
-                    "the review view was not measured in a browser")
+        pytest.skip(
+            "no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
+            "the review view was not measured in a browser"
+        )
     from dpml.tracking.review_view import REVIEW_COLUMNS, review_url
 
     client, results = released["client"], released["results"]
     experiment_id = client.get_experiment_by_name("dpml-test").experiment_id
     [version] = client.search_model_versions("name='dpml-test-model'")
     parent = client.get_run(version.run_id)
-    cells = evaluate_in_page(review_url(experiment_id, ui), GRID_CELLS,
-                             lambda found: {c["column"] for c in found} >= set(REVIEW_COLUMNS), width=1600)
+    cells = evaluate_in_page(
+        review_url(experiment_id, ui),
+        GRID_CELLS,
+        lambda found: {c["column"] for c in found} >= set(REVIEW_COLUMNS),
+        width=1600,
+    )
     drawn = {c["column"]: c for c in cells}
     assert set(REVIEW_COLUMNS) <= set(drawn), sorted(drawn)
     assert [c for c in REVIEW_COLUMNS if not 0 <= drawn[c]["left"] < drawn[c]["right"] <= 1600] == []
@@ -176,7 +208,7 @@ def test_the_review_view_shows_what_a_reviewer_decides_from_inside_1600_pixels(r
         kind, name = column.split(".", 1)
         logged = (parent.data.metrics if kind == "metrics" else parent.data.tags)[name.strip("`")]
         shown = drawn[column]["text"]
-        assert (float(shown) == pytest.approx(logged, rel=1e-9) if kind == "metrics" else shown == logged), column
+        assert float(shown) == pytest.approx(logged, rel=1e-9) if kind == "metrics" else shown == logged, column
     verdict = results["gate"]["verdict"]
     assert drawn["tags.`verdict.certificate`"]["text"] == verdict["certificate"]["word"]
     assert parent.data.metrics["epsilon"] == float(format_epsilon(results["certify"]["epsilon"]))  # as written
@@ -184,8 +216,9 @@ def test_the_review_view_shows_what_a_reviewer_decides_from_inside_1600_pixels(r
 
 
 @pytest.mark.slow
-def test_the_release_card_is_one_self_contained_page_with_the_verdict_first(released: dict[str, Any],
-                                                                           tmp_path: Path) -> None:
+def test_the_release_card_is_one_self_contained_page_with_the_verdict_first(
+    released: dict[str, Any], tmp_path: Path
+) -> None:
     """The release card: logged with the version's run and written beside release.json, the same page; verdict
     first, ε in plain words, the release's identity, every attack's ROC against the DP limit, the conformance
     checks, the audit's power and the ledger — with nothing fetched from a network. A browser opening it
@@ -202,14 +235,21 @@ def test_the_release_card_is_one_self_contained_page_with_the_verdict_first(rele
     assert re.search(r"<(script|link|img|iframe)\b|\bsrc=|@import|url\(", card) is None  # no external resource
     body = re.sub(r"<style.*?</style>", "", card, flags=re.S)
     assert body.index(f"Release gate: {verdict['title']}") < body.index("ε = ")  # the verdict comes first
-    for fact in (f"models:/dpml-test-model/{version}", run_id, results["ingest"]["version"], "DP limit (ε = " + epsilon,
-                 *(verdict[part]["word"] for part in ("certificate", "implementation", "attacks")),
-                 *results["audit"]["target"]["attacks"]):
+    for fact in (
+        f"models:/dpml-test-model/{version}",
+        run_id,
+        results["ingest"]["version"],
+        "DP limit (ε = " + epsilon,
+        *(verdict[part]["word"] for part in ("certificate", "implementation", "attacks")),
+        *results["audit"]["target"]["attacks"],
+    ):
         assert fact in card, fact
     assert card.count("<path") >= 2 + len(results["audit"]["target"]["attacks"])  # chance, DP limit, each attack
     if chromium() is None:
-        pytest.skip("no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
-                    "the card was checked as HTML, not rendered")
+        pytest.skip(
+            "no Chromium on this machine (scripts/test.sh installs Debian's chromium when run as root): "
+            "the card was checked as HTML, not rendered"
+        )
     text = rendered_text(layout.release_card.resolve().as_uri(), tmp_path / "profile", [verdict["title"]])
     assert f"Release gate: {verdict['title']}" in text and f"ε = {epsilon} at δ = 1e-05." in text
     assert text.index(verdict["title"]) < text.index("Attacks against the limit")

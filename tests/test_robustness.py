@@ -12,7 +12,9 @@ from dpml.audit.robustness import certified_accuracy, certified_radii, network_l
 from dpml.models.lipschitz import LipschitzSpec, build_lipschitz, project_all
 
 
-def random_lipschitz_model(seed: int, hidden: tuple[int, ...] = (16, 16), input_bound: float = 3.0) -> torch.nn.Sequential:
+def random_lipschitz_model(
+    seed: int, hidden: tuple[int, ...] = (16, 16), input_bound: float = 3.0
+) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     model = build_lipschitz(LipschitzSpec(12, hidden, 4, input_bound=input_bound, bias_bound=0.5))
     with torch.no_grad():
@@ -22,7 +24,9 @@ def random_lipschitz_model(seed: int, hidden: tuple[int, ...] = (16, 16), input_
     return model.eval()
 
 
-def smallest_flip_found(model: torch.nn.Sequential, x: torch.Tensor, label: int, radius: float, steps: int = 60) -> bool:
+def smallest_flip_found(
+    model: torch.nn.Sequential, x: torch.Tensor, label: int, radius: float, steps: int = 60
+) -> bool:
     """Projected gradient ascent on the runner-up margin inside the ball of ``radius``: True if the class flips."""
     delta = torch.zeros_like(x, requires_grad=True)
     for _ in range(steps):
@@ -49,7 +53,9 @@ def test_attacks_never_flip_inside_the_certified_radius(hidden: tuple[int, ...])
     radii = certified_radii(model, x.numpy(), y, lipschitz)
     assert (radii >= 0).all()
     for i in range(x.shape[0]):
-        assert not smallest_flip_found(model, x[i], int(y[i]), 0.999 * radii[i]), f"record {i} flipped inside its radius"
+        assert not smallest_flip_found(model, x[i], int(y[i]), 0.999 * radii[i]), (
+            f"record {i} flipped inside its radius"
+        )
 
 
 def test_the_radius_is_tight_for_an_orthogonal_linear_model() -> None:

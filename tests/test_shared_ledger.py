@@ -32,8 +32,14 @@ ENV.pop("MLFLOW_TRACKING_URI", None)
 
 
 def dpml(workdir: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "dpml.cli", *args], cwd=workdir, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpml.cli", *args],
+        cwd=workdir,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -44,8 +50,11 @@ def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
 def worker(root: Path, name: str, url: str, key: Path, budget: float, tracking: str) -> Path:
     workdir = root / name
     workdir.mkdir()
-    params = small_params(workdir, ledger={"url": url, "unit_key": str(key), "epsilon_budget": budget, "delta": 1e-5},
-                          gate={"epsilon_budget": 50.0})
+    params = small_params(
+        workdir,
+        ledger={"url": url, "unit_key": str(key), "epsilon_budget": budget, "delta": 1e-5},
+        gate={"epsilon_budget": 50.0},
+    )
     params["tracking"] = {"uri": tracking, "experiment": "team", "model_name": "team-model"}
     write_params(workdir / "params.yaml", params)
     return workdir
@@ -60,15 +69,18 @@ def one_run_epsilon(workdir: Path, runs: int) -> float:
 
 @pytest.mark.exhaustive  # CI runs it after the default suite, which stays near 20 min on 2 cores
 @pytest.mark.slow
-def test_two_workers_one_postgresql_budget_exactly_one_trains(postgres_url: str, mlflow_server: dict[str, Any],
-                                                              tmp_path: Path) -> None:
+def test_two_workers_one_postgresql_budget_exactly_one_trains(
+    postgres_url: str, mlflow_server: dict[str, Any], tmp_path: Path
+) -> None:
     key = tmp_path / "team-unit.key"
     probe = tmp_path / "probe"
     probe.mkdir()
     write_params(probe / "params.yaml", small_params(probe))
     one, two = one_run_epsilon(probe, 1), one_run_epsilon(probe, 2)
     budget = (one + two) / 2  # room for one run on these records, not two
-    workers = [worker(tmp_path, name, postgres_url, key, budget, mlflow_server["url"]) for name in ("worker-a", "worker-b")]
+    workers = [
+        worker(tmp_path, name, postgres_url, key, budget, mlflow_server["url"]) for name in ("worker-a", "worker-b")
+    ]
     running = [dpml(w, "run", "--engine", "local") for w in workers]
     outcomes = [finished(p) for p in running]
     codes = sorted(code for code, _, _ in outcomes)

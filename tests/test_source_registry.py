@@ -51,8 +51,11 @@ def test_a_source_validates_once_its_plugin_registered_it(tmp_path: Path) -> Non
     records = write_records(tmp_path / "records.npz")
     wanted = {**params(), "data": {"source": f"npz:{records}"}}
     if "npz" not in SOURCES:  # (another test of this process may have imported the plugin already)
-        with pytest.raises(ConfigError, match=r"data.source = 'npz:.*': must look like one of sklearn:…, idx:…, "
-                                              r"csv:…, parquet:….*register it in a module listed under plugins"):
+        with pytest.raises(
+            ConfigError,
+            match=r"data.source = 'npz:.*': must look like one of sklearn:…, idx:…, "
+            r"csv:…, parquet:….*register it in a module listed under plugins",
+        ):
             validate(wanted)
     config = validate({**wanted, "plugins": [str(EXAMPLE)]})
     with pytest.raises(ConfigError, match=r"data.source = 'npz:.*absent.npz': file .*absent.npz does not exist"):
@@ -65,10 +68,16 @@ def test_a_source_validates_once_its_plugin_registered_it(tmp_path: Path) -> Non
         register_source(SourceKind("npz", lambda rest: None))  # type: ignore[arg-type, return-value]
 
 
-@pytest.mark.parametrize(("nan", "label", "message"), [(True, 0, r"row 7, column 2: value nan is not finite"),
-                                                        (False, 5, r"row 3: label index 5 is not one of the 3 classes")])
-def test_what_a_registered_source_returns_is_checked_as_dpml_checks_its_own(tmp_path: Path, nan: bool, label: int,
-                                                                             message: str) -> None:
+@pytest.mark.parametrize(
+    ("nan", "label", "message"),
+    [
+        (True, 0, r"row 7, column 2: value nan is not finite"),
+        (False, 5, r"row 3: label index 5 is not one of the 3 classes"),
+    ],
+)
+def test_what_a_registered_source_returns_is_checked_as_dpml_checks_its_own(
+    tmp_path: Path, nan: bool, label: int, message: str
+) -> None:
     records = write_records(tmp_path / "records.npz", nan=nan, label=label)
     config = validate({**params(), "plugins": [str(EXAMPLE)], "data": {"source": f"npz:{records}"}})
     with pytest.raises(DataError, match=message):

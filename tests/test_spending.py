@@ -84,8 +84,9 @@ def test_the_spend_is_reserved_with_every_setting_it_was_given(ledger_location: 
     """Each argument of reserve_and_start reaches the reservation: the data version, purpose, lineage and units
     on the spend, the start's process id on its event (pins the pass-through mutation testing found unchecked)."""
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
-    spend = reserve_and_start(ledger, "v7", mechanism(), "census model", 10.0, lineage="census",
-                              units=digests_of_ids(range(20)))
+    spend = reserve_and_start(
+        ledger, "v7", mechanism(), "census model", 10.0, lineage="census", units=digests_of_ids(range(20))
+    )
     assert (spend.dataset_version, spend.label, spend.lineage, spend.n_units) == ("v7", "census model", "census", 20)
     assert ledger.events(spend.id)[-1] == ("started", {"pid": os.getpid()})
     assert ledger.summary("census")[0]["filter_order"] is None  # refuse mode, the default: no Rényi filter
@@ -95,11 +96,13 @@ def test_the_exclude_mode_and_the_kl_budget_reach_the_reservation(ledger_locatio
     """``mode="exclude"`` fixes the lineage's Rényi filter order at its first filtered run; a KL-private run is
     checked against ``kl_budget`` (refused without one, and over it)."""
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
-    reserve_and_start(ledger, "v1", mechanism(), "filtered", 10.0, lineage="F", units=digests_of_ids(range(10)),
-                      mode="exclude")
+    reserve_and_start(
+        ledger, "v1", mechanism(), "filtered", 10.0, lineage="F", units=digests_of_ids(range(10)), mode="exclude"
+    )
     assert ledger.summary("F")[0]["filter_order"] is not None
-    kl_run = MechanismDescription("noisygd", (NoisyGradientDescent("lecun", (20, 64, 3), 2.0, 50, 0.05, 0.5, True),),
-                                  "replace-one", 0.0, 400)
+    kl_run = MechanismDescription(
+        "noisygd", (NoisyGradientDescent("lecun", (20, 64, 3), 2.0, 50, 0.05, 0.5, True),), "replace-one", 0.0, 400
+    )
     kl = certify(kl_run, 1e-5)["kl"]
     with pytest.raises(BudgetExceeded, match="kl_budget is not set"):
         reserve_and_start(ledger, "k", kl_run, "kl run", 10.0)

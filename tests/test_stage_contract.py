@@ -87,7 +87,13 @@ def test_every_declared_parameter_is_in_params_yaml(stage: str) -> None:
 
 
 def test_no_budget_retrains_and_every_budget_reaches_the_gate() -> None:
-    for budget in ("gate.epsilon_budget", "gate.kl_budget", "ledger.epsilon_budget", "ledger.kl_budget", "ledger.delta"):
+    for budget in (
+        "gate.epsilon_budget",
+        "gate.kl_budget",
+        "ledger.epsilon_budget",
+        "ledger.kl_budget",
+        "ledger.delta",
+    ):
         section = budget.partition(".")[0]
         assert budget not in CONTRACT["train"].params and section not in CONTRACT["train"].params, budget
         assert budget in CONTRACT["gate"].params or section in CONTRACT["gate"].params, budget
@@ -151,5 +157,7 @@ def test_run_stage_records_times_params_and_metrics(workdir: Path) -> None:
     assert ingest["stage"] == "ingest" and ingest["started"] <= ingest["ended"] <= split["started"] <= split["ended"]
     assert split["params"]["split.seed"] == "7" and all(k.startswith(("split.", "data.")) for k in split["params"])
     assert split["metrics"]["n_train"] == result["n_train"] > 0
-    assert "data.source" in ingest["params"] and "None" not in io.read_json(
-        Layout(config).stage_records / "ingest.json")["params"].values()
+    assert (
+        "data.source" in ingest["params"]
+        and "None" not in io.read_json(Layout(config).stage_records / "ingest.json")["params"].values()
+    )

@@ -32,17 +32,30 @@ COLORS = ["rot", "grün", "blau", "Ærø"]
 
 def frame(n: int = 60) -> pd.DataFrame:
     rng = np.random.default_rng(1)
-    return pd.DataFrame({"pid": [f"p{i:04d}" for i in range(n)], "age": rng.integers(18, 90, n),
-                         "score": np.round(rng.normal(0, 1, n), 3), "color": [COLORS[i % 4] for i in range(n)],
-                         "label": ["yes" if i % 2 else "no" for i in range(n)]})
+    return pd.DataFrame(
+        {
+            "pid": [f"p{i:04d}" for i in range(n)],
+            "age": rng.integers(18, 90, n),
+            "score": np.round(rng.normal(0, 1, n), 3),
+            "color": [COLORS[i % 4] for i in range(n)],
+            "label": ["yes" if i % 2 else "no" for i in range(n)],
+        }
+    )
 
 
 def data_section(source: str, id_column: bool = True, **extra: Any) -> dict[str, Any]:
-    return {"source": source, "label_column": "label", "classes": ["no", "yes"],
-            "columns": {"age": {"type": "numeric", "lower": 0, "upper": 120},
-                        "score": {"type": "numeric", "lower": -5, "upper": 5},
-                        "color": {"type": "categorical", "categories": COLORS}},
-            **({"id_column": "pid"} if id_column else {}), **extra}
+    return {
+        "source": source,
+        "label_column": "label",
+        "classes": ["no", "yes"],
+        "columns": {
+            "age": {"type": "numeric", "lower": 0, "upper": 120},
+            "score": {"type": "numeric", "lower": -5, "upper": 5},
+            "color": {"type": "categorical", "categories": COLORS},
+        },
+        **({"id_column": "pid"} if id_column else {}),
+        **extra,
+    }
 
 
 def config_for(source: str, **extra: Any):  # noqa: ANN201
@@ -94,6 +107,7 @@ def test_the_same_records_in_any_encoding_or_separator_are_the_same_people(tmp_p
 
 # ----------------------------------------------------------------------------------------- refusals
 
+
 def csv_file(tmp_path: Path, text: str | bytes, name: str = "t.csv") -> str:
     path = tmp_path / name
     path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
@@ -116,43 +130,86 @@ def duplicated(tmp_path: Path, column: str) -> str:
 
 def n_rows(n: int = 8) -> dict[str, pa.Array]:
     table = frame(n)
-    return {"pid": pa.array(table["pid"]), "age": pa.array(table["age"]), "score": pa.array(table["score"]),
-            "label": pa.array(table["label"])}
+    return {
+        "pid": pa.array(table["pid"]),
+        "age": pa.array(table["age"]),
+        "score": pa.array(table["score"]),
+        "label": pa.array(table["label"]),
+    }
 
 
 BAD_TABLES = {
-    "duplicate label (a stale copy first)": (lambda d: duplicated(d, "label"), {},
-                                             r"the column\(s\) \['label'\] more than once \('label' at columns 1, 6\)"),
+    "duplicate label (a stale copy first)": (
+        lambda d: duplicated(d, "label"),
+        {},
+        r"the column\(s\) \['label'\] more than once \('label' at columns 1, 6\)",
+    ),
     "duplicate feature": (lambda d: duplicated(d, "age"), {}, r"\['age'\] more than once"),
-    "list-typed categorical": (lambda d: parquet_file(d, {**n_rows(), "color": pa.array([["rot"]] * 8)}), {},
-                               r"column 'color' is list<.*string> in the Parquet file, a nested type"),
-    "struct column": (lambda d: parquet_file(d, {**n_rows(), "color": pa.array([{"a": "rot"}] * 8)}), {},
-                      r"column 'color' is struct<a: string>"),
-    "map column": (lambda d: parquet_file(d, {**n_rows(), "color": pa.array([[("a", "rot")]] * 8,
-                                                                           pa.map_(pa.string(), pa.string()))}), {},
-                   r"column 'color' is map<string, string"),
-    "date as a feature": (lambda d: parquet_file(d, {**n_rows(), "color": pa.array([datetime.date(2026, 11, 20)] * 8)}),
-                          {}, r"column 'color' is date32.*a feature or label is a number, a boolean or a text"),
-    "boolean label against no/yes": (lambda d: parquet_file(d, {**n_rows(), "color": pa.array(["rot"] * 8),
-                                                                "label": pa.array([True, False] * 4)}), {},
-                                     r"column 'label' is boolean .* declare them .*\[\"True\", \"False\"\]"),
-    "semicolon": (lambda d: csv_file(d, as_text(frame(8), ";")), {},
-                  r"the file has \['pid;age;score;color;label'\]\. Its header looks semicolon-separated \(5 columns "
-                  r"with ';'\): set data\.separator: ';'"),
+    "list-typed categorical": (
+        lambda d: parquet_file(d, {**n_rows(), "color": pa.array([["rot"]] * 8)}),
+        {},
+        r"column 'color' is list<.*string> in the Parquet file, a nested type",
+    ),
+    "struct column": (
+        lambda d: parquet_file(d, {**n_rows(), "color": pa.array([{"a": "rot"}] * 8)}),
+        {},
+        r"column 'color' is struct<a: string>",
+    ),
+    "map column": (
+        lambda d: parquet_file(
+            d, {**n_rows(), "color": pa.array([[("a", "rot")]] * 8, pa.map_(pa.string(), pa.string()))}
+        ),
+        {},
+        r"column 'color' is map<string, string",
+    ),
+    "date as a feature": (
+        lambda d: parquet_file(d, {**n_rows(), "color": pa.array([datetime.date(2026, 11, 20)] * 8)}),
+        {},
+        r"column 'color' is date32.*a feature or label is a number, a boolean or a text",
+    ),
+    "boolean label against no/yes": (
+        lambda d: parquet_file(d, {**n_rows(), "color": pa.array(["rot"] * 8), "label": pa.array([True, False] * 4)}),
+        {},
+        r"column 'label' is boolean .* declare them .*\[\"True\", \"False\"\]",
+    ),
+    "semicolon": (
+        lambda d: csv_file(d, as_text(frame(8), ";")),
+        {},
+        r"the file has \['pid;age;score;color;label'\]\. Its header looks semicolon-separated \(5 columns "
+        r"with ';'\): set data\.separator: ';'",
+    ),
     "tab": (lambda d: csv_file(d, as_text(frame(8), "\t"), "t.tsv"), {}, r"tab-separated .* data\.separator: \"\\t\""),
     "pipe": (lambda d: csv_file(d, as_text(frame(8), "|")), {}, r"pipe-separated .* data\.separator: '\|'"),
-    "comma file declared ';'": (lambda d: csv_file(d, as_text(frame(8))), {"separator": ";"},
-                                r"comma-separated .* data\.separator: ','"),
-    "parquet named csv": (lambda d: parquet_file(d, {**n_rows(), "color": pa.array(["rot"] * 8)}).replace(
-        "parquet:", "csv:"), {}, r"not a text file \(it holds NUL bytes\).* use data\.source: parquet:"),
-    "csv named parquet": (lambda d: csv_file(d, as_text(frame(8))).replace("csv:", "parquet:"), {},
-                          r"cannot parse as parquet: .*looks like text \(CSV\?\): use data\.source: csv:"),
-    "ragged row": (lambda d: csv_file(d, as_text(frame(8)) + "p9,30,0.1,Smith, John,yes\n"), {},
-                   r"Expected 5 fields in line 10, saw 6 \(a row with more fields than the header"),
-    "two encodings in one file": (lambda d: csv_file(d, as_text(frame(8)).encode("utf-8") + "p9,30,0.1,grün,no\n"
-                                                     .encode("cp1252")), {}, r"the file mixes encodings"),
-    "declared utf-8, is cp1252": (lambda d: csv_file(d, as_text(frame(8)).encode("cp1252")), {"encoding": "utf-8"},
-                                  r"not utf-8 text .* data\.encoding \(e\.g\. cp1252"),
+    "comma file declared ';'": (
+        lambda d: csv_file(d, as_text(frame(8))),
+        {"separator": ";"},
+        r"comma-separated .* data\.separator: ','",
+    ),
+    "parquet named csv": (
+        lambda d: parquet_file(d, {**n_rows(), "color": pa.array(["rot"] * 8)}).replace("parquet:", "csv:"),
+        {},
+        r"not a text file \(it holds NUL bytes\).* use data\.source: parquet:",
+    ),
+    "csv named parquet": (
+        lambda d: csv_file(d, as_text(frame(8))).replace("csv:", "parquet:"),
+        {},
+        r"cannot parse as parquet: .*looks like text \(CSV\?\): use data\.source: csv:",
+    ),
+    "ragged row": (
+        lambda d: csv_file(d, as_text(frame(8)) + "p9,30,0.1,Smith, John,yes\n"),
+        {},
+        r"Expected 5 fields in line 10, saw 6 \(a row with more fields than the header",
+    ),
+    "two encodings in one file": (
+        lambda d: csv_file(d, as_text(frame(8)).encode("utf-8") + "p9,30,0.1,grün,no\n".encode("cp1252")),
+        {},
+        r"the file mixes encodings",
+    ),
+    "declared utf-8, is cp1252": (
+        lambda d: csv_file(d, as_text(frame(8)).encode("cp1252")),
+        {"encoding": "utf-8"},
+        r"not utf-8 text .* data\.encoding \(e\.g\. cp1252",
+    ),
     "empty file": (lambda d: csv_file(d, ""), {}, r"the file is empty"),
 }
 
@@ -205,9 +262,14 @@ def test_preflight_refuses_a_duplicate_named_column_from_the_header_alone(tmp_pa
 def test_the_cli_says_it_in_one_line_and_spends_nothing(workdir: Path, mlflow_store: str) -> None:
     params = small_params(workdir, data=data_section(duplicated(workdir, "label")), tracking={"uri": mlflow_store})
     path = write_params(workdir / "params.yaml", params)
-    result = subprocess.run([sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(path)],
-                            cwd=workdir, capture_output=True, text=True, timeout=600,
-                            env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(path)],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("dpml: error:")]
     assert result.returncode == 1 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "['label'] more than once" in errors[0]

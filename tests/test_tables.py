@@ -25,11 +25,15 @@ from tests.conftest import small_params, write_params
 
 WORK = ["Private", "Self-emp", "Gov", "Never-worked"]
 SCHEMA = {
-    "label_column": "income", "classes": ["<=50K", ">50K"], "missing_values": ["?", ""],
-    "columns": {"age": {"type": "numeric", "lower": 17, "upper": 90},
-                "hours": {"type": "numeric", "lower": 1, "upper": 99, "missing": 40, "indicator": True},
-                "workclass": {"type": "categorical", "categories": WORK},
-                "region": {"type": "categorical", "categories": [1, 2, 3]}},
+    "label_column": "income",
+    "classes": ["<=50K", ">50K"],
+    "missing_values": ["?", ""],
+    "columns": {
+        "age": {"type": "numeric", "lower": 17, "upper": 90},
+        "hours": {"type": "numeric", "lower": 1, "upper": 99, "missing": 40, "indicator": True},
+        "workclass": {"type": "categorical", "categories": WORK},
+        "region": {"type": "categorical", "categories": [1, 2, 3]},
+    },
 }
 
 
@@ -43,10 +47,23 @@ def census(n: int, seed: int = 0) -> pd.DataFrame:
     hours[rng.random(n) < 0.1] = "?"
     region = rng.integers(1, 4, n)
     numeric_hours = np.where(hours == "?", 40, hours).astype(float)
-    score = 0.06 * (age - 45) + 0.04 * (numeric_hours - 40) + np.where(work == "Gov", 1.5, 0) \
-        - np.where(work == "Private", 1.0, 0) + rng.normal(0, 0.7, n)
-    return pd.DataFrame({"id": [f"p{i}" for i in range(n)], "age": age, "workclass": work, "hours": hours,
-                         "region": region, "income": np.where(score > 0, ">50K", "<=50K")})
+    score = (
+        0.06 * (age - 45)
+        + 0.04 * (numeric_hours - 40)
+        + np.where(work == "Gov", 1.5, 0)
+        - np.where(work == "Private", 1.0, 0)
+        + rng.normal(0, 0.7, n)
+    )
+    return pd.DataFrame(
+        {
+            "id": [f"p{i}" for i in range(n)],
+            "age": age,
+            "workclass": work,
+            "hours": hours,
+            "region": region,
+            "income": np.where(score > 0, ">50K", "<=50K"),
+        }
+    )
 
 
 def data_config(path: Path, **extra: Any):  # noqa: ANN201
@@ -55,20 +72,37 @@ def data_config(path: Path, **extra: Any):  # noqa: ANN201
 
 # ----------------------------------------------------------------------------------------- schema checks
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"columns": {"age": {"type": "numeric", "lower": 90, "upper": 17}}},
-     r"data\.columns\.age: upper = 17\.0 must be > lower = 90\.0"),
-    ({"columns": {"w": {"type": "categorical", "categories": []}}}, r"data\.columns\.w\.categories = \[\]: an empty"),
-    ({"columns": {"w": {"type": "categorical", "categories": ["a", "b", "a"]}}}, r"\['a'\] are listed more than once"),
-    ({"columns": {"w": {"type": "text"}}}, r"data\.columns\.w\.type = 'text': unknown column type"),
-    ({"columns": {"w": {"categories": ["a"]}}}, r"data\.columns\.w\.type: required"),
-    ({"columns": {"age": {"type": "numeric", "lower": 0, "upper": 1, "missing": 2}}},
-     r"data\.columns\.age: missing = 2\.0: the fill must lie in \[lower, upper\]"),
-    ({"columns": {"income": {"type": "numeric", "lower": 0, "upper": 1}}}, r"label_column = 'income' is also a feature"),
-    ({"classes": ["<=50K", ">50K", "<=50K"]}, r"classes \['<=50K'\] are listed more than once"),
-    ({"columns": {}}, r"data\.columns is empty"),
-    ({"feature_columns": ["age"]}, r"data\.columns and data\.feature_columns: give one"),
-])
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"columns": {"age": {"type": "numeric", "lower": 90, "upper": 17}}},
+            r"data\.columns\.age: upper = 17\.0 must be > lower = 90\.0",
+        ),
+        (
+            {"columns": {"w": {"type": "categorical", "categories": []}}},
+            r"data\.columns\.w\.categories = \[\]: an empty",
+        ),
+        (
+            {"columns": {"w": {"type": "categorical", "categories": ["a", "b", "a"]}}},
+            r"\['a'\] are listed more than once",
+        ),
+        ({"columns": {"w": {"type": "text"}}}, r"data\.columns\.w\.type = 'text': unknown column type"),
+        ({"columns": {"w": {"categories": ["a"]}}}, r"data\.columns\.w\.type: required"),
+        (
+            {"columns": {"age": {"type": "numeric", "lower": 0, "upper": 1, "missing": 2}}},
+            r"data\.columns\.age: missing = 2\.0: the fill must lie in \[lower, upper\]",
+        ),
+        (
+            {"columns": {"income": {"type": "numeric", "lower": 0, "upper": 1}}},
+            r"label_column = 'income' is also a feature",
+        ),
+        ({"classes": ["<=50K", ">50K", "<=50K"]}, r"classes \['<=50K'\] are listed more than once"),
+        ({"columns": {}}, r"data\.columns is empty"),
+        ({"feature_columns": ["age"]}, r"data\.columns and data\.feature_columns: give one"),
+    ],
+)
 def test_schema_mistakes_name_the_column(tmp_path: Path, change: dict, message: str) -> None:
     path = tmp_path / "t.csv"
     census(10).to_csv(path, index=False)
@@ -102,16 +136,33 @@ def test_schema_rules_across_sections(tmp_path: Path) -> None:
 
 # -------------------------------------------------------------------------------------------- encoding
 
+
 def test_one_hot_missing_and_other_slots(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
-    frame = pd.DataFrame({"age": [30, 200, "?", 17], "workclass": [" Gov", "Alien", "", "Private"],
-                          "hours": ["?", "10", "99", "1"], "region": [2, 3.0, 1, 2], "income": [">50K", "<=50K",
-                                                                                           "<=50K", ">50K"]})
+    frame = pd.DataFrame(
+        {
+            "age": [30, 200, "?", 17],
+            "workclass": [" Gov", "Alien", "", "Private"],
+            "hours": ["?", "10", "99", "1"],
+            "region": [2, 3.0, 1, 2],
+            "income": [">50K", "<=50K", "<=50K", ">50K"],
+        }
+    )
     frame.to_csv(path, index=False)
     raw = load_source(data_config(path).data)
-    assert raw.feature_names == ["age", "hours", "hours:missing", *[f"workclass={w}" for w in WORK],
-                                 "workclass=<missing>", "workclass=<other>", "region=1", "region=2", "region=3",
-                                 "region=<missing>", "region=<other>"]
+    assert raw.feature_names == [
+        "age",
+        "hours",
+        "hours:missing",
+        *[f"workclass={w}" for w in WORK],
+        "workclass=<missing>",
+        "workclass=<other>",
+        "region=1",
+        "region=2",
+        "region=3",
+        "region=<missing>",
+        "region=<other>",
+    ]
     # age: raw value (clipped to [17, 90] later, by the preprocess stage), a missing one takes the midpoint 53.5
     np.testing.assert_array_equal(raw.x[:, 0], [30, 200, 53.5, 17])
     np.testing.assert_array_equal(raw.x[:, 1:3], [[40, 1], [10, 0], [99, 0], [1, 0]])  # declared fill + indicator
@@ -136,8 +187,9 @@ def test_encoding_is_record_by_record_and_chunking_changes_nothing(tmp_path: Pat
             table.to_csv(path, index=False)
         else:
             table.astype({"hours": str}).to_parquet(path)
-        config = validate({"dp": {"target_epsilon": 2.0},
-                           "data": {"source": f"{kind}:{path}", **SCHEMA, "chunk_rows": 100_000}})
+        config = validate(
+            {"dp": {"target_epsilon": 2.0}, "data": {"source": f"{kind}:{path}", **SCHEMA, "chunk_rows": 100_000}}
+        )
         whole = load_source(config.data)
         chunked = load_source(config.data.model_copy(update={"chunk_rows": 7}))
         np.testing.assert_array_equal(whole.x, chunked.x)
@@ -153,13 +205,16 @@ def test_encoding_is_record_by_record_and_chunking_changes_nothing(tmp_path: Pat
     np.testing.assert_array_equal(alone, encoding.encode(table.iloc[:20].astype(object))[0])
 
 
-@pytest.mark.parametrize(("cells", "extra", "message"), [
-    ({"hours": "many"}, {}, r"row 9, column 'hours': 'many' is not a number"),
-    ({"age": "inf"}, {}, r"row 9, column 'age': value inf is not finite"),
-    ({"workclass": "Alien"}, {"strict": True}, r"row 9, column 'workclass': 'Alien' is not one of the declared"),
-    ({"income": "rich"}, {}, r"row 9, column 'income': label 'rich' is not in data\.classes"),
-    ({"income": ""}, {}, r"row 9, column 'income': missing label"),
-])
+@pytest.mark.parametrize(
+    ("cells", "extra", "message"),
+    [
+        ({"hours": "many"}, {}, r"row 9, column 'hours': 'many' is not a number"),
+        ({"age": "inf"}, {}, r"row 9, column 'age': value inf is not finite"),
+        ({"workclass": "Alien"}, {"strict": True}, r"row 9, column 'workclass': 'Alien' is not one of the declared"),
+        ({"income": "rich"}, {}, r"row 9, column 'income': label 'rich' is not in data\.classes"),
+        ({"income": ""}, {}, r"row 9, column 'income': missing label"),
+    ],
+)
 def test_bad_cells_name_row_and_column_across_chunks(tmp_path: Path, cells: dict, extra: dict, message: str) -> None:
     table = census(12).astype(object)
     table["workclass"] = "Gov"
@@ -174,8 +229,17 @@ def test_bad_cells_name_row_and_column_across_chunks(tmp_path: Path, cells: dict
 def test_shorthand_feature_columns_still_refuse_missing_values(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     pd.DataFrame({"a": [1.0, None, 2.0], "income": [">50K", "<=50K", ">50K"]}).to_csv(path, index=False)
-    config = validate({"dp": {"target_epsilon": 2.0}, "data": {"source": f"csv:{path}", "label_column": "income",
-                                                               "classes": ["<=50K", ">50K"], "feature_columns": ["a"]}})
+    config = validate(
+        {
+            "dp": {"target_epsilon": 2.0},
+            "data": {
+                "source": f"csv:{path}",
+                "label_column": "income",
+                "classes": ["<=50K", ">50K"],
+                "feature_columns": ["a"],
+            },
+        }
+    )
     with pytest.raises(DataError, match=r"row 1, column 'a': missing value"):
         load_source(config.data)
 
@@ -192,11 +256,16 @@ def test_unknown_column_is_refused_before_any_spend(tmp_path: Path) -> None:
 
 # -------------------------------------------------------------------------------------------- dpml schema
 
+
 def test_schema_draft_is_marked_not_private_and_validates(tmp_path: Path) -> None:
     path = tmp_path / "people.csv"
     census(400).to_csv(path, index=False)
-    result = subprocess.run([sys.executable, "-m", "dpml", "schema", str(path), "--label", "income",
-                             "--max-categories", "10"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "dpml", "schema", str(path), "--label", "income", "--max-categories", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "READ FROM THE DATA: NOT PRIVATE" in text
@@ -215,6 +284,7 @@ def test_schema_draft_is_marked_not_private_and_validates(tmp_path: Path) -> Non
 
 
 # ----------------------------------------------------------------- a full run and the raw-record model
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -241,15 +311,22 @@ def test_pipeline_on_a_table_registers_a_model_that_takes_raw_rows(workdir: Path
 
     path = workdir / "census.csv"
     census(1500).to_csv(path, index=False)
-    params = small_params(workdir, data={"source": f"csv:{path}", **SCHEMA, "id_column": "id"},
-                          preprocess={"clip_norm": 3.0},
-                          audit={"references": 1, "white_box_canaries": 0, "black_box_canaries": 0, "control": False},
-                          gate={"epsilon_budget": 1e6})
+    params = small_params(
+        workdir,
+        data={"source": f"csv:{path}", **SCHEMA, "id_column": "id"},
+        preprocess={"clip_norm": 3.0},
+        audit={"references": 1, "white_box_canaries": 0, "black_box_canaries": 0, "control": False},
+        gate={"epsilon_budget": 1e6},
+    )
     del params["preprocess"]["lower"], params["preprocess"]["upper"]
     del params["tracking"]["model_name"]  # each data set its own model: dpml-census
     config_path = write_params(workdir / "p.yaml", params)
-    run = subprocess.run([sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(config_path)],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-m", "dpml", "run", "--engine", "local", "--params", str(config_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr
     assert "models:/dpml-census/1" in run.stdout
     config = load(config_path)
@@ -260,11 +337,26 @@ def test_pipeline_on_a_table_registers_a_model_that_takes_raw_rows(workdir: Path
 
     # MLflow's own loading, in a process where dpml cannot be imported, on rows as pandas reads them.
     test_rows = np.load(layout.split)["test"][:40]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}",  # and the environment's
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # scripts (uvicorn)
-    loaded = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_DPML, "models:/dpml-census@champion", str(path),
-                             json.dumps(test_rows.tolist())], capture_output=True, text=True, timeout=300, env=env,
-                            cwd=workdir)
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}",  # and the environment's
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }  # scripts (uvicorn)
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LOAD_WITHOUT_DPML,
+            "models:/dpml-census@champion",
+            str(path),
+            json.dumps(test_rows.tolist()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=workdir,
+    )
     assert loaded.returncode == 0, loaded.stderr
     predicted = pd.read_json(__import__("io").StringIO(loaded.stdout), orient="split")
     x_test = np.load(layout.prepared["test"])["x"][:40]
@@ -276,9 +368,28 @@ def test_pipeline_on_a_table_registers_a_model_that_takes_raw_rows(workdir: Path
     # `mlflow models serve`, asked over HTTP with raw JSON rows (a missing value, an unknown category,
     # a column left out): the same answers as the loaded model.
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/dpml-census@champion",
-                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], env=env, cwd=workdir,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "models",
+            "serve",
+            "-m",
+            "models:/dpml-census@champion",
+            "--env-manager",
+            "local",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        env=env,
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -291,26 +402,35 @@ def test_pipeline_on_a_table_registers_a_model_that_takes_raw_rows(workdir: Path
                 time.sleep(1)
         rows = [[25, "Gov", None, 2], [60, "Alien", "?", 3], [None, None, 12, 1]]
         body = json.dumps({"dataframe_split": {"columns": ["age", "workclass", "hours", "region"], "data": rows}})
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body.encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations", data=body.encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             served = pd.DataFrame(json.loads(response.read())["predictions"])
         import mlflow
 
         mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
         local = mlflow.pyfunc.load_model("models:/dpml-census@champion").predict(
-            pd.DataFrame(rows, columns=["age", "workclass", "hours", "region"]))
-        np.testing.assert_allclose(served[["probability(<=50K)", "probability(>50K)"]].to_numpy(),
-                                   local[["probability(<=50K)", "probability(>50K)"]].to_numpy(), atol=1e-6)
+            pd.DataFrame(rows, columns=["age", "workclass", "hours", "region"])
+        )
+        np.testing.assert_allclose(
+            served[["probability(<=50K)", "probability(>50K)"]].to_numpy(),
+            local[["probability(<=50K)", "probability(>50K)"]].to_numpy(),
+            atol=1e-6,
+        )
         # The declared encoding: any unknown work class is the <other> slot, a column left out is missing.
         model = mlflow.pyfunc.load_model("models:/dpml-census@champion")
-        other = model.predict(pd.DataFrame(rows[1:2] + [[60, "Without-pay", "?", 3]],
-                                           columns=["age", "workclass", "hours", "region"]))
+        other = model.predict(
+            pd.DataFrame(rows[1:2] + [[60, "Without-pay", "?", 3]], columns=["age", "workclass", "hours", "region"])
+        )
         assert other["probability(>50K)"].iloc[0] == pytest.approx(other["probability(>50K)"].iloc[1], abs=1e-6)
         without = model.predict(pd.DataFrame([[25, "Gov", None]], columns=["age", "workclass", "hours"]))
-        with_missing = model.predict(pd.DataFrame([[25, "Gov", None, None]],
-                                                  columns=["age", "workclass", "hours", "region"]))
-        assert without["probability(>50K)"].iloc[0] == pytest.approx(with_missing["probability(>50K)"].iloc[0], abs=1e-6)
+        with_missing = model.predict(
+            pd.DataFrame([[25, "Gov", None, None]], columns=["age", "workclass", "hours", "region"])
+        )
+        assert without["probability(>50K)"].iloc[0] == pytest.approx(
+            with_missing["probability(>50K)"].iloc[0], abs=1e-6
+        )
     finally:
         server.terminate()
         server.wait(timeout=30)

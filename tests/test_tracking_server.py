@@ -90,8 +90,9 @@ print(json.dumps(frame[[c for c in frame.columns if c.startswith("probability(")
 
 
 @pytest.mark.slow
-def test_two_pipelines_at_once_register_on_the_server_and_load_anywhere(mlflow_server: dict[str, Any],
-                                                                       tmp_path: Path) -> None:
+def test_two_pipelines_at_once_register_on_the_server_and_load_anywhere(
+    mlflow_server: dict[str, Any], tmp_path: Path
+) -> None:
     url = mlflow_server["url"]
     workers = [tmp_path / name for name in ("worker-a", "worker-b")]
     for workdir in workers:
@@ -103,9 +104,17 @@ def test_two_pipelines_at_once_register_on_the_server_and_load_anywhere(mlflow_s
     params["tracking"] = {"model_name": MODEL}
     write_params(workers[1] / "params.yaml", params)
     environments = [clean_environment(), clean_environment(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME="team")]
-    running = [subprocess.Popen([sys.executable, "-m", "dpml.cli", "run", "--engine", "local"], cwd=w,
-                                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for w, env in zip(workers, environments)]
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dpml.cli", "run", "--engine", "local"],
+            cwd=w,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for w, env in zip(workers, environments)
+    ]
     outcomes = [p.communicate(timeout=900) for p in running]
     assert [p.returncode for p in running] == [0, 0], [err[-3000:] for _, err in outcomes]
     for out, _ in outcomes:
@@ -136,16 +145,22 @@ def test_two_pipelines_at_once_register_on_the_server_and_load_anywhere(mlflow_s
     rows = np.load(layout.split)["test"][:16]
     raw = np.load(layout.raw)["x"][rows]
     with torch.no_grad():
-        ours = torch.softmax(load_model(layout)(torch.from_numpy(np.load(layout.prepared["test"])["x"][:16])).double(),
-                             1).numpy()
+        ours = torch.softmax(
+            load_model(layout)(torch.from_numpy(np.load(layout.prepared["test"])["x"][:16])).double(), 1
+        ).numpy()
     elsewhere = tmp_path / "reviewer"
     elsewhere.mkdir()
     np.save(elsewhere / "records.npy", raw)
     for workdir in workers:
         shutil.rmtree(workdir)
     version_of_a = next(v.version for v in versions if v.run_id == run_id_of(outcomes[0][0]))
-    loaded = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, f"models:/{MODEL}/{version_of_a}",
-                             str(elsewhere / "records.npy")], cwd=elsewhere,
-                            env=clean_environment(MLFLOW_TRACKING_URI=url), capture_output=True, text=True, timeout=600)
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD_ELSEWHERE, f"models:/{MODEL}/{version_of_a}", str(elsewhere / "records.npy")],
+        cwd=elsewhere,
+        env=clean_environment(MLFLOW_TRACKING_URI=url),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     np.testing.assert_allclose(np.array(json.loads(loaded.stdout.strip().splitlines()[-1])), ours, atol=1e-5)

@@ -16,11 +16,17 @@ from dpml.ledger.ledger import Ledger
 from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps, Selection
 
 DELTA = 1e-5
-SELECTIONS = [Selection("poisson", 4.0), Selection("poisson", 1.0), Selection("truncated_negative_binomial", 4.0, 0.0),
-              Selection("truncated_negative_binomial", 4.0, 1.0), Selection("truncated_negative_binomial", 10.0, 0.5)]
+SELECTIONS = [
+    Selection("poisson", 4.0),
+    Selection("poisson", 1.0),
+    Selection("truncated_negative_binomial", 4.0, 0.0),
+    Selection("truncated_negative_binomial", 4.0, 1.0),
+    Selection("truncated_negative_binomial", 10.0, 0.5),
+]
 
 
 # --- an exactly computable base mechanism: a discretised Gaussian score --------------------------------
+
 
 def discrete_pair(shift: float, bins: int = 200) -> tuple[np.ndarray, np.ndarray]:
     """Output distributions of Q on neighbouring data: N(0, 1) and N(shift, 1) rounded to a grid.
@@ -30,8 +36,10 @@ def discrete_pair(shift: float, bins: int = 200) -> tuple[np.ndarray, np.ndarray
     edges = np.linspace(-6, 6 + shift, bins + 1)
     cdf_p, cdf_q = stats.norm.cdf(edges), stats.norm.cdf(edges - shift)
     p, q = np.diff(cdf_p), np.diff(cdf_q)
-    p[0] += cdf_p[0]; p[-1] += 1 - cdf_p[-1]  # noqa: E702  (tails into the end bins)
-    q[0] += cdf_q[0]; q[-1] += 1 - cdf_q[-1]  # noqa: E702
+    p[0] += cdf_p[0]
+    p[-1] += 1 - cdf_p[-1]  # noqa: E702  (tails into the end bins)
+    q[0] += cdf_q[0]
+    q[-1] += 1 - cdf_q[-1]  # noqa: E702
     return p, q
 
 
@@ -116,7 +124,9 @@ def test_certificate_of_a_random_search(selection: Selection) -> None:
     answers = {a["name"]: a for a in certificate["answers"]}
     assert certificate["accountant"].startswith("papernot_steinke")
     assert "hyperparameter search" in certificate["statement"]
-    assert not {"dp_accounting.pld", "prv_accountant.prv", "autodp.rdp", "gdp.exact"} & set(answers)  # compositions only
+    assert not {"dp_accounting.pld", "prv_accountant.prv", "autodp.rdp", "gdp.exact"} & set(
+        answers
+    )  # compositions only
     assert all(a["error"] is None for a in answers.values())
     # dp_accounting's own RepeatAndSelectDpEvent: never tighter than ours by more than its grid.
     cross = answers["dp_accounting.rdp"]["epsilon"]
@@ -131,8 +141,9 @@ def test_fixed_count_search_is_the_composition_of_its_candidates() -> None:
     fixed = accountants.certify(dpsgd(Selection("fixed", 3)), DELTA)
     composed = MechanismDescription("x", dpsgd(None).events * 3, "add-remove", 1.0, 5000)
     assert fixed["accountant"] in ("dp_accounting.pld", "prv_accountant.prv")
-    assert fixed["epsilon"] == pytest.approx(accountants.epsilon_pld(composed, DELTA), rel=1e-9) or \
-        fixed["epsilon"] <= accountants.epsilon_pld(composed, DELTA)
+    assert fixed["epsilon"] == pytest.approx(accountants.epsilon_pld(composed, DELTA), rel=1e-9) or fixed[
+        "epsilon"
+    ] <= accountants.epsilon_pld(composed, DELTA)
 
 
 @pytest.mark.parametrize("selection", SELECTIONS, ids=lambda s: s.describe())
@@ -145,17 +156,24 @@ def test_number_of_candidates_has_the_configured_distribution(selection: Selecti
 
 
 def test_selection_and_tuning_config_reject_bad_values() -> None:
-    for bad in [dict(distribution="poisson", mean=0.5), dict(distribution="fixed", mean=2.5),
-                dict(distribution="truncated_negative_binomial", mean=1.0, shape=1.0),
-                dict(distribution="truncated_negative_binomial", mean=3.0, shape=-0.5)]:
+    for bad in [
+        dict(distribution="poisson", mean=0.5),
+        dict(distribution="fixed", mean=2.5),
+        dict(distribution="truncated_negative_binomial", mean=1.0, shape=1.0),
+        dict(distribution="truncated_negative_binomial", mean=3.0, shape=-0.5),
+    ]:
         with pytest.raises(ValueError):
             Selection(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="tune.space key 'train.epochs': not tunable"):
         validate({"tune": {"space": {"train.epochs": [1, 2]}}, "dp": {"target_epsilon": 1}})
     with pytest.raises(ConfigError, match="non-empty list"):
         validate({"tune": {"space": {"train.learning_rate": []}}, "dp": {"target_epsilon": 1}})
-    config = validate({"dp": {"target_epsilon": 1, "neighbouring": "replace-one"},
-                       "tune": {"space": {"train.learning_rate": [0.1, -2.0]}}})
+    config = validate(
+        {
+            "dp": {"target_epsilon": 1, "neighbouring": "replace-one"},
+            "tune": {"space": {"train.learning_rate": [0.1, -2.0]}},
+        }
+    )
     with pytest.raises(ConfigError) as error:
         check_tunable(config)
     assert "add-remove only" in str(error.value) and "value -2.0" in str(error.value)
@@ -168,9 +186,15 @@ def test_calibration_for_a_search_lands_on_the_safe_side() -> None:
     selection = Selection("truncated_negative_binomial", 3.0, 1.0)
     extra = (PoissonGaussianSteps(1.0, 5.0, 1),)
     sigma = calibrate_noise_multiplier(2.0, 0.05, 200, DELTA, extra=extra, selection=selection)
+
     def eps(s: float) -> float:
-        return accountants.certify(MechanismDescription("x", (PoissonGaussianSteps(0.05, s, 200), *extra),
-                                                        "add-remove", 1.0, 1000, selection=selection), DELTA)["epsilon"]
+        return accountants.certify(
+            MechanismDescription(
+                "x", (PoissonGaussianSteps(0.05, s, 200), *extra), "add-remove", 1.0, 1000, selection=selection
+            ),
+            DELTA,
+        )["epsilon"]
+
     assert eps(sigma) <= 2.0
     assert eps(sigma * 0.98) > 2.0 * 0.995  # and tight: 2% less noise is (about) over the target
 

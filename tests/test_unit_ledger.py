@@ -39,8 +39,9 @@ def independent_pld(mechanisms: list[MechanismDescription]) -> float:
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
     for m in mechanisms:
         for e in m.events:
-            accountant.compose(dp_event.PoissonSampledDpEvent(e.sample_rate, dp_event.GaussianDpEvent(e.noise_multiplier)),
-                               e.steps)
+            accountant.compose(
+                dp_event.PoissonSampledDpEvent(e.sample_rate, dp_event.GaussianDpEvent(e.noise_multiplier)), e.steps
+            )
     return accountant.get_epsilon(DELTA)
 
 
@@ -48,8 +49,9 @@ def independent_rdp(mechanisms: list[MechanismDescription], orders: list[float] 
     accountant = rdp_privacy_accountant.RdpAccountant(orders) if orders else rdp_privacy_accountant.RdpAccountant()
     for m in mechanisms:
         for e in m.events:
-            accountant.compose(dp_event.PoissonSampledDpEvent(e.sample_rate, dp_event.GaussianDpEvent(e.noise_multiplier)),
-                               e.steps)
+            accountant.compose(
+                dp_event.PoissonSampledDpEvent(e.sample_rate, dp_event.GaussianDpEvent(e.noise_multiplier)), e.steps
+            )
     return accountant.get_epsilon(DELTA)
 
 
@@ -88,8 +90,13 @@ def test_unit_epsilon_is_the_composition_of_the_spends_that_touched_it(ledger_lo
             histories[history] = histories.get(history, 0) + 1
     from dpml.accounting.tuning import ORDERS
 
-    expected = sorted(((independent_rdp([mechanisms[i] for i in h], list(ORDERS)), independent_pld([mechanisms[i] for i in h]), c)
-                       for h, c in histories.items()), reverse=True)
+    expected = sorted(
+        (
+            (independent_rdp([mechanisms[i] for i in h], list(ORDERS)), independent_pld([mechanisms[i] for i in h]), c)
+            for h, c in histories.items()
+        ),
+        reverse=True,
+    )
     reported = ledger.unit_epsilons("L")
     assert sorted(c for *_, c in expected) == sorted(c for _, c in reported)
     assert sum(c for _, c in reported) == sum(histories.values())
@@ -131,7 +138,9 @@ def test_cancelled_spends_count_for_nobody(ledger_location: str, tmp_path: Path)
     assert ledger.total("L") == pytest.approx(one, abs=2e-3)
 
 
-def test_renyi_filter_excludes_exactly_the_exhausted_units_and_keeps_every_budget(ledger_location: str, tmp_path: Path) -> None:
+def test_renyi_filter_excludes_exactly_the_exhausted_units_and_keeps_every_budget(
+    ledger_location: str, tmp_path: Path
+) -> None:
     """Feldman & Zrnic (2021): with exclude, every unit's composed loss stays within the budget, checked
     by dp_accounting's RDP accountant on the spends that actually touched it; the units excluded are
     exactly those whose RDP at α* would pass B*."""
@@ -161,7 +170,9 @@ def test_renyi_filter_excludes_exactly_the_exhausted_units_and_keeps_every_budge
             rdp = rdp_privacy_accountant.RdpAccountant([order])
             for i in spends:
                 e = mechanisms[i].events[0]
-                rdp.compose(dp_event.PoissonSampledDpEvent(e.sample_rate, dp_event.GaussianDpEvent(e.noise_multiplier)), e.steps)
+                rdp.compose(
+                    dp_event.PoissonSampledDpEvent(e.sample_rate, dp_event.GaussianDpEvent(e.noise_multiplier)), e.steps
+                )
             assert rdp._rdp[0] <= bound + 1e-9  # noqa: SLF001 — the filter's invariant at α*
     # A reservation in exclude mode that includes an exhausted unit is refused (a race, or a caller bug).
     exhausted = [u for u, s in touched_by.items() if s][:1]
@@ -189,7 +200,11 @@ def test_the_ledger_stores_no_identity_and_needs_its_key(tmp_path: Path) -> None
     ledger = Ledger(path, DELTA)
     digests = people(range(50))
     ledger.reserve("v1", run(), "a", 100.0, lineage="L", units=digests)
-    blob = path.read_bytes() + (tmp_path / "l.db-wal").read_bytes() if (tmp_path / "l.db-wal").exists() else path.read_bytes()
+    blob = (
+        path.read_bytes() + (tmp_path / "l.db-wal").read_bytes()
+        if (tmp_path / "l.db-wal").exists()
+        else path.read_bytes()
+    )
     assert not any(d.tobytes()[:8] in blob for d in digests)  # only keyed ids are stored
     assert oct((tmp_path / "l.db.key").stat().st_mode & 0o777) == "0o600"
     key = (tmp_path / "l.db.key").read_bytes()
@@ -216,9 +231,11 @@ def test_schema_1_ledgers_migrate_and_charge_old_spends_to_everyone(tmp_path: Pa
             CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, spend_id INTEGER NOT NULL,
                 created_at REAL NOT NULL, kind TEXT NOT NULL, detail TEXT NOT NULL);""")
         for version in ("aaaa", "bbbb"):  # two versions of one table: two accounts under schema 1
-            db.execute("INSERT INTO spends (dataset_version, label, created_at, private, mechanism, epsilon_alone) "
-                       "VALUES (?, 'dpsgd model (csv:data/census.csv)', 0, 1, ?, 1.0)",
-                       (version, json.dumps(run().to_dict())))
+            db.execute(
+                "INSERT INTO spends (dataset_version, label, created_at, private, mechanism, epsilon_alone) "
+                "VALUES (?, 'dpsgd model (csv:data/census.csv)', 0, 1, ?, 1.0)",
+                (version, json.dumps(run().to_dict())),
+            )
     ledger = Ledger(path, DELTA)
     assert (tmp_path / "old.db.v1").exists()
     [entry] = ledger.summary()
@@ -226,7 +243,9 @@ def test_schema_1_ledgers_migrate_and_charge_old_spends_to_everyone(tmp_path: Pa
     assert ledger.total("census") == pytest.approx(independent_pld([run(), run()]), abs=3e-3)
     # A new run on that lineage: its people carry both old spends (their units were not recorded).
     with pytest.raises(BudgetExceeded, match="5 of the 5"):
-        ledger.reserve("cccc", run(), "new", independent_pld([run()] * 2) * 1.01, lineage="census", units=people(range(5)))
+        ledger.reserve(
+            "cccc", run(), "new", independent_pld([run()] * 2) * 1.01, lineage="census", units=people(range(5))
+        )
 
 
 @pytest.mark.slow
@@ -241,8 +260,13 @@ def test_a_kill_inside_the_reservation_leaves_no_spend_and_no_units(ledger_locat
         Ledger({ledger_location!r}, 1e-5, unit_key={key!r}).reserve("v", m, "x", 100.0, lineage="L",
                                                                    units=digests_of_ids(range(20000)))
     """)
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DPML_FAULT": "ledger:units_written"},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "DPML_FAULT": "ledger:units_written"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     ledger = Ledger(ledger_location, DELTA, unit_key=key)
     assert ledger.spends(counted_only=False) == [] and ledger.unit_epsilons("L") == []
@@ -275,7 +299,8 @@ def test_the_filter_order_and_bound_agree_with_dp_accountings_conversion(budget:
 
 
 def test_the_views_of_a_ledger_name_nobody_at_zero_and_list_units_largest_epsilon_first(
-        ledger_location: str, tmp_path: Path) -> None:
+    ledger_location: str, tmp_path: Path
+) -> None:
     ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     assert ledger.total("nobody") == 0.0 and ledger.unit_epsilons("nobody") == []
     ledger.reserve("v1", run(), "first", 1e6, lineage="L", units=people(range(10)))
@@ -286,7 +311,8 @@ def test_the_views_of_a_ledger_name_nobody_at_zero_and_list_units_largest_epsilo
 
 
 def test_a_reservation_under_another_neighbouring_relation_than_its_units_history_is_refused(
-        ledger_location: str, tmp_path: Path) -> None:
+    ledger_location: str, tmp_path: Path
+) -> None:
     ledger = Ledger(ledger_location, DELTA, unit_key=tmp_path / "unit.key")
     ledger.reserve("v1", run(), "add/remove", 1e6, lineage="L", units=people(range(10)))
     other = MechanismDescription("dpsgd", (PoissonGaussianSteps(0.05, 2.0, 100),), "replace-one", 1.0, 1000)

@@ -8,18 +8,38 @@ from typing import Any
 
 import pytest
 
-from dpml.report.verdict import (ATTACKS, CERTIFICATE, IMPLEMENTATION, attacks_part, certificate_part,
-                                 implementation_part, verdict_lines, verdict_metrics, verdict_record, verdict_tags)
+from dpml.report.verdict import (
+    ATTACKS,
+    CERTIFICATE,
+    IMPLEMENTATION,
+    attacks_part,
+    certificate_part,
+    implementation_part,
+    verdict_lines,
+    verdict_metrics,
+    verdict_record,
+    verdict_tags,
+)
 
 CERT = {"epsilon": 1.9999967848742883, "delta": 1e-5}
 
 
-def audit(max_lower_bound: float = 0.1, control_power: float | None = 0.2, checks: list[dict[str, Any]] | None = None,
-          conformance_ran: bool = True) -> dict[str, Any]:
-    checks = [{"check": "noise", "passed": True, "p_value": 0.4}, {"check": "clipping", "passed": True, "p_value": 0.07}] \
-        if checks is None else checks
-    conformance = ({"ran": True, "checks": checks} if conformance_ran else
-                   {"ran": False, "reason": "trainer 'x' has no white-box probe", "checks": []})
+def audit(
+    max_lower_bound: float = 0.1,
+    control_power: float | None = 0.2,
+    checks: list[dict[str, Any]] | None = None,
+    conformance_ran: bool = True,
+) -> dict[str, Any]:
+    checks = (
+        [{"check": "noise", "passed": True, "p_value": 0.4}, {"check": "clipping", "passed": True, "p_value": 0.07}]
+        if checks is None
+        else checks
+    )
+    conformance = (
+        {"ran": True, "checks": checks}
+        if conformance_ran
+        else {"ran": False, "reason": "trainer 'x' has no white-box probe", "checks": []}
+    )
     return {"max_lower_bound": max_lower_bound, "control_power": control_power, "conformance": conformance}
 
 
@@ -28,7 +48,9 @@ def test_the_certificate_part_is_the_budget_and_the_ledger_together() -> None:
     (a ledger over budget is not hidden by a certificate within the gate's); no certificate: *none*."""
     assert certificate_part(CERT, 3.0, ledger_ok=True).word == "within budget"
     assert certificate_part(CERT, 3.0, ledger_ok=True).number == CERT["epsilon"]
-    assert "ε = 1.999997 at δ = 1e-05" in certificate_part(CERT, 3.0, ledger_ok=True).detail  # format_epsilon: never rounded up
+    assert (
+        "ε = 1.999997 at δ = 1e-05" in certificate_part(CERT, 3.0, ledger_ok=True).detail
+    )  # format_epsilon: never rounded up
     assert certificate_part(CERT, 1.5, ledger_ok=True).word == "over budget"
     over_ledger = certificate_part(CERT, 3.0, ledger_ok=False)
     assert over_ledger.word == "over budget" and "ledger" in over_ledger.detail
@@ -41,8 +63,14 @@ def test_the_implementation_part_is_the_conformance_checks() -> None:
     none ran: *not checked*, with the reason."""
     part = implementation_part(audit())
     assert (part.word, part.number) == ("conforms", 0.07)
-    failed = implementation_part(audit(checks=[{"check": "noise", "passed": False, "p_value": 1e-13},
-                                               {"check": "sampling", "passed": True, "p_value": 0.5}]))
+    failed = implementation_part(
+        audit(
+            checks=[
+                {"check": "noise", "passed": False, "p_value": 1e-13},
+                {"check": "sampling", "passed": True, "p_value": 0.5},
+            ]
+        )
+    )
     assert failed.word == "does not conform" and "noise" in failed.detail and failed.number == 1e-13
     skipped = implementation_part(audit(conformance_ran=False))
     assert skipped.word == "not checked" and "no white-box probe" in skipped.detail
@@ -63,20 +91,27 @@ def test_the_attacks_part_tells_evidence_from_silence_and_a_violation_beats_both
 def test_a_pass_without_attack_power_says_so_in_its_first_words() -> None:
     """The issue's case: the gate passes (control power not required) but the attacks show nothing. The title,
     the headline's first words, the tag and every line say it — not a fifth clause."""
-    parts = {CERTIFICATE: certificate_part(CERT, 3.0, True), IMPLEMENTATION: implementation_part(audit()),
-             ATTACKS: attacks_part(audit(control_power=0.0057), 0, False, 0.01)}
+    parts = {
+        CERTIFICATE: certificate_part(CERT, 3.0, True),
+        IMPLEMENTATION: implementation_part(audit()),
+        ATTACKS: attacks_part(audit(control_power=0.0057), 0, False, 0.01),
+    }
     record = verdict_record(True, parts)
     assert record["title"] == "PASSED without demonstrated attack power"
     assert record["headline"].startswith("PASSED without demonstrated attack power: certificate within budget")
     tags = verdict_tags(record)
     assert tags["verdict.attacks"] == "no demonstrated power" and tags["verdict"] == record["headline"]
-    assert verdict_metrics(record) == {"verdict.certificate": 1.0, "verdict.implementation": 1.0,
-                                       "verdict.attacks": 0.0}
+    assert verdict_metrics(record) == {
+        "verdict.certificate": 1.0,
+        "verdict.implementation": 1.0,
+        "verdict.attacks": 0.0,
+    }
     lines = verdict_lines(record)
     assert [line.split()[0] for line in lines] == ["certificate", "implementation", "attacks"]
     unchecked = dict(parts, implementation=implementation_part(audit(conformance_ran=False)))
-    assert verdict_record(True, unchecked)["title"] == ("PASSED without demonstrated attack power and without "
-                                                        "implementation checks")
+    assert verdict_record(True, unchecked)["title"] == (
+        "PASSED without demonstrated attack power and without implementation checks"
+    )
     evidence = dict(parts, attacks=attacks_part(audit(control_power=0.3), 0, True, 0.01))
     assert verdict_record(True, evidence)["title"] == "PASSED"
     assert verdict_record(False, evidence)["title"] == "FAILED"  # a failure needs no caveat: the parts say why
@@ -138,8 +173,9 @@ def test_the_card_roc_is_the_attack_roc_at_every_threshold() -> None:
     rng = np.random.default_rng(3)
     member, nonmember = rng.normal(0.4, 1, 300).round(1), rng.normal(0, 1, 500).round(1)  # ties included
     fpr, tpr = roc_points(member, nonmember)
-    ref_fpr, ref_tpr, _ = roc_curve(np.r_[np.ones(300), np.zeros(500)], np.r_[member, nonmember],
-                                    drop_intermediate=False)
+    ref_fpr, ref_tpr, _ = roc_curve(
+        np.r_[np.ones(300), np.zeros(500)], np.r_[member, nonmember], drop_intermediate=False
+    )
     # our curve walks ties one record at a time; at each distinct threshold it passes through sklearn's points
     ours = set(zip(np.round(fpr, 12), np.round(tpr, 12)))
     assert all((round(a, 12), round(b, 12)) in ours for a, b in zip(ref_fpr, ref_tpr))

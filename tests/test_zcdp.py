@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dpml.accounting.gdp import gdp_epsilon
-from dpml.accounting.zcdp import (const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp)
+from dpml.accounting.zcdp import const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp
 
 
 @pytest.mark.parametrize("make", [out_schedule, const_schedule])
@@ -14,7 +14,7 @@ from dpml.accounting.zcdp import (const_schedule, minimal_noise_schedule, out_sc
 def test_minimal_noise_schedule_reaches_rho_exactly_for_every_record(make, rho: float) -> None:
     etas = make(2.0, 500)
     sigmas = minimal_noise_schedule(etas, rho)
-    remaining = np.sqrt(np.cumsum((sigmas ** 2)[::-1])[::-1])
+    remaining = np.sqrt(np.cumsum((sigmas**2)[::-1])[::-1])
     np.testing.assert_allclose(etas / remaining, rho, rtol=1e-9)  # η_k = ρ·sqrt(Σ_{j≥k} σ_j²) for every k
     assert schedule_rho(etas, sigmas) == pytest.approx(rho)
     assert schedule_rho(etas, 0.99 * sigmas) > rho  # less noise anywhere breaks it
@@ -38,4 +38,4 @@ def test_out_and_const_schedules_have_the_stated_shapes() -> None:
 def test_zcdp_conversion_is_never_below_the_exact_gaussian(rho: float) -> None:
     """A Gaussian mechanism with μ = ρ is exactly (ρ²/2)-zCDP: the conversion must bound its exact ε."""
     assert zcdp_to_dp(rho, 1e-5) >= gdp_epsilon(rho, 1e-5)
-    assert zcdp_to_dp(rho, 1e-5) == pytest.approx(rho ** 2 / 2 + rho * np.sqrt(2 * np.log(1e5)))
+    assert zcdp_to_dp(rho, 1e-5) == pytest.approx(rho**2 / 2 + rho * np.sqrt(2 * np.log(1e5)))

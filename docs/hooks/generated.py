@@ -64,8 +64,10 @@ def section_table(name: str, model: type[BaseModel], title: str | None = None) -
         lines += [re.sub(r":(?:mod|func|class|data|meth):", "", " ".join(doc.split("\n\n")[0].split())), ""]
     lines += ["| key | type | default | allowed |", "|---|---|---|---|"]
     for key, field in model.model_fields.items():
-        lines.append(f"| `{name}.{key}` | {_type(field.annotation)} | {_default(field).replace('|', chr(92) + '|')} "
-                     f"| {_rule(field)} |")
+        lines.append(
+            f"| `{name}.{key}` | {_type(field.annotation)} | {_default(field).replace('|', chr(92) + '|')} "
+            f"| {_rule(field)} |"
+        )
     return lines + [""]
 
 

@@ -53,14 +53,34 @@ import numpy as np
 
 from dpml.formatting import format_epsilon
 from dpml.accounting.kl_certificate import certify_kl
-from dpml.accounting.mechanism import (ConcentratedDP, Event, GaussianDP, GaussianEvent, MechanismDescription,
-                                    gaussian_only)
+from dpml.accounting.mechanism import (
+    ConcentratedDP,
+    Event,
+    GaussianDP,
+    GaussianEvent,
+    MechanismDescription,
+    gaussian_only,
+)
 from dpml.accounting import tuning
 from dpml.accounting.prv import epsilon_prv_upper
-from dpml.accounting.closed_forms import (epsilon_autodp_zcdp, epsilon_gdp_exact, epsilon_moments_closed_form,
-                                       epsilon_zcdp_closed_form, epsilon_zcdp_rdp, has_zcdp)
-from dpml.accounting.supports import (autodp_composition, composed_without_zcdp, dp_accounting_rdp, full_batch_gaussian,
-                                   gdp_only, random_count_without_zcdp, subsampled_gaussian_add_remove, zcdp_composed)
+from dpml.accounting.closed_forms import (
+    epsilon_autodp_zcdp,
+    epsilon_gdp_exact,
+    epsilon_moments_closed_form,
+    epsilon_zcdp_closed_form,
+    epsilon_zcdp_rdp,
+    has_zcdp,
+)
+from dpml.accounting.supports import (
+    autodp_composition,
+    composed_without_zcdp,
+    dp_accounting_rdp,
+    full_batch_gaussian,
+    gdp_only,
+    random_count_without_zcdp,
+    subsampled_gaussian_add_remove,
+    zcdp_composed,
+)
 
 PLD_DISCRETIZATION = 1e-4
 
@@ -113,25 +133,32 @@ def _relation(mechanism: MechanismDescription) -> Any:
     }[mechanism.neighbouring]
 
 
-def epsilon_pld(mechanism: MechanismDescription, delta: float,
-                discretization: float = PLD_DISCRETIZATION) -> float:
+def epsilon_pld(mechanism: MechanismDescription, delta: float, discretization: float = PLD_DISCRETIZATION) -> float:
     """ε(δ) from dp_accounting's PLD accountant (pessimistic discretisation: an upper bound).
 
     A pure function of the events, the neighbouring relation, the selection, δ and the discretisation,
     so it is computed once per process for each (the train stage's reservation, the certificate and the
     ledger's composition of one spend price the same mechanism; each PLD takes seconds)."""
     try:
-        return _epsilon_pld_once(mechanism.events, mechanism.neighbouring, mechanism.selection, float(delta),
-                                 float(discretization))
+        return _epsilon_pld_once(
+            mechanism.events, mechanism.neighbouring, mechanism.selection, float(delta), float(discretization)
+        )
     except TypeError:  # an event that cannot be hashed: priced without the memo
         return _pld_epsilon(mechanism, delta, discretization)
 
 
 @functools.lru_cache(maxsize=512)
-def _epsilon_pld_once(events: tuple[Event, ...], neighbouring: str, selection: Any, delta: float,
-                      discretization: float) -> float:
-    mechanism = MechanismDescription(trainer="", events=events, neighbouring=neighbouring,  # type: ignore[arg-type]
-                                     clip_norm=1.0, dataset_size=1, selection=selection)
+def _epsilon_pld_once(
+    events: tuple[Event, ...], neighbouring: str, selection: Any, delta: float, discretization: float
+) -> float:
+    mechanism = MechanismDescription(
+        trainer="",
+        events=events,
+        neighbouring=neighbouring,  # type: ignore[arg-type]
+        clip_norm=1.0,
+        dataset_size=1,
+        selection=selection,
+    )
     return _pld_epsilon(mechanism, delta, discretization)
 
 
@@ -162,8 +189,10 @@ def _autodp_mechanism(neighbouring: str, events: tuple[GaussianEvent, ...]) -> A
 
     amplify = AmplificationBySampling(PoissonSampling=True)
     steps = [
-        GaussianMechanism(sigma=1.0 / e.mu) if isinstance(e, GaussianDP)
-        else GaussianMechanism(sigma=e.noise_multiplier) if e.sample_rate == 1.0
+        GaussianMechanism(sigma=1.0 / e.mu)
+        if isinstance(e, GaussianDP)
+        else GaussianMechanism(sigma=e.noise_multiplier)
+        if e.sample_rate == 1.0
         else amplify(GaussianMechanism(sigma=e.noise_multiplier), e.sample_rate, improved_bound_flag=True)
         for e in events
     ]
@@ -215,8 +244,10 @@ def _random_selection(mechanism: MechanismDescription) -> Any:
     if selection is None or not selection.random:
         raise NotImplementedError("not a random-count selection (the other accountants price this mechanism)")
     if mechanism.neighbouring != "add-remove" and not all(isinstance(e, GaussianDP) for e in mechanism.events):
-        raise NotImplementedError("the RDP of Poisson subsampling used for random-count selection is add/remove only "
-                                  "(a mechanism of μ-GDP events has the exact curve αμ²/2 under either relation)")
+        raise NotImplementedError(
+            "the RDP of Poisson subsampling used for random-count selection is add/remove only "
+            "(a mechanism of μ-GDP events has the exact curve αμ²/2 under either relation)"
+        )
     return selection
 
 
@@ -250,8 +281,9 @@ def base_rdp_autodp(mechanism: MechanismDescription, orders: tuple[float, ...] =
         return np.array([float(composed.get_RDP(order)) for order in orders])
 
 
-def base_delta_profile(mechanism: MechanismDescription,
-                       discretization: float = PLD_DISCRETIZATION) -> Callable[[np.ndarray], np.ndarray]:
+def base_delta_profile(
+    mechanism: MechanismDescription, discretization: float = PLD_DISCRETIZATION
+) -> Callable[[np.ndarray], np.ndarray]:
     """δ(ε) of one candidate from the PLD (pessimistic: upper bounds), vectorised over ε."""
     from dp_accounting.pld import pld_privacy_accountant  # lazy: when this accountant is asked
 
@@ -270,8 +302,9 @@ def base_delta_profile(mechanism: MechanismDescription,
     return profile
 
 
-def selection_rdp_curve(mechanism: MechanismDescription, curve: str = "dp_accounting",
-                        discretization: float = PLD_DISCRETIZATION) -> np.ndarray:
+def selection_rdp_curve(
+    mechanism: MechanismDescription, curve: str = "dp_accounting", discretization: float = PLD_DISCRETIZATION
+) -> np.ndarray:
     """RDP curve (on :data:`tuning.ORDERS`) of the whole mechanism, selection included."""
     base = base_rdp_dp_accounting(mechanism) if curve == "dp_accounting" else base_rdp_autodp(mechanism)
     if mechanism.selection is None:
@@ -293,8 +326,7 @@ def epsilon_selection_autodp(mechanism: MechanismDescription, delta: float) -> f
     return tuning.rdp_to_epsilon(tuning.ORDERS, selection_rdp_curve(mechanism, "autodp"), delta)
 
 
-def tight_epsilon(mechanism: MechanismDescription, delta: float,
-                  discretization: float = PLD_DISCRETIZATION) -> float:
+def tight_epsilon(mechanism: MechanismDescription, delta: float, discretization: float = PLD_DISCRETIZATION) -> float:
     """The tightest valid upper bound cheap enough for the ledger and calibration.
 
     PLD when the mechanism is a composition; Papernot–Steinke on dp_accounting's RDP otherwise.
@@ -350,8 +382,12 @@ for _accountant in (
     Accountant("prv_accountant.prv", "prv-accountant", epsilon_prv_upper, subsampled_gaussian_add_remove),
     Accountant("autodp.rdp", "autodp", epsilon_autodp_rdp, autodp_composition),
     Accountant("dp_accounting.rdp", "dp-accounting", epsilon_dp_accounting_rdp, dp_accounting_rdp, certifying=False),
-    Accountant("papernot_steinke.rdp[dp_accounting]", "dp-accounting", epsilon_selection_dp_accounting,
-               random_count_without_zcdp),
+    Accountant(
+        "papernot_steinke.rdp[dp_accounting]",
+        "dp-accounting",
+        epsilon_selection_dp_accounting,
+        random_count_without_zcdp,
+    ),
     Accountant("papernot_steinke.rdp[autodp]", "autodp", epsilon_selection_autodp, random_count_without_zcdp),
 ):
     register_accountant(_accountant)
@@ -372,8 +408,16 @@ def ask_accountants(mechanism: MechanismDescription, delta: float) -> list[Accou
                 epsilon, error = None, f"returned a non-finite or negative ε ({epsilon})"
         except Exception as exc:  # each accountant's own failure modes; recorded, not raised
             epsilon, error = None, f"{type(exc).__name__}: {exc}"
-        answers.append(AccountantAnswer(accountant.name, version(accountant.distribution), epsilon, error,
-                                        time.perf_counter() - start, accountant.certifying))
+        answers.append(
+            AccountantAnswer(
+                accountant.name,
+                version(accountant.distribution),
+                epsilon,
+                error,
+                time.perf_counter() - start,
+                accountant.certifying,
+            )
+        )
     return answers
 
 
@@ -382,7 +426,6 @@ def certify(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
     if not 0 < delta < 1:
         raise ValueError(f"delta = {delta}: must be in (0, 1)")
     if mechanism.guarantee == "kl":  # seed 000's noisy GD: a KL certificate, ε = ∞
-
         return certify_kl(mechanism, delta)
     answers = ask_accountants(mechanism, delta)
     valid = [a for a in answers if a.used_for_certificate and a.epsilon is not None]

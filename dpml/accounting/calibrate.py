@@ -25,25 +25,49 @@ from dpml.accounting.mechanism import Event, MechanismDescription, Neighbouring,
 SEARCH_DISCRETIZATION = 1e-3
 
 
-def _mechanism(sigma: float, sample_rate: float, steps: int, neighbouring: Neighbouring,
-               extra: tuple[Event, ...] = (), selection: Selection | None = None) -> MechanismDescription:
+def _mechanism(
+    sigma: float,
+    sample_rate: float,
+    steps: int,
+    neighbouring: Neighbouring,
+    extra: tuple[Event, ...] = (),
+    selection: Selection | None = None,
+) -> MechanismDescription:
     return MechanismDescription(
-        trainer="calibration", events=(PoissonGaussianSteps(sample_rate, sigma, steps), *extra),
-        neighbouring=neighbouring, clip_norm=1.0, dataset_size=0, selection=selection,
+        trainer="calibration",
+        events=(PoissonGaussianSteps(sample_rate, sigma, steps), *extra),
+        neighbouring=neighbouring,
+        clip_norm=1.0,
+        dataset_size=0,
+        selection=selection,
     )
 
 
-def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, neighbouring: Neighbouring,
-             extra: tuple[Event, ...] = (), selection: Selection | None = None,
-             discretization: float = SEARCH_DISCRETIZATION) -> float:
+def _epsilon(
+    sigma: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    neighbouring: Neighbouring,
+    extra: tuple[Event, ...] = (),
+    selection: Selection | None = None,
+    discretization: float = SEARCH_DISCRETIZATION,
+) -> float:
     mechanism = _mechanism(sigma, sample_rate, steps, neighbouring, extra, selection)
     if selection is not None or extra:
         return tight_epsilon(mechanism, delta, discretization)
     return epsilon_pld(mechanism, delta, discretization)
 
 
-def _illinois(g: Callable[[float], float], good: float, bad: float, g_good: float, g_bad: float,
-              done: Callable[[float, float], bool], integer: bool = False) -> float:
+def _illinois(
+    g: Callable[[float], float],
+    good: float,
+    bad: float,
+    g_good: float,
+    g_bad: float,
+    done: Callable[[float, float], bool],
+    integer: bool = False,
+) -> float:
     """Shrink a bracket of a monotone g (g(good) ≤ 0 < g(bad)) by the Illinois false-position method.
 
     Returns the last ``good`` point: g(good) ≤ 0 was *evaluated*, so the answer is never on the
@@ -70,10 +94,16 @@ def _illinois(g: Callable[[float], float], good: float, bad: float, g_good: floa
     return good
 
 
-def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps: int, delta: float,
-                               neighbouring: Neighbouring = "add-remove", rel_tol: float = 1e-3,
-                               extra: tuple[Event, ...] = (),
-                               selection: Selection | None = None) -> float:
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    neighbouring: Neighbouring = "add-remove",
+    rel_tol: float = 1e-3,
+    extra: tuple[Event, ...] = (),
+    selection: Selection | None = None,
+) -> float:
     """Smallest σ (to ``rel_tol``) with ε(σ; q, T, δ) ≤ ``target_epsilon``; always on the safe side.
 
     ε is the PLD's for plain DP-SGD; with ``extra`` events or a ``selection`` it is the whole
@@ -89,8 +119,10 @@ def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps:
 
     if extra or selection is not None:
         if eps(1e4) > target_epsilon:
-            raise ValueError(f"target_epsilon = {target_epsilon}: unreachable even with σ = 1e4 (the search's "
-                             "other costs alone exceed it)")
+            raise ValueError(
+                f"target_epsilon = {target_epsilon}: unreachable even with σ = 1e4 (the search's "
+                "other costs alone exceed it)"
+            )
         hi = 0.5
         while eps(hi) > target_epsilon:
             hi *= 2.0
@@ -99,13 +131,17 @@ def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps:
         while epsilon_autodp_rdp(_mechanism(hi, sample_rate, steps, neighbouring), delta) > target_epsilon:
             hi *= 1.5
             if hi > 1e4:
-                raise ValueError(f"target_epsilon = {target_epsilon}: unreachable with σ ≤ 1e4 (q={sample_rate}, T={steps})")
+                raise ValueError(
+                    f"target_epsilon = {target_epsilon}: unreachable with σ ≤ 1e4 (q={sample_rate}, T={steps})"
+                )
     else:
         hi = 0.5
         while _epsilon(hi, sample_rate, steps, delta, neighbouring) > target_epsilon:
             hi *= 2.0
             if hi > 1e4:
-                raise ValueError(f"target_epsilon = {target_epsilon}: unreachable with σ ≤ 1e4 (q={sample_rate}, T={steps})")
+                raise ValueError(
+                    f"target_epsilon = {target_epsilon}: unreachable with σ ≤ 1e4 (q={sample_rate}, T={steps})"
+                )
     lo = hi / 2.0
     while lo > 1e-3 and eps(lo) <= target_epsilon:
         hi, lo = lo, lo / 2.0
@@ -118,14 +154,24 @@ def calibrate_noise_multiplier(target_epsilon: float, sample_rate: float, steps:
     return _refine_sigma(hi, target_epsilon, rel_tol, sample_rate, steps, delta, neighbouring, extra, selection)
 
 
-def _refine_sigma(hi: float, target: float, rel_tol: float, sample_rate: float, steps: int, delta: float,
-                  neighbouring: Neighbouring, extra: tuple[Event, ...],
-                  selection: Selection | None) -> float:
+def _refine_sigma(
+    hi: float,
+    target: float,
+    rel_tol: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    neighbouring: Neighbouring,
+    extra: tuple[Event, ...],
+    selection: Selection | None,
+) -> float:
     """Second phase at the certificate's own discretisation (the coarse one over-states ε over many
     steps, which made σ loose): false position on log ε(σ) − log target from the coarse answer."""
+
     def g(sigma: float) -> float:
-        return math.log(_epsilon(sigma, sample_rate, steps, delta, neighbouring, extra, selection,
-                                 PLD_DISCRETIZATION) / target)
+        return math.log(
+            _epsilon(sigma, sample_rate, steps, delta, neighbouring, extra, selection, PLD_DISCRETIZATION) / target
+        )
 
     g_hi = g(hi)
     while g_hi > 0:  # the coarse answer is safe for the coarse accountant; make sure for the fine one
@@ -139,8 +185,14 @@ def _refine_sigma(hi: float, target: float, rel_tol: float, sample_rate: float, 
     return _illinois(g, hi, lo, g_hi, g_lo, lambda good, bad: good - bad <= rel_tol * good)
 
 
-def calibrate_steps(target_epsilon: float, sample_rate: float, noise_multiplier: float, delta: float,
-                    neighbouring: Neighbouring = "add-remove", max_steps: int = 10_000_000) -> int:
+def calibrate_steps(
+    target_epsilon: float,
+    sample_rate: float,
+    noise_multiplier: float,
+    delta: float,
+    neighbouring: Neighbouring = "add-remove",
+    max_steps: int = 10_000_000,
+) -> int:
     """The largest number of steps T with ε_PLD(σ; q, T, δ) ≤ ``target_epsilon`` (0 if even one step is over).
 
     ε is increasing in T; doubling finds a bracket, bisection the exact integer, every comparison
@@ -164,8 +216,10 @@ def calibrate_steps(target_epsilon: float, sample_rate: float, noise_multiplier:
         good, bad = (mid, bad) if fits(mid) else (good, mid)
 
     def g(steps: float) -> float:  # at the certificate's discretisation
-        return math.log(_epsilon(noise_multiplier, sample_rate, int(steps), delta, neighbouring,
-                                 discretization=PLD_DISCRETIZATION) / target_epsilon)
+        return math.log(
+            _epsilon(noise_multiplier, sample_rate, int(steps), delta, neighbouring, discretization=PLD_DISCRETIZATION)
+            / target_epsilon
+        )
 
     g_good = g(good)
     while g_good > 0 and good > 1:

@@ -19,7 +19,7 @@ def epsilon_gdp_exact(mechanism: MechanismDescription, delta: float) -> float:
     events = mechanism.composed_events()
     if not all(isinstance(e, GaussianDP) for e in events):
         raise NotImplementedError("the exact GDP conversion needs a mechanism of μ-GDP events only")
-    return gdp.gdp_epsilon(math.sqrt(sum(e.mu ** 2 for e in events if isinstance(e, GaussianDP))), delta)
+    return gdp.gdp_epsilon(math.sqrt(sum(e.mu**2 for e in events if isinstance(e, GaussianDP))), delta)
 
 
 def epsilon_moments_closed_form(mechanism: MechanismDescription, delta: float) -> float:
@@ -33,7 +33,7 @@ def epsilon_moments_closed_form(mechanism: MechanismDescription, delta: float) -
     a = 0.0
     for e in mechanism.gaussian_events():
         if isinstance(e, GaussianDP):
-            a += e.mu ** 2 / 2
+            a += e.mu**2 / 2
         elif e.sample_rate == 1.0:
             s = e.noise_multiplier / (2.0 if mechanism.neighbouring == "replace-one" else 1.0)
             a += e.steps / (2 * s * s)
@@ -49,7 +49,7 @@ def _total_zcdp_rho(mechanism: MechanismDescription) -> float:
         if isinstance(e, ConcentratedDP):
             total += e.rho
         elif isinstance(e, GaussianDP):
-            total += e.mu ** 2 / 2
+            total += e.mu**2 / 2
         else:
             raise NotImplementedError("the zCDP accountants take zCDP and GDP events only")
     return total

@@ -82,8 +82,10 @@ def contraction_factor(learning_rate: float, l2: float, smoothness: float) -> fl
     if not 0 <= l2 <= smoothness:
         raise ValueError(f"λ = {l2:g}: must be in [0, β = {smoothness:g}]")
     if not 0 < learning_rate < 2.0 / smoothness:
-        raise ValueError(f"learning rate η = {learning_rate:g} must be in (0, 2/β) = (0, {2.0 / smoothness:.6g}) "
-                         f"for the hidden-state bound (β = {smoothness:.6g} is the loss's smoothness bound)")
+        raise ValueError(
+            f"learning rate η = {learning_rate:g} must be in (0, 2/β) = (0, {2.0 / smoothness:.6g}) "
+            f"for the hidden-state bound (β = {smoothness:.6g} is the loss's smoothness bound)"
+        )
     return max(abs(1.0 - learning_rate * l2), abs(1.0 - learning_rate * smoothness))
 
 
@@ -124,18 +126,27 @@ def noisycgd_mu(noise_multiplier: float, c: float, batches: int, epochs: int, se
     return sensitivity_ratio / noise_multiplier * noisycgd_mu_factor(c, batches, epochs)
 
 
-def calibrate_l2(target_epsilon: float, delta: float, noise_multiplier: float, learning_rate: float,
-                 data_smoothness: float, batches: int, epochs: int) -> float:
+def calibrate_l2(
+    target_epsilon: float,
+    delta: float,
+    noise_multiplier: float,
+    learning_rate: float,
+    data_smoothness: float,
+    batches: int,
+    epochs: int,
+) -> float:
     """The smallest λ for which NoisyCGD's certified ε ≤ target, at this η, σ, k, E (see :func:`calibrate_l2_for_mu`)."""
     try:
-        return calibrate_l2_for_mu(gdp_mu(target_epsilon, delta), noise_multiplier, learning_rate, data_smoothness,
-                                   batches, epochs)
+        return calibrate_l2_for_mu(
+            gdp_mu(target_epsilon, delta), noise_multiplier, learning_rate, data_smoothness, batches, epochs
+        )
     except ValueError as error:
         raise ValueError(f"target ε = {target_epsilon:g} at δ = {delta:g}: {error}") from None
 
 
-def calibrate_l2_for_mu(mu_target: float, noise_multiplier: float, learning_rate: float, data_smoothness: float,
-                        batches: int, epochs: int) -> float:
+def calibrate_l2_for_mu(
+    mu_target: float, noise_multiplier: float, learning_rate: float, data_smoothness: float, batches: int, epochs: int
+) -> float:
     """The smallest λ with NoisyCGD's μ ≤ ``mu_target``, at this η, σ, k, E.
 
     β = β_data + λ. While 1 − ηλ ≥ |1 − ηβ| (the usual regime, c = 1 − ηλ) μ falls as λ grows, so
@@ -157,7 +168,8 @@ def calibrate_l2_for_mu(mu_target: float, noise_multiplier: float, learning_rate
             f"μ ≤ {mu_target:.4g} is out of reach for NoisyCGD with σ = {noise_multiplier:g}, η = {learning_rate:g}, "
             f"k = {batches}, E = {epochs}: even the strongest regularisation the learning rate allows gives "
             f"μ = {mu_of(max(l2_max, 0.0) * (1 - 1e-12)):.4g} (never below 2/σ = {2 / noise_multiplier:.4g}); "
-            "raise σ or lower E")
+            "raise σ or lower E"
+        )
     return _bisect_smallest(lambda l2: mu_of(l2) <= mu_target, 0.0, l2_max * (1 - 1e-12))
 
 

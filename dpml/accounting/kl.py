@@ -37,7 +37,7 @@ def expected_jacobian_norm_sq(input_norm_sq: float, scheme: Scheme, widths: list
 
 def gradient_norm_constant(scheme: Scheme, widths: list[int], input_norm: float) -> float:
     """B of Eq. 7 for inputs with ‖x‖ ≤ X0 = ``input_norm`` (the paper's d replaced by X0²)."""
-    return expected_jacobian_norm_sq(input_norm ** 2, scheme, widths)
+    return expected_jacobian_norm_sq(input_norm**2, scheme, widths)
 
 
 def table_1_constant(scheme: Scheme, d: int, m: int, o: int, depth: int) -> float:
@@ -91,8 +91,9 @@ def gradient_gap_bound(constant: float, n: int, relation: str = "replace_one") -
     return 4.0 * constant / (records * records)
 
 
-def kl_bound_for_relation(constant: float, steps: int, learning_rate: float, n: int, sigma: float,
-                          relation: str = "replace_one") -> float:
+def kl_bound_for_relation(
+    constant: float, steps: int, learning_rate: float, n: int, sigma: float, relation: str = "replace_one"
+) -> float:
     """Cor. 4.2 for each neighbouring relation: KL ≤ (1/(2σ²)) Σ_k η · 4B/n'² = 2BKη/(n'²σ²), n' as in
     :func:`gradient_gap_bound` (replace-one gives :func:`kl_bound` exactly)."""
     if relation not in RELATION_RECORDS:

@@ -49,7 +49,7 @@ def _table1_constant(event: NoisyGradientDescent) -> float:
     if not hidden or len(set(hidden)) != 1:
         raise NotImplementedError(f"Table 1 assumes equal hidden widths and depth ≥ 2 (widths {list(event.widths)})")
     depth = len(event.widths) - 1
-    return table_1_constant(event.scheme, d, hidden[0], o, depth) * event.input_norm ** 2 / d  # type: ignore[arg-type]
+    return table_1_constant(event.scheme, d, hidden[0], o, depth) * event.input_norm**2 / d  # type: ignore[arg-type]
 
 
 KL_ACCOUNTANTS = {"kl.eq7": (_eq7_constant, True), "kl.table1": (_table1_constant, False)}
@@ -90,27 +90,49 @@ def certified_kl(mechanism: MechanismDescription) -> float:
 def certify_kl(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
     """The KL certificate: KL bound, its Pinsker δ, and ε = ∞ for every (ε, δ) use."""
     event = _the_event(mechanism)
-    base = {"kind": "kl", "epsilon": float("inf"), "delta": delta, "neighbouring": mechanism.neighbouring,
-            "threat_model": "all-iterates", "mechanism": mechanism.to_dict(), "accountant_version": "dpml"}
+    base = {
+        "kind": "kl",
+        "epsilon": float("inf"),
+        "delta": delta,
+        "neighbouring": mechanism.neighbouring,
+        "threat_model": "all-iterates",
+        "mechanism": mechanism.to_dict(),
+        "accountant_version": "dpml",
+    }
     if not event.linearised:
         return base | {
-            "kl": float("inf"), "pinsker_delta": 1.0, "accountant": "none", "answers": [], "void": True,
-            "statement": ("no guarantee: noisy GD on the real (non-linearised) network — seed 000 proves its KL bound "
-                          "(Cor. 4.2) only for the linearised network; the estimated KL in the training metrics is an "
-                          "estimate, not a bound")}
+            "kl": float("inf"),
+            "pinsker_delta": 1.0,
+            "accountant": "none",
+            "answers": [],
+            "void": True,
+            "statement": (
+                "no guarantee: noisy GD on the real (non-linearised) network — seed 000 proves its KL bound "
+                "(Cor. 4.2) only for the linearised network; the estimated KL in the training metrics is an "
+                "estimate, not a bound"
+            ),
+        }
     answers = ask_kl_accountants(mechanism)
     certified = next(a for a in answers if a.used_for_certificate)
     if certified.kl is None:
         raise RuntimeError(f"the KL bound could not be computed: {certified.error}")
     check = next(a for a in answers if not a.used_for_certificate)
     if check.kl is not None and not math.isclose(check.kl, certified.kl, rel_tol=1e-9):
-        raise RuntimeError(f"the two computations of seed 000's B disagree: Eq. 7 gives KL {certified.kl!r}, "
-                           f"Table 1 gives {check.kl!r}")
+        raise RuntimeError(
+            f"the two computations of seed 000's B disagree: Eq. 7 gives KL {certified.kl!r}, "
+            f"Table 1 gives {check.kl!r}"
+        )
     delta_tv = pinsker_delta(certified.kl)
     return base | {
-        "kl": certified.kl, "pinsker_delta": delta_tv, "accountant": certified.name, "constant_B": certified.constant,
+        "kl": certified.kl,
+        "pinsker_delta": delta_tv,
+        "accountant": certified.name,
+        "constant_B": certified.constant,
         "answers": [asdict(a) for a in answers],
-        "statement": (f"KL privacy (not (ε, δ)-DP): KL(A(D) ‖ A(D')) ≤ {certified.kl:.4g} under replace-one "
-                      f"neighbouring for the whole trajectory of {event.steps} noisy GD steps on the linearised network "
-                      f"(Ye et al. Cor. 4.2, B = {certified.constant:.6g}); by Pinsker, total variation ≤ "
-                      f"{delta_tv:.4g}, i.e. (0, {delta_tv:.4g})-DP; no finite ε holds at δ = {delta:g}")}
+        "statement": (
+            f"KL privacy (not (ε, δ)-DP): KL(A(D) ‖ A(D')) ≤ {certified.kl:.4g} under replace-one "
+            f"neighbouring for the whole trajectory of {event.steps} noisy GD steps on the linearised network "
+            f"(Ye et al. Cor. 4.2, B = {certified.constant:.6g}); by Pinsker, total variation ≤ "
+            f"{delta_tv:.4g}, i.e. (0, {delta_tv:.4g})-DP; no finite ε holds at δ = {delta:g}"
+        ),
+    }

@@ -83,8 +83,10 @@ class NoisyGradientDescent:
         if not (isinstance(self.steps, int) and self.steps >= 1):
             raise ValueError(f"steps = {self.steps}: must be an integer ≥ 1")
         if not (self.learning_rate > 0 and self.sigma > 0 and self.input_norm > 0):
-            raise ValueError(f"learning_rate = {self.learning_rate}, sigma = {self.sigma}, input_norm = "
-                             f"{self.input_norm}: all must be > 0")
+            raise ValueError(
+                f"learning_rate = {self.learning_rate}, sigma = {self.sigma}, input_norm = "
+                f"{self.input_norm}: all must be > 0"
+            )
         if len(self.widths) < 2 or min(self.widths) < 1:
             raise ValueError(f"widths = {list(self.widths)}: need [d, …, o], all ≥ 1")
 
@@ -115,8 +117,12 @@ def gaussian_only(events: tuple[Event, ...]) -> tuple[GaussianEvent, ...]:
     return gaussian
 
 
-EVENT_KINDS: dict[str, type] = {"poisson_gaussian": PoissonGaussianSteps, "gdp": GaussianDP,
-                                "noisy_gd": NoisyGradientDescent, "zcdp": ConcentratedDP}
+EVENT_KINDS: dict[str, type] = {
+    "poisson_gaussian": PoissonGaussianSteps,
+    "gdp": GaussianDP,
+    "noisy_gd": NoisyGradientDescent,
+    "zcdp": ConcentratedDP,
+}
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:
@@ -134,13 +140,19 @@ def event_from_dict(payload: dict[str, Any]) -> Event:
     if kind == "zcdp":
         return ConcentratedDP(float(payload["rho"]))
     if kind == "noisy_gd":
-        return NoisyGradientDescent(str(payload["scheme"]), tuple(int(w) for w in payload["widths"]),
-                                    float(payload["input_norm"]), int(payload["steps"]),
-                                    float(payload["learning_rate"]), float(payload["sigma"]),
-                                    bool(payload["linearised"]))
+        return NoisyGradientDescent(
+            str(payload["scheme"]),
+            tuple(int(w) for w in payload["widths"]),
+            float(payload["input_norm"]),
+            int(payload["steps"]),
+            float(payload["learning_rate"]),
+            float(payload["sigma"]),
+            bool(payload["linearised"]),
+        )
     if kind == "poisson_gaussian":
-        return PoissonGaussianSteps(float(payload["sample_rate"]), float(payload["noise_multiplier"]),
-                                    int(payload["steps"]))
+        return PoissonGaussianSteps(
+            float(payload["sample_rate"]), float(payload["noise_multiplier"]), int(payload["steps"])
+        )
     raise ValueError(f"unknown mechanism event kind {kind!r}: expected one of {', '.join(EVENT_KINDS)}")
 
 
@@ -162,8 +174,9 @@ class Selection:
 
     def __post_init__(self) -> None:
         if self.distribution not in ("poisson", "truncated_negative_binomial", "fixed"):
-            raise ValueError(f"selection distribution {self.distribution!r}: must be poisson, "
-                             "truncated_negative_binomial or fixed")
+            raise ValueError(
+                f"selection distribution {self.distribution!r}: must be poisson, truncated_negative_binomial or fixed"
+            )
         if not self.mean >= 1:
             raise ValueError(f"selection mean = {self.mean}: must be ≥ 1")
         if self.distribution == "fixed" and self.mean != int(self.mean):
@@ -191,9 +204,11 @@ def _event_summary(event: Event) -> str:
     if isinstance(event, ConcentratedDP):
         return f"zcdp rho={event.rho:.6g}"
     if isinstance(event, NoisyGradientDescent):
-        return (f"noisy-gd (KL privacy) steps={event.steps} eta={event.learning_rate:.6g} sigma={event.sigma:.6g} "
-                f"init={event.scheme} widths={'-'.join(map(str, event.widths))} X0={event.input_norm:g}"
-                + (" linearised" if event.linearised else " (not linearised: no certificate)"))
+        return (
+            f"noisy-gd (KL privacy) steps={event.steps} eta={event.learning_rate:.6g} sigma={event.sigma:.6g} "
+            f"init={event.scheme} widths={'-'.join(map(str, event.widths))} X0={event.input_norm:g}"
+            + (" linearised" if event.linearised else " (not linearised: no certificate)")
+        )
     return f"poisson-gaussian q={event.sample_rate:.6g} sigma={event.noise_multiplier:.6g} steps={event.steps}"
 
 
@@ -219,8 +234,9 @@ class MechanismDescription:
         if self.selection is None:
             return self.events
         if self.selection.random:
-            raise NotImplementedError(f"{self.selection.describe()}: not a composition of events; "
-                                      "priced by the Papernot–Steinke RDP bound")
+            raise NotImplementedError(
+                f"{self.selection.describe()}: not a composition of events; priced by the Papernot–Steinke RDP bound"
+            )
         return self.events * int(self.selection.mean)
 
     def gaussian_events(self) -> tuple[GaussianEvent, ...]:

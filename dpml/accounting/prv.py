@@ -21,8 +21,10 @@ def prv_bounds(mechanism: MechanismDescription, delta: float, eps_error: float =
     events = [e for e in gaussian if isinstance(e, PoissonGaussianSteps)]
     if len(events) != len(gaussian):
         raise NotImplementedError("priced by gdp.exact and dp_accounting (a μ-GDP event is not a PRV input here)")
-    prvs = [PoissonSubsampledGaussianMechanism(noise_multiplier=e.noise_multiplier, sampling_probability=e.sample_rate)
-            for e in events]
+    prvs = [
+        PoissonSubsampledGaussianMechanism(noise_multiplier=e.noise_multiplier, sampling_probability=e.sample_rate)
+        for e in events
+    ]
     counts = [e.steps for e in events]
     accountant = PRVAccountant(prvs=prvs, max_self_compositions=counts, eps_error=eps_error, delta_error=delta / 1000)
     lower, estimate, upper = accountant.compute_epsilon(delta=delta, num_self_compositions=counts)

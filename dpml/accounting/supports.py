@@ -38,8 +38,11 @@ def add_remove_or_gdp_only(mechanism: MechanismDescription) -> bool:
 
 def subsampled_gaussian_add_remove(mechanism: MechanismDescription) -> bool:
     """Composed Poisson-subsampled Gaussian steps under add/remove, nothing else: prv_accountant's mechanism."""
-    return (composed_without_zcdp(mechanism) and mechanism.neighbouring == "add-remove"
-            and all(isinstance(e, PoissonGaussianSteps) for e in mechanism.events))
+    return (
+        composed_without_zcdp(mechanism)
+        and mechanism.neighbouring == "add-remove"
+        and all(isinstance(e, PoissonGaussianSteps) for e in mechanism.events)
+    )
 
 
 def autodp_composition(mechanism: MechanismDescription) -> bool:
@@ -70,5 +73,8 @@ def full_batch_gaussian(mechanism: MechanismDescription) -> bool:
         return False
     events = mechanism.composed_events()
     steps = [e for e in events if isinstance(e, PoissonGaussianSteps)]
-    return bool(steps) and all(e.sample_rate == 1.0 for e in steps) and all(
-        isinstance(e, (PoissonGaussianSteps, GaussianDP)) for e in events)
+    return (
+        bool(steps)
+        and all(e.sample_rate == 1.0 for e in steps)
+        and all(isinstance(e, (PoissonGaussianSteps, GaussianDP)) for e in events)
+    )

@@ -41,8 +41,12 @@ from scipy.optimize import brentq
 
 from dpml.accounting.mechanism import Selection
 
-ORDERS: tuple[float, ...] = tuple([1 + x / 20.0 for x in range(1, 40)] + [3 + x / 4.0 for x in range(28)]
-                                  + list(range(10, 64)) + [64, 80, 96, 128, 192, 256, 384, 512, 1024])
+ORDERS: tuple[float, ...] = tuple(
+    [1 + x / 20.0 for x in range(1, 40)]
+    + [3 + x / 4.0 for x in range(28)]
+    + list(range(10, 64))
+    + [64, 80, 96, 128, 192, 256, 384, 512, 1024]
+)
 
 
 def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
@@ -53,7 +57,7 @@ def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
     def expected(gamma: float) -> float:
         if shape == 0:
             return (1.0 / gamma - 1.0) / math.log(1.0 / gamma)
-        return float(shape * (1.0 - gamma) / (gamma * (1.0 - gamma ** shape)))
+        return float(shape * (1.0 - gamma) / (gamma * (1.0 - gamma**shape)))
 
     return float(brentq(lambda g: expected(g) - mean, 1e-15, 1.0 - 1e-12, xtol=1e-15, rtol=1e-14))
 
@@ -73,8 +77,12 @@ def sample_count(selection: Selection, rng: np.random.Generator) -> int:
             return k
 
 
-def selection_rdp(orders: Sequence[float], rdp: Sequence[float] | np.ndarray, selection: Selection,
-                  delta_hat: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+def selection_rdp(
+    orders: Sequence[float],
+    rdp: Sequence[float] | np.ndarray,
+    selection: Selection,
+    delta_hat: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
     """RDP curve of the best-of-K search from the base algorithm's curve (module docstring).
 
     ``delta_hat(ε̂s)`` must return upper bounds on the base algorithm's δ at each ε̂ (Poisson

@@ -32,7 +32,7 @@ def schedule_rho(learning_rates: np.ndarray, noise: np.ndarray) -> float:
     etas, sigmas = np.asarray(learning_rates, dtype=float), np.asarray(noise, dtype=float)
     if etas.shape != sigmas.shape or etas.ndim != 1 or etas.size == 0:
         raise ValueError("learning rates and noise levels must be two equal-length, non-empty sequences")
-    remaining = np.sqrt(np.cumsum((sigmas ** 2)[::-1])[::-1])
+    remaining = np.sqrt(np.cumsum((sigmas**2)[::-1])[::-1])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = np.where(etas > 0, etas / remaining, 0.0)
     return float(np.max(ratios))
@@ -45,7 +45,7 @@ def minimal_noise_schedule(learning_rates: np.ndarray, rho: float) -> np.ndarray
         raise ValueError(f"rho = {rho}: must be > 0")
     if np.any(np.diff(etas) > 0):
         raise ValueError("the learning-rate schedule must be non-increasing (η_k² − η_{k+1}² ≥ 0)")
-    squares = etas ** 2 - np.append(etas[1:], 0.0) ** 2
+    squares = etas**2 - np.append(etas[1:], 0.0) ** 2
     return np.asarray(np.sqrt(squares) / rho, dtype=float)
 
 

@@ -34,14 +34,14 @@ from dpml.definitions import same_definition
 
 @dataclass(frozen=True)
 class AttackInputs:
-    logits: np.ndarray                           # (n, k) target on candidates
-    labels: np.ndarray                           # (n,)
-    population_logits: np.ndarray                # (nz, k) target on population records z
-    population_labels: np.ndarray                # (nz,)
-    reference_logits: np.ndarray | None = None   # (N, n, k)
-    reference_in: np.ndarray | None = None       # (N, n) bool: reference j trained on candidate i
+    logits: np.ndarray  # (n, k) target on candidates
+    labels: np.ndarray  # (n,)
+    population_logits: np.ndarray  # (nz, k) target on population records z
+    population_labels: np.ndarray  # (nz,)
+    reference_logits: np.ndarray | None = None  # (N, n, k)
+    reference_in: np.ndarray | None = None  # (N, n) bool: reference j trained on candidate i
     population_reference_logits: np.ndarray | None = None  # (N, nz, k)
-    population_reference_in: np.ndarray | None = None      # (N, nz)
+    population_reference_in: np.ndarray | None = None  # (N, nz)
 
     @property
     def references(self) -> int:
@@ -79,12 +79,12 @@ def lira_attack(inputs: AttackInputs, online: bool = True, variance: str = "glob
     residual_in = np.where(inside, ref_phi - mu_in, 0.0)
     residual_out = np.where(outside, ref_phi - mu_out, 0.0)
     if variance == "global":
-        sd_in = np.sqrt((residual_in ** 2).sum() / max(inside.sum() - 1, 1))
-        sd_out = np.sqrt((residual_out ** 2).sum() / max(outside.sum() - 1, 1))
+        sd_in = np.sqrt((residual_in**2).sum() / max(inside.sum() - 1, 1))
+        sd_out = np.sqrt((residual_out**2).sum() / max(outside.sum() - 1, 1))
         sd_in, sd_out = np.full_like(phi, max(sd_in, 1e-6)), np.full_like(phi, max(sd_out, 1e-6))
     else:
-        sd_in = np.sqrt((residual_in ** 2).sum(0) / np.maximum(inside.sum(0) - 1, 1))
-        sd_out = np.sqrt((residual_out ** 2).sum(0) / np.maximum(outside.sum(0) - 1, 1))
+        sd_in = np.sqrt((residual_in**2).sum(0) / np.maximum(inside.sum(0) - 1, 1))
+        sd_out = np.sqrt((residual_out**2).sum(0) / np.maximum(outside.sum(0) - 1, 1))
         sd_in, sd_out = np.maximum(sd_in, 1e-6), np.maximum(sd_out, 1e-6)
     if online:
         return stats.norm.logpdf(phi, mu_in, sd_in) - stats.norm.logpdf(phi, mu_out, sd_out)
@@ -100,8 +100,12 @@ def _reference_probability(probs: np.ndarray, inside: np.ndarray, online: bool, 
 
 
 def rmia_attack(inputs: AttackInputs, online: bool = True, a: float = 0.3, gamma: float = 1.0) -> np.ndarray:
-    if (inputs.reference_logits is None or inputs.reference_in is None
-            or inputs.population_reference_logits is None or inputs.population_reference_in is None):
+    if (
+        inputs.reference_logits is None
+        or inputs.reference_in is None
+        or inputs.population_reference_logits is None
+        or inputs.population_reference_in is None
+    ):
         raise ValueError("RMIA needs reference models evaluated on the candidates and the population")
     p_x = true_label_probability(inputs.logits, inputs.labels)
     p_z = true_label_probability(inputs.population_logits, inputs.population_labels)
@@ -150,19 +154,23 @@ def _loss(inputs: AttackInputs, audit: Any) -> np.ndarray:
 def _lira(online: bool, variance: str) -> Callable[[AttackInputs, Any], np.ndarray]:
     def scores(inputs: AttackInputs, audit: Any) -> np.ndarray:
         return lira_attack(inputs, online=online, variance=variance)
+
     return scores
 
 
 def _rmia(online: bool) -> Callable[[AttackInputs, Any], np.ndarray]:
     def scores(inputs: AttackInputs, audit: Any) -> np.ndarray:
         return rmia_attack(inputs, online=online, a=audit.rmia_a, gamma=audit.rmia_gamma)
+
     return scores
 
 
-for _kind in (AttackKind("loss", False, _loss),
-              AttackKind("lira-online", True, _lira(True, "global")),
-              AttackKind("lira-offline", True, _lira(False, "global")),
-              AttackKind("lira-online-per-example", True, _lira(True, "per-example")),
-              AttackKind("rmia-online", True, _rmia(True)),
-              AttackKind("rmia-offline", True, _rmia(False))):
+for _kind in (
+    AttackKind("loss", False, _loss),
+    AttackKind("lira-online", True, _lira(True, "global")),
+    AttackKind("lira-offline", True, _lira(False, "global")),
+    AttackKind("lira-online-per-example", True, _lira(True, "per-example")),
+    AttackKind("rmia-online", True, _rmia(True)),
+    AttackKind("rmia-offline", True, _rmia(False)),
+):
     register_attack(_kind)

@@ -93,8 +93,9 @@ def _clopper_pearson_upper_many(failures: np.ndarray, trials: int, alpha: float)
     return np.where(failures >= trials, 1.0, upper)
 
 
-def _bounded(member: np.ndarray, nonmember: np.ndarray, thresholds: np.ndarray, alpha_each: float,
-             convert: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _bounded(
+    member: np.ndarray, nonmember: np.ndarray, thresholds: np.ndarray, alpha_each: float, convert: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     fp, fn = _error_counts(member, nonmember, thresholds)
     fpr = _clopper_pearson_upper_many(fp, nonmember.size, alpha_each)
     fnr = _clopper_pearson_upper_many(fn, member.size, alpha_each)
@@ -102,9 +103,16 @@ def _bounded(member: np.ndarray, nonmember: np.ndarray, thresholds: np.ndarray, 
     return eps, fpr, fnr, fp, fn
 
 
-def hypothesis_test_bound(member_scores: np.ndarray, nonmember_scores: np.ndarray, delta: float,
-                          confidence: float = 0.95, correction: Literal["split", "bonferroni"] = "split",
-                          thresholds: int = 100, seed: int = 0, gdp: bool = False) -> LowerBound:
+def hypothesis_test_bound(
+    member_scores: np.ndarray,
+    nonmember_scores: np.ndarray,
+    delta: float,
+    confidence: float = 0.95,
+    correction: Literal["split", "bonferroni"] = "split",
+    thresholds: int = 100,
+    seed: int = 0,
+    gdp: bool = False,
+) -> LowerBound:
     """ε lower bound from the best threshold test, corrected for choosing the threshold.
 
     ``gdp=True`` converts the same bounded error rates to ε through μ-GDP instead (bound 2).
@@ -118,8 +126,8 @@ def hypothesis_test_bound(member_scores: np.ndarray, nonmember_scores: np.ndarra
     if correction == "split":
         rng = np.random.default_rng(seed)
         m_perm, n_perm = rng.permutation(member.size), rng.permutation(nonmember.size)
-        m_sel, m_eval = member[m_perm[: member.size // 2]], member[m_perm[member.size // 2:]]
-        n_sel, n_eval = nonmember[n_perm[: nonmember.size // 2]], nonmember[n_perm[nonmember.size // 2:]]
+        m_sel, m_eval = member[m_perm[: member.size // 2]], member[m_perm[member.size // 2 :]]
+        n_sel, n_eval = nonmember[n_perm[: nonmember.size // 2]], nonmember[n_perm[nonmember.size // 2 :]]
         # Choosing on the selection half costs nothing on the other: try every distinct midpoint.
         candidates = _candidate_thresholds(m_sel, n_sel, m_sel.size + n_sel.size)
         chosen = candidates[int(np.argmax(_bounded(m_sel, n_sel, candidates, alpha / 2, convert)[0]))]
@@ -132,11 +140,22 @@ def hypothesis_test_bound(member_scores: np.ndarray, nonmember_scores: np.ndarra
         best, evaluated = int(np.argmax(eps)), (member.size, nonmember.size)
         chosen = candidates[best]
         extra = {"thresholds_tested": int(candidates.size)}
-    inputs = {"threshold": float(chosen), "false_positives": int(fp[best]), "false_negatives": int(fn[best]),
-              "fpr_upper": float(fpr[best]), "fnr_upper": float(fnr[best]), "members_evaluated": int(evaluated[0]),
-              "nonmembers_evaluated": int(evaluated[1]), "delta": delta, "correction": correction, "seed": seed} | extra
+    inputs = {
+        "threshold": float(chosen),
+        "false_positives": int(fp[best]),
+        "false_negatives": int(fn[best]),
+        "fpr_upper": float(fpr[best]),
+        "fnr_upper": float(fnr[best]),
+        "members_evaluated": int(evaluated[0]),
+        "nonmembers_evaluated": int(evaluated[1]),
+        "delta": delta,
+        "correction": correction,
+        "seed": seed,
+    } | extra
     return LowerBound(
-        method="gdp" if gdp else "hypothesis_test", epsilon=float(max(eps[best], 0.0)), confidence=confidence,
+        method="gdp" if gdp else "hypothesis_test",
+        epsilon=float(max(eps[best], 0.0)),
+        confidence=confidence,
         assumption=("Gaussian trade-off curve (μ-GDP); " if gdp else "")
         + "records' outcomes treated as independent trials",
         inputs=inputs,
@@ -220,19 +239,26 @@ def one_run_guesses(scores: np.ndarray, included: np.ndarray, k_in: int, k_out: 
     k_in, k_out = min(k_in, scores.size), min(k_out, scores.size)
     if k_in + k_out > scores.size:
         raise ValueError(f"k_in + k_out = {k_in + k_out} exceeds the {scores.size} canaries")
-    top = order[scores.size - k_in:] if k_in else np.array([], int)
+    top = order[scores.size - k_in :] if k_in else np.array([], int)
     bottom = order[:k_out]
     correct = int(included[top].sum()) + int((~included[bottom]).sum())
     return k_in + k_out, correct
 
 
-def hypothesis_test_power(members: int, nonmembers: int, delta: float, confidence: float = 0.95,
-                          correction: Literal["split", "bonferroni"] = "split", thresholds: int = 100) -> float:
+def hypothesis_test_power(
+    members: int,
+    nonmembers: int,
+    delta: float,
+    confidence: float = 0.95,
+    correction: Literal["split", "bonferroni"] = "split",
+    thresholds: int = 100,
+) -> float:
     """The largest ε :func:`hypothesis_test_bound` can report on this many records: every record
     classified right (FPR = FNR = 0 observed, so only the Clopper–Pearson limits remain). A certified
     ε above it can be violated without this method ever showing it."""
-    return hypothesis_test_bound(np.ones(members), np.zeros(nonmembers), delta, confidence, correction,
-                                 thresholds).epsilon
+    return hypothesis_test_bound(
+        np.ones(members), np.zeros(nonmembers), delta, confidence, correction, thresholds
+    ).epsilon
 
 
 def one_run_power(canaries: int, guesses: int, delta: float, confidence: float = 0.95) -> float:

@@ -63,8 +63,15 @@ def black_box_guesses(config: Config, pool: int) -> tuple[int, int]:
     return m, 2 * max(1, math.ceil(config.audit.one_run_guess_fraction * m / 2))
 
 
-def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, noise_multiplier: float,
-                    confidence: float, certified: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Check] | str]:
+def white_box_audit(
+    config: Config,
+    x: np.ndarray,
+    y: np.ndarray,
+    n_classes: int,
+    noise_multiplier: float,
+    confidence: float,
+    certified: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], list[Check] | str]:
     """Train once with Dirac gradient canaries through the trainer's sampler and clipping, observing every
     step: the conformance checks against the certified mechanism, and an ε bound from the canaries.
 
@@ -87,27 +94,59 @@ def white_box_audit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int
     clip = float((certified or {}).get("clip_norm", config.dp.clip_norm))
     xt, yt = make_tensors(config, x, y)
     train = config.train
-    probe = ConformanceProbe(xt, yt, loss_function(train.loss, train.loss_tau, train.loss_alpha), sigma, clip, q,
-                             number_of_steps(train.epochs, train.sample_rate), coordinates, included,
-                             config.audit.canary_gradient_norm, config.audit.seed, recompute=not random_forward)
+    probe = ConformanceProbe(
+        xt,
+        yt,
+        loss_function(train.loss, train.loss_tau, train.loss_alpha),
+        sigma,
+        clip,
+        q,
+        number_of_steps(train.epochs, train.sample_rate),
+        coordinates,
+        included,
+        config.audit.canary_gradient_norm,
+        config.audit.seed,
+        recompute=not random_forward,
+    )
     with full_float32():
-        fit(config, x, y, n_classes, private=True, noise_multiplier=noise_multiplier,
-            seed=config.train.seed + 5_000, noise_seed=config.audit.seed + 5_000, canaries=probe.canaries())
+        fit(
+            config,
+            x,
+            y,
+            n_classes,
+            private=True,
+            noise_multiplier=noise_multiplier,
+            seed=config.train.seed + 5_000,
+            noise_seed=config.audit.seed + 5_000,
+            canaries=probe.canaries(),
+        )
     checks: list[Check] | str = (
         "the model's forward pass is random (dropout or another random layer): the auditor cannot recompute the "
-        "trainer's clipped sums, so its noise, clipping and sampling are not checked" if random_forward
-        else conformance_checks(probe, config.audit.conformance_false_alarm, config.audit.conformance_tolerance))
+        "trainer's clipped sums, so its noise, clipping and sampling are not checked"
+        if random_forward
+        else conformance_checks(probe, config.audit.conformance_false_alarm, config.audit.conformance_tolerance)
+    )
     scoring = config.audit.white_box_scoring
     other = "sum" if scoring == "likelihood_ratio" else "likelihood_ratio"
     bound = _bound(canary_scores(probe, scoring), included, config, confidence, "white_box") | {"scoring": scoring}
     # the other scoring, for the record (never gates: choosing the larger would need its own correction)
-    bound["other_scoring"] = {other: _bound(canary_scores(probe, other), included, config, confidence,
-                                            "white_box")["epsilon"]}
+    bound["other_scoring"] = {
+        other: _bound(canary_scores(probe, other), included, config, confidence, "white_box")["epsilon"]
+    }
     return bound, checks
 
 
-def black_box_audit(config: Config, x: np.ndarray, y: np.ndarray, canary_x: np.ndarray, canary_y: np.ndarray,
-                    n_classes: int, noise_multiplier: float | None, private: bool, confidence: float) -> dict[str, Any]:
+def black_box_audit(
+    config: Config,
+    x: np.ndarray,
+    y: np.ndarray,
+    canary_x: np.ndarray,
+    canary_y: np.ndarray,
+    n_classes: int,
+    noise_multiplier: float | None,
+    private: bool,
+    confidence: float,
+) -> dict[str, Any]:
     """Train once on the training set plus the included mislabelled canaries; score by −loss."""
     rng = np.random.default_rng([config.audit.seed, 11])
     m = min(config.audit.black_box_canaries, canary_x.shape[0])
@@ -115,8 +154,15 @@ def black_box_audit(config: Config, x: np.ndarray, y: np.ndarray, canary_x: np.n
     cx = canary_x[chosen]
     cy = (canary_y[chosen] + rng.integers(1, n_classes, size=m)) % n_classes  # a different class
     included = rng.random(m) < 0.5
-    result = fit(config, np.concatenate([x, cx[included]]), np.concatenate([y, cy[included]]), n_classes,
-                 private=private, noise_multiplier=noise_multiplier, seed=config.train.seed + 6_000,
-                 noise_seed=config.audit.seed + 6_000)
+    result = fit(
+        config,
+        np.concatenate([x, cx[included]]),
+        np.concatenate([y, cy[included]]),
+        n_classes,
+        private=private,
+        noise_multiplier=noise_multiplier,
+        seed=config.train.seed + 6_000,
+        noise_seed=config.audit.seed + 6_000,
+    )
     scores = -cross_entropy_losses(logits_of(result.model, cx), cy)
     return _bound(scores, included, config, confidence, "black_box")

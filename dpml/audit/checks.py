@@ -34,8 +34,15 @@ class Check:
         return f"conformance check '{self.name}': {self.figure}, {p} (false-alarm rate {self.level:.1e})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"check": self.name, "passed": self.passed, "p_value": self.p_value, "false_alarm": self.level,
-                "figure": self.figure, "line": self.line(), "statistics": self.statistics}
+        return {
+            "check": self.name,
+            "passed": self.passed,
+            "p_value": self.p_value,
+            "false_alarm": self.level,
+            "figure": self.figure,
+            "line": self.line(),
+            "statistics": self.statistics,
+        }
 
 
 def _ratio_interval(sum_squares: float, count: int, level: float) -> tuple[float, float]:
@@ -82,8 +89,11 @@ def tensor_noise(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
     s2 = (probe.sigma * probe.clip_norm) ** 2
     sums = tensor_totals(probe.coordinate_sum_squares, _sizes(probe))
     counts = tensor_totals(probe.coordinate_count, _sizes(probe))
-    return [(name, float(total) / s2, int(count))
-            for (name, _), total, count in zip(probe.parameter_names, sums, counts) if count]
+    return [
+        (name, float(total) / s2, int(count))
+        for (name, _), total, count in zip(probe.parameter_names, sums, counts)
+        if count
+    ]
 
 
 def noise_check(probe: ConformanceProbe, level: float, tolerance: float) -> Check:
@@ -103,15 +113,35 @@ def noise_check(probe: ConformanceProbe, level: float, tolerance: float) -> Chec
     p, worst = _bonferroni(p_values, level)
     low, high = _ratio_interval(scaled, probe.noise_count, level)
     name, total, count = tests[worst]
-    figure = f"noise std {ratio:.2f} × certified σ·C" if worst == 0 else (
-        f"noise std {math.sqrt(total / count):.2f} × certified σ·C on {name} ({count} observations; all "
-        f"coordinates: {ratio:.2f} ×)")
-    tensors = {n: {"std_ratio": math.sqrt(t / c), "observations": c, "p_value": pv}
-               for (n, t, c), pv in zip(tests[1:], p_values[1:])}
-    return Check("noise", p >= level, p, level, figure,
-                 {"std_ratio": ratio, "interval": [low, high], "coordinates": probe.noise_count,
-                  "certified_sigma": probe.sigma, "certified_clip_norm": probe.clip_norm, "tolerance": tolerance,
-                  "worst": name, "tensors": tensors})
+    figure = (
+        f"noise std {ratio:.2f} × certified σ·C"
+        if worst == 0
+        else (
+            f"noise std {math.sqrt(total / count):.2f} × certified σ·C on {name} ({count} observations; all "
+            f"coordinates: {ratio:.2f} ×)"
+        )
+    )
+    tensors = {
+        n: {"std_ratio": math.sqrt(t / c), "observations": c, "p_value": pv}
+        for (n, t, c), pv in zip(tests[1:], p_values[1:])
+    }
+    return Check(
+        "noise",
+        p >= level,
+        p,
+        level,
+        figure,
+        {
+            "std_ratio": ratio,
+            "interval": [low, high],
+            "coordinates": probe.noise_count,
+            "certified_sigma": probe.sigma,
+            "certified_clip_norm": probe.clip_norm,
+            "tolerance": tolerance,
+            "worst": name,
+            "tensors": tensors,
+        },
+    )
 
 
 def parameter_at(probe: ConformanceProbe, coordinate: int) -> str:
@@ -143,11 +173,20 @@ def coordinate_noise_check(probe: ConformanceProbe, level: float) -> Check:
     p = float(min(1.0, lower[worst] * int(observed.sum())))
     ratio = math.sqrt(probe.coordinate_sum_squares[worst] / s2 / max(int(counts[worst]), 1))
     flagged = int(np.sum(lower * int(observed.sum()) < level))
-    return Check("noise per coordinate", p >= level, p, level,
-                 f"noise std {ratio:.2f} × certified σ·C at {parameter_at(probe, worst)} over {int(counts[worst])} steps"
-                 + (f" ({flagged} coordinates below the certified noise)" if flagged > 1 else ""),
-                 {"worst_coordinate": parameter_at(probe, worst), "worst_std_ratio": ratio, "coordinates": int(observed.sum()),
-                  "coordinates_below": flagged})
+    return Check(
+        "noise per coordinate",
+        p >= level,
+        p,
+        level,
+        f"noise std {ratio:.2f} × certified σ·C at {parameter_at(probe, worst)} over {int(counts[worst])} steps"
+        + (f" ({flagged} coordinates below the certified noise)" if flagged > 1 else ""),
+        {
+            "worst_coordinate": parameter_at(probe, worst),
+            "worst_std_ratio": ratio,
+            "coordinates": int(observed.sum()),
+            "coordinates_below": flagged,
+        },
+    )
 
 
 def chernoff_product_p_value(inner: float, count: int) -> float:
@@ -178,11 +217,19 @@ def independence_check(probe: ConformanceProbe, level: float) -> Check:
     a, b = upper[0][worst], upper[1][worst]
     p_single = chernoff_product_p_value(float(inner[a, b]), int(common[a, b]))
     p = min(1.0, p_single * pairs)
-    return Check("noise independence", p >= level, p, level,
-                 f"noise of steps {steps[a]} and {steps[b]}: mean product {correlation[worst]:+.2f} × (σC)² "
-                 f"over {int(common[a, b])} coordinates (independent noise: 0 ± {1 / math.sqrt(max(int(common[a, b]), 1)):.2f})",
-                 {"pairs": int(pairs), "sketch_coordinates": int(values.shape[1]),
-                  "largest_correlation": float(correlation[worst])})
+    return Check(
+        "noise independence",
+        p >= level,
+        p,
+        level,
+        f"noise of steps {steps[a]} and {steps[b]}: mean product {correlation[worst]:+.2f} × (σC)² "
+        f"over {int(common[a, b])} coordinates (independent noise: 0 ± {1 / math.sqrt(max(int(common[a, b]), 1)):.2f})",
+        {
+            "pairs": int(pairs),
+            "sketch_coordinates": int(values.shape[1]),
+            "largest_correlation": float(correlation[worst]),
+        },
+    )
 
 
 def _band_p_value(z: np.ndarray, r: np.ndarray, tolerance: float) -> float:
@@ -224,12 +271,24 @@ def clipped_sum_check(probe: ConformanceProbe, level: float, tolerance: float) -
     p, worst = _bonferroni(p_values, level)
     figure = f"the update carries {1 + betas[0]:.2f} × the recomputed clipped sum"
     if worst:
-        figure = (f"the update carries {1 + betas[worst]:.2f} × the recomputed clipped sum on {names[worst]} "
-                  f"(all coordinates: {1 + betas[0]:.2f} ×)")
-    return Check("clipped sum", p >= level, p, level, figure,
-                 {"multiple": 1 + betas[0], "worst": names[worst], "steps": int(projections.shape[0]),
-                  "tolerance": tolerance,
-                  "tensors": {n: {"multiple": 1 + b, "p_value": pv} for n, b, pv in zip(names[1:], betas[1:], p_values[1:])}})
+        figure = (
+            f"the update carries {1 + betas[worst]:.2f} × the recomputed clipped sum on {names[worst]} "
+            f"(all coordinates: {1 + betas[0]:.2f} ×)"
+        )
+    return Check(
+        "clipped sum",
+        p >= level,
+        p,
+        level,
+        figure,
+        {
+            "multiple": 1 + betas[0],
+            "worst": names[worst],
+            "steps": int(projections.shape[0]),
+            "tolerance": tolerance,
+            "tensors": {n: {"multiple": 1 + b, "p_value": pv} for n, b, pv in zip(names[1:], betas[1:], p_values[1:])},
+        },
+    )
 
 
 def canary_tensor_sums(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
@@ -240,8 +299,11 @@ def canary_tensor_sums(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
         np.add.at(sums, probe.coordinates[sampled], observed[sampled].astype(np.float64))
         np.add.at(counts, probe.coordinates[sampled], 1)
     totals, seen = tensor_totals(sums, _sizes(probe)), tensor_totals(counts, _sizes(probe))
-    return [(name, float(total), int(count))
-            for (name, _), total, count in zip(probe.parameter_names, totals, seen) if count]
+    return [
+        (name, float(total), int(count))
+        for (name, _), total, count in zip(probe.parameter_names, totals, seen)
+        if count
+    ]
 
 
 def _mean_band_p_value(mean: float, standard_error: float, expected: float, tolerance: float) -> float:
@@ -263,22 +325,42 @@ def clipping_check(probe: ConformanceProbe, level: float, tolerance: float) -> C
     big = probe.norm_multiple * probe.clip_norm
     expected = big * min(1.0, probe.clip_norm / (big + 1e-6))
     if probe.canary_count == 0:
-        return Check("clipping", False, 0.0, level, "no canary was ever sampled: clipping unobserved",
-                     {"canary_observations": 0})
-    tests = [("all", probe.canary_sum, probe.canary_count)] + (canary_tensor_sums(probe) if probe.parameter_names else [])
-    p_values = [_mean_band_p_value(total / count, s / math.sqrt(count), expected, tolerance) for _, total, count in tests]
+        return Check(
+            "clipping", False, 0.0, level, "no canary was ever sampled: clipping unobserved", {"canary_observations": 0}
+        )
+    tests = [("all", probe.canary_sum, probe.canary_count)] + (
+        canary_tensor_sums(probe) if probe.parameter_names else []
+    )
+    p_values = [
+        _mean_band_p_value(total / count, s / math.sqrt(count), expected, tolerance) for _, total, count in tests
+    ]
     p, worst = _bonferroni(p_values, level)
     mean = probe.canary_sum / probe.canary_count
     name, total, count = tests[worst]
     figure = f"canary gradients of norm {probe.norm_multiple:g}·C contribute {mean / probe.clip_norm:.2f} × C"
     if worst:
         figure += f" overall, {total / count / probe.clip_norm:.2f} × C on {name} ({count} observations)"
-    tensors = {n: {"contribution_ratio": t / c / expected, "canary_observations": c, "p_value": pv}
-               for (n, t, c), pv in zip(tests[1:], p_values[1:])}
-    return Check("clipping", p >= level, p, level, figure,
-                 {"contribution_ratio": mean / expected, "canary_observations": probe.canary_count, "mean": mean,
-                  "expected": expected, "standard_error": s / math.sqrt(probe.canary_count), "tolerance": tolerance,
-                  "worst": name, "tensors": tensors})
+    tensors = {
+        n: {"contribution_ratio": t / c / expected, "canary_observations": c, "p_value": pv}
+        for (n, t, c), pv in zip(tests[1:], p_values[1:])
+    }
+    return Check(
+        "clipping",
+        p >= level,
+        p,
+        level,
+        figure,
+        {
+            "contribution_ratio": mean / expected,
+            "canary_observations": probe.canary_count,
+            "mean": mean,
+            "expected": expected,
+            "standard_error": s / math.sqrt(probe.canary_count),
+            "tolerance": tolerance,
+            "worst": name,
+            "tensors": tensors,
+        },
+    )
 
 
 def _dispersion_p_value(statistic: float, df: int, variance_each: float) -> float:
@@ -300,14 +382,25 @@ def _binomial_dispersion(counts: np.ndarray, trials: int, q: float) -> tuple[flo
 
 def sampling_check(probe: ConformanceProbe, level: float) -> Check:
     sizes, q, n, steps = np.asarray(probe.batch_sizes), probe.sample_rate, probe.n_total, probe.step
-    stats_out: dict[str, Any] = {"steps_observed": steps, "steps_certified": probe.steps, "records": n,
-                                 "mean_batch": float(sizes.mean()) if sizes.size else 0.0, "expected_batch": q * n}
+    stats_out: dict[str, Any] = {
+        "steps_observed": steps,
+        "steps_certified": probe.steps,
+        "records": n,
+        "mean_batch": float(sizes.mean()) if sizes.size else 0.0,
+        "expected_batch": q * n,
+    }
     if steps != probe.steps:
         return Check("sampling", False, 0.0, level, f"{steps} steps observed, {probe.steps} certified", stats_out)
     if q >= 1.0:
         full = bool((sizes == n).all())
-        return Check("sampling", full, 1.0 if full else 0.0, level,
-                     "every step used the full batch" if full else "a full-batch trainer left records out", stats_out)
+        return Check(
+            "sampling",
+            full,
+            1.0 if full else 0.0,
+            level,
+            "every step used the full batch" if full else "a full-batch trainer left records out",
+            stats_out,
+        )
     total = int(sizes.sum())
     p_total = float(stats.binomtest(total, n * steps, q).pvalue)
     size_stat, size_var = _binomial_dispersion(sizes, n, q)
@@ -315,12 +408,17 @@ def sampling_check(probe: ConformanceProbe, level: float) -> Check:
     count_stat, count_var = _binomial_dispersion(probe.counts, steps, q)
     p_counts = _dispersion_p_value(count_stat, n, count_var)
     parts = {"batch sizes' total": p_total, "batch sizes' spread": p_sizes, "inclusion counts' spread": p_counts}
-    stats_out |= {"p_values": parts, "batch_size_dispersion": size_stat / max(steps, 1),
-                  "inclusion_count_dispersion": count_stat / max(n, 1)}
+    stats_out |= {
+        "p_values": parts,
+        "batch_size_dispersion": size_stat / max(steps, 1),
+        "inclusion_count_dispersion": count_stat / max(n, 1),
+    }
     worst = min(parts, key=parts.__getitem__)
     p = min(1.0, 3 * parts[worst])
-    figures = {"batch sizes' total": f"mean batch size {stats_out['mean_batch']:.1f}, certified q·n = {q * n:.1f}",
-               "batch sizes' spread": f"batch sizes' variance {size_stat / max(steps, 1):.2f} × Binomial(n, q)'s",
-               "inclusion counts' spread": f"records' inclusion counts' variance {count_stat / max(n, 1):.2f} × "
-                                           "Binomial(T, q)'s"}
+    figures = {
+        "batch sizes' total": f"mean batch size {stats_out['mean_batch']:.1f}, certified q·n = {q * n:.1f}",
+        "batch sizes' spread": f"batch sizes' variance {size_stat / max(steps, 1):.2f} × Binomial(n, q)'s",
+        "inclusion counts' spread": f"records' inclusion counts' variance {count_stat / max(n, 1):.2f} × "
+        "Binomial(T, q)'s",
+    }
     return Check("sampling", p >= level, p, level, figures[worst], stats_out)

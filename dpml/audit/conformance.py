@@ -63,14 +63,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpml.audit.checks import (Check, clipped_sum_check, clipping_check, coordinate_noise_check, independence_check,
-                               noise_check, sampling_check, tensor_totals)
+from dpml.audit.checks import (
+    Check,
+    clipped_sum_check,
+    clipping_check,
+    coordinate_noise_check,
+    independence_check,
+    noise_check,
+    sampling_check,
+    tensor_totals,
+)
 from dpml.audit.recompute import reference_clipped_sum
 from dpml.train.clipping import LossFn
 from dpml.train.dpsgd import GradientCanaries
 
-SKETCH_COORDINATES = 1024   # coordinates kept per stored step for the noise-reuse test
-STORED_STEPS = 400          # steps stored for it (in consecutive pairs, spread over the run)
+SKETCH_COORDINATES = 1024  # coordinates kept per stored step for the noise-reuse test
+STORED_STEPS = 400  # steps stored for it (in consecutive pairs, spread over the run)
 
 
 @dataclass
@@ -91,22 +99,24 @@ class ConformanceProbe:
     included: np.ndarray
     norm_multiple: float = 5.0
     seed: int = 0
-    recompute: bool = True   # False for a random forward pass: o_t = q·n'·ĝ_t, the records' sum left in
+    recompute: bool = True  # False for a random forward pass: o_t = q·n'·ĝ_t, the records' sum left in
     # accumulated
     step: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     noise_sum_squares: float = 0.0
     noise_count: int = 0
-    coordinate_sum_squares: np.ndarray = field(default_factory=lambda: np.zeros(0))   # per coordinate: Σ_t o_t,k²
+    coordinate_sum_squares: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per coordinate: Σ_t o_t,k²
     coordinate_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # … over that many steps
     parameter_names: list[tuple[str, int]] = field(default_factory=list)  # (name, size) of each trainable tensor
     canary_sum: float = 0.0
     canary_count: int = 0
-    observations: list[np.ndarray] = field(default_factory=list)   # per step: o_t at every canary coordinate
+    observations: list[np.ndarray] = field(default_factory=list)  # per step: o_t at every canary coordinate
     sampled_canaries: list[np.ndarray] = field(default_factory=list)
     sketch: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    projections: list[np.ndarray] = field(default_factory=list)  # per step: ⟨o_t, R_t⟩, all coordinates then each tensor
+    projections: list[np.ndarray] = field(
+        default_factory=list
+    )  # per step: ⟨o_t, R_t⟩, all coordinates then each tensor
     reference_norms: list[np.ndarray] = field(default_factory=list)  # per step: ‖R_t‖ over the same coordinates
 
     def __post_init__(self) -> None:
@@ -120,8 +130,12 @@ class ConformanceProbe:
 
     def canaries(self) -> GradientCanaries:
         """The instrument handed to the trainer."""
-        return GradientCanaries(coordinates=self.coordinates, included=self.included,
-                                norm_multiple=self.norm_multiple, observer=self.observe)
+        return GradientCanaries(
+            coordinates=self.coordinates,
+            included=self.included,
+            norm_multiple=self.norm_multiple,
+            observer=self.observe,
+        )
 
     def observe(self, batch: torch.Tensor, model: nn.Module) -> None:
         """One step: the batch (indices over the n' records) and the model whose ``.grad`` is the update."""
@@ -129,10 +143,18 @@ class ConformanceProbe:
         self.batch_sizes.append(int(batch_np.size))
         np.add.at(self.counts, batch_np[(batch_np >= 0) & (batch_np < self.n_total)], 1)
         records = torch.as_tensor(batch_np[batch_np < self.n], device=self.x.device)
-        update = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-                            for p in model.parameters() if p.requires_grad]).double()
-        reference = reference_clipped_sum(model, self.loss_fn, self.x[records], self.y[records], self.clip_norm) \
-            if self.recompute else torch.zeros_like(update)
+        update = torch.cat(
+            [
+                p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                for p in model.parameters()
+                if p.requires_grad
+            ]
+        ).double()
+        reference = (
+            reference_clipped_sum(model, self.loss_fn, self.x[records], self.y[records], self.clip_norm)
+            if self.recompute
+            else torch.zeros_like(update)
+        )
         observed = (update * self.scale - reference).cpu().numpy()
         sampled = self.slots[batch_np[batch_np >= self.n] - self.n]
         at_canary = self.coordinates[sampled]
@@ -156,8 +178,9 @@ class ConformanceProbe:
         if self.step in self.stored:
             if self._sketch_at is None:
                 rng = np.random.default_rng([self.seed, 13])
-                self._sketch_at = np.sort(rng.choice(observed.size, size=min(observed.size, SKETCH_COORDINATES),
-                                                     replace=False))
+                self._sketch_at = np.sort(
+                    rng.choice(observed.size, size=min(observed.size, SKETCH_COORDINATES), replace=False)
+                )
             self.sketch[self.step] = (observed[self._sketch_at], eligible[self._sketch_at])
         self.step += 1
 
@@ -167,7 +190,9 @@ class ConformanceProbe:
         products = np.where(eligible, observed * reference, 0.0)
         squares = np.where(eligible, reference * reference, 0.0)
         self.projections.append(np.concatenate([[products.sum()], tensor_totals(products, sizes)]))
-        self.reference_norms.append(np.sqrt(np.maximum(np.concatenate([[squares.sum()], tensor_totals(squares, sizes)]), 0.0)))
+        self.reference_norms.append(
+            np.sqrt(np.maximum(np.concatenate([[squares.sum()], tensor_totals(squares, sizes)]), 0.0))
+        )
 
 
 def stored_steps(steps: int) -> set[int]:
@@ -200,6 +225,11 @@ def canary_scores(probe: ConformanceProbe, scoring: Literal["likelihood_ratio", 
 def conformance_checks(probe: ConformanceProbe, false_alarm: float, tolerance: float) -> list[Check]:
     """Every check, each at level false_alarm / 6 (Bonferroni: the run's false-alarm rate ≤ false_alarm)."""
     level = false_alarm / 6
-    return [noise_check(probe, level, tolerance), coordinate_noise_check(probe, level),
-            independence_check(probe, level), clipped_sum_check(probe, level, tolerance),
-            clipping_check(probe, level, tolerance), sampling_check(probe, level)]
+    return [
+        noise_check(probe, level, tolerance),
+        coordinate_noise_check(probe, level),
+        independence_check(probe, level),
+        clipped_sum_check(probe, level, tolerance),
+        clipping_check(probe, level, tolerance),
+        sampling_check(probe, level),
+    ]

@@ -33,8 +33,9 @@ def point_metrics(member_scores: np.ndarray, nonmember_scores: np.ndarray) -> di
     return out
 
 
-def summarize(member_scores: np.ndarray, nonmember_scores: np.ndarray, bootstrap: int = 0,
-              seed: int = 0, level: float = 0.95) -> dict[str, float]:
+def summarize(
+    member_scores: np.ndarray, nonmember_scores: np.ndarray, bootstrap: int = 0, seed: int = 0, level: float = 0.95
+) -> dict[str, float]:
     """Point metrics, plus percentile-bootstrap intervals (``name_ci_low``/``_high``) when asked.
 
     Each bootstrap replicate resamples members and non-members separately with replacement.
@@ -43,8 +44,12 @@ def summarize(member_scores: np.ndarray, nonmember_scores: np.ndarray, bootstrap
     result |= {"members": int(member_scores.size), "nonmembers": int(nonmember_scores.size)}
     if bootstrap > 0:
         rng = np.random.default_rng(seed)
-        draws = [point_metrics(rng.choice(member_scores, member_scores.size),
-                               rng.choice(nonmember_scores, nonmember_scores.size)) for _ in range(bootstrap)]
+        draws = [
+            point_metrics(
+                rng.choice(member_scores, member_scores.size), rng.choice(nonmember_scores, nonmember_scores.size)
+            )
+            for _ in range(bootstrap)
+        ]
         tail = (1 - level) / 2 * 100
         for name in ("auc", *FPR_LEVELS):
             values = np.array([d[name] for d in draws])

@@ -31,8 +31,9 @@ def trainable_size(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def reference_clipped_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
-                          chunk: int = 256) -> torch.Tensor:
+def reference_clipped_sum(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip_norm: float, chunk: int = 256
+) -> torch.Tensor:
     """Σ_i g_i·min(1, C/(‖g_i‖ + 1e-6)), g_i = ∇_θ ℓ(θ; x_i, y_i) over the trainable parameters, flat, float64.
 
     The auditor's own computation, independent of the training engine (:mod:`dpml.train.clipping`):
@@ -57,14 +58,18 @@ def reference_clipped_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y:
         out = functional_call(model, ({**frozen, **theta, **buffers}), (xi.unsqueeze(0),))
         return loss_fn(out, yi.unsqueeze(0)).sum()
 
-    chunk = max(1, min(chunk, 2 ** 25 // max(size, 1)))  # bounded memory for the (chunk, D) gradients
+    chunk = max(1, min(chunk, 2**25 // max(size, 1)))  # bounded memory for the (chunk, D) gradients
     squared = []
     for start in range(0, x.shape[0], chunk):
-        per_example = vmap(grad(one_loss), in_dims=(None, 0, 0))(detached, x[start:start + chunk], y[start:start + chunk])
-        squared.append(sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).double() ** 2
-                           for g in per_example.values()))
+        per_example = vmap(grad(one_loss), in_dims=(None, 0, 0))(
+            detached, x[start : start + chunk], y[start : start + chunk]
+        )
+        squared.append(
+            sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).double() ** 2 for g in per_example.values())
+        )
     factors = torch.clamp(clip_norm / (torch.cat(squared).sqrt() + 1e-6), max=1.0)
     weighted = (loss_fn(model(x), y).double() * factors).sum()
     sums = torch.autograd.grad(weighted, list(trainable.values()), allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
-                      for g, p in zip(sums, trainable.values())])
+    return torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).reshape(-1).double() for g, p in zip(sums, trainable.values())]
+    )

@@ -59,8 +59,8 @@ def residual_fraction(model: RandomFeatures, theta: torch.Tensor, candidates: to
     Differentiable in the candidates.
     """
     features = model.features.to(candidates.dtype)
-    spans = model.activation(candidates @ features.t()).transpose(-1, -2)        # A: (..., p, m)
-    gram = spans.transpose(-1, -2) @ spans                                      # AᵀA: (..., m, m)
+    spans = model.activation(candidates @ features.t()).transpose(-1, -2)  # A: (..., p, m)
+    gram = spans.transpose(-1, -2) @ spans  # AᵀA: (..., m, m)
     m = gram.shape[-1]
     scale = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)[..., None, None] / m
     eye = torch.eye(m, dtype=gram.dtype, device=gram.device)
@@ -69,9 +69,17 @@ def residual_fraction(model: RandomFeatures, theta: torch.Tensor, candidates: to
     return residual.pow(2).sum((-2, -1)) / theta.pow(2).sum()
 
 
-def reconstruct(model: RandomFeatures, n_candidates: int, *, theta: torch.Tensor | None = None,
-                restarts: int = 8, steps: int = 500, learning_rate: float = 0.2, radius: float | None = None,
-                seed: int = 0) -> dict[str, Any]:
+def reconstruct(
+    model: RandomFeatures,
+    n_candidates: int,
+    *,
+    theta: torch.Tensor | None = None,
+    restarts: int = 8,
+    steps: int = 500,
+    learning_rate: float = 0.2,
+    radius: float | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Minimise ‖P⊥_{X̂} θ‖²/‖θ‖² over X̂ ∈ (sphere of radius √d)^m from ``restarts`` random starts.
 
     Adam's learning rate is cosine-annealed from ``learning_rate`` to 1/50 of it; after every step
@@ -92,8 +100,9 @@ def reconstruct(model: RandomFeatures, n_candidates: int, *, theta: torch.Tensor
     if not float(target.pow(2).sum()) > 0:
         raise ValueError("θ is zero: there is nothing to reconstruct from")
     generator = torch.Generator().manual_seed(seed)
-    start_rows = project_to_sphere(torch.randn(restarts, n_candidates, d, generator=generator, dtype=torch.float64),
-                                   radius)
+    start_rows = project_to_sphere(
+        torch.randn(restarts, n_candidates, d, generator=generator, dtype=torch.float64), radius
+    )
     rows = start_rows.clone().requires_grad_(True)
     optimiser = torch.optim.Adam([rows], lr=learning_rate)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, T_max=steps, eta_min=learning_rate / 50)
@@ -107,8 +116,11 @@ def reconstruct(model: RandomFeatures, n_candidates: int, *, theta: torch.Tensor
     with torch.no_grad():
         losses = residual_fraction(model, target, rows)
     best = int(torch.argmin(losses))
-    return {"candidates": rows[best].detach().clone(), "loss": float(losses[best]),
-            "restart_losses": [float(v) for v in losses]}
+    return {
+        "candidates": rows[best].detach().clone(),
+        "loss": float(losses[best]),
+        "restart_losses": [float(v) for v in losses],
+    }
 
 
 def best_match_overlaps(x_train: torch.Tensor, candidates: torch.Tensor, signed: bool = False) -> np.ndarray:
@@ -120,8 +132,11 @@ def best_match_overlaps(x_train: torch.Tensor, candidates: torch.Tensor, signed:
 
 
 def overlap_summary(overlaps: np.ndarray, threshold: float = 0.9) -> dict[str, float]:
-    return {"mean": float(np.mean(overlaps)), "median": float(np.median(overlaps)),
-            f"fraction_above_{threshold:g}": float(np.mean(overlaps > threshold))}
+    return {
+        "mean": float(np.mean(overlaps)),
+        "median": float(np.median(overlaps)),
+        f"fraction_above_{threshold:g}": float(np.mean(overlaps > threshold)),
+    }
 
 
 def chance_overlaps(x_train: torch.Tensor, n_candidates: int, seed: int = 0, signed: bool = False) -> np.ndarray:
@@ -131,9 +146,18 @@ def chance_overlaps(x_train: torch.Tensor, n_candidates: int, seed: int = 0, sig
     return best_match_overlaps(x_train, random_rows, signed)
 
 
-def reconstruction_audit(model: RandomFeatures, x_train: torch.Tensor, *, n_candidates: int | None = None,
-                         restarts: int = 8, steps: int = 500, learning_rate: float = 0.2, seed: int = 0,
-                         signed: bool = False, threshold: float = 0.9) -> dict[str, Any]:
+def reconstruction_audit(
+    model: RandomFeatures,
+    x_train: torch.Tensor,
+    *,
+    n_candidates: int | None = None,
+    restarts: int = 8,
+    steps: int = 500,
+    learning_rate: float = 0.2,
+    seed: int = 0,
+    signed: bool = False,
+    threshold: float = 0.9,
+) -> dict[str, Any]:
     """Run the reconstruction attack on ``model``'s θ and score it against the true training inputs.
 
     ``n_candidates`` defaults to n (the number of training points, which the auditor knows).
@@ -151,10 +175,18 @@ def reconstruction_audit(model: RandomFeatures, x_train: torch.Tensor, *, n_cand
     overlaps = best_match_overlaps(x_train, attack["candidates"], signed)
     chance = chance_overlaps(x_train, m, seed, signed)
     return {
-        "n_train": n, "in_features": d, "n_features": model.spec.n_features, "n_candidates": m,
-        "p_over_dn": model.spec.n_features / (d * n), "signed": signed,
-        "overlaps": [float(v) for v in overlaps], "summary": overlap_summary(overlaps, threshold),
+        "n_train": n,
+        "in_features": d,
+        "n_features": model.spec.n_features,
+        "n_candidates": m,
+        "p_over_dn": model.spec.n_features / (d * n),
+        "signed": signed,
+        "overlaps": [float(v) for v in overlaps],
+        "summary": overlap_summary(overlaps, threshold),
         "chance_summary": overlap_summary(chance, threshold),
-        "residual_fraction": attack["loss"], "restart_residuals": attack["restart_losses"],
-        "restarts": restarts, "steps": steps, "seconds": time.perf_counter() - start,
+        "residual_fraction": attack["loss"],
+        "restart_residuals": attack["restart_losses"],
+        "restarts": restarts,
+        "steps": steps,
+        "seconds": time.perf_counter() - start,
     }

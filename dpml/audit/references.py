@@ -37,17 +37,18 @@ class AuditRecords:
     pool_x: np.ndarray
     pool_y: np.ndarray
     n_train: int
-    members: np.ndarray      # pool indices of member candidates (from the training set)
-    nonmembers: np.ndarray   # pool indices of non-member candidates (audit population, first half)
-    population: np.ndarray   # pool indices of population records z (audit population, second half)
+    members: np.ndarray  # pool indices of member candidates (from the training set)
+    nonmembers: np.ndarray  # pool indices of non-member candidates (audit population, first half)
+    population: np.ndarray  # pool indices of population records z (audit population, second half)
 
     @property
     def candidates(self) -> np.ndarray:
         return np.r_[self.members, self.nonmembers]
 
 
-def audit_records(x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray, y_audit: np.ndarray,
-                  max_records: int, seed: int) -> AuditRecords:
+def audit_records(
+    x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray, y_audit: np.ndarray, max_records: int, seed: int
+) -> AuditRecords:
     """Balanced candidates: m members from train, m non-members and the population from the audit set."""
     rng = np.random.default_rng(seed)
     n_train, n_audit = x_train.shape[0], x_audit.shape[0]
@@ -59,17 +60,24 @@ def audit_records(x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray,
     nonmembers = n_train + order[:m]
     population = n_train + order[half:]
     members = rng.choice(n_train, size=m, replace=False)
-    return AuditRecords(np.concatenate([x_train, x_audit]), np.concatenate([y_train, y_audit]), n_train,
-                        members, nonmembers, population)
+    return AuditRecords(
+        np.concatenate([x_train, x_audit]), np.concatenate([y_train, y_audit]), n_train, members, nonmembers, population
+    )
 
 
 def reference_key(config: Config, data_version: str, private: bool, noise_multiplier: float | None, index: int) -> str:
     payload = {
-        "data": data_version, "split": config.split.model_dump(mode="json"),
-        "preprocess": config.preprocess.model_dump(mode="json"), "model": config.model.model_dump(mode="json"),
+        "data": data_version,
+        "split": config.split.model_dump(mode="json"),
+        "preprocess": config.preprocess.model_dump(mode="json"),
+        "model": config.model.model_dump(mode="json"),
         "train": config.train.model_dump(mode="json", exclude={"device", "physical_batch_size", "world_size"}),
-        "dp": config.dp.model_dump(mode="json") if private else None, "sigma": noise_multiplier if private else None,
-        "audit_seed": config.audit.seed, "max_records": config.audit.max_records, "index": index, "private": private,
+        "dp": config.dp.model_dump(mode="json") if private else None,
+        "sigma": noise_multiplier if private else None,
+        "audit_seed": config.audit.seed,
+        "max_records": config.audit.max_records,
+        "index": index,
+        "private": private,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -89,8 +97,14 @@ def _checksum(logits: np.ndarray, inside: np.ndarray) -> str:
 def write_reference(path: Path, key: str, logits: np.ndarray, inside: np.ndarray, seconds: float) -> None:
     """Store one reference model's logits atomically, with its key and checksum."""
     logits = logits.astype(np.float32)
-    io.write_npz(path, logits=logits, inside=inside, seconds=np.array(seconds), key=np.array(key),
-                 checksum=np.array(_checksum(logits, inside)))
+    io.write_npz(
+        path,
+        logits=logits,
+        inside=inside,
+        seconds=np.array(seconds),
+        key=np.array(key),
+        checksum=np.array(_checksum(logits, inside)),
+    )
 
 
 def read_reference(path: Path, key: str) -> dict[str, np.ndarray] | None:
@@ -99,9 +113,12 @@ def read_reference(path: Path, key: str) -> dict[str, np.ndarray] | None:
         return None
     try:
         stored = io.read_npz(path)
-        valid = (str(stored["key"]) == key and stored["logits"].ndim == 2
-                 and stored["inside"].shape == stored["logits"].shape[:1]
-                 and str(stored["checksum"]) == _checksum(stored["logits"], stored["inside"]))
+        valid = (
+            str(stored["key"]) == key
+            and stored["logits"].ndim == 2
+            and stored["inside"].shape == stored["logits"].shape[:1]
+            and str(stored["checksum"]) == _checksum(stored["logits"], stored["inside"])
+        )
     except Exception:  # noqa: BLE001 - a cut-short zip, a missing field, garbage: all mean "rebuild"
         valid = False
     if not valid:
@@ -115,36 +132,59 @@ def is_stored(config: Config, data_version: str, private: bool, noise_multiplier
     return reference_path(config, reference_key(config, data_version, private, noise_multiplier, index)).exists()
 
 
-def train_reference(config: Config, records: AuditRecords, n_classes: int, data_version: str, *, private: bool,
-                    noise_multiplier: float | None, index: int) -> dict[str, Any]:
+def train_reference(
+    config: Config,
+    records: AuditRecords,
+    n_classes: int,
+    data_version: str,
+    *,
+    private: bool,
+    noise_multiplier: float | None,
+    index: int,
+) -> dict[str, Any]:
     """Train reference model ``index`` on a seeded random half of the pool (or reuse it)."""
     key = reference_key(config, data_version, private, noise_multiplier, index)
     path = reference_path(config, key)
     stored = read_reference(path, key)
     if stored is not None:
-        return {"index": index, "private": private, "reused": True, "seconds": float(stored["seconds"]),
-                "path": str(path)}
+        return {
+            "index": index,
+            "private": private,
+            "reused": True,
+            "seconds": float(stored["seconds"]),
+            "path": str(path),
+        }
     start = time.perf_counter()
     rng = np.random.default_rng([config.audit.seed, index, int(private)])
     inside = rng.random(records.pool_x.shape[0]) < 0.5
-    result = fit(config, records.pool_x[inside], records.pool_y[inside], n_classes, private=private,
-                 noise_multiplier=noise_multiplier, seed=10_000 + 97 * index + int(private),
-                 noise_seed=20_000 + 97 * index + int(private))
+    result = fit(
+        config,
+        records.pool_x[inside],
+        records.pool_y[inside],
+        n_classes,
+        private=private,
+        noise_multiplier=noise_multiplier,
+        seed=10_000 + 97 * index + int(private),
+        noise_seed=20_000 + 97 * index + int(private),
+    )
     seconds = time.perf_counter() - start
     write_reference(path, key, logits_of(result.model, records.pool_x), inside, seconds)
     return {"index": index, "private": private, "reused": False, "seconds": seconds, "path": str(path)}
 
 
-def load_references(config: Config, data_version: str, private: bool, noise_multiplier: float | None,
-                    count: int) -> tuple[np.ndarray, np.ndarray]:
+def load_references(
+    config: Config, data_version: str, private: bool, noise_multiplier: float | None, count: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(N, pool, k) logits and (N, pool) IN masks of the stored reference models."""
     logits, inside = [], []
     for index in range(count):
         key = reference_key(config, data_version, private, noise_multiplier, index)
         stored = read_reference(reference_path(config, key), key)
         if stored is None:
-            raise RuntimeError(f"reference model {index} ({'private' if private else 'control'}) is missing from the "
-                               f"cache {reference_path(config, key)} after training it; run the audit again")
+            raise RuntimeError(
+                f"reference model {index} ({'private' if private else 'control'}) is missing from the "
+                f"cache {reference_path(config, key)} after training it; run the audit again"
+            )
         logits.append(stored["logits"].astype(np.float64))
         inside.append(stored["inside"])
     return np.stack(logits), np.stack(inside)

@@ -60,8 +60,9 @@ def certified_radii(model: nn.Sequential, x: np.ndarray, y: np.ndarray, lipschit
     return np.where(correct, radius, -1.0)
 
 
-def certified_accuracy(model: nn.Sequential, x: np.ndarray, y: np.ndarray,
-                       levels: tuple[int, ...] = RADII_255, unit: float = 1 / 255) -> dict[str, Any]:
+def certified_accuracy(
+    model: nn.Sequential, x: np.ndarray, y: np.ndarray, levels: tuple[int, ...] = RADII_255, unit: float = 1 / 255
+) -> dict[str, Any]:
     """Certified accuracy at radius k·``unit`` for each k in ``levels`` (key ``certified_accuracy_r{k}``),
     strictly inside the certified ball, with ℓ and the median certified radius of correct records."""
     model.eval()

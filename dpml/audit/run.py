@@ -54,10 +54,16 @@ def control_config(config: Config) -> Config:
     """The positive control's configuration: the same model and data, trained without DP with the
     ``audit.control_*`` optimiser settings."""
     common = config.train.model_dump(include=set(TrainSettings.model_fields))
-    train = NONPRIVATE.settings.model_validate(common | {
-        "algorithm": NONPRIVATE.name, "optimizer": config.audit.control_optimizer,
-        "learning_rate": config.audit.control_learning_rate, "epochs": config.audit.control_epochs, "momentum": 0.0,
-    })
+    train = NONPRIVATE.settings.model_validate(
+        common
+        | {
+            "algorithm": NONPRIVATE.name,
+            "optimizer": config.audit.control_optimizer,
+            "learning_rate": config.audit.control_learning_rate,
+            "epochs": config.audit.control_epochs,
+            "momentum": 0.0,
+        }
+    )
     return config.model_copy(update={"train": train})
 
 
@@ -69,24 +75,32 @@ def needs_references(config: Config) -> bool:
     return any(atk.ATTACKS[name].needs_references for name in config.audit.attacks)
 
 
-def ensure_references(records: AuditRecords, n_classes: int, data_version: str,
-                      subjects: list[Subject]) -> list[dict[str, Any]]:
+def ensure_references(
+    records: AuditRecords, n_classes: int, data_version: str, subjects: list[Subject]
+) -> list[dict[str, Any]]:
     """Train every reference model not already stored (sequentially, with progress when one must be trained;
     Prefect fans these out)."""
     jobs = [(s, j) for s in subjects if needs_references(s.config) for j in range(s.config.audit.references)]
     training = not all(is_stored(s.config, data_version, s.private, s.noise_multiplier, j) for s, j in jobs)
-    return [train_reference(s.config, records, n_classes, data_version, private=s.private,
-                            noise_multiplier=s.noise_multiplier, index=j)
-            for s, j in progress_over(jobs, len(jobs), "audit reference models", "model", show=training)]
+    return [
+        train_reference(
+            s.config, records, n_classes, data_version, private=s.private, noise_multiplier=s.noise_multiplier, index=j
+        )
+        for s, j in progress_over(jobs, len(jobs), "audit reference models", "model", show=training)
+    ]
 
 
-def attack_inputs(model: nn.Module, records: AuditRecords, references: tuple[np.ndarray, np.ndarray] | None) -> atk.AttackInputs:
+def attack_inputs(
+    model: nn.Module, records: AuditRecords, references: tuple[np.ndarray, np.ndarray] | None
+) -> atk.AttackInputs:
     candidates, population = records.candidates, records.population
     pool_logits = logits_of(model, records.pool_x)
     ref_logits, ref_in = references if references is not None else (None, None)
     return atk.AttackInputs(
-        logits=pool_logits[candidates], labels=records.pool_y[candidates],
-        population_logits=pool_logits[population], population_labels=records.pool_y[population],
+        logits=pool_logits[candidates],
+        labels=records.pool_y[candidates],
+        population_logits=pool_logits[population],
+        population_labels=records.pool_y[population],
         reference_logits=None if ref_logits is None else ref_logits[:, candidates],
         reference_in=None if ref_in is None else ref_in[:, candidates],
         population_reference_logits=None if ref_logits is None else ref_logits[:, population],
@@ -94,14 +108,20 @@ def attack_inputs(model: nn.Module, records: AuditRecords, references: tuple[np.
     )
 
 
-def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_version: str,
-                  gating_confidence: float, plan: dict[str, dict[str, Any]] | None = None,
-                  ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+def audit_subject(
+    config: Config,
+    subject: Subject,
+    records: AuditRecords,
+    data_version: str,
+    gating_confidence: float,
+    plan: dict[str, dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Every configured attack against one model: metrics with CIs and ε lower bounds."""
     references = None
     if needs_references(config):
-        references = load_references(subject.config, data_version, subject.private, subject.noise_multiplier,
-                                     config.audit.references)
+        references = load_references(
+            subject.config, data_version, subject.private, subject.noise_multiplier, config.audit.references
+        )
     inputs = attack_inputs(subject.model, records, references)
     m = records.members.size
     results, scores = {}, {}
@@ -110,11 +130,24 @@ def audit_subject(config: Config, subject: Subject, records: AuditRecords, data_
         member, nonmember = score[:m], score[m:]
         summary = summarize(member, nonmember, config.audit.bootstrap, config.audit.seed)
         summary["bounds"] = [
-            hypothesis_test_bound(member, nonmember, config.dp.delta, gating_confidence,
-                                  config.audit.bound_correction, seed=config.audit.seed).to_dict()
+            hypothesis_test_bound(
+                member,
+                nonmember,
+                config.dp.delta,
+                gating_confidence,
+                config.audit.bound_correction,
+                seed=config.audit.seed,
+            ).to_dict()
             | (plan or {}).get(f"attack:{name}", {}),
-            hypothesis_test_bound(member, nonmember, config.dp.delta, gating_confidence,
-                                  config.audit.bound_correction, seed=config.audit.seed, gdp=True).to_dict(),
+            hypothesis_test_bound(
+                member,
+                nonmember,
+                config.dp.delta,
+                gating_confidence,
+                config.audit.bound_correction,
+                seed=config.audit.seed,
+                gdp=True,
+            ).to_dict(),
         ]
         results[name] = summary
         scores[name] = (member, nonmember)
@@ -126,11 +159,17 @@ def reconstruction_of(config: Config, model: nn.Module, x_train: np.ndarray) -> 
     or why it was skipped: it optimises n candidate inputs against an n×n system at every step."""
     n = int(x_train.shape[0])
     if n > config.audit.reconstruction_max_train:
-        return {"skipped": f"n = {n} training records > audit.reconstruction_max_train = "
-                           f"{config.audit.reconstruction_max_train} (the attack's cost grows like n³ per step)"}
-    result = reconstruction_audit(model, torch.as_tensor(x_train, dtype=torch.float32),  # type: ignore[arg-type]
-                                  restarts=config.audit.reconstruction_restarts,
-                                  steps=config.audit.reconstruction_steps, seed=config.audit.seed)
+        return {
+            "skipped": f"n = {n} training records > audit.reconstruction_max_train = "
+            f"{config.audit.reconstruction_max_train} (the attack's cost grows like n³ per step)"
+        }
+    result = reconstruction_audit(
+        model,
+        torch.as_tensor(x_train, dtype=torch.float32),  # type: ignore[arg-type]
+        restarts=config.audit.reconstruction_restarts,
+        steps=config.audit.reconstruction_steps,
+        seed=config.audit.seed,
+    )
     result.pop("restart_residuals", None)
     return result
 
@@ -142,19 +181,25 @@ def white_box_applies(config: Config, private: bool) -> bool:
     return private and trainer_for(config).audit_with_gradient_canaries(config)
 
 
-def bound_methods(config: Config, records: AuditRecords, n_params: int | None, black_box_pool: int,
-                  private: bool) -> dict[str, Any]:
+def bound_methods(
+    config: Config, records: AuditRecords, n_params: int | None, black_box_pool: int, private: bool
+) -> dict[str, Any]:
     """The gating ε lower-bound methods this audit will run, each with a function of the confidence
     that gives its **power**: the largest bound it can report (every guess right)."""
     members = records.members.size
     split = config.audit.bound_correction == "split"
-    evaluated = (members - members // 2, records.nonmembers.size - records.nonmembers.size // 2) if split \
+    evaluated = (
+        (members - members // 2, records.nonmembers.size - records.nonmembers.size // 2)
+        if split
         else (members, records.nonmembers.size)
+    )
     delta = config.dp.delta
     methods: dict[str, Any] = {
-        f"attack:{name}": partial(hypothesis_test_power, evaluated[0], evaluated[1], delta,
-                                  correction=config.audit.bound_correction)
-        for name in config.audit.attacks}
+        f"attack:{name}": partial(
+            hypothesis_test_power, evaluated[0], evaluated[1], delta, correction=config.audit.bound_correction
+        )
+        for name in config.audit.attacks
+    }
     if config.audit.white_box_canaries > 0 and n_params is not None and white_box_applies(config, private):
         m, guesses = white_box_guesses(config, n_params)
         methods["one_run_white_box"] = partial(one_run_power, m, guesses, delta)
@@ -164,7 +209,9 @@ def bound_methods(config: Config, records: AuditRecords, n_params: int | None, b
     return methods
 
 
-def plan_bounds(config: Config, methods: dict[str, Any], certified_epsilon: float | None) -> tuple[dict[str, dict[str, Any]], float]:
+def plan_bounds(
+    config: Config, methods: dict[str, Any], certified_epsilon: float | None
+) -> tuple[dict[str, dict[str, Any]], float]:
     """Which methods gate, and at what confidence each: before training, from their power.
 
     A method whose power at the confidence it would get is below the certified ε cannot detect a
@@ -190,19 +237,34 @@ def plan_bounds(config: Config, methods: dict[str, Any], certified_epsilon: floa
         power = float(power_at(confidence))
         entry: dict[str, Any] = {"power": power, "gating": name in gating}
         if not entry["gating"] and power < (certified_epsilon or math.inf):
-            entry["note"] = (f"cannot detect a violation of ε = {format_epsilon(certified_epsilon)}: the largest bound it can "
-                             f"report is {power:.4g}")
+            entry["note"] = (
+                f"cannot detect a violation of ε = {format_epsilon(certified_epsilon)}: the largest bound it can "
+                f"report is {power:.4g}"
+            )
         elif not entry["gating"]:
-            entry["note"] = ("not counted: sharing the confidence budget with it would leave some gating method "
-                             f"unable to detect a violation of ε = {format_epsilon(certified_epsilon)}")
+            entry["note"] = (
+                "not counted: sharing the confidence budget with it would leave some gating method "
+                f"unable to detect a violation of ε = {format_epsilon(certified_epsilon)}"
+            )
         plan[name] = entry
     return plan, confidence
 
 
-def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None, records: AuditRecords,
-              x_train: np.ndarray, y_train: np.ndarray, x_audit: np.ndarray, y_audit: np.ndarray,
-              n_classes: int, data_version: str, *, certified_epsilon: float | None = None,
-              mechanism: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def run_audit(
+    config: Config,
+    target: nn.Module,
+    noise_multiplier: float | None,
+    records: AuditRecords,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_audit: np.ndarray,
+    y_audit: np.ndarray,
+    n_classes: int,
+    data_version: str,
+    *,
+    certified_epsilon: float | None = None,
+    mechanism: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The whole audit; returns (JSON summary, raw scores, {subject: (ROC curves, scores)} for plots).
     Reference models are reused when stored, trained otherwise.
 
@@ -213,24 +275,33 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
     white_box = white_box_applies(config, private)
     n_params = trainable_size(build_model(model_spec(config, x_train.shape[1], n_classes))) if white_box else None
     pop = records.population - records.n_train  # black-box canaries: the population half of the audit part
-    plan, confidence = plan_bounds(config, bound_methods(config, records, n_params, pop.size, private), certified_epsilon)
+    plan, confidence = plan_bounds(
+        config, bound_methods(config, records, n_params, pop.size, private), certified_epsilon
+    )
     subjects = [Subject("target", target, private, noise_multiplier, config)]
     if config.audit.control and private:
         settings = control_config(config)
-        control = fit(settings, x_train, y_train, n_classes, private=False, noise_multiplier=None,
-                      seed=config.train.seed).model
+        control = fit(
+            settings, x_train, y_train, n_classes, private=False, noise_multiplier=None, seed=config.train.seed
+        ).model
         subjects.append(Subject("control", control, False, None, settings))
     trained = ensure_references(records, n_classes, data_version, subjects)
     gating = sum(entry["gating"] for entry in plan.values())
-    summary: dict[str, Any] = {"confidence": config.audit.confidence, "per_bound_confidence": confidence,
-                               "gating_bounds": gating, "records_per_side": int(records.members.size),
-                               "population": int(records.population.size),
-                               "certified_epsilon": certified_epsilon, "power": plan}
+    summary: dict[str, Any] = {
+        "confidence": config.audit.confidence,
+        "per_bound_confidence": confidence,
+        "gating_bounds": gating,
+        "records_per_side": int(records.members.size),
+        "population": int(records.population.size),
+        "certified_epsilon": certified_epsilon,
+        "power": plan,
+    }
     raw: dict[str, Any] = {"members": records.members.tolist(), "nonmembers": records.nonmembers.tolist()}
     pictures: dict[str, Any] = {}
     for subject in subjects:
-        results, scores = audit_subject(config, subject, records, data_version, confidence,
-                                        plan if subject.name == "target" else None)
+        results, scores = audit_subject(
+            config, subject, records, data_version, confidence, plan if subject.name == "target" else None
+        )
         summary[subject.name] = {"attacks": results, "private": subject.private}
         raw[subject.name] = {name: {"member": m.tolist(), "nonmember": n.tolist()} for name, (m, n) in scores.items()}
         pictures[subject.name] = ({name: roc(m, n) for name, (m, n) in scores.items()}, scores)
@@ -245,8 +316,9 @@ def run_audit(config: Config, target: nn.Module, noise_multiplier: float | None,
         summary["white_box_seconds"] = time.perf_counter() - checked
     if config.audit.black_box_canaries > 0 and pop.size > 0:
         # The canary records come from the audit population's population half (never trained on).
-        bound = black_box_audit(config, x_train, y_train, x_audit[pop], y_audit[pop], n_classes,
-                                noise_multiplier, private, confidence)
+        bound = black_box_audit(
+            config, x_train, y_train, x_audit[pop], y_audit[pop], n_classes, noise_multiplier, private, confidence
+        )
         one_runs.append(bound | plan.get("one_run_black_box", {}))
     summary["one_run"] = one_runs
     summary["conformance"] = conformance_summary(config, private, checks)
@@ -271,15 +343,21 @@ def conformance_summary(config: Config, private: bool, checks: list[Any] | str |
     if isinstance(checks, str) and config.audit.conformance:
         return {"ran": False, "passed": None, "reason": checks, "checks": []}
     if checks is not None and config.audit.conformance:
-        return {"ran": True, "passed": all(c.passed for c in checks), "false_alarm": config.audit.conformance_false_alarm,
-                "checks": [c.to_dict() for c in checks]}
+        return {
+            "ran": True,
+            "passed": all(c.passed for c in checks),
+            "false_alarm": config.audit.conformance_false_alarm,
+            "checks": [c.to_dict() for c in checks],
+        }
     if not private:
         why = "the model is not private"
     elif not config.audit.conformance:
         why = "audit.conformance is false"
     else:
-        why = (f"trainer {config.train.algorithm!r} has no white-box probe: its noise, clipping and sampling "
-               "are not checked against its certificate")
+        why = (
+            f"trainer {config.train.algorithm!r} has no white-box probe: its noise, clipping and sampling "
+            "are not checked against its certificate"
+        )
     return {"ran": False, "passed": None, "reason": why, "checks": []}
 
 
@@ -287,15 +365,23 @@ def gating_lower_bounds(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The bounds the release gate compares with the certified ε: hypothesis tests and one-run audits
     of the released configuration. GDP-converted bounds assume a Gaussian trade-off curve that DP-SGD
     does not have, so they are reported but never gate."""
-    bounds = [b | {"attack": name} for name, r in summary["target"]["attacks"].items()
-              for b in r["bounds"] if b["method"] == "hypothesis_test"]
+    bounds = [
+        b | {"attack": name}
+        for name, r in summary["target"]["attacks"].items()
+        for b in r["bounds"]
+        if b["method"] == "hypothesis_test"
+    ]
     return [b for b in bounds + list(summary.get("one_run", [])) if b.get("gating", True)]
 
 
 def reported_lower_bounds(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Every ε lower bound of the target, gating or not (those without the power to gate are marked)."""
-    bounds = [b | {"attack": name} for name, r in summary["target"]["attacks"].items()
-              for b in r["bounds"] if b["method"] == "hypothesis_test"]
+    bounds = [
+        b | {"attack": name}
+        for name, r in summary["target"]["attacks"].items()
+        for b in r["bounds"]
+        if b["method"] == "hypothesis_test"
+    ]
     return bounds + list(summary.get("one_run", []))
 
 

@@ -56,7 +56,7 @@ def numeric_spelling(key: str) -> str:
         number = float(key)
     except ValueError:
         return key
-    return str(int(number)) if number.is_integer() and abs(number) < 2 ** 63 else key
+    return str(int(number)) if number.is_integer() and abs(number) < 2**63 else key
 
 
 def category_codes(values: pd.Series, categories: list[str]) -> tuple[np.ndarray, pd.Series]:
@@ -92,8 +92,9 @@ class ColumnEncoding:
         if self.kind == "numeric":
             return [self.name] + ([f"{self.name}:missing"] if self.indicator else [])
         if self.kind == "tokens":
-            return ([f"{self.name}[{i}]" for i in range(self.length)]
-                    + [f"{self.name}.mask[{i}]" for i in range(self.length)])
+            return [f"{self.name}[{i}]" for i in range(self.length)] + [
+                f"{self.name}.mask[{i}]" for i in range(self.length)
+            ]
         slots = [*self.categories, MISSING] + ([] if strict else [OTHER])
         return [f"{self.name}={slot}" for slot in slots]
 
@@ -188,44 +189,59 @@ class TableEncoding:
         return missing
 
     @staticmethod
-    def _numeric(column: ColumnEncoding, values: pd.Series, missing: np.ndarray, first_row: int, origin: str,
-                 counts: Counts) -> np.ndarray:
+    def _numeric(
+        column: ColumnEncoding, values: pd.Series, missing: np.ndarray, first_row: int, origin: str, counts: Counts
+    ) -> np.ndarray:
         present = values[~missing]
         numbers = pd.to_numeric(present, errors="coerce")
         unparsed = numbers.isna().to_numpy()
         if unparsed.any():
             position = int(np.flatnonzero(~missing)[np.argmax(unparsed)])
-            raise EncodingError(f"{origin}: row {first_row + position}, column {column.name!r}: "
-                                f"{values.iloc[position]!r} is not a number")
+            raise EncodingError(
+                f"{origin}: row {first_row + position}, column {column.name!r}: "
+                f"{values.iloc[position]!r} is not a number"
+            )
         out = np.empty(len(values), dtype=np.float64)
         out[~missing] = numbers.to_numpy(dtype=np.float64)
         infinite = ~np.isfinite(out) & ~missing
         if infinite.any():
             position = int(np.argmax(infinite))
-            raise EncodingError(f"{origin}: row {first_row + position}, column {column.name!r}: value "
-                                f"{out[position]} is not finite")
+            raise EncodingError(
+                f"{origin}: row {first_row + position}, column {column.name!r}: value {out[position]} is not finite"
+            )
         if missing.any():
             if column.fill is None:
                 position = int(np.argmax(missing))
-                raise EncodingError(f"{origin}: row {first_row + position}, column {column.name!r}: missing value "
-                                    f"(NaN); declare the column under data.columns with a public fill to accept it")
+                raise EncodingError(
+                    f"{origin}: row {first_row + position}, column {column.name!r}: missing value "
+                    f"(NaN); declare the column under data.columns with a public fill to accept it"
+                )
             out[missing] = column.fill
             counts.missing[column.name] = int(missing.sum())
         if column.indicator:
             return np.stack([out, missing.astype(np.float64)], axis=1)
         return out[:, None]
 
-    def _categorical(self, column: ColumnEncoding, values: pd.Series, missing: np.ndarray, first_row: int,
-                     origin: str, counts: Counts) -> np.ndarray:
+    def _categorical(
+        self,
+        column: ColumnEncoding,
+        values: pd.Series,
+        missing: np.ndarray,
+        first_row: int,
+        origin: str,
+        counts: Counts,
+    ) -> np.ndarray:
         missing_slot, other_slot = len(column.categories), len(column.categories) + 1
         codes, keys = category_codes(values, list(column.categories))
         missing = missing | keys.isna().to_numpy()
         unknown = (codes < 0) & ~missing
         if unknown.any() and self.strict:
             position = int(np.argmax(unknown))
-            raise EncodingError(f"{origin}: row {first_row + position}, column {column.name!r}: "
-                                f"{values.iloc[position]!r} is not one of the declared categories "
-                                f"{list(column.categories)} (data.strict is true)")
+            raise EncodingError(
+                f"{origin}: row {first_row + position}, column {column.name!r}: "
+                f"{values.iloc[position]!r} is not one of the declared categories "
+                f"{list(column.categories)} (data.strict is true)"
+            )
         slots = np.where(missing, missing_slot, np.where(unknown, other_slot, codes))
         out = np.zeros((len(values), len(column.feature_names(self.strict))), dtype=np.float64)
         out[np.arange(len(values)), slots] = 1.0
@@ -242,32 +258,41 @@ def _token_ids(column: ColumnEncoding, cell: Any, row: int, origin: str) -> list
     ids = []
     for part in text.split():
         if not (part.isascii() and part.isdigit()):
-            raise EncodingError(f"{origin}: row {row}, column {column.name!r}: {part!r} is not a token id; a tokens "
-                                f"cell holds integers in [0, {column.vocabulary}) separated by spaces")
+            raise EncodingError(
+                f"{origin}: row {row}, column {column.name!r}: {part!r} is not a token id; a tokens "
+                f"cell holds integers in [0, {column.vocabulary}) separated by spaces"
+            )
         ids.append(int(part))
     if not ids:
-        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: no token ids; each example needs at least one")
+        raise EncodingError(
+            f"{origin}: row {row}, column {column.name!r}: no token ids; each example needs at least one"
+        )
     outside = [i for i in ids if i >= column.vocabulary]
     if outside:
-        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: token id {outside[0]} is outside the "
-                            f"vocabulary [0, {column.vocabulary})")
+        raise EncodingError(
+            f"{origin}: row {row}, column {column.name!r}: token id {outside[0]} is outside the "
+            f"vocabulary [0, {column.vocabulary})"
+        )
     if len(ids) > column.length:
-        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: {len(ids)} token ids, more than its length "
-                            f"{column.length}; truncate the examples or raise data.columns.{column.name}.length")
+        raise EncodingError(
+            f"{origin}: row {row}, column {column.name!r}: {len(ids)} token ids, more than its length "
+            f"{column.length}; truncate the examples or raise data.columns.{column.name}.length"
+        )
     return ids
 
 
-def _tokens(column: ColumnEncoding, values: pd.Series, missing: np.ndarray, first_row: int,
-            origin: str) -> np.ndarray:
+def _tokens(column: ColumnEncoding, values: pd.Series, missing: np.ndarray, first_row: int, origin: str) -> np.ndarray:
     """(n, 2·length): each row's ids padded with ``pad_id``, then its mask (1 = a token, 0 = padding)."""
     if missing.any():
         row = first_row + int(np.argmax(missing))
-        raise EncodingError(f"{origin}: row {row}, column {column.name!r}: missing value; a tokens column has no fill "
-                            "(each example needs its token ids)")
+        raise EncodingError(
+            f"{origin}: row {row}, column {column.name!r}: missing value; a tokens column has no fill "
+            "(each example needs its token ids)"
+        )
     out = np.zeros((len(values), 2 * column.length), dtype=np.float64)
     out[:, : column.length] = column.pad_id
     for position, cell in enumerate(values.to_numpy(dtype=object)):
         ids = _token_ids(column, cell, first_row + position, origin)
         out[position, : len(ids)] = ids
-        out[position, column.length: column.length + len(ids)] = 1.0
+        out[position, column.length : column.length + len(ids)] = 1.0
     return out

@@ -31,8 +31,10 @@ def scatter_features(images: np.ndarray, shape: tuple[int, int], groups: int, ba
     """ScatterNet features of flattened images in [0, 1]: (n, H·W) → (n, 81·(H/4)·(W/4)), float32."""
     height, width = shape
     if images.ndim != 2 or images.shape[1] != height * width:
-        raise ValueError(f"preprocess.image_shape = {list(shape)}: records have {images.shape[1]} features, "
-                         f"not {height}·{width} = {height * width}")
+        raise ValueError(
+            f"preprocess.image_shape = {list(shape)}: records have {images.shape[1]} features, "
+            f"not {height}·{width} = {height * width}"
+        )
     if height % 4 or width % 4:
         raise ValueError(f"preprocess.image_shape = {list(shape)}: ScatterNet (J = 2) needs sides divisible by 4")
     if SCATTER_CHANNELS % groups:
@@ -44,7 +46,7 @@ def scatter_features(images: np.ndarray, shape: tuple[int, int], groups: int, ba
     try:
         with torch.no_grad():
             for start in range(0, images.shape[0], batch):
-                chunk = torch.from_numpy(np.ascontiguousarray(images[start:start + batch], dtype=np.float32))
+                chunk = torch.from_numpy(np.ascontiguousarray(images[start : start + batch], dtype=np.float32))
                 coefficients = transform(chunk.reshape(-1, height, width))  # (b, 81, H/4, W/4)
                 out.append(per_example_group_norm(coefficients.reshape(coefficients.shape[0], -1).numpy(), groups))
     finally:

@@ -79,8 +79,9 @@ class PublicTransform:
         lower, upper = np.asarray(self.lower), np.asarray(self.upper)
         if lower.size > 1 and x.shape[1] != lower.size:
             raise ValueError(f"records have {x.shape[1]} features, the public bounds cover {lower.size}")
-        scaled = scale_features(x, lower if lower.size > 1 else float(lower[0]),
-                                upper if upper.size > 1 else float(upper[0]))
+        scaled = scale_features(
+            x, lower if lower.size > 1 else float(lower[0]), upper if upper.size > 1 else float(upper[0])
+        )
         if self.features == "scatternet":
             from dpml.data.features import scatter_features  # lazy: the served model pickles this module by value
 
@@ -94,22 +95,34 @@ class PublicTransform:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PublicTransform":
         shape = data.get("image_shape")
-        return cls(lower=tuple(data["lower"]), upper=tuple(data["upper"]), clip_norm=float(data["clip_norm"]),
-                   clip_mode=data["clip_mode"], features=data["features"],
-                   image_shape=None if shape is None else (int(shape[0]), int(shape[1])),
-                   scatter_groups=int(data["scatter_groups"]), unchanged=bool(data.get("unchanged", False)))
+        return cls(
+            lower=tuple(data["lower"]),
+            upper=tuple(data["upper"]),
+            clip_norm=float(data["clip_norm"]),
+            clip_mode=data["clip_mode"],
+            features=data["features"],
+            image_shape=None if shape is None else (int(shape[0]), int(shape[1])),
+            scatter_groups=int(data["scatter_groups"]),
+            unchanged=bool(data.get("unchanged", False)),
+        )
 
 
-def public_transform(config: PreprocessConfig, lower: np.ndarray | None = None,
-                     upper: np.ndarray | None = None, unchanged: bool = False) -> PublicTransform:
+def public_transform(
+    config: PreprocessConfig, lower: np.ndarray | None = None, upper: np.ndarray | None = None, unchanged: bool = False
+) -> PublicTransform:
     """The transform of ``config``; per-feature ``lower``/``upper`` (a table schema's) replace its scalar pair;
     ``unchanged``: token inputs, left as they are."""
     shape = None if config.image_shape is None else (int(config.image_shape[0]), int(config.image_shape[1]))
     return PublicTransform(
         lower=tuple(float(v) for v in lower) if lower is not None else (float(config.lower),),
         upper=tuple(float(v) for v in upper) if upper is not None else (float(config.upper),),
-        clip_norm=float(config.clip_norm), clip_mode=config.clip_mode, features=config.features,
-        image_shape=shape, scatter_groups=int(config.scatter_groups), unchanged=unchanged)
+        clip_norm=float(config.clip_norm),
+        clip_mode=config.clip_mode,
+        features=config.features,
+        image_shape=shape,
+        scatter_groups=int(config.scatter_groups),
+        unchanged=unchanged,
+    )
 
 
 def preprocess(x: np.ndarray, config: PreprocessConfig) -> Prepared:

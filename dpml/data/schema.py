@@ -27,8 +27,12 @@ SKLEARN_BUNDLED = ("digits", "iris", "wine", "breast_cancer")
 # YAML 1.1's readings (``no`` → False, ``1.10`` → 1.1, ``010`` → 8, ``2026-11-20`` → a date) would
 # silently send every such cell to ``<other>``. "*": any key, "[]": any list item.
 VERBATIM_VALUES: tuple[tuple[str, ...], ...] = (
-    ("data", "label_column"), ("data", "id_column"), ("data", "feature_columns", "[]"),
-    ("data", "classes", "[]"), ("data", "missing_values", "[]"), ("data", "columns", "*", "categories", "[]"),
+    ("data", "label_column"),
+    ("data", "id_column"),
+    ("data", "feature_columns", "[]"),
+    ("data", "classes", "[]"),
+    ("data", "missing_values", "[]"),
+    ("data", "columns", "*", "categories", "[]"),
 )
 VERBATIM_KEYS: tuple[tuple[str, ...], ...] = (("data", "columns"),)  # the column names of a schema
 SEPARATORS = {",": "comma", ";": "semicolon", "\t": "tab", "|": "pipe"}
@@ -67,8 +71,9 @@ class NumericColumn(Section):
             raise ValueError(f"upper = {self.upper} must be > lower = {self.lower}")
         check_scalable("", self.lower, self.upper)
         if self.missing is not None and not self.lower <= self.missing <= self.upper:
-            raise ValueError(f"missing = {self.missing}: the fill must lie in [lower, upper] = "
-                             f"[{self.lower}, {self.upper}]")
+            raise ValueError(
+                f"missing = {self.missing}: the fill must lie in [lower, upper] = [{self.lower}, {self.upper}]"
+            )
         return self
 
     @property
@@ -85,8 +90,10 @@ def _no_booleans(value: list[object], what: str) -> None:
     configuration built in Python, or read by another YAML reader): refused with the fix."""
     flags = [v for v in value if isinstance(v, bool)]
     if flags:
-        raise ValueError(f"{flags[0]!r} in {what} is a boolean, not a text a cell can hold; write the texts quoted "
-                         "(e.g. ['no', 'yes'])")
+        raise ValueError(
+            f"{flags[0]!r} in {what} is a boolean, not a text a cell can hold; write the texts quoted "
+            "(e.g. ['no', 'yes'])"
+        )
 
 
 def category_text(value: str | int | float) -> str:
@@ -120,14 +127,15 @@ class CategoricalColumn(Section):
         texts = [category_text(c) for c in value]
         repeated = sorted({t for t in texts if texts.count(t) > 1})
         if repeated:
-            raise ValueError(f"categories {repeated} are listed more than once (compared as a cell is: spaces "
-                             "stripped, 3.0 = 3)")
+            raise ValueError(
+                f"categories {repeated} are listed more than once (compared as a cell is: spaces stripped, 3.0 = 3)"
+            )
         if any(not t for t in texts):
             raise ValueError("an empty category name; declare empty cells under data.missing_values instead")
         return value
 
 
-MAX_VOCABULARY = 2 ** 24  # every id below it is exact in the float32 records the pipeline stores
+MAX_VOCABULARY = 2**24  # every id below it is exact in the float32 records the pipeline stores
 
 
 class TokensColumn(Section):
@@ -197,8 +205,10 @@ class DataConfig(Section):
         scheme, sep, rest = value.partition(":")
         allowed = (*BUILT_IN, *SOURCES)
         if not sep or scheme not in allowed or not rest:
-            raise ValueError(f"must look like one of {', '.join(s + ':…' for s in allowed)} (a source of your own: "
-                             "register it in a module listed under plugins:)")
+            raise ValueError(
+                f"must look like one of {', '.join(s + ':…' for s in allowed)} (a source of your own: "
+                "register it in a module listed under plugins:)"
+            )
         if scheme in SOURCES:
             problem = SOURCES[scheme].check(rest)
             if problem:
@@ -208,8 +218,11 @@ class DataConfig(Section):
             raise ValueError(f"unknown bundled scikit-learn set; allowed: {', '.join(SKLEARN_BUNDLED)}")
         path = Path(rest)
         if scheme == "idx" and not path.is_dir():
-            raise ValueError(f"{rest} is a file, not a directory of IDX files" if path.exists()
-                             else f"directory {rest} does not exist")
+            raise ValueError(
+                f"{rest} is a file, not a directory of IDX files"
+                if path.exists()
+                else f"directory {rest} does not exist"
+            )
         if scheme in ("csv", "parquet") and not path.is_file():
             if path.is_dir():
                 raise ValueError(f"{rest} is a directory, not a {scheme} file; name the file itself")
@@ -222,8 +235,9 @@ class DataConfig(Section):
         named = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
         value = named.get(value.lower() if len(value) > 1 else value, value)
         if len(value) != 1 or value in ('"', "\n", "\r"):
-            raise ValueError("a CSV separator is one character other than a quote or a line break: ',', ';', "
-                             "'\\t' (tab) or '|'")
+            raise ValueError(
+                "a CSV separator is one character other than a quote or a line break: ',', ';', '\\t' (tab) or '|'"
+            )
         return value
 
     @field_validator("encoding")
@@ -234,8 +248,10 @@ class DataConfig(Section):
         try:
             return codecs.lookup(value).name
         except LookupError:
-            raise ValueError("not a text encoding Python knows; use auto (UTF-8, with or without BOM, else "
-                             "Windows-1252), or a codec name such as utf-8, latin-1, cp1252, utf-16") from None
+            raise ValueError(
+                "not a text encoding Python knows; use auto (UTF-8, with or without BOM, else "
+                "Windows-1252), or a codec name such as utf-8, latin-1, cp1252, utf-16"
+            ) from None
 
     @field_validator("classes", mode="before")
     @classmethod
@@ -267,37 +283,49 @@ class DataConfig(Section):
             if missing:
                 raise ValueError(f"a {scheme} source needs data.{', data.'.join(missing)}")
             if self.columns is not None and self.feature_columns is not None:
-                raise ValueError("data.columns and data.feature_columns: give one (feature_columns is the "
-                                 "all-numeric shorthand of columns)")
+                raise ValueError(
+                    "data.columns and data.feature_columns: give one (feature_columns is the "
+                    "all-numeric shorthand of columns)"
+                )
             if self.columns is not None and not self.columns:
                 raise ValueError("data.columns is empty: declare at least one feature column")
             tokens = [name for name, column in (self.columns or {}).items() if column.type == "tokens"]
             if tokens and len(self.columns or {}) > 1:
-                raise ValueError(f"data.columns: {tokens[0]!r} is a tokens column, so it must be the only feature column "
-                                 f"(a model taking input_ids and attention_mask reads one sequence); got "
-                                 f"{list(self.columns or {})}")
+                raise ValueError(
+                    f"data.columns: {tokens[0]!r} is a tokens column, so it must be the only feature column "
+                    f"(a model taking input_ids and attention_mask reads one sequence); got "
+                    f"{list(self.columns or {})}"
+                )
         elif self.columns is not None or self.feature_columns is not None:
             key = "data.columns" if self.columns is not None else "data.feature_columns"
-            raise ValueError(f"{key}: only a csv or parquet source has columns; {scheme}: its features are "
-                             "given by the format")
+            raise ValueError(
+                f"{key}: only a csv or parquet source has columns; {scheme}: its features are given by the format"
+            )
         if scheme != "csv" and (self.separator != "," or self.encoding != "auto"):
             key = "separator" if self.separator != "," else "encoding"
-            raise ValueError(f"data.{key} = {getattr(self, key)!r}: only a csv source has a {key}; {scheme}: the "
-                             "format says it")
+            raise ValueError(
+                f"data.{key} = {getattr(self, key)!r}: only a csv source has a {key}; {scheme}: the format says it"
+            )
         features = self.feature_names_declared()
         repeated = sorted({name for name in features if features.count(name) > 1})
         if repeated:
             raise ValueError(f"data.feature_columns: {repeated} listed more than once; each column is one feature")
         if self.label_column is not None and self.label_column in features:
-            raise ValueError(f"data.label_column = {self.label_column!r} is also a feature column; the label must "
-                             "not be a model input")
+            raise ValueError(
+                f"data.label_column = {self.label_column!r} is also a feature column; the label must "
+                "not be a model input"
+            )
         if self.id_column is not None:
             if not tabular:
-                raise ValueError(f"data.id_column = {self.id_column!r}: only a csv or parquet source has columns; "
-                                 f"{scheme}: records are units by their content")
+                raise ValueError(
+                    f"data.id_column = {self.id_column!r}: only a csv or parquet source has columns; "
+                    f"{scheme}: records are units by their content"
+                )
             if self.id_column == self.label_column or self.id_column in features:
-                raise ValueError(f"data.id_column = {self.id_column!r} is also the label or a feature column; an id "
-                                 "must never be a model input")
+                raise ValueError(
+                    f"data.id_column = {self.id_column!r} is also the label or a feature column; an id "
+                    "must never be a model input"
+                )
         return self
 
     def feature_names_declared(self) -> list[str]:

@@ -55,8 +55,9 @@ class ColumnProfile:
     overflow: bool = False
 
     def add(self, cells: pd.Series) -> None:
-        text = cells.astype(object).map(lambda v: None if v is None or (isinstance(v, float) and np.isnan(v))
-                                        else str(v).strip())
+        text = cells.astype(object).map(
+            lambda v: None if v is None or (isinstance(v, float) and np.isnan(v)) else str(v).strip()
+        )
         is_token = text.isna() | text.isin(MISSING_TOKENS)
         self.tokens.update("" if v is None else v for v in text[is_token])
         present = text[~is_token]
@@ -83,8 +84,9 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def draft_schema(source: str, label: str, id_column: str | None = None, max_categories: int = 30,
-                 chunk_rows: int = 100_000) -> str:
+def draft_schema(
+    source: str, label: str, id_column: str | None = None, max_categories: int = 30, chunk_rows: int = 100_000
+) -> str:
     """The draft ``data:`` section (YAML text with the not-private warning) for ``csv:PATH`` or ``parquet:PATH``."""
     kind, _, rest = source.partition(":")
     if kind not in ("csv", "parquet") or not rest:
@@ -96,8 +98,9 @@ def draft_schema(source: str, label: str, id_column: str | None = None, max_cate
     for key, column in (("--label", label), ("--id", id_column)):
         if column is not None and column not in names:
             raise DataError(f"{key} {column!r}: no such column; the file has {names}")
-    profiles = {name: ColumnProfile(limit=max_categories if name != label else 1000) for name in names
-                if name != id_column}
+    profiles = {
+        name: ColumnProfile(limit=max_categories if name != label else 1000) for name in names if name != id_column
+    }
     rows = 0
     for frame in chunks(path, kind, list(profiles), chunk_rows):
         rows += len(frame)
@@ -108,17 +111,22 @@ def draft_schema(source: str, label: str, id_column: str | None = None, max_cate
     return _render(source, label, id_column, profiles, rows, max_categories)
 
 
-def _render(source: str, label: str, id_column: str | None, profiles: dict[str, ColumnProfile], rows: int,
-            max_categories: int) -> str:
+def _render(
+    source: str, label: str, id_column: str | None, profiles: dict[str, ColumnProfile], rows: int, max_categories: int
+) -> str:
     label_profile = profiles.pop(label)
     classes = sorted(label_profile.values, key=str)
     tokens = sorted({t for p in profiles.values() for t in p.tokens} | {""})
-    lines = [WARNING, "data:", f"  source: {source}", f"  label_column: {_flow(label)}",
-             f"  classes: {_flow(classes)}    # READ FROM THE DATA ({len(classes)} values present)"]
+    lines = [
+        WARNING,
+        "data:",
+        f"  source: {source}",
+        f"  label_column: {_flow(label)}",
+        f"  classes: {_flow(classes)}    # READ FROM THE DATA ({len(classes)} values present)",
+    ]
     if id_column:
         lines.append(f"  id_column: {_flow(id_column)}")
-    lines += [f"  missing_values: {_flow(tokens)}    # tokens found in the table (\"\" is always missing)",
-              "  columns:"]
+    lines += [f'  missing_values: {_flow(tokens)}    # tokens found in the table ("" is always missing)', "  columns:"]
     for name, profile in profiles.items():
         lines.append("    " + _column_line(name, profile, rows, max_categories))
     return "\n".join(lines) + "\n"
@@ -134,13 +142,17 @@ def _column_line(name: str, profile: ColumnProfile, rows: int, max_categories: i
         if high <= low:
             high = low + 1
         extra = ", indicator: true" if missing else ""
-        return (f"{_flow(name)}: {{type: numeric, lower: {_number(low)}, upper: {_number(high)}{extra}}}"
-                f"    # READ FROM THE DATA (observed min/max; {note})")
+        return (
+            f"{_flow(name)}: {{type: numeric, lower: {_number(low)}, upper: {_number(high)}{extra}}}"
+            f"    # READ FROM THE DATA (observed min/max; {note})"
+        )
     if profile.overflow and len(profile.values) >= max_categories and profile.present > 0.5 * rows:
         distinct_share = len(profile.values) / max(profile.present, 1)
         if distinct_share >= 0.9 or profile.values.most_common(1)[0][1] == 1:
             return f"# {_flow(name)}: nearly every value distinct (an identifier or free text?); left out"
     categories = [value for value, _ in profile.values.most_common(max_categories)]
     more = f"; more than {max_categories} values, the rest go to <other>" if profile.overflow else ""
-    return (f"{_flow(name)}: {{type: categorical, categories: {_flow(categories)}}}"
-            f"    # READ FROM THE DATA (values present, most frequent first; {note}{more})")
+    return (
+        f"{_flow(name)}: {{type: categorical, categories: {_flow(categories)}}}"
+        f"    # READ FROM THE DATA (values present, most frequent first; {note}{more})"
+    )

@@ -41,8 +41,10 @@ SOURCES: dict[str, SourceKind] = {}
 def register_source(kind: SourceKind) -> SourceKind:
     """Add a source kind under its scheme; a built-in scheme or a second kind of the same scheme is refused."""
     if kind.scheme in BUILT_IN or not kind.scheme.isidentifier():
-        raise ValueError(f"source scheme {kind.scheme!r}: built-in schemes ({', '.join(BUILT_IN)}) are taken, and a "
-                         "scheme is a name of letters, digits and underscores")
+        raise ValueError(
+            f"source scheme {kind.scheme!r}: built-in schemes ({', '.join(BUILT_IN)}) are taken, and a "
+            "scheme is a name of letters, digits and underscores"
+        )
     registered = SOURCES.get(kind.scheme)
     if registered is not None and registered != kind and not same_definition(registered.load, kind.load):
         raise ValueError(f"a source of scheme {kind.scheme!r} is already registered")

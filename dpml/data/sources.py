@@ -20,8 +20,16 @@ from dpml.data.records import DataError, RawData, check_records, content_hash
 from dpml.data.source_kinds import SOURCES, load_registered
 from dpml.data.tables import load_table
 
-__all__ = ["DataError", "RawData", "check_records", "content_hash", "load_idx", "load_sklearn", "load_source",
-           "read_idx"]
+__all__ = [
+    "DataError",
+    "RawData",
+    "check_records",
+    "content_hash",
+    "load_idx",
+    "load_sklearn",
+    "load_source",
+    "read_idx",
+]
 
 
 def load_sklearn(name: str) -> RawData:
@@ -107,8 +115,13 @@ def load_idx(directory: str | Path) -> RawData:
         check_records(*test, len(classes), f"{origin} (t10k)")
     features = [f"px{i}" for i in range(train[0].shape[1])]
     return RawData(
-        x=train[0], y=train[1], classes=classes, feature_names=features, origin=origin,
-        x_test=None if test is None else test[0], y_test=None if test is None else test[1],
+        x=train[0],
+        y=train[1],
+        classes=classes,
+        feature_names=features,
+        origin=origin,
+        x_test=None if test is None else test[0],
+        y_test=None if test is None else test[1],
     )
 
 

@@ -73,14 +73,19 @@ def split_indices(raw: RawData, units: np.ndarray, config: SplitConfig) -> Split
         parts["test"] = kept[is_test]
     for name, rows in parts.items():
         if rows.size == 0:
-            raise DataError(f"{raw.origin}: none of the {kept.size} privacy units fell in the {name} part; use more "
-                            "data or larger split fractions")
+            raise DataError(
+                f"{raw.origin}: none of the {kept.size} privacy units fell in the {name} part; use more "
+                "data or larger split fractions"
+            )
     if np.unique(raw.y[parts["train"]]).size < 2:
-        raise DataError(f"{raw.origin}: the {parts['train'].size} training units hold only one class; a classifier "
-                        "needs at least two (use more data or change split.seed)")
+        raise DataError(
+            f"{raw.origin}: the {parts['train'].size} training units hold only one class; a classifier "
+            "needs at least two (use more data or change split.seed)"
+        )
     train = parts["train"]
     if config.max_train is not None and train.size > config.max_train:
         train = train[np.argsort(-u[is_train], kind="stable")[: config.max_train]]
     test = np.arange(raw.x_test.shape[0]) if predefined else parts["test"]  # type: ignore[union-attr]
-    return Split(np.sort(train), np.sort(test), np.sort(parts["audit"]), predefined,
-                 rows_dropped=int(units.shape[0] - kept.size))
+    return Split(
+        np.sort(train), np.sort(test), np.sort(parts["audit"]), predefined, rows_dropped=int(units.shape[0] - kept.size)
+    )

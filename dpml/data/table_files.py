@@ -34,8 +34,13 @@ import pandas as pd
 from dpml.data.schema import SEPARATORS
 
 SCAN_BYTES = 1 << 20  # bytes decoded at a time when checking a CSV file's encoding
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
 
 
 class TableFileError(ValueError):
@@ -55,6 +60,7 @@ class TableFile:
 
 # ------------------------------------------------------------------------------------------- encoding
 
+
 def detect_encoding(path: Path, declared: str = "auto", whole: bool = True) -> str:
     """The codec a CSV file is read with: ``declared``, or (``auto``) what its bytes say (module
     docstring). ``whole``: scan the whole file (ingest), else only its first megabyte (a header)."""
@@ -73,7 +79,7 @@ def detect_encoding(path: Path, declared: str = "auto", whole: bool = True) -> s
             try:
                 decoder.decode(block, final=False)
             except UnicodeDecodeError as error:
-                return _not_utf8(path, offset + error.start, seen_multibyte or not block[:error.start].isascii())
+                return _not_utf8(path, offset + error.start, seen_multibyte or not block[: error.start].isascii())
             seen_multibyte = seen_multibyte or not block.isascii()
             offset += len(block)
             block = handle.read(SCAN_BYTES) if whole else b""
@@ -96,9 +102,11 @@ def _not_utf8(path: Path, offset: int, mixed: bool) -> str:
     """A file that is not UTF-8: Windows-1252 if every byte is defined there, else Latin-1; refused when
     UTF-8's multi-byte characters came before the first invalid byte (two encodings in one file)."""
     if mixed:
-        raise TableFileError(f"{path}: the file mixes encodings: valid UTF-8 (with non-ASCII characters) up to byte "
-                             f"{offset}, then a byte that is not UTF-8; re-export it in one encoding, or name one "
-                             "with data.encoding (e.g. utf-8, cp1252)")
+        raise TableFileError(
+            f"{path}: the file mixes encodings: valid UTF-8 (with non-ASCII characters) up to byte "
+            f"{offset}, then a byte that is not UTF-8; re-export it in one encoding, or name one "
+            "with data.encoding (e.g. utf-8, cp1252)"
+        )
     decoder = codecs.getincrementaldecoder("cp1252")()
     with open(path, "rb") as handle:
         try:
@@ -110,6 +118,7 @@ def _not_utf8(path: Path, offset: int, mixed: bool) -> str:
 
 
 # ------------------------------------------------------------------------------------------- header
+
 
 def header(table: TableFile) -> list[str]:
     """The column names of a table as written (duplicates kept), reading no records."""
@@ -128,9 +137,11 @@ def _csv_header(table: TableFile, separator: str) -> list[str] | None:
         with open(table.path, encoding=encoding, newline="") as handle:
             first = _first_record(handle)
     except UnicodeDecodeError as error:
-        raise TableFileError(f"{table.path}: the header is not {encoding} text ({error.reason} at byte "
-                             f"{error.start}); name the file's encoding with data.encoding (e.g. cp1252, "
-                             "latin-1, utf-16)") from None
+        raise TableFileError(
+            f"{table.path}: the header is not {encoding} text ({error.reason} at byte "
+            f"{error.start}); name the file's encoding with data.encoding (e.g. cp1252, "
+            "latin-1, utf-16)"
+        ) from None
     if first is None:
         return None
     return next(csv.reader(io.StringIO(first), delimiter=separator), [])
@@ -165,8 +176,10 @@ def _parquet_schema(path: Path) -> list[object]:
 
 # ------------------------------------------------------------------------------------------- checks
 
-def check_header(table: TableFile, wanted: list[str], what: str = "column(s)",
-                 categories: dict[str, list[str]] | None = None) -> dict[str, int]:
+
+def check_header(
+    table: TableFile, wanted: list[str], what: str = "column(s)", categories: dict[str, list[str]] | None = None
+) -> dict[str, int]:
     """Each ``wanted`` column's position in the header, or :class:`TableFileError`: a column absent (with
     a separator hint), named twice, or (Parquet) of a type that is not one scalar per row.
     ``categories``: the declared texts of categorical columns (and the label's classes), checked
@@ -177,13 +190,17 @@ def check_header(table: TableFile, wanted: list[str], what: str = "column(s)",
     names = header(table)
     absent = [name for name in wanted if name not in names]
     if absent:
-        raise TableFileError(f"{table.path}: {what} {absent} not found; the file has {names}"
-                             + (_separator_hint(table, names, wanted) or _spelling_hint(names, absent)))
+        raise TableFileError(
+            f"{table.path}: {what} {absent} not found; the file has {names}"
+            + (_separator_hint(table, names, wanted) or _spelling_hint(names, absent))
+        )
     repeated = {name: [i for i, n in enumerate(names) if n == name] for name in wanted if names.count(name) > 1}
     if repeated:
         where = "; ".join(f"{name!r} at columns {', '.join(str(i + 1) for i in at)}" for name, at in repeated.items())
-        raise TableFileError(f"{table.path}: the file has the column(s) {sorted(repeated)} more than once ({where}); "
-                             "which copy is meant is ambiguous: rename or drop the extra copies")
+        raise TableFileError(
+            f"{table.path}: the file has the column(s) {sorted(repeated)} more than once ({where}); "
+            "which copy is meant is ambiguous: rename or drop the extra copies"
+        )
     if table.kind == "parquet":
         _check_parquet_types(table.path, wanted, categories or {})
     return {name: names.index(name) for name in wanted}
@@ -214,8 +231,10 @@ def _separator_hint(table: TableFile, names: list[str], wanted: list[str]) -> st
         fits = all(w in split for w in wanted)
         if fits or (len(names) == 1 and len(split) > 1):
             spelled = '"\\t"' if separator == "\t" else f"'{separator}'"
-            return (f". Its header looks {name}-separated ({len(split)} columns with {spelled}): set "
-                    f"data.separator: {spelled}")
+            return (
+                f". Its header looks {name}-separated ({len(split)} columns with {spelled}): set "
+                f"data.separator: {spelled}"
+            )
     return ""
 
 
@@ -228,10 +247,26 @@ def _spelling_hint(names: list[str], absent: list[str]) -> str:
     return ". Did you mean " + ", ".join(f"{name!r} for {want!r}" for want, name in close.items()) + "?"
 
 
-_SCALAR_TYPES = ("is_integer", "is_floating", "is_boolean", "is_string", "is_large_string", "is_decimal",
-                 "is_null", "is_dictionary")
-_NESTED_TYPES = ("is_list", "is_large_list", "is_fixed_size_list", "is_struct", "is_map", "is_union",
-                 "is_list_view", "is_large_list_view")
+_SCALAR_TYPES = (
+    "is_integer",
+    "is_floating",
+    "is_boolean",
+    "is_string",
+    "is_large_string",
+    "is_decimal",
+    "is_null",
+    "is_dictionary",
+)
+_NESTED_TYPES = (
+    "is_list",
+    "is_large_list",
+    "is_fixed_size_list",
+    "is_struct",
+    "is_map",
+    "is_union",
+    "is_list_view",
+    "is_large_list_view",
+)
 
 
 def _check_parquet_types(path: Path, wanted: list[str], categories: dict[str, list[str]]) -> None:
@@ -242,19 +277,26 @@ def _check_parquet_types(path: Path, wanted: list[str], categories: dict[str, li
     for name in wanted:
         kind = fields[name].type
         if any(getattr(pt, test, lambda _t: False)(kind) for test in _NESTED_TYPES):
-            raise TableFileError(f"{path}: column {name!r} is {kind} in the Parquet file, a nested type (several "
-                                 "values per row); each named column must hold one value per row: flatten it (one "
-                                 "column per value) or store it as text")
+            raise TableFileError(
+                f"{path}: column {name!r} is {kind} in the Parquet file, a nested type (several "
+                "values per row); each named column must hold one value per row: flatten it (one "
+                "column per value) or store it as text"
+            )
         if name in categories and not any(getattr(pt, test)(kind) for test in _SCALAR_TYPES):
-            raise TableFileError(f"{path}: column {name!r} is {kind} in the Parquet file; a feature or label is a "
-                                 "number, a boolean or a text (store it as one of them)")
+            raise TableFileError(
+                f"{path}: column {name!r} is {kind} in the Parquet file; a feature or label is a "
+                "number, a boolean or a text (store it as one of them)"
+            )
         if name in categories and pt.is_boolean(kind) and not {"True", "False"} <= set(categories[name]):
-            raise TableFileError(f"{path}: column {name!r} is boolean in the Parquet file, so its cells read True and "
-                                 f"False; declare them as its categories (or classes): [\"True\", \"False\"] "
-                                 f"(declared: {categories[name]})")
+            raise TableFileError(
+                f"{path}: column {name!r} is boolean in the Parquet file, so its cells read True and "
+                f'False; declare them as its categories (or classes): ["True", "False"] '
+                f"(declared: {categories[name]})"
+            )
 
 
 # ------------------------------------------------------------------------------------------- records
+
 
 def csv_chunks(table: TableFile, positions: dict[str, int], rows: int, encoding: str) -> Iterator[pd.DataFrame]:
     """The CSV file's named columns, ``rows`` records at a time, as text; every field of every row is
@@ -264,8 +306,17 @@ def csv_chunks(table: TableFile, positions: dict[str, int], rows: int, encoding:
         # pandas warns, and drops or shifts fields, when the rows have more fields than the header
         warnings.simplefilter("error", pd.errors.ParserWarning)
         try:
-            reader = pd.read_csv(table.path, sep=separator, encoding=encoding, dtype=str, keep_default_na=False,
-                                 na_values=[], chunksize=rows, header=0, index_col=False)
+            reader = pd.read_csv(
+                table.path,
+                sep=separator,
+                encoding=encoding,
+                dtype=str,
+                keep_default_na=False,
+                na_values=[],
+                chunksize=rows,
+                header=0,
+                index_col=False,
+            )
             with reader:
                 for frame in reader:
                     picked = frame.iloc[:, list(positions.values())]
@@ -273,9 +324,14 @@ def csv_chunks(table: TableFile, positions: dict[str, int], rows: int, encoding:
                     yield picked
         except (pd.errors.ParserError, pd.errors.ParserWarning) as error:
             text = " ".join(str(error).split())
-            hint = (" (a row with more fields than the header: a value holding the separator must be quoted)"
-                    if "Expected" in text or "does not match" in text else "")
+            hint = (
+                " (a row with more fields than the header: a value holding the separator must be quoted)"
+                if "Expected" in text or "does not match" in text
+                else ""
+            )
             raise TableFileError(f"{table.path}: cannot parse as csv: {text}{hint}") from None
         except UnicodeDecodeError as error:
-            raise TableFileError(f"{table.path}: not {encoding} text ({error.reason} at byte {error.start}); name the "
-                                 "file's encoding with data.encoding (e.g. cp1252, latin-1, utf-16)") from None
+            raise TableFileError(
+                f"{table.path}: not {encoding} text ({error.reason} at byte {error.start}); name the "
+                "file's encoding with data.encoding (e.g. cp1252, latin-1, utf-16)"
+            ) from None

@@ -34,20 +34,44 @@ def table_encoding(data: DataConfig, preprocess: PreprocessConfig) -> TableEncod
         columns = []
         for name, column in data.columns.items():
             if column.type == "numeric":
-                columns.append(ColumnEncoding(name=name, kind="numeric", lower=column.lower, upper=column.upper,
-                                              fill=column.fill, indicator=column.indicator))
+                columns.append(
+                    ColumnEncoding(
+                        name=name,
+                        kind="numeric",
+                        lower=column.lower,
+                        upper=column.upper,
+                        fill=column.fill,
+                        indicator=column.indicator,
+                    )
+                )
             elif column.type == "tokens":
-                columns.append(ColumnEncoding(name=name, kind="tokens", length=column.length,
-                                              vocabulary=column.vocabulary, pad_id=column.pad_id))
+                columns.append(
+                    ColumnEncoding(
+                        name=name,
+                        kind="tokens",
+                        length=column.length,
+                        vocabulary=column.vocabulary,
+                        pad_id=column.pad_id,
+                    )
+                )
             else:
-                columns.append(ColumnEncoding(name=name, kind="categorical",
-                                              categories=tuple(category_text(c) for c in column.categories)))
-        return TableEncoding(columns=tuple(columns), missing_values=tuple(v.strip() for v in data.missing_values),
-                             strict=data.strict)
+                columns.append(
+                    ColumnEncoding(
+                        name=name, kind="categorical", categories=tuple(category_text(c) for c in column.categories)
+                    )
+                )
+        return TableEncoding(
+            columns=tuple(columns), missing_values=tuple(v.strip() for v in data.missing_values), strict=data.strict
+        )
     if data.feature_columns:
-        return TableEncoding(columns=tuple(ColumnEncoding(name=name, kind="numeric", lower=preprocess.lower,
-                                                          upper=preprocess.upper) for name in data.feature_columns),
-                             missing_values=tuple(v.strip() for v in data.missing_values), strict=data.strict)
+        return TableEncoding(
+            columns=tuple(
+                ColumnEncoding(name=name, kind="numeric", lower=preprocess.lower, upper=preprocess.upper)
+                for name in data.feature_columns
+            ),
+            missing_values=tuple(v.strip() for v in data.missing_values),
+            strict=data.strict,
+        )
     return None
 
 
@@ -66,8 +90,15 @@ def header(path: Path, kind: str, separator: str = ",", encoding: str = "auto") 
     return _checked(lambda: files.header(files.TableFile(path, kind, separator, encoding)))
 
 
-def check_columns(path: Path, kind: str, wanted: list[str], what: str = "column(s)", separator: str | None = None,
-                  encoding: str = "auto", categories: dict[str, list[str]] | None = None) -> dict[str, int]:
+def check_columns(
+    path: Path,
+    kind: str,
+    wanted: list[str],
+    what: str = "column(s)",
+    separator: str | None = None,
+    encoding: str = "auto",
+    categories: dict[str, list[str]] | None = None,
+) -> dict[str, int]:
     """Each ``wanted`` column's position in the header, else a DataError naming the absent ones (with a
     separator hint), the ones named twice, or a Parquet column that is not one scalar per row
     (:func:`dpml.data.table_files.check_header`). ``separator`` None: any usual separator will do (a
@@ -84,14 +115,16 @@ def _checked(step: Callable[[], Any]) -> Any:
     except files.TableFileError as error:
         raise DataError(str(error)) from None
     except UnicodeDecodeError as error:
-        raise DataError(f"not valid text ({error.reason} at byte {error.start}); name the file's encoding with "
-                        "data.encoding") from None
+        raise DataError(
+            f"not valid text ({error.reason} at byte {error.start}); name the file's encoding with data.encoding"
+        ) from None
     except OSError as error:
         raise DataError(f"{error.filename}: cannot read it ({error.strerror or error})") from None
 
 
-def chunks(path: Path, kind: str, columns: list[str], rows: int, separator: str = ",",
-           encoding: str = "auto") -> Iterator[pd.DataFrame]:
+def chunks(
+    path: Path, kind: str, columns: list[str], rows: int, separator: str = ",", encoding: str = "auto"
+) -> Iterator[pd.DataFrame]:
     """The table's ``columns``, ``rows`` records at a time (CSV as text, Parquet typed). A CSV column named
     twice is read from its first copy (:func:`check_columns` refuses that for the columns a run uses)."""
 
@@ -121,8 +154,10 @@ def label_indices(values: pd.Series, classes: list[str], column: str, first_row:
         raise DataError(f"{origin}: row {first_row + int(np.argmax(absent))}, column {column!r}: missing label")
     if (codes < 0).any():
         position = int(np.argmax(codes < 0))
-        raise DataError(f"{origin}: row {first_row + position}, column {column!r}: label {values.iloc[position]!r} "
-                        f"is not in data.classes {classes}")
+        raise DataError(
+            f"{origin}: row {first_row + position}, column {column!r}: label {values.iloc[position]!r} "
+            f"is not in data.classes {classes}"
+        )
     return codes
 
 
@@ -132,15 +167,20 @@ def unit_ids(values: pd.Series, column: str, first_row: int, origin: str) -> lis
     absent = values.isna().to_numpy() | (values.astype(str).str.strip() == "").to_numpy()
     if absent.any():
         row = first_row + int(np.argmax(absent))
-        raise DataError(f"{origin}: row {row}, column {column!r}: missing id; every row needs the id of the "
-                        "person it belongs to (data.id_column)")
+        raise DataError(
+            f"{origin}: row {row}, column {column!r}: missing id; every row needs the id of the "
+            "person it belongs to (data.id_column)"
+        )
     return values.tolist()
 
 
 def declared_texts(config: DataConfig) -> dict[str, list[str]]:
     """The texts each categorical feature column (and the label) is matched against, by column."""
-    texts = {name: [category_text(c) for c in column.categories]
-             for name, column in (config.columns or {}).items() if column.type == "categorical"}
+    texts = {
+        name: [category_text(c) for c in column.categories]
+        for name, column in (config.columns or {}).items()
+        if column.type == "categorical"
+    }
     if config.label_column is not None and config.classes is not None:
         texts[config.label_column] = [category_text(c) for c in config.classes]
     return texts
@@ -156,8 +196,9 @@ def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
     encoding = table_encoding(config, preprocess)
     assert encoding is not None and config.label_column is not None and config.classes is not None
     wanted = config.named_columns()
-    check_columns(path, kind, wanted, separator=config.separator, encoding=config.encoding,
-                  categories=declared_texts(config))
+    check_columns(
+        path, kind, wanted, separator=config.separator, encoding=config.encoding, categories=declared_texts(config)
+    )
     text_encoding = _checked(lambda: files.detect_encoding(path, config.encoding)) if kind == "csv" else None
     classes = [category_text(c) for c in config.classes]
     features, labels, ids, counts, start = [], [], [], Counts(), 0
@@ -179,8 +220,19 @@ def load_table(config: DataConfig, preprocess: PreprocessConfig) -> RawData:
     units = None
     if config.id_column:
         units = digests_of_ids(ids)
-    notes = [f"{path}: not UTF-8; read as {text_encoding} (data.encoding: auto)"] if (
-        config.encoding == "auto" and text_encoding in ("cp1252", "latin-1")) else []
-    return RawData(x=x, y=y, classes=classes, feature_names=encoding.feature_names(), origin=f"{kind}:{path}",
-                   units=units, columns=encoding.column_names, notes=notes,
-                   slot_counts={"missing": counts.missing, "other": counts.other})
+    notes = (
+        [f"{path}: not UTF-8; read as {text_encoding} (data.encoding: auto)"]
+        if (config.encoding == "auto" and text_encoding in ("cp1252", "latin-1"))
+        else []
+    )
+    return RawData(
+        x=x,
+        y=y,
+        classes=classes,
+        feature_names=encoding.feature_names(),
+        origin=f"{kind}:{path}",
+        units=units,
+        columns=encoding.column_names,
+        notes=notes,
+        slot_counts={"missing": counts.missing, "other": counts.other},
+    )

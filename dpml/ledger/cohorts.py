@@ -35,7 +35,7 @@ SCHEMA = (
 
 @dataclass
 class Shard:
-    ids: np.ndarray      # uint64, sorted, unique
+    ids: np.ndarray  # uint64, sorted, unique
     cohorts: np.ndarray  # int64, the cohort of each id
 
 
@@ -44,7 +44,7 @@ class Lookup:
     """Where the units of one run stand: per input unit its cohort (0: never seen), and the shards read."""
 
     cohort_of_unit: np.ndarray  # int64, aligned with the sorted unique ids passed in
-    ids: np.ndarray             # the sorted unique ids looked up
+    ids: np.ndarray  # the sorted unique ids looked up
     shards: dict[int, Shard]
 
 
@@ -102,15 +102,21 @@ def histories(db: sqlite3.Connection, cohort_ids: np.ndarray) -> dict[int, tuple
     out: dict[int, tuple[int, ...]] = {0: ()}
     wanted = [int(c) for c in sorted_unique(cohort_ids)[0] if c != 0]
     for start in range(0, len(wanted), 500):
-        chunk = wanted[start:start + 500]
+        chunk = wanted[start : start + 500]
         marks = ",".join("?" * len(chunk))
         for cohort, history in db.execute(f"SELECT id, history FROM cohorts WHERE id IN ({marks})", chunk):  # noqa: S608
             out[int(cohort)] = tuple(json.loads(history))
     return out
 
 
-def record_spend(db: sqlite3.Connection, lineage: str, lookup: Lookup, touched: np.ndarray, spend_id: int,
-                 history_of: dict[int, tuple[int, ...]]) -> int:
+def record_spend(
+    db: sqlite3.Connection,
+    lineage: str,
+    lookup: Lookup,
+    touched: np.ndarray,
+    spend_id: int,
+    history_of: dict[int, tuple[int, ...]],
+) -> int:
     """Move the ``touched`` units (a mask over ``lookup.ids``) into cohorts whose history ends with
     ``spend_id``, adding units never seen; returns how many units the spend touched. Call inside the
     transaction that inserted the spend."""
@@ -119,8 +125,9 @@ def record_spend(db: sqlite3.Connection, lineage: str, lookup: Lookup, touched: 
     new_cohort: dict[int, int] = {}
     for cohort, count in zip(moved.tolist(), counts.tolist(), strict=True):
         history = [*history_of[cohort], spend_id]
-        cursor = db.execute("INSERT INTO cohorts (lineage, history, size) VALUES (?, ?, ?)",
-                            (lineage, json.dumps(history), count))
+        cursor = db.execute(
+            "INSERT INTO cohorts (lineage, history, size) VALUES (?, ?, ?)", (lineage, json.dumps(history), count)
+        )
         assert cursor.lastrowid is not None  # an INSERT's row id
         new_cohort[cohort] = cursor.lastrowid
         if cohort != 0:
@@ -143,8 +150,10 @@ def record_spend(db: sqlite3.Connection, lineage: str, lookup: Lookup, touched: 
         stored.cohorts[position[found]] = assigned[found]
         merged_ids = np.insert(stored.ids, position[~found], wanted[~found])
         merged_cohorts = np.insert(stored.cohorts, position[~found], assigned[~found])
-        db.execute("INSERT OR REPLACE INTO unit_shards (lineage, shard, ids, cohorts) VALUES (?, ?, ?, ?)",
-                   (lineage, shard, merged_ids.astype("<u8").tobytes(), merged_cohorts.astype("<i8").tobytes()))
+        db.execute(
+            "INSERT OR REPLACE INTO unit_shards (lineage, shard, ids, cohorts) VALUES (?, ?, ?, ?)",
+            (lineage, shard, merged_ids.astype("<u8").tobytes(), merged_cohorts.astype("<i8").tobytes()),
+        )
     return int(touched.sum())
 
 

@@ -46,7 +46,7 @@ def is_postgres(location: str | Path) -> bool:
 def sqlite_file(location: str | Path) -> Path:
     """The file of a SQLite location: a path, or a ``sqlite:///path`` URL."""
     text = str(location)
-    return Path(text[len("sqlite:///"):]) if text.startswith("sqlite:///") else Path(text)
+    return Path(text[len("sqlite:///") :]) if text.startswith("sqlite:///") else Path(text)
 
 
 def without_password(url: str) -> str:
@@ -85,8 +85,10 @@ class SqliteDatabase:
         except sqlite3.OperationalError as error:
             if "locked" not in str(error) and "busy" not in str(error):
                 raise
-            raise LedgerError(f"{self.path}: the ledger stayed locked by other runs for {LOCK_WAIT_SECONDS:.0f} s "
-                              f"({error}); nothing was recorded by this run — try again") from None
+            raise LedgerError(
+                f"{self.path}: the ledger stayed locked by other runs for {LOCK_WAIT_SECONDS:.0f} s "
+                f"({error}); nothing was recorded by this run — try again"
+            ) from None
         finally:
             connection.close()
 

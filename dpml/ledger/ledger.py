@@ -102,8 +102,20 @@ if TYPE_CHECKING:
     from dpml.sections_stores import LedgerConfig
 
 # The ledger's public face: its own classes plus what callers use from the modules it is built from.
-__all__ = ["BudgetExceeded", "Ledger", "LedgerError", "LineageConflict", "Spend", "_compose", "default_lineage",
-           "epsilons_from_rdp", "ledger_of", "filter_bound", "filter_order", "rdp_curve"]
+__all__ = [
+    "BudgetExceeded",
+    "Ledger",
+    "LedgerError",
+    "LineageConflict",
+    "Spend",
+    "_compose",
+    "default_lineage",
+    "epsilons_from_rdp",
+    "ledger_of",
+    "filter_bound",
+    "filter_order",
+    "rdp_curve",
+]
 
 
 @dataclass(frozen=True)
@@ -150,8 +162,10 @@ class Ledger(LedgerViews):
                 row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 if row is not None and int(row[0]) > SCHEMA_VERSION:
                     db.execute("ROLLBACK")
-                    raise LedgerError(f"{self.location}: ledger schema {row[0]} is from a newer dpml "
-                                      f"(this one reads ≤ {SCHEMA_VERSION}); refusing to touch it")
+                    raise LedgerError(
+                        f"{self.location}: ledger schema {row[0]} is from a newer dpml "
+                        f"(this one reads ≤ {SCHEMA_VERSION}); refusing to touch it"
+                    )
                 if row is not None and int(row[0]) < SCHEMA_VERSION:
                     db.execute("ROLLBACK")
                     if not isinstance(self._db, SqliteDatabase):
@@ -163,15 +177,18 @@ class Ledger(LedgerViews):
                     db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                 db.execute("COMMIT")
         except self._db.errors as error:
-            raise LedgerError(f"{self.location}: not a readable or reachable ledger ({error}); it was not "
-                              "modified") from None
+            raise LedgerError(
+                f"{self.location}: not a readable or reachable ledger ({error}); it was not modified"
+            ) from None
 
     def _unit_key(self, create: bool) -> bytes:
         """The unit key; its fingerprint is stored in the ledger on first use and checked after."""
         if self._key is None:
             if self.unit_key_path is None:
-                raise LedgerError(f"{self.location}: a shared (PostgreSQL) ledger needs the unit key file named "
-                                  "(ledger.unit_key), the same secret file on every worker")
+                raise LedgerError(
+                    f"{self.location}: a shared (PostgreSQL) ledger needs the unit key file named "
+                    "(ledger.unit_key), the same secret file on every worker"
+                )
             try:
                 key = load_or_create_key(self.unit_key_path, create=create)
             except UnitKeyError as error:
@@ -183,8 +200,10 @@ class Ledger(LedgerViews):
                     db.execute("INSERT INTO meta VALUES ('unit_key_fingerprint', ?)", (key_fingerprint(key),))
                 db.execute("COMMIT")
             if row is not None and row[0] != key_fingerprint(key):
-                raise LedgerError(f"{self.unit_key_path}: this is not the unit key {self.location} was written with; "
-                                  "restore the right key file (or point ledger.unit_key at it)")
+                raise LedgerError(
+                    f"{self.unit_key_path}: this is not the unit key {self.location} was written with; "
+                    "restore the right key file (or point ledger.unit_key at it)"
+                )
             self._key = key
         return self._key
 
@@ -233,8 +252,10 @@ class Ledger(LedgerViews):
                 db.execute("ROLLBACK")
                 return False
             if "cancelled" not in kinds:
-                db.execute("INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, 'cancelled', ?)",
-                           (spend_id, time.time(), json.dumps({"reason": reason})))
+                db.execute(
+                    "INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, 'cancelled', ?)",
+                    (spend_id, time.time(), json.dumps({"reason": reason})),
+                )
             db.execute("COMMIT")
         return True
 
@@ -245,8 +266,10 @@ class Ledger(LedgerViews):
             if db.execute("SELECT 1 FROM spends WHERE id = ?", (spend_id,)).fetchone() is None:
                 db.execute("ROLLBACK")
                 raise LedgerError(f"{self.location}: no spend with id {spend_id}")
-            db.execute("INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, ?, ?)",
-                       (spend_id, time.time(), kind, json.dumps(detail or {})))
+            db.execute(
+                "INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, ?, ?)",
+                (spend_id, time.time(), kind, json.dumps(detail or {})),
+            )
             db.execute("COMMIT")
 
     def events(self, spend_id: int) -> list[tuple[str, dict[str, Any]]]:
@@ -271,8 +294,9 @@ class Ledger(LedgerViews):
         if ids is None:
             groups = self._groups(db, lineage)
             histories = [base] + [g.releases for g in groups]
-            return Standing(histories, np.array([0] + [g.units for g in groups], dtype=np.int64), None,
-                            [0] * (len(groups) + 1))
+            return Standing(
+                histories, np.array([0] + [g.units for g in groups], dtype=np.int64), None, [0] * (len(groups) + 1)
+            )
         lookup = cohorts.look_up(db, lineage, ids)
         present, counts = cohorts.sorted_unique(lookup.cohort_of_unit)
         history_of = cohorts.histories(db, present)
@@ -288,8 +312,9 @@ class Ledger(LedgerViews):
             return float(row[0])
         return filter_order(budget, self.delta)
 
-    def units_within_filter(self, lineage: str, digests: np.ndarray, mechanism: MechanismDescription,
-                            budget: float) -> np.ndarray:
+    def units_within_filter(
+        self, lineage: str, digests: np.ndarray, mechanism: MechanismDescription, budget: float
+    ) -> np.ndarray:
         """Mask over ``digests`` (one row per unit): the units that may take part in a run of ``mechanism``
         under the lineage's Rényi filter (``ledger.on_exhausted: exclude``). Nothing is written."""
         ids = self.unit_ids(digests)
@@ -302,8 +327,9 @@ class Ledger(LedgerViews):
             accounts.add_planned(-1, mechanism)
             order = self._filter_order(db, lineage, budget)
             allowed = within_filter(accounts, standing.histories, -1, order, budget, self.delta)
-        allowed_cohorts = np.array([c for c, a in zip(standing.cohort_of_history, allowed, strict=True) if a],
-                                   dtype=np.int64)
+        allowed_cohorts = np.array(
+            [c for c, a in zip(standing.cohort_of_history, allowed, strict=True) if a], dtype=np.int64
+        )
         assert standing.lookup is not None
         return np.asarray(np.isin(standing.lookup.cohort_of_unit, allowed_cohorts)[inverse.ravel()])
 
@@ -349,9 +375,18 @@ class Ledger(LedgerViews):
         return moved | {"epsilon_total": self.total(new)}
 
     # ------------------------------------------------------------------------------------ reserve
-    def reserve(self, dataset_version: str, mechanism: MechanismDescription | None, label: str,
-                budget: float, kl_budget: float | None = None, *, lineage: str | None = None,
-                units: np.ndarray | None = None, mode: Literal["refuse", "exclude"] = "refuse") -> Spend:
+    def reserve(
+        self,
+        dataset_version: str,
+        mechanism: MechanismDescription | None,
+        label: str,
+        budget: float,
+        kl_budget: float | None = None,
+        *,
+        lineage: str | None = None,
+        units: np.ndarray | None = None,
+        mode: Literal["refuse", "exclude"] = "refuse",
+    ) -> Spend:
         """Record a planned run's spend and the units it touches, or raise :class:`BudgetExceeded`
         (the ledger is then unchanged).
 
@@ -363,9 +398,11 @@ class Ledger(LedgerViews):
         refused before anything is read or written (:class:`LedgerError`), not taken as ``refuse``.
         """
         if mode not in ("refuse", "exclude"):
-            raise LedgerError(f"mode = {mode!r}: the ledger checks a run by 'refuse' (composition against the "
-                              "budget) or 'exclude' (the Rényi filter) only (ledger.on_exhausted); nothing was "
-                              "recorded")
+            raise LedgerError(
+                f"mode = {mode!r}: the ledger checks a run by 'refuse' (composition against the "
+                "budget) or 'exclude' (the Rényi filter) only (ledger.on_exhausted); nothing was "
+                "recorded"
+            )
         lineage = lineage or dataset_version
         kl_run = mechanism is not None and mechanism.guarantee == "kl"
         alone = float("inf") if mechanism is None or kl_run else tight_epsilon(mechanism, self.delta)
@@ -376,8 +413,10 @@ class Ledger(LedgerViews):
             try:
                 if ids is not None:
                     self._refuse_other_lineages(db, lineage, ids)
-                db.execute("INSERT OR IGNORE INTO lineages (name, created_at, base) VALUES (?, ?, '[]')",
-                           (lineage, time.time()))
+                db.execute(
+                    "INSERT OR IGNORE INTO lineages (name, created_at, base) VALUES (?, ?, '[]')",
+                    (lineage, time.time()),
+                )
                 standing = None
                 if mechanism is not None:
                     accounts = UnitAccounts(self.delta, db)
@@ -386,16 +425,25 @@ class Ledger(LedgerViews):
                     order = self._filter_order(db, lineage, budget) if mode == "exclude" else None
                     check_budget(accounts, standing, lineage, -1, mechanism, budget, kl_budget, order, self.delta)
                     if mode == "exclude":
-                        db.execute("UPDATE lineages SET filter_order = ? WHERE name = ? AND filter_order IS NULL",
-                                   (self._filter_order(db, lineage, budget), lineage))
+                        db.execute(
+                            "UPDATE lineages SET filter_order = ? WHERE name = ? AND filter_order IS NULL",
+                            (self._filter_order(db, lineage, budget), lineage),
+                        )
                 created = time.time()  # the reservation time, as stored and as returned (its identity: id@time)
                 cursor = db.execute(
                     "INSERT INTO spends (dataset_version, label, created_at, private, mechanism, epsilon_alone, "
                     "lineage, n_units, rdp) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (dataset_version, label, created, int(mechanism is not None),
-                     json.dumps(mechanism.to_dict()) if mechanism else None, alone, lineage,
-                     None if ids is None else int(ids.size),
-                     None if curve is None else _curve_to_json(curve)),
+                    (
+                        dataset_version,
+                        label,
+                        created,
+                        int(mechanism is not None),
+                        json.dumps(mechanism.to_dict()) if mechanism else None,
+                        alone,
+                        lineage,
+                        None if ids is None else int(ids.size),
+                        None if curve is None else _curve_to_json(curve),
+                    ),
                 )
                 spend_id = int(cursor.lastrowid)
                 if mechanism is not None and ids is None:
@@ -403,15 +451,17 @@ class Ledger(LedgerViews):
                     db.execute("UPDATE lineages SET base = ? WHERE name = ?", (json.dumps(base), lineage))
                 elif mechanism is not None and ids is not None and standing is not None and standing.lookup is not None:
                     history_of = cohorts.histories(db, standing.lookup.cohort_of_unit)
-                    cohorts.record_spend(db, lineage, standing.lookup, np.ones(ids.size, dtype=bool), spend_id,
-                                         history_of)
+                    cohorts.record_spend(
+                        db, lineage, standing.lookup, np.ones(ids.size, dtype=bool), spend_id, history_of
+                    )
                 fault_point("ledger:units_written")
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return Spend(spend_id, dataset_version, label, created, mechanism, alone, lineage,
-                     None if ids is None else int(ids.size))
+        return Spend(
+            spend_id, dataset_version, label, created, mechanism, alone, lineage, None if ids is None else int(ids.size)
+        )
 
 
 def ledger_of(settings: LedgerConfig) -> Ledger:

@@ -72,18 +72,25 @@ def conflict(lineage: str, run_units: int, found: dict[str, int], lineage_exists
     names = sorted(found, key=lambda n: (-found[n], n))
     where = ", ".join(f"{n!r} ({found[n]:,} of them)" for n in names)
     if len(names) > 1:
-        fix = (f"merge those lineages first (dpml ledger rename {names[1]} {names[0]} --merge), then set "
-               f"ledger.dataset: {names[0]}")
+        fix = (
+            f"merge those lineages first (dpml ledger rename {names[1]} {names[0]} --merge), then set "
+            f"ledger.dataset: {names[0]}"
+        )
     elif lineage_exists:
-        fix = (f"set ledger.dataset: {names[0]} (or leave ledger.dataset out: the lineage then follows the records), "
-               f"or merge the two accounts: dpml ledger rename {lineage} {names[0]} --merge")
+        fix = (
+            f"set ledger.dataset: {names[0]} (or leave ledger.dataset out: the lineage then follows the records), "
+            f"or merge the two accounts: dpml ledger rename {lineage} {names[0]} --merge"
+        )
     else:
-        fix = (f"set ledger.dataset: {names[0]} (or leave ledger.dataset out: the lineage then follows the records), "
-               f"or rename that lineage: dpml ledger rename {names[0]} {lineage}")
+        fix = (
+            f"set ledger.dataset: {names[0]} (or leave ledger.dataset out: the lineage then follows the records), "
+            f"or rename that lineage: dpml ledger rename {names[0]} {lineage}"
+        )
     return LineageConflict(
         f"lineage {lineage!r}: privacy units of this run ({run_units:,} in all) are already accounted under lineage "
         f"{where}: the same people (their unit ids match), and one person has one account; {fix} (from Python: "
-        "dpml.train_private(lineage=…)). Nothing was recorded.")
+        "dpml.train_private(lineage=…)). Nothing was recorded."
+    )
 
 
 def _own_units(db: Any, lineage: str) -> tuple[dict[int, cohorts.Shard], np.ndarray]:
@@ -100,8 +107,7 @@ def _cohorts_elsewhere(db: Any, shards: dict[int, cohorts.Shard], name: str) -> 
         mine = shards[shard]
         column = np.zeros(mine.ids.size, dtype=np.int64)
         if shard in theirs:
-            _, at_mine, at_theirs = np.intersect1d(mine.ids, theirs[shard].ids, assume_unique=True,
-                                                   return_indices=True)
+            _, at_mine, at_theirs = np.intersect1d(mine.ids, theirs[shard].ids, assume_unique=True, return_indices=True)
             column[at_mine] = theirs[shard].cohorts[at_theirs]
         parts.append(column)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -110,11 +116,13 @@ def _cohorts_elsewhere(db: Any, shards: dict[int, cohorts.Shard], name: str) -> 
 def lineage_groups(db: Any, lineage: str, base_of: Callable[[str], History]) -> list[Group]:
     """The lineage's units grouped by their history across every lineage (module docstring)."""
     others = unit_lineages(db, lineage)
-    shards, own = (_own_units(db, lineage) if others else ({}, np.zeros(0, dtype=np.int64)))
+    shards, own = _own_units(db, lineage) if others else ({}, np.zeros(0, dtype=np.int64))
     columns = {name: col for name in others if (col := _cohorts_elsewhere(db, shards, name)).any()}
     if not columns:
-        return [Group(_union(base_of(lineage), history), size, (lineage,))
-                for _, history, size in cohorts.lineage_cohorts(db, lineage)]
+        return [
+            Group(_union(base_of(lineage), history), size, (lineage,))
+            for _, history, size in cohorts.lineage_cohorts(db, lineage)
+        ]
     names = list(columns)
     matrix = np.column_stack([own, *(columns[n] for n in names)])
     shared = (matrix[:, 1:] != 0).any(axis=1)
@@ -147,6 +155,7 @@ def person(db: Any, unit_id: np.ndarray, base_of: Callable[[str], History]) -> G
 
 # ------------------------------------------------------------------------------------------- rename
 
+
 def check_name(name: str) -> str:
     """A lineage name as ``ledger.dataset`` allows it: 1-200 characters, not only spaces."""
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME:
@@ -170,15 +179,19 @@ def rename(db: Any, old: str, new: str, merge: bool) -> dict[str, Any]:
         raise LedgerError(f"lineage {old!r}: the new name is the old one")
     exists = new in names
     if exists and not merge:
-        raise LedgerError(f"lineage {new!r} exists; to merge {old!r} into it (the people of both become one account, "
-                          "each person's history the union of both) add --merge")
+        raise LedgerError(
+            f"lineage {new!r} exists; to merge {old!r} into it (the people of both become one account, "
+            "each person's history the union of both) add --merge"
+        )
     spends = [int(r[0]) for r in db.execute("SELECT id FROM spends WHERE lineage = ? ORDER BY id", (old,)).fetchall()]
     shared = _merge_units(db, old, new) if exists else _move_units(db, old, new)
     db.execute("UPDATE spends SET lineage = ? WHERE lineage = ?", (new, old))
     detail = json.dumps({"from": old, "to": new, "merged": exists})
     for spend in spends:
-        db.execute("INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, 'lineage_renamed', ?)",
-                   (spend, time.time(), detail))
+        db.execute(
+            "INSERT INTO events (spend_id, created_at, kind, detail) VALUES (?, ?, 'lineage_renamed', ?)",
+            (spend, time.time(), detail),
+        )
     return {"old": old, "new": new, "merged": exists, "spends": len(spends), "shared_units": shared}
 
 
@@ -195,8 +208,10 @@ def _merge_units(db: Any, old: str, new: str) -> int:
     row_new = db.execute("SELECT base, filter_order FROM lineages WHERE name = ?", (new,)).fetchone()
     orders = {r[1] for r in (row_old, row_new) if r is not None and r[1] is not None}
     if len(orders) > 1:
-        raise LedgerError(f"lineages {old!r} and {new!r} run individual Rényi filters at different orders "
-                          f"{sorted(orders)}; a unit's filter needs one order, so they cannot be merged")
+        raise LedgerError(
+            f"lineages {old!r} and {new!r} run individual Rényi filters at different orders "
+            f"{sorted(orders)}; a unit's filter needs one order, so they cannot be merged"
+        )
     base = _union(*(tuple(json.loads(r[0])) for r in (row_old, row_new) if r is not None))
     theirs, mine = cohorts.load_shards(db, old), cohorts.load_shards(db, new)
     db.execute("UPDATE cohorts SET lineage = ? WHERE lineage = ?", (new, old))
@@ -205,16 +220,20 @@ def _merge_units(db: Any, old: str, new: str) -> int:
     keys, counts = np.unique(pairs, axis=0, return_counts=True) if pairs.size else (pairs, np.zeros(0, np.int64))
     combined: dict[tuple[int, int], int] = {}
     for (a, b), count in zip(keys.tolist(), counts.tolist(), strict=True):
-        cursor = db.execute("INSERT INTO cohorts (lineage, history, size) VALUES (?, ?, ?)",
-                            (new, json.dumps(list(_union(history_of[a], history_of[b]))), count))
+        cursor = db.execute(
+            "INSERT INTO cohorts (lineage, history, size) VALUES (?, ?, ?)",
+            (new, json.dumps(list(_union(history_of[a], history_of[b]))), count),
+        )
         combined[(a, b)] = int(cursor.lastrowid)
         for cohort in (a, b):
             db.execute("UPDATE cohorts SET size = size - ? WHERE id = ?", (count, cohort))
     _write_union(db, old, new, theirs, mine, combined)
     if row_new is None:
         db.execute("INSERT INTO lineages (name, created_at, base) VALUES (?, ?, '[]')", (new, time.time()))
-    db.execute("UPDATE lineages SET base = ?, filter_order = ? WHERE name = ?",
-               (json.dumps(list(base)), next(iter(orders), None), new))
+    db.execute(
+        "UPDATE lineages SET base = ?, filter_order = ? WHERE name = ?",
+        (json.dumps(list(base)), next(iter(orders), None), new),
+    )
     db.execute("DELETE FROM lineages WHERE name = ?", (old,))
     return shared
 
@@ -234,8 +253,14 @@ def _pair_key(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a.astype(np.int64) << 32) | b.astype(np.int64)
 
 
-def _write_union(db: Any, old: str, new: str, theirs: dict[int, cohorts.Shard], mine: dict[int, cohorts.Shard],
-                 combined: dict[tuple[int, int], int]) -> None:
+def _write_union(
+    db: Any,
+    old: str,
+    new: str,
+    theirs: dict[int, cohorts.Shard],
+    mine: dict[int, cohorts.Shard],
+    combined: dict[tuple[int, int], int],
+) -> None:
     """``new``'s shards: every unit of both, a shared one in its combined cohort; ``old``'s shards go."""
     pairs = np.array(list(combined), dtype=np.int64).reshape(-1, 2)
     order = np.argsort(_pair_key(pairs[:, 0], pairs[:, 1]))
@@ -257,6 +282,8 @@ def _write_union(db: Any, old: str, new: str, theirs: dict[int, cohorts.Shard], 
         if both.any():
             keys = _pair_key(a.cohorts[in_a[both]], b.cohorts[in_b[both]])
             assigned[both] = targets[np.searchsorted(known, keys)]
-        db.execute("INSERT OR REPLACE INTO unit_shards (lineage, shard, ids, cohorts) VALUES (?, ?, ?, ?)",
-                   (new, shard, ids.astype("<u8").tobytes(), assigned.astype("<i8").tobytes()))
+        db.execute(
+            "INSERT OR REPLACE INTO unit_shards (lineage, shard, ids, cohorts) VALUES (?, ?, ?, ?)",
+            (new, shard, ids.astype("<u8").tobytes(), assigned.astype("<i8").tobytes()),
+        )
     db.execute("DELETE FROM unit_shards WHERE lineage = ?", (old,))

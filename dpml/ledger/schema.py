@@ -48,6 +48,7 @@ def create_tables(db: sqlite3.Connection) -> None:
     for statement in cohorts.SCHEMA:
         db.execute(statement)
 
+
 def migrate_from_v1(path: Path, connect: Callable[[], AbstractContextManager[sqlite3.Connection]]) -> None:
     """Schema 1 (one account per dataset version, no units) → 2. A copy of the old file is kept
     beside it (``<name>.v1``). Every old private spend becomes a spend of unknown units charged to
@@ -68,16 +69,21 @@ def migrate_from_v1(path: Path, connect: Callable[[], AbstractContextManager[sql
         create_tables(db)
         base: dict[str, list[int]] = {}
         for spend_id, version_hash, label, private, mechanism in db.execute(
-                "SELECT id, dataset_version, label, private, mechanism FROM spends ORDER BY id").fetchall():
+            "SELECT id, dataset_version, label, private, mechanism FROM spends ORDER BY id"
+        ).fetchall():
             match = _LABEL_SOURCE.search(label)
             lineage = default_lineage(match.group(1)) if match else version_hash
-            curve = _curve_to_json(rdp_curve(MechanismDescription.from_dict(json.loads(mechanism)))) if private else None
+            curve = (
+                _curve_to_json(rdp_curve(MechanismDescription.from_dict(json.loads(mechanism)))) if private else None
+            )
             db.execute("UPDATE spends SET lineage = ?, rdp = ? WHERE id = ?", (lineage, curve, spend_id))
             base.setdefault(lineage, [])
             if private:
                 base[lineage].append(int(spend_id))
         for lineage, spends in base.items():
-            db.execute("INSERT OR IGNORE INTO lineages (name, created_at, base) VALUES (?, ?, ?)",
-                       (lineage, time.time(), json.dumps(spends)))
+            db.execute(
+                "INSERT OR IGNORE INTO lineages (name, created_at, base) VALUES (?, ?, ?)",
+                (lineage, time.time(), json.dumps(spends)),
+            )
         db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
         db.execute("COMMIT")

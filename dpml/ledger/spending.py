@@ -24,14 +24,24 @@ from dpml.ledger.ledger import Ledger, Spend
 from dpml.accounting.mechanism import MechanismDescription
 
 
-def reserve_and_start(ledger: Ledger, dataset_version: str, mechanism: MechanismDescription | None, purpose: str,
-                      budget: float, *, kl_budget: float | None = None, lineage: str | None = None,
-                      units: np.ndarray | None = None, mode: Literal["refuse", "exclude"] = "refuse",
-                      before_start: Callable[[Spend], None] = lambda spend: None) -> Spend:
+def reserve_and_start(
+    ledger: Ledger,
+    dataset_version: str,
+    mechanism: MechanismDescription | None,
+    purpose: str,
+    budget: float,
+    *,
+    kl_budget: float | None = None,
+    lineage: str | None = None,
+    units: np.ndarray | None = None,
+    mode: Literal["refuse", "exclude"] = "refuse",
+    before_start: Callable[[Spend], None] = lambda spend: None,
+) -> Spend:
     """Reserve the spend (:meth:`Ledger.reserve`; :class:`dpml.ledger.ledger.BudgetExceeded` over budget), call
     ``before_start`` with it, and mark it ``started``; a failure in between cancels it and propagates."""
-    spend = ledger.reserve(dataset_version, mechanism, purpose, budget, kl_budget, lineage=lineage, units=units,
-                           mode=mode)
+    spend = ledger.reserve(
+        dataset_version, mechanism, purpose, budget, kl_budget, lineage=lineage, units=units, mode=mode
+    )
     try:
         before_start(spend)
         ledger.record_event(spend.id, "started", {"pid": os.getpid()})

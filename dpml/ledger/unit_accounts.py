@@ -182,8 +182,9 @@ class UnitAccounts:
             self.db.execute("INSERT OR REPLACE INTO history_epsilon (key, epsilon) VALUES (?, ?)", (memo_key, epsilon))
         return epsilon
 
-    def epsilons(self, histories: list[History], above: float | None = None,
-                 limit: int = PLD_REFINEMENTS) -> np.ndarray:
+    def epsilons(
+        self, histories: list[History], above: float | None = None, limit: int = PLD_REFINEMENTS
+    ) -> np.ndarray:
         """min(RDP, PLD) ε of each history. PLD is computed only where it can change the answer: for
         the histories whose RDP value exceeds ``above`` (a budget check; the closest to it first), or —
         ``above`` None — in descending RDP order until no remaining history can exceed the largest

@@ -46,12 +46,15 @@ def load_or_create_key(path: str | Path, create: bool) -> bytes:
     if path.exists():
         key = path.read_bytes()
         if len(key) != KEY_BYTES:
-            raise UnitKeyError(f"{path}: a unit key is {KEY_BYTES} bytes, this file has {len(key)}; "
-                               "restore the ledger's key file")
+            raise UnitKeyError(
+                f"{path}: a unit key is {KEY_BYTES} bytes, this file has {len(key)}; restore the ledger's key file"
+            )
         return key
     if not create:
-        raise UnitKeyError(f"{path}: the ledger's unit key file is missing; without it the ledger cannot recognise "
-                           "anyone it has accounted for. Restore the file (or point ledger.unit_key at it)")
+        raise UnitKeyError(
+            f"{path}: the ledger's unit key file is missing; without it the ledger cannot recognise "
+            "anyone it has accounted for. Restore the file (or point ledger.unit_key at it)"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(KEY_BYTES)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

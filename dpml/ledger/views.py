@@ -34,8 +34,9 @@ class LedgerHost(Protocol):
     def _groups(self, db: Any, lineage: str) -> list[Group]: ...
     def _lineage_standing(self, db: Any, lineage: str) -> Standing: ...
     def _releases(self, history: tuple[int, ...]) -> list[dict[str, Any]]: ...
-    def _people(self, lineage: str, groups: list[Group], eps: np.ndarray,
-                lineage_of_spend: dict[int, str]) -> dict[str, Any]: ...
+    def _people(
+        self, lineage: str, groups: list[Group], eps: np.ndarray, lineage_of_spend: dict[int, str]
+    ) -> dict[str, Any]: ...
 
 
 class LedgerViews:
@@ -57,16 +58,28 @@ class LedgerViews:
             db.execute("COMMIT")
         if group is None:
             return None
-        return {"lineages": list(group.lineages), "epsilon": epsilon, "delta": self.delta,
-                "releases": self._releases(group.releases)}
+        return {
+            "lineages": list(group.lineages),
+            "epsilon": epsilon,
+            "delta": self.delta,
+            "releases": self._releases(group.releases),
+        }
 
     def _releases(self: LedgerHost, history: tuple[int, ...]) -> list[dict[str, Any]]:
         """The spends of a history as the view lists them: id, lineage, label, ε alone, counted."""
         listed = {s.id: s for s in self.spends(counted_only=False)}
         counted = {s.id for s in self.spends()}
-        return [{"spend": i, "lineage": listed[i].lineage, "label": listed[i].label,
-                 "epsilon_alone": listed[i].epsilon_alone, "counted": i in counted} for i in history if i in listed]
-
+        return [
+            {
+                "spend": i,
+                "lineage": listed[i].lineage,
+                "label": listed[i].label,
+                "epsilon_alone": listed[i].epsilon_alone,
+                "counted": i in counted,
+            }
+            for i in history
+            if i in listed
+        ]
 
     # ------------------------------------------------------------------------------------ totals
     def total(self: LedgerHost, lineage: str) -> float:
@@ -74,7 +87,9 @@ class LedgerViews:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             standing = self._lineage_standing(db, lineage)
-            value = float(UnitAccounts(self.delta, db).epsilons(standing.histories).max()) if standing.histories else 0.0
+            value = (
+                float(UnitAccounts(self.delta, db).epsilons(standing.histories).max()) if standing.histories else 0.0
+            )
             db.execute("COMMIT")
         return value
 
@@ -96,15 +111,22 @@ class LedgerViews:
         return sorted(pairs, reverse=True)
 
     @staticmethod
-    def _people(lineage: str, groups: list[Group], eps: np.ndarray,
-                lineage_of_spend: dict[int, str]) -> dict[str, Any]:
+    def _people(lineage: str, groups: list[Group], eps: np.ndarray, lineage_of_spend: dict[int, str]) -> dict[str, Any]:
         """The view's per-person part: the lineage's units grouped by every release that touched them
         (across lineages), largest ε first, and how many of its units other lineages hold too."""
-        ranked = sorted(((g, float(e)) for g, e in zip(groups, eps, strict=True) if g.units > 0),
-                        key=lambda ge: (-ge[1], -ge[0].units))
-        people = [{"units": g.units, "epsilon": e, "lineages": list(g.lineages),
-                   "releases": [{"spend": i, "lineage": lineage_of_spend.get(i)} for i in g.releases]}
-                  for g, e in ranked]
+        ranked = sorted(
+            ((g, float(e)) for g, e in zip(groups, eps, strict=True) if g.units > 0),
+            key=lambda ge: (-ge[1], -ge[0].units),
+        )
+        people = [
+            {
+                "units": g.units,
+                "epsilon": e,
+                "lineages": list(g.lineages),
+                "releases": [{"spend": i, "lineage": lineage_of_spend.get(i)} for i in g.releases],
+            }
+            for g, e in ranked
+        ]
         shared: dict[str, int] = {}
         for group in groups:
             for other in group.lineages:
@@ -125,12 +147,17 @@ class LedgerViews:
             with self._connect() as db:
                 db.execute("BEGIN IMMEDIATE")
                 groups = self._groups(db, name)
-                standing = Standing([self._base(db, name)] + [g.releases for g in groups],
-                                    np.array([0] + [g.units for g in groups], dtype=np.int64), None, [])
+                standing = Standing(
+                    [self._base(db, name)] + [g.releases for g in groups],
+                    np.array([0] + [g.units for g in groups], dtype=np.int64),
+                    None,
+                    [],
+                )
                 accounts = UnitAccounts(self.delta, db)
                 eps = accounts.epsilons(standing.histories)
-                kl_any = any(s.mechanism is not None and s.mechanism.guarantee == "kl" and s.id in counted
-                             for s in listed)
+                kl_any = any(
+                    s.mechanism is not None and s.mechanism.guarantee == "kl" and s.id in counted for s in listed
+                )
                 kl = max((accounts.kl(h) for h in standing.histories), default=0.0) if kl_any else None
                 base = self._base(db, name)
                 order_row = db.execute("SELECT filter_order FROM lineages WHERE name = ?", (name,)).fetchone()
@@ -143,22 +170,35 @@ class LedgerViews:
             versions: dict[str, int] = {}
             for s in listed:
                 versions[s.dataset_version] = versions.get(s.dataset_version, 0) + 1
-            out.append({
-                "lineage": name,
-                "dataset_versions": versions,
-                "epsilon_total": float(eps.max()) if eps.size else 0.0,
-                "kl_total": kl,
-                "delta": self.delta,
-                "units": int(standing.units[1:].sum()) if standing.units.size else 0,
-                "unit_epsilon": sorted(levels.items(), reverse=True),
-                "unknown_unit_spends": list(base),
-                "filter_order": None if order_row is None else order_row[0],
-                "private_spends": sum(s.mechanism is not None and s.id in counted for s in listed),
-                "nonprivate_runs": sum(s.mechanism is None and s.id in counted for s in listed),
-                "cancelled_spends": sum(s.id not in counted for s in listed),
-                "spends": [{"id": s.id, "label": s.label, "created_at": s.created_at, "dataset_version": s.dataset_version,
-                            "epsilon_alone": s.epsilon_alone, "private": s.mechanism is not None, "units": s.n_units,
-                            "counted": s.id in counted, "events": [k for k, _ in self.events(s.id)]} for s in listed],
-                **self._people(name, groups, eps[1:], {s.id: s.lineage for s in every}),
-            })
+            out.append(
+                {
+                    "lineage": name,
+                    "dataset_versions": versions,
+                    "epsilon_total": float(eps.max()) if eps.size else 0.0,
+                    "kl_total": kl,
+                    "delta": self.delta,
+                    "units": int(standing.units[1:].sum()) if standing.units.size else 0,
+                    "unit_epsilon": sorted(levels.items(), reverse=True),
+                    "unknown_unit_spends": list(base),
+                    "filter_order": None if order_row is None else order_row[0],
+                    "private_spends": sum(s.mechanism is not None and s.id in counted for s in listed),
+                    "nonprivate_runs": sum(s.mechanism is None and s.id in counted for s in listed),
+                    "cancelled_spends": sum(s.id not in counted for s in listed),
+                    "spends": [
+                        {
+                            "id": s.id,
+                            "label": s.label,
+                            "created_at": s.created_at,
+                            "dataset_version": s.dataset_version,
+                            "epsilon_alone": s.epsilon_alone,
+                            "private": s.mechanism is not None,
+                            "units": s.n_units,
+                            "counted": s.id in counted,
+                            "events": [k for k, _ in self.events(s.id)],
+                        }
+                        for s in listed
+                    ],
+                    **self._people(name, groups, eps[1:], {s.id: s.lineage for s in every}),
+                }
+            )
         return out

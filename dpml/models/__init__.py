@@ -17,13 +17,29 @@ from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_re
 if TYPE_CHECKING:
     from dpml.sections import ModelConfig
 
-ModelSpec = MlpSpec | GatedSpec | LipschitzSpec | BiasFreeReluSpec | RandomFeaturesSpec | CnnSpec | WideResNetSpec | CustomSpec
-SPECS: dict[str, Any] = {"mlp": MlpSpec, "gated": GatedSpec, "lipschitz": LipschitzSpec, "bias_free_relu": BiasFreeReluSpec,
-                         "random_features": RandomFeaturesSpec, "cnn": CnnSpec, "wide_resnet": WideResNetSpec,
-                         "custom": CustomSpec}
-BUILDERS: dict[type, Any] = {MlpSpec: build_mlp, GatedSpec: build_gated, LipschitzSpec: build_lipschitz,
-                             BiasFreeReluSpec: build_bias_free_relu, RandomFeaturesSpec: build_random_features,
-                             CnnSpec: build_cnn, WideResNetSpec: build_wide_resnet, CustomSpec: build_custom}
+ModelSpec = (
+    MlpSpec | GatedSpec | LipschitzSpec | BiasFreeReluSpec | RandomFeaturesSpec | CnnSpec | WideResNetSpec | CustomSpec
+)
+SPECS: dict[str, Any] = {
+    "mlp": MlpSpec,
+    "gated": GatedSpec,
+    "lipschitz": LipschitzSpec,
+    "bias_free_relu": BiasFreeReluSpec,
+    "random_features": RandomFeaturesSpec,
+    "cnn": CnnSpec,
+    "wide_resnet": WideResNetSpec,
+    "custom": CustomSpec,
+}
+BUILDERS: dict[type, Any] = {
+    MlpSpec: build_mlp,
+    GatedSpec: build_gated,
+    LipschitzSpec: build_lipschitz,
+    BiasFreeReluSpec: build_bias_free_relu,
+    RandomFeaturesSpec: build_random_features,
+    CnnSpec: build_cnn,
+    WideResNetSpec: build_wide_resnet,
+    CustomSpec: build_custom,
+}
 
 
 def spec_from_dict(payload: dict[str, Any]) -> ModelSpec:
@@ -37,8 +53,9 @@ def build_model(spec: ModelSpec) -> nn.Module:
     return BUILDERS[type(spec)](spec)  # type: ignore[no-any-return]
 
 
-def spec_for(model: "ModelConfig", input_bound: float, in_features: int, n_classes: int,
-             linearised: bool = False) -> ModelSpec:
+def spec_for(
+    model: "ModelConfig", input_bound: float, in_features: int, n_classes: int, linearised: bool = False
+) -> ModelSpec:
     """The spec of the configured model kind for ``in_features`` inputs and ``n_classes`` outputs.
 
     ``input_bound`` is X0 (``preprocess.clip_norm``), which the Lipschitz network's input layer enforces;
@@ -48,17 +65,37 @@ def spec_for(model: "ModelConfig", input_bound: float, in_features: int, n_class
         return GatedSpec(in_features, model.gates, n_classes, model.gate_seed)
     if model.kind == "lipschitz":
         shape = model.input_shape
-        return LipschitzSpec(in_features, tuple(model.hidden), n_classes, input_bound, model.bias_bound,
-                             conv=tuple(model.conv), input_shape=None if shape is None else (shape[0], shape[1], shape[2]),
-                             dense_layer=model.dense_layer)
+        return LipschitzSpec(
+            in_features,
+            tuple(model.hidden),
+            n_classes,
+            input_bound,
+            model.bias_bound,
+            conv=tuple(model.conv),
+            input_shape=None if shape is None else (shape[0], shape[1], shape[2]),
+            dense_layer=model.dense_layer,
+        )
     if model.kind == "random_features":
         return RandomFeaturesSpec(in_features, model.features, n_classes, model.feature_activation, model.feature_seed)
     if model.kind == "cnn":
-        return CnnSpec(in_features, check_input_shape(_shape(model), in_features), tuple(model.channels),
-                       tuple(model.hidden), n_classes, model.norm_groups, model.activation)
+        return CnnSpec(
+            in_features,
+            check_input_shape(_shape(model), in_features),
+            tuple(model.channels),
+            tuple(model.hidden),
+            n_classes,
+            model.norm_groups,
+            model.activation,
+        )
     if model.kind == "wide_resnet":
-        return WideResNetSpec(in_features, check_input_shape(_shape(model), in_features), n_classes,
-                              model.depth, model.widen, model.norm_groups)
+        return WideResNetSpec(
+            in_features,
+            check_input_shape(_shape(model), in_features),
+            n_classes,
+            model.depth,
+            model.widen,
+            model.norm_groups,
+        )
     if model.kind == "custom":
         assert model.factory is not None  # checked when the configuration was validated
         return CustomSpec(in_features, model.factory, n_classes, _shape(model), dict(model.options), model.inputs)

@@ -41,16 +41,27 @@ class CustomSpec:
     inputs: str = "auto"
 
     def to_dict(self) -> dict:
-        return {"kind": "custom", "in_features": self.in_features, "factory": self.factory, "n_classes": self.n_classes,
-                "input_shape": None if self.input_shape is None else list(self.input_shape), "options": dict(self.options),
-                "inputs": self.inputs}
+        return {
+            "kind": "custom",
+            "in_features": self.in_features,
+            "factory": self.factory,
+            "n_classes": self.n_classes,
+            "input_shape": None if self.input_shape is None else list(self.input_shape),
+            "options": dict(self.options),
+            "inputs": self.inputs,
+        }
 
     @classmethod
     def from_dict(cls, payload: dict) -> "CustomSpec":
         shape = payload.get("input_shape")
-        return cls(int(payload["in_features"]), str(payload["factory"]), int(payload["n_classes"]),
-                   None if shape is None else tuple(int(v) for v in shape), dict(payload.get("options") or {}),
-                   str(payload.get("inputs", "auto")))
+        return cls(
+            int(payload["in_features"]),
+            str(payload["factory"]),
+            int(payload["n_classes"]),
+            None if shape is None else tuple(int(v) for v in shape),
+            dict(payload.get("options") or {}),
+            str(payload.get("inputs", "auto")),
+        )
 
 
 def load_factory(factory: str) -> Callable[..., nn.Module]:
@@ -64,8 +75,9 @@ def load_factory(factory: str) -> Callable[..., nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
-        raise ValueError(f"model.factory = {factory!r}: cannot import {module_name!r} "
-                         f"({type(error).__name__}: {error})") from None
+        raise ValueError(
+            f"model.factory = {factory!r}: cannot import {module_name!r} ({type(error).__name__}: {error})"
+        ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ValueError(f"model.factory = {factory!r}: {module_name!r} has no function {function_name!r}")
@@ -97,14 +109,18 @@ def build_custom(spec: CustomSpec) -> nn.Module:
     shape = spec.input_shape or (spec.in_features,)
     count = math.prod(shape)
     if count != spec.in_features:
-        raise ValueError(f"model.input_shape = {list(shape)}: {count} values, but the prepared records have "
-                         f"{spec.in_features} features")
+        raise ValueError(
+            f"model.input_shape = {list(shape)}: {count} values, but the prepared records have "
+            f"{spec.in_features} features"
+        )
     factory = load_factory(spec.factory)
     try:
         net = factory(tuple(shape), spec.n_classes, **spec.options)
     except Exception as error:
-        raise ValueError(f"model.factory = {spec.factory!r}: calling it with input_shape={tuple(shape)}, "
-                         f"n_classes={spec.n_classes}, options {spec.options} failed: {type(error).__name__}: {error}") from None
+        raise ValueError(
+            f"model.factory = {spec.factory!r}: calling it with input_shape={tuple(shape)}, "
+            f"n_classes={spec.n_classes}, options {spec.options} failed: {type(error).__name__}: {error}"
+        ) from None
     if not isinstance(net, nn.Module):
         raise ValueError(f"model.factory = {spec.factory!r}: returned a {type(net).__name__}, not a torch.nn.Module")
     if check_input_kind(spec.inputs, net, "model.inputs"):  # token inputs: the adapter reads the flat [ids…, mask…]

@@ -47,8 +47,9 @@ class GatedSpec:
 
     @classmethod
     def from_dict(cls, payload: dict) -> "GatedSpec":
-        return cls(int(payload["in_features"]), int(payload["n_gates"]), int(payload["n_classes"]),
-                   int(payload["gate_seed"]))
+        return cls(
+            int(payload["in_features"]), int(payload["n_gates"]), int(payload["n_classes"]), int(payload["gate_seed"])
+        )
 
 
 def draw_gates(in_features: int, n_gates: int, seed: int) -> torch.Tensor:
@@ -93,7 +94,7 @@ def build_gated(spec: GatedSpec) -> GatedLinear:
 
 def smoothness_bound(n_gates: int, input_norm: float, loss: str, l2: float = 0.0) -> float:
     """β = κ · P · X0² + λ ≥ the largest Hessian eigenvalue of any record's loss (module docstring)."""
-    return LOSS_CURVATURE[loss] * n_gates * input_norm ** 2 + l2
+    return LOSS_CURVATURE[loss] * n_gates * input_norm**2 + l2
 
 
 def lipschitz_bound(n_gates: int, input_norm: float, loss: str) -> float | None:

@@ -61,7 +61,7 @@ def initialise(model: nn.Sequential, scheme: Scheme, generator: torch.Generator 
     widths = [linears[0].in_features] + [m.out_features for m in linears]
     with torch.no_grad():
         for module, beta in zip(linears, init_variances(scheme, widths)):
-            module.weight.normal_(0.0, beta ** 0.5, generator=generator)
+            module.weight.normal_(0.0, beta**0.5, generator=generator)
     return model
 
 
@@ -88,8 +88,13 @@ class BiasFreeReluSpec:
 
     @classmethod
     def from_dict(cls, payload: dict) -> "BiasFreeReluSpec":
-        return cls(int(payload["in_features"]), tuple(int(h) for h in payload["hidden"]), int(payload["n_classes"]),
-                   str(payload.get("init", "he")), bool(payload.get("linearised", False)))
+        return cls(
+            int(payload["in_features"]),
+            tuple(int(h) for h in payload["hidden"]),
+            int(payload["n_classes"]),
+            str(payload.get("init", "he")),
+            bool(payload.get("linearised", False)),
+        )
 
 
 def build_bias_free_relu(spec: BiasFreeReluSpec, generator: torch.Generator | None = None) -> nn.Module:

@@ -32,8 +32,10 @@ from torch import nn
 
 INPUT_KINDS = ("auto", "tensor", "tokens")
 TOKEN_KEYWORDS = ("input_ids", "attention_mask")
-ALLOWED_OUTPUTS = ("a (batch, classes) logits tensor, an object with a .logits tensor (a transformers ModelOutput), "
-                   "a dict with a 'logits' tensor, or a tuple/list whose first item is the logits tensor")
+ALLOWED_OUTPUTS = (
+    "a (batch, classes) logits tensor, an object with a .logits tensor (a transformers ModelOutput), "
+    "a dict with a 'logits' tensor, or a tuple/list whose first item is the logits tensor"
+)
 
 
 class ModelOutputError(ValueError):
@@ -51,8 +53,10 @@ def logits_from_output(output: Any) -> torch.Tensor:
         return output["logits"]  # type: ignore[no-any-return]
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise ModelOutputError(f"model: its forward returned a {type(output).__module__}.{type(output).__qualname__}; "
-                           f"dpml reads the logits from {ALLOWED_OUTPUTS}")
+    raise ModelOutputError(
+        f"model: its forward returned a {type(output).__module__}.{type(output).__qualname__}; "
+        f"dpml reads the logits from {ALLOWED_OUTPUTS}"
+    )
 
 
 def takes_token_keywords(net: nn.Module) -> bool:
@@ -84,8 +88,9 @@ def check_input_kind(inputs: str, net: nn.Module, key: str = "inputs") -> bool:
     if inputs not in INPUT_KINDS:
         raise ValueError(f"{key} = {inputs!r}: must be one of {', '.join(INPUT_KINDS)}")
     if inputs == "tokens" and not takes_token_keywords(net):
-        raise ValueError(f"{key} = 'tokens': {type(net).__name__}.forward takes no input_ids and attention_mask "
-                         "keyword arguments")
+        raise ValueError(
+            f"{key} = 'tokens': {type(net).__name__}.forward takes no input_ids and attention_mask keyword arguments"
+        )
     return inputs == "tokens" or (inputs == "auto" and takes_token_keywords(net))
 
 
@@ -94,8 +99,10 @@ def split_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 2 and x.shape[1] % 2 == 0:
         x = x.reshape(x.shape[0], 2, x.shape[1] // 2)
     if x.dim() != 3 or x.shape[1] != 2:
-        raise ValueError(f"token inputs: each example must be (2, T) ids and mask, or 2T values [ids…, mask…]; "
-                         f"got a batch of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"token inputs: each example must be (2, T) ids and mask, or 2T values [ids…, mask…]; "
+            f"got a batch of shape {tuple(x.shape)}"
+        )
     if x.is_floating_point():
         x = x.round()
     x = x.long()
@@ -128,8 +135,9 @@ class LibraryModel(nn.Module):
             return logits_from_output(self.net(input_ids=ids, attention_mask=mask))
         return logits_from_output(self.net(x))
 
-    def probe_input(self, input_shape: tuple[int, ...], input_dtype: torch.dtype, count: int,
-                    generator: torch.Generator) -> torch.Tensor | None:
+    def probe_input(
+        self, input_shape: tuple[int, ...], input_dtype: torch.dtype, count: int, generator: torch.Generator
+    ) -> torch.Tensor | None:
         """The clipping probe's synthetic batch for token inputs (valid ids and masks, some padding), in the
         shape and dtype the model is fed; None for tensor inputs (the probe's own draw)."""
         if not self.tokens:
@@ -138,8 +146,10 @@ class LibraryModel(nn.Module):
         for size in input_shape:
             values *= int(size)
         if values % 2:
-            raise ValueError(f"token inputs: an example of shape {list(input_shape)} cannot hold ids and a mask "
-                             "of one length (2T values)")
+            raise ValueError(
+                f"token inputs: an example of shape {list(input_shape)} cannot hold ids and a mask "
+                "of one length (2T values)"
+            )
         tokens = probe_tokens(count, values // 2, self.vocabulary or 2, generator)
         dtype = torch.float64 if input_dtype.is_floating_point else input_dtype
         return tokens.reshape(count, *input_shape).to(dtype)
@@ -168,8 +178,13 @@ def _example_output(net: nn.Module, input_shape: tuple[int, ...], input_dtype: t
         net.train(was_training)
 
 
-def adapt(net: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype = torch.float32,
-          inputs: str = "auto", key: str = "inputs") -> nn.Module:
+def adapt(
+    net: nn.Module,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype = torch.float32,
+    inputs: str = "auto",
+    key: str = "inputs",
+) -> nn.Module:
     """``net`` itself when it already takes one tensor and returns logits; else ``net`` in a
     :class:`LibraryModel`. An output no logits can be read from is refused here (:func:`logits_from_output`)."""
     if isinstance(net, LibraryModel):

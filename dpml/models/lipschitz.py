@@ -35,17 +35,57 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from dpml.models.lipschitz_conv import SpectralConv2d
-from dpml.models.lipschitz_layers import (BjorckLinear, Flatten, GroupSort2, InputBound, L2NormPool2d, LayerCentering,
-                                          LipschitzLayer, Residual, SpectralLinear, Unflatten, gradient_bounds,
-                                          project_all)
-from dpml.models.lipschitz_losses import (LOSS_LIPSCHITZ, LossFn, hinge_kantorovich_rubinstein, hinge_kr_lipschitz,
-                                          kantorovich_rubinstein, loss_lipschitz, multiclass_hinge, tau_cross_entropy)
+from dpml.models.lipschitz_layers import (
+    BjorckLinear,
+    Flatten,
+    GroupSort2,
+    InputBound,
+    L2NormPool2d,
+    LayerCentering,
+    LipschitzLayer,
+    Residual,
+    SpectralLinear,
+    Unflatten,
+    gradient_bounds,
+    project_all,
+)
+from dpml.models.lipschitz_losses import (
+    LOSS_LIPSCHITZ,
+    LossFn,
+    hinge_kantorovich_rubinstein,
+    hinge_kr_lipschitz,
+    kantorovich_rubinstein,
+    loss_lipschitz,
+    multiclass_hinge,
+    tau_cross_entropy,
+)
 
-__all__ = ["DENSE_LAYERS", "LOSS_LIPSCHITZ", "BjorckLinear", "Flatten", "GroupSort2", "InputBound", "L2NormPool2d",
-           "LayerCentering", "LipschitzLayer", "LipschitzSpec", "LossFn", "Residual", "SpectralConv2d",
-           "SpectralLinear", "Unflatten", "build_lipschitz", "gradient_bounds", "hinge_kantorovich_rubinstein",
-           "hinge_kr_lipschitz", "kantorovich_rubinstein", "loss_lipschitz", "multiclass_hinge", "project_all",
-           "tau_cross_entropy"]
+__all__ = [
+    "DENSE_LAYERS",
+    "LOSS_LIPSCHITZ",
+    "BjorckLinear",
+    "Flatten",
+    "GroupSort2",
+    "InputBound",
+    "L2NormPool2d",
+    "LayerCentering",
+    "LipschitzLayer",
+    "LipschitzSpec",
+    "LossFn",
+    "Residual",
+    "SpectralConv2d",
+    "SpectralLinear",
+    "Unflatten",
+    "build_lipschitz",
+    "gradient_bounds",
+    "hinge_kantorovich_rubinstein",
+    "hinge_kr_lipschitz",
+    "kantorovich_rubinstein",
+    "loss_lipschitz",
+    "multiclass_hinge",
+    "project_all",
+    "tau_cross_entropy",
+]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -77,18 +117,27 @@ class LipschitzSpec:
     dense_layer: str = "spectral"
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"kind": "lipschitz", "hidden": list(self.hidden), "conv": list(self.conv),
-                               "input_shape": None if self.input_shape is None else list(self.input_shape)}
+        return asdict(self) | {
+            "kind": "lipschitz",
+            "hidden": list(self.hidden),
+            "conv": list(self.conv),
+            "input_shape": None if self.input_shape is None else list(self.input_shape),
+        }
 
     @classmethod
     def from_dict(cls, payload: dict) -> "LipschitzSpec":
         bias = payload["bias_bound"]
         shape = payload.get("input_shape")
-        return cls(int(payload["in_features"]), tuple(int(h) for h in payload["hidden"]), int(payload["n_classes"]),
-                   float(payload["input_bound"]), None if bias is None else float(bias),
-                   conv=tuple(int(c) for c in payload.get("conv") or ()),
-                   input_shape=None if shape is None else (int(shape[0]), int(shape[1]), int(shape[2])),
-                   dense_layer=str(payload.get("dense_layer", "spectral")))
+        return cls(
+            int(payload["in_features"]),
+            tuple(int(h) for h in payload["hidden"]),
+            int(payload["n_classes"]),
+            float(payload["input_bound"]),
+            None if bias is None else float(bias),
+            conv=tuple(int(c) for c in payload.get("conv") or ()),
+            input_shape=None if shape is None else (int(shape[0]), int(shape[1]), int(shape[2])),
+            dense_layer=str(payload.get("dense_layer", "spectral")),
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the field, its value and what is allowed."""
@@ -107,12 +156,16 @@ class LipschitzSpec:
         if self.input_shape is None or len(self.input_shape) != 3 or min(self.input_shape) <= 0:
             raise ValueError(f"input_shape = {self.input_shape}: conv layers need (C, H, W) with positive entries")
         if math.prod(self.input_shape) != self.in_features:
-            raise ValueError(f"input_shape = {self.input_shape} has {math.prod(self.input_shape)} entries, "
-                             f"in_features = {self.in_features}: they must agree")
+            raise ValueError(
+                f"input_shape = {self.input_shape} has {math.prod(self.input_shape)} entries, "
+                f"in_features = {self.in_features}: they must agree"
+            )
         _, h, w = self.input_shape
         if min(h, w) < 2 ** len(self.conv):
-            raise ValueError(f"input_shape = {self.input_shape}: {len(self.conv)} pooling layers (2×2) need "
-                             f"height and width ≥ {2 ** len(self.conv)}")
+            raise ValueError(
+                f"input_shape = {self.input_shape}: {len(self.conv)} pooling layers (2×2) need "
+                f"height and width ≥ {2 ** len(self.conv)}"
+            )
 
 
 def _dense(kind: str, in_features: int, out_features: int, bias_bound: float | None) -> SpectralLinear:
@@ -127,8 +180,11 @@ def _conv_part(spec: LipschitzSpec) -> tuple[list[nn.Module], int]:
     shape = spec.input_shape
     layers: list[nn.Module] = [Unflatten(shape)]
     for channels in spec.conv:
-        layers += [SpectralConv2d(shape[0], channels, 3, shape, padding=1, bias_bound=spec.bias_bound),
-                   GroupSort2(dim=1), L2NormPool2d(2)]
+        layers += [
+            SpectralConv2d(shape[0], channels, 3, shape, padding=1, bias_bound=spec.bias_bound),
+            GroupSort2(dim=1),
+            L2NormPool2d(2),
+        ]
         shape = (channels, shape[1] // 2, shape[2] // 2)
     layers.append(Flatten())
     return layers, math.prod(shape)

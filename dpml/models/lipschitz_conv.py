@@ -52,21 +52,31 @@ class SpectralConv2d(nn.Conv2d, LipschitzLayer):
 
     MARGIN = 1e-3
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
-                 input_shape: tuple[int, int, int], padding: int | tuple[int, int] | None = None,
-                 bias_bound: float | None = None, stride: int = 1, power_iterations: int = 100,
-                 certified_projection: bool = True) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        input_shape: tuple[int, int, int],
+        padding: int | tuple[int, int] | None = None,
+        bias_bound: float | None = None,
+        stride: int = 1,
+        power_iterations: int = 100,
+        certified_projection: bool = True,
+    ) -> None:
         kh, kw = _pair(kernel_size)
         pad = ((kh - 1) // 2, (kw - 1) // 2) if padding is None else _pair(padding)
         _check_conv_arguments(in_channels, (kh, kw), input_shape, pad, stride)
-        nn.Conv2d.__init__(self, in_channels, out_channels, (kh, kw), stride=1, padding=pad,
-                           bias=bias_bound is not None)
+        nn.Conv2d.__init__(
+            self, in_channels, out_channels, (kh, kw), stride=1, padding=pad, bias=bias_bound is not None
+        )
         self.input_shape = (int(input_shape[0]), int(input_shape[1]), int(input_shape[2]))
         self.bias_bound = bias_bound
         self.power_iterations = power_iterations
         self.certified_projection = certified_projection
-        self.register_buffer("singular_vector", F.normalize(torch.randn(self.input_shape).flatten(), dim=0)
-                             .view(self.input_shape))
+        self.register_buffer(
+            "singular_vector", F.normalize(torch.randn(self.input_shape).flatten(), dim=0).view(self.input_shape)
+        )
         with torch.no_grad():
             nn.init.orthogonal_(self.weight)
             if self.bias is not None:
@@ -81,8 +91,11 @@ class SpectralConv2d(nn.Conv2d, LipschitzLayer):
     @property
     def output_shape(self) -> tuple[int, int, int]:
         _, h, w = self.input_shape
-        return (self.out_channels, h + 2 * self.padding[0] - self.kernel_size[0] + 1,
-                w + 2 * self.padding[1] - self.kernel_size[1] + 1)
+        return (
+            self.out_channels,
+            h + 2 * self.padding[0] - self.kernel_size[0] + 1,
+            w + 2 * self.padding[1] - self.kernel_size[1] + 1,
+        )
 
     @property
     def fft_grid(self) -> tuple[int, int]:
@@ -92,8 +105,10 @@ class SpectralConv2d(nn.Conv2d, LipschitzLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[-3:]) != self.input_shape:
-            raise ValueError(f"SpectralConv2d built for input_shape {self.input_shape} got an input of shape "
-                             f"{tuple(x.shape)}: its projection and bounds hold for that shape only")
+            raise ValueError(
+                f"SpectralConv2d built for input_shape {self.input_shape} got an input of shape "
+                f"{tuple(x.shape)}: its projection and bounds hold for that shape only"
+            )
         return super().forward(x)
 
     def propagate_inputs(self, input_bound: float) -> float:
@@ -166,14 +181,19 @@ class SpectralConv2d(nn.Conv2d, LipschitzLayer):
         return self.certified_spectral_norm()
 
 
-def _check_conv_arguments(in_channels: int, kernel: tuple[int, int], input_shape: tuple[int, int, int],
-                          padding: tuple[int, int], stride: int) -> None:
+def _check_conv_arguments(
+    in_channels: int, kernel: tuple[int, int], input_shape: tuple[int, int, int], padding: tuple[int, int], stride: int
+) -> None:
     if stride != 1:
-        raise ValueError(f"SpectralConv2d stride = {stride}: only stride 1 is supported (the √s gradient "
-                         "bound and the adjoint used by power iteration are derived for stride 1)")
+        raise ValueError(
+            f"SpectralConv2d stride = {stride}: only stride 1 is supported (the √s gradient "
+            "bound and the adjoint used by power iteration are derived for stride 1)"
+        )
     if len(input_shape) != 3 or input_shape[0] != in_channels:
-        raise ValueError(f"SpectralConv2d input_shape = {tuple(input_shape)}: expected (C, H, W) with "
-                         f"C = in_channels = {in_channels}")
+        raise ValueError(
+            f"SpectralConv2d input_shape = {tuple(input_shape)}: expected (C, H, W) with "
+            f"C = in_channels = {in_channels}"
+        )
     if min(padding) < 0:
         raise ValueError(f"SpectralConv2d padding = {padding}: must be ≥ 0")
     for size, k, p, axis in zip(input_shape[1:], kernel, padding, ("height", "width")):

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 class LipschitzLayer(nn.Module):
     """A layer that knows how it transforms input-norm and gradient bounds (Algorithm 1)."""
 
@@ -54,8 +53,9 @@ class SpectralLinear(nn.Linear, LipschitzLayer):
     (:meth:`operator_norm_bound`: σ_max by SVD in float64).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias_bound: float | None = None,
-                 power_iterations: int = 100) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias_bound: float | None = None, power_iterations: int = 100
+    ) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias=bias_bound is not None)
         self.bias_bound = bias_bound
         self.power_iterations = power_iterations
@@ -142,8 +142,14 @@ class BjorckLinear(SpectralLinear):
        rounding of that last division).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias_bound: float | None = None,
-                 bjorck_iterations: int = 25, tolerance: float = 1e-5) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias_bound: float | None = None,
+        bjorck_iterations: int = 25,
+        tolerance: float = 1e-5,
+    ) -> None:
         super().__init__(in_features, out_features, bias_bound=bias_bound)
         if bjorck_iterations < 1:
             raise ValueError(f"bjorck_iterations = {bjorck_iterations}: must be ≥ 1")
@@ -158,7 +164,7 @@ class BjorckLinear(SpectralLinear):
         if scale == 0.0:
             self._project_bias()
             return
-        w, gram = w / scale, gram / scale ** 2
+        w, gram = w / scale, gram / scale**2
         identity = torch.eye(gram.shape[0], dtype=w.dtype, device=w.device)
         for _ in range(self.bjorck_iterations):
             if float((gram - identity).abs().max()) <= self.tolerance:
@@ -193,8 +199,9 @@ class GroupSort2(LipschitzLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[self.dim] % 2:
-            raise ValueError(f"GroupSort2 needs an even number of features along dim {self.dim}, "
-                             f"got {x.shape[self.dim]}")
+            raise ValueError(
+                f"GroupSort2 needs an even number of features along dim {self.dim}, got {x.shape[self.dim]}"
+            )
         moved = x.movedim(self.dim, -1)
         pairs = moved.unflatten(-1, (-1, 2))
         return torch.stack((pairs.max(-1).values, pairs.min(-1).values), dim=-1).flatten(-2).movedim(-1, self.dim)
@@ -288,8 +295,9 @@ def _input_bounds(layers: list[LipschitzLayer], input_bound: float) -> list[floa
     return bounds
 
 
-def _backward_bounds(layers: list[LipschitzLayer], inputs: list[float],
-                     gradient_bound: float) -> tuple[dict[str, float], float]:
+def _backward_bounds(
+    layers: list[LipschitzLayer], inputs: list[float], gradient_bound: float
+) -> tuple[dict[str, float], float]:
     """Algorithm 1, backward: Δ for every parameter (named ``{index}.{name}`` as in ``named_parameters``)
     and the bound on ‖∂ℓ/∂input‖ of the whole sequence."""
     bounds: dict[str, float] = {}
@@ -326,8 +334,9 @@ class Residual(LipschitzLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
         if y.shape != x.shape:
-            raise ValueError(f"Residual: the inner layers map shape {tuple(x.shape)} to {tuple(y.shape)}; "
-                             "they must preserve it")
+            raise ValueError(
+                f"Residual: the inner layers map shape {tuple(x.shape)} to {tuple(y.shape)}; they must preserve it"
+            )
         return 0.5 * (x + y)
 
     def propagate_inputs(self, input_bound: float) -> float:

@@ -121,8 +121,11 @@ def _require_classes(n_classes: int) -> int:
     return n_classes
 
 
-LOSS_LIPSCHITZ = {"tau_cross_entropy": math.sqrt(2.0), "multiclass_hinge": math.sqrt(2.0),
-                  "kantorovich_rubinstein": math.sqrt(2.0)}
+LOSS_LIPSCHITZ = {
+    "tau_cross_entropy": math.sqrt(2.0),
+    "multiclass_hinge": math.sqrt(2.0),
+    "kantorovich_rubinstein": math.sqrt(2.0),
+}
 """Lipschitz constants (L2, in the logits) valid for every number of classes k ≥ 2. The hinge-KR
 constant depends on α: use :func:`loss_lipschitz` (or :func:`hinge_kr_lipschitz`)."""
 
@@ -138,8 +141,10 @@ def loss_lipschitz(name: str, n_classes: int | None = None, alpha: float | None 
             raise ValueError("loss 'hinge_kantorovich_rubinstein' needs alpha to give its Lipschitz constant")
         return hinge_kr_lipschitz(alpha, n_classes)
     if name not in LOSS_LIPSCHITZ:
-        raise ValueError(f"loss {name!r} has no known Lipschitz constant: expected one of "
-                         f"{sorted([*LOSS_LIPSCHITZ, 'hinge_kantorovich_rubinstein'])}")
+        raise ValueError(
+            f"loss {name!r} has no known Lipschitz constant: expected one of "
+            f"{sorted([*LOSS_LIPSCHITZ, 'hinge_kantorovich_rubinstein'])}"
+        )
     if n_classes is None or name == "tau_cross_entropy":
         return LOSS_LIPSCHITZ[name]
     k = _require_classes(n_classes)

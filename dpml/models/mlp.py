@@ -19,8 +19,12 @@ class MlpSpec:
 
     @classmethod
     def from_dict(cls, payload: dict) -> "MlpSpec":
-        return cls(int(payload["in_features"]), tuple(int(h) for h in payload["hidden"]),
-                   int(payload["n_classes"]), str(payload.get("activation", "tanh")))
+        return cls(
+            int(payload["in_features"]),
+            tuple(int(h) for h in payload["hidden"]),
+            int(payload["n_classes"]),
+            str(payload.get("activation", "tanh")),
+        )
 
 
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
@@ -35,4 +39,3 @@ def build_mlp(spec: MlpSpec) -> nn.Sequential:
         width = hidden
     layers.append(nn.Linear(width, spec.n_classes))
     return nn.Sequential(*layers)
-

@@ -70,7 +70,7 @@ def normalised_hermite(t: np.ndarray, degree: int) -> np.ndarray:
     rows = [np.ones_like(t), t.copy()]
     for ell in range(1, degree):
         rows.append(t * rows[ell] - ell * rows[ell - 1])
-    raw = np.stack(rows[:degree + 1])
+    raw = np.stack(rows[: degree + 1])
     norms = np.array([math.sqrt(math.factorial(ell)) for ell in range(degree + 1)])
     return raw / norms[:, None]
 
@@ -89,8 +89,12 @@ def _as_numpy_function(activation: TorchActivation | NumpyActivation) -> NumpyAc
     return evaluate
 
 
-def hermite_coefficients(activation: TorchActivation | Callable[[np.ndarray], np.ndarray], max_degree: int = 6,
-                         half_width: float = 12.0, points: int = 240_001) -> np.ndarray:
+def hermite_coefficients(
+    activation: TorchActivation | Callable[[np.ndarray], np.ndarray],
+    max_degree: int = 6,
+    half_width: float = 12.0,
+    points: int = 240_001,
+) -> np.ndarray:
     """φ_ℓ = E_{G~N(0,1)}[φ(G) He_ℓ(G)]/√(ℓ!) for ℓ = 0..max_degree (normalised Hermite coefficients).
 
     Composite Simpson on [−half_width, half_width] with ``points`` nodes (0 among them, so a kink
@@ -112,8 +116,12 @@ def hermite_coefficients(activation: TorchActivation | Callable[[np.ndarray], np
     return simpson(basis * (density * values)[None, :], x=t, axis=1)
 
 
-def check_activation(activation: TorchActivation | Callable[[np.ndarray], np.ndarray], name: str = "activation",
-                     tolerance: float = 1e-6, require_sign_recovery: bool = False) -> np.ndarray:
+def check_activation(
+    activation: TorchActivation | Callable[[np.ndarray], np.ndarray],
+    name: str = "activation",
+    tolerance: float = 1e-6,
+    require_sign_recovery: bool = False,
+) -> np.ndarray:
     """Refuse φ unless φ0 = φ2 = 0, φ1 ≠ 0 and some φ_ℓ ≠ 0 with ℓ ≥ 3 (seed 002's conditions); returns φ_0..φ_6.
 
     "= 0" means |φ_ℓ| ≤ tolerance·‖φ‖_{L²(N(0,1))}. With ``require_sign_recovery`` the
@@ -121,7 +129,7 @@ def check_activation(activation: TorchActivation | Callable[[np.ndarray], np.nda
     of both parities.
     """
     coefficients = hermite_coefficients(activation, max_degree=6)
-    scale = math.sqrt(float(np.sum(coefficients ** 2))) or 1.0
+    scale = math.sqrt(float(np.sum(coefficients**2))) or 1.0
     zero = tolerance * scale
     problems = []
     if abs(coefficients[0]) > zero:
@@ -136,8 +144,11 @@ def check_activation(activation: TorchActivation | Callable[[np.ndarray], np.nda
     elif require_sign_recovery and not (high[0::2].any() and high[1::2].any()):
         problems.append("no two non-zero coefficients of order ≥ 3 with different parity (sign recovery, B2)")
     if problems:
-        raise ValueError(f"{name} violates the Hermite conditions of seed 002: " + "; ".join(problems)
-                         + f"; coefficients φ0..φ6 = {np.array2string(coefficients, precision=4)}")
+        raise ValueError(
+            f"{name} violates the Hermite conditions of seed 002: "
+            + "; ".join(problems)
+            + f"; coefficients φ0..φ6 = {np.array2string(coefficients, precision=4)}"
+        )
     return coefficients
 
 
@@ -164,8 +175,13 @@ class RandomFeaturesSpec:
 
     @classmethod
     def from_dict(cls, payload: dict) -> "RandomFeaturesSpec":
-        return cls(int(payload["in_features"]), int(payload["n_features"]), int(payload.get("n_outputs", 1)),
-                   str(payload.get("activation", "tanh")), int(payload.get("feature_seed", 0)))
+        return cls(
+            int(payload["in_features"]),
+            int(payload["n_features"]),
+            int(payload.get("n_outputs", 1)),
+            str(payload.get("activation", "tanh")),
+            int(payload.get("feature_seed", 0)),
+        )
 
 
 def draw_features(in_features: int, n_features: int, seed: int) -> torch.Tensor:

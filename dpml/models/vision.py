@@ -35,14 +35,24 @@ class CnnSpec:
     activation: str = "tanh"
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"kind": "cnn", "input_shape": list(self.input_shape), "channels": list(self.channels),
-                               "hidden": list(self.hidden)}
+        return asdict(self) | {
+            "kind": "cnn",
+            "input_shape": list(self.input_shape),
+            "channels": list(self.channels),
+            "hidden": list(self.hidden),
+        }
 
     @classmethod
     def from_dict(cls, payload: dict) -> "CnnSpec":
-        return cls(int(payload["in_features"]), tuple(int(v) for v in payload["input_shape"]),  # type: ignore[arg-type]
-                   tuple(int(c) for c in payload["channels"]), tuple(int(h) for h in payload["hidden"]),
-                   int(payload["n_classes"]), int(payload["norm_groups"]), str(payload["activation"]))
+        return cls(
+            int(payload["in_features"]),
+            tuple(int(v) for v in payload["input_shape"]),  # type: ignore[arg-type]
+            tuple(int(c) for c in payload["channels"]),
+            tuple(int(h) for h in payload["hidden"]),
+            int(payload["n_classes"]),
+            int(payload["norm_groups"]),
+            str(payload["activation"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,14 @@ class WideResNetSpec:
 
     @classmethod
     def from_dict(cls, payload: dict) -> "WideResNetSpec":
-        return cls(int(payload["in_features"]), tuple(int(v) for v in payload["input_shape"]),  # type: ignore[arg-type]
-                   int(payload["n_classes"]), int(payload["depth"]), int(payload["widen"]), int(payload["norm_groups"]))
+        return cls(
+            int(payload["in_features"]),
+            tuple(int(v) for v in payload["input_shape"]),  # type: ignore[arg-type]
+            int(payload["n_classes"]),
+            int(payload["depth"]),
+            int(payload["widen"]),
+            int(payload["norm_groups"]),
+        )
 
 
 def check_input_shape(input_shape: tuple[int, ...] | None, in_features: int) -> tuple[int, int, int]:
@@ -69,8 +85,10 @@ def check_input_shape(input_shape: tuple[int, ...] | None, in_features: int) -> 
     assert input_shape is not None and len(input_shape) == 3, "checked by ModelConfig"
     c, h, w = (int(v) for v in input_shape)
     if c * h * w != in_features:
-        raise ValueError(f"model.input_shape = {list(input_shape)}: {c}·{h}·{w} = {c * h * w} values, but the "
-                         f"prepared records have {in_features} features")
+        raise ValueError(
+            f"model.input_shape = {list(input_shape)}: {c}·{h}·{w} = {c * h * w} values, but the "
+            f"prepared records have {in_features} features"
+        )
     return c, h, w
 
 
@@ -78,8 +96,11 @@ def build_cnn(spec: CnnSpec) -> nn.Sequential:
     c, h, w = spec.input_shape
     layers: list[nn.Module] = [nn.Unflatten(1, spec.input_shape)]
     for width in spec.channels:
-        layers += [nn.Conv2d(c, width, 3, padding=1), nn.GroupNorm(min(spec.norm_groups, width), width),
-                   _ACTIVATIONS[spec.activation]()]
+        layers += [
+            nn.Conv2d(c, width, 3, padding=1),
+            nn.GroupNorm(min(spec.norm_groups, width), width),
+            _ACTIVATIONS[spec.activation](),
+        ]
         if h >= 2 and w >= 2:
             layers.append(nn.AvgPool2d(2))
             h, w = h // 2, w // 2
@@ -103,8 +124,11 @@ class _WideBlock(nn.Module):
         self.conv1 = nn.Conv2d(width_in, width_out, 3, stride=stride, padding=1, bias=False)
         self.norm2 = nn.GroupNorm(groups, width_out)
         self.conv2 = nn.Conv2d(width_out, width_out, 3, padding=1, bias=False)
-        self.shortcut = (nn.Conv2d(width_in, width_out, 1, stride=stride, bias=False)
-                         if stride != 1 or width_in != width_out else None)
+        self.shortcut = (
+            nn.Conv2d(width_in, width_out, 1, stride=stride, bias=False)
+            if stride != 1 or width_in != width_out
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.norm1(x))
@@ -119,13 +143,20 @@ def build_wide_resnet(spec: WideResNetSpec) -> nn.Sequential:
         raise ValueError(f"model.depth = {spec.depth}: a wide ResNet has depth 6n + 4 (10, 16, 22, 28, 40)")
     blocks = (spec.depth - 4) // 6
     widths = [16, 16 * spec.widen, 32 * spec.widen, 64 * spec.widen]
-    layers: list[nn.Module] = [nn.Unflatten(1, spec.input_shape),
-                               nn.Conv2d(spec.input_shape[0], widths[0], 3, padding=1, bias=False)]
+    layers: list[nn.Module] = [
+        nn.Unflatten(1, spec.input_shape),
+        nn.Conv2d(spec.input_shape[0], widths[0], 3, padding=1, bias=False),
+    ]
     width = widths[0]
     for stage, stride in zip(widths[1:], (1, 2, 2)):
         for index in range(blocks):
             layers.append(_WideBlock(width, stage, stride if index == 0 else 1, spec.norm_groups))
             width = stage
-    layers += [nn.GroupNorm(spec.norm_groups, width), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-               nn.Linear(width, spec.n_classes)]
+    layers += [
+        nn.GroupNorm(spec.norm_groups, width),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, spec.n_classes),
+    ]
     return nn.Sequential(*layers)

@@ -22,16 +22,22 @@ def _kl_certificate(certificate: dict[str, Any]) -> list[str]:
     if certificate["answers"]:
         lines += ["| KL accountant | B | KL bound | used for certificate | error |", "|---|---|---|---|---|"]
         for answer in certificate["answers"]:
-            lines.append(f"| {answer['name']} | {_fmt(answer['constant'])} | {_fmt(answer['kl'])} | "
-                         f"{'yes' if answer['used_for_certificate'] else 'cross-check'} | {answer['error'] or ''} |")
+            lines.append(
+                f"| {answer['name']} | {_fmt(answer['constant'])} | {_fmt(answer['kl'])} | "
+                f"{'yes' if answer['used_for_certificate'] else 'cross-check'} | {answer['error'] or ''} |"
+            )
     mech = certificate["mechanism"]
     event = mech["events"][0]
-    lines += ["", "**Mechanism.**", "",
-              f"- noisy gradient descent without clipping: {event['steps']} full-batch steps, η = "
-              f"{_fmt(event['learning_rate'])}, noise sqrt(2ησ²)·N(0, I) with σ = {_fmt(event['sigma'])}; "
-              f"bias-free ReLU network {'-'.join(map(str, event['widths']))}, {event['scheme']} initialisation, "
-              f"{'linearised at W0' if event['linearised'] else 'not linearised'}; inputs ‖x‖ ≤ "
-              f"{_fmt(event['input_norm'])}; n = {mech['dataset_size']} training records, {mech['neighbouring']}"]
+    lines += [
+        "",
+        "**Mechanism.**",
+        "",
+        f"- noisy gradient descent without clipping: {event['steps']} full-batch steps, η = "
+        f"{_fmt(event['learning_rate'])}, noise sqrt(2ησ²)·N(0, I) with σ = {_fmt(event['sigma'])}; "
+        f"bias-free ReLU network {'-'.join(map(str, event['widths']))}, {event['scheme']} initialisation, "
+        f"{'linearised at W0' if event['linearised'] else 'not linearised'}; inputs ‖x‖ ≤ "
+        f"{_fmt(event['input_norm'])}; n = {mech['dataset_size']} training records, {mech['neighbouring']}",
+    ]
     lines += [f"- {note}" for note in mech.get("notes", [])]
     return lines
 
@@ -51,17 +57,25 @@ def lineage_lines(ledger: dict[str, Any], budget: float | None, excluded: int = 
     if levels:
         lines.append(f"People by ε: {levels}" + (f", and {more} more levels" if more > 0 else "") + ".")
     if ledger["unknown_unit_spends"]:
-        lines.append(f"{len(ledger['unknown_unit_spends'])} release(s) recorded before units were tracked are "
-                     "charged to every person of the lineage.")
+        lines.append(
+            f"{len(ledger['unknown_unit_spends'])} release(s) recorded before units were tracked are "
+            "charged to every person of the lineage."
+        )
     if excluded:
-        lines.append(f"{excluded:,} people whose budget was spent were left out of this model's training data "
-                     "(ledger.on_exhausted: exclude; an individual Rényi filter, Feldman & Zrnic 2021).")
+        lines.append(
+            f"{excluded:,} people whose budget was spent were left out of this model's training data "
+            "(ledger.on_exhausted: exclude; an individual Rényi filter, Feldman & Zrnic 2021)."
+        )
     if ledger["nonprivate_runs"]:
-        lines.append(f"{ledger['nonprivate_runs']} non-private baseline run(s) also used this data; their models "
-                     "carry no guarantee and must not leave this registry.")
+        lines.append(
+            f"{ledger['nonprivate_runs']} non-private baseline run(s) also used this data; their models "
+            "carry no guarantee and must not leave this registry."
+        )
     if ledger.get("kl_total") is not None:
-        lines.append(f"KL-private releases sum to KL = {ledger['kl_total']:.4g} for the most exposed person (the "
-                     "(ε, δ) loss is unbounded once a KL-only release used a record).")
+        lines.append(
+            f"KL-private releases sum to KL = {ledger['kl_total']:.4g} for the most exposed person (the "
+            "(ε, δ) loss is unbounded once a KL-only release used a record)."
+        )
     return lines
 
 
@@ -69,12 +83,19 @@ def _power_lines(audit: dict[str, Any]) -> list[str]:
     """Each ε lower-bound method's power: the largest bound it could report, computed before training."""
     if not audit.get("power"):
         return []
-    lines = ["", "**Power of each ε lower bound** (its value if every guess were right, computed before training). "
-             "A method whose power is below the certified ε could not show a violation of it, so it is not "
-             "counted as evidence and takes no share of the confidence budget:", "",
-             "| method | power | counted |", "|---|---|---|"]
+    lines = [
+        "",
+        "**Power of each ε lower bound** (its value if every guess were right, computed before training). "
+        "A method whose power is below the certified ε could not show a violation of it, so it is not "
+        "counted as evidence and takes no share of the confidence budget:",
+        "",
+        "| method | power | counted |",
+        "|---|---|---|",
+    ]
     for name, entry in audit["power"].items():
-        lines.append(f"| {name} | {entry['power']:.3f} | {'yes' if entry['gating'] else 'no — ' + entry.get('note', '')} |")
+        lines.append(
+            f"| {name} | {entry['power']:.3f} | {'yes' if entry['gating'] else 'no — ' + entry.get('note', '')} |"
+        )
     return lines
 
 
@@ -85,16 +106,27 @@ def _conformance_lines(audit: dict[str, Any]) -> list[str]:
         return []
     if not conformance["ran"]:
         return ["", f"**Conformance** not checked: {conformance['reason']}."]
-    lines = ["", "**Conformance of the trainer to its certificate** (one extra training run with gradient canaries "
-             "of norm 5C through the trainer's own sampler and clipping; every update recomputed by the auditor; "
-             f"joint false-alarm rate {conformance['false_alarm']:g}):", ""]
+    lines = [
+        "",
+        "**Conformance of the trainer to its certificate** (one extra training run with gradient canaries "
+        "of norm 5C through the trainer's own sampler and clipping; every update recomputed by the auditor; "
+        f"joint false-alarm rate {conformance['false_alarm']:g}):",
+        "",
+    ]
     lines += [f"- {'passed' if c['passed'] else '**FAILED**'}: {c['line']}" for c in conformance["checks"]]
     return lines
 
 
-def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str, Any] | None,
-           audit: dict[str, Any], gate: dict[str, Any], ledger: dict[str, Any] | None = None,
-           budget: float | None = None) -> str:
+def render(
+    *,
+    data: dict[str, Any],
+    train: dict[str, Any],
+    certificate: dict[str, Any] | None,
+    audit: dict[str, Any],
+    gate: dict[str, Any],
+    ledger: dict[str, Any] | None = None,
+    budget: float | None = None,
+) -> str:
     """Markdown for MLflow and the Prefect UI; every number comes from the stage outputs."""
     lines = ["# dpml privacy report", "", f"**Release gate: {gate['verdict']['title']}.**", ""]
     lines += [f"- {line.strip()}" for line in verdict_lines(gate["verdict"])] + [""]
@@ -114,52 +146,74 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
         lines += ["", "**Mechanism.**", ""]
         for event in mech["events"]:
             if event.get("kind") == "gdp":
-                lines.append(f"- μ-GDP with μ = {_fmt(event['mu'])} (the whole training run, final model only; "
-                             "exact conversion to (ε, δ) by the Gaussian trade-off function)")
+                lines.append(
+                    f"- μ-GDP with μ = {_fmt(event['mu'])} (the whole training run, final model only; "
+                    "exact conversion to (ε, δ) by the Gaussian trade-off function)"
+                )
             elif event.get("kind") == "zcdp":
-                lines.append(f"- ρ-zCDP with ρ = {_fmt(event['rho'])} (the whole training run, final model only; "
-                             "converted to (ε, δ) through its Rényi curve ρα)")
+                lines.append(
+                    f"- ρ-zCDP with ρ = {_fmt(event['rho'])} (the whole training run, final model only; "
+                    "converted to (ε, δ) through its Rényi curve ρα)"
+                )
             elif event["sample_rate"] == 1.0:
-                lines.append(f"- Gaussian mechanism (no subsampling): noise multiplier "
-                             f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} release(s)")
+                lines.append(
+                    f"- Gaussian mechanism (no subsampling): noise multiplier "
+                    f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} release(s)"
+                )
             else:
                 lines.append(
                     f"- Poisson-subsampled Gaussian: rate q = {_fmt(event['sample_rate'])}, noise multiplier "
                     f"σ = {_fmt(event['noise_multiplier'])}, {event['steps']} steps"
                 )
         if mech.get("selection"):
-            lines.append(f"- hyperparameter search: {Selection(**mech['selection']).describe()}; the events above are "
-                         "one candidate; only the best candidate is released, and the certificate charges the search")
-        lines.append(f"- clip norm C = {_fmt(mech['clip_norm'])}, L2 sensitivity {_fmt(mech['sensitivity'])} "
-                     f"under {mech['neighbouring']}; n = {mech['dataset_size']} training records")
+            lines.append(
+                f"- hyperparameter search: {Selection(**mech['selection']).describe()}; the events above are "
+                "one candidate; only the best candidate is released, and the certificate charges the search"
+            )
+        lines.append(
+            f"- clip norm C = {_fmt(mech['clip_norm'])}, L2 sensitivity {_fmt(mech['sensitivity'])} "
+            f"under {mech['neighbouring']}; n = {mech['dataset_size']} training records"
+        )
         lines += [f"- {note}" for note in mech.get("notes", [])]
     if ledger is not None:
         lines += ["", *lineage_lines(ledger, budget, train.get("units_excluded", 0))]
-    robust = sorted((int(k.rsplit("_r", 1)[1]), v) for k, v in train.items() if k.startswith("robust_certified_accuracy_r"))
+    robust = sorted(
+        (int(k.rsplit("_r", 1)[1]), v) for k, v in train.items() if k.startswith("robust_certified_accuracy_r")
+    )
     if robust:
-        lines += ["", f"**Certified robustness** (Lipschitz constant ℓ = {train['robust_lipschitz']:.4g}; "
-                  f"{robustness_units(data['clip_mode'], data.get('features', 'none'))}; radius margin/(ℓ√2)).", "",
-                  "| radius (×1/255) | " + " | ".join(str(k) for k, _ in robust) + " |",
-                  "|---" * (len(robust) + 1) + "|",
-                  "| certified test accuracy | " + " | ".join(f"{v:.4f}" for _, v in robust) + " |"]
+        lines += [
+            "",
+            f"**Certified robustness** (Lipschitz constant ℓ = {train['robust_lipschitz']:.4g}; "
+            f"{robustness_units(data['clip_mode'], data.get('features', 'none'))}; radius margin/(ℓ√2)).",
+            "",
+            "| radius (×1/255) | " + " | ".join(str(k) for k, _ in robust) + " |",
+            "|---" * (len(robust) + 1) + "|",
+            "| certified test accuracy | " + " | ".join(f"{v:.4f}" for _, v in robust) + " |",
+        ]
     lines += ["", "**Data.**", ""]
     lines.append(f"- source `{data['origin']}`, version (content SHA-256) `{data['version']}`")
     lines.append(f"- train / test / audit population: {data['n_train']} / {data['n_test']} / {data['n_audit']}")
     if data.get("schema"):
         kinds = list(data["schema"].values())
-        scaling = (f"the declared public schema: {kinds.count('numeric')} numeric column(s) clipped and scaled to "
-                   f"[0, 1] by their own bounds, {kinds.count('categorical')} categorical column(s) one-hot with "
-                   "<missing>/<other> slots (nothing computed from the records)")
+        scaling = (
+            f"the declared public schema: {kinds.count('numeric')} numeric column(s) clipped and scaled to "
+            f"[0, 1] by their own bounds, {kinds.count('categorical')} categorical column(s) one-hot with "
+            "<missing>/<other> slots (nothing computed from the records)"
+        )
     else:
         scaling = f"public scaling to [0, 1] with bounds [{_fmt(data['lower'])}, {_fmt(data['upper'])}]"
-    lines.append(f"- {scaling}; input norm clipping to X0 = {_fmt(data['clip_norm'])} ({data['clip_mode']}): "
-                 f"{100 * data['clipped_fraction_train']:.1f}% of training records changed")
+    lines.append(
+        f"- {scaling}; input norm clipping to X0 = {_fmt(data['clip_norm'])} ({data['clip_mode']}): "
+        f"{100 * data['clipped_fraction_train']:.1f}% of training records changed"
+    )
     lines += ["", "**Utility.**", ""]
     lines.append(f"- test accuracy {_fmt(train['test_accuracy'])}, train accuracy {_fmt(train['train_accuracy'])}")
     if "noisy_validation_accuracy" in train:
         chosen = {k.removeprefix("chosen."): v for k, v in train.items() if k.startswith("chosen.")}
-        lines.append(f"- chosen by the private search: {chosen} (noisy validation accuracy "
-                     f"{_fmt(train['noisy_validation_accuracy'])})")
+        lines.append(
+            f"- chosen by the private search: {chosen} (noisy validation accuracy "
+            f"{_fmt(train['noisy_validation_accuracy'])})"
+        )
     lines += _audit_section(audit)
     lines += ["", "**The gate's reasons.**", ""]
     lines += [f"- {reason}" for reason in gate["reasons"]]
@@ -167,21 +221,29 @@ def render(*, data: dict[str, Any], train: dict[str, Any], certificate: dict[str
 
 
 def _attack_table(attacks: dict[str, Any]) -> list[str]:
-    lines = ["| attack | AUC [95% CI] | TPR @ 1% FPR | TPR @ 0.1% FPR | TPR @ 0% FPR | ε lower bound (test) | ε (GDP, informational) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| attack | AUC [95% CI] | TPR @ 1% FPR | TPR @ 0.1% FPR | TPR @ 0% FPR | ε lower bound (test) | ε (GDP, informational) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in attacks.items():
         ci = f" [{r['auc_ci_low']:.3f}, {r['auc_ci_high']:.3f}]" if "auc_ci_low" in r else ""
         test, gdp = (next(b["epsilon"] for b in r["bounds"] if b["method"] == m) for m in ("hypothesis_test", "gdp"))
-        lines.append(f"| {name} | {r['auc']:.3f}{ci} | {_fmt(r['tpr_at_1pct_fpr'])} | {_fmt(r['tpr_at_0.1pct_fpr'])} | "
-                     f"{_fmt(r['tpr_at_0pct_fpr'])} | {_fmt(test)} | {_fmt(gdp)} |")
+        lines.append(
+            f"| {name} | {r['auc']:.3f}{ci} | {_fmt(r['tpr_at_1pct_fpr'])} | {_fmt(r['tpr_at_0.1pct_fpr'])} | "
+            f"{_fmt(r['tpr_at_0pct_fpr'])} | {_fmt(test)} | {_fmt(gdp)} |"
+        )
     return lines
 
 
 def _audit_section(audit: dict[str, Any]) -> list[str]:
-    lines = ["", "**Membership-inference audit.** Members: training records; non-members: audit population "
-             f"(never trained on); {audit['records_per_side']} of each, {audit['population']} population records "
-             f"for RMIA; {audit['references']['per_subject']} reference models per audited model "
-             f"({audit['references']['models']} models, {audit['references']['training_seconds']:.1f} s of training).", ""]
+    lines = [
+        "",
+        "**Membership-inference audit.** Members: training records; non-members: audit population "
+        f"(never trained on); {audit['records_per_side']} of each, {audit['population']} population records "
+        f"for RMIA; {audit['references']['per_subject']} reference models per audited model "
+        f"({audit['references']['models']} models, {audit['references']['training_seconds']:.1f} s of training).",
+        "",
+    ]
     lines += ["Released model:", ""] + _attack_table(audit["target"]["attacks"])
     if "control" in audit:
         lines += ["", "Positive control (same split, same model, trained without DP):", ""]
@@ -190,25 +252,36 @@ def _audit_section(audit: dict[str, Any]) -> list[str]:
         lines += ["", "One-run audits (Steinke, Nasr, Jagielski 2023):", ""]
         for b in audit["one_run"]:
             i = b["inputs"]
-            lines.append(f"- {b['method']}: ε ≥ {b['epsilon']:.4g} at confidence {b['confidence']:.4g} "
-                         f"({i['correct']}/{i['guesses']} guesses right among {i['canaries']} canaries)")
-    lines += ["", f"Bounds are computed at confidence {audit['per_bound_confidence']:.4g} each so that all "
-              f"{audit['gating_bounds']} bounds the gate uses hold jointly with confidence {audit['confidence']:g}. "
-              "Hypothesis-test bounds from one model treat records as independent trials; GDP-converted bounds "
-              "assume a Gaussian trade-off curve and never gate. The audit's own training runs (reference models, "
-              "control, canary runs) use the private data; their outputs are published only as these aggregates "
-              "and their privacy cost is not charged to the release.",
-              f"Largest gating lower bound: **ε ≥ {format_lower_bound(audit['max_lower_bound'])}**."]
+            lines.append(
+                f"- {b['method']}: ε ≥ {b['epsilon']:.4g} at confidence {b['confidence']:.4g} "
+                f"({i['correct']}/{i['guesses']} guesses right among {i['canaries']} canaries)"
+            )
+    lines += [
+        "",
+        f"Bounds are computed at confidence {audit['per_bound_confidence']:.4g} each so that all "
+        f"{audit['gating_bounds']} bounds the gate uses hold jointly with confidence {audit['confidence']:g}. "
+        "Hypothesis-test bounds from one model treat records as independent trials; GDP-converted bounds "
+        "assume a Gaussian trade-off curve and never gate. The audit's own training runs (reference models, "
+        "control, canary runs) use the private data; their outputs are published only as these aggregates "
+        "and their privacy cost is not charged to the release.",
+        f"Largest gating lower bound: **ε ≥ {format_lower_bound(audit['max_lower_bound'])}**.",
+    ]
     lines += _power_lines(audit) + _conformance_lines(audit)
     if "reconstruction" in audit:
-        lines += ["", "**Reconstruction attack** (seed 002: training inputs recovered from a random-features "
-                  "model's weights alone; best-match |cosine| overlap per training record, chance = random directions):", ""]
+        lines += [
+            "",
+            "**Reconstruction attack** (seed 002: training inputs recovered from a random-features "
+            "model's weights alone; best-match |cosine| overlap per training record, chance = random directions):",
+            "",
+        ]
         for subject, r in audit["reconstruction"].items():
             if "skipped" in r:
                 lines.append(f"- {subject}: skipped — {r['skipped']}")
                 continue
             s, c = r["summary"], r["chance_summary"]
-            lines.append(f"- {subject}: mean overlap {s['mean']:.3f} (chance {c['mean']:.3f}), "
-                         f"{s['fraction_above_0.9']:.1%} of {r['n_train']} records above 0.9; "
-                         f"p/(d·n) = {r['p_over_dn']:.3g}")
+            lines.append(
+                f"- {subject}: mean overlap {s['mean']:.3f} (chance {c['mean']:.3f}), "
+                f"{s['fraction_above_0.9']:.1%} of {r['n_train']} records above 0.9; "
+                f"p/(d·n) = {r['p_over_dn']:.3g}"
+            )
     return lines

@@ -30,9 +30,18 @@ from dpml.formatting import format_epsilon, format_lower_bound
 CERTIFICATE, IMPLEMENTATION, ATTACKS = "certificate", "implementation", "attacks"
 PARTS = (CERTIFICATE, IMPLEMENTATION, ATTACKS)
 # Each word's sortable score (a metric on the run): 1 holds, 0 says nothing, -1 fails.
-SCORES = {"within budget": 1, "over budget": -1, "none": -1, "void": -1,
-          "conforms": 1, "not checked": 0, "does not conform": -1,
-          "evidence": 1, "no demonstrated power": 0, "violation": -1}
+SCORES = {
+    "within budget": 1,
+    "over budget": -1,
+    "none": -1,
+    "void": -1,
+    "conforms": 1,
+    "not checked": 0,
+    "does not conform": -1,
+    "evidence": 1,
+    "no demonstrated power": 0,
+    "violation": -1,
+}
 
 
 @dataclass(frozen=True)
@@ -82,17 +91,27 @@ def attacks_part(audit: dict[str, Any], violations: int, has_power: bool, min_po
     """What the membership attacks show: a violation of the certificate, evidence within it, or nothing."""
     largest = float(audit["max_lower_bound"])
     if violations:
-        return Part("violation", largest, f"{violations} empirical lower bound(s) above the certified ε, largest "
-                                          f"{format_lower_bound(largest)}")
+        return Part(
+            "violation",
+            largest,
+            f"{violations} empirical lower bound(s) above the certified ε, largest {format_lower_bound(largest)}",
+        )
     if has_power:
-        return Part("evidence", largest, f"largest empirical lower bound ε ≥ {format_lower_bound(largest)}; the attacks reach TPR "
-                                         f"{audit['control_power']:.3g} at 1% FPR on the non-private control")
+        return Part(
+            "evidence",
+            largest,
+            f"largest empirical lower bound ε ≥ {format_lower_bound(largest)}; the attacks reach TPR "
+            f"{audit['control_power']:.3g} at 1% FPR on the non-private control",
+        )
     control = audit.get("control_power")
     if control is None:
         return Part("no demonstrated power", None, "no non-private control was audited")
-    return Part("no demonstrated power", float(control),
-                f"control TPR at 1% FPR {control:.3g} < {min_power:g}: the attacks cannot tell members from "
-                "non-members even without DP")
+    return Part(
+        "no demonstrated power",
+        float(control),
+        f"control TPR at 1% FPR {control:.3g} < {min_power:g}: the attacks cannot tell members from "
+        "non-members even without DP",
+    )
 
 
 def title(passed: bool, parts: dict[str, Part]) -> str:
@@ -112,7 +131,11 @@ def headline(passed: bool, parts: dict[str, Part]) -> str:
 
 def verdict_record(passed: bool, parts: dict[str, Part]) -> dict[str, Any]:
     """``gate.json``'s ``verdict``: the title, the headline and each part's word, number and detail."""
-    return {"title": title(passed, parts), "headline": headline(passed, parts), **{name: asdict(part) for name, part in parts.items()}}
+    return {
+        "title": title(passed, parts),
+        "headline": headline(passed, parts),
+        **{name: asdict(part) for name, part in parts.items()},
+    }
 
 
 def verdict_tags(verdict: dict[str, Any]) -> dict[str, str]:
@@ -127,5 +150,8 @@ def verdict_metrics(verdict: dict[str, Any]) -> dict[str, float]:
 
 def verdict_lines(verdict: dict[str, Any], indent: str = "", width: int = 15) -> list[str]:
     """One line per part, for the terminal and Markdown lists (the part's name padded to ``width``)."""
-    return [f"{indent}{name:<{width}}{verdict[name]['word']}" + (f" — {verdict[name]['detail']}" if verdict[name]["detail"]
-                                                            else "") for name in PARTS]
+    return [
+        f"{indent}{name:<{width}}{verdict[name]['word']}"
+        + (f" — {verdict[name]['detail']}" if verdict[name]["detail"] else "")
+        for name in PARTS
+    ]

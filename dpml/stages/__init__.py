@@ -38,14 +38,44 @@ from dpml.stages.train import accuracy, check_delta, release_config, train, tune
 if TYPE_CHECKING:
     from dpml.config import Config
 
-__all__ = ["CONTRACT", "PARTS", "STAGES", "Layout", "accuracy", "audit", "audit_context", "audit_reference_jobs",
-           "audit_registered_model", "certify", "check_delta", "gate", "ingest", "load_model", "load_part", "outputs_locked",
-           "preprocess", "register", "release_config", "run_all", "run_stage", "split", "total_variation_violations",
-           "train", "train_audit_reference", "tune"]
+__all__ = [
+    "CONTRACT",
+    "PARTS",
+    "STAGES",
+    "Layout",
+    "accuracy",
+    "audit",
+    "audit_context",
+    "audit_reference_jobs",
+    "audit_registered_model",
+    "certify",
+    "check_delta",
+    "gate",
+    "ingest",
+    "load_model",
+    "load_part",
+    "outputs_locked",
+    "preprocess",
+    "register",
+    "release_config",
+    "run_all",
+    "run_stage",
+    "split",
+    "total_variation_violations",
+    "train",
+    "train_audit_reference",
+    "tune",
+]
 
 STAGES: dict[str, Callable[..., dict[str, Any]]] = {
-    "ingest": ingest, "split": split, "preprocess": preprocess, "train": train, "certify": certify,
-    "audit": audit, "gate": gate, "register": register,
+    "ingest": ingest,
+    "split": split,
+    "preprocess": preprocess,
+    "train": train,
+    "certify": certify,
+    "audit": audit,
+    "gate": gate,
+    "register": register,
 }
 
 
@@ -70,8 +100,9 @@ def run_stage(name: str, config: Config, progress: bool = False, search: bool = 
     return result
 
 
-def run_all(config: Config, progress: bool = False, echo: Callable[[str], None] = print,
-            search: bool = False) -> dict[str, Any]:
+def run_all(
+    config: Config, progress: bool = False, echo: Callable[[str], None] = print, search: bool = False
+) -> dict[str, Any]:
     """Run every stage in order (the CLI's ``dpml run``/``dpml tune`` without Prefect)."""
     results: dict[str, Any] = {}
     if search:

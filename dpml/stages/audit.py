@@ -53,9 +53,16 @@ def audit_context(config: Config) -> AuditContext:
     records = audit_records(x_train, y_train, x_audit, y_audit, config.audit.max_records, config.audit.seed)
     certificate = io.read_json(layout.certificate) if layout.certificate.exists() else None
     epsilon = None if not certificate or certificate.get("epsilon") is None else float(certificate["epsilon"])
-    return AuditContext(records, len(io.read_json(layout.prepared_meta)["classes"]),
-                        io.read_json(layout.raw_meta)["version"], sigma, (x_train, y_train), (x_audit, y_audit),
-                        mechanism, epsilon)
+    return AuditContext(
+        records,
+        len(io.read_json(layout.prepared_meta)["classes"]),
+        io.read_json(layout.raw_meta)["version"],
+        sigma,
+        (x_train, y_train),
+        (x_audit, y_audit),
+        mechanism,
+        epsilon,
+    )
 
 
 def audit_reference_jobs(config: Config) -> list[tuple[str, bool, float | None, int]]:
@@ -77,8 +84,15 @@ def train_audit_reference(config: Config, job: tuple[str, bool, float | None, in
     torch.set_num_threads(1)
     context = audit_context(config)
     kind, private, sigma, index = job
-    return train_reference(subject_config(config, kind), context.records, context.n_classes, context.data_version,
-                           private=private, noise_multiplier=sigma, index=index)
+    return train_reference(
+        subject_config(config, kind),
+        context.records,
+        context.n_classes,
+        context.data_version,
+        private=private,
+        noise_multiplier=sigma,
+        index=index,
+    )
 
 
 def power_and_conformance_metrics(summary: dict[str, Any]) -> dict[str, float]:
@@ -98,8 +112,14 @@ def audit_detail_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The audit's numbers beyond the headline: every attack's on the target and the control, each one-run
     method's lower bound, each bound's power and each conformance check (``audit.target.loss.auc`` …)."""
     return {
-        **{f"audit.{subject}.{name}.{k}": v for subject in ("target", "control") if subject in summary
-           for name, r in summary[subject]["attacks"].items() for k, v in r.items() if isinstance(v, (int, float))},
+        **{
+            f"audit.{subject}.{name}.{k}": v
+            for subject in ("target", "control")
+            if subject in summary
+            for name, r in summary[subject]["attacks"].items()
+            for k, v in r.items()
+            if isinstance(v, (int, float))
+        },
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
         **{f"audit.{k}": v for k, v in power_and_conformance_metrics(summary).items()},
     }
@@ -127,11 +147,22 @@ def audit(config: Config) -> dict[str, Any]:
     config = release_config(config)
     layout = Layout(config)
     context = audit_context(config)
-    summary, raw, pictures = run_audit(config, load_model(layout), context.noise_multiplier, context.records,
-                                       *context.train, *context.audit, context.n_classes, context.data_version,
-                                       certified_epsilon=context.certified_epsilon, mechanism=context.mechanism)
-    titles = {"target": (layout.roc_png, "membership inference against the released model"),
-              "control": (layout.roc_control_png, "positive control: the same attacks, non-private model")}
+    summary, raw, pictures = run_audit(
+        config,
+        load_model(layout),
+        context.noise_multiplier,
+        context.records,
+        *context.train,
+        *context.audit,
+        context.n_classes,
+        context.data_version,
+        certified_epsilon=context.certified_epsilon,
+        mechanism=context.mechanism,
+    )
+    titles = {
+        "target": (layout.roc_png, "membership inference against the released model"),
+        "control": (layout.roc_control_png, "positive control: the same attacks, non-private model"),
+    }
     for subject, (curves, scores) in pictures.items():
         path, title = titles[subject]
         plot_roc(curves, path, title)
@@ -146,10 +177,16 @@ def audit(config: Config) -> dict[str, Any]:
     summary |= stamp_for(layout)  # the model this audit attacked (dpml.stages.spend_outputs)
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)
-    metrics = {f"{name}.{k}": v for name, r in summary["target"]["attacks"].items() for k, v in r.items()
-               if isinstance(v, (int, float))}
-    metrics |= {"max_epsilon_lower_bound": summary["max_lower_bound"],
-                "reference_models": summary["references"]["models"]}
+    metrics = {
+        f"{name}.{k}": v
+        for name, r in summary["target"]["attacks"].items()
+        for k, v in r.items()
+        if isinstance(v, (int, float))
+    }
+    metrics |= {
+        "max_epsilon_lower_bound": summary["max_lower_bound"],
+        "reference_models": summary["references"]["models"],
+    }
     metrics |= power_and_conformance_metrics(summary)
     if summary["control_power"] is not None:
         metrics["control_best_tpr_at_1pct_fpr"] = summary["control_power"]

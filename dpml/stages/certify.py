@@ -26,8 +26,9 @@ def certify(config: Config) -> dict[str, Any]:
         certificate = None
         metrics: dict[str, Any] = {"epsilon": float("inf"), "delta": config.dp.delta, "private": False}
     else:
-        certificate = trainer_for(config).certify(MechanismDescription.from_dict(payload), config.dp.delta,
-                                                  io.read_json(layout.train_metrics))
+        certificate = trainer_for(config).certify(
+            MechanismDescription.from_dict(payload), config.dp.delta, io.read_json(layout.train_metrics)
+        )
         metrics = {"epsilon": certificate["epsilon"], "delta": certificate["delta"], "private": True}
     io.write_json(layout.certificate, certificate)
     io.write_json(layout.certify_metrics, {k: (v if v != float("inf") else "inf") for k, v in metrics.items()})

@@ -69,9 +69,11 @@ def _open(path: Path, key: str) -> IO[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         return open(path, "a+")  # noqa: SIM115 - closed by the caller's with-block
     except OSError as error:
-        raise PreflightError(f"{key} = {str(path.parent / path.name.removeprefix('.').removesuffix(LOCK_SUFFIX))!r}: "
-                             f"cannot write there ({error.strerror or error}); choose a writable folder or free "
-                             "some space") from None
+        raise PreflightError(
+            f"{key} = {str(path.parent / path.name.removeprefix('.').removesuffix(LOCK_SUFFIX))!r}: "
+            f"cannot write there ({error.strerror or error}); choose a writable folder or free "
+            "some space"
+        ) from None
 
 
 @contextmanager
@@ -94,8 +96,10 @@ def _one(path: Path, key: str, what: str, echo: Callable[[str], None]) -> Iterat
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             folder = path.parent / path.name.removeprefix(".").removesuffix(LOCK_SUFFIX)
-            echo(f"dpml: {folder} is in use by {_holder(handle)}; waiting for it to finish (runs in one "
-                 "checkout take turns; give this run its own paths.data and paths.artifacts to run side by side)")
+            echo(
+                f"dpml: {folder} is in use by {_holder(handle)}; waiting for it to finish (runs in one "
+                "checkout take turns; give this run its own paths.data and paths.artifacts to run side by side)"
+            )
             fcntl.flock(handle, fcntl.LOCK_EX)
         handle.seek(0)
         handle.truncate()

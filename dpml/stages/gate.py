@@ -28,8 +28,16 @@ from dpml.stages.audit import strongest
 from dpml.stages.layout import Layout
 from dpml.stages.spend_outputs import STAMP
 from dpml.stages.train import lineage_of, open_ledger
-from dpml.report.verdict import (ATTACKS, CERTIFICATE, IMPLEMENTATION, PARTS, attacks_part, certificate_part,
-                                 implementation_part, verdict_record)
+from dpml.report.verdict import (
+    ATTACKS,
+    CERTIFICATE,
+    IMPLEMENTATION,
+    PARTS,
+    attacks_part,
+    certificate_part,
+    implementation_part,
+    verdict_record,
+)
 
 if TYPE_CHECKING:
     from dpml.config import Config
@@ -61,8 +69,10 @@ def gate(config: Config) -> dict[str, Any]:
             reasons.append(certificate["statement"])
         if epsilon > config.gate.epsilon_budget:
             passed = budget_ok = False
-            reasons.append(f"certified ε = {format_epsilon(epsilon)} exceeds the budget gate.epsilon_budget = "
-                           f"{config.gate.epsilon_budget:g}")
+            reasons.append(
+                f"certified ε = {format_epsilon(epsilon)} exceeds the budget gate.epsilon_budget = "
+                f"{config.gate.epsilon_budget:g}"
+            )
         else:
             reasons.append(f"certified ε = {format_epsilon(epsilon)} ≤ budget {config.gate.epsilon_budget:g}")
         violations = [b for b in gating_lower_bounds(summary) if b["epsilon"] > epsilon]
@@ -74,48 +84,70 @@ def gate(config: Config) -> dict[str, Any]:
                 f"exceeds the certified ε = {format_epsilon(epsilon)}: the trainer or the accountant is wrong"
             )
         if not violations:
-            reasons.append(f"every empirical lower bound ≤ certified ε (largest {format_lower_bound(summary['max_lower_bound'])})")
+            reasons.append(
+                f"every empirical lower bound ≤ certified ε (largest {format_lower_bound(summary['max_lower_bound'])})"
+            )
         passed = _gate_conformance(summary, reasons) and passed
         reasons += power_lines(summary)
     power = summary.get("control_power")
     evidence = power is not None and power >= config.audit.control_min_tpr_at_1pct_fpr
     if power is not None and not evidence:
-        message = (f"positive control: best TPR at 1% FPR against the non-private model is {power:.4g} < "
-                   f"{config.audit.control_min_tpr_at_1pct_fpr:g}; the audit has no demonstrated power")
+        message = (
+            f"positive control: best TPR at 1% FPR against the non-private model is {power:.4g} < "
+            f"{config.audit.control_min_tpr_at_1pct_fpr:g}; the audit has no demonstrated power"
+        )
         if config.audit.require_control_power:
             passed = False
-        reasons.append(message + ("" if config.audit.require_control_power else " (not required by audit.require_control_power)"))
+        reasons.append(
+            message + ("" if config.audit.require_control_power else " (not required by audit.require_control_power)")
+        )
     elif power is not None:
         reasons.append(f"positive control: the attacks reach TPR {power:.4g} at 1% FPR against the non-private model")
     ledger = open_ledger(config)
     ledger_ok = _gate_ledger(config, ledger, certificate, reasons)
     passed = ledger_ok and passed
-    parts = {CERTIFICATE: certificate_part(certificate, config.gate.epsilon_budget, ledger_ok and budget_ok),
-             IMPLEMENTATION: implementation_part(summary),
-             ATTACKS: attacks_part(summary, len(violations), evidence,
-                                   config.audit.control_min_tpr_at_1pct_fpr)}
-    decision = {"passed": passed, "verdict": verdict_record(passed, parts), "reasons": reasons,
-                "epsilon_budget": config.gate.epsilon_budget, "audit_is_evidence": evidence,
-                STAMP: summary.get(STAMP)}  # the model judged (its audit's stamp)
+    parts = {
+        CERTIFICATE: certificate_part(certificate, config.gate.epsilon_budget, ledger_ok and budget_ok),
+        IMPLEMENTATION: implementation_part(summary),
+        ATTACKS: attacks_part(summary, len(violations), evidence, config.audit.control_min_tpr_at_1pct_fpr),
+    }
+    decision = {
+        "passed": passed,
+        "verdict": verdict_record(passed, parts),
+        "reasons": reasons,
+        "epsilon_budget": config.gate.epsilon_budget,
+        "audit_is_evidence": evidence,
+        STAMP: summary.get(STAMP),
+    }  # the model judged (its audit's stamp)
     io.write_json(layout.gate, decision)
     data = io.read_json(layout.prepared_meta) | {
-        "lower": config.preprocess.lower, "upper": config.preprocess.upper,
-        "clip_norm": config.preprocess.clip_norm, "clip_mode": config.preprocess.clip_mode, "features": config.preprocess.features,
+        "lower": config.preprocess.lower,
+        "upper": config.preprocess.upper,
+        "clip_norm": config.preprocess.clip_norm,
+        "clip_mode": config.preprocess.clip_mode,
+        "features": config.preprocess.features,
         "version": io.read_json(layout.raw_meta)["version"],
         "schema": None if config.data.columns is None else {name: c.type for name, c in config.data.columns.items()},
     }
     train_metrics = io.read_json(layout.train_metrics)
     standing = ledger.summary(lineage_of(config))
-    report = render(data=data, train=train_metrics, certificate=certificate,
-                    audit=summary, gate=decision, ledger=standing[0] if standing else None,
-                    budget=config.ledger.epsilon_budget)
+    report = render(
+        data=data,
+        train=train_metrics,
+        certificate=certificate,
+        audit=summary,
+        gate=decision,
+        ledger=standing[0] if standing else None,
+        budget=config.ledger.epsilon_budget,
+    )
     io.write_text(layout.report, report)
     io.write_json(layout.summary, summary_metrics(train_metrics, certificate, summary, decision))
     return decision
 
 
-def summary_metrics(train: dict[str, Any], certificate: dict[str, Any] | None, audit: dict[str, Any],
-                    decision: dict[str, Any]) -> dict[str, Any]:
+def summary_metrics(
+    train: dict[str, Any], certificate: dict[str, Any] | None, audit: dict[str, Any], decision: dict[str, Any]
+) -> dict[str, Any]:
     """The run's headline numbers (``dvc metrics show``/``diff``, ``dvc exp show``): test accuracy, the
     certified ε and δ (``inf``/``null`` without an (ε, δ) certificate), the largest empirical ε lower
     bound, the strongest attack's AUC and TPR at 1% FPR, the control's TPR, σ, the gate's verdict and the
@@ -152,10 +184,14 @@ def _gate_ledger(config: Config, ledger: Ledger, certificate: dict[str, Any] | N
     else:
         spent, budget, key, unit = ledger.total(lineage), config.ledger.epsilon_budget, "ledger.epsilon_budget", "ε"
     if spent > budget:
-        reasons.append(f"ledger: lineage {lineage!r} has spent {unit} = {format_epsilon(spent)} on some person, over {key} = "
-                       f"{budget:g} (lowered after this model trained?): not released as champion")
+        reasons.append(
+            f"ledger: lineage {lineage!r} has spent {unit} = {format_epsilon(spent)} on some person, over {key} = "
+            f"{budget:g} (lowered after this model trained?): not released as champion"
+        )
         return False
-    reasons.append(f"ledger: lineage {lineage!r}'s largest per-person {unit} = {format_epsilon(spent)} ≤ {key} = {budget:g}")
+    reasons.append(
+        f"ledger: lineage {lineage!r}'s largest per-person {unit} = {format_epsilon(spent)} ≤ {key} = {budget:g}"
+    )
     return True
 
 
@@ -171,8 +207,10 @@ def _gate_conformance(summary: dict[str, Any], reasons: list[str]) -> bool:
     for check in failed:
         reasons.append(f"{check['line']}: the trainer does not do what its certificate prices")
     if not failed:
-        reasons.append(f"the trainer conforms to its certificate: {', '.join(c['check'] for c in conformance['checks'])} "
-                       f"checked (false-alarm rate {conformance['false_alarm']:g})")
+        reasons.append(
+            f"the trainer conforms to its certificate: {', '.join(c['check'] for c in conformance['checks'])} "
+            f"checked (false-alarm rate {conformance['false_alarm']:g})"
+        )
     return not failed
 
 
@@ -181,13 +219,16 @@ def power_lines(summary: dict[str, Any]) -> list[str]:
     weak = sorted(name for name, entry in summary.get("power", {}).items() if not entry["gating"])
     if not weak:
         return []
-    return [f"not counted as evidence ({len(weak)} ε lower-bound method(s) without the power to show a violation "
-            f"of the certified ε at their share of the confidence): "
-            + ", ".join(f"{name} (power {summary['power'][name]['power']:.3g})" for name in weak)]
+    return [
+        f"not counted as evidence ({len(weak)} ε lower-bound method(s) without the power to show a violation "
+        f"of the certified ε at their share of the confidence): "
+        + ", ".join(f"{name} (power {summary['power'][name]['power']:.3g})" for name in weak)
+    ]
 
 
-def total_variation_violations(raw_scores: dict[str, Any], pinsker_delta: float,
-                               confidence: float) -> list[dict[str, Any]]:
+def total_variation_violations(
+    raw_scores: dict[str, Any], pinsker_delta: float, confidence: float
+) -> list[dict[str, Any]]:
     """Attacks whose advantage contradicts a KL certificate.
 
     KL ≤ κ bounds the total variation between the outputs on neighbours by δ_P = sqrt(κ/2)
@@ -197,8 +238,9 @@ def total_variation_violations(raw_scores: dict[str, Any], pinsker_delta: float,
     """
     violations = []
     for attack, scores in raw_scores.items():
-        bound = hypothesis_test_bound(np.asarray(scores["member"]), np.asarray(scores["nonmember"]),
-                                      min(pinsker_delta, 1 - 1e-12), confidence)
+        bound = hypothesis_test_bound(
+            np.asarray(scores["member"]), np.asarray(scores["nonmember"]), min(pinsker_delta, 1 - 1e-12), confidence
+        )
         if bound.epsilon > 0:
             violations.append({"attack": attack, "epsilon_at_pinsker_delta": bound.epsilon})
     return violations
@@ -212,15 +254,20 @@ def _gate_kl(config: Config, certificate: dict[str, Any], reasons: list[str]) ->
         reasons.append(certificate["statement"])
         return False, []
     kl = certificate["kl"]
-    reasons.append(f"KL privacy, not (ε, δ)-DP: certified KL = {kl:.4g} (Pinsker: total variation ≤ "
-                   f"{certificate['pinsker_delta']:.4g}); no finite ε holds, so gate.epsilon_budget cannot be met")
+    reasons.append(
+        f"KL privacy, not (ε, δ)-DP: certified KL = {kl:.4g} (Pinsker: total variation ≤ "
+        f"{certificate['pinsker_delta']:.4g}); no finite ε holds, so gate.epsilon_budget cannot be met"
+    )
     layout = Layout(config)
     summary = io.read_json(layout.audit)
-    violations = total_variation_violations(io.read_json(layout.scores)["target"], certificate["pinsker_delta"],
-                                            summary["per_bound_confidence"])
+    violations = total_variation_violations(
+        io.read_json(layout.scores)["target"], certificate["pinsker_delta"], summary["per_bound_confidence"]
+    )
     for violation in violations:
-        reasons.append(f"attack {violation['attack']} beats the Pinsker bound: TPR − FPR > {certificate['pinsker_delta']:.4g} "
-                       "at the audit's confidence — the trainer or the KL certificate is wrong")
+        reasons.append(
+            f"attack {violation['attack']} beats the Pinsker bound: TPR − FPR > {certificate['pinsker_delta']:.4g} "
+            "at the audit's confidence — the trainer or the KL certificate is wrong"
+        )
     if violations:
         return False, violations
     reasons.append(f"no attack's advantage (TPR − FPR) exceeds the Pinsker bound {certificate['pinsker_delta']:.4g}")

@@ -28,8 +28,12 @@ def ingest(config: Config) -> dict[str, Any]:
     units = raw.units if raw.units is not None else digests_of_rows(raw.x, raw.y)
     io.write_npz(layout.raw, **arrays, units=units)
     meta = {
-        "origin": raw.origin, "classes": raw.classes, "feature_names": raw.feature_names,
-        "version": version, "n_records": int(raw.x.shape[0]), "n_features": int(raw.x.shape[1]),
+        "origin": raw.origin,
+        "classes": raw.classes,
+        "feature_names": raw.feature_names,
+        "version": version,
+        "n_records": int(raw.x.shape[0]),
+        "n_features": int(raw.x.shape[1]),
         "predefined_test": raw.x_test is not None,
         "unit": f"column {config.data.id_column!r}" if config.data.id_column else "row content",
         "n_units": int(np.unique(np.ascontiguousarray(units).view("V16")).size),
@@ -43,8 +47,9 @@ def ingest(config: Config) -> dict[str, Any]:
 def records_version(arrays: dict[str, np.ndarray], units: np.ndarray | None) -> str:
     """``data.version``: the content hash of the records (``x``, ``y``, a predefined test split) and,
     when an id column names each row's person, of those ids."""
-    return content_hash(*(arrays[k] for k in ("x", "y", "x_test", "y_test") if k in arrays),
-                        *([units] if units is not None else []))
+    return content_hash(
+        *(arrays[k] for k in ("x", "y", "x_test", "y_test") if k in arrays), *([units] if units is not None else [])
+    )
 
 
 def stored_records_version(path: Path, by_id_column: bool) -> str:

@@ -64,7 +64,9 @@ class Layout:
         self.summary = Path(config.paths.metrics_folder()) / "summary.json"  # kept in git: dvc metrics diff
         self.tuning = art / "tune" / "tuning.json"
         self.validation = art / "tune" / "validation.npz"
-        self.stage_records = art / "stages"  # one <stage>.json per stage run: times, params, metrics (dpml.stages.records)
+        self.stage_records = (
+            art / "stages"
+        )  # one <stage>.json per stage run: times, params, metrics (dpml.stages.records)
 
     def path(self, name: str) -> Path:
         """The file a contract name stands for: an attribute (``model``) or a prepared part (``prepared.train``)."""
@@ -89,43 +91,114 @@ PREPARED = tuple(f"prepared.{part}" for part in PARTS)
 
 TRAINING = ("plugins", "model", "train", "dp", "noisycgd", "noisygd", "onepass")  # what a trainer reads
 LEDGER_LOCATION = ("ledger.path", "ledger.url", "ledger.unit_key", "ledger.dataset")  # which account
-AUDIT_ONLY = tuple(f"audit.{key}" for key in (
-    "attacks", "references", "max_records", "seed", "rmia_a", "rmia_gamma", "confidence", "bound_correction",
-    "bootstrap", "control", "control_optimizer", "control_learning_rate", "control_epochs", "white_box_canaries",
-    "black_box_canaries", "one_run_guess_fraction", "white_box_scoring", "conformance", "conformance_false_alarm",
-    "conformance_tolerance", "canary_gradient_norm", "reconstruction_max_train", "reconstruction_restarts",
-    "reconstruction_steps"))  # not the gate's control_min_tpr_at_1pct_fpr/require_control_power, nor Prefect's workers
-EVERY_SECTION = ("plugins", "data", "split", "preprocess", "model", "train", "dp", "noisycgd", "noisygd", "onepass",
-                 "audit", "tune", "gate", "ledger", "tracking")
+AUDIT_ONLY = tuple(
+    f"audit.{key}"
+    for key in (
+        "attacks",
+        "references",
+        "max_records",
+        "seed",
+        "rmia_a",
+        "rmia_gamma",
+        "confidence",
+        "bound_correction",
+        "bootstrap",
+        "control",
+        "control_optimizer",
+        "control_learning_rate",
+        "control_epochs",
+        "white_box_canaries",
+        "black_box_canaries",
+        "one_run_guess_fraction",
+        "white_box_scoring",
+        "conformance",
+        "conformance_false_alarm",
+        "conformance_tolerance",
+        "canary_gradient_norm",
+        "reconstruction_max_train",
+        "reconstruction_restarts",
+        "reconstruction_steps",
+    )
+)  # not the gate's control_min_tpr_at_1pct_fpr/require_control_power, nor Prefect's workers
+EVERY_SECTION = (
+    "plugins",
+    "data",
+    "split",
+    "preprocess",
+    "model",
+    "train",
+    "dp",
+    "noisycgd",
+    "noisygd",
+    "onepass",
+    "audit",
+    "tune",
+    "gate",
+    "ledger",
+    "tracking",
+)
 
 CONTRACT: dict[str, StageFiles] = {
     "ingest": StageFiles(reads=(), writes=("raw", "raw_meta"), params=("data",)),
     "split": StageFiles(reads=("raw", "raw_meta"), writes=("split",), params=("data", "split")),
-    "preprocess": StageFiles(reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta"),
-                             params=("data", "preprocess")),
+    "preprocess": StageFiles(
+        reads=("raw", "raw_meta", "split"), writes=(*PREPARED, "prepared_meta"), params=("data", "preprocess")
+    ),
     # The ledger's budget is not here: a run over budget is refused before it trains, and a budget
     # lowered afterwards fails the gate, which re-runs; training does not (it would spend ε again).
-    "train": StageFiles(reads=(*PREPARED, "prepared_meta"),
-                        writes=("model", "model_spec", "mechanism", "spend", "excluded", "train_metrics"),
-                        optional=("tuning", "validation", "model_source"),
-                        params=(*TRAINING, "data.source", "preprocess.clip_norm", *LEDGER_LOCATION,
-                                "ledger.on_exhausted")),
-    "certify": StageFiles(reads=("mechanism", "train_metrics"), writes=("certificate", "certify_metrics"),
-                          params=("plugins", "train.algorithm", "dp.delta")),
-    "audit": StageFiles(reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta",
-                               "raw_meta", "excluded"),
-                        writes=("audit", "scores", "roc_png", "roc_csv", "roc_limit_csv", "histograms_png", "audit_metrics"),
-                        optional=("roc_control_png",), params=(*TRAINING, "split", "preprocess", *AUDIT_ONLY)),
-    "gate": StageFiles(reads=("certificate", "audit", "scores", "train_metrics", "prepared_meta", "raw_meta"),
-                       writes=("gate", "report", "summary"),
-                       params=("data", "preprocess", "gate", "audit.control_min_tpr_at_1pct_fpr",
-                               "audit.require_control_power", *LEDGER_LOCATION, "ledger.epsilon_budget",
-                               "ledger.kl_budget", "ledger.delta")),
+    "train": StageFiles(
+        reads=(*PREPARED, "prepared_meta"),
+        writes=("model", "model_spec", "mechanism", "spend", "excluded", "train_metrics"),
+        optional=("tuning", "validation", "model_source"),
+        params=(*TRAINING, "data.source", "preprocess.clip_norm", *LEDGER_LOCATION, "ledger.on_exhausted"),
+    ),
+    "certify": StageFiles(
+        reads=("mechanism", "train_metrics"),
+        writes=("certificate", "certify_metrics"),
+        params=("plugins", "train.algorithm", "dp.delta"),
+    ),
+    "audit": StageFiles(
+        reads=("model", "model_spec", "mechanism", "train_metrics", *PREPARED, "prepared_meta", "raw_meta", "excluded"),
+        writes=("audit", "scores", "roc_png", "roc_csv", "roc_limit_csv", "histograms_png", "audit_metrics"),
+        optional=("roc_control_png",),
+        params=(*TRAINING, "split", "preprocess", *AUDIT_ONLY),
+    ),
+    "gate": StageFiles(
+        reads=("certificate", "audit", "scores", "train_metrics", "prepared_meta", "raw_meta"),
+        writes=("gate", "report", "summary"),
+        params=(
+            "data",
+            "preprocess",
+            "gate",
+            "audit.control_min_tpr_at_1pct_fpr",
+            "audit.require_control_power",
+            *LEDGER_LOCATION,
+            "ledger.epsilon_budget",
+            "ledger.kl_budget",
+            "ledger.delta",
+        ),
+    ),
     # Registration logs every parameter with the release (MLflow params, config.json).
-    "register": StageFiles(reads=("certificate", "audit", "scores", "roc_png", "histograms_png", "gate", "report",
-                                  "train_metrics", "model", "model_spec", "mechanism", "spend", "raw_meta",
-                                  "prepared_meta"),
-                           writes=("release", "release_card"), params=EVERY_SECTION),
+    "register": StageFiles(
+        reads=(
+            "certificate",
+            "audit",
+            "scores",
+            "roc_png",
+            "histograms_png",
+            "gate",
+            "report",
+            "train_metrics",
+            "model",
+            "model_spec",
+            "mechanism",
+            "spend",
+            "raw_meta",
+            "prepared_meta",
+        ),
+        writes=("release", "release_card"),
+        params=EVERY_SECTION,
+    ),
 }
 
 
@@ -139,8 +212,10 @@ def check_inputs(stage: str, layout: Layout) -> None:
     for name in CONTRACT[stage].reads:
         path = layout.path(name)
         if not path.exists():
-            raise FileNotFoundError(f"stage {stage} needs {path}, which stage {producer_of(name)} writes: run "
-                                    f"`dpml stage {producer_of(name)}` (or the whole pipeline) first")
+            raise FileNotFoundError(
+                f"stage {stage} needs {path}, which stage {producer_of(name)} writes: run "
+                f"`dpml stage {producer_of(name)}` (or the whole pipeline) first"
+            )
 
 
 def check_outputs(stage: str, layout: Layout) -> None:

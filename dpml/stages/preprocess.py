@@ -19,18 +19,26 @@ def preprocess(config: Config) -> dict[str, Any]:
     """Public scaling, optional ScatterNet features and input norm clipping of every part."""
     layout = Layout(config)
     arrays, meta, index = io.read_npz(layout.raw), io.read_json(layout.raw_meta), io.read_npz(layout.split)
-    sources = {"train": ("x", "y"), "audit": ("x", "y"),
-               "test": ("x_test", "y_test") if bool(index["test_is_predefined"]) else ("x", "y")}
-    summary: dict[str, Any] = {"data_version": meta["version"], "origin": meta["origin"],
-                               "classes": meta["classes"], "n_features": meta["n_features"]}
+    sources = {
+        "train": ("x", "y"),
+        "audit": ("x", "y"),
+        "test": ("x_test", "y_test") if bool(index["test_is_predefined"]) else ("x", "y"),
+    }
+    summary: dict[str, Any] = {
+        "data_version": meta["version"],
+        "origin": meta["origin"],
+        "classes": meta["classes"],
+        "n_features": meta["n_features"],
+    }
     transform = transform_of(config)
     for part in PARTS:
         xs, ys = sources[part]
         rows = index[part]
         prepared = transform.apply(arrays[xs][rows])
         units = {"units": arrays["units"][rows]} if part == "train" else {}  # whom the trainer's records belong to
-        io.write_npz(layout.prepared[part], x=prepared.x.astype(np.float32), y=arrays[ys][rows].astype(np.int64),
-                     **units)
+        io.write_npz(
+            layout.prepared[part], x=prepared.x.astype(np.float32), y=arrays[ys][rows].astype(np.int64), **units
+        )
         summary[f"n_{part}"] = int(rows.size)
         summary[f"clipped_fraction_{part}"] = prepared.clipped_fraction
         summary["n_features"] = int(prepared.x.shape[1])  # the model's inputs (after any feature extractor)

@@ -35,8 +35,10 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     config = logged.model_copy(update={"paths": logged.paths.model_copy(update=paths), "tracking": tracking})
     version = ingest(config)["version"]
     if version != registered["tags"].get("data.version"):
-        raise ValueError(f"the data at {config.data.source} (version {version[:12]}…) is not the data "
-                         f"{model_uri} was trained on (data.version {registered['tags'].get('data.version', '?')[:12]}…)")
+        raise ValueError(
+            f"the data at {config.data.source} (version {version[:12]}…) is not the data "
+            f"{model_uri} was trained on (data.version {registered['tags'].get('data.version', '?')[:12]}…)"
+        )
     split(config)
     preprocess(config)
     layout = Layout(config)
@@ -45,15 +47,29 @@ def audit_registered_model(model_uri: str, tracking: TrackingConfig, workdir: Pa
     context = audit_context(config)
     certificate = load_run_json(tracking, registered["run_id"], "certificate.json")  # the exact ε, not the tag's text
     certified = float(certificate["epsilon"]) if certificate else float("inf")
-    summary, raw, pictures = run_audit(config, registered["model"], context.noise_multiplier, context.records,
-                                       *context.train, *context.audit, context.n_classes, context.data_version,
-                                       certified_epsilon=certified, mechanism=mechanism)
+    summary, raw, pictures = run_audit(
+        config,
+        registered["model"],
+        context.noise_multiplier,
+        context.records,
+        *context.train,
+        *context.audit,
+        context.n_classes,
+        context.data_version,
+        certified_epsilon=certified,
+        mechanism=mechanism,
+    )
     plot_roc(pictures["target"][0], layout.roc_png, f"re-audit of {registered['name']} v{registered['version']}")
     io.write_json(layout.audit, summary)
     io.write_json(layout.scores, raw)
     metrics = audit_detail_metrics(summary) | {"audit.max_epsilon_lower_bound": summary["max_lower_bound"]}
     run_id = mlflow_tracking.log_audit(tracking, registered, metrics, [layout.audit, layout.scores, layout.roc_png])
     conforms = summary["conformance"]["passed"] is not False
-    return {"model": f"{registered['name']}/{registered['version']}", "audit_run_id": run_id, "audit": summary,
-            "certified_epsilon": certified, "conforms": conforms,
-            "consistent": summary["max_lower_bound"] <= certified and conforms}
+    return {
+        "model": f"{registered['name']}/{registered['version']}",
+        "audit_run_id": run_id,
+        "audit": summary,
+        "certified_epsilon": certified,
+        "conforms": conforms,
+        "consistent": summary["max_lower_bound"] <= certified and conforms,
+    }

@@ -26,8 +26,11 @@ def stage_params(config: Config, stage: str) -> dict[str, str]:
     """The configuration values ``stage`` depends on (its ``params`` in the contract), as strings; unset
     values (None) are left out rather than written as ``"None"``."""
     sections = CONTRACT[stage].params
-    return {key: str(value) for key, value in config.flat().items()
-            if value is not None and any(key == s or key.startswith(s + ".") for s in sections)}
+    return {
+        key: str(value)
+        for key, value in config.flat().items()
+        if value is not None and any(key == s or key.startswith(s + ".") for s in sections)
+    }
 
 
 def stage_metrics(result: dict[str, Any]) -> dict[str, float]:
@@ -40,9 +43,16 @@ def record_stage(config: Config, stage: str, started: float, ended: float, resul
     """Write ``stage``'s record: start and end (Unix seconds), its parameters and its metrics."""
     layout = Layout(config)
     layout.stage_records.mkdir(parents=True, exist_ok=True)
-    io.write_json(layout.stage_records / f"{stage}.json",
-                  {"stage": stage, "started": started, "ended": ended, "params": stage_params(config, stage),
-                   "metrics": stage_metrics(result)})
+    io.write_json(
+        layout.stage_records / f"{stage}.json",
+        {
+            "stage": stage,
+            "started": started,
+            "ended": ended,
+            "params": stage_params(config, stage),
+            "metrics": stage_metrics(result),
+        },
+    )
 
 
 def stage_records(layout: Layout, stages: list[str]) -> list[dict[str, Any]]:

@@ -33,12 +33,21 @@ def serving_spec(config: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
     names, the table encoding or the raw feature count, and the public transform."""
     encoding = table_encoding(config.data, config.preprocess)
     source = {"table": encoding.to_dict()} if encoding is not None else {"n_features": int(data_meta["n_features"])}
-    return {"format": 1, "classes": [str(c) for c in data_meta["classes"]], "input": source,
-            "transform": transform_of(config).to_dict()}
+    return {
+        "format": 1,
+        "classes": [str(c) for c in data_meta["classes"]],
+        "input": source,
+        "transform": transform_of(config).to_dict(),
+    }
 
 
-RESOLVED = {"released", "release_abandoned", "cancelled", "failed",  # events after which a spend's release is settled
-            "interrupted"}  # stopped before registration (dpml.stages.stopped)
+RESOLVED = {
+    "released",
+    "release_abandoned",
+    "cancelled",
+    "failed",  # events after which a spend's release is settled
+    "interrupted",
+}  # stopped before registration (dpml.stages.stopped)
 
 
 def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
@@ -57,10 +66,12 @@ def reconcile_interrupted_releases(config: Config, ledger: Ledger) -> None:
     for cleaned in tracking.clean_up_unreleased_runs(config.tracking, registering_processes(ledger)):
         spend_id = cleaned["spend_id"]
         if spend_id.isdigit() and int(spend_id) in spends:
-            ledger.record_event(int(spend_id), "release_abandoned",
-                                {"run_id": cleaned["run_id"], "withdrawn": cleaned["withdrawn"]})
-    unsettled = {s.id: s.created_at for s in spends.values()
-                 if not RESOLVED & {kind for kind, _ in ledger.events(s.id)}}
+            ledger.record_event(
+                int(spend_id), "release_abandoned", {"run_id": cleaned["run_id"], "withdrawn": cleaned["withdrawn"]}
+            )
+    unsettled = {
+        s.id: s.created_at for s in spends.values() if not RESOLVED & {kind for kind, _ in ledger.events(s.id)}
+    }
     for spend_id, release in tracking.finished_releases(config.tracking, unsettled).items():
         ledger.record_event(spend_id, "released", release | {"reconciled": "true"})
 
@@ -77,8 +88,11 @@ def registering_processes(ledger: Ledger) -> Callable[[dict[str, str]], list[tup
         spend_id = spend_ids.get(tags.get("ledger.spend", ""))
         if spend_id is None:
             return []
-        return [(str(d.get("host", "")), int(d["pid"])) for kind, d in ledger.events(spend_id)
-                if kind == REGISTERING and str(d.get("pid", "")).isdigit()]
+        return [
+            (str(d.get("host", "")), int(d["pid"]))
+            for kind, d in ledger.events(spend_id)
+            if kind == REGISTERING and str(d.get("pid", "")).isdigit()
+        ]
 
     return processes
 
@@ -118,19 +132,21 @@ def version_description(tags: dict[str, str], decision: dict[str, Any]) -> str:
     """The model version's description (Markdown, shown at the top of its page): the guarantee, the audit's
     verdict and the gate, from the version's own tags."""
     evidence = "counted as evidence" if tags["audit.is_evidence"] == "true" else "not counted as evidence"
-    return "\n".join([
-        f"**{decision['verdict']['title']}**",
-        "",
-        *(f"- {line.strip()}" for line in verdict_lines(decision["verdict"])),
-        "",
-        f"- **certified ε = {tags['dp.epsilon']}** at δ = {tags['dp.delta']} ({tags['privacy.guarantee']}; "
-        f"accountant {tags['dp.accountant']})",
-        f"- mechanism: {tags['dp.mechanism']}",
-        f"- audit: largest empirical ε lower bound {tags['audit.epsilon_lower_bound']} ({evidence}); strongest "
-        f"attack AUC {tags['audit.auc']} ({tags['audit.auc_attack']}); conformance {tags['audit.conformance']}",
-        f"- release gate: {'PASSED' if decision['passed'] else 'FAILED'}: {tags['gate.reason']}",
-        f"- data: {tags['dp.lineage']}, version {tags['data.version'][:12]}",
-    ])[:5000]  # MLflow keeps 5000 characters
+    return "\n".join(
+        [
+            f"**{decision['verdict']['title']}**",
+            "",
+            *(f"- {line.strip()}" for line in verdict_lines(decision["verdict"])),
+            "",
+            f"- **certified ε = {tags['dp.epsilon']}** at δ = {tags['dp.delta']} ({tags['privacy.guarantee']}; "
+            f"accountant {tags['dp.accountant']})",
+            f"- mechanism: {tags['dp.mechanism']}",
+            f"- audit: largest empirical ε lower bound {tags['audit.epsilon_lower_bound']} ({evidence}); strongest "
+            f"attack AUC {tags['audit.auc']} ({tags['audit.auc_attack']}); conformance {tags['audit.conformance']}",
+            f"- release gate: {'PASSED' if decision['passed'] else 'FAILED'}: {tags['gate.reason']}",
+            f"- data: {tags['dp.lineage']}, version {tags['data.version'][:12]}",
+        ]
+    )[:5000]  # MLflow keeps 5000 characters
 
 
 def register(config: Config) -> dict[str, Any]:
@@ -182,7 +198,9 @@ def register(config: Config) -> dict[str, Any]:
         "audit.tpr_at_0.1pct_fpr": f"{tpr:.6g}",
         "audit.tpr_attack": strongest_tpr,
         "audit.epsilon_lower_bound": format_lower_bound(summary["max_lower_bound"]),
-        "audit.control_tpr_at_1pct_fpr": "none" if summary["control_power"] is None else f"{summary['control_power']:.6g}",
+        "audit.control_tpr_at_1pct_fpr": "none"
+        if summary["control_power"] is None
+        else f"{summary['control_power']:.6g}",
         "audit.is_evidence": str(decision["audit_is_evidence"]).lower(),
         "audit.references": str(summary["references"]["per_subject"]),
         "audit.conformance": conformance_tag(summary),
@@ -194,72 +212,127 @@ def register(config: Config) -> dict[str, Any]:
         # values are on the stage runs (train: accuracies, certify: ε) and in their files
         "test_accuracy": float(format_score(train_metrics["test_accuracy"])),
         "train_accuracy": float(format_score(train_metrics["train_accuracy"])),
-        "epsilon": float(format_epsilon(epsilon)), "delta": config.dp.delta,
+        "epsilon": float(format_epsilon(epsilon)),
+        "delta": config.dp.delta,
         "audit.max_epsilon_lower_bound": float(format_lower_bound(summary["max_lower_bound"])),
-        "gate.passed": int(decision["passed"]), **verdict_metrics(decision["verdict"]),
+        "gate.passed": int(decision["passed"]),
+        **verdict_metrics(decision["verdict"]),
     }
     metrics |= {k: v for k, v in train_metrics.items() if k.startswith("robust_")}
     if certificate and certificate.get("kind") == "kl":
-        version_tags |= {"kl.certified": f"{certificate['kl']:.6g}",
-                         "kl.pinsker_delta": f"{certificate['pinsker_delta']:.6g}"}
+        version_tags |= {
+            "kl.certified": f"{certificate['kl']:.6g}",
+            "kl.pinsker_delta": f"{certificate['pinsker_delta']:.6g}",
+        }
         metrics["kl_certified"] = certificate["kl"]
     if layout.tuning.exists():
         tuning = io.read_json(layout.tuning)
-        version_tags |= {"tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),
-                         "tune.selection": str(tuning["selection"]),
-                         "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}"}
+        version_tags |= {
+            "tune.chosen": json.dumps(tuning["chosen"], sort_keys=True),
+            "tune.selection": str(tuning["selection"]),
+            "tune.noisy_validation_accuracy": f"{tuning['noisy_validation_accuracy']:.6g}",
+        }
     provenance, logged_files = release_provenance(as_run, searched=layout.tuning.exists())
     cards: dict[str, str] = {}
 
     def release_card(run_id: str, version: str) -> dict[str, str]:
         """The release card, once the version's number exists (:mod:`dpml.report.release_card`)."""
-        facts = {"model": config.tracking.model_name or "", "version": version,
-                    "model URI": f"models:/{config.tracking.model_name}/{version}", "run": run_id,
-                    "commit": provenance.get("code.commit", "none"), "data version": data_meta["version"],
-                    "data set": lineage, "trainer": config.train.algorithm,
-                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                    "test accuracy": f"{train_metrics['test_accuracy']:.4f}"}
+        facts = {
+            "model": config.tracking.model_name or "",
+            "version": version,
+            "model URI": f"models:/{config.tracking.model_name}/{version}",
+            "run": run_id,
+            "commit": provenance.get("code.commit", "none"),
+            "data version": data_meta["version"],
+            "data set": lineage,
+            "trainer": config.train.algorithm,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "test accuracy": f"{train_metrics['test_accuracy']:.4f}",
+        }
         standing = ledger.summary(lineage)
-        cards[CARD] = render_card(identity=facts, verdict=decision["verdict"], certificate=certificate, audit=summary,
-                                  scores=io.read_json(layout.scores) if layout.scores.exists() else None,
-                                  ledger=standing[0] if standing else None, budget=config.ledger.epsilon_budget,
-                                  reasons=decision["reasons"])
+        cards[CARD] = render_card(
+            identity=facts,
+            verdict=decision["verdict"],
+            certificate=certificate,
+            audit=summary,
+            scores=io.read_json(layout.scores) if layout.scores.exists() else None,
+            ledger=standing[0] if standing else None,
+            budget=config.ledger.epsilon_budget,
+            reasons=decision["reasons"],
+        )
         return dict(cards)
 
     earlier = tracking.release_of_spend(config.tracking, identity)
     if earlier is not None:  # this spend's one version: judged again if the gate's verdict changed
         if earlier.pop("recorded_verdict") != version_tags["gate.passed"]:
             judged = {k: v for k, v in version_tags.items() if k.startswith(("gate.", "verdict"))}
-            earlier = tracking.record_verdict(config.tracking, earlier, judged, version_description(version_tags, decision))
+            earlier = tracking.record_verdict(
+                config.tracking, earlier, judged, version_description(version_tags, decision)
+            )
         release_card(earlier["run_id"], earlier["model_version"])
         io.write_text(layout.release_card, cards[CARD])
-        return finish_release(config, layout, ledger, spend_id, earlier | {"already_released": True}, decision,
-                              train_metrics)
-    artifacts = [p for p in (layout.report, layout.certificate, layout.mechanism, layout.audit, layout.scores,
-                             layout.roc_png, layout.roc_control_png, layout.histograms_png, layout.gate,
-                             layout.model_spec, layout.tuning, layout.model_source) if p.exists()]
+        return finish_release(
+            config, layout, ledger, spend_id, earlier | {"already_released": True}, decision, train_metrics
+        )
+    artifacts = [
+        p
+        for p in (
+            layout.report,
+            layout.certificate,
+            layout.mechanism,
+            layout.audit,
+            layout.scores,
+            layout.roc_png,
+            layout.roc_control_png,
+            layout.histograms_png,
+            layout.gate,
+            layout.model_spec,
+            layout.tuning,
+            layout.model_source,
+        )
+        if p.exists()
+    ]
     version_tags |= provenance
     # A fixed DPML_NOISE_SEED makes the noise reproducible: private only while the value stays secret.
     seed_fixed = str(bool(train_metrics.get("noise_seed_fixed", False))).lower()
     version_tags["noise_seed.fixed"] = seed_fixed
-    own_record = {"stage": "register", "started": started, "ended": None, "params": stage_params(config, "register"),
-                  "metrics": {}}  # ends when its nested run is written, after the model version
+    own_record = {
+        "stage": "register",
+        "started": started,
+        "ended": None,
+        "params": stage_params(config, "register"),
+        "metrics": {},
+    }  # ends when its nested run is written, after the model version
     ledger.record_event(spend_id, REGISTERING, {"host": socket.gethostname(), "pid": os.getpid()})  # for a kill
     release = tracking.log_release(
-        config=config.tracking, run_name=run_name(lineage, config.train.algorithm, epsilon),
-        params=config.run_params(), metrics=metrics, artifacts=artifacts + logged_files, model=load_model(layout),
-        in_features=int(io.read_json(layout.prepared_meta)["n_features"]), serving_spec=serving_spec(config, data_meta),
-        version_tags=version_tags, version_description=version_description(version_tags, decision),
+        config=config.tracking,
+        run_name=run_name(lineage, config.train.algorithm, epsilon),
+        params=config.run_params(),
+        metrics=metrics,
+        artifacts=artifacts + logged_files,
+        model=load_model(layout),
+        in_features=int(io.read_json(layout.prepared_meta)["n_features"]),
+        serving_spec=serving_spec(config, data_meta),
+        version_tags=version_tags,
+        version_description=version_description(version_tags, decision),
         promote=decision["passed"],
         dataset=training_dataset(lineage, config.data.source, data_meta["version"]),
         stage_runs=with_audit_detail(stage_records(layout, list(CONTRACT)[:-1]), summary) + [own_record],
-        run_tags={"data.version": data_meta["version"], "data.origin": data_meta["origin"],
-                  "dp.epsilon": version_tags["dp.epsilon"], "gate.passed": str(decision["passed"]).lower(),
-                  **verdict_tags(decision["verdict"]), "noise_seed.fixed": seed_fixed,
-                  "ledger.spend_id": str(spend["spend_id"]), "ledger.spend": identity, **provenance,
-                  **driver_tags(),
-                  "mlflow.note.content": version_description(version_tags, decision)},  # the run page's description
-        documents={"config.json": config.to_dict()}, after_version=release_card,
+        run_tags={
+            "data.version": data_meta["version"],
+            "data.origin": data_meta["origin"],
+            "dp.epsilon": version_tags["dp.epsilon"],
+            "gate.passed": str(decision["passed"]).lower(),
+            **verdict_tags(decision["verdict"]),
+            "noise_seed.fixed": seed_fixed,
+            "ledger.spend_id": str(spend["spend_id"]),
+            "ledger.spend": identity,
+            **provenance,
+            **driver_tags(),
+            "mlflow.note.content": version_description(version_tags, decision),
+        },  # the run page's description
+        documents={"config.json": config.to_dict()},
+        after_version=release_card,
     )
     if CARD in cards:
         io.write_text(layout.release_card, cards[CARD])  # the same page, to open from disk
@@ -278,17 +351,32 @@ def with_audit_detail(records: list[dict[str, Any]], summary: dict[str, Any]) ->
     return [r | {"metrics": r["metrics"] | detail} if r["stage"] == "audit" else r for r in records]
 
 
-def finish_release(config: Config, layout: Layout, ledger: Ledger, spend_id: int, release: dict[str, Any],
-                   decision: dict[str, Any], train_metrics: dict[str, Any]) -> dict[str, Any]:
+def finish_release(
+    config: Config,
+    layout: Layout,
+    ledger: Ledger,
+    spend_id: int,
+    release: dict[str, Any],
+    decision: dict[str, Any],
+    train_metrics: dict[str, Any],
+) -> dict[str, Any]:
     """Tell the ledger the spend is released (once), write ``release.json`` and return the release."""
     fault_point("register:before_released_event")
     if "released" not in {kind for kind, _ in ledger.events(spend_id)}:
         ledger.record_event(spend_id, "released", {"run_id": release["run_id"], "model_uri": release["model_uri"]})
     lineage = io.read_json(layout.spend).get("lineage") or lineage_of(config)
     epsilon = (io.read_json(layout.certificate) or {}).get("epsilon", float("inf"))
-    release |= {"gate_passed": decision["passed"], "epsilon": epsilon, "test_accuracy": train_metrics["test_accuracy"],
-                "lineage": lineage, "lineage_max_unit_epsilon": ledger.total(lineage), "spend_id": spend_id,
-                "experiment": config.tracking.experiment, "origins": dict(config.tracking.origins),
-                "card": str(layout.release_card), "report": str(layout.report)}
+    release |= {
+        "gate_passed": decision["passed"],
+        "epsilon": epsilon,
+        "test_accuracy": train_metrics["test_accuracy"],
+        "lineage": lineage,
+        "lineage_max_unit_epsilon": ledger.total(lineage),
+        "spend_id": spend_id,
+        "experiment": config.tracking.experiment,
+        "origins": dict(config.tracking.origins),
+        "card": str(layout.release_card),
+        "report": str(layout.report),
+    }
     io.write_json(layout.release, release)
     return release

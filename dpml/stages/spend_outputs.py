@@ -44,18 +44,24 @@ def recorded_digest(ledger: Ledger, spend_id: int, spend_file: str) -> str:
     """The training-output digest the ledger recorded for ``spend_id`` when it finished training."""
     events = ledger.events(spend_id)
     if not events:
-        raise NotTheSpendsOutputs(f"{spend_file} names spend {spend_id}, which is not in the ledger at "
-                                  f"{ledger.location}: these outputs are not this ledger's; run the train stage")
+        raise NotTheSpendsOutputs(
+            f"{spend_file} names spend {spend_id}, which is not in the ledger at "
+            f"{ledger.location}: these outputs are not this ledger's; run the train stage"
+        )
     trained = [detail for kind, detail in events if kind == "trained"]
     if not trained:
         seen = ", ".join(kind for kind, _ in events)
-        raise NotTheSpendsOutputs(f"{spend_file} names spend {spend_id}, which never finished training (its "
-                                  f"events: {seen}); the training outputs in place are not its model. Run the "
-                                  "train stage (or the whole pipeline) again; the spend stays counted")
+        raise NotTheSpendsOutputs(
+            f"{spend_file} names spend {spend_id}, which never finished training (its "
+            f"events: {seen}); the training outputs in place are not its model. Run the "
+            "train stage (or the whole pipeline) again; the spend stays counted"
+        )
     digest = trained[-1].get(STAMP)
     if not digest:
-        raise NotTheSpendsOutputs(f"spend {spend_id} was trained by a dpml that did not record its outputs; run "
-                                  "the train stage again to release a model")
+        raise NotTheSpendsOutputs(
+            f"spend {spend_id} was trained by a dpml that did not record its outputs; run "
+            "the train stage again to release a model"
+        )
     return str(digest)
 
 
@@ -65,20 +71,26 @@ def check_outputs_of_spend(layout: Layout, ledger: Ledger) -> int:
     spend_id = int(io.read_json(layout.spend)["spend_id"])
     expected = recorded_digest(ledger, spend_id, str(layout.spend))
     if trained_outputs_digest(layout) != expected:
-        raise NotTheSpendsOutputs(f"{layout.model.parent}: the model, spec or mechanism there is not what spend "
-                                  f"{spend_id} trained (another run or stage replaced it); run the train stage "
-                                  "(or the whole pipeline) again")
+        raise NotTheSpendsOutputs(
+            f"{layout.model.parent}: the model, spec or mechanism there is not what spend "
+            f"{spend_id} trained (another run or stage replaced it); run the train stage "
+            "(or the whole pipeline) again"
+        )
     for name, path in (("audit", layout.audit), ("gate", layout.gate)):
         stamped = _stamp_of(io.read_json(path))
         if stamped != expected:
-            raise NotTheSpendsOutputs(f"{path}: the {name} stage judged another model than spend {spend_id}'s "
-                                      f"({'no record of which' if stamped is None else 'another run'}); run "
-                                      f"`dpml stage {name}` and the stages after it again")
+            raise NotTheSpendsOutputs(
+                f"{path}: the {name} stage judged another model than spend {spend_id}'s "
+                f"({'no record of which' if stamped is None else 'another run'}); run "
+                f"`dpml stage {name}` and the stages after it again"
+            )
     certificate = io.read_json(layout.certificate)
     mechanism = io.read_json(layout.mechanism)
     if (certificate or {}).get("mechanism") != mechanism:
-        raise NotTheSpendsOutputs(f"{layout.certificate}: it prices another mechanism than spend {spend_id}'s; run "
-                                  "`dpml stage certify` and the stages after it again")
+        raise NotTheSpendsOutputs(
+            f"{layout.certificate}: it prices another mechanism than spend {spend_id}'s; run "
+            "`dpml stage certify` and the stages after it again"
+        )
     return spend_id
 
 

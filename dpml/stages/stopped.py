@@ -70,8 +70,10 @@ def settle_stopped_run(config: Config, note_before: SpendNote | None, reason: st
     ledger = open_ledger(config)
     counted = {s.id: s for s in ledger.spends()}
     if spend_id not in counted:
-        return (f"{reason}{where}: nothing was spent (ledger spend {spend_id} was reserved and cancelled before "
-                "training began)")
+        return (
+            f"{reason}{where}: nothing was spent (ledger spend {spend_id} was reserved and cancelled before "
+            "training began)"
+        )
     spend, events = counted[spend_id], ledger.events(spend_id)
     started_by = next((detail.get("pid") for kind, detail in events if kind == "started"), None)
     if started_by is not None and started_by != os.getpid():  # another run's, written while this one waited
@@ -84,5 +86,6 @@ def settle_stopped_run(config: Config, note_before: SpendNote | None, reason: st
         what = "a KL-private spend was made"
     else:
         what = f"ε = {format_epsilon(spend.epsilon_alone)} was spent"
-    return (f"{reason}{where}: {what} (ledger spend {spend_id}, lineage {spend.lineage!r}; it stays counted)"
-            + ("; nothing was registered" if stage in BEFORE_REGISTRATION else ""))
+    return f"{reason}{where}: {what} (ledger spend {spend_id}, lineage {spend.lineage!r}; it stays counted)" + (
+        "; nothing was registered" if stage in BEFORE_REGISTRATION else ""
+    )

@@ -52,8 +52,10 @@ def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
 def check_delta(config: Config, n: int) -> None:
     """Refuse δ ≥ 1/n: such a δ allows mechanisms that publish a whole record ("name and shame")."""
     if config.dp.delta >= 1.0 / n:
-        message = (f"dp.delta = {config.dp.delta:g} is ≥ 1/n = {1.0 / n:.3g} for n = {n} training records: a δ that "
-                   "large permits releasing some record outright; use δ ≪ 1/n")
+        message = (
+            f"dp.delta = {config.dp.delta:g} is ≥ 1/n = {1.0 / n:.3g} for n = {n} training records: a δ that "
+            "large permits releasing some record outright; use δ ≪ 1/n"
+        )
         if not config.dp.allow_delta_above_inverse_n:
             raise ValueError(message + " (or set dp.allow_delta_above_inverse_n: true to proceed anyway)")
         warnings.warn(message, stacklevel=2)
@@ -75,9 +77,11 @@ def check_token_source(config: Config, in_features: int, n_classes: int) -> None
         return
     model = build_model(model_spec(config, in_features, n_classes))
     if isinstance(model, LibraryModel) and model.tokens:
-        raise ValueError(f"model.factory = {config.model.factory!r}: its module is called with input_ids and "
-                         f"attention_mask, but {config.data.source} has no tokens column; declare the token ids as "
-                         "one (data.columns: {NAME: {type: tokens, length, vocabulary}}) or set model.inputs: tensor")
+        raise ValueError(
+            f"model.factory = {config.model.factory!r}: its module is called with input_ids and "
+            f"attention_mask, but {config.data.source} has no tokens column; declare the token ids as "
+            "one (data.columns: {NAME: {type: tokens, length, vocabulary}}) or set model.inputs: tensor"
+        )
 
 
 def released_noise_multiplier(config: Config, mechanism: dict[str, Any]) -> float | None:
@@ -115,8 +119,14 @@ def lineage_of(config: Config) -> str:
     if not units.is_file():
         return fallback
     stat = units.stat()
-    key = (config.ledger.location(), config.ledger.unit_key, str(units.resolve()), stat.st_mtime_ns, stat.st_size,
-           fallback)
+    key = (
+        config.ledger.location(),
+        config.ledger.unit_key,
+        str(units.resolve()),
+        stat.st_mtime_ns,
+        stat.st_size,
+        fallback,
+    )
     ledger = open_ledger(config)
     generation = ledger.generation()
     cached = _LINEAGE_OF.get(key)
@@ -126,10 +136,13 @@ def lineage_of(config: Config) -> str:
     _LINEAGE_OF.clear()  # one run's answer is enough to keep
     _LINEAGE_OF[key] = (generation, name)
     if name != fallback:
-        warnings.warn(f"lineage {name!r}: the people of {config.data.source} are already accounted under it, so this "
-                      f"run is charged there (ledger.dataset is not set: the lineage follows the records, not the "
-                      f"file's name {fallback!r}; dpml ledger rename renames a lineage)", LineageFollowsRecords,
-                      stacklevel=1)  # one line per process, however many stages ask
+        warnings.warn(
+            f"lineage {name!r}: the people of {config.data.source} are already accounted under it, so this "
+            f"run is charged there (ledger.dataset is not set: the lineage follows the records, not the "
+            f"file's name {fallback!r}; dpml ledger rename renames a lineage)",
+            LineageFollowsRecords,
+            stacklevel=1,
+        )  # one line per process, however many stages ask
     return name
 
 
@@ -146,8 +159,9 @@ def open_ledger(config: Config) -> Ledger:
     return ledger_of(config.ledger)
 
 
-def filter_units(config: Config, units: np.ndarray,
-                 plan_for: Callable[[np.ndarray], MechanismDescription | None]) -> tuple[np.ndarray, MechanismDescription | None]:
+def filter_units(
+    config: Config, units: np.ndarray, plan_for: Callable[[np.ndarray], MechanismDescription | None]
+) -> tuple[np.ndarray, MechanismDescription | None]:
     """``ledger.on_exhausted: exclude``: the mask of training units that may take part under the
     lineage's Rényi filter, and the mechanism planned for exactly those (fewer units → a larger
     sampling rate → more loss per unit, so this repeats until the set is stable)."""
@@ -156,16 +170,20 @@ def filter_units(config: Config, units: np.ndarray,
     if planned is None or config.ledger.on_exhausted != "exclude":
         return keep, planned
     if planned.guarantee == "kl":
-        raise ValueError(f"ledger.on_exhausted = 'exclude' needs an (ε, δ)-DP trainer; train.algorithm = "
-                         f"{config.train.algorithm!r} is KL-private (use on_exhausted: refuse)")
+        raise ValueError(
+            f"ledger.on_exhausted = 'exclude' needs an (ε, δ)-DP trainer; train.algorithm = "
+            f"{config.train.algorithm!r} is KL-private (use on_exhausted: refuse)"
+        )
     ledger = open_ledger(config)
     for _ in range(50):
         allowed = keep & ledger.units_within_filter(lineage_of(config), units, planned, config.ledger.epsilon_budget)
         if not allowed.any():
-            raise BudgetExceeded(f"lineage {lineage_of(config)!r}: every one of the {units.shape[0]:,} privacy units "
-                                 "in this run's training data has exhausted its budget "
-                                 f"(ledger.epsilon_budget = {config.ledger.epsilon_budget:g}); nothing to train on. "
-                                 "Nothing was recorded.")
+            raise BudgetExceeded(
+                f"lineage {lineage_of(config)!r}: every one of the {units.shape[0]:,} privacy units "
+                "in this run's training data has exhausted its budget "
+                f"(ledger.epsilon_budget = {config.ledger.epsilon_budget:g}); nothing to train on. "
+                "Nothing was recorded."
+            )
         if allowed.sum() == keep.sum():
             return keep, planned
         keep = allowed
@@ -178,22 +196,39 @@ def write_exclusions(layout: Layout, keep: np.ndarray) -> None:
     io.write_npz(layout.excluded, rows=np.flatnonzero(~keep))
 
 
-def _reserve(config: Config, layout: Layout, planned: MechanismDescription | None, purpose: str,
-             units: np.ndarray) -> tuple[Ledger, Spend]:
+def _reserve(
+    config: Config, layout: Layout, planned: MechanismDescription | None, purpose: str, units: np.ndarray
+) -> tuple[Ledger, Spend]:
     """Record the planned spend and the units it touches in the ledger (refused when a unit would go
     over budget), note its id beside the model, and mark it ``started`` (:func:`reserve_and_start`)."""
     meta = io.read_json(layout.prepared_meta)
     ledger = open_ledger(config)
 
     def note_beside_the_model(spend: Spend) -> None:
-        io.write_json(layout.spend, {"spend_id": spend.id, "ledger": ledger.location,
-                                     "epsilon_alone": spend.epsilon_alone, "lineage": spend.lineage,
-                                     "units": spend.n_units})
+        io.write_json(
+            layout.spend,
+            {
+                "spend_id": spend.id,
+                "ledger": ledger.location,
+                "epsilon_alone": spend.epsilon_alone,
+                "lineage": spend.lineage,
+                "units": spend.n_units,
+            },
+        )
         fault_point("train:reserved")
 
-    spend = reserve_and_start(ledger, meta["data_version"], planned, purpose, config.ledger.epsilon_budget,
-                              kl_budget=config.ledger.kl_budget, lineage=lineage_of(config), units=units,
-                              mode=config.ledger.on_exhausted, before_start=note_beside_the_model)
+    spend = reserve_and_start(
+        ledger,
+        meta["data_version"],
+        planned,
+        purpose,
+        config.ledger.epsilon_budget,
+        kl_budget=config.ledger.kl_budget,
+        lineage=lineage_of(config),
+        units=units,
+        mode=config.ledger.on_exhausted,
+        before_start=note_beside_the_model,
+    )
     return ledger, spend
 
 
@@ -216,12 +251,29 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     with training_recorded(ledger, spend) as outcome:
         fault_point("train:started")  # the spend counts from here; the previous run's model is still in place
         held_out = load_part(layout, "audit") if trainer.guarantee == "kl" else None  # KL-estimate probes
-        result = fit(config, x_np, y_np, n_classes, private=trainer.private, noise_multiplier=sigma,
-                     seed=config.train.seed, progress=progress, held_out=held_out)
+        result = fit(
+            config,
+            x_np,
+            y_np,
+            n_classes,
+            private=trainer.private,
+            noise_multiplier=sigma,
+            seed=config.train.seed,
+            progress=progress,
+            held_out=held_out,
+        )
         if result.mechanism != planned:
             raise RuntimeError("the trainer's mechanism differs from the one recorded in the ledger")
-        metrics = save_trained(config, layout, result.model, result.mechanism, x_np, y_np, result.history,
-                               {"units_excluded": int((~keep).sum())})
+        metrics = save_trained(
+            config,
+            layout,
+            result.model,
+            result.mechanism,
+            x_np,
+            y_np,
+            result.history,
+            {"units_excluded": int((~keep).sum())},
+        )
         outcome.update({"steps": result.history.get("steps"), **stamp_for(layout)})
     return metrics
 
@@ -260,16 +312,36 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     with training_recorded(ledger, spend) as outcome:
         best = run_search(config, x_fit, y_fit, x_np[rows], y_np[rows], len(meta["classes"]), plan, progress)
         if best is None:
-            raise RuntimeError("the random number of candidates came out K = 0: nothing to release "
-                               "(the search's privacy cost stays recorded in the ledger)")
+            raise RuntimeError(
+                "the random number of candidates came out K = 0: nothing to release "
+                "(the search's privacy cost stays recorded in the ledger)"
+            )
         io.write_npz(layout.validation, rows=rows)
-        io.write_json(layout.tuning, {"chosen": best.chosen, "noisy_validation_accuracy": best.noisy_validation_accuracy,
-                                      "selection": selection or None, "space": config.tune.space,
-                                      "validation_records": int(rows.size)})
-        extra = {"noisy_validation_accuracy": best.noisy_validation_accuracy, "units_excluded": int((~keep).sum()),
-                 **{f"chosen.{k}": v for k, v in best.chosen.items()}}
-        metrics = save_trained(with_hyperparameters(config, best.chosen), layout, best.model, plan.mechanism, x_fit,
-                               y_fit, best.history, extra)
+        io.write_json(
+            layout.tuning,
+            {
+                "chosen": best.chosen,
+                "noisy_validation_accuracy": best.noisy_validation_accuracy,
+                "selection": selection or None,
+                "space": config.tune.space,
+                "validation_records": int(rows.size),
+            },
+        )
+        extra = {
+            "noisy_validation_accuracy": best.noisy_validation_accuracy,
+            "units_excluded": int((~keep).sum()),
+            **{f"chosen.{k}": v for k, v in best.chosen.items()},
+        }
+        metrics = save_trained(
+            with_hyperparameters(config, best.chosen),
+            layout,
+            best.model,
+            plan.mechanism,
+            x_fit,
+            y_fit,
+            best.history,
+            extra,
+        )
         outcome.update({"chosen": best.chosen, **stamp_for(layout)})
     return metrics
 
@@ -284,9 +356,16 @@ def keep_model_source(config: Config, layout: Layout) -> None:
         temp.write_bytes(source.read_bytes())
 
 
-def save_trained(config: Config, layout: Layout, model: torch.nn.Module, mechanism: MechanismDescription | None,
-                 x_fit: np.ndarray, y_fit: np.ndarray, history: dict[str, Any],
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def save_trained(
+    config: Config,
+    layout: Layout,
+    model: torch.nn.Module,
+    mechanism: MechanismDescription | None,
+    x_fit: np.ndarray,
+    y_fit: np.ndarray,
+    history: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write the released model, its spec, its mechanism and the train metrics."""
     n_classes = len(io.read_json(layout.prepared_meta)["classes"])
     with io.atomic_path(layout.model) as temp:

@@ -15,9 +15,16 @@ from torch import nn
 from dpml.tracking.runs import get_or_create_experiment
 
 
-def log_training(tracking_uri: str, experiment: str, run_name: str | None, settings: dict[str, Any],
-                 certificate: dict[str, Any], model: nn.Module, train_seconds: float,
-                 artifact_location: str | None = None) -> str:
+def log_training(
+    tracking_uri: str,
+    experiment: str,
+    run_name: str | None,
+    settings: dict[str, Any],
+    certificate: dict[str, Any],
+    model: nn.Module,
+    train_seconds: float,
+    artifact_location: str | None = None,
+) -> str:
     """One finished MLflow run in ``experiment`` (created at ``artifact_location`` when new); its id. A failure
     while logging leaves the run FAILED, never RUNNING."""
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)

@@ -45,8 +45,11 @@ def stage_run_metrics(config: TrackingConfig, run_id: str, stage: str) -> dict[s
     them rounded, :mod:`dpml.formatting`); None when the release has no such child run."""
     client = store_client(config)
     experiment_id = client.get_run(run_id).info.experiment_id
-    children = client.search_runs([experiment_id], max_results=2, filter_string=(
-        f"tags.mlflow.parentRunId = '{run_id}' and tags.`dpml.stage` = '{stage}'"))
+    children = client.search_runs(
+        [experiment_id],
+        max_results=2,
+        filter_string=(f"tags.mlflow.parentRunId = '{run_id}' and tags.`dpml.stage` = '{stage}'"),
+    )
     return dict(children[0].data.metrics) if children else None
 
 
@@ -55,10 +58,15 @@ def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:
     and tags; a ValueError naming ``uri`` when it is malformed or not in the store."""
     client = store_client(config)
     rest = uri.removeprefix("models:/")
-    if not uri.startswith("models:/") or not ("@" in rest or "/" in rest) or rest.startswith(("@", "/")) \
-            or rest.endswith(("@", "/")):
-        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
-                         "(e.g. models:/dpml-digits@champion)")
+    if (
+        not uri.startswith("models:/")
+        or not ("@" in rest or "/" in rest)
+        or rest.startswith(("@", "/"))
+        or rest.endswith(("@", "/"))
+    ):
+        raise ValueError(
+            f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION (e.g. models:/dpml-digits@champion)"
+        )
     try:
         if "@" in rest:
             name, alias = rest.split("@", 1)
@@ -74,8 +82,11 @@ def find_version(uri: str, config: TrackingConfig) -> dict[str, Any]:
 def download_model(config: TrackingConfig, name: str, version: str, destination: Path) -> Path:
     """A registered version's model folder, downloaded from the run's own stores into ``destination``."""
     source = store_client(config).get_model_version_download_uri(name, version)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(destination),
-                                                    tracking_uri=config.uri, registry_uri=config.registry))
+    return Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=source, dst_path=str(destination), tracking_uri=config.uri, registry_uri=config.registry
+        )
+    )
 
 
 def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
@@ -87,8 +98,10 @@ def resolve_model(uri: str, config: TrackingConfig) -> dict[str, Any]:
     try:
         run_config = load_run_json(config, found["run_id"], "config.json")
     except ValueError:
-        raise ValueError(f"--model {uri!r}: its run {found['run_id']} has no config.json (not a dpml release, "
-                         "or one from before dpml logged its configuration)") from None
+        raise ValueError(
+            f"--model {uri!r}: its run {found['run_id']} has no config.json (not a dpml release, "
+            "or one from before dpml logged its configuration)"
+        ) from None
     with tempfile.TemporaryDirectory(prefix="dpml-model-") as work:
         local = download_model(config, found["name"], found["version"], Path(work))
         network = load_network(local, uri)

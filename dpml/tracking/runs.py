@@ -47,8 +47,16 @@ from dpml.tracking.serving import save_classifier
 from dpml.tracking.store import client as store_client
 from dpml.tracking.store import is_server, store_lock
 
-__all__ = ["CHAMPION", "clean_up_unreleased_runs", "finished_releases", "get_or_create_experiment", "log_audit",
-           "log_release", "record_verdict", "release_of_spend"]
+__all__ = [
+    "CHAMPION",
+    "clean_up_unreleased_runs",
+    "finished_releases",
+    "get_or_create_experiment",
+    "log_audit",
+    "log_release",
+    "record_verdict",
+    "release_of_spend",
+]
 
 CHAMPION = "champion"
 EXPERIMENT_KIND = "mlflow.experimentKind"  # the UI opens an experiment in the view this tag names
@@ -78,15 +86,18 @@ def get_or_create_experiment(client: MlflowClient, name: str, artifact_location:
     found = client.get_experiment_by_name(name)
     if found is None:
         try:
-            return client.create_experiment(name, artifact_location=artifact_location,
-                                            tags={EXPERIMENT_KIND: MODEL_DEVELOPMENT})
+            return client.create_experiment(
+                name, artifact_location=artifact_location, tags={EXPERIMENT_KIND: MODEL_DEVELOPMENT}
+            )
         except mlflow.exceptions.MlflowException as error:
             if not _already_exists(error):
                 raise
             found = client.get_experiment_by_name(name)
     if found is None or found.lifecycle_stage != "active":
-        raise RuntimeError(f"tracking.experiment = {name!r}: the experiment is deleted in the store; restore it "
-                           f"(mlflow experiments restore --experiment-id ...) or choose another name")
+        raise RuntimeError(
+            f"tracking.experiment = {name!r}: the experiment is deleted in the store; restore it "
+            f"(mlflow experiments restore --experiment-id ...) or choose another name"
+        )
     if EXPERIMENT_KIND not in found.tags:  # made by an older dpml, or by hand: opened in the GenAI view
         client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, MODEL_DEVELOPMENT)
     return found.experiment_id
@@ -102,8 +113,11 @@ def _ensure_registered_model(client: MlflowClient, name: str) -> None:
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and np.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+    }
 
 
 def _params(params: dict[str, Any]) -> dict[str, str]:
@@ -119,28 +133,41 @@ def _log_stage_runs(client: MlflowClient, experiment_id: str, parent_id: str, re
     """One finished child run of ``parent_id`` per stage record (:mod:`dpml.stages.records`), with the
     stage's own start and end times, parameters and metrics. A record without ``ended`` ends now."""
     for record in records:
-        child = client.create_run(experiment_id, start_time=_ms(record["started"]), run_name=record["stage"],
-                                  tags={"mlflow.parentRunId": parent_id, "dpml.stage": record["stage"]})
+        child = client.create_run(
+            experiment_id,
+            start_time=_ms(record["started"]),
+            run_name=record["stage"],
+            tags={"mlflow.parentRunId": parent_id, "dpml.stage": record["stage"]},
+        )
         ended = _ms(record["ended"]) if record.get("ended") is not None else None
-        client.log_batch(child.info.run_id,
-                         metrics=[Metric(k, v, ended or _ms(record["started"]), 0)
-                                  for k, v in _numeric(record["metrics"]).items()],
-                         params=[Param(k, v) for k, v in _params(record["params"]).items()])
+        client.log_batch(
+            child.info.run_id,
+            metrics=[Metric(k, v, ended or _ms(record["started"]), 0) for k, v in _numeric(record["metrics"]).items()],
+            params=[Param(k, v) for k, v in _params(record["params"]).items()],
+        )
         client.set_terminated(child.info.run_id, "FINISHED", end_time=ended)
 
 
-def _log_run_contents(client: MlflowClient, run_id: str, params: dict[str, Any], metrics: dict[str, Any],
-                      dataset: MetaDataset, artifacts: list[Path], documents: dict[str, Any]) -> None:
+def _log_run_contents(
+    client: MlflowClient,
+    run_id: str,
+    params: dict[str, Any],
+    metrics: dict[str, Any],
+    dataset: MetaDataset,
+    artifacts: list[Path],
+    documents: dict[str, Any],
+) -> None:
     """The parent run's parameters, metrics, training data set, files and JSON documents."""
     now = _ms_now()
     logged = list(_params(params).items())
     for start in range(0, len(logged), 100):  # MLflow takes at most 100 parameters per batch
-        client.log_batch(run_id, params=[Param(k, v) for k, v in logged[start:start + 100]])
+        client.log_batch(run_id, params=[Param(k, v) for k, v in logged[start : start + 100]])
     numbers = list(_numeric(metrics).items())
     for start in range(0, len(numbers), 1000):
-        client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in numbers[start:start + 1000]])
-    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
-                                                     tags=[InputTag("mlflow.data.context", "training")])])
+        client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in numbers[start : start + 1000]])
+    client.log_inputs(
+        run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])]
+    )
     for path in artifacts:
         client.log_artifact(run_id, str(path))
     for name, document in documents.items():
@@ -151,8 +178,14 @@ def _ms_now() -> int:
     return int(time.time() * 1000)
 
 
-def _log_model(client: MlflowClient, experiment_id: str, run_id: str, model: torch.nn.Module, in_features: int,
-               serving_spec: dict[str, Any]) -> tuple[str, str]:
+def _log_model(
+    client: MlflowClient,
+    experiment_id: str,
+    run_id: str,
+    model: torch.nn.Module,
+    in_features: int,
+    serving_spec: dict[str, Any],
+) -> tuple[str, str]:
     """Log the raw-record pyfunc (:mod:`dpml.tracking.serving`) as the run's logged model ``model``, through the
     run's own client; returns (logged model id, its artifact location). The version's source is that
     location, not ``models:/<id>``: MLflow resolves the latter through its process-wide tracking URI."""
@@ -161,8 +194,9 @@ def _log_model(client: MlflowClient, experiment_id: str, run_id: str, model: tor
 
     logged = client.create_logged_model(experiment_id, name="model", source_run_id=run_id)
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
-    description = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id,
-                        model_id=logged.model_id)
+    description = Model(
+        artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id, model_id=logged.model_id
+    )
     with tempfile.TemporaryDirectory(prefix="dpml-model-") as workdir:
         folder = save_classifier(model, in_features, serving_spec, Path(workdir), description)
         client.log_model_artifacts(logged.model_id, str(folder))
@@ -170,11 +204,25 @@ def _log_model(client: MlflowClient, experiment_id: str, run_id: str, model: tor
     return logged.model_id, logged.artifact_location
 
 
-def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any], metrics: dict[str, Any],
-                artifacts: list[Path], model: torch.nn.Module, in_features: int, serving_spec: dict[str, Any],
-                version_tags: dict[str, str], version_description: str, promote: bool, run_tags: dict[str, str],
-                documents: dict[str, Any], dataset: MetaDataset, stage_runs: list[dict[str, Any]],
-                after_version: Callable[[str, str], dict[str, str]] | None = None) -> dict[str, Any]:
+def log_release(
+    *,
+    config: TrackingConfig,
+    run_name: str,
+    params: dict[str, Any],
+    metrics: dict[str, Any],
+    artifacts: list[Path],
+    model: torch.nn.Module,
+    in_features: int,
+    serving_spec: dict[str, Any],
+    version_tags: dict[str, str],
+    version_description: str,
+    promote: bool,
+    run_tags: dict[str, str],
+    documents: dict[str, Any],
+    dataset: MetaDataset,
+    stage_runs: list[dict[str, Any]],
+    after_version: Callable[[str, str], dict[str, str]] | None = None,
+) -> dict[str, Any]:
     """Log one pipeline run, register its model with ``version_tags`` and ``version_description``, alias
     it if ``promote`` — all or nothing (module docstring). ``after_version(run_id, version)`` returns text
     files that name the version (the release card), logged with the run once the version number exists.
@@ -200,7 +248,11 @@ def log_release(*, config: TrackingConfig, run_name: str, params: dict[str, Any]
         with store_lock(config):  # one registration at a time: the alias ends on the newest passing release
             _ensure_registered_model(client, model_name)
             version = client.create_model_version(
-                name=model_name, source=model_source, run_id=run_id, tags=version_tags, model_id=model_id,
+                name=model_name,
+                source=model_source,
+                run_id=run_id,
+                tags=version_tags,
+                model_id=model_id,
                 description=version_description,
             )
             for name, text in (after_version(run_id, str(version.version)) if after_version else {}).items():
@@ -292,8 +344,10 @@ def _abandoned(run: Any, processes_of: ProcessesOf) -> bool:
     return bool(processes) and all(host == here and not _process_alive(pid) for host, pid in processes)
 
 
-def clean_up_unreleased_runs(config: TrackingConfig, processes_of: ProcessesOf = _no_process_known,
-                             ) -> list[dict[str, str]]:
+def clean_up_unreleased_runs(
+    config: TrackingConfig,
+    processes_of: ProcessesOf = _no_process_known,
+) -> list[dict[str, str]]:
     """Withdraw the model versions of every run whose registration never finished (:func:`_abandoned`):
     delete them and put the champion alias back on the newest passing release; a RUNNING run of a dead
     process is ended KILLED. Returns, per run cleaned, its id, its spend id and the versions withdrawn."""
@@ -303,17 +357,24 @@ def clean_up_unreleased_runs(config: TrackingConfig, processes_of: ProcessesOf =
         return []
     cleaned = []
     holding = {v.run_id for v in client.search_model_versions(f"name = '{config.model_name}'", max_results=10_000)}
-    for run in client.search_runs([experiment_id], filter_string="attributes.status != 'FINISHED'",
-                                  max_results=10_000):
+    for run in client.search_runs([experiment_id], filter_string="attributes.status != 'FINISHED'", max_results=10_000):
         running = run.info.status == "RUNNING"
-        if not _abandoned(run, processes_of) or run.data.tags.get("mlflow.parentRunId") or (
-                not running and run.info.run_id not in holding):  # an ended run without a version: nothing to do
+        if (
+            not _abandoned(run, processes_of)
+            or run.data.tags.get("mlflow.parentRunId")
+            or (not running and run.info.run_id not in holding)
+        ):  # an ended run without a version: nothing to do
             continue
         withdrawn = _withdraw_versions(client, config, run.info.run_id)
         if running:
             client.set_terminated(run.info.run_id, status="KILLED")
-        cleaned.append({"run_id": run.info.run_id, "spend_id": run.data.tags.get("ledger.spend_id", ""),
-                        "withdrawn": ", ".join(withdrawn)})
+        cleaned.append(
+            {
+                "run_id": run.info.run_id,
+                "spend_id": run.data.tags.get("ledger.spend_id", ""),
+                "withdrawn": ", ".join(withdrawn),
+            }
+        )
     return cleaned
 
 
@@ -329,10 +390,17 @@ def release_of_spend(config: TrackingConfig, spend_tag: str) -> dict[str, Any] |
         if run.info.status != "FINISHED":
             continue
         champion = str(client.get_registered_model(model_name).aliases.get(CHAMPION)) == str(version.version)
-        return {"run_id": version.run_id, "experiment_id": run.info.experiment_id, "model_name": model_name,
-                "model_version": str(version.version), "model_uri": f"models:/{model_name}/{version.version}",
-                "champion": champion, "tracking_uri": config.uri, "registry_uri": config.registry,
-                "recorded_verdict": version.tags.get("gate.passed", "")}
+        return {
+            "run_id": version.run_id,
+            "experiment_id": run.info.experiment_id,
+            "model_name": model_name,
+            "model_version": str(version.version),
+            "model_uri": f"models:/{model_name}/{version.version}",
+            "champion": champion,
+            "tracking_uri": config.uri,
+            "registry_uri": config.registry,
+            "recorded_verdict": version.tags.get("gate.passed", ""),
+        }
     return None
 
 
@@ -350,14 +418,17 @@ def _point_champion_at_newest_passing(client: MlflowClient, name: str) -> str | 
                 client.delete_registered_model_alias(name, CHAMPION)
             return None
         newest = str(max(int(v.version) for v in passing))
-        if str(client.get_registered_model(name).aliases.get(CHAMPION)) == newest:  # an int from SQLite, a str from a server
+        if (
+            str(client.get_registered_model(name).aliases.get(CHAMPION)) == newest
+        ):  # an int from SQLite, a str from a server
             return newest
         client.set_registered_model_alias(name, CHAMPION, newest)
     raise RuntimeError(f"registered model {name!r}: the {CHAMPION} alias did not settle after 50 writes")
 
 
-def record_verdict(config: TrackingConfig, release: dict[str, Any], tags: dict[str, str],
-                   description: str) -> dict[str, Any]:
+def record_verdict(
+    config: TrackingConfig, release: dict[str, Any], tags: dict[str, str], description: str
+) -> dict[str, Any]:
     """A spend's one version judged again (the gate re-ran on the same outputs, e.g. under a changed
     ``gate.epsilon_budget``): its verdict tags (``gate.passed``, ``gate.reason``, ``verdict``, ``verdict.*``)
     and description (the version's and its run's) take the new verdict,
@@ -387,23 +458,30 @@ def finished_releases(config: TrackingConfig, spend_ids: dict[int, float]) -> di
         return {}
     since = int(min(spend_ids.values()) * 1000) - 60_000
     found: dict[int, dict[str, str]] = {}
-    for run in client.search_runs([experiment_id], max_results=10_000,
-                                  filter_string=f"attributes.status = 'FINISHED' AND attributes.end_time >= {since}"):
+    for run in client.search_runs(
+        [experiment_id],
+        max_results=10_000,
+        filter_string=f"attributes.status = 'FINISHED' AND attributes.end_time >= {since}",
+    ):
         spend = run.data.tags.get("ledger.spend_id", "")
         if spend.isdigit() and int(spend) in spend_ids:
             versions = client.search_model_versions(f"run_id = '{run.info.run_id}'")
             if versions:
-                found[int(spend)] = {"run_id": run.info.run_id,
-                                     "model_uri": f"models:/{versions[0].name}/{versions[0].version}"}
+                found[int(spend)] = {
+                    "run_id": run.info.run_id,
+                    "model_uri": f"models:/{versions[0].name}/{versions[0].version}",
+                }
     return found
 
 
 def log_audit(config: TrackingConfig, model: dict[str, Any], metrics: dict[str, Any], artifacts: list[Path]) -> str:
     """Record a re-audit of a registered version as its own run, linked from the version's tags."""
     client = store_client(config)
-    run = client.create_run(_experiment_id(config, client), run_name=f"audit-{model['name']}-v{model['version']}",
-                            tags={"audited_model": f"{model['name']}/{model['version']}",
-                                  "audited_run": model["run_id"]})
+    run = client.create_run(
+        _experiment_id(config, client),
+        run_name=f"audit-{model['name']}-v{model['version']}",
+        tags={"audited_model": f"{model['name']}/{model['version']}", "audited_run": model["run_id"]},
+    )
     run_id = run.info.run_id
     try:
         now = _ms_now()

@@ -54,14 +54,18 @@ class RawRecordClassifier(mlflow.pyfunc.PythonModel):
         """The network's inputs for raw records: the pipeline's own public preprocessing."""
         if self._encoding is not None:
             frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
-            absent = [c["name"] for c in self.spec["input"]["table"]["columns"]
-                      if c["name"] not in frame.columns and _optional(c)]
+            absent = [
+                c["name"]
+                for c in self.spec["input"]["table"]["columns"]
+                if c["name"] not in frame.columns and _optional(c)
+            ]
             if absent:  # an optional column left out: missing in every row
                 frame = frame.assign(**{name: [None] * len(frame) for name in absent})
             raw, _ = self._encoding.encode(frame, origin="model input")
         else:
-            raw = np.asarray(model_input.to_numpy() if isinstance(model_input, pd.DataFrame) else model_input,
-                             dtype=np.float64)
+            raw = np.asarray(
+                model_input.to_numpy() if isinstance(model_input, pd.DataFrame) else model_input, dtype=np.float64
+            )
             raw = raw.reshape(raw.shape[0], -1)
             expected = int(self.spec["input"]["n_features"])
             if raw.shape[1] != expected:
@@ -78,8 +82,7 @@ class RawRecordClassifier(mlflow.pyfunc.PythonModel):
             logits = self._network(torch.from_numpy(x)) if len(x) else torch.zeros(0, len(self.spec["classes"]))
             probabilities = torch.softmax(logits.double(), dim=1).numpy()
         classes = self.spec["classes"]
-        out = pd.DataFrame({"label": [classes[i] for i in probabilities.argmax(1)] if len(x) else []},
-                           dtype=object)
+        out = pd.DataFrame({"label": [classes[i] for i in probabilities.argmax(1)] if len(x) else []}, dtype=object)
         for i, name in enumerate(classes):
             out[f"probability({name})"] = probabilities[:, i] if len(x) else []
         return out
@@ -136,8 +139,12 @@ def signature(spec: dict[str, Any]) -> mlflow.models.ModelSignature:
     if table is None:
         inputs = Schema([TensorSpec(np.dtype(np.float64), (-1, int(spec["input"]["n_features"])))])
     else:
-        inputs = Schema([ColSpec(_column_type(c, table["missing_values"]), c["name"], required=not _optional(c))
-                         for c in table["columns"]])
+        inputs = Schema(
+            [
+                ColSpec(_column_type(c, table["missing_values"]), c["name"], required=not _optional(c))
+                for c in table["columns"]
+            ]
+        )
     outputs = Schema([ColSpec("string", "label"), *[ColSpec("double", f"probability({c})") for c in spec["classes"]]])
     return mlflow.models.ModelSignature(inputs=inputs, outputs=outputs)
 
@@ -150,8 +157,9 @@ def export_network(network: torch.nn.Module, n_inputs: int, path: Path) -> None:
     torch.export.save(program, str(path))
 
 
-def save_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any], workdir: Path,
-                    mlflow_model: Any = None) -> Path:
+def save_classifier(
+    network: torch.nn.Module, n_inputs: int, spec: dict[str, Any], workdir: Path, mlflow_model: Any = None
+) -> Path:
     """Save the raw-record pyfunc as an MLflow model folder under ``workdir`` (returned); ``mlflow_model``
     (an ``mlflow.models.Model``) carries the run and logged-model ids it is logged under. Storing it is
     :mod:`dpml.tracking.runs`'s job, against the run's own stores."""
@@ -166,11 +174,19 @@ def save_classifier(network: torch.nn.Module, n_inputs: int, spec: dict[str, Any
     folder = workdir / "model"
     try:
         mlflow.pyfunc.save_model(
-            path=str(folder), python_model=RawRecordClassifier(spec), artifacts={"network": str(network_path)},
-            signature=signature(spec), input_example=synthetic_example(spec), mlflow_model=mlflow_model,
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"pandas=={pd.__version__}",
-                              f"numpy=={np.__version__}", f"mlflow=={mlflow.__version__}",
-                              f"cloudpickle=={cloudpickle.__version__}"],
+            path=str(folder),
+            python_model=RawRecordClassifier(spec),
+            artifacts={"network": str(network_path)},
+            signature=signature(spec),
+            input_example=synthetic_example(spec),
+            mlflow_model=mlflow_model,
+            pip_requirements=[
+                f"torch=={torch.__version__.split('+')[0]}",
+                f"pandas=={pd.__version__}",
+                f"numpy=={np.__version__}",
+                f"mlflow=={mlflow.__version__}",
+                f"cloudpickle=={cloudpickle.__version__}",
+            ],
         )
     finally:
         for module in by_value:

@@ -118,8 +118,9 @@ def _prepare_one(uri: str, config: TrackingConfig) -> str:
             _upgrade_copy(path, revision)
             return f"migrated from schema {revision}"
     except OSError as error:
-        raise StoreError(f"{_key_of(uri, config)} = {uri!r}: cannot use {path} ({error.strerror or error}); choose a "
-                         "writable folder") from None
+        raise StoreError(
+            f"{_key_of(uri, config)} = {uri!r}: cannot use {path} ({error.strerror or error}); choose a writable folder"
+        ) from None
 
 
 def _head() -> str:
@@ -184,9 +185,13 @@ def _create(path: Path, config: TrackingConfig) -> None:
         _initialise(temp, config.artifact_root)
         os.replace(temp, path)
     except Exception as error:  # noqa: BLE001 - whatever MLflow or SQLite raise, say which store and why
-        reason = str(error).strip().splitlines()[0].split(" [SQL:")[0][:200] if str(error).strip() else type(error).__name__
-        raise StoreError(f"cannot create the MLflow store {path}: {reason} (is the disk full or the folder "
-                         "read-only?); nothing was created and nothing was spent") from None
+        reason = (
+            str(error).strip().splitlines()[0].split(" [SQL:")[0][:200] if str(error).strip() else type(error).__name__
+        )
+        raise StoreError(
+            f"cannot create the MLflow store {path}: {reason} (is the disk full or the folder "
+            "read-only?); nothing was created and nothing was spent"
+        ) from None
     finally:
         temp.unlink(missing_ok=True)
 
@@ -204,9 +209,11 @@ def _upgrade_copy(path: Path, revision: str | None) -> None:
             engine.dispose()
         os.replace(temp, path)
     except Exception as error:  # noqa: BLE001 - any migration failure leaves the original untouched
-        raise StoreError(f"MLflow store {path} is at schema {revision} and could not be migrated to {_head()} "
-                         f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); it was not modified — back it up and run "
-                         f"`mlflow db upgrade sqlite:///{path}`") from None
+        raise StoreError(
+            f"MLflow store {path} is at schema {revision} and could not be migrated to {_head()} "
+            f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); it was not modified — back it up and run "
+            f"`mlflow db upgrade sqlite:///{path}`"
+        ) from None
     finally:
         temp.unlink(missing_ok=True)
 
@@ -229,8 +236,9 @@ def _check_server(uri: str, config: TrackingConfig | None = None) -> str:
     except Exception as error:  # noqa: BLE001 - whatever the client raises, the store is not usable
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         key = _key_of(uri, config) if config is not None else "tracking.uri"
-        raise StoreError(f"{key} = {uri!r}: the MLflow store does not answer ({first}); start the server "
-                         "or fix the URI") from None
+        raise StoreError(
+            f"{key} = {uri!r}: the MLflow store does not answer ({first}); start the server or fix the URI"
+        ) from None
     return "reachable"
 
 

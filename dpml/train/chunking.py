@@ -79,8 +79,14 @@ def _synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, exact: Collection[str],
-             autocast: torch.dtype | None) -> float:
+def _seconds(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    exact: Collection[str],
+    autocast: torch.dtype | None,
+) -> float:
     """Wall time of one engine pass over the chunk (x, y)."""
     _synchronise(x.device)
     start = time.perf_counter()
@@ -89,8 +95,9 @@ def _seconds(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor
     return time.perf_counter() - start
 
 
-def _probe_chunk(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype, size: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _probe_chunk(
+    model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype, size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``size`` synthetic inputs of the records' shape and dtype, with uniform labels over the model's outputs."""
     x = probe_batch(model, input_shape, input_dtype, size)[:size]
     x = (x.to(input_dtype) if x.is_floating_point() else x).to(device)
@@ -102,8 +109,15 @@ def _probe_chunk(model: nn.Module, input_shape: tuple[int, ...], input_dtype: to
 Chunk = tuple[torch.Tensor, torch.Tensor]
 
 
-def _first_pass(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
-                sizes: list[int], exact: Collection[str], autocast: torch.dtype | None) -> dict[int, tuple[Chunk, float]]:
+def _first_pass(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    sizes: list[int],
+    exact: Collection[str],
+    autocast: torch.dtype | None,
+) -> dict[int, tuple[Chunk, float]]:
     """Each size in turn, a warm-up pass then a timed one (per example), until one is ``STOP_FACTOR`` times
     slower per example than the best so far or fails (out of memory, or an error of the model's own)."""
     device = next(model.parameters()).device
@@ -125,8 +139,15 @@ def _first_pass(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...],
     return found
 
 
-def _measure(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
-             sizes: list[int], exact: Collection[str], autocast: torch.dtype | None) -> ChunkChoice:
+def _measure(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    sizes: list[int],
+    exact: Collection[str],
+    autocast: torch.dtype | None,
+) -> ChunkChoice:
     """The first pass, then ``TIMED_RUNS`` more rounds over the sizes it kept, in turn (so that a passing
     load on the machine falls on all of them alike); each size's time is its fastest pass."""
     found = _first_pass(model, loss_fn, input_shape, input_dtype, sizes, exact, autocast)
@@ -144,9 +165,16 @@ def _measure(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], in
 _CHOICES: dict[tuple[Any, ...], ChunkChoice] = {}
 
 
-def fastest_chunk(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
-                  bound: int, expected_batch: float, exact: Collection[str] = (),
-                  autocast: torch.dtype | None = None) -> ChunkChoice:
+def fastest_chunk(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    bound: int,
+    expected_batch: float,
+    exact: Collection[str] = (),
+    autocast: torch.dtype | None = None,
+) -> ChunkChoice:
     """The physical chunk for DP-SGD on ``model`` (module docstring): at most ``bound`` rows, measured on
     a copy of the model on its device, with the random state restored afterwards."""
     sizes = candidate_chunks(bound, expected_batch)
@@ -155,8 +183,14 @@ def fastest_chunk(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...
     device = next(model.parameters()).device
     if device.type == "cpu":
         keep_freed_cpu_memory()  # timed under the allocator settings the training steps run under
-    key = (architecture_key(model, loss_fn, input_shape, input_dtype), str(device), tuple(sizes),
-           tuple(sorted(exact)), autocast, torch.get_num_threads())
+    key = (
+        architecture_key(model, loss_fn, input_shape, input_dtype),
+        str(device),
+        tuple(sizes),
+        tuple(sorted(exact)),
+        autocast,
+        torch.get_num_threads(),
+    )
     if key not in _CHOICES:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             twin = copy.deepcopy(model)
@@ -169,9 +203,17 @@ def fastest_chunk(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...
     return _CHOICES[key]
 
 
-def physical_chunk(tune: bool, model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
-                   bound: int, expected_batch: float, exact: Collection[str] = (),
-                   autocast: torch.dtype | None = None) -> int:
+def physical_chunk(
+    tune: bool,
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    bound: int,
+    expected_batch: float,
+    exact: Collection[str] = (),
+    autocast: torch.dtype | None = None,
+) -> int:
     """The chunk a trainer clips in: :func:`fastest_chunk` when ``tune``, else ``bound`` (``physical_batch_size``)."""
     if not tune:
         return bound

@@ -94,13 +94,15 @@ class LossClipping:
         if not 0 < self.quantile < 1:
             raise ValueError(f"train.loss_clip_quantile = {self.quantile}: must be in (0, 1)")
         if min(self.initial, self.count_noise, self.learning_rate) <= 0:
-            raise ValueError(f"loss clipping: initial {self.initial}, count noise {self.count_noise} and rate "
-                             f"{self.learning_rate} must all be > 0")
+            raise ValueError(
+                f"loss clipping: initial {self.initial}, count noise {self.count_noise} and rate "
+                f"{self.learning_rate} must all be > 0"
+            )
 
 
 def combined_noise_multiplier(sigma: float, count_noise: float | None) -> float:
     """(σ⁻² + σ_b⁻²)^(−1/2): the gradient sum and the count as one Gaussian query (:class:`LossClipping`)."""
-    return sigma if count_noise is None else 1.0 / math.sqrt(sigma ** -2 + count_noise ** -2)
+    return sigma if count_noise is None else 1.0 / math.sqrt(sigma**-2 + count_noise**-2)
 
 
 def gradient_noise_for(effective: float, count_noise: float | None) -> float:
@@ -108,14 +110,23 @@ def gradient_noise_for(effective: float, count_noise: float | None) -> float:
     if count_noise is None:
         return effective
     if count_noise <= effective:
-        raise ValueError(f"train.loss_clip_count_noise = {count_noise:g}: the quantile's count alone would cost more than "
-                         f"the target allows (it must exceed the calibrated multiplier {effective:.4g}); raise it")
-    return 1.0 / math.sqrt(effective ** -2 - count_noise ** -2)
+        raise ValueError(
+            f"train.loss_clip_count_noise = {count_noise:g}: the quantile's count alone would cost more than "
+            f"the target allows (it must exceed the calibrated multiplier {effective:.4g}); raise it"
+        )
+    return 1.0 / math.sqrt(effective**-2 - count_noise**-2)
 
 
-def clipless_mechanism(bounds: GradientBounds, sample_rate: float, noise_multiplier: float, noise: str,
-                       epochs: float, neighbouring: Neighbouring, dataset_size: int,
-                       loss_clipping: LossClipping | None = None) -> MechanismDescription:
+def clipless_mechanism(
+    bounds: GradientBounds,
+    sample_rate: float,
+    noise_multiplier: float,
+    noise: str,
+    epochs: float,
+    neighbouring: Neighbouring,
+    dataset_size: int,
+    loss_clipping: LossClipping | None = None,
+) -> MechanismDescription:
     """What :func:`train_clipless` does: DP-SGD's event with C = Δ, σ_eff for the noise mode (and the count)."""
     layers = bounds.per_layer()
     per_noise = effective_noise_multiplier(noise_multiplier, noise, len(layers))
@@ -126,7 +137,8 @@ def clipless_mechanism(bounds: GradientBounds, sample_rate: float, noise_multipl
             f"loss-gradient clipping at a private {loss_clipping.quantile:g}-quantile (Andrew et al. 2021): every bound "
             f"scales by min(L, C_t)/L; the count of unclipped examples is released with noise std "
             f"{loss_clipping.count_noise:g}, so each step is one Gaussian with multiplier (σ_g⁻² + σ_b⁻²)^(−1/2) = "
-            f"{sigma:.6g} (σ_g = {per_noise:.6g})",)
+            f"{sigma:.6g} (σ_g = {per_noise:.6g})",
+        )
     return MechanismDescription(
         trainer="clipless",
         events=(PoissonGaussianSteps(sample_rate, sigma, number_of_steps(epochs, sample_rate)),),
@@ -138,20 +150,39 @@ def clipless_mechanism(bounds: GradientBounds, sample_rate: float, noise_multipl
             "clipless DP-SGD (seed 004, Algorithm 2): no clipping; the per-example gradient bound Δ = "
             f"{bounds.total:.6g} comes from the Lipschitz layers, the input bound X0 and the loss (Algorithm 1)",
             "per-layer bounds " + ", ".join(f"layer {k}: {v:.6g}" for k, v in layers.items()),
-            f"{noise} noise with σ = {noise_multiplier:g}" + (
+            f"{noise} noise with σ = {noise_multiplier:g}"
+            + (
                 f" per layer (std σΔ_d), equivalent to one Gaussian with multiplier σ/√{len(layers)} = {sigma:.6g}"
-                if noise == "per_layer" else " (std σΔ on the sum)"),
+                if noise == "per_layer"
+                else " (std σΔ on the sum)"
+            ),
             "the bounds are verified after training (exact spectral norms each epoch, per-example gradient norms on "
             "training records); a violation voids this certificate",
-        ) + clipping_notes,
+        )
+        + clipping_notes,
     )
 
 
-def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
-                   noise_multiplier: float, noise: str, bounds: GradientBounds, neighbouring: Neighbouring,
-                   loss_fn: LossFn, optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
-                   soundness_records: int = 1000, progress: bool = False,
-                   loss_clipping: LossClipping | None = None, loss_lipschitz: float | None = None) -> TrainResult:
+def train_clipless(
+    model: nn.Sequential,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    sample_rate: float,
+    epochs: float,
+    noise_multiplier: float,
+    noise: str,
+    bounds: GradientBounds,
+    neighbouring: Neighbouring,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer,
+    seed: int,
+    physical_batch_size: int = 1024,
+    soundness_records: int = 1000,
+    progress: bool = False,
+    loss_clipping: LossClipping | None = None,
+    loss_lipschitz: float | None = None,
+) -> TrainResult:
     """Train in place with clipless DP-SGD; returns the model, its mechanism and a history with the soundness check.
 
     With ``loss_clipping`` (and the loss constant ``loss_lipschitz`` L the bounds were computed with),
@@ -166,8 +197,10 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
     noise_source = torch.Generator(device=x.device).manual_seed(seed + 1)
     params = dict(model.named_parameters())
     layer_bound = bounds.per_layer()
-    noise_std = {name: noise_multiplier * (bounds.total if noise == "global" else layer_bound[name.split(".")[0]])
-                 for name in params}
+    noise_std = {
+        name: noise_multiplier * (bounds.total if noise == "global" else layer_bound[name.split(".")[0]])
+        for name in params
+    }
     steps_per_epoch = max(1, int(round(1 / sample_rate)))
     threshold = None if loss_clipping is None else min(loss_clipping.initial, loss_lipschitz)  # type: ignore[type-var]
     thresholds, unclipped_total, seen_total = [], 0, 0
@@ -198,22 +231,37 @@ def train_clipless(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, *, sa
             unclipped_total, seen_total = unclipped_total + unclipped, seen_total + int(batch.numel())
             count_noise = float(gaussian((), loss_clipping.count_noise, noise_source, torch.float64))
             noisy = (unclipped + count_noise) / expected_batch
-            threshold = min(loss_lipschitz, threshold * math.exp(-loss_clipping.learning_rate  # type: ignore[type-var]
-                                                                  * (noisy - loss_clipping.quantile)))
+            threshold = min(
+                loss_lipschitz,
+                threshold
+                * math.exp(
+                    -loss_clipping.learning_rate  # type: ignore[type-var]
+                    * (noisy - loss_clipping.quantile)
+                ),
+            )
         if (step + 1) % steps_per_epoch == 0 or step == steps - 1:
             spectral_max = max(spectral_max, largest_spectral_norm(model))
-    history = {"steps": steps, "seconds": time.perf_counter() - start, "gradient_bound": bounds.total,
-               **soundness_check(model, x, y, loss_fn, bounds, soundness_records, seed), "spectral_norm_max": spectral_max}
+    history = {
+        "steps": steps,
+        "seconds": time.perf_counter() - start,
+        "gradient_bound": bounds.total,
+        **soundness_check(model, x, y, loss_fn, bounds, soundness_records, seed),
+        "spectral_norm_max": spectral_max,
+    }
     history["soundness_passed"] = bool(history["soundness_violations"] == 0 and spectral_max <= 1 + 1e-5)
     if thresholds:
-        history |= {"loss_clip_final_threshold": thresholds[-1], "loss_clip_mean_threshold": float(np.mean(thresholds)),
-                    "loss_clip_unclipped_fraction": unclipped_total / max(seen_total, 1)}
+        history |= {
+            "loss_clip_final_threshold": thresholds[-1],
+            "loss_clip_mean_threshold": float(np.mean(thresholds)),
+            "loss_clip_unclipped_fraction": unclipped_total / max(seen_total, 1),
+        }
     mechanism = clipless_mechanism(bounds, sample_rate, noise_multiplier, noise, epochs, neighbouring, n, loss_clipping)
     return TrainResult(model, mechanism, history)
 
 
-def backward_with_clipped_loss_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                                        threshold: float) -> int:
+def backward_with_clipped_loss_gradient(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, threshold: float
+) -> int:
     """Accumulate Σ_i J_iᵀ·clip(∂ℓ_i/∂z_i, threshold) into the parameters' .grad; return how many were not clipped.
 
     Each example's loss depends on its own logits only, so clipping the rows of ∂(Σℓ)/∂z clips every
@@ -233,13 +281,18 @@ def largest_spectral_norm(model: nn.Module) -> float:
     :class:`~dpml.models.lipschitz.LipschitzLayer`'s ``operator_norm_bound()`` — σ_max by SVD (float64)
     for dense weights, the exact norm of the circular convolution (FFT of the kernel, float64) for
     convolutions, which is ≥ the zero-padded operator's norm. 0 when no layer is constrained."""
-    norms = [bound for m in model.modules() if isinstance(m, LipschitzLayer)
-             if (bound := m.operator_norm_bound()) is not None]
+    norms = [
+        bound
+        for m in model.modules()
+        if isinstance(m, LipschitzLayer)
+        if (bound := m.operator_norm_bound()) is not None
+    ]
     return max(norms, default=0.0)
 
 
-def soundness_check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, bounds: GradientBounds,
-                    records: int, seed: int) -> dict[str, float | int]:
+def soundness_check(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, bounds: GradientBounds, records: int, seed: int
+) -> dict[str, float | int]:
     """Actual per-example gradient norms of every parameter on up to ``records`` training records vs Δ_p."""
     rows = np.random.default_rng(seed).choice(x.shape[0], size=min(records, x.shape[0]), replace=False)
     names = list(bounds.per_parameter)

@@ -93,13 +93,22 @@ def per_example_losses(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: to
     """ℓ_i for the batch, checked to be one loss per example (shape (B,))."""
     losses = loss_fn(model(x), y)
     if losses.shape != (x.shape[0],):
-        raise ValueError(f"the loss function must return one loss per example, shape ({x.shape[0]},); "
-                         f"got shape {tuple(losses.shape)} (use reduction='none')")
+        raise ValueError(
+            f"the loss function must return one loss per example, shape ({x.shape[0]},); "
+            f"got shape {tuple(losses.shape)} (use reduction='none')"
+        )
     return losses
 
 
-def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, layers: list[nn.Module],
-                    ruled: list[nn.Parameter], copies: frozenset[tuple[str, int]] | None) -> _Recording:
+def _record_forward(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    layers: list[nn.Module],
+    ruled: list[nn.Parameter],
+    copies: frozenset[tuple[str, int]] | None,
+) -> _Recording:
     """Per-example losses, with forward hooks on ``layers`` and the operations on the parameters ``ruled``
     recorded (:class:`dpml.train.rules.Recorder`), each output kept with its gradient edge
     (:mod:`dpml.train.rules.outputs`). A view's edge does not survive an in-place rewrite, so the hooks and the
@@ -109,8 +118,9 @@ def _record_forward(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch
     calls: dict[nn.Module, list[Call]] = {}
     kept = RecordedOutputs()  # the hooked calls' outputs
     owners = {id(p): m for m in layers for p in layer_parameters(m)}
-    recorder = Recorder(ruled, x.shape[0], None if copies is None else {j for kind, j in copies if kind == "rule"},
-                        owners, x.device, x)
+    recorder = Recorder(
+        ruled, x.shape[0], None if copies is None else {j for kind, j in copies if kind == "rule"}, owners, x.device, x
+    )
 
     def enter(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         recorder.stack.append(module)
@@ -230,9 +240,16 @@ def _exact_reason(p: nn.Parameter, name: str, exact: Collection[str], recorder: 
     return "no recorded operation uses it through a rule (a custom autograd Function, or not used)"
 
 
-def _rule_pieces(recording: _Recording, calls: list[RuledCall], ruled: dict[int, str], relevant: set[int],
-                 deltas: list[torch.Tensor | None], batch: int, dtype: torch.dtype,
-                 limit: int) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
+def _rule_pieces(
+    recording: _Recording,
+    calls: list[RuledCall],
+    ruled: dict[int, str],
+    relevant: set[int],
+    deltas: list[torch.Tensor | None],
+    batch: int,
+    dtype: torch.dtype,
+    limit: int,
+) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
     """The ruled parameters' pieces from their uses (``relevant``: their ids and those of the computations on
     them, :class:`dpml.train.rules.registry.Derived`, whose uses are pulled back to theirs first); a parameter
     whose uses cannot be combined, with why."""
@@ -253,8 +270,14 @@ def _rule_pieces(recording: _Recording, calls: list[RuledCall], ruled: dict[int,
             continue
         size = batch * max(t.numel() for t in (node.output, *node.leaves))
         if size > limit:  # its per-example gradients are materialised: past the limit its parameters go exact
-            failed.update({id(p): f"{node.operation} on parameters: its per-example gradients ({size} numbers) "
-                           f"exceed the keep limit ({limit})" for p in node.params if id(p) in ruled})
+            failed.update(
+                {
+                    id(p): f"{node.operation} on parameters: its per-example gradients ({size} numbers) "
+                    f"exceed the keep limit ({limit})"
+                    for p in node.params
+                    if id(p) in ruled
+                }
+            )
             continue
         gradients = per_example_gradients_of(uses.pop(id(node.output)), node.output, batch, dtype)
         for (_, tracked), g in zip(node.sources, pull_back(node, gradients)):
@@ -275,8 +298,14 @@ def _rule_pieces(recording: _Recording, calls: list[RuledCall], ruled: dict[int,
     return pieces, failed
 
 
-def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                exact: Collection[str] = (), autocast: torch.dtype | None = None) -> EnginePass:
+def engine_pass(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    exact: Collection[str] = (),
+    autocast: torch.dtype | None = None,
+) -> EnginePass:
     """Record the forward pass and take each trainable parameter's per-example gradient by its layer's shortcut, by the
     rules of the operations it enters (:mod:`dpml.train.rules`) or, for the parameters named in ``exact`` and any
     neither covers, exactly.
@@ -304,18 +333,32 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
             set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
             recording = _record_forward(model, loss_fn, x, y, candidates, watched, None)
     recorder = recording.recorder
-    used = [m for m in candidates if m in recording.calls and _usable(m, recording.calls[m], batch)
-            and not any(id(p) in recorder.outside for p in layer_parameters(m)) and m not in recorder.unbatched]
+    used = [
+        m
+        for m in candidates
+        if m in recording.calls
+        and _usable(m, recording.calls[m], batch)
+        and not any(id(p) in recorder.outside for p in layer_parameters(m))
+        and m not in recorder.unbatched
+    ]
     covered = {id(p) for m in used for p in layer_parameters(m)}
     seen = {id(p) for pending in recorder.pending for p in pending.params}
     seen |= {id(p) for node in recorder.derived_nodes for p in node.params}
-    ruled = {id(p): n for n, p in params.items() if id(p) not in covered and n not in exact and id(p) in seen
-             and id(p) not in recorder.refused}
-    relevant = set(ruled) | {id(node.output) for node in recorder.derived_nodes if any(id(p) in ruled for p in node.params)}
+    ruled = {
+        id(p): n
+        for n, p in params.items()
+        if id(p) not in covered and n not in exact and id(p) in seen and id(p) not in recorder.refused
+    }
+    relevant = set(ruled) | {
+        id(node.output) for node in recorder.derived_nodes if any(id(p) in ruled for p in node.params)
+    }
     targets = Targets()  # the recorded outputs let go before the backward pass (:mod:`dpml.train.released`)
     layer_calls = {m: [(a, targets.slot(o, recording.gradient_target(o))) for a, o in recording.calls[m]] for m in used}
-    ruled_calls = [targets.ruled(pending, recording.gradient_target(pending.output)) for pending in recorder.pending
-                   if any(id(p) in relevant for p in pending.params)]
+    ruled_calls = [
+        targets.ruled(pending, recording.gradient_target(pending.output))
+        for pending in recorder.pending
+        if any(id(p) in relevant for p in pending.params)
+    ]
     recording.let_go()
     held = targets.numbers() + sum(a.numel() for calls in layer_calls.values() for a, _ in calls)  # δ and inputs
     slow = {n: p for n, p in params.items() if id(p) not in covered and id(p) not in ruled}
@@ -325,9 +368,21 @@ def engine_pass(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
     deltas = targets.deltas(recording.losses, retain_graph=bool(slow))  # (kept only for the exact path)
     with full_float32(), pass_budget(x.device, held):  # norms and sums from the same numbers (no TF32)
         for module, calls in layer_calls.items():
-            fast.append((module, layer_piece(module, [(_as_dtype(a, zeros.dtype), _as_dtype(_delta(deltas, slot), zeros.dtype))
-                                                      for a, slot in calls])))
-        pieces, failed = _rule_pieces(recording, ruled_calls, ruled, relevant, deltas, batch, zeros.dtype, keep_limit(x.device))
+            fast.append(
+                (
+                    module,
+                    layer_piece(
+                        module,
+                        [
+                            (_as_dtype(a, zeros.dtype), _as_dtype(_delta(deltas, slot), zeros.dtype))
+                            for a, slot in calls
+                        ],
+                    ),
+                )
+            )
+        pieces, failed = _rule_pieces(
+            recording, ruled_calls, ruled, relevant, deltas, batch, zeros.dtype, keep_limit(x.device)
+        )
     fast += pieces
     reasons = {n: _exact_reason(p, n, exact, recorder) for n, p in slow.items()}
     per_example = exact_per_example_gradients(recording.losses, slow)
@@ -357,8 +412,9 @@ def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
-def per_example_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                          names: list[str]) -> dict[str, torch.Tensor]:
+def per_example_gradients(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, names: list[str]
+) -> dict[str, torch.Tensor]:
     """Exact per-example gradients ∇_p ℓ_i (B, *p.shape) of the named parameters (one forward pass)."""
     params = dict(model.named_parameters())
     losses = per_example_losses(model, loss_fn, x, y)
@@ -377,7 +433,9 @@ class DiracGradients:
     norm: float
 
 
-def _flat_slots(names: list[str], shapes: list[torch.Size], coordinates: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def _flat_slots(
+    names: list[str], shapes: list[torch.Size], coordinates: torch.Tensor
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(parameter name, positions in ``coordinates``, flat index inside that parameter) for each parameter hit."""
     out, offset = [], 0
     for name, shape in zip(names, shapes):
@@ -392,9 +450,16 @@ def _flat_slots(names: list[str], shapes: list[torch.Size], coordinates: torch.T
     return out
 
 
-def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
-                         diracs: DiracGradients | None = None, exact: Collection[str] = (),
-                         autocast: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def clipped_gradient_sum(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    diracs: DiracGradients | None = None,
+    exact: Collection[str] = (),
+    autocast: torch.dtype | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Σ_i clip_C(g_i) per parameter name (trainable parameters only), and the unclipped norms ‖∇ℓ_i‖ of the records.
 
     The examples i are the records (g_i = ∇ℓ_i) and, with ``diracs``, the Dirac gradients of
@@ -406,15 +471,21 @@ def clipped_gradient_sum(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: 
     squared = found.squared()
     records = squared.shape[0]
     if diracs is not None:
-        extra = torch.full((diracs.coordinates.numel(),), float(diracs.norm) ** 2, device=squared.device, dtype=squared.dtype)
+        extra = torch.full(
+            (diracs.coordinates.numel(),), float(diracs.norm) ** 2, device=squared.device, dtype=squared.dtype
+        )
         squared = torch.cat([squared, extra])
     norms = squared.sqrt()
     factors = clip_factors(norms, clip_norm)
     sums = found.sums(factors[:records])
     if diracs is not None and diracs.coordinates.numel():
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        slots = _flat_slots([n for n, _ in trainable], [p.shape for _, p in trainable], diracs.coordinates.to(squared.device))
+        slots = _flat_slots(
+            [n for n, _ in trainable], [p.shape for _, p in trainable], diracs.coordinates.to(squared.device)
+        )
         for name, positions, flat in slots:
             contribution = factors[records:][positions] * float(diracs.norm)
-            sums[name] = sums[name].reshape(-1).index_add(0, flat, contribution.to(sums[name].dtype)).reshape(sums[name].shape)
+            sums[name] = (
+                sums[name].reshape(-1).index_add(0, flat, contribution.to(sums[name].dtype)).reshape(sums[name].shape)
+            )
     return sums, norms[:records].detach()

@@ -47,8 +47,16 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from dpml.train.clipping import (LossFn, RuleUnit, Unit, clip_factors, clipped_gradient_sum, engine_pass, per_example_losses,
-                                 unit_parameters)
+from dpml.train.clipping import (
+    LossFn,
+    RuleUnit,
+    Unit,
+    clip_factors,
+    clipped_gradient_sum,
+    engine_pass,
+    per_example_losses,
+    unit_parameters,
+)
 from dpml.train.clipping_layers import reject_batch_norm
 
 PROBE_SEED = 20_261_125
@@ -73,15 +81,18 @@ class ClippingPlan:
     exact_reasons: tuple[str, ...] = ()  # "name: the operation that sent it to the exact path", one per exact parameter
 
     def lines(self) -> list[str]:
-        head = (f"per-example clipping: {len(self.fast_layers)} layer(s) by their shortcut, "
-                f"{len(self.rule_parameters)} parameter(s) by operation rules, "
-                f"{len(self.exact_parameters)} parameter(s) by exact per-example autograd"
-                + (f" ({', '.join(self.exact_parameters)})" if self.exact_parameters else ""))
+        head = (
+            f"per-example clipping: {len(self.fast_layers)} layer(s) by their shortcut, "
+            f"{len(self.rule_parameters)} parameter(s) by operation rules, "
+            f"{len(self.exact_parameters)} parameter(s) by exact per-example autograd"
+            + (f" ({', '.join(self.exact_parameters)})" if self.exact_parameters else "")
+        )
         return [head, *self.notes, *self.exact_reasons]
 
 
-def probe_batch(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype,
-                size: int = PROBE_BATCH) -> torch.Tensor:
+def probe_batch(
+    model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype, size: int = PROBE_BATCH
+) -> torch.Tensor:
     """``size`` + 1 synthetic inputs (the last one replaces example 0 in the independence check). A model
     that draws its own (token inputs: valid ids and masks, :meth:`dpml.models.library.LibraryModel.probe_input`)
     gets those."""
@@ -140,7 +151,9 @@ def _guarded(what: str, step: Callable[[], T]) -> T:
     except ClippingUnsupported:
         raise
     except Exception as error:  # a user's module: name the failing step, not a bare KeyError
-        raise ClippingUnsupported(f"model: {what} failed on a synthetic probe batch: {type(error).__name__}: {error}") from error
+        raise ClippingUnsupported(
+            f"model: {what} failed on a synthetic probe batch: {type(error).__name__}: {error}"
+        ) from error
 
 
 @dataclass
@@ -149,8 +162,10 @@ class _Reference:
     gradients: dict[str, torch.Tensor]  # name -> (B, *shape), ∂ℓ_i/∂p by plain autograd
 
     def squared(self, names: list[str]) -> torch.Tensor:
-        return sum((self.gradients[n].reshape(self.losses.shape[0], -1).pow(2).sum(1) for n in names),
-                   torch.zeros_like(self.losses))
+        return sum(
+            (self.gradients[n].reshape(self.losses.shape[0], -1).pow(2).sum(1) for n in names),
+            torch.zeros_like(self.losses),
+        )
 
     def weighted(self, name: str, factors: torch.Tensor) -> torch.Tensor:
         return torch.einsum("b,b...->...", factors, self.gradients[name])
@@ -160,10 +175,14 @@ def _reference(probe: _Probe) -> _Reference:
     params = {n: p for n, p in probe.model.named_parameters() if p.requires_grad}
     with probe.same_state():
         losses = per_example_losses(probe.model, probe.loss_fn, probe.x, probe.y)
-    rows = [torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
-            for i in range(probe.x.shape[0])]
-    gradients = {n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
-                 for k, (n, p) in enumerate(params.items())}
+    rows = [
+        torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+        for i in range(probe.x.shape[0])
+    ]
+    gradients = {
+        n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
+        for k, (n, p) in enumerate(params.items())
+    }
     return _Reference(losses.detach(), gradients)
 
 
@@ -178,7 +197,8 @@ def _check_independent(probe: _Probe, reference: _Reference, tolerance: float) -
             f"model: replacing example 0 of a probe batch changed the loss of example {k} "
             f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model mixes the examples of a batch "
             "(batch statistics, attention or pooling across the batch), so clipping each example's gradient does "
-            "not bound its influence; make each example's output depend on that example alone")
+            "not bound its influence; make each example's output depend on that example alone"
+        )
 
 
 def _differs(value: torch.Tensor, other: torch.Tensor, tolerance: float) -> bool:
@@ -205,15 +225,17 @@ def _check_no_data_in_buffers(probe: _Probe, tolerance: float) -> None:
                 f"model buffer '{name}': the training-mode forward pass writes the examples into it (replacing one "
                 "example of a probe batch changed it), and it would be released with the model without noise, "
                 "outside the DP guarantee; keep no statistics of the data in buffers (nn.InstanceNorm: "
-                "track_running_stats=False; use nn.GroupNorm or nn.LayerNorm for normalisation)")
+                "track_running_stats=False; use nn.GroupNorm or nn.LayerNorm for normalisation)"
+            )
 
 
 def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
     return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
 
 
-def _unit_errors(probe: _Probe, reference: _Reference, factors: torch.Tensor,
-                 scale: float) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str]]:
+def _unit_errors(
+    probe: _Probe, reference: _Reference, factors: torch.Tensor, scale: float
+) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str]]:
     """(unit, its trainable parameter names, relative error of its norms and clipped sums) for each fast unit —
     a hooked layer or a parameter covered by operation rules — and why each other parameter went exact."""
     with probe.same_state():
@@ -221,7 +243,7 @@ def _unit_errors(probe: _Probe, reference: _Reference, factors: torch.Tensor,
     out = []
     for unit, piece in found.fast:
         names = [found.names[id(p)] for p in unit_parameters(unit) if id(p) in found.names]
-        error = _relative(piece.squared, reference.squared(names), scale ** 2)
+        error = _relative(piece.squared, reference.squared(names), scale**2)
         for p, total in piece.sums(factors):
             error = max(error, _relative(total, reference.weighted(found.names[id(p)], factors), scale))
         out.append((unit, names, error))
@@ -241,10 +263,13 @@ def _confirm(probe: _Probe, reference: _Reference, exact: frozenset[str], tolera
         raise ClippingUnsupported(
             f"model parameter '{worst}': dpml's clipped per-example gradient sum differs from autograd's by "
             f"{errors[worst]:.2g} (relative) on a synthetic probe batch; dpml cannot train this model exactly — "
-            "write the layer with standard torch.nn modules or report the module")
+            "write the layer with standard torch.nn modules or report the module"
+        )
     if _relative(found_norms, norms, float(norms.norm())) > tolerance:
-        raise ClippingUnsupported("model: dpml's per-example gradient norms differ from autograd's on a synthetic "
-                                  "probe batch; dpml cannot train this model exactly")
+        raise ClippingUnsupported(
+            "model: dpml's per-example gradient norms differ from autograd's on a synthetic "
+            "probe batch; dpml cannot train this model exactly"
+        )
 
 
 def _module_names(model: nn.Module) -> dict[nn.Module, str]:
@@ -254,8 +279,9 @@ def _module_names(model: nn.Module) -> dict[nn.Module, str]:
     return names
 
 
-def _plan_on(reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, labels: torch.Tensor | None,
-             tolerance: float) -> ClippingPlan:
+def _plan_on(
+    reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, labels: torch.Tensor | None, tolerance: float
+) -> ClippingPlan:
     x = x_all[:-1]
     reference_model.train()
     buffers = {name: b.detach().clone() for name, b in reference_model.named_buffers()}
@@ -267,8 +293,9 @@ def _plan_on(reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, l
     _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
     _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.squared(list(reference.gradients)).sqrt().max()) or 1.0
-    factors = 0.2 + 0.8 * torch.rand(x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2),
-                                     dtype=reference.losses.dtype)
+    factors = 0.2 + 0.8 * torch.rand(
+        x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2), dtype=reference.losses.dtype
+    )
     errors, reasons = _guarded("the clipping engine", lambda: _unit_errors(probe, reference, factors, scale))
     module_names = _module_names(reference_model)
     exact: set[str] = set()
@@ -283,23 +310,37 @@ def _plan_on(reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, l
     _guarded("the clipping engine", lambda: _confirm(probe, reference, plan, tolerance, scale))
     covered = {n for _, names, error in errors if error <= tolerance for n in names}
     exact_parameters = tuple(n for n in reference.gradients if n not in covered)
-    return ClippingPlan(plan, tuple(notes), tuple(fast), exact_parameters, tuple(ruled),
-                        tuple(f"{n}: {reasons[n]}" for n in exact_parameters if n in reasons))
+    return ClippingPlan(
+        plan,
+        tuple(notes),
+        tuple(fast),
+        exact_parameters,
+        tuple(ruled),
+        tuple(f"{n}: {reasons[n]}" for n in exact_parameters if n in reasons),
+    )
 
 
 def _off_note(unit: Unit, module_names: dict[nn.Module, str], names: list[str], error: float) -> str:
     if isinstance(unit, RuleUnit):
-        return (f"model parameter '{unit.name}' ({', '.join(unit.operations)}): its rules are {error:.1%} off autograd's "
-                "per-example gradient on the probe batch (it also reaches the loss where no operation is seen, such as "
-                "a custom autograd Function); exact per-example gradients for it")
-    return (f"model layer '{module_names[unit]}' ({type(unit).__name__}): its shortcut is {error:.1%} off "
-            "autograd's per-example gradient on the probe batch (its weights also reach the loss outside its "
-            f"own forward where no operation is seen); exact per-example gradients for {', '.join(names)}")
+        return (
+            f"model parameter '{unit.name}' ({', '.join(unit.operations)}): its rules are {error:.1%} off autograd's "
+            "per-example gradient on the probe batch (it also reaches the loss where no operation is seen, such as "
+            "a custom autograd Function); exact per-example gradients for it"
+        )
+    return (
+        f"model layer '{module_names[unit]}' ({type(unit).__name__}): its shortcut is {error:.1%} off "
+        "autograd's per-example gradient on the probe batch (its weights also reach the loss outside its "
+        f"own forward where no operation is seen); exact per-example gradients for {', '.join(names)}"
+    )
 
 
-def plan_clipping(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...],
-                  input_dtype: torch.dtype = torch.float32, probe: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  ) -> ClippingPlan:
+def plan_clipping(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype = torch.float32,
+    probe: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> ClippingPlan:
     """Check the engine on ``model`` (module docstring) and return its plan, or raise
     :class:`ClippingUnsupported` naming the layer. ``probe``: a public batch (x, y) to use instead of the
     synthetic one (x's first row is the replacement of the independence check, the rest the batch)."""
@@ -322,18 +363,32 @@ def plan_clipping(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...
 _PLANS: dict[tuple[Any, ...], ClippingPlan] = {}
 
 
-def architecture_key(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> tuple[Any, ...]:
+def architecture_key(
+    model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype
+) -> tuple[Any, ...]:
     """What the plan depends on: the module classes (their code), the model's structure, attributes and
     parameter shapes, the loss and the input. The audit trains many models of one architecture: one probe."""
-    attributes = tuple(tuple(sorted((k, repr(v)[:200]) for k, v in vars(m).items() if not k.startswith("_")))
-                       for m in model.modules())  # flags a forward may branch on (not all are in repr)
-    return (tuple(type(m) for m in model.modules()), repr(model), attributes,
-            tuple((n, tuple(p.shape), p.requires_grad, p.dtype) for n, p in model.named_parameters()),
-            loss_fn, tuple(input_shape), input_dtype)
+    attributes = tuple(
+        tuple(sorted((k, repr(v)[:200]) for k, v in vars(m).items() if not k.startswith("_"))) for m in model.modules()
+    )  # flags a forward may branch on (not all are in repr)
+    return (
+        tuple(type(m) for m in model.modules()),
+        repr(model),
+        attributes,
+        tuple((n, tuple(p.shape), p.requires_grad, p.dtype) for n, p in model.named_parameters()),
+        loss_fn,
+        tuple(input_shape),
+        input_dtype,
+    )
 
 
-def _plan(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
-          probe: tuple[torch.Tensor, torch.Tensor] | None) -> ClippingPlan:
+def _plan(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    probe: tuple[torch.Tensor, torch.Tensor] | None,
+) -> ClippingPlan:
     attempts: list[tuple[Any, torch.dtype, float]] = [("cpu", torch.float64, 1e-6)]
     device = next(model.parameters()).device
     attempts.append((device, next(model.parameters()).dtype, 1e-3))  # a model that only runs as it is
@@ -342,8 +397,10 @@ def _plan(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input
         try:
             reference_model = copy.deepcopy(model).to(device=where, dtype=dtype)
         except Exception as error:
-            raise ClippingUnsupported(f"model: copy.deepcopy failed ({type(error).__name__}: {error}); dpml checks "
-                                      "the clipping on a copy before training") from error
+            raise ClippingUnsupported(
+                f"model: copy.deepcopy failed ({type(error).__name__}: {error}); dpml checks "
+                "the clipping on a copy before training"
+            ) from error
         if probe is None:
             x_all, labels = probe_batch(model, input_shape, input_dtype), None
         else:
@@ -364,8 +421,14 @@ def _plan(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input
     raise failure
 
 
-def check_autocast(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ...], input_dtype: torch.dtype,
-                   device: torch.device | str, autocast: torch.dtype | None) -> None:
+def check_autocast(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    device: torch.device | str,
+    autocast: torch.dtype | None,
+) -> None:
     """With ``autocast`` (``train.autocast: bf16``), one engine pass of a copy of the model on ``device`` under
     it, on the synthetic probe batch: an operator without a kernel for that precision on that device (an
     LSTM in bf16 on some CPUs) is refused here, before any spend, not in the middle of training."""
@@ -380,6 +443,8 @@ def check_autocast(model: nn.Module, loss_fn: LossFn, input_shape: tuple[int, ..
             y = probe_labels(trial(x), 3).to(device)
             clipped_gradient_sum(trial, loss_fn, x, y, 1.0, autocast=autocast)
         except Exception as error:
-            raise ClippingUnsupported(f"train.autocast = {str(autocast).removeprefix('torch.')}: the model fails under "
-                                      f"autocast on {device.type}: {type(error).__name__}: {str(error)[:300]}; "
-                                      "use train.autocast: none") from error
+            raise ClippingUnsupported(
+                f"train.autocast = {str(autocast).removeprefix('torch.')}: the model fails under "
+                f"autocast on {device.type}: {type(error).__name__}: {str(error)[:300]}; "
+                "use train.autocast: none"
+            ) from error

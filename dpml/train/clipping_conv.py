@@ -23,6 +23,7 @@ def conv_geometry(module: nn.Conv1d | nn.Conv2d) -> Geometry | None:
     """(kernel, stride, padding, dilation) of a Conv1d or Conv2d as a Conv2d (a Conv1d is one of height 1),
     with ``padding="valid"`` as 0 and ``"same"`` as d·(k − 1)/2 on each side; None for a ``"same"`` whose
     total padding d·(k − 1) is odd (torch pads it unevenly: left to the exact path)."""
+
     def pair(values: tuple[int, ...], one_d: int) -> tuple[int, int]:
         return (one_d, values[0]) if isinstance(module, nn.Conv1d) else (values[0], values[1])
 
@@ -44,8 +45,14 @@ def as_2d(module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.unsqueeze(2) if isinstance(module, nn.Conv1d) else tensor
 
 
-def unfold_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
-                   dilation: tuple[int, ...], taps: tuple[range, range] | None = None) -> torch.Tensor:
+def unfold_patches(
+    x: torch.Tensor,
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    taps: tuple[range, range] | None = None,
+) -> torch.Tensor:
     """The convolution's input patches, (B, C·kh·kw, T) — what ``F.unfold`` returns, as one strided view
     and one copy; with ``taps``, only those rows and columns of the kernel, (B, C·|rows|·|columns|, T).
     (``F.unfold`` itself took ≈4 s instead of ≈30 ms for a 512×1×28×28 batch with two intra-op threads on
@@ -57,14 +64,21 @@ def unfold_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, 
     out_h, out_w = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
     rows, columns = taps if taps is not None else (range(kh), range(kw))
     s = x.stride()
-    patches = x.as_strided((batch, channels, len(rows), len(columns), out_h, out_w),
-                           (s[0], s[1], s[2] * dh, s[3] * dw, s[2] * sh, s[3] * sw),
-                           x.storage_offset() + rows.start * dh * s[2] + columns.start * dw * s[3])
+    patches = x.as_strided(
+        (batch, channels, len(rows), len(columns), out_h, out_w),
+        (s[0], s[1], s[2] * dh, s[3] * dw, s[2] * sh, s[3] * sw),
+        x.storage_offset() + rows.start * dh * s[2] + columns.start * dw * s[3],
+    )
     return patches.reshape(batch, channels * len(rows) * len(columns), out_h * out_w)
 
 
-def channels_last_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
-                          dilation: tuple[int, ...]) -> torch.Tensor:
+def channels_last_patches(
+    x: torch.Tensor,
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+) -> torch.Tensor:
     """The convolution's input patches, (B, T, kh·kw·C) with the channel fastest within a patch (position
     (u, v, c) of the kernel at u·kw·C + v·C + c; :func:`unfold_patches` orders them c, u, v): taken from a
     channels-last copy of x, where every row of a patch is kw·C contiguous numbers, so the copy reads
@@ -77,8 +91,9 @@ def channels_last_patches(x: torch.Tensor, kernel: tuple[int, ...], stride: tupl
     out_h, out_w = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
     last = x.permute(0, 2, 3, 1).contiguous()  # (B, H, W, C)
     s = last.stride()
-    patches = last.as_strided((batch, out_h, out_w, kh, kw, channels),
-                              (s[0], s[1] * sh, s[2] * sw, s[1] * dh, s[2] * dw, s[3]))
+    patches = last.as_strided(
+        (batch, out_h, out_w, kh, kw, channels), (s[0], s[1] * sh, s[2] * sw, s[1] * dh, s[2] * dw, s[3])
+    )
     return patches.reshape(batch, out_h * out_w, kh * kw * channels)
 
 
@@ -90,14 +105,21 @@ def conv_per_example_gradients(module: nn.Conv2d, inputs: torch.Tensor, output_g
     batch, channels = inputs.shape[:2]
     out_channels, kernel = output_grad.shape[1], module.kernel_size
     _, stride, padding, dilation = conv_geometry(module)  # type: ignore[misc]
-    grads = F.conv2d(inputs.transpose(0, 1), output_grad.reshape(batch * out_channels, 1, *output_grad.shape[2:]),
-                     stride=dilation, padding=padding, dilation=stride, groups=batch)
-    grads = grads[:, :, :kernel[0], :kernel[1]].reshape(channels, batch, out_channels, kernel[0], kernel[1])
+    grads = F.conv2d(
+        inputs.transpose(0, 1),
+        output_grad.reshape(batch * out_channels, 1, *output_grad.shape[2:]),
+        stride=dilation,
+        padding=padding,
+        dilation=stride,
+        groups=batch,
+    )
+    grads = grads[:, :, : kernel[0], : kernel[1]].reshape(channels, batch, out_channels, kernel[0], kernel[1])
     return grads.permute(1, 2, 0, 3, 4).reshape(batch, out_channels, -1)
 
 
-def conv_per_example_gradients_by_weight_grad(module: nn.Conv2d, inputs: torch.Tensor,
-                                              output_grad: torch.Tensor) -> torch.Tensor:
+def conv_per_example_gradients_by_weight_grad(
+    module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor
+) -> torch.Tensor:
     """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in·kh·kw), as the weight gradient of one
     convolution with B groups: the examples are folded into the channels, input (1, B·C_in, H, W) and
     output gradient (1, B·C_out, oh, ow), so group i's weight gradient is example i's. Same numbers as
@@ -106,14 +128,21 @@ def conv_per_example_gradients_by_weight_grad(module: nn.Conv2d, inputs: torch.T
     batch, channels = inputs.shape[:2]
     out_channels = output_grad.shape[1]
     kernel, stride, padding, dilation = conv_geometry(module)  # type: ignore[misc]
-    grads: torch.Tensor = torch.nn.grad.conv2d_weight(inputs.reshape(1, batch * channels, *inputs.shape[2:]),
-                                        (batch * out_channels, channels, *kernel),
-                                        output_grad.reshape(1, batch * out_channels, *output_grad.shape[2:]),
-                                        stride, padding, dilation, groups=batch)
+    grads: torch.Tensor = torch.nn.grad.conv2d_weight(
+        inputs.reshape(1, batch * channels, *inputs.shape[2:]),
+        (batch * out_channels, channels, *kernel),
+        output_grad.reshape(1, batch * out_channels, *output_grad.shape[2:]),
+        stride,
+        padding,
+        dilation,
+        groups=batch,
+    )
     return grads.reshape(batch, out_channels, -1)
 
 
-def per_example_conv_gradients(way: str, module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
+def per_example_conv_gradients(
+    way: str, module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor
+) -> torch.Tensor:
     """∇_W ℓ_i (B, C_out, C_in·kh·kw) in torch by ``way`` (``"weight gradient"``, ``"grouped forward"`` or
     ``"patches"``: the batched product δ_i A_iᵀ of the unfolded patches)."""
     if way == "weight gradient":
@@ -127,7 +156,9 @@ def per_example_conv_gradients(way: str, module: nn.Conv2d, inputs: torch.Tensor
 PATCH_SLICE_ELEMENTS = 1 << 19  # numbers of patches and gradients per slice of examples (2 MiB in float32)
 
 
-def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Geometry, ghost: bool = False) -> torch.Tensor:
+def patch_slice_norms_squared(
+    inputs: torch.Tensor, d: torch.Tensor, geometry: Geometry, ghost: bool = False
+) -> torch.Tensor:
     """‖∇_W ℓ_i‖_F² of a Conv2d for every example, ∇_W ℓ_i = δ_i A_i with A_i (T, kh·kw·C_in) the example's
     channels-last patches (:func:`channels_last_patches`: W's columns reordered,
     the norm unchanged), or with ``ghost`` Σ_{t,s} (A_i A_iᵀ)_{ts} (δ_iᵀ δ_i)_{ts}, a slice of at most
@@ -143,9 +174,12 @@ def patch_slice_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: G
     last = inputs.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # one channels-last copy for every slice
     squared = d.new_empty(batch)
     for start in range(0, batch, step):
-        a, dd = channels_last_patches(last[start:start + step], *geometry), d[start:start + step]
-        squared[start:start + step] = ((torch.bmm(a, a.transpose(1, 2)) * torch.bmm(dd.transpose(1, 2), dd)).sum((1, 2))
-                                       if ghost else torch.linalg.vector_norm(torch.bmm(dd, a).flatten(1), dim=1).square())
+        a, dd = channels_last_patches(last[start : start + step], *geometry), d[start : start + step]
+        squared[start : start + step] = (
+            (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(dd.transpose(1, 2), dd)).sum((1, 2))
+            if ghost
+            else torch.linalg.vector_norm(torch.bmm(dd, a).flatten(1), dim=1).square()
+        )
     return squared
 
 
@@ -177,15 +211,15 @@ def input_gram_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Ge
     step = max(1, INPUT_GRAM_SLICE_ELEMENTS // ((rows * cols) ** 2 + 2 * count * count + channels * rows * cols))
     squared = d.new_empty(batch)
     for start in range(0, batch, step):
-        padded = F.pad(inputs[start:start + step], (pw, pw, ph, ph)).flatten(2)  # (b, C, P)
+        padded = F.pad(inputs[start : start + step], (pw, pw, ph, ph)).flatten(2)  # (b, C, P)
         gram = torch.bmm(padded.transpose(1, 2), padded).view(-1, rows, cols, rows, cols)
         shifted = torch.zeros(gram.shape[0], out_h, out_w, out_h, out_w, dtype=gram.dtype, device=gram.device)
         for u in range(kh):
             for v in range(kw):
                 r, c = slice(u * dh, u * dh + out_h), slice(v * dw, v * dw + out_w)
                 shifted += gram[:, r, c, r, c]
-        dd = d[start:start + step]
-        squared[start:start + step] = (shifted.view(-1, count, count) * torch.bmm(dd.transpose(1, 2), dd)).sum((1, 2))
+        dd = d[start : start + step]
+        squared[start : start + step] = (shifted.view(-1, count, count) * torch.bmm(dd.transpose(1, 2), dd)).sum((1, 2))
     return squared
 
 
@@ -243,8 +277,9 @@ def weight_from_columns(total: torch.Tensor, shape: torch.Size, channels_last: b
     return total.reshape(out_channels, kh, kw, channels).permute(0, 3, 1, 2).contiguous()
 
 
-def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry,
-                   keep: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None, bool] | None:
+def compiled_norms(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, keep: bool
+) -> tuple[torch.Tensor, list[torch.Tensor] | None, bool] | None:
     """‖∇_W ℓ_i‖_F² of a Conv2d (groups = 1) for every example, and with ``keep`` the per-example gradients
     themselves, (B_k, C_out, C_in·kh·kw) for consecutive slices of examples small enough to come from the
     kept heap (:func:`dpml.devices.heap_sized_slices`), and whether their columns are in the direct way's
@@ -256,23 +291,34 @@ def compiled_norms(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Ge
     ``COMPILED_MAX_POSITIONS`` output positions (the caller then takes a torch way)."""
     kernel = compiled_conv_norms()
     direct = direct_way(inputs.shape[1])
-    if (kernel is None or inputs.device.type != "cpu" or inputs.dtype != torch.float32
-            or output_grad.dtype != torch.float32
-            or (not direct and output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS)):
+    if (
+        kernel is None
+        or inputs.device.type != "cpu"
+        or inputs.dtype != torch.float32
+        or output_grad.dtype != torch.float32
+        or (not direct and output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS)
+    ):
         return None
     x, d = inputs.contiguous(), output_grad.contiguous()
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
     batch, channels, height, width = x.shape
     out_channels, out_h, out_w = d.shape[1:]
-    shape = torch.tensor([channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct],
-                         dtype=torch.long)
+    shape = torch.tensor(
+        [channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct], dtype=torch.long
+    )
     squared, patch = x.new_empty(batch), channels * kh * kw
     parts = []
     for part in heap_sized_slices(batch, out_channels * patch * x.element_size(), x.device):
         count = part.stop - part.start
         grads = x.new_empty(count, out_channels, patch) if keep else None
-        if count and kernel(x[part].data_ptr(), d[part].data_ptr(), count, shape.data_ptr(), squared[part].data_ptr(),
-                            0 if grads is None else grads.data_ptr()):
+        if count and kernel(
+            x[part].data_ptr(),
+            d[part].data_ptr(),
+            count,
+            shape.data_ptr(),
+            squared[part].data_ptr(),
+            0 if grads is None else grads.data_ptr(),
+        ):
             raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
         parts.append(grads)
     return squared, parts if keep else None, direct  # type: ignore[return-value]
@@ -290,8 +336,9 @@ def live_taps(geometry: Geometry, size: tuple[int, ...], out: tuple[int, ...]) -
     return axes[0], axes[1]
 
 
-def clip_weighted_conv_weight(module: nn.Conv2d, inputs: torch.Tensor, weighted: torch.Tensor,
-                              geometry: Geometry) -> torch.Tensor:
+def clip_weighted_conv_weight(
+    module: nn.Conv2d, inputs: torch.Tensor, weighted: torch.Tensor, geometry: Geometry
+) -> torch.Tensor:
     """Σ_i Σ_t (c_i δ_{i,t}) a_{i,t}ᵀ for an ungrouped Conv2d, given the clip-weighted output gradient (B, C_out, H', W').
 
     The layer's own weight-gradient convolution, except on a CPU where each example has one output position
@@ -303,13 +350,16 @@ def clip_weighted_conv_weight(module: nn.Conv2d, inputs: torch.Tensor, weighted:
     the earlier machine had 9.7 against 7.4)."""
     batch, out_channels = weighted.shape[:2]
     if inputs.device.type != "cpu" or weighted[0, 0].numel() > 1:
-        total: torch.Tensor = torch.nn.grad.conv2d_weight(inputs, module.weight.shape, weighted, geometry[1], geometry[2],
-                                                          geometry[3])
+        total: torch.Tensor = torch.nn.grad.conv2d_weight(
+            inputs, module.weight.shape, weighted, geometry[1], geometry[2], geometry[3]
+        )
         return total
     rows, columns = live_taps(geometry, tuple(inputs.shape[-2:]), tuple(weighted.shape[-2:]))
     total = weighted.new_zeros(module.weight.shape)
     if len(rows) and len(columns):
         patches = unfold_patches(inputs, *geometry, taps=(rows, columns))  # (B, C_in·|rows|·|columns|, 1)
         part = weighted.reshape(batch, out_channels).t() @ patches.reshape(batch, -1)
-        total[:, :, rows.start:rows.stop, columns.start:columns.stop] = part.view(out_channels, -1, len(rows), len(columns))
+        total[:, :, rows.start : rows.stop, columns.start : columns.stop] = part.view(
+            out_channels, -1, len(rows), len(columns)
+        )
     return total

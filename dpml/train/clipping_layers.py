@@ -49,15 +49,26 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from dpml.devices import convolution_weight_gradient_precision, heap_sized_slices
-from dpml.train.clipping_conv import (Geometry, as_2d, clip_weighted_conv_weight, compiled_norms, conv_geometry,
-                                      patch_slice_norms_squared, per_example_conv_gradients, per_example_conv_way,
-                                      unfold_patches, weight_from_columns)
+from dpml.train.clipping_conv import (
+    Geometry,
+    as_2d,
+    clip_weighted_conv_weight,
+    compiled_norms,
+    conv_geometry,
+    patch_slice_norms_squared,
+    per_example_conv_gradients,
+    per_example_conv_way,
+    unfold_patches,
+    weight_from_columns,
+)
 from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared, without_silent_positions
 from dpml.train.keep_budget import keep_limit, room, spend
 
 M = TypeVar("M", bound=nn.Module)
 
-ClippedSums = Callable[[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]  # c (B,) -> [(parameter p, Σ_i c_i ∇_p ℓ_i)]
+ClippedSums = Callable[
+    [torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]
+]  # c (B,) -> [(parameter p, Σ_i c_i ∇_p ℓ_i)]
 
 
 def _stock(module: nn.Module, cls: type[M]) -> TypeGuard[M]:
@@ -115,7 +126,8 @@ def reject_batch_norm(model: nn.Module) -> None:
             raise ValueError(
                 f"{where} ({type(module).__name__}): batch normalisation mixes the examples of a batch, so an "
                 "example's gradient depends on the others and per-example clipping does not bound its influence "
-                "(and the running statistics are released without noise); use nn.GroupNorm or nn.LayerNorm instead")
+                "(and the running statistics are released without noise); use nn.GroupNorm or nn.LayerNorm instead"
+            )
 
 
 def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,8 +153,10 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     if isinstance(module, nn.GroupNorm):
         channels = inputs.shape[1]
         normalised = F.group_norm(inputs, module.num_groups, eps=module.eps)
-        return (normalised.reshape(batch, channels, -1).transpose(1, 2),
-                output_grad.reshape(batch, channels, -1).transpose(1, 2))
+        return (
+            normalised.reshape(batch, channels, -1).transpose(1, 2),
+            output_grad.reshape(batch, channels, -1).transpose(1, 2),
+        )
     raise TypeError(f"{type(module).__name__} has no position form")
 
 
@@ -156,7 +170,10 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     (batch, count, d_in), d_out, limit = a.shape, d.shape[2], room(keep_limit(a.device))
     if not materialise(batch, count, d_in, d_out, limit):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
-    parts = [torch.bmm(d[s].transpose(1, 2), a[s]) for s in heap_sized_slices(batch, d_out * d_in * a.element_size(), a.device)]
+    parts = [
+        torch.bmm(d[s].transpose(1, 2), a[s])
+        for s in heap_sized_slices(batch, d_out * d_in * a.element_size(), a.device)
+    ]
     keep = batch * d_in * d_out <= limit
     if keep:
         spend(batch * d_in * d_out)
@@ -224,8 +241,11 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         if weight:
-            flat = (kept_sum(factors, kept) if kept is not None
-                    else (d * factors[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2]))
+            flat = (
+                kept_sum(factors, kept)
+                if kept is not None
+                else (d * factors[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
+            )
             out.append((module.weight, flat.reshape(module.weight.shape)))  # (d_out, d_in)
         if bias_grads is not None and module.bias is not None:
             out.append((module.bias, factors @ bias_grads))
@@ -246,7 +266,12 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
-    squared, limit, kept, channels_last = output_grad.new_zeros(batch), room(keep_limit(output_grad.device)), None, False
+    squared, limit, kept, channels_last = (
+        output_grad.new_zeros(batch),
+        room(keep_limit(output_grad.device)),
+        None,
+        False,
+    )
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels, limit):
             if inputs.device.type == "cpu":  # a cache-sized slice of examples at a time
@@ -264,8 +289,10 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
                 squared = squared + patch_slice_norms_squared(inputs, d, geometry)
             else:
                 with convolution_weight_gradient_precision(inputs.device) if keep else contextlib.nullcontext():
-                    parts = [per_example_conv_gradients(way, module, inputs[s], output_grad[s])  # (B_k, C_out, C_in·kh·kw)
-                             for s in heap_sized_slices(batch, out_channels * patch * inputs.element_size(), inputs.device)]
+                    parts = [
+                        per_example_conv_gradients(way, module, inputs[s], output_grad[s])  # (B_k, C_out, C_in·kh·kw)
+                        for s in heap_sized_slices(batch, out_channels * patch * inputs.element_size(), inputs.device)
+                    ]
                 squared = squared + torch.cat([row_norms_squared(part) for part in parts])
                 kept = parts if keep else None
             if kept is not None:
@@ -306,11 +333,12 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         step = max(1, keep_limit(d.device) // weight.numel())
         keep = batch * weight.numel() <= room(keep_limit(d.device))  # the whole batch in one slice, within the budget
         for start in range(0, batch, step):
-            a, dd = patches[start:start + step], d[start:start + step]
+            a, dd = patches[start : start + step], d[start : start + step]
             rows = a.shape[0] * groups
-            per_example = torch.bmm(dd.reshape(rows, out_channels // groups, -1),
-                                    a.reshape(rows, a.shape[1] // groups, -1).transpose(1, 2)).reshape(a.shape[0], -1)
-            squared[start:start + step] += row_norms_squared(per_example)
+            per_example = torch.bmm(
+                dd.reshape(rows, out_channels // groups, -1), a.reshape(rows, a.shape[1] // groups, -1).transpose(1, 2)
+            ).reshape(a.shape[0], -1)
+            squared[start : start + step] += row_norms_squared(per_example)
         if keep:
             kept = per_example
             spend(kept.numel())
@@ -324,8 +352,18 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         one_d = isinstance(module, nn.Conv1d)
         grad: Callable[..., torch.Tensor] = torch.nn.grad.conv1d_weight if one_d else torch.nn.grad.conv2d_weight
         stride, padding, dilation = ((g[1],) if one_d else g for g in geometry[1:])
-        return sum(grad(inputs, weight.shape, output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1)),
-                        stride, padding, dilation, groups) for inputs, output_grad in calls)  # type: ignore[return-value]
+        return sum(
+            grad(
+                inputs,
+                weight.shape,
+                output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1)),
+                stride,
+                padding,
+                dilation,
+                groups,
+            )
+            for inputs, output_grad in calls
+        )  # type: ignore[return-value]
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = [(weight, weight_sum(factors))] if trainable(weight) else []
@@ -359,8 +397,10 @@ def _own_piece(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tenso
     through ``per_example_norms_squared(inputs, δ)`` and ``clipped_weight_sum(inputs, δ, c)``."""
     if not trainable(module.weight):  # type: ignore[arg-type]
         return Piece(output_grad.new_zeros(output_grad.shape[0]), lambda factors: [])
-    return Piece(module.per_example_norms_squared(inputs, output_grad),  # type: ignore[operator]
-                 lambda factors: [(module.weight, module.clipped_weight_sum(inputs, output_grad, factors))])  # type: ignore[operator, list-item]
+    return Piece(
+        module.per_example_norms_squared(inputs, output_grad),  # type: ignore[operator]
+        lambda factors: [(module.weight, module.clipped_weight_sum(inputs, output_grad, factors))],  # type: ignore[operator, list-item]
+    )
 
 
 def layer_piece(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> Piece:

@@ -15,11 +15,15 @@ def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
     norms: torch.Tensor = torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1)
     return norms.square()
 
+
 def kept_sum(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """Σ_i c_i G_i of per-example gradients kept in consecutive slices of examples, (B_k, …) each."""
     starts = itertools.accumulate((part.shape[0] for part in parts), initial=0)
-    terms = [torch.einsum("b,b...->...", factors[start:start + part.shape[0]], part) for start, part in zip(starts, parts)]
+    terms = [
+        torch.einsum("b,b...->...", factors[start : start + part.shape[0]], part) for start, part in zip(starts, parts)
+    ]
     return functools.reduce(torch.add, terms)  # at least one (possibly empty) slice: heap_sized_slices
+
 
 def without_silent_positions(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, Δ) over positions (B, T, …) without the positions t at which δ_{i,t} = 0 for every example i: they add
@@ -32,6 +36,7 @@ def without_silent_positions(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Te
         return a, d
     index = live.nonzero().squeeze(1) if count else live.new_zeros(1, dtype=torch.int64)
     return a.index_select(1, index), d.index_select(1, index)
+
 
 def embedding_norms_squared(tokens: torch.Tensor, d: torch.Tensor, vocabulary: int) -> torch.Tensor:
     """Σ_k ‖Σ_{t: k_t = k} δ_t‖² per example = Σ_{t,s} [k_t = k_s](δ_t·δ_s), for tokens (B, T), δ (B, T, D).

@@ -31,13 +31,17 @@ WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_met
 def check_record(item: Any, index: int) -> None:
     """A record is a pair (input, integer label) (the labels' range is checked chunk by chunk, :func:`check_labels`)."""
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise ValueError(f"dataset[{index}]: a record must be a pair (input, label), got {type(item).__name__}"
-                         + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+        raise ValueError(
+            f"dataset[{index}]: a record must be a pair (input, label), got {type(item).__name__}"
+            + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
+        )
     label = item[1]
     if isinstance(label, torch.Tensor):
         if label.numel() != 1 or label.dtype.is_floating_point:
-            raise ValueError(f"dataset[{index}]: the label must be one integer class, got a {label.dtype} tensor "
-                             f"of shape {tuple(label.shape)}")
+            raise ValueError(
+                f"dataset[{index}]: the label must be one integer class, got a {label.dtype} tensor "
+                f"of shape {tuple(label.shape)}"
+            )
         label = int(label)
     if not isinstance(label, int) or isinstance(label, bool):
         raise ValueError(f"dataset[{index}]: the label must be one integer class, got {label!r}")
@@ -48,8 +52,10 @@ def check_labels(labels: torch.Tensor, indices: torch.Tensor, n_classes: int) ->
     bad = torch.nonzero((labels < 0) | (labels >= n_classes)).flatten()
     if bad.numel():
         first = int(bad[0])
-        raise ValueError(f"dataset[{int(indices[first])}]: label {int(labels[first])} is outside the {n_classes} "
-                         f"classes [0, {n_classes})")
+        raise ValueError(
+            f"dataset[{int(indices[first])}]: label {int(labels[first])} is outside the {n_classes} "
+            f"classes [0, {n_classes})"
+        )
 
 
 def index_chunks(indices: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -67,8 +73,9 @@ class PoissonChunkSampler(Sampler[list[int]]):
     """A ``DataLoader`` batch sampler yielding each step's share of B_t in physical chunks, and
     recording, per step, the sample and how many chunks it became (for :func:`dataset_steps`)."""
 
-    def __init__(self, batches: Iterable[torch.Tensor], physical_batch_size: int,
-                 collective: Collective | None) -> None:
+    def __init__(
+        self, batches: Iterable[torch.Tensor], physical_batch_size: int, collective: Collective | None
+    ) -> None:
         self.batches, self.physical_batch_size, self.collective = batches, physical_batch_size, collective
         self.plan: deque[tuple[torch.Tensor, int]] = deque()
 
@@ -80,16 +87,27 @@ class PoissonChunkSampler(Sampler[list[int]]):
                 yield chunk.tolist()
 
 
-def _on_device(chunk: tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _on_device(
+    chunk: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = chunk
     x = x.to(dtype) if x.dtype.is_floating_point else x
     return host_to_device(x, device), host_to_device(y.to(torch.long), device)
 
 
-def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, physical_batch_size: int,
-                  device: torch.device, dtype: torch.dtype, n_classes: int, collective: Collective | None = None,
-                  num_workers: int = 0) -> Iterator[Step]:
+def dataset_steps(
+    dataset: Dataset[Any],
+    batches: Iterable[torch.Tensor],
+    *,
+    physical_batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    n_classes: int,
+    collective: Collective | None = None,
+    num_workers: int = 0,
+) -> Iterator[Step]:
     """One :class:`dpml.train.dpsgd.Step` per Poisson sample of ``batches``, reading ``dataset``'s records
     chunk by chunk (labels checked against ``n_classes``, a bad one named by its index)."""
     if num_workers == 0:
@@ -105,8 +123,13 @@ def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, phy
             yield Step(batch, chunks())
         return
     sampler = PoissonChunkSampler(batches, physical_batch_size, collective)
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=device.type == "cuda",
-                        multiprocessing_context=WORKER_START)
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        multiprocessing_context=WORKER_START,
+    )
     chunk_iterator = iter(loader)
     waiting: deque[Any] = deque()  # chunks read while looking for the next step's entry in the plan
 
@@ -122,8 +145,9 @@ def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, phy
         batch, count = sampler.plan.popleft()
         mine = share_of_batch(batch, collective)
 
-        def chunks_read(parts: list[torch.Tensor] = index_chunks(mine, physical_batch_size)[:count],  # noqa: B008 (this step's chunks, bound now)
-                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        def chunks_read(
+            parts: list[torch.Tensor] = index_chunks(mine, physical_batch_size)[:count],  # noqa: B008 (this step's chunks, bound now)
+        ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for indices in parts:
                 x, y = next_chunk()
                 check_labels(torch.as_tensor(y), indices, n_classes)
@@ -135,6 +159,8 @@ def dataset_steps(dataset: Dataset[Any], batches: Iterable[torch.Tensor], *, phy
 def dataset_size(dataset: Dataset[Any]) -> int:
     """len(dataset) of a map-style data set; an iterable-style one has no fixed n to sample from."""
     if not isinstance(dataset, Sized):
-        raise ValueError(f"dataset: a map-style torch Dataset with __len__ is needed (Poisson sampling draws each of "
-                         f"n records independently), got {type(dataset).__name__}")
+        raise ValueError(
+            f"dataset: a map-style torch Dataset with __len__ is needed (Poisson sampling draws each of "
+            f"n records independently), got {type(dataset).__name__}"
+        )
     return len(dataset)

@@ -67,7 +67,7 @@ class Collective:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
         for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         return tensors
 
@@ -100,8 +100,10 @@ def process_device(device: str, rank: int) -> str:
 def check_world_size(world_size: int, device: str, key: str = "train.world_size") -> None:
     """One GPU per process: a distributed run on GPUs needs ``world_size`` of them on this machine."""
     if device.startswith("cuda") and world_size > torch.cuda.device_count():
-        raise ValueError(f"{key} = {world_size}: this machine has {torch.cuda.device_count()} GPU(s) and a "
-                         "distributed GPU run takes one per process; lower it, or train on the CPU")
+        raise ValueError(
+            f"{key} = {world_size}: this machine has {torch.cuda.device_count()} GPU(s) and a "
+            "distributed GPU run takes one per process; lower it, or train on the CPU"
+        )
 
 
 def from_environment() -> Collective | None:
@@ -137,8 +139,16 @@ def _process_main(rank: int, world_size: int, port: int, backend: str, threads: 
         dist.destroy_process_group()
 
 
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _own_launch_environment(rank: int) -> None:
@@ -179,9 +189,11 @@ def check_picklable(key: str, world_size: int, remedy: str = "train in one proce
         try:
             ForkingPickler.dumps(value)
         except Exception as error:
-            raise ValueError(f"{key} = {world_size}: the {name} goes to each process by pickling and cannot be "
-                             f"pickled ({type(error).__name__}: {error}); define its class or function at module "
-                             f"level in an importable file, or {remedy}") from error
+            raise ValueError(
+                f"{key} = {world_size}: the {name} goes to each process by pickling and cannot be "
+                f"pickled ({type(error).__name__}: {error}); define its class or function at module "
+                f"level in an importable file, or {remedy}"
+            ) from error
 
 
 def spawn(world_size: int, device: str, worker: Callable[..., Any], *args: Any) -> Any:
@@ -201,9 +213,11 @@ def spawn(world_size: int, device: str, worker: Callable[..., Any], *args: Any) 
     if world_size < 2:
         raise ValueError(f"world_size = {world_size}: spawn needs at least 2 processes")
     if multiprocessing.current_process().daemon:
-        raise RuntimeError(f"world_size = {world_size}: this process is daemonic (a Dask worker started with "
-                           "distributed.worker.daemon: true) and cannot start the training processes; start the "
-                           "workers non-daemonic, or train in one process")
+        raise RuntimeError(
+            f"world_size = {world_size}: this process is daemonic (a Dask worker started with "
+            "distributed.worker.daemon: true) and cannot start the training processes; start the "
+            "workers non-daemonic, or train in one process"
+        )
 
     threads = max(1, (os.cpu_count() or 1) // world_size)
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
@@ -211,9 +225,13 @@ def spawn(world_size: int, device: str, worker: Callable[..., Any], *args: Any) 
         for rank in range(world_size):  # one pickle each: a tensor's shared memory is handed over once per pickle
             (Path(work) / f"task-{rank}.pickle").write_bytes(ForkingPickler.dumps((worker, args)))
         with _interrupts_withheld_from_children():
-            context = mp.start_processes(_process_main, args=(world_size, store.port, backend_for(device), threads,
-                                                              work, os.getpid()),
-                                         nprocs=world_size, join=False, start_method="spawn")
+            context = mp.start_processes(
+                _process_main,
+                args=(world_size, store.port, backend_for(device), threads, work, os.getpid()),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
         try:
             while not context.join():
                 pass

@@ -27,8 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpml.devices import host_to_device, keep_freed_cpu_memory
-from dpml.models.lipschitz import (hinge_kantorovich_rubinstein, kantorovich_rubinstein, multiclass_hinge,
-                                   tau_cross_entropy)
+from dpml.models.lipschitz import (
+    hinge_kantorovich_rubinstein,
+    kantorovich_rubinstein,
+    multiclass_hinge,
+    tau_cross_entropy,
+)
 from dpml.accounting.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
@@ -44,7 +48,6 @@ class TrainResult:
     mechanism: MechanismDescription | None
     history: dict[str, Any] = field(default_factory=dict)
     canary_scores: np.ndarray | None = None
-
 
 
 StepObserver = Callable[[torch.Tensor, nn.Module], None]
@@ -67,7 +70,7 @@ class GradientCanaries:
     """
 
     coordinates: np.ndarray  # (m,) flat trainable-parameter indices, distinct
-    included: np.ndarray     # (m,) bool
+    included: np.ndarray  # (m,) bool
     norm_multiple: float = 5.0
     observer: StepObserver | None = None
 
@@ -125,14 +128,20 @@ def tensor_chunks(x: torch.Tensor, y: torch.Tensor, physical_batch_size: int, at
     """(x, y) in chunks of at most ``physical_batch_size`` rows; ``at_least_one``: an empty batch is one empty
     chunk (the audit's Dirac canaries join the first chunk, even of an empty batch)."""
     starts = list(range(0, x.shape[0], physical_batch_size)) or ([0] if at_least_one else [])
-    return [(x[s:s + physical_batch_size], y[s:s + physical_batch_size]) for s in starts]
+    return [(x[s : s + physical_batch_size], y[s : s + physical_batch_size]) for s in starts]
 
 
-def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float, noise_multiplier: float,
-                             generator: torch.Generator | NoiseStream | None, loss_fn: LossFn = per_example_cross_entropy,
-                             diracs: DiracGradients | None = None, exact: Collection[str] = (),
-                             autocast: torch.dtype | None = None,
-                             ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+def clipped_chunks_and_noise(
+    model: nn.Module,
+    chunks: Chunks,
+    clip_norm: float,
+    noise_multiplier: float,
+    generator: torch.Generator | NoiseStream | None,
+    loss_fn: LossFn = per_example_cross_entropy,
+    diracs: DiracGradients | None = None,
+    exact: Collection[str] = (),
+    autocast: torch.dtype | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the chunks of the batch (so a large Poisson
     batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk), Gaussian
     noise N(0, σ²C² I) per trainable parameter drawn from ``generator`` by :func:`gaussian_noise` (or the
@@ -146,8 +155,9 @@ def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float,
     sums: dict[str, torch.Tensor] | None = None
     clipped = torch.zeros((), device=device)
     for index, (x, y) in enumerate(chunks):
-        chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact,
-                                                 autocast)
+        chunk_sums, norms = clipped_gradient_sum(
+            model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact, autocast
+        )
         if sums is None:  # the first chunk's sums are fresh tensors: they become the step's accumulators
             sums = chunk_sums
         else:
@@ -163,14 +173,31 @@ def clipped_chunks_and_noise(model: nn.Module, chunks: Chunks, clip_norm: float,
     return sums, gaussian_noise(params, noise_multiplier * clip_norm, generator), clipped
 
 
-def clipped_sum_and_noise(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip_norm: float,
-                          noise_multiplier: float, physical_batch_size: int, generator: torch.Generator,
-                          loss_fn: LossFn = per_example_cross_entropy, diracs: DiracGradients | None = None,
-                          exact: Collection[str] = (), autocast: torch.dtype | None = None,
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+def clipped_sum_and_noise(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    noise_multiplier: float,
+    physical_batch_size: int,
+    generator: torch.Generator,
+    loss_fn: LossFn = per_example_cross_entropy,
+    diracs: DiracGradients | None = None,
+    exact: Collection[str] = (),
+    autocast: torch.dtype | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """:func:`clipped_chunks_and_noise` of a batch held as tensors."""
-    return clipped_chunks_and_noise(model, tensor_chunks(x, y, physical_batch_size, diracs is not None), clip_norm,
-                                    noise_multiplier, generator, loss_fn, diracs, exact, autocast)
+    return clipped_chunks_and_noise(
+        model,
+        tensor_chunks(x, y, physical_batch_size, diracs is not None),
+        clip_norm,
+        noise_multiplier,
+        generator,
+        loss_fn,
+        diracs,
+        exact,
+        autocast,
+    )
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -178,8 +205,14 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def dpsgd_mechanism(sample_rate: float, noise_multiplier: float, epochs: float, neighbouring: Neighbouring,
-                    clip_norm: float, dataset_size: int) -> MechanismDescription:
+def dpsgd_mechanism(
+    sample_rate: float,
+    noise_multiplier: float,
+    epochs: float,
+    neighbouring: Neighbouring,
+    clip_norm: float,
+    dataset_size: int,
+) -> MechanismDescription:
     """What :func:`train_dpsgd` does with these settings: known before training (the ledger needs it).
 
     With q = 1 it is **DP-GD** (seed 002): every step uses the full batch, so each step is a plain
@@ -246,14 +279,26 @@ class Step:
 
 def share_of_batch(batch: torch.Tensor, collective: Collective | None) -> torch.Tensor:
     """The records of the global sample that this process clips: every ``world_size``-th from its rank."""
-    return batch if collective is None else batch[collective.rank::collective.world_size]
+    return batch if collective is None else batch[collective.rank :: collective.world_size]
 
 
-def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip_norm: float,
-                    noise_multiplier: float, expected_batch: float, optimizer: torch.optim.Optimizer,
-                    noise_source: torch.Generator, loss_fn: LossFn, exact: Collection[str],
-                    observer: StepObserver | None = None, collective: Collective | None = None,
-                    progress: bool = False, autocast: torch.dtype | None = None) -> dict[str, Any]:
+def run_dpsgd_steps(
+    model: nn.Module,
+    steps: Iterable[Step],
+    *,
+    count: int,
+    clip_norm: float,
+    noise_multiplier: float,
+    expected_batch: float,
+    optimizer: torch.optim.Optimizer,
+    noise_source: torch.Generator,
+    loss_fn: LossFn,
+    exact: Collection[str],
+    observer: StepObserver | None = None,
+    collective: Collective | None = None,
+    progress: bool = False,
+    autocast: torch.dtype | None = None,
+) -> dict[str, Any]:
     """The DP-SGD loop: ĝ_t = (Σ_{i∈B_t} clip_C(∇ℓ_i) + N(0, σ²C² I)) / (q n), then the optimizer.
 
     Distributed (``collective``): each process clips its share of the one global sample B_t, the lead
@@ -273,8 +318,9 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
     model.train()
     try:
         for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps):
-            sums, noises, clipped_count = clipped_chunks_and_noise(model, step.chunks, clip_norm, noise_multiplier,
-                                                                   noise, loss_fn, step.diracs, exact, autocast)
+            sums, noises, clipped_count = clipped_chunks_and_noise(
+                model, step.chunks, clip_norm, noise_multiplier, noise, loss_fn, step.diracs, exact, autocast
+            )
             update = {name: sums[name].add_(noises[name]) for name in params}  # the sums are this step's own
             if collective is not None:
                 clipped_count = collective.sum_in_place([*update.values(), clipped_count])[-1]
@@ -297,12 +343,26 @@ def run_dpsgd_steps(model: nn.Module, steps: Iterable[Step], *, count: int, clip
     }
 
 
-def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
-                clip_norm: float, noise_multiplier: float, neighbouring: Neighbouring,
-                optimizer: torch.optim.Optimizer, seed: int, physical_batch_size: int = 1024,
-                canaries: GradientCanaries | None = None, progress: bool = False,
-                loss_fn: LossFn = per_example_cross_entropy, collective: Collective | None = None,
-                autocast: torch.dtype | None = None, tune_physical_batch: bool = True) -> TrainResult:
+def train_dpsgd(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    sample_rate: float,
+    epochs: float,
+    clip_norm: float,
+    noise_multiplier: float,
+    neighbouring: Neighbouring,
+    optimizer: torch.optim.Optimizer,
+    seed: int,
+    physical_batch_size: int = 1024,
+    canaries: GradientCanaries | None = None,
+    progress: bool = False,
+    loss_fn: LossFn = per_example_cross_entropy,
+    collective: Collective | None = None,
+    autocast: torch.dtype | None = None,
+    tune_physical_batch: bool = True,
+) -> TrainResult:
     """Train in place with DP-SGD on records held as tensors; returns the model, its mechanism description
     and a history. ``collective``: this process's place in a distributed run (:mod:`dpml.train.distributed`);
     ``autocast``: ``torch.bfloat16`` for a bf16 forward pass (:func:`dpml.train.clipping.engine_pass`).
@@ -316,8 +376,17 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
     n = n_total = x.shape[0]
     plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
     steps = number_of_steps(epochs, sample_rate)
-    chunk = physical_chunk(tune_physical_batch, model, loss_fn, tuple(x.shape[1:]), x.dtype, physical_batch_size,
-                           sample_rate * n / (collective.world_size if collective else 1), plan.exact, autocast)
+    chunk = physical_chunk(
+        tune_physical_batch,
+        model,
+        loss_fn,
+        tuple(x.shape[1:]),
+        x.dtype,
+        physical_batch_size,
+        sample_rate * n / (collective.world_size if collective else 1),
+        plan.exact,
+        autocast,
+    )
     if canaries is not None:
         slots = torch.as_tensor(canaries.included_slots(), dtype=torch.long)
         coordinates = torch.as_tensor(np.asarray(canaries.coordinates), dtype=torch.long)
@@ -332,21 +401,40 @@ def train_dpsgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_ra
             records = host_to_device(records, x.device)
             yield Step(batch, tensor_chunks(x[records], y[records], chunk, diracs is not None), diracs)
 
-    history = run_dpsgd_steps(model, steps_of_run(), count=steps, clip_norm=clip_norm,
-                              noise_multiplier=noise_multiplier, expected_batch=sample_rate * n_total,
-                              optimizer=optimizer, noise_source=torch.Generator(device=x.device).manual_seed(seed + 1),
-                              loss_fn=loss_fn, exact=plan.exact,
-                              observer=canaries.observer if canaries is not None else None,
-                              collective=collective, progress=progress, autocast=autocast)
+    history = run_dpsgd_steps(
+        model,
+        steps_of_run(),
+        count=steps,
+        clip_norm=clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch=sample_rate * n_total,
+        optimizer=optimizer,
+        noise_source=torch.Generator(device=x.device).manual_seed(seed + 1),
+        loss_fn=loss_fn,
+        exact=plan.exact,
+        observer=canaries.observer if canaries is not None else None,
+        collective=collective,
+        progress=progress,
+        autocast=autocast,
+    )
     history["exact_clipping_parameters"] = len(plan.exact_parameters)
     history["physical_chunk"] = chunk
     mechanism = dpsgd_mechanism(sample_rate, noise_multiplier, epochs, neighbouring, clip_norm, n_total)
     return TrainResult(model, mechanism, history)
 
 
-def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sample_rate: float, epochs: float,
-                     optimizer: torch.optim.Optimizer, seed: int, progress: bool = False,
-                     loss_fn: LossFn = per_example_cross_entropy) -> TrainResult:
+def train_nonprivate(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    sample_rate: float,
+    epochs: float,
+    optimizer: torch.optim.Optimizer,
+    seed: int,
+    progress: bool = False,
+    loss_fn: LossFn = per_example_cross_entropy,
+) -> TrainResult:
     """Baseline: shuffled minibatches of size ⌈q·n⌉, mean loss, no clipping, no noise."""
     n = x.shape[0]
     batch_size = max(1, math.ceil(sample_rate * n))
@@ -361,5 +449,6 @@ def train_nonprivate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, samp
             loss_fn(model(x[chunk]), y[chunk]).mean().backward()
             optimizer.step()
             steps += 1
-    return TrainResult(model, None, {"steps": steps, "mean_batch_size": float(batch_size),
-                                     "seconds": time.perf_counter() - start})
+    return TrainResult(
+        model, None, {"steps": steps, "mean_batch_size": float(batch_size), "seconds": time.perf_counter() - start}
+    )

@@ -33,13 +33,18 @@ def batched_vjp(output: torch.Tensor, inputs: list[torch.Tensor], cotangents: to
     it fails altogether (an operator with no batching rule), one pass per row. The graph is kept."""
     batch = cotangents.shape[0]
     try:
-        found = torch.autograd.grad(output, inputs, grad_outputs=cotangents, is_grads_batched=True,
-                                    retain_graph=True, allow_unused=True)
+        found = torch.autograd.grad(
+            output, inputs, grad_outputs=cotangents, is_grads_batched=True, retain_graph=True, allow_unused=True
+        )
     except RuntimeError:
-        rows = [torch.autograd.grad(output, inputs, grad_outputs=cotangents[i], retain_graph=True, allow_unused=True)
-                for i in range(batch)]
-        found = tuple(torch.stack([torch.zeros_like(x) if row[k] is None else row[k] for row in rows])
-                      for k, x in enumerate(inputs))
+        rows = [
+            torch.autograd.grad(output, inputs, grad_outputs=cotangents[i], retain_graph=True, allow_unused=True)
+            for i in range(batch)
+        ]
+        found = tuple(
+            torch.stack([torch.zeros_like(x) if row[k] is None else row[k] for row in rows])
+            for k, x in enumerate(inputs)
+        )
     return [x.new_zeros((batch, *x.shape)) if g is None else g for x, g in zip(inputs, found)]
 
 

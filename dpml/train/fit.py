@@ -21,10 +21,20 @@ def model_spec(config: Config, in_features: int, n_classes: int) -> ModelSpec:
     return trainer_for(config).model_spec(config, in_features, n_classes)
 
 
-def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private: bool,
-        noise_multiplier: float | None, seed: int, noise_seed: int | None = None,
-        canaries: GradientCanaries | None = None, progress: bool = False,
-        held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
+def fit(
+    config: Config,
+    x: np.ndarray,
+    y: np.ndarray,
+    n_classes: int,
+    *,
+    private: bool,
+    noise_multiplier: float | None,
+    seed: int,
+    noise_seed: int | None = None,
+    canaries: GradientCanaries | None = None,
+    progress: bool = False,
+    held_out: tuple[np.ndarray, np.ndarray] | None = None,
+) -> TrainResult:
     """Train a fresh model on (x, y): the configured trainer when ``private``, else the non-private one.
 
     ``held_out``: records outside the training set, used only as noisy GD's add-one probes for its
@@ -38,7 +48,17 @@ def fit(config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, private
     if not trainer.private and canaries is not None:
         raise ValueError("white-box gradient canaries need a private trainer")
     secret = secret_noise_seed() if noise_seed is None and trainer.private else (noise_seed or 0)
-    result = trainer.fit(config, x, y, n_classes, noise_multiplier=noise_multiplier, seed=seed, noise_seed=secret,
-                         canaries=canaries, progress=progress, held_out=held_out)
+    result = trainer.fit(
+        config,
+        x,
+        y,
+        n_classes,
+        noise_multiplier=noise_multiplier,
+        seed=seed,
+        noise_seed=secret,
+        canaries=canaries,
+        progress=progress,
+        held_out=held_out,
+    )
     result.model.to("cpu").eval()
     return result

@@ -71,15 +71,20 @@ def compile_kernel(directory: Path, source_file: Path | None = None, flags: tupl
     source_file = SOURCE if source_file is None else source_file
     try:
         source = source_file.read_bytes()  # absent from an installation that left out the C file
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), " ".join(compiler).encode(),
-                                         platform.machine().encode()])).hexdigest()[:16]
+        key = hashlib.sha256(
+            b"\0".join([source, " ".join(flags).encode(), " ".join(compiler).encode(), platform.machine().encode()])
+        ).hexdigest()[:16]
         target = directory / f"{source_file.stem}-{key}.so"
         if target.exists():
             return target
         directory.mkdir(parents=True, exist_ok=True)
         partial = directory / f".{target.name}.{os.getpid()}.{threading.get_ident()}.part"
-        done = subprocess.run([*compiler, *flags, "-o", str(partial), str(source_file), "-lm"], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run(
+            [*compiler, *flags, "-o", str(partial), str(source_file), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
             return None
@@ -101,8 +106,15 @@ def _load(library: Path, name: str, argtypes: list[type], restype: type | None) 
 
 def load_kernel(library: Path) -> CompiledDraw | None:
     """``dpml_box_muller_f32`` from a compiled library, or None if it does not load here."""
-    return cast("CompiledDraw | None", _load(library, "dpml_box_muller_f32",
-                [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p, ctypes.c_int], None))
+    return cast(
+        "CompiledDraw | None",
+        _load(
+            library,
+            "dpml_box_muller_f32",
+            [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p, ctypes.c_int],
+            None,
+        ),
+    )
 
 
 @functools.cache
@@ -120,8 +132,10 @@ ConvNorms = Callable[[int, int, int, int, int, int], int]
 def load_conv_norms(library: Path) -> ConvNorms | None:
     """``dpml_conv_norms`` from a compiled library, or None if it does not load here."""
     pointer = ctypes.c_void_p
-    return cast("ConvNorms | None",
-                _load(library, "dpml_conv_norms", [pointer, pointer, ctypes.c_int64, pointer, pointer, pointer], ctypes.c_int))
+    return cast(
+        "ConvNorms | None",
+        _load(library, "dpml_conv_norms", [pointer, pointer, ctypes.c_int64, pointer, pointer, pointer], ctypes.c_int),
+    )
 
 
 @functools.cache

@@ -47,7 +47,9 @@ from torch import nn
 from dpml.train.kernels import compiled_draw
 
 
-def _uniform_pairs(half: int, generator: torch.Generator, angle_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _uniform_pairs(
+    half: int, generator: torch.Generator, angle_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``half`` pairs (U, V) on a GPU generator: U uniform on {0, 2⁻⁵³, …, 1 − 2⁻⁵³} (float64), V uniform on
     [0, 1) in ``angle_dtype``, both from the generator's own Philox stream."""
     u = torch.empty(half, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
@@ -60,7 +62,7 @@ STREAMS = 4  # SFC64 streams per CPU draw, one per quarter of its pairs: part of
 def _sfc64_streams(generator: torch.Generator) -> list[np.random.SFC64]:
     """``STREAMS`` fresh SFC64 streams spawned by the ``SeedSequence`` of 4 × 62 bits taken from the
     (secret-seeded) torch ``generator``."""
-    key = torch.randint(0, 2 ** 62, (4,), generator=generator).tolist()
+    key = torch.randint(0, 2**62, (4,), generator=generator).tolist()
     return [np.random.SFC64(child) for child in np.random.SeedSequence(key).spawn(STREAMS)]
 
 
@@ -107,8 +109,8 @@ class BoxMullerBuffers:
         pairs = u.shape[0]
         for k, stream in enumerate(streams):
             numbers = np.random.Generator(stream)
-            numbers.random(out=u[k * q:(k + 1) * q])
-            numbers.random(dtype=angle.dtype, out=angle[k * q:(k + 1) * q])
+            numbers.random(out=u[k * q : (k + 1) * q])
+            numbers.random(dtype=angle.dtype, out=angle[k * q : (k + 1) * q])
         np.subtract(1.0, u, out=u)  # exact in float64: {2⁻⁵³, …, 1}
         np.copyto(radius, u, casting="same_kind")  # float32 keeps the 24 leading bits of 1 − U
         np.log(radius, out=radius)
@@ -156,7 +158,7 @@ def _dtype_groups(params: dict[str, nn.Parameter]) -> dict[torch.dtype, list[tup
 def _split(flat: torch.Tensor, group: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor]) -> None:
     offset = 0
     for name, p in group:
-        into[name] = flat[offset:offset + p.numel()].view(p.shape)
+        into[name] = flat[offset : offset + p.numel()].view(p.shape)
         offset += p.numel()
 
 
@@ -180,8 +182,10 @@ class _ReusedNoise:
 
     def __init__(self, params: dict[str, nn.Parameter]) -> None:
         self.names = list(params)
-        self.groups = [(BoxMullerBuffers(sum(p.numel() for _, p in group), dtype), group)
-                       for dtype, group in _dtype_groups(params).items()]
+        self.groups = [
+            (BoxMullerBuffers(sum(p.numel() for _, p in group), dtype), group)
+            for dtype, group in _dtype_groups(params).items()
+        ]
 
     def __call__(self, std: float, generator: torch.Generator, threads: int = 1) -> dict[str, torch.Tensor]:
         noises: dict[str, torch.Tensor] = {}

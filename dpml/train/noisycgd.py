@@ -86,13 +86,17 @@ def noisycgd_mechanism(settings: NoisyCgdSettings, n: int) -> MechanismDescripti
         "hidden state: only the final iterate is released; intermediate iterates are never logged or checkpointed",
     ]
     if settings.clipping_is_inactive():
-        notes.append(f"clip norm C = {settings.clip_norm:g} ≥ the loss's Lipschitz bound √(2P)·X0: clipping never "
-                     "changes a gradient, so the theorem's convexity and smoothness hypotheses hold exactly")
+        notes.append(
+            f"clip norm C = {settings.clip_norm:g} ≥ the loss's Lipschitz bound √(2P)·X0: clipping never "
+            "changes a gradient, so the theorem's convexity and smoothness hypotheses hold exactly"
+        )
     else:
-        notes.append(f"ASSUMPTION: clip norm C = {settings.clip_norm:g} is below the loss's gradient bound, so the "
-                     "update uses clipped gradients; the certificate relies on the paper's claim (seed 001 §3.4, citing "
-                     "Redberg et al. 2024 §E.2) that clipping keeps each step λ-strongly convex and β-smooth — proven "
-                     "for scalar-output generalised linear models, not for the multi-class gated model")
+        notes.append(
+            f"ASSUMPTION: clip norm C = {settings.clip_norm:g} is below the loss's gradient bound, so the "
+            "update uses clipped gradients; the certificate relies on the paper's claim (seed 001 §3.4, citing "
+            "Redberg et al. 2024 §E.2) that clipping keeps each step λ-strongly convex and β-smooth — proven "
+            "for scalar-output generalised linear models, not for the multi-class gated model"
+        )
     return MechanismDescription(
         trainer="noisycgd",
         events=(GaussianDP(mu),),
@@ -110,9 +114,18 @@ def cyclic_batches(n: int, batch_size: int, seed: int) -> list[torch.Tensor]:
     return [torch.as_tensor(part) for part in np.array_split(order, math.ceil(n / batch_size))]
 
 
-def train_noisycgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, settings: NoisyCgdSettings,
-                   loss_fn: LossFn, partition_seed: int, noise_seed: int,
-                   physical_batch_size: int = 1024, progress: bool = False) -> TrainResult:
+def train_noisycgd(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    settings: NoisyCgdSettings,
+    loss_fn: LossFn,
+    partition_seed: int,
+    noise_seed: int,
+    physical_batch_size: int = 1024,
+    progress: bool = False,
+) -> TrainResult:
     """Train in place with NoisyCGD; returns the final model only, its mechanism and a history."""
     n = x.shape[0]
     mechanism = noisycgd_mechanism(settings, n)  # also checks 0 < η < 2/β

@@ -52,17 +52,56 @@ from torch import nn
 from dpml.models.linearised import LinearisedNetwork
 from dpml.progress import progress_range
 from dpml.train.noise import gaussian
-from dpml.train.noisygd_kl import (KL_CONVENTION, KL_LABEL, LOSSES, PROBE_CHUNK, RELATIONS, KLPairs, LinearFactors,
-                                   _GapRecorder, _require_positive, add_one_difference, check_loss_targets,
-                                   estimated_kl, flatten, linear_layers, mean_loss_and_gradient,
-                                   neighbour_squared_gaps, per_example_gradients, per_example_loss,
-                                   remove_one_difference, replace_one_difference, squared_norms)
+from dpml.train.noisygd_kl import (
+    KL_CONVENTION,
+    KL_LABEL,
+    LOSSES,
+    PROBE_CHUNK,
+    RELATIONS,
+    KLPairs,
+    LinearFactors,
+    _GapRecorder,
+    _require_positive,
+    add_one_difference,
+    check_loss_targets,
+    estimated_kl,
+    flatten,
+    linear_layers,
+    mean_loss_and_gradient,
+    neighbour_squared_gaps,
+    per_example_gradients,
+    per_example_loss,
+    remove_one_difference,
+    replace_one_difference,
+    squared_norms,
+)
 
-__all__ = ["KL_CONVENTION", "KL_LABEL", "LOSSES", "PROBE_CHUNK", "RELATIONS", "KLPairs", "LinearFactors",
-           "LinearisedNetwork", "NoisyGdResult", "add_one_difference", "check_loss_targets", "estimated_kl", "flatten",
-           "linear_layers", "mean_loss_and_gradient", "neighbour_squared_gaps", "noisy_gd_step_noise_std",
-           "noisy_gd_update", "per_example_gradients", "per_example_loss", "remove_one_difference",
-           "replace_one_difference", "squared_norms", "train_noisy_gd"]
+__all__ = [
+    "KL_CONVENTION",
+    "KL_LABEL",
+    "LOSSES",
+    "PROBE_CHUNK",
+    "RELATIONS",
+    "KLPairs",
+    "LinearFactors",
+    "LinearisedNetwork",
+    "NoisyGdResult",
+    "add_one_difference",
+    "check_loss_targets",
+    "estimated_kl",
+    "flatten",
+    "linear_layers",
+    "mean_loss_and_gradient",
+    "neighbour_squared_gaps",
+    "noisy_gd_step_noise_std",
+    "noisy_gd_update",
+    "per_example_gradients",
+    "per_example_loss",
+    "remove_one_difference",
+    "replace_one_difference",
+    "squared_norms",
+    "train_noisy_gd",
+]
 
 
 # ------------------------------------------------------------------------------------------------ noise
@@ -73,7 +112,6 @@ def noisy_gd_step_noise_std(learning_rate: float, sigma: float) -> float:
     _require_positive("learning_rate", learning_rate)
     _require_positive("sigma", sigma)
     return math.sqrt(2.0 * learning_rate * sigma * sigma)
-
 
 
 # --------------------------------------------------------------------------------------------- trainer
@@ -94,9 +132,19 @@ class NoisyGdResult:
     history: dict[str, Any] = field(default_factory=dict)
 
 
-def train_noisy_gd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, learning_rate: float, sigma: float,
-                   steps: int, loss: str, generator: torch.Generator, kl_pairs: KLPairs | None = None,
-                   progress: bool = False) -> NoisyGdResult:
+def train_noisy_gd(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    learning_rate: float,
+    sigma: float,
+    steps: int,
+    loss: str,
+    generator: torch.Generator,
+    kl_pairs: KLPairs | None = None,
+    progress: bool = False,
+) -> NoisyGdResult:
     """Train ``model`` in place by K = ``steps`` noisy GD steps W ← W − η∇L(W; D) + sqrt(2ησ²)·Z (App. E).
 
     Full batch, no clipping, L the mean of ``loss`` over the n records. Z comes from ``generator``
@@ -136,8 +184,14 @@ def train_noisy_gd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, learni
     with torch.no_grad():
         final = float(per_example_loss(model(x), y, loss).mean())
     history: dict[str, Any] = {
-        "steps": steps, "n": int(x.shape[0]), "learning_rate": learning_rate, "sigma": sigma,
-        "noise_std": noise_std, "loss_function": loss, "initial_loss": losses[0] if losses else final, "final_loss": final,
+        "steps": steps,
+        "n": int(x.shape[0]),
+        "learning_rate": learning_rate,
+        "sigma": sigma,
+        "noise_std": noise_std,
+        "loss_function": loss,
+        "initial_loss": losses[0] if losses else final,
+        "final_loss": final,
         "seconds": time.perf_counter() - start,
     }
     if recorder is not None:
@@ -145,8 +199,13 @@ def train_noisy_gd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, learni
     return NoisyGdResult(model, history)
 
 
-def noisy_gd_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], learning_rate: float,
-                    noise_std: float, generator: torch.Generator) -> None:
+def noisy_gd_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    learning_rate: float,
+    noise_std: float,
+    generator: torch.Generator,
+) -> None:
     """In place: W ← W − η g + noise_std · Z, Z ~ N(0, I) from ``generator`` (drawn on its device in float64,
     per parameter: :func:`dpml.train.noise.gaussian`)."""
     with torch.no_grad():

@@ -17,18 +17,21 @@ from torch.func import functional_call, grad, vmap
 
 LOSSES = ("cross_entropy", "logistic")
 RELATIONS = ("remove_one", "add_one", "replace_one")
-KL_LABEL = ("estimated KL privacy loss (Ye et al. Thm 3.1/E.1, Eq. 74) along the one trajectory trained on D, "
-            "at the probe neighbours only: an estimate, not a certificate")
-KL_CONVENTION = ("cumulative[k] = Σ_{j≤k} η‖∇L(W_j;D) − ∇L(W_j;D')‖²/(2σ²) (after k + 1 steps): the paper's "
-                 "constant 1/(2σ²), a factor 2 above the exact per-step Gaussian KL η‖Δ‖²/(4σ²) of the update "
-                 "W − η∇L + sqrt(2ησ²)Z")
+KL_LABEL = (
+    "estimated KL privacy loss (Ye et al. Thm 3.1/E.1, Eq. 74) along the one trajectory trained on D, "
+    "at the probe neighbours only: an estimate, not a certificate"
+)
+KL_CONVENTION = (
+    "cumulative[k] = Σ_{j≤k} η‖∇L(W_j;D) − ∇L(W_j;D')‖²/(2σ²) (after k + 1 steps): the paper's "
+    "constant 1/(2σ²), a factor 2 above the exact per-step Gaussian KL η‖Δ‖²/(4σ²) of the update "
+    "W − η∇L + sqrt(2ησ²)Z"
+)
 PROBE_CHUNK = 64  # per-example gradients are formed this many at a time
 
 
 def _require_positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"{name} = {value!r}: must be a finite number > 0")
-
 
 
 def per_example_loss(outputs: torch.Tensor, y: torch.Tensor, loss: str) -> torch.Tensor:
@@ -57,8 +60,9 @@ def check_loss_targets(loss: str, outputs: int, y: torch.Tensor) -> None:
         raise ValueError(f"loss = {loss!r}: expected one of {', '.join(LOSSES)}")
 
 
-def mean_loss_and_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                           loss: str) -> tuple[float, list[torch.Tensor]]:
+def mean_loss_and_gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str
+) -> tuple[float, list[torch.Tensor]]:
     """L(W; D) = (1/n) Σ ℓ_i and ∇L(W; D), one tensor per parameter of ``model``."""
     params = list(model.parameters())
     value = per_example_loss(model(x), y, loss).mean()
@@ -84,8 +88,9 @@ def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lo
 
     rows = []
     for start in range(0, x.shape[0], PROBE_CHUNK):
-        grads = vmap(grad(one_loss), in_dims=(None, 0, 0))(params, x[start:start + PROBE_CHUNK],
-                                                            y[start:start + PROBE_CHUNK])
+        grads = vmap(grad(one_loss), in_dims=(None, 0, 0))(
+            params, x[start : start + PROBE_CHUNK], y[start : start + PROBE_CHUNK]
+        )
         rows.append(torch.cat([grads[name].reshape(grads[name].shape[0], -1) for name in names], dim=1))
     if not rows:
         return torch.zeros(0, sum(p.numel() for p in params.values()), dtype=x.dtype, device=x.device)
@@ -218,8 +223,9 @@ class LinearFactors:
             raise ValueError("LinearFactors: every nn.Linear must be applied exactly once to a (batch, features) input")
         deltas = torch.autograd.grad(total, [outputs[id(layer)][0] for layer in layers], allow_unused=True)
         self.h = [inputs[id(layer)][0] for layer in layers]
-        self.delta = [torch.zeros_like(outputs[id(layer)][0]) if d is None else d.detach()
-                      for layer, d in zip(layers, deltas)]
+        self.delta = [
+            torch.zeros_like(outputs[id(layer)][0]) if d is None else d.detach() for layer, d in zip(layers, deltas)
+        ]
 
     def squared_norms(self) -> torch.Tensor:
         """‖g_i‖² per record."""
@@ -254,9 +260,15 @@ def linear_layers(model: nn.Module) -> list[nn.Linear] | None:
     return layers
 
 
-def neighbour_squared_gaps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
-                           mean_gradient: Sequence[torch.Tensor], pairs: KLPairs,
-                           method: str = "auto") -> dict[str, torch.Tensor]:
+def neighbour_squared_gaps(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss: str,
+    mean_gradient: Sequence[torch.Tensor],
+    pairs: KLPairs,
+    method: str = "auto",
+) -> dict[str, torch.Tensor]:
     """‖∇L(W; D) − ∇L(W; D')‖² for every probe neighbour D' of ``pairs``, per tracked relation.
 
     ``mean_gradient`` is ∇L(W; D) per parameter (the step's gradient). Remove-one and add-one give
@@ -279,42 +291,67 @@ def neighbour_squared_gaps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, l
         added_x, added_y = pairs.added_x.to(x.device, x.dtype), pairs.added_y.to(y.device)
     params = list(model.parameters())
     if method == "factored" or (method == "auto" and linear_layers(model) is not None):
-        return _factored_gaps(model, loss, dict(zip(map(id, params), mean_gradient)), n, relations,
-                              removed_x, removed_y, added_x, added_y)
+        return _factored_gaps(
+            model, loss, dict(zip(map(id, params), mean_gradient)), n, relations, removed_x, removed_y, added_x, added_y
+        )
     return _materialised_gaps(model, loss, flatten(mean_gradient), n, relations, removed_x, removed_y, added_x, added_y)
 
 
-def _factored_gaps(model: nn.Module, loss: str, mean: dict[int, torch.Tensor], n: int, relations: set[str],
-                   removed_x: torch.Tensor | None, removed_y: torch.Tensor | None,
-                   added_x: torch.Tensor | None, added_y: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _factored_gaps(
+    model: nn.Module,
+    loss: str,
+    mean: dict[int, torch.Tensor],
+    n: int,
+    relations: set[str],
+    removed_x: torch.Tensor | None,
+    removed_y: torch.Tensor | None,
+    added_x: torch.Tensor | None,
+    added_y: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
     mean_sq = sum(float(g.double().pow(2).sum()) for g in mean.values())
     out: dict[str, torch.Tensor] = {}
     removed = added = None
     if removed_x is not None and removed_y is not None:
-        removed = [LinearFactors(model, removed_x[i:i + 4 * PROBE_CHUNK], removed_y[i:i + 4 * PROBE_CHUNK], loss)
-                   for i in range(0, removed_x.shape[0], 4 * PROBE_CHUNK)]
+        removed = [
+            LinearFactors(model, removed_x[i : i + 4 * PROBE_CHUNK], removed_y[i : i + 4 * PROBE_CHUNK], loss)
+            for i in range(0, removed_x.shape[0], 4 * PROBE_CHUNK)
+        ]
     if added_x is not None and added_y is not None:
-        added = [LinearFactors(model, added_x[i:i + 4 * PROBE_CHUNK], added_y[i:i + 4 * PROBE_CHUNK], loss)
-                 for i in range(0, added_x.shape[0], 4 * PROBE_CHUNK)]
+        added = [
+            LinearFactors(model, added_x[i : i + 4 * PROBE_CHUNK], added_y[i : i + 4 * PROBE_CHUNK], loss)
+            for i in range(0, added_x.shape[0], 4 * PROBE_CHUNK)
+        ]
     if "remove_one" in relations and removed is not None:  # ‖g_j − ḡ‖²/(n − 1)²
-        out["remove_one"] = torch.cat([(f.squared_norms() - 2 * f.inner_with(mean) + mean_sq).clamp_min(0)
-                                       for f in removed]) / (n - 1) ** 2
+        out["remove_one"] = (
+            torch.cat([(f.squared_norms() - 2 * f.inner_with(mean) + mean_sq).clamp_min(0) for f in removed])
+            / (n - 1) ** 2
+        )
     if "add_one" in relations and added is not None:  # ‖ḡ − g'‖²/(n + 1)²
-        out["add_one"] = torch.cat([(f.squared_norms() - 2 * f.inner_with(mean) + mean_sq).clamp_min(0)
-                                    for f in added]) / (n + 1) ** 2
+        out["add_one"] = (
+            torch.cat([(f.squared_norms() - 2 * f.inner_with(mean) + mean_sq).clamp_min(0) for f in added])
+            / (n + 1) ** 2
+        )
     if "replace_one" in relations and removed is not None and added is not None:  # ‖g_j − g'‖²/n²
         added_sq = torch.cat([f.squared_norms() for f in added])
         blocks = []
         for f in removed:
             gram = torch.cat([f.gram_with(a) for a in added], dim=1)
             blocks.append((f.squared_norms()[:, None] + added_sq[None, :] - 2 * gram).clamp_min(0).reshape(-1))
-        out["replace_one"] = torch.cat(blocks) / n ** 2
+        out["replace_one"] = torch.cat(blocks) / n**2
     return out
 
 
-def _materialised_gaps(model: nn.Module, loss: str, mean: torch.Tensor, n: int, relations: set[str],
-                       removed_x: torch.Tensor | None, removed_y: torch.Tensor | None,
-                       added_x: torch.Tensor | None, added_y: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _materialised_gaps(
+    model: nn.Module,
+    loss: str,
+    mean: torch.Tensor,
+    n: int,
+    relations: set[str],
+    removed_x: torch.Tensor | None,
+    removed_y: torch.Tensor | None,
+    added_x: torch.Tensor | None,
+    added_y: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     added = None
     if added_x is not None and added_y is not None:
@@ -325,8 +362,9 @@ def _materialised_gaps(model: nn.Module, loss: str, mean: torch.Tensor, n: int, 
         remove_rows: list[torch.Tensor] = []
         replace_rows: list[torch.Tensor] = []
         for start in range(0, removed_x.shape[0], PROBE_CHUNK):
-            chunk = per_example_gradients(model, removed_x[start:start + PROBE_CHUNK],
-                                          removed_y[start:start + PROBE_CHUNK], loss)
+            chunk = per_example_gradients(
+                model, removed_x[start : start + PROBE_CHUNK], removed_y[start : start + PROBE_CHUNK], loss
+            )
             if "remove_one" in relations:
                 remove_rows.append(squared_norms(remove_one_difference(mean, chunk, n)))
             if "replace_one" in relations and added is not None:

@@ -68,9 +68,16 @@ class OnePassResult:
     history: dict[str, Any] = field(default_factory=dict)
 
     def certificate(self) -> dict[str, Any]:
-        return {"kind": "zCDP by iteration (final iterate only)", "zcdp": self.rho ** 2 / 2, "rho": self.rho,
-                "epsilon": self.epsilon, "delta": self.delta, "neighbouring": "replace-one",
-                "clip_norm": self.clip_norm, "dataset_size": int(self.learning_rates.size)}
+        return {
+            "kind": "zCDP by iteration (final iterate only)",
+            "zcdp": self.rho**2 / 2,
+            "rho": self.rho,
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "neighbouring": "replace-one",
+            "clip_norm": self.clip_norm,
+            "dataset_size": int(self.learning_rates.size),
+        }
 
 
 def rho_for_epsilon(epsilon: float, delta: float) -> float:
@@ -100,8 +107,10 @@ def check_step_sizes(learning_rates: np.ndarray, smoothness: float) -> None:
     largest = float(np.max(learning_rates))
     if largest > limit:
         k = int(np.argmax(learning_rates)) + 1
-        raise ValueError(f"learning rate η_{k} = {largest:.6g} exceeds 2/β = {limit:.6g} (β = X² = {smoothness:.6g}): "
-                         "privacy by iteration needs η_k ≤ 2/β for every step; lower eta0 or the input norm bound")
+        raise ValueError(
+            f"learning rate η_{k} = {largest:.6g} exceeds 2/β = {limit:.6g} (β = X² = {smoothness:.6g}): "
+            "privacy by iteration needs η_k ≤ 2/β for every step; lower eta0 or the input norm bound"
+        )
 
 
 def clip_inputs(x: np.ndarray, input_norm_bound: float) -> tuple[np.ndarray, int]:
@@ -119,7 +128,7 @@ def excess_risk(theta: np.ndarray, theta_star: np.ndarray, covariance: np.ndarra
 
 def theory_rate(gamma: float | np.ndarray, rho: float) -> float | np.ndarray:
     """γ + γ²/ρ² (the minimax rate of ρ²/2-zCDP linear regression, γ = d/n; up to constants)."""
-    return gamma + gamma ** 2 / rho ** 2
+    return gamma + gamma**2 / rho**2
 
 
 def _validate_data(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,9 +141,18 @@ def _validate_data(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return x, y
 
 
-def train_onepass_dpsgd(x: np.ndarray, y: np.ndarray, *, epsilon: float, delta: float, schedule: Schedule,
-                        eta0: float, clip_constant: float, input_norm_bound: float,
-                        seed: int | None = None) -> OnePassResult:
+def train_onepass_dpsgd(
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    epsilon: float,
+    delta: float,
+    schedule: Schedule,
+    eta0: float,
+    clip_constant: float,
+    input_norm_bound: float,
+    seed: int | None = None,
+) -> OnePassResult:
     """One pass of DP-SGD over (x_k, y_k) in order, at (ε, δ); see the module docstring for every formula.
 
     ``clip_constant`` is c in C = c·√d; ``input_norm_bound`` is X (β = X², η_k ≤ 2/X² enforced);
@@ -147,7 +165,7 @@ def train_onepass_dpsgd(x: np.ndarray, y: np.ndarray, *, epsilon: float, delta: 
             raise ValueError(f"{name} = {value!r}: must be a finite number > 0")
     target_rho = rho_for_epsilon(epsilon, delta)
     etas = learning_rate_schedule(schedule, eta0, n)
-    check_step_sizes(etas, input_norm_bound ** 2)
+    check_step_sizes(etas, input_norm_bound**2)
     sigmas = minimal_noise_schedule(etas, target_rho)
     clip_norm = clip_constant * math.sqrt(d)
     x, inputs_clipped = clip_inputs(x, input_norm_bound)
@@ -168,13 +186,23 @@ def train_onepass_dpsgd(x: np.ndarray, y: np.ndarray, *, epsilon: float, delta: 
         theta = theta - (etas[k] * factor * residual) * xk + noise[k]
     rho = schedule_rho(etas, sigmas)
     history = {"schedule": schedule, "eta0": eta0, "target_rho": target_rho, "seconds": time.perf_counter() - start}
-    return OnePassResult(theta, rho, zcdp_to_dp(rho, delta), delta, clip_norm, clipped / n, inputs_clipped,
-                         etas, sigmas, history)
+    return OnePassResult(
+        theta, rho, zcdp_to_dp(rho, delta), delta, clip_norm, clipped / n, inputs_clipped, etas, sigmas, history
+    )
 
 
-def onepass_linear_classifier(model: "torch.nn.Linear", x: np.ndarray, y: np.ndarray, *, rho: float,
-                              schedule: Schedule, eta0: float, clip_norm: float, input_norm_bound: float,
-                              seed: int) -> dict[str, Any]:
+def onepass_linear_classifier(
+    model: "torch.nn.Linear",
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    rho: float,
+    schedule: Schedule,
+    eta0: float,
+    clip_norm: float,
+    input_norm_bound: float,
+    seed: int,
+) -> dict[str, Any]:
     """One pass of DP-SGD (each record once, in a secret random order) for a multi-output linear model.
 
     The pipeline's classifier: z = Wx + b, targets e_y, squared loss ½‖z − e_y‖². With x' = (x, 1)
@@ -192,7 +220,7 @@ def onepass_linear_classifier(model: "torch.nn.Linear", x: np.ndarray, y: np.nda
     n, d = x.shape
     k = model.out_features
     etas = learning_rate_schedule(schedule, eta0, n)
-    check_step_sizes(etas, input_norm_bound ** 2 + 1.0)
+    check_step_sizes(etas, input_norm_bound**2 + 1.0)
     norms = np.linalg.norm(x, axis=1)
     if np.any(norms > input_norm_bound * (1 + 1e-5)):
         raise ValueError(f"input norms up to {norms.max():.9g} exceed the bound X = {input_norm_bound:g}")
@@ -220,5 +248,11 @@ def onepass_linear_classifier(model: "torch.nn.Linear", x: np.ndarray, y: np.nda
     with torch.no_grad():
         model.weight.copy_(torch.as_tensor(theta[:, :d], dtype=model.weight.dtype))
         model.bias.copy_(torch.as_tensor(theta[:, d], dtype=model.bias.dtype))
-    return {"steps": n, "rho_by_iteration": schedule_rho(etas, sigmas), "clipped_fraction": clipped / n,
-            "schedule": schedule, "eta0": eta0, "clip_norm": clip_norm}
+    return {
+        "steps": n,
+        "rho_by_iteration": schedule_rho(etas, sigmas),
+        "clipped_fraction": clipped / n,
+        "schedule": schedule,
+        "eta0": eta0,
+        "clip_norm": clip_norm,
+    }

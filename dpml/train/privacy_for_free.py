@@ -125,8 +125,7 @@ def dpgd_noise_std(learning_rate: float, clip_norm: float, n: int, sigma: float)
     return math.sqrt(learning_rate) * 2.0 * clip_norm / n * sigma
 
 
-def dpgd_mechanism(learning_rate: float, sigma: float, steps: int, clip_norm: float,
-                   n: int) -> MechanismDescription:
+def dpgd_mechanism(learning_rate: float, sigma: float, steps: int, clip_norm: float, n: int) -> MechanismDescription:
     """The DP-GD run as a mechanism: T full-batch replace-one Gaussian steps with multiplier 2σ/√η."""
     _positive("learning_rate", learning_rate)
     _positive("sigma", sigma)
@@ -138,8 +137,10 @@ def dpgd_mechanism(learning_rate: float, sigma: float, steps: int, clip_norm: fl
         clip_norm=clip_norm,
         dataset_size=n,
         threat_model="all-iterates",
-        notes=("seed 002 DP-GD on a random-features model: θ ← θ − η·mean clip_C(∇ℓ_i) + sqrt(η)(2C/n)σ·N(0, I); "
-               f"σ = {sigma:.6g}, η = {learning_rate:.6g}; noise multiplier on the clipped sum = 2σ/√η",),
+        notes=(
+            "seed 002 DP-GD on a random-features model: θ ← θ − η·mean clip_C(∇ℓ_i) + sqrt(η)(2C/n)σ·N(0, I); "
+            f"σ = {sigma:.6g}, η = {learning_rate:.6g}; noise multiplier on the clipped sum = 2σ/√η",
+        ),
     )
 
 
@@ -162,8 +163,17 @@ def _targets(y: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tenso
     return targets
 
 
-def train_dpgd_random_features(model: RandomFeatures, x: torch.Tensor, y: torch.Tensor, *, learning_rate: float,
-                               steps: int, clip_norm: float, sigma: float, seed: int | None = None) -> DpgdResult:
+def train_dpgd_random_features(
+    model: RandomFeatures,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    learning_rate: float,
+    steps: int,
+    clip_norm: float,
+    sigma: float,
+    seed: int | None = None,
+) -> DpgdResult:
     """Run seed 002's DP-GD on θ (model.weight, from its current value — 0 for a fresh model), in place.
 
     ``sigma`` is the lectures' σ (0: clipped GD without noise, no certificate). ``seed`` drives the
@@ -191,9 +201,9 @@ def train_dpgd_random_features(model: RandomFeatures, x: torch.Tensor, y: torch.
         clipped, losses = 0, []
         start = time.perf_counter()
         for _ in range(steps):
-            residual = phi @ theta - targets                              # r_i = f(x_i) − y_i, (n, k)
+            residual = phi @ theta - targets  # r_i = f(x_i) − y_i, (n, k)
             losses.append(float(residual.pow(2).sum() / n))
-            norms = 2.0 * residual.norm(dim=1) * feature_norms           # ‖∇ℓ_i‖ = 2‖r_i‖‖φ_i‖
+            norms = 2.0 * residual.norm(dim=1) * feature_norms  # ‖∇ℓ_i‖ = 2‖r_i‖‖φ_i‖
             clipped += int((norms > clip_norm).sum())
             factors = clip_factors(norms, clip_norm)
             mean_gradient = phi.t() @ (2.0 * factors[:, None] * residual) / n
@@ -203,6 +213,11 @@ def train_dpgd_random_features(model: RandomFeatures, x: torch.Tensor, y: torch.
         model.weight.copy_(theta)
         final_loss = float((phi @ theta - targets).pow(2).sum() / n)
     mechanism = dpgd_mechanism(learning_rate, sigma, steps, clip_norm, n) if sigma > 0 else None
-    history = {"steps": steps, "continuous_time": learning_rate * steps, "train_loss": losses + [final_loss],
-               "max_feature_norm": float(feature_norms.max()), "seconds": time.perf_counter() - start}
+    history = {
+        "steps": steps,
+        "continuous_time": learning_rate * steps,
+        "train_loss": losses + [final_loss],
+        "max_feature_norm": float(feature_norms.max()),
+        "seconds": time.perf_counter() - start,
+    }
     return DpgdResult(theta, mechanism, clipped / (n * steps), noise_std, history)

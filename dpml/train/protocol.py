@@ -99,9 +99,20 @@ class Trainer:
         return build_model(self.model_spec(config, in_features, n_classes)).to(pick_device(config.train.device))
 
     # --- training ------------------------------------------------------------------------------
-    def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
-            seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
-            held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
+    def fit(
+        self,
+        config: Config,
+        x: np.ndarray,
+        y: np.ndarray,
+        n_classes: int,
+        *,
+        noise_multiplier: float | None,
+        seed: int,
+        noise_seed: int,
+        canaries: GradientCanaries | None = None,
+        progress: bool = False,
+        held_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrainResult:
         """Train a fresh model on (x, y). ``seed`` fixes the initialisation (public); batches and noise come
         from ``noise_seed`` (secret for a released model). ``held_out``: records never trained on."""
         raise NotImplementedError

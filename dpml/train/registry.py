@@ -28,8 +28,9 @@ def register(trainer: Trainer) -> Trainer:
     """Add ``trainer`` under its name (refusing a second trainer of the same name); the configuration schema
     is composed again from the registry when it next validates (:func:`dpml.config.config_model`), so that
     ``train.algorithm: <name>`` validates."""
-    if trainer.name in TRAINERS and not (TRAINERS[trainer.name] is trainer
-                                         or same_definition(type(TRAINERS[trainer.name]), type(trainer))):
+    if trainer.name in TRAINERS and not (
+        TRAINERS[trainer.name] is trainer or same_definition(type(TRAINERS[trainer.name]), type(trainer))
+    ):
         raise ValueError(f"a trainer named {trainer.name!r} is already registered")
     TRAINERS[trainer.name] = trainer
     return trainer

@@ -72,6 +72,7 @@ class Targets:
     def deltas(self, losses: torch.Tensor, retain_graph: bool) -> list[torch.Tensor | None]:
         """δ of every slot from one backward pass of Σ_i ℓ_i (None where the loss does not reach it)."""
         asked = [edge for edge in self.edges if edge is not None]
-        found = iter(torch.autograd.grad(losses.sum(), asked, allow_unused=True, retain_graph=retain_graph)
-                     if asked else ())
+        found = iter(
+            torch.autograd.grad(losses.sum(), asked, allow_unused=True, retain_graph=retain_graph) if asked else ()
+        )
         return [None if edge is None else next(found) for edge in self.edges]

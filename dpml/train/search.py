@@ -57,13 +57,23 @@ def validation_rows(n: int, config: Config) -> np.ndarray:
     """Seeded, data-independent choice of the validation rows of the training part (sorted)."""
     n_val = int(round(config.tune.validation_fraction * n))
     if not 1 <= n_val < n:
-        raise ValueError(f"tune.validation_fraction = {config.tune.validation_fraction} leaves {n_val} of {n} "
-                         "training records for validation: need at least one on each side")
+        raise ValueError(
+            f"tune.validation_fraction = {config.tune.validation_fraction} leaves {n_val} of {n} "
+            "training records for validation: need at least one on each side"
+        )
     return np.sort(np.random.default_rng([config.tune.seed, 31]).choice(n, size=n_val, replace=False))
 
 
-def run_search(config: Config, x_fit: np.ndarray, y_fit: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
-               n_classes: int, plan: SearchPlan, progress: bool = False) -> SearchResult | None:
+def run_search(
+    config: Config,
+    x_fit: np.ndarray,
+    y_fit: np.ndarray,
+    x_val: np.ndarray,
+    y_val: np.ndarray,
+    n_classes: int,
+    plan: SearchPlan,
+    progress: bool = False,
+) -> SearchResult | None:
     """Run the K candidates; return the best by noisy validation accuracy (None when K = 0)."""
     trainer = trainer_for(config)
     rng = np.random.default_rng(secrets.randbits(128))  # K, draws and score noise: secret
@@ -72,8 +82,16 @@ def run_search(config: Config, x_fit: np.ndarray, y_fit: np.ndarray, x_val: np.n
     for index in range(sample_count(selection_of(config), rng)):
         chosen = {key: values[int(rng.integers(len(values)))] for key, values in config.tune.space.items()}
         candidate = trainer.candidate_config(config, chosen, plan, y_fit.size)
-        result = fit(candidate, x_fit, y_fit, n_classes, private=True, noise_multiplier=plan.noise_multiplier,
-                     seed=config.train.seed + index, progress=progress)
+        result = fit(
+            candidate,
+            x_fit,
+            y_fit,
+            n_classes,
+            private=True,
+            noise_multiplier=plan.noise_multiplier,
+            seed=config.train.seed + index,
+            progress=progress,
+        )
         correct = int((logits_of(result.model, x_val).argmax(1) == y_val).sum())
         score = (correct + rng.normal(0.0, config.tune.score_noise)) / y_val.size
         if score > best_score:

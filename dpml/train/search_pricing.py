@@ -26,28 +26,43 @@ def selection_of(config: Config) -> Selection:
 def random_count_relation_problems(config: Config) -> list[str]:
     """Papernot & Steinke's random-count theorem is certified here for add-remove only."""
     if config.tune.distribution != "fixed" and config.dp.neighbouring != "add-remove":
-        return [f"dp.neighbouring = {config.dp.neighbouring!r}: a random-count search "
-                f"(tune.distribution = {config.tune.distribution}) is certified for add-remove only; "
-                "use add-remove or tune.distribution: fixed"]
+        return [
+            f"dp.neighbouring = {config.dp.neighbouring!r}: a random-count search "
+            f"(tune.distribution = {config.tune.distribution}) is certified for add-remove only; "
+            "use add-remove or tune.distribution: fixed"
+        ]
     return []
 
 
 def _search_notes(config: Config, n_fit: int, score: str) -> tuple[str, ...]:
-    return (f"each candidate trains on the {n_fit} non-validation records and is scored by its validation "
-            f"count of correct answers plus N(0, {config.tune.score_noise:g}²) (second event; {score})",
-            "the number of candidates, the losing candidates and their scores are secret and never logged",
-            f"search space {config.tune.space}")
+    return (
+        f"each candidate trains on the {n_fit} non-validation records and is scored by its validation "
+        f"count of correct answers plus N(0, {config.tune.score_noise:g}²) (second event; {score})",
+        "the number of candidates, the losing candidates and their scores are secret and never logged",
+        f"search space {config.tune.space}",
+    )
 
 
-def poisson_gaussian_search_mechanism(trainer: Trainer, config: Config, noise_multiplier: float, n_fit: int,
-                                      n_total: int) -> MechanismDescription:
+def poisson_gaussian_search_mechanism(
+    trainer: Trainer, config: Config, noise_multiplier: float, n_fit: int, n_total: int
+) -> MechanismDescription:
     """What a search over DP-SGD candidates does to the n_total training records: the candidates'
     Poisson-Gaussian steps at σ = ``noise_multiplier``, the noisy score, the random count."""
-    candidate = dpsgd_mechanism(config.train.sample_rate, noise_multiplier, config.train.epochs,
-                                config.dp.neighbouring, config.dp.clip_norm, n_fit)
+    candidate = dpsgd_mechanism(
+        config.train.sample_rate,
+        noise_multiplier,
+        config.train.epochs,
+        config.dp.neighbouring,
+        config.dp.clip_norm,
+        n_fit,
+    )
     return MechanismDescription(
-        trainer="dpsgd-search", events=(*candidate.events, trainer.score_event(config)), neighbouring=config.dp.neighbouring,
-        clip_norm=config.dp.clip_norm, dataset_size=n_total, threat_model=candidate.threat_model,
+        trainer="dpsgd-search",
+        events=(*candidate.events, trainer.score_event(config)),
+        neighbouring=config.dp.neighbouring,
+        clip_norm=config.dp.clip_norm,
+        dataset_size=n_total,
+        threat_model=candidate.threat_model,
         notes=(*candidate.notes, *_search_notes(config, n_fit, "sensitivity 1, over-counted as 2 under replace-one")),
         selection=selection_of(config),
     )
@@ -59,23 +74,36 @@ def poisson_gaussian_search_plan(trainer: Trainer, config: Config, n_fit: int, n
     if sigma is None:
         assert config.dp.target_epsilon is not None
         steps = number_of_steps(config.train.epochs, config.train.sample_rate)
-        sigma = calibrate_noise_multiplier(config.dp.target_epsilon, config.train.sample_rate, steps, config.dp.delta,
-                                           config.dp.neighbouring, extra=(trainer.score_event(config),),
-                                           selection=selection_of(config))
+        sigma = calibrate_noise_multiplier(
+            config.dp.target_epsilon,
+            config.train.sample_rate,
+            steps,
+            config.dp.delta,
+            config.dp.neighbouring,
+            extra=(trainer.score_event(config),),
+            selection=selection_of(config),
+        )
     return SearchPlan(poisson_gaussian_search_mechanism(trainer, config, sigma, n_fit, n_total), sigma)
 
 
-def noisycgd_search_mechanism(trainer: Trainer, config: Config, n_fit: int, n_total: int,
-                              base_mu: float) -> MechanismDescription:
+def noisycgd_search_mechanism(
+    trainer: Trainer, config: Config, n_fit: int, n_total: int, base_mu: float
+) -> MechanismDescription:
     """What a search over NoisyCGD candidates does: one ``base_mu``-GDP event (every candidate's λ is
     calibrated to it), the (1/τ)-GDP score, the random count."""
-    notes = (f"NoisyCGD candidates (seed 001): σ = {config.dp.noise_multiplier:g}, b = {config.noisycgd.batch_size}, "
-             f"E = {int(config.train.epochs)}; each candidate's λ calibrated so that its Theorem 2.8 μ ≤ {base_mu:.6g}",
-             "hidden state: only the released candidate's final iterate is released")
+    notes = (
+        f"NoisyCGD candidates (seed 001): σ = {config.dp.noise_multiplier:g}, b = {config.noisycgd.batch_size}, "
+        f"E = {int(config.train.epochs)}; each candidate's λ calibrated so that its Theorem 2.8 μ ≤ {base_mu:.6g}",
+        "hidden state: only the released candidate's final iterate is released",
+    )
     return MechanismDescription(
-        trainer="noisycgd-search", events=(GaussianDP(base_mu), trainer.score_event(config)),
-        neighbouring=config.dp.neighbouring, clip_norm=config.dp.clip_norm, dataset_size=n_total,
-        threat_model="final-model", notes=(*notes, *_search_notes(config, n_fit, "(1/τ)-GDP")),
+        trainer="noisycgd-search",
+        events=(GaussianDP(base_mu), trainer.score_event(config)),
+        neighbouring=config.dp.neighbouring,
+        clip_norm=config.dp.clip_norm,
+        dataset_size=n_total,
+        threat_model="final-model",
+        notes=(*notes, *_search_notes(config, n_fit, "(1/τ)-GDP")),
         selection=selection_of(config),
     )
 
@@ -99,8 +127,10 @@ def calibrate_base_mu(trainer: Trainer, config: Config, n_fit: int, n_total: int
         else:
             high = middle
     if low == 0.0:
-        raise ValueError(f"dp.target_epsilon = {target:g}: the search's noisy validation score alone "
-                         f"(tune.score_noise = {config.tune.score_noise:g}) spends it; raise the target or the score noise")
+        raise ValueError(
+            f"dp.target_epsilon = {target:g}: the search's noisy validation score alone "
+            f"(tune.score_noise = {config.tune.score_noise:g}) spends it; raise the target or the score noise"
+        )
     return low
 
 
@@ -116,5 +146,7 @@ def check_candidates(trainer: Trainer, config: Config, plan: SearchPlan, n_fit: 
         except ValueError as error:
             problems.append(f"  {chosen}: {str(error).splitlines()[-1].strip()}")
     if problems:
-        raise ValueError(f"NoisyCGD search: these candidates cannot reach the per-candidate μ = {plan.base_mu:.4g} that "
-                         "dp.target_epsilon leaves after the search's cost:\n" + "\n".join(problems))
+        raise ValueError(
+            f"NoisyCGD search: these candidates cannot reach the per-candidate μ = {plan.base_mu:.4g} that "
+            "dp.target_epsilon leaves after the search's cost:\n" + "\n".join(problems)
+        )

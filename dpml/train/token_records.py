@@ -49,22 +49,30 @@ def _parts(item: Any, index: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
     if isinstance(item, (tuple, list)) and len(item) == 2:
         ids = torch.as_tensor(item[0])
         return ids, torch.ones_like(ids), item[1]
-    raise ValueError(f"dataset[{index}]: a record for a model taking input_ids and attention_mask is (input_ids, "
-                     "attention_mask, label), as TensorDataset(ids, mask, labels) gives, or (input_ids, label); got "
-                     f"{type(item).__name__}" + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+    raise ValueError(
+        f"dataset[{index}]: a record for a model taking input_ids and attention_mask is (input_ids, "
+        "attention_mask, label), as TensorDataset(ids, mask, labels) gives, or (input_ids, label); got "
+        f"{type(item).__name__}" + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
+    )
 
 
 def _check_shapes(ids: torch.Tensor, mask: torch.Tensor, index: int, length: int | None) -> None:
     """One record's ids: an integer (T,) tensor; its mask: the same shape; T the same for every record."""
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-        raise ValueError(f"dataset[{index}] input_ids: a {ids.dtype} tensor of shape {list(ids.shape)}; each example's "
-                         "ids must be one integer tensor of shape (T,)")
+        raise ValueError(
+            f"dataset[{index}] input_ids: a {ids.dtype} tensor of shape {list(ids.shape)}; each example's "
+            "ids must be one integer tensor of shape (T,)"
+        )
     if mask.shape != ids.shape:
-        raise ValueError(f"dataset[{index}] attention_mask: shape {list(mask.shape)} differs from its input_ids' "
-                         f"{list(ids.shape)}; one mask value per token")
+        raise ValueError(
+            f"dataset[{index}] attention_mask: shape {list(mask.shape)} differs from its input_ids' "
+            f"{list(ids.shape)}; one mask value per token"
+        )
     if length is not None and ids.shape[0] != length:
-        raise ValueError(f"dataset[{index}] input_ids: length {ids.shape[0]}, but dataset[0] has {length}; pad every "
-                         "example to one length T and mark the padding 0 in its attention_mask")
+        raise ValueError(
+            f"dataset[{index}] input_ids: length {ids.shape[0]}, but dataset[0] has {length}; pad every "
+            "example to one length T and mark the padding 0 in its attention_mask"
+        )
 
 
 def _check_block(ids: torch.Tensor, mask: torch.Tensor, first: int, vocabulary: int | None) -> None:
@@ -73,21 +81,28 @@ def _check_block(ids: torch.Tensor, mask: torch.Tensor, first: int, vocabulary: 
     if bad_mask.any():
         row = int(bad_mask.nonzero()[0])
         value = mask[row][(mask[row] != 0) & (mask[row] != 1)][0].item()
-        raise ValueError(f"dataset[{first + row}] attention_mask: value {value!r}; a mask holds only 1 (a token) "
-                         "and 0 (padding)")
+        raise ValueError(
+            f"dataset[{first + row}] attention_mask: value {value!r}; a mask holds only 1 (a token) and 0 (padding)"
+        )
     empty = (mask == 0).all(1)
     if empty.any():
-        raise ValueError(f"dataset[{first + int(empty.nonzero()[0])}] attention_mask: all 0 (only padding); each "
-                         "example needs at least one token the mask keeps")
+        raise ValueError(
+            f"dataset[{first + int(empty.nonzero()[0])}] attention_mask: all 0 (only padding); each "
+            "example needs at least one token the mask keeps"
+        )
     too_high = ids >= vocabulary if vocabulary is not None else torch.zeros_like(ids, dtype=torch.bool)
     wrong = (ids < 0) | too_high
     rows = wrong.any(1)
     if rows.any():
         row = int(rows.nonzero()[0])
-        allowed = (f"in [0, {vocabulary}) (the model's input embedding has {vocabulary} tokens)"
-                   if vocabulary is not None else "≥ 0")
-        raise ValueError(f"dataset[{first + row}] input_ids: token id {int(ids[row][wrong[row]][0])}; ids must be "
-                         f"{allowed}")
+        allowed = (
+            f"in [0, {vocabulary}) (the model's input embedding has {vocabulary} tokens)"
+            if vocabulary is not None
+            else "≥ 0"
+        )
+        raise ValueError(
+            f"dataset[{first + row}] input_ids: token id {int(ids[row][wrong[row]][0])}; ids must be {allowed}"
+        )
 
 
 def check_token_records(dataset: Dataset[Any], n: int, vocabulary: int | None) -> int:
@@ -96,8 +111,10 @@ def check_token_records(dataset: Dataset[Any], n: int, vocabulary: int | None) -
         ids, mask = dataset.tensors[0], dataset.tensors[1]
         _check_shapes(ids[0], mask[0], 0, None)
         if ids.dim() != 2 or mask.shape != ids.shape:
-            raise ValueError(f"dataset: TensorDataset input_ids of shape {list(ids.shape)} and attention_mask of shape "
-                             f"{list(mask.shape)}; both must be (N, T)")
+            raise ValueError(
+                f"dataset: TensorDataset input_ids of shape {list(ids.shape)} and attention_mask of shape "
+                f"{list(mask.shape)}; both must be (N, T)"
+            )
         _check_block(ids, mask, 0, vocabulary)
         return int(ids.shape[1])
     length: int | None = None

@@ -8,11 +8,31 @@ is one file (imported below) plus a test. :mod:`.recorder` sees the operations, 
 parameter's uses (cross terms included).
 """
 
-from dpml.train.rules import (broadcast, concat, convolution, einsum, elementwise, embedding, linear, matmul,  # noqa: F401
-                              norm, views)
+from dpml.train.rules import (  # noqa: F401 (each module registers its rules when imported)
+    broadcast,
+    concat,
+    convolution,
+    einsum,
+    elementwise,
+    embedding,
+    linear,
+    matmul,
+    norm,
+    views,
+)
 from dpml.train.rules.combine import cast_form, parameter_piece, per_example_gradients_of
 from dpml.train.rules.recorder import Recorder
 from dpml.train.rules.registry import RULES, Pending, Tracked, Use, function_name, rule
 
-__all__ = ["RULES", "Pending", "Recorder", "Tracked", "Use", "cast_form", "function_name", "parameter_piece",
-           "per_example_gradients_of", "rule"]
+__all__ = [
+    "RULES",
+    "Pending",
+    "Recorder",
+    "Tracked",
+    "Use",
+    "cast_form",
+    "function_name",
+    "parameter_piece",
+    "per_example_gradients_of",
+    "rule",
+]

@@ -20,7 +20,19 @@ import torch.nn.functional as F
 from dpml.train.rules.registry import BROADCASTING
 
 T = torch.Tensor
-BROADCASTING.update({
-    F.scaled_dot_product_attention, torch.where, T.where, torch.masked_fill, T.masked_fill,
-    torch.div, T.div, T.__truediv__, T.__rtruediv__, torch.true_divide, torch.maximum, torch.minimum,
-})
+BROADCASTING.update(
+    {
+        F.scaled_dot_product_attention,
+        torch.where,
+        T.where,
+        torch.masked_fill,
+        T.masked_fill,
+        torch.div,
+        T.div,
+        T.__truediv__,
+        T.__rtruediv__,
+        torch.true_divide,
+        torch.maximum,
+        torch.minimum,
+    }
+)

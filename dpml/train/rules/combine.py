@@ -129,7 +129,7 @@ def _orientation(tracked: Tracked) -> str | None:
 def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(x_t · y_s) per example, (B, T, S), a one-hot factor given by its indices."""
     if _one_hot(x) and _one_hot(y):
-        return (x[:, :, None] == y[:, None, :])
+        return x[:, :, None] == y[:, None, :]
     if _one_hot(x):
         return _gram(y, x).transpose(1, 2)
     if _one_hot(y):  # x_t · e_{k_s} = x_t[k_s]
@@ -152,7 +152,9 @@ def _materialised(form: Form, batch: int) -> torch.Tensor:
     if isinstance(form, Dense):
         return form.grads.reshape(batch, -1)
     if _one_hot(form.v):
-        return _materialised(form.transposed(), batch).view(batch, form.cols, form.rows).transpose(1, 2).reshape(batch, -1)
+        return (
+            _materialised(form.transposed(), batch).view(batch, form.cols, form.rows).transpose(1, 2).reshape(batch, -1)
+        )
     if _one_hot(form.u):
         keys = (torch.arange(batch, device=form.u.device)[:, None] * form.rows + form.u).reshape(-1)
         grads = form.v.new_zeros(batch * form.rows, form.cols).index_add_(0, keys, form.v.reshape(-1, form.cols))
@@ -210,8 +212,10 @@ def _all_materialised(param: nn.Parameter, uses: list[Use], batch: int, limit: i
     reached = torch.unique(torch.cat(indices))
     largest = max(index.numel() for index in indices)
     if batch * max(reached.numel(), largest) > limit:
-        return (f"its {len(uses)} uses overlap and their per-example gradients ({batch} × {reached.numel()} numbers) "
-                "do not fit the keep limit")
+        return (
+            f"its {len(uses)} uses overlap and their per-example gradients ({batch} × {reached.numel()} numbers) "
+            "do not fit the keep limit"
+        )
     grads = None
     for index, (_, form) in zip(indices, uses):
         part = _materialised(form, batch)

@@ -36,8 +36,12 @@ def convolution(call: Call) -> Pending | str:
         return f"its input (shape {tuple(x.shape)}) is not batch-first"
     if w is not None and w.index is not None:
         w = Tracked(w.param, w.index.reshape(weight.shape[0], -1), w.shared)
-    geometry = (_pair(tuple(weight.shape[2:]), one_d, 1), _pair(stride, one_d, 1), _pair(padding, one_d, 0),
-                _pair(dilation, one_d, 1))
+    geometry = (
+        _pair(tuple(weight.shape[2:]), one_d, 1),
+        _pair(stride, one_d, 1),
+        _pair(padding, one_d, 0),
+        _pair(dilation, one_d, 1),
+    )
     recorded, batch, out_channels = x.detach(), x.shape[0], weight.shape[0]
 
     def finish(d: torch.Tensor) -> list[Use]:

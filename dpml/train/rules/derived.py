@@ -34,8 +34,9 @@ class Derived:
     operation: str = ""
 
 
-def run_on_leaves(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-                  sources: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+def run_on_leaves(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, sources: dict[int, torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """The call run again with each source operand (by id) replaced by a detached copy that requires gradient:
     its outputs, now functions of those copies alone (the operation's *local* Jacobian, so that a source
     computed from another source of the same call is not counted twice), and the copies; None when the

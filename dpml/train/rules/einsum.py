@@ -164,11 +164,11 @@ def matmul_batched(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pen
     letters = string.ascii_letters[: x.dim() + 1]
     batch_letters = letters[: x.dim() - 2]
     x_subs = batch_letters + ("xy" if not s_left else "yz")
-    s_subs = batch_letters[len(batch_letters) - (len(shape) - 2):] + ("yz" if not s_left else "xy")
+    s_subs = batch_letters[len(batch_letters) - (len(shape) - 2) :] + ("yz" if not s_left else "xy")
     z_subs = batch_letters + "xz"
     for dim in reversed(range(len(shape) - 2)):
         if shape[dim] == 1:
             squeezed = _shared_over(s, dim)
             assert squeezed is not None
-            s, s_subs = squeezed, s_subs[:dim] + s_subs[dim + 1:]
+            s, s_subs = squeezed, s_subs[:dim] + s_subs[dim + 1 :]
     return product(call, x, s, (x_subs, s_subs, z_subs))

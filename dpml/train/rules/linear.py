@@ -35,13 +35,21 @@ def linear(call: Call) -> Pending | str:
     if w is not None and len(w.shape()) != 2:
         return "a weight that is not 2-D"
     a_rows = rows.of(a.detach())
-    return _weight_and_bias(call, w, b, rows, lambda d_rows: Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2]),
-                            1.0)
+    return _weight_and_bias(
+        call, w, b, rows, lambda d_rows: Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2]), 1.0
+    )
 
 
-def _weight_and_bias(call: Call, w: Tracked | None, b: Tracked | None, rows: Rows,
-                     weight_form: Callable[[torch.Tensor], Factored], beta: float) -> Pending:
+def _weight_and_bias(
+    call: Call,
+    w: Tracked | None,
+    b: Tracked | None,
+    rows: Rows,
+    weight_form: Callable[[torch.Tensor], Factored],
+    beta: float,
+) -> Pending:
     """The uses of W (its form from δ's rows (B, T, n_out)) and of b (β Σ_t δ_t per example)."""
+
     def finish(d: torch.Tensor) -> list[Use]:
         d_rows = rows.of(d)
         uses: list[Use] = []

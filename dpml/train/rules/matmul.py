@@ -68,4 +68,3 @@ def _param_on_the_left(call: Call, x: torch.Tensor, w: Tracked) -> Pending | str
         return [(w, Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2]))]
 
     return Pending(call.output, [w.param], finish)
-

@@ -15,9 +15,16 @@ import torch.nn.functional as F
 from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, rule
 
 
-def _affine(call: Call, gamma: Tracked | None, beta: Tracked | None, layout: Callable[[torch.Tensor], torch.Tensor],
-            normalised: Callable[[], torch.Tensor], positions: int) -> Pending:
+def _affine(
+    call: Call,
+    gamma: Tracked | None,
+    beta: Tracked | None,
+    layout: Callable[[torch.Tensor], torch.Tensor],
+    normalised: Callable[[], torch.Tensor],
+    positions: int,
+) -> Pending:
     """The uses of γ and β given δ's per-example layout (B, …) and x̂; ``positions`` the dimension summed."""
+
     def finish(d: torch.Tensor) -> list[Use]:
         d = layout(d)
         uses: list[Use] = []
@@ -45,8 +52,9 @@ def layer_norm(call: Call) -> Pending | str:
         if rows is None:
             return f"its input (shape {tuple(x.shape)}) has no known batch dimension"
         layout = rows.of
-    return _affine(call, call.tracked(weight), call.tracked(bias), layout,
-                   lambda: F.layer_norm(recorded, shape, eps=eps), 1)
+    return _affine(
+        call, call.tracked(weight), call.tracked(bias), layout, lambda: F.layer_norm(recorded, shape, eps=eps), 1
+    )
 
 
 @rule(F.group_norm)
@@ -56,5 +64,11 @@ def group_norm(call: Call) -> Pending | str:
     if call.tracked(x) is not None or not call.batch_first(x) or x.dim() < 2:
         return f"its input (shape {tuple(x.shape)}) is not batch-first"
     batch, channels, recorded = x.shape[0], x.shape[1], x.detach()
-    return _affine(call, call.tracked(weight), call.tracked(bias), lambda d: d.reshape(batch, channels, -1),
-                   lambda: F.group_norm(recorded, groups, eps=eps), 2)
+    return _affine(
+        call,
+        call.tracked(weight),
+        call.tracked(bias),
+        lambda d: d.reshape(batch, channels, -1),
+        lambda: F.group_norm(recorded, groups, eps=eps),
+        2,
+    )

@@ -50,9 +50,14 @@ def outputs(out: Any) -> list[torch.Tensor]:
     return []
 
 
-OUT_OF_PLACE = {torch.Tensor.add_: torch.Tensor.add, torch.Tensor.sub_: torch.Tensor.sub, torch.Tensor.mul_: torch.Tensor.mul,
-                 torch.Tensor.__iadd__: torch.Tensor.add, torch.Tensor.__isub__: torch.Tensor.sub,
-                 torch.Tensor.__imul__: torch.Tensor.mul}
+OUT_OF_PLACE = {
+    torch.Tensor.add_: torch.Tensor.add,
+    torch.Tensor.sub_: torch.Tensor.sub,
+    torch.Tensor.mul_: torch.Tensor.mul,
+    torch.Tensor.__iadd__: torch.Tensor.add,
+    torch.Tensor.__isub__: torch.Tensor.sub,
+    torch.Tensor.__imul__: torch.Tensor.mul,
+}
 
 
 def carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
@@ -74,8 +79,16 @@ def core(t: torch.Tensor) -> torch.Tensor:
     return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
 
 
-ROW_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
-                 torch.Tensor.unflatten, torch.Tensor.view_as, torch.Tensor.reshape_as}
+ROW_RESHAPES = {
+    torch.Tensor.view,
+    torch.Tensor.reshape,
+    torch.reshape,
+    torch.Tensor.flatten,
+    torch.flatten,
+    torch.Tensor.unflatten,
+    torch.Tensor.view_as,
+    torch.Tensor.reshape_as,
+}
 _RESHAPE_FOR_INDEX = {torch.Tensor.view: torch.Tensor.reshape}
 
 
@@ -85,10 +98,12 @@ def apply_view(func: Any, index: torch.Tensor, args: tuple[Any, ...], kwargs: di
     return _RESHAPE_FOR_INDEX.get(func, func)(index, *args[1:], **kwargs)
 
 
-def substituted(args: tuple[Any, ...], kwargs: dict[str, Any],
-                replacements: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def substituted(
+    args: tuple[Any, ...], kwargs: dict[str, Any], replacements: dict[int, tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's operands with each tensor t (found by ``id``, checked by identity) replaced by
     ``replacements[id(t)][1]``, inside lists and tuples too."""
+
     def swap(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and id(value) in replacements and replacements[id(value)][0] is value:
             return replacements[id(value)][1]

@@ -33,17 +33,47 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from dpml.train.rules.derived import Derived, run_on_leaves
 from dpml.train.rules.outputs import RecordedOutputs
-from dpml.train.rules.operands import (OUT_OF_PLACE, ROW_RESHAPES, apply_view, carried, core, is_composite, outputs,
-                                       reentered, substituted, tensors)
-from dpml.train.rules.registry import (BROADCASTING, IDENTITY_VIEWS, INDEX_VIEWS, RULES, Call, Dense, Pending, Rows,
-                                       Shared, Tracked, function_name, per_example, view_per_example)
+from dpml.train.rules.operands import (
+    OUT_OF_PLACE,
+    ROW_RESHAPES,
+    apply_view,
+    carried,
+    core,
+    is_composite,
+    outputs,
+    reentered,
+    substituted,
+    tensors,
+)
+from dpml.train.rules.registry import (
+    BROADCASTING,
+    IDENTITY_VIEWS,
+    INDEX_VIEWS,
+    RULES,
+    Call,
+    Dense,
+    Pending,
+    Rows,
+    Shared,
+    Tracked,
+    function_name,
+    per_example,
+    view_per_example,
+)
 
 
 class Recorder(TorchFunctionMode):
     """The mode active during the recording forward pass (module docstring)."""
 
-    def __init__(self, params: list[nn.Parameter], batch: int, copy: Collection[int] | None,
-                 owners: dict[int, nn.Module], device: torch.device, inputs: torch.Tensor) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        batch: int,
+        copy: Collection[int] | None,
+        owners: dict[int, nn.Module],
+        device: torch.device,
+        inputs: torch.Tensor,
+    ) -> None:
         super().__init__()
         self._derived = WeakTensorKeyDictionary()  # tensors computed from the batch's inputs
         self._derived[inputs] = True
@@ -131,8 +161,9 @@ class Recorder(TorchFunctionMode):
 
     def _parameter_only(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Every tensor operand is a (view of a) parameter or a constant: nothing from the batch."""
-        return all(self.tracked(t) is not None or (not self.derived(t) and not t.requires_grad)
-                   for t in tensors(args, kwargs))
+        return all(
+            self.tracked(t) is not None or (not self.derived(t) and not t.requires_grad) for t in tensors(args, kwargs)
+        )
 
     def _on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call on parameters and constants alone: the view its rule makes of it where there is one (an embedding
@@ -161,13 +192,21 @@ class Recorder(TorchFunctionMode):
         name = function_name(func)
         again = run_on_leaves(func, args, kwargs, out, {key: t for key, (t, _) in sources.items()})
         if again is None:
-            self._refuse([tracked for _, tracked in sources.values()], f"{name} on parameters gives other numbers when run "
-                         "again (random draws)")
+            self._refuse(
+                [tracked for _, tracked in sources.values()],
+                f"{name} on parameters gives other numbers when run again (random draws)",
+            )
             return
         local, leaves = again
-        params = list({id(p): p for _, tracked in sources.values()  # through other computations to the parameters
-                       for p in (self._nodes[id(tracked.param)].params if id(tracked.param) in self._nodes
-                                 else [tracked.param])}.values())
+        params = list(
+            {
+                id(p): p
+                for _, tracked in sources.values()  # through other computations to the parameters
+                for p in (
+                    self._nodes[id(tracked.param)].params if id(tracked.param) in self._nodes else [tracked.param]
+                )
+            }.values()
+        )
         for o, recomputed in zip(outputs(out), local):
             if o.requires_grad:
                 node = Derived(o, list(sources.values()), params, recomputed, leaves, name)
@@ -191,8 +230,12 @@ class Recorder(TorchFunctionMode):
         needs no entry (a tensor without one is batch-first when its first dimension is B)."""
         if examples.dim() < 1 or examples.shape[0] != self.batch:
             return False
-        if examples.stride(0) == 1 and all(s == 0 for s in examples.stride()[1:]) and examples.storage_offset() == 0 \
-                and examples.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr():
+        if (
+            examples.stride(0) == 1
+            and all(s == 0 for s in examples.stride()[1:])
+            and examples.storage_offset() == 0
+            and examples.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr()
+        ):
             return True
         values = core(examples)
         if values.shape[0] != self.batch:
@@ -213,8 +256,13 @@ class Recorder(TorchFunctionMode):
         one column when it is the same along the last dimension; a batch-first map is not stored."""
         if examples is not None and examples.shape != t.shape:
             examples = None
-        if examples is not None and examples.dim() >= 1 and examples.stride(-1) != 0 and examples.shape[-1] > 1 \
-                and torch.equal(examples, examples[..., :1].expand_as(examples)):
+        if (
+            examples is not None
+            and examples.dim() >= 1
+            and examples.stride(-1) != 0
+            and examples.shape[-1] > 1
+            and torch.equal(examples, examples[..., :1].expand_as(examples))
+        ):
             examples = examples[..., :1].expand(examples.shape)
         if examples is not None and self._trivial(examples):
             self._examples.pop(id(t), None)
@@ -234,8 +282,13 @@ class Recorder(TorchFunctionMode):
         try:
             if func in IDENTITY_VIEWS:
                 mapped: Sequence[torch.Tensor | None] = [examples]
-            elif func in ROW_RESHAPES and isinstance(out, torch.Tensor) and out.dim() >= 1 \
-                    and out.shape[-1] == source.shape[-1] and examples.stride(-1) == 0:  # the rows, in order
+            elif (
+                func in ROW_RESHAPES
+                and isinstance(out, torch.Tensor)
+                and out.dim() >= 1
+                and out.shape[-1] == source.shape[-1]
+                and examples.stride(-1) == 0
+            ):  # the rows, in order
                 mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
             else:
                 mapped = outputs(apply_view(func, examples, args, kwargs))
@@ -253,9 +306,14 @@ class Recorder(TorchFunctionMode):
         entries = [(t, self._entry(t)) for t in tensors(args, kwargs)]
         if not any(known for _, (known, _) in entries):
             return
-        maps: list[tuple[torch.Tensor, torch.Tensor | None]] = [(t, e) for t, (known, e) in entries if known and e is not None]
-        maps += [(t, self._source_examples(t)[1]) for t, (known, _) in entries if not known and t.dim() >= 1
-                 and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)]
+        maps: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+            (t, e) for t, (known, e) in entries if known and e is not None
+        ]
+        maps += [
+            (t, self._source_examples(t)[1])
+            for t, (known, _) in entries
+            if not known and t.dim() >= 1 and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)
+        ]
         for o in outputs(out):
             self._keep_examples(o, next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None))
 
@@ -313,14 +371,19 @@ class Recorder(TorchFunctionMode):
                 self._track(o, Tracked(source.param, index, source.shared))
         return out
 
-    def _ruled(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
+    def _ruled(
+        self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]
+    ) -> Any:
         out = func(*args, **kwargs)
         if not any(o.requires_grad for o in outputs(out)):
             return out
         self._follow_rows(args, kwargs, out)
         result = self._apply(func, handler, args, kwargs, out, hits)
-        if result is not None and isinstance(out, torch.Tensor) and (self.copy is None
-                                                                     or len(self.kept.versions) - 1 in self.copy):
+        if (
+            result is not None
+            and isinstance(out, torch.Tensor)
+            and (self.copy is None or len(self.kept.versions) - 1 in self.copy)
+        ):
             copied = out.clone()
             self._follow_rows((out,), {}, copied)
             return copied
@@ -330,8 +393,16 @@ class Recorder(TorchFunctionMode):
         """A broadcasting function (:mod:`dpml.train.rules.broadcast`) called with each parameter view that every
         example shares replaced by its copy per index of the batch operand's first dimension, S_b (recorded: the
         rows of its gradient, added up per example, are the examples' gradients)."""
-        batch_operand, owners = next(((t, o) for t in tensors(args, kwargs) if self.tracked(t) is None
-                                      for o in [self._leading_examples(t)] if o is not None), (None, self._base))
+        batch_operand, owners = next(
+            (
+                (t, o)
+                for t in tensors(args, kwargs)
+                if self.tracked(t) is None
+                for o in [self._leading_examples(t)]
+                if o is not None
+            ),
+            (None, self._base),
+        )
         copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(t) -> (t, its per-row copy)
         views: dict[int, Tracked] = {}
         for t in tensors(args, kwargs):
@@ -351,6 +422,7 @@ class Recorder(TorchFunctionMode):
         name = function_name(func)
         for key, (_, copy) in copies.items():
             view = views[key]
+
             def finish(d: torch.Tensor, view: Tracked = view) -> list[tuple[Tracked, Dense]]:
                 return [(view, Dense(per_example(d.reshape(d.shape[0], *view.shape()), owners, self.batch)))]
 
@@ -399,10 +471,13 @@ class Recorder(TorchFunctionMode):
 
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Call:
         """The call as its rule sees it, with the recorder's views of where the batch is."""
-        return Call(func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first, self._leading_examples)
+        return Call(
+            func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first, self._leading_examples
+        )
 
-    def _apply(self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-               hits: list[Tracked]) -> Pending | None:
+    def _apply(
+        self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, hits: list[Tracked]
+    ) -> Pending | None:
         """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
         result: Pending | Shared | str = handler(self._call(func, args, kwargs, out))
         if isinstance(result, str):
@@ -413,7 +488,9 @@ class Recorder(TorchFunctionMode):
                 self._track(o, tracked)
             return None
         covered = {id(p) for p in result.params}
-        self._refuse([h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand")
+        self._refuse(
+            [h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand"
+        )
         result.operation = function_name(func)
         self.pending.append(result)
         self.kept.keep(result.output)

@@ -169,12 +169,14 @@ IDENTITY_VIEWS: set[Any] = set()  # value-preserving ops: the index passes throu
 
 def rule(*functions: Any) -> Callable[[RuleFunction], RuleFunction]:
     """Register a rule for the given torch functions (one registration per rule; one file per rule)."""
+
     def register(fn: RuleFunction) -> RuleFunction:
         for f in functions:
             if f in RULES:
                 raise ValueError(f"{function_name(f)} has two rules")
             RULES[f] = fn
         return fn
+
     return register
 
 

@@ -14,12 +14,46 @@ import torch
 from dpml.train.rules.registry import IDENTITY_VIEWS, INDEX_VIEWS
 
 T = torch.Tensor
-INDEX_VIEWS.update({
-    T.t, torch.t, T.transpose, torch.transpose, T.swapaxes, torch.swapaxes, T.T.__get__, T.mT.__get__,  # type: ignore[attr-defined]  # (the properties' getters)
-    T.permute, torch.permute, T.movedim, torch.movedim,
-    T.view, T.reshape, torch.reshape, T.view_as, T.reshape_as, T.flatten, torch.flatten, T.unflatten,
-    T.unsqueeze, torch.unsqueeze, T.squeeze, torch.squeeze, T.expand, T.expand_as, T.broadcast_to,
-    T.chunk, torch.chunk, T.split, torch.split, T.unbind, torch.unbind, T.narrow, torch.narrow,
-    T.select, torch.select, T.__getitem__,
-})
+INDEX_VIEWS.update(
+    {
+        T.t,
+        torch.t,
+        T.transpose,
+        torch.transpose,
+        T.swapaxes,
+        torch.swapaxes,
+        T.T.__get__,  # type: ignore[attr-defined]  # (the properties' getters)
+        T.mT.__get__,  # type: ignore[attr-defined]
+        T.permute,
+        torch.permute,
+        T.movedim,
+        torch.movedim,
+        T.view,
+        T.reshape,
+        torch.reshape,
+        T.view_as,
+        T.reshape_as,
+        T.flatten,
+        torch.flatten,
+        T.unflatten,
+        T.unsqueeze,
+        torch.unsqueeze,
+        T.squeeze,
+        torch.squeeze,
+        T.expand,
+        T.expand_as,
+        T.broadcast_to,
+        T.chunk,
+        torch.chunk,
+        T.split,
+        torch.split,
+        T.unbind,
+        torch.unbind,
+        T.narrow,
+        torch.narrow,
+        T.select,
+        torch.select,
+        T.__getitem__,
+    }
+)
 IDENTITY_VIEWS.update({T.contiguous, T.clone, torch.clone, T.to, T.float, T.double, T.half, T.bfloat16, T.type_as})

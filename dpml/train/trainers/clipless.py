@@ -20,8 +20,14 @@ from dpml.models import build_model
 from dpml.models.lipschitz import loss_lipschitz, LipschitzSpec
 from dpml.accounting.mechanism import MechanismDescription
 from dpml.sections import TrainSettings
-from dpml.train.clipless import (GradientBounds, LossClipping, clipless_bounds, clipless_mechanism, gradient_noise_for,
-                                 train_clipless)
+from dpml.train.clipless import (
+    GradientBounds,
+    LossClipping,
+    clipless_bounds,
+    clipless_mechanism,
+    gradient_noise_for,
+    train_clipless,
+)
 from dpml.train.dpsgd import GradientCanaries, TrainResult, loss_function, make_optimizer
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors, refuse_canaries
 from dpml.train.search_pricing import poisson_gaussian_search_plan, random_count_relation_problems
@@ -57,8 +63,9 @@ def loss_clipping_of(config: Config) -> LossClipping | None:
     train = settings_of(config)
     if train.loss_clip_quantile is None:
         return None
-    return LossClipping(train.loss_clip_quantile, train.loss_clip_initial, train.loss_clip_count_noise,
-                        train.loss_clip_rate)
+    return LossClipping(
+        train.loss_clip_quantile, train.loss_clip_initial, train.loss_clip_count_noise, train.loss_clip_rate
+    )
 
 
 def layer_count(config: Config) -> int:
@@ -84,8 +91,16 @@ def lipschitz_spec_problems(config: Config) -> list[str]:
     if shape is not None and len(shape) != 3:
         return [f"model.input_shape = {model.input_shape}: give [channels, height, width]"]
     in_features = 1 if shape is None else shape[0] * shape[1] * shape[2]
-    spec = LipschitzSpec(in_features, tuple(model.hidden), 2, config.preprocess.clip_norm, model.bias_bound,
-                         conv=tuple(model.conv), input_shape=shape, dense_layer=model.dense_layer)
+    spec = LipschitzSpec(
+        in_features,
+        tuple(model.hidden),
+        2,
+        config.preprocess.clip_norm,
+        model.bias_bound,
+        conv=tuple(model.conv),
+        input_shape=shape,
+        dense_layer=model.dense_layer,
+    )
     try:
         spec.validate()
     except ValueError as error:
@@ -105,13 +120,17 @@ class Clipless(Trainer):
     def check(self, config: Config) -> list[str]:
         problems = []
         if config.train.loss not in LIPSCHITZ_LOSSES:
-            problems.append(f"train.loss = {config.train.loss!r}: clipless DP-SGD needs a Lipschitz loss "
-                            f"({', '.join(LIPSCHITZ_LOSSES)})")
+            problems.append(
+                f"train.loss = {config.train.loss!r}: clipless DP-SGD needs a Lipschitz loss "
+                f"({', '.join(LIPSCHITZ_LOSSES)})"
+            )
         if config.model.kind == "lipschitz":
             problems += lipschitz_spec_problems(config)
         if settings_of(config).loss_clip_quantile is not None and config.dp.target_epsilon is None:
-            problems.append("train.loss_clip_quantile: loss clipping needs dp.target_epsilon (σ is then calibrated for "
-                            "the gradient and the quantile's count together)")
+            problems.append(
+                "train.loss_clip_quantile: loss clipping needs dp.target_epsilon (σ is then calibrated for "
+                "the gradient and the quantile's count together)"
+            )
         return problems + exactly_one_noise_setting(config)
 
     def noise_multiplier(self, config: Config) -> float:
@@ -125,28 +144,55 @@ class Clipless(Trainer):
         return sigma * math.sqrt(layer_count(config)) if per_layer_noise(config) else sigma
 
     def plan(self, config: Config, n: int, in_features: int, n_classes: int) -> MechanismDescription:
-        return clipless_mechanism(model_gradient_bounds(config, in_features, n_classes), config.train.sample_rate,
-                                  self.noise_multiplier(config), settings_of(config).clipless_noise,
-                                  config.train.epochs, config.dp.neighbouring, n, loss_clipping_of(config))
+        return clipless_mechanism(
+            model_gradient_bounds(config, in_features, n_classes),
+            config.train.sample_rate,
+            self.noise_multiplier(config),
+            settings_of(config).clipless_noise,
+            config.train.epochs,
+            config.dp.neighbouring,
+            n,
+            loss_clipping_of(config),
+        )
 
-    def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
-            seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
-            held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
+    def fit(
+        self,
+        config: Config,
+        x: np.ndarray,
+        y: np.ndarray,
+        n_classes: int,
+        *,
+        noise_multiplier: float | None,
+        seed: int,
+        noise_seed: int,
+        canaries: GradientCanaries | None = None,
+        progress: bool = False,
+        held_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrainResult:
         refuse_canaries(self.name, canaries, "need clipped steps; clipless DP-SGD has none")
         if noise_multiplier is None:
             raise ValueError("clipless DP-SGD needs a noise multiplier")
         model = self.build_model(config, int(x.shape[1]), n_classes, seed)
         xt, yt = make_tensors(config, x, y)
         train = settings_of(config)
-        return train_clipless(model, xt, yt, sample_rate=train.sample_rate, epochs=train.epochs,  # type: ignore[arg-type]
-                              noise_multiplier=noise_multiplier, noise=train.clipless_noise,
-                              bounds=model_gradient_bounds(config, int(x.shape[1]), n_classes),
-                              neighbouring=config.dp.neighbouring,
-                              loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha),
-                              optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
-                              seed=noise_seed, physical_batch_size=train.physical_batch_size, progress=progress,
-                              loss_clipping=loss_clipping_of(config),
-                              loss_lipschitz=loss_lipschitz(train.loss, n_classes, train.loss_alpha))
+        return train_clipless(
+            model,  # type: ignore[arg-type]
+            xt,
+            yt,
+            sample_rate=train.sample_rate,
+            epochs=train.epochs,
+            noise_multiplier=noise_multiplier,
+            noise=train.clipless_noise,
+            bounds=model_gradient_bounds(config, int(x.shape[1]), n_classes),
+            neighbouring=config.dp.neighbouring,
+            loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha),
+            optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
+            seed=noise_seed,
+            physical_batch_size=train.physical_batch_size,
+            progress=progress,
+            loss_clipping=loss_clipping_of(config),
+            loss_lipschitz=loss_lipschitz(train.loss, n_classes, train.loss_alpha),
+        )
 
     def certify(self, mechanism: MechanismDescription, delta: float, train_metrics: dict[str, Any]) -> dict[str, Any]:
         """The accountants' certificate, void when the soundness check found the gradient bounds violated (a
@@ -154,11 +200,13 @@ class Clipless(Trainer):
         certificate = super().certify(mechanism, delta, train_metrics)
         if train_metrics.get("train_soundness_passed", True):
             return certificate
-        reason = (f"no guarantee: the soundness check found the gradient bounds violated "
-                  f"({train_metrics.get('train_soundness_violations')} per-example violations, worst ratio "
-                  f"{train_metrics.get('train_soundness_max_ratio', float('nan')):.4g}, largest spectral norm "
-                  f"{train_metrics.get('train_spectral_norm_max', float('nan')):.6g}); the accountants' answers "
-                  "assumed them")
+        reason = (
+            f"no guarantee: the soundness check found the gradient bounds violated "
+            f"({train_metrics.get('train_soundness_violations')} per-example violations, worst ratio "
+            f"{train_metrics.get('train_soundness_max_ratio', float('nan')):.4g}, largest spectral norm "
+            f"{train_metrics.get('train_spectral_norm_max', float('nan')):.6g}); the accountants' answers "
+            "assumed them"
+        )
         return certificate | {"epsilon": float("inf"), "statement": reason, "void": True}
 
     def released_noise_multiplier(self, config: Config, mechanism: dict[str, Any]) -> float:
@@ -171,9 +219,11 @@ class Clipless(Trainer):
     def search_problems(self, config: Config) -> list[str]:
         problems = random_count_relation_problems(config)
         if per_layer_noise(config) or loss_clipping_of(config) is not None:
-            problems.append("train.clipless_noise / train.loss_clip_quantile: dpml tune prices clipless candidates as "
-                            "DP-SGD steps with one global noise multiplier; per-layer noise and loss clipping are not "
-                            "searchable (use clipless_noise: global without loss clipping)")
+            problems.append(
+                "train.clipless_noise / train.loss_clip_quantile: dpml tune prices clipless candidates as "
+                "DP-SGD steps with one global noise multiplier; per-layer noise and loss clipping are not "
+                "searchable (use clipless_noise: global without loss clipping)"
+            )
         return problems
 
     def search_plan(self, config: Config, n_fit: int, n_total: int) -> SearchPlan:

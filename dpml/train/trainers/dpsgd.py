@@ -19,8 +19,16 @@ from dpml.sections import TrainSettings
 from dpml.devices import pick_device
 from dpml.train.clipping_check import check_autocast, plan_clipping
 from dpml.train.distributed import Collective, check_world_size, process_device, spawn
-from dpml.train.dpsgd import (AUTOCAST, GradientCanaries, TrainResult, dpsgd_mechanism, loss_function, make_optimizer,
-                              number_of_steps, train_dpsgd)
+from dpml.train.dpsgd import (
+    AUTOCAST,
+    GradientCanaries,
+    TrainResult,
+    dpsgd_mechanism,
+    loss_function,
+    make_optimizer,
+    number_of_steps,
+    train_dpsgd,
+)
 from dpml.train.protocol import SearchPlan, Trainer, make_tensors
 from dpml.train.search_pricing import poisson_gaussian_search_plan, random_count_relation_problems
 
@@ -44,8 +52,10 @@ class DpGdSettings(DpSgdSettings):
 def exactly_one_noise_setting(config: Config) -> list[str]:
     dp = config.dp
     if (dp.noise_multiplier is None) == (dp.target_epsilon is None):
-        return ["give exactly one of dp.noise_multiplier and dp.target_epsilon "
-                f"(got noise_multiplier={dp.noise_multiplier}, target_epsilon={dp.target_epsilon})"]
+        return [
+            "give exactly one of dp.noise_multiplier and dp.target_epsilon "
+            f"(got noise_multiplier={dp.noise_multiplier}, target_epsilon={dp.target_epsilon})"
+        ]
     return []
 
 
@@ -55,7 +65,9 @@ def calibrated_sigma(config: Config) -> float:
         return config.dp.noise_multiplier
     assert config.dp.target_epsilon is not None  # checked when the configuration was validated
     steps = number_of_steps(config.train.epochs, config.train.sample_rate)
-    return _calibrate(config.dp.target_epsilon, config.train.sample_rate, steps, config.dp.delta, config.dp.neighbouring)
+    return _calibrate(
+        config.dp.target_epsilon, config.train.sample_rate, steps, config.dp.delta, config.dp.neighbouring
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -80,8 +92,14 @@ class DpSgd(Trainer):
         return calibrated_sigma(config)
 
     def plan(self, config: Config, n: int, in_features: int, n_classes: int) -> MechanismDescription:
-        return dpsgd_mechanism(config.train.sample_rate, calibrated_sigma(config), config.train.epochs,
-                               config.dp.neighbouring, config.dp.clip_norm, n)
+        return dpsgd_mechanism(
+            config.train.sample_rate,
+            calibrated_sigma(config),
+            config.train.epochs,
+            config.dp.neighbouring,
+            config.dp.clip_norm,
+            n,
+        )
 
     def check_model(self, config: Config, in_features: int, n_classes: int) -> list[str]:
         """The clipping probe on the model as it will be built (:mod:`dpml.train.clipping_check`)."""
@@ -93,36 +111,78 @@ class DpSgd(Trainer):
         check_autocast(model, loss, (in_features,), torch.float32, pick_device(train.device), AUTOCAST[train.autocast])
         return plan.lines()
 
-    def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
-            seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
-            held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
+    def fit(
+        self,
+        config: Config,
+        x: np.ndarray,
+        y: np.ndarray,
+        n_classes: int,
+        *,
+        noise_multiplier: float | None,
+        seed: int,
+        noise_seed: int,
+        canaries: GradientCanaries | None = None,
+        progress: bool = False,
+        held_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrainResult:
         if noise_multiplier is None:
             raise ValueError(f"{self.name}: a private run needs a noise multiplier")
         if config.train.world_size > 1 and canaries is None:
-            state, mechanism, history = spawn(config.train.world_size, str(pick_device(config.train.device)),
-                                              fit_one_process, self, config, x, y, n_classes, noise_multiplier,
-                                              seed, noise_seed)
+            state, mechanism, history = spawn(
+                config.train.world_size,
+                str(pick_device(config.train.device)),
+                fit_one_process,
+                self,
+                config,
+                x,
+                y,
+                n_classes,
+                noise_multiplier,
+                seed,
+                noise_seed,
+            )
             model = self.build_model(config, int(x.shape[1]), n_classes, seed)
             model.load_state_dict(state)
             return TrainResult(model, mechanism, history)
         return self.fit_here(config, x, y, n_classes, noise_multiplier, seed, noise_seed, canaries, progress)
 
-    def fit_here(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, noise_multiplier: float,
-                 seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
-                 collective: Collective | None = None) -> TrainResult:
+    def fit_here(
+        self,
+        config: Config,
+        x: np.ndarray,
+        y: np.ndarray,
+        n_classes: int,
+        noise_multiplier: float,
+        seed: int,
+        noise_seed: int,
+        canaries: GradientCanaries | None = None,
+        progress: bool = False,
+        collective: Collective | None = None,
+    ) -> TrainResult:
         """Train in this process: the whole run, or one process's part of a distributed run (``collective``).
         The audit's canary runs are one process whatever ``train.world_size`` says: the mechanism is the same."""
         model = self.build_model(config, int(x.shape[1]), n_classes, seed)
         xt, yt = make_tensors(config, x, y)
         train = config.train
-        return train_dpsgd(model, xt, yt, sample_rate=train.sample_rate, epochs=train.epochs,
-                           clip_norm=config.dp.clip_norm, noise_multiplier=noise_multiplier,
-                           neighbouring=config.dp.neighbouring,
-                           optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
-                           seed=noise_seed, physical_batch_size=train.physical_batch_size, canaries=canaries,
-                           progress=progress, loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha),
-                           collective=collective, autocast=AUTOCAST[train.autocast],
-                           tune_physical_batch=train.tune_physical_batch)
+        return train_dpsgd(
+            model,
+            xt,
+            yt,
+            sample_rate=train.sample_rate,
+            epochs=train.epochs,
+            clip_norm=config.dp.clip_norm,
+            noise_multiplier=noise_multiplier,
+            neighbouring=config.dp.neighbouring,
+            optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
+            seed=noise_seed,
+            physical_batch_size=train.physical_batch_size,
+            canaries=canaries,
+            progress=progress,
+            loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha),
+            collective=collective,
+            autocast=AUTOCAST[train.autocast],
+            tune_physical_batch=train.tune_physical_batch,
+        )
 
     def audit_with_gradient_canaries(self, config: Config) -> bool:
         # The canary hook adds Dirac gradients to the clipped sum of the engine's layers; the random-features
@@ -136,9 +196,17 @@ class DpSgd(Trainer):
         return poisson_gaussian_search_plan(self, config, n_fit, n_total)
 
 
-def fit_one_process(collective: Collective, trainer: DpSgd, config: Config, x: np.ndarray, y: np.ndarray,
-                    n_classes: int, noise_multiplier: float, seed: int,
-                    noise_seed: int) -> tuple[dict[str, torch.Tensor], MechanismDescription | None, dict[str, Any]]:
+def fit_one_process(
+    collective: Collective,
+    trainer: DpSgd,
+    config: Config,
+    x: np.ndarray,
+    y: np.ndarray,
+    n_classes: int,
+    noise_multiplier: float,
+    seed: int,
+    noise_seed: int,
+) -> tuple[dict[str, torch.Tensor], MechanismDescription | None, dict[str, Any]]:
     """One process of a distributed run started by :func:`dpml.train.distributed.spawn` (rank 0's answer
     is kept): its GPU, its share of every step, the model's weights on the CPU."""
     device = process_device(str(pick_device(config.train.device)), collective.rank)
@@ -158,6 +226,8 @@ class DpGd(DpSgd):
 
     def check(self, config: Config) -> list[str]:
         if config.train.sample_rate != 1.0:
-            return [f"train.sample_rate = {config.train.sample_rate:g}: DP-GD (train.algorithm = 'dpgd') uses the "
-                    "full batch at every step; set train.sample_rate: 1"]
+            return [
+                f"train.sample_rate = {config.train.sample_rate:g}: DP-GD (train.algorithm = 'dpgd') uses the "
+                "full batch at every step; set train.sample_rate: 1"
+            ]
         return exactly_one_noise_setting(config)

@@ -73,11 +73,24 @@ def noisygd_sigma(config: Config, n: int, widths: list[int]) -> float:
 def noisygd_mechanism(config: Config, n: int, in_features: int, n_classes: int) -> MechanismDescription:
     """What noisy GD will do on n records (known before it runs: the ledger needs it)."""
     widths = [in_features, *config.model.hidden, n_classes]
-    event = NoisyGradientDescent(config.model.init, tuple(widths), config.preprocess.clip_norm,
-                                 int(config.train.epochs), config.train.learning_rate,
-                                 noisygd_sigma(config, n, widths), config.noisygd.linearised)
-    return MechanismDescription(trainer="noisygd", events=(event,), neighbouring="replace-one", clip_norm=0.0,
-                                dataset_size=n, threat_model="all-iterates", notes=NOTES)
+    event = NoisyGradientDescent(
+        config.model.init,
+        tuple(widths),
+        config.preprocess.clip_norm,
+        int(config.train.epochs),
+        config.train.learning_rate,
+        noisygd_sigma(config, n, widths),
+        config.noisygd.linearised,
+    )
+    return MechanismDescription(
+        trainer="noisygd",
+        events=(event,),
+        neighbouring="replace-one",
+        clip_norm=0.0,
+        dataset_size=n,
+        threat_model="all-iterates",
+        notes=NOTES,
+    )
 
 
 def summarise_kl_estimate(history: dict[str, Any]) -> dict[str, Any]:
@@ -108,36 +121,59 @@ class NoisyGd(Trainer):
         train, dp, gd = config.train, config.dp, config.noisygd
         problems = []
         if dp.neighbouring != "replace-one":
-            problems.append(f"dp.neighbouring = {dp.neighbouring!r}: the KL bound is stated for replace-one neighbours; "
-                            "set dp.neighbouring: replace-one")
+            problems.append(
+                f"dp.neighbouring = {dp.neighbouring!r}: the KL bound is stated for replace-one neighbours; "
+                "set dp.neighbouring: replace-one"
+            )
         if train.loss != "cross_entropy":
             problems.append(f"train.loss = {train.loss!r}: the bound uses the cross-entropy's ‖softmax − e_y‖² ≤ 2")
         if train.sample_rate != 1.0:
-            problems.append(f"train.sample_rate = {train.sample_rate:g}: noisy GD uses the full batch; set "
-                            "train.sample_rate: 1")
+            problems.append(
+                f"train.sample_rate = {train.sample_rate:g}: noisy GD uses the full batch; set train.sample_rate: 1"
+            )
         if train.optimizer != "sgd" or train.momentum != 0:
-            problems.append(f"train.optimizer = {train.optimizer!r}, train.momentum = {train.momentum:g}: noisy GD takes "
-                            "plain gradient steps (sgd, momentum 0)")
+            problems.append(
+                f"train.optimizer = {train.optimizer!r}, train.momentum = {train.momentum:g}: noisy GD takes "
+                "plain gradient steps (sgd, momentum 0)"
+            )
         if train.epochs != int(train.epochs):
-            problems.append(f"train.epochs = {train.epochs:g}: noisy GD takes one full-batch step per epoch (an integer)")
+            problems.append(
+                f"train.epochs = {train.epochs:g}: noisy GD takes one full-batch step per epoch (an integer)"
+            )
         if (gd.sigma is None) == (gd.kl_target is None):
-            problems.append(f"give exactly one of noisygd.sigma and noisygd.kl_target (got sigma={gd.sigma}, "
-                            f"kl_target={gd.kl_target})")
+            problems.append(
+                f"give exactly one of noisygd.sigma and noisygd.kl_target (got sigma={gd.sigma}, "
+                f"kl_target={gd.kl_target})"
+            )
         if dp.noise_multiplier is not None or dp.target_epsilon is not None:
-            problems.append("dp.noise_multiplier / dp.target_epsilon: not used by noisy GD (its noise is noisygd.sigma "
-                            "or noisygd.kl_target); remove them")
+            problems.append(
+                "dp.noise_multiplier / dp.target_epsilon: not used by noisy GD (its noise is noisygd.sigma "
+                "or noisygd.kl_target); remove them"
+            )
         return problems
 
     def model_spec(self, config: Config, in_features: int, n_classes: int) -> ModelSpec:
-        return spec_for(config.model, config.preprocess.clip_norm, in_features, n_classes,
-                        linearised=config.noisygd.linearised)
+        return spec_for(
+            config.model, config.preprocess.clip_norm, in_features, n_classes, linearised=config.noisygd.linearised
+        )
 
     def plan(self, config: Config, n: int, in_features: int, n_classes: int) -> MechanismDescription:
         return noisygd_mechanism(config, n, in_features, n_classes)
 
-    def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
-            seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
-            held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
+    def fit(
+        self,
+        config: Config,
+        x: np.ndarray,
+        y: np.ndarray,
+        n_classes: int,
+        *,
+        noise_multiplier: float | None,
+        seed: int,
+        noise_seed: int,
+        canaries: GradientCanaries | None = None,
+        progress: bool = False,
+        held_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrainResult:
         """W0 drawn from the scheme with *secret* randomness (the certificate averages over W0); ``held_out``
         records are add-one probes of the *estimated* KL only (never trained on)."""
         refuse_canaries(self.name, canaries, "are an audit of DP-SGD's clipped steps: noisy GD has none")
@@ -151,22 +187,34 @@ class NoisyGd(Trainer):
         probes = None
         if config.noisygd.kl_probes:
             rows = torch.randperm(int(x.shape[0]), generator=torch.Generator().manual_seed(config.train.seed))
-            probes = KLPairs(removed=rows[:config.noisygd.kl_probes].to(xt.device), relations=("remove_one",))
+            probes = KLPairs(removed=rows[: config.noisygd.kl_probes].to(xt.device), relations=("remove_one",))
             if held_out is not None and len(held_out[1]):
                 count = min(config.noisygd.kl_probes, len(held_out[1]))
-                probes = KLPairs(removed=probes.removed,
-                                 added_x=torch.as_tensor(held_out[0][:count], dtype=xt.dtype, device=xt.device),
-                                 added_y=torch.as_tensor(held_out[1][:count], device=xt.device),
-                                 relations=("remove_one", "add_one", "replace_one"))
-        run = train_noisy_gd(model, xt, yt, learning_rate=event.learning_rate, sigma=event.sigma, steps=event.steps,
-                             loss="cross_entropy",
-                             generator=torch.Generator(device=xt.device).manual_seed(noise_seed + 1),
-                             kl_pairs=probes, progress=progress)
+                probes = KLPairs(
+                    removed=probes.removed,
+                    added_x=torch.as_tensor(held_out[0][:count], dtype=xt.dtype, device=xt.device),
+                    added_y=torch.as_tensor(held_out[1][:count], device=xt.device),
+                    relations=("remove_one", "add_one", "replace_one"),
+                )
+        run = train_noisy_gd(
+            model,
+            xt,
+            yt,
+            learning_rate=event.learning_rate,
+            sigma=event.sigma,
+            steps=event.steps,
+            loss="cross_entropy",
+            generator=torch.Generator(device=xt.device).manual_seed(noise_seed + 1),
+            kl_pairs=probes,
+            progress=progress,
+        )
         return TrainResult(run.model, mechanism, summarise_kl_estimate(run.history))
 
     def released_noise_multiplier(self, config: Config, mechanism: dict[str, Any]) -> float:
         return float(mechanism["events"][0]["sigma"])
 
     def search_problems(self, config: Config) -> list[str]:
-        return [f"train.algorithm = {self.name!r}: dpml tune searches (ε, δ)-DP runs only; a search over KL-private "
-                "runs has no selection theorem here"]
+        return [
+            f"train.algorithm = {self.name!r}: dpml tune searches (ε, δ)-DP runs only; a search over KL-private "
+            "runs has no selection theorem here"
+        ]

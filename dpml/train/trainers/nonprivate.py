@@ -30,21 +30,41 @@ class NonPrivate(Trainer):
     def plan(self, config: Config, n: int, in_features: int, n_classes: int) -> None:
         return None
 
-    def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
-            seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
-            held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
+    def fit(
+        self,
+        config: Config,
+        x: np.ndarray,
+        y: np.ndarray,
+        n_classes: int,
+        *,
+        noise_multiplier: float | None,
+        seed: int,
+        noise_seed: int,
+        canaries: GradientCanaries | None = None,
+        progress: bool = False,
+        held_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrainResult:
         refuse_canaries(self.name, canaries, "need a private trainer")
         model = self.build_model(config, int(x.shape[1]), n_classes, seed)
         xt, yt = make_tensors(config, x, y)
         train = config.train
-        return train_nonprivate(model, xt, yt, sample_rate=train.sample_rate, epochs=train.epochs,
-                                optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
-                                seed=seed, progress=progress, loss_fn=loss_function(train.loss, train.loss_tau,
-                                                                                    train.loss_alpha))
+        return train_nonprivate(
+            model,
+            xt,
+            yt,
+            sample_rate=train.sample_rate,
+            epochs=train.epochs,
+            optimizer=make_optimizer(model, train.optimizer, train.learning_rate, train.momentum),
+            seed=seed,
+            progress=progress,
+            loss_fn=loss_function(train.loss, train.loss_tau, train.loss_alpha),
+        )
 
     def released_noise_multiplier(self, config: Config, mechanism: dict[str, Any]) -> None:
         return None
 
     def search_problems(self, config: Config) -> list[str]:
-        return [f"train.algorithm = {self.name!r}: dpml tune searches (ε, δ)-DP runs only; a search over KL-private "
-                "runs has no selection theorem here"]
+        return [
+            f"train.algorithm = {self.name!r}: dpml tune searches (ε, δ)-DP runs only; a search over KL-private "
+            "runs has no selection theorem here"
+        ]

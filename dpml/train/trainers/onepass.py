@@ -52,8 +52,9 @@ def onepass_rho(config: Config) -> float:
     target, delta = config.dp.target_epsilon, config.dp.delta
 
     def epsilon(rho: float) -> float:
-        return epsilon_zcdp_rdp(MechanismDescription("onepass", (ConcentratedDP(rho * rho / 2),), "replace-one",
-                                                     1.0, 1), delta)
+        return epsilon_zcdp_rdp(
+            MechanismDescription("onepass", (ConcentratedDP(rho * rho / 2),), "replace-one", 1.0, 1), delta
+        )
 
     low = rho_for_epsilon(target, delta)  # Bun–Steinke's conversion: never tighter, so ε(low) ≤ target
     high = 2 * low
@@ -71,19 +72,28 @@ def onepass_mechanism(config: Config, n: int, in_features: int) -> MechanismDesc
     try:
         check_step_sizes(learning_rate_schedule(config.onepass.schedule, config.onepass.eta0, n), x0 * x0 + 1.0)
     except ValueError as error:
-        raise ValueError(f"onepass.eta0 = {config.onepass.eta0:g} with n = {n} and X0 = preprocess.clip_norm = {x0:g}: "
-                         f"{error} (η_k = η̃/n ≤ 2/(X0² + 1) needs eta0 ≤ {2 * n / (x0 * x0 + 1):.6g})") from None
+        raise ValueError(
+            f"onepass.eta0 = {config.onepass.eta0:g} with n = {n} and X0 = preprocess.clip_norm = {x0:g}: "
+            f"{error} (η_k = η̃/n ≤ 2/(X0² + 1) needs eta0 ≤ {2 * n / (x0 * x0 + 1):.6g})"
+        ) from None
     rho = onepass_rho(config)
     clip = config.onepass.clip_constant * math.sqrt(in_features)
     return MechanismDescription(
-        trainer="onepass", events=(ConcentratedDP(rho * rho / 2),), neighbouring="replace-one", clip_norm=clip,
-        dataset_size=n, threat_model="final-model",
-        notes=(f"one-pass DP-SGD (seed 002): each record once in a secret random order, {config.onepass.schedule.upper()} "
-               f"schedule with η̃(0) = {config.onepass.eta0:g}, per-example gradients clipped to C = c·√d = {clip:.6g}",
-               f"privacy amplification by iteration: the last iterate is (ρ²/2)-zCDP with ρ = max_k η_k / "
-               f"sqrt(Σ_(j≥k) σ_j²) = {rho:.6g} for the minimal noise schedule ρ²σ_k² = η_k² − η_(k+1)²; needs a "
-               "convex smooth loss (the clipped squared loss is a Huber loss) and η_k ≤ 2/β, β = X0² + 1",
-               "only the final model is released: intermediate iterates are never logged"))
+        trainer="onepass",
+        events=(ConcentratedDP(rho * rho / 2),),
+        neighbouring="replace-one",
+        clip_norm=clip,
+        dataset_size=n,
+        threat_model="final-model",
+        notes=(
+            f"one-pass DP-SGD (seed 002): each record once in a secret random order, {config.onepass.schedule.upper()} "
+            f"schedule with η̃(0) = {config.onepass.eta0:g}, per-example gradients clipped to C = c·√d = {clip:.6g}",
+            f"privacy amplification by iteration: the last iterate is (ρ²/2)-zCDP with ρ = max_k η_k / "
+            f"sqrt(Σ_(j≥k) σ_j²) = {rho:.6g} for the minimal noise schedule ρ²σ_k² = η_k² − η_(k+1)²; needs a "
+            "convex smooth loss (the clipped squared loss is a Huber loss) and η_k ≤ 2/β, β = X0² + 1",
+            "only the final model is released: intermediate iterates are never logged",
+        ),
+    )
 
 
 class OnePass(Trainer):
@@ -93,7 +103,9 @@ class OnePass(Trainer):
     settings = OnePassTrainSettings
     sections = {"onepass": OnePassConfig}
     model_kinds = ("mlp",)
-    model_kind_reason = "one-pass DP-SGD trains a linear model (its loss must be convex): model.kind: mlp with hidden: []"
+    model_kind_reason = (
+        "one-pass DP-SGD trains a linear model (its loss must be convex): model.kind: mlp with hidden: []"
+    )
     summary = "seed 002: one-pass DP-SGD on a linear model, final model only, (ρ²/2)-zCDP"
 
     def check(self, config: Config) -> list[str]:
@@ -101,36 +113,59 @@ class OnePass(Trainer):
         train, dp, model = config.train, config.dp, config.model
         problems = []
         if model.kind == "mlp" and model.hidden:
-            problems.append(f"model.kind = {model.kind!r}, model.hidden = {model.hidden}: one-pass DP-SGD trains a "
-                            "linear model (its loss must be convex); use model.kind: mlp with hidden: []")
+            problems.append(
+                f"model.kind = {model.kind!r}, model.hidden = {model.hidden}: one-pass DP-SGD trains a "
+                "linear model (its loss must be convex); use model.kind: mlp with hidden: []"
+            )
         if train.loss != "squared":
-            problems.append(f"train.loss = {train.loss!r}: one-pass DP-SGD is analysed for the squared loss "
-                            "(clipped: Huber)")
+            problems.append(
+                f"train.loss = {train.loss!r}: one-pass DP-SGD is analysed for the squared loss (clipped: Huber)"
+            )
         if dp.neighbouring != "replace-one":
             problems.append(f"dp.neighbouring = {dp.neighbouring!r}: the analysis replaces one record; set replace-one")
         if dp.target_epsilon is None or dp.noise_multiplier is not None:
-            problems.append("dp.target_epsilon: required (it fixes ρ and so the noise schedule); dp.noise_multiplier "
-                            "must be null")
+            problems.append(
+                "dp.target_epsilon: required (it fixes ρ and so the noise schedule); dp.noise_multiplier must be null"
+            )
         if train.epochs != 1:
-            problems.append(f"train.epochs = {train.epochs:g}: one-pass DP-SGD uses each record once; set "
-                            "train.epochs: 1")
+            problems.append(
+                f"train.epochs = {train.epochs:g}: one-pass DP-SGD uses each record once; set train.epochs: 1"
+            )
         return problems
 
     def plan(self, config: Config, n: int, in_features: int, n_classes: int) -> MechanismDescription:
         return onepass_mechanism(config, n, in_features)
 
-    def fit(self, config: Config, x: np.ndarray, y: np.ndarray, n_classes: int, *, noise_multiplier: float | None,
-            seed: int, noise_seed: int, canaries: GradientCanaries | None = None, progress: bool = False,
-            held_out: tuple[np.ndarray, np.ndarray] | None = None) -> TrainResult:
+    def fit(
+        self,
+        config: Config,
+        x: np.ndarray,
+        y: np.ndarray,
+        n_classes: int,
+        *,
+        noise_multiplier: float | None,
+        seed: int,
+        noise_seed: int,
+        canaries: GradientCanaries | None = None,
+        progress: bool = False,
+        held_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrainResult:
         refuse_canaries(self.name, canaries, "observe every iterate: not an audit of a final-model-only trainer")
         model = self.build_model(config, int(x.shape[1]), n_classes, seed)
         mechanism = onepass_mechanism(config, int(x.shape[0]), int(x.shape[1]))
         event = mechanism.events[0]
         assert isinstance(event, ConcentratedDP)
-        history = onepass_linear_classifier(model[0], x, y, rho=math.sqrt(2 * event.rho),  # type: ignore[index]
-                                            schedule=config.onepass.schedule, eta0=config.onepass.eta0,
-                                            clip_norm=mechanism.clip_norm, input_norm_bound=config.preprocess.clip_norm,
-                                            seed=noise_seed)
+        history = onepass_linear_classifier(
+            model[0],  # type: ignore[index]
+            x,
+            y,
+            rho=math.sqrt(2 * event.rho),
+            schedule=config.onepass.schedule,
+            eta0=config.onepass.eta0,
+            clip_norm=mechanism.clip_norm,
+            input_norm_bound=config.preprocess.clip_norm,
+            seed=noise_seed,
+        )
         return TrainResult(model, mechanism, history)
 
     def released_noise_multiplier(self, config: Config, mechanism: dict[str, Any]) -> float:
@@ -138,5 +173,7 @@ class OnePass(Trainer):
         return 1.0 / math.sqrt(2 * float(mechanism["events"][0]["rho"]))
 
     def search_problems(self, config: Config) -> list[str]:
-        return [f"train.algorithm = {self.name!r}: dpml tune cannot search one-pass DP-SGD (its ρ is calibrated to the "
-                "whole target; no selection cost is priced)"]
+        return [
+            f"train.algorithm = {self.name!r}: dpml tune cannot search one-pass DP-SGD (its ρ is calibrated to the "
+            "whole target; no selection cost is priced)"
+        ]
