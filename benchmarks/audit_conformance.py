@@ -93,6 +93,9 @@ def run_case(config_path: Path, overrides: list[str], case: str, work: Path) -> 
         "audit_seconds": audit_seconds,
         "white_box_seconds": audit.get("white_box_seconds", 0.0),
         "power": audit["power"],
+        "one_run": [
+            {k: b.get(k) for k in ("method", "epsilon", "inputs", "fdp", "power", "gating")} for b in audit["one_run"]
+        ],
     }
 
 
@@ -229,6 +232,7 @@ def write(results: list[dict[str, Any]], out: Path, command: str) -> None:
         ]
         for name, entry in intact["power"].items():
             lines.append(f"| {name} | {entry['power']:.2f} | {'yes' if entry['gating'] else 'no'} |")
+        lines += one_run_table(intact, result["epsilon"])
         lines += ["", "The failing check's line, for each bug:", ""]
         for row in rows[1:]:
             failed = [line for line in row["check_lines"] if any(f"'{c}'" in line for c in row["failed_checks"])]
@@ -243,6 +247,31 @@ def write(results: list[dict[str, Any]], out: Path, command: str) -> None:
         "",
     ]
     (out / "audit_conformance.md").write_text("\n".join(lines))
+
+
+def one_run_table(intact: dict[str, Any], epsilon: float) -> list[str]:
+    """The intact run's one-run audits: Steinke et al.'s bound beside its f-DP reading through a Gaussian
+    curve (Mahloujifar et al. 2025; informational, never gating), each with its power, against the certified ε."""
+    runs = [b for b in intact.get("one_run", []) if b.get("fdp")]
+    if not runs:
+        return []
+    lines = [
+        "",
+        f"One-run audits of the intact run (certified ε = {epsilon:g}): the Steinke–Nasr–Jagielski bound and its "
+        "f-DP reading (largest μ-GDP rejected, and that μ's ε at the run's δ; it assumes a Gaussian trade-off "
+        "curve and never gates), each with its power (every guess right):",
+        "",
+        "| method | right / guesses / canaries | Steinke ε (power) | f-DP μ (power) | f-DP ε (power) |",
+        "|---|---|---|---|---|",
+    ]
+    for b in runs:
+        i, f = b["inputs"], b["fdp"]
+        lines.append(
+            f"| {b['method']} | {i['correct']} / {i['guesses']} / {i['canaries']} | {b['epsilon']:.2f} "
+            f"({b.get('power', float('nan')):.2f}) | {f['mu']:.3f} ({f['power_mu']:.3f}) | {f['epsilon']:.2f} "
+            f"({f['power']:.2f}) |"
+        )
+    return lines
 
 
 def main() -> None:

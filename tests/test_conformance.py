@@ -22,6 +22,7 @@ from scipy import stats
 from dpml import stages
 from dpml.audit import broken
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_power
+from dpml.audit.one_run_fdp import one_run_gdp_bound
 from dpml.audit.checks import Check, chernoff_product_p_value
 from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
 from dpml.audit.recompute import forward_is_random, reference_clipped_sum
@@ -392,6 +393,16 @@ def test_the_gate_fails_a_broken_trainer_and_passes_the_intact_one(
     if bug is None:
         assert decision["passed"] is True, decision["reasons"]
         assert audit["conformance"]["passed"] is True and not failed
+        # beside the canaries' bound, its f-DP reading (Gaussian curve): recomputable from the recorded guesses,
+        # within its power, never gating, and in the report on the line below the bound with what it assumes
+        white = next(b for b in audit["one_run"] if b["method"] == "one_run_white_box")
+        i, fdp = white["inputs"], white["fdp"]
+        again = one_run_gdp_bound(i["canaries"], i["guesses"], i["correct"], i["delta"], white["confidence"])
+        assert (fdp["mu"], fdp["epsilon"]) == (again.inputs["mu"], again.epsilon) and fdp["gating"] is False
+        assert fdp["power"] >= fdp["epsilon"] and fdp["power"] > white["power"]
+        report = layout.report.read_text()
+        assert f"μ ≥ {fdp['mu']:.3g}, i.e. ε ≥ {fdp['epsilon']:.4g}" in report and "never gates" in report
+        assert "not evidence that the certificate is loose" in report
     else:
         assert decision["passed"] is False, (bug, decision["reasons"])
         assert failed and audit["conformance"]["passed"] is False

@@ -27,6 +27,7 @@ import torch
 
 from dpml.audit.bounds import one_run_bound, one_run_guesses
 from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
+from dpml.audit.one_run_fdp import one_run_gdp_bound, one_run_gdp_power
 from dpml.audit.recompute import forward_is_random, trainable_size
 from dpml.audit.signals import cross_entropy_losses, logits_of
 from dpml.config import Config
@@ -41,10 +42,28 @@ if TYPE_CHECKING:
 
 
 def _bound(scores: np.ndarray, included: np.ndarray, config: Config, confidence: float, mode: str) -> dict[str, Any]:
+    """The Steinke–Nasr–Jagielski bound of the guesses, and beside it (``fdp``) their f-DP reading through a
+    Gaussian curve (:mod:`dpml.audit.one_run_fdp`) with its power; the latter rests on an assumption and never
+    gates."""
     k = max(1, math.ceil(config.audit.one_run_guess_fraction * scores.size / 2))  # (see *_guesses above)
     guesses, correct = one_run_guesses(scores, included, k, k)
-    bound = one_run_bound(scores.size, guesses, correct, config.dp.delta, confidence)
-    return bound.to_dict() | {"method": f"one_run_{mode}"}
+    delta = config.dp.delta
+    bound = one_run_bound(scores.size, guesses, correct, delta, confidence)
+    fdp = one_run_gdp_bound(scores.size, guesses, correct, delta, confidence)
+    power = one_run_gdp_power(scores.size, guesses, delta, confidence)
+    return bound.to_dict() | {
+        "method": f"one_run_{mode}",
+        "fdp": {
+            "method": fdp.method,
+            "mu": fdp.inputs["mu"],
+            "epsilon": fdp.epsilon,
+            "power_mu": power.inputs["mu"],
+            "power": power.epsilon,
+            "confidence": confidence,
+            "assumption": fdp.assumption,
+            "gating": False,
+        },
+    }
 
 
 def white_box_canary_count(config: Config, n_params: int) -> int:

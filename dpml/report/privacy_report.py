@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from dpml.audit.robustness import robustness_units
-from dpml.formatting import format_epsilon, format_lower_bound
+from dpml.formatting import format_epsilon
 from dpml.accounting.mechanism import Selection
-from dpml.report.verdict import verdict_lines
+from dpml.report.verdict import bound_meaning, verdict_lines
 
 
 def _fmt(value: Any) -> str:
@@ -75,6 +75,24 @@ def lineage_lines(ledger: dict[str, Any], budget: float | None, excluded: int = 
         lines.append(
             f"KL-private releases sum to KL = {ledger['kl_total']:.4g} for the most exposed person (the "
             "(ε, δ) loss is unbounded once a KL-only release used a record)."
+        )
+    return lines
+
+
+def one_run_lines(bound: dict[str, Any]) -> list[str]:
+    """A one-run audit: its Steinke–Nasr–Jagielski bound with the guesses behind it, and beneath it the f-DP
+    reading of the same guesses through a Gaussian curve (informational: it assumes that curve)."""
+    i = bound["inputs"]
+    lines = [
+        f"- {bound['method']}: ε ≥ {bound['epsilon']:.4g} at confidence {bound['confidence']:.4g} "
+        f"({i['correct']}/{i['guesses']} guesses right among {i['canaries']} canaries)"
+    ]
+    fdp = bound.get("fdp")
+    if fdp:
+        lines.append(
+            f"  - f-DP reading (Gaussian curve, informational): μ ≥ {fdp['mu']:.3g}, i.e. ε ≥ {fdp['epsilon']:.4g} at "
+            f"δ = {i['delta']:g} (power: μ {fdp['power_mu']:.3g}, ε {fdp['power']:.4g}); it assumes "
+            f"{fdp['assumption']} and never gates"
         )
     return lines
 
@@ -249,13 +267,13 @@ def _audit_section(audit: dict[str, Any]) -> list[str]:
         lines += ["", "Positive control (same split, same model, trained without DP):", ""]
         lines += _attack_table(audit["control"]["attacks"])
     if audit["one_run"]:
-        lines += ["", "One-run audits (Steinke, Nasr, Jagielski 2023):", ""]
+        lines += [
+            "",
+            "One-run audits (Steinke, Nasr, Jagielski 2023; f-DP reading: Mahloujifar, Melis, Chaudhuri 2025):",
+            "",
+        ]
         for b in audit["one_run"]:
-            i = b["inputs"]
-            lines.append(
-                f"- {b['method']}: ε ≥ {b['epsilon']:.4g} at confidence {b['confidence']:.4g} "
-                f"({i['correct']}/{i['guesses']} guesses right among {i['canaries']} canaries)"
-            )
+            lines += one_run_lines(b)
     lines += [
         "",
         f"Bounds are computed at confidence {audit['per_bound_confidence']:.4g} each so that all "
@@ -264,7 +282,7 @@ def _audit_section(audit: dict[str, Any]) -> list[str]:
         "assume a Gaussian trade-off curve and never gate. The audit's own training runs (reference models, "
         "control, canary runs) use the private data; their outputs are published only as these aggregates "
         "and their privacy cost is not charged to the release.",
-        f"Largest gating lower bound: **ε ≥ {format_lower_bound(audit['max_lower_bound'])}**.",
+        f"Largest gating lower bound: **{bound_meaning(audit)}**",
     ]
     lines += _power_lines(audit) + _conformance_lines(audit)
     if "reconstruction" in audit:

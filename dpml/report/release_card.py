@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from dpml.audit.bounds import dp_limit_tpr
-from dpml.formatting import format_epsilon, format_lower_bound
-from dpml.report.verdict import PARTS, SCORES
+from dpml.formatting import format_epsilon
+from dpml.report.verdict import PARTS, SCORES, bound_meaning
 
 LOW_FPR = 1e-3  # the ROC plot's left edge (log axes)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
@@ -231,7 +231,7 @@ def _power_html(audit: dict[str, Any]) -> str:
                 ],
             )
         )
-    lines.append(f"<p>Largest counted empirical lower bound: ε ≥ {format_lower_bound(audit['max_lower_bound'])}.</p>")
+    lines.append(f"<p>Largest counted empirical lower bound: {html.escape(bound_meaning(audit))}</p>")
     return "".join(lines)
 
 

@@ -155,3 +155,17 @@ def verdict_lines(verdict: dict[str, Any], indent: str = "", width: int = 15) ->
         + (f" — {verdict[name]['detail']}" if verdict[name]["detail"] else "")
         for name in PARTS
     ]
+
+
+def bound_meaning(audit: dict[str, Any]) -> str:
+    """The largest counted lower bound on one line with what it could have shown (the largest power among the
+    counted methods) and the certified ε, and what a lower bound means."""
+    counted = [e["power"] for e in (audit.get("power") or {}).values() if e.get("gating")]
+    reach = f"the most its methods could show: {max(counted):.3g}; " if counted else ""
+    certified = audit.get("certified_epsilon")
+    against = f"certified ε = {format_epsilon(certified)}" if certified is not None else "no certificate"
+    return (
+        f"ε ≥ {format_lower_bound(audit['max_lower_bound'])} ({reach}{against}). A lower bound holds with the stated "
+        "confidence; its gap to the certified ε is the attack's weakness or the analysis' slack, not evidence that "
+        "the certificate is loose."
+    )

@@ -110,7 +110,7 @@ def power_and_conformance_metrics(summary: dict[str, Any]) -> dict[str, float]:
 
 def audit_detail_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The audit's numbers beyond the headline: every attack's on the target and the control, each one-run
-    method's lower bound, each bound's power and each conformance check (``audit.target.loss.auc`` …)."""
+    method's lower bound (and its f-DP reading: μ, ε, their power), each bound's power and each conformance check (``audit.target.loss.auc`` …)."""
     return {
         **{
             f"audit.{subject}.{name}.{k}": v
@@ -121,6 +121,12 @@ def audit_detail_metrics(summary: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float))
         },
         **{f"audit.{b['method']}.epsilon_lower_bound": b["epsilon"] for b in summary["one_run"]},
+        **{
+            f"audit.{b['method']}.fdp.{k}": b["fdp"][k]
+            for b in summary["one_run"]
+            if "fdp" in b
+            for k in ("mu", "epsilon", "power_mu", "power")
+        },
         **{f"audit.{k}": v for k, v in power_and_conformance_metrics(summary).items()},
     }
 
