@@ -291,6 +291,11 @@ class AuditConfig(Section):
     reconstruction attack on the target and the control, when the training set has at most
     ``reconstruction_max_train`` records (``reconstruction_restarts`` random starts of
     ``reconstruction_steps`` projected Adam steps each).
+
+    ``mode: tight`` reads the one-run canary guesses through the certified mechanism's own trade-off curve
+    (:func:`dpml.audit.one_run_fdp.one_run_mechanism_bound`) instead of one (ε, δ) point, and gates on that
+    reading: tighter and as rigorous, at the cost of a few privacy-loss distributions per audit (seconds to a
+    minute). It needs a mechanism of Gaussian steps; for another the standard reading is used and says why.
     """
 
     reconstruction_max_train: int = Field(300, gt=0)
@@ -316,6 +321,7 @@ class AuditConfig(Section):
     white_box_canaries: int = Field(1000, ge=0)
     black_box_canaries: int = Field(500, ge=0)
     one_run_guess_fraction: float = Field(0.2, gt=0, le=1)
+    mode: Literal["standard", "tight"] = "standard"
     white_box_scoring: Literal["likelihood_ratio", "sum"] = "likelihood_ratio"
     conformance: bool = True
     conformance_false_alarm: float = Field(1e-6, gt=0, lt=0.5)

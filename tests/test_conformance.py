@@ -22,7 +22,8 @@ from scipy import stats
 from dpml import stages
 from dpml.audit import broken
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_bound, one_run_power
-from dpml.audit.one_run_fdp import one_run_gdp_bound
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.audit.one_run_fdp import one_run_gdp_bound, one_run_mechanism_bound, one_run_mechanism_power
 from dpml.audit.checks import Check, chernoff_product_p_value
 from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
 from dpml.audit.recompute import forward_is_random, reference_clipped_sum
@@ -485,3 +486,47 @@ def test_a_check_is_recorded_with_its_own_verdict_and_numbers() -> None:
             "statistics": {"count": 40, "ratio": 0.91},
             "line": "conformance check 'clipped_sum': ŝ/s = 0.91, p = 3.2e-07 (false-alarm rate 1.0e-06)",
         }
+
+
+@pytest.mark.parametrize("bug", [None, "noise × 0"])
+def test_the_tight_mode_reads_the_canaries_through_the_mechanisms_curve_and_gates_on_it(
+    prepared: Path, bug: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``audit.mode: tight``, conformance checks off so that only the bound can catch a bug: the white-box
+    canaries are read through the certified mechanism's own curve. Intact: that mechanism is not rejected (noise
+    scale above 1), the bound is at least Steinke's, its power is that reading's, the gate passes. Noise × 0:
+    the bound exceeds the certified ε and the gate fails on it."""
+    monkeypatch.chdir(prepared)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = load(prepared / "params.yaml", ["audit.mode=tight", "audit.conformance=false"])
+    with broken.BUGS[bug]() if bug else contextlib.nullcontext():
+        for name in ("train", "certify", "audit", "gate"):
+            stages.run_stage(name, config)
+    from dpml import io
+    from dpml.stages.layout import Layout
+
+    layout = Layout(config)
+    audit, decision = io.read_json(layout.audit), io.read_json(layout.gate)
+    white = next(b for b in audit["one_run"] if b["method"] == "one_run_white_box")
+    i, certified = white["inputs"], audit["certified_epsilon"]
+    assert audit["mode"] == "tight" and white["reading"] == "mechanism_curve"
+    mechanism = MechanismDescription.from_dict(io.read_json(layout.mechanism))
+    again = one_run_mechanism_bound(
+        mechanism, i["canaries"], i["guesses"], i["correct"], i["delta"], white["confidence"]
+    )
+    assert white["epsilon"] == again.epsilon and white["noise_scale"] == again.inputs["noise_scale"]
+    assert white["power"] == pytest.approx(
+        one_run_mechanism_power(mechanism, i["canaries"], i["guesses"], i["delta"], white["confidence"])
+    )
+    assert white["power"] > one_run_power(i["canaries"], i["guesses"], i["delta"], white["confidence"])
+    assert white["gating"], audit["power"]
+    if bug is None:
+        assert white["noise_scale"] > 1 and white["steinke"]["epsilon"] <= white["epsilon"] <= certified
+        assert decision["passed"] is True, decision["reasons"]
+    else:
+        assert white["noise_scale"] < 1 and white["epsilon"] > certified
+        assert decision["passed"] is False
+        assert any(
+            "one_run_white_box" in reason and "exceeds the certified ε" in reason for reason in decision["reasons"]
+        )
+        assert "less private than certified" in layout.report.read_text()

@@ -15,13 +15,19 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from dpml.accounting.accountants import base_delta_profile
+from dpml.accounting.mechanism import GaussianDP, MechanismDescription, PoissonGaussianSteps
 from dpml.audit.bounds import epsilon_for_gdp, one_run_bound, one_run_guesses
 from dpml.audit.one_run_fdp import (
+    MECHANISM_DISCRETIZATION,
+    PROFILE_EPSILONS,
     approximate_dp_blow_up_inverse,
     gaussian_blow_up_inverse,
     one_run_fdp_epsilon,
     one_run_gdp_bound,
     one_run_gdp_power,
+    one_run_mechanism_bound,
+    profile_blow_up_inverse,
     rejected,
 )
 
@@ -169,3 +175,64 @@ def test_refuses_impossible_counts() -> None:
         one_run_gdp_bound(100, 8, 9, 1e-5)
     with pytest.raises(ValueError, match="guesses"):
         one_run_gdp_bound(100, 0, 0, 1e-5)
+
+
+def test_a_gaussian_mechanisms_profile_gives_back_its_gaussian_curve() -> None:
+    """The trade-off function built from a privacy profile is exact for μ-GDP (Dong, Roth & Su 2022, Cor. 2.13
+    gives δ(ε); Prop. 2.12 takes it back): the PLD profile of a μ-GDP event, read through
+    :func:`profile_blow_up_inverse`, is f̄_μ⁻¹ to the grid's and the discretisation's resolution, and never above
+    it (a coarse grid only loosens)."""
+    mu = 1.5
+    mechanism = MechanismDescription(
+        trainer="", events=(GaussianDP(mu),), neighbouring="add-remove", clip_norm=1.0, dataset_size=1
+    )
+    deltas = base_delta_profile(mechanism, MECHANISM_DISCRETIZATION)(PROFILE_EPSILONS)
+    y = np.linspace(0.02, 0.98, 49)
+    from_profile = profile_blow_up_inverse(PROFILE_EPSILONS, deltas)(y)
+    exact = gaussian_blow_up_inverse(np.full(y.size, mu))(y)
+    assert np.all(from_profile <= exact + 1e-6)
+    assert from_profile == pytest.approx(exact, abs=5e-3)
+
+
+@pytest.mark.parametrize("true_mu", [1.0, 3.0])
+def test_the_mechanisms_own_curve_flags_a_noisier_claim_and_not_the_true_one(
+    true_mu: float,
+) -> None:
+    """A release certified as 1-GDP (σ = 1 on a sensitivity-1 query). Each canary's output is μ·S_j + N(0, 1),
+    exactly μ-GDP in S_j, the auditor guesses the top and bottom 10 %. True μ = 1 (as certified): the certified
+    mechanism (noise scale ≥ 1) is rejected in no more runs of 20 than the binomial 99.9 % quantile at τ = 0.05
+    (5). True μ = 3 (a third of the noise: a broken trainer): it is rejected in at least 18 of 20."""
+    mechanism = MechanismDescription(
+        trainer="", events=(GaussianDP(1.0),), neighbouring="add-remove", clip_norm=1.0, dataset_size=1
+    )
+    rng = np.random.default_rng(7)
+    canaries, k, runs, flagged = 1000, 100, 20, 0
+    for _ in range(runs):
+        included = rng.random(canaries) < 0.5
+        guesses, correct = one_run_guesses(true_mu * included + rng.standard_normal(canaries), included, k, k)
+        bound = one_run_mechanism_bound(mechanism, canaries, guesses, correct, 1e-5)
+        flagged += bound.inputs["noise_scale"] <= 1.0
+        if bound.epsilon > 0:
+            assert bound.epsilon == pytest.approx(epsilon_for_gdp(1.0 / bound.inputs["noise_scale"], 1e-5), abs=0.05)
+    if true_mu == 1.0:
+        assert flagged <= stats.binom(runs, LEVEL).ppf(0.999), flagged
+    else:
+        assert flagged >= 18, flagged
+
+
+def test_the_mechanisms_own_curve_is_at_least_the_one_point_reading() -> None:
+    """The certified mechanism's whole profile says more than its one (ε, δ) point, so it rejects at least
+    what the (ε, δ) curve rejects: on the default pipeline's white-box numbers (σ ≈ 3, q = 0.1, 200 steps, 130
+    guesses among 650 canaries) its bound is at least Steinke's, and above it by a third when most guesses are
+    right."""
+    mechanism = MechanismDescription(
+        trainer="dpsgd",
+        events=(PoissonGaussianSteps(0.1, 3.0, 200),),
+        neighbouring="add-remove",
+        clip_norm=1.0,
+        dataset_size=1107,
+    )
+    for correct in (95, 115):
+        tight = one_run_mechanism_bound(mechanism, 650, 130, correct, 1e-5).epsilon
+        steinke = one_run_bound(650, 130, correct, 1e-5).epsilon
+        assert tight > 1.3 * steinke > 0

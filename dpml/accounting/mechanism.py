@@ -26,7 +26,7 @@ theorems in :mod:`dpml.accounting.tuning`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 Neighbouring = Literal["add-remove", "replace-one"]
@@ -49,6 +49,10 @@ class PoissonGaussianSteps:
         if not (isinstance(self.steps, int) and self.steps >= 1):
             raise ValueError(f"steps = {self.steps}: must be an integer ≥ 1")
 
+    def with_noise_scaled(self, factor: float) -> PoissonGaussianSteps:
+        """The same steps with noise multiplier factor·σ."""
+        return replace(self, noise_multiplier=self.noise_multiplier * factor)
+
 
 @dataclass(frozen=True)
 class GaussianDP:
@@ -59,6 +63,10 @@ class GaussianDP:
     def __post_init__(self) -> None:
         if not (self.mu > 0 and self.mu < float("inf")):
             raise ValueError(f"mu = {self.mu}: must be a finite number > 0")
+
+    def with_noise_scaled(self, factor: float) -> GaussianDP:
+        """The Gaussian mechanism with factor × its noise: μ/factor-GDP."""
+        return replace(self, mu=self.mu / factor)
 
 
 @dataclass(frozen=True)

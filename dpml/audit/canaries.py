@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dpml.audit.bounds import one_run_bound, one_run_guesses
+from dpml.accounting.mechanism import MechanismDescription
+from dpml.audit.bounds import LowerBound, one_run_bound, one_run_guesses
 from dpml.audit.conformance import ConformanceProbe, canary_scores, conformance_checks
-from dpml.audit.one_run_fdp import one_run_gdp_bound, one_run_gdp_power
+from dpml.audit.one_run_fdp import one_run_gdp_bound, one_run_gdp_power, one_run_mechanism_bound
 from dpml.audit.recompute import forward_is_random, trainable_size
 from dpml.audit.signals import cross_entropy_losses, logits_of
 from dpml.config import Config
@@ -41,28 +42,66 @@ if TYPE_CHECKING:
     from dpml.audit.checks import Check
 
 
-def _bound(scores: np.ndarray, included: np.ndarray, config: Config, confidence: float, mode: str) -> dict[str, Any]:
+def _bound(
+    scores: np.ndarray,
+    included: np.ndarray,
+    config: Config,
+    confidence: float,
+    mode: str,
+    curve: MechanismDescription | str | None = None,
+) -> dict[str, Any]:
     """The Steinke–Nasr–Jagielski bound of the guesses, and beside it (``fdp``) their f-DP reading through a
     Gaussian curve (:mod:`dpml.audit.one_run_fdp`) with its power; the latter rests on an assumption and never
-    gates."""
+    gates. With a certified mechanism as ``curve`` (``audit.mode: tight``) the gating ε is the guesses read
+    through that mechanism's own trade-off curve, and the Steinke bound is kept as ``steinke``; a string
+    ``curve`` is why the tight reading could not be used."""
     k = max(1, math.ceil(config.audit.one_run_guess_fraction * scores.size / 2))  # (see *_guesses above)
     guesses, correct = one_run_guesses(scores, included, k, k)
     delta = config.dp.delta
     bound = one_run_bound(scores.size, guesses, correct, delta, confidence)
     fdp = one_run_gdp_bound(scores.size, guesses, correct, delta, confidence)
     power = one_run_gdp_power(scores.size, guesses, delta, confidence)
-    return bound.to_dict() | {
-        "method": f"one_run_{mode}",
-        "fdp": {
-            "method": fdp.method,
-            "mu": fdp.inputs["mu"],
-            "epsilon": fdp.epsilon,
-            "power_mu": power.inputs["mu"],
-            "power": power.epsilon,
-            "confidence": confidence,
-            "assumption": fdp.assumption,
-            "gating": False,
-        },
+    return (
+        bound.to_dict()
+        | tight_reading(curve, scores.size, guesses, correct, delta, confidence, bound)
+        | {
+            "method": f"one_run_{mode}",
+            "fdp": {
+                "method": fdp.method,
+                "mu": fdp.inputs["mu"],
+                "epsilon": fdp.epsilon,
+                "power_mu": power.inputs["mu"],
+                "power": power.epsilon,
+                "confidence": confidence,
+                "assumption": fdp.assumption,
+                "gating": False,
+            },
+        }
+    )
+
+
+def tight_reading(
+    curve: MechanismDescription | str | None,
+    canaries: int,
+    guesses: int,
+    correct: int,
+    delta: float,
+    confidence: float,
+    steinke: LowerBound,
+) -> dict[str, Any]:
+    """The entries ``audit.mode: tight`` changes: the gating ε from the mechanism's own curve, what it rests on,
+    the noise scale it rejects, and the Steinke bound it replaces; or the reason it could not be used."""
+    if curve is None:
+        return {}
+    if isinstance(curve, str):
+        return {"reading": "epsilon_delta", "reading_note": curve}
+    tight = one_run_mechanism_bound(curve, canaries, guesses, correct, delta, confidence)
+    return {
+        "reading": "mechanism_curve",
+        "epsilon": tight.epsilon,
+        "assumption": tight.assumption,
+        "noise_scale": tight.inputs["noise_scale"],
+        "steinke": {"epsilon": steinke.epsilon, "assumption": steinke.assumption},
     }
 
 
@@ -90,6 +129,7 @@ def white_box_audit(
     noise_multiplier: float,
     confidence: float,
     certified: dict[str, Any] | None = None,
+    curve: MechanismDescription | str | None = None,
 ) -> tuple[dict[str, Any], list[Check] | str]:
     """Train once with Dirac gradient canaries through the trainer's sampler and clipping, observing every
     step: the conformance checks against the certified mechanism, and an ε bound from the canaries.
@@ -147,10 +187,11 @@ def white_box_audit(
     )
     scoring = config.audit.white_box_scoring
     other = "sum" if scoring == "likelihood_ratio" else "likelihood_ratio"
-    bound = _bound(canary_scores(probe, scoring), included, config, confidence, "white_box") | {"scoring": scoring}
+    bound = _bound(canary_scores(probe, scoring), included, config, confidence, "white_box", curve)
+    bound["scoring"] = scoring
     # the other scoring, for the record (never gates: choosing the larger would need its own correction)
     bound["other_scoring"] = {
-        other: _bound(canary_scores(probe, other), included, config, confidence, "white_box")["epsilon"]
+        other: _bound(canary_scores(probe, other), included, config, confidence, "white_box", curve)["epsilon"]
     }
     return bound, checks
 
@@ -165,6 +206,7 @@ def black_box_audit(
     noise_multiplier: float | None,
     private: bool,
     confidence: float,
+    curve: MechanismDescription | str | None = None,
 ) -> dict[str, Any]:
     """Train once on the training set plus the included mislabelled canaries; score by −loss."""
     rng = np.random.default_rng([config.audit.seed, 11])
@@ -184,4 +226,4 @@ def black_box_audit(
         noise_seed=config.audit.seed + 6_000,
     )
     scores = -cross_entropy_losses(logits_of(result.model, cx), cy)
-    return _bound(scores, included, config, confidence, "black_box")
+    return _bound(scores, included, config, confidence, "black_box", curve)

@@ -42,17 +42,29 @@ Two families of f are offered:
   1 − δ − e^ε·(1 − y)): no assumption beyond the game's. It rests on the same information as Steinke et
   al.'s bound and, on the audits' numbers, agrees with it to within 0.02 (tests/test_one_run_fdp.py).
 
+- **The mechanism's own curve** (:func:`one_run_mechanism_bound`): the trade-off function of the certified
+  mechanism's privacy profile δ(ε) from the PLD accountant (a mechanism that is (ε_k, δ_k)-DP for every k is
+  f-DP with f = sup_k f_{ε_k, δ_k}, Dong, Roth & Su 2022, Prop. 2.12; hence f̄⁻¹ = max_k f̄⁻¹_{ε_k, δ_k}). The
+  family is the certified mechanism with every noise multiplier scaled by t; the bound is the ε (at the run's
+  δ, from the same accountant) of the least-noise member the guesses reject. No assumption beyond the game's
+  and the certificate's own mechanism: rejecting t = 1 says the implementation is less private than certified.
+
 Rejection sets are searched on a grid and refined on a finer one; the value reported is always one at
 which the test rejected, so a search that stops early reports less, never more.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from scipy import stats
 
+from dpml.accounting.accountants import base_delta_profile, epsilon_pld
+from dpml.accounting.mechanism import MechanismDescription, gaussian_only
 from dpml.audit.bounds import LowerBound, epsilon_for_gdp
 
 BlowUpInverse = Callable[[np.ndarray], np.ndarray]
@@ -147,3 +159,97 @@ def one_run_fdp_epsilon(canaries: int, guesses: int, correct: int, delta: float,
 def one_run_gdp_power(canaries: int, guesses: int, delta: float, confidence: float = 0.95) -> LowerBound:
     """The largest bound :func:`one_run_gdp_bound` can report here: every guess right."""
     return one_run_gdp_bound(canaries, guesses, guesses, delta, confidence)
+
+
+def profile_blow_up_inverse(epsilons: np.ndarray, deltas: np.ndarray) -> BlowUpInverse:
+    """f̄⁻¹(y) = max_k max(0, (y − δ_k)·e^{−ε_k}, 1 − δ_k − e^{ε_k}·(1 − y)) for a mechanism that is
+    (ε_k, δ_k)-DP at every ε_k of ``epsilons``; ``deltas`` holds one profile per row (one curve each). The
+    inverse of a pointwise minimum of increasing functions is the pointwise maximum of their inverses. Fewer
+    ε_k give a smaller f̄⁻¹, i.e. a test that rejects less: a coarse grid costs tightness, never validity."""
+    growth = np.exp(np.minimum(np.asarray(epsilons, float), 700.0))[None, :]
+    profiles = np.atleast_2d(np.asarray(deltas, float))
+
+    def inverse(y: np.ndarray) -> np.ndarray:
+        y = np.clip(np.asarray(y, float), 0.0, 1.0).reshape(-1, 1)
+        each = np.maximum((y - profiles) / growth, 1.0 - profiles - growth * (1.0 - y))
+        return np.maximum(each.max(axis=1), 0.0)
+
+    return inverse
+
+
+PROFILE_EPSILONS = np.concatenate([np.linspace(0.0, 4.0, 161)[:-1], np.geomspace(4.0, 60.0, 120)])
+NOISE_SCALES = np.array([0.2, 20.0])  # the family searched: σ/5 … 20σ
+BISECTIONS = 8  # log t to 1/256 of log 100: t within 1.8 %
+MECHANISM_DISCRETIZATION = 1e-3  # the PLD's pessimistic grid: coarser only loosens the test
+
+
+def scaled(mechanism: MechanismDescription, factor: float) -> MechanismDescription:
+    """The mechanism with every Gaussian event's noise scaled by ``factor`` (NotImplementedError for others)."""
+    return MechanismDescription(
+        **(vars(mechanism) | {"events": tuple(e.with_noise_scaled(factor) for e in gaussian_only(mechanism.events))})
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def scaled_profile(mechanism: MechanismDescription, factor: float) -> np.ndarray:
+    """δ(ε) on :data:`PROFILE_EPSILONS` of the mechanism with its noise scaled by ``factor`` (PLD, pessimistic),
+    kept per process: an audit's bisections, its power and its second scoring ask for the same scales."""
+    return base_delta_profile(scaled(mechanism, factor), MECHANISM_DISCRETIZATION)(PROFILE_EPSILONS)
+
+
+def one_run_mechanism_bound(
+    mechanism: MechanismDescription,
+    canaries: int,
+    guesses: int,
+    correct: int,
+    delta: float,
+    confidence: float = 0.95,
+    scales: np.ndarray = NOISE_SCALES,
+) -> LowerBound:
+    """The one-run guesses read through the certified mechanism's own trade-off curve: the least noise scale t
+    (between the ends of ``scales``, by bisection on log t) whose mechanism the guesses reject at level 1 −
+    ``confidence``, and its ε at ``delta``. ``inputs["noise_scale"]`` ≤ 1 means the certified mechanism itself
+    is rejected: a violation. 0 (and scale ∞) when no member of the family is rejected."""
+    level = 1.0 - confidence
+
+    def rejects(factors: np.ndarray) -> np.ndarray:
+        deltas = [scaled_profile(mechanism, float(f)) for f in factors]
+        return rejected(profile_blow_up_inverse(PROFILE_EPSILONS, np.array(deltas)), canaries, guesses, correct, level)
+
+    least, most = float(scales.min()), float(scales.max())
+    if not rejects(np.array([most]))[0]:
+        factor = math.inf
+    elif rejects(np.array([least]))[0]:
+        factor = least
+    else:  # more noise is rejected more easily: bisect log t between a kept and a rejected scale
+        kept, factor = math.log(least), math.log(most)
+        for _ in range(BISECTIONS):
+            middle = 0.5 * (kept + factor)
+            kept, factor = (kept, middle) if rejects(np.array([math.exp(middle)]))[0] else (middle, factor)
+        factor = math.exp(factor)
+    inputs = {"canaries": canaries, "guesses": guesses, "correct": correct, "delta": delta}
+    assumption = "the certified mechanism's trade-off curve, scaled in noise; canaries included independently with probability 1/2"
+    if math.isinf(factor):
+        return LowerBound("one_run_mechanism", 0.0, confidence, assumption, inputs | {"noise_scale": factor})
+    epsilon = epsilon_pld(scaled(mechanism, factor), delta, MECHANISM_DISCRETIZATION)
+    return LowerBound("one_run_mechanism", float(epsilon), confidence, assumption, inputs | {"noise_scale": factor})
+
+
+def one_run_mechanism_power(
+    mechanism: MechanismDescription, canaries: int, guesses: int, delta: float, confidence: float = 0.95
+) -> float:
+    """The largest ε :func:`one_run_mechanism_bound` can report here: every guess right."""
+    return one_run_mechanism_bound(mechanism, canaries, guesses, guesses, delta, confidence).epsilon
+
+
+def mechanism_curve(mechanism: dict[str, Any] | None) -> MechanismDescription | str:
+    """The certified mechanism (``mechanism.json``) whose curve reads the guesses in ``audit.mode: tight``, or
+    why it cannot: no certificate, or an event that is not Gaussian steps."""
+    if mechanism is None:
+        return "no certified mechanism (a non-private target): the (ε, δ) reading is used"
+    described = MechanismDescription.from_dict(mechanism)
+    try:
+        gaussian_only(described.events)
+    except NotImplementedError as error:
+        return f"{error}: the (ε, δ) reading is used"
+    return described

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from dpml.audit import attacks as atk
+from dpml.accounting.mechanism import MechanismDescription
 from dpml.audit.bounds import hypothesis_test_bound, hypothesis_test_power, one_run_power
 from dpml.audit.canaries import black_box_audit, black_box_guesses, white_box_audit, white_box_guesses
 from dpml.audit.metrics import roc, summarize
+from dpml.audit.one_run_fdp import mechanism_curve, one_run_mechanism_power
 from dpml.audit.recompute import trainable_size
 from dpml.audit.reconstruction import reconstruction_audit
 from dpml.audit.references import AuditRecords, is_stored, load_references, train_reference
@@ -182,10 +184,16 @@ def white_box_applies(config: Config, private: bool) -> bool:
 
 
 def bound_methods(
-    config: Config, records: AuditRecords, n_params: int | None, black_box_pool: int, private: bool
+    config: Config,
+    records: AuditRecords,
+    n_params: int | None,
+    black_box_pool: int,
+    private: bool,
+    curve: MechanismDescription | str | None = None,
 ) -> dict[str, Any]:
     """The gating ε lower-bound methods this audit will run, each with a function of the confidence
-    that gives its **power**: the largest bound it can report (every guess right)."""
+    that gives its **power**: the largest bound it can report (every guess right). A one-run method read
+    through the certified mechanism's curve (``curve``, ``audit.mode: tight``) has that reading's power."""
     members = records.members.size
     split = config.audit.bound_correction == "split"
     evaluated = (
@@ -202,11 +210,19 @@ def bound_methods(
     }
     if config.audit.white_box_canaries > 0 and n_params is not None and white_box_applies(config, private):
         m, guesses = white_box_guesses(config, n_params)
-        methods["one_run_white_box"] = partial(one_run_power, m, guesses, delta)
+        methods["one_run_white_box"] = one_run_power_of(curve, m, guesses, delta)
     if config.audit.black_box_canaries > 0 and black_box_pool > 0:
         m, guesses = black_box_guesses(config, black_box_pool)
-        methods["one_run_black_box"] = partial(one_run_power, m, guesses, delta)
+        methods["one_run_black_box"] = one_run_power_of(curve, m, guesses, delta)
     return methods
+
+
+def one_run_power_of(curve: MechanismDescription | str | None, canaries: int, guesses: int, delta: float) -> Any:
+    """The power, as a function of the confidence, of a one-run method: of the reading through ``curve`` when it
+    is a mechanism (``audit.mode: tight``), of Steinke et al.'s bound otherwise."""
+    if isinstance(curve, MechanismDescription):
+        return partial(one_run_mechanism_power, curve, canaries, guesses, delta)
+    return partial(one_run_power, canaries, guesses, delta)
 
 
 def plan_bounds(
@@ -275,8 +291,9 @@ def run_audit(
     white_box = white_box_applies(config, private)
     n_params = trainable_size(build_model(model_spec(config, x_train.shape[1], n_classes))) if white_box else None
     pop = records.population - records.n_train  # black-box canaries: the population half of the audit part
+    curve = mechanism_curve(mechanism) if config.audit.mode == "tight" else None
     plan, confidence = plan_bounds(
-        config, bound_methods(config, records, n_params, pop.size, private), certified_epsilon
+        config, bound_methods(config, records, n_params, pop.size, private, curve), certified_epsilon
     )
     subjects = [Subject("target", target, private, noise_multiplier, config)]
     if config.audit.control and private:
@@ -310,17 +327,29 @@ def run_audit(
     if white_box and (config.audit.conformance or config.audit.white_box_canaries > 0):
         assert noise_multiplier is not None
         checked = time.perf_counter()
-        bound, checks = white_box_audit(config, x_train, y_train, n_classes, noise_multiplier, confidence, mechanism)
+        bound, checks = white_box_audit(
+            config, x_train, y_train, n_classes, noise_multiplier, confidence, mechanism, curve
+        )
         if config.audit.white_box_canaries > 0:
             one_runs.append(bound | plan.get("one_run_white_box", {}))
         summary["white_box_seconds"] = time.perf_counter() - checked
     if config.audit.black_box_canaries > 0 and pop.size > 0:
         # The canary records come from the audit population's population half (never trained on).
         bound = black_box_audit(
-            config, x_train, y_train, x_audit[pop], y_audit[pop], n_classes, noise_multiplier, private, confidence
+            config,
+            x_train,
+            y_train,
+            x_audit[pop],
+            y_audit[pop],
+            n_classes,
+            noise_multiplier,
+            private,
+            confidence,
+            curve,
         )
         one_runs.append(bound | plan.get("one_run_black_box", {}))
     summary["one_run"] = one_runs
+    summary["mode"] = config.audit.mode
     summary["conformance"] = conformance_summary(config, private, checks)
     if config.model.kind == "random_features":
         summary["reconstruction"] = {s.name: reconstruction_of(config, s.model, x_train) for s in subjects}

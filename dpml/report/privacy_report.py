@@ -87,6 +87,15 @@ def one_run_lines(bound: dict[str, Any]) -> list[str]:
         f"- {bound['method']}: ε ≥ {bound['epsilon']:.4g} at confidence {bound['confidence']:.4g} "
         f"({i['correct']}/{i['guesses']} guesses right among {i['canaries']} canaries)"
     ]
+    if bound.get("reading") == "mechanism_curve":
+        lines.append(
+            "  - read through the certified mechanism's own trade-off curve (audit.mode: tight): the guesses reject "
+            f"it with its noise scaled by {bound['noise_scale']:.3g}"
+            + (" — at or below 1: the release is less private than certified" if bound["noise_scale"] <= 1 else "")
+            + f"; the (ε, δ) reading of the same guesses (Steinke et al.) gives ε ≥ {bound['steinke']['epsilon']:.4g}"
+        )
+    elif bound.get("reading_note"):
+        lines.append(f"  - audit.mode: tight could not be used: {bound['reading_note']}")
     fdp = bound.get("fdp")
     if fdp:
         lines.append(

@@ -110,6 +110,7 @@ AUDIT_ONLY = tuple(
         "white_box_canaries",
         "black_box_canaries",
         "one_run_guess_fraction",
+        "mode",
         "white_box_scoring",
         "conformance",
         "conformance_false_alarm",
