@@ -214,7 +214,8 @@ def write(results: list[dict[str, Any]], out: Path, command: str, stem: str) -> 
             + (f" ({result['minutes']:.1f} min)" if "minutes" in result else "")
             + f". Machine: {result.get('machine', 'not recorded')}.",
             "",
-            "| trainer | true ε | largest gating bound | white-box bound (LR / sum) | failed conformance checks | gate | audit s |",
+            "| trainer | true ε | largest gating bound | white-box bound (LR / sum) "
+            "| failed conformance checks | gate | audit s |",
             "|---|---|---|---|---|---|---|",
         ]
         for row in rows:

@@ -244,7 +244,7 @@ def main() -> None:
             for m, rows in report["validation"].items()
         }
         LEARNING_RATES.update(report["learning_rates"])
-    for level_epsilon, sigma in zip(args.levels, sigmas):
+    for level_epsilon, sigma in zip(args.levels, sigmas, strict=True):
         dpsgd_epsilon = certify(dpsgd_mechanism(b / n, sigma, args.epochs, "replace-one", base.dp.clip_norm, n), delta)[
             "epsilon"
         ]
@@ -328,8 +328,8 @@ def paper_comparison(report: dict) -> list[str]:
     for source, table in rows:
         if not {"NoisyCGD + convex", "DP-SGD + convex", "DP-SGD + ReLU"} <= set(table):
             continue
-        gap = [100 * (a - b) for a, b in zip(table["NoisyCGD + convex"], table["DP-SGD + convex"])]
-        arch = [100 * (a - b) for a, b in zip(table["DP-SGD + convex"], table["DP-SGD + ReLU"])]
+        gap = [100 * (a - b) for a, b in zip(table["NoisyCGD + convex"], table["DP-SGD + convex"], strict=True)]
+        arch = [100 * (a - b) for a, b in zip(table["DP-SGD + convex"], table["DP-SGD + ReLU"], strict=True)]
         lines.append(f"| {source} | {' / '.join(f'{g:+.1f}' for g in gap)} | {' / '.join(f'{g:+.1f}' for g in arch)} |")
     return lines
 

@@ -137,7 +137,9 @@ def run_once(
         kl_pairs=pairs,
     ).history
     kl = history["kl_estimate"]
-    worst = [max(a, b) for a, b in zip(kl["remove_one"]["cumulative_worst"], kl["add_one"]["cumulative_worst"])]
+    worst = [
+        max(a, b) for a, b in zip(kl["remove_one"]["cumulative_worst"], kl["add_one"]["cumulative_worst"], strict=True)
+    ]
     return {
         "scheme": scheme,
         "depth": depth,
@@ -261,7 +263,7 @@ def linearised_check(data: dict[str, torch.Tensor], args: argparse.Namespace) ->
 
 def trend(xs: list[int], values: list[float]) -> str:
     """A few words on how ``values`` move along ``xs`` (means only; the tables give the spread)."""
-    steps = [b - a for a, b in zip(values, values[1:])]
+    steps = [b - a for a, b in zip(values, values[1:], strict=False)]
     if all(step > 0 for step in steps):
         return f"increases throughout ({values[0]:.3g} → {values[-1]:.3g})"
     if all(step < 0 for step in steps):
@@ -273,7 +275,7 @@ def trend(xs: list[int], values: list[float]) -> str:
         return f"falls to a minimum at {xs[low]} ({values[low]:.3g}) and then rises ({values[-1]:.3g} at {xs[-1]})"
     return (
         "is not monotone: "
-        + ", ".join(f"{x}: {v:.3g}" for x, v in zip(xs, values))
+        + ", ".join(f"{x}: {v:.3g}" for x, v in zip(xs, values, strict=True))
         + f" (largest at {xs[peak]}, smallest at {xs[low]})"
     )
 
@@ -307,7 +309,8 @@ def readings(report: dict[str, Any]) -> list[str]:
         + " epochs: "
         + ", ".join(f"{LABELS[k]} {c[-1]:.3g}" for k, c in curves.items())
         + f" (He / LeCun = {curves['he'][-1] / curves['lecun'][-1]:.3g}; at epoch 10 LeCun is "
-        f"{curves['lecun'][9] / curves['he'][9]:.2g} × He's, Xavier {curves['xavier'][9] / curves['he'][9]:.2g} × He's).",
+        f"{curves['lecun'][9] / curves['he'][9]:.2g} × He's, "
+        f"Xavier {curves['xavier'][9] / curves['he'][9]:.2g} × He's).",
     ]
     for epoch, claim in (
         (
@@ -417,7 +420,8 @@ def figures(report: dict[str, Any], out: Path) -> None:
                 title=f"longer training, width {args['long_width']}",
             )
             ax.legend()
-        for ax, epoch in zip(axes, (20, args["steps"])):
+        # the first two panels; a third, when there is one, is the longer training drawn above (strict=False)
+        for ax, epoch in zip(axes, (20, args["steps"]), strict=False):
             for scheme in SCHEMES:
                 entries = [
                     results[

@@ -1,11 +1,12 @@
 """The per-unit ledger at scale: 10 million privacy units, 100 spends.
 
 A lineage grows from 9 to 10 million units over 100 versions (10,101 new units a version); each
-version's DP-SGD run (1,000 steps, expected batch 256, σ = 1.2) trains on its stable 60 % training part (a unit's part never changes,
-:mod:`dpml.data.split`), so spend k touches ≈ 0.6 × the units present at version k. Per spend we
-time the reservation (keyed ids, the per-unit budget check and the unit records, one transaction) and
-the check alone (the same reservation refused: the budget set just below what it needs), and record
-the ledger's size. Unit digests are drawn at random (a digest is a BLAKE2b output: uniform bytes).
+version's DP-SGD run (1,000 steps, expected batch 256, σ = 1.2) trains on its stable 60 % training part
+(a unit's part never changes, :mod:`dpml.data.split`), so spend k touches ≈ 0.6 × the units present at
+version k. Per spend we time the reservation (keyed ids, the per-unit budget check and the unit records,
+one transaction) and the check alone (the same reservation refused: the budget set just below what it
+needs), and record the ledger's size. Unit digests are drawn at random (a digest is a BLAKE2b output:
+uniform bytes).
 
     python benchmarks/ledger_scale.py [--units 10000000] [--spends 100]
 

@@ -187,7 +187,8 @@ def reading(rows: list[dict[str, Any]], facts: dict[str, Any]) -> str:
     largest = [r["clipped_fraction"] for r in best_rows(rows, "out") + best_rows(rows, "const") if r["n"] == NS[-1]]
     out_wins = [n for n in NS if best_out[n] < best_const[n]]
     lines.append(
-        f"- OUT beats CONST at {wins} of {len(NS)} sample sizes (best κ each): n ∈ {out_wins}. Clipping at c = 1 is aggressive: over all runs "
+        f"- OUT beats CONST at {wins} of {len(NS)} sample sizes (best κ each): n ∈ {out_wins}. "
+        "Clipping at c = 1 is aggressive: over all runs "
         f"{min(clipped):.2f}–{max(clipped):.2f} of the per-example gradients were clipped, still "
         f"{'–'.join(sorted({f'{v:.2f}' for v in largest}))} at n = {NS[-1]} (label noise alone has P(|z| > 2τ) ≈ 0.05)."
     )
@@ -239,7 +240,8 @@ def markdown(results: dict[str, Any], seeds: int) -> str:
         f"of the {len(KAPPAS)} κ on one data set costs ε = {best_of_kappas_epsilon(rho):.2f} at δ = {DELTA:g} "
         f"(the composition of the {len(KAPPAS)} runs), not {EPSILON:g}.",
         "",
-        "| n | γ = d/n | OUT risk (best κ) | κ | CONST risk (best κ) | κ | γ + γ²/ρ² | A·(γ + γ²/ρ²), OUT's A | OUT rate × A | CONST rate × A | clipped (OUT, CONST) |",
+        "| n | γ = d/n | OUT risk (best κ) | κ | CONST risk (best κ) | κ | γ + γ²/ρ² | A·(γ + γ²/ρ²), OUT's A "
+        "| OUT rate × A | CONST rate × A | clipped (OUT, CONST) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out_best, const_best = best_rows(rows, "out"), best_rows(rows, "const")

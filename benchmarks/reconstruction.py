@@ -200,7 +200,8 @@ def markdown(results: dict[str, Any], seeds: int, seconds: float) -> str:
         "",
         "## Overlap as p/(dn) grows",
         "",
-        "| p/(dn) | p | arm | mean overlap | fraction > 0.9 | chance overlap | attack residual ‖P⊥θ‖²/‖θ‖² | clipped fraction |",
+        "| p/(dn) | p | arm | mean overlap | fraction > 0.9 | chance overlap "
+        "| attack residual ‖P⊥θ‖²/‖θ‖² | clipped fraction |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for ratio in RATIOS:

@@ -363,7 +363,8 @@ def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN
             continue
         chunk = r.get("chunk") or r["batch"]
         lines.append(
-            f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {chunk} | {r['ms_per_step']:.1f} | {r['steps']} | "
+            f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {chunk} | "
+            f"{r['ms_per_step']:.1f} | {r['steps']} | "
             f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |" + (f" {r['peak_mb']:.0f} |" if cuda else "")
         )
     return "\n".join(lines) + "\n"

@@ -18,8 +18,9 @@ float32 and float64 ``normal_`` over as many numbers (not used: the float32 one 
 noise is the trainer's GPU draw, ``gaussian_noise`` on a CUDA generator; the CPU-only draws are left
 out) and writes ``speed_profile_cuda.md``. ``--models`` also takes the model families of ``families.py`` (``bert``,
 ``gpt2``, ``encoder``, ``bert-lora``, ``vit``, ``resnet18-gn``; ``--size`` and ``--length`` as there; only their
-trainable parameters are stepped), and ``--out-name`` names the page. ``--ops N`` adds, per model, the N operators that took the most
-time in 5 DP steps (``torch.profiler``: self time on the device where it is a GPU, else on the CPU).
+trainable parameters are stepped), and ``--out-name`` names the page. ``--ops N`` adds, per model, the N
+operators that took the most time in 5 DP steps (``torch.profiler``: self time on the device where it is a
+GPU, else on the CPU).
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     print(f"re-audit of {result['model']} (MLflow run {result['audit_run_id']}), outputs in {out}")
     for name, r in audit["target"]["attacks"].items():
         print(
-            f"  {name:<22} AUC {r['auc']:.3f}, TPR@1%FPR {r['tpr_at_1pct_fpr']:.3f}, TPR@0.1%FPR {r['tpr_at_0.1pct_fpr']:.3f}"
+            f"  {name:<22} AUC {r['auc']:.3f}, TPR@1%FPR {r['tpr_at_1pct_fpr']:.3f}, "
+            f"TPR@0.1%FPR {r['tpr_at_0.1pct_fpr']:.3f}"
         )
     for bound in audit["one_run"]:
         print(f"  {bound['method']:<22} ε ≥ {bound['epsilon']:.3f}")

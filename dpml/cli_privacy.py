@@ -39,7 +39,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(
         json.dumps(result, indent=2)
         if args.json
-        else f"{text} keep ε ≤ {args.target_epsilon:g} at δ = {args.delta:g} (q = {args.sample_rate:g}, {args.neighbouring})"
+        else f"{text} keep ε ≤ {args.target_epsilon:g} at δ = {args.delta:g} "
+        f"(q = {args.sample_rate:g}, {args.neighbouring})"
     )
     return 0
 
@@ -160,7 +161,8 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"epsilon = {format_epsilon(certificate['epsilon'])} at delta = {args.delta:g} ({certificate['accountant']})"
+            f"epsilon = {format_epsilon(certificate['epsilon'])} at delta = {args.delta:g} "
+            f"({certificate['accountant']})"
         )
         for answer in certificate["answers"]:
             value = format_epsilon(answer["epsilon"]) if answer["epsilon"] is not None else f"n/a ({answer['error']})"

@@ -191,7 +191,8 @@ def lineage_text(entry: dict[str, Any], budget: float) -> str:
             if entry["cancelled_spends"]
             else ""
         ),
-        f"  largest unit ε = {format_epsilon(entry['epsilon_total'])} at δ = {entry['delta']:g} (budget {budget:g} per unit, "
+        f"  largest unit ε = {format_epsilon(entry['epsilon_total'])} at δ = {entry['delta']:g} "
+        f"(budget {budget:g} per unit, "
         f"{max(budget - entry['epsilon_total'], 0):.4g} left for the most exposed); {entry['units']:,} units",
     ]
     if entry["unit_epsilon"]:
@@ -253,7 +254,8 @@ def person_text(person: str, found: dict[str, Any] | None) -> str:
     if found is None:
         return f"person {person!r}: no release has touched them (the ledger has never charged this id)"
     lines = [
-        f"person {person!r}: ε = {format_epsilon(found['epsilon'])} at δ = {found['delta']:g} over {len(found['releases'])} "
+        f"person {person!r}: ε = {format_epsilon(found['epsilon'])} at δ = {found['delta']:g} "
+        f"over {len(found['releases'])} "
         f"release(s), lineage(s) {', '.join(found['lineages'])}"
     ]
     for release in found["releases"]:
@@ -271,6 +273,6 @@ def ledger_rename_text(moved: dict[str, Any], budget: float) -> str:
     shared = f"; {moved['shared_units']:,} people were in both, now one account" if moved["merged"] else ""
     return (
         f"lineage {moved['old']!r} {how} {moved['new']!r}: {moved['spends']} spend(s) moved, their history kept "
-        f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = {format_epsilon(moved['epsilon_total'])} "
-        f"(budget {budget:g})"
+        f"(event lineage_renamed){shared}; largest unit ε of {moved['new']!r} = "
+        f"{format_epsilon(moved['epsilon_total'])} (budget {budget:g})"
     )

@@ -2,8 +2,8 @@
 
 The pipeline calls :func:`fault_point` at each stage boundary (``after:<stage>``, ``before:<stage>``),
 inside registration (``register:before_version``, ``register:after_version``, ``register:after_alias``,
-``register:before_released_event``) and inside the ledger's reservation (``ledger:units_written``) and at the start of training
-(``train:started``: the spend counts, the previous run's model is still in place).
+``register:before_released_event``) and inside the ledger's reservation (``ledger:units_written``) and at
+the start of training (``train:started``: the spend counts, the previous run's model is still in place).
 With the variable unset it does nothing. ``<how>`` says what happens there:
 
 - nothing (``DPML_FAULT=register:after_version``): a real ``SIGKILL`` — no ``finally`` blocks, no atexit

@@ -131,7 +131,9 @@ def _matches(path: Path, patterns: tuple[Pattern, ...]) -> bool:
         is_index = isinstance(part, int) and not isinstance(part, bool)
         return is_index if token == "[]" else (not is_index and (token == "*" or token == part))
 
-    return any(len(p) == len(path) and all(token_matches(t, part) for t, part in zip(p, path)) for p in patterns)
+    return any(
+        len(p) == len(path) and all(token_matches(t, part) for t, part in zip(p, path, strict=True)) for p in patterns
+    )
 
 
 class _Builder:

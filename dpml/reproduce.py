@@ -65,7 +65,8 @@ def required_tags(release: dict[str, Any]) -> dict[str, str]:
     where = f"models:/{release['name']}/{release['version']}"
     if tags.get("data.dvc") != "pushed":
         raise ReproduceError(
-            f"{where}: its data was not recorded in DVC ({tags.get('data.dvc', 'released before dpml recorded provenance')})"
+            f"{where}: its data was not recorded in DVC "
+            f"({tags.get('data.dvc', 'released before dpml recorded provenance')})"
         )
     if tags.get("code.commit", "none") == "none":
         raise ReproduceError(f"{where}: no code.commit (it was not run from a git checkout)")

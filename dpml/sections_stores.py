@@ -22,8 +22,9 @@ class LedgerConfig(Section):
     lineage holds is refused, naming both (``dpml ledger rename`` renames or merges lineages, keeping
     their history; :mod:`dpml.ledger.lineages`). ``epsilon_budget`` is per privacy unit.
     ``on_exhausted``: ``refuse`` a run when any unit of its training data would go over (default), or
-    ``exclude`` such units and train without them (an individual Rényi filter, Feldman & Zrnic 2021). ``unit_key`` is the secret
-    file that keys the unit ids the ledger stores (default ``<path>.key``, created with mode 0600).
+    ``exclude`` such units and train without them (an individual Rényi filter, Feldman & Zrnic 2021).
+    ``unit_key`` is the secret file that keys the unit ids the ledger stores (default ``<path>.key``,
+    created with mode 0600).
 
     KL-private runs (seed 000) are summed in KL (the chain rule composes adaptively) against
     ``kl_budget`` (``null``: refused). A unit with a KL-only release has no finite (ε, δ), and

@@ -39,7 +39,8 @@ def page(scripts: list[str]) -> str:
     inline = "\n".join(f'<script type="text/javascript">\n{text}\n</script>' for text in scripts)
     return (
         '<!DOCTYPE html>\n<html>\n<head>\n{refresh_tag}\n<meta charset="utf-8">\n<title>dpml: DVC plots</title>\n'
-        f"{inline}\n<style>table {{ border-spacing: 15px; }}</style>\n</head>\n<body>\n{{plot_divs}}\n</body>\n</html>\n"
+        f"{inline}\n<style>table {{ border-spacing: 15px; }}</style>\n"
+        "</head>\n<body>\n{plot_divs}\n</body>\n</html>\n"
     )
 
 

@@ -1,7 +1,8 @@
 """Accountants are an extension point shaped like the trainer (docs/explanations/design.md): one file registers an
 accountant that says which mechanism descriptions it supports, and the certificate asks it about those only.
 
-- the example accountant of the documentation's Design page (``examples/full_batch_gaussian_accountant.py``) is shown there verbatim;
+- the example accountant of the documentation's Design page (``examples/full_batch_gaussian_accountant.py``) is
+  shown there verbatim;
 - listed under ``plugins:``, it answers for full-batch DP-GD, agreeing with dp_accounting's PLD (an independent
   accountant) and never above the moments closed form, and is not asked about a subsampled or random-count
   mechanism;

@@ -59,7 +59,7 @@ def network(seed: int = 0) -> nn.Module:
 
 
 def largest_difference(a: nn.Module, b: nn.Module) -> float:
-    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def moved(model: nn.Module, seed: int = 0) -> float:

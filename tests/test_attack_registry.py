@@ -1,8 +1,9 @@
-"""Attacks are an extension point shaped like the trainer (docs/explanations/design.md): one file registers an attack, the
-configuration validates its name, the audit trains reference models when it says it needs them, and the
-audit runs it beside the built-in ones.
+"""Attacks are an extension point shaped like the trainer (docs/explanations/design.md): one file registers an
+attack, the configuration validates its name, the audit trains reference models when it says it needs them, and
+the audit runs it beside the built-in ones.
 
-- the example attack of the documentation's Design page (``examples/calibrated_loss_attack.py``) is shown there verbatim;
+- the example attack of the documentation's Design page (``examples/calibrated_loss_attack.py``) is shown there
+  verbatim;
 - its name validates only once its module is listed under ``plugins:``, and an attack that needs reference
   models is refused with ``audit.references: 0``;
 - its scores are the difficulty-calibrated loss, and they separate members whose loss sits below their

@@ -181,7 +181,7 @@ def test_training_in_the_tuned_chunk_gives_the_model_of_one_chunk_per_batch() ->
         assert result.history["physical_chunk"] == (16 if tune else 1000)
         batch_sizes = {seen.shape[0] for seen in model.seen}
         assert max(batch_sizes) <= result.history["physical_chunk"]
-    for (name, a), b in zip(models[True].named_parameters(), models[False].parameters()):
+    for (name, a), b in zip(models[True].named_parameters(), models[False].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
 
 

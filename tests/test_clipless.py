@@ -232,7 +232,7 @@ def test_convolutional_clipless_pipeline_logs_certified_robustness(workdir: Path
     assert metrics["train_soundness_passed"] is True
     radii = [metrics[f"robust_certified_accuracy_r{k}"] for k in (0, 1, 2, 4, 8, 16)]
     assert radii[0] == pytest.approx(metrics["test_accuracy"], abs=1e-9)
-    assert all(a >= b for a, b in zip(radii, radii[1:]))
+    assert all(a >= b for a, b in zip(radii, radii[1:], strict=False))
     assert 0 < metrics["robust_lipschitz"] <= 1 + 1e-5
     with pytest.raises(ConfigError, match="conv channels"):
         load(
@@ -270,7 +270,7 @@ def test_loss_gradient_clipping_tracks_a_private_quantile_and_is_charged() -> No
         logits = model(x[i : i + 1])
         (g,) = torch.autograd.grad(loss_fn(logits, y[i : i + 1]).sum(), logits, retain_graph=True)
         grads = torch.autograd.grad(logits, list(model.parameters()), grad_outputs=g * min(1.0, 0.5 / float(g.norm())))
-        for (name, _), grad in zip(model.named_parameters(), grads):
+        for (name, _), grad in zip(model.named_parameters(), grads, strict=True):
             expected[name] += grad
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6)

@@ -29,10 +29,10 @@ def loop_clipped_sum(
     norms = []
     for i in range(x.shape[0]):
         grads = torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values(), strict=True)]
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         norms.append(norm)
-        for n, g in zip(params, grads):
+        for n, g in zip(params, grads, strict=True):
             total[n] += min(1.0, clip / (float(norm) + 1e-6)) * g
     return total, torch.stack(norms).detach()
 
@@ -227,7 +227,7 @@ def test_a_model_that_mixes_the_examples_of_a_batch_is_refused_before_any_step()
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             seed=0,
         )
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_batch_norm_is_refused_naming_the_layer() -> None:

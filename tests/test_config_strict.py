@@ -48,7 +48,8 @@ def written(tmp_path: Path, text: str, name: str = "params.yaml") -> Path:
             "lines 5 and 7",
         ),
         (
-            "data:\n  columns:\n    age: {type: numeric, lower: 0, upper: 9}\n    age: {type: numeric, lower: 0, upper: 90}\n",
+            "data:\n  columns:\n    age: {type: numeric, lower: 0, upper: 9}\n"
+            "    age: {type: numeric, lower: 0, upper: 90}\n",
             "data.columns.age",
             "lines 3 and 4",
         ),

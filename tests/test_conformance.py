@@ -117,7 +117,10 @@ def test_the_auditors_clipped_sum_equals_a_per_example_loop() -> None:
             per_example_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum(), trainable, allow_unused=True
         )
         flat = torch.cat(
-            [(g if g is not None else torch.zeros_like(p)).reshape(-1).double() for g, p in zip(grads, trainable)]
+            [
+                (g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                for g, p in zip(grads, trainable, strict=True)
+            ]
         )
         clipped += int(flat.norm() > clip)
         expected += flat * min(1.0, clip / (float(flat.norm()) + 1e-6))

@@ -401,9 +401,12 @@ def test_the_python_api_trains_a_host_dataset_on_the_gpu_as_on_the_cpu() -> None
     assert gpu_run.certificate["epsilon"] == cpu_run.certificate["epsilon"]
     assert gpu_run.history["steps"] == cpu_run.history["steps"] == 20
     start = models()["cnn"]
-    moved = max(float((p - q).detach().abs().max()) for p, q in zip(cpu_model.parameters(), start.parameters()))
+    moved = max(
+        float((p - q).detach().abs().max()) for p, q in zip(cpu_model.parameters(), start.parameters(), strict=True)
+    )
     apart = max(
-        float((p.cpu() - q).detach().abs().max()) for p, q in zip(gpu_model.parameters(), cpu_model.parameters())
+        float((p.cpu() - q).detach().abs().max())
+        for p, q in zip(gpu_model.parameters(), cpu_model.parameters(), strict=True)
     )
     assert moved > 0.01 and apart < 1e-3 * max(1.0, moved), (moved, apart)
 
@@ -427,7 +430,8 @@ def test_train_autocast_bf16_trains_the_pipeline_model_in_bf16(tmp_path: Path) -
     full, half = runs["none"], runs["bf16"]
     assert half.mechanism == full.mechanism
     difference = max(
-        float((p - q).detach().abs().max()) for p, q in zip(full.model.parameters(), half.model.parameters())
+        float((p - q).detach().abs().max())
+        for p, q in zip(full.model.parameters(), half.model.parameters(), strict=True)
     )
     scale = max(float(p.abs().max()) for p in full.model.parameters())
     assert 0 < difference < 0.05 * scale
@@ -502,7 +506,8 @@ def test_a_cpu_training_process_keeps_freed_memory_for_the_next_step() -> None:
     _, after_training = step_faults("train")
     said_environment, _ = step_faults("set", MALLOC_TRIM_THRESHOLD_="131072")
     print(
-        f"page faults per step: glibc's settings {default:.0f}, kept {kept:.0f}, after a DP-SGD run {after_training:.0f}"
+        f"page faults per step: glibc's settings {default:.0f}, kept {kept:.0f}, "
+        f"after a DP-SGD run {after_training:.0f}"
     )
     assert said == ["set"] and said_environment == ["unset"]
     few = max(256.0, default / 10)  # a few pages a step stay (Python's own arenas, the kernel's bookkeeping)

@@ -160,7 +160,7 @@ def test_poisson_sampling_rate_and_empty_batches() -> None:
         seed=0,
     )
     assert result.history["empty_batches"] == 1
-    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
 
 
 class SmallCnn(nn.Module):

@@ -267,8 +267,8 @@ def imports_of_package(source: str, package: str) -> list[int]:
 
 
 def test_only_the_tracking_package_imports_mlflow() -> None:
-    """Everything MLflow lives in ``dpml/tracking/`` (docs/explanations/design.md): a stage, a front door or a report that needs
-    a run, a version or a store asks that package, so an MLflow change is made in one place."""
+    """Everything MLflow lives in ``dpml/tracking/`` (docs/explanations/design.md): a stage, a front door or a
+    report that needs a run, a version or a store asks that package, so an MLflow change is made in one place."""
     elsewhere = {
         name: lines
         for name, path in modules().items()

@@ -1,4 +1,5 @@
-"""Stopping a run from outside (docs/explanations/reliability.md: stopping a run): a Prefect cancellation, Ctrl-C and SIGTERM.
+"""Stopping a run from outside (docs/explanations/reliability.md: stopping a run): a Prefect cancellation, Ctrl-C
+and SIGTERM.
 
 Real parts throughout: real signals (to the process, and to its process group as a terminal sends Ctrl-C),
 real ``dpml`` subprocesses on the default Prefect engine with its temporary server, a real Prefect server

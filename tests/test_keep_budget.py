@@ -142,7 +142,8 @@ def test_the_recorded_outputs_are_let_go_and_the_graph_freed_as_the_backward_pas
 
 
 class DroppedNormed(nn.Module):
-    """Dropout, then a weight-normed layer (W = g·v/‖v‖: a computation on parameters, :mod:`dpml.train.rules.derived`)."""
+    """Dropout, then a weight-normed layer (W = g·v/‖v‖: a computation on parameters,
+    :mod:`dpml.train.rules.derived`)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -183,7 +183,8 @@ def test_the_audit_can_refute_a_kl_certificate_through_pinsker() -> None:
         "loss": {"member": rng.normal(1.0, 1.0, 2000).tolist(), "nonmember": rng.normal(0.0, 1.0, 2000).tolist()}
     }
     same = {"loss": {"member": rng.normal(0.0, 1.0, 2000).tolist(), "nonmember": rng.normal(0.0, 1.0, 2000).tolist()}}
-    # Two unit Gaussians one apart: total variation 0.38, so KL = 0.01 (δ_P = 0.07) is refuted, KL = 1 (δ_P = 0.71) is not.
+    # Two unit Gaussians one apart: total variation 0.38, so KL = 0.01 (δ_P = 0.07) is refuted,
+    # KL = 1 (δ_P = 0.71) is not.
     assert total_variation_violations(separated, pinsker_delta(0.01), 0.95)[0]["attack"] == "loss"
     assert total_variation_violations(separated, pinsker_delta(1.0), 0.95) == []
     assert total_variation_violations(same, pinsker_delta(0.01), 0.95) == []

@@ -376,7 +376,8 @@ def _mixed_lengths(ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> Da
         (_mixed_lengths, r"dataset\[3\] input_ids: length 5, but dataset\[0\] has 8; pad every example to one length"),
         (
             lambda i, m, y: Records([({"input_ids": i[k]},) for k in range(len(y))]),
-            r"dataset\[0\]: a record for a model taking input_ids and attention_mask is \(input_ids, attention_mask, label\)",
+            r"dataset\[0\]: a record for a model taking input_ids and attention_mask is "
+            r"\(input_ids, attention_mask, label\)",
         ),
     ],
     ids=[
@@ -423,7 +424,7 @@ def test_each_example_s_mask_goes_with_its_ids_through_sampling_chunks_and_worke
     for step in steps:
         chunks = list(step.chunks)
         assert sum(x.shape[0] for x, _ in chunks) == step.batch.numel() and all(x.shape[0] <= 5 for x, _ in chunks)
-        for (x, y), indices in zip(chunks, step.batch.split(5)):
+        for (x, y), indices in zip(chunks, step.batch.split(5), strict=True):
             assert x.shape[1:] == (2, LENGTH) and x.dtype == torch.long
             assert torch.equal(x[:, 1], (torch.arange(LENGTH)[None, :] < (x[:, 0, 0] % LENGTH + 1)[:, None]).long())
             assert torch.equal(x[:, 0], (ids * mask)[indices]) and torch.equal(y, labels[indices])

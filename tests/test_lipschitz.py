@@ -60,7 +60,7 @@ def test_per_example_gradients_never_exceed_the_bounds(loss_name: str) -> None:
         y = torch.randint(0, 4, (40,), generator=generator)
         for i in range(40):
             grads = torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]).sum(), list(model.parameters()))
-            for (name, _), g in zip(model.named_parameters(), grads):
+            for (name, _), g in zip(model.named_parameters(), grads, strict=True):
                 ratio = float(g.norm()) / bounds[name]
                 assert ratio <= 1 + 1e-9, (name, ratio)
                 worst[name] = max(worst.get(name, 0.0), ratio)

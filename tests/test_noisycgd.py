@@ -93,9 +93,9 @@ def test_mu_formula_is_at_least_the_exact_mu_of_a_linear_instance(c: float, k: i
 def test_mu_is_monotone_in_epochs_and_in_eta_lambda() -> None:
     for k in (1, 7, 60):
         by_epochs = [noisycgd_mu(5.0, 1 - 1e-3, k, e) for e in range(1, 200, 7)]
-        assert all(a <= b + 1e-15 for a, b in zip(by_epochs, by_epochs[1:]))
+        assert all(a <= b + 1e-15 for a, b in zip(by_epochs, by_epochs[1:], strict=False))
         by_forgetting = [noisycgd_mu(5.0, 1 - r, k, 50) for r in np.geomspace(1e-7, 0.9, 40)]
-        assert all(a >= b - 1e-15 for a, b in zip(by_forgetting, by_forgetting[1:]))
+        assert all(a >= b - 1e-15 for a, b in zip(by_forgetting, by_forgetting[1:], strict=False))
     # c → 1 meets the c = 1 limit 1 + (E−1)/k, and E = 1 is a single Gaussian mechanism.
     assert noisycgd_mu_factor(1 - 1e-12, 6, 9) == pytest.approx(noisycgd_mu_factor(1.0, 6, 9), rel=1e-6)
     assert noisycgd_mu_factor(0.7, 6, 1) == 1.0

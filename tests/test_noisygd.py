@@ -82,7 +82,7 @@ def test_one_step_is_gradient_step_plus_generator_noise() -> None:
     replay = torch.Generator().manual_seed(7)
     train_noisy_gd(model, x, y, learning_rate=0.1, sigma=0.2, steps=1, loss="logistic", generator=generator)
     std = noisy_gd_step_noise_std(0.1, 0.2)
-    for p, w, g in zip(model.parameters(), before, grads):
+    for p, w, g in zip(model.parameters(), before, grads, strict=True):
         noise = gaussian(w.shape, 1.0, replay, w.dtype)  # the noise module's draws (tests/test_noise.py)
         torch.testing.assert_close(p.detach(), w - 0.1 * g + std * noise, rtol=0, atol=1e-14)
 
@@ -113,12 +113,12 @@ def test_linearised_output_is_affine_in_w_unlike_the_network() -> None:
 
     def lin_at(t: float) -> torch.Tensor:
         with torch.no_grad():
-            for w, w0, u in zip(lin.weights, anchor, direction):
+            for w, w0, u in zip(lin.weights, anchor, direction, strict=True):
                 w.copy_(w0 + t * u)
             return lin(x)
 
     def net_at(t: float) -> torch.Tensor:
-        state = {name: w0 + t * u for name, w0, u in zip(dict(net.named_parameters()), anchor, direction)}
+        state = {name: w0 + t * u for name, w0, u in zip(dict(net.named_parameters()), anchor, direction, strict=True)}
         return functional_call(net, state, (x,)).detach()
 
     lin_second = lin_at(2.0) - 2 * lin_at(1.0) + lin_at(0.0)
@@ -139,12 +139,12 @@ def test_linearised_gradient_is_jacobian_at_w0_transposed_times_dloss_df() -> No
     outputs = lin(x).detach().requires_grad_(True)
     (dloss_df,) = torch.autograd.grad(nn.functional.cross_entropy(outputs, y), outputs)
     names = [name for name, _ in net.named_parameters()]
-    anchor = {name: w0 for name, w0 in zip(names, lin.anchor())}
+    anchor = {name: w0 for name, w0 in zip(names, lin.anchor(), strict=True)}
     jacobian = jacrev(lambda params: functional_call(net, params, (x,)))(anchor)  # (b, o, *shape) per layer
-    for name, g in zip(names, grads):
+    for name, g in zip(names, grads, strict=True):
         expected = torch.einsum("bo,bo...->...", dloss_df, jacobian[name])
         torch.testing.assert_close(g, expected, rtol=1e-10, atol=1e-12)
-    moved = {name: w.detach() for name, w in zip(names, lin.weights)}
+    moved = {name: w.detach() for name, w in zip(names, lin.weights, strict=True)}
     jacobian_moved = jacrev(lambda params: functional_call(net, params, (x,)))(moved)
     assert any(not torch.allclose(jacobian[k], jacobian_moved[k]) for k in names)  # J(W0) really is what was used
 

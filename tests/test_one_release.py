@@ -412,13 +412,13 @@ def test_runs_in_one_process_each_go_where_their_configuration_says(workdir: Pat
     )
     uris = [f"sqlite:///{workdir / f'{name}.db'}" for name in ("a", "b")]
     configs = []
-    for name, uri in zip(("a", "b"), uris):
+    for name, uri in zip(("a", "b"), uris, strict=True):
         params["tracking"] |= {"uri": uri, "model_name": MODEL, "experiment": f"exp-{name}"}
         configs.append(load(write_params(workdir / f"{name}.yaml", params), environ={}))
     run_all(configs[0], echo=lambda _: None)
     release = run_stage("register", configs[1])  # the same outputs, released in another store
     assert release["tracking_uri"] == uris[1] and release["model_uri"] == f"models:/{MODEL}/1"
-    for uri, name in zip(uris, ("a", "b")):
+    for uri, name in zip(uris, ("a", "b"), strict=True):
         client = MlflowClient(uri, registry_uri=uri)
         assert [e.name for e in client.search_experiments() if e.name.startswith("exp-")] == [f"exp-{name}"]
         assert len(client.search_model_versions(f"name = '{MODEL}'")) == 1

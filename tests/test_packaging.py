@@ -1,6 +1,7 @@
 """dpml as a library that installs beside others: ``pyproject.toml`` declares compatible ranges (the versions the
 suite runs on, up to the next major release), ``requirements.lock`` pins the application's environment inside
-them, and the built wheel resolves beside an unrelated package set (a notebook's, with another torch than the lock's)."""
+them, and the built wheel resolves beside an unrelated package set (a notebook's, with another torch than the
+lock's)."""
 
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def test_clipping_engine_shortcut_matches_per_example_autograd() -> None:
     expected_norms = torch.stack([g.norm() for g in grads])
     torch.testing.assert_close(norms, expected_norms)
     factors = torch.clamp(1.0 / (expected_norms + 1e-6), max=1.0)
-    torch.testing.assert_close(sums["weight"], sum(f * g for f, g in zip(factors, grads)))
+    torch.testing.assert_close(sums["weight"], sum(f * g for f, g in zip(factors, grads, strict=True)))
 
 
 # ---------------------------------------------------------------- DP-GD and privacy for free

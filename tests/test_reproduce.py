@@ -1,13 +1,13 @@
 """Every release rebuildable: provenance on each version, its data on the DVC remote, ``dpml reproduce --verify``.
 
-In a git checkout of the project (its default DVC remote is a folder beside the checkout), the pipeline
-runs on a table, the table is then rewritten and the pipeline runs again. Version 1 still rebuilds:
+In a git checkout of the project (its default DVC remote is a folder beside the checkout), the pipeline runs
+on a table, the table is then rewritten and the pipeline runs again. Version 1 still rebuilds:
 ``dpml reproduce models:/NAME/1 --verify`` checks out its commit in a clean worktree, pulls *its* records
-from the remote and finds both hashes and the certificate as released, spending no ε; ``dpml reproduce
-models:/NAME/1`` retrains it there through ``dvc repro``, says first that it charges the ledger, is
-charged, and — with the operator's secret noise seed the release ran with — gets the identical
-certificate and test accuracy. A corrupted object on the remote is caught and named. A run that is not the workspace's DVC pipeline (``--set``)
-is tagged as not recorded and refused by ``reproduce`` with the reason.
+from the remote and finds both hashes and the certificate as released, spending no ε;
+``dpml reproduce models:/NAME/1`` retrains it there through ``dvc repro``, says first that it charges the
+ledger, is charged, and — with the operator's secret noise seed the release ran with — gets the identical
+certificate and test accuracy. A corrupted object on the remote is caught and named. A run that is not the
+workspace's DVC pipeline (``--set``) is tagged as not recorded and refused by ``reproduce`` with the reason.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def version_tags(root: Path, number: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.exhaustive  # ≈120 s (a release, its verification and its retraining in a worktree): CI runs it; the default suite stays near 20 min
+# ≈120 s (a release, its verification and its retraining in a worktree): CI runs it; the default suite stays near 20 min
+@pytest.mark.exhaustive
 def test_a_release_rebuilds_from_its_commit_and_remote_after_the_data_changed(tmp_path: Path) -> None:
     root, table = checkout_with_table(tmp_path, 900, seed=1)
     first = dpml(root, "run", "--engine", "local")

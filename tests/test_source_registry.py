@@ -1,5 +1,5 @@
-"""Data sources are an extension point shaped like the trainer (docs/explanations/design.md): one file registers a scheme for
-``data.source``; the configuration checks it before any work and dpml checks the records it returns.
+"""Data sources are an extension point shaped like the trainer (docs/explanations/design.md): one file registers a
+scheme for ``data.source``; the configuration checks it before any work and dpml checks the records it returns.
 
 - the example source of the documentation's Design page (``examples/npz_source.py``) is shown there verbatim;
 - ``npz:PATH`` validates only once its module is listed under ``plugins:``; a missing file is refused then,

@@ -124,7 +124,7 @@ def duplicated(tmp_path: Path, column: str) -> str:
     table = frame(8)
     text = as_text(table).splitlines()
     stale = ["no"] * 8 if column == "label" else ["0"] * 8
-    lines = [f"{column},{text[0]}"] + [f"{v},{row}" for v, row in zip(stale, text[1:])]
+    lines = [f"{column},{text[0]}"] + [f"{v},{row}" for v, row in zip(stale, text[1:], strict=True)]
     return csv_file(tmp_path, "\n".join(lines) + "\n")
 
 

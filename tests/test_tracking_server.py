@@ -113,7 +113,7 @@ def test_two_pipelines_at_once_register_on_the_server_and_load_anywhere(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        for w, env in zip(workers, environments)
+        for w, env in zip(workers, environments, strict=True)
     ]
     outcomes = [p.communicate(timeout=900) for p in running]
     assert [p.returncode for p in running] == [0, 0], [err[-3000:] for _, err in outcomes]

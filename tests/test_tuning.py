@@ -87,7 +87,7 @@ def test_bound_holds_for_the_exact_best_of_k_distribution(selection: Selection, 
     bound = tuning.selection_rdp(orders, base, selection, delta_hat=np.vectorize(lambda e: exact_delta(p, q, e)))
     a, b = best_of_k(p, selection), best_of_k(q, selection)
     assert a.sum() == pytest.approx(1.0) and b.sum() == pytest.approx(1.0)
-    for order, upper in zip(orders, bound):
+    for order, upper in zip(orders, bound, strict=True):
         truth = exact_rdp(a, b, order)
         assert truth <= upper * (1 + 1e-9) + 1e-12, (order, truth, upper)
     # …and not vacuous: at the orders that matter for δ = 1e-5 the bound is within a small factor.

@@ -81,7 +81,7 @@ def test_unit_epsilon_is_the_composition_of_the_spends_that_touched_it(ledger_lo
     mechanisms = [run(0.05, 1.0, 100), run(0.1, 1.5, 150), run(0.02, 0.9, 300), run(0.08, 1.2, 80)]
     n = 300
     touched = [np.sort(rng.choice(n, size=int(rng.integers(50, n)), replace=False)) for _ in mechanisms]
-    for i, (m, rows) in enumerate(zip(mechanisms, touched)):
+    for i, (m, rows) in enumerate(zip(mechanisms, touched, strict=True)):
         ledger.reserve(f"v{i}", m, f"run {i}", 1e6, lineage="L", units=people(rows.tolist()))
     histories: dict[tuple[int, ...], int] = {}
     for unit in range(n):

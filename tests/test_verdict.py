@@ -177,8 +177,8 @@ def test_the_card_roc_is_the_attack_roc_at_every_threshold() -> None:
         np.r_[np.ones(300), np.zeros(500)], np.r_[member, nonmember], drop_intermediate=False
     )
     # our curve walks ties one record at a time; at each distinct threshold it passes through sklearn's points
-    ours = set(zip(np.round(fpr, 12), np.round(tpr, 12)))
-    assert all((round(a, 12), round(b, 12)) in ours for a, b in zip(ref_fpr, ref_tpr))
+    ours = set(zip(np.round(fpr, 12), np.round(tpr, 12), strict=True))
+    assert all((round(a, 12), round(b, 12)) in ours for a, b in zip(ref_fpr, ref_tpr, strict=True))
     assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1
 
 

@@ -135,7 +135,8 @@ def calibrate_l2(
     batches: int,
     epochs: int,
 ) -> float:
-    """The smallest λ for which NoisyCGD's certified ε ≤ target, at this η, σ, k, E (see :func:`calibrate_l2_for_mu`)."""
+    """The smallest λ for which NoisyCGD's certified ε ≤ target, at this η, σ, k, E
+    (see :func:`calibrate_l2_for_mu`)."""
     try:
         return calibrate_l2_for_mu(
             gdp_mu(target_epsilon, delta), noise_multiplier, learning_rate, data_smoothness, batches, epochs

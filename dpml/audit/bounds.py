@@ -99,7 +99,7 @@ def _bounded(
     fp, fn = _error_counts(member, nonmember, thresholds)
     fpr = _clopper_pearson_upper_many(fp, nonmember.size, alpha_each)
     fnr = _clopper_pearson_upper_many(fn, member.size, alpha_each)
-    eps = np.array([convert(a, b) for a, b in zip(fpr, fnr)])
+    eps = np.array([convert(a, b) for a, b in zip(fpr, fnr, strict=True)])
     return eps, fpr, fnr, fp, fn
 
 

@@ -91,7 +91,7 @@ def tensor_noise(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
     counts = tensor_totals(probe.coordinate_count, _sizes(probe))
     return [
         (name, float(total) / s2, int(count))
-        for (name, _), total, count in zip(probe.parameter_names, sums, counts)
+        for (name, _), total, count in zip(probe.parameter_names, sums, counts, strict=True)
         if count
     ]
 
@@ -123,7 +123,7 @@ def noise_check(probe: ConformanceProbe, level: float, tolerance: float) -> Chec
     )
     tensors = {
         n: {"std_ratio": math.sqrt(t / c), "observations": c, "p_value": pv}
-        for (n, t, c), pv in zip(tests[1:], p_values[1:])
+        for (n, t, c), pv in zip(tests[1:], p_values[1:], strict=True)
     }
     return Check(
         "noise",
@@ -286,7 +286,10 @@ def clipped_sum_check(probe: ConformanceProbe, level: float, tolerance: float) -
             "worst": names[worst],
             "steps": int(projections.shape[0]),
             "tolerance": tolerance,
-            "tensors": {n: {"multiple": 1 + b, "p_value": pv} for n, b, pv in zip(names[1:], betas[1:], p_values[1:])},
+            "tensors": {
+                n: {"multiple": 1 + b, "p_value": pv}
+                for n, b, pv in zip(names[1:], betas[1:], p_values[1:], strict=True)
+            },
         },
     )
 
@@ -295,13 +298,13 @@ def canary_tensor_sums(probe: ConformanceProbe) -> list[tuple[str, float, int]]:
     """(name, Σ o, count) of the canary observations at the steps that sampled them, per parameter tensor."""
     dimension = sum(_sizes(probe))
     sums, counts = np.zeros(dimension), np.zeros(dimension)
-    for observed, sampled in zip(probe.observations, probe.sampled_canaries):
+    for observed, sampled in zip(probe.observations, probe.sampled_canaries, strict=True):
         np.add.at(sums, probe.coordinates[sampled], observed[sampled].astype(np.float64))
         np.add.at(counts, probe.coordinates[sampled], 1)
     totals, seen = tensor_totals(sums, _sizes(probe)), tensor_totals(counts, _sizes(probe))
     return [
         (name, float(total), int(count))
-        for (name, _), total, count in zip(probe.parameter_names, totals, seen)
+        for (name, _), total, count in zip(probe.parameter_names, totals, seen, strict=True)
         if count
     ]
 
@@ -342,7 +345,7 @@ def clipping_check(probe: ConformanceProbe, level: float, tolerance: float) -> C
         figure += f" overall, {total / count / probe.clip_norm:.2f} × C on {name} ({count} observations)"
     tensors = {
         n: {"contribution_ratio": t / c / expected, "canary_observations": c, "p_value": pv}
-        for (n, t, c), pv in zip(tests[1:], p_values[1:])
+        for (n, t, c), pv in zip(tests[1:], p_values[1:], strict=True)
     }
     return Check(
         "clipping",

@@ -39,7 +39,7 @@ def plot_histograms(scores: dict[str, tuple[np.ndarray, np.ndarray]], target: st
     """Score histograms of members vs non-members, one panel per attack."""
     count = len(scores)
     figure, axes = plt.subplots(1, count, figsize=(4 * count, 3.5), squeeze=False)
-    for axis, (name, (member, nonmember)) in zip(axes[0], scores.items()):
+    for axis, (name, (member, nonmember)) in zip(axes[0], scores.items(), strict=True):
         finite = np.r_[member, nonmember]
         finite = finite[np.isfinite(finite)]
         bins = np.linspace(finite.min(), finite.max(), 40) if finite.size and finite.min() < finite.max() else 20

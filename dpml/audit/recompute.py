@@ -71,5 +71,8 @@ def reference_clipped_sum(
     weighted = (loss_fn(model(x), y).double() * factors).sum()
     sums = torch.autograd.grad(weighted, list(trainable.values()), allow_unused=True)
     return torch.cat(
-        [(g if g is not None else torch.zeros_like(p)).reshape(-1).double() for g, p in zip(sums, trainable.values())]
+        [
+            (g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+            for g, p in zip(sums, trainable.values(), strict=True)
+        ]
     )

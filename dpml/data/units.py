@@ -56,7 +56,7 @@ def digests_of_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float64)
     y = np.ascontiguousarray(y, dtype=np.int64)
     rows, labels = x.view(np.uint8).reshape(x.shape[0], -1), y.view(np.uint8).reshape(-1, 8)
-    out = [_digest(b"row\0" + r.tobytes() + label.tobytes()) for r, label in zip(rows, labels)]
+    out = [_digest(b"row\0" + r.tobytes() + label.tobytes()) for r, label in zip(rows, labels, strict=True)]
     return np.frombuffer(b"".join(out), dtype=np.uint8).reshape(len(out), DIGEST_BYTES).copy()
 
 

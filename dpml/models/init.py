@@ -48,7 +48,7 @@ def init_variances(scheme: Scheme, widths: list[int]) -> list[float]:
 def bias_free_relu_mlp(widths: list[int]) -> nn.Sequential:
     """Linear(no bias) → ReLU → … → Linear(no bias): seed 000's network for widths [d, m_1, …, o]."""
     layers: list[nn.Module] = []
-    for layer, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:]), start=1):
+    for layer, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True), start=1):
         layers.append(nn.Linear(fan_in, fan_out, bias=False))
         if layer < len(widths) - 1:
             layers.append(nn.ReLU())
@@ -60,7 +60,7 @@ def initialise(model: nn.Sequential, scheme: Scheme, generator: torch.Generator 
     linears = [m for m in model if isinstance(m, nn.Linear)]
     widths = [linears[0].in_features] + [m.out_features for m in linears]
     with torch.no_grad():
-        for module, beta in zip(linears, init_variances(scheme, widths)):
+        for module, beta in zip(linears, init_variances(scheme, widths), strict=True):
             module.weight.normal_(0.0, beta**0.5, generator=generator)
     return model
 

@@ -41,12 +41,12 @@ class LinearisedNetwork(nn.Module):
 
     def network_at(self, values: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The wrapped network f(W; x) with its parameters set to ``values`` (no copy of the module)."""
-        state = dict(zip(self._names, values))
+        state = dict(zip(self._names, values, strict=True))
         state |= {name: getattr(self, f"state_{i}") for i, name in enumerate(self._buffer_names)}
         return functional_call(self._template[0], state, (x,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         anchor = tuple(self.anchor())
-        direction = tuple(w - w0 for w, w0 in zip(self.weights, anchor))
+        direction = tuple(w - w0 for w, w0 in zip(self.weights, anchor, strict=True))
         value, derivative = jvp(lambda *values: self.network_at(values, x), anchor, direction)
         return value + derivative

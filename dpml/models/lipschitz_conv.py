@@ -196,6 +196,6 @@ def _check_conv_arguments(
         )
     if min(padding) < 0:
         raise ValueError(f"SpectralConv2d padding = {padding}: must be ≥ 0")
-    for size, k, p, axis in zip(input_shape[1:], kernel, padding, ("height", "width")):
+    for size, k, p, axis in zip(input_shape[1:], kernel, padding, ("height", "width"), strict=True):
         if size + 2 * p < k:
             raise ValueError(f"SpectralConv2d input {axis} {size} with padding {p} is smaller than the kernel ({k})")

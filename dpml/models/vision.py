@@ -148,7 +148,7 @@ def build_wide_resnet(spec: WideResNetSpec) -> nn.Sequential:
         nn.Conv2d(spec.input_shape[0], widths[0], 3, padding=1, bias=False),
     ]
     width = widths[0]
-    for stage, stride in zip(widths[1:], (1, 2, 2)):
+    for stage, stride in zip(widths[1:], (1, 2, 2), strict=True):
         for index in range(blocks):
             layers.append(_WideBlock(width, stage, stride if index == 0 else 1, spec.norm_groups))
             width = stage

@@ -249,7 +249,8 @@ def render(
 
 def _attack_table(attacks: dict[str, Any]) -> list[str]:
     lines = [
-        "| attack | AUC [95% CI] | TPR @ 1% FPR | TPR @ 0.1% FPR | TPR @ 0% FPR | ε lower bound (test) | ε (GDP, informational) |",
+        "| attack | AUC [95% CI] | TPR @ 1% FPR | TPR @ 0.1% FPR | TPR @ 0% FPR "
+        "| ε lower bound (test) | ε (GDP, informational) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in attacks.items():

@@ -90,7 +90,7 @@ def _svg_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], epsilon: float | 
     def path(f: np.ndarray, t: np.ndarray) -> str:
         keep = f >= LOW_FPR
         xs, ys = x(f[keep]), y(t[keep])
-        return " ".join(f"{'M' if i == 0 else 'L'}{a:.1f},{b:.1f}" for i, (a, b) in enumerate(zip(xs, ys)))
+        return " ".join(f"{'M' if i == 0 else 'L'}{a:.1f},{b:.1f}" for i, (a, b) in enumerate(zip(xs, ys, strict=True)))
 
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
@@ -117,7 +117,8 @@ def _svg_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], epsilon: float | 
             'stroke-width="2.5"/>'
         )
         legend.append((f"DP limit (ε = {format_epsilon(epsilon)})", "#b00020", ""))
-    for (name, (f, t)), colour in zip(curves.items(), PALETTE):
+    # strict=False: the fixed palette usually has more colours than there are curves
+    for (name, (f, t)), colour in zip(curves.items(), PALETTE, strict=False):
         parts.append(f'<path d="{path(f, t)}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         legend.append((name, colour, ""))
     for i, (label, colour, dash) in enumerate(legend):

@@ -140,7 +140,7 @@ def write_dp_limit(path: Path, epsilon: float | None, delta: float) -> None:
     fpr = np.unique(np.concatenate([np.linspace(0.0, 1.0, 201), corner]))
     tpr = dp_limit_tpr(fpr, eps, delta)
     with io.atomic_path(path) as temp:
-        temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr, tpr)))
+        temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr, tpr, strict=True)))
 
 
 def strongest(results: dict[str, Any], key: str) -> tuple[str, float]:
@@ -178,7 +178,9 @@ def audit(config: Config) -> dict[str, Any]:
             fpr, tpr = curves[name]
             keep = np.unique(np.linspace(0, fpr.size - 1, min(fpr.size, 200)).astype(int))
             with io.atomic_path(layout.roc_csv) as temp:
-                temp.write_text("fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep])))
+                temp.write_text(
+                    "fpr,tpr\n" + "".join(f"{a:.6f},{b:.6f}\n" for a, b in zip(fpr[keep], tpr[keep], strict=True))
+                )
             write_dp_limit(layout.roc_limit_csv, context.certified_epsilon, config.dp.delta)
     summary |= stamp_for(layout)  # the model this audit attacked (dpml.stages.spend_outputs)
     io.write_json(layout.audit, summary)

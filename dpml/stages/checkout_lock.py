@@ -4,11 +4,11 @@ Two runs started in one checkout (two ``dpml run``, a ``dpml run`` beside a ``dv
 flow beside a manual one) would otherwise overwrite each other's stage outputs between the spend that
 paid for a model and its registration. Each of the two folders has a lock file beside it
 (``.<folder>.dpml-run.lock`` in its parent, so the folders hold stage outputs only; an advisory
-``flock``, released by the kernel when its holder exits or is killed): a whole run (``dpml run``/``dpml tune``, either engine, the Prefect flow) holds both from
-pre-flight to registration, a single stage (``dpml stage NAME``, what ``dvc repro`` calls) holds them
-for that stage. A second run waits its turn — it says once who holds the lock and since when — and
-then runs against the state the first one left: its pre-flight and its budget check see the first
-run's spend. Runs with their own ``paths.data`` and ``paths.artifacts`` run side by side.
+``flock``, released by the kernel when its holder exits or is killed): a whole run (``dpml run``/``dpml tune``,
+either engine, the Prefect flow) holds both from pre-flight to registration, a single stage (``dpml stage NAME``,
+what ``dvc repro`` calls) holds them for that stage. A second run waits its turn — it says once who holds the lock
+and since when — and then runs against the state the first one left: its pre-flight and its budget check see the
+first run's spend. Runs with their own ``paths.data`` and ``paths.artifacts`` run side by side.
 
 Between the stages of a ``dvc repro`` another run can take its turn; the register stage then refuses
 outputs that are not those of the spend it is asked to release (:mod:`dpml.stages.spend_outputs`).

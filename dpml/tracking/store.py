@@ -211,7 +211,8 @@ def _upgrade_copy(path: Path, revision: str | None) -> None:
     except Exception as error:  # noqa: BLE001 - any migration failure leaves the original untouched
         raise StoreError(
             f"MLflow store {path} is at schema {revision} and could not be migrated to {_head()} "
-            f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); it was not modified — back it up and run "
+            f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); "
+            "it was not modified — back it up and run "
             f"`mlflow db upgrade sqlite:///{path}`"
         ) from None
     finally:

@@ -22,7 +22,8 @@ iteration estimates the spectral norm from below. So the trainer checks a certif
 every constrained operator's norm after every epoch (:func:`largest_spectral_norm`: the exact σ_max
 of dense weights, the FFT bound of convolutions) and, after training, the actual per-example
 gradient norms of every parameter on (up to ``soundness_records``) training records against their
-bounds. A violation is reported in the history and fails the certificate (:meth:`dpml.train.trainers.clipless.Clipless.certify`).
+bounds. A violation is reported in the history and fails the certificate
+(:meth:`dpml.train.trainers.clipless.Clipless.certify`).
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def clipless_mechanism(
     clipping_notes: tuple[str, ...] = ()
     if loss_clipping is not None:
         clipping_notes = (
-            f"loss-gradient clipping at a private {loss_clipping.quantile:g}-quantile (Andrew et al. 2021): every bound "
-            f"scales by min(L, C_t)/L; the count of unclipped examples is released with noise std "
+            f"loss-gradient clipping at a private {loss_clipping.quantile:g}-quantile (Andrew et al. 2021): "
+            f"every bound scales by min(L, C_t)/L; the count of unclipped examples is released with noise std "
             f"{loss_clipping.count_noise:g}, so each step is one Gaussian with multiplier (σ_g⁻² + σ_b⁻²)^(−1/2) = "
             f"{sigma:.6g} (σ_g = {per_noise:.6g})",
         )

@@ -280,7 +280,7 @@ def _rule_pieces(
             )
             continue
         gradients = per_example_gradients_of(uses.pop(id(node.output)), node.output, batch, dtype)
-        for (_, tracked), g in zip(node.sources, pull_back(node, gradients)):
+        for (_, tracked), g in zip(node.sources, pull_back(node, gradients), strict=True):
             key = id(tracked.param)
             if key in relevant:
                 uses[key].append((tracked, Dense(_as_dtype(g, dtype))))
@@ -438,7 +438,7 @@ def _flat_slots(
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(parameter name, positions in ``coordinates``, flat index inside that parameter) for each parameter hit."""
     out, offset = [], 0
-    for name, shape in zip(names, shapes):
+    for name, shape in zip(names, shapes, strict=True):
         size = int(torch.Size(shape).numel())
         inside = (coordinates >= offset) & (coordinates < offset + size)
         if bool(inside.any()):

@@ -31,7 +31,7 @@ def conv_geometry(module: nn.Conv1d | nn.Conv2d) -> Geometry | None:
     if module.padding == "valid":
         padding: tuple[int, ...] = (0,) * len(module.kernel_size)
     elif module.padding == "same":
-        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
         if any(total % 2 for total in totals):
             return None
         padding = tuple(total // 2 for total in totals)
@@ -330,7 +330,7 @@ def live_taps(geometry: Geometry, size: tuple[int, ...], out: tuple[int, ...]) -
     position, so its weight gradient is zero for every example (3×3 kernels on ResNet's 1×1 maps: 8 of 9)."""
     kernel, stride, padding, dilation = geometry
     axes = []
-    for taps, s, p, d, n, n_out in zip(kernel, stride, padding, dilation, size, out):
+    for taps, s, p, d, n, n_out in zip(kernel, stride, padding, dilation, size, out, strict=True):
         live = [k for k in range(taps) if any(0 <= o * s - p + k * d < n for o in range(n_out))]
         axes.append(range(live[0], live[-1] + 1) if live else range(0))
     return axes[0], axes[1]
@@ -339,7 +339,8 @@ def live_taps(geometry: Geometry, size: tuple[int, ...], out: tuple[int, ...]) -
 def clip_weighted_conv_weight(
     module: nn.Conv2d, inputs: torch.Tensor, weighted: torch.Tensor, geometry: Geometry
 ) -> torch.Tensor:
-    """Σ_i Σ_t (c_i δ_{i,t}) a_{i,t}ᵀ for an ungrouped Conv2d, given the clip-weighted output gradient (B, C_out, H', W').
+    """Σ_i Σ_t (c_i δ_{i,t}) a_{i,t}ᵀ for an ungrouped Conv2d, given the clip-weighted output gradient
+    (B, C_out, H', W').
 
     The layer's own weight-gradient convolution, except on a CPU where each example has one output position
     (ResNet's last stage on small images): there Σ_i (c_i δ_i) a_iᵀ is one product, (C_out, B) @ (B, C_in·k),

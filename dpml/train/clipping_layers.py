@@ -16,7 +16,8 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   convolution the patches' Gram matrix from that of the padded input's positions:
   :func:`dpml.train.clipping_conv.input_gram_norms_squared`). Kept gradients come in slices of examples
   that the CPU's heap keeps between steps (:func:`dpml.devices.heap_sized_slices`).
-  A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is resolved to the numbers.
+  A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is
+  resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised by one batched product over the (example, group) pairs.
 - **Embedding** (z_t = W[k_t]): ‖∇_W ℓ_i‖_F² = Σ_k ‖Σ_{t: k_t = k} δ_t‖², by sorting the

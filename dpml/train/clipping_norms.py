@@ -18,9 +18,11 @@ def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
 
 def kept_sum(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """Σ_i c_i G_i of per-example gradients kept in consecutive slices of examples, (B_k, …) each."""
+    # accumulate's initial 0 gives one start more than there are parts (the last is the end): strict=False
     starts = itertools.accumulate((part.shape[0] for part in parts), initial=0)
     terms = [
-        torch.einsum("b,b...->...", factors[start : start + part.shape[0]], part) for start, part in zip(starts, parts)
+        torch.einsum("b,b...->...", factors[start : start + part.shape[0]], part)
+        for start, part in zip(starts, parts, strict=False)
     ]
     return functools.reduce(torch.add, terms)  # at least one (possibly empty) slice: heap_sized_slices
 

@@ -145,8 +145,8 @@ def clipped_chunks_and_noise(
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the chunks of the batch (so a large Poisson
     batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk), Gaussian
     noise N(0, σ²C² I) per trainable parameter drawn from ``generator`` by :func:`gaussian_noise` (or the
-    next draw of a CPU noise stream, :func:`dpml.train.noise.cpu_noise_stream`; zeros where it is ``None``: a worker of a
-    distributed run, whose lead draws the step's one noise), and how many records were
+    next draw of a CPU noise stream, :func:`dpml.train.noise.cpu_noise_stream`; zeros where it is ``None``: a worker
+    of a distributed run, whose lead draws the step's one noise), and how many records were
     clipped (a tensor: no device synchronisation in the training loop). ``exact``: the clipping plan's
     parameters (:func:`dpml.train.clipping_check.plan_clipping`); ``autocast``: the forward pass's
     lower precision (:func:`dpml.train.clipping.engine_pass`; norms, sums and noise stay float32)."""
@@ -317,7 +317,7 @@ def run_dpsgd_steps(
         noise = cpu_noise_stream(noise_source, params, noise_multiplier * clip_norm)
     model.train()
     try:
-        for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps):
+        for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps, strict=True):
             sums, noises, clipped_count = clipped_chunks_and_noise(
                 model, step.chunks, clip_norm, noise_multiplier, noise, loss_fn, step.diracs, exact, autocast
             )

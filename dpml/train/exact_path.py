@@ -24,7 +24,7 @@ def exact_per_example_gradients(losses: torch.Tensor, params: Mapping[str, torch
     if batch == 0:
         return {name: p.new_zeros((0, *p.shape)) for name, p in params.items()}
     grads = batched_vjp(losses, tensors, torch.eye(batch, dtype=losses.dtype, device=losses.device))
-    return dict(zip(params, grads))
+    return dict(zip(params, grads, strict=True))
 
 
 def batched_vjp(output: torch.Tensor, inputs: list[torch.Tensor], cotangents: torch.Tensor) -> list[torch.Tensor]:
@@ -45,7 +45,7 @@ def batched_vjp(output: torch.Tensor, inputs: list[torch.Tensor], cotangents: to
             torch.stack([torch.zeros_like(x) if row[k] is None else row[k] for row in rows])
             for k, x in enumerate(inputs)
         )
-    return [x.new_zeros((batch, *x.shape)) if g is None else g for x, g in zip(inputs, found)]
+    return [x.new_zeros((batch, *x.shape)) if g is None else g for x, g in zip(inputs, found, strict=True)]
 
 
 def unreached_parameters(losses: torch.Tensor, params: dict[str, nn.Parameter]) -> list[str]:

@@ -10,9 +10,10 @@ most ``KEEP_SHARE`` of what the pass holds anyway (its layers' inputs and output
 step's peak memory follows the model's activations, not the device's size: a transformer's per-example
 weight gradients (d_in·d_out numbers an example) outweigh its activations (T·(d_in + d_out)) at short
 sequences, and keeping them all cost ViT-tiny 2.5× the non-private peak on this project's CPU for no speed
-(``benchmarks/results/families.md``). Past the pass's budget a layer takes the way that keeps nothing (ghost norm, or its norm from slices that
-are dropped, and its clipped sum by a second pass): slower for that layer, never more memory. Which way a
-layer takes changes only the floating-point order of its sums, never the clipping (both are exact).
+(``benchmarks/results/families.md``). Past the pass's budget a layer takes the way that keeps nothing (ghost
+norm, or its norm from slices that are dropped, and its clipped sum by a second pass): slower for that
+layer, never more memory. Which way a layer takes changes only the floating-point order of its sums, never
+the clipping (both are exact).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ def _gpu_memory(index: int) -> int:
 
 def keep_limit(device: torch.device) -> int:
     """How many elements of materialised per-example gradients one layer may keep for its clipped sum
-    (and, kept or not, what :func:`dpml.train.clipping_layers.materialise` weighs). On a CPU ``KEEP_PER_EXAMPLE_LIMIT``, sized for
-    its caches; on a GPU the same per ``GPU_MEMORY_PER_KEEP_LIMIT`` bytes of the device's memory (1/32
-    of it in float32: ≈1.1e9 elements on an H200), where keeping them spares a ghost norm and a second
-    weight-gradient pass (WRN-16-4 on an H200 at batch 4096: 280.5 → 199.6 ms a step, ``results/speed_cuda*.md``)."""
+    (and, kept or not, what :func:`dpml.train.clipping_layers.materialise` weighs). On a CPU
+    ``KEEP_PER_EXAMPLE_LIMIT``, sized for its caches; on a GPU the same per ``GPU_MEMORY_PER_KEEP_LIMIT`` bytes
+    of the device's memory (1/32 of it in float32: ≈1.1e9 elements on an H200), where keeping them spares a
+    ghost norm and a second weight-gradient pass (WRN-16-4 on an H200 at batch 4096: 280.5 → 199.6 ms a step,
+    ``results/speed_cuda*.md``)."""
     if device.type != "cuda":
         return KEEP_PER_EXAMPLE_LIMIT
     index = device.index if device.index is not None else torch.cuda.current_device()

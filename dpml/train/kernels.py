@@ -45,7 +45,8 @@ numbers are the same); see ``_boxmuller.c``."""
 
 
 def cache_directory() -> Path:
-    """``$XDG_CACHE_HOME/dpml``, else ``~/.cache/dpml``, else (no home directory) a per-user one in the temp directory."""
+    """``$XDG_CACHE_HOME/dpml``, else ``~/.cache/dpml``, else (no home directory) a per-user one in the temp
+    directory."""
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "dpml"
     try:

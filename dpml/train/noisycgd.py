@@ -75,8 +75,9 @@ def noisycgd_mechanism(settings: NoisyCgdSettings, n: int) -> MechanismDescripti
     c = settings.contraction()
     mu = noisycgd_mu(settings.noise_multiplier, c, k, settings.epochs)
     notes = [
-        f"NoisyCGD (Koskela, seed 001 Eq. 2.4): k = ⌈n/b⌉ = {k} fixed disjoint batches (sizes ≤ b = {settings.batch_size},"
-        f" each averaged over b), E = {settings.epochs} cyclic epochs, η = {settings.learning_rate:g}, λ = {settings.l2:.6g}",
+        f"NoisyCGD (Koskela, seed 001 Eq. 2.4): k = ⌈n/b⌉ = {k} fixed disjoint batches "
+        f"(sizes ≤ b = {settings.batch_size}, each averaged over b), E = {settings.epochs} cyclic epochs, "
+        f"η = {settings.learning_rate:g}, λ = {settings.l2:.6g}",
         f"μ-GDP by Theorem 2.8 (Bok, Su & Altschuler 2024, Thm 4.5): μ = (2/σ)·sqrt(1 + c^(2k−2)(1−c²)/(1−c^k)² · "
         f"(1−c^(k(E−1)))/(1+c^(k(E−1)))) = {mu:.6g} with σ = {settings.noise_multiplier:g}, L = 2C (replace-one), "
         f"noise std σC/b on the averaged gradient",

@@ -209,7 +209,7 @@ def noisy_gd_update(
     """In place: W ← W − η g + noise_std · Z, Z ~ N(0, I) from ``generator`` (drawn on its device in float64,
     per parameter: :func:`dpml.train.noise.gaussian`)."""
     with torch.no_grad():
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             noise = gaussian(p.shape, 1.0, generator, p.dtype)
             p.add_(g, alpha=-learning_rate)
             p.add_(noise.to(p.device), alpha=noise_std)

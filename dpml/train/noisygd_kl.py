@@ -224,20 +224,21 @@ class LinearFactors:
         deltas = torch.autograd.grad(total, [outputs[id(layer)][0] for layer in layers], allow_unused=True)
         self.h = [inputs[id(layer)][0] for layer in layers]
         self.delta = [
-            torch.zeros_like(outputs[id(layer)][0]) if d is None else d.detach() for layer, d in zip(layers, deltas)
+            torch.zeros_like(outputs[id(layer)][0]) if d is None else d.detach()
+            for layer, d in zip(layers, deltas, strict=True)
         ]
 
     def squared_norms(self) -> torch.Tensor:
         """‖g_i‖² per record."""
         out = torch.zeros(self.h[0].shape[0], dtype=torch.float64, device=self.h[0].device)
-        for layer, h, d in zip(self.layers, self.h, self.delta):
+        for layer, h, d in zip(self.layers, self.h, self.delta, strict=True):
             out += d.pow(2).sum(1).double() * (h.pow(2).sum(1).double() + (1.0 if layer.bias is not None else 0.0))
         return out
 
     def inner_with(self, gradient: dict[int, torch.Tensor]) -> torch.Tensor:
         """⟨g_i, ḡ⟩ per record, ḡ given per parameter (keyed by ``id(parameter)``)."""
         out = torch.zeros(self.h[0].shape[0], dtype=torch.float64, device=self.h[0].device)
-        for layer, h, d in zip(self.layers, self.h, self.delta):
+        for layer, h, d in zip(self.layers, self.h, self.delta, strict=True):
             out += (d * (h @ gradient[id(layer.weight)].T)).sum(1).double()
             if layer.bias is not None:
                 out += (d @ gradient[id(layer.bias)]).double()
@@ -246,7 +247,7 @@ class LinearFactors:
     def gram_with(self, other: "LinearFactors") -> torch.Tensor:
         """⟨g_i, g'_j⟩ for every record i here and j of ``other`` (same network)."""
         out = torch.zeros(self.h[0].shape[0], other.h[0].shape[0], dtype=torch.float64, device=self.h[0].device)
-        for layer, h, d, h2, d2 in zip(self.layers, self.h, self.delta, other.h, other.delta):
+        for layer, h, d, h2, d2 in zip(self.layers, self.h, self.delta, other.h, other.delta, strict=True):
             out += (d @ d2.T).double() * ((h @ h2.T).double() + (1.0 if layer.bias is not None else 0.0))
         return out
 
@@ -292,7 +293,15 @@ def neighbour_squared_gaps(
     params = list(model.parameters())
     if method == "factored" or (method == "auto" and linear_layers(model) is not None):
         return _factored_gaps(
-            model, loss, dict(zip(map(id, params), mean_gradient)), n, relations, removed_x, removed_y, added_x, added_y
+            model,
+            loss,
+            dict(zip(map(id, params), mean_gradient, strict=True)),
+            n,
+            relations,
+            removed_x,
+            removed_y,
+            added_x,
+            added_y,
         )
     return _materialised_gaps(model, loss, flatten(mean_gradient), n, relations, removed_x, removed_y, added_x, added_y)
 

@@ -140,7 +140,7 @@ def check_candidates(trainer: Trainer, config: Config, plan: SearchPlan, n_fit: 
     keys = list(config.tune.space)
     problems = []
     for values in itertools.product(*(config.tune.space[k] for k in keys)):
-        chosen = dict(zip(keys, values))
+        chosen = dict(zip(keys, values, strict=True))
         try:
             trainer.candidate_config(config, chosen, plan, n_fit)
         except ValueError as error:

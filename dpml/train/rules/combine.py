@@ -217,7 +217,7 @@ def _all_materialised(param: nn.Parameter, uses: list[Use], batch: int, limit: i
             "do not fit the keep limit"
         )
     grads = None
-    for index, (_, form) in zip(indices, uses):
+    for index, (_, form) in zip(indices, uses, strict=True):
         part = _materialised(form, batch)
         positions = torch.searchsorted(reached, index)
         grads = (part.new_zeros(batch, reached.numel()) if grads is None else grads).index_add_(1, positions, part)

@@ -46,7 +46,9 @@ def run_on_leaves(
     with torch.enable_grad():
         local = outputs(func(*args, **kwargs))
     recorded = outputs(out)
-    if len(local) != len(recorded) or not all(torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded)):
+    if len(local) != len(recorded) or not all(
+        torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded, strict=True)
+    ):
         return None
     return local, list(leaves.values())
 

@@ -6,9 +6,9 @@ With S right-aligned to z and padded to S' of z's rank: ∇_S ℓ_i = Σ over th
 (∂ℓ_i/∂z_i) ⊙ x_i (product) or ± α ∂ℓ_i/∂z_i (sum), materialised (the size of S per example). S' must be
 shared (leading size 1) or expanded over the batch (the same elements in every example's slice); the other
 operand batch-first, or with a first dimension whose slices each belong to one example (Swin's attention
-windows, (B·windows, …)): its rows' gradients are then added up per example. S + c and S − c with c a constant of every example (``1 + w``) are S again, shifted:
-their result is tracked as a view of the parameter, and the operation that meets the batch forms the
-gradient.
+windows, (B·windows, …)): its rows' gradients are then added up per example. S + c and S − c with c a
+constant of every example (``1 + w``) are S again, shifted: their result is tracked as a view of the
+parameter, and the operation that meets the batch forms the gradient.
 """
 
 from __future__ import annotations

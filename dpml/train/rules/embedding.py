@@ -1,11 +1,11 @@
 """Embedding lookups z_t = W[k_t] (``F.embedding``; ``nn.Embedding`` where its hook does not apply).
 
-- **Indices per example** (B, …), computed from the batch's inputs: ∇_W ℓ_i = Σ_t e_{k_t} δ_tᵀ, factored with a one-hot factor (the
-  indices), so ‖∇_W ℓ_i‖² = Σ_k ‖Σ_{t: k_t = k} δ_t‖² (:func:`dpml.train.clipping_layers.embedding_norms_squared`);
-  ``padding_idx`` positions get no gradient.
-- **Indices shared by the batch** (position ids (1, T) or (T,): not computed from the batch's inputs): the output is the same for every example,
-  a view of W (rows k_t), tracked; the operation where it meets the batch (``h + pos``) forms each
-  example's gradient and maps it back through the indices.
+- **Indices per example** (B, …), computed from the batch's inputs: ∇_W ℓ_i = Σ_t e_{k_t} δ_tᵀ, factored with a
+  one-hot factor (the indices), so ‖∇_W ℓ_i‖² = Σ_k ‖Σ_{t: k_t = k} δ_t‖²
+  (:func:`dpml.train.clipping_layers.embedding_norms_squared`); ``padding_idx`` positions get no gradient.
+- **Indices shared by the batch** (position ids (1, T) or (T,): not computed from the batch's inputs): the
+  output is the same for every example, a view of W (rows k_t), tracked; the operation where it meets the
+  batch (``h + pos``) forms each example's gradient and maps it back through the indices.
 
 ``max_norm`` (renormalises W inside the forward) and ``scale_grad_by_freq`` (counts over the whole batch)
 have no rule.

@@ -69,7 +69,8 @@ def carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -
         return examples
     if out.dim() == t.dim() and out.shape[:-1] == t.shape[:-1] and examples.stride(-1) == 0:
         return examples[..., :1].expand(out.shape)
-    if out.dim() >= t.dim() and all(a == b or a == 1 for a, b in zip(t.shape[::-1], out.shape[::-1])):
+    # broadcast: only t's trailing dimensions are compared, out may have more leading ones (strict=False)
+    if out.dim() >= t.dim() and all(a == b or a == 1 for a, b in zip(t.shape[::-1], out.shape[::-1], strict=False)):
         return examples.expand(out.shape)
     return None
 

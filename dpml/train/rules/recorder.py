@@ -207,7 +207,7 @@ class Recorder(TorchFunctionMode):
                 )
             }.values()
         )
-        for o, recomputed in zip(outputs(out), local):
+        for o, recomputed in zip(outputs(out), local, strict=True):
             if o.requires_grad:
                 node = Derived(o, list(sources.values()), params, recomputed, leaves, name)
                 self.derived_nodes.append(node)
@@ -366,7 +366,7 @@ class Recorder(TorchFunctionMode):
                     self._track(o, source)
             return out
         mapped = apply_view(func, source.flat_index(), args, kwargs)
-        for o, index in zip(outputs(out), outputs(mapped)):
+        for o, index in zip(outputs(out), outputs(mapped), strict=True):
             if o.shape == index.shape:
                 self._track(o, Tracked(source.param, index, source.shared))
         return out

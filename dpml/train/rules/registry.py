@@ -31,7 +31,8 @@ from torch import nn
 
 @dataclass(frozen=True, eq=False)
 class Tracked:
-    """A tensor V that is the parameter ``param`` or a view of it: V.flatten()[j] = param.flatten()[index.flatten()[j]]."""
+    """A tensor V that is the parameter ``param`` or a view of it:
+    V.flatten()[j] = param.flatten()[index.flatten()[j]]."""
 
     param: nn.Parameter
     index: torch.Tensor | None = None  # int64, V's shape; None: V is the parameter
