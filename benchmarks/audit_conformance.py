@@ -8,11 +8,13 @@ the ε the bug really costs where an accountant can say, the largest gating ε l
 white-box bound under both canary scorings, which conformance checks failed, the gate's verdict,
 and the audit stage's time — with the white-box run (conformance + canary bound) and without it.
 
-    python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist|both] [--max-train N] [--mode tight] [--render]
+    python benchmarks/audit_conformance.py [--dataset digits|fashion-mnist|both] [--max-train N] [--mode tight]
+        [--render]
 
 Writes ``benchmarks/results/audit_conformance.{md,json}`` (``audit_conformance_tight.{md,json}`` with ``--mode
-tight``: the one-run audits read through the certified mechanism's own trade-off curve, and gating on it). A data set not measured by this run keeps its
-section from the previous results, which states the commit, date and machine it was measured at.
+tight``: the one-run audits read through the certified mechanism's own trade-off curve, and gating on it). A data
+set not measured by this run keeps its section from the previous results, which states the commit, date and
+machine it was measured at.
 ``--render`` only rewrites the page from the stored JSON.
 """
 

@@ -228,7 +228,10 @@ def one_run_mechanism_bound(
             kept, factor = (kept, middle) if rejects(np.array([math.exp(middle)]))[0] else (middle, factor)
         factor = math.exp(factor)
     inputs = {"canaries": canaries, "guesses": guesses, "correct": correct, "delta": delta}
-    assumption = "the certified mechanism's trade-off curve, scaled in noise; canaries included independently with probability 1/2"
+    assumption = (
+        "the certified mechanism's trade-off curve, scaled in noise; canaries included independently with "
+        "probability 1/2"
+    )
     if math.isinf(factor):
         return LowerBound("one_run_mechanism", 0.0, confidence, assumption, inputs | {"noise_scale": factor})
     epsilon = epsilon_pld(scaled(mechanism, factor), delta, MECHANISM_DISCRETIZATION)

@@ -110,7 +110,8 @@ def power_and_conformance_metrics(summary: dict[str, Any]) -> dict[str, float]:
 
 def audit_detail_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The audit's numbers beyond the headline: every attack's on the target and the control, each one-run
-    method's lower bound (and its f-DP reading: μ, ε, their power), each bound's power and each conformance check (``audit.target.loss.auc`` …)."""
+    method's lower bound (and its f-DP reading: μ, ε, their power), each bound's power and each conformance
+    check (``audit.target.loss.auc`` …)."""
     return {
         **{
             f"audit.{subject}.{name}.{k}": v
