@@ -182,6 +182,24 @@ def test_the_card_roc_is_the_attack_roc_at_every_threshold() -> None:
     assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1
 
 
+def test_the_card_draws_every_attacks_roc_however_many_attacks_there_are() -> None:
+    """Twelve attacks (more than the palette's eight colours): twelve curves and twelve legend entries, no two
+    with the same colour and dash."""
+    import re
+
+    import numpy as np
+
+    from dpml.report.release_card import _svg_roc
+
+    grid = np.linspace(0.0, 1.0, 11)
+    svg = _svg_roc({f"attack-{i}": (grid, grid**0.5) for i in range(12)}, 2.0, 1e-5)
+    styles = re.findall(
+        r'<path d="[^"]+" fill="none" stroke="([^"]+)" stroke-width="1.5" stroke-dasharray="([^"]*)"', svg
+    )
+    assert len(styles) == 12 and len(set(styles)) == 12
+    assert all(f">attack-{i}<" in svg for i in range(12))
+
+
 def test_the_card_says_the_guarantee_in_plain_words_and_refuses_nothing_silently() -> None:
     """ε and δ in plain words with the catch rate at 1% FPR from the DP limit; no certificate says so."""
     from dpml.report.release_card import plain_words

@@ -117,10 +117,12 @@ def _svg_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], epsilon: float | 
             'stroke-width="2.5"/>'
         )
         legend.append((f"DP limit (ε = {format_epsilon(epsilon)})", "#b00020", ""))
-    # strict=False: the fixed palette usually has more colours than there are curves
-    for (name, (f, t)), colour in zip(curves.items(), PALETTE, strict=False):
-        parts.append(f'<path d="{path(f, t)}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
-        legend.append((name, colour, ""))
+    for i, (name, (f, t)) in enumerate(curves.items()):  # past the palette, its colours again with a dash
+        colour, dash = PALETTE[i % len(PALETTE)], "" if i < len(PALETTE) else "6 2"
+        parts.append(
+            f'<path d="{path(f, t)}" fill="none" stroke="{colour}" stroke-width="1.5" stroke-dasharray="{dash}"/>'
+        )
+        legend.append((name, colour, dash))
     for i, (label, colour, dash) in enumerate(legend):
         ly = pad + 14 + 16 * i
         parts.append(
