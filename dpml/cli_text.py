@@ -96,15 +96,18 @@ def audit_record(result: dict[str, Any], out: str) -> dict[str, Any]:
 
 
 def audit_line(audit: dict[str, Any], epsilon: float) -> str:
-    """The audit in one line: the largest counted lower bound against the certified ε, the strongest attack
-    (with the non-private control beside it) and the reference models."""
+    """The audit in one line: the largest counted lower bound against the certified ε and the most its methods
+    could show (their power), the strongest attack (with the non-private control beside it) and the reference
+    models."""
     attacks, control = audit["target"]["attacks"], audit.get("control", {}).get("attacks", {})
     name = max(attacks, key=lambda n: attacks[n]["auc"])
     beside = f" | control {control[name]['auc']:.3f}" if name in control else ""
     references = audit["references"]
+    counted = [e["power"] for e in (audit.get("power") or {}).values() if e.get("gating")]
+    reach = f"its methods reach {max(counted):.3g}; " if counted else ""
     return (
-        f"  audit                empirical ε bound {format_lower_bound(audit['max_lower_bound'])} "
-        f"(certified {format_epsilon(epsilon)}); "
+        f"  audit                empirical ε lower bound {format_lower_bound(audit['max_lower_bound'])} "
+        f"(certified {format_epsilon(epsilon)}); {reach}"
         f"strongest {name} AUC {attacks[name]['auc']:.3f}{beside}; reference models {references['models']} "
         f"({references['found_stored']} stored, {references['trained_by_this_stage']} trained)"
     )
