@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpml.formatting import format_epsilon, format_lower_bound
-from dpml.report.verdict import verdict_lines
+from dpml.report.verdict import counted_power, verdict_lines
 
 
 def slot_lines(counts: dict[str, dict[str, int]] | None) -> list[str]:
@@ -103,8 +103,8 @@ def audit_line(audit: dict[str, Any], epsilon: float) -> str:
     name = max(attacks, key=lambda n: attacks[n]["auc"])
     beside = f" | control {control[name]['auc']:.3f}" if name in control else ""
     references = audit["references"]
-    counted = [e["power"] for e in (audit.get("power") or {}).values() if e.get("gating")]
-    reach = f"its methods reach {max(counted):.3g}; " if counted else ""
+    power = counted_power(audit)
+    reach = f"its methods reach {power:.3g}; " if power is not None else ""
     return (
         f"  audit                empirical ε lower bound {format_lower_bound(audit['max_lower_bound'])} "
         f"(certified {format_epsilon(epsilon)}); {reach}"

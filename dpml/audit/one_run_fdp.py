@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -89,14 +90,10 @@ def gaussian_blow_up_inverse(mu: np.ndarray) -> BlowUpInverse:
 
 def approximate_dp_blow_up_inverse(epsilon: np.ndarray, delta: float) -> BlowUpInverse:
     """f̄⁻¹(y) = max(0, (y − δ)·e^{−ε}, 1 − δ − e^ε·(1 − y)) of (ε, δ)-DP, one ε per entry (Kairouz, Oh &
-    Viswanath 2015, Thm 2.1, as a trade-off function: Dong, Roth & Su 2022, eq. 6)."""
-    growth = np.exp(np.minimum(np.asarray(epsilon, float), 700.0))
-
-    def inverse(y: np.ndarray) -> np.ndarray:
-        y = np.clip(y, 0.0, 1.0)
-        return np.maximum.reduce([np.zeros_like(y * growth), (y - delta) / growth, 1.0 - delta - growth * (1.0 - y)])
-
-    return inverse
+    Viswanath 2015, Thm 2.1, as a trade-off function: Dong, Roth & Su 2022, eq. 6): a privacy profile of one
+    point per curve (:func:`profile_blow_up_inverse`)."""
+    epsilons = np.asarray(epsilon, float).reshape(-1, 1)
+    return profile_blow_up_inverse(epsilons, np.full_like(epsilons, delta))
 
 
 def rejected(inverse: BlowUpInverse, canaries: int, guesses: int, correct: int, level: float) -> np.ndarray:
@@ -163,10 +160,11 @@ def one_run_gdp_power(canaries: int, guesses: int, delta: float, confidence: flo
 
 def profile_blow_up_inverse(epsilons: np.ndarray, deltas: np.ndarray) -> BlowUpInverse:
     """f̄⁻¹(y) = max_k max(0, (y − δ_k)·e^{−ε_k}, 1 − δ_k − e^{ε_k}·(1 − y)) for a mechanism that is
-    (ε_k, δ_k)-DP at every ε_k of ``epsilons``; ``deltas`` holds one profile per row (one curve each). The
-    inverse of a pointwise minimum of increasing functions is the pointwise maximum of their inverses. Fewer
-    ε_k give a smaller f̄⁻¹, i.e. a test that rejects less: a coarse grid costs tightness, never validity."""
-    growth = np.exp(np.minimum(np.asarray(epsilons, float), 700.0))[None, :]
+    (ε_k, δ_k)-DP at every ε_k of ``epsilons``; ``deltas`` holds one profile per row (one curve each), and
+    ``epsilons`` is one grid for all rows or a column per row. The inverse of a pointwise minimum of
+    increasing functions is the pointwise maximum of their inverses. Fewer ε_k give a smaller f̄⁻¹, i.e. a
+    test that rejects less: a coarse grid costs tightness, never validity."""
+    growth = np.atleast_2d(np.exp(np.minimum(np.asarray(epsilons, float), 700.0)))
     profiles = np.atleast_2d(np.asarray(deltas, float))
 
     def inverse(y: np.ndarray) -> np.ndarray:
@@ -185,9 +183,7 @@ MECHANISM_DISCRETIZATION = 1e-3  # the PLD's pessimistic grid: coarser only loos
 
 def scaled(mechanism: MechanismDescription, factor: float) -> MechanismDescription:
     """The mechanism with every Gaussian event's noise scaled by ``factor`` (NotImplementedError for others)."""
-    return MechanismDescription(
-        **(vars(mechanism) | {"events": tuple(e.with_noise_scaled(factor) for e in gaussian_only(mechanism.events))})
-    )
+    return replace(mechanism, events=tuple(e.with_noise_scaled(factor) for e in gaussian_only(mechanism.events)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -212,20 +208,20 @@ def one_run_mechanism_bound(
     is rejected: a violation. 0 (and scale ∞) when no member of the family is rejected."""
     level = 1.0 - confidence
 
-    def rejects(factors: np.ndarray) -> np.ndarray:
-        deltas = [scaled_profile(mechanism, float(f)) for f in factors]
-        return rejected(profile_blow_up_inverse(PROFILE_EPSILONS, np.array(deltas)), canaries, guesses, correct, level)
+    def rejects(factor: float) -> bool:
+        inverse = profile_blow_up_inverse(PROFILE_EPSILONS, scaled_profile(mechanism, factor))
+        return bool(rejected(inverse, canaries, guesses, correct, level)[0])
 
     least, most = float(scales.min()), float(scales.max())
-    if not rejects(np.array([most]))[0]:
+    if not rejects(most):
         factor = math.inf
-    elif rejects(np.array([least]))[0]:
+    elif rejects(least):
         factor = least
     else:  # more noise is rejected more easily: bisect log t between a kept and a rejected scale
         kept, factor = math.log(least), math.log(most)
         for _ in range(BISECTIONS):
             middle = 0.5 * (kept + factor)
-            kept, factor = (kept, middle) if rejects(np.array([math.exp(middle)]))[0] else (middle, factor)
+            kept, factor = (kept, middle) if rejects(math.exp(middle)) else (middle, factor)
         factor = math.exp(factor)
     inputs = {"canaries": canaries, "guesses": guesses, "correct": correct, "delta": delta}
     assumption = (

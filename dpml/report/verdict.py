@@ -157,11 +157,17 @@ def verdict_lines(verdict: dict[str, Any], indent: str = "", width: int = 15) ->
     ]
 
 
+def counted_power(audit: dict[str, Any]) -> float | None:
+    """The largest power among the bound methods the gate counts: the most the audit could have shown."""
+    counted = [e["power"] for e in (audit.get("power") or {}).values() if e.get("gating")]
+    return max(counted) if counted else None
+
+
 def bound_meaning(audit: dict[str, Any]) -> str:
     """The largest counted lower bound on one line with what it could have shown (the largest power among the
     counted methods) and the certified ε, and what a lower bound means."""
-    counted = [e["power"] for e in (audit.get("power") or {}).values() if e.get("gating")]
-    reach = f"the most its methods could show: {max(counted):.3g}; " if counted else ""
+    power = counted_power(audit)
+    reach = f"the most its methods could show: {power:.3g}; " if power is not None else ""
     certified = audit.get("certified_epsilon")
     against = f"certified ε = {format_epsilon(certified)}" if certified is not None else "no certificate"
     return (
