@@ -31,7 +31,8 @@ from typing import Annotated, Any, Self, TYPE_CHECKING, Union
 import yaml
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from dpml.data.schema import SKLEARN_BUNDLED, VERBATIM_KEYS, VERBATIM_VALUES, DataConfig, default_model_name
+from dpml.data.schema import SKLEARN_BUNDLED, VERBATIM_KEYS, VERBATIM_VALUES, DataConfig
+from dpml.data.source_kinds import default_model_name
 from dpml.params_yaml import MAX_BYTES, MAX_NODES, YamlError, dotted, load_yaml
 from dpml.routing import RoutingError, resolve_tracking
 from dpml.sections import (

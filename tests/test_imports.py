@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "dpml.cli_completion",
             "dpml.routing",
             "dpml.definitions",
+            "dpml.init_schemes",
         ),
     ),
     ("models", ("dpml.models",)),

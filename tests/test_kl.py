@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dpml.models.init import SCHEMES, bias_free_relu_mlp, init_variances, initialise
+from dpml.init_schemes import SCHEMES, init_variances
+from dpml.models.init import bias_free_relu_mlp, initialise
 from dpml.accounting.kl import (
     calibrate_sigma_squared,
     expected_jacobian_norm_sq,

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from dpml.models.init import SCHEMES, bias_free_relu_mlp, initialise
+from dpml.init_schemes import SCHEMES
+from dpml.models.init import bias_free_relu_mlp, initialise
 from dpml.accounting.kl import gradient_norm_constant, kl_bound, kl_bound_for_relation
 from dpml.train.noise import gaussian
 from dpml.train.noisygd import (

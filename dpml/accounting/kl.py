@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from dpml.models.init import Scheme, init_variances
+from dpml.init_schemes import Scheme, init_variances
 
 
 def expected_jacobian_norm_sq(input_norm_sq: float, scheme: Scheme, widths: list[int]) -> float:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import codecs
 import math
-import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -36,23 +35,6 @@ VERBATIM_VALUES: tuple[tuple[str, ...], ...] = (
 )
 VERBATIM_KEYS: tuple[tuple[str, ...], ...] = (("data", "columns"),)  # the column names of a schema
 SEPARATORS = {",": "comma", ";": "semicolon", "\t": "tab", "|": "pipe"}
-
-
-def source_name(source: str) -> str:
-    """The name of a ``data.source``: the file or folder name without extension (``csv:data/adult.csv``
-    → ``adult``, ``idx:…/fashion-mnist`` → ``fashion-mnist``), or the bundled set's name. It names the
-    ledger's lineage and the registered model unless the configuration names them."""
-    scheme, _, rest = source.partition(":")
-    if scheme == "sklearn":
-        return rest
-    path = Path(rest.rstrip("/\\") or rest)
-    return path.name if scheme == "idx" else path.stem
-
-
-def default_model_name(source: str) -> str:
-    """``dpml-<source name>``, with characters a registered model name cannot hold replaced by '-'."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", source_name(source)).strip("-._") or "data"
-    return f"dpml-{name}"[:200]
 
 
 class NumericColumn(Section):

@@ -12,6 +12,8 @@ stored; every row is then its own privacy unit, identified by its content.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,23 @@ from dpml.data.records import DataError, RawData, check_records
 from dpml.definitions import same_definition
 
 BUILT_IN = ("sklearn", "idx", "csv", "parquet")
+
+
+def source_name(source: str) -> str:
+    """The name of a ``data.source``: the file or folder name without extension (``csv:data/adult.csv``
+    → ``adult``, ``idx:…/fashion-mnist`` → ``fashion-mnist``), or the bundled set's name. It names the
+    ledger's lineage and the registered model unless the configuration names them."""
+    scheme, _, rest = source.partition(":")
+    if scheme == "sklearn":
+        return rest
+    path = Path(rest.rstrip("/\\") or rest)
+    return path.name if scheme == "idx" else path.stem
+
+
+def default_model_name(source: str) -> str:
+    """``dpml-<source name>``, with characters a registered model name cannot hold replaced by '-'."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", source_name(source)).strip("-._") or "data"
+    return f"dpml-{name}"[:200]
 
 
 def _no_problem(rest: str) -> str | None:

@@ -18,14 +18,14 @@ from pathlib import Path
 from dpml.ledger import cohorts
 from dpml.accounting.mechanism import MechanismDescription
 from dpml.ledger.unit_accounts import _curve_to_json, rdp_curve
-from dpml.data.schema import source_name
+from dpml.data.source_kinds import source_name
 
 SCHEMA_VERSION = 2
 
 
 def default_lineage(source: str) -> str:
     """The name a *new* lineage takes when ``ledger.dataset`` is not set and the ledger has never seen the
-    run's people: the source's name (:func:`dpml.data.schema.source_name`). People the ledger has seen
+    run's people: the source's name (:func:`dpml.data.source_kinds.source_name`). People the ledger has seen
     stay in their lineage whatever the file is called (:func:`dpml.stages.train.lineage_of`)."""
     return source_name(source)
 
