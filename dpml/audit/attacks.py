@@ -21,12 +21,12 @@ model trained on which record.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from dpml.audit.signals import cross_entropy_losses, logit_scaled_confidence, true_label_probability
 from dpml.definitions import same_definition
@@ -87,8 +87,14 @@ def lira_attack(inputs: AttackInputs, online: bool = True, variance: str = "glob
         sd_out = np.sqrt((residual_out**2).sum(0) / np.maximum(outside.sum(0) - 1, 1))
         sd_in, sd_out = np.maximum(sd_in, 1e-6), np.maximum(sd_out, 1e-6)
     if online:
-        return stats.norm.logpdf(phi, mu_in, sd_in) - stats.norm.logpdf(phi, mu_out, sd_out)
+        return _normal_log_density(phi, mu_in, sd_in) - _normal_log_density(phi, mu_out, sd_out)
     return (phi - mu_out) / sd_out
+
+
+def _normal_log_density(x: np.ndarray, mean: np.ndarray, sd: np.ndarray) -> np.ndarray:
+    """log N(x; mean, sd²) = −½((x − mean)/sd)² − log sd − ½ log 2π (written out: scipy.stats costs a second to
+    import, and this module is loaded by every command that reads a configuration)."""
+    return -0.5 * ((x - mean) / sd) ** 2 - np.log(sd) - 0.5 * math.log(2 * math.pi)
 
 
 def _reference_probability(probs: np.ndarray, inside: np.ndarray, online: bool, a: float) -> np.ndarray:
