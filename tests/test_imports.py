@@ -286,3 +286,26 @@ def test_an_mlflow_import_is_found_wherever_it_is_written() -> None:
         "    import mlflowx\n    from .mlflow import y\n    return MlflowClient\n"
     )
     assert imports_of_package(source, "mlflow") == [2, 6]
+
+
+def test_the_privacy_core_and_the_configuration_load_without_their_heavy_dependencies() -> None:
+    """The ledger and the accountants load without torch (a process that only charges or reads the ledger starts
+    in about a second), and no command's configuration loads scipy.stats (a second of every ``dpml`` process)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, importlib; importlib.import_module(sys.argv[1]); "
+        "print(','.join(m for m in ('torch', 'scipy.stats', 'mlflow') if m in sys.modules))"
+    )
+
+    def loaded(module: str) -> set[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", probe, module], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return set(filter(None, done.stdout.strip().split(",")))
+
+    assert loaded("dpml.ledger.ledger") == set()
+    assert loaded("dpml.accounting.accountants") == set()
+    assert loaded("dpml.cli") == {"torch"}  # the trainers' registry needs torch; nothing else heavy
