@@ -104,7 +104,8 @@ def render(result: dict[str, Any]) -> str:
         f"{s['guesses']} guesses ({s['guess_fraction']} of m); {s['draws']} draws.",
         "",
         "Observations drawn from the certified mechanism itself and scored as the audit scores them (per-step "
-        "likelihood ratio): what the best white-box one-run audit of this configuration can expect.",
+        "likelihood ratio), guessed and bounded as it does: what the white-box one-run audit can expect of a "
+        "trainer that is exactly its certificate.",
         "",
         "| reading | confidence | mean | median | 10th–90th percentile | draws ≥ ε/2 |",
         "|---|---|---|---|---|---|",
