@@ -289,7 +289,7 @@ def test_an_mlflow_import_is_found_wherever_it_is_written() -> None:
 
 
 def test_the_privacy_core_and_the_configuration_load_without_their_heavy_dependencies() -> None:
-    """The ledger and the accountants load without torch (a process that only charges or reads the ledger starts
+    """The ledger and the accountants load without torch (a process that only charges or reads the ledger loads it
     in about a second), and no command's configuration loads scipy.stats (a second of every ``dpml`` process)."""
     import subprocess
     import sys
