@@ -39,21 +39,19 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_common import cpu_name, current_commit  # noqa: E402
 from dpml.accounting.calibrate import calibrate_noise_multiplier  # noqa: E402
-from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps  # noqa: E402
+from dpml.accounting.mechanism import MechanismDescription  # noqa: E402
 from dpml.audit.bounds import one_run_bound, one_run_guesses  # noqa: E402
 from dpml.audit.conformance import canary_scores  # noqa: E402
 from dpml.audit.one_run_fdp import one_run_gdp_bound, one_run_mechanism_bound  # noqa: E402
-from dpml.train.dpsgd import number_of_steps  # noqa: E402
+from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps  # noqa: E402
 
 
 def observations(
-    rng: np.random.Generator, included: np.ndarray, steps: int, q: float, sigma: float, clip: float
+    rng: np.random.Generator, included: np.ndarray, steps: int, q: float, sigma: float
 ) -> list[np.ndarray]:
-    """o_{t,j} = C·1[j included and drawn at step t] + N(0, σ²C²), one array of m per step."""
-    return [
-        clip * (included & (rng.random(included.size) < q)) + rng.normal(0.0, sigma * clip, included.size)
-        for _ in range(steps)
-    ]
+    """o_{t,j} = C·1[j included and drawn at step t] + N(0, σ²C²) at C = 1 (the bounds do not depend on C), one
+    array of m per step."""
+    return [(included & (rng.random(included.size) < q)) + rng.normal(0.0, sigma, included.size) for _ in range(steps)]
 
 
 def one_draw(args: argparse.Namespace, sigma: float, steps: int, seed: int, mechanism: MechanismDescription) -> dict:
@@ -61,7 +59,7 @@ def one_draw(args: argparse.Namespace, sigma: float, steps: int, seed: int, mech
     m = args.canaries
     included = rng.random(m) < 0.5
     probe = SimpleNamespace(
-        observations=observations(rng, included, steps, args.sample_rate, sigma, 1.0),
+        observations=observations(rng, included, steps, args.sample_rate, sigma),
         coordinates=np.arange(m),
         clip_norm=1.0,
         sigma=sigma,
@@ -152,9 +150,7 @@ def main() -> None:
     started = time.perf_counter()
     steps = number_of_steps(args.epochs, args.sample_rate)
     sigma = calibrate_noise_multiplier(args.epsilon, args.sample_rate, steps, args.delta, args.neighbouring)
-    mechanism = MechanismDescription(
-        "dpsgd", (PoissonGaussianSteps(args.sample_rate, sigma, steps),), args.neighbouring, 1.0, 0
-    )
+    mechanism = dpsgd_mechanism(args.sample_rate, sigma, args.epochs, args.neighbouring, 1.0, 0)
     rows = [one_draw(args, sigma, steps, draw, mechanism) for draw in range(args.draws)]
     table = {key: summary([r[key] for r in rows], args.epsilon) for key in rows[0] if key != "guesses"}
     result = {

@@ -129,7 +129,7 @@ def _outcomes(workers: list[multiprocessing.process.BaseProcess], results: "mult
 
 # The racers' spend: full-batch Gaussian steps, whose accounting takes a fraction of a second (a Poisson-sampled
 # run's PLD takes seconds, and each racer computes it inside the lock: the race would be a queue of accountants).
-RACING = MechanismDescription("dpgd", (PoissonGaussianSteps(1.0, 4.0, 10),), "add-remove", 1.0, 1000)  # type: ignore[arg-type]
+RACING = run(q=1.0, sigma=4.0, steps=10)
 
 
 @pytest.mark.parametrize("racers", [pytest.param(16, marks=pytest.mark.exhaustive), 3])

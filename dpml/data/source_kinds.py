@@ -13,9 +13,9 @@ stored; every row is then its own privacy unit, identified by its content.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from dpml.data.records import DataError, RawData, check_records
 from dpml.definitions import same_definition

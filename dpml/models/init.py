@@ -1,14 +1,7 @@
-"""Initialisation schemes of seed 000 (Ye et al., *Initialization Matters*, Eq. 5 and Table 1).
-
-A bias-free fully connected ReLU network h_0 = x, h_l = relu(W_l h_{l−1}) (l < L), f = W_L h_{L−1},
-W_l ∈ R^{m_l × m_{l−1}}, widths m_0 = d, m_1..m_{L−1} (hidden), m_L = o. Every scheme draws
-W_l ~ N(0, β_l) entrywise with
-
-    LeCun  β_l = 1/m_{l−1}          He      β_l = 2/m_{l−1}
-    NTK    β_l = 2/m_l (l < L), 1/o (l = L)      Xavier  β_l = 2/(m_{l−1} + m_l)
-
-(PyTorch's default ``nn.Linear`` initialisation is none of these.) The variances themselves are
-:mod:`dpml.init_schemes` (no torch: the KL accountant reads them too).
+"""Initialisation schemes of seed 000 (Ye et al., *Initialization Matters*, Eq. 5 and Table 1): the bias-free
+fully connected ReLU network and its weights drawn W_l ~ N(0, β_l) entrywise, with the variances β_l of
+:mod:`dpml.init_schemes` (kept there, without torch, because the KL accountant reads them too). PyTorch's default
+``nn.Linear`` initialisation is none of these schemes.
 """
 
 from __future__ import annotations
