@@ -13,6 +13,10 @@
   worker's process tree is frozen and killed, its nanny told not to restart it, and only then is the
   cluster closed — a scheduler closed under a busy worker makes it log its lost heartbeat, and a worker
   restarted during the shutdown fails to start, both with tracebacks, and the run ends in one line.
+- **Closing after a run.** Each worker's heartbeat is stopped before the cluster closes: a heartbeat still
+  in flight when the scheduler closes its connection makes the worker log "Failed to communicate with
+  scheduler during heartbeat" with a traceback, an ERROR that means nothing once the work is done. Its
+  other errors still reach the terminal.
 """
 
 from __future__ import annotations
@@ -58,6 +62,22 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(tree, timeout=5)
 
 
+def _stop_heartbeat(dask_worker: Any) -> None:
+    """Run inside a worker: it sends the scheduler no more heartbeats (the work is done; it closes next)."""
+    dask_worker.periodic_callbacks["heartbeat"].stop()
+
+
+def stop_heartbeats(address: str) -> None:
+    """Stop the heartbeat of every worker of the scheduler at ``address`` (module docstring)."""
+    from distributed import Client
+
+    try:
+        with Client(address, timeout=CLOSE_TIMEOUT_S) as client:
+            client.run(_stop_heartbeat)
+    except Exception:  # noqa: BLE001 - a worker that cannot be reached sends no heartbeat either; closing follows
+        pass
+
+
 def kill_workers(cluster: Any) -> None:
     """Kill every worker process of a local cluster (and what they started), and keep their nannies from
     restarting them."""
@@ -93,6 +113,8 @@ def reference_cluster(audit: AuditConfig, api_url: str, world_size: int) -> Iter
     except BaseException:
         kill_workers(cluster)
         raise
+    else:
+        stop_heartbeats(cluster.scheduler_address)
     finally:
         try:
             cluster.close(timeout=CLOSE_TIMEOUT_S)

@@ -28,4 +28,6 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     || echo "chromium could not be installed: the MLflow UI browser test will skip"
 fi
 export PATH="$PWD/.venv/bin:$PATH"
-python -m pytest "$@"
+# One pytest worker per CPU, at most 4 (pytest-xdist; `-n 0` after these runs them in this process): most tests
+# wait on a subprocess, a server or a single-threaded step, so one at a time leaves a core idle.
+python -m pytest -n logical --maxprocesses 4 --dist worksteal "$@"

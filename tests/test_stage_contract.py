@@ -161,3 +161,27 @@ def test_run_stage_records_times_params_and_metrics(workdir: Path) -> None:
         "data.source" in ingest["params"]
         and "None" not in io.read_json(Layout(config).stage_records / "ingest.json")["params"].values()
     )
+
+
+def test_the_train_metrics_reproduce_whichever_chunk_the_timing_picks(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``metrics.json`` is what ``dvc repro`` compares: two runs of the train stage with the same seeds, whose
+    tuner (timed on a loaded machine) picks different chunks, write the same bytes; the chunk each picked is on
+    the stage's record (its nested MLflow run)."""
+    from dpml.stages import records
+    from dpml.train import dpsgd
+
+    monkeypatch.setenv("DPML_NOISE_SEED", "11")
+    config = validate(small_params(workdir, train={"algorithm": "dpsgd", "tune_physical_batch": True}))
+    for stage in ("ingest", "split", "preprocess"):
+        run_stage(stage, config)
+    layout, written = Layout(config), []
+    for chunk in (16, 111):
+        monkeypatch.setattr(dpsgd, "physical_chunk", lambda *args, chunk=chunk: chunk)  # what the timing chose
+        run_stage("train", config)
+        written.append(layout.train_metrics.read_bytes())
+        (record,) = records.stage_records(layout, ["train"])
+        assert record["metrics"]["train_physical_chunk"] == chunk
+    assert b"physical_chunk" not in written[0]
+    assert written[0] == written[1]
