@@ -29,5 +29,8 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 # One pytest worker per CPU, at most 4 (pytest-xdist; `-n 0` after these runs them in this process): most tests
-# wait on a subprocess, a server or a single-threaded step, so one at a time leaves a core idle.
+# wait on a subprocess, a server or a single-threaded step, so one at a time leaves a core idle. With a worker
+# on each core, torch's intra-op threads (one per core by default, in every worker and every process a test
+# starts) would only contend: one each, unless the caller chose (tests of threaded code set their own count).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python -m pytest -n logical --maxprocesses 4 --dist worksteal "$@"
