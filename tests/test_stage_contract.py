@@ -13,8 +13,9 @@ import yaml
 
 from conftest import REPO, small_params
 from dpml.config import load, validate
-from dpml.stages import STAGES, run_stage
+from dpml.stages import STAGES, records, run_stage
 from dpml.stages.layout import CONTRACT, Layout, check_outputs, producer_of
+from dpml.train import dpsgd
 
 DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 PARAMS = yaml.safe_load((REPO / "params.yaml").read_text())
@@ -169,9 +170,6 @@ def test_the_train_metrics_reproduce_whichever_chunk_the_timing_picks(
     """``metrics.json`` is what ``dvc repro`` compares: two runs of the train stage with the same seeds, whose
     tuner (timed on a loaded machine) picks different chunks, write the same bytes; the chunk each picked is on
     the stage's record (its nested MLflow run)."""
-    from dpml.stages import records
-    from dpml.train import dpsgd
-
     monkeypatch.setenv("DPML_NOISE_SEED", "11")
     config = validate(small_params(workdir, train={"algorithm": "dpsgd", "tune_physical_batch": True}))
     for stage in ("ingest", "split", "preprocess"):
