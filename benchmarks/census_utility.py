@@ -243,7 +243,8 @@ def main() -> None:
     from dpml import stages
     from dpml.config import Config, load
     from dpml.accounting.mechanism import PoissonGaussianSteps
-    from dpml.train.dpsgd import NOISE_SEED_VARIABLE, number_of_steps
+    from dpml.train.dpsgd import number_of_steps
+    from dpml.train.noise import NOISE_SEED_VARIABLE
     from dpml.stages.train import accuracy
     from dpml.train.fit import fit
     from dpml.train.registry import trainer_for

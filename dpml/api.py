@@ -18,7 +18,7 @@ every argument is checked (an error names it, its value and what is allowed); th
 :func:`dpml.train.clipping_check.plan_clipping` (a model the clipping engine cannot handle exactly is
 refused); with a ``ledger``, the spend is reserved for the records' privacy units (refused when one
 would go over ``epsilon_budget``) and marked ``started`` — from then on it counts, whatever happens.
-The Poisson samples and the noise come from a secret seed (:func:`dpml.train.dpsgd.secret_noise_seed`).
+The Poisson samples and the noise come from a secret seed (:func:`dpml.train.noise.secret_noise_seed`).
 
 Distributed: ``world_size = N`` starts N processes on this machine (:func:`dpml.train.distributed.spawn`;
 the model and the data set must then be picklable); under ``torchrun`` every process calls
@@ -28,8 +28,7 @@ the model and the data set must then be picklable); under ``torchrun`` every pro
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,11 +44,10 @@ from dpml.sections_stores import LedgerConfig
 from dpml.accounting.accountants import certify
 from dpml.accounting.calibrate import calibrate_noise_multiplier
 from dpml.accounting.mechanism import MechanismDescription
-from dpml.ledger.ledger import Ledger, Spend, ledger_of
-from dpml.ledger.spending import reserve_and_start, training_recorded
+from dpml.ledger.ledger import Ledger, ledger_of
+from dpml.ledger.spending import Charge, charged_run
 from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
-from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import LossFn
 from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
 from dpml.train.dataset_steps import check_record, dataset_size, dataset_steps
@@ -57,13 +55,15 @@ from dpml.train.distributed import Collective, check_picklable, from_environment
 from dpml.train.trainers.dpsgd import DpSgdSettings
 from dpml.train.dpsgd import (
     AUTOCAST,
+    DpSgdLoop,
+    Step,
     dpsgd_mechanism,
     make_optimizer,
     number_of_steps,
     poisson_batches,
-    run_dpsgd_steps,
-    secret_noise_seed,
+    run_dpsgd,
 )
+from dpml.train.noise import secret_noise_seed
 from dpml.train.token_records import TokenRecords, check_token_records
 from dpml.api_settings import OptimizerChoice, check_workers, ledger_terms, library_settings
 
@@ -173,44 +173,36 @@ def train_in_process(
     model.to(device)
     optimizer = build_optimizer(run.optimizer, model, run.learning_rate, run.momentum)
     dtype = next(p for p in model.parameters()).dtype
-    chunk = physical_chunk(
-        run.tune_physical_batch,
-        model,
+    loop = DpSgdLoop(
+        run.steps,
+        run.clip_norm,
+        run.noise_multiplier,
+        run.sample_rate * run.n,
+        seed,
         loss_fn,
+        plan,
         run.input_shape,
         run.input_dtype,
         run.physical_batch_size,
-        run.sample_rate * run.n / (collective.world_size if collective else 1),
-        plan.exact,
+        run.tune_physical_batch,
         AUTOCAST[run.autocast],
+        run.progress,
     )
-    steps = dataset_steps(
-        dataset,
-        poisson_batches(run.n, run.sample_rate, run.steps, seed),
-        physical_batch_size=chunk,
-        device=torch.device(device),
-        dtype=dtype,
-        n_classes=run.n_classes,
-        collective=collective,
-        num_workers=run.num_workers,
-    )
-    history = run_dpsgd_steps(
-        model,
-        steps,
-        count=run.steps,
-        clip_norm=run.clip_norm,
-        noise_multiplier=run.noise_multiplier,
-        expected_batch=run.sample_rate * run.n,
-        optimizer=optimizer,
-        noise_source=torch.Generator(device=device).manual_seed(seed + 1),
-        loss_fn=loss_fn,
-        exact=plan.exact,
-        collective=collective,
-        progress=run.progress and (collective is None or collective.lead),
-        autocast=AUTOCAST[run.autocast],
-    )
+
+    def steps_in_chunks(chunk: int) -> Iterator[Step]:
+        return dataset_steps(
+            dataset,
+            poisson_batches(run.n, run.sample_rate, run.steps, seed),
+            physical_batch_size=chunk,
+            device=torch.device(device),
+            dtype=dtype,
+            n_classes=run.n_classes,
+            collective=collective,
+            num_workers=run.num_workers,
+        )
+
+    history = run_dpsgd(model, optimizer, loop, steps_in_chunks, collective)
     history["world_size"] = collective.world_size if collective else 1
-    history["physical_chunk"] = chunk
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}, history
 
 
@@ -222,18 +214,20 @@ def open_book(ledger: str | Path | Ledger | LedgerConfig | None, delta: float) -
     return ledger_of(ledger) if isinstance(ledger, LedgerConfig) else Ledger(ledger, delta)
 
 
-def _reserve(
-    ledger: Ledger,
+def charge_of(
+    book: Ledger | None,
     mechanism: MechanismDescription,
     lineage: str,
     budget: float,
     privacy_units: Sequence[object] | None,
     label: str,
-) -> Spend:
-    """Reserve the spend (refused over budget) and mark it ``started`` (:func:`reserve_and_start`), charged to
-    ``lineage`` (also its dataset version: the API's records have no version of their own)."""
+) -> Charge | None:
+    """What the call asks of ``book`` (``None``: an uncharged run): the spend charged to ``lineage`` (also its
+    dataset version: the API's records have no version of their own), per unit of ``privacy_units``."""
+    if book is None:
+        return None
     units = digests_of_ids(privacy_units) if privacy_units is not None else None
-    return reserve_and_start(ledger, lineage, mechanism, label, budget, lineage=lineage, units=units)
+    return Charge(book, lineage, mechanism, label, budget, lineage=lineage, units=units)
 
 
 def train_private(
@@ -339,24 +333,15 @@ def train_private(
     lead = collective is None or collective.lead
     agreement_device = process_device(run.device, collective.rank) if collective else "cpu"
     book = open_book(ledger, dpc.delta) if lead else None
-    spend, refusal = None, None
-    if book is not None:
-        try:
-            spend = _reserve(
-                book,
-                mechanism,
-                lineage,
-                epsilon_budget,
-                privacy_units,  # type: ignore[arg-type]
-                f"dpml.train_private: {type(user_model).__name__} ({n} records)",
-            )
-        except BaseException as error:
-            refusal = error
-    if collective is not None and not collective.all_agree(refusal is None, agreement_device):
-        raise refusal or RuntimeError("rank 0 refused the run before training (see its error); nothing trained")
-    if refusal is not None:
-        raise refusal
-    with training_recorded(book, spend) if book is not None and spend is not None else nullcontext({}) as outcome:
+    label = f"dpml.train_private: {type(user_model).__name__} ({n} records)"
+    charge = charge_of(book, mechanism, lineage, epsilon_budget, privacy_units, label)  # type: ignore[arg-type]
+
+    def agree(refusal: BaseException | None) -> None:
+        """Under torchrun, no process trains when rank 0's reservation was refused."""
+        if collective is not None and not collective.all_agree(refusal is None, agreement_device):
+            raise refusal or RuntimeError("rank 0 refused the run before training (see its error); nothing trained")
+
+    def train_here(outcome: dict[str, Any]) -> dict[str, Any]:
         secret = seed if seed is not None else secret_noise_seed()
         if collective is not None:
             secret = collective.broadcast_int(secret, agreement_device)
@@ -370,7 +355,9 @@ def train_private(
         else:
             _, history = train_in_process(None, model, dataset, run, loss_fn, plan, secret)
         outcome["steps"] = history.get("steps")
-    history["exact_clipping_parameters"] = len(plan.exact_parameters)
+        return history
+
+    history, spend = charged_run(charge, train_here, agree)
     result = PrivateTraining(user_model, certificate, mechanism, history, spend.id if spend else None)
     if mlflow_tracking_uri is not None and lead:
         logged = {

@@ -35,7 +35,7 @@ from dpml.ledger.ledger import LedgerError, ledger_of
 from dpml.ledger.db import is_postgres, sqlite_file, without_password
 from dpml.provenance import ProvenanceError, default_remote, is_dvc_pipeline_run
 from dpml.tracking.store import StoreError, is_server, prepare_store, sqlite_path
-from dpml.train.dpsgd import NOISE_SEED_VARIABLE
+from dpml.train.noise import NOISE_SEED_VARIABLE
 
 if TYPE_CHECKING:
     from dpml.config import Config

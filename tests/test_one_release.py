@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 
 from conftest import REPO, small_params, write_params
 from dpml.ledger.ledger import Ledger
-from dpml.ledger.spending import reserve_and_start
+from dpml.ledger.spending import Charge, reserve_and_start
 from dpml.sections_stores import TrackingConfig
 from dpml.stages.register import REGISTERING, identity_of, registering_processes
 from dpml.tracking.store import prepare_store
@@ -238,7 +238,7 @@ def test_a_running_run_is_withdrawn_only_when_every_process_registering_its_spen
     }
     runs = {}
     for case, processes in registered_by.items():
-        spend = reserve_and_start(ledger, "v1", None, case, 10.0)
+        spend = reserve_and_start(Charge(ledger, "v1", None, case, 10.0))
         for host, pid in processes:
             ledger.record_event(spend.id, REGISTERING, {"host": host, "pid": pid})
         run = client.create_run(experiment, tags={"ledger.spend_id": str(spend.id), "ledger.spend": identity_of(spend)})

@@ -3,6 +3,7 @@ fails before its trainer starts, counted and marked failed when it fails after, 
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from dpml.data.units import digests_of_ids
 from dpml.accounting.accountants import certify
 from dpml.ledger.ledger import BudgetExceeded, Ledger, LedgerError
 from dpml.accounting.mechanism import MechanismDescription, NoisyGradientDescent, PoissonGaussianSteps
-from dpml.ledger.spending import reserve_and_start, training_recorded
+from dpml.ledger.spending import Charge, charged_run, reserve_and_start, training_recorded
+from tests.conftest import REPO
 
 
 def mechanism() -> MechanismDescription:
@@ -32,7 +34,7 @@ def test_a_failure_before_the_start_cancels_the_spend(ledger_location: str, tmp_
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        reserve_and_start(ledger, "v1", mechanism(), "run", 10.0, before_start=fails)
+        reserve_and_start(Charge(ledger, "v1", mechanism(), "run", 10.0, before_start=fails))
     (spend,) = seen
     assert kinds(ledger, spend.id)[-1] == "cancelled" and "started" not in kinds(ledger, spend.id)
     assert ledger.events(spend.id)[-1][1] == {"reason": "failed before training: OSError: disk full"}
@@ -46,14 +48,14 @@ def test_the_spend_returned_is_the_spend_stored(ledger_location: str, tmp_path: 
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     three = digests_of_ids(["a", "b", "c"])
     for mechanism_of_run, units in ((mechanism(), None), (None, None), (mechanism(), three)):
-        spend = reserve_and_start(ledger, "v1", mechanism_of_run, "run", 10.0, units=units)
+        spend = reserve_and_start(Charge(ledger, "v1", mechanism_of_run, "run", 10.0, units=units))
         assert [s for s in ledger.spends(counted_only=False) if s.id == spend.id] == [spend]
     assert spend.n_units == 3
 
 
 def test_a_failure_during_training_is_recorded_and_the_spend_still_counts(ledger_location: str, tmp_path: Path) -> None:
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
-    spend = reserve_and_start(ledger, "v1", mechanism(), "run", 10.0)
+    spend = reserve_and_start(Charge(ledger, "v1", mechanism(), "run", 10.0))
     assert kinds(ledger, spend.id)[-1] == "started"
     with pytest.raises(KeyboardInterrupt), training_recorded(ledger, spend) as outcome:
         outcome["steps"] = 3
@@ -66,7 +68,7 @@ def test_a_failure_during_training_is_recorded_and_the_spend_still_counts(ledger
 
 def test_a_finished_training_is_recorded_with_its_details(ledger_location: str, tmp_path: Path) -> None:
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
-    spend = reserve_and_start(ledger, "v1", mechanism(), "run", 10.0)
+    spend = reserve_and_start(Charge(ledger, "v1", mechanism(), "run", 10.0))
     with training_recorded(ledger, spend) as outcome:
         outcome["steps"] = 7
     assert ledger.events(spend.id)[-1] == ("trained", {"steps": 7})
@@ -76,7 +78,7 @@ def test_a_refused_reservation_starts_nothing(ledger_location: str, tmp_path: Pa
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     called = []
     with pytest.raises(BudgetExceeded):
-        reserve_and_start(ledger, "v1", mechanism(), "run", 0.01, before_start=called.append)
+        reserve_and_start(Charge(ledger, "v1", mechanism(), "run", 0.01, before_start=called.append))
     assert called == [] and ledger.spends(counted_only=False) == []
 
 
@@ -85,7 +87,7 @@ def test_the_spend_is_reserved_with_every_setting_it_was_given(ledger_location: 
     on the spend, the start's process id on its event (pins the pass-through mutation testing found unchecked)."""
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     spend = reserve_and_start(
-        ledger, "v7", mechanism(), "census model", 10.0, lineage="census", units=digests_of_ids(range(20))
+        Charge(ledger, "v7", mechanism(), "census model", 10.0, lineage="census", units=digests_of_ids(range(20)))
     )
     assert (spend.dataset_version, spend.label, spend.lineage, spend.n_units) == ("v7", "census model", "census", 20)
     assert ledger.events(spend.id)[-1] == ("started", {"pid": os.getpid()})
@@ -97,7 +99,9 @@ def test_the_exclude_mode_and_the_kl_budget_reach_the_reservation(ledger_locatio
     checked against ``kl_budget`` (refused without one, and over it)."""
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
     reserve_and_start(
-        ledger, "v1", mechanism(), "filtered", 10.0, lineage="F", units=digests_of_ids(range(10)), mode="exclude"
+        Charge(
+            ledger, "v1", mechanism(), "filtered", 10.0, lineage="F", units=digests_of_ids(range(10)), mode="exclude"
+        )
     )
     assert ledger.summary("F")[0]["filter_order"] is not None
     kl_run = MechanismDescription(
@@ -105,16 +109,100 @@ def test_the_exclude_mode_and_the_kl_budget_reach_the_reservation(ledger_locatio
     )
     kl = certify(kl_run, 1e-5)["kl"]
     with pytest.raises(BudgetExceeded, match="kl_budget is not set"):
-        reserve_and_start(ledger, "k", kl_run, "kl run", 10.0)
+        reserve_and_start(Charge(ledger, "k", kl_run, "kl run", 10.0))
     with pytest.raises(BudgetExceeded, match="summed KL"):
-        reserve_and_start(ledger, "k", kl_run, "kl run", 10.0, kl_budget=0.5 * kl)
-    assert reserve_and_start(ledger, "k", kl_run, "kl run", 10.0, kl_budget=2 * kl).lineage == "k"
+        reserve_and_start(Charge(ledger, "k", kl_run, "kl run", 10.0, kl_budget=0.5 * kl))
+    assert reserve_and_start(Charge(ledger, "k", kl_run, "kl run", 10.0, kl_budget=2 * kl)).lineage == "k"
 
 
 def test_an_event_for_no_spend_is_refused_and_leaves_the_ledger_usable(ledger_location: str, tmp_path: Path) -> None:
     ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
-    spend = reserve_and_start(ledger, "v1", mechanism(), "run", 10.0)
+    spend = reserve_and_start(Charge(ledger, "v1", mechanism(), "run", 10.0))
     with pytest.raises(LedgerError, match="no spend with id 999"):
         ledger.record_event(999, "trained", {})
     ledger.record_event(spend.id, "trained", {"steps": 1})  # the refused event's transaction was rolled back
     assert kinds(ledger, spend.id) == ["started", "trained"]
+
+
+def test_the_run_core_reserves_starts_trains_and_records(ledger_location: str, tmp_path: Path) -> None:
+    """reserve → start → train → record, in that order: the training function runs after ``started``, receives
+    the dict whose contents the ``trained`` event records, and its result comes back with the spend."""
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+    seen: list[list[str]] = []
+
+    def train(details: dict[str, object]) -> str:
+        (spend,) = ledger.spends()
+        seen.append(kinds(ledger, spend.id))
+        details["steps"] = 11
+        return "model"
+
+    result, spend = charged_run(Charge(ledger, "v1", mechanism(), "run", 10.0, lineage="L"), train)
+    assert result == "model" and spend is not None and spend.lineage == "L"
+    assert seen == [["started"]]
+    assert ledger.events(spend.id)[-1] == ("trained", {"steps": 11})
+
+
+def test_the_run_core_trains_nothing_when_the_reservation_is_refused(ledger_location: str, tmp_path: Path) -> None:
+    """Over budget: the refusal reaches ``agree`` (every process of a distributed run hears of it), no training
+    starts, nothing is recorded, and the refusal is raised even when ``agree`` lets it through."""
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+    agreed: list[BaseException | None] = []
+    trained: list[object] = []
+    with pytest.raises(BudgetExceeded):
+        charged_run(Charge(ledger, "v1", mechanism(), "run", 0.01), trained.append, agreed.append)
+    assert len(agreed) == 1 and isinstance(agreed[0], BudgetExceeded)
+    assert trained == [] and ledger.spends(counted_only=False) == []
+
+
+def test_the_run_core_records_a_failed_training_and_keeps_counting_it(ledger_location: str, tmp_path: Path) -> None:
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+
+    def train(details: dict[str, object]) -> None:
+        raise MemoryError("out of memory in step 3")
+
+    with pytest.raises(MemoryError):
+        charged_run(Charge(ledger, "v1", mechanism(), "run", 10.0), train)
+    (spend,) = ledger.spends()  # counted
+    assert ledger.events(spend.id)[-1] == ("failed", {"error": "MemoryError: out of memory in step 3"})
+
+
+def test_a_disagreement_after_the_start_is_the_runs_failure(ledger_location: str, tmp_path: Path) -> None:
+    """A distributed run whose processes fail to agree once the lead's spend has started trains nothing, and the
+    spend — started, so the records may have been handed out — is recorded failed and counts."""
+    ledger = Ledger(ledger_location, 1e-5, unit_key=tmp_path / "unit.key")
+    trained: list[object] = []
+
+    def agree(refusal: BaseException | None) -> None:
+        assert refusal is None
+        raise RuntimeError("rank 1 is gone")
+
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        charged_run(Charge(ledger, "v1", mechanism(), "run", 10.0), trained.append, agree)
+    (spend,) = ledger.spends()
+    assert trained == [] and kinds(ledger, spend.id) == ["started", "failed"]
+
+
+def test_an_uncharged_run_trains_without_a_ledger() -> None:
+    agreed: list[BaseException | None] = []
+    result, spend = charged_run(None, lambda details: sorted(details), agreed.append)
+    assert (result, spend, agreed) == ([], None, [None])
+
+
+def calls_in_dpml(names: set[str]) -> dict[str, list[int]]:
+    """Lines of ``dpml/`` modules that call a function of these names (as ``f(…)`` or ``x.f(…)``)."""
+    found: dict[str, list[int]] = {}
+    for path in sorted((REPO / "dpml").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name in names:
+                    found.setdefault(str(path.relative_to(REPO)), []).append(node.lineno)
+    return found
+
+
+def test_both_front_doors_spend_through_the_run_core() -> None:
+    """The pipeline's train and tune stages and :func:`dpml.train_private` reserve and record only through
+    :func:`charged_run`: no other module reserves a spend or wraps a training in its record."""
+    assert set(calls_in_dpml({"reserve_and_start", "training_recorded", "reserve"})) == {"dpml/ledger/spending.py"}
+    runs = calls_in_dpml({"charged_run"})
+    assert set(runs) == {"dpml/api.py", "dpml/stages/train.py"} and len(runs["dpml/stages/train.py"]) == 2

@@ -31,7 +31,7 @@ from dpml.devices import pick_device
 from dpml.preflight import noise_seed_is_fixed, preflight
 from dpml.ledger.ledger import BudgetExceeded, Ledger, Spend, default_lineage, ledger_of
 from dpml.accounting.mechanism import MechanismDescription
-from dpml.ledger.spending import reserve_and_start, training_recorded
+from dpml.ledger.spending import Charge, charged_run
 from dpml.stages.layout import Layout, load_part, load_units
 from dpml.stages.spend_outputs import stamp_for
 from dpml.train.fit import fit, model_spec
@@ -196,12 +196,11 @@ def write_exclusions(layout: Layout, keep: np.ndarray) -> None:
     io.write_npz(layout.excluded, rows=np.flatnonzero(~keep))
 
 
-def _reserve(
+def charge_of(
     config: Config, layout: Layout, planned: MechanismDescription | None, purpose: str, units: np.ndarray
-) -> tuple[Ledger, Spend]:
-    """Record the planned spend and the units it touches in the ledger (refused when a unit would go
-    over budget), note its id beside the model, and mark it ``started`` (:func:`reserve_and_start`)."""
-    meta = io.read_json(layout.prepared_meta)
+) -> Charge:
+    """What this run asks of the ledger: the planned spend for the units of its training data, charged to their
+    lineage; once the spend has its id, it is noted beside the model (:data:`Layout.spend`)."""
     ledger = open_ledger(config)
 
     def note_beside_the_model(spend: Spend) -> None:
@@ -217,9 +216,9 @@ def _reserve(
         )
         fault_point("train:reserved")
 
-    spend = reserve_and_start(
+    return Charge(
         ledger,
-        meta["data_version"],
+        io.read_json(layout.prepared_meta)["data_version"],
         planned,
         purpose,
         config.ledger.epsilon_budget,
@@ -229,7 +228,6 @@ def _reserve(
         mode=config.ledger.on_exhausted,
         before_start=note_beside_the_model,
     )
-    return ledger, spend
 
 
 def train(config: Config, progress: bool = False) -> dict[str, Any]:
@@ -247,8 +245,9 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
     check_model(trainer, config, d, n_classes)
     sigma = trainer.noise_multiplier(config)
     write_exclusions(layout, keep)
-    ledger, spend = _reserve(config, layout, planned, f"{trainer.name} model ({config.data.source})", units)
-    with training_recorded(ledger, spend) as outcome:
+    charge = charge_of(config, layout, planned, f"{trainer.name} model ({config.data.source})", units)
+
+    def train_and_save(outcome: dict[str, Any]) -> dict[str, Any]:
         fault_point("train:started")  # the spend counts from here; the previous run's model is still in place
         held_out = load_part(layout, "audit") if trainer.guarantee == "kl" else None  # KL-estimate probes
         result = fit(
@@ -275,6 +274,9 @@ def train(config: Config, progress: bool = False) -> dict[str, Any]:
             {"units_excluded": int((~keep).sum())},
         )
         outcome.update({"steps": result.history.get("steps"), **stamp_for(layout)})
+        return metrics
+
+    metrics, _ = charged_run(charge, train_and_save)
     return metrics
 
 
@@ -308,8 +310,9 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
     x_fit, y_fit = x_np[fit_mask], y_np[fit_mask]
     plan = plan_for(n)
     selection = plan.mechanism.selection.describe() if plan.mechanism.selection else ""
-    ledger, spend = _reserve(config, layout, plan.mechanism, f"dpml tune: {selection} ({config.data.source})", units)
-    with training_recorded(ledger, spend) as outcome:
+    charge = charge_of(config, layout, plan.mechanism, f"dpml tune: {selection} ({config.data.source})", units)
+
+    def search_and_save(outcome: dict[str, Any]) -> dict[str, Any]:
         best = run_search(config, x_fit, y_fit, x_np[rows], y_np[rows], len(meta["classes"]), plan, progress)
         if best is None:
             raise RuntimeError(
@@ -343,6 +346,9 @@ def tune(config: Config, progress: bool = False) -> dict[str, Any]:
             extra,
         )
         outcome.update({"chosen": best.chosen, **stamp_for(layout)})
+        return metrics
+
+    metrics, _ = charged_run(charge, search_and_save)
     return metrics
 
 

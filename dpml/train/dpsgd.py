@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -37,7 +35,7 @@ from dpml.accounting.mechanism import MechanismDescription, Neighbouring, Poisso
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
-from dpml.train.clipping_check import plan_clipping
+from dpml.train.clipping_check import ClippingPlan, plan_clipping
 from dpml.train.distributed import Collective
 from dpml.train.noise import NoiseStream, cpu_noise_stream, gaussian_noise
 
@@ -233,27 +231,6 @@ def dpsgd_mechanism(
     )
 
 
-NOISE_SEED_VARIABLE = "DPML_NOISE_SEED"
-
-
-def secret_noise_seed() -> int:
-    """The seed of the Poisson sampling and Gaussian noise of a model that will be released.
-
-    DP holds only if the adversary cannot predict the noise or the batches: a seed written in
-    ``params.yaml`` or logged with the run would void the guarantee (the released model would be a
-    deterministic function of the data). So the seed is fresh OS entropy — or the integer in the
-    environment variable ``DPML_NOISE_SEED``, which an operator keeps secret to reproduce a release
-    exactly (``dvc repro``). dpml never writes it anywhere.
-    """
-    text = os.environ.get(NOISE_SEED_VARIABLE)
-    if text is None or not text.strip():
-        return secrets.randbits(62)
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{NOISE_SEED_VARIABLE} = {text!r}: must be an integer") from None
-
-
 def poisson_batch(generator: torch.Generator, n: int, sample_rate: float) -> torch.Tensor:
     """Indices of a Poisson sample: each of the n records independently with probability q."""
     return torch.nonzero(torch.rand(n, generator=generator) < sample_rate).flatten()
@@ -343,6 +320,78 @@ def run_dpsgd_steps(
     }
 
 
+@dataclass(frozen=True)
+class DpSgdLoop:
+    """The settings of one run of the DP-SGD loop (:func:`run_dpsgd`), the same for records held as tensors
+    (:func:`train_dpsgd`) and for a map-style data set read by a loader (:func:`dpml.api.train_private`).
+
+    ``steps`` T, ``clip_norm`` C, ``noise_multiplier`` σ, ``expected_batch`` q·n (the public divisor of the
+    update); ``seed``: the run's secret seed (the noise generator is seeded with ``seed + 1``, the Poisson
+    sampler with ``seed``); ``plan``: the clipping plan of the model (:func:`dpml.train.clipping_check.plan_clipping`);
+    ``input_shape``/``input_dtype``: one record's input, for the chunk timing probe; ``physical_batch_size``:
+    the largest chunk clipped at once (the fastest smaller one when ``tune_physical_batch``).
+    """
+
+    steps: int
+    clip_norm: float
+    noise_multiplier: float
+    expected_batch: float
+    seed: int
+    loss_fn: LossFn
+    plan: ClippingPlan
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype
+    physical_batch_size: int
+    tune_physical_batch: bool = True
+    autocast: torch.dtype | None = None
+    progress: bool = False
+
+
+def run_dpsgd(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loop: DpSgdLoop,
+    steps_in_chunks: Callable[[int], Iterable[Step]],
+    collective: Collective | None = None,
+    observer: StepObserver | None = None,
+) -> dict[str, Any]:
+    """Pick this process's physical chunk (:func:`dpml.train.chunking.physical_chunk`: a distributed run's
+    process clips 1/world_size of each batch), then run the T steps that ``steps_in_chunks(chunk)`` yields
+    (:func:`run_dpsgd_steps`). The history has the chunk and the number of exactly clipped parameters."""
+    share = loop.expected_batch / (collective.world_size if collective else 1)
+    chunk = physical_chunk(
+        loop.tune_physical_batch,
+        model,
+        loop.loss_fn,
+        loop.input_shape,
+        loop.input_dtype,
+        loop.physical_batch_size,
+        share,
+        loop.plan.exact,
+        loop.autocast,
+    )
+    device = next(iter(trainable_parameters(model).values())).device
+    history = run_dpsgd_steps(
+        model,
+        steps_in_chunks(chunk),
+        count=loop.steps,
+        clip_norm=loop.clip_norm,
+        noise_multiplier=loop.noise_multiplier,
+        expected_batch=loop.expected_batch,
+        optimizer=optimizer,
+        noise_source=torch.Generator(device=device).manual_seed(loop.seed + 1),
+        loss_fn=loop.loss_fn,
+        exact=loop.plan.exact,
+        observer=observer,
+        collective=collective,
+        progress=loop.progress and (collective is None or collective.lead),
+        autocast=loop.autocast,
+    )
+    history["physical_chunk"] = chunk
+    history["exact_clipping_parameters"] = len(loop.plan.exact_parameters)
+    return history
+
+
 def train_dpsgd(
     model: nn.Module,
     x: torch.Tensor,
@@ -376,23 +425,12 @@ def train_dpsgd(
     n = n_total = x.shape[0]
     plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
     steps = number_of_steps(epochs, sample_rate)
-    chunk = physical_chunk(
-        tune_physical_batch,
-        model,
-        loss_fn,
-        tuple(x.shape[1:]),
-        x.dtype,
-        physical_batch_size,
-        sample_rate * n / (collective.world_size if collective else 1),
-        plan.exact,
-        autocast,
-    )
     if canaries is not None:
         slots = torch.as_tensor(canaries.included_slots(), dtype=torch.long)
         coordinates = torch.as_tensor(np.asarray(canaries.coordinates), dtype=torch.long)
         n_total += int(slots.numel())  # included canaries are records n, n+1, … of the data set
 
-    def steps_of_run() -> Iterator[Step]:
+    def steps_of_run(chunk: int) -> Iterator[Step]:
         for batch in poisson_batches(n_total, sample_rate, steps, seed):
             records, diracs = share_of_batch(batch, collective), None
             if canaries is not None:  # the audit's run: canaries are indices n, n+1, … of the sample
@@ -401,24 +439,23 @@ def train_dpsgd(
             records = host_to_device(records, x.device)
             yield Step(batch, tensor_chunks(x[records], y[records], chunk, diracs is not None), diracs)
 
-    history = run_dpsgd_steps(
-        model,
-        steps_of_run(),
-        count=steps,
-        clip_norm=clip_norm,
-        noise_multiplier=noise_multiplier,
-        expected_batch=sample_rate * n_total,
-        optimizer=optimizer,
-        noise_source=torch.Generator(device=x.device).manual_seed(seed + 1),
-        loss_fn=loss_fn,
-        exact=plan.exact,
-        observer=canaries.observer if canaries is not None else None,
-        collective=collective,
-        progress=progress,
-        autocast=autocast,
+    loop = DpSgdLoop(
+        steps,
+        clip_norm,
+        noise_multiplier,
+        sample_rate * n_total,
+        seed,
+        loss_fn,
+        plan,
+        tuple(x.shape[1:]),
+        x.dtype,
+        physical_batch_size,
+        tune_physical_batch,
+        autocast,
+        progress,
     )
-    history["exact_clipping_parameters"] = len(plan.exact_parameters)
-    history["physical_chunk"] = chunk
+    observer = canaries.observer if canaries is not None else None
+    history = run_dpsgd(model, optimizer, loop, steps_of_run, collective, observer)
     mechanism = dpsgd_mechanism(sample_rate, noise_multiplier, epochs, neighbouring, clip_norm, n_total)
     return TrainResult(model, mechanism, history)
 

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dpml.models import ModelSpec
-from dpml.train.dpsgd import GradientCanaries, TrainResult, secret_noise_seed
+from dpml.train.dpsgd import GradientCanaries, TrainResult
+from dpml.train.noise import secret_noise_seed
 from dpml.train.registry import NONPRIVATE, trainer_for
 
 if TYPE_CHECKING:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 from collections.abc import Sequence
 from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -285,3 +286,24 @@ def cpu_noise_stream(generator: torch.Generator, params: dict[str, nn.Parameter]
     """The trainer's CPU noise stream: drawn a step ahead on the idle core where there is one
     (:class:`PrefetchedNoise`), else drawn in the step (:class:`SynchronousNoise`); the numbers are the same."""
     return (PrefetchedNoise if idle_core() else SynchronousNoise)(generator, params, std)
+
+
+NOISE_SEED_VARIABLE = "DPML_NOISE_SEED"
+
+
+def secret_noise_seed() -> int:
+    """The seed of the Poisson sampling and Gaussian noise of a model that will be released.
+
+    DP holds only if the adversary cannot predict the noise or the batches: a seed written in
+    ``params.yaml`` or logged with the run would void the guarantee (the released model would be a
+    deterministic function of the data). So the seed is fresh OS entropy — or the integer in the
+    environment variable ``DPML_NOISE_SEED``, which an operator keeps secret to reproduce a release
+    exactly (``dvc repro``). dpml never writes it anywhere.
+    """
+    text = os.environ.get(NOISE_SEED_VARIABLE)
+    if text is None or not text.strip():
+        return secrets.randbits(62)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{NOISE_SEED_VARIABLE} = {text!r}: must be an integer") from None

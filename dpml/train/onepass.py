@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from dpml.accounting.zcdp import const_schedule, minimal_noise_schedule, out_schedule, schedule_rho, zcdp_to_dp
-from dpml.train.dpsgd import secret_noise_seed
+from dpml.train.noise import secret_noise_seed
 
 if TYPE_CHECKING:
     import torch
@@ -156,7 +156,7 @@ def train_onepass_dpsgd(
     """One pass of DP-SGD over (x_k, y_k) in order, at (ε, δ); see the module docstring for every formula.
 
     ``clip_constant`` is c in C = c·√d; ``input_norm_bound`` is X (β = X², η_k ≤ 2/X² enforced);
-    ``seed`` drives the noise (None: a secret one, :func:`dpml.train.dpsgd.secret_noise_seed`).
+    ``seed`` drives the noise (None: a secret one, :func:`dpml.train.noise.secret_noise_seed`).
     """
     x, y = _validate_data(x, y)
     n, d = x.shape

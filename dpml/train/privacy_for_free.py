@@ -42,7 +42,7 @@ from dpml.models.random_features import RandomFeatures, hermite_coefficients, AC
 from dpml.accounting.closed_forms import epsilon_moments_closed_form
 from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 from dpml.train.clipping import clip_factors
-from dpml.train.dpsgd import secret_noise_seed
+from dpml.train.noise import secret_noise_seed
 from dpml.train.noise import gaussian
 
 NOISE_TAG = 2002  # mixed into the noise seed (noise_stream_seed)
@@ -177,7 +177,7 @@ def train_dpgd_random_features(
     """Run seed 002's DP-GD on θ (model.weight, from its current value — 0 for a fresh model), in place.
 
     ``sigma`` is the lectures' σ (0: clipped GD without noise, no certificate). ``seed`` drives the
-    noise; None takes a secret one (:func:`dpml.train.dpsgd.secret_noise_seed`) — a fixed seed
+    noise; None takes a secret one (:func:`dpml.train.noise.secret_noise_seed`) — a fixed seed
     is for experiments only. Returns θ, the mechanism and the clipped fraction
     #{(i, t): ‖∇ℓ_i(θ^t)‖ > C} / (nT).
     """
