@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from dpml.cli_compare import add_compare_command
 from dpml.cli_completion import SHELLS, completion_script
 from dpml.cli_help import JSON_HELP, VERBOSE_HELP, command, examples_epilog, version
 from dpml.cli_privacy import cmd_calibrate, cmd_certificate, cmd_epsilon, cmd_ledger
@@ -433,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     mechanism_args(eps, required=True)
     eps.set_defaults(func=cmd_epsilon)
 
+    add_compare_command(sub)
     comp = command(sub, "completion", "print the shell completion script of dpml (bash or zsh)")
     comp.add_argument("shell", choices=SHELLS, help="the shell: " + " or ".join(SHELLS))
     comp.set_defaults(func=cmd_completion)

@@ -11,6 +11,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("dpml run --engine local --set dp.target_epsilon=2", "in-process, with one parameter changed"),
         ("dpml epsilon --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000", "ε of DP-SGD"),
         ("dpml ledger", "the privacy budget spent per lineage"),
+        ("dpml compare", "the experiments dvc exp show lists, in 120 columns"),
         ("dpml COMMAND --help", "a command's options and examples"),
     ],
     "run": [
@@ -54,6 +55,11 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("dpml ledger --person p00042", "every release that touched one person (data.id_column), across lineages"),
         ("dpml ledger rename patients-2026-11-20 patients", "rename a lineage, keeping its history"),
         ("dpml ledger rename bom plain --merge", "one account for the people of two lineages"),
+    ],
+    "compare": [
+        ("dpml compare", "the workspace, HEAD and HEAD's experiments: ε, accuracy, verdict, changed parameters"),
+        ("dpml compare -A", "every commit and its experiments"),
+        ("dpml compare --rev main -n 5 --width 100", "the last five commits of main, in 100 columns"),
     ],
     "completion": [
         ('eval "$(dpml completion bash)"', "complete dpml's commands, options and choices in this shell (~/.bashrc)"),

@@ -33,6 +33,7 @@ COMMANDS = (
     "calibrate",
     "ledger",
     "epsilon",
+    "compare",
     "completion",
 )
 

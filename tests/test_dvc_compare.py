@@ -8,12 +8,14 @@ import importlib.util
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow import MlflowClient
 
+from dpml.formatting import format_epsilon
 from dpml.ledger.ledger import Ledger
 from tests.conftest import REPO
 from tests.test_drivers import checkout, dvc
@@ -125,6 +127,8 @@ def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_ru
     )
     diff = json.loads(dvc(repo, "metrics", "diff", "HEAD", "--json"))["metrics/summary.json"]
     assert diff["gate_passed"] == {"old": True, "new": False, "diff": -1}  # DVC counts a verdict as 1 or 0
+    changed = json.loads(dvc(repo, "params", "diff", "HEAD", "--json"))["params.yaml"]
+    assert changed == {"gate.epsilon_budget": {"old": 3.0, "new": round(summary["epsilon"] / 2, 3)}}, changed
     git_commit(repo, "gate budget halved")
 
     # The ledger's budget lowered below what was spent: the gate re-runs and says so; nothing is retrained.
@@ -160,3 +164,14 @@ def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_ru
     data = four["revs"][0]["data"]
     assert data["params"]["params.yaml"]["data"]["train"]["epochs"] == 4
     assert isinstance(data["metrics"]["metrics/summary.json"]["data"]["test_accuracy"], float)
+
+    # dpml compare: the experiment in one line of 120 columns at most, its ε as dpml writes it, its one change.
+    done = subprocess.run(
+        [sys.executable, "-m", "dpml", "compare", "--width", "120"], cwd=repo, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= 120, done.stdout
+    [row] = [line for line in lines if line.split()[:1] == ["four-epochs"]]
+    epsilon = data["metrics"]["metrics/summary.json"]["data"]["epsilon"]
+    assert row.split()[2] == format_epsilon(epsilon) and row.endswith("train.epochs=4"), done.stdout

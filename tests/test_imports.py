@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "dpml.params_yaml",
             "dpml.cli_help",
             "dpml.cli_completion",
+            "dpml.cli_compare",
             "dpml.routing",
             "dpml.definitions",
             "dpml.init_schemes",
