@@ -128,7 +128,8 @@ def test_budgets_re_run_the_gate_never_training_metrics_diff_compares_and_exp_ru
     diff = json.loads(dvc(repo, "metrics", "diff", "HEAD", "--json"))["metrics/summary.json"]
     assert diff["gate_passed"] == {"old": True, "new": False, "diff": -1}  # DVC counts a verdict as 1 or 0
     changed = json.loads(dvc(repo, "params", "diff", "HEAD", "--json"))["params.yaml"]
-    assert changed == {"gate.epsilon_budget": {"old": 3.0, "new": round(summary["epsilon"] / 2, 3)}}, changed
+    halved = round(summary["epsilon"] / 2, 3)
+    assert changed == {"gate.epsilon_budget": {"old": 3.0, "new": halved, "diff": pytest.approx(halved - 3.0)}}
     git_commit(repo, "gate budget halved")
 
     # The ledger's budget lowered below what was spent: the gate re-runs and says so; nothing is retrained.
