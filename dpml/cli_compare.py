@@ -84,12 +84,13 @@ def experiment_rows(shown: list[dict[str, Any]]) -> list[Row]:
     """The rows of ``dvc exp show --json``'s output: each commit (the workspace first), then the experiments run
     from it. An experiment is compared with its commit; a commit and the workspace with the first commit listed."""
     commits = [state for state in shown if state.get("rev") != "workspace"]
-    first = flat(_file_data(commits[0].get("data"), "params", PARAMS)) if commits else None
+    newest = commits[0] if commits else None
+    first = flat(_file_data(newest.get("data"), "params", PARAMS)) if newest else None
     rows: list[Row] = []
     for state in shown:
         rev = str(state.get("rev", ""))
         own = state.get("name") or (rev if rev == "workspace" else rev[:7])
-        row = _row(state, own, 0, None if state is (commits[0] if commits else None) else first)
+        row = _row(state, own, 0, None if state is newest else first)
         rows.append(row)
         for run in state.get("experiments") or []:
             tip = (run.get("revs") or [{}])[0]
@@ -99,8 +100,9 @@ def experiment_rows(shown: list[dict[str, Any]]) -> list[Row]:
 
 
 def changes(row: Row) -> list[str]:
-    """``key=value`` for each parameter whose value differs from the row's baseline (``key=∅`` if removed)."""
-    if row.baseline is None:
+    """``key=value`` for each parameter whose value differs from the row's baseline (``key=∅`` if removed); none
+    for a row whose parameters DVC could not read (a failed experiment: its metrics show as ``-`` too)."""
+    if row.baseline is None or not row.params:
         return []
     keys = sorted(set(row.params) | set(row.baseline))
     return [

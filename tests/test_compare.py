@@ -168,3 +168,4 @@ def test_rows_compare_with_their_own_baseline_and_missing_values_show_as_dashes(
     assert table[3].split()[:4] == ["bbbbbbb", "-", "-", "-"] and rows[2].created == "-"
     assert rows[1].created == "Jan 02"
     assert changes(Row("r", "-", {}, {"k": 1}, 0, None)) == []
+    assert changes(Row("failed", "-", {}, {}, 1, {"k": 1})) == []  # nothing read: no list of removals
