@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from dpml.cli_help import command
 from dpml.formatting import format_epsilon
+from dpml.report.verdict import PARTS
 
 SUMMARY = "metrics/summary.json"
 PARAMS = "params.yaml"
-PARTS = ("certificate", "implementation", "attacks")
 HEADERS = ("experiment", "created", "ε", "accuracy", *PARTS, "changed")
 
 
@@ -60,19 +61,19 @@ def _file_data(data: dict[str, Any] | None, kind: str, path: str) -> dict[str, A
     return entry.get("data") or {}
 
 
-def _created(data: dict[str, Any] | None) -> str:
+def _created(data: dict[str, Any] | None, today: date) -> str:
     stamp = (data or {}).get("timestamp")
     if not stamp:
         return "-"
     when = datetime.fromisoformat(stamp)
-    return when.strftime("%H:%M") if when.date() == datetime.now().date() else when.strftime("%b %d")
+    return when.strftime("%H:%M") if when.date() == today else when.strftime("%b %d")
 
 
-def _row(state: dict[str, Any], name: str, depth: int, baseline: dict[str, Any] | None) -> Row:
+def _row(state: dict[str, Any], name: str, depth: int, baseline: dict[str, Any] | None, today: date) -> Row:
     data = state.get("data")
     return Row(
         name,
-        _created(data),
+        _created(data, today),
         _file_data(data, "metrics", SUMMARY),
         flat(_file_data(data, "params", PARAMS)),
         depth,
@@ -87,15 +88,16 @@ def experiment_rows(shown: list[dict[str, Any]]) -> list[Row]:
     newest = commits[0] if commits else None
     first = flat(_file_data(newest.get("data"), "params", PARAMS)) if newest else None
     rows: list[Row] = []
+    today = datetime.now().date()
     for state in shown:
         rev = str(state.get("rev", ""))
         own = state.get("name") or (rev if rev == "workspace" else rev[:7])
-        row = _row(state, own, 0, None if state is newest else first)
+        row = _row(state, own, 0, None if state is newest else first, today)
         rows.append(row)
         for run in state.get("experiments") or []:
             tip = (run.get("revs") or [{}])[0]
             label = run.get("name") or tip.get("name") or str(tip.get("rev", ""))[:7]
-            rows.append(_row(tip, label, 1, row.params))
+            rows.append(_row(tip, label, 1, row.params, today))
     return rows
 
 
@@ -116,14 +118,21 @@ def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
+def _number(value: Any) -> float | None:
+    """A metric's number (``inf`` as DVC reads the summary's ``"inf"``); ``None`` for anything else."""
+    if value == "inf":
+        return math.inf
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _accuracy(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+    number = _number(value)
+    return "-" if number is None else f"{number:.3f}"
 
 
 def _epsilon(value: Any) -> str:
-    if value == "inf":
-        return "inf"
-    return format_epsilon(float(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+    number = _number(value)
+    return "-" if number is None else format_epsilon(number)
 
 
 def cells(row: Row) -> list[str]:

@@ -30,7 +30,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "dpml.params_yaml",
             "dpml.cli_help",
             "dpml.cli_completion",
-            "dpml.cli_compare",
             "dpml.routing",
             "dpml.definitions",
             "dpml.init_schemes",
@@ -49,7 +48,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("stages", ("dpml.stages",)),
     (
         "front doors",
-        ("dpml", "dpml.__main__", "dpml.api", "dpml.cli", "dpml.cli_privacy", "dpml.cli_text", "dpml.reproduce"),
+        (
+            "dpml",
+            "dpml.__main__",
+            "dpml.api",
+            "dpml.cli",
+            "dpml.cli_compare",
+            "dpml.cli_privacy",
+            "dpml.cli_text",
+            "dpml.reproduce",
+        ),
     ),
 ]
 

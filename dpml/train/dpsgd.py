@@ -326,10 +326,11 @@ class DpSgdLoop:
     (:func:`train_dpsgd`) and for a map-style data set read by a loader (:func:`dpml.api.train_private`).
 
     ``steps`` T, ``clip_norm`` C, ``noise_multiplier`` σ, ``expected_batch`` q·n (the public divisor of the
-    update); ``seed``: the run's secret seed (the noise generator is seeded with ``seed + 1``, the Poisson
-    sampler with ``seed``); ``plan``: the clipping plan of the model (:func:`dpml.train.clipping_check.plan_clipping`);
-    ``input_shape``/``input_dtype``: one record's input, for the chunk timing probe; ``physical_batch_size``:
-    the largest chunk clipped at once (the fastest smaller one when ``tune_physical_batch``).
+    update); ``seed``: the run's secret seed (the loop seeds its noise generator with ``seed + 1``; the
+    caller's Poisson sampler uses ``seed``); ``plan``: the clipping plan of the model
+    (:func:`dpml.train.clipping_check.plan_clipping`); ``input_shape``/``input_dtype``: one record's input, for
+    the chunk timing probe; ``physical_batch_size``: the largest chunk clipped at once (the fastest smaller one
+    when ``tune_physical_batch``).
     """
 
     steps: int
