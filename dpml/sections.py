@@ -296,6 +296,13 @@ class AuditConfig(Section):
     (:func:`dpml.audit.one_run_fdp.one_run_mechanism_bound`) instead of one (ε, δ) point, and gates on that
     reading: tighter and as rigorous, at the cost of a few privacy-loss distributions per audit (seconds to a
     minute). It needs a mechanism of Gaussian steps; for another the standard reading is used and says why.
+    How close one run can come to the certificate is set by the number of canaries and guesses
+    (``benchmarks/one_run_ceiling.py``; Fashion-MNIST at ε = 3, at the pipeline's per-bound confidence: with 1,000
+    canaries and a fifth of them guessed, a trainer that is exactly its certificate reads as ε ≈ 1.0 on average;
+    with 40,000 canaries and 800 guesses, as ε ≈ 1.64). So the tight white-box audit observes
+    ``tight_white_box_canaries`` canaries (at most one per trainable coordinate) and makes at most
+    ``tight_guesses`` guesses (and, as in the standard mode, on at most ``one_run_guess_fraction`` of the
+    canaries). ``white_box_canaries: 0`` still switches the white-box audit off.
     """
 
     reconstruction_max_train: int = Field(300, gt=0)
@@ -322,6 +329,8 @@ class AuditConfig(Section):
     black_box_canaries: int = Field(500, ge=0)
     one_run_guess_fraction: float = Field(0.2, gt=0, le=1)
     mode: Literal["standard", "tight"] = "standard"
+    tight_white_box_canaries: int = Field(40_000, ge=64)
+    tight_guesses: int = Field(800, ge=2)
     white_box_scoring: Literal["likelihood_ratio", "sum"] = "likelihood_ratio"
     conformance: bool = True
     conformance_false_alarm: float = Field(1e-6, gt=0, lt=0.5)

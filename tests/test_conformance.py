@@ -496,12 +496,14 @@ def test_the_tight_mode_reads_the_canaries_through_the_mechanisms_curve_and_gate
     prepared: Path, bug: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``audit.mode: tight``, conformance checks off so that only the bound can catch a bug: the white-box
-    canaries are read through the certified mechanism's own curve. Intact: that mechanism is not rejected (noise
+    canaries (``tight_white_box_canaries`` of them, ``tight_guesses`` guessed) are read through the certified
+    mechanism's own curve. Intact: that mechanism is not rejected (noise
     scale above 1), the bound is at least Steinke's, its power is that reading's, the gate passes. Noise × 0:
     the bound exceeds the certified ε and the gate fails on it."""
     monkeypatch.chdir(prepared)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    config = load(prepared / "params.yaml", ["audit.mode=tight", "audit.conformance=false"])
+    tight = ["audit.mode=tight", "audit.tight_white_box_canaries=300", "audit.tight_guesses=40"]
+    config = load(prepared / "params.yaml", [*tight, "audit.conformance=false"])
     with broken.BUGS[bug]() if bug else contextlib.nullcontext():
         for name in ("train", "certify", "audit", "gate"):
             stages.run_stage(name, config)
@@ -513,6 +515,7 @@ def test_the_tight_mode_reads_the_canaries_through_the_mechanisms_curve_and_gate
     white = next(b for b in audit["one_run"] if b["method"] == "one_run_white_box")
     i, certified = white["inputs"], audit["certified_epsilon"]
     assert audit["mode"] == "tight" and white["reading"] == "mechanism_curve"
+    assert (i["canaries"], i["guesses"]) == (300, 40)  # the tight mode's own canaries and guesses
     mechanism = MechanismDescription.from_dict(io.read_json(layout.mechanism))
     again = one_run_mechanism_bound(
         mechanism, i["canaries"], i["guesses"], i["correct"], i["delta"], white["confidence"]

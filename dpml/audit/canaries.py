@@ -14,7 +14,9 @@ Both modes train one extra model with the target's exact configuration and σ:
   usual strong canaries), scored by −loss of the final model. With a few hundred canaries its
   power is below ε ≈ 2 (see the audit's ``power``), so at such ε it is reported, not counted.
 
-Guesses: IN for the k highest scores and OUT for the k lowest, k = ⌈guess_fraction·m/2⌉.
+Guesses: IN for the k highest scores and OUT for the k lowest, k = ⌈guess_fraction·m/2⌉ (``audit.mode: tight``
+observes more white-box canaries and makes at most ``audit.tight_guesses`` guesses on them:
+``audit.tight_white_box_canaries``).
 """
 
 from __future__ import annotations
@@ -48,14 +50,15 @@ def _bound(
     config: Config,
     confidence: float,
     mode: str,
+    k: int,
     curve: MechanismDescription | str | None = None,
 ) -> dict[str, Any]:
-    """The Steinke–Nasr–Jagielski bound of the guesses, and beside it (``fdp``) their f-DP reading through a
+    """The Steinke–Nasr–Jagielski bound of the guesses (IN for the k highest scores, OUT for the k lowest), and
+    beside it (``fdp``) their f-DP reading through a
     Gaussian curve (:mod:`dpml.audit.one_run_fdp`) with its power; the latter rests on an assumption and never
     gates. With a certified mechanism as ``curve`` (``audit.mode: tight``) the gating ε is the guesses read
     through that mechanism's own trade-off curve, and the Steinke bound is kept as ``steinke``; a string
     ``curve`` is why the tight reading could not be used."""
-    k = max(1, math.ceil(config.audit.one_run_guess_fraction * scores.size / 2))  # (see *_guesses above)
     guesses, correct = one_run_guesses(scores, included, k, k)
     delta = config.dp.delta
     bound = one_run_bound(scores.size, guesses, correct, delta, confidence)
@@ -106,19 +109,34 @@ def tight_reading(
 
 
 def white_box_canary_count(config: Config, n_params: int) -> int:
-    """m: ``audit.white_box_canaries``, at most one per trainable coordinate (and at least 64 for the
-    conformance checks when the one-run bound is switched off)."""
-    return min(max(config.audit.white_box_canaries, 64), n_params)
+    """m: ``audit.white_box_canaries`` (``audit.tight_white_box_canaries`` in ``audit.mode: tight``), at most one
+    per trainable coordinate (and at least 64 for the conformance checks when the one-run bound is switched off)."""
+    audit = config.audit
+    asked = audit.tight_white_box_canaries if audit.mode == "tight" else audit.white_box_canaries
+    return min(max(asked, 64), n_params)
+
+
+def guess_count(guess_fraction: float, canaries: int) -> int:
+    """k = ⌈guess_fraction·m/2⌉ IN guesses and as many OUT: at least one of each."""
+    return max(1, math.ceil(guess_fraction * canaries / 2))
+
+
+def white_box_guess_count(config: Config, canaries: int) -> int:
+    """k IN guesses and k OUT of the white-box canaries: :func:`guess_count` of ``audit.one_run_guess_fraction``, and
+    in ``audit.mode: tight`` at most ``audit.tight_guesses`` in all (hundreds of confident guesses bound closer
+    than thousands of weaker ones: ``benchmarks/one_run_ceiling.py``)."""
+    k = guess_count(config.audit.one_run_guess_fraction, canaries)
+    return min(k, config.audit.tight_guesses // 2) if config.audit.mode == "tight" else k
 
 
 def white_box_guesses(config: Config, n_params: int) -> tuple[int, int]:
     m = white_box_canary_count(config, n_params)
-    return m, 2 * max(1, math.ceil(config.audit.one_run_guess_fraction * m / 2))
+    return m, 2 * white_box_guess_count(config, m)
 
 
 def black_box_guesses(config: Config, pool: int) -> tuple[int, int]:
     m = min(config.audit.black_box_canaries, pool)
-    return m, 2 * max(1, math.ceil(config.audit.one_run_guess_fraction * m / 2))
+    return m, 2 * guess_count(config.audit.one_run_guess_fraction, m)
 
 
 def white_box_audit(
@@ -187,11 +205,12 @@ def white_box_audit(
     )
     scoring = config.audit.white_box_scoring
     other = "sum" if scoring == "likelihood_ratio" else "likelihood_ratio"
-    bound = _bound(canary_scores(probe, scoring), included, config, confidence, "white_box", curve)
+    k = white_box_guess_count(config, m)
+    bound = _bound(canary_scores(probe, scoring), included, config, confidence, "white_box", k, curve)
     bound["scoring"] = scoring
     # the other scoring, for the record (never gates: choosing the larger would need its own correction)
     bound["other_scoring"] = {
-        other: _bound(canary_scores(probe, other), included, config, confidence, "white_box", curve)["epsilon"]
+        other: _bound(canary_scores(probe, other), included, config, confidence, "white_box", k, curve)["epsilon"]
     }
     return bound, checks
 
@@ -226,4 +245,5 @@ def black_box_audit(
         noise_seed=config.audit.seed + 6_000,
     )
     scores = -cross_entropy_losses(logits_of(result.model, cx), cy)
-    return _bound(scores, included, config, confidence, "black_box", curve)
+    k = guess_count(config.audit.one_run_guess_fraction, scores.size)
+    return _bound(scores, included, config, confidence, "black_box", k, curve)

@@ -111,6 +111,8 @@ AUDIT_ONLY = tuple(
         "black_box_canaries",
         "one_run_guess_fraction",
         "mode",
+        "tight_white_box_canaries",
+        "tight_guesses",
         "white_box_scoring",
         "conformance",
         "conformance_false_alarm",
