@@ -7,7 +7,8 @@ asks DVC for the same experiments (``dvc exp show --json``, any of its selection
 certified ε (:func:`dpml.formatting.format_epsilon`, as everywhere), the test accuracy, the verdict's three parts
 (:mod:`dpml.report.verdict`), and the parameters that differ from the commit it was run from (the workspace and
 other commits: from the first commit listed). A long list of changes continues on the next lines, under its
-column: nothing is cut. ``dvc exp show`` itself still shows everything.
+column: nothing is cut. ``--json`` prints the same rows as JSON, for scripts. ``dvc exp show`` itself still shows
+everything.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
-from dpml.cli_help import command
+from dpml.cli_help import JSON_HELP, command
 from dpml.formatting import format_epsilon
 from dpml.report.verdict import PARTS
 
@@ -37,10 +38,10 @@ class Row:
     """One line of the table: a commit (or the workspace) or an experiment run from one."""
 
     name: str
-    created: str
+    timestamp: str | None  # when it ran, as DVC reports it (ISO 8601)
     metrics: dict[str, Any]
     params: dict[str, Any]
-    depth: int = 0  # 1: an experiment, shown under its commit
+    parent: str | None = None  # an experiment's commit, under which it is shown
     baseline: dict[str, Any] | None = None  # the parameters it is compared with
 
 
@@ -61,22 +62,21 @@ def _file_data(data: dict[str, Any] | None, kind: str, path: str) -> dict[str, A
     return entry.get("data") or {}
 
 
-def _created(data: dict[str, Any] | None, today: date) -> str:
-    stamp = (data or {}).get("timestamp")
+def _created(stamp: str | None, today: date) -> str:
     if not stamp:
         return "-"
     when = datetime.fromisoformat(stamp)
     return when.strftime("%H:%M") if when.date() == today else when.strftime("%b %d")
 
 
-def _row(state: dict[str, Any], name: str, depth: int, baseline: dict[str, Any] | None, today: date) -> Row:
+def _row(state: dict[str, Any], name: str, parent: str | None, baseline: dict[str, Any] | None) -> Row:
     data = state.get("data")
     return Row(
         name,
-        _created(data, today),
+        (data or {}).get("timestamp"),
         _file_data(data, "metrics", SUMMARY),
         flat(_file_data(data, "params", PARAMS)),
-        depth,
+        parent,
         baseline,
     )
 
@@ -88,30 +88,44 @@ def experiment_rows(shown: list[dict[str, Any]]) -> list[Row]:
     newest = commits[0] if commits else None
     first = flat(_file_data(newest.get("data"), "params", PARAMS)) if newest else None
     rows: list[Row] = []
-    today = datetime.now().date()
     for state in shown:
         rev = str(state.get("rev", ""))
         own = state.get("name") or (rev if rev == "workspace" else rev[:7])
-        row = _row(state, own, 0, None if state is newest else first, today)
+        row = _row(state, own, None, None if state is newest else first)
         rows.append(row)
         for run in state.get("experiments") or []:
             tip = (run.get("revs") or [{}])[0]
             label = run.get("name") or tip.get("name") or str(tip.get("rev", ""))[:7]
-            rows.append(_row(tip, label, 1, row.params, today))
+            rows.append(_row(tip, label, own, row.params))
     return rows
 
 
-def changes(row: Row) -> list[str]:
-    """``key=value`` for each parameter whose value differs from the row's baseline (``key=∅`` if removed); none
-    for a row whose parameters DVC could not read (a failed experiment: its metrics show as ``-`` too)."""
+def changed_params(row: Row) -> dict[str, Any]:
+    """Each parameter whose value differs from the row's baseline, with its value (``...`` if removed); none for a
+    row whose parameters DVC could not read (a failed experiment: its metrics show as ``-`` too)."""
     if row.baseline is None or not row.params:
-        return []
+        return {}
     keys = sorted(set(row.params) | set(row.baseline))
-    return [
-        f"{key}={_value(row.params[key]) if key in row.params else '∅'}"
-        for key in keys
-        if row.params.get(key, ...) != row.baseline.get(key, ...)
-    ]
+    return {key: row.params.get(key, ...) for key in keys if row.params.get(key, ...) != row.baseline.get(key, ...)}
+
+
+def changes(row: Row) -> list[str]:
+    """``key=value`` for each changed parameter (``key=∅`` if removed)."""
+    return [f"{key}={'∅' if value is ... else _value(value)}" for key, value in changed_params(row).items()]
+
+
+def as_record(row: Row) -> dict[str, Any]:
+    """A row for ``--json``: the numbers as ``metrics/summary.json`` holds them (``"inf"`` for an infinite ε), the
+    verdict's parts by name, and the changed parameters (``null`` for one removed)."""
+    return {
+        "experiment": row.name,
+        "commit": row.parent,
+        "created": row.timestamp,
+        "epsilon": row.metrics.get("epsilon"),
+        "test_accuracy": row.metrics.get("test_accuracy"),
+        "verdict": {part: row.metrics.get(f"verdict_{part}") for part in PARTS},
+        "changed": {key: None if value is ... else value for key, value in changed_params(row).items()},
+    }
 
 
 def _value(value: Any) -> str:
@@ -135,12 +149,12 @@ def _epsilon(value: Any) -> str:
     return "-" if number is None else format_epsilon(number)
 
 
-def cells(row: Row) -> list[str]:
-    """The fixed columns of a row, as text."""
+def cells(row: Row, today: date) -> list[str]:
+    """The fixed columns of a row, as text (an experiment's name indented under its commit's)."""
     metrics = row.metrics
     return [
-        ("  " * row.depth) + row.name,
-        row.created,
+        ("  " if row.parent else "") + row.name,
+        _created(row.timestamp, today),
         _epsilon(metrics.get("epsilon")),
         _accuracy(metrics.get("test_accuracy")),
         *(str(metrics.get(f"verdict_{part}", "-")) for part in PARTS),
@@ -162,7 +176,8 @@ def _wrapped(items: list[str], width: int) -> Iterator[str]:
 def render(rows: list[Row], width: int) -> list[str]:
     """The table: the fixed columns padded to their widest cell, then the changes, wrapped to ``width`` — beside
     the row where the longest change fits there, else on the lines under it (indented by :data:`UNDER`)."""
-    table = [cells(row) for row in rows]
+    today = datetime.now().date()
+    table = [cells(row, today) for row in rows]
     sizes = [max(len(h), *(len(c[i]) for c in table)) for i, h in enumerate(HEADERS[:-1])]
     indent = sum(sizes) + 2 * len(sizes)
 
@@ -208,6 +223,9 @@ def selection_flags(args: argparse.Namespace) -> list[str]:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     rows = experiment_rows(shown_experiments(selection_flags(args)))
+    if args.json:
+        print(json.dumps([as_record(row) for row in rows], indent=2))
+        return 0
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print("\n".join(render(rows, width)))
     return 0
@@ -229,4 +247,5 @@ def add_compare_command(sub: argparse._SubParsersAction) -> None:
     comp.add_argument("--rev", action="append", default=[], metavar="REV", help="this commit (repeatable)")
     comp.add_argument("-n", "--num", type=_positive, default=None, help="this many commits back from each")
     comp.add_argument("--width", type=_positive, default=None, help="line width (default: the terminal's, else 120)")
+    comp.add_argument("--json", action="store_true", help=JSON_HELP)
     comp.set_defaults(func=cmd_compare)

@@ -60,6 +60,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("dpml compare", "the workspace, HEAD and HEAD's experiments: ε, accuracy, verdict, changed parameters"),
         ("dpml compare -A", "every commit and its experiments"),
         ("dpml compare --rev main -n 5 --width 100", "the last five commits of main, in 100 columns"),
+        ("dpml compare --json", "the same rows as JSON: numbers, the verdict's parts, the changed parameters' values"),
     ],
     "completion": [
         ('eval "$(dpml completion bash)"', "complete dpml's commands, options and choices in this shell (~/.bashrc)"),

@@ -5,6 +5,7 @@ parameters that differ from the commit it was run from."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpml.cli_compare import Row, changes, experiment_rows, render, shown_experiments
+from dpml.cli_compare import Row, as_record, changes, experiment_rows, render, shown_experiments
 from dpml.formatting import format_epsilon
 
 STAGE = """\
@@ -129,6 +130,25 @@ def test_the_table_fits_the_width_asked_for_and_wraps_changes_without_losing_any
     assert line_of(under, "slower").endswith("evidence") and len(under) > len(beside)
 
 
+def test_json_gives_each_row_its_numbers_verdict_and_changes_as_values(project: Path) -> None:
+    """``--json``: the rows of the table, for scripts — every experiment with its commit, ε and accuracy as
+    numbers, the verdict's parts by name, and the changed parameters as values, not text."""
+    records = json.loads("\n".join(compare(project, "--json")))
+    by_name = {record["experiment"]: record for record in records}
+    slower, many = by_name["slower"], by_name["many-changes"]
+    assert slower["changed"] == {"train.learning_rate": 0.25} and slower["commit"] == many["commit"] is not None
+    assert slower["epsilon"] == pytest.approx(3.0 - 3e-6) and slower["test_accuracy"] == pytest.approx(0.55)
+    assert slower["verdict"] == {"certificate": "within budget", "implementation": "conforms", "attacks": "evidence"}
+    assert many["changed"] == {
+        "audit.attacks": ["loss"],
+        "dp.target_epsilon": 8,
+        "train.epochs": 2,
+        "train.optimizer": "adam",
+    }
+    assert by_name["workspace"]["commit"] is None and by_name["workspace"]["changed"] == {}
+    assert slower["created"] and many["created"]  # DVC's timestamp, as it gives it
+
+
 def test_older_commits_are_compared_with_the_newest(project: Path) -> None:
     """``-A``: every commit; the first commit differs from the newest in ε's target and the epochs."""
     lines = compare(project, "-A", "--width", "160")
@@ -162,10 +182,16 @@ def test_rows_compare_with_their_own_baseline_and_missing_values_show_as_dashes(
         {"rev": "c" * 40, "data": base},
     ]
     rows = experiment_rows(shown)
-    assert [(r.name, r.depth) for r in rows] == [("workspace", 0), ("main", 0), ("bbbbbbb", 1), ("ccccccc", 0)]
+    assert [(r.name, r.parent) for r in rows] == [
+        ("workspace", None),
+        ("main", None),
+        ("bbbbbbb", "main"),
+        ("ccccccc", None),
+    ]
     assert [changes(r) for r in rows] == [["a.x=1"], [], ["a.x=1", "a.y=∅"], ["a.x=1"]]
     table = render(rows, 120)
-    assert table[3].split()[:4] == ["bbbbbbb", "-", "-", "-"] and rows[2].created == "-"
-    assert rows[1].created == "Jan 02"
-    assert changes(Row("r", "-", {}, {"k": 1}, 0, None)) == []
-    assert changes(Row("failed", "-", {}, {}, 1, {"k": 1})) == []  # nothing read: no list of removals
+    assert table[3].split()[:4] == ["bbbbbbb", "-", "-", "-"]
+    assert table[2].split()[:3] == ["main", "Jan", "02"]
+    assert as_record(rows[2])["changed"] == {"a.x": 1, "a.y": None} and as_record(rows[2])["commit"] == "main"
+    assert changes(Row("r", None, {}, {"k": 1}, None, None)) == []
+    assert changes(Row("failed", None, {}, {}, "r", {"k": 1})) == []  # nothing read: no list of removals
