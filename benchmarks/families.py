@@ -1056,7 +1056,7 @@ def main() -> None:
         "commit": current_commit(),
         "date": started,
         "machine": machine(args),
-        "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget", "render")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget", "render", "out")},
         "label": f" ({args.label})" if args.label else "",
     }
     out = Path(args.out)
