@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import current_commit, fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_common import current_commit, fashion_mnist_overrides, without_paths  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import io, stages  # noqa: E402
 from dpml.audit import broken  # noqa: E402
 from dpml.config import load  # noqa: E402
@@ -295,21 +295,6 @@ def one_run_table(intact: dict[str, Any], epsilon: float) -> list[str]:
             f"({b.get('power', float('nan')):.2f}) |"
         )
     return lines
-
-
-def without_paths(argv: list[str]) -> list[str]:
-    """The command's arguments less ``--work`` and ``--out`` and their values: where this machine kept the files is
-    not part of what was measured."""
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--work", "--out"):
-            skip = True
-        elif not arg.startswith(("--work=", "--out=")):
-            kept.append(arg)
-    return kept
 
 
 def main() -> None:

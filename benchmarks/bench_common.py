@@ -83,3 +83,18 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def without_paths(argv: Sequence[str]) -> list[str]:
+    """A benchmark's arguments less ``--out`` and ``--work`` and their values: where this machine kept the files
+    changes no number, and would write a path of the measuring machine onto the results page."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--work"):
+            skip = True
+        elif not arg.startswith(("--out=", "--work=")):
+            kept.append(arg)
+    return kept

@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import fashion_mnist_overrides  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_common import fashion_mnist_overrides, without_paths  # noqa: E402  (benchmarks/ is the script's folder)
 from dpml import io, stages  # noqa: E402
 from dpml.config import load  # noqa: E402
 from dpml.accounting.accountants import certify  # noqa: E402
@@ -163,17 +163,8 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def recorded_command(argv: list[str]) -> str:
-    """The command that reproduces a row: the arguments as given, less ``--out``/``--work`` (where files go,
-    which changes no number and would write a path of the measuring machine onto the page)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--out", "--work"):
-            skip = True
-        elif not arg.startswith(("--out=", "--work=")):
-            kept.append(arg)
-    return " ".join(["python", "benchmarks/vision_utility.py", *kept])
+    """The command that reproduces a row: the arguments as given, less ``--out``/``--work``."""
+    return " ".join(["python", "benchmarks/vision_utility.py", *without_paths(argv)])
 
 
 def main() -> None:
