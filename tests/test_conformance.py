@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -325,6 +326,29 @@ def test_the_canaries_are_drawn_by_the_trainers_sampler_and_scored_per_step() ->
         scores = canary_scores(probe, scoring)  # type: ignore[arg-type]
         gap = scores[probe.included].mean() - scores[~probe.included].mean()
         assert gap > 3 * scores[~probe.included].std() / math.sqrt(probe.included.sum())
+
+
+def test_each_canary_score_is_its_per_step_log_likelihood_ratio_or_its_sum() -> None:
+    """The scores of a few known observations, element by element: Σ_t log[(1 − q) + q·exp((o·C − C²/2)/(σC)²)],
+    or Σ_t o; at q = 1 the sum."""
+    rng = np.random.default_rng(3)
+    observations = [rng.normal(0.0, 2.0, 4).astype(np.float32) for _ in range(3)]
+    clip, sigma, q = 0.7, 1.3, 0.2
+    probe = SimpleNamespace(
+        observations=observations, coordinates=np.arange(4), clip_norm=clip, sigma=sigma, sample_rate=q
+    )
+    s2 = (sigma * clip) ** 2
+    expected = [
+        sum(math.log((1 - q) + q * math.exp((float(o[j]) * clip - clip * clip / 2) / s2)) for o in observations)
+        for j in range(4)
+    ]
+    assert canary_scores(probe, "likelihood_ratio") == pytest.approx(expected, rel=1e-9)  # type: ignore[arg-type]
+    sums = [sum(float(o[j]) for o in observations) for j in range(4)]
+    assert canary_scores(probe, "sum") == pytest.approx(sums, rel=1e-9)  # type: ignore[arg-type]
+    probe.sample_rate = 1.0
+    assert canary_scores(probe, "likelihood_ratio") == pytest.approx(sums, rel=1e-9)  # type: ignore[arg-type]
+    probe.observations = []
+    assert canary_scores(probe, "sum").tolist() == [0.0] * 4  # type: ignore[arg-type]
 
 
 def test_chernoff_bound_on_inner_products_is_valid() -> None:

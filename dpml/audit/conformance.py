@@ -210,16 +210,15 @@ def canary_scores(probe: ConformanceProbe, scoring: Literal["likelihood_ratio", 
     likelihood ratio of "included" (each step: N(c, s²) with probability q, else N(0, s²)) against
     "excluded" (N(0, s²)), c = C, s = σC: the Neyman–Pearson score for one canary under Poisson
     sampling (at q = 1 it is the sum, rescaled)."""
-    if not probe.observations:
-        return np.zeros(probe.coordinates.size)
-    o = np.stack(probe.observations).astype(np.float64)  # (T, m)
-    if scoring == "sum":
-        return o.sum(0)
+    scores = np.zeros(probe.coordinates.size)
     c, s, q = probe.clip_norm, probe.sigma * probe.clip_norm, probe.sample_rate
-    if q >= 1.0:
-        return o.sum(0)
-    exponent = (o * c - c * c / 2) / (s * s)
-    return np.logaddexp(math.log1p(-q), math.log(q) + exponent).sum(0)
+    for observed in probe.observations:  # step by step: (T, m) at once would be T times the memory
+        o = observed.astype(np.float64)
+        if scoring == "sum" or q >= 1.0:
+            scores += o
+        else:
+            scores += np.logaddexp(math.log1p(-q), math.log(q) + (o * c - c * c / 2) / (s * s))
+    return scores
 
 
 def conformance_checks(probe: ConformanceProbe, false_alarm: float, tolerance: float) -> list[Check]:
