@@ -139,22 +139,23 @@ class ModelConfig(Section):
     """The classifier.
 
     ``kind: mlp``: fully connected, ``hidden`` widths and ``activation`` ([] gives a linear model).
-    ``kind: gated``: seed 001's convex gated-ReLU model — ``gates`` random hyperplanes drawn from
+    ``kind: gated``: Koskela's convex gated-ReLU model — ``gates`` random hyperplanes drawn from
     ``gate_seed`` (public, stored with the model) and a linear model on the gated features.
-    ``kind: lipschitz``: seed 004's Lipschitz network — an input bound at X0 (``preprocess.clip_norm``),
+    ``kind: lipschitz``: the Lipschitz network of Béthune et al. — an input bound at X0 (``preprocess.clip_norm``),
     spectrally normalised dense layers of the (even) ``hidden`` widths with GroupSort2 between them,
     biases in a ball of radius ``bias_bound`` (``null``: no biases); ``dense_layer: bjorck`` makes the
     dense layers gradient-norm preserving (Björck orthogonalisation); ``conv`` (even channel counts)
     puts 3×3 spectrally normalised convolutions, each followed by GroupSort2 and 2×2 L2-norm pooling,
     before them, on images of ``input_shape`` [C, H, W].
-    ``kind: bias_free_relu``: seed 000's network — bias-free linear layers of the ``hidden`` widths with
-    ReLU between them, initialised by ``init`` (Eq. 5: ``lecun`` β = 1/fan-in, ``he`` 2/fan-in,
+    ``kind: bias_free_relu``: the network of Ye et al. (*Initialization Matters*) — bias-free linear layers of the
+    ``hidden`` widths with ReLU between them, initialised by ``init`` (Eq. 5: ``lecun`` β = 1/fan-in, ``he`` 2/fan-in,
     ``ntk`` 2/fan-out (1/o for the last layer), ``xavier`` 2/(fan-in + fan-out)).
-    ``kind: random_features``: seed 002's f(x) = φ(Vx)ᵀθ with ``features`` = p random directions
-    V ~ N(0, 1/d) from the public ``feature_seed`` (stored with the model), θ from 0, and φ =
+    ``kind: random_features``: Mondelli's random-features model f(x) = φ(Vx)ᵀθ with ``features`` = p random
+    directions V ~ N(0, 1/d) from the public ``feature_seed`` (stored with the model), θ from 0, and φ =
     ``feature_activation`` (tanh, or ``tanh_even`` whose even part lets a reconstruction recover signs;
     both satisfy the Hermite conditions φ0 = φ2 = 0, φ1 ≠ 0). Train it with ``train.loss: squared``
-    (``dpgd`` for seed 002's DP-GD); the audit then also runs the reconstruction attack.
+    (``dpgd`` for its DP-GD with the 'privacy for free' hyperparameters); the audit then also runs the
+    reconstruction attack.
     ``kind: cnn``: ``channels`` blocks of 3×3 convolution → GroupNorm (``norm_groups``) → ``activation`` →
     2×2 average pooling on images of ``input_shape`` [C, H, W], then dense layers of the ``hidden`` widths.
     ``kind: wide_resnet``: WRN-``depth``-``widen`` with GroupNorm of ``norm_groups`` groups (WRN-16-4 is the
@@ -287,7 +288,7 @@ class AuditConfig(Section):
     population); the rest of the audit population is RMIA's population z. ``references``
     reference models per target (DP and non-private control) train on random halves of train ∪
     audit population. Empirical ε lower bounds are computed at ``confidence`` (Bonferroni-split
-    over the bounds the gate uses). For a ``random_features`` model the audit also runs seed 002's
+    over the bounds the gate uses). For a ``random_features`` model the audit also runs the
     reconstruction attack on the target and the control, when the training set has at most
     ``reconstruction_max_train`` records (``reconstruction_restarts`` random starts of
     ``reconstruction_steps`` projected Adam steps each).

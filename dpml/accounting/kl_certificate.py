@@ -60,7 +60,7 @@ def _the_event(mechanism: MechanismDescription) -> NoisyGradientDescent:
     if len(events) != 1 or len(mechanism.events) != 1 or mechanism.selection is not None:
         raise ValueError("a KL certificate covers exactly one noisy-GD run (no composition, no search)")
     if mechanism.neighbouring != "replace-one":
-        raise ValueError(f"neighbouring = {mechanism.neighbouring!r}: seed 000's KL bound is for replace-one")
+        raise ValueError(f"neighbouring = {mechanism.neighbouring!r}: Ye et al.'s KL bound is for replace-one")
     return events[0]
 
 
@@ -107,7 +107,7 @@ def certify_kl(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
             "answers": [],
             "void": True,
             "statement": (
-                "no guarantee: noisy GD on the real (non-linearised) network — seed 000 proves its KL bound "
+                "no guarantee: noisy GD on the real (non-linearised) network — Ye et al. prove their KL bound "
                 "(Cor. 4.2) only for the linearised network; the estimated KL in the training metrics is an "
                 "estimate, not a bound"
             ),
@@ -119,7 +119,7 @@ def certify_kl(mechanism: MechanismDescription, delta: float) -> dict[str, Any]:
     check = next(a for a in answers if not a.used_for_certificate)
     if check.kl is not None and not math.isclose(check.kl, certified.kl, rel_tol=1e-9):
         raise RuntimeError(
-            f"the two computations of seed 000's B disagree: Eq. 7 gives KL {certified.kl!r}, "
+            f"the two computations of Ye et al.'s B disagree: Eq. 7 gives KL {certified.kl!r}, "
             f"Table 1 gives {check.kl!r}"
         )
     delta_tv = pinsker_delta(certified.kl)

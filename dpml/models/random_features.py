@@ -145,7 +145,7 @@ def check_activation(
         problems.append("no two non-zero coefficients of order ≥ 3 with different parity (sign recovery, B2)")
     if problems:
         raise ValueError(
-            f"{name} violates the Hermite conditions of seed 002: "
+            f"{name} violates the Hermite conditions of Mondelli's random-features analysis: "
             + "; ".join(problems)
             + f"; coefficients φ0..φ6 = {np.array2string(coefficients, precision=4)}"
         )

@@ -298,8 +298,9 @@ def _audit_section(audit: dict[str, Any]) -> list[str]:
     if "reconstruction" in audit:
         lines += [
             "",
-            "**Reconstruction attack** (seed 002: training inputs recovered from a random-features "
-            "model's weights alone; best-match |cosine| overlap per training record, chance = random directions):",
+            "**Reconstruction attack** (Iurada, Bombari, Tommasi & Mondelli: training inputs recovered from a "
+            "random-features model's weights alone; best-match |cosine| overlap per training record, chance = "
+            "random directions):",
             "",
         ]
         for subject, r in audit["reconstruction"].items():

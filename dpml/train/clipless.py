@@ -148,7 +148,7 @@ def clipless_mechanism(
         dataset_size=dataset_size,
         threat_model="all-iterates",
         notes=(
-            "clipless DP-SGD (seed 004, Algorithm 2): no clipping; the per-example gradient bound Δ = "
+            "clipless DP-SGD (Béthune et al., Algorithm 2): no clipping; the per-example gradient bound Δ = "
             f"{bounds.total:.6g} comes from the Lipschitz layers, the input bound X0 and the loss (Algorithm 1)",
             "per-layer bounds " + ", ".join(f"layer {k}: {v:.6g}" for k, v in layers.items()),
             f"{noise} noise with σ = {noise_multiplier:g}"

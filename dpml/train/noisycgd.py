@@ -75,7 +75,7 @@ def noisycgd_mechanism(settings: NoisyCgdSettings, n: int) -> MechanismDescripti
     c = settings.contraction()
     mu = noisycgd_mu(settings.noise_multiplier, c, k, settings.epochs)
     notes = [
-        f"NoisyCGD (Koskela, seed 001 Eq. 2.4): k = ⌈n/b⌉ = {k} fixed disjoint batches "
+        f"NoisyCGD (Koskela, Eq. 2.4): k = ⌈n/b⌉ = {k} fixed disjoint batches "
         f"(sizes ≤ b = {settings.batch_size}, each averaged over b), E = {settings.epochs} cyclic epochs, "
         f"η = {settings.learning_rate:g}, λ = {settings.l2:.6g}",
         f"μ-GDP by Theorem 2.8 (Bok, Su & Altschuler 2024, Thm 4.5): μ = (2/σ)·sqrt(1 + c^(2k−2)(1−c²)/(1−c^k)² · "
@@ -94,7 +94,7 @@ def noisycgd_mechanism(settings: NoisyCgdSettings, n: int) -> MechanismDescripti
     else:
         notes.append(
             f"ASSUMPTION: clip norm C = {settings.clip_norm:g} is below the loss's gradient bound, so the "
-            "update uses clipped gradients; the certificate relies on the paper's claim (seed 001 §3.4, citing "
+            "update uses clipped gradients; the certificate relies on the paper's claim (Koskela §3.4, citing "
             "Redberg et al. 2024 §E.2) that clipping keeps each step λ-strongly convex and β-smooth — proven "
             "for scalar-output generalised linear models, not for the multi-class gated model"
         )

@@ -138,7 +138,8 @@ def dpgd_mechanism(learning_rate: float, sigma: float, steps: int, clip_norm: fl
         dataset_size=n,
         threat_model="all-iterates",
         notes=(
-            "seed 002 DP-GD on a random-features model: θ ← θ − η·mean clip_C(∇ℓ_i) + sqrt(η)(2C/n)σ·N(0, I); "
+            "DP-GD on a random-features model (Mondelli's lectures, 'privacy for free'): "
+            "θ ← θ − η·mean clip_C(∇ℓ_i) + sqrt(η)(2C/n)σ·N(0, I); "
             f"σ = {sigma:.6g}, η = {learning_rate:.6g}; noise multiplier on the clipped sum = 2σ/√η",
         ),
     )

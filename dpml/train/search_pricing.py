@@ -92,7 +92,7 @@ def noisycgd_search_mechanism(
     """What a search over NoisyCGD candidates does: one ``base_mu``-GDP event (every candidate's λ is
     calibrated to it), the (1/τ)-GDP score, the random count."""
     notes = (
-        f"NoisyCGD candidates (seed 001): σ = {config.dp.noise_multiplier:g}, b = {config.noisycgd.batch_size}, "
+        f"NoisyCGD candidates (Koskela): σ = {config.dp.noise_multiplier:g}, b = {config.noisycgd.batch_size}, "
         f"E = {int(config.train.epochs)}; each candidate's λ calibrated so that its Theorem 2.8 μ ≤ {base_mu:.6g}",
         "hidden state: only the released candidate's final iterate is released",
     )

@@ -115,7 +115,7 @@ class Clipless(Trainer):
     settings = CliplessSettings
     model_kinds = ("lipschitz",)
     model_kind_reason = "clipless DP-SGD bounds gradients through a Lipschitz network"
-    summary = "seed 004: Lipschitz network, no clipping, sensitivity from the analytic gradient bounds"
+    summary = "Béthune et al.: Lipschitz network, no clipping, sensitivity from the analytic gradient bounds"
 
     def check(self, config: Config) -> list[str]:
         problems = []

@@ -222,7 +222,7 @@ class DpGd(DpSgd):
 
     name = "dpgd"
     settings = DpGdSettings
-    summary = "full-batch DP-GD (seed 002): DP-SGD with train.sample_rate = 1"
+    summary = "full-batch DP-GD (Mondelli's lectures): DP-SGD with train.sample_rate = 1"
 
     def check(self, config: Config) -> list[str]:
         if config.train.sample_rate != 1.0:

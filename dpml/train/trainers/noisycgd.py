@@ -86,7 +86,7 @@ class NoisyCgd(Trainer):
     sections = {"noisycgd": NoisyCgdConfig}
     model_kinds = ("gated",)
     model_kind_reason = "NoisyCGD's hidden-state bound needs a strongly convex loss (or use train.algorithm: dpsgd)"
-    summary = "seed 001: noisy cyclic GD on the gated convex model, final model only, μ-GDP"
+    summary = "Koskela: noisy cyclic GD on the gated convex model, final model only, μ-GDP"
 
     def check(self, config: Config) -> list[str]:
         """Everything Theorem 2.8 needs."""

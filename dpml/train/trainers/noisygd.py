@@ -112,9 +112,9 @@ class NoisyGd(Trainer):
     settings = NoisyGdTrainSettings
     sections = {"noisygd": NoisyGdConfig}
     model_kinds = ("bias_free_relu",)
-    model_kind_reason = "seed 000's bound is for the bias-free ReLU network (with model.init)"
+    model_kind_reason = "Ye et al.'s bound (Initialization Matters) is for the bias-free ReLU network (with model.init)"
     guarantee = "kl"
-    summary = "seed 000: noisy GD without clipping, KL privacy (not (ε, δ)-DP)"
+    summary = "Ye et al. (Initialization Matters): noisy GD without clipping, KL privacy (not (ε, δ)-DP)"
 
     def check(self, config: Config) -> list[str]:
         """What Cor. 4.2's certificate assumes."""

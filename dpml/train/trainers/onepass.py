@@ -86,7 +86,8 @@ def onepass_mechanism(config: Config, n: int, in_features: int) -> MechanismDesc
         dataset_size=n,
         threat_model="final-model",
         notes=(
-            f"one-pass DP-SGD (seed 002): each record once in a secret random order, {config.onepass.schedule.upper()} "
+            "one-pass DP-SGD (Bombari, Seroussi & Mondelli 2025): each record once in a secret random order, "
+            f"{config.onepass.schedule.upper()} "
             f"schedule with η̃(0) = {config.onepass.eta0:g}, per-example gradients clipped to C = c·√d = {clip:.6g}",
             f"privacy amplification by iteration: the last iterate is (ρ²/2)-zCDP with ρ = max_k η_k / "
             f"sqrt(Σ_(j≥k) σ_j²) = {rho:.6g} for the minimal noise schedule ρ²σ_k² = η_k² − η_(k+1)²; needs a "
@@ -106,7 +107,7 @@ class OnePass(Trainer):
     model_kind_reason = (
         "one-pass DP-SGD trains a linear model (its loss must be convex): model.kind: mlp with hidden: []"
     )
-    summary = "seed 002: one-pass DP-SGD on a linear model, final model only, (ρ²/2)-zCDP"
+    summary = "Bombari, Seroussi & Mondelli: one-pass DP-SGD on a linear model, final model only, (ρ²/2)-zCDP"
 
     def check(self, config: Config) -> list[str]:
         """What privacy amplification by iteration needs."""
