@@ -54,11 +54,10 @@ def _bound(
     curve: MechanismDescription | str | None = None,
 ) -> dict[str, Any]:
     """The Steinke–Nasr–Jagielski bound of the guesses (IN for the k highest scores, OUT for the k lowest), and
-    beside it (``fdp``) their f-DP reading through a
-    Gaussian curve (:mod:`dpml.audit.one_run_fdp`) with its power; the latter rests on an assumption and never
-    gates. With a certified mechanism as ``curve`` (``audit.mode: tight``) the gating ε is the guesses read
-    through that mechanism's own trade-off curve, and the Steinke bound is kept as ``steinke``; a string
-    ``curve`` is why the tight reading could not be used."""
+    beside it (``fdp``) their f-DP reading through a Gaussian curve (:mod:`dpml.audit.one_run_fdp`) with its
+    power; the latter rests on an assumption and never gates. With a certified mechanism as ``curve``
+    (``audit.mode: tight``) the gating ε is the guesses read through that mechanism's own trade-off curve, and the
+    Steinke bound is kept as ``steinke``; a string ``curve`` is why the tight reading could not be used."""
     guesses, correct = one_run_guesses(scores, included, k, k)
     delta = config.dp.delta
     bound = one_run_bound(scores.size, guesses, correct, delta, confidence)
