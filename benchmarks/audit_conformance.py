@@ -45,9 +45,11 @@ from dpml.audit import broken  # noqa: E402
 from dpml.config import load  # noqa: E402
 from dpml.accounting.accountants import certify  # noqa: E402
 from dpml.accounting.mechanism import MechanismDescription  # noqa: E402
+from dpml.sections import AuditConfig  # noqa: E402
 from dpml.stages.layout import Layout  # noqa: E402
 
 CASES: dict[str, Any] = {"intact": contextlib.nullcontext, **broken.BUGS}
+AUDIT_DEFAULTS = AuditConfig()  # the white-box canary counts the page names
 
 
 def true_epsilon(case: str, mechanism: dict[str, Any], delta: float) -> str:
@@ -195,7 +197,12 @@ def write(results: list[dict[str, Any]], out: Path, command: str, stem: str) -> 
         "",
         "Each row: train → certify → audit → gate with the configuration's defaults (5 attacks with 4 reference "
         "models, a non-private control, 500 black-box and up to "
-        + ("40,000 white-box canaries (at most 800 of them guessed)" if tight else "1000 white-box canaries")
+        + (
+            f"{AUDIT_DEFAULTS.tight_white_box_canaries:,} white-box canaries (at most "
+            f"{AUDIT_DEFAULTS.tight_guesses} of them guessed)"
+            if tight
+            else f"{AUDIT_DEFAULTS.white_box_canaries} white-box canaries"
+        )
         + ", conformance checks at a joint false-alarm rate of 1e-6), under one bug of `dpml/audit/broken.py` that "
         "the trainer does not report to the accountant. 'Largest bound' is the largest *gating* ε lower bound; the "
         "white-box bound is shown under both scorings (per-step likelihood ratio, the default, and the plain sum).",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import platform
 import sys
 import time
@@ -41,6 +40,7 @@ from benchmarks.bench_common import cpu_name, current_commit  # noqa: E402
 from dpml.accounting.calibrate import calibrate_noise_multiplier  # noqa: E402
 from dpml.accounting.mechanism import MechanismDescription  # noqa: E402
 from dpml.audit.bounds import one_run_bound, one_run_guesses  # noqa: E402
+from dpml.audit.canaries import guess_count  # noqa: E402
 from dpml.audit.conformance import canary_scores  # noqa: E402
 from dpml.audit.one_run_fdp import one_run_gdp_bound, one_run_mechanism_bound  # noqa: E402
 from dpml.train.dpsgd import dpsgd_mechanism, number_of_steps  # noqa: E402
@@ -65,7 +65,7 @@ def one_draw(args: argparse.Namespace, sigma: float, steps: int, seed: int, mech
         sigma=sigma,
         sample_rate=args.sample_rate,
     )
-    k = max(1, math.ceil(args.guess_fraction * m / 2))
+    k = guess_count(args.guess_fraction, m)
     guesses, correct = one_run_guesses(canary_scores(probe, "likelihood_ratio"), included, k, k)  # type: ignore[arg-type]
     row: dict[str, Any] = {"correct": correct, "guesses": guesses}
     for confidence in args.confidence:
