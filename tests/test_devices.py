@@ -21,7 +21,9 @@ import platform
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ from torch import nn
 from dpml.devices import convolution_weight_gradient_precision, full_float32
 from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet
 from dpml.train import chunking, keep_budget
-from dpml.train.clipping import clipped_gradient_sum, engine_pass
+from dpml.train.clipping import _record_forward, clipped_gradient_sum, engine_pass
 from dpml.train.clipping_check import ClippingUnsupported, check_autocast, plan_clipping
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, train_dpsgd
 from tests.noise_laws import check_standard_normal
@@ -582,3 +584,59 @@ def test_the_per_operation_rules_on_the_gpu_give_the_cpus_clipped_sums() -> None
     torch.backends.cudnn.allow_tf32 = False  # compare like with like: float32 on both
     torch.backends.cuda.matmul.allow_tf32 = False
     check_rules_match_across_devices("cuda")
+
+
+class ReshapedAddmm(nn.Module):
+    """GPT-2's ``Conv1D``: ``torch.addmm`` on ``x.view(-1, n)``, the batch merged with the positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 6) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(6))
+        self.out = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(x.shape[0], 8, 8)
+        h = torch.addmm(self.bias, rows.reshape(-1, 8), self.weight).view(x.shape[0], 8, 6)
+        return self.out(h.tanh().mean(1))
+
+
+def synchronising_calls(run: Callable[[], object]) -> int:
+    """How many synchronising CUDA calls ``run`` makes (``torch.cuda.set_sync_debug_mode('warn')``)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def recording_and_plain_synchronisations(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(synchronising CUDA calls of the recording forward pass with every parameter through the rules, those of
+    the model's own forward pass and loss) on the GPU."""
+    model.to("cuda")
+    x = x.to("cuda")
+    y = torch.randint(0, 5, (x.shape[0],), device="cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    plain = synchronising_calls(lambda: per_example_cross_entropy(model(x), y))
+    recordings: list[Any] = []
+    recorded = synchronising_calls(
+        lambda: recordings.append(_record_forward(model, per_example_cross_entropy, x, y, [], params, frozenset()))
+    )
+    assert recordings[0].recorder.pending  # the rules saw the operations
+    return recorded, plain
+
+
+@needs_cuda
+def test_recording_the_forward_pass_on_the_gpu_waits_for_it_no_more_than_the_model_does() -> None:
+    """Where the batch went (attention's transposes, ``x.view(-1, n)`` before ``torch.addmm``) is followed in
+    example maps read on the CPU: the recording forward pass, every parameter through the rules, makes no
+    synchronising CUDA call the model's own forward pass does not make."""
+    generator = torch.Generator().manual_seed(3)
+    models = {**rule_models(), "reshaped_addmm": (ReshapedAddmm(), (torch.randn(24, 64, generator=generator), None))}
+    for name, (model, (x, _)) in models.items():
+        recorded, plain = recording_and_plain_synchronisations(model, x)
+        assert recorded == plain, f"{name}: {recorded} synchronising calls recording, {plain} in the forward pass"

@@ -38,6 +38,7 @@ so per-example clipping would not bound one example's influence (use GroupNorm o
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -213,12 +214,14 @@ class EnginePass:
 
     def squared(self) -> torch.Tensor:
         """‖∇ℓ_i‖² (B,): the fast units' squared norms plus the exact gradients'."""
-        total = self.zeros
-        for _, piece in self.fast:
-            total = total + piece.squared
-        for g in self.exact.values():
-            total = total + (row_norms_squared(g) if g.numel() else 0.0)
-        return total
+        terms = [piece.squared for _, piece in self.fast]
+        terms += [row_norms_squared(g) for g in self.exact.values() if g.numel()]
+        if not terms:
+            return self.zeros
+        if any(t.dtype != self.zeros.dtype for t in terms):  # (as adding them to the zeros would)
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in terms), self.zeros.dtype)
+            terms = [t.to(dtype) for t in terms]
+        return torch.stack(terms).sum(0)  # two launches, not one addition a unit
 
     def sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: Σ_i c_i ∇ℓ_i} for every trainable parameter."""

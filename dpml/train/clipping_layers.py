@@ -226,7 +226,7 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     """Linear / Conv1d / Conv2d: ‖Σ_t δ_t a_tᵀ‖² by ghost norm or materialised (at one position, as a Linear on
     rows: ‖a‖²‖δ‖², with the bias's ‖δ‖² in the same product), ‖Σ_t δ_t‖², and their clipped sums; on a CPU
     over the positions where some example's δ_t is not zero only (:func:`without_silent_positions`)."""
-    if a.device.type == "cpu":
+    if a.device.type == "cpu" and d.shape[1] > 1:  # (one position is never dropped)
         a, d = without_silent_positions(a, d)
     weight, bias, kept = trainable(module.weight), trainable(module.bias), None
     bias_grads = (d[:, 0] if d.shape[1] == 1 else d.sum(1)) if bias else None  # ∇_b ℓ_i = Σ_t δ_t, (B, d_out)

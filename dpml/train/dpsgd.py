@@ -298,11 +298,13 @@ def run_dpsgd_steps(
             sums, noises, clipped_count = clipped_chunks_and_noise(
                 model, step.chunks, clip_norm, noise_multiplier, noise, loss_fn, step.diracs, exact, autocast
             )
-            update = {name: sums[name].add_(noises[name]) for name in params}  # the sums are this step's own
+            update = [sums[name] for name in params]  # the sums are this step's own: updated in place
+            torch._foreach_add_(update, [noises[name] for name in params])  # one multi-tensor launch, not one a tensor
             if collective is not None:
-                clipped_count = collective.sum_in_place([*update.values(), clipped_count])[-1]
-            for name, p in params.items():
-                p.grad = update[name].div_(expected_batch)
+                clipped_count = collective.sum_in_place([*update, clipped_count])[-1]
+            torch._foreach_div_(update, expected_batch)
+            for p, gradient in zip(params.values(), update, strict=True):
+                p.grad = gradient
             clipped.append(clipped_count)
             if observer is not None:
                 observer(step.batch, model)

@@ -8,7 +8,8 @@ Besides the rules' pending calls it keeps track of
 - **where the batch is** in activations whose batch dimension was moved or merged by transposes and reshapes
   (``x.transpose(0, 1)`` in ``nn.MultiheadAttention``, ``x.view(-1, n)`` before GPT-2's ``torch.addmm``): the same
   views of ``arange(B)`` broadcast over the batch-first tensor give the example of every element (an *example map*),
-  carried on through operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast;
+  carried on through operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast
+  (the maps are kept on the CPU: reading them never waits for a GPU);
   an output none of these describes is marked *lost*, and no rule assumes where its batch is. A tensor without an
   example map is batch-first when it was computed from the batch's inputs (position ids and constants were not) and
   its first dimension is B, as for the layer hooks;
@@ -23,13 +24,13 @@ later in-place operation overwrites the recorded result. Composite functions of 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from dpml.train.rules.derived import Derived, run_on_leaves
 from dpml.train.rules.outputs import RecordedOutputs
@@ -75,8 +76,10 @@ class Recorder(TorchFunctionMode):
         inputs: torch.Tensor,
     ) -> None:
         super().__init__()
-        self._derived = WeakTensorKeyDictionary()  # tensors computed from the batch's inputs
-        self._derived[inputs] = True
+        # tensors computed from the batch's inputs, by id, each with a weak reference that says it is still that tensor
+        # (an id is reused once its tensor is freed; a WeakTensorKeyDictionary's lookups cost several times more)
+        self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._mark_derived(inputs)
         self.batch, self.owners = batch, owners
         self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
         self.pending: list[Pending] = []
@@ -89,7 +92,10 @@ class Recorder(TorchFunctionMode):
         self.kept = RecordedOutputs()  # the pending calls' outputs (:mod:`dpml.train.rules.outputs`)
         self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
         self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
-        self._base = torch.arange(batch, device=device)
+        # The example maps are bookkeeping, not the model's computation: they live on the CPU whatever the batch's
+        # device, so that reading them (torch.equal, bincount, .all()) never waits for a GPU; the few that meet an
+        # activation (a row order, the owners of rows) are moved to its device where they meet it.
+        self._base = torch.arange(batch)
 
     def let_go(self) -> None:
         """After the forward pass: drop the pending calls, the outputs and the example maps (:mod:`..released`)."""
@@ -113,7 +119,11 @@ class Recorder(TorchFunctionMode):
 
     def derived(self, t: torch.Tensor) -> bool:
         """t was computed from the batch's inputs (position ids, masks built from constants and parameters were not)."""
-        return t in self._derived
+        found = self._derived.get(id(t))
+        return found is not None and found() is t
+
+    def _mark_derived(self, t: torch.Tensor) -> None:
+        self._derived[id(t)] = weakref.ref(t)
 
     def batch_first(self, t: torch.Tensor) -> bool:
         if self.tracked(t) is not None or t.dim() < 1 or not self.derived(t):
@@ -148,8 +158,8 @@ class Recorder(TorchFunctionMode):
         return Rows(self.batch, torch.argsort(lead, stable=True))
 
     # --- bookkeeping --------------------------------------------------------------------------------
-    def _hits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tracked]:
-        return [t for t in map(self.tracked, tensors(args, kwargs)) if t is not None]
+    def _hits(self, operands: list[torch.Tensor]) -> list[Tracked]:
+        return [t for t in map(self.tracked, operands) if t is not None]
 
     def _refuse(self, hits: list[Tracked], reason: str) -> None:
         for hit in hits:
@@ -319,13 +329,15 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = self._dispatch(func, args, kwargs)
-        if any(t in self._derived for t in tensors(args, kwargs)):
-            self._derived.update((o, True) for o in outputs(out))
+        operands = list(tensors(args, kwargs))
+        out = self._dispatch(func, args, kwargs, operands)
+        if any(self.derived(t) for t in operands):
+            for o in outputs(out):
+                self._mark_derived(o)
         return out
 
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        hits = self._hits(args, kwargs)
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operands: list[torch.Tensor]) -> Any:
+        hits = self._hits(operands)
         if not hits:
             out = func(*args, **kwargs)
             if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
@@ -459,7 +471,7 @@ class Recorder(TorchFunctionMode):
             return out
         source = target.clone()
         if self.derived(target):
-            self._derived[source] = True
+            self._mark_derived(source)
         known, examples = self._entry(target)
         if known:
             self._examples[id(source)] = (source, examples)

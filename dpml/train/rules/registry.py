@@ -102,7 +102,7 @@ class Rows:
         """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example."""
         flat = t.reshape(-1, t.shape[-1])
         if self.order is not None:
-            flat = flat[self.order]
+            flat = flat[self.order.to(flat.device)]
         return flat.reshape(self.batch, -1, t.shape[-1])
 
 
@@ -144,10 +144,11 @@ class Call:
 
 
 def per_example(rows: torch.Tensor, owners: torch.Tensor, batch: int) -> torch.Tensor:
-    """(N, …) per-row gradients added up per example, (B, …): ``owners`` (N,) the example of each row."""
+    """(N, …) per-row gradients added up per example, (B, …): ``owners`` (N,) the example of each row (an
+    example map of the recorder's, on the CPU: read there, moved to the rows' device only to be used)."""
     if owners.numel() == batch and bool((owners == torch.arange(batch, device=owners.device)).all()):
         return rows
-    return rows.new_zeros(batch, *rows.shape[1:]).index_add_(0, owners, rows)
+    return rows.new_zeros(batch, *rows.shape[1:]).index_add_(0, owners.to(rows.device), rows)
 
 
 def view_per_example(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked | None:
