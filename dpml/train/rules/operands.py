@@ -95,8 +95,9 @@ _RESHAPE_FOR_INDEX = {torch.Tensor.view: torch.Tensor.reshape}
 
 def apply_view(func: Any, index: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The view operation ``func`` applied to an index tensor in place of its first operand (``view``
-    as ``reshape``: an index tensor need not be contiguous where the viewed tensor was; a tensor among the other
-    operands, such as the indices of ``x[rows, positions]``, is taken to the index tensor's device)."""
+    as ``reshape``: an index tensor need not be contiguous where the viewed tensor was; integer and boolean tensors
+    among the other operands, the indices of ``x[rows, positions]``, are taken to the index tensor's device; a
+    floating one, as in ``view_as(other)``, gives only its shape, whatever its device)."""
     rest, kwargs = _on_device(args[1:], kwargs, index.device)
     return _RESHAPE_FOR_INDEX.get(func, func)(index, *rest, **kwargs)
 
@@ -105,7 +106,7 @@ def _on_device(
     args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     def moved(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.device != device:
+        if isinstance(value, torch.Tensor) and value.device != device and not value.is_floating_point():
             return value.to(device)
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(moved(v) for v in value)
