@@ -62,6 +62,7 @@ VIEWS = {
     "reshape",
     "_reshape_alias",
     "split",
+    "split_with_sizes",
     "chunk",
     "unbind",
     "profiler._record_function_enter_new",

@@ -39,6 +39,7 @@ forward; :mod:`dpml.train.clipping_check` verifies that on a probe batch before 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeGuard, TypeVar
@@ -213,12 +214,15 @@ class Piece:
     sums: ClippedSums
 
 
+def added_up(terms: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Σ of a layer's squared-norm terms (B,), zeros (B,) when there is none: no zeros to start from, one launch fewer
+    a term (like: a tensor (B, …) on the device, in the dtype)."""
+    return functools.reduce(torch.add, terms) if terms else like.new_zeros(like.shape[0])
+
+
 def materialised_piece(per_example: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> Piece:
     """A piece from explicit per-example gradients G_i (B, *p.shape): ‖G_i‖² and Σ_i c_i G_i (B = len(like))."""
-    batch = like.shape[0]
-    squared = like.new_zeros(batch)
-    for _, g in per_example:
-        squared = squared + row_norms_squared(g)
+    squared = added_up([row_norms_squared(g) for _, g in per_example], like)
     return Piece(squared, lambda factors: [(p, torch.einsum("b,b...->...", factors, g)) for p, g in per_example])
 
 
@@ -231,13 +235,16 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     weight, bias, kept = trainable(module.weight), trainable(module.bias), None
     bias_grads = (d[:, 0] if d.shape[1] == 1 else d.sum(1)) if bias else None  # ∇_b ℓ_i = Σ_t δ_t, (B, d_out)
     if d.shape[1] == 1:
-        d_squared = row_norms_squared(d[:, 0])
-        squared = d_squared * (row_norms_squared(a[:, 0]) + float(bias)) if weight else d_squared
+        squared = row_norms_squared(d[:, 0])  # ‖δ‖²: the bias's
+        if weight:  # ‖δ aᵀ‖² = ‖δ‖²‖a‖², plus the bias's ‖δ‖² in one launch
+            a_squared = row_norms_squared(a[:, 0])
+            squared = torch.addcmul(squared, squared, a_squared) if bias else squared * a_squared
     else:
-        squared = row_norms_squared(bias_grads) if bias_grads is not None else d.new_zeros(d.shape[0])
+        terms = [row_norms_squared(bias_grads)] if bias_grads is not None else []
         if weight:
             weight_squared, kept = weight_norms_squared(a, d)
-            squared = squared + weight_squared
+            terms.append(weight_squared)
+        squared = added_up(terms, d)
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
@@ -267,40 +274,38 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     count, patch = output_grad[0, 0].numel(), module.weight[0].numel()
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
-    squared, limit, kept, channels_last = (
-        output_grad.new_zeros(batch),
-        room(keep_limit(output_grad.device)),
-        None,
-        False,
-    )
+    terms: list[torch.Tensor] = []  # the squared norms of the weight's and the bias's gradients
+    limit, kept, channels_last = room(keep_limit(output_grad.device)), None, False
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels, limit):
             if inputs.device.type == "cpu":  # a cache-sized slice of examples at a time
-                squared = squared + patch_slice_norms_squared(inputs, d, geometry, ghost=True)
+                terms.append(patch_slice_norms_squared(inputs, d, geometry, ghost=True))
             else:
                 a = unfold_patches(inputs, *geometry)
-                squared = squared + (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
+                terms.append((torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2)))
         else:
             way = per_example_conv_way(inputs.device.type, module.in_channels, count, out_channels)
             keep = way != "patch slices" and batch * out_channels * patch <= limit
             compiled = compiled_norms(inputs, output_grad, geometry, keep)  # None on a GPU
             if compiled is not None:  # the CPU ways' numbers, by the compiled kernel (float32)
-                squared, kept, channels_last = squared + compiled[0], compiled[1], compiled[2]
+                terms.append(compiled[0])
+                kept, channels_last = compiled[1], compiled[2]
             elif way == "patch slices":
-                squared = squared + patch_slice_norms_squared(inputs, d, geometry)
+                terms.append(patch_slice_norms_squared(inputs, d, geometry))
             else:
                 with convolution_weight_gradient_precision(inputs.device) if keep else contextlib.nullcontext():
                     parts = [
                         per_example_conv_gradients(way, module, inputs[s], output_grad[s])  # (B_k, C_out, C_in·kh·kw)
                         for s in heap_sized_slices(batch, out_channels * patch * inputs.element_size(), inputs.device)
                     ]
-                squared = squared + torch.cat([row_norms_squared(part) for part in parts])
+                terms.append(torch.cat([row_norms_squared(part) for part in parts]))
                 kept = parts if keep else None
             if kept is not None:
                 spend(batch * out_channels * patch)
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
     if bias_grads is not None:
-        squared = squared + row_norms_squared(bias_grads)
+        terms.append(row_norms_squared(bias_grads))
+    squared = added_up(terms, d)
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
@@ -384,13 +389,24 @@ def _embedding_piece(module: nn.Embedding, tokens: torch.Tensor, d: torch.Tensor
 
 
 def _affine_norm_piece(module: nn.LayerNorm | nn.GroupNorm, normalised: torch.Tensor, d: torch.Tensor) -> Piece:
-    """z = x̂⊙γ + β with x̂, δ shaped (B, T, *γ.shape): ∇_γ ℓ_i = Σ_t x̂_t⊙δ_t and ∇_β ℓ_i = Σ_t δ_t, materialised."""
+    """z = x̂⊙γ + β with x̂, δ shaped (B, T, *γ.shape): ∇_γ ℓ_i = Σ_t x̂_t⊙δ_t and ∇_β ℓ_i = Σ_t δ_t, materialised side
+    by side in one (B, |γ| + |β|) matrix G, so that ‖G_i‖² is one reduction and Σ_i c_i G_i one product."""
     per_example = []
     if trainable(module.weight):
         per_example.append((module.weight, (normalised * d).sum(1)))
     if trainable(module.bias):
         per_example.append((module.bias, d.sum(1)))
-    return materialised_piece(per_example, d)  # type: ignore[arg-type]
+    if len(per_example) < 2:
+        return materialised_piece(per_example, d)  # type: ignore[arg-type]
+    batch = d.shape[0]
+    side_by_side = torch.cat([g.reshape(batch, -1) for _, g in per_example], 1)
+
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        total = factors @ side_by_side
+        sizes = [p.numel() for p, _ in per_example]
+        return [(p, part.view(p.shape)) for (p, _), part in zip(per_example, total.split(sizes), strict=True)]
+
+    return Piece(row_norms_squared(side_by_side), sums)
 
 
 def _own_piece(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
