@@ -5,6 +5,7 @@ operations replayed on index tensors, and Python composites run again under the 
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,21 @@ def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Ten
             yield value
         elif isinstance(value, (list, tuple)):
             yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+class TensorSet:
+    """Tensors by identity, not kept alive: id → a weak reference that says it is still that tensor (an id is reused
+    once its tensor is freed). torch's ``WeakTensorKeyDictionary`` does the same at several times the cost a lookup."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def add(self, *members: torch.Tensor) -> None:
+        self._refs.update((id(t), weakref.ref(t)) for t in members)
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        found = self._refs.get(id(t))
+        return found is not None and found() is t
 
 
 def outputs(out: Any) -> list[torch.Tensor]:

@@ -9,7 +9,8 @@ Besides the rules' pending calls it keeps track of
   (``x.transpose(0, 1)`` in ``nn.MultiheadAttention``, ``x.view(-1, n)`` before GPT-2's ``torch.addmm``): the same
   views of ``arange(B)`` broadcast over the batch-first tensor give the example of every element (an *example map*),
   carried on through operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast
-  (the maps are kept on the CPU: reading them never waits for a GPU);
+  (the maps are bookkeeping kept on the CPU whatever the batch's device, so reading them never waits for a GPU; a
+  row order or the owners of rows go to an activation's device where they meet it);
   an output none of these describes is marked *lost*, and no rule assumes where its batch is. A tensor without an
   example map is batch-first when it was computed from the batch's inputs (position ids and constants were not) and
   its first dimension is B, as for the layer hooks;
@@ -24,7 +25,6 @@ later in-place operation overwrites the recorded result. Composite functions of 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -37,6 +37,7 @@ from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.operands import (
     OUT_OF_PLACE,
     ROW_RESHAPES,
+    TensorSet,
     apply_view,
     carried,
     core,
@@ -76,10 +77,8 @@ class Recorder(TorchFunctionMode):
         inputs: torch.Tensor,
     ) -> None:
         super().__init__()
-        # tensors computed from the batch's inputs, by id, each with a weak reference that says it is still that tensor
-        # (an id is reused once its tensor is freed; a WeakTensorKeyDictionary's lookups cost several times more)
-        self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
-        self._mark_derived(inputs)
+        self._derived = TensorSet()  # the tensors computed from the batch's inputs
+        self._derived.add(inputs)
         self.batch, self.owners = batch, owners
         self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
         self.pending: list[Pending] = []
@@ -92,10 +91,7 @@ class Recorder(TorchFunctionMode):
         self.kept = RecordedOutputs()  # the pending calls' outputs (:mod:`dpml.train.rules.outputs`)
         self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
         self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
-        # The example maps are bookkeeping, not the model's computation: they live on the CPU whatever the batch's
-        # device, so that reading them (torch.equal, bincount, .all()) never waits for a GPU; the few that meet an
-        # activation (a row order, the owners of rows) are moved to its device where they meet it.
-        self._base = torch.arange(batch)
+        self._base = torch.arange(batch)  # example maps are views of it, on the CPU (module docstring)
 
     def let_go(self) -> None:
         """After the forward pass: drop the pending calls, the outputs and the example maps (:mod:`..released`)."""
@@ -119,11 +115,7 @@ class Recorder(TorchFunctionMode):
 
     def derived(self, t: torch.Tensor) -> bool:
         """t was computed from the batch's inputs (position ids, masks built from constants and parameters were not)."""
-        found = self._derived.get(id(t))
-        return found is not None and found() is t
-
-    def _mark_derived(self, t: torch.Tensor) -> None:
-        self._derived[id(t)] = weakref.ref(t)
+        return t in self._derived
 
     def batch_first(self, t: torch.Tensor) -> bool:
         if self.tracked(t) is not None or t.dim() < 1 or not self.derived(t):
@@ -332,8 +324,7 @@ class Recorder(TorchFunctionMode):
         operands = list(tensors(args, kwargs))
         out = self._dispatch(func, args, kwargs, operands)
         if any(self.derived(t) for t in operands):
-            for o in outputs(out):
-                self._mark_derived(o)
+            self._derived.add(*outputs(out))
         return out
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operands: list[torch.Tensor]) -> Any:
@@ -471,7 +462,7 @@ class Recorder(TorchFunctionMode):
             return out
         source = target.clone()
         if self.derived(target):
-            self._mark_derived(source)
+            self._derived.add(source)
         known, examples = self._entry(target)
         if known:
             self._examples[id(source)] = (source, examples)
