@@ -49,7 +49,8 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from dpml.devices import full_float32, rng_state, set_rng_state
-from dpml.train.clipping_layers import Piece, batch_first, is_fast, layer_parameters, layer_piece, reject_batch_norm
+from dpml.train.clipping_candidates import Call, fast_candidates, usable
+from dpml.train.clipping_layers import Piece, layer_parameters, layer_piece, reject_batch_norm
 from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
@@ -64,9 +65,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> 
 
 def clip_factors(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
     return torch.clamp(clip_norm / (norms + 1e-6), max=1.0)
-
-
-Call = tuple[torch.Tensor, torch.Tensor]  # (a fast layer's input, its output)
 
 
 @dataclass
@@ -151,36 +149,6 @@ def _record_forward(
 # The recorded views a model's forward pass modified in place (:meth:`RecordedOutputs.rewritten_views`), by place:
 # its later passes copy those from the start instead of running the forward pass again with a copy of every output.
 _OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, int]]] = weakref.WeakKeyDictionary()
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """ids of parameters registered on more than one module (tied weights)."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                owners[id(p)] = owners.get(id(p), 0) + 1
-    return {key for key, count in owners.items() if count > 1}
-
-
-def _fast_candidates(model: nn.Module, names: dict[int, str], exact: Collection[str]) -> list[nn.Module]:
-    """Fast layers with a trainable parameter, none of them shared with another module or named ``exact``."""
-    shared = _shared_parameters(model)
-    out = []
-    for module in model.modules():
-        if not is_fast(module):
-            continue
-        own = [p for p in layer_parameters(module)]
-        if any(id(p) in names for p in own) and not any(id(p) in shared or names.get(id(p)) in exact for p in own):
-            out.append(module)
-    return out
-
-
-def _usable(module: nn.Module, calls: list[Call], batch: int) -> bool:
-    """The shortcut applies to these calls: batch-first inputs (and one call for a layer's own shortcut)."""
-    if getattr(module, "ghost_clipping", False) and len(calls) != 1:
-        return False
-    return all(batch_first(module, inputs, batch) for inputs, _ in calls)
 
 
 @dataclass(frozen=True, eq=False)
@@ -325,7 +293,7 @@ def engine_pass(
     zeros = torch.zeros(batch, device=x.device, dtype=next(model.parameters()).dtype)
     if batch == 0:
         return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
-    candidates = _fast_candidates(model, names, exact)
+    candidates = fast_candidates(model, names, exact)
     watched = [p for n, p in params.items() if n not in exact]
     state = rng_state(x.device)
     with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -340,7 +308,7 @@ def engine_pass(
         m
         for m in candidates
         if m in recording.calls
-        and _usable(m, recording.calls[m], batch)
+        and usable(m, recording.calls[m], batch)
         and not any(id(p) in recorder.outside for p in layer_parameters(m))
         and m not in recorder.unbatched
     ]
