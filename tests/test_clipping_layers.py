@@ -9,7 +9,7 @@ from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
 from dpml import devices
-from dpml.train import clipping, clipping_conv, clipping_layers, keep_budget
+from dpml.train import clipping, clipping_candidates, clipping_conv, clipping_layers, keep_budget
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -857,3 +857,38 @@ def test_a_float32_cnn_clips_alike_with_and_without_the_compiled_norms(
     wide = ((3, 3), (1, 1), (1, 1), (1, 1))  # T = 17 × 17 > COMPILED_MAX_POSITIONS: a torch way is faster there
     assert clipping_conv.compiled_norms(torch.randn(2, 3, 17, 17), torch.randn(2, 4, 17, 17), wide, False) is None
     assert clipping_conv.compiled_norms(torch.randn(2, 16, 17, 17), torch.randn(2, 4, 17, 17), wide, False) is not None
+
+
+class DoubledLinear(nn.Module):
+    """Holds a Linear's own parameters and uses them through ``F.linear`` in a forward of its own: swapped in for
+    that Linear, the model keeps the same trainable parameters, so its kept fast-layer candidates go stale."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_the_fast_candidates_are_found_once_and_a_stale_list_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three passes walk the model's modules once; after a layer is swapped for a module that holds the same
+    parameters (the kept list names a layer no longer called), the sums still match the per-example loop: the
+    parameters take the rule of ``F.linear``, with the doubled output's gradient."""
+    torch.manual_seed(23)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    walks = []
+    original = clipping_candidates.find_fast_candidates
+
+    def counted(*args: object) -> list[nn.Module]:
+        walks.append(1)
+        return original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(clipping_candidates, "find_fast_candidates", counted)
+    for _ in range(3):
+        assert_matches_naive_loop(model, x, labels(12), 0.05)
+    assert len(walks) == 1
+    model[2] = DoubledLinear(model[2])
+    assert_matches_naive_loop(model, x, labels(12), 0.05)
+    assert len(walks) == 1  # the same parameters: the stale list was used
