@@ -15,7 +15,9 @@ metadata (on a GPU, each of these is a kernel launch at most).
                                        [--steps 100] [--out benchmarks/results]
 
 Models: ``mlp``, ``cnn`` and ``wrn`` of ``speed.py`` (Fashion-MNIST shapes), and the ``tiny`` families of
-``families.py`` (32 tokens) where ``transformers`` is installed.
+``families.py`` (32 tokens; images 3×32×32): ``encoder``, ``bert`` and ``gpt2`` with ``transformers``, ``vit``
+and ``resnet18-gn`` with ``timm`` and ``torchvision`` (``benchmarks/requirements-families.txt``); a family whose
+library is absent gets a row that says so.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import families  # noqa: E402
 import speed  # noqa: E402
 from bench_common import cpu_name, current_commit, without_paths  # noqa: E402
 from dpml.train.dpsgd import Step, per_example_cross_entropy, run_dpsgd_steps  # noqa: E402
@@ -73,6 +76,9 @@ HOST_READS = {"_local_scalar_dense", "equal", "nonzero", "_unique2", "is_nonzero
 """Operators whose result the host reads (on a GPU they wait for the device), counted apart from the kernels."""
 
 
+SPEED_MODELS = ("mlp", "cnn", "wrn")
+
+
 class OperatorCount(TorchDispatchMode):
     """How many operators a piece of code dispatches, by name."""
 
@@ -87,11 +93,9 @@ class OperatorCount(TorchDispatchMode):
 
 def model_and_batch(name: str, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    if name in ("mlp", "cnn", "wrn"):
+    if name in SPEED_MODELS:
         x, y = speed.example_batch(name, batch)
         return speed.build(name), x, y
-    import families  # transformers' families: only where it is installed
-
     args = argparse.Namespace(size="tiny", length=32)
     model, _ = families.build(name, args.size, args.length)
     x, y = families.example_batch(name, batch, args.length, "cpu")
@@ -192,6 +196,9 @@ def write(rows: list[dict], out: Path, meta: dict[str, str], name: str = "host_o
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "not_importable" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['not_importable']} |  |  |  |  |  |")
+            continue
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['nonprivate_us']:.0f} | {r['dpml_us']:.0f} | "
             f"{r['throughput_ratio']:.2f} | {r['nonprivate_operators']} / {r['dpml_operators']} | "
@@ -202,7 +209,7 @@ def write(rows: list[dict], out: Path, meta: dict[str, str], name: str = "host_o
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "wrn", "encoder", "bert", "gpt2"])
+    parser.add_argument("--models", nargs="+", default=[*SPEED_MODELS, "encoder", "bert", "gpt2", "vit", "resnet18-gn"])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=7)
@@ -211,7 +218,12 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     rows = []
     for name in args.models:
-        row = measure(name, args.batch, args.steps, args.rounds)
+        try:
+            row = measure(name, args.batch, args.steps, args.rounds)
+        except families.NotImportable as error:  # a family whose library is absent here: the page says why
+            print(f"{name}: {error}", flush=True)
+            rows.append({"model": name, "batch": args.batch, "not_importable": str(error)})
+            continue
         print(
             f"{name}: non-private {row['nonprivate_us']:.0f} µs, dpml {row['dpml_us']:.0f} µs "
             f"({row['throughput_ratio']:.2f}); kernels {row['nonprivate_kernels']} / {row['dpml_kernels']}",
