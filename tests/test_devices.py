@@ -647,6 +647,25 @@ def recording_and_plain_synchronisations(model: nn.Module, x: torch.Tensor) -> t
     return recorded, plain
 
 
+def test_recording_the_forward_pass_reads_no_value_of_the_batchs_device() -> None:
+    """On the meta device a tensor has a shape and no values, so any read of one by the host raises: the recording
+    forward pass of models whose batch goes through attention's transposes and ``x.view(-1, n)`` before
+    ``torch.addmm`` runs there, every parameter through the rules and none refused (where the batch went was
+    followed, not lost), because the example maps it reads are CPU tensors. (With the maps on the batch's device,
+    ``torch.bincount`` and ``torch.equal`` of meta tensors raise: on a GPU, each was a wait for the device.)"""
+    generator = torch.Generator().manual_seed(3)
+    models = {**rule_models(), "reshaped_addmm": (ReshapedAddmm(), (torch.randn(24, 64, generator=generator), None))}
+    del models["picked_positions"]  # (its index tensors, on the batch's device, are read where the example map is)
+    for name, (model, (x, _)) in models.items():
+        model.to("meta")
+        x = x.to("meta")
+        y = torch.zeros(x.shape[0], dtype=torch.int64, device="meta")
+        params = [p for p in model.parameters() if p.requires_grad]
+        recording = _record_forward(model, per_example_cross_entropy, x, y, [], params, frozenset())
+        assert recording.recorder.pending, name
+        assert not recording.recorder.refused, (name, recording.recorder.refused)
+
+
 @needs_cuda
 def test_recording_the_forward_pass_on_the_gpu_waits_for_it_no_more_than_the_model_does() -> None:
     """Where the batch went (attention's transposes, ``x.view(-1, n)`` before ``torch.addmm``) is followed in
