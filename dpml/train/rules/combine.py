@@ -30,7 +30,7 @@ from torch import nn
 from dpml.train.clipping_layers import Piece, weight_norms_squared
 from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared
 from dpml.train.keep_budget import spend
-from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
+from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use, disjoint, injective
 
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # c (B,) -> Σ_i c_i G_i in the use's coordinates
 
@@ -96,19 +96,14 @@ def to_parameter(tracked: Tracked, total: torch.Tensor) -> torch.Tensor:
     return flat.reshape(p.shape)
 
 
-def _injective(tracked: Tracked) -> bool:
-    return tracked.index is None or torch.unique(tracked.index).numel() == tracked.index.numel()
-
-
 def _disjoint(uses: list[Use]) -> bool:
-    if not all(_injective(t) for t, _ in uses):
+    if not all(t.index is None or injective(t.index) for t, _ in uses):
         return False
     if sum(t.index is None for t, _ in uses) > (1 if len(uses) == 1 else 0):
         return False
     if len(uses) == 1:
         return True
-    everything = torch.cat([t.index.reshape(-1) for t, _ in uses if t.index is not None])  # (none is None here)
-    return bool(torch.unique(everything).numel() == everything.numel())
+    return disjoint([t.index for t, _ in uses if t.index is not None])  # (none is None here)
 
 
 def _orientation(tracked: Tracked) -> str | None:

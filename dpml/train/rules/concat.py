@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, rule
+from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, rule, same_along
 
 
 @rule(torch.cat, torch.concat, torch.concatenate)
@@ -26,7 +26,7 @@ def concatenate(call: Call) -> Pending | str:
                 return f"an operand (shape {tuple(t.shape)}) that is not batch-first"
         else:
             index = tracked.flat_index()
-            if index.shape[0] != batch or not torch.equal(index, index[:1].expand_as(index)):
+            if index.shape[0] != batch or not same_along(index, 0):
                 return f"a parameter operand (shape {tuple(t.shape)}) that is not expanded over the batch"
             views.append((Tracked(tracked.param, index[0]), offset, t.shape[dim]))
         offset += t.shape[dim]

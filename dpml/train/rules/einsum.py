@@ -25,7 +25,7 @@ import string
 import torch
 
 from dpml.train.keep_budget import keep_limit
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule, same_along
 
 
 def _expanded(equation: str, x_dims: int) -> tuple[str, str, str] | str:
@@ -133,10 +133,9 @@ def einsum(call: Call) -> Pending | str:
 def _shared_over(s: Tracked, dim: int) -> Tracked | None:
     """S without dimension ``dim`` when S is the same along it (expanded, or of size 1), else None."""
     index = s.flat_index()
-    first = index.select(dim, 0)
-    if not torch.equal(index, first.unsqueeze(dim).expand_as(index)):
+    if not same_along(index, dim):
         return None
-    return Tracked(s.param, first, s.shared)
+    return Tracked(s.param, index.select(dim, 0), s.shared)
 
 
 @rule(torch.bmm, torch.Tensor.bmm)

@@ -28,6 +28,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from dpml.train.rules.operands import TensorSet
+
 
 @dataclass(frozen=True, eq=False)
 class Tracked:
@@ -41,10 +43,66 @@ class Tracked:
     def flat_index(self) -> torch.Tensor:
         if self.index is not None:
             return self.index
-        return torch.arange(self.param.numel(), device=self.param.device).view(self.param.shape)
+        flat = torch.arange(self.param.numel(), device=self.param.device)
+        _FLAT_INDICES.add(flat)
+        return flat.view(self.param.shape)
 
     def shape(self) -> torch.Size:
         return self.param.shape if self.index is None else self.index.shape
+
+
+_FLAT_INDICES = TensorSet()  # the aranges flat_index made: in a view of one, an element's value is its storage offset
+
+
+def _offsets_are_values(index: torch.Tensor) -> bool:
+    """``index`` is a view of an arange :meth:`Tracked.flat_index` made (views of views keep the first base), so its
+    values follow from its geometry: element (i_k) holds storage_offset + Σ_k i_k·stride_k. The checks below then
+    read no value (on a GPU, no wait for the device); on any other index tensor they compare values."""
+    return (index if index._base is None else index._base) in _FLAT_INDICES
+
+
+def same_along(index: torch.Tensor, dim: int) -> bool:
+    """``index`` equals its first slice along ``dim`` broadcast over that dimension."""
+    if index.shape[dim] <= 1 or index.stride(dim) == 0 or index.numel() == 0:
+        return True  # (a broadcast dimension holds one slice's values whatever they are)
+    if _offsets_are_values(index):
+        return False  # neighbours along dim differ by stride(dim) ≠ 0 in offset, so in value
+    return torch.equal(index, index.narrow(dim, 0, 1).expand_as(index))
+
+
+def injective(index: torch.Tensor) -> bool:
+    """No two elements of ``index`` are equal. For a view of a flat index: its dimensions (of size > 1) sorted by
+    stride, each stride beyond the largest offset the smaller ones reach (a mixed radix: distinct offsets)."""
+    if _offsets_are_values(index):
+        reach = 0
+        for stride, size in sorted((index.stride(k), index.shape[k]) for k in range(index.dim()) if index.shape[k] > 1):
+            if stride == 0:
+                return False  # a broadcast dimension repeats its values
+            if stride <= reach:
+                break  # overlapping strides (as_strided): compare values
+            reach += (size - 1) * stride
+        else:
+            return True
+    return bool(torch.unique(index).numel() == index.numel())
+
+
+def disjoint(indices: list[torch.Tensor]) -> bool:
+    """No value is in two of the (each injective) ``indices``: for views of flat indices, their offset spans
+    [storage_offset, storage_offset + Σ (size_k − 1)·stride_k] do not overlap; else, or where spans overlap, by
+    comparing values."""
+    if all(_offsets_are_values(index) for index in indices):
+        spans = sorted(
+            (
+                i.storage_offset(),
+                i.storage_offset() + sum((n - 1) * st for n, st in zip(i.shape, i.stride(), strict=True)),
+            )
+            for i in indices
+            if i.numel()
+        )
+        if all(high < low for (_, high), (low, _) in zip(spans, spans[1:], strict=False)):
+            return True
+    everything = torch.cat([index.reshape(-1) for index in indices])
+    return bool(torch.unique(everything).numel() == everything.numel())
 
 
 @dataclass
@@ -157,7 +215,7 @@ def view_per_example(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked
     index = s.flat_index().reshape(padded)
     if padded[0] == 1:
         return Tracked(s.param, index[0])
-    if padded[0] == batch and torch.equal(index, index[:1].expand_as(index)):
+    if padded[0] == batch and same_along(index, 0):
         return Tracked(s.param, index[0])
     return None
 

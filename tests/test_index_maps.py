@@ -1,0 +1,86 @@
+"""The index maps' checks (:mod:`dpml.train.rules.registry`: ``same_along``, ``injective``, ``disjoint``) read no
+value where an index is a view of a flat index, and must then give exactly what comparing the values gives; on any
+other index they compare values. Checked against the values on views made the ways the recorder makes them."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+from torch import nn
+
+from dpml.train.rules.registry import Tracked, disjoint, injective, same_along
+
+
+def flat_index(*shape: int) -> torch.Tensor:
+    return Tracked(nn.Parameter(torch.zeros(shape))).flat_index()
+
+
+def random_view(index: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """A chain of up to four of the view operations a model applies to a parameter."""
+    for _ in range(rng.randint(0, 4)):
+        choice = rng.choice(["t", "chunk", "narrow", "select", "expand", "unsqueeze", "flatten", "permute", "strided"])
+        if index.dim() == 0:
+            break
+        dim = rng.randrange(index.dim())
+        if choice == "t" and index.dim() == 2:
+            index = index.t()
+        elif choice == "chunk" and index.shape[dim] >= 2:
+            index = index.chunk(2, dim)[rng.randrange(2)]
+        elif choice == "narrow" and index.shape[dim] >= 2:
+            start = rng.randrange(index.shape[dim] - 1)
+            index = index.narrow(dim, start, rng.randint(1, index.shape[dim] - start))
+        elif choice == "select" and index.dim() > 1:
+            index = index.select(dim, rng.randrange(index.shape[dim]))
+        elif choice == "expand":
+            index = index.unsqueeze(0).expand(rng.randint(1, 3), *index.shape)
+        elif choice == "unsqueeze":
+            index = index.unsqueeze(dim)
+        elif choice == "flatten" and index.is_contiguous():
+            index = index.flatten()
+        elif choice == "permute":
+            order = list(range(index.dim()))
+            rng.shuffle(order)
+            index = index.permute(*order)
+        elif choice == "strided" and index.is_contiguous() and index.numel() >= 4:
+            index = index.flatten().as_strided((2, 3), (1, 1))  # overlapping windows: the values must decide
+    return index
+
+
+def by_values_same_along(index: torch.Tensor, dim: int) -> bool:
+    return index.numel() == 0 or torch.equal(index, index.narrow(dim, 0, 1).expand_as(index))
+
+
+def by_values_injective(index: torch.Tensor) -> bool:
+    return torch.unique(index).numel() == index.numel()
+
+
+def test_the_checks_of_views_of_a_flat_index_equal_the_checks_of_their_values() -> None:
+    rng = random.Random(7)
+    for trial in range(600):
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        base = flat_index(*shape)
+        views = [random_view(base, rng) for _ in range(3)]
+        for index in views:
+            for dim in range(index.dim()):
+                assert same_along(index, dim) == by_values_same_along(index, dim), (trial, index)
+            assert injective(index) == by_values_injective(index), (trial, index)
+        if all(by_values_injective(index) for index in views):
+            everything = torch.cat([index.reshape(-1) for index in views])
+            assert disjoint(views) == by_values_injective(everything), (trial, views)
+
+
+def test_the_chunks_of_a_packed_projection_are_disjoint_and_an_expanded_token_the_same_for_every_example() -> None:
+    """The two cases met per step (attention's q, k, v chunks of one weight; ViT's class token expanded over the
+    batch), with an index that is not a view of a flat index beside them: the same answers from its values."""
+    packed = flat_index(3 * 4, 4)
+    q, k, v = packed.chunk(3)
+    assert injective(q) and disjoint([q, k, v]) and not disjoint([q, packed[2:6]])
+    token = flat_index(1, 1, 8).expand(5, 1, 8)
+    assert same_along(token, 0) and not injective(token)
+    gathered = flat_index(6, 4)[torch.tensor([2, 2, 2])]  # an embedding row looked up with the same id: not a view
+    assert same_along(gathered, 0) and not injective(gathered)
+    assert not same_along(flat_index(6, 4)[torch.tensor([1, 2])], 0)
+    for a, b in itertools.combinations([q, k, v], 2):
+        assert disjoint([a, b])
