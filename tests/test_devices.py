@@ -32,7 +32,7 @@ from torch import nn
 from dpml.devices import convolution_weight_gradient_precision, full_float32
 from dpml.models.vision import CnnSpec, WideResNetSpec, build_cnn, build_wide_resnet
 from dpml.train import chunking, keep_budget
-from dpml.train.clipping import _record_forward, clipped_gradient_sum, engine_pass
+from dpml.train.clipping import _record_forward, clip_factors, clipped_gradient_sum, engine_pass
 from dpml.train.clipping_check import ClippingUnsupported, check_autocast, plan_clipping
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, train_dpsgd
 from tests.noise_laws import check_standard_normal
@@ -664,6 +664,48 @@ def test_recording_the_forward_pass_reads_no_value_of_the_batchs_device() -> Non
         recording = _record_forward(model, per_example_cross_entropy, x, y, [], params, frozenset())
         assert recording.recorder.pending, name
         assert not recording.recorder.refused, (name, recording.recorder.refused)
+
+
+class ClassTokenEncoder(nn.Module):
+    """ViT's shape in small: patches by a strided convolution, a class token expanded over the batch and concatenated,
+    position embeddings added, an encoder layer, the class token's row read out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, 16, 4, 4)
+        self.token = nn.Parameter(torch.randn(1, 1, 16) * 0.1)
+        self.positions = nn.Parameter(torch.randn(1, 5, 16) * 0.1)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, 3, 8, 8)
+        h = self.patches(x).flatten(2).transpose(1, 2)
+        h = torch.cat([self.token.expand(x.shape[0], -1, -1), h], 1) + self.positions
+        return self.out(self.norm(self.layer(h))[:, 0])
+
+
+def test_the_whole_clipping_pass_reads_no_value_of_the_batchs_device() -> None:
+    """The engine's whole pass (recording, backward to the outputs, norms, clipped sums) on the meta device, where
+    any read of a value raises: on a GPU it would not wait for the device once, for an MLP, a convolution with
+    GroupNorm and in-place operations, GPT-2's addmm and a ViT-shaped encoder (a class token expanded over the
+    batch, attention's packed projection), with no parameter on the exact path. (Position ids looked up in an
+    embedding are read: whether they repeat decides how their uses combine.)"""
+    generator = torch.Generator().manual_seed(4)
+    models = {
+        "mlp": (nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 5)), torch.randn(24, 12, generator=generator)),
+        "in_place_residual": (InPlaceResidual(), torch.randn(24, 64, generator=generator)),
+        "reshaped_addmm": (ReshapedAddmm(), torch.randn(24, 64, generator=generator)),
+        "class_token_encoder": (ClassTokenEncoder(), torch.randn(24, 3, 8, 8, generator=generator)),
+    }
+    for name, (model, x) in models.items():
+        y = torch.randint(0, 5, (x.shape[0],), generator=generator)
+        plan = plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype)
+        assert not plan.exact_parameters, (name, plan.lines())
+        model.to("meta")
+        found = engine_pass(model, per_example_cross_entropy, x.to("meta"), y.to("meta"))
+        assert not found.exact and not found.reasons, (name, found.reasons)
+        found.sums(clip_factors(found.squared().sqrt(), 1.0))
 
 
 @needs_cuda

@@ -38,6 +38,7 @@ so per-example clipping would not bound one example's influence (use GroupNorm o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Collection
@@ -296,7 +297,7 @@ def engine_pass(
     candidates = fast_candidates(model, names, exact)
     watched = [p for n, p in params.items() if n not in exact]
     state = rng_state(x.device)
-    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+    with _precision(x.device, autocast):
         copies = _OVERWRITTEN_OUTPUTS.get(model, frozenset())  # learnt from earlier passes: one forward pass
         recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies)
         if recording.overwritten:  # (a pass that goes another way than the earlier ones)
@@ -360,12 +361,20 @@ def engine_pass(
     if failed:  # ruled parameters whose uses did not combine: exactly, from the forward pass again (its graph is freed)
         reasons.update({ruled[key]: reason for key, reason in failed.items()})
         set_rng_state(state, x.device)  # the same dropout masks
-        with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        with _precision(x.device, autocast):
             per_example.update(per_example_gradients(model, loss_fn, x, y, [ruled[key] for key in failed]))
     return EnginePass(batch, fast, per_example, names, zeros, reasons)
 
 
 UNUSED = "not reached by this batch's loss"
+
+
+def _precision(device: torch.device, autocast: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """The forward pass's precision: ``torch.autocast`` to ``autocast``, or switched off (an outer autocast of the
+    caller's does not reach the engine); nothing to switch off on a device autocast does not know (``meta``)."""
+    if autocast is None and not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None)
 
 
 def _zero_piece(param: nn.Parameter, zeros: torch.Tensor) -> Piece:
