@@ -188,9 +188,10 @@ def write(rows: list[dict], out: Path, meta: dict[str, str], name: str = "host_o
         "interleaved; µs per step (medians), and the operators one step dispatches. Kernels: not views or "
         "metadata, nor host reads; on a GPU each is at most one launch. Host reads: a tensor's value read by the "
         "host (`.item()`, `bool(t.any())`, `torch.equal`), on a GPU a wait for the device where the tensor is "
-        "there. Here everything is on the CPU, so this column also counts the reads of tensors that stay on "
-        "the CPU whatever the device: the recorder's example maps, since cdd731f. What a launch-bound GPU step "
-        "waits for.",
+        "there. Here everything is on the CPU, so this column counts every read, also of the tensors that stay "
+        "on the CPU whatever the device (the recorder's example maps, since cdd731f); which reads would reach "
+        "the batch's device is what `tests/test_devices.py` checks on the meta device (none for an MLP, GroupNorm, "
+        "GPT-2's addmm or a ViT-shaped encoder, since 81afc09). What a launch-bound GPU step waits for.",
         "",
         "| model | batch | non-private µs | dpml µs | ratio | operators (non-private / dpml) | kernels | host reads |",
         "|---|---|---|---|---|---|---|---|",
