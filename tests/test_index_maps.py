@@ -4,12 +4,16 @@ other index they compare values. Checked against the values on views made the wa
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 
 import torch
 from torch import nn
 
+from dpml.train.clipping import engine_pass
+from dpml.train.dpsgd import per_example_cross_entropy
+from dpml.train.rules import registry
 from dpml.train.rules.registry import Tracked, disjoint, injective, same_along
 
 
@@ -84,3 +88,30 @@ def test_the_chunks_of_a_packed_projection_are_disjoint_and_an_expanded_token_th
     assert not same_along(flat_index(6, 4)[torch.tensor([1, 2])], 0)
     for a, b in itertools.combinations([q, k, v], 2):
         assert disjoint([a, b])
+
+
+class PackedProjection(nn.Module):
+    """One weight chunked into three matrices, each used on the batch: views of its flat index, every pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.packed, self.out = nn.Linear(6, 4), nn.Parameter(torch.randn(3 * 4, 4)), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        q, k, v = self.packed.chunk(3)
+        return self.out(h @ q.t() + h @ k.t() + h @ v.t())
+
+
+def test_the_flat_indices_are_forgotten_with_their_tensors() -> None:
+    """Every pass makes flat indices; a run of any length holds only the live ones (a set of every flat index ever
+    made would grow with each step of a run)."""
+    torch.manual_seed(5)
+    model, x, y = PackedProjection(), torch.randn(8, 6), torch.randint(0, 3, (8,))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert len(registry._FLAT_INDICES) >= 1  # made, and alive while the pass's pieces are
+    del found
+    for _ in range(20):
+        engine_pass(model, per_example_cross_entropy, x, y)
+    gc.collect()
+    assert len(registry._FLAT_INDICES) < 3

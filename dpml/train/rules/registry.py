@@ -27,8 +27,7 @@ from typing import Any, Union
 
 import torch
 from torch import nn
-
-from dpml.train.rules.operands import TensorSet
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,14 +43,16 @@ class Tracked:
         if self.index is not None:
             return self.index
         flat = torch.arange(self.param.numel(), device=self.param.device)
-        _FLAT_INDICES.add(flat)
+        _FLAT_INDICES[flat] = True
         return flat.view(self.param.shape)
 
     def shape(self) -> torch.Size:
         return self.param.shape if self.index is None else self.index.shape
 
 
-_FLAT_INDICES = TensorSet()  # the aranges flat_index made: in a view of one, an element's value is its storage offset
+# The aranges flat_index made (in a view of one, an element's value is its storage offset); an entry goes with its
+# tensor, so a run of any length holds only the live ones.
+_FLAT_INDICES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _offsets_are_values(index: torch.Tensor) -> bool:
