@@ -102,8 +102,9 @@ def model_and_batch(name: str, batch: int) -> tuple[nn.Module, torch.Tensor, tor
     return model, x, y
 
 
-def steppers(name: str, batch: int, steps: int) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-    """(``steps`` DP steps, ``steps`` non-private steps, one DP step), each method on its own copy of the model."""
+def steppers(name: str, batch: int, steps: int) -> tuple[Callable[..., None], Callable[..., None]]:
+    """(DP steps, non-private steps), ``steps`` of them unless told how many, each method on its own copy of the
+    model."""
     dp_model, x, y = model_and_batch(name, batch)
     plain_model, _, _ = model_and_batch(name, batch)
     dp_optimizer = torch.optim.SGD([p for p in dp_model.parameters() if p.requires_grad], lr=0.01)
@@ -124,14 +125,14 @@ def steppers(name: str, batch: int, steps: int) -> tuple[Callable[[], None], Cal
             exact=(),
         )
 
-    def plain() -> None:
+    def plain(count: int = steps) -> None:
         plain_model.train()
-        for _ in range(steps):
+        for _ in range(count):
             plain_optimizer.zero_grad(set_to_none=True)
             per_example_cross_entropy(_logits(plain_model(x)), y).mean().backward()
             plain_optimizer.step()
 
-    return dp, plain, lambda: dp(1)
+    return dp, plain
 
 
 def _logits(out: object) -> torch.Tensor:
@@ -139,7 +140,7 @@ def _logits(out: object) -> torch.Tensor:
 
 
 def measure(name: str, batch: int, steps: int, rounds: int) -> dict:
-    dp, plain, one = steppers(name, batch, steps)
+    dp, plain = steppers(name, batch, steps)
     dp(), plain()  # warm-up (the clipping plan of the engine's first passes, the allocator)
     times: dict[str, list[float]] = {"dpml": [], "nonprivate": []}
     for _ in range(rounds):
@@ -148,10 +149,10 @@ def measure(name: str, batch: int, steps: int, rounds: int) -> dict:
             run()
             times[method].append((time.perf_counter() - start) / steps * 1e6)
     counted: dict[str, collections.Counter[str]] = {}
-    for method, run in (("dpml", one), ("nonprivate", _one_plain(name, batch))):
+    for method, run in (("dpml", dp), ("nonprivate", plain)):
         counter = OperatorCount()
         with counter:
-            run()
+            run(1)
         counted[method] = counter.counts
     dp_us, plain_us = statistics.median(times["dpml"]), statistics.median(times["nonprivate"])
     return {
@@ -168,12 +169,6 @@ def measure(name: str, batch: int, steps: int, rounds: int) -> dict:
         **{f"{m}_syncs": sum(c.get(op, 0) for op in HOST_READS) for m, c in counted.items()},
         "dpml_by_operator": dict(counted["dpml"].most_common()),
     }
-
-
-def _one_plain(name: str, batch: int) -> Callable[[], None]:
-    _, plain, _ = steppers(name, batch, 1)
-    plain()
-    return plain
 
 
 def write(rows: list[dict], out: Path, meta: dict[str, str], name: str = "host_overhead") -> None:

@@ -39,7 +39,6 @@ so per-example clipping would not bound one example's influence (use GroupNorm o
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from torch.autograd.graph import GradientEdge
 
 from dpml.devices import full_float32, rng_state, set_rng_state
 from dpml.train.clipping_candidates import Call, fast_candidates, usable
-from dpml.train.clipping_layers import Piece, layer_parameters, layer_piece, reject_batch_norm
+from dpml.train.clipping_layers import Piece, added_up, layer_parameters, layer_piece, reject_batch_norm
 from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
@@ -184,13 +183,7 @@ class EnginePass:
     def squared(self) -> torch.Tensor:
         """‖∇ℓ_i‖² (B,): the fast units' squared norms plus the exact gradients'."""
         terms = [piece.squared for _, piece in self.fast]
-        terms += [row_norms_squared(g) for g in self.exact.values() if g.numel()]
-        if not terms:
-            return self.zeros
-        if any(t.dtype != self.zeros.dtype for t in terms):  # (as adding them to the zeros would)
-            dtype = functools.reduce(torch.promote_types, (t.dtype for t in terms), self.zeros.dtype)
-            terms = [t.to(dtype) for t in terms]
-        return torch.stack(terms).sum(0)  # two launches, not one addition a unit
+        return added_up(terms + [row_norms_squared(g) for g in self.exact.values() if g.numel()], self.zeros)
 
     def sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: Σ_i c_i ∇ℓ_i} for every trainable parameter."""

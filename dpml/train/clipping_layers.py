@@ -215,9 +215,12 @@ class Piece:
 
 
 def added_up(terms: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Σ of a layer's squared-norm terms (B,), zeros (B,) when there is none: no zeros to start from, one launch fewer
-    a term (like: a tensor (B, …) on the device, in the dtype)."""
-    return functools.reduce(torch.add, terms) if terms else like.new_zeros(like.shape[0])
+    """Σ of squared-norm terms (B,) in the dtype that adding them to zeros like ``like`` (B, …) would give, and those
+    zeros when there is none; without the zeros to start from, and many terms in two launches (stack, sum)."""
+    if not terms:
+        return like.new_zeros(like.shape[0])
+    total = functools.reduce(torch.add, terms) if len(terms) <= 2 else torch.stack(terms).sum(0)
+    return total if total.dtype == like.dtype else total.to(torch.promote_types(total.dtype, like.dtype))
 
 
 def materialised_piece(per_example: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> Piece:

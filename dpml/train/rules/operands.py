@@ -45,7 +45,8 @@ def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Ten
 
 class TensorSet:
     """Tensors by identity, not kept alive: id → a weak reference that says it is still that tensor (an id is reused
-    once its tensor is freed). torch's ``WeakTensorKeyDictionary`` does the same at several times the cost a lookup."""
+    once its tensor is freed). torch's ``WeakTensorKeyDictionary`` does the same at several times the cost a lookup,
+    but forgets a freed tensor's entry, which this set keeps until it goes itself: one recording pass's set."""
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
