@@ -622,6 +622,34 @@ def test_each_conv_way_is_picked_by_device_and_shape() -> None:
     assert way("cuda", 64, 784, 64) == way("cuda", 1, 196, 16) == "patches"
 
 
+@pytest.mark.parametrize(
+    ("layer", "size", "compiled"),
+    [
+        (nn.Conv2d(16, 32, 4, 2), 13, True),  # the Opacus CNN's second: 1.1× the ghost norm's multiply-adds
+        (nn.Conv2d(128, 128, 3, padding=1), 14, True),  # 2.2× the input Gram's
+        (nn.Conv2d(64, 64, 3, padding=1), 8, True),  # 2.6×
+        (nn.Conv2d(128, 256, 3, 2, padding=1), 14, False),  # 4.3×
+        (nn.Conv2d(256, 256, 3, padding=1), 7, False),  # 12.5× the input Gram's
+        (nn.Conv2d(128, 128, 3, padding=1), 4, False),  # 12×
+    ],
+)
+def test_a_layer_that_keeps_nothing_takes_the_compiled_norms_where_they_cost_least(
+    layer: nn.Conv2d, size: int, compiled: bool
+) -> None:
+    """Norms that keep no per-example gradient come from the compiled kernel up to ``COMPILED_GHOST_RATIO`` times
+    the ghost norm's multiply-adds (the shapes measured for it), else from the ghost norm."""
+    geometry = clipping_conv.conv_geometry(layer)
+    assert geometry is not None
+    out = layer(torch.zeros(1, layer.in_channels, size, size))
+    count = out[0, 0].numel()
+    assert (
+        clipping_conv.compiled_beats_ghost(
+            out.new_empty(1, layer.in_channels, size, size).shape, count, layer.out_channels, geometry
+        )
+        is compiled
+    )
+
+
 def test_a_gpu_keeps_per_example_gradients_in_proportion_to_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU a layer keeps at most ``KEEP_PER_EXAMPLE_LIMIT`` elements; on a GPU that many per 4 GiB of
     the device's memory (never fewer than the CPU's), so a limit patched to 0 keeps nothing anywhere."""
@@ -829,11 +857,19 @@ def test_ghost_norms_from_the_input_gram_equal_autograd(
     assert not clipping_conv.input_gram_pays(x.shape, height * width, ((1, 1), (1, 1), (0, 0), (1, 1)))
 
 
+@pytest.mark.parametrize("keep", [True, False])
 def test_a_float32_cnn_clips_alike_with_and_without_the_compiled_norms(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    keep: bool, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """The engine on a float32 CNN (both of the Opacus example's convolution shapes, kept and not kept):
+    """The engine on a float32 CNN (both of the Opacus example's convolution shapes, kept and not kept; with
+    nothing kept the second is ghost-normed by the torch ways and normed by the kernel instead):
     norms and clipped sums with the compiled kernel equal those of the torch ways to float32 rounding."""
+    if not keep:
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
+        assert not clipping_layers.materialise(33, 25, 256, 32, 0)
+        assert clipping_conv.compiled_beats_ghost(
+            torch.Size((33, 16, 13, 13)), 25, 32, ((4, 4), (2, 2), (0, 0), (1, 1))
+        )
     kernel = compiled_kernel(tmp_path)
     torch.manual_seed(14)
     model = nn.Sequential(

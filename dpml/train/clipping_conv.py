@@ -195,6 +195,36 @@ def input_gram_pays(shape: torch.Size, count: int, geometry: Geometry) -> bool:
     return stride == (1, 1) and positions * positions < count * count * kh * kw
 
 
+COMPILED_GHOST_RATIO = 3
+"""How many times a ghost norm's multiply-adds the compiled kernel's norms may cost and still be taken
+(:func:`compiled_beats_ghost`): ad hoc, 2 threads, norms only, against :func:`patch_slice_norms_squared`'s ghost
+norm — the Opacus CNN's 16 → 32 stride 2 on 13×13 at B = 512 (1.1× the ghost's multiply-adds) 1.0 against 2.6 ms,
+128 → 128 at 14×14 and B = 128 (2.2× the input Gram's) 19.6 against 29.4, ResNet-18's 64 → 64 on 8×8 at B = 64
+(2.6×) 0.8 against 1.8; 128 → 256 stride 2 at 14×14 (4.3×) 12.8 against 8.4, 128 → 128 on 4×4 (12×) 1.4
+against 0.6 and 256 → 256 at 7×7 (12.5×) 24.1 against 5.3, where the ghost norm stays."""
+
+
+def ghost_cost(shape: torch.Size, count: int, out_channels: int, geometry: Geometry) -> int:
+    """Multiply-adds of a Conv2d's ghost norm for one example: P²·C_in + T²·C_out from the input Gram
+    (:func:`input_gram_pays`), else T²·(C_in·kh·kw + C_out) from the patches'."""
+    (kh, kw), _, (ph, pw), _ = geometry
+    channels = shape[1]
+    if input_gram_pays(shape, count, geometry):
+        positions = (shape[2] + 2 * ph) * (shape[3] + 2 * pw)
+        return positions * positions * channels + count * count * out_channels
+    return count * count * (channels * kh * kw + out_channels)
+
+
+def compiled_beats_ghost(shape: torch.Size, count: int, out_channels: int, geometry: Geometry) -> bool:
+    """Whether a Conv2d that keeps no per-example gradients takes its norms from the compiled kernel
+    (T·C_out·C_in·kh·kw multiply-adds an example, in cache) rather than the ghost norm: while that costs at
+    most ``COMPILED_GHOST_RATIO`` times :func:`ghost_cost` (the clipped sum is the same weight-gradient
+    convolution either way)."""
+    (kh, kw) = geometry[0]
+    direct = count * out_channels * shape[1] * kh * kw
+    return direct <= COMPILED_GHOST_RATIO * ghost_cost(shape, count, out_channels, geometry)
+
+
 def input_gram_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Geometry) -> torch.Tensor:
     """‖∇_W ℓ_i‖_F² = Σ_{t,s} (A_i A_iᵀ)_{ts} (δ_iᵀ δ_i)_{ts} of a stride-1 Conv2d (the ghost norm) without its
     patches. With x̃ the zero-padded input, p_t the corner of output position t and o_uv = (u·dh, v·dw), the

@@ -55,6 +55,7 @@ from dpml.train.clipping_conv import (
     Geometry,
     as_2d,
     clip_weighted_conv_weight,
+    compiled_beats_ghost,
     compiled_norms,
     conv_geometry,
     patch_slice_norms_squared,
@@ -267,7 +268,8 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
 
 def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> Piece:
     """Conv2d, one call: ‖∇_W ℓ_i‖² by ghost norm (on a CPU from the Gram matrix of the input's positions or
-    patches a slice at a time: :func:`patch_slice_norms_squared`) or from the materialised
+    patches a slice at a time: :func:`patch_slice_norms_squared`; or by the compiled kernel, keeping nothing,
+    where it is the cheaper: :func:`compiled_beats_ghost`) or from the materialised
     per-example gradients (:func:`materialise` decides), the latter in the way
     :func:`per_example_conv_way` picks for the device and shape (kept ones on a GPU at the precision of the
     layer's own weight gradient: :func:`convolution_weight_gradient_precision`). The clipped sum: from the kept
@@ -281,8 +283,12 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     limit, kept, channels_last = room(keep_limit(output_grad.device)), None, False
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels, limit):
-            if inputs.device.type == "cpu":  # a cache-sized slice of examples at a time
-                terms.append(patch_slice_norms_squared(inputs, d, geometry, ghost=True))
+            if inputs.device.type == "cpu":  # the compiled kernel's norms, or a cache-sized slice of examples at a time
+                cheaper = compiled_beats_ghost(inputs.shape, count, out_channels, geometry)
+                compiled = compiled_norms(inputs, output_grad, geometry, False) if cheaper else None
+                terms.append(
+                    compiled[0] if compiled is not None else patch_slice_norms_squared(inputs, d, geometry, ghost=True)
+                )
             else:
                 a = unfold_patches(inputs, *geometry)
                 terms.append((torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2)))
