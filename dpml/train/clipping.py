@@ -230,7 +230,7 @@ def _rule_pieces(
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
     failed: dict[int, str] = {}
-    for node in reversed(recording.recorder.derived_nodes):  # a computation before those it feeds
+    for node in reversed(recording.recorder.computations.nodes):  # a computation before those it feeds
         if id(node.output) not in relevant:
             continue
         size = batch * max(t.numel() for t in (node.output, *node.leaves))
@@ -308,14 +308,14 @@ def engine_pass(
     ]
     covered = {id(p) for m in used for p in layer_parameters(m)}
     seen = {id(p) for pending in recorder.pending for p in pending.params}
-    seen |= {id(p) for node in recorder.derived_nodes for p in node.params}
+    seen |= {id(p) for node in recorder.computations.nodes for p in node.params}
     ruled = {
         id(p): n
         for n, p in params.items()
         if id(p) not in covered and n not in exact and id(p) in seen and id(p) not in recorder.refused
     }
     relevant = set(ruled) | {
-        id(node.output) for node in recorder.derived_nodes if any(id(p) in ruled for p in node.params)
+        id(node.output) for node in recorder.computations.nodes if any(id(p) in ruled for p in node.params)
     }
     targets = Targets()  # the recorded outputs let go before the backward pass (:mod:`dpml.train.released`)
     layer_calls = {m: [(a, targets.slot(o, recording.gradient_target(o))) for a, o in recording.calls[m]] for m in used}

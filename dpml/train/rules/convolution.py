@@ -1,9 +1,13 @@
-"""Convolutions ``F.conv1d`` / ``F.conv2d`` (groups = 1) where the layer's hook does not apply (a kernel
-used twice, or by a functional call): z_t = W a_t + b over the output positions t, a_t the input patch
-under the kernel (:func:`dpml.train.clipping_conv.unfold_patches`; a Conv1d is the Conv2d of height 1).
+"""Convolutions ``F.conv1d`` / ``F.conv2d`` where the layer's hook does not apply (a kernel used twice, or by a
+functional call: a weight standardised before use, as NFNet's and BiT's convolutions do): z_t = W a_t + b over the
+output positions t, a_t the input patch under the kernel (:func:`dpml.train.clipping_conv.unfold_patches`; a Conv1d
+is the Conv2d of height 1).
 
 ∇_W ℓ_i = Σ_t δ_{i,t} a_{i,t}ᵀ in W's (C_out, C_in·k) layout, factored (u = δ, v = a) like a dense layer,
-and ∇_b ℓ_i = Σ_t δ_{i,t}. (A convolution whose layer is hooked keeps the layer's optimised kernels.)
+and ∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when g = C_in) group j's output channels see only its
+input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised, one batched product over the B·g (example,
+group) pairs, B × |W| numbers (refused beyond the device's keep limit). (A convolution whose layer is hooked keeps
+the layer's optimised kernels.)
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dpml.train.clipping_conv import unfold_patches
+from dpml.train.keep_budget import keep_limit
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule
 
 
@@ -26,8 +31,7 @@ def _pair(value: int | tuple[int, ...], one_d: bool, fill: int) -> tuple[int, in
 def convolution(call: Call) -> Pending | str:
     x, weight, bias = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     stride, padding, dilation = call.arg(3, "stride", 1), call.arg(4, "padding", 0), call.arg(5, "dilation", 1)
-    if call.arg(6, "groups", 1) != 1:
-        return "a grouped convolution"
+    groups = call.arg(6, "groups", 1)
     if isinstance(padding, str):
         return "padding given by name"
     w, b = call.tracked(weight), call.tracked(bias)
@@ -43,13 +47,24 @@ def convolution(call: Call) -> Pending | str:
         _pair(dilation, one_d, 1),
     )
     recorded, batch, out_channels = x.detach(), x.shape[0], weight.shape[0]
+    if groups != 1 and w is not None and batch * weight.numel() > keep_limit(x.device):
+        return (
+            f"a grouped convolution whose per-example gradients ({batch} × {tuple(weight.shape)}) exceed the keep limit"
+        )
 
     def finish(d: torch.Tensor) -> list[Use]:
         d = d.reshape(batch, out_channels, -1)  # (B, C_out, T)
         uses: list[Use] = []
         if w is not None:
             patches = unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry)  # (B, C_in·k, T)
-            uses.append((w, Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])))
+            if groups == 1:
+                uses.append((w, Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])))
+            else:  # (B·g, C_out/g, T) @ (B·g, T, C_in/g·k): each group's rows and its own channels' patches
+                grads = torch.bmm(
+                    d.reshape(batch * groups, out_channels // groups, -1),
+                    patches.reshape(batch * groups, patches.shape[1] // groups, -1).transpose(1, 2),
+                )
+                uses.append((w, Dense(grads.reshape(batch, *w.shape()))))
         if b is not None:
             uses.append((b, Dense(d.sum(2))))
         return uses

@@ -6,14 +6,17 @@ the parameters it came from through the operation's own Jacobian (:func:`pull_ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from dpml.devices import RngState, rng_state, set_rng_state
 from dpml.train.exact_path import batched_vjp
-from dpml.train.rules.operands import outputs, substituted
-from dpml.train.rules.registry import Tracked
+from dpml.train.rules.operands import outputs, substituted, tensors
+from dpml.train.rules.registry import Tracked, function_name
 
 
 @dataclass(eq=False)
@@ -34,23 +37,130 @@ class Derived:
     operation: str = ""
 
 
+IN_PLACE_METHODS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__imatmul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__"}
+    | {"__ilshift__", "__irshift__", "__iand__", "__ixor__", "__ior__", "__setitem__"}
+)
+
+
+def writes_first_operand(func: Any, kwargs: dict[str, Any]) -> bool:
+    """``func`` changes the values of its first operand (torch's naming: ``div_``, ``x /= s``, ``x[i] = v``; or
+    ``inplace=True``, as ``F.dropout`` takes it)."""
+    name = getattr(func, "__name__", "")
+    trailing = name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+    return name in IN_PLACE_METHODS or trailing or kwargs.get("inplace") is True
+
+
+RandomState = tuple[RngState, torch.device]
+"""torch's random state for work on a device (:func:`dpml.devices.rng_state`), and the device."""
+
+
+def random_state(operands: list[torch.Tensor]) -> RandomState:
+    """The random state a call on ``operands`` starts from (that of the first one's device)."""
+    device = operands[0].device if operands else torch.device("cpu")
+    return rng_state(device), device
+
+
+@contextlib.contextmanager
+def replayed(state: RandomState) -> Iterator[None]:
+    """The generators set to ``state`` (a call run again draws what it drew), and afterwards as they were, so that
+    running it again leaves the model's later draws (dropout) as they would be without the recording."""
+    before, device = state
+    now = rng_state(device)
+    set_rng_state(before, device)
+    try:
+        yield
+    finally:
+        set_rng_state(now, device)
+
+
 def run_on_leaves(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, sources: dict[int, torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+    sources: dict[int, torch.Tensor],
+    state: RandomState,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | str:
     """The call run again with each source operand (by id) replaced by a detached copy that requires gradient:
     its outputs, now functions of those copies alone (the operation's *local* Jacobian, so that a source
-    computed from another source of the same call is not counted twice), and the copies; None when the
-    outputs differ from the recorded ``out`` (the operation draws random numbers)."""
+    computed from another source of the same call is not counted twice), and the copies; or why not: the outputs
+    differ from the recorded ``out``, or it cannot run on the copies. It runs from the random ``state`` the call
+    started from (:func:`replayed`: a dropout on a weight draws the same mask again). A call that writes its first
+    operand (:func:`writes_first_operand`) writes a copy of it, and its output is that copy."""
     leaves = {key: t.detach().requires_grad_(True) for key, t in sources.items()}
     args, kwargs = substituted(args, kwargs, {key: (sources[key], leaf) for key, leaf in leaves.items()})
-    with torch.enable_grad():
-        local = outputs(func(*args, **kwargs))
+    writes = writes_first_operand(func, kwargs)
+    if writes:
+        args = (args[0].clone(), *args[1:])
+    try:
+        with torch.enable_grad(), replayed(state):
+            result = func(*args, **kwargs)
+    except RuntimeError as error:
+        return f"it cannot be run again on copies of the parameters ({error})"
+    local = [args[0]] if writes else outputs(result)
     recorded = outputs(out)
     if len(local) != len(recorded) or not all(
         torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded, strict=True)
     ):
-        return None
+        return "it gives other numbers when run again from the same random state"
     return local, list(leaves.values())
+
+
+class DerivedNodes:
+    """The computations on parameters alone of one recording pass: their :class:`Derived` nodes in the order they ran
+    (``nodes``), each found by the tensor that stands for its output (the output itself, or a detached alias where
+    the output tensor already stands for an earlier node: an in-place write ``w /= s`` gives w new values, a node of
+    their own); and the tensors standing for values that an in-place write has changed since (``stale``): a view
+    of them taken before the write shows the new values, which their node does not describe."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Derived] = []
+        self._by_key: dict[int, Derived] = {}
+        self.stale: set[int] = set()
+
+    def of(self, key: torch.Tensor) -> Derived | None:
+        return self._by_key.get(id(key))
+
+    def record(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        tracked: Callable[[Any], Tracked | None],
+        state: RandomState,
+    ) -> list[tuple[torch.Tensor, Tracked]] | tuple[str, list[Tracked]]:
+        """Nodes for the outputs of ``func`` (those that require gradient) from its operands that are ``tracked``
+        (views of parameters, or outputs of other nodes): each output with the :class:`Tracked` it is to be tracked
+        as; or why the call cannot be recorded, and the tracked operands."""
+        sources: dict[int, tuple[torch.Tensor, Tracked]] = {}
+        for t in tensors(args, kwargs):
+            seen = tracked(t)
+            if seen is not None:
+                sources.setdefault(id(t), (t, seen))
+        again = run_on_leaves(func, args, kwargs, out, {key: t for key, (t, _) in sources.items()}, state)
+        if isinstance(again, str):
+            return again, [seen for _, seen in sources.values()]
+        local, leaves = again
+        params = list(
+            {
+                id(p): p
+                for _, tracked in sources.values()  # through other computations to the parameters
+                for p in (
+                    self._by_key[id(tracked.param)].params if id(tracked.param) in self._by_key else [tracked.param]
+                )
+            }.values()
+        )
+        tracked_as = []
+        for o, recomputed in zip(outputs(out), local, strict=True):
+            if o.requires_grad:
+                key = o.detach() if id(o) in self._by_key or any(o is t for t, _ in sources.values()) else o
+                node = Derived(key, list(sources.values()), params, recomputed, leaves, function_name(func))
+                self.nodes.append(node)
+                self._by_key[id(key)] = node
+                tracked_as.append((o, Tracked(key)))  # type: ignore[arg-type]
+        return tracked_as
 
 
 def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:

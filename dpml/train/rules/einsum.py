@@ -51,29 +51,34 @@ def _expanded(equation: str, x_dims: int) -> tuple[str, str, str] | str:
     return x_subs, s_subs, rhs
 
 
-def product(call: Call, x: torch.Tensor, s: Tracked, subscripts: tuple[str, str, str]) -> Pending | str:
-    """The use of S in z = einsum(X, S → Z) (module docstring), x the activation."""
+def product(
+    call: Call, x: torch.Tensor, s: Tracked, subscripts: tuple[str, str, str], merged: int = 1
+) -> Pending | str:
+    """The use of S in z = einsum(X, S → Z) (module docstring), x the activation; with ``merged`` = H > 1, x's first
+    dimension holds the B·H matrices of a batched product example by example (:func:`_shared_by_examples`), and the
+    subscripts are those of x and z seen as (B, H, …)."""
     x_subs, s_subs, z_subs = subscripts
+    a = x.detach() if merged == 1 else x.detach().unflatten(0, (-1, merged))
+    out_shape = call.output.shape if merged == 1 else call.output.unflatten(0, (-1, merged)).shape
     if any(len(set(t)) != len(t) for t in subscripts):
         return "a repeated index (a diagonal)"
-    if len(x_subs) != x.dim() or len(s_subs) != len(s.shape()):
+    if len(x_subs) != a.dim() or len(s_subs) != len(s.shape()):
         return "subscripts that do not match the operands"
-    if not call.batch_first(x):
+    if merged == 1 and not call.batch_first(x):
         return f"its activation (shape {tuple(x.shape)}) is not batch-first"
     b = x_subs[0]
     if b in s_subs or b not in z_subs:
         return "the batch index on the parameter or summed away"
     if any(c not in x_subs and c not in z_subs for c in s_subs):
         return "a parameter index summed alone"
-    a = x.detach()
-    batch = x.shape[0]
-    out = call.output
-    same_sizes = all(x.shape[x_subs.index(c)] == out.shape[z_subs.index(c)] for c in x_subs if c in z_subs)
+    batch = a.shape[0]
+    same_sizes = all(a.shape[x_subs.index(c)] == out_shape[z_subs.index(c)] for c in x_subs if c in z_subs)
     factored = _factored_layout(x_subs, s_subs, z_subs) if same_sizes else None  # (no size-1 broadcast)
     if factored is not None:
         u_subs, v_subs, swapped = factored
 
         def finish_factored(d: torch.Tensor) -> list[Use]:
+            d = d.view(out_shape)
             u = torch.einsum(f"{x_subs}->{u_subs}", a).reshape(batch, -1, a.shape[x_subs.index(u_subs[-1])])
             v = torch.einsum(f"{z_subs}->{v_subs}", d).reshape(batch, -1, d.shape[z_subs.index(v_subs[-1])])
             form = Factored(u, v, u.shape[2], v.shape[2])
@@ -85,7 +90,7 @@ def product(call: Call, x: torch.Tensor, s: Tracked, subscripts: tuple[str, str,
         return f"its per-example gradients ({batch} × {tuple(s.shape())}) do not fit the keep limit"
 
     def finish_dense(d: torch.Tensor) -> list[Use]:
-        return [(s, Dense(torch.einsum(f"{x_subs},{z_subs}->{b}{s_subs}", a, d)))]
+        return [(s, Dense(torch.einsum(f"{x_subs},{z_subs}->{b}{s_subs}", a, d.view(out_shape))))]
 
     return Pending(call.output, [s.param], finish_dense)
 
@@ -141,7 +146,9 @@ def _shared_over(s: Tracked, dim: int) -> Tracked | None:
 @rule(torch.bmm, torch.Tensor.bmm)
 def bmm(call: Call) -> Pending | str:
     """torch.bmm(x, S) or (S, x) with S (B, n, m) a parameter expanded over the batch (``w.expand(B, n, m)``):
-    z_i = x_i S_0 or S_0 x_i — ``b i j, j k → b i k`` with S_0 the shared matrix."""
+    z_i = x_i S_0 or S_0 x_i — ``b i j, j k → b i k`` with S_0 the shared matrix; or with x's B·H matrices example
+    by example and S the same H matrices S_h for every example (DeBERTa's relative positions: ``w.repeat(B, 1, 1)``
+    against the heads' queries), ``b h i j, h j k → b h i k``."""
     left, right = call.arg(0, "input"), call.arg(1, "mat2")
     s_left = call.tracked(left) is not None
     s, x = (left, right) if s_left else (right, left)
@@ -149,9 +156,28 @@ def bmm(call: Call) -> Pending | str:
     if tracked is None or call.tracked(x) is not None:
         return "a product of two parameters"
     shared = _shared_over(tracked, 0)
-    if shared is None:
-        return "a parameter batch whose matrices differ"
-    return product(call, x, shared, ("bjk", "ij", "bik") if s_left else ("bij", "jk", "bik"))
+    if shared is not None:
+        return product(call, x, shared, ("bjk", "ij", "bik") if s_left else ("bij", "jk", "bik"))
+    per_head = _shared_by_examples(call, x, tracked)
+    if per_head is None:
+        return "a parameter batch whose matrices differ from one example to another"
+    heads, each = per_head
+    return product(call, x, each, ("bhjk", "hij", "bhik") if s_left else ("bhij", "hjk", "bhik"), merged=heads)
+
+
+def _shared_by_examples(call: Call, x: torch.Tensor, s: Tracked) -> tuple[int, Tracked] | None:
+    """(H, S as (H, n, m)) when x (B·H, …) holds H matrices of each example in turn (its rows h·… of example k at
+    k·H + h) and S (B·H, n, m) the same H matrices for every example; else None."""
+    owners, batch = call.leading_examples(x), call.batch
+    if owners is None or x.shape[0] % batch or x.shape[0] == batch:
+        return None
+    heads = x.shape[0] // batch
+    if not torch.equal(owners.cpu(), torch.arange(batch).repeat_interleave(heads)):
+        return None
+    grouped = s.flat_index().unflatten(0, (batch, heads))
+    if not same_along(grouped, 0):
+        return None
+    return heads, Tracked(s.param, grouped.select(0, 0), s.shared)
 
 
 def matmul_batched(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pending | str:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpml.train.rules.derived import Derived, run_on_leaves
+from dpml.train.rules.derived import DerivedNodes, RandomState, random_state, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.operands import (
     OUT_OF_PLACE,
@@ -52,6 +52,7 @@ from dpml.train.rules.registry import (
     IDENTITY_VIEWS,
     INDEX_VIEWS,
     RULES,
+    SHAPE_ONLY,
     Call,
     Dense,
     Pending,
@@ -82,8 +83,7 @@ class Recorder(TorchFunctionMode):
         self.batch, self.owners = batch, owners
         self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
         self.pending: list[Pending] = []
-        self.derived_nodes: list[Derived] = []  # computations on parameters alone, in the order they ran
-        self._nodes: dict[int, Derived] = {}  # id(output) -> its node
+        self.computations = DerivedNodes()  # computations on parameters alone
         self.refused: dict[int, str] = {}  # id(parameter) -> the first reason it cannot be covered
         self.outside: set[int] = set()  # ids of hooked layers' parameters used outside their layer's call
         self.stack: list[nn.Module] = []  # the hooked layers whose call is under way
@@ -150,12 +150,9 @@ class Recorder(TorchFunctionMode):
         return Rows(self.batch, torch.argsort(lead, stable=True))
 
     # --- bookkeeping --------------------------------------------------------------------------------
-    def _hits(self, operands: list[torch.Tensor]) -> list[Tracked]:
-        return [t for t in map(self.tracked, operands) if t is not None]
-
     def _refuse(self, hits: list[Tracked], reason: str) -> None:
         for hit in hits:
-            node = self._nodes.get(id(hit.param))
+            node = self.computations.of(hit.param)
             if node is not None:  # a computation on parameters: the parameters it came from are not covered
                 self._refuse([tracked for _, tracked in node.sources], reason)
             else:
@@ -170,9 +167,14 @@ class Recorder(TorchFunctionMode):
     def _on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call on parameters and constants alone: the view its rule makes of it where there is one (an embedding
         looked up with position ids), else its outputs tracked as :class:`Derived`."""
+        if writes_first_operand(func, kwargs):
+            return self._written_on_parameters(func, args, kwargs)
+        state = random_state(list(tensors(args, kwargs)))
         out = func(*args, **kwargs)
         if not any(o.requires_grad for o in outputs(out)):
             return out
+        if any(o is t for o in outputs(out) for t in tensors(args, kwargs)):
+            return out  # an operand itself (``F.dropout`` in evaluation): tracked as it was
         handler = RULES.get(func)
         if handler is not None:
             result = handler(self._call(func, args, kwargs, out))
@@ -180,41 +182,36 @@ class Recorder(TorchFunctionMode):
                 for o, tracked in result.outputs:
                     self._track(o, tracked)
                 return out
-        self._derive(func, args, kwargs, out)
+        self._derive(func, args, kwargs, out, state)
         return out
 
-    def _derive(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Track each output of a computation on parameters alone as a :class:`Derived`; one that does not give the
-        same numbers when run again (random draws: dropout on a weight) is refused."""
-        sources: dict[int, tuple[torch.Tensor, Tracked]] = {}
-        for t in tensors(args, kwargs):
-            tracked = self.tracked(t)
-            if tracked is not None:
-                sources.setdefault(id(t), (t, tracked))
-        name = function_name(func)
-        again = run_on_leaves(func, args, kwargs, out, {key: t for key, (t, _) in sources.items()})
-        if again is None:
-            self._refuse(
-                [tracked for _, tracked in sources.values()],
-                f"{name} on parameters gives other numbers when run again (random draws)",
-            )
+    def _written_on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``w /= s``, ``b.add_(w)``, ``z[:, :k] = w`` on parameters and constants alone: run once, as written; its new
+        values recorded as a computation on a copy of the old ones, under a node of their own; the old values'
+        tracked tensor is stale from here on (its other views show the new values). A parameter's own values change
+        in place only where autograd does not see it (under ``torch.no_grad()``): nothing to record."""
+        target, tracked = args[0], self.tracked(args[0])
+        mine = tracked is None or self.computations.of(tracked.param) is not None  # not a parameter's own values
+        if not isinstance(target, torch.Tensor) or not torch.is_grad_enabled() or not mine:
+            return func(*args, **kwargs)
+        before, state = target.clone(), random_state(list(tensors(args, kwargs)))
+        if tracked is not None:
+            self._track(before, tracked)
+            self.computations.stale.add(id(tracked.param))
+        out = func(*args, **kwargs)
+        if target.requires_grad:
+            self._derive(func, (before, *args[1:]), kwargs, target, state)
+        return out
+
+    def _derive(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, state: RandomState) -> None:
+        """Track each output of a computation on parameters alone (run from the random ``state``) as a
+        :class:`Derived`; one that cannot be recorded is refused."""
+        recorded = self.computations.record(func, args, kwargs, out, self.tracked, state)
+        if isinstance(recorded, tuple):
+            self._refuse(recorded[1], f"{function_name(func)} on parameters: {recorded[0]}")
             return
-        local, leaves = again
-        params = list(
-            {
-                id(p): p
-                for _, tracked in sources.values()  # through other computations to the parameters
-                for p in (
-                    self._nodes[id(tracked.param)].params if id(tracked.param) in self._nodes else [tracked.param]
-                )
-            }.values()
-        )
-        for o, recomputed in zip(outputs(out), local, strict=True):
-            if o.requires_grad:
-                node = Derived(o, list(sources.values()), params, recomputed, leaves, name)
-                self.derived_nodes.append(node)
-                self._nodes[id(o)] = node
-                self._track(o, Tracked(o))  # type: ignore[arg-type]
+        for o, tracked in recorded:
+            self._track(o, tracked)
 
     def _note_owners(self, hits: list[Tracked]) -> None:
         for hit in hits:  # (a shared lookup's output is the layer's output: using it is not using the layer's weight)
@@ -328,7 +325,7 @@ class Recorder(TorchFunctionMode):
         return out
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operands: list[torch.Tensor]) -> Any:
-        hits = self._hits(operands)
+        hits = [t for t in map(self.tracked, operands) if t is not None]
         if not hits:
             out = func(*args, **kwargs)
             if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
@@ -337,12 +334,14 @@ class Recorder(TorchFunctionMode):
                 self._follow_rows(args, kwargs, out)
             return out
         self._note_owners(hits)
+        stale = [h for h in hits if id(h.param) in self.computations.stale]
+        self._refuse(stale, f"{function_name(func)}: an operand whose values an in-place operation changed since")
         if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
             return self._view(func, args, kwargs, hits)
-        if func in OUT_OF_PLACE:
-            return self._in_place(func, args, kwargs, hits)
         if self._parameter_only(args, kwargs):
             return self._on_parameters(func, args, kwargs)
+        if func in OUT_OF_PLACE:
+            return self._in_place(func, args, kwargs, hits)
         if func in BROADCASTING:
             return self._per_example_copies(func, args, kwargs, hits)
         handler = RULES.get(func)
@@ -359,6 +358,7 @@ class Recorder(TorchFunctionMode):
     def _view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         out = func(*args, **kwargs)
         source = self.tracked(args[0]) if args else None
+        hits = ([source] if source is not None else []) if func in SHAPE_ONLY else hits  # (w.view_as(v): v's shape)
         if source is None or len(hits) != 1:
             if any(o.requires_grad for o in outputs(out)):
                 self._refuse(hits, f"{function_name(func)} of a parameter with another operand has no rule")

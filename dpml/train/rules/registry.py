@@ -226,6 +226,7 @@ RULES: dict[Any, RuleFunction] = {}
 BROADCASTING: set[Any] = set()  # functions that broadcast a shared operand over the batch: per-example copies
 INDEX_VIEWS: set[Any] = set()  # value-selecting ops: applied to the index tensors (w.t(), w.chunk(3), w[:k], …)
 IDENTITY_VIEWS: set[Any] = set()  # value-preserving ops: the index passes through (contiguous, clone, casts)
+SHAPE_ONLY: set[Any] = set()  # views whose other tensor operands give a shape or a dtype, not values (view_as)
 
 
 def rule(*functions: Any) -> Callable[[RuleFunction], RuleFunction]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dpml.train.rules.registry import IDENTITY_VIEWS, INDEX_VIEWS
+from dpml.train.rules.registry import IDENTITY_VIEWS, INDEX_VIEWS, SHAPE_ONLY
 
 T = torch.Tensor
 INDEX_VIEWS.update(
@@ -42,6 +42,9 @@ INDEX_VIEWS.update(
         torch.squeeze,
         T.expand,
         T.expand_as,
+        T.repeat,  # (copies of elements: the index copied likewise)
+        T.tile,
+        torch.tile,
         T.broadcast_to,
         T.chunk,
         torch.chunk,
@@ -57,3 +60,4 @@ INDEX_VIEWS.update(
     }
 )
 IDENTITY_VIEWS.update({T.contiguous, T.clone, torch.clone, T.to, T.float, T.double, T.half, T.bfloat16, T.type_as})
+SHAPE_ONLY.update({T.view_as, T.reshape_as, T.expand_as, T.type_as})

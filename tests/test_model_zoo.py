@@ -1,0 +1,137 @@
+"""The operation rules on model families nobody here wrote, built from ``transformers``' configs at tiny sizes with
+random weights: every parameter's clipped per-example gradient sum and every norm equal a float64 per-example
+autograd loop, and none takes the exact path (the plan's probe agrees). Text classifiers on right-padded tokens,
+image classifiers on random images (the plan's probe runs them in training mode, dropout drawn). About a quarter of a
+second a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_op_rules import HuggingFace, assert_exact_without_the_exact_path, ids_and_mask
+from torch import nn
+
+from dpml.train.dpsgd import per_example_cross_entropy
+
+TEXT = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+TEXT |= dict(max_position_embeddings=32, num_labels=3, pad_token_id=0, attn_implementation="eager")
+ONE_KV_HEAD = {"num_key_value_heads": 1}
+SEQ2SEQ = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
+SEQ2SEQ |= dict(encoder_ffn_dim=32, decoder_ffn_dim=32, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
+
+TEXT_FAMILIES: dict[str, dict[str, Any]] = {
+    "distilbert": {},
+    "roberta": {},
+    "albert": {"embedding_size": 8},  # factorised embeddings, one layer's weights shared by every layer
+    "electra": {"embedding_size": 8},
+    "deberta": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "max_relative_positions": 8},
+    "deberta-v2": {
+        "relative_attention": True,
+        "pos_att_type": ["p2c", "c2p"],
+        "max_relative_positions": 8,
+        "position_buckets": 4,
+        "position_biased_input": False,
+    },
+    "mpnet": {},
+    "squeezebert": dict(embedding_size=16, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2)
+    | dict(intermediate_groups=2, output_groups=2),  # grouped 1-D convolutions
+    "convbert": {"embedding_size": 16, "head_ratio": 1, "conv_kernel_size": 3},  # depthwise span convolutions
+    "mobilebert": dict(embedding_size=16, intra_bottleneck_size=8, true_hidden_size=8, num_feedforward_networks=1),
+    "big_bird": {"attention_type": "original_full"},
+    "roformer": {},  # rotary positions
+    "rembert": {},
+    "megatron-bert": {},
+    "opt": {},
+    "biogpt": {},
+    "bloom": {"bos_token_id": 1, "eos_token_id": 1},  # ALiBi
+    "falcon": {"multi_query": True, "new_decoder_architecture": False, "bos_token_id": 1, "eos_token_id": 1},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "gptj": {"rotary_dim": 4, "bos_token_id": 1, "eos_token_id": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4},
+    "gpt_bigcode": {"multi_query": True, "bos_token_id": 1, "eos_token_id": 1},
+    "mpt": {"d_model": 16, "n_heads": 2, "n_layers": 2, "expansion_ratio": 2, "max_seq_len": 32},
+    "ctrl": {},
+    "phi": {"partial_rotary_factor": 0.5},
+    "phi3": ONE_KV_HEAD,
+    "qwen2": ONE_KV_HEAD,
+    "qwen3": ONE_KV_HEAD | {"head_dim": 8},
+    "stablelm": ONE_KV_HEAD,
+    "olmo2": {},
+    "gemma": ONE_KV_HEAD | {"head_dim": 8},
+    "mistral": ONE_KV_HEAD | {"sliding_window": 16},
+    "gemma2": ONE_KV_HEAD | {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 16},
+    "modernbert": {"global_attn_every_n_layers": 2, "local_attention": 16},
+    "bart": SEQ2SEQ,
+    "mbart": SEQ2SEQ,
+}
+FLOAT32_INSIDE = {"gemma", "gemma2"}  # RMSNorm in float32 whatever the model's dtype: float32 rounding in both
+ENDS_WITH_EOS = {"bart", "mbart"}  # classify at the <eos> token: every sequence ends with one
+
+PATCHES = dict(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+PATCHES |= dict(intermediate_size=32, num_labels=3)
+STAGES = dict(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+PYRAMID = STAGES | dict(num_encoder_blocks=2, sr_ratios=[2, 1], num_attention_heads=[1, 2], patch_sizes=[3, 3])
+PYRAMID |= dict(strides=[2, 2], mlp_ratios=[2, 2])
+IMAGE_FAMILIES: dict[str, dict[str, Any]] = {
+    "vit_msn": PATCHES,
+    "beit": PATCHES | {"use_relative_position_bias": True, "use_mean_pooling": True, "layer_scale_init_value": 0.1},
+    "data2vec-vision": PATCHES | {"use_relative_position_bias": True},
+    "dinov2": {k: v for k, v in PATCHES.items() if k != "intermediate_size"}
+    | {"mlp_ratio": 2, "layerscale_value": 0.5},
+    "swinv2": dict(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    | {"num_labels": 3},
+    "focalnet": dict(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], focal_levels=[2, 2])
+    | dict(focal_windows=[3, 3], num_labels=3),
+    "convnext": STAGES | {"num_stages": 2, "patch_size": 2},
+    "convnextv2": STAGES | {"num_stages": 2, "patch_size": 2},  # global response normalisation
+    "poolformer": STAGES | dict(patch_sizes=[3, 3], strides=[2, 2], padding=[1, 1], num_encoder_blocks=2),
+    "segformer": PYRAMID,
+    "pvt_v2": PYRAMID,
+}
+
+
+def _text_model(family: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    config = transformers.AutoConfig.for_model(family, **(TEXT | TEXT_FAMILIES[family]))
+    return transformers.AutoModelForSequenceClassification.from_config(config)
+
+
+def _tokens(family: str) -> torch.Tensor:
+    x = ids_and_mask(5, 9, 40, 0, 12)
+    if family in ENDS_WITH_EOS:  # no padding; 2 (<eos>) last
+        x[:, 1] = 1
+        x[:, 0] = x[:, 0].clamp(min=3)
+        x[:, 0, -1] = 2
+    return x
+
+
+@pytest.mark.parametrize("family", sorted(TEXT_FAMILIES))
+def test_a_text_classifier_of_each_family_clips_exactly_without_the_exact_path(family: str) -> None:
+    torch.manual_seed(0)
+    model = HuggingFace(_text_model(family).eval())
+    tolerance = 1e-6 if family in FLOAT32_INSIDE else 1e-10
+    y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(1))
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, _tokens(family), y, tolerance=tolerance)
+
+
+class Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("family", sorted(IMAGE_FAMILIES))
+def test_an_image_classifier_of_each_family_clips_exactly_without_the_exact_path(family: str) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **IMAGE_FAMILIES[family])
+    model = Logits(transformers.AutoModelForImageClassification.from_config(config).eval())
+    size = IMAGE_FAMILIES[family].get("image_size", 32)
+    x = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(3))
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)

@@ -1,0 +1,212 @@
+"""Per-operation clipping rules on what the first families' tests did not show: weights formed from parameters and
+then written in place (DeBERTa's scaled position queries, a block of zeros filled with a parameter), grouped and
+depthwise functional convolutions on standardised weights (NFNet's and BiT's), and per-head matrices repeated over
+the batch against the heads' rows merged into it (DeBERTa-v2's relative positions). Clipped sums and norms equal a
+float64 per-example autograd loop, and nothing takes the exact path but what the rules cannot know: values a view
+shows after an in-place write changed them under it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_op_rules import HuggingFace, assert_exact_without_the_exact_path, generator, ids_and_mask, loop_reference
+from torch import nn
+
+from dpml.train.clipping import clipped_gradient_sum, engine_pass
+from dpml.train.dpsgd import per_example_cross_entropy
+
+
+class WrittenWeights(nn.Module):
+    """Weights computed from parameters and then written in place before they meet the batch: divided (``w /= s``, as
+    DeBERTa scales its position queries), multiplied by another parameter (``mul_``), a constant buffer added to
+    (``b.add_(p)``), a block of zeros filled (``z[:, :k] = p``), and a dropout that in evaluation returns its operand
+    itself."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(width, width) * 0.3)
+        self.s = nn.Parameter(torch.rand(width, 1) + 0.5)
+        self.q = nn.Parameter(torch.randn(width) * 0.3)
+        self.p = nn.Parameter(torch.randn(width, 2) * 0.3)
+        self.out = nn.Linear(width + 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.a * 2.0
+        w /= 3.0
+        w.mul_(self.s)
+        w = F.dropout(w, p=0.5, training=False)
+        b = torch.zeros(w.shape[0], dtype=x.dtype)
+        b.add_(self.q)
+        z = torch.zeros(w.shape[0], 5, dtype=x.dtype)
+        z[:, :2] = self.p
+        h = torch.tanh(x @ w.t() + b)
+        return self.out(torch.cat([h.mean(1), (h @ z)[:, :, 2:].mean(1)], 1))
+
+
+def test_weights_written_in_place_before_they_meet_the_batch() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(6, 4, 6, generator=generator(21), dtype=torch.float64)
+    assert_exact_without_the_exact_path(WrittenWeights(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+
+
+class StaleView(nn.Module):
+    """A view of a computed weight taken before an in-place write and used after it: it shows the new values, which
+    the weight's recorded computation does not describe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.a * 2.0
+        seen = base.t()
+        base[0] = 0.0
+        return self.out(torch.tanh(x @ seen) + torch.tanh(x @ base))
+
+
+def test_a_view_taken_before_an_in_place_write_goes_to_the_exact_path_and_stays_exact() -> None:
+    torch.manual_seed(3)
+    model = StaleView().double()
+    x, y = torch.randn(5, 4, generator=generator(22), dtype=torch.float64), torch.randint(0, 3, (5,))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert set(found.exact) == {"a"}, found.reasons
+    assert "an in-place operation changed since" in found.reasons["a"]
+    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    assert float(norms.min()) > 0.3  # every example clipped: the write's effect is in each clipped gradient
+
+
+class StandardisedConvolutions(nn.Module):
+    """NFNet's and BiT's convolutions: a weight standardised per output channel (``F.batch_norm`` over its own numbers,
+    ``reshape_as`` back) and scaled by a gain, then ``F.conv2d``; a grouped convolution (2 groups, stride 2), a
+    depthwise one with a bias, and a depthwise ``F.conv1d`` (ConvBERT's span convolution)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.gain = nn.Parameter(torch.rand(4, 1, 1, 1) + 0.5)
+        self.w2 = nn.Parameter(torch.randn(6, 2, 3, 3) * 0.3)
+        self.w3 = nn.Parameter(torch.randn(6, 1, 3, 3) * 0.3)
+        self.b3 = nn.Parameter(torch.randn(6) * 0.1)
+        self.w4 = nn.Parameter(torch.randn(6, 1, 3) * 0.3)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.w1.reshape(1, 4, -1)
+        standard = F.batch_norm(flat, None, None, training=True, momentum=0.0, eps=1e-5).reshape_as(self.w1)
+        h = torch.tanh(F.conv2d(x, standard * self.gain, padding=1))
+        h = torch.tanh(F.conv2d(h, self.w2, stride=2, groups=2))
+        h = torch.tanh(F.conv2d(h, self.w3, self.b3, padding=1, groups=6))
+        line = torch.tanh(F.conv1d(h.mean(2), self.w4, padding=1, groups=6))
+        return self.out(torch.cat([h.mean((2, 3)), line.mean(2)], 1))
+
+
+def test_grouped_convolutions_on_standardised_weights() -> None:
+    torch.manual_seed(4)
+    x = torch.randn(5, 3, 9, 9, generator=generator(23), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        StandardisedConvolutions(), per_example_cross_entropy, x, torch.randint(0, 3, (5,))
+    )
+
+
+class RepeatedHeads(nn.Module):
+    """Per-head matrices repeated over the batch (``w.repeat(B, 1, 1)``, ``torch.tile``) against the heads' rows merged
+    into the batch dimension, (B·H, T, d), on either side of ``torch.bmm`` (DeBERTa-v2's relative positions)."""
+
+    def __init__(self, width: int = 6, heads: int = 2, relative: int = 4) -> None:
+        super().__init__()
+        self.heads, self.size = heads, width // heads
+        self.query = nn.Linear(width, width)
+        self.keys = nn.Parameter(torch.randn(heads * relative, self.size) * 0.3)
+        self.values = nn.Parameter(torch.randn(heads, self.size, relative) * 0.3)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q = self.query(x).view(batch, length, self.heads, self.size).permute(0, 2, 1, 3).reshape(-1, length, self.size)
+        keys = self.keys.view(self.heads, -1, self.size).repeat(batch, 1, 1)  # (B·H, R, d)
+        scores = torch.softmax(torch.bmm(q, keys.transpose(1, 2)), -1)  # (B·H, T, R)
+        mixed = torch.bmm(torch.tile(self.values, (batch, 1, 1)), scores.transpose(1, 2))  # (B·H, d, T)
+        merged = mixed.view(batch, self.heads, self.size, length).permute(0, 3, 1, 2).reshape(batch, length, width)
+        return self.out(torch.tanh(merged).mean(1))
+
+
+def test_per_head_matrices_repeated_over_the_batch() -> None:
+    torch.manual_seed(5)
+    x = torch.randn(5, 4, 6, generator=generator(24), dtype=torch.float64)
+    assert_exact_without_the_exact_path(RepeatedHeads(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
+
+
+def test_matrices_that_differ_from_one_example_to_another_go_to_the_exact_path() -> None:
+    """A parameter of B·H matrices used as they are: example k's rows meet matrices no other example meets (a
+    parameter indexed by the example), so no rule applies."""
+
+    class PerRow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(10, 3, 3) * 0.3)
+            self.out = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.view(5, 4, 2, 3).permute(0, 2, 1, 3).reshape(10, 4, 3)
+            return self.out(torch.bmm(rows, self.w).view(5, 2, 4, 3).mean((1, 2)))
+
+    found = engine_pass(
+        PerRow().double(), per_example_cross_entropy, torch.randn(5, 4, 6, dtype=torch.float64), torch.zeros(5).long()
+    )
+    assert set(found.exact) == {"w"} and "differ from one example to another" in found.reasons["w"]
+
+
+@pytest.mark.parametrize("version", ["deberta", "deberta-v2"])
+def test_deberta_disentangled_attention(version: str) -> None:
+    """DeBERTa's relative-position attention: position queries and keys computed from the shared relative embeddings
+    (scaled in place), repeated over the batch (v2), met by every head's content rows."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    common = dict(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16)
+    common |= dict(max_position_embeddings=16, num_labels=3, pad_token_id=0, relative_attention=True)
+    if version == "deberta":
+        config = transformers.DebertaConfig(pos_att_type=["p2c", "c2p"], max_relative_positions=8, **common)
+        model = transformers.DebertaForSequenceClassification(config)
+    else:
+        config = transformers.DebertaV2Config(
+            pos_att_type=["p2c", "c2p"],
+            max_relative_positions=8,
+            position_buckets=4,
+            position_biased_input=False,
+            **common,
+        )
+        model = transformers.DebertaV2ForSequenceClassification(config)
+    torch.manual_seed(6)
+    x = ids_and_mask(5, 7, 30, 0, 25)
+    assert_exact_without_the_exact_path(
+        HuggingFace(model.eval()), per_example_cross_entropy, x, torch.randint(0, 3, (5,)), seed=7
+    )
+
+
+class DroppedWeight(nn.Module):
+    """Dropout on a weight before it meets the batch (DeBERTa drops out its relative embeddings), then dropout on the
+    activations: the recording runs the weight's dropout again for its Jacobian, from the same random state, and
+    leaves the later draws as they were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) * 0.4)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = F.dropout(self.w, 0.3, training=self.training)
+        h = F.dropout(torch.tanh(x @ w), 0.2, training=self.training)
+        return self.out(h.mean(1))
+
+
+def test_a_weight_dropped_out_in_training_draws_the_same_masks_as_without_the_recording() -> None:
+    torch.manual_seed(8)
+    x = torch.randn(6, 4, 6, generator=generator(26), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        DroppedWeight().train(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), seed=9
+    )
