@@ -1,8 +1,8 @@
 """The operation rules on model families nobody here wrote, built from ``transformers``' configs at tiny sizes with
 random weights: every parameter's clipped per-example gradient sum and every norm equal a float64 per-example
 autograd loop, and none takes the exact path (the plan's probe agrees). Text classifiers on right-padded tokens,
-image classifiers on random images (the plan's probe runs them in training mode, dropout drawn). About a quarter of a
-second a model."""
+image classifiers on random images, and ``peft``'s adapters on a frozen body (the plan's probe runs them in training
+mode, dropout drawn). About a quarter of a second a model."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ SEQ2SEQ = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention
 SEQ2SEQ |= dict(encoder_ffn_dim=32, decoder_ffn_dim=32, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
 
 TEXT_FAMILIES: dict[str, dict[str, Any]] = {
+    "bert": {},
+    "gpt2": {"bos_token_id": 1, "eos_token_id": 1},
+    "llama": ONE_KV_HEAD,
     "distilbert": {},
     "roberta": {},
     "albert": {"embedding_size": 8},  # factorised embeddings, one layer's weights shared by every layer
@@ -135,3 +138,44 @@ def test_an_image_classifier_of_each_family_clips_exactly_without_the_exact_path
     x = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(3))
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)
+
+
+def _adapter(variant: str, targets: list[str]) -> Any:
+    peft = pytest.importorskip("peft", reason="peft is a test extra; not installed here")
+    task: dict[str, Any] = {"task_type": "SEQ_CLS"}
+    return {
+        "lora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1, **task),
+        "dora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=True, **task),
+        "rslora": lambda: peft.LoraConfig(r=4, target_modules=targets, use_rslora=True, bias="lora_only", **task),
+        "adalora": lambda: peft.AdaLoraConfig(init_r=4, target_r=2, target_modules=targets, total_step=10, **task),
+        "lokr": lambda: peft.LoKrConfig(r=2, target_modules=targets, **task),
+        "vera": lambda: peft.VeraConfig(r=4, target_modules=targets, **task),
+        "fourierft": lambda: peft.FourierFTConfig(n_frequency=10, target_modules=targets, **task),
+        "ia3": lambda: peft.IA3Config(target_modules=targets, feedforward_modules=[], **task),
+        "prompt": lambda: peft.PromptTuningConfig(num_virtual_tokens=3, **task),
+        "p-tuning": lambda: peft.PromptEncoderConfig(num_virtual_tokens=3, encoder_hidden_size=8, **task),
+    }[variant]()
+
+
+TARGETS = {"bert": ["query", "value"], "gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+ADAPTED = [
+    ("lora", "gpt2"),  # on transformers' Conv1D (fan_in_fan_out)
+    ("dora", "llama"),  # a weight's magnitude over its column norms, computed from parameters alone
+    ("rslora", "bert"),
+    ("adalora", "bert"),
+    ("lokr", "bert"),  # Kronecker factors
+    ("vera", "gpt2"),  # shared frozen projections, trained scaling vectors
+    ("fourierft", "gpt2"),  # a weight from its spectrum (an inverse FFT of parameters)
+    ("ia3", "bert"),
+    ("prompt", "llama"),  # trained virtual-token embeddings concatenated before the tokens
+    ("p-tuning", "bert"),
+]
+
+
+@pytest.mark.parametrize(("variant", "base"), ADAPTED, ids=[f"{v}-{b}" for v, b in ADAPTED])
+def test_a_peft_adapter_of_each_kind_clips_exactly_without_the_exact_path(variant: str, base: str) -> None:
+    peft = pytest.importorskip("peft", reason="peft is a test extra; not installed here")
+    torch.manual_seed(0)
+    model = HuggingFace(peft.get_peft_model(_text_model(base), _adapter(variant, TARGETS[base])).eval())
+    y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(1))
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, _tokens(base), y)
