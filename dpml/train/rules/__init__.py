@@ -1,7 +1,8 @@
 """Per-operation clipping rules: where a trainable parameter enters the computation through an operation
-with a rule (a linear map, an index equation (einsum), an embedding lookup, a normalisation's affine, an
-elementwise affine, a concatenation), the engine forms its per-example gradient norm and clipped sum from
-that operation's operands and output gradient, however the module around it is written.
+with a rule (a linear map, an index equation (einsum), an embedding lookup, a convolution, a normalisation's
+affine, an elementwise affine, a learned slope, a bilinear form, a concatenation), the engine forms its per-example
+gradient norm and clipped sum from that operation's operands and output gradient, however the module around it is
+written.
 
 One rule per file, registered for the torch functions it covers (:func:`registry.rule`); a new operation
 is one file (imported below) plus a test. :mod:`.recorder` sees the operations, :mod:`.combine` adds up a
@@ -9,6 +10,7 @@ parameter's uses (cross terms included).
 """
 
 from dpml.train.rules import (  # noqa: F401 (each module registers its rules when imported)
+    bilinear,
     broadcast,
     concat,
     convolution,
@@ -18,6 +20,7 @@ from dpml.train.rules import (  # noqa: F401 (each module registers its rules wh
     linear,
     matmul,
     norm,
+    prelu,
     views,
 )
 from dpml.train.rules.combine import cast_form, parameter_piece, per_example_gradients_of

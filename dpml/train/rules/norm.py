@@ -1,7 +1,8 @@
 """The affine part of a normalisation, z = x̂ ⊙ γ + β: ``F.layer_norm`` and ``F.group_norm`` (the stock
-modules where their hooks do not apply). x̂ is recomputed from the recorded input with the same function
-without γ, β; ∇_γ ℓ_i = Σ_t x̂_{i,t} ⊙ δ_{i,t} and ∇_β ℓ_i = Σ_t δ_{i,t} over the positions t sharing
-γ and β, materialised (they are small). A layer norm's input may also be the batch's rows flattened or
+modules where their hooks do not apply), ``F.rms_norm`` (``nn.RMSNorm``: γ alone, x̂ = x / rms(x)) and
+``F.instance_norm`` with an affine (``nn.InstanceNorm*d(affine=True)``). x̂ is recomputed from the recorded input
+with the same function without γ, β; ∇_γ ℓ_i = Σ_t x̂_{i,t} ⊙ δ_{i,t} and ∇_β ℓ_i = Σ_t δ_{i,t} over the positions t
+sharing γ and β, materialised (they are small). A layer norm's input may also be the batch's rows flattened or
 reordered (:meth:`Call.rows`), as before OPT's last norm.
 """
 
@@ -70,5 +71,42 @@ def group_norm(call: Call) -> Pending | str:
         call.tracked(bias),
         lambda d: d.reshape(batch, channels, -1),
         lambda: F.group_norm(recorded, groups, eps=eps),
+        2,
+    )
+
+
+@rule(F.rms_norm, torch.rms_norm)
+def rms_norm(call: Call) -> Pending | str:
+    x, shape = call.arg(0, "input"), tuple(call.arg(1, "normalized_shape"))
+    weight, eps = call.arg(2, "weight"), call.arg(3, "eps")
+    if call.tracked(x) is not None or x.dim() <= len(shape) or not call.batch_first(x):
+        return f"its input (shape {tuple(x.shape)}) is not batch-first"
+    batch, recorded = x.shape[0], x.detach()
+    return _affine(
+        call,
+        call.tracked(weight),
+        None,
+        lambda d: d.reshape(batch, -1, *shape),
+        lambda: F.rms_norm(recorded, shape, eps=eps),
+        1,
+    )
+
+
+@rule(F.instance_norm)
+def instance_norm(call: Call) -> Pending | str:
+    x, mean, variance = call.arg(0, "input"), call.arg(1, "running_mean"), call.arg(2, "running_var")
+    weight, bias = call.arg(3, "weight"), call.arg(4, "bias")
+    from_input, eps = call.arg(5, "use_input_stats", True), call.arg(7, "eps", 1e-5)
+    if call.tracked(x) is not None or not call.batch_first(x) or x.dim() < 3:
+        return f"its input (shape {tuple(x.shape)}) is not batch-first"
+    batch, channels, recorded = x.shape[0], x.shape[1], x.detach()
+    if from_input:  # (the running statistics, when kept, are neither read nor updated again)
+        mean = variance = None
+    return _affine(
+        call,
+        call.tracked(weight),
+        call.tracked(bias),
+        lambda d: d.reshape(batch, channels, -1),
+        lambda: F.instance_norm(recorded, mean, variance, use_input_stats=from_input, eps=eps),
         2,
     )
