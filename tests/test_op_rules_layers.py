@@ -1,5 +1,5 @@
 """Rules for torch's own layers that no hook covers: ``nn.Bilinear``, ``nn.PReLU`` (a slope per channel or one for
-all), ``nn.RMSNorm`` and ``nn.InstanceNorm1d(affine=True)``: clipped sums and norms equal a float64 per-example
+all), ``nn.RMSNorm``, ``nn.InstanceNorm1d(affine=True)`` and ``nn.EmbeddingBag`` (sum, mean, weighted): clipped sums and norms equal a float64 per-example
 autograd loop, and none of their parameters takes the exact path."""
 
 from __future__ import annotations
@@ -43,3 +43,29 @@ def test_torch_layers_without_a_hook_are_exact_without_the_exact_path() -> None:
     torch.manual_seed(12)
     x = torch.randn(6, 5, 6, generator=generator(27), dtype=torch.float64)
     assert_exact_without_the_exact_path(TorchLayers(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+
+
+class Bags(nn.Module):
+    """x (B, L, 2): a row of indices per example (x[..., 0]) and their weights (x[..., 1]); bags summed with the
+    weights, averaged without index 0 (``padding_idx``), and summed from a table also looked up per index."""
+
+    def __init__(self, rows: int = 12, width: int = 5) -> None:
+        super().__init__()
+        self.summed = nn.EmbeddingBag(rows, width, mode="sum")
+        self.averaged = nn.EmbeddingBag(rows, width, mode="mean", padding_idx=0)
+        self.out = nn.Linear(3 * width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = x[..., 0].long(), x[..., 1]
+        looked_up = torch.nn.functional.embedding(ids, self.summed.weight).mean(1)  # the same table, another use
+        parts = [self.summed(ids, per_sample_weights=weights), self.averaged(ids), looked_up]
+        return self.out(torch.tanh(torch.cat(parts, 1)))
+
+
+def test_bags_of_indices_summed_or_averaged_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(13)
+    ids = torch.randint(0, 12, (6, 4), generator=generator(28))
+    ids[0, 1:] = 0  # one bag of padding but for one index
+    weights = torch.rand(6, 4, generator=generator(29), dtype=torch.float64) + 0.5
+    x = torch.stack([ids.double(), weights], 2)
+    assert_exact_without_the_exact_path(Bags(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))

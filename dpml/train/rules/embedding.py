@@ -7,6 +7,11 @@
   output is the same for every example, a view of W (rows k_t), tracked; the operation where it meets the
   batch (``h + pos``) forms each example's gradient and maps it back through the indices.
 
+Bags of indices (``F.embedding_bag``, ``nn.EmbeddingBag``) given as one row per example, (B, L), summed or averaged,
+with per-index weights or not: z_i = Σ_j c_{i,j} W[k_{i,j}] (c the weight, divided by the bag's count of indices other
+than ``padding_idx`` for the mean), so ∇_W ℓ_i = Σ_j e_{k_{i,j}} (c_{i,j} δ_i)ᵀ: the lookup's form with δ_i spread over
+the bag. A bag's maximum (``mode="max"``) and bags given by offsets into one flat row have no rule.
+
 ``max_norm`` (renormalises W inside the forward) and ``scale_grad_by_freq`` (counts over the whole batch)
 have no rule.
 """
@@ -47,3 +52,35 @@ def embedding(call: Call) -> Pending | Shared | str:
         return "shared indices that hit padding_idx"
     index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter
     return Shared([(call.output, Tracked(w.param, index, shared=True))])
+
+
+@rule(F.embedding_bag)
+def embedding_bag(call: Call) -> Pending | str:
+    ids, weight, offsets = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "offsets")
+    mode, per_index, padding_idx = (
+        call.arg(6, "mode", "mean"),
+        call.arg(8, "per_sample_weights"),
+        call.arg(10, "padding_idx"),
+    )
+    w = call.tracked(weight)
+    if w is None or call.tracked(ids) is not None or call.tracked(per_index) is not None:
+        return "a parameter as its indices or their weights"
+    if call.arg(3, "max_norm") is not None or call.arg(5, "scale_grad_by_freq", False):
+        return "max_norm or scale_grad_by_freq"
+    if mode not in ("sum", "mean"):
+        return f"mode {mode!r} (the bag's maximum)"
+    if offsets is not None or ids.dim() != 2 or not call.batch_first(ids):
+        return "bags that are not one row of indices per example"
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += w.shape()[0]
+    batch, size = ids.shape
+    kept = (ids != padding_idx) if padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+    share = kept.to(weight.dtype) if per_index is None else per_index.detach() * kept
+    if mode == "mean":
+        share = share / kept.sum(1, keepdim=True).clamp(min=1)
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        spread = share.to(d.dtype).unsqueeze(2) * d.reshape(batch, 1, -1)  # (B, L, D): c_{i,j} δ_i
+        return [(w, Factored(ids, spread, w.shape()[0], spread.shape[2]))]
+
+    return Pending(call.output, [w.param], finish)
