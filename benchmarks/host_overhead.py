@@ -186,7 +186,10 @@ def write(rows: list[dict], out: Path, meta: dict[str, str], name: str = "host_o
         "there. Here everything is on the CPU, so this column counts every read, also of the tensors that stay "
         "on the CPU whatever the device (the recorder's example maps, since cdd731f); which reads would reach "
         "the batch's device is what `tests/test_devices.py` checks on the meta device (none for an MLP, GroupNorm, "
-        "GPT-2's addmm or a ViT-shaped encoder, since 81afc09). What a launch-bound GPU step waits for.",
+        "GPT-2's addmm or a ViT-shaped encoder, since 81afc09). What a launch-bound GPU step waits for. "
+        "Convolutions take CPU-only ways here (the compiled norms kernel, one call that no operator count sees, and "
+        "cache-sized slices of examples: `dpml/train/clipping_conv.py`); a GPU takes torch's batched products, so "
+        "the CNN's, WRN's and ResNet's counts are the CPU's, not a GPU's launches.",
         "",
         "| model | batch | non-private µs | dpml µs | ratio | operators (non-private / dpml) | kernels | host reads |",
         "|---|---|---|---|---|---|---|---|",
