@@ -1,6 +1,6 @@
 """Rules for torch's own layers that no hook covers: ``nn.Bilinear``, ``nn.PReLU`` (a slope per channel or one for
-all), ``nn.RMSNorm``, ``nn.InstanceNorm1d(affine=True)`` and ``nn.EmbeddingBag`` (sum, mean, weighted): clipped sums and norms equal a float64 per-example
-autograd loop, and none of their parameters takes the exact path."""
+all), ``nn.RMSNorm``, ``nn.InstanceNorm1d(affine=True)`` and ``nn.EmbeddingBag`` (sum, mean, weighted): clipped
+sums and norms equal a float64 per-example autograd loop, and none of their parameters takes the exact path."""
 
 from __future__ import annotations
 

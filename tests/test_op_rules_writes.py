@@ -210,3 +210,34 @@ def test_a_weight_dropped_out_in_training_draws_the_same_masks_as_without_the_re
     assert_exact_without_the_exact_path(
         DroppedWeight().train(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), seed=9
     )
+
+
+class LowRankWithMagnitude(nn.Module):
+    """DoRA's weight: W = m ⊙ (W₀ + B A) / ‖W₀ + B A‖ (per output row), a chain of computations on parameters whose
+    outputs are the layer's size while the trained factors (B, A, m) are small."""
+
+    def __init__(self, width: int = 8, rank: int = 2) -> None:
+        super().__init__()
+        self.frozen = nn.Parameter(torch.randn(width, width) * 0.3, requires_grad=False)
+        self.b = nn.Parameter(torch.randn(width, rank) * 0.3)
+        self.a = nn.Parameter(torch.randn(rank, width) * 0.3)
+        self.m = nn.Parameter(torch.rand(width, 1) + 0.5)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        merged = self.frozen + self.b @ self.a
+        weight = self.m * merged / merged.norm(dim=1, keepdim=True)
+        return self.out(torch.tanh(x @ weight.t()))
+
+
+def test_a_computed_weight_larger_than_the_keep_limit_is_carried_back_a_slice_of_examples_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """B × the weight's 64 numbers (384) pass the limit, B × the factors' (at most 48) do not: the weight's per-example
+    gradients are formed one example at a time, and nothing takes the exact path."""
+    monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 100)
+    torch.manual_seed(10)
+    x = torch.randn(6, 8, generator=generator(30), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        LowRankWithMagnitude(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), planned=False
+    )

@@ -55,8 +55,8 @@ from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.released import RuledCall, Slot, Targets
-from dpml.train.rules import Recorder, Use, cast_form, parameter_piece, per_example_gradients_of
-from dpml.train.rules.derived import pull_back
+from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
+from dpml.train.rules.derived import pull_back_all
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.registry import Dense
 
@@ -229,28 +229,15 @@ def _rule_pieces(
                 uses[key].append((tracked, cast_form(form, dtype)))
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
-    failed: dict[int, str] = {}
-    for node in reversed(recording.recorder.computations.nodes):  # a computation before those it feeds
-        if id(node.output) not in relevant:
-            continue
-        size = batch * max(t.numel() for t in (node.output, *node.leaves))
-        if size > limit:  # its per-example gradients are materialised: past the limit its parameters go exact
-            failed.update(
-                {
-                    id(p): f"{node.operation} on parameters: its per-example gradients ({size} numbers) "
-                    f"exceed the keep limit ({limit})"
-                    for p in node.params
-                    if id(p) in ruled
-                }
-            )
-            continue
-        gradients = per_example_gradients_of(uses.pop(id(node.output)), node.output, batch, dtype)
-        for (_, tracked), g in zip(node.sources, pull_back(node, gradients), strict=True):
-            key = id(tracked.param)
-            if key in relevant:
-                uses[key].append((tracked, Dense(_as_dtype(g, dtype))))
-                params[key] = tracked.param
-                operations[key] += operations[id(node.output)] + [node.operation]
+    pulled, failed = pull_back_all(recording.recorder.computations.nodes, uses, relevant, batch, dtype, limit)
+    failed = {key: reason for key, reason in failed.items() if key in ruled}
+    for node in reversed(recording.recorder.computations.nodes):  # later ones first, as the pull-back
+        for _, tracked in node.sources:
+            if id(node.output) in relevant and id(tracked.param) in relevant:
+                operations[id(tracked.param)] += operations[id(node.output)] + [node.operation]
+    for _, tracked, g in pulled:
+        uses[id(tracked.param)].append((tracked, Dense(g)))
+        params[id(tracked.param)] = tracked.param
     pieces: list[tuple[Unit, Piece]] = []
     for key, name in ruled.items():
         if key in failed:

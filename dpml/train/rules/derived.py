@@ -16,7 +16,8 @@ from torch import nn
 from dpml.devices import RngState, rng_state, set_rng_state
 from dpml.train.exact_path import batched_vjp
 from dpml.train.rules.operands import outputs, substituted, tensors
-from dpml.train.rules.registry import Tracked, function_name
+from dpml.train.rules.combine import per_example_gradients_of
+from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use, function_name
 
 
 @dataclass(eq=False)
@@ -169,3 +170,53 @@ def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:
     operator has no batching rule), the chain rule's step ∂ℓ_i/∂s = (∂o/∂s)ᵀ ∂ℓ_i/∂o with the sources
     independent (a source that is itself a Derived output passes its share on when its own turn comes)."""
     return batched_vjp(node.local, node.leaves, gradients.to(node.local.dtype))
+
+
+def _examples(form: Form, rows: slice) -> Form:
+    """A use's per-example gradients for the examples ``rows`` only."""
+    if isinstance(form, Dense):
+        return Dense(form.grads[rows])
+    return Factored(form.u[rows], form.v[rows], form.rows, form.cols)
+
+
+def pull_back_all(
+    nodes: list[Derived], uses: dict[int, list[Use]], relevant: set[int], batch: int, dtype: torch.dtype, limit: int
+) -> tuple[list[tuple[Derived, Tracked, torch.Tensor]], dict[int, str]]:
+    """The uses of the computations on parameters (``nodes`` in the order they ran; those whose output is among the
+    ``relevant`` ids) carried back to the parameters they came from: (node, the parameter's view, its per-example
+    gradients (B, *view)) for each, and why a parameter cannot be (its per-example gradients, kept for the whole
+    batch, pass ``limit`` numbers; or one example's of a computation do). A computation's output's per-example
+    gradients are formed a slice of examples at a time, at most ``limit`` numbers (a weight formed from LoRA factors is
+    as large as the layer's: B × d_in·d_out at once would not fit where the factors' gradients do), through every
+    computation in turn, later ones first."""
+    chain = [node for node in reversed(nodes) if id(node.output) in relevant]
+    computed = {id(node.output) for node in nodes}
+    failed: dict[int, str] = {}
+    for node in chain:
+        widest = max(t.numel() for t in (node.output, *node.leaves))
+        kept = [t.numel() for (_, s), t in zip(node.sources, node.leaves, strict=True) if id(s.param) not in computed]
+        size = batch * max(kept, default=0) if widest <= limit else widest  # (one example's, where that is too many)
+        if size > limit:
+            reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers) exceed the keep limit"
+            failed.update({id(p): f"{reason} ({limit})" for p in node.params})
+    while stale := [node for node in chain if any(id(p) in failed for p in node.params)]:  # and what shares them
+        for node in stale:
+            reason = next(failed[id(p)] for p in node.params if id(p) in failed)
+            failed.update({id(p): reason for p in node.params if id(p) not in failed})
+        chain = [node for node in chain if node not in stale]
+    if not chain:
+        return [], failed
+    step = max(1, limit // max(t.numel() for node in chain for t in (node.output, *node.leaves)))
+    parts: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for start in range(0, batch, step):
+        rows = slice(start, min(start + step, batch))
+        local = {id(node.output): [(t, _examples(f, rows)) for t, f in uses.get(id(node.output), [])] for node in chain}
+        for k, node in enumerate(chain):
+            gradients = per_example_gradients_of(local.pop(id(node.output)), node.output, rows.stop - rows.start, dtype)
+            for j, ((_, tracked), g) in enumerate(zip(node.sources, pull_back(node, gradients), strict=True)):
+                key = id(tracked.param)
+                if key in local:  # the output of a computation still to come: a use of it
+                    local[key].append((tracked, Dense(g.to(dtype))))
+                elif key in relevant:
+                    parts.setdefault((k, j), []).append(g.to(dtype))
+    return [(chain[k], chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()], failed

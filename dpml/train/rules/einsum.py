@@ -21,6 +21,7 @@ appear in x or z, and no operand may repeat an index (a diagonal). An ellipsis m
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
 
 import torch
 
@@ -74,6 +75,9 @@ def product(
     batch = a.shape[0]
     same_sizes = all(a.shape[x_subs.index(c)] == out_shape[z_subs.index(c)] for c in x_subs if c in z_subs)
     factored = _factored_layout(x_subs, s_subs, z_subs) if same_sizes else None  # (no size-1 broadcast)
+    grouped = _per_group(a, s, subscripts, out_shape) if same_sizes and factored is None else None
+    if grouped is not None:
+        return Pending(call.output, [s.param], grouped)
     if factored is not None:
         u_subs, v_subs, swapped = factored
 
@@ -93,6 +97,39 @@ def product(
         return [(s, Dense(torch.einsum(f"{x_subs},{z_subs}->{b}{s_subs}", a, d.view(out_shape))))]
 
     return Pending(call.output, [s.param], finish_dense)
+
+
+def _per_group(
+    a: torch.Tensor, s: Tracked, subscripts: tuple[str, str, str], out_shape: torch.Size
+) -> Callable[[torch.Tensor], list[Use]] | None:
+    """The uses of a 3-D S one of whose indices g is kept by x and z alike (a head: ``b h t j, h j k → b h t k``) and
+    whose other two map an index of x to one of z: S_g for each g, factored as a 2-D S (``_factored_layout``), over
+    x's and δ's slices at g; None for any other S."""
+    x_subs, s_subs, z_subs = subscripts
+    groups = [c for c in s_subs if c in x_subs and c in z_subs and c != x_subs[0]]
+    if len(s_subs) != 3 or len(groups) != 1:
+        return None
+    g = groups[0]
+    inner = tuple(t.replace(g, "") for t in subscripts)
+    layout = _factored_layout(*inner)
+    if layout is None:
+        return None
+    u_subs, v_subs, swapped = layout
+    index, batch = s.flat_index(), a.shape[0]
+    views = [Tracked(s.param, index.select(s_subs.index(g), h), s.shared) for h in range(index.shape[s_subs.index(g)])]
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        d = d.view(out_shape)
+        uses: list[Use] = []
+        for h, view in enumerate(views):
+            a_h, d_h = a.select(x_subs.index(g), h), d.select(z_subs.index(g), h)
+            u = torch.einsum(f"{inner[0]}->{u_subs}", a_h).reshape(batch, -1, a_h.shape[inner[0].index(u_subs[-1])])
+            v = torch.einsum(f"{inner[2]}->{v_subs}", d_h).reshape(batch, -1, d_h.shape[inner[2].index(v_subs[-1])])
+            form = Factored(u, v, u.shape[2], v.shape[2])
+            uses.append((view, form.transposed() if swapped else form))
+        return uses
+
+    return finish
 
 
 def _factored_layout(x_subs: str, s_subs: str, z_subs: str) -> tuple[str, str, bool] | None:
