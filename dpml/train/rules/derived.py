@@ -199,11 +199,11 @@ def pull_back_all(
         if size > limit:
             reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers) exceed the keep limit"
             failed.update({id(p): f"{reason} ({limit})" for p in node.params})
-    while stale := [node for node in chain if any(id(p) in failed for p in node.params)]:  # and what shares them
-        for node in stale:
+    while blocked := [node for node in chain if any(id(p) in failed for p in node.params)]:  # and what shares them
+        for node in blocked:
             reason = next(failed[id(p)] for p in node.params if id(p) in failed)
             failed.update({id(p): reason for p in node.params if id(p) not in failed})
-        chain = [node for node in chain if node not in stale]
+        chain = [node for node in chain if node not in blocked]
     if not chain:
         return [], failed
     step = max(1, limit // max(t.numel() for node in chain for t in (node.output, *node.leaves)))

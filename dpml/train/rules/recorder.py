@@ -334,8 +334,8 @@ class Recorder(TorchFunctionMode):
                 self._follow_rows(args, kwargs, out)
             return out
         self._note_owners(hits)
-        stale = [h for h in hits if id(h.param) in self.computations.stale]
-        self._refuse(stale, f"{function_name(func)}: an operand whose values an in-place operation changed since")
+        if stale := [h for h in hits if id(h.param) in self.computations.stale]:
+            self._refuse(stale, f"{function_name(func)}: an operand whose values an in-place operation changed since")
         if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
             return self._view(func, args, kwargs, hits)
         if self._parameter_only(args, kwargs):
