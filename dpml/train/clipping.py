@@ -235,7 +235,7 @@ def _rule_pieces(
         for _, tracked in node.sources:
             if id(node.output) in relevant and id(tracked.param) in relevant:
                 operations[id(tracked.param)] += operations[id(node.output)] + [node.operation]
-    for _, tracked, g in pulled:
+    for tracked, g in pulled:
         uses[id(tracked.param)].append((tracked, Dense(g)))
         params[id(tracked.param)] = tracked.param
     pieces: list[tuple[Unit, Piece]] = []

@@ -153,6 +153,18 @@ def per_example_conv_gradients(
     return torch.bmm(d, unfold_patches(inputs, *conv_geometry(module)).transpose(1, 2))  # type: ignore[misc]
 
 
+def grouped_per_example_gradients(d: torch.Tensor, patches: torch.Tensor, groups: int) -> torch.Tensor:
+    """∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ of a convolution with ``groups`` = g, from δ (B, C_out, T) and the
+    patches (B, C_in·k, T): one batched product over the B·g (example, group) pairs, each group's output rows
+    against its own input channels' patches; (B, C_out, C_in/g·k)."""
+    batch, out_channels, rows = d.shape[0], d.shape[1], d.shape[0] * groups
+    grads = torch.bmm(
+        d.reshape(rows, out_channels // groups, -1),
+        patches.reshape(rows, patches.shape[1] // groups, -1).transpose(1, 2),
+    )
+    return grads.reshape(batch, out_channels, -1)
+
+
 PATCH_SLICE_ELEMENTS = 1 << 19  # numbers of patches and gradients per slice of examples (2 MiB in float32)
 
 

@@ -58,6 +58,7 @@ from dpml.train.clipping_conv import (
     compiled_beats_ghost,
     compiled_norms,
     conv_geometry,
+    grouped_per_example_gradients,
     patch_slice_norms_squared,
     per_example_conv_gradients,
     per_example_conv_way,
@@ -349,10 +350,7 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         keep = batch * weight.numel() <= room(keep_limit(d.device))  # the whole batch in one slice, within the budget
         for start in range(0, batch, step):
             a, dd = patches[start : start + step], d[start : start + step]
-            rows = a.shape[0] * groups
-            per_example = torch.bmm(
-                dd.reshape(rows, out_channels // groups, -1), a.reshape(rows, a.shape[1] // groups, -1).transpose(1, 2)
-            ).reshape(a.shape[0], -1)
+            per_example = grouped_per_example_gradients(dd, a, groups).reshape(a.shape[0], -1)
             squared[start : start + step] += row_norms_squared(per_example)
         if keep:
             kept = per_example

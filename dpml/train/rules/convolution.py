@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dpml.train.clipping_conv import unfold_patches
+from dpml.train.clipping_conv import grouped_per_example_gradients, unfold_patches
 from dpml.train.keep_budget import keep_limit
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule
 
@@ -59,11 +59,8 @@ def convolution(call: Call) -> Pending | str:
             patches = unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry)  # (B, C_in·k, T)
             if groups == 1:
                 uses.append((w, Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])))
-            else:  # (B·g, C_out/g, T) @ (B·g, T, C_in/g·k): each group's rows and its own channels' patches
-                grads = torch.bmm(
-                    d.reshape(batch * groups, out_channels // groups, -1),
-                    patches.reshape(batch * groups, patches.shape[1] // groups, -1).transpose(1, 2),
-                )
+            else:
+                grads = grouped_per_example_gradients(d, patches, groups)
                 uses.append((w, Dense(grads.reshape(batch, *w.shape()))))
         if b is not None:
             uses.append((b, Dense(d.sum(2))))

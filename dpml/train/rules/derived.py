@@ -181,14 +181,14 @@ def _examples(form: Form, rows: slice) -> Form:
 
 def pull_back_all(
     nodes: list[Derived], uses: dict[int, list[Use]], relevant: set[int], batch: int, dtype: torch.dtype, limit: int
-) -> tuple[list[tuple[Derived, Tracked, torch.Tensor]], dict[int, str]]:
+) -> tuple[list[tuple[Tracked, torch.Tensor]], dict[int, str]]:
     """The uses of the computations on parameters (``nodes`` in the order they ran; those whose output is among the
-    ``relevant`` ids) carried back to the parameters they came from: (node, the parameter's view, its per-example
-    gradients (B, *view)) for each, and why a parameter cannot be (its per-example gradients, kept for the whole
-    batch, pass ``limit`` numbers; or one example's of a computation do). A computation's output's per-example
-    gradients are formed a slice of examples at a time, at most ``limit`` numbers (a weight formed from LoRA factors is
-    as large as the layer's: B × d_in·d_out at once would not fit where the factors' gradients do), through every
-    computation in turn, later ones first."""
+    ``relevant`` ids) carried back to the parameters they came from: (the parameter's view, its per-example
+    gradients (B, *view)) for each source that is one, and why a parameter cannot be (its per-example gradients,
+    kept for the whole batch, pass ``limit`` numbers; or one example's of a computation do). A computation's
+    output's per-example gradients are formed a slice of examples at a time, at most ``limit`` numbers (a weight
+    formed from LoRA factors is as large as the layer's: B × d_in·d_out at once would not fit where the factors'
+    gradients do), through every computation in turn, later ones first."""
     chain = [node for node in reversed(nodes) if id(node.output) in relevant]
     computed = {id(node.output) for node in nodes}
     failed: dict[int, str] = {}
@@ -219,4 +219,4 @@ def pull_back_all(
                     local[key].append((tracked, Dense(g.to(dtype))))
                 elif key in relevant:
                     parts.setdefault((k, j), []).append(g.to(dtype))
-    return [(chain[k], chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()], failed
+    return [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()], failed

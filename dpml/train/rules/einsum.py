@@ -82,11 +82,7 @@ def product(
         u_subs, v_subs, swapped = factored
 
         def finish_factored(d: torch.Tensor) -> list[Use]:
-            d = d.view(out_shape)
-            u = torch.einsum(f"{x_subs}->{u_subs}", a).reshape(batch, -1, a.shape[x_subs.index(u_subs[-1])])
-            v = torch.einsum(f"{z_subs}->{v_subs}", d).reshape(batch, -1, d.shape[z_subs.index(v_subs[-1])])
-            form = Factored(u, v, u.shape[2], v.shape[2])
-            return [(s, form.transposed() if swapped else form)]
+            return [(s, _factored(a, d.view(out_shape), (x_subs, z_subs), factored))]
 
         return Pending(call.output, [s.param], finish_factored)
     count = batch * int(torch.Size(s.shape()).numel())
@@ -114,8 +110,7 @@ def _per_group(
     layout = _factored_layout(*inner)
     if layout is None:
         return None
-    u_subs, v_subs, swapped = layout
-    index, batch = s.flat_index(), a.shape[0]
+    index = s.flat_index()
     views = [Tracked(s.param, index.select(s_subs.index(g), h), s.shared) for h in range(index.shape[s_subs.index(g)])]
 
     def finish(d: torch.Tensor) -> list[Use]:
@@ -123,13 +118,19 @@ def _per_group(
         uses: list[Use] = []
         for h, view in enumerate(views):
             a_h, d_h = a.select(x_subs.index(g), h), d.select(z_subs.index(g), h)
-            u = torch.einsum(f"{inner[0]}->{u_subs}", a_h).reshape(batch, -1, a_h.shape[inner[0].index(u_subs[-1])])
-            v = torch.einsum(f"{inner[2]}->{v_subs}", d_h).reshape(batch, -1, d_h.shape[inner[2].index(v_subs[-1])])
-            form = Factored(u, v, u.shape[2], v.shape[2])
-            uses.append((view, form.transposed() if swapped else form))
+            uses.append((view, _factored(a_h, d_h, (inner[0], inner[2]), layout)))
         return uses
 
     return finish
+
+
+def _factored(a: torch.Tensor, d: torch.Tensor, subscripts: tuple[str, str], layout: tuple[str, str, bool]) -> Factored:
+    """Σ_t u_t v_tᵀ from the activation ``a`` and δ ``d`` (subscripts x's, z's) in a :func:`_factored_layout`."""
+    (x_subs, z_subs), (u_subs, v_subs, swapped), batch = subscripts, layout, a.shape[0]
+    u = torch.einsum(f"{x_subs}->{u_subs}", a).reshape(batch, -1, a.shape[x_subs.index(u_subs[-1])])
+    v = torch.einsum(f"{z_subs}->{v_subs}", d).reshape(batch, -1, d.shape[z_subs.index(v_subs[-1])])
+    form = Factored(u, v, u.shape[2], v.shape[2])
+    return form.transposed() if swapped else form
 
 
 def _factored_layout(x_subs: str, s_subs: str, z_subs: str) -> tuple[str, str, bool] | None:

@@ -334,7 +334,7 @@ class Recorder(TorchFunctionMode):
                 self._follow_rows(args, kwargs, out)
             return out
         self._note_owners(hits)
-        if stale := [h for h in hits if id(h.param) in self.computations.stale]:
+        if self.computations.stale and (stale := [h for h in hits if id(h.param) in self.computations.stale]):
             self._refuse(stale, f"{function_name(func)}: an operand whose values an in-place operation changed since")
         if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
             return self._view(func, args, kwargs, hits)
