@@ -69,3 +69,35 @@ def test_bags_of_indices_summed_or_averaged_are_exact_without_the_exact_path() -
     weights = torch.rand(6, 4, generator=generator(29), dtype=torch.float64) + 0.5
     x = torch.stack([ids.double(), weights], 2)
     assert_exact_without_the_exact_path(Bags(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+
+
+class ShiftsAndScales(nn.Module):
+    """x (B, T, 5) through ``torch.addcmul`` with parameters: β + α ⊙ x (timm's ResMLP ``Affine``, α and β of shape
+    (1, 1, C)), β' + γ ⊙ (x ⊙ N(x)) with the response norm of ConvNeXt-V2 (weights viewed (1, 1, C), ``value`` 0.5),
+    x + 2·(u ⊙ s) with the scale s (C,) the second factor and no shift parameter, and β'' + x ⊙ c with only the shift a
+    parameter (c a constant)."""
+
+    def __init__(self, width: int = 5) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.rand(1, 1, width) + 0.5)
+        self.beta = nn.Parameter(torch.randn(1, 1, width))
+        self.gamma = nn.Parameter(torch.rand(width) + 0.5)
+        self.shift = nn.Parameter(torch.randn(width))
+        self.scale = nn.Parameter(torch.rand(width) + 0.5)
+        self.bias = nn.Parameter(torch.randn(width))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(torch.addcmul(self.beta, self.alpha, x))
+        response = h.norm(p=2, dim=1, keepdim=True)
+        normalised = response / (response.mean(dim=-1, keepdim=True) + 1e-6)
+        h = h + torch.addcmul(self.shift.view(1, 1, -1), self.gamma.view(1, 1, -1), h * normalised, value=0.5)
+        h = torch.tanh(h).addcmul(torch.sin(h), self.scale, value=2.0)
+        h = torch.addcmul(self.bias, torch.tanh(h), torch.full_like(h, 0.7))
+        return self.out(torch.tanh(h).mean(1))
+
+
+def test_shifts_and_scales_by_addcmul_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(14)
+    x = torch.randn(6, 4, 5, generator=generator(30), dtype=torch.float64)
+    assert_exact_without_the_exact_path(ShiftsAndScales(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))

@@ -1,8 +1,8 @@
 """Per-operation clipping rules: where a trainable parameter enters the computation through an operation
 with a rule (a linear map, an index equation (einsum), an embedding lookup, a convolution, a normalisation's
-affine, an elementwise affine, a learned slope, a bilinear form, a concatenation), the engine forms its per-example
-gradient norm and clipped sum from that operation's operands and output gradient, however the module around it is
-written.
+affine, an elementwise affine or a shift and scale in one ``addcmul``, a learned slope, a bilinear form, a
+concatenation), the engine forms its per-example gradient norm and clipped sum from that operation's operands and
+output gradient, however the module around it is written.
 
 One rule per file, registered for the torch functions it covers (:func:`registry.rule`); a new operation
 is one file (imported below) plus a test. :mod:`.recorder` sees the operations, :mod:`.combine` adds up a
@@ -10,6 +10,7 @@ parameter's uses (cross terms included).
 """
 
 from dpml.train.rules import (  # noqa: F401 (each module registers its rules when imported)
+    addcmul,
     bilinear,
     broadcast,
     concat,

@@ -1,0 +1,72 @@
+"""A learned shift and scale in one call: z = β + v·(α ⊙ y) (``torch.addcmul(β, α, y, value=v)``), β and α parameters
+broadcast over the batch (either may be absent: a batch tensor or a constant in its place), y the other factor
+(timm's ResMLP ``Affine``, β + α ⊙ x; ConvNeXt-V2's global response normalisation, β + γ ⊙ (x ⊙ N(x))).
+
+As :mod:`.elementwise`: with S right-aligned to z and padded to S' of z's rank, the per-example gradients are, over
+the dimensions S' broadcasts,
+
+    ∇_β ℓ_i = Σ δ_i,    ∇_α ℓ_i = v · Σ δ_i ⊙ y_i,
+
+materialised (the size of the parameter per example); a batch-first operand (or one whose first-dimension slices
+each belong to one example) gives the rows. A product of two parameters (α ⊙ α') is left to the exact path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, per_example, rule, view_per_example
+
+
+def _broadcast_view(call: Call, s: torch.Tensor, rows: int) -> tuple[Tracked, tuple[int, ...], tuple[int, ...]] | str:
+    """The parameter operand s as one example's view of its parameter, its shape padded to z's rank, and the
+    dimensions of z it is broadcast over (summed in its gradient); or why not."""
+    z = call.output
+    if s.dim() > z.dim():
+        return "a parameter with more dimensions than the result"
+    padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
+    view = view_per_example(call.tracked(s), padded, rows)  # type: ignore[arg-type]
+    if view is None:
+        return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
+    return view, padded, tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
+
+
+@rule(torch.addcmul, torch.Tensor.addcmul)
+def addcmul(call: Call) -> Pending | str:
+    shift, first, second = call.arg(0, "input"), call.arg(1, "tensor1"), call.arg(2, "tensor2")
+    value = call.kwargs.get("value", 1)
+    if call.kwargs.get("out") is not None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "an out= tensor or a value that is not a number"
+    if call.tracked(first) is not None and call.tracked(second) is not None:
+        return "a product of two parameters"
+    scale, other = (first, second) if call.tracked(first) is not None else (second, first)
+    parameters: list[tuple[Any, float | None]] = [(shift, None)] if call.tracked(shift) is not None else []
+    if call.tracked(scale) is not None:
+        parameters.append((scale, float(value)))
+    if not parameters:
+        return "no parameter among its operands"
+    z = call.output
+    examples = [call.leading_examples(t) for t in (shift, first, second) if call.tracked(t) is None]
+    owners = next((e for e in examples if e is not None and z.dim() >= 1 and e.numel() == z.shape[0]), None)
+    if owners is None:
+        return "no batch-first operand"
+    rows, y = z.shape[0], other.detach()
+    views: list[tuple[Tracked, tuple[int, ...], tuple[int, ...], float | None]] = []
+    for s, coefficient in parameters:
+        found = _broadcast_view(call, s, rows)
+        if isinstance(found, str):
+            return found
+        views.append((*found, coefficient))
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        uses: list[Use] = []
+        for view, padded, reduce, coefficient in views:
+            g = d if coefficient is None else d * y * coefficient
+            if reduce:
+                g = g.sum(reduce, keepdim=True)
+            uses.append((view, Dense(per_example(g.reshape(rows, *padded[1:]), owners, call.batch))))
+        return uses
+
+    return Pending(z, [call.tracked(s).param for s, _ in parameters], finish)  # type: ignore[union-attr]
