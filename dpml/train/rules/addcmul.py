@@ -2,8 +2,8 @@
 broadcast over the batch (either may be absent: a batch tensor or a constant in its place), y the other factor
 (timm's ResMLP ``Affine``, β + α ⊙ x; ConvNeXt-V2's global response normalisation, β + γ ⊙ (x ⊙ N(x))).
 
-As :mod:`.elementwise`: with S right-aligned to z and padded to S' of z's rank, the per-example gradients are, over
-the dimensions S' broadcasts,
+As :mod:`.elementwise` (:func:`.registry.broadcast_view`): with S right-aligned to z and padded to S' of z's rank,
+the per-example gradients are, over the dimensions S' broadcasts,
 
     ∇_β ℓ_i = Σ δ_i,    ∇_α ℓ_i = v · Σ δ_i ⊙ y_i,
 
@@ -17,20 +17,7 @@ from typing import Any
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, per_example, rule, view_per_example
-
-
-def _broadcast_view(call: Call, s: torch.Tensor, rows: int) -> tuple[Tracked, tuple[int, ...], tuple[int, ...]] | str:
-    """The parameter operand s as one example's view of its parameter, its shape padded to z's rank, and the
-    dimensions of z it is broadcast over (summed in its gradient); or why not."""
-    z = call.output
-    if s.dim() > z.dim():
-        return "a parameter with more dimensions than the result"
-    padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
-    view = view_per_example(call.tracked(s), padded, rows)  # type: ignore[arg-type]
-    if view is None:
-        return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
-    return view, padded, tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
+from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, broadcast_view, per_example, rule
 
 
 @rule(torch.addcmul, torch.Tensor.addcmul)
@@ -55,7 +42,7 @@ def addcmul(call: Call) -> Pending | str:
     rows, y = z.shape[0], other.detach()
     views: list[tuple[Tracked, tuple[int, ...], tuple[int, ...], float | None]] = []
     for s, coefficient in parameters:
-        found = _broadcast_view(call, s, rows)
+        found = broadcast_view(call, s, rows)
         if isinstance(found, str):
             return found
         views.append((*found, coefficient))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, per_example, rule, view_per_example
+from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, broadcast_view, per_example, rule
 
 T = torch.Tensor
 _SUMS = {torch.add, T.add, T.__add__, T.__radd__}
@@ -64,13 +64,10 @@ def elementwise(call: Call) -> Pending | Shared | str:
     if owners is None or z.dim() < 1 or z.shape[0] != x.shape[0]:
         return "no batch-first operand"
     rows = x.shape[0]  # the batch, or rows that each belong to one example (Swin's windows)
-    if s.dim() > z.dim():
-        return "a parameter with more dimensions than the result"
-    padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
-    view = view_per_example(tracked, padded, rows)  # type: ignore[arg-type]
-    if view is None:
-        return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
-    reduce = tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
+    found = broadcast_view(call, s, rows)
+    if isinstance(found, str):
+        return found
+    view, padded, reduce = found
     coefficient = _coefficient(call, s_first)
     other: Any = x.detach() if coefficient is None else None
     scale = 1.0 if coefficient is None else coefficient

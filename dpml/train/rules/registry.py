@@ -221,6 +221,20 @@ def view_per_example(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked
     return None
 
 
+def broadcast_view(call: Call, s: torch.Tensor, rows: int) -> tuple[Tracked, tuple[int, ...], tuple[int, ...]] | str:
+    """The parameter operand s of an elementwise call as one example's view of its parameter (:func:`view_per_example`),
+    its shape padded to the output z's rank, and the dimensions of z it is broadcast over (summed in its gradient);
+    or why not."""
+    z = call.output
+    if s.dim() > z.dim():
+        return "a parameter with more dimensions than the result"
+    padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
+    view = view_per_example(call.tracked(s), padded, rows)  # type: ignore[arg-type]
+    if view is None:
+        return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
+    return view, padded, tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
+
+
 RuleFunction = Callable[[Call], Union[Pending, Shared, str]]
 RULES: dict[Any, RuleFunction] = {}
 BROADCASTING: set[Any] = set()  # functions that broadcast a shared operand over the batch: per-example copies
