@@ -202,9 +202,15 @@ INPUT_GRAM_SLICE_ELEMENTS = 1 << 22  # numbers per slice of examples (16 MiB in 
 def input_gram_pays(shape: torch.Size, count: int, geometry: Geometry) -> bool:
     """A stride-1 convolution whose padded input has P positions, P² < T²·kh·kw: the Gram matrix of the input's
     positions (P²·C_in products an example) is then cheaper than that of its patches (T²·C_in·kh·kw)."""
-    (kh, kw), stride, (ph, pw), _ = geometry
-    positions = (shape[2] + 2 * ph) * (shape[3] + 2 * pw)
+    (kh, kw), stride, _, _ = geometry
+    positions = padded_positions(shape, geometry)
     return stride == (1, 1) and positions * positions < count * count * kh * kw
+
+
+def padded_positions(shape: torch.Size, geometry: Geometry) -> int:
+    """P, the positions of a (B, C, H, W) input once zero-padded: (H + 2·ph)(W + 2·pw)."""
+    _, _, (ph, pw), _ = geometry
+    return (shape[2] + 2 * ph) * (shape[3] + 2 * pw)
 
 
 COMPILED_GHOST_RATIO = 3
@@ -219,10 +225,10 @@ against 0.6 and 256 → 256 at 7×7 (12.5×) 24.1 against 5.3, where the ghost n
 def ghost_cost(shape: torch.Size, count: int, out_channels: int, geometry: Geometry) -> int:
     """Multiply-adds of a Conv2d's ghost norm for one example: P²·C_in + T²·C_out from the input Gram
     (:func:`input_gram_pays`), else T²·(C_in·kh·kw + C_out) from the patches'."""
-    (kh, kw), _, (ph, pw), _ = geometry
+    (kh, kw) = geometry[0]
     channels = shape[1]
     if input_gram_pays(shape, count, geometry):
-        positions = (shape[2] + 2 * ph) * (shape[3] + 2 * pw)
+        positions = padded_positions(shape, geometry)
         return positions * positions * channels + count * count * out_channels
     return count * count * (channels * kh * kw + out_channels)
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dpml.train.keep_budget import keep_limit
-from dpml.train.rules.registry import Call, Dense, Pending, Use, rule
+from dpml.train.rules.registry import Call, Dense, Pending, Use, beyond_keep_limit, rule
 
 
 @rule(torch.bilinear)  # (F.bilinear is torch.bilinear)
@@ -23,8 +22,9 @@ def bilinear(call: Call) -> Pending | str:
     if not (call.batch_first(x1) and call.batch_first(x2)) or x1.shape[:-1] != x2.shape[:-1]:
         return f"its inputs (shapes {tuple(x1.shape)}, {tuple(x2.shape)}) are not batch-first alike"
     batch = x1.shape[0]
-    if w is not None and batch * weight.numel() > keep_limit(x1.device):
-        return f"its per-example gradients ({batch} × {tuple(weight.shape)}) exceed the keep limit"
+    beyond = None if w is None else beyond_keep_limit(batch, weight.shape, x1.device)
+    if beyond is not None:
+        return beyond
     left, right = x1.detach().reshape(batch, -1, x1.shape[-1]), x2.detach().reshape(batch, -1, x2.shape[-1])
 
     def finish(d: torch.Tensor) -> list[Use]:

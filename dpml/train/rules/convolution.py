@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dpml.train.clipping_conv import grouped_per_example_gradients, unfold_patches
-from dpml.train.keep_budget import keep_limit
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, beyond_keep_limit, rule
 
 
 def _pair(value: int | tuple[int, ...], one_d: bool, fill: int) -> tuple[int, int]:
@@ -47,10 +46,9 @@ def convolution(call: Call) -> Pending | str:
         _pair(dilation, one_d, 1),
     )
     recorded, batch, out_channels = x.detach(), x.shape[0], weight.shape[0]
-    if groups != 1 and w is not None and batch * weight.numel() > keep_limit(x.device):
-        return (
-            f"a grouped convolution whose per-example gradients ({batch} × {tuple(weight.shape)}) exceed the keep limit"
-        )
+    beyond = None if groups == 1 or w is None else beyond_keep_limit(batch, weight.shape, x.device)
+    if beyond is not None:
+        return f"a grouped convolution: {beyond}"
 
     def finish(d: torch.Tensor) -> list[Use]:
         d = d.reshape(batch, out_channels, -1)  # (B, C_out, T)

@@ -25,8 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from dpml.train.keep_budget import keep_limit
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, rule, same_along
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, beyond_keep_limit, rule, same_along
 
 
 def _expanded(equation: str, x_dims: int) -> tuple[str, str, str] | str:
@@ -85,9 +84,9 @@ def product(
             return [(s, _factored(a, d.view(out_shape), (x_subs, z_subs), factored))]
 
         return Pending(call.output, [s.param], finish_factored)
-    count = batch * int(torch.Size(s.shape()).numel())
-    if count > keep_limit(x.device):
-        return f"its per-example gradients ({batch} × {tuple(s.shape())}) do not fit the keep limit"
+    beyond = beyond_keep_limit(batch, s.shape(), x.device)
+    if beyond is not None:
+        return beyond
 
     def finish_dense(d: torch.Tensor) -> list[Use]:
         return [(s, Dense(torch.einsum(f"{x_subs},{z_subs}->{b}{s_subs}", a, d.view(out_shape))))]

@@ -21,6 +21,7 @@ its flat position in the parameter (``None``: V is the parameter itself).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -28,6 +29,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from dpml.train.keep_budget import keep_limit
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,6 +222,14 @@ def view_per_example(s: Tracked, padded: tuple[int, ...], batch: int) -> Tracked
     if padded[0] == batch and same_along(index, 0):
         return Tracked(s.param, index[0])
     return None
+
+
+def beyond_keep_limit(batch: int, shape: tuple[int, ...] | torch.Size, device: torch.device) -> str | None:
+    """Why a rule that materialises B × |S| per-example numbers for a parameter (view) of ``shape`` refuses: they pass
+    the device's keep limit (:func:`dpml.train.keep_budget.keep_limit`); None when they fit."""
+    if batch * math.prod(shape) <= keep_limit(device):
+        return None
+    return f"its per-example gradients ({batch} × {tuple(shape)}) exceed the keep limit"
 
 
 def broadcast_view(call: Call, s: torch.Tensor, rows: int) -> tuple[Tracked, tuple[int, ...], tuple[int, ...]] | str:
