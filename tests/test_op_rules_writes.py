@@ -81,6 +81,81 @@ def test_a_view_taken_before_an_in_place_write_goes_to_the_exact_path_and_stays_
     assert float(norms.min()) > 0.3  # every example clipped: the write's effect is in each clipped gradient
 
 
+class WrittenThroughViews(nn.Module):
+    """Copies of parameters and computed weights written in place, through views too, before they meet the batch:
+    Swin-V2's attention bias (``b = qkv_bias.clone(); b[n:2n].zero_()``, torchvision's ``shifted_window_attention``), a
+    copy scaled and a row of it set (``c.mul_(2)``, ``c[0] = 0``), a block of a constant filled through a view
+    (``z[:, :2].copy_(p)``), a slice of a computed weight scaled by a parameter and passed through an in-place
+    activation (``F.relu(w[1:3], inplace=True)``), and that written view used beside its base."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.a = nn.Parameter(torch.randn(width, width) * 0.4)
+        self.c = nn.Parameter(torch.randn(width, width) * 0.4)
+        self.p = nn.Parameter(torch.randn(width, 2) * 0.4)
+        self.s = nn.Parameter(torch.rand(2, width) + 0.5)
+        self.out = nn.Linear(3 * width + 15, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.qkv.bias.clone()
+        n = bias.numel() // 3
+        bias[n : 2 * n].zero_()
+        h = torch.tanh(F.linear(x, self.qkv.weight, bias))
+        c = self.c.clone()
+        c.mul_(2.0)
+        c[0] = 0.0
+        z = torch.zeros(x.shape[-1], 5, dtype=x.dtype)
+        z[:, :2].copy_(self.p)
+        w = self.a * 1.5
+        rows = w[1:3]
+        rows.mul_(self.s)
+        F.relu(rows, inplace=True)
+        seen = [torch.tanh(x @ c).mean(2), (x @ z).mean(1), torch.tanh(x @ w).mean(2), (x @ rows.t()).mean(1)]
+        return self.out(torch.cat([h.mean(1), *seen], 1))
+
+
+def test_copies_and_computed_weights_written_through_views_clip_without_the_exact_path() -> None:
+    torch.manual_seed(11)
+    x = torch.randn(6, 4, 6, generator=generator(27), dtype=torch.float64)
+    assert_exact_without_the_exact_path(WrittenThroughViews(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+
+
+class StaleCopy(nn.Module):
+    """A parameter's copy written through a view, and used after: with a view of it taken before the write (which
+    shows the new values, not those of the parameter's own view it was tracked as), or laid out transposed (its
+    view not taken again on a contiguous copy): both are used as the copy they are, not as the parameter."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.out = nn.Linear(4, 3)
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        copy = self.a.t().clone() if self.transposed else self.a.clone()
+        seen = copy.t()
+        copy[1:3].mul_(3.0)
+        return self.out(torch.tanh(x @ (copy if self.transposed else seen)) + torch.tanh(x @ copy))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["a view taken before", "a transposed copy"])
+def test_a_copy_written_where_its_values_cannot_be_followed_goes_to_the_exact_path_and_stays_exact(
+    transposed: bool,
+) -> None:
+    torch.manual_seed(12)
+    model = StaleCopy(transposed).double()
+    x, y = torch.randn(5, 4, generator=generator(28), dtype=torch.float64), torch.randint(0, 3, (5,))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert set(found.exact) == {"a"}, found.reasons
+    assert "an in-place operation changed since" in found.reasons["a"]
+    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+
+
 class StandardisedConvolutions(nn.Module):
     """NFNet's and BiT's convolutions: a weight standardised per output channel (``F.batch_norm`` over its own numbers,
     ``reshape_as`` back) and scaled by a gain, then ``F.conv2d``; a grouped convolution (2 groups, stride 2), a
@@ -241,3 +316,60 @@ def test_a_computed_weight_larger_than_the_keep_limit_is_carried_back_a_slice_of
     assert_exact_without_the_exact_path(
         LowRankWithMagnitude(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)), planned=False
     )
+
+
+class PooledHeads(nn.Module):
+    """MViT's pooled attention: each head's map merged into the batch dimension, (B·h, C, H, W) or head-major
+    (h·B, …), pooled by a depthwise convolution with a bias and by a full one, max-pooled, and its rows met by
+    relative-position tables (``torch.einsum``) after the pooling gave them back their (B, h, …) shape."""
+
+    def __init__(self, head_major: bool) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4)
+        self.full = nn.Parameter(torch.randn(4, 4, 3, 3) * 0.3)
+        self.rel = nn.Parameter(torch.randn(2, 3, 4) * 0.5)
+        self.out = nn.Linear(3 + 4, 3)
+        self.head_major = head_major
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, heads = 2, 16 positions, C = 4)
+        batch, heads, _, channels = x.shape
+        merged = x.transpose(0, 1) if self.head_major else x
+        maps = merged.reshape(batch * heads, 4, 4, channels).permute(0, 3, 1, 2)
+        pooled = self.depthwise(maps) + F.conv2d(F.max_pool2d(maps, 2), self.full, padding=1)
+        pooled = (
+            pooled.reshape(heads, batch, channels, 4) if self.head_major else pooled.reshape(batch, heads, channels, 4)
+        )
+        pooled = pooled.transpose(0, 1) if self.head_major else pooled
+        rel = torch.einsum("byhwc,hkc->byhwk", pooled.transpose(2, 3).reshape(batch, heads, 2, 2, channels), self.rel)
+        return self.out(torch.cat([rel.mean((1, 2, 3)), torch.tanh(pooled).mean((1, 3))], 1))
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["example-major", "head-major"])
+def test_convolutions_and_pooling_on_images_grouped_by_example(head_major: bool) -> None:
+    torch.manual_seed(13)
+    x = torch.randn(5, 2, 16, 4, generator=generator(29), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        PooledHeads(head_major), per_example_cross_entropy, x, torch.randint(0, 3, (5,))
+    )
+
+
+class ChannelMajorPooling(nn.Module):
+    """2-D pooling and interpolation of a channel-major (C, B, H, W) tensor: each (channel, example) map pooled on its
+    own, so the pooled maps keep their examples in the second dimension; then a linear layer on the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Parameter(torch.randn(6, 6) * 0.4)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 4, 4, C = 6)
+        maps = x.permute(3, 0, 1, 2)  # (C, B, H, W)
+        pooled = F.interpolate(F.max_pool2d(maps, 2), scale_factor=2.0, mode="nearest")
+        rows = pooled.permute(1, 2, 3, 0).reshape(x.shape[0], -1, x.shape[-1])  # (B, H·W, C)
+        return self.out(torch.tanh(F.linear(rows, self.inner)).mean(1))
+
+
+def test_pooling_a_channel_major_tensor_keeps_each_maps_example() -> None:
+    torch.manual_seed(14)
+    x, y = torch.randn(5, 4, 4, 6, generator=generator(31), dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert_exact_without_the_exact_path(ChannelMajorPooling(), per_example_cross_entropy, x, y)

@@ -8,6 +8,10 @@ and ∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when g = C_i
 input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised, one batched product over the B·g (example,
 group) pairs, B × |W| numbers (refused beyond the device's keep limit). (A convolution whose layer is hooked keeps
 the layer's optimised kernels.)
+
+An input whose images are grouped by example, (B·k, C, H, W) with each image one example's (MViT pools each head's
+map, windowed models each window; the recorder's example map says whose), is an example's k images side by side:
+the sums over t run over the positions of all k (:func:`by_example`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dpml.train.clipping_conv import grouped_per_example_gradients, unfold_patches
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, beyond_keep_limit, rule
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, beyond_keep_limit, rule
 
 
 def _pair(value: int | tuple[int, ...], one_d: bool, fill: int) -> tuple[int, int]:
@@ -24,6 +28,17 @@ def _pair(value: int | tuple[int, ...], one_d: bool, fill: int) -> tuple[int, in
     if one_d:
         return fill, values[0]
     return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
+
+
+def by_example(t: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    """(N, c, T) per image as (B, c, k·T) per example: an example's k images (``rows``: the input's images grouped by
+    example, B·k of them, as MViT pools each head's map) side by side as one image's positions, whose products with
+    the output gradient add up over them; a batch-first t as it is."""
+    if rows is None:
+        return t
+    channels, positions = t.shape[1], t.shape[2]
+    t = rows.of(t.reshape(t.shape[0], -1))  # (B, k, c·T), example by example
+    return t.reshape(rows.batch, -1, channels, positions).transpose(1, 2).reshape(rows.batch, channels, -1)
 
 
 @rule(F.conv1d, F.conv2d)
@@ -35,7 +50,9 @@ def convolution(call: Call) -> Pending | str:
         return "padding given by name"
     w, b = call.tracked(weight), call.tracked(bias)
     one_d = weight.dim() == 3
-    if call.tracked(x) is not None or not call.batch_first(x) or x.dim() != weight.dim():
+    merged = None if call.batch_first(x) else call.leading_examples(x)
+    rows = None if merged is None else Rows.of_map(merged.unsqueeze(1), call.batch)
+    if call.tracked(x) is not None or x.dim() != weight.dim() or not (call.batch_first(x) or rows is not None):
         return f"its input (shape {tuple(x.shape)}) is not batch-first"
     if w is not None and w.index is not None:
         w = Tracked(w.param, w.index.reshape(weight.shape[0], -1), w.shared)
@@ -45,16 +62,16 @@ def convolution(call: Call) -> Pending | str:
         _pair(padding, one_d, 0),
         _pair(dilation, one_d, 1),
     )
-    recorded, batch, out_channels = x.detach(), x.shape[0], weight.shape[0]
+    recorded, batch, out_channels = x.detach(), call.batch, weight.shape[0]
     beyond = None if groups == 1 or w is None else beyond_keep_limit(batch, weight.shape, x.device)
     if beyond is not None:
         return f"a grouped convolution: {beyond}"
 
     def finish(d: torch.Tensor) -> list[Use]:
-        d = d.reshape(batch, out_channels, -1)  # (B, C_out, T)
+        d = by_example(d.reshape(d.shape[0], out_channels, -1), rows)  # (B, C_out, T)
         uses: list[Use] = []
         if w is not None:
-            patches = unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry)  # (B, C_in·k, T)
+            patches = by_example(unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry), rows)
             if groups == 1:
                 uses.append((w, Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])))
             else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,10 +46,44 @@ IN_PLACE_METHODS = frozenset(
 
 def writes_first_operand(func: Any, kwargs: dict[str, Any]) -> bool:
     """``func`` changes the values of its first operand (torch's naming: ``div_``, ``x /= s``, ``x[i] = v``; or
-    ``inplace=True``, as ``F.dropout`` takes it)."""
+    ``inplace=True``, as ``F.dropout`` takes it; or a write through a view, :class:`ThroughView`)."""
     name = getattr(func, "__name__", "")
     trailing = name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
-    return name in IN_PLACE_METHODS or trailing or kwargs.get("inplace") is True
+    return name in IN_PLACE_METHODS or trailing or kwargs.get("inplace") is True or isinstance(func, ThroughView)
+
+
+@dataclass(frozen=True)
+class ThroughView:
+    """A write through a view (``b[k:2k].zero_()``, ``z[:, :2].copy_(p)``: ``func`` on the view) as a write of the
+    view's whole base: called on a tensor laid out as the base (contiguous), it applies ``func`` to the same view of
+    it (``size``, ``stride``, ``offset``, by :func:`through_view`) and returns it, written in place."""
+
+    func: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def __name__(self) -> str:
+        return f"{function_name(self.func)} through a view"
+
+    def __call__(self, base: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.func(self.view_of(base), *args, **kwargs)
+        return base
+
+    def view_of(self, base: torch.Tensor) -> torch.Tensor:
+        """The same view of ``base`` (or of an index tensor of its shape, as :class:`Tracked` keeps them)."""
+        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
+
+
+def through_view(func: Any, target: torch.Tensor) -> tuple[ThroughView, torch.Tensor] | None:
+    """``func`` writing ``target``, a view of another tensor, as a write of that base (and the base); None where
+    target is no view, or its base is not contiguous (a copy laid out as it, on which the view is taken again)."""
+    base = target._base
+    if base is None or not base.is_contiguous():
+        return None
+    offset = int(target.storage_offset() - base.storage_offset())
+    return ThroughView(func, tuple(target.shape), tuple(target.stride()), offset), base
 
 
 RandomState = tuple[RngState, torch.device]
@@ -119,9 +153,35 @@ class DerivedNodes:
         self.nodes: list[Derived] = []
         self._by_key: dict[int, Derived] = {}
         self.stale: set[int] = set()
+        self.stale_copies: dict[int, Tracked] = {}  # id(t) -> how t was tracked: a parameter's copy written since
 
     def of(self, key: torch.Tensor) -> Derived | None:
         return self._by_key.get(id(key))
+
+    def written(self, base: torch.Tensor, was: Tracked, entries: Iterable[tuple[torch.Tensor, Tracked]]) -> None:
+        """``base``, tracked as ``was``, is about to be written in place: what shows its values from then on is stale
+        (but what is tracked again after the write). A computation's output: every view of it (its key). A copy of a
+        parameter tracked as the parameter's view (``p.clone()``): the tracked ``entries`` that share its memory."""
+        if self.of(was.param) is not None:
+            self.stale.add(id(was.param))
+            return
+        memory = base if base._base is None else base._base
+        for t, tracked in entries:
+            if t is memory or t._base is memory:
+                self.stale_copies[id(t)] = tracked
+
+    def stale_among(self, operands: list[torch.Tensor], tracked: Callable[[Any], Tracked | None]) -> list[Tracked]:
+        """The ``tracked`` operands that show values an in-place write changed since they were tracked."""
+        if not self.stale and not self.stale_copies:
+            return []
+        seen = [(t, h) for t in operands if (h := tracked(t)) is not None]
+        return [h for t, h in seen if id(h.param) in self.stale or self.stale_copies.get(id(t)) is h]
+
+    def own_values(self, t: torch.Tensor, tracked: Tracked | None) -> bool:
+        """t is a parameter or a view of its memory (not a copy of it, nor a computation's output)."""
+        if tracked is None or self.of(tracked.param) is not None:
+            return False
+        return t is tracked.param or t._base is tracked.param
 
     def record(
         self,

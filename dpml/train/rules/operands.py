@@ -92,6 +92,40 @@ def carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -
     return None
 
 
+F = torch.nn.functional
+_POOLS = (F.max_pool1d, F.avg_pool1d, F.lp_pool1d, F.adaptive_avg_pool1d, F.adaptive_max_pool1d, F.interpolate)
+_POOLS_2D = (F.max_pool2d, F.avg_pool2d, F.lp_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
+_POOLS_3D = (F.max_pool3d, F.avg_pool3d, F.adaptive_avg_pool3d, F.adaptive_max_pool3d)
+KEEPS_LEADING: dict[Any, tuple[int, int]] = {
+    **{f: (3, 1) for f in (F.conv1d, F.conv_transpose1d)},
+    **{f: (4, 1) for f in (F.conv2d, F.conv_transpose2d, F.unfold, F.pixel_shuffle, F.pixel_unshuffle)},
+    **{f: (5, 1) for f in (F.conv3d, F.conv_transpose3d)},
+    **{f: (3, 2) for f in _POOLS},
+    **{f: (4, 2) for f in _POOLS_2D},
+    **{f: (5, 2) for f in _POOLS_3D},
+}
+"""Batched operations: (the least rank of an input with a batch dimension, how many leading dimensions they keep).
+Each output element at an index of those leading dimensions is computed from the input's elements at the same index
+alone: the first dimension for convolutions, ``F.unfold`` and pixel shuffles (they mix channels), the first two for
+pooling and interpolation (per channel). Below that rank the input is one unbatched example (``F.conv2d`` on
+(C, H, W)), whose first dimension the operation mixes."""
+
+
+def leading_carried(
+    func: Any, t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor | None:
+    """t's example map carried to ``out`` by a batched operation (:data:`KEEPS_LEADING`) where each index of the
+    dimensions it keeps belongs to one example (a batch-first t; a windowed or per-head t, (B·k, …), as Swin and MViT
+    pool; a channel-major (C, B, T) t pooled per channel): out's elements at that index belong to the same example."""
+    rank, kept = KEEPS_LEADING.get(func, (0, 0))
+    if not kept or examples is None or t.dim() < rank or out.dim() < kept or out.shape[:kept] != t.shape[:kept]:
+        return None
+    rows = examples.reshape(*examples.shape[:kept], -1)
+    if rows.shape[-1] == 0 or not torch.equal(rows, rows[..., :1].expand_as(rows)):
+        return None
+    return rows[..., 0].reshape(*out.shape[:kept], *[1] * (out.dim() - kept)).expand(out.shape)
+
+
 def core(t: torch.Tensor) -> torch.Tensor:
     """t without its broadcast dimensions (stride 0, kept with size 1): what its values are."""
     return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]

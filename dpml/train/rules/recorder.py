@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpml.train.rules.derived import DerivedNodes, RandomState, random_state, writes_first_operand
+from dpml.train.rules.derived import DerivedNodes, RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.operands import (
     OUT_OF_PLACE,
@@ -41,6 +41,7 @@ from dpml.train.rules.operands import (
     apply_view,
     carried,
     core,
+    leading_carried,
     is_composite,
     outputs,
     reentered,
@@ -135,19 +136,7 @@ class Recorder(TorchFunctionMode):
         known, examples = self._entry(t)
         if not known:
             return Rows(self.batch, None) if t.shape[0] == self.batch else None
-        if examples is None:
-            return None
-        if examples.stride(-1) != 0 and not torch.equal(examples, examples[..., :1].expand_as(examples)):
-            return None  # a row that holds several examples
-        lead = examples[..., 0].reshape(-1).to(torch.int64)
-        if lead.numel() % self.batch:
-            return None
-        counts = torch.bincount(lead, minlength=self.batch)
-        if counts.numel() != self.batch or not bool((counts == lead.numel() // self.batch).all()):
-            return None
-        if bool((lead[1:] >= lead[:-1]).all()):  # already example by example (x.view(-1, n) of a batch-first x)
-            return Rows(self.batch, None)
-        return Rows(self.batch, torch.argsort(lead, stable=True))
+        return None if examples is None else Rows.of_map(examples, self.batch)
 
     # --- bookkeeping --------------------------------------------------------------------------------
     def _refuse(self, hits: list[Tracked], reason: str) -> None:
@@ -186,21 +175,29 @@ class Recorder(TorchFunctionMode):
         return out
 
     def _written_on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``w /= s``, ``b.add_(w)``, ``z[:, :k] = w`` on parameters and constants alone: run once, as written; its new
-        values recorded as a computation on a copy of the old ones, under a node of their own; the old values'
-        tracked tensor is stale from here on (its other views show the new values). A parameter's own values change
-        in place only where autograd does not see it (under ``torch.no_grad()``): nothing to record."""
-        target, tracked = args[0], self.tracked(args[0])
-        mine = tracked is None or self.computations.of(tracked.param) is not None  # not a parameter's own values
-        if not isinstance(target, torch.Tensor) or not torch.is_grad_enabled() or not mine:
+        """``w /= s``, ``b.add_(w)``, ``z[:, :k] = w``, ``b[k:2k].zero_()`` on parameters and constants alone: run once,
+        as written; the written tensor's new values (through a view: its base's, :class:`ThroughView`) recorded as a
+        computation on a copy of the old ones, under a node of their own; what showed the old values is stale from
+        here on (a view taken before shows the new ones). A parameter's own values change in place only where
+        autograd does not see it (under ``torch.no_grad()``): nothing to record; a copy of them (``p.clone()``) is
+        written as a computation's output is."""
+        target = args[0]
+        if not isinstance(target, torch.Tensor) or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        before, state = target.clone(), random_state(list(tensors(args, kwargs)))
-        if tracked is not None:
-            self._track(before, tracked)
-            self.computations.stale.add(id(tracked.param))
+        if self.computations.own_values(target, self.tracked(target)):
+            return func(*args, **kwargs)
+        through = through_view(func, target)
+        written = target if through is None else through[1]
+        before, state, was = written.clone(), random_state(list(tensors(args, kwargs))), self.tracked(written)
+        if was is not None:
+            self.computations.written(written, was, self._tracked.values())
+            self._track(before, was)
         out = func(*args, **kwargs)
-        if target.requires_grad:
-            self._derive(func, (before, *args[1:]), kwargs, target, state)
+        if written.requires_grad:
+            self._derive(func if through is None else through[0], (before, *args[1:]), kwargs, written, state)
+            now = self.tracked(written)
+            if through is not None and now is not None:
+                self._track(target, Tracked(now.param, through[0].view_of(now.flat_index()), now.shared))
         return out
 
     def _derive(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, state: RandomState) -> None:
@@ -296,10 +293,10 @@ class Recorder(TorchFunctionMode):
         for k, o in enumerate(outputs(out)):
             self._keep_examples(o, mapped[k] if k < len(mapped) else None)
 
-    def _follow_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """An operation on a tensor with an entry: each output takes the example map of the first operand whose
-        shape it keeps, keeps but for the last dimension (the map being the same along it) or broadcasts; an
-        output that takes none is marked lost (no rule may then assume where its batch is)."""
+    def _follow_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, func: Any = None) -> None:
+        """An operation on a tensor with an entry: each output takes the example map of the first operand whose shape
+        it keeps, keeps but for the last dimension (the map being the same along it) or broadcasts, or of a batched
+        operation's input (:func:`leading_carried`); one that takes none is lost (no rule may assume its batch)."""
         if not self._examples or self.batch == 1:
             return
         entries = [(t, self._entry(t)) for t in tensors(args, kwargs)]
@@ -314,7 +311,10 @@ class Recorder(TorchFunctionMode):
             if not known and t.dim() >= 1 and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)
         ]
         for o in outputs(out):
-            self._keep_examples(o, next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None))
+            found = next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None)
+            if found is None and maps and args and maps[0][0] is args[0]:
+                found = leading_carried(func, maps[0][0], maps[0][1], o)
+            self._keep_examples(o, found)
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -331,10 +331,10 @@ class Recorder(TorchFunctionMode):
             if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
                 self._follow_view(func, args, kwargs, out)
             else:
-                self._follow_rows(args, kwargs, out)
+                self._follow_rows(args, kwargs, out, func)
             return out
         self._note_owners(hits)
-        if self.computations.stale and (stale := [h for h in hits if id(h.param) in self.computations.stale]):
+        if stale := self.computations.stale_among(operands, self.tracked):
             self._refuse(stale, f"{function_name(func)}: an operand whose values an in-place operation changed since")
         if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
             return self._view(func, args, kwargs, hits)
@@ -380,7 +380,7 @@ class Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not any(o.requires_grad for o in outputs(out)):
             return out
-        self._follow_rows(args, kwargs, out)
+        self._follow_rows(args, kwargs, out, func)
         result = self._apply(func, handler, args, kwargs, out, hits)
         if (
             result is not None

@@ -160,6 +160,22 @@ class Rows:
     batch: int
     order: torch.Tensor | None
 
+    @staticmethod
+    def of_map(examples: torch.Tensor, batch: int) -> Rows | None:
+        """The rows of a tensor whose example map (the example of each element) is ``examples``; None where a row
+        holds several examples or the examples hold different numbers of rows."""
+        if examples.stride(-1) != 0 and not torch.equal(examples, examples[..., :1].expand_as(examples)):
+            return None  # a row that holds several examples
+        lead = examples[..., 0].reshape(-1).to(torch.int64)
+        if lead.numel() % batch:
+            return None
+        counts = torch.bincount(lead, minlength=batch)
+        if counts.numel() != batch or not bool((counts == lead.numel() // batch).all()):
+            return None
+        if bool((lead[1:] >= lead[:-1]).all()):  # already example by example (x.view(-1, n) of a batch-first x)
+            return Rows(batch, None)
+        return Rows(batch, torch.argsort(lead, stable=True))
+
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example."""
         flat = t.reshape(-1, t.shape[-1])
