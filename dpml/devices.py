@@ -8,8 +8,11 @@ import ctypes
 import functools
 import os
 import platform
+import random
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -28,6 +31,39 @@ RngState = tuple[torch.Tensor, "torch.Tensor | None"]
 def rng_state(device: torch.device) -> RngState:
     """torch's random state for work on ``device`` (the CPU generator's, and the GPU's where it is one)."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def forked_generators(device: torch.device, seed: int | None = None) -> Iterator[None]:
+    """Passes that are not training's own (the clipping check's, the chunk tuner's) run on forks of every global
+    generator a model may draw from: torch's (the CPU's, and ``device``'s where it is a GPU), NumPy's and Python's
+    (``transformers``' wav2vec2 masks its features with ``np.random``), each seeded with ``seed`` where one is given
+    (every pass then draws the same masks), and all as they were afterwards."""
+    host = host_generators_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if seed is not None:
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            random.seed(seed)
+        try:
+            yield
+        finally:
+            set_host_generators_state(host)
+
+
+HostGenerators = tuple[Any, Any]
+"""NumPy's and Python's global generators' states."""
+
+
+def host_generators_state() -> HostGenerators:
+    """The states of NumPy's and Python's global generators, which some models draw from in their forward pass
+    (``transformers``' wav2vec2 draws its feature masks from NumPy's). Reading them takes some 30 µs."""
+    return np.random.get_state(), random.getstate()
+
+
+def set_host_generators_state(state: HostGenerators) -> None:
+    np.random.set_state(state[0])
+    random.setstate(state[1])
 
 
 def set_rng_state(state: RngState, device: torch.device) -> None:

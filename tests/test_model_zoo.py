@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from test_op_rules import HuggingFace, assert_exact_without_the_exact_path, ids_and_mask
 from torch import nn
 
+from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 
 TEXT = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
@@ -179,3 +181,35 @@ def test_a_peft_adapter_of_each_kind_clips_exactly_without_the_exact_path(varian
     model = HuggingFace(peft.get_peft_model(_text_model(base), _adapter(variant, TARGETS[base])).eval())
     y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(1))
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, _tokens(base), y)
+
+
+SPEECH = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, num_labels=3)
+SPEECH |= dict(conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8)
+SPEECH |= dict(num_conv_pos_embedding_groups=2, mask_time_prob=0.2, mask_time_length=3, layerdrop=0.0)
+
+
+class Waveforms(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_values=x).logits  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("family", ["wav2vec2", "hubert"])
+def test_a_speech_classifier_masking_with_numpys_generator_plans_no_exact_path(family: str) -> None:
+    """In training, SpecAugment writes a learned embedding over time steps chosen with NumPy's global generator
+    (``h[mask] = masked_spec_embed``). The probe's passes draw the same masks (each seeds NumPy's generator alike; a
+    first pass run again restores it), the embedding is clipped by its rule, and training's NumPy state is as before."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **SPEECH)
+    model = Waveforms(transformers.AutoModelForAudioClassification.from_config(config).train())
+    np.random.seed(5)
+    before = np.random.get_state()[1].copy(), np.random.get_state()[2]
+    plan = plan_clipping(model, per_example_cross_entropy, (400,))
+    assert plan.exact_parameters == (), plan.lines()
+    assert any(name.endswith("masked_spec_embed") for name in plan.rule_parameters), plan.rule_parameters
+    after = np.random.get_state()
+    assert np.array_equal(after[1], before[0]) and after[2] == before[1]

@@ -373,3 +373,30 @@ def test_pooling_a_channel_major_tensor_keeps_each_maps_example() -> None:
     torch.manual_seed(14)
     x, y = torch.randn(5, 4, 4, 6, generator=generator(31), dtype=torch.float64), torch.randint(0, 3, (5,))
     assert_exact_without_the_exact_path(ChannelMajorPooling(), per_example_cross_entropy, x, y)
+
+
+class MaskedPlaces(nn.Module):
+    """A learned embedding written into the places a mask chooses (wav2vec2's masked time steps: ``h[mask] = v``, the
+    mask here from each example's own values), a learned row written at the first position (``h[:, 0] = c``), and a
+    learned scalar into a block (``h[:, 1:3, :2] = s``, broadcast over a block of each example)."""
+
+    def __init__(self, width: int = 5) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.masked = nn.Parameter(torch.randn(width) * 0.5)
+        self.first = nn.Parameter(torch.randn(width) * 0.5)
+        self.block = nn.Parameter(torch.randn(1) * 0.5)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T = 6, width)
+        h = self.inner(x)
+        h[x[..., 0] > 0.3] = self.masked
+        h[:, 0] = self.first
+        h[:, 1:3, :2] = self.block
+        return self.out(torch.tanh(h).mean(1))
+
+
+def test_parameters_written_into_chosen_places_of_an_activation_clip_without_the_exact_path() -> None:
+    torch.manual_seed(15)
+    x, y = torch.randn(5, 6, 5, generator=generator(32), dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert_exact_without_the_exact_path(MaskedPlaces(), per_example_cross_entropy, x, y)

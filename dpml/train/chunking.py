@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpml.devices import keep_freed_cpu_memory
+from dpml.devices import forked_generators, keep_freed_cpu_memory
 from dpml.train.clipping import LossFn, clipped_gradient_sum
 from dpml.train.clipping_check import architecture_key, probe_batch, probe_labels
 
@@ -192,7 +192,7 @@ def fastest_chunk(
         torch.get_num_threads(),
     )
     if key not in _CHOICES:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with forked_generators(device):
             twin = copy.deepcopy(model)
             twin.train()
             _CHOICES[key] = _measure(twin, loss_fn, input_shape, input_dtype, sizes, exact, autocast)

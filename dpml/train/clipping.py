@@ -48,7 +48,15 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from dpml.devices import full_float32, rng_state, set_rng_state
+from dpml.devices import (
+    HostGenerators,
+    RngState,
+    full_float32,
+    host_generators_state,
+    rng_state,
+    set_host_generators_state,
+    set_rng_state,
+)
 from dpml.train.clipping_candidates import Call, fast_candidates, usable
 from dpml.train.clipping_layers import Piece, added_up, layer_parameters, layer_piece, reject_batch_norm
 from dpml.train.clipping_norms import row_norms_squared
@@ -277,12 +285,14 @@ def engine_pass(
     candidates = fast_candidates(model, names, exact)
     watched = [p for n, p in params.items() if n not in exact]
     state = rng_state(x.device)
+    first = model not in _OVERWRITTEN_OUTPUTS  # (NumPy's and Python's generators are slow to read: first passes only)
+    host = host_generators_state() if first else None
     with _precision(x.device, autocast):
         copies = _OVERWRITTEN_OUTPUTS.get(model, frozenset())  # learnt from earlier passes: one forward pass
         recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies)
-        if recording.overwritten:  # (a pass that goes another way than the earlier ones)
-            _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
-            set_rng_state(state, x.device)  # the same dropout masks in the forward pass that counts
+        _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
+        if recording.overwritten:  # (a first pass, or one that goes another way than the earlier ones)
+            _replay_draws(state, host, x.device)  # the same dropout masks in the forward pass that counts
             recording = _record_forward(model, loss_fn, x, y, candidates, watched, None)
     recorder = recording.recorder
     used = [
@@ -340,10 +350,19 @@ def engine_pass(
     per_example = exact_per_example_gradients(recording.losses, slow)
     if failed:  # ruled parameters whose uses did not combine: exactly, from the forward pass again (its graph is freed)
         reasons.update({ruled[key]: reason for key, reason in failed.items()})
-        set_rng_state(state, x.device)  # the same dropout masks
+        _replay_draws(state, host, x.device)  # the same dropout masks
         with _precision(x.device, autocast):
             per_example.update(per_example_gradients(model, loss_fn, x, y, [ruled[key] for key in failed]))
     return EnginePass(batch, fast, per_example, names, zeros, reasons)
+
+
+def _replay_draws(state: RngState, host: HostGenerators | None, device: torch.device) -> None:
+    """The generators as a pass found them, for its forward pass run again to draw what it drew: torch's, and on a
+    model's first pass (whose forward pass runs twice where it writes a recorded output in place, as the probe's
+    check makes every pass a first one) NumPy's and Python's too."""
+    set_rng_state(state, device)
+    if host is not None:
+        set_host_generators_state(host)
 
 
 UNUSED = "not reached by this batch's loss"

@@ -31,8 +31,10 @@ The probe batch is synthetic (from a fixed public seed, so the plan is the same 
 normal inputs of the model's input shape (integer inputs: token ids below the smallest embedding's
 vocabulary; token inputs with a mask: the adapter's ids and masks, with padding) and uniform labels.
 It is not a record and nothing about the data enters the plan.
-Each forward pass of the check restores the copy's buffers and the random state first, so dropout
-masks and power-iteration state (spectral norm) are the same in every pass.
+Each forward pass of the check restores the copy's buffers and the random state first (torch's, NumPy's and Python's
+global generators, each seeded alike: ``transformers``' wav2vec2 draws its feature masks from NumPy's), so dropout
+masks and power-iteration state (spectral norm) are the same in every pass; training's own generators are left as
+they were.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from dpml.devices import forked_generators
 from dpml.train.clipping import (
     LossFn,
     RuleUnit,
@@ -139,9 +142,7 @@ class _Probe:
         with torch.no_grad():
             for name, b in self.model.named_buffers():
                 b.copy_(self.buffers[name])
-        device = next(self.model.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(PROBE_SEED)
+        with forked_generators(next(self.model.parameters()).device, PROBE_SEED):
             yield
 
 
@@ -351,7 +352,7 @@ def plan_clipping(
     if key is not None and key in _PLANS:
         return _PLANS[key]
     device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's random state untouched
+    with forked_generators(device):  # training's random state untouched
         plan = _plan(model, loss_fn, input_shape, input_dtype, probe)
     if key is not None:
         _PLANS[key] = plan
@@ -438,7 +439,7 @@ def check_autocast(
     trial = copy.deepcopy(model).to(device)
     x = probe_batch(trial, input_shape, input_dtype, size=3)[:3]
     x = x.to(device=device, dtype=next(trial.parameters()).dtype if x.is_floating_point() else x.dtype)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with forked_generators(device):
         try:
             y = probe_labels(trial(x), 3).to(device)
             clipped_gradient_sum(trial, loss_fn, x, y, 1.0, autocast=autocast)

@@ -1,8 +1,8 @@
 """Per-operation clipping rules: where a trainable parameter enters the computation through an operation
 with a rule (a linear map, an index equation (einsum), an embedding lookup, a convolution, a normalisation's
 affine, an elementwise affine or a shift and scale in one ``addcmul``, a learned slope, a bilinear form, a
-concatenation), the engine forms its per-example gradient norm and clipped sum from that operation's operands and
-output gradient, however the module around it is written.
+concatenation, a value written into chosen places), the engine forms its per-example gradient norm and clipped sum
+from that operation's operands and output gradient, however the module around it is written.
 
 One rule per file, registered for the torch functions it covers (:func:`registry.rule`); a new operation
 is one file (imported below) plus a test. :mod:`.recorder` sees the operations, :mod:`.combine` adds up a
@@ -22,6 +22,7 @@ from dpml.train.rules import (  # noqa: F401 (each module registers its rules wh
     matmul,
     norm,
     prelu,
+    setitem,
     views,
 )
 from dpml.train.rules.combine import cast_form, parameter_piece, per_example_gradients_of

@@ -67,7 +67,15 @@ def outputs(out: Any) -> list[torch.Tensor]:
     return []
 
 
-OUT_OF_PLACE = {
+def written_at(t: torch.Tensor, key: Any, value: Any) -> torch.Tensor:
+    """``t[key] = value`` out of place: a copy of t with ``value`` written at ``key``."""
+    out = t.clone()
+    out[key] = value
+    return out
+
+
+OUT_OF_PLACE: dict[Any, Any] = {
+    torch.Tensor.__setitem__: written_at,
     torch.Tensor.add_: torch.Tensor.add,
     torch.Tensor.sub_: torch.Tensor.sub,
     torch.Tensor.mul_: torch.Tensor.mul,
