@@ -5,9 +5,11 @@ sums and norms equal a float64 per-example autograd loop, and none of their para
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from test_op_rules import assert_exact_without_the_exact_path, generator
 from torch import nn
 
+from dpml.train.clipping import engine_pass
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -101,3 +103,32 @@ def test_shifts_and_scales_by_addcmul_are_exact_without_the_exact_path() -> None
     torch.manual_seed(14)
     x = torch.randn(6, 4, 5, generator=generator(30), dtype=torch.float64)
     assert_exact_without_the_exact_path(ShiftsAndScales(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+
+
+class ReadsWhatWeightsAre(nn.Module):
+    """A layer whose weight's dtype, device and shape are read outside its call (SigLIP casts its pixels to the patch
+    embedding's ``weight.dtype`` first), a patch embedding with ``padding="valid"``, and functional convolutions
+    padded by name (``"same"``, ``"valid"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, 4, 2, stride=2, padding="valid")
+        self.same = nn.Parameter(torch.randn(4, 4, 3, 3) * 0.3)
+        self.valid = nn.Parameter(torch.randn(4, 4, 1, 1) * 0.3)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.patches.weight
+        assert weight.shape[0] == 4 and weight.numel() == 48 and weight.dim() == 4 and len(weight) == 4
+        h = torch.tanh(self.patches(x.to(dtype=weight.dtype, device=weight.device)))
+        h = torch.tanh(F.conv2d(h, self.same, padding="same") + F.conv2d(h, self.valid, padding="valid"))
+        return self.out(h.mean((2, 3)))
+
+
+def test_what_a_weight_is_read_outside_its_layer_leaves_the_layer_its_shortcut_and_named_padding_is_ruled() -> None:
+    torch.manual_seed(16)
+    model = ReadsWhatWeightsAre()
+    x, y = torch.randn(5, 3, 6, 6, generator=generator(33), dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert any(unit is model.patches for unit, _ in found.fast), [unit for unit, _ in found.fast]

@@ -28,16 +28,25 @@ def conv_geometry(module: nn.Conv1d | nn.Conv2d) -> Geometry | None:
         return (one_d, values[0]) if isinstance(module, nn.Conv1d) else (values[0], values[1])
 
     kernel, stride, dilation = (pair(v, 1) for v in (module.kernel_size, module.stride, module.dilation))
-    if module.padding == "valid":
-        padding: tuple[int, ...] = (0,) * len(module.kernel_size)
-    elif module.padding == "same":
-        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
-        if any(total % 2 for total in totals):
+    if isinstance(module.padding, str):
+        named = named_padding(module.padding, tuple(module.kernel_size), tuple(module.dilation))
+        if named is None:
             return None
-        padding = tuple(total // 2 for total in totals)
+        padding = named
     else:
-        padding = tuple(module.padding)  # type: ignore[arg-type]
+        padding = tuple(module.padding)
     return kernel, stride, pair(padding, 0), dilation
+
+
+def named_padding(name: str, kernel: tuple[int, ...], dilation: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``padding="valid"`` as 0 and ``"same"`` as d·(k − 1)/2 on each side, per dimension; None for a ``"same"`` whose
+    total padding d·(k − 1) is odd (torch pads it unevenly)."""
+    if name == "valid":
+        return (0,) * len(kernel)
+    totals = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
+    if name != "same" or any(total % 2 for total in totals):
+        return None
+    return tuple(total // 2 for total in totals)
 
 
 def as_2d(module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:

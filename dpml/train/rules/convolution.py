@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dpml.train.clipping_conv import grouped_per_example_gradients, unfold_patches
+from dpml.train.clipping_conv import grouped_per_example_gradients, named_padding, unfold_patches
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, beyond_keep_limit, rule
 
 
@@ -47,7 +47,10 @@ def convolution(call: Call) -> Pending | str:
     stride, padding, dilation = call.arg(3, "stride", 1), call.arg(4, "padding", 0), call.arg(5, "dilation", 1)
     groups = call.arg(6, "groups", 1)
     if isinstance(padding, str):
-        return "padding given by name"
+        sizes = tuple(weight.shape[2:])
+        padding = named_padding(padding, sizes, (dilation,) * len(sizes) if isinstance(dilation, int) else dilation)
+        if padding is None:
+            return "padding 'same' with an odd total (torch pads it unevenly)"
     w, b = call.tracked(weight), call.tracked(bias)
     one_d = weight.dim() == 3
     merged = None if call.batch_first(x) else call.leading_examples(x)

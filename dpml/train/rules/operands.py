@@ -128,10 +128,17 @@ def leading_carried(
     rank, kept = KEEPS_LEADING.get(func, (0, 0))
     if not kept or examples is None or t.dim() < rank or out.dim() < kept or out.shape[:kept] != t.shape[:kept]:
         return None
+    lead = same_across_rest(examples, kept)
+    return None if lead is None else lead.reshape(*out.shape[:kept], *[1] * (out.dim() - kept)).expand(out.shape)
+
+
+def same_across_rest(examples: torch.Tensor, kept: int) -> torch.Tensor | None:
+    """An example map's values at each index of its first ``kept`` dimensions, where they are the same across the
+    other dimensions (each such index belongs to one example); else None."""
     rows = examples.reshape(*examples.shape[:kept], -1)
     if rows.shape[-1] == 0 or not torch.equal(rows, rows[..., :1].expand_as(rows)):
         return None
-    return rows[..., 0].reshape(*out.shape[:kept], *[1] * (out.dim() - kept)).expand(out.shape)
+    return rows[..., 0]
 
 
 def core(t: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from dpml.train.rules.operands import (
     carried,
     core,
     leading_carried,
+    same_across_rest,
     is_composite,
     outputs,
     reentered,
@@ -52,6 +53,7 @@ from dpml.train.rules.registry import (
     BROADCASTING,
     IDENTITY_VIEWS,
     INDEX_VIEWS,
+    METADATA,
     RULES,
     SHAPE_ONLY,
     Call,
@@ -318,6 +320,8 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in METADATA:  # (``w.dtype``: no use of w's values)
+            return func(*args, **kwargs)
         operands = list(tensors(args, kwargs))
         out = self._dispatch(func, args, kwargs, operands)
         if any(self.derived(t) for t in operands):
@@ -444,12 +448,8 @@ class Recorder(TorchFunctionMode):
         known, examples = self._entry(t)
         if not known:
             return self._base if t.shape[0] == self.batch else None
-        if examples is None or examples.shape[0] == 0:
-            return None
-        rows = examples.reshape(examples.shape[0], -1)
-        if not torch.equal(rows, rows[:, :1].expand_as(rows)):
-            return None
-        return rows[:, 0].to(torch.int64)
+        lead = None if examples is None or examples.shape[0] == 0 else same_across_rest(examples, 1)
+        return None if lead is None else lead.to(torch.int64)
 
     def _in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         """``h += pos``, ``h.mul_(scale)``: the out-of-place operation on a copy of h, whose result (recorded: no

@@ -268,6 +268,7 @@ BROADCASTING: set[Any] = set()  # functions that broadcast a shared operand over
 INDEX_VIEWS: set[Any] = set()  # value-selecting ops: applied to the index tensors (w.t(), w.chunk(3), w[:k], …)
 IDENTITY_VIEWS: set[Any] = set()  # value-preserving ops: the index passes through (contiguous, clone, casts)
 SHAPE_ONLY: set[Any] = set()  # views whose other tensor operands give a shape or a dtype, not values (view_as)
+METADATA: set[Any] = set()  # what a tensor is, not its values (w.dtype, w.shape): no use of the parameter
 
 
 def rule(*functions: Any) -> Callable[[RuleFunction], RuleFunction]:
