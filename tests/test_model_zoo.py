@@ -197,14 +197,22 @@ class Waveforms(nn.Module):
         return self.model(input_values=x).logits  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("family", ["wav2vec2", "hubert"])
+SPEECH_FAMILIES: dict[str, dict[str, Any]] = {
+    "wav2vec2": {},
+    "hubert": {},
+    "wavlm": {"num_buckets": 8, "max_bucket_distance": 16},  # a gated relative position bias, a slice per head
+}
+
+
+@pytest.mark.parametrize("family", sorted(SPEECH_FAMILIES))
 def test_a_speech_classifier_masking_with_numpys_generator_plans_no_exact_path(family: str) -> None:
     """In training, SpecAugment writes a learned embedding over time steps chosen with NumPy's global generator
     (``h[mask] = masked_spec_embed``). The probe's passes draw the same masks (each seeds NumPy's generator alike; a
-    first pass run again restores it), the embedding is clipped by its rule, and training's NumPy state is as before."""
+    first pass run again restores it), the embedding is clipped by its rule, and training's NumPy state is as before.
+    The plan's probe confirms every clipped sum and norm against per-example autograd before it returns."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(family, **SPEECH)
+    config = transformers.AutoConfig.for_model(family, **(SPEECH | SPEECH_FAMILIES[family]))
     model = Waveforms(transformers.AutoModelForAudioClassification.from_config(config).train())
     np.random.seed(5)
     before = np.random.get_state()[1].copy(), np.random.get_state()[2]

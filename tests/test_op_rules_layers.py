@@ -4,6 +4,7 @@ sums and norms equal a float64 per-example autograd loop, and none of their para
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from test_op_rules import assert_exact_without_the_exact_path, generator
@@ -132,3 +133,39 @@ def test_what_a_weight_is_read_outside_its_layer_leaves_the_layer_its_shortcut_a
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)
     found = engine_pass(model, per_example_cross_entropy, x, y)
     assert any(unit is model.patches for unit, _ in found.fast), [unit for unit, _ in found.fast]
+
+
+class GatedPositionBias(nn.Module):
+    """WavLM's gated relative position bias: a table looked up by relative-position buckets, (H, T, T), repeated over
+    the batch with a slice per head, (B·H, T, T), and scaled by a gate computed from each example ((B·H, T, 1));
+    head-major (H·B rows) too, and the same through ``torch.addcmul``."""
+
+    def __init__(self, head_major: bool, heads: int = 2, length: int = 4) -> None:
+        super().__init__()
+        self.table = nn.Embedding(5, heads)
+        self.gate = nn.Linear(3, heads)
+        self.out = nn.Linear(length, 3)
+        positions = torch.arange(length)
+        self.register_buffer("buckets", (positions[None, :] - positions[:, None]).clamp(-2, 2) + 2)
+        self.head_major = head_major
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, 3)
+        batch, length, heads = x.shape[0], x.shape[1], self.table.embedding_dim
+        bias = self.table(self.buckets).permute(2, 0, 1)  # (H, T, T), every example's
+        gate = torch.sigmoid(self.gate(x)).transpose(1, 2)  # (B, H, T)
+        if self.head_major:
+            gate, bias = gate.transpose(0, 1).reshape(-1, length, 1), bias.repeat_interleave(batch, 0)
+        else:
+            gate, bias = gate.reshape(-1, length, 1), bias.unsqueeze(0).repeat(batch, 1, 1, 1).view(-1, length, length)
+        scores = torch.softmax(torch.addcmul(gate * bias, gate, bias, value=0.5), -1)  # (B·H or H·B, T, T)
+        scores = scores.view(heads, batch, -1).transpose(0, 1) if self.head_major else scores.view(batch, heads, -1)
+        return self.out(scores.reshape(batch, -1, length).mean(1))
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["example-major", "head-major"])
+def test_a_table_with_a_slice_per_head_repeated_over_the_batch_is_clipped_without_the_exact_path(
+    head_major: bool,
+) -> None:
+    torch.manual_seed(17)
+    x, y = torch.randn(5, 4, 3, generator=generator(34), dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert_exact_without_the_exact_path(GatedPositionBias(head_major), per_example_cross_entropy, x, y)

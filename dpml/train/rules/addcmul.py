@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Tracked, Use, broadcast_view, per_example, rule
+from dpml.train.rules.registry import Call, Dense, Gather, Pending, Tracked, Use, broadcast_view, rule
 
 
 @rule(torch.addcmul, torch.Tensor.addcmul)
@@ -39,21 +39,21 @@ def addcmul(call: Call) -> Pending | str:
     owners = next((e for e in examples if e is not None and z.dim() >= 1 and e.numel() == z.shape[0]), None)
     if owners is None:
         return "no batch-first operand"
-    rows, y = z.shape[0], other.detach()
-    views: list[tuple[Tracked, tuple[int, ...], tuple[int, ...], float | None]] = []
+    y = other.detach()
+    views: list[tuple[Tracked, tuple[int, ...], Gather, float | None]] = []
     for s, coefficient in parameters:
-        found = broadcast_view(call, s, rows)
+        found = broadcast_view(call, s, owners)
         if isinstance(found, str):
             return found
-        views.append((*found, coefficient))
+        views.append((found[0], found[2], found[3], coefficient))
 
     def finish(d: torch.Tensor) -> list[Use]:
         uses: list[Use] = []
-        for view, padded, reduce, coefficient in views:
+        for view, reduce, gather, coefficient in views:
             g = d if coefficient is None else d * y * coefficient
             if reduce:
                 g = g.sum(reduce, keepdim=True)
-            uses.append((view, Dense(per_example(g.reshape(rows, *padded[1:]), owners, call.batch))))
+            uses.append((view, Dense(gather(g))))
         return uses
 
     return Pending(z, [call.tracked(s).param for s, _ in parameters], finish)  # type: ignore[union-attr]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, broadcast_view, per_example, rule
+from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, broadcast_view, rule
 
 T = torch.Tensor
 _SUMS = {torch.add, T.add, T.__add__, T.__radd__}
@@ -63,11 +63,10 @@ def elementwise(call: Call) -> Pending | Shared | str:
     owners = call.leading_examples(x)
     if owners is None or z.dim() < 1 or z.shape[0] != x.shape[0]:
         return "no batch-first operand"
-    rows = x.shape[0]  # the batch, or rows that each belong to one example (Swin's windows)
-    found = broadcast_view(call, s, rows)
+    found = broadcast_view(call, s, owners)  # (rows: the batch, or rows that each belong to one example)
     if isinstance(found, str):
         return found
-    view, padded, reduce = found
+    view, _, reduce, gather = found
     coefficient = _coefficient(call, s_first)
     other: Any = x.detach() if coefficient is None else None
     scale = 1.0 if coefficient is None else coefficient
@@ -76,6 +75,6 @@ def elementwise(call: Call) -> Pending | Shared | str:
         g = d * other if other is not None else (d * scale if scale != 1.0 else d)
         if reduce:
             g = g.sum(reduce, keepdim=True)
-        return [(view, Dense(per_example(g.reshape(rows, *padded[1:]), owners, call.batch)))]
+        return [(view, Dense(gather(g)))]
 
     return Pending(z, [tracked.param], finish)  # type: ignore[union-attr]

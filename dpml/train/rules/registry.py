@@ -248,18 +248,37 @@ def beyond_keep_limit(batch: int, shape: tuple[int, ...] | torch.Size, device: t
     return f"its per-example gradients ({batch} × {tuple(shape)}) exceed the keep limit"
 
 
-def broadcast_view(call: Call, s: torch.Tensor, rows: int) -> tuple[Tracked, tuple[int, ...], tuple[int, ...]] | str:
-    """The parameter operand s of an elementwise call as one example's view of its parameter (:func:`view_per_example`),
-    its shape padded to the output z's rank, and the dimensions of z it is broadcast over (summed in its gradient);
-    or why not."""
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""(N, …) gradients of a parameter operand's rows (after the broadcast sums) ↦ its view's per-example gradients."""
+
+
+def broadcast_view(
+    call: Call, s: torch.Tensor, owners: torch.Tensor
+) -> tuple[Tracked, tuple[int, ...], tuple[int, ...], Gather] | str:
+    """The parameter operand s of an elementwise call as one example's view of its parameter, its shape padded to the
+    output z's rank, the dimensions of z it is broadcast over (summed in its gradient), and how its rows' gradients
+    become per-example ones (``owners``: the example of each index of z's first dimension); or why not. Either every
+    example shares S's slice (:func:`view_per_example`: rows added up per example), or S has one slice per row and
+    every example's k rows use the same k slices (WavLM's relative position bias repeated over the batch, a slice per
+    head: the example's view is those k slices)."""
     z = call.output
     if s.dim() > z.dim():
         return "a parameter with more dimensions than the result"
     padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
-    view = view_per_example(call.tracked(s), padded, rows)  # type: ignore[arg-type]
-    if view is None:
+    reduce = tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
+    rows, batch, tracked = z.shape[0], call.batch, call.tracked(s)
+    view = view_per_example(tracked, padded, rows)  # type: ignore[arg-type]
+    if view is not None:
+        return view, padded, reduce, lambda g: per_example(g.reshape(rows, *padded[1:]), owners, batch)
+    grouped = Rows.of_map(owners.unsqueeze(1), batch) if padded[0] == rows and rows > batch else None
+    index = None if grouped is None else grouped.of(tracked.flat_index().reshape(rows, -1))  # type: ignore[union-attr]
+    if grouped is None or index is None or not same_along(index, 0):
         return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
-    return view, padded, tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
+    view = Tracked(tracked.param, index[0].reshape(-1, *padded[1:]), tracked.shared)  # type: ignore[union-attr]
+    beyond = beyond_keep_limit(batch, view.shape(), z.device)
+    if beyond is not None:
+        return f"an operand with a slice per row: {beyond}"
+    return view, padded, reduce, lambda g: grouped.of(g.reshape(rows, -1)).reshape(batch, *view.shape())
 
 
 RuleFunction = Callable[[Call], Union[Pending, Shared, str]]

@@ -44,6 +44,8 @@ INDEX_VIEWS.update(
         T.expand,
         T.expand_as,
         T.repeat,  # (copies of elements: the index copied likewise)
+        T.repeat_interleave,
+        torch.repeat_interleave,
         T.tile,
         torch.tile,
         T.broadcast_to,
