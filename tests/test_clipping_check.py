@@ -230,6 +230,30 @@ def test_a_model_that_mixes_the_examples_of_a_batch_is_refused_before_any_step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+class NotFinite(nn.Module):
+    """A forward pass that is nan for every input (a softmax over a row masked out entirely), or whose gradient alone
+    is (the square root of zero times the output)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.where == "loss":
+            return torch.softmax(h.masked_fill(torch.ones_like(h, dtype=torch.bool), float("-inf")), 1) + h
+        return h + torch.sqrt(h * 0.0)  # sqrt(0) = 0, its derivative infinite: inf · 0 = nan
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_model_whose_probe_loss_or_gradient_is_not_finite_is_refused_before_any_step(where: str) -> None:
+    """nan compares neither equal nor different: a check that let it through would judge nothing."""
+    torch.manual_seed(5)
+    with pytest.raises(ClippingUnsupported, match=r"not finite \(nan or inf\)"):
+        plan_clipping(NotFinite(where), per_example_cross_entropy, (6,))
+
+
 def test_batch_norm_is_refused_naming_the_layer() -> None:
     model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
     with pytest.raises(ValueError, match=r"model layer '1' \(BatchNorm1d\): .*use nn.GroupNorm or nn.LayerNorm"):

@@ -187,6 +187,19 @@ def _reference(probe: _Probe) -> _Reference:
     return _Reference(losses.detach(), gradients)
 
 
+def _check_finite(reference: _Reference) -> None:
+    """A loss or per-example gradient that is nan or infinite on the probe batch compares as neither equal nor
+    different: no check could judge the engine on it, and training would only spread it into every parameter."""
+    bad = [name for name, g in reference.gradients.items() if not bool(torch.isfinite(g).all())]
+    if not bool(torch.isfinite(reference.losses).all()) or bad:
+        where = f"the per-example gradient of '{bad[0]}'" if bad else "the per-example losses"
+        raise ClippingUnsupported(
+            f"model: {where} on a synthetic probe batch {'is' if bad else 'are'} not finite (nan or inf); "
+            "dpml cannot check its per-example gradients, and training would spread the nan into every parameter: "
+            "make the forward pass finite (a fully masked attention row, a log or division of zero)"
+        )
+
+
 def _check_independent(probe: _Probe, reference: _Reference, tolerance: float) -> None:
     with probe.same_state(), torch.no_grad():
         losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
@@ -260,13 +273,13 @@ def _confirm(probe: _Probe, reference: _Reference, exact: frozenset[str], tolera
     factors = clip_factors(norms, clip)
     errors = {name: _relative(sums[name], reference.weighted(name, factors), scale) for name in reference.gradients}
     worst = max(errors, key=errors.__getitem__, default=None)
-    if worst is not None and errors[worst] > tolerance:
+    if worst is not None and not errors[worst] <= tolerance:  # (nan: not within it either)
         raise ClippingUnsupported(
             f"model parameter '{worst}': dpml's clipped per-example gradient sum differs from autograd's by "
             f"{errors[worst]:.2g} (relative) on a synthetic probe batch; dpml cannot train this model exactly — "
             "write the layer with standard torch.nn modules or report the module"
         )
-    if _relative(found_norms, norms, float(norms.norm())) > tolerance:
+    if not _relative(found_norms, norms, float(norms.norm())) <= tolerance:
         raise ClippingUnsupported(
             "model: dpml's per-example gradient norms differ from autograd's on a synthetic "
             "probe batch; dpml cannot train this model exactly"
@@ -291,6 +304,7 @@ def _plan_on(
             labels = probe_labels(_guarded("the forward pass", lambda: reference_model(x)), x.shape[0])
     probe = _Probe(reference_model, loss_fn, x, labels, x_all[-1], buffers)
     reference = _guarded("per-example autograd", lambda: _reference(probe))
+    _check_finite(reference)
     _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
     _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.squared(list(reference.gradients)).sqrt().max()) or 1.0
