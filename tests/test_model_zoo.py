@@ -99,8 +99,17 @@ IMAGE_FAMILIES: dict[str, dict[str, Any]] = {
 
 def _text_model(family: str) -> nn.Module:
     transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
-    config = transformers.AutoConfig.for_model(family, **(TEXT | TEXT_FAMILIES[family]))
+    return _text_model_from(transformers.AutoConfig.for_model(family, **(TEXT | TEXT_FAMILIES[family])))
+
+
+def _text_model_from(config: Any) -> nn.Module:
+    import transformers
+
     return transformers.AutoModelForSequenceClassification.from_config(config)
+
+
+def _labels(count: int) -> torch.Tensor:
+    return torch.randint(0, 3, (count,), generator=torch.Generator().manual_seed(1))
 
 
 def _tokens(family: str) -> torch.Tensor:
@@ -221,3 +230,26 @@ def test_a_speech_classifier_masking_with_numpys_generator_plans_no_exact_path(f
     assert any(name.endswith("masked_spec_embed") for name in plan.rule_parameters), plan.rule_parameters
     after = np.random.get_state()
     assert np.array_equal(after[1], before[0]) and after[2] == before[1]
+
+
+MIXTURES: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    ),
+}
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("family", sorted(MIXTURES))
+def test_a_mixture_of_experts_plans_no_exact_path(family: str, implementation: str) -> None:
+    """``transformers``' experts, by grouped products (the default: in float32 only, so the probe checks the model in
+    float32) or one expert at a time: an example's tokens are routed to each expert in different numbers (ragged
+    rows). The plan's probe confirms every clipped sum and norm against per-example autograd before it returns."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    torch.manual_seed(0)
+    settings = TEXT | ONE_KV_HEAD | MIXTURES[family] | {"experts_implementation": implementation}
+    model = HuggingFace(_text_model_from(transformers.AutoConfig.for_model(family, **settings)).train())
+    plan = plan_clipping(model, per_example_cross_entropy, (2, 9), torch.long, probe=(_tokens(family), _labels(5)))
+    assert plan.exact_parameters == (), plan.lines()
+    assert any("experts" in name for name in plan.rule_parameters), plan.rule_parameters

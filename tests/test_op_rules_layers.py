@@ -169,3 +169,38 @@ def test_a_table_with_a_slice_per_head_repeated_over_the_batch_is_clipped_withou
     torch.manual_seed(17)
     x, y = torch.randn(5, 4, 3, generator=generator(34), dtype=torch.float64), torch.randint(0, 3, (5,))
     assert_exact_without_the_exact_path(GatedPositionBias(head_major), per_example_cross_entropy, x, y)
+
+
+class GroupedExperts(nn.Module):
+    """A mixture of experts as ``transformers`` runs it by default: each token routed to its top expert (a different
+    number of an example's tokens to each: ragged rows), the tokens (time-major) sorted by expert and gathered, two
+    grouped products (``F.grouped_mm`` with the experts' offsets; the second weight stored transposed), scattered back
+    and scaled by the router's probability. ``F.grouped_mm`` computes in float32 only."""
+
+    def __init__(self, experts: int = 3, width: int = 8, hidden: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.up = nn.Parameter(torch.randn(experts, width, hidden) * 0.3)
+        self.down = nn.Parameter(torch.randn(experts, width, hidden) * 0.3)  # (E, n_out, n_in): used transposed
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, width)
+        tokens = x.transpose(0, 1).reshape(-1, x.shape[-1])  # time-major: an expert's rows not example by example
+        probabilities = torch.softmax(self.router(tokens), -1)
+        gate, expert = probabilities.max(-1)
+        order = torch.argsort(expert, stable=True)
+        offsets = torch.cumsum(torch.bincount(expert, minlength=self.up.shape[0]), 0).to(torch.int32)
+        hidden = torch.tanh(F.grouped_mm(tokens[order].float(), self.up.float(), offs=offsets))
+        routed = F.grouped_mm(hidden, self.down.float().transpose(-2, -1), offs=offsets).to(x.dtype)
+        mixed = routed[torch.argsort(order)] * gate.unsqueeze(-1)
+        return self.out(torch.tanh(mixed).reshape(x.shape[1], x.shape[0], -1).mean(0))
+
+
+def test_a_mixture_of_experts_grouped_product_is_clipped_without_the_exact_path() -> None:
+    torch.manual_seed(18)
+    x, y = torch.randn(5, 6, 8, generator=generator(35), dtype=torch.float64), torch.randint(0, 3, (5,))
+    model = GroupedExperts()
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y, tolerance=1e-5)
+    expert = model.router(x).argmax(-1)  # (B, T)
+    counts = torch.stack([torch.bincount(row, minlength=3) for row in expert])  # (B, E): tokens per example and expert
+    assert bool((counts != counts[:1]).any())  # ragged: the examples send different numbers of tokens to an expert

@@ -1,8 +1,9 @@
 """Per-operation clipping rules: where a trainable parameter enters the computation through an operation
 with a rule (a linear map, an index equation (einsum), an embedding lookup, a convolution, a normalisation's
 affine, an elementwise affine or a shift and scale in one ``addcmul``, a learned slope, a bilinear form, a
-concatenation, a value written into chosen places), the engine forms its per-example gradient norm and clipped sum
-from that operation's operands and output gradient, however the module around it is written.
+concatenation, a value written into chosen places, a mixture of experts' grouped product), the engine forms its
+per-example gradient norm and clipped sum from that operation's operands and output gradient, however the module
+around it is written.
 
 One rule per file, registered for the torch functions it covers (:func:`registry.rule`); a new operation
 is one file (imported below) plus a test. :mod:`.recorder` sees the operations, :mod:`.combine` adds up a
@@ -18,6 +19,7 @@ from dpml.train.rules import (  # noqa: F401 (each module registers its rules wh
     einsum,
     elementwise,
     embedding,
+    grouped_mm,
     linear,
     matmul,
     norm,

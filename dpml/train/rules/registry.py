@@ -155,33 +155,46 @@ class Shared:
 @dataclass
 class Rows:
     """Where each example's rows are in a tensor whose leading dimensions hold the batch (all but the last):
-    ``order`` lists the flattened leading positions example by example (None: already example-major)."""
+    ``order`` lists the flattened leading positions example by example (None: already example-major). Examples with
+    different numbers of rows (the tokens a mixture of experts routes to one expert) are *ragged*: each example's
+    rows are then padded with zero rows to the largest number, ``width``; ``slots`` gives each row, in example
+    order, its place among the B·width. A zero row adds nothing to a sum over rows of products or of rows."""
 
     batch: int
     order: torch.Tensor | None
+    slots: torch.Tensor | None = None  # (N,) on the CPU; None: every example has N / B rows
+    width: int = 0
 
     @staticmethod
-    def of_map(examples: torch.Tensor, batch: int) -> Rows | None:
+    def of_map(examples: torch.Tensor, batch: int, ragged: bool = True) -> Rows | None:
         """The rows of a tensor whose example map (the example of each element) is ``examples``; None where a row
-        holds several examples or the examples hold different numbers of rows."""
+        holds several examples, or (``ragged`` False) where the examples hold different numbers of rows."""
         if examples.stride(-1) != 0 and not torch.equal(examples, examples[..., :1].expand_as(examples)):
             return None  # a row that holds several examples
         lead = examples[..., 0].reshape(-1).to(torch.int64)
-        if lead.numel() % batch:
-            return None
         counts = torch.bincount(lead, minlength=batch)
-        if counts.numel() != batch or not bool((counts == lead.numel() // batch).all()):
+        if counts.numel() != batch:
             return None
-        if bool((lead[1:] >= lead[:-1]).all()):  # already example by example (x.view(-1, n) of a batch-first x)
-            return Rows(batch, None)
-        return Rows(batch, torch.argsort(lead, stable=True))
+        order = None if bool((lead[1:] >= lead[:-1]).all()) else torch.argsort(lead, stable=True)
+        if lead.numel() % batch == 0 and bool((counts == lead.numel() // batch).all()):
+            return Rows(batch, order)
+        if not ragged:
+            return None
+        by_example = lead if order is None else lead[order]
+        width = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        return Rows(batch, order, by_example * width + torch.arange(lead.numel()) - starts[by_example], width)
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
-        """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example."""
+        """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example (ragged: zero rows padding
+        each example's to ``width``)."""
         flat = t.reshape(-1, t.shape[-1])
         if self.order is not None:
             flat = flat[self.order.to(flat.device)]
-        return flat.reshape(self.batch, -1, t.shape[-1])
+        if self.slots is None:
+            return flat.reshape(self.batch, -1, t.shape[-1])
+        padded = flat.new_zeros(self.batch * self.width, flat.shape[-1])
+        return padded.index_copy_(0, self.slots.to(flat.device), flat).reshape(self.batch, self.width, -1)
 
 
 @dataclass
@@ -270,7 +283,7 @@ def broadcast_view(
     view = view_per_example(tracked, padded, rows)  # type: ignore[arg-type]
     if view is not None:
         return view, padded, reduce, lambda g: per_example(g.reshape(rows, *padded[1:]), owners, batch)
-    grouped = Rows.of_map(owners.unsqueeze(1), batch) if padded[0] == rows and rows > batch else None
+    grouped = Rows.of_map(owners.unsqueeze(1), batch, ragged=False) if padded[0] == rows and rows > batch else None
     index = None if grouped is None else grouped.of(tracked.flat_index().reshape(rows, -1))  # type: ignore[union-attr]
     if grouped is None or index is None or not same_along(index, 0):
         return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
