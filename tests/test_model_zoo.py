@@ -131,12 +131,14 @@ def test_a_text_classifier_of_each_family_clips_exactly_without_the_exact_path(f
 
 
 class Logits(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
+    """A ``transformers`` model on one tensor (``pixel_values``, or the input named ``key``); returns ``.logits``."""
+
+    def __init__(self, model: nn.Module, key: str = "pixel_values") -> None:
         super().__init__()
-        self.model = model
+        self.model, self.key = model, key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=x).logits  # type: ignore[no-any-return]
+        return self.model(**{self.key: x}).logits  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("family", sorted(IMAGE_FAMILIES))
@@ -197,15 +199,6 @@ SPEECH |= dict(conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_con
 SPEECH |= dict(num_conv_pos_embedding_groups=2, mask_time_prob=0.2, mask_time_length=3, layerdrop=0.0)
 
 
-class Waveforms(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(input_values=x).logits  # type: ignore[no-any-return]
-
-
 SPEECH_FAMILIES: dict[str, dict[str, Any]] = {
     "wav2vec2": {},
     "hubert": {},
@@ -222,7 +215,7 @@ def test_a_speech_classifier_masking_with_numpys_generator_plans_no_exact_path(f
     transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(family, **(SPEECH | SPEECH_FAMILIES[family]))
-    model = Waveforms(transformers.AutoModelForAudioClassification.from_config(config).train())
+    model = Logits(transformers.AutoModelForAudioClassification.from_config(config).train(), key="input_values")
     np.random.seed(5)
     before = np.random.get_state()[1].copy(), np.random.get_state()[2]
     plan = plan_clipping(model, per_example_cross_entropy, (400,))

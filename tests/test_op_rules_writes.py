@@ -50,6 +50,20 @@ def test_weights_written_in_place_before_they_meet_the_batch() -> None:
     assert_exact_without_the_exact_path(WrittenWeights(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
 
 
+def assert_stale_and_exact(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Parameter ``a`` goes to the exact path for values an in-place write changed under a view, and every clipped
+    sum (C = 0.3) and norm equals the float64 per-example loop's; the norms."""
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert set(found.exact) == {"a"}, found.reasons
+    assert "an in-place operation changed since" in found.reasons["a"]
+    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    return norms
+
+
 class StaleView(nn.Module):
     """A view of a computed weight taken before an in-place write and used after it: it shows the new values, which
     the weight's recorded computation does not describe."""
@@ -70,14 +84,7 @@ def test_a_view_taken_before_an_in_place_write_goes_to_the_exact_path_and_stays_
     torch.manual_seed(3)
     model = StaleView().double()
     x, y = torch.randn(5, 4, generator=generator(22), dtype=torch.float64), torch.randint(0, 3, (5,))
-    found = engine_pass(model, per_example_cross_entropy, x, y)
-    assert set(found.exact) == {"a"}, found.reasons
-    assert "an in-place operation changed since" in found.reasons["a"]
-    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
-    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
-    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
-    for name, expected in reference.items():
-        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    norms = assert_stale_and_exact(model, x, y)
     assert float(norms.min()) > 0.3  # every example clipped: the write's effect is in each clipped gradient
 
 
@@ -146,14 +153,7 @@ def test_a_copy_written_where_its_values_cannot_be_followed_goes_to_the_exact_pa
     torch.manual_seed(12)
     model = StaleCopy(transposed).double()
     x, y = torch.randn(5, 4, generator=generator(28), dtype=torch.float64), torch.randint(0, 3, (5,))
-    found = engine_pass(model, per_example_cross_entropy, x, y)
-    assert set(found.exact) == {"a"}, found.reasons
-    assert "an in-place operation changed since" in found.reasons["a"]
-    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
-    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
-    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
-    for name, expected in reference.items():
-        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    assert_stale_and_exact(model, x, y)
 
 
 class StandardisedConvolutions(nn.Module):
