@@ -135,7 +135,10 @@ def leading_carried(
 def same_across_rest(examples: torch.Tensor, kept: int) -> torch.Tensor | None:
     """An example map's values at each index of its first ``kept`` dimensions, where they are the same across the
     other dimensions (each such index belongs to one example); else None."""
-    rows = examples.reshape(*examples.shape[:kept], -1)
+    trimmed = examples[
+        (slice(None),) * kept + tuple(slice(0, 1) if s == 0 else slice(None) for s in examples.stride()[kept:])
+    ]
+    rows = trimmed.reshape(*examples.shape[:kept], -1)  # (a map broadcast over the rest: one column, not a copy of it)
     if rows.shape[-1] == 0 or not torch.equal(rows, rows[..., :1].expand_as(rows)):
         return None
     return rows[..., 0]
