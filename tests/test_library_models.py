@@ -78,6 +78,26 @@ def tiny_gpt2(n_classes: int = 2, seed: int = 0) -> nn.Module:
     return transformers.GPT2ForSequenceClassification(config)
 
 
+def tiny_mixtral(n_classes: int = 2, seed: int = 0) -> nn.Module:
+    """A one-layer Mixtral classifier (4 experts, 2 per token, grouped products) with random weights; id 0 pads."""
+    transformers = transformers_module()
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=LENGTH,
+        num_labels=n_classes,
+        pad_token_id=0,
+    )
+    return transformers.MixtralForSequenceClassification(config)
+
+
 def token_data(n: int = 128, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ids (n, T) in [1, vocabulary) with trailing padding (id 0, mask 0): every example keeps 2 to T tokens;
     the label is whether the first token is in the upper half of the vocabulary."""
@@ -265,7 +285,7 @@ def _logged_state(result: dpml.PrivateTraining, tmp: Path) -> Path:
 # Token inputs through dpml.train_private.
 
 
-@pytest.mark.parametrize("build", [tiny_bert, tiny_gpt2], ids=["bert", "gpt2"])
+@pytest.mark.parametrize("build", [tiny_bert, tiny_gpt2, tiny_mixtral], ids=["bert", "gpt2", "mixtral"])
 def test_train_private_trains_a_transformers_classifier_on_padded_tokens(
     build: Callable[..., nn.Module], tmp_path: Path
 ) -> None:
