@@ -14,6 +14,7 @@ from test_op_rules import HuggingFace, assert_exact_without_the_exact_path, gene
 from torch import nn
 
 from dpml.train.clipping import clipped_gradient_sum, engine_pass
+from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -400,3 +401,73 @@ def test_parameters_written_into_chosen_places_of_an_activation_clip_without_the
     torch.manual_seed(15)
     x, y = torch.randn(5, 6, 5, generator=generator(32), dtype=torch.float64), torch.randint(0, 3, (5,))
     assert_exact_without_the_exact_path(MaskedPlaces(), per_example_cross_entropy, x, y)
+
+
+class ExpandedPositions(nn.Module):
+    """ConViT's positional attention: a constant table of relative positions expanded over the batch
+    (``rel_indices.expand(B, …)``, stride 0), projected by a linear layer, softmaxed, and mixed with each example's
+    content scores by a learned gate; ``mixes_rows``: a running sum along the expanded dimension first, which makes
+    the rows differ (the probe must find the one-row node wrong and take the parameters exactly)."""
+
+    def __init__(self, mixes_rows: bool = False, heads: int = 2, length: int = 4) -> None:
+        super().__init__()
+        offsets = torch.arange(length)[None, :] - torch.arange(length)[:, None]
+        self.register_buffer("relative", torch.stack([offsets, offsets.abs(), offsets**2], -1).float()[None])
+        self.positions = nn.Linear(3, heads)
+        self.gate = nn.Parameter(torch.randn(heads) * 0.5)
+        self.content = nn.Linear(3, heads * length)
+        self.out = nn.Linear(heads * length, 3)
+        self.mixes_rows = mixes_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, 3)
+        batch, length = x.shape[0], x.shape[1]
+        position = self.positions(self.relative.to(x.dtype).expand(batch, -1, -1, -1)).permute(0, 3, 1, 2)
+        position = torch.softmax(position.cumsum(0) if self.mixes_rows else position, -1)  # (B, H, T, T)
+        content = torch.softmax(self.content(x).view(batch, length, -1, length).transpose(1, 2), -1)
+        gate = torch.sigmoid(self.gate).view(1, -1, 1, 1)
+        mixed = (1.0 - gate) * content + gate * position
+        return self.out(mixed.mean(2).reshape(batch, -1))
+
+
+def test_a_constant_expanded_over_the_batch_and_projected_is_one_row_of_parameters() -> None:
+    torch.manual_seed(19)
+    x, y = torch.randn(5, 4, 3, generator=generator(36), dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert_exact_without_the_exact_path(ExpandedPositions(), per_example_cross_entropy, x, y)
+
+
+def test_rows_mixed_along_the_expanded_dimension_are_found_by_the_probe_and_taken_exactly() -> None:
+    torch.manual_seed(19)
+    model = ExpandedPositions(mixes_rows=True).double()
+    x, y = torch.randn(5, 4, 3, generator=generator(36), dtype=torch.float64), torch.randint(0, 3, (5,))
+    plan = plan_clipping(model, per_example_cross_entropy, (4, 3), torch.float64, probe=(x, y))
+    assert "positions.weight" in plan.exact_parameters, plan.lines()  # (its bias shifts a softmax: no gradient)
+    reference, norms = loop_reference(model, per_example_cross_entropy, x[1:], y[1:], 0.3, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x[1:], y[1:], 0.3, exact=plan.exact)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class DifferentRows(nn.Module):
+    """A constant with a batch-sized first dimension whose rows differ (``arange(B)`` spread over a table), projected
+    by a linear layer and added to each example's activations: not one row repeated, so no one-row node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Linear(3, 3)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, 3)
+        table = torch.arange(x.shape[0], dtype=x.dtype).view(-1, 1, 1) * torch.ones(1, x.shape[1], 3, dtype=x.dtype)
+        return self.out(torch.tanh(x + self.positions(table)).mean(1))
+
+
+def test_a_constant_whose_rows_differ_is_not_taken_for_one_row() -> None:
+    torch.manual_seed(20)
+    model = DifferentRows().double()
+    x, y = torch.randn(5, 4, 3, generator=generator(37), dtype=torch.float64), torch.randint(0, 3, (5,))
+    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)

@@ -194,7 +194,29 @@ class DerivedNodes:
     ) -> list[tuple[torch.Tensor, Tracked]] | tuple[str, list[Tracked]]:
         """Nodes for the outputs of ``func`` (those that require gradient) from its operands that are ``tracked``
         (views of parameters, or outputs of other nodes): each output with the :class:`Tracked` it is to be tracked
-        as; or why the call cannot be recorded, and the tracked operands."""
+        as; or why the call cannot be recorded, and the tracked operands. Where the operands repeat one row along
+        their first dimension (:func:`first_rows`), the node is the call on that row, and each output its
+        repetition."""
+        rows = first_rows(func, args, kwargs, out, tracked, state)
+        if rows is not None:
+            one, sliced, (sliced_args, sliced_kwargs) = rows
+            found = self._record(func, sliced_args, sliced_kwargs, one, lambda t: sliced.get(id(t), tracked(t)), state)
+            if not isinstance(found, tuple):
+                return [
+                    (o, Tracked(t.param, t.flat_index().expand(o.shape), t.shared))
+                    for o, (_, t) in zip([o for o in outputs(out) if o.requires_grad], found, strict=True)
+                ]
+        return self._record(func, args, kwargs, out, tracked, state)
+
+    def _record(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        tracked: Callable[[Any], Tracked | None],
+        state: RandomState,
+    ) -> list[tuple[torch.Tensor, Tracked]] | tuple[str, list[Tracked]]:
         sources: dict[int, tuple[torch.Tensor, Tracked]] = {}
         for t in tensors(args, kwargs):
             seen = tracked(t)
@@ -222,6 +244,48 @@ class DerivedNodes:
                 self._by_key[id(key)] = node
                 tracked_as.append((o, Tracked(key)))  # type: ignore[arg-type]
         return tracked_as
+
+
+def first_rows(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+    tracked: Callable[[Any], Tracked | None],
+    state: RandomState,
+) -> tuple[Any, dict[int, Tracked], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+    """A computation on parameters and constants whose operands repeat one row along the first dimension of its
+    outputs, N > 1 (a constant expanded over the batch, ConViT's ``rel_indices.expand(B, …)``, or a tracked view
+    repeated so, the output of an earlier such call): the call run again on the first rows alone (its outputs, the
+    sliced operands' views, the sliced call), where its outputs are then one row each; None otherwise. The rows are
+    told apart by stride 0, not by values; an operation that mixes them (a softmax along that dimension) would make
+    the node's rows another function, which the probe's check against per-example autograd refuses."""
+    leading = [o.shape[0] for o in outputs(out) if o.dim() >= 1]
+    if not leading or leading[0] <= 1:
+        return None
+    n, cut, sliced = leading[0], {}, {}
+    for t in tensors(args, kwargs):
+        if t.dim() < 1 or t.shape[0] != n:
+            continue
+        view = tracked(t)
+        repeated = t.stride(0) == 0 if view is None else view.index is not None and view.index.stride(0) == 0
+        if not repeated:
+            return None
+        cut[id(t)] = (t, t[:1])
+        if view is not None:
+            sliced[id(cut[id(t)][1])] = Tracked(view.param, view.flat_index()[:1], view.shared)
+    if not cut:
+        return None
+    call = substituted(args, kwargs, cut)
+    try:
+        with torch.enable_grad(), replayed(state):
+            one = func(*call[0], **call[1])
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return None
+    pairs = list(zip(outputs(one), outputs(out), strict=False))
+    if len(pairs) != len(outputs(out)) or any(o.dim() < 1 or o.shape != (1, *r.shape[1:]) for o, r in pairs):
+        return None
+    return one, sliced, call
 
 
 def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:
