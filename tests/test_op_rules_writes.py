@@ -409,8 +409,9 @@ class ExpandedPositions(nn.Module):
     content scores by a learned gate; ``mixes_rows``: a running sum along the expanded dimension first, which makes
     the rows differ (the probe must find the one-row node wrong and take the parameters exactly)."""
 
-    def __init__(self, mixes_rows: bool = False, heads: int = 2, length: int = 4) -> None:
+    def __init__(self, mixes_rows: bool = False, built: bool = False, heads: int = 2, length: int = 4) -> None:
         super().__init__()
+        self.built = built
         offsets = torch.arange(length)[None, :] - torch.arange(length)[:, None]
         self.register_buffer("relative", torch.stack([offsets, offsets.abs(), offsets**2], -1).float()[None])
         self.positions = nn.Linear(3, heads)
@@ -421,7 +422,13 @@ class ExpandedPositions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, 3)
         batch, length = x.shape[0], x.shape[1]
-        position = self.positions(self.relative.to(x.dtype).expand(batch, -1, -1, -1)).permute(0, 3, 1, 2)
+        table = self.relative.to(x.dtype)
+        table = (
+            torch.zeros(batch, *table.shape[1:], dtype=x.dtype) + table
+            if self.built
+            else table.expand(batch, -1, -1, -1)
+        )
+        position = self.positions(table).permute(0, 3, 1, 2)
         position = torch.softmax(position.cumsum(0) if self.mixes_rows else position, -1)  # (B, H, T, T)
         content = torch.softmax(self.content(x).view(batch, length, -1, length).transpose(1, 2), -1)
         gate = torch.sigmoid(self.gate).view(1, -1, 1, 1)
@@ -429,10 +436,13 @@ class ExpandedPositions(nn.Module):
         return self.out(mixed.mean(2).reshape(batch, -1))
 
 
-def test_a_constant_expanded_over_the_batch_and_projected_is_one_row_of_parameters() -> None:
+@pytest.mark.parametrize("built", [False, True], ids=["expanded", "built with equal rows"])
+def test_a_constant_repeated_over_the_batch_and_projected_is_one_row_of_parameters(built: bool) -> None:
+    """ConViT's table expanded over the batch, or EdgeNeXt's way: a table built with a batch dimension whose rows are
+    equal (``zeros(B, …) + table``)."""
     torch.manual_seed(19)
     x, y = torch.randn(5, 4, 3, generator=generator(36), dtype=torch.float64), torch.randint(0, 3, (5,))
-    assert_exact_without_the_exact_path(ExpandedPositions(), per_example_cross_entropy, x, y)
+    assert_exact_without_the_exact_path(ExpandedPositions(built=built), per_example_cross_entropy, x, y)
 
 
 def test_rows_mixed_along_the_expanded_dimension_are_found_by_the_probe_and_taken_exactly() -> None:

@@ -255,11 +255,12 @@ def first_rows(
     state: RandomState,
 ) -> tuple[Any, dict[int, Tracked], tuple[tuple[Any, ...], dict[str, Any]]] | None:
     """A computation on parameters and constants whose operands repeat one row along the first dimension of its
-    outputs, N > 1 (a constant expanded over the batch, ConViT's ``rel_indices.expand(B, …)``, or a tracked view
-    repeated so, the output of an earlier such call): the call run again on the first rows alone (its outputs, the
-    sliced operands' views, the sliced call), where its outputs are then one row each; None otherwise. The rows are
-    told apart by stride 0, not by values; an operation that mixes them (a softmax along that dimension) would make
-    the node's rows another function, which the probe's check against per-example autograd refuses."""
+    outputs, N > 1 (a constant expanded over the batch, ConViT's ``rel_indices.expand(B, …)``, or built with equal
+    rows; or a tracked view repeated so, the output of an earlier such call): the call run again on the first rows
+    alone (its outputs, the sliced operands' views, the sliced call), where its outputs are then one row each; None
+    otherwise. A constant's rows are compared by value (on a GPU, a wait for it: such constants are rare), a view's by
+    its index's stride 0. An operation that mixes the rows (a running sum along that dimension) makes the node's rows
+    another function, which the probe's check against per-example autograd finds and takes exactly."""
     leading = [o.shape[0] for o in outputs(out) if o.dim() >= 1]
     if not leading or leading[0] <= 1:
         return None
@@ -268,7 +269,10 @@ def first_rows(
         if t.dim() < 1 or t.shape[0] != n:
             continue
         view = tracked(t)
-        repeated = t.stride(0) == 0 if view is None else view.index is not None and view.index.stride(0) == 0
+        if view is None:  # a constant: expanded, or built with equal rows (EdgeNeXt's features of zeros(B, H, W))
+            repeated = t.stride(0) == 0 or (not t.is_meta and torch.equal(t, t[:1].expand_as(t)))
+        else:
+            repeated = view.index is not None and view.index.stride(0) == 0
         if not repeated:
             return None
         cut[id(t)] = (t, t[:1])
