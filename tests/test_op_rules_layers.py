@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_op_rules import assert_exact_without_the_exact_path, generator
+from test_op_rules import assert_exact_without_the_exact_path, generator, loop_reference
 from torch import nn
 
-from dpml.train.clipping import engine_pass
+from dpml.train.clipping import clipped_gradient_sum, engine_pass
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -204,3 +204,32 @@ def test_a_mixture_of_experts_grouped_product_is_clipped_without_the_exact_path(
     expert = model.router(x).argmax(-1)  # (B, T)
     counts = torch.stack([torch.bincount(row, minlength=3) for row in expert])  # (B, E): tokens per example and expert
     assert bool((counts != counts[:1]).any())  # ragged: the examples send different numbers of tokens to an expert
+
+
+class TimeMajorTokens(nn.Module):
+    """Token ids looked up time-major, (T, B) (XLNet's layout), then a linear layer on the (T, B, d) rows: the ids are
+    each example's own, not indices shared by the batch (the lookup once took them for shared ones, silently wrong)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 4)
+        self.inner = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (B, T)
+        h = torch.tanh(self.inner(self.table(ids.t())))  # (T, B, 4)
+        return self.out(h.transpose(0, 1).mean(1))
+
+
+def test_time_major_token_ids_are_each_examples_own_and_their_rows_are_followed() -> None:
+    torch.manual_seed(21)
+    model = TimeMajorTokens().double()
+    x, y = torch.randint(0, 10, (5, 6), generator=generator(38)), torch.randint(0, 3, (5,))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert set(found.exact) == {"table.weight"}, found.reasons  # the lookup's rule refuses; the rows are followed
+    assert "not batch-first" in found.reasons["table.weight"]
+    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)

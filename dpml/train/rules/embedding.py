@@ -48,6 +48,8 @@ def embedding(call: Call) -> Pending | Shared | str:
             return [(w, Factored(tokens, d, w.shape()[0], d.shape[2]))]
 
         return Pending(call.output, [w.param], finish)
+    if call.from_batch(ids):  # (XLNet's time-major (T, B) ids: each example's own, not shared by the batch)
+        return f"indices from the batch (shape {tuple(ids.shape)}) that are not batch-first"
     if padding_idx is not None and bool((ids == padding_idx).any()):
         return "shared indices that hit padding_idx"
     index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter

@@ -87,13 +87,15 @@ OUT_OF_PLACE: dict[Any, Any] = {
 
 def carried(t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
     """t's example map carried to ``out``: same shape, all but the last dimension kept (the map being the
-    same along it), or broadcast."""
+    same along it), a row for each element (a lookup of ids not batch-first: XLNet's (T, B)), or broadcast."""
     if examples is None:
         return None
     if out.shape == t.shape:
         return examples
     if out.dim() == t.dim() and out.shape[:-1] == t.shape[:-1] and examples.stride(-1) == 0:
         return examples[..., :1].expand(out.shape)
+    if out.dim() == t.dim() + 1 and out.shape[:-1] == t.shape:  # a row per element: an embedding lookup, one_hot
+        return examples.unsqueeze(-1).expand(out.shape)
     # broadcast: only t's trailing dimensions are compared, out may have more leading ones (strict=False)
     if out.dim() >= t.dim() and all(a == b or a == 1 for a, b in zip(t.shape[::-1], out.shape[::-1], strict=False)):
         return examples.expand(out.shape)

@@ -474,9 +474,8 @@ class Recorder(TorchFunctionMode):
 
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Call:
         """The call as its rule sees it, with the recorder's views of where the batch is."""
-        return Call(
-            func, args, kwargs, out, self.batch, self.tracked, self.rows, self.batch_first, self._leading_examples
-        )
+        views = (self.tracked, self.rows, self.batch_first, self._leading_examples, self.derived)
+        return Call(func, args, kwargs, out, self.batch, *views)
 
     def _apply(
         self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, hits: list[Tracked]

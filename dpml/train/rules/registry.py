@@ -210,6 +210,7 @@ class Call:
     rows_of: Callable[[torch.Tensor], Rows | None]
     batch_first_of: Callable[[torch.Tensor], bool]
     leading_examples_of: Callable[[torch.Tensor], torch.Tensor | None]
+    from_batch_of: Callable[[torch.Tensor], bool]
 
     def arg(self, position: int, name: str, default: Any = None) -> Any:
         if len(self.args) > position:
@@ -223,6 +224,10 @@ class Call:
         """t's leading dimensions as example-major rows (a batch-first tensor, or one whose batch dimension
         the recorder followed through transposes and reshapes); None when that is not known."""
         return self.rows_of(t)
+
+    def from_batch(self, t: Any) -> bool:
+        """t was computed from the batch's inputs (position ids and masks built from constants were not)."""
+        return isinstance(t, torch.Tensor) and self.from_batch_of(t)
 
     def batch_first(self, t: Any) -> bool:
         """t is an activation whose first dimension is the batch."""
