@@ -149,7 +149,8 @@ class DerivedNodes:
     their own); and the tensors standing for values that an in-place write has changed since (``stale``): a view
     of them taken before the write shows the new values, which their node does not describe."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch: int) -> None:
+        self.batch = batch  # (a constant's rows are compared by value only where there are as many as examples)
         self.nodes: list[Derived] = []
         self._by_key: dict[int, Derived] = {}
         self.stale: set[int] = set()
@@ -197,7 +198,7 @@ class DerivedNodes:
         as; or why the call cannot be recorded, and the tracked operands. Where the operands repeat one row along
         their first dimension (:func:`first_rows`), the node is the call on that row, and each output its
         repetition."""
-        rows = first_rows(func, args, kwargs, out, tracked, state)
+        rows = first_rows(func, args, kwargs, out, tracked, state, self.batch)
         if rows is not None:
             one, sliced, (sliced_args, sliced_kwargs) = rows
             found = self._record(func, sliced_args, sliced_kwargs, one, lambda t: sliced.get(id(t), tracked(t)), state)
@@ -253,14 +254,17 @@ def first_rows(
     out: Any,
     tracked: Callable[[Any], Tracked | None],
     state: RandomState,
+    batch: int,
 ) -> tuple[Any, dict[int, Tracked], tuple[tuple[Any, ...], dict[str, Any]]] | None:
     """A computation on parameters and constants whose operands repeat one row along the first dimension of its
     outputs, N > 1 (a constant expanded over the batch, ConViT's ``rel_indices.expand(B, …)``, or built with equal
     rows; or a tracked view repeated so, the output of an earlier such call): the call run again on the first rows
     alone (its outputs, the sliced operands' views, the sliced call), where its outputs are then one row each; None
-    otherwise. A constant's rows are compared by value (on a GPU, a wait for it: such constants are rare), a view's by
-    its index's stride 0. An operation that mixes the rows (a running sum along that dimension) makes the node's rows
-    another function, which the probe's check against per-example autograd finds and takes exactly."""
+    otherwise. A view's rows are told apart by its index's stride 0; a constant's by stride 0, or by value where it
+    is built in the forward pass with one row per example (N = ``batch``; not a frozen parameter: on a GPU, the
+    comparison waits for it, and such constants are rare). An operation that mixes the rows (a running sum along
+    that dimension) makes the node's rows another function, which the probe's check against per-example autograd
+    finds and takes exactly."""
     leading = [o.shape[0] for o in outputs(out) if o.dim() >= 1]
     if not leading or leading[0] <= 1:
         return None
@@ -270,7 +274,8 @@ def first_rows(
             continue
         view = tracked(t)
         if view is None:  # a constant: expanded, or built with equal rows (EdgeNeXt's features of zeros(B, H, W))
-            repeated = t.stride(0) == 0 or (not t.is_meta and torch.equal(t, t[:1].expand_as(t)))
+            built = n == batch and not isinstance(t, nn.Parameter) and not t.is_meta
+            repeated = t.stride(0) == 0 or (built and torch.equal(t, t[:1].expand_as(t)))
         else:
             repeated = view.index is not None and view.index.stride(0) == 0
         if not repeated:

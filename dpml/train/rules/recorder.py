@@ -86,7 +86,7 @@ class Recorder(TorchFunctionMode):
         self.batch, self.owners = batch, owners
         self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
         self.pending: list[Pending] = []
-        self.computations = DerivedNodes()  # computations on parameters alone
+        self.computations = DerivedNodes(batch)  # computations on parameters alone
         self.refused: dict[int, str] = {}  # id(parameter) -> the first reason it cannot be covered
         self.outside: set[int] = set()  # ids of hooked layers' parameters used outside their layer's call
         self.stack: list[nn.Module] = []  # the hooked layers whose call is under way
