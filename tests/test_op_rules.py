@@ -5,7 +5,7 @@ per-example autograd loop, and the plan sends none of their parameters to the ex
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import pytest
 import torch
@@ -42,6 +42,19 @@ def loop_reference(
     norms = sum(g.reshape(x.shape[0], -1).pow(2).sum(1) for g in grads.values()).sqrt()  # type: ignore[union-attr]
     factors = clip_factors(norms, clip)
     return {n: torch.einsum("b,b...->...", factors, g) for n, g in grads.items()}, norms
+
+
+def assert_clipped_like_the_loop(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, exact: Collection[str] = ()
+) -> torch.Tensor:
+    """The engine's clipped sums and norms at C = 0.3 (whatever path each parameter takes; ``exact``: the plan's)
+    equal the float64 per-example loop's (cross entropy, seed 0); the norms."""
+    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3, exact=exact)
+    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    return norms
 
 
 def assert_exact_without_the_exact_path(

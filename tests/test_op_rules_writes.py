@@ -10,10 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_op_rules import HuggingFace, assert_exact_without_the_exact_path, generator, ids_and_mask, loop_reference
+from test_op_rules import (
+    HuggingFace,
+    assert_clipped_like_the_loop,
+    assert_exact_without_the_exact_path,
+    generator,
+    ids_and_mask,
+)
 from torch import nn
 
-from dpml.train.clipping import clipped_gradient_sum, engine_pass
+from dpml.train.clipping import engine_pass
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 
@@ -57,12 +63,7 @@ def assert_stale_and_exact(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -
     found = engine_pass(model, per_example_cross_entropy, x, y)
     assert set(found.exact) == {"a"}, found.reasons
     assert "an in-place operation changed since" in found.reasons["a"]
-    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
-    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
-    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
-    for name, expected in reference.items():
-        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
-    return norms
+    return assert_clipped_like_the_loop(model, x, y)
 
 
 class StaleView(nn.Module):
@@ -451,11 +452,7 @@ def test_rows_mixed_along_the_expanded_dimension_are_found_by_the_probe_and_take
     x, y = torch.randn(5, 4, 3, generator=generator(36), dtype=torch.float64), torch.randint(0, 3, (5,))
     plan = plan_clipping(model, per_example_cross_entropy, (4, 3), torch.float64, probe=(x, y))
     assert "positions.weight" in plan.exact_parameters, plan.lines()  # (its bias shifts a softmax: no gradient)
-    reference, norms = loop_reference(model, per_example_cross_entropy, x[1:], y[1:], 0.3, 0)
-    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x[1:], y[1:], 0.3, exact=plan.exact)
-    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
-    for name, expected in reference.items():
-        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    assert_clipped_like_the_loop(model, x[1:], y[1:], exact=plan.exact)
 
 
 class DifferentRows(nn.Module):
@@ -476,8 +473,4 @@ def test_a_constant_whose_rows_differ_is_not_taken_for_one_row() -> None:
     torch.manual_seed(20)
     model = DifferentRows().double()
     x, y = torch.randn(5, 4, 3, generator=generator(37), dtype=torch.float64), torch.randint(0, 3, (5,))
-    reference, norms = loop_reference(model, per_example_cross_entropy, x, y, 0.3, 0)
-    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
-    torch.testing.assert_close(found_norms, norms, rtol=1e-10, atol=0)
-    for name, expected in reference.items():
-        torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
+    assert_clipped_like_the_loop(model, x, y)

@@ -290,7 +290,8 @@ def engine_pass(
     with _precision(x.device, autocast):
         copies = _OVERWRITTEN_OUTPUTS.get(model, frozenset())  # learnt from earlier passes: one forward pass
         recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies)
-        _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
+        if first or recording.overwritten:  # (a model's first pass marks it seen, even with nothing overwritten)
+            _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
         if recording.overwritten:  # (a first pass, or one that goes another way than the earlier ones)
             _replay_draws(state, host, x.device)  # the same dropout masks in the forward pass that counts
             recording = _record_forward(model, loss_fn, x, y, candidates, watched, None)

@@ -33,6 +33,8 @@ def grouped_mm(call: Call) -> Pending | str:
     ends = [int(end) for end in offs.tolist()]
     spans = [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)) if end > start]
     groups = [(e, start, end, Rows.of_map(examples[start:end].unsqueeze(1), call.batch)) for e, start, end in spans]
+    if any(rows is None for *_, rows in groups):
+        return "rows that each hold several examples"
     index, recorded = w.flat_index(), a.detach()
 
     def finish(d: torch.Tensor) -> list[Use]:
@@ -43,6 +45,4 @@ def grouped_mm(call: Call) -> Pending | str:
             uses.append((view, Factored(a_rows, d_rows, a_rows.shape[2], d_rows.shape[2])))
         return uses
 
-    if any(rows is None for *_, rows in groups):
-        return "rows that each hold several examples"
     return Pending(call.output, [w.param], finish)
