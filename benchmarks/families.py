@@ -12,7 +12,11 @@ Families, each built from a config with random weights (nothing is downloaded: `
   ``SEQ_CLS`` task does) on the BERT above, its body frozen;
 - ``vit``: timm's ViT with ViT-Tiny's widths (192, 3 heads), 32×32 images, patch 4, 10 classes;
 - ``resnet18-gn``: torchvision's ResNet-18 with ``GroupNorm(32, C)`` in place of BatchNorm, 32×32 images,
-  10 classes (timm's ``resnet18`` with the same norm where torchvision is absent and timm imports).
+  10 classes (timm's ``resnet18`` with the same norm where torchvision is absent and timm imports);
+- ``lstm`` (not in the default list: not among the issue's families): torch's ``nn.LSTM`` as a text classifier,
+  token embedding (BERT's vocabulary), a stacked batch-first LSTM as wide as the size's hidden width with as many
+  layers, the mean over the real tokens, a linear head (dpml runs its recurrence unrolled:
+  :mod:`dpml.train.rules.recurrent`).
 
 Where a family's library cannot be imported, its row says so and why, rather than disappearing.
 PyPI's torchvision wheel (which timm imports) is built against CUDA torch: beside a CPU-only torch its
@@ -108,7 +112,8 @@ sys.path.insert(0, str(ROOT))
 from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
-TEXT = {"bert", "gpt2", "encoder", "bert-lora"}
+MORE_FAMILIES = ["lstm"]  # asked for by name only
+TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm"}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
 SIZES = {
@@ -175,6 +180,27 @@ def _encoder_classifier():  # noqa: ANN202
             return self.head((h * keep).sum(1) / keep.sum(1).clamp(min=1))
 
     return EncoderClassifier
+
+
+def _lstm_classifier():  # noqa: ANN202
+    from torch import nn
+
+    class LstmClassifier(nn.Module):
+        """Token embedding, a stacked batch-first ``nn.LSTM``, the mean over the real tokens, a linear head."""
+
+        def __init__(self, vocab: int, hidden: int, layers: int) -> None:
+            super().__init__()
+            self.tokens = nn.Embedding(vocab, hidden)
+            self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
+            self.head = nn.Linear(hidden, TEXT_CLASSES)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            ids, mask = x[:, 0], x[:, 1]
+            h, _ = self.lstm(self.tokens(ids))
+            keep = mask.unsqueeze(-1).to(h.dtype)
+            return self.head((h * keep).sum(1) / keep.sum(1).clamp(min=1))
+
+    return LstmClassifier
 
 
 def _import(what: str):  # noqa: ANN202
@@ -265,6 +291,9 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family == "encoder":
         model = _encoder_classifier()(BERT_VOCAB, length, size["hidden"], size["layers"], size["heads"], size["ffn"])
         return model, "nn.TransformerEncoder classifier"
+    if family == "lstm":
+        model = _lstm_classifier()(BERT_VOCAB, size["hidden"], size["layers"])
+        return model, f"nn.LSTM classifier ({size['layers']} layers, {size['hidden']} wide, batch-first)"
     if family == "bert-lora":
         peft = _import("peft")
         bert = _bert(size, length)
@@ -948,7 +977,7 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
+    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES + MORE_FAMILIES)
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=128, help="tokens per sequence")

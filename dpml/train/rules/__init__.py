@@ -1,7 +1,8 @@
 """Per-operation clipping rules: where a trainable parameter enters the computation through an operation
 with a rule (a linear map, an index equation (einsum), an embedding lookup, a convolution, a normalisation's
 affine, an elementwise affine or a shift and scale in one ``addcmul``, a learned slope, a bilinear form, a
-concatenation, a value written into chosen places, a mixture of experts' grouped product), the engine forms its
+concatenation, a value written into chosen places, a mixture of experts' grouped product; a recurrent layer's fused
+kernel runs unrolled into such operations), the engine forms its
 per-example gradient norm and clipped sum from that operation's operands and output gradient, however the module
 around it is written.
 
@@ -24,6 +25,7 @@ from dpml.train.rules import (  # noqa: F401 (each module registers its rules wh
     matmul,
     norm,
     prelu,
+    recurrent,
     setitem,
     views,
 )

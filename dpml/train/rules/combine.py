@@ -2,7 +2,9 @@
 
 A parameter θ used by U operations has ∇_θ ℓ_i = Σ_u G_{u,i} (each G_u mapped to θ's coordinates), and
 ‖Σ_u G_{u,i}‖² = Σ_u ‖G_{u,i}‖² + 2 Σ_{u<u'} ⟨G_{u,i}, G_{u',i}⟩: the cross terms are what a tied
-embedding (lookup + LM head) or a weight used twice adds. The cheapest exact way is taken:
+embedding (lookup + LM head) or a weight used twice adds. Uses of one view of θ and one kind are first added up
+(:func:`merged_uses`: dense gradients summed, factored ones joined along their positions); then the cheapest
+exact way is taken:
 
 1. **One use**, or uses over pairwise disjoint elements of θ (``in_proj_weight.chunk(3)``), each view
    injective: no cross terms; each use's own norm — for a factored G = Σ_t u_t v_tᵀ the ghost norm
@@ -166,8 +168,50 @@ def per_example_gradients_of(uses: list[Use], like: torch.Tensor, batch: int, dt
     return total.view(batch, *like.shape)
 
 
+def _same_view(a: Tracked, b: Tracked) -> bool:
+    """Two views of one parameter that are surely the same coordinates: the parameter itself, or one index tensor."""
+    if a.param is not b.param or (a.index is None) != (b.index is None):
+        return False
+    if a.index is None or b.index is None:
+        return True
+    left, right = a.index, b.index
+    return (left.data_ptr(), left.shape, left.stride()) == (right.data_ptr(), right.shape, right.stride())
+
+
+def _kind(form: Form) -> tuple[object, ...]:
+    if isinstance(form, Dense):
+        return ("dense", form.grads.shape, form.grads.dtype)
+    return ("factored", form.rows, form.cols, form.u.dtype, form.v.dtype, form.u.dim(), form.v.dim())
+
+
+def merged_uses(uses: list[Use]) -> list[Use]:
+    """Uses in the same coordinates (:func:`_same_view`) and of the same kind, added up before any norm: dense
+    gradients summed, factored ones side by side along their positions — Σ_u Σ_t u_{u,t} v_{u,t}ᵀ is one sum over
+    all the positions, so one (ghost or materialised) norm replaces the U(U − 1)/2 cross terms of
+    :func:`_with_cross_terms` (an RNN's W_hh at each of its T steps; a layer shared across depth). The same
+    per-example gradients, added in another order."""
+    groups: list[list[Use]] = []
+    for use in uses:
+        group = next((g for g in groups if _same_view(g[0][0], use[0]) and _kind(g[0][1]) == _kind(use[1])), None)
+        if group is None:
+            groups.append([use])
+        else:
+            group.append(use)
+    merged: list[Use] = []
+    for group in groups:
+        tracked, form = group[0]
+        if len(group) > 1 and isinstance(form, Dense):
+            form = Dense(torch.stack([f.grads for _, f in group]).sum(0))  # type: ignore[union-attr]
+        elif len(group) > 1 and isinstance(form, Factored):
+            u = torch.cat([f.u for _, f in group], 1)  # type: ignore[union-attr]
+            form = Factored(u, torch.cat([f.v for _, f in group], 1), form.rows, form.cols)  # type: ignore[union-attr]
+        merged.append((tracked, form))
+    return merged
+
+
 def parameter_piece(param: nn.Parameter, uses: list[Use], batch: int, limit: int) -> Piece | str:
     """The parameter's piece (module docstring), or why none is formed within ``limit`` numbers."""
+    uses = merged_uses(uses)
     if _disjoint(uses):
         return _separate(param, uses)
     oriented = [(_orientation(t), form) for t, form in uses]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +20,32 @@ def is_composite(func: Any) -> bool:
     """A Python function of ``torch.nn.functional`` (or ``torch.functional``), run again under the mode when
     no rule covers it (:func:`reentered`)."""
     return isinstance(func, types.FunctionType) and func.__module__ in COMPOSITE_MODULES
+
+
+Applies = Callable[[tuple[Any, ...], dict[str, Any]], bool]
+DECOMPOSITIONS: dict[Any, tuple[Applies, Callable[..., Any]]] = {}
+"""Fused kernels (an LSTM's) with the same computation written in operations that have rules, and whether it
+applies to a call's arguments: run under the mode instead of the kernel where a trainable parameter enters it."""
+
+
+def decomposition(*functions: Any, applies: Applies) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as the decomposition of the given torch functions where ``applies(args, kwargs)``."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for f in functions:
+            DECOMPOSITIONS[f] = (applies, fn)
+        return fn
+
+    return register
+
+
+def composite_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+    """What runs under the mode in place of ``func``, its operations seen one by one: a Python function of
+    ``torch.nn.functional`` itself (:func:`reentered`), or a fused kernel's registered decomposition; else None."""
+    if is_composite(func):
+        return reentered(func)
+    found = DECOMPOSITIONS.get(func)
+    return found[1] if found is not None and found[0](args, kwargs) else None
 
 
 def reentered(func: types.FunctionType) -> types.FunctionType:

@@ -20,12 +20,14 @@ Besides the rules' pending calls it keeps track of
 
 An in-place operation with a rule (``h += pos``) is applied out of place to a copy of h, the result copied into h: no
 later in-place operation overwrites the recorded result. Composite functions of ``torch.nn.functional`` with no rule
-(``F.multi_head_attention_forward``) run with the recording active, so the operations inside meet their rules.
+(``F.multi_head_attention_forward``) run with the recording active, so the operations inside meet their rules; so
+does a fused kernel's registered decomposition (an LSTM's recurrence unrolled: :mod:`dpml.train.rules.recurrent`).
+The example maps' bookkeeping is :mod:`dpml.train.rules.example_maps`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -34,21 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from dpml.train.rules.derived import DerivedNodes, RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
-from dpml.train.rules.operands import (
-    OUT_OF_PLACE,
-    ROW_RESHAPES,
-    TensorSet,
-    apply_view,
-    carried,
-    core,
-    leading_carried,
-    same_across_rest,
-    is_composite,
-    outputs,
-    reentered,
-    substituted,
-    tensors,
-)
+from dpml.train.rules.example_maps import ExampleMaps
+from dpml.train.rules.operands import OUT_OF_PLACE, apply_view, composite_of, outputs, substituted, tensors
 from dpml.train.rules.registry import (
     BROADCASTING,
     IDENTITY_VIEWS,
@@ -68,7 +57,7 @@ from dpml.train.rules.registry import (
 )
 
 
-class Recorder(TorchFunctionMode):
+class Recorder(ExampleMaps, TorchFunctionMode):
     """The mode active during the recording forward pass (module docstring)."""
 
     def __init__(
@@ -80,10 +69,9 @@ class Recorder(TorchFunctionMode):
         device: torch.device,
         inputs: torch.Tensor,
     ) -> None:
-        super().__init__()
-        self._derived = TensorSet()  # the tensors computed from the batch's inputs
-        self._derived.add(inputs)
-        self.batch, self.owners = batch, owners
+        TorchFunctionMode.__init__(self)
+        ExampleMaps.__init__(self, batch, inputs)
+        self.owners = owners
         self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
         self.pending: list[Pending] = []
         self.computations = DerivedNodes(batch)  # computations on parameters alone
@@ -93,8 +81,6 @@ class Recorder(TorchFunctionMode):
         self.unbatched: set[nn.Module] = set()  # hooked layers called on an input not computed from the batch
         self.kept = RecordedOutputs()  # the pending calls' outputs (:mod:`dpml.train.rules.outputs`)
         self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
-        self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
-        self._base = torch.arange(batch)  # example maps are views of it, on the CPU (module docstring)
 
     def let_go(self) -> None:
         """After the forward pass: drop the pending calls, the outputs and the example maps (:mod:`..released`)."""
@@ -107,18 +93,6 @@ class Recorder(TorchFunctionMode):
             return None
         entry = self._tracked.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
-
-    def _entry(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-        """(whether t has an entry, its example map or None when where its batch is was lost)."""
-        entry = self._examples.get(id(t))
-        return (True, entry[1]) if entry is not None and entry[0] is t else (False, None)
-
-    def examples(self, t: torch.Tensor) -> torch.Tensor | None:
-        return self._entry(t)[1]
-
-    def derived(self, t: torch.Tensor) -> bool:
-        """t was computed from the batch's inputs (position ids, masks built from constants and parameters were not)."""
-        return t in self._derived
 
     def batch_first(self, t: torch.Tensor) -> bool:
         if self.tracked(t) is not None or t.dim() < 1 or not self.derived(t):
@@ -223,101 +197,6 @@ class Recorder(TorchFunctionMode):
     def _track(self, t: torch.Tensor, tracked: Tracked) -> None:
         self._tracked[id(t)] = (t, tracked)
 
-    def _trivial(self, examples: torch.Tensor) -> bool:
-        """The example map of a batch-first tensor (arange(B) along dimension 0, broadcast): such a tensor
-        needs no entry (a tensor without one is batch-first when its first dimension is B)."""
-        if examples.dim() < 1 or examples.shape[0] != self.batch:
-            return False
-        if (
-            examples.stride(0) == 1
-            and all(s == 0 for s in examples.stride()[1:])
-            and examples.storage_offset() == 0
-            and examples.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr()
-        ):
-            return True
-        values = core(examples)
-        if values.shape[0] != self.batch:
-            return False
-        return torch.equal(values, self._base.view(self.batch, *[1] * (values.dim() - 1)).expand_as(values))
-
-    def _source_examples(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-        """(whether t's batch is known, its example map): an entry's, or that of a batch-first tensor."""
-        known, found = self._entry(t)
-        if known:
-            return found is not None, found
-        if t.dim() >= 1 and t.shape[0] == self.batch and self.derived(t):
-            return True, self._base.view(self.batch, *[1] * (t.dim() - 1)).expand(t.shape)
-        return False, None
-
-    def _keep_examples(self, t: torch.Tensor, examples: torch.Tensor | None) -> None:
-        """Store t's example map (None: its batch dimension is lost, so no rule may assume one), compacted to
-        one column when it is the same along the last dimension; a batch-first map is not stored."""
-        if examples is not None and examples.shape != t.shape:
-            examples = None
-        if (
-            examples is not None
-            and examples.dim() >= 1
-            and examples.stride(-1) != 0
-            and examples.shape[-1] > 1
-            and torch.equal(examples, examples[..., :1].expand_as(examples))
-        ):
-            examples = examples[..., :1].expand(examples.shape)
-        if examples is not None and self._trivial(examples):
-            self._examples.pop(id(t), None)
-            return
-        self._examples[id(t)] = (t, examples)
-
-    def _follow_view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if source is None or self.batch == 1:
-            return
-        known, examples = self._source_examples(source)
-        if not known or examples is None:
-            if self._entry(source)[0]:  # lost before: lost after
-                for o in outputs(out):
-                    self._keep_examples(o, None)
-            return
-        try:
-            if func in IDENTITY_VIEWS:
-                mapped: Sequence[torch.Tensor | None] = [examples]
-            elif (
-                func in ROW_RESHAPES
-                and isinstance(out, torch.Tensor)
-                and out.dim() >= 1
-                and out.shape[-1] == source.shape[-1]
-                and examples.stride(-1) == 0
-            ):  # the rows, in order
-                mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
-            else:
-                mapped = outputs(apply_view(func, examples, args, kwargs))
-        except (RuntimeError, TypeError, IndexError, ValueError):
-            mapped = []
-        for k, o in enumerate(outputs(out)):
-            self._keep_examples(o, mapped[k] if k < len(mapped) else None)
-
-    def _follow_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, func: Any = None) -> None:
-        """An operation on a tensor with an entry: each output takes the example map of the first operand whose shape
-        it keeps, keeps but for the last dimension (the map being the same along it) or broadcasts, or of a batched
-        operation's input (:func:`leading_carried`); one that takes none is lost (no rule may assume its batch)."""
-        if not self._examples or self.batch == 1:
-            return
-        entries = [(t, self._entry(t)) for t in tensors(args, kwargs)]
-        if not any(known for _, (known, _) in entries):
-            return
-        maps: list[tuple[torch.Tensor, torch.Tensor | None]] = [
-            (t, e) for t, (known, e) in entries if known and e is not None
-        ]
-        maps += [
-            (t, self._source_examples(t)[1])
-            for t, (known, _) in entries
-            if not known and t.dim() >= 1 and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)
-        ]
-        for o in outputs(out):
-            found = next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None)
-            if found is None and maps and args and maps[0][0] is args[0]:
-                found = leading_carried(func, maps[0][0], maps[0][1], o)
-            self._keep_examples(o, found)
-
     def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in METADATA:  # (``w.dtype``: no use of w's values)
@@ -350,9 +229,9 @@ class Recorder(TorchFunctionMode):
             return self._per_example_copies(func, args, kwargs, hits)
         handler = RULES.get(func)
         if handler is None:
-            if is_composite(func):
+            if (composite := composite_of(func, args, kwargs)) is not None:
                 with self:
-                    return reentered(func)(*args, **kwargs)
+                    return composite(*args, **kwargs)
             out = func(*args, **kwargs)
             if any(o.requires_grad for o in outputs(out)):
                 self._refuse(hits, f"{function_name(func)} has no rule")
@@ -439,17 +318,6 @@ class Recorder(TorchFunctionMode):
         reason = "no batch-first operand" if batch_operand is None else "an operand not broadcast over the batch"
         self._refuse([h for h in hits if id(h.param) not in covered], f"{name}: {reason}")
         return out
-
-    def _leading_examples(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The example of each index of t's first dimension, (N,), when each of its slices belongs to one example
-        (a batch-first tensor: 0 … B − 1; Swin's windows, (B·windows, …): each window's example); else None."""
-        if t.dim() < 1 or not self.derived(t):
-            return None
-        known, examples = self._entry(t)
-        if not known:
-            return self._base if t.shape[0] == self.batch else None
-        lead = None if examples is None or examples.shape[0] == 0 else same_across_rest(examples, 1)
-        return None if lead is None else lead.to(torch.int64)
 
     def _in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         """``h += pos``, ``h.mul_(scale)``: the out-of-place operation on a copy of h, whose result (recorded: no

@@ -1,0 +1,176 @@
+"""Where the batch is in the recording forward pass's activations (:mod:`dpml.train.rules.recorder`, whose module
+docstring says what an *example map* is): the maps kept per tensor, carried through views, shape-keeping,
+broadcasting and batched operations and through joins (``torch.stack`` / ``torch.cat``) along the first dimension,
+and read back as the rows of each example."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dpml.train.rules.operands import (
+    ROW_RESHAPES,
+    TensorSet,
+    apply_view,
+    carried,
+    core,
+    leading_carried,
+    outputs,
+    same_across_rest,
+    tensors,
+)
+from dpml.train.rules.registry import IDENTITY_VIEWS, Tracked
+
+JOINS = {torch.stack, torch.cat, torch.concat, torch.concatenate}
+"""Functions that join tensors along a dimension: along the first one, they move where a batch-first operand's
+examples are even where the output's first dimension happens to be B (:meth:`ExampleMaps._follow_join`)."""
+
+
+class ExampleMaps:
+    """The example maps of one recording pass: ``batch`` examples, the tensors computed from the batch's ``inputs``
+    (``derived``), and per tensor its map or None where its batch was lost (a tensor without an entry that is
+    derived and has B rows first is batch-first)."""
+
+    def __init__(self, batch: int, inputs: torch.Tensor) -> None:
+        self._derived = TensorSet()  # the tensors computed from the batch's inputs
+        self._derived.add(inputs)
+        self.batch = batch
+        self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
+        self._base = torch.arange(batch)  # example maps are views of it, on the CPU (recorder's module docstring)
+
+    def tracked(self, value: Any) -> Tracked | None:
+        """The parameter view ``value`` is (the recorder's bookkeeping); None here."""
+        return None
+
+    def _entry(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+        """(whether t has an entry, its example map or None when where its batch is was lost)."""
+        entry = self._examples.get(id(t))
+        return (True, entry[1]) if entry is not None and entry[0] is t else (False, None)
+
+    def examples(self, t: torch.Tensor) -> torch.Tensor | None:
+        return self._entry(t)[1]
+
+    def derived(self, t: torch.Tensor) -> bool:
+        """t was computed from the batch's inputs (position ids, masks built from constants and parameters were not)."""
+        return t in self._derived
+
+    def _trivial(self, examples: torch.Tensor) -> bool:
+        """The example map of a batch-first tensor (arange(B) along dimension 0, broadcast): such a tensor
+        needs no entry (a tensor without one is batch-first when its first dimension is B)."""
+        if examples.dim() < 1 or examples.shape[0] != self.batch:
+            return False
+        if (
+            examples.stride(0) == 1
+            and all(s == 0 for s in examples.stride()[1:])
+            and examples.storage_offset() == 0
+            and examples.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr()
+        ):
+            return True
+        values = core(examples)
+        if values.shape[0] != self.batch:
+            return False
+        return torch.equal(values, self._base.view(self.batch, *[1] * (values.dim() - 1)).expand_as(values))
+
+    def _source_examples(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+        """(whether t's batch is known, its example map): an entry's, or that of a batch-first tensor."""
+        known, found = self._entry(t)
+        if known:
+            return found is not None, found
+        if t.dim() >= 1 and t.shape[0] == self.batch and self.derived(t):
+            return True, self._base.view(self.batch, *[1] * (t.dim() - 1)).expand(t.shape)
+        return False, None
+
+    def _keep_examples(self, t: torch.Tensor, examples: torch.Tensor | None) -> None:
+        """Store t's example map (None: its batch dimension is lost, so no rule may assume one), compacted to
+        one column when it is the same along the last dimension; a batch-first map is not stored."""
+        if examples is not None and examples.shape != t.shape:
+            examples = None
+        if (
+            examples is not None
+            and examples.dim() >= 1
+            and examples.stride(-1) != 0
+            and examples.shape[-1] > 1
+            and torch.equal(examples, examples[..., :1].expand_as(examples))
+        ):
+            examples = examples[..., :1].expand(examples.shape)
+        if examples is not None and self._trivial(examples):
+            self._examples.pop(id(t), None)
+            return
+        self._examples[id(t)] = (t, examples)
+
+    def _follow_view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is None or self.batch == 1:
+            return
+        known, examples = self._source_examples(source)
+        if not known or examples is None:
+            if self._entry(source)[0]:  # lost before: lost after
+                for o in outputs(out):
+                    self._keep_examples(o, None)
+            return
+        try:
+            if func in IDENTITY_VIEWS:
+                mapped: Sequence[torch.Tensor | None] = [examples]
+            elif (
+                func in ROW_RESHAPES
+                and isinstance(out, torch.Tensor)
+                and out.dim() >= 1
+                and out.shape[-1] == source.shape[-1]
+                and examples.stride(-1) == 0
+            ):  # the rows, in order
+                mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
+            else:
+                mapped = outputs(apply_view(func, examples, args, kwargs))
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            mapped = []
+        for k, o in enumerate(outputs(out)):
+            self._keep_examples(o, mapped[k] if k < len(mapped) else None)
+
+    def _follow_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, func: Any = None) -> None:
+        """An operation on a tensor with an entry: each output takes the example map of the first operand whose shape
+        it keeps, keeps but for the last dimension (the map being the same along it) or broadcasts, or of a batched
+        operation's input (:func:`leading_carried`); one that takes none is lost (no rule may assume its batch)."""
+        if not self._examples or self.batch == 1:
+            return
+        entries = [(t, self._entry(t)) for t in tensors(args, kwargs)]
+        if not any(known for _, (known, _) in entries):
+            if func in JOINS:
+                self._follow_join(func, args, kwargs, out)
+            return
+        maps: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+            (t, e) for t, (known, e) in entries if known and e is not None
+        ]
+        maps += [
+            (t, self._source_examples(t)[1])
+            for t, (known, _) in entries
+            if not known and t.dim() >= 1 and t.shape[0] == self.batch and self.tracked(t) is None and self.derived(t)
+        ]
+        for o in outputs(out):
+            found = next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None)
+            if found is None and maps and args and maps[0][0] is args[0]:
+                found = leading_carried(func, maps[0][0], maps[0][1], o)
+            self._keep_examples(o, found)
+
+    def _leading_examples(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The example of each index of t's first dimension, (N,), when each of its slices belongs to one example
+        (a batch-first tensor: 0 … B − 1; Swin's windows, (B·windows, …): each window's example); else None."""
+        if t.dim() < 1 or not self.derived(t):
+            return None
+        known, examples = self._entry(t)
+        if not known:
+            return self._base if t.shape[0] == self.batch else None
+        lead = None if examples is None or examples.shape[0] == 0 else same_across_rest(examples, 1)
+        return None if lead is None else lead.to(torch.int64)
+
+    def _follow_join(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """A join along the first dimension of tensors without an entry (``torch.stack(steps)`` of an unrolled RNN's
+        (N, H) outputs): the output's map is the same join of the operands' maps, 0 … B − 1 along the first dimension
+        for a batch-first operand; lost where an operand has none (a constant's rows belong to no example)."""
+        parts = args[0] if args else kwargs.get("tensors", ())
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not isinstance(out, torch.Tensor) or not out.dim() or not isinstance(dim, int) or dim % out.dim():
+            return
+        maps = [self._source_examples(t)[1] for t in parts]
+        self._keep_examples(out, None if any(m is None for m in maps) else func(maps, dim))
