@@ -170,7 +170,7 @@ def per_example_gradients_of(uses: list[Use], like: torch.Tensor, batch: int, dt
 
 def _same_view(a: Tracked, b: Tracked) -> bool:
     """Two views of one parameter that are surely the same coordinates: the parameter itself, or one index tensor."""
-    if a.param is not b.param or (a.index is None) != (b.index is None):
+    if a.param is not b.param or a.shared != b.shared or (a.index is None) != (b.index is None):
         return False
     if a.index is None or b.index is None:
         return True

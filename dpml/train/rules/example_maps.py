@@ -172,5 +172,11 @@ class ExampleMaps:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if not isinstance(out, torch.Tensor) or not out.dim() or not isinstance(dim, int) or dim % out.dim():
             return
-        maps = [self._source_examples(t)[1] for t in parts]
-        self._keep_examples(out, None if any(m is None for m in maps) else func(maps, dim))
+        found = [self._source_examples(t)[1] for t in parts]
+        maps = [m for m in found if m is not None]
+        if len(maps) < len(found):
+            self._keep_examples(out, None)
+        elif out.dim() > 1 and all(m.stride(-1) == 0 for m in maps):  # the join of one column each, not of copies
+            self._keep_examples(out, func([m[..., :1] for m in maps], dim).expand(out.shape))
+        else:
+            self._keep_examples(out, func(maps, dim))
