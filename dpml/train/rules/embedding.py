@@ -1,7 +1,8 @@
 """Embedding lookups z_t = W[k_t] (``F.embedding``; ``nn.Embedding`` where its hook does not apply).
 
-- **Indices per example** (B, …), computed from the batch's inputs: ∇_W ℓ_i = Σ_t e_{k_t} δ_tᵀ, factored with a
-  one-hot factor (the indices), so ‖∇_W ℓ_i‖² = Σ_k ‖Σ_{t: k_t = k} δ_t‖²
+- **Indices per example** (B, …), computed from the batch's inputs (or not batch-first, their rows known by the
+  example map the lookup's output carries: time-major ids, ids moved along the batch): ∇_W ℓ_i = Σ_t e_{k_t} δ_tᵀ,
+  factored with a one-hot factor (the indices), so ‖∇_W ℓ_i‖² = Σ_k ‖Σ_{t: k_t = k} δ_t‖²
   (:func:`dpml.train.clipping_layers.embedding_norms_squared`); ``padding_idx`` positions get no gradient.
 - **Indices shared by the batch** (position ids (1, T) or (T,): not computed from the batch's inputs): the
   output is the same for every example, a view of W (rows k_t), tracked; the operation where it meets the
@@ -48,8 +49,19 @@ def embedding(call: Call) -> Pending | Shared | str:
             return [(w, Factored(tokens, d, w.shape()[0], d.shape[2]))]
 
         return Pending(call.output, [w.param], finish)
-    if call.from_batch(ids):  # (XLNet's time-major (T, B) ids: each example's own, not shared by the batch)
-        return f"indices from the batch (shape {tuple(ids.shape)}) that are not batch-first"
+    if call.from_batch(ids):  # each example's own ids, not batch-first: XLNet's time-major (T, B), ids moved
+        rows = call.rows(call.output)  # the lookup's rows carry the ids' example map
+        if rows is None:
+            return f"indices from the batch (shape {tuple(ids.shape)}) whose examples are not known"
+        tokens = rows.of(ids.unsqueeze(-1)).squeeze(-1)  # (B, k), example by example (ragged: 0 where d is 0)
+
+        def finish_rows(d: torch.Tensor) -> list[Use]:
+            d_rows = rows.of(d)
+            if padding_idx is not None:
+                d_rows = d_rows * (tokens != padding_idx).unsqueeze(2)
+            return [(w, Factored(tokens, d_rows, w.shape()[0], d_rows.shape[2]))]
+
+        return Pending(call.output, [w.param], finish_rows)
     if padding_idx is not None and bool((ids == padding_idx).any()):
         return "shared indices that hit padding_idx"
     index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter

@@ -23,9 +23,21 @@ from dpml.train.rules.operands import (
 )
 from dpml.train.rules.registry import IDENTITY_VIEWS, Tracked
 
+T = torch.Tensor
 JOINS = {torch.stack, torch.cat, torch.concat, torch.concatenate}
 """Functions that join tensors along a dimension: along the first one, they move where a batch-first operand's
 examples are even where the output's first dimension happens to be B (:meth:`ExampleMaps._follow_join`)."""
+
+
+MOVES = {
+    *(torch.index_select, T.index_select, torch.gather, T.gather, torch.take_along_dim, T.take_along_dim),
+    *(torch.flip, T.flip, torch.fliplr, T.fliplr, torch.flipud, T.flipud, torch.roll, T.roll),
+}
+"""Functions that move each element of their first operand, unmixed, to another place, chosen by their other
+arguments: an output of the input's shape may hold its rows in another order (``x.index_select(0, order)``,
+``x.flip(0)``), so its map is the same function of the input's map (:meth:`ExampleMaps._follow_moves`)."""
+SORTS = {torch.sort, T.sort, torch.msort, T.msort, torch.topk, T.topk}
+"""Functions that move elements by their values: along the first dimension no map says where each row went."""
 
 
 class ExampleMaps:
@@ -132,9 +144,12 @@ class ExampleMaps:
         """An operation on a tensor with an entry: each output takes the example map of the first operand whose shape
         it keeps, keeps but for the last dimension (the map being the same along it) or broadcasts, or of a batched
         operation's input (:func:`leading_carried`); one that takes none is lost (no rule may assume its batch)."""
-        if not self._examples or self.batch == 1:
+        if self.batch == 1:
             return
-        entries = [(t, self._entry(t)) for t in tensors(args, kwargs)]
+        if func in MOVES or func in SORTS:
+            self._follow_moves(func, args, kwargs, out)
+            return
+        entries = [(t, self._entry(t)) for t in tensors(args, kwargs)] if self._examples else []
         if not any(known for _, (known, _) in entries):
             if func in JOINS:
                 self._follow_join(func, args, kwargs, out)
@@ -163,6 +178,34 @@ class ExampleMaps:
             return self._base if t.shape[0] == self.batch else None
         lead = None if examples is None or examples.shape[0] == 0 else same_across_rest(examples, 1)
         return None if lead is None else lead.to(torch.int64)
+
+    def _follow_moves(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """A function of :data:`MOVES` or :data:`SORTS` on an activation (from the batch): each output's map is the same
+        function of its input's map (the tensors among its other arguments read on the CPU, where the maps are: a
+        wait on a GPU, for an operation models seldom apply to activations), or lost for a sort along the first
+        dimension; the index of a :data:`MOVES` function gives no row a map of its own (only the moved input's rows are
+        from an example)."""
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is None or source.dim() == 0:
+            return
+        known, examples = self._source_examples(source)
+        if not known and not self._entry(source)[0]:
+            return  # not from the batch: where the output's rows are is for its other operands to say, as before
+        mapped: Sequence[torch.Tensor | None] = []
+        if examples is not None and func in MOVES:
+            on_host = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args[1:]]
+            try:
+                mapped = outputs(func(examples.expand(source.shape), *on_host, **kwargs))
+            except (RuntimeError, TypeError, IndexError, ValueError):
+                mapped = []
+        elif examples is not None:  # a sort: the map is kept where the sort runs along another dimension
+            dim = kwargs.get("dim", args[2] if func in (torch.topk, T.topk) and len(args) > 2 else None)
+            if dim is None:
+                dim = 0 if func in (torch.msort, T.msort) else (args[1] if len(args) > 1 else -1)
+            along_batch = isinstance(dim, int) and dim % source.dim() == 0
+            mapped = [] if along_batch else [carried(source, examples, o) for o in outputs(out)]
+        for k, o in enumerate(outputs(out)):
+            self._keep_examples(o, mapped[k] if k < len(mapped) else None)
 
     def _follow_join(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """A join along the first dimension of tensors without an entry (``torch.stack(steps)`` of an unrolled RNN's

@@ -264,6 +264,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         if not any(o.requires_grad for o in outputs(out)):
             return out
         self._follow_rows(args, kwargs, out, func)
+        if any(self.derived(t) for t in tensors(args, kwargs)):  # (known to its rule: the rows of a lookup's output)
+            self._derived.add(*outputs(out))
         result = self._apply(func, handler, args, kwargs, out, hits)
         if (
             result is not None

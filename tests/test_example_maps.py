@@ -1,0 +1,90 @@
+"""Where each example's rows are (dpml.train.rules.example_maps): rows moved along the batch dimension by the data
+(``index_select``, ``gather``, ``take_along_dim``, ``flip``, ``roll``; token ids moved before their lookup) keep
+their examples, and a layer fed moved rows is not taken for batch-first — its clipped sum and norms equal the float64
+per-example loop's. Attributing a layer's rows to the wrong examples would let one example's gradient be clipped by
+another's norm, and its contribution exceed C."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_op_rules import assert_clipped_like_the_loop
+from torch import nn
+
+from dpml.train.clipping import engine_pass
+from dpml.train.clipping_check import plan_clipping
+from dpml.train.dpsgd import per_example_cross_entropy
+
+MOVES = ["index_select", "gather", "take_along_dim", "flip", "roll", "ids"]
+
+
+class Moved(nn.Module):
+    """Two layers with the batch's rows put in another order between them (by the data: the order of the first
+    feature), and back in the batch's order before the loss."""
+
+    def __init__(self, move: str) -> None:
+        super().__init__()
+        self.move = move
+        self.emb = nn.Embedding(11, 4)
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, features = x[:, 0].long(), x[:, 1:]
+        order = features[:, 0].argsort()
+        back = order.argsort()
+        if self.move == "ids":  # the ids moved before their lookup, the lookup's rows moved back
+            h = torch.tanh(self.a(self.emb(ids.index_select(0, order)) + features.index_select(0, order)))
+            return self.b(h).index_select(0, back)
+        h = torch.tanh(self.a(self.emb(ids) + features))
+        if self.move == "index_select":
+            moved, restore = h.index_select(0, order), back
+        elif self.move == "gather":
+            moved, restore = torch.gather(h, 0, order[:, None].expand(-1, h.shape[1])), back
+        elif self.move == "take_along_dim":
+            moved, restore = torch.take_along_dim(h, order[:, None], 0), back
+        elif self.move == "flip":
+            moved, restore = h.flip(0), torch.arange(h.shape[0] - 1, -1, -1)
+        else:
+            moved, restore = torch.roll(h, 2, 0), (torch.arange(h.shape[0]) + 2) % h.shape[0]
+        return self.b(moved).index_select(0, restore)
+
+
+def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 11, (size, 1), generator=g).double()
+    return torch.cat([ids, torch.randn(size, 4, generator=g, dtype=torch.float64)], 1), torch.randint(0, 3, (size,))
+
+
+@pytest.mark.parametrize("move", MOVES)
+def test_rows_moved_along_the_batch_keep_their_examples(move: str) -> None:
+    torch.manual_seed(0)
+    model = Moved(move).double()
+    x, y = batch(7, 1)
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    expected: set[str] = set()
+    assert set(found.exact) == expected, found.reasons
+    assert_clipped_like_the_loop(model, x, y)  # the engine alone, no plan: its maps, not the probe's check
+    plan = plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, probe=(x, y))
+    assert set(plan.exact_parameters) == expected and "b" not in plan.fast_layers, plan.lines()  # b's rows moved
+
+
+def test_a_sort_along_the_batch_loses_the_map() -> None:
+    """A sort along the first dimension moves rows by their values: no map says where each went, so the layer after
+    it names no batch dimension (its parameters take the exact path, whose gradients need no map)."""
+
+    class SortedRows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            key = h[:, 0]
+            _, order = torch.sort(key, 0)
+            return self.b(h[order])[order.argsort()] + 0 * torch.sort(h, 0).values.sum()
+
+    torch.manual_seed(0)
+    model = SortedRows().double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    found = engine_pass(model, per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+    assert found.exact == {}, found.reasons  # h[order]: an index with a map of its own rows; the sort's values unused
