@@ -1,8 +1,7 @@
 """Recurrent layers (dpml.train.rules.recurrent): nn.LSTM, nn.GRU, nn.RNN and their cells, in every layout and option
 torch offers (time-major or batch-first, stacked, bidirectional, dropout between layers, projections, no biases, an
-initial state from the batch or learned), get per-example norms and clipped sums equal to a float64 per-example
-autograd loop over the fused kernel, with no parameter on the exact path; packed sequences keep the kernel and the
-exact path, and say so."""
+initial state from the batch or learned, packed sequences of different lengths), get per-example norms and clipped
+sums equal to a float64 per-example autograd loop over the fused kernel, with no parameter on the exact path."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from test_op_rules import assert_clipped_like_the_loop, assert_exact_without_the_exact_path
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpml.train.clipping import engine_pass
 from dpml.train.clipping_check import plan_clipping
@@ -148,26 +147,62 @@ def test_cells_in_a_hand_written_loop() -> None:
 
 
 class Packed(nn.Module):
-    def __init__(self) -> None:
+    """Padded token ids with their lengths (ids 0 are padding) packed, through ``rnn``, padded again and through a
+    linear layer at every place (the padded places too: its bias's gradient there is each example's own), the mean
+    over each sequence's steps and the last layer's final state."""
+
+    def __init__(self, rnn: nn.Module, enforce_sorted: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCABULARY, WIDTH)
-        self.lstm = nn.LSTM(WIDTH, 4, batch_first=True)
-        self.head = nn.Linear(4, CLASSES)
+        self.rnn, self.enforce_sorted = rnn, enforce_sorted
+        width = getattr(rnn, "proj_size", 0) or rnn.hidden_size
+        self.mix = nn.Linear(width * (2 if rnn.bidirectional else 1), 3)
+        self.head = nn.Linear(3 + width, CLASSES)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lengths = (ids != 0).sum(1).clamp(min=1)
-        _, (h, _) = self.lstm(pack_padded_sequence(self.emb(ids), lengths, batch_first=True, enforce_sorted=False))
-        return self.head(h[-1])
+        packed = pack_padded_sequence(
+            self.emb(ids), lengths.cpu(), batch_first=True, enforce_sorted=self.enforce_sorted
+        )
+        out, final = self.rnn(packed)
+        padded, _ = pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])  # (not the batch's longest)
+        last = final[0] if isinstance(final, tuple) else final
+        pooled = torch.tanh(self.mix(padded)).sum(1) / lengths[:, None]
+        return self.head(torch.cat([pooled, last[-1]], 1))
 
 
-def test_packed_sequences_keep_the_kernel_and_take_the_exact_path() -> None:
+def ragged_tokens(batch: int, length: int, seed: int, descending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids with 1 … ``length`` real tokens an example (all lengths different where the batch allows), the rest 0."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (torch.randperm(length, generator=g)[:batch] % length) + 1
+    if descending:
+        lengths = lengths.sort(descending=True).values
+    ids = torch.randint(1, VOCABULARY, (batch, length), generator=g) * (torch.arange(length) < lengths[:, None])
+    return ids, torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+PACKED = {  # (no dropout between layers: its masks fall on the packed rows, whose order is the batch's lengths', so
+    # the probe's check that replacing one example leaves the others' losses alone refuses it, kernel or not)
+    "lstm, 2 layers, bidirectional": lambda: nn.LSTM(WIDTH, 4, num_layers=2, bidirectional=True),
+    "gru, bidirectional": lambda: nn.GRU(WIDTH, 4, bidirectional=True),
+    "rnn tanh, 2 layers": lambda: nn.RNN(WIDTH, 3, num_layers=2),
+}
+
+
+@pytest.mark.parametrize("kind", list(PACKED))
+def test_packed_sequences_of_different_lengths(kind: str) -> None:
+    """Sequences leave the batch as they end (and, reversed, join it at their last step): each example's rows at
+    every step are its own, through the packing's sort, the steps and the padding back."""
     torch.manual_seed(8)
-    model = Packed().double()
-    x, y = tokens(5, 6, 15)
-    plan = plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, probe=(x, y))
-    assert set(plan.exact_parameters) == {n for n, _ in model.named_parameters() if n.startswith("lstm.")}
-    assert all("torch.lstm has no rule" in line for line in plan.exact_reasons), plan.exact_reasons
-    assert_clipped_like_the_loop(model, x, y, plan.exact)
+    x, y = ragged_tokens(6, 7, 15)
+    assert_exact_without_the_exact_path(Packed(PACKED[kind]()).train(), per_example_cross_entropy, x, y, seed=2)
+
+
+def test_packed_sequences_already_sorted() -> None:
+    torch.manual_seed(9)
+    x, y = ragged_tokens(5, 6, 16, descending=True)
+    model = Packed(nn.LSTM(WIDTH, 4, batch_first=True, proj_size=2), enforce_sorted=True)
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)
 
 
 def test_float32_lstm_with_dropout_passes_the_probe() -> None:

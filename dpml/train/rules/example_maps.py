@@ -36,6 +36,8 @@ MOVES = {
 """Functions that move each element of their first operand, unmixed, to another place, chosen by their other
 arguments: an output of the input's shape may hold its rows in another order (``x.index_select(0, order)``,
 ``x.flip(0)``), so its map is the same function of the input's map (:meth:`ExampleMaps._follow_moves`)."""
+PACKING = {torch._pack_padded_sequence, torch._pad_packed_sequence}
+"""A padded batch of sequences packed into the rows of its steps (time-major, the longest first), and back."""
 SORTS = {torch.sort, T.sort, torch.msort, T.msort, torch.topk, T.topk}
 """Functions that move elements by their values: along the first dimension no map says where each row went."""
 
@@ -149,10 +151,13 @@ class ExampleMaps:
         if func in MOVES or func in SORTS:
             self._follow_moves(func, args, kwargs, out)
             return
+        if func in PACKING:
+            self._follow_packing(func, args, out)
+            return
+        if func in JOINS and self._follow_join(func, args, kwargs, out):
+            return
         entries = [(t, self._entry(t)) for t in tensors(args, kwargs)] if self._examples else []
         if not any(known for _, (known, _) in entries):
-            if func in JOINS:
-                self._follow_join(func, args, kwargs, out)
             return
         maps: list[tuple[torch.Tensor, torch.Tensor | None]] = [
             (t, e) for t, (known, e) in entries if known and e is not None
@@ -207,14 +212,17 @@ class ExampleMaps:
         for k, o in enumerate(outputs(out)):
             self._keep_examples(o, mapped[k] if k < len(mapped) else None)
 
-    def _follow_join(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """A join along the first dimension of tensors without an entry (``torch.stack(steps)`` of an unrolled RNN's
-        (N, H) outputs): the output's map is the same join of the operands' maps, 0 … B − 1 along the first dimension
-        for a batch-first operand; lost where an operand has none (a constant's rows belong to no example)."""
+    def _follow_join(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
+        """A join along the first dimension (``torch.stack(steps)`` of an unrolled RNN's (N, H) outputs, the rows of
+        a packed sequence's steps): the output's map is the same join of the operands' maps, 0 … B − 1 along the first
+        dimension for a batch-first operand; lost where an operand has none (a constant's rows belong to no example).
+        False for a join along another dimension (carried as any shape-keeping operation)."""
         parts = args[0] if args else kwargs.get("tensors", ())
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if not isinstance(out, torch.Tensor) or not out.dim() or not isinstance(dim, int) or dim % out.dim():
-            return
+            return False
+        if not any(self.derived(t) for t in parts):
+            return True  # nothing from the batch: no map to carry
         found = [self._source_examples(t)[1] for t in parts]
         maps = [m for m in found if m is not None]
         if len(maps) < len(found):
@@ -223,3 +231,25 @@ class ExampleMaps:
             self._keep_examples(out, func([m[..., :1] for m in maps], dim).expand(out.shape))
         else:
             self._keep_examples(out, func(maps, dim))
+        return True
+
+    def _follow_packing(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
+        """``torch._pack_padded_sequence(x, lengths, batch_first)`` and ``torch._pad_packed_sequence(data, batch_sizes,
+        batch_first, padding_value, total_length)``: the data's map is packed or padded the same way; a padded place
+        belongs to the example of its row (its first step's). The batch sizes and lengths have no map."""
+        source, outs = args[0], outputs(out)
+        known, examples = self._source_examples(source)
+        if not known and not self._entry(source)[0]:
+            return
+        mapped = None
+        if examples is not None:
+            full = examples.expand(source.shape).contiguous()
+            if func is torch._pack_padded_sequence:
+                mapped = func(full, args[1].cpu(), args[2])[0]
+            else:
+                time = 1 if args[2] else 0
+                padded = func(full, args[1].cpu(), args[2], -1, *args[4:])[0]
+                mapped = torch.where(padded < 0, padded.narrow(time, 0, 1).expand_as(padded), padded)
+        self._keep_examples(outs[0], mapped)
+        for o in outs[1:]:
+            self._keep_examples(o, None)

@@ -17,8 +17,11 @@ time-major outputs) between layers in training. Each example's gradient is then 
 steps, ∇_{W_hh} ℓ_i = Σ_t δ_{i,t} h_{i,t−1}ᵀ and ∇_{b_hh} ℓ_i = Σ_t δ_{i,t} (Goodfellow 2015): the T uses of
 W_hh are one factored gradient over T positions (:func:`dpml.train.rules.combine.merged_uses`). The initial
 state's rows are given the example map of the input's rows (a zero state built by the module is no activation
-of the batch, but its row r feeds the recurrence of row r only). Packed sequences keep the kernel (and the
-exact path). Numbers: those of the unrolled operations, which the probe compares with autograd's on the kernel.
+of the batch, but its row r feeds the recurrence of row r only). A packed sequence runs as ATen's packed layers
+do: step t takes the rows of the first ``batch_sizes[t]`` sequences (the longest first), a sequence leaving the
+batch after its last step (its final state kept) or, reversed, joining it there from its initial state; where each
+row's example is, the packing, the steps' joins and the padding back carry (:mod:`dpml.train.rules.example_maps`).
+Numbers: those of the unrolled operations, which the probe compares with autograd's on the kernel.
 """
 
 from __future__ import annotations
@@ -74,9 +77,19 @@ def elman_step(nonlinearity: Callable[[torch.Tensor], torch.Tensor]) -> Step:
 
 
 def with_input_rows(state: State, like: torch.Tensor) -> State:
-    """The state with its hidden rows given the example map of ``like``'s rows (module docstring): h + 0, a zero
-    column of ``like`` broadcast (h's values unchanged)."""
-    return (state[0] + torch.zeros_like(like[:, :1]), *state[1:])
+    """The state with its rows given the example map of ``like``'s rows (module docstring): s + 0, a zero column of
+    ``like`` broadcast (the values unchanged)."""
+    zero = torch.zeros_like(like[:, :1])
+    return tuple(s + zero for s in state)
+
+
+def split_weights(
+    weights: Sequence[torch.Tensor], has_biases: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """w_ih, w_hh, b_ih, b_hh, w_hr of one layer and direction (None where absent)."""
+    b_ih, b_hh = (weights[2], weights[3]) if has_biases else (None, None)
+    w_hr = weights[4 if has_biases else 2] if len(weights) > (4 if has_biases else 2) else None
+    return weights[0], weights[1], b_ih, b_hh, w_hr
 
 
 def run_direction(
@@ -84,9 +97,7 @@ def run_direction(
 ) -> tuple[torch.Tensor, State]:
     """One layer in one direction over the time-major x (T, N, F): its outputs (T, N, H) and final state.
     ``weights``: w_ih, w_hh, then b_ih, b_hh with ``has_biases``, then w_hr (an LSTM with ``proj_size``)."""
-    w_ih, w_hh = weights[0], weights[1]
-    b_ih, b_hh = (weights[2], weights[3]) if has_biases else (None, None)
-    w_hr = weights[4 if has_biases else 2] if len(weights) > (4 if has_biases else 2) else None
+    w_ih, w_hh, b_ih, b_hh, w_hr = split_weights(weights, has_biases)
     gates_in = F.linear(x, w_ih, b_ih)  # every step's input term in one product, as the kernel on a CPU
     steps = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
     outputs: list[torch.Tensor] = [gates_in] * x.shape[0]
@@ -95,6 +106,49 @@ def run_direction(
         state = step(gates_in[t], state, w_hh, b_hh, w_hr)
         outputs[t] = state[0]
     return torch.stack(outputs), state
+
+
+def run_packed_direction(
+    step: Step,
+    data: torch.Tensor,
+    sizes: list[int],
+    initial: State,
+    weights: Sequence[torch.Tensor],
+    has_biases: bool,
+    reverse: bool,
+) -> tuple[torch.Tensor, State]:
+    """One layer in one direction over a packed sequence's rows (the rows of step t: the first ``sizes[t]`` sequences,
+    the longest first), as ATen's packed layers: forward, a sequence's state leaves the batch after its last step;
+    reversed, from the last step, a sequence's initial state joins at its last step. Its output rows and final state
+    (the sequences in order)."""
+    w_ih, w_hh, b_ih, b_hh, w_hr = split_weights(weights, has_biases)
+    gates_in = F.linear(data, w_ih, b_ih)
+    starts = [sum(sizes[:t]) for t in range(len(sizes))]
+    outputs: list[torch.Tensor] = [gates_in] * len(sizes)
+    if not reverse:
+        state, finals, last = with_input_rows(tuple(s[: sizes[0]] for s in initial), gates_in[: sizes[0]]), [], sizes[0]
+        for t, size in enumerate(sizes):
+            if size < last:  # sequences size … last − 1 have ended: their final state
+                finals.append(tuple(s[size:last] for s in state))
+                state = tuple(s[:size] for s in state)
+            last = size
+            state = step(gates_in[starts[t] : starts[t] + size], state, w_hh, b_hh, w_hr)
+            outputs[t] = state[0]
+        finals.append(state)
+        final = tuple(torch.cat([f[j] for f in reversed(finals)]) for j in range(len(state)))
+        return torch.cat(outputs), final
+    last = sizes[-1]
+    state = with_input_rows(tuple(s[:last] for s in initial), gates_in[starts[-1] : starts[-1] + last])
+    for t in range(len(sizes) - 1, -1, -1):
+        size = sizes[t]
+        if size > last:  # sequences last … size − 1 start here, from their initial state
+            rows = gates_in[starts[t] + last : starts[t] + size]
+            joining = with_input_rows(tuple(s[last:size] for s in initial), rows)
+            state = tuple(torch.cat([s, j]) for s, j in zip(state, joining, strict=True))
+        last = size
+        state = step(gates_in[starts[t] : starts[t] + size], state, w_hh, b_hh, w_hr)
+        outputs[t] = state[0]
+    return torch.cat(outputs), state
 
 
 def run_layers(
@@ -107,10 +161,11 @@ def run_layers(
     dropout: float,
     train: bool,
     bidirectional: bool,
-    batch_first: bool,
+    batch_first: bool | None,
+    sizes: list[int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``torch.lstm`` / ``gru`` / ``rnn_*`` on padded sequences: (output, *final states), each final state
-    (layers · directions, N, H)."""
+    """``torch.lstm`` / ``gru`` / ``rnn_*`` on padded sequences, or (``sizes``: the batch size of each step) on a
+    packed sequence's rows: (output, *final states), each final state (layers · directions, N, H)."""
     x = x.transpose(0, 1) if batch_first else x
     directions = 2 if bidirectional else 1
     per = len(params) // (num_layers * directions)
@@ -119,49 +174,64 @@ def run_layers(
         outputs = []
         for direction in range(directions):
             k = layer * directions + direction
-            out, final = run_direction(
-                step, x, tuple(h[k] for h in hidden), params[k * per : (k + 1) * per], has_biases, direction == 1
+            state, weights = tuple(h[k] for h in hidden), params[k * per : (k + 1) * per]
+            out, final = (
+                run_direction(step, x, state, weights, has_biases, direction == 1)
+                if sizes is None
+                else run_packed_direction(step, x, sizes, state, weights, has_biases, direction == 1)
             )
             outputs.append(out)
             finals.append(final)
-        x = outputs[0] if directions == 1 else torch.cat(outputs, 2)
+        x = outputs[0] if directions == 1 else torch.cat(outputs, -1)
         if dropout and train and layer < num_layers - 1:
             x = torch.dropout(x, dropout, True)
     finals_stacked = [torch.stack([final[j] for final in finals]) for j in range(len(hidden))]
     return (x.transpose(0, 1) if batch_first else x, *finals_stacked)
 
 
-def _padded(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """A call on padded sequences, positional as the modules make it (``params`` third; a packed call has the
-    batch sizes second and ``params`` fourth), with at least one step."""
-    return (
-        not kwargs
-        and len(args) == 9
-        and isinstance(args[2], (list, tuple))
-        and isinstance(args[0], torch.Tensor)
-        and args[0].dim() == 3
-        and args[0].shape[1 if args[8] else 0] > 0
-    )
+def _packed(args: tuple[Any, ...]) -> bool:
+    """A call on a packed sequence: the batch sizes second, ``params`` fourth (a padded call has them third)."""
+    return isinstance(args[1], torch.Tensor) and isinstance(args[3], (list, tuple))
 
 
-@decomposition(torch.lstm, applies=_padded)
-def lstm(x: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor], *flags: Any) -> Any:
-    return run_layers(lstm_step, x, tuple(hx), params, *flags)
+def _sequences(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A call positional as the modules make it, on padded sequences (3-D, at least one step) or a packed one."""
+    if kwargs or len(args) != 9 or not isinstance(args[0], torch.Tensor):
+        return False
+    if _packed(args):
+        return bool(args[1].device.type == "cpu" and args[1].dim() == 1 and args[1].numel() > 0)
+    return isinstance(args[2], (list, tuple)) and args[0].dim() == 3 and args[0].shape[1 if args[8] else 0] > 0
 
 
-@decomposition(torch.gru, applies=_padded)
-def gru(x: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], *flags: Any) -> Any:
-    return run_layers(gru_step, x, (hx,), params, *flags)
+def run_call(step: Step, args: tuple[Any, ...], state: Callable[[Any], State]) -> tuple[torch.Tensor, ...]:
+    """A padded or packed call's (x, [batch sizes,] hx, params, has_biases, num_layers, dropout, train, bidirectional
+    [, batch_first]) through :func:`run_layers`, ``state`` making the hx argument a state."""
+    if _packed(args):
+        data, sizes, hx, params, has_biases, layers, dropout, train, bidirectional = args
+        steps = [int(n) for n in sizes.tolist()]
+        return run_layers(step, data, state(hx), params, has_biases, layers, dropout, train, bidirectional, None, steps)
+    x, hx, params, *flags = args
+    return run_layers(step, x, state(hx), params, *flags)
 
 
-@decomposition(torch.rnn_tanh, applies=_padded)
-def rnn_tanh(x: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], *flags: Any) -> Any:
-    return run_layers(elman_step(torch.tanh), x, (hx,), params, *flags)
+@decomposition(torch.lstm, applies=_sequences)
+def lstm(*args: Any) -> Any:
+    return run_call(lstm_step, args, tuple)
 
 
-@decomposition(torch.rnn_relu, applies=_padded)
-def rnn_relu(x: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], *flags: Any) -> Any:
-    return run_layers(elman_step(torch.relu), x, (hx,), params, *flags)
+@decomposition(torch.gru, applies=_sequences)
+def gru(*args: Any) -> Any:
+    return run_call(gru_step, args, lambda hx: (hx,))
+
+
+@decomposition(torch.rnn_tanh, applies=_sequences)
+def rnn_tanh(*args: Any) -> Any:
+    return run_call(elman_step(torch.tanh), args, lambda hx: (hx,))
+
+
+@decomposition(torch.rnn_relu, applies=_sequences)
+def rnn_relu(*args: Any) -> Any:
+    return run_call(elman_step(torch.relu), args, lambda hx: (hx,))
 
 
 def _cell_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
