@@ -135,8 +135,8 @@ def _record_forward(
     def remember(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
         recorder.stack.pop()
         with torch._C.DisableTorchFunction():  # bookkeeping, not the model's computation: not recorded
-            if not recorder.batch_first(inputs[0]):  # position ids, a constant, rows moved or merged: not the B
-                recorder.unbatched.add(module)  # examples' rows in order (the layer's parameters go to the rules)
+            if not recorder.derived(inputs[0]) or recorder.examples(inputs[0]) is not None:  # position ids, a
+                recorder.unbatched.add(module)  # constant, or rows moved or merged (a map): the rules read the map
             calls.setdefault(module, []).append((inputs[0].detach(), output))
         place = kept.keep(output)
         return output.clone() if copies is None or ("layer", place) in copies else None  # (the copy is recorded)

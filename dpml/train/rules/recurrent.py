@@ -26,6 +26,7 @@ Numbers: those of the unrolled operations, which the probe compares with autogra
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,7 +124,7 @@ def run_packed_direction(
     (the sequences in order)."""
     w_ih, w_hh, b_ih, b_hh, w_hr = split_weights(weights, has_biases)
     gates_in = F.linear(data, w_ih, b_ih)
-    starts = [sum(sizes[:t]) for t in range(len(sizes))]
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))  # the first row of each step
     outputs: list[torch.Tensor] = [gates_in] * len(sizes)
     if not reverse:
         state, finals, last = with_input_rows(tuple(s[: sizes[0]] for s in initial), gates_in[: sizes[0]]), [], sizes[0]
