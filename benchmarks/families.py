@@ -16,7 +16,8 @@ Families, each built from a config with random weights (nothing is downloaded: `
 - ``lstm`` (not in the default list: not among the issue's families): torch's ``nn.LSTM`` as a text classifier,
   token embedding (BERT's vocabulary), a stacked batch-first LSTM as wide as the size's hidden width with as many
   layers, the mean over the real tokens, a linear head (dpml runs its recurrence unrolled:
-  :mod:`dpml.train.rules.recurrent`).
+  :mod:`dpml.train.rules.recurrent`); ``lstm-packed``: the same LSTM on the real tokens only, packed
+  (``pack_padded_sequence``, unsorted), its last layer's final state to the head.
 
 Where a family's library cannot be imported, its row says so and why, rather than disappearing.
 PyPI's torchvision wheel (which timm imports) is built against CUDA torch: beside a CPU-only torch its
@@ -112,8 +113,8 @@ sys.path.insert(0, str(ROOT))
 from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
-MORE_FAMILIES = ["lstm"]  # asked for by name only
-TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm"}
+MORE_FAMILIES = ["lstm", "lstm-packed"]  # asked for by name only
+TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed"}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
 SIZES = {
@@ -185,17 +186,25 @@ def _encoder_classifier():  # noqa: ANN202
 def _lstm_classifier():  # noqa: ANN202
     from torch import nn
 
-    class LstmClassifier(nn.Module):
-        """Token embedding, a stacked batch-first ``nn.LSTM``, the mean over the real tokens, a linear head."""
+    from torch.nn.utils.rnn import pack_padded_sequence
 
-        def __init__(self, vocab: int, hidden: int, layers: int) -> None:
+    class LstmClassifier(nn.Module):
+        """Token embedding, a stacked batch-first ``nn.LSTM``, the mean over the real tokens, a linear head; or
+        (``packed``) the LSTM on the real tokens only, its last layer's final state to the head."""
+
+        def __init__(self, vocab: int, hidden: int, layers: int, packed: bool = False) -> None:
             super().__init__()
             self.tokens = nn.Embedding(vocab, hidden)
             self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
             self.head = nn.Linear(hidden, TEXT_CLASSES)
+            self.packed = packed
 
         def forward(self, x):  # noqa: ANN001, ANN201
             ids, mask = x[:, 0], x[:, 1]
+            if self.packed:
+                lengths = mask.sum(1).clamp(min=1).cpu()
+                _, (final, _) = self.lstm(pack_padded_sequence(self.tokens(ids), lengths, True, enforce_sorted=False))
+                return self.head(final[-1])
             h, _ = self.lstm(self.tokens(ids))
             keep = mask.unsqueeze(-1).to(h.dtype)
             return self.head((h * keep).sum(1) / keep.sum(1).clamp(min=1))
@@ -291,9 +300,11 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family == "encoder":
         model = _encoder_classifier()(BERT_VOCAB, length, size["hidden"], size["layers"], size["heads"], size["ffn"])
         return model, "nn.TransformerEncoder classifier"
-    if family == "lstm":
-        model = _lstm_classifier()(BERT_VOCAB, size["hidden"], size["layers"])
-        return model, f"nn.LSTM classifier ({size['layers']} layers, {size['hidden']} wide, batch-first)"
+    if family in ("lstm", "lstm-packed"):
+        packed = family == "lstm-packed"
+        model = _lstm_classifier()(BERT_VOCAB, size["hidden"], size["layers"], packed)
+        shape = "packed real tokens" if packed else "batch-first"
+        return model, f"nn.LSTM classifier ({size['layers']} layers, {size['hidden']} wide, {shape})"
     if family == "bert-lora":
         peft = _import("peft")
         bert = _bert(size, length)
