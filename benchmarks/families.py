@@ -202,7 +202,7 @@ def _lstm_classifier():  # noqa: ANN202
         def forward(self, x):  # noqa: ANN001, ANN201
             ids, mask = x[:, 0], x[:, 1]
             if self.packed:
-                lengths = mask.sum(1).clamp(min=1).cpu()
+                lengths = (mask != 0).sum(1).clamp(min=1).cpu()  # (the plan's synthetic probe has masks of any ints)
                 _, (final, _) = self.lstm(pack_padded_sequence(self.tokens(ids), lengths, True, enforce_sorted=False))
                 return self.head(final[-1])
             h, _ = self.lstm(self.tokens(ids))
