@@ -1,7 +1,8 @@
 """Where the batch is in the recording forward pass's activations (:mod:`dpml.train.rules.recorder`, whose module
 docstring says what an *example map* is): the maps kept per tensor, carried through views, shape-keeping,
-broadcasting and batched operations and through joins (``torch.stack`` / ``torch.cat``) along the first dimension,
-and read back as the rows of each example."""
+broadcasting and batched operations, joins (``torch.stack`` / ``torch.cat``) along the first dimension, functions
+that move rows unmixed (``index_select``, ``gather``, ``flip``, ``roll``, …) and the packing of padded sequences and
+back; lost by a sort along the first dimension; read back as the rows of each example."""
 
 from __future__ import annotations
 
