@@ -68,9 +68,9 @@ def test_rows_moved_along_the_batch_keep_their_examples(move: str) -> None:
     assert set(plan.exact_parameters) == expected and "b" not in plan.fast_layers, plan.lines()  # b's rows moved
 
 
-def test_a_sort_along_the_batch_loses_the_map() -> None:
-    """A sort along the first dimension moves rows by their values: no map says where each went, so the layer after
-    it names no batch dimension (its parameters take the exact path, whose gradients need no map)."""
+def test_rows_taken_in_a_sorts_order_are_followed() -> None:
+    """Rows indexed by the order a sort along the batch gives (``h[order]``) keep their examples, and a sort's values
+    along the batch beside them (unused here but for a zero) take no layer off its rule: nothing goes exact."""
 
     class SortedRows(nn.Module):
         def __init__(self) -> None:

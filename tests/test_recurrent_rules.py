@@ -12,7 +12,7 @@ from test_op_rules import assert_clipped_like_the_loop, assert_exact_without_the
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from dpml.train.clipping import engine_pass
+from dpml.train.clipping import clipped_gradient_sum, engine_pass
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules.combine import merged_uses
@@ -238,11 +238,9 @@ def test_uses_of_one_view_are_merged_into_one_sum_over_their_positions() -> None
     assert len(transposed) == 2  # another view of the parameter, another kind: kept apart
 
 
-def test_an_lstm_text_classifier_trains_through_the_rules() -> None:
-    """One DP step of the trainer's own step function on a batch-first LSTM: the rules' clipped sum equals the
-    exact path's."""
-    from dpml.train.clipping import clipped_gradient_sum
-
+def test_the_rules_clip_a_stacked_lstm_as_the_exact_path_does() -> None:
+    """On a stacked batch-first LSTM, the rules' clipped sum and norms (some examples clipped) equal those of the exact
+    path, which backpropagates each example's loss through the fused kernel."""
     torch.manual_seed(10)
     model = Recurrent(nn.LSTM(WIDTH, 6, num_layers=2, batch_first=True)).double()
     x, y = tokens(7, 5, 17)
