@@ -6,9 +6,9 @@ For each layer shape (the Opacus example CNN's two convolutions, WRN-16-4's, and
 channel counts), on random inputs and output gradients of the layer's shape:
 
 - *grouped forward*: one convolution with the input's channels as its batch, the examples as groups
-  and each example's δ as a kernel (:func:`dpml.train.clipping_conv.conv_per_example_gradients`);
+  and each example's δ as a kernel (:func:`dpml.train.clipping_conv_ways.per_example_by_grouped_forward`);
 - *grouped weight gradient*: the weight gradient of one convolution with B groups, the examples
-  folded into the channels (:func:`dpml.train.clipping_conv.conv_per_example_gradients_by_weight_grad`);
+  folded into the channels (:func:`dpml.train.clipping_conv_ways.per_example_by_weight_gradient`);
 - *patches × δ*: the unfolded patches and one batched matrix product (``unfold_patches`` and ``bmm``);
 - *compiled, patches* (CPU, float32): ``_conv_norms.c``, each example's patches built in a cache-sized buffer
   and multiplied there, on torch's OpenMP threads (:func:`dpml.train.clipping_conv.compiled_norms`, gradients
@@ -21,7 +21,7 @@ channel counts), on random inputs and output gradients of the layer's shape:
 
 Median milliseconds over the repeats (the ways run in turn, round after round, after one warm-up; TF32
 off, as in the engine), and the largest difference of every other per-example way from the first relative to its
-largest entry. Which way the engine takes for which shape (``dpml.train.clipping_conv.per_example_conv_way``)
+largest entry. Which way the engine takes for which shape (``dpml.train.clipping_conv_ways.per_example_conv_way``)
 follows this table.
 Writes ``benchmarks/results/conv_per_example[_cuda].{md,json}``.
 """
@@ -49,10 +49,9 @@ from dpml.train import clipping_conv  # noqa: E402
 from dpml.train.clipping_conv import (  # noqa: E402
     compiled_norms,
     conv_geometry,
-    conv_per_example_gradients,
-    conv_per_example_gradients_by_weight_grad,
     unfold_patches,
 )
+from dpml.train.clipping_conv_ways import per_example_by_grouped_forward, per_example_by_weight_gradient  # noqa: E402
 
 # name, batch, C_in, C_out, kernel, stride, padding, input height = width
 SHAPES = [
@@ -80,8 +79,8 @@ def ways(module: nn.Conv2d, x: torch.Tensor, d: torch.Tensor) -> dict[str, Calla
     geometry = conv_geometry(module)
     _, stride, padding, dilation = geometry  # type: ignore[misc]
     found = {
-        "grouped forward": lambda: conv_per_example_gradients(module, x, d),
-        "grouped weight gradient": lambda: conv_per_example_gradients_by_weight_grad(module, x, d),
+        "grouped forward": lambda: per_example_by_grouped_forward(x, d, geometry),  # type: ignore[arg-type]
+        "grouped weight gradient": lambda: per_example_by_weight_gradient(x, d, geometry),  # type: ignore[arg-type]
         "patches × δ": patches_times_delta,
         "batch weight gradient (non-private)": lambda: torch.nn.grad.conv2d_weight(
             x, module.weight.shape, d, stride, padding, dilation

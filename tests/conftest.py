@@ -338,3 +338,21 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         log,
     ) as url:
         yield {"url": url, "artifacts": root / "artifact-store", "log": log}
+
+
+@pytest.fixture
+def vmapped(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The parameter names each call of the clipping engine's exact per-example path was asked for (calls with
+    none left out)."""
+    from dpml.train import clipping
+
+    calls: list[list[str]] = []
+    exact = clipping.exact_per_example_gradients
+
+    def spy(losses, params):  # type: ignore[no-untyped-def]
+        if params:
+            calls.append(list(params))
+        return exact(losses, params)
+
+    monkeypatch.setattr(clipping, "exact_per_example_gradients", spy)
+    return calls

@@ -9,25 +9,10 @@ from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
 from dpml import devices
-from dpml.train import clipping, clipping_candidates, clipping_conv, clipping_layers, keep_budget
+from dpml.train import clipping, clipping_candidates, clipping_conv, clipping_conv_ways, clipping_layers, keep_budget
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
-
-
-@pytest.fixture
-def vmapped(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The parameter names each call of the exact per-example path was asked for (calls with none left out)."""
-    calls: list[list[str]] = []
-    exact = clipping.exact_per_example_gradients
-
-    def spy(losses, params):  # type: ignore[no-untyped-def]
-        if params:
-            calls.append(list(params))
-        return exact(losses, params)
-
-    monkeypatch.setattr(clipping, "exact_per_example_gradients", spy)
-    return calls
 
 
 def assert_matches_naive_loop(
@@ -596,7 +581,7 @@ def test_conv_per_example_gradients_equal_autograd() -> None:
     expected = torch.stack(
         [torch.autograd.grad((conv(x[i : i + 1]) * delta[i : i + 1]).sum(), conv.weight)[0] for i in range(5)]
     )
-    got = clipping_conv.conv_per_example_gradients(conv, x, delta)
+    got = clipping_conv_ways.per_example_conv_gradients("grouped forward", conv, x, delta)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -610,12 +595,12 @@ def test_per_example_gradients_by_the_weight_gradient_equal_autograd(channels: i
     expected = torch.stack(
         [torch.autograd.grad((conv(x[i : i + 1]) * delta[i : i + 1]).sum(), conv.weight)[0] for i in range(5)]
     )
-    got = clipping_conv.conv_per_example_gradients_by_weight_grad(conv, x, delta)
+    got = clipping_conv_ways.per_example_conv_gradients("weight gradient", conv, x, delta)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_each_conv_way_is_picked_by_device_and_shape() -> None:
-    way = clipping_conv.per_example_conv_way
+    way = clipping_conv_ways.per_example_conv_way
     assert way("cpu", 16, 784, 64) == "weight gradient"  # T > C_out, at least 8 input channels
     assert way("cpu", 3, 1024, 16) == "grouped forward"  # T > C_out, an image of few channels
     assert way("cpu", 64, 49, 256) == "patch slices"  # T ≤ C_out
@@ -689,7 +674,7 @@ def test_convolutions_of_eight_channels_match_naive_loop(
     model = WideConvs().double()
     x = torch.randn(6, 8, 9, 8, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     assert model.second(model.first(x)).shape[2:] == (5, 6)
-    assert clipping_conv.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
+    assert clipping_conv_ways.per_example_conv_way("cpu", 8, 72, 8) == "weight gradient"
     assert clipping_layers.materialise(6, 72, 72, 8, keep_budget.keep_limit(torch.device("cpu")))  # kept or not
     assert_matches_naive_loop(model, x, labels(6), 0.05)
     assert vmapped == []

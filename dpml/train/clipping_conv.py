@@ -106,74 +106,6 @@ def channels_last_patches(
     return patches.reshape(batch, out_h * out_w, kh * kw * channels)
 
 
-def conv_per_example_gradients(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
-    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in·kh·kw), by one grouped convolution
-    and without unfolding the patches (Rochette et al. 2019): the input's channels become the batch,
-    its examples the groups, and each example's output gradient δ_{i,o} (oh×ow) the kernel of group
-    i, dilated by the layer's stride; the result's first kh×kw positions are ∇_W ℓ_i."""
-    batch, channels = inputs.shape[:2]
-    out_channels, kernel = output_grad.shape[1], module.kernel_size
-    _, stride, padding, dilation = conv_geometry(module)  # type: ignore[misc]
-    grads = F.conv2d(
-        inputs.transpose(0, 1),
-        output_grad.reshape(batch * out_channels, 1, *output_grad.shape[2:]),
-        stride=dilation,
-        padding=padding,
-        dilation=stride,
-        groups=batch,
-    )
-    grads = grads[:, :, : kernel[0], : kernel[1]].reshape(channels, batch, out_channels, kernel[0], kernel[1])
-    return grads.permute(1, 2, 0, 3, 4).reshape(batch, out_channels, -1)
-
-
-def conv_per_example_gradients_by_weight_grad(
-    module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor
-) -> torch.Tensor:
-    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in·kh·kw), as the weight gradient of one
-    convolution with B groups: the examples are folded into the channels, input (1, B·C_in, H, W) and
-    output gradient (1, B·C_out, oh, ow), so group i's weight gradient is example i's. Same numbers as
-    :func:`conv_per_example_gradients`, by another kernel (the grouped weight-gradient convolution),
-    which is the faster of the two on a CPU from 8 input channels up (``benchmarks/conv_per_example.py``)."""
-    batch, channels = inputs.shape[:2]
-    out_channels = output_grad.shape[1]
-    kernel, stride, padding, dilation = conv_geometry(module)  # type: ignore[misc]
-    grads: torch.Tensor = torch.nn.grad.conv2d_weight(
-        inputs.reshape(1, batch * channels, *inputs.shape[2:]),
-        (batch * out_channels, channels, *kernel),
-        output_grad.reshape(1, batch * out_channels, *output_grad.shape[2:]),
-        stride,
-        padding,
-        dilation,
-        groups=batch,
-    )
-    return grads.reshape(batch, out_channels, -1)
-
-
-def per_example_conv_gradients(
-    way: str, module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor
-) -> torch.Tensor:
-    """∇_W ℓ_i (B, C_out, C_in·kh·kw) in torch by ``way`` (``"weight gradient"``, ``"grouped forward"`` or
-    ``"patches"``: the batched product δ_i A_iᵀ of the unfolded patches)."""
-    if way == "weight gradient":
-        return conv_per_example_gradients_by_weight_grad(module, inputs, output_grad)
-    if way == "grouped forward":
-        return conv_per_example_gradients(module, inputs, output_grad)
-    d = output_grad.reshape(*output_grad.shape[:2], -1)
-    return torch.bmm(d, unfold_patches(inputs, *conv_geometry(module)).transpose(1, 2))  # type: ignore[misc]
-
-
-def grouped_per_example_gradients(d: torch.Tensor, patches: torch.Tensor, groups: int) -> torch.Tensor:
-    """∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ of a convolution with ``groups`` = g, from δ (B, C_out, T) and the
-    patches (B, C_in·k, T): one batched product over the B·g (example, group) pairs, each group's output rows
-    against its own input channels' patches; (B, C_out, C_in/g·k)."""
-    batch, out_channels, rows = d.shape[0], d.shape[1], d.shape[0] * groups
-    grads = torch.bmm(
-        d.reshape(rows, out_channels // groups, -1),
-        patches.reshape(rows, patches.shape[1] // groups, -1).transpose(1, 2),
-    )
-    return grads.reshape(batch, out_channels, -1)
-
-
 PATCH_SLICE_ELEMENTS = 1 << 19  # numbers of patches and gradients per slice of examples (2 MiB in float32)
 
 
@@ -280,31 +212,6 @@ def input_gram_norms_squared(inputs: torch.Tensor, d: torch.Tensor, geometry: Ge
     return squared
 
 
-WEIGHT_GRAD_MIN_CHANNELS = 8  # from here on the grouped weight gradient beats the grouped forward (CPU)
-
-
-def per_example_conv_way(device_type: str, in_channels: int, count: int, out_channels: int) -> str:
-    """How :func:`dpml.train.clipping_layers._conv_piece` materialises a Conv2d's per-example gradients
-    (B, C_out, C_in·kh·kw), by the measurements of ``benchmarks/conv_per_example.py``
-    (``results/conv_per_example*.md``):
-
-    - on a GPU ``"patches"``: from the unfolded patches by one batched product over the whole batch
-      (a convolution with B groups, forward or weight gradient, is up to 9× slower there, for WRN-16-4's
-      layers without TF32);
-    - on a CPU, where the gradient is at least as large as a channel's patches (T ≤ C_out), ``"patch
-      slices"`` (:func:`patch_slice_norms_squared`): the same product a
-      cache-sized slice of examples at a time, for the norms only; else ``"weight gradient"``, the
-      weight gradient of one convolution with B groups (:func:`conv_per_example_gradients_by_weight_grad`),
-      from ``WEIGHT_GRAD_MIN_CHANNELS`` input channels up, and below that ``"grouped forward"``
-      (:func:`conv_per_example_gradients`), faster for images of one to a few channels. In float32 the
-      compiled kernel (:func:`compiled_norms`) does a CPU way's work where it applies."""
-    if device_type == "cuda":
-        return "patches"
-    if count <= out_channels:
-        return "patch slices"
-    return "weight gradient" if in_channels >= WEIGHT_GRAD_MIN_CHANNELS else "grouped forward"
-
-
 COMPILED_MAX_POSITIONS = 256
 """The compiled kernel's patch way is taken for layers of at most this many output positions T per example:
 in ``results/conv_per_example.md`` it is the fastest way at T = 25, 49 and 196 (the Opacus example CNN's
@@ -394,29 +301,32 @@ def live_taps(geometry: Geometry, size: tuple[int, ...], out: tuple[int, ...]) -
 
 
 def clip_weighted_conv_weight(
-    module: nn.Conv2d, inputs: torch.Tensor, weighted: torch.Tensor, geometry: Geometry
+    weight_shape: torch.Size, inputs: torch.Tensor, weighted: torch.Tensor, geometry: Geometry, groups: int = 1
 ) -> torch.Tensor:
-    """Σ_i Σ_t (c_i δ_{i,t}) a_{i,t}ᵀ for an ungrouped Conv2d, given the clip-weighted output gradient
-    (B, C_out, H', W').
+    """Σ_i Σ_t (c_i δ_{i,t}) a_{i,t}ᵀ for a Conv2d of ``groups`` = g, given the clip-weighted output gradient
+    (B, C_out, H', W'), in the weight's shape (C_out, C_in/g, kh, kw).
 
     The layer's own weight-gradient convolution, except on a CPU where each example has one output position
-    (ResNet's last stage on small images): there Σ_i (c_i δ_i) a_iᵀ is one product, (C_out, B) @ (B, C_in·k),
-    over the :func:`live_taps` only (the others' gradient is zero). oneDNN's weight-gradient convolution took
-    9.1 ms against 1.7 ms for the product over every tap at B = 64, 512 → 512 channels, 3×3, on 1×1 maps, and
-    2.1 against 1.0 ms for 256 → 512, stride 2, 2×2 → 1×1 (on an earlier machine 147 against 6 and 18.5 against
-    11.3 ms); from 2×2 outputs up the convolution is the faster there (1.2 against 3.0 ms for 256 → 256 on 2×2;
-    the earlier machine had 9.7 against 7.4)."""
+    (ResNet's last stage on small images): there group j's Σ_i (c_i δ_{i,j}) a_{i,j}ᵀ is one product,
+    (C_out/g, B) @ (B, C_in/g·k), over the :func:`live_taps` only (the others' gradient is zero), the g products
+    batched. oneDNN's weight-gradient convolution took 9.1 ms against 1.7 ms for the product over every tap at
+    B = 64, 512 → 512 channels, 3×3, on 1×1 maps, and 2.1 against 1.0 ms for 256 → 512, stride 2, 2×2 → 1×1 (on
+    an earlier machine 147 against 6 and 18.5 against 11.3 ms); grouped, 1.23 against 0.20 ms for RegNetX's 368
+    channels in groups of 8 on 1×1 maps and 3.57 against 0.09 ms for a depthwise 7×7 kernel over 320 channels on
+    1×1 maps. From 2×2 outputs up the convolution is the faster there (1.2 against 3.0 ms for 256 → 256 on 2×2;
+    the earlier machine had 9.7 against 7.4; grouped, 0.60 against 0.88 ms for 152 channels in groups of 8)."""
     batch, out_channels = weighted.shape[:2]
     if inputs.device.type != "cpu" or weighted[0, 0].numel() > 1:
         total: torch.Tensor = torch.nn.grad.conv2d_weight(
-            inputs, module.weight.shape, weighted, geometry[1], geometry[2], geometry[3]
+            inputs, weight_shape, weighted, geometry[1], geometry[2], geometry[3], groups
         )
         return total
     rows, columns = live_taps(geometry, tuple(inputs.shape[-2:]), tuple(weighted.shape[-2:]))
-    total = weighted.new_zeros(module.weight.shape)
+    total = weighted.new_zeros(weight_shape)
     if len(rows) and len(columns):
         patches = unfold_patches(inputs, *geometry, taps=(rows, columns))  # (B, C_in·|rows|·|columns|, 1)
-        part = weighted.reshape(batch, out_channels).t() @ patches.reshape(batch, -1)
+        by_group = patches.reshape(batch, groups, -1).transpose(0, 1)  # (g, B, C_in/g·|rows|·|columns|)
+        part = torch.bmm(weighted.reshape(batch, groups, -1).permute(1, 2, 0), by_group)  # (g, C_out/g, ·)
         total[:, :, rows.start : rows.stop, columns.start : columns.stop] = part.view(
             out_channels, -1, len(rows), len(columns)
         )

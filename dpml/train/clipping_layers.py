@@ -19,7 +19,8 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is
   resolved to the numbers.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
-  materialised by one batched product over the (example, group) pairs.
+  materialised for all (example, group) pairs at once by one of three kernels, the fastest for the shape
+  (:mod:`dpml.train.clipping_conv_ways`).
 - **Embedding** (z_t = W[k_t]): ‖∇_W ℓ_i‖_F² = Σ_k ‖Σ_{t: k_t = k} δ_t‖², by sorting the
   (example, token) pairs; ``padding_idx`` positions get no gradient. Clipped sum by ``index_add``.
 - **LayerNorm and GroupNorm** (affine, z = x̂⊙γ + β, x̂ recomputed with the layer's own function):
@@ -58,12 +59,14 @@ from dpml.train.clipping_conv import (
     compiled_beats_ghost,
     compiled_norms,
     conv_geometry,
-    grouped_per_example_gradients,
     patch_slice_norms_squared,
-    per_example_conv_gradients,
-    per_example_conv_way,
     unfold_patches,
     weight_from_columns,
+)
+from dpml.train.clipping_conv_ways import (
+    grouped_conv_per_example_gradients,
+    per_example_conv_gradients,
+    per_example_conv_way,
 )
 from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared, without_silent_positions
 from dpml.train.keep_budget import keep_limit, room, spend
@@ -323,7 +326,9 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
             if kept is not None:
                 total = weight_from_columns(kept_sum(factors, kept), module.weight.shape, channels_last)
             else:
-                total = clip_weighted_conv_weight(module, inputs, output_grad * factors[:, None, None, None], geometry)
+                total = clip_weighted_conv_weight(
+                    module.weight.shape, inputs, output_grad * factors[:, None, None, None], geometry
+                )
             out.append((module.weight, total))
         if bias_grads is not None and module.bias is not None:
             out.append((module.bias, factors @ bias_grads))
@@ -333,50 +338,54 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
 
 
 def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> Piece:
-    """A Conv1d or Conv2d with ``groups`` = g > 1 (depthwise when g = C_in), its calls' positions
-    concatenated: group j maps input channels j·C_in/g … to output channels j·C_out/g …, so
-    ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over group j's patches, one batched product over the B·g
-    (example, group) pairs, materialised (B, C_out, C_in/g·K) in batch slices of at most
-    :func:`keep_limit` numbers; kept when the whole batch fits, else the clipped sum is the
-    layer's own weight-gradient convolution of the clip-weighted δ, summed over the calls."""
+    """A Conv1d or Conv2d with ``groups`` = g > 1 (depthwise when g = C_in): group j maps input channels
+    j·C_in/g … to output channels j·C_out/g …, so ∇_{W_j} ℓ_i = Σ_calls Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over group j's
+    patches, materialised (B, C_out, C_in/g·K) call by call in the fastest way for the shape
+    (:func:`dpml.train.clipping_conv_ways.fastest_grouped_way`), in batch slices of at most :func:`keep_limit`
+    numbers; kept when the whole batch fits, else the clipped sum is the layer's own weight-gradient
+    convolution of the clip-weighted δ, summed over the calls."""
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     groups, weight = module.groups, module.weight
     batch, out_channels = calls[0][1].shape[:2]
-    patches = torch.cat([unfold_patches(as_2d(module, inputs), *geometry) for inputs, _ in calls], 2)  # (B, C_in·K, T)
-    d = torch.cat([g.reshape(batch, out_channels, -1) for _, g in calls], 2)  # (B, C_out, T)
-    squared, kept = d.new_zeros(batch), None
+    device = weight.device
+    squared, kept = calls[0][1].new_zeros(batch), None
     if trainable(weight):
-        step = max(1, keep_limit(d.device) // weight.numel())
-        keep = batch * weight.numel() <= room(keep_limit(d.device))  # the whole batch in one slice, within the budget
+        step = max(1, keep_limit(device) // weight.numel())
+        keep = batch * weight.numel() <= room(keep_limit(device))  # the whole batch in one slice, within the budget
         for start in range(0, batch, step):
-            a, dd = patches[start : start + step], d[start : start + step]
-            per_example = grouped_per_example_gradients(dd, a, groups).reshape(a.shape[0], -1)
-            squared[start : start + step] += row_norms_squared(per_example)
+            part = slice(start, start + step)
+            per_example = sum(
+                grouped_conv_per_example_gradients(
+                    as_2d(module, inputs[part]), as_2d(module, output_grad[part]), geometry, groups
+                ).reshape(min(step, batch - start), -1)
+                for inputs, output_grad in calls
+            )
+            squared[part] += row_norms_squared(per_example)  # type: ignore[arg-type]
         if keep:
             kept = per_example
-            spend(kept.numel())
-    bias_grads = d.sum(2) if trainable(module.bias) else None  # (B, C_out)
+            spend(kept.numel())  # type: ignore[union-attr]
+    bias_grads = (  # ∇_b ℓ_i = Σ_calls Σ_t δ_t, (B, C_out)
+        torch.stack([g.reshape(batch, out_channels, -1).sum(2) for _, g in calls]).sum(0)
+        if trainable(module.bias)
+        else None
+    )
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
 
     def weight_sum(factors: torch.Tensor) -> torch.Tensor:
         if kept is not None:
             return (factors @ kept).reshape(weight.shape)
-        one_d = isinstance(module, nn.Conv1d)
-        grad: Callable[..., torch.Tensor] = torch.nn.grad.conv1d_weight if one_d else torch.nn.grad.conv2d_weight
-        stride, padding, dilation = ((g[1],) if one_d else g for g in geometry[1:])
-        return sum(
-            grad(
-                inputs,
-                weight.shape,
-                output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1)),
-                stride,
-                padding,
-                dilation,
+        shape = torch.Size((weight.shape[0], weight.shape[1], *geometry[0]))  # a Conv1d's as a Conv2d's
+        return sum(  # type: ignore[return-value]
+            clip_weighted_conv_weight(
+                shape,
+                as_2d(module, inputs),
+                as_2d(module, output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1))),
+                geometry,
                 groups,
-            )
+            ).reshape(weight.shape)
             for inputs, output_grad in calls
-        )  # type: ignore[return-value]
+        )
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = [(weight, weight_sum(factors))] if trainable(weight) else []

@@ -5,8 +5,9 @@ is the Conv2d of height 1).
 
 ∇_W ℓ_i = Σ_t δ_{i,t} a_{i,t}ᵀ in W's (C_out, C_in·k) layout, factored (u = δ, v = a) like a dense layer,
 and ∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when g = C_in) group j's output channels see only its
-input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised, one batched product over the B·g (example,
-group) pairs, B × |W| numbers (refused beyond the device's keep limit). (A convolution whose layer is hooked keeps
+input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised for the B·g (example, group) pairs at once
+(:func:`dpml.train.clipping_conv_ways.grouped_conv_per_example_gradients`), B × |W| numbers (refused beyond the
+device's keep limit). (A convolution whose layer is hooked keeps
 the layer's optimised kernels.)
 
 An input whose images are grouped by example, (B·k, C, H, W) with each image one example's (MViT pools each head's
@@ -19,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dpml.train.clipping_conv import grouped_per_example_gradients, named_padding, unfold_patches
+from dpml.train.clipping_conv import named_padding, unfold_patches
+from dpml.train.clipping_conv_ways import grouped_conv_per_example_gradients
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, beyond_keep_limit, rule
 
 
@@ -70,16 +72,18 @@ def convolution(call: Call) -> Pending | str:
     if beyond is not None:
         return f"a grouped convolution: {beyond}"
 
-    def finish(d: torch.Tensor) -> list[Use]:
-        d = by_example(d.reshape(d.shape[0], out_channels, -1), rows)  # (B, C_out, T)
+    def finish(output_grad: torch.Tensor) -> list[Use]:
+        d = by_example(output_grad.reshape(output_grad.shape[0], out_channels, -1), rows)  # (B, C_out, T)
         uses: list[Use] = []
-        if w is not None:
+        if w is not None and groups == 1:
             patches = by_example(unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry), rows)
-            if groups == 1:
-                uses.append((w, Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])))
-            else:
-                grads = grouped_per_example_gradients(d, patches, groups)
-                uses.append((w, Dense(grads.reshape(batch, *w.shape()))))
+            uses.append((w, Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])))
+        elif w is not None:  # per image, then each example's images added up
+            images = output_grad.unsqueeze(2) if one_d else output_grad
+            grads = grouped_conv_per_example_gradients(
+                recorded.unsqueeze(2) if one_d else recorded, images, geometry, groups
+            ).flatten(1)
+            uses.append((w, Dense((grads if rows is None else rows.of(grads).sum(1)).reshape(batch, *w.shape()))))
         if b is not None:
             uses.append((b, Dense(d.sum(2))))
         return uses

@@ -1,0 +1,189 @@
+"""A convolution's per-example weight gradients ∇_W ℓ_i = Σ_t δ_t a_tᵀ, (B, C_out, C_in/g·kh·kw), materialised in
+one of three ways that compute the same numbers by different kernels, and which way the engine takes where
+(the patches, the live taps and the geometry are :mod:`dpml.train.clipping_conv`'s).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+import torch.nn.grad
+from torch import nn
+
+from dpml.train.clipping_conv import Geometry, conv_geometry, live_taps, unfold_patches
+
+
+def per_example_by_grouped_forward(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1
+) -> torch.Tensor:
+    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in/g·kh·kw) for ``groups`` = g, by one grouped
+    convolution and without unfolding the patches (Rochette et al. 2019, with groups): an (example, group)
+    pair's C_in/g input channels become the batch, the B·g pairs the groups, and the pair's output gradients
+    δ_{i,o} (oh×ow) its kernels, dilated by the layer's stride, at the layer's dilation as stride; output
+    position (u, v) is then tap (u, v)'s gradient. Only the :func:`live_taps` are computed, from the padded input
+    cropped to what they read; the others' gradients are zero (a 7×7 depthwise kernel on a 1×1 map: 1 of 49)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
+    batch, channels, height, width = inputs.shape
+    out_channels, out_h, out_w = output_grad.shape[1:]
+    per_group = channels // groups
+    rows, columns = live_taps(geometry, (height, width), (out_h, out_w))
+    grads = inputs.new_zeros(batch, out_channels, per_group, kh, kw)
+    if len(rows) and len(columns):
+        padded = F.pad(inputs, (pw, pw, ph, ph))[
+            :,
+            :,
+            rows.start * dh : (rows.stop - 1) * dh + sh * (out_h - 1) + 1,
+            columns.start * dw : (columns.stop - 1) * dw + sw * (out_w - 1) + 1,
+        ]
+        taps = F.conv2d(
+            padded.reshape(batch * groups, per_group, *padded.shape[2:]).transpose(0, 1),
+            output_grad.reshape(batch * out_channels, 1, out_h, out_w),
+            stride=(dh, dw),
+            dilation=(sh, sw),
+            groups=batch * groups,
+        )  # (C_in/g, B·C_out, |rows|, |columns|)
+        grads[:, :, :, rows.start : rows.stop, columns.start : columns.stop] = taps.reshape(
+            per_group, batch, out_channels, len(rows), len(columns)
+        ).permute(1, 2, 0, 3, 4)
+    return grads.reshape(batch, out_channels, -1)
+
+
+def per_example_by_weight_gradient(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1
+) -> torch.Tensor:
+    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in/g·kh·kw), as the weight gradient of one
+    convolution with B·g groups: the examples are folded into the channels, input (1, B·C_in, H, W) and output
+    gradient (1, B·C_out, oh, ow), so group (i, j)'s weight gradient is example i's for the layer's group j.
+    Same numbers as :func:`per_example_by_grouped_forward`, by another kernel (the grouped weight-gradient
+    convolution), which is the faster of the two on a CPU from 8 input channels up for g = 1
+    (``benchmarks/conv_per_example.py``)."""
+    batch, channels = inputs.shape[:2]
+    out_channels = output_grad.shape[1]
+    kernel, stride, padding, dilation = geometry
+    grads: torch.Tensor = torch.nn.grad.conv2d_weight(
+        inputs.reshape(1, batch * channels, *inputs.shape[2:]),
+        (batch * out_channels, channels // groups, *kernel),
+        output_grad.reshape(1, batch * out_channels, *output_grad.shape[2:]),
+        stride,
+        padding,
+        dilation,
+        groups=batch * groups,
+    )
+    return grads.reshape(batch, out_channels, -1)
+
+
+def per_example_by_patches(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1
+) -> torch.Tensor:
+    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in/g·kh·kw), from the input's patches under the
+    :func:`live_taps` (:func:`unfold_patches`) by one batched product over the B·g (example, group) pairs
+    (:func:`grouped_per_example_gradients`); the other taps' gradients are zero."""
+    (kh, kw) = geometry[0]
+    batch, channels = inputs.shape[:2]
+    out_channels = output_grad.shape[1]
+    rows, columns = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
+    grads = inputs.new_zeros(batch, out_channels, channels // groups, kh, kw)
+    if len(rows) and len(columns):
+        patches = unfold_patches(inputs, *geometry, taps=(rows, columns))  # (B, C_in·|rows|·|columns|, T)
+        d = output_grad.reshape(batch, out_channels, -1)
+        grads[:, :, :, rows.start : rows.stop, columns.start : columns.stop] = grouped_per_example_gradients(
+            d, patches, groups
+        ).reshape(batch, out_channels, -1, len(rows), len(columns))
+    return grads.reshape(batch, out_channels, -1)
+
+
+PER_EXAMPLE_WAYS = {
+    "weight gradient": per_example_by_weight_gradient,
+    "grouped forward": per_example_by_grouped_forward,
+    "patches": per_example_by_patches,
+}
+
+
+def per_example_conv_gradients(
+    way: str, module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor
+) -> torch.Tensor:
+    """∇_W ℓ_i (B, C_out, C_in/g·kh·kw) of a Conv2d by ``way`` (a key of ``PER_EXAMPLE_WAYS``)."""
+    return PER_EXAMPLE_WAYS[way](inputs, output_grad, conv_geometry(module), module.groups)  # type: ignore[arg-type]
+
+
+_FASTEST_GROUPED: dict[tuple[object, ...], str] = {}
+
+
+def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int) -> str:
+    """The faster way to a grouped convolution's per-example gradients for this shape on this device, timed once
+    per shape in a process (each way run twice, the second timed; which one wins changes only the order of
+    floating-point additions, never what is computed): ``"grouped forward"`` or ``"weight gradient"``, and
+    ``"patches"`` where the live taps' patches hold no more numbers than the gradients (small maps) or on a GPU
+    (the only way there before; a convolution with B groups was up to 9× slower than it there for g = 1). Neither
+    wins everywhere: for depthwise layers at batch 64 on this project's 2-core CPU (ad hoc) the grouped forward
+    took 2.9 against 23.7 ms (384 channels, 7×7 on 8×8) and 97 against 293 ms (96 channels, 7×7 on 56×56), the
+    weight gradient 3.2 against 27 ms (576 channels, 3×3 on 14×14) and 3.0 against 9.9 ms (144 channels, 3×3 on
+    28×28); the patches of the whole kernel, the only way before, took 116, 1145, 106 and 92 ms."""
+    key = (inputs.device, inputs.dtype, tuple(inputs.shape), tuple(output_grad.shape), geometry, groups)
+    if key not in _FASTEST_GROUPED:
+        (kh, kw) = geometry[0]
+        rows, columns = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
+        small = len(rows) * len(columns) * output_grad[0, 0].numel() <= output_grad.shape[1] // groups * kh * kw
+        ways = ["grouped forward", "weight gradient"] + (["patches"] if small or inputs.device.type == "cuda" else [])
+        _FASTEST_GROUPED[key] = min(ways, key=lambda way: _seconds(way, inputs, output_grad, geometry, groups))
+    return _FASTEST_GROUPED[key]
+
+
+def _seconds(way: str, inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int) -> float:
+    """Seconds of the second of two runs of ``way`` (the first pays for the kernel's set-up)."""
+    compute = PER_EXAMPLE_WAYS[way]
+    compute(inputs, output_grad, geometry, groups)
+    synchronise = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda *_: None)
+    synchronise(inputs.device)
+    start = time.perf_counter()
+    compute(inputs, output_grad, geometry, groups)
+    synchronise(inputs.device)
+    return time.perf_counter() - start
+
+
+def grouped_conv_per_example_gradients(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int
+) -> torch.Tensor:
+    """∇_W ℓ_i (B, C_out, C_in/g·kh·kw) of a grouped (or any) Conv2d, by :func:`fastest_grouped_way`."""
+    return PER_EXAMPLE_WAYS[fastest_grouped_way(inputs, output_grad, geometry, groups)](
+        inputs, output_grad, geometry, groups
+    )
+
+
+def grouped_per_example_gradients(d: torch.Tensor, patches: torch.Tensor, groups: int) -> torch.Tensor:
+    """∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ of a convolution with ``groups`` = g, from δ (B, C_out, T) and the
+    patches (B, C_in·k, T): one batched product over the B·g (example, group) pairs, each group's output rows
+    against its own input channels' patches; (B, C_out, C_in/g·k)."""
+    batch, out_channels, rows = d.shape[0], d.shape[1], d.shape[0] * groups
+    grads = torch.bmm(
+        d.reshape(rows, out_channels // groups, -1),
+        patches.reshape(rows, patches.shape[1] // groups, -1).transpose(1, 2),
+    )
+    return grads.reshape(batch, out_channels, -1)
+
+
+WEIGHT_GRAD_MIN_CHANNELS = 8  # from here on the grouped weight gradient beats the grouped forward (CPU)
+
+
+def per_example_conv_way(device_type: str, in_channels: int, count: int, out_channels: int) -> str:
+    """How :func:`dpml.train.clipping_layers._conv_piece` materialises a Conv2d's per-example gradients
+    (B, C_out, C_in·kh·kw), by the measurements of ``benchmarks/conv_per_example.py``
+    (``results/conv_per_example*.md``):
+
+    - on a GPU ``"patches"``: from the unfolded patches by one batched product over the whole batch
+      (a convolution with B groups, forward or weight gradient, is up to 9× slower there, for WRN-16-4's
+      layers without TF32);
+    - on a CPU, where the gradient is at least as large as a channel's patches (T ≤ C_out), ``"patch
+      slices"`` (:func:`dpml.train.clipping_conv.patch_slice_norms_squared`): the same product a
+      cache-sized slice of examples at a time, for the norms only; else ``"weight gradient"``, the
+      weight gradient of one convolution with B groups (:func:`per_example_by_weight_gradient`),
+      from ``WEIGHT_GRAD_MIN_CHANNELS`` input channels up, and below that ``"grouped forward"``
+      (:func:`per_example_by_grouped_forward`), faster for images of one to a few channels. In float32 the
+      compiled kernel (:func:`dpml.train.clipping_conv.compiled_norms`) does a CPU way's work where it applies."""
+    if device_type == "cuda":
+        return "patches"
+    if count <= out_channels:
+        return "patch slices"
+    return "weight gradient" if in_channels >= WEIGHT_GRAD_MIN_CHANNELS else "grouped forward"

@@ -1,0 +1,189 @@
+"""A grouped convolution's per-example weight gradients by each of the engine's three ways (grouped forward
+convolution, grouped weight-gradient convolution, patches × δ), against autograd one example at a time, for
+depthwise layers (with a channel multiplier), grouped ones, strides, dilations, rectangular kernels and maps so
+small that most taps of the kernel only read padding; the clipped sum at one output position by the batched
+product over the live taps; and whole models whose depthwise and grouped layers take each way in turn, against
+a one-example-at-a-time loop, through a layer's hook and through the operation rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_clipping_layers import assert_matches_naive_loop, labels
+from torch import nn
+
+from dpml.train import clipping_conv, clipping_conv_ways, keep_budget
+from dpml.train.clipping_conv import Geometry, conv_geometry
+
+WAYS = list(clipping_conv_ways.PER_EXAMPLE_WAYS)
+
+LAYERS = [  # (layer, input height, width): each layer's kind in its comment
+    (nn.Conv2d(6, 6, 7, padding=3, groups=6), 5, 4),  # depthwise 7×7 (ConvNeXt's)
+    (nn.Conv2d(6, 6, 7, padding=3, groups=6), 1, 1),  # …on a 1×1 map: 48 of 49 taps read only padding
+    (nn.Conv2d(6, 6, 7, padding=3, groups=6), 2, 3),  # …on 2×3: some rows and columns of taps dead
+    (nn.Conv2d(4, 8, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=4), 7, 6),  # multiplier 2
+    (nn.Conv2d(6, 9, 3, stride=2, padding=1, groups=3), 6, 7),  # groups of 2 inputs → 3 outputs
+    (nn.Conv2d(8, 4, (2, 3), padding=(0, 1), dilation=(2, 1), groups=2), 5, 5),
+    (nn.Conv2d(5, 3, 3, padding=2, dilation=2), 4, 3),  # no groups
+]
+
+
+def per_example_autograd(layer: nn.Conv2d, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """∇_W of Σ (layer(x_i) ⊙ δ_i), one example at a time."""
+    return torch.stack(
+        [torch.autograd.grad((layer(x[i : i + 1]) * delta[i : i + 1]).sum(), layer.weight)[0] for i in range(len(x))]
+    )
+
+
+def layer_case(layer: nn.Conv2d, height: int, width: int) -> tuple[nn.Conv2d, torch.Tensor, torch.Tensor, Geometry]:
+    generator = torch.Generator().manual_seed(height * 10 + width)
+    layer = layer.double()
+    x = torch.randn(5, layer.in_channels, height, width, generator=generator, dtype=torch.float64)
+    delta = torch.randn(layer(x).shape, generator=generator, dtype=torch.float64)
+    geometry = conv_geometry(layer)
+    assert geometry is not None
+    return layer, x, delta, geometry
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize(("layer", "height", "width"), LAYERS)
+def test_each_way_gives_autograds_per_example_gradients(way: str, layer: nn.Conv2d, height: int, width: int) -> None:
+    layer, x, delta, geometry = layer_case(layer, height, width)
+    expected = per_example_autograd(layer, x, delta)
+    got = clipping_conv_ways.PER_EXAMPLE_WAYS[way](x, delta, geometry, layer.groups)
+    assert got.shape == (5, layer.out_channels, layer.weight[0].numel())
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_dead_taps_of_a_small_map_are_zero_and_the_live_ones_are_not() -> None:
+    """A 7×7 kernel with padding 3 on a 2×3 map: the taps that read the map are rows 2–4 and columns 1–5."""
+    layer, x, delta, geometry = layer_case(nn.Conv2d(6, 6, 7, padding=3, groups=6), 2, 3)
+    assert clipping_conv.live_taps(geometry, (2, 3), tuple(delta.shape[2:])) == (range(2, 5), range(1, 6))
+    for way in WAYS:
+        grads = clipping_conv_ways.PER_EXAMPLE_WAYS[way](x, delta, geometry, 6).reshape(5, 6, 7, 7)
+        live = torch.zeros(7, 7, dtype=torch.bool)
+        live[2:5, 1:6] = True
+        assert bool((grads[..., ~live] == 0).all()), way
+        assert bool((grads[..., live] != 0).all()), way
+
+
+@pytest.mark.parametrize(("layer", "height", "width"), LAYERS)
+def test_the_fastest_way_is_one_of_the_ways_and_chosen_once_per_shape(
+    layer: nn.Conv2d, height: int, width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The choice is timed on the first call for a shape and remembered; the patches are a candidate only where
+    the live taps' patches hold no more numbers than the per-example gradients."""
+    layer, x, delta, geometry = layer_case(layer, height, width)
+    monkeypatch.setattr(clipping_conv_ways, "_FASTEST_GROUPED", {})
+    timed: list[str] = []
+    seconds = clipping_conv_ways._seconds
+
+    def spy(way: str, *args: object) -> float:
+        timed.append(way)
+        return seconds(way, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(clipping_conv_ways, "_seconds", spy)
+    first = clipping_conv_ways.fastest_grouped_way(x, delta, geometry, layer.groups)
+    again = clipping_conv_ways.fastest_grouped_way(x, delta, geometry, layer.groups)
+    assert first == again and first in timed
+    rows, columns = clipping_conv.live_taps(geometry, (height, width), tuple(delta.shape[2:]))
+    patch_numbers = layer.in_channels * len(rows) * len(columns) * delta[0, 0].numel()
+    small = patch_numbers <= layer.out_channels * layer.weight[0].numel()
+    assert timed == ["grouped forward", "weight gradient"] + (["patches"] if small else [])
+    expected = per_example_autograd(layer, x, delta)
+    got = clipping_conv_ways.grouped_conv_per_example_gradients(x, delta, geometry, layer.groups)
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("layer", "size"),
+    [
+        (nn.Conv2d(8, 8, 7, padding=3, groups=8), 1),  # depthwise 7×7 on 1×1 maps: one live tap
+        (nn.Conv2d(8, 12, 3, padding=1, groups=4), 1),  # grouped 3×3 on 1×1 maps (RegNet's last stage)
+        (nn.Conv2d(6, 4, 3, stride=2, padding=1, groups=2), 2),  # 2×2 → 1×1
+        (nn.Conv2d(6, 4, 3, padding=1, groups=2), 3),  # 3×3 maps: the convolution
+    ],
+)
+def test_the_clip_weighted_sum_of_a_grouped_layer_equals_the_weighted_per_example_gradients(
+    layer: nn.Conv2d, size: int
+) -> None:
+    layer, x, delta, geometry = layer_case(layer, size, size)
+    factors = torch.rand(5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = torch.einsum("b,b...->...", factors, per_example_autograd(layer, x, delta))
+    got = clipping_conv.clip_weighted_conv_weight(
+        layer.weight.shape, x, delta * factors[:, None, None, None], geometry, layer.groups
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+class DepthwiseBlocks(nn.Module):
+    """A ConvNeXt-like block (depthwise 7×7, then pointwise) on 5×5 maps and again on 1×1 maps after a strided
+    grouped layer; a depthwise Conv1d over a sequence (ConvBERT's, Mamba's); and a depthwise kernel applied by
+    ``F.conv2d`` itself with a standardised weight (the operation rule's path, as NFNet's layers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(4, 4, 7, padding=3, groups=4)
+        self.pointwise = nn.Conv2d(4, 8, 1)
+        self.down = nn.Conv2d(8, 8, 5, stride=5, groups=2)
+        self.small = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.line = nn.Conv1d(8, 8, 4, padding=3, groups=8)
+        self.standardised = nn.Parameter(torch.randn(8, 1, 3, 3))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.pointwise(torch.tanh(self.depthwise(x))))  # (B, 8, 5, 5)
+        h = torch.tanh(self.small(torch.tanh(self.down(h))))  # (B, 8, 1, 1)
+        w = self.standardised
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        s = torch.tanh(F.conv2d(torch.tanh(x.repeat(1, 2, 1, 1)), w, padding=1, groups=8))  # (B, 8, 5, 5)
+        line = torch.tanh(self.line(s.flatten(2)))[..., :25]  # causal, as Mamba's: (B, 8, 25)
+        return self.out(h.flatten(1) + line.mean(2))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("way", WAYS)
+def test_depthwise_and_grouped_layers_match_the_naive_loop_by_each_way(
+    way: str, keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
+    """Each way in turn for every grouped layer, the per-example gradients kept (their weighted sum is the
+    clipped sum) or not (the clip-weighted weight-gradient convolution, or at one position the product). No
+    parameter takes the exact path, except the functional layer's when nothing may be kept: its rule materialises
+    the per-example gradients, and refuses beyond the keep limit."""
+    monkeypatch.setattr(clipping_conv_ways, "fastest_grouped_way", lambda *args: way)
+    if not keep:
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    torch.manual_seed(11)
+    model = DepthwiseBlocks().double()
+    x = torch.randn(6, 4, 5, 5, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(6), 0.05)
+    assert vmapped == ([] if keep else [["standardised"]])
+
+
+class HeadsDepthwise(nn.Module):
+    """A depthwise layer over each example's two "heads" as separate images, (B·2, 4, H, W), as MViT pools each
+    head's map: an example's gradient is the sum over its two images (the operation rule's example map)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Conv2d(4, 8, 1)
+        self.pool = nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4)
+        self.out = nn.Linear(8 * 3 * 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(x))  # (B, 8, 5, 5)
+        heads = torch.tanh(self.pool(h.reshape(-1, 4, 5, 5)))  # (B·2, 4, 3, 3)
+        return self.out(heads.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_depthwise_layer_over_each_examples_images_matches_the_naive_loop(
+    way: str, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
+    monkeypatch.setattr(clipping_conv_ways, "fastest_grouped_way", lambda *args: way)
+    torch.manual_seed(13)
+    model = HeadsDepthwise().double()
+    x = torch.randn(5, 4, 5, 5, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(5), 0.05)
+    assert vmapped == []
