@@ -17,7 +17,9 @@ Families, each built from a config with random weights (nothing is downloaded: `
   token embedding (BERT's vocabulary), a stacked batch-first LSTM as wide as the size's hidden width with as many
   layers, the mean over the real tokens, a linear head (dpml runs its recurrence unrolled:
   :mod:`dpml.train.rules.recurrent`); ``lstm-packed``: the same LSTM on the real tokens only, packed
-  (``pack_padded_sequence``, unsorted), its last layer's final state to the head.
+  (``pack_padded_sequence``, unsorted), its last layer's final state to the head;
+- ``convnext`` (not in the default list either): timm's ConvNeXt-atto (depthwise 7×7 convolutions, LayerNorm over
+  the channels, layer scale; the same at every size), 32×32 images, 10 classes.
 
 Where a family's library cannot be imported, its row says so and why, rather than disappearing.
 PyPI's torchvision wheel (which timm imports) is built against CUDA torch: beside a CPU-only torch its
@@ -113,7 +115,7 @@ sys.path.insert(0, str(ROOT))
 from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
-MORE_FAMILIES = ["lstm", "lstm-packed"]  # asked for by name only
+MORE_FAMILIES = ["lstm", "lstm-packed", "convnext"]  # asked for by name only
 TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed"}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
@@ -324,6 +326,10 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
             depth=size["vit_depth"],
         )
         return model, f"timm {timm.__version__} ViT (192 wide, 3 heads, {size['vit_depth']} blocks, patch 4)"
+    if family == "convnext":
+        timm = _import("timm")
+        model = timm.create_model("convnext_atto", pretrained=False, num_classes=IMAGE_CLASSES)
+        return model, f"timm {timm.__version__} ConvNeXt-atto (depthwise 7×7, LayerNorm over channels, layer scale)"
     if family == "resnet18-gn":
         from torch import nn
 
