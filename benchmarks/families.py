@@ -113,10 +113,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
+from family_zoo import IMAGE_ZOO, TEXT_ZOO, ZOO, build_image, build_text  # noqa: E402
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
-MORE_FAMILIES = ["lstm", "lstm-packed", "convnext"]  # asked for by name only
-TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed"}
+MORE_FAMILIES = ["lstm", "lstm-packed", "convnext", *ZOO]  # asked for by name only (``zoo``: all of ZOO)
+TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed", *TEXT_ZOO}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
 SIZES = {
@@ -155,6 +156,14 @@ def _token_wrapper():  # noqa: ANN202
         def forward(self, x):  # noqa: ANN001, ANN201
             # contiguous, as a tokenizer's tensors are (Opacus' ghost embedding norms .view() the ids)
             return self.model(input_ids=x[:, 0].contiguous(), attention_mask=x[:, 1].contiguous()).logits
+
+        def probe_input(self, shape, dtype, count, generator):  # noqa: ANN001, ANN201
+            """dpml's clipping probe: valid ids and masks with padding, as for a model through ``dpml.train_private``
+            (OPT's positions count the mask: a mask of random ids would index past its position table)."""
+            from dpml.models.library import probe_tokens
+
+            vocabulary = self.model.get_input_embeddings().num_embeddings
+            return probe_tokens(count, shape[-1], vocabulary, generator).to(dtype)
 
     return TokenModel
 
@@ -350,6 +359,13 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
                 timm.create_model("resnet18", pretrained=False, num_classes=IMAGE_CLASSES, norm_layer=group_norm),
                 "timm ResNet-18, GroupNorm(32, C)",
             )
+    if family in TEXT_ZOO:
+        _import("transformers" if family != "gpt2-lora" else "peft")  # NotImportable, else imported as the zoo's
+        model, description = build_text(family, size, length, BERT_VOCAB, TEXT_CLASSES)
+        return _token_wrapper()(model), description
+    if family in IMAGE_ZOO:
+        _import("timm" if family in ("deit", "beit", "swin", "efficientnet-gn", "regnet-gn") else "torchvision.models")
+        return build_image(family, size, IMAGE_CLASSES)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -994,7 +1010,7 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES + MORE_FAMILIES)
+    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=[*FAMILIES, *MORE_FAMILIES, "zoo"])
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=128, help="tokens per sequence")
@@ -1034,6 +1050,7 @@ def main() -> None:
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process: write its rows here
     parser.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)  # a child's seconds
     args = parser.parse_args()
+    args.families = [name for family in args.families for name in (ZOO if family == "zoo" else [family])]
     if args.render:  # the page from recorded numbers, e.g. after its layout changed
         saved = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(page(saved["rows"], saved["meta"]))

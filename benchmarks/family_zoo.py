@@ -1,0 +1,186 @@
+"""More models of the families ``benchmarks/families.py`` measures, each built from its library's config with random
+weights (no hub): the other encoders, decoders and vision models people bring, at the size ``--size`` gives them.
+``families.py`` asks this module for a family it does not build itself (``--families roberta llama …``, or
+``--families zoo`` for all of them):
+
+- text (the same token batches as BERT's, its vocabulary): ``roberta``, ``xlm-roberta``, ``distilbert``,
+  ``electra`` and ``albert`` (factorised embeddings half as wide), ``deberta-v2`` (disentangled relative
+  attention), ``convbert`` (depthwise Conv1d span kernels), ``gpt-neo`` (local and global attention), ``opt``,
+  ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
+  for all query heads), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention and projections, the body frozen);
+- images (32×32, 10 classes): timm's ``deit``, ``beit`` (relative position bias, layer scale), ``swin`` (windows
+  of 4, two stages), ``efficientnet-gn`` (EfficientNet-B0, depthwise 3×3 and 5×5, squeeze-excitation, its
+  BatchNorms GroupNorms) and ``regnet-gn`` (RegNetX-200MF, groups of 8 channels); torchvision's ``resnet34-gn``
+  and ``resnet50-gn`` (``GroupNorm(32, C)``), ``mobilenet-v2-gn``.
+
+Widths, depths and heads follow ``--size`` (the ``SIZES`` of ``families.py``) for the text models and the ViTs;
+the convolutional networks are their named configuration at every size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+TEXT_ZOO = [
+    "roberta",
+    "xlm-roberta",
+    "distilbert",
+    "electra",
+    "albert",
+    "deberta-v2",
+    "convbert",
+    "gpt-neo",
+    "opt",
+    "bloom",
+    "llama",
+    "mistral",
+    "qwen2",
+    "gpt2-lora",
+]
+IMAGE_ZOO = ["deit", "beit", "swin", "resnet34-gn", "resnet50-gn", "efficientnet-gn", "mobilenet-v2-gn", "regnet-gn"]
+ZOO = TEXT_ZOO + IMAGE_ZOO
+
+
+def text_config(family: str, size: dict, length: int, vocabulary: int, classes: int) -> Any:  # noqa: ANN401
+    """The family's ``transformers`` config at ``size`` (``hidden``, ``layers``, ``heads``, ``ffn``)."""
+    import transformers as tr
+
+    h, layers, heads, ffn = size["hidden"], size["layers"], size["heads"], size["ffn"]
+    common: dict[str, Any] = {"vocab_size": vocabulary, "num_labels": classes, "pad_token_id": 0}
+    bert_like = {"hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": ffn}
+    decoder = {**bert_like, "max_position_embeddings": max(512, length)}
+    configs = {
+        "roberta": lambda: tr.RobertaConfig(**bert_like, max_position_embeddings=length + 2, **common),
+        "xlm-roberta": lambda: tr.XLMRobertaConfig(**bert_like, max_position_embeddings=length + 2, **common),
+        "distilbert": lambda: tr.DistilBertConfig(dim=h, n_layers=layers, n_heads=heads, hidden_dim=ffn, **common),
+        "electra": lambda: tr.ElectraConfig(**bert_like, embedding_size=h // 2, **common),
+        "albert": lambda: tr.AlbertConfig(**bert_like, embedding_size=h // 2, **common),
+        "deberta-v2": lambda: tr.DebertaV2Config(**bert_like, **common),
+        "convbert": lambda: tr.ConvBertConfig(**bert_like, embedding_size=h, **common),
+        "gpt-neo": lambda: tr.GPTNeoConfig(
+            hidden_size=h,
+            num_layers=layers,
+            num_heads=heads,
+            intermediate_size=ffn,
+            attention_types=[[["global", "local"], max(1, layers // 2)]],
+            max_position_embeddings=max(512, length),
+            **common,
+        ),
+        "opt": lambda: tr.OPTConfig(
+            hidden_size=h,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            ffn_dim=ffn,
+            word_embed_proj_dim=h,
+            max_position_embeddings=max(512, length),
+            **common,
+        ),
+        "bloom": lambda: tr.BloomConfig(hidden_size=h, n_layer=layers, n_head=heads, **common),
+        "llama": lambda: tr.LlamaConfig(**decoder, num_key_value_heads=heads, **common),
+        "mistral": lambda: tr.MistralConfig(**decoder, num_key_value_heads=1, head_dim=h // heads, **common),
+        "qwen2": lambda: tr.Qwen2Config(**decoder, num_key_value_heads=1, **common),
+        "gpt2-lora": lambda: tr.GPT2Config(
+            n_embd=h, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=max(1024, length), **common
+        ),
+    }
+    return configs[family]()
+
+
+def build_text(family: str, size: dict, length: int, vocabulary: int, classes: int) -> tuple[Any, str]:
+    """The family's sequence classifier (random weights from the current seed) and a line on what it is."""
+    import transformers as tr
+
+    config = text_config(family, size, length, vocabulary, classes)
+    if family == "gpt2-lora":
+        import peft
+
+        lora = peft.LoraConfig(
+            task_type=peft.TaskType.SEQ_CLS,
+            r=8,
+            lora_alpha=16,
+            lora_dropout=0.1,
+            target_modules=["c_attn", "c_proj"],
+            fan_in_fan_out=True,
+        )
+        model = peft.get_peft_model(tr.GPT2ForSequenceClassification(config), lora)
+        return model, "peft LoRA r=8 on GPT-2's c_attn and c_proj (Conv1D), the body frozen"
+    model = tr.AutoModelForSequenceClassification.from_config(config)
+    return model, f"{type(model).__name__}, attention {model.config._attn_implementation}"
+
+
+def _group_norm(channels: int) -> Any:  # noqa: ANN401
+    from torch import nn
+
+    return nn.GroupNorm(math.gcd(32, channels), channels)
+
+
+def _timm_group_norm_act(channels: int, **settings: Any) -> Any:  # noqa: ANN401
+    """timm's normalisation-and-activation layer as a GroupNorm of gcd(32, C) groups (for ``norm_layer=``)."""
+    from timm.layers import GroupNormAct
+
+    kept = {k: v for k, v in settings.items() if k in ("apply_act", "act_layer", "eps", "affine", "drop_layer")}
+    return GroupNormAct(channels, num_groups=math.gcd(32, channels), **kept)
+
+
+def _batch_norms_to_group_norms(model: Any) -> Any:  # noqa: ANN401
+    """Every BatchNorm2d (timm's ``BatchNormAct2d`` with its activation) of ``model`` as a GroupNorm."""
+    from timm.layers import BatchNormAct2d, GroupNormAct
+    from torch import nn
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, BatchNormAct2d):
+                replaced = GroupNormAct(child.num_features, num_groups=math.gcd(32, child.num_features))
+                replaced.act, replaced.drop = child.act, child.drop
+                setattr(module, name, replaced)
+            elif isinstance(child, nn.BatchNorm2d):
+                setattr(module, name, _group_norm(child.num_features))
+    return model
+
+
+def build_image(family: str, size: dict, classes: int) -> tuple[Any, str]:
+    """The family's image classifier for 32×32 images (random weights from the current seed), and a line."""
+    import timm
+
+    if family in ("deit", "beit"):
+        name = "deit_tiny_patch16_224" if family == "deit" else "beit_base_patch16_224"
+        model = timm.create_model(
+            name,
+            pretrained=False,
+            img_size=32,
+            patch_size=4,
+            num_classes=classes,
+            depth=size["vit_depth"],
+            embed_dim=192,
+            num_heads=3,
+        )
+        return model, f"timm {timm.__version__} {name} (192 wide, 3 heads, {size['vit_depth']} blocks, patch 4)"
+    if family == "swin":
+        model = timm.create_model(
+            "swin_tiny_patch4_window7_224",
+            pretrained=False,
+            img_size=32,
+            window_size=4,
+            num_classes=classes,
+            depths=(2, 2),
+            num_heads=(3, 6),
+            embed_dim=96,
+        )
+        return model, f"timm {timm.__version__} Swin (96 wide, stages of 2 and 2 blocks, windows of 4)"
+    if family == "efficientnet-gn":
+        model = timm.create_model(
+            "efficientnet_b0", pretrained=False, num_classes=classes, norm_layer=_timm_group_norm_act
+        )
+        return model, f"timm {timm.__version__} EfficientNet-B0, GroupNorm(gcd(32, C), C)"
+    if family == "regnet-gn":
+        model = _batch_norms_to_group_norms(timm.create_model("regnetx_002", pretrained=False, num_classes=classes))
+        return model, f"timm {timm.__version__} RegNetX-200MF, GroupNorm(gcd(32, C), C)"
+    import torchvision.models as models
+
+    builders = {"resnet34-gn": models.resnet34, "resnet50-gn": models.resnet50}
+    if family in builders:
+        return builders[family](num_classes=classes, norm_layer=_group_norm), f"torchvision {family[:-3]}, GroupNorm"
+    if family == "mobilenet-v2-gn":
+        return models.mobilenet_v2(num_classes=classes, norm_layer=_group_norm), "torchvision MobileNet-V2, GroupNorm"
+    raise ValueError(f"unknown family {family!r}")
