@@ -13,8 +13,9 @@ For the grouped layers of models people bring (ConvNeXt's depthwise 7×7, Mobile
   (:func:`dpml.train.clipping_conv_ways.per_example_by_weight_gradient`);
 - *patches*: the live taps' patches and one batched product over the (example, group) pairs
   (:func:`dpml.train.clipping_conv_ways.per_example_by_patches`);
-- *the engine's pick*: :func:`dpml.train.clipping_conv_ways.fastest_grouped_way`, which times the ways once per
-  shape (its own timing not counted here);
+- *the engine's pick*: :func:`dpml.train.clipping_conv_ways.fastest_grouped_way`, which on a CPU times the ways
+  once per shape (its own timing not counted here) and on a GPU takes the patches (this table, run there, is what
+  would change that);
 - *all taps' patches* (the only way before this page's commit): the whole kernel's patches and the same product;
 - for scale, the batched weight gradient of the whole batch (what a non-private step computes; not per example).
 

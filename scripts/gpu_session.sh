@@ -14,8 +14,10 @@
 #   3. the speed table, one process per model (benchmarks/speed.py, speed_cuda_<model>/): mlp and cnn at
 #      batches 512 and 4096, wrn-16-4 at 512: 130 s in all;
 #   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
-#      families_profile_cuda.md): 45 s.
-# SESSION_STEPS="tests families speed profile" picks steps; SESSION_PACK=1 leaves DIR holding one archive,
+#      families_profile_cuda.md): 45 s;
+#   5. grouped and depthwise convolutions' per-example ways and the engine's pick (benchmarks/grouped_conv_ways.py,
+#      grouped_conv_ways_cuda.md): 15 s, last, so that a call cut short at its limit loses only this.
+# SESSION_STEPS="tests families speed profile grouped" picks steps; SESSION_PACK=1 leaves DIR holding one archive,
 # session.tar.gz, of everything it wrote (for a transfer that counts files). The exit status is the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,7 @@ WHEELS=.gpu-wheels
 OUT=benchmarks/results
 [ "${1:-}" = "--out" ] && OUT=${2:?--out needs a folder}
 mkdir -p "$OUT"
-STEPS=${SESSION_STEPS:-tests families speed profile}
+STEPS=${SESSION_STEPS:-tests families speed profile grouped}
 say() { echo "[gpu-session $(date -u +%H:%M:%S)] $*"; }
 [ -d "$WHEELS" ] || { say "no $WHEELS/: fetch the wheels first where there is a network" >&2; exit 2; }
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { say "torch sees no CUDA device" >&2; exit 2; }
@@ -66,6 +68,11 @@ if [[ " $STEPS " == *" profile "* ]]; then
   timeout 45 python3 benchmarks/speed_profile.py --device cuda --models resnet18-gn vit --size base --batch 256 \
     --repeats 10 --ops 15 --out "$OUT" --out-name families_profile_cuda.md > "$OUT/profile.log" 2>&1
   say "profile: exit $?"; grep -E "^\| [a-z]" "$OUT/families_profile_cuda.md" 2>/dev/null
+fi
+if [[ " $STEPS " == *" grouped "* ]]; then
+  say "5. grouped and depthwise convolutions' per-example ways"
+  timeout 15 python3 benchmarks/grouped_conv_ways.py --device cuda --repeats 5 --out "$OUT" > "$OUT/grouped.log" 2>&1
+  say "grouped: exit $?"; grep -E "^\| [A-Z]" "$OUT/grouped_conv_ways_cuda.md" 2>/dev/null | cut -c1-160
 fi
 if [ "${SESSION_PACK:-0}" = 1 ]; then
   tar -czf /tmp/gpu-session.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-session.tar.gz "$OUT/session.tar.gz"

@@ -72,8 +72,9 @@ def test_the_dead_taps_of_a_small_map_are_zero_and_the_live_ones_are_not() -> No
 def test_the_fastest_way_is_one_of_the_ways_and_chosen_once_per_shape(
     layer: nn.Conv2d, height: int, width: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The choice is timed on the first call for a shape and remembered; the patches are a candidate only where
-    the live taps' patches hold no more numbers than the per-example gradients."""
+    """The choice is timed on the first call for an example shape and batch size class and remembered (batches of
+    5 to 8 examples share one, 9 begins the next); the patches are a candidate only where the live taps' patches
+    hold no more numbers than the per-example gradients."""
     layer, x, delta, geometry = layer_case(layer, height, width)
     monkeypatch.setattr(clipping_conv_ways, "_FASTEST_GROUPED", {})
     timed: list[str] = []
@@ -91,6 +92,11 @@ def test_the_fastest_way_is_one_of_the_ways_and_chosen_once_per_shape(
     patch_numbers = layer.in_channels * len(rows) * len(columns) * delta[0, 0].numel()
     small = patch_numbers <= layer.out_channels * layer.weight[0].numel()
     assert timed == ["grouped forward", "weight gradient"] + (["patches"] if small else [])
+    more_x, more_delta = torch.cat([x, x[:4]]), torch.cat([delta, delta[:4]])
+    assert clipping_conv_ways.fastest_grouped_way(more_x[:8], more_delta[:8], geometry, layer.groups) == first
+    assert len(timed) == 2 + small  # 8 examples: the class of 5's
+    clipping_conv_ways.fastest_grouped_way(more_x, more_delta, geometry, layer.groups)
+    assert len(timed) == 2 * (2 + small)  # 9: timed again
     expected = per_example_autograd(layer, x, delta)
     got = clipping_conv_ways.grouped_conv_per_example_gradients(x, delta, geometry, layer.groups)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)

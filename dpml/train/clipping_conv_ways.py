@@ -112,34 +112,38 @@ _FASTEST_GROUPED: dict[tuple[object, ...], str] = {}
 
 
 def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int) -> str:
-    """The faster way to a grouped convolution's per-example gradients for this shape on this device, timed once
-    per shape in a process (each way run twice, the second timed; which one wins changes only the order of
-    floating-point additions, never what is computed): ``"grouped forward"`` or ``"weight gradient"``, and
-    ``"patches"`` where the live taps' patches hold no more numbers than the gradients (small maps) or on a GPU
-    (the only way there before; a convolution with B groups was up to 9× slower than it there for g = 1). Neither
-    wins everywhere: for depthwise layers at batch 64 on this project's 2-core CPU (ad hoc) the grouped forward
-    took 2.9 against 23.7 ms (384 channels, 7×7 on 8×8) and 97 against 293 ms (96 channels, 7×7 on 56×56), the
-    weight gradient 3.2 against 27 ms (576 channels, 3×3 on 14×14) and 3.0 against 9.9 ms (144 channels, 3×3 on
-    28×28); the patches of the whole kernel, the only way before, took 116, 1145, 106 and 92 ms."""
-    key = (inputs.device, inputs.dtype, tuple(inputs.shape), tuple(output_grad.shape), geometry, groups)
+    """The fastest way to a grouped convolution's per-example gradients for this shape on a CPU, timed once per
+    example shape and batch size class (the batch's power of two above, so that the sizes Poisson sampling
+    draws are timed a handful of times, not once each) in a process: each way is run twice and the second
+    timed; which one wins changes only the order of floating-point additions, never what is computed. The
+    candidates are ``"grouped forward"`` and ``"weight gradient"``, and ``"patches"`` where the live taps'
+    patches hold no more numbers than the gradients (small maps). None wins everywhere
+    (``benchmarks/results/grouped_conv_ways.md``): at batch 64 on this project's 2-core CPU the grouped forward
+    took 0.52 against 2.22 ms for ConvNeXt's 7×7 on 8×8 maps, the weight gradient 1.30 against 2.29 ms for
+    MobileNet's 3×3 on 16×16, the patches 0.19 against 0.24 ms for a 7×7 kernel on 1×1 maps.
+
+    On a GPU ``"patches"``, untimed: the way it took before, checked there against the CPU's sums
+    (``tests/test_devices.py``); timing would synchronise with the host in every step whose batch size is new,
+    and which way is fastest there is not measured yet (``scripts/gpu_session.sh`` step 5)."""
+    if inputs.device.type == "cuda":
+        return "patches"
+    batch_class = (inputs.shape[0] - 1).bit_length()
+    key = (inputs.dtype, batch_class, tuple(inputs.shape[1:]), tuple(output_grad.shape[1:]), geometry, groups)
     if key not in _FASTEST_GROUPED:
         (kh, kw) = geometry[0]
         rows, columns = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
         small = len(rows) * len(columns) * output_grad[0, 0].numel() <= output_grad.shape[1] // groups * kh * kw
-        ways = ["grouped forward", "weight gradient"] + (["patches"] if small or inputs.device.type == "cuda" else [])
+        ways = ["grouped forward", "weight gradient"] + (["patches"] if small else [])
         _FASTEST_GROUPED[key] = min(ways, key=lambda way: _seconds(way, inputs, output_grad, geometry, groups))
     return _FASTEST_GROUPED[key]
 
 
 def _seconds(way: str, inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int) -> float:
-    """Seconds of the second of two runs of ``way`` (the first pays for the kernel's set-up)."""
+    """Seconds of the second of two runs of ``way`` on the CPU (the first pays for the kernel's set-up)."""
     compute = PER_EXAMPLE_WAYS[way]
     compute(inputs, output_grad, geometry, groups)
-    synchronise = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda *_: None)
-    synchronise(inputs.device)
     start = time.perf_counter()
     compute(inputs, output_grad, geometry, groups)
-    synchronise(inputs.device)
     return time.perf_counter() - start
 
 
