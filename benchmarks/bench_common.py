@@ -1,12 +1,16 @@
 """What the benchmarks share: the Fashion-MNIST location, scratch-folder overrides, the privacy cost of a
-selection made on private records, and the machine and commit a table was measured on."""
+selection made on private records, the machine and commit a table was measured on, and the set-up and timing
+of the per-example ways' tables (``conv_per_example.py``, ``grouped_conv_ways.py``)."""
 
 from __future__ import annotations
 
+import argparse
 import platform
+import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +102,73 @@ def without_paths(argv: Sequence[str]) -> list[str]:
         elif not arg.startswith(("--out=", "--work=")):
             kept.append(arg)
     return kept
+
+
+def ways_arguments(description: str) -> argparse.Namespace:
+    """``--device``, ``--threads``, ``--repeats`` and ``--out`` of a per-example ways' table, applied: the
+    thread count set, and on the CPU freed memory kept for the next call as the trainer keeps it, so that no
+    way pays page faults for its fresh outputs."""
+    import torch
+
+    from dpml.devices import keep_freed_cpu_memory
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        keep_freed_cpu_memory()
+    return args
+
+
+def median_ms_in_turn(functions: dict[str, Callable[[], Any]], device: str, repeats: int) -> dict[str, float]:
+    """Each function's median milliseconds over ``repeats`` rounds, the functions in turn within a round (so a
+    passing load falls on all of them alike), the GPU synchronised around each."""
+    import torch
+
+    def synchronise() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            synchronise()
+            start = time.perf_counter()
+            function()
+            synchronise()
+            times[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def ways_table(
+    args: argparse.Namespace,
+    stem: str,
+    shapes: Sequence[Any],
+    measure: Callable[[Any, str, int], dict],
+    page: Callable[[list[dict], argparse.Namespace], str],
+) -> None:
+    """Every shape measured in full float32 (TF32 off, as the clipping engine forms per-example gradients), each
+    row printed as it comes, and the rows and their page written to ``args.out`` as ``stem[_cuda].{json,md}``."""
+    import json
+
+    from dpml.devices import full_float32
+
+    rows = []
+    with full_float32():
+        for shape in shapes:
+            rows.append(measure(shape, args.device, args.repeats))
+            print(rows[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = stem + ("_cuda" if args.device == "cuda" else "")
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=2))
+    text = page(rows, args)
+    (out / f"{name}.md").write_text(text)
+    print(text)

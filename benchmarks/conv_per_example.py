@@ -29,12 +29,9 @@ Writes ``benchmarks/results/conv_per_example[_cuda].{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +41,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dpml.devices import full_float32, keep_freed_cpu_memory  # noqa: E402
+from bench_common import median_ms_in_turn, ways_arguments, ways_table  # noqa: E402
+
 from dpml.train import clipping_conv  # noqa: E402
 from dpml.train.clipping_conv import (  # noqa: E402
     compiled_norms,
@@ -132,16 +130,7 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
         )
     first = results["grouped forward"]
     scale = float(first.abs().max())
-    times: dict[str, list[float]] = {way: [] for way in functions}
-    for _ in range(repeats):
-        for way, fn in functions.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[way].append(1000 * (time.perf_counter() - start))
+    ms = median_ms_in_turn(functions, device, repeats)
     return {
         "shape": name,
         "batch": batch,
@@ -151,7 +140,7 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
         "stride": stride,
         "positions": int(d[0, 0].numel()),
         "device": device,
-        "ms": {way: statistics.median(values) for way, values in times.items()},
+        "ms": ms,
         "relative_difference": {
             way: float((results[way].reshape(first.shape) - first).abs().max()) / scale
             for way in results
@@ -200,31 +189,10 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available here")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device == "cpu":
-        keep_freed_cpu_memory()  # as the trainer on the CPU: no way pays page faults for its fresh outputs
+    args = ways_arguments(__doc__.splitlines()[0])
     clipping_conv.COMPILED_MAX_POSITIONS = 1 << 30  # every layer timed (module docstring)
     torch.backends.cudnn.benchmark = False
-    rows = []
-    with full_float32():  # as in the clipping engine, which forms per-example gradients without TF32
-        for shape in SHAPES:
-            rows.append(measure(shape, args.device, args.repeats))
-            print(rows[-1], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "conv_per_example" + ("_cuda" if args.device == "cuda" else "")
-    (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
-    (out / f"{stem}.md").write_text(page(rows, args))
-    print(page(rows, args))
+    ways_table(args, "conv_per_example", SHAPES, measure, page)
 
 
 if __name__ == "__main__":

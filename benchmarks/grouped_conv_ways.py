@@ -14,7 +14,8 @@ For the grouped layers of models people bring (ConvNeXt's depthwise 7×7, Mobile
 - *patches*: the live taps' patches and one batched product over the (example, group) pairs
   (:func:`dpml.train.clipping_conv_ways.per_example_by_patches`);
 - *the engine's pick*: :func:`dpml.train.clipping_conv_ways.fastest_grouped_way`, which on a CPU times the ways
-  once per shape (its own timing not counted here) and on a GPU takes the patches (this table, run there, is what
+  once per shape (its own timing not counted here) and on a GPU takes the patches while they fit the keep limit,
+  else the weight gradient (:func:`dpml.train.clipping_conv_ways.gpu_grouped_way`; this table, run there, is what
   would change that);
 - *all taps' patches* (the only way before this page's commit): the whole kernel's patches and the same product;
 - for scale, the batched weight gradient of the whole batch (what a non-private step computes; not per example).
@@ -27,12 +28,9 @@ Writes ``benchmarks/results/grouped_conv_ways[_cuda].{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,9 +40,8 @@ import torch.nn.grad
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_common import cpu_name, current_commit, median_ms_in_turn, ways_arguments, ways_table  # noqa: E402  (benchmarks/ is the script's folder)
 
-from dpml.devices import full_float32, keep_freed_cpu_memory  # noqa: E402
 from dpml.train.clipping_conv import Geometry, unfold_patches  # noqa: E402
 from dpml.train.clipping_conv_ways import PER_EXAMPLE_WAYS, fastest_grouped_way, grouped_per_example_gradients  # noqa: E402
 
@@ -92,17 +89,7 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
     results = {way: fn() for way, fn in functions.items()}  # warm-up, and the results compared
     first = results["weight gradient"]
     scale = float(first.abs().max())
-    times: dict[str, list[float]] = {way: [] for way in functions}
-    for _ in range(repeats):
-        for way, fn in functions.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[way].append(1000 * (time.perf_counter() - start))
-    ms = {way: statistics.median(values) for way, values in times.items()}
+    ms = median_ms_in_turn(functions, device, repeats)
     return {
         "shape": name,
         "c_in": c_in,
@@ -159,29 +146,8 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available here")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device == "cpu":
-        keep_freed_cpu_memory()  # as the trainer on the CPU
-    rows = []
-    with full_float32():  # as in the clipping engine, which forms per-example gradients without TF32
-        for shape in SHAPES:
-            rows.append(measure(shape, args.device, args.repeats))
-            print(rows[-1], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "grouped_conv_ways" + ("_cuda" if args.device == "cuda" else "")
-    (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
-    (out / f"{stem}.md").write_text(page(rows, args))
-    print(page(rows, args))
+    args = ways_arguments(__doc__.splitlines()[0])
+    ways_table(args, "grouped_conv_ways", SHAPES, measure, page)
 
 
 if __name__ == "__main__":

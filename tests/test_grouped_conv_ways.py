@@ -80,9 +80,11 @@ def test_the_fastest_way_is_one_of_the_ways_and_chosen_once_per_shape(
     timed: list[str] = []
     seconds = clipping_conv_ways._seconds
 
-    def spy(way: str, *args: object) -> float:
-        timed.append(way)
-        return seconds(way, *args)  # type: ignore[arg-type]
+    def spy(ways: list[str], *args: object) -> dict[str, float]:
+        timed.extend(ways)
+        found = seconds(ways, *args)  # type: ignore[arg-type]
+        assert set(found) == set(ways) and all(0 < value < float("inf") for value in found.values())
+        return found
 
     monkeypatch.setattr(clipping_conv_ways, "_seconds", spy)
     first = clipping_conv_ways.fastest_grouped_way(x, delta, geometry, layer.groups)
@@ -193,3 +195,16 @@ def test_a_depthwise_layer_over_each_examples_images_matches_the_naive_loop(
     x = torch.randn(5, 4, 5, 5, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
     assert_matches_naive_loop(model, x, labels(5), 0.05)
     assert vmapped == []
+
+
+def test_a_gpu_takes_the_patches_while_they_fit_its_keep_limit_and_else_the_weight_gradient() -> None:
+    """Untimed on a GPU: the patches (the way it had) up to the keep limit's numbers, counted over the live taps
+    only; beyond, the weight gradient, which holds no patches (ConvNeXt-T's first depthwise layer at batch 256)."""
+    geometry: Geometry = ((7, 7), (1, 1), (3, 3), (1, 1))
+    big, out = torch.Size((256, 96, 56, 56)), torch.Size((256, 96, 56, 56))
+    patches = 256 * 96 * 49 * 56 * 56
+    assert clipping_conv_ways.gpu_grouped_way(big, out, geometry, patches) == "patches"
+    assert clipping_conv_ways.gpu_grouped_way(big, out, geometry, patches - 1) == "weight gradient"
+    one = torch.Size((256, 96, 1, 1))  # on 1×1 maps one tap of 49 is live
+    assert clipping_conv_ways.gpu_grouped_way(one, one, geometry, 256 * 96) == "patches"
+    assert clipping_conv_ways.gpu_grouped_way(one, one, geometry, 256 * 96 - 1) == "weight gradient"

@@ -13,6 +13,7 @@ import torch.nn.grad
 from torch import nn
 
 from dpml.train.clipping_conv import Geometry, conv_geometry, live_taps, unfold_patches
+from dpml.train.keep_budget import keep_limit
 
 
 def per_example_by_grouped_forward(
@@ -114,19 +115,18 @@ _FASTEST_GROUPED: dict[tuple[object, ...], str] = {}
 def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int) -> str:
     """The fastest way to a grouped convolution's per-example gradients for this shape on a CPU, timed once per
     example shape and batch size class (the batch's power of two above, so that the sizes Poisson sampling
-    draws are timed a handful of times, not once each) in a process: each way is run twice and the second
-    timed; which one wins changes only the order of floating-point additions, never what is computed. The
-    candidates are ``"grouped forward"`` and ``"weight gradient"``, and ``"patches"`` where the live taps'
-    patches hold no more numbers than the gradients (small maps). None wins everywhere
+    draws are timed a handful of times, not once each) in a process, by the least of three runs of each way, the
+    ways in turn (:func:`_seconds`); which one wins changes only the order of floating-point additions, never
+    what is computed. The candidates are ``"grouped forward"`` and ``"weight gradient"``, and ``"patches"``
+    where the live taps' patches hold no more numbers than the gradients (small maps). None wins everywhere
     (``benchmarks/results/grouped_conv_ways.md``): at batch 64 on this project's 2-core CPU the grouped forward
     took 0.52 against 2.22 ms for ConvNeXt's 7×7 on 8×8 maps, the weight gradient 1.30 against 2.29 ms for
     MobileNet's 3×3 on 16×16, the patches 0.19 against 0.24 ms for a 7×7 kernel on 1×1 maps.
 
-    On a GPU ``"patches"``, untimed: the way it took before, checked there against the CPU's sums
-    (``tests/test_devices.py``); timing would synchronise with the host in every step whose batch size is new,
-    and which way is fastest there is not measured yet (``scripts/gpu_session.sh`` step 5)."""
+    On a GPU, untimed (timing would synchronise with the host in every step whose batch size is new, and which
+    way is fastest there is not measured yet: ``scripts/gpu_session.sh`` step 5): :func:`gpu_grouped_way`."""
     if inputs.device.type == "cuda":
-        return "patches"
+        return gpu_grouped_way(inputs.shape, output_grad.shape, geometry, keep_limit(inputs.device))
     batch_class = (inputs.shape[0] - 1).bit_length()
     key = (inputs.dtype, batch_class, tuple(inputs.shape[1:]), tuple(output_grad.shape[1:]), geometry, groups)
     if key not in _FASTEST_GROUPED:
@@ -134,17 +134,41 @@ def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometr
         rows, columns = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
         small = len(rows) * len(columns) * output_grad[0, 0].numel() <= output_grad.shape[1] // groups * kh * kw
         ways = ["grouped forward", "weight gradient"] + (["patches"] if small else [])
-        _FASTEST_GROUPED[key] = min(ways, key=lambda way: _seconds(way, inputs, output_grad, geometry, groups))
+        seconds = _seconds(ways, inputs, output_grad, geometry, groups)
+        _FASTEST_GROUPED[key] = min(ways, key=seconds.__getitem__)
     return _FASTEST_GROUPED[key]
 
 
-def _seconds(way: str, inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int) -> float:
-    """Seconds of the second of two runs of ``way`` on the CPU (the first pays for the kernel's set-up)."""
-    compute = PER_EXAMPLE_WAYS[way]
-    compute(inputs, output_grad, geometry, groups)
-    start = time.perf_counter()
-    compute(inputs, output_grad, geometry, groups)
-    return time.perf_counter() - start
+def gpu_grouped_way(input_shape: torch.Size, output_shape: torch.Size, geometry: Geometry, limit: int) -> str:
+    """A grouped convolution's way on a GPU: ``"patches"``, the way it took before (checked there against the
+    CPU's sums, ``tests/test_devices.py``), while the live taps' patches of the batch hold at most ``limit``
+    numbers (the device's keep limit); beyond it the weight gradient of one convolution with B·g groups, which
+    holds no patches (ConvNeXt-T's first depthwise 7×7 on 56×56 maps at batch 256: 15 GB of patches)."""
+    rows, columns = live_taps(geometry, tuple(input_shape[2:]), tuple(output_shape[2:]))
+    positions = 1
+    for size in output_shape[2:]:
+        positions *= int(size)
+    patches = int(input_shape[0]) * int(input_shape[1]) * len(rows) * len(columns) * positions
+    return "patches" if patches <= limit else "weight gradient"
+
+
+TIMED_ROUNDS = 3  # rounds of the ways in turn, after one untimed run each
+
+
+def _seconds(
+    ways: list[str], inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int
+) -> dict[str, float]:
+    """Each way's least seconds on the CPU over ``TIMED_ROUNDS`` rounds of the ways in turn (so that a passing load
+    falls on all of them alike), after one untimed run each that pays for its kernel's set-up."""
+    for way in ways:
+        PER_EXAMPLE_WAYS[way](inputs, output_grad, geometry, groups)
+    least = dict.fromkeys(ways, float("inf"))
+    for _ in range(TIMED_ROUNDS):
+        for way in ways:
+            start = time.perf_counter()
+            PER_EXAMPLE_WAYS[way](inputs, output_grad, geometry, groups)
+            least[way] = min(least[way], time.perf_counter() - start)
+    return least
 
 
 def grouped_conv_per_example_gradients(
