@@ -127,6 +127,12 @@ def ways_arguments(description: str) -> argparse.Namespace:
     return args
 
 
+def ways_command(script: str, args: argparse.Namespace) -> str:
+    """The command line that reproduces a per-example ways' table."""
+    threads = f" --threads {args.threads}" if args.threads else ""
+    return f"python benchmarks/{script} --device {args.device} --repeats {args.repeats}{threads}"
+
+
 def median_ms_in_turn(functions: dict[str, Callable[[], Any]], device: str, repeats: int) -> dict[str, float]:
     """Each function's median milliseconds over ``repeats`` rounds, the functions in turn within a round (so a
     passing load falls on all of them alike), the GPU synchronised around each."""

@@ -41,7 +41,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import median_ms_in_turn, ways_arguments, ways_table  # noqa: E402
+from bench_common import median_ms_in_turn, ways_arguments, ways_command, ways_table  # noqa: E402
 
 from dpml.train import clipping_conv  # noqa: E402
 from dpml.train.clipping_conv import (  # noqa: E402
@@ -155,9 +155,7 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
         if args.device == "cuda"
         else f"CPU, {torch.get_num_threads()} torch threads"
     )
-    command = f"python benchmarks/conv_per_example.py --device {args.device} --repeats {args.repeats}" + (
-        f" --threads {args.threads}" if args.threads else ""
-    )
+    command = ways_command("conv_per_example.py", args)
     lines = [
         "# Per-example weight gradients of a convolution: the engine's ways",
         "",

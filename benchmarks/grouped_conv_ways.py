@@ -40,7 +40,7 @@ import torch.nn.grad
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import cpu_name, current_commit, median_ms_in_turn, ways_arguments, ways_table  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_common import cpu_name, current_commit, median_ms_in_turn, ways_arguments, ways_command, ways_table  # noqa: E402  (benchmarks/ is the script's folder)
 
 from dpml.train.clipping_conv import Geometry, unfold_patches  # noqa: E402
 from dpml.train.clipping_conv_ways import PER_EXAMPLE_WAYS, fastest_grouped_way, grouped_per_example_gradients  # noqa: E402
@@ -115,9 +115,7 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
         if args.device == "cuda"
         else f"{cpu_name()}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads"
     )
-    command = f"python benchmarks/grouped_conv_ways.py --device {args.device} --repeats {args.repeats}" + (
-        f" --threads {args.threads}" if args.threads else ""
-    )
+    command = ways_command("grouped_conv_ways.py", args)
     lines = [
         "# Per-example weight gradients of grouped and depthwise convolutions: the engine's ways",
         "",

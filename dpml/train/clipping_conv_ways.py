@@ -5,6 +5,7 @@ one of three ways that compute the same numbers by different kernels, and which 
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -130,9 +131,8 @@ def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometr
     batch_class = (inputs.shape[0] - 1).bit_length()
     key = (inputs.dtype, batch_class, tuple(inputs.shape[1:]), tuple(output_grad.shape[1:]), geometry, groups)
     if key not in _FASTEST_GROUPED:
-        (kh, kw) = geometry[0]
-        rows, columns = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
-        small = len(rows) * len(columns) * output_grad[0, 0].numel() <= output_grad.shape[1] // groups * kh * kw
+        gradient_numbers = output_grad.shape[1] * (inputs.shape[1] // groups) * math.prod(geometry[0])
+        small = live_patch_numbers(inputs.shape, output_grad.shape, geometry) <= gradient_numbers
         ways = ["grouped forward", "weight gradient"] + (["patches"] if small else [])
         seconds = _seconds(ways, inputs, output_grad, geometry, groups)
         _FASTEST_GROUPED[key] = min(ways, key=seconds.__getitem__)
@@ -144,12 +144,14 @@ def gpu_grouped_way(input_shape: torch.Size, output_shape: torch.Size, geometry:
     CPU's sums, ``tests/test_devices.py``), while the live taps' patches of the batch hold at most ``limit``
     numbers (the device's keep limit); beyond it the weight gradient of one convolution with B·g groups, which
     holds no patches (ConvNeXt-T's first depthwise 7×7 on 56×56 maps at batch 256: 15 GB of patches)."""
-    rows, columns = live_taps(geometry, tuple(input_shape[2:]), tuple(output_shape[2:]))
-    positions = 1
-    for size in output_shape[2:]:
-        positions *= int(size)
-    patches = int(input_shape[0]) * int(input_shape[1]) * len(rows) * len(columns) * positions
+    patches = int(input_shape[0]) * live_patch_numbers(input_shape, output_shape, geometry)
     return "patches" if patches <= limit else "weight gradient"
+
+
+def live_patch_numbers(input_shape: torch.Size, output_shape: torch.Size, geometry: Geometry) -> int:
+    """How many numbers one example's patches under the :func:`live_taps` hold: C_in · |live taps| · T."""
+    rows, columns = live_taps(geometry, tuple(input_shape[2:]), tuple(output_shape[2:]))
+    return int(input_shape[1]) * len(rows) * len(columns) * math.prod(output_shape[2:])
 
 
 TIMED_ROUNDS = 3  # rounds of the ways in turn, after one untimed run each

@@ -354,18 +354,21 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         keep = batch * weight.numel() <= room(keep_limit(device))  # the whole batch in one slice, within the budget
         for start in range(0, batch, step):
             part = slice(start, start + step)
-            per_example = sum(
-                grouped_conv_per_example_gradients(
-                    as_2d(module, inputs[part]), as_2d(module, output_grad[part]), geometry, groups
-                ).reshape(min(step, batch - start), -1)
-                for inputs, output_grad in calls
+            per_example = functools.reduce(
+                torch.add,
+                [
+                    grouped_conv_per_example_gradients(
+                        as_2d(module, inputs[part]), as_2d(module, output_grad[part]), geometry, groups
+                    ).reshape(min(step, batch - start), -1)
+                    for inputs, output_grad in calls
+                ],
             )
-            squared[part] += row_norms_squared(per_example)  # type: ignore[arg-type]
+            squared[part] += row_norms_squared(per_example)
         if keep:
             kept = per_example
-            spend(kept.numel())  # type: ignore[union-attr]
+            spend(kept.numel())
     bias_grads = (  # ∇_b ℓ_i = Σ_calls Σ_t δ_t, (B, C_out)
-        torch.stack([g.reshape(batch, out_channels, -1).sum(2) for _, g in calls]).sum(0)
+        functools.reduce(torch.add, [g.reshape(batch, out_channels, -1).sum(2) for _, g in calls])
         if trainable(module.bias)
         else None
     )
@@ -376,15 +379,18 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         if kept is not None:
             return (factors @ kept).reshape(weight.shape)
         shape = torch.Size((weight.shape[0], weight.shape[1], *geometry[0]))  # a Conv1d's as a Conv2d's
-        return sum(  # type: ignore[return-value]
-            clip_weighted_conv_weight(
-                shape,
-                as_2d(module, inputs),
-                as_2d(module, output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1))),
-                geometry,
-                groups,
-            ).reshape(weight.shape)
-            for inputs, output_grad in calls
+        return functools.reduce(
+            torch.add,
+            [
+                clip_weighted_conv_weight(
+                    shape,
+                    as_2d(module, inputs),
+                    as_2d(module, output_grad * factors.reshape(-1, *[1] * (output_grad.dim() - 1))),
+                    geometry,
+                    groups,
+                ).reshape(weight.shape)
+                for inputs, output_grad in calls
+            ],
         )
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
