@@ -88,3 +88,66 @@ def test_rows_taken_in_a_sorts_order_are_followed() -> None:
     x = torch.randn(6, 4, dtype=torch.float64)
     found = engine_pass(model, per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
     assert found.exact == {}, found.reasons  # h[order]: an index with a map of its own rows; the sort's values unused
+
+
+class Windows(nn.Module):
+    """Each example's 4×4 grid of tokens split into four 2×2 windows, stacked along the first dimension example by
+    example ((B·4, 4, …): Swin's layout, ``"runs"``), window by window ((4·B, 4, …): ``"interleaved"``) or as the
+    batch's windows then the same windows in reverse batch order (``"joined"``: 8 rows per example, not in runs);
+    token ids looked up, a LayerNorm and a Linear on the windows, merged back per example before the head."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.layout = layout
+        self.emb = nn.Embedding(7, 6)
+        self.norm = nn.LayerNorm(6)
+        self.proj = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def windows(self, grid: torch.Tensor) -> torch.Tensor:
+        """(B, 4, 4) -> the layout's windows, (rows, 4)."""
+        batch = grid.shape[0]
+        cut = grid.reshape(batch, 2, 2, 2, 2)
+        if self.layout == "interleaved":
+            return cut.permute(1, 3, 0, 2, 4).reshape(-1, 4)
+        runs = cut.permute(0, 1, 3, 2, 4).reshape(-1, 4)
+        return torch.cat([runs, runs.reshape(batch, 4, 4).flip(0).reshape(-1, 4)]) if self.layout == "joined" else runs
+
+    def per_example(self, h: torch.Tensor, batch: int) -> torch.Tensor:
+        """The windows' rows back to (B, windows·4, C)."""
+        if self.layout == "interleaved":
+            return h.reshape(4, batch, 4, -1).transpose(0, 1).reshape(batch, 16, -1)
+        if self.layout == "joined":
+            first, second = h.chunk(2)
+            return torch.cat([first.reshape(batch, 16, -1), second.reshape(batch, 16, -1).flip(0)], 1)
+        return h.reshape(batch, 16, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, grid = x.shape[0], x.reshape(-1, 4, 4)
+        ids = (grid.abs() * 3).long() % 7
+        h = self.emb(self.windows(ids)) * torch.tanh(self.windows(grid))[..., None]  # (rows, 4, 6)
+        h = self.proj(torch.tanh(self.norm(h)))
+        return self.head(torch.tanh(self.per_example(h, batch)).mean(1))
+
+
+@pytest.mark.parametrize("layout", ["runs", "interleaved", "joined"])
+def test_layers_on_each_examples_run_of_windows_take_their_shortcut(layout: str) -> None:
+    """A Linear, a LayerNorm and an Embedding called on windows (B·k, …) holding each example's k slices in one run
+    take their layers' shortcut, as on (B, k, …): the Swin layout. Windows in any other order (interleaved across the
+    batch, or an example's windows in two places) are the rules' (the shortcut would clip one example's positions with
+    another's): either way the clipped sums and norms are the float64 per-example loop's."""
+    torch.manual_seed(0)
+    model = Windows(layout).double()
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert found.exact == {}, found.reasons
+    assert_clipped_like_the_loop(model, x, y)  # the engine alone, no plan: its maps, not the probe's check
+    plan = plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, probe=(x, y))
+    assert plan.exact_parameters == (), plan.lines()
+    windowed = {"emb", "norm", "proj"}
+    if layout == "runs":
+        assert windowed <= set(plan.fast_layers) and not plan.rule_parameters, plan.lines()
+    else:
+        assert not windowed & set(plan.fast_layers), plan.lines()
+        assert {n.split(".")[0] for n in plan.rule_parameters} == windowed, plan.lines()

@@ -23,10 +23,11 @@ Their squared norms add up to ‖∇ℓ_i‖², the clip factor is c_i = min(1, 
 ‖c_i ∇ℓ_i‖ < C strictly (the 1e-6 guards rounding and ∇ℓ_i = 0): the sum's sensitivity is C.
 
 A fast layer's hook is used only when every operation on its parameters ran inside its own calls and
-its inputs are batch-first and computed from the batch; otherwise (tied weights, weights used by
-another module as ``nn.MultiheadAttention`` uses ``out_proj``'s, position ids shared by the batch) its
-parameters go to the rules. The pre-flight probe (:mod:`dpml.train.clipping_check`) checks every layer's
-and every ruled parameter's numbers against autograd and names in ``exact`` those that differ (a use
+its inputs are batch-first and computed from the batch (or, for a layer that treats every other dimension
+as positions, hold each example's slices in one run, as Swin's windows (B·windows, …) do); otherwise (tied
+weights, weights used by another module as ``nn.MultiheadAttention`` uses ``out_proj``'s, position ids shared
+by the batch) its parameters go to the rules. The pre-flight probe (:mod:`dpml.train.clipping_check`) checks
+every layer's and every ruled parameter's numbers against autograd and names in ``exact`` those that differ (a use
 no operation shows, such as inside a custom autograd Function). A recorded output changed in
 place later in the forward pass (``ReLU(inplace=True)``) would no longer be the point where δ is
 taken: the forward is then run again (with the same random state, so dropout draws the same
@@ -58,7 +59,14 @@ from dpml.devices import (
     set_rng_state,
 )
 from dpml.train.clipping_candidates import Call, fast_candidates, usable
-from dpml.train.clipping_layers import Piece, added_up, layer_parameters, layer_piece, reject_batch_norm
+from dpml.train.clipping_layers import (
+    Piece,
+    added_up,
+    layer_parameters,
+    layer_piece,
+    reject_batch_norm,
+    takes_runs_of_rows,
+)
 from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
@@ -135,9 +143,10 @@ def _record_forward(
     def remember(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
         recorder.stack.pop()
         with torch._C.DisableTorchFunction():  # bookkeeping, not the model's computation: not recorded
-            if not recorder.derived(inputs[0]) or recorder.examples(inputs[0]) is not None:  # position ids, a
-                recorder.unbatched.add(module)  # constant, or rows moved or merged (a map): the rules read the map
-            calls.setdefault(module, []).append((inputs[0].detach(), output))
+            taken = _shortcut_input(module, inputs[0], recorder)
+            if taken is None:
+                recorder.unbatched.add(module)
+            calls.setdefault(module, []).append(((inputs[0] if taken is None else taken).detach(), output))
         place = kept.keep(output)
         return output.clone() if copies is None or ("layer", place) in copies else None  # (the copy is recorded)
 
@@ -152,6 +161,20 @@ def _record_forward(
     overwritten = {("layer", k) for k in kept.rewritten_views()}
     overwritten |= {("rule", j) for j, t in recorder.kept.rewritten_views().items() if id(t) not in hooked}
     return _Recording(losses, calls, recorder, frozenset(overwritten), kept)
+
+
+def _shortcut_input(module: nn.Module, inputs: torch.Tensor, recorder: Recorder) -> torch.Tensor | None:
+    """A hooked layer's input as its shortcut takes it: as it is where it has no example map (batch-first, or its map
+    lost: the hooks' convention, B rows from the batch are its examples, which the probe checks); (B, k, …) where it
+    holds each example's slices in one run of k, (B·k, …), and the layer takes runs of rows
+    (:func:`~dpml.train.clipping_layers.takes_runs_of_rows`: Swin's windows through its attention's projections);
+    None where the rules must read where its batch is (position ids, a constant, rows moved or merged otherwise)."""
+    if not recorder.derived(inputs):
+        return None
+    if recorder.examples(inputs) is None:
+        return inputs
+    runs = recorder.example_runs(inputs) if takes_runs_of_rows(module) else None
+    return None if runs is None else inputs.reshape(recorder.batch, runs, *inputs.shape[1:])
 
 
 # The recorded views a model's forward pass modified in place (:meth:`RecordedOutputs.rewritten_views`), by place:

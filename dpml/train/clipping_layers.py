@@ -104,6 +104,13 @@ def is_fast(module: nn.Module) -> bool:
     return False
 
 
+def takes_runs_of_rows(module: nn.Module) -> bool:
+    """A layer whose input's dimensions between the batch's and its own last ones are all positions (``nn.Linear``,
+    ``nn.LayerNorm``, ``nn.Embedding``): its call on (B·k, …) with each example's slices in one run of k is the same
+    layer's call on (B, k, …), whose shortcut takes the positions of each example together."""
+    return any(_stock(module, cls) for cls in (nn.Linear, nn.LayerNorm, nn.Embedding)) and is_fast(module)
+
+
 def layer_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters a fast layer's shortcut accounts for: its weight and (if any) bias."""
     return [p for p in (getattr(module, "weight", None), getattr(module, "bias", None)) if p is not None]

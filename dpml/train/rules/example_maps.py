@@ -185,6 +185,15 @@ class ExampleMaps:
         lead = None if examples is None or examples.shape[0] == 0 else same_across_rest(examples, 1)
         return None if lead is None else lead.to(torch.int64)
 
+    def example_runs(self, t: torch.Tensor) -> int | None:
+        """k where t's first dimension holds each example's slices in one run of k, in batch order, (B·k, …) with
+        slice j of example ⌊j/k⌋ (Swin's windows); None otherwise."""
+        lead = self._leading_examples(t)
+        if lead is None or lead.shape[0] % self.batch:
+            return None
+        k = lead.shape[0] // self.batch
+        return k if torch.equal(lead, self._base.repeat_interleave(k)) else None
+
     def _follow_moves(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """A function of :data:`MOVES` or :data:`SORTS` on an activation (from the batch): each output's map is the same
         function of its input's map (the tensors among its other arguments read on the CPU, where the maps are: a
