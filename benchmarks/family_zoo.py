@@ -10,8 +10,9 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   for all query heads), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention and projections, the body frozen);
 - images (32×32, 10 classes): timm's ``deit``, ``beit`` (relative position bias, layer scale), ``swin`` (windows
   of 4, two stages), ``efficientnet-gn`` (EfficientNet-B0, depthwise 3×3 and 5×5, squeeze-excitation, its
-  BatchNorms GroupNorms) and ``regnet-gn`` (RegNetX-200MF, groups of 8 channels); torchvision's ``resnet34-gn``
-  and ``resnet50-gn`` (``GroupNorm(32, C)``), ``mobilenet-v2-gn``.
+  BatchNorms GroupNorms) and ``regnet-gn`` (RegNetX-200MF, groups of 8 channels); torchvision's ``resnet34-gn``,
+  ``resnet50-gn``, ``resnext50-gn`` (ResNeXt-50 32×4d: 3×3 convolutions in 32 groups) and ``wide-resnet50-gn``
+  (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``.
 
 Widths, depths and heads follow ``--size`` (the ``SIZES`` of ``families.py``) for the text models and the ViTs;
 the convolutional networks are their named configuration at every size.
@@ -38,7 +39,18 @@ TEXT_ZOO = [
     "qwen2",
     "gpt2-lora",
 ]
-IMAGE_ZOO = ["deit", "beit", "swin", "resnet34-gn", "resnet50-gn", "efficientnet-gn", "mobilenet-v2-gn", "regnet-gn"]
+IMAGE_ZOO = [
+    "deit",
+    "beit",
+    "swin",
+    "resnet34-gn",
+    "resnet50-gn",
+    "resnext50-gn",
+    "wide-resnet50-gn",
+    "efficientnet-gn",
+    "mobilenet-v2-gn",
+    "regnet-gn",
+]
 ZOO = TEXT_ZOO + IMAGE_ZOO
 
 
@@ -178,7 +190,12 @@ def build_image(family: str, size: dict, classes: int) -> tuple[Any, str]:
         return model, f"timm {timm.__version__} RegNetX-200MF, GroupNorm(gcd(32, C), C)"
     import torchvision.models as models
 
-    builders = {"resnet34-gn": models.resnet34, "resnet50-gn": models.resnet50}
+    builders = {
+        "resnet34-gn": models.resnet34,
+        "resnet50-gn": models.resnet50,
+        "resnext50-gn": models.resnext50_32x4d,
+        "wide-resnet50-gn": models.wide_resnet50_2,
+    }
     if family in builders:
         return builders[family](num_classes=classes, norm_layer=_group_norm), f"torchvision {family[:-3]}, GroupNorm"
     if family == "mobilenet-v2-gn":

@@ -208,3 +208,50 @@ def test_a_gpu_takes_the_patches_while_they_fit_its_keep_limit_and_else_the_weig
     one = torch.Size((256, 96, 1, 1))  # on 1×1 maps one tap of 49 is live
     assert clipping_conv_ways.gpu_grouped_way(one, one, geometry, 256 * 96) == "patches"
     assert clipping_conv_ways.gpu_grouped_way(one, one, geometry, 256 * 96 - 1) == "weight gradient"
+
+
+class GroupedTwice(nn.Module):
+    """One grouped 3×3 layer (groups of 3 channels) called on a 1×1 map, where only its centre tap reads the input,
+    then on a 4×4 map, where every tap does, and a ResNeXt-like stride-2 grouped layer from 2×2 to 1×1 (4 live
+    taps of 9): an example's gradient of the shared layer is the sum over both calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grouped = nn.Conv2d(6, 6, 3, padding=1, groups=2)
+        self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=3)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        point = torch.tanh(self.grouped(x.mean((2, 3), keepdim=True)))  # (B, 6, 1, 1)
+        grid = torch.tanh(self.grouped(x))  # (B, 6, 4, 4)
+        small = torch.tanh(self.down(torch.nn.functional.avg_pool2d(grid, 2)))  # (B, 6, 1, 1)
+        return self.out(torch.cat([point.flatten(1), small.flatten(1)], 1))
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("model_class", [GroupedTwice, DepthwiseBlocks])
+def test_a_grouped_layers_norm_by_its_groups_ghost_norm_or_its_live_taps_matches_the_naive_loop(
+    ghost: bool, model_class: type[nn.Module], monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
+    """Each grouped layer's norm by the ghost norm of its groups (its calls' positions joined, over the taps any call
+    reads) or from its per-example gradients at those taps only (kept, their weighted sum placed in the kernel):
+    clipped sums and norms equal the naive loop's either way, the way forced for every layer."""
+    from dpml.train import clipping_layers
+
+    taken: list[int] = []
+    ghost_norms = clipping_layers.grouped_ghost_norms_squared
+
+    def counted(*args: object) -> torch.Tensor:
+        taken.append(1)
+        return ghost_norms(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(clipping_layers, "grouped_ghost_norms_squared", counted)
+    monkeypatch.setattr(clipping_layers, "grouped_by_ghost_norm", lambda *args: ghost)
+    torch.manual_seed(15)
+    model = model_class().double()
+    shape = (6, 4, 4) if model_class is GroupedTwice else (4, 5, 5)
+    x = torch.randn(6, *shape, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(6), 0.05)
+    grouped_layers = sum(isinstance(m, nn.Conv2d | nn.Conv1d) and m.groups > 1 for m in model.modules())
+    assert len(taken) == (grouped_layers if ghost else 0)
+    assert vmapped == []

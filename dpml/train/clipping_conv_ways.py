@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,87 +15,116 @@ import torch.nn.grad
 from torch import nn
 
 from dpml.train.clipping_conv import Geometry, conv_geometry, live_taps, unfold_patches
+from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.keep_budget import keep_limit
 
 
-def per_example_by_grouped_forward(
-    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1
+Taps = tuple[range, range]
+"""The kernel's live taps, per axis (:func:`dpml.train.clipping_conv.live_taps`)."""
+
+
+def _live_window(inputs: torch.Tensor, geometry: Geometry, taps: Taps, out_size: tuple[int, int]) -> torch.Tensor:
+    """The padded input cropped to what the ``taps`` read: a convolution over it of the taps alone, at no padding,
+    has the layer's output positions."""
+    (_, (sh, sw), (ph, pw), (dh, dw)), (rows, columns), (out_h, out_w) = geometry, taps, out_size
+    return F.pad(inputs, (pw, pw, ph, ph))[
+        :,
+        :,
+        rows.start * dh : (rows.stop - 1) * dh + sh * (out_h - 1) + 1,
+        columns.start * dw : (columns.stop - 1) * dw + sw * (out_w - 1) + 1,
+    ]
+
+
+def live_taps_by_grouped_forward(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int, taps: Taps
 ) -> torch.Tensor:
-    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in/g·kh·kw) for ``groups`` = g, by one grouped
-    convolution and without unfolding the patches (Rochette et al. 2019, with groups): an (example, group)
+    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example at the live ``taps``, (B, C_out, C_in/g, |rows|, |columns|), by one
+    grouped convolution and without unfolding the patches (Rochette et al. 2019, with groups): an (example, group)
     pair's C_in/g input channels become the batch, the B·g pairs the groups, and the pair's output gradients
-    δ_{i,o} (oh×ow) its kernels, dilated by the layer's stride, at the layer's dilation as stride; output
-    position (u, v) is then tap (u, v)'s gradient. Only the :func:`live_taps` are computed, from the padded input
-    cropped to what they read; the others' gradients are zero (a 7×7 depthwise kernel on a 1×1 map: 1 of 49)."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
-    batch, channels, height, width = inputs.shape
+    δ_{i,o} (oh×ow) its kernels, dilated by the layer's stride, at the layer's dilation as stride, over the padded
+    input cropped to what the taps read; output position (u, v) is then tap (u, v)'s gradient."""
+    (_, (sh, sw), _, (dh, dw)), (rows, columns) = geometry, taps
+    batch, channels = inputs.shape[:2]
     out_channels, out_h, out_w = output_grad.shape[1:]
     per_group = channels // groups
-    rows, columns = live_taps(geometry, (height, width), (out_h, out_w))
-    grads = inputs.new_zeros(batch, out_channels, per_group, kh, kw)
-    if len(rows) and len(columns):
-        padded = F.pad(inputs, (pw, pw, ph, ph))[
-            :,
-            :,
-            rows.start * dh : (rows.stop - 1) * dh + sh * (out_h - 1) + 1,
-            columns.start * dw : (columns.stop - 1) * dw + sw * (out_w - 1) + 1,
-        ]
-        taps = F.conv2d(
-            padded.reshape(batch * groups, per_group, *padded.shape[2:]).transpose(0, 1),
-            output_grad.reshape(batch * out_channels, 1, out_h, out_w),
-            stride=(dh, dw),
-            dilation=(sh, sw),
-            groups=batch * groups,
-        )  # (C_in/g, B·C_out, |rows|, |columns|)
-        grads[:, :, :, rows.start : rows.stop, columns.start : columns.stop] = taps.reshape(
-            per_group, batch, out_channels, len(rows), len(columns)
-        ).permute(1, 2, 0, 3, 4)
-    return grads.reshape(batch, out_channels, -1)
+    window = _live_window(inputs, geometry, taps, (out_h, out_w))
+    found = F.conv2d(
+        window.reshape(batch * groups, per_group, *window.shape[2:]).transpose(0, 1),
+        output_grad.reshape(batch * out_channels, 1, out_h, out_w),
+        stride=(dh, dw),
+        dilation=(sh, sw),
+        groups=batch * groups,
+    )  # (C_in/g, B·C_out, |rows|, |columns|)
+    return found.reshape(per_group, batch, out_channels, len(rows), len(columns)).permute(1, 2, 0, 3, 4)
 
 
-def per_example_by_weight_gradient(
-    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1
+def live_taps_by_weight_gradient(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int, taps: Taps
 ) -> torch.Tensor:
-    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in/g·kh·kw), as the weight gradient of one
-    convolution with B·g groups: the examples are folded into the channels, input (1, B·C_in, H, W) and output
-    gradient (1, B·C_out, oh, ow), so group (i, j)'s weight gradient is example i's for the layer's group j.
-    Same numbers as :func:`per_example_by_grouped_forward`, by another kernel (the grouped weight-gradient
-    convolution), which is the faster of the two on a CPU from 8 input channels up for g = 1
-    (``benchmarks/conv_per_example.py``)."""
+    """∇_W ℓ_i at the live ``taps``, (B, C_out, C_in/g, |rows|, |columns|), as the weight gradient of one
+    convolution with B·g groups and the taps alone as its kernel, over the padded input cropped to what they read:
+    the examples are folded into the channels, input (1, B·C_in, …) and output gradient (1, B·C_out, oh, ow), so
+    group (i, j)'s weight gradient is example i's for the layer's group j. The faster of this and the grouped
+    forward on a CPU from 8 input channels up for g = 1 (``benchmarks/conv_per_example.py``)."""
+    (kernel, stride, padding, dilation), (rows, columns) = geometry, taps
     batch, channels = inputs.shape[:2]
     out_channels = output_grad.shape[1]
-    kernel, stride, padding, dilation = geometry
+    if (len(rows), len(columns)) == tuple(kernel):  # every tap: the layer's own padding (no padded copy)
+        window = inputs
+    else:
+        window, padding = _live_window(inputs, geometry, taps, (output_grad.shape[2], output_grad.shape[3])), (0, 0)
     grads: torch.Tensor = torch.nn.grad.conv2d_weight(
-        inputs.reshape(1, batch * channels, *inputs.shape[2:]),
-        (batch * out_channels, channels // groups, *kernel),
+        window.reshape(1, batch * channels, *window.shape[2:]),
+        (batch * out_channels, channels // groups, len(rows), len(columns)),
         output_grad.reshape(1, batch * out_channels, *output_grad.shape[2:]),
         stride,
         padding,
         dilation,
         groups=batch * groups,
     )
-    return grads.reshape(batch, out_channels, -1)
+    return grads.reshape(batch, out_channels, channels // groups, len(rows), len(columns))
 
 
-def per_example_by_patches(
-    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1
+def live_taps_by_patches(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int, taps: Taps
 ) -> torch.Tensor:
-    """∇_W ℓ_i = Σ_t δ_t a_tᵀ of every example, (B, C_out, C_in/g·kh·kw), from the input's patches under the
-    :func:`live_taps` (:func:`unfold_patches`) by one batched product over the B·g (example, group) pairs
-    (:func:`grouped_per_example_gradients`); the other taps' gradients are zero."""
-    (kh, kw) = geometry[0]
-    batch, channels = inputs.shape[:2]
-    out_channels = output_grad.shape[1]
-    rows, columns = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
-    grads = inputs.new_zeros(batch, out_channels, channels // groups, kh, kw)
-    if len(rows) and len(columns):
-        patches = unfold_patches(inputs, *geometry, taps=(rows, columns))  # (B, C_in·|rows|·|columns|, T)
-        d = output_grad.reshape(batch, out_channels, -1)
-        grads[:, :, :, rows.start : rows.stop, columns.start : columns.stop] = grouped_per_example_gradients(
-            d, patches, groups
-        ).reshape(batch, out_channels, -1, len(rows), len(columns))
-    return grads.reshape(batch, out_channels, -1)
+    """∇_W ℓ_i at the live ``taps``, (B, C_out, C_in/g, |rows|, |columns|), from the input's patches under them
+    (:func:`unfold_patches`) by one batched product over the B·g (example, group) pairs
+    (:func:`grouped_per_example_gradients`)."""
+    batch, out_channels = output_grad.shape[:2]
+    patches = unfold_patches(inputs, *geometry, taps=taps)  # (B, C_in·|rows|·|columns|, T)
+    grads = grouped_per_example_gradients(output_grad.reshape(batch, out_channels, -1), patches, groups)
+    return grads.reshape(batch, out_channels, -1, len(taps[0]), len(taps[1]))
 
+
+LIVE_TAP_WAYS = {
+    "weight gradient": live_taps_by_weight_gradient,
+    "grouped forward": live_taps_by_grouped_forward,
+    "patches": live_taps_by_patches,
+}
+
+
+def _whole_kernel(way: str) -> Callable[[torch.Tensor, torch.Tensor, Geometry, int], torch.Tensor]:
+    """``way``'s per-example gradients over the whole kernel, (B, C_out, C_in/g·kh·kw): the live taps' in place, the
+    other taps' zero (they read only padding, at every output position)."""
+
+    def whole(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1) -> torch.Tensor:
+        taps = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
+        batch, out_channels = output_grad.shape[:2]
+        grads = inputs.new_zeros(batch, out_channels, inputs.shape[1] // groups, *geometry[0])
+        if len(taps[0]) and len(taps[1]):
+            grads[:, :, :, taps[0].start : taps[0].stop, taps[1].start : taps[1].stop] = LIVE_TAP_WAYS[way](
+                inputs, output_grad, geometry, groups, taps
+            )
+        return grads.reshape(batch, out_channels, -1)
+
+    whole.__doc__ = f"∇_W ℓ_i of every example over the whole kernel by the {way} (:data:`LIVE_TAP_WAYS`)."
+    return whole
+
+
+per_example_by_weight_gradient = _whole_kernel("weight gradient")
+per_example_by_grouped_forward = _whole_kernel("grouped forward")
+per_example_by_patches = _whole_kernel("patches")
 
 PER_EXAMPLE_WAYS = {
     "weight gradient": per_example_by_weight_gradient,
@@ -162,13 +192,14 @@ def _seconds(
 ) -> dict[str, float]:
     """Each way's least seconds on the CPU over ``TIMED_ROUNDS`` rounds of the ways in turn (so that a passing load
     falls on all of them alike), after one untimed run each that pays for its kernel's set-up."""
+    taps = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
     for way in ways:
-        PER_EXAMPLE_WAYS[way](inputs, output_grad, geometry, groups)
+        LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps)
     least = dict.fromkeys(ways, float("inf"))
     for _ in range(TIMED_ROUNDS):
         for way in ways:
             start = time.perf_counter()
-            PER_EXAMPLE_WAYS[way](inputs, output_grad, geometry, groups)
+            LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps).contiguous()
             least[way] = min(least[way], time.perf_counter() - start)
     return least
 
@@ -180,6 +211,64 @@ def grouped_conv_per_example_gradients(
     return PER_EXAMPLE_WAYS[fastest_grouped_way(inputs, output_grad, geometry, groups)](
         inputs, output_grad, geometry, groups
     )
+
+
+def grouped_conv_live_tap_gradients(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int
+) -> tuple[torch.Tensor, Taps]:
+    """∇_W ℓ_i of a grouped (or any) Conv2d at its live taps only, (B, C_out, C_in/g, |rows|, |columns|), by
+    :func:`fastest_grouped_way`, and those taps: every other tap reads only padding, so its gradient is zero for
+    every example, and the norms, the kept gradients and their clip-weighted sum need only these (ResNeXt's 3×3
+    groups on 1×1 maps: 1 tap of 9)."""
+    taps = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
+    if not len(taps[0]) or not len(taps[1]):
+        return inputs.new_zeros(inputs.shape[0], output_grad.shape[1], inputs.shape[1] // groups, *map(len, taps)), taps
+    way = fastest_grouped_way(inputs, output_grad, geometry, groups)
+    return LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps), taps
+
+
+def live_window(calls: list[tuple[torch.Tensor, torch.Tensor]], geometry: Geometry) -> tuple[range, range]:
+    """The kernel taps some call of a layer reads the input with (its calls' :func:`live_taps`, joined)."""
+    found = [live_taps(geometry, tuple(a.shape[2:]), tuple(d.shape[2:])) for a, d in calls]
+    live = [taps for taps in found if len(taps[0]) and len(taps[1])]
+    if not live:
+        return range(0), range(0)
+    return (
+        range(min(t[0].start for t in live), max(t[0].stop for t in live)),
+        range(min(t[1].start for t in live), max(t[1].stop for t in live)),
+    )
+
+
+def in_window(grads: torch.Tensor, taps: tuple[range, range], window: tuple[range, range]) -> torch.Tensor:
+    """Per-example gradients at ``taps`` (B, C_out, C_in/g, |rows|, |columns|) placed in the layer's ``window`` of
+    live taps (zero at a tap of the window this call does not read)."""
+    if taps == window:
+        return grads
+    placed = grads.new_zeros(*grads.shape[:3], len(window[0]), len(window[1]))
+    if len(taps[0]) and len(taps[1]):
+        rows = slice(taps[0].start - window[0].start, taps[0].stop - window[0].start)
+        columns = slice(taps[1].start - window[1].start, taps[1].stop - window[1].start)
+        placed[:, :, :, rows, columns] = grads
+    return placed
+
+
+def grouped_ghost_norms_squared(
+    calls: list[tuple[torch.Tensor, torch.Tensor]], geometry: Geometry, groups: int, window: Taps
+) -> torch.Tensor:
+    """‖∇_W ℓ_i‖² (B,) of a grouped Conv2d without its per-example gradients: group j's gradient is
+    Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over the positions t of every call, so its squared norm is Σ_{t,s} (δ_t·δ_s)(a_t·a_s)
+    (the ghost norm, Li et al. 2022, per group), from the B·g pairs' Gram matrices of the live ``window``'s patches
+    and of δ, (B·g, T, T) each: T²·(C_in/g·|window| + C_out/g) multiply-adds a pair, against T·C_in/g·|window|·C_out/g
+    to materialise it (ResNeXt's 3×3 groups of 16 channels on 2×2 maps: 2,560 against 9,216)."""
+    batch, out_channels = calls[0][1].shape[:2]
+    patches = torch.cat([unfold_patches(a, *geometry, taps=window) for a, _ in calls], 2)  # (B, C_in·|window|, T)
+    d = torch.cat([g.reshape(batch, out_channels, -1) for _, g in calls], 2)  # (B, C_out, T)
+    a = patches.reshape(batch * groups, patches.shape[1] // groups, -1)
+    d = d.reshape(batch * groups, out_channels // groups, -1)
+    if d.shape[2] == 1:  # one position: each group's gradient δ aᵀ has rank one, ‖δ aᵀ‖² = ‖δ‖²‖a‖²
+        return (row_norms_squared(a) * row_norms_squared(d)).reshape(batch, groups).sum(1)
+    grams = torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)
+    return grams.sum((1, 2)).reshape(batch, groups).sum(1)
 
 
 def grouped_per_example_gradients(d: torch.Tensor, patches: torch.Tensor, groups: int) -> torch.Tensor:

@@ -64,7 +64,10 @@ from dpml.train.clipping_conv import (
     weight_from_columns,
 )
 from dpml.train.clipping_conv_ways import (
-    grouped_conv_per_example_gradients,
+    grouped_conv_live_tap_gradients,
+    grouped_ghost_norms_squared,
+    in_window,
+    live_window,
     per_example_conv_gradients,
     per_example_conv_way,
 )
@@ -217,6 +220,16 @@ def materialise(batch: int, count: int, d_in: int, d_out: int, limit: int) -> bo
     return count * count > d_in * d_out
 
 
+def grouped_by_ghost_norm(pairs: int, count: int, d_in: int, d_out: int, limit: int) -> bool:
+    """Whether a grouped convolution's per-example norm is the ghost norm of its groups (each a dense layer from
+    its live patch, d_in numbers, to d_out output channels, over ``count`` positions; ``pairs`` = B·g), not its
+    per-example gradients: where :func:`materialise` says so for the groups, and the gradients would hold more
+    than ``KEEP_TRAFFIC`` times the patches the ghost norm reads (d_out > ``KEEP_TRAFFIC``·T, as the B·g·d_in·d_out
+    numbers against B·g·d_in·T). A depthwise layer's (d_out = 1) are as small as its patches, and kept they spare
+    its clipped sum a second pass; ResNeXt's groups of 32 channels on 1×1 maps hold 32 times their patches."""
+    return d_out > KEEP_TRAFFIC * count and not materialise(pairs, count, d_in, d_out, limit)
+
+
 @dataclass
 class Piece:
     """One fast layer's share: the per-example squared norm (B,) of the gradient of its trainable
@@ -347,25 +360,38 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
 def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> Piece:
     """A Conv1d or Conv2d with ``groups`` = g > 1 (depthwise when g = C_in): group j maps input channels
     j·C_in/g … to output channels j·C_out/g …, so ∇_{W_j} ℓ_i = Σ_calls Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over group j's
-    patches, materialised (B, C_out, C_in/g·K) call by call in the fastest way for the shape
-    (:func:`dpml.train.clipping_conv_ways.fastest_grouped_way`), in batch slices of at most :func:`keep_limit`
-    numbers; kept when the whole batch fits, else the clipped sum is the layer's own weight-gradient
-    convolution of the clip-weighted δ, summed over the calls."""
+    patches. Its norm by the ghost norm per group where the positions are few (:func:`materialise`, each group a
+    dense layer over the live taps: :func:`dpml.train.clipping_conv_ways.grouped_ghost_norms_squared`), else
+    materialised at the live taps only (every other tap reads only padding: its gradient is zero), (B,
+    C_out·C_in/g·|live taps|), call by call in the fastest way for the shape
+    (:func:`dpml.train.clipping_conv_ways.grouped_conv_live_tap_gradients`), in batch slices of at most
+    :func:`keep_limit` numbers; kept when the whole batch fits, else the clipped sum is the layer's own
+    weight-gradient convolution of the clip-weighted δ, summed over the calls."""
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     groups, weight = module.groups, module.weight
     batch, out_channels = calls[0][1].shape[:2]
     device = weight.device
     squared, kept = calls[0][1].new_zeros(batch), None
-    if trainable(weight):
-        step = max(1, keep_limit(device) // weight.numel())
-        keep = batch * weight.numel() <= room(keep_limit(device))  # the whole batch in one slice, within the budget
+    planar = [(as_2d(module, a), as_2d(module, d)) for a, d in calls]
+    window = live_window(planar, geometry)
+    size = max(1, out_channels * weight.shape[1] * len(window[0]) * len(window[1]))  # an example's live numbers
+    count = sum(d[0, 0].numel() for _, d in planar)  # T: the positions of every call
+    per_group = (size // out_channels, out_channels // groups)  # a group's d_in (its live patch) and d_out
+    if trainable(weight) and grouped_by_ghost_norm(batch * groups, count, *per_group, room(keep_limit(device))):
+        squared = grouped_ghost_norms_squared(planar, geometry, groups, window)
+    elif trainable(weight):
+        step = max(1, keep_limit(device) // size)
+        keep = batch * size <= room(keep_limit(device))  # the whole batch in one slice, within the budget
         for start in range(0, batch, step):
             part = slice(start, start + step)
             per_example = functools.reduce(
                 torch.add,
                 [
-                    grouped_conv_per_example_gradients(
-                        as_2d(module, inputs[part]), as_2d(module, output_grad[part]), geometry, groups
+                    in_window(
+                        *grouped_conv_live_tap_gradients(
+                            as_2d(module, inputs[part]), as_2d(module, output_grad[part]), geometry, groups
+                        ),
+                        window,
                     ).reshape(min(step, batch - start), -1)
                     for inputs, output_grad in calls
                 ],
@@ -381,11 +407,16 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
     )
     if bias_grads is not None:
         squared = squared + row_norms_squared(bias_grads)
+    shape = torch.Size((weight.shape[0], weight.shape[1], *geometry[0]))  # a Conv1d's as a Conv2d's
 
     def weight_sum(factors: torch.Tensor) -> torch.Tensor:
         if kept is not None:
-            return (factors @ kept).reshape(weight.shape)
-        shape = torch.Size((weight.shape[0], weight.shape[1], *geometry[0]))  # a Conv1d's as a Conv2d's
+            total = weight.new_zeros(shape)
+            rows, columns = window
+            total[:, :, rows.start : rows.stop, columns.start : columns.stop] = (factors @ kept).reshape(
+                shape[0], shape[1], len(rows), len(columns)
+            )
+            return total.reshape(weight.shape)
         return functools.reduce(
             torch.add,
             [
