@@ -259,7 +259,8 @@ def grouped_ghost_norms_squared(
     Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over the positions t of every call, so its squared norm is Σ_{t,s} (δ_t·δ_s)(a_t·a_s)
     (the ghost norm, Li et al. 2022, per group), from the B·g pairs' Gram matrices of the live ``window``'s patches
     and of δ, (B·g, T, T) each: T²·(C_in/g·|window| + C_out/g) multiply-adds a pair, against T·C_in/g·|window|·C_out/g
-    to materialise it (ResNeXt's 3×3 groups of 16 channels on 2×2 maps: 2,560 against 9,216)."""
+    to materialise it; at one position, ‖δ‖²‖a‖² (ResNeXt's 3×3 groups of 32 channels on 1×1 maps: 64 numbers read a
+    pair, against 1,024 written)."""
     batch, out_channels = calls[0][1].shape[:2]
     patches = torch.cat([unfold_patches(a, *geometry, taps=window) for a, _ in calls], 2)  # (B, C_in·|window|, T)
     d = torch.cat([g.reshape(batch, out_channels, -1) for _, g in calls], 2)  # (B, C_out, T)
