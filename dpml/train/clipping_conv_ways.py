@@ -227,7 +227,7 @@ def grouped_conv_live_tap_gradients(
     return LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps), taps
 
 
-def live_window(calls: list[tuple[torch.Tensor, torch.Tensor]], geometry: Geometry) -> tuple[range, range]:
+def live_window(calls: list[tuple[torch.Tensor, torch.Tensor]], geometry: Geometry) -> Taps:
     """The kernel taps some call of a layer reads the input with (its calls' :func:`live_taps`, joined)."""
     found = [live_taps(geometry, tuple(a.shape[2:]), tuple(d.shape[2:])) for a, d in calls]
     live = [taps for taps in found if len(taps[0]) and len(taps[1])]
@@ -239,7 +239,7 @@ def live_window(calls: list[tuple[torch.Tensor, torch.Tensor]], geometry: Geomet
     )
 
 
-def in_window(grads: torch.Tensor, taps: tuple[range, range], window: tuple[range, range]) -> torch.Tensor:
+def in_window(grads: torch.Tensor, taps: Taps, window: Taps) -> torch.Tensor:
     """Per-example gradients at ``taps`` (B, C_out, C_in/g, |rows|, |columns|) placed in the layer's ``window`` of
     live taps (zero at a tap of the window this call does not read)."""
     if taps == window:

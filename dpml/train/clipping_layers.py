@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeGuard, TypeVar
@@ -224,9 +225,8 @@ def grouped_by_ghost_norm(pairs: int, count: int, d_in: int, d_out: int, limit: 
     """Whether a grouped convolution's per-example norm is the ghost norm of its groups (each a dense layer from
     its live patch, d_in numbers, to d_out output channels, over ``count`` positions; ``pairs`` = B·g), not its
     per-example gradients: where :func:`materialise` says so for the groups, and the gradients would hold more
-    than ``KEEP_TRAFFIC`` times the patches the ghost norm reads (d_out > ``KEEP_TRAFFIC``·T, as the B·g·d_in·d_out
-    numbers against B·g·d_in·T). A depthwise layer's (d_out = 1) are as small as its patches, and kept they spare
-    its clipped sum a second pass; ResNeXt's groups of 32 channels on 1×1 maps hold 32 times their patches."""
+    than ``KEEP_TRAFFIC`` times the patches the ghost norm reads (d_out > ``KEEP_TRAFFIC``·T). A depthwise layer's
+    (d_out = 1) are as small as its patches, and kept they spare its clipped sum a second pass."""
     return d_out > KEEP_TRAFFIC * count and not materialise(pairs, count, d_in, d_out, limit)
 
 
@@ -360,8 +360,8 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
 def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> Piece:
     """A Conv1d or Conv2d with ``groups`` = g > 1 (depthwise when g = C_in): group j maps input channels
     j·C_in/g … to output channels j·C_out/g …, so ∇_{W_j} ℓ_i = Σ_calls Σ_t δ_{i,j,t} a_{i,j,t}ᵀ over group j's
-    patches. Its norm by the ghost norm per group where the positions are few (:func:`materialise`, each group a
-    dense layer over the live taps: :func:`dpml.train.clipping_conv_ways.grouped_ghost_norms_squared`), else
+    patches. Its norm by the ghost norm per group where :func:`grouped_by_ghost_norm` says so (each group a dense
+    layer over the live taps: :func:`dpml.train.clipping_conv_ways.grouped_ghost_norms_squared`), else
     materialised at the live taps only (every other tap reads only padding: its gradient is zero), (B,
     C_out·C_in/g·|live taps|), call by call in the fastest way for the shape
     (:func:`dpml.train.clipping_conv_ways.grouped_conv_live_tap_gradients`), in batch slices of at most
@@ -375,7 +375,7 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
     planar = [(as_2d(module, a), as_2d(module, d)) for a, d in calls]
     window = live_window(planar, geometry)
     size = max(1, out_channels * weight.shape[1] * len(window[0]) * len(window[1]))  # an example's live numbers
-    count = sum(d[0, 0].numel() for _, d in planar)  # T: the positions of every call
+    count = sum(math.prod(d.shape[2:]) for _, d in planar)  # T: the positions of every call
     per_group = (size // out_channels, out_channels // groups)  # a group's d_in (its live patch) and d_out
     if trainable(weight) and grouped_by_ghost_norm(batch * groups, count, *per_group, room(keep_limit(device))):
         squared = grouped_ghost_norms_squared(planar, geometry, groups, window)

@@ -25,7 +25,18 @@ from collections.abc import Callable
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Tracked, Use, beyond_keep_limit, rule, same_along
+from dpml.train.rules.registry import (
+    Call,
+    Dense,
+    Factored,
+    Pending,
+    Tracked,
+    Use,
+    beyond_keep_limit,
+    example_runs,
+    rule,
+    same_along,
+)
 
 
 def _expanded(equation: str, x_dims: int) -> tuple[str, str, str] | str:
@@ -205,11 +216,9 @@ def bmm(call: Call) -> Pending | str:
 def _shared_by_examples(call: Call, x: torch.Tensor, s: Tracked) -> tuple[int, Tracked] | None:
     """(H, S as (H, n, m)) when x (B·H, …) holds H matrices of each example in turn (its rows h·… of example k at
     k·H + h) and S (B·H, n, m) the same H matrices for every example; else None."""
-    owners, batch = call.leading_examples(x), call.batch
-    if owners is None or x.shape[0] % batch or x.shape[0] == batch:
-        return None
-    heads = x.shape[0] // batch
-    if not torch.equal(owners.cpu(), torch.arange(batch).repeat_interleave(heads)):
+    batch = call.batch
+    heads = example_runs(call.leading_examples(x), batch)
+    if heads is None or heads == 1:
         return None
     grouped = s.flat_index().unflatten(0, (batch, heads))
     if not same_along(grouped, 0):

@@ -22,7 +22,7 @@ from dpml.train.rules.operands import (
     same_across_rest,
     tensors,
 )
-from dpml.train.rules.registry import IDENTITY_VIEWS, Tracked
+from dpml.train.rules.registry import IDENTITY_VIEWS, Tracked, example_runs
 
 T = torch.Tensor
 JOINS = {torch.stack, torch.cat, torch.concat, torch.concatenate}
@@ -188,11 +188,7 @@ class ExampleMaps:
     def example_runs(self, t: torch.Tensor) -> int | None:
         """k where t's first dimension holds each example's slices in one run of k, in batch order, (B·k, …) with
         slice j of example ⌊j/k⌋ (Swin's windows); None otherwise."""
-        lead = self._leading_examples(t)
-        if lead is None or lead.shape[0] % self.batch:
-            return None
-        k = lead.shape[0] // self.batch
-        return k if torch.equal(lead, self._base.repeat_interleave(k)) else None
+        return example_runs(self._leading_examples(t), self.batch)
 
     def _follow_moves(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """A function of :data:`MOVES` or :data:`SORTS` on an activation (from the batch): each output's map is the same

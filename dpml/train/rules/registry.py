@@ -152,6 +152,16 @@ class Shared:
     outputs: list[tuple[torch.Tensor, Tracked]] = field(default_factory=list)
 
 
+def example_runs(owners: torch.Tensor | None, batch: int) -> int | None:
+    """k where ``owners`` (N,), the example of each index of a tensor's first dimension, holds each example's
+    indices in one run of k, in batch order (index j of example ⌊j/k⌋: Swin's windows (B·windows, …), a batched
+    product's heads example by example (B·H, …)); None otherwise."""
+    if owners is None or owners.shape[0] % batch:
+        return None
+    k = owners.shape[0] // batch
+    return k if torch.equal(owners.cpu(), torch.arange(batch).repeat_interleave(k)) else None
+
+
 @dataclass
 class Rows:
     """Where each example's rows are in a tensor whose leading dimensions hold the batch (all but the last):
