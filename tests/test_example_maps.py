@@ -151,3 +151,40 @@ def test_layers_on_each_examples_run_of_windows_take_their_shortcut(layout: str)
     else:
         assert not windowed & set(plan.fast_layers), plan.lines()
         assert {n.split(".")[0] for n in plan.rule_parameters} == windowed, plan.lines()
+
+
+class TimeMajorAttention(nn.Module):
+    """Relative attention written as XLNet writes it, time-major and in index equations: the tokens' rows (T, B, h)
+    (moved by an einsum of no parameter, ``bth->tbh``), per-head projections ``ibh,hnd->ibnd``, a per-head bias added
+    to the queries (T, B, H, d) + (H, d), scores ``ibnd,jbnd->bnij`` (the batch moved first), the values back
+    time-major ``bnij,jbnd->ibnd``, the output projection ``ibnd,hnd->ibh``, then a linear layer on the time-major
+    rows."""
+
+    def __init__(self, width: int = 6, heads: int = 2, head: int = 3) -> None:
+        super().__init__()
+        self.table = nn.Embedding(11, width)
+        self.q, self.k, self.v, self.o = (nn.Parameter(torch.randn(width, heads, head) * 0.4) for _ in range(4))
+        self.bias = nn.Parameter(torch.randn(heads, head) * 0.4)
+        self.inner = nn.Linear(width, width)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T)
+        rows = torch.einsum("bth->tbh", self.table(ids))
+        q = torch.einsum("ibh,hnd->ibnd", rows, self.q) + self.bias
+        k, v = torch.einsum("ibh,hnd->ibnd", rows, self.k), torch.einsum("ibh,hnd->ibnd", rows, self.v)
+        scores = torch.einsum("ibnd,jbnd->bnij", q, k).softmax(-1)
+        attended = torch.einsum("ibnd,hnd->ibh", torch.einsum("bnij,jbnd->ibnd", scores, v), self.o)
+        return self.out(torch.tanh(self.inner(attended + rows)).mean(0))
+
+
+@pytest.mark.parametrize("length", [6, 5])
+def test_time_major_index_equations_take_the_rules_with_the_batch_where_it_is(length: int) -> None:
+    """Batch 5: at 5 tokens the time-major rows' first dimension is B too, and an einsum that moved the batch must
+    not be taken for batch-first (the linear layer would clip each token's rows as an example's)."""
+    torch.manual_seed(7)
+    model = TimeMajorAttention()
+    x = torch.randint(0, 11, (5, length), generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(4))
+    found = engine_pass(model.double(), per_example_cross_entropy, x, y)
+    assert found.exact == {}, found.reasons
+    assert_clipped_like_the_loop(model, x, y)

@@ -3,7 +3,8 @@ operands, ``torch.bmm`` with a parameter expanded over the batch (``w.expand(B, 
 product with a parameter of more than two dimensions (per-head weights, ``x @ w`` with x (B, H, T, d) and
 w (H, d, e)).
 
-z = einsum(x, S) with subscripts X, S, Z, and b = x's first subscript, its batch dimension. Each example's
+z = einsum(x, S) with subscripts X, S, Z, and b = x's batch dimension's subscript (its first, or where the
+recorder's example map puts the batch: XLNet's time-major ``ibh,hnd->ibnd``, x read as (b, i, h)). Each example's
 z_i depends on x_i and S only, so ∇_S ℓ_i = einsum(x_i, δ_i → S): the same contraction with δ = ∂ℓ/∂z in
 place of the other operand, and b kept (Goodfellow 2015, written for any contraction):
 
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from dpml.train.rules.operands import einsum_subscripts
 from dpml.train.rules.registry import (
     Call,
     Dense,
@@ -39,27 +41,17 @@ from dpml.train.rules.registry import (
 )
 
 
-def _expanded(equation: str, x_dims: int) -> tuple[str, str, str] | str:
+def _expanded(equation: str, x_dims: int, s_dims: int) -> tuple[str, str, str] | str:
     """('x subscripts', 'S subscripts', 'z subscripts') of a two-operand equation whose first operand is x, with
     x's ellipsis written out in unused letters; or why it cannot be."""
-    equation = equation.replace(" ", "")
-    lhs, arrow, rhs = equation.partition("->")
-    operands = lhs.split(",")
-    if len(operands) != 2:
-        return f"an equation of {len(operands)} operands"
-    x_subs, s_subs = operands
-    if "..." in s_subs:
+    x_term, _, s_term = equation.replace(" ", "").partition("->")[0].partition(",")
+    if "..." in s_term:
         return "a parameter under '...'"
-    fresh = [c for c in string.ascii_letters if c not in equation]
-    explicit = len(x_subs.replace("...", ""))
-    covered = "".join(fresh[: x_dims - explicit]) if "..." in x_subs else ""
-    x_subs = x_subs.replace("...", covered)
-    if not arrow:  # implicit output: the ellipsis, then the indices that appear once, in ASCII order
-        counts = x_subs.replace(covered, "") + s_subs
-        rhs = covered + "".join(sorted(c for c in set(counts) if counts.count(c) == 1))
-    else:
-        rhs = rhs.replace("...", covered)
-    return x_subs, s_subs, rhs
+    parsed = einsum_subscripts(equation, (x_dims, s_dims))
+    if parsed is None:
+        return "subscripts that do not match the operands"
+    (x_subs, s_subs), z_subs = parsed
+    return x_subs, s_subs, z_subs
 
 
 def product(
@@ -76,7 +68,10 @@ def product(
     if len(x_subs) != a.dim() or len(s_subs) != len(s.shape()):
         return "subscripts that do not match the operands"
     if merged == 1 and not call.batch_first(x):
-        return f"its activation (shape {tuple(x.shape)}) is not batch-first"
+        at = call.batch_dim(x)
+        if at is None:
+            return f"its activation (shape {tuple(x.shape)}) has no batch dimension"
+        a, x_subs = a.movedim(at, 0), x_subs[at] + x_subs[:at] + x_subs[at + 1 :]  # (time-major: XLNet's i b h)
     b = x_subs[0]
     if b in s_subs or b not in z_subs:
         return "the batch index on the parameter or summed away"
@@ -177,7 +172,7 @@ def einsum(call: Call) -> Pending | str:
         lhs, arrow, rhs = equation.replace(" ", "").partition("->")
         left, _, right = lhs.partition(",")
         equation = f"{right},{left}{arrow}{rhs}"
-    subscripts = _expanded(equation, x.dim())
+    subscripts = _expanded(equation, x.dim(), s.dim())
     if isinstance(subscripts, str):
         return subscripts
     return product(call, x, tracked, subscripts)

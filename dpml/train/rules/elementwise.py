@@ -6,9 +6,10 @@ With S right-aligned to z and padded to S' of z's rank: ∇_S ℓ_i = Σ over th
 (∂ℓ_i/∂z_i) ⊙ x_i (product) or ± α ∂ℓ_i/∂z_i (sum), materialised (the size of S per example). S' must be
 shared (leading size 1) or expanded over the batch (the same elements in every example's slice); the other
 operand batch-first, or with a first dimension whose slices each belong to one example (Swin's attention
-windows, (B·windows, …)): its rows' gradients are then added up per example. S + c and S − c with c a
-constant of every example (``1 + w``) are S again, shifted: their result is tracked as a view of the
-parameter, and the operation that meets the batch forms the gradient.
+windows, (B·windows, …)): its rows' gradients are then added up per example; or with its batch along another
+dimension (XLNet's time-major queries plus a per-head bias, (T, B, H, d) + (H, d)), read with that one first.
+S + c and S − c with c a constant of every example (``1 + w``) are S again, shifted: their result is tracked as a
+view of the parameter, and the operation that meets the batch forms the gradient.
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def elementwise(call: Call) -> Pending | Shared | str:
     shifted = _shifted(call, s, x, tracked, _coefficient(call, s_first))  # type: ignore[arg-type]
     if shifted is not None:
         return shifted
-    owners = call.leading_examples(x)
-    if owners is None or z.dim() < 1 or z.shape[0] != x.shape[0]:
-        return "no batch-first operand"
-    found = broadcast_view(call, s, owners)  # (rows: the batch, or rows that each belong to one example)
+    owners, at = call.leading_examples(x), 0
+    if owners is None and isinstance(x, torch.Tensor) and z.dim() == x.dim():  # batch elsewhere: read batch-first
+        at = call.batch_dim(x) or 0
+        owners = torch.arange(call.batch) if at else None
+    if owners is None or z.dim() < 1 or z.shape[at] != x.shape[at]:
+        return "no operand with a batch dimension"
+    found = broadcast_view(call, s, owners, at)  # (rows: the batch, or rows that each belong to one example)
     if isinstance(found, str):
         return found
     view, _, reduce, gather = found
@@ -73,6 +77,7 @@ def elementwise(call: Call) -> Pending | Shared | str:
 
     def finish(d: torch.Tensor) -> list[Use]:
         g = d * other if other is not None else (d * scale if scale != 1.0 else d)
+        g = g.movedim(at, 0) if at else g
         if reduce:
             g = g.sum(reduce, keepdim=True)
         return [(view, Dense(gather(g)))]

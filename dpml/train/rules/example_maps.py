@@ -6,6 +6,7 @@ back; lost by a sort along the first dimension; read back as the rows of each ex
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from dpml.train.rules.operands import (
     apply_view,
     carried,
     core,
+    einsum_subscripts,
     leading_carried,
     outputs,
     same_across_rest,
@@ -41,6 +43,20 @@ PACKING = {torch._pack_padded_sequence, torch._pad_packed_sequence}
 """A padded batch of sequences packed into the rows of its steps (time-major, the longest first), and back."""
 SORTS = {torch.sort, T.sort, torch.msort, T.msort, torch.topk, T.topk}
 """Functions that move elements by their values: along the first dimension no map says where each row went."""
+
+
+def _varying(examples: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
+    """(the dimensions along which an example map's values change, its values over them alone, in their order), from
+    its values without broadcast dimensions (:func:`core`)."""
+    values = core(examples)
+    dims = []
+    for k in range(values.dim()):
+        first = values.narrow(k, 0, 1)
+        if values.shape[k] > 1 and not torch.equal(values, first.expand_as(values)):
+            dims.append(k)
+        else:
+            values = first
+    return dims, values.reshape([values.shape[k] for k in dims])
 
 
 class ExampleMaps:
@@ -157,6 +173,9 @@ class ExampleMaps:
             return
         if func in JOINS and self._follow_join(func, args, kwargs, out):
             return
+        if func is torch.einsum:
+            self._follow_einsum(args, out)
+            return
         entries = [(t, self._entry(t)) for t in tensors(args, kwargs)] if self._examples else []
         if not any(known for _, (known, _) in entries):
             return
@@ -189,6 +208,59 @@ class ExampleMaps:
         """k where t's first dimension holds each example's slices in one run of k, in batch order, (B·k, …) with
         slice j of example ⌊j/k⌋ (Swin's windows); None otherwise."""
         return example_runs(self._leading_examples(t), self.batch)
+
+    def batch_dim(self, t: torch.Tensor) -> int | None:
+        """The dimension of t that is the batch: t's map is 0 … B − 1 along it and the same along every other one (0
+        for a batch-first activation, 1 for a time-major (T, B, …) one); None where there is no such dimension."""
+        if t.dim() < 1 or self.tracked(t) is not None or not self.derived(t):
+            return None
+        if self.batch == 1:  # every element is the one example's: its first dimension of size 1 is the batch
+            return next((k for k, size in enumerate(t.shape) if size == 1), None)
+        examples = self._source_examples(t)[1]
+        varying = None if examples is None else _varying(examples.expand(t.shape))
+        if varying is None or len(varying[0]) != 1:
+            return None
+        (k,), values = varying
+        return k if torch.equal(values.reshape(-1), self._base) else None
+
+    def _follow_einsum(self, args: tuple[Any, ...], out: Any) -> None:
+        """``torch.einsum(equation, *operands)``: an operand from the batch whose map varies only along letters the
+        output keeps gives the output that map, laid out along the same letters (XLNet's time-major ``ibh,hnd->ibnd``
+        keeps the batch where it was, ``ibnd,jbnd->bnij`` moves it first); the output is lost where an operand's map
+        varies along a letter summed away (its examples are mixed), where two operands give different maps, where an
+        operand's batch is not known, or for einsum's sublist form."""
+        equation = args[0] if args else None
+        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        if not isinstance(out, torch.Tensor) or not any(self.derived(t) for t in tensors(tuple(operands), {})):
+            return
+        parsed = einsum_subscripts(equation, [t.dim() for t in operands]) if isinstance(equation, str) else None
+        found: torch.Tensor | None = None
+        for k, t in enumerate(operands):
+            if not isinstance(t, torch.Tensor) or not self.derived(t):
+                continue
+            mapped = None if parsed is None else self._einsum_map(t, parsed[0][k], parsed[1], out)
+            if mapped is None or (found is not None and not torch.equal(found, mapped)):
+                self._keep_examples(out, None)
+                return
+            found = mapped
+        self._keep_examples(out, found)
+
+    def _einsum_map(
+        self, t: torch.Tensor, subscripts: str, out_subscripts: str, out: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The output map an einsum operand t (from the batch) gives its output (:meth:`_follow_einsum`), or None."""
+        examples = self._source_examples(t)[1]
+        varying = None if examples is None else _varying(examples.expand(t.shape))
+        if varying is None or len(set(subscripts)) != len(subscripts):
+            return None
+        dims, values = varying
+        letters = [subscripts[k] for k in dims]
+        if any(c not in out_subscripts for c in letters):
+            return None
+        order = sorted(range(len(letters)), key=lambda j: out_subscripts.index(letters[j]))
+        laid_out = values.permute(order) if order else values
+        shape = [out.shape[i] if c in letters else 1 for i, c in enumerate(out_subscripts)]
+        return laid_out.reshape(shape).expand(out.shape) if laid_out.numel() == math.prod(shape) else None
 
     def _follow_moves(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """A function of :data:`MOVES` or :data:`SORTS` on an activation (from the batch): each output's map is the same

@@ -4,9 +4,10 @@ operations replayed on index tensors, and Python composites run again under the 
 
 from __future__ import annotations
 
+import string
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +92,31 @@ def outputs(out: Any) -> list[torch.Tensor]:
     if isinstance(out, (list, tuple)):
         return [o for o in out if isinstance(o, torch.Tensor)]
     return []
+
+
+def einsum_subscripts(equation: str, dims: Sequence[int]) -> tuple[list[str], str] | None:
+    """(each operand's subscripts, the output's) of ``torch.einsum(equation, …)`` on operands of ``dims`` dimensions,
+    an ellipsis written out in letters the equation does not use (right-aligned across the operands, as einsum
+    broadcasts them) and an implicit output made explicit (the ellipsis, then the letters written once, in ASCII
+    order); None where the equation does not fit the operands."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(dims):
+        return None
+    widths = [n - len(term.replace("...", "")) for term, n in zip(terms, dims, strict=True)]
+    if any(w < 0 or (w > 0 and "..." not in term) for term, w in zip(terms, widths, strict=True)):
+        return None
+    fresh = [c for c in string.ascii_letters if c not in equation]
+    widest = max((w for term, w in zip(terms, widths, strict=True) if "..." in term), default=0)
+    if widest > len(fresh):
+        return None
+    covered = "".join(fresh[:widest])
+    written = [term.replace("...", covered[widest - w :]) for term, w in zip(terms, widths, strict=True)]
+    if arrow:
+        return written, rhs.replace("...", covered)
+    explicit = "".join(term.replace("...", "") for term in terms)
+    return written, covered + "".join(sorted(c for c in set(explicit) if explicit.count(c) == 1))
 
 
 def written_at(t: torch.Tensor, key: Any, value: Any) -> torch.Tensor:

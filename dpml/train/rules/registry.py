@@ -221,6 +221,7 @@ class Call:
     batch_first_of: Callable[[torch.Tensor], bool]
     leading_examples_of: Callable[[torch.Tensor], torch.Tensor | None]
     from_batch_of: Callable[[torch.Tensor], bool]
+    batch_dim_of: Callable[[torch.Tensor], int | None]
 
     def arg(self, position: int, name: str, default: Any = None) -> Any:
         if len(self.args) > position:
@@ -247,6 +248,11 @@ class Call:
         """The example of each index of t's first dimension (N,) when each of its slices belongs to one example: 0 …
         B − 1 for a batch-first activation, each window's example for Swin's (B·windows, …); else None."""
         return self.leading_examples_of(t) if isinstance(t, torch.Tensor) else None
+
+    def batch_dim(self, t: Any) -> int | None:
+        """The dimension of the activation t that is the batch (0 batch-first, 1 time-major), each of its indices
+        one example's and every other dimension within an example; None where there is none."""
+        return self.batch_dim_of(t) if isinstance(t, torch.Tensor) else None
 
 
 def per_example(rows: torch.Tensor, owners: torch.Tensor, batch: int) -> torch.Tensor:
@@ -281,20 +287,25 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def broadcast_view(
-    call: Call, s: torch.Tensor, owners: torch.Tensor
+    call: Call, s: torch.Tensor, owners: torch.Tensor, at: int = 0
 ) -> tuple[Tracked, tuple[int, ...], tuple[int, ...], Gather] | str:
     """The parameter operand s of an elementwise call as one example's view of its parameter, its shape padded to the
     output z's rank, the dimensions of z it is broadcast over (summed in its gradient), and how its rows' gradients
-    become per-example ones (``owners``: the example of each index of z's first dimension); or why not. Either every
-    example shares S's slice (:func:`view_per_example`: rows added up per example), or S has one slice per row and
-    every example's k rows use the same k slices (WavLM's relative position bias repeated over the batch, a slice per
-    head: the example's view is those k slices)."""
-    z = call.output
-    if s.dim() > z.dim():
+    become per-example ones (``owners``: the example of each index of z's dimension ``at``, its batch: shapes,
+    dimensions and rows are then those of z with that dimension moved first, a time-major z read batch-first); or why
+    not. Either every example shares S's slice (:func:`view_per_example`: rows added up per example), or S has one
+    slice per row and every example's k rows use the same k slices (WavLM's relative position bias repeated over the
+    batch, a slice per head: the example's view is those k slices)."""
+    z_shape, tracked = list(call.output.shape), call.tracked(s)
+    if s.dim() > len(z_shape):
         return "a parameter with more dimensions than the result"
-    padded = (1,) * (z.dim() - s.dim()) + tuple(s.shape)
-    reduce = tuple(d for d in range(1, z.dim()) if padded[d] == 1 and z.shape[d] != 1)
-    rows, batch, tracked = z.shape[0], call.batch, call.tracked(s)
+    padded = (1,) * (len(z_shape) - s.dim()) + tuple(s.shape)
+    if at:
+        moved = tracked.flat_index().reshape(padded).movedim(at, 0)  # type: ignore[union-attr]
+        tracked = Tracked(tracked.param, moved, tracked.shared)  # type: ignore[union-attr]
+        padded, z_shape = tuple(moved.shape), [z_shape[at], *z_shape[:at], *z_shape[at + 1 :]]
+    reduce = tuple(d for d in range(1, len(z_shape)) if padded[d] == 1 and z_shape[d] != 1)
+    rows, batch = z_shape[0], call.batch
     view = view_per_example(tracked, padded, rows)  # type: ignore[arg-type]
     if view is not None:
         return view, padded, reduce, lambda g: per_example(g.reshape(rows, *padded[1:]), owners, batch)
@@ -303,7 +314,7 @@ def broadcast_view(
     if grouped is None or index is None or not same_along(index, 0):
         return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
     view = Tracked(tracked.param, index[0].reshape(-1, *padded[1:]), tracked.shared)  # type: ignore[union-attr]
-    beyond = beyond_keep_limit(batch, view.shape(), z.device)
+    beyond = beyond_keep_limit(batch, view.shape(), call.output.device)
     if beyond is not None:
         return f"an operand with a slice per row: {beyond}"
     return view, padded, reduce, lambda g: grouped.of(g.reshape(rows, -1)).reshape(batch, *view.shape())
