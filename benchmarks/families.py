@@ -113,7 +113,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
-from family_zoo import IMAGE_ZOO, TEXT_ZOO, ZOO, build_image, build_text  # noqa: E402
+from family_zoo import IMAGE_ZOO, TEXT_ZOO, TIMM_IMAGES, ZOO, build_image, build_text  # noqa: E402
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
 MORE_FAMILIES = ["lstm", "lstm-packed", "convnext", *ZOO]  # asked for by name only (``zoo``: all of ZOO)
@@ -364,7 +364,7 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
         model, description = build_text(family, size, length, BERT_VOCAB, TEXT_CLASSES)
         return _token_wrapper()(model), description
     if family in IMAGE_ZOO:
-        _import("timm" if family in ("deit", "beit", "swin", "efficientnet-gn", "regnet-gn") else "torchvision.models")
+        _import("timm" if family in TIMM_IMAGES else "torchvision.models")
         return build_image(family, size, IMAGE_CLASSES)
     raise ValueError(f"unknown family {family!r}")
 

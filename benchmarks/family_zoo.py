@@ -10,9 +10,10 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   for all query heads), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention and projections, the body frozen);
 - images (32×32, 10 classes): timm's ``deit``, ``beit`` (relative position bias, layer scale), ``swin`` (windows
   of 4, two stages), ``efficientnet-gn`` (EfficientNet-B0, depthwise 3×3 and 5×5, squeeze-excitation, its
-  BatchNorms GroupNorms) and ``regnet-gn`` (RegNetX-200MF, groups of 8 channels); torchvision's ``resnet34-gn``,
-  ``resnet50-gn``, ``resnext50-gn`` (ResNeXt-50 32×4d: 3×3 convolutions in 32 groups) and ``wide-resnet50-gn``
-  (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``.
+  BatchNorms GroupNorms), ``regnet-gn`` (RegNetX-200MF, groups of 8 channels) and ``bit-gn`` (BiT's ResNetV2-50x1:
+  each convolution's weight standardised per output channel before ``F.conv2d``, GroupNorm); torchvision's
+  ``resnet34-gn``, ``resnet50-gn``, ``resnext50-gn`` (ResNeXt-50 32×4d: 3×3 convolutions in 32 groups) and
+  ``wide-resnet50-gn`` (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``.
 
 Widths, depths and heads follow ``--size`` (the ``SIZES`` of ``families.py``) for the text models and the ViTs;
 the convolutional networks are their named configuration at every size.
@@ -39,6 +40,7 @@ TEXT_ZOO = [
     "qwen2",
     "gpt2-lora",
 ]
+TIMM_IMAGES = ("deit", "beit", "swin", "efficientnet-gn", "regnet-gn", "bit-gn")
 IMAGE_ZOO = [
     "deit",
     "beit",
@@ -50,6 +52,7 @@ IMAGE_ZOO = [
     "efficientnet-gn",
     "mobilenet-v2-gn",
     "regnet-gn",
+    "bit-gn",
 ]
 ZOO = TEXT_ZOO + IMAGE_ZOO
 
@@ -185,6 +188,9 @@ def build_image(family: str, size: dict, classes: int) -> tuple[Any, str]:
             "efficientnet_b0", pretrained=False, num_classes=classes, norm_layer=_timm_group_norm_act
         )
         return model, f"timm {timm.__version__} EfficientNet-B0, GroupNorm(gcd(32, C), C)"
+    if family == "bit-gn":  # StdConv2d: each weight standardised, then F.conv2d (the functional rule, not a hook)
+        model = timm.create_model("resnetv2_50x1_bit", pretrained=False, num_classes=classes)
+        return model, f"timm {timm.__version__} BiT ResNetV2-50x1 (weight-standardised convolutions, GroupNorm)"
     if family == "regnet-gn":
         model = _batch_norms_to_group_norms(timm.create_model("regnetx_002", pretrained=False, num_classes=classes))
         return model, f"timm {timm.__version__} RegNetX-200MF, GroupNorm(gcd(32, C), C)"

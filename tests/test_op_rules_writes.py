@@ -474,3 +474,38 @@ def test_a_constant_whose_rows_differ_is_not_taken_for_one_row() -> None:
     model = DifferentRows().double()
     x, y = torch.randn(5, 4, 3, generator=generator(37), dtype=torch.float64), torch.randint(0, 3, (5,))
     assert_clipped_like_the_loop(model, x, y)
+
+
+class Standardised(nn.Module):
+    """A convolution whose weight is standardised per output channel before use (BiT's ``StdConv2d``): a computation
+    on the parameter, whose per-example gradients, B × |W| numbers, are pulled back through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 3, 3, 3))
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = F.batch_norm(self.weight.reshape(1, 6, -1), None, None, training=True, eps=1e-6).reshape_as(self.weight)
+        return self.out(torch.tanh(F.conv2d(x, w, padding=1)).mean((2, 3)))
+
+
+def test_a_pass_that_takes_a_planned_parameter_exactly_at_a_larger_batch_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The plan's probe batch keeps the pull-back within the keep limit; at batch 8, 8 × 162 numbers pass a limit
+    of 1,000: the weight takes the exact path (still exact), and the run's log names it, once."""
+    from dpml.train import keep_budget
+
+    torch.manual_seed(31)
+    model = Standardised().double()
+    x, y = torch.randn(8, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    assert engine_pass(model, per_example_cross_entropy, x[:4], y[:4]).exact == {}
+    monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 1000)
+    with caplog.at_level("WARNING", logger="dpml.clipping"):
+        assert_clipped_like_the_loop(model, x[:4], y[:4])  # 4 × 162 numbers: within the limit, nothing said
+        assert caplog.records == []
+        assert_clipped_like_the_loop(model, x, y)
+        assert_clipped_like_the_loop(model, x, y)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "weight: F.batch_norm on parameters" in said[0] and "batch of 8" in said[0], said

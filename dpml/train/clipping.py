@@ -68,7 +68,7 @@ from dpml.train.clipping_layers import (
     takes_runs_of_rows,
 )
 from dpml.train.clipping_norms import row_norms_squared
-from dpml.train.exact_path import exact_per_example_gradients, unreached_parameters
+from dpml.train.exact_path import exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.released import RuledCall, Slot, Targets
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
@@ -471,6 +471,7 @@ def clipped_gradient_sum(
     :func:`dpml.train.clipping_check.plan_clipping`). ``autocast``: see :func:`engine_pass`."""
     reject_batch_norm(model)
     found = engine_pass(model, loss_fn, x, y, exact, autocast)
+    say_unplanned_exact(model, found.reasons, exact, found.batch)
     squared = found.squared()
     records = squared.shape[0]
     if diracs is not None:

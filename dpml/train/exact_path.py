@@ -4,11 +4,15 @@ gradients are zero without any backward pass)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import weakref
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
 
 
 def exact_per_example_gradients(losses: torch.Tensor, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -66,3 +70,26 @@ def unreached_parameters(losses: torch.Tensor, params: dict[str, nn.Parameter]) 
             reached.add(id(variable))
         stack.extend(child for child, _ in node.next_functions)
     return [n for n, p in params.items() if id(p) not in reached]
+
+
+LOG = logging.getLogger("dpml.clipping")
+_SAID: weakref.WeakKeyDictionary[nn.Module, set[frozenset[str]]] = weakref.WeakKeyDictionary()
+
+
+def say_unplanned_exact(model: nn.Module, reasons: Mapping[str, str], planned: Collection[str], batch: int) -> None:
+    """Log, once per model for each set of names, the parameters a pass took exactly (``reasons``: each one's why)
+    because their per-example gradients pass the keep limit at this batch, where the plan (``planned``, made at the
+    probe's smaller batch) did not send them: a weight standardised before its convolution, as BiT's, at batch 64.
+    Slower, never less exact; the plan's log line named none of them."""
+    unplanned = frozenset(n for n, why in reasons.items() if BEYOND_KEEP_LIMIT in why) - frozenset(planned)
+    said = _SAID.setdefault(model, set())
+    if not unplanned or unplanned in said:
+        return
+    said.add(unplanned)
+    LOG.warning(
+        "per-example clipping: %d parameter(s) took exact per-example autograd at a physical batch of %d, which the "
+        "plan did not send there (a smaller physical_batch_size keeps them off it): %s",
+        len(unplanned),
+        batch,
+        "; ".join(f"{name}: {reasons[name]}" for name in sorted(unplanned)),
+    )

@@ -47,6 +47,10 @@ def keep_limit(device: torch.device) -> int:
     return KEEP_PER_EXAMPLE_LIMIT * max(1, _gpu_memory(index) // GPU_MEMORY_PER_KEEP_LIMIT)
 
 
+BEYOND_KEEP_LIMIT = "exceed the keep limit"
+"""The words of every refusal that depends on the batch size: per-example gradients, B × |S| numbers, past the
+keep limit (:func:`dpml.train.rules.registry.beyond_keep_limit`, :func:`dpml.train.rules.derived.pull_back_all`)."""
+
 PASS_KEEP_LAYERS = 4
 """A pass keeps at most this many layers' limits' worth (``PASS_KEEP_LAYERS`` × the device's keep limit)."""
 KEEP_SHARE = 0.25

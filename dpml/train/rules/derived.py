@@ -15,6 +15,7 @@ from torch import nn
 
 from dpml.devices import RngState, rng_state, set_rng_state
 from dpml.train.exact_path import batched_vjp
+from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
 from dpml.train.rules.operands import outputs, substituted, tensors
 from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use, function_name
@@ -330,7 +331,7 @@ def pull_back_all(
         kept = [t.numel() for (_, s), t in zip(node.sources, node.leaves, strict=True) if id(s.param) not in computed]
         size = batch * max(kept, default=0) if widest <= limit else widest  # (one example's, where that is too many)
         if size > limit:
-            reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers) exceed the keep limit"
+            reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers) {BEYOND_KEEP_LIMIT}"
             failed.update({id(p): f"{reason} ({limit})" for p in node.params})
     while blocked := [node for node in chain if any(id(p) in failed for p in node.params)]:  # and what shares them
         for node in blocked:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dpml.train.keep_budget import keep_limit
+from dpml.train.keep_budget import BEYOND_KEEP_LIMIT, keep_limit
 
 
 @dataclass(frozen=True, eq=False)
@@ -279,7 +279,7 @@ def beyond_keep_limit(batch: int, shape: tuple[int, ...] | torch.Size, device: t
     the device's keep limit (:func:`dpml.train.keep_budget.keep_limit`); None when they fit."""
     if batch * math.prod(shape) <= keep_limit(device):
         return None
-    return f"its per-example gradients ({batch} × {tuple(shape)}) exceed the keep limit"
+    return f"its per-example gradients ({batch} × {tuple(shape)}) {BEYOND_KEEP_LIMIT}"
 
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
