@@ -45,7 +45,7 @@ SORTS = {torch.sort, T.sort, torch.msort, T.msort, torch.topk, T.topk}
 """Functions that move elements by their values: along the first dimension no map says where each row went."""
 
 
-def _varying(examples: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
+def _varying(examples: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """(the dimensions along which an example map's values change, its values over them alone, in their order), from
     its values without broadcast dimensions (:func:`core`)."""
     values = core(examples)
