@@ -73,6 +73,7 @@ from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.released import RuledCall, Slot, Targets
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
 from dpml.train.rules.derived import pull_back_all
+from dpml.train.rules.standardised import standardised_pieces
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.registry import Dense
 
@@ -260,9 +261,13 @@ def _rule_pieces(
                 uses[key].append((tracked, cast_form(form, dtype)))
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
-    pulled, failed = pull_back_all(recording.recorder.computations.nodes, uses, relevant, batch, dtype, limit)
+    nodes = recording.recorder.computations.nodes
+    standardised = {id(p): (node, p, piece) for node, p, piece in standardised_pieces(nodes, uses) if id(p) in ruled}
+    skipped = {id(node.output) for node, _, _ in standardised.values()}  # (weights standardised before use)
+    params.update({key: p for key, (_, p, _) in standardised.items()})
+    pulled, failed = pull_back_all(nodes, uses, relevant - skipped, batch, dtype, limit)
     failed = {key: reason for key, reason in failed.items() if key in ruled}
-    for node in reversed(recording.recorder.computations.nodes):  # later ones first, as the pull-back
+    for node in reversed(nodes):  # later ones first, as the pull-back
         for _, tracked in node.sources:
             if id(node.output) in relevant and id(tracked.param) in relevant:
                 operations[id(tracked.param)] += operations[id(node.output)] + [node.operation]
@@ -273,7 +278,7 @@ def _rule_pieces(
     for key, name in ruled.items():
         if key in failed:
             continue
-        piece = parameter_piece(params[key], uses[key], batch, limit)
+        piece = standardised[key][2] if key in standardised else parameter_piece(params[key], uses[key], batch, limit)
         if isinstance(piece, str):
             failed[key] = piece
         else:

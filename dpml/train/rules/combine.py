@@ -45,7 +45,8 @@ def cast_form(form: Form, dtype: torch.dtype) -> Form:
     """A form recorded under autocast, in the parameters' dtype (indices stay integers)."""
     if isinstance(form, Dense):
         return Dense(_cast(form.grads, dtype))
-    return Factored(_cast(form.u, dtype), _cast(form.v, dtype), form.rows, form.cols)
+    applied = None if form.applied is None else _cast(form.applied, dtype)
+    return Factored(_cast(form.u, dtype), _cast(form.v, dtype), form.rows, form.cols, applied)
 
 
 def _one_hot(t: torch.Tensor) -> bool:
@@ -204,7 +205,9 @@ def merged_uses(uses: list[Use]) -> list[Use]:
             form = Dense(torch.stack([f.grads for _, f in group]).sum(0))  # type: ignore[union-attr]
         elif len(group) > 1 and isinstance(form, Factored):
             u = torch.cat([f.u for _, f in group], 1)  # type: ignore[union-attr]
-            form = Factored(u, torch.cat([f.v for _, f in group], 1), form.rows, form.cols)  # type: ignore[union-attr]
+            products = [f.applied for _, f in group]  # type: ignore[union-attr]
+            applied = None if any(p is None for p in products) else torch.cat(products, 1)  # type: ignore[arg-type]
+            form = Factored(u, torch.cat([f.v for _, f in group], 1), form.rows, form.cols, applied)  # type: ignore[union-attr]
         merged.append((tracked, form))
     return merged
 

@@ -67,7 +67,7 @@ def convolution(call: Call) -> Pending | str:
         _pair(padding, one_d, 0),
         _pair(dilation, one_d, 1),
     )
-    recorded, batch, out_channels = x.detach(), call.batch, weight.shape[0]
+    recorded, batch, out_channels, written = x.detach(), call.batch, weight.shape[0], call.output._version
     beyond = None if groups == 1 or w is None else beyond_keep_limit(batch, weight.shape, x.device)
     if beyond is not None:
         return f"a grouped convolution: {beyond}"
@@ -77,7 +77,13 @@ def convolution(call: Call) -> Pending | str:
         uses: list[Use] = []
         if w is not None and groups == 1:
             patches = by_example(unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry), rows)
-            uses.append((w, Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])))
+            form = Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])
+            if call.output._version == written:  # (not written in place since: W a_t at each position, (B, T, C_out))
+                out = call.output.detach()
+                out = out.reshape(out.shape[0], out_channels, -1)
+                out = out - bias.detach().reshape(1, -1, 1) if isinstance(bias, torch.Tensor) else out
+                form.applied = by_example(out, rows).transpose(1, 2)
+            uses.append((w, form))
         elif w is not None:  # per image, then each example's images added up
             images = output_grad.unsqueeze(2) if one_d else output_grad
             grads = grouped_conv_per_example_gradients(

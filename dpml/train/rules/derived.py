@@ -37,6 +37,7 @@ class Derived:
     local: torch.Tensor  # the same output from ``leaves`` (checked equal to ``output`` when recorded)
     leaves: list[torch.Tensor]  # detached copies of the sources' tensors, requiring gradient
     operation: str = ""
+    call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # (function, args, kwargs) as called
 
 
 IN_PLACE_METHODS = frozenset(
@@ -241,7 +242,9 @@ class DerivedNodes:
         for o, recomputed in zip(outputs(out), local, strict=True):
             if o.requires_grad:
                 key = o.detach() if id(o) in self._by_key or any(o is t for t, _ in sources.values()) else o
-                node = Derived(key, list(sources.values()), params, recomputed, leaves, function_name(func))
+                node = Derived(
+                    key, list(sources.values()), params, recomputed, leaves, function_name(func), (func, args, kwargs)
+                )
                 self.nodes.append(node)
                 self._by_key[id(key)] = node
                 tracked_as.append((o, Tracked(key)))  # type: ignore[arg-type]
@@ -310,7 +313,9 @@ def _examples(form: Form, rows: slice) -> Form:
     """A use's per-example gradients for the examples ``rows`` only."""
     if isinstance(form, Dense):
         return Dense(form.grads[rows])
-    return Factored(form.u[rows], form.v[rows], form.rows, form.cols)
+    return Factored(
+        form.u[rows], form.v[rows], form.rows, form.cols, None if form.applied is None else form.applied[rows]
+    )
 
 
 def pull_back_all(

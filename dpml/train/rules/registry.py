@@ -113,12 +113,15 @@ def disjoint(indices: list[torch.Tensor]) -> bool:
 class Factored:
     """Per-example gradient of a 2-D V (rows × cols) as Σ_t u_t v_tᵀ over positions t (Goodfellow 2015):
     ``u`` (B, T, rows) and ``v`` (B, T, cols) — or, for a one-hot factor (an embedding's rows e_{k_t}),
-    integer indices (B, T) whose entries are the k_t."""
+    integer indices (B, T) whose entries are the k_t. ``applied`` (B, T, rows), where the rule has it: V's product
+    with each v_t, the operation's own output without its bias (a convolution's), which a weight standardised
+    before its use reads (:mod:`dpml.train.rules.standardised`)."""
 
     u: torch.Tensor
     v: torch.Tensor
     rows: int
     cols: int
+    applied: torch.Tensor | None = None
 
     def transposed(self) -> Factored:
         return Factored(self.v, self.u, self.cols, self.rows)
