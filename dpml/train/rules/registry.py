@@ -65,6 +65,15 @@ def _offsets_are_values(index: torch.Tensor) -> bool:
     return (index if index._base is None else index._base) in _FLAT_INDICES
 
 
+def in_order(index: torch.Tensor, count: int) -> bool:
+    """``index`` holds 0, 1, …, count − 1 in order: a view of a whole parameter with its elements where they are."""
+    if index.numel() != count:
+        return False
+    if _offsets_are_values(index):
+        return index.is_contiguous() and index.storage_offset() == 0
+    return torch.equal(index.reshape(-1), torch.arange(count, device=index.device))
+
+
 def same_along(index: torch.Tensor, dim: int) -> bool:
     """``index`` equals its first slice along ``dim`` broadcast over that dimension."""
     if index.shape[dim] <= 1 or index.stride(dim) == 0 or index.numel() == 0:

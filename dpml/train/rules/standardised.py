@@ -32,17 +32,14 @@ from torch import nn
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import merged_uses, use_norms
 from dpml.train.rules.derived import Derived
-from dpml.train.rules.registry import Factored, Tracked, Use
+from dpml.train.rules.registry import Factored, Tracked, Use, in_order
 
 _BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
 
 def _in_order(tracked: Tracked, shape: tuple[int, ...]) -> bool:
     """The view holds its parameter's elements in order, in ``shape``."""
-    if tuple(tracked.shape()) != shape:
-        return False
-    index = tracked.flat_index().reshape(-1)
-    return index.numel() == tracked.param.numel() and torch.equal(index, torch.arange(index.numel()).to(index.device))
+    return tuple(tracked.shape()) == shape and in_order(tracked.flat_index(), tracked.param.numel())
 
 
 def _standardisation(
@@ -73,7 +70,10 @@ def _piece(param: nn.Parameter, standardised: torch.Tensor, form: Factored, eps:
     """W's piece from the one factored use of Ŵ (module docstring)."""
     rows, n = form.rows, form.cols
     hat = standardised.detach().reshape(rows, n).to(form.u.dtype)
-    r = (param.detach().reshape(rows, n).to(form.u.dtype).var(1, unbiased=False) + eps).rsqrt()
+    weight = (
+        param.detach().reshape(1, rows, n).to(form.u.dtype)
+    )  # r from batch norm's own kernel (torch's var: ≈4× slower)
+    r = torch.native_batch_norm(weight, None, None, None, None, True, 0.0, eps)[2]
     u, v = form.u, form.v  # (B, T, C_out), (B, T, n)
     mean_a = v.mean(2, keepdim=True)
     s = (u * (v @ hat.t() if form.applied is None else form.applied)).sum(1)  # (B, C_out)
