@@ -11,7 +11,8 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
 - images (32×32, 10 classes): timm's ``deit``, ``beit`` (relative position bias, layer scale), ``swin`` (windows
   of 4, two stages), ``efficientnet-gn`` (EfficientNet-B0, depthwise 3×3 and 5×5, squeeze-excitation, its
   BatchNorms GroupNorms), ``regnet-gn`` (RegNetX-200MF, groups of 8 channels) and ``bit-gn`` (BiT's ResNetV2-50x1:
-  each convolution's weight standardised per output channel before ``F.conv2d``, GroupNorm); torchvision's
+  each convolution's weight standardised per output channel before ``F.conv2d``, GroupNorm), ``nf-resnet26``
+  (NF-ResNet-26: no normalisation layer, each weight standardised and scaled by a gain per channel); torchvision's
   ``resnet34-gn``, ``resnet50-gn``, ``resnext50-gn`` (ResNeXt-50 32×4d: 3×3 convolutions in 32 groups) and
   ``wide-resnet50-gn`` (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``.
 
@@ -40,7 +41,7 @@ TEXT_ZOO = [
     "qwen2",
     "gpt2-lora",
 ]
-TIMM_IMAGES = ("deit", "beit", "swin", "efficientnet-gn", "regnet-gn", "bit-gn")
+TIMM_IMAGES = ("deit", "beit", "swin", "efficientnet-gn", "regnet-gn", "bit-gn", "nf-resnet26")
 IMAGE_ZOO = [
     "deit",
     "beit",
@@ -53,6 +54,7 @@ IMAGE_ZOO = [
     "mobilenet-v2-gn",
     "regnet-gn",
     "bit-gn",
+    "nf-resnet26",
 ]
 ZOO = TEXT_ZOO + IMAGE_ZOO
 
@@ -191,6 +193,9 @@ def build_image(family: str, size: dict, classes: int) -> tuple[Any, str]:
     if family == "bit-gn":  # StdConv2d: each weight standardised, then F.conv2d (the functional rule, not a hook)
         model = timm.create_model("resnetv2_50x1_bit", pretrained=False, num_classes=classes)
         return model, f"timm {timm.__version__} BiT ResNetV2-50x1 (weight-standardised convolutions, GroupNorm)"
+    if family == "nf-resnet26":  # no normalisation layer: ScaledStdConv2d (a gain per channel) and skip-init gains
+        model = timm.create_model("nf_resnet26", pretrained=False, num_classes=classes)
+        return model, f"timm {timm.__version__} NF-ResNet-26 (scaled weight-standardised convolutions, no norm layers)"
     if family == "regnet-gn":
         model = _batch_norms_to_group_norms(timm.create_model("regnetx_002", pretrained=False, num_classes=classes))
         return model, f"timm {timm.__version__} RegNetX-200MF, GroupNorm(gcd(32, C), C)"

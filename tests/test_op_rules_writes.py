@@ -477,9 +477,11 @@ def test_a_constant_whose_rows_differ_is_not_taken_for_one_row() -> None:
 
 
 class Standardised(nn.Module):
-    """Convolutions whose weights are standardised per output channel before use, as BiT's and NFNet's ``StdConv2d``
-    write it (``F.batch_norm`` of the weight seen as (1, C_out, n), no running statistics): a 2-D one with a bias (its
-    output written in place after, with ``write``), and a 1-D one without, over the image's rows."""
+    """Convolutions whose weights are standardised per output channel before use, as BiT's ``StdConv2d`` writes it
+    (``F.batch_norm`` of the weight seen as (1, C_out, n), no running statistics): a 2-D one with a bias (its output
+    written in place after, with ``write``), a 1-D one without, over the image's rows, and a 1×1 one with NFNet's gain
+    computed from a parameter (``ScaledStdConv2d``: gain · fan-in^-½; one gain 0, as NFNet starts its last ones, one
+    small) and a shift."""
 
     def __init__(self, write: bool) -> None:
         super().__init__()
@@ -487,20 +489,26 @@ class Standardised(nn.Module):
         self.square = nn.Parameter(torch.randn(6, 3, 3, 3))
         self.bias = nn.Parameter(torch.randn(6) * 0.3)
         self.line = nn.Parameter(torch.randn(4, 6, 3))
-        self.out = nn.Linear(4, 3)
+        self.scaled = nn.Parameter(torch.randn(5, 4, 1))
+        self.gain = nn.Parameter(torch.tensor([0.0, 1.5, -0.7, 1e-3, 1.0]).reshape(5, 1, 1))
+        self.shift = nn.Parameter(torch.randn(5) * 0.2)
+        self.out = nn.Linear(5, 3)
 
     @staticmethod
-    def standardised(w: torch.Tensor) -> torch.Tensor:
-        return F.batch_norm(w.reshape(1, w.shape[0], -1), None, None, training=True, momentum=0.0, eps=1e-6).reshape_as(
-            w
-        )
+    def standardised(
+        w: torch.Tensor, gain: torch.Tensor | None = None, shift: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = w.reshape(1, w.shape[0], -1)
+        return F.batch_norm(rows, None, None, gain, shift, training=True, momentum=0.0, eps=1e-6).reshape_as(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 5, 5)
         h = F.conv2d(x, self.standardised(self.square), self.bias, padding=1)
         if self.write:  # (the recorded output's values are then no longer what the convolution gave)
             h += 0.5
         rows = torch.tanh(h).mean(3)  # (B, 6, 5)
-        return self.out(torch.tanh(F.conv1d(rows, self.standardised(self.line), padding=1)).mean(2))
+        h = torch.tanh(F.conv1d(rows, self.standardised(self.line), padding=1))  # (B, 4, 5)
+        scaled = self.standardised(self.scaled, (self.gain * 4**-0.5).view(-1), self.shift)
+        return self.out(torch.tanh(F.conv1d(h, scaled)).mean(2))
 
 
 @pytest.mark.parametrize("write", [False, True])

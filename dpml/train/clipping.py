@@ -262,10 +262,9 @@ def _rule_pieces(
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
     nodes = recording.recorder.computations.nodes
-    standardised = {id(p): (node, p, piece) for node, p, piece in standardised_pieces(nodes, uses) if id(p) in ruled}
-    skipped = {id(node.output) for node, _, _ in standardised.values()}  # (weights standardised before use)
-    params.update({key: p for key, (_, p, _) in standardised.items()})
-    pulled, failed = pull_back_all(nodes, uses, relevant - skipped, batch, dtype, limit)
+    standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (node, W, piece)}: W standardised first
+    done = relevant - {id(node.output) for node, _, _ in standardised.values()}
+    pulled, failed = pull_back_all(nodes, uses, done, batch, dtype, limit)
     failed = {key: reason for key, reason in failed.items() if key in ruled}
     for node in reversed(nodes):  # later ones first, as the pull-back
         for _, tracked in node.sources:
