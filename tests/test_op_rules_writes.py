@@ -527,27 +527,48 @@ def test_weights_standardised_before_their_convolutions_clip_without_per_example
 
 
 class Computed(nn.Module):
-    """A convolution whose weight is a computation on it (tanh) that no closed form here covers: the generic pull-back
-    keeps its per-example gradients, B × 162 numbers."""
+    """A convolution whose weight is a computation on it that no closed form here covers, written by hand as weight
+    standardisation often is (``(w − mean) / std``, ``alone``), or tanh(w) beside a use of w itself: the generic
+    pull-back forms their per-example gradients, B × 162 numbers."""
 
-    def __init__(self) -> None:
+    def __init__(self, alone: bool) -> None:
         super().__init__()
+        self.alone = alone
         self.weight = nn.Parameter(torch.randn(6, 3, 3, 3))
         self.out = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(F.conv2d(x, torch.tanh(self.weight), padding=1)).mean((2, 3)))
+        w = self.weight
+        if self.alone:
+            h = F.conv2d(x, (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5), padding=1)
+        else:
+            h = F.conv2d(x, torch.tanh(w), padding=1) + F.conv2d(x, w, padding=1)
+        return self.out(torch.tanh(h).mean((2, 3)))
+
+
+def test_a_computed_weight_too_large_to_keep_for_the_batch_is_formed_again_for_its_sum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A keep limit of 400 numbers: two examples' 2 × 162 fit, the batch's 8 × 162 do not; the weight's norms come from
+    one pass over the examples in slices of two and its clipped sum from a second, with nothing on the exact path."""
+    from dpml.train import keep_budget
+
+    torch.manual_seed(31)
+    x, y = torch.randn(8, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 400)
+    assert_exact_without_the_exact_path(Computed(alone=True), per_example_cross_entropy, x, y, planned=False)
 
 
 def test_a_pass_that_takes_a_planned_parameter_exactly_at_a_larger_batch_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The plan's probe batch keeps the pull-back within the keep limit; at batch 8, 8 × 162 numbers pass a limit
-    of 1,000: the weight takes the exact path (still exact), and the run's log names it, once."""
+    """The weight has a use of its own beside its computation, so its pulled-back gradients are kept for the batch:
+    at batch 4 within a limit of 1,000 numbers, at batch 8 (8 × 162) past it. It takes the exact path there (still
+    exact), and the run's log names it, once."""
     from dpml.train import keep_budget
 
     torch.manual_seed(31)
-    model = Computed().double()
+    model = Computed(alone=False).double()
     x, y = torch.randn(8, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
     assert engine_pass(model, per_example_cross_entropy, x[:4], y[:4]).exact == {}
     monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 1000)

@@ -229,14 +229,6 @@ class EnginePass:
         return out
 
 
-def _exact_reason(p: nn.Parameter, name: str, exact: Collection[str], recorder: Recorder) -> str:
-    if name in exact:
-        return "named by the clipping plan (its rules are off autograd on the probe batch)"
-    if id(p) in recorder.refused:
-        return recorder.refused[id(p)]
-    return "no recorded operation uses it through a rule (a custom autograd Function, or not used)"
-
-
 def _rule_pieces(
     recording: _Recording,
     calls: list[RuledCall],
@@ -262,9 +254,9 @@ def _rule_pieces(
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
     nodes = recording.recorder.computations.nodes
-    standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (node, W, piece)}: W standardised first
-    done = relevant - {id(node.output) for node, _, _ in standardised.values()}
-    pulled, failed = pull_back_all(nodes, uses, done, batch, dtype, limit)
+    standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (node, piece)}: W standardised first
+    done = relevant - {id(node.output) for node, _ in standardised.values()}
+    pulled, failed, recomputed = pull_back_all(nodes, uses, done, batch, dtype, limit, params)
     failed = {key: reason for key, reason in failed.items() if key in ruled}
     for node in reversed(nodes):  # later ones first, as the pull-back
         for _, tracked in node.sources:
@@ -273,11 +265,12 @@ def _rule_pieces(
     for tracked, g in pulled:
         uses[id(tracked.param)].append((tracked, Dense(g)))
         params[id(tracked.param)] = tracked.param
+    ready = {key: piece for key, (_, piece) in standardised.items()} | recomputed
     pieces: list[tuple[Unit, Piece]] = []
     for key, name in ruled.items():
         if key in failed:
             continue
-        piece = standardised[key][2] if key in standardised else parameter_piece(params[key], uses[key], batch, limit)
+        piece = ready[key] if key in ready else parameter_piece(params[key], uses[key], batch, limit)
         if isinstance(piece, str):
             failed[key] = piece
         else:
@@ -374,7 +367,7 @@ def engine_pass(
             recording, ruled_calls, ruled, relevant, deltas, batch, zeros.dtype, keep_limit(x.device)
         )
     fast += pieces
-    reasons = {n: _exact_reason(p, n, exact, recorder) for n, p in slow.items()}
+    reasons = {n: recorder.why_exact(p, n, exact) for n, p in slow.items()}
     per_example = exact_per_example_gradients(recording.losses, slow)
     if failed:  # ruled parameters whose uses did not combine: exactly, from the forward pass again (its graph is freed)
         reasons.update({ruled[key]: reason for key, reason in failed.items()})

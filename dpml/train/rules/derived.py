@@ -17,6 +17,7 @@ from dpml.devices import RngState, rng_state, set_rng_state
 from dpml.train.exact_path import batched_vjp
 from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
 from dpml.train.rules.operands import outputs, substituted, tensors
+from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use, function_name
 
@@ -319,43 +320,129 @@ def _examples(form: Form, rows: slice) -> Form:
 
 
 def pull_back_all(
-    nodes: list[Derived], uses: dict[int, list[Use]], relevant: set[int], batch: int, dtype: torch.dtype, limit: int
-) -> tuple[list[tuple[Tracked, torch.Tensor]], dict[int, str]]:
+    nodes: list[Derived],
+    uses: dict[int, list[Use]],
+    relevant: set[int],
+    batch: int,
+    dtype: torch.dtype,
+    limit: int,
+    params: dict[int, nn.Parameter],
+) -> tuple[list[tuple[Tracked, torch.Tensor]], dict[int, str], dict[int, Piece]]:
     """The uses of the computations on parameters (``nodes`` in the order they ran; those whose output is among the
     ``relevant`` ids) carried back to the parameters they came from: (the parameter's view, its per-example
-    gradients (B, *view)) for each source that is one, and why a parameter cannot be (its per-example gradients,
-    kept for the whole batch, pass ``limit`` numbers; or one example's of a computation do). A computation's
-    output's per-example gradients are formed a slice of examples at a time, at most ``limit`` numbers (a weight
-    formed from LoRA factors is as large as the layer's: B × d_in·d_out at once would not fit where the factors'
-    gradients do), through every computation in turn, later ones first."""
+    gradients (B, *view)) for each source that is one; why a parameter cannot be (one example's per-example gradients
+    of a computation pass ``limit`` numbers); and {id: piece} for each parameter whose per-example gradients, kept
+    for the whole batch, would pass ``limit`` and that has no use of its own (:func:`_recomputed_pieces`; the parameter
+    joins ``params``, by id). A computation's output's per-example gradients are formed a slice of examples at a time,
+    at most ``limit`` numbers (a weight formed from LoRA factors is as large as the layer's: B × d_in·d_out at once
+    would not fit where the factors' gradients do), through every computation in turn, later ones first."""
     chain = [node for node in reversed(nodes) if id(node.output) in relevant]
     computed = {id(node.output) for node in nodes}
     failed: dict[int, str] = {}
+    unkept: dict[int, str] = {}  # too many to keep for the whole batch: a piece that forms them again for its sum
     for node in chain:
         widest = max(t.numel() for t in (node.output, *node.leaves))
-        kept = [t.numel() for (_, s), t in zip(node.sources, node.leaves, strict=True) if id(s.param) not in computed]
-        size = batch * max(kept, default=0) if widest <= limit else widest  # (one example's, where that is too many)
-        if size > limit:
-            reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers) {BEYOND_KEEP_LIMIT}"
-            failed.update({id(p): f"{reason} ({limit})" for p in node.params})
+        sizes = [(id(s.param), batch * t.numel()) for (_, s), t in zip(node.sources, node.leaves, strict=True)]
+        for key, size in [(None, widest)] if widest > limit else sizes:  # (one example's, where that is too many)
+            if size > limit and key not in computed:
+                reason = (
+                    f"{node.operation} on parameters: its per-example gradients ({size} numbers) {BEYOND_KEEP_LIMIT}"
+                )
+                if key is None:
+                    failed.update({id(p): f"{reason} ({limit})" for p in node.params})
+                else:
+                    unkept[key] = f"{reason} ({limit})"
+    failed |= {key: reason for key, reason in unkept.items() if uses.get(key)}  # (a use of its own: kept, or exact)
     while blocked := [node for node in chain if any(id(p) in failed for p in node.params)]:  # and what shares them
         for node in blocked:
             reason = next(failed[id(p)] for p in node.params if id(p) in failed)
             failed.update({id(p): reason for p in node.params if id(p) not in failed})
         chain = [node for node in chain if node not in blocked]
+    lazy = {key for key in unkept if key not in failed}
     if not chain:
-        return [], failed
+        return [], failed, {}
+    squared = {key: torch.zeros(batch, dtype=dtype, device=chain[0].output.device) for key in lazy}
+
+    def norms(key: int, rows: slice, g: torch.Tensor) -> None:
+        squared[key][rows] = g.square().sum(1)
+
+    parts = _slices(chain, uses, relevant, lazy, batch, dtype, limit, norms)
+    pulled = [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()]
+    params |= {id(s.param): s.param for node in chain for _, s in node.sources if id(s.param) in lazy}
+    return pulled, failed, _recomputed_pieces(chain, uses, relevant, lazy, squared, batch, dtype, limit)
+
+
+Visit = Callable[[int, slice, torch.Tensor], None]
+
+
+def _slices(
+    chain: list[Derived],
+    uses: dict[int, list[Use]],
+    relevant: set[int],
+    lazy: set[int],
+    batch: int,
+    dtype: torch.dtype,
+    limit: int,
+    visit: Visit,
+    keep: bool = True,
+) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """The chain carried back a slice of examples at a time: each slice's per-example gradients of a ``lazy``
+    parameter, added up over its places in the chain in its own coordinates, handed to ``visit`` (its id, the rows,
+    (slice, its numel)); with ``keep``, those of the other parameters kept, by (computation, source)."""
     step = max(1, limit // max(t.numel() for node in chain for t in (node.output, *node.leaves)))
     parts: dict[tuple[int, int], list[torch.Tensor]] = {}
     for start in range(0, batch, step):
         rows = slice(start, min(start + step, batch))
         local = {id(node.output): [(t, _examples(f, rows)) for t, f in uses.get(id(node.output), [])] for node in chain}
+        found: dict[int, torch.Tensor] = {}  # a lazy parameter's per-example gradients in this slice, (slice, numel)
         for k, node in enumerate(chain):
             gradients = per_example_gradients_of(local.pop(id(node.output)), node.output, rows.stop - rows.start, dtype)
             for j, ((_, tracked), g) in enumerate(zip(node.sources, pull_back(node, gradients), strict=True)):
                 key = id(tracked.param)
                 if key in local:  # the output of a computation still to come: a use of it
                     local[key].append((tracked, Dense(g.to(dtype))))
-                elif key in relevant:
+                elif key in lazy:
+                    total = found.setdefault(key, g.new_zeros(g.shape[0], tracked.param.numel(), dtype=dtype))
+                    total.index_add_(1, tracked.flat_index().reshape(-1), g.reshape(g.shape[0], -1).to(dtype))
+                elif key in relevant and keep:
                     parts.setdefault((k, j), []).append(g.to(dtype))
-    return [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()], failed
+        for key, total in found.items():
+            visit(key, rows, total)
+    return parts
+
+
+def _recomputed_pieces(
+    chain: list[Derived],
+    uses: dict[int, list[Use]],
+    relevant: set[int],
+    lazy: set[int],
+    squared: dict[int, torch.Tensor],
+    batch: int,
+    dtype: torch.dtype,
+    limit: int,
+) -> dict[int, Piece]:
+    """The ``lazy`` parameters' pieces, for parameters whose per-example gradients are too many to keep for the whole
+    batch: their norms (``squared``, from the first pass over the slices), and a clipped sum that carries the chain
+    back again, slice by slice, adding up c_i times each example's gradient (one pass for all of them, at the first
+    parameter's sum; the factors are one pass's). Twice the pull-back's work, no B × |θ| numbers kept, and no exact
+    path (hand-written weight standardisation, ``(w − w.mean(…)) / w.std(…)``, at batch 64)."""
+    views = {id(s.param): s.param for node in chain for _, s in node.sources if id(s.param) in lazy}
+    done: dict[str, Any] = {}
+
+    def totals(factors: torch.Tensor) -> dict[int, torch.Tensor]:
+        if done.get("factors") is not factors:
+            found: dict[int, torch.Tensor] = {}
+
+            def weigh(key: int, rows: slice, g: torch.Tensor) -> None:
+                part = torch.einsum("b,b...->...", factors[rows].to(g.dtype), g)
+                found[key] = found[key] + part if key in found else part
+
+            _slices(chain, uses, relevant, lazy, batch, dtype, limit, weigh, keep=False)
+            done.update(factors=factors, found=found)
+        return done["found"]  # type: ignore[no-any-return]
+
+    def piece(key: int) -> Piece:
+        param = views[key]
+        return Piece(squared[key], lambda factors: [(param, totals(factors)[key].reshape(param.shape))])
+
+    return {key: piece(key) for key in lazy}

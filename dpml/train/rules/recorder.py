@@ -114,6 +114,15 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             return Rows(self.batch, None) if t.shape[0] == self.batch else None
         return None if examples is None else Rows.of_map(examples, self.batch)
 
+    def why_exact(self, p: nn.Parameter, name: str, planned: Collection[str]) -> str:
+        """Why the parameter ``p`` (named ``name``) takes the exact path: the plan named it (``planned``), or what the
+        recording found."""
+        if name in planned:
+            return "named by the clipping plan (its rules are off autograd on the probe batch)"
+        if id(p) in self.refused:
+            return self.refused[id(p)]
+        return "no recorded operation uses it through a rule (a custom autograd Function, or not used)"
+
     # --- bookkeeping --------------------------------------------------------------------------------
     def _refuse(self, hits: list[Tracked], reason: str) -> None:
         for hit in hits:

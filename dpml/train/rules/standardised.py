@@ -120,8 +120,8 @@ def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor,
 
 def standardised_pieces(
     nodes: list[Derived], uses: dict[int, list[Use]], ruled: Collection[int], params: dict[int, nn.Parameter]
-) -> dict[int, tuple[Derived, nn.Parameter, Piece]]:
-    """{id(W): (the standardisation, W, W's piece)} for each computation of ``nodes`` taken here (W's id among
+) -> dict[int, tuple[Derived, Piece]]:
+    """{id(W): (the standardisation, W's piece)} for each computation of ``nodes`` taken here (W's id among
     ``ruled``); the per-example gradients of a gain and shift join ``uses`` (dense, (B, C_out)), for the rules or the
     pull-back to take on; W, and the gain and shift where they are parameters, join ``params`` (by id)."""
     taken = {}
@@ -143,6 +143,6 @@ def standardised_pieces(
             if tracked is not None and id(tracked.param) in uses:
                 uses[id(tracked.param)].append((tracked, Dense(grads.reshape(grads.shape[0], *tracked.shape()))))
                 params[id(tracked.param)] = tracked.param
-        taken[id(found.param)] = (node, found.param, piece)
+        taken[id(found.param)] = (node, piece)
         params[id(found.param)] = found.param
     return taken
