@@ -402,8 +402,12 @@ def _slices(
                 if key in local:  # the output of a computation still to come: a use of it
                     local[key].append((tracked, Dense(g.to(dtype))))
                 elif key in lazy:
-                    total = found.setdefault(key, g.new_zeros(g.shape[0], tracked.param.numel(), dtype=dtype))
-                    total.index_add_(1, tracked.flat_index().reshape(-1), g.reshape(g.shape[0], -1).to(dtype))
+                    flat = g.reshape(g.shape[0], -1).to(dtype)
+                    if tracked.index is None:  # the parameter itself
+                        found[key] = found[key] + flat if key in found else flat
+                    else:
+                        total = found[key] if key in found else flat.new_zeros(g.shape[0], tracked.param.numel())
+                        found[key] = total.index_add_(1, tracked.flat_index().reshape(-1), flat)
                 elif key in relevant and keep:
                     parts.setdefault((k, j), []).append(g.to(dtype))
         for key, total in found.items():
