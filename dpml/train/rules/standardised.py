@@ -47,11 +47,10 @@ _BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "traini
 
 @dataclass
 class Standardisation:
-    """A computation ``node`` that standardises the rows of the parameter ``param`` (ε ``eps``), then scales and
-    shifts them by ``gain`` and ``shift`` (``F.batch_norm``'s weight and bias: NFNet's gain; None: none), each a
-    tensor of C_out values and the view it is tracked as (None: a constant)."""
+    """A computation that standardises the rows of the parameter ``param`` (ε ``eps``), then scales and shifts them
+    by ``gain`` and ``shift`` (``F.batch_norm``'s weight and bias: NFNet's gain; None: none), each a tensor of C_out
+    values and the view it is tracked as (None: a constant)."""
 
-    node: Derived
     param: nn.Parameter
     eps: float
     gain: tuple[torch.Tensor, Tracked | None] | None
@@ -87,16 +86,14 @@ def _standardisation(node: Derived, nodes: list[Derived], uses: dict[int, list[U
     if any(t.param is node.output for other in others for _, t in other.sources):
         return None  # Ŵ feeds another computation
     affine = [None if t is None else (t.detach(), views.get(id(t))) for t in (gain, shift)]
-    return Standardisation(node, param, float(bound.get("eps", 1e-5)), affine[0], affine[1])
+    return Standardisation(param, float(bound.get("eps", 1e-5)), affine[0], affine[1])
 
 
 def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor, torch.Tensor]:
     """W's piece from the one factored use of γ ⊙ Ŵ + β (module docstring), and the per-example gradients of γ and β,
     s and n·q (B, C_out)."""
     rows, n, param = form.rows, form.cols, found.param
-    weight = (
-        param.detach().reshape(1, rows, n).to(form.u.dtype)
-    )  # r and Ŵ by batch norm's kernel (torch's var: 4× slower)
+    weight = param.detach().reshape(1, rows, n).to(form.u.dtype)  # r and Ŵ by batch norm's kernel (var's: 4× slower)
     hat, _, r = torch.native_batch_norm(weight, None, None, None, None, True, 0.0, found.eps)
     hat = hat.reshape(rows, n)
     scale = r if found.gain is None else r * found.gain[0].reshape(-1).to(r.dtype)  # ρ = γ ⊙ r
