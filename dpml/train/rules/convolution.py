@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dpml.train.clipping_conv import named_padding, unfold_patches
 from dpml.train.clipping_conv_ways import grouped_conv_per_example_gradients
@@ -67,7 +68,9 @@ def convolution(call: Call) -> Pending | str:
         _pair(padding, one_d, 0),
         _pair(dilation, one_d, 1),
     )
-    recorded, batch, out_channels, written = x.detach(), call.batch, weight.shape[0], call.output._version
+    recorded, batch, out_channels = x.detach(), call.batch, weight.shape[0]
+    computed = w is not None and not isinstance(w.param, nn.Parameter)  # (a weight standardised first reads the output)
+    produced, written = (call.output, call.output._version) if computed else (None, 0)
     beyond = None if groups == 1 or w is None else beyond_keep_limit(batch, weight.shape, x.device)
     if beyond is not None:
         return f"a grouped convolution: {beyond}"
@@ -78,8 +81,8 @@ def convolution(call: Call) -> Pending | str:
         if w is not None and groups == 1:
             patches = by_example(unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry), rows)
             form = Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])
-            if call.output._version == written:  # (not written in place since: W a_t at each position, (B, T, C_out))
-                out = call.output.detach()
+            if produced is not None and produced._version == written:  # (not written in place since: W a_t, (B, T, C))
+                out = produced.detach()
                 out = out.reshape(out.shape[0], out_channels, -1)
                 out = out - bias.detach().reshape(1, -1, 1) if isinstance(bias, torch.Tensor) else out
                 form.applied = by_example(out, rows).transpose(1, 2)
