@@ -82,9 +82,9 @@ def say_unplanned_exact(model: nn.Module, reasons: Mapping[str, str], planned: C
     probe's smaller batch) did not send them: a weight standardised before its convolution, as BiT's, at batch 64.
     Slower, never less exact; the plan's log line named none of them."""
     unplanned = frozenset(n for n, why in reasons.items() if BEYOND_KEEP_LIMIT in why) - frozenset(planned)
-    said = _SAID.setdefault(model, set())
-    if not unplanned or unplanned in said:
+    if not unplanned or unplanned in _SAID.get(model, ()):
         return
+    said = _SAID.setdefault(model, set())
     said.add(unplanned)
     LOG.warning(
         "per-example clipping: %d parameter(s) took exact per-example autograd at a physical batch of %d, which the "

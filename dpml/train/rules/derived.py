@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -345,22 +345,22 @@ def pull_back_all(
         sizes = [(id(s.param), batch * t.numel()) for (_, s), t in zip(node.sources, node.leaves, strict=True)]
         for key, size in [(None, widest)] if widest > limit else sizes:  # (one example's, where that is too many)
             if size > limit and key not in computed:
-                reason = (
-                    f"{node.operation} on parameters: its per-example gradients ({size} numbers) {BEYOND_KEEP_LIMIT}"
-                )
+                reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers)"
+                reason = f"{reason} {BEYOND_KEEP_LIMIT} ({limit})"
                 if key is None:
-                    failed.update({id(p): f"{reason} ({limit})" for p in node.params})
+                    failed.update({id(p): reason for p in node.params})
                 else:
-                    unkept[key] = f"{reason} ({limit})"
+                    unkept[key] = reason
     failed |= {key: reason for key, reason in unkept.items() if uses.get(key)}  # (a use of its own: kept, or exact)
     while blocked := [node for node in chain if any(id(p) in failed for p in node.params)]:  # and what shares them
         for node in blocked:
             reason = next(failed[id(p)] for p in node.params if id(p) in failed)
             failed.update({id(p): reason for p in node.params if id(p) not in failed})
         chain = [node for node in chain if node not in blocked]
-    lazy = {key for key in unkept if key not in failed}
     if not chain:
         return [], failed, {}
+    kept_out = unkept.keys() - failed.keys()  # formed again for their sums
+    lazy = {id(s.param): s.param for node in chain for _, s in node.sources if id(s.param) in kept_out}
     squared = {key: torch.zeros(batch, dtype=dtype, device=chain[0].output.device) for key in lazy}
 
     def norms(key: int, rows: slice, g: torch.Tensor) -> None:
@@ -368,7 +368,7 @@ def pull_back_all(
 
     parts = _slices(chain, uses, relevant, lazy, batch, dtype, limit, norms)
     pulled = [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()]
-    params |= {id(s.param): s.param for node in chain for _, s in node.sources if id(s.param) in lazy}
+    params |= lazy
     return pulled, failed, _recomputed_pieces(chain, uses, relevant, lazy, squared, batch, dtype, limit)
 
 
@@ -379,7 +379,7 @@ def _slices(
     chain: list[Derived],
     uses: dict[int, list[Use]],
     relevant: set[int],
-    lazy: set[int],
+    lazy: Collection[int],
     batch: int,
     dtype: torch.dtype,
     limit: int,
@@ -419,7 +419,7 @@ def _recomputed_pieces(
     chain: list[Derived],
     uses: dict[int, list[Use]],
     relevant: set[int],
-    lazy: set[int],
+    lazy: dict[int, nn.Parameter],
     squared: dict[int, torch.Tensor],
     batch: int,
     dtype: torch.dtype,
@@ -430,7 +430,6 @@ def _recomputed_pieces(
     back again, slice by slice, adding up c_i times each example's gradient (one pass for all of them, at the first
     parameter's sum; the factors are one pass's). Twice the pull-back's work, no B × |θ| numbers kept, and no exact
     path (hand-written weight standardisation, ``(w − w.mean(…)) / w.std(…)``, at batch 64)."""
-    views = {id(s.param): s.param for node in chain for _, s in node.sources if id(s.param) in lazy}
     done: dict[str, Any] = {}
 
     def totals(factors: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -446,7 +445,7 @@ def _recomputed_pieces(
         return done["found"]  # type: ignore[no-any-return]
 
     def piece(key: int) -> Piece:
-        param = views[key]
+        param = lazy[key]
         return Piece(squared[key], lambda factors: [(param, totals(factors)[key].reshape(param.shape))])
 
     return {key: piece(key) for key in lazy}

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from dpml.train.rules.operands import einsum_subscripts
+from dpml.train.rules.operands import einsum_operands, einsum_subscripts
 from dpml.train.rules.registry import (
     Call,
     Dense,
@@ -157,9 +157,7 @@ def _factored_layout(x_subs: str, s_subs: str, z_subs: str) -> tuple[str, str, b
 @rule(torch.einsum)
 def einsum(call: Call) -> Pending | str:
     """torch.einsum(equation, x, S) or (equation, S, x), or with the two operands in one list."""
-    equation, *operands = call.args
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
+    equation, operands = einsum_operands(call.args)
     if not isinstance(equation, str) or len(operands) != 2:
         return "an equation of other than two operands"
     first, second = operands

@@ -18,6 +18,7 @@ from dpml.train.rules.operands import (
     apply_view,
     carried,
     core,
+    einsum_operands,
     einsum_subscripts,
     leading_carried,
     outputs,
@@ -209,6 +210,11 @@ class ExampleMaps:
         slice j of example ⌊j/k⌋ (Swin's windows); None otherwise."""
         return example_runs(self._leading_examples(t), self.batch)
 
+    def _varying_of(self, t: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
+        """:func:`_varying` of t's example map; None where t's batch is not known."""
+        examples = self._source_examples(t)[1]
+        return None if examples is None else _varying(examples.expand(t.shape))
+
     def batch_dim(self, t: torch.Tensor) -> int | None:
         """The dimension of t that is the batch: t's map is 0 … B − 1 along it and the same along every other one (0
         for a batch-first activation, 1 for a time-major (T, B, …) one); None where there is no such dimension."""
@@ -216,8 +222,7 @@ class ExampleMaps:
             return None
         if self.batch == 1:  # every element is the one example's: its first dimension of size 1 is the batch
             return next((k for k, size in enumerate(t.shape) if size == 1), None)
-        examples = self._source_examples(t)[1]
-        varying = None if examples is None else _varying(examples.expand(t.shape))
+        varying = self._varying_of(t)
         if varying is None or len(varying[0]) != 1:
             return None
         (k,), values = varying
@@ -229,8 +234,7 @@ class ExampleMaps:
         keeps the batch where it was, ``ibnd,jbnd->bnij`` moves it first); the output is lost where an operand's map
         varies along a letter summed away (its examples are mixed), where two operands give different maps, where an
         operand's batch is not known, or for einsum's sublist form."""
-        equation = args[0] if args else None
-        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        equation, operands = einsum_operands(args)
         if not isinstance(out, torch.Tensor) or not any(self.derived(t) for t in tensors(tuple(operands), {})):
             return
         parsed = einsum_subscripts(equation, [t.dim() for t in operands]) if isinstance(equation, str) else None
@@ -249,8 +253,7 @@ class ExampleMaps:
         self, t: torch.Tensor, subscripts: str, out_subscripts: str, out: torch.Tensor
     ) -> torch.Tensor | None:
         """The output map an einsum operand t (from the batch) gives its output (:meth:`_follow_einsum`), or None."""
-        examples = self._source_examples(t)[1]
-        varying = None if examples is None else _varying(examples.expand(t.shape))
+        varying = self._varying_of(t)
         if varying is None or len(set(subscripts)) != len(subscripts):
             return None
         dims, values = varying

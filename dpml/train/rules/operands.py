@@ -94,6 +94,14 @@ def outputs(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def einsum_operands(args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+    """(equation, operands) of a ``torch.einsum`` call: ``(equation, *operands)`` or ``(equation, [operands])``."""
+    equation, *operands = args if args else (None,)
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    return equation, operands
+
+
 def einsum_subscripts(equation: str, dims: Sequence[int]) -> tuple[list[str], str] | None:
     """(each operand's subscripts, the output's) of ``torch.einsum(equation, …)`` on operands of ``dims`` dimensions,
     an ellipsis written out in letters the equation does not use (right-aligned across the operands, as einsum
