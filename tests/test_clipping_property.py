@@ -1,7 +1,8 @@
 """Property test of the clipping engine on many generated modules.
 
-Each seed builds a small random network from one of four families (vectors, images, sequences, tokens)
-out of the layers a user might bring: Linear, Conv1d/Conv2d (strides, padding, dilation, groups),
+Each seed builds a small random network from one of five families (vectors, images, volumes, sequences, tokens)
+out of the layers a user might bring: Linear, Conv1d/Conv2d/Conv3d and the transposed ones (strides, padding,
+dilation, output padding, groups),
 Embedding (with padding), LayerNorm/GroupNorm (with and without affine), GRU/LSTM/RNN, attention,
 weight_norm / spectral_norm / orthogonal parametrizations, a layer applied twice, a weight reused
 through ``F.linear`` or tied to the output, frozen layers, a custom module with a raw parameter,
@@ -162,8 +163,54 @@ class TokenNet(nn.Module):
         return self.head(h)
 
 
+class VolumeNet(nn.Module):
+    """A 3-D convolution and a transposed one (3-D or 2-D over the depth's mean) of random geometry: kernel, stride,
+    padding, dilation, output padding (below the stride or the dilation), groups, bias; the transposed one applied
+    twice at random."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        channels = rng.choice([2, 4])
+        self.conv = nn.Conv3d(
+            2,
+            channels,
+            kernel_size=rng.choice([1, 2, (1, 3, 2)]),
+            stride=rng.choice([1, 2, (1, 2, 1)]),
+            padding=rng.choice([0, 1]),
+            dilation=rng.choice([1, 2]),
+            bias=rng.random() < 0.7,
+        )
+        self.flat = rng.random() < 0.4
+        stride, dilation, kernel = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2, 3])
+        transposed = nn.ConvTranspose2d if self.flat else nn.ConvTranspose3d
+        self.up = transposed(
+            channels,
+            2,
+            kernel_size=kernel,
+            stride=stride,
+            padding=rng.choice([0, 1]) if dilation * (kernel - 1) >= 2 else 0,  # (the output no smaller than the input)
+            output_padding=rng.randrange(max(stride, dilation)),
+            dilation=dilation,
+            groups=rng.choice([1, 2]),
+            bias=rng.random() < 0.7,
+        )
+        self.repeat = rng.random() < 0.4
+        self.head = nn.Linear(2, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        h = h.mean(2) if self.flat else h
+        out = torch.tanh(self.up(h))
+        pooled = out.flatten(2).mean(2)
+        if self.repeat:  # the kernel again, on its own output's first channels repeated
+            again = torch.tanh(self.up(out.repeat(1, h.shape[1] // 2, *(1,) * (out.dim() - 2))))
+            pooled = pooled + again.flatten(2).mean(2)
+        return self.head(pooled)
+
+
 FAMILIES = {
     "vector": (VectorNet, (6,), torch.float64),
+    "volume": (VolumeNet, (2, 4, 5, 5), torch.float64),
     "image": (ImageNet, (2, 6, 6), torch.float64),
     "sequence": (SequenceNet, (4, 5), torch.float64),
     "tokens": (TokenNet, (6,), torch.long),

@@ -24,6 +24,7 @@ caller).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 import torch
@@ -31,8 +32,9 @@ from torch import nn
 
 from dpml.train.clipping_layers import Piece, weight_norms_squared
 from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared
-from dpml.train.keep_budget import spend
-from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use, disjoint, injective
+from dpml.devices import heap_sized_slices
+from dpml.train.keep_budget import keep_limit, room, spend
+from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, disjoint, injective
 
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # c (B,) -> Σ_i c_i G_i in the use's coordinates
 
@@ -43,6 +45,8 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def cast_form(form: Form, dtype: torch.dtype) -> Form:
     """A form recorded under autocast, in the parameters' dtype (indices stay integers)."""
+    if isinstance(form, Computed):
+        return form.cast(dtype)
     if isinstance(form, Dense):
         return Dense(_cast(form.grads, dtype))
     applied = None if form.applied is None else _cast(form.applied, dtype)
@@ -82,8 +86,24 @@ def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
     return squared, dense
 
 
+def _computed_norms(form: Computed) -> tuple[torch.Tensor, SumFn]:
+    """The norms of gradients formed on demand: all of them formed and kept where they fit what the pass may keep (the
+    clipped sum is then Σ_i c_i G_i of the kept ones), else formed a slice of examples at a time for the norms alone
+    and the clipped sum left to the operation (``weighted_sum``)."""
+    numbers = form.batch * math.prod(form.shape)
+    if numbers <= room(keep_limit(form.device)):
+        spend(numbers)
+        grads = form.gradients(slice(0, form.batch))
+        return row_norms_squared(grads), lambda factors: torch.einsum("b,b...->...", factors, grads)
+    each = math.prod(form.shape) * 4
+    squared = [row_norms_squared(form.gradients(s)) for s in heap_sized_slices(form.batch, each, form.device)]
+    return torch.cat(squared), form.weighted_sum
+
+
 def use_norms(form: Form) -> tuple[torch.Tensor, SumFn]:
     """One use's per-example squared norm (B,) and its clipped sum in the use's coordinates."""
+    if isinstance(form, Computed):
+        return _computed_norms(form)
     if isinstance(form, Dense):
         grads = form.grads
         return row_norms_squared(grads), lambda factors: torch.einsum("b,b...->...", factors, grads)
@@ -147,6 +167,8 @@ def _cross(a: Factored, b: Factored) -> torch.Tensor:
 
 def _materialised(form: Form, batch: int) -> torch.Tensor:
     """A use's per-example gradients (B, numel of its view)."""
+    if isinstance(form, Computed):
+        return form.gradients(slice(0, batch)).reshape(batch, -1)
     if isinstance(form, Dense):
         return form.grads.reshape(batch, -1)
     if _one_hot(form.v):
@@ -180,19 +202,66 @@ def _same_view(a: Tracked, b: Tracked) -> bool:
 
 
 def _kind(form: Form) -> tuple[object, ...]:
+    if isinstance(form, Computed):
+        return ("computed", form.shape, form.batch)
     if isinstance(form, Dense):
         return ("dense", form.grads.shape, form.grads.dtype)
     return ("factored", form.rows, form.cols, form.u.dtype, form.v.dtype, form.u.dim(), form.v.dim())
 
 
+def added_computed(forms: list[Computed]) -> Computed:
+    """Σ_u G_u of uses formed on demand in the same coordinates (a kernel used by two calls): their gradients and their
+    weighted sums added up."""
+    first = forms[0]
+    return Computed(
+        first.batch,
+        first.shape,
+        first.device,
+        lambda s: sum((f.gradients(s) for f in forms[1:]), forms[0].gradients(s)),
+        lambda c: sum((f.weighted_sum(c) for f in forms[1:]), forms[0].weighted_sum(c)),
+        lambda dtype: added_computed([f.cast(dtype) for f in forms]),
+    )
+
+
+def _as_computed(form: Factored, like: Computed) -> Computed:
+    """A factored use (of real factors) as one formed on demand, to be added to ``like``'s: Σ_t u_t v_tᵀ per example
+    of a slice, and Σ_i c_i Σ_t u_{i,t} v_{i,t}ᵀ."""
+    u, v = form.u, form.v
+    return Computed(
+        like.batch,
+        like.shape,
+        like.device,
+        lambda s: torch.bmm(u[s].transpose(1, 2), v[s]),
+        lambda c: (u * c[:, None, None]).reshape(-1, form.rows).t() @ v.reshape(-1, form.cols),
+        lambda dtype: _as_computed(cast_form(form, dtype), like),  # type: ignore[arg-type]
+    )
+
+
+def _joined_to_computed(uses: list[Use]) -> list[Use]:
+    """Each factored use of real factors in the coordinates of a use formed on demand (a kernel used by two calls of
+    other geometries, one of them ghost-normed) as one formed on demand too, so that :func:`merged_uses` adds them up
+    (no cross terms, nothing materialised beyond a slice)."""
+    computed = [(t, f) for t, f in uses if isinstance(f, Computed)]
+    if not computed:
+        return uses
+    joined: list[Use] = []
+    for t, f in uses:
+        like = next((c for view, c in computed if _same_view(view, t)), None)
+        real = isinstance(f, Factored) and f.u.is_floating_point() and f.v.is_floating_point()
+        if like is not None and real and like.shape == (f.rows, f.cols):  # type: ignore[union-attr]
+            f = _as_computed(f, like)  # type: ignore[arg-type]
+        joined.append((t, f))
+    return joined
+
+
 def merged_uses(uses: list[Use]) -> list[Use]:
     """Uses in the same coordinates (:func:`_same_view`) and of the same kind, added up before any norm: dense
-    gradients summed, factored ones side by side along their positions — Σ_u Σ_t u_{u,t} v_{u,t}ᵀ is one sum over
-    all the positions, so one (ghost or materialised) norm replaces the U(U − 1)/2 cross terms of
-    :func:`_with_cross_terms` (an RNN's W_hh at each of its T steps; a layer shared across depth). The same
-    per-example gradients, added in another order."""
+    gradients summed (those formed on demand: :func:`added_computed`), factored ones side by side along their
+    positions — Σ_u Σ_t u_{u,t} v_{u,t}ᵀ is one sum over all the positions, so one (ghost or materialised) norm
+    replaces the U(U − 1)/2 cross terms of :func:`_with_cross_terms` (an RNN's W_hh at each of its T steps; a layer
+    shared across depth). The same per-example gradients, added in another order."""
     groups: list[list[Use]] = []
-    for use in uses:
+    for use in _joined_to_computed(uses):
         group = next((g for g in groups if _same_view(g[0][0], use[0]) and _kind(g[0][1]) == _kind(use[1])), None)
         if group is None:
             groups.append([use])
@@ -201,7 +270,9 @@ def merged_uses(uses: list[Use]) -> list[Use]:
     merged: list[Use] = []
     for group in groups:
         tracked, form = group[0]
-        if len(group) > 1 and isinstance(form, Dense):
+        if len(group) > 1 and isinstance(form, Computed):
+            form = added_computed([f for _, f in group])  # type: ignore[misc]
+        elif len(group) > 1 and isinstance(form, Dense):
             form = Dense(torch.stack([f.grads for _, f in group]).sum(0))  # type: ignore[union-attr]
         elif len(group) > 1 and isinstance(form, Factored):
             u = torch.cat([f.u for _, f in group], 1)  # type: ignore[union-attr]

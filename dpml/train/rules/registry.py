@@ -7,7 +7,7 @@ as a :class:`Call`. The rule returns one of:
 
 - a :class:`Pending`: the call's output z, the parameters it covers, and ``finish``, which maps the output
   gradient δ = ∂(Σ_j ℓ_j)/∂z (one backward pass for all rules) to each parameter's per-example
-  gradient in a :class:`Factored` or :class:`Dense` form;
+  gradient in a :class:`Factored`, :class:`Dense` or :class:`Computed` form;
 - a :class:`Shared`: the output is itself a view of a parameter that every example shares (an embedding
   looked up with position ids (1, T) or (T,)): it is tracked like ``w.t()``, and the operation that
   meets the batch (``h + pos``) is the one whose rule forms the per-example gradient;
@@ -143,7 +143,21 @@ class Dense:
     grads: torch.Tensor
 
 
-Form = Union[Factored, Dense]
+@dataclass(eq=False)
+class Computed:
+    """Per-example gradients of V that the operation's own kernels form on demand (a convolution's weight gradient):
+    ``gradients(s)`` the examples of slice s materialised, (|s|, *V.shape); ``weighted_sum(c)`` Σ_i c_i G_i without
+    them (one weight gradient of the clip-weighted output gradient); ``cast(dtype)`` the same in another dtype."""
+
+    batch: int
+    shape: tuple[int, ...]  # V's
+    device: torch.device
+    gradients: Callable[[slice], torch.Tensor]
+    weighted_sum: Callable[[torch.Tensor], torch.Tensor]
+    cast: Callable[[torch.dtype], Computed]
+
+
+Form = Union[Factored, Dense, Computed]
 Use = tuple[Tracked, Form]
 
 
