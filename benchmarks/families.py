@@ -36,8 +36,8 @@ the encoder BERT's), and ResNet-18 is ResNet-18 at every size. The default, ``ti
 Inputs: token families take one integer tensor (B, 2, T), row 0 the ids and row 1 the attention mask;
 each example has between T/2 and T real tokens, the rest padding (id 0, mask 0). A small wrapper hands the
 rows to the model as ``input_ids`` / ``attention_mask`` and returns ``.logits`` (dpml's engine calls
-``model(x)`` with one tensor). Images: (B, 3, 32, 32). Random inputs and labels from seed 0, a fixed batch
-(the sampling is not what is timed).
+``model(x)`` with one tensor). Images: (B, 3, 32, 32); the zoo's clips (B, 3, 8, 32, 32). Random inputs and labels
+from seed 0, a fixed batch (the sampling is not what is timed).
 
 Methods, each with its own copy of the model (seed 0, the same weights), all in one process per family
 (by default each family runs in a child process of its own, under ``--family-timeout``, and all of them
@@ -113,7 +113,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
-from family_zoo import IMAGE_ZOO, TEXT_ZOO, TIMM_IMAGES, ZOO, build_image, build_text  # noqa: E402
+from family_zoo import (  # noqa: E402
+    CLIP_FRAMES,
+    IMAGE_ZOO,
+    TEXT_ZOO,
+    TIMM_IMAGES,
+    VIDEO_ZOO,
+    ZOO,
+    build_image,
+    build_text,
+    build_video,
+)
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
 MORE_FAMILIES = ["lstm", "lstm-packed", "convnext", *ZOO]  # asked for by name only (``zoo``: all of ZOO)
@@ -366,11 +376,14 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family in IMAGE_ZOO:
         _import("timm" if family in TIMM_IMAGES else "torchvision.models")
         return build_image(family, size, IMAGE_CLASSES)
+    if family in VIDEO_ZOO:
+        _import("transformers" if family == "videomae" else "torchvision.models")
+        return build_video(family, size, IMAGE_CLASSES)
     raise ValueError(f"unknown family {family!r}")
 
 
 def example_batch(family: str, batch: int, length: int, device: str):  # noqa: ANN201
-    """Random inputs and labels (seed 0): token ids with a mask and some padding, or 32×32 images."""
+    """Random inputs and labels (seed 0): token ids with a mask and some padding, 32×32 images, or clips of them."""
     torch = _torch()
     generator = torch.Generator().manual_seed(0)
     if family in TEXT:
@@ -379,6 +392,8 @@ def example_batch(family: str, batch: int, length: int, device: str):  # noqa: A
         mask = (torch.arange(length) < lengths[:, None]).long()
         ids = torch.randint(1, vocab, (batch, length), generator=generator) * mask
         x, classes = torch.stack([ids, mask], 1), TEXT_CLASSES
+    elif family in VIDEO_ZOO:
+        x, classes = torch.randn(batch, 3, CLIP_FRAMES, 32, 32, generator=generator), IMAGE_CLASSES
     else:
         x, classes = torch.randn(batch, 3, 32, 32, generator=generator), IMAGE_CLASSES
     y = torch.randint(0, classes, (batch,), generator=generator)
@@ -921,7 +936,8 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
         + ".",
         "",
         f"Size `{meta['args']['size']}`, batch {meta['args']['batch']} (token families: sequences of "
-        f"{meta['args']['length']} tokens, T/2 to T of them real; images 3×32×32). Per family one process, the "
+        f"{meta['args']['length']} tokens, T/2 to T of them real; images 3×32×32; clips 3×{CLIP_FRAMES}×32×32). "
+        "Per family one process, the "
         f"methods' steps alternating over {meta['args']['rounds']} rounds (Opacus in {meta['args']['peer_rounds']}"
         f" of them), median step time; throughput = non-private median / the method's. Peak memory: "
         f"{memory_how}; dpml in one chunk of the whole batch (the non-private step's physical batch). "

@@ -14,7 +14,11 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   each convolution's weight standardised per output channel before ``F.conv2d``, GroupNorm), ``nf-resnet26``
   (NF-ResNet-26: no normalisation layer, each weight standardised and scaled by a gain per channel); torchvision's
   ``resnet34-gn``, ``resnet50-gn``, ``resnext50-gn`` (ResNeXt-50 32×4d: 3×3 convolutions in 32 groups) and
-  ``wide-resnet50-gn`` (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``.
+  ``wide-resnet50-gn`` (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``;
+- video clips (3 × ``CLIP_FRAMES`` × 32 × 32, 10 classes): torchvision's ``r3d-18-gn`` (R3D-18: 3-D convolutions
+  throughout) and ``r2plus1d-18-gn`` (R(2+1)D-18: each 3-D convolution split into a spatial and a temporal one), their
+  BatchNorm3d as ``GroupNorm(gcd(32, C), C)``; transformers' ``videomae`` (VideoMAE: a 3-D convolution cuts the clip
+  into tubelets of 2 frames × 4 × 4 pixels, then a ViT at the size's width and depth).
 
 Widths, depths and heads follow ``--size`` (the ``SIZES`` of ``families.py``) for the text models and the ViTs;
 the convolutional networks are their named configuration at every size.
@@ -56,7 +60,9 @@ IMAGE_ZOO = [
     "bit-gn",
     "nf-resnet26",
 ]
-ZOO = TEXT_ZOO + IMAGE_ZOO
+VIDEO_ZOO = ["r3d-18-gn", "r2plus1d-18-gn", "videomae"]
+CLIP_FRAMES = 8
+ZOO = TEXT_ZOO + IMAGE_ZOO + VIDEO_ZOO
 
 
 def text_config(family: str, size: dict, length: int, vocabulary: int, classes: int) -> Any:  # noqa: ANN401
@@ -212,3 +218,46 @@ def build_image(family: str, size: dict, classes: int) -> tuple[Any, str]:
     if family == "mobilenet-v2-gn":
         return models.mobilenet_v2(num_classes=classes, norm_layer=_group_norm), "torchvision MobileNet-V2, GroupNorm"
     raise ValueError(f"unknown family {family!r}")
+
+
+def build_video(family: str, size: dict, classes: int) -> tuple[Any, str]:
+    """The family's classifier of clips (B, 3, ``CLIP_FRAMES``, 32, 32) (random weights from the current seed), and a
+    line on what it is."""
+    from torch import nn
+
+    if family == "videomae":
+        import transformers as tr
+
+        config = tr.VideoMAEConfig(
+            image_size=32,
+            patch_size=4,
+            num_frames=CLIP_FRAMES,
+            tubelet_size=2,
+            hidden_size=size["hidden"],
+            num_hidden_layers=size["layers"],
+            num_attention_heads=size["heads"],
+            intermediate_size=size["ffn"],
+            num_labels=classes,
+        )
+
+        class Clips(nn.Module):  # (B, C, T, H, W) as torchvision's video models take them, to VideoMAE's (B, T, C, …)
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = tr.VideoMAEForVideoClassification(config)
+
+            def forward(self, x: Any) -> Any:  # noqa: ANN401
+                return self.model(pixel_values=x.transpose(1, 2)).logits
+
+        layers = f"{size['hidden']} wide, {size['layers']} layers"
+        return Clips(), f"VideoMAEForVideoClassification ({layers}, tubelets of 2 frames × 4 × 4 pixels)"
+    import torchvision.models.video as video
+
+    builders = {"r3d-18-gn": video.r3d_18, "r2plus1d-18-gn": video.r2plus1d_18}
+    if family not in builders:
+        raise ValueError(f"unknown family {family!r}")
+    model = builders[family](num_classes=classes)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.BatchNorm3d):
+                setattr(module, name, _group_norm(child.num_features))
+    return model, f"torchvision {family[:-3]}, GroupNorm"
