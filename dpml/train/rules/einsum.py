@@ -1,7 +1,8 @@
 """Products written as index equations, a parameter S against one activation x: ``torch.einsum`` with two
-operands, ``torch.bmm`` with a parameter expanded over the batch (``w.expand(B, n, m)``), and a matrix
-product with a parameter of more than two dimensions (per-head weights, ``x @ w`` with x (B, H, T, d) and
-w (H, d, e)).
+operands, ``torch.bmm`` with a parameter expanded over the batch (``w.expand(B, n, m)``) or one matrix per head
+(the heads first, (H, B·T, n), each example's rows in one run), ``torch.baddbmm`` and ``torch.addbmm`` (decomposed
+into the product and a sum), and a matrix product with a parameter of more than two dimensions (per-head weights,
+``x @ w`` with x (B, H, T, d) and w (H, d, e)).
 
 z = einsum(x, S) with subscripts X, S, Z, and b = x's batch dimension's subscript (its first, or where the
 recorder's example map puts the batch: XLNet's time-major ``ibh,hnd->ibnd``, x read as (b, i, h)). Each example's
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from dpml.train.rules.operands import einsum_operands, einsum_subscripts
+from dpml.train.rules.operands import decomposition, einsum_operands, einsum_subscripts
 from dpml.train.rules.registry import (
     Call,
     Dense,
@@ -68,10 +70,10 @@ def product(
     if len(x_subs) != a.dim() or len(s_subs) != len(s.shape()):
         return "subscripts that do not match the operands"
     if merged == 1 and not call.batch_first(x):
-        at = call.batch_dim(x)
-        if at is None:
-            return f"its activation (shape {tuple(x.shape)}) has no batch dimension"
-        a, x_subs = a.movedim(at, 0), x_subs[at] + x_subs[:at] + x_subs[at + 1 :]  # (time-major: XLNet's i b h)
+        found = _batch_axis(call, x, a, subscripts, out_shape)
+        if isinstance(found, str):
+            return found
+        a, (x_subs, s_subs, z_subs), out_shape = found
     b = x_subs[0]
     if b in s_subs or b not in z_subs:
         return "the batch index on the parameter or summed away"
@@ -80,7 +82,7 @@ def product(
     batch = a.shape[0]
     same_sizes = all(a.shape[x_subs.index(c)] == out_shape[z_subs.index(c)] for c in x_subs if c in z_subs)
     factored = _factored_layout(x_subs, s_subs, z_subs) if same_sizes else None  # (no size-1 broadcast)
-    grouped = _per_group(a, s, subscripts, out_shape) if same_sizes and factored is None else None
+    grouped = _per_group(a, s, (x_subs, s_subs, z_subs), out_shape) if same_sizes and factored is None else None
     if grouped is not None:
         return Pending(call.output, [s.param], grouped)
     if factored is not None:
@@ -98,6 +100,30 @@ def product(
         return [(s, Dense(torch.einsum(f"{x_subs},{z_subs}->{b}{s_subs}", a, d.view(out_shape))))]
 
     return Pending(call.output, [s.param], finish_dense)
+
+
+def _batch_axis(
+    call: Call, x: torch.Tensor, a: torch.Tensor, subscripts: tuple[str, str, str], out_shape: torch.Size
+) -> tuple[torch.Tensor, tuple[str, str, str], torch.Size] | str:
+    """x read batch-first: its batch dimension moved first (time-major: XLNet's ``i b h``), or a dimension holding each
+    example's rows in one run of k ((H, B·T, d), a per-head product written heads first) split into (B, k) first, the
+    run's new letter kept by z too; with the subscripts and z's shape to match."""
+    x_subs, s_subs, z_subs = subscripts
+    axis = call.example_axis(x)
+    runs = None if axis is None else example_runs(axis[1], call.batch)
+    if axis is None or runs is None:
+        return f"its activation (shape {tuple(x.shape)}) has no batch dimension"
+    at, letter = axis[0], x_subs[axis[0]]
+    if runs > 1:
+        if letter not in z_subs:
+            return "the batch index on the parameter or summed away"
+        fresh = next(c for c in string.ascii_letters if c not in x_subs + s_subs + z_subs)
+        z_at = z_subs.index(letter)
+        a = a.unflatten(at, (call.batch, runs))
+        x_subs = x_subs[: at + 1] + fresh + x_subs[at + 1 :]
+        z_subs = z_subs[: z_at + 1] + fresh + z_subs[z_at + 1 :]
+        out_shape = torch.Size((*out_shape[:z_at], call.batch, runs, *out_shape[z_at + 1 :]))
+    return a.movedim(at, 0), (letter + x_subs[:at] + x_subs[at + 1 :], s_subs, z_subs), out_shape
 
 
 def _per_group(
@@ -189,7 +215,9 @@ def bmm(call: Call) -> Pending | str:
     """torch.bmm(x, S) or (S, x) with S (B, n, m) a parameter expanded over the batch (``w.expand(B, n, m)``):
     z_i = x_i S_0 or S_0 x_i — ``b i j, j k → b i k`` with S_0 the shared matrix; or with x's B·H matrices example
     by example and S the same H matrices S_h for every example (DeBERTa's relative positions: ``w.repeat(B, 1, 1)``
-    against the heads' queries), ``b h i j, h j k → b h i k``."""
+    against the heads' queries), ``b h i j, h j k → b h i k``; or with the product's batch the heads, S (H, n, m)
+    and x (H, B·T, n) every example's rows of each head (RecurrentGemma's block-diagonal gates), ``g i j, g j k →
+    g i k`` with i the examples' rows (:func:`_batch_axis`)."""
     left, right = call.arg(0, "input"), call.arg(1, "mat2")
     s_left = call.tracked(left) is not None
     s, x = (left, right) if s_left else (right, left)
@@ -200,10 +228,12 @@ def bmm(call: Call) -> Pending | str:
     if shared is not None:
         return product(call, x, shared, ("bjk", "ij", "bik") if s_left else ("bij", "jk", "bik"))
     per_head = _shared_by_examples(call, x, tracked)
-    if per_head is None:
+    if per_head is not None:
+        heads, each = per_head
+        return product(call, x, each, ("bhjk", "hij", "bhik") if s_left else ("bhij", "hjk", "bhik"), merged=heads)
+    if call.leading_examples(x) is not None:
         return "a parameter batch whose matrices differ from one example to another"
-    heads, each = per_head
-    return product(call, x, each, ("bhjk", "hij", "bhik") if s_left else ("bhij", "hjk", "bhik"), merged=heads)
+    return product(call, x, tracked, ("gjk", "gij", "gik") if s_left else ("gij", "gjk", "gik"))  # (heads first)
 
 
 def _shared_by_examples(call: Call, x: torch.Tensor, s: Tracked) -> tuple[int, Tracked] | None:
@@ -236,3 +266,25 @@ def matmul_batched(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pen
             assert squeezed is not None
             s, s_subs = squeezed, s_subs[:dim] + s_subs[dim + 1 :]
     return product(call, x, s, (x_subs, s_subs, z_subs))
+
+
+def _without_out(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("out") is None and len(args) == 3
+
+
+@decomposition(torch.baddbmm, torch.Tensor.baddbmm, applies=_without_out)
+def baddbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    """β·input + α·(batch1 @ batch2) as its product (:func:`bmm`) and a sum with input (the elementwise rule: a bias
+    per head, (H, 1, m)); with β = 0, input is ignored, as torch ignores it."""
+    z = torch.bmm(batch1, batch2)
+    z = z if alpha == 1 else z * alpha
+    return z if beta == 0 else torch.add(z, input, alpha=beta)
+
+
+@decomposition(torch.addbmm, torch.Tensor.addbmm, applies=_without_out)
+def addbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    """β·input + α·Σ_g batch1_g @ batch2_g: the product summed over its batch as one index equation (:func:`einsum`:
+    refused where that batch is the examples', whom the sum mixes), and a sum with input."""
+    z = torch.einsum("gij,gjk->ik", batch1, batch2)
+    z = z if alpha == 1 else z * alpha
+    return z if beta == 0 else torch.add(z, input, alpha=beta)

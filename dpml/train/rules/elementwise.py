@@ -6,8 +6,9 @@ With S right-aligned to z and padded to S' of z's rank: ∇_S ℓ_i = Σ over th
 (∂ℓ_i/∂z_i) ⊙ x_i (product) or ± α ∂ℓ_i/∂z_i (sum), materialised (the size of S per example). S' must be
 shared (leading size 1) or expanded over the batch (the same elements in every example's slice); the other
 operand batch-first, or with a first dimension whose slices each belong to one example (Swin's attention
-windows, (B·windows, …)): its rows' gradients are then added up per example; or with its batch along another
-dimension (XLNet's time-major queries plus a per-head bias, (T, B, H, d) + (H, d)), read with that one first.
+windows, (B·windows, …)): its rows' gradients are then added up per example; or with its examples along another
+dimension (XLNet's time-major queries plus a per-head bias, (T, B, H, d) + (H, d); RecurrentGemma's heads-first
+gates plus a bias per head, (H, B·T, d) + (H, 1, d)), read with that one first.
 S + c and S − c with c a constant of every example (``1 + w``) are S again, shifted: their result is tracked as a
 view of the parameter, and the operation that meets the batch forms the gradient.
 """
@@ -62,9 +63,9 @@ def elementwise(call: Call) -> Pending | Shared | str:
     if shifted is not None:
         return shifted
     owners, at = call.leading_examples(x), 0
-    if owners is None and isinstance(x, torch.Tensor) and z.dim() == x.dim():  # batch elsewhere: read batch-first
-        at = call.batch_dim(x) or 0
-        owners = torch.arange(call.batch) if at else None
+    axis = call.example_axis(x) if owners is None and isinstance(x, torch.Tensor) and z.dim() == x.dim() else None
+    if axis is not None:  # the batch along another dimension (time-major, heads first): read it first
+        at, owners = axis
     if owners is None or z.dim() < 1 or z.shape[at] != x.shape[at]:
         return "no operand with a batch dimension"
     found = broadcast_view(call, s, owners, at)  # (rows: the batch, or rows that each belong to one example)

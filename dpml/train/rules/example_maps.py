@@ -215,18 +215,21 @@ class ExampleMaps:
         examples = self._source_examples(t)[1]
         return None if examples is None else _varying(examples.expand(t.shape))
 
-    def batch_dim(self, t: torch.Tensor) -> int | None:
-        """The dimension of t that is the batch: t's map is 0 … B − 1 along it and the same along every other one (0
-        for a batch-first activation, 1 for a time-major (T, B, …) one); None where there is no such dimension."""
+    def example_axis(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """(k, the example of each index of t's dimension k) where t's map varies along that one dimension alone: a
+        batch-first t (0 … B − 1 along k = 0), a time-major one, or one whose rows of all examples were moved off
+        the first dimension ((H, B·T, d): each example's T rows in one run along k = 1); with one example, t's first
+        dimension of size 1; None where the batch is not known, or where the map varies along several dimensions."""
         if t.dim() < 1 or self.tracked(t) is not None or not self.derived(t):
             return None
         if self.batch == 1:  # every element is the one example's: its first dimension of size 1 is the batch
-            return next((k for k, size in enumerate(t.shape) if size == 1), None)
+            k = next((k for k, size in enumerate(t.shape) if size == 1), None)
+            return None if k is None else (k, torch.zeros(1, dtype=torch.int64))
         varying = self._varying_of(t)
         if varying is None or len(varying[0]) != 1:
             return None
         (k,), values = varying
-        return k if torch.equal(values.reshape(-1), self._base) else None
+        return k, values.reshape(-1).to(torch.int64)
 
     def _follow_einsum(self, args: tuple[Any, ...], out: Any) -> None:
         """``torch.einsum(equation, *operands)``: an operand from the batch whose map varies only along letters the

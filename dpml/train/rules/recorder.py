@@ -353,7 +353,14 @@ class Recorder(ExampleMaps, TorchFunctionMode):
 
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Call:
         """The call as its rule sees it, with the recorder's views of where the batch is."""
-        views = (self.tracked, self.rows, self.batch_first, self._leading_examples, self.derived, self.batch_dim)
+        views = (
+            self.tracked,
+            self.rows,
+            self.batch_first,
+            self._leading_examples,
+            self.derived,
+            self.example_axis,
+        )
         return Call(func, args, kwargs, out, self.batch, *views)
 
     def _apply(

@@ -247,7 +247,7 @@ class Call:
     batch_first_of: Callable[[torch.Tensor], bool]
     leading_examples_of: Callable[[torch.Tensor], torch.Tensor | None]
     from_batch_of: Callable[[torch.Tensor], bool]
-    batch_dim_of: Callable[[torch.Tensor], int | None]
+    example_axis_of: Callable[[torch.Tensor], tuple[int, torch.Tensor] | None]
 
     def arg(self, position: int, name: str, default: Any = None) -> Any:
         if len(self.args) > position:
@@ -275,10 +275,11 @@ class Call:
         B − 1 for a batch-first activation, each window's example for Swin's (B·windows, …); else None."""
         return self.leading_examples_of(t) if isinstance(t, torch.Tensor) else None
 
-    def batch_dim(self, t: Any) -> int | None:
-        """The dimension of the activation t that is the batch (0 batch-first, 1 time-major), each of its indices
-        one example's and every other dimension within an example; None where there is none."""
-        return self.batch_dim_of(t) if isinstance(t, torch.Tensor) else None
+    def example_axis(self, t: Any) -> tuple[int, torch.Tensor] | None:
+        """(k, the example of each index of dimension k (a CPU tensor)) where the activation t's examples vary along
+        its dimension k alone (batch-first, time-major, or the rows of all examples moved off the first dimension:
+        (H, B·T, d) for per-head products written heads first); None otherwise."""
+        return self.example_axis_of(t) if isinstance(t, torch.Tensor) else None
 
 
 def per_example(rows: torch.Tensor, owners: torch.Tensor, batch: int) -> torch.Tensor:
