@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_op_rules import assert_exact_without_the_exact_path, generator
+from test_op_rules import ConvolutionTwice, assert_exact_without_the_exact_path, generator
 from torch import nn
 
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -98,9 +98,10 @@ def in_twos(count: int) -> list[slice]:
 def test_every_way_to_the_kernels_gradients_clips_like_the_loop(
     monkeypatch: pytest.MonkeyPatch, way: str, limit: int
 ) -> None:
-    """Each way to a kernel's per-example gradients (torch's grouped weight gradient, one per image, the patches; or
-    the factored form where a ghost norm is cheaper), kept or (past the keep limit) formed a slice of two examples at
-    a time with the clipped sum left to the weight gradient of the clip-weighted δ: the same numbers as the loop."""
+    """Each way to a kernel's per-example gradients, 1-, 2- and 3-D, transposed or not (torch's grouped weight
+    gradient, one per image, the patches; or the factored form where a ghost norm is cheaper), kept or (past the keep
+    limit) formed a slice of two examples at a time with the clipped sum left to the weight gradient of the
+    clip-weighted δ: the same numbers as the loop."""
     monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", limit)
     monkeypatch.setattr(combine, "heap_sized_slices", lambda count, each, device: in_twos(count))
     if way == "factored":
@@ -115,3 +116,8 @@ def test_every_way_to_the_kernels_gradients_clips_like_the_loop(
     torch.manual_seed(3)
     volumes = torch.randn(5, 2, 4, 6, 6, generator=generator(5), dtype=torch.float64)
     assert_exact_without_the_exact_path(Volumes(), per_example_cross_entropy, volumes, torch.randint(0, 3, (5,)))
+    torch.manual_seed(9)  # a 2-D and a 1-D kernel used by their layers and by functional calls (the 1-D/2-D rule)
+    images = torch.randn(5, 2, 6, 6, generator=generator(12), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        ConvolutionTwice(), per_example_cross_entropy, images, torch.randint(0, 3, (5,))
+    )

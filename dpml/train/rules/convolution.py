@@ -3,12 +3,14 @@ functional call: a weight standardised before use, as NFNet's and BiT's convolut
 output positions t, a_t the input patch under the kernel (:func:`dpml.train.clipping_conv.unfold_patches`; a Conv1d
 is the Conv2d of height 1).
 
-∇_W ℓ_i = Σ_t δ_{i,t} a_{i,t}ᵀ in W's (C_out, C_in·k) layout, factored (u = δ, v = a) like a dense layer,
-and ∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when g = C_in) group j's output channels see only its
-input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised for the B·g (example, group) pairs at once
-(:func:`dpml.train.clipping_conv_ways.grouped_conv_per_example_gradients`), B × |W| numbers (refused beyond the
-device's keep limit). (A convolution whose layer is hooked keeps
-the layer's optimised kernels.)
+∇_W ℓ_i = Σ_t δ_{i,t} a_{i,t}ᵀ in W's (C_out, C_in·k) layout, factored (u = δ, v = a) like a dense layer — for a
+kernel that is a parameter, ghost-normed where that is the cheaper and otherwise formed on demand by torch's own
+weight-gradient kernels (:func:`dpml.train.rules.convolution_nd.kernel_form`); for a computed one (standardised)
+always factored, which its closed form reads —, and ∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when
+g = C_in) group j's output channels see only its input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised
+for the B·g (example, group) pairs at once (:func:`dpml.train.clipping_conv_ways.grouped_conv_per_example_gradients`),
+B × |W| numbers (refused beyond the device's keep limit). (A convolution whose layer is hooked keeps the layer's
+optimised kernels.)
 
 An input whose images are grouped by example, (B·k, C, H, W) with each image one example's (MViT pools each head's
 map, windowed models each window; the recorder's example map says whose), is an example's k images side by side:
@@ -23,6 +25,7 @@ from torch import nn
 
 from dpml.train.clipping_conv import named_padding, unfold_patches
 from dpml.train.clipping_conv_ways import grouped_conv_per_example_gradients
+from dpml.train.rules.convolution_nd import Convolution, by_example, kernel_form, sizes
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, beyond_keep_limit, rule
 
 
@@ -33,25 +36,14 @@ def _pair(value: int | tuple[int, ...], one_d: bool, fill: int) -> tuple[int, in
     return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
 
 
-def by_example(t: torch.Tensor, rows: Rows | None) -> torch.Tensor:
-    """(N, c, T) per image as (B, c, k·T) per example: an example's k images (``rows``: the input's images grouped by
-    example, B·k of them, as MViT pools each head's map) side by side as one image's positions, whose products with
-    the output gradient add up over them; a batch-first t as it is."""
-    if rows is None:
-        return t
-    channels, positions = t.shape[1], t.shape[2]
-    t = rows.of(t.reshape(t.shape[0], -1))  # (B, k, c·T), example by example
-    return t.reshape(rows.batch, -1, channels, positions).transpose(1, 2).reshape(rows.batch, channels, -1)
-
-
 @rule(F.conv1d, F.conv2d)
 def convolution(call: Call) -> Pending | str:
     x, weight, bias = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     stride, padding, dilation = call.arg(3, "stride", 1), call.arg(4, "padding", 0), call.arg(5, "dilation", 1)
     groups = call.arg(6, "groups", 1)
     if isinstance(padding, str):
-        sizes = tuple(weight.shape[2:])
-        padding = named_padding(padding, sizes, (dilation,) * len(sizes) if isinstance(dilation, int) else dilation)
+        taps = tuple(weight.shape[2:])
+        padding = named_padding(padding, taps, (dilation,) * len(taps) if isinstance(dilation, int) else dilation)
         if padding is None:
             return "padding 'same' with an odd total (torch pads it unevenly)"
     w, b = call.tracked(weight), call.tracked(bias)
@@ -68,8 +60,9 @@ def convolution(call: Call) -> Pending | str:
         _pair(padding, one_d, 0),
         _pair(dilation, one_d, 1),
     )
-    recorded, batch, out_channels = x.detach(), call.batch, weight.shape[0]
+    recorded, batch, out_channels, n = x.detach(), call.batch, weight.shape[0], weight.dim() - 2
     computed = w is not None and not isinstance(w.param, nn.Parameter)  # (a weight standardised first reads the output)
+    conv = Convolution(tuple(weight.shape), sizes(stride, n), sizes(padding, n), sizes(dilation, n), (0,) * n, 1, False)
     produced, written = (call.output, call.output._version) if computed else (None, 0)
     beyond = None if groups == 1 or w is None else beyond_keep_limit(batch, weight.shape, x.device)
     if beyond is not None:
@@ -78,7 +71,9 @@ def convolution(call: Call) -> Pending | str:
     def finish(output_grad: torch.Tensor) -> list[Use]:
         d = by_example(output_grad.reshape(output_grad.shape[0], out_channels, -1), rows)  # (B, C_out, T)
         uses: list[Use] = []
-        if w is not None and groups == 1:
+        if w is not None and groups == 1 and not computed:
+            uses.append((w, kernel_form(recorded, output_grad, conv, merged, rows)))
+        elif w is not None and groups == 1:
             patches = by_example(unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry), rows)
             form = Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])
             if produced is not None and produced._version == written:  # (not written in place since: W a_t, (B, T, C))

@@ -27,7 +27,7 @@ examples at a time for the norms and the clipped sum taken as one weight gradien
 
 The input must be batch-first, or hold each example's k images among its first dimension ((B·k, C, …), the recorder's
 example map says whose): an example's images are then its positions side by side
-(:func:`dpml.train.rules.convolution.by_example`).
+(:func:`by_example`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import torch.nn.functional as F
 from dpml.train.clipping_conv import named_padding
 from dpml.train.clipping_layers import materialise
 from dpml.train.keep_budget import keep_limit
-from dpml.train.rules.convolution import by_example
 from dpml.train.rules.registry import (
     Call,
     Computed,
@@ -61,9 +60,20 @@ Sizes = tuple[int, ...]
 SumFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _sizes(value: int | Sequence[int], n: int) -> Sizes:
+def sizes(value: int | Sequence[int], n: int) -> Sizes:
     values = (value,) if isinstance(value, int) else tuple(value)
     return values * n if len(values) == 1 else values
+
+
+def by_example(t: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    """(N, c, T) per image as (B, c, k·T) per example: an example's k images (``rows``: the input's images grouped by
+    example, B·k of them, as MViT pools each head's map) side by side as one image's positions, whose products with
+    the output gradient add up over them; a batch-first t as it is."""
+    if rows is None:
+        return t
+    channels, positions = t.shape[1], t.shape[2]
+    t = rows.of(t.reshape(t.shape[0], -1))  # (B, k, c·T), example by example
+    return t.reshape(rows.batch, -1, channels, positions).transpose(1, 2).reshape(rows.batch, channels, -1)
 
 
 @dataclass(frozen=True)
@@ -248,12 +258,12 @@ def _convolution(call: Call, transposed: bool, at: tuple[int, int, int, int]) ->
     """The uses of the kernel and the bias; ``at``: where stride, padding, dilation and groups stand in the call."""
     x, weight, bias = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     n = weight.dim() - 2
-    stride, dilation = _sizes(call.arg(at[0], "stride", 1), n), _sizes(call.arg(at[2], "dilation", 1), n)
+    stride, dilation = sizes(call.arg(at[0], "stride", 1), n), sizes(call.arg(at[2], "dilation", 1), n)
     padding_arg, groups = call.arg(at[1], "padding", 0), int(call.arg(at[3], "groups", 1))
     padding = (
         named_padding(padding_arg, tuple(weight.shape[2:]), dilation)
         if isinstance(padding_arg, str)
-        else _sizes(padding_arg, n)
+        else sizes(padding_arg, n)
     )
     if padding is None:
         return "padding 'same' with an odd total (torch pads it unevenly)"
@@ -264,7 +274,7 @@ def _convolution(call: Call, transposed: bool, at: tuple[int, int, int, int]) ->
     w, b = call.tracked(weight), call.tracked(bias)
     if w is not None and w.index is not None:
         w = Tracked(w.param, w.index.reshape(weight.shape[0], -1), w.shared)
-    output_padding = _sizes(call.arg(5, "output_padding", 0), n) if transposed else (0,) * n
+    output_padding = sizes(call.arg(5, "output_padding", 0), n) if transposed else (0,) * n
     conv = Convolution(tuple(weight.shape), stride, padding, dilation, output_padding, groups, transposed)
     recorded, out_channels = x.detach(), call.output.shape[1]
 
