@@ -1,7 +1,8 @@
 """Per-head parameters met by activations whose examples are not along the first dimension: products written heads
 first (``torch.baddbmm`` with a bias per head, as RecurrentGemma's gates; ``torch.bmm``, ``Tensor.baddbmm`` and
 ``torch.addbmm``, the parameter on either side, the examples' rows in one run along dimension 1), and a time-major
-activation against per-head matrices (``i b h d, h d e → i b h e``). Clipped sums and norms equal a float64
+activation against per-head matrices (``i b h d, h d e → i b h e``), and parameters concatenated to time-major
+activations along their time (``nn.MultiheadAttention``'s ``add_bias_kv``). Clipped sums and norms equal a float64
 per-example loop, and nothing takes the exact path."""
 
 from __future__ import annotations
@@ -96,3 +97,31 @@ def test_a_sum_over_the_examples_batch_of_products_takes_the_exact_path_and_says
     x = torch.randn(5, 2, 4, dtype=torch.float64)
     found = engine_pass(Mixed().double(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
     assert set(found.exact) == {"w"} and "summed away" in found.reasons["w"]
+
+
+class AttentionVariants(nn.Module):
+    """``nn.MultiheadAttention`` with a learned key and value bias appended to the (time-major) keys and values and a
+    zero attention slot, and one with keys and values of other widths (``kdim``, ``vdim``: three projection weights),
+    padding masked; and a learned row concatenated to a time-major activation by hand."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.biased = nn.MultiheadAttention(width, 2, add_bias_kv=True, add_zero_attn=True, batch_first=True)
+        self.cross = nn.MultiheadAttention(width, 2, kdim=5, vdim=3, batch_first=True)
+        self.row = nn.Parameter(torch.randn(1, 1, width) * 0.5)
+        self.out = nn.Linear(3 * width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, 8)
+        batch = x.shape[0]
+        padding = torch.zeros(batch, x.shape[1] - 1, dtype=torch.bool)
+        padding[: batch // 2, -1] = True
+        h, _ = self.biased(x, x, x, need_weights=False)
+        g, _ = self.cross(x, x[:, 1:, :5], torch.tanh(x[:, 1:, 2:5]), key_padding_mask=padding, need_weights=False)
+        rows = torch.cat([x.transpose(0, 1), self.row.expand(1, batch, -1)])  # (T + 1, B, 8), time-major
+        return self.out(torch.cat([h.mean(1), g.mean(1), torch.tanh(rows).mean(0)], 1))
+
+
+def test_attention_with_learned_key_and_value_biases_and_keys_of_other_widths() -> None:
+    torch.manual_seed(6)
+    x = torch.randn(5, 4, 8, generator=generator(11), dtype=torch.float64)
+    assert_exact_without_the_exact_path(AttentionVariants(), per_example_cross_entropy, x, torch.randint(0, 3, (5,)))
