@@ -9,7 +9,15 @@ from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
 from dpml import devices
-from dpml.train import clipping, clipping_candidates, clipping_conv, clipping_conv_ways, clipping_layers, keep_budget
+from dpml.train import (
+    clipping,
+    clipping_candidates,
+    clipping_conv,
+    clipping_conv_ways,
+    clipping_layers,
+    clipping_norms,
+    keep_budget,
+)
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -163,24 +171,28 @@ def test_frozen_layer_norm_weight_is_left_out() -> None:
 
 
 class NormedCnn(nn.Module):
-    """Conv2d → GroupNorm → ReLU → flatten → Linear."""
+    """Conv2d → GroupNorm → ReLU → flatten → Linear, on size × size images."""
 
-    def __init__(self, groups: int, inplace: bool = False) -> None:
+    def __init__(self, groups: int, inplace: bool = False, size: int = 5) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 6, 3, padding=1)
         self.norm = nn.GroupNorm(groups, 6, eps=1e-4)
         self.act = nn.ReLU(inplace=inplace)
-        self.out = nn.Linear(6 * 5 * 5, 3)
+        self.out = nn.Linear(6 * size * size, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.act(self.norm(self.conv(x))).flatten(1))
 
 
+@pytest.mark.parametrize("size", [5, 6], ids=["recomputed", "folded"])
 @pytest.mark.parametrize("groups", [1, 2, 6])
-def test_group_norm_matches_naive_loop(groups: int, vmapped: list) -> None:
+def test_group_norm_matches_naive_loop(groups: int, size: int, vmapped: list) -> None:
+    """Below ``FOLDED_GROUP_NORM_MIN_POSITIONS`` positions a channel (5 × 5) x̂ is recomputed; from it up (6 × 6) ATen's
+    GroupNorm kernels run on the batch folded into the channels."""
+    assert 5 * 5 < clipping_norms.FOLDED_GROUP_NORM_MIN_POSITIONS <= 6 * 6
     torch.manual_seed(15)
-    model = randomise_affine(NormedCnn(groups)).double()
-    x = torch.randn(14, 2, 5, 5, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    model = randomise_affine(NormedCnn(groups, size=size)).double()
+    x = torch.randn(14, 2, size, size, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     for clip in (0.05, 1e3):
         assert_matches_naive_loop(model, x, labels(14), clip, most_clipped=clip < 1)
     assert vmapped == []

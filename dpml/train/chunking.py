@@ -7,7 +7,7 @@ not depend on it. ``physical_batch_size`` bounds the memory; below it the speed 
 CPU, the per-example gradients a convolution materialises, its unfolded patches and the recorded
 activations of a large chunk overflow the caches, and a layer whose per-example gradients no longer fit
 the engine's keep limit falls back to ghost norms and a second pass
-(:func:`dpml.train.clipping_layers.materialise`): on this project's 2-core CPU, WRN-16-4's DP step at
+(:func:`dpml.train.clipping_norms.materialise`): on this project's 2-core CPU, WRN-16-4's DP step at
 batch 512 took 5.8 s in chunks of 64 rows against 14.6 s in one (``benchmarks/README.md``, WRN-16-4
 on the CPU). On a GPU larger chunks are usually faster, up to the memory.
 

@@ -24,7 +24,9 @@ share a normalisation's γ and β). Given the recorded input and the output grad
 - **Embedding** (z_t = W[k_t]): ‖∇_W ℓ_i‖_F² = Σ_k ‖Σ_{t: k_t = k} δ_t‖², by sorting the
   (example, token) pairs; ``padding_idx`` positions get no gradient. Clipped sum by ``index_add``.
 - **LayerNorm and GroupNorm** (affine, z = x̂⊙γ + β, x̂ recomputed with the layer's own function):
-  ∇_γ ℓ_i = Σ_t x̂_t⊙δ_t, ∇_β ℓ_i = Σ_t δ_t, materialised (they are small).
+  ∇_γ ℓ_i = Σ_t x̂_t⊙δ_t, ∇_β ℓ_i = Σ_t δ_t, materialised (they are small); a GroupNorm's over many positions on a
+  CPU by ATen's GroupNorm kernels on the batch folded into the channels
+  (:func:`dpml.train.clipping_norms.group_norm_affine_gradients`).
 - **Layers that know their own shortcut** (``ghost_clipping = True``, e.g.
   :class:`dpml.models.gated.GatedLinear`) supply ‖∇_W ℓ_i‖² and Σ_i c_i ∇_W ℓ_i themselves.
 
@@ -72,7 +74,15 @@ from dpml.train.clipping_conv_ways import (
     per_example_conv_gradients,
     per_example_conv_way,
 )
-from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared, without_silent_positions
+from dpml.train.clipping_norms import (
+    embedding_norms_squared,
+    group_norm_affine_gradients,
+    grouped_by_ghost_norm,
+    kept_sum,
+    materialise,
+    row_norms_squared,
+    without_silent_positions,
+)
 from dpml.train.keep_budget import keep_limit, room, spend
 
 M = TypeVar("M", bound=nn.Module)
@@ -196,38 +206,6 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     if keep:
         spend(batch * d_in * d_out)
     return torch.cat([row_norms_squared(part) for part in parts]), parts if keep else None
-
-
-KEEP_TRAFFIC = 4
-"""Multiply-adds per kept number in :func:`materialise`: ResNet-18's 128-channel 3×3 convolutions on 4×4 maps
-(B = 64, T²(d_in + d_out) = 2.2·d_in·d_out) took 2.9 ms a layer materialised and kept against 1.6 ms by ghost norm
-and the weight-gradient convolution of the clip-weighted δ; its 64-channel ones on 8×8 (17.8·) stay materialised."""
-
-
-def materialise(batch: int, count: int, d_in: int, d_out: int, limit: int) -> bool:
-    """Whether a dense layer's per-example weight gradients (B, d_out, d_in) over T = ``count`` positions
-    are to be materialised rather than ghost-normed.
-
-    Ghost norm costs T²·(d_in + d_out) per example for the two Gram matrices and then a second pass
-    over the positions for the clipped sum (T·d_in·d_out); materialising costs T·d_in·d_out once, and
-    the clipped sum is then a weighted sum of the kept gradients — but the kept gradients are written
-    and read again, d_in·d_out numbers per example each way, memory traffic worth about
-    ``KEEP_TRAFFIC`` multiply-adds per number. So when they fit in ``limit`` elements (the device's
-    :func:`keep_limit`) they are materialised as soon as the Gram matrices cost more than that traffic;
-    when they do not fit, only where the Gram matrices alone (T² numbers) are larger than the gradient
-    (d_in·d_out numbers), the memory-saving rule of ghost clipping."""
-    if batch * d_in * d_out <= limit:
-        return count * count * (d_in + d_out) > KEEP_TRAFFIC * d_in * d_out
-    return count * count > d_in * d_out
-
-
-def grouped_by_ghost_norm(pairs: int, count: int, d_in: int, d_out: int, limit: int) -> bool:
-    """Whether a grouped convolution's per-example norm is the ghost norm of its groups (each a dense layer from
-    its live patch, d_in numbers, to d_out output channels, over ``count`` positions; ``pairs`` = B·g), not its
-    per-example gradients: where :func:`materialise` says so for the groups, and the gradients would hold more
-    than ``KEEP_TRAFFIC`` times the patches the ghost norm reads (d_out > ``KEEP_TRAFFIC``·T). A depthwise layer's
-    (d_out = 1) are as small as its patches, and kept they spare its clipped sum a second pass."""
-    return d_out > KEEP_TRAFFIC * count and not materialise(pairs, count, d_in, d_out, limit)
 
 
 @dataclass
@@ -448,17 +426,17 @@ def _embedding_piece(module: nn.Embedding, tokens: torch.Tensor, d: torch.Tensor
     return Piece(embedding_norms_squared(tokens, d, module.num_embeddings), sums)
 
 
-def _affine_norm_piece(module: nn.LayerNorm | nn.GroupNorm, normalised: torch.Tensor, d: torch.Tensor) -> Piece:
-    """z = x̂⊙γ + β with x̂, δ shaped (B, T, *γ.shape): ∇_γ ℓ_i = Σ_t x̂_t⊙δ_t and ∇_β ℓ_i = Σ_t δ_t, materialised side
-    by side in one (B, |γ| + |β|) matrix G, so that ‖G_i‖² is one reduction and Σ_i c_i G_i one product."""
+def _affine_norm_piece(module: nn.LayerNorm | nn.GroupNorm, weight: torch.Tensor, bias: torch.Tensor) -> Piece:
+    """z = x̂⊙γ + β: ∇_γ ℓ_i = Σ_t x̂_t⊙δ_t and ∇_β ℓ_i = Σ_t δ_t (``weight``, ``bias``: (B, *γ.shape) each), side by
+    side in one (B, |γ| + |β|) matrix G, so that ‖G_i‖² is one reduction and Σ_i c_i G_i one product."""
     per_example = []
     if trainable(module.weight):
-        per_example.append((module.weight, (normalised * d).sum(1)))
+        per_example.append((module.weight, weight))
     if trainable(module.bias):
-        per_example.append((module.bias, d.sum(1)))
+        per_example.append((module.bias, bias))
     if len(per_example) < 2:
-        return materialised_piece(per_example, d)  # type: ignore[arg-type]
-    batch = d.shape[0]
+        return materialised_piece(per_example, bias)  # type: ignore[arg-type]
+    batch = bias.shape[0]
     side_by_side = torch.cat([g.reshape(batch, -1) for _, g in per_example], 1)
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -490,11 +468,15 @@ def layer_piece(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]
         return _grouped_conv_piece(module, calls)
     if isinstance(module, nn.Conv2d) and len(calls) == 1:
         return _conv_piece(module, *calls[0])
+    if isinstance(module, nn.GroupNorm) and len(calls) == 1:
+        folded = group_norm_affine_gradients(*calls[0], module.num_groups, module.eps)
+        if folded is not None:
+            return _affine_norm_piece(module, *folded)
     parts = [positions(module, inputs, output_grad) for inputs, output_grad in calls]
     a = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1)
     d = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts], 1)
     if isinstance(module, nn.Embedding):
         return _embedding_piece(module, a, d)
     if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
-        return _affine_norm_piece(module, a, d)
+        return _affine_norm_piece(module, (a * d).sum(1), d.sum(1))
     return _dense_piece(module, a, d)  # type: ignore[arg-type]

@@ -56,3 +56,62 @@ def embedding_norms_squared(tokens: torch.Tensor, d: torch.Tensor, vocabulary: i
     rows = d.new_zeros(batch * count, d.shape[2]).index_add_(0, pair, d.reshape(-1, d.shape[2])[order])
     example_of_pair = torch.zeros_like(pair).scatter_(0, pair, keys // vocabulary)
     return d.new_zeros(batch).index_add_(0, example_of_pair, rows.pow(2).sum(1))
+
+
+KEEP_TRAFFIC = 4
+"""Multiply-adds per kept number in :func:`materialise`: ResNet-18's 128-channel 3×3 convolutions on 4×4 maps
+(B = 64, T²(d_in + d_out) = 2.2·d_in·d_out) took 2.9 ms a layer materialised and kept against 1.6 ms by ghost norm
+and the weight-gradient convolution of the clip-weighted δ; its 64-channel ones on 8×8 (17.8·) stay materialised."""
+
+
+def materialise(batch: int, count: int, d_in: int, d_out: int, limit: int) -> bool:
+    """Whether a dense layer's per-example weight gradients (B, d_out, d_in) over T = ``count`` positions
+    are to be materialised rather than ghost-normed.
+
+    Ghost norm costs T²·(d_in + d_out) per example for the two Gram matrices and then a second pass
+    over the positions for the clipped sum (T·d_in·d_out); materialising costs T·d_in·d_out once, and
+    the clipped sum is then a weighted sum of the kept gradients — but the kept gradients are written
+    and read again, d_in·d_out numbers per example each way, memory traffic worth about
+    ``KEEP_TRAFFIC`` multiply-adds per number. So when they fit in ``limit`` elements (the device's
+    :func:`keep_limit`) they are materialised as soon as the Gram matrices cost more than that traffic;
+    when they do not fit, only where the Gram matrices alone (T² numbers) are larger than the gradient
+    (d_in·d_out numbers), the memory-saving rule of ghost clipping."""
+    if batch * d_in * d_out <= limit:
+        return count * count * (d_in + d_out) > KEEP_TRAFFIC * d_in * d_out
+    return count * count > d_in * d_out
+
+
+def grouped_by_ghost_norm(pairs: int, count: int, d_in: int, d_out: int, limit: int) -> bool:
+    """Whether a grouped convolution's per-example norm is the ghost norm of its groups (each a dense layer from
+    its live patch, d_in numbers, to d_out output channels, over ``count`` positions; ``pairs`` = B·g), not its
+    per-example gradients: where :func:`materialise` says so for the groups, and the gradients would hold more
+    than ``KEEP_TRAFFIC`` times the patches the ghost norm reads (d_out > ``KEEP_TRAFFIC``·T). A depthwise layer's
+    (d_out = 1) are as small as its patches, and kept they spare its clipped sum a second pass."""
+    return d_out > KEEP_TRAFFIC * count and not materialise(pairs, count, d_in, d_out, limit)
+
+
+FOLDED_GROUP_NORM_MIN_POSITIONS = 32
+"""From this many positions per channel up, :func:`group_norm_affine_gradients` takes ATen's GroupNorm kernels (ad hoc
+on this project's 2-core CPU at batch 64: 10.8 against 20.0 ms for 64 channels of 8×16×16, a video model's; 0.09
+against 0.12 ms for 64 channels of 8×8; 0.29 against 0.10 ms for 256 channels of 2×2)."""
+
+
+def group_norm_affine_gradients(
+    inputs: torch.Tensor, output_grad: torch.Tensor, groups: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GroupNorm's per-example ∇_γ ℓ_i = Σ_t x̂_{i,c,t} δ_{i,c,t} and ∇_β ℓ_i = Σ_t δ_{i,c,t}, (B, C) each, by
+    ATen's own GroupNorm forward (for the groups' means and 1/σ) and backward on the batch folded into the channels:
+    one sample of B·C channels in B·G groups, whose γ and β gradients are then every example's (the backward's sums
+    over the batch run over that one sample). None on a GPU (unmeasured there) or below
+    ``FOLDED_GROUP_NORM_MIN_POSITIONS`` positions per channel, where recomputing x̂ is the faster."""
+    batch, channels = inputs.shape[:2]
+    count = inputs[0, 0].numel()
+    if inputs.device.type != "cpu" or count < FOLDED_GROUP_NORM_MIN_POSITIONS:
+        return None
+    flat, d = inputs.reshape(1, batch * channels, count), output_grad.reshape(1, batch * channels, count)
+    ones = inputs.new_ones(batch * channels)
+    _, mean, rstd = torch.ops.aten.native_group_norm(flat, ones, None, 1, batch * channels, count, batch * groups, eps)
+    _, weight, bias = torch.ops.aten.native_group_norm_backward(
+        d, flat, mean, rstd, ones, 1, batch * channels, count, batch * groups, (False, True, True)
+    )
+    return weight.view(batch, channels), bias.view(batch, channels)

@@ -2,7 +2,7 @@
 
 A layer whose per-example gradients G_i are materialised may keep them until the clip factors are known,
 so that its clipped sum is Σ_i c_i G_i rather than a second pass over its positions
-(:func:`dpml.train.clipping_layers.materialise`). Each layer's share is bounded by :func:`keep_limit`;
+(:func:`dpml.train.clipping_norms.materialise`). Each layer's share is bounded by :func:`keep_limit`;
 :func:`pass_budget` bounds their total in one pass (:func:`pass_total`): without it a model of many wide
 layers keeps B × (its dense parameters) numbers at once — BERT-base at batch 256 asked for ≈ 86 GB beside
 its activations, and ran out of an 80 GB GPU where the non-private step needs 36 GB. The total is also at
@@ -36,7 +36,7 @@ def _gpu_memory(index: int) -> int:
 
 def keep_limit(device: torch.device) -> int:
     """How many elements of materialised per-example gradients one layer may keep for its clipped sum
-    (and, kept or not, what :func:`dpml.train.clipping_layers.materialise` weighs). On a CPU
+    (and, kept or not, what :func:`dpml.train.clipping_norms.materialise` weighs). On a CPU
     ``KEEP_PER_EXAMPLE_LIMIT``, sized for its caches; on a GPU the same per ``GPU_MEMORY_PER_KEEP_LIMIT`` bytes
     of the device's memory (1/32 of it in float32: ≈1.1e9 elements on an H200), where keeping them spares a
     ghost norm and a second weight-gradient pass (WRN-16-4 on an H200 at batch 4096: 280.5 → 199.6 ms a step,

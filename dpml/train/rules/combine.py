@@ -8,7 +8,7 @@ exact way is taken:
 
 1. **One use**, or uses over pairwise disjoint elements of θ (``in_proj_weight.chunk(3)``), each view
    injective: no cross terms; each use's own norm — for a factored G = Σ_t u_t v_tᵀ the ghost norm
-   Σ_{t,s}(u_t·u_s)(v_t·v_s) or the materialised one, whichever :func:`dpml.train.clipping_layers.materialise`
+   Σ_{t,s}(u_t·u_s)(v_t·v_s) or the materialised one, whichever :func:`dpml.train.clipping_norms.materialise`
    picks (Li et al. 2022; Bu et al. 2023), for a one-hot factor the embedding's sorted sums
    (:func:`dpml.train.clipping_layers.embedding_norms_squared`);
 2. **Overlapping factored uses of a 2-D θ** (as θ or θᵀ): cross terms ⟨G, G'⟩ = Σ_{t,s}(u_t·u'_s)(v_t·v'_s),

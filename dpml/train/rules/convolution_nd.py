@@ -17,7 +17,7 @@ spaced by the dilation d, the windows by the stride s (``F.unfold`` for any n).
 - The bias: ∇_b ℓ_i = Σ_t δ_{i,t} over the output's positions.
 
 **Factored or formed by the convolution's kernels.** Where a ghost norm is the cheaper (few positions T against the
-kernel's size, the deep layers: :func:`dpml.train.clipping_layers.materialise` says not to materialise), the factored
+kernel's size, the deep layers: :func:`dpml.train.clipping_norms.materialise` says not to materialise), the factored
 form, whose Gram matrices hold T² numbers per example. Elsewhere, and for any groups, the per-example gradients are
 formed on demand (:class:`dpml.train.rules.registry.Computed`) without the patches of the whole batch (∏k times the
 input, and a copy): by one weight gradient of torch's with B·g groups (each example's channels a group), or one per
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from dpml.train.clipping_conv import named_padding
-from dpml.train.clipping_layers import materialise
+from dpml.train.clipping_norms import materialise
 from dpml.train.keep_budget import keep_limit
 from dpml.train.rules.registry import (
     Call,
@@ -216,7 +216,7 @@ def kernel_form(
     x: torch.Tensor, d: torch.Tensor, conv: Convolution, owners: torch.Tensor | None, rows: Rows | None
 ) -> Form:
     """The kernel's use, W read as (rows, cols) (module docstring): factored where a ghost norm is the cheaper (few
-    positions against the kernel's size: :func:`dpml.train.clipping_layers.materialise` at the layer's keep limit),
+    positions against the kernel's size: :func:`dpml.train.clipping_norms.materialise` at the layer's keep limit),
     else formed on demand by the fastest of torch's kernels and the patches (:func:`fastest_way`). ``owners``: the
     example of each image where the images are grouped by example (``rows``), else None (batch-first)."""
     batch = x.shape[0] if rows is None else rows.batch
