@@ -1,6 +1,7 @@
 """3-D and transposed convolutions (``nn.Conv3d``, ``nn.ConvTranspose1d/2d/3d`` and their functional forms) take the
 convolution rules, not the exact path: clipped sums and norms equal a float64 per-example autograd loop, over strides,
-paddings (``"same"`` too), dilations, output paddings, groups, a kernel used twice and images grouped by example."""
+paddings (``"same"`` too), dilations, output paddings, groups, a kernel used twice, images grouped by example, and
+transformers' DPT, whose neck upsamples by transposed convolutions."""
 
 from __future__ import annotations
 
@@ -121,3 +122,38 @@ def test_every_way_to_the_kernels_gradients_clips_like_the_loop(
     assert_exact_without_the_exact_path(
         ConvolutionTwice(), per_example_cross_entropy, images, torch.randint(0, 3, (5,))
     )
+
+
+class DepthClasses(nn.Module):
+    """transformers' DPT depth estimator (its neck upsamples ViT features by transposed convolutions, factors 4 and 2),
+    the predicted depth map's mean scored into three classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+        config = transformers.DPTConfig(
+            hidden_size=16,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            intermediate_size=32,
+            image_size=16,
+            patch_size=4,
+            backbone_out_indices=[0, 1, 2, 3],
+            neck_hidden_sizes=[4, 4, 4, 4],
+            fusion_hidden_size=4,
+            reassemble_factors=[4, 2, 1, 0.5],
+            head_in_index=-1,
+        )
+        self.model = transformers.DPTForDepthEstimation(config)
+        self.out = nn.Linear(1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.model(pixel_values=x).predicted_depth.mean((1, 2))[:, None])
+
+
+def test_a_library_model_that_upsamples_by_transposed_convolutions() -> None:
+    torch.manual_seed(8)
+    model = DepthClasses()
+    assert sum(isinstance(m, nn.ConvTranspose2d) for m in model.modules()) == 2
+    x = torch.randn(4, 3, 16, 16, generator=generator(13), dtype=torch.float64)
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (4,)), tolerance=1e-9)

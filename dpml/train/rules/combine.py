@@ -95,7 +95,7 @@ def _computed_norms(form: Computed) -> tuple[torch.Tensor, SumFn]:
         spend(numbers)
         grads = form.gradients(slice(0, form.batch))
         return row_norms_squared(grads), lambda factors: torch.einsum("b,b...->...", factors, grads)
-    each = math.prod(form.shape) * 4
+    each = math.prod(form.shape) * 4  # bytes an example's gradient holds in float32 (the slices' size only)
     squared = [row_norms_squared(form.gradients(s)) for s in heap_sized_slices(form.batch, each, form.device)]
     return torch.cat(squared), form.weighted_sum
 
