@@ -227,11 +227,15 @@ def kernel_form(
         return Factored(u, v, out_rows, cols)
 
     def gradients(examples: slice) -> torch.Tensor:  # (|s|, rows, cols)
-        if rows is not None:  # (every image's, then each example's added up)
-            grads = WAYS[fastest_way(x, d, conv)](x, d, conv).reshape(x.shape[0], -1)
-            return rows.of(grads).sum(1)[examples].reshape(-1, out_rows, cols)
-        part_x, part_d = x[examples], d[examples]
-        return WAYS[fastest_way(part_x, part_d, conv)](part_x, part_d, conv)
+        if owners is None:
+            part_x, part_d = x[examples], d[examples]
+            return WAYS[fastest_way(part_x, part_d, conv)](part_x, part_d, conv)
+        start, stop, _ = examples.indices(batch)  # the slice's examples' images, each example's added up
+        chosen = ((owners >= start) & (owners < stop)).nonzero().squeeze(1)
+        part_x, part_d = x[chosen.to(x.device)], d[chosen.to(x.device)]
+        grads = WAYS[fastest_way(part_x, part_d, conv)](part_x, part_d, conv).reshape(chosen.numel(), -1)
+        added = grads.new_zeros(stop - start, grads.shape[1])
+        return added.index_add_(0, (owners[chosen] - start).to(x.device), grads).reshape(-1, out_rows, cols)
 
     def cast(dtype: torch.dtype) -> Computed:
         if x.dtype == dtype and d.dtype == dtype:
