@@ -14,7 +14,9 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   each convolution's weight standardised per output channel before ``F.conv2d``, GroupNorm), ``nf-resnet26``
   (NF-ResNet-26: no normalisation layer, each weight standardised and scaled by a gain per channel); torchvision's
   ``resnet34-gn``, ``resnet50-gn``, ``resnext50-gn`` (ResNeXt-50 32×4d: 3×3 convolutions in 32 groups) and
-  ``wide-resnet50-gn`` (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``;
+  ``wide-resnet50-gn`` (``GroupNorm(gcd(32, C), C)``), ``mobilenet-v2-gn``, ``resnet18-gn-ws`` (ResNet-18 with
+  GroupNorm and every convolution's weight standardised by hand, as Qiao et al.'s code writes it: De et al. 2022's
+  recipe for DP training);
 - video clips (3 × ``CLIP_FRAMES`` × 32 × 32, 10 classes): torchvision's ``r3d-18-gn`` (R3D-18: 3-D convolutions
   throughout) and ``r2plus1d-18-gn`` (R(2+1)D-18: each 3-D convolution split into a spatial and a temporal one), their
   BatchNorm3d as ``GroupNorm(gcd(32, C), C)``; transformers' ``videomae`` (VideoMAE: a 3-D convolution cuts the clip
@@ -59,6 +61,7 @@ IMAGE_ZOO = [
     "regnet-gn",
     "bit-gn",
     "nf-resnet26",
+    "resnet18-gn-ws",
 ]
 VIDEO_ZOO = ["r3d-18-gn", "r2plus1d-18-gn", "videomae"]
 CLIP_FRAMES = 8
@@ -162,6 +165,26 @@ def _batch_norms_to_group_norms(model: Any) -> Any:  # noqa: ANN401
     return model
 
 
+def _hand_standardised(model: Any) -> Any:  # noqa: ANN401
+    """Every ``nn.Conv2d`` of ``model`` with its weight standardised by hand before ``F.conv2d``, as Qiao et al.'s
+    weight standardisation code writes it (means one dimension at a time, the flattened rows' std + 1e-5)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class HandStandardisedConv2d(nn.Conv2d):
+        def forward(self, x: Any) -> Any:  # noqa: ANN401
+            w = self.weight
+            w = w - w.mean(dim=1, keepdim=True).mean(dim=2, keepdim=True).mean(dim=3, keepdim=True)
+            std = w.view(w.size(0), -1).std(dim=1).view(-1, 1, 1, 1) + 1e-5
+            w = w / std.expand_as(w)
+            return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    for module in model.modules():
+        if type(module) is nn.Conv2d:
+            module.__class__ = HandStandardisedConv2d
+    return model
+
+
 def build_image(family: str, size: dict, classes: int) -> tuple[Any, str]:
     """The family's image classifier for 32×32 images (random weights from the current seed), and a line."""
     import timm
@@ -215,6 +238,9 @@ def build_image(family: str, size: dict, classes: int) -> tuple[Any, str]:
     }
     if family in builders:
         return builders[family](num_classes=classes, norm_layer=_group_norm), f"torchvision {family[:-3]}, GroupNorm"
+    if family == "resnet18-gn-ws":  # De et al. 2022's recipe: GroupNorm and weight standardisation, written by hand
+        model = _hand_standardised(models.resnet18(num_classes=classes, norm_layer=_group_norm))
+        return model, "torchvision ResNet-18, GroupNorm, every convolution's weight standardised by hand (Qiao et al.)"
     if family == "mobilenet-v2-gn":
         return models.mobilenet_v2(num_classes=classes, norm_layer=_group_norm), "torchvision MobileNet-V2, GroupNorm"
     raise ValueError(f"unknown family {family!r}")

@@ -246,7 +246,16 @@ def test_no_trainer_draws_noise_outside_the_noise_module() -> None:
         for line in path.read_text().splitlines()
         if direct.search(line)
     ]
-    # the clipping probe's synthetic inputs are the one sanctioned use (public inputs, not noise)
+    # the sanctioned uses draw public numbers, not noise: the clipping probe's synthetic inputs, and the directions
+    # along which a computed weight's Jacobian is checked (from the weight alone, a generator of their own)
     assert offenders == [
-        ("dpml/train/clipping_check.py", "return torch.randn(shape, generator=generator, dtype=torch.float64)")
+        ("dpml/train/clipping_check.py", "return torch.randn(shape, generator=generator, dtype=torch.float64)"),
+        (
+            "dpml/train/rules/row_jacobian.py",
+            "scales = torch.randn(k, count, 1, generator=generator, device=like.device, dtype=torch.float64)",
+        ),
+        (
+            "dpml/train/rules/row_jacobian.py",
+            "directions = torch.randn(k, 1, n, generator=generator, device=like.device, dtype=torch.float64)",
+        ),
     ], offenders

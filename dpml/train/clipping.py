@@ -73,6 +73,7 @@ from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.released import RuledCall, Slot, Targets
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
 from dpml.train.rules.derived import pull_back_all
+from dpml.train.rules.row_jacobian import row_map_pieces
 from dpml.train.rules.standardised import standardised_pieces
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.registry import Dense
@@ -254,8 +255,9 @@ def _rule_pieces(
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
     nodes = recording.recorder.computations.nodes
-    standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (node, piece)}: W standardised first
-    done = relevant - {id(node.output) for node, _ in standardised.values()}
+    standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (steps, piece)}: W standardised first
+    standardised |= row_map_pieces(nodes, uses, ruled, params, standardised.keys())
+    done = relevant - {id(node.output) for steps, _ in standardised.values() for node in steps}
     pulled, failed, recomputed = pull_back_all(nodes, uses, done, batch, dtype, limit, params)
     failed = {key: reason for key, reason in failed.items() if key in ruled}
     for node in reversed(nodes):  # later ones first, as the pull-back

@@ -86,24 +86,43 @@ def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
     return squared, dense
 
 
-def _computed_norms(form: Computed) -> tuple[torch.Tensor, SumFn]:
-    """The norms of gradients formed on demand: all of them formed and kept where they fit what the pass may keep (the
-    clipped sum is then Σ_i c_i G_i of the kept ones), else formed a slice of examples at a time for the norms alone
-    and the clipped sum left to the operation (``weighted_sum``)."""
+def computed_norms(
+    form: Computed, transform: Callable[[torch.Tensor, slice], torch.Tensor] | None = None, total: SumFn | None = None
+) -> tuple[torch.Tensor, SumFn]:
+    """The norms of gradients formed on demand, or of ``transform`` (G, the examples' slice) of them, a map row by row
+    of each example's gradient (a computed weight's Jacobian carrying a convolution's kernel gradients back to the
+    parameter, :mod:`.row_jacobian`): all of them formed and kept where they fit what the pass may keep (the clipped
+    sum is then Σ_i c_i of the kept ones), else formed a slice of examples at a time for the norms alone and the
+    clipped sum left to the operation (``weighted_sum``; with a transform, ``total``, called after every slice)."""
+    change = transform or (lambda grads, examples: grads)
     numbers = form.batch * math.prod(form.shape)
     if numbers <= room(keep_limit(form.device)):
         spend(numbers)
-        grads = form.gradients(slice(0, form.batch))
+        everything = slice(0, form.batch)
+        grads = change(form.gradients(everything), everything)
         return row_norms_squared(grads), lambda factors: torch.einsum("b,b...->...", factors, grads)
     each = math.prod(form.shape) * 4  # bytes an example's gradient holds in float32 (the slices' size only)
-    squared = [row_norms_squared(form.gradients(s)) for s in heap_sized_slices(form.batch, each, form.device)]
-    return torch.cat(squared), form.weighted_sum
+    squared = [
+        row_norms_squared(change(form.gradients(s), s)) for s in heap_sized_slices(form.batch, each, form.device)
+    ]
+    return torch.cat(squared), form.weighted_sum if total is None else total
+
+
+def row_form(form: Form, shape: tuple[int, int]) -> bool:
+    """A computed weight's one use gives each example's gradient as (C, n) rows: factored in floats, or formed on
+    demand (the closed forms of :mod:`.standardised` and :mod:`.row_jacobian` read either)."""
+    if isinstance(form, Computed):
+        return tuple(form.shape) == shape
+    if isinstance(form, Factored):
+        floats = form.u.is_floating_point() and form.v.is_floating_point()
+        return floats and (form.rows, form.cols) == shape
+    return False
 
 
 def use_norms(form: Form) -> tuple[torch.Tensor, SumFn]:
     """One use's per-example squared norm (B,) and its clipped sum in the use's coordinates."""
     if isinstance(form, Computed):
-        return _computed_norms(form)
+        return computed_norms(form)
     if isinstance(form, Dense):
         grads = form.grads
         return row_norms_squared(grads), lambda factors: torch.einsum("b,b...->...", factors, grads)
@@ -185,6 +204,8 @@ def _materialised(form: Form, batch: int) -> torch.Tensor:
 def per_example_gradients_of(uses: list[Use], like: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
     """Σ_u G_{u,i} materialised in the coordinates of ``like`` (a :class:`dpml.train.rules.registry.Derived`
     output the uses are views of), (B, *like.shape); zeros when it has no use."""
+    if len(uses) == 1 and uses[0][0].index is None:  # (the output itself)
+        return _materialised(uses[0][1], batch).to(dtype).reshape(batch, *like.shape)
     total = torch.zeros(batch, like.numel(), dtype=dtype, device=like.device)
     for tracked, form in uses:
         total.index_add_(1, tracked.flat_index().reshape(-1), _materialised(form, batch).to(dtype))

@@ -3,10 +3,11 @@ functional call: a weight standardised before use, as NFNet's and BiT's convolut
 output positions t, a_t the input patch under the kernel (:func:`dpml.train.clipping_conv.unfold_patches`; a Conv1d
 is the Conv2d of height 1).
 
-∇_W ℓ_i = Σ_t δ_{i,t} a_{i,t}ᵀ in W's (C_out, C_in·k) layout, factored (u = δ, v = a) like a dense layer — for a
-kernel that is a parameter, ghost-normed where that is the cheaper and otherwise formed on demand by torch's own
-weight-gradient kernels (:func:`dpml.train.rules.convolution_nd.kernel_form`); for a computed one (standardised)
-always factored, which its closed form reads —, and ∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when
+∇_W ℓ_i = Σ_t δ_{i,t} a_{i,t}ᵀ in W's (C_out, C_in·k) layout, factored (u = δ, v = a) like a dense layer where a
+ghost norm is the cheaper, otherwise formed on demand by torch's own weight-gradient kernels
+(:func:`dpml.train.rules.convolution_nd.kernel_form`; a computed kernel's closed forms, :mod:`.standardised` and
+:mod:`.row_jacobian`, read either, and the factored form then carries the convolution's own output, W a_t), and
+∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when
 g = C_in) group j's output channels see only its input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised
 for the B·g (example, group) pairs at once (:func:`dpml.train.clipping_conv_ways.grouped_conv_per_example_gradients`),
 B × |W| numbers (refused beyond the device's keep limit). (A convolution whose layer is hooked keeps the layer's
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpml.train.clipping_conv import named_padding, unfold_patches
+from dpml.train.clipping_conv import named_padding
 from dpml.train.clipping_conv_ways import grouped_conv_per_example_gradients
 from dpml.train.rules.convolution_nd import Convolution, by_example, kernel_form, sizes
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, beyond_keep_limit, rule
@@ -61,8 +62,8 @@ def convolution(call: Call) -> Pending | str:
         _pair(dilation, one_d, 1),
     )
     recorded, batch, out_channels, n = x.detach(), call.batch, weight.shape[0], weight.dim() - 2
-    computed = w is not None and not isinstance(w.param, nn.Parameter)  # (a weight standardised first reads the output)
     conv = Convolution(tuple(weight.shape), sizes(stride, n), sizes(padding, n), sizes(dilation, n), (0,) * n, 1, False)
+    computed = w is not None and not isinstance(w.param, nn.Parameter)  # (a weight computed first reads the output)
     produced, written = (call.output, call.output._version) if computed else (None, 0)
     beyond = None if groups == 1 or w is None else beyond_keep_limit(batch, weight.shape, x.device)
     if beyond is not None:
@@ -71,13 +72,10 @@ def convolution(call: Call) -> Pending | str:
     def finish(output_grad: torch.Tensor) -> list[Use]:
         d = by_example(output_grad.reshape(output_grad.shape[0], out_channels, -1), rows)  # (B, C_out, T)
         uses: list[Use] = []
-        if w is not None and groups == 1 and not computed:
-            uses.append((w, kernel_form(recorded, output_grad, conv, merged, rows)))
-        elif w is not None and groups == 1:
-            patches = by_example(unfold_patches(recorded.unsqueeze(2) if one_d else recorded, *geometry), rows)
-            form = Factored(d.transpose(1, 2), patches.transpose(1, 2), out_channels, patches.shape[1])
-            if produced is not None and produced._version == written:  # (not written in place since: W a_t, (B, T, C))
-                out = produced.detach()
+        if w is not None and groups == 1:
+            form = kernel_form(recorded, output_grad, conv, merged, rows)
+            if isinstance(form, Factored) and produced is not None and produced._version == written:
+                out = produced.detach()  # (not written in place since: W a_t, (B, T, C), the product's own)
                 out = out.reshape(out.shape[0], out_channels, -1)
                 out = out - bias.detach().reshape(1, -1, 1) if isinstance(bias, torch.Tensor) else out
                 form.applied = by_example(out, rows).transpose(1, 2)

@@ -6,20 +6,19 @@ the parameters it came from through the operation's own Jacobian (:func:`pull_ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-import contextlib
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpml.devices import RngState, rng_state, set_rng_state
 from dpml.train.exact_path import batched_vjp
 from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
 from dpml.train.rules.operands import outputs, substituted, tensors
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, function_name
+from dpml.train.rules.rerun import LocalRun, RandomState, replayed
 
 
 @dataclass(eq=False)
@@ -35,114 +34,20 @@ class Derived:
     output: torch.Tensor
     sources: list[tuple[torch.Tensor, Tracked]]  # the operands that are parameters or their views (or Derived outputs)
     params: list[nn.Parameter]  # the parameters it depends on, through other Derived outputs too
-    local: torch.Tensor  # the same output from ``leaves`` (checked equal to ``output`` when recorded)
-    leaves: list[torch.Tensor]  # detached copies of the sources' tensors, requiring gradient
+    again: LocalRun  # the call run again on detached copies of the sources, when a pull-back first needs it
+    position: int = 0  # which of the call's outputs
     operation: str = ""
     call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # (function, args, kwargs) as called
 
-
-IN_PLACE_METHODS = frozenset(
-    {"__iadd__", "__isub__", "__imul__", "__imatmul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__"}
-    | {"__ilshift__", "__irshift__", "__iand__", "__ixor__", "__ior__", "__setitem__"}
-)
-
-
-def writes_first_operand(func: Any, kwargs: dict[str, Any]) -> bool:
-    """``func`` changes the values of its first operand (torch's naming: ``div_``, ``x /= s``, ``x[i] = v``; or
-    ``inplace=True``, as ``F.dropout`` takes it; or a write through a view, :class:`ThroughView`)."""
-    name = getattr(func, "__name__", "")
-    trailing = name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
-    return name in IN_PLACE_METHODS or trailing or kwargs.get("inplace") is True or isinstance(func, ThroughView)
-
-
-@dataclass(frozen=True)
-class ThroughView:
-    """A write through a view (``b[k:2k].zero_()``, ``z[:, :2].copy_(p)``: ``func`` on the view) as a write of the
-    view's whole base: called on a tensor laid out as the base (contiguous), it applies ``func`` to the same view of
-    it (``size``, ``stride``, ``offset``, by :func:`through_view`) and returns it, written in place."""
-
-    func: Any
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
+    @property
+    def local(self) -> torch.Tensor:
+        """The same output from ``leaves`` (checked equal to ``output``)."""
+        return self.again.result()[0][self.position]
 
     @property
-    def __name__(self) -> str:
-        return f"{function_name(self.func)} through a view"
-
-    def __call__(self, base: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.func(self.view_of(base), *args, **kwargs)
-        return base
-
-    def view_of(self, base: torch.Tensor) -> torch.Tensor:
-        """The same view of ``base`` (or of an index tensor of its shape, as :class:`Tracked` keeps them)."""
-        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
-
-
-def through_view(func: Any, target: torch.Tensor) -> tuple[ThroughView, torch.Tensor] | None:
-    """``func`` writing ``target``, a view of another tensor, as a write of that base (and the base); None where
-    target is no view, or its base is not contiguous (a copy laid out as it, on which the view is taken again)."""
-    base = target._base
-    if base is None or not base.is_contiguous():
-        return None
-    offset = int(target.storage_offset() - base.storage_offset())
-    return ThroughView(func, tuple(target.shape), tuple(target.stride()), offset), base
-
-
-RandomState = tuple[RngState, torch.device]
-"""torch's random state for work on a device (:func:`dpml.devices.rng_state`), and the device."""
-
-
-def random_state(operands: list[torch.Tensor]) -> RandomState:
-    """The random state a call on ``operands`` starts from (that of the first one's device)."""
-    device = operands[0].device if operands else torch.device("cpu")
-    return rng_state(device), device
-
-
-@contextlib.contextmanager
-def replayed(state: RandomState) -> Iterator[None]:
-    """The generators set to ``state`` (a call run again draws what it drew), and afterwards as they were, so that
-    running it again leaves the model's later draws (dropout) as they would be without the recording."""
-    before, device = state
-    now = rng_state(device)
-    set_rng_state(before, device)
-    try:
-        yield
-    finally:
-        set_rng_state(now, device)
-
-
-def run_on_leaves(
-    func: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    out: Any,
-    sources: dict[int, torch.Tensor],
-    state: RandomState,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]] | str:
-    """The call run again with each source operand (by id) replaced by a detached copy that requires gradient:
-    its outputs, now functions of those copies alone (the operation's *local* Jacobian, so that a source
-    computed from another source of the same call is not counted twice), and the copies; or why not: the outputs
-    differ from the recorded ``out``, or it cannot run on the copies. It runs from the random ``state`` the call
-    started from (:func:`replayed`: a dropout on a weight draws the same mask again). A call that writes its first
-    operand (:func:`writes_first_operand`) writes a copy of it, and its output is that copy."""
-    leaves = {key: t.detach().requires_grad_(True) for key, t in sources.items()}
-    args, kwargs = substituted(args, kwargs, {key: (sources[key], leaf) for key, leaf in leaves.items()})
-    writes = writes_first_operand(func, kwargs)
-    if writes:
-        args = (args[0].clone(), *args[1:])
-    try:
-        with torch.enable_grad(), replayed(state):
-            result = func(*args, **kwargs)
-    except RuntimeError as error:
-        return f"it cannot be run again on copies of the parameters ({error})"
-    local = [args[0]] if writes else outputs(result)
-    recorded = outputs(out)
-    if len(local) != len(recorded) or not all(
-        torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded, strict=True)
-    ):
-        return "it gives other numbers when run again from the same random state"
-    return local, list(leaves.values())
+    def leaves(self) -> list[torch.Tensor]:
+        """Detached copies of the sources' tensors, requiring gradient."""
+        return self.again.result()[1]
 
 
 class DerivedNodes:
@@ -166,6 +71,9 @@ class DerivedNodes:
         """``base``, tracked as ``was``, is about to be written in place: what shows its values from then on is stale
         (but what is tracked again after the write). A computation's output: every view of it (its key). A copy of a
         parameter tracked as the parameter's view (``p.clone()``): the tracked ``entries`` that share its memory."""
+        for node in self.nodes:  # (their copies taken before the write: after it, they would show other numbers)
+            if node.again.shares(base):
+                node.again.failure()
         if self.of(was.param) is not None:
             self.stale.add(id(was.param))
             return
@@ -226,10 +134,7 @@ class DerivedNodes:
             seen = tracked(t)
             if seen is not None:
                 sources.setdefault(id(t), (t, seen))
-        again = run_on_leaves(func, args, kwargs, out, {key: t for key, (t, _) in sources.items()}, state)
-        if isinstance(again, str):
-            return again, [seen for _, seen in sources.values()]
-        local, leaves = again
+        again = LocalRun(func, args, kwargs, out, {key: t for key, (t, _) in sources.items()}, state)
         params = list(
             {
                 id(p): p
@@ -240,11 +145,11 @@ class DerivedNodes:
             }.values()
         )
         tracked_as = []
-        for o, recomputed in zip(outputs(out), local, strict=True):
+        for position, o in enumerate(outputs(out)):
             if o.requires_grad:
                 key = o.detach() if id(o) in self._by_key or any(o is t for t, _ in sources.values()) else o
                 node = Derived(
-                    key, list(sources.values()), params, recomputed, leaves, function_name(func), (func, args, kwargs)
+                    key, list(sources.values()), params, again, position, function_name(func), (func, args, kwargs)
                 )
                 self.nodes.append(node)
                 self._by_key[id(key)] = node
@@ -343,8 +248,12 @@ def pull_back_all(
     failed: dict[int, str] = {}
     unkept: dict[int, str] = {}  # too many to keep for the whole batch: a piece that forms them again for its sum
     for node in chain:
-        widest = max(t.numel() for t in (node.output, *node.leaves))
-        sizes = [(id(s.param), batch * t.numel()) for (_, s), t in zip(node.sources, node.leaves, strict=True)]
+        reason = node.again.failure()
+        if reason is not None:
+            failed.update({id(p): f"{node.operation} on parameters: {reason}" for p in node.params})
+            continue
+        widest = max(t.numel() for t in (node.output, *[t for t, _ in node.sources]))
+        sizes = [(id(s.param), batch * t.numel()) for t, s in node.sources]
         for key, size in [(None, widest)] if widest > limit else sizes:  # (one example's, where that is too many)
             if size > limit and key not in computed:
                 reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers)"
@@ -374,6 +283,24 @@ def pull_back_all(
     return pulled, failed, _recomputed_pieces(chain, uses, relevant, lazy, squared, batch, dtype, limit)
 
 
+def pulled_back_probes(
+    chain: list[Derived], output: torch.Tensor, probes: torch.Tensor, param: nn.Parameter
+) -> torch.Tensor:
+    """(∂output/∂param)ᵀ p_k for each of the cotangents ``probes`` (k, *output.shape), through the computations
+    ``chain`` (in the order they ran, ``output`` the last one's): (k, param.numel()) in the parameter's own
+    coordinates, the chain carried back as the per-example pull-back carries it."""
+    found: list[torch.Tensor] = []
+
+    def keep(key: int, rows: slice, g: torch.Tensor) -> None:
+        found.append(g)
+
+    count, dtype = probes.shape[0], probes.dtype
+    probed: dict[int, list[Use]] = {id(output): [(Tracked(output), Dense(probes))]}  # type: ignore[arg-type]
+    relevant = {id(node.output) for node in chain} | {id(param)}
+    _slices(list(reversed(chain)), probed, relevant, {id(param)}, count, dtype, probes.numel(), keep, keep=False)
+    return torch.cat(found) if found else probes.new_zeros(count, param.numel())
+
+
 Visit = Callable[[int, slice, torch.Tensor], None]
 
 
@@ -391,7 +318,7 @@ def _slices(
     """The chain carried back a slice of examples at a time: each slice's per-example gradients of a ``lazy``
     parameter, added up over its places in the chain in its own coordinates, handed to ``visit`` (its id, the rows,
     (slice, its numel)); with ``keep``, those of the other parameters kept, by (computation, source)."""
-    step = max(1, limit // max(t.numel() for node in chain for t in (node.output, *node.leaves)))
+    step = max(1, limit // max(t.numel() for node in chain for t in (node.output, *[t for t, _ in node.sources])))
     parts: dict[tuple[int, int], list[torch.Tensor]] = {}
     for start in range(0, batch, step):
         rows = slice(start, min(start + step, batch))

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpml.train.rules.derived import DerivedNodes, RandomState, random_state, through_view, writes_first_operand
+from dpml.train.rules.derived import DerivedNodes
+from dpml.train.rules.rerun import RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.example_maps import ExampleMaps
 from dpml.train.rules.operands import OUT_OF_PLACE, apply_view, composite_of, outputs, substituted, tensors

@@ -1,7 +1,7 @@
 """A weight standardised row by row before a linear use, clipped without the per-example gradients of either weight:
 BiT's ``StdConv2d`` (``F.batch_norm`` of the weight seen as (1, C_out, n), no running statistics), NFNet's
 ``ScaledStdConv2d`` (the same with a gain per output channel as batch norm's weight), the weight standardisation of
-De et al. 2022's DP Wide-ResNets.
+De et al. 2022's DP Wide-ResNets (written by hand, :mod:`.row_jacobian` takes it).
 
 Ŵ_c = (W_c − μ_c)·r_c for each of the C_out rows of n numbers, μ_c their mean, r_c = (v_c + ε)^{-1/2}, v_c their
 (biased) variance; the weight used is γ_c Ŵ_c + β_c (γ = 1, β = 0 without an affine part). Its use (a convolution, a
@@ -22,9 +22,14 @@ output by γ instead would lose s's digits where γ is small, and γ starts at 0
 generic pull-back (:func:`.derived.pull_back_all`) keeps B × |W| numbers instead (151 M at batch 64 for BiT's
 512×512×3×3 weights), and past the keep limit sends the weight to the exact path.
 
+Where the use forms each G'_i on demand instead (:class:`.registry.Computed`: a convolution's kernel gradients where
+they cost less than a ghost norm), each slice of them is carried back by the row map above as formed (q_c and s_c
+read off the rows), and the clipped sum, where they are not kept, is the operation's own Σ_i c_i G'_i with each row
+less its mean, times ρ, less diag(ρ/n ⊙ Σ_i c_i s_i) Ŵ.
+
 Taken where the standardisation's sources are the parameter (itself or reshaped, its elements in order), which
 nothing else uses, and its gain and shift; its output feeds no other computation; and the output's uses merge into
-one factored use over its (C_out, n) rows. Otherwise the generic pull-back runs.
+one use over its (C_out, n) rows. Otherwise the generic pull-back runs.
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpml.train.clipping_layers import Piece
-from dpml.train.rules.combine import merged_uses, use_norms
+from dpml.train.rules.combine import computed_norms, merged_uses, row_form, use_norms
 from dpml.train.rules.derived import Derived
-from dpml.train.rules.registry import Dense, Factored, Tracked, Use, in_order
+from dpml.train.rules.registry import Computed, Dense, Factored, Tracked, Use, in_order
 
 _BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
@@ -89,14 +94,46 @@ def _standardisation(node: Derived, nodes: list[Derived], uses: dict[int, list[U
     return Standardisation(param, float(bound.get("eps", 1e-5)), affine[0], affine[1])
 
 
+def _standardised(found: Standardisation, rows: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ŵ (C_out, n) and ρ = γ ⊙ r (C_out,), by batch norm's own kernel (``var``'s: 4× slower)."""
+    weight = found.param.detach().reshape(1, rows, n).to(dtype)
+    hat, _, r = torch.native_batch_norm(weight, None, None, None, None, True, 0.0, found.eps)
+    scale = r if found.gain is None else r * found.gain[0].reshape(-1).to(r.dtype)
+    return hat.reshape(rows, n), scale
+
+
+def _computed_piece(found: Standardisation, form: Computed) -> tuple[Piece, torch.Tensor, torch.Tensor]:
+    """W's piece, and s and n·q, from a use whose per-example gradients G_i the operation forms on demand (a
+    convolution's kernel gradients): each slice's rows g_c carried back by batch norm's backward,
+    ρ_c (g_c − q_c·1 − (s_c/n) Ŵ_c) with q_c = mean(g_c), s_c = ⟨Ŵ_c, g_c⟩; where they are not kept, the clipped sum
+    from the operation's own Σ_i c_i G_i, whose rows less their means times ρ, less diag(ρ/n ⊙ Σ_i c_i s_i) Ŵ."""
+    rows, n = form.shape
+    hat, scale = _standardised(found, rows, n, found.param.dtype)
+    found_s: list[torch.Tensor] = []
+    found_q: list[torch.Tensor] = []
+
+    def carried(grads: torch.Tensor, examples: slice) -> torch.Tensor:
+        w_hat, rho = hat.to(grads.dtype), scale.to(grads.dtype)
+        q, s = grads.mean(2), torch.linalg.vecdot(grads, w_hat, dim=2)
+        found_s.append(s)
+        found_q.append(q)
+        return grads.sub_(q[..., None]).mul_(rho[:, None]).addcmul_(-(rho * s / n)[..., None], w_hat)  # (its own)
+
+    def total(factors: torch.Tensor) -> torch.Tensor:
+        w_hat, rho, s = hat.to(factors.dtype), scale.to(factors.dtype), torch.cat(found_s).to(factors.dtype)
+        g = form.weighted_sum(factors).reshape(rows, n)  # (one weight gradient, formed for this)
+        return g.sub_(g.mean(1, keepdim=True)).mul_(rho[:, None]).addcmul_(-(rho / n * (factors @ s))[:, None], w_hat)
+
+    squared, sums = computed_norms(form, carried, total)
+    piece = Piece(squared, lambda factors: [(found.param, sums(factors).reshape(found.param.shape))])
+    return piece, torch.cat(found_s), torch.cat(found_q) * n
+
+
 def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor, torch.Tensor]:
     """W's piece from the one factored use of γ ⊙ Ŵ + β (module docstring), and the per-example gradients of γ and β,
     s and n·q (B, C_out)."""
     rows, n, param = form.rows, form.cols, found.param
-    weight = param.detach().reshape(1, rows, n).to(form.u.dtype)  # r and Ŵ by batch norm's kernel (var's: 4× slower)
-    hat, _, r = torch.native_batch_norm(weight, None, None, None, None, True, 0.0, found.eps)
-    hat = hat.reshape(rows, n)
-    scale = r if found.gain is None else r * found.gain[0].reshape(-1).to(r.dtype)  # ρ = γ ⊙ r
+    hat, scale = _standardised(found, rows, n, form.u.dtype)  # ρ = γ ⊙ r
     u, v = form.u, form.v  # (B, T, C_out), (B, T, n)
     mean_a = v.mean(2, keepdim=True)
     plain = found.gain is None and found.shift is None  # (then the use's own product is Ŵ a_t)
@@ -117,8 +154,8 @@ def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor,
 
 def standardised_pieces(
     nodes: list[Derived], uses: dict[int, list[Use]], ruled: Collection[int], params: dict[int, nn.Parameter]
-) -> dict[int, tuple[Derived, Piece]]:
-    """{id(W): (the standardisation, W's piece)} for each computation of ``nodes`` taken here (W's id among
+) -> dict[int, tuple[list[Derived], Piece]]:
+    """{id(W): ([the standardisation], W's piece)} for each computation of ``nodes`` taken here (W's id among
     ``ruled``); the per-example gradients of a gain and shift join ``uses`` (dense, (B, C_out)), for the rules or the
     pull-back to take on; W, and the gain and shift where they are parameters, join ``params`` (by id)."""
     taken = {}
@@ -130,16 +167,14 @@ def standardised_pieces(
         view, form = merged[0]
         rows = node.output.shape[1]
         shape = (rows, node.output.numel() // rows)
-        if not isinstance(form, Factored) or not form.u.is_floating_point() or not form.v.is_floating_point():
+        if not row_form(form, shape) or not _in_order(view, shape):
             continue
-        if (form.rows, form.cols) != shape or not _in_order(view, shape):
-            continue
-        piece, gain, shift = _piece(found, form)
+        piece, gain, shift = _piece(found, form) if isinstance(form, Factored) else _computed_piece(found, form)  # type: ignore[arg-type]
         for affine, grads in ((found.gain, gain), (found.shift, shift)):
             tracked = None if affine is None else affine[1]
             if tracked is not None and id(tracked.param) in uses:
                 uses[id(tracked.param)].append((tracked, Dense(grads.reshape(grads.shape[0], *tracked.shape()))))
                 params[id(tracked.param)] = tracked.param
-        taken[id(found.param)] = (node, piece)
+        taken[id(found.param)] = ([node], piece)
         params[id(found.param)] = found.param
     return taken

@@ -1,0 +1,198 @@
+"""A computation on parameters run again on copies of its operands (:class:`LocalRun`), for its local Jacobian: the
+random state it started from (:func:`replayed`), the precision it ran at, and the in-place writes it may be (a call
+that writes its first operand, :func:`writes_first_operand`; through a view, :class:`ThroughView`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpml.devices import RngState, rng_state, set_rng_state
+from dpml.train.rules.operands import outputs, substituted
+from dpml.train.rules.registry import function_name
+
+
+IN_PLACE_METHODS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__imatmul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__"}
+    | {"__ilshift__", "__irshift__", "__iand__", "__ixor__", "__ior__", "__setitem__"}
+)
+
+
+def writes_first_operand(func: Any, kwargs: dict[str, Any]) -> bool:
+    """``func`` changes the values of its first operand (torch's naming: ``div_``, ``x /= s``, ``x[i] = v``; or
+    ``inplace=True``, as ``F.dropout`` takes it; or a write through a view, :class:`ThroughView`)."""
+    name = getattr(func, "__name__", "")
+    trailing = name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+    return name in IN_PLACE_METHODS or trailing or kwargs.get("inplace") is True or isinstance(func, ThroughView)
+
+
+@dataclass(frozen=True)
+class ThroughView:
+    """A write through a view (``b[k:2k].zero_()``, ``z[:, :2].copy_(p)``: ``func`` on the view) as a write of the
+    view's whole base: called on a tensor laid out as the base (contiguous), it applies ``func`` to the same view of
+    it (``size``, ``stride``, ``offset``, by :func:`through_view`) and returns it, written in place."""
+
+    func: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def __name__(self) -> str:
+        return f"{function_name(self.func)} through a view"
+
+    def __call__(self, base: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.func(self.view_of(base), *args, **kwargs)
+        return base
+
+    def view_of(self, base: torch.Tensor) -> torch.Tensor:
+        """The same view of ``base`` (or of an index tensor of its shape, as :class:`Tracked` keeps them)."""
+        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
+
+
+def through_view(func: Any, target: torch.Tensor) -> tuple[ThroughView, torch.Tensor] | None:
+    """``func`` writing ``target``, a view of another tensor, as a write of that base (and the base); None where
+    target is no view, or its base is not contiguous (a copy laid out as it, on which the view is taken again)."""
+    base = target._base
+    if base is None or not base.is_contiguous():
+        return None
+    offset = int(target.storage_offset() - base.storage_offset())
+    return ThroughView(func, tuple(target.shape), tuple(target.stride()), offset), base
+
+
+RandomState = tuple[RngState, torch.device]
+"""torch's random state for work on a device (:func:`dpml.devices.rng_state`), and the device."""
+
+
+def random_state(operands: list[torch.Tensor]) -> RandomState:
+    """The random state a call on ``operands`` starts from (that of the first one's device)."""
+    device = operands[0].device if operands else torch.device("cpu")
+    return rng_state(device), device
+
+
+@contextlib.contextmanager
+def replayed(state: RandomState) -> Iterator[None]:
+    """The generators set to ``state`` (a call run again draws what it drew), and afterwards as they were, so that
+    running it again leaves the model's later draws (dropout) as they would be without the recording."""
+    before, device = state
+    now = rng_state(device)
+    set_rng_state(before, device)
+    try:
+        yield
+    finally:
+        set_rng_state(now, device)
+
+
+def run_on_leaves(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+    sources: dict[int, torch.Tensor],
+    state: RandomState,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | str:
+    """The call run again with each source operand (by id) replaced by a detached copy that requires gradient:
+    its outputs, now functions of those copies alone (the operation's *local* Jacobian, so that a source
+    computed from another source of the same call is not counted twice), and the copies; or why not: the outputs
+    differ from the recorded ``out``, or it cannot run on the copies. It runs from the random ``state`` the call
+    started from (:func:`replayed`: a dropout on a weight draws the same mask again). A call that writes its first
+    operand (:func:`writes_first_operand`) writes a copy of it, and its output is that copy."""
+    leaves = {key: t.detach().requires_grad_(True) for key, t in sources.items()}
+    args, kwargs = substituted(args, kwargs, {key: (sources[key], leaf) for key, leaf in leaves.items()})
+    writes = writes_first_operand(func, kwargs)
+    if writes:
+        args = (args[0].clone(), *args[1:])
+    try:
+        with torch.enable_grad(), replayed(state):
+            result = func(*args, **kwargs)
+    except RuntimeError as error:
+        return f"it cannot be run again on copies of the parameters ({error})"
+    local = [args[0]] if writes else outputs(result)
+    recorded = outputs(out)
+    if len(local) != len(recorded) or not all(
+        torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded, strict=True)
+    ):
+        return "it gives other numbers when run again from the same random state"
+    return local, list(leaves.values())
+
+
+class NotRunAgain(RuntimeError):
+    """A recorded call could not be run again to the same numbers (:func:`run_on_leaves` says why)."""
+
+
+class LocalRun:
+    """A recorded call, run again on detached copies of its parameter operands (:func:`run_on_leaves`) once, when
+    its local Jacobian is first needed: the generic pull-back needs it, a closed form read off the operations
+    (:mod:`.row_affine`, :mod:`.standardised`) does not, and the run costs what the operation cost (a ``std`` over
+    a weight, twice per step otherwise). It runs under the autocast and matrix-product precision the call ran
+    under; where an in-place write is about to change an operand or an output, it runs first
+    (:meth:`.derived.DerivedNodes.written`). Any other change since shows as other numbers: the call is then
+    refused, its parameters taken exactly."""
+
+    def __init__(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        sources: dict[int, torch.Tensor],
+        state: RandomState,
+    ) -> None:
+        self.func, self.args, self.kwargs, self.out, self.sources, self.state = func, args, kwargs, out, sources, state
+        self.precision = _precision_now(state[1])
+        self._found: tuple[list[torch.Tensor], list[torch.Tensor]] | str | None = None
+
+    def failure(self) -> str | None:
+        """Why the call cannot be run again to the same numbers (after running it, once); None where it can."""
+        if self._found is None:
+            with _precision_as(self.precision, self.state[1]):
+                self._found = run_on_leaves(self.func, self.args, self.kwargs, self.out, self.sources, self.state)
+        return self._found if isinstance(self._found, str) else None
+
+    def result(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The call's outputs from the copies, and the copies (:exc:`NotRunAgain` where it cannot be run)."""
+        reason = self.failure()
+        if reason is not None or not isinstance(self._found, tuple):
+            raise NotRunAgain(reason)
+        return self._found
+
+    def shares(self, memory: torch.Tensor) -> bool:
+        """An operand or output of the call holds ``memory``'s storage."""
+        storage = memory.untyped_storage().data_ptr()
+        held = [*self.sources.values(), *outputs(self.out)]
+        return any(t.untyped_storage().data_ptr() == storage for t in held)
+
+
+Precision = tuple[bool, torch.dtype, str, bool]
+
+
+def _precision_now(device: torch.device) -> Precision:
+    """The autocast (on, dtype) for the device's type and the matrix-product and cuDNN TF32 settings now."""
+    kind = device.type
+    enabled = torch.is_autocast_enabled(kind) if torch.amp.is_autocast_available(kind) else False
+    dtype = torch.get_autocast_dtype(kind) if enabled else torch.float32
+    return enabled, dtype, torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+
+
+@contextlib.contextmanager
+def _precision_as(precision: Precision, device: torch.device) -> Iterator[None]:
+    """The block runs at ``precision`` (:func:`_precision_now`), restored after."""
+    enabled, dtype, matmul, cudnn = precision
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = cudnn
+    cast = (
+        torch.autocast(device.type, dtype=dtype, enabled=enabled)
+        if torch.amp.is_autocast_available(device.type)
+        else contextlib.nullcontext()
+    )
+    try:
+        with cast:
+            yield
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]

@@ -1,0 +1,227 @@
+"""Weights computed from one parameter row by row — weight standardisation written by hand in its usual spellings, row
+normalisation, centring — and BiT's batch-norm standardisation clip like a float64 per-example loop without the
+generic pull-back's B × |W| per-example gradients: read off the operations (:mod:`dpml.train.rules.row_affine`), or,
+for operations the reading does not list, fitted from vector-Jacobian products and checked
+(:mod:`dpml.train.rules.row_jacobian`). A map that is not row by row is left to the generic pull-back, still exact.
+Every form is run through each way to a convolution's kernel gradients: factored, formed and kept, formed in slices
+of two examples."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_op_rules import assert_exact_without_the_exact_path, generator
+from test_op_rules_convolutions import in_twos
+from test_op_rules_writes import Standardised as BatchNormStandardised
+from torch import nn
+
+from dpml.train import clipping
+from dpml.train.dpsgd import per_example_cross_entropy
+from dpml.train.rules import combine, convolution_nd, derived, row_jacobian
+
+
+def _rows(w: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(1, w.dim()))
+
+
+def _means_of_means(w: torch.Tensor) -> torch.Tensor:
+    """Qiao et al.'s code: the mean one dimension at a time, then the standard deviation of the flattened rows."""
+    mean = w
+    for d in _rows(w):
+        mean = mean.mean(dim=d, keepdim=True)
+    w = w - mean
+    std = w.view(w.size(0), -1).std(dim=1).view(-1, *[1] * (w.dim() - 1)) + 1e-5
+    return w / std.expand_as(w)
+
+
+def _var_mean(w: torch.Tensor) -> torch.Tensor:
+    """BiT's original PyTorch ``StdConv2d``."""
+    v, m = torch.var_mean(w, dim=list(_rows(w)), keepdim=True, unbiased=False)
+    return (w - m) / torch.sqrt(v + 1e-10)
+
+
+def _in_place(w: torch.Tensor) -> torch.Tensor:
+    spread = w.std(dim=_rows(w), keepdim=True, correction=0) + 1e-6
+    w = w - w.mean(dim=_rows(w), keepdim=True)
+    w /= spread
+    return w
+
+
+FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "std + eps": lambda w: (w - w.mean(_rows(w), keepdim=True)) / (w.std(_rows(w), keepdim=True) + 1e-5),
+    "rsqrt of the biased variance": lambda w: (
+        (w - w.mean(dim=_rows(w), keepdim=True)) * torch.rsqrt(w.var(dim=_rows(w), keepdim=True, unbiased=False) + 1e-4)
+    ),
+    "means of means": _means_of_means,
+    "var_mean": _var_mean,
+    "in place": _in_place,
+    "sub with alpha, clamped": lambda w: (
+        torch.sub(w, w.sum(_rows(w), keepdim=True), alpha=1 / w[0].numel())
+        / w.std(_rows(w), keepdim=True, correction=2).clamp_min(1e-6)
+    ),
+    "scaled row norm": lambda w: 2.0 * w / torch.linalg.vector_norm(w, dim=_rows(w), keepdim=True),
+    "torch.norm of the flat rows": lambda w: w / w.flatten(1).norm(dim=1).view(-1, *[1] * (w.dim() - 1)),
+    "centred": lambda w: w - w.mean(_rows(w), keepdim=True),
+}
+
+
+class HandStandardised(nn.Module):
+    """A 3×3 convolution, a 1-D one over the image's rows and a linear map, each weight computed by ``form`` before
+    its use (the convolutions through ``F.conv2d`` / ``F.conv1d``, the map through ``F.linear``)."""
+
+    def __init__(self, form: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.form = form
+        self.square = nn.Parameter(torch.randn(6, 3, 3, 3) + 0.3)
+        self.line = nn.Parameter(torch.randn(4, 6, 3))
+        self.linear = nn.Parameter(torch.randn(3, 4) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 5, 5)
+        h = torch.tanh(F.conv2d(x, self.form(self.square), padding=1))
+        h = torch.tanh(F.conv1d(h.mean(3), self.form(self.line), padding=1))  # (B, 4, 5)
+        return F.linear(h.mean(2), self.form(self.linear))
+
+
+WAYS = ["factored", "kept", "sliced"]
+
+
+def _by_way(monkeypatch: pytest.MonkeyPatch, way: str) -> None:
+    """The convolutions' kernel gradients factored (ghost norms), or formed by torch's kernels and kept, or formed
+    two examples at a time (a keep limit of 40 numbers) with the clipped sum from the clip-weighted weight gradient."""
+    monkeypatch.setattr(convolution_nd, "materialise", lambda *args: way != "factored")
+    if way == "sliced":
+        monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 40)
+        monkeypatch.setattr(combine, "heap_sized_slices", lambda count, each, device: in_twos(count))
+
+
+def _taken(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the parameters the row maps take, pass after pass (filled as the engine runs)."""
+    taken: set[str] = set()
+    original = clipping.row_map_pieces
+
+    def spy(nodes, uses, ruled, params, already=()):  # type: ignore[no-untyped-def]
+        found = original(nodes, uses, ruled, params, already)
+        taken.update(ruled[key] for key in found)
+        return found
+
+    monkeypatch.setattr(clipping, "row_map_pieces", spy)
+    return taken
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(31)
+    return torch.randn(8, 3, 5, 5, generator=generator(7), dtype=torch.float64), torch.randint(0, 3, (8,))
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_hand_written_standardisation_is_read_off_its_operations(
+    monkeypatch: pytest.MonkeyPatch, form: str, way: str
+) -> None:
+    """Each spelling is read as each row's affine map of itself: no probe, no generic pull-back, the loop's numbers."""
+    _by_way(monkeypatch, way)
+    taken = _taken(monkeypatch)
+
+    def refused(*args: object) -> None:
+        raise AssertionError("the row map was probed or pulled back, not read")
+
+    monkeypatch.setattr(row_jacobian, "fitted_row_map", refused)
+    monkeypatch.setattr(derived, "pull_back", refused)
+    x, y = _batch()
+    assert_exact_without_the_exact_path(HandStandardised(FORMS[form]), per_example_cross_entropy, x, y)
+    assert taken == {"square", "line", "linear"}
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("form", [*FORMS, "F.normalize"])
+def test_a_row_map_the_reading_does_not_list_is_fitted_and_checked(
+    monkeypatch: pytest.MonkeyPatch, form: str, way: str
+) -> None:
+    """With the reading switched off (and ``F.normalize``, which it does not list), the row map is fitted from four
+    vector-Jacobian products of the recorded operations: the same numbers, still without the generic pull-back's
+    per-example gradients of the weights."""
+    _by_way(monkeypatch, way)
+    taken = _taken(monkeypatch)
+    monkeypatch.setattr(row_jacobian, "read_row_map", lambda *args: None)
+    spelled = FORMS.get(form, lambda w: F.normalize(w.flatten(1), dim=1).view_as(w))
+    x, y = _batch()
+    assert_exact_without_the_exact_path(HandStandardised(spelled), per_example_cross_entropy, x, y)
+    assert taken == {"square", "line", "linear"}
+
+
+NOT_ROW_BY_ROW: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "the whole weight's norm": lambda w: w / w.norm(),
+    "tanh": torch.tanh,
+    "each number times its size": lambda w: w * w.abs(),
+    "a row flipped, less its mean": lambda w: w.flip(-1) - w.mean(_rows(w), keepdim=True),
+    "means over the output channels": lambda w: w - w.mean(0, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("form", list(NOT_ROW_BY_ROW))
+def test_a_map_that_is_not_row_by_row_is_left_to_the_generic_pull_back(
+    monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """Neither the reading nor the probes' checks take these (a norm over the whole weight passes three of the four
+    probes; only the random one shows that it mixes rows): the generic pull-back does, exactly."""
+    taken = _taken(monkeypatch)
+    x, y = _batch()
+    assert_exact_without_the_exact_path(HandStandardised(NOT_ROW_BY_ROW[form]), per_example_cross_entropy, x, y)
+    assert taken == set()
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("write", [False, True])
+def test_batch_norm_standardisation_takes_every_way_to_the_kernels_gradients(
+    monkeypatch: pytest.MonkeyPatch, way: str, write: bool
+) -> None:
+    """BiT's and NFNet's ``F.batch_norm`` form (a gain that starts at 0, a shift), factored, formed and kept, or in
+    slices: the loop's numbers, and neither the generic pull-back nor the row maps."""
+    _by_way(monkeypatch, way)
+    taken = _taken(monkeypatch)
+    x, y = _batch()
+    assert_exact_without_the_exact_path(BatchNormStandardised(write), per_example_cross_entropy, x, y)
+    assert taken == set()
+
+
+class WrittenAfterUse(nn.Module):
+    """a = 2w, read by tanh (which keeps its output, not a: PyTorch's own backward is fine), then a written in place
+    and used: tanh's Jacobian must come from a as it was when read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4)
+        a = self.weight * 2
+        bent = torch.tanh(a)
+        a.mul_(0.5)
+        return F.linear(x, bent) + F.linear(x.square(), a)
+
+
+def test_a_computation_run_again_before_its_operand_is_written_in_place() -> None:
+    """The generic pull-back runs each computation again on copies of its operands when it needs its Jacobian; one
+    whose operand an in-place write is about to change runs first. Otherwise tanh's copy of a would hold a / 2, its
+    numbers would differ from the recorded ones, and the weight would take the exact path."""
+    torch.manual_seed(5)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    assert_exact_without_the_exact_path(WrittenAfterUse(), per_example_cross_entropy, x, y)
+
+
+def test_the_reading_checks_each_rows_numbers_not_only_their_moments() -> None:
+    """A row's numbers permuted keep its mean and variance: the reading's value check compares a sample of rows number
+    by number too, so a permutation is not taken for the row itself; an affine map of the rows is, with its shift."""
+    from dpml.train.rules.row_affine import _Reader
+
+    weight = nn.Parameter(torch.randn(16, 9, dtype=torch.float64))
+    reader = _Reader(weight, 16)
+    ones = torch.ones(16, dtype=torch.float64)
+    assert reader._offsets(weight.detach().flip(1), ones) is None
+    shifts = torch.linspace(-1, 1, 16, dtype=torch.float64)
+    found = reader._offsets(2.5 * weight.detach() + shifts[:, None], 2.5 * ones)
+    assert found is not None
+    torch.testing.assert_close(found, shifts)
+    assert reader._offsets(2.5 * weight.detach() + shifts[:, None], 2.4 * ones) is None  # (the variance differs)
