@@ -527,9 +527,9 @@ def test_weights_standardised_before_their_convolutions_clip_without_per_example
 
 
 class Computed(nn.Module):
-    """A convolution whose weight is a computation on it that no closed form here covers, written by hand as weight
-    standardisation often is (``(w − mean) / std``, ``alone``), or tanh(w) beside a use of w itself: the generic
-    pull-back forms their per-example gradients, B × 162 numbers."""
+    """A convolution whose weight is a computation on it that no closed form here covers (w·σ(w), ``alone``, not a
+    map of each row by itself that :mod:`dpml.train.rules.row_jacobian` takes), or tanh(w) beside a use of w itself:
+    the generic pull-back forms their per-example gradients, B × 162 numbers."""
 
     def __init__(self, alone: bool) -> None:
         super().__init__()
@@ -540,7 +540,7 @@ class Computed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if self.alone:
-            h = F.conv2d(x, (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5), padding=1)
+            h = F.conv2d(x, w * torch.sigmoid(w), padding=1)
         else:
             h = F.conv2d(x, torch.tanh(w), padding=1) + F.conv2d(x, w, padding=1)
         return self.out(torch.tanh(h).mean((2, 3)))

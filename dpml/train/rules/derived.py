@@ -358,7 +358,7 @@ def _recomputed_pieces(
     batch: their norms (``squared``, from the first pass over the slices), and a clipped sum that carries the chain
     back again, slice by slice, adding up c_i times each example's gradient (one pass for all of them, at the first
     parameter's sum; the factors are one pass's). Twice the pull-back's work, no B × |θ| numbers kept, and no exact
-    path (hand-written weight standardisation, ``(w − w.mean(…)) / w.std(…)``, at batch 64)."""
+    path (a computed weight no closed form takes, a DoRA weight or ``torch.tanh(w)``, past the keep limit)."""
     done: dict[str, Any] = {}
 
     def totals(factors: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -124,7 +124,7 @@ class Factored:
     ``u`` (B, T, rows) and ``v`` (B, T, cols) — or, for a one-hot factor (an embedding's rows e_{k_t}),
     integer indices (B, T) whose entries are the k_t. ``applied`` (B, T, rows), where the rule has it: V's product
     with each v_t, the operation's own output without its bias (a convolution's), which a weight standardised
-    before its use reads (:mod:`dpml.train.rules.standardised`)."""
+    before its use reads (:mod:`dpml.train.rules.standardised`, :mod:`dpml.train.rules.row_jacobian`)."""
 
     u: torch.Tensor
     v: torch.Tensor
