@@ -86,7 +86,7 @@ class _Reader:
     def __init__(self, param: nn.Parameter, rows: int) -> None:
         self.param, self.rows = param, rows
         self.n = param.numel() // rows
-        mean, var = _row_moments(param.detach().reshape(rows, self.n))
+        mean, var = row_moments(param.detach().reshape(rows, self.n))
         self.mean, self.var = mean.requires_grad_(), var.requires_grad_()
         self.read: dict[int, list[Rows]] = {}  # id(node output) -> its call's outputs, read
 
@@ -124,7 +124,7 @@ class _Reader:
         row's mean and variance are compared (a norm and a mean: cheap), and a sample of rows number by number (the
         same operations made every row, so a form that holds for all rows' moments and these rows' numbers holds)."""
         tolerance = 1000 * torch.finfo(values.dtype).eps
-        mean, var = _row_moments(values)
+        mean, var = row_moments(values)
         expected = scale.square() * self.var.detach()
         floor = (mean.square() + var) * torch.finfo(values.dtype).eps  # (a row of one value: variance 0 up to rounding)
         if not bool(((var - expected).abs() <= tolerance * (expected + var + floor)).all()):
@@ -291,7 +291,7 @@ class _Reader:
         return RowMap(a, back @ mix_z @ back.transpose(1, 2), t, n * d, n * (centred + d.square()))
 
 
-def _row_moments(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_moments(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's mean m and biased variance v, float64: v = ‖w‖²/n − m² from one mean and one norm (both a small
     fraction of ``torch.var_mean``'s time on a CPU), or from the centred rows where the mean carries more than half
     of the rows' square (there the difference would lose digits)."""

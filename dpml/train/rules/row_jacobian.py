@@ -218,7 +218,11 @@ def row_map_pieces(
         view, form = merged[0]
         count = node.output.shape[0]
         shape = (count, node.output.numel() // count)
-        if shape[1] < 3 or not row_form(form, shape) or not in_order(view.flat_index(), count * shape[1]):
+        if (
+            shape[1] < 3
+            or not row_form(form, shape)
+            or not (view.index is None or in_order(view.index, count * shape[1]))
+        ):
             continue
         chain = _chain(node, nodes, uses)
         if chain is None or id(chain[1]) not in ruled or id(chain[1]) in taken or id(chain[1]) in found:
