@@ -139,6 +139,22 @@ def _computed_piece(found: Standardisation, form: Computed) -> tuple[Piece, torc
     return piece, torch.cat(found_s), torch.cat(found_q) * n
 
 
+def _products(found: Standardisation, form: Factored, hat: torch.Tensor) -> torch.Tensor:
+    """Ŵ_c · a_t (B, T, C_out): the use's own output γ_c (Ŵ_c · a_t) divided by γ_c where it kept it and there is no
+    shift (γ scales every term of the row's sum alike, so the quotient has the product's own rounding), one product
+    for the rows whose γ is 0 (NFNet starts some there) or where the output is not at hand."""
+    if form.applied is None or found.shift is not None:
+        return form.v @ hat.t()
+    if found.gain is None:
+        return form.applied
+    gain = found.gain[0].reshape(-1).to(form.applied.dtype)
+    zero = gain == 0
+    product = form.applied / torch.where(zero, torch.ones_like(gain), gain)
+    if bool(zero.any()):
+        product[..., zero] = form.v @ hat[zero].t()
+    return product
+
+
 def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor, torch.Tensor]:
     """W's piece from the one factored use of γ ⊙ Ŵ + β (module docstring), and the per-example gradients of γ and β,
     s and n·q (B, C_out)."""
@@ -146,8 +162,7 @@ def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor,
     hat, scale = _standardised(found, rows, n, form.u.dtype)  # ρ = γ ⊙ r
     u, v = form.u, form.v  # (B, T, C_out), (B, T, n)
     mean_a = v.mean(2, keepdim=True)
-    plain = found.gain is None and found.shift is None  # (then the use's own product is Ŵ a_t)
-    product = form.applied if plain and form.applied is not None else v @ hat.t()
+    product = _products(found, form, hat)
     s = (u * product).sum(1)  # (B, C_out)
     q = (u * mean_a).sum(1)
     f_squared, f_sums = use_norms(Factored(u * scale, v - mean_a, rows, n))
