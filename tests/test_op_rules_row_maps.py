@@ -187,6 +187,39 @@ def test_batch_norm_standardisation_takes_every_way_to_the_kernels_gradients(
     assert taken == set()
 
 
+class GainedStandardised(nn.Module):
+    """NFNet's ``ScaledStdConv2d``: ``F.batch_norm`` of the weight with a gain per output channel (some 0, as NFNet
+    starts its last ones, one tiny) and no shift, then ``F.conv2d``; the convolution's output written in place or
+    not (its own product Ŵ a_t, divided by the gain, is then at hand or not)."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.write = write
+        self.weight = nn.Parameter(torch.randn(5, 3, 3, 3))
+        self.gain = nn.Parameter(torch.tensor([0.0, 1.5, -0.7, 1e-6, 0.0]))
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 5, 5)
+        rows = self.weight.reshape(1, 5, -1)
+        scaled = F.batch_norm(rows, None, None, self.gain * 27**-0.5, training=True, momentum=0.0, eps=1e-5)
+        h = F.conv2d(x, scaled.reshape_as(self.weight), padding=1)
+        if self.write:
+            h += 0.25
+        return self.out(torch.tanh(h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("write", [False, True])
+def test_a_gained_standardisation_reads_the_convolutions_own_products(
+    monkeypatch: pytest.MonkeyPatch, way: str, write: bool
+) -> None:
+    """Rows whose gain is 0 have no product in the convolution's output: theirs are formed on their own; the others
+    are the output divided by the gain (a gain of 1e-6 included). The loop's numbers for the weight and the gain."""
+    _by_way(monkeypatch, way)
+    x, y = _batch()
+    assert_exact_without_the_exact_path(GainedStandardised(write), per_example_cross_entropy, x, y)
+
+
 class WrittenAfterUse(nn.Module):
     """a = 2w, read by tanh (which keeps its output, not a: PyTorch's own backward is fine), then a written in place
     and used: tanh's Jacobian must come from a as it was when read."""

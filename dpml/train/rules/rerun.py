@@ -87,70 +87,36 @@ def replayed(state: RandomState) -> Iterator[None]:
         set_rng_state(now, device)
 
 
-def run_on_leaves(
-    func: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    out: Any,
-    sources: dict[int, torch.Tensor],
-    state: RandomState,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]] | str:
-    """The call run again with each source operand (by id) replaced by a detached copy that requires gradient:
-    its outputs, now functions of those copies alone (the operation's *local* Jacobian, so that a source
-    computed from another source of the same call is not counted twice), and the copies; or why not: the outputs
-    differ from the recorded ``out``, or it cannot run on the copies. It runs from the random ``state`` the call
-    started from (:func:`replayed`: a dropout on a weight draws the same mask again). A call that writes its first
-    operand (:func:`writes_first_operand`) writes a copy of it, and its output is that copy."""
-    leaves = {key: t.detach().requires_grad_(True) for key, t in sources.items()}
-    args, kwargs = substituted(args, kwargs, {key: (sources[key], leaf) for key, leaf in leaves.items()})
-    writes = writes_first_operand(func, kwargs)
-    if writes:
-        args = (args[0].clone(), *args[1:])
-    try:
-        with torch.enable_grad(), replayed(state):
-            result = func(*args, **kwargs)
-    except RuntimeError as error:
-        return f"it cannot be run again on copies of the parameters ({error})"
-    local = [args[0]] if writes else outputs(result)
-    recorded = outputs(out)
-    if len(local) != len(recorded) or not all(
-        torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded, strict=True)
-    ):
-        return "it gives other numbers when run again from the same random state"
-    return local, list(leaves.values())
-
-
 class NotRunAgain(RuntimeError):
-    """A recorded call could not be run again to the same numbers (:func:`run_on_leaves` says why)."""
+    """A recorded call could not be run again to the same numbers (:meth:`LocalRun.failure` says why)."""
 
 
+@dataclass(eq=False)
 class LocalRun:
-    """A recorded call, run again on detached copies of its parameter operands (:func:`run_on_leaves`) once, when
-    its local Jacobian is first needed: the generic pull-back needs it, a closed form read off the operations
-    (:mod:`.row_affine`, :mod:`.standardised`) does not, and the run costs what the operation cost (a ``std`` over
-    a weight, twice per step otherwise). It runs under the autocast and matrix-product precision the call ran
-    under; where an in-place write is about to change an operand or an output, it runs first
-    (:meth:`.derived.DerivedNodes.written`). Any other change since shows as other numbers: the call is then
-    refused, its parameters taken exactly."""
+    """A recorded call — ``func`` on ``args`` and ``kwargs``, which gave ``out``, its parameter operands ``sources``
+    (by id), from the random ``state`` — run again once, when its local Jacobian is first needed: the generic
+    pull-back needs it, a closed form read off the operations (:mod:`.row_affine`, :mod:`.standardised`) does not,
+    and the run costs what the operation cost (a ``std`` over a weight, twice a step otherwise). It runs under the
+    autocast and matrix-product precision the call ran under; where an in-place write is about to change an operand
+    or an output, it runs first (:meth:`.derived.DerivedNodes.written`). Any other change since shows as other
+    numbers: the call is then refused, its parameters taken exactly."""
 
-    def __init__(
-        self,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        out: Any,
-        sources: dict[int, torch.Tensor],
-        state: RandomState,
-    ) -> None:
-        self.func, self.args, self.kwargs, self.out, self.sources, self.state = func, args, kwargs, out, sources, state
-        self.precision = _precision_now(state[1])
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    sources: dict[int, torch.Tensor]
+    state: RandomState
+
+    def __post_init__(self) -> None:
+        self.precision = _precision_now(self.state[1])
         self._found: tuple[list[torch.Tensor], list[torch.Tensor]] | str | None = None
 
     def failure(self) -> str | None:
         """Why the call cannot be run again to the same numbers (after running it, once); None where it can."""
         if self._found is None:
             with _precision_as(self.precision, self.state[1]):
-                self._found = run_on_leaves(self.func, self.args, self.kwargs, self.out, self.sources, self.state)
+                self._found = self._on_leaves()
         return self._found if isinstance(self._found, str) else None
 
     def result(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -165,6 +131,32 @@ class LocalRun:
         storage = memory.untyped_storage().data_ptr()
         held = [*self.sources.values(), *outputs(self.out)]
         return any(t.untyped_storage().data_ptr() == storage for t in held)
+
+    def _on_leaves(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | str:
+        """The call run again with each source operand replaced by a detached copy that requires gradient: its
+        outputs, now functions of those copies alone (the operation's *local* Jacobian, so that a source computed
+        from another source of the same call is not counted twice), and the copies; or why not: the outputs differ
+        from the recorded ``out``, or it cannot run on the copies. It runs from the random state the call started
+        from (:func:`replayed`: a dropout on a weight draws the same mask again). A call that writes its first
+        operand (:func:`writes_first_operand`) writes a copy of it, and its output is that copy."""
+        leaves = {key: t.detach().requires_grad_(True) for key, t in self.sources.items()}
+        swapped = {key: (self.sources[key], leaf) for key, leaf in leaves.items()}
+        args, kwargs = substituted(self.args, self.kwargs, swapped)
+        writes = writes_first_operand(self.func, kwargs)
+        if writes:
+            args = (args[0].clone(), *args[1:])
+        try:
+            with torch.enable_grad(), replayed(self.state):
+                result = self.func(*args, **kwargs)
+        except RuntimeError as error:
+            return f"it cannot be run again on copies of the parameters ({error})"
+        local = [args[0]] if writes else outputs(result)
+        recorded = outputs(self.out)
+        if len(local) != len(recorded) or not all(
+            torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded, strict=True)
+        ):
+            return "it gives other numbers when run again from the same random state"
+        return local, list(leaves.values())
 
 
 Precision = tuple[bool, torch.dtype, str, bool]
