@@ -258,3 +258,47 @@ def test_the_reading_checks_each_rows_numbers_not_only_their_moments() -> None:
     assert found is not None
     torch.testing.assert_close(found, shifts)
     assert reader._offsets(2.5 * weight.detach() + shifts[:, None], 2.4 * ones) is None  # (the variance differs)
+
+
+class ConstantWrittenAfterUse(nn.Module):
+    """w + s for a constant s (one shift per row; the sum keeps no operand for its backward, so PyTorch's own backward
+    allows the write), bent by tanh (the generic pull-back's), then s written in place — by torch (``add_``: the
+    recorder sees it) or, with ``unseen``, through NumPy's view of its memory (nothing does)."""
+
+    def __init__(self, unseen: bool) -> None:
+        super().__init__()
+        self.unseen = unseen
+        self.weight = nn.Parameter(torch.randn(3, 4, dtype=torch.float64) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4)
+        shift = torch.full((3, 1), 0.5, dtype=torch.float64)
+        bent = torch.tanh(self.weight + shift)
+        if self.unseen:
+            shift.numpy()[:] = -0.25
+        else:
+            shift.add_(-0.75)
+        return F.linear(x, bent) + F.linear(x.square(), self.weight + shift)
+
+
+def test_a_constant_written_in_place_after_its_use_is_read_as_it_was() -> None:
+    """The write is seen: the computation that read the constant runs again first, with the numbers it read."""
+    torch.manual_seed(5)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    assert_exact_without_the_exact_path(ConstantWrittenAfterUse(unseen=False), per_example_cross_entropy, x, y)
+
+
+def test_a_computation_that_gives_other_numbers_when_run_again_takes_the_exact_path_named() -> None:
+    """A write no torch operation makes (NumPy's view of the constant) is not seen: run again when its Jacobian is
+    needed, the computation gives other numbers, so the weight takes the exact path, and the reason says why — the
+    numbers are still the loop's."""
+    from test_op_rules import assert_clipped_like_the_loop
+
+    from dpml.train.clipping import engine_pass
+
+    torch.manual_seed(5)
+    model = ConstantWrittenAfterUse(unseen=True)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert list(found.exact) == ["weight"]
+    assert "gives other numbers when run again" in found.reasons["weight"], found.reasons
+    assert_clipped_like_the_loop(model, x, y)

@@ -63,6 +63,7 @@ class DerivedNodes:
         self._by_key: dict[int, Derived] = {}
         self.stale: set[int] = set()
         self.stale_copies: dict[int, Tracked] = {}  # id(t) -> how t was tracked: a parameter's copy written since
+        self._runs_by_memory: dict[int | None, list[LocalRun]] = {}  # a storage's address -> the runs that read it
 
     def of(self, key: torch.Tensor) -> Derived | None:
         return self._by_key.get(id(key))
@@ -71,9 +72,6 @@ class DerivedNodes:
         """``base``, tracked as ``was``, is about to be written in place: what shows its values from then on is stale
         (but what is tracked again after the write). A computation's output: every view of it (its key). A copy of a
         parameter tracked as the parameter's view (``p.clone()``): the tracked ``entries`` that share its memory."""
-        for node in self.nodes:  # (their copies taken before the write: after it, they would show other numbers)
-            if node.again.shares(base):
-                node.again.failure()
         if self.of(was.param) is not None:
             self.stale.add(id(was.param))
             return
@@ -81,6 +79,14 @@ class DerivedNodes:
         for t, tracked in entries:
             if t is memory or t._base is memory:
                 self.stale_copies[id(t)] = tracked
+
+    def before_write(self, target: torch.Tensor) -> None:
+        """``target`` (tracked or not: a constant too) is about to be written in place: each recorded computation
+        that reads or gave its memory is run again first (:class:`.rerun.LocalRun`), while it still holds the
+        numbers the computation saw; after the write the run would give other numbers, and its parameters would
+        take the exact path."""
+        for run in self._runs_by_memory.pop(_memory(target), []):
+            run.failure()
 
     def stale_among(self, operands: list[torch.Tensor], tracked: Callable[[Any], Tracked | None]) -> list[Tracked]:
         """The ``tracked`` operands that show values an in-place write changed since they were tracked."""
@@ -135,6 +141,8 @@ class DerivedNodes:
             if seen is not None:
                 sources.setdefault(id(t), (t, seen))
         again = LocalRun(func, args, kwargs, out, {key: t for key, (t, _) in sources.items()}, state)
+        for held in {_memory(t) for t in (*tensors(args, kwargs), *outputs(out))} - {None}:
+            self._runs_by_memory.setdefault(held, []).append(again)
         params = list(
             {
                 id(p): p
@@ -155,6 +163,15 @@ class DerivedNodes:
                 self._by_key[id(key)] = node
                 tracked_as.append((o, Tracked(key)))  # type: ignore[arg-type]
         return tracked_as
+
+
+def _memory(t: torch.Tensor) -> int | None:
+    """The address of the storage ``t`` views (None where it has none: a meta or sparse tensor)."""
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return address or None
 
 
 def first_rows(

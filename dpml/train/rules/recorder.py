@@ -218,6 +218,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         return out
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operands: list[torch.Tensor]) -> Any:
+        for target in _written_operands(func, args, kwargs):  # (a recorded computation that read it runs first)
+            self.computations.before_write(target)
         hits = [t for t in map(self.tracked, operands) if t is not None]
         if not hits:
             out = func(*args, **kwargs)
@@ -384,3 +386,10 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self.pending.append(result)
         self.kept.keep(result.output)
         return result
+
+
+def _written_operands(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a call writes in place: its first operand (:func:`.rerun.writes_first_operand`), and ``out=``."""
+    written = [args[0]] if args and isinstance(args[0], torch.Tensor) and writes_first_operand(func, kwargs) else []
+    out = kwargs.get("out")
+    return written + [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]

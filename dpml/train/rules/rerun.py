@@ -98,7 +98,7 @@ class LocalRun:
     pull-back needs it, a closed form read off the operations (:mod:`.row_affine`, :mod:`.standardised`) does not,
     and the run costs what the operation cost (a ``std`` over a weight, twice a step otherwise). It runs under the
     autocast and matrix-product precision the call ran under; where an in-place write is about to change an operand
-    or an output, it runs first (:meth:`.derived.DerivedNodes.written`). Any other change since shows as other
+    or an output, it runs first (:meth:`.derived.DerivedNodes.before_write`). Any other change since shows as other
     numbers: the call is then refused, its parameters taken exactly."""
 
     func: Any
@@ -125,12 +125,6 @@ class LocalRun:
         if reason is not None or not isinstance(self._found, tuple):
             raise NotRunAgain(reason)
         return self._found
-
-    def shares(self, memory: torch.Tensor) -> bool:
-        """An operand or output of the call holds ``memory``'s storage."""
-        storage = memory.untyped_storage().data_ptr()
-        held = [*self.sources.values(), *outputs(self.out)]
-        return any(t.untyped_storage().data_ptr() == storage for t in held)
 
     def _on_leaves(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | str:
         """The call run again with each source operand replaced by a detached copy that requires gradient: its
