@@ -37,7 +37,11 @@ class Derived:
     again: LocalRun  # the call run again on detached copies of the sources, when a pull-back first needs it
     position: int = 0  # which of the call's outputs
     operation: str = ""
-    call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # (function, args, kwargs) as called
+
+    @property
+    def call(self) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        """(function, args, kwargs) as called."""
+        return self.again.func, self.again.args, self.again.kwargs
 
     @property
     def local(self) -> torch.Tensor:
@@ -80,6 +84,10 @@ class DerivedNodes:
             if t is memory or t._base is memory:
                 self.stale_copies[id(t)] = tracked
 
+    def awaiting_runs(self) -> bool:
+        """Some recorded computation has not been run again yet (an in-place write may have to wait for it)."""
+        return bool(self._runs_by_memory)
+
     def before_write(self, target: torch.Tensor) -> None:
         """``target`` (tracked or not: a constant too) is about to be written in place: each recorded computation
         that reads or gave its memory is run again first (:class:`.rerun.LocalRun`), while it still holds the
@@ -109,22 +117,21 @@ class DerivedNodes:
         out: Any,
         tracked: Callable[[Any], Tracked | None],
         state: RandomState,
-    ) -> list[tuple[torch.Tensor, Tracked]] | tuple[str, list[Tracked]]:
+    ) -> list[tuple[torch.Tensor, Tracked]]:
         """Nodes for the outputs of ``func`` (those that require gradient) from its operands that are ``tracked``
         (views of parameters, or outputs of other nodes): each output with the :class:`Tracked` it is to be tracked
-        as; or why the call cannot be recorded, and the tracked operands. Where the operands repeat one row along
-        their first dimension (:func:`first_rows`), the node is the call on that row, and each output its
-        repetition."""
+        as (whether the call can be run again is found when a pull-back needs it, :class:`.rerun.LocalRun`). Where
+        the operands repeat one row along their first dimension (:func:`first_rows`), the node is the call on that
+        row, and each output its repetition."""
         rows = first_rows(func, args, kwargs, out, tracked, state, self.batch)
-        if rows is not None:
-            one, sliced, (sliced_args, sliced_kwargs) = rows
-            found = self._record(func, sliced_args, sliced_kwargs, one, lambda t: sliced.get(id(t), tracked(t)), state)
-            if not isinstance(found, tuple):
-                return [
-                    (o, Tracked(t.param, t.flat_index().expand(o.shape), t.shared))
-                    for o, (_, t) in zip([o for o in outputs(out) if o.requires_grad], found, strict=True)
-                ]
-        return self._record(func, args, kwargs, out, tracked, state)
+        if rows is None:
+            return self._record(func, args, kwargs, out, tracked, state)
+        one, sliced, (sliced_args, sliced_kwargs) = rows
+        found = self._record(func, sliced_args, sliced_kwargs, one, lambda t: sliced.get(id(t), tracked(t)), state)
+        return [
+            (o, Tracked(t.param, t.flat_index().expand(o.shape), t.shared))
+            for o, (_, t) in zip([o for o in outputs(out) if o.requires_grad], found, strict=True)
+        ]
 
     def _record(
         self,
@@ -134,7 +141,7 @@ class DerivedNodes:
         out: Any,
         tracked: Callable[[Any], Tracked | None],
         state: RandomState,
-    ) -> list[tuple[torch.Tensor, Tracked]] | tuple[str, list[Tracked]]:
+    ) -> list[tuple[torch.Tensor, Tracked]]:
         sources: dict[int, tuple[torch.Tensor, Tracked]] = {}
         for t in tensors(args, kwargs):
             seen = tracked(t)
@@ -156,9 +163,7 @@ class DerivedNodes:
         for position, o in enumerate(outputs(out)):
             if o.requires_grad:
                 key = o.detach() if id(o) in self._by_key or any(o is t for t, _ in sources.values()) else o
-                node = Derived(
-                    key, list(sources.values()), params, again, position, function_name(func), (func, args, kwargs)
-                )
+                node = Derived(key, list(sources.values()), params, again, position, function_name(func))
                 self.nodes.append(node)
                 self._by_key[id(key)] = node
                 tracked_as.append((o, Tracked(key)))  # type: ignore[arg-type]

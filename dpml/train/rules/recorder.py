@@ -188,12 +188,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
 
     def _derive(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, state: RandomState) -> None:
         """Track each output of a computation on parameters alone (run from the random ``state``) as a
-        :class:`Derived`; one that cannot be recorded is refused."""
-        recorded = self.computations.record(func, args, kwargs, out, self.tracked, state)
-        if isinstance(recorded, tuple):
-            self._refuse(recorded[1], f"{function_name(func)} on parameters: {recorded[0]}")
-            return
-        for o, tracked in recorded:
+        :class:`Derived`."""
+        for o, tracked in self.computations.record(func, args, kwargs, out, self.tracked, state):
             self._track(o, tracked)
 
     def _note_owners(self, hits: list[Tracked]) -> None:
@@ -218,8 +214,9 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         return out
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], operands: list[torch.Tensor]) -> Any:
-        for target in _written_operands(func, args, kwargs):  # (a recorded computation that read it runs first)
-            self.computations.before_write(target)
+        if self.computations.awaiting_runs():  # (a recorded computation that read what a call writes runs first)
+            for target in _written_operands(func, args, kwargs):
+                self.computations.before_write(target)
         hits = [t for t in map(self.tracked, operands) if t is not None]
         if not hits:
             out = func(*args, **kwargs)

@@ -159,7 +159,7 @@ class _Reader:
 
     def call(self, node: Derived) -> list[Rows] | None:
         """The node's call read: its outputs as :class:`Rows`; None where it is not of the form."""
-        if node.call is None or isinstance(node.call[0], ThroughView):
+        if isinstance(node.call[0], ThroughView):
             return None
         func, args, kwargs = node.call
         views = {id(t): tracked for t, tracked in node.sources}

@@ -144,12 +144,10 @@ def fitted_row_map(chain: list[Derived], param: nn.Parameter, output: torch.Tens
     return RowMap(alpha, mix, t, sums, squares)
 
 
-def _coefficients(found: RowMap, p: torch.Tensor, s: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e'_c and h_c (module docstring) of each example's p_c = ⟨1, g_c⟩ and s_c = ⟨T_c, g_c⟩, (B, C) each."""
-    alpha, mix = (x.to(p.dtype) for x in (found.alpha, found.mix))
-    e = mix[:, 0, 0] * p + mix[:, 0, 1] * s
-    h = mix[:, 1, 0] * p + mix[:, 1, 1] * s
-    return e + alpha * p / n, h
+def _coefficients(found: RowMap, p: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e_c, h_c) = M_c (p_c, s_c)ᵀ (module docstring) of each example's p_c = ⟨1, g_c⟩ and s_c = ⟨T_c, g_c⟩, (B, C)."""
+    mix = found.mix.to(p.dtype)
+    return mix[:, 0, 0] * p + mix[:, 0, 1] * s, mix[:, 1, 0] * p + mix[:, 1, 1] * s
 
 
 def _factored_piece(found: RowMap, form: Factored, param: nn.Parameter) -> Piece:
@@ -161,7 +159,8 @@ def _factored_piece(found: RowMap, form: Factored, param: nn.Parameter) -> Piece
     p = n * (u * mean_v).sum(1)  # (B, C)
     product = form.applied if form.applied is not None else v @ t.t()  # T_c · v_s: the use's own, or one product
     s = torch.linalg.vecdot(u, product, dim=1)
-    e_centred, h = _coefficients(found, p, s, n)
+    e, h = _coefficients(found, p, s)
+    e_centred = e + alpha * p / n
     sums_t, squares_t = found.sums.to(dtype), found.squares.to(dtype)
     f_squared, f_sums = use_norms(Factored(u * alpha, v - mean_v, form.rows, n))
     extra = 2 * alpha * h * (s - p * sums_t / n) + n * e_centred.square() + 2 * e_centred * h * sums_t
@@ -185,8 +184,7 @@ def _computed_piece(found: RowMap, form: Computed, param: nn.Parameter) -> Piece
     def carried(grads: torch.Tensor, examples: slice) -> torch.Tensor:
         alpha, t = found.alpha.to(grads.dtype)[:, None], found.rows.to(grads.dtype)
         p, s = grads.sum(2), torch.linalg.vecdot(grads, t, dim=2)
-        e_centred, h = _coefficients(found, p, s, n)
-        e = e_centred - alpha[:, 0] * p / n
+        e, h = _coefficients(found, p, s)
         coefficients.append(torch.stack([e, h]))
         return grads.mul_(alpha).add_(e[..., None]).addcmul_(h[..., None], t)  # (the slice's own, formed for this)
 

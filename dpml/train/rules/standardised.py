@@ -72,7 +72,7 @@ def _in_order(tracked: Tracked, shape: tuple[int, ...]) -> bool:
 
 def _standardisation(node: Derived, nodes: list[Derived], uses: dict[int, list[Use]]) -> Standardisation | None:
     """What ``node`` is where it standardises a parameter's rows as the module docstring says; else None."""
-    if node.call is None or node.call[0] is not F.batch_norm:
+    if node.call[0] is not F.batch_norm:
         return None
     _, args, kwargs = node.call
     bound: dict[str, Any] = dict(zip(_BATCH_NORM, args, strict=False)) | kwargs
