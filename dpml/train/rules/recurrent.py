@@ -26,6 +26,7 @@ Numbers: those of the unrolled operations, which the probe compares with autogra
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from dpml.train.rules.operands import decomposition
+from dpml.train.rules.recurrent_scan import scan
 
 State = tuple[torch.Tensor, ...]  # (h,) or, for an LSTM, (h, c)
 Step = Callable[[torch.Tensor, State, torch.Tensor, torch.Tensor | None, torch.Tensor | None], State]
@@ -45,8 +47,7 @@ def lstm_step(
     """One LSTM step from its input term x̃_t (N, 4H) (module docstring)."""
     h, c = state
     gates = F.linear(h, w_hh, b_hh) + gates_in
-    size = gates.shape[1] // 4
-    i, f, g, o = (gates[:, k * size : (k + 1) * size] for k in range(4))
+    i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     h = torch.sigmoid(o) * torch.tanh(c)
     return (h if w_hr is None else F.linear(h, w_hr), c)
@@ -77,6 +78,14 @@ def elman_step(nonlinearity: Callable[[torch.Tensor], torch.Tensor]) -> Step:
     return step
 
 
+STEPS: dict[str, Step] = {
+    "lstm": lstm_step,
+    "gru": gru_step,
+    "rnn_tanh": elman_step(torch.tanh),
+    "rnn_relu": elman_step(torch.relu),
+}
+
+
 def with_input_rows(state: State, like: torch.Tensor) -> State:
     """The state with its rows given the example map of ``like``'s rows (module docstring): s + 0, a zero column of
     ``like`` broadcast (the values unchanged)."""
@@ -102,9 +111,10 @@ def run_direction(
     gates_in = F.linear(x, w_ih, b_ih)  # every step's input term in one product, as the kernel on a CPU
     steps = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
     outputs: list[torch.Tensor] = [gates_in] * x.shape[0]
-    state = with_input_rows(state, gates_in[steps[0]])
+    inputs = gates_in.unbind(0)  # one backward for all steps (indexing each step's would add T full-size zeros)
+    state = with_input_rows(state, inputs[steps[0]])
     for t in steps:
-        state = step(gates_in[t], state, w_hh, b_hh, w_hr)
+        state = step(inputs[t], state, w_hh, b_hh, w_hr)
         outputs[t] = state[0]
     return torch.stack(outputs), state
 
@@ -152,8 +162,41 @@ def run_packed_direction(
     return torch.cat(outputs), state
 
 
+def scan_direction(
+    kind: str,
+    rows: torch.Tensor,
+    sizes: tuple[int, ...],
+    initial: State,
+    weights: Sequence[torch.Tensor],
+    has_biases: bool,
+    reverse: bool,
+) -> tuple[torch.Tensor, State]:
+    """One layer without projections in one direction over the rows of its steps (step t: the first ``sizes[t]``
+    sequences'), as two recorded operations: the input terms of every step in one product, then the recurrence
+    (:func:`dpml.train.rules.recurrent_scan.scan`). Its output rows and each sequence's final state (the state after
+    its last step: forward, the row of its last step; reversed, its row of step 0)."""
+    w_ih, w_hh, b_ih, b_hh, _ = split_weights(weights, has_biases)
+    gates_in = F.linear(rows, w_ih, b_ih)
+    state = with_input_rows(tuple(s[: sizes[0]] for s in initial), gates_in[: sizes[0]])
+    h_rows, c_rows, _, _ = scan(
+        kind, gates_in, sizes, state[0], state[1] if len(state) > 1 else None, w_hh, b_hh, reverse
+    )
+    last = final_rows(sizes, reverse).to(rows.device)
+    return h_rows, tuple(t.index_select(0, last) for t in (h_rows, c_rows) if t is not None)
+
+
+@functools.lru_cache(maxsize=256)
+def final_rows(sizes: tuple[int, ...], reverse: bool) -> torch.Tensor:
+    """Each sequence's row after its last step: reversed, its row of step 0; forward, its row of step len − 1."""
+    if reverse:
+        return torch.arange(sizes[0])
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))
+    lengths = [sum(1 for size in sizes if size > s) for s in range(sizes[0])]
+    return torch.tensor([starts[length - 1] + s for s, length in enumerate(lengths)], dtype=torch.int64)
+
+
 def run_layers(
-    step: Step,
+    kind: str,
     x: torch.Tensor,
     hidden: State,
     params: Sequence[torch.Tensor],
@@ -166,21 +209,29 @@ def run_layers(
     sizes: list[int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``torch.lstm`` / ``gru`` / ``rnn_*`` on padded sequences, or (``sizes``: the batch size of each step) on a
-    packed sequence's rows: (output, *final states), each final state (layers · directions, N, H)."""
+    packed sequence's rows: (output, *final states), each final state (layers · directions, N, H). A layer with
+    projections (an LSTM's ``proj_size``) runs step by step (:func:`run_direction`), any other as one scan
+    (:func:`scan_direction`) over the rows of its steps (padded sequences: the time-major rows, N at every step)."""
     x = x.transpose(0, 1) if batch_first else x
     directions = 2 if bidirectional else 1
     per = len(params) // (num_layers * directions)
+    projected = per > (4 if has_biases else 2)
+    steps = tuple(sizes) if sizes is not None else (x.shape[1],) * x.shape[0]
     finals: list[State] = []
     for layer in range(num_layers):
         outputs = []
         for direction in range(directions):
             k = layer * directions + direction
             state, weights = tuple(h[k] for h in hidden), params[k * per : (k + 1) * per]
-            out, final = (
-                run_direction(step, x, state, weights, has_biases, direction == 1)
-                if sizes is None
-                else run_packed_direction(step, x, sizes, state, weights, has_biases, direction == 1)
-            )
+            reverse = direction == 1
+            if not projected:
+                rows = x if sizes is not None else x.reshape(-1, x.shape[-1])
+                out, final = scan_direction(kind, rows, steps, state, weights, has_biases, reverse)
+                out = out if sizes is not None else out.view(*x.shape[:2], -1)
+            elif sizes is None:
+                out, final = run_direction(STEPS[kind], x, state, weights, has_biases, reverse)
+            else:
+                out, final = run_packed_direction(STEPS[kind], x, sizes, state, weights, has_biases, reverse)
             outputs.append(out)
             finals.append(final)
         x = outputs[0] if directions == 1 else torch.cat(outputs, -1)
@@ -204,35 +255,35 @@ def _sequences(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return isinstance(args[2], (list, tuple)) and args[0].dim() == 3 and args[0].shape[1 if args[8] else 0] > 0
 
 
-def run_call(step: Step, args: tuple[Any, ...], state: Callable[[Any], State]) -> tuple[torch.Tensor, ...]:
+def run_call(kind: str, args: tuple[Any, ...], state: Callable[[Any], State]) -> tuple[torch.Tensor, ...]:
     """A padded or packed call's (x, [batch sizes,] hx, params, has_biases, num_layers, dropout, train, bidirectional
     [, batch_first]) through :func:`run_layers`, ``state`` making the hx argument a state."""
     if _packed(args):
         data, sizes, hx, params, has_biases, layers, dropout, train, bidirectional = args
         steps = [int(n) for n in sizes.tolist()]
-        return run_layers(step, data, state(hx), params, has_biases, layers, dropout, train, bidirectional, None, steps)
+        return run_layers(kind, data, state(hx), params, has_biases, layers, dropout, train, bidirectional, None, steps)
     x, hx, params, *flags = args
-    return run_layers(step, x, state(hx), params, *flags)
+    return run_layers(kind, x, state(hx), params, *flags)
 
 
 @decomposition(torch.lstm, applies=_sequences)
 def lstm(*args: Any) -> Any:
-    return run_call(lstm_step, args, tuple)
+    return run_call("lstm", args, tuple)
 
 
 @decomposition(torch.gru, applies=_sequences)
 def gru(*args: Any) -> Any:
-    return run_call(gru_step, args, lambda hx: (hx,))
+    return run_call("gru", args, lambda hx: (hx,))
 
 
 @decomposition(torch.rnn_tanh, applies=_sequences)
 def rnn_tanh(*args: Any) -> Any:
-    return run_call(elman_step(torch.tanh), args, lambda hx: (hx,))
+    return run_call("rnn_tanh", args, lambda hx: (hx,))
 
 
 @decomposition(torch.rnn_relu, applies=_sequences)
 def rnn_relu(*args: Any) -> Any:
-    return run_call(elman_step(torch.relu), args, lambda hx: (hx,))
+    return run_call("rnn_relu", args, lambda hx: (hx,))
 
 
 def _cell_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -200,6 +200,7 @@ class Rows:
     order: torch.Tensor | None
     slots: torch.Tensor | None = None  # (N,) on the CPU; None: every example has N / B rows
     width: int = 0
+    interleaved: bool = False  # row j is example j mod B's (time-major rows): read as a strided view, not gathered
 
     @staticmethod
     def of_map(examples: torch.Tensor, batch: int, ragged: bool = True) -> Rows | None:
@@ -213,6 +214,9 @@ class Rows:
             return None
         order = None if bool((lead[1:] >= lead[:-1]).all()) else torch.argsort(lead, stable=True)
         if lead.numel() % batch == 0 and bool((counts == lead.numel() // batch).all()):
+            steps = lead.view(-1, batch)
+            if order is not None and torch.equal(steps, torch.arange(batch).expand_as(steps)):
+                return Rows(batch, order, interleaved=True)
             return Rows(batch, order)
         if not ragged:
             return None
@@ -223,8 +227,10 @@ class Rows:
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example (ragged: zero rows padding
-        each example's to ``width``)."""
+        each example's to ``width``; interleaved rows: a strided view of t, not a copy)."""
         flat = t.reshape(-1, t.shape[-1])
+        if self.interleaved:  # (k·B, n) step by step: (B, k, n) as a view
+            return flat.view(-1, self.batch, flat.shape[-1]).transpose(0, 1)
         if self.order is not None:
             flat = flat[self.order.to(flat.device)]
         if self.slots is None:

@@ -1,0 +1,370 @@
+"""One recurrent layer in one direction as one operation, :func:`scan`, and its rule: the recurrence over the rows of
+its steps run as one autograd node whose backward pass is backpropagation through time written out, so that the
+recording sees a fused kernel's layer as two operations (its input product, then the scan) and not as T steps of a
+dozen operations each.
+
+Rows. A layer's input terms x̃ = W_ih x + b_ih are rows (R, G) laid out step by step, as ATen's packed layers read
+them: step t holds the rows of the first n_t sequences (n_t non-increasing; padded sequences: n_t = N for every t,
+the time-major rows), rows s_t … s_t + n_t − 1 with s_t = Σ_{u<t} n_u. Forward, step t takes the states of sequences
+0 … n_t − 1 after step t − 1 (or their initial states); reversed, the states after step t + 1, a sequence joining at
+its last step from its initial state. The scan returns, row by row, the hidden state h after the row's step (and an
+LSTM's cell state c), and the state that entered it, h_prev (the recurrent product's input; not differentiable).
+
+Steps (module :mod:`dpml.train.rules.recurrent` gives the cells with their papers), with a_r the pre-activations:
+
+- LSTM: a = x̃ + W_hh h_prev + b_hh = (a_i, a_f, a_g, a_o); i, f, o = σ(a_i, a_f, a_o), g = tanh(a_g);
+  c = f ⊙ c_prev + i ⊙ g, h = o ⊙ tanh(c);
+- GRU: (q_r, q_z, q_n) = W_hh h_prev + b_hh; r, z = σ(x̃_r + q_r), σ(x̃_z + q_z); n = tanh(x̃_n + r ⊙ q_n);
+  h = n + z ⊙ (h_prev − n);
+- Elman: h = tanh or relu(x̃ + W_hh h_prev + b_hh).
+
+Backward (Werbos 1990, backpropagation through time), from the last step processed to the first, with ∂h the
+gradient reaching a row's h (its own, plus what the step after it sends back) and ∂c likewise:
+
+- LSTM: δ_o = ∂h ⊙ tanh(c) ⊙ o(1 − o); ∂c += ∂h ⊙ o ⊙ (1 − tanh²c); δ_i = ∂c ⊙ g ⊙ i(1 − i);
+  δ_f = ∂c ⊙ c_prev ⊙ f(1 − f); δ_g = ∂c ⊙ i ⊙ (1 − g²); sent back: ∂c_prev = ∂c ⊙ f, ∂h_prev = W_hhᵀ δ;
+- GRU: δ_n = ∂h ⊙ (1 − z)(1 − n²); δ_z = ∂h ⊙ (h_prev − n) ⊙ z(1 − z); δ_r = δ_n ⊙ q_n ⊙ r(1 − r); the
+  recurrent product's gradient δ^hh = (δ_r, δ_z, δ_n ⊙ r); sent back: ∂h_prev = ∂h ⊙ z + W_hhᵀ δ^hh;
+- Elman: δ = ∂h ⊙ (1 − h²) (tanh) or ∂h ⊙ [h > 0] (relu); sent back: ∂h_prev = W_hhᵀ δ.
+
+The scan's gradient with respect to x̃ is δ (the pre-activations' gradient). Each factor that does not depend on ∂h
+is formed for all rows at once before the loop, so a step costs one product and a few elementwise operations.
+
+Rule. W_hh enters every row's step linearly, W_hh h_prev, and its gradient there is δ^hh (δ itself for an LSTM and
+an Elman RNN, whose pre-activations add x̃ and W_hh h_prev; GRU's (δ_r, δ_z, δ_n ⊙ r)). So ∇_{W_hh} ℓ_i =
+Σ_{rows of i} δ^hh h_prevᵀ and ∇_{b_hh} ℓ_i = Σ_{rows of i} δ^hh (Goodfellow 2015), one factored gradient over the
+rows of example i. δ is the gradient of the scan's operand x̃, which the engine's one backward pass gives.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Use, rule
+
+KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+Sizes = tuple[int, ...]
+Scanned = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+
+
+def scan(
+    kind: str,
+    gates_in: torch.Tensor,
+    sizes: Sizes,
+    h0: torch.Tensor,
+    c0: torch.Tensor | None,
+    w_hh: torch.Tensor,
+    b_hh: torch.Tensor | None,
+    reverse: bool,
+) -> Scanned:
+    """The recurrence ``kind`` over the rows of x̃ = ``gates_in`` (R, G·H), step t's rows the first ``sizes[t]``
+    sequences', from the initial states ``h0`` (and ``c0``: an LSTM) (sizes[0], H) (module docstring): (h rows (R, H),
+    c rows (R, H) or None, h_prev rows (R, H), a GRU's r rows (R, H) or None). Seen by the recording as one call."""
+    operands = tuple(t for t in (gates_in, h0, c0, w_hh, b_hh) if t is not None)
+    if has_torch_function(operands):
+        found: Scanned = handle_torch_function(scan, operands, kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse)
+        return found
+    scanned: Scanned = _Scan.apply(kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse)  # type: ignore[no-untyped-call]
+    return scanned
+
+
+Step = tuple[int, int, int, int]  # (first row, rows, first row of the entering states' step, how many it carries)
+
+
+@functools.lru_cache(maxsize=256)
+def step_rows(sizes: Sizes, reverse: bool) -> tuple[list[Step], torch.Tensor]:
+    """The steps in the order they run, each as (its first row, its number of rows, the first row of the step whose
+    states enter it, how many of its sequences that step carries: the others start from their initial states), and
+    for every row the row of the state that enters its step: the same sequence's row one step back (forward) or on
+    (reversed), or R + s for sequence s's initial state (row s of ``h0`` appended after the R rows)."""
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))
+    total = starts[-1] + sizes[-1]
+    entering = torch.empty(total, dtype=torch.int64)
+    steps: list[Step] = []
+    for t in range(len(sizes) - 1, -1, -1) if reverse else range(len(sizes)):
+        start, size = starts[t], sizes[t]
+        before = t + 1 if reverse else t - 1
+        source, carried = (starts[before], min(size, sizes[before])) if 0 <= before < len(sizes) else (0, 0)
+        entering[start : start + carried] = torch.arange(source, source + carried)
+        entering[start + carried : start + size] = torch.arange(total + carried, total + size)
+        steps.append((start, size, source, carried))
+    return steps, entering
+
+
+def _entering(rows: torch.Tensor, initial: torch.Tensor, sizes: Sizes, reverse: bool) -> torch.Tensor:
+    """For every row, the state that entered its step (:func:`step_rows`)."""
+    index = step_rows(sizes, reverse)[1].to(rows.device)
+    return torch.cat([rows, initial]).index_select(0, index)
+
+
+def _state_in(rows: torch.Tensor, initial: torch.Tensor, step: Step) -> torch.Tensor:
+    """The states entering ``step``: the rows of the step before it (a view where it carries every sequence, as it
+    does on padded sequences and forward over packed ones), and initial states for the sequences it does not."""
+    _, size, source, carried = step
+    if carried == size:
+        return rows[source : source + size]
+    if carried == 0:
+        return initial[:size]
+    return torch.cat([rows[source : source + carried], initial[carried:size]])
+
+
+def _doubled(t: torch.Tensor, columns: slice) -> torch.Tensor:
+    """A copy of t with ``columns`` of its last dimension times 2 (exact in floating point): σ(2a) of a
+    pre-activation a computed from doubled operands is σ of exactly twice a's rounded value, and tanh(a) = 2σ(2a) − 1
+    (one σ over every gate at once, not a tanh of its own)."""
+    out = t.clone()
+    out[..., columns] *= 2
+    return out
+
+
+class _Scan(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        kind: str,
+        gates_in: torch.Tensor,
+        sizes: Sizes,
+        h0: torch.Tensor,
+        c0: torch.Tensor | None,
+        w_hh: torch.Tensor,
+        b_hh: torch.Tensor | None,
+        reverse: bool,
+    ) -> Scanned:
+        dtype = gates_in.dtype  # (under autocast, the input product's: the kernel's own precision)
+        w = w_hh.to(dtype)
+        b = None if b_hh is None else b_hh.to(dtype)
+        steps = step_rows(sizes, reverse)[0]
+        h0 = h0.to(dtype)
+        ctx.set_materialize_grads(False)
+        ctx.kind, ctx.sizes, ctx.reverse, ctx.dtypes = kind, sizes, reverse, (gates_in.dtype, w_hh.dtype)
+        c_rows = r_rows = None
+        if kind == "lstm":
+            assert c0 is not None
+            h_rows, c_rows, acts, g_rows, tanh_c = _lstm_forward(gates_in, steps, h0, c0.to(dtype), w, b)
+            c_prev = _entering(c_rows, c0.to(dtype), sizes, reverse)
+            h_prev = _entering(h_rows, h0, sizes, reverse)
+            ctx.save_for_backward(acts, g_rows, tanh_c, c_prev, h_prev, w)
+        elif kind == "gru":
+            h_rows, gates, q_n = _gru_forward(gates_in, steps, h0, w, b)
+            h_prev = _entering(h_rows, h0, sizes, reverse)
+            r_rows = gates[:, : h0.shape[1]].clone()
+            ctx.save_for_backward(gates, q_n, h_prev, w)
+        else:
+            h_rows = _elman_forward(gates_in, steps, h0, w, b, kind == "rnn_relu")
+            h_prev = _entering(h_rows, h0, sizes, reverse)
+            ctx.save_for_backward(h_rows, h_prev, w)
+        ctx.mark_non_differentiable(*(t for t in (h_prev, r_rows) if t is not None))
+        return h_rows, c_rows, h_prev, r_rows
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        grad_h, grad_c = grads[0], grads[1]
+        steps = step_rows(ctx.sizes, ctx.reverse)[0][::-1]  # the steps in the order opposite to the forward pass's
+        if ctx.kind == "lstm":
+            acts, g_rows, tanh_c, c_prev, h_prev, w = ctx.saved_tensors
+            delta, d_h0, d_c0 = _lstm_backward(grad_h, grad_c, steps, acts, g_rows, tanh_c, c_prev, w, ctx.sizes[0])
+            delta_hh = delta
+        elif ctx.kind == "gru":
+            gates, q_n, h_prev, w = ctx.saved_tensors
+            delta, delta_hh, d_h0 = _gru_backward(grad_h, steps, gates, q_n, h_prev, w, ctx.sizes[0])
+            d_c0 = None
+        else:
+            h_rows, h_prev, w = ctx.saved_tensors
+            delta, d_h0 = _elman_backward(grad_h, steps, h_rows, w, ctx.sizes[0], ctx.kind == "rnn_relu")
+            delta_hh, d_c0 = delta, None
+        d_w = delta_hh.t().mm(h_prev).to(ctx.dtypes[1]) if ctx.needs_input_grad[5] else None
+        d_b = delta_hh.sum(0).to(ctx.dtypes[1]) if ctx.needs_input_grad[6] else None
+        return None, delta.to(ctx.dtypes[0]), None, d_h0, d_c0, d_w, d_b, None
+
+
+def _zeros_or(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
+
+
+def _lstm_forward(
+    gates_in: torch.Tensor,
+    steps: list[Step],
+    h0: torch.Tensor,
+    c0: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h and c rows, the activated gates i, f, o (the g columns hold σ(2a_g)), g = tanh(a_g) = 2σ(2a_g) − 1 and
+    tanh(c), row by row."""
+    width = h0.shape[1]
+    g_cols = slice(2 * width, 3 * width)
+    pre = _doubled(gates_in if b is None else gates_in + b, g_cols)
+    w_t = _doubled(w.t(), g_cols)
+    acts, g_rows = torch.empty_like(pre), pre.new_empty(pre.shape[0], width)
+    c_rows, tanh_c, h_rows = torch.empty_like(g_rows), torch.empty_like(g_rows), torch.empty_like(g_rows)
+    for step in steps:
+        rows = slice(step[0], step[0] + step[1])
+        h, c = _state_in(h_rows, h0, step), _state_in(c_rows, c0, step)
+        a = torch.sigmoid(torch.addmm(pre[rows], h, w_t), out=acts[rows])
+        g = torch.mul(a[:, g_cols], 2, out=g_rows[rows]).sub_(1)
+        cell = torch.mul(a[:, width : 2 * width], c, out=c_rows[rows]).addcmul_(a[:, :width], g)
+        torch.mul(a[:, 3 * width :], torch.tanh(cell, out=tanh_c[rows]), out=h_rows[rows])
+    return h_rows, c_rows, acts, g_rows, tanh_c
+
+
+def _lstm_backward(
+    grad_h: torch.Tensor | None,
+    grad_c: torch.Tensor | None,
+    steps: list[Step],
+    acts: torch.Tensor,
+    g: torch.Tensor,
+    tanh_c: torch.Tensor,
+    c_prev: torch.Tensor,
+    w: torch.Tensor,
+    sequences: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """δ (R, 4H) and the initial states' gradients (module docstring)."""
+    width = tanh_c.shape[1]
+    grad_h = _zeros_or(grad_h, tanh_c)
+    i, o = acts[:, :width], acts[:, 3 * width :]
+    factors = torch.addcmul(acts, acts, acts, value=-1)  # σ'(a) = σ(1 − σ) for i, f, o
+    factors[:, :width].mul_(g)
+    factors[:, width : 2 * width].mul_(c_prev)
+    torch.mul(g, g, out=factors[:, 2 * width : 3 * width]).neg_().add_(1).mul_(i)
+    factors[:, 3 * width :].mul_(tanh_c)
+    to_cell = torch.addcmul(o, o * tanh_c, tanh_c, value=-1)  # ∂c += ∂h ⊙ o ⊙ (1 − tanh²c)
+    f = acts[:, width : 2 * width]
+    delta = torch.empty_like(acts)
+    d_h, d_c = tanh_c.new_zeros(sequences, width), tanh_c.new_zeros(sequences, width)
+    for start, size, _, _ in steps:
+        rows = slice(start, start + size)
+        dh = grad_h[rows] + d_h[:size]
+        dc = d_c[:size] if grad_c is None else d_c[:size] + grad_c[rows].to(dh.dtype)
+        dc = torch.addcmul(dc, dh, to_cell[rows])
+        d, k = delta[rows].view(size, 4, width), factors[rows].view(size, 4, width)
+        torch.mul(k[:, :3], dc.unsqueeze(1), out=d[:, :3])
+        torch.mul(k[:, 3], dh, out=d[:, 3])
+        torch.mul(dc, f[rows], out=d_c[:size])
+        torch.mm(delta[rows], w, out=d_h[:size])
+    return delta, d_h, d_c
+
+
+def _gru_forward(
+    gates_in: torch.Tensor, steps: list[Step], h0: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h rows, the gates (r, z, n) and the recurrent product's n part q_n, row by row."""
+    width = h0.shape[1]
+    gates = torch.empty_like(gates_in)
+    q_n, h_rows = gates_in.new_empty(gates_in.shape[0], width), gates_in.new_empty(gates_in.shape[0], width)
+    w_t = w.t()
+    for step in steps:
+        rows = slice(step[0], step[0] + step[1])
+        h = _state_in(h_rows, h0, step)
+        q = torch.mm(h, w_t) if b is None else torch.addmm(b, h, w_t)
+        x, a = gates_in[rows], gates[rows]
+        torch.add(x[:, : 2 * width], q[:, : 2 * width], out=a[:, : 2 * width]).sigmoid_()
+        q_n[rows] = q[:, 2 * width :]
+        n = torch.addcmul(x[:, 2 * width :], a[:, :width], q_n[rows], out=a[:, 2 * width :]).tanh_()
+        torch.lerp(n, h, a[:, width : 2 * width], out=h_rows[rows])  # n + z ⊙ (h_prev − n)
+    return h_rows, gates, q_n
+
+
+def _gru_backward(
+    grad_h: torch.Tensor | None,
+    steps: list[Step],
+    gates: torch.Tensor,
+    q_n: torch.Tensor,
+    h_prev: torch.Tensor,
+    w: torch.Tensor,
+    sequences: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """δ, δ^hh (R, 3H) and the initial state's gradient (module docstring)."""
+    width = q_n.shape[1]
+    grad_h = _zeros_or(grad_h, q_n)
+    r, z, n = gates.chunk(3, 1)
+    to_n = (1 - z) * (1 - n * n)
+    factors = torch.cat([to_n * q_n * r * (1 - r), (h_prev - n) * z * (1 - z), to_n], 1)
+    hh_factors = torch.cat([factors[:, : 2 * width], to_n * r], 1)
+    delta, delta_hh = torch.empty_like(gates), torch.empty_like(gates)
+    d_h = q_n.new_zeros(sequences, width)
+    for start, size, _, _ in steps:
+        rows = slice(start, start + size)
+        dh = (grad_h[rows] + d_h[:size]).unsqueeze(1)
+        torch.mul(factors[rows].view(size, 3, width), dh, out=delta[rows].view(size, 3, width))
+        torch.mul(hh_factors[rows].view(size, 3, width), dh, out=delta_hh[rows].view(size, 3, width))
+        torch.addmm(dh.squeeze(1) * z[rows], delta_hh[rows], w, out=d_h[:size])
+    return delta, delta_hh, d_h
+
+
+def _elman_forward(
+    gates_in: torch.Tensor,
+    steps: list[Step],
+    h0: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    relu: bool,
+) -> torch.Tensor:
+    everything = slice(0, None)
+    pre = gates_in if b is None else gates_in + b
+    pre, w_t = (pre, w.t()) if relu else (_doubled(pre, everything), _doubled(w.t(), everything))
+    h_rows = torch.empty_like(pre)
+    for step in steps:
+        rows = slice(step[0], step[0] + step[1])
+        out = torch.addmm(pre[rows], _state_in(h_rows, h0, step), w_t, out=h_rows[rows])
+        out.relu_() if relu else out.sigmoid_().mul_(2).sub_(1)  # tanh(a) = 2σ(2a) − 1
+    return h_rows
+
+
+def _elman_backward(
+    grad_h: torch.Tensor | None,
+    steps: list[Step],
+    h_rows: torch.Tensor,
+    w: torch.Tensor,
+    sequences: int,
+    relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_h = _zeros_or(grad_h, h_rows)
+    slope = (h_rows > 0).to(h_rows.dtype) if relu else 1 - h_rows * h_rows
+    delta = torch.empty_like(h_rows)
+    d_h = h_rows.new_zeros(sequences, h_rows.shape[1])
+    for start, size, _, _ in steps:
+        rows = slice(start, start + size)
+        torch.mul(grad_h[rows] + d_h[:size], slope[rows], out=delta[rows])
+        torch.mm(delta[rows], w, out=d_h[:size])
+    return delta, d_h
+
+
+@rule(scan)
+def recurrence(call: Call) -> Pending | str:
+    """W_hh and b_hh of a :func:`scan` (module docstring): one factored gradient over the rows of each example, from
+    δ = the gradient of the operand x̃."""
+    kind, gates_in, sizes, h0, c0, w_hh, b_hh, _ = call.args
+    if call.tracked(gates_in) is not None or call.tracked(h0) is not None or call.tracked(c0) is not None:
+        return "a parameter as its input or initial state"
+    rows = call.rows(gates_in)
+    if rows is None:
+        return f"its input terms (shape {tuple(gates_in.shape)}) have no known batch dimension"
+    owners = call.leading_examples(gates_in)
+    for state in (h0, c0):
+        if state is not None and call.from_batch(state):
+            found = call.leading_examples(state)
+            if owners is None or found is None or not torch.equal(found.cpu(), owners[: sizes[0]].cpu()):
+                return "an initial state whose rows are not the examples of its sequences"
+    w, b = call.tracked(w_hh), call.tracked(b_hh)
+    _, _, h_prev, r_rows = call.output
+    prev = rows.of(h_prev.detach())
+    width = h0.shape[1]
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        if r_rows is not None:  # GRU: δ^hh = (δ_r, δ_z, δ_n ⊙ r)
+            d = torch.cat([d[:, : 2 * width], d[:, 2 * width :] * r_rows.to(d.dtype)], 1)
+        d_rows = rows.of(d)
+        uses: list[Use] = []
+        if w is not None:
+            uses.append((w, Factored(d_rows, prev, d_rows.shape[2], prev.shape[2])))
+        if b is not None:
+            uses.append((b, Dense(d_rows.sum(1).reshape(d_rows.shape[0], *b.shape()))))
+        return uses
+
+    return Pending(gates_in, [t.param for t in (w, b) if t is not None], finish)

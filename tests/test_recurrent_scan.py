@@ -1,0 +1,130 @@
+"""The recurrence as one operation (dpml.train.rules.recurrent_scan): its forward pass equals the step-by-step cells of
+dpml.train.rules.recurrent, its hand-written backward pass equals autograd's through them and finite differences
+(every kind, padded and packed steps, forward and reversed, with and without biases), and a recorded LSTM, GRU or RNN
+layer is two recorded operations whatever its length, not T steps of a dozen."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_recurrent_rules import Recurrent, tokens
+from torch import nn
+
+from dpml.train.clipping import engine_pass
+from dpml.train.dpsgd import per_example_cross_entropy
+from dpml.train.rules.recorder import Recorder
+from dpml.train.rules.recurrent import STEPS
+from dpml.train.rules.recurrent_scan import GATES, KINDS, scan, step_rows
+from dpml.train.rules.registry import function_name
+
+SIZES = {"padded": (3, 3, 3, 3), "packed": (4, 3, 3, 1), "one step": (2,)}
+
+
+def _operands(kind: str, sizes: tuple[int, ...], bias: bool, seed: int) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    width, rows = 3, sum(sizes)
+    gates = GATES[kind] * width
+
+    def draw(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.8).requires_grad_()
+
+    return [
+        draw(rows, gates),
+        draw(sizes[0], width),
+        draw(sizes[0], width) if kind == "lstm" else None,
+        draw(gates, width),
+        draw(gates) if bias else None,
+    ]
+
+
+def _stepwise(kind: str, sizes, reverse: bool, gates_in, h0, c0, w_hh, b_hh):  # noqa: ANN001, ANN202
+    """The same recurrence by the cells of dpml.train.rules.recurrent, one step at a time, by autograd: each row's h
+    (and c) after its step."""
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))
+    h = [None] * sum(sizes)
+    c = [None] * sum(sizes)
+    state = [h0[s] for s in range(sizes[0])], [c0[s] for s in range(sizes[0])] if c0 is not None else None
+    for t in range(len(sizes) - 1, -1, -1) if reverse else range(len(sizes)):
+        n = sizes[t]
+        hs = torch.stack(state[0][:n])
+        before = (torch.stack(state[0][:n]),) if c0 is None else (hs, torch.stack(state[1][:n]))
+        after = STEPS[kind](gates_in[starts[t] : starts[t] + n], before, w_hh, b_hh, None)
+        for s in range(n):
+            h[starts[t] + s] = after[0][s]
+            state[0][s] = after[0][s]
+            if c0 is not None:
+                c[starts[t] + s] = after[1][s]
+                state[1][s] = after[1][s]
+    return torch.stack(h), (torch.stack(c) if c0 is not None else None)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("layout", list(SIZES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_scan_is_the_cells_step_by_step_forward_and_backward(kind: str, layout: str, reverse: bool) -> None:
+    sizes = SIZES[layout]
+    operands = _operands(kind, sizes, bias=True, seed=len(kind) + 7 * len(layout))
+    h, c, h_prev, r = scan(kind, operands[0], sizes, operands[1], operands[2], operands[3], operands[4], reverse)
+    h_ref, c_ref = _stepwise(kind, sizes, reverse, *operands)
+    torch.testing.assert_close(h, h_ref, rtol=1e-12, atol=1e-14)
+    entering = torch.cat([h_ref, operands[1]]).index_select(0, step_rows(sizes, reverse)[1])
+    torch.testing.assert_close(h_prev, entering.detach(), rtol=1e-12, atol=1e-14)
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(h.shape, generator=g, dtype=torch.float64)
+    c_weights = torch.randn(h.shape, generator=g, dtype=torch.float64)
+    loss = (h * weights).sum() + ((c * c_weights).sum() if c is not None else 0)
+    loss_ref = (h_ref * weights).sum() + ((c_ref * c_weights).sum() if c_ref is not None else 0)
+    inputs = [t for t in operands if t is not None]
+    for found, expected in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(loss_ref, inputs), strict=True):
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    if kind == "gru":  # the r gate, read by the rule: σ(x̃_r + q_r)
+        q = F.linear(h_prev, operands[3], operands[4])
+        torch.testing.assert_close(r, torch.sigmoid(operands[0][:, :3] + q[:, :3]).detach())
+    else:
+        assert r is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_scan_backward_against_finite_differences(kind: str) -> None:
+    """gradcheck of every operand, biases absent, packed steps reversed (sequences join from their initial states)."""
+    sizes = (3, 2, 2, 1)
+    operands = _operands(kind, sizes, bias=False, seed=1)
+
+    def outputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        found = scan(
+            kind, tensors[0], sizes, tensors[1], tensors[2] if kind == "lstm" else None, tensors[-1], None, True
+        )
+        return tuple(t for t in found[:2] if t is not None)
+
+    assert torch.autograd.gradcheck(outputs, tuple(t for t in operands if t is not None))
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, nn.RNN])
+def test_a_recorded_recurrent_layer_is_two_operations_whatever_its_length(
+    cell: type[nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each layer and direction: its input product (F.linear) and one scan, so the recording hands its rules as many
+    calls for 40 steps as for 4 (stepping through the cells would hand them one W_hh product per step)."""
+    handed: list[str] = []
+    apply = Recorder._apply
+
+    def seen(self, func, *args):  # noqa: ANN001, ANN002, ANN202
+        handed.append(function_name(func))
+        return apply(self, func, *args)
+
+    monkeypatch.setattr(Recorder, "_apply", seen)
+    counts = []
+    for length in (4, 40):
+        torch.manual_seed(2)
+        model = Recurrent(cell(5, 4, num_layers=2, bidirectional=True)).double()
+        x, y = tokens(3, length, 5)
+        handed.clear()
+        found = engine_pass(model, per_example_cross_entropy, x, y)
+        assert found.exact == {}, found.reasons
+        assert handed.count("dpml.train.rules.recurrent_scan.scan") == 4, handed
+        assert handed.count("F.linear") == 4 + 1, handed  # the input products, the head
+        counts.append(len(handed))
+    assert counts[0] == counts[1]
