@@ -188,3 +188,22 @@ def test_a_ruled_parameter_that_does_not_fit_is_taken_exactly_with_the_same_drop
         expected = sum(factors[i] * rows[i][k] for i in range(7))
         torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
     torch.testing.assert_close(after_engine, after_forward, rtol=0, atol=0)
+
+
+def test_an_output_two_recorded_calls_read_is_one_target() -> None:
+    """A recurrent layer's input terms x̃ are read by their product's rule and by the scan's: one slot, its δ asked
+    once and counted once among the numbers the pass holds (the keep budget's base), not twice."""
+    from dpml.train.released import Targets
+
+    weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    z = x @ weight.t()
+    other = torch.tanh(z)
+    targets = Targets()
+    first, second, third = targets.slot(z, z), targets.slot(z, z), targets.slot(other, other)
+    assert first == second and first.place != third.place
+    assert targets.numbers() == 2 * z.numel()
+    deltas = targets.deltas((other * other).sum(1), retain_graph=False)
+    assert len(deltas) == 2
+    expected = 2 * other.detach() * (1 - other.detach() ** 2)
+    torch.testing.assert_close(deltas[first.place], expected)

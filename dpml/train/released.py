@@ -53,13 +53,20 @@ class Targets:
 
     edges: list[GradientEdge | None] = field(default_factory=list)
     slots: list[Slot] = field(default_factory=list)
+    _places: dict[tuple[int, int], Slot] = field(default_factory=dict)  # (id(node), output) -> its slot
 
     def slot(self, output: torch.Tensor, edge: torch.Tensor | GradientEdge) -> Slot:
-        """Let ``output`` go: its edge (``edge``, or the tensor's own as it is now) joins the targets."""
+        """Let ``output`` go: its edge (``edge``, or the tensor's own as it is now) joins the targets, once however
+        many recorded calls read its δ (a recurrent layer's input terms: their product's rule and the scan's)."""
         if isinstance(edge, torch.Tensor):
             edge = get_gradient_edge(edge) if edge.requires_grad else None  # type: ignore[assignment]
+        key = (id(edge.node), edge.output_nr) if isinstance(edge, GradientEdge) else None
+        if key is not None and key in self._places:
+            return self._places[key]
         self.edges.append(edge if isinstance(edge, GradientEdge) else None)
         self.slots.append(Slot(len(self.edges) - 1, output.shape, output.dtype, output.device))
+        if key is not None:
+            self._places[key] = self.slots[-1]
         return self.slots[-1]
 
     def ruled(self, pending: Pending, edge: torch.Tensor | GradientEdge) -> RuledCall:

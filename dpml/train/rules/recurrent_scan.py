@@ -74,15 +74,15 @@ def scan(
     return scanned
 
 
-Step = tuple[int, int, int, int]  # (first row, rows, first row of the entering states' step, how many it carries)
+Step = tuple[int, int, int, int]  # (step, its rows, the step whose states enter it or −1, how many it carries)
 
 
 @functools.lru_cache(maxsize=256)
 def step_rows(sizes: Sizes, reverse: bool) -> tuple[list[Step], torch.Tensor]:
-    """The steps in the order they run, each as (its first row, its number of rows, the first row of the step whose
-    states enter it, how many of its sequences that step carries: the others start from their initial states), and
-    for every row the row of the state that enters its step: the same sequence's row one step back (forward) or on
-    (reversed), or R + s for sequence s's initial state (row s of ``h0`` appended after the R rows)."""
+    """The steps in the order they run, each as (its index t, its number of rows, the index of the step whose states
+    enter it, −1 for none, how many of its sequences that step carries: the others start from their initial
+    states), and for every row the row of the state that enters its step: the same sequence's row one step back
+    (forward) or on (reversed), or R + s for sequence s's initial state (row s of ``h0`` after the R rows)."""
     starts = list(itertools.accumulate(sizes[:-1], initial=0))
     total = starts[-1] + sizes[-1]
     entering = torch.empty(total, dtype=torch.int64)
@@ -90,10 +90,10 @@ def step_rows(sizes: Sizes, reverse: bool) -> tuple[list[Step], torch.Tensor]:
     for t in range(len(sizes) - 1, -1, -1) if reverse else range(len(sizes)):
         start, size = starts[t], sizes[t]
         before = t + 1 if reverse else t - 1
-        source, carried = (starts[before], min(size, sizes[before])) if 0 <= before < len(sizes) else (0, 0)
-        entering[start : start + carried] = torch.arange(source, source + carried)
+        before, carried = (before, min(size, sizes[before])) if 0 <= before < len(sizes) else (-1, 0)
+        entering[start : start + carried] = torch.arange(starts[before], starts[before] + carried)
         entering[start + carried : start + size] = torch.arange(total + carried, total + size)
-        steps.append((start, size, source, carried))
+        steps.append((t, size, before, carried))
     return steps, entering
 
 
@@ -103,15 +103,25 @@ def _entering(rows: torch.Tensor, initial: torch.Tensor, sizes: Sizes, reverse: 
     return torch.cat([rows, initial]).index_select(0, index)
 
 
-def _state_in(rows: torch.Tensor, initial: torch.Tensor, step: Step) -> torch.Tensor:
+def _by_step(t: torch.Tensor, sizes: Sizes) -> list[torch.Tensor]:
+    """The rows of each step, as views (one call for all steps: a loop's slicing is its own cost)."""
+    return list(t.split(sizes))
+
+
+def _state_in(rows: list[torch.Tensor], initial: torch.Tensor, step: Step) -> torch.Tensor:
     """The states entering ``step``: the rows of the step before it (a view where it carries every sequence, as it
     does on padded sequences and forward over packed ones), and initial states for the sequences it does not."""
-    _, size, source, carried = step
+    _, size, before, carried = step
     if carried == size:
-        return rows[source : source + size]
+        return rows[before] if rows[before].shape[0] == size else rows[before][:size]
     if carried == 0:
         return initial[:size]
-    return torch.cat([rows[source : source + carried], initial[carried:size]])
+    return torch.cat([rows[before][:carried], initial[carried:size]])
+
+
+def _prefixes(t: torch.Tensor, sizes: Sizes) -> dict[int, torch.Tensor]:
+    """t's first n rows for every step's n (a backward pass's states, the sequences a step holds)."""
+    return {n: t if n == t.shape[0] else t[:n] for n in set(sizes)}
 
 
 def _doubled(t: torch.Tensor, columns: slice) -> torch.Tensor:
@@ -146,17 +156,17 @@ class _Scan(torch.autograd.Function):
         c_rows = r_rows = None
         if kind == "lstm":
             assert c0 is not None
-            h_rows, c_rows, acts, g_rows, tanh_c = _lstm_forward(gates_in, steps, h0, c0.to(dtype), w, b)
+            h_rows, c_rows, acts, g_rows, tanh_c = _lstm_forward(gates_in, sizes, steps, h0, c0.to(dtype), w, b)
             c_prev = _entering(c_rows, c0.to(dtype), sizes, reverse)
             h_prev = _entering(h_rows, h0, sizes, reverse)
             ctx.save_for_backward(acts, g_rows, tanh_c, c_prev, h_prev, w)
         elif kind == "gru":
-            h_rows, gates, q_n = _gru_forward(gates_in, steps, h0, w, b)
+            h_rows, gates, q_n = _gru_forward(gates_in, sizes, steps, h0, w, b)
             h_prev = _entering(h_rows, h0, sizes, reverse)
             r_rows = gates[:, : h0.shape[1]].clone()
             ctx.save_for_backward(gates, q_n, h_prev, w)
         else:
-            h_rows = _elman_forward(gates_in, steps, h0, w, b, kind == "rnn_relu")
+            h_rows = _elman_forward(gates_in, sizes, steps, h0, w, b, kind == "rnn_relu")
             h_prev = _entering(h_rows, h0, sizes, reverse)
             ctx.save_for_backward(h_rows, h_prev, w)
         ctx.mark_non_differentiable(*(t for t in (h_prev, r_rows) if t is not None))
@@ -168,15 +178,15 @@ class _Scan(torch.autograd.Function):
         steps = step_rows(ctx.sizes, ctx.reverse)[0][::-1]  # the steps in the order opposite to the forward pass's
         if ctx.kind == "lstm":
             acts, g_rows, tanh_c, c_prev, h_prev, w = ctx.saved_tensors
-            delta, d_h0, d_c0 = _lstm_backward(grad_h, grad_c, steps, acts, g_rows, tanh_c, c_prev, w, ctx.sizes[0])
+            delta, d_h0, d_c0 = _lstm_backward(grad_h, grad_c, ctx.sizes, steps, acts, g_rows, tanh_c, c_prev, w)
             delta_hh = delta
         elif ctx.kind == "gru":
             gates, q_n, h_prev, w = ctx.saved_tensors
-            delta, delta_hh, d_h0 = _gru_backward(grad_h, steps, gates, q_n, h_prev, w, ctx.sizes[0])
+            delta, delta_hh, d_h0 = _gru_backward(grad_h, ctx.sizes, steps, gates, q_n, h_prev, w)
             d_c0 = None
         else:
             h_rows, h_prev, w = ctx.saved_tensors
-            delta, d_h0 = _elman_backward(grad_h, steps, h_rows, w, ctx.sizes[0], ctx.kind == "rnn_relu")
+            delta, d_h0 = _elman_backward(grad_h, ctx.sizes, steps, h_rows, w, ctx.kind == "rnn_relu")
             delta_hh, d_c0 = delta, None
         d_w = delta_hh.t().mm(h_prev).to(ctx.dtypes[1]) if ctx.needs_input_grad[5] else None
         d_b = delta_hh.sum(0).to(ctx.dtypes[1]) if ctx.needs_input_grad[6] else None
@@ -189,6 +199,7 @@ def _zeros_or(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _lstm_forward(
     gates_in: torch.Tensor,
+    sizes: Sizes,
     steps: list[Step],
     h0: torch.Tensor,
     c0: torch.Tensor,
@@ -203,26 +214,29 @@ def _lstm_forward(
     w_t = _doubled(w.t(), g_cols)
     acts, g_rows = torch.empty_like(pre), pre.new_empty(pre.shape[0], width)
     c_rows, tanh_c, h_rows = torch.empty_like(g_rows), torch.empty_like(g_rows), torch.empty_like(g_rows)
+    pres, a_all, g_all = _by_step(pre, sizes), _by_step(acts, sizes), _by_step(acts[:, g_cols], sizes)
+    i_all, f_all, o_all = (_by_step(acts[:, k * width : (k + 1) * width], sizes) for k in (0, 1, 3))
+    gs, cs, tcs, hs = (_by_step(t, sizes) for t in (g_rows, c_rows, tanh_c, h_rows))
     for step in steps:
-        rows = slice(step[0], step[0] + step[1])
-        h, c = _state_in(h_rows, h0, step), _state_in(c_rows, c0, step)
-        a = torch.sigmoid(torch.addmm(pre[rows], h, w_t), out=acts[rows])
-        g = torch.mul(a[:, g_cols], 2, out=g_rows[rows]).sub_(1)
-        cell = torch.mul(a[:, width : 2 * width], c, out=c_rows[rows]).addcmul_(a[:, :width], g)
-        torch.mul(a[:, 3 * width :], torch.tanh(cell, out=tanh_c[rows]), out=h_rows[rows])
+        t = step[0]
+        h, c = _state_in(hs, h0, step), _state_in(cs, c0, step)
+        torch.sigmoid(torch.addmm(pres[t], h, w_t), out=a_all[t])
+        g = torch.mul(g_all[t], 2, out=gs[t]).sub_(1)
+        cell = torch.mul(f_all[t], c, out=cs[t]).addcmul_(i_all[t], g)
+        torch.mul(o_all[t], torch.tanh(cell, out=tcs[t]), out=hs[t])
     return h_rows, c_rows, acts, g_rows, tanh_c
 
 
 def _lstm_backward(
     grad_h: torch.Tensor | None,
     grad_c: torch.Tensor | None,
+    sizes: Sizes,
     steps: list[Step],
     acts: torch.Tensor,
     g: torch.Tensor,
     tanh_c: torch.Tensor,
     c_prev: torch.Tensor,
     w: torch.Tensor,
-    sequences: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """δ (R, 4H) and the initial states' gradients (module docstring)."""
     width = tanh_c.shape[1]
@@ -234,50 +248,56 @@ def _lstm_backward(
     torch.mul(g, g, out=factors[:, 2 * width : 3 * width]).neg_().add_(1).mul_(i)
     factors[:, 3 * width :].mul_(tanh_c)
     to_cell = torch.addcmul(o, o * tanh_c, tanh_c, value=-1)  # ∂c += ∂h ⊙ o ⊙ (1 − tanh²c)
-    f = acts[:, width : 2 * width]
     delta = torch.empty_like(acts)
-    d_h, d_c = tanh_c.new_zeros(sequences, width), tanh_c.new_zeros(sequences, width)
-    for start, size, _, _ in steps:
-        rows = slice(start, start + size)
-        dh = grad_h[rows] + d_h[:size]
-        dc = d_c[:size] if grad_c is None else d_c[:size] + grad_c[rows].to(dh.dtype)
-        dc = torch.addcmul(dc, dh, to_cell[rows])
-        d, k = delta[rows].view(size, 4, width), factors[rows].view(size, 4, width)
-        torch.mul(k[:, :3], dc.unsqueeze(1), out=d[:, :3])
-        torch.mul(k[:, 3], dh, out=d[:, 3])
-        torch.mul(dc, f[rows], out=d_c[:size])
-        torch.mm(delta[rows], w, out=d_h[:size])
+    stacked_delta, stacked_factors = delta.view(-1, 4, width), factors.view(-1, 4, width)
+    ds, d3s, dos = _by_step(delta, sizes), _by_step(stacked_delta[:, :3], sizes), _by_step(stacked_delta[:, 3], sizes)
+    k3s, kos = _by_step(stacked_factors[:, :3], sizes), _by_step(stacked_factors[:, 3], sizes)
+    ghs, gcs = _by_step(grad_h, sizes), None if grad_c is None else _by_step(grad_c.to(grad_h.dtype), sizes)
+    fs, tos = _by_step(acts[:, width : 2 * width], sizes), _by_step(to_cell, sizes)
+    d_h, d_c = tanh_c.new_zeros(sizes[0], width), tanh_c.new_zeros(sizes[0], width)
+    d_hs, d_cs = _prefixes(d_h, sizes), _prefixes(d_c, sizes)
+    for t, size, _, _ in steps:
+        dh = ghs[t] + d_hs[size]
+        dc = torch.addcmul(d_cs[size] if gcs is None else d_cs[size] + gcs[t], dh, tos[t])
+        torch.mul(k3s[t], dc.unsqueeze(1), out=d3s[t])
+        torch.mul(kos[t], dh, out=dos[t])
+        torch.mul(dc, fs[t], out=d_cs[size])
+        torch.mm(ds[t], w, out=d_hs[size])
     return delta, d_h, d_c
 
 
 def _gru_forward(
-    gates_in: torch.Tensor, steps: list[Step], h0: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    gates_in: torch.Tensor, sizes: Sizes, steps: list[Step], h0: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h rows, the gates (r, z, n) and the recurrent product's n part q_n, row by row."""
     width = h0.shape[1]
     gates = torch.empty_like(gates_in)
     q_n, h_rows = gates_in.new_empty(gates_in.shape[0], width), gates_in.new_empty(gates_in.shape[0], width)
     w_t = w.t()
+    x_rz, x_n = _by_step(gates_in[:, : 2 * width], sizes), _by_step(gates_in[:, 2 * width :], sizes)
+    rzs, rs, zs = (
+        _by_step(gates[:, cols], sizes) for cols in (slice(0, 2 * width), slice(0, width), slice(width, 2 * width))
+    )
+    ns, qs, hs = _by_step(gates[:, 2 * width :], sizes), _by_step(q_n, sizes), _by_step(h_rows, sizes)
     for step in steps:
-        rows = slice(step[0], step[0] + step[1])
-        h = _state_in(h_rows, h0, step)
+        t = step[0]
+        h = _state_in(hs, h0, step)
         q = torch.mm(h, w_t) if b is None else torch.addmm(b, h, w_t)
-        x, a = gates_in[rows], gates[rows]
-        torch.add(x[:, : 2 * width], q[:, : 2 * width], out=a[:, : 2 * width]).sigmoid_()
-        q_n[rows] = q[:, 2 * width :]
-        n = torch.addcmul(x[:, 2 * width :], a[:, :width], q_n[rows], out=a[:, 2 * width :]).tanh_()
-        torch.lerp(n, h, a[:, width : 2 * width], out=h_rows[rows])  # n + z ⊙ (h_prev − n)
+        torch.add(x_rz[t], q[:, : 2 * width], out=rzs[t]).sigmoid_()
+        qs[t].copy_(q[:, 2 * width :])
+        n = torch.addcmul(x_n[t], rs[t], qs[t], out=ns[t]).tanh_()
+        torch.lerp(n, h, zs[t], out=hs[t])  # n + z ⊙ (h_prev − n)
     return h_rows, gates, q_n
 
 
 def _gru_backward(
     grad_h: torch.Tensor | None,
+    sizes: Sizes,
     steps: list[Step],
     gates: torch.Tensor,
     q_n: torch.Tensor,
     h_prev: torch.Tensor,
     w: torch.Tensor,
-    sequences: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """δ, δ^hh (R, 3H) and the initial state's gradient (module docstring)."""
     width = q_n.shape[1]
@@ -287,18 +307,22 @@ def _gru_backward(
     factors = torch.cat([to_n * q_n * r * (1 - r), (h_prev - n) * z * (1 - z), to_n], 1)
     hh_factors = torch.cat([factors[:, : 2 * width], to_n * r], 1)
     delta, delta_hh = torch.empty_like(gates), torch.empty_like(gates)
-    d_h = q_n.new_zeros(sequences, width)
-    for start, size, _, _ in steps:
-        rows = slice(start, start + size)
-        dh = (grad_h[rows] + d_h[:size]).unsqueeze(1)
-        torch.mul(factors[rows].view(size, 3, width), dh, out=delta[rows].view(size, 3, width))
-        torch.mul(hh_factors[rows].view(size, 3, width), dh, out=delta_hh[rows].view(size, 3, width))
-        torch.addmm(dh.squeeze(1) * z[rows], delta_hh[rows], w, out=d_h[:size])
+    ks, khs = _by_step(factors.view(-1, 3, width), sizes), _by_step(hh_factors.view(-1, 3, width), sizes)
+    ds, dhs = _by_step(delta.view(-1, 3, width), sizes), _by_step(delta_hh.view(-1, 3, width), sizes)
+    ghs, zs, hh_rows = _by_step(grad_h, sizes), _by_step(z, sizes), _by_step(delta_hh, sizes)
+    d_h = q_n.new_zeros(sizes[0], width)
+    d_hs = _prefixes(d_h, sizes)
+    for t, size, _, _ in steps:
+        dh = ghs[t] + d_hs[size]
+        torch.mul(ks[t], dh.unsqueeze(1), out=ds[t])
+        torch.mul(khs[t], dh.unsqueeze(1), out=dhs[t])
+        torch.addmm(dh * zs[t], hh_rows[t], w, out=d_hs[size])
     return delta, delta_hh, d_h
 
 
 def _elman_forward(
     gates_in: torch.Tensor,
+    sizes: Sizes,
     steps: list[Step],
     h0: torch.Tensor,
     w: torch.Tensor,
@@ -309,29 +333,30 @@ def _elman_forward(
     pre = gates_in if b is None else gates_in + b
     pre, w_t = (pre, w.t()) if relu else (_doubled(pre, everything), _doubled(w.t(), everything))
     h_rows = torch.empty_like(pre)
+    pres, hs = _by_step(pre, sizes), _by_step(h_rows, sizes)
     for step in steps:
-        rows = slice(step[0], step[0] + step[1])
-        out = torch.addmm(pre[rows], _state_in(h_rows, h0, step), w_t, out=h_rows[rows])
+        out = torch.addmm(pres[step[0]], _state_in(hs, h0, step), w_t, out=hs[step[0]])
         out.relu_() if relu else out.sigmoid_().mul_(2).sub_(1)  # tanh(a) = 2σ(2a) − 1
     return h_rows
 
 
 def _elman_backward(
     grad_h: torch.Tensor | None,
+    sizes: Sizes,
     steps: list[Step],
     h_rows: torch.Tensor,
     w: torch.Tensor,
-    sequences: int,
     relu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad_h = _zeros_or(grad_h, h_rows)
     slope = (h_rows > 0).to(h_rows.dtype) if relu else 1 - h_rows * h_rows
     delta = torch.empty_like(h_rows)
-    d_h = h_rows.new_zeros(sequences, h_rows.shape[1])
-    for start, size, _, _ in steps:
-        rows = slice(start, start + size)
-        torch.mul(grad_h[rows] + d_h[:size], slope[rows], out=delta[rows])
-        torch.mm(delta[rows], w, out=d_h[:size])
+    ghs, slopes, ds = _by_step(grad_h, sizes), _by_step(slope, sizes), _by_step(delta, sizes)
+    d_h = h_rows.new_zeros(sizes[0], h_rows.shape[1])
+    d_hs = _prefixes(d_h, sizes)
+    for t, size, _, _ in steps:
+        torch.mul(ghs[t] + d_hs[size], slopes[t], out=ds[t])
+        torch.mm(ds[t], w, out=d_hs[size])
     return delta, d_h
 
 
