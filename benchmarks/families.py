@@ -15,9 +15,10 @@ Families, each built from a config with random weights (nothing is downloaded: `
   10 classes (timm's ``resnet18`` with the same norm where torchvision is absent and timm imports);
 - ``lstm`` (not in the default list: not among the issue's families): torch's ``nn.LSTM`` as a text classifier,
   token embedding (BERT's vocabulary), a stacked batch-first LSTM as wide as the size's hidden width with as many
-  layers, the mean over the real tokens, a linear head (dpml runs its recurrence unrolled:
-  :mod:`dpml.train.rules.recurrent`); ``lstm-packed``: the same LSTM on the real tokens only, packed
-  (``pack_padded_sequence``, unsorted), its last layer's final state to the head;
+  layers, the mean over the real tokens, a linear head (dpml runs its recurrence itself, a layer as its input
+  product and one scan: :mod:`dpml.train.rules.recurrent`); ``lstm-packed``: the same LSTM on the real tokens only,
+  packed (``pack_padded_sequence``, unsorted), its last layer's final state to the head; ``gru``, ``gru-packed``:
+  the same with ``nn.GRU``;
 - ``convnext`` (not in the default list either): timm's ConvNeXt-atto (depthwise 7×7 convolutions, LayerNorm over
   the channels, layer scale; the same at every size), 32×32 images, 10 classes.
 
@@ -126,8 +127,9 @@ from family_zoo import (  # noqa: E402
 )
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
-MORE_FAMILIES = ["lstm", "lstm-packed", "convnext", *ZOO]  # asked for by name only (``zoo``: all of ZOO)
-TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed", *TEXT_ZOO}
+# asked for by name only (``zoo``: all of ZOO)
+MORE_FAMILIES = ["lstm", "lstm-packed", "gru", "gru-packed", "convnext", *ZOO]
+TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed", "gru", "gru-packed", *TEXT_ZOO}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
 SIZES = {
@@ -210,13 +212,14 @@ def _lstm_classifier():  # noqa: ANN202
     from torch.nn.utils.rnn import pack_padded_sequence
 
     class LstmClassifier(nn.Module):
-        """Token embedding, a stacked batch-first ``nn.LSTM``, the mean over the real tokens, a linear head; or
-        (``packed``) the LSTM on the real tokens only, its last layer's final state to the head."""
+        """Token embedding, a stacked batch-first ``nn.LSTM`` (or ``nn.GRU``), the mean over the real tokens, a
+        linear head; or (``packed``) the recurrence on the real tokens only, its last layer's final state to the
+        head."""
 
-        def __init__(self, vocab: int, hidden: int, layers: int, packed: bool = False) -> None:
+        def __init__(self, vocab: int, hidden: int, layers: int, packed: bool = False, cell: str = "lstm") -> None:
             super().__init__()
             self.tokens = nn.Embedding(vocab, hidden)
-            self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
+            self.lstm = (nn.GRU if cell == "gru" else nn.LSTM)(hidden, hidden, num_layers=layers, batch_first=True)
             self.head = nn.Linear(hidden, TEXT_CLASSES)
             self.packed = packed
 
@@ -224,8 +227,8 @@ def _lstm_classifier():  # noqa: ANN202
             ids, mask = x[:, 0], x[:, 1]
             if self.packed:
                 lengths = (mask != 0).sum(1).clamp(min=1).cpu()  # (the plan's synthetic probe has masks of any ints)
-                _, (final, _) = self.lstm(pack_padded_sequence(self.tokens(ids), lengths, True, enforce_sorted=False))
-                return self.head(final[-1])
+                _, final = self.lstm(pack_padded_sequence(self.tokens(ids), lengths, True, enforce_sorted=False))
+                return self.head((final[0] if isinstance(final, tuple) else final)[-1])
             h, _ = self.lstm(self.tokens(ids))
             keep = mask.unsqueeze(-1).to(h.dtype)
             return self.head((h * keep).sum(1) / keep.sum(1).clamp(min=1))
@@ -321,11 +324,11 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family == "encoder":
         model = _encoder_classifier()(BERT_VOCAB, length, size["hidden"], size["layers"], size["heads"], size["ffn"])
         return model, "nn.TransformerEncoder classifier"
-    if family in ("lstm", "lstm-packed"):
-        packed = family == "lstm-packed"
-        model = _lstm_classifier()(BERT_VOCAB, size["hidden"], size["layers"], packed)
+    if family in ("lstm", "lstm-packed", "gru", "gru-packed"):
+        packed, cell = family.endswith("-packed"), family.split("-")[0]
+        model = _lstm_classifier()(BERT_VOCAB, size["hidden"], size["layers"], packed, cell)
         shape = "packed real tokens" if packed else "batch-first"
-        return model, f"nn.LSTM classifier ({size['layers']} layers, {size['hidden']} wide, {shape})"
+        return model, f"nn.{cell.upper()} classifier ({size['layers']} layers, {size['hidden']} wide, {shape})"
     if family == "bert-lora":
         peft = _import("peft")
         bert = _bert(size, length)

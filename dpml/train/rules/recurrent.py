@@ -1,8 +1,7 @@
-"""Recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU`` and their cells) unrolled: their fused kernels
+"""Recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU`` and their cells) run by the recorder: their fused kernels
 (``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``, the ``*_cell`` functions) hand autograd
 no step of the recurrence, so where a trainable parameter enters one the recorder runs, in its place, the same
-recurrence step by step in operations that have rules (:func:`dpml.train.rules.operands.composite_of`), in the
-kernel's own order of operations (ATen's CPU cells):
+recurrence in operations that have rules (:func:`dpml.train.rules.operands.composite_of`):
 
 - input terms of every step in one product per layer and direction, x̃_t = W_ih x_t + b_ih;
 - LSTM (Hochreiter & Schmidhuber 1997, with a forget gate): (i, f, g, o) = x̃_t + W_hh h_{t−1} + b_hh,
@@ -13,15 +12,19 @@ kernel's own order of operations (ATen's CPU cells):
 
 layers stacked, a bidirectional layer's reverse direction run from the last step to the first and its outputs
 concatenated after the forward direction's, dropout (``torch.dropout``, as the kernel calls it, on the same
-time-major outputs) between layers in training. Each example's gradient is then the linear rule's over its
-steps, ∇_{W_hh} ℓ_i = Σ_t δ_{i,t} h_{i,t−1}ᵀ and ∇_{b_hh} ℓ_i = Σ_t δ_{i,t} (Goodfellow 2015): the T uses of
-W_hh are one factored gradient over T positions (:func:`dpml.train.rules.combine.merged_uses`). The initial
-state's rows are given the example map of the input's rows (a zero state built by the module is no activation
-of the batch, but its row r feeds the recurrence of row r only). A packed sequence runs as ATen's packed layers
-do: step t takes the rows of the first ``batch_sizes[t]`` sequences (the longest first), a sequence leaving the
-batch after its last step (its final state kept) or, reversed, joining it there from its initial state; where each
-row's example is, the packing, the steps' joins and the padding back carry (:mod:`dpml.train.rules.example_maps`).
-Numbers: those of the unrolled operations, which the probe compares with autograd's on the kernel.
+time-major outputs) between layers in training. A layer without projections is its input product and one
+:func:`dpml.train.rules.recurrent_scan.scan` over the rows of its steps, whose rule gives W_hh and b_hh their
+per-example gradients from x̃'s (:mod:`dpml.train.rules.recurrent_scan`). A layer with projections, and the cells,
+run step by step in the kernel's own order of operations (ATen's CPU cells); each example's gradient is then the
+linear rule's over its steps, ∇_{W_hh} ℓ_i = Σ_t δ_{i,t} h_{i,t−1}ᵀ and ∇_{b_hh} ℓ_i = Σ_t δ_{i,t} (Goodfellow
+2015): the T uses of W_hh are one factored gradient over T positions (:func:`dpml.train.rules.combine.merged_uses`).
+The initial state's rows are given the example map of the input's rows (a zero state built by the module is no
+activation of the batch, but its row r feeds the recurrence of row r only). A packed sequence runs as ATen's packed
+layers do: step t takes the rows of the first ``batch_sizes[t]`` sequences (the longest first), a sequence leaving
+the batch after its last step (its final state kept) or, reversed, joining it there from its initial state; where
+each row's example is, the packing, the steps' joins and the padding back carry (:mod:`dpml.train.rules.example_maps`).
+Numbers: those of these operations, which the probe compares with autograd's on the kernel (the kernel's own
+arithmetic differs in rounding: oneDNN's on a CPU in float32, cuDNN's on a GPU).
 """
 
 from __future__ import annotations

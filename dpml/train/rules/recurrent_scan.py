@@ -30,10 +30,17 @@ gradient reaching a row's h (its own, plus what the step after it sends back) an
 The scan's gradient with respect to x̃ is δ (the pre-activations' gradient). Each factor that does not depend on ∂h
 is formed for all rows at once before the loop, so a step costs one product and a few elementwise operations.
 
+Arithmetic: in x̃'s dtype (under autocast, the input product's, as the kernel runs in it), the weights cast to it.
+tanh of a pre-activation (an LSTM's g gate, an Elman RNN's tanh) is 2σ(2a) − 1, with 2a formed from doubled
+operands (exact): one σ over all of a step's gates, where this CPU's tanh costs several times σ. It differs from
+tanh by rounding only (≤ 2 ulp of 1 in absolute terms), as the fused kernels' own activations do from ATen's.
+
 Rule. W_hh enters every row's step linearly, W_hh h_prev, and its gradient there is δ^hh (δ itself for an LSTM and
 an Elman RNN, whose pre-activations add x̃ and W_hh h_prev; GRU's (δ_r, δ_z, δ_n ⊙ r)). So ∇_{W_hh} ℓ_i =
 Σ_{rows of i} δ^hh h_prevᵀ and ∇_{b_hh} ℓ_i = Σ_{rows of i} δ^hh (Goodfellow 2015), one factored gradient over the
-rows of example i. δ is the gradient of the scan's operand x̃, which the engine's one backward pass gives.
+rows of example i. δ is the gradient of the scan's operand x̃, which the engine's one backward pass gives. An
+initial state computed from the batch must hold, row s, the example of sequence s (as every state the module makes
+does); otherwise the rule refuses, and W_hh and b_hh take the exact path.
 """
 
 from __future__ import annotations
