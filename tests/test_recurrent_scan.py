@@ -10,10 +10,13 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from test_recurrent_rules import Recurrent, tokens
+from test_op_rules import assert_exact_without_the_exact_path
+from test_recurrent_rules import Recurrent, ragged_tokens, tokens
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
 
 from dpml.train.clipping import engine_pass
+from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules.recorder import Recorder
 from dpml.train.rules.recurrent import STEPS
@@ -128,3 +131,44 @@ def test_a_recorded_recurrent_layer_is_two_operations_whatever_its_length(
         assert handed.count("F.linear") == 4 + 1, handed  # the input products, the head
         counts.append(len(handed))
     assert counts[0] == counts[1]
+
+
+class PackedFromState(nn.Module):
+    """Packed sequences (unsorted lengths) through a GRU whose initial state is computed from each example's tokens:
+    nn.GRU sorts the state's rows with the sequences, so row s of the scan's initial state is sequence s's example."""
+
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 5)
+        self.start = nn.Linear(5, 4)
+        self.rnn = nn.GRU(5, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+        self.swap = swap
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h0 = torch.tanh(self.start(h.mean(1)))
+        if self.swap:  # another example's state: rows no longer the sequences' examples
+            h0 = h0.roll(1, 0)
+        lengths = (ids != 0).sum(1).clamp(min=1).cpu()
+        _, final = self.rnn(pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False), h0[None])
+        return self.head(final[-1])
+
+
+def test_an_initial_state_from_the_batch_with_packed_unsorted_sequences() -> None:
+    torch.manual_seed(12)
+    x, y = ragged_tokens(6, 7, 19)
+    assert_exact_without_the_exact_path(PackedFromState(), per_example_cross_entropy, x, y, planned=False)
+
+
+def test_an_initial_state_of_other_examples_is_refused() -> None:
+    """An initial state whose row s comes from another example than sequence s: the scan's rule refuses, naming why
+    (W_hh and b_hh would take the exact path), and the plan refuses the model, which mixes the batch's examples."""
+    torch.manual_seed(12)
+    x, y = ragged_tokens(6, 7, 19)
+    model = PackedFromState(swap=True).double()
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert set(found.exact) == {"rnn.weight_hh_l0", "rnn.bias_hh_l0"}, found.reasons
+    assert "an initial state whose rows are not the examples of its sequences" in found.reasons["rnn.weight_hh_l0"]
+    with pytest.raises(ClippingUnsupported, match="mixes the examples"):
+        plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, probe=(x, y))
