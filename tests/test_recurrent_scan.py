@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,3 +173,52 @@ def test_an_initial_state_of_other_examples_is_refused() -> None:
     assert "an initial state whose rows are not the examples of its sequences" in found.reasons["rnn.weight_hh_l0"]
     with pytest.raises(ClippingUnsupported, match="mixes the examples"):
         plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, probe=(x, y))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_an_lstm_with_a_projection_scans_as_its_cells_step(layout: str, reverse: bool) -> None:
+    """proj_size: the states passed on are W_hr h (P = 2 of H = 3), the scan's h rows those before the projection;
+    projected as the decomposition projects them (one product after the scan), the outputs, the cell states and
+    every operand's gradient (W_hr's included) equal the cells' step by step."""
+    sizes = SIZES[layout]
+    g = torch.Generator().manual_seed(5)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.8).requires_grad_()
+
+    gates_in, h0, c0 = draw(sum(sizes), 12), draw(sizes[0], 2), draw(sizes[0], 3)
+    w_hh, b_hh, w_hr = draw(12, 2), draw(12), draw(2, 3)
+    h, c, h_prev, _ = scan("lstm", gates_in, sizes, h0, c0, w_hh, b_hh, reverse, w_hr)
+    out = F.linear(h, w_hr)
+    step = STEPS["lstm"]
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))
+    state_h, state_c = list(h0), list(c0)
+    ref_h, ref_c = [None] * sum(sizes), [None] * sum(sizes)
+    for t in range(len(sizes) - 1, -1, -1) if reverse else range(len(sizes)):
+        n = sizes[t]
+        after = step(
+            gates_in[starts[t] : starts[t] + n], (torch.stack(state_h[:n]), torch.stack(state_c[:n])), w_hh, b_hh, w_hr
+        )
+        for s in range(n):
+            ref_h[starts[t] + s], ref_c[starts[t] + s] = after[0][s], after[1][s]
+            state_h[s], state_c[s] = after[0][s], after[1][s]
+    ref_out, ref_cells = torch.stack(ref_h), torch.stack(ref_c)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(c, ref_cells, rtol=1e-12, atol=1e-14)
+    entering = torch.cat([ref_out, h0]).index_select(0, step_rows(sizes, reverse)[1])
+    torch.testing.assert_close(h_prev, entering.detach(), rtol=1e-12, atol=1e-14)
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    inputs = [gates_in, h0, c0, w_hh, b_hh, w_hr]
+    found = torch.autograd.grad((out * weights).sum() + (c * c).sum(), inputs)
+    expected = torch.autograd.grad((ref_out * weights).sum() + (ref_cells * ref_cells).sum(), inputs)
+    for name, a, b in zip(["x̃", "h0", "c0", "W_hh", "b_hh", "W_hr"], found, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+    def projected(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows, cells, _, _ = scan(
+            "lstm", tensors[0], sizes, tensors[1], tensors[2], tensors[3], None, reverse, tensors[4]
+        )
+        return rows, cells
+
+    assert torch.autograd.gradcheck(projected, (gates_in, h0, c0, w_hh, w_hr))

@@ -1,6 +1,6 @@
 """Recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU`` and their cells) run by the recorder: their fused kernels
-(``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``, the ``*_cell`` functions) hand autograd
-no step of the recurrence, so where a trainable parameter enters one the recorder runs, in its place, the same
+(``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``, the ``*_cell`` functions) hand autograd no
+step of the recurrence, so where a trainable parameter enters one the recorder runs, in its place, the same
 recurrence in operations that have rules (:func:`dpml.train.rules.operands.composite_of`):
 
 - input terms of every step in one product per layer and direction, x̃_t = W_ih x_t + b_ih;
@@ -12,19 +12,20 @@ recurrence in operations that have rules (:func:`dpml.train.rules.operands.compo
 
 layers stacked, a bidirectional layer's reverse direction run from the last step to the first and its outputs
 concatenated after the forward direction's, dropout (``torch.dropout``, as the kernel calls it, on the same
-time-major outputs) between layers in training. A layer without projections is its input product and one
-:func:`dpml.train.rules.recurrent_scan.scan` over the rows of its steps, whose rule gives W_hh and b_hh their
-per-example gradients from x̃'s (:mod:`dpml.train.rules.recurrent_scan`). A layer with projections, and the cells,
-run step by step in the kernel's own order of operations (ATen's CPU cells); each example's gradient is then the
-linear rule's over its steps, ∇_{W_hh} ℓ_i = Σ_t δ_{i,t} h_{i,t−1}ᵀ and ∇_{b_hh} ℓ_i = Σ_t δ_{i,t} (Goodfellow
-2015): the T uses of W_hh are one factored gradient over T positions (:func:`dpml.train.rules.combine.merged_uses`).
-The initial state's rows are given the example map of the input's rows (a zero state built by the module is no
-activation of the batch, but its row r feeds the recurrence of row r only). A packed sequence runs as ATen's packed
-layers do: step t takes the rows of the first ``batch_sizes[t]`` sequences (the longest first), a sequence leaving
-the batch after its last step (its final state kept) or, reversed, joining it there from its initial state; where
-each row's example is, the packing, the steps' joins and the padding back carry (:mod:`dpml.train.rules.example_maps`).
-Numbers: those of these operations, which the probe compares with autograd's on the kernel (the kernel's own
-arithmetic differs in rounding: oneDNN's on a CPU in float32, cuDNN's on a GPU).
+time-major outputs) between layers in training. A layer is its input product and one
+:func:`dpml.train.rules.recurrent_scan.scan` over the rows of its steps, whose rule gives W_hh and b_hh (and W_hr
+inside the steps) their per-example gradients from x̃'s (:mod:`dpml.train.rules.recurrent_scan`); with an LSTM's
+projection, its outputs W_hr h are one more product. The cells run step by step in the kernel's own order of
+operations (ATen's CPU cells); each example's gradient is then the linear rule's over its steps, ∇_{W_hh} ℓ_i = Σ_t
+δ_{i,t} h_{i,t−1}ᵀ and ∇_{b_hh} ℓ_i = Σ_t δ_{i,t} (Goodfellow 2015): the T uses of W_hh are one factored gradient
+over T positions (:func:`dpml.train.rules.combine.merged_uses`). The initial state's rows are given the example map
+of the input's rows (a zero state built by the module is no activation of the batch, but its row r feeds the
+recurrence of row r only). A packed sequence runs as ATen's packed layers do: step t takes the rows of the first
+``batch_sizes[t]`` sequences (the longest first), a sequence leaving the batch after its last step (its final state
+kept) or, reversed, joining it there from its initial state; where each row's example is, the packing, the steps'
+joins and the padding back carry (:mod:`dpml.train.rules.example_maps`). Numbers: those of these operations, which
+the probe compares with autograd's on the kernel (the kernel's own arithmetic differs in rounding: oneDNN's on a CPU
+in float32, cuDNN's on a GPU).
 """
 
 from __future__ import annotations
@@ -105,66 +106,6 @@ def split_weights(
     return weights[0], weights[1], b_ih, b_hh, w_hr
 
 
-def run_direction(
-    step: Step, x: torch.Tensor, state: State, weights: Sequence[torch.Tensor], has_biases: bool, reverse: bool
-) -> tuple[torch.Tensor, State]:
-    """One layer in one direction over the time-major x (T, N, F): its outputs (T, N, H) and final state.
-    ``weights``: w_ih, w_hh, then b_ih, b_hh with ``has_biases``, then w_hr (an LSTM with ``proj_size``)."""
-    w_ih, w_hh, b_ih, b_hh, w_hr = split_weights(weights, has_biases)
-    gates_in = F.linear(x, w_ih, b_ih)  # every step's input term in one product, as the kernel on a CPU
-    steps = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
-    outputs: list[torch.Tensor] = [gates_in] * x.shape[0]
-    inputs = gates_in.unbind(0)  # one backward for all steps (indexing each step's would add T full-size zeros)
-    state = with_input_rows(state, inputs[steps[0]])
-    for t in steps:
-        state = step(inputs[t], state, w_hh, b_hh, w_hr)
-        outputs[t] = state[0]
-    return torch.stack(outputs), state
-
-
-def run_packed_direction(
-    step: Step,
-    data: torch.Tensor,
-    sizes: list[int],
-    initial: State,
-    weights: Sequence[torch.Tensor],
-    has_biases: bool,
-    reverse: bool,
-) -> tuple[torch.Tensor, State]:
-    """One layer in one direction over a packed sequence's rows (the rows of step t: the first ``sizes[t]`` sequences,
-    the longest first), as ATen's packed layers: forward, a sequence's state leaves the batch after its last step;
-    reversed, from the last step, a sequence's initial state joins at its last step. Its output rows and final state
-    (the sequences in order)."""
-    w_ih, w_hh, b_ih, b_hh, w_hr = split_weights(weights, has_biases)
-    gates_in = F.linear(data, w_ih, b_ih)
-    starts = list(itertools.accumulate(sizes[:-1], initial=0))  # the first row of each step
-    outputs: list[torch.Tensor] = [gates_in] * len(sizes)
-    if not reverse:
-        state, finals, last = with_input_rows(tuple(s[: sizes[0]] for s in initial), gates_in[: sizes[0]]), [], sizes[0]
-        for t, size in enumerate(sizes):
-            if size < last:  # sequences size … last − 1 have ended: their final state
-                finals.append(tuple(s[size:last] for s in state))
-                state = tuple(s[:size] for s in state)
-            last = size
-            state = step(gates_in[starts[t] : starts[t] + size], state, w_hh, b_hh, w_hr)
-            outputs[t] = state[0]
-        finals.append(state)
-        final = tuple(torch.cat([f[j] for f in reversed(finals)]) for j in range(len(state)))
-        return torch.cat(outputs), final
-    last = sizes[-1]
-    state = with_input_rows(tuple(s[:last] for s in initial), gates_in[starts[-1] : starts[-1] + last])
-    for t in range(len(sizes) - 1, -1, -1):
-        size = sizes[t]
-        if size > last:  # sequences last … size − 1 start here, from their initial state
-            rows = gates_in[starts[t] + last : starts[t] + size]
-            joining = with_input_rows(tuple(s[last:size] for s in initial), rows)
-            state = tuple(torch.cat([s, j]) for s, j in zip(state, joining, strict=True))
-        last = size
-        state = step(gates_in[starts[t] : starts[t] + size], state, w_hh, b_hh, w_hr)
-        outputs[t] = state[0]
-    return torch.cat(outputs), state
-
-
 def scan_direction(
     kind: str,
     rows: torch.Tensor,
@@ -174,18 +115,20 @@ def scan_direction(
     has_biases: bool,
     reverse: bool,
 ) -> tuple[torch.Tensor, State]:
-    """One layer without projections in one direction over the rows of its steps (step t: the first ``sizes[t]``
-    sequences'), as two recorded operations: the input terms of every step in one product, then the recurrence
-    (:func:`dpml.train.rules.recurrent_scan.scan`). Its output rows and each sequence's final state (the state after
-    its last step: forward, the row of its last step; reversed, its row of step 0)."""
-    w_ih, w_hh, b_ih, b_hh, _ = split_weights(weights, has_biases)
+    """One layer in one direction over the rows of its steps (step t: the first ``sizes[t]`` sequences'), as two
+    recorded operations: the input terms of every step in one product, then the recurrence
+    (:func:`dpml.train.rules.recurrent_scan.scan`); with an LSTM's projection a third, its outputs W_hr h in one
+    product. Its output rows and each sequence's final state (the state after its last step: forward, the row of
+    its last step; reversed, its row of step 0)."""
+    w_ih, w_hh, b_ih, b_hh, w_hr = split_weights(weights, has_biases)
     gates_in = F.linear(rows, w_ih, b_ih)
     state = with_input_rows(tuple(s[: sizes[0]] for s in initial), gates_in[: sizes[0]])
     h_rows, c_rows, _, _ = scan(
-        kind, gates_in, sizes, state[0], state[1] if len(state) > 1 else None, w_hh, b_hh, reverse
+        kind, gates_in, sizes, state[0], state[1] if len(state) > 1 else None, w_hh, b_hh, reverse, w_hr
     )
+    out = h_rows if w_hr is None else F.linear(h_rows, w_hr)
     last = final_rows(sizes, reverse).to(rows.device)
-    return h_rows, tuple(t.index_select(0, last) for t in (h_rows, c_rows) if t is not None)
+    return out, tuple(t.index_select(0, last) for t in (out, c_rows) if t is not None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -212,13 +155,12 @@ def run_layers(
     sizes: list[int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``torch.lstm`` / ``gru`` / ``rnn_*`` on padded sequences, or (``sizes``: the batch size of each step) on a
-    packed sequence's rows: (output, *final states), each final state (layers · directions, N, H). A layer with
-    projections (an LSTM's ``proj_size``) runs step by step (:func:`run_direction`), any other as one scan
-    (:func:`scan_direction`) over the rows of its steps (padded sequences: the time-major rows, N at every step)."""
+    packed sequence's rows: (output, *final states), each final state (layers · directions, N, H). Each layer and
+    direction is one scan (:func:`scan_direction`) over the rows of its steps (padded sequences: the time-major
+    rows, N at every step)."""
     x = x.transpose(0, 1) if batch_first else x
     directions = 2 if bidirectional else 1
     per = len(params) // (num_layers * directions)
-    projected = per > (4 if has_biases else 2)
     steps = tuple(sizes) if sizes is not None else (x.shape[1],) * x.shape[0]
     finals: list[State] = []
     for layer in range(num_layers):
@@ -226,16 +168,9 @@ def run_layers(
         for direction in range(directions):
             k = layer * directions + direction
             state, weights = tuple(h[k] for h in hidden), params[k * per : (k + 1) * per]
-            reverse = direction == 1
-            if not projected:
-                rows = x if sizes is not None else x.reshape(-1, x.shape[-1])
-                out, final = scan_direction(kind, rows, steps, state, weights, has_biases, reverse)
-                out = out if sizes is not None else out.view(*x.shape[:2], -1)
-            elif sizes is None:
-                out, final = run_direction(STEPS[kind], x, state, weights, has_biases, reverse)
-            else:
-                out, final = run_packed_direction(STEPS[kind], x, sizes, state, weights, has_biases, reverse)
-            outputs.append(out)
+            rows = x if sizes is not None else x.reshape(-1, x.shape[-1])
+            out, final = scan_direction(kind, rows, steps, state, weights, has_biases, direction == 1)
+            outputs.append(out if sizes is not None else out.view(*x.shape[:2], -1))
             finals.append(final)
         x = outputs[0] if directions == 1 else torch.cat(outputs, -1)
         if dropout and train and layer < num_layers - 1:

@@ -13,7 +13,7 @@ LSTM's cell state c), and the state that entered it, h_prev (the recurrent produ
 Steps (module :mod:`dpml.train.rules.recurrent` gives the cells with their papers), with a_r the pre-activations:
 
 - LSTM: a = x̃ + W_hh h_prev + b_hh = (a_i, a_f, a_g, a_o); i, f, o = σ(a_i, a_f, a_o), g = tanh(a_g);
-  c = f ⊙ c_prev + i ⊙ g, h = o ⊙ tanh(c);
+  c = f ⊙ c_prev + i ⊙ g, h = o ⊙ tanh(c); with a projection (``proj_size``), the state passed on is W_hr h;
 - GRU: (q_r, q_z, q_n) = W_hh h_prev + b_hh; r, z = σ(x̃_r + q_r), σ(x̃_z + q_z); n = tanh(x̃_n + r ⊙ q_n);
   h = n + z ⊙ (h_prev − n);
 - Elman: h = tanh or relu(x̃ + W_hh h_prev + b_hh).
@@ -22,7 +22,8 @@ Backward (Werbos 1990, backpropagation through time), from the last step process
 gradient reaching a row's h (its own, plus what the step after it sends back) and ∂c likewise:
 
 - LSTM: δ_o = ∂h ⊙ tanh(c) ⊙ o(1 − o); ∂c += ∂h ⊙ o ⊙ (1 − tanh²c); δ_i = ∂c ⊙ g ⊙ i(1 − i);
-  δ_f = ∂c ⊙ c_prev ⊙ f(1 − f); δ_g = ∂c ⊙ i ⊙ (1 − g²); sent back: ∂c_prev = ∂c ⊙ f, ∂h_prev = W_hhᵀ δ;
+  δ_f = ∂c ⊙ c_prev ⊙ f(1 − f); δ_g = ∂c ⊙ i ⊙ (1 − g²); sent back: ∂c_prev = ∂c ⊙ f, ∂h_prev = W_hhᵀ δ (with a
+  projection, the passed-on state's gradient, and ∂h = ∂h_own + W_hrᵀ ∂h_passed);
 - GRU: δ_n = ∂h ⊙ (1 − z)(1 − n²); δ_z = ∂h ⊙ (h_prev − n) ⊙ z(1 − z); δ_r = δ_n ⊙ q_n ⊙ r(1 − r); the
   recurrent product's gradient δ^hh = (δ_r, δ_z, δ_n ⊙ r); sent back: ∂h_prev = ∂h ⊙ z + W_hhᵀ δ^hh;
 - Elman: δ = ∂h ⊙ (1 − h²) (tanh) or ∂h ⊙ [h > 0] (relu); sent back: ∂h_prev = W_hhᵀ δ.
@@ -47,12 +48,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Use, rule
+from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Use, rule
 
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -69,15 +71,20 @@ def scan(
     w_hh: torch.Tensor,
     b_hh: torch.Tensor | None,
     reverse: bool,
+    w_hr: torch.Tensor | None = None,
 ) -> Scanned:
     """The recurrence ``kind`` over the rows of x̃ = ``gates_in`` (R, G·H), step t's rows the first ``sizes[t]``
     sequences', from the initial states ``h0`` (and ``c0``: an LSTM) (sizes[0], H) (module docstring): (h rows (R, H),
-    c rows (R, H) or None, h_prev rows (R, H), a GRU's r rows (R, H) or None). Seen by the recording as one call."""
-    operands = tuple(t for t in (gates_in, h0, c0, w_hh, b_hh) if t is not None)
+    c rows (R, H) or None, h_prev rows (R, H), a GRU's r rows (R, H) or None). With an LSTM's projection ``w_hr``
+    (P, H), the states entering the steps are the projected W_hr h (the initial ones and h_prev (R, P)), and the h
+    rows are those before the projection. Seen by the recording as one call."""
+    operands = tuple(t for t in (gates_in, h0, c0, w_hh, b_hh, w_hr) if t is not None)
     if has_torch_function(operands):
-        found: Scanned = handle_torch_function(scan, operands, kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse)
+        found: Scanned = handle_torch_function(scan, operands, kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse, w_hr)
         return found
-    scanned: Scanned = _Scan.apply(kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse)  # type: ignore[no-untyped-call]
+    scanned: Scanned = _Scan.apply(  # type: ignore[no-untyped-call]
+        kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse, w_hr
+    )
     return scanned
 
 
@@ -152,6 +159,7 @@ class _Scan(torch.autograd.Function):
         w_hh: torch.Tensor,
         b_hh: torch.Tensor | None,
         reverse: bool,
+        w_hr: torch.Tensor | None,
     ) -> Scanned:
         dtype = gates_in.dtype  # (under autocast, the input product's: the kernel's own precision)
         w = w_hh.to(dtype)
@@ -163,10 +171,13 @@ class _Scan(torch.autograd.Function):
         c_rows = r_rows = None
         if kind == "lstm":
             assert c0 is not None
-            h_rows, c_rows, acts, g_rows, tanh_c = _lstm_forward(gates_in, sizes, steps, h0, c0.to(dtype), w, b)
+            projection = None if w_hr is None else w_hr.to(dtype)
+            h_rows, p_rows, c_rows, acts, g_rows, tanh_c = _lstm_forward(
+                gates_in, sizes, steps, h0, c0.to(dtype), w, b, projection
+            )
             c_prev = _entering(c_rows, c0.to(dtype), sizes, reverse)
-            h_prev = _entering(h_rows, h0, sizes, reverse)
-            ctx.save_for_backward(acts, g_rows, tanh_c, c_prev, h_prev, w)
+            h_prev = _entering(p_rows, h0, sizes, reverse)
+            ctx.save_for_backward(acts, g_rows, tanh_c, c_prev, h_prev, w, projection, h_rows)
         elif kind == "gru":
             h_rows, gates, q_n = _gru_forward(gates_in, sizes, steps, h0, w, b)
             h_prev = _entering(h_rows, h0, sizes, reverse)
@@ -183,10 +194,15 @@ class _Scan(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         grad_h, grad_c = grads[0], grads[1]
         steps = step_rows(ctx.sizes, ctx.reverse)[0][::-1]  # the steps in the order opposite to the forward pass's
+        d_hr = None
         if ctx.kind == "lstm":
-            acts, g_rows, tanh_c, c_prev, h_prev, w = ctx.saved_tensors
-            delta, d_h0, d_c0 = _lstm_backward(grad_h, grad_c, ctx.sizes, steps, acts, g_rows, tanh_c, c_prev, w)
+            acts, g_rows, tanh_c, c_prev, h_prev, w, projection, h_rows = ctx.saved_tensors
+            delta, d_h0, d_c0, d_projected = _lstm_backward(
+                grad_h, grad_c, ctx.sizes, steps, acts, g_rows, tanh_c, c_prev, w, projection
+            )
             delta_hh = delta
+            if ctx.needs_input_grad[8]:  # ∇W_hr = Σ_rows ∂(W_hr h)ᵀ h, the states' gradients the steps sent back
+                d_hr = d_projected.t().mm(h_rows).to(ctx.dtypes[1])
         elif ctx.kind == "gru":
             gates, q_n, h_prev, w = ctx.saved_tensors
             delta, delta_hh, d_h0 = _gru_backward(grad_h, ctx.sizes, steps, gates, q_n, h_prev, w)
@@ -197,7 +213,7 @@ class _Scan(torch.autograd.Function):
             delta_hh, d_c0 = delta, None
         d_w = delta_hh.t().mm(h_prev).to(ctx.dtypes[1]) if ctx.needs_input_grad[5] else None
         d_b = delta_hh.sum(0).to(ctx.dtypes[1]) if ctx.needs_input_grad[6] else None
-        return None, delta.to(ctx.dtypes[0]), None, d_h0, d_c0, d_w, d_b, None
+        return None, delta.to(ctx.dtypes[0]), None, d_h0, d_c0, d_w, d_b, None, d_hr
 
 
 def _zeros_or(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -212,10 +228,11 @@ def _lstm_forward(
     c0: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h and c rows, the activated gates i, f, o (the g columns hold σ(2a_g)), g = tanh(a_g) = 2σ(2a_g) − 1 and
-    tanh(c), row by row."""
-    width = h0.shape[1]
+    projection: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h rows, the states the steps pass on (W_hr h with a ``projection``, else h itself), c rows, the activated
+    gates i, f, o (the g columns hold σ(2a_g)), g = tanh(a_g) = 2σ(2a_g) − 1 and tanh(c), row by row."""
+    width = w.shape[0] // 4  # H (the states passed on have P with a projection)
     g_cols = slice(2 * width, 3 * width)
     pre = _doubled(gates_in if b is None else gates_in + b, g_cols)
     w_t = _doubled(w.t(), g_cols)
@@ -224,14 +241,18 @@ def _lstm_forward(
     pres, a_all, g_all = _by_step(pre, sizes), _by_step(acts, sizes), _by_step(acts[:, g_cols], sizes)
     i_all, f_all, o_all = (_by_step(acts[:, k * width : (k + 1) * width], sizes) for k in (0, 1, 3))
     gs, cs, tcs, hs = (_by_step(t, sizes) for t in (g_rows, c_rows, tanh_c, h_rows))
+    p_rows = h_rows if projection is None else h_rows.new_empty(h_rows.shape[0], projection.shape[0])
+    ps, p_t = _by_step(p_rows, sizes), None if projection is None else projection.t()
     for step in steps:
         t = step[0]
-        h, c = _state_in(hs, h0, step), _state_in(cs, c0, step)
+        h, c = _state_in(ps, h0, step), _state_in(cs, c0, step)
         torch.sigmoid(torch.addmm(pres[t], h, w_t), out=a_all[t])
         g = torch.mul(g_all[t], 2, out=gs[t]).sub_(1)
         cell = torch.mul(f_all[t], c, out=cs[t]).addcmul_(i_all[t], g)
         torch.mul(o_all[t], torch.tanh(cell, out=tcs[t]), out=hs[t])
-    return h_rows, c_rows, acts, g_rows, tanh_c
+        if p_t is not None:
+            torch.mm(hs[t], p_t, out=ps[t])
+    return h_rows, p_rows, c_rows, acts, g_rows, tanh_c
 
 
 def _lstm_backward(
@@ -244,8 +265,10 @@ def _lstm_backward(
     tanh_c: torch.Tensor,
     c_prev: torch.Tensor,
     w: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """δ (R, 4H) and the initial states' gradients (module docstring)."""
+    projection: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """δ (R, 4H), the initial states' gradients (module docstring) and, with a ``projection``, the gradient each
+    row's projected state W_hr h received from the step after it (R, P): ∂h = ∂h_own + W_hrᵀ ∂(W_hr h)."""
     width = tanh_c.shape[1]
     grad_h = _zeros_or(grad_h, tanh_c)
     i, o = acts[:, :width], acts[:, 3 * width :]
@@ -261,16 +284,23 @@ def _lstm_backward(
     k3s, kos = _by_step(stacked_factors[:, :3], sizes), _by_step(stacked_factors[:, 3], sizes)
     ghs, gcs = _by_step(grad_h, sizes), None if grad_c is None else _by_step(grad_c.to(grad_h.dtype), sizes)
     fs, tos = _by_step(acts[:, width : 2 * width], sizes), _by_step(to_cell, sizes)
-    d_h, d_c = tanh_c.new_zeros(sizes[0], width), tanh_c.new_zeros(sizes[0], width)
+    passed = width if projection is None else projection.shape[0]  # the width of the states the steps pass on
+    d_h, d_c = tanh_c.new_zeros(sizes[0], passed), tanh_c.new_zeros(sizes[0], width)
     d_hs, d_cs = _prefixes(d_h, sizes), _prefixes(d_c, sizes)
+    d_projected = tanh_c.new_zeros(tanh_c.shape[0] if projection is not None else 0, passed)
+    d_ps = _by_step(d_projected, sizes) if projection is not None else []
     for t, size, _, _ in steps:
-        dh = ghs[t] + d_hs[size]
+        if projection is None:
+            dh = ghs[t] + d_hs[size]
+        else:
+            d_ps[t].copy_(d_hs[size])
+            dh = torch.addmm(ghs[t], d_hs[size], projection)
         dc = torch.addcmul(d_cs[size] if gcs is None else d_cs[size] + gcs[t], dh, tos[t])
         torch.mul(k3s[t], dc.unsqueeze(1), out=d3s[t])
         torch.mul(kos[t], dh, out=dos[t])
         torch.mul(dc, fs[t], out=d_cs[size])
         torch.mm(ds[t], w, out=d_hs[size])
-    return delta, d_h, d_c
+    return delta, d_h, d_c, d_projected
 
 
 def _gru_forward(
@@ -370,9 +400,10 @@ def _elman_backward(
 @rule(scan)
 def recurrence(call: Call) -> Pending | str:
     """W_hh and b_hh of a :func:`scan` (module docstring): one factored gradient over the rows of each example, from
-    δ = the gradient of the operand x̃."""
-    kind, gates_in, sizes, h0, c0, w_hh, b_hh, _ = call.args
-    if call.tracked(gates_in) is not None or call.tracked(h0) is not None or call.tracked(c0) is not None:
+    δ = the gradient of the operand x̃; and an LSTM's projection W_hr where the steps use it (:func:`_passed_on`)."""
+    kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse = call.args[:8]
+    w_hr = call.args[8] if len(call.args) > 8 else None
+    if any(call.tracked(t) is not None for t in (gates_in, h0, c0)):
         return "a parameter as its input or initial state"
     rows = call.rows(gates_in)
     if rows is None:
@@ -383,13 +414,14 @@ def recurrence(call: Call) -> Pending | str:
             found = call.leading_examples(state)
             if owners is None or found is None or not torch.equal(found.cpu(), owners[: sizes[0]].cpu()):
                 return "an initial state whose rows are not the examples of its sequences"
-    w, b = call.tracked(w_hh), call.tracked(b_hh)
-    _, _, h_prev, r_rows = call.output
+    w, b, hr = call.tracked(w_hh), call.tracked(b_hh), call.tracked(w_hr)
+    h_rows, _, h_prev, r_rows = call.output
     prev = rows.of(h_prev.detach())
-    width = h0.shape[1]
+    passed_on = None if hr is None else _passed_on(sizes, reverse, w_hh, rows.of(h_rows.detach()))
 
     def finish(d: torch.Tensor) -> list[Use]:
         if r_rows is not None:  # GRU: δ^hh = (δ_r, δ_z, δ_n ⊙ r)
+            width = d.shape[1] // 3
             d = torch.cat([d[:, : 2 * width], d[:, 2 * width :] * r_rows.to(d.dtype)], 1)
         d_rows = rows.of(d)
         uses: list[Use] = []
@@ -397,6 +429,29 @@ def recurrence(call: Call) -> Pending | str:
             uses.append((w, Factored(d_rows, prev, d_rows.shape[2], prev.shape[2])))
         if b is not None:
             uses.append((b, Dense(d_rows.sum(1).reshape(d_rows.shape[0], *b.shape()))))
+        if hr is not None and passed_on is not None:
+            uses.append((hr, passed_on(d, rows)))
         return uses
 
-    return Pending(gates_in, [t.param for t in (w, b) if t is not None], finish)
+    return Pending(gates_in, [t.param for t in (w, b, hr) if t is not None], finish)
+
+
+def _passed_on(
+    sizes: Sizes, reverse: bool, w_hh: torch.Tensor, h: torch.Tensor
+) -> Callable[[torch.Tensor, Rows], Factored]:
+    """W_hr's use inside an LSTM's steps: each row's state passed on is W_hr h, and the gradient it receives is
+    W_hhᵀ δ of the row of the step that reads it (the same sequence's next one), none for a sequence's last. So
+    ∇_{W_hr} ℓ_i (there) = Σ_{rows of i} (W_hhᵀ δ_next) hᵀ: factored, ``h`` the rows before the projection (B, k, H),
+    from δ (R, 4H) once the backward pass has given it. The layer's outputs W_hr h are the decomposition's own
+    linear map (:func:`dpml.train.rules.recurrent.scan_direction`): that use is the linear rule's."""
+    entering = step_rows(sizes, reverse)[1]
+    reads = torch.nonzero(entering < entering.numel()).flatten()  # the rows whose entering state is a row's
+    read = entering[reads]
+
+    def factored(d: torch.Tensor, rows: Rows) -> Factored:
+        sent = d.new_zeros(d.shape[0], w_hh.shape[1])
+        sent.index_copy_(0, read.to(d.device), d.index_select(0, reads.to(d.device)) @ w_hh.detach().to(d.dtype))
+        u = rows.of(sent)
+        return Factored(u, h, u.shape[2], h.shape[2])
+
+    return factored
