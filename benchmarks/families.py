@@ -18,7 +18,7 @@ Families, each built from a config with random weights (nothing is downloaded: `
   layers, the mean over the real tokens, a linear head (dpml runs its recurrence itself, a layer as its input
   product and one scan: :mod:`dpml.train.rules.recurrent`); ``lstm-packed``: the same LSTM on the real tokens only,
   packed (``pack_padded_sequence``, unsorted), its last layer's final state to the head; ``gru``, ``gru-packed``:
-  the same with ``nn.GRU``;
+  the same with ``nn.GRU``; ``lstm-proj``: the padded LSTM with projections to half its width (``proj_size``);
 - ``convnext`` (not in the default list either): timm's ConvNeXt-atto (depthwise 7×7 convolutions, LayerNorm over
   the channels, layer scale; the same at every size), 32×32 images, 10 classes.
 
@@ -128,8 +128,8 @@ from family_zoo import (  # noqa: E402
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
 # asked for by name only (``zoo``: all of ZOO)
-MORE_FAMILIES = ["lstm", "lstm-packed", "gru", "gru-packed", "convnext", *ZOO]
-TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed", "gru", "gru-packed", *TEXT_ZOO}
+MORE_FAMILIES = ["lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", "convnext", *ZOO]
+TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", *TEXT_ZOO}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
 SIZES = {
@@ -216,11 +216,16 @@ def _lstm_classifier():  # noqa: ANN202
         linear head; or (``packed``) the recurrence on the real tokens only, its last layer's final state to the
         head."""
 
-        def __init__(self, vocab: int, hidden: int, layers: int, packed: bool = False, cell: str = "lstm") -> None:
+        def __init__(
+            self, vocab: int, hidden: int, layers: int, packed: bool = False, cell: str = "lstm", proj: int = 0
+        ) -> None:
             super().__init__()
             self.tokens = nn.Embedding(vocab, hidden)
-            self.lstm = (nn.GRU if cell == "gru" else nn.LSTM)(hidden, hidden, num_layers=layers, batch_first=True)
-            self.head = nn.Linear(hidden, TEXT_CLASSES)
+            if cell == "gru":
+                self.lstm = nn.GRU(hidden, hidden, num_layers=layers, batch_first=True)
+            else:
+                self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True, proj_size=proj)
+            self.head = nn.Linear(proj or hidden, TEXT_CLASSES)
             self.packed = packed
 
         def forward(self, x):  # noqa: ANN001, ANN201
@@ -324,10 +329,11 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family == "encoder":
         model = _encoder_classifier()(BERT_VOCAB, length, size["hidden"], size["layers"], size["heads"], size["ffn"])
         return model, "nn.TransformerEncoder classifier"
-    if family in ("lstm", "lstm-packed", "gru", "gru-packed"):
-        packed, cell = family.endswith("-packed"), family.split("-")[0]
-        model = _lstm_classifier()(BERT_VOCAB, size["hidden"], size["layers"], packed, cell)
-        shape = "packed real tokens" if packed else "batch-first"
+    if family in ("lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj"):
+        packed, cell, proj = family.endswith("-packed"), family.split("-")[0], size["hidden"] // 2
+        projected = family == "lstm-proj"
+        model = _lstm_classifier()(BERT_VOCAB, size["hidden"], size["layers"], packed, cell, proj if projected else 0)
+        shape = "packed real tokens" if packed else f"batch-first, projected to {proj}" if projected else "batch-first"
         return model, f"nn.{cell.upper()} classifier ({size['layers']} layers, {size['hidden']} wide, {shape})"
     if family == "bert-lora":
         peft = _import("peft")
