@@ -64,7 +64,7 @@ def models() -> dict[str, nn.Module]:
 
 
 class EmbeddingLstm(nn.Module):
-    """Token ids → embedding → LSTM → linear: a recurrence unrolled by the rules next to a shortcut."""
+    """Token ids → embedding → LSTM → linear: a recurrence the engine runs itself (a scan) next to a shortcut."""
 
     def __init__(self) -> None:
         super().__init__()

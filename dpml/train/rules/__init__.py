@@ -1,8 +1,8 @@
 """Per-operation clipping rules: where a trainable parameter enters the computation through an operation
 with a rule (a linear map, an index equation (einsum), an embedding lookup, a convolution (1-, 2- or 3-D, or
 transposed), a normalisation's affine, an elementwise affine or a shift and scale in one ``addcmul``, a learned
-slope, a bilinear form, a concatenation, a value written into chosen places, a mixture of experts' grouped product;
-a recurrent layer's fused kernel runs unrolled into such operations), the engine forms its per-example gradient
+slope, a bilinear form, a concatenation, a value written into chosen places, a mixture of experts' grouped product,
+a recurrent layer's scan over its steps, in place of its fused kernel), the engine forms its per-example gradient
 norm and clipped sum from that operation's operands and output gradient, however the module around it is written.
 
 One rule per file, registered for the torch functions it covers (:func:`registry.rule`); a new operation

@@ -297,10 +297,10 @@ class ExampleMaps:
             self._keep_examples(o, mapped[k] if k < len(mapped) else None)
 
     def _follow_join(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
-        """A join along the first dimension (``torch.stack(steps)`` of an unrolled RNN's (N, H) outputs, the rows of
-        a packed sequence's steps): the output's map is the same join of the operands' maps, 0 … B − 1 along the first
-        dimension for a batch-first operand; lost where an operand has none (a constant's rows belong to no example).
-        False for a join along another dimension (carried as any shape-keeping operation)."""
+        """A join along the first dimension (``torch.stack(steps)`` of a recurrent cell's (N, H) outputs in a loop,
+        the rows of a packed sequence's steps): the output's map is the same join of the operands' maps, 0 … B − 1
+        along the first dimension for a batch-first operand; lost where an operand has none (a constant's rows belong
+        to no example). False for a join along another dimension (carried as any shape-keeping operation)."""
         parts = args[0] if args else kwargs.get("tensors", ())
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if not isinstance(out, torch.Tensor) or not out.dim() or not isinstance(dim, int) or dim % out.dim():

@@ -21,7 +21,7 @@ Besides the rules' pending calls it keeps track of
 An in-place operation with a rule (``h += pos``) is applied out of place to a copy of h, the result copied into h: no
 later in-place operation overwrites the recorded result. Composite functions of ``torch.nn.functional`` with no rule
 (``F.multi_head_attention_forward``) run with the recording active, so the operations inside meet their rules; so
-does a fused kernel's registered decomposition (an LSTM's recurrence unrolled: :mod:`dpml.train.rules.recurrent`).
+does a fused kernel's registered decomposition (an LSTM's layers as scans: :mod:`dpml.train.rules.recurrent`).
 The example maps' bookkeeping is :mod:`dpml.train.rules.example_maps`.
 """
 
