@@ -222,3 +222,27 @@ def test_an_lstm_with_a_projection_scans_as_its_cells_step(layout: str, reverse:
         return rows, cells
 
     assert torch.autograd.gradcheck(projected, (gates_in, h0, c0, w_hh, w_hr))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_input_terms_in_bfloat16_run_the_recurrence_in_float32(kind: str) -> None:
+    """Under autocast the input product's x̃ is bfloat16: the scan runs in float32 (its outputs, cast back to bfloat16,
+    equal float32's on the same bfloat16 inputs, so no rounding adds up over the steps), and its gradients come back
+    in each operand's own dtype (x̃'s bfloat16, the weights' and states' float32), equal to float32's within bfloat16's
+    resolution."""
+    sizes = (3, 3, 2, 2, 1)
+    operands = _operands(kind, sizes, bias=True, seed=4)
+    half = operands[0].detach().to(torch.bfloat16).requires_grad_()
+    rest = [None if t is None else t.detach().float().requires_grad_() for t in operands[1:]]
+    full = half.detach().float().requires_grad_()
+    found = scan(kind, half, sizes, rest[0], rest[1], rest[2], rest[3], False)
+    expected = scan(kind, full, sizes, rest[0], rest[1], rest[2], rest[3], False)
+    assert found[0].dtype == torch.bfloat16
+    torch.testing.assert_close(found[0], expected[0].to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(found[2], expected[2], rtol=0, atol=0)  # h_prev, for the rule, in float32
+    inputs = [half] + [t for t in rest if t is not None]
+    grads = torch.autograd.grad(found[0].float().sum(), inputs)
+    reference = torch.autograd.grad(expected[0].sum(), [full] + [t for t in rest if t is not None])
+    assert grads[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads[1:])
+    for g, r in zip(grads, reference, strict=True):
+        torch.testing.assert_close(g.float(), r, rtol=2e-2, atol=2e-2)

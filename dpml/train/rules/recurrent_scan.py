@@ -31,7 +31,8 @@ gradient reaching a row's h (its own, plus what the step after it sends back) an
 The scan's gradient with respect to x̃ is δ (the pre-activations' gradient). Each factor that does not depend on ∂h
 is formed for all rows at once before the loop, so a step costs one product and a few elementwise operations.
 
-Arithmetic: in x̃'s dtype (under autocast, the input product's, as the kernel runs in it), the weights cast to it.
+Arithmetic: in x̃'s dtype, the weights cast to it; in float32 where x̃ is in half precision (under autocast, the input
+product's), the outputs then cast back to x̃'s dtype: the recurrence adds up rounding over its T steps.
 tanh of a pre-activation (an LSTM's g gate, an Elman RNN's tanh) is 2σ(2a) − 1, with 2a formed from doubled
 operands (exact): one σ over all of a step's gates, where this CPU's tanh costs several times σ. It differs from
 tanh by rounding only (≤ 2 ulp of 1 in absolute terms), as the fused kernels' own activations do from ATen's.
@@ -147,6 +148,12 @@ def _doubled(t: torch.Tensor, columns: slice) -> torch.Tensor:
     return out
 
 
+def _arithmetic(dtype: torch.dtype) -> torch.dtype:
+    """The scan's arithmetic: float32 for input terms in half precision (bfloat16, float16: under autocast), whose
+    rounding would otherwise add up over the T steps of the state's recurrence; else their own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class _Scan(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -161,7 +168,8 @@ class _Scan(torch.autograd.Function):
         reverse: bool,
         w_hr: torch.Tensor | None,
     ) -> Scanned:
-        dtype = gates_in.dtype  # (under autocast, the input product's: the kernel's own precision)
+        dtype = _arithmetic(gates_in.dtype)
+        x = gates_in.to(dtype)
         w = w_hh.to(dtype)
         b = None if b_hh is None else b_hh.to(dtype)
         steps = step_rows(sizes, reverse)[0]
@@ -173,22 +181,23 @@ class _Scan(torch.autograd.Function):
             assert c0 is not None
             projection = None if w_hr is None else w_hr.to(dtype)
             h_rows, p_rows, c_rows, acts, g_rows, tanh_c = _lstm_forward(
-                gates_in, sizes, steps, h0, c0.to(dtype), w, b, projection
+                x, sizes, steps, h0, c0.to(dtype), w, b, projection
             )
             c_prev = _entering(c_rows, c0.to(dtype), sizes, reverse)
             h_prev = _entering(p_rows, h0, sizes, reverse)
             ctx.save_for_backward(acts, g_rows, tanh_c, c_prev, h_prev, w, projection, h_rows)
         elif kind == "gru":
-            h_rows, gates, q_n = _gru_forward(gates_in, sizes, steps, h0, w, b)
+            h_rows, gates, q_n = _gru_forward(x, sizes, steps, h0, w, b)
             h_prev = _entering(h_rows, h0, sizes, reverse)
             r_rows = gates[:, : h0.shape[1]].clone()
             ctx.save_for_backward(gates, q_n, h_prev, w)
         else:
-            h_rows = _elman_forward(gates_in, sizes, steps, h0, w, b, kind == "rnn_relu")
+            h_rows = _elman_forward(x, sizes, steps, h0, w, b, kind == "rnn_relu")
             h_prev = _entering(h_rows, h0, sizes, reverse)
             ctx.save_for_backward(h_rows, h_prev, w)
         ctx.mark_non_differentiable(*(t for t in (h_prev, r_rows) if t is not None))
-        return h_rows, c_rows, h_prev, r_rows
+        out = gates_in.dtype
+        return h_rows.to(out), None if c_rows is None else c_rows.to(out), h_prev, r_rows
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
