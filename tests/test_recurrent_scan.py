@@ -21,10 +21,11 @@ from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules.recorder import Recorder
 from dpml.train.rules.recurrent import STEPS
-from dpml.train.rules.recurrent_scan import GATES, KINDS, scan, step_rows
+from dpml.train.rules.recurrent_scan import KINDS, scan, step_rows
 from dpml.train.rules.registry import function_name
 
 SIZES = {"padded": (3, 3, 3, 3), "packed": (4, 3, 3, 1), "one step": (2,)}
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}  # the gates of each kind, side by side in x̃
 
 
 def _operands(kind: str, sizes: tuple[int, ...], bias: bool, seed: int) -> list[torch.Tensor | None]:

@@ -136,9 +136,10 @@ def final_rows(sizes: tuple[int, ...], reverse: bool) -> torch.Tensor:
     """Each sequence's row after its last step: reversed, its row of step 0; forward, its row of step len − 1."""
     if reverse:
         return torch.arange(sizes[0])
-    starts = list(itertools.accumulate(sizes[:-1], initial=0))
-    lengths = [sum(1 for size in sizes if size > s) for s in range(sizes[0])]
-    return torch.tensor([starts[length - 1] + s for s, length in enumerate(lengths)], dtype=torch.int64)
+    starts = torch.tensor([0, *itertools.accumulate(sizes[:-1])])
+    sequences = torch.arange(sizes[0])
+    lengths = (torch.tensor(sizes)[None, :] > sequences[:, None]).sum(1)  # each sequence's number of steps
+    return starts[lengths - 1] + sequences
 
 
 def run_layers(
@@ -247,9 +248,9 @@ def gru_cell(x: torch.Tensor, hx: torch.Tensor, *weights: Any) -> Any:
 
 @decomposition(torch.rnn_tanh_cell, applies=_cell_call)
 def rnn_tanh_cell(x: torch.Tensor, hx: torch.Tensor, *weights: Any) -> Any:
-    return _cell(elman_step(torch.tanh), x, (hx,), weights)[0]
+    return _cell(STEPS["rnn_tanh"], x, (hx,), weights)[0]
 
 
 @decomposition(torch.rnn_relu_cell, applies=_cell_call)
 def rnn_relu_cell(x: torch.Tensor, hx: torch.Tensor, *weights: Any) -> Any:
-    return _cell(elman_step(torch.relu), x, (hx,), weights)[0]
+    return _cell(STEPS["rnn_relu"], x, (hx,), weights)[0]

@@ -58,7 +58,6 @@ from torch.overrides import handle_torch_function, has_torch_function
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Use, rule
 
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 Sizes = tuple[int, ...]
 Scanned = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
@@ -317,21 +316,20 @@ def _gru_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h rows, the gates (r, z, n) and the recurrent product's n part q_n, row by row."""
     width = h0.shape[1]
-    gates = torch.empty_like(gates_in)
-    q_n, h_rows = gates_in.new_empty(gates_in.shape[0], width), gates_in.new_empty(gates_in.shape[0], width)
+    gates, products = torch.empty_like(gates_in), torch.empty_like(gates_in)  # products: W_hh h_prev + b_hh
+    q_n, h_rows = products[:, 2 * width :], gates_in.new_empty(gates_in.shape[0], width)
     w_t = w.t()
     x_rz, x_n = _by_step(gates_in[:, : 2 * width], sizes), _by_step(gates_in[:, 2 * width :], sizes)
     rzs, rs, zs = (
         _by_step(gates[:, cols], sizes) for cols in (slice(0, 2 * width), slice(0, width), slice(width, 2 * width))
     )
-    ns, qs, hs = _by_step(gates[:, 2 * width :], sizes), _by_step(q_n, sizes), _by_step(h_rows, sizes)
+    ns, qs, hs = _by_step(gates[:, 2 * width :], sizes), _by_step(products, sizes), _by_step(h_rows, sizes)
     for step in steps:
         t = step[0]
         h = _state_in(hs, h0, step)
-        q = torch.mm(h, w_t) if b is None else torch.addmm(b, h, w_t)
+        q = torch.mm(h, w_t, out=qs[t]) if b is None else torch.addmm(b, h, w_t, out=qs[t])
         torch.add(x_rz[t], q[:, : 2 * width], out=rzs[t]).sigmoid_()
-        qs[t].copy_(q[:, 2 * width :])
-        n = torch.addcmul(x_n[t], rs[t], qs[t], out=ns[t]).tanh_()
+        n = torch.addcmul(x_n[t], rs[t], q[:, 2 * width :], out=ns[t]).tanh_()
         torch.lerp(n, h, zs[t], out=hs[t])  # n + z ⊙ (h_prev − n)
     return h_rows, gates, q_n
 

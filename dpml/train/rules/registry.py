@@ -214,8 +214,8 @@ class Rows:
             return None
         order = None if bool((lead[1:] >= lead[:-1]).all()) else torch.argsort(lead, stable=True)
         if lead.numel() % batch == 0 and bool((counts == lead.numel() // batch).all()):
-            steps = lead.view(-1, batch)
-            if order is not None and torch.equal(steps, torch.arange(batch).expand_as(steps)):
+            steps = lead.view(-1, batch) if order is not None else None
+            if steps is not None and torch.equal(steps, torch.arange(batch).expand_as(steps)):
                 return Rows(batch, order, interleaved=True)
             return Rows(batch, order)
         if not ragged:
