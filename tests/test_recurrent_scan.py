@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from test_op_rules import assert_exact_without_the_exact_path
 from test_recurrent_rules import Recurrent, ragged_tokens, tokens
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpml.train.clipping import engine_pass
 from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
@@ -247,3 +247,41 @@ def test_input_terms_in_bfloat16_run_the_recurrence_in_float32(kind: str) -> Non
     assert grads[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads[1:])
     for g, r in zip(grads, reference, strict=True):
         torch.testing.assert_close(g.float(), r, rtol=2e-2, atol=2e-2)
+
+
+class _WeightProducts(TorchDispatchMode):
+    """Counts the products dispatched whose result has a weight's shape (the batch gradient Σ_rows δ h_prevᵀ)."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_backward_forms_a_weights_gradient_only_where_the_pass_asks_for_it(kind: str) -> None:
+    """The engine's pass asks autograd for the gradient of x̃ (a recorded output) only: W_hh's batch gradient, a
+    product as large as the input product's, is not formed there (W_hh's gradient comes from the rule). Asked for by
+    ``backward()`` (into ``.grad``) or by ``torch.autograd.grad`` of W_hh itself, it is formed and equals the cells'."""
+    sizes = SIZES["packed"]
+    operands = _operands(kind, sizes, bias=True, seed=5)
+    gates_in = operands[0] * 1  # a layer's input terms come from its input product: not a leaf
+    weights = torch.randn(sum(sizes), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    h = scan(kind, gates_in, sizes, *operands[1:], False)[0]
+    with _WeightProducts(operands[3].shape) as products:
+        (found,) = torch.autograd.grad((h * weights).sum(), [gates_in], retain_graph=True)
+    assert products.count == 0
+    h_ref = _stepwise(kind, sizes, False, gates_in, *operands[1:])[0]
+    expected = torch.autograd.grad((h_ref * weights).sum(), [gates_in, operands[3]], retain_graph=True)
+    torch.testing.assert_close(found, expected[0], rtol=1e-10, atol=1e-12)
+    with _WeightProducts(operands[3].shape) as products:
+        (asked,) = torch.autograd.grad((h * weights).sum(), [operands[3]], retain_graph=True)
+    assert products.count == 1
+    torch.testing.assert_close(asked, expected[1], rtol=1e-10, atol=1e-12)
+    (h * weights).sum().backward()
+    torch.testing.assert_close(operands[3].grad, expected[1], rtol=1e-10, atol=1e-12)

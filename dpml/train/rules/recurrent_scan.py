@@ -139,12 +139,11 @@ def _prefixes(t: torch.Tensor, sizes: Sizes) -> dict[int, torch.Tensor]:
 
 
 def _doubled(t: torch.Tensor, columns: slice) -> torch.Tensor:
-    """A copy of t with ``columns`` of its last dimension times 2 (exact in floating point): σ(2a) of a
-    pre-activation a computed from doubled operands is σ of exactly twice a's rounded value, and tanh(a) = 2σ(2a) − 1
-    (one σ over every gate at once, not a tanh of its own)."""
-    out = t.clone()
-    out[..., columns] *= 2
-    return out
+    """t, a tensor of the caller's own, with ``columns`` of its last dimension times 2 in place (exact in floating
+    point): σ(2a) of a pre-activation a computed from doubled operands is σ of exactly twice a's rounded value, and
+    tanh(a) = 2σ(2a) − 1 (one σ over every gate at once, not a tanh of its own)."""
+    t[..., columns] *= 2
+    return t
 
 
 def _arithmetic(dtype: torch.dtype) -> torch.dtype:
@@ -174,6 +173,8 @@ class _Scan(torch.autograd.Function):
         steps = step_rows(sizes, reverse)[0]
         h0 = h0.to(dtype)
         ctx.set_materialize_grads(False)
+        operands = (kind, gates_in, sizes, h0, c0, w_hh, b_hh, reverse, w_hr)
+        ctx.edges = {i: k for k, i in enumerate(i for i, a in enumerate(operands) if isinstance(a, torch.Tensor))}
         ctx.kind, ctx.sizes, ctx.reverse, ctx.dtypes = kind, sizes, reverse, (gates_in.dtype, w_hh.dtype)
         c_rows = r_rows = None
         if kind == "lstm":
@@ -209,7 +210,7 @@ class _Scan(torch.autograd.Function):
                 grad_h, grad_c, ctx.sizes, steps, acts, g_rows, tanh_c, c_prev, w, projection
             )
             delta_hh = delta
-            if ctx.needs_input_grad[8]:  # ∇W_hr = Σ_rows ∂(W_hr h)ᵀ h, the states' gradients the steps sent back
+            if _asked(ctx, 8):  # ∇W_hr = Σ_rows ∂(W_hr h)ᵀ h, the states' gradients the steps sent back
                 d_hr = d_projected.t().mm(h_rows).to(ctx.dtypes[1])
         elif ctx.kind == "gru":
             gates, q_n, h_prev, w = ctx.saved_tensors
@@ -219,9 +220,25 @@ class _Scan(torch.autograd.Function):
             h_rows, h_prev, w = ctx.saved_tensors
             delta, d_h0 = _elman_backward(grad_h, ctx.sizes, steps, h_rows, w, ctx.kind == "rnn_relu")
             delta_hh, d_c0 = delta, None
-        d_w = delta_hh.t().mm(h_prev).to(ctx.dtypes[1]) if ctx.needs_input_grad[5] else None
-        d_b = delta_hh.sum(0).to(ctx.dtypes[1]) if ctx.needs_input_grad[6] else None
+        d_w = delta_hh.t().mm(h_prev).to(ctx.dtypes[1]) if _asked(ctx, 5) else None
+        d_b = delta_hh.sum(0).to(ctx.dtypes[1]) if _asked(ctx, 6) else None
         return None, delta.to(ctx.dtypes[0]), None, d_h0, d_c0, d_w, d_b, None, d_hr
+
+
+def _asked(ctx: Any, index: int) -> bool:
+    """Whether this backward pass uses the gradient of operand ``index``: it requires one, and the pass reaches the
+    node it flows to. The engine's pass asks autograd for the gradients of recorded outputs only, so a weight's batch
+    gradient (W_hh's: a (G × R)·(R × H) product, as large as the input product's) is not formed there. Where autograd
+    cannot tell (a leaf's node under ``torch.autograd.grad`` asked for that leaf), it is formed."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[ctx.edges[index]][0]  # one edge for each tensor operand, in order
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf's node while torch.autograd.grad runs: autograd does not say
+        return True
 
 
 def _zeros_or(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -242,11 +259,11 @@ def _lstm_forward(
     gates i, f, o (the g columns hold σ(2a_g)), g = tanh(a_g) = 2σ(2a_g) − 1 and tanh(c), row by row."""
     width = w.shape[0] // 4  # H (the states passed on have P with a projection)
     g_cols = slice(2 * width, 3 * width)
-    pre = _doubled(gates_in if b is None else gates_in + b, g_cols)
-    w_t = _doubled(w.t(), g_cols)
-    acts, g_rows = torch.empty_like(pre), pre.new_empty(pre.shape[0], width)
+    acts = _doubled(gates_in.clone() if b is None else gates_in + b, g_cols)  # the steps activate it in place
+    w_t = _doubled(w.t().clone(), g_cols)
+    g_rows = acts.new_empty(acts.shape[0], width)
     c_rows, tanh_c, h_rows = torch.empty_like(g_rows), torch.empty_like(g_rows), torch.empty_like(g_rows)
-    pres, a_all, g_all = _by_step(pre, sizes), _by_step(acts, sizes), _by_step(acts[:, g_cols], sizes)
+    a_all, g_all = _by_step(acts, sizes), _by_step(acts[:, g_cols], sizes)
     i_all, f_all, o_all = (_by_step(acts[:, k * width : (k + 1) * width], sizes) for k in (0, 1, 3))
     gs, cs, tcs, hs = (_by_step(t, sizes) for t in (g_rows, c_rows, tanh_c, h_rows))
     p_rows = h_rows if projection is None else h_rows.new_empty(h_rows.shape[0], projection.shape[0])
@@ -254,7 +271,7 @@ def _lstm_forward(
     for step in steps:
         t = step[0]
         h, c = _state_in(ps, h0, step), _state_in(cs, c0, step)
-        torch.sigmoid(torch.addmm(pres[t], h, w_t), out=a_all[t])
+        a_all[t].addmm_(h, w_t).sigmoid_()
         g = torch.mul(g_all[t], 2, out=gs[t]).sub_(1)
         cell = torch.mul(f_all[t], c, out=cs[t]).addcmul_(i_all[t], g)
         torch.mul(o_all[t], torch.tanh(cell, out=tcs[t]), out=hs[t])
@@ -374,12 +391,11 @@ def _elman_forward(
     relu: bool,
 ) -> torch.Tensor:
     everything = slice(0, None)
-    pre = gates_in if b is None else gates_in + b
-    pre, w_t = (pre, w.t()) if relu else (_doubled(pre, everything), _doubled(w.t(), everything))
-    h_rows = torch.empty_like(pre)
-    pres, hs = _by_step(pre, sizes), _by_step(h_rows, sizes)
+    h_rows = gates_in.clone() if b is None else gates_in + b  # the steps add W_hh h_prev and activate it in place
+    w_t = w.t() if relu else _doubled(w.t().clone(), everything)
+    hs = _by_step(h_rows if relu else _doubled(h_rows, everything), sizes)
     for step in steps:
-        out = torch.addmm(pres[step[0]], _state_in(hs, h0, step), w_t, out=hs[step[0]])
+        out = hs[step[0]].addmm_(_state_in(hs, h0, step), w_t)
         out.relu_() if relu else out.sigmoid_().mul_(2).sub_(1)  # tanh(a) = 2σ(2a) − 1
     return h_rows
 
