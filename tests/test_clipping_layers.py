@@ -20,6 +20,7 @@ from dpml.train import (
 )
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
+from dpml.train.clipping_norms import clipped_outer_sum, self_gram, shared_grams
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -925,3 +926,54 @@ def test_the_fast_candidates_are_found_once_and_a_stale_list_stays_exact(monkeyp
     model[2] = DoubledLinear(model[2])
     assert_matches_naive_loop(model, x, labels(12), 0.05)
     assert len(walks) == 1  # the same parameters: the stale list was used
+
+
+def test_a_gram_asked_again_within_a_pass_is_formed_once_and_only_for_the_same_numbers() -> None:
+    """Within ``shared_grams`` the Gram matrix of the same numbers (a new view of them with the same layout) is the one
+    formed before; other numbers get their own: another layout of the same storage, the operand changed in place, and
+    a new tensor made after the first was let go (the entry holds its operand, so no new tensor takes its memory while
+    it is remembered). Outside the block nothing is remembered."""
+    g = torch.Generator().manual_seed(0)
+    storage = torch.randn(24, 5, dtype=torch.float64, generator=g)
+
+    def view() -> torch.Tensor:
+        return storage.view(4, 6, 5)  # (B, T, n)
+
+    def gram(t: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(t, t.transpose(1, 2))
+
+    assert self_gram(view()) is not self_gram(view())
+    with shared_grams():
+        first = self_gram(view())
+        assert self_gram(view()) is first
+        other = storage.view(6, 4, 5)  # the same storage read as another batch
+        torch.testing.assert_close(self_gram(other), gram(other), rtol=0, atol=0)
+        strided = storage.view(6, 4, 5).transpose(0, 1)
+        torch.testing.assert_close(self_gram(strided), gram(strided), rtol=0, atol=0)
+        storage.mul_(2)
+        torch.testing.assert_close(self_gram(view()), gram(view()), rtol=0, atol=0)
+        for _ in range(8):  # fresh tensors of one size (large enough for the allocator to reuse its blocks), let go
+            fresh = torch.randn(4, 64, 64, dtype=torch.float64, generator=g)
+            torch.testing.assert_close(self_gram(fresh), gram(fresh), rtol=0, atol=0)
+            del fresh
+
+
+@pytest.mark.parametrize("layouts", [("batch", "batch"), ("time", "time"), ("time", "batch"), ("batch", "time")])
+@pytest.mark.parametrize("widths", [(7, 3), (3, 7)])
+def test_a_clipped_outer_sum_pairs_each_examples_positions_whatever_the_operands_layouts(
+    layouts: tuple[str, str], widths: tuple[int, int]
+) -> None:
+    """Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ from operands laid out batch-major (B, T, ·) or time-major (T, B, ·) read as
+    (B, T, ·) views, each scaled side (the narrower), equals the sum over examples and positions one by one."""
+    g = torch.Generator().manual_seed(1)
+    batch, length = 4, 5
+
+    def operand(layout: str, width: int) -> torch.Tensor:
+        if layout == "batch":
+            return torch.randn(batch, length, width, dtype=torch.float64, generator=g)
+        return torch.randn(length, batch, width, dtype=torch.float64, generator=g).transpose(0, 1)
+
+    d, a = operand(layouts[0], widths[0]), operand(layouts[1], widths[1])
+    factors = torch.rand(batch, dtype=torch.float64, generator=g)
+    expected = sum(factors[i] * d[i, t][:, None] * a[i, t][None, :] for i in range(batch) for t in range(length))
+    torch.testing.assert_close(clipped_outer_sum(d, a, factors), expected, rtol=1e-12, atol=1e-14)

@@ -67,7 +67,7 @@ from dpml.train.clipping_layers import (
     reject_batch_norm,
     takes_runs_of_rows,
 )
-from dpml.train.clipping_norms import row_norms_squared
+from dpml.train.clipping_norms import row_norms_squared, shared_grams
 from dpml.train.exact_path import exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.released import RuledCall, Slot, Targets
@@ -351,7 +351,7 @@ def engine_pass(
     for name in unreached_parameters(recording.losses, slow):  # ∇_p ℓ_i = 0 for every i: nothing to take exactly
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
     deltas = targets.deltas(recording.losses, retain_graph=bool(slow))  # (kept only for the exact path)
-    with full_float32(), pass_budget(x.device, held):  # norms and sums from the same numbers (no TF32)
+    with full_float32(), pass_budget(x.device, held), shared_grams():  # norms and sums from the same numbers (no TF32)
         for module, calls in layer_calls.items():
             fast.append(
                 (

@@ -75,12 +75,14 @@ from dpml.train.clipping_conv_ways import (
     per_example_conv_way,
 )
 from dpml.train.clipping_norms import (
+    clipped_outer_sum,
     embedding_norms_squared,
     group_norm_affine_gradients,
     grouped_by_ghost_norm,
     kept_sum,
     materialise,
     row_norms_squared,
+    self_gram,
     without_silent_positions,
 )
 from dpml.train.keep_budget import keep_limit, room, spend
@@ -197,7 +199,7 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     """
     (batch, count, d_in), d_out, limit = a.shape, d.shape[2], room(keep_limit(a.device))
     if not materialise(batch, count, d_in, d_out, limit):
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2)), None
+        return (self_gram(a) * self_gram(d)).sum((1, 2)), None
     parts = [
         torch.bmm(d[s].transpose(1, 2), a[s])
         for s in heap_sized_slices(batch, d_out * d_in * a.element_size(), a.device)
@@ -255,11 +257,7 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         if weight:
-            flat = (
-                kept_sum(factors, kept)
-                if kept is not None
-                else (d * factors[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
-            )
+            flat = kept_sum(factors, kept) if kept is not None else clipped_outer_sum(d, a, factors)
             out.append((module.weight, flat.reshape(module.weight.shape)))  # (d_out, d_in)
         if bias_grads is not None and module.bias is not None:
             out.append((module.bias, factors @ bias_grads))

@@ -4,8 +4,11 @@ dense layer's gradients can leave out, and an embedding's per-example norms by s
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -14,6 +17,44 @@ def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
     """‖t_i‖² of each example's slice t_i = t[i] (B,), by one fused reduction (no squared copy of t)."""
     norms: torch.Tensor = torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1)
     return norms.square()
+
+
+GRAMS_REMEMBERED = 4
+"""How many of the last Gram matrices :func:`self_gram` forms within :func:`shared_grams` it remembers."""
+
+_GRAMS: contextvars.ContextVar[list[tuple[tuple[object, ...], torch.Tensor, int, torch.Tensor]] | None] = (
+    contextvars.ContextVar("dpml_shared_grams", default=None)
+)
+
+
+@contextlib.contextmanager
+def shared_grams() -> Iterator[None]:
+    """Within the block, :func:`self_gram` of an operand it formed recently is not formed again: two parameters whose
+    gradients share a factor (a recurrent layer's W_ih and W_hh, both Σ_t δ_t ·ᵀ with the same δ of the layer's
+    input terms; attention's query, key and value projections, Σ_t · a_tᵀ with the same input a) ghost-norm it once."""
+    token = _GRAMS.set([])
+    try:
+        yield
+    finally:
+        _GRAMS.reset(token)
+
+
+def self_gram(t: torch.Tensor) -> torch.Tensor:
+    """(t_s · t_u) per example, (B, T, T) of t (B, T, n): the Gram matrix of a ghost norm (Goodfellow 2015; Li et al.
+    2022: ‖Σ_t δ_t a_tᵀ‖² = Σ_{s,u} (δ_s·δ_u)(a_s·a_u)). Within :func:`shared_grams` the same operand (the same
+    numbers: address, shape, strides, dtype and version) asked again gives the Gram formed before; the entry holds
+    the operand, so its memory cannot become another tensor's while it is remembered."""
+    remembered = _GRAMS.get()
+    if remembered is None:
+        return torch.bmm(t, t.transpose(1, 2))
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+    for k, operand, version, gram in remembered:
+        if k == key and operand._version == t._version == version:
+            return gram
+    gram = torch.bmm(t, t.transpose(1, 2))
+    remembered.append((key, t, t._version, gram))
+    del remembered[:-GRAMS_REMEMBERED]
+    return gram
 
 
 def kept_sum(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -25,6 +66,21 @@ def kept_sum(factors: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
         for start, part in zip(starts, parts, strict=False)
     ]
     return functools.reduce(torch.add, terms)  # at least one (possibly empty) slice: heap_sized_slices
+
+
+def clipped_outer_sum(d: torch.Tensor, a: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Σ_i c_i Σ_t δ_{i,t} a_{i,t}ᵀ, (d_out, d_in), of δ (B, T, d_out) and a (B, T, d_in): a dense layer's clipped sum
+    by one product over all positions. The clip factors scale the narrower operand (the fewer numbers to write), and
+    the positions are taken in the order both operands lie in memory: time-major rows (a recurrent layer's, a module's
+    with ``batch_first=False``), read as (B, T, ·) views, are not gathered into examples' rows first."""
+    if d.shape[2] <= a.shape[2]:
+        d = d * factors[:, None, None]  # (keeps d's layout)
+    else:
+        a = a * factors[:, None, None]
+    time_major = d.shape[1] > 1 and d.transpose(0, 1).is_contiguous() and a.transpose(0, 1).is_contiguous()
+    if time_major:
+        d, a = d.transpose(0, 1), a.transpose(0, 1)
+    return d.reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
 
 
 def without_silent_positions(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

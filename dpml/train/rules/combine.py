@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dpml.train.clipping_layers import Piece, weight_norms_squared
-from dpml.train.clipping_norms import embedding_norms_squared, kept_sum, row_norms_squared
+from dpml.train.clipping_norms import clipped_outer_sum, embedding_norms_squared, kept_sum, row_norms_squared
 from dpml.devices import heap_sized_slices
 from dpml.train.keep_budget import keep_limit, room, spend
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, disjoint, injective
@@ -81,7 +81,7 @@ def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
     def dense(factors: torch.Tensor) -> torch.Tensor:
         if kept is not None:
             return kept_sum(factors, kept)
-        return (u * factors[:, None, None]).reshape(-1, form.rows).t() @ v.reshape(-1, form.cols)
+        return clipped_outer_sum(u, v, factors)
 
     return squared, dense
 
