@@ -132,11 +132,11 @@ def test_the_tuner_times_a_copy_on_probe_inputs_and_leaves_everything_as_it_was(
         twin = original(obj, memo)
         return twin
 
-    chunking.copy.deepcopy = keep_twin  # type: ignore[assignment]
+    copy.deepcopy = keep_twin  # type: ignore[assignment]
     try:
         fastest_chunk(model, per_example_cross_entropy, (4,), torch.float32, 64, 64)
     finally:
-        chunking.copy.deepcopy = original  # type: ignore[assignment]
+        copy.deepcopy = original  # type: ignore[assignment]
     assert twin.seen and all(
         torch.equal(seen, probe_batch(model, (4,), torch.float32, len(seen))[: len(seen)].float()) for seen in twin.seen
     )

@@ -438,3 +438,56 @@ def test_frozen_parameters_get_neither_gradient_nor_noise() -> None:
         seed=1,
     )
     assert torch.equal(model[0].weight, frozen)
+
+
+class KeepsItsStates(nn.Module):
+    """A recurrent block that keeps its last states on itself in ``forward`` (as RecurrentGemma's caches do): after a
+    forward pass with gradients they are tensors with a graph attached, which ``copy.deepcopy`` refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(4, 5)
+        self.out = nn.Linear(5, 3)
+        self.last: torch.Tensor | None = None
+        self.cache: dict[str, list[torch.Tensor]] = {"states": []}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], 5)
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+            self.cache["states"] = [*self.cache["states"][-1:], h]
+        self.last = h
+        return self.out(h)
+
+
+def test_a_model_holding_tensors_with_a_graph_after_a_forward_pass_is_planned_and_left_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = KeepsItsStates()
+    x, y = torch.randn(6, 3, 4), labels(6, 3)
+    per_example_cross_entropy(model(x), y).sum()  # a forward pass of the user's, with gradients
+    kept, cache = model.last, model.cache["states"]
+    assert kept is not None and kept.grad_fn is not None
+    plan = plan_clipping(model, per_example_cross_entropy, (3, 4), torch.float32)
+    assert plan.exact_parameters == ()
+    assert model.last is kept and model.cache["states"] is cache  # the model itself untouched
+
+
+class Float32Logits(nn.Module):
+    """Parameters in float64, logits returned in float32 (transformers' Mamba models cast theirs with ``.float()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(8, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(x))).float()
+
+
+def test_a_model_whose_logits_are_in_another_dtype_than_its_parameters_is_planned() -> None:
+    """The probe's clip factors are in the parameters' dtype, as the engine's: the clipped sums of a float64 model
+    whose loss comes in float32 are checked, not refused for a dtype clash."""
+    torch.manual_seed(0)
+    model = Float32Logits().double()
+    plan = plan_clipping(model, per_example_cross_entropy, (8,), torch.float64)
+    assert plan.exact_parameters == ()

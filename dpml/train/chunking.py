@@ -29,7 +29,6 @@ of 128 rows that were slower in the loop than the whole batch.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -42,7 +41,7 @@ from torch import nn
 
 from dpml.devices import forked_generators, keep_freed_cpu_memory
 from dpml.train.clipping import LossFn, clipped_gradient_sum
-from dpml.train.clipping_check import architecture_key, probe_batch, probe_labels
+from dpml.train.clipping_check import architecture_key, probe_batch, probe_labels, working_copy
 
 SMALLEST = 16
 PREFER_LARGER = 0.05  # a smaller chunk must be more than 5 % faster per example to be taken
@@ -193,7 +192,7 @@ def fastest_chunk(
     )
     if key not in _CHOICES:
         with forked_generators(device):
-            twin = copy.deepcopy(model)
+            twin = working_copy(model)
             twin.train()
             _CHOICES[key] = _measure(twin, loss_fn, input_shape, input_dtype, sizes, exact, autocast)
             del twin

@@ -301,7 +301,7 @@ def engine_pass(
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     names = {id(p): n for n, p in params.items()}
     batch = x.shape[0]
-    zeros = torch.zeros(batch, device=x.device, dtype=next(model.parameters()).dtype)
+    zeros = torch.zeros(batch, device=x.device, dtype=engine_dtype(model))
     if batch == 0:
         return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
     candidates = fast_candidates(model, names, exact)
@@ -377,6 +377,12 @@ def engine_pass(
         with _precision(x.device, autocast):
             per_example.update(per_example_gradients(model, loss_fn, x, y, [ruled[key] for key in failed]))
     return EnginePass(batch, fast, per_example, names, zeros, reasons)
+
+
+def engine_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of a pass's per-example norms and of the clip factors its sums take: the model's first parameter's
+    (whatever dtype its loss comes in: a model may return float32 logits from float64 parameters)."""
+    return next(model.parameters()).dtype
 
 
 def _replay_draws(state: RngState, host: HostGenerators | None, device: torch.device) -> None:

@@ -56,6 +56,7 @@ from dpml.train.clipping import (
     Unit,
     clip_factors,
     clipped_gradient_sum,
+    engine_dtype,
     engine_pass,
     per_example_losses,
     unit_parameters,
@@ -308,8 +309,8 @@ def _plan_on(
     _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
     _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.squared(list(reference.gradients)).sqrt().max()) or 1.0
-    factors = 0.2 + 0.8 * torch.rand(
-        x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2), dtype=reference.losses.dtype
+    factors = 0.2 + 0.8 * torch.rand(  # in the parameters' dtype, as the engine's (a model may return float32 logits)
+        x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2), dtype=engine_dtype(reference_model)
     )
     errors, reasons = _guarded("the clipping engine", lambda: _unit_errors(probe, reference, factors, scale))
     module_names = _module_names(reference_model)
@@ -397,6 +398,33 @@ def architecture_key(
     )
 
 
+def working_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` for dpml's own passes (the plan's probe, the chunk timing), by ``copy.deepcopy``, with
+    each tensor a forward pass left on its modules with a graph attached (a recurrent block's cached states, set in
+    ``forward``) copied detached: deepcopy refuses tensors that are not graph leaves, and the copy has no use for
+    the user's graph. The model itself is not touched."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            for t in _tensors_within(value):
+                if not t.is_leaf and id(t) not in memo:
+                    memo[id(t)] = t.detach().clone()
+    return copy.deepcopy(model, memo)
+
+
+def _tensors_within(value: Any, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors in ``value``: itself, or inside its lists, tuples and dicts (``depth`` levels down)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_within(item, depth - 1)]
+    return []
+
+
 def _plan(
     model: nn.Module,
     loss_fn: LossFn,
@@ -410,7 +438,7 @@ def _plan(
     failure: ClippingUnsupported | None = None
     for where, dtype, tolerance in attempts:
         try:
-            reference_model = copy.deepcopy(model).to(device=where, dtype=dtype)
+            reference_model = working_copy(model).to(device=where, dtype=dtype)
         except Exception as error:
             raise ClippingUnsupported(
                 f"model: copy.deepcopy failed ({type(error).__name__}: {error}); dpml checks "
@@ -450,7 +478,7 @@ def check_autocast(
     if autocast is None:
         return
     device = torch.device(device)
-    trial = copy.deepcopy(model).to(device)
+    trial = working_copy(model).to(device)
     x = probe_batch(trial, input_shape, input_dtype, size=3)[:3]
     x = x.to(device=device, dtype=next(trial.parameters()).dtype if x.is_floating_point() else x.dtype)
     with forked_generators(device):
