@@ -228,3 +228,56 @@ def test_time_major_token_ids_are_each_examples_own_and_their_rows_are_followed(
     found = engine_pass(model, per_example_cross_entropy, x, y)
     assert found.exact == {}, found.reasons  # the lookup's rule takes the ids by the rows its output carries
     assert_clipped_like_the_loop(model, x, y)
+
+
+class LearnedQueries(nn.Module):
+    """Learned queries every example shares, expanded over the batch before they meet it (Perceiver's latents, a set
+    transformer's seeds): through ``torch.matmul`` (``expand``), ``torch.einsum`` (``broadcast_to``, the queries'
+    own scale per query) and a time-major einsum (the queries expanded over the batch's second dimension)."""
+
+    def __init__(self, way: str) -> None:
+        super().__init__()
+        self.way = way
+        self.queries = nn.Parameter(torch.randn(3, 4))
+        self.scale = nn.Parameter(torch.rand(3) + 0.5)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        batch = x.shape[0]
+        if self.way == "matmul":
+            scores = torch.matmul(self.queries.expand(batch, -1, -1), x.transpose(1, 2))  # (B, 3, T)
+        elif self.way == "einsum":
+            queries = torch.broadcast_to(self.queries * self.scale[:, None], (batch, 3, 4))
+            scores = torch.einsum("bqd,btd->bqt", queries, x)
+        else:
+            queries = self.queries[:, None, :].expand(3, batch, 4)  # (3, B, 4): the batch second
+            scores = torch.einsum("qbd,tbd->bqt", queries, x.transpose(0, 1))
+        return self.out((scores.softmax(-1) @ x).flatten(1))
+
+
+@pytest.mark.parametrize("way", ["matmul", "einsum", "time-major"])
+def test_learned_queries_expanded_over_the_batch_are_clipped_without_the_exact_path(way: str) -> None:
+    torch.manual_seed(22)
+    x, y = torch.randn(5, 6, 4, generator=generator(36), dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert_exact_without_the_exact_path(LearnedQueries(way), per_example_cross_entropy, x, y)
+
+
+class QueriesPerExample(nn.Module):
+    """A parameter with a slice per place in the batch (B, 3, 4), each example meeting its own: not shared by the
+    batch, so not the queries above — its slices must not be taken for one shared S_0."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(batch, 3, 4))
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("bqd,btd->bqt", self.queries, x)
+        return self.out((scores.softmax(-1) @ x).flatten(1))
+
+
+def test_a_parameter_with_a_slice_per_example_is_not_taken_for_queries_every_example_shares() -> None:
+    torch.manual_seed(23)
+    x, y = torch.randn(5, 6, 4, generator=generator(37), dtype=torch.float64), torch.randint(0, 3, (5,))
+    model = QueriesPerExample(5).double()
+    assert_clipped_like_the_loop(model, x, y)

@@ -16,8 +16,10 @@ place of the other operand, and b kept (Goodfellow 2015, written for any contrac
   (:mod:`dpml.train.rules.combine`);
 - otherwise materialised: einsum(x, δ → b S), B × |S| numbers, refused beyond the device's keep limit.
 
-b must not index S (a parameter indexed by the example is not shared by the batch), every index of S must
-appear in x or z, and no operand may repeat an index (a diagonal). An ellipsis may stand in x and z, not in S.
+b indexes S only where S is the same along it (learned queries expanded over the batch, ``q.expand(B, n, d)``:
+S_0 is then the parameter every example shares, and b is dropped from S; a parameter indexed by the example is not
+shared by the batch), every index of S must appear in x or z, and no operand may repeat an index (a diagonal). An
+ellipsis may stand in x and z, not in S.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def product(
             return found
         a, (x_subs, s_subs, z_subs), out_shape = found
     b = x_subs[0]
+    if b in s_subs and (shared := _shared_over(s, s_subs.index(b))) is not None:  # S expanded over the batch
+        s, s_subs = shared, s_subs.replace(b, "")
     if b in s_subs or b not in z_subs:
         return "the batch index on the parameter or summed away"
     if any(c not in x_subs and c not in z_subs for c in s_subs):

@@ -49,6 +49,7 @@ INDEX_VIEWS.update(
         T.tile,
         torch.tile,
         T.broadcast_to,
+        torch.broadcast_to,
         T.chunk,
         torch.chunk,
         T.split,
