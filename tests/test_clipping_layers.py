@@ -977,3 +977,16 @@ def test_a_clipped_outer_sum_pairs_each_examples_positions_whatever_the_operands
     factors = torch.rand(batch, dtype=torch.float64, generator=g)
     expected = sum(factors[i] * d[i, t][:, None] * a[i, t][None, :] for i in range(batch) for t in range(length))
     torch.testing.assert_close(clipped_outer_sum(d, a, factors), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_the_grams_a_pass_remembers_are_the_last_asked_for() -> None:
+    """Attention's order: the query's input a and δ_q, the key's a (remembered) and δ_k, the value's a: still
+    remembered, since asking for it again made it the last let go."""
+    g = torch.Generator().manual_seed(2)
+    a, d_q, d_k = (torch.randn(2, 3, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    with shared_grams():
+        first = self_gram(a)
+        self_gram(d_q)
+        assert self_gram(a) is first
+        self_gram(d_k)
+        assert self_gram(a) is first

@@ -19,8 +19,10 @@ def row_norms_squared(t: torch.Tensor) -> torch.Tensor:
     return norms.square()
 
 
-GRAMS_REMEMBERED = 4
-"""How many of the last Gram matrices :func:`self_gram` forms within :func:`shared_grams` it remembers."""
+GRAMS_REMEMBERED = 2
+"""How many Gram matrices :func:`self_gram` remembers within :func:`shared_grams`, the last asked for: a recurrent
+layer's W_hh asks for its states' Gram between W_ih's δ Gram and its own; attention's key projection for its δ's
+between the query's input Gram and the value's. One Gram more alive than without (B·T² numbers)."""
 
 _GRAMS: contextvars.ContextVar[list[tuple[tuple[object, ...], torch.Tensor, int, torch.Tensor]] | None] = (
     contextvars.ContextVar("dpml_shared_grams", default=None)
@@ -48,8 +50,9 @@ def self_gram(t: torch.Tensor) -> torch.Tensor:
     if remembered is None:
         return torch.bmm(t, t.transpose(1, 2))
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-    for k, operand, version, gram in remembered:
+    for place, (k, operand, version, gram) in enumerate(remembered):
         if k == key and operand._version == t._version == version:
+            remembered.append(remembered.pop(place))  # the last asked for is the last let go
             return gram
     gram = torch.bmm(t, t.transpose(1, 2))
     remembered.append((key, t, t._version, gram))
