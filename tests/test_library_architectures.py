@@ -134,3 +134,28 @@ def test_perceiver_latents_expanded_over_the_batch_are_clipped_without_the_exact
     model = Classified(transformers.PerceiverForSequenceClassification(config))
     ids, labels = token_batch(CLASSES)
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, ids, labels)
+
+
+def test_mixtral_with_batched_product_experts_is_clipped_without_the_exact_path() -> None:
+    """transformers' ``experts_implementation="batched_mm"``: each token's expert matrices gathered per row,
+    ``gate_up_proj[expert_ids]``, multiplied row by row with ``torch.bmm`` (the parameter once took the exact path,
+    and the down projection's rows lost their examples)."""
+    transformers = transformers_module()
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation="batched_mm",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LastToken(transformers.MixtralForCausalLM(config))
+    ids, labels = token_batch(VOCABULARY)
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, ids, labels)

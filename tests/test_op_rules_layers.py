@@ -281,3 +281,63 @@ def test_a_parameter_with_a_slice_per_example_is_not_taken_for_queries_every_exa
     x, y = torch.randn(5, 6, 4, generator=generator(37), dtype=torch.float64), torch.randint(0, 3, (5,))
     model = QueriesPerExample(5).double()
     assert_clipped_like_the_loop(model, x, y)
+
+
+class ExpertsByBatchedProduct(nn.Module):
+    """A mixture of experts as transformers' ``batched_mm`` experts compute it: each token's rows repeated for its top
+    two experts, the chosen matrices gathered per row (``W[expert_ids]``) and multiplied row by row with ``torch.bmm``
+    (the parameter first, or second, transposed), a gated activation between the up and down projections."""
+
+    def __init__(self, parameter_first: bool) -> None:
+        super().__init__()
+        self.parameter_first = parameter_first
+        self.router = nn.Linear(4, 3)
+        self.up = nn.Parameter(torch.randn(3, 6, 4) * 0.3)  # (experts, out, in)
+        self.down = nn.Parameter(torch.randn(3, 5, 3) * 0.3)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        flat = x.reshape(-1, 4)
+        top = self.router(flat).topk(2, -1)
+        ids, rows = top.indices.reshape(-1), flat.repeat_interleave(2, dim=0)
+        if self.parameter_first:
+            h = torch.bmm(self.up[ids], rows.unsqueeze(-1)).squeeze(-1)
+        else:
+            h = torch.bmm(rows.unsqueeze(1), self.up.transpose(1, 2)[ids]).squeeze(1)
+        gate, up = h.chunk(2, dim=-1)
+        out = torch.bmm(self.down[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        out = (out * top.values.softmax(-1).reshape(-1, 1)).view(-1, 2, 5).sum(1)
+        return self.head(out.reshape(x.shape[0], -1, 5).mean(1))
+
+
+@pytest.mark.parametrize("parameter_first", [True, False])
+def test_experts_chosen_per_row_by_a_batched_product_are_clipped_without_the_exact_path(parameter_first: bool) -> None:
+    torch.manual_seed(24)
+    x, y = torch.randn(5, 6, 4, generator=generator(38), dtype=torch.float64), torch.randint(0, 3, (5,))
+    assert_exact_without_the_exact_path(ExpertsByBatchedProduct(parameter_first), per_example_cross_entropy, x, y)
+
+
+class OverlappingRowsPerToken(nn.Module):
+    """Each token's matrix made of two of a parameter's rows, chosen per token (``P[pairs[ids]]``): matrices that
+    share their first row but not their second are different views, not one matrix used by several tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(3, 3)
+        self.rows = nn.Parameter(torch.randn(4, 3))
+        self.register_buffer("pairs", torch.tensor([[0, 1], [0, 2], [0, 3]]))
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3)
+        flat = x.reshape(-1, 3)
+        chosen = self.rows[self.pairs[self.router(flat).argmax(-1)]]  # (B·T, 2, 3)
+        out = torch.bmm(chosen, flat.unsqueeze(-1)).squeeze(-1)  # (B·T, 2)
+        return self.head(out.reshape(x.shape[0], -1, 2).mean(1))
+
+
+def test_matrices_chosen_per_token_that_share_a_first_element_are_told_apart() -> None:
+    torch.manual_seed(25)
+    x, y = torch.randn(5, 6, 3, generator=generator(39), dtype=torch.float64), torch.randint(0, 3, (5,))
+    model = OverlappingRowsPerToken().double()
+    assert len(set(model.router(x.reshape(-1, 3)).argmax(-1).tolist())) > 1  # several pairs in use
+    assert_clipped_like_the_loop(model, x, y)

@@ -1,5 +1,6 @@
 """Products written as index equations, a parameter S against one activation x: ``torch.einsum`` with two
-operands, ``torch.bmm`` with a parameter expanded over the batch (``w.expand(B, n, m)``) or one matrix per head
+operands, ``torch.bmm`` with a parameter expanded over the batch (``w.expand(B, n, m)``), a matrix chosen per row
+(a mixture of experts' ``W[expert_ids]``: :func:`_matrix_per_row`) or one matrix per head
 (the heads first, (H, B·T, n), each example's rows in one run), ``torch.baddbmm`` and ``torch.addbmm`` (decomposed
 into the product and a sum), and a matrix product with a parameter of more than two dimensions (per-head weights,
 ``x @ w`` with x (B, H, T, d) and w (H, d, e)).
@@ -36,6 +37,7 @@ from dpml.train.rules.registry import (
     Dense,
     Factored,
     Pending,
+    Rows,
     Tracked,
     Use,
     beyond_keep_limit,
@@ -236,8 +238,50 @@ def bmm(call: Call) -> Pending | str:
         heads, each = per_head
         return product(call, x, each, ("bhjk", "hij", "bhik") if s_left else ("bhij", "hjk", "bhik"), merged=heads)
     if call.leading_examples(x) is not None:
-        return "a parameter batch whose matrices differ from one example to another"
+        chosen = _matrix_per_row(call, x, tracked, s_left)
+        return chosen if chosen is not None else "a parameter batch whose matrices differ from one example to another"
     return product(call, x, tracked, ("gjk", "gij", "gik") if s_left else ("gij", "gjk", "gik"))  # (heads first)
+
+
+def _matrix_per_row(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pending | str | None:
+    """torch.bmm(S, x) or (x, S) with S (N, n, m) one of a parameter's matrices chosen for each row (a mixture of
+    experts' ``W[expert_ids]``, transformers' ``batched_mm`` experts) and each of x's N rows one example's: the rows
+    that read matrix M form its use, as ``F.grouped_mm``'s experts do (:mod:`.grouped_mm`) —
+    ∇_M ℓ_i = Σ_{rows r of M and i} Σ_j δ_{r,j} x_{r,j}ᵀ (S x: the columns j of x_r and δ_r) or x_{r,j} δ_{r,j}ᵀ
+    (x S: their rows), factored over each example's positions; None where rows with one matrix's first element read
+    different views."""
+    examples = call.leading_examples(x)
+    if examples is None or x.dim() != 3 or examples.dim() != 1:
+        return None
+    index = s.flat_index()
+    keys, inverse = torch.unique(index.reshape(index.shape[0], -1)[:, 0], return_inverse=True)
+    rows = torch.arange(index.shape[0], device=index.device)
+    first = torch.full_like(keys, index.shape[0]).scatter_reduce(0, inverse, rows, "amin")
+    if not torch.equal(index, index[first[inverse]]):
+        return None
+    positions = x.shape[2] if s_left else x.shape[1]
+    groups = []
+    for g in range(keys.shape[0]):
+        chosen = (inverse == g).nonzero().squeeze(1)
+        layout = Rows.of_map(examples[chosen].repeat_interleave(positions).unsqueeze(1), call.batch)
+        if layout is None:
+            return "rows that each hold several examples"
+        groups.append((chosen, layout, Tracked(s.param, index[first[g]], s.shared)))
+    recorded = x.detach()
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        uses: list[Use] = []
+        for chosen, layout, view in groups:
+            xs, ds = recorded[chosen], d[chosen]
+            if s_left:  # z_r = M x_r: M's rows from δ_r's, its columns from x_r's
+                u, v = ds.transpose(1, 2).reshape(-1, ds.shape[1]), xs.transpose(1, 2).reshape(-1, xs.shape[1])
+            else:  # z_r = x_r M
+                u, v = xs.reshape(-1, xs.shape[2]), ds.reshape(-1, ds.shape[2])
+            u_rows, v_rows = layout.of(u), layout.of(v)
+            uses.append((view, Factored(u_rows, v_rows, u_rows.shape[2], v_rows.shape[2])))
+        return uses
+
+    return Pending(call.output, [s.param], finish)
 
 
 def _shared_by_examples(call: Call, x: torch.Tensor, s: Tracked) -> tuple[int, Tracked] | None:

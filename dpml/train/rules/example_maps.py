@@ -42,6 +42,10 @@ arguments: an output of the input's shape may hold its rows in another order (``
 ``x.flip(0)``), so its map is the same function of the input's map (:meth:`ExampleMaps._follow_moves`)."""
 PACKING = {torch._pack_padded_sequence, torch._pad_packed_sequence}
 """A padded batch of sequences packed into the rows of its steps (time-major, the longest first), and back."""
+BATCHED_PRODUCTS = {torch.bmm, T.bmm}
+"""Products of matrices index by index along the first dimension, z_n = a_n b_n: where an operand's index n belongs to
+one example, so does z's, whichever operand it is (a mixture of experts' ``bmm(W[expert_ids], x)``, the parameter
+first); where two operands' examples differ at an index, z's are mixed there, and its map is lost."""
 SORTS = {torch.sort, T.sort, torch.msort, T.msort, torch.topk, T.topk}
 """Functions that move elements by their values: along the first dimension no map says where each row went."""
 
@@ -192,7 +196,27 @@ class ExampleMaps:
             found = next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None)
             if found is None and maps and args and maps[0][0] is args[0]:
                 found = leading_carried(func, maps[0][0], maps[0][1], o)
+            if found is None and func in BATCHED_PRODUCTS:
+                found = self._batched_product_examples(args, kwargs, o)
             self._keep_examples(o, found)
+
+    def _batched_product_examples(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor
+    ) -> torch.Tensor | None:
+        """:data:`BATCHED_PRODUCTS`: out's map, the example of each index of its first dimension, from the operands
+        from the batch, where each of their indices belongs to one example and all of them agree (else None: out's
+        examples would be mixed); a parameter's view has none (it is every example's)."""
+        leads = [
+            self._leading_examples(t)
+            for t in tensors(args, kwargs)
+            if t.dim() == 3 and self.tracked(t) is None and self.derived(t)
+        ]
+        first = leads[0] if leads else None
+        if first is None or out.dim() != 3 or out.shape[0] != first.shape[0]:
+            return None
+        if any(lead is None or not torch.equal(lead, first) for lead in leads):
+            return None
+        return first.reshape(-1, 1, 1).expand(out.shape)
 
     def _leading_examples(self, t: torch.Tensor) -> torch.Tensor | None:
         """The example of each index of t's first dimension, (N,), when each of its slices belongs to one example
