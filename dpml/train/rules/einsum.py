@@ -263,7 +263,8 @@ def _matrix_per_row(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pe
     groups = []
     for g in range(keys.shape[0]):
         chosen = (inverse == g).nonzero().squeeze(1)
-        layout = Rows.of_map(examples[chosen].repeat_interleave(positions).unsqueeze(1), call.batch)
+        owners = examples[chosen.to(examples.device)]  # (example maps are on the CPU, the index on S's device)
+        layout = Rows.of_map(owners.repeat_interleave(positions).unsqueeze(1), call.batch)
         if layout is None:
             return "rows that each hold several examples"
         groups.append((chosen, layout, Tracked(s.param, index[first[g]], s.shared)))
