@@ -9,25 +9,16 @@ extra pinned in requirements-models.lock)."""
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
-os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is ever fetched from a hub: the models are built from configurations
-
-import pytest
 import torch
+from test_library_models import LENGTH, VOCABULARY, tiny_mixtral, transformers_module  # (sets HF_HUB_OFFLINE)
 from test_op_rules import assert_exact_without_the_exact_path
 from torch import nn
 
+from dpml.models.library import LibraryModel
 from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 
-VOCABULARY, LENGTH, BATCH, CLASSES = 40, 8, 4, 3
-NEEDS_TRANSFORMERS = "transformers is a test extra (requirements-models.lock); not installed here"
-
-
-def transformers_module() -> Any:
-    return pytest.importorskip("transformers", reason=NEEDS_TRANSFORMERS)
+BATCH, CLASSES = 4, 3
 
 
 class LastToken(nn.Module):
@@ -140,22 +131,8 @@ def test_mixtral_with_batched_product_experts_is_clipped_without_the_exact_path(
     """transformers' ``experts_implementation="batched_mm"``: each token's expert matrices gathered per row,
     ``gate_up_proj[expert_ids]``, multiplied row by row with ``torch.bmm`` (the parameter once took the exact path,
     and the down projection's rows lost their examples)."""
-    transformers = transformers_module()
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        experts_implementation="batched_mm",
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LastToken(transformers.MixtralForCausalLM(config))
-    ids, labels = token_batch(VOCABULARY)
-    assert_exact_without_the_exact_path(model, per_example_cross_entropy, ids, labels)
+    transformers_module()
+    model = LibraryModel(tiny_mixtral(CLASSES, experts_implementation="batched_mm"), tokens=True, vocabulary=VOCABULARY)
+    ids, labels = token_batch(CLASSES)
+    tokens = torch.stack([ids, torch.ones_like(ids)], 1)  # (B, 2, T): ids and a mask keeping every one
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, tokens, labels)

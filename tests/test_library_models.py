@@ -78,11 +78,13 @@ def tiny_gpt2(n_classes: int = 2, seed: int = 0) -> nn.Module:
     return transformers.GPT2ForSequenceClassification(config)
 
 
-def tiny_mixtral(n_classes: int = 2, seed: int = 0) -> nn.Module:
-    """A one-layer Mixtral classifier (4 experts, 2 per token, grouped products) with random weights; id 0 pads."""
+def tiny_mixtral(n_classes: int = 2, seed: int = 0, **experts: str) -> nn.Module:
+    """A one-layer Mixtral classifier (4 experts, 2 per token, grouped products unless ``experts`` names another
+    ``experts_implementation``) with random weights; id 0 pads."""
     transformers = transformers_module()
     torch.manual_seed(seed)
     config = transformers.MixtralConfig(
+        **experts,
         vocab_size=VOCABULARY,
         hidden_size=16,
         intermediate_size=32,

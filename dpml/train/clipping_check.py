@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dpml.devices import forked_generators
 from dpml.train.clipping import (
@@ -405,24 +406,10 @@ def working_copy(model: nn.Module) -> nn.Module:
     the user's graph. The model itself is not touched."""
     memo: dict[int, Any] = {}
     for module in model.modules():
-        for value in vars(module).values():
-            for t in _tensors_within(value):
-                if not t.is_leaf and id(t) not in memo:
-                    memo[id(t)] = t.detach().clone()
+        for t in tree_leaves(list(vars(module).values())):  # (inside lists, tuples and dicts too)
+            if isinstance(t, torch.Tensor) and not t.is_leaf and id(t) not in memo:
+                memo[id(t)] = t.detach().clone()
     return copy.deepcopy(model, memo)
-
-
-def _tensors_within(value: Any, depth: int = 3) -> list[torch.Tensor]:
-    """The tensors in ``value``: itself, or inside its lists, tuples and dicts (``depth`` levels down)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth == 0:
-        return []
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors_within(item, depth - 1)]
-    return []
 
 
 def _plan(

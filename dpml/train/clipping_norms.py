@@ -45,13 +45,14 @@ def self_gram(t: torch.Tensor) -> torch.Tensor:
     """(t_s · t_u) per example, (B, T, T) of t (B, T, n): the Gram matrix of a ghost norm (Goodfellow 2015; Li et al.
     2022: ‖Σ_t δ_t a_tᵀ‖² = Σ_{s,u} (δ_s·δ_u)(a_s·a_u)). Within :func:`shared_grams` the same operand (the same
     numbers: address, shape, strides, dtype and version) asked again gives the Gram formed before; the entry holds
-    the operand, so its memory cannot become another tensor's while it is remembered."""
+    the operand, so its memory cannot become another tensor's while it is remembered (a tensor at its address is a
+    view of it, with its version counter)."""
     remembered = _GRAMS.get()
     if remembered is None:
         return torch.bmm(t, t.transpose(1, 2))
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-    for place, (k, operand, version, gram) in enumerate(remembered):
-        if k == key and operand._version == t._version == version:
+    for place, (k, _, version, gram) in enumerate(remembered):
+        if k == key and t._version == version:
             remembered.append(remembered.pop(place))  # the last asked for is the last let go
             return gram
     gram = torch.bmm(t, t.transpose(1, 2))
