@@ -1,4 +1,5 @@
-"""The index maps' checks (:mod:`dpml.train.rules.registry`: ``same_along``, ``injective``, ``disjoint``) read no
+"""The index maps' checks (:mod:`dpml.train.rules.registry`: ``same_along``, ``injective``, ``disjoint``,
+``rows_within``) read no
 value where an index is a view of a flat index, and must then give exactly what comparing the values gives; on any
 other index they compare values. Checked against the values on views made the ways the recorder makes them."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import gc
 import itertools
 import random
+import weakref
 
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from torch import nn
 from dpml.train.clipping import engine_pass
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules import registry
-from dpml.train.rules.registry import Tracked, disjoint, injective, same_along
+from dpml.train.rules.registry import Tracked, disjoint, injective, rows_within, same_along
 
 
 def flat_index(*shape: int) -> torch.Tensor:
@@ -73,6 +75,53 @@ def test_the_checks_of_views_of_a_flat_index_equal_the_checks_of_their_values() 
         if all(by_values_injective(index) for index in views):
             everything = torch.cat([index.reshape(-1) for index in views])
             assert disjoint(views) == by_values_injective(everything), (trial, views)
+
+
+def by_values_rows_within(index: torch.Tensor, width: int) -> bool:
+    starts = torch.arange(index.shape[0]).view(-1, *[1] * (index.dim() - 1)) * width
+    return bool(((index >= starts) & (index < starts + width)).all())
+
+
+def test_whether_each_row_reads_its_own_row_is_told_from_a_views_geometry_as_from_its_values() -> None:
+    """A per-row value (C numbers, or C rows of w) broadcast, sliced or moved: each slice of the view's first dimension
+    must read its own row's numbers alone; the geometry's answer equals the values' for every width that divides."""
+    rng = random.Random(11)
+    seen = {True: 0, False: 0}
+    for trial in range(800):
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        index = random_view(flat_index(*shape), rng)
+        if index.dim() == 0 or index.numel() == 0:
+            continue
+        for width in range(1, max(2, flat_index(*shape).numel() + 1)):
+            expected = by_values_rows_within(index, width)
+            assert rows_within(index, width) == expected, (trial, width, index)
+            assert rows_within(index.clone(), width) == expected, (trial, width, index)  # (not a view: by values)
+            seen[expected] += 1
+    assert min(seen.values()) > 100  # (both answers met often)
+    per_row = flat_index(5, 1)
+    assert rows_within(per_row.expand(5, 7), 1)  # std.expand_as(w)
+    assert not rows_within(flat_index(5).view(1, 5).expand(5, 5), 1)  # each row reads every row's value
+    assert rows_within(flat_index(4, 6).view(4, 2, 3), 6) and not rows_within(flat_index(4, 6).view(2, 12), 6)
+
+
+def test_the_flat_indices_of_a_pass_view_one_count_which_goes_with_them() -> None:
+    """Each parameter's flat index is a view of one arange per device (a pass makes one each time a parameter is the
+    largest so far, not one per parameter), whose elements stay 0, 1, …; it is let go with the last index that
+    views it."""
+    large, small = flat_index(5, 6, 7), flat_index(3, 4)
+    assert small._base is large._base and small._base.numel() >= 5 * 6 * 7
+    assert torch.equal(small.reshape(-1), torch.arange(12)) and torch.equal(large.reshape(-1), torch.arange(210))
+    larger = flat_index(300)
+    assert larger._base is not large._base  # (a larger count; the smaller one stays while its views do)
+    written = flat_index(2, 3)
+    assert written._base is larger._base
+    written[1].fill_(0)  # (no rule writes an index; one written is read by its values from then on)
+    assert not injective(written) and not registry._offsets_are_values(larger) and registry._offsets_are_values(large)
+    assert flat_index(4)._base is not larger._base
+    count = weakref.ref(large._base)
+    del small, large
+    gc.collect()
+    assert count() is None
 
 
 def test_the_chunks_of_a_packed_projection_are_disjoint_and_an_expanded_token_the_same_for_every_example() -> None:

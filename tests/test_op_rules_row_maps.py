@@ -50,6 +50,12 @@ def _in_place(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def _centred_view(w: torch.Tensor) -> torch.Tensor:
+    """The centred rows through a view of them flattened and back (the same numbers, another tensor)."""
+    centred = w - w.mean(_rows(w), keepdim=True)
+    return centred.view(w.shape[0], -1).view(w.shape)
+
+
 FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "std + eps": lambda w: (w - w.mean(_rows(w), keepdim=True)) / (w.std(_rows(w), keepdim=True) + 1e-5),
     "rsqrt of the biased variance": lambda w: (
@@ -65,6 +71,8 @@ FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "scaled row norm": lambda w: 2.0 * w / torch.linalg.vector_norm(w, dim=_rows(w), keepdim=True),
     "torch.norm of the flat rows": lambda w: w / w.flatten(1).norm(dim=1).view(-1, *[1] * (w.dim() - 1)),
     "centred": lambda w: w - w.mean(_rows(w), keepdim=True),
+    "shifted, then var_mean": lambda w: _var_mean(w + 0.5),
+    "a view of the centred rows": lambda w: _centred_view(w) / w.std(_rows(w), keepdim=True),
 }
 
 
@@ -170,6 +178,37 @@ def test_a_map_that_is_not_row_by_row_is_left_to_the_generic_pull_back(
     taken = _taken(monkeypatch)
     x, y = _batch()
     assert_exact_without_the_exact_path(HandStandardised(NOT_ROW_BY_ROW[form]), per_example_cross_entropy, x, y)
+    assert taken == set()
+
+
+class SharedSteps(nn.Module):
+    """A weight standardised by hand whose steps reach more than its convolution: the standardised weight also
+    doubled into a second convolution, or the centred weight used by one of its own, or the raw weight besides."""
+
+    def __init__(self, shared: str) -> None:
+        super().__init__()
+        self.shared = shared
+        self.weight = nn.Parameter(torch.randn(4, 3, 3, 3) + 0.3)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 5, 5)
+        centred = self.weight - self.weight.mean(_rows(self.weight), keepdim=True)
+        standardised = centred / (self.weight.std(_rows(self.weight), keepdim=True) + 1e-5)
+        h = F.conv2d(x, standardised, padding=1)
+        other = {"the output": 2 * standardised, "a step": centred, "the weight": 0.5 * self.weight}[self.shared]
+        h = torch.tanh(h + F.conv2d(x.flip(3), other, padding=1))
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("shared", ["the output", "a step", "the weight"])
+def test_a_standardisation_whose_steps_reach_another_use_is_left_to_the_generic_pull_back(
+    monkeypatch: pytest.MonkeyPatch, shared: str
+) -> None:
+    """The closed form holds for a weight whose one use is the standardised one: where the standardised weight, a
+    step on the way or the weight itself reaches another, the generic pull-back takes it, exactly."""
+    taken = _taken(monkeypatch)
+    x, y = _batch()
+    assert_exact_without_the_exact_path(SharedSteps(shared), per_example_cross_entropy, x, y)
     assert taken == set()
 
 

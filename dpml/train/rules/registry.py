@@ -22,6 +22,7 @@ its flat position in the parameter (``None``: V is the parameter itself).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -45,9 +46,7 @@ class Tracked:
     def flat_index(self) -> torch.Tensor:
         if self.index is not None:
             return self.index
-        flat = torch.arange(self.param.numel(), device=self.param.device)
-        _FLAT_INDICES[flat] = True
-        return flat.view(self.param.shape)
+        return _counting(self.param.numel(), self.param.device).view(self.param.shape)
 
     def shape(self) -> torch.Size:
         return self.param.shape if self.index is None else self.index.shape
@@ -58,11 +57,30 @@ class Tracked:
 _FLAT_INDICES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+_COUNTING: dict[torch.device, weakref.ref[torch.Tensor]] = {}
+
+
+def _counting(count: int, device: torch.device) -> torch.Tensor:
+    """0, 1, …, count − 1 (int64) on ``device``: the first ``count`` elements of one arange per device, shared by
+    every index made while it lives (a pass makes one each time a parameter is the largest so far, not one for
+    each), let go with the last index that views it. Index tensors are read, not written; one written in place
+    (its version moved) is no longer counted as a flat index, and the next index gets a fresh count."""
+    found = _COUNTING.get(device)
+    base = None if found is None else found()
+    if base is None or base.numel() < count or base._version:
+        with torch.inference_mode(False):
+            base = torch.arange(count, device=device)
+        _FLAT_INDICES[base] = True
+        _COUNTING[device] = weakref.ref(base)
+    return base[:count]
+
+
 def _offsets_are_values(index: torch.Tensor) -> bool:
     """``index`` is a view of an arange :meth:`Tracked.flat_index` made (views of views keep the first base), so its
     values follow from its geometry: element (i_k) holds storage_offset + Σ_k i_k·stride_k. The checks below then
     read no value (on a GPU, no wait for the device); on any other index tensor they compare values."""
-    return (index if index._base is None else index._base) in _FLAT_INDICES
+    base = index if index._base is None else index._base
+    return base in _FLAT_INDICES and base._version == 0
 
 
 def in_order(index: torch.Tensor, count: int) -> bool:
@@ -81,6 +99,25 @@ def same_along(index: torch.Tensor, dim: int) -> bool:
     if _offsets_are_values(index):
         return False  # neighbours along dim differ by stride(dim) ≠ 0 in offset, so in value
     return torch.equal(index, index.narrow(dim, 0, 1).expand_as(index))
+
+
+def rows_within(index: torch.Tensor, width: int) -> bool:
+    """Each slice r of ``index`` along its first dimension holds values in [r·width, (r + 1)·width) only (a view
+    that reads each row of a base of ``index.shape[0]`` rows of ``width`` elements from that row alone). For a view
+    of a flat index, from its geometry: slice r spans [o + r·s₀, o + r·s₀ + Σ_{k>0} (size_k − 1)·stride_k], linear in
+    r, so the first and last slices decide; else by each slice's least and greatest value."""
+    rows = index.shape[0]
+    if index.numel() == 0:
+        return True
+    if _offsets_are_values(index):
+        offset, step = index.storage_offset(), index.stride(0) if rows > 1 else 0
+        reach = sum((n - 1) * st for n, st in zip(index.shape[1:], index.stride()[1:], strict=True))
+        return all(
+            offset + r * step >= r * width and offset + r * step + reach < (r + 1) * width for r in (0, rows - 1)
+        )
+    low, high = index.reshape(rows, -1).aminmax(dim=1)
+    starts = torch.arange(rows, device=index.device) * width
+    return bool(((low >= starts) & (high < starts + width)).all())
 
 
 def injective(index: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ from torch import nn
 
 from dpml.train.rules.derived import Derived
 from dpml.train.rules.rerun import ThroughView
-from dpml.train.rules.registry import Tracked, in_order
+from dpml.train.rules.registry import Tracked, in_order, rows_within
 
 
 @dataclass
@@ -111,10 +111,10 @@ class _Reader:
         A W_c, which must be one number per row within rounding (a view of the source itself: nothing to read)."""
         values = t.detach().reshape(self.rows, -1)
         if rows.scale is None:
-            if not torch.equal(values, values[:, :1].expand_as(values)):
+            if not (_one_per_row(values) or torch.equal(values, values[:, :1].expand_as(values))):
                 return None
             return Rows(None, rows.shift + (values[:, 0].double() - rows.shift.detach()), rows.shape)
-        if tracked.index is None and t.shape == tracked.param.shape and t.data_ptr() == tracked.param.data_ptr():
+        if _same_numbers(t, tracked):
             return rows
         offset = self._offsets(values, rows.scale.detach())
         return None if offset is None else Rows(rows.scale, rows.shift + (offset - rows.shift.detach()), rows.shape)
@@ -152,10 +152,8 @@ class _Reader:
             return None
         if base.scale is not None:
             return Rows(base.scale, base.shift, index.shape) if in_order(index, c * self.n) else None
-        numel = math.prod(base.shape)
-        owner = index // max(1, numel // c)  # (each row's one value repeated over its elements in the base)
-        rows = torch.arange(c, device=index.device).view(c, *[1] * (index.dim() - 1))
-        return Rows(None, base.shift, index.shape) if torch.equal(owner, rows.expand_as(index)) else None
+        width = max(1, math.prod(base.shape) // c)  # (each row's one value repeated over its elements in the base)
+        return Rows(None, base.shift, index.shape) if rows_within(index, width) else None
 
     def call(self, node: Derived) -> list[Rows] | None:
         """The node's call read: its outputs as :class:`Rows`; None where it is not of the form."""
@@ -289,6 +287,28 @@ class _Reader:
             a.square() * self.var.detach()
         )  # (T_c's sum and square from the moments: ΣT = n D, ‖T‖² = n (A² v + D²))
         return RowMap(a, back @ mix_z @ back.transpose(1, 2), t, n * d, n * (centred + d.square()))
+
+
+def _one_per_row(values: torch.Tensor) -> bool:
+    """Each row of ``values`` (C, n) is one number repeated by its layout (a per-row value expanded: stride 0)."""
+    return values.shape[1] <= 1 or values.stride(1) == 0
+
+
+def _same_numbers(t: torch.Tensor, tracked: Tracked) -> bool:
+    """t holds its source's own numbers in the source's order: the source itself, or a view of it (its index in
+    order) over the same memory laid out alike (``w.view(C, -1)`` of a contiguous w), so nothing is added to them."""
+    source = tracked.param
+    if tracked.index is None and t.shape == source.shape and t.data_ptr() == source.data_ptr():
+        return True
+    if tracked.index is None or not in_order(tracked.index, source.numel()):
+        return False
+    return (
+        t.numel() == source.numel()
+        and t.data_ptr() == source.data_ptr()
+        and t.is_contiguous()
+        and source.is_contiguous()
+        and t.dtype == source.dtype
+    )
 
 
 def row_moments(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

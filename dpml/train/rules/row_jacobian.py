@@ -56,34 +56,38 @@ from dpml.train.rules.row_affine import RowMap, read_row_map
 _PROBE_SEED = 20190227  # the probes' own generator: the model's random draws are left as they were
 
 
-def _chain(
-    output: Derived, nodes: list[Derived], uses: dict[int, list[Use]]
-) -> tuple[list[Derived], nn.Parameter] | None:
-    """The computations ``output`` comes from, in the order they ran, and the one parameter they all read, where no
-    other computation or use reads that parameter or any of their outputs but the last; else None."""
-    by_output = {id(node.output): node for node in nodes}
-    found: dict[int, Derived] = {}
-    stack = [output]
-    while stack:
-        node = stack.pop()
-        if id(node.output) not in found:
-            found[id(node.output)] = node
-            stack += [by_output[id(t.param)] for _, t in node.sources if id(t.param) in by_output]
-    param = output.params[0] if len(output.params) == 1 else None
-    if not isinstance(param, nn.Parameter) or uses.get(id(param)):
-        return None
-    inside = [node for node in nodes if id(node.output) in found]
-    for node in nodes:
-        reads = {id(t.param) for _, t in node.sources}
-        if id(node.output) not in found and (id(param) in reads or reads & (found.keys() - {id(output.output)})):
-            return None  # W, or a step on the way, enters another computation
-        if node is output or id(node.output) not in found:
-            if node is not output and id(output.output) in reads:
-                return None  # T feeds another computation
-            continue
-        if uses.get(id(node.output)):
+class _Graph:
+    """The recorded computations indexed once per pass: each by its output's id, and the readers of each tensor."""
+
+    def __init__(self, nodes: list[Derived]) -> None:
+        self.nodes = nodes
+        self.by_output = {id(node.output): node for node in nodes}
+        self.readers: dict[int, list[Derived]] = {}
+        for node in nodes:
+            for key in dict.fromkeys(id(t.param) for _, t in node.sources):
+                self.readers.setdefault(key, []).append(node)
+
+    def chain(self, output: Derived, uses: dict[int, list[Use]]) -> tuple[list[Derived], nn.Parameter] | None:
+        """The computations ``output`` comes from, in the order they ran, and the one parameter they all read, where
+        no other computation or use reads that parameter or any of their outputs but the last; else None."""
+        found: dict[int, Derived] = {}
+        stack = [output]
+        while stack:
+            node = stack.pop()
+            if id(node.output) not in found:
+                found[id(node.output)] = node
+                stack += [self.by_output[id(t.param)] for _, t in node.sources if id(t.param) in self.by_output]
+        param = output.params[0] if len(output.params) == 1 else None
+        if not isinstance(param, nn.Parameter) or uses.get(id(param)):
+            return None
+        if self.readers.get(id(output.output)):
+            return None  # T feeds another computation
+        for key in [id(param), *found]:
+            if key != id(output.output) and any(id(r.output) not in found for r in self.readers.get(key, ())):
+                return None  # W, or a step on the way, enters another computation
+        if any(uses.get(key) for key in found if key != id(output.output)):
             return None  # a step on the way has a use of its own
-    return inside, param
+        return [node for node in self.nodes if id(node.output) in found], param
 
 
 def _within_rounding(residual: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -209,6 +213,7 @@ def row_map_pieces(
     """{id(W): (the computations from W to T, W's piece)} for each T = f(W) of ``nodes`` that (1) describes (W's id
     among ``ruled`` and not ``taken`` already); W joins ``params`` (by id)."""
     found: dict[int, tuple[list[Derived], Piece]] = {}
+    graph = _Graph(nodes)
     for node in nodes:
         merged = merged_uses(uses.get(id(node.output), []))
         if len(merged) != 1 or node.output.dim() < 2 or not node.output.is_floating_point():
@@ -222,7 +227,7 @@ def row_map_pieces(
             or not (view.index is None or in_order(view.index, count * shape[1]))
         ):
             continue
-        chain = _chain(node, nodes, uses)
+        chain = graph.chain(node, uses)
         if chain is None or id(chain[1]) not in ruled or id(chain[1]) in taken or id(chain[1]) in found:
             continue
         steps, param = chain
