@@ -4,7 +4,8 @@ trainable parameter among their operands to the registered rule of that function
 Besides the rules' pending calls it keeps track of
 
 - **views of parameters** (``w.t()``, ``w.chunk(3)[1]``, ``w[:k]``, ``w.view(…)``, casts): each is a :class:`Tracked`
-  whose index tensor (the same view of ``arange(w.numel()).view(w.shape)``) maps its elements to the parameter's;
+  whose index tensor (the same view of ``arange(w.numel()).view(w.shape)``; the arange is one per device, shared by
+  the pass's parameters: :meth:`.registry.Tracked.flat_index`) maps its elements to the parameter's;
 - **where the batch is** in activations whose batch dimension was moved or merged by transposes and reshapes
   (``x.transpose(0, 1)`` in ``nn.MultiheadAttention``, ``x.view(-1, n)`` before GPT-2's ``torch.addmm``): the same
   views of ``arange(B)`` broadcast over the batch-first tensor give the example of every element (an *example map*),
