@@ -1,7 +1,8 @@
 """The recurrence as one operation (dpml.train.rules.recurrent_scan): its forward pass equals the step-by-step cells of
 dpml.train.rules.recurrent, its hand-written backward pass equals autograd's through them and finite differences
 (every kind, padded and packed steps, forward and reversed, with and without biases), and a recorded LSTM, GRU or RNN
-layer is two recorded operations whatever its length, not T steps of a dozen."""
+layer is two recorded operations whatever its length, not T steps of a dozen. Every test runs twice: with the LSTM's
+compiled step (dpml.train.rules.scan_steps) and with torch's operations in its place."""
 
 from __future__ import annotations
 
@@ -22,9 +23,36 @@ from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules.recorder import Recorder
 from dpml.train.rules.recurrent import STEPS
 from dpml.train.rules.recurrent_scan import KINDS, scan, step_rows
+from dpml.train import kernels
+from dpml.train.rules import scan_steps
 from dpml.train.rules.registry import function_name
 
 SIZES = {"padded": (3, 3, 3, 3), "packed": (4, 3, 3, 1), "one step": (2,)}
+
+
+@pytest.fixture(params=["compiled step", "torch's operations"], autouse=True)
+def lstm_step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The LSTM's step by the compiled kernel (skipped where no C compiler builds it) or by torch's operations; the
+    kernel's forward steps counted."""
+    counted = {"steps": 0}
+    if request.param == "torch's operations":
+        monkeypatch.setattr(scan_steps, "compiled_scan_steps", lambda: None)
+    elif kernels.c_compiler() is None:
+        pytest.skip("no C compiler here: the compiled LSTM step is not built (torch's operations are tested)")
+    else:
+        assert scan_steps.compiled_scan_steps() is not None, (
+            "the C compiler failed on _scan_steps.c, or it did not load"
+        )
+    original = scan_steps.FusedLstmSteps.forward
+
+    def forward(self, *args):  # type: ignore[no-untyped-def]
+        counted["steps"] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(scan_steps.FusedLstmSteps, "forward", forward)
+    return counted
+
+
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}  # the gates of each kind, side by side in x̃
 
 
@@ -90,6 +118,31 @@ def test_the_scan_is_the_cells_step_by_step_forward_and_backward(kind: str, layo
         torch.testing.assert_close(r, torch.sigmoid(operands[0][:, :3] + q[:, :3]).detach())
     else:
         assert r is None
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_lstm_step_in_float32_is_the_float64_step_to_float32s_rounding(
+    layout: str, lstm_step: dict[str, int]
+) -> None:
+    """The scan in float32 (the compiled step's other kind: the tests above run float64), outputs and every
+    operand's gradient, against the same scan in float64; the compiled step runs once per step where it is built."""
+    sizes = SIZES[layout]
+    wide = _operands("lstm", sizes, bias=True, seed=11)
+    narrow = [None if t is None else t.detach().float().requires_grad_() for t in wide]
+    g = torch.Generator().manual_seed(4)
+    weights, c_weights = (torch.randn(sum(sizes), 3, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def run(operands: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        h, c, _, _ = scan("lstm", operands[0], sizes, operands[1], operands[2], operands[3], operands[4], False)
+        assert c is not None
+        loss = (h * weights.to(h.dtype)).sum() + (c * c_weights.to(c.dtype)).sum()
+        return [h.detach(), c.detach(), *torch.autograd.grad(loss, [t for t in operands if t is not None])]
+
+    expected, before = run(wide), lstm_step["steps"]
+    found = run(narrow)
+    for a, b in zip(found, expected, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=2e-6, atol=2e-6)
+    assert lstm_step["steps"] - before == (len(sizes) if scan_steps.compiled_scan_steps() is not None else 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,7 +1,7 @@
-"""dpml's two compiled CPU kernels, compiled on first use with the system's C compiler into a per-user
-cache, one library per source text, and loaded with ctypes: the DP noise draw (``_boxmuller.c``,
-:func:`compiled_draw`) and a convolution's per-example gradient norms (``_conv_norms.c``,
-:func:`compiled_conv_norms`).
+"""dpml's compiled CPU kernels, compiled on first use with the system's C compiler into a per-user cache, one
+library per source text, and loaded with ctypes: the DP noise draw (``_boxmuller.c``, :func:`compiled_draw`), a
+convolution's per-example gradient norms (``_conv_norms.c``, :func:`compiled_conv_norms`) and an LSTM scan's
+step (``_scan_steps.c``, :func:`compiled_scan_steps`).
 
 Compiled on first use rather than at install, so that every checkout of the project (``dpml reproduce``
 rebuilds a release in a worktree of its commit) draws with the kernel of its own source, and so that
@@ -10,7 +10,7 @@ compiler and the machine, so a changed source compiles anew; it is written under
 renamed into place, so concurrent first uses never load half a file. Where no compiler is found, the
 compile fails or the library does not load (no glibc vector math), :func:`compiled_draw` returns None
 and :mod:`dpml.train.noise` draws the same construction in NumPy; likewise :func:`compiled_conv_norms`,
-and :mod:`dpml.train.clipping_layers` takes its torch routes.
+and :mod:`dpml.train.clipping_layers` takes its torch routes, and the scan its torch operations.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("_boxmuller.c")
 CONV_SOURCE = Path(__file__).with_name("_conv_norms.c")
+SCAN_SOURCE = Path(__file__).with_name("_scan_steps.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 """-fno-math-errno lets log / sin / cos go to glibc's vector variants (the source declares them SIMD) and
 sqrt to one instruction; no -ffast-math: the float32 operations keep their order and rounding. -fopenmp:
@@ -144,3 +145,31 @@ def compiled_conv_norms() -> ConvNorms | None:
     """The compiled per-example convolution norms (compiled into :func:`cache_directory` on first use), or None."""
     library = compile_kernel(cache_directory(), CONV_SOURCE, CONV_FLAGS)
     return None if library is None else load_conv_norms(library)
+
+
+SCAN_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-shared")
+"""-fno-math-errno lets exp go to glibc's vector variants (the source declares them SIMD); -fopenmp-simd: the
+loops' ``omp simd`` pragmas, no threads (a step's rows are a few thousand numbers)."""
+
+
+def load_scan_steps(library: Path) -> dict[str, Callable[..., object]] | None:
+    """``dpml_lstm_forward_<t>`` and ``dpml_lstm_backward_<t>`` (t: f32, f64) from a compiled library, by name, or
+    None if it does not load here."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    found = {}
+    for kind in ("f32", "f64"):
+        forward = _load(
+            library, f"dpml_lstm_forward_{kind}", [pointer, size, size, pointer, size, *[pointer] * 4], None
+        )
+        backward = _load(library, f"dpml_lstm_backward_{kind}", [size, size, *[pointer] * 10], None)
+        if forward is None or backward is None:
+            return None
+        found[f"forward_{kind}"], found[f"backward_{kind}"] = forward, backward
+    return found
+
+
+@functools.cache
+def compiled_scan_steps() -> dict[str, Callable[..., object]] | None:
+    """The compiled LSTM steps (compiled into :func:`cache_directory` on first use), or None."""
+    library = compile_kernel(cache_directory(), SCAN_SOURCE, SCAN_FLAGS)
+    return None if library is None else load_scan_steps(library)

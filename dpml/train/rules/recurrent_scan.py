@@ -55,10 +55,10 @@ from typing import Any
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
+from dpml.train.rules.scan_steps import Sizes, Step, by_step, fused_lstm_backward, fused_lstm_steps, prefixes
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Use, rule
 
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-Sizes = tuple[int, ...]
 Scanned = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
@@ -88,9 +88,6 @@ def scan(
     return scanned
 
 
-Step = tuple[int, int, int, int]  # (step, its rows, the step whose states enter it or −1, how many it carries)
-
-
 @functools.lru_cache(maxsize=256)
 def step_rows(sizes: Sizes, reverse: bool) -> tuple[list[Step], torch.Tensor]:
     """The steps in the order they run, each as (its index t, its number of rows, the index of the step whose states
@@ -117,11 +114,6 @@ def _entering(rows: torch.Tensor, initial: torch.Tensor, sizes: Sizes, reverse: 
     return torch.cat([rows, initial]).index_select(0, index)
 
 
-def _by_step(t: torch.Tensor, sizes: Sizes) -> list[torch.Tensor]:
-    """The rows of each step, as views (one call for all steps: a loop's slicing is its own cost)."""
-    return list(t.split(sizes))
-
-
 def _state_in(rows: list[torch.Tensor], initial: torch.Tensor, step: Step) -> torch.Tensor:
     """The states entering ``step``: the rows of the step before it (a view where it carries every sequence, as it
     does on padded sequences and forward over packed ones), and initial states for the sequences it does not."""
@@ -131,11 +123,6 @@ def _state_in(rows: list[torch.Tensor], initial: torch.Tensor, step: Step) -> to
     if carried == 0:
         return initial[:size]
     return torch.cat([rows[before][:carried], initial[carried:size]])
-
-
-def _prefixes(t: torch.Tensor, sizes: Sizes) -> dict[int, torch.Tensor]:
-    """t's first n rows for every step's n (a backward pass's states, the sequences a step holds)."""
-    return {n: t if n == t.shape[0] else t[:n] for n in set(sizes)}
 
 
 def _doubled(t: torch.Tensor, columns: slice) -> torch.Tensor:
@@ -263,18 +250,23 @@ def _lstm_forward(
     w_t = _doubled(w.t().clone(), g_cols)
     g_rows = acts.new_empty(acts.shape[0], width)
     c_rows, tanh_c, h_rows = torch.empty_like(g_rows), torch.empty_like(g_rows), torch.empty_like(g_rows)
-    a_all, g_all = _by_step(acts, sizes), _by_step(acts[:, g_cols], sizes)
-    i_all, f_all, o_all = (_by_step(acts[:, k * width : (k + 1) * width], sizes) for k in (0, 1, 3))
-    gs, cs, tcs, hs = (_by_step(t, sizes) for t in (g_rows, c_rows, tanh_c, h_rows))
+    a_all, g_all = by_step(acts, sizes), by_step(acts[:, g_cols], sizes)
+    i_all, f_all, o_all = (by_step(acts[:, k * width : (k + 1) * width], sizes) for k in (0, 1, 3))
+    gs, cs, tcs, hs = (by_step(t, sizes) for t in (g_rows, c_rows, tanh_c, h_rows))
     p_rows = h_rows if projection is None else h_rows.new_empty(h_rows.shape[0], projection.shape[0])
-    ps, p_t = _by_step(p_rows, sizes), None if projection is None else projection.t()
+    ps, p_t = by_step(p_rows, sizes), None if projection is None else projection.t()
+    fused = fused_lstm_steps(acts, h0, c0)  # (None: torch's operations)
     for step in steps:
         t = step[0]
         h, c = _state_in(ps, h0, step), _state_in(cs, c0, step)
-        a_all[t].addmm_(h, w_t).sigmoid_()
-        g = torch.mul(g_all[t], 2, out=gs[t]).sub_(1)
-        cell = torch.mul(f_all[t], c, out=cs[t]).addcmul_(i_all[t], g)
-        torch.mul(o_all[t], torch.tanh(cell, out=tcs[t]), out=hs[t])
+        a_all[t].addmm_(h, w_t)
+        if fused is not None:
+            fused.forward(a_all[t], c, gs[t], cs[t], tcs[t], hs[t])
+        else:
+            a_all[t].sigmoid_()
+            g = torch.mul(g_all[t], 2, out=gs[t]).sub_(1)
+            cell = torch.mul(f_all[t], c, out=cs[t]).addcmul_(i_all[t], g)
+            torch.mul(o_all[t], torch.tanh(cell, out=tcs[t]), out=hs[t])
         if p_t is not None:
             torch.mm(hs[t], p_t, out=ps[t])
     return h_rows, p_rows, c_rows, acts, g_rows, tanh_c
@@ -296,6 +288,10 @@ def _lstm_backward(
     row's projected state W_hr h received from the step after it (R, P): ∂h = ∂h_own + W_hrᵀ ∂(W_hr h)."""
     width = tanh_c.shape[1]
     grad_h = _zeros_or(grad_h, tanh_c)
+    grad_c = None if grad_c is None else grad_c.to(grad_h.dtype)
+    fused = fused_lstm_steps(acts, grad_h, g, c_prev, tanh_c, *([] if grad_c is None else [grad_c]))
+    if fused is not None:  # (its factors formed step by step from what the forward kept)
+        return fused_lstm_backward(fused, grad_h, grad_c, sizes, steps, (acts, g, c_prev, tanh_c), w, projection)
     i, o = acts[:, :width], acts[:, 3 * width :]
     factors = torch.addcmul(acts, acts, acts, value=-1)  # σ'(a) = σ(1 − σ) for i, f, o
     factors[:, :width].mul_(g)
@@ -305,15 +301,15 @@ def _lstm_backward(
     to_cell = torch.addcmul(o, o * tanh_c, tanh_c, value=-1)  # ∂c += ∂h ⊙ o ⊙ (1 − tanh²c)
     delta = torch.empty_like(acts)
     stacked_delta, stacked_factors = delta.view(-1, 4, width), factors.view(-1, 4, width)
-    ds, d3s, dos = _by_step(delta, sizes), _by_step(stacked_delta[:, :3], sizes), _by_step(stacked_delta[:, 3], sizes)
-    k3s, kos = _by_step(stacked_factors[:, :3], sizes), _by_step(stacked_factors[:, 3], sizes)
-    ghs, gcs = _by_step(grad_h, sizes), None if grad_c is None else _by_step(grad_c.to(grad_h.dtype), sizes)
-    fs, tos = _by_step(acts[:, width : 2 * width], sizes), _by_step(to_cell, sizes)
+    ds, d3s, dos = by_step(delta, sizes), by_step(stacked_delta[:, :3], sizes), by_step(stacked_delta[:, 3], sizes)
+    k3s, kos = by_step(stacked_factors[:, :3], sizes), by_step(stacked_factors[:, 3], sizes)
+    ghs, gcs = by_step(grad_h, sizes), None if grad_c is None else by_step(grad_c, sizes)
+    fs, tos = by_step(acts[:, width : 2 * width], sizes), by_step(to_cell, sizes)
     passed = width if projection is None else projection.shape[0]  # the width of the states the steps pass on
     d_h, d_c = tanh_c.new_zeros(sizes[0], passed), tanh_c.new_zeros(sizes[0], width)
-    d_hs, d_cs = _prefixes(d_h, sizes), _prefixes(d_c, sizes)
+    d_hs, d_cs = prefixes(d_h, sizes), prefixes(d_c, sizes)
     d_projected = tanh_c.new_zeros(tanh_c.shape[0] if projection is not None else 0, passed)
-    d_ps = _by_step(d_projected, sizes) if projection is not None else []
+    d_ps = by_step(d_projected, sizes) if projection is not None else []
     for t, size, _, _ in steps:
         if projection is None:
             dh = ghs[t] + d_hs[size]
@@ -336,11 +332,11 @@ def _gru_forward(
     gates, products = torch.empty_like(gates_in), torch.empty_like(gates_in)  # products: W_hh h_prev + b_hh
     q_n, h_rows = products[:, 2 * width :], gates_in.new_empty(gates_in.shape[0], width)
     w_t = w.t()
-    x_rz, x_n = _by_step(gates_in[:, : 2 * width], sizes), _by_step(gates_in[:, 2 * width :], sizes)
+    x_rz, x_n = by_step(gates_in[:, : 2 * width], sizes), by_step(gates_in[:, 2 * width :], sizes)
     rzs, rs, zs = (
-        _by_step(gates[:, cols], sizes) for cols in (slice(0, 2 * width), slice(0, width), slice(width, 2 * width))
+        by_step(gates[:, cols], sizes) for cols in (slice(0, 2 * width), slice(0, width), slice(width, 2 * width))
     )
-    ns, qs, hs = _by_step(gates[:, 2 * width :], sizes), _by_step(products, sizes), _by_step(h_rows, sizes)
+    ns, qs, hs = by_step(gates[:, 2 * width :], sizes), by_step(products, sizes), by_step(h_rows, sizes)
     for step in steps:
         t = step[0]
         h = _state_in(hs, h0, step)
@@ -368,11 +364,11 @@ def _gru_backward(
     factors = torch.cat([to_n * q_n * r * (1 - r), (h_prev - n) * z * (1 - z), to_n], 1)
     hh_factors = torch.cat([factors[:, : 2 * width], to_n * r], 1)
     delta, delta_hh = torch.empty_like(gates), torch.empty_like(gates)
-    ks, khs = _by_step(factors.view(-1, 3, width), sizes), _by_step(hh_factors.view(-1, 3, width), sizes)
-    ds, dhs = _by_step(delta.view(-1, 3, width), sizes), _by_step(delta_hh.view(-1, 3, width), sizes)
-    ghs, zs, hh_rows = _by_step(grad_h, sizes), _by_step(z, sizes), _by_step(delta_hh, sizes)
+    ks, khs = by_step(factors.view(-1, 3, width), sizes), by_step(hh_factors.view(-1, 3, width), sizes)
+    ds, dhs = by_step(delta.view(-1, 3, width), sizes), by_step(delta_hh.view(-1, 3, width), sizes)
+    ghs, zs, hh_rows = by_step(grad_h, sizes), by_step(z, sizes), by_step(delta_hh, sizes)
     d_h = q_n.new_zeros(sizes[0], width)
-    d_hs = _prefixes(d_h, sizes)
+    d_hs = prefixes(d_h, sizes)
     for t, size, _, _ in steps:
         dh = ghs[t] + d_hs[size]
         torch.mul(ks[t], dh.unsqueeze(1), out=ds[t])
@@ -393,7 +389,7 @@ def _elman_forward(
     everything = slice(0, None)
     h_rows = gates_in.clone() if b is None else gates_in + b  # the steps add W_hh h_prev and activate it in place
     w_t = w.t() if relu else _doubled(w.t().clone(), everything)
-    hs = _by_step(h_rows if relu else _doubled(h_rows, everything), sizes)
+    hs = by_step(h_rows if relu else _doubled(h_rows, everything), sizes)
     for step in steps:
         out = hs[step[0]].addmm_(_state_in(hs, h0, step), w_t)
         out.relu_() if relu else out.sigmoid_().mul_(2).sub_(1)  # tanh(a) = 2σ(2a) − 1
@@ -411,9 +407,9 @@ def _elman_backward(
     grad_h = _zeros_or(grad_h, h_rows)
     slope = (h_rows > 0).to(h_rows.dtype) if relu else 1 - h_rows * h_rows
     delta = torch.empty_like(h_rows)
-    ghs, slopes, ds = _by_step(grad_h, sizes), _by_step(slope, sizes), _by_step(delta, sizes)
+    ghs, slopes, ds = by_step(grad_h, sizes), by_step(slope, sizes), by_step(delta, sizes)
     d_h = h_rows.new_zeros(sizes[0], h_rows.shape[1])
-    d_hs = _prefixes(d_h, sizes)
+    d_hs = prefixes(d_h, sizes)
     for t, size, _, _ in steps:
         torch.mul(ghs[t] + d_hs[size], slopes[t], out=ds[t])
         torch.mm(ds[t], w, out=d_hs[size])

@@ -1,0 +1,83 @@
+/* One step of an LSTM's scan on the CPU, fused, for dpml.train.rules.recurrent_scan (loaded by
+ * dpml.train.kernels, which compiles it on first use): the elementwise work of a step in one pass over its rows,
+ * where torch's operations make eight passes forward and six backward, each a dispatch of its own (at a batch of
+ * 64 and 128 units a step's rows are 32 K numbers: the passes, not the arithmetic, were the step's cost).
+ *
+ *   dpml_lstm_forward_<t>(acts, rows, width, c_prev, c_stride, g, c, tanh_c, h)
+ *   acts (rows x 4 width): on entry each row's pre-activations a = (a_i, a_f, 2 a_g, a_o) (the g columns doubled),
+ *   on exit σ(a) (the g columns hold σ(2 a_g)); then, rows x width each, contiguous:
+ *     g = 2 σ(2 a_g) − 1 = tanh(a_g),  c = f c_prev + i g,  tanh_c = 2 σ(2 c) − 1,  h = o tanh_c,
+ *   c_prev's rows c_stride apart. tanh as 2 σ(2x) − 1, as the g columns: one exponential, whose SIMD variant glibc's
+ *   libmvec has (a tanh of its own it has only in recent versions).
+ *
+ *   dpml_lstm_backward_<t>(rows, width, dh_own, dh_next, dc_next, dc_own, acts, g, c_prev, tanh_c, delta, dc_prev)
+ *   with the forward's σ(a) (acts), g, the entering c_prev and tanh_c of the step's rows, σ' = σ − σ²:
+ *     dh = dh_own + dh_next (dh_next NULL: dh_own alone),  dc = dc_next + dc_own (NULL: none) + dh (o − o tanh_c²),
+ *     delta = (σ'_i g dc, σ'_f c_prev dc, (1 − g²) i dc, σ'_o tanh_c dh),  dc_prev = dc f,
+ *   every operand rows x (its width) contiguous; dc_prev may be dc_next (each number read before it is written).
+ *   The factors are formed here from what the forward kept, not read from a pass of their own (a step's rows of
+ *   them streamed from memory cost more than forming them).
+ *
+ * <t> is f32 or f64. No -ffast-math: each number is the operations above in this order.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* glibc's libmvec has SIMD variants of these; declaring them lets GCC vectorise the loops (with -fno-math-errno). */
+#pragma omp declare simd notinbranch
+extern float expf(float);
+#pragma omp declare simd notinbranch
+extern double exp(double);
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+#define SCAN_STEPS(T, SUFFIX, EXP)                                                                                     \
+    static inline T sigmoid_##SUFFIX(T x) { return (T)1 / ((T)1 + EXP(-x)); }                                        \
+                                                                                                                       \
+    CLONES void dpml_lstm_forward_##SUFFIX(T *acts, int64_t rows, int64_t width, const T *c_prev, int64_t c_stride, T *g,    \
+                                    T *c, T *tanh_c, T *h) {                                                           \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            T *a = acts + r * 4 * width;                                                                               \
+            const T *cp = c_prev + r * c_stride;                                                                       \
+            T *gr = g + r * width, *cr = c + r * width, *tr = tanh_c + r * width, *hr = h + r * width;                 \
+            _Pragma("omp simd") for (int64_t j = 0; j < 4 * width; j++) a[j] = sigmoid_##SUFFIX(a[j]);                 \
+            _Pragma("omp simd") for (int64_t j = 0; j < width; j++) {                                                  \
+                T gj = 2 * a[2 * width + j] - 1;                                                                       \
+                T cj = a[width + j] * cp[j] + a[j] * gj;                                                               \
+                T tj = 2 * sigmoid_##SUFFIX(2 * cj) - 1;                                                               \
+                gr[j] = gj;                                                                                            \
+                cr[j] = cj;                                                                                            \
+                tr[j] = tj;                                                                                            \
+                hr[j] = a[3 * width + j] * tj;                                                                         \
+            }                                                                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
+                                                                                                                       \
+    CLONES void dpml_lstm_backward_##SUFFIX(int64_t rows, int64_t width, const T *dh_own, const T *dh_next,           \
+                                            const T *dc_next, const T *dc_own, const T *acts, const T *g,              \
+                                            const T *c_prev, const T *tanh_c, T *delta, T *dc_prev) {                  \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            const int64_t at = r * width, wide = r * 4 * width;                                                        \
+            const T *a = acts + wide;                                                                                  \
+            T *d = delta + wide;                                                                                       \
+            _Pragma("omp simd") for (int64_t j = 0; j < width; j++) {                                                  \
+                T dh = dh_next ? dh_own[at + j] + dh_next[at + j] : dh_own[at + j];                                   \
+                T dc = dc_own ? dc_next[at + j] + dc_own[at + j] : dc_next[at + j];                                   \
+                T i = a[j], f = a[width + j], o = a[3 * width + j], gj = g[at + j], tc = tanh_c[at + j];              \
+                dc = dc + dh * (o - o * tc * tc);                                                                      \
+                d[j] = (i - i * i) * gj * dc;                                                                          \
+                d[width + j] = (f - f * f) * c_prev[at + j] * dc;                                                      \
+                d[2 * width + j] = (1 - gj * gj) * i * dc;                                                             \
+                d[3 * width + j] = (o - o * o) * tc * dh;                                                              \
+                dc_prev[at + j] = dc * f;                                                                              \
+            }                                                                                                          \
+        }                                                                                                              \
+    }
+
+SCAN_STEPS(float, f32, expf)
+SCAN_STEPS(double, f64, exp)
