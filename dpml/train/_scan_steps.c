@@ -39,8 +39,8 @@ extern double exp(double);
 #define SCAN_STEPS(T, SUFFIX, EXP)                                                                                     \
     static inline T sigmoid_##SUFFIX(T x) { return (T)1 / ((T)1 + EXP(-x)); }                                        \
                                                                                                                        \
-    CLONES void dpml_lstm_forward_##SUFFIX(T *acts, int64_t rows, int64_t width, const T *c_prev, int64_t c_stride, T *g,    \
-                                    T *c, T *tanh_c, T *h) {                                                           \
+    CLONES void dpml_lstm_forward_##SUFFIX(T *acts, int64_t rows, int64_t width, const T *c_prev, int64_t c_stride,   \
+                                           T *g, T *c, T *tanh_c, T *h) {                                              \
         for (int64_t r = 0; r < rows; r++) {                                                                           \
             T *a = acts + r * 4 * width;                                                                               \
             const T *cp = c_prev + r * c_stride;                                                                       \

@@ -55,7 +55,15 @@ from typing import Any
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
-from dpml.train.rules.scan_steps import Sizes, Step, by_step, fused_lstm_backward, fused_lstm_steps, prefixes
+from dpml.train.rules.scan_steps import (
+    Sizes,
+    Step,
+    by_step,
+    fused_lstm_backward,
+    fused_lstm_steps,
+    prefixes,
+    state_gradients,
+)
 from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Use, rule
 
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -255,7 +263,7 @@ def _lstm_forward(
     gs, cs, tcs, hs = (by_step(t, sizes) for t in (g_rows, c_rows, tanh_c, h_rows))
     p_rows = h_rows if projection is None else h_rows.new_empty(h_rows.shape[0], projection.shape[0])
     ps, p_t = by_step(p_rows, sizes), None if projection is None else projection.t()
-    fused = fused_lstm_steps(acts, h0, c0)  # (None: torch's operations)
+    fused = fused_lstm_steps(acts, c0)  # (None: torch's operations)
     for step in steps:
         t = step[0]
         h, c = _state_in(ps, h0, step), _state_in(cs, c0, step)
@@ -305,11 +313,7 @@ def _lstm_backward(
     k3s, kos = by_step(stacked_factors[:, :3], sizes), by_step(stacked_factors[:, 3], sizes)
     ghs, gcs = by_step(grad_h, sizes), None if grad_c is None else by_step(grad_c, sizes)
     fs, tos = by_step(acts[:, width : 2 * width], sizes), by_step(to_cell, sizes)
-    passed = width if projection is None else projection.shape[0]  # the width of the states the steps pass on
-    d_h, d_c = tanh_c.new_zeros(sizes[0], passed), tanh_c.new_zeros(sizes[0], width)
-    d_hs, d_cs = prefixes(d_h, sizes), prefixes(d_c, sizes)
-    d_projected = tanh_c.new_zeros(tanh_c.shape[0] if projection is not None else 0, passed)
-    d_ps = by_step(d_projected, sizes) if projection is not None else []
+    d_h, d_c, d_projected, d_hs, d_cs, d_ps = state_gradients(tanh_c, tanh_c.shape[0], sizes, width, projection)
     for t, size, _, _ in steps:
         if projection is None:
             dh = ghs[t] + d_hs[size]

@@ -21,6 +21,9 @@ from dpml.train.kernels import compiled_scan_steps
 _KINDS = {torch.float32: "f32", torch.float64: "f64"}
 Sizes = tuple[int, ...]  # the rows of each step, in the order of the rows
 Step = tuple[int, int, int, int]  # (step, its rows, the step whose states enter it or −1, how many it carries)
+StateGradients = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor]
+]
 
 
 def by_step(t: torch.Tensor, sizes: Sizes) -> list[torch.Tensor]:
@@ -31,6 +34,20 @@ def by_step(t: torch.Tensor, sizes: Sizes) -> list[torch.Tensor]:
 def prefixes(t: torch.Tensor, sizes: Sizes) -> dict[int, torch.Tensor]:
     """t's first n rows for every step's n (a backward pass's states, the sequences a step holds)."""
     return {n: t if n == t.shape[0] else t[:n] for n in set(sizes)}
+
+
+def state_gradients(
+    like: torch.Tensor, rows: int, sizes: Sizes, width: int, projection: torch.Tensor | None
+) -> StateGradients:
+    """An LSTM backward pass's running gradients, zero: of the states the steps pass on (one a sequence, H wide, or P
+    with a ``projection``: W_hr h), of the cell states, and (R, P) with a projection the gradient each of the
+    ``rows`` rows' projected state receives from the step after it ((0, ·) without); then the first two's prefixes
+    for every step's rows and the third's rows by step."""
+    passed = width if projection is None else projection.shape[0]
+    d_h, d_c = like.new_zeros(sizes[0], passed), like.new_zeros(sizes[0], width)
+    d_projected = like.new_zeros(rows if projection is not None else 0, passed)
+    d_ps = by_step(d_projected, sizes) if projection is not None else []
+    return d_h, d_c, d_projected, prefixes(d_h, sizes), prefixes(d_c, sizes), d_ps
 
 
 def _rows_packed(t: torch.Tensor) -> bool:
@@ -116,11 +133,7 @@ def fused_lstm_backward(
     ds, ghs = by_step(delta, sizes), by_step(grad_h, sizes)
     gcs = None if grad_c is None else by_step(grad_c, sizes)
     rows = [by_step(t, sizes) for t in kept]
-    passed = width if projection is None else projection.shape[0]  # the width of the states the steps pass on
-    d_h, d_c = grad_h.new_zeros(sizes[0], passed), grad_h.new_zeros(sizes[0], width)
-    d_hs, d_cs = prefixes(d_h, sizes), prefixes(d_c, sizes)
-    d_projected = grad_h.new_zeros(acts.shape[0] if projection is not None else 0, passed)
-    d_ps = by_step(d_projected, sizes) if projection is not None else []
+    d_h, d_c, d_projected, d_hs, d_cs, d_ps = state_gradients(grad_h, acts.shape[0], sizes, width, projection)
     for t, size, _, _ in steps:
         if projection is None:
             dh_own, dh_next = ghs[t], d_hs[size]
