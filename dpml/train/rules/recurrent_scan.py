@@ -258,12 +258,14 @@ def _lstm_forward(
     w_t = _doubled(w.t().clone(), g_cols)
     g_rows = acts.new_empty(acts.shape[0], width)
     c_rows, tanh_c, h_rows = torch.empty_like(g_rows), torch.empty_like(g_rows), torch.empty_like(g_rows)
-    a_all, g_all = by_step(acts, sizes), by_step(acts[:, g_cols], sizes)
-    i_all, f_all, o_all = (by_step(acts[:, k * width : (k + 1) * width], sizes) for k in (0, 1, 3))
+    a_all = by_step(acts, sizes)
     gs, cs, tcs, hs = (by_step(t, sizes) for t in (g_rows, c_rows, tanh_c, h_rows))
     p_rows = h_rows if projection is None else h_rows.new_empty(h_rows.shape[0], projection.shape[0])
     ps, p_t = by_step(p_rows, sizes), None if projection is None else projection.t()
-    fused = fused_lstm_steps(acts, c0)  # (None: torch's operations)
+    fused = fused_lstm_steps(acts, c0)  # (None: torch's operations, on each gate's columns by step)
+    i_all, f_all, g_all, o_all = (
+        ([],) * 4 if fused is not None else (by_step(acts[:, k * width : (k + 1) * width], sizes) for k in range(4))
+    )
     for step in steps:
         t = step[0]
         h, c = _state_in(ps, h0, step), _state_in(cs, c0, step)

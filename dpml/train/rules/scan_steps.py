@@ -140,7 +140,7 @@ def fused_lstm_backward(
         else:
             d_ps[t].copy_(d_hs[size])
             dh_own, dh_next = torch.addmm(ghs[t], d_hs[size], projection), None
-        step_rows = (rows[0][t], rows[1][t], rows[2][t], rows[3][t])
+        step_rows = (rows[0][t], rows[1][t], rows[2][t], rows[3][t])  # (σ(a), g, the entering c, tanh c)
         fused.backward(dh_own, dh_next, d_cs[size], None if gcs is None else gcs[t], step_rows, ds[t], d_cs[size])
         torch.mm(ds[t], w, out=d_hs[size])
     return delta, d_h, d_c, d_projected
