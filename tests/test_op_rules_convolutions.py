@@ -5,17 +5,20 @@ transformers' DPT, whose neck upsamples by transposed convolutions."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_op_rules import ConvolutionTwice, assert_exact_without_the_exact_path, generator
+from test_op_rules import ConvolutionTwice, assert_exact_without_the_exact_path, generator, loop_reference
 from torch import nn
 
+from dpml.train import kernels
+from dpml.train.clipping import clipped_gradient_sum, engine_pass
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules import combine, convolution_nd
-from dpml.train.rules.convolution_nd import WAYS, patches
+from dpml.train.rules.convolution_nd import APPLIES, WAYS, patches
 
 
 class Volumes(nn.Module):
@@ -94,15 +97,15 @@ def in_twos(count: int) -> list[slice]:
     return [slice(start, min(count, start + 2)) for start in range(0, count, 2)]
 
 
-@pytest.mark.parametrize("way", [*WAYS, "factored"])
+@pytest.mark.parametrize("way", [name for name in WAYS if name not in APPLIES] + ["factored"])
 @pytest.mark.parametrize("limit", [1 << 25, 40], ids=["kept", "sliced"])
 def test_every_way_to_the_kernels_gradients_clips_like_the_loop(
     monkeypatch: pytest.MonkeyPatch, way: str, limit: int
 ) -> None:
-    """Each way to a kernel's per-example gradients, 1-, 2- and 3-D, transposed or not (torch's grouped weight
-    gradient, one per image, the patches; or the factored form where a ghost norm is cheaper), kept or (past the keep
-    limit) formed a slice of two examples at a time with the clipped sum left to the weight gradient of the
-    clip-weighted δ: the same numbers as the loop."""
+    """Each way that takes every call to a kernel's per-example gradients, 1-, 2- and 3-D, transposed or not
+    (torch's grouped weight gradient, one per image, the patches; or the factored form where a ghost norm is
+    cheaper), kept or (past the keep limit) formed a slice of two examples at a time with the clipped sum left to
+    the weight gradient of the clip-weighted δ: the same numbers as the loop."""
     monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", limit)
     monkeypatch.setattr(combine, "heap_sized_slices", lambda count, each, device: in_twos(count))
     if way == "factored":
@@ -157,3 +160,75 @@ def test_a_library_model_that_upsamples_by_transposed_convolutions() -> None:
     assert sum(isinstance(m, nn.ConvTranspose2d) for m in model.modules()) == 2
     x = torch.randn(4, 3, 16, 16, generator=generator(13), dtype=torch.float64)
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (4,)), tolerance=1e-9)
+
+
+class StandardisedFloat32(nn.Module):
+    """Functional 2-D convolutions in float32, as weight-standardised networks write them: a standardised kernel over
+    16 input channels (stride 1, padding 1), a strided and dilated one with a bias, and the first kernel used again
+    raw (stride 2) where ``twice``: the rule's per-example kernel gradients, formed on demand."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.twice = twice
+        self.first = nn.Parameter(torch.randn(16, 16, 3, 3) * 0.3)
+        self.second = nn.Parameter(torch.randn(8, 16, 3, 2) * 0.3)
+        self.bias = nn.Parameter(torch.randn(8) * 0.1)
+        self.out = nn.Linear(8 * 2 * 2 + 16 * 2 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, 16, 6, 6)
+        w = self.first - self.first.mean((1, 2, 3), keepdim=True)
+        w = w / (w.var((1, 2, 3), keepdim=True, unbiased=False) + 1e-5).sqrt()
+        h = torch.tanh(F.conv2d(x, w, padding=1))  # (B, 16, 6, 6)
+        g = torch.tanh(F.conv2d(h, self.second, self.bias, stride=2, dilation=(1, 2)))  # (B, 8, 2, 2)
+        again = F.conv2d(h, self.first if self.twice else self.first.detach(), stride=2)  # (B, 16, 2, 2)
+        return self.out(torch.cat([g.flatten(1), again.flatten(1)], 1))
+
+
+@pytest.mark.parametrize("limit", [1 << 25, 40], ids=["kept", "sliced"])
+def test_the_compiled_kernel_forms_functional_convolutions_gradients_in_float32(
+    monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """The compiled kernel as a way to a functional 2-D convolution's per-example kernel gradients (float32 on a CPU,
+    one group, not transposed: there it is timed with torch's ways), for a standardised kernel, a strided and
+    dilated one, kept (with the first kernel used twice) or formed two examples at a time (a kernel used twice has
+    its uses' gradients kept, or takes the exact path): the float64 loop's clipped sums and norms within float32
+    rounding, the kernel taken for every such call; float64 calls are left to torch's ways."""
+    if kernels.c_compiler() is None:
+        pytest.skip("no C compiler here: the compiled convolution kernel is not built (torch's ways are tested)")
+    assert kernels.compiled_conv_norms() is not None, "the C compiler failed on _conv_norms.c, or it did not load"
+    monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", limit)
+    monkeypatch.setattr(combine, "heap_sized_slices", lambda count, each, device: in_twos(count))
+    monkeypatch.setattr(convolution_nd, "materialise", lambda *args: True)  # formed on demand, never factored
+    calls = {"compiled": 0, "float64": 0}
+    kernel_way = WAYS["compiled kernel"]
+
+    def compiled(x: torch.Tensor, d: torch.Tensor, conv: convolution_nd.Convolution) -> torch.Tensor:
+        calls["compiled"] += 1
+        return kernel_way(x, d, conv)
+
+    def chosen(x: torch.Tensor, d: torch.Tensor, conv: convolution_nd.Convolution) -> str:
+        if x.dtype == torch.float64:
+            calls["float64"] += 1
+            assert not APPLIES["compiled kernel"](x, d, conv)
+            return "patches"
+        assert APPLIES["compiled kernel"](x, d, conv)
+        return "compiled kernel"
+
+    monkeypatch.setitem(WAYS, "compiled kernel", compiled)
+    monkeypatch.setattr(convolution_nd, "fastest_way", chosen)
+    torch.manual_seed(5)
+    model = StandardisedFloat32(twice=limit > 40)
+    x, y = torch.randn(5, 16, 6, 6, generator=generator(6)), torch.randint(0, 3, (5,), generator=generator(7))
+    reference, norms = loop_reference(copy.deepcopy(model).double(), per_example_cross_entropy, x.double(), y, 1.0, 0)
+    clip = float(norms.median())
+    reference, norms = loop_reference(copy.deepcopy(model).double(), per_example_cross_entropy, x.double(), y, clip, 0)
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert found.exact == {}, found.reasons
+    sums, found_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
+    assert calls["compiled"] >= 4 and calls["float64"] == 0, calls  # (two kernels' uses or three, two passes)
+    torch.testing.assert_close(found_norms.double(), norms, rtol=2e-5, atol=0)
+    for name, expected in reference.items():
+        error = float((sums[name].double() - expected).norm() / expected.norm())
+        assert error < 2e-5, (name, error)
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x.double(), y)  # (float64: torch's ways)
+    assert calls["float64"] > 0

@@ -8,6 +8,7 @@ of two examples."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -21,6 +22,7 @@ from torch import nn
 from dpml.train import clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules import combine, convolution_nd, derived, row_jacobian
+from dpml.train.rules.row_affine import broadcast
 
 
 def _rows(w: torch.Tensor) -> tuple[int, ...]:
@@ -341,3 +343,18 @@ def test_a_computation_that_gives_other_numbers_when_run_again_takes_the_exact_p
     assert list(found.exact) == ["weight"]
     assert "gives other numbers when run again" in found.reasons["weight"], found.reasons
     assert_clipped_like_the_loop(model, x, y)
+
+
+def test_the_readers_broadcast_is_torchs() -> None:
+    """The reader's own broadcast of shapes (torch's costs 60 µs a call) gives ``torch.broadcast_shapes``' shape, or
+    None where torch refuses, for 5,000 random sets of one to three shapes of up to four sizes among 0, 1, 2 and 3."""
+    draw = random.Random(4)
+    refused = 0
+    for _ in range(5000):
+        shapes = [torch.Size(draw.choices((0, 1, 2, 3), k=draw.randint(0, 4))) for _ in range(draw.randint(1, 3))]
+        try:
+            expected: torch.Size | None = torch.broadcast_shapes(*shapes)
+        except RuntimeError:
+            expected, refused = None, refused + 1
+        assert broadcast(*shapes) == expected, shapes
+    assert 500 < refused < 4500  # (both answers met often)

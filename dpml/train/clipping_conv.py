@@ -253,39 +253,70 @@ def compiled_norms(
     intra-op threads (the kernel's OpenMP threads are torch's); None where the kernel is not available (no
     C compiler), the tensors are not float32 on the CPU, or the patch way would be taken for more than
     ``COMPILED_MAX_POSITIONS`` output positions (the caller then takes a torch way)."""
-    kernel = compiled_conv_norms()
     direct = direct_way(inputs.shape[1])
-    if (
-        kernel is None
-        or inputs.device.type != "cpu"
-        or inputs.dtype != torch.float32
-        or output_grad.dtype != torch.float32
-        or (not direct and output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS)
+    if not compiled_kernel_takes(inputs, output_grad) or (
+        not direct and output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS
     ):
         return None
     x, d = inputs.contiguous(), output_grad.contiguous()
+    squared, out_channels, patch = x.new_empty(x.shape[0]), d.shape[1], x.shape[1] * geometry[0][0] * geometry[0][1]
+    parts = []
+    for part in heap_sized_slices(x.shape[0], out_channels * patch * x.element_size(), x.device):
+        grads = x.new_empty(part.stop - part.start, out_channels, patch) if keep else None
+        _run_kernel(x[part], d[part], geometry, direct, squared[part], grads)
+        parts.append(grads)
+    return squared, parts if keep else None, direct  # type: ignore[return-value]
+
+
+def compiled_gradients(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry) -> torch.Tensor | None:
+    """Every example's Conv2d (groups = 1) weight gradient G_i = δ_i A_i, (B, C_out, C_in·kh·kw) with its columns in
+    the weight's (c, u, v) order, by the compiled kernel's patch way (:func:`compiled_norms`, one tensor for the
+    whole batch); None where the kernel is not available or the tensors are not float32 on the CPU."""
+    if not compiled_kernel_takes(inputs, output_grad):
+        return None
+    x, d = inputs.contiguous(), output_grad.contiguous()
+    grads = x.new_empty(x.shape[0], d.shape[1], x.shape[1] * geometry[0][0] * geometry[0][1])
+    _run_kernel(x, d, geometry, False, x.new_empty(x.shape[0]), grads)
+    return grads
+
+
+def compiled_kernel_takes(inputs: torch.Tensor, output_grad: torch.Tensor) -> bool:
+    """The compiled kernel is built and takes a Conv2d's (input, output gradient): float32 on the CPU."""
+    return (
+        inputs.device.type == "cpu"
+        and inputs.dtype == torch.float32
+        and output_grad.dtype == torch.float32
+        and compiled_conv_norms() is not None
+    )
+
+
+def _run_kernel(
+    x: torch.Tensor,
+    d: torch.Tensor,
+    geometry: Geometry,
+    direct: bool,
+    squared: torch.Tensor,
+    grads: torch.Tensor | None,
+) -> None:
+    """The compiled kernel on contiguous (x, δ) of some examples: their squared norms into ``squared`` and, unless
+    ``grads`` is None, their gradients into it (the direct way's column order with ``direct``)."""
+    kernel = compiled_conv_norms()
+    assert kernel is not None
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
-    batch, channels, height, width = x.shape
+    count, channels, height, width = x.shape
     out_channels, out_h, out_w = d.shape[1:]
     shape = torch.tensor(
         [channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct], dtype=torch.long
     )
-    squared, patch = x.new_empty(batch), channels * kh * kw
-    parts = []
-    for part in heap_sized_slices(batch, out_channels * patch * x.element_size(), x.device):
-        count = part.stop - part.start
-        grads = x.new_empty(count, out_channels, patch) if keep else None
-        if count and kernel(
-            x[part].data_ptr(),
-            d[part].data_ptr(),
-            count,
-            shape.data_ptr(),
-            squared[part].data_ptr(),
-            0 if grads is None else grads.data_ptr(),
-        ):
-            raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
-        parts.append(grads)
-    return squared, parts if keep else None, direct  # type: ignore[return-value]
+    if count and kernel(
+        x.data_ptr(),
+        d.data_ptr(),
+        count,
+        shape.data_ptr(),
+        squared.data_ptr(),
+        0 if grads is None else grads.data_ptr(),
+    ):
+        raise MemoryError("the compiled convolution norms could not allocate their patch buffers")
 
 
 def live_taps(geometry: Geometry, size: tuple[int, ...], out: tuple[int, ...]) -> tuple[range, range]:

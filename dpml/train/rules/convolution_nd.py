@@ -21,9 +21,11 @@ kernel's size, the deep layers: :func:`dpml.train.clipping_norms.materialise` sa
 form, whose Gram matrices hold T² numbers per example. Elsewhere, and for any groups, the per-example gradients are
 formed on demand (:class:`dpml.train.rules.registry.Computed`) without the patches of the whole batch (∏k times the
 input, and a copy): by one weight gradient of torch's with B·g groups (each example's channels a group), or one per
-example, or the patches' product, whichever was fastest for the shape (:func:`fastest_way`, timed once per shape on
-a CPU) — kept where they fit what the pass may keep (the clipped sum is then Σ_i c_i G_i), else formed a slice of
-examples at a time for the norms and the clipped sum taken as one weight gradient of the clip-weighted δ (δ_i c_i).
+example, or the patches' product, or (a 2-D kernel of one group in float32 on a CPU) the compiled kernel that builds
+each example's patches in a cache-sized buffer, whichever was fastest for the shape (:func:`fastest_way`, timed once
+per shape on a CPU) — kept where they fit what the pass may keep (the clipped sum is then Σ_i c_i G_i), else formed
+a slice of examples at a time for the norms and the clipped sum taken as one weight gradient of the clip-weighted δ
+(δ_i c_i).
 
 The input must be batch-first, or hold each example's k images among its first dimension ((B·k, C, …), the recorder's
 example map says whose): an example's images are then its positions side by side
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dpml.train.clipping_conv import named_padding
+from dpml.train.clipping_conv import compiled_gradients, compiled_kernel_takes, named_padding
 from dpml.train.clipping_norms import materialise
 from dpml.train.keep_budget import keep_limit
 from dpml.train.rules.registry import (
@@ -166,33 +168,58 @@ def by_weight_gradient_per_image(x: torch.Tensor, d: torch.Tensor, conv: Convolu
     )
 
 
+def by_compiled_kernel(x: torch.Tensor, d: torch.Tensor, conv: Convolution) -> torch.Tensor:
+    """Every image's gradient by the compiled kernel's patch way (each image's patches built in a cache-sized buffer and
+    multiplied there: :func:`dpml.train.clipping_conv.compiled_gradients`), (N, rows, cols); only where
+    :func:`compiled_kernel_applies`."""
+    geometry = (conv.taps, conv.stride, conv.padding, conv.dilation)
+    grads = compiled_gradients(x, d, geometry)  # type: ignore[arg-type]
+    assert grads is not None
+    return grads
+
+
+def compiled_kernel_applies(x: torch.Tensor, d: torch.Tensor, conv: Convolution) -> bool:
+    """The compiled kernel takes the call: a 2-D convolution (not transposed) of one group, float32 on a CPU, the
+    kernel built."""
+    plain = len(conv.kernel) == 4 and conv.groups == 1 and not conv.transposed
+    return plain and compiled_kernel_takes(x, d)
+
+
 WAYS: dict[str, Callable[[torch.Tensor, torch.Tensor, Convolution], torch.Tensor]] = {
     "grouped weight gradient": by_grouped_weight_gradient,
     "weight gradient per image": by_weight_gradient_per_image,
     "patches": by_patches,
+    "compiled kernel": by_compiled_kernel,
 }
+APPLIES: dict[str, Callable[[torch.Tensor, torch.Tensor, Convolution], bool]] = {
+    "compiled kernel": compiled_kernel_applies
+}
+"""Ways that take only some calls, with what says which (a way not named here takes every call)."""
 _FASTEST: dict[tuple[object, ...], str] = {}
 TIMED_ROUNDS = 3
 
 
 def fastest_way(x: torch.Tensor, d: torch.Tensor, conv: Convolution) -> str:
-    """The way (a key of :data:`WAYS`) to the per-image gradients of this shape: on a CPU the fastest, timed once per
-    image shape and batch size class (its power of two above) in a process, by the least of ``TIMED_ROUNDS`` rounds
-    of the ways in turn after one untimed run each (no way wins everywhere: ad hoc at batch 16, R3D-18's 64-channel
-    3×3×3 on 8×16×16 maps took 16 ms grouped, 73 ms per image, 101 ms by patches; its 512-channel ones on 1×2×2 maps
-    2,343 ms grouped, 55 ms per image). They compute the same numbers, in another order of additions. On a GPU,
-    untimed: the patches while they fit the keep limit, else the grouped weight gradient."""
+    """The way (a key of :data:`WAYS`) to the per-image gradients of this shape: on a CPU the fastest of those that
+    take the call (:data:`APPLIES`), timed once per image shape and batch size class (its power of two above) in a
+    process, by the least of ``TIMED_ROUNDS`` rounds of the ways in turn after one untimed run each (no way wins
+    everywhere: ad hoc at batch 16, R3D-18's 64-channel 3×3×3 on 8×16×16 maps took 16 ms grouped, 73 ms per image,
+    101 ms by patches; its 512-channel ones on 1×2×2 maps 2,343 ms grouped, 55 ms per image; at batch 64,
+    ResNet-18's standardised 64-channel 3×3 on 8×8 maps 11.9 ms grouped, 13.2 per image, 4.6 by patches and 2.5 by
+    the compiled kernel). They compute the same numbers, in another order of additions. On a GPU, untimed: the
+    patches while they fit the keep limit, else the grouped weight gradient."""
     if x.device.type != "cpu":
         positions = math.prod((x if conv.transposed else d).shape[2:])
         numbers = x.shape[0] * math.prod(conv.kernel[1:]) * conv.groups * positions  # the patches'
         return "patches" if numbers <= keep_limit(x.device) else "grouped weight gradient"
     key = (x.dtype, (x.shape[0] - 1).bit_length(), tuple(x.shape[1:]), tuple(d.shape[1:]), conv)
     if key not in _FASTEST:
-        for way in WAYS.values():
+        ways = {name: way for name, way in WAYS.items() if name not in APPLIES or APPLIES[name](x, d, conv)}
+        for way in ways.values():
             way(x, d, conv)
-        least = dict.fromkeys(WAYS, math.inf)
+        least = dict.fromkeys(ways, math.inf)
         for _ in range(TIMED_ROUNDS):
-            for name, way in WAYS.items():
+            for name, way in ways.items():
                 start = time.perf_counter()
                 way(x, d, conv)
                 least[name] = min(least[name], time.perf_counter() - start)
