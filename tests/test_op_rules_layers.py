@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from test_op_rules import assert_clipped_like_the_loop, assert_exact_without_the_exact_path, generator
 from torch import nn
 
+from dpml.train import clipping_norms
 from dpml.train.clipping import engine_pass
 from dpml.train.dpsgd import per_example_cross_entropy
+from dpml.train.rules import norm
 
 
 class TorchLayers(nn.Module):
@@ -341,3 +343,46 @@ def test_matrices_chosen_per_token_that_share_a_first_element_are_told_apart() -
     model = OverlappingRowsPerToken().double()
     assert len(set(model.router(x.reshape(-1, 3)).argmax(-1).tolist())) > 1  # several pairs in use
     assert_clipped_like_the_loop(model, x, y)
+
+
+class FunctionalGroupNorm(nn.Module):
+    """``F.group_norm`` called with a module's γ and β and an activation in the same forward (timm's
+    ``GroupNormAct``, whose output is the activation's: no layer hook applies), on size × size maps; with ``which``
+    only γ or only β trainable."""
+
+    def __init__(self, groups: int, size: int, which: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 6, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(6) + 0.5, requires_grad=which != "beta")
+        self.beta = nn.Parameter(torch.randn(6) * 0.3, requires_grad=which != "gamma")
+        self.groups = groups
+        self.out = nn.Linear(6 * size * size, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.group_norm(self.conv(x), self.groups, self.gamma, self.beta, eps=1e-4)
+        return self.out(F.silu(h).flatten(1))
+
+
+@pytest.mark.parametrize("which", ["both", "gamma", "beta"])
+@pytest.mark.parametrize("size", [5, 6], ids=["recomputed", "folded"])
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_a_functional_group_norms_affine_clips_like_the_loop(
+    monkeypatch: pytest.MonkeyPatch, groups: int, size: int, which: str
+) -> None:
+    """A group norm's γ and β by their rule: below ``FOLDED_GROUP_NORM_MIN_POSITIONS`` positions a channel (5 × 5) x̂
+    is recomputed, from it up (6 × 6) ATen's GroupNorm kernels run on the batch folded into the channels, as for the
+    layer's hook; the float64 loop's clipped sums and norms either way, with γ, β or both trainable."""
+    assert 5 * 5 < clipping_norms.FOLDED_GROUP_NORM_MIN_POSITIONS <= 6 * 6
+    folded = {"calls": 0}
+
+    def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        found = clipping_norms.group_norm_affine_gradients(*args)  # type: ignore[arg-type]
+        folded["calls"] += found is not None
+        return found
+
+    monkeypatch.setattr(norm, "group_norm_affine_gradients", counted)
+    torch.manual_seed(15)
+    x = torch.randn(7, 2, size, size, generator=generator(6), dtype=torch.float64)
+    model = FunctionalGroupNorm(groups, size, which)
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (7,)))
+    assert (folded["calls"] > 0) == (size == 6), folded
