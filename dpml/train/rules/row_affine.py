@@ -361,7 +361,8 @@ def _as_rows(o: Rows | float | None, shape: torch.Size, device: torch.device) ->
 def _plus(a: Rows, b: Rows) -> Rows:
     scale = a.scale if b.scale is None else b.scale if a.scale is None else a.scale + b.scale
     shape = broadcast(a.shape, b.shape)
-    assert shape is not None  # (the operands' shapes were broadcast together by the call: :meth:`_Reader.call`)
+    if shape is None:  # (never: the call's operands were broadcast together first, :meth:`_Reader.call`)
+        raise ValueError(f"shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast")
     return Rows(scale, a.shift + b.shift, shape)
 
 
