@@ -260,10 +260,10 @@ def compiled_norms(
         return None
     x, d = inputs.contiguous(), output_grad.contiguous()
     squared, out_channels, patch = x.new_empty(x.shape[0]), d.shape[1], x.shape[1] * geometry[0][0] * geometry[0][1]
-    parts = []
+    shape, parts = _kernel_shape(x, d, geometry, direct), []
     for part in heap_sized_slices(x.shape[0], out_channels * patch * x.element_size(), x.device):
         grads = x.new_empty(part.stop - part.start, out_channels, patch) if keep else None
-        _run_kernel(x[part], d[part], geometry, direct, squared[part], grads)
+        _run_kernel(x[part], d[part], shape, squared[part], grads)
         parts.append(grads)
     return squared, parts if keep else None, direct  # type: ignore[return-value]
 
@@ -276,7 +276,7 @@ def compiled_gradients(inputs: torch.Tensor, output_grad: torch.Tensor, geometry
         return None
     x, d = inputs.contiguous(), output_grad.contiguous()
     grads = x.new_empty(x.shape[0], d.shape[1], x.shape[1] * geometry[0][0] * geometry[0][1])
-    _run_kernel(x, d, geometry, False, x.new_empty(x.shape[0]), grads)
+    _run_kernel(x, d, _kernel_shape(x, d, geometry, False), x.new_empty(x.shape[0]), grads)
     return grads
 
 
@@ -290,24 +290,25 @@ def compiled_kernel_takes(inputs: torch.Tensor, output_grad: torch.Tensor) -> bo
     )
 
 
-def _run_kernel(
-    x: torch.Tensor,
-    d: torch.Tensor,
-    geometry: Geometry,
-    direct: bool,
-    squared: torch.Tensor,
-    grads: torch.Tensor | None,
-) -> None:
-    """The compiled kernel on contiguous (x, δ) of some examples: their squared norms into ``squared`` and, unless
-    ``grads`` is None, their gradients into it (the direct way's column order with ``direct``)."""
-    kernel = compiled_conv_norms()
-    assert kernel is not None
+def _kernel_shape(x: torch.Tensor, d: torch.Tensor, geometry: Geometry, direct: bool) -> torch.Tensor:
+    """The compiled kernel's description of a call: the input's and the output gradient's sizes per example, the
+    geometry and the way (``direct``: the direct way's column order)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
-    count, channels, height, width = x.shape
+    channels, height, width = x.shape[1:]
     out_channels, out_h, out_w = d.shape[1:]
-    shape = torch.tensor(
+    return torch.tensor(
         [channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct], dtype=torch.long
     )
+
+
+def _run_kernel(
+    x: torch.Tensor, d: torch.Tensor, shape: torch.Tensor, squared: torch.Tensor, grads: torch.Tensor | None
+) -> None:
+    """The compiled kernel on contiguous (x, δ) of some examples (``shape``: :func:`_kernel_shape`): their squared
+    norms into ``squared`` and, unless ``grads`` is None, their gradients into it."""
+    kernel = compiled_conv_norms()
+    assert kernel is not None
+    count = x.shape[0]
     if count and kernel(
         x.data_ptr(),
         d.data_ptr(),
