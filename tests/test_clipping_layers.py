@@ -20,7 +20,7 @@ from dpml.train import (
 )
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import plan_clipping
-from dpml.train.clipping_norms import clipped_outer_sum, self_gram, shared_grams
+from dpml.train.clipping_norms import clipped_outer_sum, self_gram, shared_grams, without_silent_positions
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -401,6 +401,35 @@ def test_positions_where_no_example_has_a_gradient_are_left_out_and_the_sums_sta
     assert_matches_naive_loop(model, x, labels(10), 0.05)
     # last (one position left), mix (all); out, at one position, is not asked: one position is never dropped
     assert sorted(kept) == [(7, 1), (7, 7)]
+
+
+@pytest.mark.parametrize(
+    ("live", "kept"),
+    [
+        ([{0}, {2}, set()], [0, 2]),  # the first example's one live position does not settle it: the union is kept
+        ([{0}, {1, 2, 3}, {6}], None),  # 5 of 7 live, though the first example has one: nothing dropped
+        ([{0, 1, 2, 3}, set(), set()], None),  # the first example alone has more than half: settled by it
+        ([{5}, {5}, {1, 5}], [1, 5]),
+        ([set(), set(), set()], [0]),  # nothing live: one position left, so that shapes stay (B, ≥1, …)
+        ([{0, 1, 2}, {3}, set()], None),  # exactly half silent in the first example, 4 of 7 live in all
+        ([{0, 1, 2}, set(), {2}], [0, 1, 2]),  # 3 of 7 live: dropped, though the first example holds them all
+    ],
+)
+def test_the_positions_left_out_are_those_silent_in_every_example(live: list[set[int]], kept: list[int] | None) -> None:
+    """δ (3 examples, 7 positions, 2 × 2): a position is left out only where every example's δ_t is zero, whichever
+    example it is live in; a NaN counts as live. Nothing is dropped unless at least half the positions are silent."""
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(3, 7, 4, generator=generator, dtype=torch.float64)
+    d = torch.zeros(3, 7, 2, 2, dtype=torch.float64)
+    for example, positions in enumerate(live):
+        for t in positions:
+            d[example, t, t % 2, 1] = float("nan") if (example, t) == (1, 2) else 1.0 + t
+    out_a, out_d = without_silent_positions(a, d)
+    if kept is None:
+        assert out_a is a and out_d is d
+        return
+    assert torch.equal(out_a, a[:, kept])
+    torch.testing.assert_close(out_d, d[:, kept], equal_nan=True, rtol=0, atol=0)
 
 
 class TiedLanguageModel(nn.Module):
