@@ -15,7 +15,8 @@ sees that plain form:
   row 1 the mask: 1 = a token, 0 = padding), or flat as ``2T`` values (``[ids…, mask…]``, how a table's
   ``tokens`` column is prepared, :mod:`dpml.data.encoding`). The adapter splits them and calls
   ``net(input_ids=ids, attention_mask=mask)`` with integer tensors. An example's ids and mask are one
-  record, so chunking, batching and Poisson sampling can never separate them.
+  record, so chunking, batching and Poisson sampling can never separate them. The clipping probe's
+  synthetic token examples follow the special ids the module's ``config`` names (:func:`probe_tokens`).
 
 The adapter holds no parameter of its own: the wrapped module's state dict appears under ``net.``.
 This module imports no library: it recognises them by their conventions.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,15 +111,68 @@ def split_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, 0], x[:, 1]
 
 
-def probe_tokens(count: int, length: int, vocabulary: int, generator: torch.Generator) -> torch.Tensor:
-    """``count`` synthetic token examples ``(count, 2, length)``: ids in [1, vocabulary) where the mask keeps
-    them, 0 (padding) where it does not; example i ends in i mod ⌈length/2⌉ padding positions (at least
-    one token is kept)."""
-    low = 1 if vocabulary > 1 else 0
-    ids = torch.randint(low, max(vocabulary, 1), (count, length), generator=generator)
+SPECIAL_TOKEN_KEYS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+    "unk_token_id",
+    "decoder_start_token_id",
+)
+"""The ids of special tokens a Hugging Face config names (``PretrainedConfig``'s attributes, some model types')."""
+
+
+@dataclass(frozen=True)
+class TokenConventions:
+    """What a library model's config says of its token ids: ``special``, the ids with a role (never drawn as an
+    ordinary token), ``pad`` the id of padding, and ``eos`` the id that ends a sequence, if any: a tokenizer ends
+    every example with it, and some models need it there (T5's and BART's classifiers read the hidden state of
+    each example's last ``<eos>`` and refuse a batch whose examples hold different numbers of them)."""
+
+    special: frozenset[int] = frozenset({0})
+    pad: int = 0
+    eos: int | None = None
+
+
+def _token_ids(value: Any) -> list[int]:
+    """A config's token ids: an int, or each of a list of them (Llama 3's several ``eos_token_id``)."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def token_conventions(net: nn.Module) -> TokenConventions:
+    """The :class:`TokenConventions` of ``net``'s ``config`` (Hugging Face's, also reached through peft's wrappers);
+    the defaults (padding id 0, no ``<eos>``) for a module without one."""
+    config = getattr(net, "config", None)
+    named = {key: _token_ids(getattr(config, key, None)) for key in SPECIAL_TOKEN_KEYS}
+    pad = (named["pad_token_id"] or [0])[0]
+    eos = named["eos_token_id"][0] if named["eos_token_id"] else None
+    return TokenConventions(frozenset({pad, *(i for ids in named.values() for i in ids)}), pad, eos)
+
+
+def probe_tokens(
+    count: int,
+    length: int,
+    vocabulary: int,
+    generator: torch.Generator,
+    conventions: TokenConventions = TokenConventions(),
+) -> torch.Tensor:
+    """``count`` synthetic token examples ``(count, 2, length)`` laid out as a tokenizer's: ordinary ids (in
+    [0, vocabulary), none of ``conventions.special`` where any other is left) where the mask keeps them, the last
+    kept one ``<eos>`` where the model names one, and the padding id where the mask does not keep them; example i
+    ends in i mod ⌈length/2⌉ padding positions (at least one token is kept)."""
+    ordinary = torch.ones(max(vocabulary, 1), dtype=torch.bool)
+    ordinary[[k for k in conventions.special if k < ordinary.numel()]] = False
+    choices = ordinary.nonzero().squeeze(1) if bool(ordinary.any()) else torch.arange(ordinary.numel())
+    ids = choices[torch.randint(0, choices.numel(), (count, length), generator=generator)]
     padding = torch.arange(count) % max(1, (length + 1) // 2)
-    mask = (torch.arange(length)[None, :] < (length - padding)[:, None]).long()
-    return torch.stack([ids * mask, mask], dim=1)
+    kept = length - padding
+    if conventions.eos is not None and conventions.eos < vocabulary:
+        ids[torch.arange(count), kept - 1] = conventions.eos
+    mask = (torch.arange(length)[None, :] < kept[:, None]).long()
+    return torch.stack([torch.where(mask.bool(), ids, conventions.pad), mask], dim=1)
 
 
 class LibraryModel(nn.Module):
@@ -150,7 +205,7 @@ class LibraryModel(nn.Module):
                 f"token inputs: an example of shape {list(input_shape)} cannot hold ids and a mask "
                 "of one length (2T values)"
             )
-        tokens = probe_tokens(count, values // 2, self.vocabulary or 2, generator)
+        tokens = probe_tokens(count, values // 2, self.vocabulary or 2, generator, token_conventions(self.net))
         dtype = torch.float64 if input_dtype.is_floating_point else input_dtype
         return tokens.reshape(count, *input_shape).to(dtype)
 

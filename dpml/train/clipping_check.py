@@ -29,7 +29,8 @@ shortcut and rule is tested, on a deep copy of the model in float64 on the CPU:
 
 The probe batch is synthetic (from a fixed public seed, so the plan is the same every time): standard
 normal inputs of the model's input shape (integer inputs: token ids below the smallest embedding's
-vocabulary; token inputs with a mask: the adapter's ids and masks, with padding) and uniform labels.
+vocabulary; token inputs with a mask: the adapter's, laid out as the model's tokenizer would from the special ids
+its config names, :func:`dpml.models.library.probe_tokens`) and uniform labels.
 It is not a record and nothing about the data enters the plan.
 Each forward pass of the check restores the copy's buffers and the random state first (torch's, NumPy's and Python's
 global generators, each seeded alike: ``transformers``' wav2vec2 draws its feature masks from NumPy's), so dropout
