@@ -74,6 +74,15 @@ def test_a_vocabulary_of_special_ids_only_still_gives_a_probe() -> None:
     assert tokens.shape == (3, 2, 4) and bool(((tokens[:, 0] == 0) | (tokens[:, 0] == 1)).all())
 
 
+def test_special_ids_the_vocabulary_does_not_hold_are_not_used() -> None:
+    """A configuration's defaults may name ids past a small vocabulary (GPT-Neo's <eos> 50256 with 40 tokens): no
+    <eos> then, and padding 0, never an id the input embedding would fail on."""
+    conventions = token_conventions(Configured(pad_token_id=50, eos_token_id=45, bos_token_id=3))
+    ids, mask = probe_tokens(8, LENGTH, VOCABULARY, torch.Generator().manual_seed(1), conventions).unbind(1)
+    assert bool((ids < VOCABULARY).all()) and bool((ids[mask == 0] == 0).all()) and (mask == 0).any()
+    assert not bool((ids[mask == 1] == 3).any())
+
+
 def _t5(transformers: Any) -> nn.Module:
     config = transformers.T5Config(
         vocab_size=VOCABULARY,

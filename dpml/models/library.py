@@ -161,8 +161,9 @@ def probe_tokens(
 ) -> torch.Tensor:
     """``count`` synthetic token examples ``(count, 2, length)`` laid out as a tokenizer's: ordinary ids (in
     [0, vocabulary), none of ``conventions.special`` where any other is left) where the mask keeps them, the last
-    kept one ``<eos>`` where the model names one, and the padding id where the mask does not keep them; example i
-    ends in i mod ⌈length/2⌉ padding positions (at least one token is kept)."""
+    kept one ``<eos>`` where the model names one, and the padding id where the mask does not keep them (ids the
+    vocabulary does not hold are not used: no ``<eos>``, padding 0); example i ends in i mod ⌈length/2⌉ padding
+    positions (at least one token is kept)."""
     ordinary = torch.ones(max(vocabulary, 1), dtype=torch.bool)
     ordinary[[k for k in conventions.special if k < ordinary.numel()]] = False
     choices = ordinary.nonzero().squeeze(1) if bool(ordinary.any()) else torch.arange(ordinary.numel())
@@ -172,7 +173,8 @@ def probe_tokens(
     if conventions.eos is not None and conventions.eos < vocabulary:
         ids[torch.arange(count), kept - 1] = conventions.eos
     mask = (torch.arange(length)[None, :] < kept[:, None]).long()
-    return torch.stack([torch.where(mask.bool(), ids, conventions.pad), mask], dim=1)
+    pad = conventions.pad if conventions.pad < vocabulary else 0
+    return torch.stack([torch.where(mask.bool(), ids, pad), mask], dim=1)
 
 
 class LibraryModel(nn.Module):
