@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_op_rules import assert_clipped_like_the_loop
+from test_op_rules import assert_clipped_like_the_loop, assert_exact_without_the_exact_path
 from torch import nn
 
 from dpml.train.clipping import engine_pass
@@ -188,3 +188,38 @@ def test_time_major_index_equations_take_the_rules_with_the_batch_where_it_is(le
     found = engine_pass(model.double(), per_example_cross_entropy, x, y)
     assert found.exact == {}, found.reasons
     assert_clipped_like_the_loop(model, x, y)
+
+
+class NumpyNames(nn.Module):
+    """A learned prefix joined before each example's positions, a tensor built from the batch's but of shape
+    (T + 2, T + 2) joined along its second dimension (Funnel Transformer's class mask), a mean kept as a dimension and
+    a sort along the positions, with their dimensions named as NumPy names them (``axis``, ``keepdims``) — which
+    torch's parser takes for its own ``dim`` and ``keepdim`` — or as torch does."""
+
+    def __init__(self, numpy: bool) -> None:
+        super().__init__()
+        self.numpy = numpy
+        self.prefix = nn.Parameter(torch.randn(1, 2, 4))
+        self.mix, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def along(self, dim: int, keep: bool = False) -> dict[str, object]:
+        names = ("axis", "keepdims") if self.numpy else ("dim", "keepdim")
+        return {names[0]: dim} | ({names[1]: True} if keep else {})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        h = torch.tanh(self.mix(torch.cat([self.prefix.expand(x.shape[0], -1, -1), x], **self.along(1))))
+        mask = h.new_ones(h.shape[1], h.shape[1])  # (T + 2, T + 2), from the batch's tensor
+        mask = torch.concat([mask[:, :1], mask], **self.along(1))[:, 1:]
+        h = h + 0.1 * torch.einsum("st,btd->bsd", mask, h)
+        h = h - h.mean(**self.along(1, keep=True))
+        return self.out(torch.sort(h, **self.along(1)).values.sum(**self.along(1)))
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["torch-names", "numpy-names"])
+def test_dimensions_named_as_numpy_names_them_are_followed_as_torch_s(numpy: bool) -> None:
+    """With T + 2 = B, a join of the (T + 2, T + 2) tensor read as along the first dimension (``dim``'s default)
+    would be a join of the batch; the prefix joined along ``axis=1`` as one along the batch went to the exact path."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(2))
+    assert_exact_without_the_exact_path(NumpyNames(numpy), per_example_cross_entropy, x, y)

@@ -62,6 +62,21 @@ def reentered(func: types.FunctionType) -> types.FunctionType:
     return _REENTERED[func]
 
 
+NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim"}
+"""Argument names torch's parser takes for NumPy's sake in place of its own (``torch.cat(xs, axis=1)``,
+``x.sum(axis=-1, keepdims=True)``); the rules and the example maps read torch's names only."""
+
+
+def torch_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with NumPy's argument names (:data:`NUMPY_NAMES`) given torch's: a join or reduction along an
+    ``axis`` read as along the first dimension (the default ``dim``) would be followed as one along the batch
+    (Funnel Transformer's ``torch.cat(…, axis=axis)`` of its masks crashed the recording, a learned prefix joined
+    with ``axis=1`` was sent to the exact path). A call naming both is left to torch to refuse."""
+    if not any(name in kwargs for name in NUMPY_NAMES):
+        return kwargs
+    return {NUMPY_NAMES[k] if k in NUMPY_NAMES and NUMPY_NAMES[k] not in kwargs else k: v for k, v in kwargs.items()}
+
+
 def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):

@@ -39,7 +39,15 @@ from dpml.train.rules.derived import DerivedNodes
 from dpml.train.rules.rerun import RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.example_maps import ExampleMaps
-from dpml.train.rules.operands import OUT_OF_PLACE, apply_view, composite_of, outputs, substituted, tensors
+from dpml.train.rules.operands import (
+    OUT_OF_PLACE,
+    apply_view,
+    composite_of,
+    outputs,
+    substituted,
+    tensors,
+    torch_names,
+)
 from dpml.train.rules.registry import (
     BROADCASTING,
     IDENTITY_VIEWS,
@@ -205,7 +213,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self._tracked[id(t)] = (t, tracked)
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        kwargs = torch_names(kwargs or {})
         if func in METADATA:  # (``w.dtype``: no use of w's values)
             return func(*args, **kwargs)
         operands = list(tensors(args, kwargs))
