@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_op_rules import assert_clipped_like_the_loop, assert_exact_without_the_exact_path
 from torch import nn
 
@@ -223,3 +224,103 @@ def test_dimensions_named_as_numpy_names_them_are_followed_as_torch_s(numpy: boo
     x = torch.randn(6, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     y = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(2))
     assert_exact_without_the_exact_path(NumpyNames(numpy), per_example_cross_entropy, x, y)
+
+
+class GlobalTokens(nn.Module):
+    """Longformer's global attention, written out: each example's global positions (a count that differs from one
+    example to another: positions 0 and, where its first feature is positive, 2) gathered by index into a tensor of
+    zeros made for them, time-major (G, B, d), with ``new_zeros`` or ``zeros_like`` and ``t[key] = value``; their
+    queries projected there (``F.linear`` on a parameter: the rule must know each row's example), scored against
+    the keys of their own example, and the scores written back into each example's positions."""
+
+    def __init__(self, made: str) -> None:
+        super().__init__()
+        self.made = made
+        self.embed = nn.Linear(4, 6)
+        self.query = nn.Parameter(torch.randn(6, 6) * 0.4)
+        self.key = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        h = torch.tanh(self.embed(x)).transpose(0, 1)  # (T, B, d), time-major as Longformer's
+        chosen = torch.zeros(x.shape[:2], dtype=torch.bool)
+        chosen[:, 0] = True
+        chosen[:, 2] = x[:, 0, 0] > 0
+        count = chosen.sum(1)
+        rows, where = chosen.nonzero(as_tuple=True)  # (example, position) of each global token
+        slot = torch.cat([torch.arange(int(c)) for c in count])  # its place among its example's
+        if self.made == "new_zeros":
+            tokens = h.new_zeros(int(count.max()), x.shape[0], h.shape[2])
+        else:
+            tokens = torch.zeros_like(h[: int(count.max())])
+        tokens[slot, rows] = h[where, rows]
+        queries = F.linear(tokens, self.query)  # (G, B, d)
+        keys = self.key(h)  # (T, B, d)
+        scores = torch.einsum("gbd,tbd->btg", queries, keys).amax(2, keepdim=True)  # (B, T, 1)
+        return self.out((torch.softmax(scores, 1) * h.transpose(0, 1)).sum(1))
+
+
+@pytest.mark.parametrize("made", ["new_zeros", "zeros_like"])
+def test_rows_written_into_zeros_made_for_them_keep_their_examples(made: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert (x[:, 0, 0] > 0).any() and (x[:, 0, 0] <= 0).any()  # examples with one global token and with two
+    y = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(4))
+    assert_exact_without_the_exact_path(GlobalTokens(made), per_example_cross_entropy, x, y)
+
+
+class WrittenRows(nn.Module):
+    """Each example's first two positions, time-major (T = 3, B, d), written into zeros made for them (2, B, d), whose
+    map ``new_zeros`` cannot give (neither h's shape nor a broadcast of it); then ``F.linear`` with a parameter on
+    them and the rows read back in the batch's order. ``how``:
+
+    - ``permuted``: all of them, at the places along the batch a data-dependent order gives (the map follows);
+    - ``shifted``: a partial write, example i's first position at place i + 1 (no index along the batch is every
+      written place's example: the map is lost, the rule cannot know the rows' examples);
+    - ``written-before``: the zeros first written through a view (example 0's second position at (1, 1), read by
+      example 0's output alone), then every example's first position at (0, i): taking the rest for untouched zeros
+      would give (1, 1) to example 1.
+
+    No example's output reads another's values (what the probe's independence check asks of a model)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a = nn.Linear(4, 5)
+        self.w = nn.Parameter(torch.randn(5, 5) * 0.4)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 4)
+        h = torch.tanh(self.a(x)).transpose(0, 1)  # (3, B, 5)
+        buf = h.new_zeros(2, *h.shape[1:])
+        order = x[:, 0, 0].argsort()
+        if self.how == "permuted":
+            buf[:, order] = h[:2]
+            return self.out(torch.tanh(F.linear(buf, self.w))[:, order].mean(0))
+        if self.how == "shifted":
+            buf[0, 1:] = h[0, :-1]
+            return self.out(torch.tanh(F.linear(buf, self.w))[0].roll(-1, 0) + h[1])
+        buf[1, 1:2].copy_(h[1, :1])
+        buf[0] = h[0]
+        z = torch.tanh(F.linear(buf, self.w))
+        first = (torch.arange(x.shape[0]) == 0).to(x.dtype)[:, None]
+        return self.out(z[0] + first * z[1, 1] + h.mean(0))
+
+
+def test_rows_written_in_a_data_dependent_order_keep_their_examples() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(7, 3, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    y = torch.randint(0, 3, (7,), generator=torch.Generator().manual_seed(6))
+    assert_exact_without_the_exact_path(WrittenRows("permuted"), per_example_cross_entropy, x, y)
+
+
+@pytest.mark.parametrize("how", ["shifted", "written-before"])
+def test_written_rows_whose_examples_cannot_be_known_take_the_exact_path_and_stay_exact(how: str) -> None:
+    """The recording itself sends the parameter to the exact path (not the probe after it), and the sums stay exact."""
+    torch.manual_seed(2)
+    model = WrittenRows(how).double()
+    x = torch.randn(7, 3, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    y = torch.randint(0, 3, (7,), generator=torch.Generator().manual_seed(8))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert "w" in found.exact, found.reasons
+    assert_clipped_like_the_loop(model, x, y)

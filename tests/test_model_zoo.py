@@ -68,6 +68,7 @@ TEXT_FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": ONE_KV_HEAD | {"sliding_window": 16},
     "gemma2": ONE_KV_HEAD | {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 16},
     "modernbert": {"global_attn_every_n_layers": 2, "local_attention": 16},
+    "longformer": {"attention_window": 4},  # each example's global tokens written into zeros made for them
     "bart": SEQ2SEQ,
     "mbart": SEQ2SEQ,
 }

@@ -7,6 +7,7 @@ back; lost by a sort along the first dimension; read back as the rows of each ex
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,24 @@ SORTS = {torch.sort, T.sort, torch.msort, T.msort, torch.topk, T.topk}
 """Functions that move elements by their values: along the first dimension no map says where each row went."""
 
 
+CONSTANTS = {T.new_zeros, T.new_ones, T.new_full, torch.zeros_like, torch.ones_like, torch.full_like}
+"""Functions whose output holds constants whatever their operand's values (of which they read the shape, dtype and
+device only): a tensor made for rows of the batch to be written into (Longformer's zeros of each example's global
+tokens). Not ``new_empty`` / ``empty_like``: their places hold whatever the memory held."""
+WRITES = {T.__setitem__}
+"""``t[key] = value``: each place written takes the example of the value's element written there
+(:meth:`ExampleMaps._follow_write`)."""
+
+
+def _on_host(key: Any) -> Any:
+    """An indexing key with its index tensors on the CPU, where the example maps are."""
+    if isinstance(key, torch.Tensor):
+        return key.cpu()
+    if isinstance(key, (tuple, list)):
+        return type(key)(_on_host(k) for k in key)
+    return key
+
+
 def _varying(examples: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """(the dimensions along which an example map's values change, its values over them alone, in their order), from
     its values without broadcast dimensions (:func:`core`)."""
@@ -75,6 +94,7 @@ class ExampleMaps:
         self.batch = batch
         self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
         self._base = torch.arange(batch)  # example maps are views of it, on the CPU (recorder's module docstring)
+        self._constants: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # CONSTANTS' outputs: their versions
 
     def tracked(self, value: Any) -> Tracked | None:
         """The parameter view ``value`` is (the recorder's bookkeeping); None here."""
@@ -135,6 +155,61 @@ class ExampleMaps:
             self._examples.pop(id(t), None)
             return
         self._examples[id(t)] = (t, examples)
+
+    def note_constants(self, func: Any, out: Any) -> None:
+        """Remember the outputs of :data:`CONSTANTS`, each with its version counter (which its views share)."""
+        if func in CONSTANTS:
+            for o in outputs(out):
+                self._constants[id(o)] = (weakref.ref(o), o._version)
+
+    def unwritten_constant(self, func: Any, args: tuple[Any, ...]) -> bool:
+        """Whether the call is a write (:data:`WRITES`) into an output of :data:`CONSTANTS` that nothing has written
+        since it was made, through any of its views: asked before the call."""
+        if func not in WRITES or not args or not isinstance(args[0], torch.Tensor):
+            return False
+        entry = self._constants.get(id(args[0]))
+        return entry is not None and entry[0]() is args[0] and args[0]._version == entry[1]
+
+    def _follow_write(self, args: tuple[Any, ...], into_constant: bool) -> None:
+        """``t[key] = value`` (:data:`WRITES`) of a value from the batch: t holds the batch's values from now on; each
+        place written takes the example of the value's element written there, the others keep theirs. Into a
+        constant nothing wrote before (:meth:`unwritten_constant`) the places not written belong to no example: the
+        map is then the index along a dimension of size B where that index is every written place's example
+        (Longformer's (G, B, d) zeros given each example's global tokens along dimension 1), else lost. A value or
+        a target whose batch is lost, or a key the map cannot take, loses t's. The key's index tensors are read on
+        the CPU, where the maps are (a wait on a GPU, for the writes a model makes into activations)."""
+        target, key, value = (args + (None, None, None))[:3]
+        if not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) or self.batch == 1:
+            return
+        if not self.derived(value):
+            return  # a constant written: each place keeps its example
+        self._derived.add(target)
+        known, old = (True, None) if into_constant else self._source_examples(target)
+        value_known, written = self._source_examples(value)
+        if not known or not value_known or written is None:
+            self._keep_examples(target, None)
+            return
+        full = torch.full(target.shape, -1, dtype=torch.int64) if old is None else old.expand(target.shape).clone()
+        try:
+            full[_on_host(key)] = written
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            self._keep_examples(target, None)
+            return
+        self._keep_examples(target, self._along_batch_index(full) if into_constant else full)
+
+    def _along_batch_index(self, full: torch.Tensor) -> torch.Tensor | None:
+        """The map of a constant partly written: ``full`` holds the examples of the places written and −1 elsewhere;
+        itself where every place was written, else the index along the first dimension of size B that is the
+        example of every place written; None where there is none."""
+        written = full >= 0
+        if bool(written.all()):
+            return full
+        for k, size in enumerate(full.shape):
+            if size == self.batch:
+                index = self._base.view([size if j == k else 1 for j in range(full.dim())]).expand(full.shape)
+                if torch.equal(full[written], index[written]):
+                    return index
+        return None
 
     def _follow_view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None

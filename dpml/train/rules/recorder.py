@@ -11,10 +11,11 @@ Besides the rules' pending calls it keeps track of
   views of ``arange(B)`` broadcast over the batch-first tensor give the example of every element (an *example map*),
   carried on through operations that keep the shape, keep all but the last dimension (``F.linear``) or broadcast
   (the maps are bookkeeping kept on the CPU whatever the batch's device, so reading them never waits for a GPU; a
-  row order or the owners of rows go to an activation's device where they meet it);
-  an output none of these describes is marked *lost*, and no rule assumes where its batch is. A tensor without an
-  example map is batch-first when it was computed from the batch's inputs (position ids and constants were not) and
-  its first dimension is B, as for the layer hooks;
+  row order or the owners of rows go to an activation's device where they meet it), and through writes
+  ``t[key] = value`` of the batch's rows (into zeros made for them: Longformer's global tokens); an output none of
+  these describes is marked *lost*, and no rule assumes where its batch is. A tensor without an example map is
+  batch-first when it was computed from the batch's inputs (position ids and constants were not) and its first
+  dimension is B, as for the layer hooks;
 - **why** a parameter cannot be covered: an operation with no rule (``torch.cumsum has no rule``) or a rule that
   refused the call (``F.linear: its input (shape (3, 5)) is not batch-first``);
 - whether a parameter of a hooked layer (:mod:`dpml.train.clipping`) is used outside that layer's call.
@@ -38,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from dpml.train.rules.derived import DerivedNodes
 from dpml.train.rules.rerun import RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
-from dpml.train.rules.example_maps import ExampleMaps
+from dpml.train.rules.example_maps import WRITES, ExampleMaps
 from dpml.train.rules.operands import (
     OUT_OF_PLACE,
     apply_view,
@@ -228,11 +229,15 @@ class Recorder(ExampleMaps, TorchFunctionMode):
                 self.computations.before_write(target)
         hits = [t for t in map(self.tracked, operands) if t is not None]
         if not hits:
+            into_constant = self.unwritten_constant(func, args)
             out = func(*args, **kwargs)
             if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
                 self._follow_view(func, args, kwargs, out)
+            elif func in WRITES:
+                self._follow_write(args, into_constant)
             else:
                 self._follow_rows(args, kwargs, out, func)
+            self.note_constants(func, out)
             return out
         self._note_owners(hits)
         if stale := self.computations.stale_among(operands, self.tracked):
