@@ -160,8 +160,15 @@ class Returning(nn.Module):
 
 @pytest.mark.parametrize(
     "wrap",
-    [Output, lambda z: {"logits": z, "hidden": z}, lambda z: (z, z.sum()), lambda z: [z]],
-    ids=["attribute", "dict", "tuple", "list"],
+    [
+        Output,
+        lambda z: {"logits": z, "hidden": z},
+        lambda z: (z, z.sum()),
+        lambda z: [z],
+        lambda z: {"prediction_logits": z, "hidden_states": z.exp()},  # PatchTST's classifier
+        lambda z: {"prediction_outputs": z, "last_hidden_state": z.exp()},  # PatchTSMixer's
+    ],
+    ids=["attribute", "dict", "tuple", "list", "prediction-logits", "prediction-outputs"],
 )
 def test_an_output_object_becomes_its_logits_in_one_adapter(wrap: Callable[[torch.Tensor], Any]) -> None:
     net = Returning(wrap)
@@ -184,6 +191,8 @@ def test_an_output_without_logits_is_refused_before_any_budget_is_spent(tmp_path
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     with pytest.raises(ModelOutputError, match=r"its forward returned a builtins.dict"):
         quick(Returning(lambda z: {"scores": z}), data, tmp_path)
+    with pytest.raises(ModelOutputError, match=r"its forward returned a builtins.dict"):  # which of the two?
+        quick(Returning(lambda z: {"start_logits": z, "end_logits": -z}), data, tmp_path)
     assert not (tmp_path / "ledger.db").exists() or Ledger(tmp_path / "ledger.db", 1e-5).spends() == []
 
 

@@ -6,9 +6,9 @@ network of the release and ``dpml reproduce``. A library's module may differ in 
 :class:`LibraryModel` wraps it once, where the model is built (:func:`adapt`), so that every caller
 sees that plain form:
 
-- **Its output.** A ``ModelOutput``-like object with a ``.logits`` tensor, a dict with ``"logits"``,
-  or a tuple/list whose first item is the logits tensor are turned into that tensor
-  (:func:`logits_from_output`). Anything else is refused before training, naming the type returned.
+- **Its output.** A ``ModelOutput``-like object with a ``.logits`` tensor, a dict with ``"logits"`` (or with one
+  tensor named ``*logits`` or ``prediction*``), or a tuple/list whose first item is the logits tensor are turned into
+  that tensor (:func:`logits_from_output`). Anything else is refused before training, naming the type returned.
 - **Its inputs.** A forward that takes ``input_ids`` and ``attention_mask`` keyword arguments (the
   Hugging Face convention; detected from the signature, or ``inputs="tokens"``) gets *token inputs*:
   dpml carries each example's ids and mask together as one tensor of shape ``(2, T)`` (row 0 the ids,
@@ -36,12 +36,26 @@ INPUT_KINDS = ("auto", "tensor", "tokens")
 TOKEN_KEYWORDS = ("input_ids", "attention_mask")
 ALLOWED_OUTPUTS = (
     "a (batch, classes) logits tensor, an object with a .logits tensor (a transformers ModelOutput), "
-    "a dict with a 'logits' tensor, or a tuple/list whose first item is the logits tensor"
+    "a dict with a 'logits' tensor (or with one tensor named *logits or prediction*, and no other so named), "
+    "or a tuple/list whose first item is the logits tensor"
 )
 
 
 class ModelOutputError(ValueError):
     """The module's forward returned something dpml cannot read logits from (raised before training)."""
+
+
+def _named_predictions(output: Mapping[Any, Any]) -> list[torch.Tensor]:
+    """The tensors of a mapping (a ``ModelOutput``: its fields that are not None) named as a prediction is where a
+    model names it otherwise than ``logits``: PatchTST's classifier returns ``prediction_logits``, PatchTSMixer's
+    ``prediction_outputs``. Two of them (a question-answering head's ``start_logits`` and ``end_logits``) say
+    nothing of which is meant."""
+    return [
+        value
+        for key, value in output.items()
+        if isinstance(key, str) and (key.endswith("logits") or key.startswith("prediction"))
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def logits_from_output(output: Any) -> torch.Tensor:
@@ -53,6 +67,8 @@ def logits_from_output(output: Any) -> torch.Tensor:
         return logits
     if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
         return output["logits"]  # type: ignore[no-any-return]
+    if isinstance(output, Mapping) and len(named := _named_predictions(output)) == 1:
+        return named[0]
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     raise ModelOutputError(
