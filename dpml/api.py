@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpml.devices import pick_device
-from dpml.models.library import adapt, check_input_kind, input_vocabulary
+from dpml.models.library import adapt, check_input_kind, eager, input_vocabulary
 from dpml.sections import DpConfig, TrainSettings
 from dpml.sections_stores import LedgerConfig
 from dpml.accounting.accountants import certify
@@ -122,7 +122,9 @@ def model_inputs(
 ) -> tuple[nn.Module, Dataset[Any], torch.Tensor]:
     """The model as the engine calls it (one tensor in, logits out: :func:`dpml.models.library.adapt`), the
     records as it reads them, and the first input. Token inputs (a forward taking ``input_ids`` and
-    ``attention_mask``) are checked record by record here, before any work (:mod:`dpml.train.token_records`)."""
+    ``attention_mask``) are checked record by record here, before any work (:mod:`dpml.train.token_records`).
+    A ``torch.compile`` wrapper is trained through the module it compiled (:func:`dpml.models.library.eager`)."""
+    model = eager(model)
     if check_input_kind(inputs, model):
         check_token_records(dataset, n, input_vocabulary(model))
         dataset = TokenRecords(dataset)

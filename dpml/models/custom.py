@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpml.models.library import adapt, check_input_kind
+from dpml.models.library import adapt, check_input_kind, eager
 
 FACTORY_FORMAT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -123,6 +123,7 @@ def build_custom(spec: CustomSpec) -> nn.Module:
         ) from None
     if not isinstance(net, nn.Module):
         raise ValueError(f"model.factory = {spec.factory!r}: returned a {type(net).__name__}, not a torch.nn.Module")
+    net = eager(net)  # a torch.compile wrapper: the module it compiled
     if check_input_kind(spec.inputs, net, "model.inputs"):  # token inputs: the adapter reads the flat [ids…, mask…]
         return adapt(net, tuple(shape), inputs="tokens")
     net = adapt(net, tuple(shape), inputs="tensor", key="model.inputs")  # a library's output object → logits

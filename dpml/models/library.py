@@ -25,6 +25,7 @@ This module imports no library: it recognises them by their conventions.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+LOG = logging.getLogger("dpml.models")
 INPUT_KINDS = ("auto", "tensor", "tokens")
 TOKEN_KEYWORDS = ("input_ids", "attention_mask")
 ALLOWED_OUTPUTS = (
@@ -75,6 +77,18 @@ def logits_from_output(output: Any) -> torch.Tensor:
         f"model: its forward returned a {type(output).__module__}.{type(output).__qualname__}; "
         f"dpml reads the logits from {ALLOWED_OUTPUTS}"
     )
+
+
+def eager(net: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` compiled where ``net`` is its wrapper (an ``OptimizedModule``, whose parameters
+    are the module's own tensors), else ``net``: dpml's clipping engine runs the forward pass eagerly, its layer hooks
+    and torch function mode seeing each operation that a compiled graph would fuse away. Its forward's signature
+    (``input_ids``, ``attention_mask``) is the module's, not the wrapper's ``*args, **kwargs``."""
+    inner = getattr(net, "_orig_mod", None)
+    if type(net).__name__ != "OptimizedModule" or not isinstance(inner, nn.Module):
+        return net
+    LOG.info("model: a torch.compile wrapper; dpml trains the module it compiled, run eagerly (the same parameters)")
+    return eager(inner)
 
 
 def takes_token_keywords(net: nn.Module) -> bool:
