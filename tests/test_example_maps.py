@@ -229,9 +229,9 @@ def test_dimensions_named_as_numpy_names_them_are_followed_as_torch_s(numpy: boo
 class GlobalTokens(nn.Module):
     """Longformer's global attention, written out: each example's global positions (a count that differs from one
     example to another: positions 0 and, where its first feature is positive, 2) gathered by index into a tensor of
-    zeros made for them, time-major (G, B, d), with ``new_zeros`` or ``zeros_like`` and ``t[key] = value``; their
-    queries projected there (``F.linear`` on a parameter: the rule must know each row's example), scored against
-    the keys of their own example, and the scores written back into each example's positions."""
+    zeros made for them, time-major (G, B, d), with ``new_zeros``, ``zeros_like`` or ``torch.zeros`` and
+    ``t[key] = value``; their queries projected there (``F.linear`` on a parameter: the rule must know each row's
+    example) and scored against the keys of their own example, which weigh its positions."""
 
     def __init__(self, made: str) -> None:
         super().__init__()
@@ -251,6 +251,8 @@ class GlobalTokens(nn.Module):
         slot = torch.cat([torch.arange(int(c)) for c in count])  # its place among its example's
         if self.made == "new_zeros":
             tokens = h.new_zeros(int(count.max()), x.shape[0], h.shape[2])
+        elif self.made == "zeros":
+            tokens = torch.zeros(int(count.max()), x.shape[0], h.shape[2], dtype=h.dtype)
         else:
             tokens = torch.zeros_like(h[: int(count.max())])
         tokens[slot, rows] = h[where, rows]
@@ -260,7 +262,7 @@ class GlobalTokens(nn.Module):
         return self.out((torch.softmax(scores, 1) * h.transpose(0, 1)).sum(1))
 
 
-@pytest.mark.parametrize("made", ["new_zeros", "zeros_like"])
+@pytest.mark.parametrize("made", ["new_zeros", "zeros_like", "zeros"])
 def test_rows_written_into_zeros_made_for_them_keep_their_examples(made: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(6, 5, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

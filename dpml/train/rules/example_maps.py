@@ -52,7 +52,8 @@ SORTS = {torch.sort, T.sort, torch.msort, T.msort, torch.topk, T.topk}
 
 
 CONSTANTS = {T.new_zeros, T.new_ones, T.new_full, torch.zeros_like, torch.ones_like, torch.full_like}
-"""Functions whose output holds constants whatever their operand's values (of which they read the shape, dtype and
+CONSTANTS |= {torch.zeros, torch.ones, torch.full}
+"""Functions whose output holds constants whatever their operands' values (of which they read the shape, dtype and
 device only): a tensor made for rows of the batch to be written into (Longformer's zeros of each example's global
 tokens). Not ``new_empty`` / ``empty_like``: their places hold whatever the memory held."""
 WRITES = {T.__setitem__}
@@ -199,8 +200,8 @@ class ExampleMaps:
 
     def _along_batch_index(self, full: torch.Tensor) -> torch.Tensor | None:
         """The map of a constant partly written: ``full`` holds the examples of the places written and −1 elsewhere;
-        itself where every place was written, else the index along the first dimension of size B that is the
-        example of every place written; None where there is none."""
+        itself where every place was written, else the index along a dimension of size B (the first that fits) that
+        is the example of every place written; None where there is none."""
         written = full >= 0
         if bool(written.all()):
             return full
