@@ -127,6 +127,26 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield tmp_path
 
 
+SHORT_PRIVATE_RUN: dict[str, Any] = dict(
+    noise_multiplier=1.0, delta=1e-5, epochs=1, clip_norm=1.0, expected_batch_size=16, learning_rate=0.5, seed=0
+)
+
+
+def trains_without_the_exact_path(model: Any, dataset: Any, **settings: Any) -> Any:
+    """A short ``dpml.train_private`` run (:data:`SHORT_PRIVATE_RUN`, updated by ``settings``): the module passed in
+    comes back as the result's model, trained in place, with a certified ε and no parameter on the exact path."""
+    import torch
+
+    import dpml
+
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    result = dpml.train_private(model, dataset, **(SHORT_PRIVATE_RUN | settings))
+    assert result.model is model and result.epsilon > 0
+    assert result.history["exact_clipping_parameters"] == 0  # every parameter by a layer's shortcut or a rule
+    assert any(not torch.equal(before[k], p) for k, p in model.named_parameters())  # it trained
+    return result
+
+
 def write_params(path: Path, params: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path

@@ -10,7 +10,6 @@ import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is ever fetched from a hub: the models are built from configurations
 
@@ -19,21 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import dpml
+from conftest import trains_without_the_exact_path
 from dpml.models.library import eager
-
-SETTINGS: dict[str, Any] = dict(
-    noise_multiplier=1.0, delta=1e-5, epochs=1, clip_norm=1.0, expected_batch_size=16, learning_rate=0.5, seed=0
-)
-
-
-def _trained(model: nn.Module, data: TensorDataset) -> dpml.PrivateTraining:
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    result = dpml.train_private(model, data, **SETTINGS)
-    assert result.model is model and 0 < result.epsilon
-    assert result.history["exact_clipping_parameters"] == 0
-    assert any(not torch.equal(before[k], p) for k, p in model.named_parameters())  # the wrapper's own, trained
-    return result
 
 
 def test_a_compiled_module_trains_through_train_private_as_the_module_it_compiled() -> None:
@@ -43,7 +29,7 @@ def test_a_compiled_module_trains_through_train_private_as_the_module_it_compile
     assert eager(compiled) is net and eager(net) is net
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(96, 6, generator=generator)
-    _trained(compiled, TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()))
+    trains_without_the_exact_path(compiled, TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()))
 
 
 def test_a_compiled_transformers_classifier_takes_its_token_inputs() -> None:
@@ -62,7 +48,7 @@ def test_a_compiled_transformers_classifier_takes_its_token_inputs() -> None:
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 30, (64, 8), generator=generator)
     mask = (torch.arange(8)[None] < torch.randint(2, 9, (64, 1), generator=generator)).long()
-    _trained(
+    trains_without_the_exact_path(
         torch.compile(transformers.BertForSequenceClassification(config)),
         TensorDataset(ids * mask, mask, ids[:, 0] % 2),
     )
