@@ -5,7 +5,10 @@ map-style data set whose ``dataset[i]`` is
 
 - ``(input_ids, attention_mask, label)``: what ``TensorDataset(input_ids, attention_mask, labels)``
   gives for a tokenizer's padded ``(N, T)`` outputs; the mask is 1 for a token, 0 for padding; or
-- ``(input_ids, label)``: every position is a token (a mask of ones).
+- ``(input_ids, label)``: every position is a token (a mask of ones); or
+- a mapping, as a Hugging Face ``datasets`` set in torch format gives: ``input_ids``, ``attention_mask``
+  (optional) and one of ``labels`` / ``label``; a tokenizer's ``token_type_ids`` only where all 0 (one segment:
+  what the model assumes without them, as dpml passes ids and mask alone). Any other key is refused, named.
 
 :class:`TokenRecords` turns each record into the pair ``(tokens, label)`` with ``tokens`` one integer
 tensor ``(2, T)`` (row 0 the ids, row 1 the mask), so an example's ids and mask travel as one record
@@ -18,6 +21,7 @@ one token kept, and every example has the same length T.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -42,8 +46,34 @@ class TokenRecords(Dataset[tuple[torch.Tensor, Any]]):
         return torch.stack([ids.long(), mask.long()]), label
 
 
+LABEL_KEYS = ("labels", "label")
+RECORD_KEYS = ("input_ids", "attention_mask", "token_type_ids", *LABEL_KEYS)
+
+
+def _mapping_parts(item: Mapping[Any, Any], index: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(ids, mask, label) of a mapping record (module docstring), or a refusal naming the key and what is allowed."""
+    other = [key for key in item if key not in RECORD_KEYS]
+    labels = [key for key in LABEL_KEYS if key in item]
+    if other or "input_ids" not in item or len(labels) != 1:
+        found = f"key {other[0]!r}" if other else f"keys {sorted(map(str, item))}"
+        raise ValueError(
+            f"dataset[{index}]: a mapping record has {found}; it holds input_ids, attention_mask (optional), "
+            "token_type_ids (optional, all 0) and one of labels / label"
+        )
+    if "token_type_ids" in item and bool(torch.as_tensor(item["token_type_ids"]).ne(0).any()):
+        raise ValueError(
+            f"dataset[{index}] token_type_ids: not all 0; dpml passes the model input_ids and attention_mask "
+            "alone, so a second segment would be read as the first: one segment per record"
+        )
+    ids = torch.as_tensor(item["input_ids"])
+    mask = torch.as_tensor(item["attention_mask"]) if "attention_mask" in item else torch.ones_like(ids)
+    return ids, mask, item[labels[0]]
+
+
 def _parts(item: Any, index: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(ids, mask, label) of one record; a record of another form is refused, naming what is allowed."""
+    if isinstance(item, Mapping):
+        return _mapping_parts(item, index)
     if isinstance(item, (tuple, list)) and len(item) == 3:
         return torch.as_tensor(item[0]), torch.as_tensor(item[1]), item[2]
     if isinstance(item, (tuple, list)) and len(item) == 2:
@@ -51,7 +81,8 @@ def _parts(item: Any, index: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         return ids, torch.ones_like(ids), item[1]
     raise ValueError(
         f"dataset[{index}]: a record for a model taking input_ids and attention_mask is (input_ids, "
-        "attention_mask, label), as TensorDataset(ids, mask, labels) gives, or (input_ids, label); got "
+        "attention_mask, label), as TensorDataset(ids, mask, labels) gives, (input_ids, label), or a mapping with "
+        "input_ids, attention_mask and labels; got "
         f"{type(item).__name__}" + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
     )
 
