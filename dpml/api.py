@@ -28,7 +28,7 @@ the model and the data set must then be picklable); under ``torchrun`` every pro
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
 from dpml.train.clipping import LossFn
 from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
-from dpml.train.dataset_steps import check_record, dataset_size, dataset_steps
+from dpml.train.dataset_steps import MappingRecords, check_record, dataset_size, dataset_steps
 from dpml.train.distributed import Collective, check_picklable, from_environment, process_device, spawn
 from dpml.train.trainers.dpsgd import DpSgdSettings
 from dpml.train.dpsgd import (
@@ -123,13 +123,16 @@ def model_inputs(
     """The model as the engine calls it (one tensor in, logits out: :func:`dpml.models.library.adapt`), the
     records as it reads them, and the first input. Token inputs (a forward taking ``input_ids`` and
     ``attention_mask``) are checked record by record here, before any work (:mod:`dpml.train.token_records`).
-    A ``torch.compile`` wrapper is trained through the module it compiled (:func:`dpml.models.library.eager`)."""
+    A ``torch.compile`` wrapper is trained through the module it compiled (:func:`dpml.models.library.eager`); mapping
+    records are read as pairs (:func:`dpml.train.dataset_steps.mapping_pair`)."""
     model = eager(model)
     if check_input_kind(inputs, model):
         check_token_records(dataset, n, input_vocabulary(model))
         dataset = TokenRecords(dataset)
         first = _first_record(dataset)
         return adapt(model, tuple(first.shape), first.dtype, "tokens"), dataset, first
+    if isinstance(dataset[0], Mapping):  # a Hugging Face datasets set's {"pixel_values": x, "label": y}
+        dataset = MappingRecords(dataset)
     first = _first_record(dataset)
     dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
     return adapt(model, tuple(first.shape), dtype, "tensor"), dataset, first
@@ -255,7 +258,8 @@ def train_private(
 ) -> PrivateTraining:
     """Train ``model`` in place with DP-SGD on ``dataset`` and certify it (module docstring for the math).
 
-    ``dataset``: map-style, ``dataset[i]`` a pair (input tensor, integer label); the labels must lie in
+    ``dataset``: map-style, ``dataset[i]`` a pair (input tensor, integer label), or a mapping of one input and
+    ``labels`` / ``label`` (a Hugging Face ``datasets`` set in torch format); the labels must lie in
     [0, the model's output width).
 
     The settings are the pipeline's own sections (:mod:`dpml.api_settings`): ``dp=`` a
@@ -283,7 +287,8 @@ def train_private(
     ``tune_physical_batch``: clip in the fastest chunk of at most ``physical_batch_size`` records, timed
     on a synthetic probe before training (:mod:`dpml.train.chunking`); the sums are the same either way.
     ``inputs``: ``auto`` calls a model whose forward names ``input_ids`` and ``attention_mask`` with them,
-    reading ``dataset[i]`` as ``(input_ids, attention_mask, label)`` (or ``(input_ids, label)``), and any
+    reading ``dataset[i]`` as ``(input_ids, attention_mask, label)`` (or ``(input_ids, label)``, or a mapping of
+    them: :mod:`dpml.train.token_records`), and any
     other model with the input tensor; ``tokens``/``tensor`` insist. A forward may return an output
     object with ``.logits`` (:mod:`dpml.models.library`); ``result.model`` is still the module passed in.
     """

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections import deque
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
@@ -26,6 +26,37 @@ from dpml.train.distributed import Collective
 from dpml.train.dpsgd import Step, share_of_batch
 
 WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
+
+
+LABEL_KEYS = ("labels", "label")
+"""Where a mapping record (a Hugging Face ``datasets`` set in torch format) holds its label."""
+
+
+class MappingRecords(Dataset[tuple[Any, Any]]):
+    """``dataset``'s mapping records as pairs (input, label) (:func:`mapping_pair`)."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return mapping_pair(self.dataset[index], index)
+
+
+def mapping_pair(item: Mapping[Any, Any], index: int) -> tuple[Any, Any]:
+    """(input, label) of a mapping record, as a Hugging Face ``datasets`` set in torch format gives them
+    (``{"pixel_values": x, "label": y}``): the label under ``labels`` or ``label``, the input the one other key;
+    another form is refused, naming the keys."""
+    labels = [key for key in LABEL_KEYS if key in item]
+    inputs = [key for key in item if key not in LABEL_KEYS]
+    if len(labels) != 1 or len(inputs) != 1:
+        raise ValueError(
+            f"dataset[{index}]: a mapping record holds one input and one of labels / label; got keys "
+            f"{sorted(map(str, item))}"
+        )
+    return item[inputs[0]], item[labels[0]]
 
 
 def check_record(item: Any, index: int) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from dpml.train.dataset_steps import check_record
+from dpml.train.dataset_steps import LABEL_KEYS, check_record
 
 BLOCK = 4096  # records checked together
 
@@ -46,7 +46,6 @@ class TokenRecords(Dataset[tuple[torch.Tensor, Any]]):
         return torch.stack([ids.long(), mask.long()]), label
 
 
-LABEL_KEYS = ("labels", "label")
 RECORD_KEYS = ("input_ids", "attention_mask", "token_type_ids", *LABEL_KEYS)
 
 

@@ -1,8 +1,9 @@
-"""Token records as mappings (what a Hugging Face ``datasets`` set in torch format gives: ``input_ids``,
-``attention_mask``, ``labels`` or ``label``) train a model taking ``input_ids`` and ``attention_mask`` through
+"""Records as mappings, what a Hugging Face ``datasets`` set in torch format gives: token records (``input_ids``,
+``attention_mask``, ``labels`` or ``label``) for a model taking ``input_ids`` and ``attention_mask``, and image
+records (``{"pixel_values": x, "label": y}``: one input and the label) for any other, train through
 ``dpml.train_private`` exactly as the same records as tuples do: with one seed, the same sampled batches, clipping and
-noise, so the same trained weights. A mapping dpml cannot read whole (another key, two labels, a second segment's
-``token_type_ids``) is refused before any budget is spent, naming the key."""
+noise, so the same trained weights. A mapping dpml cannot read whole (another key, two labels or two inputs, a second
+segment's ``token_type_ids``) is refused before any budget is spent, naming the keys."""
 
 from __future__ import annotations
 
@@ -128,5 +129,56 @@ def test_a_mapping_dpml_cannot_read_whole_is_refused_before_any_budget_is_spent(
             ledger=str(ledger),
             epsilon_budget=10.0,
             lineage="tokens",
+        )
+    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+
+
+class ImageMappings(Dataset[dict[str, Any]]):
+    """Image records as a ``datasets`` set with a transform gives them: ``{"pixel_values": x, key: y}``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, key: str = "label", extra: dict[str, Any] | None = None):
+        self.x, self.y, self.key, self.extra = x, y, key, extra or {}
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"pixel_values": self.x[i], self.key: self.y[i], **self.extra}
+
+
+def _images() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(COUNT, 3, 8, 8, generator=generator)
+    return x, (x[:, 0].mean((1, 2)) > 0).long()
+
+
+def _image_weights_after(dataset: Dataset[Any]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2))
+    dpml.train_private(model, dataset, **SETTINGS)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("key", ["label", "labels"])
+def test_image_mapping_records_train_as_the_same_pairs(key: str) -> None:
+    x, y = _images()
+    expected = _image_weights_after(TensorDataset(x, y))
+    found = _image_weights_after(ImageMappings(x, y, key))
+    assert all(torch.equal(found[k], v) for k, v in expected.items())
+
+
+def test_an_image_mapping_of_two_inputs_is_refused_before_any_budget_is_spent(tmp_path: Path) -> None:
+    x, y = _images()
+    ledger = tmp_path / "ledger.db"
+    with pytest.raises(
+        ValueError, match=r"^dataset\[0\]: a mapping record holds one input and one of labels / label; "
+    ):
+        dpml.train_private(
+            nn.Sequential(nn.Flatten(), nn.Linear(192, 2)),
+            ImageMappings(x, y, extra={"mask": torch.ones(3)}),
+            **SETTINGS,
+            ledger=str(ledger),
+            epsilon_budget=10.0,
+            lineage="images",
         )
     assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
