@@ -20,8 +20,9 @@ from torch.utils.data import Dataset, TensorDataset
 
 import dpml
 from dpml.ledger.ledger import Ledger
+from test_library_models import LENGTH, VOCABULARY, tiny_bert
 
-VOCABULARY, LENGTH, COUNT = 30, 8, 64
+COUNT = 64
 SETTINGS: dict[str, Any] = dict(
     noise_multiplier=1.0, delta=1e-5, epochs=1, clip_norm=1.0, expected_batch_size=16, learning_rate=0.5, seed=3
 )
@@ -41,22 +42,6 @@ class Mappings(Dataset[dict[str, Any]]):
         return self.change(record) if self.change else record
 
 
-def _bert(seed: int = 0) -> nn.Module:
-    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=LENGTH,
-        num_labels=2,
-        pad_token_id=0,
-    )
-    return transformers.BertForSequenceClassification(config)
-
-
 def _tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(4)
     ids = torch.randint(1, VOCABULARY, (COUNT, LENGTH), generator=generator)
@@ -65,7 +50,7 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _weights_after(dataset: Dataset[Any]) -> dict[str, torch.Tensor]:
-    model = _bert()
+    model = tiny_bert()
     dpml.train_private(model, dataset, **SETTINGS)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -123,7 +108,7 @@ def test_a_mapping_dpml_cannot_read_whole_is_refused_before_any_budget_is_spent(
     ledger = tmp_path / "ledger.db"
     with pytest.raises(ValueError, match=r"^dataset\[0\].*" + message):
         dpml.train_private(
-            _bert(),
+            tiny_bert(),
             Mappings(ids, mask, labels, change),
             **SETTINGS,
             ledger=str(ledger),
