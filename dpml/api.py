@@ -50,7 +50,7 @@ from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
 from dpml.train.clipping import LossFn
 from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
-from dpml.train.dataset_steps import MappingRecords, check_record, dataset_size, dataset_steps
+from dpml.train.dataset_steps import MappingRecords, check_record, dataset_size, dataset_steps, mapping_pair
 from dpml.train.distributed import Collective, check_picklable, from_environment, process_device, spawn
 from dpml.train.trainers.dpsgd import DpSgdSettings
 from dpml.train.dpsgd import (
@@ -111,8 +111,8 @@ class RunSettings:
     input_dtype: torch.dtype = torch.float32
 
 
-def _first_record(dataset: Dataset[Any]) -> torch.Tensor:
-    item = dataset[0]
+def _first_input(item: Any) -> torch.Tensor:
+    """The input of the first record, ``dataset[0]``, read once (checked as a pair)."""
     check_record(item, 0)
     return torch.as_tensor(item[0])
 
@@ -129,11 +129,12 @@ def model_inputs(
     if check_input_kind(inputs, model):
         check_token_records(dataset, n, input_vocabulary(model))
         dataset = TokenRecords(dataset)
-        first = _first_record(dataset)
+        first = _first_input(dataset[0])
         return adapt(model, tuple(first.shape), first.dtype, "tokens"), dataset, first
-    if isinstance(dataset[0], Mapping):  # a Hugging Face datasets set's {"pixel_values": x, "label": y}
-        dataset = MappingRecords(dataset)
-    first = _first_record(dataset)
+    item = dataset[0]
+    if isinstance(item, Mapping):  # a Hugging Face datasets set's {"pixel_values": x, "label": y}
+        dataset, item = MappingRecords(dataset), mapping_pair(item, 0)
+    first = _first_input(item)
     dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
     return adapt(model, tuple(first.shape), dtype, "tensor"), dataset, first
 
