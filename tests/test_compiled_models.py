@@ -70,8 +70,7 @@ def test_a_custom_factory_s_compiled_module_is_built_as_the_module_it_compiled(w
     from dpml.models import build_model, spec_for, spec_from_dict
     from dpml.sections import ModelConfig
 
-    (workdir / "compiledmodels.py").write_text(COMPILED_FACTORY)
-    sys.path.insert(0, str(workdir))
+    (workdir / "compiledmodels.py").write_text(COMPILED_FACTORY)  # (the factory loader imports from the cwd)
     try:
         spec = spec_for(ModelConfig(kind="custom", factory="compiledmodels:compiled"), 1.0, 4, 3)
         model = build_model(spec)
@@ -82,5 +81,4 @@ def test_a_custom_factory_s_compiled_module_is_built_as_the_module_it_compiled(w
         x = torch.randn(5, 4)
         assert torch.equal(rebuilt(x), model(x))
     finally:
-        sys.path.remove(str(workdir))
         sys.modules.pop("compiledmodels", None)

@@ -157,16 +157,16 @@ class ExampleMaps:
             return
         self._examples[id(t)] = (t, examples)
 
-    def note_constants(self, func: Any, out: Any) -> None:
-        """Remember the outputs of :data:`CONSTANTS`, each with its version counter (which its views share)."""
-        if func in CONSTANTS:
-            for o in outputs(out):
-                self._constants[id(o)] = (weakref.ref(o), o._version)
+    def note_constants(self, out: Any) -> None:
+        """Remember the outputs of a call of :data:`CONSTANTS`, each with its version counter (which its views
+        share)."""
+        for o in outputs(out):
+            self._constants[id(o)] = (weakref.ref(o), o._version)
 
-    def unwritten_constant(self, func: Any, args: tuple[Any, ...]) -> bool:
-        """Whether the call is a write (:data:`WRITES`) into an output of :data:`CONSTANTS` that nothing has written
-        since it was made, through any of its views: asked before the call."""
-        if func not in WRITES or not args or not isinstance(args[0], torch.Tensor):
+    def unwritten_constant(self, args: tuple[Any, ...]) -> bool:
+        """Whether a write's (:data:`WRITES`) target is an output of :data:`CONSTANTS` that nothing has written since
+        it was made, through any of its views: asked before the call."""
+        if not args or not isinstance(args[0], torch.Tensor):
             return False
         entry = self._constants.get(id(args[0]))
         return entry is not None and entry[0]() is args[0] and args[0]._version == entry[1]
@@ -382,9 +382,8 @@ class ExampleMaps:
             return  # not from the batch: where the output's rows are is for its other operands to say, as before
         mapped: Sequence[torch.Tensor | None] = []
         if examples is not None and func in MOVES:
-            on_host = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args[1:]]
             try:
-                mapped = outputs(func(examples.expand(source.shape), *on_host, **kwargs))
+                mapped = outputs(func(examples.expand(source.shape), *_on_host(args[1:]), **kwargs))
             except (RuntimeError, TypeError, IndexError, ValueError):
                 mapped = []
         elif examples is not None:  # a sort: the map is kept where the sort runs along another dimension

@@ -72,7 +72,7 @@ def torch_names(kwargs: dict[str, Any]) -> dict[str, Any]:
     ``axis`` read as along the first dimension (the default ``dim``) would be followed as one along the batch
     (Funnel Transformer's ``torch.cat(…, axis=axis)`` of its masks crashed the recording, a learned prefix joined
     with ``axis=1`` was sent to the exact path). A call naming both is left to torch to refuse."""
-    if not any(name in kwargs for name in NUMPY_NAMES):
+    if not kwargs or NUMPY_NAMES.keys().isdisjoint(kwargs):
         return kwargs
     return {NUMPY_NAMES[k] if k in NUMPY_NAMES and NUMPY_NAMES[k] not in kwargs else k: v for k, v in kwargs.items()}
 

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from dpml.train.rules.derived import DerivedNodes
 from dpml.train.rules.rerun import RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
-from dpml.train.rules.example_maps import WRITES, ExampleMaps
+from dpml.train.rules.example_maps import CONSTANTS, WRITES, ExampleMaps
 from dpml.train.rules.operands import (
     OUT_OF_PLACE,
     apply_view,
@@ -229,7 +229,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
                 self.computations.before_write(target)
         hits = [t for t in map(self.tracked, operands) if t is not None]
         if not hits:
-            into_constant = self.unwritten_constant(func, args)
+            into_constant = func in WRITES and self.unwritten_constant(args)
             out = func(*args, **kwargs)
             if func in INDEX_VIEWS or func in IDENTITY_VIEWS:
                 self._follow_view(func, args, kwargs, out)
@@ -237,7 +237,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
                 self._follow_write(args, into_constant)
             else:
                 self._follow_rows(args, kwargs, out, func)
-            self.note_constants(func, out)
+            if func in CONSTANTS:
+                self.note_constants(out)
             return out
         self._note_owners(hits)
         if stale := self.computations.stale_among(operands, self.tracked):
