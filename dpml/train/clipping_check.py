@@ -8,7 +8,8 @@ silently wrong gradient (still of norm ≤ C, so private, but not the gradient o
 shortcut and rule is tested, on a deep copy of the model in float64 on the CPU:
 
 1. **Reference.** ℓ_i for a probe batch of B examples and, for each i, g_i = ∂ℓ_i/∂θ by plain autograd
-   (one backward pass per example: the definition, for any module).
+   (one backward pass per example: the definition, for any module), kept as its norms and added into the
+   weighted sums Σ_i c_i g_i the checks need (each g_i formed twice, to hold one at a time).
 2. **Independence.** Replacing example 0 must leave ℓ_1 … ℓ_{B−1} unchanged. A model whose output for
    one example depends on another (batch statistics, attention across the batch) is refused:
    per-example clipping bounds an example's influence only through its own gradient.
@@ -56,7 +57,6 @@ from dpml.train.clipping import (
     LossFn,
     RuleUnit,
     Unit,
-    clip_factors,
     clipped_gradient_sum,
     engine_dtype,
     engine_pass,
@@ -64,6 +64,7 @@ from dpml.train.clipping import (
     unit_parameters,
 )
 from dpml.train.clipping_layers import reject_batch_norm
+from dpml.train.clipping_reference import Reference, per_example_reference
 
 PROBE_SEED = 20_261_125
 PROBE_BATCH = 6
@@ -160,40 +161,10 @@ def _guarded(what: str, step: Callable[[], T]) -> T:
         ) from error
 
 
-@dataclass
-class _Reference:
-    losses: torch.Tensor
-    gradients: dict[str, torch.Tensor]  # name -> (B, *shape), ∂ℓ_i/∂p by plain autograd
-
-    def squared(self, names: list[str]) -> torch.Tensor:
-        return sum(
-            (self.gradients[n].reshape(self.losses.shape[0], -1).pow(2).sum(1) for n in names),
-            torch.zeros_like(self.losses),
-        )
-
-    def weighted(self, name: str, factors: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("b,b...->...", factors, self.gradients[name])
-
-
-def _reference(probe: _Probe) -> _Reference:
-    params = {n: p for n, p in probe.model.named_parameters() if p.requires_grad}
-    with probe.same_state():
-        losses = per_example_losses(probe.model, probe.loss_fn, probe.x, probe.y)
-    rows = [
-        torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
-        for i in range(probe.x.shape[0])
-    ]
-    gradients = {
-        n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
-        for k, (n, p) in enumerate(params.items())
-    }
-    return _Reference(losses.detach(), gradients)
-
-
-def _check_finite(reference: _Reference) -> None:
+def _check_finite(reference: Reference) -> None:
     """A loss or per-example gradient that is nan or infinite on the probe batch compares as neither equal nor
     different: no check could judge the engine on it, and training would only spread it into every parameter."""
-    bad = [name for name, g in reference.gradients.items() if not bool(torch.isfinite(g).all())]
+    bad = reference.not_finite
     if not bool(torch.isfinite(reference.losses).all()) or bad:
         where = f"the per-example gradient of '{bad[0]}'" if bad else "the per-example losses"
         raise ClippingUnsupported(
@@ -203,7 +174,7 @@ def _check_finite(reference: _Reference) -> None:
         )
 
 
-def _check_independent(probe: _Probe, reference: _Reference, tolerance: float) -> None:
+def _check_independent(probe: _Probe, reference: Reference, tolerance: float) -> None:
     with probe.same_state(), torch.no_grad():
         losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
     scale = reference.losses.abs().max() + 1e-30
@@ -251,7 +222,7 @@ def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> floa
 
 
 def _unit_errors(
-    probe: _Probe, reference: _Reference, factors: torch.Tensor, scale: float
+    probe: _Probe, reference: Reference, factors: torch.Tensor, scale: float
 ) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str]]:
     """(unit, its trainable parameter names, relative error of its norms and clipped sums) for each fast unit —
     a hooked layer or a parameter covered by operation rules — and why each other parameter went exact."""
@@ -262,19 +233,19 @@ def _unit_errors(
         names = [found.names[id(p)] for p in unit_parameters(unit) if id(p) in found.names]
         error = _relative(piece.squared, reference.squared(names), scale**2)
         for p, total in piece.sums(factors):
-            error = max(error, _relative(total, reference.weighted(found.names[id(p)], factors), scale))
+            error = max(error, _relative(total, reference.weighted[found.names[id(p)]], scale))
         out.append((unit, names, error))
     return out, found.reasons
 
 
-def _confirm(probe: _Probe, reference: _Reference, exact: frozenset[str], tolerance: float, scale: float) -> None:
-    """The whole engine under the plan reproduces the reference's clipped sums and norms."""
-    norms = reference.squared(list(reference.gradients)).sqrt()
-    clip = float(norms.median()) or 1.0
+def _confirm(probe: _Probe, reference: Reference, exact: frozenset[str], tolerance: float, scale: float) -> None:
+    """The whole engine under the plan, at the reference's C, reproduces the reference's clipped sums and norms."""
+    norms = reference.norms()
     with probe.same_state():
-        sums, found_norms = clipped_gradient_sum(probe.model, probe.loss_fn, probe.x, probe.y, clip, exact=exact)
-    factors = clip_factors(norms, clip)
-    errors = {name: _relative(sums[name], reference.weighted(name, factors), scale) for name in reference.gradients}
+        sums, found_norms = clipped_gradient_sum(
+            probe.model, probe.loss_fn, probe.x, probe.y, reference.clip, exact=exact
+        )
+    errors = {name: _relative(sums[name], total, scale) for name, total in reference.clipped.items()}
     worst = max(errors, key=errors.__getitem__, default=None)
     if worst is not None and not errors[worst] <= tolerance:  # (nan: not within it either)
         raise ClippingUnsupported(
@@ -306,14 +277,17 @@ def _plan_on(
         with torch.no_grad():
             labels = probe_labels(_guarded("the forward pass", lambda: reference_model(x)), x.shape[0])
     probe = _Probe(reference_model, loss_fn, x, labels, x_all[-1], buffers)
-    reference = _guarded("per-example autograd", lambda: _reference(probe))
-    _check_finite(reference)
-    _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
-    _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
-    scale = float(reference.squared(list(reference.gradients)).sqrt().max()) or 1.0
     factors = 0.2 + 0.8 * torch.rand(  # in the parameters' dtype, as the engine's (a model may return float32 logits)
         x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2), dtype=engine_dtype(reference_model)
     )
+    reference = _guarded(
+        "per-example autograd",
+        lambda: per_example_reference(probe.model, probe.loss_fn, probe.x, probe.y, factors, probe.same_state),
+    )
+    _check_finite(reference)
+    _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
+    _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
+    scale = float(reference.norms().max()) or 1.0
     errors, reasons = _guarded("the clipping engine", lambda: _unit_errors(probe, reference, factors, scale))
     module_names = _module_names(reference_model)
     exact: set[str] = set()
@@ -327,7 +301,7 @@ def _plan_on(
     plan = frozenset(exact)
     _guarded("the clipping engine", lambda: _confirm(probe, reference, plan, tolerance, scale))
     covered = {n for _, names, error in errors if error <= tolerance for n in names}
-    exact_parameters = tuple(n for n in reference.gradients if n not in covered)
+    exact_parameters = tuple(n for n in reference.squares if n not in covered)
     return ClippingPlan(
         plan,
         tuple(notes),
