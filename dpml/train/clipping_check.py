@@ -5,7 +5,9 @@ The engine's layer shortcuts (:mod:`dpml.train.clipping_layers`) and operation r
 (:mod:`dpml.train.rules`) see a parameter only where a module call or a torch function shows it. A
 weight that also reaches the loss where neither does — inside a custom autograd Function — would get a
 silently wrong gradient (still of norm ≤ C, so private, but not the gradient of the model). So every
-shortcut and rule is tested, on a deep copy of the model in float64 on the CPU:
+shortcut and rule is tested, on a deep copy of the model in float64 on the CPU (a model that fails there — an error,
+or losses or gradients that are not finite in float64 alone — is checked in its own dtype on its device, to a
+relative 1e-3):
 
 1. **Reference.** ℓ_i for a probe batch of B examples and, for each i, g_i = ∂ℓ_i/∂θ by plain autograd
    (one backward pass per example: the definition, for any module), kept as its norms and added into the
@@ -74,6 +76,12 @@ T = TypeVar("T")
 
 class ClippingUnsupported(ValueError):
     """The engine cannot compute this model's per-example gradients exactly (raised before any ε is spent)."""
+
+
+class NotFinite(ClippingUnsupported):
+    """The probe's losses or per-example gradients are nan or infinite: in float64 a model may overflow where it
+    does not in its own dtype (``(1 - mask.float()) * torch.finfo(torch.float64).min`` is 0·(−inf) in float32), so
+    the check is then tried in the model's own dtype."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,7 @@ def _check_finite(reference: Reference) -> None:
     bad = reference.not_finite
     if not bool(torch.isfinite(reference.losses).all()) or bad:
         where = f"the per-example gradient of '{bad[0]}'" if bad else "the per-example losses"
-        raise ClippingUnsupported(
+        raise NotFinite(
             f"model: {where} on a synthetic probe batch {'is' if bad else 'are'} not finite (nan or inf); "
             "dpml cannot check its per-example gradients, and training would spread the nan into every parameter: "
             "make the forward pass finite (a fully masked attention row, a log or division of zero)"
@@ -416,7 +424,8 @@ def _plan(
             plan = _plan_on(reference_model, loss_fn, x_all.to(where), labels, tolerance)
         except ClippingUnsupported as error:
             failure = error
-            if dtype == torch.float64 and error.__cause__ is not None:
+            if dtype == torch.float64 and (error.__cause__ is not None or isinstance(error, NotFinite)):
+                LOG.info("the clipping check in float64 failed (%s); checking the model in its own dtype", error)
                 continue  # the model may not run in float64: try it as it is
             raise
         for line in plan.lines():
