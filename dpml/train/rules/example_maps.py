@@ -56,6 +56,10 @@ CONSTANTS |= {torch.zeros, torch.ones, torch.full}
 """Functions whose output holds constants whatever their operands' values (of which they read the shape, dtype and
 device only): a tensor made for rows of the batch to be written into (Longformer's zeros of each example's global
 tokens). Not ``new_empty`` / ``empty_like``: their places hold whatever the memory held."""
+INDEX_WRITES = {torch.index_add, T.index_add, T.index_add_, torch.index_copy, T.index_copy, T.index_copy_}
+"""``t.index_add(dim, index, source)`` and ``index_copy``: the k-th slice of ``source`` along ``dim`` added (copied)
+into t's slice ``index[k]`` (a mixture of experts' outputs added back into each token's row, JetMoE's
+``zeros.index_add(0, batch_index, expert_outputs)``): :meth:`ExampleMaps._follow_index_write`."""
 WRITES = {T.__setitem__}
 """``t[key] = value``: each place written takes the example of the value's element written there
 (:meth:`ExampleMaps._follow_write`)."""
@@ -198,6 +202,39 @@ class ExampleMaps:
             return
         self._keep_examples(target, self._along_batch_index(full) if into_constant else full)
 
+    def _follow_index_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
+        """:data:`INDEX_WRITES` of a source from the batch (whether this said out's map; a constant source is
+        followed as any operation is): each place written takes the example of the source's slices written there,
+        where they are all one example's, and where an add keeps the target's values, that of the target's place
+        too; else out's map is lost. A target not from the batch holds no example's values: if every place of it was
+        written the map is the written examples', else as :meth:`_along_batch_index` says (the index is read on the
+        CPU, where the maps are)."""
+        target, dim, index, source = (*args, *[kwargs.get(k) for k in ("dim", "index", "source")][len(args) - 1 :])[:4]
+        tensors_given = all(isinstance(t, torch.Tensor) for t in (target, index, source, out))
+        if not tensors_given or not isinstance(dim, int) or not self.derived(source):
+            return False
+        known, written = self._source_examples(source)
+        from_batch = self.derived(target)
+        known_target, old = self._source_examples(target) if from_batch else (True, None)
+        if not known or written is None or not known_target:
+            self._keep_examples(out, None)
+            return True
+        base = torch.full(target.shape, -1, dtype=torch.int64) if old is None else old.expand(target.shape).clone()
+        spread = written.expand(source.shape)
+        try:
+            along = _on_host(index).view([-1 if k == dim % source.dim() else 1 for k in range(source.dim())])
+            low, high = (
+                base.scatter_reduce(dim, along.expand(source.shape), spread, how, include_self=False)
+                for how in ("amin", "amax")
+            )
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            self._keep_examples(out, None)
+            return True
+        adds = func not in (torch.index_copy, T.index_copy, T.index_copy_)
+        mixed = not torch.equal(low, high) or (adds and old is not None and not torch.equal(low, base))
+        self._keep_examples(out, None if mixed else low if from_batch else self._along_batch_index(low))
+        return True
+
     def _along_batch_index(self, full: torch.Tensor) -> torch.Tensor | None:
         """The map of a constant partly written: ``full`` holds the examples of the places written and −1 elsewhere;
         itself where every place was written, else the index along a dimension of size B (the first that fits) that
@@ -253,6 +290,8 @@ class ExampleMaps:
             self._follow_packing(func, args, out)
             return
         if func in JOINS and self._follow_join(func, args, kwargs, out):
+            return
+        if func in INDEX_WRITES and self._follow_index_write(func, args, kwargs, out):
             return
         if func is torch.einsum:
             self._follow_einsum(args, out)

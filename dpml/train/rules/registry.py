@@ -382,12 +382,35 @@ def broadcast_view(
     grouped = Rows.of_map(owners.unsqueeze(1), batch, ragged=False) if padded[0] == rows and rows > batch else None
     index = None if grouped is None else grouped.of(tracked.flat_index().reshape(rows, -1))  # type: ignore[union-attr]
     if grouped is None or index is None or not same_along(index, 0):
+        if padded[0] == rows:
+            return _slice_per_row(call, tracked, padded, reduce, owners)  # type: ignore[arg-type]
         return f"an operand (shape {tuple(s.shape)}) that is not broadcast over the batch"
     view = Tracked(tracked.param, index[0].reshape(-1, *padded[1:]), tracked.shared)  # type: ignore[union-attr]
     beyond = beyond_keep_limit(batch, view.shape(), call.output.device)
     if beyond is not None:
         return f"an operand with a slice per row: {beyond}"
     return view, padded, reduce, lambda g: grouped.of(g.reshape(rows, -1)).reshape(batch, *view.shape())
+
+
+def _slice_per_row(
+    call: Call, tracked: Tracked, padded: tuple[int, ...], reduce: tuple[int, ...], owners: torch.Tensor
+) -> tuple[Tracked, tuple[int, ...], tuple[int, ...], Gather] | str:
+    """S with a slice of the parameter per row of z, chosen row by row (a mixture of experts' biases gathered by each
+    token's expert, ``bias[expert_ids]``), the rows' examples ``owners``: example i's gradient of the whole parameter
+    is Σ over its rows r of the row's gradient scattered to the positions its slice reads, ∇ℓ_i = Σ_{r: owner(r) = i}
+    Σ_j e_{index(r, j)} g_{r,j} (B × |parameter| numbers, within the keep limit)."""
+    batch, whole = call.batch, Tracked(tracked.param)
+    beyond = beyond_keep_limit(batch, whole.shape(), call.output.device)
+    if beyond is not None:
+        return f"an operand with a slice of the parameter per row: {beyond}"
+    size = tracked.param.numel()
+    places = tracked.flat_index().reshape(padded[0], -1) + owners.to(tracked.param.device).unsqueeze(1) * size
+
+    def scattered(g: torch.Tensor) -> torch.Tensor:
+        flat = g.new_zeros(batch * size).index_add_(0, places.reshape(-1), g.reshape(-1))
+        return flat.view(batch, *whole.shape())
+
+    return whole, padded, reduce, scattered
 
 
 RuleFunction = Callable[[Call], Union[Pending, Shared, str]]
