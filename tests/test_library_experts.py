@@ -1,8 +1,11 @@
-"""A mixture of experts with a bias per expert (``transformers``' GPT-OSS), built from a tiny configuration with random
-weights: each token's biases gathered by its expert ids, ``bias[expert_ids]``, and added to its rows — a slice of the
-parameter per row, chosen row by row (:func:`dpml.train.rules.registry.broadcast_view`). In each of transformers' expert
-implementations the biases once took the exact path ("an operand that is not broadcast over the batch"); now every
-parameter is clipped by a rule, exactly (a float64 per-example loop) where the implementation runs in float64."""
+"""Mixtures of experts from ``transformers`` that once took the exact path, built from tiny configurations with random
+weights. GPT-OSS has a bias per expert: each token's biases gathered by its expert ids, ``bias[expert_ids]``, and
+added to its rows — a slice of the parameter per row, chosen row by row
+(:func:`dpml.train.rules.registry.broadcast_view`); in each of transformers' expert implementations the biases took
+the exact path ("an operand that is not broadcast over the batch"). JetMoE adds its experts' outputs back into each
+token's row, ``zeros.index_add(0, batch_index, expert_outputs)``, and a bias after: that row's examples were lost
+(:meth:`dpml.train.rules.example_maps.ExampleMaps._follow_index_write`). Now every parameter is clipped by a rule,
+exactly (a float64 per-example loop) where the implementation runs in float64."""
 
 from __future__ import annotations
 
@@ -73,5 +76,31 @@ def test_expert_biases_of_grouped_products_train_through_train_private() -> None
     assert not plan.exact_parameters and any(name.endswith("gate_up_proj_bias") for name in plan.rule_parameters), (
         plan.lines()
     )
+    tokens, labels = tokens_and_labels(24)
+    trains_without_the_exact_path(model, TensorDataset(tokens[:, 0], tokens[:, 1], labels))
+
+
+def test_jetmoe_trains_through_train_private() -> None:
+    """JetMoE: a mixture of attention heads and a mixture of MLP experts, each merged by ``index_add`` into zeros."""
+    transformers = transformers_module()
+    torch.manual_seed(0)
+    config = transformers.JetMoeConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=8,
+        intermediate_size=32,
+        max_position_embeddings=LENGTH,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_labels=CLASSES,
+        pad_token_id=0,
+    )
+    model = transformers.JetMoeForSequenceClassification(config)
+    with torch.no_grad():  # (biases initialised to zero: random ones, so that a bias's gradient is not the only test)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
     tokens, labels = tokens_and_labels(24)
     trains_without_the_exact_path(model, TensorDataset(tokens[:, 0], tokens[:, 1], labels))
