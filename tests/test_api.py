@@ -219,8 +219,9 @@ def test_malformed_records_are_named() -> None:
 
     with pytest.raises(
         ValueError, match=r"dataset\[0\]: a record must be a pair \(input, label\), got tuple of length 3"
-    ):
+    ) as raised:
         dpml.train_private(network(), Triples(), **SETTINGS)
+    assert "forward names input_ids and attention_mask" in str(raised.value)  # (where a triple is read)
 
     class FloatLabels(Blobs):
         def __getitem__(self, i: int) -> Any:

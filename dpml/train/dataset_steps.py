@@ -65,6 +65,12 @@ def check_record(item: Any, index: int) -> None:
         raise ValueError(
             f"dataset[{index}]: a record must be a pair (input, label), got {type(item).__name__}"
             + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
+            + (
+                " (records (input_ids, attention_mask, label) are read for a model whose forward names input_ids and "
+                "attention_mask keyword arguments)"
+                if isinstance(item, (tuple, list)) and len(item) == 3
+                else ""
+            )
         )
     label = item[1]
     if isinstance(label, torch.Tensor):
