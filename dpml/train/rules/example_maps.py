@@ -211,7 +211,7 @@ class ExampleMaps:
         CPU, where the maps are)."""
         target, dim, index, source = (*args, *[kwargs.get(k) for k in ("dim", "index", "source")][len(args) - 1 :])[:4]
         tensors_given = all(isinstance(t, torch.Tensor) for t in (target, index, source, out))
-        if not tensors_given or not isinstance(dim, int) or not self.derived(source):
+        if not tensors_given or not isinstance(dim, int) or source.dim() == 0 or not self.derived(source):
             return False
         known, written = self._source_examples(source)
         from_batch = self.derived(target)
