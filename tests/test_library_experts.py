@@ -24,6 +24,16 @@ from dpml.train.dpsgd import per_example_cross_entropy
 CLASSES = 3
 
 
+def with_random_biases(model: nn.Module, suffix: str) -> nn.Module:
+    """The model with its parameters named ``*suffix`` drawn at random (initialised to zero, a bias's gradient would
+    not depend on it)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(suffix):
+                p.normal_(0, 0.5)
+    return model
+
+
 def tiny_gpt_oss(**experts: str) -> nn.Module:
     """A two-layer GPT-OSS classifier: 4 experts with biases, 2 per token, sliding and full attention layers."""
     transformers = transformers_module()
@@ -45,11 +55,7 @@ def tiny_gpt_oss(**experts: str) -> nn.Module:
         pad_token_id=0,
     )
     model = transformers.GptOssForSequenceClassification(config)
-    with torch.no_grad():  # (initialised to zero: random biases, so that a bias's gradient is not the only test)
-        for name, p in model.named_parameters():
-            if name.endswith("_bias"):
-                p.normal_(0, 0.5)
-    return model
+    return with_random_biases(model, "_bias")
 
 
 def tokens_and_labels(count: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +104,6 @@ def test_jetmoe_trains_through_train_private() -> None:
         pad_token_id=0,
     )
     model = transformers.JetMoeForSequenceClassification(config)
-    with torch.no_grad():  # (biases initialised to zero: random ones, so that a bias's gradient is not the only test)
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5)
+    with_random_biases(model, ".bias")
     tokens, labels = tokens_and_labels(24)
     trains_without_the_exact_path(model, TensorDataset(tokens[:, 0], tokens[:, 1], labels))
