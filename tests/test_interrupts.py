@@ -360,7 +360,7 @@ def test_ctrl_c_stops_dpml_run_within_seconds_and_its_temporary_prefect_server_w
     assert os.getsid(server.pid) != os.getsid(run.pid)  # its own session: the terminal's Ctrl-C misses it
     os.killpg(run.pid, signal.SIGINT)
     line = ended_in_one_line(workdir, run, time.monotonic(), bound_s=30)
-    assert run.returncode == 130
+    assert run.returncode == 130, line  # (the one line says what ended the run otherwise)
     assert line.startswith("dpml: interrupted (Ctrl-C) during train: ε = ") and f"ledger spend {spend_id}" in line
     assert family.left_behind() == []
     spent_and_settled(workdir, spend_id)
@@ -380,7 +380,7 @@ def test_sigterm_stops_a_local_run_within_seconds_saying_what_was_spent(workdir:
     time.sleep(1)
     os.kill(run.pid, signal.SIGTERM)
     line = ended_in_one_line(workdir, run, time.monotonic(), bound_s=20)
-    assert run.returncode == 143
+    assert run.returncode == 143, line
     stage = "tune" if command == "tune" else "train"
     assert line.startswith(f"dpml: terminated (SIGTERM) during {stage}: ε = "), line
     assert family.left_behind() == []
@@ -429,7 +429,7 @@ def test_a_prefect_cancellation_stops_dpml_run_before_registration(workdir: Path
         client.set_flow_run_state(flow_run.id, State(type=StateType.CANCELLING))  # what `prefect flow-run cancel` does
         line = ended_in_one_line(workdir, run, time.monotonic(), bound_s=30)
         final = client.read_flow_run(flow_run.id).state
-    assert run.returncode == 130
+    assert run.returncode == 130, line
     assert final.type == StateType.CANCELLED and f"ledger spend {spend_id}" in final.message
     assert line.startswith(f"dpml: the Prefect flow run {flow_run.name!r} was cancelled during train: ε = "), line
     assert family.left_behind() == []
