@@ -3,7 +3,7 @@ step 1): each example's gradient by plain autograd, one backward pass per exampl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -31,11 +31,16 @@ class Reference:
     not_finite: tuple[str, ...]  # the parameters with a per-example gradient that is nan or infinite
 
     def squared(self, names: list[str]) -> torch.Tensor:
-        return sum((self.squares[n] for n in names), torch.zeros_like(self.losses))
+        return _added((self.squares[n] for n in names), self.losses)
 
     def norms(self) -> torch.Tensor:
         """‖g_i‖ over every trainable parameter, (B,)."""
-        return self.squared(list(self.squares)).sqrt()
+        return _added(self.squares.values(), self.losses).sqrt()
+
+
+def _added(squares: Iterable[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Σ of per-example squared norms (B,), from zeros like the losses ``like``."""
+    return sum(squares, torch.zeros_like(like))
 
 
 def per_example_reference(
@@ -69,7 +74,7 @@ def per_example_reference(
             weighted[n] += weights[i] * g
             if not bool(torch.isfinite(g).all()):
                 not_finite.add(n)
-    norms = sum(squares.values(), torch.zeros_like(losses)).sqrt()
+    norms = _added(squares.values(), losses).sqrt()
     clip = float(norms.median()) or 1.0
     factors = clip_factors(norms, clip).detach()
     clipped = {n: torch.zeros_like(p) for n, p in params.items()}

@@ -209,9 +209,12 @@ class ExampleMaps:
         too; else out's map is lost. A target not from the batch holds no example's values: if every place of it was
         written the map is the written examples', else as :meth:`_along_batch_index` says (the index is read on the
         CPU, where the maps are)."""
-        target, dim, index, source = (*args, *[kwargs.get(k) for k in ("dim", "index", "source")][len(args) - 1 :])[:4]
-        tensors_given = all(isinstance(t, torch.Tensor) for t in (target, index, source, out))
-        if not tensors_given or not isinstance(dim, int) or source.dim() == 0 or not self.derived(source):
+        target, dim, index, source = (
+            args[k] if len(args) > k else kwargs.get(name) for k, name in enumerate(("input", "dim", "index", "source"))
+        )
+        if not (isinstance(target, T) and isinstance(index, T) and isinstance(source, T) and isinstance(out, T)):
+            return False
+        if not isinstance(dim, int) or source.dim() == 0 or not self.derived(source):
             return False
         known, written = self._source_examples(source)
         from_batch = self.derived(target)
