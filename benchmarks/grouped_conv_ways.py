@@ -1,5 +1,5 @@
 """Per-example weight gradients of grouped and depthwise convolutions, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ, by
-each of the engine's three ways, the one it picks, and the one way it had before.
+each of the engine's four ways, the one it picks, and the one way it had before.
 
     python benchmarks/grouped_conv_ways.py [--device cpu|cuda] [--threads 2] [--repeats 5]
 
@@ -13,6 +13,9 @@ For the grouped layers of models people bring (ConvNeXt's depthwise 7×7, Mobile
   (:func:`dpml.train.clipping_conv_ways.per_example_by_weight_gradient`);
 - *patches*: the live taps' patches and one batched product over the (example, group) pairs
   (:func:`dpml.train.clipping_conv_ways.per_example_by_patches`);
+- *compiled kernel* (float32 on a CPU, where a C compiler built it; "—" elsewhere): each (example, group) pair's
+  patches built in a cache-sized buffer and multiplied there
+  (:func:`dpml.train.clipping_conv_ways.per_example_by_compiled_kernel`);
 - *the engine's pick*: :func:`dpml.train.clipping_conv_ways.fastest_grouped_way`, which on a CPU times the ways
   once per shape (its own timing not counted here) and on a GPU takes the patches while they fit the keep limit,
   else the weight gradient (:func:`dpml.train.clipping_conv_ways.gpu_grouped_way`; this table, run there, is what
@@ -42,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_common import cpu_name, current_commit, median_ms_in_turn, ways_arguments, ways_command, ways_table  # noqa: E402  (benchmarks/ is the script's folder)
 
-from dpml.train.clipping_conv import Geometry, unfold_patches  # noqa: E402
+from dpml.train.clipping_conv import Geometry, compiled_kernel_takes, unfold_patches  # noqa: E402
 from dpml.train.clipping_conv_ways import PER_EXAMPLE_WAYS, fastest_grouped_way, grouped_per_example_gradients  # noqa: E402
 
 BATCH = 64
@@ -58,11 +61,13 @@ SHAPES = [
     ("RegNetX-200MF groups of 8, 3×3, stride 2", 152, 152, 19, (3, 3), 2, (1, 1), (4, 4)),
     ("RegNetX-200MF groups of 8, 3×3 on 1×1", 368, 368, 46, (3, 3), 1, (1, 1), (1, 1)),
     ("ResNeXt groups of 8 (32 groups), 3×3", 256, 256, 32, (3, 3), 1, (1, 1), (8, 8)),
+    ("ResNeXt-50 stage 3 at 32 px, 32 groups of 16, 3×3", 512, 512, 32, (3, 3), 1, (1, 1), (2, 2)),
+    ("ResNeXt-50 stage 1 at 32 px, 32 groups of 4, 3×3", 128, 128, 32, (3, 3), 1, (1, 1), (8, 8)),
     ("Mamba depthwise Conv1d, k = 4, 128 steps", 256, 256, 256, (1, 4), 1, (0, 3), (1, 128)),
     ("Mamba depthwise Conv1d, k = 4, 1,024 steps", 256, 256, 256, (1, 4), 1, (0, 3), (1, 1024)),
     ("ConvBERT depthwise Conv1d, k = 9, 128 steps", 128, 128, 128, (1, 9), 1, (0, 4), (1, 128)),
 ]
-WAYS = ["grouped forward", "weight gradient", "patches"]
+WAYS = ["grouped forward", "weight gradient", "patches", "compiled kernel"]
 
 
 def all_taps_patches(x: torch.Tensor, d: torch.Tensor, geometry: Geometry, groups: int) -> torch.Tensor:
@@ -80,7 +85,9 @@ def measure(shape: tuple, device: str, repeats: int) -> dict:
     d = torch.randn(BATCH, c_out, *out, device=device)
     pick = fastest_grouped_way(x, d, geometry, groups)
     functions: dict[str, Callable[[], torch.Tensor]] = {
-        way: (lambda way=way: PER_EXAMPLE_WAYS[way](x, d, geometry, groups)) for way in WAYS
+        way: (lambda way=way: PER_EXAMPLE_WAYS[way](x, d, geometry, groups))
+        for way in WAYS
+        if way != "compiled kernel" or compiled_kernel_takes(x, d)
     }
     functions["all taps' patches (before)"] = lambda: all_taps_patches(x, d, geometry, groups)
     functions["batch weight gradient (non-private)"] = lambda: torch.nn.grad.conv2d_weight(
@@ -126,18 +133,19 @@ def page(rows: list[dict], args: argparse.Namespace) -> str:
         "largest entry.",
         "",
         "| layer | C_in → C_out, g | kernel, stride | T | grouped forward | weight gradient | patches | "
-        "the engine's pick | all taps' patches (before) | pick's speed-up on before | batch weight gradient "
-        "(non-private) | differences |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "compiled kernel | the engine's pick | all taps' patches (before) | pick's speed-up on before | batch "
+        "weight gradient (non-private) | differences |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms, pick = r["ms"], r["pick"]
         before = ms["all taps' patches (before)"]
         kernel = "×".join(str(k) for k in r["kernel"])
+        compiled = f"{ms['compiled kernel']:.2f}" if "compiled kernel" in ms else "—"
         lines.append(
             f"| {r['shape']} | {r['c_in']} → {r['c_out']}, {r['groups']} | {kernel}, {r['stride']} | "
             f"{r['positions']} | {ms['grouped forward']:.2f} | {ms['weight gradient']:.2f} | {ms['patches']:.2f} | "
-            f"{pick} ({ms[pick]:.2f}) | {before:.2f} | {before / ms[pick]:.1f}× | "
+            f"{compiled} | {pick} ({ms[pick]:.2f}) | {before:.2f} | {before / ms[pick]:.1f}× | "
             f"{ms['batch weight gradient (non-private)']:.2f} | {r['relative_difference']:.1e} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
-"""A grouped convolution's per-example weight gradients by each of the engine's three ways (grouped forward
-convolution, grouped weight-gradient convolution, patches × δ), against autograd one example at a time, for
+"""A grouped convolution's per-example weight gradients by each of the engine's four ways (grouped forward
+convolution, grouped weight-gradient convolution, patches × δ, and in float32 the compiled kernel over the (example,
+group) pairs), against autograd one example at a time, for
 depthwise layers (with a channel multiplier), grouped ones, strides, dilations, rectangular kernels and maps so
 small that most taps of the kernel only read padding; the clipped sum at one output position by the batched
 product over the live taps; and whole models whose depthwise and grouped layers take each way in turn, against
@@ -7,16 +8,30 @@ a one-example-at-a-time loop, through a layer's hook and through the operation r
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from test_clipping_layers import assert_matches_naive_loop, labels
+from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
-from dpml.train import clipping_conv, clipping_conv_ways, keep_budget
+from dpml.train import clipping_conv, clipping_conv_ways, keep_budget, kernels
+from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_conv import Geometry, conv_geometry
+from dpml.train.dpsgd import per_example_cross_entropy
 
 WAYS = list(clipping_conv_ways.PER_EXAMPLE_WAYS)
+COMPILED = "compiled kernel"  # float32 on a CPU only: its tests run in float32, against float64 autograd
+TORCH_WAYS = [way for way in WAYS if way != COMPILED]
+
+
+def needs_the_compiled_kernel() -> None:
+    if kernels.c_compiler() is None:
+        pytest.skip("no C compiler here: the compiled convolution kernel is not built (torch's ways are tested)")
+    assert kernels.compiled_conv_norms() is not None, "the C compiler failed on _conv_norms.c, or it did not load"
+
 
 LAYERS = [  # (layer, input height, width): each layer's kind in its comment
     (nn.Conv2d(6, 6, 7, padding=3, groups=6), 5, 4),  # depthwise 7×7 (ConvNeXt's)
@@ -51,6 +66,14 @@ def layer_case(layer: nn.Conv2d, height: int, width: int) -> tuple[nn.Conv2d, to
 def test_each_way_gives_autograds_per_example_gradients(way: str, layer: nn.Conv2d, height: int, width: int) -> None:
     layer, x, delta, geometry = layer_case(layer, height, width)
     expected = per_example_autograd(layer, x, delta)
+    if way == COMPILED:
+        needs_the_compiled_kernel()
+        got = clipping_conv_ways.PER_EXAMPLE_WAYS[way](x.float(), delta.float(), geometry, layer.groups)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double().reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="float32 on a CPU only"):
+            clipping_conv_ways.PER_EXAMPLE_WAYS[way](x, delta, geometry, layer.groups)
+        return
     got = clipping_conv_ways.PER_EXAMPLE_WAYS[way](x, delta, geometry, layer.groups)
     assert got.shape == (5, layer.out_channels, layer.weight[0].numel())
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
@@ -60,8 +83,9 @@ def test_the_dead_taps_of_a_small_map_are_zero_and_the_live_ones_are_not() -> No
     """A 7×7 kernel with padding 3 on a 2×3 map: the taps that read the map are rows 2–4 and columns 1–5."""
     layer, x, delta, geometry = layer_case(nn.Conv2d(6, 6, 7, padding=3, groups=6), 2, 3)
     assert clipping_conv.live_taps(geometry, (2, 3), tuple(delta.shape[2:])) == (range(2, 5), range(1, 6))
-    for way in WAYS:
-        grads = clipping_conv_ways.PER_EXAMPLE_WAYS[way](x, delta, geometry, 6).reshape(5, 6, 7, 7)
+    for way in TORCH_WAYS + ([COMPILED] if kernels.compiled_conv_norms() is not None else []):
+        a, d = (x.float(), delta.float()) if way == COMPILED else (x, delta)
+        grads = clipping_conv_ways.PER_EXAMPLE_WAYS[way](a, d, geometry, 6).reshape(5, 6, 7, 7)
         live = torch.zeros(7, 7, dtype=torch.bool)
         live[2:5, 1:6] = True
         assert bool((grads[..., ~live] == 0).all()), way
@@ -102,6 +126,28 @@ def test_the_fastest_way_is_one_of_the_ways_and_chosen_once_per_shape(
     expected = per_example_autograd(layer, x, delta)
     got = clipping_conv_ways.grouped_conv_per_example_gradients(x, delta, geometry, layer.groups)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_compiled_kernel_is_timed_for_float32_tensors_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate for float32 tensors on a CPU where the kernel is built; not for float64, and not where it is not
+    built (no C compiler)."""
+    needs_the_compiled_kernel()
+    layer, x, delta, geometry = layer_case(nn.Conv2d(8, 12, 3, padding=1, groups=4), 3, 3)
+    timed: list[list[str]] = []
+    seconds = clipping_conv_ways._seconds
+
+    def spy(ways: list[str], *args: object) -> dict[str, float]:
+        timed.append(list(ways))
+        return seconds(ways, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(clipping_conv_ways, "_seconds", spy)
+    for inputs, output_grad in [(x.float(), delta.float()), (x, delta)]:
+        monkeypatch.setattr(clipping_conv_ways, "_FASTEST_GROUPED", {})
+        clipping_conv_ways.fastest_grouped_way(inputs, output_grad, geometry, layer.groups)
+    monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: None)
+    monkeypatch.setattr(clipping_conv_ways, "_FASTEST_GROUPED", {})
+    clipping_conv_ways.fastest_grouped_way(x.float(), delta.float(), geometry, layer.groups)
+    assert [COMPILED in ways for ways in timed] == [True, False, False]
 
 
 @pytest.mark.parametrize(
@@ -151,7 +197,7 @@ class DepthwiseBlocks(nn.Module):
 
 
 @pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("way", TORCH_WAYS)
 def test_depthwise_and_grouped_layers_match_the_naive_loop_by_each_way(
     way: str, keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list
 ) -> None:
@@ -185,7 +231,7 @@ class HeadsDepthwise(nn.Module):
         return self.out(heads.reshape(x.shape[0], -1))
 
 
-@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("way", TORCH_WAYS)
 def test_a_depthwise_layer_over_each_examples_images_matches_the_naive_loop(
     way: str, monkeypatch: pytest.MonkeyPatch, vmapped: list
 ) -> None:
@@ -195,6 +241,57 @@ def test_a_depthwise_layer_over_each_examples_images_matches_the_naive_loop(
     x = torch.randn(5, 4, 5, 5, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
     assert_matches_naive_loop(model, x, labels(5), 0.05)
     assert vmapped == []
+
+
+@pytest.mark.parametrize(
+    ("model_class", "keep"),  # (a grouped layer over each example's images takes its rule, which keeps or refuses)
+    [
+        ("DepthwiseBlocks", True),
+        ("DepthwiseBlocks", False),
+        ("HeadsDepthwise", True),
+        ("GroupedTwice", True),
+        ("GroupedTwice", False),
+    ],
+)
+def test_float32_grouped_layers_by_the_compiled_kernel_match_the_float64_loop(
+    model_class: str, keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
+    """The compiled kernel for every grouped layer of float32 models (depthwise 7×7 on 5×5 and 1×1 maps, a strided
+    grouped layer, a depthwise Conv1d, a functional standardised depthwise kernel, one layer over each example's two
+    images, one layer called on a 1×1 and a 4×4 map): norms and clipped sums equal the float64 naive loop's within
+    float32 rounding, the per-example gradients kept or not, the kernel taken for every grouped call, and no
+    parameter on the exact path (save the functional layer's when nothing may be kept, as by the torch ways)."""
+    needs_the_compiled_kernel()
+    calls: list[tuple[int, ...]] = []
+    compiled = clipping_conv_ways.LIVE_TAP_WAYS[COMPILED]
+
+    def counted(inputs: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(tuple(inputs.shape))
+        return compiled(inputs, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setitem(clipping_conv_ways.LIVE_TAP_WAYS, COMPILED, counted)
+    monkeypatch.setattr(clipping_conv_ways, "fastest_grouped_way", lambda *args: COMPILED)
+    if not keep:
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
+    from dpml.train import clipping_layers
+
+    monkeypatch.setattr(clipping_layers, "grouped_by_ghost_norm", lambda *args: False)  # (materialised: the kernel)
+    torch.manual_seed(17)
+    model = {"DepthwiseBlocks": DepthwiseBlocks, "HeadsDepthwise": HeadsDepthwise, "GroupedTwice": GroupedTwice}[
+        model_class
+    ]()
+    shape = {"DepthwiseBlocks": (4, 5, 5), "HeadsDepthwise": (4, 5, 5), "GroupedTwice": (6, 4, 4)}[model_class]
+    x = torch.randn(6, *shape, generator=torch.Generator().manual_seed(18))
+    y = labels(6)
+    reference, reference_norms = naive_clipped_sum_and_norms(copy.deepcopy(model).double(), x.double(), y, 0.05)
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.05)
+    grouped = [m for m in model.modules() if isinstance(m, nn.Conv2d | nn.Conv1d) and m.groups > 1]
+    assert len(calls) >= len(grouped) and all(len(shape) == 4 for shape in calls)
+    torch.testing.assert_close(norms.double(), reference_norms, rtol=1e-5, atol=0.0)
+    for name, expected in reference.items():
+        assert float((sums[name].double() - expected).norm() / expected.norm()) < 1e-5, name
+    assert float((reference_norms > 0.05).double().mean()) > 0.75
+    assert vmapped == ([["standardised"]] if model_class == "DepthwiseBlocks" and not keep else [])
 
 
 def test_a_gpu_takes_the_patches_while_they_fit_its_keep_limit_and_else_the_weight_gradient() -> None:

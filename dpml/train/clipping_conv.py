@@ -268,16 +268,25 @@ def compiled_norms(
     return squared, parts if keep else None, direct  # type: ignore[return-value]
 
 
-def compiled_gradients(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry) -> torch.Tensor | None:
-    """Every example's Conv2d (groups = 1) weight gradient G_i = δ_i A_i, (B, C_out, C_in·kh·kw) with its columns in
-    the weight's (c, u, v) order, by the compiled kernel's patch way (:func:`compiled_norms`, one tensor for the
-    whole batch); None where the kernel is not available or the tensors are not float32 on the CPU."""
+def compiled_gradients(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1
+) -> torch.Tensor | None:
+    """Every example's Conv2d weight gradient G_i = δ_i A_i, (B, C_out, C_in/g·kh·kw) with its columns in the weight's
+    (c, u, v) order, by the compiled kernel's patch way (:func:`compiled_norms`, one tensor for the whole batch); None
+    where the kernel is not available or the tensors are not float32 on the CPU. With ``groups`` = g > 1 the kernel
+    runs on the B·g (example, group) pairs as its examples: in NCHW a group's input channels and its output
+    channels are runs of C_in/g and C_out/g, so x (B, C_in, H, W) read as (B·g, C_in/g, H, W) and δ as (B·g, C_out/g,
+    oh, ow) make pair (i, j) an example of a one-group convolution with group j's kernel, whose gradient is rows
+    j·C_out/g … of example i's (ResNeXt's 32 groups of 16 channels on 2×2 maps at batch 64: 4.1 against 10.4 ms
+    for the fastest torch way, ad hoc)."""
     if not compiled_kernel_takes(inputs, output_grad):
         return None
-    x, d = inputs.contiguous(), output_grad.contiguous()
+    batch = inputs.shape[0]
+    x = inputs.contiguous().reshape(batch * groups, inputs.shape[1] // groups, *inputs.shape[2:])
+    d = output_grad.contiguous().reshape(batch * groups, output_grad.shape[1] // groups, *output_grad.shape[2:])
     grads = x.new_empty(x.shape[0], d.shape[1], x.shape[1] * geometry[0][0] * geometry[0][1])
     _run_kernel(x, d, _kernel_shape(x, d, geometry, False), x.new_empty(x.shape[0]), grads)
-    return grads
+    return grads.reshape(batch, output_grad.shape[1], -1)
 
 
 def compiled_kernel_takes(inputs: torch.Tensor, output_grad: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
 """A convolution's per-example weight gradients ∇_W ℓ_i = Σ_t δ_t a_tᵀ, (B, C_out, C_in/g·kh·kw), materialised in
-one of three ways that compute the same numbers by different kernels, and which way the engine takes where
+one of four ways that compute the same numbers by different kernels, and which way the engine takes where
 (the patches, the live taps and the geometry are :mod:`dpml.train.clipping_conv`'s).
 """
 
@@ -14,7 +14,14 @@ import torch.nn.functional as F
 import torch.nn.grad
 from torch import nn
 
-from dpml.train.clipping_conv import Geometry, conv_geometry, live_taps, unfold_patches
+from dpml.train.clipping_conv import (
+    Geometry,
+    compiled_gradients,
+    compiled_kernel_takes,
+    conv_geometry,
+    live_taps,
+    unfold_patches,
+)
 from dpml.train.clipping_norms import row_norms_squared
 from dpml.train.keep_budget import keep_limit
 
@@ -97,10 +104,30 @@ def live_taps_by_patches(
     return grads.reshape(batch, out_channels, -1, len(taps[0]), len(taps[1]))
 
 
+def live_taps_by_compiled_kernel(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int, taps: Taps
+) -> torch.Tensor:
+    """∇_W ℓ_i at the live ``taps``, (B, C_out, C_in/g, |rows|, |columns|), by the compiled kernel on the B·g
+    (example, group) pairs (:func:`dpml.train.clipping_conv.compiled_gradients`: each pair's patches built in a
+    cache-sized buffer and multiplied there), the taps alone as its kernel over the padded input cropped to what
+    they read. Float32 on a CPU with the kernel built only (:func:`compiled_kernel_takes`)."""
+    (kernel, stride, _, dilation), (rows, columns) = geometry, taps
+    if (len(rows), len(columns)) == tuple(kernel):  # every tap: the layer's own padding (no padded copy)
+        window, at = inputs, geometry
+    else:
+        window = _live_window(inputs, geometry, taps, (output_grad.shape[2], output_grad.shape[3]))
+        at = ((len(rows), len(columns)), stride, (0, 0), dilation)
+    grads = compiled_gradients(window, output_grad, at, groups)
+    if grads is None:
+        raise RuntimeError("the compiled convolution kernel does not take these tensors (float32 on a CPU only)")
+    return grads.reshape(inputs.shape[0], output_grad.shape[1], inputs.shape[1] // groups, len(rows), len(columns))
+
+
 LIVE_TAP_WAYS = {
     "weight gradient": live_taps_by_weight_gradient,
     "grouped forward": live_taps_by_grouped_forward,
     "patches": live_taps_by_patches,
+    "compiled kernel": live_taps_by_compiled_kernel,
 }
 
 
@@ -125,11 +152,13 @@ def _whole_kernel(way: str) -> Callable[[torch.Tensor, torch.Tensor, Geometry, i
 per_example_by_weight_gradient = _whole_kernel("weight gradient")
 per_example_by_grouped_forward = _whole_kernel("grouped forward")
 per_example_by_patches = _whole_kernel("patches")
+per_example_by_compiled_kernel = _whole_kernel("compiled kernel")
 
 PER_EXAMPLE_WAYS = {
     "weight gradient": per_example_by_weight_gradient,
     "grouped forward": per_example_by_grouped_forward,
     "patches": per_example_by_patches,
+    "compiled kernel": per_example_by_compiled_kernel,
 }
 
 
@@ -148,11 +177,13 @@ def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometr
     example shape and batch size class (the batch's power of two above, so that the sizes Poisson sampling
     draws are timed a handful of times, not once each) in a process, by the least of three runs of each way, the
     ways in turn (:func:`_seconds`); which one wins changes only the order of floating-point additions, never
-    what is computed. The candidates are ``"grouped forward"`` and ``"weight gradient"``, and ``"patches"``
-    where the live taps' patches hold no more numbers than the gradients (small maps). None wins everywhere
-    (``benchmarks/results/grouped_conv_ways.md``): at batch 64 on this project's 2-core CPU the grouped forward
-    took 0.52 against 2.22 ms for ConvNeXt's 7×7 on 8×8 maps, the weight gradient 1.30 against 2.29 ms for
-    MobileNet's 3×3 on 16×16, the patches 0.19 against 0.24 ms for a 7×7 kernel on 1×1 maps.
+    what is computed. The candidates are ``"grouped forward"`` and ``"weight gradient"``, ``"patches"`` where the
+    live taps' patches hold no more numbers than the gradients (small maps), and ``"compiled kernel"`` where it
+    takes the tensors (float32 on a CPU). None wins everywhere (``benchmarks/results/grouped_conv_ways.md``): at
+    batch 64 on this project's 2-core CPU the grouped forward took 0.52 against 2.22 ms for ConvNeXt's 7×7 on 8×8
+    maps, the weight gradient 1.30 against 2.29 ms for MobileNet's 3×3 on 16×16, the patches 0.19 against 0.24 ms
+    for a 7×7 kernel on 1×1 maps, the compiled kernel 4.1 against 10.4 ms (the patches) for ResNeXt's 32 groups of
+    16 channels on 2×2 maps.
 
     On a GPU, untimed (timing would synchronise with the host in every step whose batch size is new, and which
     way is fastest there is not measured yet: ``scripts/gpu_session.sh`` step 5): :func:`gpu_grouped_way`."""
@@ -164,6 +195,7 @@ def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometr
         gradient_numbers = output_grad.shape[1] * (inputs.shape[1] // groups) * math.prod(geometry[0])
         small = live_patch_numbers(inputs.shape, output_grad.shape, geometry) <= gradient_numbers
         ways = ["grouped forward", "weight gradient"] + (["patches"] if small else [])
+        ways += ["compiled kernel"] if compiled_kernel_takes(inputs, output_grad) else []
         seconds = _seconds(ways, inputs, output_grad, geometry, groups)
         _FASTEST_GROUPED[key] = min(ways, key=seconds.__getitem__)
     return _FASTEST_GROUPED[key]
