@@ -174,7 +174,7 @@ def ways_table(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = stem + ("_cuda" if args.device == "cuda" else "")
+    text = page(rows, args)  # (first: the page names the commit, and a written JSON would make the tree dirty)
     (out / f"{name}.json").write_text(json.dumps(rows, indent=2))
-    text = page(rows, args)
     (out / f"{name}.md").write_text(text)
     print(text)
