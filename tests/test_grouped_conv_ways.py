@@ -203,8 +203,8 @@ def test_depthwise_and_grouped_layers_match_the_naive_loop_by_each_way(
 ) -> None:
     """Each way in turn for every grouped layer, the per-example gradients kept (their weighted sum is the
     clipped sum) or not (the clip-weighted weight-gradient convolution, or at one position the product). No
-    parameter takes the exact path, except the functional layer's when nothing may be kept: its rule materialises
-    the per-example gradients, and refuses beyond the keep limit."""
+    parameter takes the exact path: where nothing may be kept, the functional layer's rule forms its per-example
+    gradients on demand, a slice of examples at a time."""
     monkeypatch.setattr(clipping_conv_ways, "fastest_grouped_way", lambda *args: way)
     if not keep:
         monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
@@ -212,7 +212,7 @@ def test_depthwise_and_grouped_layers_match_the_naive_loop_by_each_way(
     model = DepthwiseBlocks().double()
     x = torch.randn(6, 4, 5, 5, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     assert_matches_naive_loop(model, x, labels(6), 0.05)
-    assert vmapped == ([] if keep else [["standardised"]])
+    assert vmapped == []
 
 
 class HeadsDepthwise(nn.Module):
@@ -244,54 +244,62 @@ def test_a_depthwise_layer_over_each_examples_images_matches_the_naive_loop(
 
 
 @pytest.mark.parametrize(
-    ("model_class", "keep"),  # (a grouped layer over each example's images takes its rule, which keeps or refuses)
-    [
-        ("DepthwiseBlocks", True),
-        ("DepthwiseBlocks", False),
-        ("HeadsDepthwise", True),
-        ("GroupedTwice", True),
-        ("GroupedTwice", False),
-    ],
+    ("model_class", "keep"),
+    [(name, keep) for name in ["DepthwiseBlocks", "HeadsDepthwise", "GroupedTwice"] for keep in [True, False]],
 )
 def test_float32_grouped_layers_by_the_compiled_kernel_match_the_float64_loop(
     model_class: str, keep: bool, monkeypatch: pytest.MonkeyPatch, vmapped: list
 ) -> None:
     """The compiled kernel for every grouped layer of float32 models (depthwise 7×7 on 5×5 and 1×1 maps, a strided
     grouped layer, a depthwise Conv1d, a functional standardised depthwise kernel, one layer over each example's two
-    images, one layer called on a 1×1 and a 4×4 map): norms and clipped sums equal the float64 naive loop's within
-    float32 rounding, the per-example gradients kept or not, the kernel taken for every grouped call, and no
-    parameter on the exact path (save the functional layer's when nothing may be kept, as by the torch ways)."""
+    images, one layer called on a 1×1 and a 4×4 map), by a layer's hook (at its live taps) and by the convolution
+    rule (formed on demand where nothing may be kept): norms and clipped sums equal the float64 naive loop's within
+    float32 rounding, the per-example gradients kept or not, the kernel taken for every grouped kernel, and no
+    parameter on the exact path."""
+    from dpml.train import clipping_layers
+    from dpml.train.rules import convolution_nd
+
     needs_the_compiled_kernel()
-    calls: list[tuple[int, ...]] = []
-    compiled = clipping_conv_ways.LIVE_TAP_WAYS[COMPILED]
+    seen: set[tuple[int, int]] = set()  # (C_out, C_in/g) of the kernels the compiled ways formed gradients of
+    live_taps_way, rule_way, rule_pick = (
+        clipping_conv_ways.LIVE_TAP_WAYS[COMPILED],
+        convolution_nd.WAYS[COMPILED],
+        convolution_nd.fastest_way,
+    )
 
-    def counted(inputs: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(tuple(inputs.shape))
-        return compiled(inputs, *args)  # type: ignore[arg-type]
+    def by_live_taps(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int, taps):  # type: ignore[no-untyped-def]
+        seen.add((output_grad.shape[1], inputs.shape[1] // groups))
+        return live_taps_way(inputs, output_grad, geometry, groups, taps)
 
-    monkeypatch.setitem(clipping_conv_ways.LIVE_TAP_WAYS, COMPILED, counted)
+    def by_rule(x: torch.Tensor, d: torch.Tensor, conv: convolution_nd.Convolution) -> torch.Tensor:
+        seen.add((conv.kernel[0], conv.kernel[1]))
+        return rule_way(x, d, conv)
+
+    def pick(x: torch.Tensor, d: torch.Tensor, conv: convolution_nd.Convolution) -> str:
+        return COMPILED if conv.groups > 1 and convolution_nd.APPLIES[COMPILED](x, d, conv) else rule_pick(x, d, conv)
+
+    monkeypatch.setitem(clipping_conv_ways.LIVE_TAP_WAYS, COMPILED, by_live_taps)
     monkeypatch.setattr(clipping_conv_ways, "fastest_grouped_way", lambda *args: COMPILED)
+    monkeypatch.setitem(convolution_nd.WAYS, COMPILED, by_rule)
+    monkeypatch.setattr(convolution_nd, "fastest_way", pick)
+    monkeypatch.setattr(clipping_layers, "grouped_by_ghost_norm", lambda *args: False)  # (materialised: the kernel)
     if not keep:
         monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 0)
-    from dpml.train import clipping_layers
-
-    monkeypatch.setattr(clipping_layers, "grouped_by_ghost_norm", lambda *args: False)  # (materialised: the kernel)
     torch.manual_seed(17)
-    model = {"DepthwiseBlocks": DepthwiseBlocks, "HeadsDepthwise": HeadsDepthwise, "GroupedTwice": GroupedTwice}[
-        model_class
-    ]()
-    shape = {"DepthwiseBlocks": (4, 5, 5), "HeadsDepthwise": (4, 5, 5), "GroupedTwice": (6, 4, 4)}[model_class]
-    x = torch.randn(6, *shape, generator=torch.Generator().manual_seed(18))
-    y = labels(6)
+    model, shape, kernels_grouped = {
+        "DepthwiseBlocks": (DepthwiseBlocks(), (4, 5, 5), {(4, 1), (8, 4), (8, 1)}),
+        "HeadsDepthwise": (HeadsDepthwise(), (4, 5, 5), {(4, 1)}),
+        "GroupedTwice": (GroupedTwice(), (6, 4, 4), {(6, 3), (6, 2)}),
+    }[model_class]
+    x, y = torch.randn(6, *shape, generator=torch.Generator().manual_seed(18)), labels(6)
     reference, reference_norms = naive_clipped_sum_and_norms(copy.deepcopy(model).double(), x.double(), y, 0.05)
     sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.05)
-    grouped = [m for m in model.modules() if isinstance(m, nn.Conv2d | nn.Conv1d) and m.groups > 1]
-    assert len(calls) >= len(grouped) and all(len(shape) == 4 for shape in calls)
+    assert seen == kernels_grouped
     torch.testing.assert_close(norms.double(), reference_norms, rtol=1e-5, atol=0.0)
     for name, expected in reference.items():
         assert float((sums[name].double() - expected).norm() / expected.norm()) < 1e-5, name
     assert float((reference_norms > 0.05).double().mean()) > 0.75
-    assert vmapped == ([["standardised"]] if model_class == "DepthwiseBlocks" and not keep else [])
+    assert vmapped == []
 
 
 def test_a_gpu_takes_the_patches_while_they_fit_its_keep_limit_and_else_the_weight_gradient() -> None:

@@ -164,13 +164,15 @@ def test_a_library_model_that_upsamples_by_transposed_convolutions() -> None:
 
 class StandardisedFloat32(nn.Module):
     """Functional 2-D convolutions in float32, as weight-standardised networks write them: a standardised kernel over
-    16 input channels (stride 1, padding 1), a strided and dilated one with a bias, and the first kernel used again
-    raw (stride 2) where ``twice``: the rule's per-example kernel gradients, formed on demand."""
+    16 input channels (stride 1, padding 1), a grouped one (4 groups of 4 channels, as NFNet's and RegNet's), a
+    strided and dilated one with a bias, and the first kernel used again raw (stride 2) where ``twice``: the rule's
+    per-example kernel gradients, formed on demand (the grouped kernel's where they do not fit the keep limit)."""
 
     def __init__(self, twice: bool) -> None:
         super().__init__()
         self.twice = twice
         self.first = nn.Parameter(torch.randn(16, 16, 3, 3) * 0.3)
+        self.grouped = nn.Parameter(torch.randn(16, 4, 3, 3) * 0.5)
         self.second = nn.Parameter(torch.randn(8, 16, 3, 2) * 0.3)
         self.bias = nn.Parameter(torch.randn(8) * 0.1)
         self.out = nn.Linear(8 * 2 * 2 + 16 * 2 * 2, 3)
@@ -179,6 +181,7 @@ class StandardisedFloat32(nn.Module):
         w = self.first - self.first.mean((1, 2, 3), keepdim=True)
         w = w / (w.var((1, 2, 3), keepdim=True, unbiased=False) + 1e-5).sqrt()
         h = torch.tanh(F.conv2d(x, w, padding=1))  # (B, 16, 6, 6)
+        h = torch.tanh(F.conv2d(h, self.grouped, padding=1, groups=4))
         g = torch.tanh(F.conv2d(h, self.second, self.bias, stride=2, dilation=(1, 2)))  # (B, 8, 2, 2)
         again = F.conv2d(h, self.first if self.twice else self.first.detach(), stride=2)  # (B, 16, 2, 2)
         return self.out(torch.cat([g.flatten(1), again.flatten(1)], 1))

@@ -21,11 +21,11 @@ kernel's size, the deep layers: :func:`dpml.train.clipping_norms.materialise` sa
 form, whose Gram matrices hold T² numbers per example. Elsewhere, and for any groups, the per-example gradients are
 formed on demand (:class:`dpml.train.rules.registry.Computed`) without the patches of the whole batch (∏k times the
 input, and a copy): by one weight gradient of torch's with B·g groups (each example's channels a group), or one per
-example, or the patches' product, or (a 2-D kernel of one group in float32 on a CPU) the compiled kernel that builds
-each example's patches in a cache-sized buffer, whichever was fastest for the shape (:func:`fastest_way`, timed once
-per shape on a CPU) — kept where they fit what the pass may keep (the clipped sum is then Σ_i c_i G_i), else formed
-a slice of examples at a time for the norms and the clipped sum taken as one weight gradient of the clip-weighted δ
-(δ_i c_i).
+example, or the patches' product, or (a 2-D kernel in float32 on a CPU) the compiled kernel that builds each
+example's patches, a group at a time, in a cache-sized buffer, whichever was fastest for the shape
+(:func:`fastest_way`, timed once per shape on a CPU) — kept where they fit what the pass may keep (the clipped sum
+is then Σ_i c_i G_i), else formed a slice of examples at a time for the norms and the clipped sum taken as one weight
+gradient of the clip-weighted δ (δ_i c_i).
 
 The input must be batch-first, or hold each example's k images among its first dimension ((B·k, C, …), the recorder's
 example map says whose): an example's images are then its positions side by side
@@ -170,18 +170,17 @@ def by_weight_gradient_per_image(x: torch.Tensor, d: torch.Tensor, conv: Convolu
 
 def by_compiled_kernel(x: torch.Tensor, d: torch.Tensor, conv: Convolution) -> torch.Tensor:
     """Every image's gradient by the compiled kernel's patch way (each image's patches built in a cache-sized buffer and
-    multiplied there: :func:`dpml.train.clipping_conv.compiled_gradients`), (N, rows, cols); only where
-    :func:`compiled_kernel_applies`."""
+    multiplied there: :func:`dpml.train.clipping_conv.compiled_gradients`, each group of an image as an image of its
+    own), (N, rows, cols / g); only where :func:`compiled_kernel_applies`."""
     geometry = (conv.taps, conv.stride, conv.padding, conv.dilation)
-    grads = compiled_gradients(x, d, geometry)  # type: ignore[arg-type]
+    grads = compiled_gradients(x, d, geometry, conv.groups)  # type: ignore[arg-type]
     assert grads is not None
     return grads
 
 
 def compiled_kernel_applies(x: torch.Tensor, d: torch.Tensor, conv: Convolution) -> bool:
-    """The compiled kernel takes the call: a 2-D convolution (not transposed) of one group, float32 on a CPU, the
-    kernel built."""
-    plain = len(conv.kernel) == 4 and conv.groups == 1 and not conv.transposed
+    """The compiled kernel takes the call: a 2-D convolution (not transposed), float32 on a CPU, the kernel built."""
+    plain = len(conv.kernel) == 4 and not conv.transposed
     return plain and compiled_kernel_takes(x, d)
 
 
