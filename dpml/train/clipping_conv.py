@@ -277,8 +277,8 @@ def compiled_gradients(
     runs on the B·g (example, group) pairs as its examples: in NCHW a group's input channels and its output
     channels are runs of C_in/g and C_out/g, so x (B, C_in, H, W) read as (B·g, C_in/g, H, W) and δ as (B·g, C_out/g,
     oh, ow) make pair (i, j) an example of a one-group convolution with group j's kernel, whose gradient is rows
-    j·C_out/g … of example i's (ResNeXt's 32 groups of 16 channels on 2×2 maps at batch 64: 4.1 against 10.4 ms
-    for the fastest torch way, ad hoc)."""
+    j·C_out/g … of example i's (ResNeXt-50's 32 groups of 16 channels on 2×2 maps at batch 64: 5.6 against 7.7 ms
+    for the fastest torch way, ``benchmarks/results/grouped_conv_ways.md``)."""
     if not compiled_kernel_takes(inputs, output_grad):
         return None
     batch = inputs.shape[0]

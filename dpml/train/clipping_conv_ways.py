@@ -182,8 +182,8 @@ def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometr
     takes the tensors (float32 on a CPU). None wins everywhere (``benchmarks/results/grouped_conv_ways.md``): at
     batch 64 on this project's 2-core CPU the grouped forward took 0.52 against 2.22 ms for ConvNeXt's 7×7 on 8×8
     maps, the weight gradient 1.30 against 2.29 ms for MobileNet's 3×3 on 16×16, the patches 0.19 against 0.24 ms
-    for a 7×7 kernel on 1×1 maps, the compiled kernel 4.1 against 10.4 ms (the patches) for ResNeXt's 32 groups of
-    16 channels on 2×2 maps.
+    for a 7×7 kernel on 1×1 maps (an earlier day's page), the compiled kernel 5.6 against 7.7 ms (the weight
+    gradient) for ResNeXt-50's 32 groups of 16 channels on 2×2 maps.
 
     On a GPU, untimed (timing would synchronise with the host in every step whose batch size is new, and which
     way is fastest there is not measured yet: ``scripts/gpu_session.sh`` step 5): :func:`gpu_grouped_way`."""
