@@ -1033,6 +1033,12 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
     return "\n".join(lines) + "\n"
 
 
+def run_commits(start: str, end: str) -> str:
+    """The commit the run started at, and the one it ended at where they differ: each family's process imports the
+    code checked out when it starts."""
+    return start if start == end else f"{start} at the start, {end} at the end (the families after a commit ran its code)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=FAMILIES, choices=[*FAMILIES, *MORE_FAMILIES, "zoo"])
@@ -1101,7 +1107,7 @@ def main() -> None:
         rows = [r for family in args.families for r in measure_family(family, args)]
         Path(args.part).write_text(json.dumps(rows, indent=2))
         return
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    started, commit = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), current_commit()
     rows = []
     begun = time.perf_counter()
     for family in args.families:
@@ -1141,7 +1147,7 @@ def main() -> None:
         command += f" --label '{args.label}'"
     meta = {
         "command": command,
-        "commit": current_commit(),
+        "commit": run_commits(commit, current_commit()),
         "date": started,
         "machine": machine(args),
         "args": {k: v for k, v in vars(args).items() if k not in ("part", "budget", "render", "out")},
