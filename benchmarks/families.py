@@ -1036,7 +1036,9 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
 def run_commits(start: str, end: str) -> str:
     """The commit the run started at, and the one it ended at where they differ: each family's process imports the
     code checked out when it starts."""
-    return start if start == end else f"{start} at the start, {end} at the end (the families after a commit ran its code)"
+    return (
+        start if start == end else f"{start} at the start, {end} at the end (the families after a commit ran its code)"
+    )
 
 
 def main() -> None:
