@@ -360,3 +360,36 @@ def test_a_grouped_layers_norm_by_its_groups_ghost_norm_or_its_live_taps_matches
     grouped_layers = sum(isinstance(m, nn.Conv2d | nn.Conv1d) and m.groups > 1 for m in model.modules())
     assert len(taken) == (grouped_layers if ghost else 0)
     assert vmapped == []
+
+
+class FunctionalGrouped(nn.Module):
+    """Grouped kernels applied by the functional calls themselves, as weight-standardised networks do: a 1-D
+    depthwise kernel with a channel multiplier over a sequence, and a 2-D one in 2 groups with a stride and a
+    dilation, its kernel used a second time on another input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.line = nn.Parameter(torch.randn(8, 1, 3) * 0.5)
+        self.grid = nn.Parameter(torch.randn(6, 2, 3, 3) * 0.5)
+        self.out = nn.Linear(8 + 6 + 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, 4, 5, 5)
+        line = torch.tanh(F.conv1d(x.flatten(2), self.line, padding=1, groups=4))  # (B, 8, 25)
+        grid = torch.tanh(F.conv2d(x, self.grid, stride=2, dilation=2, padding=2, groups=2))  # (B, 6, 3, 3)
+        again = torch.tanh(F.conv2d(x.flip(3), self.grid, padding=1, groups=2))  # (B, 6, 5, 5)
+        return self.out(torch.cat([line.mean(2), grid.flatten(2).mean(2), again.flatten(2).mean(2)], 1))
+
+
+@pytest.mark.parametrize("limit", [1 << 25, 0], ids=["kept", "beyond the keep limit"])
+def test_functional_grouped_kernels_match_the_naive_loop_within_and_beyond_the_keep_limit(
+    limit: int, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:
+    """Within the keep limit the rule materialises the grouped kernels' per-example gradients at once; beyond it
+    they are formed on demand, a slice of examples at a time, and the clipped sum is one weight gradient of the
+    clip-weighted δ: the naive loop's clipped sums and norms either way, nothing on the exact path."""
+    monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", limit)
+    torch.manual_seed(19)
+    model = FunctionalGrouped().double()
+    x = torch.randn(6, 4, 5, 5, generator=torch.Generator().manual_seed(20), dtype=torch.float64)
+    assert_matches_naive_loop(model, x, labels(6), 0.05)
+    assert vmapped == []
