@@ -42,6 +42,19 @@ def _live_window(inputs: torch.Tensor, geometry: Geometry, taps: Taps, out_size:
     ]
 
 
+def _taps_as_kernel(
+    inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, taps: Taps
+) -> tuple[torch.Tensor, Geometry]:
+    """The input and geometry of a convolution whose kernel is the live ``taps`` alone, with the layer's output
+    positions: the layer's own where every tap is live (no padded copy), else the padded input cropped to what the
+    taps read (:func:`_live_window`), at no padding."""
+    (kernel, stride, _, dilation), (rows, columns) = geometry, taps
+    if (len(rows), len(columns)) == tuple(kernel):
+        return inputs, geometry
+    window = _live_window(inputs, geometry, taps, (output_grad.shape[2], output_grad.shape[3]))
+    return window, ((len(rows), len(columns)), stride, (0, 0), dilation)
+
+
 def live_taps_by_grouped_forward(
     inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int, taps: Taps
 ) -> torch.Tensor:
@@ -73,13 +86,10 @@ def live_taps_by_weight_gradient(
     the examples are folded into the channels, input (1, B·C_in, …) and output gradient (1, B·C_out, oh, ow), so
     group (i, j)'s weight gradient is example i's for the layer's group j. The faster of this and the grouped
     forward on a CPU from 8 input channels up for g = 1 (``benchmarks/conv_per_example.py``)."""
-    (kernel, stride, padding, dilation), (rows, columns) = geometry, taps
+    rows, columns = taps
     batch, channels = inputs.shape[:2]
     out_channels = output_grad.shape[1]
-    if (len(rows), len(columns)) == tuple(kernel):  # every tap: the layer's own padding (no padded copy)
-        window = inputs
-    else:
-        window, padding = _live_window(inputs, geometry, taps, (output_grad.shape[2], output_grad.shape[3])), (0, 0)
+    window, (_, stride, padding, dilation) = _taps_as_kernel(inputs, output_grad, geometry, taps)
     grads: torch.Tensor = torch.nn.grad.conv2d_weight(
         window.reshape(1, batch * channels, *window.shape[2:]),
         (batch * out_channels, channels // groups, len(rows), len(columns)),
@@ -111,16 +121,11 @@ def live_taps_by_compiled_kernel(
     (example, group) pairs (:func:`dpml.train.clipping_conv.compiled_gradients`: each pair's patches built in a
     cache-sized buffer and multiplied there), the taps alone as its kernel over the padded input cropped to what
     they read. Float32 on a CPU with the kernel built only (:func:`compiled_kernel_takes`)."""
-    (kernel, stride, _, dilation), (rows, columns) = geometry, taps
-    if (len(rows), len(columns)) == tuple(kernel):  # every tap: the layer's own padding (no padded copy)
-        window, at = inputs, geometry
-    else:
-        window = _live_window(inputs, geometry, taps, (output_grad.shape[2], output_grad.shape[3]))
-        at = ((len(rows), len(columns)), stride, (0, 0), dilation)
+    window, at = _taps_as_kernel(inputs, output_grad, geometry, taps)
     grads = compiled_gradients(window, output_grad, at, groups)
     if grads is None:
         raise RuntimeError("the compiled convolution kernel does not take these tensors (float32 on a CPU only)")
-    return grads.reshape(inputs.shape[0], output_grad.shape[1], inputs.shape[1] // groups, len(rows), len(columns))
+    return grads.reshape(inputs.shape[0], output_grad.shape[1], inputs.shape[1] // groups, *map(len, taps))
 
 
 LIVE_TAP_WAYS = {
