@@ -28,8 +28,18 @@ from torch import nn
 
 from dpml.train.clipping_conv import named_padding
 from dpml.train.clipping_conv_ways import grouped_conv_per_example_gradients
-from dpml.train.rules.convolution_nd import Convolution, by_example, kernel_form, sizes
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, beyond_keep_limit, rule
+from dpml.train.rules.convolution_nd import Convolution, kernel_form, sizes
+from dpml.train.rules.registry import (
+    Call,
+    Dense,
+    Factored,
+    Pending,
+    Tracked,
+    Use,
+    beyond_keep_limit,
+    by_example,
+    rule,
+)
 
 
 def _pair(value: int | tuple[int, ...], one_d: bool, fill: int) -> tuple[int, int]:
@@ -51,10 +61,10 @@ def convolution(call: Call) -> Pending | str:
             return "padding 'same' with an odd total (torch pads it unevenly)"
     w, b = call.tracked(weight), call.tracked(bias)
     one_d = weight.dim() == 3
-    merged = None if call.batch_first(x) else call.leading_examples(x)
-    rows = None if merged is None else Rows.of_map(merged.unsqueeze(1), call.batch)
-    if call.tracked(x) is not None or x.dim() != weight.dim() or not (call.batch_first(x) or rows is not None):
+    known, rows = call.slices_by_example(x)
+    if call.tracked(x) is not None or x.dim() != weight.dim() or not known:
         return f"its input (shape {tuple(x.shape)}) is not batch-first"
+    merged = None if rows is None else call.leading_examples(x)  # (each image's example)
     if w is not None and w.index is not None:
         w = Tracked(w.param, w.index.reshape(weight.shape[0], -1), w.shared)
     geometry = (

@@ -55,6 +55,7 @@ from dpml.train.rules.registry import (
     Rows,
     Tracked,
     Use,
+    by_example,
     rule,
 )
 
@@ -65,17 +66,6 @@ SumFn = Callable[[torch.Tensor], torch.Tensor]
 def sizes(value: int | Sequence[int], n: int) -> Sizes:
     values = (value,) if isinstance(value, int) else tuple(value)
     return values * n if len(values) == 1 else values
-
-
-def by_example(t: torch.Tensor, rows: Rows | None) -> torch.Tensor:
-    """(N, c, T) per image as (B, c, k·T) per example: an example's k images (``rows``: the input's images grouped by
-    example, B·k of them, as MViT pools each head's map) side by side as one image's positions, whose products with
-    the output gradient add up over them; a batch-first t as it is."""
-    if rows is None:
-        return t
-    channels, positions = t.shape[1], t.shape[2]
-    t = rows.of(t.reshape(t.shape[0], -1))  # (B, k, c·T), example by example
-    return t.reshape(rows.batch, -1, channels, positions).transpose(1, 2).reshape(rows.batch, channels, -1)
 
 
 @dataclass(frozen=True)
@@ -297,10 +287,10 @@ def _convolution(call: Call, transposed: bool, at: tuple[int, int, int, int]) ->
     )
     if padding is None:
         return "padding 'same' with an odd total (torch pads it unevenly)"
-    merged = None if call.batch_first(x) else call.leading_examples(x)
-    rows = None if merged is None else Rows.of_map(merged.unsqueeze(1), call.batch)
-    if call.tracked(x) is not None or x.dim() != weight.dim() or not (call.batch_first(x) or rows is not None):
+    known, rows = call.slices_by_example(x)
+    if call.tracked(x) is not None or x.dim() != weight.dim() or not known:
         return f"its input (shape {tuple(x.shape)}) is not batch-first"
+    merged = None if rows is None else call.leading_examples(x)  # (each image's example)
     w, b = call.tracked(weight), call.tracked(bias)
     if w is not None and w.index is not None:
         w = Tracked(w.param, w.index.reshape(weight.shape[0], -1), w.shared)

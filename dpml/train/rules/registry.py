@@ -276,6 +276,17 @@ class Rows:
         return padded.index_copy_(0, self.slots.to(flat.device), flat).reshape(self.batch, self.width, -1)
 
 
+def by_example(t: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    """(N, c, T) per image as (B, c, k·T) per example: an example's k images (``rows``: the input's images grouped by
+    example, B·k of them, as MViT pools each head's map) side by side as one image's positions, whose products with
+    the output gradient add up over them; a batch-first t as it is."""
+    if rows is None:
+        return t
+    channels, positions = t.shape[1], t.shape[2]
+    t = rows.of(t.reshape(t.shape[0], -1))  # (B, k, c·T), example by example
+    return t.reshape(rows.batch, -1, channels, positions).transpose(1, 2).reshape(rows.batch, channels, -1)
+
+
 @dataclass
 class Call:
     """One call of a registered function, as its rule sees it."""
@@ -317,6 +328,16 @@ class Call:
         """The example of each index of t's first dimension (N,) when each of its slices belongs to one example: 0 …
         B − 1 for a batch-first activation, each window's example for Swin's (B·windows, …); else None."""
         return self.leading_examples_of(t) if isinstance(t, torch.Tensor) else None
+
+    def slices_by_example(self, t: Any) -> tuple[bool, Rows | None]:
+        """Whether t's first dimension holds whole examples' slices, and how: (True, None) for a batch-first t;
+        (True, rows) where it holds B·k slices, k of each example's, in any order (Swin's windows, LeViT's tokens
+        flattened to (B·N, C), MViT's per-head maps): ``rows`` groups them (:func:`by_example`); else (False, None)."""
+        if self.batch_first(t):
+            return True, None
+        merged = self.leading_examples(t)
+        rows = None if merged is None else Rows.of_map(merged.unsqueeze(1), self.batch)
+        return rows is not None, rows
 
     def example_axis(self, t: Any) -> tuple[int, torch.Tensor] | None:
         """(k, the example of each index of dimension k (a CPU tensor)) where the activation t's examples vary along
