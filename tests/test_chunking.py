@@ -228,3 +228,68 @@ def test_the_library_records_its_chunk_and_checks_the_setting() -> None:
             sample_rate=0.5,
             tune_physical_batch="yes",
         )  # type: ignore[arg-type]
+
+
+class Hungry(Sleeper):
+    """A model whose pass over more than ``limit`` rows raises ``torch.OutOfMemoryError``, as PyTorch's caching
+    allocator does on a GPU when a chunk does not fit (here on the CPU, where torch never raises it itself)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(0.005, 0.0)  # a fixed cost per pass: larger chunks are faster per example
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"{x.shape[0]} rows: the device holds {self.limit}")
+        return super().forward(x)
+
+
+def test_a_chunk_that_runs_out_of_memory_ends_the_search_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="dpml.chunking"):
+        choice = fastest_chunk(Hungry(40), per_example_cross_entropy, (4,), torch.float32, 128, 128)
+    assert (choice.chunk, choice.ran_out) == (32, 64) and [size for size, _ in choice.timings] == [16, 32]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "physical_batch_size 128: a chunk of 64 rows ran out of cpu's memory" in warnings[0]
+    assert "clipping in chunks of 32" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dpml.chunking"):  # a chunk the model fails on for another reason: no warning
+        fastest_chunk(Picky(40), per_example_cross_entropy, (4,), torch.float32, 128, 128)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_where_the_smallest_timed_chunk_runs_out_of_memory_the_largest_smaller_one_that_fits_is_taken() -> None:
+    choice = fastest_chunk(Hungry(5), per_example_cross_entropy, (4,), torch.float32, 128, 128)
+    assert (choice.chunk, choice.ran_out, choice.timings) == (4, 8, ())  # 16, then 8 ran out; 4 fits
+    with pytest.raises(torch.OutOfMemoryError, match=r"one record's clipping pass does not fit in cpu's memory"):
+        fastest_chunk(Hungry(0), per_example_cross_entropy, (4,), torch.float32, 128, 128)
+
+
+def test_an_untuned_chunk_is_the_bound_halved_until_it_fits_on_a_device_that_says_it_ran_out() -> None:
+    assert chunking._untuned(Hungry(40), per_example_cross_entropy, (4,), torch.float32, 100, (), None) == (
+        chunking.ChunkChoice(25, (), 50)  # 100 and 50 ran out
+    )
+    assert chunking._untuned(Hungry(400), per_example_cross_entropy, (4,), torch.float32, 100, (), None).chunk == 100
+    # on the CPU (whose failed allocations torch does not raise as OutOfMemoryError) no pass is run: the bound stands
+    model = Hungry(40)
+    assert physical_chunk(False, model, per_example_cross_entropy, (4,), torch.float32, 100, 100) == 100
+    assert model.seen == []
+
+
+def test_training_whose_bound_runs_out_of_memory_trains_in_chunks_that_fit(caplog: pytest.LogCaptureFixture) -> None:
+    x, y = data(200)
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="dpml.chunking"):
+        result = train_private(
+            Hungry(20),
+            TensorDataset(x.float(), y),
+            epochs=0.5,
+            clip_norm=1.0,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            sample_rate=0.5,
+            physical_batch_size=128,
+            seed=1,
+            device="cpu",
+        )
+    assert result.history["physical_chunk"] == 16 and result.history["steps"] == 1
+    assert any("physical_batch_size 128: a chunk of 32 rows ran out" in r.getMessage() for r in caplog.records)

@@ -224,6 +224,35 @@ def test_the_chunk_tuner_on_the_gpu_times_a_copy_and_leaves_the_model_and_random
 
 
 @needs_cuda
+@pytest.mark.parametrize("tune", [False, True], ids=["untuned", "tuned"])
+def test_a_physical_batch_larger_than_the_gpu_holds_is_reduced_with_a_warning_never_a_crash(
+    tune: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The caching allocator capped at 128 MiB beyond what is held (``set_per_process_memory_fraction``, a real
+    out-of-memory error): ``physical_batch_size`` 65,536 rows of 1,024 numbers (256 MiB of input alone) is reduced
+    to a chunk whose pass fits, twice which ran out, with a warning naming both; tuned or not."""
+    chunking._CHOICES.clear()
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)).to("cuda")
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (128 << 20)) / total)
+    try:
+        with caplog.at_level("WARNING", logger="dpml.chunking"):
+            choice = chunking.fastest_chunk(
+                model, per_example_cross_entropy, (1024,), torch.float32, 1 << 16, 1 << 16, tune=tune
+            )
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert choice.ran_out is not None and choice.chunk < choice.ran_out <= 1 << 16, choice.line()
+    assert any(
+        f"physical_batch_size 65536: a chunk of {choice.ran_out} rows ran out" in r.getMessage() for r in caplog.records
+    )
+    if not tune:
+        assert choice.ran_out == 2 * choice.chunk  # halved from the bound until it fit
+
+
+@needs_cuda
 def test_a_layer_kept_on_the_gpu_beyond_the_cpus_limit_gives_the_ghost_norms_sums(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

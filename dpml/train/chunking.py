@@ -56,10 +56,12 @@ class ChunkChoice:
 
     chunk: int
     timings: tuple[tuple[int, float], ...]
+    ran_out: int | None = None  # the smallest chunk that ran out of the device's memory (None: none did)
 
     def line(self) -> str:
         timed = ", ".join(f"{size}: {1e6 * seconds:.0f} µs" for size, seconds in self.timings)
-        return f"physical chunk {self.chunk} (time per example by chunk — {timed or 'not timed'})"
+        short = "" if self.ran_out is None else f"; a chunk of {self.ran_out} rows ran out of the device's memory"
+        return f"physical chunk {self.chunk} (time per example by chunk — {timed or 'not timed'}{short})"
 
 
 def candidate_chunks(bound: int, expected_batch: float) -> list[int]:
@@ -116,9 +118,10 @@ def _first_pass(
     sizes: list[int],
     exact: Collection[str],
     autocast: torch.dtype | None,
-) -> dict[int, tuple[Chunk, float]]:
+) -> tuple[dict[int, tuple[Chunk, float]], int | None]:
     """Each size in turn, a warm-up pass then a timed one (per example), until one is ``STOP_FACTOR`` times
-    slower per example than the best so far or fails (out of memory, or an error of the model's own)."""
+    slower per example than the best so far or fails (out of memory, or an error of the model's own); what was
+    measured, and the size that ran out of memory (None: none did)."""
     device = next(model.parameters()).device
     found: dict[int, tuple[Chunk, float]] = {}
     for size in sizes:
@@ -127,15 +130,47 @@ def _first_pass(
             _seconds(model, loss_fn, *chunk, exact, autocast)
             seconds = _seconds(model, loss_fn, *chunk, exact, autocast) / size
         except torch.OutOfMemoryError:  # larger chunks will not fit either
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            break
+            _release(device)
+            return found, size
         except Exception:  # noqa: BLE001 — a chunk the model cannot take: keep what was measured
             break
         found[size] = (chunk, seconds)
         if seconds > STOP_FACTOR * min(s for _, s in found.values()):
             break
-    return found
+    return found, None
+
+
+def _release(device: torch.device) -> None:
+    """Hand the blocks a failed pass left in the caching allocator back, so that a smaller pass can use them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _largest_that_fits(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    size: int,
+    exact: Collection[str],
+    autocast: torch.dtype | None,
+) -> tuple[int, int | None]:
+    """``size``, halved until one engine pass over that many probe rows runs without running out of the device's
+    memory, and the smallest size that ran out (None: none did); a device that cannot hold one row is refused with
+    what it could not hold."""
+    device, ran_out = next(model.parameters()).device, None
+    while True:
+        try:
+            _seconds(model, loss_fn, *_probe_chunk(model, input_shape, input_dtype, size, device), exact, autocast)
+            return size, ran_out
+        except torch.OutOfMemoryError as error:
+            _release(device)
+            if size == 1:
+                raise torch.OutOfMemoryError(
+                    f"one record's clipping pass does not fit in {device}'s memory (input shape {list(input_shape)}): "
+                    f"{error}"
+                ) from error
+            size, ran_out = size // 2, size
 
 
 def _measure(
@@ -148,8 +183,12 @@ def _measure(
     autocast: torch.dtype | None,
 ) -> ChunkChoice:
     """The first pass, then ``TIMED_RUNS`` more rounds over the sizes it kept, in turn (so that a passing
-    load on the machine falls on all of them alike); each size's time is its fastest pass."""
-    found = _first_pass(model, loss_fn, input_shape, input_dtype, sizes, exact, autocast)
+    load on the machine falls on all of them alike); each size's time is its fastest pass. Where even the smallest
+    size ran out of memory, the largest smaller one that fits, untimed."""
+    found, ran_out = _first_pass(model, loss_fn, input_shape, input_dtype, sizes, exact, autocast)
+    if not found and ran_out is not None:
+        fits, smaller = _largest_that_fits(model, loss_fn, input_shape, input_dtype, ran_out // 2 or 1, exact, autocast)
+        return ChunkChoice(fits, (), smaller or ran_out)
     if not found:  # nothing could be timed: the chunks are ``physical_batch_size`` rows, as untuned
         return ChunkChoice(sizes[-1], ())
     best = {size: seconds for size, (_, seconds) in found.items()}
@@ -158,7 +197,21 @@ def _measure(
             best[size] = min(best[size], _seconds(model, loss_fn, *chunk, exact, autocast) / size)
     fastest = min(best.values())
     chosen = max(size for size, seconds in best.items() if seconds <= fastest * (1 + PREFER_LARGER))
-    return ChunkChoice(chosen, tuple(best.items()))
+    return ChunkChoice(chosen, tuple(best.items()), ran_out)
+
+
+def _untuned(
+    model: nn.Module,
+    loss_fn: LossFn,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    bound: int,
+    exact: Collection[str],
+    autocast: torch.dtype | None,
+) -> ChunkChoice:
+    """``bound`` rows, or the largest of ``bound`` halved that one engine pass fits in the device's memory."""
+    fits, ran_out = _largest_that_fits(model, loss_fn, input_shape, input_dtype, bound, exact, autocast)
+    return ChunkChoice(fits, (), ran_out)
 
 
 _CHOICES: dict[tuple[Any, ...], ChunkChoice] = {}
@@ -173,14 +226,19 @@ def fastest_chunk(
     expected_batch: float,
     exact: Collection[str] = (),
     autocast: torch.dtype | None = None,
+    tune: bool = True,
 ) -> ChunkChoice:
     """The physical chunk for DP-SGD on ``model`` (module docstring): at most ``bound`` rows, measured on
-    a copy of the model on its device, with the random state restored afterwards."""
-    sizes = candidate_chunks(bound, expected_batch)
-    if len(sizes) == 1:
+    a copy of the model on its device, with the random state restored afterwards. Untuned (``tune`` False): ``bound``
+    rows, unless one pass of that many runs out of the device's memory (checked on a device that says so: not the
+    CPU, whose failed allocations torch does not raise as such); then the largest of ``bound`` halved that fits."""
+    sizes = candidate_chunks(bound, expected_batch) if tune else [bound]
+    if len(sizes) == 1 and tune:
         return ChunkChoice(sizes[0], ())
     device = next(model.parameters()).device
     if device.type == "cpu":
+        if not tune:
+            return ChunkChoice(bound, ())
         keep_freed_cpu_memory()  # timed under the allocator settings the training steps run under
     key = (
         architecture_key(model, loss_fn, input_shape, input_dtype),
@@ -189,14 +247,30 @@ def fastest_chunk(
         tuple(sorted(exact)),
         autocast,
         torch.get_num_threads(),
+        tune,
     )
     if key not in _CHOICES:
         with forked_generators(device):
             twin = working_copy(model)
             twin.train()
-            _CHOICES[key] = _measure(twin, loss_fn, input_shape, input_dtype, sizes, exact, autocast)
+            _CHOICES[key] = (
+                _measure(twin, loss_fn, input_shape, input_dtype, sizes, exact, autocast)
+                if tune
+                else _untuned(twin, loss_fn, input_shape, input_dtype, bound, exact, autocast)
+            )
             del twin
-        LOG.info("%s", _CHOICES[key].line())
+        choice = _CHOICES[key]
+        if choice.ran_out is not None and choice.chunk < bound:
+            LOG.warning(
+                "physical_batch_size %d: a chunk of %d rows ran out of %s's memory; clipping in chunks of %d — %s",
+                bound,
+                choice.ran_out,
+                device,
+                choice.chunk,
+                choice.line(),
+            )
+        else:
+            LOG.info("%s", choice.line())
         while len(_CHOICES) > 64:
             _CHOICES.pop(next(iter(_CHOICES)))
     return _CHOICES[key]
@@ -213,7 +287,6 @@ def physical_chunk(
     exact: Collection[str] = (),
     autocast: torch.dtype | None = None,
 ) -> int:
-    """The chunk a trainer clips in: :func:`fastest_chunk` when ``tune``, else ``bound`` (``physical_batch_size``)."""
-    if not tune:
-        return bound
-    return fastest_chunk(model, loss_fn, input_shape, input_dtype, bound, expected_batch, exact, autocast).chunk
+    """The chunk a trainer clips in: :func:`fastest_chunk` when ``tune``, else ``bound`` (``physical_batch_size``) —
+    reduced where one pass of it runs out of the device's memory, with a warning, rather than failing the run."""
+    return fastest_chunk(model, loss_fn, input_shape, input_dtype, bound, expected_batch, exact, autocast, tune).chunk
