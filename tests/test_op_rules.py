@@ -65,19 +65,27 @@ def assert_exact_without_the_exact_path(
     seed: int = 0,
     planned: bool = True,
     tolerance: float = 1e-10,
+    plan_first: bool = False,
 ) -> None:
     """Clipped sums and norms equal the loop's (C = the median norm, so some examples are clipped) to
     ``tolerance`` (float64 rounding, unless the model computes in float32 itself), no parameter takes the
-    exact path, and (``planned``) the probe plans none there either."""
+    exact path, and (``planned``) the probe plans none there either. ``plan_first``: the passes run under the plan
+    (what only the probe may confirm: a constant read as the batch, :class:`dpml.train.exact_path.PlannedExact`)."""
     model = model.double()
+    exact: Collection[str] = ()
+    if plan_first:
+        torch.manual_seed(seed)
+        plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype, probe=(x, y))
+        assert plan.exact_parameters == () and plan.exact == frozenset(), plan.lines()
+        exact = plan.exact
     torch.manual_seed(seed)
-    found = engine_pass(model, loss_fn, x, y)
+    found = engine_pass(model, loss_fn, x, y, exact)
     assert found.exact == {}, found.reasons
     reference, norms = loop_reference(model, loss_fn, x, y, 1.0, seed)
     clip = float(norms.median())
     reference, norms = loop_reference(model, loss_fn, x, y, clip, seed)
     torch.manual_seed(seed)
-    sums, found_norms = clipped_gradient_sum(model, loss_fn, x, y, clip)
+    sums, found_norms = clipped_gradient_sum(model, loss_fn, x, y, clip, exact=exact)
     total = math.sqrt(sum(float(r.norm()) ** 2 for r in reference.values()))
     errors = {n: float((sums[n] - r).norm()) / (float(r.norm()) + 1e-9 * total) for n, r in reference.items()}
     assert max(errors.values()) < tolerance, errors  # (a key bias's gradient is 0 up to rounding: softmax ignores it)

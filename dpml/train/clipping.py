@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -58,17 +58,16 @@ from dpml.devices import (
     set_host_generators_state,
     set_rng_state,
 )
-from dpml.train.clipping_candidates import Call, fast_candidates, usable
+from dpml.train.clipping_candidates import Call, fast_candidates, shortcut_input, usable
 from dpml.train.clipping_layers import (
     Piece,
     added_up,
     layer_parameters,
     layer_piece,
     reject_batch_norm,
-    takes_runs_of_rows,
 )
 from dpml.train.clipping_norms import row_norms_squared, shared_grams
-from dpml.train.exact_path import exact_per_example_gradients, say_unplanned_exact, unreached_parameters
+from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.released import RuledCall, Slot, Targets
 from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
@@ -125,6 +124,7 @@ def _record_forward(
     layers: list[nn.Module],
     ruled: list[nn.Parameter],
     copies: frozenset[tuple[str, int]] | None,
+    constant_reads: Mapping[int, int] | None = None,
 ) -> _Recording:
     """Per-example losses, with forward hooks on ``layers`` and the operations on the parameters ``ruled``
     recorded (:class:`dpml.train.rules.Recorder`), each output kept with its gradient edge
@@ -136,7 +136,13 @@ def _record_forward(
     kept = RecordedOutputs()  # the hooked calls' outputs
     owners = {id(p): m for m in layers for p in layer_parameters(m)}
     recorder = Recorder(
-        ruled, x.shape[0], None if copies is None else {j for kind, j in copies if kind == "rule"}, owners, x.device, x
+        ruled,
+        x.shape[0],
+        None if copies is None else {j for kind, j in copies if kind == "rule"},
+        owners,
+        x.device,
+        x,
+        constant_reads,
     )
 
     def enter(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -145,7 +151,7 @@ def _record_forward(
     def remember(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
         recorder.stack.pop()
         with torch._C.DisableTorchFunction():  # bookkeeping, not the model's computation: not recorded
-            taken = _shortcut_input(module, inputs[0], recorder)
+            taken = shortcut_input(module, inputs[0], recorder)
             if taken is None:
                 recorder.unbatched.add(module)
             calls.setdefault(module, []).append(((inputs[0] if taken is None else taken).detach(), output))
@@ -163,20 +169,6 @@ def _record_forward(
     overwritten = {("layer", k) for k in kept.rewritten_views()}
     overwritten |= {("rule", j) for j, t in recorder.kept.rewritten_views().items() if id(t) not in hooked}
     return _Recording(losses, calls, recorder, frozenset(overwritten), kept)
-
-
-def _shortcut_input(module: nn.Module, inputs: torch.Tensor, recorder: Recorder) -> torch.Tensor | None:
-    """A hooked layer's input as its shortcut takes it: as it is where it has no example map (batch-first, or its map
-    lost: the hooks' convention, B rows from the batch are its examples, which the probe checks); (B, k, …) where it
-    holds each example's slices in one run of k, (B·k, …), and the layer takes runs of rows
-    (:func:`~dpml.train.clipping_layers.takes_runs_of_rows`: Swin's windows through its attention's projections);
-    None where the rules must read where its batch is (position ids, a constant, rows moved or merged otherwise)."""
-    if not recorder.derived(inputs):
-        return None
-    if recorder.examples(inputs) is None:
-        return inputs
-    runs = recorder.example_runs(inputs) if takes_runs_of_rows(module) else None
-    return None if runs is None else inputs.reshape(recorder.batch, runs, *inputs.shape[1:])
 
 
 # The recorded views a model's forward pass modified in place (:meth:`RecordedOutputs.rewritten_views`), by place:
@@ -212,6 +204,7 @@ class EnginePass:
     names: dict[int, str]
     zeros: torch.Tensor  # (B,) on the batch's device, in the parameters' dtype
     reasons: dict[str, str] = field(default_factory=dict)  # exact parameter -> why
+    constants_read: dict[str, int] = field(default_factory=dict)  # ruled parameter -> the constant's batch dimension
 
     def squared(self) -> torch.Tensor:
         """‖∇ℓ_i‖² (B,): the fast units' squared norms plus the exact gradients'."""
@@ -287,6 +280,7 @@ def engine_pass(
     y: torch.Tensor,
     exact: Collection[str] = (),
     autocast: torch.dtype | None = None,
+    any_constant_reads: bool = False,
 ) -> EnginePass:
     """Record the forward pass and take each trainable parameter's per-example gradient by its layer's shortcut, by the
     rules of the operations it enters (:mod:`dpml.train.rules`) or, for the parameters named in ``exact`` and any
@@ -297,9 +291,14 @@ def engine_pass(
 
     ``autocast`` (``torch.bfloat16``): the forward pass runs under ``torch.autocast``; the recorded bf16 activations
     and output gradients are cast back to the parameters' dtype before any norm or sum, so each example's norm and
-    its clipped contribution come from one gradient, in float32 (the noise too): ‖c_i g_i‖ < C."""
+    its clipped contribution come from one gradient, in float32 (the noise too): ‖c_i g_i‖ < C.
+
+    A rule may read a constant operand's dimension as the batch's only as the plan's probe confirmed
+    (:class:`PlannedExact`), or, on the probe itself (``any_constant_reads``), wherever it finds one."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     names = {id(p): n for n, p in params.items()}
+    reads = dict(exact.constant_reads) if isinstance(exact, PlannedExact) else {}
+    constant_reads = None if any_constant_reads else {id(params[n]): d for n, d in reads.items() if n in params}
     batch = x.shape[0]
     zeros = torch.zeros(batch, device=x.device, dtype=engine_dtype(model))
     if batch == 0:
@@ -311,13 +310,14 @@ def engine_pass(
     host = host_generators_state() if first else None
     with _precision(x.device, autocast):
         copies = _OVERWRITTEN_OUTPUTS.get(model, frozenset())  # learnt from earlier passes: one forward pass
-        recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies)
+        recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies, constant_reads)
         if first or recording.overwritten:  # (a model's first pass marks it seen, even with nothing overwritten)
             _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
         if recording.overwritten:  # (a first pass, or one that goes another way than the earlier ones)
             _replay_draws(state, host, x.device)  # the same dropout masks in the forward pass that counts
-            recording = _record_forward(model, loss_fn, x, y, candidates, watched, None)
+            recording = _record_forward(model, loss_fn, x, y, candidates, watched, None, constant_reads)
     recorder = recording.recorder
+    constants_read = {names[key]: dim for key, dim in recorder.constants_read.items() if key in names}
     used = [
         m
         for m in candidates
@@ -376,7 +376,7 @@ def engine_pass(
         _replay_draws(state, host, x.device)  # the same dropout masks
         with _precision(x.device, autocast):
             per_example.update(per_example_gradients(model, loss_fn, x, y, [ruled[key] for key in failed]))
-    return EnginePass(batch, fast, per_example, names, zeros, reasons)
+    return EnginePass(batch, fast, per_example, names, zeros, reasons, constants_read)
 
 
 def engine_dtype(model: nn.Module) -> torch.dtype:

@@ -18,7 +18,8 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from dpml.train.clipping_layers import batch_first, is_fast, layer_parameters
+from dpml.train.clipping_layers import batch_first, is_fast, layer_parameters, takes_runs_of_rows
+from dpml.train.rules import Recorder
 
 Call = tuple[torch.Tensor, torch.Tensor]  # (a fast layer's input, its output)
 
@@ -67,3 +68,17 @@ def usable(module: nn.Module, calls: list[Call], batch: int) -> bool:
     if getattr(module, "ghost_clipping", False) and len(calls) != 1:
         return False
     return all(batch_first(module, inputs, batch) for inputs, _ in calls)
+
+
+def shortcut_input(module: nn.Module, inputs: torch.Tensor, recorder: Recorder) -> torch.Tensor | None:
+    """A hooked layer's input as its shortcut takes it: as it is where it has no example map (batch-first, or its map
+    lost: the hooks' convention, B rows from the batch are its examples, which the probe checks); (B, k, …) where it
+    holds each example's slices in one run of k, (B·k, …), and the layer takes runs of rows
+    (:func:`~dpml.train.clipping_layers.takes_runs_of_rows`: Swin's windows through its attention's projections);
+    None where the rules must read where its batch is (position ids, a constant, rows moved or merged otherwise)."""
+    if not recorder.derived(inputs):
+        return None
+    if recorder.examples(inputs) is None:
+        return inputs
+    runs = recorder.example_runs(inputs) if takes_runs_of_rows(module) else None
+    return None if runs is None else inputs.reshape(recorder.batch, runs, *inputs.shape[1:])

@@ -25,7 +25,11 @@ relative 1e-3):
    Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own parameters must equal the reference's to a relative
    1e-6. A unit that fails takes the exact path (its parameters' per-example gradients by batched
    autograd), and the plan says which and why; so does every parameter no rule covers, with the
-   operation that sent it there (``encoder.x.weight: torch.cumsum has no rule``).
+   operation that sent it there (``encoder.x.weight: torch.cumsum has no rule``). A rule that read a constant's
+   dimension as the batch's (XLNet's position table expanded over the batch,
+   :func:`dpml.train.rules.einsum._constant_batch_axis`) and failed is run again without that reading; the
+   readings that pass travel with the plan (:class:`~dpml.train.exact_path.PlannedExact`), the only ones a
+   training pass makes.
 4. **The whole engine** with that plan, at C = the median reference norm: every parameter's clipped
    sum and every norm must equal the reference's; otherwise the model is refused, naming the
    parameter, before any ε is spent.
@@ -67,6 +71,7 @@ from dpml.train.clipping import (
 )
 from dpml.train.clipping_layers import reject_batch_norm
 from dpml.train.clipping_reference import Reference, per_example_reference
+from dpml.train.exact_path import PlannedExact
 
 PROBE_SEED = 20_261_125
 PROBE_BATCH = 6
@@ -86,7 +91,8 @@ class NotFinite(ClippingUnsupported):
 
 @dataclass(frozen=True)
 class ClippingPlan:
-    """What the probe decided: the parameters the engine must take exactly, and why (one line each)."""
+    """What the probe decided: the parameters the engine must take exactly, and why (one line each); ``exact`` is a
+    :class:`~dpml.train.exact_path.PlannedExact` carrying the constants the probe confirmed read as the batch."""
 
     exact: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
@@ -230,12 +236,13 @@ def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> floa
 
 
 def _unit_errors(
-    probe: _Probe, reference: Reference, factors: torch.Tensor, scale: float
-) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str]]:
+    probe: _Probe, reference: Reference, factors: torch.Tensor, scale: float, reads: PlannedExact | None
+) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str], dict[str, int]]:
     """(unit, its trainable parameter names, relative error of its norms and clipped sums) for each fast unit —
-    a hooked layer or a parameter covered by operation rules — and why each other parameter went exact."""
+    a hooked layer or a parameter covered by operation rules —, why each other parameter went exact, and the
+    constants rules read as the batch (``reads``: only those; None: wherever a rule finds one)."""
     with probe.same_state():
-        found = engine_pass(probe.model, probe.loss_fn, probe.x, probe.y)
+        found = engine_pass(probe.model, probe.loss_fn, probe.x, probe.y, reads or (), any_constant_reads=reads is None)
     out = []
     for unit, piece in found.fast:
         names = [found.names[id(p)] for p in unit_parameters(unit) if id(p) in found.names]
@@ -243,7 +250,7 @@ def _unit_errors(
         for p, total in piece.sums(factors):
             error = max(error, _relative(total, reference.weighted[found.names[id(p)]], scale))
         out.append((unit, names, error))
-    return out, found.reasons
+    return out, found.reasons, found.constants_read
 
 
 def _confirm(probe: _Probe, reference: Reference, exact: frozenset[str], tolerance: float, scale: float) -> None:
@@ -296,7 +303,12 @@ def _plan_on(
     _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
     _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.norms().max()) or 1.0
-    errors, reasons = _guarded("the clipping engine", lambda: _unit_errors(probe, reference, factors, scale))
+    engine = "the clipping engine"
+    errors, reasons, reads = _guarded(engine, lambda: _unit_errors(probe, reference, factors, scale, None))
+    wrong = {n for _, names, error in errors if error > tolerance for n in names}
+    if wrong & set(reads):  # a constant read as the batch where it is not: the pass again, without those readings
+        kept = PlannedExact((), [(n, d) for n, d in reads.items() if n not in wrong])
+        errors, reasons, reads = _guarded(engine, lambda: _unit_errors(probe, reference, factors, scale, kept))
     module_names = _module_names(reference_model)
     exact: set[str] = set()
     notes, fast, ruled = [], [], []
@@ -306,9 +318,9 @@ def _plan_on(
             continue
         exact.update(names)
         notes.append(_off_note(unit, module_names, names, error))
-    plan = frozenset(exact)
-    _guarded("the clipping engine", lambda: _confirm(probe, reference, plan, tolerance, scale))
     covered = {n for _, names, error in errors if error <= tolerance for n in names}
+    plan = PlannedExact(exact, [(n, d) for n, d in reads.items() if n in covered])
+    _guarded("the clipping engine", lambda: _confirm(probe, reference, plan, tolerance, scale))
     exact_parameters = tuple(n for n in reference.squares if n not in covered)
     return ClippingPlan(
         plan,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -93,3 +93,18 @@ def say_unplanned_exact(model: nn.Module, reasons: Mapping[str, str], planned: C
         batch,
         "; ".join(f"{name}: {reasons[name]}" for name in sorted(unplanned)),
     )
+
+
+class PlannedExact(frozenset[str]):
+    """The clipping plan's ``exact`` parameter names, as every trainer passes them on to :func:`engine_pass`, carrying
+    what else the plan's probe confirmed: ``constant_reads`` ((name, dimension), …), the parameters whose einsum
+    rule read a constant operand's dimension as the batch's (XLNet's position table expanded over the batch:
+    :func:`dpml.train.rules.einsum._constant_batch_axis`). A pass reads no other constant so: a table whose size
+    happens to equal a training batch's is never taken for the batch."""
+
+    constant_reads: tuple[tuple[str, int], ...]
+
+    def __new__(cls, names: Iterable[str] = (), constant_reads: Iterable[tuple[str, int]] = ()) -> PlannedExact:
+        plan = super().__new__(cls, names)
+        plan.constant_reads = tuple(sorted(constant_reads))
+        return plan

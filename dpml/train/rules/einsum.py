@@ -6,7 +6,8 @@ into the product and a sum), and a matrix product with a parameter of more than 
 ``x @ w`` with x (B, H, T, d) and w (H, d, e)).
 
 z = einsum(x, S) with subscripts X, S, Z, and b = x's batch dimension's subscript (its first, or where the
-recorder's example map puts the batch: XLNet's time-major ``ibh,hnd->ibnd``, x read as (b, i, h)). Each example's
+recorder's example map puts the batch: XLNet's time-major ``ibh,hnd->ibnd``, x read as (b, i, h); or, for a constant x,
+the one dimension of the batch's size the plan's probe confirmed: :func:`_constant_batch_axis`). Each example's
 z_i depends on x_i and S only, so ∇_S ℓ_i = einsum(x_i, δ_i → S): the same contraction with δ = ∂ℓ/∂z in
 place of the other operand, and b kept (Goodfellow 2015, written for any contraction):
 
@@ -73,8 +74,11 @@ def product(
         return "a repeated index (a diagonal)"
     if len(x_subs) != a.dim() or len(s_subs) != len(s.shape()):
         return "subscripts that do not match the operands"
+    taken: tuple[torch.Tensor, int] | None = None
     if merged == 1 and not call.batch_first(x):
-        found = _batch_axis(call, x, a, subscripts, out_shape)
+        if call.example_axis(x) is None and (constant := _constant_batch_axis(call, x, subscripts, s)) is not None:
+            taken = (x, constant[0])
+        found = _batch_axis(call, x, a, subscripts, out_shape, taken)
         if isinstance(found, str):
             return found
         a, (x_subs, s_subs, z_subs), out_shape = found
@@ -90,14 +94,14 @@ def product(
     factored = _factored_layout(x_subs, s_subs, z_subs) if same_sizes else None  # (no size-1 broadcast)
     grouped = _per_group(a, s, (x_subs, s_subs, z_subs), out_shape) if same_sizes and factored is None else None
     if grouped is not None:
-        return Pending(call.output, [s.param], grouped)
+        return Pending(call.output, [s.param], grouped, taken_as_batch=taken)
     if factored is not None:
         u_subs, v_subs, swapped = factored
 
         def finish_factored(d: torch.Tensor) -> list[Use]:
             return [(s, _factored(a, d.view(out_shape), (x_subs, z_subs), factored))]
 
-        return Pending(call.output, [s.param], finish_factored)
+        return Pending(call.output, [s.param], finish_factored, taken_as_batch=taken)
     beyond = beyond_keep_limit(batch, s.shape(), x.device)
     if beyond is not None:
         return beyond
@@ -105,17 +109,23 @@ def product(
     def finish_dense(d: torch.Tensor) -> list[Use]:
         return [(s, Dense(torch.einsum(f"{x_subs},{z_subs}->{b}{s_subs}", a, d.view(out_shape))))]
 
-    return Pending(call.output, [s.param], finish_dense)
+    return Pending(call.output, [s.param], finish_dense, taken_as_batch=taken)
 
 
 def _batch_axis(
-    call: Call, x: torch.Tensor, a: torch.Tensor, subscripts: tuple[str, str, str], out_shape: torch.Size
+    call: Call,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    subscripts: tuple[str, str, str],
+    out_shape: torch.Size,
+    taken: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, tuple[str, str, str], torch.Size] | str:
     """x read batch-first: its batch dimension moved first (time-major: XLNet's ``i b h``), or a dimension holding each
     example's rows in one run of k ((H, B·T, d), a per-head product written heads first) split into (B, k) first, the
-    run's new letter kept by z too; with the subscripts and z's shape to match."""
+    run's new letter kept by z too; with the subscripts and z's shape to match. ``taken``: a constant x and the
+    dimension read as the batch's (:func:`_constant_batch_axis`)."""
     x_subs, s_subs, z_subs = subscripts
-    axis = call.example_axis(x)
+    axis = call.example_axis(x) or (None if taken is None else (taken[1], torch.arange(call.batch)))
     runs = None if axis is None else example_runs(axis[1], call.batch)
     if axis is None or runs is None:
         return f"its activation (shape {tuple(x.shape)}) has no batch dimension"
@@ -130,6 +140,27 @@ def _batch_axis(
         z_subs = z_subs[: z_at + 1] + fresh + z_subs[z_at + 1 :]
         out_shape = torch.Size((*out_shape[:z_at], call.batch, runs, *out_shape[z_at + 1 :]))
     return a.movedim(at, 0), (letter + x_subs[:at] + x_subs[at + 1 :], s_subs, z_subs), out_shape
+
+
+def _constant_batch_axis(
+    call: Call, x: torch.Tensor, subscripts: tuple[str, str, str], s: Tracked
+) -> tuple[int, torch.Tensor] | None:
+    """(k, 0 … B − 1) for a constant x (not computed from the batch) whose one dimension of the batch's size, k, z keeps
+    and S lacks: XLNet's position table expanded over the batch and dropped out row by row before
+    ``ibh,hnd->ibnd``. Its slices are taken as the examples', which holds where each slice of z along k meets only
+    that example's rows downstream (XLNet pairs them with the example's queries) — what no forward map says, so the
+    plan's float64 probe is the judge: where the slices reach other examples (a table broadcast to every example
+    whose rows happen to number B, a product mixed along k) it finds other per-example gradients and drops the
+    reading (:func:`dpml.train.clipping_check.plan_clipping`). None where x came from the batch, or where
+    no dimension of x, or more than one, has the batch's size (a table of T rows when T = B), and in training for
+    any reading but the one the probe confirmed for S's parameter (:meth:`Call.may_read_constant_as_batch`)."""
+    x_subs, s_subs, z_subs = subscripts
+    if call.from_batch(x) or list(x.shape).count(call.batch) != 1:
+        return None
+    at = list(x.shape).index(call.batch)
+    if x_subs[at] not in z_subs or x_subs[at] in s_subs or not call.may_read_constant_as_batch(s.param, at):
+        return None
+    return at, torch.arange(call.batch)
 
 
 def _per_group(

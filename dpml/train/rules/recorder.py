@@ -29,7 +29,7 @@ The example maps' bookkeeping is :mod:`dpml.train.rules.example_maps`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -79,9 +79,12 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         owners: dict[int, nn.Module],
         device: torch.device,
         inputs: torch.Tensor,
+        constant_reads: Mapping[int, int] | None = None,
     ) -> None:
         TorchFunctionMode.__init__(self)
         ExampleMaps.__init__(self, batch, inputs)
+        self.constant_reads = constant_reads  # id(parameter) -> the constant's dimension read as the batch's; None: any
+        self.constants_read: dict[int, int] = {}  # what this pass read (id(parameter) -> dimension)
         self.owners = owners
         self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
         self.pending: list[Pending] = []
@@ -167,8 +170,30 @@ class Recorder(ExampleMaps, TorchFunctionMode):
                 for o, tracked in result.outputs:
                     self._track(o, tracked)
                 return out
+            if isinstance(result, Pending) and result.taken_as_batch is not None:
+                self._constant_as_batch(func, args, kwargs, out, result)
+                return out
         self._derive(func, args, kwargs, out, state)
         return out
+
+    def _constant_as_batch(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, result: Pending
+    ) -> None:
+        """A product of a parameter and a constant whose rule read one dimension of the constant as the batch's
+        (:func:`dpml.train.rules.einsum._constant_batch_axis`: XLNet's position table, expanded over the batch):
+        the constant is from here on an activation whose example varies along that dimension, the product's output
+        one too (its map followed as any einsum's), and the use is kept; the plan's probe judges the reading."""
+        constant, dim = result.taken_as_batch  # type: ignore[misc]
+        self.constants_read.update({id(p): dim for p in result.params})
+        along = [1] * constant.dim()
+        along[dim] = self.batch
+        self._derived.add(constant)
+        self._keep_examples(constant, self._base.view(along).expand(constant.shape))
+        self._follow_rows(args, kwargs, out, func)
+        self._derived.add(*outputs(out))
+        result.operation = function_name(func)
+        self.pending.append(result)
+        self.kept.keep(result.output)
 
     def _written_on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``w /= s``, ``b.add_(w)``, ``z[:, :k] = w``, ``b[k:2k].zero_()`` on parameters and constants alone: run once,
@@ -375,8 +400,12 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             self._leading_examples,
             self.derived,
             self.example_axis,
+            self._may_read_constant,
         )
         return Call(func, args, kwargs, out, self.batch, *views)
+
+    def _may_read_constant(self, param: nn.Parameter, dim: int) -> bool:
+        return self.constant_reads is None or self.constant_reads.get(id(param)) == dim
 
     def _apply(
         self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, hits: list[Tracked]

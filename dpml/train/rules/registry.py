@@ -206,6 +206,7 @@ class Pending:
     params: list[nn.Parameter]
     finish: Callable[[torch.Tensor], list[Use]]
     operation: str = ""  # the function's name (set by the recorder)
+    taken_as_batch: tuple[torch.Tensor, int] | None = None  # a constant operand read as the batch's along a dimension
 
 
 @dataclass
@@ -302,6 +303,7 @@ class Call:
     leading_examples_of: Callable[[torch.Tensor], torch.Tensor | None]
     from_batch_of: Callable[[torch.Tensor], bool]
     example_axis_of: Callable[[torch.Tensor], tuple[int, torch.Tensor] | None]
+    constant_as_batch_of: Callable[[nn.Parameter, int], bool] = lambda param, dim: False
 
     def arg(self, position: int, name: str, default: Any = None) -> Any:
         if len(self.args) > position:
@@ -338,6 +340,11 @@ class Call:
         merged = self.leading_examples(t)
         rows = None if merged is None else Rows.of_map(merged.unsqueeze(1), self.batch)
         return rows is not None, rows
+
+    def may_read_constant_as_batch(self, param: nn.Parameter, dim: int) -> bool:
+        """Whether a rule of ``param`` may read a constant operand's dimension ``dim`` as the batch's: on the plan's
+        probe, any (the probe judges each reading); in training, the one the probe confirmed for ``param``."""
+        return self.constant_as_batch_of(param, dim)
 
     def example_axis(self, t: Any) -> tuple[int, torch.Tensor] | None:
         """(k, the example of each index of dimension k (a CPU tensor)) where the activation t's examples vary along
