@@ -9,7 +9,8 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
   for all query heads), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention and projections, the body frozen),
   ``longformer`` (local attention in windows of 32, global attention on the first token: each example's global
-  tokens written into zeros made for them);
+  tokens written into zeros made for them), ``xlnet`` (time-major relative attention: a position table expanded
+  over the batch, each layer's ``r`` projecting it);
 - images (32×32, 10 classes): timm's ``deit``, ``beit`` (relative position bias, layer scale), ``swin`` (windows
   of 4, two stages), ``efficientnet-gn`` (EfficientNet-B0, depthwise 3×3 and 5×5, squeeze-excitation, its
   BatchNorms GroupNorms), ``regnet-gn`` (RegNetX-200MF, groups of 8 channels) and ``bit-gn`` (BiT's ResNetV2-50x1:
@@ -49,6 +50,7 @@ TEXT_ZOO = [
     "qwen2",
     "gpt2-lora",
     "longformer",
+    "xlnet",
 ]
 TIMM_IMAGES = ("deit", "beit", "swin", "efficientnet-gn", "regnet-gn", "bit-gn", "nf-resnet26")
 IMAGE_ZOO = [
@@ -112,6 +114,7 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
         "longformer": lambda: tr.LongformerConfig(
             **bert_like, attention_window=32, max_position_embeddings=length + 2, **common
         ),
+        "xlnet": lambda: tr.XLNetConfig(d_model=h, n_layer=layers, n_head=heads, d_inner=ffn, **common),
         "gpt2-lora": lambda: tr.GPT2Config(
             n_embd=h, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=max(1024, length), **common
         ),
