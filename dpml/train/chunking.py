@@ -233,12 +233,11 @@ def fastest_chunk(
     rows, unless one pass of that many runs out of the device's memory (checked on a device that says so: not the
     CPU, whose failed allocations torch does not raise as such); then the largest of ``bound`` halved that fits."""
     sizes = candidate_chunks(bound, expected_batch) if tune else [bound]
-    if len(sizes) == 1 and tune:
-        return ChunkChoice(sizes[0], ())
+    tune = len(sizes) > 1  # (one size: nothing to time, only whether it fits)
     device = next(model.parameters()).device
     if device.type == "cpu":
         if not tune:
-            return ChunkChoice(bound, ())
+            return ChunkChoice(sizes[0], ())
         keep_freed_cpu_memory()  # timed under the allocator settings the training steps run under
     key = (
         architecture_key(model, loss_fn, input_shape, input_dtype),
@@ -256,7 +255,7 @@ def fastest_chunk(
             _CHOICES[key] = (
                 _measure(twin, loss_fn, input_shape, input_dtype, sizes, exact, autocast)
                 if tune
-                else _untuned(twin, loss_fn, input_shape, input_dtype, bound, exact, autocast)
+                else _untuned(twin, loss_fn, input_shape, input_dtype, sizes[0], exact, autocast)
             )
             del twin
         choice = _CHOICES[key]
