@@ -76,9 +76,10 @@ def product(
         return "subscripts that do not match the operands"
     taken: tuple[torch.Tensor, int] | None = None
     if merged == 1 and not call.batch_first(x):
-        if call.example_axis(x) is None and (constant := _constant_batch_axis(call, x, subscripts, s)) is not None:
-            taken = (x, constant[0])
-        found = _batch_axis(call, x, a, subscripts, out_shape, taken)
+        axis = call.example_axis(x)
+        if axis is None and (axis := _constant_batch_axis(call, x, subscripts, s)) is not None:
+            taken = (x, axis[0])
+        found = _batch_axis(call, x, a, subscripts, out_shape, axis)
         if isinstance(found, str):
             return found
         a, (x_subs, s_subs, z_subs), out_shape = found
@@ -118,14 +119,13 @@ def _batch_axis(
     a: torch.Tensor,
     subscripts: tuple[str, str, str],
     out_shape: torch.Size,
-    taken: tuple[torch.Tensor, int] | None = None,
+    axis: tuple[int, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, tuple[str, str, str], torch.Size] | str:
     """x read batch-first: its batch dimension moved first (time-major: XLNet's ``i b h``), or a dimension holding each
     example's rows in one run of k ((H, B·T, d), a per-head product written heads first) split into (B, k) first, the
-    run's new letter kept by z too; with the subscripts and z's shape to match. ``taken``: a constant x and the
-    dimension read as the batch's (:func:`_constant_batch_axis`)."""
+    run's new letter kept by z too; with the subscripts and z's shape to match. ``axis``: x's example axis
+    (:meth:`Call.example_axis`, or a constant's read as the batch's: :func:`_constant_batch_axis`)."""
     x_subs, s_subs, z_subs = subscripts
-    axis = call.example_axis(x) or (None if taken is None else (taken[1], torch.arange(call.batch)))
     runs = None if axis is None else example_runs(axis[1], call.batch)
     if axis is None or runs is None:
         return f"its activation (shape {tuple(x.shape)}) has no batch dimension"
