@@ -58,7 +58,7 @@ extern double exp(double);
         }                                                                                                              \
     }                                                                                                                  \
                                                                                                                        \
-    /* One row, the operands' NULL tests as constants (HAS_NEXT, HAS_OWN): a test inside the loop kept GCC from    \
+    /* One row, the operands' NULL tests as constants (has_next, has_own): a test inside the loop kept GCC from    \
      * vectorising it (12 times slower at 128 units).                                                               \
      */                                                                                                                \
     static inline __attribute__((always_inline)) void lstm_backward_row_##SUFFIX(                                    \
