@@ -31,25 +31,27 @@ SIZES = {"padded": (3, 3, 3, 3), "packed": (4, 3, 3, 1), "one step": (2,)}
 
 
 @pytest.fixture(params=["compiled step", "torch's operations"], autouse=True)
-def lstm_step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """The LSTM's step by the compiled kernel (skipped where no C compiler builds it) or by torch's operations; the
-    kernel's forward steps counted."""
-    counted = {"steps": 0}
+def fused_steps(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], int]:
+    """The LSTM's and the GRU's steps by the compiled kernels (skipped where no C compiler builds them) or by torch's
+    operations; the kernels' steps counted by (kind, direction)."""
+    counted = {(kind, way): 0 for kind in ("lstm", "gru") for way in ("forward", "backward")}
     if request.param == "torch's operations":
         monkeypatch.setattr(scan_steps, "compiled_scan_steps", lambda: None)
     elif kernels.c_compiler() is None:
-        pytest.skip("no C compiler here: the compiled LSTM step is not built (torch's operations are tested)")
+        pytest.skip("no C compiler here: the compiled LSTM and GRU steps are not built (torch's operations are tested)")
     else:
         assert scan_steps.compiled_scan_steps() is not None, (
             "the C compiler failed on _scan_steps.c, or it did not load"
         )
-    original = scan_steps.FusedLstmSteps.forward
+    for kind, steps in (("lstm", scan_steps.FusedLstmSteps), ("gru", scan_steps.FusedGruSteps)):
+        for way in ("forward", "backward"):
+            original = getattr(steps, way)
 
-    def forward(self, *args):  # type: ignore[no-untyped-def]
-        counted["steps"] += 1
-        return original(self, *args)
+            def counting(self, *args, key=(kind, way), original=original):  # type: ignore[no-untyped-def]
+                counted[key] += 1
+                return original(self, *args)
 
-    monkeypatch.setattr(scan_steps.FusedLstmSteps, "forward", forward)
+            monkeypatch.setattr(steps, way, counting)
     return counted
 
 
@@ -121,28 +123,34 @@ def test_the_scan_is_the_cells_step_by_step_forward_and_backward(kind: str, layo
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_the_lstm_step_in_float32_is_the_float64_step_to_float32s_rounding(
-    layout: str, lstm_step: dict[str, int]
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_step_in_float32_is_the_float64_step_to_float32s_rounding(
+    kind: str, layout: str, fused_steps: dict[tuple[str, str], int]
 ) -> None:
-    """The scan in float32 (the compiled step's other kind: the tests above run float64), outputs and every
-    operand's gradient, against the same scan in float64; the compiled step runs once per step where it is built."""
+    """The scan in float32 (the compiled steps' other kind: the tests above run float64), outputs and every operand's
+    gradient, against the same scan in float64, the loss reading h alone (autograd's gradient of a sum, one row
+    expanded) and h and c with weights; the compiled steps run once per step each way where they are built."""
     sizes = SIZES[layout]
-    wide = _operands("lstm", sizes, bias=True, seed=11)
+    wide = _operands(kind, sizes, bias=True, seed=11)
     narrow = [None if t is None else t.detach().float().requires_grad_() for t in wide]
     g = torch.Generator().manual_seed(4)
     weights, c_weights = (torch.randn(sum(sizes), 3, generator=g, dtype=torch.float64) for _ in range(2))
 
-    def run(operands: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        h, c, _, _ = scan("lstm", operands[0], sizes, operands[1], operands[2], operands[3], operands[4], False)
-        assert c is not None
-        loss = (h * weights.to(h.dtype)).sum() + (c * c_weights.to(c.dtype)).sum()
-        return [h.detach(), c.detach(), *torch.autograd.grad(loss, [t for t in operands if t is not None])]
+    def run(operands: list[torch.Tensor | None], weighted: bool) -> list[torch.Tensor]:
+        h, c, _, _ = scan(kind, operands[0], sizes, operands[1], operands[2], operands[3], operands[4], False)
+        loss = (h * weights.to(h.dtype)).sum() + (0 if c is None else (c * c_weights.to(c.dtype)).sum())
+        loss = loss if weighted else h.sum()
+        return [h.detach(), *torch.autograd.grad(loss, [t for t in operands if t is not None])]
 
-    expected, before = run(wide), lstm_step["steps"]
-    found = run(narrow)
-    for a, b in zip(found, expected, strict=True):
-        torch.testing.assert_close(a.double(), b, rtol=2e-6, atol=2e-6)
-    assert lstm_step["steps"] - before == (len(sizes) if scan_steps.compiled_scan_steps() is not None else 0)
+    for weighted in (True, False):
+        expected = run(wide, weighted)
+        before = dict(fused_steps)
+        found = run(narrow, weighted)
+        for a, b in zip(found, expected, strict=True):
+            torch.testing.assert_close(a.double(), b, rtol=2e-6, atol=2e-6)
+        built = scan_steps.compiled_scan_steps() is not None
+        for way in ("forward", "backward"):
+            assert fused_steps[(kind, way)] - before[(kind, way)] == (len(sizes) if built else 0), way
 
 
 @pytest.mark.parametrize("kind", KINDS)

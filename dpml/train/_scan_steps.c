@@ -1,4 +1,4 @@
-/* One step of an LSTM's scan on the CPU, fused, for dpml.train.rules.recurrent_scan (loaded by
+/* One step of an LSTM's or a GRU's scan on the CPU, fused, for dpml.train.rules.recurrent_scan (loaded by
  * dpml.train.kernels, which compiles it on first use): the elementwise work of a step in one pass over its rows,
  * where torch's operations make eight passes forward and six backward, each a dispatch of its own (at a batch of
  * 64 and 128 units a step's rows are 32 K numbers: the passes, not the arithmetic, were the step's cost).
@@ -17,6 +17,18 @@
  *   every operand rows x (its width) contiguous; dc_prev may be dc_next (each number read before it is written).
  *   The factors are formed here from what the forward kept, not read from a pass of their own (a step's rows of
  *   them streamed from memory cost more than forming them).
+ *
+ *   dpml_gru_forward_<t>(x, q, rows, width, h_prev, h_stride, gates, h)
+ *   with each row's input terms x = (x_r, x_z, x_n) and recurrent product q = W_hh h_prev + b_hh = (q_r, q_z, q_n)
+ *   (rows x 3 width each, contiguous) and the entering states h_prev (rows h_stride apart):
+ *     r = σ(x_r + q_r),  z = σ(x_z + q_z),  n = 2 σ(2 (x_n + r q_n)) − 1 = tanh(x_n + r q_n),  h = n + z (h_prev − n),
+ *   gates = (r, z, n) (rows x 3 width) and h (rows x width) written.
+ *
+ *   dpml_gru_backward_<t>(rows, width, dh_own, dh_next, gates, q_n, q_stride, h_prev, delta, delta_hh)
+ *   with the forward's gates, q_n (rows q_stride apart) and h_prev of the step's rows, dh = dh_own + dh_next,
+ *   n' = (1 − z)(1 − n²):
+ *     delta = (σ'_r q_n n' dh, σ'_z (h_prev − n) dh, n' dh),  delta_hh = (delta_r, delta_z, r delta_n),
+ *   and dh z written over dh_next (the state gradient's part that skips the product; the caller adds delta_hh W_hh).
  *
  * <t> is f32 or f64. No -ffast-math: each number is the operations above in this order.
  */
@@ -97,5 +109,48 @@ extern double exp(double);
         }                                                                                                              \
     }
 
+#define GRU_STEPS(T, SUFFIX)                                                                                           \
+    CLONES void dpml_gru_forward_##SUFFIX(const T *x, const T *q, int64_t rows, int64_t width, const T *h_prev,       \
+                                          int64_t h_stride, T *gates, T *h) {                                          \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            const T *xr = x + r * 3 * width, *qr = q + r * 3 * width, *hp = h_prev + r * h_stride;                    \
+            T *gr = gates + r * 3 * width, *hr = h + r * width;                                                        \
+            _Pragma("omp simd") for (int64_t j = 0; j < width; j++) {                                                  \
+                T rj = sigmoid_##SUFFIX(xr[j] + qr[j]);                                                                \
+                T zj = sigmoid_##SUFFIX(xr[width + j] + qr[width + j]);                                                \
+                T nj = 2 * sigmoid_##SUFFIX(2 * (xr[2 * width + j] + rj * qr[2 * width + j])) - 1;                     \
+                gr[j] = rj;                                                                                            \
+                gr[width + j] = zj;                                                                                    \
+                gr[2 * width + j] = nj;                                                                                \
+                hr[j] = nj + zj * (hp[j] - nj);                                                                        \
+            }                                                                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
+                                                                                                                       \
+    CLONES void dpml_gru_backward_##SUFFIX(int64_t rows, int64_t width, const T *dh_own, T *dh_next, const T *gates,  \
+                                           const T *q_n, int64_t q_stride, const T *h_prev, T *delta, T *delta_hh) {   \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            const int64_t at = r * width, wide = r * 3 * width;                                                        \
+            const T *own = dh_own + at, *g = gates + wide, *qn = q_n + r * q_stride, *hp = h_prev + at;                \
+            T *next = dh_next + at, *d = delta + wide, *dhh = delta_hh + wide;                                         \
+            _Pragma("omp simd") for (int64_t j = 0; j < width; j++) {                                                  \
+                T dh = own[j] + next[j];                                                                               \
+                T rj = g[j], zj = g[width + j], nj = g[2 * width + j];                                                 \
+                T dn = dh * ((1 - zj) * (1 - nj * nj));                                                                \
+                T dr = dn * qn[j] * (rj - rj * rj);                                                                    \
+                T dz = dh * (hp[j] - nj) * (zj - zj * zj);                                                             \
+                d[j] = dr;                                                                                             \
+                d[width + j] = dz;                                                                                     \
+                d[2 * width + j] = dn;                                                                                 \
+                dhh[j] = dr;                                                                                           \
+                dhh[width + j] = dz;                                                                                   \
+                dhh[2 * width + j] = dn * rj;                                                                          \
+                next[j] = dh * zj;                                                                                     \
+            }                                                                                                          \
+        }                                                                                                              \
+    }
+
 SCAN_STEPS(float, f32, expf)
 SCAN_STEPS(double, f64, exp)
+GRU_STEPS(float, f32)
+GRU_STEPS(double, f64)

@@ -1,7 +1,7 @@
 """dpml's compiled CPU kernels, compiled on first use with the system's C compiler into a per-user cache, one
 library per source text, and loaded with ctypes: the DP noise draw (``_boxmuller.c``, :func:`compiled_draw`), a
-convolution's per-example gradient norms (``_conv_norms.c``, :func:`compiled_conv_norms`) and an LSTM scan's
-step (``_scan_steps.c``, :func:`compiled_scan_steps`).
+convolution's per-example gradient norms (``_conv_norms.c``, :func:`compiled_conv_norms`) and an LSTM's and a
+GRU's scan steps (``_scan_steps.c``, :func:`compiled_scan_steps`).
 
 Compiled on first use rather than at install, so that every checkout of the project (``dpml reproduce``
 rebuilds a release in a worktree of its commit) draws with the kernel of its own source, and so that
@@ -153,23 +153,28 @@ loops' ``omp simd`` pragmas, no threads (a step's rows are a few thousand number
 
 
 def load_scan_steps(library: Path) -> dict[str, Callable[..., object]] | None:
-    """``dpml_lstm_forward_<t>`` and ``dpml_lstm_backward_<t>`` (t: f32, f64) from a compiled library, by name, or
-    None if it does not load here."""
+    """``dpml_lstm_forward_<t>``, ``dpml_lstm_backward_<t>``, ``dpml_gru_forward_<t>`` and ``dpml_gru_backward_<t>``
+    (t: f32, f64) from a compiled library, by name (``forward_<t>`` and ``backward_<t>`` the LSTM's, ``gru_forward_<t>``
+    and ``gru_backward_<t>``), or None if any does not load here."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
+    signatures: dict[str, list[type]] = {
+        "lstm_forward": [pointer, size, size, pointer, size, *[pointer] * 4],
+        "lstm_backward": [size, size, *[pointer] * 10],
+        "gru_forward": [pointer, pointer, size, size, pointer, size, pointer, pointer],
+        "gru_backward": [size, size, pointer, pointer, pointer, pointer, size, *[pointer] * 3],
+    }
     found = {}
     for kind in ("f32", "f64"):
-        forward = _load(
-            library, f"dpml_lstm_forward_{kind}", [pointer, size, size, pointer, size, *[pointer] * 4], None
-        )
-        backward = _load(library, f"dpml_lstm_backward_{kind}", [size, size, *[pointer] * 10], None)
-        if forward is None or backward is None:
-            return None
-        found[f"forward_{kind}"], found[f"backward_{kind}"] = forward, backward
+        for name, arguments in signatures.items():
+            loaded = _load(library, f"dpml_{name}_{kind}", arguments, None)
+            if loaded is None:
+                return None
+            found[f"{name.removeprefix('lstm_')}_{kind}"] = loaded
     return found
 
 
 @functools.cache
 def compiled_scan_steps() -> dict[str, Callable[..., object]] | None:
-    """The compiled LSTM steps (compiled into :func:`cache_directory` on first use), or None."""
+    """The compiled LSTM and GRU steps (compiled into :func:`cache_directory` on first use), or None."""
     library = compile_kernel(cache_directory(), SCAN_SOURCE, SCAN_FLAGS)
     return None if library is None else load_scan_steps(library)

@@ -29,13 +29,16 @@ gradient reaching a row's h (its own, plus what the step after it sends back) an
 - Elman: δ = ∂h ⊙ (1 − h²) (tanh) or ∂h ⊙ [h > 0] (relu); sent back: ∂h_prev = W_hhᵀ δ.
 
 The scan's gradient with respect to x̃ is δ (the pre-activations' gradient). Each factor that does not depend on ∂h
-is formed for all rows at once before the loop, so a step costs one product and a few elementwise operations.
+is formed for all rows at once before the loop, so a step costs one product and a few elementwise operations; on the
+CPU an LSTM's and a GRU's step runs its elementwise work as one compiled pass instead, the backward forming the
+factors from what the forward kept (:mod:`.scan_steps`).
 
 Arithmetic: in x̃'s dtype, the weights cast to it; in float32 where x̃ is in half precision (under autocast, the input
 product's), the outputs then cast back to x̃'s dtype: the recurrence adds up rounding over its T steps.
-tanh of a pre-activation (an LSTM's g gate, an Elman RNN's tanh) is 2σ(2a) − 1, with 2a formed from doubled
-operands (exact): one σ over all of a step's gates, where this CPU's tanh costs several times σ. It differs from
-tanh by rounding only (≤ 2 ulp of 1 in absolute terms), as the fused kernels' own activations do from ATen's.
+tanh of a pre-activation (an LSTM's g gate, an Elman RNN's tanh, a GRU's n gate in its compiled step) is 2σ(2a) − 1,
+with 2a formed from doubled operands (exact): one σ over all of a step's gates, where this CPU's tanh costs several
+times σ. It differs from tanh by rounding only (≤ 2 ulp of 1 in absolute terms), as the fused kernels' own
+activations do from ATen's.
 
 Rule. W_hh enters every row's step linearly, W_hh h_prev, and its gradient there is δ^hh (δ itself for an LSTM and
 an Elman RNN, whose pre-activations add x̃ and W_hh h_prev; GRU's (δ_r, δ_z, δ_n ⊙ r)). So ∇_{W_hh} ℓ_i =
@@ -59,6 +62,8 @@ from dpml.train.rules.scan_steps import (
     Sizes,
     Step,
     by_step,
+    fused_gru_backward,
+    fused_gru_steps,
     fused_lstm_backward,
     fused_lstm_steps,
     prefixes,
@@ -237,7 +242,11 @@ def _asked(ctx: Any, index: int) -> bool:
 
 
 def _zeros_or(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
+    """An output's gradient in ``like``'s dtype, its rows packed (autograd hands ``h.sum()``'s on as one row expanded,
+    which the compiled steps do not read), or zeros (R, H) where the pass sends none."""
+    if grad is None:
+        return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    return grad.to(like.dtype).contiguous()
 
 
 def _lstm_forward(
@@ -298,7 +307,7 @@ def _lstm_backward(
     row's projected state W_hr h received from the step after it (R, P): ∂h = ∂h_own + W_hrᵀ ∂(W_hr h)."""
     width = tanh_c.shape[1]
     grad_h = _zeros_or(grad_h, tanh_c)
-    grad_c = None if grad_c is None else grad_c.to(grad_h.dtype)
+    grad_c = None if grad_c is None else grad_c.to(grad_h.dtype).contiguous()
     fused = fused_lstm_steps(acts, grad_h, g, c_prev, tanh_c, *([] if grad_c is None else [grad_c]))
     if fused is not None:  # (its factors formed step by step from what the forward kept)
         return fused_lstm_backward(fused, grad_h, grad_c, sizes, steps, (acts, g, c_prev, tanh_c), w, projection)
@@ -343,10 +352,15 @@ def _gru_forward(
         by_step(gates[:, cols], sizes) for cols in (slice(0, 2 * width), slice(0, width), slice(width, 2 * width))
     )
     ns, qs, hs = by_step(gates[:, 2 * width :], sizes), by_step(products, sizes), by_step(h_rows, sizes)
+    fused = fused_gru_steps(gates_in)  # (None: torch's operations, on each gate's columns by step)
+    xs, gs = (by_step(gates_in, sizes), by_step(gates, sizes)) if fused is not None else ([], [])
     for step in steps:
         t = step[0]
         h = _state_in(hs, h0, step)
         q = torch.mm(h, w_t, out=qs[t]) if b is None else torch.addmm(b, h, w_t, out=qs[t])
+        if fused is not None:
+            fused.forward(xs[t], q, h, gs[t], hs[t])
+            continue
         torch.add(x_rz[t], q[:, : 2 * width], out=rzs[t]).sigmoid_()
         n = torch.addcmul(x_n[t], rs[t], q[:, 2 * width :], out=ns[t]).tanh_()
         torch.lerp(n, h, zs[t], out=hs[t])  # n + z ⊙ (h_prev − n)
@@ -365,6 +379,9 @@ def _gru_backward(
     """δ, δ^hh (R, 3H) and the initial state's gradient (module docstring)."""
     width = q_n.shape[1]
     grad_h = _zeros_or(grad_h, q_n)
+    fused = fused_gru_steps(gates, grad_h, h_prev) if q_n.stride(1) == 1 else None
+    if fused is not None:  # (its factors formed step by step from what the forward kept)
+        return fused_gru_backward(fused, grad_h, sizes, steps, (gates, q_n, h_prev), w)
     r, z, n = gates.chunk(3, 1)
     to_n = (1 - z) * (1 - n * n)
     factors = torch.cat([to_n * q_n * r * (1 - r), (h_prev - n) * z * (1 - z), to_n], 1)

@@ -1,18 +1,26 @@
-"""An LSTM scan's step, fused on the CPU: the compiled kernel of ``dpml/train/_scan_steps.c`` in place of the torch
-operations between a step's two matrix products (:mod:`.recurrent_scan`), where it applies: CPU tensors in float32
-or float64, each operand's rows laid out one after the other. Elsewhere (a GPU, half precision, no C compiler) the
-scan takes its torch operations, which compute the same numbers up to rounding (tanh as 2σ(2x) − 1 here, as the
-gates' already are there).
+"""An LSTM's and a GRU's scan steps, fused on the CPU: the compiled kernels of ``dpml/train/_scan_steps.c`` in place of
+the torch operations between a step's matrix products (:mod:`.recurrent_scan`), where they apply: CPU tensors in
+float32 or float64, each operand's rows laid out one after the other. Elsewhere (a GPU, half precision, no C compiler)
+the scan takes its torch operations, which compute the same numbers up to rounding (tanh as 2σ(2x) − 1 here, as the
+LSTM's gates' already are there).
 
-One step forward, on a step's rows (module docstring of ``_scan_steps.c``):
+One LSTM step forward, on a step's rows (module docstring of ``_scan_steps.c``):
 
     σ over (a_i, a_f, 2a_g, a_o),  g = 2σ(2a_g) − 1,  c = f ⊙ c_prev + i ⊙ g,  h = o ⊙ tanh(c);
 
 one step backward, its factors formed from what the forward kept (σ(a), g, the entering c, tanh(c)): dh = dh_own +
 dh_next, dc = dc_next + dc_own + dh ⊙ o ⊙ (1 − tanh²c), δ = (σ'_i g, σ'_f c_prev, (1 − g²) i) ⊙ dc and
-σ'_o tanh(c) ⊙ dh, the cell gradient passed back dc ⊙ f."""
+σ'_o tanh(c) ⊙ dh, the cell gradient passed back dc ⊙ f.
+
+One GRU step forward, after the product q = W_hh h_prev + b_hh: r, z = σ(x̃_r + q_r), σ(x̃_z + q_z), n = tanh(x̃_n +
+r ⊙ q_n), h = n + z ⊙ (h_prev − n); backward, from the kept gates, q_n and h_prev: δ = (σ'_r q_n n' dh, σ'_z (h_prev −
+n) dh, n' dh) with n' = (1 − z)(1 − n²), the recurrent product's gradient (δ_r, δ_z, r ⊙ δ_n), and dh ⊙ z, the part
+of the state gradient passed back that skips the product (torch's operations made five passes forward and four
+backward, two of them broadcasting products that cost ten times the fused step)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -100,18 +108,82 @@ class FusedLstmSteps:
         self._backward(rows, width, *map(_address, operands))  # type: ignore[operator]
 
 
-def fused_lstm_steps(acts: torch.Tensor, *others: torch.Tensor) -> FusedLstmSteps | None:
-    """The compiled steps for a scan over ``acts`` (R, 4H) and its other (2-D) operands, or None where they do not
-    apply: not all on the CPU in float32 or float64 (one dtype), rows not packed, or no compiled kernel here."""
+def _compiled(
+    acts: torch.Tensor, others: tuple[torch.Tensor, ...]
+) -> tuple[dict[str, Callable[..., object]], str] | None:
+    """The compiled steps and the dtype's kind for a scan over ``acts`` and its other (2-D) operands, or None where
+    they do not apply: not all on the CPU in float32 or float64 (one dtype), rows not packed, or no compiled kernel."""
     kind = _KINDS.get(acts.dtype)
     if kind is None or acts.device.type != "cpu" or not _rows_packed(acts):
         return None
     if any(t.device.type != "cpu" or t.dtype != acts.dtype or not _rows_packed(t) for t in others):
         return None
     found = compiled_scan_steps()
-    if found is None:
+    return None if found is None else (found, kind)
+
+
+def fused_lstm_steps(acts: torch.Tensor, *others: torch.Tensor) -> FusedLstmSteps | None:
+    """The compiled LSTM steps for a scan over ``acts`` (R, 4H) and its other (2-D) operands, or None where they do
+    not apply (:func:`_compiled`)."""
+    compiled = _compiled(acts, others)
+    if compiled is None:
         return None
+    found, kind = compiled
     return FusedLstmSteps(found[f"forward_{kind}"], found[f"backward_{kind}"])
+
+
+class FusedGruSteps:
+    """The compiled GRU steps for one scan's dtype (:func:`fused_gru_steps`)."""
+
+    def __init__(self, forward: object, backward: object) -> None:
+        self._forward, self._backward = forward, backward
+
+    def forward(
+        self, x: torch.Tensor, q: torch.Tensor, h_prev: torch.Tensor, gates: torch.Tensor, h: torch.Tensor
+    ) -> None:
+        """``gates`` (r, z, n) (rows, 3H) and ``h`` (rows, H) written from a step's input terms ``x`` and recurrent
+        product ``q`` (rows, 3H, packed) and the entering states ``h_prev`` (a row each, any row stride)."""
+        if h_prev.stride(1) != 1:
+            h_prev = h_prev.contiguous()
+        rows, width = h.shape
+        self._forward(  # type: ignore[operator]
+            x.data_ptr(), q.data_ptr(), rows, width, h_prev.data_ptr(), h_prev.stride(0), gates.data_ptr(), h.data_ptr()
+        )
+
+    def backward(
+        self,
+        dh_own: torch.Tensor,
+        dh_next: torch.Tensor,
+        forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        delta: torch.Tensor,
+        delta_hh: torch.Tensor,
+    ) -> None:
+        """δ and the recurrent product's gradient (rows, 3H) written, and dh ⊙ z over ``dh_next`` (rows, H), from the
+        step's ``forward`` rows (the gates, q_n with any row stride, the entering states); the others packed."""
+        gates, q_n, h_prev = forward
+        rows, width = dh_next.shape
+        self._backward(  # type: ignore[operator]
+            rows,
+            width,
+            dh_own.data_ptr(),
+            dh_next.data_ptr(),
+            gates.data_ptr(),
+            q_n.data_ptr(),
+            q_n.stride(0),
+            h_prev.data_ptr(),
+            delta.data_ptr(),
+            delta_hh.data_ptr(),
+        )
+
+
+def fused_gru_steps(x: torch.Tensor, *others: torch.Tensor) -> FusedGruSteps | None:
+    """The compiled GRU steps for a scan over ``x`` (R, 3H) and its other (2-D) operands, or None where they do not
+    apply (:func:`_compiled`)."""
+    compiled = _compiled(x, others)
+    if compiled is None:
+        return None
+    found, kind = compiled
+    return FusedGruSteps(found[f"gru_forward_{kind}"], found[f"gru_backward_{kind}"])
 
 
 def fused_lstm_backward(
@@ -144,3 +216,26 @@ def fused_lstm_backward(
         fused.backward(dh_own, dh_next, d_cs[size], None if gcs is None else gcs[t], step_rows, ds[t], d_cs[size])
         torch.mm(ds[t], w, out=d_hs[size])
     return delta, d_h, d_c, d_projected
+
+
+def fused_gru_backward(
+    fused: FusedGruSteps,
+    grad_h: torch.Tensor,
+    sizes: Sizes,
+    steps: list[Step],
+    kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    w: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`.recurrent_scan._gru_backward` by the compiled step: the steps in reverse order of ``steps``, each its δ
+    and δ^hh from the forward's ``kept`` rows (the gates, q_n, the entering states), then dh ⊙ z + δ^hh W_hh for the
+    state before it."""
+    gates = kept[0]
+    delta, delta_hh = torch.empty_like(gates), torch.empty_like(gates)
+    ds, dhs, ghs = by_step(delta, sizes), by_step(delta_hh, sizes), by_step(grad_h, sizes)
+    rows = [by_step(t, sizes) for t in kept]
+    d_h = gates.new_zeros(sizes[0], grad_h.shape[1])
+    d_hs = prefixes(d_h, sizes)
+    for t, size, _, _ in steps:
+        fused.backward(ghs[t], d_hs[size], (rows[0][t], rows[1][t], rows[2][t]), ds[t], dhs[t])
+        d_hs[size].addmm_(dhs[t], w)
+    return delta, delta_hh, d_h
