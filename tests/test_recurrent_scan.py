@@ -140,7 +140,8 @@ def test_the_step_in_float32_is_the_float64_step_to_float32s_rounding(
         h, c, _, _ = scan(kind, operands[0], sizes, operands[1], operands[2], operands[3], operands[4], False)
         loss = (h * weights.to(h.dtype)).sum() + (0 if c is None else (c * c_weights.to(c.dtype)).sum())
         loss = loss if weighted else h.sum()
-        return [h.detach(), *torch.autograd.grad(loss, [t for t in operands if t is not None])]
+        states = [h.detach()] + ([] if c is None else [c.detach()])
+        return [*states, *torch.autograd.grad(loss, [t for t in operands if t is not None])]
 
     for weighted in (True, False):
         expected = run(wide, weighted)

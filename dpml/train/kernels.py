@@ -153,9 +153,8 @@ loops' ``omp simd`` pragmas, no threads (a step's rows are a few thousand number
 
 
 def load_scan_steps(library: Path) -> dict[str, Callable[..., object]] | None:
-    """``dpml_lstm_forward_<t>``, ``dpml_lstm_backward_<t>``, ``dpml_gru_forward_<t>`` and ``dpml_gru_backward_<t>``
-    (t: f32, f64) from a compiled library, by name (``forward_<t>`` and ``backward_<t>`` the LSTM's, ``gru_forward_<t>``
-    and ``gru_backward_<t>``), or None if any does not load here."""
+    """``dpml_<cell>_<way>_<t>`` (cell: lstm, gru; way: forward, backward; t: f32, f64) from a compiled library, keyed
+    ``<cell>_<way>_<t>``, or None if any does not load here."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     signatures: dict[str, list[type]] = {
         "lstm_forward": [pointer, size, size, pointer, size, *[pointer] * 4],
@@ -169,7 +168,7 @@ def load_scan_steps(library: Path) -> dict[str, Callable[..., object]] | None:
             loaded = _load(library, f"dpml_{name}_{kind}", arguments, None)
             if loaded is None:
                 return None
-            found[f"{name.removeprefix('lstm_')}_{kind}"] = loaded
+            found[f"{name}_{kind}"] = loaded
     return found
 
 

@@ -346,14 +346,15 @@ def _gru_forward(
     width = h0.shape[1]
     gates, products = torch.empty_like(gates_in), torch.empty_like(gates_in)  # products: W_hh h_prev + b_hh
     q_n, h_rows = products[:, 2 * width :], gates_in.new_empty(gates_in.shape[0], width)
-    w_t = w.t()
-    x_rz, x_n = by_step(gates_in[:, : 2 * width], sizes), by_step(gates_in[:, 2 * width :], sizes)
-    rzs, rs, zs = (
-        by_step(gates[:, cols], sizes) for cols in (slice(0, 2 * width), slice(0, width), slice(width, 2 * width))
-    )
-    ns, qs, hs = by_step(gates[:, 2 * width :], sizes), by_step(products, sizes), by_step(h_rows, sizes)
+    w_t, qs, hs = w.t(), by_step(products, sizes), by_step(h_rows, sizes)
     fused = fused_gru_steps(gates_in)  # (None: torch's operations, on each gate's columns by step)
-    xs, gs = (by_step(gates_in, sizes), by_step(gates, sizes)) if fused is not None else ([], [])
+    if fused is not None:  # whole rows by step
+        xs, gs = by_step(gates_in, sizes), by_step(gates, sizes)
+    else:
+        rz_cols, n_cols = slice(0, 2 * width), slice(2 * width, None)
+        x_rz, x_n = by_step(gates_in[:, rz_cols], sizes), by_step(gates_in[:, n_cols], sizes)
+        r_cols, z_cols = slice(0, width), slice(width, 2 * width)
+        rzs, rs, zs, ns = (by_step(gates[:, cols], sizes) for cols in (rz_cols, r_cols, z_cols, n_cols))
     for step in steps:
         t = step[0]
         h = _state_in(hs, h0, step)

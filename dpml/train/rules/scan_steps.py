@@ -67,11 +67,15 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class FusedLstmSteps:
-    """The compiled forward and backward steps for one scan's dtype (:func:`fused_lstm_steps`)."""
+class _FusedSteps:
+    """A cell's compiled forward and backward steps for one scan's dtype."""
 
     def __init__(self, forward: object, backward: object) -> None:
         self._forward, self._backward = forward, backward
+
+
+class FusedLstmSteps(_FusedSteps):
+    """The compiled LSTM steps for one scan's dtype (:func:`fused_lstm_steps`)."""
 
     def forward(
         self,
@@ -129,14 +133,11 @@ def fused_lstm_steps(acts: torch.Tensor, *others: torch.Tensor) -> FusedLstmStep
     if compiled is None:
         return None
     found, kind = compiled
-    return FusedLstmSteps(found[f"forward_{kind}"], found[f"backward_{kind}"])
+    return FusedLstmSteps(found[f"lstm_forward_{kind}"], found[f"lstm_backward_{kind}"])
 
 
-class FusedGruSteps:
+class FusedGruSteps(_FusedSteps):
     """The compiled GRU steps for one scan's dtype (:func:`fused_gru_steps`)."""
-
-    def __init__(self, forward: object, backward: object) -> None:
-        self._forward, self._backward = forward, backward
 
     def forward(
         self, x: torch.Tensor, q: torch.Tensor, h_prev: torch.Tensor, gates: torch.Tensor, h: torch.Tensor
