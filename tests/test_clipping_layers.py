@@ -843,6 +843,31 @@ def test_compiled_convolution_norms_equal_autograd(
     alone, none, _ = clipping_conv.compiled_norms(x, delta, clipping_conv.conv_geometry(conv), keep=False)  # type: ignore[misc]
     assert none is None and torch.equal(alone, squared)
     assert clipping_conv.compiled_norms(x.double(), delta.double(), clipping_conv.conv_geometry(conv), True) is None
+    for layout in LAYOUTS:  # the same numbers read where they lie: the same bits as from contiguous tensors
+        at = clipping_conv.conv_geometry(conv)
+        found = clipping_conv.compiled_norms(laid_out(x, layout), laid_out(delta, layout), at, True)
+        assert found is not None and torch.equal(found[0], squared), layout
+        assert torch.equal(torch.cat(found[1]).reshape(grads.shape), torch.cat(results[0][1]).reshape(grads.shape))  # type: ignore[index]
+
+
+LAYOUTS = ["channels last", "rows apart", "inside a larger tensor", "examples interleaved"]
+
+
+def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A (B, C, H, W) tensor with the same numbers in another layout of memory: channels last (a model run in
+    ``torch.channels_last``, or ConvNeXt's LayerNorm2d permuted back), each row's positions apart (a transposed
+    map: its positions are not one stride apart), a view inside a larger padded tensor, the batch innermost."""
+    if layout == "channels last":
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "rows apart":
+        return t.transpose(2, 3).contiguous().transpose(2, 3)
+    if layout == "inside a larger tensor":
+        batch, channels, height, width = t.shape
+        larger = torch.full((batch, channels + 2, height + 1, width + 3), float("nan"), dtype=t.dtype)
+        view = larger[:, 1 : channels + 1, 1:, 2 : width + 2]
+        return view.copy_(t)
+    assert layout == "examples interleaved"
+    return t.permute(1, 2, 3, 0).contiguous().permute(3, 0, 1, 2)
 
 
 INPUT_GRAM_GEOMETRIES = [  # stride-1 (C_in, C_out, kernel, padding, dilation, (H, W)): P² < T²·kh·kw

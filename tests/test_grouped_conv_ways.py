@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_clipping_layers import assert_matches_naive_loop, labels
+from test_clipping_layers import LAYOUTS, assert_matches_naive_loop, labels, laid_out
 from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
@@ -76,6 +76,26 @@ def test_each_way_gives_autograds_per_example_gradients(way: str, layer: nn.Conv
         return
     got = clipping_conv_ways.PER_EXAMPLE_WAYS[way](x, delta, geometry, layer.groups)
     assert got.shape == (5, layer.out_channels, layer.weight[0].numel())
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", [0, 3], ids=["depthwise", "grouped-strided"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("way", WAYS)
+def test_each_way_reads_inputs_and_gradients_in_any_layout(way: str, layout: str, case: int) -> None:
+    """A grouped layer's input and output gradient channels last (a model in ``torch.channels_last``), rows apart,
+    inside a larger tensor or with the examples interleaved: each way's per-example gradients are autograd's, and the
+    compiled kernel's (which reads them where they lie) the same bits as from contiguous copies."""
+    layer, x, delta, geometry = layer_case(*LAYERS[case])
+    expected = per_example_autograd(layer, x, delta)
+    if way == COMPILED:
+        needs_the_compiled_kernel()
+        way_of = clipping_conv_ways.PER_EXAMPLE_WAYS[way]
+        plain = way_of(x.float(), delta.float(), geometry, layer.groups)
+        got = way_of(laid_out(x.float(), layout), laid_out(delta.float(), layout), geometry, layer.groups)
+        assert torch.equal(got, plain)
+        return
+    got = clipping_conv_ways.PER_EXAMPLE_WAYS[way](laid_out(x, layout), laid_out(delta, layout), geometry, layer.groups)
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
 

@@ -2,8 +2,13 @@
  * dpml.train.clipping_layers (loaded by dpml.train.kernels, which compiles it on first use).
  *
  *   dpml_conv_norms(x, d, B, shape, squared, grads):
- *   x (B, C, H, W) the layer's input, d (B, O, OH, OW) its output gradient, both contiguous float32,
- *   shape = (C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, direct); for each example i: A_i (T x K) its
+ *   x (B, C, H, W) the layer's input, d (B, O, OH, OW) its output gradient, float32 in any layout their
+ *   strides describe (NCHW, channels last, a permuted view: read in place, no copy first),
+ *   shape = (C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, direct, G, xb, xg, xc, xh, xw, db, dg, dout, dt):
+ *   example i's input starts at x + (i / G) xb + (i % G) xg, element (c, h, w) at c xc + h xh + w xw from there,
+ *   and its output gradient at d + (i / G) db + (i % G) dg, element (o, t) at o dout + t dt for position
+ *   t = oh OW + ow (G = 1: one batch stride; G > 1: the (example, group) pairs of a grouped layer, each group
+ *   a run of channels); for each example i: A_i (T x K) its
  *   patches, T = OH OW positions, K = C kh kw, zero where the kernel reaches into the padding; G_i = d_i A_i
  *   (O x K) = the example's weight gradient (Goodfellow 2015); squared[i] = ||G_i||_F^2, and when
  *   grads is not NULL, grads[i] = G_i (B x O x K). Two ways, the caller's choice (direct):
@@ -38,7 +43,12 @@
 #define CACHE_LINE 64 /* the buffers start on a cache line: a vector load then spans one line, not two (the
                        * direct way's product took 25% longer from malloc's 16-byte-aligned buffers, ad hoc) */
 
-typedef struct { int64_t C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, direct; } geometry;
+typedef struct {
+    int64_t C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, direct;
+    int64_t G, xb, xg, xc, xh, xw, db, dg, dout, dt; /* where each example's numbers are (the header) */
+} geometry;
+
+_Static_assert(sizeof(geometry) == 25 * sizeof(int64_t), "geometry: the 25 numbers of shape");
 
 static size_t cache_lines(size_t bytes) { return (bytes + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE; }
 
@@ -48,7 +58,13 @@ static void pad(const float *x, const geometry *g, float *xp) {
     const int64_t HP = g->H + 2 * g->ph, WP = g->W + 2 * g->pw;
     for (int64_t c = 0; c < g->C; c++) {
         for (int64_t h = 0; h < g->H; h++) {
-            memcpy(xp + (c * HP + h + g->ph) * WP + g->pw, x + (c * g->H + h) * g->W, (size_t)g->W * sizeof(float));
+            float *out = xp + (c * HP + h + g->ph) * WP + g->pw;
+            const float *in = x + c * g->xc + h * g->xh;
+            if (g->xw == 1) {
+                memcpy(out, in, (size_t)g->W * sizeof(float));
+            } else {
+                for (int64_t w = 0; w < g->W; w++) out[w] = in[w * g->xw];
+            }
         }
     }
 }
@@ -59,8 +75,12 @@ static void pad_channels_last(const float *x, const geometry *g, float *xl) {
     for (int64_t h = 0; h < g->H; h++) {
         for (int64_t w = 0; w < g->W; w++) {
             float *out = xl + ((h + g->ph) * WP + w + g->pw) * C;
-            const float *in = x + h * g->W + w;
-            for (int64_t c = 0; c < C; c++) out[c] = in[c * g->H * g->W];
+            const float *in = x + h * g->xh + w * g->xw;
+            if (g->xc == 1) {
+                memcpy(out, in, (size_t)C * sizeof(float));
+            } else {
+                for (int64_t c = 0; c < C; c++) out[c] = in[c * g->xc];
+            }
         }
     }
 }
@@ -104,13 +124,13 @@ static void patches(const float *xp, const geometry *g, float *a) {
 }
 
 /* acc = rows x cols of G_i = d_i A, from output channel o0 and patch column k0. */
-static inline __attribute__((always_inline)) void accumulate(const float *di, const float *a, int64_t T, int64_t K,
-                                                             int64_t o0, int64_t rows, int64_t k0, int64_t cols,
-                                                             float acc[OB][KB]) {
+static inline __attribute__((always_inline)) void accumulate(const float *di, const float *a, const geometry *g, int64_t T,
+                                                             int64_t K, int64_t o0, int64_t rows, int64_t k0,
+                                                             int64_t cols, float acc[OB][KB]) {
     for (int64_t t = 0; t < T; t++) {
         const float *p = a + t * K + k0;
         for (int64_t r = 0; r < rows; r++) {
-            const float w = di[(o0 + r) * T + t];
+            const float w = di[(o0 + r) * g->dout + t * g->dt];
 #pragma omp simd
             for (int64_t k = 0; k < cols; k++) acc[r][k] += w * p[k];
         }
@@ -122,13 +142,13 @@ static inline __attribute__((always_inline)) void accumulate(const float *di, co
 static inline __attribute__((always_inline)) void accumulate_direct(const float *di, const float *xl, const geometry *g,
                                                                     int64_t o0, int64_t rows, const int64_t off[UNITS],
                                                                     int64_t units, float acc[OB][KB]) {
-    const int64_t WP = g->W + 2 * g->pw, T = g->OH * g->OW;
+    const int64_t WP = g->W + 2 * g->pw;
     for (int64_t oh = 0; oh < g->OH; oh++) {
         for (int64_t ow = 0; ow < g->OW; ow++) {
             const int64_t t = oh * g->OW + ow;
             const float *base = xl + (oh * g->sh * WP + ow * g->sw) * g->C;
             for (int64_t r = 0; r < rows; r++) {
-                const float w = di[(o0 + r) * T + t];
+                const float w = di[(o0 + r) * g->dout + t * g->dt];
                 for (int64_t j = 0; j < units; j++) {
                     const float *p = base + off[j];
 #pragma omp simd
@@ -150,13 +170,14 @@ static void unit_offsets(const geometry *g, int64_t k0, int64_t units, int64_t o
 
 /* One block of G_i, zeroed first. A full block (rows = OB, cols = KB) passes its bounds as constants,
  * so that the inlined loops keep the accumulators in vector registers. */
-static inline __attribute__((always_inline)) void block(const float *di, const float *a, int64_t T, int64_t K, int64_t o0,
-                                                        int64_t rows, int64_t k0, int64_t cols, float acc[OB][KB]) {
+static inline __attribute__((always_inline)) void block(const float *di, const float *a, const geometry *g, int64_t T,
+                                                        int64_t K, int64_t o0, int64_t rows, int64_t k0, int64_t cols,
+                                                        float acc[OB][KB]) {
     memset(acc, 0, sizeof(float) * OB * KB);
     if (rows == OB && cols == KB) {
-        accumulate(di, a, T, K, o0, OB, k0, KB, acc);
+        accumulate(di, a, g, T, K, o0, OB, k0, KB, acc);
     } else {
-        accumulate(di, a, T, K, o0, rows, k0, cols, acc);
+        accumulate(di, a, g, T, K, o0, rows, k0, cols, acc);
     }
 }
 
@@ -191,11 +212,12 @@ CLONES int dpml_conv_examples(const float *x, const float *d, int64_t first, int
     memset(xp, 0, padded_bytes);
     float acc[OB][KB];
     for (int64_t i = first; i < last; i++) {
-        const float *di = d + i * g->O * T;
+        const float *di = d + (i / g->G) * g->db + (i % g->G) * g->dg;
+        const float *xi = x + (i / g->G) * g->xb + (i % g->G) * g->xg;
         if (g->direct) {
-            pad_channels_last(x + i * g->C * g->H * g->W, g, xp);
+            pad_channels_last(xi, g, xp);
         } else {
-            pad(x + i * g->C * g->H * g->W, g, xp);
+            pad(xi, g, xp);
             patches(xp, g, a);
         }
         double total = 0.0;
@@ -206,7 +228,7 @@ CLONES int dpml_conv_examples(const float *x, const float *d, int64_t first, int
                 if (g->direct) {
                     block_direct(di, xp, g, o0, rows, k0, cols, acc);
                 } else {
-                    block(di, a, T, K, o0, rows, k0, cols, acc);
+                    block(di, a, g, T, K, o0, rows, k0, cols, acc);
                 }
                 float s = 0.0f;
                 for (int64_t r = 0; r < rows; r++) {
@@ -228,8 +250,8 @@ CLONES int dpml_conv_examples(const float *x, const float *d, int64_t first, int
  * torch has already loaded, so these are torch's own intra-op threads (torch.set_num_threads sets their
  * count), not a second pool competing with them. */
 int dpml_conv_norms(const float *x, const float *d, int64_t batch, const int64_t *shape, float *squared, float *grads) {
-    const geometry g = {shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6],
-                        shape[7], shape[8], shape[9], shape[10], shape[11], shape[12], shape[13], shape[14]};
+    geometry g;
+    memcpy(&g, shape, sizeof g); /* the fields in the header's order */
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {

@@ -250,7 +250,9 @@ def compiled_norms(
     channels-last order (:func:`weight_from_columns`). By the compiled kernel (``_conv_norms.c``: each
     example's patches built in a cache-sized buffer, or read from a channels-last copy of it
     (:func:`direct_way`), and multiplied there, G_i = δ_i A_i), the examples split over torch's own
-    intra-op threads (the kernel's OpenMP threads are torch's); None where the kernel is not available (no
+    intra-op threads (the kernel's OpenMP threads are torch's). x and δ are read where they lie (a model in
+    ``torch.channels_last``, ConvNeXt's LayerNorm2d permuted back: no contiguous copy first). None where the
+    kernel is not available (no
     C compiler), the tensors are not float32 on the CPU, or the patch way would be taken for more than
     ``COMPILED_MAX_POSITIONS`` output positions (the caller then takes a torch way)."""
     direct = direct_way(inputs.shape[1])
@@ -258,7 +260,7 @@ def compiled_norms(
         not direct and output_grad.shape[2] * output_grad.shape[3] > COMPILED_MAX_POSITIONS
     ):
         return None
-    x, d = inputs.contiguous(), output_grad.contiguous()
+    x, d = inputs, positions_in_one_stride(output_grad)  # read in place: channels last, permuted views
     squared, out_channels, patch = x.new_empty(x.shape[0]), d.shape[1], x.shape[1] * geometry[0][0] * geometry[0][1]
     shape, parts = _kernel_shape(x, d, geometry, direct), []
     for part in heap_sized_slices(x.shape[0], out_channels * patch * x.element_size(), x.device):
@@ -274,18 +276,17 @@ def compiled_gradients(
     """Every example's Conv2d weight gradient G_i = δ_i A_i, (B, C_out, C_in/g·kh·kw) with its columns in the weight's
     (c, u, v) order, by the compiled kernel's patch way (:func:`compiled_norms`, one tensor for the whole batch); None
     where the kernel is not available or the tensors are not float32 on the CPU. With ``groups`` = g > 1 the kernel
-    runs on the B·g (example, group) pairs as its examples: in NCHW a group's input channels and its output
-    channels are runs of C_in/g and C_out/g, so x (B, C_in, H, W) read as (B·g, C_in/g, H, W) and δ as (B·g, C_out/g,
-    oh, ow) make pair (i, j) an example of a one-group convolution with group j's kernel, whose gradient is rows
-    j·C_out/g … of example i's (ResNeXt-50's 32 groups of 16 channels on 2×2 maps at batch 64: 5.6 against 7.7 ms
-    for the fastest torch way, ``benchmarks/results/grouped_conv_ways.md``)."""
+    runs on the B·g (example, group) pairs as its examples: a group's input channels and its output channels are
+    runs of C_in/g and C_out/g, so x (B, C_in, H, W) read as (B·g, C_in/g, H, W) and δ as (B·g, C_out/g, oh, ow), in
+    place whatever their layout (:func:`_kernel_shape`), make pair (i, j) an example of a one-group convolution with
+    group j's kernel, whose gradient is rows j·C_out/g … of example i's (ResNeXt-50's 32 groups of 16 channels on 2×2
+    maps at batch 64: 5.6 against 7.7 ms for the fastest torch way, ``benchmarks/results/grouped_conv_ways.md``)."""
     if not compiled_kernel_takes(inputs, output_grad):
         return None
-    batch = inputs.shape[0]
-    x = inputs.contiguous().reshape(batch * groups, inputs.shape[1] // groups, *inputs.shape[2:])
-    d = output_grad.contiguous().reshape(batch * groups, output_grad.shape[1] // groups, *output_grad.shape[2:])
-    grads = x.new_empty(x.shape[0], d.shape[1], x.shape[1] * geometry[0][0] * geometry[0][1])
-    _run_kernel(x, d, _kernel_shape(x, d, geometry, False), x.new_empty(x.shape[0]), grads)
+    batch, d = inputs.shape[0], positions_in_one_stride(output_grad)
+    patch = inputs.shape[1] // groups * geometry[0][0] * geometry[0][1]
+    grads = inputs.new_empty(batch * groups, d.shape[1] // groups, patch)
+    _run_kernel(inputs, d, _kernel_shape(inputs, d, geometry, False, groups), inputs.new_empty(batch * groups), grads)
     return grads.reshape(batch, output_grad.shape[1], -1)
 
 
@@ -299,25 +300,41 @@ def compiled_kernel_takes(inputs: torch.Tensor, output_grad: torch.Tensor) -> bo
     )
 
 
-def _kernel_shape(x: torch.Tensor, d: torch.Tensor, geometry: Geometry, direct: bool) -> torch.Tensor:
-    """The compiled kernel's description of a call: the input's and the output gradient's sizes per example, the
-    geometry and the way (``direct``: the direct way's column order)."""
+def positions_in_one_stride(output_grad: torch.Tensor) -> torch.Tensor:
+    """δ (B, C_out, OH, OW) itself where its positions t = oh·OW + ow lie one stride apart (NCHW, channels last,
+    any layout whose rows follow each other), as the compiled kernel reads them; else a contiguous copy."""
+    out_h, out_w = output_grad.shape[2:]
+    follow = out_h == 1 or out_w == 1 or output_grad.stride(2) == out_w * output_grad.stride(3)
+    return output_grad if follow else output_grad.contiguous()
+
+
+def _position_stride(d: torch.Tensor) -> int:
+    """The stride between δ's consecutive positions (:func:`positions_in_one_stride` holds)."""
+    return d.stride(2) if d.shape[3] == 1 else d.stride(3)
+
+
+def _kernel_shape(x: torch.Tensor, d: torch.Tensor, geometry: Geometry, direct: bool, groups: int = 1) -> torch.Tensor:
+    """The compiled kernel's description of a call (``_conv_norms.c``): the sizes of one of its examples, the
+    geometry, the way (``direct``: the direct way's column order) and where each example's numbers are in x and
+    δ as they lie in memory (their strides; with ``groups`` = g > 1 the kernel's examples are the (example,
+    group) pairs, group j's channels a run of C/g from channel j·C/g)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry
-    channels, height, width = x.shape[1:]
-    out_channels, out_h, out_w = d.shape[1:]
-    return torch.tensor(
-        [channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct], dtype=torch.long
-    )
+    channels, height, width = x.shape[1] // groups, *x.shape[2:]
+    out_channels, out_h, out_w = d.shape[1] // groups, *d.shape[2:]
+    where = [groups, x.stride(0), channels * x.stride(1), *x.stride()[1:]]
+    where += [d.stride(0), out_channels * d.stride(1), d.stride(1), _position_stride(d)]
+    sizes = [channels, height, width, out_channels, out_h, out_w, kh, kw, sh, sw, ph, pw, dh, dw, direct]
+    return torch.tensor(sizes + where, dtype=torch.long)
 
 
 def _run_kernel(
     x: torch.Tensor, d: torch.Tensor, shape: torch.Tensor, squared: torch.Tensor, grads: torch.Tensor | None
 ) -> None:
-    """The compiled kernel on contiguous (x, δ) of some examples (``shape``: :func:`_kernel_shape`): their squared
+    """The compiled kernel on (x, δ) of some examples (``shape``: :func:`_kernel_shape`): their squared
     norms into ``squared`` and, unless ``grads`` is None, their gradients into it."""
     kernel = compiled_conv_norms()
     assert kernel is not None
-    count = x.shape[0]
+    count = squared.shape[0]  # the kernel's examples (with groups: the (example, group) pairs)
     if count and kernel(
         x.data_ptr(),
         d.data_ptr(),
