@@ -3,6 +3,8 @@ only), mixed with parameters that still need per-example vmap, against a one-exa
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_dpsgd import naive_clipped_sum_and_norms
@@ -1044,3 +1046,61 @@ def test_the_grams_a_pass_remembers_are_the_last_asked_for() -> None:
         assert self_gram(a) is first
         self_gram(d_k)
         assert self_gram(a) is first
+
+
+class ChannelsLastNet(nn.Module):
+    """A ConvNeXt-like network in ``torch.channels_last``: a strided stem, a depthwise 3×3, LayerNorm2d as
+    ConvNeXt writes it (permute, layer norm over the channels, permute back: a channels-last view), 1×1 layers of
+    16 and of 12 input channels (the compiled kernel's direct and patch ways), GroupNorm, a residual sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 2, stride=2)
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Conv2d(16, 12, 1)
+        self.down = nn.Conv2d(12, 16, 1)
+        self.group_norm = nn.GroupNorm(4, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = self.norm(self.depthwise(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = x + self.down(torch.tanh(self.up(y)))
+        return self.head(self.group_norm(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_a_model_in_channels_last_memory_format_matches_the_naive_loop(
+    dtype: torch.dtype, tmp_path, monkeypatch: pytest.MonkeyPatch, vmapped: list
+) -> None:  # type: ignore[no-untyped-def]
+    """A model and its inputs in ``torch.channels_last`` (what oneDNN and tensor cores prefer): the norms and clipped
+    sums equal the float64 naive loop's (in float32 to float32 rounding, the convolutions' norms by the compiled
+    kernel reading the channels-last tensors in place; in float64 by the torch ways), nothing on the exact path."""
+    reads: list[bool] = []
+    if dtype == torch.float32:
+        kernel = compiled_kernel(tmp_path)
+        monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: kernel)
+        run = clipping_conv._run_kernel
+
+        def counted(x: torch.Tensor, d: torch.Tensor, shape: torch.Tensor, squared, grads) -> None:  # type: ignore[no-untyped-def]
+            reads.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+            run(x, d, shape, squared, grads)
+
+        monkeypatch.setattr(clipping_conv, "_run_kernel", counted)
+    torch.manual_seed(21)
+    model = ChannelsLastNet().to(dtype=dtype, memory_format=torch.channels_last)
+    x = torch.randn(6, 3, 10, 10, generator=torch.Generator().manual_seed(22), dtype=dtype)
+    x, y = x.contiguous(memory_format=torch.channels_last), labels(6)
+    plan = plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), dtype)
+    assert not plan.exact
+    reference, reference_norms = naive_clipped_sum_and_norms(copy.deepcopy(model).double(), x.double(), y, 0.05)
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.05)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(norms.double(), reference_norms, rtol=tolerance, atol=0.0)
+    for name, expected in reference.items():
+        assert float((sums[name].double() - expected).norm() / expected.norm()) < tolerance, name
+    assert float((reference_norms > 0.05).double().mean()) > 0.75
+    assert vmapped == []
+    if dtype == torch.float32:  # the kernel ran on channels-last inputs, read in place
+        assert reads and any(reads)
