@@ -16,13 +16,15 @@ from torch import nn
 
 from dpml.train.clipping_conv import (
     Geometry,
+    as_2d,
     compiled_gradients,
     compiled_kernel_takes,
+    compiled_norms,
     conv_geometry,
     live_taps,
     unfold_patches,
 )
-from dpml.train.clipping_norms import row_norms_squared
+from dpml.train.clipping_norms import materialise, row_norms_squared
 from dpml.train.keep_budget import keep_limit
 
 
@@ -344,3 +346,72 @@ def per_example_conv_way(device_type: str, in_channels: int, count: int, out_cha
     if count <= out_channels:
         return "patch slices"
     return "weight gradient" if in_channels >= WEIGHT_GRAD_MIN_CHANNELS else "grouped forward"
+
+
+def pointwise_rows(
+    module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pointwise convolution's (:func:`is_pointwise`) input and output gradient as a Linear's rows: the input at
+    the strided positions and δ, (B, T, C_in) and (B, T, C_out), channels last (views where the layout allows:
+    a channels-last tensor's are). Its weight gradient is then Σ_t δ_t a_tᵀ, a Linear's, with no patches."""
+    return _rows(as_2d(module, inputs), as_2d(module, output_grad), conv_geometry(module))  # type: ignore[arg-type]
+
+
+def _rows(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+    (sh, sw) = geometry[1]
+    return inputs[:, :, ::sh, ::sw].flatten(2).transpose(1, 2), output_grad.flatten(2).transpose(1, 2)
+
+
+def is_pointwise(module: nn.Module) -> bool:
+    """A Conv1d or Conv2d with a kernel of one tap, no padding and one group: a Linear applied at each of its
+    (strided) positions, whatever its dilation."""
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or module.groups != 1:
+        return False
+    geometry = conv_geometry(module)
+    return geometry is not None and geometry[0] == (1, 1) and geometry[2] == (0, 0)
+
+
+_FASTEST_POINTWISE: dict[tuple[object, ...], str] = {}
+
+
+def fastest_pointwise_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry) -> str:
+    """How a pointwise convolution's per-example gradients are formed on a CPU where the compiled kernel takes its
+    tensors: ``"rows"`` (one batched product of its rows, :func:`pointwise_rows`, as a Linear's) or ``"compiled
+    kernel"`` (:func:`dpml.train.clipping_conv.compiled_norms`), whichever was faster, timed once per example shape,
+    layout and batch size class in a process as :func:`fastest_grouped_way` times its ways (the same numbers either
+    way, up to the order of additions). Neither wins everywhere (ad hoc, 2 threads): at batch 64 on maps of 2×2 to
+    16×16 the product took 0.06–0.51 ms against 0.17–1.42 ms for the kernel (RegNetX's, EfficientNet's, ConvNeXt's
+    1×1 layers at 32 px); at batch 16 on ConvNeXt-atto's 28×28 and 14×14 maps of 160 to 640 channels (224 px) the
+    kernel 2.7–3.5 against 3.8–4.0 ms."""
+    batch_class = (inputs.shape[0] - 1).bit_length()
+    layout = (inputs.is_contiguous(), output_grad.is_contiguous())
+    key = (inputs.dtype, batch_class, tuple(inputs.shape[1:]), tuple(output_grad.shape[1:]), geometry, layout)
+    if key not in _FASTEST_POINTWISE:
+        a, d = _rows(inputs, output_grad, geometry)
+        ways: dict[str, Callable[[], object]] = {
+            "rows": lambda: torch.bmm(d.transpose(1, 2), a),
+            "compiled kernel": lambda: compiled_norms(inputs, output_grad, geometry, True),
+        }
+        least = dict.fromkeys(ways, float("inf"))
+        for way in ways.values():
+            way()
+        for _ in range(TIMED_ROUNDS):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                way()
+                least[name] = min(least[name], time.perf_counter() - start)
+        _FASTEST_POINTWISE[key] = min(least, key=least.__getitem__)
+    return _FASTEST_POINTWISE[key]
+
+
+def pointwise_by_rows(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor, limit: int) -> bool:
+    """Whether a layer's piece is a Linear's on its rows (:func:`pointwise_rows`): for every pointwise convolution
+    but where, on a CPU, its per-example gradients are materialised (:func:`materialise`, ``limit`` the numbers it
+    may keep) and the compiled kernel takes its tensors and is the faster way to them
+    (:func:`fastest_pointwise_way`); those, and every other convolution, take the convolution's own piece."""
+    if not is_pointwise(module):
+        return False
+    x, d = as_2d(module, inputs), as_2d(module, output_grad)
+    if not compiled_kernel_takes(x, d) or not materialise(x.shape[0], d[0, 0].numel(), x.shape[1], d.shape[1], limit):
+        return True
+    return fastest_pointwise_way(x, d, conv_geometry(module)) == "rows"  # type: ignore[arg-type]

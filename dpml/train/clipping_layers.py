@@ -70,9 +70,12 @@ from dpml.train.clipping_conv_ways import (
     grouped_conv_live_tap_gradients,
     grouped_ghost_norms_squared,
     in_window,
+    is_pointwise,
     live_window,
     per_example_conv_gradients,
     per_example_conv_way,
+    pointwise_by_rows,
+    pointwise_rows,
 )
 from dpml.train.clipping_norms import (
     clipped_outer_sum,
@@ -167,6 +170,8 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     batch = inputs.shape[0]
     if isinstance(module, nn.Linear):
         return inputs.reshape(batch, -1, inputs.shape[-1]), output_grad.reshape(batch, -1, output_grad.shape[-1])
+    if is_pointwise(module):  # a Linear at each position: its rows, no patches
+        return pointwise_rows(module, inputs, output_grad)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):  # patches (B, C_in·K, T), δ (B, C_out, T), transposed
         unfolded = unfold_patches(as_2d(module, inputs), *conv_geometry(module))  # type: ignore[misc]
         return unfolded.transpose(1, 2), output_grad.reshape(batch, output_grad.shape[1], -1).transpose(1, 2)
@@ -465,7 +470,8 @@ def layer_piece(module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]
     if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups > 1:
         return _grouped_conv_piece(module, calls)
     if isinstance(module, nn.Conv2d) and len(calls) == 1:
-        return _conv_piece(module, *calls[0])
+        if not pointwise_by_rows(module, *calls[0], room(keep_limit(calls[0][0].device))):
+            return _conv_piece(module, *calls[0])
     if isinstance(module, nn.GroupNorm) and len(calls) == 1:
         folded = group_norm_affine_gradients(*calls[0], module.num_groups, module.eps)
         if folded is not None:
