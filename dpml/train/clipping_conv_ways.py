@@ -24,6 +24,7 @@ from dpml.train.clipping_conv import (
     live_taps,
     unfold_patches,
 )
+from dpml.devices import heap_sized_slices
 from dpml.train.clipping_norms import materialise, row_norms_squared
 from dpml.train.keep_budget import keep_limit
 
@@ -382,15 +383,19 @@ def fastest_pointwise_way(inputs: torch.Tensor, output_grad: torch.Tensor, geome
     way, up to the order of additions). Neither wins everywhere (ad hoc, 2 threads): at batch 64 on maps of 2×2 to
     16×16 the product took 0.06–0.51 ms against 0.17–1.42 ms for the kernel (RegNetX's, EfficientNet's, ConvNeXt's
     1×1 layers at 32 px); at batch 16 on ConvNeXt-atto's 28×28 and 14×14 maps of 160 to 640 channels (224 px) the
-    kernel 2.7–3.5 against 3.8–4.0 ms."""
+    kernel 2.7–3.5 against 3.8–4.0 ms. Both ways form the gradients of the first heap-sized slice of the examples
+    (:func:`dpml.devices.heap_sized_slices`), as the layer's piece forms them a slice at a time."""
     batch_class = (inputs.shape[0] - 1).bit_length()
     layout = (inputs.is_contiguous(), output_grad.is_contiguous())
     key = (inputs.dtype, batch_class, tuple(inputs.shape[1:]), tuple(output_grad.shape[1:]), geometry, layout)
-    if key not in _FASTEST_POINTWISE:
-        a, d = _rows(inputs, output_grad, geometry)
+    if key not in _FASTEST_POINTWISE:  # timed on a heap-sized slice of the examples: what one slice's gradients take
+        gradient_bytes = output_grad.shape[1] * inputs.shape[1] * inputs.element_size()
+        part = heap_sized_slices(inputs.shape[0], gradient_bytes, inputs.device)[0]
+        x, g = inputs[part], output_grad[part]
+        a, d = _rows(x, g, geometry)
         ways: dict[str, Callable[[], object]] = {
             "rows": lambda: torch.bmm(d.transpose(1, 2), a),
-            "compiled kernel": lambda: compiled_norms(inputs, output_grad, geometry, True),
+            "compiled kernel": lambda: compiled_norms(x, g, geometry, True),
         }
         least = dict.fromkeys(ways, float("inf"))
         for way in ways.values():
