@@ -5,6 +5,7 @@ one of four ways that compute the same numbers by different kernels, and which w
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -233,14 +234,29 @@ def _seconds(
     """Each way's least seconds on the CPU over ``TIMED_ROUNDS`` rounds of the ways in turn (so that a passing load
     falls on all of them alike), after one untimed run each that pays for its kernel's set-up."""
     taps = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
-    for way in ways:
-        LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps)
+    return least_seconds(
+        {way: functools.partial(_formed, way, inputs, output_grad, geometry, groups, taps) for way in ways}
+    )
+
+
+def _formed(
+    way: str, inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int, taps: Taps
+) -> torch.Tensor:
+    """The live taps' per-example gradients by ``way``, laid out in memory (a way may return a view)."""
+    return LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps).contiguous()
+
+
+def least_seconds(ways: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each way's least seconds over ``TIMED_ROUNDS`` rounds of the ways in turn (so that a passing load falls on
+    all of them alike), after one untimed run each that pays for its kernel's set-up."""
+    for way in ways.values():
+        way()
     least = dict.fromkeys(ways, float("inf"))
     for _ in range(TIMED_ROUNDS):
-        for way in ways:
+        for name, way in ways.items():
             start = time.perf_counter()
-            LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps).contiguous()
-            least[way] = min(least[way], time.perf_counter() - start)
+            way()
+            least[name] = min(least[name], time.perf_counter() - start)
     return least
 
 
@@ -397,14 +413,7 @@ def fastest_pointwise_way(inputs: torch.Tensor, output_grad: torch.Tensor, geome
             "rows": lambda: torch.bmm(d.transpose(1, 2), a),
             "compiled kernel": lambda: compiled_norms(x, g, geometry, True),
         }
-        least = dict.fromkeys(ways, float("inf"))
-        for way in ways.values():
-            way()
-        for _ in range(TIMED_ROUNDS):
-            for name, way in ways.items():
-                start = time.perf_counter()
-                way()
-                least[name] = min(least[name], time.perf_counter() - start)
+        least = least_seconds(ways)
         _FASTEST_POINTWISE[key] = min(least, key=least.__getitem__)
     return _FASTEST_POINTWISE[key]
 
