@@ -154,3 +154,29 @@ def test_the_faster_pointwise_way_is_timed_once_per_shape_and_layout(monkeypatch
     clipping_conv_ways.fastest_pointwise_way(laid_out(x, "channels last"), laid_out(d, "channels last"), geometry)
     clipping_conv_ways.fastest_pointwise_way(x[:3], d[:3], geometry)
     assert len(timed) == 3 * runs
+
+
+def test_where_a_float32_pointwise_layer_takes_its_rows_on_a_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Float32 on a CPU: the rows at one position; the convolution's own piece where it is ghost-normed at several
+    positions; the timed pick where its gradients are materialised. Float64 (no compiled kernel): the rows."""
+    kernel = compiled_kernel(tmp_path)
+    monkeypatch.setattr(clipping_conv, "compiled_conv_norms", lambda: kernel)
+    picks: list[str] = []
+    monkeypatch.setattr(clipping_conv_ways, "fastest_pointwise_way", lambda *args: picks[-1])
+    layer, limit = nn.Conv2d(64, 256, 1), 1 << 25
+
+    def by_rows(size: int, dtype: torch.dtype = torch.float32) -> bool:
+        x, d = torch.zeros(8, 64, size, size, dtype=dtype), torch.zeros(8, 256, size, size, dtype=dtype)
+        return clipping_conv_ways.pointwise_by_rows(layer, x, d, limit)
+
+    assert clipping_conv_ways.materialise(8, 64, 64, 256, limit) and not clipping_conv_ways.materialise(
+        8, 4, 64, 256, limit
+    )
+    assert by_rows(1) and not by_rows(2)
+    for pick in ("rows", "compiled kernel"):
+        picks.append(pick)
+        assert by_rows(8) == (pick == "rows")
+    assert by_rows(2, torch.float64) and by_rows(8, torch.float64)
+    assert not clipping_conv_ways.pointwise_by_rows(
+        nn.Conv2d(64, 256, 3), torch.zeros(8, 64, 8, 8), torch.zeros(8, 256, 6, 6), limit
+    )
