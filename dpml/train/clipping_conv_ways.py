@@ -198,8 +198,7 @@ def fastest_grouped_way(inputs: torch.Tensor, output_grad: torch.Tensor, geometr
     way is fastest there is not measured yet: ``scripts/gpu_session.sh`` step 5): :func:`gpu_grouped_way`."""
     if inputs.device.type == "cuda":
         return gpu_grouped_way(inputs.shape, output_grad.shape, geometry, keep_limit(inputs.device))
-    batch_class = (inputs.shape[0] - 1).bit_length()
-    key = (inputs.dtype, batch_class, tuple(inputs.shape[1:]), tuple(output_grad.shape[1:]), geometry, groups)
+    key = timing_key(inputs, output_grad, geometry, groups)
     if key not in _FASTEST_GROUPED:
         gradient_numbers = output_grad.shape[1] * (inputs.shape[1] // groups) * math.prod(geometry[0])
         small = live_patch_numbers(inputs.shape, output_grad.shape, geometry) <= gradient_numbers
@@ -244,6 +243,19 @@ def _formed(
 ) -> torch.Tensor:
     """The live taps' per-example gradients by ``way``, laid out in memory (a way may return a view)."""
     return LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps).contiguous()
+
+
+def timing_key(inputs: torch.Tensor, output_grad: torch.Tensor, *call: object) -> tuple[object, ...]:
+    """What a timed pick of ways is kept under: the dtype, the batch size class (the batch's power of two above, so
+    that the sizes Poisson sampling draws are timed a handful of times, not once each), the shapes of one example's
+    input and output gradient, and what else describes the ``call``."""
+    return (
+        inputs.dtype,
+        (inputs.shape[0] - 1).bit_length(),
+        tuple(inputs.shape[1:]),
+        tuple(output_grad.shape[1:]),
+        *call,
+    )
 
 
 def least_seconds(ways: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -401,9 +413,7 @@ def fastest_pointwise_way(inputs: torch.Tensor, output_grad: torch.Tensor, geome
     1×1 layers at 32 px); at batch 16 on ConvNeXt-atto's 28×28 and 14×14 maps of 160 to 640 channels (224 px) the
     kernel 2.7–3.5 against 3.8–4.0 ms. Both ways form the gradients of the first heap-sized slice of the examples
     (:func:`dpml.devices.heap_sized_slices`), as the layer's piece forms them a slice at a time."""
-    batch_class = (inputs.shape[0] - 1).bit_length()
-    layout = (inputs.is_contiguous(), output_grad.is_contiguous())
-    key = (inputs.dtype, batch_class, tuple(inputs.shape[1:]), tuple(output_grad.shape[1:]), geometry, layout)
+    key = timing_key(inputs, output_grad, geometry, (inputs.is_contiguous(), output_grad.is_contiguous()))
     if key not in _FASTEST_POINTWISE:  # timed on a heap-sized slice of the examples: what one slice's gradients take
         gradient_bytes = output_grad.shape[1] * inputs.shape[1] * inputs.element_size()
         part = heap_sized_slices(inputs.shape[0], gradient_bytes, inputs.device)[0]

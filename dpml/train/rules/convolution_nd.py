@@ -34,8 +34,8 @@ example map says whose): an example's images are then its positions side by side
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from dpml.train.clipping_conv import compiled_gradients, compiled_kernel_takes, named_padding
+from dpml.train.clipping_conv_ways import least_seconds, timing_key
 from dpml.train.clipping_norms import materialise
 from dpml.train.keep_budget import keep_limit
 from dpml.train.rules.registry import (
@@ -185,15 +186,14 @@ APPLIES: dict[str, Callable[[torch.Tensor, torch.Tensor, Convolution], bool]] = 
 }
 """Ways that take only some calls, with what says which (a way not named here takes every call)."""
 _FASTEST: dict[tuple[object, ...], str] = {}
-TIMED_ROUNDS = 3
 
 
 def fastest_way(x: torch.Tensor, d: torch.Tensor, conv: Convolution) -> str:
     """The way (a key of :data:`WAYS`) to the per-image gradients of this shape: on a CPU the fastest of those that
     take the call (:data:`APPLIES`), timed once per image shape and batch size class (its power of two above) in a
-    process, by the least of ``TIMED_ROUNDS`` rounds of the ways in turn after one untimed run each (no way wins
-    everywhere: ad hoc at batch 16, R3D-18's 64-channel 3×3×3 on 8×16×16 maps took 16 ms grouped, 73 ms per image,
-    101 ms by patches; its 512-channel ones on 1×2×2 maps 2,343 ms grouped, 55 ms per image; at batch 64,
+    process, by the least of a few rounds of the ways in turn after one untimed run each (:func:`least_seconds`; no
+    way wins everywhere: ad hoc at batch 16, R3D-18's 64-channel 3×3×3 on 8×16×16 maps took 16 ms grouped, 73 ms
+    per image, 101 ms by patches; its 512-channel ones on 1×2×2 maps 2,343 ms grouped, 55 ms per image; at batch 64,
     ResNet-18's standardised 64-channel 3×3 on 8×8 maps 11.9 ms grouped, 13.2 per image, 4.6 by patches and 2.5 by
     the compiled kernel). They compute the same numbers, in another order of additions. On a GPU, untimed: the
     patches while they fit the keep limit, else the grouped weight gradient."""
@@ -201,17 +201,10 @@ def fastest_way(x: torch.Tensor, d: torch.Tensor, conv: Convolution) -> str:
         positions = math.prod((x if conv.transposed else d).shape[2:])
         numbers = x.shape[0] * math.prod(conv.kernel[1:]) * conv.groups * positions  # the patches'
         return "patches" if numbers <= keep_limit(x.device) else "grouped weight gradient"
-    key = (x.dtype, (x.shape[0] - 1).bit_length(), tuple(x.shape[1:]), tuple(d.shape[1:]), conv)
+    key = timing_key(x, d, conv)
     if key not in _FASTEST:
         ways = {name: way for name, way in WAYS.items() if name not in APPLIES or APPLIES[name](x, d, conv)}
-        for way in ways.values():
-            way(x, d, conv)
-        least = dict.fromkeys(ways, math.inf)
-        for _ in range(TIMED_ROUNDS):
-            for name, way in ways.items():
-                start = time.perf_counter()
-                way(x, d, conv)
-                least[name] = min(least[name], time.perf_counter() - start)
+        least = least_seconds({name: functools.partial(way, x, d, conv) for name, way in ways.items()})
         _FASTEST[key] = min(least, key=least.__getitem__)
     return _FASTEST[key]
 
