@@ -4,20 +4,20 @@ One forward pass records every *fast* layer's calls (forward hooks on their inpu
 through a ``TorchFunctionMode`` (:mod:`dpml.train.rules`), every torch operation a trainable parameter
 enters; the per-example losses ℓ_i then give two things by backpropagation:
 
-- the output gradients δ_{i,t} = ∂ℓ_i/∂z_{i,t} of the fast layers and of the recorded operations (one
-  backward pass of Σ_j ℓ_j: ℓ_i depends on example i's rows only, so ∂(Σ_j ℓ_j)/∂z_i = ∂ℓ_i/∂z_i), from
-  which each layer's per-example gradient norms and clipped sums follow in closed form
-  (:mod:`dpml.train.clipping_layers`), and each other parameter's from the rules of the operations it
-  enters — a linear map (``F.linear``, ``torch.addmm``, a matmul on either side, of the parameter or a
-  view of it), an embedding lookup (indices per example or shared by the batch), a normalisation's
-  affine, an elementwise affine or a concatenation broadcast over the batch —, its uses added up with
-  their cross terms (a tied embedding: ‖Σ_u G_u‖², :mod:`dpml.train.rules.combine`); a weight computed
-  from parameters alone (a parametrization W = g(W₀)) gets its uses' per-example gradients pulled back
-  through that computation's Jacobian, ∇_{W₀} ℓ_i = (∂W/∂W₀)ᵀ ∇_W ℓ_i (:mod:`dpml.train.rules.derived`);
-- the **exact** per-example gradients ∇_p ℓ_i of every other trainable parameter p (an operation with no
-  rule: recurrent layers, custom autograd Functions), by backpropagating the B rows of the identity
-  through the same graph at once (``autograd.grad(..., is_grads_batched=True)``, i.e. a vmap over
-  the backward pass; a plain loop over examples where an operator has no batching rule).
+- the output gradients δ_{i,t} = ∂ℓ_i/∂z_{i,t} of the fast layers and of the recorded operations (one backward pass of
+  Σ_j ℓ_j: ℓ_i depends on example i's rows only, so ∂(Σ_j ℓ_j)/∂z_i = ∂ℓ_i/∂z_i), from which each layer's per-example
+  gradient norms and clipped sums follow in closed form (:mod:`dpml.train.clipping_layers`), and each other
+  parameter's from the rules of the operations it enters — a linear map (``F.linear``, ``torch.addmm``, a matmul on
+  either side, of the parameter or a view of it), an embedding lookup (indices per example or shared by the batch), a
+  normalisation's affine, an elementwise affine or a concatenation broadcast over the batch —, its uses added up with
+  their cross terms (a tied embedding: ‖Σ_u G_u‖², :mod:`dpml.train.rules.combine`); a weight computed from parameters
+  alone (a parametrization W = g(W₀)) gets its uses' per-example gradients pulled back through that computation's
+  Jacobian, ∇_{W₀} ℓ_i = (∂W/∂W₀)ᵀ ∇_W ℓ_i (:mod:`dpml.train.rules.derived`), also where the computation is a custom
+  autograd Function's, through its own backward (:mod:`dpml.train.rules.custom_functions`);
+- the **exact** per-example gradients ∇_p ℓ_i of every other trainable parameter p (an operation with no rule, a
+  custom autograd Function called with the batch and a parameter), by backpropagating the B rows of the identity
+  through the same graph at once (``autograd.grad(..., is_grads_batched=True)``, i.e. a vmap over the backward pass; a
+  plain loop over examples where an operator has no batching rule).
 
 Their squared norms add up to ‖∇ℓ_i‖², the clip factor is c_i = min(1, C/(‖∇ℓ_i‖ + 1e-6)), so
 ‖c_i ∇ℓ_i‖ < C strictly (the 1e-6 guards rounding and ∇ℓ_i = 0): the sum's sensitivity is C.
@@ -70,7 +70,7 @@ from dpml.train.clipping_norms import row_norms_squared, shared_grams
 from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.released import RuledCall, Slot, Targets
-from dpml.train.rules import Recorder, Use, cast_form, parameter_piece
+from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
 from dpml.train.rules.derived import pull_back_all
 from dpml.train.rules.row_jacobian import row_map_pieces
 from dpml.train.rules.standardised import standardised_pieces
@@ -160,7 +160,7 @@ def _record_forward(
 
     handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
     try:
-        with recorder:
+        with recorder, custom_functions_seen_by(recorder):
             losses = per_example_losses(model, loss_fn, x, y)
     finally:
         for handle in handles:

@@ -30,6 +30,7 @@ from dpml.train.rules import (  # noqa: F401 (each module registers its rules wh
     views,
 )
 from dpml.train.rules.combine import cast_form, parameter_piece, per_example_gradients_of
+from dpml.train.rules.custom_functions import custom_functions_seen_by
 from dpml.train.rules.recorder import Recorder
 from dpml.train.rules.registry import RULES, Pending, Tracked, Use, function_name, rule
 
@@ -40,6 +41,7 @@ __all__ = [
     "Tracked",
     "Use",
     "cast_form",
+    "custom_functions_seen_by",
     "function_name",
     "parameter_piece",
     "per_example_gradients_of",

@@ -1,0 +1,226 @@
+"""Custom autograd Functions (``F.apply``) on parameters: seen by the recording pass
+(:mod:`dpml.train.rules.custom_functions`), their own backward used for the pull-back, the exact path named where no
+rule can know them, and ``Function.apply`` left as torch's outside a recording."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_op_rules import (
+    assert_clipped_like_the_loop,
+    assert_exact_without_the_exact_path,
+    generator,
+)
+from torch import nn
+
+from dpml.train.clipping import engine_pass
+from dpml.train.clipping_check import plan_clipping
+from dpml.train.dpsgd import per_example_cross_entropy
+from dpml.train.rules import custom_functions
+
+ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
+class MaskedDropout(torch.autograd.Function):
+    """transformers' ``XDropout``: a mask drawn inside ``forward`` (a random state to replay), kept for ``backward``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        mask = torch.rand(x.shape, dtype=x.dtype) < p
+        ctx.save_for_backward(mask)
+        ctx.scale = 1.0 / (1.0 - p)
+        return x.masked_fill(mask, 0) * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[no-untyped-def,override]
+        (mask,) = ctx.saved_tensors
+        return grad.masked_fill(mask, 0) * ctx.scale, None
+
+
+class StraightThroughRound(torch.autograd.Function):
+    """A backward that is not the derivative of the forward (rounding, passed straight through): the per-example
+    gradient autograd gives goes through this backward, which no rule could derive from the forward's operations."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        return grad
+
+
+class ProductAndRatio(torch.autograd.Function):
+    """Two tensor operands and two outputs, a hand-written backward for both."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        ctx.save_for_backward(a, b)
+        return a * b, a / (1 + b * b)
+
+    @staticmethod
+    def backward(ctx, g_product: torch.Tensor, g_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        a, b = ctx.saved_tensors
+        d = 1 + b * b
+        return g_product * b + g_ratio / d, g_product * a - g_ratio * a * 2 * b / (d * d)
+
+
+class Swish(torch.autograd.Function):
+    """A custom activation on the batch's activations alone."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s + x * s * (1 - s))
+
+
+class TablesThroughFunctions(nn.Module):
+    """Parameters passed through custom Functions before they meet the batch (SEW-D's dropout of its relative
+    position table, a quantised weight, a pair of tables mixed by hand), a custom activation on the batch, and a
+    weight used both through a Function and directly."""
+
+    def __init__(self, length: int = 5, width: int = 4) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(length, width) * 0.5)
+        self.norm = nn.LayerNorm(width)
+        self.inner = nn.Linear(width, width)
+        self.a, self.b = nn.Parameter(torch.randn(width) * 0.5), nn.Parameter(torch.randn(width) * 0.5)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = MaskedDropout.apply(self.norm(self.table), 0.3)
+        keys = self.inner(table)  # (length, width): computed from parameters alone, through the Function
+        h = torch.tanh(self.inner(x) + keys)  # the same Linear on the batch
+        weight = StraightThroughRound.apply(self.inner.weight)
+        h = Swish.apply(h @ weight.t() + self.inner.weight.sum(0))
+        product, ratio = ProductAndRatio.apply(self.a, self.b)
+        return self.out((h * product + ratio).mean(1))
+
+
+def test_parameters_through_custom_functions_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 4, generator=generator(1), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        TablesThroughFunctions(), per_example_cross_entropy, x, torch.randint(0, 3, (6,), generator=generator(2))
+    )
+
+
+class ParameterWithTheBatch(nn.Module):
+    """A Function called with a parameter and the batch: no rule knows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product, _ = ProductAndRatio.apply(torch.tanh(self.first(x)), self.scale)
+        return self.out(product)
+
+
+def test_a_function_of_a_parameter_and_the_batch_takes_the_exact_path_named() -> None:
+    torch.manual_seed(3)
+    model = ParameterWithTheBatch().double()
+    plan = plan_clipping(model, per_example_cross_entropy, (4,))
+    assert plan.exact_parameters == ("scale",)
+    assert "scale: test_custom_functions.ProductAndRatio.apply has no rule" in plan.lines(), plan.lines()
+    x, y = torch.randn(7, 4, dtype=torch.float64, generator=generator(4)), torch.randint(0, 2, (7,))
+    assert_clipped_like_the_loop(model, x, y, exact=plan.exact)
+
+
+class Failing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        StraightThroughRound.apply(self.weight)
+        raise RuntimeError("the model's own error")
+
+
+def test_function_apply_is_torchs_own_after_a_recording_and_on_other_threads() -> None:
+    """Outside a recording, and on a thread that is not recording while another one is, ``Function.apply`` is not
+    routed anywhere: after a pass, after one the model broke, and during one."""
+    model = TablesThroughFunctions().double()
+    x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.tensor([0, 1, 2])
+    engine_pass(model, per_example_cross_entropy, x, y, frozenset())
+    assert torch.autograd.Function.__dict__["apply"] is ORIGINAL_APPLY
+    with pytest.raises(RuntimeError, match="the model's own error"):
+        engine_pass(Failing().double(), per_example_cross_entropy, x[:, 0, :3], y, frozenset())
+    assert torch.autograd.Function.__dict__["apply"] is ORIGINAL_APPLY
+
+    seen: list[object] = []
+    recording, done = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 2, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            recording.set()
+            assert done.wait(30)
+            return x.mean(1) @ self.weight
+
+    def elsewhere() -> None:  # the same Function, on a parameter, on a thread that records nothing
+        assert recording.wait(30)
+        weight = nn.Parameter(torch.randn(3, dtype=torch.float64))
+        out = StraightThroughRound.apply(weight)
+        seen.append(getattr(custom_functions._active, "recorder", None))
+        seen.append(out.grad_fn.__class__.__name__)
+        done.set()
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    engine_pass(Waits(), per_example_cross_entropy, x, y[:3] % 2, frozenset())
+    thread.join(30)
+    assert seen == [None, "StraightThroughRoundBackward"]
+
+
+def test_sew_d_with_its_stable_dropout_is_exact_without_the_exact_path() -> None:
+    """transformers' SEW-D passes its relative-position table through ``XDropout`` (a custom Function) in training."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.SEWDConfig(
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        conv_dim=(8, 8),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        squeeze_factor=2,
+        num_labels=3,
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        position_buckets=4,
+        max_position_embeddings=16,
+        activation_dropout=0.2,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        mask_time_prob=0.0,  # (SpecAugment's and LayerDrop's draws come from numpy's and Python's random state)
+        layerdrop=0.0,
+    )
+    torch.manual_seed(7)
+    model = transformers.SEWDForSequenceClassification(config).train()
+
+    class Audio(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x).logits
+
+    x = torch.randn(4, 120, generator=generator(8), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        Audio(model), per_example_cross_entropy, x, torch.randint(0, 3, (4,), generator=generator(9)), seed=10
+    )
