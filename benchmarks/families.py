@@ -37,8 +37,8 @@ the encoder BERT's), and ResNet-18 is ResNet-18 at every size. The default, ``ti
 Inputs: token families take one integer tensor (B, 2, T), row 0 the ids and row 1 the attention mask;
 each example has between T/2 and T real tokens, the rest padding (id 0, mask 0). A small wrapper hands the
 rows to the model as ``input_ids`` / ``attention_mask`` and returns ``.logits`` (dpml's engine calls
-``model(x)`` with one tensor). Images: (B, 3, 32, 32); the zoo's clips (B, 3, 8, 32, 32). Random inputs and labels
-from seed 0, a fixed batch (the sampling is not what is timed).
+``model(x)`` with one tensor). Images: (B, 3, 32, 32); the zoo's clips (B, 3, 8, 32, 32), its waveforms (B, 4000).
+Random inputs and labels from seed 0, a fixed batch (the sampling is not what is timed).
 
 Methods, each with its own copy of the model (seed 0, the same weights), all in one process per family
 (by default each family runs in a child process of its own, under ``--family-timeout``, and all of them
@@ -115,12 +115,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
 from family_zoo import (  # noqa: E402
+    AUDIO_SAMPLES,
+    AUDIO_ZOO,
     CLIP_FRAMES,
     IMAGE_ZOO,
     TEXT_ZOO,
     TIMM_IMAGES,
     VIDEO_ZOO,
     ZOO,
+    build_audio,
     build_image,
     build_text,
     build_video,
@@ -388,11 +391,15 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family in VIDEO_ZOO:
         _import("transformers" if family == "videomae" else "torchvision.models")
         return build_video(family, size, IMAGE_CLASSES)
+    if family in AUDIO_ZOO:
+        _import("transformers")
+        return build_audio(family, size, IMAGE_CLASSES)
     raise ValueError(f"unknown family {family!r}")
 
 
 def example_batch(family: str, batch: int, length: int, device: str):  # noqa: ANN201
-    """Random inputs and labels (seed 0): token ids with a mask and some padding, 32×32 images, or clips of them."""
+    """Random inputs and labels (seed 0): token ids with a mask and some padding, 32×32 images, clips of them, or
+    waveforms."""
     torch = _torch()
     generator = torch.Generator().manual_seed(0)
     if family in TEXT:
@@ -403,6 +410,8 @@ def example_batch(family: str, batch: int, length: int, device: str):  # noqa: A
         x, classes = torch.stack([ids, mask], 1), TEXT_CLASSES
     elif family in VIDEO_ZOO:
         x, classes = torch.randn(batch, 3, CLIP_FRAMES, 32, 32, generator=generator), IMAGE_CLASSES
+    elif family in AUDIO_ZOO:
+        x, classes = torch.randn(batch, AUDIO_SAMPLES, generator=generator), IMAGE_CLASSES
     else:
         x, classes = torch.randn(batch, 3, 32, 32, generator=generator), IMAGE_CLASSES
     y = torch.randint(0, classes, (batch,), generator=generator)

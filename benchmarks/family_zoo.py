@@ -23,7 +23,12 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
 - video clips (3 × ``CLIP_FRAMES`` × 32 × 32, 10 classes): torchvision's ``r3d-18-gn`` (R3D-18: 3-D convolutions
   throughout) and ``r2plus1d-18-gn`` (R(2+1)D-18: each 3-D convolution split into a spatial and a temporal one), their
   BatchNorm3d as ``GroupNorm(gcd(32, C), C)``; transformers' ``videomae`` (VideoMAE: a 3-D convolution cuts the clip
-  into tubelets of 2 frames × 4 × 4 pixels, then a ViT at the size's width and depth).
+  into tubelets of 2 frames × 4 × 4 pixels, then a ViT at the size's width and depth);
+- speech (``AUDIO_SAMPLES`` samples of a waveform, a quarter second at 16 kHz, 10 classes): transformers' ``sew-d``
+  (SEW-D: a convolutional feature encoder, a squeezed DeBERTa-v2 encoder whose relative-position table passes
+  through ``XDropout``, a custom autograd Function, in training), ``wav2vec2`` and ``hubert`` (a feature encoder
+  of seven convolutions, the first with GroupNorm, a grouped convolution as relative positions, a BERT-like
+  encoder; SpecAugment's time masks from a learned embedding), the encoders at the size's width and depth.
 
 Widths, depths and heads follow ``--size`` (the ``SIZES`` of ``families.py``) for the text models and the ViTs;
 the convolutional networks are their named configuration at every size.
@@ -70,7 +75,9 @@ IMAGE_ZOO = [
 ]
 VIDEO_ZOO = ["r3d-18-gn", "r2plus1d-18-gn", "videomae"]
 CLIP_FRAMES = 8
-ZOO = TEXT_ZOO + IMAGE_ZOO + VIDEO_ZOO
+AUDIO_ZOO = ["sew-d", "wav2vec2", "hubert"]
+AUDIO_SAMPLES = 4000
+ZOO = TEXT_ZOO + IMAGE_ZOO + VIDEO_ZOO + AUDIO_ZOO
 
 
 def text_config(family: str, size: dict, length: int, vocabulary: int, classes: int) -> Any:  # noqa: ANN401
@@ -296,3 +303,37 @@ def build_video(family: str, size: dict, classes: int) -> tuple[Any, str]:
             if isinstance(child, nn.BatchNorm3d):
                 setattr(module, name, _group_norm(child.num_features))
     return model, f"torchvision {family[:-3]}, GroupNorm"
+
+
+def build_audio(family: str, size: dict, classes: int) -> tuple[Any, str]:
+    """The family's classifier of waveforms (B, ``AUDIO_SAMPLES``) (random weights from the current seed, in training
+    its own dropouts and SpecAugment as configured by default), and a line on what it is."""
+    import transformers as tr
+    from torch import nn
+
+    encoder = {
+        "hidden_size": size["hidden"],
+        "num_hidden_layers": size["layers"],
+        "num_attention_heads": size["heads"],
+        "intermediate_size": size["ffn"],
+        "num_labels": classes,
+    }
+    builders = {
+        "sew-d": (tr.SEWDConfig, tr.SEWDForSequenceClassification),
+        "wav2vec2": (tr.Wav2Vec2Config, tr.Wav2Vec2ForSequenceClassification),
+        "hubert": (tr.HubertConfig, tr.HubertForSequenceClassification),
+    }
+    if family not in builders:
+        raise ValueError(f"unknown family {family!r}")
+    config_class, model_class = builders[family]
+    config = config_class(**encoder)
+
+    class Waveforms(nn.Module):  # one tensor in, the logits out
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model_class(config)
+
+        def forward(self, x: Any) -> Any:  # noqa: ANN401
+            return self.model(input_values=x).logits
+
+    return Waveforms(), f"{model_class.__name__} ({size['hidden']} wide, {size['layers']} layers), its default encoder"
