@@ -37,7 +37,7 @@ the encoder BERT's), and ResNet-18 is ResNet-18 at every size. The default, ``ti
 Inputs: token families take one integer tensor (B, 2, T), row 0 the ids and row 1 the attention mask;
 each example has between T/2 and T real tokens, the rest padding (id 0, mask 0). A small wrapper hands the
 rows to the model as ``input_ids`` / ``attention_mask`` and returns ``.logits`` (dpml's engine calls
-``model(x)`` with one tensor). Images: (B, 3, 32, 32); the zoo's clips (B, 3, 8, 32, 32), its waveforms (B, 4000).
+``model(x)`` with one tensor). Images: (B, 3, 32, 32); the zoo's clips (B, 3, 8, 32, 32), its waveforms (B, 16000).
 Random inputs and labels from seed 0, a fixed batch (the sampling is not what is timed).
 
 Methods, each with its own copy of the model (seed 0, the same weights), all in one process per family

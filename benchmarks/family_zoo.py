@@ -24,7 +24,7 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   throughout) and ``r2plus1d-18-gn`` (R(2+1)D-18: each 3-D convolution split into a spatial and a temporal one), their
   BatchNorm3d as ``GroupNorm(gcd(32, C), C)``; transformers' ``videomae`` (VideoMAE: a 3-D convolution cuts the clip
   into tubelets of 2 frames × 4 × 4 pixels, then a ViT at the size's width and depth);
-- speech (``AUDIO_SAMPLES`` samples of a waveform, a quarter second at 16 kHz, 10 classes): transformers' ``sew-d``
+- speech (``AUDIO_SAMPLES`` samples of a waveform, one second at 16 kHz as a spoken command's clip, 10 classes): transformers' ``sew-d``
   (SEW-D: a convolutional feature encoder, a squeezed DeBERTa-v2 encoder whose relative-position table passes
   through ``XDropout``, a custom autograd Function, in training), ``wav2vec2`` and ``hubert`` (a feature encoder
   of seven convolutions, the first with GroupNorm, a grouped convolution as relative positions, a BERT-like
@@ -76,7 +76,7 @@ IMAGE_ZOO = [
 VIDEO_ZOO = ["r3d-18-gn", "r2plus1d-18-gn", "videomae"]
 CLIP_FRAMES = 8
 AUDIO_ZOO = ["sew-d", "wav2vec2", "hubert"]
-AUDIO_SAMPLES = 4000
+AUDIO_SAMPLES = 16000
 ZOO = TEXT_ZOO + IMAGE_ZOO + VIDEO_ZOO + AUDIO_ZOO
 
 
