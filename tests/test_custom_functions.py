@@ -14,6 +14,7 @@ from test_op_rules import (
     generator,
 )
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from dpml.train.clipping import engine_pass
 from dpml.train.clipping_check import plan_clipping
@@ -110,6 +111,77 @@ def test_parameters_through_custom_functions_are_exact_without_the_exact_path() 
     x = torch.randn(6, 5, 4, generator=generator(1), dtype=torch.float64)
     assert_exact_without_the_exact_path(
         TablesThroughFunctions(), per_example_cross_entropy, x, torch.randint(0, 3, (6,), generator=generator(2))
+    )
+
+
+class OnceDifferentiableScale(torch.autograd.Function):
+    """A backward under ``once_differentiable`` (run without autograd: no batched backward through it)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        ctx.scale = scale
+        return w * scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[no-untyped-def,override]
+        return grad * ctx.scale, None
+
+
+class SeparateContextSine(torch.autograd.Function):
+    """The newer style: ``forward`` without ``ctx``, ``setup_context``, a generated vmap rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.sin(w)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:  # type: ignore[no-untyped-def,override]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        (w,) = ctx.saved_tensors
+        return grad * torch.cos(w)
+
+
+class RowMaximum(torch.autograd.Function):
+    """Two outputs, one of them marked non-differentiable (the index of each row's maximum)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        values, index = w.max(1)
+        ctx.mark_non_differentiable(index)
+        ctx.save_for_backward(index)
+        ctx.shape = w.shape
+        return values, index
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).scatter_(1, index[:, None], grad[:, None])
+
+
+class FunctionsOfEveryStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.u = nn.Parameter(torch.randn(4, 4) * 0.5), nn.Parameter(torch.randn(4))
+        self.v = nn.Parameter(torch.randn(4, 3))
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values, index = RowMaximum.apply(self.v)
+        h = x @ OnceDifferentiableScale.apply(self.w, 1.5).t() + SeparateContextSine.apply(self.u) + values
+        return self.out(torch.tanh(h) * (1 + index))
+
+
+def test_functions_of_every_style_on_parameters_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(11)
+    x = torch.randn(6, 4, generator=generator(12), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        FunctionsOfEveryStyle(), per_example_cross_entropy, x, torch.randint(0, 3, (6,), generator=generator(13))
     )
 
 
