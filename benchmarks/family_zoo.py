@@ -24,11 +24,12 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   throughout) and ``r2plus1d-18-gn`` (R(2+1)D-18: each 3-D convolution split into a spatial and a temporal one), their
   BatchNorm3d as ``GroupNorm(gcd(32, C), C)``; transformers' ``videomae`` (VideoMAE: a 3-D convolution cuts the clip
   into tubelets of 2 frames × 4 × 4 pixels, then a ViT at the size's width and depth);
-- speech (``AUDIO_SAMPLES`` samples of a waveform, one second at 16 kHz as a spoken command's clip, 10 classes): transformers' ``sew-d``
-  (SEW-D: a convolutional feature encoder, a squeezed DeBERTa-v2 encoder whose relative-position table passes
-  through ``XDropout``, a custom autograd Function, in training), ``wav2vec2`` and ``hubert`` (a feature encoder
-  of seven convolutions, the first with GroupNorm, a grouped convolution as relative positions, a BERT-like
-  encoder; SpecAugment's time masks from a learned embedding), the encoders at the size's width and depth.
+- speech (``AUDIO_SAMPLES`` samples of a waveform, one second at 16 kHz as a spoken command's clip, 10 classes):
+  transformers' ``sew-d`` (SEW-D: a convolutional feature encoder, a squeezed DeBERTa-v2 encoder whose
+  relative-position table passes through ``XDropout``, a custom autograd Function, in training), ``wav2vec2`` and
+  ``hubert`` (a feature encoder of seven convolutions, the first with GroupNorm, a grouped convolution as relative
+  positions, a BERT-like encoder; SpecAugment's time masks from a learned embedding), the encoders at the size's width
+  and depth.
 
 Widths, depths and heads follow ``--size`` (the ``SIZES`` of ``families.py``) for the text models and the ViTs;
 the convolutional networks are their named configuration at every size.
