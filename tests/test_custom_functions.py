@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from test_model_zoo import Logits
 from test_op_rules import (
     assert_clipped_like_the_loop,
     assert_exact_without_the_exact_path,
@@ -284,15 +285,11 @@ def test_sew_d_with_its_stable_dropout_is_exact_without_the_exact_path() -> None
     torch.manual_seed(7)
     model = transformers.SEWDForSequenceClassification(config).train()
 
-    class Audio(nn.Module):
-        def __init__(self, model: nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.model(x).logits
-
     x = torch.randn(4, 120, generator=generator(8), dtype=torch.float64)
     assert_exact_without_the_exact_path(
-        Audio(model), per_example_cross_entropy, x, torch.randint(0, 3, (4,), generator=generator(9)), seed=10
+        Logits(model, "input_values"),
+        per_example_cross_entropy,
+        x,
+        torch.randint(0, 3, (4,), generator=generator(9)),
+        seed=10,
     )

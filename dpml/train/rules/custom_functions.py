@@ -26,15 +26,13 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
 
 from dpml.train.rules.operands import tensors
-
-if TYPE_CHECKING:
-    from dpml.train.rules.recorder import Recorder
+from dpml.train.rules.recorder import Recorder
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod
 _active = threading.local()  # .recorder: the recorder recording on this thread, if any
