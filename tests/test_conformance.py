@@ -33,7 +33,8 @@ from dpml.models import build_model, spec_for
 from dpml.models.mlp import MlpSpec, build_mlp
 from dpml.sections import ModelConfig
 from dpml.train import clipping
-from dpml.train.clipping import DiracGradients, clipped_gradient_sum
+from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.diracs import DiracGradients
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, poisson_batch, train_dpsgd
 from tests.conftest import small_params, write_params
 

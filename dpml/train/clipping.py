@@ -67,8 +67,10 @@ from dpml.train.clipping_layers import (
     reject_batch_norm,
 )
 from dpml.train.clipping_norms import row_norms_squared, shared_grams
+from dpml.train.diracs import DiracGradients
 from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
+from dpml.train.nonfinite import refuse_non_finite_parameters, say_left_out
 from dpml.train.released import RuledCall, Slot, Targets
 from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
 from dpml.train.rules.derived import pull_back_all
@@ -429,35 +431,6 @@ def per_example_gradients(
     return {n: g.detach() for n, g in exact_per_example_gradients(losses, {n: params[n] for n in names}).items()}
 
 
-@dataclass(frozen=True)
-class DiracGradients:
-    """Extra examples whose whole gradient is a Dirac: example j has gradient ``norm``·e_{k_j}, where k_j
-    (``coordinates[j]``) is a flat index over the model's trainable parameters in ``named_parameters``
-    order. The audit's gradient canaries enter the engine this way: *before* clipping, with a norm well
-    above C, so that they are clipped by the same factor line as the records (and a trainer that does
-    not clip shows it: their contribution is then ``norm``, not C)."""
-
-    coordinates: torch.Tensor  # (b,) int64
-    norm: float
-
-
-def _flat_slots(
-    names: list[str], shapes: list[torch.Size], coordinates: torch.Tensor
-) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(parameter name, positions in ``coordinates``, flat index inside that parameter) for each parameter hit."""
-    out, offset = [], 0
-    for name, shape in zip(names, shapes, strict=True):
-        size = int(torch.Size(shape).numel())
-        inside = (coordinates >= offset) & (coordinates < offset + size)
-        if bool(inside.any()):
-            positions = torch.nonzero(inside).flatten()
-            out.append((name, positions, coordinates[positions] - offset))
-        offset += size
-    if bool(((coordinates < 0) | (coordinates >= offset)).any()):
-        raise ValueError(f"Dirac gradient coordinates must lie in [0, {offset}) (the trainable parameters)")
-    return out
-
-
 def clipped_gradient_sum(
     model: nn.Module,
     loss_fn: LossFn,
@@ -473,28 +446,55 @@ def clipped_gradient_sum(
     The examples i are the records (g_i = ∇ℓ_i) and, with ``diracs``, the Dirac gradients of
     :class:`DiracGradients`; both are clipped by one factor line, c_i = min(1, C/(‖g_i‖ + 1e-6)).
     ``exact``: parameter names whose per-example gradients must be taken exactly (the plan of
-    :func:`dpml.train.clipping_check.plan_clipping`). ``autocast``: see :func:`engine_pass`."""
+    :func:`dpml.train.clipping_check.plan_clipping`). ``autocast``: see :func:`engine_pass`.
+
+    A record whose own gradient is not finite (nan or inf: a log or division of zero, an overflow) is left out: its
+    share is 0, within the sensitivity C, where c_i·g_i would put nan into every coordinate of the sum (and a nan
+    model would say that the record was sampled). Only then, :func:`_without_non_finite` sums the others again; a
+    backward pass over the batch at once (the exact path) multiplies one record's nan by the others' zero cotangents,
+    so records of non-finite norm are taken again in halves, down to one alone, and no share depends on another
+    record's values. One host read per call (is every norm finite?), after the sums are issued."""
     reject_batch_norm(model)
     found = engine_pass(model, loss_fn, x, y, exact, autocast)
     say_unplanned_exact(model, found.reasons, exact, found.batch)
     squared = found.squared()
     records = squared.shape[0]
     if diracs is not None:
-        extra = torch.full(
-            (diracs.coordinates.numel(),), float(diracs.norm) ** 2, device=squared.device, dtype=squared.dtype
-        )
-        squared = torch.cat([squared, extra])
+        squared = torch.cat([squared, diracs.squared_norms(squared)])
     norms = squared.sqrt()
     factors = clip_factors(norms, clip_norm)
     sums = found.sums(factors[:records])
-    if diracs is not None and diracs.coordinates.numel():
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        slots = _flat_slots(
-            [n for n, _ in trainable], [p.shape for _, p in trainable], diracs.coordinates.to(squared.device)
-        )
-        for name, positions, flat in slots:
-            contribution = factors[records:][positions] * float(diracs.norm)
-            sums[name] = (
-                sums[name].reshape(-1).index_add(0, flat, contribution.to(sums[name].dtype)).reshape(sums[name].shape)
-            )
-    return sums, norms[:records].detach()
+    if diracs is not None:
+        diracs.add_clipped(sums, model, factors[records:])
+    norms = norms[:records].detach()
+    finite = torch.isfinite(norms)
+    if bool(finite.all()):
+        return sums, norms
+    return _without_non_finite(model, loss_fn, x, y, clip_norm, diracs, exact, autocast, norms)
+
+
+def _without_non_finite(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    diracs: DiracGradients | None,
+    exact: Collection[str],
+    autocast: torch.dtype | None,
+    norms: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`clipped_gradient_sum` again (``norms``: its first pass's) without the records whose own gradients are not
+    finite: those of finite norm in one pass (with the canaries), the others in halves, each alone if need be."""
+    refuse_non_finite_parameters(model)
+    finite = torch.isfinite(norms)
+    kept, left = finite.nonzero().squeeze(1), (~finite).nonzero().squeeze(1)
+    sums, _ = clipped_gradient_sum(model, loss_fn, x[kept], y[kept], clip_norm, diracs, exact, autocast)
+    if x.shape[0] == 1:  # the record alone: its own gradient is not finite
+        say_left_out(model)
+        return sums, norms
+    for half in left.tensor_split(min(2, left.numel())):
+        more, norms[half] = clipped_gradient_sum(model, loss_fn, x[half], y[half], clip_norm, None, exact, autocast)
+        for name, value in more.items():
+            sums[name] += value
+    return sums, norms

@@ -34,7 +34,8 @@ from dpml.models.lipschitz import (
 from dpml.accounting.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
-from dpml.train.clipping import DiracGradients, LossFn, clipped_gradient_sum
+from dpml.train.clipping import LossFn, clipped_gradient_sum
+from dpml.train.diracs import DiracGradients
 from dpml.train.clipping_check import ClippingPlan, plan_clipping
 from dpml.train.distributed import Collective
 from dpml.train.noise import NoiseStream, cpu_noise_stream, gaussian_noise
@@ -161,7 +162,7 @@ def clipped_chunks_and_noise(
         else:
             for name, value in chunk_sums.items():
                 sums[name] += value
-        clipped = clipped + (norms > clip_norm).sum()
+        clipped = clipped + (~(norms <= clip_norm)).sum()  # (a record left out, its norm nan or inf, counts)
     if sums is None:  # an empty batch: no chunk at all
         sums = {name: torch.zeros_like(p) for name, p in params.items()}
     if generator is None:

@@ -144,7 +144,7 @@ def train_noisycgd(
                 chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x[chunk], y[chunk], settings.clip_norm)
                 for name, value in chunk_sums.items():
                     sums[name] += value
-                clipped = clipped + (norms > settings.clip_norm).sum()
+                clipped = clipped + (~(norms <= settings.clip_norm)).sum()  # (left-out records, nan or inf, count)
             with torch.no_grad():
                 for name, p in params.items():
                     noise = gaussian(p.shape, noise_std, noise_source, p.dtype)
