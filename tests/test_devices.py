@@ -205,6 +205,51 @@ def test_the_step_loop_on_the_gpu_never_waits_for_the_host() -> None:
     assert many == few, f"{few} synchronisations in 10 steps, {many} in 30: the step loop waits for the host"
 
 
+class LogOfFirstFeature(nn.Module):
+    """log(x₀ + 10) beside the other features, then two linear layers: a record with x₀ < −10 has a nan loss and
+    gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(torch.cat([torch.log(x[:, :1] + 10), x[:, 1:]], 1))))
+
+
+@needs_cuda
+def test_on_the_gpu_a_record_whose_gradient_is_not_finite_stops_the_run_before_anything_is_released() -> None:
+    """The GPU's step loop does not read the norms (it never waits for the host), so a record whose gradient is nan
+    reaches the model there, and the run stops at its end with ``FloatingPointError`` (a nan model would say that the
+    record was sampled); the same run without that record ends with a finite model."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+    poisoned = x.clone()
+    poisoned[7, 0] = -25.0  # log of a negative number: nan
+
+    def run(data: torch.Tensor) -> nn.Module:
+        torch.manual_seed(1)
+        model = LogOfFirstFeature().to("cuda")
+        train_dpsgd(
+            model,
+            data.to("cuda"),
+            y.to("cuda"),
+            sample_rate=1.0,  # (every record in every step)
+            epochs=2,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            neighbouring="add-remove",
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            seed=5,
+        )
+        return model
+
+    clean = run(x)
+    assert all(bool(torch.isfinite(p).all()) for p in clean.parameters())
+    with pytest.raises(FloatingPointError, match=r"not finite after training on cuda.*nothing is released"):
+        run(poisoned)
+
+
 @needs_cuda
 def test_the_chunk_tuner_on_the_gpu_times_a_copy_and_leaves_the_model_and_random_state() -> None:
     """:func:`fastest_chunk` on a model on the GPU: every candidate it timed is one of the candidates (the

@@ -453,7 +453,8 @@ def clipped_gradient_sum(
     model would say that the record was sampled). Only then, :func:`_without_non_finite` sums the others again; a
     backward pass over the batch at once (the exact path) multiplies one record's nan by the others' zero cotangents,
     so records of non-finite norm are taken again in halves, down to one alone, and no share depends on another
-    record's values. One host read per call (is every norm finite?), after the sums are issued."""
+    record's values. On a CPU one host read per call (is every norm finite?); on a GPU none (the step loop never waits
+    for the host): the record reaches the model, which the trainers refuse at the run's end (:mod:`.nonfinite`)."""
     reject_batch_norm(model)
     found = engine_pass(model, loss_fn, x, y, exact, autocast)
     say_unplanned_exact(model, found.reasons, exact, found.batch)
@@ -467,8 +468,7 @@ def clipped_gradient_sum(
     if diracs is not None:
         diracs.add_clipped(sums, model, factors[records:])
     norms = norms[:records].detach()
-    finite = torch.isfinite(norms)
-    if bool(finite.all()):
+    if norms.device.type != "cpu" or bool(torch.isfinite(norms).all()):
         return sums, norms
     return _without_non_finite(model, loss_fn, x, y, clip_norm, diracs, exact, autocast, norms)
 

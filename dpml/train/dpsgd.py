@@ -35,6 +35,7 @@ from dpml.accounting.mechanism import MechanismDescription, Neighbouring, Poisso
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
 from dpml.train.clipping import LossFn, clipped_gradient_sum
+from dpml.train.nonfinite import refuse_non_finite_model
 from dpml.train.diracs import DiracGradients
 from dpml.train.clipping_check import ClippingPlan, plan_clipping
 from dpml.train.distributed import Collective
@@ -314,6 +315,7 @@ def run_dpsgd_steps(
     finally:
         if isinstance(noise, NoiseStream):
             noise.close()
+    refuse_non_finite_model(model)  # (a GPU's loop leaves no record out: :mod:`dpml.train.nonfinite`)
     return {
         "steps": len(batch_sizes),
         "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0,

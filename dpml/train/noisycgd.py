@@ -35,6 +35,7 @@ from dpml.accounting.gdp import contraction_factor, noisycgd_mu
 from dpml.accounting.mechanism import GaussianDP, MechanismDescription
 from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, clipped_gradient_sum
+from dpml.train.nonfinite import refuse_non_finite_model
 from dpml.train.dpsgd import TrainResult
 from dpml.train.noise import gaussian
 
@@ -149,6 +150,7 @@ def train_noisycgd(
                 for name, p in params.items():
                     noise = gaussian(p.shape, noise_std, noise_source, p.dtype)
                     p.sub_(eta * (sums[name] / b + l2 * p + noise))
+    refuse_non_finite_model(model)  # (a GPU's loop leaves no record out: :mod:`dpml.train.nonfinite`)
     history = {
         "steps": settings.epochs * len(batches),
         "batches_per_epoch": len(batches),

@@ -1,6 +1,9 @@
 """Records whose gradients are not finite, as the clipped sum leaves them out
-(:func:`dpml.train.clipping.clipped_gradient_sum`): the log line that says so, and the check that tells a diverged
-model (every record's gradient then non-finite for the parameters' sake) from records of their own."""
+(:func:`dpml.train.clipping.clipped_gradient_sum`): the log line that says so, the check that tells a diverged
+model (every record's gradient then non-finite for the parameters' sake) from records of their own, and the check
+a trainer makes at the end of a run on a GPU, whose step loop does not read the norms (it never waits for the host),
+so that such a record reaches the model there: a model that is not finite is refused before anything is released
+(a nan model would say that the record was sampled)."""
 
 from __future__ import annotations
 
@@ -37,3 +40,24 @@ def refuse_non_finite_parameters(model: nn.Module) -> None:
             f"{', …' if len(named) > 3 else ''}): the training diverged (a smaller learning_rate keeps the update "
             "bounded); no record's gradient can be taken"
         )
+
+
+def refuse_non_finite_model(model: nn.Module) -> None:
+    """At the end of a run on a device other than the CPU: raise ``FloatingPointError`` where a trainable parameter is
+    not finite, with one host read for all of them (a fixed number per run, however many steps it took). There the
+    step loop does not leave out a record whose gradient is not finite (:mod:`dpml.train.clipping` reads the norms on
+    a CPU only), so a non-finite model is either diverged or such a record's doing; either way it is not released."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable or trainable[0][1].device.type == "cpu":
+        return
+    finite = torch.stack([torch.isfinite(p).all() for _, p in trainable])
+    if bool(finite.all()):
+        return
+    named = [name for (name, _), ok in zip(trainable, finite.tolist(), strict=True) if not ok]
+    raise FloatingPointError(
+        f"the model's parameters are not finite after training on {trainable[0][1].device} (nan or inf: "
+        f"{', '.join(named[:3])}{', …' if len(named) > 3 else ''}): on a GPU the step loop does not read the "
+        "per-example norms, so a record whose gradient is not finite (a log or division of zero, an overflow) is not "
+        "left out as it is on the CPU, or the training diverged (a smaller learning_rate keeps the update bounded); "
+        "nothing is released. On the CPU (device: cpu) such records are left out (a share of 0)"
+    )
