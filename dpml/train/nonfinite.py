@@ -31,14 +31,26 @@ def say_left_out(model: nn.Module) -> None:
     )
 
 
+def non_finite_parameters(model: nn.Module) -> list[str]:
+    """The names of the trainable parameters that hold a nan or an inf, with one host read for all of them."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        return []
+    finite = torch.stack([torch.isfinite(p).all() for _, p in trainable]).tolist()
+    return [name for (name, _), ok in zip(trainable, finite, strict=True) if not ok]
+
+
+def _listed(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{', …' if len(names) > 3 else ''}"
+
+
 def refuse_non_finite_parameters(model: nn.Module) -> None:
     """Raise ``FloatingPointError`` where a trainable parameter is not finite: then no record's gradient is."""
-    named = [n for n, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
+    named = non_finite_parameters(model)
     if named:
         raise FloatingPointError(
-            f"the model's parameters are not finite (nan or inf: {', '.join(named[:3])}"
-            f"{', …' if len(named) > 3 else ''}): the training diverged (a smaller learning_rate keeps the update "
-            "bounded); no record's gradient can be taken"
+            f"the model's parameters are not finite (nan or inf: {_listed(named)}): the training diverged (a smaller "
+            "learning_rate keeps the update bounded); no record's gradient can be taken"
         )
 
 
@@ -47,17 +59,15 @@ def refuse_non_finite_model(model: nn.Module) -> None:
     not finite, with one host read for all of them (a fixed number per run, however many steps it took). There the
     step loop does not leave out a record whose gradient is not finite (:mod:`dpml.train.clipping` reads the norms on
     a CPU only), so a non-finite model is either diverged or such a record's doing; either way it is not released."""
-    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if not trainable or trainable[0][1].device.type == "cpu":
+    device = next((p.device for p in model.parameters() if p.requires_grad), None)
+    if device is None or device.type == "cpu":
         return
-    finite = torch.stack([torch.isfinite(p).all() for _, p in trainable])
-    if bool(finite.all()):
-        return
-    named = [name for (name, _), ok in zip(trainable, finite.tolist(), strict=True) if not ok]
-    raise FloatingPointError(
-        f"the model's parameters are not finite after training on {trainable[0][1].device} (nan or inf: "
-        f"{', '.join(named[:3])}{', …' if len(named) > 3 else ''}): on a GPU the step loop does not read the "
-        "per-example norms, so a record whose gradient is not finite (a log or division of zero, an overflow) is not "
-        "left out as it is on the CPU, or the training diverged (a smaller learning_rate keeps the update bounded); "
-        "nothing is released. On the CPU (device: cpu) such records are left out (a share of 0)"
-    )
+    named = non_finite_parameters(model)
+    if named:
+        raise FloatingPointError(
+            f"the model's parameters are not finite after training on {device} (nan or inf: {_listed(named)}): on a "
+            "GPU the step loop does not read the per-example norms, so a record whose gradient is not finite (a log "
+            "or division of zero, an overflow) is not left out as it is on the CPU, or the training diverged (a "
+            "smaller learning_rate keeps the update bounded); nothing is released. On the CPU (device: cpu) such "
+            "records are left out (a share of 0)"
+        )
