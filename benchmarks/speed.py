@@ -27,8 +27,10 @@ Opacus MNIST example's), ``wrn`` (dpml's WRN-16-4 with GroupNorm, ``model.kind: 
 
 ``--device cuda`` times on the GPU (each step ends with ``torch.cuda.synchronize()``; the peak memory
 of each method's steps is ``torch.cuda.max_memory_allocated`` after a reset) and adds ``dpml-bf16``
-(``train.autocast: bf16``); it writes ``speed_cuda.{md,json}`` naming the GPU, beside the CPU page
-``speed.{md,json}``. On the CPU no per-method memory is reported: the methods share one process.
+(``train.autocast: bf16``) and ``dpml-eager`` (the ``dpml`` step with every chunk issued op by op, where ``dpml``
+replays a launch-bound model's chunks from CUDA graphs: :mod:`dpml.train.captured`); it writes
+``speed_cuda.{md,json}`` naming the GPU, beside the CPU page ``speed.{md,json}``. On the CPU no per-method memory
+is reported: the methods share one process.
 
     pip install -r benchmarks/requirements.txt      # Opacus, for the comparison only
     python benchmarks/speed.py [--batches 512 4096] [--models mlp cnn wrn] [--rounds 40] [--device cpu|cuda]
@@ -38,6 +40,7 @@ of each method's steps is ``torch.cuda.max_memory_allocated`` after a reset) and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -113,11 +116,13 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
     from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
     from dpml.train.noise import cpu_noise_stream
 
+    from dpml.train.captured import eager_passes
+
     autocast = torch.bfloat16 if method == "dpml-bf16" else None
     dp_model, flat = model, x
     if model_name == "mlp":
         dp_model, flat = model[1:], x.reshape(batch, -1)  # the Flatten done once here; the Linear layers take rows
-    if method in ("nonprivate-chunked", "dpml", "dpml-bf16"):
+    if method in ("nonprivate-chunked", "dpml", "dpml-bf16", "dpml-eager"):
         # the trainer's chunk (train.tune_physical_batch, physical_batch_size ≥ the batch), timed on a synthetic probe
         chunk = fastest_chunk(
             dp_model, per_example_cross_entropy, tuple(flat.shape[1:]), flat.dtype, batch, batch, autocast=autocast
@@ -136,7 +141,7 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
 
         accumulated.chunk = chunk  # type: ignore[attr-defined]
         return accumulated
-    if method in ("dpml", "dpml-one-chunk", "dpml-bf16"):
+    if method in ("dpml", "dpml-one-chunk", "dpml-bf16", "dpml-eager"):
         model = dp_model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         params = trainable_parameters(model)
@@ -145,7 +150,8 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
             generator = cpu_noise_stream(generator, params, 1.0)
 
         def dp_step() -> None:  # as run_dpsgd_steps: the noise added to the step's own sums, in place
-            sums, noises, _ = clipped_sum_and_noise(model, flat, y, 1.0, 1.0, chunk, generator, autocast=autocast)
+            with eager_passes() if method == "dpml-eager" else contextlib.nullcontext():
+                sums, noises, _ = clipped_sum_and_noise(model, flat, y, 1.0, 1.0, chunk, generator, autocast=autocast)
             for name, p in params.items():
                 p.grad = sums[name].add_(noises[name]).div_(batch)
             optimizer.step()
@@ -304,7 +310,7 @@ def main() -> None:
         keep_freed_cpu_memory()  # as the trainer on the CPU, for every method alike (module docstring)
     methods = (
         [m for m in METHODS[:4] if m not in args.skip]
-        + (["dpml-bf16"] if args.device == "cuda" else [])
+        + (["dpml-bf16", "dpml-eager"] if args.device == "cuda" else [])
         + list(args.peers)
     )
     rows = []

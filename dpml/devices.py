@@ -33,6 +33,14 @@ def rng_state(device: torch.device) -> RngState:
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
+def rng_state_to_replay(device: torch.device) -> RngState | None:
+    """:func:`rng_state`, or None while ``device``'s current stream is being captured into a CUDA graph, where the
+    generator's state cannot be read (:mod:`dpml.train.captured` captures only passes that draw nothing)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return rng_state(device)
+
+
 @contextlib.contextmanager
 def forked_generators(device: torch.device, seed: int | None = None) -> Iterator[None]:
     """Passes that are not training's own (the clipping check's, the chunk tuner's) run on forks of every global

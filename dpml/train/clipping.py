@@ -54,18 +54,12 @@ from dpml.devices import (
     RngState,
     full_float32,
     host_generators_state,
-    rng_state,
+    rng_state_to_replay,
     set_host_generators_state,
     set_rng_state,
 )
 from dpml.train.clipping_candidates import Call, fast_candidates, shortcut_input, usable
-from dpml.train.clipping_layers import (
-    Piece,
-    added_up,
-    layer_parameters,
-    layer_piece,
-    reject_batch_norm,
-)
+from dpml.train.clipping_layers import Piece, added_up, layer_parameters, layer_piece, reject_batch_norm
 from dpml.train.clipping_norms import row_norms_squared, shared_grams
 from dpml.train.diracs import DiracGradients
 from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
@@ -307,7 +301,7 @@ def engine_pass(
         return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
     candidates = fast_candidates(model, names, exact)
     watched = [p for n, p in params.items() if n not in exact]
-    state = rng_state(x.device)
+    state = rng_state_to_replay(x.device)  # (None inside a CUDA graph's capture)
     first = model not in _OVERWRITTEN_OUTPUTS  # (NumPy's and Python's generators are slow to read: first passes only)
     host = host_generators_state() if first else None
     with _precision(x.device, autocast):
@@ -387,10 +381,12 @@ def engine_dtype(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _replay_draws(state: RngState, host: HostGenerators | None, device: torch.device) -> None:
+def _replay_draws(state: RngState | None, host: HostGenerators | None, device: torch.device) -> None:
     """The generators as a pass found them, for its forward pass run again to draw what it drew: torch's, and on a
     model's first pass (whose forward pass runs twice where it writes a recorded output in place, as the probe's
-    check makes every pass a first one) NumPy's and Python's too."""
+    check makes every pass a first one) NumPy's and Python's too. Not inside a CUDA graph's capture (no state)."""
+    if state is None:
+        raise RuntimeError("a pass captured into a CUDA graph cannot run its forward pass again")
     set_rng_state(state, device)
     if host is not None:
         set_host_generators_state(host)

@@ -34,7 +34,8 @@ from dpml.models.lipschitz import (
 from dpml.accounting.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.chunking import physical_chunk
-from dpml.train.clipping import LossFn, clipped_gradient_sum
+from dpml.train.captured import clipped_chunk_sum
+from dpml.train.clipping import LossFn
 from dpml.train.nonfinite import refuse_non_finite_model
 from dpml.train.diracs import DiracGradients
 from dpml.train.clipping_check import ClippingPlan, plan_clipping
@@ -155,7 +156,7 @@ def clipped_chunks_and_noise(
     sums: dict[str, torch.Tensor] | None = None
     clipped = torch.zeros((), device=device)
     for index, (x, y) in enumerate(chunks):
-        chunk_sums, norms = clipped_gradient_sum(
+        chunk_sums, norms = clipped_chunk_sum(  # (on a GPU, replayed from a CUDA graph where that is exact and faster)
             model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact, autocast
         )
         if sums is None:  # the first chunk's sums are fresh tensors: they become the step's accumulators

@@ -1,0 +1,378 @@
+"""A launch-bound model's clipped sums on a GPU, replayed from CUDA graphs instead of issued op by op.
+
+On a GPU a small model's DP step is bound by the host: the engine's pass (the recording forward pass, the backward
+pass to the recorded outputs, the per-example norms, the clip factors, the clipped sums) issues a few hundred
+operations through Python, each taking the host longer than the GPU takes to run it (issue 48: five DP steps of the
+MLP at batch 512 took 25.1 ms of host time against 1.2 ms of GPU time on an H100). A CUDA graph replays the pass's
+kernels, captured once, in one launch.
+
+**Shapes.** A graph replays fixed shapes; Poisson batches change size every step. A chunk of r rows runs in the
+graph of its *bucket* b, the smallest power of two ≥ r (at least :data:`SMALLEST_BUCKET`): its rows are copied into
+the graph's inputs, the b − r rows after them repeat its first row, and a mask m (m_i = 1 for i < r, 0 after)
+multiplies the clip factors (:func:`masked_clipped_sum`):
+
+    Σ_i m_i · c_i · g_i = Σ_{i<r} c_i g_i,   c_i = min(1, C / (‖g_i‖ + 1e-6)),
+
+the chunk's clipped sum, since each record's gradient g_i comes from its own rows only (the clipping check refuses a
+model whose loss for one example changes with another's rows), and the repeated rows' gradients are those of a real
+record (finite where it is). The buckets from that of the first chunk's rows and a quarter more (a Poisson batch's
+size varies around its mean) down to :data:`SMALLEST_BUCKET` are captured together, at the first chunk of a model
+and setting, so a run's later steps capture nothing (and wait for the host no more than the eager steps do); a
+larger chunk runs eagerly.
+
+**When.** Only where it is exact and faster: a batch on a CUDA device, no Dirac canaries (the audit's), no autocast,
+a pass that never waits for the GPU (no value read on the host, no copy from pageable host memory: a capture cannot
+hold them; position ids looked up in an embedding are read), a model whose pass draws no random numbers (dropout: a
+replay would draw new masks where the eager pass it is judged against drew others), and a launch-bound pass (the
+GPU runs the first chunk's pass, queued behind a sleep, in less than half the time the host took to issue it), so
+that a replay, padded to at most twice the rows, takes the GPU no longer than the host took to issue the eager pass.
+
+**The judge.** Each bucket's first replay is compared with the eager engine on the same rows: norms and sums must
+agree (rtol 1e-4). Any difference, or any error while capturing (out of memory; an operation the eager pass's check
+missed), and the model's chunks run eagerly, with one log line saying why.
+A captured pass replays what the forward pass did when it was captured: a model whose forward pass depends on
+Python state that changes between steps must run eagerly (:func:`eager_passes`). A model, a loss, a clip norm, a
+plan, an input shape or the address of any parameter or buffer that differs from the capture's (a model moved, a
+parameter replaced) is a new setting, captured anew; the old one's graphs are let go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+import warnings
+import weakref
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpml.train.clipping import LossFn, clip_factors, clipped_gradient_sum, engine_dtype, engine_pass
+from dpml.train.diracs import DiracGradients
+from dpml.train.exact_path import say_unplanned_exact
+
+LOG = logging.getLogger(__name__)
+
+SMALLEST_BUCKET = 8
+"""The fewest rows a graph is captured for: a chunk of 1 to 8 rows runs in the 8-row graph."""
+
+JUDGE_RTOL = 1e-4
+"""How far a replay's norms and sums may be from the eager engine's on the same rows (relative), the same kernels
+chosen afresh: a graph that read another tensor than the one it was captured from is off by far more."""
+
+_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def eager_passes() -> Iterator[None]:
+    """Within the block, every chunk runs eagerly (a model whose forward pass depends on state that changes between
+    steps; the benchmark's eager row)."""
+    _ENABLED.append(False)
+    try:
+        yield
+    finally:
+        _ENABLED.pop()
+
+
+def masked_clipped_sum(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    clip_norm: float,
+    exact: Collection[str],
+    names: list[str],
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(Σ_i m_i c_i g_i per trainable parameter, in the order of ``names``; ‖g_i‖ for every row): the engine's clipped
+    sum (:func:`dpml.train.clipping.clipped_gradient_sum` without canaries) with the clip factor of every row whose
+    mask m_i is 0 set to 0."""
+    found = engine_pass(model, loss_fn, x, y, exact)
+    say_unplanned_exact(model, found.reasons, exact, found.batch)
+    norms = found.squared().sqrt()
+    sums = found.sums(clip_factors(norms, clip_norm) * mask)
+    return [sums[name].detach() for name in names], norms.detach()
+
+
+def bucket(rows: int) -> int:
+    """The rows of the graph a chunk of ``rows`` runs in: the smallest power of two ≥ rows, at least 8."""
+    return max(SMALLEST_BUCKET, 1 << (rows - 1).bit_length())
+
+
+def largest_bucket(rows: int) -> int:
+    """The largest bucket captured for a model whose first chunk has ``rows`` rows: that of a quarter more rows (a
+    Poisson batch's size varies around its mean: a later single-chunk batch may be larger than the first)."""
+    return bucket(rows + rows // 4)
+
+
+@dataclass
+class _Graph:
+    """One captured pass: its static inputs (rows, labels, mask) and outputs (sums, norms)."""
+
+    graph: torch.cuda.CUDAGraph
+    x: torch.Tensor
+    y: torch.Tensor
+    mask: torch.Tensor
+    sums: list[torch.Tensor]
+    norms: torch.Tensor
+
+    def replayed(
+        self, x: torch.Tensor, y: torch.Tensor, names: list[str]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The chunk's clipped sums (fresh tensors: the next replay overwrites the graph's) and its rows' norms."""
+        fill(self.x, self.y, self.mask, x, y)
+        self.graph.replay()
+        return dict(zip(names, torch._foreach_mul(self.sums, 1.0), strict=True)), self.norms[: x.shape[0]].clone()
+
+
+def fill(static_x: torch.Tensor, static_y: torch.Tensor, mask: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The chunk's r rows into a bucket's inputs, the rows after them its first row again, m_i = 1 for i < r only
+    (device copies only: the host reads nothing)."""
+    rows = x.shape[0]
+    for static, given in ((static_x, x), (static_y, y)):
+        static[:rows].copy_(given)
+        static[rows:].copy_(given[:1].expand(static.shape[0] - rows, *given.shape[1:]))
+    mask[:rows].fill_(1)
+    mask[rows:].fill_(0)
+
+
+@dataclass
+class _Captures:
+    """A model's graphs for one setting (:func:`_setting`), by bucket; none where it runs eagerly."""
+
+    setting: tuple[Any, ...]
+    loss_fn: LossFn  # (held: the setting names it by id)
+    names: list[str]
+    graphs: dict[int, _Graph] = field(default_factory=dict)
+    settings: int = 1  # how many settings the model has had: past MOST_SETTINGS, it runs eagerly
+
+
+MOST_SETTINGS = 3
+"""The most settings a model's chunks are captured for: a model whose setting keeps changing (a parameter replaced at
+every step, by an optimizer that assigns ``p.data``) would be captured anew at every chunk; it runs eagerly."""
+
+
+_CAPTURES: weakref.WeakKeyDictionary[nn.Module, _Captures] = weakref.WeakKeyDictionary()
+
+
+def clipped_chunk_sum(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    diracs: DiracGradients | None = None,
+    exact: Collection[str] = (),
+    autocast: torch.dtype | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`dpml.train.clipping.clipped_gradient_sum` of one chunk, replayed from a CUDA graph where that is exact and
+    faster (this module's docstring), else eagerly."""
+    if not _may_capture(x, y, diracs, autocast):
+        return clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs, exact, autocast)
+    setting = _setting(model, loss_fn, clip_norm, exact, x, y)
+    captures = _CAPTURES.get(model)
+    if captures is None or captures.setting != setting:
+        settings = 1 if captures is None else captures.settings + 1
+        _CAPTURES.pop(model, None)  # (the old setting's graphs let go before new ones take memory)
+        captures = _CAPTURES[model] = _capture(model, loss_fn, x, y, clip_norm, exact, setting, settings)
+    graph = captures.graphs.get(bucket(x.shape[0]))
+    if graph is None:
+        return clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs, exact, autocast)
+    return graph.replayed(x, y, captures.names)
+
+
+def _may_capture(x: torch.Tensor, y: torch.Tensor, diracs: DiracGradients | None, autocast: torch.dtype | None) -> bool:
+    return (
+        _ENABLED[-1]
+        and isinstance(x, torch.Tensor)
+        and isinstance(y, torch.Tensor)
+        and x.device.type == "cuda"
+        and x.shape[0] > 0
+        and diracs is None
+        and autocast is None
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def _setting(
+    model: nn.Module, loss_fn: LossFn, clip_norm: float, exact: Collection[str], x: torch.Tensor, y: torch.Tensor
+) -> tuple[Any, ...]:
+    """What a graph replays as it was captured: the loss, the clip norm, the plan, the rows' shapes and dtypes, the
+    model's mode, and the address, shape and dtype of every parameter and buffer it reads."""
+    tensors = tuple(
+        (t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad)
+        for t in itertools.chain(model.parameters(), model.buffers())
+    )
+    return (
+        id(loss_fn),
+        clip_norm,
+        frozenset(exact),
+        getattr(exact, "constant_reads", ()),
+        tuple(x.shape[1:]),
+        x.dtype,
+        tuple(y.shape[1:]),
+        y.dtype,
+        x.device,
+        model.training,
+        tensors,
+    )
+
+
+def _capture(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    exact: Collection[str],
+    setting: tuple[Any, ...],
+    settings: int,
+) -> _Captures:
+    """The setting's graphs, one per bucket from the first chunk's down, each judged against the eager engine; none,
+    with a log line saying why, where capturing would not be exact or not faster."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    captures = _Captures(setting, loss_fn, names, settings=settings)
+    if not names:
+        return captures
+    if settings > MOST_SETTINGS:
+        if settings == MOST_SETTINGS + 1:
+            LOG.info("per-example clipping: a model's setting changed %d times: its chunks run eagerly", MOST_SETTINGS)
+        return captures
+    device = x.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            why = _why_eager(model, loss_fn, x, y, clip_norm, exact, names)
+            graphs = {} if why else _captured_graphs(model, loss_fn, x, y, clip_norm, exact, names)
+    except RuntimeError as error:  # an operation a capture cannot hold (a host read, a pageable copy), out of memory
+        why, graphs = f"capturing its pass failed ({str(error).splitlines()[0]})", {}
+    torch.cuda.current_stream(device).wait_stream(side)
+    if graphs and not _judged_equal(model, loss_fn, x, y, clip_norm, exact, names, graphs):
+        why, graphs = "a replay differed from the eager engine on the same rows", {}
+    if why:
+        torch.cuda.empty_cache()
+        LOG.info("per-example clipping on %s: every chunk runs eagerly, not from a CUDA graph: %s", device, why)
+    captures.graphs = graphs
+    return captures
+
+
+def _static_inputs(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bucket's inputs of ``rows`` rows, holding the chunk's first rows (repeated where it has fewer)."""
+    static_x = x.new_empty((rows, *x.shape[1:]))
+    static_y = y.new_empty((rows, *y.shape[1:]))
+    mask = torch.empty(rows, device=x.device, dtype=engine_dtype(model))
+    fill(static_x, static_y, mask, x[:rows], y[:rows])
+    return static_x, static_y, mask
+
+
+def _why_eager(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    exact: Collection[str],
+    names: list[str],
+) -> str:
+    """Why the model's chunks should run eagerly ('' if they should not): the chunk's pass waits for the GPU, draws
+    random numbers, or takes the GPU more than half the time the host takes to issue it (a chunk replays padded to at
+    most twice its rows). The pass is timed on the GPU queued behind a sleep longer than its issue (so the GPU runs
+    it back to back), after one warm-up pass; both on the chunk's own rows (no more memory than its eager pass)."""
+    device = x.device
+    inputs = _static_inputs(model, x, y, x.shape[0])
+    before = torch.cuda.get_rng_state(device)
+    start = time.perf_counter()
+    with _synchronisations() as waits:
+        masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)
+    warm_up = time.perf_counter() - start
+    if waits:
+        return f"its pass waits for the GPU ({waits[0]}), which a capture cannot hold"
+    if not torch.equal(before, torch.cuda.get_rng_state(device)):
+        return "its pass draws random numbers (dropout), which a replay would draw anew"
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(max(warm_up, 1e-3) * 5e9))  # ≥ 2× the warm-up's issue time at any clock below 2.5 GHz
+    begin.record()
+    start = time.perf_counter()
+    masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)
+    issued = time.perf_counter() - start
+    end.record()
+    end.synchronize()
+    ran = begin.elapsed_time(end) / 1e3
+    if 2 * ran >= issued:
+        return f"its pass is not launch-bound (the GPU ran it in {ran * 1e3:.2f} ms, issued in {issued * 1e3:.2f} ms)"
+    return ""
+
+
+@contextlib.contextmanager
+def _synchronisations() -> Iterator[list[str]]:
+    """The synchronising CUDA calls made within the block (a value read on the host, a copy from pageable host
+    memory), as ``torch.cuda.set_sync_debug_mode("warn")`` reports them: none may happen inside a capture."""
+    mode = torch.cuda.get_sync_debug_mode()
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    found += [str(w.message).splitlines()[0] for w in caught if "synchronizing" in str(w.message)]
+
+
+def _captured_graphs(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    exact: Collection[str],
+    names: list[str],
+) -> dict[int, _Graph]:
+    """One graph per bucket, from the first chunk's down to :data:`SMALLEST_BUCKET`, sharing one memory pool (their
+    replays never overlap, and each one's outputs are copied before the next), each after one warm-up pass."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, _Graph] = {}
+    rows = largest_bucket(x.shape[0])
+    while rows >= SMALLEST_BUCKET:
+        static_x, static_y, mask = _static_inputs(model, x, y, rows)
+        masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            sums, norms = masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)
+        graphs[rows] = _Graph(graph, static_x, static_y, mask, sums, norms)
+        rows //= 2
+    return graphs
+
+
+def _judged_equal(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip_norm: float,
+    exact: Collection[str],
+    names: list[str],
+    graphs: dict[int, _Graph],
+) -> bool:
+    """Whether every graph's replay on the chunk's first rows gives the eager engine's norms and sums (one host
+    read for all)."""
+    agree = torch.ones((), dtype=torch.bool, device=x.device)
+    for rows, graph in graphs.items():
+        part_x, part_y = x[:rows], y[:rows]
+        sums, norms = graph.replayed(part_x, part_y, names)
+        static_x, static_y, mask = _static_inputs(model, part_x, part_y, rows)
+        eager_sums, eager_norms = masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)
+        pairs = [(norms, eager_norms[: part_x.shape[0]])] + [
+            (sums[n], s) for n, s in zip(names, eager_sums, strict=True)
+        ]
+        for got, want in pairs:
+            scale = float(clip_norm) * rows * 1e-6
+            agree &= torch.isclose(got, want, rtol=JUDGE_RTOL, atol=scale, equal_nan=True).all()
+    return bool(agree)

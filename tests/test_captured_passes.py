@@ -1,0 +1,251 @@
+"""Clipped sums replayed from CUDA graphs (dpml/train/captured.py).
+
+On the CPU: a chunk padded to its bucket (its first row repeated, the padding's clip factors masked to 0) gives the
+chunk's own clipped sum and norms, against a float64 per-example loop, for an MLP, a GroupNorm convolution and a
+transformer encoder on padded tokens. On a GPU (skipped without one): chunks of every size replay from graphs and
+give the eager engine's sums; a model that draws random numbers, or whose pass reads a value on the host, runs
+eagerly; a replaced parameter is captured anew.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dpml.train import captured
+from dpml.train.captured import bucket, clipped_chunk_sum, eager_passes, fill, largest_bucket, masked_clipped_sum
+from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.dpsgd import per_example_cross_entropy
+
+CLIP = 0.5
+
+
+class TokenEncoder(nn.Module):
+    """Token ids (0 = padding) → embeddings with positions → one encoder layer masking the padding → mean → classes."""
+
+    def __init__(self, vocabulary: int = 20, width: int = 16, length: int = 6) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocabulary, width), nn.Embedding(length, width)
+        self.block = nn.TransformerEncoderLayer(width, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        hidden = self.block(self.tokens(ids) + self.positions(positions), src_key_padding_mask=ids == 0)
+        return self.head(hidden.mean(dim=1))
+
+
+def model_and_rows(kind: str, rows: int, device: str = "cpu") -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(3)
+    if kind == "mlp":
+        model: nn.Module = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+        x = torch.randn(rows, 10)
+    elif kind == "conv":
+        model = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 5, 3)
+        )
+        x = torch.randn(rows, 2, 5, 5)
+    else:
+        model = TokenEncoder()
+        x = torch.randint(1, 20, (rows, 6))
+        x[::2, 4:] = 0  # every other record padded after its fourth token
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    return (
+        model.to(device, dtype),
+        x.to(device, dtype if x.is_floating_point() else x.dtype),
+        torch.randint(0, 3, (rows,), device=device),
+    )
+
+
+def per_example_loop(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Σ_i clip_C(∇ℓ_i) and ‖∇ℓ_i‖, one backward pass per record."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    sums = {n: torch.zeros_like(p) for n, p in params.items()}
+    norms = []
+    for i in range(x.shape[0]):
+        loss = per_example_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum()
+        grads = torch.autograd.grad(loss, list(params.values()))
+        norm = torch.sqrt(sum((g**2).sum() for g in grads))
+        for n, g in zip(params, grads, strict=True):
+            sums[n] += g * min(1.0, CLIP / (float(norm) + 1e-6))
+        norms.append(norm)
+    return sums, torch.stack(norms)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv", "tokens"])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+def test_a_chunk_padded_to_its_bucket_gives_its_own_clipped_sum_and_norms(kind: str, rows: int) -> None:
+    model, x, y = model_and_rows(kind, rows)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    size = bucket(rows)
+    static_x, static_y = x.new_empty((size, *x.shape[1:])), y.new_empty((size,))
+    mask = torch.empty(size, dtype=torch.float64)
+    fill(static_x, static_y, mask, x, y)
+    assert torch.equal(static_x[rows:], x[:1].expand(size - rows, *x.shape[1:]))
+    assert mask.tolist() == [1.0] * rows + [0.0] * (size - rows)
+    sums, norms = masked_clipped_sum(model, per_example_cross_entropy, static_x, static_y, mask, CLIP, (), names)
+    want_sums, want_norms = per_example_loop(model, x, y)
+    torch.testing.assert_close(norms[:rows], want_norms, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(norms[rows:], want_norms[:1].expand(size - rows), rtol=1e-9, atol=1e-12)
+    for name, total in zip(names, sums, strict=True):
+        torch.testing.assert_close(total, want_sums[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_the_bucket_of_a_chunk_is_the_smallest_power_of_two_that_holds_it_and_at_least_eight() -> None:
+    assert [bucket(r) for r in (1, 7, 8, 9, 16, 17, 300, 512, 513)] == [8, 8, 8, 16, 16, 32, 512, 512, 1024]
+    assert [largest_bucket(r) for r in (1, 26, 400, 410, 411, 512)] == [8, 32, 512, 512, 1024, 1024]
+
+
+def test_on_the_cpu_a_chunk_runs_eagerly_and_nothing_is_captured() -> None:
+    model, x, y = model_and_rows("mlp", 6)
+    sums, norms = clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
+    want_sums, want_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, CLIP)
+    assert model not in captured._CAPTURES
+    torch.testing.assert_close(norms, want_norms, rtol=0, atol=0)
+    for name in want_sums:
+        torch.testing.assert_close(sums[name], want_sums[name], rtol=0, atol=0)
+
+
+class HostTraffic(TorchDispatchMode):
+    """The operators that take a host tensor to the meta device or read a meta tensor back on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.crossings: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        sources = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+        results = {
+            o.device.type for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)
+        }
+        if "cpu" in sources and "meta" in results or "meta" in sources and "cpu" in results:
+            self.crossings.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_a_padded_pass_neither_reads_the_batchs_device_nor_copies_host_memory_to_it(kind: str) -> None:
+    """What a CUDA graph cannot hold, on the meta device (no values: any read raises): the masked pass of an MLP and of
+    a GroupNorm convolution reads no value of the batch's device and copies no host tensor there (a copy from
+    pageable memory is refused in a capture). (A pass that does either runs eagerly on a GPU.)"""
+    model, x, y = model_and_rows(kind, 8)
+    model.to("meta")
+    x, y, mask = x.to("meta"), y.to("meta"), torch.ones(8, dtype=torch.float64, device="meta")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    traffic = HostTraffic()
+    with traffic:
+        sums, norms = masked_clipped_sum(model, per_example_cross_entropy, x, y, mask, CLIP, (), names)
+    assert traffic.crossings == []
+    assert norms.shape == (8,) and [s.shape for s in sums] == [p.shape for p in model.parameters()]
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _eager(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    with eager_passes():
+        return clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
+
+
+def _assert_same(
+    got: tuple[dict[str, torch.Tensor], torch.Tensor], want: tuple[dict[str, torch.Tensor], torch.Tensor]
+) -> None:
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-6)
+    assert got[0].keys() == want[0].keys()
+    for name in want[0]:
+        torch.testing.assert_close(got[0][name], want[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_on_the_gpu_every_chunk_size_replays_from_a_graph_and_gives_the_eager_sums(kind: str) -> None:
+    model, x, y = model_and_rows(kind, 80, "cuda")
+    first = clipped_chunk_sum(model, per_example_cross_entropy, x[:64], y[:64], CLIP)
+    graphs = captured._CAPTURES[model].graphs
+    assert sorted(graphs) == [8, 16, 32, 64, 128], (
+        "a launch-bound model's buckets, from 64 rows and a quarter more down"
+    )
+    _assert_same(first, _eager(model, x[:64], y[:64]))
+    for rows in (80, 64, 37, 16, 9, 8, 3, 1):
+        part_x, part_y = x[-rows:], y[-rows:]  # (other rows than the judge's)
+        _assert_same(
+            clipped_chunk_sum(model, per_example_cross_entropy, part_x, part_y, CLIP), _eager(model, part_x, part_y)
+        )
+    assert captured._CAPTURES[model].graphs is graphs, "the same setting captures nothing more"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # an optimizer's in-place step: the graphs read the new values
+    _assert_same(
+        clipped_chunk_sum(model, per_example_cross_entropy, x[:20], y[:20], CLIP), _eager(model, x[:20], y[:20])
+    )
+
+
+@gpu
+def test_on_the_gpu_a_model_that_draws_random_numbers_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Dropout(0.5), nn.Linear(16, 3)).cuda()
+    x, y = torch.randn(32, 10, device="cuda"), torch.randint(0, 3, (32,), device="cuda")
+    with caplog.at_level(logging.INFO, logger="dpml.train.captured"):
+        clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
+    assert captured._CAPTURES[model].graphs == {}
+    assert "draws random numbers" in caplog.text
+
+
+class ReadsTheHost(nn.Module):
+    """A forward pass that reads a value of the batch on the host: a graph cannot hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * (2.0 if bool(x.abs().sum() > 0) else 1.0)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["reads_the_host", "tokens"])
+def test_on_the_gpu_a_pass_that_reads_the_host_runs_eagerly_with_the_eager_sums(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forward pass that reads the batch, and position ids looked up in an embedding (whether they repeat decides
+    how their uses combine: read on the host)."""
+    if kind == "tokens":
+        model, x, y = model_and_rows("tokens", 16, "cuda")
+    else:
+        torch.manual_seed(0)
+        model = ReadsTheHost().cuda()
+        x, y = torch.randn(16, 10, device="cuda"), torch.randint(0, 3, (16,), device="cuda")
+    with caplog.at_level(logging.INFO, logger="dpml.train.captured"):
+        got = clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
+    assert captured._CAPTURES[model].graphs == {}
+    assert "runs eagerly" in caplog.text
+    _assert_same(got, _eager(model, x, y))
+
+
+@gpu
+def test_on_the_gpu_a_model_whose_setting_keeps_changing_stops_being_captured() -> None:
+    model, x, y = model_and_rows("mlp", 16, "cuda")
+    for change in range(captured.MOST_SETTINGS + 2):
+        model[0].weight = nn.Parameter(model[0].weight.detach() + 0.01)  # as an optimizer assigning p.data
+        got = clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
+        _assert_same(got, _eager(model, x, y))
+        assert bool(captured._CAPTURES[model].graphs) == (change < captured.MOST_SETTINGS), change
+
+
+@gpu
+def test_on_the_gpu_a_replaced_parameter_is_captured_anew() -> None:
+    model, x, y = model_and_rows("mlp", 16, "cuda")
+    clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
+    before = captured._CAPTURES[model]
+    assert before.graphs
+    model[0].weight = nn.Parameter(model[0].weight.detach() * 2.0)  # a new tensor at another address
+    got = clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
+    assert captured._CAPTURES[model] is not before
+    _assert_same(got, _eager(model, x, y))
