@@ -14,10 +14,17 @@ import logging
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpml.train import captured
-from dpml.train.captured import bucket, clipped_chunk_sum, eager_passes, fill, largest_bucket, masked_clipped_sum
+from dpml.train.captured import (
+    HostTensorsOnTheDevice,
+    bucket,
+    clipped_chunk_sum,
+    eager_passes,
+    fill,
+    largest_bucket,
+    masked_clipped_sum,
+)
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import per_example_cross_entropy
 
@@ -112,24 +119,6 @@ def test_on_the_cpu_a_chunk_runs_eagerly_and_nothing_is_captured() -> None:
         torch.testing.assert_close(sums[name], want_sums[name], rtol=0, atol=0)
 
 
-class HostTraffic(TorchDispatchMode):
-    """The operators that take a host tensor to the meta device or read a meta tensor back on the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.crossings: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        sources = {a.device.type for a in args if isinstance(a, torch.Tensor)}
-        results = {
-            o.device.type for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)
-        }
-        if "cpu" in sources and "meta" in results or "meta" in sources and "cpu" in results:
-            self.crossings.append(str(func))
-        return out
-
-
 @pytest.mark.parametrize("kind", ["mlp", "conv"])
 def test_a_padded_pass_neither_reads_the_batchs_device_nor_copies_host_memory_to_it(kind: str) -> None:
     """What a CUDA graph cannot hold, on the meta device (no values: any read raises): the masked pass of an MLP and of
@@ -139,11 +128,40 @@ def test_a_padded_pass_neither_reads_the_batchs_device_nor_copies_host_memory_to
     model.to("meta")
     x, y, mask = x.to("meta"), y.to("meta"), torch.ones(8, dtype=torch.float64, device="meta")
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    traffic = HostTraffic()
-    with traffic:
+    with HostTensorsOnTheDevice() as crossings:
         sums, norms = masked_clipped_sum(model, per_example_cross_entropy, x, y, mask, CLIP, (), names)
-    assert traffic.crossings == []
+    assert crossings.operations == []
     assert norms.shape == (8,) and [s.shape for s in sums] == [p.shape for p in model.parameters()]
+
+
+class TakesHostTensors(nn.Module):
+    """Host tensors reach the batch's device three ways: a copy, an index, and a scale (a 0-dimensional tensor, taken by
+    value: not counted)."""
+
+    def __init__(self, way: str) -> None:
+        super().__init__()
+        self.way, self.layer = way, nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.way == "copy":
+            x = x * torch.linspace(0.5, 1.5, 10).to(x.device, x.dtype)
+        elif self.way == "index":
+            x = x[:, torch.tensor([0, 2, 4, 6, 8, 1, 3, 5, 7, 9])]
+        else:
+            x = x * torch.tensor(2.0, dtype=x.dtype)
+        return self.layer(x)
+
+
+@pytest.mark.parametrize(("way", "counted"), [("copy", True), ("index", True), ("scalar", False)])
+def test_a_host_tensor_taken_to_the_batchs_device_in_the_pass_is_seen(way: str, counted: bool) -> None:
+    """What keeps such a pass out of a CUDA graph (its replays would read the host memory again, by then reused)."""
+    model = TakesHostTensors(way).to("meta", torch.float64)
+    x, y = torch.empty(8, 10, dtype=torch.float64, device="meta"), torch.zeros(8, dtype=torch.int64, device="meta")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    mask = torch.ones(8, dtype=torch.float64, device="meta")
+    with HostTensorsOnTheDevice() as crossings:
+        masked_clipped_sum(model, per_example_cross_entropy, x, y, mask, CLIP, (), names)
+    assert bool(crossings.operations) == counted, crossings.operations
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -210,14 +228,18 @@ class ReadsTheHost(nn.Module):
 
 
 @gpu
-@pytest.mark.parametrize("kind", ["reads_the_host", "tokens"])
+@pytest.mark.parametrize("kind", ["reads_the_host", "tokens", "copy", "index"])
 def test_on_the_gpu_a_pass_that_reads_the_host_runs_eagerly_with_the_eager_sums(
     kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A forward pass that reads the batch, and position ids looked up in an embedding (whether they repeat decides
-    how their uses combine: read on the host)."""
+    """A forward pass that reads the batch, position ids looked up in an embedding (whether they repeat decides how
+    their uses combine: read on the host), and host tensors copied or indexing on the GPU."""
     if kind == "tokens":
         model, x, y = model_and_rows("tokens", 16, "cuda")
+    elif kind in ("copy", "index"):
+        torch.manual_seed(0)
+        model = TakesHostTensors(kind).cuda()
+        x, y = torch.randn(16, 10, device="cuda"), torch.randint(0, 3, (16,), device="cuda")
     else:
         torch.manual_seed(0)
         model = ReadsTheHost().cuda()

@@ -22,10 +22,12 @@ larger chunk runs eagerly.
 
 **When.** Only where it is exact and faster: a batch on a CUDA device, no Dirac canaries (the audit's), no autocast,
 a pass that never waits for the GPU (no value read on the host, no copy from pageable host memory: a capture cannot
-hold them; position ids looked up in an embedding are read), a model whose pass draws no random numbers (dropout: a
-replay would draw new masks where the eager pass it is judged against drew others), and a launch-bound pass (the
-GPU runs the first chunk's pass, queued behind a sleep, in less than half the time the host took to issue it), so
-that a replay, padded to at most twice the rows, takes the GPU no longer than the host took to issue the eager pass.
+hold them; position ids looked up in an embedding are read) and takes no host tensor to it (a replay would read the
+host's memory again, by then reused: :class:`HostTensorsOnTheDevice`), a model whose pass draws no random numbers
+(dropout: a replay would draw new masks where the eager pass it is judged against drew others), and a launch-bound
+pass (the GPU runs the first chunk's pass, queued behind a sleep, in less than half the time the host took to issue
+it), so that a replay, padded to at most twice the rows, takes the GPU no longer than the host took to issue the
+eager pass.
 
 **The judge.** Each bucket's first replay is compared with the eager engine on the same rows: norms and sums must
 agree (rtol 1e-4). Any difference, or any error while capturing (out of memory; an operation the eager pass's check
@@ -50,6 +52,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpml.train.clipping import LossFn, clip_factors, clipped_gradient_sum, engine_dtype, engine_pass
 from dpml.train.diracs import DiracGradients
@@ -289,11 +293,13 @@ def _why_eager(
     inputs = _static_inputs(model, x, y, x.shape[0])
     before = torch.cuda.get_rng_state(device)
     start = time.perf_counter()
-    with _synchronisations() as waits:
+    with _synchronisations() as waits, HostTensorsOnTheDevice() as crossings:
         masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)
     warm_up = time.perf_counter() - start
     if waits:
         return f"its pass waits for the GPU ({waits[0]}), which a capture cannot hold"
+    if crossings.operations:
+        return f"its pass takes host tensors to the GPU ({crossings.operations[0]}), which a replay would read stale"
     if not torch.equal(before, torch.cuda.get_rng_state(device)):
         return "its pass draws random numbers (dropout), which a replay would draw anew"
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -308,6 +314,27 @@ def _why_eager(
     if 2 * ran >= issued:
         return f"its pass is not launch-bound (the GPU ran it in {ran * 1e3:.2f} ms, issued in {issued * 1e3:.2f} ms)"
     return ""
+
+
+class HostTensorsOnTheDevice(TorchDispatchMode):
+    """The operators that take a host tensor (other than a 0-dimensional scalar, which a kernel takes by value) to
+    another device, or bring one back (``operations``). A graph captures a copy from pinned host memory as a copy from
+    that address: its replays would read whatever the host holds there by then."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.operations: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        given = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        host_in = any(t.device.type == "cpu" and t.dim() > 0 for t in given)
+        device_in = any(t.device.type != "cpu" for t in given)
+        device_out = any(t.device.type != "cpu" for t in made)
+        if host_in and device_out or device_in and any(t.device.type == "cpu" for t in made):
+            self.operations.append(str(func))
+        return out
 
 
 @contextlib.contextmanager
