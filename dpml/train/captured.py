@@ -371,7 +371,7 @@ def _captured_graphs(
         static_x, static_y, mask = _static_inputs(model, x, y, rows)
         masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)  # warm-up
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # (another thread's copies go on)
             sums, norms = masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)
         graphs[rows] = _Graph(graph, static_x, static_y, mask, sums, norms)
         rows //= 2
