@@ -73,7 +73,8 @@ Peak memory, on the untimed warm-up steps before the rounds (a first step, and a
 measurement replaces the first's, unless the first took 10 s or more; gradients set to ``None`` first, so
 that no method carries a step's gradients into the measured one): on a GPU, ``torch.cuda.max_memory_allocated``
 during the step minus what was allocated before it (the step's own working memory: activations,
-gradients, per-example state; the models of the other methods stay resident and are not counted), and the
+gradients, per-example state; the models of the other methods stay resident and are not counted), plus for dpml
+what its CUDA graphs hold (:func:`dpml.train.captured.graph_memory`: their pool, never counted as allocated), and the
 absolute peak in the JSON; on the CPU, the process's peak resident set size during the step minus its
 resident set size before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``, after
 ``gc.collect()`` and glibc's ``malloc_trim(0)``, so that memory freed by an earlier step is not silently
@@ -471,6 +472,7 @@ def step_function(family: str, method: str, args: argparse.Namespace, x, y) -> C
 
 def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[], None]:  # noqa: ANN001
     torch = _torch()
+    from dpml.train.captured import graph_memory
     from dpml.train.chunking import physical_chunk
     from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
     from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
@@ -505,6 +507,7 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
         optimizer.step()
 
     dp_step.model = model  # type: ignore[attr-defined]
+    dp_step.held = lambda: graph_memory(model)  # type: ignore[attr-defined]
     dp_step.state = state  # type: ignore[attr-defined]
     dp_step.close = getattr(generator, "close", lambda: None)  # type: ignore[attr-defined]
     # a lead-in step and a wait only where the draw runs in the background (PrefetchedNoise): a synchronous
@@ -629,7 +632,7 @@ def step_memory(step, device, cpu_peak: CpuPeak | None) -> dict[str, float]:  # 
         before = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() + getattr(step, "held", lambda: 0)()  # (CUDA graphs' pool, buffers)
         return {"peak_mib": (peak - before) / 2**20, "absolute_peak_mib": peak / 2**20}
     assert cpu_peak is not None
     before = cpu_peak.start()

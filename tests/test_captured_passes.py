@@ -19,9 +19,11 @@ from dpml.train import captured
 from dpml.train.captured import (
     HostTensorsOnTheDevice,
     bucket,
+    buckets_up_to,
     clipped_chunk_sum,
     eager_passes,
     fill,
+    graph_memory,
     largest_bucket,
     masked_clipped_sum,
 )
@@ -86,17 +88,21 @@ def per_example_loop(
 
 
 @pytest.mark.parametrize("kind", ["mlp", "conv", "tokens"])
-@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 17, 37])
 def test_a_chunk_padded_to_its_bucket_gives_its_own_clipped_sum_and_norms(kind: str, rows: int) -> None:
+    """As a replay runs it: the chunk copied into the first rows of the largest bucket's buffers (shared by every
+    bucket's graph), its first row repeated up to its bucket, the pass on those views, the padding's factors × 0."""
     model, x, y = model_and_rows(kind, rows)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    size = bucket(rows)
-    static_x, static_y = x.new_empty((size, *x.shape[1:])), y.new_empty((size,))
-    mask = torch.empty(size, dtype=torch.float64)
-    fill(static_x, static_y, mask, x, y)
-    assert torch.equal(static_x[rows:], x[:1].expand(size - rows, *x.shape[1:]))
-    assert mask.tolist() == [1.0] * rows + [0.0] * (size - rows)
-    sums, norms = masked_clipped_sum(model, per_example_cross_entropy, static_x, static_y, mask, CLIP, (), names)
+    size, largest = bucket(rows), largest_bucket(2 * rows)
+    buffer_x, buffer_y = x.new_full((largest, *x.shape[1:]), 7), y.new_full((largest,), 2)
+    mask = torch.full((largest,), 0.5, dtype=torch.float64)
+    fill(buffer_x[:size], buffer_y[:size], mask[:size], x, y)
+    assert torch.equal(buffer_x[rows:size], x[:1].expand(size - rows, *x.shape[1:]))
+    assert mask[:size].tolist() == [1.0] * rows + [0.0] * (size - rows)
+    sums, norms = masked_clipped_sum(
+        model, per_example_cross_entropy, buffer_x[:size], buffer_y[:size], mask[:size], CLIP, (), names
+    )
     want_sums, want_norms = per_example_loop(model, x, y)
     torch.testing.assert_close(norms[:rows], want_norms, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(norms[rows:], want_norms[:1].expand(size - rows), rtol=1e-9, atol=1e-12)
@@ -104,9 +110,16 @@ def test_a_chunk_padded_to_its_bucket_gives_its_own_clipped_sum_and_norms(kind: 
         torch.testing.assert_close(total, want_sums[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_the_bucket_of_a_chunk_is_the_smallest_power_of_two_that_holds_it_and_at_least_eight() -> None:
-    assert [bucket(r) for r in (1, 7, 8, 9, 16, 17, 300, 512, 513)] == [8, 8, 8, 16, 16, 32, 512, 512, 1024]
-    assert [largest_bucket(r) for r in (1, 26, 400, 410, 411, 512)] == [8, 32, 512, 512, 1024, 1024]
+def test_the_bucket_of_a_chunk_has_four_significant_bits_and_at_least_eight_rows() -> None:
+    """Padding under an eighth of the rows: the smallest m·2^e ≥ rows with 8 ≤ m ≤ 15."""
+    got = [bucket(r) for r in (1, 7, 8, 9, 16, 17, 19, 33, 300, 512, 513, 577, 4097)]
+    assert got == [8, 8, 8, 9, 16, 18, 20, 36, 320, 512, 576, 640, 4608]
+    for rows in range(9, 3000):
+        assert rows <= bucket(rows) < rows * 9 / 8, rows
+    assert [largest_bucket(r) for r in (1, 26, 64, 400, 512)] == [8, 32, 80, 512, 640]
+    octaves = [list(range(8, 17)), list(range(18, 33, 2)), list(range(36, 65, 4)), [72, 80]]
+    assert buckets_up_to(80) == [rows for octave in octaves for rows in octave]
+    assert len(buckets_up_to(640)) == 51 and buckets_up_to(8) == [8]
 
 
 def test_on_the_cpu_a_chunk_runs_eagerly_and_nothing_is_captured() -> None:
@@ -187,9 +200,8 @@ def test_on_the_gpu_every_chunk_size_replays_from_a_graph_and_gives_the_eager_su
     model, x, y = model_and_rows(kind, 80, "cuda")
     first = clipped_chunk_sum(model, per_example_cross_entropy, x[:64], y[:64], CLIP)
     graphs = captured._CAPTURES[model].graphs
-    assert sorted(graphs) == [8, 16, 32, 64, 128], (
-        "a launch-bound model's buckets, from 64 rows and a quarter more down"
-    )
+    assert sorted(graphs) == buckets_up_to(80), "a launch-bound model's buckets, from 64 rows and a quarter more down"
+    assert graph_memory(model) > 0, "their memory pool, which torch.cuda.memory_allocated does not count"
     _assert_same(first, _eager(model, x[:64], y[:64]))
     for rows in (80, 64, 37, 16, 9, 8, 3, 1):
         part_x, part_y = x[-rows:], y[-rows:]  # (other rows than the judge's)
@@ -213,6 +225,7 @@ def test_on_the_gpu_a_model_that_draws_random_numbers_runs_eagerly(caplog: pytes
     with caplog.at_level(logging.INFO, logger="dpml.train.captured"):
         clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
     assert captured._CAPTURES[model].graphs == {}
+    assert graph_memory(model) == 0
     assert "draws random numbers" in caplog.text
 
 

@@ -7,18 +7,20 @@ MLP at batch 512 took 25.1 ms of host time against 1.2 ms of GPU time on an H100
 kernels, captured once, in one launch.
 
 **Shapes.** A graph replays fixed shapes; Poisson batches change size every step. A chunk of r rows runs in the
-graph of its *bucket* b, the smallest power of two ≥ r (at least :data:`SMALLEST_BUCKET`): its rows are copied into
-the graph's inputs, the b − r rows after them repeat its first row, and a mask m (m_i = 1 for i < r, 0 after)
-multiplies the clip factors (:func:`masked_clipped_sum`):
+graph of its *bucket* b, the smallest number m·2^e ≥ r with m one of 8, …, 15 (four significant bits: b < r·9/8, at
+least :data:`SMALLEST_BUCKET`): its rows are copied into the graph's inputs, the b − r rows after them repeat its
+first row, and a mask m (m_i = 1 for i < r, 0 after) multiplies the clip factors (:func:`masked_clipped_sum`):
 
     Σ_i m_i · c_i · g_i = Σ_{i<r} c_i g_i,   c_i = min(1, C / (‖g_i‖ + 1e-6)),
 
 the chunk's clipped sum, since each record's gradient g_i comes from its own rows only (the clipping check refuses a
 model whose loss for one example changes with another's rows), and the repeated rows' gradients are those of a real
-record (finite where it is). The buckets from that of the first chunk's rows and a quarter more (a Poisson batch's
-size varies around its mean) down to :data:`SMALLEST_BUCKET` are captured together, at the first chunk of a model
-and setting, so a run's later steps capture nothing (and wait for the host no more than the eager steps do); a
-larger chunk runs eagerly.
+record (finite where it is). Every bucket from that of the first chunk's rows and a quarter more (a Poisson batch's
+size varies around its mean) down to :data:`SMALLEST_BUCKET` is captured at the first chunk of a model and setting,
+so a run's later steps capture nothing (and wait for the host no more than the eager steps do); a larger chunk runs
+eagerly. The graphs share one memory pool (they never replay at once), one set of inputs (the largest bucket's
+rows, of which a graph of b rows reads the first b) and one set of outputs (copied out after each replay): what they
+hold beyond an eager pass of the largest bucket is one copy of the sums (:func:`graph_memory`).
 
 **When.** Only where it is exact and faster: a batch on a CUDA device, no Dirac canaries (the audit's), no autocast,
 a pass that never waits for the GPU (no value read on the host, no copy from pageable host memory: a capture cannot
@@ -26,8 +28,8 @@ hold them; position ids looked up in an embedding are read) and takes no host te
 host's memory again, by then reused: :class:`HostTensorsOnTheDevice`), a model whose pass draws no random numbers
 (dropout: a replay would draw new masks where the eager pass it is judged against drew others), and a launch-bound
 pass (the GPU runs the first chunk's pass, queued behind a sleep, in less than half the time the host took to issue
-it), so that a replay, padded to at most twice the rows, takes the GPU no longer than the host took to issue the
-eager pass.
+it), so that a replay, padded by less than an eighth (and a chunk by up to a quarter more rows than the first), takes
+the GPU no longer than the host took to issue the eager pass.
 
 **The judge.** Each bucket's first replay is compared with the eager engine on the same rows: norms and sums must
 agree (rtol 1e-4). Any difference, or any error while capturing (out of memory; an operation the eager pass's check
@@ -103,8 +105,12 @@ def masked_clipped_sum(
 
 
 def bucket(rows: int) -> int:
-    """The rows of the graph a chunk of ``rows`` runs in: the smallest power of two ≥ rows, at least 8."""
-    return max(SMALLEST_BUCKET, 1 << (rows - 1).bit_length())
+    """The rows of the graph a chunk of ``rows`` runs in: the smallest m·2^e ≥ rows with 8 ≤ m ≤ 15 (so less than
+    rows·9/8), at least 8."""
+    if rows <= SMALLEST_BUCKET:
+        return SMALLEST_BUCKET
+    step = 1 << max(0, (rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def largest_bucket(rows: int) -> int:
@@ -113,11 +119,19 @@ def largest_bucket(rows: int) -> int:
     return bucket(rows + rows // 4)
 
 
-@dataclass
-class _Graph:
-    """One captured pass: its static inputs (rows, labels, mask) and outputs (sums, norms)."""
+def buckets_up_to(largest: int) -> list[int]:
+    """Every bucket from :data:`SMALLEST_BUCKET` to ``largest``, ascending (eight in each doubling past 8)."""
+    found = [SMALLEST_BUCKET]
+    while found[-1] < largest:
+        found.append(bucket(found[-1] + 1))
+    return found
 
-    graph: torch.cuda.CUDAGraph
+
+@dataclass
+class _Buffers:
+    """The inputs and outputs a setting's graphs share: the largest bucket's rows, labels and mask (a graph of b rows
+    reads the first b), the clipped sums and the norms (a graph of b rows writes the first b norms)."""
+
     x: torch.Tensor
     y: torch.Tensor
     mask: torch.Tensor
@@ -125,11 +139,12 @@ class _Graph:
     norms: torch.Tensor
 
     def replayed(
-        self, x: torch.Tensor, y: torch.Tensor, names: list[str]
+        self, graph: torch.cuda.CUDAGraph, rows: int, x: torch.Tensor, y: torch.Tensor, names: list[str]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The chunk's clipped sums (fresh tensors: the next replay overwrites the graph's) and its rows' norms."""
-        fill(self.x, self.y, self.mask, x, y)
-        self.graph.replay()
+        """The chunk's clipped sums and its rows' norms by ``graph`` of ``rows`` rows (fresh tensors: the next replay
+        overwrites the buffers)."""
+        fill(self.x[:rows], self.y[:rows], self.mask[:rows], x, y)
+        graph.replay()
         return dict(zip(names, torch._foreach_mul(self.sums, 1.0), strict=True)), self.norms[: x.shape[0]].clone()
 
 
@@ -151,7 +166,9 @@ class _Captures:
     setting: tuple[Any, ...]
     loss_fn: LossFn  # (held: the setting names it by id)
     names: list[str]
-    graphs: dict[int, _Graph] = field(default_factory=dict)
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    buffers: _Buffers | None = None
+    pool: tuple[int, int] | None = None
     settings: int = 1  # how many settings the model has had: past MOST_SETTINGS, it runs eagerly
 
 
@@ -183,10 +200,29 @@ def clipped_chunk_sum(
         settings = 1 if captures is None else captures.settings + 1
         _CAPTURES.pop(model, None)  # (the old setting's graphs let go before new ones take memory)
         captures = _CAPTURES[model] = _capture(model, loss_fn, x, y, clip_norm, exact, setting, settings)
-    graph = captures.graphs.get(bucket(x.shape[0]))
-    if graph is None:
+    rows = bucket(x.shape[0])
+    graph = captures.graphs.get(rows)
+    if graph is None or captures.buffers is None:
         return clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs, exact, autocast)
-    return graph.replayed(x, y, captures.names)
+    return captures.buffers.replayed(graph, rows, x, y, captures.names)
+
+
+def graph_memory(model: nn.Module) -> int:
+    """The bytes the model's CUDA graphs hold on its device (0 where it has none): their memory pool, which
+    ``torch.cuda.memory_allocated`` does not count (its blocks are free between replays, kept for them), and their
+    shared inputs and outputs, which it does (added to it, these are counted twice: an overestimate of a few copies of
+    the model's parameters and the largest bucket's rows)."""
+    captures = _CAPTURES.get(model)
+    if captures is None or captures.pool is None or captures.buffers is None:
+        return 0
+    pool = sum(
+        int(segment["total_size"])
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment.get("segment_pool_id", ())) == tuple(captures.pool)
+    )
+    buffers = captures.buffers
+    tensors = [buffers.x, buffers.y, buffers.mask, buffers.norms, *buffers.sums]
+    return pool + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _may_capture(x: torch.Tensor, y: torch.Tensor, diracs: DiracGradients | None, autocast: torch.dtype | None) -> bool:
@@ -252,16 +288,19 @@ def _capture(
     try:
         with torch.cuda.stream(side):
             why = _why_eager(model, loss_fn, x, y, clip_norm, exact, names)
-            graphs = {} if why else _captured_graphs(model, loss_fn, x, y, clip_norm, exact, names)
+            if not why:
+                captures.graphs, captures.buffers, captures.pool = _captured_graphs(
+                    model, loss_fn, x, y, clip_norm, exact, names
+                )
     except RuntimeError as error:  # an operation a capture cannot hold (a host read, a pageable copy), out of memory
-        why, graphs = f"capturing its pass failed ({str(error).splitlines()[0]})", {}
+        why = f"capturing its pass failed ({str(error).splitlines()[0]})"
     torch.cuda.current_stream(device).wait_stream(side)
-    if graphs and not _judged_equal(model, loss_fn, x, y, clip_norm, exact, names, graphs):
-        why, graphs = "a replay differed from the eager engine on the same rows", {}
+    if not why and not _judged_equal(model, loss_fn, x, y, clip_norm, exact, captures):
+        why = "a replay differed from the eager engine on the same rows"
     if why:
+        captures.graphs, captures.buffers, captures.pool = {}, None, None
         torch.cuda.empty_cache()
         LOG.info("per-example clipping on %s: every chunk runs eagerly, not from a CUDA graph: %s", device, why)
-    captures.graphs = graphs
     return captures
 
 
@@ -286,9 +325,10 @@ def _why_eager(
     names: list[str],
 ) -> str:
     """Why the model's chunks should run eagerly ('' if they should not): the chunk's pass waits for the GPU, draws
-    random numbers, or takes the GPU more than half the time the host takes to issue it (a chunk replays padded to at
-    most twice its rows). The pass is timed on the GPU queued behind a sleep longer than its issue (so the GPU runs
-    it back to back), after one warm-up pass; both on the chunk's own rows (no more memory than its eager pass)."""
+    random numbers, or takes the GPU more than half the time the host takes to issue it (a replay runs the largest
+    bucket's rows at most: under 1.25 · 9/8 < 1.41 times the timed rows). The pass is timed on the GPU queued behind
+    a sleep longer than its issue (so the GPU runs it back to back), after one warm-up pass; both on the chunk's own
+    rows (no more memory than its eager pass)."""
     device = x.device
     inputs = _static_inputs(model, x, y, x.shape[0])
     before = torch.cuda.get_rng_state(device)
@@ -361,21 +401,29 @@ def _captured_graphs(
     clip_norm: float,
     exact: Collection[str],
     names: list[str],
-) -> dict[int, _Graph]:
-    """One graph per bucket, from the first chunk's down to :data:`SMALLEST_BUCKET`, sharing one memory pool (their
-    replays never overlap, and each one's outputs are copied before the next), each after one warm-up pass."""
+) -> tuple[dict[int, torch.cuda.CUDAGraph], _Buffers, tuple[int, int]]:
+    """One graph per bucket, from the first chunk's (and a quarter more) down to :data:`SMALLEST_BUCKET`, each after
+    one warm-up pass; their shared inputs (holding the chunk's rows) and outputs, and the memory pool they share
+    (their replays never overlap, and each one's outputs are copied out before the next)."""
+    largest = largest_bucket(x.shape[0])
+    static_x, static_y, mask = _static_inputs(model, x, y, largest)
+    sums, norms = masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)  # (warm-up)
+    buffers = _Buffers(static_x, static_y, mask, [torch.empty_like(s) for s in sums], torch.empty_like(norms))
+    del sums, norms
     pool = torch.cuda.graph_pool_handle()
-    graphs: dict[int, _Graph] = {}
-    rows = largest_bucket(x.shape[0])
-    while rows >= SMALLEST_BUCKET:
-        static_x, static_y, mask = _static_inputs(model, x, y, rows)
-        masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)  # warm-up
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    for rows in reversed(buckets_up_to(largest)):
+        inputs = static_x[:rows], static_y[:rows], mask[:rows]
+        if rows < largest:
+            masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)  # (warm-up)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # (another thread's copies go on)
-            sums, norms = masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)
-        graphs[rows] = _Graph(graph, static_x, static_y, mask, sums, norms)
-        rows //= 2
-    return graphs
+            sums, norms = masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)
+            torch._foreach_copy_(buffers.sums, sums)
+            buffers.norms[:rows].copy_(norms)
+        del sums, norms
+        graphs[rows] = graph
+    return graphs, buffers, pool
 
 
 def _judged_equal(
@@ -385,21 +433,22 @@ def _judged_equal(
     y: torch.Tensor,
     clip_norm: float,
     exact: Collection[str],
-    names: list[str],
-    graphs: dict[int, _Graph],
+    captures: _Captures,
 ) -> bool:
-    """Whether every graph's replay on the chunk's first rows gives the eager engine's norms and sums (one host
-    read for all)."""
+    """Whether every graph's replay on the first chunk's first rows (those of its bucket; padded where the chunk has
+    fewer) gives the eager engine's norms and sums on the same padded rows (one host read for all)."""
+    buffers = captures.buffers
+    assert buffers is not None
     agree = torch.ones((), dtype=torch.bool, device=x.device)
-    for rows, graph in graphs.items():
+    for rows, graph in captures.graphs.items():
         part_x, part_y = x[:rows], y[:rows]
-        sums, norms = graph.replayed(part_x, part_y, names)
-        static_x, static_y, mask = _static_inputs(model, part_x, part_y, rows)
-        eager_sums, eager_norms = masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)
-        pairs = [(norms, eager_norms[: part_x.shape[0]])] + [
-            (sums[n], s) for n, s in zip(names, eager_sums, strict=True)
-        ]
+        sums, norms = buffers.replayed(graph, rows, part_x, part_y, captures.names)
+        eager_sums, eager_norms = masked_clipped_sum(  # on the rows the replay read, still in the buffers
+            model, loss_fn, buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows], clip_norm, exact, captures.names
+        )
+        pairs = [(norms, eager_norms[: part_x.shape[0]])]
+        pairs += [(sums[n], s) for n, s in zip(captures.names, eager_sums, strict=True)]
+        scale = float(clip_norm) * rows * 1e-6
         for got, want in pairs:
-            scale = float(clip_norm) * rows * 1e-6
             agree &= torch.isclose(got, want, rtol=JUDGE_RTOL, atol=scale, equal_nan=True).all()
     return bool(agree)
