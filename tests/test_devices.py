@@ -103,9 +103,12 @@ def per_example_contribution_norms(
 def autograd_gradient_sum(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: torch.dtype | None
 ) -> torch.Tensor:
-    """Σ_i ∇ℓ_i by plain autograd (no clipping), under the same autocast: what bf16 itself costs."""
+    """Σ_i ∇ℓ_i by plain autograd (no clipping), under the same autocast: what bf16 itself costs. (oneDNN off: on a
+    CPU without AVX-512 it has no bf16 LSTM ("could not create a primitive descriptor"), and the yardstick must run
+    on every CPU; the engine runs a recurrence itself, as its own scan, and is not affected.)"""
     model.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+    precision = torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None)
+    with torch.backends.mkldnn.flags(enabled=False), precision:
         loss = per_example_cross_entropy(model(x), y).sum()
     loss.backward()
     out = torch.cat([p.grad.reshape(-1).float() for p in model.parameters()])
