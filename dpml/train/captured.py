@@ -32,8 +32,8 @@ it), so that a replay, padded by less than an eighth (and a chunk by up to a qua
 the GPU no longer than the host took to issue the eager pass.
 
 **The judge.** Each bucket's first replay is compared with the eager engine on the same rows: norms and sums must
-agree (rtol 1e-4). Any difference, or any error while capturing (out of memory; an operation the eager pass's check
-missed), and the model's chunks run eagerly, with one log line saying why.
+agree (rtol 1e-4). Any difference, or any error while capturing or judging (out of memory; an operation the eager
+pass's check missed), and the model's chunks run eagerly, with one log line saying why.
 A captured pass replays what the forward pass did when it was captured: a model whose forward pass depends on
 Python state that changes between steps must run eagerly (:func:`eager_passes`). A model, a loss, a clip norm, a
 plan, an input shape or the address of any parameter or buffer that differs from the capture's (a model moved, a
@@ -102,6 +102,21 @@ def masked_clipped_sum(
     norms = found.squared().sqrt()
     sums = found.sums(clip_factors(norms, clip_norm) * mask)
     return [sums[name].detach() for name in names], norms.detach()
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One model's masked clipping pass (:func:`masked_clipped_sum`) in one setting: what is timed, captured and
+    judged."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    clip_norm: float
+    exact: Collection[str]
+    names: list[str]
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        return masked_clipped_sum(self.model, self.loss_fn, x, y, mask, self.clip_norm, self.exact, self.names)
 
 
 def bucket(rows: int) -> int:
@@ -282,21 +297,21 @@ def _capture(
         if settings == MOST_SETTINGS + 1:
             LOG.info("per-example clipping: a model's setting changed %d times: its chunks run eagerly", MOST_SETTINGS)
         return captures
+    run = _Pass(model, loss_fn, clip_norm, exact, names)
     device = x.device
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(side):
-            why = _why_eager(model, loss_fn, x, y, clip_norm, exact, names)
+            why = _why_eager(run, x, y)
             if not why:
-                captures.graphs, captures.buffers, captures.pool = _captured_graphs(
-                    model, loss_fn, x, y, clip_norm, exact, names
-                )
+                captures.graphs, captures.buffers, captures.pool = _captured_graphs(run, x, y)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if not why and not _judged_equal(run, x, y, captures):
+            why = "a replay differed from the eager engine on the same rows"
     except RuntimeError as error:  # an operation a capture cannot hold (a host read, a pageable copy), out of memory
-        why = f"capturing its pass failed ({str(error).splitlines()[0]})"
-    torch.cuda.current_stream(device).wait_stream(side)
-    if not why and not _judged_equal(model, loss_fn, x, y, clip_norm, exact, captures):
-        why = "a replay differed from the eager engine on the same rows"
+        torch.cuda.current_stream(device).wait_stream(side)
+        why = f"capturing or judging its pass failed ({str(error).splitlines()[0]})"
     if why:
         captures.graphs, captures.buffers, captures.pool = {}, None, None
         torch.cuda.empty_cache()
@@ -315,26 +330,18 @@ def _static_inputs(
     return static_x, static_y, mask
 
 
-def _why_eager(
-    model: nn.Module,
-    loss_fn: LossFn,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    clip_norm: float,
-    exact: Collection[str],
-    names: list[str],
-) -> str:
+def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> str:
     """Why the model's chunks should run eagerly ('' if they should not): the chunk's pass waits for the GPU, draws
     random numbers, or takes the GPU more than half the time the host takes to issue it (a replay runs the largest
     bucket's rows at most: under 1.25 · 9/8 < 1.41 times the timed rows). The pass is timed on the GPU queued behind
     a sleep longer than its issue (so the GPU runs it back to back), after one warm-up pass; both on the chunk's own
     rows (no more memory than its eager pass)."""
     device = x.device
-    inputs = _static_inputs(model, x, y, x.shape[0])
+    inputs = _static_inputs(run.model, x, y, x.shape[0])
     before = torch.cuda.get_rng_state(device)
     start = time.perf_counter()
     with _synchronisations() as waits, HostTensorsOnTheDevice() as crossings:
-        masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)
+        run(*inputs)
     warm_up = time.perf_counter() - start
     if waits:
         return f"its pass waits for the GPU ({waits[0]}), which a capture cannot hold"
@@ -346,7 +353,7 @@ def _why_eager(
     torch.cuda._sleep(int(max(warm_up, 1e-3) * 5e9))  # ≥ 2× the warm-up's issue time at any clock below 2.5 GHz
     begin.record()
     start = time.perf_counter()
-    masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)
+    run(*inputs)
     issued = time.perf_counter() - start
     end.record()
     end.synchronize()
@@ -394,20 +401,14 @@ def _synchronisations() -> Iterator[list[str]]:
 
 
 def _captured_graphs(
-    model: nn.Module,
-    loss_fn: LossFn,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    clip_norm: float,
-    exact: Collection[str],
-    names: list[str],
+    run: _Pass, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], _Buffers, tuple[int, int]]:
     """One graph per bucket, from the first chunk's (and a quarter more) down to :data:`SMALLEST_BUCKET`, each after
     one warm-up pass; their shared inputs (holding the chunk's rows) and outputs, and the memory pool they share
     (their replays never overlap, and each one's outputs are copied out before the next)."""
     largest = largest_bucket(x.shape[0])
-    static_x, static_y, mask = _static_inputs(model, x, y, largest)
-    sums, norms = masked_clipped_sum(model, loss_fn, static_x, static_y, mask, clip_norm, exact, names)  # (warm-up)
+    static_x, static_y, mask = _static_inputs(run.model, x, y, largest)
+    sums, norms = run(static_x, static_y, mask)  # (warm-up)
     buffers = _Buffers(static_x, static_y, mask, [torch.empty_like(s) for s in sums], torch.empty_like(norms))
     del sums, norms
     pool = torch.cuda.graph_pool_handle()
@@ -415,10 +416,10 @@ def _captured_graphs(
     for rows in reversed(buckets_up_to(largest)):
         inputs = static_x[:rows], static_y[:rows], mask[:rows]
         if rows < largest:
-            masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)  # (warm-up)
+            run(*inputs)  # (warm-up)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # (another thread's copies go on)
-            sums, norms = masked_clipped_sum(model, loss_fn, *inputs, clip_norm, exact, names)
+            sums, norms = run(*inputs)
             torch._foreach_copy_(buffers.sums, sums)
             buffers.norms[:rows].copy_(norms)
         del sums, norms
@@ -426,15 +427,7 @@ def _captured_graphs(
     return graphs, buffers, pool
 
 
-def _judged_equal(
-    model: nn.Module,
-    loss_fn: LossFn,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    clip_norm: float,
-    exact: Collection[str],
-    captures: _Captures,
-) -> bool:
+def _judged_equal(run: _Pass, x: torch.Tensor, y: torch.Tensor, captures: _Captures) -> bool:
     """Whether every graph's replay on the first chunk's first rows (those of its bucket; padded where the chunk has
     fewer) gives the eager engine's norms and sums on the same padded rows (one host read for all)."""
     buffers = captures.buffers
@@ -442,13 +435,11 @@ def _judged_equal(
     agree = torch.ones((), dtype=torch.bool, device=x.device)
     for rows, graph in captures.graphs.items():
         part_x, part_y = x[:rows], y[:rows]
-        sums, norms = buffers.replayed(graph, rows, part_x, part_y, captures.names)
-        eager_sums, eager_norms = masked_clipped_sum(  # on the rows the replay read, still in the buffers
-            model, loss_fn, buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows], clip_norm, exact, captures.names
-        )
+        sums, norms = buffers.replayed(graph, rows, part_x, part_y, run.names)
+        eager_sums, eager_norms = run(buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows])  # (the replay's rows)
         pairs = [(norms, eager_norms[: part_x.shape[0]])]
-        pairs += [(sums[n], s) for n, s in zip(captures.names, eager_sums, strict=True)]
-        scale = float(clip_norm) * rows * 1e-6
+        pairs += [(sums[n], s) for n, s in zip(run.names, eager_sums, strict=True)]
+        scale = float(run.clip_norm) * rows * 1e-6
         for got, want in pairs:
             agree &= torch.isclose(got, want, rtol=JUDGE_RTOL, atol=scale, equal_nan=True).all()
     return bool(agree)
