@@ -194,6 +194,7 @@ def test_an_output_two_recorded_calls_read_is_one_target() -> None:
     """A recurrent layer's input terms x̃ are read by their product's rule and by the scan's: one slot, its δ asked
     once and counted once among the numbers the pass holds (the keep budget's base), not twice."""
     from dpml.train.released import Targets
+    from dpml.train.streamed import Stream
 
     weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     x = torch.randn(5, 4, dtype=torch.float64)
@@ -203,7 +204,7 @@ def test_an_output_two_recorded_calls_read_is_one_target() -> None:
     first, second, third = targets.slot(z, z), targets.slot(z, z), targets.slot(other, other)
     assert first == second and first.place != third.place
     assert targets.numbers() == 2 * z.numel()
-    deltas = targets.deltas((other * other).sum(1), retain_graph=False)
+    deltas = Stream(targets.edges, [], lambda g, d: None, {first.place}).run((other * other).sum(1), False)
     assert len(deltas) == 2
     expected = 2 * other.detach() * (1 - other.detach() ** 2)
     torch.testing.assert_close(deltas[first.place], expected)

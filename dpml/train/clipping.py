@@ -6,7 +6,8 @@ enters; the per-example losses ℓ_i then give two things by backpropagation:
 
 - the output gradients δ_{i,t} = ∂ℓ_i/∂z_{i,t} of the fast layers and of the recorded operations (one backward pass of
   Σ_j ℓ_j: ℓ_i depends on example i's rows only, so ∂(Σ_j ℓ_j)/∂z_i = ∂ℓ_i/∂z_i), from which each layer's per-example
-  gradient norms and clipped sums follow in closed form (:mod:`dpml.train.clipping_layers`), and each other
+  gradient norms and clipped sums follow in closed form (:mod:`dpml.train.clipping_layers`; formed as the backward
+  pass reaches each layer, so that what a layer's piece no longer reads is freed then, :mod:`.streamed`), and each other
   parameter's from the rules of the operations it enters — a linear map (``F.linear``, ``torch.addmm``, a matmul on
   either side, of the parameter or a view of it), an embedding lookup (indices per example or shared by the batch), a
   normalisation's affine, an elementwise affine or a concatenation broadcast over the batch —, its uses added up with
@@ -59,18 +60,19 @@ from dpml.devices import (
     set_rng_state,
 )
 from dpml.train.clipping_candidates import Call, fast_candidates, shortcut_input, usable
-from dpml.train.clipping_layers import Piece, added_up, layer_parameters, layer_piece, reject_batch_norm
+from dpml.train.clipping_layers import Piece, added_up, layer_parameters, reject_batch_norm
 from dpml.train.clipping_norms import row_norms_squared, shared_grams
 from dpml.train.diracs import DiracGradients
 from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.nonfinite import refuse_non_finite_parameters, say_left_out
 from dpml.train.released import RuledCall, Slot, Targets
+from dpml.train.streamed import as_dtype, layer_pieces
 from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
 from dpml.train.rules.derived import pull_back_all
 from dpml.train.rules.row_jacobian import row_map_pieces
 from dpml.train.rules.standardised import standardised_pieces
-from dpml.train.rules.outputs import RecordedOutputs
+from dpml.train.rules.outputs import LetGo, Recorded, RecordedOutputs
 from dpml.train.rules.registry import Dense
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
@@ -90,8 +92,10 @@ class _Recording:
     overwritten: frozenset[tuple[str, int]]  # the recorded views modified in place after they were made
     kept: RecordedOutputs  # the hooked calls' outputs
 
-    def gradient_target(self, output: torch.Tensor) -> torch.Tensor | GradientEdge:
+    def gradient_target(self, output: Recorded) -> torch.Tensor | GradientEdge:
         """What to ask autograd for a recorded output's δ: its edge as it was kept, else the tensor."""
+        if isinstance(output, LetGo):
+            return output.edge
         return self.kept.edge(output) or self.recorder.kept.edge(output) or output
 
     def let_go(self) -> None:
@@ -150,8 +154,10 @@ def _record_forward(
             taken = shortcut_input(module, inputs[0], recorder)
             if taken is None:
                 recorder.unbatched.add(module)
-            calls.setdefault(module, []).append(((inputs[0] if taken is None else taken).detach(), output))
-        place = kept.keep(output)
+            place = kept.keep(output, let_go=True)  # (not held: its edge stands for it)
+            calls.setdefault(module, []).append(
+                ((inputs[0] if taken is None else taken).detach(), kept.recorded(place))
+            )
         return output.clone() if copies is None or ("layer", place) in copies else None  # (the copy is recorded)
 
     handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
@@ -236,7 +242,7 @@ def _rule_pieces(
     operations: dict[int, list[str]] = {key: [] for key in relevant}
     params: dict[int, nn.Parameter] = {}
     for pending in calls:
-        d = _as_dtype(_delta(deltas, pending.slot), dtype)
+        d = as_dtype(_delta(deltas, pending.slot), dtype)
         for tracked, form in pending.finish(d):
             key = id(tracked.param)
             if key in relevant:
@@ -346,24 +352,14 @@ def engine_pass(
     fast: list[tuple[Unit, Piece]] = []
     for name in unreached_parameters(recording.losses, slow):  # ∇_p ℓ_i = 0 for every i: nothing to take exactly
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
-    deltas = targets.deltas(recording.losses, retain_graph=bool(slow))  # (kept only for the exact path)
-    with full_float32(), pass_budget(x.device, held), shared_grams():  # norms and sums from the same numbers (no TF32)
-        for module, calls in layer_calls.items():
-            fast.append(
-                (
-                    module,
-                    layer_piece(
-                        module,
-                        [
-                            (_as_dtype(a, zeros.dtype), _as_dtype(_delta(deltas, slot), zeros.dtype))
-                            for a, slot in calls
-                        ],
-                    ),
-                )
+    kept = {call.slot.place for call in ruled_calls}  # the δ the rules read after the pass (:mod:`.streamed`)
+    with pass_budget(x.device, held), shared_grams():  # norms and sums from the same numbers (no TF32)
+        layers, deltas = layer_pieces(targets.edges, layer_calls, kept, recording.losses, bool(slow), zeros.dtype)
+        fast += layers
+        with full_float32():
+            pieces, failed = _rule_pieces(
+                recording, ruled_calls, ruled, relevant, deltas, batch, zeros.dtype, keep_limit(x.device)
             )
-        pieces, failed = _rule_pieces(
-            recording, ruled_calls, ruled, relevant, deltas, batch, zeros.dtype, keep_limit(x.device)
-        )
     fast += pieces
     reasons = {n: recorder.why_exact(p, n, exact) for n, p in slow.items()}
     per_example = exact_per_example_gradients(recording.losses, slow)
@@ -411,11 +407,6 @@ def _zero_piece(param: nn.Parameter, zeros: torch.Tensor) -> Piece:
 def _delta(deltas: list[torch.Tensor | None], slot: Slot) -> torch.Tensor:
     found = deltas[slot.place]
     return slot.zeros() if found is None else found
-
-
-def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A floating tensor recorded under autocast, back in the parameters' dtype (token ids stay integers)."""
-    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
 def per_example_gradients(

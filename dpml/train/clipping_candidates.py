@@ -20,8 +20,9 @@ from torch import nn
 
 from dpml.train.clipping_layers import batch_first, is_fast, layer_parameters, takes_runs_of_rows
 from dpml.train.rules import Recorder
+from dpml.train.rules.outputs import Recorded
 
-Call = tuple[torch.Tensor, torch.Tensor]  # (a fast layer's input, its output)
+Call = tuple[torch.Tensor, Recorded]  # (a fast layer's input, its output or what stands for it once let go)
 
 _CANDIDATES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], frozenset[str], list[nn.Module]]] = (
     weakref.WeakKeyDictionary()

@@ -258,11 +258,12 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
             weight_squared, kept = weight_norms_squared(a, d)
             terms.append(weight_squared)
         squared = added_up(terms, d)
+    held = [(d, a)] if weight and kept is None else []  # (where the sum reads neither, a and δ are let go)
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         if weight:
-            flat = kept_sum(factors, kept) if kept is not None else clipped_outer_sum(d, a, factors)
+            flat = kept_sum(factors, kept) if kept is not None else clipped_outer_sum(*held[0], factors)
             out.append((module.weight, flat.reshape(module.weight.shape)))  # (d_out, d_in)
         if bias_grads is not None and module.bias is not None:
             out.append((module.bias, factors @ bias_grads))
@@ -320,22 +321,35 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     if bias_grads is not None:
         terms.append(row_norms_squared(bias_grads))
     squared = added_up(terms, d)
+    if kept is None and trainable(module.weight):
+        return Piece(squared, _conv_sums(module, bias_grads, by_convolution=(inputs, output_grad, geometry)))
+    return Piece(squared, _conv_sums(module, bias_grads, kept, channels_last))  # (the input and δ let go)
+
+
+def _conv_sums(
+    module: nn.Conv2d,
+    bias_grads: torch.Tensor | None,
+    kept: list[torch.Tensor] | None = None,
+    channels_last: bool = False,
+    by_convolution: tuple[torch.Tensor, torch.Tensor, Geometry] | None = None,
+) -> ClippedSums:
+    """Σ_i c_i ∇ℓ_i of a convolution, holding only what it reads: the kept per-example weight gradients, or (input, δ,
+    geometry) for its weight-gradient convolution of the clip-weighted δ (Σ_i c_i a_i ⋆ δ_i); the bias gradients."""
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
-        if trainable(module.weight):
-            if kept is not None:
-                total = weight_from_columns(kept_sum(factors, kept), module.weight.shape, channels_last)
-            else:
-                total = clip_weighted_conv_weight(
-                    module.weight.shape, inputs, output_grad * factors[:, None, None, None], geometry
-                )
+        if kept is not None:
+            total = weight_from_columns(kept_sum(factors, kept), module.weight.shape, channels_last)
             out.append((module.weight, total))
+        elif by_convolution is not None:
+            inputs, output_grad, geometry = by_convolution
+            weighted = output_grad * factors[:, None, None, None]
+            out.append((module.weight, clip_weighted_conv_weight(module.weight.shape, inputs, weighted, geometry)))
         if bias_grads is not None and module.bias is not None:
             out.append((module.bias, factors @ bias_grads))
         return out
 
-    return Piece(squared, sums)
+    return sums
 
 
 def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> Piece:

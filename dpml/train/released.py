@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from dpml.train.rules.outputs import Recorded
 from dpml.train.rules.registry import Pending, Use
 
 
@@ -55,7 +56,7 @@ class Targets:
     slots: list[Slot] = field(default_factory=list)
     _places: dict[tuple[int, int], Slot] = field(default_factory=dict)  # (id(node), output) -> its slot
 
-    def slot(self, output: torch.Tensor, edge: torch.Tensor | GradientEdge) -> Slot:
+    def slot(self, output: Recorded, edge: torch.Tensor | GradientEdge) -> Slot:
         """Let ``output`` go: its edge (``edge``, or the tensor's own as it is now) joins the targets, once however
         many recorded calls read its δ (a recurrent layer's input terms: their product's rule and the scan's)."""
         if isinstance(edge, torch.Tensor):
@@ -75,11 +76,3 @@ class Targets:
     def numbers(self) -> int:
         """How many numbers the slots' δ hold together."""
         return sum(slot.shape.numel() for slot in self.slots)
-
-    def deltas(self, losses: torch.Tensor, retain_graph: bool) -> list[torch.Tensor | None]:
-        """δ of every slot from one backward pass of Σ_i ℓ_i (None where the loss does not reach it)."""
-        asked = [edge for edge in self.edges if edge is not None]
-        found = iter(
-            torch.autograd.grad(losses.sum(), asked, allow_unused=True, retain_graph=retain_graph) if asked else ()
-        )
-        return [None if edge is None else next(found) for edge in self.edges]

@@ -192,8 +192,13 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self._follow_rows(args, kwargs, out, func)
         self._derived.add(*outputs(out))
         result.operation = function_name(func)
+        self._pend(result)
+
+    def _pend(self, result: Pending) -> None:
+        """Keep a rule's pending use, its output let go where it is no view (:mod:`.outputs`)."""
+        assert isinstance(result.output, torch.Tensor)  # (as its rule made it)
         self.pending.append(result)
-        self.kept.keep(result.output)
+        result.output = self.kept.recorded(self.kept.keep(result.output, let_go=True))
 
     def _written_on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``w /= s``, ``b.add_(w)``, ``z[:, :k] = w``, ``b[k:2k].zero_()`` on parameters and constants alone: run once,
@@ -363,8 +368,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             def finish(d: torch.Tensor, view: Tracked = view) -> list[tuple[Tracked, Dense]]:
                 return [(view, Dense(per_example(d.reshape(d.shape[0], *view.shape()), owners, self.batch)))]
 
-            self.pending.append(Pending(copy, [view.param], finish, name))  # type: ignore[arg-type]
-            self.kept.keep(copy)
+            self._pend(Pending(copy, [view.param], finish, name))  # type: ignore[arg-type]
         covered = {id(v.param) for v in views.values()}
         reason = "no batch-first operand" if batch_operand is None else "an operand not broadcast over the batch"
         self._refuse([h for h in hits if id(h.param) not in covered], f"{name}: {reason}")
@@ -424,8 +428,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             [h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand"
         )
         result.operation = function_name(func)
-        self.pending.append(result)
-        self.kept.keep(result.output)
+        self._pend(result)
         return result
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dpml.train.keep_budget import BEYOND_KEEP_LIMIT, keep_limit
+from dpml.train.rules.outputs import Recorded
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,9 +201,10 @@ Use = tuple[Tracked, Form]
 
 @dataclass
 class Pending:
-    """A recorded call: its output, the parameters its rule covers, and δ ↦ their per-example gradients."""
+    """A recorded call: its output (once recorded, what stands for it: :mod:`.outputs`), the parameters its rule
+    covers, and δ ↦ their per-example gradients."""
 
-    output: torch.Tensor
+    output: Recorded
     params: list[nn.Parameter]
     finish: Callable[[torch.Tensor], list[Use]]
     operation: str = ""  # the function's name (set by the recorder)
