@@ -1,6 +1,7 @@
 """One engine pass keeps at most ``PASS_KEEP_LAYERS`` × the device's keep limit of materialised per-example
 gradients, all layers together, and at most ``KEEP_SHARE`` of the numbers it holds anyway (its layers' inputs and
-output gradients) (:mod:`dpml.train.keep_budget`); its clipped sums stay exact past either bound. The recorded
+output gradients) (:mod:`dpml.train.keep_budget`), counted net of the input and δ a layer lets go by keeping; its
+clipped sums stay exact past either bound. The recorded
 outputs are let go before the backward pass (:mod:`dpml.train.released`), and a ruled parameter whose uses do not
 combine is taken exactly from the forward pass run again, with the same random draws."""
 
@@ -17,17 +18,18 @@ from torch import nn
 from dpml.train import clipping, clipping_layers, keep_budget
 from dpml.train.dpsgd import per_example_cross_entropy
 
-BATCH, POSITIONS, WIDTH, LAYERS = 9, 6, 8, 8
+BATCH, POSITIONS, WIDTH, LAYERS = 9, 6, 16, 8
+NARROW = 8  # a width whose per-example gradients (B·d²) are fewer numbers than the layer's input and δ (2·B·T·d)
 
 
 class DeepSequenceMlp(nn.Module):
     """``LAYERS`` equal dense layers over ``POSITIONS`` positions: each one's per-example gradients are
     materialised (T²(d_in + d_out) > 4·d_in·d_out) and, alone, fit the keep limit the test sets."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.hidden = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
-        self.out = nn.Linear(POSITIONS * WIDTH, 3)
+        self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(LAYERS))
+        self.out = nn.Linear(POSITIONS * width, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.hidden:
@@ -36,16 +38,18 @@ class DeepSequenceMlp(nn.Module):
 
 
 HELD = LAYERS * 2 * BATCH * POSITIONS * WIDTH + BATCH * (POSITIONS * WIDTH + 3)  # the layers' inputs and δ
+KEPT = BATCH * WIDTH * WIDTH  # one hidden layer's per-example weight gradients
+NET = KEPT - 2 * BATCH * POSITIONS * WIDTH  # …less its input and δ, which keeping them lets go (> 0 at WIDTH)
 
 
-def kept_layers(monkeypatch: pytest.MonkeyPatch, pass_layers: int, share: float = 1e9) -> list[int]:
+def kept_layers(monkeypatch: pytest.MonkeyPatch, pass_layers: int, share: float = 1e9, width: int = WIDTH) -> list[int]:
     """Runs the engine against the one-example-at-a-time loop; returns the numbers each layer's clipped sum
     read from kept per-example gradients (one entry per layer that kept them)."""
-    layer_limit = BATCH * WIDTH * WIDTH  # one hidden layer's per-example weight gradients, exactly
+    layer_limit = BATCH * width * width  # one hidden layer's per-example weight gradients, exactly
     monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", layer_limit)
     monkeypatch.setattr(keep_budget, "PASS_KEEP_LAYERS", pass_layers)
     monkeypatch.setattr(keep_budget, "KEEP_SHARE", share)
-    assert clipping_layers.materialise(BATCH, POSITIONS, WIDTH, WIDTH, layer_limit)
+    assert clipping_layers.materialise(BATCH, POSITIONS, width, width, layer_limit)
     kept: list[int] = []
     kept_sum = clipping_layers.kept_sum
 
@@ -55,27 +59,39 @@ def kept_layers(monkeypatch: pytest.MonkeyPatch, pass_layers: int, share: float 
 
     monkeypatch.setattr(clipping_layers, "kept_sum", spy)
     torch.manual_seed(5)
-    model = DeepSequenceMlp().double()
-    x = torch.randn(BATCH, POSITIONS, WIDTH, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    model = DeepSequenceMlp(width).double()
+    x = torch.randn(BATCH, POSITIONS, width, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     assert_matches_naive_loop(model, x, labels(BATCH), 0.05)
     return kept
 
 
 def test_a_pass_keeps_no_more_than_its_budget_and_its_sums_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    kept = kept_layers(monkeypatch, pass_layers=3)
-    assert kept == [BATCH * WIDTH * WIDTH] * 3  # three layers' worth, then the rest by a second pass
+    """One layer's limit, spent net of what each keeping layer lets go: four layers keep, the rest take a second
+    pass (the fifth would need its whole KEPT, of which only its freed input and δ are left)."""
+    assert KEPT // NET == 4
+    assert kept_layers(monkeypatch, pass_layers=1) == [KEPT] * 4
 
 
 def test_the_budget_is_what_stops_the_keeping(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert kept_layers(monkeypatch, pass_layers=100) == [BATCH * WIDTH * WIDTH] * LAYERS
+    assert kept_layers(monkeypatch, pass_layers=100) == [KEPT] * LAYERS
 
 
-@pytest.mark.parametrize("share", [0.25, 0.5])
+@pytest.mark.parametrize("share", [0.1, 0.25])
 def test_a_pass_keeps_no_more_than_its_share_of_what_it_holds(share: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With room for every layer by the layer count, the share of the held numbers (inputs and δ) is the bound."""
+    """With room for every layer by the layer count, the share of the held numbers (inputs and δ) bounds the net
+    numbers kept."""
     kept = kept_layers(monkeypatch, pass_layers=100, share=share)
-    assert kept == [BATCH * WIDTH * WIDTH] * int(share * HELD // (BATCH * WIDTH * WIDTH))
+    assert kept == [KEPT] * int(share * HELD // NET)
     assert 0 < len(kept) < LAYERS
+
+
+def test_a_layer_whose_gradients_are_fewer_numbers_than_its_input_and_delta_keeps_them_with_no_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keeping them lets go more than it holds, so which such layers keep does not hang on the order the backward
+    pass reaches them in, nor on what the others spent."""
+    assert BATCH * NARROW * NARROW < 2 * BATCH * POSITIONS * NARROW
+    assert kept_layers(monkeypatch, pass_layers=0, width=NARROW) == [BATCH * NARROW * NARROW] * LAYERS
 
 
 def test_the_default_share_is_a_quarter() -> None:
@@ -92,7 +108,11 @@ def test_outside_a_pass_a_layer_keeps_up_to_its_own_limit(monkeypatch: pytest.Mo
         keep_budget.spend(10 * keep_budget.PASS_KEEP_LAYERS - 3)
         assert keep_budget.room(100) == 3 and keep_budget.left() == 3
         keep_budget.spend(5)
-        assert keep_budget.room(100) == 0
+        assert keep_budget.room(100) == 0 and keep_budget.room(100, freed=40) == 38  # (left: -2)
+        keep_budget.spend(70, freed=40)  # 30 numbers more than it let go
+        assert keep_budget.left() == -32 and keep_budget.room(100, freed=40) == 8
+        keep_budget.spend(8, freed=40)  # fewer than it let go: nothing spent
+        assert keep_budget.left() == -32
     with keep_budget.pass_budget(torch.device("cpu"), held=100):  # a quarter of what the pass holds: 25
         assert keep_budget.room(100) == 25 and keep_budget.room(7) == 7 and keep_budget.left() == 25
     assert keep_budget.left() is None

@@ -16,8 +16,7 @@ share a normalisation's γ and β). Given the recorded input and the output grad
   convolution the patches' Gram matrix from that of the padded input's positions:
   :func:`dpml.train.clipping_conv.input_gram_norms_squared`). Kept gradients come in slices of examples
   that the CPU's heap keeps between steps (:func:`dpml.devices.heap_sized_slices`).
-  A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"`` or ``"valid"`` is
-  resolved to the numbers.
+  A **Conv1d** is the Conv2d of height 1 (:mod:`dpml.train.clipping_conv`); ``padding="same"``/``"valid"`` resolved.
   A **grouped** convolution (``groups`` = g > 1, depthwise included) has one such matrix per group,
   materialised for all (example, group) pairs at once by one of three kernels, the fastest for the shape
   (:mod:`dpml.train.clipping_conv_ways`).
@@ -195,14 +194,14 @@ def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor
     raise TypeError(f"{type(module).__name__} has no position form")
 
 
-def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """‖Σ_t δ_t a_tᵀ‖_F² per example, by the cheaper of the Gram trick and materialising.
-
-    When it materialises the per-example gradients G_i = Σ_t δ_t a_tᵀ (in slices of examples:
-    :func:`dpml.devices.heap_sized_slices`) and they are small enough, they are returned too: the clipped
-    sum is then Σ_i c_i G_i (:func:`kept_sum`), not a second pass over all positions.
-    """
-    (batch, count, d_in), d_out, limit = a.shape, d.shape[2], room(keep_limit(a.device))
+def weight_norms_squared(
+    a: torch.Tensor, d: torch.Tensor, freed: int = 0
+) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """‖Σ_t δ_t a_tᵀ‖_F² per example, by the cheaper of the Gram trick and materialising. When it materialises the
+    per-example gradients G_i = Σ_t δ_t a_tᵀ (in slices of examples: :func:`dpml.devices.heap_sized_slices`) and
+    they are small enough, they are returned too: the clipped sum is then Σ_i c_i G_i (:func:`kept_sum`), not a
+    second pass over all positions. ``freed``: what keeping them lets go (:func:`.keep_budget.room`)."""
+    (batch, count, d_in), d_out, limit = a.shape, d.shape[2], room(keep_limit(a.device), freed)
     if not materialise(batch, count, d_in, d_out, limit):
         return (self_gram(a) * self_gram(d)).sum((1, 2)), None
     parts = [
@@ -211,7 +210,7 @@ def weight_norms_squared(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor
     ]
     keep = batch * d_in * d_out <= limit
     if keep:
-        spend(batch * d_in * d_out)
+        spend(batch * d_in * d_out, freed)
     return torch.cat([row_norms_squared(part) for part in parts]), parts if keep else None
 
 
@@ -255,7 +254,7 @@ def _dense_piece(module: nn.Linear | nn.Conv1d | nn.Conv2d, a: torch.Tensor, d: 
     else:
         terms = [row_norms_squared(bias_grads)] if bias_grads is not None else []
         if weight:
-            weight_squared, kept = weight_norms_squared(a, d)
+            weight_squared, kept = weight_norms_squared(a, d, a.numel() + d.numel())  # (kept: a and δ let go)
             terms.append(weight_squared)
         squared = added_up(terms, d)
     held = [(d, a)] if weight and kept is None else []  # (where the sum reads neither, a and δ are let go)
@@ -286,7 +285,8 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
     geometry: Geometry = conv_geometry(module)  # type: ignore[assignment]
     d = output_grad.reshape(batch, out_channels, count)  # (B, C_out, T)
     terms: list[torch.Tensor] = []  # the squared norms of the weight's and the bias's gradients
-    limit, kept, channels_last = room(keep_limit(output_grad.device)), None, False
+    freed = inputs.numel() + output_grad.numel()  # (what keeping lets go: :func:`.keep_budget.room`)
+    limit, kept, channels_last = room(keep_limit(output_grad.device), freed), None, False
     if trainable(module.weight):
         if not materialise(batch, count, patch, out_channels, limit):
             if inputs.device.type == "cpu":  # the compiled kernel's norms, or a cache-sized slice of examples at a time
@@ -316,7 +316,7 @@ def _conv_piece(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tens
                 terms.append(torch.cat([row_norms_squared(part) for part in parts]))
                 kept = parts if keep else None
             if kept is not None:
-                spend(batch * out_channels * patch)
+                spend(batch * out_channels * patch, freed)
     bias_grads = d.sum(2) if trainable(module.bias) else None  # ∇_b ℓ_i = Σ_t δ_t, (B, C_out)
     if bias_grads is not None:
         terms.append(row_norms_squared(bias_grads))

@@ -10,7 +10,8 @@ most ``KEEP_SHARE`` of what the pass holds anyway (its layers' inputs and output
 step's peak memory follows the model's activations, not the device's size: a transformer's per-example
 weight gradients (d_in·d_out numbers an example) outweigh its activations (T·(d_in + d_out)) at short
 sequences, and keeping them all cost ViT-tiny 2.5× the non-private peak on this project's CPU for no speed
-(``benchmarks/results/families.md``). Past the pass's budget a layer takes the way that keeps nothing (ghost
+(``benchmarks/results/families.md``). A layer is charged net of what keeping lets go: its input and δ, which its
+clipped sum would read otherwise (:func:`room`, :func:`spend`). Past the pass's budget a layer takes the way that keeps nothing (ghost
 norm, or its norm from slices that are dropped, and its clipped sum by a second pass): slower for that
 layer, never more memory. Which way a layer takes changes only the floating-point order of its sums, never
 the clipping (both are exact).
@@ -82,17 +83,20 @@ def pass_budget(device: torch.device, held: int) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-def room(layer_limit: int) -> int:
-    """How many numbers the next layer may keep: its own limit, or what the pass has left if that is less."""
+def room(layer_limit: int, freed: int = 0) -> int:
+    """How many numbers the next layer may keep: its own limit, or what the pass has left plus ``freed`` if that is
+    less. ``freed``: what keeping lets go, the layer's input and δ, which its clipped sum would read otherwise
+    (:mod:`dpml.train.streamed`): a layer whose per-example gradients are no more numbers than those keeps them
+    whatever is left, so that which layers keep does not hang on the order the backward pass reaches them in."""
     budget = _CURRENT.get()
-    return layer_limit if budget is None else max(0, min(layer_limit, budget.left))
+    return layer_limit if budget is None else max(0, min(layer_limit, budget.left + freed))
 
 
-def spend(count: int) -> None:
-    """Record that a layer kept ``count`` numbers (outside a pass: nothing to record)."""
+def spend(count: int, freed: int = 0) -> None:
+    """Record that a layer kept ``count`` numbers and let ``freed`` go (outside a pass: nothing to record)."""
     budget = _CURRENT.get()
     if budget is not None:
-        budget.left -= count
+        budget.left -= max(0, count - freed)
 
 
 def left() -> int | None:
