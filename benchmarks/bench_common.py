@@ -1,10 +1,13 @@
 """What the benchmarks share: the Fashion-MNIST location, scratch-folder overrides, the privacy cost of a
-selection made on private records, the machine and commit a table was measured on, and the set-up and timing
-of the per-example ways' tables (``conv_per_example.py``, ``grouped_conv_ways.py``)."""
+selection made on private records, the machine and commit a table was measured on, the set-up and timing
+of the per-example ways' tables (``conv_per_example.py``, ``grouped_conv_ways.py``), and a step's peak resident set
+size on a CPU (``families.py``, ``speed.py``)."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import platform
 import statistics
 import subprocess
@@ -178,3 +181,37 @@ def ways_table(
     (out / f"{name}.json").write_text(json.dumps(rows, indent=2))
     (out / f"{name}.md").write_text(text)
     print(text)
+
+
+class CpuPeak:
+    """The process's peak resident set size during a step, above its resident set size before it (Linux)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        try:
+            self.trim = ctypes.CDLL(None).malloc_trim
+            self.trim.argtypes, self.trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            self.trim = None
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._status("VmHWM")
+        except (OSError, KeyError) as error:
+            self.error = f"the peak resident set size cannot be reset here ({type(error).__name__}: {error})"
+
+    @staticmethod
+    def _status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    def start(self) -> int:
+        gc.collect()
+        if self.trim is not None:
+            self.trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        return self._status("VmRSS")
+
+    def peak(self) -> int:
+        return self._status("VmHWM")

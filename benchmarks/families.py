@@ -92,7 +92,6 @@ command, the machine (CPU model, cores, GPU, library versions), the git commit a
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import math
@@ -114,7 +113,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_common import CpuPeak, cpu_name, current_commit  # noqa: E402  (benchmarks/ is the script's folder)
 from family_zoo import (  # noqa: E402
     AUDIO_SAMPLES,
     AUDIO_ZOO,
@@ -575,40 +574,6 @@ def _opacus_step(model, optimizer, method: str, x, y) -> Callable[[], None]:  # 
 def _synchronise(device) -> None:  # noqa: ANN001
     if device.type == "cuda":
         _torch().cuda.synchronize()
-
-
-class CpuPeak:
-    """The process's peak resident set size during a step, above its resident set size before it (Linux)."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-        try:
-            self.trim = ctypes.CDLL(None).malloc_trim
-            self.trim.argtypes, self.trim.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):
-            self.trim = None
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            self._status("VmHWM")
-        except (OSError, KeyError) as error:
-            self.error = f"the peak resident set size cannot be reset here ({_one_line(error)})"
-
-    @staticmethod
-    def _status(key: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        raise KeyError(key)
-
-    def start(self) -> int:
-        gc.collect()
-        if self.trim is not None:
-            self.trim(0)
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        return self._status("VmRSS")
-
-    def peak(self) -> int:
-        return self._status("VmHWM")
 
 
 def clear_gradients(step) -> None:  # noqa: ANN001

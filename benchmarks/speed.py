@@ -30,8 +30,10 @@ of each method's steps is ``torch.cuda.max_memory_allocated`` after a reset, plu
 hold, whose pool that does not count: :func:`dpml.train.captured.graph_memory`) and adds ``dpml-bf16``
 (``train.autocast: bf16``) and ``dpml-eager`` (the ``dpml`` step with every chunk issued op by op, where ``dpml``
 replays a launch-bound model's chunks from CUDA graphs: :mod:`dpml.train.captured`); it writes
-``speed_cuda.{md,json}`` naming the GPU, beside the CPU page ``speed.{md,json}``. On the CPU no per-method memory
-is reported: the methods share one process.
+``speed_cuda.{md,json}`` naming the GPU, beside the CPU page ``speed.{md,json}``. On the CPU the memory column is
+the process's peak resident set size during the second (untimed) warm-up step above its resident set size before it
+(after ``gc.collect()`` and ``malloc_trim(0)``: :class:`bench_common.CpuPeak`, as ``families.py``): the step's own
+working memory, the other methods' models, resident throughout, not counted.
 
     pip install -r benchmarks/requirements.txt      # Opacus, for the comparison only
     python benchmarks/speed.py [--batches 512 4096] [--models mlp cnn wrn] [--rounds 40] [--device cpu|cuda]
@@ -52,7 +54,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_common import cpu_name  # benchmarks/ is the script's folder
+from bench_common import CpuPeak, cpu_name  # benchmarks/ is the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["nonprivate", "nonprivate-chunked", "dpml", "dpml-one-chunk", "opacus-hooks", "opacus-ghost"]
@@ -192,6 +194,17 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
     return peer_step
 
 
+def cpu_step_memory(step: Callable[[], None], cpu_peak: CpuPeak) -> float:
+    """MiB of resident memory one (untimed, warm-up) step takes on the CPU above what was resident before it; its
+    background noise draw, if any, waited for inside the measurement (module docstring)."""
+    before = cpu_peak.start()
+    step()
+    settle = getattr(step, "settle", None)
+    if settle is not None:
+        settle()
+    return (cpu_peak.peak() - before) / 2**20
+
+
 def measure(
     model_name: str, batch: int, methods: list[str], rounds: int, peer_rounds: int, device: str = "cpu"
 ) -> list[dict]:
@@ -201,18 +214,19 @@ def measure(
     x, y = example_batch(model_name, batch, device)
     cuda = device.startswith("cuda")
     steps, errors, chunks = {}, {}, {}
+    cpu_peak = None if cuda else CpuPeak()
+    peaks: dict[str, float] = {}
     for method in methods:
         try:
             steps[method] = step_function(model_name, method, x, y)
             chunks[method] = getattr(steps[method], "chunk", None)
-            for _ in range(2):  # warm-up
-                steps[method]()
+            steps[method]()  # warm-up
+            peaks[method] = cpu_step_memory(steps[method], cpu_peak) if cpu_peak and not cpu_peak.error else 0.0
         except Exception as error:  # noqa: BLE001 — a peer that cannot run is reported, not fatal
             errors[method] = f"{type(error).__name__}: {error}".splitlines()[0]
             steps.pop(method, None)
     every = max(1, rounds // max(1, peer_rounds))
     times: dict[str, list[float]] = {m: [] for m in steps}
-    peaks: dict[str, float] = {m: 0.0 for m in steps}
     for r in range(rounds):
         for method, step in steps.items():
             if method in PEERS and (r % every or len(times[method]) >= peer_rounds):
@@ -253,7 +267,7 @@ def measure(
                 "ms_per_step": ms,
                 "steps": len(times[method]),
                 "time_ratio": ms / (1000 * base),
-                "peak_mb": peaks[method] if cuda else None,
+                "peak_mb": peaks[method] if cuda or (cpu_peak and not cpu_peak.error) else None,
                 "chunk": chunks.get(method),
             }
         )
@@ -335,6 +349,7 @@ def main() -> None:
 def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN001
     """The results page: the machine, the command, and one row per (model, batch, method)."""
     cuda = args.device == "cuda"
+    memory = not cuda and any(r.get("peak_mb") is not None for r in rows)
     where = f"GPU: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if cuda else "CPU only"
     command = (
         f"python benchmarks/speed.py --batches {' '.join(map(str, args.batches))} --models "
@@ -360,21 +375,22 @@ def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN
         ),
         "",
         "| torch threads | model | batch | method | rows per chunk | ms / step | steps timed | × non-private time | "
-        "throughput vs non-private |" + (" peak MB |" if cuda else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""),
+        "throughput vs non-private |" + (" peak MB |" if cuda else " step MB above resident |" if memory else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda or memory else ""),
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | | failed: {r['error'][:80]} | | | |"
-                + (" |" if cuda else "")
+                + (" |" if cuda or memory else "")
             )
             continue
         chunk = r.get("chunk") or r["batch"]
         lines.append(
             f"| {r['threads']} | {r['model']} | {r['batch']} | {r['method']} | {chunk} | "
             f"{r['ms_per_step']:.1f} | {r['steps']} | "
-            f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |" + (f" {r['peak_mb']:.0f} |" if cuda else "")
+            f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |"
+            + (f" {r['peak_mb']:.0f} |" if cuda or memory else "")
         )
     return "\n".join(lines) + "\n"
 
