@@ -220,8 +220,12 @@ def measure(
         try:
             steps[method] = step_function(model_name, method, x, y)
             chunks[method] = getattr(steps[method], "chunk", None)
-            steps[method]()  # warm-up
-            peaks[method] = cpu_step_memory(steps[method], cpu_peak) if cpu_peak and not cpu_peak.error else 0.0
+            steps[method]()  # two warm-up steps, the CPU's second measured
+            if cpu_peak is not None and cpu_peak.error is None:
+                peaks[method] = cpu_step_memory(steps[method], cpu_peak)
+            else:
+                steps[method]()
+                peaks[method] = 0.0
         except Exception as error:  # noqa: BLE001 — a peer that cannot run is reported, not fatal
             errors[method] = f"{type(error).__name__}: {error}".splitlines()[0]
             steps.pop(method, None)
