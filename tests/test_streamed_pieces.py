@@ -63,6 +63,12 @@ def test_every_consumer_sees_its_deltas_once_whether_its_node_runs_or_is_asked_f
     torch.testing.assert_close(kept[0], expected[0], rtol=0, atol=0)
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]  # (on CUDA the pre-hooks run on autograd's device thread, in the copied context of the pass)
+
+
 class NormedStack(nn.Module):
     """conv → GroupNorm → ReLU → conv → GroupNorm → ReLU → Linear. A ReLU saves its result, not its input, so a
     non-private step frees each GroupNorm's output as soon as the ReLU has run, and autograd frees a GroupNorm's
@@ -79,14 +85,16 @@ class NormedStack(nn.Module):
         return self.head(torch.relu(self.norm2(self.conv2(z))).flatten(1))
 
 
-def test_a_pieces_inputs_and_deltas_are_freed_as_a_non_private_step_frees_them() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pieces_inputs_and_deltas_are_freed_as_a_non_private_step_frees_them(device: str) -> None:
     """During the forward pass, the second GroupNorm's output is freed once its ReLU has run (the recording holds its
     gradient edge, not the output); when the backward pass reaches the first convolution's output, the second
     GroupNorm's δ and input are freed (its piece keeps its per-example γ and β gradients only), where asking autograd
     for every δ at once held them all to the end. The sums stay exact."""
     torch.manual_seed(0)
-    model = NormedStack().double()
-    x = torch.randn(6, 2, 5, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    model = NormedStack().double().to(device)
+    x = torch.randn(6, 2, 5, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
+    y = labels(6).to(device)
     watched: dict[str, weakref.ref[torch.Tensor]] = {}
     at_head: list[bool] = []
     at_first: list[tuple[bool, bool]] = []
@@ -109,13 +117,13 @@ def test_a_pieces_inputs_and_deltas_are_freed_as_a_non_private_step_frees_them()
     try:
         for _ in range(2):  # (the first pass of a model runs its forward pass twice: the second is the one watched)
             at_head.clear(), at_first.clear()
-            clipping.clipped_gradient_sum(model, per_example_cross_entropy, x, labels(6), 0.1)
+            clipping.clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.1)
     finally:
         for hook in hooks:
             hook.remove()
     assert at_head == [False]
     assert at_first == [(False, False)]
-    assert_matches_naive_loop(model, x, labels(6), 0.1)
+    assert_matches_naive_loop(model, x, y, 0.1)
 
 
 PEAKS = """
@@ -175,7 +183,8 @@ def test_the_dp_step_of_a_wide_resnet_peaks_within_1_8_times_the_non_private_ste
     assert private < 1.8 * plain, f"the DP step peaked at {private / 2**20:.0f} MiB, non-private {plain / 2**20:.0f}"
 
 
-def test_a_model_whose_layer_is_called_twice_and_whose_norm_output_is_read_twice_stays_exact() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_whose_layer_is_called_twice_and_whose_norm_output_is_read_twice_stays_exact(device: str) -> None:
     """One Linear applied to two halves of the input (its piece waits for both δ) and a LayerNorm whose output two
     layers read (its δ is the sum of both): the sums and norms equal the float64 per-example loop's."""
 
@@ -190,6 +199,6 @@ def test_a_model_whose_layer_is_called_twice_and_whose_norm_output_is_read_twice
             return self.left(h) * torch.sigmoid(self.right(h))
 
     torch.manual_seed(3)
-    model = Twice().double()
-    x = torch.randn(7, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    assert_matches_naive_loop(model, x, labels(7), 0.05, most_clipped=False)
+    model = Twice().double().to(device)
+    x = torch.randn(7, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(device)
+    assert_matches_naive_loop(model, x, labels(7).to(device), 0.05, most_clipped=False)
