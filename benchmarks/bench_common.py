@@ -215,3 +215,9 @@ class CpuPeak:
 
     def peak(self) -> int:
         return self._status("VmHWM")
+
+    def during(self, run: Callable[[], object]) -> int:
+        """Bytes of resident memory ``run()`` takes above what was resident before it."""
+        before = self.start()
+        run()
+        return self.peak() - before

@@ -600,12 +600,10 @@ def step_memory(step, device, cpu_peak: CpuPeak | None) -> dict[str, float]:  # 
         peak = torch.cuda.max_memory_allocated() + getattr(step, "held", lambda: 0)()  # (CUDA graphs' pool, buffers)
         return {"peak_mib": (peak - before) / 2**20, "absolute_peak_mib": peak / 2**20}
     assert cpu_peak is not None
-    before = cpu_peak.start()
-    step()
-    peak = cpu_peak.peak()
+    used = cpu_peak.during(step)
     if settle is not None:
         settle()
-    return {"peak_mib": (peak - before) / 2**20}
+    return {"peak_mib": used / 2**20}
 
 
 SLOW_STEP = 10.0  # seconds: a first step this slow is the only warm-up step

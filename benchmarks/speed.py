@@ -197,12 +197,8 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
 def cpu_step_memory(step: Callable[[], None], cpu_peak: CpuPeak) -> float:
     """MiB of resident memory one (untimed, warm-up) step takes on the CPU above what was resident before it; its
     background noise draw, if any, waited for inside the measurement (module docstring)."""
-    before = cpu_peak.start()
-    step()
-    settle = getattr(step, "settle", None)
-    if settle is not None:
-        settle()
-    return (cpu_peak.peak() - before) / 2**20
+    settle = getattr(step, "settle", lambda: None)
+    return cpu_peak.during(lambda: (step(), settle())) / 2**20
 
 
 def measure(
@@ -215,13 +211,14 @@ def measure(
     cuda = device.startswith("cuda")
     steps, errors, chunks = {}, {}, {}
     cpu_peak = None if cuda else CpuPeak()
+    cpu_memory = cpu_peak is not None and cpu_peak.error is None
     peaks: dict[str, float] = {}
     for method in methods:
         try:
             steps[method] = step_function(model_name, method, x, y)
             chunks[method] = getattr(steps[method], "chunk", None)
             steps[method]()  # two warm-up steps, the CPU's second measured
-            if cpu_peak is not None and cpu_peak.error is None:
+            if cpu_memory:
                 peaks[method] = cpu_step_memory(steps[method], cpu_peak)
             else:
                 steps[method]()
@@ -271,7 +268,7 @@ def measure(
                 "ms_per_step": ms,
                 "steps": len(times[method]),
                 "time_ratio": ms / (1000 * base),
-                "peak_mb": peaks[method] if cuda or (cpu_peak and not cpu_peak.error) else None,
+                "peak_mb": peaks[method] if cuda or cpu_memory else None,
                 "chunk": chunks.get(method),
             }
         )
