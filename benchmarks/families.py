@@ -471,7 +471,7 @@ def step_function(family: str, method: str, args: argparse.Namespace, x, y) -> C
 
 def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[], None]:  # noqa: ANN001
     torch = _torch()
-    from dpml.train.captured import graph_memory
+    from dpml.train.captured import capture_report, graph_memory
     from dpml.train.chunking import physical_chunk
     from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
     from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
@@ -498,12 +498,22 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
     if x.device.type == "cpu":  # as the trainer: a step ahead where a core is idle, else in the step
         generator = cpu_noise_stream(generator, params, 1.0)
     state = {"chunk": chunk}
+    info: dict[str, Any] = {
+        "chunk": chunk,
+        "exact_parameters": exact_names,
+        "trainable_parameters": len(params),
+        "plan_seconds": plan_seconds,
+        "tune_seconds": tune_seconds,
+        "plan_notes": list(getattr(plan, "notes", ())),
+    }
 
     def dp_step() -> None:  # as run_dpsgd_steps: the noise added to the step's own sums, in place
         sums, noises, _ = clipped_sum_and_noise(model, x, y, 1.0, 1.0, state["chunk"], generator, exact=exact_set)
         for name, p in params.items():
             p.grad = sums[name].add_(noises[name]).div_(batch)
         optimizer.step()
+        if x.device.type == "cuda":  # how its chunks ran: from CUDA graphs, or eagerly and why (dpml.train.captured)
+            info["cuda_graphs"] = capture_report(model)
 
     dp_step.model = model  # type: ignore[attr-defined]
     dp_step.held = lambda: graph_memory(model)  # type: ignore[attr-defined]
@@ -512,14 +522,7 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
     # a lead-in step and a wait only where the draw runs in the background (PrefetchedNoise): a synchronous
     # stream draws inside the timed step
     dp_step.settle = generator.wait if isinstance(generator, PrefetchedNoise) else None  # type: ignore[attr-defined]
-    dp_step.info = {
-        "chunk": chunk,
-        "exact_parameters": exact_names,  # type: ignore[attr-defined]
-        "trainable_parameters": len(params),
-        "plan_seconds": plan_seconds,
-        "tune_seconds": tune_seconds,
-        "plan_notes": list(getattr(plan, "notes", ())),
-    }
+    dp_step.info = info  # type: ignore[attr-defined]
     return dp_step
 
 
@@ -979,6 +982,7 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
                 f"plan {dp['plan_seconds']:.1f} s, {chosen}; "
                 + (f"exact path: {', '.join(f'`{n}`' for n in exact)}" if exact else "exact path: none")
                 + (f". Plan notes: {' '.join(dp['plan_notes'])}" if dp.get("plan_notes") else "")
+                + (f". Chunks on the GPU: {dp['cuda_graphs']}" if dp.get("cuda_graphs") else "")
             )
         else:  # refused, or crashed: in its set-up, or in a step after others were timed (said with their median)
             before = f" after {dp['steps']} timed step(s) of {dp['ms_per_step']:.1f} ms" if "ms_per_step" in dp else ""

@@ -57,6 +57,8 @@ from pathlib import Path
 from bench_common import CpuPeak, cpu_name  # benchmarks/ is the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("mlp", "cnn", "wrn")
+"""The models :func:`build` builds: an MLP, the Opacus MNIST example's CNN, dpml's WRN-16-4."""
 METHODS = ["nonprivate", "nonprivate-chunked", "dpml", "dpml-one-chunk", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
 
@@ -69,6 +71,8 @@ def build(model: str):  # noqa: ANN201
         from dpml.models.vision import WideResNetSpec, build_wide_resnet
 
         return build_wide_resnet(WideResNetSpec(784, (1, 28, 28), 10))
+    if model not in MODELS:
+        raise ValueError(f"model {model!r}: speed.py builds one of {', '.join(MODELS)}")
     if model == "mlp":
         return nn.Sequential(
             nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
@@ -119,7 +123,7 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
     from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
     from dpml.train.noise import cpu_noise_stream
 
-    from dpml.train.captured import eager_passes, graph_memory
+    from dpml.train.captured import capture_report, eager_passes, graph_memory
 
     autocast = torch.bfloat16 if method == "dpml-bf16" else None
     dp_model, flat = model, x
@@ -163,6 +167,7 @@ def step_function(model_name: str, method: str, x, y) -> Callable[[], None]:  # 
         dp_step.settle = getattr(generator, "wait", None)  # type: ignore[attr-defined]
         dp_step.chunk = chunk  # type: ignore[attr-defined]
         dp_step.held = lambda: graph_memory(model)  # type: ignore[attr-defined]
+        dp_step.report = lambda: capture_report(model)  # type: ignore[attr-defined]
         return dp_step
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
@@ -247,6 +252,7 @@ def measure(
             times[method].append(time.perf_counter() - start)
             if settle is not None:  # its background draw done before the next method is timed
                 settle()
+    reports = {method: getattr(step, "report", lambda: None)() for method, step in steps.items()}
     for step in steps.values():  # the noise thread stopped, the models and Opacus' hooks freed before the next shape
         getattr(step, "close", lambda: None)()
     steps.clear()
@@ -270,6 +276,7 @@ def measure(
                 "time_ratio": ms / (1000 * base),
                 "peak_mb": peaks[method] if cuda or cpu_memory else None,
                 "chunk": chunks.get(method),
+                **({"cuda_graphs": reports[method]} if reports.get(method) else {}),
             }
         )
     return rows
@@ -284,7 +291,7 @@ def baseline_method(methods: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=MODELS)
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds (non-private and dpml: one step each)")
     parser.add_argument("--peer-rounds", type=int, default=10, help="rounds in which each Opacus mode is timed")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
@@ -393,6 +400,10 @@ def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN
             f"{r['time_ratio']:.2f} | {1 / r['time_ratio']:.2f} |"
             + (f" {r['peak_mb']:.0f} |" if cuda or memory else "")
         )
+    graphs = [r for r in rows if r.get("cuda_graphs")]
+    if graphs:
+        lines += ["", "How dpml's chunks ran on the GPU (`dpml.train.captured.capture_report`):", ""]
+        lines += [f"- {r['model']}, batch {r['batch']}, {r['method']}: {r['cuda_graphs']}" for r in graphs]
     return "\n".join(lines) + "\n"
 
 

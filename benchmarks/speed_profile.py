@@ -178,7 +178,7 @@ def top_operators(model_name: str, batch: int, device: str, count: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=[*speed.MODELS, *families.FAMILIES])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -19,7 +19,10 @@
 #   5. grouped and depthwise convolutions' per-example ways and the engine's pick (benchmarks/grouped_conv_ways.py,
 #      grouped_conv_ways_cuda.md): 15 s, last, so that a call cut short at its limit loses only this.
 # SESSION_STEPS="tests families speed profile grouped" picks steps; SESSION_PACK=1 leaves DIR holding one archive,
-# session.tar.gz, of everything it wrote (for a transfer that counts files). The exit status is the tests'.
+# session.tar.gz, of everything it wrote (for a transfer that counts files); SESSION_DRY=FILE runs nothing, on any
+# machine, and writes each step's command to FILE, one a line, quoted for the shell (tests/test_gpu_session.py
+# checks that the scripts take them, so that a renamed option does not cost a lent session). The exit status is
+# the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
@@ -28,30 +31,38 @@ OUT=benchmarks/results
 mkdir -p "$OUT"
 STEPS=${SESSION_STEPS:-tests families speed profile grouped}
 say() { echo "[gpu-session $(date -u +%H:%M:%S)] $*"; }
-[ -d "$WHEELS" ] || { say "no $WHEELS/: fetch the wheels first where there is a network" >&2; exit 2; }
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { say "torch sees no CUDA device" >&2; exit 2; }
-site=$(mktemp -d)
-wheels=()
-for wheel in "$WHEELS"/*.whl; do
-  case "${wheel##*/}" in scipy-*) python3 -c "import scipy" 2>/dev/null && continue ;; esac
-  wheels+=("$wheel")
-done
-say "installing ${#wheels[@]} wheels into a temporary directory"
-python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}" || exit
-export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 -c "import torch; print('[gpu-session]', torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/device.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
+DRY=${SESSION_DRY:-}
+step() {  # a step's command, run (or, dry, written down)
+  if [ -n "$DRY" ]; then printf '%q ' "$@" >> "$DRY" && echo >> "$DRY"; else "$@"; fi
+}
+if [ -n "$DRY" ]; then
+  : > "$DRY"
+else
+  [ -d "$WHEELS" ] || { say "no $WHEELS/: fetch the wheels first where there is a network" >&2; exit 2; }
+  python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { say "torch sees no CUDA device" >&2; exit 2; }
+  site=$(mktemp -d)
+  wheels=()
+  for wheel in "$WHEELS"/*.whl; do
+    case "${wheel##*/}" in scipy-*) python3 -c "import scipy" 2>/dev/null && continue ;; esac
+    wheels+=("$wheel")
+  done
+  say "installing ${#wheels[@]} wheels into a temporary directory"
+  python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}" || exit
+  export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+  python3 -c "import torch; print('[gpu-session]', torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/device.txt"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
+fi
 status=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "1. the CUDA tests"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
+  step timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
     tests/test_captured_passes.py tests/test_streamed_pieces.py -k "not wide_resnet_peaks" -rs \
     2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [[ " $STEPS " == *" families "* ]]; then
   say "2. the model families"
-  timeout 250 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
+  step timeout 250 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
     --peer-rounds 1 --family-timeout 60 --total-timeout 235 --families bert-lora vit resnet18-gn bert encoder gpt2 \
     --out "$OUT" > "$OUT/families.log" 2>&1
   say "families: exit $?"; tail -n 25 "$OUT/families.log"
@@ -60,23 +71,23 @@ if [[ " $STEPS " == *" speed "* ]]; then
   say "3. the speed table"
   for spec in "mlp 512 4096:40" "cnn 512 4096:50" "wrn 512:60"; do
     model=${spec%% *}; rest=${spec#* }; batches=${rest%:*}; limit=${rest##*:}
-    timeout "$limit" python3 benchmarks/speed.py --device cuda --models "$model" --batches $batches --rounds 20 \
+    step timeout "$limit" python3 benchmarks/speed.py --device cuda --models "$model" --batches $batches --rounds 20 \
       --peer-rounds 2 --out "$OUT/speed_cuda_$model" > "$OUT/speed_$model.log" 2>&1
     say "speed $model: exit $?"; grep -E "^\| [0-9]" "$OUT/speed_cuda_$model/speed_cuda.md" 2>/dev/null | cut -c1-150
   done
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
   say "4. where the families' DP steps spend their time"
-  timeout 40 python3 benchmarks/speed_profile.py --device cuda --models resnet18-gn vit --size base --batch 256 \
+  step timeout 40 python3 benchmarks/speed_profile.py --device cuda --models resnet18-gn vit --size base --batch 256 \
     --repeats 10 --ops 15 --out "$OUT" --out-name families_profile_cuda.md > "$OUT/profile.log" 2>&1
   say "profile: exit $?"; grep -E "^\| [a-z]" "$OUT/families_profile_cuda.md" 2>/dev/null
 fi
 if [[ " $STEPS " == *" grouped "* ]]; then
   say "5. grouped and depthwise convolutions' per-example ways"
-  timeout 15 python3 benchmarks/grouped_conv_ways.py --device cuda --repeats 5 --out "$OUT" > "$OUT/grouped.log" 2>&1
+  step timeout 15 python3 benchmarks/grouped_conv_ways.py --device cuda --repeats 5 --out "$OUT" > "$OUT/grouped.log" 2>&1
   say "grouped: exit $?"; grep -E "^\| [A-Z]" "$OUT/grouped_conv_ways_cuda.md" 2>/dev/null | cut -c1-160
 fi
-if [ "${SESSION_PACK:-0}" = 1 ]; then
+if [ "${SESSION_PACK:-0}" = 1 ] && [ -z "$DRY" ]; then
   tar -czf /tmp/gpu-session.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-session.tar.gz "$OUT/session.tar.gz"
   say "packed into $OUT/session.tar.gz"
 fi

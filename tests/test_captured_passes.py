@@ -19,6 +19,7 @@ from dpml.train import captured
 from dpml.train.captured import (
     HostTensorsOnTheDevice,
     bucket,
+    capture_report,
     buckets_up_to,
     clipped_chunk_sum,
     eager_passes,
@@ -127,6 +128,7 @@ def test_on_the_cpu_a_chunk_runs_eagerly_and_nothing_is_captured() -> None:
     sums, norms = clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
     want_sums, want_norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, CLIP)
     assert model not in captured._CAPTURES
+    assert capture_report(model) is None, "no chunk of it has been on a GPU"
     torch.testing.assert_close(norms, want_norms, rtol=0, atol=0)
     for name in want_sums:
         torch.testing.assert_close(sums[name], want_sums[name], rtol=0, atol=0)
@@ -202,6 +204,9 @@ def test_on_the_gpu_every_chunk_size_replays_from_a_graph_and_gives_the_eager_su
     graphs = captured._CAPTURES[model].graphs
     assert sorted(graphs) == buckets_up_to(80), "a launch-bound model's buckets, from 64 rows and a quarter more down"
     assert graph_memory(model) > 0, "their memory pool, which torch.cuda.memory_allocated does not count"
+    report = capture_report(model)
+    assert report is not None and report.startswith(f"replayed from {len(graphs)} CUDA graphs of 8 to 80 rows"), report
+    assert "the GPU ran it in" in report
     _assert_same(first, _eager(model, x[:64], y[:64]))
     for rows in (80, 64, 37, 16, 9, 8, 3, 1):
         part_x, part_y = x[-rows:], y[-rows:]  # (other rows than the judge's)
@@ -227,6 +232,8 @@ def test_on_the_gpu_a_model_that_draws_random_numbers_runs_eagerly(caplog: pytes
     assert captured._CAPTURES[model].graphs == {}
     assert graph_memory(model) == 0
     assert "draws random numbers" in caplog.text
+    report = capture_report(model)
+    assert report is not None and report.startswith("eager: its pass draws random numbers"), report
 
 
 class ReadsTheHost(nn.Module):
@@ -272,6 +279,7 @@ def test_on_the_gpu_a_model_whose_setting_keeps_changing_stops_being_captured() 
         got = clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
         _assert_same(got, _eager(model, x, y))
         assert bool(captured._CAPTURES[model].graphs) == (change < captured.MOST_SETTINGS), change
+    assert capture_report(model) == f"eager: its setting changed {captured.MOST_SETTINGS} times"
 
 
 @gpu

@@ -185,6 +185,8 @@ class _Captures:
     buffers: _Buffers | None = None
     pool: tuple[int, int] | None = None
     settings: int = 1  # how many settings the model has had: past MOST_SETTINGS, it runs eagerly
+    why: str = ""  # why its chunks run eagerly ('' where they replay)
+    timing: tuple[float, float] | None = None  # (seconds the GPU ran the first chunk's pass in, the host issued it in)
 
 
 MOST_SETTINGS = 3
@@ -238,6 +240,28 @@ def graph_memory(model: nn.Module) -> int:
     buffers = captures.buffers
     tensors = [buffers.x, buffers.y, buffers.mask, buffers.norms, *buffers.sums]
     return pool + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def capture_report(model: nn.Module) -> str | None:
+    """In words, how the model's chunks run on its GPU, for a benchmark's page: replayed from how many graphs, or
+    eagerly and why, with the GPU's and the host's time for the first chunk's pass where they were measured; None
+    where no chunk of it has been on a GPU (or every one ran in :func:`eager_passes`)."""
+    captures = _CAPTURES.get(model)
+    if captures is None:
+        return None
+    timing = _timing_words(captures.timing)
+    if captures.graphs:
+        rows = sorted(captures.graphs)
+        return f"replayed from {len(rows)} CUDA graphs of {rows[0]} to {rows[-1]} rows{timing}"
+    return f"eager: {captures.why or 'no trainable parameters'}{timing}"
+
+
+def _timing_words(timing: tuple[float, float] | None) -> str:
+    if timing is None:
+        return ""
+    return " (the first chunk's pass: the GPU ran it in {:.2f} ms, the host issued it in {:.2f} ms)".format(
+        *(1e3 * seconds for seconds in timing)
+    )
 
 
 def _may_capture(x: torch.Tensor, y: torch.Tensor, diracs: DiracGradients | None, autocast: torch.dtype | None) -> bool:
@@ -294,8 +318,9 @@ def _capture(
     if not names:
         return captures
     if settings > MOST_SETTINGS:
+        captures.why = f"its setting changed {MOST_SETTINGS} times"
         if settings == MOST_SETTINGS + 1:
-            LOG.info("per-example clipping: a model's setting changed %d times: its chunks run eagerly", MOST_SETTINGS)
+            LOG.info("per-example clipping: a model's %s: its chunks run eagerly", captures.why)
         return captures
     run = _Pass(model, loss_fn, clip_norm, exact, names)
     device = x.device
@@ -303,7 +328,7 @@ def _capture(
     side.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(side):
-            why = _why_eager(run, x, y)
+            why, captures.timing = _why_eager(run, x, y)
             if not why:
                 captures.graphs, captures.buffers, captures.pool = _captured_graphs(run, x, y)
         torch.cuda.current_stream(device).wait_stream(side)
@@ -315,7 +340,13 @@ def _capture(
     if why:
         captures.graphs, captures.buffers, captures.pool = {}, None, None
         torch.cuda.empty_cache()
-        LOG.info("per-example clipping on %s: every chunk runs eagerly, not from a CUDA graph: %s", device, why)
+        LOG.info(
+            "per-example clipping on %s: every chunk runs eagerly, not from a CUDA graph: %s%s",
+            device,
+            why,
+            _timing_words(captures.timing),
+        )
+    captures.why = why
     return captures
 
 
@@ -330,12 +361,13 @@ def _static_inputs(
     return static_x, static_y, mask
 
 
-def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> str:
+def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> tuple[str, tuple[float, float] | None]:
     """Why the model's chunks should run eagerly ('' if they should not): the chunk's pass waits for the GPU, draws
     random numbers, or takes the GPU more than half the time the host takes to issue it (a replay runs the largest
-    bucket's rows at most: under 1.25 · 9/8 < 1.41 times the timed rows). The pass is timed on the GPU queued behind
-    a sleep longer than its issue (so the GPU runs it back to back), after one warm-up pass; both on the chunk's own
-    rows (no more memory than its eager pass)."""
+    bucket's rows at most: under 1.25 · 9/8 < 1.41 times the timed rows); and, where it was timed, (seconds the GPU
+    ran the pass in, seconds the host issued it in). The pass is timed on the GPU queued behind a sleep longer than
+    its issue (so the GPU runs it back to back), after one warm-up pass; both on the chunk's own rows (no more memory
+    than its eager pass)."""
     device = x.device
     inputs = _static_inputs(run.model, x, y, x.shape[0])
     before = torch.cuda.get_rng_state(device)
@@ -344,11 +376,12 @@ def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> str:
         run(*inputs)
     warm_up = time.perf_counter() - start
     if waits:
-        return f"its pass waits for the GPU ({waits[0]}), which a capture cannot hold"
+        return f"its pass waits for the GPU ({waits[0]}), which a capture cannot hold", None
     if crossings.operations:
-        return f"its pass takes host tensors to the GPU ({crossings.operations[0]}), which a replay would read stale"
+        operation = crossings.operations[0]
+        return f"its pass takes host tensors to the GPU ({operation}), which a replay would read stale", None
     if not torch.equal(before, torch.cuda.get_rng_state(device)):
-        return "its pass draws random numbers (dropout), which a replay would draw anew"
+        return "its pass draws random numbers (dropout), which a replay would draw anew", None
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(int(max(warm_up, 1e-3) * 5e9))  # ≥ 2× the warm-up's issue time at any clock below 2.5 GHz
     begin.record()
@@ -359,8 +392,8 @@ def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> str:
     end.synchronize()
     ran = begin.elapsed_time(end) / 1e3
     if 2 * ran >= issued:
-        return f"its pass is not launch-bound (the GPU ran it in {ran * 1e3:.2f} ms, issued in {issued * 1e3:.2f} ms)"
-    return ""
+        return "its pass is not launch-bound", (ran, issued)
+    return "", (ran, issued)
 
 
 class HostTensorsOnTheDevice(TorchDispatchMode):
