@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_common import CpuPeak, cpu_name  # benchmarks/ is the script's folder
+from bench_common import CpuPeak, cpu_name, current_commit  # benchmarks/ is the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("mlp", "cnn", "wrn")
@@ -370,7 +370,7 @@ def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN
     lines = [
         "# Step time: non-private vs dpml DP-SGD vs Opacus",
         "",
-        f"Command: `{command}`. Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, "
+        f"Command: `{command}`. Commit {current_commit()}. Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, "
         f"torch {torch.__version__}, Python {platform.python_version()}; {where}. One process; per (model, "
         f"batch) the methods' steps alternate, round after round ({args.rounds} rounds; Opacus in "
         f"{args.peer_rounds} of them); median step time per method."
