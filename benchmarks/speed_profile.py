@@ -45,7 +45,7 @@ from dpml.devices import keep_freed_cpu_memory  # noqa: E402
 from dpml.train.clipping import _record_forward, clipped_gradient_sum  # noqa: E402
 from dpml.train.clipping_layers import is_fast  # noqa: E402
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy  # noqa: E402
-from dpml.train.noise import BoxMullerBuffers, gaussian_noise  # noqa: E402
+from dpml.train.noise import BoxMullerBuffers, SynchronousNoise, gaussian_noise  # noqa: E402
 from dpml.train.kernels import compiled_draw  # noqa: E402
 
 
@@ -144,9 +144,15 @@ def profile(model_name: str, batch: int, repeats: int, device: str = "cpu") -> l
         gaussian_noise(named, 1.0, generator)
 
     float32_buffer, float64_buffer = torch.empty(total), torch.empty(total, dtype=torch.float64)
+    in_the_step = SynchronousNoise(generator, named, 1.0)
+    threads = torch.get_num_threads()
     parts |= {
-        f"  Gaussian noise as the trainer draws it: dpml's Box–Muller with a 53-bit radius, compiled, into buffers "
-        f"allocated once ({total:,} parameters)": lambda: compiled.draw(1.0, generator),
+        f"  Gaussian noise as the trainer draws it in the step where no core is idle (`SynchronousNoise`): dpml's "
+        f"Box–Muller with a 53-bit radius, compiled, on {threads} thread(s), into buffers allocated once "
+        f"({total:,} parameters; with an idle core it is drawn a step ahead, beside the step)": lambda: (
+            in_the_step.draw(1.0)
+        ),
+        "  the same draw on one thread": lambda: compiled.draw(1.0, generator),
         "  the same draw in NumPy (the fallback where no C compiler is found)": lambda: in_numpy.draw(1.0, generator),
         "  the compiled draw into fresh buffers (`gaussian_noise`: new pages every draw)": noise_in_fresh_buffers,
         "  (not used) torch's float32 normal_, tails cut at 5.77σ": lambda: float32_buffer.normal_(generator=generator),
