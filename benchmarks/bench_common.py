@@ -81,6 +81,10 @@ def current_commit() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+VECTOR_EXTENSIONS = (("avx512f", "AVX-512"), ("avx2", "AVX2, no AVX-512"), ("avx", "AVX, no AVX2"))
+"""x86 CPU flags, widest first, and how :func:`cpu_name` names them."""
+
+
 def cpu_name() -> str:
     """The CPU's model name (Linux ``/proc/cpuinfo``) and its widest vector instructions (a virtual machine's model
     name, "AMD EPYC", says nothing of them, and they set the CPU's speed of one kernel against another), else what
@@ -93,9 +97,6 @@ def cpu_name() -> str:
     flags = next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
     widest = next((words for flag, words in VECTOR_EXTENSIONS if flag in flags), None)
     return f"{name} ({widest})" if widest else name
-
-
-VECTOR_EXTENSIONS = (("avx512f", "AVX-512"), ("avx2", "AVX2, no AVX-512"), ("avx", "AVX, no AVX2"))
 
 
 def without_paths(argv: Sequence[str]) -> list[str]:

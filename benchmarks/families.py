@@ -512,13 +512,18 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
         for name, p in params.items():
             p.grad = sums[name].add_(noises[name]).div_(batch)
         optimizer.step()
-        if x.device.type == "cuda":  # how its chunks ran: from CUDA graphs, or eagerly and why (dpml.train.captured)
-            info["cuda_graphs"] = capture_report(model)
 
     dp_step.model = model  # type: ignore[attr-defined]
     dp_step.held = lambda: graph_memory(model)  # type: ignore[attr-defined]
     dp_step.state = state  # type: ignore[attr-defined]
-    dp_step.close = getattr(generator, "close", lambda: None)  # type: ignore[attr-defined]
+    stop_noise = getattr(generator, "close", lambda: None)
+
+    def close() -> None:  # (the step let go: what its chunks did on a GPU noted first, outside the timed steps)
+        if x.device.type == "cuda":  # from CUDA graphs, or eagerly and why (dpml.train.captured)
+            info["cuda_graphs"] = capture_report(model)
+        stop_noise()
+
+    dp_step.close = close  # type: ignore[attr-defined]
     # a lead-in step and a wait only where the draw runs in the background (PrefetchedNoise): a synchronous
     # stream draws inside the timed step
     dp_step.settle = generator.wait if isinstance(generator, PrefetchedNoise) else None  # type: ignore[attr-defined]

@@ -66,13 +66,13 @@ PEERS = ("opacus-hooks", "opacus-ghost")
 def build(model: str):  # noqa: ANN201
     from torch import nn
 
+    if model not in MODELS:
+        raise ValueError(f"model {model!r}: speed.py builds one of {', '.join(MODELS)}")
     if model == "wrn":
         sys.path.insert(0, str(ROOT))
         from dpml.models.vision import WideResNetSpec, build_wide_resnet
 
         return build_wide_resnet(WideResNetSpec(784, (1, 28, 28), 10))
-    if model not in MODELS:
-        raise ValueError(f"model {model!r}: speed.py builds one of {', '.join(MODELS)}")
     if model == "mlp":
         return nn.Sequential(
             nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)

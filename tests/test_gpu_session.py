@@ -98,7 +98,7 @@ def test_each_benchmark_step_takes_its_arguments(tmp_path: Path) -> None:
 )
 def test_a_wrong_argument_is_caught_before_the_session(tmp_path: Path, wrong: list[str]) -> None:
     """The check itself: the speed step with one argument wrong is refused, naming it."""
-    speed = next(command for command in session_commands(tmp_path, "speed"))
+    speed = session_commands(tmp_path, "speed")[0]
     done = arguments_taken([*speed, *wrong])
     assert done.returncode == 2 and "ARGUMENTS TAKEN" not in done.stdout, done.stdout
     assert wrong[-1] in done.stderr or wrong[0] in done.stderr, done.stderr
