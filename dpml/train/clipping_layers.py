@@ -158,7 +158,8 @@ def reject_batch_norm(model: nn.Module) -> None:
             raise ValueError(
                 f"{where} ({type(module).__name__}): batch normalisation mixes the examples of a batch, so an "
                 "example's gradient depends on the others and per-example clipping does not bound its influence "
-                "(and the running statistics are released without noise); use nn.GroupNorm or nn.LayerNorm instead"
+                "(and the running statistics are released without noise); use nn.GroupNorm or nn.LayerNorm instead, "
+                "or convert the model with dpml.replace_batch_norm(model) (each BatchNorm a GroupNorm)"
             )
 
 

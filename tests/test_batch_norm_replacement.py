@@ -1,0 +1,160 @@
+"""``dpml.replace_batch_norm``: a model built with batch normalisation (a ``transformers`` ResNet, built from a tiny
+config with random weights, whose constructor takes no norm layer) is refused by ``dpml.train_private`` before any
+budget is spent, with a pointer to the function; once converted, each BatchNorm is a GroupNorm with the same eps,
+scale and shift, each example's output no longer depends on the others, and the model trains and clips exactly (a
+float64 per-example loop). Layers a GroupNorm would not stand in for faithfully are refused before anything is
+replaced."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import trains_without_the_exact_path
+from test_model_zoo import Logits
+from test_op_rules import assert_exact_without_the_exact_path
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+import dpml
+from dpml.ledger.ledger import Ledger
+from dpml.train.dpsgd import per_example_cross_entropy
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is ever fetched from a hub: the models are built from configurations
+
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _random_affine(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every norm layer's scale and shift drawn at random (as a pretrained model's would be, not 1 and 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
+                module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator))
+    return model
+
+
+def _resnet() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 24], depths=[1, 1], num_labels=3)
+    torch.manual_seed(0)
+    return _random_affine(Logits(transformers.ResNetForImageClassification(config)))
+
+
+class Mixed(nn.Module):
+    """BatchNorm of each dimension and kind, 48 channels (not a multiple of 32), one layer used twice, no affine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 48, 3, padding=1)
+        self.norm2d = nn.BatchNorm2d(48, eps=1e-3)
+        self.shared = nn.BatchNorm1d(6)
+        self.plain = nn.BatchNorm1d(6, affine=False)
+        self.sync = nn.SyncBatchNorm(4)
+        self.volume = nn.BatchNorm3d(4)
+        self.head = nn.Linear(48, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm2d(self.conv(x)).mean((2, 3))
+        h = self.shared(self.head(h))
+        h = self.plain(self.shared(h))
+        v = self.volume(x[:, :1, None].expand(-1, 4, 2, -1, -1))
+        return h + v.mean((1, 2, 3, 4))[:, None] + self.sync(x[:, :1].expand(-1, 4, -1, -1)).mean((1, 2, 3))[:, None]
+
+
+def test_each_batch_norm_becomes_a_group_norm_with_its_eps_scale_shift_and_dtype() -> None:
+    model = _random_affine(Mixed()).double()
+    before = copy.deepcopy(model)
+    assert dpml.replace_batch_norm(model) is model
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert model.shared is model.shared and sum(1 for _ in model.modules()) == sum(1 for _ in before.modules())
+    for name in ("norm2d", "shared", "plain", "sync", "volume"):
+        old, new = getattr(before, name), getattr(model, name)
+        channels = old.num_features
+        assert type(new) is nn.GroupNorm and new.num_channels == channels, name
+        assert new.num_groups == math.gcd(32, channels) and new.eps == old.eps and new.affine == old.affine, name
+        if old.affine:
+            assert torch.equal(new.weight, old.weight) and torch.equal(new.bias, old.bias), name
+            assert new.weight.dtype == torch.float64 and new.weight.requires_grad, name
+    assert model.norm2d.num_groups == 16  # gcd(32, 48): min(32, 48) groups would not divide 48 channels
+    x = torch.randn(5, 48, 4, 4, dtype=torch.float64)
+    expected = F.group_norm(x, 16, before.norm2d.weight, before.norm2d.bias, eps=1e-3)
+    torch.testing.assert_close(model.norm2d(x), expected, rtol=0, atol=0)
+
+
+def test_after_the_replacement_no_example_moves_another_examples_output() -> None:
+    """The property per-example clipping rests on: in training mode the BatchNorm model's output for example 0
+    changes when example 1 does; the converted model's does not."""
+    model = Mixed().double().train()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    changed = x.clone()
+    changed[1] += 3.0
+    assert not torch.allclose(model(x)[0], model(changed)[0])
+    dpml.replace_batch_norm(model)
+    torch.testing.assert_close(model(x)[0], model(changed)[0], rtol=0, atol=0)
+
+
+def test_a_transformers_resnet_is_refused_for_its_batch_norm_then_trains_and_clips_exactly_once_replaced(
+    tmp_path: Path,
+) -> None:
+    model = _resnet()
+    generator = torch.Generator().manual_seed(2)
+    images = torch.randn(64, 3, 16, 16, generator=generator)
+    labels = torch.randint(0, 3, (64,), generator=generator)
+    ledger = tmp_path / "ledger.db"
+    settings = dict(ledger=str(ledger), epsilon_budget=100.0, lineage="images")
+    with pytest.raises(ValueError, match=r"\(BatchNorm2d\): batch normalisation mixes .*dpml\.replace_batch_norm"):
+        dpml.train_private(model, TensorDataset(images, labels), **settings, noise_multiplier=1.0, delta=1e-5)
+    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []  # refused before anything was charged
+    dpml.replace_batch_norm(model)
+    x, y = images[:5].double(), labels[:5]
+    assert_exact_without_the_exact_path(copy.deepcopy(model).eval(), per_example_cross_entropy, x, y)
+    result = trains_without_the_exact_path(model, TensorDataset(images, labels), **settings)
+    assert len(Ledger(ledger, 1e-5).spends()) == 1 and result.epsilon < 100
+
+
+class NormThenRelu(nn.BatchNorm2d):
+    """A subclass with a forward of its own, as timm's ``BatchNormAct2d``: a GroupNorm would drop its activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(super().forward(x))
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        (NormThenRelu(8), r"model layer 'odd' \(NormThenRelu\): a subclass of BatchNorm2d with a forward of its own"),
+        (nn.LazyBatchNorm2d(), r"model layer 'odd' \(LazyBatchNorm2d\): its channel count is not known"),
+        ("hooked", r"model layer 'odd' \(BatchNorm2d\) has hooks registered on it"),
+    ],
+)
+def test_a_layer_a_group_norm_would_not_stand_in_for_is_refused_before_anything_is_replaced(
+    layer: nn.Module | str, message: str
+) -> None:
+    if layer == "hooked":
+        layer = nn.BatchNorm2d(8)
+        layer.register_forward_hook(lambda module, args, output: output * 2)
+    model = nn.Sequential()
+    model.add_module("first", nn.BatchNorm2d(8))
+    model.add_module("odd", layer)
+    with pytest.raises(ValueError, match=message):
+        dpml.replace_batch_norm(model)
+    assert type(model.first) is nn.BatchNorm2d  # nothing replaced: a refused model is left as it was
+
+
+@pytest.mark.parametrize("groups", [0, -4, 2.5, True, "32"])
+def test_groups_other_than_a_positive_integer_are_refused_naming_the_value(groups: object) -> None:
+    with pytest.raises(ValueError, match=rf"groups: {groups!r} is not allowed; a positive integer"):
+        dpml.replace_batch_norm(nn.Sequential(nn.BatchNorm1d(4)), groups=groups)  # type: ignore[arg-type]
+
+
+def test_a_model_that_is_one_batch_norm_layer_comes_back_as_its_group_norm() -> None:
+    replaced = dpml.replace_batch_norm(nn.BatchNorm1d(12), groups=8)
+    assert type(replaced) is nn.GroupNorm and replaced.num_groups == 4 and replaced.num_channels == 12
