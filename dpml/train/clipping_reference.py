@@ -43,6 +43,12 @@ def _added(squares: Iterable[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return sum(squares, torch.zeros_like(like))
 
 
+def _finite(square: torch.Tensor, gradient: torch.Tensor) -> bool:
+    """Whether every entry of ``gradient`` is finite, from its sum of squares ``square`` (a nan or infinite entry
+    makes it nan or infinite) and, only where that overflowed, from the entries themselves."""
+    return bool(torch.isfinite(square)) or bool(torch.isfinite(gradient).all())
+
+
 def per_example_reference(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, fresh: Fresh
 ) -> Reference:
@@ -59,10 +65,11 @@ def per_example_reference(
     count = losses.shape[0]
 
     def example_gradients() -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Example i's gradient of each parameter its loss reaches; one it does not reach (an entity table a text
+        does not look up, a pooler the head skips) is 0, and left out rather than made and added as zeros."""
         for i in range(count):
             row = torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
-            pairs = zip(params.items(), row, strict=True)
-            yield i, {n: torch.zeros_like(p) if g is None else g.detach() for (n, p), g in pairs}
+            yield i, {n: g.detach() for n, g in zip(params, row, strict=True) if g is not None}
 
     squares = {n: torch.zeros(count, dtype=losses.dtype, device=losses.device) for n in params}
     weighted = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -70,9 +77,10 @@ def per_example_reference(
     weights = weights.to(losses.device)
     for i, gradients in example_gradients():
         for n, g in gradients.items():
-            squares[n][i] = g.pow(2).sum()
-            weighted[n] += weights[i] * g
-            if not bool(torch.isfinite(g).all()):
+            square = g.pow(2).sum()
+            squares[n][i] = square
+            weighted[n].add_(g, alpha=float(weights[i]))
+            if not _finite(square, g):
                 not_finite.add(n)
     norms = _added(squares.values(), losses).sqrt()
     clip = float(norms.median()) or 1.0
@@ -80,6 +88,6 @@ def per_example_reference(
     clipped = {n: torch.zeros_like(p) for n, p in params.items()}
     for i, gradients in example_gradients():
         for n, g in gradients.items():
-            clipped[n] += factors[i] * g
+            clipped[n].add_(g, alpha=float(factors[i]))
     bad = tuple(n for n in params if n in not_finite)
     return Reference(losses.detach(), squares, weighted, clipped, clip, bad)
