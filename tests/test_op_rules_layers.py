@@ -1,5 +1,5 @@
 """Rules for torch's own layers that no hook covers: ``nn.Bilinear``, ``nn.PReLU`` (a slope per channel or one for
-all), ``nn.RMSNorm``, ``nn.InstanceNorm1d(affine=True)`` and ``nn.EmbeddingBag`` (sum, mean, weighted): clipped
+all), ``nn.RMSNorm``, ``nn.InstanceNorm1d(affine=True)`` and ``nn.EmbeddingBag`` (sum, mean, weighted, max): clipped
 sums and norms equal a float64 per-example autograd loop, and none of their parameters takes the exact path."""
 
 from __future__ import annotations
@@ -52,18 +52,22 @@ def test_torch_layers_without_a_hook_are_exact_without_the_exact_path() -> None:
 
 class Bags(nn.Module):
     """x (B, L, 2): a row of indices per example (x[..., 0]) and their weights (x[..., 1]); bags summed with the
-    weights, averaged without index 0 (``padding_idx``), and summed from a table also looked up per index."""
+    weights, averaged without index 0 (``padding_idx``), summed from a table also looked up per index, and their
+    maximum without index 0 (each column's gradient to the row its maximum came from), from a table also summed."""
 
     def __init__(self, rows: int = 12, width: int = 5) -> None:
         super().__init__()
         self.summed = nn.EmbeddingBag(rows, width, mode="sum")
         self.averaged = nn.EmbeddingBag(rows, width, mode="mean", padding_idx=0)
-        self.out = nn.Linear(3 * width, 3)
+        self.largest = nn.EmbeddingBag(rows, width, mode="max", padding_idx=0)
+        self.out = nn.Linear(5 * width, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = x[..., 0].long(), x[..., 1]
         looked_up = torch.nn.functional.embedding(ids, self.summed.weight).mean(1)  # the same table, another use
-        parts = [self.summed(ids, per_sample_weights=weights), self.averaged(ids), looked_up]
+        largest = self.largest(ids)
+        also_summed = torch.nn.functional.embedding_bag(ids, self.largest.weight, mode="sum")
+        parts = [self.summed(ids, per_sample_weights=weights), self.averaged(ids), looked_up, largest, also_summed]
         return self.out(torch.tanh(torch.cat(parts, 1)))
 
 
@@ -71,6 +75,8 @@ def test_bags_of_indices_summed_or_averaged_are_exact_without_the_exact_path() -
     torch.manual_seed(13)
     ids = torch.randint(0, 12, (6, 4), generator=generator(28))
     ids[0, 1:] = 0  # one bag of padding but for one index
+    ids[1] = 0  # one of padding alone: no maximum, no gradient
+    ids[2, 2] = ids[2, 0]  # an index twice in one bag
     weights = torch.rand(6, 4, generator=generator(29), dtype=torch.float64) + 0.5
     x = torch.stack([ids.double(), weights], 2)
     assert_exact_without_the_exact_path(Bags(), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))

@@ -11,7 +11,8 @@
 Bags of indices (``F.embedding_bag``, ``nn.EmbeddingBag``) given as one row per example, (B, L), summed or averaged,
 with per-index weights or not: z_i = Σ_j c_{i,j} W[k_{i,j}] (c the weight, divided by the bag's count of indices other
 than ``padding_idx`` for the mean), so ∇_W ℓ_i = Σ_j e_{k_{i,j}} (c_{i,j} δ_i)ᵀ: the lookup's form with δ_i spread over
-the bag. A bag's maximum (``mode="max"``) and bags given by offsets into one flat row have no rule.
+the bag. A bag's maximum (``mode="max"``): each column's gradient goes to the one row that column's maximum came from
+(:func:`_bag_maxima`). Bags given by offsets into one flat row have no rule.
 
 ``max_norm`` (renormalises W inside the forward) and ``scale_grad_by_freq`` (counts over the whole batch)
 have no rule.
@@ -81,12 +82,14 @@ def embedding_bag(call: Call) -> Pending | str:
         return "a parameter as its indices or their weights"
     if call.arg(3, "max_norm") is not None or call.arg(5, "scale_grad_by_freq", False):
         return "max_norm or scale_grad_by_freq"
-    if mode not in ("sum", "mean"):
-        return f"mode {mode!r} (the bag's maximum)"
     if offsets is not None or ids.dim() != 2 or not call.batch_first(ids):
         return "bags that are not one row of indices per example"
+    if len(w.shape()) != 2:
+        return "a table that is not 2-D"
     if padding_idx is not None and padding_idx < 0:
         padding_idx += w.shape()[0]
+    if mode == "max":
+        return _bag_maxima(call, w, ids, padding_idx)
     batch, size = ids.shape
     kept = (ids != padding_idx) if padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
     share = kept.to(weight.dtype) if per_index is None else per_index.detach() * kept
@@ -96,5 +99,37 @@ def embedding_bag(call: Call) -> Pending | str:
     def finish(d: torch.Tensor) -> list[Use]:
         spread = share.to(d.dtype).unsqueeze(2) * d.reshape(batch, 1, -1)  # (B, L, D): c_{i,j} δ_i
         return [(w, Factored(ids, spread, w.shape()[0], spread.shape[2]))]
+
+    return Pending(call.output, [w.param], finish)
+
+
+def _bag_maxima(call: Call, w: Tracked, ids: torch.Tensor, padding_idx: int | None) -> Pending:
+    """``mode="max"``: z_{i,d} = max_j W[k_{i,j}, d], so ∂ℓ_i/∂W = Σ_d e_{m_{i,d}} (δ_{i,d} e_d)ᵀ with m_{i,d} the row
+    the kernel took column d's maximum from (its own ``max_indices``, ties as its backward pass breaks them): one
+    entry per column, each in its own place. Over W's entries as one column (V·D × 1) that is a lookup of the D
+    entries m_{i,d}·D + d with the gradients δ_{i,d}, whose squared norm Σ_d δ_{i,d}² and clipped sum the factored
+    form gives. An all-padding bag (no index counted) has no maximum and no gradient."""
+    table = w.shape()
+    batch, size = ids.shape
+    flat_ids = ids.reshape(-1)
+    starts = torch.arange(0, batch * size, size, device=ids.device)
+    _, _, counted, chosen = torch.ops.aten._embedding_bag(
+        call.arg(1, "weight").detach(),
+        flat_ids,
+        starts,
+        False,
+        2,
+        False,
+        None,
+        False,
+        -1 if padding_idx is None else padding_idx,
+    )
+    live = (counted > 0).unsqueeze(1)  # (B, 1): a bag with an index counted has maxima
+    entries = chosen.clamp(min=0) * table[1] + torch.arange(table[1], device=ids.device)  # (B, D)
+    column = Tracked(w.param, w.flat_index().reshape(-1, 1))  # W's entries as one column
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        d = (d.reshape(batch, table[1]) * live).unsqueeze(2)  # (B, D, 1): δ_{i,d} at entry m_{i,d}·D + d
+        return [(column, Factored(entries, d, table[0] * table[1], 1))]
 
     return Pending(call.output, [w.param], finish)
