@@ -358,3 +358,34 @@ def test_the_readers_broadcast_is_torchs() -> None:
             expected, refused = None, refused + 1
         assert broadcast(*shapes) == expected, shapes
     assert 500 < refused < 4500  # (both answers met often)
+
+
+class SparseDelta(nn.Module):
+    """A frozen weight plus a few trained entries scattered into it by ``torch.sparse_coo_tensor`` (peft's SHiRA
+    writes its adapter so): a sparse tensor computed from a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("base", torch.randn(3, 4, generator=generator(7), dtype=torch.float64))
+        self.register_buffer("where", torch.tensor([[0, 1, 2, 2], [3, 0, 1, 3]]))
+        self.values = nn.Parameter(torch.randn(4, generator=generator(8), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = torch.sparse_coo_tensor(self.where, self.values, (3, 4))
+        return F.linear(x, self.base + delta)
+
+
+def test_a_weight_built_as_a_sparse_tensor_takes_the_exact_path_named_not_a_crash() -> None:
+    """The pull-back cannot compare or differentiate a sparse output (``torch.equal`` has no sparse kernel: the probe
+    failed on it): the parameter takes the exact path with the reason, and the numbers are the loop's."""
+    from test_op_rules import assert_clipped_like_the_loop
+
+    from dpml.train.clipping import engine_pass
+
+    torch.manual_seed(5)
+    model = SparseDelta()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert list(found.exact) == ["values"]
+    assert "is a torch.sparse_coo tensor, whose Jacobian the pull-back does not form" in found.reasons["values"]
+    assert_clipped_like_the_loop(model, x, y)

@@ -146,6 +146,9 @@ class LocalRun:
             return f"it cannot be run again on copies of the parameters ({error})"
         local = [args[0]] if writes else outputs(result)
         recorded = outputs(self.out)
+        sparse = next((t.layout for t in (*local, *recorded) if t.layout != torch.strided), None)
+        if sparse is not None:
+            return f"its output is a {sparse} tensor, whose Jacobian the pull-back does not form"
         if len(local) != len(recorded) or not all(
             torch.equal(a.detach(), b.detach()) for a, b in zip(local, recorded, strict=True)
         ):
