@@ -168,6 +168,7 @@ def _adapter(variant: str, targets: list[str]) -> Any:
         "ia3": lambda: peft.IA3Config(target_modules=targets, feedforward_modules=[], **task),
         "prompt": lambda: peft.PromptTuningConfig(num_virtual_tokens=3, **task),
         "p-tuning": lambda: peft.PromptEncoderConfig(num_virtual_tokens=3, encoder_hidden_size=8, **task),
+        "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=targets, **task),
     }[variant]()
 
 
@@ -183,6 +184,7 @@ ADAPTED = [
     ("ia3", "bert"),
     ("prompt", "llama"),  # trained virtual-token embeddings concatenated before the tokens
     ("p-tuning", "bert"),
+    ("boft", "bert"),  # butterfly rotations: a permutation buffer cast to the activation's dtype, ``P.to(x)``
 ]
 
 

@@ -392,3 +392,29 @@ def test_a_functional_group_norms_affine_clips_like_the_loop(
     model = FunctionalGroupNorm(groups, size, which)
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (7,)))
     assert (folded["calls"] > 0) == (size == 6), folded
+
+
+class CastLikeTheBatch(nn.Module):
+    """A rotation formed from a parameter and a constant permutation cast to the activation's dtype and device,
+    ``P.to(x)`` (peft's BOFT writes its butterfly so): the cast reads only x's dtype, so the product of the two is
+    still a computation on parameters alone, not a use with the batch."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.skew = nn.Parameter(torch.randn(1, width, width, generator=generator(40), dtype=torch.float64) * 0.3)
+        self.register_buffer("permutation", torch.eye(width, dtype=torch.float64)[torch.randperm(width)][None])
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rotation = torch.matrix_exp(self.skew - self.skew.transpose(1, 2))
+        permutation = self.permutation.to(x)
+        rotation = torch.bmm(permutation, torch.bmm(rotation, permutation.permute(0, 2, 1)))[0]
+        return self.out(torch.tanh(x @ rotation))
+
+
+def test_a_constant_cast_like_the_batch_stays_a_constant() -> None:
+    torch.manual_seed(15)
+    x = torch.randn(6, 5, 4, generator=generator(41), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        CastLikeTheBatch(), per_example_cross_entropy, x[:, 0], torch.randint(0, 3, (6,))
+    )

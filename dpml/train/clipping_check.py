@@ -12,9 +12,11 @@ relative 1e-3):
 1. **Reference.** ℓ_i for a probe batch of B examples and, for each i, g_i = ∂ℓ_i/∂θ by plain autograd
    (one backward pass per example: the definition, for any module), kept as its norms and added into the
    weighted sums Σ_i c_i g_i the checks need (each g_i formed twice, to hold one at a time).
-2. **Independence.** Replacing example 0 must leave ℓ_1 … ℓ_{B−1} unchanged. A model whose output for
-   one example depends on another (batch statistics, attention across the batch) is refused:
-   per-example clipping bounds an example's influence only through its own gradient.
+2. **Independence.** Replacing example 0 must leave ℓ_1 … ℓ_{B−1} unchanged, and the gradient of
+   Σ_{i≥1} c_i ℓ_i too (a model that mixes the examples only where a parameter is still zero:
+   :mod:`dpml.train.probe_checks`). A model whose output for one example depends on another (batch
+   statistics, attention across the batch) is refused: per-example clipping bounds an example's influence
+   only through its own gradient.
    **No data in the state.** Replacing example 0 must also leave every buffer the training-mode forward
    pass writes as it was. DP-SGD's guarantee covers the parameters (θ_{t+1} is post-processing of the
    noisy sums); a buffer written from the examples (InstanceNorm's running statistics with
@@ -49,8 +51,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -66,21 +67,23 @@ from dpml.train.clipping import (
     clipped_gradient_sum,
     engine_dtype,
     engine_pass,
-    per_example_losses,
     unit_parameters,
 )
 from dpml.train.clipping_layers import reject_batch_norm
 from dpml.train.clipping_reference import Reference, per_example_reference
 from dpml.train.exact_path import PlannedExact
+from dpml.train.probe_checks import (
+    PROBE_SEED,
+    ClippingUnsupported,
+    Probe,
+    check_independent,
+    check_no_data_in_buffers,
+    relative,
+)
 
-PROBE_SEED = 20_261_125
 PROBE_BATCH = 6
 LOG = logging.getLogger("dpml.clipping")
 T = TypeVar("T")
-
-
-class ClippingUnsupported(ValueError):
-    """The engine cannot compute this model's per-example gradients exactly (raised before any ε is spent)."""
 
 
 class NotFinite(ClippingUnsupported):
@@ -135,35 +138,6 @@ def probe_labels(outputs: torch.Tensor, size: int) -> torch.Tensor:
     return torch.randint(0, max(1, outputs.shape[-1]), (size,), generator=generator)
 
 
-@dataclass
-class _Probe:
-    """The model's copy, the probe batch, and the copy's buffers when the check began."""
-
-    model: nn.Module
-    loss_fn: LossFn
-    x: torch.Tensor
-    y: torch.Tensor
-    replacement: torch.Tensor
-    buffers: dict[str, torch.Tensor]
-
-    def replaced(self) -> torch.Tensor:
-        """The probe batch with example 0 replaced (the independence and buffer checks)."""
-        changed = self.x.clone()
-        changed[0] = self.replacement
-        return changed
-
-    @contextmanager
-    def same_state(self) -> Iterator[None]:
-        """Every pass starts from the starting buffers and the same random state (dropout masks, spectral
-        norm's power iteration). Buffers are reset *before* a pass: resetting them after would modify
-        tensors that the pass's graph may still need (``orthogonal``'s base)."""
-        with torch.no_grad():
-            for name, b in self.model.named_buffers():
-                b.copy_(self.buffers[name])
-        with forked_generators(next(self.model.parameters()).device, PROBE_SEED):
-            yield
-
-
 def _guarded(what: str, step: Callable[[], T]) -> T:
     try:
         return step()
@@ -188,55 +162,8 @@ def _check_finite(reference: Reference) -> None:
         )
 
 
-def _check_independent(probe: _Probe, reference: Reference, tolerance: float) -> None:
-    with probe.same_state(), torch.no_grad():
-        losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
-    scale = reference.losses.abs().max() + 1e-30
-    moved = ((losses[1:] - reference.losses[1:]).abs() > tolerance * scale).nonzero().flatten()
-    if moved.numel():
-        k = int(moved[0]) + 1
-        raise ClippingUnsupported(
-            f"model: replacing example 0 of a probe batch changed the loss of example {k} "
-            f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model mixes the examples of a batch "
-            "(batch statistics, attention or pooling across the batch), so clipping each example's gradient does "
-            "not bound its influence; make each example's output depend on that example alone"
-        )
-
-
-def _differs(value: torch.Tensor, other: torch.Tensor, tolerance: float) -> bool:
-    """Floating buffers: apart by more than ``tolerance`` relative to the largest entry; others: not equal."""
-    if not value.is_floating_point():
-        return not torch.equal(value, other)
-    return value.numel() > 0 and bool((value - other).abs().max() > tolerance * (value.abs().max() + 1e-30))
-
-
-def _buffers_after_forward(probe: _Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    with probe.same_state(), torch.no_grad():
-        per_example_losses(probe.model, probe.loss_fn, x, probe.y)
-        return {name: b.detach().clone() for name, b in probe.model.named_buffers()}
-
-
-def _check_no_data_in_buffers(probe: _Probe, tolerance: float) -> None:
-    """The buffers a training-mode forward pass writes do not depend on the examples (module docstring, 2)."""
-    if not probe.buffers:
-        return
-    before, after = _buffers_after_forward(probe, probe.x), _buffers_after_forward(probe, probe.replaced())
-    for name, value in before.items():
-        if _differs(value, after[name], tolerance):
-            raise ClippingUnsupported(
-                f"model buffer '{name}': the training-mode forward pass writes the examples into it (replacing one "
-                "example of a probe batch changed it), and it would be released with the model without noise, "
-                "outside the DP guarantee; keep no statistics of the data in buffers (nn.InstanceNorm: "
-                "track_running_stats=False; use nn.GroupNorm or nn.LayerNorm for normalisation)"
-            )
-
-
-def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
-    return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
-
-
 def _unit_errors(
-    probe: _Probe, reference: Reference, factors: torch.Tensor, scale: float, reads: PlannedExact | None
+    probe: Probe, reference: Reference, factors: torch.Tensor, scale: float, reads: PlannedExact | None
 ) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str], dict[str, int]]:
     """(unit, its trainable parameter names, relative error of its norms and clipped sums) for each fast unit —
     a hooked layer or a parameter covered by operation rules —, why each other parameter went exact, and the
@@ -246,21 +173,21 @@ def _unit_errors(
     out = []
     for unit, piece in found.fast:
         names = [found.names[id(p)] for p in unit_parameters(unit) if id(p) in found.names]
-        error = _relative(piece.squared, reference.squared(names), scale**2)
+        error = relative(piece.squared, reference.squared(names), scale**2)
         for p, total in piece.sums(factors):
-            error = max(error, _relative(total, reference.weighted[found.names[id(p)]], scale))
+            error = max(error, relative(total, reference.weighted[found.names[id(p)]], scale))
         out.append((unit, names, error))
     return out, found.reasons, found.constants_read
 
 
-def _confirm(probe: _Probe, reference: Reference, exact: frozenset[str], tolerance: float, scale: float) -> None:
+def _confirm(probe: Probe, reference: Reference, exact: frozenset[str], tolerance: float, scale: float) -> None:
     """The whole engine under the plan, at the reference's C, reproduces the reference's clipped sums and norms."""
     norms = reference.norms()
     with probe.same_state():
         sums, found_norms = clipped_gradient_sum(
             probe.model, probe.loss_fn, probe.x, probe.y, reference.clip, exact=exact
         )
-    errors = {name: _relative(sums[name], total, scale) for name, total in reference.clipped.items()}
+    errors = {name: relative(sums[name], total, scale) for name, total in reference.clipped.items()}
     worst = max(errors, key=errors.__getitem__, default=None)
     if worst is not None and not errors[worst] <= tolerance:  # (nan: not within it either)
         raise ClippingUnsupported(
@@ -268,7 +195,7 @@ def _confirm(probe: _Probe, reference: Reference, exact: frozenset[str], toleran
             f"{errors[worst]:.2g} (relative) on a synthetic probe batch; dpml cannot train this model exactly — "
             "write the layer with standard torch.nn modules or report the module"
         )
-    if not _relative(found_norms, norms, float(norms.norm())) <= tolerance:
+    if not relative(found_norms, norms, float(norms.norm())) <= tolerance:
         raise ClippingUnsupported(
             "model: dpml's per-example gradient norms differ from autograd's on a synthetic "
             "probe batch; dpml cannot train this model exactly"
@@ -291,7 +218,7 @@ def _plan_on(
     if labels is None:
         with torch.no_grad():
             labels = probe_labels(_guarded("the forward pass", lambda: reference_model(x)), x.shape[0])
-    probe = _Probe(reference_model, loss_fn, x, labels, x_all[-1], buffers)
+    probe = Probe(reference_model, loss_fn, x, labels, x_all[-1], buffers)
     factors = 0.2 + 0.8 * torch.rand(  # in the parameters' dtype, as the engine's (a model may return float32 logits)
         x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2), dtype=engine_dtype(reference_model)
     )
@@ -300,8 +227,8 @@ def _plan_on(
         lambda: per_example_reference(probe.model, probe.loss_fn, probe.x, probe.y, factors, probe.same_state),
     )
     _check_finite(reference)
-    _guarded("the independence check", lambda: _check_independent(probe, reference, tolerance))
-    _guarded("the buffer check", lambda: _check_no_data_in_buffers(probe, tolerance))
+    _guarded("the independence check", lambda: check_independent(probe, reference, tolerance))
+    _guarded("the buffer check", lambda: check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.norms().max()) or 1.0
     engine = "the clipping engine"
     errors, reasons, reads = _guarded(engine, lambda: _unit_errors(probe, reference, factors, scale, None))

@@ -56,6 +56,7 @@ from dpml.train.rules.registry import (
     METADATA,
     RULES,
     SHAPE_ONLY,
+    VALUE_OF_FIRST,
     Call,
     Dense,
     Pending,
@@ -249,7 +250,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             return func(*args, **kwargs)
         operands = list(tensors(args, kwargs))
         out = self._dispatch(func, args, kwargs, operands)
-        if any(self.derived(t) for t in operands):
+        if any(self.derived(t) for t in (operands[:1] if func in VALUE_OF_FIRST else operands)):
             self._derived.add(*outputs(out))
         return out
 

@@ -450,6 +450,7 @@ INDEX_VIEWS: set[Any] = set()  # value-selecting ops: applied to the index tenso
 IDENTITY_VIEWS: set[Any] = set()  # value-preserving ops: the index passes through (contiguous, clone, casts)
 SHAPE_ONLY: set[Any] = set()  # views whose other tensor operands give a shape or a dtype, not values (view_as)
 METADATA: set[Any] = set()  # what a tensor is, not its values (w.dtype, w.shape): no use of the parameter
+VALUE_OF_FIRST: set[Any] = set()  # the first operand's values alone; another only gives a dtype, device (p.to(x))
 
 
 def rule(*functions: Any) -> Callable[[RuleFunction], RuleFunction]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dpml.train.rules.registry import IDENTITY_VIEWS, INDEX_VIEWS, METADATA, SHAPE_ONLY
+from dpml.train.rules.registry import IDENTITY_VIEWS, INDEX_VIEWS, METADATA, SHAPE_ONLY, VALUE_OF_FIRST
 
 T = torch.Tensor
 INDEX_VIEWS.update(
@@ -65,6 +65,7 @@ INDEX_VIEWS.update(
 )
 IDENTITY_VIEWS.update({T.contiguous, T.clone, torch.clone, T.to, T.float, T.double, T.half, T.bfloat16, T.type_as})
 SHAPE_ONLY.update({T.view_as, T.reshape_as, T.expand_as, T.type_as})
+VALUE_OF_FIRST.update({T.to, T.type_as})
 METADATA.update(
     {
         T.dtype.__get__,  # type: ignore[attr-defined]

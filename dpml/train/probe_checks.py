@@ -1,0 +1,139 @@
+"""The probe's checks that the model may be trained with per-example clipping at all, before the engine is judged
+(:mod:`dpml.train.clipping_check`, step 2): each example's loss and gradient depend on that example alone, and no
+buffer keeps the data.
+
+**Independence.** DP-SGD's sensitivity bound holds when removing or replacing example j changes only the j-th term
+of the clipped sum. So replacing example 0 of the probe batch must leave, for the other examples,
+
+- their losses ℓ_1 … ℓ_{B−1} unchanged, and
+- the gradient of Σ_{i≥1} c_i ℓ_i (random c) with respect to every trainable parameter unchanged.
+
+The second catches a model that mixes the examples only where a parameter is still zero: peft's Lily averages the
+routing of every token of the batch into one mixture of its adapters, whose factor B starts at zero, so at the
+probe's parameters each example's loss ignores the others while its gradient does not — and after one step its
+loss would not either. Without mixing both are the same numbers up to rounding (the other examples' rows are
+computed from their own inputs; example 0's loss is not in the sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dpml.devices import forked_generators
+from dpml.train.clipping import LossFn, per_example_losses
+from dpml.train.clipping_reference import Reference
+
+PROBE_SEED = 20_261_125
+
+
+class ClippingUnsupported(ValueError):
+    """The engine cannot compute this model's per-example gradients exactly (raised before any ε is spent)."""
+
+
+@dataclass
+class Probe:
+    """The model's copy, the probe batch, and the copy's buffers when the check began."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    x: torch.Tensor
+    y: torch.Tensor
+    replacement: torch.Tensor
+    buffers: dict[str, torch.Tensor]
+
+    def replaced(self) -> torch.Tensor:
+        """The probe batch with example 0 replaced (the independence and buffer checks)."""
+        changed = self.x.clone()
+        changed[0] = self.replacement
+        return changed
+
+    @contextmanager
+    def same_state(self) -> Iterator[None]:
+        """Every pass starts from the starting buffers and the same random state (dropout masks, spectral
+        norm's power iteration). Buffers are reset *before* a pass: resetting them after would modify
+        tensors that the pass's graph may still need (``orthogonal``'s base)."""
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(self.buffers[name])
+        with forked_generators(next(self.model.parameters()).device, PROBE_SEED):
+            yield
+
+
+def relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
+    """‖found − expected‖ / ‖expected‖, the denominator at least 1e-9 · ``scale`` (a gradient that is 0 up to
+    rounding, such as an attention key's bias, is not judged by its rounding alone)."""
+    return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
+
+
+def check_independent(probe: Probe, reference: Reference, tolerance: float) -> None:
+    """Replacing example 0 leaves the other examples' losses and their losses' gradient as they were (module
+    docstring); otherwise :class:`ClippingUnsupported`, saying what moved."""
+    with probe.same_state(), torch.no_grad():
+        losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
+    scale = reference.losses.abs().max() + 1e-30
+    moved = ((losses[1:] - reference.losses[1:]).abs() > tolerance * scale).nonzero().flatten()
+    if moved.numel():
+        k = int(moved[0]) + 1
+        raise ClippingUnsupported(
+            f"model: replacing example 0 of a probe batch changed the loss of example {k} "
+            f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model mixes the examples of a batch "
+            "(batch statistics, attention or pooling across the batch), so clipping each example's gradient does "
+            "not bound its influence; make each example's output depend on that example alone"
+        )
+    before, after = _others_gradient(probe, probe.x), _others_gradient(probe, probe.replaced())
+    total = float(torch.stack([g.norm() for g in before.values()]).norm()) if before else 0.0
+    errors = {name: relative(after[name], g, total) for name, g in before.items()}
+    worst = max(errors, key=errors.__getitem__, default=None)
+    if worst is not None and not errors[worst] <= tolerance:
+        raise ClippingUnsupported(
+            f"model: replacing example 0 of a probe batch changed the gradient of the other examples' losses with "
+            f"respect to '{worst}' ({errors[worst]:.2g} relative), though not the losses: the model mixes the examples "
+            "of a batch where a parameter is still zero (a mixture or routing averaged over the batch), so clipping "
+            "each example's gradient does not bound its influence; make each example's output depend on that "
+            "example alone"
+        )
+
+
+def _others_gradient(probe: Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """∂(Σ_{i≥1} c_i ℓ_i)/∂θ on the batch ``x``, c fixed random weights in [0.5, 1]: the examples other than 0."""
+    params = {n: p for n, p in probe.model.named_parameters() if p.requires_grad}
+    with probe.same_state():
+        losses = per_example_losses(probe.model, probe.loss_fn, x, probe.y)
+        weights = 0.5 + 0.5 * torch.rand(losses.shape[0] - 1, generator=torch.Generator().manual_seed(PROBE_SEED + 3))
+        total = (losses[1:] * weights.to(losses)).sum()
+        grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+    return {n: g.detach() for n, g in zip(params, grads, strict=True) if g is not None}
+
+
+def _differs(value: torch.Tensor, other: torch.Tensor, tolerance: float) -> bool:
+    """Floating buffers: apart by more than ``tolerance`` relative to the largest entry; others: not equal."""
+    if not value.is_floating_point():
+        return not torch.equal(value, other)
+    return value.numel() > 0 and bool((value - other).abs().max() > tolerance * (value.abs().max() + 1e-30))
+
+
+def _buffers_after_forward(probe: Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    with probe.same_state(), torch.no_grad():
+        per_example_losses(probe.model, probe.loss_fn, x, probe.y)
+        return {name: b.detach().clone() for name, b in probe.model.named_buffers()}
+
+
+def check_no_data_in_buffers(probe: Probe, tolerance: float) -> None:
+    """The buffers a training-mode forward pass writes do not depend on the examples
+    (:mod:`dpml.train.clipping_check`'s docstring, step 2)."""
+    if not probe.buffers:
+        return
+    before, after = _buffers_after_forward(probe, probe.x), _buffers_after_forward(probe, probe.replaced())
+    for name, value in before.items():
+        if _differs(value, after[name], tolerance):
+            raise ClippingUnsupported(
+                f"model buffer '{name}': the training-mode forward pass writes the examples into it (replacing one "
+                "example of a probe batch changed it), and it would be released with the model without noise, "
+                "outside the DP guarantee; keep no statistics of the data in buffers (nn.InstanceNorm: "
+                "track_running_stats=False; use nn.GroupNorm or nn.LayerNorm for normalisation)"
+            )

@@ -1,0 +1,85 @@
+"""The probe's independence check (:mod:`dpml.train.probe_checks`) on a model that mixes the examples of a batch only
+where a parameter is still zero, as peft's Lily does (its routing averaged over every token of the batch, its adapter
+factor initialised to zero): each example's loss ignores the others at the probe's parameters, its gradient does
+not, and after one step its loss would not either. It is refused before any step, naming the parameter, by the plan
+and by training; a zero-initialised adapter that mixes nothing (LoRA's) passes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_clipping_check import labels
+from torch import nn
+
+from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
+from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is ever fetched from a hub: the models are built from configurations
+
+GRADIENT_MOVED = (
+    r"replacing example 0 of a probe batch changed the gradient of the other examples' losses with respect to "
+    r"'{}' \(.* relative\), though not the losses: the model mixes the examples"
+)
+
+
+class BatchRoutedAdapter(nn.Module):
+    """A frozen layer plus an adapter: h = A x, a mixture of experts' factors B_e weighted by the routing averaged
+    over the batch (``batch_routing``) or each example's own (else), added as (h @ Σ_e p_e B_e). B starts at 0
+    (``start`` 0) or drawn at random with that scale."""
+
+    def __init__(self, batch_routing: bool, start: float = 0.0) -> None:
+        super().__init__()
+        self.base = nn.Linear(6, 3).requires_grad_(False)
+        self.a = nn.Linear(6, 4, bias=False)
+        self.router = nn.Linear(4, 2, bias=False)
+        self.b = nn.Parameter(start * torch.randn(2, 4, 3))
+        self.batch_routing = batch_routing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        routing = torch.softmax(self.router(h), dim=-1)  # (B, experts)
+        if self.batch_routing:
+            mixture = torch.einsum("e,eio->io", routing.mean(0), self.b)
+            return self.base(x) + h @ mixture
+        return self.base(x) + torch.einsum("bi,be,eio->bo", h, routing, self.b)
+
+
+def test_a_model_that_mixes_the_batch_where_a_parameter_is_zero_is_refused_naming_it() -> None:
+    torch.manual_seed(3)
+    with pytest.raises(ClippingUnsupported, match=GRADIENT_MOVED.format("b")):
+        plan_clipping(BatchRoutedAdapter(batch_routing=True), per_example_cross_entropy, (6,))
+
+
+def test_the_same_mixing_once_the_parameter_is_not_zero_is_refused_by_the_losses() -> None:
+    torch.manual_seed(3)
+    with pytest.raises(ClippingUnsupported, match=r"replacing example 0 of a probe batch changed the loss of example"):
+        plan_clipping(BatchRoutedAdapter(batch_routing=True, start=0.3), per_example_cross_entropy, (6,))
+
+
+def test_training_refuses_it_before_any_step_and_routing_per_example_trains() -> None:
+    torch.manual_seed(4)
+    x, y = torch.randn(40, 6), labels(40, 3)
+    settings = dict(sample_rate=0.25, epochs=1, clip_norm=1.0, noise_multiplier=1.0, neighbouring="add_remove", seed=0)
+    mixing = BatchRoutedAdapter(batch_routing=True)
+    before = [p.detach().clone() for p in mixing.parameters()]
+    with pytest.raises(ClippingUnsupported, match=GRADIENT_MOVED.format("b")):
+        train_dpsgd(mixing, x, y, optimizer=torch.optim.SGD(mixing.parameters(), lr=0.1), **settings)
+    assert all(torch.equal(a, b) for a, b in zip(before, mixing.parameters(), strict=True))
+    own = BatchRoutedAdapter(batch_routing=False)  # zero-initialised too, but each example routed alone
+    train_dpsgd(own, x, y, optimizer=torch.optim.SGD(own.parameters(), lr=0.1), **settings)
+    assert own.b.abs().sum() > 0
+
+
+def test_peft_lily_is_refused_naming_its_adapter_factor() -> None:
+    peft = pytest.importorskip("peft", reason="peft is a test extra; not installed here")
+    from test_model_zoo import _text_model, _tokens
+    from test_op_rules import HuggingFace
+
+    torch.manual_seed(0)
+    config = peft.LilyConfig(target_modules=["query", "value"], task_type="SEQ_CLS")
+    model = HuggingFace(peft.get_peft_model(_text_model("bert"), config))
+    x = _tokens("bert")
+    with pytest.raises(ClippingUnsupported, match=GRADIENT_MOVED.format(r".*lily_B\..*")):
+        plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, probe=(x, labels(x.shape[0], 3)))
