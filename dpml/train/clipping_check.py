@@ -78,7 +78,6 @@ from dpml.train.probe_checks import (
     Probe,
     check_independent,
     check_no_data_in_buffers,
-    relative,
 )
 
 PROBE_BATCH = 6
@@ -162,6 +161,12 @@ def _check_finite(reference: Reference) -> None:
         )
 
 
+def _relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
+    """‖found − expected‖ / ‖expected‖, the denominator at least 1e-9 · ``scale`` (a gradient that is 0 up to
+    rounding, such as an attention key's bias, is not judged by its rounding alone)."""
+    return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
+
+
 def _unit_errors(
     probe: Probe, reference: Reference, factors: torch.Tensor, scale: float, reads: PlannedExact | None
 ) -> tuple[list[tuple[Unit, list[str], float]], dict[str, str], dict[str, int]]:
@@ -173,9 +178,9 @@ def _unit_errors(
     out = []
     for unit, piece in found.fast:
         names = [found.names[id(p)] for p in unit_parameters(unit) if id(p) in found.names]
-        error = relative(piece.squared, reference.squared(names), scale**2)
+        error = _relative(piece.squared, reference.squared(names), scale**2)
         for p, total in piece.sums(factors):
-            error = max(error, relative(total, reference.weighted[found.names[id(p)]], scale))
+            error = max(error, _relative(total, reference.weighted[found.names[id(p)]], scale))
         out.append((unit, names, error))
     return out, found.reasons, found.constants_read
 
@@ -187,7 +192,7 @@ def _confirm(probe: Probe, reference: Reference, exact: frozenset[str], toleranc
         sums, found_norms = clipped_gradient_sum(
             probe.model, probe.loss_fn, probe.x, probe.y, reference.clip, exact=exact
         )
-    errors = {name: relative(sums[name], total, scale) for name, total in reference.clipped.items()}
+    errors = {name: _relative(sums[name], total, scale) for name, total in reference.clipped.items()}
     worst = max(errors, key=errors.__getitem__, default=None)
     if worst is not None and not errors[worst] <= tolerance:  # (nan: not within it either)
         raise ClippingUnsupported(
@@ -195,7 +200,7 @@ def _confirm(probe: Probe, reference: Reference, exact: frozenset[str], toleranc
             f"{errors[worst]:.2g} (relative) on a synthetic probe batch; dpml cannot train this model exactly — "
             "write the layer with standard torch.nn modules or report the module"
         )
-    if not relative(found_norms, norms, float(norms.norm())) <= tolerance:
+    if not _relative(found_norms, norms, float(norms.norm())) <= tolerance:
         raise ClippingUnsupported(
             "model: dpml's per-example gradient norms differ from autograd's on a synthetic "
             "probe batch; dpml cannot train this model exactly"

@@ -66,12 +66,6 @@ class Probe:
             yield
 
 
-def relative(found: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
-    """‖found − expected‖ / ‖expected‖, the denominator at least 1e-9 · ``scale`` (a gradient that is 0 up to
-    rounding, such as an attention key's bias, is not judged by its rounding alone)."""
-    return float((found - expected).norm() / (expected.norm() + 1e-9 * scale + 1e-300))
-
-
 def check_independent(probe: Probe, reference: Reference, tolerance: float) -> None:
     """Replacing example 0 leaves the other examples' losses and their losses' gradient as they were (module
     docstring); otherwise :class:`ClippingUnsupported`, saying what moved."""
