@@ -156,10 +156,9 @@ def reject_batch_norm(model: nn.Module) -> None:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             where = f"model layer '{name}'" if name else "the model"
             raise ValueError(
-                f"{where} ({type(module).__name__}): batch normalisation mixes the examples of a batch, so an "
-                "example's gradient depends on the others and per-example clipping does not bound its influence "
-                "(and the running statistics are released without noise); use nn.GroupNorm or nn.LayerNorm instead, "
-                "or convert the model with dpml.replace_batch_norm(model) (each BatchNorm a GroupNorm)"
+                f"{where} ({type(module).__name__}): batch normalisation mixes the examples of a batch, so one's "
+                "gradient depends on the others and per-example clipping does not bound its influence (and the running "
+                "statistics are released without noise); use nn.GroupNorm or nn.LayerNorm, or dpml.replace_batch_norm"
             )
 
 
