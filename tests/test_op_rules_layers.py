@@ -1,6 +1,7 @@
 """Rules for torch's own layers that no hook covers: ``nn.Bilinear``, ``nn.PReLU`` (a slope per channel or one for
-all), ``nn.RMSNorm``, ``nn.InstanceNorm1d(affine=True)`` and ``nn.EmbeddingBag`` (sum, mean, weighted, max): clipped
-sums and norms equal a float64 per-example autograd loop, and none of their parameters takes the exact path."""
+all), ``nn.RMSNorm``, ``nn.InstanceNorm1d(affine=True)`` and ``nn.EmbeddingBag`` (sum, mean, weighted, max; a row
+per example, or a padded batch packed with offsets): clipped sums and norms equal a float64 per-example autograd
+loop, and none of their parameters takes the exact path."""
 
 from __future__ import annotations
 
@@ -418,3 +419,60 @@ def test_a_constant_cast_like_the_batch_stays_a_constant() -> None:
     assert_exact_without_the_exact_path(
         CastLikeTheBatch(), per_example_cross_entropy, x[:, 0], torch.randint(0, 3, (6,))
     )
+
+
+class PackedBags(nn.Module):
+    """x (B, L, 2): a padded row of indices per example (0 the padding) and weights, packed by ``ids[mask]`` into one
+    flat row with offsets from the lengths, as ``nn.EmbeddingBag(text, offsets)`` is fed: averaged; summed with the
+    weights and ``include_last_offset``; their maximum without index 3 (``padding_idx``). ``aligned`` False: the flat
+    row cut into B bags of 2 indices, which are not the examples."""
+
+    def __init__(self, aligned: bool = True, rows: int = 12, width: int = 5) -> None:
+        super().__init__()
+        self.averaged = nn.EmbeddingBag(rows, width, mode="mean")
+        self.summed = nn.EmbeddingBag(rows, width, mode="sum", include_last_offset=True)
+        self.largest = nn.EmbeddingBag(rows, width, mode="max", padding_idx=3)
+        self.out = nn.Linear(3 * width, 3)
+        self.aligned = aligned
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = x[..., 0].long(), x[..., 1]
+        mask = ids != 0
+        flat, lengths = ids[mask], mask.sum(1)
+        ends = lengths.cumsum(0)
+        starts = ends - lengths if self.aligned else torch.arange(0, 2 * len(ids), 2)
+        parts = [
+            self.averaged(flat, starts),
+            self.summed(flat, torch.cat([starts, ends[-1:]]), per_sample_weights=weights[mask]),
+            self.largest(flat, starts),
+        ]
+        return self.out(torch.tanh(torch.cat(parts, 1)))
+
+
+def _packed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 12, (6, 5), generator=generator(42))
+    ids[0, 2:] = 0  # examples of 2, 1 and 5 indices
+    ids[3, 1:] = 0
+    ids[1, :2] = 3  # two indices the maximum does not count
+    weights = torch.rand(6, 5, generator=generator(43), dtype=torch.float64) + 0.5
+    return torch.stack([ids.double(), weights], 2), torch.randint(0, 3, (6,), generator=generator(44))
+
+
+def test_bags_packed_into_one_flat_row_by_offsets_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(16)
+    x, y = _packed_batch()
+    assert_exact_without_the_exact_path(PackedBags(), per_example_cross_entropy, x, y)
+
+
+def test_bags_that_are_not_the_examples_take_the_exact_path_named() -> None:
+    from test_op_rules import assert_clipped_like_the_loop
+
+    from dpml.train.clipping import engine_pass
+
+    torch.manual_seed(16)
+    x, y = _packed_batch()
+    model = PackedBags(aligned=False).double()
+    found = engine_pass(model, per_example_cross_entropy, x, y)
+    assert sorted(found.exact) == ["averaged.weight", "largest.weight", "summed.weight"], found.reasons
+    assert all("bags that are not the examples one by one" in why for why in found.reasons.values()), found.reasons
+    assert_clipped_like_the_loop(model, x, y)

@@ -12,7 +12,8 @@ Bags of indices (``F.embedding_bag``, ``nn.EmbeddingBag``) given as one row per 
 with per-index weights or not: z_i = Σ_j c_{i,j} W[k_{i,j}] (c the weight, divided by the bag's count of indices other
 than ``padding_idx`` for the mean), so ∇_W ℓ_i = Σ_j e_{k_{i,j}} (c_{i,j} δ_i)ᵀ: the lookup's form with δ_i spread over
 the bag. A bag's maximum (``mode="max"``): each column's gradient goes to the one row that column's maximum came from
-(:func:`_bag_maxima`). Bags given by offsets into one flat row have no rule.
+(:func:`_bag_maxima`). Bags given by offsets into one flat row of indices: the same, where bag b holds example b's
+indices (:func:`_flat_bags`: a padded batch packed by ``x[mask]``, its offsets from the lengths).
 
 ``max_norm`` (renormalises W inside the forward) and ``scale_grad_by_freq`` (counts over the whole batch)
 have no rule.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dpml.train.rules.registry import Call, Factored, Pending, Shared, Tracked, Use, rule
+from dpml.train.rules.registry import Call, Factored, Pending, Rows, Shared, Tracked, Use, rule
 
 
 @rule(F.embedding)
@@ -82,15 +83,18 @@ def embedding_bag(call: Call) -> Pending | str:
         return "a parameter as its indices or their weights"
     if call.arg(3, "max_norm") is not None or call.arg(5, "scale_grad_by_freq", False):
         return "max_norm or scale_grad_by_freq"
-    if offsets is not None or ids.dim() != 2 or not call.batch_first(ids):
-        return "bags that are not one row of indices per example"
     if len(w.shape()) != 2:
         return "a table that is not 2-D"
     if padding_idx is not None and padding_idx < 0:
         padding_idx += w.shape()[0]
-    if mode == "max":
-        return _bag_maxima(call, w, ids, padding_idx)
+    if offsets is not None:
+        return _flat_bags(call, w, ids, offsets, mode, per_index, padding_idx)
+    if ids.dim() != 2 or not call.batch_first(ids):
+        return "bags that are not one row of indices per example"
     batch, size = ids.shape
+    if mode == "max":
+        starts = torch.arange(0, batch * size, size, device=ids.device)
+        return _bag_maxima(call, w, ids.reshape(-1), starts, padding_idx)
     kept = (ids != padding_idx) if padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
     share = kept.to(weight.dtype) if per_index is None else per_index.detach() * kept
     if mode == "mean":
@@ -103,19 +107,59 @@ def embedding_bag(call: Call) -> Pending | str:
     return Pending(call.output, [w.param], finish)
 
 
-def _bag_maxima(call: Call, w: Tracked, ids: torch.Tensor, padding_idx: int | None) -> Pending:
+def _flat_bags(
+    call: Call,
+    w: Tracked,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    per_index: torch.Tensor | None,
+    padding_idx: int | None,
+) -> Pending | str:
+    """Bags given by ``offsets`` into one flat row of indices (``ids`` (N,), as ``x[mask]`` packs a padded batch).
+    The rule holds where bag b is example b's indices — B bags, and the recorder's example of each index is the bag
+    ``offsets`` puts it in —, so that the bags' output is batch-first: ∇_W ℓ_i = Σ_{j in bag i} e_{k_j} (c_j δ_i)ᵀ,
+    c_j the index's weight (``per_sample_weights``, or 1; 0 at ``padding_idx``), divided by the bag's count of
+    indices counted for the mean; the indices example by example (ragged: padded with index 0 and no gradient)."""
+    owners = call.leading_examples(ids) if ids.dim() == 1 else None
+    if owners is None:
+        return "a flat row of indices whose examples are not known"
+    owners = owners.cpu()
+    if call.arg(9, "include_last_offset", False):
+        offsets = offsets[:-1]
+    bag_of = torch.searchsorted(offsets.detach().cpu(), torch.arange(ids.shape[0]), right=True) - 1
+    rows = Rows.of_map(owners.unsqueeze(1), call.batch)
+    if offsets.shape[0] != call.batch or not torch.equal(bag_of, owners.to(bag_of.dtype)) or rows is None:
+        return "bags that are not the examples one by one"
+    if mode == "max":
+        return _bag_maxima(call, w, ids, offsets, padding_idx)
+    kept = (ids != padding_idx) if padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+    share = kept.to(call.arg(1, "weight").dtype) if per_index is None else per_index.detach() * kept
+    owned = owners.to(ids.device)
+    if mode == "mean":
+        counts = torch.zeros(call.batch, dtype=share.dtype, device=ids.device).index_add_(
+            0, owned, kept.to(share.dtype)
+        )
+        share = share / counts.clamp(min=1)[owned]
+    tokens = rows.of(ids.unsqueeze(1)).squeeze(2)  # (B, width): each example's indices
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        spread = rows.of(share.to(d.dtype).unsqueeze(1) * d.reshape(call.batch, -1)[owned])  # (B, width, D): c_j δ_i
+        return [(w, Factored(tokens, spread, w.shape()[0], spread.shape[2]))]
+
+    return Pending(call.output, [w.param], finish)
+
+
+def _bag_maxima(call: Call, w: Tracked, ids: torch.Tensor, starts: torch.Tensor, padding_idx: int | None) -> Pending:
     """``mode="max"``: z_{i,d} = max_j W[k_{i,j}, d], so ∂ℓ_i/∂W = Σ_d e_{m_{i,d}} (δ_{i,d} e_d)ᵀ with m_{i,d} the row
     the kernel took column d's maximum from (its own ``max_indices``, ties as its backward pass breaks them): one
     entry per column, each in its own place. Over W's entries as one column (V·D × 1) that is a lookup of the D
     entries m_{i,d}·D + d with the gradients δ_{i,d}, whose squared norm Σ_d δ_{i,d}² and clipped sum the factored
     form gives. An all-padding bag (no index counted) has no maximum and no gradient."""
-    table = w.shape()
-    batch, size = ids.shape
-    flat_ids = ids.reshape(-1)
-    starts = torch.arange(0, batch * size, size, device=ids.device)
+    table, batch = w.shape(), call.batch
     _, _, counted, chosen = torch.ops.aten._embedding_bag(
         call.arg(1, "weight").detach(),
-        flat_ids,
+        ids,
         starts,
         False,
         2,
