@@ -79,7 +79,8 @@ def test_each_batch_norm_becomes_a_group_norm_with_its_eps_scale_shift_and_dtype
         old, new = getattr(before, name), getattr(model, name)
         channels = old.num_features
         assert type(new) is nn.GroupNorm and new.num_channels == channels, name
-        assert new.num_groups == math.gcd(32, channels) and new.eps == old.eps and new.affine == old.affine, name
+        groups = 1 if type(old) is nn.BatchNorm1d else math.gcd(32, channels)  # 1-D: rows have no positions
+        assert new.num_groups == groups and new.eps == old.eps and new.affine == old.affine, name
         if old.affine:
             assert torch.equal(new.weight, old.weight) and torch.equal(new.bias, old.bias), name
             assert new.weight.dtype == torch.float64 and new.weight.requires_grad, name
@@ -156,5 +157,16 @@ def test_groups_other_than_a_positive_integer_are_refused_naming_the_value(group
 
 
 def test_a_model_that_is_one_batch_norm_layer_comes_back_as_its_group_norm() -> None:
-    replaced = dpml.replace_batch_norm(nn.BatchNorm1d(12), groups=8)
+    replaced = dpml.replace_batch_norm(nn.BatchNorm2d(12), groups=8)
     assert type(replaced) is nn.GroupNorm and replaced.num_groups == 4 and replaced.num_channels == 12
+
+
+@pytest.mark.parametrize("channels", [16, 64])
+def test_a_batch_norm_on_rows_still_passes_its_inputs_on(channels: int) -> None:
+    """A BatchNorm1d fed (B, C) rows (an MLP's features, LeViT's flattened tokens): in groups of C / 32 channels the
+    rows would normalise to 0 (one channel a group) or ±1 (two) whatever the input; over all C they do not."""
+    layer = dpml.replace_batch_norm(nn.BatchNorm1d(channels))
+    rows = torch.randn(8, channels, generator=torch.Generator().manual_seed(5))
+    out = layer(rows)
+    assert out.abs().max() > 1.05 and out.std(0).min() > 0.1  # neither 0 nor ±1: the inputs' differences kept
+    torch.testing.assert_close(out, F.layer_norm(rows, (channels,), eps=layer.eps))

@@ -8,9 +8,13 @@ layer (torchvision's and timm's ``norm_layer=``); a model that does not — ``tr
 MobileNet, MobileViT, a network read from a file — goes through :func:`replace_batch_norm`, as Opacus's
 ``ModuleValidator.fix`` does.
 
-Each batch normalisation over C channels becomes ``nn.GroupNorm(gcd(groups, C), C)``: the statistics of each
-example's own channels in groups of C / gcd(groups, C) (over its positions too, where there are any), no running
-statistics. ``gcd`` so that every C is accepted (``min(32, C)`` groups would not divide C = 48). Its ``eps`` and its
+A ``BatchNorm2d``, ``BatchNorm3d`` or ``SyncBatchNorm`` over C channels becomes ``nn.GroupNorm(gcd(groups, C), C)``:
+the statistics of each example's own channels in groups of C / gcd(groups, C), over its positions too, no running
+statistics. ``gcd`` so that every C is accepted (``min(32, C)`` groups would not divide C = 48). A ``BatchNorm1d``
+becomes ``nn.GroupNorm(1, C)``: it is fed (B, C) rows as often as (B, C, L) sequences (an MLP's features, LeViT's
+tokens flattened to (B·N, C)), and on rows a group of C / 32 channels has no positions to add to it — one channel
+alone normalises to 0 for every input, two to ±1 — so its statistics are taken over all C channels (and positions),
+LayerNorm's form, the usual norm of such layers. Its ``eps`` and its
 affine scale and shift (a pretrained model's learned γ and β) are carried over on the same device and dtype; the
 running mean and variance are dropped. GroupNorm is not BatchNorm: a model converted from pretrained weights is a
 new model whose accuracy the private training has to earn.
@@ -33,11 +37,12 @@ REPLACED = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def replace_batch_norm(model: nn.Module, groups: int = 32) -> nn.Module:
-    """Replace, in place, every batch normalisation layer of ``model`` by ``nn.GroupNorm(gcd(groups, C), C)`` with
-    the same ``eps``, affine scale and shift, device and dtype (module docstring); returns ``model`` (or, when
-    ``model`` is itself a batch normalisation layer, its GroupNorm). A layer used at several places of the model
-    is one GroupNorm at all of them. Raises ``ValueError`` naming the layer, before anything is replaced, for a
-    subclass of a batch normalisation class, a lazy layer not yet run, or a layer with hooks."""
+    """Replace, in place, every batch normalisation layer of ``model`` by ``nn.GroupNorm(gcd(groups, C), C)`` (one
+    group for a ``BatchNorm1d``) with the same ``eps``, affine scale and shift, device and dtype (module docstring);
+    returns ``model`` (or, when ``model`` is itself a batch normalisation layer, its GroupNorm). A layer used at
+    several places of the model is one GroupNorm at all of them. Raises ``ValueError`` naming the layer, before
+    anything is replaced, for a subclass of a batch normalisation class, a lazy layer not yet run, or a layer with
+    hooks."""
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups: {groups!r} is not allowed; a positive integer (C is split into gcd(groups, C))")
     for name, module in model.named_modules(remove_duplicate=True):
@@ -77,10 +82,12 @@ def _check_replaceable(name: str, module: nn.Module) -> None:
 
 
 def _group_norm(batch_norm: nn.modules.batchnorm._BatchNorm, groups: int = 32) -> nn.GroupNorm:
-    """``nn.GroupNorm(gcd(groups, C), C)`` with ``batch_norm``'s eps, affine scale and shift, device and dtype."""
+    """``nn.GroupNorm(gcd(groups, C), C)`` (one group for a ``BatchNorm1d``) with ``batch_norm``'s eps, affine scale
+    and shift, device and dtype."""
     channels = batch_norm.num_features
+    count = 1 if type(batch_norm) is nn.BatchNorm1d else math.gcd(groups, channels)
     like = batch_norm.weight if batch_norm.affine else batch_norm.running_mean
-    group_norm = nn.GroupNorm(math.gcd(groups, channels), channels, eps=batch_norm.eps, affine=batch_norm.affine)
+    group_norm = nn.GroupNorm(count, channels, eps=batch_norm.eps, affine=batch_norm.affine)
     if like is not None:
         group_norm.to(device=like.device, dtype=like.dtype)
     if batch_norm.affine:
