@@ -71,8 +71,25 @@ TEXT_FAMILIES: dict[str, dict[str, Any]] = {
     "longformer": {"attention_window": 4},  # each example's global tokens written into zeros made for them
     "bart": SEQ2SEQ,
     "mbart": SEQ2SEQ,
+    "fnet": {},  # token mixing by a 2-D Fourier transform, no attention
+    "nystromformer": {},  # attention through landmarks (segment means) and a pseudo-inverse
+    "yoso": {},  # attention by hashing's collision probabilities
+    "esm": {},  # rotary positions, token dropout rescaling the embeddings by each sequence's mask
+    "xlm": {},  # sinusoidal positions, language embeddings
+    "diffllama": {},  # differential attention: two softmaxes subtracted with a learned λ
+    "persimmon": {},  # query and key LayerNorms
+    "starcoder2": {},
+    "glm": {},  # partial rotary positions, interleaved
+    "modernbert-decoder": {},
+    "eurobert": {},
+    "doge": {},  # dynamic mask attention, a learned gate per head
+    "olmo3": {},
+    "helium": ONE_KV_HEAD | {"head_dim": 8},
+    "smollm3": ONE_KV_HEAD | {"head_dim": 8},  # no rotary positions in every fourth layer
+    "exaone4": ONE_KV_HEAD | {"head_dim": 8},
+    "nemotron": ONE_KV_HEAD | {"head_dim": 8, "partial_rotary_factor": 0.5},  # squared-ReLU MLP, LayerNorm1P
 }
-FLOAT32_INSIDE = {"gemma", "gemma2"}  # RMSNorm in float32 whatever the model's dtype: float32 rounding in both
+FLOAT32_INSIDE = {"gemma", "gemma2", "helium"}  # RMSNorm in float32 whatever the model's dtype: float32 rounding
 ENDS_WITH_EOS = {"bart", "mbart"}  # classify at the <eos> token: every sequence ends with one
 
 PATCHES = dict(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
