@@ -170,3 +170,35 @@ def test_a_batch_norm_on_rows_still_passes_its_inputs_on(channels: int) -> None:
     out = layer(rows)
     assert out.abs().max() > 1.05 and out.std(0).min() > 0.1  # neither 0 nor ±1: the inputs' differences kept
     torch.testing.assert_close(out, F.layer_norm(rows, (channels,), eps=layer.eps))
+
+
+def _converted(family: str) -> tuple[nn.Module, int]:
+    """A ``transformers`` image classifier built with BatchNorm (a tiny config, random weights, random affine),
+    converted; with its image size."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    torch.manual_seed(0)
+    if family == "levit":  # BatchNorm1d on tokens flattened to (B·N, C), BatchNorm2d in its convolutional stem
+        config = transformers.LevitConfig(image_size=64, patch_size=16, hidden_sizes=[32, 48, 64], depths=[1, 1, 1])
+        config.update(dict(num_attention_heads=[1, 2, 2], key_dim=[8, 8, 8], num_labels=3))
+        model, size = transformers.LevitForImageClassification(config), 64
+    elif family == "mobilevit":  # depthwise convolutions, a transformer on unfolded patches
+        config = transformers.MobileViTConfig(image_size=64, patch_size=2, hidden_sizes=[16, 16, 16], num_labels=3)
+        config.neck_hidden_sizes = [8, 8, 16, 16, 16, 16, 32]  # (64 pixels: its last maps 2 × 2, not 1 × 1)
+        model, size = transformers.MobileViTForImageClassification(config), 64
+    else:  # regnet: grouped convolutions, squeeze-and-excitation
+        config = transformers.RegNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+        config.update(dict(groups_width=8, layer_type="y"))
+        model, size = transformers.RegNetForImageClassification(config), 16
+    return dpml.replace_batch_norm(Logits(_random_affine(model))), size
+
+
+@pytest.mark.parametrize("family", ["levit", "mobilevit", "regnet"])
+def test_converted_image_models_of_transformers_clip_exactly_without_the_exact_path(family: str) -> None:
+    model, size = _converted(family)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    x = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(7))
+    # MobileViT's last LayerNorm bias has a gradient 0 up to rounding (5e-19 of the whole gradient: the
+    # normalisation after it takes out a shift), so its error is judged against 1e-9 of the whole, not its own
+    tolerance = 1e-9 if family == "mobilevit" else 1e-10
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y, tolerance=tolerance)

@@ -14,7 +14,8 @@ statistics. ``gcd`` so that every C is accepted (``min(32, C)`` groups would not
 becomes ``nn.GroupNorm(1, C)``: it is fed (B, C) rows as often as (B, C, L) sequences (an MLP's features, LeViT's
 tokens flattened to (B·N, C)), and on rows a group of C / 32 channels has no positions to add to it — one channel
 alone normalises to 0 for every input, two to ±1 — so its statistics are taken over all C channels (and positions),
-LayerNorm's form, the usual norm of such layers. Its ``eps`` and its
+LayerNorm's form, the usual norm of such layers. (The same holds of a 2-D map shrunk to 1 × 1: with C ≤ ``groups``
+channels each group is one number; pass a smaller ``groups`` for such a model.) Its ``eps`` and its
 affine scale and shift (a pretrained model's learned γ and β) are carried over on the same device and dtype; the
 running mean and variance are dropped. GroupNorm is not BatchNorm: a model converted from pretrained weights is a
 new model whose accuracy the private training has to earn.
