@@ -302,7 +302,8 @@ def train_private(
     user_model = model
     model, dataset, first = model_inputs(user_model, dataset, n, inputs)  # token records checked before any work
     input_dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
-    plan = plan_clipping(model, loss_fn, tuple(first.shape), input_dtype)  # refuses before any spend
+    # refuses before any spend
+    plan = plan_clipping(model, loss_fn, tuple(first.shape), input_dtype, neighbouring=dpc.neighbouring)
     check_autocast(model, loss_fn, tuple(first.shape), input_dtype, str(pick_device(tr.device)), AUTOCAST[tr.autocast])
     steps = number_of_steps(tr.epochs, q)
     sigma = (

@@ -25,7 +25,7 @@ from torch import nn
 
 from dpml.train.clipping import engine_pass
 from dpml.train.exact_path import PlannedExact
-from dpml.train.clipping_check import plan_clipping
+from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -96,12 +96,16 @@ def test_a_table_whose_slices_are_not_the_examples_is_never_read_as_the_batch(
     its slices are still each example's alone.)"""
     torch.manual_seed(52)
     model = RelativePositions(mode, width=4, dropout=0.0).double()
-    plan = plan_clipping(model, per_example_cross_entropy, (length, 4), torch.float64)
+    # ("mixed": each example's keys depend on its place in the batch, which add-remove neighbours refuse)
+    plan = plan_clipping(model, per_example_cross_entropy, (length, 4), torch.float64, neighbouring="replace-one")
     assert plan.exact.constant_reads == (), plan.lines()  # type: ignore[attr-defined]
     assert ({"r.0", "r.1"} <= set(plan.rule_parameters)) == ruled, plan.lines()
     assert ({"r.0", "r.1"} <= set(plan.exact_parameters)) != ruled, plan.lines()
     x, y = torch.randn(6, length, 4, generator=generator(52), dtype=torch.float64), torch.randint(0, 3, (6,))
     assert_clipped_like_the_loop(model, x, y, exact=plan.exact)
+    if mode == "mixed":
+        with pytest.raises(ClippingUnsupported, match=r"removing example 0 of a probe batch changed the loss"):
+            plan_clipping(model, per_example_cross_entropy, (length, 4), torch.float64)
 
 
 def test_a_table_as_long_as_a_training_batch_is_not_read_as_the_batch_unless_the_plan_read_it() -> None:

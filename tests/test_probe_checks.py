@@ -1,8 +1,9 @@
-"""The probe's independence check (:mod:`dpml.train.probe_checks`) on a model that mixes the examples of a batch only
+"""The probe's independence checks (:mod:`dpml.train.probe_checks`). A model that mixes the examples of a batch only
 where a parameter is still zero, as peft's Lily does (its routing averaged over every token of the batch, its adapter
 factor initialised to zero): each example's loss ignores the others at the probe's parameters, its gradient does
 not, and after one step its loss would not either. It is refused before any step, naming the parameter, by the plan
-and by training; a zero-initialised adapter that mixes nothing (LoRA's) passes."""
+and by training; a zero-initialised adapter that mixes nothing passes. A model whose examples depend on the batch's
+size alone (no example's values reach another's) is refused by removing one; dropout alone passes."""
 
 from __future__ import annotations
 
@@ -83,3 +84,27 @@ def test_peft_lily_is_refused_naming_its_adapter_factor() -> None:
     x = _tokens("bert")
     with pytest.raises(ClippingUnsupported, match=GRADIENT_MOVED.format(r".*lily_B\..*")):
         plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype, probe=(x, labels(x.shape[0], 3)))
+
+
+class ScaledByTheBatchSize(nn.Module):
+    """Each example's logits scaled by the number of examples in its batch: no example's values reach another's
+    output, so replacing one moves nothing, but adding or removing one moves every other example's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+        self.drop = nn.Dropout(0.3)  # (the size check runs in evaluation mode: no mask drawn anew for fewer rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.a(x)) * (1.0 + 0.1 * x.shape[0])
+
+
+def test_a_model_that_depends_on_the_batch_size_alone_is_refused_under_add_remove_only() -> None:
+    """Under replace-one neighbours the batch keeps its size and the others their places: the same model passes."""
+    torch.manual_seed(5)
+    with pytest.raises(ClippingUnsupported, match=r"removing example 0 of a probe batch changed the loss of example"):
+        plan_clipping(ScaledByTheBatchSize(), per_example_cross_entropy, (6,))
+    replaced = plan_clipping(ScaledByTheBatchSize(), per_example_cross_entropy, (6,), neighbouring="replace-one")
+    assert replaced.exact_parameters == ()
+    dropout = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 3))  # masks drawn per pass: not a size
+    assert plan_clipping(dropout, per_example_cross_entropy, (6,)).exact_parameters == ()

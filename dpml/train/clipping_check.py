@@ -13,7 +13,8 @@ relative 1e-3):
    (one backward pass per example: the definition, for any module), kept as its norms and added into the
    weighted sums Σ_i c_i g_i the checks need (each g_i formed twice, to hold one at a time).
 2. **Independence.** Replacing example 0 must leave ℓ_1 … ℓ_{B−1} unchanged, and the gradient of
-   Σ_{i≥1} c_i ℓ_i too (a model that mixes the examples only where a parameter is still zero:
+   Σ_{i≥1} c_i ℓ_i too (a model that mixes the examples only where a parameter is still zero), and under add-remove
+   neighbours removing it must leave those losses as well (a model scaled by the batch's size:
    :mod:`dpml.train.probe_checks`). A model whose output for one example depends on another (batch
    statistics, attention across the batch) is refused: per-example clipping bounds an example's influence
    only through its own gradient.
@@ -71,6 +72,7 @@ from dpml.train.clipping import (
 )
 from dpml.train.clipping_layers import reject_batch_norm
 from dpml.train.clipping_reference import Reference, per_example_reference
+from dpml.accounting.mechanism import Neighbouring
 from dpml.train.exact_path import PlannedExact
 from dpml.train.probe_checks import (
     PROBE_SEED,
@@ -215,7 +217,12 @@ def _module_names(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def _plan_on(
-    reference_model: nn.Module, loss_fn: LossFn, x_all: torch.Tensor, labels: torch.Tensor | None, tolerance: float
+    reference_model: nn.Module,
+    loss_fn: LossFn,
+    x_all: torch.Tensor,
+    labels: torch.Tensor | None,
+    tolerance: float,
+    removal: bool,
 ) -> ClippingPlan:
     x = x_all[:-1]
     reference_model.train()
@@ -232,7 +239,7 @@ def _plan_on(
         lambda: per_example_reference(probe.model, probe.loss_fn, probe.x, probe.y, factors, probe.same_state),
     )
     _check_finite(reference)
-    _guarded("the independence check", lambda: check_independent(probe, reference, tolerance))
+    _guarded("the independence check", lambda: check_independent(probe, reference, tolerance, removal))
     _guarded("the buffer check", lambda: check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.norms().max()) or 1.0
     engine = "the clipping engine"
@@ -284,19 +291,22 @@ def plan_clipping(
     input_shape: tuple[int, ...],
     input_dtype: torch.dtype = torch.float32,
     probe: tuple[torch.Tensor, torch.Tensor] | None = None,
+    neighbouring: Neighbouring = "add-remove",
 ) -> ClippingPlan:
     """Check the engine on ``model`` (module docstring) and return its plan, or raise
     :class:`ClippingUnsupported` naming the layer. ``probe``: a public batch (x, y) to use instead of the
-    synthetic one (x's first row is the replacement of the independence check, the rest the batch)."""
+    synthetic one (x's first row is the replacement of the independence check, the rest the batch).
+    ``neighbouring``: the relation the run is certified under; under add-remove the other examples' losses must
+    not move when one is removed either (:mod:`dpml.train.probe_checks`)."""
     reject_batch_norm(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ClippingUnsupported("model: it has no trainable parameter")
-    key = None if probe is not None else architecture_key(model, loss_fn, input_shape, input_dtype)
+    key = None if probe is not None else (*architecture_key(model, loss_fn, input_shape, input_dtype), neighbouring)
     if key is not None and key in _PLANS:
         return _PLANS[key]
     device = next(model.parameters()).device
     with forked_generators(device):  # training's random state untouched
-        plan = _plan(model, loss_fn, input_shape, input_dtype, probe)
+        plan = _plan(model, loss_fn, input_shape, input_dtype, probe, neighbouring != "replace-one")
     if key is not None:
         _PLANS[key] = plan
         while len(_PLANS) > 64:
@@ -345,6 +355,7 @@ def _plan(
     input_shape: tuple[int, ...],
     input_dtype: torch.dtype,
     probe: tuple[torch.Tensor, torch.Tensor] | None,
+    removal: bool,
 ) -> ClippingPlan:
     attempts: list[tuple[Any, torch.dtype, float]] = [("cpu", torch.float64, 1e-6)]
     device = next(model.parameters()).device
@@ -365,7 +376,7 @@ def _plan(
         if x_all.is_floating_point():
             x_all = x_all.to(dtype)
         try:
-            plan = _plan_on(reference_model, loss_fn, x_all.to(where), labels, tolerance)
+            plan = _plan_on(reference_model, loss_fn, x_all.to(where), labels, tolerance, removal)
         except ClippingUnsupported as error:
             failure = error
             if dtype == torch.float64 and (error.__cause__ is not None or isinstance(error, NotFinite)):

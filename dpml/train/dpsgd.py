@@ -430,7 +430,7 @@ def train_dpsgd(
     if canaries is not None and collective is not None:
         raise ValueError("the audit's gradient canaries run in one process (collective must be None)")
     n = n_total = x.shape[0]
-    plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype)
+    plan = plan_clipping(model, loss_fn, tuple(x.shape[1:]), x.dtype, neighbouring=neighbouring)
     steps = number_of_steps(epochs, sample_rate)
     if canaries is not None:
         slots = torch.as_tensor(canaries.included_slots(), dtype=torch.long)

@@ -15,12 +15,19 @@ loss would not either. Without mixing both are the same numbers up to rounding (
 computed from their own inputs; example 0's loss is not in the sum). Each parameter's change is judged relative to
 its gradient, or to ``tolerance`` × the whole gradient's norm where its own is smaller: a gradient that is 0 up to
 rounding (an attention key's bias) is not judged by the rounding of a float32 pass on a GPU.
+
+And removing example 0 (the add/remove neighbours' relation) must leave ℓ_1 … ℓ_{B−1} unchanged: a model may
+depend on the batch's size alone (``h / len(h)``) or on each example's place in it (a sum along the batch of rows
+computed from parameters), which replacing an example does not show. Under replace-one neighbours the other examples
+keep their places and the batch its size (Poisson sampling draws the same indices for both data sets), so that check
+is not asked for there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,7 @@ from dpml.train.clipping import LossFn, per_example_losses
 from dpml.train.clipping_reference import Reference
 
 PROBE_SEED = 20_261_125
+LOG = logging.getLogger("dpml.clipping")
 
 
 class ClippingUnsupported(ValueError):
@@ -66,9 +74,10 @@ class Probe:
             yield
 
 
-def check_independent(probe: Probe, reference: Reference, tolerance: float) -> None:
-    """Replacing example 0 leaves the other examples' losses and their losses' gradient as they were (module
-    docstring); otherwise :class:`ClippingUnsupported`, saying what moved."""
+def check_independent(probe: Probe, reference: Reference, tolerance: float, removal: bool = True) -> None:
+    """Replacing example 0 leaves the other examples' losses and their losses' gradient as they were, and
+    (``removal``: add-remove neighbours) removing it leaves their losses (module docstring); otherwise
+    :class:`ClippingUnsupported`, saying what moved."""
     with probe.same_state(), torch.no_grad():
         losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
     scale = reference.losses.abs().max() + 1e-30
@@ -94,6 +103,39 @@ def check_independent(probe: Probe, reference: Reference, tolerance: float) -> N
             "of a batch where a parameter is still zero (a mixture or routing averaged over the batch), so clipping "
             "each example's gradient does not bound its influence; make each example's output depend on that "
             "example alone"
+        )
+    if removal:
+        _check_size_free(probe, tolerance)
+
+
+def _check_size_free(probe: Probe, tolerance: float) -> None:
+    """Removing example 0 leaves the other examples' losses as they were (module docstring). In evaluation mode, where
+    no dropout mask is drawn (one row fewer would draw the others' anew); a model that cannot run in evaluation mode,
+    or draws at random there too (two passes differ), is not judged here (its training-mode checks above stand)."""
+    was_training = probe.model.training
+    probe.model.eval()
+    try:
+        with probe.same_state(), torch.no_grad():
+            whole = per_example_losses(probe.model, probe.loss_fn, probe.x, probe.y)
+            again = per_example_losses(probe.model, probe.loss_fn, probe.x, probe.y)  # (the generators moved on)
+            fewer = per_example_losses(probe.model, probe.loss_fn, probe.x[1:], probe.y[1:])
+    except Exception as error:  # noqa: BLE001 (a user's module: its evaluation mode is not what is checked)
+        LOG.info("the batch-size check did not run: the model failed in evaluation mode (%s)", type(error).__name__)
+        return
+    finally:
+        probe.model.train(was_training)
+    scale = whole.abs().max() + 1e-30
+    if bool(((again - whole).abs() > tolerance * scale).any()):
+        LOG.info("the batch-size check did not run: the model draws at random in evaluation mode too")
+        return
+    moved = ((fewer - whole[1:]).abs() > tolerance * scale).nonzero().flatten()
+    if moved.numel():
+        k = int(moved[0]) + 1
+        raise ClippingUnsupported(
+            f"model: removing example 0 of a probe batch changed the loss of example {k} ({float(whole[k]):.6g} → "
+            f"{float(fewer[k - 1]):.6g}): the model depends on how many examples a batch holds (it divides by the "
+            "batch's size, say), so adding or removing one example moves the others' terms and clipping each "
+            "example's gradient does not bound its influence; make each example's output depend on that example alone"
         )
 
 

@@ -107,7 +107,7 @@ class DpSgd(Trainer):
         model = self.build_model(config, in_features, n_classes, train.seed)
         loss = loss_function(train.loss, train.loss_tau, train.loss_alpha)
         check_world_size(train.world_size, str(pick_device(train.device)))
-        plan = plan_clipping(model, loss, (in_features,))
+        plan = plan_clipping(model, loss, (in_features,), neighbouring=config.dp.neighbouring)
         check_autocast(model, loss, (in_features,), torch.float32, pick_device(train.device), AUTOCAST[train.autocast])
         return plan.lines()
 
