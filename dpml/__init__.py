@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import importlib
+from typing import Any
 
 __all__ = ["DpConfig", "DpSgdSettings", "LedgerConfig", "PrivateTraining", "replace_batch_norm", "train_private"]
 _HOME = {"replace_batch_norm": "dpml.models.batch_norm"}  # the rest are the API's (dpml.api)

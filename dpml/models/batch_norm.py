@@ -48,9 +48,9 @@ def replace_batch_norm(model: nn.Module, groups: int = 32) -> nn.Module:
         raise ValueError(f"groups: {groups!r} is not allowed; a positive integer (C is split into gcd(groups, C))")
     for name, module in model.named_modules(remove_duplicate=True):
         _check_replaceable(name, module)
-    replacements: dict[int, nn.Module] = {}
     if isinstance(model, nn.modules.batchnorm._BatchNorm):
         return _group_norm(model, groups)
+    replacements: dict[int, nn.Module] = {}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.modules.batchnorm._BatchNorm):
@@ -82,7 +82,7 @@ def _check_replaceable(name: str, module: nn.Module) -> None:
         raise ValueError(f"{where} ({kind}) has hooks registered on it, which a GroupNorm in its place would drop")
 
 
-def _group_norm(batch_norm: nn.modules.batchnorm._BatchNorm, groups: int = 32) -> nn.GroupNorm:
+def _group_norm(batch_norm: nn.modules.batchnorm._BatchNorm, groups: int) -> nn.GroupNorm:
     """``nn.GroupNorm(gcd(groups, C), C)`` (one group for a ``BatchNorm1d``) with ``batch_norm``'s eps, affine scale
     and shift, device and dtype."""
     channels = batch_norm.num_features

@@ -80,10 +80,9 @@ def check_independent(probe: Probe, reference: Reference, tolerance: float, remo
     :class:`ClippingUnsupported`, saying what moved."""
     with probe.same_state(), torch.no_grad():
         losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
-    scale = reference.losses.abs().max() + 1e-30
-    moved = ((losses[1:] - reference.losses[1:]).abs() > tolerance * scale).nonzero().flatten()
-    if moved.numel():
-        k = int(moved[0]) + 1
+    k = _first_moved(losses[1:], reference.losses[1:], tolerance, reference.losses)
+    if k is not None:
+        k += 1
         raise ClippingUnsupported(
             f"model: replacing example 0 of a probe batch changed the loss of example {k} "
             f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model mixes the examples of a batch "
@@ -124,19 +123,26 @@ def _check_size_free(probe: Probe, tolerance: float) -> None:
         return
     finally:
         probe.model.train(was_training)
-    scale = whole.abs().max() + 1e-30
-    if bool(((again - whole).abs() > tolerance * scale).any()):
+    if _first_moved(again, whole, tolerance, whole) is not None:
         LOG.info("the batch-size check did not run: the model draws at random in evaluation mode too")
         return
-    moved = ((fewer - whole[1:]).abs() > tolerance * scale).nonzero().flatten()
-    if moved.numel():
-        k = int(moved[0]) + 1
+    k = _first_moved(fewer, whole[1:], tolerance, whole)
+    if k is not None:
+        k += 1
         raise ClippingUnsupported(
             f"model: removing example 0 of a probe batch changed the loss of example {k} ({float(whole[k]):.6g} → "
             f"{float(fewer[k - 1]):.6g}): the model depends on how many examples a batch holds (it divides by the "
             "batch's size, say), so adding or removing one example moves the others' terms and clipping each "
             "example's gradient does not bound its influence; make each example's output depend on that example alone"
         )
+
+
+def _first_moved(found: torch.Tensor, expected: torch.Tensor, tolerance: float, scale: torch.Tensor) -> int | None:
+    """The index of the first loss in ``found`` more than ``tolerance`` × the largest of the losses ``scale`` away
+    from ``expected``'s; None where none is."""
+    limit = tolerance * (scale.abs().max() + 1e-30)
+    moved = ((found - expected).abs() > limit).nonzero().flatten()
+    return int(moved[0]) if moved.numel() else None
 
 
 def _others_gradient(probe: Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ with per-index weights or not: z_i = Σ_j c_{i,j} W[k_{i,j}] (c the weight, divi
 than ``padding_idx`` for the mean), so ∇_W ℓ_i = Σ_j e_{k_{i,j}} (c_{i,j} δ_i)ᵀ: the lookup's form with δ_i spread over
 the bag. A bag's maximum (``mode="max"``): each column's gradient goes to the one row that column's maximum came from
 (:func:`_bag_maxima`). Bags given by offsets into one flat row of indices: the same, where bag b holds example b's
-indices (:func:`_flat_bags`: a padded batch packed by ``x[mask]``, its offsets from the lengths).
+indices (:func:`_bags_by_offsets`: a padded batch packed by ``x[mask]``, its offsets from the lengths).
 
 ``max_norm`` (renormalises W inside the forward) and ``scale_grad_by_freq`` (counts over the whole batch)
 have no rule.
@@ -88,39 +88,29 @@ def embedding_bag(call: Call) -> Pending | str:
     if padding_idx is not None and padding_idx < 0:
         padding_idx += w.shape()[0]
     if offsets is not None:
-        return _flat_bags(call, w, ids, offsets, mode, per_index, padding_idx)
-    if ids.dim() != 2 or not call.batch_first(ids):
+        found = _bags_by_offsets(call, ids, offsets)
+        if isinstance(found, str):
+            return found
+        starts, owners, rows = found
+    elif ids.dim() != 2 or not call.batch_first(ids):
         return "bags that are not one row of indices per example"
-    batch, size = ids.shape
-    if mode == "max":
+    else:  # one row of indices per example: bag b is row b
+        batch, size = ids.shape
         starts = torch.arange(0, batch * size, size, device=ids.device)
-        return _bag_maxima(call, w, ids.reshape(-1), starts, padding_idx)
-    kept = (ids != padding_idx) if padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
-    share = kept.to(weight.dtype) if per_index is None else per_index.detach() * kept
-    if mode == "mean":
-        share = share / kept.sum(1, keepdim=True).clamp(min=1)
-
-    def finish(d: torch.Tensor) -> list[Use]:
-        spread = share.to(d.dtype).unsqueeze(2) * d.reshape(batch, 1, -1)  # (B, L, D): c_{i,j} δ_i
-        return [(w, Factored(ids, spread, w.shape()[0], spread.shape[2]))]
-
-    return Pending(call.output, [w.param], finish)
+        owners, rows = torch.arange(batch).repeat_interleave(size), Rows(batch, None)
+        ids, per_index = ids.reshape(-1), None if per_index is None else per_index.reshape(-1)
+    if mode == "max":
+        return _bag_maxima(call, w, ids, starts, padding_idx)
+    return _summed_bags(call, w, ids, owners, rows, mode, per_index, padding_idx)
 
 
-def _flat_bags(
-    call: Call,
-    w: Tracked,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    mode: str,
-    per_index: torch.Tensor | None,
-    padding_idx: int | None,
-) -> Pending | str:
-    """Bags given by ``offsets`` into one flat row of indices (``ids`` (N,), as ``x[mask]`` packs a padded batch).
-    The rule holds where bag b is example b's indices — B bags, and the recorder's example of each index is the bag
-    ``offsets`` puts it in —, so that the bags' output is batch-first: ∇_W ℓ_i = Σ_{j in bag i} e_{k_j} (c_j δ_i)ᵀ,
-    c_j the index's weight (``per_sample_weights``, or 1; 0 at ``padding_idx``), divided by the bag's count of
-    indices counted for the mean; the indices example by example (ragged: padded with index 0 and no gradient)."""
+def _bags_by_offsets(
+    call: Call, ids: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, Rows] | str:
+    """Bags given by ``offsets`` into one flat row of indices (``ids`` (N,), as ``x[mask]`` packs a padded batch):
+    (each bag's start, the example of each index, the indices example by example) where bag b is example b's
+    indices — B bags, and the recorder's example of each index is the bag ``offsets`` puts it in —, so that the
+    bags' output is batch-first; else why not."""
     owners = call.leading_examples(ids) if ids.dim() == 1 else None
     if owners is None:
         return "a flat row of indices whose examples are not known"
@@ -131,8 +121,23 @@ def _flat_bags(
     rows = Rows.of_map(owners.unsqueeze(1), call.batch)
     if offsets.shape[0] != call.batch or not torch.equal(bag_of, owners.to(bag_of.dtype)) or rows is None:
         return "bags that are not the examples one by one"
-    if mode == "max":
-        return _bag_maxima(call, w, ids, offsets, padding_idx)
+    return offsets, owners, rows
+
+
+def _summed_bags(
+    call: Call,
+    w: Tracked,
+    ids: torch.Tensor,
+    owners: torch.Tensor,
+    rows: Rows,
+    mode: str,
+    per_index: torch.Tensor | None,
+    padding_idx: int | None,
+) -> Pending:
+    """Bags summed or averaged, ``ids`` (N,) flat, ``owners`` (N,) the example (= bag) of each index, ``rows`` them
+    example by example: ∇_W ℓ_i = Σ_{j in bag i} e_{k_j} (c_j δ_i)ᵀ, c_j the index's weight (``per_sample_weights``,
+    or 1; 0 at ``padding_idx``), divided by the bag's count of indices counted for the mean; the indices example by
+    example (ragged: padded with index 0 and no gradient)."""
     kept = (ids != padding_idx) if padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
     share = kept.to(call.arg(1, "weight").dtype) if per_index is None else per_index.detach() * kept
     owned = owners.to(ids.device)
