@@ -382,7 +382,9 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
                 "timm ResNet-18, GroupNorm(32, C)",
             )
     if family in TEXT_ZOO:
-        _import("transformers" if family != "gpt2-lora" else "peft")  # NotImportable, else imported as the zoo's
+        _import(
+            "peft" if family in ("gpt2-lora", "bert-c3a") else "transformers"
+        )  # NotImportable, else imported as the zoo's
         model, description = build_text(family, size, length, BERT_VOCAB, TEXT_CLASSES)
         return _token_wrapper()(model), description
     if family in IMAGE_ZOO:

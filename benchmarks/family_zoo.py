@@ -8,6 +8,8 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   attention), ``convbert`` (depthwise Conv1d span kernels), ``gpt-neo`` (local and global attention), ``opt``,
   ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
   for all query heads), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention and projections, the body frozen),
+  ``bert-c3a`` (peft C3A on BERT's query and value: a custom autograd Function of the batch and its kernels, which no
+  rule knows, run example by example),
   ``longformer`` (local attention in windows of 32, global attention on the first token: each example's global
   tokens written into zeros made for them), ``xlnet`` (time-major relative attention: a position table expanded
   over the batch, each layer's ``r`` projecting it);
@@ -55,6 +57,7 @@ TEXT_ZOO = [
     "mistral",
     "qwen2",
     "gpt2-lora",
+    "bert-c3a",
     "longformer",
     "xlnet",
 ]
@@ -123,6 +126,7 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
             **bert_like, attention_window=32, max_position_embeddings=length + 2, **common
         ),
         "xlnet": lambda: tr.XLNetConfig(d_model=h, n_layer=layers, n_head=heads, d_inner=ffn, **common),
+        "bert-c3a": lambda: tr.BertConfig(**bert_like, max_position_embeddings=max(512, length), **common),
         "gpt2-lora": lambda: tr.GPT2Config(
             n_embd=h, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=max(1024, length), **common
         ),
@@ -148,6 +152,13 @@ def build_text(family: str, size: dict, length: int, vocabulary: int, classes: i
         )
         model = peft.get_peft_model(tr.GPT2ForSequenceClassification(config), lora)
         return model, "peft LoRA r=8 on GPT-2's c_attn and c_proj (Conv1D), the body frozen"
+    if family == "bert-c3a":
+        import peft
+
+        block = config.hidden_size // 4
+        c3a = peft.C3AConfig(task_type=peft.TaskType.SEQ_CLS, block_size=block, target_modules=["query", "value"])
+        model = peft.get_peft_model(tr.BertForSequenceClassification(config), c3a)
+        return model, f"peft C3A (block-circulant kernels of {block}, FFTs) on BERT's query and value, the body frozen"
     model = tr.AutoModelForSequenceClassification.from_config(config)
     return model, f"{type(model).__name__}, attention {model.config._attn_implementation}"
 

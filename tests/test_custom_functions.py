@@ -1,6 +1,7 @@
 """Custom autograd Functions (``F.apply``) on parameters: seen by the recording pass
-(:mod:`dpml.train.rules.custom_functions`), their own backward used for the pull-back, the exact path named where no
-rule can know them, and ``Function.apply`` left as torch's outside a recording."""
+(:mod:`dpml.train.rules.custom_functions`), their own backward used for the pull-back, run example by example where
+they meet the batch (:mod:`dpml.train.rules.per_example_calls`), and ``Function.apply`` left as torch's outside a
+recording."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 from test_model_zoo import Logits
 from test_op_rules import (
-    assert_clipped_like_the_loop,
     assert_exact_without_the_exact_path,
     generator,
 )
@@ -18,7 +18,6 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from dpml.train.clipping import engine_pass
-from dpml.train.clipping_check import plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules import custom_functions
 
@@ -187,7 +186,8 @@ def test_functions_of_every_style_on_parameters_are_exact_without_the_exact_path
 
 
 class ParameterWithTheBatch(nn.Module):
-    """A Function called with a parameter and the batch: no rule knows it."""
+    """A Function called with a parameter and the batch: no rule knows it, so it is run example by example
+    (:mod:`dpml.train.rules.per_example_calls`), one use of the parameter through each of its two outputs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -200,14 +200,10 @@ class ParameterWithTheBatch(nn.Module):
         return self.out(product)
 
 
-def test_a_function_of_a_parameter_and_the_batch_takes_the_exact_path_named() -> None:
+def test_a_function_of_a_parameter_and_the_batch_with_two_outputs_is_run_example_by_example() -> None:
     torch.manual_seed(3)
-    model = ParameterWithTheBatch().double()
-    plan = plan_clipping(model, per_example_cross_entropy, (4,))
-    assert plan.exact_parameters == ("scale",)
-    assert "scale: test_custom_functions.ProductAndRatio.apply has no rule" in plan.lines(), plan.lines()
     x, y = torch.randn(7, 4, dtype=torch.float64, generator=generator(4)), torch.randint(0, 2, (7,))
-    assert_clipped_like_the_loop(model, x, y, exact=plan.exact)
+    assert_exact_without_the_exact_path(ParameterWithTheBatch(), per_example_cross_entropy, x, y)
 
 
 class Failing(nn.Module):

@@ -264,7 +264,8 @@ class Unruled(nn.Module):
         self.out = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.atan2(torch.tanh(self.x(x)), torch.cumsum(self.offset, 0) + 2))
+        reversed_ = torch.tanh(self.x(x)).flip(0)  # (the examples in reverse order: not run example by example)
+        return self.out(torch.atan2(reversed_, torch.cumsum(self.offset, 0) + 2).flip(0))
 
 
 def test_the_plan_names_each_exact_parameter_and_the_operation_that_sent_it_there() -> None:
@@ -272,7 +273,7 @@ def test_the_plan_names_each_exact_parameter_and_the_operation_that_sent_it_ther
     model = Unruled().double()
     plan = plan_clipping(model, per_example_cross_entropy, (4,))
     assert plan.exact_parameters == ("offset",)
-    assert "offset: torch.atan2 has no rule" in plan.lines()
+    assert any(line.startswith("offset: torch.atan2: no rule, and an operand") for line in plan.lines()), plan.lines()
     x, y = torch.randn(5, 4, dtype=torch.float64, generator=generator(3)), torch.randint(0, 2, (5,))
     sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3, exact=plan.exact)
     reference, reference_norms = loop_clipped_sum(model, x, y, 0.3)

@@ -28,7 +28,8 @@ relative 1e-3):
    Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own parameters must equal the reference's to a relative
    1e-6. A unit that fails takes the exact path (its parameters' per-example gradients by batched
    autograd), and the plan says which and why; so does every parameter no rule covers, with the
-   operation that sent it there (``encoder.x.weight: torch.cumsum has no rule``). A rule that read a constant's
+   operation that sent it there (``offset: torch.atan2: no rule, and an operand from the batch (shape (6, 4)) not
+   laid out example by example along one axis``). A rule that read a constant's
    dimension as the batch's (XLNet's position table expanded over the batch,
    :func:`dpml.train.rules.einsum._constant_batch_axis`) and failed is run again without that reading; the
    readings that pass travel with the plan (:class:`~dpml.train.exact_path.PlannedExact`), the only ones a

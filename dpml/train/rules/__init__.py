@@ -5,6 +5,9 @@ slope, a bilinear form, a concatenation, a value written into chosen places, a m
 a recurrent layer's scan over its steps, in place of its fused kernel), the engine forms its per-example gradient
 norm and clipped sum from that operation's operands and output gradient, however the module around it is written.
 
+An operation with no rule is run again example by example (:mod:`.per_example_calls`), each example's gradient
+through that operation alone, where its calls give the batch call's values.
+
 One rule per file, registered for the torch functions it covers (:func:`registry.rule`); a new operation
 is one file (imported below) plus a test. :mod:`.recorder` sees the operations, :mod:`.combine` adds up a
 parameter's uses (cross terms included).

@@ -16,8 +16,10 @@ Besides the rules' pending calls it keeps track of
   these describes is marked *lost*, and no rule assumes where its batch is. A tensor without an example map is
   batch-first when it was computed from the batch's inputs (position ids and constants were not) and its first
   dimension is B, as for the layer hooks;
-- **why** a parameter cannot be covered: an operation with no rule (``torch.cumsum has no rule``) or a rule that
-  refused the call (``F.linear: its input (shape (3, 5)) is not batch-first``);
+- **why** a parameter cannot be covered: a rule that refused the call (``F.linear: its input (shape (3, 5)) is not
+  batch-first``), or an operation with no rule that cannot be run example by example either (every such call is
+  handed to :func:`.per_example_calls.per_example_calls`: ``torch.atan2: no rule, and an operand from the batch …
+  not laid out example by example along one axis``);
 - whether a parameter of a hooked layer (:mod:`dpml.train.clipping`) is used outside that layer's call.
 
 An in-place operation with a rule (``h += pos``) is applied out of place to a copy of h, the result copied into h: no
@@ -37,6 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpml.train.rules.derived import DerivedNodes
+from dpml.train.rules.per_example_calls import per_example_calls
 from dpml.train.rules.rerun import RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
 from dpml.train.rules.example_maps import CONSTANTS, WRITES, ExampleMaps
@@ -283,15 +286,10 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         if func in BROADCASTING:
             return self._per_example_copies(func, args, kwargs, hits)
         handler = RULES.get(func)
-        if handler is None:
-            if (composite := composite_of(func, args, kwargs)) is not None:
-                with self:
-                    return composite(*args, **kwargs)
-            out = func(*args, **kwargs)
-            if any(o.requires_grad for o in outputs(out)):
-                self._refuse(hits, f"{function_name(func)} has no rule")
-            return out
-        return self._ruled(func, handler, args, kwargs, hits)
+        if handler is None and (composite := composite_of(func, args, kwargs)) is not None:
+            with self:
+                return composite(*args, **kwargs)
+        return self._ruled(func, handler or per_example_calls, args, kwargs, hits)
 
     def _view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         out = func(*args, **kwargs)
@@ -416,7 +414,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, hits: list[Tracked]
     ) -> Pending | None:
         """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
-        result: Pending | Shared | str = handler(self._call(func, args, kwargs, out))
+        result: Pending | list[Pending] | Shared | str = handler(self._call(func, args, kwargs, out))
         if isinstance(result, str):
             self._refuse(hits, f"{function_name(func)}: {result}")
             return None
@@ -424,13 +422,15 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             for o, tracked in result.outputs:
                 self._track(o, tracked)
             return None
-        covered = {id(p) for p in result.params}
+        uses = result if isinstance(result, list) else [result]  # (one for each output of the call)
+        covered = {id(p) for use in uses for p in use.params}
         self._refuse(
             [h for h in hits if id(h.param) not in covered], f"{function_name(func)}: no rule for this operand"
         )
-        result.operation = function_name(func)
-        self._pend(result)
-        return result
+        for use in uses:
+            use.operation = function_name(func)
+            self._pend(use)
+        return uses[0] if uses else None
 
 
 def _written_operands(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

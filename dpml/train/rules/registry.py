@@ -443,7 +443,7 @@ def _slice_per_row(
     return whole, padded, reduce, scattered
 
 
-RuleFunction = Callable[[Call], Union[Pending, Shared, str]]
+RuleFunction = Callable[[Call], Union[Pending, list[Pending], Shared, str]]
 RULES: dict[Any, RuleFunction] = {}
 BROADCASTING: set[Any] = set()  # functions that broadcast a shared operand over the batch: per-example copies
 INDEX_VIEWS: set[Any] = set()  # value-selecting ops: applied to the index tensors (w.t(), w.chunk(3), w[:k], …)

@@ -1,0 +1,211 @@
+"""What the recorder does with an operation no rule knows, called with a parameter and the batch: the call run again
+example by example, each example's gradient of the parameter taken through that one operation alone.
+
+Let z = f(x, w) be the call, x its operands from the batch (each holding example i's elements as one slice along
+one axis, :class:`Place`: batch-first, time-major, or a run of Swin's windows), w its parameter operands
+(parameters, their views, computations on parameters alone), z its output, laid out the same way. If f on example
+i's slices alone gives example i's slice of z,
+
+    f(x_i, w) = z_i  for every example i,                                                              (1)
+
+then example i's loss reaches w through this call only by z_i (the probe checks that each example's loss depends on
+its own values alone), and its gradient is one vector-Jacobian product through f alone,
+
+    ∇_w ℓ_i = J_w f(x_i, w)ᵀ δ_i,   δ_i = example i's slice of δ = ∂(Σ_j ℓ_j)/∂z                       (2)
+
+(the one backward pass every rule reads δ from). Each example's call reads its own copy W_i of w, a leaf
+(B, *w.shape), so that one backward pass over the B calls gives every (2) at once, materialised within the keep
+limit; the calls run as one ``torch.func.vmap`` where the function allows (the operation's own cost, batched), else
+one call per example. (1) is checked when the call is recorded: the calls' outputs against z's slices up to
+rounding (√ε of z's dtype relative to z's largest entry). The exact path instead backpropagates B rows through the
+whole graph from the loss. A call that draws random numbers (its values differ when run again), or whose slices
+read other examples' values, fails (1): its parameters take the exact path, the reason saying so. The probe then
+judges (2) against autograd's per-example gradients, as it judges every rule. (1) is checked at every call, in
+training too, not only on the probe's batch: it reads the outputs' values, one wait for a GPU per such call, the
+price of never clipping by a per-example gradient that is not one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dpml.train.rules.operands import outputs, substituted, tensors
+from dpml.train.rules.registry import (
+    Call,
+    Dense,
+    Pending,
+    Tracked,
+    Use,
+    beyond_keep_limit,
+    example_runs,
+    view_per_example,
+)
+from dpml.train.rules.rerun import random_state, replayed, writes_first_operand
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a tensor holds each example: example i's elements are its slice [i·run, (i + 1)·run) along ``axis``
+    (batch-first: axis 0, run 1; time-major: axis 1; Swin's windows: axis 0, a run of windows per example)."""
+
+    axis: int
+    run: int
+    batch: int
+
+    def of(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        return t.narrow(self.axis, i * self.run, self.run)
+
+    def by_example(self, t: torch.Tensor) -> torch.Tensor:
+        """t as (B, *example i's slice's shape), a view: entry i is :meth:`of` (t, i)."""
+        split: torch.Tensor = t.unflatten(self.axis, (self.batch, self.run))
+        return split.movedim(self.axis, 0)
+
+
+@dataclass(frozen=True)
+class _Copies:
+    """A parameter operand's per-example copies, W (B, *w.shape), a leaf: copy i is what example i's call reads. An
+    operand expanded over the batch (``w.expand(B, …)``, every example's slice the same view: ``tracked`` is that
+    slice) has copies of its slice, and example i's call reads copy i with a batch dimension of one."""
+
+    operand: torch.Tensor
+    tracked: Tracked
+    copies: torch.Tensor
+    expanded: bool = False
+
+    def as_read(self, copy: torch.Tensor) -> torch.Tensor:
+        """One example's copy as its call reads it."""
+        return copy.unsqueeze(0) if self.expanded else copy
+
+
+def per_example_calls(call: Call) -> list[Pending] | str:
+    """The call's per-example gradients by (2) of the module docstring, one pending use for each of its outputs that
+    carries a gradient (their uses of a parameter add up), or why (1) cannot be used."""
+    if call.kwargs.get("out") is not None or writes_first_operand(call.func, call.kwargs):
+        return "no rule, and it writes in place"
+    out = [z for z in outputs(call.output) if z.requires_grad]
+    if any(z.layout != torch.strided or not z.is_floating_point() for z in out):
+        return "no rule, and an output is not a dense floating-point tensor"
+    places = _places(call, [t for t in tensors(call.args, call.kwargs) if call.tracked(t) is None], out)
+    if isinstance(places, str):
+        return f"no rule, and {places}"
+    copies = _copies(call)
+    if isinstance(copies, str):
+        return f"no rule, and {copies}"
+    found = _called_per_example(call, places, copies)
+    if isinstance(found, str):
+        return f"no rule, and run example by example it {found}"
+    uses = []
+    for z, stacked in zip(out, found, strict=True):
+        place = places[id(z)]
+        assert place is not None
+        uses.append(_pending(z, stacked, place, copies))
+    return uses
+
+
+def _pending(z: torch.Tensor, stacked: torch.Tensor, place: Place, copies: list[_Copies]) -> Pending:
+    """The use of every parameter operand through output z: (2) for every example at once, from ``stacked``, the
+    example calls' outputs (B, *example i's slice of z), functions of the copies."""
+
+    def finish(d: torch.Tensor) -> list[Use]:
+        cotangent = place.by_example(d).to(stacked.dtype)
+        found = torch.autograd.grad(
+            stacked, [c.copies for c in copies], cotangent, retain_graph=True, allow_unused=True
+        )
+        return [
+            (c.tracked, Dense(torch.zeros_like(c.copies) if g is None else g))
+            for c, g in zip(copies, found, strict=True)
+        ]
+
+    return Pending(z, [c.tracked.param for c in copies], finish)
+
+
+def _places(call: Call, operands: list[torch.Tensor], out: list[torch.Tensor]) -> dict[int, Place | None] | str:
+    """Each operand's and output's :class:`Place` of the examples (None: an operand not from the batch, read whole by
+    every example's call); or why the examples are not found that way."""
+    found: dict[int, Place | None] = {}
+    for t in [*operands, *out]:
+        if not call.from_batch(t):
+            if any(t is z for z in out):
+                return "an output that is not the batch's"
+            found[id(t)] = None
+            continue
+        axis = call.example_axis(t)
+        run = None if axis is None else example_runs(axis[1], call.batch)
+        if axis is None or run is None:
+            return f"an operand from the batch (shape {tuple(t.shape)}) not laid out example by example along one axis"
+        found[id(t)] = Place(axis[0], run, call.batch)
+    return found
+
+
+def _copies(call: Call) -> list[_Copies] | str:
+    """A leaf of B copies of each parameter operand (within the keep limit, as its per-example gradients will be)."""
+    made: dict[int, _Copies] = {}
+    for t in tensors(call.args, call.kwargs):
+        tracked = call.tracked(t)
+        if tracked is None or id(t) in made:
+            continue
+        slice_ = view_per_example(tracked, tuple(t.shape), call.batch) if call.batch > 1 and t.dim() else None
+        expanded = slice_ is not None and t.shape[0] == call.batch
+        one = t.detach()[0] if expanded else t.detach()
+        beyond = beyond_keep_limit(call.batch, tuple(one.shape), t.device)
+        if beyond is not None:
+            return beyond
+        copies = one.unsqueeze(0).expand(call.batch, *one.shape).clone().requires_grad_(True)
+        made[id(t)] = _Copies(t, slice_ if expanded and slice_ is not None else tracked, copies, expanded)
+    return list(made.values())
+
+
+def _called_per_example(call: Call, places: dict[int, Place | None], copies: list[_Copies]) -> list[torch.Tensor] | str:
+    """The call on each example's slices and its own copy of each parameter operand, with autograd on (the graphs
+    (2) is read from): for each output that carries a gradient, the example calls' outputs stacked, (B, *example i's
+    slice); or how they differ from the call's, checking (1). The calls run as one ``torch.func.vmap`` where the
+    function allows it (no random draw, no data-dependent branch, a custom Function with a vmap rule), else one
+    call per example. The random state is left as the call left it: running it again draws nothing the model's
+    later operations would miss."""
+    out = [z for z in outputs(call.output) if z.requires_grad]
+    wanted = [k for k, z in enumerate(outputs(call.output)) if z.requires_grad]
+    batched = [t for t in tensors(call.args, call.kwargs) if places.get(id(t)) is not None]
+    split = [places[id(t)].by_example(t.detach()) for t in batched]  # type: ignore[union-attr]
+
+    def on_example(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        swap = {id(t): (t, s) for t, s in zip(batched, slices, strict=False)}
+        swap |= {id(c.operand): (c.operand, c.as_read(w)) for c, w in zip(copies, slices[len(batched) :], strict=True)}
+        args, kwargs = substituted(call.args, call.kwargs, swap)
+        results = outputs(call.func(*args, **kwargs))
+        return tuple(results[k] for k in wanted) if len(results) == len(outputs(call.output)) else ()
+
+    operands = [*split, *(c.copies for c in copies)]
+    try:
+        with torch.enable_grad(), replayed(random_state(out)):
+            try:
+                found = list(torch.func.vmap(on_example)(*operands))
+            except Exception:  # noqa: BLE001 (whatever vmap cannot batch: one call per example instead)
+                rows = [on_example(*(t[i] for t in operands)) for i in range(call.batch)]
+                found = [torch.stack(r) for r in zip(*rows, strict=True)] if all(rows) else []
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        return f"fails ({type(error).__name__}: {error})"
+    if len(found) != len(out):
+        return "gives other outputs"
+    for z, stacked in zip(out, found, strict=True):
+        place = places[id(z)]
+        assert place is not None
+        if not _same_values(stacked, z.detach(), place):
+            return _why_other_values(stacked, z, place)
+    return found
+
+
+def _same_values(stacked: torch.Tensor, z: torch.Tensor, place: Place) -> bool:
+    """Whether the example calls' outputs are z's slices up to rounding: |Δ| ≤ √ε · max |z| (ε of z's dtype)."""
+    if stacked.shape != place.by_example(z).shape:
+        return False
+    scale = float(z.abs().nan_to_num(0.0, 0.0, 0.0).max()) if z.numel() else 0.0
+    tolerance = torch.finfo(z.dtype).eps ** 0.5 * max(scale, torch.finfo(z.dtype).tiny)
+    return torch.allclose(stacked.detach().to(z.dtype), place.by_example(z), rtol=0.0, atol=tolerance, equal_nan=True)
+
+
+def _why_other_values(stacked: torch.Tensor, z: torch.Tensor, place: Place) -> str:
+    if stacked.shape != place.by_example(z).shape:
+        return f"gives slices of another shape ({tuple(stacked.shape[1:])}, not {tuple(place.of(z, 0).shape)})"
+    return "gives other values than the batch's call (it draws random numbers, or reads other examples' values)"
