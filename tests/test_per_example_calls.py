@@ -6,6 +6,8 @@ and the plan names it; and training with one moves the parameters as the per-exa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,12 +96,54 @@ class Windows(nn.Module):
         return self.out(moved.reshape(x.shape[0], 4, 3).mean(1))
 
 
-CASES = {
+class TimeBatchChannel(nn.Module):
+    """fairseq's time-major convolution, ``torch.conv_tbc`` on (T, B, C) with its kernel and bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.kernel = nn.Parameter(torch.randn(3, 4, 4) * 0.3)
+        self.bias = nn.Parameter(torch.randn(4) * 0.1)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T·4)
+        steps = torch.tanh(self.embed(x.view(x.shape[0], -1, 4))).transpose(0, 1).contiguous()  # (T, B, 4)
+        return self.out(torch.conv_tbc(steps, self.kernel, self.bias, 1).mean(0))
+
+
+class Through(nn.Module):
+    """The batch's activations (B, 4) and a parameter (4,) through ``op``, with outputs (B, 4)."""
+
+    def __init__(self, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4) * 0.5 + 0.2)
+        self.out = nn.Linear(4, 2)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.op(torch.tanh(self.embed(x)), self.w)))
+
+
+def _solved(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each example's 2 × 2 system solved against a learned matrix (batched linear algebra)."""
+    matrix = w.view(2, 2) + 3 * torch.eye(2, dtype=h.dtype)
+    return torch.linalg.solve(matrix, h.view(-1, 2, 2)).reshape(-1, 4)
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], int]] = {
     "cdist": (Prototypes, 4),
     "atan2 of a computation": (AngleToComputedOffset, 4),
     "grid_sample expanded": (LearnedSamplingGrid, 32),
     "hypot time-major": (TimeMajor, 12),
     "lerp in windows": (Windows, 16),
+    "conv_tbc time-major": (TimeBatchChannel, 20),
+    "pow, a learned exponent": (lambda: Through(lambda h, w: torch.pow(h.abs() + 1, w)), 4),
+    "clamp, a learned bound": (lambda: Through(lambda h, w: torch.clamp(h, -w.abs(), w.abs())), 4),
+    "cosine_similarity": (lambda: Through(lambda h, w: F.cosine_similarity(h, w.expand_as(h)).unsqueeze(1) * h), 4),
+    "addcdiv": (lambda: Through(lambda h, w: torch.addcdiv(h, h, w.abs() + 1)), 4),
+    "tensordot": (lambda: Through(lambda h, w: torch.tensordot(h, w.diag(), dims=1)), 4),
+    "linalg.solve": (lambda: Through(_solved), 4),
 }
 
 
