@@ -222,3 +222,39 @@ def test_an_operand_without_the_examples_along_one_axis_takes_the_exact_path_nam
     assert set(found.exact) == {"offset"}
     assert found.reasons["offset"].startswith("torch.atan2: no rule, and an operand from the batch"), found.reasons
     assert_clipped_like_the_loop(model, x, y, exact={"offset"})
+
+
+class BatchOfRows(torch.autograd.Function):
+    """A Function whose code asserts a batch of rows (as a library's own checks do): it fails on one example's row."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        assert x.shape[0] > 1, "expects a batch of rows"
+        ctx.save_for_backward(x, scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        x, scale = ctx.saved_tensors
+        return g * scale, (g * x).sum(0)
+
+
+class Asserting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(BatchOfRows.apply(torch.tanh(self.embed(x)), self.scale))
+
+
+def test_a_call_that_fails_on_one_examples_slices_takes_the_exact_path_named_not_a_crash() -> None:
+    torch.manual_seed(9)
+    model = Asserting().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64, generator=generator(10)), torch.randint(0, 2, (5,))
+    found = engine_pass(model, per_example_cross_entropy, x, y, ())
+    assert set(found.exact) == {"scale"}
+    assert "fails (AssertionError: expects a batch of rows" in found.reasons["scale"], found.reasons
+    assert_clipped_like_the_loop(model, x, y, exact={"scale"})
