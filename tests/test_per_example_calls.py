@@ -171,22 +171,25 @@ class NoisyScale(torch.autograd.Function):
         return g * scale * noise, (g * x * noise).sum(0)
 
 
-class Noisy(nn.Module):
-    def __init__(self) -> None:
+class ScaledBy(nn.Module):
+    """The batch's activations and a learned scale through a custom Function (``function.apply(h, scale)``)."""
+
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
         super().__init__()
         self.embed = nn.Linear(4, 4)
         self.scale = nn.Parameter(torch.rand(4) + 0.5)
         self.out = nn.Linear(4, 2)
+        self.function = function
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(NoisyScale.apply(torch.tanh(self.embed(x)), self.scale))
+        return self.out(self.function.apply(torch.tanh(self.embed(x)), self.scale))
 
 
 def test_an_operation_that_draws_random_numbers_takes_the_exact_path_named_and_clips_exactly() -> None:
     """Run again example by example it draws other noise, so its rows differ from the batch's call: (1) of the
     rule fails, and the scale takes the exact path (every other parameter its rule), the plan saying why."""
     torch.manual_seed(4)
-    model = Noisy().double()
+    model = ScaledBy(NoisyScale).double()
     plan = plan_clipping(model, per_example_cross_entropy, (4,))
     assert plan.exact_parameters == ("scale",), plan.lines()
     (line,) = [line for line in plan.lines() if line.startswith("scale: ")]
@@ -239,20 +242,9 @@ class BatchOfRows(torch.autograd.Function):
         return g * scale, (g * x).sum(0)
 
 
-class Asserting(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 4)
-        self.scale = nn.Parameter(torch.rand(4) + 0.5)
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(BatchOfRows.apply(torch.tanh(self.embed(x)), self.scale))
-
-
 def test_a_call_that_fails_on_one_examples_slices_takes_the_exact_path_named_not_a_crash() -> None:
     torch.manual_seed(9)
-    model = Asserting().double()
+    model = ScaledBy(BatchOfRows).double()
     x, y = torch.randn(5, 4, dtype=torch.float64, generator=generator(10)), torch.randint(0, 2, (5,))
     found = engine_pass(model, per_example_cross_entropy, x, y, ())
     assert set(found.exact) == {"scale"}
