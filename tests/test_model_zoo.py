@@ -270,3 +270,66 @@ def test_a_mixture_of_experts_plans_no_exact_path(family: str, implementation: s
     plan = plan_clipping(model, per_example_cross_entropy, (2, 9), torch.long, probe=(_tokens(family), _labels(5)))
     assert plan.exact_parameters == (), plan.lines()
     assert any("experts" in name for name in plan.rule_parameters), plan.rule_parameters
+
+
+SEQUENCE_MIXERS: dict[str, dict[str, Any]] = {  # transformers' base models with no sequence-classification head
+    "mamba": dict(state_size=4, expand=2, conv_kernel=3, time_step_rank=4),  # the selective scan, step by step
+    "mamba2": dict(state_size=4, expand=2, conv_kernel=3, num_heads=4, head_dim=8, n_groups=1, chunk_size=8),
+    "rwkv": dict(attention_hidden_size=16, intermediate_size=32, context_length=32),  # out[:, t] = row_t, 16 steps
+    "recurrent_gemma": dict(
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        lru_width=16,
+        attention_window_size=8,
+        head_dim=8,
+        conv1d_width=3,
+        block_types=["recurrent", "recurrent", "attention"],
+    ),
+    "lfm2": dict(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+    ),
+    "xlstm": dict(
+        embedding_dim=16,
+        num_heads=2,
+        qk_dim_factor=0.5,
+        v_dim_factor=1.0,
+        chunk_size=8,
+        mode="train",
+        chunkwise_kernel="chunkwise--native_autograd",
+        sequence_kernel="native_sequence__native",
+        step_kernel="native",
+    ),
+}
+
+
+class MeanPooled(nn.Module):
+    """A base model's hidden states (token ids in, no padding) averaged over the tokens, then a linear head."""
+
+    def __init__(self, base: nn.Module, width: int) -> None:
+        super().__init__()
+        self.base, self.head = base, nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.base(input_ids=ids).last_hidden_state.mean(1))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("family", sorted(SEQUENCE_MIXERS))
+def test_a_state_space_or_recurrent_model_of_each_family_clips_exactly_without_the_exact_path(family: str) -> None:
+    """Mamba's and Mamba-2's scans, RWKV's time-mixing loop, RecurrentGemma's LRU, LFM2's gated convolutions and
+    xLSTM's cells, as their libraries run them on a CPU (their decays exponentiated in float32 whatever the model's
+    dtype: float32 rounding)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    torch.manual_seed(0)
+    settings = dict(hidden_size=16, num_hidden_layers=2, vocab_size=40, use_cache=False) | SEQUENCE_MIXERS[family]
+    base = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(family, **settings))
+    ids = torch.randint(1, 40, (5, 16), generator=torch.Generator().manual_seed(2))
+    assert_exact_without_the_exact_path(
+        MeanPooled(base.eval(), 16), per_example_cross_entropy, ids, _labels(5), tolerance=1e-6
+    )

@@ -194,6 +194,8 @@ class ExampleMaps:
         if not known or not value_known or written is None:
             self._keep_examples(target, None)
             return
+        if old is not None and _places_keep_their_examples(old.expand(target.shape), key, written):
+            return  # (a time step's rows written back where they were: no map of the whole target made again)
         full = torch.full(target.shape, -1, dtype=torch.int64) if old is None else old.expand(target.shape).clone()
         try:
             full[_on_host(key)] = written
@@ -478,3 +480,14 @@ class ExampleMaps:
         self._keep_examples(outs[0], mapped)
         for o in outs[1:]:
             self._keep_examples(o, None)
+
+
+def _places_keep_their_examples(examples: torch.Tensor, key: Any, written: torch.Tensor) -> bool:
+    """Whether writing a value whose map is ``written`` at ``key`` of a tensor whose map is ``examples`` leaves every
+    place's example as it was (RWKV's and other scans' ``out[:, t] = row_t``, a batch-first row into a batch-first
+    target): then the target's map stands, read at the written places only."""
+    try:
+        at = examples[_on_host(key)]
+        return bool(torch.equal(at, written.expand_as(at)))
+    except (RuntimeError, TypeError, IndexError, ValueError):
+        return False
