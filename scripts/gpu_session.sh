@@ -56,7 +56,7 @@ status=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "1. the CUDA tests"
   step timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
-    tests/test_captured_passes.py tests/test_streamed_pieces.py -k "not wide_resnet_peaks" -rs \
+    tests/test_captured_passes.py tests/test_streamed_pieces.py tests/test_per_example_calls.py -k "not wide_resnet_peaks" -rs \
     2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi

@@ -250,3 +250,27 @@ def test_a_call_that_fails_on_one_examples_slices_takes_the_exact_path_named_not
     assert set(found.exact) == {"scale"}
     assert "fails (AssertionError: expects a batch of rows" in found.reasons["scale"], found.reasons
     assert_clipped_like_the_loop(model, x, y, exact={"scale"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine: the GPU check did not run")
+@pytest.mark.parametrize("case", ["cdist", "conv_tbc time-major", "pow, a learned exponent", "lerp in windows"])
+def test_on_the_gpu_an_operation_without_a_rule_is_run_example_by_example_exactly(case: str) -> None:
+    """The same on a GPU (``scripts/gpu_session.sh`` runs this file): the example calls, their check against the
+    batch's call and the copies' gradients on the batch's device."""
+    module, width = CASES[case]
+    torch.manual_seed(1)
+    model = module().double().cuda()
+    x = torch.randn(6, width, dtype=torch.float64, generator=generator(2)).cuda()
+    y = torch.randint(0, 2, (6,), generator=generator(3)).cuda()
+    found = engine_pass(model, per_example_cross_entropy, x, y, ())
+    assert found.exact == {}, found.reasons
+    assert_clipped_like_the_loop(model, x, y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine: the GPU check did not run")
+def test_on_the_gpu_an_operation_that_draws_random_numbers_takes_the_exact_path() -> None:
+    torch.manual_seed(4)
+    model = ScaledBy(NoisyScale).double().cuda()
+    x, y = torch.randn(7, 4, dtype=torch.float64).cuda(), torch.randint(0, 2, (7,)).cuda()
+    found = engine_pass(model, per_example_cross_entropy, x, y, ())
+    assert set(found.exact) == {"scale"} and "draws random numbers" in found.reasons["scale"], found.reasons

@@ -27,6 +27,7 @@ price of never clipping by a per-example gradient that is not one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -178,7 +179,8 @@ def _called_per_example(call: Call, places: dict[int, Place | None], copies: lis
 
     operands = [*split, *(c.copies for c in copies)]
     try:
-        with torch.enable_grad(), replayed(random_state(out)):
+        with torch.enable_grad(), replayed(random_state(out)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the call's own warnings came with the batch's call; vmap's are ours)
             try:
                 found = list(torch.func.vmap(on_example)(*operands))
             except Exception:  # noqa: BLE001 (whatever vmap cannot batch: one call per example instead)
