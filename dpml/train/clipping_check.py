@@ -81,6 +81,7 @@ from dpml.train.probe_checks import (
     Probe,
     check_independent,
     check_no_data_in_buffers,
+    reject_complex_parameters,
 )
 
 PROBE_BATCH = 6
@@ -300,6 +301,7 @@ def plan_clipping(
     ``neighbouring``: the relation the run is certified under; under add-remove the other examples' losses must
     not move when one is removed either (:mod:`dpml.train.probe_checks`)."""
     reject_batch_norm(model)
+    reject_complex_parameters(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ClippingUnsupported("model: it has no trainable parameter")
     key = None if probe is not None else (*architecture_key(model, loss_fn, input_shape, input_dtype), neighbouring)

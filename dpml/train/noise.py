@@ -134,7 +134,12 @@ def gaussian(shape: Sequence[int], std: float, generator: torch.Generator, dtype
     (on the CPU, of the pairs rounded up to a multiple of ``STREAMS``). 1 − U ≥ 2⁻⁵³ bounds |Z| by
     8.57·std (module docstring). The functions run in float64 for float64 output, else in float32; on
     the CPU in compiled code or NumPy (:class:`BoxMullerBuffers`: ``STREAMS`` SFC64 streams, each
-    drawing all its U, then all its V), on a GPU in torch (the generator's Philox stream)."""
+    drawing all its U, then all its V), on a GPU in torch (the generator's Philox stream). A complex ``dtype`` is
+    refused: cast to it, real noise would leave every imaginary part without noise."""
+    if dtype.is_complex:
+        raise ValueError(
+            f"dtype: {dtype} noise is not drawn (real and imaginary parts each need their own); allowed: real"
+        )
     count = math.prod(shape)
     if generator.device.type == "cpu":
         return BoxMullerBuffers(count, dtype).draw(std, generator, torch.get_num_threads()).reshape(tuple(shape))

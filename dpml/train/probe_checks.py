@@ -183,3 +183,15 @@ def check_no_data_in_buffers(probe: Probe, tolerance: float) -> None:
                 "outside the DP guarantee; keep no statistics of the data in buffers (nn.InstanceNorm: "
                 "track_running_stats=False; use nn.GroupNorm or nn.LayerNorm for normalisation)"
             )
+
+
+def reject_complex_parameters(model: nn.Module) -> None:
+    """A complex trainable parameter is refused before any work: its per-example norm, clipped sum and noise would
+    each have to treat the real and imaginary parts as two real coordinates, and the engine does not. Held as a real
+    parameter of shape (…, 2) and read through ``torch.view_as_complex``, each part is a real coordinate of its own."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.is_complex():
+            raise ClippingUnsupported(
+                f"model parameter {name!r} is complex ({p.dtype}); dpml clips and noises real parameters: hold it as "
+                f"a real parameter of shape {(*p.shape, 2)} and read it through torch.view_as_complex"
+            )

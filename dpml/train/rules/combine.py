@@ -54,7 +54,8 @@ def cast_form(form: Form, dtype: torch.dtype) -> Form:
 
 
 def _one_hot(t: torch.Tensor) -> bool:
-    return not t.is_floating_point()
+    """A factor of integer indices (an embedding's rows e_k), not of values (real or complex)."""
+    return not t.is_floating_point() and not t.is_complex()
 
 
 def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
