@@ -1,12 +1,13 @@
 """Complex parameters (a Fourier neural operator's spectral weights): refused before any work, naming the parameter
-and the real form that trains; the real form, read through ``torch.view_as_complex``, clips exactly; and complex
-noise is never drawn (cast to complex, real noise would leave the imaginary parts without any)."""
+and the real form that trains; the real form, read through ``torch.view_as_complex``, and a long convolution by FFT
+with a learned kernel clip exactly without the exact path; and complex noise is never drawn (cast to complex, real
+noise would leave the imaginary parts without any)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_op_rules import assert_clipped_like_the_loop, generator
+from test_op_rules import assert_exact_without_the_exact_path, generator
 from torch import nn
 
 from dpml.train.clipping_check import plan_clipping
@@ -50,14 +51,37 @@ def test_a_complex_parameter_is_refused_before_any_work_naming_it_and_the_real_f
     assert "shape (4, 4, 3, 2)" in message and "torch.view_as_complex" in message, message
 
 
-def test_the_real_form_read_through_view_as_complex_clips_exactly() -> None:
-    """(At 6870e29 its complex factors were read as integer indices, and the plan failed: a recursion without end.)"""
+def test_the_real_form_read_through_view_as_complex_clips_exactly_without_the_exact_path() -> None:
+    """(At 6870e29 its complex factors were read as integer indices, and the plan failed: a recursion without end;
+    at f76ecb9 the einsum's rule, which does not conjugate, was off and the probe sent the weights to the exact
+    path. Complex calls now run example by example, through autograd's own convention.)"""
     torch.manual_seed(3)
-    model = SpectralConvolution(complex_weights=False).double()
     x = torch.randn(6, 8, dtype=torch.float64, generator=generator(4))
     y = torch.randint(0, 2, (6,), generator=generator(5))
-    plan = plan_clipping(model, per_example_cross_entropy, (8,), torch.float64, probe=(x, y))
-    assert_clipped_like_the_loop(model, x, y, exact=plan.exact)
+    assert_exact_without_the_exact_path(SpectralConvolution(complex_weights=False), per_example_cross_entropy, x, y)
+
+
+class LongConvolution(nn.Module):
+    """A long convolution by FFT with a learned kernel (S4's and Hyena's form): irfft(rfft(h) · rfft(k))."""
+
+    def __init__(self, length: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(length, length)
+        self.kernel = nn.Parameter(torch.randn(length) * 0.5)
+        self.out = nn.Linear(length, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        return self.out(torch.fft.irfft(torch.fft.rfft(h) * torch.fft.rfft(self.kernel), n=h.shape[-1]))
+
+
+def test_a_long_convolution_by_fft_with_a_learned_kernel_clips_exactly_without_the_exact_path() -> None:
+    """(At f76ecb9 the kernel's complex per-example gradients were cast to real on their way back
+    through the FFT: 92 % off, and the probe sent the kernel to the exact path.)"""
+    torch.manual_seed(6)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=generator(7))
+    y = torch.randint(0, 2, (6,), generator=generator(8))
+    assert_exact_without_the_exact_path(LongConvolution(), per_example_cross_entropy, x, y)
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])

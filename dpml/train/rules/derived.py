@@ -347,11 +347,12 @@ def _slices(
         local = {id(node.output): [(t, _examples(f, rows)) for t, f in uses.get(id(node.output), [])] for node in chain}
         found: dict[int, torch.Tensor] = {}  # a lazy parameter's per-example gradients in this slice, (slice, numel)
         for k, node in enumerate(chain):
-            gradients = per_example_gradients_of(local.pop(id(node.output)), node.output, rows.stop - rows.start, dtype)
+            count, like = rows.stop - rows.start, _complex_as(dtype, node.output)
+            gradients = per_example_gradients_of(local.pop(id(node.output)), node.output, count, like)
             for j, ((_, tracked), g) in enumerate(zip(node.sources, pull_back(node, gradients), strict=True)):
                 key = id(tracked.param)
                 if key in local:  # the output of a computation still to come: a use of it
-                    local[key].append((tracked, Dense(g.to(dtype))))
+                    local[key].append((tracked, Dense(g.to(_complex_as(dtype, tracked.param)))))
                 elif key in lazy:
                     flat = g.reshape(g.shape[0], -1).to(dtype)
                     if tracked.index is None:  # the parameter itself
@@ -364,6 +365,14 @@ def _slices(
         for key, total in found.items():
             visit(key, rows, total)
     return parts
+
+
+def _complex_as(dtype: torch.dtype, t: torch.Tensor) -> torch.dtype:
+    """The engine's ``dtype``, or its complex counterpart for a complex computation's output ``t`` (its per-example
+    gradients keep their imaginary parts until the pull-back reaches the real parameters)."""
+    if not t.is_complex():
+        return dtype
+    return torch.complex128 if dtype == torch.float64 else torch.complex64
 
 
 def _recomputed_pieces(

@@ -86,8 +86,8 @@ def per_example_calls(call: Call) -> list[Pending] | str:
     if call.kwargs.get("out") is not None or writes_first_operand(call.func, call.kwargs):
         return "no rule, and it writes in place"
     out = [z for z in outputs(call.output) if z.requires_grad]
-    if any(z.layout != torch.strided or not z.is_floating_point() for z in out):
-        return "no rule, and an output is not a dense floating-point tensor"
+    if any(z.layout != torch.strided or not (z.is_floating_point() or z.is_complex()) for z in out):
+        return "no rule, and an output is not a dense floating-point or complex tensor"
     places = _places(call, [t for t in tensors(call.args, call.kwargs) if call.tracked(t) is None], out)
     if isinstance(places, str):
         return f"no rule, and {places}"

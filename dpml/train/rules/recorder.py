@@ -319,6 +319,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self._follow_rows(args, kwargs, out, func)
         if any(self.derived(t) for t in tensors(args, kwargs)):  # (known to its rule: the rows of a lookup's output)
             self._derived.add(*outputs(out))
+        if any(t.is_complex() for t in (*tensors(args, kwargs), *outputs(out))):
+            handler = per_example_calls  # (the rules' products do not conjugate complex operands; autograd does)
         result = self._apply(func, handler, args, kwargs, out, hits)
         if (
             result is not None
