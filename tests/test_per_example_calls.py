@@ -203,15 +203,9 @@ def test_an_operation_that_draws_random_numbers_takes_the_exact_path_named_and_c
         torch.testing.assert_close(sums[name], expected, rtol=1e-10, atol=1e-12, msg=name)
 
 
-class Reversed(nn.Module):
+class Reversed(AngleToComputedOffset):
     """The batch's rows in reverse order meet a parameter in an operation with no rule: no example-by-example layout
     of the operand along one axis (each example's row is still its own)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 4)
-        self.offset = nn.Parameter(torch.randn(4))
-        self.out = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.atan2(torch.tanh(self.embed(x)).flip(0), self.offset + 2).flip(0))

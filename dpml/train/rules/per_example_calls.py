@@ -55,11 +55,8 @@ class Place:
     run: int
     batch: int
 
-    def of(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        return t.narrow(self.axis, i * self.run, self.run)
-
     def by_example(self, t: torch.Tensor) -> torch.Tensor:
-        """t as (B, *example i's slice's shape), a view: entry i is :meth:`of` (t, i)."""
+        """t as (B, *example i's slice's shape), a view: entry i is t's slice [i·run, (i + 1)·run) along ``axis``."""
         split: torch.Tensor = t.unflatten(self.axis, (self.batch, self.run))
         return split.movedim(self.axis, 0)
 
@@ -80,23 +77,30 @@ class _Copies:
         return copy.unsqueeze(0) if self.expanded else copy
 
 
-def per_example_calls(call: Call) -> list[Pending] | str:
+def per_example_calls(call: Call, because: str = "no rule") -> list[Pending] | str:
     """The call's per-example gradients by (2) of the module docstring, one pending use for each of its outputs that
-    carries a gradient (their uses of a parameter add up), or why (1) cannot be used."""
+    carries a gradient (their uses of a parameter add up), or why (1) cannot be used, after ``because``: why the
+    call came here rather than to a rule."""
+    found = _uses(call)
+    return found if isinstance(found, list) else f"{because}, and {found}"
+
+
+def _uses(call: Call) -> list[Pending] | str:
+    """:func:`per_example_calls`' uses, or why not (its reason's second half)."""
     if call.kwargs.get("out") is not None or writes_first_operand(call.func, call.kwargs):
-        return "no rule, and it writes in place"
+        return "it writes in place"
     out = [z for z in outputs(call.output) if z.requires_grad]
     if any(z.layout != torch.strided or not (z.is_floating_point() or z.is_complex()) for z in out):
-        return "no rule, and an output is not a dense floating-point or complex tensor"
+        return "an output is not a dense floating-point or complex tensor"
     places = _places(call, [t for t in tensors(call.args, call.kwargs) if call.tracked(t) is None], out)
     if isinstance(places, str):
-        return f"no rule, and {places}"
+        return places
     copies = _copies(call)
     if isinstance(copies, str):
-        return f"no rule, and {copies}"
-    found = _called_per_example(call, places, copies)
+        return copies
+    found = _called_per_example(call, out, places, copies)
     if isinstance(found, str):
-        return f"no rule, and run example by example it {found}"
+        return f"run example by example it {found}"
     uses = []
     for z, stacked in zip(out, found, strict=True):
         place = places[id(z)]
@@ -154,19 +158,20 @@ def _copies(call: Call) -> list[_Copies] | str:
         if beyond is not None:
             return beyond
         copies = one.unsqueeze(0).expand(call.batch, *one.shape).clone().requires_grad_(True)
-        made[id(t)] = _Copies(t, slice_ if expanded and slice_ is not None else tracked, copies, expanded)
+        made[id(t)] = _Copies(t, slice_ if slice_ is not None and expanded else tracked, copies, expanded)
     return list(made.values())
 
 
-def _called_per_example(call: Call, places: dict[int, Place | None], copies: list[_Copies]) -> list[torch.Tensor] | str:
+def _called_per_example(
+    call: Call, out: list[torch.Tensor], places: dict[int, Place | None], copies: list[_Copies]
+) -> list[torch.Tensor] | str:
     """The call on each example's slices and its own copy of each parameter operand, with autograd on (the graphs
     (2) is read from): for each output that carries a gradient, the example calls' outputs stacked, (B, *example i's
     slice); or how they differ from the call's, checking (1). The calls run as one ``torch.func.vmap`` where the
     function allows it (no random draw, no data-dependent branch, a custom Function with a vmap rule), else one
     call per example. The random state is left as the call left it: running it again draws nothing the model's
     later operations would miss."""
-    out = [z for z in outputs(call.output) if z.requires_grad]
-    wanted = [k for k, z in enumerate(outputs(call.output)) if z.requires_grad]
+    wanted = [k for k, z in enumerate(outputs(call.output)) if z.requires_grad]  # (the places of ``out``)
     batched = [t for t in tensors(call.args, call.kwargs) if places.get(id(t)) is not None]
     split = [places[id(t)].by_example(t.detach()) for t in batched]  # type: ignore[union-attr]
 
@@ -209,5 +214,5 @@ def _same_values(stacked: torch.Tensor, z: torch.Tensor, place: Place) -> bool:
 
 def _why_other_values(stacked: torch.Tensor, z: torch.Tensor, place: Place) -> str:
     if stacked.shape != place.by_example(z).shape:
-        return f"gives slices of another shape ({tuple(stacked.shape[1:])}, not {tuple(place.of(z, 0).shape)})"
+        return f"gives slices of another shape ({tuple(stacked.shape[1:])}, not {tuple(place.by_example(z).shape[1:])})"
     return "gives other values than the batch's call (it draws random numbers, or reads other examples' values)"

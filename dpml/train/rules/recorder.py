@@ -31,6 +31,7 @@ The example maps' bookkeeping is :mod:`dpml.train.rules.example_maps`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -319,8 +320,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self._follow_rows(args, kwargs, out, func)
         if any(self.derived(t) for t in tensors(args, kwargs)):  # (known to its rule: the rows of a lookup's output)
             self._derived.add(*outputs(out))
-        if any(t.is_complex() for t in (*tensors(args, kwargs), *outputs(out))):
-            handler = per_example_calls  # (the rules' products do not conjugate complex operands; autograd does)
+        if handler is not per_example_calls and any(t.is_complex() for t in (*tensors(args, kwargs), *outputs(out))):
+            handler = _COMPLEX  # (the rules' products do not conjugate complex operands; autograd does)
         result = self._apply(func, handler, args, kwargs, out, hits)
         if (
             result is not None
@@ -433,6 +434,9 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             use.operation = function_name(func)
             self._pend(use)
         return uses[0] if uses else None
+
+
+_COMPLEX = functools.partial(per_example_calls, because="complex values, which no rule conjugates")
 
 
 def _written_operands(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
