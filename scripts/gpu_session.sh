@@ -10,12 +10,13 @@
 # else is touched) and runs, each step under its own time limit so that a slow or crashing step costs only
 # its own output, and each step's log written beside its results in DIR:
 #   1. the CUDA tests (tests/test_devices.py, tests/test_noise.py, tests/test_captured_passes.py,
-#      tests/test_streamed_pieces.py but its CPU memory test): 120 s;
-#   2. the model families at base size, batch 256 (benchmarks/families.py, families_cuda.{md,json}): 250 s;
-#   3. the speed table, one process per model (benchmarks/speed.py, speed_cuda_<model>/): mlp and cnn at
-#      batches 512 and 4096, wrn-16-4 at 512: 150 s in all (with the eager row, dpml-eager);
+#      tests/test_streamed_pieces.py but its CPU memory test, tests/test_per_example_calls.py): 100 s;
+#   2. the model families at base size, batch 256 (benchmarks/families.py, families_cuda.{md,json}): 215 s;
+#   3. the speed table, one process per model and batch set (benchmarks/speed.py, speed_cuda_<model><batch>/):
+#      mlp and cnn at batches 512 and 4096, wrn-16-4 at 512, then at 4096 (8 rounds, without the chunked
+#      non-private and one-chunk rows): 220 s in all (with the eager row, dpml-eager);
 #   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
-#      families_profile_cuda.md): 40 s;
+#      families_profile_cuda.md): 30 s;
 #   5. grouped and depthwise convolutions' per-example ways and the engine's pick (benchmarks/grouped_conv_ways.py,
 #      grouped_conv_ways_cuda.md): 15 s, last, so that a call cut short at its limit loses only this.
 # SESSION_STEPS="tests families speed profile grouped" picks steps; SESSION_PACK=1 leaves DIR holding one archive,
@@ -55,30 +56,34 @@ fi
 status=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "1. the CUDA tests"
-  step timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
+  step timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
     tests/test_captured_passes.py tests/test_streamed_pieces.py tests/test_per_example_calls.py -k "not wide_resnet_peaks" -rs \
     2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [[ " $STEPS " == *" families "* ]]; then
   say "2. the model families"
-  step timeout 250 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
-    --peer-rounds 1 --family-timeout 60 --total-timeout 235 --families bert-lora vit resnet18-gn bert encoder gpt2 \
+  step timeout 215 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
+    --peer-rounds 1 --family-timeout 55 --total-timeout 200 --families bert-lora vit resnet18-gn bert encoder gpt2 \
     --out "$OUT" > "$OUT/families.log" 2>&1
   say "families: exit $?"; tail -n 25 "$OUT/families.log"
 fi
 if [[ " $STEPS " == *" speed "* ]]; then
   say "3. the speed table"
-  for spec in "mlp 512 4096:40" "cnn 512 4096:50" "wrn 512:60"; do
-    model=${spec%% *}; rest=${spec#* }; batches=${rest%:*}; limit=${rest##*:}
+  # model|batches|seconds|options after the common ones (a later --rounds wins)
+  for spec in "mlp|512 4096|40|" "cnn|512 4096|50|" "wrn|512|55|" \
+      "wrn|4096|75|--rounds 8 --skip nonprivate-chunked dpml-one-chunk"; do
+    IFS='|' read -r model batches limit extra <<< "$spec"
+    name=$model${batches// /_}
+    # shellcheck disable=SC2086  # batches and extra are word lists
     step timeout "$limit" python3 benchmarks/speed.py --device cuda --models "$model" --batches $batches --rounds 20 \
-      --peer-rounds 2 --out "$OUT/speed_cuda_$model" > "$OUT/speed_$model.log" 2>&1
-    say "speed $model: exit $?"; grep -E "^\| [0-9]" "$OUT/speed_cuda_$model/speed_cuda.md" 2>/dev/null | cut -c1-150
+      --peer-rounds 2 $extra --out "$OUT/speed_cuda_$name" > "$OUT/speed_$name.log" 2>&1
+    say "speed $name: exit $?"; grep -E "^\| [0-9]" "$OUT/speed_cuda_$name/speed_cuda.md" 2>/dev/null | cut -c1-150
   done
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
   say "4. where the families' DP steps spend their time"
-  step timeout 40 python3 benchmarks/speed_profile.py --device cuda --models resnet18-gn vit --size base --batch 256 \
+  step timeout 30 python3 benchmarks/speed_profile.py --device cuda --models resnet18-gn vit --size base --batch 256 \
     --repeats 10 --ops 15 --out "$OUT" --out-name families_profile_cuda.md > "$OUT/profile.log" 2>&1
   say "profile: exit $?"; grep -E "^\| [a-z]" "$OUT/families_profile_cuda.md" 2>/dev/null
 fi
