@@ -10,6 +10,10 @@ eagerly; a replaced parameter is captured anew.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from dpml.train.captured import (
     graph_memory,
     largest_bucket,
     masked_clipped_sum,
+    synchronising_calls,
 )
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -292,3 +297,46 @@ def test_on_the_gpu_a_replaced_parameter_is_captured_anew() -> None:
     got = clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)
     assert captured._CAPTURES[model] is not before
     _assert_same(got, _eager(model, x, y))
+
+
+def test_only_a_synchronising_call_counts_as_a_wait_not_the_warning_that_the_debug_mode_is_on() -> None:
+    """torch warns once a process, on switching the sync debug mode on, that the mode "does not yet detect all
+    synchronizing operations": read as a wait, it sent the first model of every process to the eager pass."""
+    switched_on = (
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations "
+        "(Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)"
+    )
+    waited = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:1)"
+    assert synchronising_calls([switched_on]) == []
+    assert synchronising_calls([switched_on, waited, "an unrelated warning"]) == [waited]
+
+
+FIRST_CAPTURE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from dpml.train.captured import capture_report, clipped_chunk_sum
+    from dpml.train.dpsgd import per_example_cross_entropy
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3)).cuda()
+    x, y = torch.randn(64, 10, device="cuda"), torch.randint(0, 3, (64,), device="cuda")
+    clipped_chunk_sum(model, per_example_cross_entropy, x, y, 0.5)
+    print("REPORT", capture_report(model))
+    """
+)
+
+
+@gpu
+def test_on_the_gpu_the_first_model_of_a_fresh_process_is_captured() -> None:
+    """In a process that has never switched the sync debug mode on (the trainer's, the benchmarks'), the first
+    launch-bound model replays from graphs: the other GPU tests run after others that switched it on already."""
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_CAPTURE],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = done.stdout.split("REPORT ", 1)[1].strip()
+    assert report.startswith("replayed from"), report
