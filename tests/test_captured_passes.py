@@ -187,6 +187,30 @@ def test_a_host_tensor_taken_to_the_batchs_device_in_the_pass_is_seen(way: str, 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@torch.library.custom_op("dpml_test::scaled_with_host_seed", mutates_args=())
+def scaled_with_host_seed(x: torch.Tensor, seed_shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """2x and a host tensor of ``seed_shape``, as efficient attention returns its random seed (0-dimensional)."""
+    return x * 2, torch.zeros(seed_shape, dtype=torch.long)
+
+
+@scaled_with_host_seed.register_fake
+def _(x: torch.Tensor, seed_shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty(seed_shape, dtype=torch.long, device="cpu")
+
+
+@pytest.mark.parametrize(("seed_shape", "counted"), [([], False), ([2], True)])
+def test_a_scalar_made_on_the_host_beside_the_devices_outputs_is_not_a_crossing(
+    seed_shape: list[int], counted: bool
+) -> None:
+    """PyTorch's memory-efficient attention returns its random seed and offset as 0-dimensional host tensors: counted,
+    they sent every model using it (timm's ViT on an H200) to the eager pass. A host tensor of values is counted."""
+    x = torch.empty(4, 3, device="meta")
+    with HostTensorsOnTheDevice() as crossings:
+        scaled, seed = scaled_with_host_seed(x, seed_shape)
+    assert scaled.device.type == "meta" and seed.device.type == "cpu"
+    assert bool(crossings.operations) == counted, crossings.operations
+
+
 def _eager(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     with eager_passes():
         return clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP)

@@ -406,7 +406,11 @@ def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> tuple[str, tuple
 class HostTensorsOnTheDevice(TorchDispatchMode):
     """The operators that take a host tensor (other than a 0-dimensional scalar, which a kernel takes by value) to
     another device, or bring one back (``operations``). A graph captures a copy from pinned host memory as a copy from
-    that address: its replays would read whatever the host holds there by then."""
+    that address: its replays would read whatever the host holds there by then. A 0-dimensional host tensor made
+    beside a device's outputs is not counted either: efficient attention's random seed and offset, made on the host
+    and unused without dropout (a pass with dropout draws random numbers, and runs eagerly for that); a value read
+    back from the device is a synchronisation, which :func:`_synchronisations` sees. (Counted, it sent every model
+    with PyTorch's memory-efficient attention, timm's ViT among them, to the eager pass.)"""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -419,7 +423,8 @@ class HostTensorsOnTheDevice(TorchDispatchMode):
         host_in = any(t.device.type == "cpu" and t.dim() > 0 for t in given)
         device_in = any(t.device.type != "cpu" for t in given)
         device_out = any(t.device.type != "cpu" for t in made)
-        if host_in and device_out or device_in and any(t.device.type == "cpu" for t in made):
+        host_out = any(t.device.type == "cpu" and t.dim() > 0 for t in made)
+        if host_in and device_out or device_in and host_out:
             self.operations.append(str(func))
         return out
 
