@@ -10,17 +10,21 @@
 # else is touched) and runs, each step under its own time limit so that a slow or crashing step costs only
 # its own output, and each step's log written beside its results in DIR:
 #   1. the CUDA tests (tests/test_devices.py, tests/test_noise.py, tests/test_captured_passes.py,
-#      tests/test_streamed_pieces.py but its CPU memory test, tests/test_per_example_calls.py): 100 s;
+#      tests/test_streamed_pieces.py but its CPU memory test, tests/test_per_example_calls.py): 130 s (on an H200
+#      they took over 100 s);
 #   2. the model families at base size, batch 256 (benchmarks/families.py, families_cuda.{md,json}): 215 s;
 #   3. the speed table, one process per model and batch set (benchmarks/speed.py, speed_cuda_<model><batch>/):
 #      mlp and cnn at batches 512 and 4096, wrn-16-4 at 512, then at 4096 (8 rounds, without the chunked
 #      non-private and one-chunk rows): 220 s in all (with the eager row, dpml-eager);
 #   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
-#      families_profile_cuda.md): 30 s;
+#      families_profile_cuda.md): 30 s, only when SESSION_STEPS names it;
 #   5. grouped and depthwise convolutions' per-example ways and the engine's pick (benchmarks/grouped_conv_ways.py,
-#      grouped_conv_ways_cuda.md): 15 s, last, so that a call cut short at its limit loses only this.
-# SESSION_STEPS="tests families speed profile grouped" picks steps; SESSION_PACK=1 leaves DIR holding one archive,
-# session.tar.gz, of everything it wrote (for a transfer that counts files); SESSION_DRY=FILE runs nothing, on any
+#      grouped_conv_ways_cuda.md): 15 s, only when SESSION_STEPS names it.
+# Steps 1-3 take at most 565 s and about 20 s to install: one call, with the machine's start (about 30 s on an
+# H200), inside a session's 15 minutes of device time, leaving room for one short second call.
+# SESSION_STEPS="tests families speed profile grouped" picks steps (default: the first three); SESSION_PACK=1 leaves
+# DIR holding one archive, session.tar.gz, of everything it wrote (for a transfer that counts files); SESSION_DRY=FILE
+# runs nothing, on any
 # machine, and writes each step's command to FILE, one a line, quoted for the shell (tests/test_gpu_session.py
 # checks that the scripts take them, so that a renamed option does not cost a lent session). The exit status is
 # the tests'.
@@ -30,7 +34,7 @@ WHEELS=.gpu-wheels
 OUT=benchmarks/results
 [ "${1:-}" = "--out" ] && OUT=${2:?--out needs a folder}
 mkdir -p "$OUT"
-STEPS=${SESSION_STEPS:-tests families speed profile grouped}
+STEPS=${SESSION_STEPS:-tests families speed}
 say() { echo "[gpu-session $(date -u +%H:%M:%S)] $*"; }
 DRY=${SESSION_DRY:-}
 step() {  # a step's command, run (or, dry, written down)
@@ -56,7 +60,7 @@ fi
 status=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "1. the CUDA tests"
-  step timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
+  step timeout 130 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
     tests/test_captured_passes.py tests/test_streamed_pieces.py tests/test_per_example_calls.py -k "not wide_resnet_peaks" -rs \
     2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}

@@ -121,6 +121,22 @@ def _signal_state_does_not_leak() -> Iterator[None]:
 
 
 @pytest.fixture
+def float32_on_the_gpu() -> Iterator[None]:
+    """Float32 matrix products and cuDNN without TF32 for the test (a comparison of like with like), and after it
+    the settings as they were: set for good, they changed what later tests in the process compared."""
+    import torch
+
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -161,9 +161,7 @@ def test_bf16_autocast_keeps_every_contribution_within_c_on_the_gpu() -> None:
 
 
 @needs_cuda
-def test_clipped_sums_and_norms_on_the_gpu_match_the_cpus() -> None:
-    torch.backends.cudnn.allow_tf32 = False  # compare like with like: float32 on both
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_clipped_sums_and_norms_on_the_gpu_match_the_cpus(float32_on_the_gpu: None) -> None:
     for name, model in models().items():
         x, y = batch_for(name, "cpu")
         clip = 1.0
@@ -336,9 +334,7 @@ def test_a_layer_kept_on_the_gpu_beyond_the_cpus_limit_gives_the_ghost_norms_sum
 
 
 @needs_cuda
-def test_one_step_on_the_gpu_is_the_cpus_step_plus_noise_of_the_same_law() -> None:
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_one_step_on_the_gpu_is_the_cpus_step_plus_noise_of_the_same_law(float32_on_the_gpu: None) -> None:
     model = models()["cnn"]
     x, y = batch_for("cnn", "cpu", size=64)
     sigma, clip = 1.0, 0.5
@@ -457,14 +453,12 @@ class Records(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 @needs_cuda
-def test_the_python_api_trains_a_host_dataset_on_the_gpu_as_on_the_cpu() -> None:
+def test_the_python_api_trains_a_host_dataset_on_the_gpu_as_on_the_cpu(float32_on_the_gpu: None) -> None:
     """``dpml.train_private(device="cuda")`` over a map-style Dataset: the model is trained on the GPU, the
     certificate is the CPU run's, and with noise too small to matter (σ = 1e-6) the same seed ends where the
     CPU run ends (the same Poisson samples and physical chunks; float32 on both)."""
     import dpml
 
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
     settings = dict(
         epochs=2,
         clip_norm=0.5,
@@ -678,9 +672,7 @@ def check_rules_match_across_devices(device: str) -> None:
 
 
 @needs_cuda
-def test_the_per_operation_rules_on_the_gpu_give_the_cpus_clipped_sums() -> None:
-    torch.backends.cudnn.allow_tf32 = False  # compare like with like: float32 on both
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_the_per_operation_rules_on_the_gpu_give_the_cpus_clipped_sums(float32_on_the_gpu: None) -> None:
     check_rules_match_across_devices("cuda")
 
 

@@ -239,27 +239,35 @@ def graph_memory(model: nn.Module) -> int:
     captures = _CAPTURES.get(model)
     if captures is None or captures.pool is None or captures.buffers is None:
         return 0
-    pool = sum(
-        int(segment["total_size"])
-        for segment in torch.cuda.memory_snapshot()
-        if tuple(segment.get("segment_pool_id", ())) == tuple(captures.pool)
-    )
+    pool = sum(_pool_segments(captures.pool))
     buffers = captures.buffers
     tensors = [buffers.x, buffers.y, buffers.mask, buffers.norms, *buffers.sums]
     return pool + sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _pool_segments(pool: tuple[int, int]) -> list[int]:
+    """The sizes in bytes of the device memory segments a graph pool holds."""
+    return [
+        int(segment["total_size"])
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment.get("segment_pool_id", ())) == tuple(pool)
+    ]
+
+
 def capture_report(model: nn.Module) -> str | None:
-    """In words, how the model's chunks run on its GPU, for a benchmark's page: replayed from how many graphs, or
-    eagerly and why, with the GPU's and the host's time for the first chunk's pass where they were measured; None
-    where no chunk of it has been on a GPU (or every one ran in :func:`eager_passes`)."""
+    """In words, how the model's chunks run on its GPU, for a benchmark's page: replayed from how many graphs, and
+    the memory their pool holds (in how many segments), or eagerly and why; with the GPU's and the host's time for
+    the first chunk's pass where they were measured. None where no chunk of it has been on a GPU (or every one ran
+    in :func:`eager_passes`)."""
     captures = _CAPTURES.get(model)
     if captures is None:
         return None
     timing = _timing_words(captures.timing)
     if captures.graphs:
         rows = sorted(captures.graphs)
-        return f"replayed from {len(rows)} CUDA graphs of {rows[0]} to {rows[-1]} rows{timing}"
+        segments = _pool_segments(captures.pool) if captures.pool is not None else []
+        held = f", their pool holding {sum(segments) / 2**20:.0f} MiB in {len(segments)} segments"
+        return f"replayed from {len(rows)} CUDA graphs of {rows[0]} to {rows[-1]} rows{held}{timing}"
     return f"eager: {captures.why or 'no trainable parameters'}{timing}"
 
 
