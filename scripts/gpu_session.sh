@@ -9,6 +9,8 @@
 # It installs the wheels once into a temporary directory (SciPy only where the machine has none; nothing
 # else is touched) and runs, each step under its own time limit so that a slow or crashing step costs only
 # its own output, and each step's log written beside its results in DIR:
+#   0. where a captured model's CUDA graph memory goes (benchmarks/graph_pool.py, cnn, mlp, ResNet-18-GN and ViT
+#      at 256, graph_pool_cuda.md): 60 s, only when SESSION_STEPS names it (pool);
 #   1. the CUDA tests (tests/test_devices.py, tests/test_noise.py, tests/test_captured_passes.py,
 #      tests/test_streamed_pieces.py but its CPU memory test, tests/test_per_example_calls.py): 130 s (on an H200
 #      they took over 100 s);
@@ -22,12 +24,11 @@
 #      grouped_conv_ways_cuda.md): 15 s, only when SESSION_STEPS names it.
 # Steps 1-3 take at most 565 s and about 20 s to install: one call, with the machine's start (about 30 s on an
 # H200), inside a session's 15 minutes of device time, leaving room for one short second call.
-# SESSION_STEPS="tests families speed profile grouped" picks steps (default: the first three); SESSION_PACK=1 leaves
-# DIR holding one archive, session.tar.gz, of everything it wrote (for a transfer that counts files); SESSION_DRY=FILE
-# runs nothing, on any
-# machine, and writes each step's command to FILE, one a line, quoted for the shell (tests/test_gpu_session.py
-# checks that the scripts take them, so that a renamed option does not cost a lent session). The exit status is
-# the tests'.
+# SESSION_STEPS="pool tests families speed profile grouped" picks steps (default: tests families speed);
+# SESSION_PACK=1 leaves DIR holding one archive, session.tar.gz, of everything it wrote (for a transfer that counts
+# files); SESSION_DRY=FILE runs nothing, on any machine, and writes each step's command to FILE, one a line, quoted
+# for the shell (tests/test_gpu_session.py checks that the scripts take them, so that a renamed option does not
+# cost a lent session). The exit status is the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
@@ -58,6 +59,12 @@ else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
 fi
 status=0
+if [[ " $STEPS " == *" pool "* ]]; then
+  say "0. where a captured model's CUDA graph memory goes"
+  step timeout 60 python3 benchmarks/graph_pool.py --device cuda --models cnn mlp resnet18-gn vit --batch 256 \
+    --size base --out "$OUT" > "$OUT/pool.log" 2>&1
+  say "pool: exit $?"; grep -E "^\| [a-z]" "$OUT/graph_pool_cuda.md" 2>/dev/null
+fi
 if [[ " $STEPS " == *" tests "* ]]; then
   say "1. the CUDA tests"
   step timeout 130 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \

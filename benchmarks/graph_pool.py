@@ -1,0 +1,141 @@
+"""Where a captured model's CUDA graph memory goes: a diagnosis for the next lent GPU session (CUDA only).
+
+On an H200 (``results/families_cuda.md``, ``results/speed_cuda.md``) dpml's step replayed from CUDA graphs peaked at
+2.7 times its eager step for ViT and 3.2 times for ResNet-18-GN (4.07 and 3.96 times non-private), and the CNN's at
+1.40 times non-private against 1.02 eager. The graphs share one pool (``dpml/train/captured.py``): captured from the
+largest bucket down, each after the last one's intermediates were freed, it should hold about one eager pass of the
+largest bucket. This measures, per model and batch, in one process:
+
+- the eager masked pass's peak on the largest bucket's rows (``torch.cuda.max_memory_allocated`` above what was
+  allocated before it);
+- the pool (its segments' total size, their count and the largest) after capturing the largest bucket's graph alone,
+  then after 2, 4, 8, ... graphs and after all of them, captured as the engine captures them (the same pass, pool,
+  side stream and order);
+
+so that one table says whether the first graph alone costs more than its eager pass (capture-time allocation) or the
+pool grows graph by graph (blocks not reused between captures, or fragmentation). Nothing here is timed.
+
+    python benchmarks/graph_pool.py --device cuda --models cnn mlp resnet18-gn vit --batch 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import speed_profile  # noqa: E402
+from dpml.train import captured  # noqa: E402
+from dpml.train.dpsgd import per_example_cross_entropy  # noqa: E402
+
+MIB = 2**20
+
+
+def pool_words(pool: tuple[int, int]) -> tuple[float, int, float]:
+    """(total MiB, segments, largest segment MiB) of a graph pool."""
+    sizes = captured._pool_segments(pool)
+    return sum(sizes) / MIB, len(sizes), max(sizes, default=0) / MIB
+
+
+def eager_peak_mib(run: captured._Pass, inputs: tuple[torch.Tensor, ...]) -> float:
+    """The masked pass's peak above what was allocated before it, on these rows."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    sums, norms = run(*inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del sums, norms
+    return peak / MIB
+
+
+def measure(name: str, batch: int) -> list[str]:
+    """The table's rows for one model: its eager peak, then the pool as graphs are added."""
+    model, x, y = speed_profile.model_and_batch(name, batch, "cuda")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    run = captured._Pass(model, per_example_cross_entropy, 1.0, (), names)
+    largest = captured.largest_bucket(batch)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    rows_out = []
+    with torch.cuda.stream(side):
+        static_x, static_y, mask = captured._static_inputs(model, x, y, largest)
+        inputs = (static_x, static_y, mask)
+        run(*inputs)  # (warm-up, as the engine's)
+        eager = eager_peak_mib(run, inputs)
+        rows_out.append(f"| {name} | {batch} | eager pass, {largest} rows | {eager:.0f} | | | |")
+        sums, norms = run(*inputs)
+        outputs = [torch.empty_like(s) for s in sums], torch.empty_like(norms)
+        del sums, norms
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        report_at = {1, 2, 4, 8, 16, 32}
+        order = list(reversed(captured.buckets_up_to(largest)))
+        for count, rows in enumerate(order, start=1):
+            part = static_x[:rows], static_y[:rows], mask[:rows]
+            if rows < largest:
+                run(*part)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                sums, norms = run(*part)
+                torch._foreach_copy_(outputs[0], sums)
+                outputs[1][:rows].copy_(norms)
+            del sums, norms
+            graphs.append(graph)
+            if count in report_at or count == len(order):
+                total, segments, biggest = pool_words(pool)
+                rows_out.append(
+                    f"| {name} | {batch} | {count} graph(s), down to {rows} rows | | {total:.0f} | {segments} | "
+                    f"{biggest:.0f} |"
+                )
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    del graphs
+    return rows_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["cnn", "mlp", "resnet18-gn", "vit"])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--size", default="base", help="a family's size (families.py)")
+    parser.add_argument("--device", choices=["cuda"], default="cuda")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here (CUDA graphs exist only there)")
+    speed_profile.SHAPES["size"] = args.size
+    lines = [
+        "# Where a captured model's CUDA graph memory goes",
+        "",
+        f"`python benchmarks/graph_pool.py --device cuda --models {' '.join(args.models)} --batch {args.batch} "
+        f"--size {args.size}`; {torch.cuda.get_device_name(0)}, torch {torch.__version__}, Python "
+        f"{platform.python_version()}. MiB; the pool after each count of graphs captured (largest bucket first).",
+        "",
+        "| model | batch | what | eager peak | pool | segments | largest segment |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in args.models:
+        try:
+            lines += measure(name, args.batch)
+        except Exception as error:  # noqa: BLE001 — one model's failure is a row, not the end of the table
+            lines.append(
+                f"| {name} | {args.batch} | fails: {type(error).__name__}: {str(error).splitlines()[0][:150]} |"
+            )
+        print("\n".join(lines[-3:]), flush=True)
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graph_pool_cuda.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
