@@ -34,7 +34,7 @@ from dpml.train.captured import (
     synchronising_calls,
 )
 from dpml.train.clipping import clipped_gradient_sum
-from dpml.train.dpsgd import per_example_cross_entropy
+from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy
 
 CLIP = 0.5
 
@@ -131,6 +131,14 @@ def test_the_bucket_of_a_chunk_has_four_significant_bits_and_at_least_eight_rows
     octaves = [list(range(8, 17)), list(range(18, 33, 2)), list(range(36, 65, 4)), [72, 80]]
     assert buckets_up_to(80) == [rows for octave in octaves for rows in octave]
     assert len(buckets_up_to(640)) == 51 and buckets_up_to(8) == [8]
+
+
+def test_no_graph_is_larger_than_the_physical_batch_size() -> None:
+    """A quarter more rows than the first chunk's, but never more than a chunk can have: a fixed batch of 512 in chunks
+    of 512 captured graphs up to 640 rows, memory for rows that never come."""
+    assert [largest_bucket(512, most) for most in (None, 512, 576, 10_000)] == [640, 512, 576, 640]
+    assert largest_bucket(400, 512) == 512 and largest_bucket(64, 70) == 72  # (its bucket: 70 rows replay in 72)
+    assert largest_bucket(512, 100) == 512  # a first chunk larger than the bound (never given): its own rows
 
 
 def test_on_the_cpu_a_chunk_runs_eagerly_and_nothing_is_captured() -> None:
@@ -257,6 +265,18 @@ def test_on_the_gpu_every_chunk_size_replays_from_a_graph_and_gives_the_eager_su
 
 
 @gpu
+def test_on_the_gpu_a_steps_graphs_stop_at_its_physical_batch_size() -> None:
+    model, x, y = model_and_rows("mlp", 100, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    sums, _, _ = clipped_sum_and_noise(model, x, y, CLIP, 0.0, 64, generator)  # chunks of 64 and 36 rows
+    assert sorted(captured._CAPTURES[model].graphs) == buckets_up_to(64), "none for the 80 rows no chunk has"
+    with eager_passes():
+        want, _, _ = clipped_sum_and_noise(model, x, y, CLIP, 0.0, 64, generator)
+    for name in want:
+        torch.testing.assert_close(sums[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@gpu
 def test_on_the_gpu_a_model_that_draws_random_numbers_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 16), nn.Dropout(0.5), nn.Linear(16, 3)).cuda()
@@ -345,7 +365,7 @@ FIRST_CAPTURE = textwrap.dedent(
     import torch
     from torch import nn
     from dpml.train.captured import capture_report, clipped_chunk_sum
-    from dpml.train.dpsgd import per_example_cross_entropy
+    from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3)).cuda()
     x, y = torch.randn(64, 10, device="cuda"), torch.randint(0, 3, (64,), device="cuda")

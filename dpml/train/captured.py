@@ -15,12 +15,13 @@ first row, and a mask m (m_i = 1 for i < r, 0 after) multiplies the clip factors
 
 the chunk's clipped sum, since each record's gradient g_i comes from its own rows only (the clipping check refuses a
 model whose loss for one example changes with another's rows), and the repeated rows' gradients are those of a real
-record (finite where it is). Every bucket from that of the first chunk's rows and a quarter more (a Poisson batch's
-size varies around its mean) down to :data:`SMALLEST_BUCKET` is captured at the first chunk of a model and setting,
-so a run's later steps capture nothing (and wait for the host no more than the eager steps do); a larger chunk runs
-eagerly. The graphs share one memory pool (they never replay at once), one set of inputs (the largest bucket's
-rows, of which a graph of b rows reads the first b) and one set of outputs (copied out after each replay): what they
-hold beyond an eager pass of the largest bucket is one copy of the sums (:func:`graph_memory`).
+record (finite where it is). Every bucket from that of the first chunk's rows and a quarter more (a Poisson batch's size
+varies around its mean), but no more than the physical batch size (no chunk is larger), down to :data:`SMALLEST_BUCKET`
+is captured at the first chunk of a model and setting, so a run's later steps capture nothing (and wait for the host no
+more than the eager steps do); a larger chunk runs eagerly. The graphs share one memory pool (they never replay at
+once), one set of inputs (the largest bucket's rows, of which a graph of b rows reads the first b) and one set of
+outputs (copied out after each replay): what they hold beyond an eager pass of the largest bucket is one copy of the
+sums (:func:`graph_memory`).
 
 **When.** Only where it is exact and faster: a batch on a CUDA device, no Dirac canaries (the audit's), no autocast,
 a pass that never waits for the GPU (no value read on the host, no copy from pageable host memory: a capture cannot
@@ -135,10 +136,15 @@ def bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def largest_bucket(rows: int) -> int:
+def largest_bucket(rows: int, most_rows: int | None = None) -> int:
     """The largest bucket captured for a model whose first chunk has ``rows`` rows: that of a quarter more rows (a
-    Poisson batch's size varies around its mean: a later single-chunk batch may be larger than the first)."""
-    return bucket(rows + rows // 4)
+    Poisson batch's size varies around its mean: a later single-chunk batch may be larger than the first), but not
+    more than ``most_rows``, the physical batch size, where it is known: no chunk has more rows, and a graph for more
+    would hold memory for rows that never come (a benchmark's fixed batch of 512 captured graphs up to 640)."""
+    wanted = rows + rows // 4
+    if most_rows is not None:
+        wanted = min(wanted, max(rows, most_rows))
+    return bucket(wanted)
 
 
 def buckets_up_to(largest: int) -> list[int]:
@@ -213,9 +219,11 @@ def clipped_chunk_sum(
     diracs: DiracGradients | None = None,
     exact: Collection[str] = (),
     autocast: torch.dtype | None = None,
+    most_rows: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """:func:`dpml.train.clipping.clipped_gradient_sum` of one chunk, replayed from a CUDA graph where that is exact and
-    faster (this module's docstring), else eagerly."""
+    faster (this module's docstring), else eagerly. ``most_rows``: the physical batch size, where known (no chunk of
+    the run has more rows: :func:`largest_bucket`)."""
     if not _may_capture(x, y, diracs, autocast):
         return clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs, exact, autocast)
     setting = _setting(model, loss_fn, clip_norm, exact, x, y)
@@ -223,7 +231,7 @@ def clipped_chunk_sum(
     if captures is None or captures.setting != setting:
         settings = 1 if captures is None else captures.settings + 1
         _CAPTURES.pop(model, None)  # (the old setting's graphs let go before new ones take memory)
-        captures = _CAPTURES[model] = _capture(model, loss_fn, x, y, clip_norm, exact, setting, settings)
+        captures = _CAPTURES[model] = _capture(model, loss_fn, x, y, clip_norm, exact, setting, settings, most_rows)
     rows = bucket(x.shape[0])
     graph = captures.graphs.get(rows)
     if graph is None or captures.buffers is None:
@@ -325,6 +333,7 @@ def _capture(
     exact: Collection[str],
     setting: tuple[Any, ...],
     settings: int,
+    most_rows: int | None = None,
 ) -> _Captures:
     """The setting's graphs, one per bucket from the first chunk's down, each judged against the eager engine; none,
     with a log line saying why, where capturing would not be exact or not faster."""
@@ -345,7 +354,7 @@ def _capture(
         with torch.cuda.stream(side):
             why, captures.timing = _why_eager(run, x, y)
             if not why:
-                captures.graphs, captures.buffers, captures.pool = _captured_graphs(run, x, y)
+                captures.graphs, captures.buffers, captures.pool = _captured_graphs(run, x, y, most_rows)
         torch.cuda.current_stream(device).wait_stream(side)
         if not why and not _judged_equal(run, x, y, captures):
             why = "a replay differed from the eager engine on the same rows"
@@ -467,12 +476,12 @@ def synchronising_calls(messages: Iterable[str]) -> list[str]:
 
 
 def _captured_graphs(
-    run: _Pass, x: torch.Tensor, y: torch.Tensor
+    run: _Pass, x: torch.Tensor, y: torch.Tensor, most_rows: int | None = None
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], _Buffers, tuple[int, int]]:
-    """One graph per bucket, from the first chunk's (and a quarter more) down to :data:`SMALLEST_BUCKET`, each after
+    """One graph per bucket, from :func:`largest_bucket` down to :data:`SMALLEST_BUCKET`, each after
     one warm-up pass; their shared inputs (holding the chunk's rows) and outputs, and the memory pool they share
     (their replays never overlap, and each one's outputs are copied out before the next)."""
-    largest = largest_bucket(x.shape[0])
+    largest = largest_bucket(x.shape[0], most_rows)
     static_x, static_y, mask = _static_inputs(run.model, x, y, largest)
     sums, norms = run(static_x, static_y, mask)  # (warm-up)
     buffers = _Buffers(static_x, static_y, mask, [torch.empty_like(s) for s in sums], torch.empty_like(norms))

@@ -157,7 +157,7 @@ def dataset_steps(
                     check_labels(y, indices, n_classes)
                     yield _on_device((x, y), device, dtype)
 
-            yield Step(batch, chunks())
+            yield Step(batch, chunks(), most_rows=physical_batch_size)
         return
     sampler = PoissonChunkSampler(batches, physical_batch_size, collective)
     loader = DataLoader(
@@ -190,7 +190,7 @@ def dataset_steps(
                 check_labels(torch.as_tensor(y), indices, n_classes)
                 yield _on_device((torch.as_tensor(x), torch.as_tensor(y)), device, dtype)
 
-        yield Step(batch, chunks_read())
+        yield Step(batch, chunks_read(), most_rows=physical_batch_size)
 
 
 def dataset_size(dataset: Dataset[Any]) -> int:

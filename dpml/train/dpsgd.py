@@ -142,6 +142,7 @@ def clipped_chunks_and_noise(
     diracs: DiracGradients | None = None,
     exact: Collection[str] = (),
     autocast: torch.dtype | None = None,
+    most_rows: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One DP-SGD step's ingredients: Σ_i clip_C(∇ℓ_i) over the chunks of the batch (so a large Poisson
     batch runs in bounded memory; the audit's Dirac canaries, if any, join the first chunk), Gaussian
@@ -150,14 +151,15 @@ def clipped_chunks_and_noise(
     of a distributed run, whose lead draws the step's one noise), and how many records were
     clipped (a tensor: no device synchronisation in the training loop). ``exact``: the clipping plan's
     parameters (:func:`dpml.train.clipping_check.plan_clipping`); ``autocast``: the forward pass's
-    lower precision (:func:`dpml.train.clipping.engine_pass`; norms, sums and noise stay float32)."""
+    lower precision (:func:`dpml.train.clipping.engine_pass`; norms, sums and noise stay float32); ``most_rows``: the
+    physical batch size, where known (no chunk is larger)."""
     params = trainable_parameters(model)
     device = next(iter(params.values())).device
     sums: dict[str, torch.Tensor] | None = None
     clipped = torch.zeros((), device=device)
     for index, (x, y) in enumerate(chunks):
         chunk_sums, norms = clipped_chunk_sum(  # (on a GPU, replayed from a CUDA graph where that is exact and faster)
-            model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact, autocast
+            model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact, autocast, most_rows
         )
         if sums is None:  # the first chunk's sums are fresh tensors: they become the step's accumulators
             sums = chunk_sums
@@ -198,6 +200,7 @@ def clipped_sum_and_noise(
         diracs,
         exact,
         autocast,
+        physical_batch_size,
     )
 
 
@@ -255,6 +258,8 @@ class Step:
     batch: torch.Tensor
     chunks: Chunks
     diracs: DiracGradients | None = None
+    most_rows: int | None = None
+    """The physical batch size: no chunk of the step has more rows (CUDA graphs are captured no larger)."""
 
 
 def share_of_batch(batch: torch.Tensor, collective: Collective | None) -> torch.Tensor:
@@ -299,7 +304,16 @@ def run_dpsgd_steps(
     try:
         for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps, strict=True):
             sums, noises, clipped_count = clipped_chunks_and_noise(
-                model, step.chunks, clip_norm, noise_multiplier, noise, loss_fn, step.diracs, exact, autocast
+                model,
+                step.chunks,
+                clip_norm,
+                noise_multiplier,
+                noise,
+                loss_fn,
+                step.diracs,
+                exact,
+                autocast,
+                step.most_rows,
             )
             update = [sums[name] for name in params]  # the sums are this step's own: updated in place
             torch._foreach_add_(update, [noises[name] for name in params])  # one multi-tensor launch, not one a tensor
@@ -444,7 +458,7 @@ def train_dpsgd(
                 records = batch[batch < n]
                 diracs = DiracGradients(coordinates[slots[batch[batch >= n] - n]], canaries.norm_multiple * clip_norm)
             records = host_to_device(records, x.device)
-            yield Step(batch, tensor_chunks(x[records], y[records], chunk, diracs is not None), diracs)
+            yield Step(batch, tensor_chunks(x[records], y[records], chunk, diracs is not None), diracs, chunk)
 
     loop = DpSgdLoop(
         steps,
