@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import families  # noqa: E402
 import speed  # noqa: E402
 from bench_common import cpu_name, current_commit, without_paths  # noqa: E402
-from dpml.train.dpsgd import Step, per_example_cross_entropy, run_dpsgd_steps  # noqa: E402
+from dpml.train.dpsgd import per_example_cross_entropy, run_dpsgd_steps  # noqa: E402
+from dpml.train.steps import Step  # noqa: E402
 
 VIEWS = {
     "view",

@@ -56,13 +56,12 @@ from dpml.train.trainers.dpsgd import DpSgdSettings
 from dpml.train.dpsgd import (
     AUTOCAST,
     DpSgdLoop,
-    Step,
     dpsgd_mechanism,
     make_optimizer,
     number_of_steps,
-    poisson_batches,
     run_dpsgd,
 )
+from dpml.train.steps import Step, poisson_batches
 from dpml.train.noise import secret_noise_seed
 from dpml.train.token_records import TokenRecords, check_token_records
 from dpml.api_settings import OptimizerChoice, check_workers, ledger_terms, library_settings

@@ -137,7 +137,7 @@ def test_chunks_are_bounded_and_add_up_to_each_poisson_sample(num_workers: int) 
     two shares of a 2-process run split it without overlap."""
     from dpml.train.dataset_steps import dataset_steps
     from dpml.train.distributed import Collective
-    from dpml.train.dpsgd import poisson_batches
+    from dpml.train.steps import poisson_batches
 
     batches = list(poisson_batches(60, 0.03, 20, seed=3)) + list(poisson_batches(60, 0.3, 10, seed=3))
     assert any(b.numel() == 0 for b in batches) and max(b.numel() for b in batches) > 8

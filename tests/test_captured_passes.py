@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from dpml.train import captured
+from dpml.train.capture_checks import HostTensorsOnTheDevice, synchronising_calls
 from dpml.train.captured import (
-    HostTensorsOnTheDevice,
     bucket,
     capture_report,
     buckets_up_to,
@@ -31,7 +31,6 @@ from dpml.train.captured import (
     graph_memory,
     largest_bucket,
     masked_clipped_sum,
-    synchronising_calls,
 )
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy

@@ -35,7 +35,8 @@ from dpml.sections import ModelConfig
 from dpml.train import clipping
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.diracs import DiracGradients
-from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, poisson_batch, train_dpsgd
+from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, train_dpsgd
+from dpml.train.steps import poisson_batch
 from tests.conftest import small_params, write_params
 
 
@@ -488,13 +489,13 @@ def test_a_model_with_dropout_is_reported_not_checked_instead_of_failing_the_noi
 def test_the_broken_samplers_state_belongs_to_its_own_run() -> None:
     """Runs one after another under one bug context (as the audit's runs are): a run never gets another
     run's batches or noise, even when its generator reuses a freed generator's memory address."""
-    import dpml.train.dpsgd as dpsgd
+    import dpml.train.steps as steps
 
     with broken.BUGS["shuffled fixed-size batches"]():
         for n in (50, 30, 50, 20):
             for _ in range(3):
                 generator = torch.Generator().manual_seed(n)
-                batch = dpsgd.poisson_batch(generator, n, 0.2)
+                batch = steps.poisson_batch(generator, n, 0.2)
                 assert int(batch.max()) < n and batch.numel() == round(0.2 * n)
                 del generator
 

@@ -8,7 +8,8 @@ from torch import nn
 
 from dpml.models.mlp import MlpSpec, build_mlp
 from dpml.train.clipping import clipped_gradient_sum
-from dpml.train.dpsgd import per_example_cross_entropy, poisson_batch, train_dpsgd
+from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
+from dpml.train.steps import poisson_batch
 from tests.noise_laws import box_muller
 
 

@@ -434,7 +434,7 @@ def test_each_example_s_mask_goes_with_its_ids_through_sampling_chunks_and_worke
     that a Poisson sample becomes, read here or by a worker process, keeps each row's ids with its mask and
     its label."""
     from dpml.train.dataset_steps import dataset_steps
-    from dpml.train.dpsgd import poisson_batches
+    from dpml.train.steps import poisson_batches
     from dpml.train.token_records import TokenRecords
 
     generator = torch.Generator().manual_seed(3)

@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+import dpml.train.captured as captured
 import dpml.train.clipping as clipping
 import dpml.train.dpsgd as dpsgd
+import dpml.train.steps as steps
 
 
 @contextlib.contextmanager
@@ -51,8 +53,18 @@ def noise_scaled(factor: float) -> contextlib.AbstractContextManager[None]:
 
 
 def clipping_removed() -> contextlib.AbstractContextManager[None]:
-    """Per-example gradients summed unclipped (the clip factor is always 1)."""
-    return _patched(clipping, "clip_factors", lambda norms, clip_norm: torch.ones_like(norms))
+    """Per-example gradients summed unclipped in the training steps (the clip factor is always 1, eager or replayed
+    from a CUDA graph). The plan's check before the first step runs the honest engine: patched there too, it refused
+    the model before any step (its probe against autograd differs), and the test of this bug passed only where an
+    earlier test had planned the same model."""
+    original = dpsgd.clipped_chunks_and_noise
+
+    def unclipped(*args: Any, **kwargs: Any) -> Any:
+        ones = lambda norms, clip_norm: torch.ones_like(norms)  # noqa: E731
+        with _patched(clipping, "clip_factors", ones), _patched(captured, "clip_factors", ones):
+            return original(*args, **kwargs)
+
+    return _patched(dpsgd, "clipped_chunks_and_noise", unclipped)
 
 
 def shuffled_batches() -> contextlib.AbstractContextManager[None]:
@@ -66,7 +78,7 @@ def shuffled_batches() -> contextlib.AbstractContextManager[None]:
             queue.extend(torch.split(torch.randperm(n, generator=generator), size))
         return queue.pop(0)
 
-    return _patched(dpsgd, "poisson_batch", sampler)
+    return _patched(steps, "poisson_batch", sampler)
 
 
 def noise_reused() -> contextlib.AbstractContextManager[None]:

@@ -40,7 +40,8 @@ from dpml.models.lipschitz import LipschitzLayer, gradient_bounds, project_all
 from dpml.accounting.mechanism import MechanismDescription, Neighbouring, PoissonGaussianSteps
 from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, per_example_gradients
-from dpml.train.dpsgd import TrainResult, number_of_steps, poisson_batch
+from dpml.train.dpsgd import TrainResult, number_of_steps
+from dpml.train.steps import poisson_batch
 from dpml.train.noise import gaussian
 
 

@@ -1,6 +1,6 @@
 """The steps of a DP-SGD run over a map-style ``torch.utils.data.Dataset`` (records not in memory).
 
-Step t's Poisson sample B_t (:func:`dpml.train.dpsgd.poisson_batches`) is read as physical chunks of
+Step t's Poisson sample B_t (:func:`dpml.train.steps.poisson_batches`) is read as physical chunks of
 at most ``physical_batch_size`` records, so memory is bounded by the chunk, never by |B_t|; the
 clipped sums of the chunks add up to the step's sum (:func:`dpml.train.dpsgd.clipped_chunks_and_noise`).
 Reading happens in this process (``num_workers = 0``) or in a ``DataLoader``'s worker processes fed
@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from dpml.devices import host_to_device
 from dpml.train.distributed import Collective
-from dpml.train.dpsgd import Step, share_of_batch
+from dpml.train.steps import Step, share_of_batch
 
 WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 
@@ -145,7 +145,7 @@ def dataset_steps(
     collective: Collective | None = None,
     num_workers: int = 0,
 ) -> Iterator[Step]:
-    """One :class:`dpml.train.dpsgd.Step` per Poisson sample of ``batches``, reading ``dataset``'s records
+    """One :class:`dpml.train.steps.Step` per Poisson sample of ``batches``, reading ``dataset``'s records
     chunk by chunk (labels checked against ``n_classes``, a bad one named by its index)."""
     if num_workers == 0:
         for batch in batches:

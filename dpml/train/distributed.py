@@ -4,7 +4,7 @@ Step t of a distributed run (:func:`dpml.train.dpsgd.run_dpsgd_steps`):
 
 - every process draws the same global Poisson sample B_t (one sampler seeded with the run's seed,
   which the launcher hands to every process);
-- process r clips its share B_t[r::N] (:func:`dpml.train.dpsgd.share_of_batch`);
+- process r clips its share B_t[r::N] (:func:`dpml.train.steps.share_of_batch`);
 - the lead (rank 0) alone draws the noise N(0, σ²C² I), from the generator a single process would use;
 - one all-reduce sums the N partial clipped sums and the noise, so every process holds
   ĝ_t = (Σ_{i∈B_t} clip_C(∇ℓ_i) + N(0, σ²C² I)) / (q n) and takes the same optimizer step.

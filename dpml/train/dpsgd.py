@@ -41,6 +41,7 @@ from dpml.train.diracs import DiracGradients
 from dpml.train.clipping_check import ClippingPlan, plan_clipping
 from dpml.train.distributed import Collective
 from dpml.train.noise import NoiseStream, cpu_noise_stream, gaussian_noise
+from dpml.train.steps import Chunks, Step, poisson_batches, share_of_batch, tensor_chunks
 
 
 @dataclass
@@ -119,17 +120,6 @@ def make_optimizer(model: nn.Module, name: str, learning_rate: float, momentum: 
 def number_of_steps(epochs: float, sample_rate: float) -> int:
     """T = round(epochs / q), at least 1: each step sees q·n records in expectation."""
     return max(1, int(round(epochs / sample_rate)))
-
-
-Chunks = Iterable[tuple[torch.Tensor, torch.Tensor]]
-"""A batch's records in physical chunks (inputs, labels), on the model's device."""
-
-
-def tensor_chunks(x: torch.Tensor, y: torch.Tensor, physical_batch_size: int, at_least_one: bool = False) -> Chunks:
-    """(x, y) in chunks of at most ``physical_batch_size`` rows; ``at_least_one``: an empty batch is one empty
-    chunk (the audit's Dirac canaries join the first chunk, even of an empty batch)."""
-    starts = list(range(0, x.shape[0], physical_batch_size)) or ([0] if at_least_one else [])
-    return [(x[s : s + physical_batch_size], y[s : s + physical_batch_size]) for s in starts]
 
 
 def clipped_chunks_and_noise(
@@ -235,36 +225,6 @@ def dpsgd_mechanism(
         threat_model="all-iterates",
         notes=("Poisson sampling; noise std σ·C added to the clipped sum; divided by the expected batch size q·n",),
     )
-
-
-def poisson_batch(generator: torch.Generator, n: int, sample_rate: float) -> torch.Tensor:
-    """Indices of a Poisson sample: each of the n records independently with probability q."""
-    return torch.nonzero(torch.rand(n, generator=generator) < sample_rate).flatten()
-
-
-def poisson_batches(n: int, sample_rate: float, steps: int, seed: int) -> Iterator[torch.Tensor]:
-    """The T Poisson samples of a run, from one generator seeded with the run's (secret) seed: every
-    process of a distributed run draws the same global samples."""
-    sampler = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        yield poisson_batch(sampler, n, sample_rate)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step's data: its Poisson sample (global record indices, on the CPU) and this process's share of
-    the sample's records, in physical chunks on the model's device (:func:`share_of_batch`)."""
-
-    batch: torch.Tensor
-    chunks: Chunks
-    diracs: DiracGradients | None = None
-    most_rows: int | None = None
-    """The physical batch size: no chunk of the step has more rows (CUDA graphs are captured no larger)."""
-
-
-def share_of_batch(batch: torch.Tensor, collective: Collective | None) -> torch.Tensor:
-    """The records of the global sample that this process clips: every ``world_size``-th from its rank."""
-    return batch if collective is None else batch[collective.rank :: collective.world_size]
 
 
 def run_dpsgd_steps(
