@@ -66,30 +66,15 @@ def measure(name: str, batch: int) -> list[str]:
     side.wait_stream(torch.cuda.current_stream())
     rows_out = []
     with torch.cuda.stream(side):
-        static_x, static_y, mask = captured._static_inputs(model, x, y, largest)
-        inputs = (static_x, static_y, mask)
-        run(*inputs)  # (warm-up, as the engine's)
-        eager = eager_peak_mib(run, inputs)
+        buffers = captured.warmed_buffers(run, x, y, largest)
+        eager = eager_peak_mib(run, (buffers.x, buffers.y, buffers.mask))
         rows_out.append(f"| {name} | {batch} | eager pass, {largest} rows | {eager:.0f} | | | |")
-        sums, norms = run(*inputs)
-        outputs = [torch.empty_like(s) for s in sums], torch.empty_like(norms)
-        del sums, norms
         pool = torch.cuda.graph_pool_handle()
         graphs = []
-        report_at = {1, 2, 4, 8, 16, 32}
-        order = list(reversed(captured.buckets_up_to(largest)))
-        for count, rows in enumerate(order, start=1):
-            part = static_x[:rows], static_y[:rows], mask[:rows]
-            if rows < largest:
-                run(*part)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                sums, norms = run(*part)
-                torch._foreach_copy_(outputs[0], sums)
-                outputs[1][:rows].copy_(norms)
-            del sums, norms
+        report_at = {1, 2, 4, 8, 16, 32, len(captured.buckets_up_to(largest))}
+        for count, (rows, graph) in enumerate(captured.each_graph(run, buffers, pool), start=1):
             graphs.append(graph)
-            if count in report_at or count == len(order):
+            if count in report_at:
                 total, segments, biggest = pool_words(pool)
                 rows_out.append(
                     f"| {name} | {batch} | {count} graph(s), down to {rows} rows | | {total:.0f} | {segments} | "

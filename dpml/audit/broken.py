@@ -59,8 +59,10 @@ def clipping_removed() -> contextlib.AbstractContextManager[None]:
     earlier test had planned the same model."""
     original = dpsgd.clipped_chunks_and_noise
 
+    def ones(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
+        return torch.ones_like(norms)
+
     def unclipped(*args: Any, **kwargs: Any) -> Any:
-        ones = lambda norms, clip_norm: torch.ones_like(norms)  # noqa: E731
         with _patched(clipping, "clip_factors", ones), _patched(captured, "clip_factors", ones):
             return original(*args, **kwargs)
 

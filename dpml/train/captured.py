@@ -421,18 +421,30 @@ def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> tuple[str, tuple
 def _captured_graphs(
     run: _Pass, x: torch.Tensor, y: torch.Tensor, most_rows: int | None = None
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], _Buffers, tuple[int, int]]:
-    """One graph per bucket, from :func:`largest_bucket` down to :data:`SMALLEST_BUCKET`, each after
-    one warm-up pass; their shared inputs (holding the chunk's rows) and outputs, and the memory pool they share
-    (their replays never overlap, and each one's outputs are copied out before the next)."""
-    largest = largest_bucket(x.shape[0], most_rows)
+    """One graph per bucket, from :func:`largest_bucket` down to :data:`SMALLEST_BUCKET` (:func:`each_graph`); their
+    shared inputs (holding the chunk's rows) and outputs, and the memory pool they share (their replays never overlap,
+    and each one's outputs are copied out before the next)."""
+    buffers = warmed_buffers(run, x, y, largest_bucket(x.shape[0], most_rows))
+    pool = torch.cuda.graph_pool_handle()
+    return dict(each_graph(run, buffers, pool)), buffers, pool
+
+
+def warmed_buffers(run: _Pass, x: torch.Tensor, y: torch.Tensor, largest: int) -> _Buffers:
+    """The graphs' shared inputs, ``largest`` rows holding the chunk's (:func:`_static_inputs`), and outputs, after one
+    warm-up pass on them."""
     static_x, static_y, mask = _static_inputs(run.model, x, y, largest)
     sums, norms = run(static_x, static_y, mask)  # (warm-up)
-    buffers = _Buffers(static_x, static_y, mask, [torch.empty_like(s) for s in sums], torch.empty_like(norms))
-    del sums, norms
-    pool = torch.cuda.graph_pool_handle()
-    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    return _Buffers(static_x, static_y, mask, [torch.empty_like(s) for s in sums], torch.empty_like(norms))
+
+
+def each_graph(
+    run: _Pass, buffers: _Buffers, pool: torch.cuda._POOL_HANDLE
+) -> Iterator[tuple[int, torch.cuda.CUDAGraph]]:
+    """(rows, graph) for every bucket from the buffers' rows down, largest first, each captured into ``pool`` after one
+    warm-up pass and yielded before the next is captured (``benchmarks/graph_pool.py`` reads the pool in between)."""
+    largest = buffers.x.shape[0]
     for rows in reversed(buckets_up_to(largest)):
-        inputs = static_x[:rows], static_y[:rows], mask[:rows]
+        inputs = buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows]
         if rows < largest:
             run(*inputs)  # (warm-up)
         graph = torch.cuda.CUDAGraph()
@@ -441,8 +453,7 @@ def _captured_graphs(
             torch._foreach_copy_(buffers.sums, sums)
             buffers.norms[:rows].copy_(norms)
         del sums, norms
-        graphs[rows] = graph
-    return graphs, buffers, pool
+        yield rows, graph
 
 
 def _judged_equal(run: _Pass, x: torch.Tensor, y: torch.Tensor, captures: _Captures) -> bool:
