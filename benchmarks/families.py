@@ -47,9 +47,10 @@ the others with it, and its row says what happened):
 
 - ``nonprivate``: forward, mean cross-entropy, backward, ``optimizer.step()`` (SGD);
 - ``dpml``: the trainer's own step: :func:`dpml.train.clipping_check.plan_clipping` first (which parameters
-  must take the exact per-example path), the chunk the trainer would clip in (``physical_chunk``, tuned, at
-  most the batch; ``--dpml-chunk whole`` for one chunk), then per step :func:`clipped_sum_and_noise` (C = 1,
-  σ = 1; on the CPU the trainer's noise stream), the noise added in place, divided by the batch, SGD;
+  must take the exact per-example path), the chunk the trainer would clip in (``fastest_chunk``, tuned, at
+  most the batch, its timings on the page; ``--dpml-chunk whole`` for one chunk), then per step
+  :func:`clipped_sum_and_noise` (C = 1, σ = 1; on the CPU the trainer's noise stream), the noise added in place,
+  divided by the batch, SGD;
 - ``opacus-hooks``, ``opacus-ghost``: Opacus' ``PrivacyEngine.make_private`` with ``grad_sample_mode``
   ``"hooks"`` (``GradSampleModule``) or ``"ghost"`` (fast gradient clipping), the model as brought
   (``ModuleValidator.fix`` is not applied). A method that raises while it is set up is reported as
@@ -474,7 +475,7 @@ def step_function(family: str, method: str, args: argparse.Namespace, x, y) -> C
 def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[], None]:  # noqa: ANN001
     torch = _torch()
     from dpml.train.captured import capture_report, graph_memory
-    from dpml.train.chunking import physical_chunk
+    from dpml.train.chunking import fastest_chunk
     from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
     from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
     from dpml.train.noise import PrefetchedNoise, cpu_noise_stream
@@ -489,11 +490,12 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
     exact_set = getattr(plan, "exact", frozenset())
     exact_names = list(getattr(plan, "exact_parameters", None) or sorted(exact_set))
     start = time.perf_counter()
-    chunk = (
-        batch
+    choice = (
+        None
         if args.dpml_chunk == "whole"
-        else physical_chunk(True, model, per_example_cross_entropy, shape, x.dtype, batch, batch, exact_set)
+        else fastest_chunk(model, per_example_cross_entropy, shape, x.dtype, batch, batch, exact_set)
     )
+    chunk = batch if choice is None else choice.chunk
     tune_seconds = time.perf_counter() - start
     params = trainable_parameters(model)
     generator: Any = torch.Generator(device=x.device).manual_seed(0)
@@ -506,6 +508,7 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
         "trainable_parameters": len(params),
         "plan_seconds": plan_seconds,
         "tune_seconds": tune_seconds,
+        **({"tuner": choice.line()} if choice is not None else {}),  # (the time per example of each chunk it timed)
         "plan_notes": list(getattr(plan, "notes", ())),
     }
 
@@ -982,6 +985,7 @@ def page(rows: list[dict], meta: dict[str, Any]) -> str:  # noqa: C901
                 "the whole batch in one chunk (`--dpml-chunk whole`, not tuned)"
                 if meta["args"].get("dpml_chunk") == "whole"
                 else f"chunk of {dp['chunk']} rows chosen by the trainer's tuner in {dp['tune_seconds']:.1f} s"
+                + (f" ({dp['tuner']})" if dp.get("tuner") else "")
             )
             details.append(
                 f"- **{family}** ({non.get('model', '')}; {non.get('trainable', 0):,} of "

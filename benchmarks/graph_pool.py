@@ -2,18 +2,20 @@
 
 On an H200 (``results/families_cuda.md``, ``results/speed_cuda.md``) dpml's step replayed from CUDA graphs peaked at
 2.7 times its eager step for ViT and 3.2 times for ResNet-18-GN (4.07 and 3.96 times non-private), and the CNN's at
-1.40 times non-private against 1.02 eager. The graphs share one pool (``dpml/train/captured.py``): captured from the
-largest bucket down, each after the last one's intermediates were freed, it should hold about one eager pass of the
-largest bucket. This measures, per model and batch, in one process:
+1.40 times non-private against 1.02 eager. Their graphs, one per bucket from 8 rows up, were all captured at the
+first chunk into one pool. Since then the engine (``dpml/train/captured.py``) captures a bucket's graph when a chunk
+of its size first comes. This measures, per model and batch, in one process:
 
 - the eager masked pass's peak on the largest bucket's rows (``torch.cuda.max_memory_allocated`` above what was
   allocated before it);
 - the pool (its segments' total size, their count and the largest) after capturing the largest bucket's graph alone,
-  then after 2, 4, 8, ... graphs and after all of them, captured as the engine captures them (the same pass, pool,
-  side stream and order);
+  then after 2, 4, 8, ... graphs and after all of them, largest first (as the engine did until the change): does the
+  first graph alone cost more than its eager pass (capture-time allocation), or does the pool grow graph by graph
+  (blocks of one graph's sizes that another's cannot reuse)?
+- the pool of the graphs a run of 100 Poisson batches of mean ``--batch`` meets, captured in the order met (as the
+  engine captures them now; the pool a training run holds).
 
-so that one table says whether the first graph alone costs more than its eager pass (capture-time allocation) or the
-pool grows graph by graph (blocks not reused between captures, or fragmentation). Nothing here is timed.
+Nothing here is timed.
 
     python benchmarks/graph_pool.py --device cuda --models cnn mlp resnet18-gn vit --batch 256
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,34 +59,54 @@ def eager_peak_mib(run: captured._Pass, inputs: tuple[torch.Tensor, ...]) -> flo
     return peak / MIB
 
 
-def measure(name: str, batch: int) -> list[str]:
-    """The table's rows for one model: its eager peak, then the pool as graphs are added."""
+def poisson_buckets(batch: int, largest: int, steps: int = 100) -> list[int]:
+    """The buckets ``steps`` Poisson batches of mean ``batch`` meet, in the order met (a batch above ``largest``
+    runs eagerly: no graph)."""
+    sizes = torch.poisson(torch.full((steps,), float(batch)), generator=torch.Generator().manual_seed(0))
+    met: list[int] = []
+    for size in sizes.int().tolist():
+        rows = captured.bucket(max(1, size))
+        if rows <= largest and rows not in met:
+            met.append(rows)
+    return met
+
+
+def pool_rows(name: str, batch: int, what: str, pool: tuple[int, int]) -> str:
+    total, segments, biggest = pool_words(pool)
+    return f"| {name} | {batch} | {what} | | {total:.0f} | {segments} | {biggest:.0f} |"
+
+
+def measure(name: str, batch: int) -> Iterator[str]:
+    """The table's rows for one model, each as it is measured: its eager peak, the pool as graphs are added largest
+    first, and the pool of the buckets a Poisson run meets."""
     model, x, y = speed_profile.model_and_batch(name, batch, "cuda")
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     run = captured._Pass(model, per_example_cross_entropy, 1.0, (), names)
     largest = captured.largest_bucket(batch)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    rows_out = []
+    graphs = []
     with torch.cuda.stream(side):
         buffers = captured.warmed_buffers(run, x, y, largest)
         eager = eager_peak_mib(run, (buffers.x, buffers.y, buffers.mask))
-        rows_out.append(f"| {name} | {batch} | eager pass, {largest} rows | {eager:.0f} | | | |")
+        yield f"| {name} | {batch} | eager pass, {largest} rows | {eager:.0f} | | | |"
+        every = list(reversed(captured.buckets_up_to(largest)))
         pool = torch.cuda.graph_pool_handle()
-        graphs = []
-        report_at = {1, 2, 4, 8, 16, 32, len(captured.buckets_up_to(largest))}
-        for count, (rows, graph) in enumerate(captured.each_graph(run, buffers, pool), start=1):
-            graphs.append(graph)
-            if count in report_at:
-                total, segments, biggest = pool_words(pool)
-                rows_out.append(
-                    f"| {name} | {batch} | {count} graph(s), down to {rows} rows | | {total:.0f} | {segments} | "
-                    f"{biggest:.0f} |"
-                )
+        for count, rows in enumerate(every, start=1):
+            graphs.append(captured.capture_graph(run, buffers, pool, rows))
+            if count in {1, 2, 4, 8, 16, 32, len(every)}:
+                yield pool_rows(name, batch, f"{count} graph(s), largest first, down to {rows} rows", pool)
+        graphs.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        met = poisson_buckets(batch, largest)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = [captured.capture_graph(run, buffers, pool, rows) for rows in met]
+        what = f"{len(met)} graph(s) met by 100 Poisson batches ({min(met)} to {max(met)} rows), in that order"
+        yield pool_rows(name, batch, what, pool)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     del graphs
-    return rows_out
 
 
 def main() -> None:
@@ -102,24 +125,28 @@ def main() -> None:
         "",
         f"`python benchmarks/graph_pool.py --device cuda --models {' '.join(args.models)} --batch {args.batch} "
         f"--size {args.size}`; {torch.cuda.get_device_name(0)}, torch {torch.__version__}, Python "
-        f"{platform.python_version()}. MiB; the pool after each count of graphs captured (largest bucket first).",
+        f"{platform.python_version()}. MiB; the pool after each count of graphs captured largest first, then a "
+        "fresh pool holding the graphs a Poisson run meets.",
         "",
         "| model | batch | what | eager peak | pool | segments | largest segment |",
         "|---|---|---|---|---|---|---|",
     ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         try:
-            lines += measure(name, args.batch)
+            for row in measure(name, args.batch):  # (the page rewritten at each row: a step cut short keeps its rows)
+                lines.append(row)
+                print(row, flush=True)
+                (out / "graph_pool_cuda.md").write_text("\n".join(lines) + "\n")
         except Exception as error:  # noqa: BLE001 — one model's failure is a row, not the end of the table
             lines.append(
                 f"| {name} | {args.batch} | fails: {type(error).__name__}: {str(error).splitlines()[0][:150]} |"
             )
-        print("\n".join(lines[-3:]), flush=True)
+            print(lines[-1], flush=True)
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "graph_pool_cuda.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 # else is touched) and runs, each step under its own time limit so that a slow or crashing step costs only
 # its own output, and each step's log written beside its results in DIR:
 #   0. where a captured model's CUDA graph memory goes (benchmarks/graph_pool.py, cnn, mlp, ResNet-18-GN and ViT
-#      at 256, graph_pool_cuda.md): 60 s, only when SESSION_STEPS names it (pool);
+#      at 256, graph_pool_cuda.md): 75 s, only when SESSION_STEPS names it (pool);
 #   1. the CUDA tests (tests/test_devices.py, tests/test_noise.py, tests/test_captured_passes.py,
 #      tests/test_streamed_pieces.py but its CPU memory test, tests/test_per_example_calls.py): 130 s (on an H200
 #      they took over 100 s);
@@ -61,7 +61,7 @@ fi
 status=0
 if [[ " $STEPS " == *" pool "* ]]; then
   say "0. where a captured model's CUDA graph memory goes"
-  step timeout 60 python3 benchmarks/graph_pool.py --device cuda --models cnn mlp resnet18-gn vit --batch 256 \
+  step timeout 75 python3 benchmarks/graph_pool.py --device cuda --models cnn mlp resnet18-gn vit --batch 256 \
     --size base --out "$OUT" > "$OUT/pool.log" 2>&1
   say "pool: exit $?"; grep -E "^\| [a-z]" "$OUT/graph_pool_cuda.md" 2>/dev/null
 fi

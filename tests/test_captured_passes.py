@@ -2,9 +2,9 @@
 
 On the CPU: a chunk padded to its bucket (its first row repeated, the padding's clip factors masked to 0) gives the
 chunk's own clipped sum and norms, against a float64 per-example loop, for an MLP, a GroupNorm convolution and a
-transformer encoder on padded tokens. On a GPU (skipped without one): chunks of every size replay from graphs and
-give the eager engine's sums; a model that draws random numbers, or whose pass reads a value on the host, runs
-eagerly; a replaced parameter is captured anew.
+transformer encoder on padded tokens. On a GPU (skipped without one): chunks of each size met replay from their
+bucket's graph, captured when first met, and give the eager engine's sums; a model that draws random numbers, or
+whose pass reads a value on the host, runs eagerly; a replaced parameter is captured anew.
 """
 
 from __future__ import annotations
@@ -239,22 +239,28 @@ def _assert_same(
 
 @gpu
 @pytest.mark.parametrize("kind", ["mlp", "conv"])
-def test_on_the_gpu_every_chunk_size_replays_from_a_graph_and_gives_the_eager_sums(kind: str) -> None:
-    model, x, y = model_and_rows(kind, 80, "cuda")
+def test_on_the_gpu_each_chunk_size_met_replays_from_its_own_graph_and_gives_the_eager_sums(kind: str) -> None:
+    """A bucket's graph is captured when a chunk of its size first comes (judged on it), up to that of the first
+    chunk's rows and a quarter more; a larger chunk runs eagerly and captures nothing."""
+    model, x, y = model_and_rows(kind, 90, "cuda")
     first = clipped_chunk_sum(model, per_example_cross_entropy, x[:64], y[:64], CLIP)
-    graphs = captured._CAPTURES[model].graphs
-    assert sorted(graphs) == buckets_up_to(80), "a launch-bound model's buckets, from 64 rows and a quarter more down"
+    captures = captured._CAPTURES[model]
+    assert list(captures.graphs) == [64] and captures.largest == 80, "the first chunk's bucket alone, so far"
     assert graph_memory(model) > 0, "their memory pool, which torch.cuda.memory_allocated does not count"
-    report = capture_report(model)
-    assert report is not None and report.startswith(f"replayed from {len(graphs)} CUDA graphs of 8 to 80 rows"), report
-    assert "the GPU ran it in" in report
     _assert_same(first, _eager(model, x[:64], y[:64]))
-    for rows in (80, 64, 37, 16, 9, 8, 3, 1):
-        part_x, part_y = x[-rows:], y[-rows:]  # (other rows than the judge's)
+    sizes = (80, 64, 37, 16, 9, 8, 3, 1, 37)
+    for rows in sizes:
+        part_x, part_y = x[-rows:], y[-rows:]  # (other rows than the first chunk's)
         _assert_same(
             clipped_chunk_sum(model, per_example_cross_entropy, part_x, part_y, CLIP), _eager(model, part_x, part_y)
         )
-    assert captured._CAPTURES[model].graphs is graphs, "the same setting captures nothing more"
+    assert sorted(captures.graphs) == [8, 9, 16, 40, 64, 80], "one graph for each bucket met (1 and 3 rows in 8)"
+    report = capture_report(model)
+    assert report is not None and report.startswith("replayed from 6 CUDA graphs of 8 to 80 rows"), report
+    assert "up to 80 rows" in report and "the GPU ran it in" in report
+    graphs = dict(captures.graphs)
+    _assert_same(clipped_chunk_sum(model, per_example_cross_entropy, x, y, CLIP), _eager(model, x, y))  # (90 rows)
+    assert captured._CAPTURES[model] is captures and captures.graphs == graphs, "nothing captured anew, or for 96"
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)  # an optimizer's in-place step: the graphs read the new values
@@ -268,7 +274,9 @@ def test_on_the_gpu_a_steps_graphs_stop_at_its_physical_batch_size() -> None:
     model, x, y = model_and_rows("mlp", 100, "cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
     sums, _, _ = clipped_sum_and_noise(model, x, y, CLIP, 0.0, 64, generator)  # chunks of 64 and 36 rows
-    assert sorted(captured._CAPTURES[model].graphs) == buckets_up_to(64), "none for the 80 rows no chunk has"
+    captures = captured._CAPTURES[model]
+    assert captures.largest == 64, "none for the 80 rows no chunk has"
+    assert sorted(captures.graphs) == [36, 64], "the buckets of the step's two chunks"
     with eager_passes():
         want, _, _ = clipped_sum_and_noise(model, x, y, CLIP, 0.0, 64, generator)
     for name in want:

@@ -15,13 +15,15 @@ first row, and a mask m (m_i = 1 for i < r, 0 after) multiplies the clip factors
 
 the chunk's clipped sum, since each record's gradient g_i comes from its own rows only (the clipping check refuses a
 model whose loss for one example changes with another's rows), and the repeated rows' gradients are those of a real
-record (finite where it is). Every bucket from that of the first chunk's rows and a quarter more (a Poisson batch's size
-varies around its mean), but no more than the physical batch size (no chunk is larger), down to :data:`SMALLEST_BUCKET`
-is captured at the first chunk of a model and setting, so a run's later steps capture nothing (and wait for the host no
-more than the eager steps do); a larger chunk runs eagerly. The graphs share one memory pool (they never replay at
+record (finite where it is). A bucket's graph is captured the first time a chunk of its size comes, and judged on
+that chunk: a run of Poisson batches meets the few buckets around its mean and those of its last chunks. Buckets go
+up to that of the first chunk's rows and a quarter more (a Poisson batch's size varies around its mean), no further
+than the physical batch size; a larger chunk runs eagerly. The graphs share one memory pool (they never replay at
 once), one set of inputs (the largest bucket's rows, of which a graph of b rows reads the first b) and one set of
-outputs (copied out after each replay): what they hold beyond an eager pass of the largest bucket is one copy of the
-sums (:func:`graph_memory`).
+outputs (copied out after each replay): they hold an eager pass of the largest bucket met, one copy of the sums
+(:func:`graph_memory`), and the blocks of one graph's sizes that another's cannot reuse (captured for every bucket
+from 8 rows up, as until this change, ViT's pool held 2.7 times its eager pass on an H200). A new bucket costs its
+chunk a warm-up pass, the capture and the judge's eager pass, once.
 
 **When.** Only where it is exact and faster: a batch on a CUDA device, no Dirac canaries (the audit's), no autocast,
 a pass that never waits for the GPU (no value read on the host, no copy from pageable host memory: a capture cannot
@@ -32,9 +34,10 @@ pass (the GPU runs the first chunk's pass, queued behind a sleep, in less than 1
 time the host took to issue it), so that a replay, padded by less than an eighth (and a chunk by up to a quarter more
 rows than the first), takes the GPU no longer than the host took to issue the eager pass.
 
-**The judge.** Each bucket's first replay is compared with the eager engine on the same rows: norms and sums must
+**The judge.** Each graph's first replay is compared with the eager engine on the same rows: norms and sums must
 agree (rtol 1e-4). Any difference, or any error while capturing or judging (out of memory; an operation the eager
-pass's check missed), and the model's chunks run eagerly, with one log line saying why.
+pass's check missed), and the model's chunks run eagerly from then on (its graphs let go), with one log line saying
+why.
 A captured pass replays what the forward pass did when it was captured: a model whose forward pass depends on
 Python state that changes between steps must run eagerly (:func:`eager_passes`). A model, a loss, a clip norm, a
 plan, an input shape or the address of any parameter or buffer that differs from the capture's (a model moved, a
@@ -187,17 +190,24 @@ def fill(static_x: torch.Tensor, static_y: torch.Tensor, mask: torch.Tensor, x: 
 
 @dataclass
 class _Captures:
-    """A model's graphs for one setting (:func:`_setting`), by bucket; none where it runs eagerly."""
+    """A model's graphs for one setting (:func:`_setting`), by bucket, captured as chunks of their sizes come; none
+    where it runs eagerly."""
 
     setting: tuple[Any, ...]
     loss_fn: LossFn  # (held: the setting names it by id)
     names: list[str]
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
-    buffers: _Buffers | None = None
-    pool: tuple[int, int] | None = None
+    buffers: _Buffers | None = None  # (None: every chunk runs eagerly)
+    pool: torch.cuda._POOL_HANDLE | None = None
+    side: torch.cuda.Stream | None = None  # the stream warm-ups run on (one, so that its cuBLAS workspace is one)
     settings: int = 1  # how many settings the model has had: past MOST_SETTINGS, it runs eagerly
     why: str = ""  # why its chunks run eagerly ('' where they replay)
     timing: tuple[float, float] | None = None  # (seconds the GPU ran the first chunk's pass in, the host issued it in)
+
+    @property
+    def largest(self) -> int:
+        """The largest bucket a graph is captured for (0 where none is)."""
+        return 0 if self.buffers is None else self.buffers.x.shape[0]
 
 
 MOST_SETTINGS = 3
@@ -229,19 +239,20 @@ def clipped_chunk_sum(
     if captures is None or captures.setting != setting:
         settings = 1 if captures is None else captures.settings + 1
         _CAPTURES.pop(model, None)  # (the old setting's graphs let go before new ones take memory)
-        captures = _CAPTURES[model] = _capture(model, loss_fn, x, y, clip_norm, exact, setting, settings, most_rows)
+        captures = _CAPTURES[model] = _prepared(model, loss_fn, x, y, clip_norm, exact, setting, settings, most_rows)
     rows = bucket(x.shape[0])
     graph = captures.graphs.get(rows)
+    if graph is None and rows <= captures.largest:
+        graph = _new_graph(_Pass(model, loss_fn, clip_norm, exact, captures.names), captures, x, y, rows)
     if graph is None or captures.buffers is None:
         return clipped_gradient_sum(model, loss_fn, x, y, clip_norm, diracs, exact, autocast)
     return captures.buffers.replayed(graph, rows, x, y, captures.names)
 
 
 def graph_memory(model: nn.Module) -> int:
-    """The bytes the model's CUDA graphs hold on its device (0 where it has none): their memory pool, which
-    ``torch.cuda.memory_allocated`` does not count (its blocks are free between replays, kept for them), and their
-    shared inputs and outputs, which it does (added to it, these are counted twice: an overestimate of a few copies of
-    the model's parameters and the largest bucket's rows)."""
+    """The bytes the model's CUDA graphs hold on its device (0 where it has none): their pool, which
+    ``torch.cuda.memory_allocated`` does not count (free between replays, kept for them), and their shared inputs and
+    outputs, which it does (so counted twice: an overestimate by a copy of the sums and the largest bucket's rows)."""
     captures = _CAPTURES.get(model)
     if captures is None or captures.pool is None or captures.buffers is None:
         return 0
@@ -261,10 +272,8 @@ def _pool_segments(pool: tuple[int, int]) -> list[int]:
 
 
 def capture_report(model: nn.Module) -> str | None:
-    """In words, how the model's chunks run on its GPU, for a benchmark's page: replayed from how many graphs, and
-    the memory their pool holds (in how many segments), or eagerly and why; with the GPU's and the host's time for
-    the first chunk's pass where they were measured. None where no chunk of it has been on a GPU (or every one ran
-    in :func:`eager_passes`)."""
+    """How the model's chunks run on its GPU, for a benchmark's page: from how many graphs (their pool's memory), or
+    eagerly and why; the first chunk's GPU and host time. None where no chunk of it was captured or judged."""
     captures = _CAPTURES.get(model)
     if captures is None:
         return None
@@ -273,7 +282,10 @@ def capture_report(model: nn.Module) -> str | None:
         rows = sorted(captures.graphs)
         segments = _pool_segments(captures.pool) if captures.pool is not None else []
         held = f", their pool holding {sum(segments) / 2**20:.0f} MiB in {len(segments)} segments"
-        return f"replayed from {len(rows)} CUDA graphs of {rows[0]} to {rows[-1]} rows{held}{timing}"
+        return (
+            f"replayed from {len(rows)} CUDA graphs of {rows[0]} to {rows[-1]} rows (those of the chunk sizes met; up "
+            f"to {captures.largest} rows){held}{timing}"
+        )
     return f"eager: {captures.why or 'no trainable parameters'}{timing}"
 
 
@@ -322,7 +334,7 @@ def _setting(
     )
 
 
-def _capture(
+def _prepared(
     model: nn.Module,
     loss_fn: LossFn,
     x: torch.Tensor,
@@ -333,8 +345,9 @@ def _capture(
     settings: int,
     most_rows: int | None = None,
 ) -> _Captures:
-    """The setting's graphs, one per bucket from the first chunk's down, each judged against the eager engine; none,
-    with a log line saying why, where capturing would not be exact or not faster."""
+    """A new setting's captures, before any graph: the graphs' shared buffers (:func:`warmed_buffers`, up to
+    :func:`largest_bucket`), pool and side stream; none of them, with a log line saying why, where capturing would
+    not be exact or not faster (:func:`_why_eager`)."""
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     captures = _Captures(setting, loss_fn, names, settings=settings)
     if not names:
@@ -352,24 +365,51 @@ def _capture(
         with torch.cuda.stream(side):
             why, captures.timing = _why_eager(run, x, y)
             if not why:
-                captures.graphs, captures.buffers, captures.pool = _captured_graphs(run, x, y, most_rows)
+                captures.buffers = warmed_buffers(run, x, y, largest_bucket(x.shape[0], most_rows))
         torch.cuda.current_stream(device).wait_stream(side)
-        if not why and not _judged_equal(run, x, y, captures):
-            why = "a replay differed from the eager engine on the same rows"
+    except RuntimeError as error:  # out of memory
+        torch.cuda.current_stream(device).wait_stream(side)
+        why = f"preparing its graphs failed ({str(error).splitlines()[0]})"
+    if why:
+        _run_eagerly(captures, why, device)
+    else:
+        captures.pool, captures.side = torch.cuda.graph_pool_handle(), side
+    return captures
+
+
+def _new_graph(
+    run: _Pass, captures: _Captures, x: torch.Tensor, y: torch.Tensor, rows: int
+) -> torch.cuda.CUDAGraph | None:
+    """The graph of the chunk's bucket of ``rows`` rows, met for the first time: captured into the setting's pool
+    (:func:`capture_graph`) and judged on the chunk (:func:`_judged_equal`); None where capturing or judging it
+    failed, or its replay differed: the model's chunks then run eagerly (its graphs let go), with a log line saying
+    why."""
+    buffers, side, device = captures.buffers, captures.side, x.device
+    assert buffers is not None and side is not None and captures.pool is not None
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            fill(buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows], x, y)
+            graph = capture_graph(run, buffers, captures.pool, rows)
+        torch.cuda.current_stream(device).wait_stream(side)
+        why = "" if _judged_equal(run, buffers, graph, rows, x, y) else "a replay differed from the eager engine"
     except RuntimeError as error:  # an operation a capture cannot hold (a host read, a pageable copy), out of memory
         torch.cuda.current_stream(device).wait_stream(side)
         why = f"capturing or judging its pass failed ({str(error).splitlines()[0]})"
     if why:
-        captures.graphs, captures.buffers, captures.pool = {}, None, None
-        torch.cuda.empty_cache()
-        LOG.info(
-            "per-example clipping on %s: every chunk runs eagerly, not from a CUDA graph: %s%s",
-            device,
-            why,
-            _timing_words(captures.timing),
-        )
+        _run_eagerly(captures, f"{why} (its graph of {rows} rows)", device)
+        return None
+    captures.graphs[rows] = graph
+    return graph
+
+
+def _run_eagerly(captures: _Captures, why: str, device: torch.device) -> None:
+    """From now on the setting's chunks run eagerly: its graphs, buffers and pool let go, one log line saying why."""
+    captures.graphs, captures.buffers, captures.pool, captures.side = {}, None, None, None
+    torch.cuda.empty_cache()
+    eager = "every chunk runs eagerly, not from a CUDA graph"
+    LOG.info("per-example clipping on %s: %s: %s%s", device, eager, why, _timing_words(captures.timing))
     captures.why = why
-    return captures
 
 
 def _static_inputs(
@@ -418,57 +458,40 @@ def _why_eager(run: _Pass, x: torch.Tensor, y: torch.Tensor) -> tuple[str, tuple
     return "", (ran, issued)
 
 
-def _captured_graphs(
-    run: _Pass, x: torch.Tensor, y: torch.Tensor, most_rows: int | None = None
-) -> tuple[dict[int, torch.cuda.CUDAGraph], _Buffers, tuple[int, int]]:
-    """One graph per bucket, from :func:`largest_bucket` down to :data:`SMALLEST_BUCKET` (:func:`each_graph`); their
-    shared inputs (holding the chunk's rows) and outputs, and the memory pool they share (their replays never overlap,
-    and each one's outputs are copied out before the next)."""
-    buffers = warmed_buffers(run, x, y, largest_bucket(x.shape[0], most_rows))
-    pool = torch.cuda.graph_pool_handle()
-    return dict(each_graph(run, buffers, pool)), buffers, pool
-
-
 def warmed_buffers(run: _Pass, x: torch.Tensor, y: torch.Tensor, largest: int) -> _Buffers:
-    """The graphs' shared inputs, ``largest`` rows holding the chunk's (:func:`_static_inputs`), and outputs, after one
-    warm-up pass on them."""
+    """The graphs' shared inputs, ``largest`` rows holding the chunk's (:func:`_static_inputs`), and outputs, shaped by
+    one warm-up pass on the chunk's own bucket (no more memory than a replay of it)."""
     static_x, static_y, mask = _static_inputs(run.model, x, y, largest)
-    sums, norms = run(static_x, static_y, mask)  # (warm-up)
-    return _Buffers(static_x, static_y, mask, [torch.empty_like(s) for s in sums], torch.empty_like(norms))
+    first = min(bucket(x.shape[0]), largest)
+    sums, norms = run(static_x[:first], static_y[:first], mask[:first])  # (warm-up)
+    return _Buffers(static_x, static_y, mask, [torch.empty_like(s) for s in sums], norms.new_empty(largest))
 
 
-def each_graph(
-    run: _Pass, buffers: _Buffers, pool: torch.cuda._POOL_HANDLE
-) -> Iterator[tuple[int, torch.cuda.CUDAGraph]]:
-    """(rows, graph) for every bucket from the buffers' rows down, largest first, each captured into ``pool`` after one
-    warm-up pass and yielded before the next is captured (``benchmarks/graph_pool.py`` reads the pool in between)."""
-    largest = buffers.x.shape[0]
-    for rows in reversed(buckets_up_to(largest)):
-        inputs = buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows]
-        if rows < largest:
-            run(*inputs)  # (warm-up)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # (another thread's copies go on)
-            sums, norms = run(*inputs)
-            torch._foreach_copy_(buffers.sums, sums)
-            buffers.norms[:rows].copy_(norms)
-        del sums, norms
-        yield rows, graph
+def capture_graph(run: _Pass, buffers: _Buffers, pool: torch.cuda._POOL_HANDLE, rows: int) -> torch.cuda.CUDAGraph:
+    """The graph of the masked pass on the buffers' first ``rows`` rows, writing the shared outputs, captured into
+    ``pool`` after one warm-up pass on the same rows (on the current stream: cuDNN's and cuBLAS's choices for the shape
+    made before the capture)."""
+    inputs = buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows]
+    run(*inputs)  # (warm-up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # (another thread's copies go on)
+        sums, norms = run(*inputs)
+        torch._foreach_copy_(buffers.sums, sums)
+        buffers.norms[:rows].copy_(norms)
+    return graph
 
 
-def _judged_equal(run: _Pass, x: torch.Tensor, y: torch.Tensor, captures: _Captures) -> bool:
-    """Whether every graph's replay on the first chunk's first rows (those of its bucket; padded where the chunk has
-    fewer) gives the eager engine's norms and sums on the same padded rows (one host read for all)."""
-    buffers = captures.buffers
-    assert buffers is not None
+def _judged_equal(
+    run: _Pass, buffers: _Buffers, graph: torch.cuda.CUDAGraph, rows: int, x: torch.Tensor, y: torch.Tensor
+) -> bool:
+    """Whether the graph's replay on the chunk (x, y), padded to its ``rows``, gives the eager engine's norms and
+    sums on the same padded rows (one host read)."""
+    sums, norms = buffers.replayed(graph, rows, x, y, run.names)
+    eager_sums, eager_norms = run(buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows])  # (the replay's rows)
+    pairs = [(norms, eager_norms[: x.shape[0]])]
+    pairs += [(sums[n], s) for n, s in zip(run.names, eager_sums, strict=True)]
+    scale = float(run.clip_norm) * rows * 1e-6
     agree = torch.ones((), dtype=torch.bool, device=x.device)
-    for rows, graph in captures.graphs.items():
-        part_x, part_y = x[:rows], y[:rows]
-        sums, norms = buffers.replayed(graph, rows, part_x, part_y, run.names)
-        eager_sums, eager_norms = run(buffers.x[:rows], buffers.y[:rows], buffers.mask[:rows])  # (the replay's rows)
-        pairs = [(norms, eager_norms[: part_x.shape[0]])]
-        pairs += [(sums[n], s) for n, s in zip(run.names, eager_sums, strict=True)]
-        scale = float(run.clip_norm) * rows * 1e-6
-        for got, want in pairs:
-            agree &= torch.isclose(got, want, rtol=JUDGE_RTOL, atol=scale, equal_nan=True).all()
+    for got, want in pairs:
+        agree &= torch.isclose(got, want, rtol=JUDGE_RTOL, atol=scale, equal_nan=True).all()
     return bool(agree)
