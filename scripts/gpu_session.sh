@@ -19,7 +19,8 @@
 #      mlp and cnn at batches 512 and 4096, wrn-16-4 at 512, then at 4096 (8 rounds, without the chunked
 #      non-private and one-chunk rows): 220 s in all (with the eager row, dpml-eager);
 #   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
-#      families_profile_cuda.md): 30 s, only when SESSION_STEPS names it;
+#      families_profile_cuda.md), then the encoder's beside BERT's (batch 64, encoder_profile_cuda.md): 90 s, only
+#      when SESSION_STEPS names it;
 #   5. grouped and depthwise convolutions' per-example ways and the engine's pick (benchmarks/grouped_conv_ways.py,
 #      grouped_conv_ways_cuda.md): 15 s, only when SESSION_STEPS names it.
 # Steps 1-3 take at most 565 s and about 20 s to install: one call, with the machine's start (about 30 s on an
@@ -97,6 +98,10 @@ if [[ " $STEPS " == *" profile "* ]]; then
   step timeout 30 python3 benchmarks/speed_profile.py --device cuda --models resnet18-gn vit --size base --batch 256 \
     --repeats 10 --ops 15 --out "$OUT" --out-name families_profile_cuda.md > "$OUT/profile.log" 2>&1
   say "profile: exit $?"; grep -E "^\| [a-z]" "$OUT/families_profile_cuda.md" 2>/dev/null
+  # the encoder's DP step ran at 0.52 where BERT's, the same shapes, ran at 0.89: the two side by side
+  step timeout 60 python3 benchmarks/speed_profile.py --device cuda --models encoder bert --size base --batch 64 \
+    --repeats 3 --ops 20 --out "$OUT" --out-name encoder_profile_cuda.md > "$OUT/profile_encoder.log" 2>&1
+  say "profile encoder: exit $?"; grep -E "^\| [a-z]" "$OUT/encoder_profile_cuda.md" 2>/dev/null
 fi
 if [[ " $STEPS " == *" grouped "* ]]; then
   say "5. grouped and depthwise convolutions' per-example ways"
