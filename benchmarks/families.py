@@ -481,6 +481,10 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
     from dpml.train.noise import PrefetchedNoise, cpu_noise_stream
 
     batch, shape = x.shape[0], tuple(x.shape[1:])
+    if args.keep_share is not None:  # (this process measures one setting: set before the plan and the tuner run)
+        from dpml.train import keep_budget
+
+        keep_budget.KEEP_SHARE = args.keep_share
     start = time.perf_counter()
     try:
         plan = plan_clipping(model, per_example_cross_entropy, shape, x.dtype)
@@ -858,6 +862,8 @@ def _arguments(args: argparse.Namespace, families: list[str]) -> list[str]:
         out += ["--dpml-chunk", args.dpml_chunk]
     if args.threads:
         out += ["--threads", str(args.threads)]
+    if args.keep_share is not None:
+        out += ["--keep-share", f"{args.keep_share:g}"]
     return out
 
 
@@ -1045,6 +1051,13 @@ def main() -> None:
         choices=["tuned", "whole"],
         default="tuned",
         help="dpml's physical chunk: the trainer's tuned choice (≤ the batch) or the whole batch",
+    )
+    parser.add_argument(
+        "--keep-share",
+        type=float,
+        default=None,
+        help="the share of what a pass holds anyway that its kept per-example gradients may add "
+        "(dpml.train.keep_budget.KEEP_SHARE; default: the engine's): what keeping costs and buys",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")

@@ -18,6 +18,9 @@
 #   3. the speed table, one process per model and batch set (benchmarks/speed.py, speed_cuda_<model><batch>/):
 #      mlp and cnn at batches 512 and 4096, wrn-16-4 at 512, then at 4096 (8 rounds, without the chunked
 #      non-private and one-chunk rows): 220 s in all (with the eager row, dpml-eager);
+#   2b. ViT and ResNet-18-GN as in 2 with --keep-share 0 (families_cuda_keep0.{md,json}): what the kept
+#      per-example gradients cost in memory (ViT's eager step peaked at 1.53x) and buy in time: 60 s, only when
+#      SESSION_STEPS names it (keep);
 #   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
 #      families_profile_cuda.md), then the encoder's beside BERT's (batch 64, encoder_profile_cuda.md): 90 s, only
 #      when SESSION_STEPS names it;
@@ -25,7 +28,7 @@
 #      grouped_conv_ways_cuda.md): 15 s, only when SESSION_STEPS names it.
 # Steps 1-3 take at most 565 s and about 20 s to install: one call, with the machine's start (about 30 s on an
 # H200), inside a session's 15 minutes of device time, leaving room for one short second call.
-# SESSION_STEPS="pool tests families speed profile grouped" picks steps (default: tests families speed);
+# SESSION_STEPS="pool tests families keep speed profile grouped" picks steps (default: tests families speed);
 # SESSION_PACK=1 leaves DIR holding one archive, session.tar.gz, of everything it wrote (for a transfer that counts
 # files); SESSION_DRY=FILE runs nothing, on any machine, and writes each step's command to FILE, one a line, quoted
 # for the shell (tests/test_gpu_session.py checks that the scripts take them, so that a renamed option does not
@@ -79,6 +82,13 @@ if [[ " $STEPS " == *" families "* ]]; then
     --peer-rounds 1 --family-timeout 55 --total-timeout 200 --families bert-lora vit resnet18-gn bert encoder gpt2 \
     --out "$OUT" > "$OUT/families.log" 2>&1
   say "families: exit $?"; tail -n 25 "$OUT/families.log"
+fi
+if [[ " $STEPS " == *" keep "* ]]; then
+  say "2b. ViT and ResNet-18-GN with no per-example gradients kept beyond what keeping frees"
+  step timeout 60 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
+    --peers --keep-share 0 --family-timeout 28 --total-timeout 56 --families vit resnet18-gn \
+    --stem families_cuda_keep0 --out "$OUT" > "$OUT/families_keep0.log" 2>&1
+  say "keep: exit $?"; tail -n 12 "$OUT/families_keep0.log"
 fi
 if [[ " $STEPS " == *" speed "* ]]; then
   say "3. the speed table"

@@ -35,7 +35,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 took the arguments, argparse's exit 2 and its message if not."""
 
 
-def session_commands(tmp_path: Path, steps: str = "pool tests families speed profile grouped") -> list[list[str]]:
+def session_commands(tmp_path: Path, steps: str = "pool tests families keep speed profile grouped") -> list[list[str]]:
     """The session's steps' commands, as a dry run writes them, each without its ``timeout N``."""
     written = tmp_path / "commands"
     env = {**os.environ, "SESSION_DRY": str(written), "SESSION_STEPS": steps}
@@ -72,6 +72,7 @@ def test_a_dry_session_writes_every_step_and_runs_none_of_them(tmp_path: Path) -
     assert scripts == [
         "benchmarks/graph_pool.py",
         "pytest",
+        "benchmarks/families.py",
         "benchmarks/families.py",
         "benchmarks/speed.py",
         "benchmarks/speed.py",
