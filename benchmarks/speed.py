@@ -311,9 +311,23 @@ def main() -> None:
         default=None,
         help="torch intra-op thread counts, each measured in turn (default: torch's own)",
     )
+    parser.add_argument(
+        "--keep-share",
+        type=float,
+        default=None,
+        help="the share of what a pass holds anyway that its kept per-example gradients may add, for every dpml "
+        "row (dpml.train.keep_budget.KEEP_SHARE; default: the engine's): what keeping costs and buys",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    if args.keep_share is not None:
+        if args.keep_share < 0:
+            parser.error(f"--keep-share = {args.keep_share}: must be at least 0")
+        sys.path.insert(0, str(ROOT))
+        from dpml.train import keep_budget
+
+        keep_budget.KEEP_SHARE = args.keep_share
     for name, value in (
         ("--rounds", args.rounds),
         ("--peer-rounds", args.peer_rounds),
@@ -365,6 +379,7 @@ def page(rows: list[dict], args: argparse.Namespace, torch) -> str:  # noqa: ANN
         + (f" --peers {' '.join(args.peers)}" if list(args.peers) != list(PEERS) else "")
         + (f" --skip {' '.join(args.skip)}" if args.skip else "")
         + (f" --threads {' '.join(map(str, args.threads))}" if args.threads else "")
+        + (f" --keep-share {args.keep_share:g}" if args.keep_share is not None else "")
         + f" --device {args.device}"
     )
     lines = [

@@ -19,8 +19,8 @@
 #      mlp and cnn at batches 512 and 4096, wrn-16-4 at 512, then at 4096 (8 rounds, without the chunked
 #      non-private and one-chunk rows): 220 s in all (with the eager row, dpml-eager);
 #   2b. ViT and ResNet-18-GN as in 2 with --keep-share 0 (families_cuda_keep0.{md,json}): what the kept
-#      per-example gradients cost in memory (ViT's eager step peaked at 1.53x) and buy in time: 60 s, only when
-#      SESSION_STEPS names it (keep);
+#      per-example gradients cost in memory (ViT's eager step peaked at 1.53x) and buy in time; then WRN-16-4 at
+#      512 with --keep-share 1 (speed_cuda_wrn512_keep1/): 130 s, only when SESSION_STEPS names it (keep);
 #   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
 #      families_profile_cuda.md), then the encoder's beside BERT's (batch 64, encoder_profile_cuda.md): 90 s, only
 #      when SESSION_STEPS names it;
@@ -89,6 +89,11 @@ if [[ " $STEPS " == *" keep "* ]]; then
     --peers --keep-share 0 --family-timeout 28 --total-timeout 56 --families vit resnet18-gn \
     --stem families_cuda_keep0 --out "$OUT" > "$OUT/families_keep0.log" 2>&1
   say "keep: exit $?"; tail -n 12 "$OUT/families_keep0.log"
+  # WRN-16-4 at 512 (GPU-bound: its layers not kept take a second weight-gradient pass in full float32), keeping more
+  step timeout 70 python3 benchmarks/speed.py --device cuda --models wrn --batches 512 --rounds 8 --peers \
+    --skip nonprivate-chunked dpml-one-chunk --keep-share 1 --out "$OUT/speed_cuda_wrn512_keep1" \
+    > "$OUT/speed_wrn512_keep1.log" 2>&1
+  say "keep wrn: exit $?"; grep -E "^\| [0-9a-z]" "$OUT/speed_cuda_wrn512_keep1/speed_cuda.md" 2>/dev/null | cut -c1-150
 fi
 if [[ " $STEPS " == *" speed "* ]]; then
   say "3. the speed table"
