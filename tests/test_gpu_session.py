@@ -79,6 +79,7 @@ def test_a_dry_session_writes_every_step_and_runs_none_of_them(tmp_path: Path) -
         "benchmarks/speed.py",
         "benchmarks/speed.py",
         "benchmarks/speed.py",
+        "benchmarks/speed.py",
         "benchmarks/speed_profile.py",
         "benchmarks/speed_profile.py",
         "benchmarks/grouped_conv_ways.py",
