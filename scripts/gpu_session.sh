@@ -20,7 +20,7 @@
 #      non-private and one-chunk rows): 220 s in all (with the eager row, dpml-eager);
 #   2b. ViT and ResNet-18-GN as in 2 with --keep-share 0 (families_cuda_keep0.{md,json}): what the kept
 #      per-example gradients cost in memory (ViT's eager step peaked at 1.53x) and buy in time; then WRN-16-4 at
-#      512 with --keep-share 1 and at 256 with 0.5 (speed_cuda_wrn*_keep*/): 170 s, only when SESSION_STEPS names
+#      512 with --keep-share 1 and at 256 with 4 (speed_cuda_wrn*_keep*/): 170 s, only when SESSION_STEPS names
 #      it (keep);
 #   4. where ResNet-18's and ViT's DP steps spend their time (benchmarks/speed_profile.py, base size, batch 256,
 #      families_profile_cuda.md), then the encoder's beside BERT's (batch 64, encoder_profile_cuda.md): 90 s, only
@@ -91,9 +91,9 @@ if [[ " $STEPS " == *" keep "* ]]; then
     --stem families_cuda_keep0 --out "$OUT" > "$OUT/families_keep0.log" 2>&1
   say "keep: exit $?"; tail -n 12 "$OUT/families_keep0.log"
   # WRN-16-4 (GPU-bound: its layers not kept take a second weight-gradient pass in full float32) keeping more: at 512
-  # up to what its pass holds; at 256 with twice the share, the budget a chunk of 256 would get were the share taken
-  # of what a pass over a physical batch of 512 holds (its memory then against non-private's at 512, by hand)
-  for spec in "512|1" "256|0.5"; do
+  # up to what its pass holds; at 256 every layer (a share of 4), as a step of 512 in two chunks could if the budget
+  # were counted against the non-private step at the step's batch (its memory against non-private's at 512, by hand)
+  for spec in "512|1" "256|4"; do
     IFS='|' read -r batch share <<< "$spec"
     step timeout 55 python3 benchmarks/speed.py --device cuda --models wrn --batches "$batch" --rounds 8 --peers \
       --skip nonprivate-chunked dpml-one-chunk --keep-share "$share" --out "$OUT/speed_cuda_wrn${batch}_keep$share" \
