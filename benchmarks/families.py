@@ -481,10 +481,6 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
     from dpml.train.noise import PrefetchedNoise, cpu_noise_stream
 
     batch, shape = x.shape[0], tuple(x.shape[1:])
-    if args.keep_share is not None:  # (this process measures one setting: set before the plan and the tuner run)
-        from dpml.train import keep_budget
-
-        keep_budget.KEEP_SHARE = args.keep_share
     start = time.perf_counter()
     try:
         plan = plan_clipping(model, per_example_cross_entropy, shape, x.dtype)
@@ -1099,6 +1095,12 @@ def main() -> None:
     ):
         if value < 1:
             parser.error(f"{name} = {value}: must be a positive integer")
+    if args.keep_share is not None:  # (for every dpml step of this process; children get the option too)
+        if args.keep_share < 0:
+            parser.error(f"--keep-share = {args.keep_share}: must be at least 0")
+        from dpml.train import keep_budget
+
+        keep_budget.KEEP_SHARE = args.keep_share
     torch = _torch()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed_profile  # noqa: E402
 from dpml.train import captured  # noqa: E402
 from dpml.train.dpsgd import per_example_cross_entropy  # noqa: E402
+from dpml.train.steps import poisson_batches  # noqa: E402
 
 MIB = 2**20
 
@@ -60,12 +61,13 @@ def eager_peak_mib(run: captured._Pass, inputs: tuple[torch.Tensor, ...]) -> flo
 
 
 def poisson_buckets(batch: int, largest: int, steps: int = 100) -> list[int]:
-    """The buckets ``steps`` Poisson batches of mean ``batch`` meet, in the order met (a batch above ``largest``
+    """The buckets ``steps`` Poisson samples of expected size ``batch`` meet (the trainer's sampler,
+    :func:`dpml.train.steps.poisson_batches`, over 60,000 records), in the order met (a batch above ``largest``
     runs eagerly: no graph)."""
-    sizes = torch.poisson(torch.full((steps,), float(batch)), generator=torch.Generator().manual_seed(0))
+    records = 60_000
     met: list[int] = []
-    for size in sizes.int().tolist():
-        rows = captured.bucket(max(1, size))
+    for sample in poisson_batches(records, batch / records, steps, seed=0):
+        rows = captured.bucket(max(1, sample.numel()))
         if rows <= largest and rows not in met:
             met.append(rows)
     return met
