@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from conftest import trains_without_the_exact_path
+from conftest import SHORT_PRIVATE_RUN, trains_without_the_exact_path
 from dpml.models.library import TokenConventions, probe_tokens, token_conventions
 
 VOCABULARY, LENGTH = 40, 9
@@ -140,6 +140,43 @@ def test_a_classifier_that_reads_its_eos_token_trains_through_train_private(
     result = trains_without_the_exact_path(
         model,
         _records(token_conventions(model)),
+        expected_batch_size=24,
+        ledger=str(tmp_path / "ledger.db"),
+        epsilon_budget=100.0,
+        lineage="tokens",
+    )
+    assert result.epsilon < 100
+
+
+def test_a_model_whose_input_embedding_is_wrapped_knows_its_vocabulary_and_trains(tmp_path: Path) -> None:
+    """peft's trainable tokens wrap BERT's word embeddings (``get_input_embeddings()`` is then a
+    ``TrainableTokensLayer``, not an ``nn.Embedding``): the vocabulary is the table inside it, so ids past it are
+    refused before any work, and the model trains with its new rows clipped by rules, none on the exact path."""
+    transformers = pytest.importorskip("transformers", reason=NEEDS_TRANSFORMERS)
+    peft = pytest.importorskip("peft", reason="peft is a test extra (requirements-models.lock); not installed here")
+    from dpml.models.library import input_vocabulary
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCABULARY, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    bert = transformers.BertForSequenceClassification(config)
+    adapter = peft.TrainableTokensConfig(token_indices=[3, 4, 5], task_type="SEQ_CLS")
+    model = peft.get_peft_model(bert, adapter)
+    assert not isinstance(model.get_input_embeddings(), nn.Embedding)
+    assert input_vocabulary(model) == VOCABULARY
+    records = _records(TokenConventions(frozenset({0}), 0, 2))
+    ids, mask, label = records.tensors
+    beyond = ids.clone()
+    beyond[7, 0] = VOCABULARY  # (one past the table's last row)
+    past = TensorDataset(beyond, mask, label)
+    import dpml
+
+    with pytest.raises(ValueError, match=rf"dataset\[7\].*in \[0, {VOCABULARY}\)"):
+        dpml.train_private(model, past, **SHORT_PRIVATE_RUN)
+    result = trains_without_the_exact_path(
+        model,
+        records,
         expected_batch_size=24,
         ledger=str(tmp_path / "ledger.db"),
         epsilon_budget=100.0,

@@ -187,6 +187,11 @@ def _adapter(variant: str, targets: list[str]) -> Any:
         "p-tuning": lambda: peft.PromptEncoderConfig(num_virtual_tokens=3, encoder_hidden_size=8, **task),
         "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=targets, **task),
         "c3a": lambda: peft.C3AConfig(block_size=4, target_modules=targets, **task),
+        "road": lambda: peft.RoadConfig(variant="road_2", group_size=8, target_modules=targets, **task),
+        "trainable-tokens": lambda: peft.TrainableTokensConfig(token_indices=[4, 10, 25], **task),
+        "loha": lambda: peft.LoHaConfig(r=2, target_modules=targets, **task),
+        "oft": lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=targets, **task),
+        "hra": lambda: peft.HRAConfig(r=2, target_modules=targets, **task),
     }[variant]()
 
 
@@ -204,6 +209,11 @@ ADAPTED = [
     ("p-tuning", "bert"),
     ("boft", "bert"),  # butterfly rotations: a permutation buffer cast to the activation's dtype, ``P.to(x)``
     ("c3a", "llama"),  # a custom autograd Function of the batch and a kernel (FFTs, in float32): run example by example
+    ("road", "llama"),  # rotations of the output's halves: torch.stack((-x2, x1), dim=1) of rows from the batch
+    ("trainable-tokens", "bert"),  # trained rows (of tokens the batch holds) copied into the frozen table, looked up
+    ("loha", "bert"),  # Hadamard products of low-rank factors
+    ("oft", "bert"),  # orthogonal blocks by the Cayley transform (a solve on parameters alone)
+    ("hra", "llama"),  # Householder reflections multiplied into the weight
 ]
 ADAPTERS_IN_FLOAT32 = {"c3a"}  # (whatever the model's dtype: float32 rounding)
 
@@ -216,6 +226,34 @@ def test_a_peft_adapter_of_each_kind_clips_exactly_without_the_exact_path(varian
     y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(1))
     tolerance = 1e-6 if variant in ADAPTERS_IN_FLOAT32 else 1e-10
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, _tokens(base), y, tolerance=tolerance)
+
+
+class LastLogits(nn.Module):
+    """A causal language model on one LongTensor (B, 2, T) of ids and mask: the logits at the last position (as the
+    next token's classifier)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x[:, 0], attention_mask=x[:, 1]).logits[:, -1]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("base", ["gpt2", "llama"])
+def test_prefix_tuning_clips_exactly_without_the_exact_path(base: str) -> None:
+    """peft's prefix tuning: trained keys and values before each layer's, put in a key-value cache that starts from an
+    empty tensor (``torch.cat([torch.tensor([]), keys], dim=-2)``), then joined with the batch's. (peft gives prefix
+    tuning to causal language models; its sequence classifiers refuse models whose forward takes no cache.)"""
+    peft = pytest.importorskip("peft", reason="peft is a test extra; not installed here")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra; not installed here")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(base, **(TEXT | TEXT_FAMILIES[base]))
+    language_model = transformers.AutoModelForCausalLM.from_config(config)
+    adapter = peft.PrefixTuningConfig(num_virtual_tokens=3, task_type="CAUSAL_LM")
+    model = LastLogits(peft.get_peft_model(language_model, adapter).eval())
+    y = torch.randint(0, 40, (5,), generator=torch.Generator().manual_seed(1))
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, _tokens(base), y)
 
 
 SPEECH = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, num_labels=3)

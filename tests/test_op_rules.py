@@ -136,6 +136,66 @@ def test_hand_written_parameter_uses_are_exact_without_the_exact_path() -> None:
     assert_exact_without_the_exact_path(HandWritten(), per_example_cross_entropy, x, torch.randint(0, 3, (7,)))
 
 
+class CachesAndRotations(nn.Module):
+    """Trained keys put before the batch's as a key cache starts (``torch.cat([torch.tensor([]), keys], dim=-2)``,
+    then the batch's keys after them), a weight joined from two slices of one parameter, and a rotation of each row's
+    halves in groups, ``torch.stack((-x2, x1), dim=1)`` on rows flattened with the batch, scaled by parameters (peft's
+    prefix tuning and RoAd)."""
+
+    def __init__(self, width: int = 8, prefix: int = 3, group: int = 8) -> None:
+        super().__init__()
+        self.prefix = nn.Embedding(prefix, width)
+        self.key = nn.Linear(width, width)
+        self.joined = nn.Parameter(torch.randn(width + 2, width) * 0.3)
+        self.turn = nn.Parameter(torch.randn(width))
+        self.size = nn.Parameter(torch.rand(width) + 0.5)
+        self.group = group
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        ids = torch.arange(self.prefix.num_embeddings).unsqueeze(0).expand(batch, -1)  # (as peft's prompt tokens)
+        cache = torch.cat([torch.tensor([], dtype=x.dtype), self.prefix(ids)], dim=-2)
+        keys = torch.cat([cache, self.key(x)], dim=-2)  # (B, P + T, d)
+        attention = torch.softmax(x @ keys.transpose(1, 2), dim=-1) @ keys
+        weight = torch.cat((self.joined[:2], self.joined[4:]))  # (d, d): rows 0, 1 and 4 … d + 1
+        h = torch.tanh(F.linear(attention, weight))
+        halves = h.reshape(-1, 2, self.group // 2)
+        rotated = torch.stack((-halves[:, 1], halves[:, 0]), dim=1).reshape(h.shape)
+        h = h * (self.size * self.turn.cos()) + rotated * (self.size * self.turn.sin())
+        return self.out(h.mean(1))
+
+
+def test_caches_joined_views_and_rotations_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(7, 5, 8, generator=generator(4), dtype=torch.float64)
+    model = CachesAndRotations()
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (7,)))
+    plan = plan_clipping(model, per_example_cross_entropy, (5, 8), torch.float64)
+    assert {"prefix.weight", "joined", "turn", "size"} <= set(plan.rule_parameters), plan.lines()
+
+
+class MixedRotation(nn.Module):
+    """The rotation's halves joined with another example's rows (``roll`` along the batch): the join's rows hold two
+    examples, so the parameter after it must not be clipped as if each row were one example's."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.turn = nn.Parameter(torch.randn(width))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joined = torch.stack((x, x.roll(1, 0)), dim=1).sum(1)  # (B, T, d): row i mixes examples i and i − 1
+        return self.out((joined * self.turn).mean(1))
+
+
+def test_a_join_of_rows_from_two_examples_is_not_clipped_by_a_rule() -> None:
+    """(The probe refuses such a model outright; the engine on its own sends the parameter to the exact path.)"""
+    x = torch.randn(7, 5, 8, generator=generator(5), dtype=torch.float64)
+    found = engine_pass(MixedRotation().double(), per_example_cross_entropy, x, torch.randint(0, 3, (7,)), ())
+    assert "turn" in found.exact, found.reasons
+
+
 class IndexEquations(nn.Module):
     """Parameters entering through index equations: an einsum projection (the weight first and transposed), per-head
     weights in an einsum and in a batched matmul (x (B, H, T, d) @ w (H, d, e)), a bilinear form over positions,

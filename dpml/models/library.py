@@ -102,15 +102,18 @@ def takes_token_keywords(net: nn.Module) -> bool:
 
 def input_vocabulary(net: nn.Module) -> int | None:
     """The number of token ids the module's input embedding takes (``get_input_embeddings()``, the Hugging Face
-    and peft convention), else that of its only ``nn.Embedding``; None when it cannot be known."""
+    and peft convention; where that is a wrapper, as peft's ``TrainableTokensLayer`` around the table it adds rows
+    to, the one ``nn.Embedding`` inside it), else that of its only ``nn.Embedding``; None when it cannot be known."""
     getter = getattr(net, "get_input_embeddings", None)
     if callable(getter):
         try:
             embedding = getter()
         except Exception:  # a module whose getter is not implemented: fall back to the modules
             embedding = None
-        if isinstance(embedding, nn.Embedding):
-            return int(embedding.num_embeddings)
+        modules = embedding.modules() if isinstance(embedding, nn.Module) else ()
+        inside = [m for m in modules if isinstance(m, nn.Embedding)]
+        if len(inside) == 1:
+            return int(inside[0].num_embeddings)
     embeddings = [m for m in net.modules() if isinstance(m, nn.Embedding)]
     return int(embeddings[0].num_embeddings) if len(embeddings) == 1 else None
 

@@ -446,8 +446,10 @@ class ExampleMaps:
         to no example). False for a join along another dimension (carried as any shape-keeping operation)."""
         parts = args[0] if args else kwargs.get("tensors", ())
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        if not isinstance(out, torch.Tensor) or not out.dim() or not isinstance(dim, int) or dim % out.dim():
+        if not isinstance(out, torch.Tensor) or not out.dim() or not isinstance(dim, int):
             return False
+        if dim % out.dim():
+            return self._follow_inner_join(parts, dim % out.dim(), out)
         if not any(self.derived(t) for t in parts):
             return True  # nothing from the batch: no map to carry
         found = [self._source_examples(t)[1] for t in parts]
@@ -458,6 +460,28 @@ class ExampleMaps:
             self._keep_examples(out, func([m[..., :1] for m in maps], dim).expand(out.shape))
         else:
             self._keep_examples(out, func(maps, dim))
+        return True
+
+    def _follow_inner_join(self, parts: Sequence[torch.Tensor], dim: int, out: torch.Tensor) -> bool:
+        """A join along dimension ``dim`` > 0 (``torch.stack((-x2, x1), dim=1)`` of a rotation's halves, RoAd's and
+        rotary embeddings'): where every operand from the batch holds one example at each index of its first ``dim``
+        dimensions (the same example for all of them), so does the output, whatever the operands without a map add
+        beside them (a parameter's or a constant's slices, inside those examples' rows). False otherwise (carried as
+        any shape-keeping operation: a join along the last dimension keeps all the others)."""
+        leads = []
+        for t in parts:
+            known, examples = self._source_examples(t)
+            if not known:
+                if self.derived(t) and t.dim() >= 1:
+                    return False  # (a tensor from the batch whose map was lost)
+                continue
+            if examples is None or t.dim() < dim or t.shape[:dim] != out.shape[:dim]:
+                return False
+            leads.append(same_across_rest(examples, dim))
+        first = leads[0] if leads else None
+        if first is None or any(lead is None or not torch.equal(lead, first) for lead in leads):
+            return False
+        self._keep_examples(out, first.reshape(*out.shape[:dim], *[1] * (out.dim() - dim)).expand(out.shape))
         return True
 
     def _follow_packing(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
