@@ -120,6 +120,8 @@ from family_zoo import (  # noqa: E402
     AUDIO_ZOO,
     CLIP_FRAMES,
     IMAGE_ZOO,
+    PEFT_FAMILIES,
+    PEFT_ON_BERT,
     TEXT_ZOO,
     TIMM_IMAGES,
     VIDEO_ZOO,
@@ -176,9 +178,9 @@ def _token_wrapper():  # noqa: ANN202
         def probe_input(self, shape, dtype, count, generator):  # noqa: ANN001, ANN201
             """dpml's clipping probe: valid ids and masks with padding, as for a model through ``dpml.train_private``
             (OPT's positions count the mask: a mask of random ids would index past its position table)."""
-            from dpml.models.library import probe_tokens
+            from dpml.models.library import input_vocabulary, probe_tokens
 
-            vocabulary = self.model.get_input_embeddings().num_embeddings
+            vocabulary = input_vocabulary(self.model)
             return probe_tokens(count, shape[-1], vocabulary, generator).to(dtype)
 
     return TokenModel
@@ -383,9 +385,7 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
                 "timm ResNet-18, GroupNorm(32, C)",
             )
     if family in TEXT_ZOO:
-        _import(
-            "peft" if family in ("gpt2-lora", "bert-c3a") else "transformers"
-        )  # NotImportable, else imported as the zoo's
+        _import("peft" if family in PEFT_FAMILIES else "transformers")  # NotImportable, else imported as the zoo's
         model, description = build_text(family, size, length, BERT_VOCAB, TEXT_CLASSES)
         return _token_wrapper()(model), description
     if family in IMAGE_ZOO:
@@ -1035,7 +1035,7 @@ def run_commits(start: str, end: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=[*FAMILIES, *MORE_FAMILIES, "zoo"])
+    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=[*FAMILIES, *MORE_FAMILIES, "zoo", "peft"])
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=128, help="tokens per sequence")
@@ -1082,7 +1082,8 @@ def main() -> None:
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process: write its rows here
     parser.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)  # a child's seconds
     args = parser.parse_args()
-    args.families = [name for family in args.families for name in (ZOO if family == "zoo" else [family])]
+    groups = {"zoo": ZOO, "peft": ["bert-lora", "bert-c3a", *PEFT_ON_BERT]}
+    args.families = [name for family in args.families for name in groups.get(family, [family])]
     if args.render:  # the page from recorded numbers, e.g. after its layout changed
         saved = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(page(saved["rows"], saved["meta"]))

@@ -9,7 +9,12 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
   for all query heads), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention and projections, the body frozen),
   ``bert-c3a`` (peft C3A on BERT's query and value: a custom autograd Function of the batch and its kernels, which no
-  rule knows, run example by example),
+  rule knows, run example by example), and more of peft's adapters on BERT, the body frozen (:data:`PEFT_ON_BERT`:
+  ``bert-prompt``, ``bert-ia3``, ``bert-dora``, ``bert-loha``, ``bert-lokr``, ``bert-oft``,
+  ``bert-boft``, ``bert-hra``, ``bert-road``, ``bert-vera``, ``bert-fourierft``, ``bert-randlora``,
+  ``bert-trainable-tokens``, ``bert-shira``; ``--families peft`` for all of them, with ``bert-lora`` and ``bert-c3a``;
+  not prefix tuning, which peft's sequence classifiers refuse where the model's forward takes no key-value cache, as
+  ``transformers`` 5's classifiers do not),
   ``longformer`` (local attention in windows of 32, global attention on the first token: each example's global
   tokens written into zeros made for them), ``xlnet`` (time-major relative attention: a position table expanded
   over the batch, each layer's ``r`` projecting it);
@@ -61,6 +66,25 @@ TEXT_ZOO = [
     "longformer",
     "xlnet",
 ]
+QV, IA3 = ["query", "value"], ["key", "value", "output.dense"]
+PEFT_ON_BERT: dict[str, tuple[str, dict[str, Any], str]] = {  # family: (peft's config class, its settings, what it is)
+    "bert-prompt": ("PromptTuningConfig", {"num_virtual_tokens": 8}, "prompt tuning: 8 trained input embeddings"),
+    "bert-ia3": ("IA3Config", {"target_modules": IA3, "feedforward_modules": IA3[2:]}, "IA3 scales on key, value, FFN"),
+    "bert-dora": ("LoraConfig", {"r": 8, "target_modules": QV, "use_dora": True}, "DoRA r=8 on query and value"),
+    "bert-loha": ("LoHaConfig", {"r": 8, "target_modules": QV}, "LoHa r=8 on query and value"),
+    "bert-lokr": ("LoKrConfig", {"r": 8, "target_modules": QV}, "LoKr r=8 on query and value"),
+    "bert-oft": ("OFTConfig", {"r": 0, "oft_block_size": 32, "target_modules": QV}, "OFT blocks of 32 on query, value"),
+    "bert-boft": ("BOFTConfig", {"boft_block_size": 16, "target_modules": QV}, "BOFT blocks of 16 on query and value"),
+    "bert-hra": ("HRAConfig", {"r": 8, "target_modules": QV}, "HRA: 8 Householder reflections on query and value"),
+    "bert-road": ("RoadConfig", {"target_modules": QV}, "RoAd: rotations of query's and value's outputs"),
+    "bert-vera": ("VeraConfig", {"r": 16, "target_modules": QV}, "VeRA r=16 on query and value"),
+    "bert-fourierft": ("FourierFTConfig", {"n_frequency": 100, "target_modules": QV}, "FourierFT, 100 frequencies"),
+    "bert-randlora": ("RandLoraConfig", {"r": 8, "target_modules": QV}, "RandLoRA r=8 on query and value"),
+    "bert-trainable-tokens": ("TrainableTokensConfig", {"token_indices": list(range(1, 65))}, "64 trained token rows"),
+    "bert-shira": ("ShiraConfig", {"r": 8, "target_modules": QV}, "SHiRA: sparse trained entries of query and value"),
+}
+TEXT_ZOO += list(PEFT_ON_BERT)
+PEFT_FAMILIES = {"gpt2-lora", "bert-c3a", *PEFT_ON_BERT}
 TIMM_IMAGES = ("deit", "beit", "swin", "efficientnet-gn", "regnet-gn", "bit-gn", "nf-resnet26")
 IMAGE_ZOO = [
     "deit",
@@ -126,7 +150,10 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
             **bert_like, attention_window=32, max_position_embeddings=length + 2, **common
         ),
         "xlnet": lambda: tr.XLNetConfig(d_model=h, n_layer=layers, n_head=heads, d_inner=ffn, **common),
-        "bert-c3a": lambda: tr.BertConfig(**bert_like, max_position_embeddings=max(512, length), **common),
+        **{
+            name: lambda: tr.BertConfig(**bert_like, max_position_embeddings=max(512, length), **common)
+            for name in ("bert-c3a", *PEFT_ON_BERT)
+        },
         "gpt2-lora": lambda: tr.GPT2Config(
             n_embd=h, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=max(1024, length), **common
         ),
@@ -152,6 +179,12 @@ def build_text(family: str, size: dict, length: int, vocabulary: int, classes: i
         )
         model = peft.get_peft_model(tr.GPT2ForSequenceClassification(config), lora)
         return model, "peft LoRA r=8 on GPT-2's c_attn and c_proj (Conv1D), the body frozen"
+    if family in PEFT_ON_BERT:
+        import peft
+
+        kind, settings, what = PEFT_ON_BERT[family]
+        adapter = getattr(peft, kind)(task_type=peft.TaskType.SEQ_CLS, **settings)
+        return peft.get_peft_model(tr.BertForSequenceClassification(config), adapter), f"peft {what}, the body frozen"
     if family == "bert-c3a":
         import peft
 

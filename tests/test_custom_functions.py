@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 from test_model_zoo import Logits
+from test_per_example_calls import ScaledBy
 from test_op_rules import (
     assert_exact_without_the_exact_path,
     generator,
@@ -289,3 +290,99 @@ def test_sew_d_with_its_stable_dropout_is_exact_without_the_exact_path() -> None
         torch.randint(0, 3, (4,), generator=generator(9)),
         seed=10,
     )
+
+
+class CountedScaleAndShift(torch.autograd.Function):
+    """``x * scale + shift`` and ``x * shift``, old style, its backward under ``once_differentiable``: counts how many
+    times its forward runs (a loop over the examples would run it once per example)."""
+
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        CountedScaleAndShift.runs += 1
+        ctx.save_for_backward(x, scale, shift)
+        return x * scale + shift, x * shift
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        x, scale, shift = ctx.saved_tensors
+        batch_dims = tuple(range(g.dim() - scale.dim()))
+        return g * scale + h * shift, (g * x).sum(batch_dims), (g + h * x).sum(batch_dims)
+
+
+class SeparateContextGate(torch.autograd.Function):
+    """The newer style (``setup_context``) without a vmap rule of its own: ``x · sigmoid(gate)``, the gate expanded
+    over the batch by the caller (each example reads a slice of one row)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * torch.sigmoid(gate)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:  # type: ignore[no-untyped-def,override]
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        x, gate = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        return g * s, (g * x * s * (1 - s)).sum(tuple(range(1, g.dim() - 1)), keepdim=True)
+
+
+class FunctionsOnTheBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.scale, self.shift = nn.Parameter(torch.rand(4) + 0.5), nn.Parameter(torch.randn(4) * 0.3)
+        self.gate = nn.Parameter(torch.randn(1, 1, 4))
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, 4)
+        h = torch.tanh(self.embed(x))
+        moved, product = CountedScaleAndShift.apply(h, self.scale, self.shift)
+        gated = SeparateContextGate.apply(torch.tanh(moved) + product, self.gate.expand(x.shape[0], -1, -1))
+        return self.out(gated.mean(1))
+
+
+def test_functions_on_the_batch_run_as_one_batched_call_of_their_own_forward_and_backward() -> None:
+    """Old and new styles, two outputs, a parameter expanded over the batch: exact, and the Function's forward runs a
+    fixed number of times whatever the batch (the recorded call, the check of its rows, the gradients), not once per
+    example."""
+    torch.manual_seed(5)
+    x = torch.randn(9, 3, 4, dtype=torch.float64, generator=generator(6))
+    y = torch.randint(0, 3, (9,), generator=generator(7))
+    model = FunctionsOnTheBatch().double()
+    CountedScaleAndShift.runs = 0
+    found = engine_pass(model, per_example_cross_entropy, x, y, ())
+    assert found.exact == {}, found.reasons
+    assert CountedScaleAndShift.runs == 4, CountedScaleAndShift.runs  # the call, its check, one backward an output
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)
+
+
+class KeptDimensionScale(torch.autograd.Function):
+    """A backward that gives the scale's gradient with a leading dimension of one kept, (1, d) for a scale (d,):
+    autograd sums such a gradient to the operand's shape, and the batched backward must too."""
+
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def,override]
+        KeptDimensionScale.runs += 1
+        ctx.save_for_backward(x, scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+        x, scale = ctx.saved_tensors
+        return g * scale, (g * x).reshape(-1, x.shape[-1]).sum(0, keepdim=True)
+
+
+def test_a_functions_gradient_is_taken_as_autograd_takes_it() -> None:
+    x = torch.randn(6, 4, dtype=torch.float64, generator=generator(8))
+    y = torch.randint(0, 2, (6,), generator=generator(9))
+    KeptDimensionScale.runs = 0
+    found = engine_pass(ScaledBy(KeptDimensionScale).double(), per_example_cross_entropy, x, y, ())
+    assert found.exact == {} and KeptDimensionScale.runs == 3, (found.reasons, KeptDimensionScale.runs)
+    assert_exact_without_the_exact_path(ScaledBy(KeptDimensionScale), per_example_cross_entropy, x, y)

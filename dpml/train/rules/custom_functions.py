@@ -15,8 +15,10 @@ torch function does, under the name ``F.apply``:
   per-example gradients of its uses are pulled back through ``F``'s own backward, run again from the same random
   state (its dropout mask drawn again as it was);
 - with an operand from the batch, no rule knows ``F``: it is run again example by example
-  (:mod:`.per_example_calls`), through ``F``'s own backward; where that cannot be done (``F`` draws random numbers,
-  or reads other examples' values), its parameters take the exact path, the reason naming ``F``.
+  (:mod:`.per_example_calls`), through ``F``'s own backward — as one ``torch.func.vmap`` of ``F.forward`` and
+  ``F.backward`` where vmap can run their code (:mod:`.function_calls`), else one ``F.apply`` per example; where that
+  cannot be done (``F`` draws random numbers, or reads other examples' values), its parameters take the exact path,
+  the reason naming ``F``.
 
 A Function with no tracked operand (a custom activation on the batch's activations, a checkpointed block) is
 called as before, its inner operations seen one by one.

@@ -13,25 +13,28 @@ its own values alone), and its gradient is one vector-Jacobian product through f
 
     ∇_w ℓ_i = J_w f(x_i, w)ᵀ δ_i,   δ_i = example i's slice of δ = ∂(Σ_j ℓ_j)/∂z                       (2)
 
-(the one backward pass every rule reads δ from). Each example's call reads its own copy W_i of w, a leaf
-(B, *w.shape), so that one backward pass over the B calls gives every (2) at once, materialised within the keep
-limit; the calls run as one ``torch.func.vmap`` where the function allows (the operation's own cost, batched), else
-one call per example. (1) is checked when the call is recorded: the calls' outputs against z's slices up to
-rounding (√ε of z's dtype relative to z's largest entry). The exact path instead backpropagates B rows through the
-whole graph from the loss. A call that draws random numbers (its values differ when run again), or whose slices
-read other examples' values, fails (1): its parameters take the exact path, the reason saying so. The probe then
-judges (2) against autograd's per-example gradients, as it judges every rule. (1) is checked at every call, in
-training too, not only on the probe's batch: it reads the outputs' values, one wait for a GPU per such call, the
-price of never clipping by a per-example gradient that is not one.
+(the one backward pass every rule reads δ from). Each example's call reads its own copy W_i of w, a leaf (B,
+*w.shape), so that one backward pass over the B calls gives every (2) at once, materialised within the keep limit;
+the calls run as one ``torch.func.vmap`` where the function allows (the operation's own cost, batched), a custom
+autograd Function's as one vmap of its own forward and backward (:mod:`.function_calls`: (2) is then that backward
+on δ_i, no graph kept), else one call per example. (1) is checked when the call is recorded: the calls' outputs
+against z's slices up to rounding (√ε of z's dtype relative to z's largest entry). The exact path instead
+backpropagates B rows through the whole graph from the loss. A call that draws random numbers (its values differ
+when run again), or whose slices read other examples' values, fails (1): its parameters take the exact path, the
+reason saying so. The probe then judges (2) against autograd's per-example gradients, as it judges every rule. (1)
+is checked at every call, in training too, not only on the probe's batch: it reads the outputs' values, one wait for
+a GPU per such call, the price of never clipping by a per-example gradient that is not one.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from dpml.train.rules.function_calls import autograd_function, backward_from, forward_with_context
 from dpml.train.rules.operands import outputs, substituted, tensors
 from dpml.train.rules.registry import (
     Call,
@@ -98,6 +101,9 @@ def _uses(call: Call) -> list[Pending] | str:
     copies = _copies(call)
     if isinstance(copies, str):
         return copies
+    function = autograd_function(call.func)
+    if function is not None and (by_backward := _function_calls(call, function, out, places, copies)) is not None:
+        return by_backward
     found = _called_per_example(call, out, places, copies)
     if isinstance(found, str):
         return f"run example by example it {found}"
@@ -201,6 +207,75 @@ def _called_per_example(
         if not _same_values(stacked, z.detach(), place):
             return _why_other_values(stacked, z, place)
     return found
+
+
+def _function_calls(
+    call: Call,
+    function: type[torch.autograd.Function],
+    out: list[torch.Tensor],
+    places: dict[int, Place | None],
+    copies: list[_Copies],
+) -> list[Pending] | str | None:
+    """A custom Function's calls example by example as one vmap of its own forward and backward
+    (:mod:`.function_calls`): run once when recorded, with zero gradients (checking (1), and that its backward runs
+    and gives each parameter operand a gradient autograd would take), and again once δ is known, on each example's
+    slice of δ: one pending use per output that carries a gradient, or why (1) fails; None where vmap cannot run the
+    Function's code, or an operand is passed by keyword (the caller then runs ``F.apply`` example by example)."""
+    found_at = [next((k for k, a in enumerate(call.args) if a is c.operand), None) for c in copies]
+    positions = [k for k in found_at if k is not None]
+    if call.kwargs or len(positions) < len(copies):
+        return None
+    wanted = [k for k, z in enumerate(outputs(call.output)) if z.requires_grad]
+    batched = [t for t in tensors(call.args, {}) if places.get(id(t)) is not None]
+    operands = [places[id(t)].by_example(t.detach()) for t in batched]  # type: ignore[union-attr]
+    operands += [c.copies.detach() for c in copies]
+
+    def example(k: int | None, *pieces: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Example's outputs and the gradients of its parameter operands from its slice of output k's δ (the last of
+        ``pieces``; zeros for every output where k is None)."""
+        slices = pieces if k is None else pieces[:-1]
+        swap = {id(t): (t, s) for t, s in zip(batched, slices, strict=False)}
+        reads = [c.as_read(w) for c, w in zip(copies, slices[len(batched) :], strict=True)]
+        swap |= {id(c.operand): (c.operand, r) for c, r in zip(copies, reads, strict=True)}
+        output, ctx = forward_with_context(function, substituted(call.args, {}, swap)[0])
+        found = backward_from(function, ctx, output, {} if k is None else {k: pieces[-1]})
+        grads = tuple(_as_operand(found[j], r) for r, j in zip(reads, positions, strict=True))
+        return tuple(outputs(output)[w] for w in wanted), grads
+
+    try:
+        with torch.no_grad(), replayed(random_state(out)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stacked, _ = torch.func.vmap(lambda *pieces: example(None, *pieces))(*operands)
+    except Exception:  # noqa: BLE001 (whatever vmap cannot batch: F.apply example by example instead)
+        return None
+    for z, rows in zip(out, stacked, strict=True):
+        place = places[id(z)]
+        assert place is not None
+        if not _same_values(rows, z.detach(), place):
+            return f"run example by example it {_why_other_values(rows, z, place)}"
+
+    def finish(k: int) -> Callable[[torch.Tensor], list[Use]]:
+        place = places[id(outputs(call.output)[k])]
+        assert place is not None
+
+        def gradients(d: torch.Tensor) -> list[Use]:
+            cotangent = place.by_example(d).to(stacked[wanted.index(k)].dtype)
+            with torch.no_grad():
+                found = torch.func.vmap(lambda *pieces: example(k, *pieces)[1])(*operands, cotangent)
+            return [(c.tracked, Dense(g.reshape(c.copies.shape))) for c, g in zip(copies, found, strict=True)]
+
+        return gradients
+
+    params = [c.tracked.param for c in copies]
+    return [Pending(z, params, finish(k)) for k, z in zip(wanted, out, strict=True)]
+
+
+def _as_operand(gradient: torch.Tensor | None, operand: torch.Tensor) -> torch.Tensor:
+    """A Function's gradient for an operand as autograd takes it: zeros for None, summed to the operand's shape where
+    that shape expands to the gradient's (an error otherwise, as autograd's)."""
+    if gradient is None:
+        return torch.zeros_like(operand)
+    return gradient if gradient.shape == operand.shape else gradient.sum_to_size(operand.shape)
 
 
 def _same_values(stacked: torch.Tensor, z: torch.Tensor, place: Place) -> bool:
