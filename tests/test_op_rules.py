@@ -175,6 +175,49 @@ def test_caches_joined_views_and_rotations_are_exact_without_the_exact_path() ->
     assert {"prefix.weight", "joined", "turn", "size"} <= set(plan.rule_parameters), plan.lines()
 
 
+class NewTokenRows(nn.Module):
+    """A frozen vocabulary with the rows of a few new tokens trained (peft's trainable tokens: ``W.index_copy(0,
+    rows, S)``), looked up by the batch's ids (padding 0) and used again as a tied output layer; or (``sliced``) the
+    table's first rows also read through a view of it, which leaves it to the generic pull-back."""
+
+    def __init__(self, vocabulary: int = 11, width: int = 6, rows: tuple[int, ...] = (2, 5, 9), sliced: bool = False):
+        super().__init__()
+        self.register_buffer("table", torch.randn(vocabulary, width))
+        self.register_buffer("rows", torch.tensor(rows))
+        self.new = nn.Parameter(torch.randn(len(rows), width))
+        self.sliced = sliced
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T) ids
+        table = self.table.index_copy(0, self.rows, self.new)
+        h = torch.tanh(F.embedding(x, table, padding_idx=0))
+        mixed = torch.softmax(h @ table.t(), dim=-1) @ self.table + (table[:4].sum(0) if self.sliced else 0)
+        return self.out(torch.tanh(h + mixed).mean(1))
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["rows", "rows and a view"])
+def test_new_token_rows_in_a_frozen_table_are_exact_without_the_exact_path(sliced: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randint(0, 11, (7, 5), generator=generator(6))
+    x[:, 0] = torch.tensor([2, 5, 9, 2, 1, 0, 9])  # (the new tokens, padding, an old token)
+    model = NewTokenRows(sliced=sliced)
+    y = torch.randint(0, 3, (7,))
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)
+
+
+def test_new_token_rows_never_form_the_whole_tables_per_example_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a keep limit below one example's gradient of the whole table (11 × 6 numbers), the generic pull-back
+    cannot take the table (its rows read through a view too: the exact path, named), and the selected rows' forms
+    need no such numbers (nothing on the exact path)."""
+    x = torch.randint(0, 11, (7, 5), generator=generator(7))
+    y = torch.randint(0, 3, (7,), generator=generator(8))
+    monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 65)
+    found = engine_pass(NewTokenRows(sliced=True).double(), per_example_cross_entropy, x.clone(), y, ())
+    assert set(found.exact) == {"new"} and "keep limit" in found.reasons["new"], found.reasons
+    found = engine_pass(NewTokenRows().double(), per_example_cross_entropy, x, y, ())
+    assert found.exact == {}, found.reasons
+
+
 class MixedRotation(nn.Module):
     """The rotation's halves joined with another example's rows (``roll`` along the batch): the join's rows hold two
     examples, so the parameter after it must not be clipped as if each row were one example's."""
