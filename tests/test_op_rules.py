@@ -444,6 +444,36 @@ def test_a_computation_on_parameters_too_large_to_keep_per_example(monkeypatch: 
     assert relative_error(sums, reference) < 1e-10
 
 
+class DetachedProduct(nn.Module):
+    """DoRA's shape: the low-rank factors' product B·A formed from parameters alone, read only detached (for the
+    norm of each output's row of W + B·A), the factors' own uses being the batch's products x·Aᵀ·Bᵀ."""
+
+    def __init__(self, width: int = 8, rank: int = 2) -> None:
+        super().__init__()
+        self.register_buffer("base", torch.randn(width, width) * 0.3)
+        self.a, self.b = nn.Parameter(torch.randn(rank, width) * 0.3), nn.Parameter(torch.randn(width, rank) * 0.3)
+        self.magnitude = nn.Parameter(torch.rand(width) + 0.5)
+        self.out = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product = self.b @ self.a  # (width, width), from parameters alone
+        scale = self.magnitude / (self.base + product.detach()).norm(dim=1)
+        return self.out(torch.tanh((F.linear(x, self.base) + F.linear(F.linear(x, self.a), self.b)) * scale))
+
+
+def test_a_weight_formed_from_parameters_and_read_only_detached_is_never_pulled_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No use reaches B·A: its per-example gradients are zeros, neither formed nor pulled back, so a keep limit below
+    one example's B·A (64 numbers) sends nothing to the exact path; exact."""
+    torch.manual_seed(23)
+    x, y = torch.randn(6, 8, generator=generator(24), dtype=torch.float64), torch.randint(0, 2, (6,))
+    monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 63)
+    found = engine_pass(DetachedProduct().double(), per_example_cross_entropy, x, y, ())
+    assert found.exact == {}, found.reasons
+    assert_exact_without_the_exact_path(DetachedProduct(), per_example_cross_entropy, x, y)
+
+
 class MaskToken(nn.Module):
     """A mask token (DINOv2's, BEiT's) that replaces the masked positions only when the forward pass is given a
     mask: without one the loss never reaches it."""

@@ -265,7 +265,7 @@ def pull_back_all(
     joins ``params``, by id). A computation's output's per-example gradients are formed a slice of examples at a time,
     at most ``limit`` numbers (a weight formed from LoRA factors is as large as the layer's: B × d_in·d_out at once
     would not fit where the factors' gradients do), through every computation in turn, later ones first."""
-    chain = [node for node in reversed(nodes) if id(node.output) in relevant]
+    chain = _reaching_a_use([node for node in reversed(nodes) if id(node.output) in relevant], uses)
     computed = {id(node.output) for node in nodes}
     failed: dict[int, str] = {}
     unkept: dict[int, str] = {}  # too many to keep for the whole batch: a piece that forms them again for its sum
@@ -303,6 +303,19 @@ def pull_back_all(
     pulled = [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()]
     params |= lazy
     return pulled, failed, _recomputed_pieces(chain, uses, relevant, lazy, squared, batch, dtype, limit)
+
+
+def _reaching_a_use(chain: list[Derived], uses: dict[int, list[Use]]) -> list[Derived]:
+    """The computations of ``chain`` (later ones first) whose output some use reaches, itself or through a later
+    computation: the others' per-example gradients are zeros, and so is all they would pass back (a weight formed
+    only to be detached, as DoRA's B·A for its norm), so they are neither formed nor pulled back."""
+    needed: set[int] = set()
+    kept = []
+    for node in chain:
+        if uses.get(id(node.output)) or id(node.output) in needed:
+            needed |= {id(s.param) for _, s in node.sources}
+            kept.append(node)
+    return kept
 
 
 def pulled_back_probes(
