@@ -293,8 +293,9 @@ def test_sew_d_with_its_stable_dropout_is_exact_without_the_exact_path() -> None
 
 
 class CountedScaleAndShift(torch.autograd.Function):
-    """``x * scale + shift`` and ``x * shift``, old style, its backward under ``once_differentiable``: counts how many
-    times its forward runs (a loop over the examples would run it once per example)."""
+    """``x * scale + shift`` and ``x * shift``, old style, its backward under ``once_differentiable`` and forming only
+    the gradients ``ctx.needs_input_grad`` asks for: counts how many times its forward runs (a loop over the examples
+    would run it once per example)."""
 
     runs = 0
 
@@ -306,10 +307,15 @@ class CountedScaleAndShift(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def,override]
+    def backward(ctx, g: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[no-untyped-def,override]
         x, scale, shift = ctx.saved_tensors
         batch_dims = tuple(range(g.dim() - scale.dim()))
-        return g * scale + h * shift, (g * x).sum(batch_dims), (g + h * x).sum(batch_dims)
+        needs = ctx.needs_input_grad  # (as hand-written backwards do: only the gradients some input needs)
+        return (
+            g * scale + h * shift if needs[0] else None,
+            (g * x).sum(batch_dims) if needs[1] else None,
+            (g + h * x).sum(batch_dims) if needs[2] else None,
+        )
 
 
 class SeparateContextGate(torch.autograd.Function):

@@ -25,12 +25,13 @@ from dpml.train.rules.operands import outputs
 
 class Context:
     """What ``F.forward`` (or ``F.setup_context``) writes on its ``ctx`` and ``F.backward`` reads back: the tensors
-    saved for backward, any attribute, ``needs_input_grad``; the marks autograd keeps (dirty, non-differentiable,
+    saved for backward, any attribute, ``needs_input_grad``; the marks autograd keeps (non-differentiable outputs,
     materialised gradients) are accepted and have no effect here (every output's gradient is given, zeros where
-    none)."""
+    none). A Function that marks an input dirty (written in place) is refused: it runs one ``F.apply`` per example
+    instead."""
 
-    def __init__(self, inputs: tuple[Any, ...]) -> None:
-        self.needs_input_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
         self.saved_tensors: tuple[Any, ...] = ()
 
     def save_for_backward(self, *saved: Any) -> None:
@@ -44,7 +45,7 @@ class Context:
         pass
 
     def mark_dirty(self, *written: Any) -> None:
-        pass
+        raise RuntimeError("a Function that writes its inputs in place is not run batched")
 
     def mark_non_differentiable(self, *constant: Any) -> None:
         pass
@@ -59,10 +60,14 @@ def autograd_function(func: Any) -> type[torch.autograd.Function] | None:
     return function if isinstance(function, type) and issubclass(function, torch.autograd.Function) else None
 
 
-def forward_with_context(function: type[torch.autograd.Function], args: tuple[Any, ...]) -> tuple[Any, Context]:
+def forward_with_context(
+    function: type[torch.autograd.Function], args: tuple[Any, ...], needs_input_grad: tuple[bool, ...]
+) -> tuple[Any, Context]:
     """``F``'s outputs on ``args`` and the context its backward reads, as ``F.apply`` would leave them (old style:
-    ``forward(ctx, *args)``; new style: ``forward(*args)`` then ``setup_context(ctx, args, output)``)."""
-    ctx = Context(args)
+    ``forward(ctx, *args)``; new style: ``forward(*args)`` then ``setup_context(ctx, args, output)``).
+    ``needs_input_grad``: that of the call as recorded (its operands' ``requires_grad``), not of ``args`` (detached
+    slices and copies), since a backward may skip the gradients it is told no input needs."""
+    ctx = Context(needs_input_grad)
     if function.setup_context is torch.autograd.Function.setup_context:  # (not overridden: the old style)
         return function.forward(ctx, *args), ctx
     output = function.forward(*args)

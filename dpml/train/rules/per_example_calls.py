@@ -227,8 +227,9 @@ def _function_calls(
         return None
     wanted = [k for k, z in enumerate(outputs(call.output)) if z.requires_grad]
     batched = [t for t in tensors(call.args, {}) if places.get(id(t)) is not None]
-    operands = [places[id(t)].by_example(t.detach()) for t in batched]  # type: ignore[union-attr]
-    operands += [c.copies.detach() for c in copies]
+    operands = [places[id(t)].by_example(t.detach()).clone() for t in batched]  # type: ignore[union-attr]
+    operands += [c.copies.detach() for c in copies]  # (copies: what the Function's forward may write is its own)
+    needs = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in call.args)
 
     def example(k: int | None, *pieces: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Example's outputs and the gradients of its parameter operands from its slice of output k's δ (the last of
@@ -237,7 +238,7 @@ def _function_calls(
         swap = {id(t): (t, s) for t, s in zip(batched, slices, strict=False)}
         reads = [c.as_read(w) for c, w in zip(copies, slices[len(batched) :], strict=True)]
         swap |= {id(c.operand): (c.operand, r) for c, r in zip(copies, reads, strict=True)}
-        output, ctx = forward_with_context(function, substituted(call.args, {}, swap)[0])
+        output, ctx = forward_with_context(function, substituted(call.args, {}, swap)[0], needs)
         found = backward_from(function, ctx, output, {} if k is None else {k: pieces[-1]})
         grads = tuple(_as_operand(found[j], r) for r, j in zip(reads, positions, strict=True))
         return tuple(outputs(output)[w] for w in wanted), grads
