@@ -192,6 +192,7 @@ def _adapter(variant: str, targets: list[str]) -> Any:
         "loha": lambda: peft.LoHaConfig(r=2, target_modules=targets, **task),
         "oft": lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=targets, **task),
         "hra": lambda: peft.HRAConfig(r=2, target_modules=targets, **task),
+        "shira": lambda: peft.ShiraConfig(r=2, target_modules=targets, **task),
     }[variant]()
 
 
@@ -214,6 +215,7 @@ ADAPTED = [
     ("loha", "bert"),  # Hadamard products of low-rank factors
     ("oft", "bert"),  # orthogonal blocks by the Cayley transform (a solve on parameters alone)
     ("hra", "llama"),  # Householder reflections multiplied into the weight
+    ("shira", "bert"),  # trained entries of the frozen weight: a sparse COO tensor added to it
 ]
 ADAPTERS_IN_FLOAT32 = {"c3a"}  # (whatever the model's dtype: float32 rounding)
 

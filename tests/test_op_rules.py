@@ -218,6 +218,40 @@ def test_new_token_rows_never_form_the_whole_tables_per_example_gradients(monkey
     assert found.exact == {}, found.reasons
 
 
+class SparseEntries(nn.Module):
+    """A few trained entries of a frozen weight (peft's SHiRA): ``W.clone() += torch.sparse_coo_tensor(places,
+    values * scale, W.shape)``, one place given twice (its two values add up), the weight used by a linear map; and a
+    frozen table with trained entries, looked up by the batch's ids."""
+
+    def __init__(self, width: int = 6, vocabulary: int = 9) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.randn(width, width) * 0.3)
+        self.register_buffer("places", torch.tensor([[0, 2, 2, 5, 0], [1, 3, 3, 0, 4]]))
+        self.values = nn.Parameter(torch.randn(5) * 0.5)
+        self.register_buffer("table", torch.randn(vocabulary, width) * 0.5)
+        self.register_buffer("cells", torch.tensor([[1, 4, 4, 7], [0, 2, 5, 5]]))
+        self.cell_values = nn.Parameter(torch.randn(4))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T) ids
+        table = self.table.clone()
+        table += torch.sparse_coo_tensor(self.cells, self.cell_values, self.table.shape)
+        h = F.embedding(x, table, padding_idx=0)
+        weight = self.weight.clone()
+        weight += torch.sparse_coo_tensor(self.places, self.values * 1.5, self.weight.shape)
+        return self.out(torch.tanh(F.linear(torch.tanh(h), weight)).mean(1))
+
+
+def test_trained_entries_of_a_frozen_weight_are_exact_without_the_exact_path() -> None:
+    torch.manual_seed(0)
+    x = torch.randint(0, 9, (7, 5), generator=generator(9))
+    x[:, 0] = torch.tensor([1, 4, 7, 0, 4, 2, 1])
+    model = SparseEntries()
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (7,)))
+    plan = plan_clipping(model, per_example_cross_entropy, (5,), torch.long)
+    assert set(plan.rule_parameters) == {"values", "cell_values"}, plan.lines()
+
+
 class MixedRotation(nn.Module):
     """The rotation's halves joined with another example's rows (``roll`` along the batch): the join's rows hold two
     examples, so the parameter after it must not be clipped as if each row were one example's."""

@@ -362,30 +362,40 @@ def test_the_readers_broadcast_is_torchs() -> None:
 
 class SparseDelta(nn.Module):
     """A frozen weight plus a few trained entries scattered into it by ``torch.sparse_coo_tensor`` (peft's SHiRA
-    writes its adapter so): a sparse tensor computed from a parameter."""
+    writes its adapter so): a sparse tensor computed from a parameter, added to the weight (``added``), or that sum
+    computed on further before its use (scaled)."""
 
-    def __init__(self) -> None:
+    def __init__(self, added: bool) -> None:
         super().__init__()
         self.register_buffer("base", torch.randn(3, 4, generator=generator(7), dtype=torch.float64))
         self.register_buffer("where", torch.tensor([[0, 1, 2, 2], [3, 0, 1, 3]]))
         self.values = nn.Parameter(torch.randn(4, generator=generator(8), dtype=torch.float64))
+        self.added = added
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         delta = torch.sparse_coo_tensor(self.where, self.values, (3, 4))
-        return F.linear(x, self.base + delta)
+        if self.added:
+            return F.linear(x, self.base + delta)
+        return F.linear(x, (self.base + delta) * 2.0)
 
 
-def test_a_weight_built_as_a_sparse_tensor_takes_the_exact_path_named_not_a_crash() -> None:
-    """The pull-back cannot compare or differentiate a sparse output (``torch.equal`` has no sparse kernel: the probe
-    failed on it): the parameter takes the exact path with the reason, and the numbers are the loop's."""
+@pytest.mark.parametrize("added", [True, False], ids=["added to a weight", "then scaled"])
+def test_a_weight_built_as_a_sparse_tensor_is_exact_and_named_where_it_takes_the_exact_path(added: bool) -> None:
+    """Added to a constant weight, the sparse tensor's values are clipped by their entries' rule
+    (:mod:`dpml.train.rules.scattered_rows`). Used any other way, the pull-back cannot compare or differentiate a
+    sparse output (``torch.equal`` has no sparse kernel: the probe failed on it): the parameter takes the exact path
+    with the reason, not a crash. The numbers are the loop's either way."""
     from test_op_rules import assert_clipped_like_the_loop
 
     from dpml.train.clipping import engine_pass
 
     torch.manual_seed(5)
-    model = SparseDelta()
+    model = SparseDelta(added)
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
     found = engine_pass(model, per_example_cross_entropy, x, y)
-    assert list(found.exact) == ["values"]
-    assert "is a torch.sparse_coo tensor, whose Jacobian the pull-back does not form" in found.reasons["values"]
-    assert_clipped_like_the_loop(model, x, y)
+    if added:
+        assert found.exact == {}, found.reasons
+    else:
+        assert list(found.exact) == ["values"], found.reasons
+        assert "is a torch.sparse_coo tensor, whose Jacobian the pull-back does not form" in found.reasons["values"]
+    assert_clipped_like_the_loop(model, x, y, exact=set(found.exact))

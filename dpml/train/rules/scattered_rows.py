@@ -15,9 +15,16 @@ and every form a rule gives T's uses keeps its shape under (1):
 - a factored one, Σ_t u_t v_tᵀ (a linear map's): u_t's entries r, v_t as it is;
 - a materialised one: its rows r.
 
-T's uses (and those of its transpose: a tied output layer's ``h @ T.t()``) then join S's own
+The same holds for single entries: T = W + sparse(P, V) (a sparse COO tensor of the values V at the places P =
+(r_j, c_j), added to a constant table: peft's SHiRA), whose Jacobian selects entries, ∇_{V_j} ℓ_i = (∇_T ℓ_i)[r_j,
+c_j] (duplicate places add up in T, and each still reads its own place). A sparse tensor has no generic pull-back
+(its computation would send V's parameter to the exact path); its entries' gradients are, from a factored use,
+Σ_t u_t[r_j] v_t[c_j], B × |V| numbers (a materialised one: its entries; a lookup's: Σ_{t: k_t = r_j} δ_t[c_j]).
+
+T's uses (and those of its transpose: a tied output layer's ``h @ T.t()``) then join S's (V's) own
 (:func:`scattered_row_uses`), and the generic pull-back skips T. T used any other way (another view of it, or an
-operand of another computation on parameters) is left to the generic pull-back.
+operand of another computation on parameters) is left to the generic pull-back (where a sparse tensor sends its
+parameter to the exact path, named).
 """
 
 from __future__ import annotations
@@ -36,19 +43,25 @@ INDEX_COPIES = {torch.index_copy, torch.Tensor.index_copy}
 def scattered_row_uses(
     nodes: list[Derived], uses: dict[int, list[Use]], relevant: Collection[int], params: dict[int, nn.Parameter]
 ) -> set[int]:
-    """Moves the uses of each T = W.index_copy(0, r, S) among ``nodes`` (module docstring) to S's parameter, by (1):
-    ``uses`` and ``params`` updated, the ids of the T taken returned (their pull-back is done)."""
-    sources_of_others = {id(s.param) for node in nodes for _, s in node.sources}
+    """Moves the uses of each T = W.index_copy(0, r, S), or T = W + sparse(P, V), among ``nodes`` (module docstring)
+    to S's (V's) parameter, by (1): ``uses`` and ``params`` updated, the ids of the T taken returned (their pull-back
+    is done; a sparse tensor read by T alone is then read by nothing the pull-back takes)."""
+    consumers: dict[int, int] = {}  # id of a node's output -> how many computations read it
+    for node in nodes:
+        for _, s in node.sources:
+            consumers[id(s.param)] = consumers.get(id(s.param), 0) + 1
+    by_output = {id(node.output): node for node in nodes}
     taken: set[int] = set()
     for node in nodes:
-        found = _scattered(node)
+        found = _scattered(node) or _sparse_added(node, by_output, consumers)
         key = id(node.output)
-        if found is None or key not in relevant or key in sources_of_others:
+        if found is None or key not in relevant or key in consumers:
             continue
-        rows, source = found
+        places, source = found
         if id(source.param) not in uses:
             continue
-        moved = [_selected(_as_table(view, form, tuple(node.output.shape)), rows) for view, form in uses.get(key, [])]
+        shape = tuple(node.output.shape)
+        moved = [_selected(_as_table(view, form, shape), places) for view, form in uses.get(key, [])]
         if not moved or any(form is None for form in moved):
             continue
         uses[id(source.param)] += [(source, form) for form in moved if form is not None]
@@ -79,6 +92,34 @@ def _scattered(node: Derived) -> tuple[torch.Tensor, Tracked] | None:
     return rows.to(torch.long), tracked
 
 
+ADDITIONS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__iadd__}
+
+
+def _sparse_added(
+    node: Derived, by_output: dict[int, Derived], consumers: dict[int, int]
+) -> tuple[tuple[torch.Tensor, torch.Tensor], Tracked] | None:
+    """((the rows r, the columns c), V as tracked) where ``node`` is T = W + sparse(P, V): W a constant dense 2-D
+    tensor, the sparse tensor its one source, made by ``torch.sparse_coo_tensor(P, V, T's shape)`` from constant
+    places P (2, k) and values V (k,) that are a parameter or a computation on parameters, and read by T alone."""
+    func, args, kwargs = node.call
+    if func not in ADDITIONS or len(node.sources) != 1 or len(args) != 2 or kwargs.get("alpha", 1) != 1:
+        return None
+    base, added = args
+    maker = by_output.get(id(node.sources[0][1].param))
+    if not isinstance(base, torch.Tensor) or base.layout != torch.strided or base.dim() != 2 or maker is None:
+        return None
+    made, made_args, made_kwargs = maker.call
+    if made is not torch.sparse_coo_tensor or consumers.get(id(maker.output)) != 1 or len(maker.sources) != 1:
+        return None
+    places, values = (made_args + (made_kwargs.get("indices"), made_kwargs.get("values")))[:2]
+    held, tracked = maker.sources[0]
+    if not isinstance(places, torch.Tensor) or held is not values or node.sources[0][0] is not added:
+        return None
+    if places.shape != (2, values.numel()) or values.dim() != 1 or tuple(added.shape) != tuple(base.shape):
+        return None
+    return (places[0].to(torch.long), places[1].to(torch.long)), tracked
+
+
 def _as_table(view: Tracked, form: Form, shape: tuple[int, ...]) -> Form | None:
     """A use's form in T's own coordinates: as it is for T itself, transposed for T's transpose (``h @ T.t()``, a tied
     output layer); None for any other view of T."""
@@ -92,11 +133,14 @@ def _as_table(view: Tracked, form: Form, shape: tuple[int, ...]) -> Form | None:
     return Dense(form.grads.transpose(1, 2)) if isinstance(form, Dense) else None
 
 
-def _selected(form: Form | None, rows: torch.Tensor) -> Form | None:
-    """A use's per-example gradients of T, rows r only: (1) of the module docstring (None for a form computed on
-    demand, left to the generic pull-back)."""
+def _selected(form: Form | None, places: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Form | None:
+    """A use's per-example gradients of T at the rows r, or the entries (r, c), only: (1) of the module docstring
+    (None for a form computed on demand, left to the generic pull-back)."""
     if form is None:
         return None
+    if isinstance(places, tuple):
+        return _entries(form, *places)
+    rows = places
     if isinstance(form, Dense):
         return Dense(form.grads.index_select(1, rows.to(form.grads.device)))
     if not isinstance(form, Factored):
@@ -108,3 +152,20 @@ def _selected(form: Form | None, rows: torch.Tensor) -> Form | None:
     mapped = position[form.u]
     kept = mapped >= 0
     return Factored(mapped.clamp(min=0), form.v * kept.unsqueeze(-1).to(form.v.dtype), rows.numel(), form.cols)
+
+
+def _entries(form: Form, rows: torch.Tensor, cols: torch.Tensor) -> Dense | None:
+    """Each example's gradient of T at the entries (r_j, c_j), (B, k)."""
+    if isinstance(form, Dense):
+        return Dense(form.grads[:, rows.to(form.grads.device), cols.to(form.grads.device)])
+    if not isinstance(form, Factored):
+        return None
+    rows, cols = rows.to(form.v.device), cols.to(form.v.device)
+    positions = form.v.shape[1]
+    if form.u.is_floating_point() or form.u.is_complex():  # Σ_t u_t[r_j] v_t[c_j]
+        if form.rows * form.cols <= positions * rows.numel():  # (the whole product is fewer numbers: its entries)
+            return Dense(torch.bmm(form.u.transpose(1, 2), form.v)[:, rows, cols])
+        return Dense((form.u.index_select(-1, rows) * form.v.index_select(-1, cols)).sum(1))
+    at_cols = form.v.index_select(-1, cols)  # (B, T, k)
+    hits = form.u.unsqueeze(-1) == rows  # (B, T, k): the positions whose id is r_j
+    return Dense((at_cols * hits.to(at_cols.dtype)).sum(1))
