@@ -22,9 +22,11 @@ from dpml.train.rules.operands import (
     einsum_operands,
     einsum_subscripts,
     leading_carried,
+    on_host,
     outputs,
     same_across_rest,
     tensors,
+    varying,
 )
 from dpml.train.rules.registry import IDENTITY_VIEWS, Tracked, example_runs
 
@@ -63,29 +65,6 @@ into t's slice ``index[k]`` (a mixture of experts' outputs added back into each 
 WRITES = {T.__setitem__}
 """``t[key] = value``: each place written takes the example of the value's element written there
 (:meth:`ExampleMaps._follow_write`)."""
-
-
-def _on_host(key: Any) -> Any:
-    """An indexing key with its index tensors on the CPU, where the example maps are."""
-    if isinstance(key, torch.Tensor):
-        return key.cpu()
-    if isinstance(key, (tuple, list)):
-        return type(key)(_on_host(k) for k in key)
-    return key
-
-
-def _varying(examples: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """(the dimensions along which an example map's values change, its values over them alone, in their order), from
-    its values without broadcast dimensions (:func:`core`)."""
-    values = core(examples)
-    dims = []
-    for k in range(values.dim()):
-        first = values.narrow(k, 0, 1)
-        if values.shape[k] > 1 and not torch.equal(values, first.expand_as(values)):
-            dims.append(k)
-        else:
-            values = first
-    return dims, values.reshape([values.shape[k] for k in dims])
 
 
 class ExampleMaps:
@@ -198,7 +177,7 @@ class ExampleMaps:
             return  # (a time step's rows written back where they were: no map of the whole target made again)
         full = torch.full(target.shape, -1, dtype=torch.int64) if old is None else old.expand(target.shape).clone()
         try:
-            full[_on_host(key)] = written
+            full[on_host(key)] = written
         except (RuntimeError, TypeError, IndexError, ValueError):
             self._keep_examples(target, None)
             return
@@ -227,7 +206,7 @@ class ExampleMaps:
         base = torch.full(target.shape, -1, dtype=torch.int64) if old is None else old.expand(target.shape).clone()
         spread = written.expand(source.shape)
         try:
-            along = _on_host(index).view([-1 if k == dim % source.dim() else 1 for k in range(source.dim())])
+            along = on_host(index).view([-1 if k == dim % source.dim() else 1 for k in range(source.dim())])
             low, high = (
                 base.scatter_reduce(dim, along.expand(source.shape), spread, how, include_self=False)
                 for how in ("amin", "amax")
@@ -355,9 +334,9 @@ class ExampleMaps:
         return example_runs(self._leading_examples(t), self.batch)
 
     def _varying_of(self, t: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
-        """:func:`_varying` of t's example map; None where t's batch is not known."""
+        """:func:`~.operands.varying` of t's example map; None where t's batch is not known."""
         examples = self._source_examples(t)[1]
-        return None if examples is None else _varying(examples.expand(t.shape))
+        return None if examples is None else varying(examples.expand(t.shape))
 
     def example_axis(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """(k, the example of each index of t's dimension k) where t's map varies along that one dimension alone: a
@@ -427,7 +406,7 @@ class ExampleMaps:
         mapped: Sequence[torch.Tensor | None] = []
         if examples is not None and func in MOVES:
             try:
-                mapped = outputs(func(examples.expand(source.shape), *_on_host(args[1:]), **kwargs))
+                mapped = outputs(func(examples.expand(source.shape), *on_host(args[1:]), **kwargs))
             except (RuntimeError, TypeError, IndexError, ValueError):
                 mapped = []
         elif examples is not None:  # a sort: the map is kept where the sort runs along another dimension
@@ -511,7 +490,7 @@ def _places_keep_their_examples(examples: torch.Tensor, key: Any, written: torch
     place's example as it was (RWKV's and other scans' ``out[:, t] = row_t``, a batch-first row into a batch-first
     target): then the target's map stands, read at the written places only."""
     try:
-        at = examples[_on_host(key)]
+        at = examples[on_host(key)]
         return bool(torch.equal(at, written.expand_as(at)))
     except (RuntimeError, TypeError, IndexError, ValueError):
         return False

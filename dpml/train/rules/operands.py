@@ -275,3 +275,26 @@ def substituted(
         return value
 
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+def on_host(key: Any) -> Any:
+    """An indexing key with its index tensors on the CPU, where the example maps are."""
+    if isinstance(key, torch.Tensor):
+        return key.cpu()
+    if isinstance(key, (tuple, list)):
+        return type(key)(on_host(k) for k in key)
+    return key
+
+
+def varying(examples: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """(the dimensions along which an example map's values change, its values over them alone, in their order), from
+    its values without broadcast dimensions (:func:`core`)."""
+    values = core(examples)
+    dims = []
+    for k in range(values.dim()):
+        first = values.narrow(k, 0, 1)
+        if values.shape[k] > 1 and not torch.equal(values, first.expand_as(values)):
+            dims.append(k)
+        else:
+            values = first
+    return dims, values.reshape([values.shape[k] for k in dims])
