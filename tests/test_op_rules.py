@@ -205,6 +205,16 @@ def test_new_token_rows_in_a_frozen_table_are_exact_without_the_exact_path(slice
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y)
 
 
+def test_new_token_rows_given_twice_are_exact() -> None:
+    """A row given twice (``index_copy``'s backward gives both its sources the row's gradient, whichever the forward
+    kept): the rows' rule, which maps each id to one row of S, leaves such a table to the generic pull-back."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 11, (7, 5), generator=generator(6))
+    x[:, 0] = torch.tensor([2, 5, 9, 2, 1, 0, 9])
+    model = NewTokenRows(rows=(2, 5, 2))
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (7,)))
+
+
 def test_new_token_rows_never_form_the_whole_tables_per_example_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a keep limit below one example's gradient of the whole table (11 × 6 numbers), the generic pull-back
     cannot take the table (its rows read through a view too: the exact path, named), and the selected rows' forms

@@ -31,6 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -168,6 +169,33 @@ def _copies(call: Call) -> list[_Copies] | str:
     return list(made.values())
 
 
+def _example_operands(
+    call: Call, places: dict[int, Place | None], copies: list[_Copies]
+) -> tuple[list[torch.Tensor], Callable[[tuple[torch.Tensor, ...]], tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """The operands from the batch (each a view of it, its examples along the first dimension: ``by_example``), and
+    the call's (args, kwargs) for one example's slices of them followed by its copies of the parameter operands."""
+    batched = [t for t in tensors(call.args, call.kwargs) if places.get(id(t)) is not None]
+
+    def arguments(slices: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        swap = {id(t): (t, s) for t, s in zip(batched, slices, strict=False)}
+        swap |= {id(c.operand): (c.operand, c.as_read(w)) for c, w in zip(copies, slices[len(batched) :], strict=True)}
+        return substituted(call.args, call.kwargs, swap)
+
+    return [places[id(t)].by_example(t.detach()) for t in batched], arguments  # type: ignore[union-attr]
+
+
+def _first_difference(
+    out: list[torch.Tensor], found: list[torch.Tensor], places: dict[int, Place | None]
+) -> str | None:
+    """How the example calls' outputs ``found`` differ from the call's ``out``, checking (1); None where they agree."""
+    for z, stacked in zip(out, found, strict=True):
+        place = places[id(z)]
+        assert place is not None
+        if not _same_values(stacked, z.detach(), place):
+            return _why_other_values(stacked, z, place)
+    return None
+
+
 def _called_per_example(
     call: Call, out: list[torch.Tensor], places: dict[int, Place | None], copies: list[_Copies]
 ) -> list[torch.Tensor] | str:
@@ -178,13 +206,10 @@ def _called_per_example(
     call per example. The random state is left as the call left it: running it again draws nothing the model's
     later operations would miss."""
     wanted = [k for k, z in enumerate(outputs(call.output)) if z.requires_grad]  # (the places of ``out``)
-    batched = [t for t in tensors(call.args, call.kwargs) if places.get(id(t)) is not None]
-    split = [places[id(t)].by_example(t.detach()) for t in batched]  # type: ignore[union-attr]
+    split, arguments = _example_operands(call, places, copies)
 
     def on_example(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        swap = {id(t): (t, s) for t, s in zip(batched, slices, strict=False)}
-        swap |= {id(c.operand): (c.operand, c.as_read(w)) for c, w in zip(copies, slices[len(batched) :], strict=True)}
-        args, kwargs = substituted(call.args, call.kwargs, swap)
+        args, kwargs = arguments(slices)
         results = outputs(call.func(*args, **kwargs))
         return tuple(results[k] for k in wanted) if len(results) == len(outputs(call.output)) else ()
 
@@ -201,12 +226,8 @@ def _called_per_example(
         return f"fails ({type(error).__name__}: {' '.join(str(error).split())})"
     if len(found) != len(out):
         return "gives other outputs"
-    for z, stacked in zip(out, found, strict=True):
-        place = places[id(z)]
-        assert place is not None
-        if not _same_values(stacked, z.detach(), place):
-            return _why_other_values(stacked, z, place)
-    return found
+    differs = _first_difference(out, found, places)
+    return found if differs is None else differs
 
 
 def _function_calls(
@@ -226,21 +247,19 @@ def _function_calls(
     if call.kwargs or len(positions) < len(copies):
         return None
     wanted = [k for k, z in enumerate(outputs(call.output)) if z.requires_grad]
-    batched = [t for t in tensors(call.args, {}) if places.get(id(t)) is not None]
-    operands = [places[id(t)].by_example(t.detach()).clone() for t in batched]  # type: ignore[union-attr]
-    operands += [c.copies.detach() for c in copies]  # (copies: what the Function's forward may write is its own)
+    split, arguments = _example_operands(call, places, copies)
+    operands = [t.clone() for t in split]  # (copies: what the Function's forward may write is its own)
+    operands += [c.copies.detach() for c in copies]
     needs = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in call.args)
 
     def example(k: int | None, *pieces: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Example's outputs and the gradients of its parameter operands from its slice of output k's δ (the last of
         ``pieces``; zeros for every output where k is None)."""
         slices = pieces if k is None else pieces[:-1]
-        swap = {id(t): (t, s) for t, s in zip(batched, slices, strict=False)}
-        reads = [c.as_read(w) for c, w in zip(copies, slices[len(batched) :], strict=True)]
-        swap |= {id(c.operand): (c.operand, r) for c, r in zip(copies, reads, strict=True)}
-        output, ctx = forward_with_context(function, substituted(call.args, {}, swap)[0], needs)
+        args = arguments(slices)[0]
+        output, ctx = forward_with_context(function, args, needs)
         found = backward_from(function, ctx, output, {} if k is None else {k: pieces[-1]})
-        grads = tuple(_as_operand(found[j], r) for r, j in zip(reads, positions, strict=True))
+        grads = tuple(_as_operand(found[j], args[j]) for j in positions)
         return tuple(outputs(output)[w] for w in wanted), grads
 
     try:
@@ -249,11 +268,9 @@ def _function_calls(
             stacked, _ = torch.func.vmap(lambda *pieces: example(None, *pieces))(*operands)
     except Exception:  # noqa: BLE001 (whatever vmap cannot batch: F.apply example by example instead)
         return None
-    for z, rows in zip(out, stacked, strict=True):
-        place = places[id(z)]
-        assert place is not None
-        if not _same_values(rows, z.detach(), place):
-            return f"run example by example it {_why_other_values(rows, z, place)}"
+    differs = _first_difference(out, list(stacked), places)
+    if differs is not None:
+        return f"run example by example it {differs}"
 
     def finish(k: int) -> Callable[[torch.Tensor], list[Use]]:
         place = places[id(outputs(call.output)[k])]
