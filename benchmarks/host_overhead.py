@@ -12,12 +12,13 @@ counted with a ``TorchDispatchMode`` over one step): all of them, and those that
 metadata (on a GPU, each of these is a kernel launch at most).
 
     python benchmarks/host_overhead.py [--models mlp cnn wrn encoder bert gpt2] [--batch 4] [--rounds 7]
-                                       [--steps 100] [--out benchmarks/results]
+                                       [--steps 100] [--out benchmarks/results] [--stem host_overhead]
 
 Models: ``mlp``, ``cnn`` and ``wrn`` of ``speed.py`` (Fashion-MNIST shapes), and the ``tiny`` families of
 ``families.py`` (32 tokens; images 3×32×32): ``encoder``, ``bert`` and ``gpt2`` with ``transformers``, ``vit``
-and ``resnet18-gn`` with ``timm`` and ``torchvision`` (``benchmarks/requirements-families.txt``); a family whose
-library is absent gets a row that says so.
+and ``resnet18-gn`` with ``timm`` and ``torchvision`` (``benchmarks/requirements-families.txt``), or any other
+family ``families.py`` builds (peft's adapters on BERT: ``bert-hra``, ``bert-oft``, …); a family whose library is
+absent gets a row that says so.
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--stem", default="host_overhead", help="the page's file name, without .md and .json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -235,7 +237,7 @@ def main(argv: list[str]) -> None:
         "commit": current_commit(),
         "machine": f"{cpu_name()}, torch {torch.__version__}, Python {platform.python_version()}, 1 thread",
     }
-    write(rows, args.out, meta)
+    write(rows, args.out, meta, args.stem)
 
 
 if __name__ == "__main__":

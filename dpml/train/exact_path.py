@@ -35,14 +35,24 @@ def batched_vjp(output: torch.Tensor, inputs: list[torch.Tensor], cotangents: to
     """(∂output/∂x)ᵀ c_b for each row c_b of ``cotangents`` (B, *output.shape) and each input x: (B, *x.shape),
     zeros where the output does not reach x. One backward pass over the B rows at once (a vmap over it); where
     it fails altogether (an operator with no batching rule), one pass per row. The graph is kept."""
-    batch = cotangents.shape[0]
+    return batched_vjps([output], inputs, [cotangents])
+
+
+def batched_vjps(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Σ_o (∂o/∂x)ᵀ c_{o,b} for each row b of the ``cotangents`` (each (B, *o.shape), one for each of the
+    ``outputs``) and each input x: (B, *x.shape), as :func:`batched_vjp`, all outputs in one backward pass."""
+    batch = cotangents[0].shape[0]
     try:
         found = torch.autograd.grad(
-            output, inputs, grad_outputs=cotangents, is_grads_batched=True, retain_graph=True, allow_unused=True
+            outputs, inputs, grad_outputs=cotangents, is_grads_batched=True, retain_graph=True, allow_unused=True
         )
     except RuntimeError:
         rows = [
-            torch.autograd.grad(output, inputs, grad_outputs=cotangents[i], retain_graph=True, allow_unused=True)
+            torch.autograd.grad(
+                outputs, inputs, grad_outputs=[c[i] for c in cotangents], retain_graph=True, allow_unused=True
+            )
             for i in range(batch)
         ]
         found = tuple(

@@ -6,7 +6,7 @@ the parameters it came from through the operation's own Jacobian (:func:`pull_ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, function_name
 from dpml.train.rules.rerun import LocalRun, RandomState, replayed
+from dpml.train.rules.stitched import SourceKey, Stitched, stitch
 
 
 @dataclass(eq=False)
@@ -256,6 +257,7 @@ def pull_back_all(
     dtype: torch.dtype,
     limit: int,
     params: dict[int, nn.Parameter],
+    stitching: bool = True,
 ) -> tuple[list[tuple[Tracked, torch.Tensor]], dict[int, str], dict[int, Piece]]:
     """The uses of the computations on parameters (``nodes`` in the order they ran; those whose output is among the
     ``relevant`` ids) carried back to the parameters they came from: (the parameter's view, its per-example
@@ -264,13 +266,15 @@ def pull_back_all(
     for the whole batch, would pass ``limit`` and that has no use of its own (:func:`_recomputed_pieces`; the parameter
     joins ``params``, by id). A computation's output's per-example gradients are formed a slice of examples at a time,
     at most ``limit`` numbers (a weight formed from LoRA factors is as large as the layer's: B × d_in·d_out at once
-    would not fit where the factors' gradients do), through every computation in turn, later ones first."""
+    would not fit where the factors' gradients do), through every computation in turn, later ones first: all of them
+    as one graph where it is the recorded one (:func:`.stitched.stitch`, ``stitching``), else one at a time."""
     chain = _reaching_a_use([node for node in reversed(nodes) if id(node.output) in relevant], uses)
+    together = stitch(chain) if stitching and chain else None  # (its run is the check that each runs again)
     computed = {id(node.output) for node in nodes}
     failed: dict[int, str] = {}
     unkept: dict[int, str] = {}  # too many to keep for the whole batch: a piece that forms them again for its sum
     for node in chain:
-        reason = node.again.failure()
+        reason = None if together is not None else node.again.failure()
         if reason is not None:
             failed.update({id(p): f"{node.operation} on parameters: {reason}" for p in node.params})
             continue
@@ -292,6 +296,10 @@ def pull_back_all(
         chain = [node for node in chain if node not in blocked]
     if not chain:
         return [], failed, {}
+    if together is not None and len(together.outputs) != len(chain):  # (some left out: the rest, closed, as one)
+        together = stitch(chain)
+        if together is None:
+            return pull_back_all(nodes, uses, relevant, batch, dtype, limit, params, stitching=False)
     kept_out = unkept.keys() - failed.keys()  # formed again for their sums
     lazy = {id(s.param): s.param for node in chain for _, s in node.sources if id(s.param) in kept_out}
     squared = {key: torch.zeros(batch, dtype=dtype, device=chain[0].output.device) for key in lazy}
@@ -299,10 +307,10 @@ def pull_back_all(
     def norms(key: int, rows: slice, g: torch.Tensor) -> None:
         squared[key][rows] = g.square().sum(1)
 
-    parts = _slices(chain, uses, relevant, lazy, batch, dtype, limit, norms)
+    parts = _slices(chain, together, uses, relevant, lazy, batch, dtype, limit, norms)
     pulled = [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()]
     params |= lazy
-    return pulled, failed, _recomputed_pieces(chain, uses, relevant, lazy, squared, batch, dtype, limit)
+    return pulled, failed, _recomputed_pieces(chain, together, uses, relevant, lazy, squared, batch, dtype, limit)
 
 
 def _reaching_a_use(chain: list[Derived], uses: dict[int, list[Use]]) -> list[Derived]:
@@ -332,7 +340,9 @@ def pulled_back_probes(
     count, dtype = probes.shape[0], probes.dtype
     probed: dict[int, list[Use]] = {id(output): [(Tracked(output), Dense(probes))]}  # type: ignore[arg-type]
     relevant = {id(node.output) for node in chain} | {id(param)}
-    _slices(list(reversed(chain)), probed, relevant, {id(param)}, count, dtype, probes.numel(), keep, keep=False)
+    later_first = list(reversed(chain))
+    together = stitch(later_first)
+    _slices(later_first, together, probed, relevant, {id(param)}, count, dtype, probes.numel(), keep, keep=False)
     return torch.cat(found) if found else probes.new_zeros(count, param.numel())
 
 
@@ -341,6 +351,7 @@ Visit = Callable[[int, slice, torch.Tensor], None]
 
 def _slices(
     chain: list[Derived],
+    together: Stitched | None,
     uses: dict[int, list[Use]],
     relevant: set[int],
     lazy: Collection[int],
@@ -350,34 +361,67 @@ def _slices(
     visit: Visit,
     keep: bool = True,
 ) -> dict[tuple[int, int], list[torch.Tensor]]:
-    """The chain carried back a slice of examples at a time: each slice's per-example gradients of a ``lazy``
-    parameter, added up over its places in the chain in its own coordinates, handed to ``visit`` (its id, the rows,
-    (slice, its numel)); with ``keep``, those of the other parameters kept, by (computation, source)."""
+    """The chain carried back a slice of examples at a time (through ``together``, the chain run as one graph, where
+    given; else one computation at a time): each slice's per-example gradients of a ``lazy`` parameter, added up over
+    its places in the chain in its own coordinates, handed to ``visit`` (its id, the rows, (slice, its numel)); with
+    ``keep``, those of the other parameters kept, by (computation, source)."""
     step = max(1, limit // max(t.numel() for node in chain for t in (node.output, *[t for t, _ in node.sources])))
     parts: dict[tuple[int, int], list[torch.Tensor]] = {}
     for start in range(0, batch, step):
         rows = slice(start, min(start + step, batch))
         local = {id(node.output): [(t, _examples(f, rows)) for t, f in uses.get(id(node.output), [])] for node in chain}
+        count = rows.stop - rows.start
+        pulled = (
+            _through_each(chain, local, count, dtype)
+            if together is None
+            else _through_all(together, chain, local, count, dtype)
+        )
         found: dict[int, torch.Tensor] = {}  # a lazy parameter's per-example gradients in this slice, (slice, numel)
-        for k, node in enumerate(chain):
-            count, like = rows.stop - rows.start, _complex_as(dtype, node.output)
-            gradients = per_example_gradients_of(local.pop(id(node.output)), node.output, count, like)
-            for j, ((_, tracked), g) in enumerate(zip(node.sources, pull_back(node, gradients), strict=True)):
-                key = id(tracked.param)
-                if key in local:  # the output of a computation still to come: a use of it
-                    local[key].append((tracked, Dense(g.to(_complex_as(dtype, tracked.param)))))
-                elif key in lazy:
-                    flat = g.reshape(g.shape[0], -1).to(dtype)
-                    if tracked.index is None:  # the parameter itself
-                        found[key] = found[key] + flat if key in found else flat
-                    else:
-                        total = found[key] if key in found else flat.new_zeros(g.shape[0], tracked.param.numel())
-                        found[key] = total.index_add_(1, tracked.flat_index().reshape(-1), flat)
-                elif key in relevant and keep:
-                    parts.setdefault((k, j), []).append(g.to(dtype))
+        for (k, j), tracked, g in pulled:
+            key = id(tracked.param)
+            if key in lazy:
+                flat = g.reshape(g.shape[0], -1).to(dtype)
+                if tracked.index is None:  # the parameter itself
+                    found[key] = found[key] + flat if key in found else flat
+                else:
+                    total = found[key] if key in found else flat.new_zeros(g.shape[0], tracked.param.numel())
+                    found[key] = total.index_add_(1, tracked.flat_index().reshape(-1), flat)
+            elif key in relevant and keep:
+                parts.setdefault((k, j), []).append(g.to(dtype))
         for key, total in found.items():
             visit(key, rows, total)
     return parts
+
+
+Pulled = Iterator[tuple[SourceKey, Tracked, torch.Tensor]]
+
+
+def _through_each(chain: list[Derived], local: dict[int, list[Use]], count: int, dtype: torch.dtype) -> Pulled:
+    """A slice's per-example gradients carried back one computation at a time (later ones first): each source's,
+    by its key (k, j), where it is no computation's output still to come (there, a use of that output)."""
+    for k, node in enumerate(chain):
+        gradients = per_example_gradients_of(
+            local.pop(id(node.output)), node.output, count, _complex_as(dtype, node.output)
+        )
+        for j, ((_, tracked), g) in enumerate(zip(node.sources, pull_back(node, gradients), strict=True)):
+            if id(tracked.param) in local:  # the output of a computation still to come: a use of it
+                local[id(tracked.param)].append((tracked, Dense(g.to(_complex_as(dtype, tracked.param)))))
+            else:
+                yield (k, j), tracked, g
+
+
+def _through_all(
+    together: Stitched, chain: list[Derived], local: dict[int, list[Use]], count: int, dtype: torch.dtype
+) -> Pulled:
+    """A slice's per-example gradients carried back through the whole chain run as one graph (:mod:`.stitched`)."""
+    gradients = {
+        id(node.output): per_example_gradients_of(
+            local[id(node.output)], node.output, count, _complex_as(dtype, node.output)
+        )
+        for node in chain
+        if local[id(node.output)]
+    }
+    yield from together.pull_back(gradients)
 
 
 def _complex_as(dtype: torch.dtype, t: torch.Tensor) -> torch.dtype:
@@ -390,6 +434,7 @@ def _complex_as(dtype: torch.dtype, t: torch.Tensor) -> torch.dtype:
 
 def _recomputed_pieces(
     chain: list[Derived],
+    together: Stitched | None,
     uses: dict[int, list[Use]],
     relevant: set[int],
     lazy: dict[int, nn.Parameter],
@@ -413,7 +458,7 @@ def _recomputed_pieces(
                 part = torch.einsum("b,b...->...", factors[rows].to(g.dtype), g)
                 found[key] = found[key] + part if key in found else part
 
-            _slices(chain, uses, relevant, lazy, batch, dtype, limit, weigh, keep=False)
+            _slices(chain, together, uses, relevant, lazy, batch, dtype, limit, weigh, keep=False)
             done.update(factors=factors, found=found)
         return done["found"]  # type: ignore[no-any-return]
 

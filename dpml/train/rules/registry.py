@@ -76,7 +76,7 @@ def _counting(count: int, device: torch.device) -> torch.Tensor:
     return base[:count]
 
 
-def _offsets_are_values(index: torch.Tensor) -> bool:
+def offsets_are_values(index: torch.Tensor) -> bool:
     """``index`` is a view of an arange :meth:`Tracked.flat_index` made (views of views keep the first base), so its
     values follow from its geometry: element (i_k) holds storage_offset + Σ_k i_k·stride_k. The checks below then
     read no value (on a GPU, no wait for the device); on any other index tensor they compare values."""
@@ -88,7 +88,7 @@ def in_order(index: torch.Tensor, count: int) -> bool:
     """``index`` holds 0, 1, …, count − 1 in order: a view of a whole parameter with its elements where they are."""
     if index.numel() != count:
         return False
-    if _offsets_are_values(index):
+    if offsets_are_values(index):
         return index.is_contiguous() and index.storage_offset() == 0
     return torch.equal(index.reshape(-1), torch.arange(count, device=index.device))
 
@@ -97,7 +97,7 @@ def same_along(index: torch.Tensor, dim: int) -> bool:
     """``index`` equals its first slice along ``dim`` broadcast over that dimension."""
     if index.shape[dim] <= 1 or index.stride(dim) == 0 or index.numel() == 0:
         return True  # (a broadcast dimension holds one slice's values whatever they are)
-    if _offsets_are_values(index):
+    if offsets_are_values(index):
         return False  # neighbours along dim differ by stride(dim) ≠ 0 in offset, so in value
     return torch.equal(index, index.narrow(dim, 0, 1).expand_as(index))
 
@@ -110,7 +110,7 @@ def rows_within(index: torch.Tensor, width: int) -> bool:
     rows = index.shape[0]
     if index.numel() == 0:
         return True
-    if _offsets_are_values(index):
+    if offsets_are_values(index):
         offset, step = index.storage_offset(), index.stride(0) if rows > 1 else 0
         reach = sum((n - 1) * st for n, st in zip(index.shape[1:], index.stride()[1:], strict=True))
         return all(
@@ -124,7 +124,7 @@ def rows_within(index: torch.Tensor, width: int) -> bool:
 def injective(index: torch.Tensor) -> bool:
     """No two elements of ``index`` are equal. For a view of a flat index: its dimensions (of size > 1) sorted by
     stride, each stride beyond the largest offset the smaller ones reach (a mixed radix: distinct offsets)."""
-    if _offsets_are_values(index):
+    if offsets_are_values(index):
         reach = 0
         for stride, size in sorted((index.stride(k), index.shape[k]) for k in range(index.dim()) if index.shape[k] > 1):
             if stride == 0:
@@ -141,7 +141,7 @@ def disjoint(indices: list[torch.Tensor]) -> bool:
     """No value is in two of the (each injective) ``indices``: for views of flat indices, their offset spans
     [storage_offset, storage_offset + Σ (size_k − 1)·stride_k] do not overlap; else, or where spans overlap, by
     comparing values."""
-    if all(_offsets_are_values(index) for index in indices):
+    if all(offsets_are_values(index) for index in indices):
         spans = sorted(
             (
                 i.storage_offset(),

@@ -5,14 +5,14 @@ that writes its first operand, :func:`writes_first_operand`; through a view, :cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dpml.devices import RngState, rng_state, set_rng_state
-from dpml.train.rules.operands import outputs, substituted
+from dpml.train.rules.operands import outputs, substituted, tensors
 from dpml.train.rules.registry import function_name
 
 
@@ -110,13 +110,35 @@ class LocalRun:
 
     def __post_init__(self) -> None:
         self.precision = _precision_now(self.state[1])
+        self.versions = [(t, _version(t)) for t in tensors(self.args, self.kwargs)]
+        self.output_versions = [(t, _version(t)) for t in outputs(self.out)]
         self._found: tuple[list[torch.Tensor], list[torch.Tensor]] | str | None = None
+
+    def unwritten(self, besides: Collection[int] = ()) -> bool:
+        """No operand (but those whose ``id`` is in ``besides``) has been written in place since the call (each
+        tensor's version counter is where it was): the call run again now reads the numbers it read
+        (:mod:`.stitched` runs it after the whole forward pass)."""
+        return all(seen is not None and _version(t) == seen for t, seen in self.versions if id(t) not in besides)
+
+    def as_recorded(self) -> list[torch.Tensor] | None:
+        """The call's outputs with the numbers it gave: the recorded outputs where nothing has written them since;
+        else, where the call ran again before they were written (:meth:`.derived.DerivedNodes.before_write`), that
+        run's; None otherwise."""
+        if all(seen is not None and _version(t) == seen for t, seen in self.output_versions):
+            return self.recorded
+        if isinstance(self._found, tuple):
+            return self._found[0]
+        return None
+
+    @property
+    def recorded(self) -> list[torch.Tensor]:
+        """The call's recorded outputs (its tensors)."""
+        return outputs(self.out)
 
     def failure(self) -> str | None:
         """Why the call cannot be run again to the same numbers (after running it, once); None where it can."""
         if self._found is None:
-            with _precision_as(self.precision, self.state[1]):
-                self._found = self._on_leaves()
+            self._found = self._on_leaves()
         return self._found if isinstance(self._found, str) else None
 
     def result(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -134,18 +156,11 @@ class LocalRun:
         from (:func:`replayed`: a dropout on a weight draws the same mask again). A call that writes its first
         operand (:func:`writes_first_operand`) writes a copy of it, and its output is that copy."""
         leaves = {key: t.detach().requires_grad_(True) for key, t in self.sources.items()}
-        swapped = {key: (self.sources[key], leaf) for key, leaf in leaves.items()}
-        args, kwargs = substituted(self.args, self.kwargs, swapped)
-        writes = writes_first_operand(self.func, kwargs)
-        if writes:
-            args = (args[0].clone(), *args[1:])
         try:
-            with torch.enable_grad(), replayed(self.state):
-                result = self.func(*args, **kwargs)
+            local = self.run_on({key: (self.sources[key], leaf) for key, leaf in leaves.items()})
         except RuntimeError as error:
             return f"it cannot be run again on copies of the parameters ({error})"
-        local = [args[0]] if writes else outputs(result)
-        recorded = outputs(self.out)
+        recorded = self.recorded
         sparse = next((t.layout for t in (*local, *recorded) if t.layout != torch.strided), None)
         if sparse is not None:
             return f"its output is a {sparse} tensor, whose Jacobian the pull-back does not form"
@@ -154,6 +169,26 @@ class LocalRun:
         ):
             return "it gives other numbers when run again from the same random state"
         return local, list(leaves.values())
+
+    def run_on(self, swapped: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """The call's outputs run again with operands swapped (``id`` → (the operand, its stand-in)), at the
+        precision and from the random state it ran at and from (a call that writes its first operand writes a copy
+        of it, its output). Raises what the call raises."""
+        args, kwargs = substituted(self.args, self.kwargs, swapped)
+        writes = writes_first_operand(self.func, kwargs)
+        if writes:
+            args = (args[0].clone(), *args[1:])
+        with _precision_as(self.precision, self.state[1]), torch.enable_grad(), replayed(self.state):
+            result = self.func(*args, **kwargs)
+        return [args[0]] if writes else outputs(result)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The version counter of ``t`` (None for an inference tensor, which keeps none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
 
 
 Precision = tuple[bool, torch.dtype, str, bool]
@@ -169,7 +204,10 @@ def _precision_now(device: torch.device) -> Precision:
 
 @contextlib.contextmanager
 def _precision_as(precision: Precision, device: torch.device) -> Iterator[None]:
-    """The block runs at ``precision`` (:func:`_precision_now`), restored after."""
+    """The block runs at ``precision`` (:func:`_precision_now`), restored after (nothing set where it already is)."""
+    if _precision_now(device) == precision:
+        yield
+        return
     enabled, dtype, matmul, cudnn = precision
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision(matmul)
