@@ -55,10 +55,28 @@ class Stitched:
         if not reached:
             batch = next(iter(gradients.values())).shape[0]
             return [(key, tracked, leaf.new_zeros((batch, *leaf.shape))) for key, tracked, leaf in self.leaves]
-        found = batched_vjps(
+        found = _vmapped_vjps(
             [o for o, _ in reached], [leaf for *_, leaf in self.leaves], [g.to(o.dtype) for o, g in reached]
         )
         return [(key, tracked, g) for (key, tracked, _), g in zip(self.leaves, found, strict=True)]
+
+
+def _vmapped_vjps(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Σ_o (∂o/∂x)ᵀ c_{o,b} for each row b of the cotangents and each input x, (B, *x.shape): ``torch.func.vmap`` over
+    one backward pass, whose batching rules carry a view's backward (``as_strided``, an index) as one operation for
+    all rows, where autograd's own batched pass (:func:`dpml.train.exact_path.batched_vjps`, the fallback) loops over
+    the rows for them."""
+
+    def one(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        found = torch.autograd.grad(outputs, inputs, rows, retain_graph=True, allow_unused=True)
+        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, found, strict=True))
+
+    try:
+        return list(torch.func.vmap(one)(*cotangents))
+    except RuntimeError:
+        return batched_vjps(outputs, inputs, cotangents)
 
 
 def stitch(chain: list[Derived]) -> Stitched | None:
