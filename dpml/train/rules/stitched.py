@@ -75,7 +75,7 @@ def _vmapped_vjps(
 
     try:
         return list(torch.func.vmap(one)(*cotangents))
-    except RuntimeError:
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):  # (a backward torch.func cannot batch)
         return batched_vjps(outputs, inputs, cotangents)
 
 
