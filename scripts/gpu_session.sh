@@ -26,10 +26,13 @@
 #      families_profile_cuda.md), then the encoder's beside BERT's (batch 64, encoder_profile_cuda.md): 90 s, only
 #      when SESSION_STEPS names it;
 #   5. grouped and depthwise convolutions' per-example ways and the engine's pick (benchmarks/grouped_conv_ways.py,
-#      grouped_conv_ways_cuda.md): 15 s, only when SESSION_STEPS names it.
+#      grouped_conv_ways_cuda.md): 15 s, only when SESSION_STEPS names it;
+#   6. peft's adapters on BERT (base size, batch 256, families_peft_cuda.{md,json}; never measured on a GPU, their
+#      weights built by computations on parameters crossed as one graph): 150 s, only when SESSION_STEPS names it
+#      (peft).
 # Steps 1-3 take at most 565 s and about 20 s to install: one call, with the machine's start (about 30 s on an
 # H200), inside a session's 15 minutes of device time, leaving room for one short second call.
-# SESSION_STEPS="pool tests families keep speed profile grouped" picks steps (default: tests families speed);
+# SESSION_STEPS="pool tests families keep speed profile grouped peft" picks steps (default: tests families speed);
 # SESSION_PACK=1 leaves DIR holding one archive, session.tar.gz, of everything it wrote (for a transfer that counts
 # files); SESSION_DRY=FILE runs nothing, on any machine, and writes each step's command to FILE, one a line, quoted
 # for the shell (tests/test_gpu_session.py checks that the scripts take them, so that a renamed option does not
@@ -73,7 +76,8 @@ fi
 if [[ " $STEPS " == *" tests "* ]]; then
   say "1. the CUDA tests"
   step timeout 130 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
-    tests/test_captured_passes.py tests/test_streamed_pieces.py tests/test_per_example_calls.py -k "not wide_resnet_peaks" -rs \
+    tests/test_captured_passes.py tests/test_streamed_pieces.py tests/test_per_example_calls.py \
+    tests/test_stitched_pull_back.py -k "not wide_resnet_peaks" -rs \
     2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi
@@ -129,6 +133,13 @@ if [[ " $STEPS " == *" grouped "* ]]; then
   say "5. grouped and depthwise convolutions' per-example ways"
   step timeout 15 python3 benchmarks/grouped_conv_ways.py --device cuda --repeats 5 --out "$OUT" > "$OUT/grouped.log" 2>&1
   say "grouped: exit $?"; grep -E "^\| [A-Z]" "$OUT/grouped_conv_ways_cuda.md" 2>/dev/null | cut -c1-160
+fi
+if [[ " $STEPS " == *" peft "* ]]; then
+  say "6. peft's adapters on BERT"
+  step timeout 150 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 4 \
+    --peers --family-timeout 18 --total-timeout 140 --families peft --stem families_peft_cuda --out "$OUT" \
+    > "$OUT/peft.log" 2>&1
+  say "peft: exit $?"; grep -E "^\| bert" "$OUT/families_peft_cuda.md" 2>/dev/null | cut -c1-160
 fi
 if [ "${SESSION_PACK:-0}" = 1 ] && [ -z "$DRY" ]; then
   tar -czf /tmp/gpu-session.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-session.tar.gz "$OUT/session.tar.gz"

@@ -35,7 +35,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 took the arguments, argparse's exit 2 and its message if not."""
 
 
-def session_commands(tmp_path: Path, steps: str = "pool tests families keep speed profile grouped") -> list[list[str]]:
+def session_commands(
+    tmp_path: Path, steps: str = "pool tests families keep speed profile grouped peft"
+) -> list[list[str]]:
     """The session's steps' commands, as a dry run writes them, each without its ``timeout N``."""
     written = tmp_path / "commands"
     env = {**os.environ, "SESSION_DRY": str(written), "SESSION_STEPS": steps}
@@ -83,6 +85,7 @@ def test_a_dry_session_writes_every_step_and_runs_none_of_them(tmp_path: Path) -
         "benchmarks/speed_profile.py",
         "benchmarks/speed_profile.py",
         "benchmarks/grouped_conv_ways.py",
+        "benchmarks/families.py",
     ]
     assert not list((tmp_path / "out").glob("*.md")), "a dry session measured something"
     assert [c[1] for c in session_commands(tmp_path, "speed")] == ["benchmarks/speed.py"] * 4

@@ -32,7 +32,7 @@ class Householder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = self.u / self.u.norm(dim=0)
-        weight = torch.eye(u.shape[0], dtype=u.dtype)
+        weight = torch.eye(u.shape[0], dtype=u.dtype, device=u.device)
         for k in range(u.shape[1]):
             column = u[:, k].view(-1, 1)
             weight = weight - 2 * weight @ column @ column.t()
@@ -76,7 +76,7 @@ class AccumulatedInPlace(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skew = self.q - self.q.transpose(1, 2)
-        rotation = torch.eye(self.block, dtype=x.dtype).repeat(skew.shape[0], 1, 1)
+        rotation = torch.eye(self.block, dtype=x.dtype, device=x.device).repeat(skew.shape[0], 1, 1)
         rotation.add_(skew, alpha=2.0)
         power = torch.bmm(skew, skew)
         rotation.add_(power, alpha=2.0)
@@ -167,3 +167,16 @@ def test_a_constant_written_after_its_computation_ran_is_pulled_back_one_by_one(
     assert_exact_without_the_exact_path(WrittenConstant(), per_example_cross_entropy, *batch(), planned=False)
     assert counted.refused > 0 and counted.stitched == 0
     assert counted.one_by_one > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine: the GPU check did not run")
+def test_a_chain_on_the_gpu_is_pulled_back_as_one_graph_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on a CUDA device (float64): the graph's check of its numbers there is one read by the host, and the
+    batched backward is torch.func's on CUDA tensors."""
+    counted = Counted(monkeypatch)
+    torch.manual_seed(0)
+    x, y = batch()
+    assert_exact_without_the_exact_path(
+        Householder().cuda(), per_example_cross_entropy, x.cuda(), y.cuda(), planned=False
+    )
+    assert counted.stitched > 0 and counted.refused == 0 and counted.one_by_one == 0
