@@ -116,7 +116,7 @@ def test_the_flat_indices_of_a_pass_view_one_count_which_goes_with_them() -> Non
     written = flat_index(2, 3)
     assert written._base is larger._base
     written[1].fill_(0)  # (no rule writes an index; one written is read by its values from then on)
-    assert not injective(written) and not registry._offsets_are_values(larger) and registry._offsets_are_values(large)
+    assert not injective(written) and not registry.offsets_are_values(larger) and registry.offsets_are_values(large)
     assert flat_index(4)._base is not larger._base
     count = weakref.ref(large._base)
     del small, large
