@@ -7,7 +7,10 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   ``electra`` and ``albert`` (factorised embeddings half as wide), ``deberta-v2`` (disentangled relative
   attention), ``convbert`` (depthwise Conv1d span kernels), ``gpt-neo`` (local and global attention), ``opt``,
   ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
-  for all query heads), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention and projections, the body frozen),
+  for all query heads), ``mixtral`` (a mixture of 8 experts, 2 a token, each a gated MLP as wide as the size's
+  feed-forward layer: each example routes a different number of tokens to each expert), ``qwen2-moe`` (8 experts of a
+  quarter of that width, 2 a token, beside a shared expert gated per token), ``gpt2-lora`` (peft LoRA on GPT-2's
+  ``Conv1D`` attention and projections, the body frozen),
   ``bert-c3a`` (peft C3A on BERT's query and value: a custom autograd Function of the batch and its kernels, which no
   rule knows, run example by example), and more of peft's adapters on BERT, the body frozen (:data:`PEFT_ON_BERT`:
   ``bert-prompt``, ``bert-ia3``, ``bert-dora``, ``bert-loha``, ``bert-lokr``, ``bert-oft``,
@@ -61,6 +64,8 @@ TEXT_ZOO = [
     "llama",
     "mistral",
     "qwen2",
+    "mixtral",
+    "qwen2-moe",
     "gpt2-lora",
     "bert-c3a",
     "longformer",
@@ -146,6 +151,18 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
         "llama": lambda: tr.LlamaConfig(**decoder, num_key_value_heads=heads, **common),
         "mistral": lambda: tr.MistralConfig(**decoder, num_key_value_heads=1, head_dim=h // heads, **common),
         "qwen2": lambda: tr.Qwen2Config(**decoder, num_key_value_heads=1, **common),
+        "mixtral": lambda: tr.MixtralConfig(
+            **decoder, num_key_value_heads=1, num_local_experts=8, num_experts_per_tok=2, **common
+        ),
+        "qwen2-moe": lambda: tr.Qwen2MoeConfig(
+            **decoder,
+            num_key_value_heads=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=ffn // 4,
+            shared_expert_intermediate_size=ffn,
+            **common,
+        ),
         "longformer": lambda: tr.LongformerConfig(
             **bert_like, attention_window=32, max_position_embeddings=length + 2, **common
         ),

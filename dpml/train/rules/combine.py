@@ -23,6 +23,7 @@ caller).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from dpml.train.clipping_layers import Piece, weight_norms_squared
 from dpml.train.clipping_norms import clipped_outer_sum, embedding_norms_squared, kept_sum, row_norms_squared
 from dpml.devices import heap_sized_slices
 from dpml.train.keep_budget import keep_limit, room, spend
+from dpml.train.ragged_norms import ragged_norms
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, disjoint, injective
 
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # c (B,) -> Σ_i c_i G_i in the use's coordinates
@@ -50,7 +52,7 @@ def cast_form(form: Form, dtype: torch.dtype) -> Form:
     if isinstance(form, Dense):
         return Dense(_cast(form.grads, dtype))
     applied = None if form.applied is None else _cast(form.applied, dtype)
-    return Factored(_cast(form.u, dtype), _cast(form.v, dtype), form.rows, form.cols, applied)
+    return Factored(_cast(form.u, dtype), _cast(form.v, dtype), form.rows, form.cols, applied, form.lengths)
 
 
 def _one_hot(t: torch.Tensor) -> bool:
@@ -76,6 +78,8 @@ def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
     u, v = form.u, form.v
     if u.shape[1] == 1:  # one position: ‖u‖²‖v‖²
         squared, kept = row_norms_squared(u[:, 0]) * row_norms_squared(v[:, 0]), None
+    elif form.lengths is not None and u.is_floating_point() and v.is_floating_point():
+        return ragged_norms(u, v, form.lengths)  # ragged rows: their padding skipped
     else:
         squared, kept = weight_norms_squared(v, u)  # (B, rows, cols) kept when materialised and small
 
@@ -322,8 +326,14 @@ def _separate(param: nn.Parameter, uses: list[Use]) -> Piece:
     squared = sum((s for _, s, _ in parts[1:]), parts[0][1])
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        totals = [to_parameter(tracked, fn(factors)) for tracked, _, fn in parts]
-        return [(param, sum(totals[1:], totals[0]))]
+        if len(parts) == 1:
+            return [(param, to_parameter(parts[0][0], parts[0][2](factors)))]
+        totals = [fn(factors) for _, _, fn in parts]  # disjoint views: each added into one sum in θ's coordinates
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in totals])
+        flat = totals[0].new_zeros(param.numel(), dtype=dtype)
+        for (tracked, _, _), total in zip(parts, totals, strict=True):
+            flat.index_add_(0, tracked.flat_index().reshape(-1), total.reshape(-1).to(flat.dtype))
+        return [(param, flat.view(param.shape))]
 
     return Piece(squared, sums)
 

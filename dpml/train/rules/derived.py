@@ -244,9 +244,9 @@ def _examples(form: Form, rows: slice) -> Form:
         return Dense(form.gradients(rows))
     if isinstance(form, Dense):
         return Dense(form.grads[rows])
-    return Factored(
-        form.u[rows], form.v[rows], form.rows, form.cols, None if form.applied is None else form.applied[rows]
-    )
+    applied = None if form.applied is None else form.applied[rows]
+    lengths = None if form.lengths is None else form.lengths[rows]
+    return Factored(form.u[rows], form.v[rows], form.rows, form.cols, applied, lengths)
 
 
 def pull_back_all(

@@ -310,7 +310,8 @@ def _matrix_per_row(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pe
             else:  # z_r = x_r M
                 u, v = xs.reshape(-1, xs.shape[2]), ds.reshape(-1, ds.shape[2])
             u_rows, v_rows = layout.of(u), layout.of(v)
-            uses.append((view, Factored(u_rows, v_rows, u_rows.shape[2], v_rows.shape[2])))
+            form = Factored(u_rows, v_rows, u_rows.shape[2], v_rows.shape[2], lengths=layout.counts)
+            uses.append((view, form))
         return uses
 
     return Pending(call.output, [s.param], finish)

@@ -32,17 +32,20 @@ def grouped_mm(call: Call) -> Pending | str:
         return f"its rows (shape {tuple(a.shape)}) have no known examples"
     ends = [int(end) for end in offs.tolist()]
     spans = [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)) if end > start]
-    groups = [(e, start, end, Rows.of_map(examples[start:end].unsqueeze(1), call.batch)) for e, start, end in spans]
-    if any(rows is None for *_, rows in groups):
-        return "rows that each hold several examples"
+    groups: list[tuple[int, int, int, Rows]] = []
+    for e, start, end in spans:
+        rows = Rows.of_map(examples[start:end].unsqueeze(1), call.batch)
+        if rows is None:
+            return "rows that each hold several examples"
+        groups.append((e, start, end, rows))
     index, recorded = w.flat_index(), a.detach()
 
     def finish(d: torch.Tensor) -> list[Use]:
         uses: list[Use] = []
         for e, start, end, rows in groups:
-            a_rows, d_rows = rows.of(recorded[start:end]), rows.of(d[start:end])  # type: ignore[union-attr]
+            a_rows, d_rows = rows.of(recorded[start:end]), rows.of(d[start:end])
             view = Tracked(w.param, index[e], w.shared)
-            uses.append((view, Factored(a_rows, d_rows, a_rows.shape[2], d_rows.shape[2])))
+            uses.append((view, Factored(a_rows, d_rows, a_rows.shape[2], d_rows.shape[2], lengths=rows.counts)))
         return uses
 
     return Pending(call.output, [w.param], finish)

@@ -35,9 +35,11 @@ def linear(call: Call) -> Pending | str:
     if w is not None and len(w.shape()) != 2:
         return "a weight that is not 2-D"
     a_rows = rows.of(a.detach())
-    return _weight_and_bias(
-        call, w, b, rows, lambda d_rows: Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2]), 1.0
-    )
+
+    def weight_form(d_rows: torch.Tensor) -> Factored:
+        return Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2], lengths=rows.counts)
+
+    return _weight_and_bias(call, w, b, rows, weight_form, 1.0)
 
 
 def _weight_and_bias(
@@ -79,6 +81,7 @@ def addmm(call: Call) -> Pending | str:
     a_rows = rows.of(a.detach())
 
     def weight_form(d_rows: torch.Tensor) -> Factored:  # ∇_W = α Σ_t a_t δ_tᵀ, W (n_in, n_out)
-        return Factored(a_rows, d_rows * alpha if alpha != 1.0 else d_rows, a_rows.shape[2], d_rows.shape[2])
+        d_scaled = d_rows * alpha if alpha != 1.0 else d_rows
+        return Factored(a_rows, d_scaled, a_rows.shape[2], d_rows.shape[2], lengths=rows.counts)
 
     return _weight_and_bias(call, w, b, rows, weight_form, beta)

@@ -162,16 +162,19 @@ class Factored:
     ``u`` (B, T, rows) and ``v`` (B, T, cols) — or, for a one-hot factor (an embedding's rows e_{k_t}),
     integer indices (B, T) whose entries are the k_t. ``applied`` (B, T, rows), where the rule has it: V's product
     with each v_t, the operation's own output without its bias (a convolution's), which a weight standardised
-    before its use reads (:mod:`dpml.train.rules.standardised`, :mod:`dpml.train.rules.row_jacobian`)."""
+    before its use reads (:mod:`dpml.train.rules.standardised`, :mod:`dpml.train.rules.row_jacobian`). ``lengths``,
+    where the rule has them: ragged rows padded (:class:`Rows`), each example's real positions first, the rest zero
+    rows — its norm and clipped sum then skip the padding (:mod:`dpml.train.ragged_norms`)."""
 
     u: torch.Tensor
     v: torch.Tensor
     rows: int
     cols: int
     applied: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # (B,) on the CPU: example i's positions from lengths[i] on are zero rows
 
     def transposed(self) -> Factored:
-        return Factored(self.v, self.u, self.cols, self.rows)
+        return Factored(self.v, self.u, self.cols, self.rows, lengths=self.lengths)
 
 
 @dataclass
@@ -240,6 +243,7 @@ class Rows:
     order: torch.Tensor | None
     slots: torch.Tensor | None = None  # (N,) on the CPU; None: every example has N / B rows
     width: int = 0
+    counts: torch.Tensor | None = None  # (B,) on the CPU: each example's rows (ragged only)
     interleaved: bool = False  # row j is example j mod B's (time-major rows): read as a strided view, not gathered
 
     @staticmethod
@@ -263,7 +267,8 @@ class Rows:
         by_example = lead if order is None else lead[order]
         width = int(counts.max())
         starts = torch.cumsum(counts, 0) - counts
-        return Rows(batch, order, by_example * width + torch.arange(lead.numel()) - starts[by_example], width)
+        slots = by_example * width + torch.arange(lead.numel()) - starts[by_example]
+        return Rows(batch, order, slots, width, counts)
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example (ragged: zero rows padding
