@@ -49,16 +49,22 @@ def _branches(rows: int, cols: int, limit: int) -> set[str]:
     return found
 
 
+@pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("keep", [True, False])
-def test_ragged_norms_and_clipped_sums_equal_the_per_example_loop_in_every_branch(keep: bool) -> None:
+def test_ragged_norms_and_clipped_sums_equal_the_per_example_loop_in_every_branch(keep: bool, shuffled: bool) -> None:
+    """Rows packed example by example, or lying in another order (the routed tokens' own), given by ``order``."""
     rows, cols, width = 64, 48, 80
     u, v = _padded(LENGTHS, width, rows, 1), _padded(LENGTHS, width, cols, 2)
     factors = torch.rand(len(LENGTHS), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     lengths = torch.tensor(LENGTHS)
+    u_rows, v_rows, order = ragged.packed(u, lengths), ragged.packed(v, lengths), None
+    if shuffled:  # the k-th row example by example lies at order[k]
+        lying = torch.randperm(u_rows.shape[0], generator=torch.Generator().manual_seed(4))
+        u_rows, v_rows, order = u_rows[lying], v_rows[lying], torch.argsort(lying)
     held = 10**9 if keep else 0  # a pass that may keep nothing forms per-example gradients in slices, or Grams
     with pass_budget(torch.device("cpu"), held):
         expected = _branches(rows, cols, min(keep_limit(torch.device("cpu")), held))
-        squared, clipped_sum = ragged.ragged_norms(u, v, lengths)
+        squared, clipped_sum = ragged.ragged_norms(u_rows, v_rows, lengths, order)
     assert expected == ({"gram", "kept"} if keep else {"gram", "sliced"})  # both branches of each run exercised
     norms, total = _loop(u, v, factors)
     torch.testing.assert_close(squared, norms, rtol=1e-12, atol=1e-12)
@@ -110,9 +116,9 @@ def test_a_mixture_of_experts_clips_exactly_through_the_ragged_path(
     taken: list[tuple[int, int]] = []
     real = combine.ragged_norms
 
-    def counted(u: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> Any:
+    def counted(u: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, order: torch.Tensor | None = None) -> Any:
         taken.append((int(lengths.min()), int(lengths.max())))
-        return real(u, v, lengths)
+        return real(u, v, lengths, order)
 
     monkeypatch.setattr(combine, "ragged_norms", counted)
     torch.manual_seed(0)

@@ -74,6 +74,7 @@ from dpml.train.rules.row_jacobian import row_map_pieces
 from dpml.train.rules.scattered_rows import scattered_row_uses
 from dpml.train.rules.standardised import standardised_pieces
 from dpml.train.rules.outputs import LetGo, Recorded, RecordedOutputs
+from dpml.train.rules.ragged import Ragged
 from dpml.train.rules.registry import Dense
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
@@ -247,7 +248,8 @@ def _rule_pieces(
         for tracked, form in pending.finish(d):
             key = id(tracked.param)
             if key in relevant:
-                uses[key].append((tracked, cast_form(form, dtype)))
+                form = cast_form(form, dtype)  # (packed ragged rows: padded for a computation's pull-back)
+                uses[key].append((tracked, form.padded() if isinstance(form, Ragged) and key not in ruled else form))
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
     nodes = recording.recorder.computations.nodes

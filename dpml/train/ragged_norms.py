@@ -1,14 +1,15 @@
 """Per-example norms and clipped sums of a factored use whose examples hold different numbers of positions: the tokens
 a mixture of experts routes to one expert (:mod:`dpml.train.rules.grouped_mm`; a linear layer or an einsum on routed
-rows). The rule pads each example's rows with zero rows to the most any example holds, W
-(:class:`dpml.train.rules.registry.Rows`), so example i, with r_i ≤ W real rows first, has
+rows). Padded, each example's rows would be followed by zero rows up to the most any example holds, W
+(:class:`dpml.train.rules.registry.Rows`); example i, with r_i ≤ W real rows, has
 
     ‖G_i‖² = ‖Σ_{t<r_i} u_t v_tᵀ‖² = Σ_{t,s<r_i} (u_t·u_s)(v_t·v_s)   (Goodfellow 2015; Li et al. 2022, Eq. 2),
 
-and the zero rows change nothing but the cost: a Gram of W² entries where r_i² are needed, a clipped sum over B·W rows
-where Σ_i r_i are. Routing makes W several times the mean: an example's padding tokens, all alike, go to the same
+and zero rows would change nothing but the cost: a Gram of W² entries where r_i² are needed, a clipped sum over B·W
+rows where Σ_i r_i are. Routing makes W several times the mean: an example's padding tokens, all alike, go to the same
 experts (Mixtral's 2 of 8 experts over 128 tokens at batch 64, random weights: W of 80 to 120 against a mean of 32).
-So here
+So the rows come packed, example by example (:class:`dpml.train.rules.ragged.Ragged`; :func:`packed` of padded ones),
+and
 
 * the examples are taken in buckets of similar r_i (sorted, every r in a bucket at least :data:`BUCKET_RATIO` of its
   longest), each bucket's rows cut to its longest: two Grams, or the bucket's per-example gradients where
@@ -22,6 +23,7 @@ The same numbers as the padded arithmetic, added in another order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -56,14 +58,65 @@ def buckets(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     return found
 
 
-def _real_rows(lengths: torch.Tensor, width: int, examples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the real rows of ``examples`` lie among the B·W padded ones (example by example), and each one's example:
+def _spans(
+    counts: torch.Tensor, examples: torch.Tensor, order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the rows of ``examples`` lie among rows packed example by example (``counts`` rows each; or, with
+    ``order``, among rows of which order[k] is the k-th in that packing), and each row's place within its example:
     both (N,) on the CPU."""
-    counts = lengths[examples]
-    owners = examples.repeat_interleave(counts)
     firsts = torch.cumsum(counts, 0) - counts
-    within = torch.arange(owners.numel()) - firsts.repeat_interleave(counts)
-    return owners * width + within, owners
+    chosen = counts[examples]
+    within = torch.arange(int(chosen.sum())) - (torch.cumsum(chosen, 0) - chosen).repeat_interleave(chosen)
+    places = firsts[examples].repeat_interleave(chosen) + within
+    return (places if order is None else order[places]), within
+
+
+def packed(t: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Padded rows t (B, W, n), example i's real ones first (``lengths[i]``), as (N, n) example by example."""
+    _, within = _spans(lengths, torch.arange(t.shape[0]))
+    owners = torch.arange(t.shape[0]).repeat_interleave(lengths)
+    return t.reshape(-1, t.shape[2]).index_select(0, (owners * t.shape[1] + within).to(t.device))
+
+
+@dataclass
+class _Buckets:
+    """Where the buckets' rows go: ``places`` (M,) the real rows of their examples among the packed ones, bucket by
+    bucket, ``slots`` (M,) their places among the buckets' Σ_b n_b·top_b padded rows (None: no padding), and each
+    bucket's (examples on the device, first padded row, top)."""
+
+    places: torch.Tensor
+    slots: torch.Tensor | None
+    size: int
+    spans: list[tuple[torch.Tensor, int, int]]
+
+    def of(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Packed t (N, n) as each bucket's (n_b, top_b, n): one gather, one zero fill and one copy in all."""
+        picked = t.index_select(0, self.places)
+        if self.slots is not None:
+            picked = t.new_zeros(self.size, t.shape[1]).index_copy_(0, self.slots, picked)
+        return [picked[start : start + e.numel() * top].view(e.numel(), top, -1) for e, start, top in self.spans]
+
+
+def _laid_out(
+    counts: torch.Tensor, order: torch.Tensor | None, found: list[tuple[torch.Tensor, int]], device: torch.device
+) -> _Buckets:
+    examples = torch.cat([e for e, _ in found])
+    tops = torch.cat([torch.full((e.numel(),), top) for e, top in found])
+    places, within = _spans(counts, examples, order)
+    starts = torch.cumsum(tops, 0) - tops  # each example's first padded row
+    size = int(tops.sum())
+    slots = None if size == places.numel() else (starts.repeat_interleave(counts[examples]) + within).to(device)
+    on_device, spans, first = examples.to(device), [], 0
+    for e, top in found:
+        spans.append((on_device[first : first + e.numel()], int(starts[first]), top))
+        first += e.numel()
+    return _Buckets(places.to(device), slots, size, spans)
+
+
+def _owners(counts: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Each row's example (N,), the rows packed example by example or (``order``) where they lie."""
+    packed = torch.arange(counts.numel()).repeat_interleave(counts)
+    return packed if order is None else torch.empty_like(packed).index_copy_(0, order, packed)
 
 
 def _gradients(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -71,18 +124,20 @@ def _gradients(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def ragged_norms(
-    u: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+    u: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, order: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """‖Σ_t u_t v_tᵀ‖² per example (B,) of u (B, W, rows) and v (B, W, cols), example i's rows from ``lengths[i]`` on
-    zero, and the clipped sum's function c (B,) → Σ_i c_i Σ_t u_{i,t} v_{i,t}ᵀ (rows, cols) (module docstring)."""
-    batch, width, rows = u.shape
-    cols, device = v.shape[2], u.device
+    """‖Σ_t u_t v_tᵀ‖² per example (B,) of rows u (N, rows) and v (N, cols), example i holding ``counts[i]`` of them
+    (on the CPU), packed example by example — or, with ``order`` (N,) on the CPU, in any order, order[k] the k-th row
+    of that packing (the clipped sum, a sum over rows, reads them where they lie) — and the clipped sum's function
+    c (B,) → Σ_i c_i Σ_t u_{i,t} v_{i,t}ᵀ (rows, cols) (module docstring)."""
+    batch, rows, cols, device = counts.numel(), u.shape[1], v.shape[1], u.device
     squared = torch.zeros(batch, dtype=torch.promote_types(u.dtype, v.dtype), device=device)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     summed: list[torch.Tensor] = []  # examples whose clipped sum is taken over their rows
-    for examples, top in buckets(lengths):
-        chosen = examples.to(device)
-        ub, vb = u[:, :top].index_select(0, chosen), v[:, :top].index_select(0, chosen)
+    found = buckets(counts)
+    laid = _laid_out(counts, order, found, device) if found else None
+    pieces = zip(found, laid.spans, laid.of(u), laid.of(v), strict=True) if laid is not None else iter(())
+    for (examples, top), (chosen, _, _), ub, vb in pieces:
         count, limit = examples.numel(), room(keep_limit(device))
         if not materialise(count, top, cols, rows, limit):
             part = (torch.bmm(ub, ub.transpose(1, 2)) * torch.bmm(vb, vb.transpose(1, 2))).sum((1, 2))
@@ -97,17 +152,19 @@ def ragged_norms(
             part = torch.cat([row_norms_squared(_gradients(ub[s], vb[s])) for s in slices])
             summed.append(examples)
         squared.index_copy_(0, chosen, part.to(squared.dtype))
-    places, owners = _real_rows(lengths, width, torch.cat(summed)) if summed else (None, None)
-    if places is not None and owners is not None:
-        places, owners = places.to(device), owners.to(device)
+    rest = torch.cat(summed) if summed else torch.zeros(0, dtype=torch.int64)
+    everyone = int(counts[rest].sum()) == u.shape[0]  # the real rows of every example: u and v where they lie
+    places = None if everyone or not summed else _spans(counts, rest, order)[0].to(device)
+    owners = _owners(counts, order) if everyone else rest.repeat_interleave(counts[rest])
+    owners = owners.to(device)
 
     def clipped_sum(factors: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(rows, cols, dtype=squared.dtype, device=device)
         for chosen, grads in kept:
             total += torch.einsum("b,b...->...", factors[chosen].to(grads.dtype), grads)
-        if places is not None and owners is not None:
-            u_real = u.reshape(-1, rows).index_select(0, places)
-            v_real = v.reshape(-1, cols).index_select(0, places)
+        if summed:
+            u_real = u if places is None else u.index_select(0, places)
+            v_real = v if places is None else v.index_select(0, places)
             weights = factors[owners][:, None]
             if rows <= cols:
                 u_real = u_real * weights.to(u_real.dtype)

@@ -35,7 +35,8 @@ from dpml.train.clipping_layers import Piece, weight_norms_squared
 from dpml.train.clipping_norms import clipped_outer_sum, embedding_norms_squared, kept_sum, row_norms_squared
 from dpml.devices import heap_sized_slices
 from dpml.train.keep_budget import keep_limit, room, spend
-from dpml.train.ragged_norms import ragged_norms
+from dpml.train.ragged_norms import packed, ragged_norms
+from dpml.train.rules.ragged import Ragged
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, disjoint, injective
 
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # c (B,) -> Σ_i c_i G_i in the use's coordinates
@@ -47,6 +48,8 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def cast_form(form: Form, dtype: torch.dtype) -> Form:
     """A form recorded under autocast, in the parameters' dtype (indices stay integers)."""
+    if isinstance(form, Ragged):
+        return form.cast(dtype)
     if isinstance(form, Computed):
         return form.cast(dtype)
     if isinstance(form, Dense):
@@ -79,7 +82,7 @@ def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
     if u.shape[1] == 1:  # one position: ‖u‖²‖v‖²
         squared, kept = row_norms_squared(u[:, 0]) * row_norms_squared(v[:, 0]), None
     elif form.lengths is not None and u.is_floating_point() and v.is_floating_point():
-        return ragged_norms(u, v, form.lengths)  # ragged rows: their padding skipped
+        return ragged_norms(packed(u, form.lengths), packed(v, form.lengths), form.lengths)  # the padding skipped
     else:
         squared, kept = weight_norms_squared(v, u)  # (B, rows, cols) kept when materialised and small
 
@@ -126,6 +129,8 @@ def row_form(form: Form, shape: tuple[int, int]) -> bool:
 
 def use_norms(form: Form) -> tuple[torch.Tensor, SumFn]:
     """One use's per-example squared norm (B,) and its clipped sum in the use's coordinates."""
+    if isinstance(form, Ragged):
+        return ragged_norms(form.u, form.v, form.layout.counts, form.layout.order)  # type: ignore[arg-type]
     if isinstance(form, Computed):
         return computed_norms(form)
     if isinstance(form, Dense):
@@ -228,6 +233,8 @@ def _same_view(a: Tracked, b: Tracked) -> bool:
 
 
 def _kind(form: Form) -> tuple[object, ...]:
+    if isinstance(form, Ragged):
+        return ("factored", form.rows, form.cols, form.u.dtype, form.v.dtype, 3, 3)  # padded if merged
     if isinstance(form, Computed):
         return ("computed", form.shape, form.batch)
     if isinstance(form, Dense):
@@ -300,7 +307,9 @@ def merged_uses(uses: list[Use]) -> list[Use]:
             form = added_computed([f for _, f in group])  # type: ignore[misc]
         elif len(group) > 1 and isinstance(form, Dense):
             form = Dense(torch.stack([f.grads for _, f in group]).sum(0))  # type: ignore[union-attr]
-        elif len(group) > 1 and isinstance(form, Factored):
+        elif len(group) > 1 and isinstance(form, (Factored, Ragged)):
+            group = [(t, f.padded() if isinstance(f, Ragged) else f) for t, f in group]
+            form = group[0][1]
             u = torch.cat([f.u for _, f in group], 1)  # type: ignore[union-attr]
             products = [f.applied for _, f in group]  # type: ignore[union-attr]
             applied = None if any(p is None for p in products) else torch.cat(products, 1)  # type: ignore[arg-type]
@@ -314,6 +323,7 @@ def parameter_piece(param: nn.Parameter, uses: list[Use], batch: int, limit: int
     uses = merged_uses(uses)
     if _disjoint(uses):
         return _separate(param, uses)
+    uses = [(t, f.padded() if isinstance(f, Ragged) else f) for t, f in uses]  # read as (B, W, ·) from here on
     oriented = [(_orientation(t), form) for t, form in uses]
     factored = [(o, form) for o, form in oriented if o is not None and isinstance(form, Factored)]
     if len(factored) == len(oriented):

@@ -17,6 +17,7 @@ from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
 from dpml.train.rules.operands import outputs, substituted, tensors
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import per_example_gradients_of
+from dpml.train.rules.ragged import Ragged
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, function_name
 from dpml.train.rules.rerun import LocalRun, RandomState, replayed
 from dpml.train.rules.stitched import SourceKey, Stitched, stitch
@@ -240,6 +241,8 @@ def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:
 
 def _examples(form: Form, rows: slice) -> Form:
     """A use's per-example gradients for the examples ``rows`` only."""
+    if isinstance(form, Ragged):
+        form = form.padded()
     if isinstance(form, Computed):
         return Dense(form.gradients(rows))
     if isinstance(form, Dense):

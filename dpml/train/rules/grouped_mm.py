@@ -5,8 +5,8 @@ tokens' gather), so
 
 ∇_{W_e} ℓ_i = Σ_{rows r of expert e and example i} a_r δ_rᵀ,
 
-one factored use of the view W_e per expert, like a linear layer's (each example's rows padded with zero rows to
-the most any example routed there: ragged rows, :class:`.registry.Rows`); the experts' views are disjoint. The
+one factored use of the view W_e per expert, like a linear layer's (ragged rows, each example's routed there kept
+packed: :mod:`.ragged`); the experts' views are disjoint. The
 2-D × 3-D form with offsets, without a bias. The offsets are read on the host (on a GPU: one wait per call).
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dpml.train.rules.registry import Call, Factored, Pending, Rows, Tracked, Use, rule
+from dpml.train.rules.ragged import kept_rows, row_form
+from dpml.train.rules.registry import Call, Pending, Rows, Tracked, Use, rule
 
 
 @rule(F.grouped_mm, torch._grouped_mm)
@@ -43,9 +44,8 @@ def grouped_mm(call: Call) -> Pending | str:
     def finish(d: torch.Tensor) -> list[Use]:
         uses: list[Use] = []
         for e, start, end, rows in groups:
-            a_rows, d_rows = rows.of(recorded[start:end]), rows.of(d[start:end])
-            view = Tracked(w.param, index[e], w.shared)
-            uses.append((view, Factored(a_rows, d_rows, a_rows.shape[2], d_rows.shape[2], lengths=rows.counts)))
+            a_rows, d_rows = kept_rows(rows, recorded[start:end]), kept_rows(rows, d[start:end])
+            uses.append((Tracked(w.param, index[e], w.shared), row_form(rows, a_rows, d_rows)))
         return uses
 
     return Pending(call.output, [w.param], finish)

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dpml.train.rules.registry import Call, Dense, Factored, Pending, Rows, Tracked, Use, rule
+from dpml.train.rules.ragged import kept_rows, row_form, row_sums
+from dpml.train.rules.registry import Call, Dense, Form, Pending, Rows, Tracked, Use, rule
 
 
 def _not_rows(x: torch.Tensor) -> str:
@@ -34,12 +35,8 @@ def linear(call: Call) -> Pending | str:
     w, b = call.tracked(weight), call.tracked(bias)
     if w is not None and len(w.shape()) != 2:
         return "a weight that is not 2-D"
-    a_rows = rows.of(a.detach())
-
-    def weight_form(d_rows: torch.Tensor) -> Factored:
-        return Factored(d_rows, a_rows, d_rows.shape[2], a_rows.shape[2], lengths=rows.counts)
-
-    return _weight_and_bias(call, w, b, rows, weight_form, 1.0)
+    a_rows = kept_rows(rows, a.detach())
+    return _weight_and_bias(call, w, b, rows, lambda d_rows: row_form(rows, d_rows, a_rows), 1.0)
 
 
 def _weight_and_bias(
@@ -47,19 +44,21 @@ def _weight_and_bias(
     w: Tracked | None,
     b: Tracked | None,
     rows: Rows,
-    weight_form: Callable[[torch.Tensor], Factored],
+    weight_form: Callable[[torch.Tensor], Form],
     beta: float,
 ) -> Pending:
-    """The uses of W (its form from δ's rows (B, T, n_out)) and of b (β Σ_t δ_t per example)."""
+    """The uses of W (its form from δ's rows as :func:`.ragged.kept_rows` keeps them) and of b (β Σ_t δ_t per
+    example)."""
 
     def finish(d: torch.Tensor) -> list[Use]:
-        d_rows = rows.of(d)
+        d_rows = kept_rows(rows, d)
         uses: list[Use] = []
         if w is not None:
             uses.append((w, weight_form(d_rows)))
         if b is not None:
-            total = d_rows.sum(1) * beta if beta != 1.0 else d_rows.sum(1)
-            uses.append((b, Dense(total.reshape(d_rows.shape[0], *b.shape()))))
+            total = row_sums(rows, d_rows)
+            total = total * beta if beta != 1.0 else total
+            uses.append((b, Dense(total.reshape(rows.batch, *b.shape()))))
         return uses
 
     return Pending(call.output, [t.param for t in (w, b) if t is not None], finish)
@@ -78,10 +77,9 @@ def addmm(call: Call) -> Pending | str:
     w, b = call.tracked(weight), call.tracked(bias)
     if b is not None and (len(b.shape()) > 2 or (len(b.shape()) == 2 and b.shape()[0] != 1)):
         return "a bias that is not broadcast over the rows"
-    a_rows = rows.of(a.detach())
+    a_rows = kept_rows(rows, a.detach())
 
-    def weight_form(d_rows: torch.Tensor) -> Factored:  # ∇_W = α Σ_t a_t δ_tᵀ, W (n_in, n_out)
-        d_scaled = d_rows * alpha if alpha != 1.0 else d_rows
-        return Factored(a_rows, d_scaled, a_rows.shape[2], d_rows.shape[2], lengths=rows.counts)
+    def weight_form(d_rows: torch.Tensor) -> Form:  # ∇_W = α Σ_t a_t δ_tᵀ, W (n_in, n_out)
+        return row_form(rows, a_rows, d_rows * alpha if alpha != 1.0 else d_rows)
 
     return _weight_and_bias(call, w, b, rows, weight_form, beta)
