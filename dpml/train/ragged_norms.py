@@ -113,10 +113,11 @@ def _laid_out(
     return _Buckets(places.to(device), slots, size, spans)
 
 
-def _owners(counts: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Each row's example (N,), the rows packed example by example or (``order``) where they lie."""
-    packed = torch.arange(counts.numel()).repeat_interleave(counts)
-    return packed if order is None else torch.empty_like(packed).index_copy_(0, order, packed)
+def row_owners(counts: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Each row's example (N,) on the CPU, the rows packed example by example (``counts`` rows each) or, with
+    ``order`` (order[k] the k-th row of that packing), where they lie."""
+    by_example = torch.arange(counts.numel()).repeat_interleave(counts)
+    return by_example if order is None else torch.empty_like(by_example).index_copy_(0, order, by_example)
 
 
 def _gradients(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,7 @@ def ragged_norms(
     rest = torch.cat(summed) if summed else torch.zeros(0, dtype=torch.int64)
     everyone = int(counts[rest].sum()) == u.shape[0]  # the real rows of every example: u and v where they lie
     places = None if everyone or not summed else _spans(counts, rest, order)[0].to(device)
-    owners = _owners(counts, order) if everyone else rest.repeat_interleave(counts[rest])
+    owners = row_owners(counts, order) if everyone else rest.repeat_interleave(counts[rest])
     owners = owners.to(device)
 
     def clipped_sum(factors: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def cast_form(form: Form, dtype: torch.dtype) -> Form:
     """A form recorded under autocast, in the parameters' dtype (indices stay integers)."""
-    if isinstance(form, Ragged):
-        return form.cast(dtype)
-    if isinstance(form, Computed):
+    if isinstance(form, (Ragged, Computed)):
         return form.cast(dtype)
     if isinstance(form, Dense):
         return Dense(_cast(form.grads, dtype))

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dpml.train.rules.operands import decomposition, einsum_operands, einsum_subscripts
+from dpml.train.rules.ragged import form_of_rows, kept_rows
 from dpml.train.rules.registry import (
     Call,
     Dense,
@@ -309,9 +310,7 @@ def _matrix_per_row(call: Call, x: torch.Tensor, s: Tracked, s_left: bool) -> Pe
                 u, v = ds.transpose(1, 2).reshape(-1, ds.shape[1]), xs.transpose(1, 2).reshape(-1, xs.shape[1])
             else:  # z_r = x_r M
                 u, v = xs.reshape(-1, xs.shape[2]), ds.reshape(-1, ds.shape[2])
-            u_rows, v_rows = layout.of(u), layout.of(v)
-            form = Factored(u_rows, v_rows, u_rows.shape[2], v_rows.shape[2], lengths=layout.counts)
-            uses.append((view, form))
+            uses.append((view, form_of_rows(layout, kept_rows(layout, u), kept_rows(layout, v))))
         return uses
 
     return Pending(call.output, [s.param], finish)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dpml.train.rules.ragged import kept_rows, row_form
+from dpml.train.rules.ragged import kept_rows, form_of_rows
 from dpml.train.rules.registry import Call, Pending, Rows, Tracked, Use, rule
 
 
@@ -45,7 +45,7 @@ def grouped_mm(call: Call) -> Pending | str:
         uses: list[Use] = []
         for e, start, end, rows in groups:
             a_rows, d_rows = kept_rows(rows, recorded[start:end]), kept_rows(rows, d[start:end])
-            uses.append((Tracked(w.param, index[e], w.shared), row_form(rows, a_rows, d_rows)))
+            uses.append((Tracked(w.param, index[e], w.shared), form_of_rows(rows, a_rows, d_rows)))
         return uses
 
     return Pending(call.output, [w.param], finish)

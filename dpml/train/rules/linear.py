@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dpml.train.rules.ragged import kept_rows, row_form, row_sums
+from dpml.train.rules.ragged import kept_rows, form_of_rows, row_sums
 from dpml.train.rules.registry import Call, Dense, Form, Pending, Rows, Tracked, Use, rule
 
 
@@ -36,7 +36,7 @@ def linear(call: Call) -> Pending | str:
     if w is not None and len(w.shape()) != 2:
         return "a weight that is not 2-D"
     a_rows = kept_rows(rows, a.detach())
-    return _weight_and_bias(call, w, b, rows, lambda d_rows: row_form(rows, d_rows, a_rows), 1.0)
+    return _weight_and_bias(call, w, b, rows, lambda d_rows: form_of_rows(rows, d_rows, a_rows), 1.0)
 
 
 def _weight_and_bias(
@@ -80,6 +80,6 @@ def addmm(call: Call) -> Pending | str:
     a_rows = kept_rows(rows, a.detach())
 
     def weight_form(d_rows: torch.Tensor) -> Form:  # ∇_W = α Σ_t a_t δ_tᵀ, W (n_in, n_out)
-        return row_form(rows, a_rows, d_rows * alpha if alpha != 1.0 else d_rows)
+        return form_of_rows(rows, a_rows, d_rows * alpha if alpha != 1.0 else d_rows)
 
     return _weight_and_bias(call, w, b, rows, weight_form, beta)

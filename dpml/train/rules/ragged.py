@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dpml.train.ragged_norms import row_owners
 from dpml.train.rules.registry import Factored, Rows
 
 
@@ -47,7 +48,7 @@ def kept_rows(rows: Rows, t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if rows.counts is not None else rows.of(t)
 
 
-def row_form(rows: Rows, u: torch.Tensor, v: torch.Tensor) -> Factored | Ragged:
+def form_of_rows(rows: Rows, u: torch.Tensor, v: torch.Tensor) -> Factored | Ragged:
     """Σ_t u_t v_tᵀ per example of two factors :func:`kept_rows` gave."""
     if rows.counts is not None:
         return Ragged(u, v, u.shape[-1], v.shape[-1], rows)
@@ -58,8 +59,5 @@ def row_sums(rows: Rows, kept: torch.Tensor) -> torch.Tensor:
     """Σ_t of each example's rows, (B, n), of a factor :func:`kept_rows` gave."""
     if rows.counts is None:
         return kept.sum(1)
-    owners = torch.arange(rows.batch).repeat_interleave(rows.counts)
-    if rows.order is not None:  # the rows where they lie, not example by example
-        owners = torch.empty_like(owners).index_copy_(0, rows.order, owners)
-    owners = owners.to(kept.device)
+    owners = row_owners(rows.counts, rows.order).to(kept.device)
     return kept.new_zeros(rows.batch, kept.shape[-1]).index_add_(0, owners, kept)

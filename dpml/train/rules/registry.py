@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dpml.train.keep_budget import BEYOND_KEEP_LIMIT, keep_limit
 from dpml.train.rules.outputs import Recorded
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: .ragged builds on this module's Factored and Rows
     from dpml.train.rules.ragged import Ragged
 
 
@@ -276,21 +276,15 @@ class Rows:
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """t (…, n) with the rows of ``Rows``' layout, as (B, k, n) example by example (ragged: zero rows padding
         each example's to ``width``; interleaved rows: a strided view of t, not a copy)."""
-        if self.interleaved:  # (k·B, n) step by step: (B, k, n) as a view
-            return t.reshape(-1, self.batch, t.shape[-1]).transpose(0, 1)
-        flat = self.packed(t)
-        return flat.reshape(self.batch, -1, t.shape[-1]) if self.slots is None else self.padded(flat)
-
-    def packed(self, t: torch.Tensor) -> torch.Tensor:
-        """t (…, n)'s rows (N, n) example by example, each example's in the order they lie in t (not interleaved)."""
         flat = t.reshape(-1, t.shape[-1])
-        return flat if self.order is None else flat[self.order.to(flat.device)]
-
-    def padded(self, packed: torch.Tensor) -> torch.Tensor:
-        """Ragged rows (N, n) example by example (:meth:`packed`) as (B, width, n), zero rows after each example's."""
-        assert self.slots is not None, "only ragged rows are padded"
-        padded = packed.new_zeros(self.batch * self.width, packed.shape[-1])
-        return padded.index_copy_(0, self.slots.to(packed.device), packed).reshape(self.batch, self.width, -1)
+        if self.interleaved:  # (k·B, n) step by step: (B, k, n) as a view
+            return flat.view(-1, self.batch, flat.shape[-1]).transpose(0, 1)
+        if self.order is not None:
+            flat = flat[self.order.to(flat.device)]
+        if self.slots is None:
+            return flat.reshape(self.batch, -1, t.shape[-1])
+        padded = flat.new_zeros(self.batch * self.width, flat.shape[-1])
+        return padded.index_copy_(0, self.slots.to(flat.device), flat).reshape(self.batch, self.width, -1)
 
 
 def by_example(t: torch.Tensor, rows: Rows | None) -> torch.Tensor:
