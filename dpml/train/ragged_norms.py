@@ -80,20 +80,19 @@ def packed(t: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Buckets:
-    """Where the buckets' rows go: ``places`` (M,) the real rows of their examples among the packed ones, bucket by
-    bucket, ``slots`` (M,) their places among the buckets' Σ_b n_b·top_b padded rows (None: no padding), and each
-    bucket's (examples on the device, first padded row, top)."""
+    """Where the buckets' rows come from: ``sources`` (size,) for each of the buckets' Σ_b n_b·top_b padded rows the
+    packed row it copies, ``pads`` the padded rows that stay zero (None: no padding), and each bucket's (examples on
+    the device, first padded row, top)."""
 
-    places: torch.Tensor
-    slots: torch.Tensor | None
-    size: int
+    sources: torch.Tensor
+    pads: torch.Tensor | None
     spans: list[tuple[torch.Tensor, int, int]]
 
     def of(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Packed t (N, n) as each bucket's (n_b, top_b, n): one gather, one zero fill and one copy in all."""
-        picked = t.index_select(0, self.places)
-        if self.slots is not None:
-            picked = t.new_zeros(self.size, t.shape[1]).index_copy_(0, self.slots, picked)
+        """Packed t (N, n) as each bucket's (n_b, top_b, n): one gather, its padding rows then zeroed."""
+        picked = t.index_select(0, self.sources)
+        if self.pads is not None:
+            picked.index_fill_(0, self.pads, 0)
         return [picked[start : start + e.numel() * top].view(e.numel(), top, -1) for e, start, top in self.spans]
 
 
@@ -105,12 +104,17 @@ def _laid_out(
     places, within = _spans(counts, examples, order)
     starts = torch.cumsum(tops, 0) - tops  # each example's first padded row
     size = int(tops.sum())
-    slots = None if size == places.numel() else (starts.repeat_interleave(counts[examples]) + within).to(device)
+    sources, pads = places, None
+    if size != places.numel():
+        slots = starts.repeat_interleave(counts[examples]) + within
+        sources = torch.zeros(size, dtype=places.dtype).index_copy_(0, slots, places)
+        is_pad = torch.ones(size, dtype=torch.bool).index_fill_(0, slots, False)
+        pads = is_pad.nonzero().squeeze(1).to(device)
     on_device, spans, first = examples.to(device), [], 0
     for e, top in found:
         spans.append((on_device[first : first + e.numel()], int(starts[first]), top))
         first += e.numel()
-    return _Buckets(places.to(device), slots, size, spans)
+    return _Buckets(sources.to(device), pads, spans)
 
 
 def row_owners(counts: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
