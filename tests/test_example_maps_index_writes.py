@@ -85,3 +85,49 @@ def test_rows_of_two_examples_written_into_one_place_lose_the_map(into: str, pla
     x, y = batch()
     found = engine_pass(RoutedExperts("index_add", into, places=places).double(), per_example_cross_entropy, x, y)
     assert "bias" in found.exact, found.reasons
+
+
+class TimeMajorWrites(nn.Module):
+    """Index writes into a time-major (T, B, W) tensor, where each example's places are a column: the map varies
+    along the batch's dimension and is alike along the width. ``along``: ``time`` (each example's steps written back
+    in reverse: every place keeps its column's example), ``batch`` (the columns swapped round by the index: each
+    place one example's, the rows put back in order before the classifier), ``fold`` (the columns of every other
+    example added into one of two: each place two examples', the map lost)."""
+
+    def __init__(self, along: str) -> None:
+        super().__init__()
+        self.along = along
+        self.inner = nn.Linear(WIDTH, WIDTH)
+        self.bias = nn.Parameter(torch.randn(WIDTH))
+        self.out = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, WIDTH)
+        batch, length, _ = x.shape
+        h = torch.tanh(self.inner(x)).transpose(0, 1)  # (T, B, WIDTH)
+        if self.along == "time":
+            written = h.new_zeros(h.shape).index_add(0, torch.arange(length - 1, -1, -1), h)
+        elif self.along == "batch":
+            order = torch.arange(batch).roll(1)
+            written = h.new_zeros(h.shape).index_copy(1, order, h)
+        else:
+            written = h.new_zeros(length, 2, WIDTH).index_add(1, torch.arange(batch) % 2, h)
+        z = torch.tanh(written + self.bias)  # (the bias meets each place once: its rule needs each place's example)
+        rows = z.mean(0)
+        rows = rows.index_select(0, order) if self.along == "batch" else rows.repeat(batch // len(rows), 1)
+        return self.out(rows)
+
+
+@pytest.mark.parametrize("along", ["time", "batch"])
+def test_writes_into_each_examples_column_keep_their_examples(along: str) -> None:
+    """The map worked out on one place of each row (the width alike) and broadcast back gives each column's example:
+    the bias is clipped by its rule, exactly."""
+    torch.manual_seed(0)
+    x, y = batch()
+    assert_exact_without_the_exact_path(TimeMajorWrites(along), per_example_cross_entropy, x, y)
+
+
+def test_columns_of_two_examples_added_into_one_lose_the_map() -> None:
+    torch.manual_seed(0)
+    x, y = batch()
+    found = engine_pass(TimeMajorWrites("fold").double(), per_example_cross_entropy, x, y)
+    assert "bias" in found.exact, found.reasons

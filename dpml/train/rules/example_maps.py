@@ -21,6 +21,7 @@ from dpml.train.rules.operands import (
     core,
     einsum_operands,
     einsum_subscripts,
+    first_of_alike,
     leading_carried,
     on_host,
     outputs,
@@ -203,12 +204,12 @@ class ExampleMaps:
         if not known or written is None or not known_target:
             self._keep_examples(out, None)
             return True
-        base = torch.full(target.shape, -1, dtype=torch.int64) if old is None else old.expand(target.shape).clone()
-        spread = written.expand(source.shape)
+        axis, prior = dim % source.dim(), torch.full((), -1) if old is None else old  # (-1: no example's yet)
+        spread, base = first_of_alike([written.expand(source.shape), prior.expand(target.shape)], axis)  # (rows alike)
         try:
-            along = on_host(index).view([-1 if k == dim % source.dim() else 1 for k in range(source.dim())])
+            along = on_host(index).view([-1 if k == axis else 1 for k in range(source.dim())])
             low, high = (
-                base.scatter_reduce(dim, along.expand(source.shape), spread, how, include_self=False)
+                base.scatter_reduce(axis, along.expand(spread.shape), spread, how, include_self=False)
                 for how in ("amin", "amax")
             )
         except (RuntimeError, TypeError, IndexError, ValueError):
@@ -216,6 +217,7 @@ class ExampleMaps:
             return True
         adds = func not in (torch.index_copy, T.index_copy, T.index_copy_)
         mixed = not torch.equal(low, high) or (adds and old is not None and not torch.equal(low, base))
+        low = low.expand(target.shape)
         self._keep_examples(out, None if mixed else low if from_batch else self._along_batch_index(low))
         return True
 

@@ -226,6 +226,14 @@ def core(t: torch.Tensor) -> torch.Tensor:
     return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
 
 
+def first_of_alike(maps: Sequence[torch.Tensor], keep: int) -> list[torch.Tensor]:
+    """Example maps of one shape, each cut to its first index along every dimension other than ``keep`` where all of
+    them are broadcast (stride 0, or size 1): alike at every index there, so that an operation that moves places
+    along ``keep`` alone may run on the cut maps and its result be broadcast back (views)."""
+    flat = [k for k in range(maps[0].dim()) if k != keep and all(m.shape[k] == 1 or m.stride(k) == 0 for m in maps)]
+    return [m[tuple(slice(0, 1) if k in flat else slice(None) for k in range(m.dim()))] for m in maps]
+
+
 ROW_RESHAPES = {
     torch.Tensor.view,
     torch.Tensor.reshape,
