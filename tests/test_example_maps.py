@@ -326,3 +326,45 @@ def test_written_rows_whose_examples_cannot_be_known_take_the_exact_path_and_sta
     found = engine_pass(model, per_example_cross_entropy, x, y)
     assert "w" in found.exact, found.reasons
     assert_clipped_like_the_loop(model, x, y)
+
+
+KEYS = ["tensor", "mask", "none", "ellipsis"]
+
+
+class ChosenRows(nn.Module):
+    """Tokens' rows chosen by an indexing key before a layer — ``tensor``: all rows of the flattened batch in an order
+    the data gives (``flat[order]``, a mixture of experts' ``hidden_states[token_idx]``), put back after; ``mask``:
+    the rows whose first feature is positive (``flat[mask]``), written back into zeros; ``none``: every position but
+    the first (``h[None, :, 1:]``); ``ellipsis``: the same through ``...`` (``h[..., 1:, :]``). Each row's map is alike
+    along the width, so it is worked out on one column; the layer's rows must keep their examples."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+        self.a, self.b, self.out = nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        batch, length, _ = x.shape
+        h = torch.tanh(self.a(x))
+        flat = h.reshape(-1, h.shape[-1])
+        if self.key == "tensor":
+            order = x.reshape(-1, 4)[:, 1].argsort()
+            z = self.b(flat[order])[order.argsort()].view(batch, length, -1)
+        elif self.key == "mask":
+            mask = x.reshape(-1, 4)[:, 0] > 0
+            rows = self.b(flat[mask])
+            z = rows.new_zeros(batch * length, rows.shape[1]).index_copy(0, mask.nonzero()[:, 0], rows)
+            z = z.view(batch, length, -1)
+        elif self.key == "none":
+            z = self.b(h[None, :, 1:])[0]
+        else:
+            z = self.b(h[..., 1:, :])
+        return self.out(torch.tanh(z).mean(1))
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_rows_chosen_by_a_key_keep_their_examples(key: str) -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 5, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    assert_exact_without_the_exact_path(ChosenRows(key), per_example_cross_entropy, x, y)

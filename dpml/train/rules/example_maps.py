@@ -17,6 +17,7 @@ from dpml.train.rules.operands import (
     ROW_RESHAPES,
     TensorSet,
     apply_view,
+    before_last,
     carried,
     core,
     einsum_operands,
@@ -185,12 +186,11 @@ class ExampleMaps:
         self._keep_examples(target, self._along_batch_index(full) if into_constant else full)
 
     def _follow_index_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
-        """:data:`INDEX_WRITES` of a source from the batch (whether this said out's map; a constant source is
-        followed as any operation is): each place written takes the example of the source's slices written there,
-        where they are all one example's, and where an add keeps the target's values, that of the target's place
-        too; else out's map is lost. A target not from the batch holds no example's values: if every place of it was
-        written the map is the written examples', else as :meth:`_along_batch_index` says (the index is read on the
-        CPU, where the maps are)."""
+        """:data:`INDEX_WRITES` of a source from the batch (whether this said out's map; a constant source is followed
+        as any operation is): each place written takes the example of the source's slices written there, where they
+        are all one example's, and where an add keeps the target's values, that of the target's place too; else out's
+        map is lost. A target not from the batch holds no example's values: if every place of it was written the map
+        is the written examples', else as :meth:`_along_batch_index` says (the index read on the CPU, as the maps)."""
         target, dim, index, source = (
             args[k] if len(args) > k else kwargs.get(name) for k, name in enumerate(("input", "dim", "index", "source"))
         )
@@ -249,13 +249,15 @@ class ExampleMaps:
             if func in IDENTITY_VIEWS:
                 mapped: Sequence[torch.Tensor | None] = [examples]
             elif (
-                func in ROW_RESHAPES
+                (func in ROW_RESHAPES or (func is T.__getitem__ and before_last(args[1], source.dim())))
                 and isinstance(out, torch.Tensor)
                 and out.dim() >= 1
                 and out.shape[-1] == source.shape[-1]
                 and examples.stride(-1) == 0
-            ):  # the rows, in order
-                mapped = [examples[..., :1].reshape(*out.shape[:-1], 1).expand(out.shape)]
+            ):  # the rows, in order, or some of them chosen: the map, alike along the last dimension, on one column
+                column = examples[..., :1]
+                kept = column.reshape(*out.shape[:-1], 1) if func in ROW_RESHAPES else column[on_host(args[1])]
+                mapped = [kept.expand(out.shape)]
             else:
                 mapped = outputs(apply_view(func, examples, args, kwargs))
         except (RuntimeError, TypeError, IndexError, ValueError):

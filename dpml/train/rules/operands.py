@@ -234,6 +234,19 @@ def first_of_alike(maps: Sequence[torch.Tensor], keep: int) -> list[torch.Tensor
     return [m[tuple(slice(0, 1) if k in flat else slice(None) for k in range(m.dim()))] for m in maps]
 
 
+def before_last(key: Any, dims: int) -> bool:
+    """Whether the indexing key ``t[key]`` of a tensor of ``dims`` dimensions reads only the dimensions before its last
+    (that one kept whole, as the output's last): a tensor, an integer or a slice, or a tuple of them and ``None``
+    (a boolean mask reading as many dimensions as it has) with fewer than ``dims`` read; no ``...``, no list."""
+    entries = key if isinstance(key, tuple) else (key,)
+    if any(k is Ellipsis or isinstance(k, list) for k in entries):
+        return False
+    read = sum(
+        0 if k is None else k.dim() if isinstance(k, torch.Tensor) and k.dtype == torch.bool else 1 for k in entries
+    )
+    return read < dims
+
+
 ROW_RESHAPES = {
     torch.Tensor.view,
     torch.Tensor.reshape,
