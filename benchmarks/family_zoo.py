@@ -9,7 +9,10 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
   for all query heads), ``mixtral`` (a mixture of 8 experts, 2 a token, each a gated MLP as wide as the size's
   feed-forward layer: each example routes a different number of tokens to each expert), ``qwen2-moe`` (8 experts of a
-  quarter of that width, 2 a token, beside a shared expert gated per token), ``gpt2-lora`` (peft LoRA on GPT-2's
+  quarter of that width, 2 a token, beside a shared expert gated per token), ``mixtral-eager`` and ``qwen2-moe-eager``
+  (the same two with ``transformers``' other experts implementation, ``experts_implementation="eager"``: one expert
+  at a time, its tokens' rows gathered, ``F.linear`` on them, the gated results added back into their tokens' rows
+  by ``index_add_``, where the default runs all experts as one grouped product), ``gpt2-lora`` (peft LoRA on GPT-2's
   ``Conv1D`` attention and projections, the body frozen),
   ``bert-c3a`` (peft C3A on BERT's query and value: a custom autograd Function of the batch and its kernels, which no
   rule knows, run example by example), and more of peft's adapters on BERT, the body frozen (:data:`PEFT_ON_BERT`:
@@ -66,11 +69,14 @@ TEXT_ZOO = [
     "qwen2",
     "mixtral",
     "qwen2-moe",
+    "mixtral-eager",
+    "qwen2-moe-eager",
     "gpt2-lora",
     "bert-c3a",
     "longformer",
     "xlnet",
 ]
+EAGER_EXPERTS = {"mixtral-eager": "mixtral", "qwen2-moe-eager": "qwen2-moe"}  # family: the config it shares
 QV, IA3 = ["query", "value"], ["key", "value", "output.dense"]
 PEFT_ON_BERT: dict[str, tuple[str, dict[str, Any], str]] = {  # family: (peft's config class, its settings, what it is)
     "bert-prompt": ("PromptTuningConfig", {"num_virtual_tokens": 8}, "prompt tuning: 8 trained input embeddings"),
@@ -175,7 +181,7 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
             n_embd=h, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=max(1024, length), **common
         ),
     }
-    return configs[family]()
+    return configs[EAGER_EXPERTS.get(family, family)]()
 
 
 def build_text(family: str, size: dict, length: int, vocabulary: int, classes: int) -> tuple[Any, str]:
@@ -209,8 +215,10 @@ def build_text(family: str, size: dict, length: int, vocabulary: int, classes: i
         c3a = peft.C3AConfig(task_type=peft.TaskType.SEQ_CLS, block_size=block, target_modules=["query", "value"])
         model = peft.get_peft_model(tr.BertForSequenceClassification(config), c3a)
         return model, f"peft C3A (block-circulant kernels of {block}, FFTs) on BERT's query and value, the body frozen"
-    model = tr.AutoModelForSequenceClassification.from_config(config)
-    return model, f"{type(model).__name__}, attention {model.config._attn_implementation}"
+    experts = {"experts_implementation": "eager"} if family in EAGER_EXPERTS else {}
+    model = tr.AutoModelForSequenceClassification.from_config(config, **experts)
+    line = f"{type(model).__name__}, attention {model.config._attn_implementation}"
+    return model, line + (", experts one at a time (eager)" if experts else "")
 
 
 def _group_norm(channels: int) -> Any:  # noqa: ANN401
