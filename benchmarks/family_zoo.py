@@ -9,10 +9,12 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
   for all query heads), ``mixtral`` (a mixture of 8 experts, 2 a token, each a gated MLP as wide as the size's
   feed-forward layer: each example routes a different number of tokens to each expert), ``qwen2-moe`` (8 experts of a
-  quarter of that width, 2 a token, beside a shared expert gated per token), ``mixtral-eager`` and ``qwen2-moe-eager``
-  (the same two with ``transformers``' other experts implementation, ``experts_implementation="eager"``: one expert
-  at a time, its tokens' rows gathered, ``F.linear`` on them, the gated results added back into their tokens' rows
-  by ``index_add_``, where the default runs all experts as one grouped product), ``gpt2-lora`` (peft LoRA on GPT-2's
+  quarter of that width, 2 a token, beside a shared expert gated per token), ``qwen3-moe`` (8 experts of a quarter
+  of that width, 2 a token, no shared expert: the experts do all of its feed-forward work), ``mixtral-eager`` and
+  ``qwen2-moe-eager`` (the same two with ``transformers``' other experts implementation,
+  ``experts_implementation="eager"``: one expert at a time, its tokens' rows gathered, ``F.linear`` on them, the gated
+  results added back into their tokens' rows by ``index_add_``, where the default runs all experts as one grouped
+  product), ``gpt2-lora`` (peft LoRA on GPT-2's
   ``Conv1D`` attention and projections, the body frozen),
   ``bert-c3a`` (peft C3A on BERT's query and value: a custom autograd Function of the batch and its kernels, which no
   rule knows, run example by example), and more of peft's adapters on BERT, the body frozen (:data:`PEFT_ON_BERT`:
@@ -69,6 +71,7 @@ TEXT_ZOO = [
     "qwen2",
     "mixtral",
     "qwen2-moe",
+    "qwen3-moe",
     "mixtral-eager",
     "qwen2-moe-eager",
     "gpt2-lora",
@@ -167,6 +170,15 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
             num_experts_per_tok=2,
             moe_intermediate_size=ffn // 4,
             shared_expert_intermediate_size=ffn,
+            **common,
+        ),
+        "qwen3-moe": lambda: tr.Qwen3MoeConfig(
+            **decoder,
+            num_key_value_heads=1,
+            head_dim=h // heads,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=ffn // 4,
             **common,
         ),
         "longformer": lambda: tr.LongformerConfig(
