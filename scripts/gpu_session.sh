@@ -29,10 +29,13 @@
 #      grouped_conv_ways_cuda.md): 15 s, only when SESSION_STEPS names it;
 #   6. peft's adapters on BERT (base size, batch 256, families_peft_cuda.{md,json}; never measured on a GPU, their
 #      weights built by computations on parameters crossed as one graph): 150 s, only when SESSION_STEPS names it
-#      (peft).
+#      (peft);
+#   7. the mixtures of experts at small size, batch 256 (Mixtral, Qwen2-MoE, Qwen3-MoE with torch._grouped_mm, and
+#      Mixtral's eager experts; families_moe_cuda.{md,json}; their ragged rows never measured on a GPU): 120 s, only
+#      when SESSION_STEPS names it (moe).
 # Steps 1-3 take at most 565 s and about 20 s to install: one call, with the machine's start (about 30 s on an
 # H200), inside a session's 15 minutes of device time, leaving room for one short second call.
-# SESSION_STEPS="pool tests families keep speed profile grouped peft" picks steps (default: tests families speed);
+# SESSION_STEPS="pool tests families keep speed profile grouped peft moe" picks steps (default: tests families speed);
 # SESSION_PACK=1 leaves DIR holding one archive, session.tar.gz, of everything it wrote (for a transfer that counts
 # files); SESSION_DRY=FILE runs nothing, on any machine, and writes each step's command to FILE, one a line, quoted
 # for the shell (tests/test_gpu_session.py checks that the scripts take them, so that a renamed option does not
@@ -140,6 +143,13 @@ if [[ " $STEPS " == *" peft "* ]]; then
     --peers --family-timeout 18 --total-timeout 140 --families peft --stem families_peft_cuda --out "$OUT" \
     > "$OUT/peft.log" 2>&1
   say "peft: exit $?"; grep -E "^\| bert" "$OUT/families_peft_cuda.md" 2>/dev/null | cut -c1-160
+fi
+if [[ " $STEPS " == *" moe "* ]]; then
+  say "7. the mixtures of experts"
+  step timeout 120 python3 benchmarks/families.py --device cuda --size small --batch 256 --length 128 --rounds 4 \
+    --family-timeout 28 --total-timeout 110 --families mixtral qwen2-moe qwen3-moe mixtral-eager \
+    --stem families_moe_cuda --out "$OUT" > "$OUT/moe.log" 2>&1
+  say "moe: exit $?"; grep -E "^\| [a-z]" "$OUT/families_moe_cuda.md" 2>/dev/null | cut -c1-160
 fi
 if [ "${SESSION_PACK:-0}" = 1 ] && [ -z "$DRY" ]; then
   tar -czf /tmp/gpu-session.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-session.tar.gz "$OUT/session.tar.gz"
