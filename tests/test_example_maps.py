@@ -368,3 +368,48 @@ def test_rows_chosen_by_a_key_keep_their_examples(key: str) -> None:
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(6, 5, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
     assert_exact_without_the_exact_path(ChosenRows(key), per_example_cross_entropy, x, y)
+
+
+def _factorised(numel: int, g: torch.Generator) -> list[int]:
+    """A random shape of ``numel`` places (its prime factors grouped at random)."""
+    factors, n, p = [], numel, 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    shape: list[int] = []
+    for f in factors:
+        if shape and torch.rand((), generator=g) < 0.5:
+            shape[-1] *= f
+        else:
+            shape.append(f)
+    return [s for s in shape if s > 1] or [1]
+
+
+def test_maps_reshaped_over_their_leading_dimensions_equal_the_whole_reshape() -> None:
+    """dpml.train.rules.operands.reshaped_map: a map broadcast over its last dimensions, reshaped to any shape of the
+    same places, equals ``reshape`` of the whole map (300 random maps, batch-first and time-major, and shapes); and
+    the time-major map of a head split is formed over its leading dimensions, not copied whole."""
+    from dpml.train.rules.operands import reshaped_map
+
+    g = torch.Generator().manual_seed(0)
+    formed = 0
+    for _ in range(300):
+        dims = int(torch.randint(2, 5, (), generator=g))
+        shape = [int(s) for s in torch.randint(1, 7, (dims,), generator=g)]
+        batch_dim = int(torch.randint(0, dims, (), generator=g))
+        values = torch.randint(0, 5, (shape[batch_dim],), generator=g)
+        view = [shape[k] if k == batch_dim else 1 for k in range(dims)]
+        examples = values.view(view).expand(shape)
+        for _ in range(3):
+            target = _factorised(examples.numel(), g)
+            found = reshaped_map(examples, target)
+            if found is not None:
+                formed += 1
+                assert torch.equal(found, examples.reshape(target)), (shape, batch_dim, target)
+    assert formed > 100, formed
+    time_major = torch.arange(6).view(1, 6, 1).expand(16, 6, 32)
+    split = reshaped_map(time_major, [16, 12, 16])
+    assert split is not None and torch.equal(split, time_major.reshape(16, 12, 16))
+    assert split.stride(-1) == 0 and split.untyped_storage().nbytes() <= 16 * 12 * 8  # (T·B·heads numbers)

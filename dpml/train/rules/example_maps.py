@@ -26,6 +26,7 @@ from dpml.train.rules.operands import (
     leading_carried,
     on_host,
     outputs,
+    reshaped_map,
     same_across_rest,
     tensors,
     varying,
@@ -248,16 +249,15 @@ class ExampleMaps:
         try:
             if func in IDENTITY_VIEWS:
                 mapped: Sequence[torch.Tensor | None] = [examples]
+            elif func in ROW_RESHAPES and (found := reshaped_map(examples, out.shape)) is not None:
+                mapped = [found]  # (formed over the leading dimensions only, where the last ones are broadcast)
             elif (
-                (func in ROW_RESHAPES or (func is T.__getitem__ and before_last(args[1], source.dim())))
-                and isinstance(out, torch.Tensor)
-                and out.dim() >= 1
-                and out.shape[-1] == source.shape[-1]
-                and examples.stride(-1) == 0
-            ):  # the rows, in order, or some of them chosen: the map, alike along the last dimension, on one column
-                column = examples[..., :1]
-                kept = column.reshape(*out.shape[:-1], 1) if func in ROW_RESHAPES else column[on_host(args[1])]
-                mapped = [kept.expand(out.shape)]
+                func is T.__getitem__
+                and isinstance(out, T)
+                and before_last(args[1], examples.dim())
+                and not examples.stride(-1)
+            ):
+                mapped = [examples[..., :1][on_host(args[1])].expand(out.shape)]  # (rows chosen: on one column)
             else:
                 mapped = outputs(apply_view(func, examples, args, kwargs))
         except (RuntimeError, TypeError, IndexError, ValueError):

@@ -4,6 +4,7 @@ operations replayed on index tensors, and Python composites run again under the 
 
 from __future__ import annotations
 
+import math
 import string
 import types
 import weakref
@@ -232,6 +233,30 @@ def first_of_alike(maps: Sequence[torch.Tensor], keep: int) -> list[torch.Tensor
     along ``keep`` alone may run on the cut maps and its result be broadcast back (views)."""
     flat = [k for k in range(maps[0].dim()) if k != keep and all(m.shape[k] == 1 or m.stride(k) == 0 for m in maps)]
     return [m[tuple(slice(0, 1) if k in flat else slice(None) for k in range(m.dim()))] for m in maps]
+
+
+def reshaped_map(examples: torch.Tensor, shape: Sequence[int]) -> torch.Tensor | None:
+    """An example map reshaped to ``shape`` (the same places in the same flat order) without copying it whole: where
+    its last dimensions are broadcast, its values are constant over runs of m places in flat order, so the place F of
+    the result reads run F // m; with q the product of the widest trailing dimensions of ``shape`` that divides m,
+    each run of q places of the result is one value: the map is formed over the leading dimensions alone and
+    broadcast over the last (a time-major map (T, B, H) as (T, B·heads, H/heads): T·B·heads numbers, not T·B·H).
+    None where that saves nothing (no broadcast last dimension, or no such q above 1)."""
+    if examples.numel() == 0:
+        return None
+    trailing = 0
+    while trailing < examples.dim() and (examples.shape[-1 - trailing] == 1 or examples.stride(-1 - trailing) == 0):
+        trailing += 1
+    run = math.prod(examples.shape[examples.dim() - trailing :])
+    kept, q = len(shape), 1
+    while kept > 0 and run % (q * shape[kept - 1]) == 0:
+        kept, q = kept - 1, q * shape[kept - 1]
+    if q == 1 or math.prod(shape) != examples.numel():
+        return None
+    values = examples[(...,) + (0,) * trailing].reshape(-1)
+    lead = list(shape[:kept])
+    chosen = values[torch.arange(math.prod(lead), device=values.device) * q // run]
+    return chosen.view(*lead, *[1] * (len(shape) - kept)).expand(*shape)
 
 
 def before_last(key: Any, dims: int) -> bool:
