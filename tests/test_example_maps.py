@@ -413,3 +413,34 @@ def test_maps_reshaped_over_their_leading_dimensions_equal_the_whole_reshape() -
     split = reshaped_map(time_major, [16, 12, 16])
     assert split is not None and torch.equal(split, time_major.reshape(16, 12, 16))
     assert split.stride(-1) == 0 and split.untyped_storage().nbytes() <= 16 * 12 * 8  # (T·B·heads numbers)
+
+
+def test_maps_moved_on_their_values_alone_equal_the_move_of_the_whole_map() -> None:
+    """dpml.train.rules.operands.moved_map: ``index_select``, ``flip`` and ``roll`` (with ``dims``) along any
+    dimension of a map broadcast over the others, batch-first or not, equal the same move of the whole map (200
+    random maps and moves), and along a broadcast dimension form nothing of the map's size."""
+    from dpml.train.rules.operands import moved_map
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        dims = int(torch.randint(2, 5, (), generator=g))
+        shape = [int(s) for s in torch.randint(1, 6, (dims,), generator=g)]
+        batch_dim = int(torch.randint(0, dims, (), generator=g))
+        view = [shape[k] if k == batch_dim else 1 for k in range(dims)]
+        examples = torch.randint(0, 4, (shape[batch_dim],), generator=g).view(view).expand(shape)
+        dim = int(torch.randint(-dims, dims, (), generator=g))
+        index = torch.randint(0, shape[dim], (int(torch.randint(1, 7, (), generator=g)),), generator=g)
+        shift = int(torch.randint(-3, 4, (), generator=g))
+        for func, args in [
+            (torch.index_select, (dim, index)),
+            (torch.Tensor.index_select, (dim, index)),
+            (torch.flip, ([dim],)),
+            (torch.roll, (shift, dim)),
+            (torch.roll, (shift,)),  # (no dims: the flattened map rolled, the whole map's function)
+        ]:
+            whole = func(examples, *args)
+            (found,) = moved_map(func, examples, (examples, *args), {}, whole)
+            assert torch.equal(found, whole), (func, shape, batch_dim, args)
+    relative = torch.arange(3).view(3, 1, 1, 1).expand(3, 2, 8, 15)  # (B, H, T, 2T−1): XLNet's relative shift
+    (shifted,) = moved_map(torch.index_select, relative, (relative, 3, torch.arange(8)), {}, torch.empty(3, 2, 8, 8))
+    assert torch.equal(shifted, relative[..., :8]) and shifted.untyped_storage().nbytes() <= 3 * 8

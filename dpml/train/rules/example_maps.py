@@ -24,6 +24,7 @@ from dpml.train.rules.operands import (
     einsum_subscripts,
     first_of_alike,
     leading_carried,
+    moved_map,
     on_host,
     outputs,
     reshaped_map,
@@ -397,10 +398,8 @@ class ExampleMaps:
 
     def _follow_moves(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """A function of :data:`MOVES` or :data:`SORTS` on an activation (from the batch): each output's map is the same
-        function of its input's map (the tensors among its other arguments read on the CPU, where the maps are: a
-        wait on a GPU, for an operation models seldom apply to activations), or lost for a sort along the first
-        dimension; the index of a :data:`MOVES` function gives no row a map of its own (only the moved input's rows are
-        from an example)."""
+        function of its input's map (:func:`moved_map`; other tensors read on the CPU, a wait on a GPU), or lost for a
+        sort along the first dimension; a move's index gives no row a map of its own."""
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if source is None or source.dim() == 0:
             return
@@ -410,7 +409,7 @@ class ExampleMaps:
         mapped: Sequence[torch.Tensor | None] = []
         if examples is not None and func in MOVES:
             try:
-                mapped = outputs(func(examples.expand(source.shape), *on_host(args[1:]), **kwargs))
+                mapped = moved_map(func, examples.expand(source.shape), args, kwargs, out)
             except (RuntimeError, TypeError, IndexError, ValueError):
                 mapped = []
         elif examples is not None:  # a sort: the map is kept where the sort runs along another dimension

@@ -259,6 +259,28 @@ def reshaped_map(examples: torch.Tensor, shape: Sequence[int]) -> torch.Tensor |
     return chosen.view(*lead, *[1] * (len(shape) - kept)).expand(*shape)
 
 
+def moved_map(func: Any, examples: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[Any]:
+    """The map of a move along named dimensions (``index_select``'s, ``flip``'s, ``roll``'s with ``dims``) formed on
+    the map's values alone (:func:`core`: a move along a broadcast dimension changes nothing there) and broadcast to
+    the output's shape (XLNet's relative shift, ``index_select`` along the last of (B, H, T, 2T): B numbers, not
+    B·H·T²); for another function or form (``gather``, ``take_along_dim``, ``roll`` without ``dims``), the function
+    of the whole map."""
+    values, rest = core(examples), on_host(args[1:])
+    if func in (torch.index_select, torch.Tensor.index_select):
+        dim = rest[0] if rest else kwargs.get("dim")
+        index = rest[1] if len(rest) > 1 else on_host(kwargs.get("index"))
+        if not isinstance(dim, int) or not isinstance(index, torch.Tensor):
+            return outputs(func(examples, *rest, **kwargs))
+        moved = values if values.shape[dim] == 1 else values.index_select(dim, index)
+    elif func in (torch.flip, torch.Tensor.flip, torch.fliplr, torch.Tensor.fliplr, torch.flipud, torch.Tensor.flipud):
+        moved = func(values, *rest, **kwargs)
+    elif func in (torch.roll, torch.Tensor.roll) and (len(rest) > 1 or kwargs.get("dims") is not None):
+        moved = func(values, *rest, **kwargs)
+    else:
+        return outputs(func(examples, *rest, **kwargs))
+    return [moved.expand(out.shape)]
+
+
 def before_last(key: Any, dims: int) -> bool:
     """Whether the indexing key ``t[key]`` of a tensor of ``dims`` dimensions reads only the dimensions before its last
     (that one kept whole, as the output's last): a tensor, an integer or a slice, or a tuple of them and ``None``
