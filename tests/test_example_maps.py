@@ -6,6 +6,8 @@ another's norm, and its contribution exceed C."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -444,3 +446,78 @@ def test_maps_moved_on_their_values_alone_equal_the_move_of_the_whole_map() -> N
     relative = torch.arange(3).view(3, 1, 1, 1).expand(3, 2, 8, 15)  # (B, H, T, 2T−1): XLNet's relative shift
     (shifted,) = moved_map(torch.index_select, relative, (relative, 3, torch.arange(8)), {}, torch.empty(3, 2, 8, 8))
     assert torch.equal(shifted, relative[..., :8]) and shifted.untyped_storage().nbytes() <= 3 * 8
+
+
+REDUCTIONS = ["mean", "amax", "sum-keepdim", "logsumexp", "std"]
+
+
+class ReducedOverTime(nn.Module):
+    """A time-major activation (T, B, H) whose columns the data puts in another order (``index_select`` along the
+    batch's dimension), reduced over time (``mean(0)``, ``amax(0)``, ``sum(0, keepdim=True)``, ``logsumexp(0)``,
+    ``std(0)``): each output row is one example's, in that order, through a layer, then put back in the batch's
+    order."""
+
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.reduction = reduction
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        order = x[:, 0, 0].argsort()
+        h = torch.tanh(self.a(x)).transpose(0, 1).index_select(1, order)  # (T, B, 6), columns in the data's order
+        if self.reduction == "mean":
+            pooled = h.mean(0)
+        elif self.reduction == "amax":
+            pooled = h.amax(0)
+        elif self.reduction == "sum-keepdim":
+            pooled = h.sum(0, keepdim=True)[0]
+        elif self.reduction == "logsumexp":
+            pooled = torch.logsumexp(h, dim=0)
+        else:
+            pooled = h.std(0)
+        return self.b(pooled).index_select(0, order.argsort())
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_rows_reduced_over_time_keep_their_examples(reduction: str) -> None:
+    """The map of a reduction over dimensions along which it is alike is carried (the reduced dimensions dropped): the
+    layer after it takes its rows' examples from it, not the batch-first convention (which would be wrong here), and
+    nothing takes the exact path."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(6, 5, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    assert_exact_without_the_exact_path(ReducedOverTime(reduction), per_example_cross_entropy, x, y)
+
+
+def test_reduced_maps_are_the_examples_each_output_place_reads_or_none_where_they_mix() -> None:
+    """dpml.train.rules.operands.reduced_map against the examples read by each output place, worked out one place at
+    a time (200 random maps, batch-first or not, and reductions over one or two dimensions, keepdim or not): the map
+    where every output place reads one example's places, None where some place reads two."""
+    from dpml.train.rules.operands import reduced_map
+
+    g = torch.Generator().manual_seed(2)
+    both = {True: 0, False: 0}
+    for _ in range(200):
+        dims = int(torch.randint(2, 4, (), generator=g))
+        shape = [int(s) for s in torch.randint(1, 5, (dims,), generator=g)]
+        batch_dim = int(torch.randint(0, dims, (), generator=g))
+        view = [shape[k] if k == batch_dim else 1 for k in range(dims)]
+        examples = torch.randint(0, 3, (shape[batch_dim],), generator=g).view(view).expand(shape)
+        if torch.rand((), generator=g) < 0.3:
+            examples = examples.contiguous()  # (a map held in full, not broadcast)
+        count = int(torch.randint(1, 3, (), generator=g))
+        reduced = sorted({int(d) for d in torch.randint(0, dims, (count,), generator=g)})
+        keepdim = bool(torch.rand((), generator=g) < 0.5)
+        out = torch.zeros(shape).sum(reduced, keepdim=keepdim)
+        found = reduced_map(examples, (examples, tuple(reduced)), {}, out)
+        width = math.prod(shape[k] for k in reduced)  # (the places each output place reads, as a column)
+        moved = examples.movedim(reduced, list(range(len(reduced)))).reshape(width, -1)
+        sets = [set(moved[:, k].tolist()) for k in range(moved.shape[1])]
+        mixes = any(len(s) > 1 for s in sets)
+        both[mixes] += 1
+        if mixes:
+            assert found is None, (shape, batch_dim, reduced)
+        else:
+            assert found is not None and found.shape == out.shape, (shape, batch_dim, reduced)
+            assert found.reshape(-1).tolist() == [s.pop() for s in sets], (shape, batch_dim, reduced)
+    assert min(both.values()) > 30, both

@@ -299,7 +299,7 @@ class ExampleMaps:
         for o in outputs(out):
             found = next((m for m in (carried(t, e, o) for t, e in maps) if m is not None), None)
             if found is None and maps and args and maps[0][0] is args[0]:
-                found = leading_carried(func, maps[0][0], maps[0][1], o)
+                found = leading_carried(func, maps[0][0], maps[0][1], o, args, kwargs)
             if found is None and func in BATCHED_PRODUCTS:
                 found = self._batched_product_examples(args, kwargs, o)
             self._keep_examples(o, found)

@@ -198,16 +198,56 @@ pooling and interpolation (per channel). Below that rank the input is one unbatc
 
 
 def leading_carried(
-    func: Any, t: torch.Tensor, examples: torch.Tensor | None, out: torch.Tensor
+    func: Any,
+    t: torch.Tensor,
+    examples: torch.Tensor | None,
+    out: torch.Tensor,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
 ) -> torch.Tensor | None:
     """t's example map carried to ``out`` by a batched operation (:data:`KEEPS_LEADING`) where each index of the
     dimensions it keeps belongs to one example (a batch-first t; a windowed or per-head t, (B·k, …), as Swin and MViT
-    pool; a channel-major (C, B, T) t pooled per channel): out's elements at that index belong to the same example."""
+    pool; a channel-major (C, B, T) t pooled per channel): out's elements at that index belong to the same example;
+    or by a reduction over dimensions along which the map is alike (:func:`reduced_map`)."""
+    if func in REDUCTIONS and examples is not None:
+        return reduced_map(examples, args, kwargs or {}, out)
     rank, kept = KEEPS_LEADING.get(func, (0, 0))
     if not kept or examples is None or t.dim() < rank or out.dim() < kept or out.shape[:kept] != t.shape[:kept]:
         return None
     lead = same_across_rest(examples, kept)
     return None if lead is None else lead.reshape(*out.shape[:kept], *[1] * (out.dim() - kept)).expand(out.shape)
+
+
+REDUCTIONS = {
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor)
+    for name in ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "logsumexp", "std", "var")
+    + ("median", "nanmedian", "any", "all")
+}
+"""Functions that reduce their first operand over the dimensions ``dim`` (their second argument or keyword) names."""
+
+
+def reduced_map(
+    examples: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor
+) -> torch.Tensor | None:
+    """The map of a reduction (:data:`REDUCTIONS`) over ``dim``: its input's, the reduced dimensions dropped (or kept
+    with size 1, as out has them), where the input's map is alike along them, so that each output place reads places of
+    one example (a time-major (T, B, H) activation averaged over time: (B, H)); None where the reduction mixes
+    examples, names no dimension (a reduction of everything, or ``torch.max(a, b)``), or out is of another shape."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (tuple, list)) else []
+    if not dims or not examples.dim() or not all(isinstance(d, int) for d in dims):
+        return None
+    reduced = {d % examples.dim() for d in dims}
+    kept = [1 if k in reduced else size for k, size in enumerate(examples.shape)]
+    squeezed = [size for k, size in enumerate(examples.shape) if k not in reduced]
+    if list(out.shape) not in (kept, squeezed):
+        return None
+    first = examples[tuple(slice(0, 1) if k in reduced else slice(None) for k in range(examples.dim()))]
+    alike = all(examples.shape[k] == 1 or examples.stride(k) == 0 for k in reduced)
+    if not alike and not torch.equal(examples, first.expand_as(examples)):
+        return None
+    return first.reshape(out.shape)
 
 
 def same_across_rest(examples: torch.Tensor, kept: int) -> torch.Tensor | None:
