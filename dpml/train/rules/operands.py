@@ -282,7 +282,7 @@ def reshaped_map(examples: torch.Tensor, shape: Sequence[int]) -> torch.Tensor |
     each run of q places of the result is one value: the map is formed over the leading dimensions alone and
     broadcast over the last (a time-major map (T, B, H) as (T, B·heads, H/heads): T·B·heads numbers, not T·B·H).
     None where that saves nothing (no broadcast last dimension, or no such q above 1)."""
-    if examples.numel() == 0:
+    if examples.numel() == 0 or math.prod(shape) != examples.numel():
         return None
     trailing = 0
     while trailing < examples.dim() and (examples.shape[-1 - trailing] == 1 or examples.stride(-1 - trailing) == 0):
@@ -291,7 +291,7 @@ def reshaped_map(examples: torch.Tensor, shape: Sequence[int]) -> torch.Tensor |
     kept, q = len(shape), 1
     while kept > 0 and run % (q * shape[kept - 1]) == 0:
         kept, q = kept - 1, q * shape[kept - 1]
-    if q == 1 or math.prod(shape) != examples.numel():
+    if q == 1:
         return None
     values = examples[(...,) + (0,) * trailing].reshape(-1)
     lead = list(shape[:kept])
