@@ -389,6 +389,17 @@ def _factorised(numel: int, g: torch.Generator) -> list[int]:
     return [s for s in shape if s > 1] or [1]
 
 
+def _random_map(g: torch.Generator, most_dims: int, widest: int, examples: int) -> tuple[torch.Tensor, list[int], int]:
+    """A random example map (its values below ``examples``) of 2 to ``most_dims`` − 1 dimensions of 1 to ``widest`` − 1
+    each, varying along one of them (the batch's, first or not) and broadcast along the others: (map, shape, the
+    batch's dimension)."""
+    dims = int(torch.randint(2, most_dims, (), generator=g))
+    shape = [int(s) for s in torch.randint(1, widest, (dims,), generator=g)]
+    batch_dim = int(torch.randint(0, dims, (), generator=g))
+    view = [shape[k] if k == batch_dim else 1 for k in range(dims)]
+    return torch.randint(0, examples, (shape[batch_dim],), generator=g).view(view).expand(shape), shape, batch_dim
+
+
 def test_maps_reshaped_over_their_leading_dimensions_equal_the_whole_reshape() -> None:
     """dpml.train.rules.operands.reshaped_map: a map broadcast over its last dimensions, reshaped to any shape of the
     same places, equals ``reshape`` of the whole map (300 random maps, batch-first and time-major, and shapes); and
@@ -398,12 +409,7 @@ def test_maps_reshaped_over_their_leading_dimensions_equal_the_whole_reshape() -
     g = torch.Generator().manual_seed(0)
     formed = 0
     for _ in range(300):
-        dims = int(torch.randint(2, 5, (), generator=g))
-        shape = [int(s) for s in torch.randint(1, 7, (dims,), generator=g)]
-        batch_dim = int(torch.randint(0, dims, (), generator=g))
-        values = torch.randint(0, 5, (shape[batch_dim],), generator=g)
-        view = [shape[k] if k == batch_dim else 1 for k in range(dims)]
-        examples = values.view(view).expand(shape)
+        examples, shape, batch_dim = _random_map(g, 5, 7, 5)
         for _ in range(3):
             target = _factorised(examples.numel(), g)
             found = reshaped_map(examples, target)
@@ -425,11 +431,8 @@ def test_maps_moved_on_their_values_alone_equal_the_move_of_the_whole_map() -> N
 
     g = torch.Generator().manual_seed(1)
     for _ in range(200):
-        dims = int(torch.randint(2, 5, (), generator=g))
-        shape = [int(s) for s in torch.randint(1, 6, (dims,), generator=g)]
-        batch_dim = int(torch.randint(0, dims, (), generator=g))
-        view = [shape[k] if k == batch_dim else 1 for k in range(dims)]
-        examples = torch.randint(0, 4, (shape[batch_dim],), generator=g).view(view).expand(shape)
+        examples, shape, batch_dim = _random_map(g, 5, 6, 4)
+        dims = len(shape)
         dim = int(torch.randint(-dims, dims, (), generator=g))
         index = torch.randint(0, shape[dim], (int(torch.randint(1, 7, (), generator=g)),), generator=g)
         shift = int(torch.randint(-3, 4, (), generator=g))
@@ -498,11 +501,8 @@ def test_reduced_maps_are_the_examples_each_output_place_reads_or_none_where_the
     g = torch.Generator().manual_seed(2)
     both = {True: 0, False: 0}
     for _ in range(200):
-        dims = int(torch.randint(2, 4, (), generator=g))
-        shape = [int(s) for s in torch.randint(1, 5, (dims,), generator=g)]
-        batch_dim = int(torch.randint(0, dims, (), generator=g))
-        view = [shape[k] if k == batch_dim else 1 for k in range(dims)]
-        examples = torch.randint(0, 3, (shape[batch_dim],), generator=g).view(view).expand(shape)
+        examples, shape, batch_dim = _random_map(g, 4, 5, 3)
+        dims = len(shape)
         if torch.rand((), generator=g) < 0.3:
             examples = examples.contiguous()  # (a map held in full, not broadcast)
         count = int(torch.randint(1, 3, (), generator=g))
