@@ -202,15 +202,15 @@ def leading_carried(
     t: torch.Tensor,
     examples: torch.Tensor | None,
     out: torch.Tensor,
-    args: tuple[Any, ...] = (),
-    kwargs: dict[str, Any] | None = None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> torch.Tensor | None:
     """t's example map carried to ``out`` by a batched operation (:data:`KEEPS_LEADING`) where each index of the
     dimensions it keeps belongs to one example (a batch-first t; a windowed or per-head t, (B·k, …), as Swin and MViT
     pool; a channel-major (C, B, T) t pooled per channel): out's elements at that index belong to the same example;
     or by a reduction over dimensions along which the map is alike (:func:`reduced_map`)."""
     if func in REDUCTIONS and examples is not None:
-        return reduced_map(examples, args, kwargs or {}, out)
+        return reduced_map(examples, args, kwargs, out)
     rank, kept = KEEPS_LEADING.get(func, (0, 0))
     if not kept or examples is None or t.dim() < rank or out.dim() < kept or out.shape[:kept] != t.shape[:kept]:
         return None
