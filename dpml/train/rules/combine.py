@@ -99,7 +99,10 @@ def computed_norms(
     of each example's gradient (a computed weight's Jacobian carrying a convolution's kernel gradients back to the
     parameter, :mod:`.row_jacobian`): all of them formed and kept where they fit what the pass may keep (the clipped
     sum is then Σ_i c_i of the kept ones), else formed a slice of examples at a time for the norms alone and the
-    clipped sum left to the operation (``weighted_sum``; with a transform, ``total``, called after every slice)."""
+    clipped sum left to the operation (``weighted_sum``; with a transform, ``total``, called after every slice). Where
+    the operation has its norms in closed form (``squared_norms``) and there is no transform, none is formed."""
+    if transform is None and form.squared_norms is not None:  # (a closed form: none formed)
+        return form.squared_norms(), form.weighted_sum if total is None else total
     change = transform or (lambda grads, examples: grads)
     numbers = form.batch * math.prod(form.shape)
     if numbers <= room(keep_limit(form.device)):

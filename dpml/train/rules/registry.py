@@ -191,7 +191,9 @@ class Dense:
 class Computed:
     """Per-example gradients of V that the operation's own kernels form on demand (a convolution's weight gradient):
     ``gradients(s)`` the examples of slice s materialised, (|s|, *V.shape); ``weighted_sum(c)`` Σ_i c_i G_i without
-    them (one weight gradient of the clip-weighted output gradient); ``cast(dtype)`` the same in another dtype."""
+    them (one weight gradient of the clip-weighted output gradient); ``cast(dtype)`` the same in another dtype;
+    ``squared_norms()``, where the operation has a closed form cheaper than forming them (a bilinear form's ghost
+    norm), ‖G_i‖² (B,) without them — for G itself only: a sum of uses, or a map of G, forms them."""
 
     batch: int
     shape: tuple[int, ...]  # V's
@@ -199,6 +201,7 @@ class Computed:
     gradients: Callable[[slice], torch.Tensor]
     weighted_sum: Callable[[torch.Tensor], torch.Tensor]
     cast: Callable[[torch.dtype], Computed]
+    squared_norms: Callable[[], torch.Tensor] | None = None
 
 
 Form = Union[Factored, Dense, Computed, "Ragged"]
