@@ -20,7 +20,10 @@ Families, each built from a config with random weights (nothing is downloaded: `
   packed (``pack_padded_sequence``, unsorted), its last layer's final state to the head; ``gru``, ``gru-packed``:
   the same with ``nn.GRU``; ``lstm-proj``: the padded LSTM with projections to half its width (``proj_size``);
 - ``convnext`` (not in the default list either): timm's ConvNeXt-atto (depthwise 7×7 convolutions, LayerNorm over
-  the channels, layer scale; the same at every size), 32×32 images, 10 classes.
+  the channels, layer scale; the same at every size), 32×32 images, 10 classes;
+- ``layers`` (by name, or ``--families layers`` for all): torch's own layers and parametrizations in small
+  classifiers over sequences of feature vectors (``nn.Bilinear``, ``nn.TransformerDecoder``, ``nn.Transformer``,
+  cells stepped in Python, ``weight_norm``, ``spectral_norm``, ``orthogonal``, …: ``benchmarks/layer_zoo.py``).
 
 Where a family's library cannot be imported, its row says so and why, rather than disappearing.
 PyPI's torchvision wheel (which timm imports) is built against CUDA torch: beside a CPU-only torch its
@@ -37,7 +40,8 @@ the encoder BERT's), and ResNet-18 is ResNet-18 at every size. The default, ``ti
 Inputs: token families take one integer tensor (B, 2, T), row 0 the ids and row 1 the attention mask;
 each example has between T/2 and T real tokens, the rest padding (id 0, mask 0). A small wrapper hands the
 rows to the model as ``input_ids`` / ``attention_mask`` and returns ``.logits`` (dpml's engine calls
-``model(x)`` with one tensor). Images: (B, 3, 32, 32); the zoo's clips (B, 3, 8, 32, 32), its waveforms (B, 16000).
+``model(x)`` with one tensor). Images: (B, 3, 32, 32); the zoo's clips (B, 3, 8, 32, 32), its waveforms (B, 16000);
+the layers' sequences of vectors (B, T, 128).
 Random inputs and labels from seed 0, a fixed batch (the sampling is not what is timed).
 
 Methods, each with its own copy of the model (seed 0, the same weights), all in one process per family
@@ -131,10 +135,11 @@ from family_zoo import (  # noqa: E402
     build_text,
     build_video,
 )
+from layer_zoo import LAYER_CLASSES, LAYER_FEATURES, LAYER_ZOO, build_layer  # noqa: E402
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
 # asked for by name only (``zoo``: all of ZOO)
-MORE_FAMILIES = ["lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", "convnext", *ZOO]
+MORE_FAMILIES = ["lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", "convnext", *ZOO, *LAYER_ZOO]
 TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", *TEXT_ZOO}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
@@ -397,6 +402,8 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
     if family in AUDIO_ZOO:
         _import("transformers")
         return build_audio(family, size, IMAGE_CLASSES)
+    if family in LAYER_ZOO:
+        return build_layer(family, size, LAYER_CLASSES)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -415,6 +422,8 @@ def example_batch(family: str, batch: int, length: int, device: str):  # noqa: A
         x, classes = torch.randn(batch, 3, CLIP_FRAMES, 32, 32, generator=generator), IMAGE_CLASSES
     elif family in AUDIO_ZOO:
         x, classes = torch.randn(batch, AUDIO_SAMPLES, generator=generator), IMAGE_CLASSES
+    elif family in LAYER_ZOO:
+        x, classes = torch.randn(batch, length, LAYER_FEATURES, generator=generator), LAYER_CLASSES
     else:
         x, classes = torch.randn(batch, 3, 32, 32, generator=generator), IMAGE_CLASSES
     y = torch.randint(0, classes, (batch,), generator=generator)
@@ -1035,7 +1044,9 @@ def run_commits(start: str, end: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=[*FAMILIES, *MORE_FAMILIES, "zoo", "peft"])
+    parser.add_argument(
+        "--families", nargs="+", default=FAMILIES, choices=[*FAMILIES, *MORE_FAMILIES, "zoo", "peft", "layers"]
+    )
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=128, help="tokens per sequence")
@@ -1082,7 +1093,7 @@ def main() -> None:
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process: write its rows here
     parser.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)  # a child's seconds
     args = parser.parse_args()
-    groups = {"zoo": ZOO, "peft": ["bert-lora", "bert-c3a", *PEFT_ON_BERT]}
+    groups = {"zoo": ZOO, "peft": ["bert-lora", "bert-c3a", *PEFT_ON_BERT], "layers": LAYER_ZOO}
     args.families = [name for family in args.families for name in groups.get(family, [family])]
     if args.render:  # the page from recorded numbers, e.g. after its layout changed
         saved = json.loads(Path(args.render).read_text())
