@@ -45,15 +45,45 @@ State = tuple[torch.Tensor, ...]  # (h,) or, for an LSTM, (h, c)
 Step = Callable[[torch.Tensor, State, torch.Tensor, torch.Tensor | None, torch.Tensor | None], State]
 
 
+def row_wise(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` of tensors whose row r is example r's (N, ·), no parameter among them, made one call for the
+    recorder: it runs unrecorded, its outputs taking the example map of the operand whose shape they keep (autograd
+    still records its operations: its operands' gradients are the same). A cell's pointwise gates are a dozen
+    operations a step, each else recorded one by one, where the rules need only the products with W_ih and W_hh."""
+
+    @functools.wraps(function)
+    def call(*tensors: torch.Tensor) -> Any:
+        if torch.overrides.has_torch_function(tensors):
+            return torch.overrides.handle_torch_function(call, tensors, *tensors)
+        return function(*tensors)
+
+    return call
+
+
+@row_wise
+def lstm_gates(gates_in: torch.Tensor, hidden: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_t, c_t) from x̃_t and W_hh h_{t−1} + b_hh (module docstring)."""
+    i, f, g, o = (hidden + gates_in).chunk(4, 1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+@row_wise
+def gru_gates(gates_in: torch.Tensor, hidden: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """h_t from x̃_t, W_hh h_{t−1} + b_hh and h_{t−1} (module docstring)."""
+    size = hidden.shape[1] // 3
+    x_r, x_z, x_n = (gates_in[:, k * size : (k + 1) * size] for k in range(3))
+    h_r, h_z, h_n = (hidden[:, k * size : (k + 1) * size] for k in range(3))
+    r, z = torch.sigmoid(h_r + x_r), torch.sigmoid(h_z + x_z)
+    n = torch.tanh(x_n + h_n * r)
+    return (h - n) * z + n
+
+
 def lstm_step(
     gates_in: torch.Tensor, state: State, w_hh: torch.Tensor, b_hh: torch.Tensor | None, w_hr: torch.Tensor | None
 ) -> State:
     """One LSTM step from its input term x̃_t (N, 4H) (module docstring)."""
-    h, c = state
-    gates = F.linear(h, w_hh, b_hh) + gates_in
-    i, f, g, o = gates.chunk(4, 1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h = torch.sigmoid(o) * torch.tanh(c)
+    h, c = lstm_gates(gates_in, F.linear(state[0], w_hh, b_hh), state[1])
     return (h if w_hr is None else F.linear(h, w_hr), c)
 
 
@@ -61,14 +91,7 @@ def gru_step(
     gates_in: torch.Tensor, state: State, w_hh: torch.Tensor, b_hh: torch.Tensor | None, w_hr: torch.Tensor | None
 ) -> State:
     """One GRU step from its input term x̃_t (N, 3H)."""
-    (h,) = state
-    hidden = F.linear(h, w_hh, b_hh)
-    size = hidden.shape[1] // 3
-    x_r, x_z, x_n = (gates_in[:, k * size : (k + 1) * size] for k in range(3))
-    h_r, h_z, h_n = (hidden[:, k * size : (k + 1) * size] for k in range(3))
-    r, z = torch.sigmoid(h_r + x_r), torch.sigmoid(h_z + x_z)
-    n = torch.tanh(x_n + h_n * r)
-    return ((h - n) * z + n,)
+    return (gru_gates(gates_in, F.linear(state[0], w_hh, b_hh), state[0]),)
 
 
 def elman_step(nonlinearity: Callable[[torch.Tensor], torch.Tensor]) -> Step:
