@@ -12,6 +12,7 @@ import torch
 from test_op_rules import assert_exact_without_the_exact_path, generator
 from torch import nn
 
+from dpml import devices
 from dpml.train import keep_budget
 from dpml.train.dpsgd import per_example_cross_entropy
 from dpml.train.rules import bilinear as rule
@@ -57,13 +58,22 @@ def test_a_bilinear_layer_of_any_shape_is_exact_without_the_exact_path(
     assert_exact_without_the_exact_path(Pairs(n1, n2, k), per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
 
 
+@pytest.mark.parametrize("one_row_a_slice", [False, True], ids=["heap-sized-slices", "one-row-a-slice"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_the_grams_and_the_weighted_sum_equal_the_formed_gradients(shape: str) -> None:
+def test_the_grams_the_gradients_and_the_weighted_sum_equal_the_formed_gradients(
+    shape: str, one_row_a_slice: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against einsum's products, in whole slices or one row (and one example) a slice: the weighted sum's slices of
+    rows cut examples apart, which a sum over rows allows."""
+    if one_row_a_slice:
+        monkeypatch.setattr(devices, "HEAP_BLOCKS_BELOW", devices.HEAP_BLOCK_MARGIN + 1)
     positions, n1, n2, k = SHAPES[shape]
     g = generator(42)
     d, left, right = (torch.randn(7, positions or 1, n, generator=g, dtype=torch.float64) for n in (k, n1, n2))
     factors = torch.rand(7, generator=g, dtype=torch.float64)
     grads = torch.einsum("btk,bti,btj->bkij", d, left, right)
+    form = rule.weight_form(d, left, right)
+    torch.testing.assert_close(form.gradients(slice(2, 6)), grads[2:6], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(rule._ghost_norms(d, left, right), grads.square().sum((1, 2, 3)), rtol=1e-12, atol=0)
     expected = torch.einsum("b,bkij->kij", factors, grads)
-    torch.testing.assert_close(rule._weighted_sum(d, left, right, factors), expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(form.weighted_sum(factors), expected, rtol=1e-12, atol=1e-14)

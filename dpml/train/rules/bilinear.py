@@ -55,14 +55,12 @@ def weight_form(d: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> Com
     shape = (d.shape[2], left.shape[2], right.shape[2])
 
     def gradients(examples: slice) -> torch.Tensor:  # (|s|, K, n₁, n₂)
-        return torch.einsum("btk,bti,btj->bkij", d[examples], left[examples], right[examples])
+        return _summed_products(d[examples], left[examples], right[examples])
 
     def cast(dtype: torch.dtype) -> Computed:
-        return (
-            form
-            if d.dtype == left.dtype == right.dtype == dtype
-            else weight_form(*(t.to(dtype) for t in (d, left, right)))
-        )
+        if d.dtype == left.dtype == right.dtype == dtype:
+            return form
+        return weight_form(*(t.to(dtype) for t in (d, left, right)))
 
     ghost = _ghost_normed(batch, positions, shape, keep_limit(d.device))
     norms = (lambda: _ghost_norms(d, left, right)) if ghost else None
@@ -86,28 +84,51 @@ def _ghost_norms(d: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> to
     """‖G_i‖² = Σ_{t,s} (δ_t·δ_s)(x₁_t·x₁_s)(x₂_t·x₂_s) (B,), a slice of examples at a time (three T × T Grams
     each)."""
     if d.shape[1] == 1:  # one position: ‖δ‖²‖x₁‖²‖x₂‖²
-        return (d.square().sum((1, 2)) * left.square().sum((1, 2)) * right.square().sum((1, 2))).to(d.dtype)
+        return d.square().sum((1, 2)) * left.square().sum((1, 2)) * right.square().sum((1, 2))
     parts = []
-    for s in heap_sized_slices(d.shape[0], 3 * d.shape[1] ** 2 * d.element_size(), d.device):
+    for s in _slices(d.shape[0], 3 * d.shape[1] ** 2, d):
         grams = [torch.bmm(t[s], t[s].transpose(1, 2)) for t in (d, left, right)]
         parts.append((grams[0] * grams[1] * grams[2]).sum((1, 2)))
     return torch.cat(parts)
 
 
 def _weighted_sum(d: torch.Tensor, left: torch.Tensor, right: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """Σ_i c_i G_i = Σ_{i,t} c_i δ_{i,t} ⊗ x₁_{i,t} ⊗ x₂_{i,t} (K, n₁, n₂): the rows scaled, two of the three factors
-    joined into one (the pair whose product has the fewest columns: δ ⊗ x₂, δ ⊗ x₁ or x₁ ⊗ x₂) and multiplied by the
-    third over all rows, a slice of examples at a time so that the joined rows stay small."""
-    k, n1, n2 = d.shape[2], left.shape[2], right.shape[2]
-    scaled = d * factors.to(d.dtype)[:, None, None]
-    total = d.new_zeros(k, n1, n2)
-    joined = min(k * n2, k * n1, n1 * n2)
-    for s in heap_sized_slices(d.shape[0], d.shape[1] * joined * d.element_size(), d.device):
-        g, a, b = (t[s].reshape(-1, t.shape[2]) for t in (scaled, left, right))  # (rows, ·)
-        if joined == k * n2:  # x₁ᵀ (δ ⊗ x₂): (n₁, K·n₂)
-            total += (a.t() @ (g[:, :, None] * b[:, None, :]).reshape(-1, k * n2)).view(n1, k, n2).transpose(0, 1)
-        elif joined == k * n1:  # (δ ⊗ x₁)ᵀ x₂: (K·n₁, n₂)
-            total += ((g[:, :, None] * a[:, None, :]).reshape(-1, k * n1).t() @ b).view(k, n1, n2)
-        else:  # δᵀ (x₁ ⊗ x₂): (K, n₁·n₂)
-            total += (g.t() @ (a[:, :, None] * b[:, None, :]).reshape(-1, n1 * n2)).view(k, n1, n2)
+    """Σ_i c_i G_i = Σ_{i,t} c_i δ_{i,t} ⊗ x₁_{i,t} ⊗ x₂_{i,t} (K, n₁, n₂): the rows scaled by their example's c_i,
+    then :func:`_summed_products` over all the rows, a slice of rows at a time."""
+    scaled = (d * factors.to(d.dtype)[:, None, None]).reshape(-1, d.shape[2])
+    a, b = left.reshape(-1, left.shape[2]), right.reshape(-1, right.shape[2])
+    total = d.new_zeros(d.shape[2], a.shape[1], b.shape[1])
+    for s in _slices(scaled.shape[0], _joined(scaled.shape[1], a.shape[1], b.shape[1]), d):
+        total += _summed_products(scaled[s], a[s], b[s])
     return total
+
+
+def _joined(k: int, n1: int, n2: int) -> int:
+    """Columns of the pair of factors :func:`_summed_products` joins: the fewest of K·n₂, K·n₁ and n₁·n₂."""
+    return min(k * n2, k * n1, n1 * n2)
+
+
+def _summed_products(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_t g_t ⊗ a_t ⊗ b_t over the rows t of g (…, T, K), a (…, T, n₁), b (…, T, n₂): (…, K, n₁, n₂), batched over
+    the leading dimensions. Two of the three factors are joined row by row into one (the pair whose product has the
+    fewest columns: δ ⊗ x₂, δ ⊗ x₁ or x₁ ⊗ x₂) and multiplied by the third over the rows, one matrix product."""
+    k, n1, n2 = g.shape[-1], a.shape[-1], b.shape[-1]
+    lead, rows = g.shape[:-2], g.shape[-2]
+    joined = _joined(k, n1, n2)
+    if joined == k * n2:  # x₁ᵀ (δ ⊗ x₂): (n₁, K·n₂)
+        pair = (g[..., :, None] * b[..., None, :]).reshape(*lead, rows, k * n2)
+        return (a.transpose(-1, -2) @ pair).view(*lead, n1, k, n2).transpose(-3, -2)
+    if joined == k * n1:  # (δ ⊗ x₁)ᵀ x₂: (K·n₁, n₂)
+        pair = (g[..., :, None] * a[..., None, :]).reshape(*lead, rows, k * n1)
+        return (pair.transpose(-1, -2) @ b).view(*lead, k, n1, n2)
+    pair = (a[..., :, None] * b[..., None, :]).reshape(*lead, rows, n1 * n2)  # δᵀ (x₁ ⊗ x₂): (K, n₁·n₂)
+    return (g.transpose(-1, -2) @ pair).view(*lead, k, n1, n2)
+
+
+def _slices(count: int, numbers_each: int, like: torch.Tensor) -> list[slice]:
+    """Consecutive slices of ``count`` items (examples or rows) of ``numbers_each`` numbers of scratch each: on a CPU
+    within the heap's blocks (:func:`dpml.devices.heap_sized_slices`), elsewhere within the device's keep limit."""
+    if like.device.type == "cpu":
+        return heap_sized_slices(count, numbers_each * like.element_size(), like.device)
+    step = max(1, keep_limit(like.device) // max(1, numbers_each))
+    return [slice(start, min(count, start + step)) for start in range(0, count, step)]
