@@ -32,10 +32,13 @@
 #      (peft);
 #   7. the mixtures of experts at small size, batch 256 (Mixtral, Qwen2-MoE, Qwen3-MoE with torch._grouped_mm, and
 #      Mixtral's eager experts; families_moe_cuda.{md,json}; their ragged rows never measured on a GPU): 120 s, only
-#      when SESSION_STEPS names it (moe).
+#      when SESSION_STEPS names it (moe);
+#   8. torch's own layers and parametrizations at small size, batch 256 (benchmarks/layer_zoo.py through
+#      families.py, families_layers_cuda.{md,json}; never measured on a GPU): 90 s, only when SESSION_STEPS names it
+#      (layers).
 # Steps 1-3 take at most 565 s and about 20 s to install: one call, with the machine's start (about 30 s on an
 # H200), inside a session's 15 minutes of device time, leaving room for one short second call.
-# SESSION_STEPS="pool tests families keep speed profile grouped peft moe" picks steps (default: tests families speed);
+# SESSION_STEPS="pool tests families keep speed profile grouped peft moe layers" picks steps (default: tests families speed);
 # SESSION_PACK=1 leaves DIR holding one archive, session.tar.gz, of everything it wrote (for a transfer that counts
 # files); SESSION_DRY=FILE runs nothing, on any machine, and writes each step's command to FILE, one a line, quoted
 # for the shell (tests/test_gpu_session.py checks that the scripts take them, so that a renamed option does not
@@ -150,6 +153,13 @@ if [[ " $STEPS " == *" moe "* ]]; then
     --family-timeout 28 --total-timeout 110 --families mixtral qwen2-moe qwen3-moe mixtral-eager \
     --stem families_moe_cuda --out "$OUT" > "$OUT/moe.log" 2>&1
   say "moe: exit $?"; grep -E "^\| [a-z]" "$OUT/families_moe_cuda.md" 2>/dev/null | cut -c1-160
+fi
+if [[ " $STEPS " == *" layers "* ]]; then
+  say "8. torch's own layers and parametrizations"
+  step timeout 90 python3 benchmarks/families.py --device cuda --size small --batch 256 --length 128 --rounds 4 \
+    --peers --family-timeout 12 --total-timeout 80 --families layers --stem families_layers_cuda --out "$OUT" \
+    > "$OUT/layers.log" 2>&1
+  say "layers: exit $?"; grep -E "^\| layer" "$OUT/families_layers_cuda.md" 2>/dev/null | cut -c1-160
 fi
 if [ "${SESSION_PACK:-0}" = 1 ] && [ -z "$DRY" ]; then
   tar -czf /tmp/gpu-session.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-session.tar.gz "$OUT/session.tar.gz"

@@ -36,7 +36,7 @@ took the arguments, argparse's exit 2 and its message if not."""
 
 
 def session_commands(
-    tmp_path: Path, steps: str = "pool tests families keep speed profile grouped peft moe"
+    tmp_path: Path, steps: str = "pool tests families keep speed profile grouped peft moe layers"
 ) -> list[list[str]]:
     """The session's steps' commands, as a dry run writes them, each without its ``timeout N``."""
     written = tmp_path / "commands"
@@ -85,6 +85,7 @@ def test_a_dry_session_writes_every_step_and_runs_none_of_them(tmp_path: Path) -
         "benchmarks/speed_profile.py",
         "benchmarks/speed_profile.py",
         "benchmarks/grouped_conv_ways.py",
+        "benchmarks/families.py",
         "benchmarks/families.py",
         "benchmarks/families.py",
     ]
