@@ -55,6 +55,12 @@ DRY=${SESSION_DRY:-}
 step() {  # a step's command, run (or, dry, written down)
   if [ -n "$DRY" ]; then printf '%q ' "$@" >> "$DRY" && echo >> "$DRY"; else "$@"; fi
 }
+families_step() {  # a step of benchmarks/families.py on the GPU: its log's name, its seconds, then its options
+  local name=$1 limit=$2
+  shift 2
+  step timeout "$limit" python3 benchmarks/families.py --device cuda "$@" --out "$OUT" > "$OUT/$name.log" 2>&1
+  say "$name: exit $?"
+}
 if [ -n "$DRY" ]; then
   : > "$DRY"
 else
@@ -89,17 +95,15 @@ if [[ " $STEPS " == *" tests "* ]]; then
 fi
 if [[ " $STEPS " == *" families "* ]]; then
   say "2. the model families"
-  step timeout 215 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
-    --peer-rounds 1 --family-timeout 55 --total-timeout 200 --families bert-lora vit resnet18-gn bert encoder gpt2 \
-    --out "$OUT" > "$OUT/families.log" 2>&1
-  say "families: exit $?"; tail -n 25 "$OUT/families.log"
+  families_step families 215 --size base --batch 256 --length 128 --rounds 6 --peer-rounds 1 --family-timeout 55 \
+    --total-timeout 200 --families bert-lora vit resnet18-gn bert encoder gpt2
+  tail -n 25 "$OUT/families.log"
 fi
 if [[ " $STEPS " == *" keep "* ]]; then
   say "2b. ViT and ResNet-18-GN with no per-example gradients kept beyond what keeping frees"
-  step timeout 60 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 6 \
-    --peers --keep-share 0 --family-timeout 28 --total-timeout 56 --families vit resnet18-gn \
-    --stem families_cuda_keep0 --out "$OUT" > "$OUT/families_keep0.log" 2>&1
-  say "keep: exit $?"; tail -n 12 "$OUT/families_keep0.log"
+  families_step families_keep0 60 --size base --batch 256 --length 128 --rounds 6 --peers --keep-share 0 \
+    --family-timeout 28 --total-timeout 56 --families vit resnet18-gn --stem families_cuda_keep0
+  tail -n 12 "$OUT/families_keep0.log"
   # WRN-16-4 (GPU-bound: its layers not kept take a second weight-gradient pass in full float32) keeping more: at 512
   # up to what its pass holds; at 256 every layer (a share of 4), as a step of 512 in two chunks could if the budget
   # were counted against the non-private step at the step's batch (its memory against non-private's at 512, by hand)
@@ -142,24 +146,21 @@ if [[ " $STEPS " == *" grouped "* ]]; then
 fi
 if [[ " $STEPS " == *" peft "* ]]; then
   say "6. peft's adapters on BERT"
-  step timeout 150 python3 benchmarks/families.py --device cuda --size base --batch 256 --length 128 --rounds 4 \
-    --peers --family-timeout 18 --total-timeout 140 --families peft --stem families_peft_cuda --out "$OUT" \
-    > "$OUT/peft.log" 2>&1
-  say "peft: exit $?"; grep -E "^\| bert" "$OUT/families_peft_cuda.md" 2>/dev/null | cut -c1-160
+  families_step peft 150 --size base --batch 256 --length 128 --rounds 4 --peers --family-timeout 18 \
+    --total-timeout 140 --families peft --stem families_peft_cuda
+  grep -E "^\| bert" "$OUT/families_peft_cuda.md" 2>/dev/null | cut -c1-160
 fi
 if [[ " $STEPS " == *" moe "* ]]; then
   say "7. the mixtures of experts"
-  step timeout 120 python3 benchmarks/families.py --device cuda --size small --batch 256 --length 128 --rounds 4 \
-    --family-timeout 28 --total-timeout 110 --families mixtral qwen2-moe qwen3-moe mixtral-eager \
-    --stem families_moe_cuda --out "$OUT" > "$OUT/moe.log" 2>&1
-  say "moe: exit $?"; grep -E "^\| [a-z]" "$OUT/families_moe_cuda.md" 2>/dev/null | cut -c1-160
+  families_step moe 120 --size small --batch 256 --length 128 --rounds 4 --family-timeout 28 --total-timeout 110 \
+    --families mixtral qwen2-moe qwen3-moe mixtral-eager --stem families_moe_cuda
+  grep -E "^\| [a-z]" "$OUT/families_moe_cuda.md" 2>/dev/null | cut -c1-160
 fi
 if [[ " $STEPS " == *" layers "* ]]; then
   say "8. torch's own layers and parametrizations"
-  step timeout 90 python3 benchmarks/families.py --device cuda --size small --batch 256 --length 128 --rounds 4 \
-    --peers --family-timeout 12 --total-timeout 80 --families layers --stem families_layers_cuda --out "$OUT" \
-    > "$OUT/layers.log" 2>&1
-  say "layers: exit $?"; grep -E "^\| layer" "$OUT/families_layers_cuda.md" 2>/dev/null | cut -c1-160
+  families_step layers 90 --size small --batch 256 --length 128 --rounds 4 --peers --family-timeout 12 \
+    --total-timeout 80 --families layers --stem families_layers_cuda
+  grep -E "^\| layer" "$OUT/families_layers_cuda.md" 2>/dev/null | cut -c1-160
 fi
 if [ "${SESSION_PACK:-0}" = 1 ] && [ -z "$DRY" ]; then
   tar -czf /tmp/gpu-session.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-session.tar.gz "$OUT/session.tar.gz"
