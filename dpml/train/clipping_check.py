@@ -75,6 +75,7 @@ from dpml.train.clipping_layers import reject_batch_norm
 from dpml.train.clipping_reference import Reference, per_example_reference
 from dpml.accounting.mechanism import Neighbouring
 from dpml.train.exact_path import PlannedExact
+from dpml.train.probe_precision import narrowest_precision
 from dpml.train.probe_checks import (
     PROBE_SEED,
     ClippingUnsupported,
@@ -85,6 +86,8 @@ from dpml.train.probe_checks import (
 )
 
 PROBE_BATCH = 6
+FLOAT64_TOLERANCE = 1e-6  # relative: the engine against autograd's per-example gradients, both in float64
+OWN_DTYPE_TOLERANCE = 1e-3  # the same in the model's own (lower) precision, or where its pass narrows to one
 LOG = logging.getLogger("dpml.clipping")
 T = TypeVar("T")
 
@@ -360,9 +363,9 @@ def _plan(
     probe: tuple[torch.Tensor, torch.Tensor] | None,
     removal: bool,
 ) -> ClippingPlan:
-    attempts: list[tuple[Any, torch.dtype, float]] = [("cpu", torch.float64, 1e-6)]
+    attempts: list[tuple[Any, torch.dtype, float]] = [("cpu", torch.float64, FLOAT64_TOLERANCE)]
     device = next(model.parameters()).device
-    attempts.append((device, next(model.parameters()).dtype, 1e-3))  # a model that only runs as it is
+    attempts.append((device, next(model.parameters()).dtype, OWN_DTYPE_TOLERANCE))  # a model that only runs as it is
     failure: ClippingUnsupported | None = None
     for where, dtype, tolerance in attempts:
         try:
@@ -378,6 +381,8 @@ def _plan(
             x_all, labels = torch.cat([probe[0][1:], probe[0][:1]]), probe[1][1:].to(where)
         if x_all.is_floating_point():
             x_all = x_all.to(dtype)
+        if dtype == torch.float64:
+            tolerance = _float64_tolerance(reference_model, x_all.to(where)[:-1])
         try:
             plan = _plan_on(reference_model, loss_fn, x_all.to(where), labels, tolerance, removal)
         except ClippingUnsupported as error:
@@ -391,6 +396,29 @@ def _plan(
         return plan
     assert failure is not None
     raise failure
+
+
+def _float64_tolerance(model: nn.Module, x: torch.Tensor) -> float:
+    """The float64 check's tolerance: 1e-6, or where the model's forward pass narrows a float64 operand to a lower
+    precision (:mod:`dpml.train.probe_precision`), whose rounding then bounds how closely autograd's reference and
+    the engine's pass can agree, a thousand times that precision's ε (float32: 1.2e-4), at most the own-dtype
+    check's 1e-3."""
+    was_training = model.training
+    model.eval()  # (no power iteration or running statistic moved by this look)
+    try:
+        narrowed = narrowest_precision(model, x)
+    finally:
+        model.train(was_training)
+    if narrowed is None:
+        return FLOAT64_TOLERANCE
+    tolerance = min(OWN_DTYPE_TOLERANCE, max(FLOAT64_TOLERANCE, 1000 * torch.finfo(narrowed).eps))
+    LOG.info(
+        "the model computes in %s in places (an operation narrows a float64 operand to it): the clipping check in "
+        "float64 holds the engine to %.2g",
+        str(narrowed).removeprefix("torch."),
+        tolerance,
+    )
+    return tolerance
 
 
 def check_autocast(
