@@ -26,6 +26,7 @@ from dpml.train.rules import (  # noqa: F401 (each module registers its rules wh
     grouped_mm,
     linear,
     matmul,
+    matrix_exp,
     norm,
     prelu,
     recurrent,

@@ -5,9 +5,9 @@ that writes its first operand, :func:`writes_first_operand`; through a view, :cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -62,6 +62,30 @@ def through_view(func: Any, target: torch.Tensor) -> tuple[ThroughView, torch.Te
         return None
     offset = int(target.storage_offset() - base.storage_offset())
     return ThroughView(func, tuple(target.shape), tuple(target.stride()), offset), base
+
+
+STAND_INS: list[tuple[Any, Any]] = []
+"""(function, stand-in): a function whose run on parameters is run again, for its pull-back, as a stand-in that
+gives the same outputs through a backward the pull-back batches over examples more cheaply
+(:mod:`.matrix_exp`)."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def stand_in(*functions: Any) -> Callable[[F], F]:  # noqa: ANN401 (torch's functions, any kind)
+    """Registers the decorated function as the stand-in of ``functions`` (:data:`STAND_INS`)."""
+
+    def register(replacement: F) -> F:
+        STAND_INS.extend((function, replacement) for function in functions)
+        return replacement
+
+    return register
+
+
+def run_as(func: Any) -> Any:  # noqa: ANN401
+    """``func``'s stand-in where one is registered, else ``func``."""
+    return next((replacement for function, replacement in STAND_INS if function is func), func)
 
 
 RandomState = tuple[RngState, torch.device]
@@ -179,7 +203,7 @@ class LocalRun:
         if writes:
             args = (args[0].clone(), *args[1:])
         with _precision_as(self.precision, self.state[1]), torch.enable_grad(), replayed(self.state):
-            result = self.func(*args, **kwargs)
+            result = run_as(self.func)(*args, **kwargs)
         return [args[0]] if writes else outputs(result)
 
 

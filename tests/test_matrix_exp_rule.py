@@ -1,0 +1,106 @@
+"""exp(A) of a parameter pulled back through iA's eigendecomposition (:mod:`dpml.train.rules.matrix_exp`): the
+stand-in's backward is torch's own, per example under ``vmap`` as the pull-back runs it, for skew-symmetric and
+skew-Hermitian A (eigenvalues repeated or zero too) and, through torch's block form, for any other A; and
+``orthogonal``'s weights, away from the identity they start at, train with clipped sums and norms equal to a float64
+per-example loop, nothing on the exact path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+
+from dpml.train.clipping import clipped_gradient_sum
+from dpml.train.clipping_check import _PLANS, plan_clipping
+from dpml.train.rules.matrix_exp import exp_of_skew_hermitian
+from dpml.train.rules.rerun import run_as
+
+
+def _skew(n: int, dtype: torch.dtype, scale: float = 1.0, batch: tuple[int, ...] = ()) -> torch.Tensor:
+    x = torch.randn(*batch, n, n, dtype=dtype) * scale
+    return x - x.mH
+
+
+def _rotation_generator_with_repeated_angles() -> torch.Tensor:
+    """Block-diagonal 2 × 2 rotation generators with angles 0.7, 0.7, 0 (iA's eigenvalues ±0.7 twice, 0 twice)."""
+    a = torch.zeros(6, 6, dtype=torch.float64)
+    for k, angle in enumerate([0.7, 0.7, 0.0]):
+        a[2 * k, 2 * k + 1], a[2 * k + 1, 2 * k] = angle, -angle
+    q = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64))[0]
+    rotated = q @ a @ q.T
+    return (rotated - rotated.T) / 2  # (exactly skew-symmetric again after the products' rounding)
+
+
+CASES = {
+    "skew-symmetric": lambda: _skew(7, torch.float64),
+    "skew-symmetric-large-angles": lambda: _skew(5, torch.float64, scale=3.0),
+    "skew-hermitian": lambda: _skew(6, torch.complex128),
+    "batched": lambda: _skew(4, torch.float64, batch=(3,)),
+    "zero": lambda: torch.zeros(5, 5, dtype=torch.float64),
+    "repeated-eigenvalues": _rotation_generator_with_repeated_angles,
+    "not-skew (block form)": lambda: torch.randn(5, 5, dtype=torch.float64) * 0.5,
+}
+
+
+def _per_example_backwards(function: object, a: torch.Tensor, cotangents: torch.Tensor) -> torch.Tensor:
+    leaf = a.clone().requires_grad_(True)
+    out = function(leaf)  # type: ignore[operator]
+
+    def one(g: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(out, leaf, g, retain_graph=True)[0]
+
+    return torch.func.vmap(one)(cotangents)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_stand_in_gives_torch_s_exp_and_torch_s_per_example_backward(case: str) -> None:
+    torch.manual_seed(0)
+    a = CASES[case]()
+    cotangents = torch.randn(4, *a.shape, dtype=a.dtype)
+    assert torch.equal(exp_of_skew_hermitian(a), torch.matrix_exp(a))
+    found = _per_example_backwards(exp_of_skew_hermitian, a, cotangents)
+    expected = _per_example_backwards(torch.matrix_exp, a, cotangents)
+    assert found.dtype == expected.dtype and found.shape == expected.shape
+    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-11)
+
+
+def test_the_stand_in_is_what_a_rerun_of_matrix_exp_runs() -> None:
+    for function in (torch.matrix_exp, torch.linalg.matrix_exp, torch.Tensor.matrix_exp):
+        assert run_as(function) is exp_of_skew_hermitian
+    assert run_as(torch.mm) is torch.mm
+
+
+def _orthogonal_classifier(square: bool) -> nn.Module:
+    first = nn.Linear(6, 6) if square else nn.Linear(6, 4)
+    body = parametrizations.orthogonal(first, orthogonal_map="matrix_exp")
+    with torch.no_grad():  # away from the identity orthogonal starts at (A = 0 there: every angle equal)
+        body.parametrizations.weight.original.add_(torch.randn_like(body.parametrizations.weight.original) * 0.8)
+    return nn.Sequential(body, nn.Tanh(), nn.Linear(first.out_features, 3))
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y, reduction="none")
+
+
+@pytest.mark.parametrize("square", [True, False], ids=["square", "rectangular"])
+def test_orthogonal_weights_clip_as_a_float64_per_example_loop_with_nothing_exact(square: bool) -> None:
+    torch.manual_seed(1)
+    model = _orthogonal_classifier(square).double()
+    _PLANS.clear()
+    plan = plan_clipping(model, _loss, (6,), torch.float64)
+    assert plan.exact_parameters == ()
+    x, y = torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,))
+    sums, norms = clipped_gradient_sum(model, _loss, x, y, 0.5, exact=plan.exact)
+    expected_norms, expected_sums = [], {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        _loss(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        norm = torch.sqrt(sum(g.square().sum() for g in grads.values()))
+        expected_norms.append(norm)
+        for name, g in grads.items():
+            expected_sums[name] += g * torch.clamp(0.5 / (norm + 1e-6), max=1.0)
+    torch.testing.assert_close(norms, torch.stack(expected_norms), rtol=1e-9, atol=1e-12)
+    for name, total in expected_sums.items():
+        torch.testing.assert_close(sums[name], total, rtol=1e-9, atol=1e-12)
