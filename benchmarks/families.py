@@ -123,7 +123,9 @@ from family_zoo import (  # noqa: E402
     AUDIO_SAMPLES,
     AUDIO_ZOO,
     CLIP_FRAMES,
+    END_OF_SEQUENCE,
     IMAGE_ZOO,
+    NEWER_TEXT,
     PEFT_FAMILIES,
     PEFT_ON_BERT,
     TEXT_ZOO,
@@ -182,11 +184,12 @@ def _token_wrapper():  # noqa: ANN202
 
         def probe_input(self, shape, dtype, count, generator):  # noqa: ANN001, ANN201
             """dpml's clipping probe: valid ids and masks with padding, as for a model through ``dpml.train_private``
-            (OPT's positions count the mask: a mask of random ids would index past its position table)."""
-            from dpml.models.library import input_vocabulary, probe_tokens
+            (OPT's positions count the mask: a mask of random ids would index past its position table), each ending in
+            the model's ``<eos>`` where it names one (BART's and T5's classifiers read the last one)."""
+            from dpml.models.library import input_vocabulary, probe_tokens, token_conventions
 
             vocabulary = input_vocabulary(self.model)
-            return probe_tokens(count, shape[-1], vocabulary, generator).to(dtype)
+            return probe_tokens(count, shape[-1], vocabulary, generator, token_conventions(self.model)).to(dtype)
 
     return TokenModel
 
@@ -417,6 +420,10 @@ def example_batch(family: str, batch: int, length: int, device: str):  # noqa: A
         lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
         mask = (torch.arange(length) < lengths[:, None]).long()
         ids = torch.randint(1, vocab, (batch, length), generator=generator) * mask
+        if family in END_OF_SEQUENCE:  # a tokenizer's layout: one <eos>, the last kept token
+            eos = END_OF_SEQUENCE[family]
+            ids = torch.where(ids == eos, eos + 1, ids)
+            ids[torch.arange(batch), lengths - 1] = eos
         x, classes = torch.stack([ids, mask], 1), TEXT_CLASSES
     elif family in VIDEO_ZOO:
         x, classes = torch.randn(batch, 3, CLIP_FRAMES, 32, 32, generator=generator), IMAGE_CLASSES
@@ -1045,7 +1052,10 @@ def run_commits(start: str, end: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--families", nargs="+", default=FAMILIES, choices=[*FAMILIES, *MORE_FAMILIES, "zoo", "peft", "layers"]
+        "--families",
+        nargs="+",
+        default=FAMILIES,
+        choices=[*FAMILIES, *MORE_FAMILIES, "zoo", "peft", "layers", "more-text"],
     )
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--batch", type=int, default=64)
@@ -1093,7 +1103,12 @@ def main() -> None:
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process: write its rows here
     parser.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)  # a child's seconds
     args = parser.parse_args()
-    groups = {"zoo": ZOO, "peft": ["bert-lora", "bert-c3a", *PEFT_ON_BERT], "layers": LAYER_ZOO}
+    groups = {
+        "zoo": ZOO,
+        "peft": ["bert-lora", "bert-c3a", *PEFT_ON_BERT],
+        "layers": LAYER_ZOO,
+        "more-text": NEWER_TEXT,
+    }
     args.families = [name for family in args.families for name in groups.get(family, [family])]
     if args.render:  # the page from recorded numbers, e.g. after its layout changed
         saved = json.loads(Path(args.render).read_text())

@@ -25,7 +25,15 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
   ``transformers`` 5's classifiers do not),
   ``longformer`` (local attention in windows of 32, global attention on the first token: each example's global
   tokens written into zeros made for them), ``xlnet`` (time-major relative attention: a position table expanded
-  over the batch, each layer's ``r`` projecting it);
+  over the batch, each layer's ``r`` projecting it); and (``--families more-text``, :data:`NEWER_TEXT`) the
+  encoder-decoders ``t5`` (relative position buckets: an embedding indexed by one table shared by the batch, added
+  to every layer's scores; RMS norms without a mean) and ``bart`` (learned positions offset by 2), each classifying
+  from its decoder's state at the example's last ``<eos>``, the decoders ``gemma`` (one key-value head, RMSNorm
+  with its weight plus one), ``phi`` (partial rotary, attention and MLP in parallel), ``falcon`` (multi-query
+  attention, parallel attention and MLP), ``gpt-neox`` (partial rotary, parallel residual), and the encoders
+  ``modernbert`` (local and global attention, gated MLP, no biases), ``funnel`` (pooled queries halving the sequence
+  between blocks, relative attention), ``mobilebert`` (bottlenecks and ``NoNorm``, an elementwise affine in place of
+  LayerNorm) and ``fnet`` (Fourier transforms in place of attention);
 - images (32×32, 10 classes): timm's ``deit``, ``beit`` (relative position bias, layer scale), ``swin`` (windows
   of 4, two stages), ``efficientnet-gn`` (EfficientNet-B0, depthwise 3×3 and 5×5, squeeze-excitation, its
   BatchNorms GroupNorms), ``regnet-gn`` (RegNetX-200MF, groups of 8 channels) and ``bit-gn`` (BiT's ResNetV2-50x1:
@@ -55,6 +63,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+NEWER_TEXT = ["t5", "bart", "gemma", "phi", "falcon", "gpt-neox", "modernbert", "funnel", "mobilebert", "fnet"]
 TEXT_ZOO = [
     "roberta",
     "xlm-roberta",
@@ -78,7 +87,9 @@ TEXT_ZOO = [
     "bert-c3a",
     "longformer",
     "xlnet",
+    *NEWER_TEXT,
 ]
+END_OF_SEQUENCE = {"t5": 1, "bart": 2}  # family: its <eos> id, which its classifier reads (each example ends in one)
 EAGER_EXPERTS = {"mixtral-eager": "mixtral", "qwen2-moe-eager": "qwen2-moe"}  # family: the config it shares
 QV, IA3 = ["query", "value"], ["key", "value", "output.dense"]
 PEFT_ON_BERT: dict[str, tuple[str, dict[str, Any], str]] = {  # family: (peft's config class, its settings, what it is)
@@ -185,6 +196,40 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
             **bert_like, attention_window=32, max_position_embeddings=length + 2, **common
         ),
         "xlnet": lambda: tr.XLNetConfig(d_model=h, n_layer=layers, n_head=heads, d_inner=ffn, **common),
+        "t5": lambda: tr.T5Config(
+            d_model=h,
+            d_kv=h // heads,
+            d_ff=ffn,
+            num_layers=layers,
+            num_heads=heads,
+            eos_token_id=END_OF_SEQUENCE["t5"],
+            decoder_start_token_id=0,
+            **common,
+        ),
+        "bart": lambda: tr.BartConfig(
+            d_model=h,
+            encoder_layers=layers,
+            decoder_layers=layers,
+            encoder_attention_heads=heads,
+            decoder_attention_heads=heads,
+            encoder_ffn_dim=ffn,
+            decoder_ffn_dim=ffn,
+            eos_token_id=END_OF_SEQUENCE["bart"],
+            max_position_embeddings=max(512, length),
+            **common,
+        ),
+        "gemma": lambda: tr.GemmaConfig(**decoder, num_key_value_heads=1, head_dim=h // heads, **common),
+        "phi": lambda: tr.PhiConfig(**decoder, **common),
+        "falcon": lambda: tr.FalconConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, **common),
+        "gpt-neox": lambda: tr.GPTNeoXConfig(**decoder, **common),
+        "modernbert": lambda: tr.ModernBertConfig(**bert_like, max_position_embeddings=max(512, length), **common),
+        "funnel": lambda: tr.FunnelConfig(
+            d_model=h, n_head=heads, d_head=h // heads, d_inner=ffn, block_sizes=[1] * layers, **common
+        ),
+        "mobilebert": lambda: tr.MobileBertConfig(
+            **bert_like, embedding_size=h // 2, intra_bottleneck_size=h // 2, true_hidden_size=h // 2, **common
+        ),
+        "fnet": lambda: tr.FNetConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=ffn, **common),
         **{
             name: lambda: tr.BertConfig(**bert_like, max_position_embeddings=max(512, length), **common)
             for name in ("bert-c3a", *PEFT_ON_BERT)
