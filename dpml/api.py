@@ -17,8 +17,11 @@ The guarantees of the pipeline hold here too, in this order, before any record i
 every argument is checked (an error names it, its value and what is allowed); the model is probed by
 :func:`dpml.train.clipping_check.plan_clipping` (a model the clipping engine cannot handle exactly is
 refused); with a ``ledger``, the spend is reserved for the records' privacy units (refused when one
-would go over ``epsilon_budget``) and marked ``started`` — from then on it counts, whatever happens.
-The Poisson samples and the noise come from a secret seed (:func:`dpml.train.noise.secret_noise_seed`).
+would go over ``epsilon_budget``); every record is checked, its label against the model's classes and its
+input's shape against the first's (:func:`dpml.train.dataset_steps.check_every_record`: a bad record met in
+training would end a run whose spend already counts; a failure cancels the reservation); and the spend is
+marked ``started`` — from then on it counts, whatever happens. The Poisson samples and the noise come from a
+secret seed (:func:`dpml.train.noise.secret_noise_seed`).
 
 Distributed: ``world_size = N`` starts N processes on this machine (:func:`dpml.train.distributed.spawn`;
 the model and the data set must then be picklable); under ``torchrun`` every process calls
@@ -28,14 +31,14 @@ the model and the data set must then be picklable); under ``torchrun`` every pro
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from dpml.devices import pick_device
 from dpml.models.library import adapt, check_input_kind, eager, input_vocabulary
@@ -44,13 +47,20 @@ from dpml.sections_stores import LedgerConfig
 from dpml.accounting.accountants import certify
 from dpml.accounting.calibrate import calibrate_noise_multiplier
 from dpml.accounting.mechanism import MechanismDescription
-from dpml.ledger.ledger import Ledger, ledger_of
+from dpml.ledger.ledger import Ledger, Spend, ledger_of
 from dpml.ledger.spending import Charge, charged_run
 from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
 from dpml.train.clipping import LossFn
 from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
-from dpml.train.dataset_steps import MappingRecords, check_record, dataset_size, dataset_steps, mapping_pair
+from dpml.train.dataset_steps import (
+    MappingRecords,
+    check_every_record,
+    check_record,
+    dataset_size,
+    dataset_steps,
+    mapping_pair,
+)
 from dpml.train.distributed import Collective, check_picklable, from_environment, process_device, spawn
 from dpml.train.trainers.dpsgd import DpSgdSettings
 from dpml.train.dpsgd import (
@@ -148,9 +158,17 @@ def number_of_classes(model: nn.Module, first_input: torch.Tensor) -> int:
     if out.dim() != 2:
         raise ValueError(
             f"model: its output on one record has shape {tuple(out.shape)}; a classifier returns "
-            "(batch, classes) logits"
+            "(batch, classes) logits, one row of class scores per record (a language model's head gives a row per "
+            "token: train a sequence-classification head, ...ForSequenceClassification)"
         )
     return int(out.shape[1])
+
+
+def _label_tensor(dataset: Dataset[Any]) -> torch.Tensor | None:
+    """A ``TensorDataset``'s labels, its last tensor (also under the token records' reading of it), for the check of
+    every label before any work; None for any other data set (read record by record)."""
+    inner = dataset.dataset if isinstance(dataset, TokenRecords) else dataset
+    return inner.tensors[-1] if isinstance(inner, TensorDataset) else None
 
 
 def build_optimizer(
@@ -226,13 +244,16 @@ def charge_of(
     budget: float,
     privacy_units: Sequence[object] | None,
     label: str,
+    before_start: Callable[[Spend], None],
 ) -> Charge | None:
     """What the call asks of ``book`` (``None``: an uncharged run): the spend charged to ``lineage`` (also its
-    dataset version: the API's records have no version of their own), per unit of ``privacy_units``."""
+    dataset version: the API's records have no version of their own), per unit of ``privacy_units``;
+    ``before_start``, the check of every record, runs once the reservation is granted (a run over budget reads no
+    label) and cancels it when it fails (:func:`dpml.ledger.spending.reserve_and_start`)."""
     if book is None:
         return None
     units = digests_of_ids(privacy_units) if privacy_units is not None else None
-    return Charge(book, lineage, mechanism, label, budget, lineage=lineage, units=units)
+    return Charge(book, lineage, mechanism, label, budget, lineage=lineage, units=units, before_start=before_start)
 
 
 def train_private(
@@ -302,6 +323,7 @@ def train_private(
     model, dataset, first = model_inputs(user_model, dataset, n, inputs)  # token records checked before any work
     input_dtype = first.dtype if not first.dtype.is_floating_point else next(model.parameters()).dtype
     # refuses before any spend
+    n_classes = number_of_classes(model, first)
     plan = plan_clipping(model, loss_fn, tuple(first.shape), input_dtype, neighbouring=dpc.neighbouring)
     check_autocast(model, loss_fn, tuple(first.shape), input_dtype, str(pick_device(tr.device)), AUTOCAST[tr.autocast])
     steps = number_of_steps(tr.epochs, q)
@@ -324,7 +346,7 @@ def train_private(
         tr.physical_batch_size,
         str(pick_device(tr.device)),
         num_workers,
-        number_of_classes(model, first),
+        n_classes,
         progress,
         tr.autocast,
         tr.tune_physical_batch,
@@ -342,7 +364,13 @@ def train_private(
     agreement_device = process_device(run.device, collective.rank) if collective else "cpu"
     book = open_book(ledger, dpc.delta) if lead else None
     label = f"dpml.train_private: {type(user_model).__name__} ({n} records)"
-    charge = charge_of(book, mechanism, lineage, epsilon_budget, privacy_units, label)  # type: ignore[arg-type]
+
+    def check_records(spend: Spend | None = None) -> None:
+        check_every_record(dataset, n, n_classes, tuple(first.shape), _label_tensor(dataset))
+
+    if ledger is None:  # (every process alike: none reaches a collective with a bad record)
+        check_records()
+    charge = charge_of(book, mechanism, lineage, epsilon_budget, privacy_units, label, check_records)  # type: ignore[arg-type]
 
     def agree(refusal: BaseException | None) -> None:
         """Under torchrun, no process trains when rank 0's reservation was refused."""

@@ -5,6 +5,9 @@
 - physical chunks never exceed ``physical_batch_size`` and add up to each step's Poisson sample;
 - bad arguments are refused before any record is read, naming the key and the value;
 - a model the clipping engine cannot handle, and a run over budget, spend nothing and read nothing;
+- a label outside the model's classes, or an input of another shape than the first record's, anywhere in the data
+  set, is refused before the run starts (after the reservation, which it cancels), naming the record and what is
+  wrong: no budget is spent on a run that would fail on it;
 - the certificate matches dp_accounting's PLD accountant, asked independently, and a target ε is met;
 - a charged run is in the ledger per unit; a failed one stays counted with its ``failed`` event;
 - an MLflow run (a real SQLite store) holds ε, the certificate and weights that load back;
@@ -35,21 +38,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Blobs(Dataset):  # type: ignore[type-arg]
-    """n records of 10 features, 3 classes; counts how many records were read."""
+    """n records of 10 features, 3 classes; counts how many records were read. ``fails_after``: the storage goes
+    away after that many reads (an ``OSError``, as a lost network mount gives)."""
 
-    def __init__(self, n: int = 300, bad_label_at: int | None = None) -> None:
+    def __init__(self, n: int = 300, bad_label_at: int | None = None, fails_after: int | None = None) -> None:
         generator = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, 10, generator=generator)
         self.y = torch.randint(0, 3, (n,), generator=generator)
         if bad_label_at is not None:
             self.y[bad_label_at] = 7
         self.reads = 0
+        self.fails_after = fails_after
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         self.reads += 1
+        if self.fails_after is not None and self.reads > self.fails_after:
+            raise OSError(f"record {i}: the storage went away")
         return self.x[i], int(self.y[i])
 
 
@@ -291,20 +298,112 @@ def test_the_ledger_is_charged_per_unit_and_refuses_a_run_over_budget(tmp_path: 
 
 def test_a_run_that_fails_after_it_started_stays_counted(tmp_path: Path) -> None:
     ledger_path = tmp_path / "ledger.sqlite"
-    with pytest.raises(ValueError, match=r"dataset\[(\d+)\]: label 7 is outside the 3 classes \[0, 3\)"):
+    data = Blobs(fails_after=300 + 1 + 100)  # (the first record, every label once, then 100 records of training)
+    with pytest.raises(OSError, match="the storage went away"):
         dpml.train_private(
-            network(),
-            Blobs(bad_label_at=150),
-            ledger=ledger_path,
-            epsilon_budget=50.0,
-            lineage="blobs",
-            **{**SETTINGS, "epochs": 5},
+            network(), data, ledger=ledger_path, epsilon_budget=50.0, lineage="blobs", **{**SETTINGS, "epochs": 5}
         )
     ledger = Ledger(ledger_path, 1e-4)
     (spend,) = ledger.spends()
     kinds = [kind for kind, _ in ledger.events(spend.id)]
-    assert kinds[:2] == ["started", "failed"] and "label 7" in ledger.events(spend.id)[1][1]["error"]
+    assert kinds[:2] == ["started", "failed"] and "the storage went away" in ledger.events(spend.id)[1][1]["error"]
     assert ledger.total("blobs") > 0
+
+
+class Tokens(Dataset):  # type: ignore[type-arg]
+    """Token records (input_ids, attention_mask, label) read one at a time (not a TensorDataset)."""
+
+    def __init__(self, labels: torch.Tensor) -> None:
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids = torch.arange(1, 7) + i % 5
+        return ids, torch.ones(6, dtype=torch.long), self.labels[i]
+
+
+class TokenClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(input_ids) * attention_mask[..., None]
+        return self.head(h.sum(1) / attention_mask.sum(1, keepdim=True))
+
+
+class OneShorter(Blobs):
+    """Record 200's input has 9 features where the others have 10 (a chunk holding it cannot be stacked)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = super().__getitem__(i)
+        return (x[:9] if i == 200 else x), y
+
+
+def _bad_labels(where: int, value: int, n: int = 300) -> torch.Tensor:
+    labels = torch.arange(n) % 3
+    labels[where] = value
+    return labels
+
+
+@pytest.mark.parametrize(
+    ("records", "model", "expected"),
+    [
+        (lambda: Blobs(bad_label_at=299), network, r"dataset\[299\]: label 7 is outside the 3 classes \[0, 3\)"),
+        (
+            lambda: torch.utils.data.TensorDataset(torch.randn(300, 10), _bad_labels(123, -1)),
+            network,
+            r"dataset\[123\]: label -1 is outside the 3 classes \[0, 3\)",
+        ),
+        (
+            lambda: torch.utils.data.TensorDataset(torch.randn(300, 10), torch.rand(300)),
+            network,
+            r"dataset\[0\]: the label must be one integer class, got a torch.float32 tensor",
+        ),
+        (
+            lambda: torch.utils.data.TensorDataset(
+                torch.randint(1, 20, (300, 6)), torch.ones(300, 6, dtype=torch.long), _bad_labels(250, 3)
+            ),
+            TokenClassifier,
+            r"dataset\[250\]: label 3 is outside the 3 classes \[0, 3\)",
+        ),
+        (lambda: Tokens(_bad_labels(42, 9)), TokenClassifier, r"dataset\[42\]: label 9 is outside the 3 classes"),
+        (
+            lambda: OneShorter(),
+            network,
+            r"dataset\[200\]: an input of shape \[9\], where dataset\[0\]'s is \[10\]; every record's input has one",
+        ),
+    ],
+    ids=["records-last", "tensor-dataset-negative", "tensor-dataset-float", "token-tensors", "token-records", "shape"],
+)
+def test_a_bad_record_anywhere_is_refused_before_the_run_starts_and_spends_nothing(
+    records: Any, model: Any, expected: str, tmp_path: Path
+) -> None:
+    ledger_path = tmp_path / "ledger.sqlite"
+    net = model()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=expected):
+        dpml.train_private(net, records(), ledger=ledger_path, epsilon_budget=50.0, lineage="l", **SETTINGS)
+    ledger = Ledger(ledger_path, 1e-4)  # reserved, then cancelled: nothing counts
+    assert ledger.spends() == [] and ledger.total("l") == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+
+
+def test_a_language_model_s_per_token_logits_are_refused_before_the_probe_naming_the_shape() -> None:
+    class PerToken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(20, 8)
+            self.head = nn.Linear(8, 20)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embedding(input_ids))  # (B, T, vocabulary), as a language model's head
+
+    with pytest.raises(ValueError, match=r"model: its output on one record has shape \(1, 6, 20\); a classifier"):
+        dpml.train_private(PerToken(), Tokens(torch.arange(300) % 3), **SETTINGS)
 
 
 def test_mlflow_run_holds_the_certificate_and_weights(tmp_path: Path) -> None:

@@ -95,6 +95,34 @@ def check_labels(labels: torch.Tensor, indices: torch.Tensor, n_classes: int) ->
         )
 
 
+def check_every_record(
+    dataset: Dataset[Any], n: int, n_classes: int, shape: tuple[int, ...], labels: torch.Tensor | None = None
+) -> None:
+    """Every record a pair (input of the first record's ``shape``, one integer class in [0, ``n_classes``)), checked
+    before any work: a label outside the classes, met by the chunk check (:func:`check_labels`) in the middle of
+    training, or an input of another shape, met when a chunk is stacked, would end a run whose budget is already
+    spent. ``labels``: the n labels at once where the caller holds them (a ``TensorDataset``'s last tensor, whose
+    inputs share one shape); else each record is read once (as one epoch reads them)."""
+    if labels is None or labels.shape != (n,) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        found = []
+        for index in range(n):
+            item = dataset[index]
+            check_record(item, index)
+            _check_shape(item[0], index, shape)
+            found.append(int(torch.as_tensor(item[1])))
+        labels = torch.tensor(found, dtype=torch.long)
+    check_labels(labels, torch.arange(n), n_classes)
+
+
+def _check_shape(x: Any, index: int, shape: tuple[int, ...]) -> None:  # noqa: ANN401 (a record's input)
+    found = tuple(torch.as_tensor(x).shape)
+    if found != shape:
+        raise ValueError(
+            f"dataset[{index}]: an input of shape {list(found)}, where dataset[0]'s is {list(shape)}; every record's "
+            "input has one shape (a chunk of records is stacked into one tensor: pad, crop or resize them alike)"
+        )
+
+
 def index_chunks(indices: torch.Tensor, size: int) -> list[torch.Tensor]:
     """``indices`` in consecutive chunks of at most ``size``; none for an empty sample."""
     return [chunk for chunk in indices.split(size) if chunk.numel()]
