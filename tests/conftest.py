@@ -163,6 +163,37 @@ def trains_without_the_exact_path(model: Any, dataset: Any, **settings: Any) -> 
     return result
 
 
+def assert_clips_as_a_per_example_loop(model: Any, loss: Any, x: Any, y: Any, clip: float, exact: Any = ()) -> None:
+    """The engine's clipped sums and norms (:func:`dpml.train.clipping.clipped_gradient_sum`) equal a float64 loop
+    of one backward pass per example, each from the buffers the batch's pass started from (spectral norm's power
+    iteration moves them at every training-mode forward pass), c_i = min(1, C / (‖g_i‖ + 1e-6))."""
+    import torch
+
+    from dpml.train.clipping import clipped_gradient_sum
+
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+
+    def restored() -> None:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+
+    sums, norms = clipped_gradient_sum(model, loss, x, y, clip, exact=exact)
+    expected_norms, expected_sums = [], {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for i in range(x.shape[0]):
+        restored()
+        model.zero_grad()
+        loss(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        norm = torch.sqrt(sum(g.square().sum() for g in grads.values()))
+        expected_norms.append(norm)
+        for name, g in grads.items():
+            expected_sums[name] += g * torch.clamp(clip / (norm + 1e-6), max=1.0)
+    torch.testing.assert_close(norms, torch.stack(expected_norms), rtol=1e-9, atol=1e-12)
+    for name, total in expected_sums.items():
+        torch.testing.assert_close(sums[name], total, rtol=1e-9, atol=1e-12)
+
+
 def write_params(path: Path, params: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path

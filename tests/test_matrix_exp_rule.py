@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from dpml.train.clipping import clipped_gradient_sum
+from conftest import assert_clips_as_a_per_example_loop
 from dpml.train.clipping_check import _PLANS, plan_clipping
 from dpml.train.rules.matrix_exp import exp_of_skew_hermitian
 from dpml.train.rules.rerun import run_as
@@ -91,16 +91,4 @@ def test_orthogonal_weights_clip_as_a_float64_per_example_loop_with_nothing_exac
     plan = plan_clipping(model, _loss, (6,), torch.float64)
     assert plan.exact_parameters == ()
     x, y = torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,))
-    sums, norms = clipped_gradient_sum(model, _loss, x, y, 0.5, exact=plan.exact)
-    expected_norms, expected_sums = [], {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    for i in range(x.shape[0]):
-        model.zero_grad()
-        _loss(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        norm = torch.sqrt(sum(g.square().sum() for g in grads.values()))
-        expected_norms.append(norm)
-        for name, g in grads.items():
-            expected_sums[name] += g * torch.clamp(0.5 / (norm + 1e-6), max=1.0)
-    torch.testing.assert_close(norms, torch.stack(expected_norms), rtol=1e-9, atol=1e-12)
-    for name, total in expected_sums.items():
-        torch.testing.assert_close(sums[name], total, rtol=1e-9, atol=1e-12)
+    assert_clips_as_a_per_example_loop(model, _loss, x, y, 0.5, plan.exact)
