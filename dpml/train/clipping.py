@@ -71,7 +71,6 @@ from dpml.train.streamed import as_dtype, layer_pieces
 from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
 from dpml.train.rules.derived import pull_back_all
 from dpml.train.rules.row_jacobian import row_map_pieces
-from dpml.train.rules.scaled_weight import scaled_weight_pieces
 from dpml.train.rules.scattered_rows import scattered_row_uses
 from dpml.train.rules.standardised import standardised_pieces
 from dpml.train.rules.outputs import LetGo, Recorded, RecordedOutputs
@@ -256,7 +255,6 @@ def _rule_pieces(
     nodes = recording.recorder.computations.nodes
     standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (steps, piece)}: W standardised first
     standardised |= row_map_pieces(nodes, uses, ruled, params, standardised.keys())
-    standardised |= scaled_weight_pieces(nodes, uses, ruled, params, standardised.keys())
     done = relevant - {id(node.output) for steps, _ in standardised.values() for node in steps}
     done -= scattered_row_uses(nodes, uses, done, params)  # (rows of a frozen table replaced by a parameter's)
     pulled, failed, recomputed = pull_back_all(nodes, uses, done, batch, dtype, limit, params)

@@ -50,25 +50,20 @@ from torch import nn
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import computed_norms, merged_uses, row_form, use_norms
 from dpml.train.rules.derived import Derived, pulled_back_probes
-from dpml.train.rules.operands import outputs
 from dpml.train.rules.registry import Computed, Factored, Use, in_order
 from dpml.train.rules.row_affine import RowMap, read_row_map
 
 _PROBE_SEED = 20190227  # the probes' own generator: the model's random draws are left as they were
 
 
-class ComputationGraph:
-    """The recorded computations indexed once per pass: each by its output's id, and the readers of each tensor
-    through which a gradient can pass (a reading under ``torch.no_grad``, as spectral norm's power iteration reads W,
-    passes none)."""
+class _Graph:
+    """The recorded computations indexed once per pass: each by its output's id, and the readers of each tensor."""
 
     def __init__(self, nodes: list[Derived]) -> None:
         self.nodes = nodes
         self.by_output = {id(node.output): node for node in nodes}
         self.readers: dict[int, list[Derived]] = {}
         for node in nodes:
-            if all(o.grad_fn is None for o in outputs(node.again.out)):  # (its call ran under torch.no_grad)
-                continue
             for key in dict.fromkeys(id(t.param) for _, t in node.sources):
                 self.readers.setdefault(key, []).append(node)
 
@@ -95,13 +90,7 @@ class ComputationGraph:
         return [node for node in self.nodes if id(node.output) in found], param
 
 
-def reduces_to_a_number(chain: list[Derived]) -> bool:
-    """A step of ``chain`` gives one number (a 0-dimensional output: a norm, σ = uᵀ W v): a map of the whole weight,
-    never row by row (:mod:`.scaled_weight` takes those), so that neither rule fits a chain the other describes."""
-    return any(node.output.dim() == 0 for node in chain)
-
-
-def within_rounding(residual: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
+def _within_rounding(residual: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
     """Each row's residual (C, n) within rounding of its terms' size ``scale`` (C,)."""
     tolerance = 10 * torch.finfo(dtype).eps ** 0.5
     floor = 1e-3 * scale.amax()
@@ -154,7 +143,7 @@ def fitted_row_map(chain: list[Derived], param: nn.Parameter, output: torch.Tens
     predicted = stretched * drawn[2] + _from_span(t, (mix @ _in_span(t, drawn[2])[..., None])[..., 0])
     sizes = pulled.norm(dim=2) + torch.cat([fitted, predicted[None]]).norm(dim=2)
     residuals = torch.cat([pulled[:2] - fitted, (pulled[2] - predicted)[None]])
-    if not all(within_rounding(r, scale, dtype) for r, scale in zip(residuals, sizes, strict=True)):
+    if not all(_within_rounding(r, scale, dtype) for r, scale in zip(residuals, sizes, strict=True)):
         return None
     return RowMap(alpha, mix, t, sums, squares)
 
@@ -224,7 +213,7 @@ def row_map_pieces(
     """{id(W): (the computations from W to T, W's piece)} for each T = f(W) of ``nodes`` that (1) describes (W's id
     among ``ruled`` and not ``taken`` already); W joins ``params`` (by id)."""
     found: dict[int, tuple[list[Derived], Piece]] = {}
-    graph = ComputationGraph(nodes)
+    graph = _Graph(nodes)
     for node in nodes:
         merged = merged_uses(uses.get(id(node.output), []))
         if len(merged) != 1 or node.output.dim() < 2 or not node.output.is_floating_point():
@@ -242,7 +231,7 @@ def row_map_pieces(
         if chain is None or id(chain[1]) not in ruled or id(chain[1]) in taken or id(chain[1]) in found:
             continue
         steps, param = chain
-        if param.numel() != node.output.numel() or reduces_to_a_number(steps):
+        if param.numel() != node.output.numel():
             continue
         fitted = read_row_map(steps, param, node.output) or fitted_row_map(steps, param, node.output)
         if fitted is None:
