@@ -9,8 +9,9 @@ then differ by float32's rounding (Gemma's post-attention norm weight: 1.2e-6 re
 error of the engine, and the model would be refused for it. So the probe first runs the model's forward pass once
 on its probe batch, watching each operation (a dispatch mode, which sees inside autograd Functions too); an
 operation that takes a floating operand and gives a floating result of *lower* precision (float64 → float32, or a
-float32 tensor written with float64 values) is a *narrowing*, and the check's tolerance is then the one the probe
-uses for a model checked in its own lower precision. A float32 tensor made from integers (``mask.float()``,
+float32 tensor written with float64 values) is a *narrowing*, and the check's tolerance is then a thousand times the
+ε of the lowest precision narrowed to (float32: 1.2e-4), at most the 1e-3 of a model checked in its own dtype
+(:func:`dpml.train.clipping_check._float64_tolerance`). A float32 tensor made from integers (``mask.float()``,
 ``arange``) narrows nothing: it holds its values exactly, and the tolerance stays 1e-6.
 """
 
