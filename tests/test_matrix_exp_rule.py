@@ -1,6 +1,6 @@
 """exp(A) of a parameter pulled back through iA's eigendecomposition (:mod:`dpml.train.rules.matrix_exp`): the
 stand-in's backward is torch's own, per example under ``vmap`` as the pull-back runs it, for skew-symmetric and
-skew-Hermitian A (eigenvalues repeated or zero too) and, through torch's block form, for any other A; and
+skew-Hermitian A (eigenvalues repeated or zero too) and, through torch's own call, for any other A; and
 ``orthogonal``'s weights, away from the identity they start at, train with clipped sums and norms equal to a float64
 per-example loop, nothing on the exact path."""
 
@@ -39,7 +39,7 @@ CASES = {
     "batched": lambda: _skew(4, torch.float64, batch=(3,)),
     "zero": lambda: torch.zeros(5, 5, dtype=torch.float64),
     "repeated-eigenvalues": _rotation_generator_with_repeated_angles,
-    "not-skew (block form)": lambda: torch.randn(5, 5, dtype=torch.float64) * 0.5,
+    "not-skew (torch's own)": lambda: torch.randn(5, 5, dtype=torch.float64) * 0.5,
 }
 
 

@@ -21,8 +21,8 @@ One eigendecomposition for the batch, then four n × n complex products an examp
 
 :func:`exp_of_skew_hermitian` is the stand-in :mod:`.rerun` runs in place of ``torch.matrix_exp`` when it runs a
 computation on parameters again for its pull-back: its output is torch's own exp(A) (the run is checked equal to
-the recorded one); its backward is the form above where A is exactly skew-Hermitian, and torch's block form, as a
-product the pull-back batches, anywhere else. The probe judges it, as every pull-back, against per-example
+the recorded one); its backward is the form above where A is exactly skew-Hermitian; any other A runs torch's own
+``matrix_exp`` and backward. The probe judges it, as every pull-back, against per-example
 autograd."""
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ def _is_skew_hermitian(a: torch.Tensor) -> bool:
     return a.shape[-1] == a.shape[-2] and bool(torch.equal(a.mH, -a))
 
 
-def _eigen_dtype(a: torch.Tensor) -> torch.dtype:
-    """The complex dtype of at least single precision that iA's eigendecomposition takes."""
-    return torch.complex128 if a.dtype in (torch.float64, torch.complex128) else torch.complex64
-
-
 def _divided_differences(theta: torch.Tensor) -> torch.Tensor:
     """Φ_jk = e^{i(θ_j + θ_k)/2} · sinc((θ_j − θ_k)/2) for real θ (..., n): exp's divided differences at iθ."""
     half_sum = (theta[..., :, None] + theta[..., None, :]) / 2
@@ -51,18 +46,8 @@ def _divided_differences(theta: torch.Tensor) -> torch.Tensor:
     return torch.sinc(half_gap / torch.pi) * torch.exp(1j * half_sum)  # (torch.sinc(x) = sin(πx) / (πx))
 
 
-def _block_adjoint(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """L_exp(Aᴴ)[G] as the upper-right block of exp([[Aᴴ, G], [0, Aᴴ]]) (Mathias' block form, Higham 2008, §3.2;
-    torch's own backward)."""
-    n = a.shape[-1]
-    a_h = a.mH.expand_as(g)
-    upper = torch.cat([a_h, g], dim=-1)
-    lower = torch.cat([torch.zeros_like(a_h), a_h], dim=-1)
-    return torch.matrix_exp(torch.cat([upper, lower], dim=-2))[..., :n, n:]
-
-
 class _ExpOfSkewHermitian(torch.autograd.Function):
-    """exp(A) by ``torch.matrix_exp``; its backward by iA's eigendecomposition where A is skew-Hermitian."""
+    """exp(A) by ``torch.matrix_exp`` for a skew-Hermitian A; its backward by iA's eigendecomposition."""
 
     @staticmethod
     def forward(a: torch.Tensor) -> torch.Tensor:
@@ -73,19 +58,11 @@ class _ExpOfSkewHermitian(torch.autograd.Function):
         (a,) = inputs
         ctx.real = not a.is_complex()
         ctx.dtype = a.dtype
-        if _is_skew_hermitian(a.detach()):
-            theta, vectors = torch.linalg.eigh(1j * a.detach().to(_eigen_dtype(a)))
-            ctx.spectral = True
-            ctx.save_for_backward(_divided_differences(theta).to(vectors.dtype), vectors)
-        else:
-            ctx.spectral = False
-            ctx.save_for_backward(a.detach())
+        theta, vectors = torch.linalg.eigh(1j * a.detach().to(torch.promote_types(a.dtype, torch.complex64)))
+        ctx.save_for_backward(_divided_differences(theta).to(vectors.dtype), vectors)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
-        if not ctx.spectral:
-            (a,) = ctx.saved_tensors
-            return _block_adjoint(a, g.to(a.dtype))
         phi, vectors = ctx.saved_tensors
         inner = (vectors.mH @ g.to(vectors.dtype) @ vectors) * phi
         found = vectors @ inner @ vectors.mH
@@ -95,6 +72,9 @@ class _ExpOfSkewHermitian(torch.autograd.Function):
 
 @stand_in(torch.matrix_exp, torch.linalg.matrix_exp, torch.Tensor.matrix_exp)
 def exp_of_skew_hermitian(a: torch.Tensor) -> torch.Tensor:
-    """``torch.matrix_exp(a)``, the same numbers, with the backward of :class:`_ExpOfSkewHermitian`."""
+    """``torch.matrix_exp(a)``, the same numbers: with the backward of :class:`_ExpOfSkewHermitian` where A is exactly
+    skew-Hermitian, else torch's own call and backward."""
+    if not _is_skew_hermitian(a.detach()):
+        return torch.matrix_exp(a)
     result: torch.Tensor = _ExpOfSkewHermitian.apply(a)  # type: ignore[no-untyped-call]
     return result
