@@ -15,6 +15,9 @@
 #                                                                  checks' statistics, not the training ones)
 #   accountants  dpml/accounting/accountants.py, supports.py, all  tests/test_accounting.py (fast part),
 #                                                                  tests/test_accountant_registry.py
+#   precision    dpml/train/probe_precision.py, all                tests/test_probe_precision.py (the float64 check's
+#                                                                  tolerance: too loose a one would pass a wrong rule)
+#   matrix_exp   dpml/train/rules/matrix_exp.py, all               tests/test_matrix_exp_rule.py
 #   ledger       the ledger's reservation, composition, budget      tests/test_ledger.py, tests/test_unit_ledger.py,
 #                checks, views and spend lifecycle (dpml/ledger/:   tests/test_spending.py, test_kl_certificate.py,
 #                ledger.py, views.py, unit_accounts.py,             test_lineage_by_records.py, test_ledger_views.py
@@ -36,7 +39,7 @@ if [ "$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("mutmut"))
 fi
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(bounds noise clip checks accountants ledger)
+[ ${#targets[@]} -gt 0 ] || targets=(bounds noise clip checks accountants precision matrix_exp ledger)
 
 files=() tests=() patterns=() deselect=()
 for target in "${targets[@]}"; do
@@ -51,6 +54,10 @@ for target in "${targets[@]}"; do
     accountants) files+=(dpml/accounting/accountants.py dpml/accounting/supports.py)
                  tests+=(tests/test_accounting.py tests/test_accountant_registry.py)
                  patterns+=("dpml.accounting.accountants.*" "dpml.accounting.supports.*") ;;
+    precision) files+=(dpml/train/probe_precision.py); tests+=(tests/test_probe_precision.py)
+               patterns+=("dpml.train.probe_precision.*") ;;
+    matrix_exp) files+=(dpml/train/rules/matrix_exp.py); tests+=(tests/test_matrix_exp_rule.py)
+                patterns+=("dpml.train.rules.matrix_exp.*") ;;
     ledger) files+=(dpml/ledger/ledger.py dpml/ledger/views.py dpml/ledger/unit_accounts.py
                     dpml/ledger/budget_checks.py dpml/ledger/spending.py)
             tests+=(tests/test_ledger.py tests/test_unit_ledger.py tests/test_spending.py tests/test_kl_certificate.py
@@ -63,7 +70,7 @@ for target in "${targets[@]}"; do
             done
             patterns+=("dpml.ledger.unit_accounts.*" "dpml.ledger.budget_checks.*" "dpml.ledger.spending.*")
             deselect+=("not racing and not postgresql and not three_names_and_encodings and not weekly_export and not pipeline") ;;
-    *) echo "unknown target '$target' (bounds, noise, clip, checks, accountants, ledger)" >&2; exit 2 ;;
+    *) echo "unknown target '$target' (bounds, noise, clip, checks, accountants, precision, matrix_exp, ledger)" >&2; exit 2 ;;
   esac
 done
 

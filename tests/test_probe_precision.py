@@ -75,6 +75,19 @@ class NarrowingInsideAFunction(nn.Module):
         return _Halved.apply(self.linear(x))  # type: ignore[no-any-return]
 
 
+class TwoNarrowings(nn.Module):
+    """One branch through float32, another through ``second``: the narrower precision decides."""
+
+    def __init__(self, second: torch.dtype) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.second = second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return h.float().double() + h.to(self.second).double()
+
+
 class ComplexNarrowing(nn.Module):
     """A spectral filter computed in complex64 from a float64 batch."""
 
@@ -96,8 +109,19 @@ class ComplexNarrowing(nn.Module):
         (MaskedFromIntegers(), None),
         (NarrowingInsideAFunction(), torch.float16),
         (ComplexNarrowing(), torch.float32),
+        (TwoNarrowings(torch.bfloat16), torch.bfloat16),
+        (TwoNarrowings(torch.float16), torch.float16),
     ],
-    ids=["float64-throughout", "to-float32", "to-bfloat16", "float32-from-integers", "inside-a-function", "complex64"],
+    ids=[
+        "float64-throughout",
+        "to-float32",
+        "to-bfloat16",
+        "float32-from-integers",
+        "inside-a-function",
+        "complex64",
+        "float32-and-bfloat16",
+        "float32-and-float16",
+    ],
 )
 def test_the_narrowest_precision_a_float64_forward_pass_computes_in(
     module: nn.Module, narrowed: torch.dtype | None

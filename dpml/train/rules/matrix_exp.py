@@ -35,8 +35,9 @@ from dpml.train.rules.rerun import stand_in
 
 
 def _is_skew_hermitian(a: torch.Tensor) -> bool:
-    """Aᴴ = −A exactly (X − Xᴴ is, in floating point: x − y = −(y − x))."""
-    return a.shape[-1] == a.shape[-2] and bool(torch.equal(a.mH, -a))
+    """Aᴴ = −A exactly (X − Xᴴ is, in floating point: x − y = −(y − x)); a non-square A is not (``torch.equal`` of
+    tensors of other shapes is False)."""
+    return bool(torch.equal(a.mH, -a))
 
 
 def _divided_differences(theta: torch.Tensor) -> torch.Tensor:
@@ -56,17 +57,15 @@ class _ExpOfSkewHermitian(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:  # noqa: ANN401
         (a,) = inputs
-        ctx.real = not a.is_complex()
-        ctx.dtype = a.dtype
+        ctx.complex = a.is_complex()  # (a half-precision A is decomposed in complex64: eigh takes no complex32)
         theta, vectors = torch.linalg.eigh(1j * a.detach().to(torch.promote_types(a.dtype, torch.complex64)))
-        ctx.save_for_backward(_divided_differences(theta).to(vectors.dtype), vectors)
+        ctx.save_for_backward(_divided_differences(theta), vectors)  # (Φ: the eigenvectors' complex dtype)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
         phi, vectors = ctx.saved_tensors
-        inner = (vectors.mH @ g.to(vectors.dtype) @ vectors) * phi
-        found = vectors @ inner @ vectors.mH
-        result: torch.Tensor = (found.real if ctx.real else found).to(ctx.dtype)
+        found = vectors @ ((vectors.mH @ g.to(vectors.dtype) @ vectors) * phi) @ vectors.mH
+        result: torch.Tensor = found if ctx.complex else found.real  # (autograd casts it to A's dtype)
         return result
 
 
