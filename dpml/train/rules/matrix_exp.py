@@ -56,8 +56,7 @@ class _ExpOfSkewHermitian(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:  # noqa: ANN401
-        (a,) = inputs
-        ctx.complex = a.is_complex()  # (a half-precision A is decomposed in complex64: eigh takes no complex32)
+        (a,) = inputs  # (a half-precision A is decomposed in complex64: eigh takes no complex32)
         theta, vectors = torch.linalg.eigh(1j * a.detach().to(torch.promote_types(a.dtype, torch.complex64)))
         ctx.save_for_backward(_divided_differences(theta), vectors)  # (Φ: the eigenvectors' complex dtype)
 
@@ -65,7 +64,8 @@ class _ExpOfSkewHermitian(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
         phi, vectors = ctx.saved_tensors
         found = vectors @ ((vectors.mH @ g.to(vectors.dtype) @ vectors) * phi) @ vectors.mH
-        result: torch.Tensor = found if ctx.complex else found.real  # (autograd casts it to A's dtype)
+        # g has exp(A)'s dtype, so A's: complex exactly where A is (autograd casts the result to A's dtype)
+        result: torch.Tensor = found if g.is_complex() else found.real
         return result
 
 
