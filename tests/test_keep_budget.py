@@ -16,6 +16,8 @@ from test_clipping_layers import assert_matches_naive_loop, labels, naive_clippe
 from torch import nn
 
 from dpml.train import clipping, clipping_layers, keep_budget
+from dpml.train.rules import combine
+from dpml.train.rules.registry import Factored
 from dpml.train.dpsgd import per_example_cross_entropy
 
 BATCH, POSITIONS, WIDTH, LAYERS = 9, 6, 16, 8
@@ -42,9 +44,25 @@ KEPT = BATCH * WIDTH * WIDTH  # one hidden layer's per-example weight gradients
 NET = KEPT - 2 * BATCH * POSITIONS * WIDTH  # …less its input and δ, which keeping them lets go (> 0 at WIDTH)
 
 
-def kept_layers(monkeypatch: pytest.MonkeyPatch, pass_layers: int, share: float = 1e9, width: int = WIDTH) -> list[int]:
+class DeepSequenceConv1D(DeepSequenceMlp):
+    """The same layers as transformers' ``Conv1D`` (GPT-2's: ``torch.addmm`` on the positions merged with the batch):
+    taken by the operation rules, not hooked."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__(width)
+        conv1d = pytest.importorskip("transformers.pytorch_utils", reason="transformers is a test extra").Conv1D
+        self.hidden = nn.ModuleList(conv1d(width, width) for _ in range(LAYERS))
+
+
+def kept_layers(
+    monkeypatch: pytest.MonkeyPatch,
+    pass_layers: int,
+    share: float = 1e9,
+    width: int = WIDTH,
+    model_class: type[DeepSequenceMlp] = DeepSequenceMlp,
+) -> list[int]:
     """Runs the engine against the one-example-at-a-time loop; returns the numbers each layer's clipped sum
-    read from kept per-example gradients (one entry per layer that kept them)."""
+    read from kept per-example gradients (one entry per layer that kept them), hooked or ruled."""
     layer_limit = BATCH * width * width  # one hidden layer's per-example weight gradients, exactly
     monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", layer_limit)
     monkeypatch.setattr(keep_budget, "PASS_KEEP_LAYERS", pass_layers)
@@ -58,8 +76,9 @@ def kept_layers(monkeypatch: pytest.MonkeyPatch, pass_layers: int, share: float 
         return kept_sum(factors, parts)
 
     monkeypatch.setattr(clipping_layers, "kept_sum", spy)
+    monkeypatch.setattr(combine, "kept_sum", spy)
     torch.manual_seed(5)
-    model = DeepSequenceMlp(width).double()
+    model = model_class(width).double()
     x = torch.randn(BATCH, POSITIONS, width, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     assert_matches_naive_loop(model, x, labels(BATCH), 0.05)
     return kept
@@ -92,6 +111,62 @@ def test_a_layer_whose_gradients_are_fewer_numbers_than_its_input_and_delta_keep
     pass reaches them in, nor on what the others spent."""
     assert BATCH * NARROW * NARROW < 2 * BATCH * POSITIONS * NARROW
     assert kept_layers(monkeypatch, pass_layers=0, width=NARROW) == [BATCH * NARROW * NARROW] * LAYERS
+
+
+def test_a_ruled_layer_is_charged_net_of_its_factors_as_a_hooked_one_is_of_its_input_and_delta(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers' ``Conv1D`` goes through the rules (``torch.addmm``): its use's factors are its input and δ rows,
+    let go once its piece is formed, so the same budget keeps as many of its layers as of ``nn.Linear``'s."""
+    assert kept_layers(monkeypatch, pass_layers=1, model_class=DeepSequenceConv1D) == [KEPT] * 4
+    assert (
+        kept_layers(monkeypatch, pass_layers=0, width=NARROW, model_class=DeepSequenceConv1D)
+        == [BATCH * NARROW * NARROW] * LAYERS
+    )
+
+
+def test_a_ruled_layer_that_keeps_lets_its_factors_go_before_the_next_parameter_s_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the charge counts on is let go: once a ruled weight's piece keeps its per-example gradients, neither its
+    clipped sum nor anything of the engine's holds its input and δ rows (the batch aside, which the caller holds):
+    their memory is free before the next parameter's piece is formed."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    x = torch.randn(BATCH, POSITIONS, NARROW, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    batch_storage = StorageWeakRef(x.untyped_storage())
+    watched: list[StorageWeakRef] = []
+    alive_at_pieces: list[int] = []
+    norms, piece = combine.weight_norms_squared, clipping.parameter_piece
+
+    def keeping(a: torch.Tensor, d: torch.Tensor, freed: int = 0) -> Any:
+        squared, kept = norms(a, d, freed)
+        if kept is not None:
+            watched.extend(StorageWeakRef(t.untyped_storage()) for t in (a, d))
+        return squared, kept
+
+    def next_piece(*args: Any, **kwargs: Any) -> Any:
+        alive_at_pieces.append(sum(not ref.expired() and ref.cdata != batch_storage.cdata for ref in watched))
+        return piece(*args, **kwargs)
+
+    monkeypatch.setattr(combine, "weight_norms_squared", keeping)
+    monkeypatch.setattr(clipping, "parameter_piece", next_piece)
+    monkeypatch.setattr(keep_budget, "PASS_KEEP_LAYERS", 0)
+    torch.manual_seed(5)
+    model = DeepSequenceConv1D(NARROW).double()
+    found = clipping.engine_pass(model, per_example_cross_entropy, x, labels(BATCH))
+    ruled = [unit.name for unit, _ in found.fast if isinstance(unit, clipping.RuleUnit)]
+    assert [f"hidden.{k}.weight" for k in range(LAYERS)] == [name for name in ruled if name.endswith("weight")]
+    assert len(watched) == 2 * LAYERS  # every one kept, with no budget: each lets go more than it keeps
+    assert len(alive_at_pieces) == 2 * LAYERS and alive_at_pieces == [0] * (2 * LAYERS)
+
+
+def test_a_factor_broadcast_along_a_dimension_lets_go_only_what_it_holds() -> None:
+    """The charge's credit is the memory the factors hold: a factor expanded from one row holds one row."""
+    row = torch.randn(1, 1, 5)
+    v = torch.randn(4, 3, 7)
+    assert combine.letting_go(Factored(row.expand(4, 3, 5), v, 5, 7)) == 5 + 4 * 3 * 7
+    assert combine.letting_go(Factored(row.expand(4, 3, 5).contiguous(), v, 5, 7)) == 4 * 3 * 5 + 4 * 3 * 7
 
 
 def test_the_default_share_is_a_quarter() -> None:

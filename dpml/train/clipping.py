@@ -66,8 +66,8 @@ from dpml.train.diracs import DiracGradients
 from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.nonfinite import refuse_non_finite_parameters, say_left_out
-from dpml.train.released import RuledCall, Slot, Targets
-from dpml.train.streamed import as_dtype, layer_pieces
+from dpml.train.released import RuledCall, Targets
+from dpml.train.streamed import Deltas, as_dtype, layer_pieces
 from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
 from dpml.train.rules.derived import pull_back_all
 from dpml.train.rules.row_jacobian import row_map_pieces
@@ -227,6 +227,29 @@ class EnginePass:
         return out
 
 
+def _finished_uses(
+    calls: list[RuledCall], deltas: Deltas, ruled: dict[int, str], relevant: set[int], dtype: torch.dtype
+) -> tuple[dict[int, list[Use]], dict[int, list[str]], dict[int, nn.Parameter]]:
+    """The uses of the ``relevant`` parameters and computations from the calls' δ (cast to ``dtype``), the operations
+    they came from and the parameters; ``calls`` and ``deltas`` are emptied, so that the inputs the calls held and the
+    δ are held by the forms alone."""
+    uses: dict[int, list[Use]] = {key: [] for key in relevant}
+    operations: dict[int, list[str]] = {key: [] for key in relevant}
+    params: dict[int, nn.Parameter] = {}
+    for pending in calls:
+        d = as_dtype(pending.slot.delta_among(deltas), dtype)
+        for tracked, form in pending.finish(d):
+            key = id(tracked.param)
+            if key in relevant:
+                form = cast_form(form, dtype)  # (packed ragged rows: padded for a computation's pull-back)
+                uses[key].append((tracked, form.padded() if isinstance(form, Ragged) and key not in ruled else form))
+                params[key] = tracked.param
+                operations[key].append(pending.operation)
+    calls.clear()
+    deltas.clear()
+    return uses, operations, params
+
+
 def _rule_pieces(
     recording: _Recording,
     calls: list[RuledCall],
@@ -239,19 +262,9 @@ def _rule_pieces(
 ) -> tuple[list[tuple[Unit, Piece]], dict[int, str]]:
     """The ruled parameters' pieces from their uses (``relevant``: their ids and those of the computations on
     them, :class:`dpml.train.rules.registry.Derived`, whose uses are pulled back to theirs first); a parameter
-    whose uses cannot be combined, with why."""
-    uses: dict[int, list[Use]] = {key: [] for key in relevant}
-    operations: dict[int, list[str]] = {key: [] for key in relevant}
-    params: dict[int, nn.Parameter] = {}
-    for pending in calls:
-        d = as_dtype(_delta(deltas, pending.slot), dtype)
-        for tracked, form in pending.finish(d):
-            key = id(tracked.param)
-            if key in relevant:
-                form = cast_form(form, dtype)  # (packed ragged rows: padded for a computation's pull-back)
-                uses[key].append((tracked, form.padded() if isinstance(form, Ragged) and key not in ruled else form))
-                params[key] = tracked.param
-                operations[key].append(pending.operation)
+    whose uses cannot be combined, with why. Each parameter's uses are dropped once its piece is formed: what a piece
+    does not read is let go (:func:`.rules.combine.letting_go`)."""
+    uses, operations, params = _finished_uses(calls, deltas, ruled, relevant, dtype)
     nodes = recording.recorder.computations.nodes
     standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (steps, piece)}: W standardised first
     standardised |= row_map_pieces(nodes, uses, ruled, params, standardised.keys())
@@ -271,7 +284,7 @@ def _rule_pieces(
     for key, name in ruled.items():
         if key in failed:
             continue
-        piece = ready[key] if key in ready else parameter_piece(params[key], uses[key], batch, limit)
+        piece = ready[key] if key in ready else parameter_piece(params[key], uses.pop(key), batch, limit)
         if isinstance(piece, str):
             failed[key] = piece
         else:
@@ -406,11 +419,6 @@ def _precision(device: torch.device, autocast: torch.dtype | None) -> contextlib
 def _zero_piece(param: nn.Parameter, zeros: torch.Tensor) -> Piece:
     """The piece of a parameter the loss does not reach: ‖∇_p ℓ_i‖² = 0 and Σ_i c_i ∇_p ℓ_i = 0."""
     return Piece(zeros, lambda factors: [(param, torch.zeros_like(param))])
-
-
-def _delta(deltas: list[torch.Tensor | None], slot: Slot) -> torch.Tensor:
-    found = deltas[slot.place]
-    return slot.zeros() if found is None else found
 
 
 def per_example_gradients(

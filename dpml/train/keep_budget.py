@@ -11,7 +11,8 @@ step's peak memory follows the model's activations, not the device's size: a tra
 weight gradients (d_in·d_out numbers an example) outweigh its activations (T·(d_in + d_out)) at short
 sequences, and keeping them all cost ViT-tiny 2.5× the non-private peak on this project's CPU for no speed
 (``benchmarks/results/families.md``). A layer is charged net of what keeping lets go: its input and δ, which its
-clipped sum would read otherwise (:func:`room`, :func:`spend`). Past the pass's budget a layer takes the way that
+clipped sum would read otherwise (:func:`room`, :func:`spend`); a ruled parameter's use, net of its factors
+(:func:`dpml.train.rules.combine.letting_go`). Past the pass's budget a layer takes the way that
 keeps nothing (ghost norm, or its norm from slices that are dropped, and its clipped sum by a second pass): slower
 for that layer, never more memory. Which way a layer takes changes only the floating-point order of its sums, never
 the clipping (both are exact).

@@ -81,15 +81,20 @@ def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
         squared, kept = row_norms_squared(u[:, 0]) * row_norms_squared(v[:, 0]), None
     elif form.lengths is not None and u.is_floating_point() and v.is_floating_point():
         return ragged_norms(packed(u, form.lengths), packed(v, form.lengths), form.lengths)  # the padding skipped
-    else:
-        squared, kept = weight_norms_squared(v, u)  # (B, rows, cols) kept when materialised and small
+    else:  # (B, rows, cols) kept when materialised and small, charged net of the factors they let go
+        squared, kept = weight_norms_squared(v, u, letting_go(form))
+    if kept is not None:
+        return squared, lambda factors: kept_sum(factors, kept)  # (u and v not held: let go with the form)
+    return squared, lambda factors: clipped_outer_sum(u, v, factors)
 
-    def dense(factors: torch.Tensor) -> torch.Tensor:
-        if kept is not None:
-            return kept_sum(factors, kept)
-        return clipped_outer_sum(u, v, factors)
 
-    return squared, dense
+def letting_go(form: Factored) -> int:
+    """The numbers a factored use's factors hold, which keeping its per-example gradients lets go: the clipped sum
+    reads them no more, and its form is dropped once its parameter's piece is formed
+    (:func:`dpml.train.clipping.engine_pass`) — as a hooked layer's input and δ (:mod:`dpml.train.streamed`). A
+    factor broadcast along a dimension (a stride of 0) counts for the storage it views, not its shape."""
+    factors = [form.u, form.v] + ([form.applied] if form.applied is not None else [])
+    return sum(min(t.numel(), t.untyped_storage().nbytes() // t.element_size()) for t in factors)
 
 
 def computed_norms(
