@@ -92,7 +92,9 @@ def letting_go(form: Factored) -> int:
     """The numbers a factored use's factors hold, which keeping its per-example gradients lets go: the clipped sum
     reads them no more, and its form is dropped once its parameter's piece is formed
     (:func:`dpml.train.clipping.engine_pass`) — as a hooked layer's input and δ (:mod:`dpml.train.streamed`). A
-    factor broadcast along a dimension (a stride of 0) counts for the storage it views, not its shape."""
+    factor broadcast along a dimension (a stride of 0) counts for the storage it views, not its shape. As for the
+    hooked layers, one input read by two calls (the same activations into two separately called projections) counts
+    for each: its memory goes with the last form that holds it."""
     factors = [form.u, form.v] + ([form.applied] if form.applied is not None else [])
     return sum(min(t.numel(), t.untyped_storage().nbytes() // t.element_size()) for t in factors)
 
