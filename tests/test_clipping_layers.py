@@ -405,6 +405,40 @@ def test_positions_where_no_example_has_a_gradient_are_left_out_and_the_sums_sta
     assert sorted(kept) == [(7, 1), (7, 7)]
 
 
+class ReadsOneTokenRuled(ReadsOneToken):
+    """The same through transformers' ``Conv1D`` (``torch.addmm``: the operation rules, ∇_W = Σ_t a_t δ_tᵀ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv1d = pytest.importorskip("transformers.pytorch_utils", reason="transformers is a test extra").Conv1D
+        self.mix, self.last = conv1d(6, 6), conv1d(5, 6)
+
+
+def test_a_ruled_product_leaves_out_the_positions_where_either_factor_is_zero_for_every_example(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``last``'s δ_t is zero but at the first position; the batch is zero from the fourth position on (padding), so
+    ``mix``'s input rows a_t are: neither product reads those positions, and the sums stay exact."""
+    from dpml.train.rules import combine
+
+    torch.manual_seed(22)
+    model = ReadsOneTokenRuled().double()
+    x = torch.randn(10, 7, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    x[:, 3:] = 0
+    kept = []
+    original = combine.without_silent_positions
+
+    def spy(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = original(a, d)
+        kept.append((d.shape[1], out[1].shape[1]))
+        return out
+
+    monkeypatch.setattr(combine, "without_silent_positions", spy)
+    assert_matches_naive_loop(model, x, labels(10), 0.05)
+    # mix: its δ live everywhere, its input at 3 of 7; last: its δ at 1 of 7, then nothing more to drop
+    assert sorted(kept) == [(1, 1), (7, 1), (7, 3), (7, 7)]
+
+
 @pytest.mark.parametrize(
     ("live", "kept"),
     [

@@ -32,7 +32,13 @@ import torch
 from torch import nn
 
 from dpml.train.clipping_layers import Piece, weight_norms_squared
-from dpml.train.clipping_norms import clipped_outer_sum, embedding_norms_squared, kept_sum, row_norms_squared
+from dpml.train.clipping_norms import (
+    clipped_outer_sum,
+    embedding_norms_squared,
+    kept_sum,
+    row_norms_squared,
+    without_silent_positions,
+)
 from dpml.devices import heap_sized_slices
 from dpml.train.keep_budget import keep_limit, room, spend
 from dpml.train.ragged_norms import packed, ragged_norms
@@ -62,7 +68,9 @@ def _one_hot(t: torch.Tensor) -> bool:
 
 
 def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
-    """‖Σ_t u_t v_tᵀ‖² per example and the clipped sum's function, (rows, cols)."""
+    """‖Σ_t u_t v_tᵀ‖² per example and the clipped sum's function, (rows, cols); on a CPU over the positions where
+    neither factor is zero for every example only (a classifier that reads one token: its last block's δ), as a
+    hooked layer's (:func:`dpml.train.clipping_norms.without_silent_positions`)."""
     if _one_hot(form.v) and not _one_hot(form.u):
         squared, sums = _factored_norms(form.transposed())
         return squared, lambda factors: sums(factors).t()
@@ -77,6 +85,9 @@ def _factored_norms(form: Factored) -> tuple[torch.Tensor, SumFn]:
 
         return embedding_norms_squared(tokens, d, form.rows), embedded
     u, v = form.u, form.v
+    if u.device.type == "cpu" and u.shape[1] > 1 and form.lengths is None:  # (real or complex: no one-hot here)
+        u, v = without_silent_positions(u, v)  # (over the positions where some example's v_t is not zero only)
+        v, u = without_silent_positions(v, u)  # (…and u_t)
     if u.shape[1] == 1:  # one position: ‖u‖²‖v‖²
         squared, kept = row_norms_squared(u[:, 0]) * row_norms_squared(v[:, 0]), None
     elif form.lengths is not None and u.is_floating_point() and v.is_floating_point():
