@@ -4,6 +4,7 @@ only), mixed with parameters that still need per-example vmap, against a one-exa
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -385,21 +386,27 @@ class ReadsOneToken(nn.Module):
         return self.out(torch.tanh(self.last(h))[:, 0])
 
 
-def test_positions_where_no_example_has_a_gradient_are_left_out_and_the_sums_stay_exact(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    torch.manual_seed(22)
-    model = ReadsOneToken().double()
-    x = torch.randn(10, 7, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+def positions_kept(monkeypatch: pytest.MonkeyPatch, owner: Any) -> list[tuple[int, int]]:
+    """Watches ``owner.without_silent_positions``: the positions before and after, for each call."""
     kept = []
-    original = clipping_layers.without_silent_positions
+    original = owner.without_silent_positions
 
     def spy(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = original(a, d)
         kept.append((d.shape[1], out[1].shape[1]))
         return out
 
-    monkeypatch.setattr(clipping_layers, "without_silent_positions", spy)
+    monkeypatch.setattr(owner, "without_silent_positions", spy)
+    return kept
+
+
+def test_positions_where_no_example_has_a_gradient_are_left_out_and_the_sums_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(22)
+    model = ReadsOneToken().double()
+    x = torch.randn(10, 7, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    kept = positions_kept(monkeypatch, clipping_layers)
     assert_matches_naive_loop(model, x, labels(10), 0.05)
     # last (one position left), mix (all); out, at one position, is not asked: one position is never dropped
     assert sorted(kept) == [(7, 1), (7, 7)]
@@ -425,15 +432,7 @@ def test_a_ruled_product_leaves_out_the_positions_where_either_factor_is_zero_fo
     model = ReadsOneTokenRuled().double()
     x = torch.randn(10, 7, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     x[:, 3:] = 0
-    kept = []
-    original = combine.without_silent_positions
-
-    def spy(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = original(a, d)
-        kept.append((d.shape[1], out[1].shape[1]))
-        return out
-
-    monkeypatch.setattr(combine, "without_silent_positions", spy)
+    kept = positions_kept(monkeypatch, combine)
     assert_matches_naive_loop(model, x, labels(10), 0.05)
     # mix: its δ live everywhere, its input at 3 of 7; last: its δ at 1 of 7, then nothing more to drop
     assert sorted(kept) == [(1, 1), (7, 1), (7, 3), (7, 7)]
