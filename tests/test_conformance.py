@@ -267,7 +267,7 @@ def clipped_per_layer() -> Iterator[None]:
     Every canary is still clipped to C (a Dirac lies in one layer), and the pooled noise barely moves."""
     original = clipping.EnginePass.sums
 
-    def sums(self: clipping.EnginePass, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+    def sums(self: clipping.EnginePass, factors: torch.Tensor, spent: bool = False) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for _, piece in self.fast:
             for p, total in piece.sums(clipping.clip_factors(piece.squared.sqrt(), 1.0)):

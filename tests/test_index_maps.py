@@ -10,13 +10,15 @@ import itertools
 import random
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
 from dpml.train.clipping import engine_pass
 from dpml.train.dpsgd import per_example_cross_entropy
-from dpml.train.rules import registry
-from dpml.train.rules.registry import Tracked, disjoint, injective, rows_within, same_along
+from dpml.train.rules import flat_indices, registry
+from dpml.train.rules.flat_indices import disjoint, injective, rows_within, same_along
+from dpml.train.rules.registry import Tracked
 
 
 def flat_index(*shape: int) -> torch.Tensor:
@@ -105,9 +107,9 @@ def test_whether_each_row_reads_its_own_row_is_told_from_a_views_geometry_as_fro
 
 
 def test_the_flat_indices_of_a_pass_view_one_count_which_goes_with_them() -> None:
-    """Each parameter's flat index is a view of one arange per device (a pass makes one each time a parameter is the
-    largest so far, not one per parameter), whose elements stay 0, 1, …; it is let go with the last index that
-    views it."""
+    """Each parameter's flat index is a view of one arange per device (outside a recording pass, one each time a
+    parameter is the largest so far, not one per parameter), whose elements stay 0, 1, …; it is let go with the last
+    index that views it."""
     large, small = flat_index(5, 6, 7), flat_index(3, 4)
     assert small._base is large._base and small._base.numel() >= 5 * 6 * 7
     assert torch.equal(small.reshape(-1), torch.arange(12)) and torch.equal(large.reshape(-1), torch.arange(210))
@@ -116,12 +118,57 @@ def test_the_flat_indices_of_a_pass_view_one_count_which_goes_with_them() -> Non
     written = flat_index(2, 3)
     assert written._base is larger._base
     written[1].fill_(0)  # (no rule writes an index; one written is read by its values from then on)
-    assert not injective(written) and not registry.offsets_are_values(larger) and registry.offsets_are_values(large)
+    assert not injective(written) and not flat_indices.offsets_are_values(larger)
+    assert flat_indices.offsets_are_values(large)
     assert flat_index(4)._base is not larger._base
     count = weakref.ref(large._base)
     del small, large
     gc.collect()
     assert count() is None
+
+
+class ViewedWeights(nn.Module):
+    """Weights of growing sizes, each reshaped before its use (as timm's ``StdConv2d`` views its weight): every pass
+    indexes a view of each, the smallest first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(w, w) / w) for w in (4, 8, 16, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w in self.weights:
+            x = torch.tanh(x @ w.reshape(2, -1).reshape(w.shape).t()[: x.shape[1]])
+        return x[:, :3]
+
+
+def test_a_recording_pass_makes_one_count_for_its_largest_parameter() -> None:
+    """Inside the pass every view's index views one arange as long as the largest parameter, made when first asked
+    for, not one more each time a parameter is the largest so far (those stay alive with their views'
+    indices); outside a pass the count is as long as it is asked."""
+    torch.manual_seed(3)
+    model, x = ViewedWeights(), torch.randn(6, 4)
+    seen: list[torch.Tensor] = []
+    original = flat_indices.counting
+
+    def counted(count: int, device: torch.device) -> torch.Tensor:
+        seen.append(original(count, device))
+        return seen[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "counting", counted)
+        patch.setattr(flat_indices, "_COUNTING", {})  # (no count left alive by another test answers here)
+        with flat_indices.counting_up_to(list(model.parameters())):
+            first = flat_index(2, 2)
+        assert first._base.numel() == 32 * 32  # (the block's largest parameter, not the 4 asked for)
+        del first
+        seen.clear()
+        patch.setattr(flat_indices, "_COUNTING", {})
+        found = engine_pass(model, per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
+    assert len(seen) >= 4 and len({id(index._base) for index in seen}) == 1  # one count, the four weights' views
+    assert seen[0]._base.numel() == 32 * 32
+    seen.clear()
+    gc.collect()
+    assert flat_index(3)._base.numel() >= 3 and found is not None  # (outside the pass: as asked)
 
 
 def test_the_chunks_of_a_packed_projection_are_disjoint_and_an_expanded_token_the_same_for_every_example() -> None:
@@ -158,9 +205,9 @@ def test_the_flat_indices_are_forgotten_with_their_tensors() -> None:
     torch.manual_seed(5)
     model, x, y = PackedProjection(), torch.randn(8, 6), torch.randint(0, 3, (8,))
     found = engine_pass(model, per_example_cross_entropy, x, y)
-    assert len(registry._FLAT_INDICES) >= 1  # made, and alive while the pass's pieces are
+    assert len(flat_indices._FLAT_INDICES) >= 1  # made, and alive while the pass's pieces are
     del found
     for _ in range(20):
         engine_pass(model, per_example_cross_entropy, x, y)
     gc.collect()
-    assert len(registry._FLAT_INDICES) < 3
+    assert len(flat_indices._FLAT_INDICES) < 3

@@ -109,7 +109,7 @@ def masked_clipped_sum(
     found = engine_pass(model, loss_fn, x, y, exact)
     say_unplanned_exact(model, found.reasons, exact, found.batch)
     norms = found.squared().sqrt()
-    sums = found.sums(clip_factors(norms, clip_norm) * mask)
+    sums = found.sums(clip_factors(norms, clip_norm) * mask, spent=True)
     return [sums[name].detach() for name in names], norms.detach()
 
 

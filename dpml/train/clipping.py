@@ -43,8 +43,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
-from typing import Union
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -60,13 +59,14 @@ from dpml.devices import (
     set_rng_state,
 )
 from dpml.train.clipping_candidates import Call, fast_candidates, shortcut_input, usable
-from dpml.train.clipping_layers import Piece, added_up, layer_parameters, reject_batch_norm
-from dpml.train.clipping_norms import row_norms_squared, shared_grams
+from dpml.train.clipping_layers import Piece, layer_parameters, reject_batch_norm
+from dpml.train.clipping_norms import shared_grams
 from dpml.train.diracs import DiracGradients
+from dpml.train.engine_units import EnginePass, RuleUnit, Unit
 from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.nonfinite import refuse_non_finite_parameters, say_left_out
-from dpml.train.released import RuledCall, Targets
+from dpml.train.released import RuledCall, Targets, each_with_its_delta
 from dpml.train.streamed import Deltas, as_dtype, layer_pieces
 from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
 from dpml.train.rules.derived import pull_back_all
@@ -75,6 +75,7 @@ from dpml.train.rules.scattered_rows import scattered_row_uses
 from dpml.train.rules.standardised import standardised_pieces
 from dpml.train.rules.outputs import LetGo, Recorded, RecordedOutputs
 from dpml.train.rules.ragged import Ragged
+from dpml.train.rules.flat_indices import counting_up_to
 from dpml.train.rules.registry import Dense
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
@@ -164,7 +165,7 @@ def _record_forward(
 
     handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
     try:
-        with recorder, custom_functions_seen_by(recorder):
+        with recorder, custom_functions_seen_by(recorder), counting_up_to(ruled):
             losses = per_example_losses(model, loss_fn, x, y)
     finally:
         for handle in handles:
@@ -180,72 +181,23 @@ def _record_forward(
 _OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, int]]] = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True, eq=False)
-class RuleUnit:
-    """A parameter covered by operation rules (:mod:`dpml.train.rules`): its name and the operations it went through."""
-
-    name: str
-    param: nn.Parameter
-    operations: tuple[str, ...]
-
-
-Unit = Union[nn.Module, RuleUnit]
-
-
-def unit_parameters(unit: Unit) -> list[nn.Parameter]:
-    """The parameters a fast unit accounts for: a hooked layer's weight and bias, or a ruled parameter."""
-    return [unit.param] if isinstance(unit, RuleUnit) else layer_parameters(unit)
-
-
-@dataclass
-class EnginePass:
-    """One batch through the engine: the fast units' pieces (hooked layers and ruled parameters) and the
-    exact per-example gradients, with the reason each exact parameter took that path."""
-
-    batch: int
-    fast: list[tuple[Unit, Piece]]
-    exact: dict[str, torch.Tensor]  # name -> (B, *p.shape)
-    names: dict[int, str]
-    zeros: torch.Tensor  # (B,) on the batch's device, in the parameters' dtype
-    reasons: dict[str, str] = field(default_factory=dict)  # exact parameter -> why
-    constants_read: dict[str, int] = field(default_factory=dict)  # ruled parameter -> the constant's batch dimension
-
-    def squared(self) -> torch.Tensor:
-        """‖∇ℓ_i‖² (B,): the fast units' squared norms plus the exact gradients'."""
-        terms = [piece.squared for _, piece in self.fast]
-        return added_up(terms + [row_norms_squared(g) for g in self.exact.values() if g.numel()], self.zeros)
-
-    def sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{name: Σ_i c_i ∇ℓ_i} for every trainable parameter."""
-        out: dict[str, torch.Tensor] = {}
-        with full_float32():  # the same arithmetic as the norms (engine_pass): no TF32 on a GPU
-            for _, piece in self.fast:
-                for p, total in piece.sums(factors):
-                    out[self.names[id(p)]] = total
-            for name, g in self.exact.items():
-                out[name] = torch.einsum("b,b...->...", factors.to(g.dtype), g)
-        return out
-
-
 def _finished_uses(
     calls: list[RuledCall], deltas: Deltas, ruled: dict[int, str], relevant: set[int], dtype: torch.dtype
 ) -> tuple[dict[int, list[Use]], dict[int, list[str]], dict[int, nn.Parameter]]:
     """The uses of the ``relevant`` parameters and computations from the calls' δ (cast to ``dtype``), the operations
-    they came from and the parameters; ``calls`` and ``deltas`` are emptied, so that the inputs the calls held and the
-    δ are held by the forms alone."""
+    they came from and the parameters; ``calls`` and ``deltas`` end empty, each call and each δ let go as soon as its
+    uses are formed (:func:`dpml.train.released.each_with_its_delta`)."""
     uses: dict[int, list[Use]] = {key: [] for key in relevant}
     operations: dict[int, list[str]] = {key: [] for key in relevant}
     params: dict[int, nn.Parameter] = {}
-    for pending in calls:
-        d = as_dtype(pending.slot.delta_among(deltas), dtype)
-        for tracked, form in pending.finish(d):
+    for pending, d in each_with_its_delta(calls, deltas):
+        for tracked, form in pending.finish(as_dtype(d, dtype)):
             key = id(tracked.param)
             if key in relevant:
                 form = cast_form(form, dtype)  # (packed ragged rows: padded for a computation's pull-back)
                 uses[key].append((tracked, form.padded() if isinstance(form, Ragged) and key not in ruled else form))
                 params[key] = tracked.param
                 operations[key].append(pending.operation)
-    calls.clear()
     deltas.clear()
     return uses, operations, params
 
@@ -463,7 +415,7 @@ def clipped_gradient_sum(
         squared = torch.cat([squared, diracs.squared_norms(squared)])
     norms = squared.sqrt()
     factors = clip_factors(norms, clip_norm)
-    sums = found.sums(factors[:records])
+    sums = found.sums(factors[:records], spent=True)
     if diracs is not None:
         diracs.add_clipped(sums, model, factors[records:])
     norms = norms[:records].detach()

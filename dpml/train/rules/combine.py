@@ -43,7 +43,8 @@ from dpml.devices import heap_sized_slices
 from dpml.train.keep_budget import keep_limit, room, spend
 from dpml.train.ragged_norms import packed, ragged_norms
 from dpml.train.rules.ragged import Ragged
-from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, disjoint, injective
+from dpml.train.rules.flat_indices import disjoint, injective
+from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use
 
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # c (B,) -> Σ_i c_i G_i in the use's coordinates
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, rule, same_along
+from dpml.train.rules.flat_indices import same_along
+from dpml.train.rules.registry import Call, Dense, Pending, Shared, Tracked, Use, rule
 
 
 def _batch_at(call: Call, tensors: list[torch.Tensor]) -> int | str:

@@ -34,6 +34,7 @@ import torch
 
 from dpml.train.rules.operands import decomposition, einsum_operands, einsum_subscripts
 from dpml.train.rules.ragged import form_of_rows, kept_rows
+from dpml.train.rules.flat_indices import same_along
 from dpml.train.rules.registry import (
     Call,
     Dense,
@@ -45,7 +46,6 @@ from dpml.train.rules.registry import (
     beyond_keep_limit,
     example_runs,
     rule,
-    same_along,
 )
 
 

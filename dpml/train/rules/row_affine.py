@@ -34,7 +34,8 @@ from torch import nn
 
 from dpml.train.rules.derived import Derived
 from dpml.train.rules.rerun import ThroughView
-from dpml.train.rules.registry import Tracked, in_order, rows_within
+from dpml.train.rules.flat_indices import in_order, rows_within
+from dpml.train.rules.registry import Tracked
 
 
 @dataclass

@@ -50,7 +50,8 @@ from torch import nn
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import computed_norms, merged_uses, row_form, use_norms
 from dpml.train.rules.derived import Derived, pulled_back_probes
-from dpml.train.rules.registry import Computed, Factored, Use, in_order
+from dpml.train.rules.flat_indices import in_order
+from dpml.train.rules.registry import Computed, Factored, Use
 from dpml.train.rules.row_affine import RowMap, read_row_map
 
 _PROBE_SEED = 20190227  # the probes' own generator: the model's random draws are left as they were
@@ -239,4 +240,5 @@ def row_map_pieces(
         piece = _factored_piece if isinstance(form, Factored) else _computed_piece
         found[id(param)] = (steps, piece(fitted, form, param))  # type: ignore[arg-type]
         params[id(param)] = param
+        del uses[id(node.output)], merged, view, form  # (what the piece does not read goes now, not with the pass)
     return found

@@ -45,7 +45,8 @@ from torch import nn
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import computed_norms, merged_uses, row_form, use_norms
 from dpml.train.rules.derived import Derived
-from dpml.train.rules.registry import Computed, Dense, Factored, Tracked, Use, in_order
+from dpml.train.rules.flat_indices import in_order
+from dpml.train.rules.registry import Computed, Dense, Factored, Tracked, Use
 from dpml.train.rules.row_affine import row_moments
 
 _BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -202,4 +203,5 @@ def standardised_pieces(
                 params[id(tracked.param)] = tracked.param
         taken[id(found.param)] = ([node], piece)
         params[id(found.param)] = found.param
+        del uses[id(node.output)], merged, view, form  # (what the piece does not read goes now, not with the pass)
     return taken

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dpml.train.exact_path import batched_vjps
-from dpml.train.rules.registry import Tracked, offsets_are_values
+from dpml.train.rules.flat_indices import offsets_are_values
+from dpml.train.rules.registry import Tracked
 
 if TYPE_CHECKING:
     from dpml.train.rules.derived import Derived
