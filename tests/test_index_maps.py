@@ -141,12 +141,13 @@ class ViewedWeights(nn.Module):
         return x[:, :3]
 
 
-def test_a_recording_pass_makes_one_count_for_its_largest_parameter() -> None:
-    """Inside the pass every view's index views one arange as long as the largest parameter, made when first asked
-    for, not one more each time a parameter is the largest so far (those stay alive with their views'
-    indices); outside a pass the count is as long as it is asked."""
+def test_a_model_s_next_pass_makes_one_count_as_long_as_its_last_pass_asked_for() -> None:
+    """A pass asks for counts as its views are indexed (the smallest weight's first); the model's first pass makes a
+    longer count each time a longer one is asked for (each stays alive with its views' indices), every later pass
+    one, as long as the longest the last pass asked for, made when first asked for. Outside a pass a count is as
+    long as asked."""
     torch.manual_seed(3)
-    model, x = ViewedWeights(), torch.randn(6, 4)
+    model, x, y = ViewedWeights(), torch.randn(6, 4), torch.randint(0, 3, (6,))
     seen: list[torch.Tensor] = []
     original = flat_indices.counting
 
@@ -154,21 +155,20 @@ def test_a_recording_pass_makes_one_count_for_its_largest_parameter() -> None:
         seen.append(original(count, device))
         return seen[-1]
 
+    passes = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(registry, "counting", counted)
-        patch.setattr(flat_indices, "_COUNTING", {})  # (no count left alive by another test answers here)
-        with flat_indices.counting_up_to(list(model.parameters())):
-            first = flat_index(2, 2)
-        assert first._base.numel() == 32 * 32  # (the block's largest parameter, not the 4 asked for)
-        del first
-        seen.clear()
-        patch.setattr(flat_indices, "_COUNTING", {})
-        found = engine_pass(model, per_example_cross_entropy, x, torch.randint(0, 3, (6,)))
-    assert len(seen) >= 4 and len({id(index._base) for index in seen}) == 1  # one count, the four weights' views
-    assert seen[0]._base.numel() == 32 * 32
-    seen.clear()
-    gc.collect()
-    assert flat_index(3)._base.numel() >= 3 and found is not None  # (outside the pass: as asked)
+        for _ in range(3):
+            patch.setattr(flat_indices, "_COUNTING", {})  # (no count left alive by another pass answers here)
+            found = engine_pass(model, per_example_cross_entropy, x, y)
+            passes.append(([index.numel() for index in seen], {id(index._base): index._base.numel() for index in seen}))
+            seen.clear()
+            del found
+    (asked, first), (again, second), (_, third) = passes
+    assert sorted(set(asked)) == sorted(set(again)) and max(asked) == 32 * 32 and min(asked) < 8 * 8
+    assert len(first) >= 4  # the first pass: a longer count for each longer weight
+    assert list(second.values()) == [32 * 32] and list(third.values()) == [32 * 32]  # then one for the pass
+    assert flat_index(3)._base.numel() >= 3
 
 
 def test_the_chunks_of_a_packed_projection_are_disjoint_and_an_expanded_token_the_same_for_every_example() -> None:

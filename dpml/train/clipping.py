@@ -75,7 +75,7 @@ from dpml.train.rules.scattered_rows import scattered_row_uses
 from dpml.train.rules.standardised import standardised_pieces
 from dpml.train.rules.outputs import LetGo, Recorded, RecordedOutputs
 from dpml.train.rules.ragged import Ragged
-from dpml.train.rules.flat_indices import counting_up_to
+from dpml.train.rules.flat_indices import counting_for
 from dpml.train.rules.registry import Dense
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
@@ -165,7 +165,7 @@ def _record_forward(
 
     handles = [m.register_forward_pre_hook(enter) for m in layers] + [m.register_forward_hook(remember) for m in layers]
     try:
-        with recorder, custom_functions_seen_by(recorder), counting_up_to(ruled):
+        with recorder, custom_functions_seen_by(recorder), counting_for(model):
             losses = per_example_losses(model, loss_fn, x, y)
     finally:
         for handle in handles:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,33 +22,47 @@ _FLAT_INDICES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 _COUNTING: dict[torch.device, weakref.ref[torch.Tensor]] = {}
-_LARGEST: contextvars.ContextVar[int] = contextvars.ContextVar("dpml_largest_parameter", default=0)
+
+
+@dataclass
+class _Asked:
+    first: int  # how long the pass's first count is made: the longest its model's last pass asked for
+    longest: int = 0  # the longest count this pass asked for
+
+
+_PASS: contextvars.ContextVar[_Asked | None] = contextvars.ContextVar("dpml_pass_counts", default=None)
+_LONGEST_ASKED: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
-def counting_up_to(params: Collection[nn.Parameter]) -> Iterator[None]:
-    """Within the block (a recording forward pass), a count :func:`counting` makes is as long as the largest of
-    ``params``: one arange serves the whole pass, where one made each time a parameter is the largest so far stays
-    alive with the views indexed into it (BiT-50's 53 standardised weights held nine, 45 MiB of int64, at batch
-    64)."""
-    token = _LARGEST.set(max((p.numel() for p in params), default=0))
+def counting_for(model: nn.Module) -> Iterator[None]:
+    """Within the block (a recording forward pass of ``model``) the first count :func:`counting` makes is as long as
+    the longest the model's last pass asked for: one arange then serves the pass, where one made each time a longer
+    count is asked for stays alive with the views indexed into it (BiT-50's 53 standardised weights held nine, 45 MiB
+    of int64, at batch 64). Learnt from the last pass, not read off the parameters: a count as long as a parameter
+    no view indexes (a vocabulary's embedding) would be memory spent for nothing."""
+    asked = _Asked(_LONGEST_ASKED.get(model, 0))
+    token = _PASS.set(asked)
     try:
         yield
     finally:
-        _LARGEST.reset(token)
+        _PASS.reset(token)
+        _LONGEST_ASKED[model] = asked.longest
 
 
 def counting(count: int, device: torch.device) -> torch.Tensor:
     """0, 1, …, count − 1 (int64) on ``device``: the first ``count`` elements of one arange per device, shared by
-    every index made while it lives (made, when first asked for, as long as the pass's largest parameter:
-    :func:`counting_up_to`), let go with the last index that views it. Index tensors are read, not written; one
+    every index made while it lives (in a recording pass, the first one as long as the longest its model's last pass
+    asked for: :func:`counting_for`), let go with the last index that views it. Index tensors are read, not written; one
     written in place (its version moved) is no longer counted as a flat index, and the next index gets a fresh
     count."""
-    found = _COUNTING.get(device)
+    asked, found = _PASS.get(), _COUNTING.get(device)
+    if asked is not None:
+        asked.longest = max(asked.longest, count)
     base = None if found is None else found()
     if base is None or base.numel() < count or base._version:
         with torch.inference_mode(False):
-            base = torch.arange(max(count, _LARGEST.get()), device=device)
+            base = torch.arange(max(count, 0 if asked is None else asked.first), device=device)
         _FLAT_INDICES[base] = True
         _COUNTING[device] = weakref.ref(base)
     return base[:count]
