@@ -1,11 +1,14 @@
-"""What the engine's rule pieces no longer read is let go as they are formed, not with the pass: the uses of a
-standardised weight once its piece is formed (BiT's ``F.batch_norm`` of the weight, a standardisation written by hand),
-each ruled call and its δ once its uses are formed. Both measured on BiT-50 at batch 64 on a CPU: the DP step's peak
-of tensor memory 418 → 343 MiB, the non-private step's 196 (``benchmarks/results/rule_memory_cpu``)."""
+"""What the engine no longer reads is let go as soon as it is done with, not with the pass: a ruled call's input and δ
+once its uses are formed, as the backward pass reaches its output (a group norm's: its per-example γ and β gradients
+are all it needs of them), and a standardised weight's uses once its piece is formed (BiT's ``F.batch_norm`` of the
+weight, a standardisation written by hand). ``python benchmarks/tensor_peaks.py`` measures what that is worth
+(``benchmarks/results/tensor_peaks_cpu``)."""
 
 from __future__ import annotations
 
+import functools
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,9 +18,8 @@ from test_op_rules import assert_exact_without_the_exact_path
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dpml.train import clipping, released
+from dpml.train import clipping
 from dpml.train.dpsgd import per_example_cross_entropy
-from dpml.train.released import RuledCall, Slot
 from dpml.train.rules import row_jacobian, standardised
 
 BATCH, POSITIONS, WIDTH, LAYERS = 6, 5, 7, 3
@@ -85,35 +87,6 @@ def test_a_standardised_weight_s_factors_go_once_its_piece_is_formed(
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))
 
 
-def _call(slot: int, held: torch.Tensor, finished: list[int]) -> RuledCall:
-    def finish(delta: torch.Tensor) -> list[Any]:
-        finished.append(slot)
-        return [] if held.numel() == 0 else []
-
-    return RuledCall([], finish, "op", Slot(slot, torch.Size([2]), torch.float32, torch.device("cpu")))
-
-
-def test_each_call_and_each_delta_goes_once_taken() -> None:
-    """The calls come in their order with their δ; when a call is taken the ones before it (and what their
-    ``finish`` holds) are gone, and a δ goes after the last call that reads it, not before."""
-    finished: list[int] = []
-    inputs = [torch.randn(1000) for _ in range(4)]
-    refs = [StorageWeakRef(t.untyped_storage()) for t in inputs]
-    calls = [_call(slot, t, finished) for slot, t in zip([0, 1, 0, 2], inputs, strict=True)]
-    del inputs
-    deltas: list[torch.Tensor | None] = [torch.full((2,), float(k)) for k in range(3)] + [torch.ones(2)]
-    seen = []
-    for k, (call, delta) in enumerate(released.each_with_its_delta(calls, deltas)):
-        call.finish(delta)
-        gc.collect()
-        seen.append((call.slot.place, float(delta[0]), [ref.expired() for ref in refs[:k]]))
-        del call, delta
-    assert [(place, value) for place, value, _ in seen] == [(0, 0.0), (1, 1.0), (0, 0.0), (2, 2.0)]
-    assert all(all(gone) for _, _, gone in seen)  # every earlier call's input gone when the next is taken
-    assert calls == [] and finished == [0, 1, 0, 2]
-    assert deltas[:3] == [None, None, None] and deltas[3] is not None  # (a δ no call reads stays for the pass)
-
-
 class GroupNormAct(nn.GroupNorm):
     """timm's spelling: ``F.group_norm`` called by a module of its own (a ruled operation, not a hooked layer)."""
 
@@ -123,40 +96,48 @@ class GroupNormAct(nn.GroupNorm):
 
 class NormedLayers(nn.Module):
     """Linear maps over positions, each followed by a group norm over the channels, whose uses (its weight's and
-    bias's per-example gradients) are C numbers an example: its input is not read once they are formed."""
+    bias's per-example gradients) are C numbers an example: its input is not read once they are formed. ``watch``
+    (layer k, the linear map's output) is called in the forward pass."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linears = nn.ModuleList(nn.Linear(WIDTH + 1, WIDTH + 1) for _ in range(LAYERS))
         self.norms = nn.ModuleList(GroupNormAct(2, WIDTH + 1) for _ in range(LAYERS))
         self.head = nn.Linear(WIDTH + 1, 3)
+        self.watch: Callable[[int, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for linear, norm in zip(self.linears, self.norms, strict=True):
-            x = norm(linear(x).transpose(1, 2)).transpose(1, 2)
+        for k, (linear, norm) in enumerate(zip(self.linears, self.norms, strict=True)):
+            z = linear(x)
+            if self.watch is not None:
+                self.watch(k, z)
+            x = norm(z.transpose(1, 2)).transpose(1, 2)
         return self.head(x.mean(1))
 
 
-def test_a_ruled_call_s_input_goes_once_its_uses_are_formed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """When the uses of the k-th group norm call are formed, the inputs of the calls before it are gone (their uses,
-    C numbers an example each, are what the pass holds of them), not held until every call's uses are."""
+def test_a_ruled_call_s_input_goes_as_the_backward_pass_forms_its_uses() -> None:
+    """A ruled call's uses are formed as the backward pass reaches its output, and its input goes then: when the
+    pass reaches the k-th linear map's output, the inputs of the group norms above it (each the output of the
+    linear map below it) are gone, not held until the pass is over; the sums stay the float64 loop's."""
     x = torch.randn(BATCH, POSITIONS, WIDTH + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     torch.manual_seed(6)
     model = NormedLayers().double()
-    inputs: list[StorageWeakRef] = []
-    for norm in model.norms:
-        norm.register_forward_hook(lambda m, args, out: inputs.append(StorageWeakRef(args[0].untyped_storage())))
-    original, alive = clipping.cast_form, []
+    inputs: dict[int, StorageWeakRef] = {}
+    alive: dict[int, int] = {}
 
-    def cast(form: Any, dtype: torch.dtype) -> Any:
+    def reached(k: int, grad: torch.Tensor) -> None:
         gc.collect()
-        alive.append(sum(not ref.expired() for ref in inputs[: len(alive) // 2]))  # (two uses a call: γ, β)
-        return original(form, dtype)
+        alive[k] = sum(not inputs[j].expired() for j in range(k + 1, LAYERS))
 
-    monkeypatch.setattr(clipping, "cast_form", cast)
+    def watch(k: int, z: torch.Tensor) -> None:
+        inputs[k] = StorageWeakRef(z.untyped_storage())
+        if z.requires_grad:
+            z.register_hook(functools.partial(reached, k))
+
+    model.watch = watch
     found = clipping.engine_pass(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))
     ruled = sorted(unit.name for unit, _ in found.fast if isinstance(unit, clipping.RuleUnit))
     assert ruled == sorted(f"norms.{k}.{p}" for k in range(LAYERS) for p in ("weight", "bias"))
-    assert len(alive) == 2 * LAYERS and alive == [0] * (2 * LAYERS)
-    monkeypatch.setattr(clipping, "cast_form", original)
+    assert sorted(alive) == list(range(LAYERS)) and set(alive.values()) == {0}
+    model.watch = None
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))

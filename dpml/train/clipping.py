@@ -66,8 +66,8 @@ from dpml.train.engine_units import EnginePass, RuleUnit, Unit
 from dpml.train.exact_path import PlannedExact, exact_per_example_gradients, say_unplanned_exact, unreached_parameters
 from dpml.train.keep_budget import keep_limit, pass_budget
 from dpml.train.nonfinite import refuse_non_finite_parameters, say_left_out
-from dpml.train.released import RuledCall, Targets, each_with_its_delta
-from dpml.train.streamed import Deltas, as_dtype, layer_pieces
+from dpml.train.released import Targets
+from dpml.train.streamed import layer_pieces
 from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
 from dpml.train.rules.derived import pull_back_all
 from dpml.train.rules.row_jacobian import row_map_pieces
@@ -182,32 +182,32 @@ _OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, 
 
 
 def _finished_uses(
-    calls: list[RuledCall], deltas: Deltas, ruled: dict[int, str], relevant: set[int], dtype: torch.dtype
+    called: list[str], finished: list[list[Use]], ruled: dict[int, str], relevant: set[int], dtype: torch.dtype
 ) -> tuple[dict[int, list[Use]], dict[int, list[str]], dict[int, nn.Parameter]]:
-    """The uses of the ``relevant`` parameters and computations from the calls' δ (cast to ``dtype``), the operations
-    they came from and the parameters; ``calls`` and ``deltas`` end empty, each call and each δ let go as soon as its
-    uses are formed (:func:`dpml.train.released.each_with_its_delta`)."""
+    """The uses of the ``relevant`` parameters and computations (each ruled call's, its operation among ``called``,
+    formed in the backward pass: :func:`dpml.train.streamed.layer_pieces`), the operations they came from and the
+    parameters."""
     uses: dict[int, list[Use]] = {key: [] for key in relevant}
     operations: dict[int, list[str]] = {key: [] for key in relevant}
     params: dict[int, nn.Parameter] = {}
-    for pending, d in each_with_its_delta(calls, deltas):
-        for tracked, form in pending.finish(as_dtype(d, dtype)):
+    for operation, found in zip(called, finished, strict=True):
+        for tracked, form in found:
             key = id(tracked.param)
             if key in relevant:
                 form = cast_form(form, dtype)  # (packed ragged rows: padded for a computation's pull-back)
                 uses[key].append((tracked, form.padded() if isinstance(form, Ragged) and key not in ruled else form))
                 params[key] = tracked.param
-                operations[key].append(pending.operation)
-    deltas.clear()
+                operations[key].append(operation)
+    finished.clear()
     return uses, operations, params
 
 
 def _rule_pieces(
     recording: _Recording,
-    calls: list[RuledCall],
+    called: list[str],
+    finished: list[list[Use]],
     ruled: dict[int, str],
     relevant: set[int],
-    deltas: list[torch.Tensor | None],
     batch: int,
     dtype: torch.dtype,
     limit: int,
@@ -216,7 +216,7 @@ def _rule_pieces(
     them, :class:`dpml.train.rules.registry.Derived`, whose uses are pulled back to theirs first); a parameter
     whose uses cannot be combined, with why. Each parameter's uses are dropped once its piece is formed: what a piece
     does not read is let go (:func:`.rules.combine.letting_go`)."""
-    uses, operations, params = _finished_uses(calls, deltas, ruled, relevant, dtype)
+    uses, operations, params = _finished_uses(called, finished, ruled, relevant, dtype)
     nodes = recording.recorder.computations.nodes
     standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (steps, piece)}: W standardised first
     standardised |= row_map_pieces(nodes, uses, ruled, params, standardised.keys())
@@ -321,13 +321,15 @@ def engine_pass(
     fast: list[tuple[Unit, Piece]] = []
     for name in unreached_parameters(recording.losses, slow):  # ∇_p ℓ_i = 0 for every i: nothing to take exactly
         fast.append((RuleUnit(name, slow[name], (UNUSED,)), _zero_piece(slow.pop(name), zeros)))
-    kept = {call.slot.place for call in ruled_calls}  # the δ the rules read after the pass (:mod:`.streamed`)
+    called = [call.operation for call in ruled_calls]
     with pass_budget(x.device, held), shared_grams():  # norms and sums from the same numbers (no TF32)
-        layers, deltas = layer_pieces(targets.edges, layer_calls, kept, recording.losses, bool(slow), zeros.dtype)
+        layers, finished = layer_pieces(
+            targets.edges, layer_calls, ruled_calls, recording.losses, bool(slow), zeros.dtype
+        )
         fast += layers
         with full_float32():
             pieces, failed = _rule_pieces(
-                recording, ruled_calls, ruled, relevant, deltas, batch, zeros.dtype, keep_limit(x.device)
+                recording, called, finished, ruled, relevant, batch, zeros.dtype, keep_limit(x.device)
             )
     fast += pieces
     reasons = {n: recorder.why_exact(p, n, exact) for n, p in slow.items()}

@@ -12,7 +12,7 @@ goes, as a non-private step's does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,19 +81,3 @@ class Targets:
     def numbers(self) -> int:
         """How many numbers the slots' δ hold together."""
         return sum(slot.shape.numel() for slot in self.slots)
-
-
-def each_with_its_delta(
-    calls: list[RuledCall], deltas: list[torch.Tensor | None]
-) -> Iterator[tuple[RuledCall, torch.Tensor]]:
-    """Each call with its δ, in order; ``calls`` is emptied as they are taken, and each δ is dropped from ``deltas``
-    once its last call has it: what a call's uses do not read (a norm's input, once its per-example sums are formed;
-    a convolution's, once its patches are) goes as soon as they are formed, not with the last call."""
-    last = {call.slot.place: k for k, call in enumerate(calls)}  # the last call reading each δ
-    calls.reverse()
-    for k in range(len(calls)):
-        call = calls.pop()
-        delta = call.slot.delta_among(deltas)
-        if last[call.slot.place] == k:
-            deltas[call.slot.place] = None
-        yield call, delta
