@@ -141,3 +141,50 @@ def test_a_ruled_call_s_input_goes_as_the_backward_pass_forms_its_uses() -> None
     assert sorted(alive) == list(range(LAYERS)) and set(alive.values()) == {0}
     model.watch = None
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))
+
+
+class GainedLayers(nn.Module):
+    """NFNet's ``ScaledStdConv2d`` as linear maps: the weight's rows standardised by ``F.batch_norm`` with a gain per
+    output row (some 0, as NFNet starts its last ones), so Ŵ is not the forward pass's output but (W − μ)·r."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(WIDTH, WIDTH)) for _ in range(LAYERS))
+        self.gains = nn.ParameterList(
+            nn.Parameter(torch.rand(WIDTH) * (torch.arange(WIDTH) > 1)) for _ in range(LAYERS)
+        )
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w, gain in zip(self.weights, self.gains, strict=True):
+            rows = w.reshape(1, WIDTH, -1)
+            scaled = F.batch_norm(rows, None, None, gain * WIDTH**-0.5, training=True, momentum=0.0, eps=1e-5)
+            x = torch.tanh(F.linear(x, scaled.reshape_as(w)))
+        return self.head(x.mean(1))
+
+
+def test_a_gained_standardised_weight_s_piece_does_not_hold_its_standardised_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a gain scales the standardised rows, Ŵ = (W − μ)·r is formed for the norms and formed again for the clipped
+    sum, not held from one to the other: once the pass's pieces are formed, every Ŵ formed for them is gone (one
+    weight's worth each, BiT- and NFNet-sized weights add up to the model's size)."""
+    original, formed = standardised._standardised, []
+
+    def spied(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        hat, scale = original(*args)
+        formed.append(StorageWeakRef(hat.untyped_storage()))
+        return hat, scale
+
+    monkeypatch.setattr(standardised, "_standardised", spied)
+    x = torch.randn(BATCH, POSITIONS, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    torch.manual_seed(9)
+    model = GainedLayers().double()
+    found = clipping.engine_pass(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))
+    gc.collect()
+    taken = [unit.name for unit, _ in found.fast if isinstance(unit, clipping.RuleUnit)]
+    assert {f"weights.{k}" for k in range(LAYERS)} <= set(taken)
+    assert len(formed) == LAYERS and all(ref.expired() for ref in formed)
+    assert len(found.sums(torch.ones(BATCH, dtype=torch.float64))) == len(taken) + 2  # (formed again: the head's too)
+    monkeypatch.setattr(standardised, "_standardised", original)
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))

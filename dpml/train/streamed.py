@@ -12,9 +12,12 @@ So each hooked layer's piece is formed in a pre-hook of the autograd node that m
 gradients flowing into the node, δ among them, before the node runs), and δ is kept only where a piece still reads
 it. A ruled call (:mod:`dpml.train.rules`: an operation on a parameter no hooked layer covers, as timm's
 ``F.group_norm``) is finished the same way: its uses are formed from its δ as the pass reaches its output, and its
-input and δ go unless they hold them (a norm's uses are its per-example γ and β gradients, C numbers an example;
-held to the end of the pass, every ruled norm's input and δ took BiT-50's DP step to 2.1× the non-private step's
-peak of tensor memory at batch 64: ``benchmarks/results/tensor_peaks_cpu``). ``torch.autograd.grad`` is asked only for the δ of the *lowest* targets, from whose nodes no other
+input and δ go unless the uses hold them (a norm's are its per-example γ and β gradients, C numbers an example).
+Held to the end of the pass, the ruled norms' inputs and δ stood beside the activations still to be reached:
+BiT-50 with GroupNorm at batch 64 on this project's CPU peaked at 1.73 times the non-private step's tensor memory,
+1.59 with them let go as reached (``benchmarks/results/tensor_peaks_cpu``).
+
+``torch.autograd.grad`` is asked only for the δ of the *lowest* targets, from whose nodes no other
 target's node is reached (:func:`lowest`): every other target's node is on the way from the loss to one of those, so
 autograd runs it and its pre-hook fires; a node the loss does not reach runs neither way, and its δ is zero, as
 ``allow_unused`` gives. The pieces are the numbers the same function forms after the pass (same inputs, same δ);

@@ -130,8 +130,9 @@ def _computed_piece(found: Standardisation, form: Computed) -> tuple[Piece, torc
         found_q.append(q)
         return grads.sub_(q[..., None]).mul_(rho[:, None]).addcmul_(-(rho * s / n)[..., None], w_hat)  # (its own)
 
-    def total(factors: torch.Tensor) -> torch.Tensor:
-        w_hat, rho, s = hat.to(factors.dtype), scale.to(factors.dtype), torch.cat(found_s).to(factors.dtype)
+    def total(factors: torch.Tensor) -> torch.Tensor:  # (Ŵ formed again: not held from the norms to the sums)
+        w_hat = _standardised(found, rows, n, found.param.dtype)[0].to(factors.dtype)
+        rho, s = scale.to(factors.dtype), torch.cat(found_s).to(factors.dtype)
         g = form.weighted_sum(factors).reshape(rows, n)  # (one weight gradient, formed for this)
         return g.sub_(g.mean(1, keepdim=True)).mul_(rho[:, None]).addcmul_(-(rho / n * (factors @ s))[:, None], w_hat)
 
@@ -160,7 +161,8 @@ def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor,
     """W's piece from the one factored use of γ ⊙ Ŵ + β (module docstring), and the per-example gradients of γ and β,
     s and n·q (B, C_out)."""
     rows, n, param = form.rows, form.cols, found.param
-    hat, scale = _standardised(found, rows, n, form.u.dtype)  # ρ = γ ⊙ r
+    dtype = form.u.dtype
+    hat, scale = _standardised(found, rows, n, dtype)  # ρ = γ ⊙ r
     u, v = form.u, form.v  # (B, T, C_out), (B, T, n)
     mean_a = v.mean(2, keepdim=True)
     product = _products(found, form, hat)
@@ -171,8 +173,8 @@ def _piece(found: Standardisation, form: Factored) -> tuple[Piece, torch.Tensor,
     squared = f_squared - (2 / n) * (scaled * scale * (s - q * hat.sum(1))).sum(1)
     squared = (squared + (scaled.square() * hat.square().sum(1)).sum(1) / n**2).clamp_min(0)
 
-    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        removed = (scale / n * (factors @ s))[:, None] * hat
+    def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:  # (Ŵ formed again, as in total)
+        removed = (scale / n * (factors @ s))[:, None] * _standardised(found, rows, n, dtype)[0]
         return [(param, (f_sums(factors) - removed).reshape(param.shape))]
 
     return Piece(squared, sums), s, q * n
