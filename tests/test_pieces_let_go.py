@@ -188,3 +188,49 @@ def test_a_gained_standardised_weight_s_piece_does_not_hold_its_standardised_row
     assert len(found.sums(torch.ones(BATCH, dtype=torch.float64))) == len(taken) + 2  # (formed again: the head's too)
     monkeypatch.setattr(standardised, "_standardised", original)
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))
+
+
+class RowProjections(nn.Module):
+    """transformers' ``Conv1D`` spelled out: ``torch.addmm`` on the B·T rows of the activations, each output viewed
+    back as (B, T, d) and added to the residual stream (an addition saves nothing for its backward: in a non-private
+    step nothing holds the output past it). ``watch`` (layer k, its output) is called in the forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH) for _ in range(LAYERS))
+        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(WIDTH)) for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, 3)
+        self.watch: Callable[[int, torch.Tensor], None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, positions, width = x.shape
+        for k, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            h = torch.addmm(b, x.reshape(-1, width), w)
+            if self.watch is not None:
+                self.watch(k, h)
+            x = x + h.view(batch, positions, width)
+        return self.head(x.mean(1))
+
+
+def test_the_recording_pass_holds_no_activation_past_its_last_use() -> None:
+    """The example maps of the recording forward pass (where each example's rows are in a tensor of B·T rows) do not
+    keep the tensor alive: when layer k's projection runs, the outputs of the ones before it are gone, as in a
+    non-private step (each one's whole use was the addition after it)."""
+    x = torch.randn(BATCH, POSITIONS, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    torch.manual_seed(12)
+    model = RowProjections().double()
+    made: list[StorageWeakRef] = []
+    alive: list[int] = []
+
+    def watch(k: int, h: torch.Tensor) -> None:
+        gc.collect()
+        alive.append(sum(not ref.expired() for ref in made))
+        made.append(StorageWeakRef(h.untyped_storage()))
+
+    model.watch = watch
+    found = clipping.engine_pass(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))
+    ruled = {unit.name for unit, _ in found.fast if isinstance(unit, clipping.RuleUnit)}
+    assert {f"weights.{k}" for k in range(LAYERS)} <= ruled
+    assert alive == [0] * LAYERS
+    model.watch = None
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.randint(0, 3, (BATCH,)))

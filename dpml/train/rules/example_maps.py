@@ -74,13 +74,14 @@ WRITES = {T.__setitem__}
 class ExampleMaps:
     """The example maps of one recording pass: ``batch`` examples, the tensors computed from the batch's ``inputs``
     (``derived``), and per tensor its map or None where its batch was lost (a tensor without an entry that is
-    derived and has B rows first is batch-first)."""
+    derived and has B rows first is batch-first); a tensor held weakly, so that no activation outlives its last use
+    (GPT-2's projections' outputs, rows of B·T, all did to the end of the forward pass)."""
 
     def __init__(self, batch: int, inputs: torch.Tensor) -> None:
         self._derived = TensorSet()  # the tensors computed from the batch's inputs
         self._derived.add(inputs)
         self.batch = batch
-        self._examples: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # None: where its batch is was lost
+        self._examples: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}  # id -> (t, its map)
         self._base = torch.arange(batch)  # example maps are views of it, on the CPU (recorder's module docstring)
         self._constants: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # CONSTANTS' outputs: their versions
 
@@ -91,7 +92,7 @@ class ExampleMaps:
     def _entry(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
         """(whether t has an entry, its example map or None when where its batch is was lost)."""
         entry = self._examples.get(id(t))
-        return (True, entry[1]) if entry is not None and entry[0] is t else (False, None)
+        return (True, entry[1]) if entry is not None and entry[0]() is t else (False, None)
 
     def examples(self, t: torch.Tensor) -> torch.Tensor | None:
         return self._entry(t)[1]
@@ -142,7 +143,7 @@ class ExampleMaps:
         if examples is not None and self._trivial(examples):
             self._examples.pop(id(t), None)
             return
-        self._examples[id(t)] = (t, examples)
+        self._examples[id(t)] = (weakref.ref(t), examples)
 
     def note_constants(self, out: Any) -> None:
         """Remember the outputs of a call of :data:`CONSTANTS`, each with its version counter (which its views

@@ -31,6 +31,7 @@ The example maps' bookkeeping is :mod:`dpml.train.rules.example_maps`.
 
 from __future__ import annotations
 
+import weakref
 import functools
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -390,7 +391,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             self._derived.add(source)
         known, examples = self._entry(target)
         if known:
-            self._examples[id(source)] = (source, examples)
+            self._examples[id(source)] = (weakref.ref(source), examples)
         result = plain(source, *args[1:], **kwargs)
         if result.requires_grad:
             self._apply(plain, RULES[plain], (source, *args[1:]), kwargs, result, hits)
