@@ -12,7 +12,7 @@ goes, as a non-private step's does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,11 +35,6 @@ class Slot:
     def zeros(self) -> torch.Tensor:
         """The δ of an output the loss does not reach."""
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-
-    def delta_among(self, deltas: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The output's δ among a pass's, by place (None: the loss does not reach it, zeros)."""
-        found = deltas[self.place]
-        return self.zeros() if found is None else found
 
 
 @dataclass(frozen=True)
