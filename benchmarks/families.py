@@ -23,7 +23,10 @@ Families, each built from a config with random weights (nothing is downloaded: `
   the channels, layer scale; the same at every size), 32×32 images, 10 classes;
 - ``layers`` (by name, or ``--families layers`` for all): torch's own layers and parametrizations in small
   classifiers over sequences of feature vectors (``nn.Bilinear``, ``nn.TransformerDecoder``, ``nn.Transformer``,
-  cells stepped in Python, ``weight_norm``, ``spectral_norm``, ``orthogonal``, …: ``benchmarks/layer_zoo.py``).
+  cells stepped in Python, ``weight_norm``, ``spectral_norm``, ``orthogonal``, …: ``benchmarks/layer_zoo.py``);
+- ``timm`` (by name, or ``--families timm`` for all): one model of each of 60 more timm architectures (vision
+  transformers and their variants, hierarchical and windowed transformers, MLPs and metaformers, convolutional
+  networks), small, 32×32 images, BatchNorm2d as GroupNorm (``benchmarks/timm_zoo.py``).
 
 Where a family's library cannot be imported, its row says so and why, rather than disappearing.
 PyPI's torchvision wheel (which timm imports) is built against CUDA torch: beside a CPU-only torch its
@@ -138,10 +141,11 @@ from family_zoo import (  # noqa: E402
     build_video,
 )
 from layer_zoo import LAYER_CLASSES, LAYER_FEATURES, LAYER_ZOO, build_layer  # noqa: E402
+from timm_zoo import TIMM_ZOO, build_timm  # noqa: E402
 
 FAMILIES = ["bert", "gpt2", "encoder", "bert-lora", "vit", "resnet18-gn"]
 # asked for by name only (``zoo``: all of ZOO)
-MORE_FAMILIES = ["lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", "convnext", *ZOO, *LAYER_ZOO]
+MORE_FAMILIES = ["lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", "convnext", *ZOO, *LAYER_ZOO, *TIMM_ZOO]
 TEXT = {"bert", "gpt2", "encoder", "bert-lora", "lstm", "lstm-packed", "gru", "gru-packed", "lstm-proj", *TEXT_ZOO}
 METHODS = ["nonprivate", "dpml", "opacus-hooks", "opacus-ghost"]
 PEERS = ("opacus-hooks", "opacus-ghost")
@@ -407,6 +411,9 @@ def build(family: str, size_name: str, length: int):  # noqa: ANN201
         return build_audio(family, size, IMAGE_CLASSES)
     if family in LAYER_ZOO:
         return build_layer(family, size, LAYER_CLASSES)
+    if family in TIMM_ZOO:
+        _import("timm")
+        return build_timm(family, IMAGE_CLASSES)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -500,7 +507,7 @@ def _dpml_step(model, optimizer, args: argparse.Namespace, x, y) -> Callable[[],
     start = time.perf_counter()
     try:
         plan = plan_clipping(model, per_example_cross_entropy, shape, x.dtype)
-    except ClippingUnsupported as error:
+    except (ClippingUnsupported, ValueError) as error:  # (ValueError: a layer dpml refuses, as batch norm)
         raise MethodError("refuses", _one_line(error)) from error
     plan_seconds = time.perf_counter() - start
     exact_set = getattr(plan, "exact", frozenset())
@@ -1055,7 +1062,7 @@ def main() -> None:
         "--families",
         nargs="+",
         default=FAMILIES,
-        choices=[*FAMILIES, *MORE_FAMILIES, "zoo", "peft", "layers", "more-text"],
+        choices=[*FAMILIES, *MORE_FAMILIES, "zoo", "peft", "layers", "more-text", "timm"],
     )
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--batch", type=int, default=64)
@@ -1108,6 +1115,7 @@ def main() -> None:
         "peft": ["bert-lora", "bert-c3a", *PEFT_ON_BERT],
         "layers": LAYER_ZOO,
         "more-text": NEWER_TEXT,
+        "timm": TIMM_ZOO,
     }
     args.families = [name for family in args.families for name in groups.get(family, [family])]
     if args.render:  # the page from recorded numbers, e.g. after its layout changed
