@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from test_op_rules import assert_exact_without_the_exact_path, generator
 from test_op_rules_convolutions import in_twos
 from test_op_rules_writes import Standardised as BatchNormStandardised
+from test_op_rules_writes import StandardisedConvolutions
 from torch import nn
 
 from dpml.train import clipping
 from dpml.train.dpsgd import per_example_cross_entropy
-from dpml.train.rules import combine, convolution_nd, derived, row_jacobian
+from dpml.train.rules import combine, convolution, convolution_nd, derived, row_jacobian
 from dpml.train.rules.row_affine import broadcast
 
 
@@ -259,6 +260,88 @@ def test_a_gained_standardisation_reads_the_convolutions_own_products(
     _by_way(monkeypatch, way)
     x, y = _batch()
     assert_exact_without_the_exact_path(GainedStandardised(write), per_example_cross_entropy, x, y)
+
+
+class GroupedStandardised(nn.Module):
+    """NFNet-F0's grouped ``ScaledStdConv2d`` (``F.batch_norm`` of the weight with a gain per output channel, one 0,
+    then ``F.conv2d`` in groups of 2 input channels) and a standardised depthwise kernel without a gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.grouped = nn.Parameter(torch.randn(6, 2, 3, 3))
+        self.gain = nn.Parameter(torch.tensor([0.0, 1.5, -0.7, 1e-3, 1.0, 0.5]))
+        self.depthwise = nn.Parameter(torch.randn(6, 1, 3, 3))
+        self.out = nn.Linear(6, 3)
+
+    @staticmethod
+    def standardised(w: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+        rows = w.reshape(1, w.shape[0], -1)
+        return F.batch_norm(rows, None, None, gain, training=True, momentum=0.0, eps=1e-5).reshape_as(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 5, 5)
+        h = torch.tanh(self.stem(x))
+        h = torch.tanh(F.conv2d(h, self.standardised(self.grouped, self.gain * 18**-0.5), padding=1, groups=2))
+        h = torch.tanh(F.conv2d(h, self.standardised(self.depthwise), padding=1, groups=6))
+        return self.out(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("way", ["kept", "formed", "slots"])
+def test_a_grouped_standardisation_is_carried_back_row_by_row(monkeypatch: pytest.MonkeyPatch, way: str) -> None:
+    """A grouped convolution's per-example kernel gradients materialised within the keep limit (``kept``), past it
+    formed two examples at a time (``formed``) or factored in (group, position) slots (``slots``), carried back
+    through the standardisation row by row: the loop's numbers for the weights and the gain, and both weights taken by
+    the standardised rule, not the generic pull-back (which took the materialised ones before)."""
+    if way != "kept":
+        monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 40)
+        monkeypatch.setattr(combine, "heap_sized_slices", lambda count, each, device: in_twos(count))
+    monkeypatch.setattr(convolution, "slots_pay", lambda *args: way == "slots")
+    formed = {"slots": 0}
+    original_slots = convolution.group_slots
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        formed["slots"] += 1
+        return original_slots(*args)
+
+    monkeypatch.setattr(convolution, "group_slots", counted)
+    taken: set[str] = set()
+    original = clipping.standardised_pieces
+
+    def spy(nodes, uses, ruled, params):  # type: ignore[no-untyped-def]
+        found = original(nodes, uses, ruled, params)
+        taken.update(ruled[key] for key in found)
+        return found
+
+    monkeypatch.setattr(clipping, "standardised_pieces", spy)
+    x, y = _batch()
+    assert_exact_without_the_exact_path(GroupedStandardised(), per_example_cross_entropy, x, y)
+    assert taken == {"grouped", "depthwise"}
+    assert (formed["slots"] > 0) == (way == "slots")
+
+
+def test_grouped_kernels_in_slots_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every grouped kernel factored in slots: a grouped 2-D one with a stride, a depthwise one with a bias and a
+    depthwise ``F.conv1d`` (their own parameters, no standardisation), the loop's numbers."""
+    slotted: list[int] = []
+    original = convolution.group_slots
+    monkeypatch.setattr(convolution, "beyond_keep_limit", lambda *args: "past it")
+    monkeypatch.setattr(convolution, "slots_pay", lambda *args: True)
+    monkeypatch.setattr(convolution, "group_slots", lambda *args: slotted.append(1) or original(*args))
+    torch.manual_seed(4)
+    x = torch.randn(5, 3, 9, 9, generator=generator(23), dtype=torch.float64)
+    assert_exact_without_the_exact_path(
+        StandardisedConvolutions(), per_example_cross_entropy, x, torch.randint(0, 3, (5,))
+    )
+    assert len(slotted) >= 3
+
+
+def test_slots_pay_where_few_positions_meet_few_groups() -> None:
+    """NFNet-F0's 768-channel 3×3 kernels in 6 groups at batch 64: factored in slots on its 2×2 and 1×1 maps, formed on
+    8×8 ones (g·T = 384 slots: six weight gradients' worth of clipped sum), and a depthwise kernel never (C slots)."""
+    kernel = torch.empty(768, 128, 3, 3)
+    assert convolution.slots_pay(64, 4, kernel, 6) and convolution.slots_pay(64, 1, kernel, 6)
+    assert not convolution.slots_pay(64, 64, kernel, 6)
+    assert not convolution.slots_pay(64, 4, torch.empty(768, 1, 3, 3), 768)
 
 
 class WrittenAfterUse(nn.Module):

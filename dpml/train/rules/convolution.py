@@ -10,10 +10,12 @@ ghost norm is the cheaper, otherwise formed on demand by torch's own weight-grad
 ∇_b ℓ_i = Σ_t δ_{i,t}. With ``groups`` = g > 1 (depthwise when
 g = C_in) group j's output channels see only its input channels, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ: materialised
 for the B·g (example, group) pairs at once (:func:`dpml.train.clipping_conv_ways.grouped_conv_per_example_gradients`,
-at the kernel's live taps), B × |W| numbers; beyond the device's keep limit, formed on demand a slice of examples at
-a time as an ungrouped kernel's are, and their clipped sum one weight gradient of the clip-weighted δ (NFNet's
-standardised 3×3 kernels of 768 channels in groups of 128 at batch 64: 57 M numbers, past the CPU's 33.5 M). (A
-convolution whose layer is hooked keeps the layer's optimised kernels.)
+at the kernel's live taps), B × |W| numbers; beyond the device's keep limit, factored in (group, position) slots
+where few positions and few groups make that the cheaper (:func:`slots_pay`, :func:`group_slots`: NFNet-F0's
+standardised 3×3 kernels of 768 channels in 6 groups on the 2×2 and 1×1 maps of 32×32 images), else formed on demand
+a slice of examples at a time as an ungrouped kernel's are, and their clipped sum one weight gradient of the
+clip-weighted δ (those kernels at batch 64: 57 M numbers, past the CPU's 33.5 M). (A convolution whose layer is hooked
+keeps the layer's optimised kernels.)
 
 An input whose images are grouped by example, (B·k, C, H, W) with each image one example's (MViT pools each head's
 map, windowed models each window; the recorder's example map says whose), is an example's k images side by side:
@@ -22,12 +24,16 @@ the sums over t run over the positions of all k (:func:`by_example`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpml.train.clipping_conv import named_padding
+from dpml.train.clipping_conv import Geometry, named_padding, unfold_patches
+from dpml.train.clipping_norms import KEEP_TRAFFIC, materialise
 from dpml.train.clipping_conv_ways import grouped_conv_per_example_gradients
+from dpml.train.keep_budget import keep_limit
 from dpml.train.rules.convolution_nd import Convolution, kernel_form, sizes
 from dpml.train.rules.registry import (
     Call,
@@ -84,7 +90,13 @@ def convolution(call: Call) -> Pending | str:
     def finish(output_grad: torch.Tensor) -> list[Use]:
         d = by_example(output_grad.reshape(output_grad.shape[0], out_channels, -1), rows)  # (B, C_out, T)
         uses: list[Use] = []
-        if w is not None and on_demand:  # (grouped: never factored, kernel_form forms them)
+        if w is not None and groups > 1 and on_demand and rows is None and slots_pay(batch, d.shape[2], weight, groups):
+            own = None if produced is None or produced._version != written else produced.detach()
+            if own is not None and isinstance(bias, torch.Tensor):
+                own = own - bias.detach().reshape(1, -1, *(1,) * (own.dim() - 2))
+            x2d = recorded.unsqueeze(2) if one_d else recorded
+            uses.append((w, group_slots(x2d, d, geometry, groups, _as_2d(own, one_d))))
+        elif w is not None and on_demand:  # (grouped: factored in slots above, or formed by kernel_form)
             form = kernel_form(recorded, output_grad, conv, merged, rows)
             if isinstance(form, Factored) and produced is not None and produced._version == written:
                 out = produced.detach()  # (not written in place since: W a_t, (B, T, C), the product's own)
@@ -103,3 +115,52 @@ def convolution(call: Call) -> Pending | str:
         return uses
 
     return Pending(call.output, [t.param for t in (w, b) if t is not None], finish)
+
+
+def _as_2d(t: torch.Tensor | None, one_d: bool) -> torch.Tensor | None:
+    """A Conv1d's (B, C, L) tensor as its Conv2d of height 1 sees it, (B, C, 1, L)."""
+    return t.unsqueeze(2) if t is not None and one_d else t
+
+
+STORED_PASSES = 7
+"""Passes over B × |W| stored numbers a grouped kernel's gradients formed on demand take when a standardisation carries
+them back (:mod:`.standardised`: formed, the row map's four, the norm; the clipped sum's weight gradient besides)."""
+
+
+def slots_pay(batch: int, positions: int, weight: torch.Tensor, groups: int) -> bool:
+    """Whether a grouped kernel past the keep limit is cheaper factored in (group, position) slots
+    (:func:`group_slots`: ghost norms over g·T slots, B·(gT)²·(C_out + n), and a clipped sum over them,
+    B·gT·C_out·n, g times the weight gradient's) than formed on demand (two weight gradients, B·T·C_out·n each, and
+    ``STORED_PASSES`` passes over B·C_out·n stored numbers at ``KEEP_TRAFFIC`` multiply-adds a number) — few positions
+    and few groups, as NFNet-F0's 768-channel kernels in 6 groups on 2×2 and 1×1 maps at 32×32 — and the ghost norm
+    is what the slots' norms would take (:func:`dpml.train.clipping_norms.materialise`)."""
+    out_channels, cols = weight.shape[0], math.prod(weight.shape[1:])
+    slots = groups * positions
+    factored = batch * slots * slots * (out_channels + cols) + batch * slots * out_channels * cols
+    formed = 2 * batch * positions * out_channels * cols + STORED_PASSES * KEEP_TRAFFIC * batch * out_channels * cols
+    ghost = not materialise(batch, slots, cols, out_channels, keep_limit(weight.device))
+    return ghost and factored < formed
+
+
+def group_slots(
+    x: torch.Tensor, d: torch.Tensor, geometry: Geometry, groups: int, output: torch.Tensor | None
+) -> Factored:
+    """A grouped convolution's per-example kernel gradient as one factored use over (group, position) slots: group j's
+    rows see only its patches, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ, so with slot (j, t) holding u = δ_t on group j's
+    output channels (0 on the others) and v = a_{j,t} (group j's patch, W's (c, u, v) columns), ∇_W ℓ_i = Σ_{(j,t)}
+    u vᵀ exactly. x (B, C_in, H, W), d (B, C_out, T); ``output`` (B, C_out, H', W'), the convolution's own W a_t
+    without its bias where it is at hand: each slot's ``applied`` (its other groups' channels are multiplied by u's
+    zeros wherever they are read)."""
+    batch, out_channels, positions = d.shape
+    patches = unfold_patches(x.to(d.dtype), *geometry)  # (B, C_in·kh·kw, T), in δ's dtype (autocast: the parameters')
+    cols = patches.shape[1] // groups
+    v = patches.reshape(batch, groups, cols, positions).transpose(2, 3).reshape(batch, groups * positions, cols)
+    by_group = d.reshape(batch, groups, out_channels // groups, positions).transpose(2, 3)  # (B, g, T, C_out/g)
+    u = d.new_zeros(batch, groups, positions, groups, out_channels // groups)
+    for j in range(groups):
+        u[:, j, :, j] = by_group[:, j]
+    applied = None
+    if output is not None:
+        each = output.to(d.dtype).reshape(batch, 1, out_channels, positions).transpose(2, 3)  # (B, 1, T, C_out)
+        applied = each.expand(batch, groups, positions, out_channels).reshape(batch, groups * positions, out_channels)
+    return Factored(u.reshape(batch, groups * positions, out_channels), v, out_channels, cols, applied=applied)
