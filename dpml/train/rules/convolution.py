@@ -91,18 +91,12 @@ def convolution(call: Call) -> Pending | str:
         d = by_example(output_grad.reshape(output_grad.shape[0], out_channels, -1), rows)  # (B, C_out, T)
         uses: list[Use] = []
         if w is not None and groups > 1 and on_demand and rows is None and slots_pay(batch, d.shape[2], weight, groups):
-            own = None if produced is None or produced._version != written else produced.detach()
-            if own is not None and isinstance(bias, torch.Tensor):
-                own = own - bias.detach().reshape(1, -1, *(1,) * (own.dim() - 2))
-            x2d = recorded.unsqueeze(2) if one_d else recorded
-            uses.append((w, group_slots(x2d, d, geometry, groups, _as_2d(own, one_d))))
+            own = _own_product(produced, written, bias, out_channels)
+            uses.append((w, group_slots(recorded.unsqueeze(2) if one_d else recorded, d, geometry, groups, own)))
         elif w is not None and on_demand:  # (grouped: factored in slots above, or formed by kernel_form)
             form = kernel_form(recorded, output_grad, conv, merged, rows)
-            if isinstance(form, Factored) and produced is not None and produced._version == written:
-                out = produced.detach()  # (not written in place since: W a_t, (B, T, C), the product's own)
-                out = out.reshape(out.shape[0], out_channels, -1)
-                out = out - bias.detach().reshape(1, -1, 1) if isinstance(bias, torch.Tensor) else out
-                form.applied = by_example(out, rows).transpose(1, 2)
+            if isinstance(form, Factored) and (own := _own_product(produced, written, bias, out_channels)) is not None:
+                form.applied = by_example(own, rows).transpose(1, 2)
             uses.append((w, form))
         elif w is not None:  # per image, then each example's images added up
             images = output_grad.unsqueeze(2) if one_d else output_grad
@@ -117,9 +111,15 @@ def convolution(call: Call) -> Pending | str:
     return Pending(call.output, [t.param for t in (w, b) if t is not None], finish)
 
 
-def _as_2d(t: torch.Tensor | None, one_d: bool) -> torch.Tensor | None:
-    """A Conv1d's (B, C, L) tensor as its Conv2d of height 1 sees it, (B, C, 1, L)."""
-    return t.unsqueeze(2) if t is not None and one_d else t
+def _own_product(
+    produced: torch.Tensor | None, written: int, bias: torch.Tensor | None, out_channels: int
+) -> torch.Tensor | None:
+    """The convolution's own W a_t, (images, C_out, T): its output less its bias, where the output was recorded (a
+    computed weight) and not written in place since; else None."""
+    if produced is None or produced._version != written:
+        return None
+    out = produced.detach().reshape(produced.shape[0], out_channels, -1)
+    return out - bias.detach().reshape(1, -1, 1) if isinstance(bias, torch.Tensor) else out
 
 
 STORED_PASSES = 7
@@ -148,7 +148,7 @@ def group_slots(
     """A grouped convolution's per-example kernel gradient as one factored use over (group, position) slots: group j's
     rows see only its patches, ∇_{W_j} ℓ_i = Σ_t δ_{i,j,t} a_{i,j,t}ᵀ, so with slot (j, t) holding u = δ_t on group j's
     output channels (0 on the others) and v = a_{j,t} (group j's patch, W's (c, u, v) columns), ∇_W ℓ_i = Σ_{(j,t)}
-    u vᵀ exactly. x (B, C_in, H, W), d (B, C_out, T); ``output`` (B, C_out, H', W'), the convolution's own W a_t
+    u vᵀ exactly. x (B, C_in, H, W), d (B, C_out, T); ``output`` (B, C_out, T), the convolution's own W a_t
     without its bias where it is at hand: each slot's ``applied`` (its other groups' channels are multiplied by u's
     zeros wherever they are read)."""
     batch, out_channels, positions = d.shape

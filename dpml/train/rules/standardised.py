@@ -145,6 +145,16 @@ def _less_rows_of_hat(total: torch.Tensor, k: torch.Tensor, found: Standardisati
     )
 
 
+def _carried_back(
+    grads: torch.Tensor, hat: torch.Tensor, rho: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch norm's backward on every row g_c of ``grads`` (B, C_out, n), in place: ρ_c (g_c − q_c·1 − (s_c/n) Ŵ_c) with
+    q_c = mean(g_c) and s_c = ⟨Ŵ_c, g_c⟩ (module docstring); the carried rows, q and s (B, C_out)."""
+    n = grads.shape[2]
+    q, s = grads.mean(2), torch.linalg.vecdot(grads, hat, dim=2)
+    return grads.sub_(q[..., None]).mul_(rho[:, None]).addcmul_(-(rho * s / n)[..., None], hat), q, s
+
+
 def _computed_piece(found: Standardisation, form: Computed) -> tuple[Piece, torch.Tensor, torch.Tensor]:
     """W's piece, and s and n·q, from a use whose per-example gradients G_i the operation forms on demand (a
     convolution's kernel gradients): each slice's rows g_c carried back by batch norm's backward,
@@ -157,11 +167,10 @@ def _computed_piece(found: Standardisation, form: Computed) -> tuple[Piece, torc
     found_q: list[torch.Tensor] = []
 
     def carried(grads: torch.Tensor, examples: slice) -> torch.Tensor:
-        w_hat, rho = hat.to(grads.dtype), scale.to(grads.dtype)
-        q, s = grads.mean(2), torch.linalg.vecdot(grads, w_hat, dim=2)
+        back, q, s = _carried_back(grads, hat.to(grads.dtype), scale.to(grads.dtype))  # (its own)
         found_s.append(s)
         found_q.append(q)
-        return grads.sub_(q[..., None]).mul_(rho[:, None]).addcmul_(-(rho * s / n)[..., None], w_hat)  # (its own)
+        return back
 
     def total(factors: torch.Tensor) -> torch.Tensor:
         rho, s = scale.to(factors.dtype), torch.cat(found_s).to(factors.dtype)
@@ -183,9 +192,7 @@ def _dense_piece(found: Standardisation, grads: torch.Tensor) -> tuple[Piece, to
     256-channel kernels at batch 64 held 288 MiB of its outputs at the DP step's peak.)"""
     _, rows, n = grads.shape
     hat, moments = _standardised(found, rows, n, grads.dtype)
-    rho = moments.scale.to(grads.dtype)
-    q, s = grads.mean(2), torch.linalg.vecdot(grads, hat, dim=2)
-    carried = grads.sub_(q[..., None]).mul_(rho[:, None]).addcmul_(-(rho * s / n)[..., None], hat)
+    carried, q, s = _carried_back(grads, hat, moments.scale.to(grads.dtype))
 
     def sums(factors: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(found.param, torch.einsum("b,b...->...", factors, carried).reshape(found.param.shape))]
