@@ -12,6 +12,7 @@ dependency)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -29,12 +30,14 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, small_params, write_params
+from test_op_rules import assert_exact_without_the_exact_path
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import dpml
 from dpml.models.library import LibraryModel, ModelOutputError, adapt, logits_from_output
 from dpml.ledger.ledger import Ledger
+from dpml.train.dpsgd import per_example_cross_entropy
 
 VOCABULARY, LENGTH = 32, 8
 NEEDS_TRANSFORMERS = "transformers is a test extra (requirements-models.lock); not installed here"
@@ -269,8 +272,7 @@ def test_a_custom_factory_s_output_object_is_adapted_where_the_model_is_built(wo
             )
         with pytest.raises(
             ValueError,
-            match=r"^model.inputs = 'tokens': Scores.forward takes no input_ids and "
-            r"attention_mask keyword arguments$",
+            match=r"^model.inputs = 'tokens': Scores.forward takes no input_ids keyword argument$",
         ):
             build_model(spec_for(ModelConfig(kind="custom", factory="plainmodels:scores", inputs="tokens"), 1.0, 4, 3))
     finally:
@@ -280,7 +282,7 @@ def test_a_custom_factory_s_output_object_is_adapted_where_the_model_is_built(wo
 def test_an_unknown_inputs_setting_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^inputs = 'ids': must be one of auto, tensor, tokens$"):
         quick(nn.Linear(4, 2), TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), tmp_path, inputs="ids")
-    with pytest.raises(ValueError, match=r"^inputs = 'tokens': Linear.forward takes no input_ids and attention_mask"):
+    with pytest.raises(ValueError, match=r"^inputs = 'tokens': Linear.forward takes no input_ids keyword argument$"):
         quick(nn.Linear(4, 2), TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), tmp_path, inputs="tokens")
     assert not (tmp_path / "ledger.db").exists() or Ledger(tmp_path / "ledger.db", 1e-5).spends() == []
 
@@ -338,6 +340,48 @@ def test_padding_the_mask_marks_does_not_change_a_prediction() -> None:
         unmasked_change = (model(torch.stack([other, torch.ones_like(mask)], 1)) - padded).abs().max()
     # (random weights give logits of order 1e-3, so the two changes are compared with each other)
     assert unmasked_change > 0 and masked_change <= 1e-3 * unmasked_change  # without the mask the padding counts
+
+
+def tiny_fnet(n_classes: int = 2, seed: int = 0) -> nn.Module:
+    """A one-layer FNet classifier with random weights: its forward takes ``input_ids`` and no ``attention_mask``
+    (its Fourier mixing has no mask), and dropout as configured by default."""
+    transformers = transformers_module()
+    torch.manual_seed(seed)
+    config = transformers.FNetConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=16,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        max_position_embeddings=LENGTH,
+        num_labels=n_classes,
+        pad_token_id=0,
+    )
+    return transformers.FNetForSequenceClassification(config)
+
+
+def test_a_model_that_takes_no_attention_mask_trains_on_its_ids_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FNet's forward names ``input_ids`` and no ``attention_mask``: it gets token inputs all the same (detected, or
+    asked for with ``inputs="tokens"``), called with the ids alone, and says so; its padding is then read as tokens
+    (a padded id changes its prediction, as it would outside dpml). It trains exactly, without the exact path."""
+    ids, mask, y = token_data()
+    adapted = adapt(tiny_fnet(), (2, LENGTH), torch.int64, inputs="tokens")
+    assert isinstance(adapted, LibraryModel) and adapted.tokens and not adapted.masked
+    padded = torch.where(mask.bool(), ids, torch.randint(1, VOCABULARY, ids.shape))
+    with torch.no_grad():
+        adapted.eval()
+        assert torch.equal(adapted(torch.stack([ids, mask], 1)), logits_from_output(adapted.net(input_ids=ids)))
+        assert not torch.allclose(adapted(torch.stack([padded, mask], 1)), adapted(torch.stack([ids, mask], 1)))
+    adapted.train()
+    assert_exact_without_the_exact_path(adapted, per_example_cross_entropy, torch.stack([ids, mask], 1)[:6], y[:6])
+    model = tiny_fnet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.INFO, logger="dpml"):
+        result = quick(model, TensorDataset(ids, mask, y), tmp_path)
+    assert result.model is model and 0 < result.epsilon < 100
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "FNetForSequenceClassification.forward takes input_ids and no attention_mask" in caplog.text
 
 
 def test_peft_lora_trains_its_adapter_and_leaves_the_frozen_body(tmp_path: Path) -> None:

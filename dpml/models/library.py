@@ -9,14 +9,16 @@ sees that plain form:
 - **Its output.** A ``ModelOutput``-like object with a ``.logits`` tensor, a dict with ``"logits"`` (or with one
   tensor named ``*logits`` or ``prediction*``), or a tuple/list whose first item is the logits tensor are turned into
   that tensor (:func:`logits_from_output`). Anything else is refused before training, naming the type returned.
-- **Its inputs.** A forward that takes ``input_ids`` and ``attention_mask`` keyword arguments (the
-  Hugging Face convention; detected from the signature, or ``inputs="tokens"``) gets *token inputs*:
+- **Its inputs.** A forward that takes an ``input_ids`` keyword argument (the Hugging Face convention; detected
+  from the signature, or ``inputs="tokens"``) gets *token inputs*:
   dpml carries each example's ids and mask together as one tensor of shape ``(2, T)`` (row 0 the ids,
   row 1 the mask: 1 = a token, 0 = padding), or flat as ``2T`` values (``[ids…, mask…]``, how a table's
   ``tokens`` column is prepared, :mod:`dpml.data.encoding`). The adapter splits them and calls
   ``net(input_ids=ids, attention_mask=mask)`` with integer tensors. An example's ids and mask are one
-  record, so chunking, batching and Poisson sampling can never separate them. The clipping probe's
-  synthetic token examples follow the special ids the module's ``config`` names (:func:`probe_tokens`).
+  record, so chunking, batching and Poisson sampling can never separate them. A forward that names no
+  ``attention_mask`` (FNet's, which mixes every position by a Fourier transform and has no mask to take) is
+  called with the ids alone: it reads padding as the tokens it is, as it would outside dpml. The clipping
+  probe's synthetic token examples follow the special ids the module's ``config`` names (:func:`probe_tokens`).
 
 The adapter holds no parameter of its own: the wrapped module's state dict appears under ``net.``.
 This module imports no library: it recognises them by their conventions.
@@ -35,7 +37,7 @@ from torch import nn
 
 LOG = logging.getLogger("dpml.models")
 INPUT_KINDS = ("auto", "tensor", "tokens")
-TOKEN_KEYWORDS = ("input_ids", "attention_mask")
+TOKEN_IDS, TOKEN_MASK = "input_ids", "attention_mask"
 ALLOWED_OUTPUTS = (
     "a (batch, classes) logits tensor, an object with a .logits tensor (a transformers ModelOutput), "
     "a dict with a 'logits' tensor (or with one tensor named *logits or prediction*, and no other so named), "
@@ -91,13 +93,17 @@ def eager(net: nn.Module) -> nn.Module:
     return eager(inner)
 
 
-def takes_token_keywords(net: nn.Module) -> bool:
-    """Whether ``net``'s forward names both ``input_ids`` and ``attention_mask`` (the Hugging Face convention)."""
+def forward_names(net: nn.Module) -> frozenset[str]:
+    """The names of ``net``'s forward's parameters (none where its signature cannot be read)."""
     try:
-        parameters = inspect.signature(net.forward).parameters
+        return frozenset(inspect.signature(net.forward).parameters)
     except (TypeError, ValueError):
-        return False
-    return all(name in parameters for name in TOKEN_KEYWORDS)
+        return frozenset()
+
+
+def takes_token_ids(net: nn.Module) -> bool:
+    """Whether ``net``'s forward names ``input_ids`` (the Hugging Face convention for token inputs)."""
+    return TOKEN_IDS in forward_names(net)
 
 
 def input_vocabulary(net: nn.Module) -> int | None:
@@ -122,11 +128,9 @@ def check_input_kind(inputs: str, net: nn.Module, key: str = "inputs") -> bool:
     """Whether ``net`` takes token inputs: ``auto`` reads the forward's signature; ``tokens`` insists on it."""
     if inputs not in INPUT_KINDS:
         raise ValueError(f"{key} = {inputs!r}: must be one of {', '.join(INPUT_KINDS)}")
-    if inputs == "tokens" and not takes_token_keywords(net):
-        raise ValueError(
-            f"{key} = 'tokens': {type(net).__name__}.forward takes no input_ids and attention_mask keyword arguments"
-        )
-    return inputs == "tokens" or (inputs == "auto" and takes_token_keywords(net))
+    if inputs == "tokens" and not takes_token_ids(net):
+        raise ValueError(f"{key} = 'tokens': {type(net).__name__}.forward takes no input_ids keyword argument")
+    return inputs == "tokens" or (inputs == "auto" and takes_token_ids(net))
 
 
 def split_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,11 +222,13 @@ class LibraryModel(nn.Module):
         self.net = net
         self.tokens = tokens
         self.vocabulary = vocabulary
+        self.masked = tokens and TOKEN_MASK in forward_names(net)  # (else the ids alone: module docstring)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tokens:
             ids, mask = split_tokens(x)
-            return logits_from_output(self.net(input_ids=ids, attention_mask=mask))
+            keywords = {TOKEN_IDS: ids, TOKEN_MASK: mask} if self.masked else {TOKEN_IDS: ids}
+            return logits_from_output(self.net(**keywords))
         return logits_from_output(self.net(x))
 
     def probe_input(
@@ -280,7 +286,14 @@ def adapt(
     if isinstance(net, LibraryModel):
         return net
     if check_input_kind(inputs, net, key):
-        return LibraryModel(net, tokens=True, vocabulary=input_vocabulary(net))
+        adapted = LibraryModel(net, tokens=True, vocabulary=input_vocabulary(net))
+        if not adapted.masked:
+            LOG.info(
+                "model: %s.forward takes input_ids and no attention_mask: it is called with the ids alone "
+                "(padding read as tokens, as the model reads it outside dpml)",
+                type(net).__name__,
+            )
+        return adapted
     output = _example_output(net, input_shape, input_dtype)
     if output is None or isinstance(output, torch.Tensor):
         return net
