@@ -1,0 +1,319 @@
+"""Every ``transformers`` architecture with a sequence- or image-classification head, through dpml's public path.
+
+For each model type in ``transformers``' auto mappings (``AutoModelForSequenceClassification``,
+``AutoModelForImageClassification``), the library's default configuration shrunk to a tiny one (the sizes
+below; list-valued stage sizes cut to one block of 16–64 channels), built with random weights (never from a
+hub), batch normalisation replaced by ``dpml.replace_batch_norm``, wrapped by ``dpml.models.library.adapt``
+(token records ``(2, T)``: ids, a mask with padding, an ``<eos>`` last, as a tokenizer writes them), planned by
+``plan_clipping`` (the probe judging every rule against autograd) and then checked: the engine's clipped sums
+and norms against a per-example loop of autograd (one ``autograd.grad`` per example of one batched forward
+pass), C the median norm so that some examples are clipped, in float64 (relative error < 1e-6), or in float32
+(< 1e-3 for sums, 1e-4 for norms) where the model's own kernels take no float64 (``torch._grouped_mm`` in
+mixtures of experts).
+
+Results: ``exact`` (float64 or float32), ``exact path`` (a parameter planned to autograd's per-example path,
+named), ``refused`` (the plan refused the model, with its message), ``not exact``, and ``not built`` / ``not
+run`` where the shrunk configuration itself does not build or run outside dpml (the architecture's own
+constraints the generic shrinking missed; nothing of dpml ran). One subprocess per architecture (one thread,
+``--timeout`` seconds), ``--jobs`` at once.
+
+    python benchmarks/architecture_sweep.py [--kinds text image] [--only bert vit ...] [--jobs 2]
+        [--out benchmarks/results] [--stem architecture_sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LENGTH, BATCH, VOCABULARY, IMAGE, CLASSES, MOST_PARAMETERS = 16, 4, 96, 32, 3, 30_000_000
+NO_DROPOUT = (
+    "attention_probs_dropout_prob hidden_dropout_prob dropout attention_dropout activation_dropout resid_pdrop "
+    "embd_pdrop attn_pdrop summary_first_dropout classifier_dropout hidden_dropout layerdrop encoder_layerdrop "
+    "decoder_layerdrop drop_path_rate dropout_rate"
+).split()
+TEXT_SIZES: dict[str, Any] = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "d_model": 32,
+    "n_embd": 32, "n_layer": 2, "n_head": 2, "n_layers": 2, "n_heads": 2, "num_layers": 2, "num_heads": 2,
+    "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 16, "ffn_dim": 64, "n_inner": 64,
+    "embedding_size": 32, "embed_dim": 32, "num_key_value_heads": 1, "head_dim": 16, "kv_channels": 16,
+    "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "max_seq_len": 64, "seq_length": 64,
+    "vocab_size": VOCABULARY, "type_vocab_size": 2, "moe_intermediate_size": 32, "num_experts": 4,
+    "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32,
+    "pooler_hidden_size": 32, "rotary_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "kv_lora_rank": 16, "q_lora_rank": 16, "use_cache": False, "pad_token_id": 0, "bos_token_id": 1,
+    "eos_token_id": 2, "sep_token_id": 2, "cls_token_id": 1, "mask_token_id": 3, "unk_token_id": 4,
+    "decoder_start_token_id": 2, "forced_eos_token_id": None,
+}  # fmt: skip
+IMAGE_SIZES: dict[str, Any] = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+    "image_size": IMAGE, "patch_size": 4, "num_channels": 3, "embed_dim": 16, "embedding_size": 16, "mlp_ratio": 2,
+    "window_size": 2, "encoder_stride": 4, "d_model": 32, "num_key_value_heads": 1, "head_dim": 16,
+}  # fmt: skip
+STAGE_LISTS = {
+    "depths": "ones", "num_layers": "ones", "layers": "ones", "block_repeats": "ones", "num_blocks": "ones",
+    "hidden_sizes": "widths", "embed_dims": "widths", "embed_dim": "widths", "dims": "widths", "widths": "widths",
+    "channels": "widths", "out_channels": "widths", "hidden_size": "widths", "mlp_ratios": "twos", "mlp_ratio": "twos",
+}  # fmt: skip
+
+
+def _set(config: Any, defaults: dict[str, Any], key: str, value: Any) -> None:
+    """``config.key = value`` where the default configuration has the key, as the default's type (strict
+    configuration classes check that a float stays a float)."""
+    if key not in defaults or isinstance(defaults[key], (list, dict)):
+        return
+    old = defaults[key]
+    if isinstance(old, float) and isinstance(value, int):
+        value = float(value)
+    elif isinstance(old, int) and not isinstance(old, bool) and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    setattr(config, key, value)
+
+
+def _stage_list(key: str, values: list[Any]) -> list[Any]:
+    """A list of per-stage sizes cut down: one block a stage, 16, 32, 64, 64, … channels, ratios of 2."""
+    if not values or isinstance(values[0], bool) or not all(isinstance(v, (int, float)) for v in values):
+        return values
+    kind = "ones" if "head" in key else STAGE_LISTS.get(key)
+    if kind == "ones":
+        return [1] * len(values)
+    if kind == "widths":
+        return [16 * 2 ** min(k, 2) for k in range(len(values))]
+    if kind == "twos":
+        return [type(v)(2) for v in values]
+    return values
+
+
+def tiny_config(model_type: str, kind: str) -> Any:
+    """The library's default configuration of ``model_type``, shrunk (module docstring)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    defaults = config.to_dict()
+    if kind == "image":
+        for key, value in defaults.items():
+            if isinstance(value, list):
+                setattr(config, key, _stage_list(key, value))
+    for key, value in (TEXT_SIZES if kind == "text" else IMAGE_SIZES).items():
+        _set(config, defaults, key, value)
+    for key in NO_DROPOUT:
+        _set(config, defaults, key, 0.0)
+    if "qk_rope_head_dim" in defaults and "head_dim" in defaults:
+        config.head_dim = config.qk_rope_head_dim  # (multi-head latent attention: rotary on the rope part)
+    if "kv_lora_rank" in defaults:  # (latent attention: one key and value a head; experts in one group)
+        config.num_key_value_heads = config.num_attention_heads
+        for key in ("n_group", "topk_group"):
+            _set(config, defaults, key, 1)
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = 0
+    config.num_labels = CLASSES
+    return config
+
+
+def example_batch(kind: str) -> tuple[Any, Any]:
+    """Token records (B, 2, T) with padding and an ``<eos>`` (id 2) last, or images (B, 3, 32, 32); labels."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, CLASSES, (BATCH,), generator=generator)
+    if kind == "image":
+        return torch.randn(BATCH, 3, IMAGE, IMAGE, generator=generator), labels
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[1, LENGTH // 2 :] = 0
+    mask[3, LENGTH - 3 :] = 0
+    ids = torch.randint(5, VOCABULARY, (BATCH, LENGTH), generator=generator) * mask
+    ids[torch.arange(BATCH), mask.sum(1) - 1] = 2
+    return torch.stack([ids, mask], 1), labels
+
+
+def loop_and_engine_agree(model: Any, plan: Any, x: Any, y: Any, tolerance: float, norm_tolerance: float) -> str:
+    """'' where the engine's clipped sums and norms equal the per-example loop's (module docstring), else the
+    worst relative errors."""
+    import torch
+
+    from dpml.train.clipping import clip_factors, clipped_gradient_sum
+    from dpml.train.dpsgd import per_example_cross_entropy as loss_fn
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    torch.manual_seed(0)
+    losses = loss_fn(model(x), y)
+    rows = [
+        torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+        for i in range(len(y))
+    ]
+    grads = {
+        n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
+        for k, (n, p) in enumerate(params.items())
+    }
+    norms = sum(g.flatten(1).square().sum(1) for g in grads.values()).sqrt()
+    clip = float(norms.median())
+    factors = clip_factors(norms, clip)
+    reference = {n: torch.einsum("b,b...->...", factors, g) for n, g in grads.items()}
+    torch.manual_seed(0)
+    sums, found = clipped_gradient_sum(model, loss_fn, x, y, clip, exact=plan.exact)
+    total = math.sqrt(sum(float(r.norm()) ** 2 for r in reference.values()))
+    worst = max(float((sums[n] - r).norm()) / (float(r.norm()) + 1e-6 * total) for n, r in reference.items())
+    worst_norm = float(((found - norms).abs() / norms).max())
+    if worst < tolerance and worst_norm < norm_tolerance:
+        return ""
+    return f"clipped sums {worst:.1e}, norms {worst_norm:.1e} (relative)"
+
+
+def run_one(model_type: str, kind: str) -> dict[str, Any]:
+    """One architecture's row (module docstring)."""
+    import torch
+    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    import dpml
+    from dpml.models.library import adapt
+    from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
+    from dpml.train.dpsgd import per_example_cross_entropy
+
+    auto = AutoModelForImageClassification if kind == "image" else AutoModelForSequenceClassification
+    row: dict[str, Any] = {"type": model_type, "kind": kind}
+    try:
+        config = tiny_config(model_type, kind)
+        with torch.device("meta"):
+            row["parameters"] = sum(p.numel() for p in auto.from_config(config).parameters())
+        if row["parameters"] > MOST_PARAMETERS:
+            return row | {"result": "not built", "why": f"{row['parameters']:,} parameters at the tiny sizes"}
+        torch.manual_seed(0)
+        net = auto.from_config(config)
+        row["class"] = type(net).__name__
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+            net = dpml.replace_batch_norm(net, groups=1)
+            row["class"] += " (BatchNorm as GroupNorm)"
+        x, y = example_batch(kind)
+        shape, dtype = tuple(x.shape[1:]), x.dtype
+        model = adapt(net, shape, dtype).train()
+        if not bool(torch.isfinite(per_example_cross_entropy(model(x), y)).all()):
+            raise FloatingPointError("its own loss is not finite on the batch (outside dpml)")
+    except Exception as error:  # the architecture's own constraints: nothing of dpml's engine has run
+        return row | {"result": "not built" if "class" not in row else "not run", "why": _said(error)}
+    start = time.perf_counter()
+    try:
+        plan = plan_clipping(model, per_example_cross_entropy, shape, dtype)
+    except (ClippingUnsupported, ValueError) as error:
+        return row | {"result": "refused", "why": _said(error)}
+    except Exception as error:  # a failure of the plan itself, not a refusal
+        return row | {"result": "plan failed", "why": _said(error), "trace": traceback.format_exc()[-1500:]}
+    row["plan_seconds"] = round(time.perf_counter() - start, 1)
+    if plan.exact_parameters:
+        return row | {"result": "exact path", "why": "; ".join(plan.exact_parameters)}
+    wide_x = x.double() if kind == "image" else x
+    try:
+        wide = model.double()
+        if not bool(torch.isfinite(per_example_cross_entropy(wide(wide_x), y)).all()):
+            raise FloatingPointError("not finite in double precision")  # (CANINE's hashing: compared in float32)
+        disagree = loop_and_engine_agree(wide, plan, wide_x, y, 1e-6, 1e-6)
+        precision = "float64"
+    except Exception as error:  # (a kernel without float64: compared in float32)
+        if "double" not in str(error).lower():
+            return row | {"result": "not exact", "why": _said(error), "trace": traceback.format_exc()[-1500:]}
+        disagree, precision = loop_and_engine_agree(model.float(), plan, x, y, 1e-3, 1e-4), "float32"
+    return row | ({"result": "not exact", "why": disagree} if disagree else {"result": f"exact ({precision})"})
+
+
+def _said(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def architectures(kinds: list[str]) -> list[tuple[str, str]]:
+    from transformers.models.auto import modeling_auto
+
+    mappings = {
+        "text": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "image": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    }
+    return [(name, kind) for kind in kinds for name in sorted(mappings[kind])]
+
+
+def in_subprocess(model_type: str, kind: str, timeout: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--one", model_type, "--kinds", kind]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"type": model_type, "kind": kind, "result": "not exact", "why": f"no answer in {timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if lines:
+        return dict(json.loads(lines[-1]))
+    return {"type": model_type, "kind": kind, "result": "not exact", "why": f"crashed: {done.stderr[-300:]}"}
+
+
+def page(rows: list[dict[str, Any]], command: str) -> str:
+    import torch
+    import transformers
+
+    from bench_common import cpu_name, current_commit
+
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["result"]] = counts.get(row["result"], 0) + 1
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Every transformers classification architecture through dpml's public path",
+        "",
+        f"Command: `{command}`. Commit {current_commit()}, {when}. Machine: {cpu_name()}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}. What each result means: the script's docstring.",
+        "",
+        "Results: " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda item: -item[1])) + ".",
+        "",
+        "| architecture | head | model | parameters | result | why |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        why = row.get("why", "").replace("|", "/")
+        lines.append(
+            f"| {row['type']} | {row['kind']} | {row.get('class', '')} | {row.get('parameters', 0):,} | "
+            f"{row['result']} | {why} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", choices=["text", "image"], default=["text", "image"])
+    parser.add_argument("--only", nargs="*", default=None, help="these model types only")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--stem", default="architecture_sweep")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps(run_one(args.one, args.kinds[0])), flush=True)
+        return
+    todo = [(t, k) for t, k in architectures(args.kinds) if args.only is None or t in args.only]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(lambda item: in_subprocess(*item, args.timeout), todo))
+    for row in rows:
+        print(f"{row['type']:28s} {row['kind']:6s} {row['result']:18s} {row.get('why', '')[:100]}", flush=True)
+    from bench_common import without_paths
+
+    command = "python benchmarks/architecture_sweep.py " + " ".join(without_paths(sys.argv[1:]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out / f"{args.stem}.md").write_text(page(rows, command.strip()))
+
+
+if __name__ == "__main__":
+    main()
