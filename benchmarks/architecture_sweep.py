@@ -12,9 +12,10 @@ pass), C the median norm so that some examples are clipped, in float64 (relative
 mixtures of experts).
 
 Results: ``exact`` (float64 or float32), ``exact path`` (a parameter planned to autograd's per-example path,
-named), ``refused`` (the plan refused the model, with its message), ``not exact``, and ``not built`` / ``not
-run`` where the shrunk configuration itself does not build or run outside dpml (the architecture's own
-constraints the generic shrinking missed; nothing of dpml ran). One subprocess per architecture (one thread,
+named), ``refused`` (the adapter, ``replace_batch_norm`` or the plan refused the model, with its message),
+``not exact``, and ``not built`` / ``not run`` where the shrunk configuration itself does not build, or its
+forward pass fails or its loss is not finite (``not run``: ``model(x)`` through the adapter, nothing of the
+engine), the architecture's own constraints the generic shrinking missed. One subprocess per architecture (one thread,
 ``--timeout`` seconds), ``--jobs`` at once.
 
     python benchmarks/architecture_sweep.py [--kinds text image] [--only bert vit ...] [--jobs 2]
@@ -195,16 +196,22 @@ def run_one(model_type: str, kind: str) -> dict[str, Any]:
         torch.manual_seed(0)
         net = auto.from_config(config)
         row["class"] = type(net).__name__
+    except Exception as error:  # the architecture's own constraints: nothing of dpml's has run
+        return row | {"result": "not built", "why": _said(error)}
+    x, y = example_batch(kind)
+    shape, dtype = tuple(x.shape[1:]), x.dtype
+    try:  # dpml's public path up to the plan: batch normalisation replaced, the module adapted
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules()):
             net = dpml.replace_batch_norm(net, groups=1)
             row["class"] += " (BatchNorm as GroupNorm)"
-        x, y = example_batch(kind)
-        shape, dtype = tuple(x.shape[1:]), x.dtype
         model = adapt(net, shape, dtype).train()
+    except ValueError as error:
+        return row | {"result": "refused", "why": _said(error)}
+    try:
         if not bool(torch.isfinite(per_example_cross_entropy(model(x), y)).all()):
             raise FloatingPointError("its own loss is not finite on the batch (outside dpml)")
-    except Exception as error:  # the architecture's own constraints: nothing of dpml's engine has run
-        return row | {"result": "not built" if "class" not in row else "not run", "why": _said(error)}
+    except Exception as error:  # the shrunk configuration does not run as the library wrote it
+        return row | {"result": "not run", "why": _said(error)}
     start = time.perf_counter()
     try:
         plan = plan_clipping(model, per_example_cross_entropy, shape, dtype)
