@@ -140,6 +140,23 @@ def test_a_reading_the_probe_confirmed_is_made_along_its_own_dimension_only() ->
     assert engine_pass(model, per_example_cross_entropy, x, y, plan.exact).constants_read == {}
 
 
+@pytest.mark.parametrize("batch", [8, 4], ids=["rows-2T", "width"])
+def test_a_confirmed_reading_is_made_where_another_dimension_has_the_batch_s_size_too(batch: int) -> None:
+    """The table expanded over the batch, planned at the probe's batch of 6 (2T = 8 rows, width 4: the reading
+    along dimension 1 confirmed), then a pass at a batch of 8 = 2T, or of 4 = the width: two dimensions of the
+    expanded table have the batch's size. The engine reads the one the plan confirmed, so ``r`` keeps its rule
+    (before, the ambiguity sent it to the exact path at every such step: XLNet at a batch of 2T ran 20 to 30 times
+    slower), and the clipped sums are the per-example loop's."""
+    torch.manual_seed(55)
+    model = RelativePositions("per-example", width=4, dropout=0.0).double()
+    plan = plan_clipping(model, per_example_cross_entropy, (4, 4), torch.float64)
+    assert plan.exact.constant_reads == (("r.0", 1),), plan.lines()  # type: ignore[attr-defined]
+    x, y = torch.randn(batch, 4, 4, generator=generator(55), dtype=torch.float64), torch.randint(0, 3, (batch,))
+    found = engine_pass(model, per_example_cross_entropy, x, y, plan.exact)
+    assert found.exact == {} and found.constants_read == {"r.0": 1}, found.reasons  # (r.1: the table's new map)
+    assert_clipped_like_the_loop(model, x, y, exact=plan.exact)
+
+
 def test_xlnet_is_clipped_without_the_exact_path() -> None:
     """transformers' XLNet: every layer's ``rel_attn.r`` (the position table's projection) by the einsum rule."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")

@@ -152,14 +152,22 @@ def _constant_batch_axis(
     that example's rows downstream (XLNet pairs them with the example's queries) — what no forward map says, so the
     plan's float64 probe is the judge: where the slices reach other examples (a table broadcast to every example
     whose rows happen to number B, a product mixed along k) it finds other per-example gradients and drops the
-    reading (:func:`dpml.train.clipping_check.plan_clipping`). None where x came from the batch, or where
-    no dimension of x, or more than one, has the batch's size (a table of T rows when T = B), and in training for
-    any reading but the one the probe confirmed for S's parameter (:meth:`Call.may_read_constant_as_batch`)."""
+    reading (:func:`dpml.train.clipping_check.plan_clipping`). None where x came from the batch, or where no
+    dimension of x has the batch's size, or, on the probe (which may read any), more than one does (a table of T rows
+    when T = B); in training, only the reading the probe confirmed for S's parameter is made
+    (:meth:`Call.may_read_constant_as_batch`), along its dimension even where another one has the batch's size too
+    (XLNet's table of 2T positions at a batch of 2T, or of width d at a batch of d: the same code expands the same
+    dimension at every batch size, and without the reading every step would take the exact path)."""
     x_subs, s_subs, z_subs = subscripts
-    if call.from_batch(x) or list(x.shape).count(call.batch) != 1:
+    if call.from_batch(x):
         return None
-    at = list(x.shape).index(call.batch)
-    if x_subs[at] not in z_subs or x_subs[at] in s_subs or not call.may_read_constant_as_batch(s.param, at):
+    allowed = [
+        k for k, size in enumerate(x.shape) if size == call.batch and call.may_read_constant_as_batch(s.param, k)
+    ]
+    if len(allowed) != 1:
+        return None
+    at = allowed[0]
+    if x_subs[at] not in z_subs or x_subs[at] in s_subs:
         return None
     return at, torch.arange(call.batch)
 
