@@ -6,8 +6,9 @@ below; list-valued stage sizes cut to one block of 16–64 channels), built with
 hub), batch normalisation replaced by ``dpml.replace_batch_norm``, wrapped by ``dpml.models.library.adapt``
 (token records ``(2, T)``: ids, a mask with padding, an ``<eos>`` last, as a tokenizer writes them), planned by
 ``plan_clipping`` (the probe judging every rule against autograd) and then checked: the engine's clipped sums
-and norms against a per-example loop of autograd (one ``autograd.grad`` per example of one batched forward
-pass), C the median norm so that some examples are clipped, in float64 (relative error < 1e-6), or in float32
+and norms against a per-example loop of autograd (the probe's own reference,
+:func:`dpml.train.clipping_reference.per_example_reference`: one ``autograd.grad`` per example of one batched
+forward pass), C the median norm so that some examples are clipped, in float64 (relative error < 1e-6), or in float32
 (< 1e-3 for sums, 1e-4 for norms) where the model's own kernels take no float64 (``torch._grouped_mm`` in
 mixtures of experts).
 
@@ -143,32 +144,28 @@ def example_batch(kind: str) -> tuple[Any, Any]:
 
 
 def loop_and_engine_agree(model: Any, plan: Any, x: Any, y: Any, tolerance: float, norm_tolerance: float) -> str:
-    """'' where the engine's clipped sums and norms equal the per-example loop's (module docstring), else the
-    worst relative errors."""
+    """'' where the engine's clipped sums and norms equal those of the probe's own per-example loop
+    (:func:`dpml.train.clipping_reference.per_example_reference`, C the median norm), else the worst relative
+    errors."""
+    import contextlib
+
     import torch
 
-    from dpml.train.clipping import clip_factors, clipped_gradient_sum
+    from dpml.train.clipping import clipped_gradient_sum
+    from dpml.train.clipping_reference import per_example_reference
     from dpml.train.dpsgd import per_example_cross_entropy as loss_fn
 
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    torch.manual_seed(0)
-    losses = loss_fn(model(x), y)
-    rows = [
-        torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
-        for i in range(len(y))
-    ]
-    grads = {
-        n: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
-        for k, (n, p) in enumerate(params.items())
-    }
-    norms = sum(g.flatten(1).square().sum(1) for g in grads.values()).sqrt()
-    clip = float(norms.median())
-    factors = clip_factors(norms, clip)
-    reference = {n: torch.einsum("b,b...->...", factors, g) for n, g in grads.items()}
-    torch.manual_seed(0)
-    sums, found = clipped_gradient_sum(model, loss_fn, x, y, clip, exact=plan.exact)
-    total = math.sqrt(sum(float(r.norm()) ** 2 for r in reference.values()))
-    worst = max(float((sums[n] - r).norm()) / (float(r.norm()) + 1e-6 * total) for n, r in reference.items())
+    @contextlib.contextmanager
+    def seeded() -> Any:  # (the same dropout masks, if any, in both passes)
+        torch.manual_seed(0)
+        yield
+
+    reference = per_example_reference(model, loss_fn, x, y, torch.zeros(len(y)), seeded)
+    with seeded():
+        sums, found = clipped_gradient_sum(model, loss_fn, x, y, reference.clip, exact=plan.exact)
+    total = math.sqrt(sum(float(r.norm()) ** 2 for r in reference.clipped.values()))
+    worst = max(float((sums[n] - r).norm()) / (float(r.norm()) + 1e-6 * total) for n, r in reference.clipped.items())
+    norms = reference.norms()
     worst_norm = float(((found - norms).abs() / norms).max())
     if worst < tolerance and worst_norm < norm_tolerance:
         return ""

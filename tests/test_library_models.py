@@ -47,20 +47,26 @@ def transformers_module() -> Any:
     return pytest.importorskip("transformers", reason=NEEDS_TRANSFORMERS)
 
 
-def tiny_bert(n_classes: int = 2, seed: int = 0) -> nn.Module:
-    """A one-layer BERT classifier with random weights (dropout as configured by default)."""
+def tiny_encoder(kind: str, n_classes: int, seed: int, **config: Any) -> nn.Module:
+    """A one-layer ``{kind}ForSequenceClassification`` of width 16 with random weights (dropout as configured by
+    default)."""
     transformers = transformers_module()
     torch.manual_seed(seed)
-    config = transformers.BertConfig(
+    settings = getattr(transformers, f"{kind}Config")(
         vocab_size=VOCABULARY,
         hidden_size=16,
         num_hidden_layers=1,
-        num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=LENGTH,
         num_labels=n_classes,
+        **config,
     )
-    return transformers.BertForSequenceClassification(config)
+    return getattr(transformers, f"{kind}ForSequenceClassification")(settings)  # type: ignore[no-any-return]
+
+
+def tiny_bert(n_classes: int = 2, seed: int = 0) -> nn.Module:
+    """A one-layer BERT classifier with random weights (dropout as configured by default)."""
+    return tiny_encoder("Bert", n_classes, seed, num_attention_heads=2)
 
 
 def tiny_gpt2(n_classes: int = 2, seed: int = 0) -> nn.Module:
@@ -345,18 +351,7 @@ def test_padding_the_mask_marks_does_not_change_a_prediction() -> None:
 def tiny_fnet(n_classes: int = 2, seed: int = 0) -> nn.Module:
     """A one-layer FNet classifier with random weights: its forward takes ``input_ids`` and no ``attention_mask``
     (its Fourier mixing has no mask), and dropout as configured by default."""
-    transformers = transformers_module()
-    torch.manual_seed(seed)
-    config = transformers.FNetConfig(
-        vocab_size=VOCABULARY,
-        hidden_size=16,
-        num_hidden_layers=1,
-        intermediate_size=32,
-        max_position_embeddings=LENGTH,
-        num_labels=n_classes,
-        pad_token_id=0,
-    )
-    return transformers.FNetForSequenceClassification(config)
+    return tiny_encoder("FNet", n_classes, seed, pad_token_id=0)
 
 
 def test_a_model_that_takes_no_attention_mask_trains_on_its_ids_alone(
