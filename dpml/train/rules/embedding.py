@@ -6,7 +6,10 @@
   (:func:`dpml.train.clipping_layers.embedding_norms_squared`); ``padding_idx`` positions get no gradient.
 - **Indices shared by the batch** (position ids (1, T) or (T,): not computed from the batch's inputs): the
   output is the same for every example, a view of W (rows k_t), tracked; the operation where it meets the
-  batch (``h + pos``) forms each example's gradient and maps it back through the indices.
+  batch (``h + pos``) forms each example's gradient and maps it back through the indices. Where some of them are
+  ``padding_idx`` (RoCBert's shape and pronunciation ids, ``zeros(B, T)`` made in its forward: all padding) the
+  output is no view (its padding positions have no gradient) but a computation on W (:mod:`.derived`), whose
+  per-example gradients would be W's size; it is read on the rows it reaches alone (:func:`_narrowed`).
 
 Bags of indices (``F.embedding_bag``, ``nn.EmbeddingBag``) given as one row per example, (B, L), summed or averaged,
 with per-index weights or not: z_i = Σ_j c_{i,j} W[k_{i,j}] (c the weight, divided by the bag's count of indices other
@@ -24,11 +27,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dpml.train.rules.registry import Call, Factored, Pending, Rows, Shared, Tracked, Use, rule
+from dpml.train.rules.registry import Call, Decomposed, Factored, Pending, Rows, Shared, Tracked, Use, rule
 
 
 @rule(F.embedding)
-def embedding(call: Call) -> Pending | Shared | str:
+def embedding(call: Call) -> Pending | Shared | Decomposed | str:
     ids, weight = call.arg(0, "input"), call.arg(1, "weight")
     padding_idx = call.arg(2, "padding_idx")
     w = call.tracked(weight)
@@ -65,9 +68,33 @@ def embedding(call: Call) -> Pending | Shared | str:
 
         return Pending(call.output, [w.param], finish_rows)
     if padding_idx is not None and bool((ids == padding_idx).any()):
-        return "shared indices that hit padding_idx"
+        return _narrowed(ids, weight, w, padding_idx)
     index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter
     return Shared([(call.output, Tracked(w.param, index, shared=True))])
+
+
+def _narrowed(ids: torch.Tensor, weight: torch.Tensor, w: Tracked, padding_idx: int) -> Decomposed | str:
+    """A lookup at shared indices some of which are ``padding_idx``, z_t = W[k_t] with ∂z_t/∂W = 0 where k_t is
+    ``padding_idx``, read on the rows it reaches alone: W' = W[u] (u the distinct indices, sorted: a view of W),
+    k'_t the place of k_t in u, z_t = W'[k'_t] with the padding at the place of ``padding_idx`` in u — the same
+    values and gradient, a computation on W' whose per-example gradients are B × |u| × D numbers, not B × |W|
+    (a table of 24858 rows looked up at padding alone: 32 examples' 12.7 M numbers each, formed twice a step). A
+    table no larger than its indices reach is narrow already: a computation on it (:mod:`.derived`)."""
+    used, places = torch.unique(ids, return_inverse=True)
+    if used.numel() == weight.shape[0]:
+        return "shared indices that hit padding_idx, on a table they reach every row of"
+    padding = int((used == padding_idx).nonzero()[0, 0])
+    table = weight[used]
+    return Decomposed(lambda: F.embedding(places, table, padding), [(table, _rows_of(w, used))])
+
+
+def _rows_of(w: Tracked, rows: torch.Tensor) -> Tracked:
+    """The view W[rows] of the 2-D view ``w``, its index made from ``rows`` alone (not a count as long as the table,
+    12.7 M numbers for RoCBert's shape table)."""
+    if w.index is not None:
+        return Tracked(w.param, w.index[rows], w.shared)
+    width = w.param.shape[1]
+    return Tracked(w.param, rows[:, None] * width + torch.arange(width, device=rows.device), w.shared)
 
 
 @rule(F.embedding_bag)

@@ -63,6 +63,7 @@ from dpml.train.rules.registry import (
     SHAPE_ONLY,
     VALUE_OF_FIRST,
     Call,
+    Decomposed,
     Dense,
     Pending,
     Rows,
@@ -160,7 +161,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
 
     def _on_parameters(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call on parameters and constants alone: the view its rule makes of it where there is one (an embedding
-        looked up with position ids), else its outputs tracked as :class:`Derived`."""
+        looked up with position ids), the calls it decomposes into where its rule narrows it (:class:`Decomposed`),
+        else its outputs tracked as :class:`Derived`."""
         if writes_first_operand(func, kwargs):
             return self._written_on_parameters(func, args, kwargs)
         state = random_state(list(tensors(args, kwargs)))
@@ -176,6 +178,11 @@ class Recorder(ExampleMaps, TorchFunctionMode):
                 for o, tracked in result.outputs:
                     self._track(o, tracked)
                 return out
+            if isinstance(result, Decomposed):
+                for view, tracked in result.views:
+                    self._track(view, tracked)
+                with self:
+                    return result.run()
             if isinstance(result, Pending) and result.taken_as_batch is not None:
                 self._constant_as_batch(func, args, kwargs, out, result)
                 return out
@@ -418,7 +425,9 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, hits: list[Tracked]
     ) -> Pending | None:
         """Hand the call to its rule and keep what it returns (a pending use, shared views, or a refusal)."""
-        result: Pending | list[Pending] | Shared | str = handler(self._call(func, args, kwargs, out))
+        result = handler(self._call(func, args, kwargs, out))
+        if isinstance(result, Decomposed):  # (rules narrow computations on parameters alone: none has a batch operand)
+            result = "a narrowing of a computation on parameters, called with an operand from the batch"
         if isinstance(result, str):
             self._refuse(hits, f"{function_name(func)}: {result}")
             return None

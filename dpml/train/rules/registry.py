@@ -123,6 +123,17 @@ class Shared:
     outputs: list[tuple[torch.Tensor, Tracked]] = field(default_factory=list)
 
 
+@dataclass
+class Decomposed:
+    """The call's value as other calls give it, run under the recorder in its place (their operations seen one by one,
+    as a composite's): a computation on parameters made narrower than the call (a lookup at shared indices read on
+    the rows it reaches alone, :func:`dpml.train.rules.embedding.embedding`); ``views``: the operands it made of the
+    call's, tracked as the parameters' views they are before it runs."""
+
+    run: Callable[[], Any]
+    views: list[tuple[torch.Tensor, Tracked]] = field(default_factory=list)
+
+
 def example_runs(owners: torch.Tensor | None, batch: int) -> int | None:
     """k where ``owners`` (N,), the example of each index of a tensor's first dimension, holds each example's
     indices in one run of k, in batch order (index j of example ⌊j/k⌋: Swin's windows (B·windows, …), a batched
@@ -350,7 +361,7 @@ def _slice_per_row(
     return whole, padded, reduce, scattered
 
 
-RuleFunction = Callable[[Call], Union[Pending, list[Pending], Shared, str]]
+RuleFunction = Callable[[Call], Union[Pending, list[Pending], Shared, Decomposed, str]]
 RULES: dict[Any, RuleFunction] = {}
 BROADCASTING: set[Any] = set()  # functions that broadcast a shared operand over the batch: per-example copies
 INDEX_VIEWS: set[Any] = set()  # value-selecting ops: applied to the index tensors (w.t(), w.chunk(3), w[:k], …)
