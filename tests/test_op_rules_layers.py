@@ -481,12 +481,14 @@ def test_bags_that_are_not_the_examples_take_the_exact_path_named() -> None:
 class SideTablesAtPadding(nn.Module):
     """RoCBert's embeddings: beside the batch's own lookup, a large table (padding id 0) looked up at ids the forward
     makes, the same for every example (``padding``: ``zeros(B, T)``, padding alone; ``pattern``: a few rows and the
-    padding, copied for each example), joined with it along the features."""
+    padding, copied for each example; ``computed``: the pattern in a table computed from two parameters), joined with
+    it along the features."""
 
     def __init__(self, shared: str, vocabulary: int = 5000, width: int = 4) -> None:
         super().__init__()
         self.words = nn.Embedding(50, width)
         self.side = nn.Embedding(vocabulary, width, padding_idx=0)
+        self.scale = nn.Parameter(torch.rand(vocabulary, width) + 0.5)
         self.shared = shared
         self.mix = nn.Linear(2 * width, 3)
 
@@ -496,19 +498,22 @@ class SideTablesAtPadding(nn.Module):
             ids = torch.zeros(batch, length, dtype=torch.long)
         else:
             ids = torch.tensor([0, 17, 4093, 17, 0, 2])[torch.arange(length) % 6].repeat(batch, 1)
-        h = torch.cat((self.words(x), self.side(ids)), -1)
-        return self.mix(torch.tanh(h)).mean(1)
+        side = F.embedding(ids, self.side.weight * self.scale, 0) if self.shared == "computed" else self.side(ids)
+        return self.mix(torch.tanh(torch.cat((self.words(x), side), -1))).mean(1)
 
 
-@pytest.mark.parametrize("shared", ["padding", "pattern"])
+@pytest.mark.parametrize("shared", ["padding", "pattern", "computed"])
 def test_a_large_table_looked_up_at_shared_padding_is_read_on_the_rows_it_reaches(
     shared: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its per-example gradients are B × (rows reached) × width numbers, not B × |table|: with a layer's keep limit
     below one example's |table| (5000 × 4), the table still needs no exact path (it did while the lookup was pulled
-    back through the whole table), and the clipped sums and norms are the loop's (the padding rows' gradient zero)."""
+    back through the whole table), and the clipped sums and norms are the loop's (the padding rows' gradient zero).
+    A table computed from parameters (``computed``) is exact too; the product that forms it is pulled back whole
+    (B × |table| numbers: within the default limit)."""
     from dpml.train import keep_budget
 
-    monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 10_000)
+    if shared != "computed":
+        monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 10_000)
     x = torch.randint(0, 50, (7, 9), generator=generator(3))
     assert_exact_without_the_exact_path(SideTablesAtPadding(shared), per_example_cross_entropy, x, x[:, 0] % 3)
