@@ -19,8 +19,16 @@ forward pass fails or its loss is not finite (``not run``: ``model(x)`` through 
 engine), the architecture's own constraints the generic shrinking missed. One subprocess per architecture (one thread,
 ``--timeout`` seconds), ``--jobs`` at once.
 
-    python benchmarks/architecture_sweep.py [--kinds text image] [--only bert vit ...] [--jobs 2]
-        [--out benchmarks/results] [--stem architecture_sweep]
+With ``--speed``, each exact architecture's DP step (``plan_clipping``'s plan, then ``clipped_sum_and_noise`` and an
+SGD step, as the trainer takes it) is timed against its non-private step (forward, mean cross-entropy, backward, SGD
+step) in float32 at a batch of ``SPEED_BATCH`` (token records of ``SPEED_LENGTH``), the two alternating over
+``--rounds`` rounds after two warm-up steps each, on the subprocess's one thread; the column is the non-private
+median ÷ the DP median. At these tiny widths a step takes milliseconds and the host's per-operation work weighs more
+than at the sizes people train (``results/families*.md``): the column is for finding cliffs (a step that forms
+B × |W| numbers somewhere, RoCBert's 0.01 before 5b6a2c2), not a throughput claim.
+
+    python benchmarks/architecture_sweep.py [--kinds text image] [--only bert vit ...] [--jobs 2] [--speed]
+        [--rounds 5] [--out benchmarks/results] [--stem architecture_sweep]
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LENGTH, BATCH, VOCABULARY, IMAGE, CLASSES, MOST_PARAMETERS = 16, 4, 96, 32, 3, 30_000_000
+SPEED_BATCH, SPEED_LENGTH = 32, 32  # (32 tokens: position tables of 64 rows, offset by 2 in BART and RoBERTa)
 NO_DROPOUT = (
     "attention_probs_dropout_prob hidden_dropout_prob dropout attention_dropout activation_dropout resid_pdrop "
     "embd_pdrop attn_pdrop summary_first_dropout classifier_dropout hidden_dropout layerdrop encoder_layerdrop "
@@ -127,20 +136,59 @@ def tiny_config(model_type: str, kind: str) -> Any:
     return config
 
 
-def example_batch(kind: str) -> tuple[Any, Any]:
+def example_batch(kind: str, batch: int = BATCH, length: int = LENGTH) -> tuple[Any, Any]:
     """Token records (B, 2, T) with padding and an ``<eos>`` (id 2) last, or images (B, 3, 32, 32); labels."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, CLASSES, (BATCH,), generator=generator)
+    labels = torch.randint(0, CLASSES, (batch,), generator=generator)
     if kind == "image":
-        return torch.randn(BATCH, 3, IMAGE, IMAGE, generator=generator), labels
-    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
-    mask[1, LENGTH // 2 :] = 0
-    mask[3, LENGTH - 3 :] = 0
-    ids = torch.randint(5, VOCABULARY, (BATCH, LENGTH), generator=generator) * mask
-    ids[torch.arange(BATCH), mask.sum(1) - 1] = 2
+        return torch.randn(batch, 3, IMAGE, IMAGE, generator=generator), labels
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[1::4, length // 2 :] = 0
+    mask[3::4, length - 3 :] = 0
+    ids = torch.randint(5, VOCABULARY, (batch, length), generator=generator) * mask
+    ids[torch.arange(batch), mask.sum(1) - 1] = 2
     return torch.stack([ids, mask], 1), labels
+
+
+def step_times(model: Any, kind: str, rounds: int) -> dict[str, Any]:
+    """The non-private and the DP step's medians (ms) at ``SPEED_BATCH``, float32, and their ratio (module
+    docstring); the plan made again for the float32 model."""
+    import statistics
+
+    import torch
+
+    from dpml.train.clipping_check import plan_clipping
+    from dpml.train.dpsgd import clipped_sum_and_noise, per_example_cross_entropy, trainable_parameters
+
+    model = model.float()
+    x, y = example_batch(kind, SPEED_BATCH, SPEED_LENGTH)
+    plan = plan_clipping(model, per_example_cross_entropy, tuple(x.shape[1:]), x.dtype)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+
+    def nonprivate() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        per_example_cross_entropy(model(x), y).mean().backward()
+        optimizer.step()
+
+    def private() -> None:
+        sums, noises, _ = clipped_sum_and_noise(model, x, y, 1.0, 1.0, len(y), generator, exact=plan.exact)
+        for name, p in params.items():
+            p.grad = sums[name].add_(noises[name]).div_(len(y))
+        optimizer.step()
+
+    times: dict[str, list[float]] = {"nonprivate": [], "dp": []}
+    for round_ in range(rounds + 2):
+        for name, step in (("nonprivate", nonprivate), ("dp", private)):
+            start = time.perf_counter()
+            step()
+            if round_ >= 2:  # (two warm-up steps each)
+                times[name].append(1e3 * (time.perf_counter() - start))
+    medians = {f"{name}_ms": round(statistics.median(found), 2) for name, found in times.items()}
+    return medians | {"throughput": round(medians["nonprivate_ms"] / medians["dp_ms"], 2)}
 
 
 def loop_and_engine_agree(model: Any, plan: Any, x: Any, y: Any, tolerance: float, norm_tolerance: float) -> str:
@@ -172,7 +220,7 @@ def loop_and_engine_agree(model: Any, plan: Any, x: Any, y: Any, tolerance: floa
     return f"clipped sums {worst:.1e}, norms {worst_norm:.1e} (relative)"
 
 
-def run_one(model_type: str, kind: str) -> dict[str, Any]:
+def run_one(model_type: str, kind: str, rounds: int = 0) -> dict[str, Any]:
     """One architecture's row (module docstring)."""
     import torch
     from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
@@ -230,7 +278,15 @@ def run_one(model_type: str, kind: str) -> dict[str, Any]:
         if "double" not in str(error).lower():
             return row | {"result": "not exact", "why": _said(error), "trace": traceback.format_exc()[-1500:]}
         disagree, precision = loop_and_engine_agree(model.float(), plan, x, y, 1e-3, 1e-4), "float32"
-    return row | ({"result": "not exact", "why": disagree} if disagree else {"result": f"exact ({precision})"})
+    if disagree:
+        return row | {"result": "not exact", "why": disagree}
+    row["result"] = f"exact ({precision})"
+    if rounds:
+        try:
+            row |= step_times(model, kind, rounds)
+        except Exception as error:  # (the timing's own failure: the row's result stands)
+            row["speed"] = f"not timed: {_said(error)}"
+    return row
 
 
 def _said(error: BaseException) -> str:
@@ -247,8 +303,8 @@ def architectures(kinds: list[str]) -> list[tuple[str, str]]:
     return [(name, kind) for kind in kinds for name in sorted(mappings[kind])]
 
 
-def in_subprocess(model_type: str, kind: str, timeout: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--one", model_type, "--kinds", kind]
+def in_subprocess(model_type: str, kind: str, timeout: int, rounds: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--one", model_type, "--kinds", kind, "--rounds", str(rounds)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT)
@@ -278,14 +334,34 @@ def page(rows: list[dict[str, Any]], command: str) -> str:
         "",
         "Results: " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda item: -item[1])) + ".",
         "",
-        "| architecture | head | model | parameters | result | why |",
-        "|---|---|---|---|---|---|",
+    ]
+    timed = any("throughput" in row or "speed" in row for row in rows)
+    if timed:
+        ratios = sorted(row["throughput"] for row in rows if "throughput" in row)
+        lines += [
+            f"DP ÷ non-private: the non-private step's median time ÷ the DP step's at batch {SPEED_BATCH} (token "
+            f"records of {SPEED_LENGTH}), float32, one thread (the script's docstring: a search for cliffs at tiny "
+            f"widths, not a throughput claim); median over the {len(ratios)} timed "
+            f"{ratios[len(ratios) // 2] if ratios else '—'}, lowest {ratios[0] if ratios else '—'}.",
+            "",
+        ]
+    speed_column = (" DP ÷ non-private (ms) |", "---|") if timed else ("", "")
+    lines += [
+        "| architecture | head | model | parameters | result |" + speed_column[0] + " why |",
+        "|---|---|---|---|---|" + speed_column[1] + "---|",
     ]
     for row in rows:
         why = row.get("why", "").replace("|", "/")
+        speed = ""
+        if timed:
+            speed = (
+                f" {row['throughput']} ({row['nonprivate_ms']} / {row['dp_ms']}) |"
+                if "throughput" in row
+                else f" {row.get('speed', '')} |"
+            )
         lines.append(
             f"| {row['type']} | {row['kind']} | {row.get('class', '')} | {row.get('parameters', 0):,} | "
-            f"{row['result']} | {why} |"
+            f"{row['result']} |{speed} {why} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -298,19 +374,22 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--stem", default="architecture_sweep")
+    parser.add_argument("--speed", action="store_true", help="time each exact one's DP and non-private steps")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds with --speed")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         import torch
 
         torch.set_num_threads(1)
-        print(json.dumps(run_one(args.one, args.kinds[0])), flush=True)
+        print(json.dumps(run_one(args.one, args.kinds[0], args.rounds)), flush=True)
         return
     todo = [(t, k) for t, k in architectures(args.kinds) if args.only is None or t in args.only]
     with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda item: in_subprocess(*item, args.timeout), todo))
+        rows = list(pool.map(lambda item: in_subprocess(*item, args.timeout, args.rounds if args.speed else 0), todo))
     for row in rows:
-        print(f"{row['type']:28s} {row['kind']:6s} {row['result']:18s} {row.get('why', '')[:100]}", flush=True)
+        speed = f"{row['throughput']:5.2f}" if "throughput" in row else "     "
+        print(f"{row['type']:28s} {row['kind']:6s} {row['result']:18s} {speed} {row.get('why', '')[:100]}", flush=True)
     from bench_common import without_paths
 
     command = "python benchmarks/architecture_sweep.py " + " ".join(without_paths(sys.argv[1:]))
