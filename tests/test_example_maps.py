@@ -521,3 +521,40 @@ def test_reduced_maps_are_the_examples_each_output_place_reads_or_none_where_the
             assert found is not None and found.shape == out.shape, (shape, batch_dim, reduced)
             assert found.reshape(-1).tolist() == [s.pop() for s in sets], (shape, batch_dim, reduced)
     assert min(both.values()) > 30, both
+
+
+VIEWS = {  # (a batch-first x of shape (B, T, D) = (4, 4, 6): T = B, so a view that moves the batch keeps 4 rows first)
+    "view heads": lambda x: x.view(4, 4, 2, 3),
+    "transpose 1, 2": lambda x: x.transpose(1, 2),
+    "first token": lambda x: x[:, 0],
+    "chunk": lambda x: x.chunk(3, -1)[1],
+    "slice": lambda x: x[:, 1:, 2:],
+    "rows flattened": lambda x: x.reshape(4, 24),
+    "expanded": lambda x: x.unsqueeze(1).expand(4, 5, 4, 6),
+    "transpose 0, 1": lambda x: x.transpose(0, 1),
+    "permuted": lambda x: x.permute(1, 0, 2),
+    "each example's first token, through its tokens": lambda x: x.view(16, 6)[::4],
+    "tokens first, copied": lambda x: x.transpose(0, 1).reshape(4, 24),
+    "unbound": lambda x: x.unbind(1)[2],
+    "strided rows": lambda x: x.as_strided((4, 6), (6, 1)),
+}
+MOVING = {"transpose 0, 1", "permuted", "tokens first, copied", "strided rows"}
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_a_view_is_read_as_batch_first_only_where_its_rows_are_the_sources_rows(name: str) -> None:
+    """:func:`dpml.train.rules.operands.rows_kept` (the example maps' shortcut for views of a batch-first tensor, read
+    off the strides) says row i of the view reads row i of the source exactly where the view applied to the source's
+    example map gives i along the view's first dimension — never for a view that moves the batch, though its first
+    dimension has B entries (T = B here): one example's rows taken for another's would let its gradient be clipped by
+    another's norm."""
+    from dpml.train.rules.operands import rows_kept
+
+    x = torch.randn(4, 4, 6)
+    examples = torch.arange(4.0).view(4, 1, 1).expand(4, 4, 6).clone()  # (laid out as x: the same views apply)
+    view, mapped = VIEWS[name](x), VIEWS[name](examples)
+    batch_first = mapped.shape[0] == 4 and bool((mapped == torch.arange(4.0).view(-1, *[1] * (mapped.dim() - 1))).all())
+    assert rows_kept(x, view) == (name not in MOVING)
+    assert rows_kept(x, view) == batch_first  # (the map's own answer)
+    interleaved = torch.randn(6, 4, 4).permute(2, 1, 0)  # (4, 4, 6), its examples' numbers interleaved in memory
+    assert not rows_kept(interleaved, interleaved[:, 0]) and not rows_kept(interleaved, interleaved.transpose(1, 2))

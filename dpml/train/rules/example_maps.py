@@ -28,6 +28,7 @@ from dpml.train.rules.operands import (
     on_host,
     outputs,
     reshaped_map,
+    rows_kept,
     same_across_rest,
     tensors,
     varying,
@@ -164,9 +165,8 @@ class ExampleMaps:
         place written takes the example of the value's element written there, the others keep theirs. Into a
         constant nothing wrote before (:meth:`unwritten_constant`) the places not written belong to no example: the
         map is then the index along a dimension of size B where that index is every written place's example
-        (Longformer's (G, B, d) zeros given each example's global tokens along dimension 1), else lost. A value or
-        a target whose batch is lost, or a key the map cannot take, loses t's. The key's index tensors are read on
-        the CPU, where the maps are (a wait on a GPU, for the writes a model makes into activations)."""
+        (Longformer's (G, B, d) zeros given each example's global tokens along dimension 1), else lost. A value or a
+        target whose batch is lost, or a key the map cannot take, loses t's (the key's indices read on the CPU)."""
         target, key, value = (args + (None, None, None))[:3]
         if not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) or self.batch == 1:
             return
@@ -191,9 +191,9 @@ class ExampleMaps:
     def _follow_index_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
         """:data:`INDEX_WRITES` of a source from the batch (whether this said out's map; a constant source is followed
         as any operation is): each place written takes the example of the source's slices written there, where they
-        are all one example's, and where an add keeps the target's values, that of the target's place too; else out's
-        map is lost. A target not from the batch holds no example's values: if every place of it was written the map
-        is the written examples', else as :meth:`_along_batch_index` says (the index read on the CPU, as the maps)."""
+        are one example's (and, where an add keeps the target's values, the target place's too), else out's map is
+        lost; for a target not from the batch, the written examples' map where every place was written, else
+        :meth:`_along_batch_index`'s."""
         target, dim, index, source = (
             args[k] if len(args) > k else kwargs.get(name) for k, name in enumerate(("input", "dim", "index", "source"))
         )
@@ -248,6 +248,8 @@ class ExampleMaps:
                 for o in outputs(out):
                     self._keep_examples(o, None)
             return
+        if not self._entry(source)[0] and all(rows_kept(source, o) for o in outputs(out)):
+            return  # (a batch-first source's views that keep its rows: batch-first, no entry, no map formed)
         try:
             if func in IDENTITY_VIEWS:
                 mapped: Sequence[torch.Tensor | None] = [examples]
@@ -345,10 +347,9 @@ class ExampleMaps:
         return None if examples is None else varying(examples.expand(t.shape))
 
     def example_axis(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """(k, the example of each index of t's dimension k) where t's map varies along that one dimension alone: a
-        batch-first t (0 … B − 1 along k = 0), a time-major one, or one whose rows of all examples were moved off
-        the first dimension ((H, B·T, d): each example's T rows in one run along k = 1); with one example, t's first
-        dimension of size 1; None where the batch is not known, or where the map varies along several dimensions."""
+        """(k, the example of each index of dimension k) where t's map varies along it alone: batch-first (0 … B − 1,
+        k = 0), time-major, or rows moved off the first dimension ((H, B·T, d): each example's T rows in one run
+        along k = 1); with one example, t's first dimension of size 1; else None."""
         if t.dim() < 1 or self.tracked(t) is not None or not self.derived(t):
             return None
         if self.batch == 1:  # every element is the one example's: its first dimension of size 1 is the batch
@@ -362,10 +363,9 @@ class ExampleMaps:
 
     def _follow_einsum(self, args: tuple[Any, ...], out: Any) -> None:
         """``torch.einsum(equation, *operands)``: an operand from the batch whose map varies only along letters the
-        output keeps gives the output that map, laid out along the same letters (XLNet's time-major ``ibh,hnd->ibnd``
-        keeps the batch where it was, ``ibnd,jbnd->bnij`` moves it first); the output is lost where an operand's map
-        varies along a letter summed away (its examples are mixed), where two operands give different maps, where an
-        operand's batch is not known, or for einsum's sublist form."""
+        output keeps gives the output that map, laid out along the same letters (XLNet's ``ibh,hnd->ibnd`` keeps the
+        batch where it was, ``ibnd,jbnd->bnij`` moves it first); lost where a map varies along a letter summed away
+        (examples mixed), two operands give different maps, an operand's batch is not known, or for sublists."""
         equation, operands = einsum_operands(args)
         if not isinstance(out, torch.Tensor) or not any(self.derived(t) for t in tensors(tuple(operands), {})):
             return

@@ -299,6 +299,26 @@ def reshaped_map(examples: torch.Tensor, shape: Sequence[int]) -> torch.Tensor |
     return chosen.view(*lead, *[1] * (len(shape) - kept)).expand(*shape)
 
 
+def rows_kept(source: torch.Tensor, view: torch.Tensor) -> bool:
+    """Each row ``view[i]`` of a view of ``source`` reads ``source[i]``'s memory alone, told from the strides without
+    reading a value: the same storage and first dimension (size and stride), and every row's other elements within the
+    span of ``source``'s row, where the rows' spans do not overlap (``x.view(B, T, H, D)``, ``x.transpose(1, 2)``,
+    ``x[:, 0]``, ``x.chunk(3, -1)``, but not ``x.view(B * T, D)`` or, where T = B, ``x.transpose(0, 1)``). A view
+    reads only its source's elements, so row i of the view holds row i's numbers: a batch-first source's view is
+    batch-first."""
+    if view.dim() < 1 or view.shape[0] != source.shape[0] or view.stride(0) != source.stride(0) or not view.numel():
+        return False
+    span = sum((n - 1) * s for n, s in zip(source.shape[1:], source.stride()[1:], strict=True))
+    reach = sum((n - 1) * s for n, s in zip(view.shape[1:], view.stride()[1:], strict=True))
+    start, offset = source.storage_offset(), view.storage_offset()
+    return (
+        span < source.stride(0)
+        and start <= offset
+        and offset + reach <= start + span
+        and view.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+    )
+
+
 def moved_map(func: Any, examples: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[Any]:
     """The map of a move along named dimensions (``index_select``'s, ``flip``'s, ``roll``'s with ``dims``) formed on
     the map's values alone (:func:`core`: a move along a broadcast dimension changes nothing there) and broadcast to
