@@ -6,7 +6,9 @@
   (:func:`dpml.train.clipping_layers.embedding_norms_squared`); ``padding_idx`` positions get no gradient.
 - **Indices shared by the batch** (position ids (1, T) or (T,): not computed from the batch's inputs): the
   output is the same for every example, a view of W (rows k_t), tracked; the operation where it meets the
-  batch (``h + pos``) forms each example's gradient and maps it back through the indices. Where some of them are
+  batch (``h + pos``) forms each example's gradient and maps it back through the indices; ids of one row per
+  example, all alike (``zeros(B, T)``), give the view one row repeated (stride 0), so that a computation on it is
+  carried on that row alone (:func:`.derived.first_rows`: MarkupLM's 100 XPath tables). Where some of them are
   ``padding_idx`` (RoCBert's shape and pronunciation ids, ``zeros(B, T)`` made in its forward: all padding) the
   output is no view (its padding positions have no gradient) but a computation on W (:mod:`.derived`), whose
   per-example gradients would be W's size; it is read on the rows it reaches alone (:func:`_narrowed`).
@@ -69,7 +71,10 @@ def embedding(call: Call) -> Pending | Shared | Decomposed | str:
         return Pending(call.output, [w.param], finish_rows)
     if padding_idx is not None and bool((ids == padding_idx).any()):
         return _narrowed(ids, weight, w, padding_idx)
-    index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter
+    if ids.dim() >= 1 and ids.shape[0] == call.batch > 1 and torch.equal(ids, ids[:1].expand_as(ids)):
+        index = w.flat_index()[ids[:1]].expand(*ids.shape, w.shape()[1])  # (one row per example: read as repeated)
+    else:
+        index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter
     return Shared([(call.output, Tracked(w.param, index, shared=True))])
 
 
