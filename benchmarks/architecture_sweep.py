@@ -393,9 +393,10 @@ def main() -> None:
     from bench_common import without_paths
 
     command = "python benchmarks/architecture_sweep.py " + " ".join(without_paths(sys.argv[1:]))
+    text = page(rows, command.strip())  # (its commit read before this run's own files are written)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (args.out / f"{args.stem}.md").write_text(page(rows, command.strip()))
+    (args.out / f"{args.stem}.md").write_text(text)
 
 
 if __name__ == "__main__":
