@@ -14,7 +14,7 @@ from torch import nn
 
 from dpml.train.exact_path import batched_vjp
 from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
-from dpml.train.rules.operands import outputs, substituted, tensors
+from dpml.train.rules.operands import outputs, repeats_first_row, substituted, tensors
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.ragged import Ragged
@@ -208,8 +208,7 @@ def first_rows(
             continue
         view = tracked(t)
         if view is None:  # a constant: expanded, or built with equal rows (EdgeNeXt's features of zeros(B, H, W))
-            built = n == batch and not isinstance(t, nn.Parameter) and not t.is_meta
-            repeated = t.stride(0) == 0 or (built and torch.equal(t, t[:1].expand_as(t)))
+            repeated = repeats_first_row(t, batch, by_value=not isinstance(t, nn.Parameter) and not t.is_meta)
         else:
             repeated = view.index is not None and view.index.stride(0) == 0
         if not repeated:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dpml.train.rules.operands import repeats_first_row
 from dpml.train.rules.registry import Call, Decomposed, Factored, Pending, Rows, Shared, Tracked, Use, rule
 
 
@@ -71,22 +72,15 @@ def embedding(call: Call) -> Pending | Shared | Decomposed | str:
         return Pending(call.output, [w.param], finish_rows)
     if padding_idx is not None and bool((ids == padding_idx).any()):
         return _narrowed(ids, weight, w, padding_idx)
-    if _one_row_repeated(ids, call.batch):
-        index = w.flat_index()[ids[:1]].expand(*ids.shape, w.shape()[1])  # (one row per example: read as repeated)
+    # ids of one row per example, all alike: by their layout anywhere, by value on the CPU only (on a GPU the
+    # comparison would wait for the device in every pass, which a CUDA graph cannot hold; BERT's token type ids are
+    # expanded, read without it)
+    one_row = ids.dim() >= 1 and ids.shape[0] == call.batch > 1
+    if one_row and repeats_first_row(ids, call.batch, by_value=ids.device.type == "cpu"):
+        index = w.flat_index()[ids[:1]].expand(*ids.shape, w.shape()[1])  # (one row repeated: stride 0)
     else:
         index = w.flat_index()[ids]  # (…, D): the rows k_t of W, as positions in the parameter
     return Shared([(call.output, Tracked(w.param, index, shared=True))])
-
-
-def _one_row_repeated(ids: torch.Tensor, batch: int) -> bool:
-    """Shared ids with one row per example, all alike: expanded from one row (stride 0, read off the layout), or, on
-    the CPU, equal by value (``zeros(B, T)``). On a GPU the comparison would wait for the device in every pass, which
-    a CUDA graph cannot hold (BERT's token type ids are expanded: read without it)."""
-    if ids.dim() < 1 or ids.shape[0] != batch or batch < 2:
-        return False
-    if ids.stride(0) == 0:
-        return True
-    return ids.device.type == "cpu" and torch.equal(ids, ids[:1].expand_as(ids))
 
 
 def _narrowed(ids: torch.Tensor, weight: torch.Tensor, w: Tracked, padding_idx: int) -> Decomposed | str:

@@ -299,6 +299,17 @@ def reshaped_map(examples: torch.Tensor, shape: Sequence[int]) -> torch.Tensor |
     return chosen.view(*lead, *[1] * (len(shape) - kept)).expand(*shape)
 
 
+def repeats_first_row(t: torch.Tensor, batch: int, by_value: bool = True) -> bool:
+    """Every row of t along its first dimension is its first: by its layout (stride 0, a row expanded), or, with
+    ``by_value``, where it has one row per example (``batch`` of them: a constant built in the forward pass,
+    ``zeros(B, T)``) by its values (on a GPU, a wait for the device)."""
+    if t.dim() < 1:
+        return False
+    if t.stride(0) == 0:
+        return True
+    return by_value and t.shape[0] == batch and torch.equal(t, t[:1].expand_as(t))
+
+
 def rows_kept(source: torch.Tensor, view: torch.Tensor) -> bool:
     """Each row ``view[i]`` of a view of ``source`` reads ``source[i]``'s memory alone, told from the strides without
     reading a value: the same storage and first dimension (size and stride), and every row's other elements within the
