@@ -12,12 +12,14 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from dpml.accounting.accountants import epsilon_pld
 from dpml.ledger.ledger import BudgetExceeded, Ledger, LedgerError
+from dpml.ledger.schema import SCHEMA_VERSION
 from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
 from tests.conftest import small_params, write_params
 
@@ -158,6 +160,48 @@ def test_runs_racing_for_the_last_budget(racers: int, ledger_location: str, tmp_
     assert outcomes == ["refused"] * (racers - 2) + ["spent"] * 2
     assert len(ledger.spends("d")) == 3 and first.id == ledger.spends("d")[0].id
     assert ledger.total("d") == pytest.approx(composed(3), rel=1e-3) and ledger.total("d") <= budget
+
+
+def _open_new_ledgers(
+    folder: str, rounds: int, barrier: multiprocessing.synchronize.Barrier, results: "multiprocessing.Queue[str]"
+) -> None:
+    """One opener: in each round, at the barrier with the others, opens that round's ledger (a file nobody
+    has made yet) and reads its spends. Reports "opened", or each round's failure (the error's last line),
+    going on with the next round so that the others are never left waiting at the barrier."""
+    failures = []
+    for round_ in range(rounds):
+        barrier.wait(timeout=600)
+        try:
+            Ledger(Path(folder) / f"{round_}.db", 1e-5).spends(counted_only=False)
+        except Exception:  # noqa: BLE001 — reported to the test, which fails on it
+            failures.append(f"round {round_}: {traceback.format_exc().strip().splitlines()[-1]}")
+    results.put("crashed: " + "; ".join(failures) if failures else "opened")
+
+
+def test_processes_opening_a_new_ledger_at_once_all_open_it(tmp_path: Path) -> None:
+    """A run and whoever watches it (a test, a dashboard, a second run) may open a ledger file at the
+    same moment, before anyone has made it. SQLite answers a second connection's switch of a new file to
+    WAL with "database is locked" at once, without waiting for the lock; every opener must still get the
+    ledger, in WAL mode. Four processes open 60 new ledgers together (on the code before the fix, several
+    of the 240 openings failed so in every run)."""
+    openers, rounds = 4, 60
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(openers), context.Queue()
+    workers = [
+        context.Process(target=_open_new_ledgers, args=(str(tmp_path), rounds, barrier, results))
+        for _ in range(openers)
+    ]
+    for w in workers:
+        w.start()
+    outcomes = _outcomes(workers, results)
+    for w in workers:
+        w.join(timeout=60)
+    assert outcomes == ["opened"] * openers
+    for round_ in range(rounds):
+        with closing(sqlite3.connect(tmp_path / f"{round_}.db")) as db:
+            assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            version = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+            assert version == [(str(SCHEMA_VERSION),)]
 
 
 _TRAIN_UNTIL_STEP = """

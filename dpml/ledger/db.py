@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,11 +80,11 @@ class SqliteDatabase:
         long; it never deadlocks (one lock). A wait beyond that is a clear error, not a traceback."""
         connection = sqlite3.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
         try:
-            connection.execute("PRAGMA journal_mode=WAL")
+            _enter_wal_mode(connection, time.monotonic() + LOCK_WAIT_SECONDS)
             connection.execute("PRAGMA synchronous=FULL")
             yield connection
         except sqlite3.OperationalError as error:
-            if "locked" not in str(error) and "busy" not in str(error):
+            if not _is_busy(error):
                 raise
             raise LedgerError(
                 f"{self.path}: the ledger stayed locked by other runs for {LOCK_WAIT_SECONDS:.0f} s "
@@ -91,6 +92,30 @@ class SqliteDatabase:
             ) from None
         finally:
             connection.close()
+
+
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    return "locked" in str(error) or "busy" in str(error)
+
+
+def _enter_wal_mode(connection: sqlite3.Connection, deadline: float) -> None:
+    """Put the file in WAL mode (persistent: a no-op once it is), waiting for the lock the switch needs.
+
+    SQLite answers the switch of a file that another connection is making or switching at the same moment
+    with "database is locked" at once, without calling the busy handler that waits for every other lock:
+    two processes that open a new ledger together (a run and whoever watches it) would see one of them fail
+    in a millisecond. The switch is retried, 1 ms doubling to 100 ms between tries, until ``deadline``.
+    """
+    pause = 0.001
+    while True:
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if not _is_busy(error) or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
 
 
 class PostgresCursor:
