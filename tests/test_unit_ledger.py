@@ -9,6 +9,8 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy.optimize import brentq
 
+from dpml.ledger.units import load_or_create_key
 from dpml.ledger.ledger import BudgetExceeded, Ledger, LedgerError, epsilons_from_rdp, filter_bound, filter_order
 from dpml.accounting.tuning import ORDERS
 from dpml.accounting.mechanism import MechanismDescription, PoissonGaussianSteps
@@ -217,6 +220,24 @@ def test_the_ledger_stores_no_identity_and_needs_its_key(tmp_path: Path) -> None
     (tmp_path / "l.db.key").write_bytes(key)
     Ledger(path, DELTA).reserve("v1", run(), "b", 100.0, lineage="L", units=digests)
     assert [n for _, n in Ledger(path, DELTA).unit_epsilons("L")] == [50]
+
+
+def test_threads_that_create_the_unit_key_at_once_all_get_the_one_key(tmp_path: Path) -> None:
+    """Runs started from threads of one process (a notebook's, a service's) may create a new ledger's unit key at
+    the same moment: every thread gets the key that landed, none fails on another's half-made file, and only
+    that key's file remains. 8 threads create 30 new keys together."""
+    threads, rounds = 8, 30
+    barrier = threading.Barrier(threads)
+
+    def create(round_: int) -> bytes:
+        barrier.wait(timeout=60)
+        return load_or_create_key(tmp_path / f"{round_}.key", create=True)
+
+    with ThreadPoolExecutor(threads) as pool:
+        for round_ in range(rounds):
+            keys = list(pool.map(create, [round_] * threads))
+            assert keys == [(tmp_path / f"{round_}.key").read_bytes()] * threads
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{r}.key" for r in range(rounds))
 
 
 def test_schema_1_ledgers_migrate_and_charge_old_spends_to_everyone(tmp_path: Path) -> None:

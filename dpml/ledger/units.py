@@ -57,7 +57,7 @@ def load_or_create_key(path: str | Path, create: bool) -> bytes:
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(KEY_BYTES)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")  # (each thread its own)
     descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "wb") as handle:
         handle.write(key)
