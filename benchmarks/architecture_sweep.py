@@ -2,7 +2,8 @@
 
 For each model type in ``transformers``' auto mappings (``AutoModelForSequenceClassification``,
 ``AutoModelForImageClassification``), the library's default configuration shrunk to a tiny one (the sizes
-below; list-valued stage sizes cut to one block of 16–64 channels), built with random weights (never from a
+below; list-valued stage sizes cut to one block of 16–64 channels; nested configurations, a multimodal model's
+text and vision towers and an encoder-decoder's two halves, shrunk alike), built with random weights (never from a
 hub), batch normalisation replaced by ``dpml.replace_batch_norm``, wrapped by ``dpml.models.library.adapt``
 (token records ``(2, T)``: ids, a mask with padding, an ``<eos>`` last, as a tokenizer writes them), planned by
 ``plan_clipping`` (the probe judging every rule against autograd) and then checked: the engine's clipped sums
@@ -69,13 +70,17 @@ TEXT_SIZES: dict[str, Any] = {
     "pooler_hidden_size": 32, "rotary_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "kv_lora_rank": 16, "q_lora_rank": 16, "use_cache": False, "pad_token_id": 0, "bos_token_id": 1,
     "eos_token_id": 2, "sep_token_id": 2, "cls_token_id": 1, "mask_token_id": 3, "unk_token_id": 4,
-    "decoder_start_token_id": 2, "forced_eos_token_id": None,
+    "decoder_start_token_id": 2, "forced_eos_token_id": None, "emb_dim": 32, "entity_vocab_size": 16,
+    "entity_emb_size": 16, "d_latents": 32, "num_latents": 8, "cross_attention_hidden_size": 32,
 }  # fmt: skip
 IMAGE_SIZES: dict[str, Any] = {
     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
     "image_size": IMAGE, "patch_size": 4, "num_channels": 3, "embed_dim": 16, "embedding_size": 16, "mlp_ratio": 2,
     "window_size": 2, "encoder_stride": 4, "d_model": 32, "num_key_value_heads": 1, "head_dim": 16,
 }  # fmt: skip
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "diffllama": {"num_key_value_heads": 2},  # (its differential attention splits the values in two along the heads)
+}
 STAGE_LISTS = {
     "depths": "ones", "num_layers": "ones", "layers": "ones", "block_repeats": "ones", "num_blocks": "ones",
     "hidden_sizes": "widths", "embed_dims": "widths", "embed_dim": "widths", "dims": "widths", "widths": "widths",
@@ -114,7 +119,19 @@ def tiny_config(model_type: str, kind: str) -> Any:
     """The library's default configuration of ``model_type``, shrunk (module docstring)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type)
+    config = _shrunk(AutoConfig.for_model(model_type), kind)
+    for key, value in OVERRIDES.get(model_type, {}).items():
+        setattr(config, key, value)
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = 0
+    config.num_labels = CLASSES
+    return config
+
+
+def _shrunk(config: Any, kind: str) -> Any:
+    """``config`` with the sizes of its kind, no dropout, and each nested configuration (``sub_configs``: a
+    multimodal model's ``text_config`` and ``vision_config``, an encoder-decoder's ``encoder`` and ``decoder``)
+    shrunk the same way, a vision one with the image sizes."""
     defaults = config.to_dict()
     if kind == "image":
         for key, value in defaults.items():
@@ -130,9 +147,10 @@ def tiny_config(model_type: str, kind: str) -> Any:
         config.num_key_value_heads = config.num_attention_heads
         for key in ("n_group", "topk_group"):
             _set(config, defaults, key, 1)
-    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
-        config.decoder_start_token_id = 0
-    config.num_labels = CLASSES
+    for name in getattr(config, "sub_configs", None) or {}:
+        nested = getattr(config, name, None)
+        if nested is not None and hasattr(nested, "to_dict"):
+            setattr(config, name, _shrunk(nested, "image" if "vision" in name else kind))
     return config
 
 
