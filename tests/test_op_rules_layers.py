@@ -553,3 +553,32 @@ def test_tables_looked_up_at_one_row_of_ids_are_carried_on_that_row(made: str, m
     monkeypatch.setattr(keep_budget, "KEEP_PER_EXAMPLE_LIMIT", 400)
     x = torch.randint(0, 30, (8, 6), generator=generator(4))
     assert_exact_without_the_exact_path(TablesAtOneRowOfIds(made), per_example_cross_entropy, x, x[:, 0] % 3)
+
+
+class LatentQueries(nn.Module):
+    """The Perceiver's cross-attention: learned latents expanded over the batch (``latents.expand(B, n, d)``), normed
+    and mapped to queries by layers on parameters alone, then a product with the batch's keys."""
+
+    def __init__(self, width: int, latents: int = 3) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(latents, width))
+        self.norm = nn.LayerNorm(width)
+        self.query = nn.Linear(width, width)
+        self.key = nn.Linear(width, width)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, width)
+        queries = self.query(self.norm(self.latents.expand(x.shape[0], -1, -1)))
+        scores = torch.matmul(queries, self.key(x).transpose(-1, -2)).softmax(-1)  # (B, latents, T)
+        return self.out(torch.matmul(scores, x)).mean(1)
+
+
+@pytest.mark.parametrize("batch", [5, 8])
+def test_latents_expanded_over_the_batch_are_carried_on_one_row_whatever_the_batch_size(batch: int) -> None:
+    """The chain on the expanded latents runs on their one row, so the product with the keys reads them as one matrix
+    every example shares. Width 8: at a batch of 8 the norm's and the query's weights have a first dimension of the
+    batch's size, which the chain took for rows that differ, and every parameter of the chain went to the exact path at
+    that batch size only (the Perceiver's DP step at 0.07 of its non-private one at a batch of 32 = its latents'
+    width); the probe, at another batch size, had planned none there."""
+    x = torch.randn(batch, 4, 8, generator=generator(6), dtype=torch.float64)
+    assert_exact_without_the_exact_path(LatentQueries(8), per_example_cross_entropy, x, torch.arange(batch) % 3)

@@ -196,13 +196,18 @@ def first_rows(
     alone (its outputs, the sliced operands' views, the sliced call), where its outputs are then one row each; None
     otherwise. A view's rows are told apart by its index's stride 0; a constant's by stride 0, or by value where it
     is built in the forward pass with one row per example (N = ``batch``; not a frozen parameter: on a GPU, the
-    comparison waits for it, and such constants are rare). An operation that mixes the rows (a running sum along
+    comparison waits for it, and such constants are rare). An operand of fewer dimensions than the outputs that does
+    not repeat a row is left whole: broadcast, its first dimension meets the outputs' last ones, not their rows (a
+    norm's weight of N numbers, a layer's (N, n) weight on (N, T, n) rows), and where the call pairs it with the rows
+    all the same, the call on one row gives other than one row and the chain is not carried; so whether a chain is
+    carried does not depend on a size that equals N at one batch size only (the Perceiver's latents of width 32 at a
+    batch of 32). An operation that mixes the rows (a running sum along
     that dimension) makes the node's rows another function, which the probe's check against per-example autograd
     finds and takes exactly."""
-    leading = [o.shape[0] for o in outputs(out) if o.dim() >= 1]
-    if not leading or leading[0] <= 1:
+    shaped = [o for o in outputs(out) if o.dim() >= 1]
+    if not shaped or shaped[0].shape[0] <= 1:
         return None
-    n, cut, sliced = leading[0], {}, {}
+    n, dims, cut, sliced = shaped[0].shape[0], shaped[0].dim(), {}, {}
     for t in tensors(args, kwargs):
         if t.dim() < 1 or t.shape[0] != n:
             continue
@@ -211,6 +216,8 @@ def first_rows(
             repeated = repeats_first_row(t, batch, by_value=not isinstance(t, nn.Parameter) and not t.is_meta)
         else:
             repeated = view.index is not None and view.index.stride(0) == 0
+        if not repeated and t.dim() < dims:  # (a norm's or a layer's weight of N numbers: not the output's rows)
+            continue
         if not repeated:
             return None
         cut[id(t)] = (t, t[:1])
