@@ -201,9 +201,8 @@ def first_rows(
     norm's weight of N numbers, a layer's (N, n) weight on (N, T, n) rows), and where the call pairs it with the rows
     all the same, the call on one row gives other than one row and the chain is not carried; so whether a chain is
     carried does not depend on a size that equals N at one batch size only (the Perceiver's latents of width 32 at a
-    batch of 32). An operation that mixes the rows (a running sum along
-    that dimension) makes the node's rows another function, which the probe's check against per-example autograd
-    finds and takes exactly."""
+    batch of 32). An operation that mixes the rows (a running sum along that dimension) makes the node's rows another
+    function, which the probe's check against per-example autograd finds and takes exactly."""
     shaped = [o for o in outputs(out) if o.dim() >= 1]
     if not shaped or shaped[0].shape[0] <= 1:
         return None
@@ -216,9 +215,9 @@ def first_rows(
             repeated = repeats_first_row(t, batch, by_value=not isinstance(t, nn.Parameter) and not t.is_meta)
         else:
             repeated = view.index is not None and view.index.stride(0) == 0
-        if not repeated and t.dim() < dims:  # (a norm's or a layer's weight of N numbers: not the output's rows)
-            continue
         if not repeated:
+            if t.dim() < dims:  # (a norm's or a layer's weight of N numbers: not the outputs' rows)
+                continue
             return None
         cut[id(t)] = (t, t[:1])
         if view is not None:
