@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpml.devices import host_to_device, keep_freed_cpu_memory
+from dpml.devices import host_to_device, keep_freed_cpu_memory, older_objects_left_out_of_collections
 from dpml.models.lipschitz import (
     hinge_kantorovich_rubinstein,
     kantorovich_rubinstein,
@@ -262,31 +262,34 @@ def run_dpsgd_steps(
         noise = cpu_noise_stream(noise_source, params, noise_multiplier * clip_norm)
     model.train()
     try:
-        for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps, strict=True):
-            sums, noises, clipped_count = clipped_chunks_and_noise(
-                model,
-                step.chunks,
-                clip_norm,
-                noise_multiplier,
-                noise,
-                loss_fn,
-                step.diracs,
-                exact,
-                autocast,
-                step.most_rows,
-            )
-            update = [sums[name] for name in params]  # the sums are this step's own: updated in place
-            torch._foreach_add_(update, [noises[name] for name in params])  # one multi-tensor launch, not one a tensor
-            if collective is not None:
-                clipped_count = collective.sum_in_place([*update, clipped_count])[-1]
-            torch._foreach_div_(update, expected_batch)
-            for p, gradient in zip(params.values(), update, strict=True):
-                p.grad = gradient
-            clipped.append(clipped_count)
-            if observer is not None:
-                observer(step.batch, model)
-            optimizer.step()
-            batch_sizes.append(int(step.batch.numel()))
+        with older_objects_left_out_of_collections():  # (the user's heap out of the step's collections)
+            for _, step in zip(progress_range(count, "DP-SGD", "step", progress), steps, strict=True):
+                sums, noises, clipped_count = clipped_chunks_and_noise(
+                    model,
+                    step.chunks,
+                    clip_norm,
+                    noise_multiplier,
+                    noise,
+                    loss_fn,
+                    step.diracs,
+                    exact,
+                    autocast,
+                    step.most_rows,
+                )
+                update = [sums[name] for name in params]  # the sums are this step's own: updated in place
+                torch._foreach_add_(
+                    update, [noises[name] for name in params]
+                )  # one multi-tensor launch, not one a tensor
+                if collective is not None:
+                    clipped_count = collective.sum_in_place([*update, clipped_count])[-1]
+                torch._foreach_div_(update, expected_batch)
+                for p, gradient in zip(params.values(), update, strict=True):
+                    p.grad = gradient
+                clipped.append(clipped_count)
+                if observer is not None:
+                    observer(step.batch, model)
+                optimizer.step()
+                batch_sizes.append(int(step.batch.numel()))
     finally:
         if isinstance(noise, NoiseStream):
             noise.close()

@@ -33,6 +33,7 @@ from torch import nn
 from dpml.models.gated import lipschitz_bound, smoothness_bound
 from dpml.accounting.gdp import contraction_factor, noisycgd_mu
 from dpml.accounting.mechanism import GaussianDP, MechanismDescription
+from dpml.devices import older_objects_left_out_of_collections
 from dpml.progress import progress_range
 from dpml.train.clipping import LossFn, clipped_gradient_sum
 from dpml.train.nonfinite import refuse_non_finite_model
@@ -138,18 +139,19 @@ def train_noisycgd(
     noise_std = settings.noise_multiplier * settings.clip_norm / b
     clipped, start = torch.zeros((), device=x.device), time.perf_counter()
     model.train()
-    for _ in progress_range(settings.epochs, "NoisyCGD", "epoch", progress):
-        for batch in batches:
-            sums = {name: torch.zeros_like(p) for name, p in params.items()}
-            for chunk in torch.split(batch, physical_batch_size):
-                chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x[chunk], y[chunk], settings.clip_norm)
-                for name, value in chunk_sums.items():
-                    sums[name] += value
-                clipped = clipped + (~(norms <= settings.clip_norm)).sum()  # (left-out records, nan or inf, count)
-            with torch.no_grad():
-                for name, p in params.items():
-                    noise = gaussian(p.shape, noise_std, noise_source, p.dtype)
-                    p.sub_(eta * (sums[name] / b + l2 * p + noise))
+    with older_objects_left_out_of_collections():  # (the user's heap out of the steps' collections)
+        for _ in progress_range(settings.epochs, "NoisyCGD", "epoch", progress):
+            for batch in batches:
+                sums = {name: torch.zeros_like(p) for name, p in params.items()}
+                for chunk in torch.split(batch, physical_batch_size):
+                    chunk_sums, norms = clipped_gradient_sum(model, loss_fn, x[chunk], y[chunk], settings.clip_norm)
+                    for name, value in chunk_sums.items():
+                        sums[name] += value
+                    clipped = clipped + (~(norms <= settings.clip_norm)).sum()  # (left-out records, nan or inf, count)
+                with torch.no_grad():
+                    for name, p in params.items():
+                        noise = gaussian(p.shape, noise_std, noise_source, p.dtype)
+                        p.sub_(eta * (sums[name] / b + l2 * p + noise))
     refuse_non_finite_model(model)  # (a GPU's loop leaves no record out: :mod:`dpml.train.nonfinite`)
     history = {
         "steps": settings.epochs * len(batches),
