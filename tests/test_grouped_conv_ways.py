@@ -99,6 +99,20 @@ def test_each_way_reads_inputs_and_gradients_in_any_layout(way: str, layout: str
     torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("rows", "columns"), [(range(1, 3), range(1, 3)), (range(1, 2), range(3)), (range(2, 5), range(1, 6))]
+)
+def test_live_taps_are_placed_where_the_block_assignment_puts_them(rows: range, columns: range) -> None:
+    """``place_taps`` copies tap by tap what ``whole[..., rows, columns] = taps`` copies as a block, into any layout."""
+    generator = torch.Generator().manual_seed(0)
+    taps = torch.randn(3, 4, 5, len(rows), len(columns), generator=generator, dtype=torch.float64)
+    for whole in (torch.zeros(3, 4, 5, 7, 7, dtype=torch.float64), torch.zeros(7, 7, 3, 4, 5).permute(2, 3, 4, 0, 1)):
+        expected = whole.clone()
+        expected[..., rows.start : rows.stop, columns.start : columns.stop] = taps
+        assert clipping_conv.place_taps(whole, taps, rows, columns) is whole
+        assert torch.equal(whole, expected)
+
+
 def test_the_dead_taps_of_a_small_map_are_zero_and_the_live_ones_are_not() -> None:
     """A 7×7 kernel with padding 3 on a 2×3 map: the taps that read the map are rows 2–4 and columns 1–5."""
     layer, x, delta, geometry = layer_case(nn.Conv2d(6, 6, 7, padding=3, groups=6), 2, 3)

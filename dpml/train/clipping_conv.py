@@ -358,6 +358,17 @@ def live_taps(geometry: Geometry, size: tuple[int, ...], out: tuple[int, ...]) -
     return axes[0], axes[1]
 
 
+def place_taps(whole: torch.Tensor, taps: torch.Tensor, rows: range, columns: range) -> torch.Tensor:
+    """``whole[..., rows, columns] = taps`` (``taps``: (…, |rows|, |columns|)), tap by tap, and ``whole``. Copied as one
+    block, the destination's runs are |columns| ≤ kw numbers long, which torch's copy takes a few at a time: ResNet-18's
+    256 → 512 stride-2 layer on 2×2 maps (2×2 live taps of 3×3) took 1.12 ms as a block against 0.25 ms tap by tap
+    (ad hoc, 2 threads), a plane of C_out·C_in numbers each."""
+    for i, row in enumerate(rows):
+        for j, column in enumerate(columns):
+            whole[..., row, column] = taps[..., i, j]
+    return whole
+
+
 def clip_weighted_conv_weight(
     weight_shape: torch.Size, inputs: torch.Tensor, weighted: torch.Tensor, geometry: Geometry, groups: int = 1
 ) -> torch.Tensor:
@@ -385,7 +396,5 @@ def clip_weighted_conv_weight(
         patches = unfold_patches(inputs, *geometry, taps=(rows, columns))  # (B, C_in·|rows|·|columns|, 1)
         by_group = patches.reshape(batch, groups, -1).transpose(0, 1)  # (g, B, C_in/g·|rows|·|columns|)
         part = torch.bmm(weighted.reshape(batch, groups, -1).permute(1, 2, 0), by_group)  # (g, C_out/g, ·)
-        total[:, :, rows.start : rows.stop, columns.start : columns.stop] = part.view(
-            out_channels, -1, len(rows), len(columns)
-        )
+        place_taps(total, part.view(out_channels, -1, len(rows), len(columns)), rows, columns)
     return total

@@ -23,6 +23,7 @@ from dpml.train.clipping_conv import (
     compiled_norms,
     conv_geometry,
     live_taps,
+    place_taps,
     unfold_patches,
 )
 from dpml.devices import heap_sized_slices
@@ -149,9 +150,7 @@ def _whole_kernel(way: str) -> Callable[[torch.Tensor, torch.Tensor, Geometry, i
         batch, out_channels = output_grad.shape[:2]
         grads = inputs.new_zeros(batch, out_channels, inputs.shape[1] // groups, *geometry[0])
         if len(taps[0]) and len(taps[1]):
-            grads[:, :, :, taps[0].start : taps[0].stop, taps[1].start : taps[1].stop] = LIVE_TAP_WAYS[way](
-                inputs, output_grad, geometry, groups, taps
-            )
+            place_taps(grads, LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps), *taps)
         return grads.reshape(batch, out_channels, -1)
 
     whole.__doc__ = f"∇_W ℓ_i of every example over the whole kernel by the {way} (:data:`LIVE_TAP_WAYS`)."

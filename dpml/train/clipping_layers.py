@@ -62,6 +62,7 @@ from dpml.train.clipping_conv import (
     compiled_norms,
     conv_geometry,
     patch_slice_norms_squared,
+    place_taps,
     unfold_patches,
     weight_from_columns,
 )
@@ -408,10 +409,8 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
         if kept is not None:
             total = weight.new_zeros(shape)
             rows, columns = window
-            total[:, :, rows.start : rows.stop, columns.start : columns.stop] = (factors @ kept).reshape(
-                shape[0], shape[1], len(rows), len(columns)
-            )
-            return total.reshape(weight.shape)
+            live = (factors @ kept).reshape(shape[0], shape[1], len(rows), len(columns))
+            return place_taps(total, live, rows, columns).reshape(weight.shape)
         return functools.reduce(
             torch.add,
             [
