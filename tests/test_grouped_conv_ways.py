@@ -100,17 +100,20 @@ def test_each_way_reads_inputs_and_gradients_in_any_layout(way: str, layout: str
 
 
 @pytest.mark.parametrize(
-    ("rows", "columns"), [(range(1, 3), range(1, 3)), (range(1, 2), range(3)), (range(2, 5), range(1, 6))]
+    ("rows", "columns"),
+    [(range(1, 3), range(1, 3)), (range(1, 2), range(3)), (range(2, 5), range(1, 6)), (range(7), range(7))],
 )
-def test_live_taps_are_placed_where_the_block_assignment_puts_them(rows: range, columns: range) -> None:
-    """``place_taps`` copies tap by tap what ``whole[..., rows, columns] = taps`` copies as a block, into any layout."""
+def test_a_kernel_from_its_live_taps_is_the_block_assignment_into_zeros(rows: range, columns: range) -> None:
+    """``kernel_from_taps`` (tap by tap) gives what ``zeros[..., rows, columns] = taps`` gives, from taps in any layout;
+    taps that are the whole kernel come back as they are."""
     generator = torch.Generator().manual_seed(0)
-    taps = torch.randn(3, 4, 5, len(rows), len(columns), generator=generator, dtype=torch.float64)
-    for whole in (torch.zeros(3, 4, 5, 7, 7, dtype=torch.float64), torch.zeros(7, 7, 3, 4, 5).permute(2, 3, 4, 0, 1)):
-        expected = whole.clone()
+    contiguous = torch.randn(3, 4, 5, len(rows), len(columns), generator=generator, dtype=torch.float64)
+    for taps in (contiguous, contiguous.permute(4, 3, 0, 1, 2).contiguous().permute(2, 3, 4, 1, 0)):
+        expected = torch.zeros(3, 4, 5, 7, 7, dtype=torch.float64)
         expected[..., rows.start : rows.stop, columns.start : columns.stop] = taps
-        assert clipping_conv.place_taps(whole, taps, rows, columns) is whole
-        assert torch.equal(whole, expected)
+        got = clipping_conv.kernel_from_taps(taps, (7, 7), rows, columns)
+        assert torch.equal(got, expected)
+        assert (got is taps) == (len(rows) == len(columns) == 7)
 
 
 def test_the_dead_taps_of_a_small_map_are_zero_and_the_live_ones_are_not() -> None:

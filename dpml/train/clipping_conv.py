@@ -8,6 +8,8 @@ so one set of formulas serves both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.grad
 import torch.nn.functional as F
@@ -358,11 +360,15 @@ def live_taps(geometry: Geometry, size: tuple[int, ...], out: tuple[int, ...]) -
     return axes[0], axes[1]
 
 
-def place_taps(whole: torch.Tensor, taps: torch.Tensor, rows: range, columns: range) -> torch.Tensor:
-    """``whole[..., rows, columns] = taps`` (``taps``: (…, |rows|, |columns|)), tap by tap, and ``whole``. Copied as one
-    block, the destination's runs are |columns| ≤ kw numbers long, which torch's copy takes a few at a time: ResNet-18's
-    256 → 512 stride-2 layer on 2×2 maps (2×2 live taps of 3×3) took 1.12 ms as a block against 0.25 ms tap by tap
-    (ad hoc, 2 threads), a plane of C_out·C_in numbers each."""
+def kernel_from_taps(taps: torch.Tensor, kernel: Sequence[int], rows: range, columns: range) -> torch.Tensor:
+    """The gradient over the whole ``kernel`` (…, kh, kw) from that of its live taps, ``taps`` (…, |rows|, |columns|),
+    zero at every other tap: ``taps`` itself where they are the whole kernel, else copied in tap by tap. Copied as one
+    block, the destination's runs are |columns| ≤ kw numbers long, which torch's copy takes a few at a time:
+    ResNet-18's 256 → 512 stride-2 layer on 2×2 maps (2×2 live taps of 3×3) took 1.12 ms as a block against 0.25 ms
+    tap by tap (ad hoc, 2 threads), a plane of C_out·C_in numbers each."""
+    if (len(rows), len(columns)) == tuple(kernel):
+        return taps
+    whole = taps.new_zeros(*taps.shape[:-2], *kernel)
     for i, row in enumerate(rows):
         for j, column in enumerate(columns):
             whole[..., row, column] = taps[..., i, j]
@@ -391,10 +397,9 @@ def clip_weighted_conv_weight(
         )
         return total
     rows, columns = live_taps(geometry, tuple(inputs.shape[-2:]), tuple(weighted.shape[-2:]))
-    total = weighted.new_zeros(weight_shape)
-    if len(rows) and len(columns):
-        patches = unfold_patches(inputs, *geometry, taps=(rows, columns))  # (B, C_in·|rows|·|columns|, 1)
-        by_group = patches.reshape(batch, groups, -1).transpose(0, 1)  # (g, B, C_in/g·|rows|·|columns|)
-        part = torch.bmm(weighted.reshape(batch, groups, -1).permute(1, 2, 0), by_group)  # (g, C_out/g, ·)
-        place_taps(total, part.view(out_channels, -1, len(rows), len(columns)), rows, columns)
-    return total
+    if not len(rows) or not len(columns):
+        return weighted.new_zeros(weight_shape)
+    patches = unfold_patches(inputs, *geometry, taps=(rows, columns))  # (B, C_in·|rows|·|columns|, 1)
+    by_group = patches.reshape(batch, groups, -1).transpose(0, 1)  # (g, B, C_in/g·|rows|·|columns|)
+    part = torch.bmm(weighted.reshape(batch, groups, -1).permute(1, 2, 0), by_group)  # (g, C_out/g, ·)
+    return kernel_from_taps(part.view(out_channels, -1, len(rows), len(columns)), weight_shape[2:], rows, columns)

@@ -22,8 +22,8 @@ from dpml.train.clipping_conv import (
     compiled_kernel_takes,
     compiled_norms,
     conv_geometry,
+    kernel_from_taps,
     live_taps,
-    place_taps,
     unfold_patches,
 )
 from dpml.devices import heap_sized_slices
@@ -148,10 +148,10 @@ def _whole_kernel(way: str) -> Callable[[torch.Tensor, torch.Tensor, Geometry, i
     def whole(inputs: torch.Tensor, output_grad: torch.Tensor, geometry: Geometry, groups: int = 1) -> torch.Tensor:
         taps = live_taps(geometry, tuple(inputs.shape[2:]), tuple(output_grad.shape[2:]))
         batch, out_channels = output_grad.shape[:2]
-        grads = inputs.new_zeros(batch, out_channels, inputs.shape[1] // groups, *geometry[0])
-        if len(taps[0]) and len(taps[1]):
-            place_taps(grads, LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps), *taps)
-        return grads.reshape(batch, out_channels, -1)
+        if not len(taps[0]) or not len(taps[1]):
+            return inputs.new_zeros(batch, out_channels, inputs.shape[1] // groups * math.prod(geometry[0]))
+        live = LIVE_TAP_WAYS[way](inputs, output_grad, geometry, groups, taps)
+        return kernel_from_taps(live, geometry[0], *taps).reshape(batch, out_channels, -1)
 
     whole.__doc__ = f"∇_W ℓ_i of every example over the whole kernel by the {way} (:data:`LIVE_TAP_WAYS`)."
     return whole

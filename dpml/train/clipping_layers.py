@@ -62,7 +62,7 @@ from dpml.train.clipping_conv import (
     compiled_norms,
     conv_geometry,
     patch_slice_norms_squared,
-    place_taps,
+    kernel_from_taps,
     unfold_patches,
     weight_from_columns,
 )
@@ -407,10 +407,9 @@ def _grouped_conv_piece(module: nn.Conv1d | nn.Conv2d, calls: list[tuple[torch.T
 
     def weight_sum(factors: torch.Tensor) -> torch.Tensor:
         if kept is not None:
-            total = weight.new_zeros(shape)
             rows, columns = window
             live = (factors @ kept).reshape(shape[0], shape[1], len(rows), len(columns))
-            return place_taps(total, live, rows, columns).reshape(weight.shape)
+            return kernel_from_taps(live, shape[2:], rows, columns).reshape(weight.shape)
         return functools.reduce(
             torch.add,
             [
