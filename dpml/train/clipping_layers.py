@@ -61,8 +61,8 @@ from dpml.train.clipping_conv import (
     compiled_beats_ghost,
     compiled_norms,
     conv_geometry,
-    patch_slice_norms_squared,
     kernel_from_taps,
+    patch_slice_norms_squared,
     unfold_patches,
     weight_from_columns,
 )

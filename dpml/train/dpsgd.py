@@ -277,9 +277,8 @@ def run_dpsgd_steps(
                     step.most_rows,
                 )
                 update = [sums[name] for name in params]  # the sums are this step's own: updated in place
-                torch._foreach_add_(
-                    update, [noises[name] for name in params]
-                )  # one multi-tensor launch, not one a tensor
+                # one multi-tensor launch, not one a tensor
+                torch._foreach_add_(update, [noises[name] for name in params])
                 if collective is not None:
                     clipped_count = collective.sum_in_place([*update, clipped_count])[-1]
                 torch._foreach_div_(update, expected_batch)
