@@ -23,6 +23,10 @@ TIMM_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "timm-deit3": ("deit3_small_patch16_224", {"img_size": 32, "patch_size": 4, "depth": 3}),
     "timm-deit-distilled": ("deit_tiny_distilled_patch16_224", {"img_size": 32, "patch_size": 4, "depth": 3}),
+    # ...and as registered, only the image size changed: 12 blocks over 2×2 patches of 16 and the class token (5
+    # tokens), a step of many small products whose host cost is the DP step's main cost
+    "timm-vit-tiny-p16": ("vit_tiny_patch16_224", {"img_size": 32}),
+    "timm-deit-tiny-p16": ("deit_tiny_patch16_224", {"img_size": 32}),
     "timm-cait": ("cait_xxs24_224", {"img_size": 32, "patch_size": 4, "depth": 3}),
     "timm-eva02": ("eva02_tiny_patch14_224", {"img_size": 32, "patch_size": 4, "depth": 3}),
     "timm-flexivit": ("flexivit_small", {"img_size": 32, "patch_size": 4, "depth": 3}),
