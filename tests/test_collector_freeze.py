@@ -13,12 +13,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from test_noisycgd import _settings as noisycgd_settings
 from torch import nn
 
 from dpml.devices import older_objects_left_out_of_collections
 from dpml.models.gated import GatedLinear, GatedSpec
 from dpml.train.dpsgd import LOSSES, per_example_cross_entropy, train_dpsgd
-from dpml.train.noisycgd import NoisyCgdSettings, train_noisycgd
+from dpml.train.noisycgd import train_noisycgd
 
 
 @pytest.fixture(autouse=True)
@@ -179,17 +180,7 @@ def test_nested_blocks_thaw_once_at_the_outermost_end() -> None:
 
 def test_noisycgd_steps_run_frozen_too() -> None:
     frozen: list[int] = []
-    settings = NoisyCgdSettings(
-        noise_multiplier=1.0,
-        clip_norm=1.0,
-        batch_size=10,
-        epochs=2,
-        learning_rate=0.05,
-        l2=0.0,
-        n_gates=2,
-        input_norm=1.0,
-        loss="cross_entropy",
-    )
+    settings = noisycgd_settings(batch_size=10, epochs=2, n_gates=2)
     model = GatedLinear(GatedSpec(in_features=6, n_gates=2, n_classes=3, gate_seed=0))
     x = torch.randn(30, 6)
     x = x / x.norm(dim=1, keepdim=True)
