@@ -1,6 +1,6 @@
 """One of the engine's choices on and off, on the same engine: the DP step both ways and the non-private step,
 interleaved in one process, the two DP steps in turn first (the median of each over the rounds), for the model
-families it concerns. A switch is a function of ``dpml.train.rules.combine`` and what stands for it when the choice
+families it concerns. A switch is an attribute of one of the engine's modules and what stands for it when the choice
 is off:
 
 - ``keep-credit``: since bbc6271 a ruled use (GPT-2's ``Conv1D``, ``nn.TransformerEncoder``'s attention projections)
@@ -8,7 +8,10 @@ is off:
   (``letting_go``), which the engine then lets go; off, in full (``letting_go`` returning 0), as before;
 - ``silent-positions``: since 948747f a ruled product's norms and clipped sum run on a CPU over the positions where
   neither factor is zero for every example only (``without_silent_positions``: GPT-2's last block, read at one
-  token); off, over every position (the factors returned as they are), as before.
+  token); off, over every position (the factors returned as they are), as before;
+- ``trusted-layers``: since this switch the hooked layers whose shortcut a model's last pass took have their own calls
+  recorded without rules (``dpml.train.clipping._TRUSTED_LAYERS``, :mod:`dpml.train.rules.recorder`); off, every
+  call handed to its rule (a table that remembers no layer), as before.
 
     python benchmarks/engine_switches.py --switch keep-credit [--families gpt2 encoder] [--rounds 30] [--out DIR]
 """
@@ -19,7 +22,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,28 +33,44 @@ import families  # noqa: E402  (benchmarks/ is the script's folder; it puts the 
 from bench_common import cpu_name, current_commit  # noqa: E402
 
 from dpml.devices import keep_freed_cpu_memory  # noqa: E402
+from dpml.train import clipping  # noqa: E402
 from dpml.train.rules import combine  # noqa: E402
 
-SWITCHES: dict[str, tuple[str, Callable[..., Any], str, str]] = {  # name, its stand-in when off, on, off
-    "keep-credit": ("letting_go", lambda form: 0, "charged net", "charged in full"),
-    "silent-positions": ("without_silent_positions", lambda u, v: (u, v), "silent positions left out", "all positions"),
+
+class _Forgetful(dict):  # type: ignore[type-arg]
+    """A table that remembers nothing (``trusted-layers`` off: no layer is ever trusted)."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
+SWITCHES: dict[str, tuple[Any, str, Any, str, str]] = {  # module, attribute, its stand-in when off, on, off
+    "keep-credit": (combine, "letting_go", lambda form: 0, "charged net", "charged in full"),
+    "silent-positions": (
+        combine,
+        "without_silent_positions",
+        lambda u, v: (u, v),
+        "silent positions left out",
+        "all positions",
+    ),
+    "trusted-layers": (clipping, "_TRUSTED_LAYERS", _Forgetful(), "trusted layers' calls unruled", "every call ruled"),
 }
 
 
 def measure(family: str, switch: str, args: argparse.Namespace) -> dict[str, float]:
     """Median ms of the non-private step and of the DP step with the switch on and off, interleaved over the rounds."""
-    name, stand_in, _, _ = SWITCHES[switch]
+    module, name, stand_in, _, _ = SWITCHES[switch]
     shape = argparse.Namespace(size=args.size, length=args.length, dpml_chunk="whole", device="cpu")
     x, y = families.example_batch(family, args.batch, args.length, "cpu")
     nonprivate = families.step_function(family, "nonprivate", shape, x, y)
     private = families.step_function(family, "dpml", shape, x, y)
-    chosen = {"on": getattr(combine, name), "off": stand_in}
+    chosen = {"on": getattr(module, name), "off": stand_in}
     times: dict[str, list[float]] = {"nonprivate": [], "on": [], "off": []}
     try:
         for round_ in range(args.rounds + 2):  # (two rounds of warm-up)
             order = ["nonprivate", "on", "off"] if round_ % 2 else ["nonprivate", "off", "on"]  # (no side first)
             for which in order:
-                setattr(combine, name, chosen.get(which, chosen["on"]))
+                setattr(module, name, chosen.get(which, chosen["on"]))
                 step = nonprivate if which == "nonprivate" else private
                 if getattr(step, "settle", None):  # (the next step's noise drawn, as families.py waits for it)
                     step.settle()  # type: ignore[attr-defined]
@@ -61,7 +79,7 @@ def measure(family: str, switch: str, args: argparse.Namespace) -> dict[str, flo
                 if round_ >= 2:
                     times[which].append(time.perf_counter() - start)
     finally:
-        setattr(combine, name, chosen["on"])
+        setattr(module, name, chosen["on"])
         private.close()  # type: ignore[attr-defined]
     return {which: 1e3 * statistics.median(values) for which, values in times.items()}
 
@@ -79,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_cpu_memory()  # (as the trainer does)
-    _, _, on, off = SWITCHES[args.switch]
+    _, _, _, on, off = SWITCHES[args.switch]
     rows = []
     for family in args.families:
         found = measure(family, args.switch, args)

@@ -128,13 +128,15 @@ def _record_forward(
     ruled: list[nn.Parameter],
     copies: frozenset[tuple[str, int]] | None,
     constant_reads: Mapping[int, int] | None = None,
+    trusted: Collection[nn.Module] = (),
 ) -> _Recording:
     """Per-example losses, with forward hooks on ``layers`` and the operations on the parameters ``ruled``
     recorded (:class:`dpml.train.rules.Recorder`), each output kept with its gradient edge
     (:mod:`dpml.train.rules.outputs`). A view's edge does not survive an in-place rewrite, so the hooks and the
     rules pass a copy of the outputs named in ``copies`` on (``("layer", k)``: the k-th hooked call's output;
     ``("rule", j)``: the j-th ruled call's; None: every output), and the recording says which recorded views
-    were modified in place all the same."""
+    were modified in place all the same. The ``trusted`` layers' calls on their own parameters run without their
+    rules (:mod:`dpml.train.rules.recorder`)."""
     calls: dict[nn.Module, list[Call]] = {}
     kept = RecordedOutputs()  # the hooked calls' outputs
     owners = {id(p): m for m in layers for p in layer_parameters(m)}
@@ -146,6 +148,7 @@ def _record_forward(
         x.device,
         x,
         constant_reads,
+        trusted,
     )
 
     def enter(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -172,13 +175,29 @@ def _record_forward(
             handle.remove()
     hooked = {id(output) for output, _ in kept.versions}  # a ruled output that is a layer's: the layer's copy suffices
     overwritten = {("layer", k) for k in kept.rewritten_views()}
-    overwritten |= {("rule", j) for j, t in recorder.kept.rewritten_views().items() if id(t) not in hooked}
+    overwritten |= {recorder.place_key(j) for j, t in recorder.kept.rewritten_views().items() if id(t) not in hooked}
     return _Recording(losses, calls, recorder, frozenset(overwritten), kept)
 
 
 # The recorded views a model's forward pass modified in place (:meth:`RecordedOutputs.rewritten_views`), by place:
 # its later passes copy those from the start instead of running the forward pass again with a copy of every output.
 _OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, int]]] = weakref.WeakKeyDictionary()
+# The hooked layers whose shortcut a model's last pass took: its next pass records their own calls without rules.
+_TRUSTED_LAYERS: weakref.WeakKeyDictionary[nn.Module, frozenset[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def _usable_layers(recording: _Recording, candidates: list[nn.Module], batch: int) -> list[nn.Module]:
+    """The hooked layers that take their shortcut: called, on batch-first inputs computed from the batch, their
+    parameters used in no other call."""
+    recorder = recording.recorder
+    return [
+        m
+        for m in candidates
+        if m in recording.calls
+        and usable(m, recording.calls[m], batch)
+        and not any(id(p) in recorder.outside for p in layer_parameters(m))
+        and m not in recorder.unbatched
+    ]
 
 
 def _finished_uses(
@@ -279,24 +298,23 @@ def engine_pass(
     state = rng_state_to_replay(x.device)  # (None inside a CUDA graph's capture)
     first = model not in _OVERWRITTEN_OUTPUTS  # (NumPy's and Python's generators are slow to read: first passes only)
     host = host_generators_state() if first else None
+    trusted = _TRUSTED_LAYERS.get(model, frozenset())
     with _precision(x.device, autocast):
         copies = _OVERWRITTEN_OUTPUTS.get(model, frozenset())  # learnt from earlier passes: one forward pass
-        recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies, constant_reads)
+        recording = _record_forward(model, loss_fn, x, y, candidates, watched, copies, constant_reads, trusted)
         if first or recording.overwritten:  # (a model's first pass marks it seen, even with nothing overwritten)
             _OVERWRITTEN_OUTPUTS[model] = copies | recording.overwritten
         if recording.overwritten:  # (a first pass, or one that goes another way than the earlier ones)
             _replay_draws(state, host, x.device)  # the same dropout masks in the forward pass that counts
+            recording = _record_forward(model, loss_fn, x, y, candidates, watched, None, constant_reads, trusted)
+        used = _usable_layers(recording, candidates, batch)
+        if recording.recorder.unrecorded.difference(used):  # a trusted layer's shortcut did not apply: its rules
+            _replay_draws(state, host, x.device)
             recording = _record_forward(model, loss_fn, x, y, candidates, watched, None, constant_reads)
+            used = _usable_layers(recording, candidates, batch)
+    _TRUSTED_LAYERS[model] = frozenset(used)
     recorder = recording.recorder
     constants_read = {names[key]: dim for key, dim in recorder.constants_read.items() if key in names}
-    used = [
-        m
-        for m in candidates
-        if m in recording.calls
-        and usable(m, recording.calls[m], batch)
-        and not any(id(p) in recorder.outside for p in layer_parameters(m))
-        and m not in recorder.unbatched
-    ]
     covered = {id(p) for m in used for p in layer_parameters(m)}
     seen = {id(p) for pending in recorder.pending for p in pending.params}
     seen |= {id(p) for node in recorder.computations.nodes for p in node.params}

@@ -22,6 +22,16 @@ Besides the rules' pending calls it keeps track of
   not laid out example by example along one axis``);
 - whether a parameter of a hooked layer (:mod:`dpml.train.clipping`) is used outside that layer's call.
 
+A hooked layer the pass is told to *trust* (its shortcut taken on the model's last pass) has the calls on its own
+parameters inside its own call run without their rules: the shortcut covers those parameters, and a rule's pending
+use of them would be dropped after the pass (a convolution's or a norm's call costs the recording tens of µs in
+Python, the bulk of it for a small network of many such layers). Their outputs' rows are followed as any call's,
+and every use of the parameters elsewhere is still seen. Should a trusted layer's shortcut not apply after all
+(:attr:`Recorder.unrecorded`: the engine checks), the pass is recorded again trusting none
+(:func:`dpml.train.clipping.engine_pass`). The calls a rule is handed are numbered in the order they come, the
+untrusted and trusted ones alike, so that the outputs passed on as copies (``copy``) are the same calls whichever
+layers are trusted.
+
 An in-place operation with a rule (``h += pos``) is applied out of place to a copy of h, the result copied into h: no
 later in-place operation overwrites the recorded result. Composite functions of ``torch.nn.functional`` with no rule
 (``F.multi_head_attention_forward``) run with the recording active, so the operations inside meet their rules; so
@@ -87,13 +97,18 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         device: torch.device,
         inputs: torch.Tensor,
         constant_reads: Mapping[int, int] | None = None,
+        trusted: Collection[nn.Module] = (),
     ) -> None:
         TorchFunctionMode.__init__(self)
         ExampleMaps.__init__(self, batch, inputs)
         self.constant_reads = constant_reads  # id(parameter) -> the constant's dimension read as the batch's; None: any
         self.constants_read: dict[int, int] = {}  # what this pass read (id(parameter) -> dimension)
         self.owners = owners
-        self.copy = copy  # the ruled outputs (by their place in ``kept``) passed on as copies; None: all
+        self.copy = copy  # the ruled calls (by their number, :attr:`calls_ruled`) whose output is passed on as a copy
+        self.trusted = set(trusted)  # hooked layers whose calls on their own parameters run without rules
+        self.unrecorded: set[nn.Module] = set()  # the trusted layers whose calls ran without rules in this pass
+        self.calls_ruled = 0  # the calls handed to a rule (or left unrecorded in a trusted layer) so far
+        self._call_of_place: dict[int, int] = {}  # a ruled call's kept output's place in ``kept`` -> the call's number
         self.pending: list[Pending] = []
         self.computations = DerivedNodes(batch)  # computations on parameters alone
         self.refused: dict[int, str] = {}  # id(parameter) -> the first reason it cannot be covered
@@ -102,6 +117,13 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self.unbatched: set[nn.Module] = set()  # hooked layers called on an input not computed from the batch
         self.kept = RecordedOutputs()  # the pending calls' outputs (:mod:`dpml.train.rules.outputs`)
         self._tracked: dict[int, tuple[torch.Tensor, Tracked]] = {id(p): (p, Tracked(p)) for p in params}
+
+    def place_key(self, place: int) -> tuple[str, int]:
+        """What the kept output at ``place`` is passed on as a copy by: ``("rule", n)``, the n-th ruled call's (the
+        same call on every pass whichever layers are trusted); ``("use", place)`` for a use kept otherwise (an in-place
+        call's, a broadcast copy's), which no copy replaces."""
+        number = self._call_of_place.get(place)
+        return ("rule", number) if number is not None else ("use", place)
 
     def let_go(self) -> None:
         """After the forward pass: drop the pending calls, the outputs and the example maps (:mod:`..released`)."""
@@ -298,7 +320,30 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         if handler is None and (composite := composite_of(func, args, kwargs)) is not None:
             with self:
                 return composite(*args, **kwargs)
+        if self._in_trusted_layer(hits):
+            return self._unrecorded_call(func, args, kwargs)
         return self._ruled(func, handler or per_example_calls, args, kwargs, hits)
+
+    def _in_trusted_layer(self, hits: list[Tracked]) -> bool:
+        """Every parameter the call reads is a trusted hooked layer's own (not a computation's output, nor a shared
+        lookup's), read inside that layer's call (module docstring)."""
+        if not self.trusted:
+            return False
+        owners = [self.owners.get(id(hit.param)) for hit in hits]
+        if any(hit.shared for hit in hits) or any(owner not in self.trusted for owner in owners):
+            return False
+        if not all(any(m is owner for m in self.stack) for owner in owners):
+            return False
+        self.unrecorded.update(owners)  # type: ignore[arg-type]
+        return True
+
+    def _unrecorded_call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call inside a trusted layer: run, its rows followed, numbered as a ruled call, no rule asked."""
+        self.calls_ruled += 1
+        out = func(*args, **kwargs)
+        if any(o.requires_grad for o in outputs(out)):
+            self._follow_rows(args, kwargs, out, func)
+        return out
 
     def _view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         out = func(*args, **kwargs)
@@ -322,6 +367,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
     def _ruled(
         self, func: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]
     ) -> Any:
+        number, self.calls_ruled = self.calls_ruled, self.calls_ruled + 1
         out = func(*args, **kwargs)
         if not any(o.requires_grad for o in outputs(out)):
             return out
@@ -330,12 +376,10 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             self._derived.add(*outputs(out))
         if handler is not per_example_calls and any(t.is_complex() for t in (*tensors(args, kwargs), *outputs(out))):
             handler = _COMPLEX  # (the rules' products do not conjugate complex operands; autograd does)
+        first = len(self.kept.versions)
         result = self._apply(func, handler, args, kwargs, out, hits)
-        if (
-            result is not None
-            and isinstance(out, torch.Tensor)
-            and (self.copy is None or len(self.kept.versions) - 1 in self.copy)
-        ):
+        self._call_of_place.update(dict.fromkeys(range(first, len(self.kept.versions)), number))
+        if result is not None and isinstance(out, torch.Tensor) and (self.copy is None or number in self.copy):
             copied = out.clone()
             self._follow_rows((out,), {}, copied)
             return copied
