@@ -14,6 +14,7 @@ is off:
   call handed to its rule (a table that remembers no layer), as before.
 
     python benchmarks/engine_switches.py --switch keep-credit [--families gpt2 encoder] [--rounds 30] [--out DIR]
+                                         [--batch 64] [--threads 2] [--stem NAME (the page's name: the switch's)]
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(families.ROOT / "benchmarks" / "results" / "engine_switches_cpu"))
+    parser.add_argument("--stem", default=None, help="the page's file name without .md (default: the switch's name)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_cpu_memory()  # (as the trainer does)
@@ -110,7 +112,8 @@ def main() -> None:
             f"# The engine's `{args.switch}` on and off",
             "",
             f"Command: `python benchmarks/engine_switches.py --switch {args.switch} --families "
-            f"{' '.join(args.families)} --size {args.size} --rounds {args.rounds}`. Commit {current_commit()}, {when}. "
+            f"{' '.join(args.families)} --size {args.size} --batch {args.batch} --threads {args.threads} --rounds "
+            f"{args.rounds}`. Commit {current_commit()}, {when}. "
             f"Machine: {cpu_name()}, {args.threads} torch threads; torch {torch.__version__}. Batch {args.batch}, "
             f"{args.length} tokens; the three steps interleaved in one process, {args.rounds} rounds (the DP steps in "
             "turn first), medians. "
@@ -124,7 +127,7 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.switch}.md").write_text(text)
+    (out / f"{args.stem or args.switch}.md").write_text(text)
 
 
 if __name__ == "__main__":
