@@ -179,8 +179,9 @@ def _record_forward(
     return _Recording(losses, calls, recorder, frozenset(overwritten), kept)
 
 
-# The recorded views a model's forward pass modified in place (:meth:`RecordedOutputs.rewritten_views`), by place:
-# its later passes copy those from the start instead of running the forward pass again with a copy of every output.
+# The recorded views a model's forward pass modified in place (:meth:`RecordedOutputs.rewritten_views`), a hooked
+# call's by its place, a ruled call's by its number (:meth:`Recorder.place_key`): its later passes copy those from the
+# start instead of running the forward pass again with a copy of every output.
 _OVERWRITTEN_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, int]]] = weakref.WeakKeyDictionary()
 # The hooked layers whose shortcut a model's last pass took: its next pass records their own calls without rules.
 _TRUSTED_LAYERS: weakref.WeakKeyDictionary[nn.Module, frozenset[nn.Module]] = weakref.WeakKeyDictionary()
