@@ -9,7 +9,7 @@ is off:
 - ``silent-positions``: since 948747f a ruled product's norms and clipped sum run on a CPU over the positions where
   neither factor is zero for every example only (``without_silent_positions``: GPT-2's last block, read at one
   token); off, over every position (the factors returned as they are), as before;
-- ``trusted-layers``: since this switch the hooked layers whose shortcut a model's last pass took have their own calls
+- ``trusted-layers``: since 12bda05 the hooked layers whose shortcut a model's last pass took have their own calls
   recorded without rules (``dpml.train.clipping._TRUSTED_LAYERS``, :mod:`dpml.train.rules.recorder`); off, every
   call handed to its rule (a table that remembers no layer), as before.
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_clipping_layers import labels, randomise_affine
+from test_clipping_layers import assert_matches_naive_loop, labels, randomise_affine
 from test_dpsgd import naive_clipped_sum_and_norms
 from torch import nn
 
@@ -59,12 +59,17 @@ def _forward_passes(model: nn.Module) -> list[int]:
     return passes
 
 
-def _assert_exact(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> None:
-    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, clip)
-    reference, reference_norms = naive_clipped_sum_and_norms(model, x, y, clip)
+def _passes_and_match(model: nn.Module, passes: list[int], x: torch.Tensor, y: torch.Tensor, step: int) -> int:
+    """One pass of the engine: the forward passes it ran, its sums and norms checked against the per-example loop."""
+    passes.clear()
+    sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.05)
+    count = len(passes)
+    passes.clear()
+    reference, reference_norms = naive_clipped_sum_and_norms(model, x, y, 0.05)
     for name in reference:
-        torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=(step, name))
     torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
+    return count
 
 
 def test_layers_whose_shortcut_the_last_pass_took_are_recorded_without_their_rules(rules_asked: Counter[str]) -> None:
@@ -78,7 +83,7 @@ def test_layers_whose_shortcut_the_last_pass_took_are_recorded_without_their_rul
     assert set(clipping._TRUSTED_LAYERS[model]) == {model.conv, model.norm, model.fc, model.head}
     for _ in range(2):
         rules_asked.clear()
-        _assert_exact(model, x, y, 0.05)
+        assert_matches_naive_loop(model, x, y, 0.05, most_clipped=False)
         assert not rules_asked  # every parameter is a trusted layer's, read inside its call
 
 
@@ -91,15 +96,8 @@ def test_a_trusted_layer_whose_weight_is_read_outside_its_call_gets_the_pass_rec
     expected = [(False, 1), (True, 2), (True, 1), (False, 1), (False, 1)]  # (outside, forward passes)
     for step, (outside, count) in enumerate(expected):
         model.outside = outside
-        passes.clear()
-        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.05)
-        assert len(passes) == count, step
+        assert _passes_and_match(model, passes, x, y, step) == count, step
         assert (model.fc in clipping._TRUSTED_LAYERS[model]) is not outside, step
-        passes.clear()
-        reference, reference_norms = naive_clipped_sum_and_norms(model, x, y, 0.05)
-        for name in reference:
-            torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=(step, name))
-        torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
 
 
 class LayerThenOverwrittenView(nn.Module):
@@ -127,13 +125,6 @@ def test_the_outputs_passed_on_as_copies_are_the_same_calls_whichever_layers_are
     x = torch.randn(10, 4, 4, generator=torch.Generator().manual_seed(33), dtype=torch.float64)
     y = labels(10)
     for step, count in enumerate([2, 1, 1]):
-        passes.clear()
-        sums, norms = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.05)
-        assert len(passes) == count, step
-        passes.clear()
-        reference, reference_norms = naive_clipped_sum_and_norms(model, x, y, 0.05)
-        for name in reference:
-            torch.testing.assert_close(sums[name], reference[name], rtol=1e-10, atol=1e-12, msg=(step, name))
-        torch.testing.assert_close(norms, reference_norms, rtol=1e-10, atol=1e-12)
+        assert _passes_and_match(model, passes, x, y, step) == count, step
     assert model.first in clipping._TRUSTED_LAYERS[model]
     assert clipping._OVERWRITTEN_OUTPUTS[model] == {("rule", 1)}  # the product: the second call handed to a rule

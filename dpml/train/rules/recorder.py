@@ -105,7 +105,7 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self.constants_read: dict[int, int] = {}  # what this pass read (id(parameter) -> dimension)
         self.owners = owners
         self.copy = copy  # the ruled calls (by their number, :attr:`calls_ruled`) whose output is passed on as a copy
-        self.trusted = set(trusted)  # hooked layers whose calls on their own parameters run without rules
+        self.trusted = trusted  # hooked layers whose calls on their own parameters run without rules
         self.unrecorded: set[nn.Module] = set()  # the trusted layers whose calls ran without rules in this pass
         self.calls_ruled = 0  # the calls handed to a rule (or left unrecorded in a trusted layer) so far
         self._call_of_place: dict[int, int] = {}  # a ruled call's kept output's place in ``kept`` -> the call's number
@@ -320,8 +320,6 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         if handler is None and (composite := composite_of(func, args, kwargs)) is not None:
             with self:
                 return composite(*args, **kwargs)
-        if self._in_trusted_layer(hits):
-            return self._unrecorded_call(func, args, kwargs)
         return self._ruled(func, handler or per_example_calls, args, kwargs, hits)
 
     def _in_trusted_layer(self, hits: list[Tracked]) -> bool:
@@ -336,14 +334,6 @@ class Recorder(ExampleMaps, TorchFunctionMode):
             return False
         self.unrecorded.update(owners)  # type: ignore[arg-type]
         return True
-
-    def _unrecorded_call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call inside a trusted layer: run, its rows followed, numbered as a ruled call, no rule asked."""
-        self.calls_ruled += 1
-        out = func(*args, **kwargs)
-        if any(o.requires_grad for o in outputs(out)):
-            self._follow_rows(args, kwargs, out, func)
-        return out
 
     def _view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], hits: list[Tracked]) -> Any:
         out = func(*args, **kwargs)
@@ -374,6 +364,8 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         self._follow_rows(args, kwargs, out, func)
         if any(self.derived(t) for t in tensors(args, kwargs)):  # (known to its rule: the rows of a lookup's output)
             self._derived.add(*outputs(out))
+        if self._in_trusted_layer(hits):  # (the layer's shortcut covers the call: no rule asked)
+            return out
         if handler is not per_example_calls and any(t.is_complex() for t in (*tensors(args, kwargs), *outputs(out))):
             handler = _COMPLEX  # (the rules' products do not conjugate complex operands; autograd does)
         first = len(self.kept.versions)
