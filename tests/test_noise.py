@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -79,6 +80,43 @@ def test_the_compiled_draw_is_the_numpy_draw(tmp_path: Path, monkeypatch: pytest
     again = kernels.compile_kernel(tmp_path)
     assert again is not None and again != library and len(list(tmp_path.glob("_boxmuller-*.so"))) == 2
     assert not list(tmp_path.glob(".*.part"))  # no half-written library left behind
+
+
+def numpy_stream_states(key: list[int]) -> np.ndarray:
+    """The (a, b, c, counter) of NumPy's ``SFC64(child)`` for each child of ``SeedSequence(key).spawn(4)``."""
+    children = np.random.SeedSequence(key).spawn(noise.STREAMS)
+    return np.array([np.random.SFC64(child).state["state"]["state"] for child in children], dtype=np.uint64)
+
+
+def test_the_compiled_seeding_is_numpys(tmp_path: Path) -> None:
+    """``dpml_sfc64_stream_states`` (``_boxmuller.c``, compiled here into an empty cache) gives the draw's four SFC64
+    states from its key bit for bit as NumPy's ``SeedSequence(key).spawn(4)`` and ``SFC64(child)`` do: keys whose
+    integers take one 32-bit word (0, small) or two, and keys the torch generator draws; and the draw that seeds
+    in compiled code draws the same numbers as one that seeds through NumPy's objects."""
+    if kernels.c_compiler() is None:
+        pytest.skip("no C compiler here: the streams are seeded by NumPy's objects")
+    library = kernels.compile_kernel(tmp_path)
+    assert library is not None
+    seeding = kernels.load_stream_states(library)
+    assert seeding is not None
+    edges = [0, 1, 2**31, 2**32 - 1, 2**32, 2**33 + 5, 2**62 - 1]
+    keys = [[edges[(i + j) % len(edges)] for j in range(4)] for i in range(len(edges))] + [[0, 0, 0, 0]]
+    generator = torch.Generator().manual_seed(11)
+    keys += [noise._draw_key(generator).tolist() for _ in range(300)]
+    states = np.empty((noise.STREAMS, 4), dtype=np.uint64)
+    for key in keys:
+        held = torch.tensor(key, dtype=torch.int64)  # (held while the kernel reads it)
+        seeding(held.data_ptr(), states.ctypes.data)
+        assert np.array_equal(states, numpy_stream_states(key)), key
+    if kernels.compiled_draw() is None:
+        return
+    seeded_in_c = BoxMullerBuffers(40_001, torch.float32)
+    through_numpy = BoxMullerBuffers(40_001, torch.float32)
+    through_numpy.seeding = None
+    assert seeded_in_c.seeding is not None
+    for seed in range(3):
+        fast = seeded_in_c.draw(1.3, torch.Generator().manual_seed(seed)).clone()
+        assert torch.equal(fast, through_numpy.draw(1.3, torch.Generator().manual_seed(seed)))
 
 
 THREADS_CHECK = """

@@ -12,6 +12,9 @@
  *   The streams run on `threads` OpenMP threads, those of each thread in lockstep: their outputs do
  *   not depend on each other, so the processor overlaps them (one stream alone is one long chain of
  *   dependent additions).
+ *
+ *   dpml_sfc64_stream_states(key, states): the states of the draw's streams from its key, as NumPy seeds them
+ *   (below).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -96,6 +99,65 @@ static inline __attribute__((always_inline)) void draw_streams(const uint64_t *s
 #pragma omp simd
             for (size_t j = 0; j < n; j++) cosine[j] = cosine[j] * cosf(angle[j]);
         }
+    }
+}
+
+/* The draw's STREAMS SFC64 states from its key (four integers in [0, 2^62), int64): those of NumPy's
+ * SFC64(child) for child in SeedSequence(key).spawn(STREAMS), written as the kernel reads them (a, b, c, counter
+ * per stream), bit for bit (numpy/random/bit_generator.pyx and _sfc64.pyx):
+ *   the entropy: each key integer as 32-bit words, least significant first (0 is one word 0), then the child's
+ *   spawn key k (one word); hashmix(v) = ((v ^ h) * (h *= MULT_A)) ^ >> 16 with h starting at INIT_A; the pool of
+ *   4 words: hashmix of the first 4 words, each word then mixed with hashmix of every other, then with hashmix of
+ *   each further entropy word (mix(x, y) = (L x - R y) ^ >> 16); generate_state(3, uint64): 6 words, pool word
+ *   i mod 4 hashed with a second constant (INIT_B, MULT_B), paired low word first; SFC64 seeded (a, b, c, 1)
+ *   with them and stepped 12 times. Every key integer gives at least one word, so the run entropy fills the
+ *   pool and needs none of NumPy's padding. Done here rather than through NumPy's objects, which cost more per
+ *   step than the draw's arithmetic in a small model's step (the noise module's docstring). */
+#define POOL 4
+static uint32_t hashmix(uint32_t value, uint32_t *hash) {
+    value ^= *hash;
+    *hash *= 0x931e8875u;
+    value *= *hash;
+    return value ^ (value >> 16);
+}
+
+static uint32_t mix(uint32_t x, uint32_t y) {
+    const uint32_t result = 0xca01f9ddu * x - 0x4973f715u * y;
+    return result ^ (result >> 16);
+}
+
+void dpml_sfc64_stream_states(const int64_t *key, uint64_t *states) {
+    uint32_t entropy[4 * 2 + 1];
+    size_t words = 0;
+    for (int i = 0; i < 4; i++) {
+        uint64_t value = (uint64_t)key[i];
+        do {
+            entropy[words++] = (uint32_t)value;
+            value >>= 32;
+        } while (value != 0);
+    }
+    for (int k = 0; k < STREAMS; k++) {
+        uint32_t pool[POOL], hash = 0x43b0d7e5u, seed[6];
+        entropy[words] = (uint32_t)k; /* the child's spawn key */
+        for (int i = 0; i < POOL; i++) pool[i] = hashmix(entropy[i], &hash);
+        for (int source = 0; source < POOL; source++) {
+            for (int target = 0; target < POOL; target++) {
+                if (source != target) pool[target] = mix(pool[target], hashmix(pool[source], &hash));
+            }
+        }
+        for (size_t source = POOL; source < words + 1; source++) {
+            for (int target = 0; target < POOL; target++) pool[target] = mix(pool[target], hashmix(entropy[source], &hash));
+        }
+        uint32_t generate = 0x8b51f9ddu;
+        for (int i = 0; i < 6; i++) {
+            uint32_t value = pool[i % POOL] ^ generate;
+            generate *= 0x58f38dedu;
+            value *= generate;
+            seed[i] = value ^ (value >> 16);
+        }
+        sfc64 s = {seed[0] | (uint64_t)seed[1] << 32, seed[2] | (uint64_t)seed[3] << 32, seed[4] | (uint64_t)seed[5] << 32, 1};
+        for (int i = 0; i < 12; i++) (void)sfc64_next(&s);
+        states[4 * k] = s.a, states[4 * k + 1] = s.b, states[4 * k + 2] = s.c, states[4 * k + 3] = s.counter;
     }
 }
 

@@ -236,6 +236,8 @@ def _rule_pieces(
     them, :class:`dpml.train.rules.registry.Derived`, whose uses are pulled back to theirs first); a parameter
     whose uses cannot be combined, with why. Each parameter's uses are dropped once its piece is formed: what a piece
     does not read is let go (:func:`.rules.combine.letting_go`)."""
+    if not relevant:  # (nothing ruled: every parameter a hooked layer's, or exact)
+        return [], {}
     uses, operations, params = _finished_uses(called, finished, ruled, relevant, dtype)
     nodes = recording.recorder.computations.nodes
     standardised = standardised_pieces(nodes, uses, ruled, params)  # {id(W): (steps, piece)}: W standardised first
@@ -383,8 +385,10 @@ UNUSED = "not reached by this batch's loss"
 
 def _precision(device: torch.device, autocast: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
     """The forward pass's precision: ``torch.autocast`` to ``autocast``, or switched off (an outer autocast of the
-    caller's does not reach the engine); nothing to switch off on a device autocast does not know (``meta``)."""
-    if autocast is None and not torch.amp.is_autocast_available(device.type):
+    caller's does not reach the engine); nothing to switch off where no autocast is on (or known: ``meta``)."""
+    if autocast is None and not (
+        torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    ):  # (nothing to switch on or off)
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None)
 

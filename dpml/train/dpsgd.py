@@ -143,10 +143,8 @@ def clipped_chunks_and_noise(
     parameters (:func:`dpml.train.clipping_check.plan_clipping`); ``autocast``: the forward pass's
     lower precision (:func:`dpml.train.clipping.engine_pass`; norms, sums and noise stay float32); ``most_rows``: the
     physical batch size, where known (no chunk is larger)."""
-    params = trainable_parameters(model)
-    device = next(iter(params.values())).device
     sums: dict[str, torch.Tensor] | None = None
-    clipped = torch.zeros((), device=device)
+    clipped: torch.Tensor | None = None  # (in torch's default dtype)
     for index, (x, y) in enumerate(chunks):
         chunk_sums, norms = clipped_chunk_sum(  # (on a GPU, replayed from a CUDA graph where that is exact and faster)
             model, loss_fn, x, y, clip_norm, diracs if index == 0 else None, exact, autocast, most_rows
@@ -156,9 +154,12 @@ def clipped_chunks_and_noise(
         else:
             for name, value in chunk_sums.items():
                 sums[name] += value
-        clipped = clipped + (~(norms <= clip_norm)).sum()  # (a record left out, its norm nan or inf, counts)
-    if sums is None:  # an empty batch: no chunk at all
+        count = (~(norms <= clip_norm)).sum()  # (a record left out, its norm nan or inf, counts)
+        clipped = count.to(torch.get_default_dtype()) if clipped is None else clipped + count
+    params = trainable_parameters(model) if sums is None or clipped is None or generator is None else {}
+    if sums is None or clipped is None:  # an empty batch: no chunk at all
         sums = {name: torch.zeros_like(p) for name, p in params.items()}
+        clipped = torch.zeros((), device=next(iter(params.values())).device)
     if generator is None:
         return sums, {name: torch.zeros_like(p) for name, p in params.items()}, clipped
     if isinstance(generator, NoiseStream):

@@ -1,5 +1,6 @@
 """dpml's compiled CPU kernels, compiled on first use with the system's C compiler into a per-user cache, one
-library per source text, and loaded with ctypes: the DP noise draw (``_boxmuller.c``, :func:`compiled_draw`), a
+library per source text, and loaded with ctypes: the DP noise draw (``_boxmuller.c``, :func:`compiled_draw`, and its
+streams' seeding, :func:`compiled_stream_states`), a
 convolution's per-example gradient norms (``_conv_norms.c``, :func:`compiled_conv_norms`) and an LSTM's and a
 GRU's scan steps (``_scan_steps.c``, :func:`compiled_scan_steps`).
 
@@ -119,11 +120,34 @@ def load_kernel(library: Path) -> CompiledDraw | None:
     )
 
 
+StreamStates = Callable[[int, int], None]
+"""``dpml_sfc64_stream_states(key, states)``: addresses of a draw's key (4 int64 in [0, 2⁶²)) and of the (STREAMS, 4)
+uint64 SFC64 states it gives, NumPy's ``SFC64(child)`` for each ``child`` of ``SeedSequence(key).spawn(STREAMS)``;
+see ``_boxmuller.c``."""
+
+
+def load_stream_states(library: Path) -> StreamStates | None:
+    """``dpml_sfc64_stream_states`` from a compiled library, or None if it does not load here."""
+    return cast("StreamStates | None", _load(library, "dpml_sfc64_stream_states", [ctypes.c_void_p] * 2, None))
+
+
+@functools.cache
+def _draw_library() -> Path | None:
+    return compile_kernel(cache_directory())
+
+
 @functools.cache
 def compiled_draw() -> CompiledDraw | None:
     """The compiled draw of this source (compiled into :func:`cache_directory` on first use), or None."""
-    library = compile_kernel(cache_directory())
+    library = _draw_library()
     return None if library is None else load_kernel(library)
+
+
+@functools.cache
+def compiled_stream_states() -> StreamStates | None:
+    """The compiled seeding of the draw's streams (the library of :func:`compiled_draw`), or None."""
+    library = _draw_library()
+    return None if library is None else load_stream_states(library)
 
 
 ConvNorms = Callable[[int, int, int, int, int, int], int]
