@@ -295,6 +295,48 @@ def test_cpu_noise_streams_are_the_synchronous_draw_sequence(stream_class: str) 
     assert not torch.equal(draws[0]["0.weight"], draws[2]["0.weight"])
 
 
+@pytest.mark.parametrize("source", ["generator", "PrefetchedNoise", "SynchronousNoise", "none"])
+@pytest.mark.parametrize("rows", [40, 0])
+def test_every_noise_source_gives_each_trainable_parameter_its_noise(source: str, rows: int) -> None:
+    """:func:`clipped_sum_and_noise`'s three outputs for each noise source the trainers pass (a torch generator, as on
+    a GPU; either CPU stream; none, a distributed run's worker), on a batch and on an empty one: the clipped sums
+    and the noise keyed by every trainable parameter in order (a frozen one gets neither), the noise the source's own
+    draw (zeros for none), and the count of clipped records in torch's default dtype."""
+    from dpml.train import noise
+    from dpml.train.dpsgd import clipped_sum_and_noise
+
+    torch.manual_seed(2)
+    model = build_mlp(MlpSpec(6, (8,), 3))
+    model[0].bias.requires_grad_(False)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    x, y = data()
+    x, y = x[:rows], y[:rows]
+    generator = torch.Generator().manual_seed(4)
+    streams = {"PrefetchedNoise": noise.PrefetchedNoise, "SynchronousNoise": noise.SynchronousNoise}
+    drawn_from = streams[source](generator, trainable, 0.3) if source in streams else generator
+    try:
+        sums, noises, clipped = clipped_sum_and_noise(
+            model, x, y, 0.5, 0.6, 16, None if source == "none" else drawn_from
+        )
+        noises = {name: value.clone() for name, value in noises.items()}
+    finally:
+        if source in streams:
+            drawn_from.close()
+    assert list(sums) == list(trainable) and list(noises) == list(trainable)
+    expected = noise.gaussian_noise(trainable, 0.5 * 0.6, torch.Generator().manual_seed(4))
+    for name, p in trainable.items():
+        assert sums[name].shape == p.shape and noises[name].shape == p.shape
+        if source == "none":
+            assert not noises[name].any()
+        else:
+            assert torch.equal(noises[name], expected[name])
+    reference, norms = naive_clipped_sum_and_norms(model, x, y, 0.5) if rows else ({}, torch.zeros(0))
+    for name in trainable:
+        torch.testing.assert_close(sums[name], reference.get(name, torch.zeros_like(sums[name])), rtol=1e-5, atol=1e-6)
+    assert clipped.dtype == torch.get_default_dtype() and clipped.shape == ()
+    assert int(clipped) == int((norms > 0.5).sum()) and (rows == 0 or int(clipped) > 0)
+
+
 def test_the_noise_is_drawn_ahead_only_where_torch_leaves_a_core_idle() -> None:
     from dpml.train.noise import PrefetchedNoise, SynchronousNoise, cpu_noise_stream
 

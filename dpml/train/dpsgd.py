@@ -156,14 +156,15 @@ def clipped_chunks_and_noise(
                 sums[name] += value
         count = (~(norms <= clip_norm)).sum()  # (a record left out, its norm nan or inf, counts)
         clipped = count.to(torch.get_default_dtype()) if clipped is None else clipped + count
-    params = trainable_parameters(model) if sums is None or clipped is None or generator is None else {}
     if sums is None or clipped is None:  # an empty batch: no chunk at all
+        params = trainable_parameters(model)
         sums = {name: torch.zeros_like(p) for name, p in params.items()}
         clipped = torch.zeros((), device=next(iter(params.values())).device)
+    if isinstance(generator, NoiseStream):  # (the stream knows the parameters)
+        return sums, generator.draw(noise_multiplier * clip_norm), clipped
+    params = trainable_parameters(model)
     if generator is None:
         return sums, {name: torch.zeros_like(p) for name, p in params.items()}, clipped
-    if isinstance(generator, NoiseStream):
-        return sums, generator.draw(noise_multiplier * clip_norm), clipped
     return sums, gaussian_noise(params, noise_multiplier * clip_norm, generator), clipped
 
 
