@@ -12,8 +12,8 @@
 #   0. where a captured model's CUDA graph memory goes (benchmarks/graph_pool.py, cnn, mlp, ResNet-18-GN and ViT
 #      at 256, graph_pool_cuda.md): 75 s, only when SESSION_STEPS names it (pool);
 #   1. the CUDA tests (tests/test_devices.py, tests/test_noise.py, tests/test_captured_passes.py,
-#      tests/test_streamed_pieces.py but its CPU memory test, tests/test_per_example_calls.py): 130 s (on an H200
-#      they took over 100 s);
+#      tests/test_streamed_pieces.py but its CPU memory test, tests/test_per_example_calls.py, the noise sources'
+#      test of tests/test_dpsgd.py): 130 s (on an H200 they took over 100 s);
 #   2. the model families at base size, batch 256 (benchmarks/families.py, families_cuda.{md,json}): 215 s;
 #   3. the speed table, one process per model and batch set (benchmarks/speed.py, speed_cuda_<model><batch>/):
 #      mlp and cnn at batches 512 and 4096, wrn-16-4 at 512, then at 4096 (8 rounds, without the chunked
@@ -89,7 +89,8 @@ if [[ " $STEPS " == *" tests "* ]]; then
   say "1. the CUDA tests"
   step timeout 130 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_devices.py tests/test_noise.py \
     tests/test_captured_passes.py tests/test_streamed_pieces.py tests/test_per_example_calls.py \
-    tests/test_stitched_pull_back.py -k "not wide_resnet_peaks" -rs \
+    tests/test_stitched_pull_back.py tests/test_dpsgd.py::test_every_noise_source_gives_each_trainable_parameter_its_noise \
+    -k "not wide_resnet_peaks" -rs \
     2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi

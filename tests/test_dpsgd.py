@@ -12,6 +12,8 @@ from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
 from dpml.train.steps import poisson_batch
 from tests.noise_laws import box_muller
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine: not run")
+
 
 def naive_clipped_sum_and_norms(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float
@@ -295,9 +297,19 @@ def test_cpu_noise_streams_are_the_synchronous_draw_sequence(stream_class: str) 
     assert not torch.equal(draws[0]["0.weight"], draws[2]["0.weight"])
 
 
-@pytest.mark.parametrize("source", ["generator", "PrefetchedNoise", "SynchronousNoise", "none"])
+NOISE_SOURCES = [
+    ("cpu", "generator"),
+    ("cpu", "PrefetchedNoise"),
+    ("cpu", "SynchronousNoise"),
+    ("cpu", "none"),
+    pytest.param("cuda", "generator", marks=needs_cuda),
+    pytest.param("cuda", "none", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize(("device", "source"), NOISE_SOURCES)
 @pytest.mark.parametrize("rows", [40, 0])
-def test_every_noise_source_gives_each_trainable_parameter_its_noise(source: str, rows: int) -> None:
+def test_every_noise_source_gives_each_trainable_parameter_its_noise(device: str, source: str, rows: int) -> None:
     """:func:`clipped_sum_and_noise`'s three outputs for each noise source the trainers pass (a torch generator, as on
     a GPU; either CPU stream; none, a distributed run's worker), on a batch and on an empty one: the clipped sums
     and the noise keyed by every trainable parameter in order (a frozen one gets neither), the noise the source's own
@@ -306,12 +318,12 @@ def test_every_noise_source_gives_each_trainable_parameter_its_noise(source: str
     from dpml.train.dpsgd import clipped_sum_and_noise
 
     torch.manual_seed(2)
-    model = build_mlp(MlpSpec(6, (8,), 3))
+    model = build_mlp(MlpSpec(6, (8,), 3)).to(device)
     model[0].bias.requires_grad_(False)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     x, y = data()
-    x, y = x[:rows], y[:rows]
-    generator = torch.Generator().manual_seed(4)
+    x, y = x[:rows].to(device), y[:rows].to(device)
+    generator = torch.Generator(device).manual_seed(4)
     streams = {"PrefetchedNoise": noise.PrefetchedNoise, "SynchronousNoise": noise.SynchronousNoise}
     drawn_from = streams[source](generator, trainable, 0.3) if source in streams else generator
     try:
@@ -323,14 +335,14 @@ def test_every_noise_source_gives_each_trainable_parameter_its_noise(source: str
         if source in streams:
             drawn_from.close()
     assert list(sums) == list(trainable) and list(noises) == list(trainable)
-    expected = noise.gaussian_noise(trainable, 0.5 * 0.6, torch.Generator().manual_seed(4))
+    expected = noise.gaussian_noise(trainable, 0.5 * 0.6, torch.Generator(device).manual_seed(4))
     for name, p in trainable.items():
         assert sums[name].shape == p.shape and noises[name].shape == p.shape
         if source == "none":
             assert not noises[name].any()
         else:
             assert torch.equal(noises[name], expected[name])
-    reference, norms = naive_clipped_sum_and_norms(model, x, y, 0.5) if rows else ({}, torch.zeros(0))
+    reference, norms = naive_clipped_sum_and_norms(model, x, y, 0.5) if rows else ({}, torch.zeros(0, device=device))
     for name in trainable:
         torch.testing.assert_close(sums[name], reference.get(name, torch.zeros_like(sums[name])), rtol=1e-5, atol=1e-6)
     assert clipped.dtype == torch.get_default_dtype() and clipped.shape == ()

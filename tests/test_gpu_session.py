@@ -118,8 +118,8 @@ def test_a_wrong_argument_is_caught_before_the_session(tmp_path: Path, wrong: li
 def test_the_test_step_collects_its_tests_and_leaves_out_the_cpu_memory_one(tmp_path: Path) -> None:
     (pytest_step,) = session_commands(tmp_path, "tests")
     assert pytest_step[:3] == ["python3", "-m", "pytest"]
-    files = [arg for arg in pytest_step if arg.startswith("tests/")]
-    assert files and all((ROOT / f).is_file() for f in files), files
+    files = [arg for arg in pytest_step if arg.startswith("tests/")]  # (a file, or one test of it: file::test)
+    assert files and all((ROOT / f.split("::")[0]).is_file() for f in files), files
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", *(arg for arg in pytest_step[3:] if arg != "-q")],
         cwd=ROOT,
@@ -130,6 +130,7 @@ def test_the_test_step_collects_its_tests_and_leaves_out_the_cpu_memory_one(tmp_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     collected = [line for line in done.stdout.splitlines() if "::" in line]
     for file in files:
-        assert any(line.startswith(file + "::") for line in collected), (file, done.stdout[-2000:])
+        asked = file if "::" in file else file + "::"
+        assert any(line.startswith(asked) for line in collected), (file, done.stdout[-2000:])
     assert not any("wide_resnet_peaks" in line for line in collected)
     assert "(1 deselected)" in done.stdout, "the test step's -k leaves out no test, or more than one: renamed?"
