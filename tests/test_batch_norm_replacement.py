@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import dpml
+from dpml.models.batch_norm import BatchNormAsGroupNorm
 from dpml.ledger.ledger import Ledger
 from dpml.train.dpsgd import per_example_cross_entropy
 
@@ -122,16 +123,204 @@ def test_a_transformers_resnet_is_refused_for_its_batch_norm_then_trains_and_cli
 
 
 class NormThenRelu(nn.BatchNorm2d):
-    """A subclass with a forward of its own, as timm's ``BatchNormAct2d``: a GroupNorm would drop its activation."""
+    """A subclass with a forward of its own that calls its parent's: a GroupNorm in its place would drop its ReLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(super().forward(x))
 
 
+class NormDropAct(nn.BatchNorm2d):
+    """As timm's ``BatchNormAct2d`` writes it (timm itself is not installable beside this torch build): its own
+    ``F.batch_norm`` call on its running statistics, scale and shift, a step counter, then dropout and an activation."""
+
+    def __init__(self, channels: int, drop: float = 0.0) -> None:
+        super().__init__(channels)
+        self.drop, self.act = nn.Dropout(drop), nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        stats = not self.training or self.track_running_stats
+        x = F.batch_norm(
+            x,
+            self.running_mean if stats else None,
+            self.running_var if stats else None,
+            self.weight,
+            self.bias,
+            self.training,
+            self.momentum,
+            self.eps,
+        )
+        return self.act(self.drop(x))
+
+
+class NormTwice(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(super().forward(x))
+
+
+class NormOfSomethingElse(nn.BatchNorm2d):
+    """Its own norm, then a batch norm of other statistics (it would mix the batch's examples)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(super().forward(x), None, None, training=True)
+
+
+class NoNormAtAll(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class SubclassNet(nn.Module):
+    """Convolutions with the two subclasses in place of plain batch norms (48 channels: 16 groups of 3)."""
+
+    def __init__(self, drop: float = 0.0) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 48, 3, padding=1)
+        self.first = NormThenRelu(48)
+        self.mix = nn.Conv2d(48, 8, 3, padding=1)
+        self.second = NormDropAct(8, drop)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.mix(self.first(self.conv(x)))).mean((2, 3)))
+
+
+def test_a_subclass_keeps_its_own_forward_with_its_norm_computed_by_groups() -> None:
+    """Its activation (and dropout) kept, its batch norm a group norm of its own scale and shift, each example on its
+    own; the running statistics neither read nor updated; the layer's parameters are trained as before."""
+    model = _random_affine(SubclassNet()).double().train()
+    stats = {name: b.clone() for name, b in model.named_buffers() if "running" in name}
+    before = copy.deepcopy(model)
+    assert dpml.replace_batch_norm(model, groups=16) is model
+    first, second = model.first, model.second
+    assert isinstance(first, BatchNormAsGroupNorm) and first.layer is before_layer(before, model, "first")
+    assert (first.groups, second.groups) == (16, 8)  # gcd(16, 48), gcd(16, 8)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} >= {"first.layer.weight", "second.layer.bias"}
+    x = torch.randn(6, 48, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    expected = F.relu(F.group_norm(x, 16, first.layer.weight, first.layer.bias, first.layer.eps))
+    torch.testing.assert_close(first(x), expected, rtol=0, atol=0)
+    h = x[:, :8]
+    torch.testing.assert_close(second(h), F.silu(F.group_norm(h, 8, second.layer.weight, second.layer.bias)))
+    images = torch.randn(4, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    changed = images.clone()
+    changed[1] += 3.0
+    assert not torch.allclose(before(images)[0], before(changed)[0])  # batch statistics: example 1 moved example 0
+    torch.testing.assert_close(model(images)[0], model(changed)[0], rtol=0, atol=0)
+    model.eval()  # evaluation normalises by the example's groups too, never by running statistics
+    torch.testing.assert_close(first(x), expected, rtol=0, atol=0)
+    for name, value in stats.items():
+        assert torch.equal(
+            dict(model.named_buffers())[name.replace("first.", "first.layer.").replace("second.", "second.layer.")],
+            value,
+        ), name
+
+
+def before_layer(before: nn.Module, model: nn.Module, name: str) -> nn.Module:
+    """The layer the replacement wraps: the model's own instance (not a copy), of the same class as before."""
+    layer = getattr(model, name).layer
+    assert type(layer) is type(getattr(before, name))
+    return layer
+
+
+def test_a_model_with_subclassed_batch_norms_trains_and_clips_exactly_once_replaced(tmp_path: Path) -> None:
+    """Refused as it was built; replaced, exact against a float64 per-example loop with no parameter on the exact
+    path (dropout in the subclass's forward included), then a private run charged once."""
+    generator = torch.Generator().manual_seed(4)
+    images = torch.randn(48, 3, 6, 6, generator=generator)
+    labels = torch.randint(0, 3, (48,), generator=generator)
+    ledger = tmp_path / "ledger.db"
+    settings = dict(ledger=str(ledger), epsilon_budget=100.0, lineage="images")
+    torch.manual_seed(0)
+    model = _random_affine(SubclassNet(drop=0.25))
+    with pytest.raises(ValueError, match=r"model layer 'first' \(NormThenRelu\): batch normalisation mixes"):
+        dpml.train_private(model, TensorDataset(images, labels), **settings, noise_multiplier=1.0, delta=1e-5)
+    dpml.replace_batch_norm(model)
+    assert_exact_without_the_exact_path(
+        copy.deepcopy(model).train(), per_example_cross_entropy, images[:5].double(), labels[:5]
+    )
+    result = trains_without_the_exact_path(model, TensorDataset(images, labels), **settings)
+    assert len(Ledger(ledger, 1e-5).spends()) == 1 and result.epsilon < 100
+
+
+class Excitation(nn.Module):
+    """A squeeze-and-excitation gate whose batch norms see one position (as timm's SKNet and ResNeSt): the pooled
+    channels normalised by a plain BatchNorm2d and by a subclass, then a gate over the 4×4 map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 64, 3, padding=1)
+        self.norm = nn.BatchNorm2d(64)
+        self.squeeze = nn.Conv2d(64, 32, 1)
+        self.pooled = nn.BatchNorm2d(32)
+        self.excite = nn.Conv2d(32, 64, 1)
+        self.gate = NormDropAct(64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.conv(x))
+        g = self.gate(self.excite(self.pooled(self.squeeze(h.mean((2, 3), keepdim=True)))))
+        return self.head((h * torch.sigmoid(g)).mean((2, 3)))
+
+
+def test_a_batch_norm_on_one_position_normalises_all_its_channels_together_once_replaced(tmp_path: Path) -> None:
+    """On a map of one position a group of one number would normalise to 0 whatever the input (and torch refuses a
+    batch of one): the replacement, plain or of a subclass, takes one group there and gcd(32, C) on larger maps; such
+    a model, fed one record at a time too, clips exactly and trains."""
+    torch.manual_seed(0)
+    model = dpml.replace_batch_norm(_random_affine(Excitation()).double())
+    pooled, gate, norm = model.pooled, model.gate, model.norm
+    column = torch.randn(5, 32, 1, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    expected = F.group_norm(column, 1, pooled.weight, pooled.bias, pooled.eps)
+    torch.testing.assert_close(pooled(column), expected, rtol=0, atol=0)
+    assert expected.abs().amax() > 0.5  # (32 groups of one number would have given β alone)
+    torch.testing.assert_close(pooled(column[:1]), expected[:1], rtol=0, atol=0)  # one record: no refusal
+    wide = torch.randn(5, 64, 1, 1, dtype=torch.float64)
+    torch.testing.assert_close(gate(wide), F.silu(F.group_norm(wide, 1, gate.layer.weight, gate.layer.bias)))
+    maps = torch.randn(5, 64, 4, 4, dtype=torch.float64)
+    torch.testing.assert_close(gate(maps), F.silu(F.group_norm(maps, 32, gate.layer.weight, gate.layer.bias)))
+    torch.testing.assert_close(norm(maps), F.group_norm(maps, 32, norm.weight, norm.bias), rtol=0, atol=0)
+    assert pooled(torch.randn(2, 32, 4, 4, dtype=torch.float64)).shape == (2, 32, 4, 4) and pooled.num_groups == 32
+    generator = torch.Generator().manual_seed(7)
+    images = torch.randn(48, 3, 4, 4, generator=generator)
+    labels = torch.randint(0, 3, (48,), generator=generator)
+    assert_exact_without_the_exact_path(
+        copy.deepcopy(model), per_example_cross_entropy, images[:5].double(), labels[:5]
+    )
+    trains_without_the_exact_path(model.float(), TensorDataset(images, labels), physical_batch_size=1)
+
+
 @pytest.mark.parametrize(
     ("layer", "message"),
     [
-        (NormThenRelu(8), r"model layer 'odd' \(NormThenRelu\): a subclass of BatchNorm2d with a forward of its own"),
+        (NormTwice(4), r"NormTwice: its forward called F.batch_norm on its own parameters 2 times"),
+        (NoNormAtAll(4), r"NoNormAtAll: its forward called F.batch_norm on its own parameters 0 times"),
+        (NormOfSomethingElse(4), r"NormOfSomethingElse: its forward calls F.batch_norm on tensors other than its own"),
+    ],
+)
+def test_a_subclass_whose_norm_is_not_one_call_on_its_own_tensors_is_refused_before_any_budget(
+    layer: nn.Module, message: str, tmp_path: Path
+) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), layer, nn.Flatten(), nn.LazyLinear(3))
+    model(torch.randn(2, 3, 6, 6))  # (the lazy head given its input)
+    dpml.replace_batch_norm(model)
+    with pytest.raises(RuntimeError, match=message):
+        model(torch.randn(2, 3, 6, 6))
+    generator = torch.Generator().manual_seed(5)
+    dataset = TensorDataset(
+        torch.randn(32, 3, 6, 6, generator=generator), torch.randint(0, 3, (32,), generator=generator)
+    )
+    ledger = tmp_path / "ledger.db"
+    with pytest.raises(RuntimeError, match=message):
+        dpml.train_private(
+            model, dataset, noise_multiplier=1.0, delta=1e-5, ledger=str(ledger), epsilon_budget=10.0, lineage="images"
+        )
+    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
         (nn.LazyBatchNorm2d(), r"model layer 'odd' \(LazyBatchNorm2d\): its channel count is not known"),
         ("hooked", r"model layer 'odd' \(BatchNorm2d\) has hooks registered on it"),
     ],

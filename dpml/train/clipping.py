@@ -58,8 +58,9 @@ from dpml.devices import (
     set_host_generators_state,
     set_rng_state,
 )
+from dpml.models.batch_norm import reject_batch_norm
 from dpml.train.clipping_candidates import Call, fast_candidates, shortcut_input, usable
-from dpml.train.clipping_layers import Piece, layer_parameters, reject_batch_norm
+from dpml.train.clipping_layers import Piece, layer_parameters
 from dpml.train.clipping_norms import shared_grams
 from dpml.train.diracs import DiracGradients
 from dpml.train.engine_units import EnginePass, RuleUnit, Unit

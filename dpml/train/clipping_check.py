@@ -62,9 +62,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dpml.devices import forked_generators
+from dpml.models.batch_norm import reject_batch_norm
 from dpml.train.clipping import LossFn, clipped_gradient_sum, engine_dtype, engine_pass
 from dpml.train.engine_units import RuleUnit, Unit, unit_parameters
-from dpml.train.clipping_layers import reject_batch_norm
 from dpml.train.clipping_reference import Reference, per_example_reference
 from dpml.accounting.mechanism import Neighbouring
 from dpml.train.exact_path import PlannedExact

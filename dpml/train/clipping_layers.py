@@ -152,17 +152,6 @@ def batch_first(module: nn.Module, inputs: torch.Tensor, batch: int) -> bool:
     return isinstance(module, nn.Embedding) or inputs.dim() >= 2
 
 
-def reject_batch_norm(model: nn.Module) -> None:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            where = f"model layer '{name}'" if name else "the model"
-            raise ValueError(
-                f"{where} ({type(module).__name__}): batch normalisation mixes the examples of a batch, so one's "
-                "gradient depends on the others and per-example clipping does not bound its influence (and the running "
-                "statistics are released without noise); use nn.GroupNorm or nn.LayerNorm, or dpml.replace_batch_norm"
-            )
-
-
 def positions(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One call of a fast layer as (A, Δ) over positions t: A (B, T, …) what multiplies γ or W at each
     position (dense input rows, conv patches, tokens, normalised inputs x̂), Δ (B, T, …) the output
