@@ -1,0 +1,232 @@
+"""Models nobody here wrote, trained end to end through the public API: ``dpml.replace_batch_norm`` where the model has
+batch normalisation, then ``dpml.train_private`` (issue 46, item 4: a model from these libraries goes in unchanged).
+
+Two sets, each model in its own subprocess (one thread, ``--timeout`` seconds), ``--jobs`` at once:
+
+- ``timm``: one model of each timm architecture of ``benchmarks/timm_zoo.py`` (``TIMM_SPECS``: its registered
+  configuration, made small), random weights, 5 classes, as ``timm.create_model`` returns it — timm's own
+  ``BatchNormAct2d`` and ``BatchNorm2d`` included, which ``dpml.replace_batch_norm`` replaces (the timm families of
+  ``families.py`` are instead built with their norms swapped by hand, ``family_zoo._batch_norms_to_group_norms``);
+  40 random 3×32×32 images.
+- ``transformers``: every sequence- and image-classification architecture of ``benchmarks/architecture_sweep.py``,
+  shrunk the same way but with **the library's default dropout** (the sweep switches it off to compare with a loop);
+  48 token records ``(input_ids, attention_mask, label)`` of 16 tokens with padding, or 48 images.
+
+The run: ``train_private(model, dataset, noise_multiplier=1, delta=1e-5, epochs=1, clip_norm=1,
+expected_batch_size=10 or 12, physical_batch_size=8 or 16, learning_rate=0.1, seed=0)``: Poisson batches, some
+larger than a chunk, the plan's probe, the accountant. Results: ``trained`` (with the certified ε and how many
+parameters took the exact path), ``refused`` (dpml refused the model before any step, with its message: a buffer the
+forward pass writes the examples into, say), ``failed`` (anything else raised inside dpml's run), and ``not built``
+/ ``not run`` where the configuration does not build, or the model's own forward fails on one record outside dpml (the
+architecture's constraints the generic shrinking misses: ``architecture_sweep.md`` has the same rows).
+
+    python benchmarks/public_path_sweep.py [--sets timm transformers] [--only NAME ...] [--jobs 2]
+        [--out benchmarks/results] [--stem public_path_sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+IMAGES, TOKEN_RECORDS = 40, 48
+
+
+def _said(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def build(name: str, kind: str) -> tuple[Any, Any]:
+    """The model as its library builds it, and its data set."""
+    import torch
+
+    import families
+
+    families._declare_torchvision_schemas()  # (timm and transformers' vision code import torchvision)
+    torch.manual_seed(0)
+    if kind == "timm":
+        import timm
+        from timm_zoo import TIMM_SPECS
+
+        architecture, settings = TIMM_SPECS[name]
+        model = timm.create_model(architecture, pretrained=False, num_classes=5, **settings)
+        generator = torch.Generator().manual_seed(0)
+        data = (
+            torch.randn(IMAGES, 3, 32, 32, generator=generator),
+            torch.randint(0, 5, (IMAGES,), generator=generator),
+        )
+    else:
+        import architecture_sweep as sweep
+        from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+
+        sweep.NO_DROPOUT[:] = []  # (the library's default dropout kept)
+        auto = AutoModelForImageClassification if kind == "image" else AutoModelForSequenceClassification
+        config = sweep.tiny_config(name, kind)
+        with torch.device("meta"):
+            if sum(p.numel() for p in auto.from_config(config).parameters()) > sweep.MOST_PARAMETERS:
+                raise ValueError("too large at the tiny sizes")
+        model = auto.from_config(config)
+        x, y = sweep.example_batch(kind, batch=TOKEN_RECORDS)
+        data = (x, y) if kind == "image" else (x[:, 0], x[:, 1], y)
+    return model, torch.utils.data.TensorDataset(*data)
+
+
+def forward_on_one_record(model: Any, dataset: Any, kind: str) -> None:
+    """The model's own forward pass on one record, in evaluation mode, before anything of dpml's."""
+    import torch
+
+    first = dataset[0][:-1]
+    with torch.no_grad():
+        if kind == "text":
+            model.eval()(input_ids=first[0][None], attention_mask=first[1][None])
+        else:
+            model.eval()(first[0][None])
+
+
+def run_one(name: str, kind: str) -> dict[str, Any]:
+    """One model's row (module docstring)."""
+    import torch
+
+    import dpml
+    from dpml.train.clipping_check import ClippingUnsupported
+
+    row: dict[str, Any] = {"model": name, "kind": kind}
+    try:
+        model, dataset = build(name, kind)
+        row["class"] = type(model).__name__
+    except Exception as error:  # the library's own constraints: nothing of dpml's has run
+        return row | {"result": "not built", "why": _said(error)}
+    try:
+        forward_on_one_record(model, dataset, kind)
+    except Exception as error:  # its forward fails on one record, outside dpml
+        return row | {"result": "not run", "why": _said(error)}
+    images = kind in ("timm", "image")
+    start = time.perf_counter()
+    try:
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            model = dpml.replace_batch_norm(model)
+            row["class"] += " (batch norms replaced)"
+        result = dpml.train_private(
+            model.train(),
+            dataset,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            epochs=1,
+            clip_norm=1.0,
+            expected_batch_size=10 if images else 12,
+            physical_batch_size=8 if images else 16,
+            learning_rate=0.1,
+            seed=0,
+        )
+    except (ClippingUnsupported, ValueError) as error:
+        return row | {"result": "refused", "why": _said(error)}
+    except Exception as error:
+        return row | {"result": "failed", "why": _said(error), "trace": traceback.format_exc()[-1500:]}
+    return row | {
+        "result": "trained",
+        "epsilon": round(result.epsilon, 3),
+        "exact_parameters": result.history.get("exact_clipping_parameters"),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def models(sets: list[str]) -> list[tuple[str, str]]:
+    todo: list[tuple[str, str]] = []
+    if "timm" in sets:
+        from timm_zoo import TIMM_SPECS
+
+        todo += [(name, "timm") for name in TIMM_SPECS]
+    if "transformers" in sets:
+        from architecture_sweep import architectures
+
+        todo += architectures(["text", "image"])
+    return todo
+
+
+def in_subprocess(name: str, kind: str, timeout: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--one", name, kind]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"model": name, "kind": kind, "result": "failed", "why": f"no answer in {timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if lines:
+        return dict(json.loads(lines[-1]))
+    return {"model": name, "kind": kind, "result": "failed", "why": f"crashed: {done.stderr[-300:]}"}
+
+
+def page(rows: list[dict[str, Any]], command: str) -> str:
+    import torch
+
+    from bench_common import cpu_name, current_commit
+
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["result"]] = counts.get(row["result"], 0) + 1
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Models nobody here wrote, trained through dpml's public API",
+        "",
+        f"Command: `{command}`. Commit {current_commit()}, {when}. Machine: {cpu_name()}; torch {torch.__version__}. "
+        "What each result means: the script's docstring.",
+        "",
+        "Results: " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda item: -item[1])) + ".",
+        "",
+        "| model | set | class | result | ε | exact-path parameters | seconds | why |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        why = row.get("why", "").replace("|", "/")
+        lines.append(
+            f"| {row['model']} | {row['kind']} | {row.get('class', '')} | {row['result']} | {row.get('epsilon', '')} | "
+            f"{row.get('exact_parameters', '')} | {row.get('seconds', '')} | {why} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", nargs="+", choices=["timm", "transformers"], default=["timm", "transformers"])
+    parser.add_argument("--only", nargs="*", default=None, help="these models only")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--stem", default="public_path_sweep")
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps(run_one(*args.one), default=str), flush=True)
+        return
+    todo = [(n, k) for n, k in models(args.sets) if args.only is None or n in args.only]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(lambda item: in_subprocess(*item, args.timeout), todo))
+    for row in rows:
+        print(f"{row['model']:28s} {row['kind']:6s} {row['result']:10s} {row.get('why', '')[:100]}", flush=True)
+    from bench_common import without_paths
+
+    command = "python benchmarks/public_path_sweep.py " + " ".join(without_paths(sys.argv[1:]))
+    text = page(rows, command.strip())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out / f"{args.stem}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
