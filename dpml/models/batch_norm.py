@@ -143,9 +143,10 @@ class GroupsByPositions:
 
 def reject_batch_norm(model: nn.Module) -> None:
     """Refuse batch normalisation, but where :class:`BatchNormAsGroupNorm` computes it as a group norm."""
-    wrapped = {id(m.layer) for m in model.modules() if isinstance(m, BatchNormAsGroupNorm)}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in wrapped:
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    wrapped = {id(m.layer) for m in model.modules() if isinstance(m, BatchNormAsGroupNorm)} if found else set()
+    for name, module in found:
+        if id(module) not in wrapped:
             where = f"model layer '{name}'" if name else "the model"
             raise ValueError(
                 f"{where} ({type(module).__name__}): batch normalisation mixes the examples of a batch, so one's "
