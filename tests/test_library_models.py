@@ -11,6 +11,7 @@ dependency)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -219,6 +220,54 @@ def test_a_positional_model_and_a_tuple_output_train_unchanged(tmp_path: Path) -
     logged = torch.load(_logged_state(result, tmp_path))
     assert set(logged) == {"linear.weight", "linear.bias"}  # the user's own keys, no adapter prefix
     assert torch.equal(logged["linear.weight"], net.linear.weight.detach())
+
+
+class WithAuxiliaryHead(nn.Module):
+    """As torchvision's GoogLeNet and Inception v3: the logits alone in evaluation, a named tuple of them and an
+    auxiliary head's in training (``GoogLeNetOutputs(logits, aux_logits2, aux_logits1)``); or, with ``readable``
+    False, a training output no logits can be read from."""
+
+    Outputs = collections.namedtuple("Outputs", ["logits", "aux_logits"])
+
+    def __init__(self, readable: bool = True) -> None:
+        super().__init__()
+        self.body, self.aux, self.readable = nn.Linear(4, 2), nn.Linear(4, 2), readable
+
+    def forward(self, x: torch.Tensor) -> Any:
+        z = self.body(x)
+        if not self.training:
+            return z
+        return self.Outputs(z, self.aux(x)) if self.readable else {"scores": z, "aux": self.aux(x)}
+
+
+def test_a_model_whose_training_output_is_an_object_trains_on_its_logits(tmp_path: Path) -> None:
+    """The adapter looks at the output in both modes: a module that returns a tensor in evaluation and its logits
+    with an auxiliary head's in training is adapted, trains on the logits (the auxiliary head gets noise alone), and
+    evaluates as it did; one whose training output holds no logits is refused before any budget."""
+    net = WithAuxiliaryHead()
+    model = adapt(net, (4,))
+    assert isinstance(model, LibraryModel) and model.net is net and net.training  # (its mode as it was)
+    x = torch.randn(3, 4)
+    assert torch.equal(model.train()(x), net.body(x)) and torch.equal(model.eval()(x), net.body(x))
+    before = net.body.weight.detach().clone()
+    result = quick(net.train(), TensorDataset(torch.randn(128, 4), torch.randint(0, 2, (128,))), tmp_path)
+    assert result.model is net and not torch.equal(net.body.weight, before)
+    assert result.history["exact_clipping_parameters"] == 0
+    refused = WithAuxiliaryHead(readable=False)
+    with pytest.raises(ModelOutputError, match=r"its forward returned a builtins.dict"):
+        adapt(refused, (4,))
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    with pytest.raises(ModelOutputError, match=r"its forward returned a builtins.dict"):
+        quick(refused, data, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists() or Ledger(tmp_path / "refused" / "ledger.db", 1e-5).spends() == []
+
+
+def test_the_adapter_s_look_at_training_mode_leaves_the_module_s_buffers_as_they_were() -> None:
+    """A training-mode pass updates running statistics: the adapter's look at the output puts them back."""
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    before = {name: b.clone() for name, b in net.named_buffers()}
+    assert adapt(net, (4,)) is net
+    assert all(torch.equal(b, before[name]) for name, b in net.named_buffers())
 
 
 PLAIN_FACTORIES = textwrap.dedent('''

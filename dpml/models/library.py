@@ -8,7 +8,9 @@ sees that plain form:
 
 - **Its output.** A ``ModelOutput``-like object with a ``.logits`` tensor, a dict with ``"logits"`` (or with one
   tensor named ``*logits`` or ``prediction*``), or a tuple/list whose first item is the logits tensor are turned into
-  that tensor (:func:`logits_from_output`). Anything else is refused before training, naming the type returned.
+  that tensor (:func:`logits_from_output`), in training and in evaluation alike (the output is looked at in both
+  modes: torchvision's GoogLeNet returns its auxiliary heads' logits beside its own in training only). Anything
+  else is refused before training, naming the type returned.
 - **Its inputs.** A forward that takes an ``input_ids`` keyword argument (the Hugging Face convention; detected
   from the signature, or ``inputs="tokens"``) gets *token inputs*:
   dpml carries each example's ids and mask together as one tensor of shape ``(2, T)`` (row 0 the ids,
@@ -251,27 +253,35 @@ class LibraryModel(nn.Module):
         return tokens.reshape(count, *input_shape).to(dtype)
 
 
-def _example_output(net: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> Any:
-    """``net``'s output on two synthetic inputs (eval mode, no gradient, random state kept); None if it fails
-    (the clipping probe then names the failure)."""
+def _example_outputs(net: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> list[Any]:
+    """``net``'s outputs on two synthetic inputs in evaluation mode and in training mode (no gradient, random state
+    and buffers kept: a training-mode pass may update running statistics); a mode whose pass fails gives none (the
+    clipping probe then names the failure). Both, because a module may return its logits in one mode and more in the
+    other (torchvision's GoogLeNet and Inception v3 return their auxiliary heads' logits beside them in training)."""
     generator = torch.Generator().manual_seed(0)
     if input_dtype.is_floating_point:
         x = torch.randn((2, *input_shape), generator=generator).to(input_dtype)
     else:
         x = torch.randint(0, 2, (2, *input_shape), generator=generator, dtype=input_dtype)
-    was_training = net.training
+    was_training, outputs = net.training, []
     try:
         device = next(net.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
-    net.eval()
-    try:
-        with torch.no_grad(), torch.random.fork_rng():
-            return net(x.to(device))
-    except Exception:
-        return None
-    finally:
-        net.train(was_training)
+    buffers = [(b, b.clone()) for b in net.buffers()]
+    for training in (False, True):
+        net.train(training)
+        try:
+            with torch.no_grad(), torch.random.fork_rng():
+                outputs.append(net(x.to(device)))
+        except Exception:  # a user's module: the clipping probe names its failure
+            continue
+        finally:
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+    net.train(was_training)
+    return outputs
 
 
 def adapt(
@@ -294,10 +304,11 @@ def adapt(
                 type(net).__name__,
             )
         return adapted
-    output = _example_output(net, input_shape, input_dtype)
-    if output is None or isinstance(output, torch.Tensor):
+    outputs = [output for output in _example_outputs(net, input_shape, input_dtype) if output is not None]
+    if all(isinstance(output, torch.Tensor) for output in outputs):
         return net
-    logits_from_output(output)
+    for output in outputs:
+        logits_from_output(output)
     return LibraryModel(net, tokens=False)
 
 
