@@ -1,13 +1,16 @@
 """Models nobody here wrote, trained end to end through the public API: ``dpml.replace_batch_norm`` where the model has
 batch normalisation, then ``dpml.train_private`` (issue 46, item 4: a model from these libraries goes in unchanged).
 
-Two sets, each model in its own subprocess (one thread, ``--timeout`` seconds), ``--jobs`` at once:
+Three sets, each model in its own subprocess (one thread, ``--timeout`` seconds), ``--jobs`` at once:
 
 - ``timm``: one model of each timm architecture of ``benchmarks/timm_zoo.py`` (``TIMM_SPECS``: its registered
   configuration, made small), random weights, 5 classes, as ``timm.create_model`` returns it — timm's own
   ``BatchNormAct2d`` and ``BatchNorm2d`` included, which ``dpml.replace_batch_norm`` replaces (the timm families of
   ``families.py`` are instead built with their norms swapped by hand, ``family_zoo._batch_norms_to_group_norms``);
   40 random 3×32×32 images.
+- ``torchvision``: one classifier of each torchvision family (``TORCHVISION``), 5 classes, 40 random images of
+  64×64 (Inception v3: 299×299), batch norms replaced by ``dpml.replace_batch_norm``; GoogLeNet and Inception v3 return
+  their auxiliary heads' logits beside their own in training.
 - ``transformers``: every sequence- and image-classification architecture of ``benchmarks/architecture_sweep.py``,
   shrunk the same way but with **the library's default dropout** (the sweep switches it off to compare with a loop);
   48 token records ``(input_ids, attention_mask, label)`` of 16 tokens with padding, or 48 images.
@@ -20,7 +23,7 @@ forward pass writes the examples into, say), ``failed`` (anything else raised in
 / ``not run`` where the configuration does not build, or the model's own forward fails on one record outside dpml (the
 architecture's constraints the generic shrinking misses: ``architecture_sweep.md`` has the same rows).
 
-    python benchmarks/public_path_sweep.py [--sets timm transformers] [--only NAME ...] [--jobs 2]
+    python benchmarks/public_path_sweep.py [--sets timm torchvision transformers] [--only NAME ...] [--jobs 2]
         [--out benchmarks/results] [--stem public_path_sweep]
 """
 
@@ -43,6 +46,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 IMAGES, TOKEN_RECORDS = 40, 48
+TORCHVISION: dict[str, tuple[int, dict[str, Any]]] = {  # one of each family: the image side it takes, its settings
+    **{name: (64, {}) for name in (
+        "alexnet", "vgg11_bn", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "densenet121", "googlenet",
+        "squeezenet1_1", "shufflenet_v2_x0_5", "mobilenet_v2", "mobilenet_v3_small", "mnasnet0_5", "efficientnet_b0",
+        "efficientnet_v2_s", "regnet_x_400mf", "regnet_y_400mf", "convnext_tiny", "swin_t", "swin_v2_t",
+    )},
+    "vit_b_32": (64, {"image_size": 64}),
+    "inception_v3": (299, {}),  # (its auxiliary head's pooling needs the 299×299 images it was made for)
+}  # fmt: skip
 
 
 def _said(error: BaseException) -> str:
@@ -66,6 +78,16 @@ def build(name: str, kind: str) -> tuple[Any, Any]:
         generator = torch.Generator().manual_seed(0)
         data = (
             torch.randn(IMAGES, 3, 32, 32, generator=generator),
+            torch.randint(0, 5, (IMAGES,), generator=generator),
+        )
+    elif kind == "torchvision":
+        import torchvision.models
+
+        side, settings = TORCHVISION[name]
+        model = getattr(torchvision.models, name)(weights=None, num_classes=5, **settings)
+        generator = torch.Generator().manual_seed(0)
+        data = (
+            torch.randn(IMAGES, 3, side, side, generator=generator),
             torch.randint(0, 5, (IMAGES,), generator=generator),
         )
     else:
@@ -113,7 +135,7 @@ def run_one(name: str, kind: str) -> dict[str, Any]:
         forward_on_one_record(model, dataset, kind)
     except Exception as error:  # its forward fails on one record, outside dpml
         return row | {"result": "not run", "why": _said(error)}
-    images = kind in ("timm", "image")
+    images = kind != "text"
     start = time.perf_counter()
     try:
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
@@ -149,6 +171,8 @@ def models(sets: list[str]) -> list[tuple[str, str]]:
         from timm_zoo import TIMM_SPECS
 
         todo += [(name, "timm") for name in TIMM_SPECS]
+    if "torchvision" in sets:
+        todo += [(name, "torchvision") for name in TORCHVISION]
     if "transformers" in sets:
         from architecture_sweep import architectures
 
@@ -200,7 +224,12 @@ def page(rows: list[dict[str, Any]], command: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sets", nargs="+", choices=["timm", "transformers"], default=["timm", "transformers"])
+    parser.add_argument(
+        "--sets",
+        nargs="+",
+        choices=["timm", "torchvision", "transformers"],
+        default=["timm", "torchvision", "transformers"],
+    )
     parser.add_argument("--only", nargs="*", default=None, help="these models only")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=600)
