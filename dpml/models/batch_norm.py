@@ -164,8 +164,8 @@ class BatchNormAsGroupNorm(nn.Module):
     ``F.batch_norm(x, running_mean, running_var, γ, β, training, momentum, eps)`` the forward makes is computed as
     ``F.group_norm(x, groups, γ, β, eps)`` (one group on a map of one position: :func:`groups_for`) — each example
     normalised by its own channels' statistics, in training and in evaluation alike — and the rest of the forward runs
-    as written. ``layer``: the subclass, kept whole (its
-    parameters are this module's ``layer.weight`` and ``layer.bias``)."""
+    as written. ``layer``: the subclass, kept whole (its parameters are this module's ``layer.weight`` and
+    ``layer.bias``)."""
 
     def __init__(self, layer: nn.modules.batchnorm._BatchNorm, groups: int) -> None:
         super().__init__()
