@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -322,27 +320,18 @@ def architectures(kinds: list[str]) -> list[tuple[str, str]]:
 
 
 def in_subprocess(model_type: str, kind: str, timeout: int, rounds: int) -> dict[str, Any]:
+    from bench_common import row_in_subprocess
+
     command = [sys.executable, __file__, "--one", model_type, "--kinds", kind, "--rounds", str(rounds)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"type": model_type, "kind": kind, "result": "not exact", "why": f"no answer in {timeout} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        return dict(json.loads(lines[-1]))
-    return {"type": model_type, "kind": kind, "result": "not exact", "why": f"crashed: {done.stderr[-300:]}"}
+    return row_in_subprocess(command, timeout, ROOT, {"type": model_type, "kind": kind, "result": "not exact"})
 
 
 def page(rows: list[dict[str, Any]], command: str) -> str:
     import torch
     import transformers
 
-    from bench_common import cpu_name, current_commit
+    from bench_common import cpu_name, current_commit, results_line
 
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row["result"]] = counts.get(row["result"], 0) + 1
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Every transformers classification architecture through dpml's public path",
@@ -350,7 +339,7 @@ def page(rows: list[dict[str, Any]], command: str) -> str:
         f"Command: `{command}`. Commit {current_commit()}, {when}. Machine: {cpu_name()}; torch {torch.__version__}, "
         f"transformers {transformers.__version__}. What each result means: the script's docstring.",
         "",
-        "Results: " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda item: -item[1])) + ".",
+        results_line(rows),
         "",
     ]
     timed = any("throughput" in row or "speed" in row for row in rows)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
+import os
 import platform
 import statistics
 import subprocess
@@ -112,6 +114,28 @@ def without_paths(argv: Sequence[str]) -> list[str]:
         elif not arg.startswith(("--out=", "--work=")):
             kept.append(arg)
     return kept
+
+
+def row_in_subprocess(command: list[str], timeout: int, cwd: Path, failed: dict[str, Any]) -> dict[str, Any]:
+    """The row a sweep's subprocess prints as its last JSON line (one thread, nothing fetched from a hub); ``failed``
+    with why where it gave none in ``timeout`` seconds or crashed."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return failed | {"why": f"no answer in {timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if lines:
+        return dict(json.loads(lines[-1]))
+    return failed | {"why": f"crashed: {done.stderr[-300:]}"}
+
+
+def results_line(rows: list[dict[str, Any]]) -> str:
+    """``Results: 204 trained, 16 not run, …``: how many rows have each result, the most first."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["result"]] = counts.get(row["result"], 0) + 1
+    return "Results: " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda item: -item[1])) + "."
 
 
 def ways_arguments(description: str) -> argparse.Namespace:

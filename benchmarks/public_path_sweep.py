@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -181,26 +179,17 @@ def models(sets: list[str]) -> list[tuple[str, str]]:
 
 
 def in_subprocess(name: str, kind: str, timeout: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--one", name, kind]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"model": name, "kind": kind, "result": "failed", "why": f"no answer in {timeout} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        return dict(json.loads(lines[-1]))
-    return {"model": name, "kind": kind, "result": "failed", "why": f"crashed: {done.stderr[-300:]}"}
+    from bench_common import row_in_subprocess
+
+    failed = {"model": name, "kind": kind, "result": "failed"}
+    return row_in_subprocess([sys.executable, __file__, "--one", name, kind], timeout, ROOT, failed)
 
 
 def page(rows: list[dict[str, Any]], command: str) -> str:
     import torch
 
-    from bench_common import cpu_name, current_commit
+    from bench_common import cpu_name, current_commit, results_line
 
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row["result"]] = counts.get(row["result"], 0) + 1
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Models nobody here wrote, trained through dpml's public API",
@@ -208,7 +197,7 @@ def page(rows: list[dict[str, Any]], command: str) -> str:
         f"Command: `{command}`. Commit {current_commit()}, {when}. Machine: {cpu_name()}; torch {torch.__version__}. "
         "What each result means: the script's docstring.",
         "",
-        "Results: " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda item: -item[1])) + ".",
+        results_line(rows),
         "",
         "| model | set | class | result | ε | exact-path parameters | seconds | why |",
         "|---|---|---|---|---|---|---|---|",
