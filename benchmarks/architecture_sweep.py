@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import said  # noqa: E402  (benchmarks/ is the script's folder)
+
 LENGTH, BATCH, VOCABULARY, IMAGE, CLASSES, MOST_PARAMETERS = 16, 4, 96, 32, 3, 30_000_000
 SPEED_BATCH, SPEED_LENGTH = 32, 32  # (32 tokens: position tables of 64 rows, offset by 2 in BART and RoBERTa)
 NO_DROPOUT = (
@@ -258,7 +260,7 @@ def run_one(model_type: str, kind: str, rounds: int = 0) -> dict[str, Any]:
         net = auto.from_config(config)
         row["class"] = type(net).__name__
     except Exception as error:  # the architecture's own constraints: nothing of dpml's has run
-        return row | {"result": "not built", "why": _said(error)}
+        return row | {"result": "not built", "why": said(error)}
     x, y = example_batch(kind)
     shape, dtype = tuple(x.shape[1:]), x.dtype
     try:  # dpml's public path up to the plan: batch normalisation replaced, the module adapted
@@ -267,19 +269,19 @@ def run_one(model_type: str, kind: str, rounds: int = 0) -> dict[str, Any]:
             row["class"] += " (BatchNorm as GroupNorm)"
         model = adapt(net, shape, dtype).train()
     except ValueError as error:
-        return row | {"result": "refused", "why": _said(error)}
+        return row | {"result": "refused", "why": said(error)}
     try:
         if not bool(torch.isfinite(per_example_cross_entropy(model(x), y)).all()):
             raise FloatingPointError("its own loss is not finite on the batch (outside dpml)")
     except Exception as error:  # the shrunk configuration does not run as the library wrote it
-        return row | {"result": "not run", "why": _said(error)}
+        return row | {"result": "not run", "why": said(error)}
     start = time.perf_counter()
     try:
         plan = plan_clipping(model, per_example_cross_entropy, shape, dtype)
     except (ClippingUnsupported, ValueError) as error:
-        return row | {"result": "refused", "why": _said(error)}
+        return row | {"result": "refused", "why": said(error)}
     except Exception as error:  # a failure of the plan itself, not a refusal
-        return row | {"result": "plan failed", "why": _said(error), "trace": traceback.format_exc()[-1500:]}
+        return row | {"result": "plan failed", "why": said(error), "trace": traceback.format_exc()[-1500:]}
     row["plan_seconds"] = round(time.perf_counter() - start, 1)
     if plan.exact_parameters:
         return row | {"result": "exact path", "why": "; ".join(plan.exact_parameters)}
@@ -292,7 +294,7 @@ def run_one(model_type: str, kind: str, rounds: int = 0) -> dict[str, Any]:
         precision = "float64"
     except Exception as error:  # (a kernel without float64: compared in float32)
         if "double" not in str(error).lower():
-            return row | {"result": "not exact", "why": _said(error), "trace": traceback.format_exc()[-1500:]}
+            return row | {"result": "not exact", "why": said(error), "trace": traceback.format_exc()[-1500:]}
         disagree, precision = loop_and_engine_agree(model.float(), plan, x, y, 1e-3, 1e-4), "float32"
     if disagree:
         return row | {"result": "not exact", "why": disagree}
@@ -301,12 +303,8 @@ def run_one(model_type: str, kind: str, rounds: int = 0) -> dict[str, Any]:
         try:
             row |= step_times(model, kind, rounds)
         except Exception as error:  # (the timing's own failure: the row's result stands)
-            row["speed"] = f"not timed: {_said(error)}"
+            row["speed"] = f"not timed: {said(error)}"
     return row
-
-
-def _said(error: BaseException) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
 def architectures(kinds: list[str]) -> list[tuple[str, str]]:

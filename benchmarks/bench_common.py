@@ -130,6 +130,11 @@ def row_in_subprocess(command: list[str], timeout: int, cwd: Path, failed: dict[
     return failed | {"why": f"crashed: {done.stderr[-300:]}"}
 
 
+def said(error: BaseException) -> str:
+    """A sweep row's ``why``: the error's type and its message on one line, cut at 300 characters."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
 def results_line(rows: list[dict[str, Any]]) -> str:
     """``Results: 204 trained, 16 not run, …``: how many rows have each result, the most first."""
     counts: dict[str, int] = {}

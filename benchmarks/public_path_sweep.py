@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import said  # noqa: E402  (benchmarks/ is the script's folder)
+
 IMAGES, TOKEN_RECORDS = 40, 48
 TORCHVISION: dict[str, tuple[int, dict[str, Any]]] = {  # one of each family: the image side it takes, its settings
     **{name: (64, {}) for name in (
@@ -55,8 +57,12 @@ TORCHVISION: dict[str, tuple[int, dict[str, Any]]] = {  # one of each family: th
 }  # fmt: skip
 
 
-def _said(error: BaseException) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+def _images(side: int) -> tuple[Any, Any]:
+    """``IMAGES`` random 3×side×side images and labels of 5 classes (seed 0)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(IMAGES, 3, side, side, generator=generator), torch.randint(0, 5, (IMAGES,), generator=generator)
 
 
 def build(name: str, kind: str) -> tuple[Any, Any]:
@@ -73,21 +79,13 @@ def build(name: str, kind: str) -> tuple[Any, Any]:
 
         architecture, settings = TIMM_SPECS[name]
         model = timm.create_model(architecture, pretrained=False, num_classes=5, **settings)
-        generator = torch.Generator().manual_seed(0)
-        data = (
-            torch.randn(IMAGES, 3, 32, 32, generator=generator),
-            torch.randint(0, 5, (IMAGES,), generator=generator),
-        )
+        data = _images(32)
     elif kind == "torchvision":
         import torchvision.models
 
         side, settings = TORCHVISION[name]
         model = getattr(torchvision.models, name)(weights=None, num_classes=5, **settings)
-        generator = torch.Generator().manual_seed(0)
-        data = (
-            torch.randn(IMAGES, 3, side, side, generator=generator),
-            torch.randint(0, 5, (IMAGES,), generator=generator),
-        )
+        data = _images(side)
     else:
         import architecture_sweep as sweep
         from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
@@ -128,11 +126,11 @@ def run_one(name: str, kind: str) -> dict[str, Any]:
         model, dataset = build(name, kind)
         row["class"] = type(model).__name__
     except Exception as error:  # the library's own constraints: nothing of dpml's has run
-        return row | {"result": "not built", "why": _said(error)}
+        return row | {"result": "not built", "why": said(error)}
     try:
         forward_on_one_record(model, dataset, kind)
     except Exception as error:  # its forward fails on one record, outside dpml
-        return row | {"result": "not run", "why": _said(error)}
+        return row | {"result": "not run", "why": said(error)}
     images = kind != "text"
     start = time.perf_counter()
     try:
@@ -152,9 +150,9 @@ def run_one(name: str, kind: str) -> dict[str, Any]:
             seed=0,
         )
     except (ClippingUnsupported, ValueError) as error:
-        return row | {"result": "refused", "why": _said(error)}
+        return row | {"result": "refused", "why": said(error)}
     except Exception as error:
-        return row | {"result": "failed", "why": _said(error), "trace": traceback.format_exc()[-1500:]}
+        return row | {"result": "failed", "why": said(error), "trace": traceback.format_exc()[-1500:]}
     return row | {
         "result": "trained",
         "epsilon": round(result.epsilon, 3),

@@ -104,7 +104,8 @@ def _check_replaceable(name: str, module: nn.Module) -> None:
 
 def _group_norm(batch_norm: nn.modules.batchnorm._BatchNorm, groups: int) -> nn.GroupNorm:
     """``nn.GroupNorm(gcd(groups, C), C)`` (one group for a ``BatchNorm1d``) with ``batch_norm``'s eps, affine scale
-    and shift, device and dtype."""
+    and shift, device and dtype; of more than one group, with :class:`GroupsByPositions` (one on a map of one
+    position)."""
     channels = batch_norm.num_features
     count = group_count(batch_norm, groups)
     like = batch_norm.weight if batch_norm.affine else batch_norm.running_mean
