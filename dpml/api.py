@@ -52,7 +52,7 @@ from dpml.ledger.spending import Charge, charged_run
 from dpml.data.units import digests_of_ids
 from dpml.routing import resolve_api_tracking
 from dpml.train.clipping import LossFn
-from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping
+from dpml.train.clipping_check import ClippingPlan, check_autocast, plan_clipping, probe_batch
 from dpml.train.dataset_steps import (
     MappingRecords,
     check_every_record,
@@ -149,11 +149,15 @@ def model_inputs(
 
 
 def number_of_classes(model: nn.Module, first_input: torch.Tensor) -> int:
-    """The model's output width on one record: the labels must lie in [0, that)."""
+    """The model's output width on one record of ``first_input``'s shape and dtype: the labels must lie in [0, that).
+    The record is the clipping probe's synthetic one (:func:`dpml.train.clipping_check.probe_batch`), not
+    ``first_input``: no private record reaches the model before the probe has passed it (a forward pass may write
+    into its parameters, :mod:`dpml.train.probe_checks`)."""
+    synthetic = probe_batch(model, tuple(first_input.shape), first_input.dtype, size=0).to(first_input.dtype)
     was_training = model.training
     model.eval()
     with torch.no_grad(), torch.random.fork_rng():
-        out = model(first_input[None].to(next(model.parameters()).device))
+        out = model(synthetic.to(next(model.parameters()).device))
     model.train(was_training)
     if out.dim() != 2:
         raise ValueError(

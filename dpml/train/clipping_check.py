@@ -23,7 +23,10 @@ relative 1e-3):
    noisy sums); a buffer written from the examples (InstanceNorm's running statistics with
    ``track_running_stats=True``, a module's own running average) would be released with the model
    without noise, so such a model is refused, naming the buffer. Buffers written from the parameters
-   or a counter alone (spectral norm's power iteration, ``num_batches_tracked``) pass.
+   or a counter alone (spectral norm's power iteration, ``num_batches_tracked``) pass. A parameter that every
+   training pass writes into (``nn.Embedding(max_norm=…)``) is refused whatever the values written, and so is one
+   the first pass writes from the examples (an initialisation from the first batch); a write made once and alike
+   for any batch (a switch between evaluation and training) passes (:mod:`dpml.train.probe_checks`).
 3. **Each fast unit** — a hooked layer, or a parameter covered by operation rules. Its ‖g_i‖² and
    Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own parameters must equal the reference's to a relative
    1e-6. A unit that fails takes the exact path (its parameters' per-example gradients by batched
@@ -52,6 +55,7 @@ they were.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +79,8 @@ from dpml.train.probe_checks import (
     Probe,
     check_independent,
     check_no_data_in_buffers,
+    check_no_writes_to_parameters,
+    parameter_identities,
     reject_complex_parameters,
 )
 
@@ -216,6 +222,7 @@ def _module_names(model: nn.Module) -> dict[nn.Module, str]:
 
 def _plan_on(
     reference_model: nn.Module,
+    fresh: Callable[[], nn.Module],
     loss_fn: LossFn,
     x_all: torch.Tensor,
     labels: torch.Tensor | None,
@@ -224,6 +231,7 @@ def _plan_on(
 ) -> ClippingPlan:
     x = x_all[:-1]
     reference_model.train()
+    unwritten = parameter_identities(reference_model)
     buffers = {name: b.detach().clone() for name, b in reference_model.named_buffers()}
     if labels is None:
         with torch.no_grad():
@@ -236,6 +244,7 @@ def _plan_on(
         "per-example autograd",
         lambda: per_example_reference(probe.model, probe.loss_fn, probe.x, probe.y, factors, probe.same_state),
     )
+    _guarded("the parameter check", lambda: check_no_writes_to_parameters(probe, unwritten, fresh))
     _check_finite(reference)
     _guarded("the independence check", lambda: check_independent(probe, reference, tolerance, removal))
     _guarded("the buffer check", lambda: check_no_data_in_buffers(probe, tolerance))
@@ -348,6 +357,11 @@ def working_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _fresh_copy(model: nn.Module, where: Any, dtype: torch.dtype) -> nn.Module:
+    """Another working copy of ``model`` as the probe's own was made (the parameter check's first passes)."""
+    return working_copy(model).to(device=where, dtype=dtype)
+
+
 def _plan(
     model: nn.Module,
     loss_fn: LossFn,
@@ -362,7 +376,7 @@ def _plan(
     failure: ClippingUnsupported | None = None
     for where, dtype, tolerance in attempts:
         try:
-            reference_model = working_copy(model).to(device=where, dtype=dtype)
+            reference_model = _fresh_copy(model, where, dtype)
         except Exception as error:
             raise ClippingUnsupported(
                 f"model: copy.deepcopy failed ({type(error).__name__}: {error}); dpml checks "
@@ -377,7 +391,8 @@ def _plan(
         if dtype == torch.float64:
             tolerance = _float64_tolerance(reference_model, x_all.to(where)[:-1])
         try:
-            plan = _plan_on(reference_model, loss_fn, x_all.to(where), labels, tolerance, removal)
+            fresh = functools.partial(_fresh_copy, model, where, dtype)
+            plan = _plan_on(reference_model, fresh, loss_fn, x_all.to(where), labels, tolerance, removal)
         except ClippingUnsupported as error:
             failure = error
             if dtype == torch.float64 and (error.__cause__ is not None or isinstance(error, NotFinite)):

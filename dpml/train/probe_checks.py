@@ -1,6 +1,6 @@
 """The probe's checks that the model may be trained with per-example clipping at all, before the engine is judged
-(:mod:`dpml.train.clipping_check`, step 2): each example's loss and gradient depend on that example alone, and no
-buffer keeps the data.
+(:mod:`dpml.train.clipping_check`, step 2): each example's loss and gradient depend on that example alone, no
+buffer keeps the data, and no parameter is written by the passes themselves.
 
 **Independence.** DP-SGD's sensitivity bound holds when removing or replacing example j changes only the j-th term
 of the clipped sum. So replacing example 0 of the probe batch must leave, for the other examples,
@@ -21,13 +21,30 @@ depend on the batch's size alone (``h / len(h)``) or on each example's place in 
 computed from parameters), which replacing an example does not show. Under replace-one neighbours the other examples
 keep their places and the batch its size (Poisson sampling draws the same indices for both data sets), so that check
 is not asked for there.
+
+**No writes to parameters.** DP-SGD's guarantee covers parameters that change by the noisy step alone:
+θ_{t+1} = θ_t − η (Σ_i clip_C(g_i) + N(0, σ²C²I)) / B is post-processing of the Gaussian mechanism (Abadi et al.
+2016, Algorithm 1). A forward or backward pass that writes into a parameter changes it from the batch with no noise:
+``nn.Embedding(max_norm=…)`` renormalises in place the rows the batch looks up, so the released table shows which
+tokens the private records hold (rows of the absent ones keep their norms). A parameter whose version counter,
+storage or values moved during the probe's reference passes (:func:`parameter_identities`) is refused, named,
+before any ε is spent, where
+
+- one more training pass writes it again: whatever the values (a bound the probe's rows stay within may be crossed
+  by the records'), since the probe cannot tell such a write from one that reads the examples; or
+- the first training pass of two fresh copies of the model writes it differently for the probe batch and for it
+  with example 0 replaced (an initialisation from the first batch, as Glow's ActNorm).
+
+A write made once and alike for any batch passes, logged: ``transformers``' RWKV rescales two weights of each block
+when it switches between evaluation and training.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import hashlib
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +200,74 @@ def check_no_data_in_buffers(probe: Probe, tolerance: float) -> None:
                 "outside the DP guarantee; keep no statistics of the data in buffers (nn.InstanceNorm: "
                 "track_running_stats=False; use nn.GroupNorm or nn.LayerNorm for normalisation)"
             )
+
+
+def _digest(p: torch.Tensor) -> bytes:
+    """A digest of the parameter's bytes (BLAKE2b, 16 bytes): any change of value changes it."""
+    raw = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.blake2b(raw.data, digest_size=16).digest()
+
+
+def parameter_identities(model: nn.Module) -> dict[str, tuple[int, int, bytes]]:
+    """Each parameter's version counter, storage address and a digest of its values: an in-place write moves the
+    first, a ``.data`` swap the second, a write through ``.data`` (which bypasses the counter) the third."""
+    return {name: (p._version, p.data_ptr(), _digest(p)) for name, p in model.named_parameters()}
+
+
+def _training_pass(probe: Probe, model: nn.Module, x: torch.Tensor) -> None:
+    """One forward and backward pass in training mode from the probe's random state (no ``.grad`` written)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with probe.same_state() if model is probe.model else forked_generators(x.device, PROBE_SEED):
+        torch.autograd.grad(per_example_losses(model, probe.loss_fn, x, probe.y).sum(), params, allow_unused=True)
+
+
+def _moved(before: dict[str, tuple[int, int, bytes]], model: nn.Module) -> list[str]:
+    after = parameter_identities(model)
+    return [name for name, state in before.items() if after.get(name) != state]
+
+
+def _refuse_writes(names: list[str], why: str) -> ClippingUnsupported:
+    return ClippingUnsupported(
+        f"model parameter(s) {', '.join(repr(n) for n in names)}: {why}; a change of a parameter made from the "
+        "examples without noise would be released with the model, outside the DP guarantee (which covers parameters "
+        "changed by the noisy step alone): build the layer without it (nn.Embedding: max_norm=None) or make such a "
+        "change from the parameters alone, between steps"
+    )
+
+
+def check_no_writes_to_parameters(
+    probe: Probe, before: dict[str, tuple[int, int, bytes]], fresh: Callable[[], nn.Module]
+) -> None:
+    """Where the probe's passes since ``before`` (:func:`parameter_identities`) wrote a parameter, refuse
+    (:class:`ClippingUnsupported`, naming each) a write that a further training pass makes again (whatever its
+    values: ``nn.Embedding(max_norm=…)``), or one that the first training pass of two ``fresh`` copies of the model
+    makes differently for the probe batch and for it with example 0 replaced (an initialisation from the first
+    batch). A write made once and alike for any batch (``transformers``' RWKV rescales its layers when it switches
+    between evaluation and training) passes, logged (module docstring, **No writes to parameters**)."""
+    written = _moved(before, probe.model)
+    if not written:
+        return
+    now = parameter_identities(probe.model)
+    _training_pass(probe, probe.model, probe.x)
+    again = _moved(now, probe.model)
+    if again:
+        raise _refuse_writes(
+            again,
+            "every training-mode pass writes into them in place (nn.Embedding's max_norm "
+            "renormalises the rows a batch looks up), which the probe cannot tell from the examples",
+        )
+    first, second = fresh().train(), fresh().train()
+    _training_pass(probe, first, probe.x)
+    _training_pass(probe, second, probe.replaced())
+    values = dict(second.named_parameters())
+    differ = [n for n, p in first.named_parameters() if n in written and not torch.equal(p, values[n])]
+    if differ:
+        raise _refuse_writes(
+            differ,
+            "the first training-mode pass writes the examples into them (replacing one "
+            "example of a probe batch changed what it wrote)",
+        )
+    LOG.info("model parameter(s) %s: written once by the first training-mode pass, alike for any batch", written)
 
 
 def reject_complex_parameters(model: nn.Module) -> None:
