@@ -1,9 +1,11 @@
 """The probe's independence checks (:mod:`dpml.train.probe_checks`). A model that mixes the examples of a batch only
-where a parameter is still zero, as peft's Lily does (its routing averaged over every token of the batch, its adapter
-factor initialised to zero): each example's loss ignores the others at the probe's parameters, its gradient does
-not, and after one step its loss would not either. It is refused before any step, naming the parameter, by the plan
-and by training; a zero-initialised adapter that mixes nothing passes. A model whose examples depend on the batch's
-size alone (no example's values reach another's) is refused by removing one; dropout alone passes."""
+where a parameter is still zero, as peft's Lily does (its routing averaged over every token of the batch, its
+adapter factor initialised to zero): each example's loss ignores the others at the probe's parameters, its gradient
+does not, and after one step its loss would not either. It is refused before any step, naming the parameter, by the
+plan and by training; a zero-initialised adapter that mixes nothing passes. So is an embedding whose backward pass
+divides each row's gradient by the batch's count of its token (``scale_grad_by_freq``), the reason named. A model
+whose examples depend on the batch's size alone (no example's values reach another's) is refused by removing one;
+dropout alone passes."""
 
 from __future__ import annotations
 
@@ -108,3 +110,23 @@ def test_a_model_that_depends_on_the_batch_size_alone_is_refused_under_add_remov
     assert replaced.exact_parameters == ()
     dropout = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 3))  # masks drawn per pass: not a size
     assert plan_clipping(dropout, per_example_cross_entropy, (6,)).exact_parameters == ()
+
+
+class FrequencyScaledBag(nn.Module):
+    """Token embeddings averaged, then a linear head; the embedding built with ``scale_grad_by_freq``: the backward
+    pass divides each row's gradient by how often the batch holds its token, so the others' gradients move with
+    example 0's tokens while their losses do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(12, 5, scale_grad_by_freq=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).mean(1))
+
+
+def test_an_embedding_that_scales_its_gradient_by_the_batch_s_token_counts_is_refused_naming_it() -> None:
+    torch.manual_seed(6)
+    with pytest.raises(ClippingUnsupported, match=GRADIENT_MOVED.format("embedding.weight") + ".*scale_grad_by_freq"):
+        plan_clipping(FrequencyScaledBag(), per_example_cross_entropy, (4,), torch.int64)

@@ -116,9 +116,10 @@ def check_independent(probe: Probe, reference: Reference, tolerance: float, remo
         raise ClippingUnsupported(
             f"model: replacing example 0 of a probe batch changed the gradient of the other examples' losses with "
             f"respect to '{worst}' ({errors[worst]:.2g} relative), though not the losses: the model mixes the examples "
-            "of a batch where a parameter is still zero (a mixture or routing averaged over the batch), so clipping "
-            "each example's gradient does not bound its influence; make each example's output depend on that "
-            "example alone"
+            "of a batch where a parameter is still zero (a mixture or routing averaged over the batch) or in its "
+            "backward pass alone (nn.Embedding's scale_grad_by_freq divides each row's gradient by how often the "
+            "batch holds its token), so clipping each example's gradient does not bound its influence; make each "
+            "example's gradient depend on that example alone"
         )
     if removal:
         _check_size_free(probe, tolerance)
