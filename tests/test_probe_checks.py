@@ -2,10 +2,10 @@
 where a parameter is still zero, as peft's Lily does (its routing averaged over every token of the batch, its
 adapter factor initialised to zero): each example's loss ignores the others at the probe's parameters, its gradient
 does not, and after one step its loss would not either. It is refused before any step, naming the parameter, by the
-plan and by training; a zero-initialised adapter that mixes nothing passes. So is an embedding whose backward pass
-divides each row's gradient by the batch's count of its token (``scale_grad_by_freq``), the reason named. A model
-whose examples depend on the batch's size alone (no example's values reach another's) is refused by removing one;
-dropout alone passes."""
+plan and by training; a zero-initialised adapter that mixes nothing passes. An embedding whose backward pass divides
+each row's gradient by the batch's count of its token (``scale_grad_by_freq``) is refused the same way, the reason
+named. A model whose examples depend on the batch's size alone (no example's values reach another's) is refused by
+removing one; dropout alone passes."""
 
 from __future__ import annotations
 
