@@ -365,9 +365,14 @@ def engine_pass(
 
 
 def engine_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of a pass's per-example norms and of the clip factors its sums take: the model's first parameter's
-    (whatever dtype its loss comes in: a model may return float32 logits from float64 parameters)."""
-    return next(model.parameters()).dtype
+    """The dtype of a pass's per-example norms and of the clip factors its sums take: the widest of the trainable
+    parameters' (whatever dtype the loss comes in: a model may return float32 logits from float64 parameters; and a
+    frozen low-precision body before float32 adapters does not narrow them), else the first parameter's."""
+    widest = None
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and (widest is None or p.element_size() > widest.itemsize):
+            widest = p.dtype
+    return widest if widest is not None else next(model.parameters()).dtype
 
 
 def _replay_draws(state: RngState | None, host: HostGenerators | None, device: torch.device) -> None:

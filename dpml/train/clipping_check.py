@@ -82,6 +82,7 @@ from dpml.train.probe_checks import (
     check_no_writes_to_parameters,
     parameter_identities,
     reject_complex_parameters,
+    reject_low_precision_parameters,
 )
 
 PROBE_BATCH = 6
@@ -307,6 +308,7 @@ def plan_clipping(
     not move when one is removed either (:mod:`dpml.train.probe_checks`)."""
     reject_batch_norm(model)
     reject_complex_parameters(model)
+    reject_low_precision_parameters(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ClippingUnsupported("model: it has no trainable parameter")
     key = None if probe is not None else (*architecture_key(model, loss_fn, input_shape, input_dtype), neighbouring)
@@ -357,9 +359,11 @@ def working_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _fresh_copy(model: nn.Module, where: Any, dtype: torch.dtype) -> nn.Module:
-    """Another working copy of ``model`` as the probe's own was made (the parameter check's first passes)."""
-    return working_copy(model).to(device=where, dtype=dtype)
+def _fresh_copy(model: nn.Module, where: Any, dtype: torch.dtype | None) -> nn.Module:
+    """A working copy of ``model`` on ``where``, every floating tensor in ``dtype`` (None: each keeps its own, as a
+    frozen low-precision body beside float32 adapters)."""
+    copied = working_copy(model)
+    return copied.to(device=where) if dtype is None else copied.to(device=where, dtype=dtype)
 
 
 def _plan(
@@ -370,9 +374,9 @@ def _plan(
     probe: tuple[torch.Tensor, torch.Tensor] | None,
     removal: bool,
 ) -> ClippingPlan:
-    attempts: list[tuple[Any, torch.dtype, float]] = [("cpu", torch.float64, FLOAT64_TOLERANCE)]
+    attempts: list[tuple[Any, torch.dtype | None, float]] = [("cpu", torch.float64, FLOAT64_TOLERANCE)]
     device = next(model.parameters()).device
-    attempts.append((device, next(model.parameters()).dtype, OWN_DTYPE_TOLERANCE))  # a model that only runs as it is
+    attempts.append((device, None, OWN_DTYPE_TOLERANCE))  # a model that only runs as it is, each dtype its own
     failure: ClippingUnsupported | None = None
     for where, dtype, tolerance in attempts:
         try:
@@ -387,7 +391,7 @@ def _plan(
         else:
             x_all, labels = torch.cat([probe[0][1:], probe[0][:1]]), probe[1][1:].to(where)
         if x_all.is_floating_point():
-            x_all = x_all.to(dtype)
+            x_all = x_all.to(dtype or next(model.parameters()).dtype)  # (as the trainer feeds the records)
         if dtype == torch.float64:
             tolerance = _float64_tolerance(reference_model, x_all.to(where)[:-1])
         try:

@@ -271,6 +271,30 @@ def check_no_writes_to_parameters(
     LOG.info("model parameter(s) %s: written once by the first training-mode pass, alike for any batch", written)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def reject_low_precision_parameters(model: nn.Module) -> None:
+    """A trainable parameter in bfloat16 or float16 is refused before any work. DP-SGD's sensitivity is C only if
+    each example moves the released sum by its clipped gradient, ‖c_i g_i‖ ≤ C (Abadi et al. 2016, Algorithm 1); the
+    engine forms norms and sums in the parameter's dtype, and with 8 (bfloat16) or 11 (float16) bits of mantissa the
+    rounding of the norm and of the sum breaks that: a bfloat16 MLP's clipped gradient of one example measured
+    1.010 C, two neighbouring sums 1.010 C apart (float16: 1.001 C; float32: 1 + 2e-7), so the certified ε would
+    not hold. Float32
+    parameters with a bf16 forward pass (``train.autocast: bf16``) form norms, sums and noise in float32; frozen
+    parameters may be of any dtype (no gradient of theirs is released)."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype in LOW_PRECISION:
+            raise ClippingUnsupported(
+                f"model parameter {name!r} is trainable in {p.dtype}: dpml clips and sums each parameter's "
+                f"gradient in its dtype, and {p.dtype}'s rounding lets one example move the clipped sum by more than "
+                "the clip norm C (an MLP: 1.010 C in bfloat16, 1.001 C in float16), so the certified ε would not "
+                "hold; keep the trainable parameters in float32 (frozen ones may stay as they are) and run the "
+                "forward pass in bf16 with train.autocast: bf16 (autocast='bf16'), which forms norms, sums and noise "
+                "in float32"
+            )
+
+
 def reject_complex_parameters(model: nn.Module) -> None:
     """A complex trainable parameter is refused before any work: its per-example norm, clipped sum and noise would
     each have to treat the real and imaginary parts as two real coordinates, and the engine does not. Held as a real
