@@ -26,7 +26,8 @@ relative 1e-3):
    or a counter alone (spectral norm's power iteration, ``num_batches_tracked``) pass. A parameter that every
    training pass writes into (``nn.Embedding(max_norm=…)``) is refused whatever the values written, and so is one
    the first pass writes from the examples (an initialisation from the first batch); a write made once and alike
-   for any batch (a switch between evaluation and training) passes (:mod:`dpml.train.probe_checks`).
+   for any batch (a switch between evaluation and training) passes (:mod:`dpml.train.probe_checks`). Nor may a
+   pass's losses depend on the batch of the pass before (something of a batch kept in a plain attribute).
 3. **Each fast unit** — a hooked layer, or a parameter covered by operation rules. Its ‖g_i‖² and
    Σ_i c_i g_i (random c ∈ [0.2, 1]) over its own parameters must equal the reference's to a relative
    1e-6. A unit that fails takes the exact path (its parameters' per-example gradients by batched
@@ -79,6 +80,7 @@ from dpml.train.probe_checks import (
     Probe,
     check_independent,
     check_no_data_in_buffers,
+    check_nothing_carried,
     check_no_writes_to_parameters,
     parameter_identities,
     reject_complex_parameters,
@@ -247,6 +249,7 @@ def _plan_on(
     )
     _guarded("the parameter check", lambda: check_no_writes_to_parameters(probe, unwritten, fresh))
     _check_finite(reference)
+    _guarded("the carry-over check", lambda: check_nothing_carried(probe, tolerance))
     _guarded("the independence check", lambda: check_independent(probe, reference, tolerance, removal))
     _guarded("the buffer check", lambda: check_no_data_in_buffers(probe, tolerance))
     scale = float(reference.norms().max()) or 1.0

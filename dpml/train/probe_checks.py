@@ -22,6 +22,15 @@ computed from parameters), which replacing an example does not show. Under repla
 keep their places and the batch its size (Poisson sampling draws the same indices for both data sets), so that check
 is not asked for there.
 
+**Nothing carried to the next pass.** Each step's sum must depend on that step's batch and the noisy parameters alone
+(adaptive composition: step t+1 may read the released θ_{t+1}, never step t's records). A module that keeps
+something of a batch in a plain attribute (a tensor or a number, not a buffer) and reads it in the next pass lets a
+record move every later step's sum, outside the sensitivity C. So the probe batch's losses are computed after a pass
+on the probe batch and after a pass on it with example 0 replaced (buffers and random state restored before each
+pass, as for every probe pass): they must be the same. A model whose losses change from pass to pass with nothing
+changed (a count of its passes) cannot be judged by the probe and is refused, saying so. These run before the
+independence checks, whose passes follow one another: carried state would show there as mixing.
+
 **No writes to parameters.** DP-SGD's guarantee covers parameters that change by the noisy step alone:
 θ_{t+1} = θ_t − η (Σ_i clip_C(g_i) + N(0, σ²C²I)) / B is post-processing of the Gaussian mechanism (Abadi et al.
 2016, Algorithm 1). A forward or backward pass that writes into a parameter changes it from the batch with no noise:
@@ -179,6 +188,41 @@ def _differs(value: torch.Tensor, other: torch.Tensor, tolerance: float) -> bool
     if not value.is_floating_point():
         return not torch.equal(value, other)
     return value.numel() > 0 and bool((value - other).abs().max() > tolerance * (value.abs().max() + 1e-30))
+
+
+def _losses_after_a_pass_on(probe: Probe, before: torch.Tensor) -> torch.Tensor:
+    """The probe batch's losses in a pass that follows one on ``before`` (buffers and random state restored)."""
+    with torch.no_grad():
+        with probe.same_state():
+            per_example_losses(probe.model, probe.loss_fn, before, probe.y)
+        with probe.same_state():
+            return per_example_losses(probe.model, probe.loss_fn, probe.x, probe.y)
+
+
+def check_nothing_carried(probe: Probe, tolerance: float) -> None:
+    """A pass's losses do not depend on the batch of the pass before (module docstring, **Nothing carried to the
+    next pass**), else :class:`ClippingUnsupported`; nor, first, on how many passes came before."""
+    first = _losses_after_a_pass_on(probe, probe.x)
+    again = _losses_after_a_pass_on(probe, probe.x)
+    k = _first_moved(again, first, tolerance, first)
+    if k is not None:
+        raise ClippingUnsupported(
+            f"model: the loss of example {k} of the probe batch changed from one pass to the next "
+            f"({float(first[k]):.6g} → {float(again[k]):.6g}) with the same batch, buffers and random state: the "
+            "model keeps state across passes outside its parameters and buffers (a count of its passes, an "
+            "attribute its forward pass sets), which the probe cannot judge; compute each pass from its own batch "
+            "and the parameters alone"
+        )
+    other = _losses_after_a_pass_on(probe, probe.replaced())
+    k = _first_moved(other, again, tolerance, again)
+    if k is not None:
+        raise ClippingUnsupported(
+            f"model: replacing example 0 of one probe batch changed the loss of example {k} of the next batch "
+            f"({float(again[k]):.6g} → {float(other[k]):.6g}): the model keeps something of a batch "
+            "outside its parameters and buffers (an attribute its forward pass sets) and reads it in the next pass, "
+            "so a record would move every later step's sum beyond its clipped gradient; compute each pass from its "
+            "own batch and the parameters alone"
+        )
 
 
 def _buffers_after_forward(probe: Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
