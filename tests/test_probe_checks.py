@@ -10,11 +10,17 @@ removing one; dropout alone passes."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_clipping_check import labels
 from torch import nn
+from torch.utils.data import TensorDataset
+
+import dpml
+from dpml.ledger.ledger import Ledger
 
 from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
@@ -130,3 +136,40 @@ def test_an_embedding_that_scales_its_gradient_by_the_batch_s_token_counts_is_re
     torch.manual_seed(6)
     with pytest.raises(ClippingUnsupported, match=GRADIENT_MOVED.format("embedding.weight") + ".*scale_grad_by_freq"):
         plan_clipping(FrequencyScaledBag(), per_example_cross_entropy, (4,), torch.int64)
+
+
+def batch_balanced_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy weighted by the inverse of each label's count in the batch (class balancing per batch): under
+    replace-one neighbours the batch keeps its size, and a record's label alone moves the others' weights."""
+    counts = torch.bincount(y, minlength=logits.shape[1]).clamp(min=1).to(logits.dtype)
+    return F.cross_entropy(logits, y, reduction="none") * (len(y) / counts[y]) / logits.shape[1]
+
+
+def smoothed_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="none", label_smoothing=0.1)
+
+
+def test_a_loss_weighted_by_the_batch_s_label_counts_is_refused_under_replace_one(tmp_path: Path) -> None:
+    """The replaced record takes another label as well as another input (replacing the input alone left every
+    weight as it was, and such a loss trained with its ε certified)."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(ClippingUnsupported, match=r"changed the loss of example \d+ .* label counts"):
+        plan_clipping(model, batch_balanced_loss, (6,), neighbouring="replace-one")
+    ledger = tmp_path / "ledger.db"
+    records = TensorDataset(torch.randn(60, 6), labels(60, 3))
+    with pytest.raises(ClippingUnsupported, match="label counts"):
+        dpml.train_private(
+            model,
+            records,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            expected_batch_size=10,
+            loss=batch_balanced_loss,
+            neighbouring="replace-one",
+            ledger=str(ledger),
+            epsilon_budget=10.0,
+            lineage="rows",
+        )
+    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+    plan_clipping(model, smoothed_loss, (6,), neighbouring="replace-one")  # a loss of each record alone passes

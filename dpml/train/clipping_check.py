@@ -12,7 +12,8 @@ relative 1e-3):
 1. **Reference.** ℓ_i for a probe batch of B examples and, for each i, g_i = ∂ℓ_i/∂θ by plain autograd
    (one backward pass per example: the definition, for any module), kept as its norms and added into the
    weighted sums Σ_i c_i g_i the checks need (each g_i formed twice, to hold one at a time).
-2. **Independence.** Replacing example 0 must leave ℓ_1 … ℓ_{B−1} unchanged, and the gradient of
+2. **Independence.** Replacing example 0 (its input and its label: a record is both) must leave ℓ_1 … ℓ_{B−1}
+   unchanged, and the gradient of
    Σ_{i≥1} c_i ℓ_i too (a model that mixes the examples only where a parameter is still zero), and under add-remove
    neighbours removing it must leave those losses as well (a model scaled by the batch's size:
    :mod:`dpml.train.probe_checks`). A model whose output for one example depends on another (batch
@@ -228,7 +229,7 @@ def _plan_on(
     fresh: Callable[[], nn.Module],
     loss_fn: LossFn,
     x_all: torch.Tensor,
-    labels: torch.Tensor | None,
+    labels_all: torch.Tensor | None,
     tolerance: float,
     removal: bool,
 ) -> ClippingPlan:
@@ -236,10 +237,14 @@ def _plan_on(
     reference_model.train()
     unwritten = parameter_identities(reference_model)
     buffers = {name: b.detach().clone() for name, b in reference_model.named_buffers()}
-    if labels is None:
+    if labels_all is None:
         with torch.no_grad():
-            labels = probe_labels(_guarded("the forward pass", lambda: reference_model(x)), x.shape[0])
-    probe = Probe(reference_model, loss_fn, x, labels, x_all[-1], buffers)
+            outputs = _guarded("the forward pass", lambda: reference_model(x))
+        labels = probe_labels(outputs, x.shape[0])
+        replacement_label = (labels[0] + 1) % max(1, outputs.shape[-1])  # the replaced record's label changes too
+    else:
+        labels, replacement_label = labels_all[:-1], labels_all[-1]
+    probe = Probe(reference_model, loss_fn, x, labels, x_all[-1], replacement_label, buffers)
     factors = 0.2 + 0.8 * torch.rand(  # in the parameters' dtype, as the engine's (a model may return float32 logits)
         x.shape[0], generator=torch.Generator().manual_seed(PROBE_SEED + 2), dtype=engine_dtype(reference_model)
     )
@@ -392,7 +397,7 @@ def _plan(
         if probe is None:
             x_all, labels = probe_batch(model, input_shape, input_dtype), None
         else:
-            x_all, labels = torch.cat([probe[0][1:], probe[0][:1]]), probe[1][1:].to(where)
+            x_all, labels = torch.cat([probe[0][1:], probe[0][:1]]), torch.cat([probe[1][1:], probe[1][:1]]).to(where)
         if x_all.is_floating_point():
             x_all = x_all.to(dtype or next(model.parameters()).dtype)  # (as the trainer feeds the records)
         if dtype == torch.float64:

@@ -3,7 +3,8 @@
 buffer keeps the data, and no parameter is written by the passes themselves.
 
 **Independence.** DP-SGD's sensitivity bound holds when removing or replacing example j changes only the j-th term
-of the clipped sum. So replacing example 0 of the probe batch must leave, for the other examples,
+of the clipped sum. So replacing example 0 of the probe batch — its input and its label, another class: a loss
+weighted by the batch's label counts moves the others' terms with a label alone — must leave, for the other examples,
 
 - their losses ℓ_1 … ℓ_{B−1} unchanged, and
 - the gradient of Σ_{i≥1} c_i ℓ_i (random c) with respect to every trainable parameter unchanged.
@@ -80,13 +81,19 @@ class Probe:
     x: torch.Tensor
     y: torch.Tensor
     replacement: torch.Tensor
+    replacement_label: torch.Tensor
     buffers: dict[str, torch.Tensor]
 
-    def replaced(self) -> torch.Tensor:
-        """The probe batch with example 0 replaced (the independence and buffer checks)."""
-        changed = self.x.clone()
-        changed[0] = self.replacement
-        return changed
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The probe batch: inputs and labels."""
+        return self.x, self.y
+
+    def replaced(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The probe batch with record 0 replaced, its input and its label (a record is both: a loss weighted by
+        the batch's label counts moves the others' terms with a label alone)."""
+        inputs, labels = self.x.clone(), self.y.clone()
+        inputs[0], labels[0] = self.replacement, self.replacement_label
+        return inputs, labels
 
     @contextmanager
     def same_state(self) -> Iterator[None]:
@@ -105,17 +112,18 @@ def check_independent(probe: Probe, reference: Reference, tolerance: float, remo
     (``removal``: add-remove neighbours) removing it leaves their losses (module docstring); otherwise
     :class:`ClippingUnsupported`, saying what moved."""
     with probe.same_state(), torch.no_grad():
-        losses = per_example_losses(probe.model, probe.loss_fn, probe.replaced(), probe.y)
+        losses = per_example_losses(probe.model, probe.loss_fn, *probe.replaced())
     k = _first_moved(losses[1:], reference.losses[1:], tolerance, reference.losses)
     if k is not None:
         k += 1
         raise ClippingUnsupported(
             f"model: replacing example 0 of a probe batch changed the loss of example {k} "
-            f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model mixes the examples of a batch "
-            "(batch statistics, attention or pooling across the batch), so clipping each example's gradient does "
-            "not bound its influence; make each example's output depend on that example alone"
+            f"({float(reference.losses[k]):.6g} → {float(losses[k]):.6g}): the model or its loss mixes the examples of "
+            "a batch (batch statistics, attention or pooling across the batch, a loss weighted by the batch's label "
+            "counts), so clipping each example's gradient does not bound its influence; make each example's loss "
+            "depend on that record alone"
         )
-    before, after = _others_gradient(probe, probe.x), _others_gradient(probe, probe.replaced())
+    before, after = _others_gradient(probe, probe.batch()), _others_gradient(probe, probe.replaced())
     total = float(torch.stack([g.norm() for g in before.values()]).norm()) if before else 0.0
     errors = {
         name: float((after[name] - g).norm() / (g.norm() + tolerance * total + 1e-300)) for name, g in before.items()
@@ -172,11 +180,12 @@ def _first_moved(found: torch.Tensor, expected: torch.Tensor, tolerance: float, 
     return int(moved[0]) if moved.numel() else None
 
 
-def _others_gradient(probe: Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """∂(Σ_{i≥1} c_i ℓ_i)/∂θ on the batch ``x``, c fixed random weights in [0.5, 1]: the examples other than 0."""
+def _others_gradient(probe: Probe, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """∂(Σ_{i≥1} c_i ℓ_i)/∂θ on ``batch`` (inputs, labels), c fixed random weights in [0.5, 1]: the examples other
+    than 0."""
     params = {n: p for n, p in probe.model.named_parameters() if p.requires_grad}
     with probe.same_state():
-        losses = per_example_losses(probe.model, probe.loss_fn, x, probe.y)
+        losses = per_example_losses(probe.model, probe.loss_fn, *batch)
         weights = 0.5 + 0.5 * torch.rand(losses.shape[0] - 1, generator=torch.Generator().manual_seed(PROBE_SEED + 3))
         total = (losses[1:] * weights.to(losses)).sum()
         grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
@@ -190,11 +199,11 @@ def _differs(value: torch.Tensor, other: torch.Tensor, tolerance: float) -> bool
     return value.numel() > 0 and bool((value - other).abs().max() > tolerance * (value.abs().max() + 1e-30))
 
 
-def _losses_after_a_pass_on(probe: Probe, before: torch.Tensor) -> torch.Tensor:
+def _losses_after_a_pass_on(probe: Probe, before: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The probe batch's losses in a pass that follows one on ``before`` (buffers and random state restored)."""
     with torch.no_grad():
         with probe.same_state():
-            per_example_losses(probe.model, probe.loss_fn, before, probe.y)
+            per_example_losses(probe.model, probe.loss_fn, *before)
         with probe.same_state():
             return per_example_losses(probe.model, probe.loss_fn, probe.x, probe.y)
 
@@ -202,8 +211,8 @@ def _losses_after_a_pass_on(probe: Probe, before: torch.Tensor) -> torch.Tensor:
 def check_nothing_carried(probe: Probe, tolerance: float) -> None:
     """A pass's losses do not depend on the batch of the pass before (module docstring, **Nothing carried to the
     next pass**), else :class:`ClippingUnsupported`; nor, first, on how many passes came before."""
-    first = _losses_after_a_pass_on(probe, probe.x)
-    again = _losses_after_a_pass_on(probe, probe.x)
+    first = _losses_after_a_pass_on(probe, probe.batch())
+    again = _losses_after_a_pass_on(probe, probe.batch())
     k = _first_moved(again, first, tolerance, first)
     if k is not None:
         raise ClippingUnsupported(
@@ -225,9 +234,9 @@ def check_nothing_carried(probe: Probe, tolerance: float) -> None:
         )
 
 
-def _buffers_after_forward(probe: Probe, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def _buffers_after_forward(probe: Probe, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
     with probe.same_state(), torch.no_grad():
-        per_example_losses(probe.model, probe.loss_fn, x, probe.y)
+        per_example_losses(probe.model, probe.loss_fn, *batch)
         return {name: b.detach().clone() for name, b in probe.model.named_buffers()}
 
 
@@ -236,7 +245,7 @@ def check_no_data_in_buffers(probe: Probe, tolerance: float) -> None:
     (:mod:`dpml.train.clipping_check`'s docstring, step 2)."""
     if not probe.buffers:
         return
-    before, after = _buffers_after_forward(probe, probe.x), _buffers_after_forward(probe, probe.replaced())
+    before, after = _buffers_after_forward(probe, probe.batch()), _buffers_after_forward(probe, probe.replaced())
     for name, value in before.items():
         if _differs(value, after[name], tolerance):
             raise ClippingUnsupported(
@@ -259,11 +268,12 @@ def parameter_identities(model: nn.Module) -> dict[str, tuple[int, int, bytes]]:
     return {name: (p._version, p.data_ptr(), _digest(p)) for name, p in model.named_parameters()}
 
 
-def _training_pass(probe: Probe, model: nn.Module, x: torch.Tensor) -> None:
+def _training_pass(probe: Probe, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     """One forward and backward pass in training mode from the probe's random state (no ``.grad`` written)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    with probe.same_state() if model is probe.model else forked_generators(x.device, PROBE_SEED):
-        torch.autograd.grad(per_example_losses(model, probe.loss_fn, x, probe.y).sum(), params, allow_unused=True)
+    with probe.same_state() if model is probe.model else forked_generators(batch[0].device, PROBE_SEED):
+        losses = per_example_losses(model, probe.loss_fn, *batch)
+        torch.autograd.grad(losses.sum(), params, allow_unused=True)
 
 
 def _moved(before: dict[str, tuple[int, int, bytes]], model: nn.Module) -> list[str]:
@@ -293,7 +303,7 @@ def check_no_writes_to_parameters(
     if not written:
         return
     now = parameter_identities(probe.model)
-    _training_pass(probe, probe.model, probe.x)
+    _training_pass(probe, probe.model, probe.batch())
     again = _moved(now, probe.model)
     if again:
         raise _refuse_writes(
@@ -302,7 +312,7 @@ def check_no_writes_to_parameters(
             "renormalises the rows a batch looks up), which the probe cannot tell from the examples",
         )
     first, second = fresh().train(), fresh().train()
-    _training_pass(probe, first, probe.x)
+    _training_pass(probe, first, probe.batch())
     _training_pass(probe, second, probe.replaced())
     values = dict(second.named_parameters())
     differ = [n for n, p in first.named_parameters() if n in written and not torch.equal(p, values[n])]
