@@ -256,7 +256,7 @@ def test_a_model_the_engine_refuses_spends_nothing(tmp_path: Path) -> None:
             return self.inner(x - x.mean(0, keepdim=True))
 
     data = Blobs()
-    with pytest.raises(ClippingUnsupported, match="the model mixes the examples of a batch"):
+    with pytest.raises(ClippingUnsupported, match="the model or its loss mixes the examples of a batch"):
         dpml.train_private(MixesTheBatch(), data, ledger=ledger_path, epsilon_budget=5.0, lineage="blobs", **SETTINGS)
     assert data.reads <= 2
     assert not ledger_path.exists() or Ledger(ledger_path, 1e-4).spends() == []
