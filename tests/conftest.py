@@ -163,6 +163,34 @@ def trains_without_the_exact_path(model: Any, dataset: Any, **settings: Any) -> 
     return result
 
 
+CHARGED_RUN = {"noise_multiplier": 1.0, "delta": 1e-5, "expected_batch_size": 10, "epsilon_budget": 10.0}
+"""The settings of :func:`refused_before_any_charge` and :func:`trains_charged_once` (updated by theirs)."""
+
+
+def refused_before_any_charge(ledger: Path, model: Any, dataset: Any, match: str, **settings: Any) -> None:
+    """``dpml.train_private`` charged to the ledger at ``ledger`` refuses ``model`` (:class:`ClippingUnsupported`
+    matching ``match``) before anything is charged."""
+    import dpml
+    from dpml.ledger.ledger import Ledger
+    from dpml.train.clipping_check import ClippingUnsupported
+
+    with pytest.raises(ClippingUnsupported, match=match):
+        dpml.train_private(model, dataset, ledger=str(ledger), lineage="records", **(CHARGED_RUN | settings))
+    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+
+
+def trains_charged_once(ledger: Path, model: Any, dataset: Any, **settings: Any) -> Any:
+    """``dpml.train_private`` (one epoch, seed 0) charged to the ledger at ``ledger``: one spend, ε certified within
+    the budget."""
+    import dpml
+    from dpml.ledger.ledger import Ledger
+
+    run = CHARGED_RUN | {"epochs": 1, "seed": 0} | settings
+    result = dpml.train_private(model, dataset, ledger=str(ledger), lineage="records", **run)
+    assert len(Ledger(ledger, 1e-5).spends()) == 1 and 0 < result.epsilon < run["epsilon_budget"]
+    return result
+
+
 def assert_clips_as_a_per_example_loop(model: Any, loss: Any, x: Any, y: Any, clip: float, exact: Any = ()) -> None:
     """The engine's clipped sums and norms (:func:`dpml.train.clipping.clipped_gradient_sum`) equal a float64 loop
     of one backward pass per example, each from the buffers the batch's pass started from (spectral norm's power

@@ -16,15 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refused_before_any_charge
 from test_library_models import LENGTH, VOCABULARY, tiny_bert, tiny_gpt2
 from test_op_rules import assert_exact_without_the_exact_path
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import dpml
-from dpml.ledger.ledger import Ledger
 from dpml.models.library import LibraryModel
-from dpml.train.clipping_check import ClippingUnsupported
 from dpml.train.dpsgd import per_example_cross_entropy
 
 BUILDERS = {"bert": tiny_bert, "gpt2": tiny_gpt2}
@@ -73,16 +71,4 @@ def test_reentrant_checkpointing_is_refused_before_anything_is_charged(kind: str
     net = checkpointed(kind, reentrant=True)
     ids, mask, labels = token_batch(40)
     assert blocks_run_per_pass(net, ids, mask) == 2
-    ledger = tmp_path / "ledger.db"
-    with pytest.raises(ClippingUnsupported, match="use_reentrant=False"):
-        dpml.train_private(
-            net,
-            TensorDataset(ids, mask, labels),
-            noise_multiplier=1.0,
-            delta=1e-5,
-            expected_batch_size=10,
-            ledger=str(ledger),
-            epsilon_budget=10.0,
-            lineage="tokens",
-        )
-    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+    refused_before_any_charge(tmp_path / "ledger.db", net, TensorDataset(ids, mask, labels), "use_reentrant=False")

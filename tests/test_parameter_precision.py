@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refused_before_any_charge, trains_charged_once
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import dpml
-from dpml.ledger.ledger import Ledger
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -64,20 +63,10 @@ def test_a_trainable_low_precision_parameter_is_refused_by_the_plan_naming_it(dt
 
 
 def test_train_private_refuses_a_bfloat16_model_before_anything_is_charged(tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger.db"
     x, y = batch(60, torch.bfloat16)
-    with pytest.raises(ClippingUnsupported, match="'0.weight' is trainable in torch.bfloat16"):
-        dpml.train_private(
-            mlp(torch.bfloat16),
-            TensorDataset(x, y),
-            noise_multiplier=1.0,
-            delta=1e-5,
-            expected_batch_size=10,
-            ledger=str(ledger),
-            epsilon_budget=10.0,
-            lineage="rows",
-        )
-    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+    refused_before_any_charge(
+        tmp_path / "ledger.db", mlp(torch.bfloat16), TensorDataset(x, y), "'0.weight' is trainable in torch.bfloat16"
+    )
 
 
 class FrozenHalfBody(nn.Module):
@@ -94,21 +83,8 @@ class FrozenHalfBody(nn.Module):
 
 
 def test_frozen_low_precision_parameters_pass_and_the_model_trains(tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger.db"
     x, y = batch(60, torch.float32)
-    result = dpml.train_private(
-        FrozenHalfBody(),
-        TensorDataset(x, y),
-        noise_multiplier=1.0,
-        delta=1e-5,
-        expected_batch_size=10,
-        epochs=1,
-        seed=0,
-        ledger=str(ledger),
-        epsilon_budget=10.0,
-        lineage="rows",
-    )
-    assert len(Ledger(ledger, 1e-5).spends()) == 1 and 0 < result.epsilon < 10
+    trains_charged_once(tmp_path / "ledger.db", FrozenHalfBody(), TensorDataset(x, y))
 
 
 def test_beside_a_frozen_bfloat16_body_the_norms_and_clip_factors_are_float32() -> None:

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refused_before_any_charge, trains_charged_once
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import dpml
-from dpml.ledger.ledger import Ledger
 from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
 
@@ -171,24 +170,11 @@ def test_train_private_refuses_it_before_anything_is_charged_or_any_record_is_re
 ) -> None:
     """Every input the model sees before the refusal is synthetic: the probe's, and the one record of its shape that
     reads the output width (the records hold tokens 1…5 only; a synthetic row of them is a 1-in-10⁴ draw)."""
-    ledger = tmp_path / "ledger.db"
     model = Bag(max_norm=1.0)
     records = token_records(60)
     seen: list[torch.Tensor] = []
     model.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].detach().clone()))
-    with pytest.raises(ClippingUnsupported, match="max_norm=None"):
-        dpml.train_private(
-            model,
-            records,
-            noise_multiplier=1.0,
-            delta=1e-5,
-            expected_batch_size=10,
-            ledger=str(ledger),
-            epsilon_budget=10.0,
-            lineage="tokens",
-            inputs="tensor",
-        )
-    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+    refused_before_any_charge(tmp_path / "ledger.db", model, records, "max_norm=None", inputs="tensor")
     assert seen, "the model was never called"
     private = {tuple(row.tolist()) for row in records.tensors[0]}
     assert not any(tuple(row.tolist()) in private for batch in seen for row in batch.reshape(-1, LENGTH).long())
@@ -197,19 +183,4 @@ def test_train_private_refuses_it_before_anything_is_charged_or_any_record_is_re
 def test_the_same_model_without_max_norm_trains(tmp_path: Path) -> None:
     """The check's counterpart: padding rows, sparse-free lookups and a tied head write nothing and train, charged
     once."""
-    ledger = tmp_path / "ledger.db"
-    model = Bag(padding_idx=0)
-    result = dpml.train_private(
-        model,
-        token_records(60),
-        noise_multiplier=1.0,
-        delta=1e-5,
-        expected_batch_size=10,
-        epochs=1,
-        seed=0,
-        ledger=str(ledger),
-        epsilon_budget=10.0,
-        lineage="tokens",
-        inputs="tensor",
-    )
-    assert len(Ledger(ledger, 1e-5).spends()) == 1 and 0 < result.epsilon < 10
+    trains_charged_once(tmp_path / "ledger.db", Bag(padding_idx=0), token_records(60), inputs="tensor")

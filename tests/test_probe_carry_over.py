@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refused_before_any_charge
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import dpml
-from dpml.ledger.ledger import Ledger
 from dpml.train.clipping import clipped_gradient_sum
 from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy
@@ -103,18 +102,6 @@ def test_values_kept_but_never_read_again_pass() -> None:
 
 
 def test_train_private_refuses_it_before_anything_is_charged(tmp_path: Path) -> None:
-    ledger = tmp_path / "ledger.db"
     g = torch.Generator().manual_seed(3)
     records = TensorDataset(torch.randn(60, 6, generator=g), torch.randint(0, 3, (60,), generator=g))
-    with pytest.raises(ClippingUnsupported, match=CARRIED):
-        dpml.train_private(
-            CentresOnLastBatch(),
-            records,
-            noise_multiplier=1.0,
-            delta=1e-5,
-            expected_batch_size=10,
-            ledger=str(ledger),
-            epsilon_budget=10.0,
-            lineage="rows",
-        )
-    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+    refused_before_any_charge(tmp_path / "ledger.db", CentresOnLastBatch(), records, CARRIED)

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import refused_before_any_charge
 from test_clipping_check import labels
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import dpml
-from dpml.ledger.ledger import Ledger
 
 from dpml.train.clipping_check import ClippingUnsupported, plan_clipping
 from dpml.train.dpsgd import per_example_cross_entropy, train_dpsgd
@@ -156,20 +155,8 @@ def test_a_loss_weighted_by_the_batch_s_label_counts_is_refused_under_replace_on
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(ClippingUnsupported, match=r"changed the loss of example \d+ .* label counts"):
         plan_clipping(model, batch_balanced_loss, (6,), neighbouring="replace-one")
-    ledger = tmp_path / "ledger.db"
     records = TensorDataset(torch.randn(60, 6), labels(60, 3))
-    with pytest.raises(ClippingUnsupported, match="label counts"):
-        dpml.train_private(
-            model,
-            records,
-            noise_multiplier=1.0,
-            delta=1e-5,
-            expected_batch_size=10,
-            loss=batch_balanced_loss,
-            neighbouring="replace-one",
-            ledger=str(ledger),
-            epsilon_budget=10.0,
-            lineage="rows",
-        )
-    assert not ledger.exists() or Ledger(ledger, 1e-5).spends() == []
+    refused_before_any_charge(
+        tmp_path / "ledger.db", model, records, "label counts", loss=batch_balanced_loss, neighbouring="replace-one"
+    )
     plan_clipping(model, smoothed_loss, (6,), neighbouring="replace-one")  # a loss of each record alone passes
