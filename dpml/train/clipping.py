@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -294,7 +294,7 @@ def engine_pass(
     reads = dict(exact.constant_reads) if isinstance(exact, PlannedExact) else {}
     constant_reads = None if any_constant_reads else {id(params[n]): d for n, d in reads.items() if n in params}
     batch = x.shape[0]
-    zeros = torch.zeros(batch, device=x.device, dtype=engine_dtype(model))
+    zeros = torch.zeros(batch, device=x.device, dtype=engine_dtype(model, params.values()))
     if batch == 0:
         return EnginePass(0, [], {n: p.new_zeros((0, *p.shape)) for n, p in params.items()}, names, zeros)
     candidates = fast_candidates(model, names, exact)
@@ -364,12 +364,13 @@ def engine_pass(
     return EnginePass(batch, fast, per_example, names, zeros, reasons, constants_read)
 
 
-def engine_dtype(model: nn.Module) -> torch.dtype:
+def engine_dtype(model: nn.Module, trainable: Iterable[torch.Tensor] | None = None) -> torch.dtype:
     """The dtype of a pass's per-example norms and of the clip factors its sums take: the widest of the trainable
     parameters' (whatever dtype the loss comes in: a model may return float32 logits from float64 parameters; and a
-    frozen low-precision body before float32 adapters does not narrow them), else the first parameter's."""
+    frozen low-precision body before float32 adapters does not narrow them), else the first parameter's.
+    ``trainable``: the model's trainable parameters, where the caller holds them already (a pass: no second walk)."""
     widest = None
-    for p in model.parameters():
+    for p in model.parameters() if trainable is None else trainable:
         if p.requires_grad and p.is_floating_point() and (widest is None or p.element_size() > widest.itemsize):
             widest = p.dtype
     return widest if widest is not None else next(model.parameters()).dtype

@@ -334,9 +334,8 @@ def reject_low_precision_parameters(model: nn.Module) -> None:
     engine forms norms and sums in the parameter's dtype, and with 8 (bfloat16) or 11 (float16) bits of mantissa the
     rounding of the norm and of the sum breaks that: a bfloat16 MLP's clipped gradient of one example measured
     1.010 C, two neighbouring sums 1.010 C apart (float16: 1.001 C; float32: 1 + 2e-7), so the certified ε would
-    not hold. Float32
-    parameters with a bf16 forward pass (``train.autocast: bf16``) form norms, sums and noise in float32; frozen
-    parameters may be of any dtype (no gradient of theirs is released)."""
+    not hold. Float32 parameters with a bf16 forward pass (``train.autocast: bf16``) form norms, sums and noise in
+    float32; frozen parameters may be of any dtype (no gradient of theirs is released)."""
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype in LOW_PRECISION:
             raise ClippingUnsupported(
