@@ -19,7 +19,7 @@ from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.ragged import Ragged
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, function_name
-from dpml.train.rules.rerun import LocalRun, RandomState, replayed
+from dpml.train.rules.rerun import LocalRun, RandomState, moved_from, replayed
 from dpml.train.rules.stitched import SourceKey, Stitched, stitch
 
 
@@ -199,7 +199,8 @@ def first_rows(
     comparison waits for it, and such constants are rare). An operand of fewer dimensions than the outputs that does
     not repeat a row is left whole: broadcast, its first dimension meets the outputs' last ones, not their rows (a
     norm's weight of N numbers, a layer's (N, n) weight on (N, T, n) rows), and where the call pairs it with the rows
-    all the same, the call on one row gives other than one row and the chain is not carried; so whether a chain is
+    all the same, the call on one row gives other than one row and the chain is not carried; nor where the call draws
+    random numbers (``F.dropout`` on the repeated rows gives each row its own mask); so whether a chain is
     carried does not depend on a size that equals N at one batch size only (the Perceiver's latents of width 32 at a
     batch of 32). An operation that mixes the rows (a running sum along that dimension) makes the node's rows another
     function, which the probe's check against per-example autograd finds and takes exactly."""
@@ -228,7 +229,10 @@ def first_rows(
     try:
         with torch.enable_grad(), replayed(state):
             one = func(*call[0], **call[1])
+            drew = moved_from(state)
     except (RuntimeError, TypeError, ValueError, IndexError):
+        return None
+    if drew:  # (dropout on the repeated rows: each row draws its own mask, the rows are no longer one row's repeats)
         return None
     pairs = list(zip(outputs(one), outputs(out), strict=False))
     if len(pairs) != len(outputs(out)) or any(o.dim() < 1 or o.shape != (1, *r.shape[1:]) for o, r in pairs):

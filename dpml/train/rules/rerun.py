@@ -111,6 +111,13 @@ def replayed(state: RandomState) -> Iterator[None]:
         set_rng_state(now, device)
 
 
+def moved_from(state: RandomState) -> bool:
+    """The generators are no longer at ``state``: a call run from it (:func:`replayed`) drew random numbers."""
+    before, device = state
+    now = rng_state(device)
+    return any(a is not None and b is not None and not torch.equal(a, b) for a, b in zip(now, before, strict=True))
+
+
 class NotRunAgain(RuntimeError):
     """A recorded call could not be run again to the same numbers (:meth:`LocalRun.failure` says why)."""
 
