@@ -91,6 +91,7 @@ def test_flow_registers_tagged_versions_and_gates_champion(workdir: Path, prefec
     assert float(v1.tags["audit.epsilon_lower_bound"]) <= float(v1.tags["dp.epsilon"])
     report = Path(mlflow.artifacts.download_artifacts(run_id=v1.run_id, artifact_path="privacy_report.md")).read_text()
     assert "add-or-remove-one" in report and "Release gate: PASSED" in report
+    assert "the guarantee covers the model, not this report's figures" in report  # (accuracies from the records)
     # The three-part verdict, the same words in gate.json, the version's tags, its run's metrics and the report.
     verdict = first["gate"]["verdict"]
     assert verdict["certificate"]["word"] == "within budget"

@@ -242,6 +242,7 @@ def test_the_release_card_is_one_self_contained_page_with_the_verdict_first(
         "DP limit (ε = " + epsilon,
         *(verdict[part]["word"] for part in ("certificate", "implementation", "attacks")),
         *results["audit"]["target"]["attacks"],
+        "the certificate covers the model, not this card's numbers",  # (the audit's figures come from the records)
     ):
         assert fact in card, fact
     assert card.count("<path") >= 2 + len(results["audit"]["target"]["attacks"])  # chance, DP limit, each attack

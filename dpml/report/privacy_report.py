@@ -235,6 +235,10 @@ def render(
     )
     lines += ["", "**Utility.**", ""]
     lines.append(f"- test accuracy {_fmt(train['test_accuracy'])}, train accuracy {_fmt(train['train_accuracy'])}")
+    lines.append(
+        "- measured on the records themselves without noise (as the clipped fraction above and the audit below): "
+        "the guarantee covers the model, not this report's figures"
+    )
     if "noisy_validation_accuracy" in train:
         chosen = {k.removeprefix("chosen."): v for k, v in train.items() if k.startswith("chosen.")}
         lines.append(

@@ -196,7 +196,9 @@ def render_card(
         _svg_roc(curves, epsilon, delta) if curves else "<p>No attack scores were recorded.</p>",
         '<p class="muted">Each curve is one membership-inference attack on the released model (members: '
         "training records; non-members: never trained on). Above the red DP limit no attack can go without "
-        "refuting the certificate.</p>",
+        "refuting the certificate. These figures, and the audit's below, are computed from the training "
+        "records themselves, without noise: the certificate covers the model, not this card's numbers; keep "
+        "the card with the data's custodians where whether a person took part is itself sensitive.</p>",
         _table(
             ["attack", "AUC", "TPR at 1% FPR", "TPR at 0.1% FPR"],
             [
