@@ -524,9 +524,11 @@ class TablesAtOneRowOfIds(nn.Module):
     (``full((B, T, depth), k)``, ``ids``: or expanded from one row), joined and mapped by layers on parameters alone,
     the result added to the batch's own embedding."""
 
-    def __init__(self, made: str, depth: int = 3, width: int = 4, hidden: int = 16, dropout: float = 0.0) -> None:
+    def __init__(
+        self, made: str, depth: int = 3, width: int = 4, hidden: int = 16, dropout: float = 0.0, alpha: bool = False
+    ) -> None:
         super().__init__()
-        self.made, self.dropout = made, dropout
+        self.made, self.dropout, self.alpha = made, dropout, alpha
         self.words = nn.Embedding(30, hidden)
         self.tables = nn.ModuleList(nn.Embedding(20, width) for _ in range(depth))
         self.inner = nn.Linear(depth * width, hidden)
@@ -539,7 +541,8 @@ class TablesAtOneRowOfIds(nn.Module):
         else:
             ids = (torch.arange(length * len(self.tables)) % 20).view(1, length, -1).expand(batch, -1, -1)
         tables = torch.cat([table(ids[:, :, k]) for k, table in enumerate(self.tables)], -1)
-        paths = F.dropout(torch.tanh(self.inner(tables)), self.dropout, self.training)
+        drop = F.alpha_dropout if self.alpha else F.dropout
+        paths = drop(torch.tanh(self.inner(tables)), self.dropout, self.training)
         return self.out(torch.tanh(self.words(x) + paths)).mean(1)
 
 
@@ -557,14 +560,66 @@ def test_tables_looked_up_at_one_row_of_ids_are_carried_on_that_row(made: str, m
 
 
 @pytest.mark.parametrize("made", ["full", "expanded"])
-def test_dropout_on_rows_alike_is_not_carried_on_one_row(made: str) -> None:
+@pytest.mark.parametrize("alpha", [False, True], ids=["dropout", "alpha-dropout"])
+def test_random_draws_on_rows_alike_are_not_carried_on_one_row(made: str, alpha: bool) -> None:
     """MarkupLM in training mode: dropout after the layer on the alike rows draws a mask per row, so the rows are no
-    longer one row's repeats and the chain after it is not carried on the first row (it was, and the probe then sent
-    every table and the inner layer to the exact path: 103 parameters of MarkupLM's); the tables and the layer still
-    take no exact path, and sums and norms equal the float64 loop's under the same masks."""
+    longer one row's repeats. Before 1606359 the chain was carried on the first row through the draw anyway (the
+    engine's sums were wrong, and the probe sent every table and the inner layer to the exact path: MarkupLM's 103
+    parameters). Dropout is now the row times a mask per example (``dpml/train/rules/dropout.py``); alpha dropout,
+    which also shifts, ends the carrying (a draw moves the generator: ``derived.first_rows``). Either way the tables
+    and the layer take no exact path, and sums and norms equal the float64 loop's under the same draws."""
     x = torch.randint(0, 30, (8, 6), generator=generator(4))
-    model = TablesAtOneRowOfIds(made, dropout=0.3).train()
+    model = TablesAtOneRowOfIds(made, dropout=0.3, alpha=alpha).train()
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, x[:, 0] % 3)
+
+
+class QueriesWithDropout(nn.Module):
+    """A DETR's decoder queries: a learned table made one per example (``expand`` over the batch, or added to zeros
+    of the batch's shape), mapped by a layer on parameters alone, then dropout — one mask per example — before the
+    product with the batch's keys (a use the elementwise rule alone does not take)."""
+
+    def __init__(self, made: str, dropout: str, queries: int = 4, width: int = 6) -> None:
+        super().__init__()
+        self.made, self.dropout = made, dropout
+        self.queries = nn.Parameter(torch.randn(queries, width))
+        self.inner = nn.Linear(width, width)
+        self.key = nn.Linear(width, width, bias=False)  # (a key's bias: its gradient is 0 up to rounding)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, width)
+        if self.made == "expanded":
+            q = self.queries.unsqueeze(0).expand(x.shape[0], -1, -1)
+        else:
+            q = torch.zeros(x.shape[0], *self.queries.shape, dtype=x.dtype) + self.queries
+        q = torch.tanh(self.inner(q))
+        if self.dropout == "module":
+            q = self.drop(q)
+        elif self.dropout == "channels":
+            q = F.dropout1d(q, 0.3, self.training)  # (B, queries, width): a query's whole row kept or dropped
+        else:
+            q = torch.dropout(q, 0.3, self.training)
+        scores = torch.matmul(q, self.key(x).transpose(1, 2)).softmax(-1)
+        return self.out(torch.matmul(scores, x)).mean(1)
+
+
+@pytest.mark.parametrize("made", ["expanded", "zeros"])
+@pytest.mark.parametrize("dropout", ["module", "channels", "function"])
+def test_dropout_after_a_carried_chain_is_a_mask_per_example(made: str, dropout: str) -> None:
+    """Dropout on the carried rows multiplies them by a mask of one row per example (``dpml/train/rules/dropout.py``):
+    the product rule takes it and the chain before stays carried, so queries, layer and keys take no exact path
+    (before, all three did: the dropout's output was a computation on parameters of B rows, which the product with
+    the keys has no rule for), and sums and norms equal the float64 loop's under the same masks — which the model's
+    later draws follow too (the loss after the pass is the loop's)."""
+    x = torch.randn(8, 5, 6, generator=generator(6), dtype=torch.float64)
+    model = QueriesWithDropout(made, dropout).train()
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.arange(8) % 3)
+    torch.manual_seed(1)
+    engine_pass(model, per_example_cross_entropy, x, torch.arange(8) % 3, ())
+    after_pass = torch.rand(3)
+    torch.manual_seed(1)
+    model(x)
+    assert torch.equal(after_pass, torch.rand(3))  # the generator left where the model's own pass leaves it
 
 
 class LatentQueries(nn.Module):

@@ -200,7 +200,8 @@ def first_rows(
     not repeat a row is left whole: broadcast, its first dimension meets the outputs' last ones, not their rows (a
     norm's weight of N numbers, a layer's (N, n) weight on (N, T, n) rows), and where the call pairs it with the rows
     all the same, the call on one row gives other than one row and the chain is not carried; nor where the call draws
-    random numbers (``F.dropout`` on the repeated rows gives each row its own mask); so whether a chain is
+    random numbers, each row its own (dropout is taken before, as the row times its mask: :mod:`.dropout`; alpha
+    dropout, noise added); so whether a chain is
     carried does not depend on a size that equals N at one batch size only (the Perceiver's latents of width 32 at a
     batch of 32). An operation that mixes the rows (a running sum along that dimension) makes the node's rows another
     function, which the probe's check against per-example autograd finds and takes exactly."""
@@ -232,7 +233,7 @@ def first_rows(
             drew = moved_from(state)
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None
-    if drew:  # (dropout on the repeated rows: each row draws its own mask, the rows are no longer one row's repeats)
+    if drew:  # (a draw on the repeated rows: each row draws its own, the rows are no longer one row's repeats)
         return None
     pairs = list(zip(outputs(one), outputs(out), strict=False))
     if len(pairs) != len(outputs(out)) or any(o.dim() < 1 or o.shape != (1, *r.shape[1:]) for o, r in pairs):

@@ -51,6 +51,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpml.train.rules.derived import DerivedNodes
+from dpml.train.rules.dropout import mask_of_repeated_rows
 from dpml.train.rules.per_example_calls import per_example_calls
 from dpml.train.rules.rerun import RandomState, random_state, through_view, writes_first_operand
 from dpml.train.rules.outputs import RecordedOutputs
@@ -187,6 +188,11 @@ class Recorder(ExampleMaps, TorchFunctionMode):
         else its outputs tracked as :class:`Derived`."""
         if writes_first_operand(func, kwargs):
             return self._written_on_parameters(func, args, kwargs)
+        masked = mask_of_repeated_rows(func, args, kwargs, self.tracked, self.batch)
+        if masked is not None:  # dropout on rows alike: S ⊙ M, M one row per example (:mod:`.dropout`)
+            self._derived.add(masked[1])
+            with self:
+                return torch.mul(*masked)
         state = random_state(list(tensors(args, kwargs)))
         out = func(*args, **kwargs)
         if not any(o.requires_grad for o in outputs(out)):
