@@ -590,11 +590,17 @@ class QueriesWithDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, width)
         if self.made == "expanded":
             q = self.queries.unsqueeze(0).expand(x.shape[0], -1, -1)
+        elif self.made == "repeated":  # (DETR's query embeddings)
+            q = self.queries.unsqueeze(0).repeat(x.shape[0], 1, 1)
+        elif self.made == "tiled":
+            q = torch.tile(self.queries, (x.shape[0], 1, 1))
         else:
             q = torch.zeros(x.shape[0], *self.queries.shape, dtype=x.dtype) + self.queries
         q = torch.tanh(self.inner(q))
         if self.dropout == "module":
             q = self.drop(q)
+        elif self.dropout == "none":
+            pass
         elif self.dropout == "channels":
             q = F.dropout1d(q, 0.3, self.training)  # (B, queries, width): a query's whole row kept or dropped
         else:
@@ -603,14 +609,16 @@ class QueriesWithDropout(nn.Module):
         return self.out(torch.matmul(scores, x)).mean(1)
 
 
-@pytest.mark.parametrize("made", ["expanded", "zeros"])
-@pytest.mark.parametrize("dropout", ["module", "channels", "function"])
+@pytest.mark.parametrize("made", ["expanded", "zeros", "repeated", "tiled"])
+@pytest.mark.parametrize("dropout", ["none", "module", "channels", "function"])
 def test_dropout_after_a_carried_chain_is_a_mask_per_example(made: str, dropout: str) -> None:
     """Dropout on the carried rows multiplies them by a mask of one row per example (``dpml/train/rules/dropout.py``):
     the product rule takes it and the chain before stays carried, so queries, layer and keys take no exact path
     (before, all three did: the dropout's output was a computation on parameters of B rows, which the product with
-    the keys has no rule for), and sums and norms equal the float64 loop's under the same masks — which the model's
-    later draws follow too (the loss after the pass is the loop's)."""
+    the keys has no rule for), and sums and norms equal the float64 loop's under the same masks; the generator is
+    left where the model's own pass leaves it. Queries copied by ``repeat`` or ``tile`` along a dimension of one are
+    rows alike as ``expand``'s are (their index an expansion: ``operands._repeated_index``); before, the chain on them
+    took the exact path even without dropout."""
     x = torch.randn(8, 5, 6, generator=generator(6), dtype=torch.float64)
     model = QueriesWithDropout(made, dropout).train()
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, torch.arange(8) % 3)

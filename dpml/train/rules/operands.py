@@ -375,7 +375,31 @@ ROW_RESHAPES = {
     torch.Tensor.view_as,
     torch.Tensor.reshape_as,
 }
-_RESHAPE_FOR_INDEX = {torch.Tensor.view: torch.Tensor.reshape}
+
+
+def _repeated_index(index: torch.Tensor, *sizes: Any) -> torch.Tensor:
+    """``index.repeat(*sizes)``, as an expansion (stride 0, the same values) where it repeats only dimensions of size
+    1 (a DETR's ``queries.unsqueeze(0).repeat(B, 1, 1)``): its rows then show as alike, as ``expand``'s do, and a
+    chain on them is carried on one row (:func:`.derived.first_rows`)."""
+    counts = [int(c) for c in (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes)]
+    shape = [1] * (len(counts) - index.dim()) + list(index.shape)
+    if len(counts) < index.dim() or any(c != 1 and s != 1 for c, s in zip(counts, shape, strict=True)):
+        return index.repeat(counts)
+    return index.reshape(shape).expand([c * s for c, s in zip(counts, shape, strict=True)])
+
+
+def _tiled_index(index: torch.Tensor, *sizes: Any) -> torch.Tensor:
+    """``index.tile(*sizes)``: ``repeat`` with the sizes padded by ones in front to the index's dimensions."""
+    counts = [int(c) for c in (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes)]
+    return _repeated_index(index, [1] * (index.dim() - len(counts)) + counts)
+
+
+_RESHAPE_FOR_INDEX = {
+    torch.Tensor.view: torch.Tensor.reshape,
+    torch.Tensor.repeat: _repeated_index,
+    torch.Tensor.tile: _tiled_index,
+    torch.tile: _tiled_index,
+}
 
 
 def apply_view(func: Any, index: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
