@@ -199,12 +199,12 @@ def first_rows(
     comparison waits for it, and such constants are rare). An operand of fewer dimensions than the outputs that does
     not repeat a row is left whole: broadcast, its first dimension meets the outputs' last ones, not their rows (a
     norm's weight of N numbers, a layer's (N, n) weight on (N, T, n) rows), and where the call pairs it with the rows
-    all the same, the call on one row gives other than one row and the chain is not carried; nor where the call draws
-    random numbers, each row its own (dropout is taken before, as the row times its mask: :mod:`.dropout`; alpha
-    dropout, noise added); so whether a chain is
+    all the same, the call on one row gives other than one row and the chain is not carried; so whether a chain is
     carried does not depend on a size that equals N at one batch size only (the Perceiver's latents of width 32 at a
-    batch of 32). An operation that mixes the rows (a running sum along that dimension) makes the node's rows another
-    function, which the probe's check against per-example autograd finds and takes exactly."""
+    batch of 32). Nor is a call that draws random numbers, each row its own (alpha dropout, noise added; dropout is
+    taken before, as the row times its mask: :mod:`.dropout`). An operation that mixes the rows (a running sum along
+    that dimension) makes the node's rows another function, which the probe's check against per-example autograd
+    finds and takes exactly."""
     shaped = [o for o in outputs(out) if o.dim() >= 1]
     if not shaped or shaped[0].shape[0] <= 1:
         return None

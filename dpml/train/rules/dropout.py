@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dpml.train.rules.registry import Tracked
 
-MASKING = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout, torch.feature_dropout)
+MASKING = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout, torch.feature_dropout})
 """The dropouts that multiply their input by the mask they draw (alpha dropout also shifts it: not here)."""
 
 

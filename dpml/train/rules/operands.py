@@ -377,20 +377,26 @@ ROW_RESHAPES = {
 }
 
 
+def _counts(sizes: tuple[Any, ...]) -> list[int]:
+    """The repeat counts of ``t.repeat(2, 1)`` or ``t.repeat((2, 1))`` (``tile`` likewise)."""
+    return [int(c) for c in (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes)]
+
+
 def _repeated_index(index: torch.Tensor, *sizes: Any) -> torch.Tensor:
     """``index.repeat(*sizes)``, as an expansion (stride 0, the same values) where it repeats only dimensions of size
     1 (a DETR's ``queries.unsqueeze(0).repeat(B, 1, 1)``): its rows then show as alike, as ``expand``'s do, and a
-    chain on them is carried on one row (:func:`.derived.first_rows`)."""
-    counts = [int(c) for c in (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes)]
+    chain on them is carried on one row (:func:`.derived.first_rows`). (Fewer counts than dimensions never get here:
+    the call itself raised.)"""
+    counts = _counts(sizes)
     shape = [1] * (len(counts) - index.dim()) + list(index.shape)
-    if len(counts) < index.dim() or any(c != 1 and s != 1 for c, s in zip(counts, shape, strict=True)):
+    if any(c != 1 and s != 1 for c, s in zip(counts, shape, strict=True)):
         return index.repeat(counts)
     return index.reshape(shape).expand([c * s for c, s in zip(counts, shape, strict=True)])
 
 
 def _tiled_index(index: torch.Tensor, *sizes: Any) -> torch.Tensor:
     """``index.tile(*sizes)``: ``repeat`` with the sizes padded by ones in front to the index's dimensions."""
-    counts = [int(c) for c in (sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes)]
+    counts = _counts(sizes)
     return _repeated_index(index, [1] * (index.dim() - len(counts)) + counts)
 
 
