@@ -3,33 +3,32 @@ weights (no hub): the other encoders, decoders and vision models people bring, a
 ``families.py`` asks this module for a family it does not build itself (``--families roberta llama …``, or
 ``--families zoo`` for all of them):
 
-- text (the same token batches as BERT's, its vocabulary): ``roberta``, ``xlm-roberta``, ``distilbert``,
-  ``electra`` and ``albert`` (factorised embeddings half as wide), ``deberta-v2`` (disentangled relative
-  attention), ``convbert`` (depthwise Conv1d span kernels), ``gpt-neo`` (local and global attention), ``opt``,
-  ``bloom`` (ALiBi), ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head
-  for all query heads), ``mixtral`` (a mixture of 8 experts, 2 a token, each a gated MLP as wide as the size's
-  feed-forward layer: each example routes a different number of tokens to each expert), ``qwen2-moe`` (8 experts of a
-  quarter of that width, 2 a token, beside a shared expert gated per token), ``qwen3-moe`` (8 experts of a quarter
-  of that width, 2 a token, no shared expert: the experts do all of its feed-forward work), ``mixtral-eager`` and
-  ``qwen2-moe-eager`` (the same two with ``transformers``' other experts implementation,
-  ``experts_implementation="eager"``: one expert at a time, its tokens' rows gathered, ``F.linear`` on them, the gated
-  results added back into their tokens' rows by ``index_add_``, where the default runs all experts as one grouped
-  product), ``gpt2-lora`` (peft LoRA on GPT-2's
-  ``Conv1D`` attention and projections, the body frozen),
-  ``bert-c3a`` (peft C3A on BERT's query and value: a custom autograd Function of the batch and its kernels, which no
-  rule knows, run example by example), and more of peft's adapters on BERT, the body frozen (:data:`PEFT_ON_BERT`:
-  ``bert-prompt``, ``bert-ia3``, ``bert-dora``, ``bert-loha``, ``bert-lokr``, ``bert-oft``,
-  ``bert-boft``, ``bert-hra``, ``bert-road``, ``bert-vera``, ``bert-fourierft``, ``bert-randlora``,
+- text (the same token batches as BERT's, its vocabulary): ``roberta``, ``xlm-roberta``, ``distilbert``, ``electra`` and
+  ``albert`` (factorised embeddings half as wide), ``deberta-v2`` (as DeBERTa-v3 configures it: disentangled relative
+  attention, a normed table of 512 relative positions through each layer's query and key projections), ``markuplm`` (its
+  XPath embeddings, looked up at the pad ids its forward makes when given none, through two layers on parameters alone),
+  ``convbert`` (depthwise Conv1d span kernels), ``gpt-neo`` (local and global attention), ``opt``, ``bloom`` (ALiBi),
+  ``llama`` (RMSNorm, rotary positions, gated MLP), ``mistral`` and ``qwen2`` (one key-value head for all query heads),
+  ``mixtral`` (a mixture of 8 experts, 2 a token, each a gated MLP as wide as the size's feed-forward layer: each
+  example routes a different number of tokens to each expert), ``qwen2-moe`` (8 experts of a quarter of that width, 2 a
+  token, beside a shared expert gated per token), ``qwen3-moe`` (8 experts of a quarter of that width, 2 a token, no
+  shared expert: the experts do all of its feed-forward work), ``mixtral-eager`` and ``qwen2-moe-eager`` (the same two
+  with ``transformers``' other experts implementation, ``experts_implementation="eager"``: one expert at a time, its
+  tokens' rows gathered, ``F.linear`` on them, the gated results added back into their tokens' rows by ``index_add_``,
+  where the default runs all experts as one grouped product), ``gpt2-lora`` (peft LoRA on GPT-2's ``Conv1D`` attention
+  and projections, the body frozen), ``bert-c3a`` (peft C3A on BERT's query and value: a custom autograd Function of the
+  batch and its kernels, which no rule knows, run example by example), and more of peft's adapters on BERT, the body
+  frozen (:data:`PEFT_ON_BERT`: ``bert-prompt``, ``bert-ia3``, ``bert-dora``, ``bert-loha``, ``bert-lokr``,
+  ``bert-oft``, ``bert-boft``, ``bert-hra``, ``bert-road``, ``bert-vera``, ``bert-fourierft``, ``bert-randlora``,
   ``bert-trainable-tokens``, ``bert-shira``; ``--families peft`` for all of them, with ``bert-lora`` and ``bert-c3a``;
   not prefix tuning, which peft's sequence classifiers refuse where the model's forward takes no key-value cache, as
-  ``transformers`` 5's classifiers do not),
-  ``longformer`` (local attention in windows of 32, global attention on the first token: each example's global
-  tokens written into zeros made for them), ``xlnet`` (time-major relative attention: a position table expanded
-  over the batch, each layer's ``r`` projecting it); and (``--families more-text``, :data:`NEWER_TEXT`) the
-  encoder-decoders ``t5`` (relative position buckets: an embedding indexed by one table shared by the batch, added
-  to every layer's scores; RMS norms without a mean) and ``bart`` (learned positions offset by 2), each classifying
-  from its decoder's state at the example's last ``<eos>``, the decoders ``gemma`` (one key-value head, RMSNorm
-  with its weight plus one), ``phi`` (partial rotary, attention and MLP in parallel), ``falcon`` (multi-query
+  ``transformers`` 5's classifiers do not), ``longformer`` (local attention in windows of 32, global attention on the
+  first token: each example's global tokens written into zeros made for them), ``xlnet`` (time-major relative attention:
+  a position table expanded over the batch, each layer's ``r`` projecting it); and (``--families more-text``,
+  :data:`NEWER_TEXT`) the encoder-decoders ``t5`` (relative position buckets: an embedding indexed by one table shared
+  by the batch, added to every layer's scores; RMS norms without a mean) and ``bart`` (learned positions offset by 2),
+  each classifying from its decoder's state at the example's last ``<eos>``, the decoders ``gemma`` (one key-value head,
+  RMSNorm with its weight plus one), ``phi`` (partial rotary, attention and MLP in parallel), ``falcon`` (multi-query
   attention, parallel attention and MLP), ``gpt-neox`` (partial rotary, parallel residual), and the encoders
   ``modernbert`` (local and global attention, gated MLP, no biases), ``funnel`` (pooled queries halving the sequence
   between blocks, relative attention), ``mobilebert`` (bottlenecks and ``NoNorm``, an elementwise affine in place of
@@ -71,6 +70,7 @@ TEXT_ZOO = [
     "electra",
     "albert",
     "deberta-v2",
+    "markuplm",
     "convbert",
     "gpt-neo",
     "opt",
@@ -89,6 +89,15 @@ TEXT_ZOO = [
     "xlnet",
     *NEWER_TEXT,
 ]
+DEBERTA_V3_ATTENTION = {  # microsoft/deberta-v3-base's (DebertaV2Config's defaults leave relative attention off)
+    "relative_attention": True,
+    "pos_att_type": ["p2c", "c2p"],
+    "share_att_key": True,
+    "norm_rel_ebd": "layer_norm",
+    "position_buckets": 256,
+    "max_relative_positions": -1,
+    "position_biased_input": False,
+}
 END_OF_SEQUENCE = {"t5": 1, "bart": 2}  # family: its <eos> id, which its classifier reads (each example ends in one)
 EAGER_EXPERTS = {"mixtral-eager": "mixtral", "qwen2-moe-eager": "qwen2-moe"}  # family: the config it shares
 QV, IA3 = ["query", "value"], ["key", "value", "output.dense"]
@@ -147,7 +156,8 @@ def text_config(family: str, size: dict, length: int, vocabulary: int, classes: 
         "distilbert": lambda: tr.DistilBertConfig(dim=h, n_layers=layers, n_heads=heads, hidden_dim=ffn, **common),
         "electra": lambda: tr.ElectraConfig(**bert_like, embedding_size=h // 2, **common),
         "albert": lambda: tr.AlbertConfig(**bert_like, embedding_size=h // 2, **common),
-        "deberta-v2": lambda: tr.DebertaV2Config(**bert_like, **common),
+        "deberta-v2": lambda: tr.DebertaV2Config(**bert_like, **DEBERTA_V3_ATTENTION, **common),
+        "markuplm": lambda: tr.MarkupLMConfig(**bert_like, max_position_embeddings=max(512, length), **common),
         "convbert": lambda: tr.ConvBertConfig(**bert_like, embedding_size=h, **common),
         "gpt-neo": lambda: tr.GPTNeoConfig(
             hidden_size=h,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from test_op_rules import assert_exact_without_the_exact_path, generator
 from torch import nn
 
-import dpml.train.rules.derived as derived
+import dpml.train.rules.pull_backs as pull_backs
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -125,7 +125,7 @@ class Counted:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.stitched = self.refused = self.one_by_one = 0
-        stitch, pull_back = derived.stitch, derived.pull_back
+        stitch, pull_back = pull_backs.stitch, pull_backs.pull_back
 
         def counted_stitch(chain: list[Any]) -> Any:  # noqa: ANN401
             found = stitch(chain)
@@ -137,8 +137,8 @@ class Counted:
             self.one_by_one += 1
             return pull_back(node, gradients)
 
-        monkeypatch.setattr(derived, "stitch", counted_stitch)
-        monkeypatch.setattr(derived, "pull_back", counted_pull_back)
+        monkeypatch.setattr(pull_backs, "stitch", counted_stitch)
+        monkeypatch.setattr(pull_backs, "pull_back", counted_pull_back)
 
 
 def batch(count: int = 7, length: int = 5, width: int = 6) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,14 +70,13 @@ from dpml.train.nonfinite import refuse_non_finite_parameters, say_left_out
 from dpml.train.released import Targets
 from dpml.train.streamed import layer_pieces
 from dpml.train.rules import Recorder, Use, cast_form, custom_functions_seen_by, parameter_piece
-from dpml.train.rules.derived import pull_back_all
+from dpml.train.rules.pull_backs import pull_back_all
 from dpml.train.rules.row_jacobian import row_map_pieces
 from dpml.train.rules.scattered_rows import scattered_row_uses
 from dpml.train.rules.standardised import standardised_pieces
 from dpml.train.rules.outputs import LetGo, Recorded, RecordedOutputs
 from dpml.train.rules.ragged import Ragged
 from dpml.train.rules.flat_indices import counting_for
-from dpml.train.rules.registry import Dense
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, y) -> per-example losses
 
@@ -251,8 +250,8 @@ def _rule_pieces(
         for _, tracked in node.sources:
             if id(node.output) in relevant and id(tracked.param) in relevant:
                 operations[id(tracked.param)] += operations[id(node.output)] + [node.operation]
-    for tracked, g in pulled:
-        uses[id(tracked.param)].append((tracked, Dense(g)))
+    for tracked, form in pulled:
+        uses[id(tracked.param)].append((tracked, form))
         params[id(tracked.param)] = tracked.param
     ready = {key: piece for key, (_, piece) in standardised.items()} | recomputed
     pieces: list[tuple[Unit, Piece]] = []

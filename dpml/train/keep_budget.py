@@ -51,7 +51,7 @@ def keep_limit(device: torch.device) -> int:
 
 BEYOND_KEEP_LIMIT = "exceed the keep limit"
 """The words of every refusal that depends on the batch size: per-example gradients, B × |S| numbers, past the
-keep limit (:func:`dpml.train.rules.registry.beyond_keep_limit`, :func:`dpml.train.rules.derived.pull_back_all`)."""
+keep limit (:func:`dpml.train.rules.registry.beyond_keep_limit`, :func:`dpml.train.rules.pull_backs.pull_back_all`)."""
 
 PASS_KEEP_LAYERS = 4
 """A pass keeps at most this many layers' limits' worth (``PASS_KEEP_LAYERS`` × the device's keep limit)."""

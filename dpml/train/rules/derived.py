@@ -1,26 +1,22 @@
 """Computations on parameters alone: a weight formed from parameters before it meets the batch (a
 parametrization's g·v/‖v‖, ``cat((q_bias, zeros, v_bias))``, ``A @ B``). The recorder tracks such an output as
 if it were a parameter (:class:`Derived`); the engine then carries the per-example gradients of its uses back to
-the parameters it came from through the operation's own Jacobian (:func:`pull_back`)."""
+the parameters it came from through the operation's own Jacobian (:func:`pull_back`; the whole chain:
+:mod:`.pull_backs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from dpml.train.exact_path import batched_vjp
-from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
 from dpml.train.rules.operands import outputs, repeats_first_row, substituted, tensors
-from dpml.train.clipping_layers import Piece
-from dpml.train.rules.combine import per_example_gradients_of
-from dpml.train.rules.ragged import Ragged
-from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use, function_name
+from dpml.train.rules.registry import Tracked, function_name
 from dpml.train.rules.rerun import LocalRun, RandomState, moved_from, replayed
-from dpml.train.rules.stitched import SourceKey, Stitched, stitch
 
 
 @dataclass(eq=False)
@@ -247,236 +243,3 @@ def pull_back(node: Derived, gradients: torch.Tensor) -> list[torch.Tensor]:
     operator has no batching rule), the chain rule's step ∂ℓ_i/∂s = (∂o/∂s)ᵀ ∂ℓ_i/∂o with the sources
     independent (a source that is itself a Derived output passes its share on when its own turn comes)."""
     return batched_vjp(node.local, node.leaves, gradients.to(node.local.dtype))
-
-
-def _examples(form: Form, rows: slice) -> Form:
-    """A use's per-example gradients for the examples ``rows`` only."""
-    if isinstance(form, Ragged):
-        form = form.padded()
-    if isinstance(form, Computed):
-        return Dense(form.gradients(rows))
-    if isinstance(form, Dense):
-        return Dense(form.grads[rows])
-    applied = None if form.applied is None else form.applied[rows]
-    lengths = None if form.lengths is None else form.lengths[rows]
-    return Factored(form.u[rows], form.v[rows], form.rows, form.cols, applied, lengths)
-
-
-def pull_back_all(
-    nodes: list[Derived],
-    uses: dict[int, list[Use]],
-    relevant: set[int],
-    batch: int,
-    dtype: torch.dtype,
-    limit: int,
-    params: dict[int, nn.Parameter],
-    stitching: bool = True,
-) -> tuple[list[tuple[Tracked, torch.Tensor]], dict[int, str], dict[int, Piece]]:
-    """The uses of the computations on parameters (``nodes`` in the order they ran; those whose output is among the
-    ``relevant`` ids) carried back to the parameters they came from: (the parameter's view, its per-example
-    gradients (B, *view)) for each source that is one; why a parameter cannot be (one example's per-example gradients
-    of a computation pass ``limit`` numbers); and {id: piece} for each parameter whose per-example gradients, kept
-    for the whole batch, would pass ``limit`` and that has no use of its own (:func:`_recomputed_pieces`; the parameter
-    joins ``params``, by id). A computation's output's per-example gradients are formed a slice of examples at a time,
-    at most ``limit`` numbers (a weight formed from LoRA factors is as large as the layer's: B × d_in·d_out at once
-    would not fit where the factors' gradients do), through every computation in turn, later ones first: all of them
-    as one graph where it is the recorded one (:func:`.stitched.stitch`, ``stitching``), else one at a time."""
-    chain = _reaching_a_use([node for node in reversed(nodes) if id(node.output) in relevant], uses)
-    together = stitch(chain) if stitching and chain else None  # (its run is the check that each runs again)
-    computed = {id(node.output) for node in nodes}
-    failed: dict[int, str] = {}
-    unkept: dict[int, str] = {}  # too many to keep for the whole batch: a piece that forms them again for its sum
-    for node in chain:
-        reason = None if together is not None else node.again.failure()
-        if reason is not None:
-            failed.update({id(p): f"{node.operation} on parameters: {reason}" for p in node.params})
-            continue
-        widest = max(t.numel() for t in (node.output, *[t for t, _ in node.sources]))
-        sizes = [(id(s.param), batch * t.numel()) for t, s in node.sources]
-        for key, size in [(None, widest)] if widest > limit else sizes:  # (one example's, where that is too many)
-            if size > limit and key not in computed:
-                reason = f"{node.operation} on parameters: its per-example gradients ({size} numbers)"
-                reason = f"{reason} {BEYOND_KEEP_LIMIT} ({limit})"
-                if key is None:
-                    failed.update({id(p): reason for p in node.params})
-                else:
-                    unkept[key] = reason
-    failed |= {key: reason for key, reason in unkept.items() if uses.get(key)}  # (a use of its own: kept, or exact)
-    while blocked := [node for node in chain if any(id(p) in failed for p in node.params)]:  # and what shares them
-        for node in blocked:
-            reason = next(failed[id(p)] for p in node.params if id(p) in failed)
-            failed.update({id(p): reason for p in node.params if id(p) not in failed})
-        chain = [node for node in chain if node not in blocked]
-    if not chain:
-        return [], failed, {}
-    if together is not None and len(together.outputs) != len(chain):  # (some left out: the rest, closed, as one)
-        together = stitch(chain)
-        if together is None:
-            return pull_back_all(nodes, uses, relevant, batch, dtype, limit, params, stitching=False)
-    kept_out = unkept.keys() - failed.keys()  # formed again for their sums
-    lazy = {id(s.param): s.param for node in chain for _, s in node.sources if id(s.param) in kept_out}
-    squared = {key: torch.zeros(batch, dtype=dtype, device=chain[0].output.device) for key in lazy}
-
-    def norms(key: int, rows: slice, g: torch.Tensor) -> None:
-        squared[key][rows] = g.square().sum(1)
-
-    parts = _slices(chain, together, uses, relevant, lazy, batch, dtype, limit, norms)
-    pulled = [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()]
-    params |= lazy
-    return pulled, failed, _recomputed_pieces(chain, together, uses, relevant, lazy, squared, batch, dtype, limit)
-
-
-def _reaching_a_use(chain: list[Derived], uses: dict[int, list[Use]]) -> list[Derived]:
-    """The computations of ``chain`` (later ones first) whose output some use reaches, itself or through a later
-    computation: the others' per-example gradients are zeros, and so is all they would pass back (a weight formed
-    only to be detached, as DoRA's B·A for its norm), so they are neither formed nor pulled back."""
-    needed: set[int] = set()
-    kept = []
-    for node in chain:
-        if uses.get(id(node.output)) or id(node.output) in needed:
-            needed |= {id(s.param) for _, s in node.sources}
-            kept.append(node)
-    return kept
-
-
-def pulled_back_probes(
-    chain: list[Derived], output: torch.Tensor, probes: torch.Tensor, param: nn.Parameter
-) -> torch.Tensor:
-    """(∂output/∂param)ᵀ p_k for each of the cotangents ``probes`` (k, *output.shape), through the computations
-    ``chain`` (in the order they ran, ``output`` the last one's): (k, param.numel()) in the parameter's own
-    coordinates, the chain carried back as the per-example pull-back carries it."""
-    found: list[torch.Tensor] = []
-
-    def keep(key: int, rows: slice, g: torch.Tensor) -> None:
-        found.append(g)
-
-    count, dtype = probes.shape[0], probes.dtype
-    probed: dict[int, list[Use]] = {id(output): [(Tracked(output), Dense(probes))]}  # type: ignore[arg-type]
-    relevant = {id(node.output) for node in chain} | {id(param)}
-    later_first = list(reversed(chain))
-    together = stitch(later_first)
-    _slices(later_first, together, probed, relevant, {id(param)}, count, dtype, probes.numel(), keep, keep=False)
-    return torch.cat(found) if found else probes.new_zeros(count, param.numel())
-
-
-Visit = Callable[[int, slice, torch.Tensor], None]
-
-
-def _slices(
-    chain: list[Derived],
-    together: Stitched | None,
-    uses: dict[int, list[Use]],
-    relevant: set[int],
-    lazy: Collection[int],
-    batch: int,
-    dtype: torch.dtype,
-    limit: int,
-    visit: Visit,
-    keep: bool = True,
-) -> dict[tuple[int, int], list[torch.Tensor]]:
-    """The chain carried back a slice of examples at a time (through ``together``, the chain run as one graph, where
-    given; else one computation at a time): each slice's per-example gradients of a ``lazy`` parameter, added up over
-    its places in the chain in its own coordinates, handed to ``visit`` (its id, the rows, (slice, its numel)); with
-    ``keep``, those of the other parameters kept, by (computation, source)."""
-    step = max(1, limit // max(t.numel() for node in chain for t in (node.output, *[t for t, _ in node.sources])))
-    parts: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for start in range(0, batch, step):
-        rows = slice(start, min(start + step, batch))
-        local = {id(node.output): [(t, _examples(f, rows)) for t, f in uses.get(id(node.output), [])] for node in chain}
-        count = rows.stop - rows.start
-        pulled = (
-            _through_each(chain, local, count, dtype)
-            if together is None
-            else _through_all(together, chain, local, count, dtype)
-        )
-        found: dict[int, torch.Tensor] = {}  # a lazy parameter's per-example gradients in this slice, (slice, numel)
-        for (k, j), tracked, g in pulled:
-            key = id(tracked.param)
-            if key in lazy:
-                flat = g.reshape(g.shape[0], -1).to(dtype)
-                if tracked.index is None:  # the parameter itself
-                    found[key] = found[key] + flat if key in found else flat
-                else:
-                    total = found[key] if key in found else flat.new_zeros(g.shape[0], tracked.param.numel())
-                    found[key] = total.index_add_(1, tracked.flat_index().reshape(-1), flat)
-            elif key in relevant and keep:
-                parts.setdefault((k, j), []).append(g.to(dtype))
-        for key, total in found.items():
-            visit(key, rows, total)
-    return parts
-
-
-Pulled = Iterator[tuple[SourceKey, Tracked, torch.Tensor]]
-
-
-def _through_each(chain: list[Derived], local: dict[int, list[Use]], count: int, dtype: torch.dtype) -> Pulled:
-    """A slice's per-example gradients carried back one computation at a time (later ones first): each source's,
-    by its key (k, j), where it is no computation's output still to come (there, a use of that output)."""
-    for k, node in enumerate(chain):
-        gradients = per_example_gradients_of(
-            local.pop(id(node.output)), node.output, count, _complex_as(dtype, node.output)
-        )
-        for j, ((_, tracked), g) in enumerate(zip(node.sources, pull_back(node, gradients), strict=True)):
-            if id(tracked.param) in local:  # the output of a computation still to come: a use of it
-                local[id(tracked.param)].append((tracked, Dense(g.to(_complex_as(dtype, tracked.param)))))
-            else:
-                yield (k, j), tracked, g
-
-
-def _through_all(
-    together: Stitched, chain: list[Derived], local: dict[int, list[Use]], count: int, dtype: torch.dtype
-) -> Pulled:
-    """A slice's per-example gradients carried back through the whole chain run as one graph (:mod:`.stitched`)."""
-    gradients = {
-        id(node.output): per_example_gradients_of(
-            local[id(node.output)], node.output, count, _complex_as(dtype, node.output)
-        )
-        for node in chain
-        if local[id(node.output)]
-    }
-    yield from together.pull_back(gradients)
-
-
-def _complex_as(dtype: torch.dtype, t: torch.Tensor) -> torch.dtype:
-    """The engine's ``dtype``, or its complex counterpart for a complex computation's output ``t`` (its per-example
-    gradients keep their imaginary parts until the pull-back reaches the real parameters)."""
-    if not t.is_complex():
-        return dtype
-    return torch.complex128 if dtype == torch.float64 else torch.complex64
-
-
-def _recomputed_pieces(
-    chain: list[Derived],
-    together: Stitched | None,
-    uses: dict[int, list[Use]],
-    relevant: set[int],
-    lazy: dict[int, nn.Parameter],
-    squared: dict[int, torch.Tensor],
-    batch: int,
-    dtype: torch.dtype,
-    limit: int,
-) -> dict[int, Piece]:
-    """The ``lazy`` parameters' pieces, for parameters whose per-example gradients are too many to keep for the whole
-    batch: their norms (``squared``, from the first pass over the slices), and a clipped sum that carries the chain
-    back again, slice by slice, adding up c_i times each example's gradient (one pass for all of them, at the first
-    parameter's sum; the factors are one pass's). Twice the pull-back's work, no B × |θ| numbers kept, and no exact
-    path (a computed weight no closed form takes, a DoRA weight or ``torch.tanh(w)``, past the keep limit)."""
-    done: dict[str, Any] = {}
-
-    def totals(factors: torch.Tensor) -> dict[int, torch.Tensor]:
-        if done.get("factors") is not factors:
-            found: dict[int, torch.Tensor] = {}
-
-            def weigh(key: int, rows: slice, g: torch.Tensor) -> None:
-                part = torch.einsum("b,b...->...", factors[rows].to(g.dtype), g)
-                found[key] = found[key] + part if key in found else part
-
-            _slices(chain, together, uses, relevant, lazy, batch, dtype, limit, weigh, keep=False)
-            done.update(factors=factors, found=found)
-        return done["found"]  # type: ignore[no-any-return]
-
-    def piece(key: int) -> Piece:
-        param = lazy[key]
-        return Piece(squared[key], lambda factors: [(param, totals(factors)[key].reshape(param.shape))])
-
-    return {key: piece(key) for key in lazy}

@@ -15,7 +15,7 @@ which every function of the kind above satisfies: with z = W_c − mean(W_c)·1 
 J_cᵀ = φ·(I − 11ᵀ/n) + (2φ'/n)·z zᵀ, and z ∈ span(1, T_c). α and M come from the operations where
 :mod:`.row_affine` reads them (every operation listed there: no Jacobian run at all); otherwise (1) is fitted and
 checked, not assumed, at each pass, by three vector-Jacobian products of the recorded operations
-(:func:`.derived.pulled_back_probes`) on the cotangents
+(:func:`.pull_backs.pulled_back_probes`) on the cotangents
 
     g₁ + 1,   g₂ + T,   r        (g₁, g₂ random and orthogonal to 1 and T_c in each row; r random),
 
@@ -49,7 +49,8 @@ from torch import nn
 
 from dpml.train.clipping_layers import Piece
 from dpml.train.rules.combine import computed_norms, merged_uses, row_form, use_norms
-from dpml.train.rules.derived import Derived, pulled_back_probes
+from dpml.train.rules.derived import Derived
+from dpml.train.rules.pull_backs import pulled_back_probes
 from dpml.train.rules.flat_indices import in_order
 from dpml.train.rules.registry import Computed, Factored, Use
 from dpml.train.rules.row_affine import RowMap, read_row_map

@@ -19,7 +19,7 @@ become dense uses of theirs (a gain computed from a parameter, NFNet's ``gain * 
 the generic pull-back). Without an affine part s is read from the use's own output Ŵa_t where its rule kept it (a
 convolution's, :class:`.registry.Factored`'s ``applied``); otherwise it is one product, a_t against Ŵ (dividing the
 output by γ instead would lose s's digits where γ is small, and γ starts at 0 in NFNet's last convolutions). The
-generic pull-back (:func:`.derived.pull_back_all`) keeps B × |W| numbers instead (151 M at batch 64 for BiT's
+generic pull-back (:func:`.pull_backs.pull_back_all`) keeps B × |W| numbers instead (151 M at batch 64 for BiT's
 512×512×3×3 weights), and past the keep limit sends the weight to the exact path.
 
 Where the use forms each G'_i on demand instead (:class:`.registry.Computed`: a convolution's kernel gradients where

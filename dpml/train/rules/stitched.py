@@ -81,7 +81,7 @@ def _vmapped_vjps(
 
 
 def stitch(chain: list[Derived]) -> Stitched | None:
-    """The computations ``chain`` (later ones first, as :func:`.derived.pull_back_all` orders them) run again as one
+    """The computations ``chain`` (later ones first, as :func:`.pull_backs.pull_back_all` orders them) run again as one
     graph, or None where that graph could differ from the recorded one (the module's docstring). The run checks
     itself against the recorded outputs, so no computation needs its own run again (:class:`.rerun.LocalRun`)."""
     order = list(reversed(chain))

@@ -1,0 +1,132 @@
+"""A linear map whose input is computed from parameters alone, carried back without forming its weight's per-example
+gradients: DeBERTa's relative position embeddings through each layer's query and key projections (``share_att_key``),
+MarkupLM's XPath layers where the forward makes the ids, SwinV2's position-bias MLP on its coordinate table, DETR's
+first decoder layer on its query embeddings.
+
+Such a call is a computation on parameters alone (:class:`.derived.Derived`): its input x is the same for every
+example, so each example's gradients of its output, δ_i (the sum of its uses, (B, *out)), are all it adds. For
+``F.linear(x, W, b)``, at positions t (the output's leading dimensions; Goodfellow 2015, as :mod:`.linear`):
+
+    ∇_W ℓ_i = Σ_t δ_{i,t} x_tᵀ,    ∇_b ℓ_i = Σ_t δ_{i,t},    ∇_{x_t} ℓ_i = Wᵀ δ_{i,t},
+
+and for ``torch.addmm(b, x, W, beta=β, alpha=α)`` = β b + α x W: ∇_W ℓ_i = α Σ_t x_t δ_{i,t}ᵀ, ∇_b ℓ_i = β δ_i
+summed to b's shape, ∇_x ℓ_i = α δ_i Wᵀ. W's is handed on *factored* (u = δ_i, v = x the same for every example),
+so its norm is a ghost norm or a materialised one, whichever is cheaper (:mod:`.combine`), and its uses on the batch's
+own rows join it along the positions (:func:`.combine.merged_uses`): one norm, no cross terms. The generic pull-back
+(:func:`.derived.pull_back`) forms B × |W| numbers and B products of the size of the call itself.
+
+On a CPU the positions where δ_{i,t} = 0 for every example are left out (DeBERTa's c2p and p2c scores gather 2T − 1
+of the table's 2k relative positions: 255 of 512 at 128 tokens): they add nothing to ∇_W or ∇_b, and x_t's gradient
+there is zero for every example (on a GPU that test would wait for the device, as
+:func:`dpml.train.clipping_norms.without_silent_positions`).
+
+Taken only where the call can be read so: a real floating weight of two dimensions, tracked; input, weight and output
+of one dtype (no autocast), strided; no operand written in place since the call (the values read now are those it read);
+no operand passed twice. Otherwise the generic pull-back takes the call."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
+
+if TYPE_CHECKING:
+    from dpml.train.rules.derived import Derived
+
+_LINEAR_CALLS = (F.linear,)
+_ADDMM_CALLS = (torch.addmm, torch.Tensor.addmm)
+
+
+def _operand(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str) -> Any:
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def _read(node: Derived) -> tuple[torch.Tensor, torch.Tensor, Any, bool, float, float] | None:
+    """(x, W, bias, whether W is (n_in, n_out) as addmm's, α, β) of a linear call on parameters alone; None where the
+    call is no such call or cannot be read so (the module docstring)."""
+    func, args, kwargs = node.call
+    if func in _LINEAR_CALLS:
+        x, weight, bias = (_operand(args, kwargs, k, n) for k, n in enumerate(("input", "weight", "bias")))
+        layout, alpha, beta = False, 1.0, 1.0
+    elif func in _ADDMM_CALLS:
+        bias, x, weight = (_operand(args, kwargs, k, n) for k, n in enumerate(("input", "mat1", "mat2")))
+        layout, alpha, beta = True, float(kwargs.get("alpha", 1.0)), float(kwargs.get("beta", 1.0))
+    else:
+        return None
+    operands = [t for t in (x, weight, bias) if isinstance(t, torch.Tensor)]
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.dim() < 1:
+        return None
+    if len({id(t) for t in operands}) != len(operands):
+        return None
+    if not weight.is_floating_point() or any(t.dtype != weight.dtype for t in (x, node.output)):
+        return None
+    if any(t.layout != torch.strided for t in operands):
+        return None
+    if not node.again.unwritten() or not any(t is weight for t, _ in node.sources):
+        return None
+    return x, weight, bias, layout, alpha, beta
+
+
+def reads_linear(node: Derived, batch: int, limit: int) -> bool:
+    """Whether :func:`linear_uses` takes the call, its per-example gradients of output and input within ``limit``
+    numbers for ``batch`` examples (else the generic pull-back takes it, a slice of examples at a time)."""
+    read = _read(node)
+    return read is not None and batch * max(node.output.numel(), read[0].numel()) <= limit
+
+
+def linear_uses(node: Derived, gradients: torch.Tensor) -> list[Use] | None:
+    """The uses a linear call on parameters alone hands on (its weight's factored, its bias's and its input's
+    materialised, each for the operands that are tracked) from each example's gradients of its output, ``gradients``
+    (B, *output.shape); None where the call is not read so (the module docstring)."""
+    read = _read(node)
+    if read is None:
+        return None
+    x, weight, bias, layout, alpha, beta = read
+    batch, dtype = gradients.shape[0], gradients.dtype
+    tracked = {id(t): view for t, view in node.sources}
+    d = gradients.reshape(batch, -1, gradients.shape[-1])  # (B, T, n_out): the positions t
+    rows = x.detach().reshape(-1, x.shape[-1]).to(dtype)  # (T, n_in), the same for every example
+    live = _live_positions(d)
+    d_live, rows_live = (d, rows) if live is None else (d.index_select(1, live), rows.index_select(0, live))
+    inputs = rows_live.expand(batch, *rows_live.shape)
+    w = weight.detach().to(dtype)
+    form: Form
+    if layout:  # addmm: W (n_in, n_out), ∇_W = α Σ_t x_t δ_tᵀ
+        form = Factored(inputs, d_live * alpha if alpha != 1.0 else d_live, w.shape[0], w.shape[1])
+    else:  # F.linear: W (n_out, n_in), ∇_W = Σ_t δ_t x_tᵀ
+        form = Factored(d_live, inputs, w.shape[0], w.shape[1])
+    found: list[Use] = [(tracked[id(weight)], form)]
+    if isinstance(bias, torch.Tensor) and id(bias) in tracked:
+        found.append((tracked[id(bias)], Dense(_summed_to(gradients * beta if beta != 1.0 else gradients, bias))))
+    if id(x) in tracked:  # (on the live positions' rows of x only: the others' are zero)
+        back = d_live @ (w.t() if layout else w)  # (B, T', n_in): α δ Wᵀ (addmm) or δ W (F.linear)
+        back = back * alpha if layout and alpha != 1.0 else back
+        view = tracked[id(x)]
+        if live is None:
+            found.append((view, Dense(back.reshape(batch, *x.shape))))
+        else:
+            index = view.flat_index().reshape(-1, x.shape[-1]).index_select(0, live)
+            found.append((Tracked(view.param, index, view.shared), Dense(back)))
+    return found
+
+
+def _live_positions(d: torch.Tensor) -> torch.Tensor | None:
+    """The positions t at which some example's δ_t is not zero, where there are fewer than all of them, on a CPU
+    (a sync on a GPU); None otherwise. At least one (a call none of whose positions reach the loss: one zero row)."""
+    if d.device.type != "cpu" or d.shape[1] <= 1:
+        return None
+    live = d.ne(0).any(2).any(0)
+    count = int(live.sum())
+    if count == d.shape[1]:
+        return None
+    return live.nonzero().squeeze(1) if count else live.new_zeros(1, dtype=torch.int64)
+
+
+def _summed_to(gradients: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each example's gradient of a bias broadcast over the output: (B, *out) summed to (B, *bias.shape)."""
+    batch, lead = gradients.shape[0], gradients.dim() - 1 - bias.dim()
+    target = (batch, *([1] * lead), *bias.shape)
+    return gradients.sum_to_size(target).reshape(batch, *bias.shape)

@@ -1,0 +1,133 @@
+"""Linear maps on inputs computed from parameters alone (``dpml/train/rules/linear_on_parameters.py``): DeBERTa's
+relative position table, normed and projected by the very query and key layers the tokens go through, its rows then
+gathered by each pair's relative position. The layer's weight gradient is handed on factored and joined with its
+uses on the tokens: clipped sums and norms equal a float64 per-example loop, nothing takes the exact path, and a
+keep limit below B × |W| (which the generic pull-back would form) sends nothing there either."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_op_rules import HuggingFace, assert_exact_without_the_exact_path, generator, ids_and_mask
+from torch import nn
+
+from dpml.train.clipping import engine_pass
+from dpml.train.dpsgd import per_example_cross_entropy
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D`` (a weight (n_in, n_out), ``torch.addmm``), written out so the test needs no
+    library: its rows flattened, as there."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.3)
+        self.bias = nn.Parameter(torch.randn(n_out) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight, alpha=0.7)
+        return flat.reshape(*x.shape[:-1], -1)
+
+
+class RelativePositions(nn.Module):
+    """Token ids (B, T) → disentangled attention (DeBERTa, He et al. 2021, eq. 4): scores q·k + q·P_k[δ] + k·P_q[δ]
+    with P = proj(LayerNorm(table)) from parameters alone and δ the relative position clamped to the table's 2·span
+    rows. ``projection``: ``linear`` (nn.Linear, shared with the tokens'), ``addmm`` (a Conv1D, shared too), ``mlp``
+    (a layer, GELU, then the shared layer: a linear call on parameters that another such call feeds), ``expanded``
+    (the table expanded over the batch first, as a carried row: :func:`dpml.train.rules.derived.first_rows`)."""
+
+    def __init__(self, projection: str, span: int, vocab: int = 13, width: int = 8) -> None:
+        super().__init__()
+        self.projection, self.span = projection, span
+        self.embed = nn.Embedding(vocab, width)
+        self.table = nn.Parameter(torch.randn(2 * span, width))
+        self.norm = nn.LayerNorm(width)
+        layer = Conv1D if projection == "addmm" else nn.Linear
+        self.query, self.key = layer(width, width), layer(width, width)
+        self.inner = nn.Linear(width, width)
+        self.out = nn.Linear(width, 3)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # (B, T, width)
+        batch, length = ids.shape
+        table = self.norm(self.table)  # (2·span, width): parameters alone
+        if self.projection == "mlp":
+            table = F.gelu(self.inner(table))
+        if self.projection == "expanded":
+            table = table.unsqueeze(0).expand(batch, -1, -1)
+        pos_key, pos_query = self.key(table), self.query(table)
+        q, k = self.query(h), self.key(h)
+        steps = torch.arange(length)
+        relative = (steps[:, None] - steps[None, :]).clamp(-self.span, self.span - 1) + self.span
+        index = relative.expand(batch, length, length)
+        c2p = torch.matmul(q, pos_key.transpose(-1, -2)).gather(-1, index)
+        p2c = torch.matmul(k, pos_query.transpose(-1, -2)).gather(-1, index).transpose(-1, -2)
+        scores = (torch.matmul(q, k.transpose(-1, -2)) + c2p + p2c) / 3.0
+        return self.out(torch.tanh(torch.matmul(scores.softmax(-1), h)).mean(1))
+
+
+def _ids(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(0, 13, (batch, length), generator=generator(31))
+
+
+@pytest.mark.parametrize("projection", ["linear", "addmm", "mlp", "expanded"])
+@pytest.mark.parametrize(("span", "length"), [(2, 5), (4, 2)], ids=["every row reached", "rows no pair reaches"])
+def test_a_layer_on_a_table_of_parameters_is_exact_without_the_exact_path(
+    projection: str, span: int, length: int
+) -> None:
+    """At 2 tokens and span 4, relative positions reach 3 of the table's 8 rows: the others' δ is zero for every
+    example (left out on a CPU) and their gradients must come back zero, the rest exact."""
+    torch.manual_seed(30)
+    model = RelativePositions(projection, span)
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, _ids(6, length), torch.arange(6) % 3)
+
+
+@pytest.mark.parametrize("projection", ["linear", "addmm"])
+def test_a_keep_limit_below_the_layers_per_example_gradients_takes_nothing_exactly(
+    projection: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table is 4 rows of 8, the shared layer's weight 8 × 8: a keep limit of 6 · 64 − 1 numbers holds the batch's
+    gradients of the table and of the layer's output (6 · 32) but not of its weight (6 · 64), which the generic
+    pull-back forms and, the weight having uses of its own on the tokens, sends to the exact path. Factored, nothing
+    goes there, and the sums stay exact."""
+    torch.manual_seed(32)
+    model = RelativePositions(projection, span=2).double()
+    x, y = _ids(6, 5), torch.arange(6) % 3
+    monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 6 * 64 - 1)
+    found = engine_pass(model, per_example_cross_entropy, x, y, ())
+    assert found.exact == {}, found.reasons
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y, planned=False)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["eval", "dropout"])
+def test_deberta_v3_attention_projects_its_normed_table_by_the_token_layers(dropout: float) -> None:
+    """``transformers``' DeBERTa-v2 as DeBERTa-v3 configures it (``share_att_key``: the relative table, normed and
+    dropped out once a layer, goes through that layer's own query and key projections; ``position_buckets``) in
+    training mode: exact under the same masks, nothing on the exact path."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.DebertaV2Config(
+        vocab_size=30,
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        num_labels=3,
+        pad_token_id=0,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        position_buckets=4,
+        max_relative_positions=-1,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    model = transformers.DebertaV2ForSequenceClassification(config).train()
+    torch.manual_seed(8)
+    x = ids_and_mask(5, 7, 30, 0, 33)
+    assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.arange(5) % 3, seed=9)
