@@ -147,7 +147,9 @@ def _pull_back_stretch(
         squared[key][rows] = g.square().sum(1)
 
     parts = _slices(chain, together, uses, relevant, lazy, batch, dtype, limit, norms)
-    pulled = [(chain[k].sources[j][1], torch.cat(found)) for (k, j), found in parts.items()]
+    pulled = [
+        (chain[k].sources[j][1], found[0] if len(found) == 1 else torch.cat(found)) for (k, j), found in parts.items()
+    ]
     params |= lazy
     return pulled, failed, _recomputed_pieces(chain, together, uses, relevant, lazy, squared, batch, dtype, limit)
 
