@@ -12,7 +12,10 @@ example, so each example's gradients of its output, δ_i (the sum of its uses, (
 and for ``torch.addmm(b, x, W, beta=β, alpha=α)`` = β b + α x W: ∇_W ℓ_i = α Σ_t x_t δ_{i,t}ᵀ, ∇_b ℓ_i = β δ_i
 summed to b's shape, ∇_x ℓ_i = α δ_i Wᵀ. W's is handed on *factored* (u = δ_i, v = x the same for every example),
 so its norm is a ghost norm or a materialised one, whichever is cheaper (:mod:`.combine`), and its uses on the batch's
-own rows join it along the positions (:func:`.combine.merged_uses`): one norm, no cross terms. The generic pull-back
+own rows join it along the positions (:func:`.combine.merged_uses`): one norm, no cross terms. Where the positions
+outnumber the outputs (peft DoRA's ``lora_A(eye)``: as many positions as inputs, r outputs), x repeated for every
+example would weigh more than ∇_W itself, so ∇_W is formed (one product per example, B × |W| numbers, as the generic
+pull-back forms them without its batched backward pass). The generic pull-back
 (:func:`.derived.pull_back`) forms B × |W| numbers and B products of the size of the call itself.
 
 On a CPU the positions where δ_{i,t} = 0 for every example are left out (DeBERTa's c2p and p2c scores gather 2T − 1
@@ -91,13 +94,16 @@ def linear_uses(node: Derived, gradients: torch.Tensor) -> list[Use] | None:
     rows = x.detach().reshape(-1, x.shape[-1]).to(dtype)  # (T, n_in), the same for every example
     live = _live_positions(d)
     d_live, rows_live = (d, rows) if live is None else (d.index_select(1, live), rows.index_select(0, live))
-    inputs = rows_live.expand(batch, *rows_live.shape)
     w = weight.detach().to(dtype)
+    d_scaled = d_live * alpha if layout and alpha != 1.0 else d_live
     form: Form
-    if layout:  # addmm: W (n_in, n_out), ∇_W = α Σ_t x_t δ_tᵀ
-        form = Factored(inputs, d_live * alpha if alpha != 1.0 else d_live, w.shape[0], w.shape[1])
+    if d_live.shape[1] > d.shape[2]:  # more positions than outputs: factored, x would weigh more than ∇_W itself
+        total = torch.matmul(rows_live.t(), d_scaled) if layout else torch.matmul(d_live.transpose(1, 2), rows_live)
+        form = Dense(total)  # (B, n_in, n_out) for addmm, (B, n_out, n_in) for F.linear: W's shape
+    elif layout:  # addmm: W (n_in, n_out), ∇_W = α Σ_t x_t δ_tᵀ
+        form = Factored(rows_live.expand(batch, *rows_live.shape), d_scaled, w.shape[0], w.shape[1])
     else:  # F.linear: W (n_out, n_in), ∇_W = Σ_t δ_t x_tᵀ
-        form = Factored(d_live, inputs, w.shape[0], w.shape[1])
+        form = Factored(d_live, rows_live.expand(batch, *rows_live.shape), w.shape[0], w.shape[1])
     found: list[Use] = [(tracked[id(weight)], form)]
     if isinstance(bias, torch.Tensor) and id(bias) in tracked:
         found.append((tracked[id(bias)], Dense(_summed_to(gradients * beta if beta != 1.0 else gradients, bias))))
