@@ -33,8 +33,9 @@ class Conv1D(nn.Module):
 class RelativePositions(nn.Module):
     """Token ids (B, T) → disentangled attention (DeBERTa, He et al. 2021, eq. 4): scores q·k + q·P_k[δ] + k·P_q[δ]
     with P = proj(LayerNorm(table)) from parameters alone and δ the relative position clamped to the table's 2·span
-    rows. ``projection``: ``linear`` (nn.Linear, shared with the tokens'), ``addmm`` (a Conv1D, shared too), ``mlp``
-    (a layer, GELU, then the shared layer: a linear call on parameters that another such call feeds), ``expanded``
+    rows. ``projection``: ``linear`` (nn.Linear, shared with the tokens'), ``addmm`` (a Conv1D, shared too),
+    ``matmul`` (``table @ W.t() + b`` with the shared layers' own weight and bias), ``mlp`` (a layer, GELU, then the
+    shared layer: a linear call on parameters that another such call feeds), ``expanded``
     (the table expanded over the batch first, as a carried row: :func:`dpml.train.rules.derived.first_rows`)."""
 
     def __init__(self, projection: str, span: int, vocab: int = 13, width: int = 8) -> None:
@@ -59,7 +60,11 @@ class RelativePositions(nn.Module):
             table = F.gelu(self.inner(table))
         if self.projection == "expanded":
             table = table.unsqueeze(0).expand(batch, -1, -1)
-        pos_key, pos_query = self.key(table), self.query(table)
+        if self.projection == "matmul":  # (the layers' weights on the right, transposed views: x @ Wᵀ + b)
+            pos_key = table @ self.key.weight.t() + self.key.bias
+            pos_query = torch.matmul(table, self.query.weight.t()) + self.query.bias
+        else:
+            pos_key, pos_query = self.key(table), self.query(table)
         q, k = self.query(h), self.key(h)
         steps = torch.arange(length)
         relative = (steps[:, None] - steps[None, :]).clamp(-self.span, self.span - 1) + self.span
@@ -74,7 +79,7 @@ def _ids(batch: int, length: int) -> torch.Tensor:
     return torch.randint(0, 13, (batch, length), generator=generator(31))
 
 
-@pytest.mark.parametrize("projection", ["linear", "addmm", "mlp", "expanded"])
+@pytest.mark.parametrize("projection", ["linear", "addmm", "matmul", "mlp", "expanded"])
 @pytest.mark.parametrize(
     ("span", "length"),
     [(2, 5), (4, 2), (6, 13)],
@@ -91,7 +96,7 @@ def test_a_layer_on_a_table_of_parameters_is_exact_without_the_exact_path(
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, _ids(6, length), torch.arange(6) % 3)
 
 
-@pytest.mark.parametrize("projection", ["linear", "addmm"])
+@pytest.mark.parametrize("projection", ["linear", "addmm", "matmul"])
 def test_a_keep_limit_below_the_layers_per_example_gradients_takes_nothing_exactly(
     projection: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,31 +1,33 @@
-"""A linear map whose input is computed from parameters alone, carried back without forming its weight's per-example
-gradients: DeBERTa's relative position embeddings through each layer's query and key projections (``share_att_key``),
-MarkupLM's XPath layers where the forward makes the ids, SwinV2's position-bias MLP on its coordinate table, DETR's
-first decoder layer on its query embeddings.
+"""A linear map whose input is computed from parameters alone, carried back by its closed form, not by a batched
+backward pass through the call: DeBERTa's relative position embeddings through each layer's query and key projections
+(``share_att_key``), MarkupLM's XPath layers where the forward makes the ids, SwinV2's position-bias MLP on its
+coordinate table, DETR's first decoder layer on its query embeddings.
 
-Such a call is a computation on parameters alone (:class:`.derived.Derived`): its input x is the same for every
-example, so each example's gradients of its output, δ_i (the sum of its uses, (B, *out)), are all it adds. For
+Such a call is a computation on parameters alone (:class:`.derived.Derived`): its input x is the same for every example,
+so each example's gradients of its output, δ_i (the sum of its uses, (B, *out)), are all it adds. For
 ``F.linear(x, W, b)``, at positions t (the output's leading dimensions; Goodfellow 2015, as :mod:`.linear`):
 
     ∇_W ℓ_i = Σ_t δ_{i,t} x_tᵀ,    ∇_b ℓ_i = Σ_t δ_{i,t},    ∇_{x_t} ℓ_i = Wᵀ δ_{i,t},
 
-and for ``torch.addmm(b, x, W, beta=β, alpha=α)`` = β b + α x W: ∇_W ℓ_i = α Σ_t x_t δ_{i,t}ᵀ, ∇_b ℓ_i = β δ_i
-summed to b's shape, ∇_x ℓ_i = α δ_i Wᵀ. W's is handed on *factored* (u = δ_i, v = x the same for every example),
-so its norm is a ghost norm or a materialised one, whichever is cheaper (:mod:`.combine`), and its uses on the batch's
-own rows join it along the positions (:func:`.combine.merged_uses`): one norm, no cross terms. Where the positions
-outnumber the outputs (peft DoRA's ``lora_A(eye)``: as many positions as inputs, r outputs), x repeated for every
-example would weigh more than ∇_W itself, so ∇_W is formed (one product per example, B × |W| numbers, as the generic
-pull-back forms them without its batched backward pass). The generic pull-back
-(:func:`.derived.pull_back`) forms B × |W| numbers and B products of the size of the call itself.
+and for ``torch.addmm(b, x, W, beta=β, alpha=α)`` = β b + α x W: ∇_W ℓ_i = α Σ_t x_t δ_{i,t}ᵀ, ∇_b ℓ_i = β δ_i summed to
+b's shape, ∇_x ℓ_i = α δ_i Wᵀ (``x @ W``, ``torch.matmul`` or ``mm`` with a 2-D W on the right: the same, α = 1 and no
+b; W may be a view, ``weight.t()``). W's is handed on *factored* (u = δ_i, v = x the same for every example), so its
+norm is a ghost norm or a materialised one, whichever is cheaper (:mod:`.combine`), and its uses on the batch's own rows
+join it along the positions (:func:`.combine.merged_uses`): one norm, no cross terms. Where the factors' T·(n_in +
+n_out) numbers an example pass ∇_W's n_in·n_out (peft DoRA's ``lora_A(eye)``: as many positions as inputs, r outputs;
+LoHa's ``w1a @ w1b``; a table longer than half its layer's width), x repeated for every example would weigh more than
+∇_W itself, so ∇_W is formed (one product per example, B × |W| numbers within the keep limit, as the generic pull-back
+forms them without its batched backward pass). The generic pull-back (:func:`.derived.pull_back`) forms B × |W| numbers
+and B products of the size of the call itself.
 
 On a CPU the positions where δ_{i,t} = 0 for every example are left out (DeBERTa's c2p and p2c scores gather 2T − 1
 of the table's 2k relative positions: 255 of 512 at 128 tokens): they add nothing to ∇_W or ∇_b, and x_t's gradient
 there is zero for every example (on a GPU that test would wait for the device, as
 :func:`dpml.train.clipping_norms.without_silent_positions`).
 
-Taken only where the call can be read so: a real floating weight of two dimensions, tracked; input, weight and output
-of one dtype (no autocast), strided; no operand written in place since the call (the values read now are those it read);
-no operand passed twice. Otherwise the generic pull-back takes the call."""
+Taken only where the call can be read so: a real floating weight of two dimensions, a parameter or its view; input,
+weight and output of one dtype (no autocast), strided; no operand written in place since the call (the values read now
+are those it read); no operand passed twice. Otherwise the generic pull-back takes the call."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
 
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 
 _LINEAR_CALLS = (F.linear,)
 _ADDMM_CALLS = (torch.addmm, torch.Tensor.addmm)
+_PRODUCT_CALLS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
 
 
 def _operand(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str) -> Any:
@@ -57,6 +61,11 @@ def _read(node: Derived) -> tuple[torch.Tensor, torch.Tensor, Any, bool, float, 
     elif func in _ADDMM_CALLS:
         bias, x, weight = (_operand(args, kwargs, k, n) for k, n in enumerate(("input", "mat1", "mat2")))
         layout, alpha, beta = True, float(kwargs.get("alpha", 1.0)), float(kwargs.get("beta", 1.0))
+    elif func in _PRODUCT_CALLS or func is torch.Tensor.__rmatmul__:  # x @ W: as addmm without a bias
+        first, second = _operand(args, kwargs, 0, "input"), _operand(args, kwargs, 1, "other")
+        second = kwargs.get("mat2") if second is None else second
+        x, weight = (second, first) if func is torch.Tensor.__rmatmul__ else (first, second)
+        bias, layout, alpha, beta = None, True, 1.0, 1.0
     else:
         return None
     operands = [t for t in (x, weight, bias) if isinstance(t, torch.Tensor)]
@@ -68,8 +77,10 @@ def _read(node: Derived) -> tuple[torch.Tensor, torch.Tensor, Any, bool, float, 
         return None
     if any(t.layout != torch.strided for t in operands):
         return None
-    if not node.again.unwritten() or not any(t is weight for t, _ in node.sources):
+    if not node.again.unwritten():
         return None
+    if not any(t is weight and isinstance(view.param, nn.Parameter) for t, view in node.sources):
+        return None  # (a weight computed from parameters: left to the chain run as one graph, HRA's products of many)
     return x, weight, bias, layout, alpha, beta
 
 
@@ -77,7 +88,17 @@ def reads_linear(node: Derived, batch: int, limit: int) -> bool:
     """Whether :func:`linear_uses` takes the call, its per-example gradients of output and input within ``limit``
     numbers for ``batch`` examples (else the generic pull-back takes it, a slice of examples at a time)."""
     read = _read(node)
-    return read is not None and batch * max(node.output.numel(), read[0].numel()) <= limit
+    if read is None:
+        return False
+    x, weight = read[0], read[1]
+    formed = 0 if _factored_is_smaller(x.numel() // x.shape[-1], weight) else weight.numel()
+    return batch * max(node.output.numel(), x.numel(), formed) <= limit
+
+
+def _factored_is_smaller(positions: int, weight: torch.Tensor) -> bool:
+    """Whether the factored form's numbers an example, x's and δ's T·(n_in + n_out), are no more than the formed
+    gradient's n_in·n_out: x is repeated for every example once the form joins the weight's other uses."""
+    return positions * (weight.shape[0] + weight.shape[1]) <= weight.numel()
 
 
 def linear_uses(node: Derived, gradients: torch.Tensor) -> list[Use] | None:
@@ -97,7 +118,7 @@ def linear_uses(node: Derived, gradients: torch.Tensor) -> list[Use] | None:
     w = weight.detach().to(dtype)
     d_scaled = d_live * alpha if layout and alpha != 1.0 else d_live
     form: Form
-    if d_live.shape[1] > d.shape[2]:  # more positions than outputs: factored, x would weigh more than ∇_W itself
+    if not _factored_is_smaller(d_live.shape[1], w):  # factored, x and δ would weigh more than ∇_W itself
         total = torch.matmul(rows_live.t(), d_scaled) if layout else torch.matmul(d_live.transpose(1, 2), rows_live)
         form = Dense(total)  # (B, n_in, n_out) for addmm, (B, n_out, n_in) for F.linear: W's shape
     elif layout:  # addmm: W (n_in, n_out), ∇_W = α Σ_t x_t δ_tᵀ
