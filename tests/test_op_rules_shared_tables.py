@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_clipping_check import loop_clipped_sum, relative_error
 from test_op_rules import HuggingFace, assert_exact_without_the_exact_path, generator, ids_and_mask
 from torch import nn
 
-from dpml.train.clipping import engine_pass
+from dpml.train.clipping import clipped_gradient_sum, engine_pass
 from dpml.train.dpsgd import per_example_cross_entropy
 
 
@@ -111,6 +112,42 @@ def test_a_keep_limit_below_the_layers_per_example_gradients_takes_nothing_exact
     found = engine_pass(model, per_example_cross_entropy, x, y, ())
     assert found.exact == {}, found.reasons
     assert_exact_without_the_exact_path(model, per_example_cross_entropy, x, y, planned=False)
+
+
+class TableAndSquashedWeight(nn.Module):
+    """One weight in a linear call on a table (parameters alone) and, squashed by tanh (a computation on it alone),
+    in a layer on the batch's rows: no rule's use of its own, so past the keep limit the generic pull-back would form
+    its per-example gradients again for its sum — the tanh's share alone, not the closed form's."""
+
+    def __init__(self, width: int = 8, rows: int = 4) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(rows, width))
+        self.weight = nn.Parameter(torch.randn(width, width) * 0.3)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, width)
+        keys = F.linear(self.table, self.weight)  # (rows, width): a linear call on parameters alone
+        h = F.linear(x, torch.tanh(self.weight))
+        scores = torch.matmul(h, keys.t()).softmax(-1)  # (B, T, rows)
+        return self.out(torch.tanh(torch.matmul(scores, keys)).mean(1))
+
+
+def test_a_weight_past_the_keep_limit_that_a_closed_form_also_uses_is_taken_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A keep limit of 6 · 64 − 1 holds the table's and the keys' gradients (6 · 32) but not the weight's (6 · 64):
+    the tanh's pull-back would form them again for the sum, without the closed form's share (before: no exact path and
+    that share lost). The weight takes the exact path, named with the limit, and the clipped sums equal the loop's."""
+    torch.manual_seed(34)
+    model = TableAndSquashedWeight().double()
+    x, y = torch.randn(6, 5, 8, generator=generator(35), dtype=torch.float64), torch.arange(6) % 3
+    monkeypatch.setattr("dpml.train.keep_budget.KEEP_PER_EXAMPLE_LIMIT", 6 * 64 - 1)
+    found = engine_pass(model, per_example_cross_entropy, x, y, ())
+    assert "weight" in found.exact, found.reasons  # (and the table, which shares its call: exact alike)
+    assert all("exceed the keep limit (383)" in found.reasons[name] for name in found.exact)
+    reference, _ = loop_clipped_sum(model, x, y, 0.3)
+    sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, x, y, 0.3)
+    assert relative_error(sums, reference) < 1e-10
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["eval", "dropout"])

@@ -55,9 +55,13 @@ def pull_back_all(
     failed: dict[int, str] = {}
     pieces: dict[int, Piece] = {}
 
-    def hand_on(found: Iterable[Use]) -> None:
+    closed: set[int] = set()  # the parameters a closed form handed uses on to
+
+    def hand_on(found: Iterable[Use], by_closed_form: bool = False) -> None:
         for tracked, form in found:
             (uses.setdefault(id(tracked.param), []) if id(tracked.param) in ahead else pulled).append((tracked, form))
+            if by_closed_form and id(tracked.param) not in ahead:
+                closed.add(id(tracked.param))
 
     stretch: list[Derived] = []
 
@@ -77,9 +81,12 @@ def pull_back_all(
         if stretch:  # (the computations after it first: its output's per-example gradients complete)
             flush()
         local = [(t, _examples(f, slice(0, batch))) for t, f in uses.get(id(node.output), [])]
-        hand_on(linear_uses(node, per_example_gradients_of(local, node.output, batch, dtype)) or [])
+        hand_on(linear_uses(node, per_example_gradients_of(local, node.output, batch, dtype)) or [], True)
     if stretch:
         flush()
+    for key in pieces.keys() & closed:  # (formed again for its sum, the pull-back's share only: a use of its own)
+        failed[key] = f"its per-example gradients {BEYOND_KEEP_LIMIT} ({limit}) and a linear call on parameters uses it"
+        del pieces[key]
     while blocked := [node for node in chain if {id(p) for p in node.params} & failed.keys()]:  # and what shares them
         for node in blocked:
             reason = next(failed[id(p)] for p in node.params if id(p) in failed)
