@@ -31,16 +31,14 @@ are those it read); no operand passed twice. Otherwise the generic pull-back tak
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpml.train.rules.derived import Derived
 from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
-
-if TYPE_CHECKING:
-    from dpml.train.rules.derived import Derived
 
 _LINEAR_CALLS = (F.linear,)
 _ADDMM_CALLS = (torch.addmm, torch.Tensor.addmm)
@@ -51,9 +49,21 @@ def _operand(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name:
     return args[position] if len(args) > position else kwargs.get(name)
 
 
-def _read(node: Derived) -> tuple[torch.Tensor, torch.Tensor, Any, bool, float, float] | None:
-    """(x, W, bias, whether W is (n_in, n_out) as addmm's, α, β) of a linear call on parameters alone; None where the
-    call is no such call or cannot be read so (the module docstring)."""
+class LinearCall(NamedTuple):
+    """A linear call on parameters alone as read: its input, weight and bias (or None), whether W is (n_in, n_out) as
+    addmm's (``layout``), α and β."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: Any
+    layout: bool
+    alpha: float
+    beta: float
+
+
+def _read(node: Derived) -> LinearCall | None:
+    """The call of ``node`` read as a linear call on parameters alone; None where it is no such call or cannot be read
+    so (the module docstring)."""
     func, args, kwargs = node.call
     if func in _LINEAR_CALLS:
         x, weight, bias = (_operand(args, kwargs, k, n) for k, n in enumerate(("input", "weight", "bias")))
@@ -81,18 +91,18 @@ def _read(node: Derived) -> tuple[torch.Tensor, torch.Tensor, Any, bool, float, 
         return None
     if not any(t is weight and isinstance(view.param, nn.Parameter) for t, view in node.sources):
         return None  # (a weight computed from parameters: left to the chain run as one graph, HRA's products of many)
-    return x, weight, bias, layout, alpha, beta
+    return LinearCall(x, weight, bias, layout, alpha, beta)
 
 
-def reads_linear(node: Derived, batch: int, limit: int) -> bool:
-    """Whether :func:`linear_uses` takes the call, its per-example gradients of output and input within ``limit``
-    numbers for ``batch`` examples (else the generic pull-back takes it, a slice of examples at a time)."""
+def linear_call(node: Derived, batch: int, limit: int) -> LinearCall | None:
+    """The call as :func:`linear_uses` takes it, where its per-example gradients of output and input (and of W where
+    they are formed) are within ``limit`` numbers for ``batch`` examples; None otherwise (the generic pull-back takes
+    it, a slice of examples at a time)."""
     read = _read(node)
     if read is None:
-        return False
-    x, weight = read[0], read[1]
-    formed = 0 if _factored_is_smaller(x.numel() // x.shape[-1], weight) else weight.numel()
-    return batch * max(node.output.numel(), x.numel(), formed) <= limit
+        return None
+    formed = 0 if _factored_is_smaller(read.x.numel() // read.x.shape[-1], read.weight) else read.weight.numel()
+    return read if batch * max(node.output.numel(), read.x.numel(), formed) <= limit else None
 
 
 def _factored_is_smaller(positions: int, weight: torch.Tensor) -> bool:
@@ -101,14 +111,11 @@ def _factored_is_smaller(positions: int, weight: torch.Tensor) -> bool:
     return positions * (weight.shape[0] + weight.shape[1]) <= weight.numel()
 
 
-def linear_uses(node: Derived, gradients: torch.Tensor) -> list[Use] | None:
-    """The uses a linear call on parameters alone hands on (its weight's factored, its bias's and its input's
-    materialised, each for the operands that are tracked) from each example's gradients of its output, ``gradients``
-    (B, *output.shape); None where the call is not read so (the module docstring)."""
-    read = _read(node)
-    if read is None:
-        return None
-    x, weight, bias, layout, alpha, beta = read
+def linear_uses(node: Derived, call: LinearCall, gradients: torch.Tensor) -> list[Use]:
+    """The uses a linear call on parameters alone (``node``, read as ``call``: :func:`linear_call`) hands on (its
+    weight's factored or formed, its bias's and its input's materialised, each for the operands that are tracked) from
+    each example's gradients of its output, ``gradients`` (B, *output.shape)."""
+    x, weight, bias, layout, alpha, beta = call
     batch, dtype = gradients.shape[0], gradients.dtype
     tracked = {id(t): view for t, view in node.sources}
     d = gradients.reshape(batch, -1, gradients.shape[-1])  # (B, T, n_out): the positions t

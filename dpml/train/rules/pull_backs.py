@@ -14,7 +14,7 @@ from dpml.train.clipping_layers import Piece
 from dpml.train.keep_budget import BEYOND_KEEP_LIMIT
 from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.derived import Derived, pull_back
-from dpml.train.rules.linear_on_parameters import linear_uses, reads_linear
+from dpml.train.rules.linear_on_parameters import linear_call, linear_uses
 from dpml.train.rules.ragged import Ragged
 from dpml.train.rules.registry import Computed, Dense, Factored, Form, Tracked, Use
 from dpml.train.rules.stitched import SourceKey, Stitched, stitch
@@ -57,11 +57,9 @@ def pull_back_all(
 
     closed: set[int] = set()  # the parameters a closed form handed uses on to
 
-    def hand_on(found: Iterable[Use], by_closed_form: bool = False) -> None:
+    def hand_on(found: Iterable[Use]) -> None:
         for tracked, form in found:
             (uses.setdefault(id(tracked.param), []) if id(tracked.param) in ahead else pulled).append((tracked, form))
-            if by_closed_form and id(tracked.param) not in ahead:
-                closed.add(id(tracked.param))
 
     stretch: list[Derived] = []
 
@@ -75,13 +73,16 @@ def pull_back_all(
         stretch.clear()
 
     for node in chain:
-        if not reads_linear(node, batch, limit):
+        call = linear_call(node, batch, limit)
+        if call is None:
             stretch.append(node)
             continue
         if stretch:  # (the computations after it first: its output's per-example gradients complete)
             flush()
         local = [(t, _examples(f, slice(0, batch))) for t, f in uses.get(id(node.output), [])]
-        hand_on(linear_uses(node, per_example_gradients_of(local, node.output, batch, dtype)) or [], True)
+        found = linear_uses(node, call, per_example_gradients_of(local, node.output, batch, dtype))
+        closed.update(id(tracked.param) for tracked, _ in found if id(tracked.param) not in ahead)
+        hand_on(found)
     if stretch:
         flush()
     for key in pieces.keys() & closed:  # (formed again for its sum, the pull-back's share only: a use of its own)

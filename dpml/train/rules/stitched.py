@@ -24,16 +24,12 @@ Otherwise (None), the computations are pulled back one by one, each checked by i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from dpml.train.exact_path import batched_vjps
+from dpml.train.rules.derived import Derived
 from dpml.train.rules.flat_indices import offsets_are_values
 from dpml.train.rules.registry import Tracked
-
-if TYPE_CHECKING:
-    from dpml.train.rules.derived import Derived
 
 SourceKey = tuple[int, int]
 """(k, j): the j-th source of the k-th computation of the chain (later ones first), as :mod:`.derived` keys them."""
