@@ -424,8 +424,8 @@ def test_maps_reshaped_over_their_leading_dimensions_equal_the_whole_reshape() -
 
 
 def test_maps_moved_on_their_values_alone_equal_the_move_of_the_whole_map() -> None:
-    """dpml.train.rules.operands.moved_map: ``index_select``, ``flip`` and ``roll`` (with ``dims``) along any
-    dimension of a map broadcast over the others, batch-first or not, equal the same move of the whole map (200
+    """dpml.train.rules.operands.moved_map: ``index_select``, ``flip``, ``roll`` (with ``dims``) and ``gather`` along
+    any dimension of a map broadcast over the others, batch-first or not, equal the same move of the whole map (200
     random maps and moves), and along a broadcast dimension form nothing of the map's size."""
     from dpml.train.rules.operands import moved_map
 
@@ -442,6 +442,8 @@ def test_maps_moved_on_their_values_alone_equal_the_move_of_the_whole_map() -> N
             (torch.flip, ([dim],)),
             (torch.roll, (shift, dim)),
             (torch.roll, (shift,)),  # (no dims: the flattened map rolled, the whole map's function)
+            (torch.gather, (dim, _gather_index(g, shape, dim))),
+            (torch.Tensor.gather, (dim, _gather_index(g, shape, dim))),
         ]:
             whole = func(examples, *args)
             (found,) = moved_map(func, examples, (examples, *args), {}, whole)
@@ -449,6 +451,22 @@ def test_maps_moved_on_their_values_alone_equal_the_move_of_the_whole_map() -> N
     relative = torch.arange(3).view(3, 1, 1, 1).expand(3, 2, 8, 15)  # (B, H, T, 2T−1): XLNet's relative shift
     (shifted,) = moved_map(torch.index_select, relative, (relative, 3, torch.arange(8)), {}, torch.empty(3, 2, 8, 8))
     assert torch.equal(shifted, relative[..., :8]) and shifted.untyped_storage().nbytes() <= 3 * 8
+    scores = torch.arange(6).view(6, 1, 1).expand(6, 8, 16)  # (B·H, T, 2k): DeBERTa's c2p scores, gathered
+    positions = torch.randint(0, 16, (6, 8, 8), generator=g)
+    (gathered,) = moved_map(torch.gather, scores, (scores, -1, positions), {}, torch.empty(6, 8, 8))
+    assert torch.equal(gathered, torch.gather(scores, -1, positions)) and gathered.untyped_storage().nbytes() <= 6 * 8
+
+
+def _gather_index(g: torch.Generator, shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """A ``gather`` index for a tensor of ``shape`` along ``dim``: as many dimensions, each no longer than the
+    tensor's (other than ``dim``'s, of any length), its values anywhere along ``dim``."""
+    sizes = [
+        int(torch.randint(1, 6, (), generator=g))
+        if k == dim % len(shape)
+        else int(torch.randint(1, n + 1, (), generator=g))
+        for k, n in enumerate(shape)
+    ]
+    return torch.randint(0, shape[dim], sizes, generator=g)
 
 
 REDUCTIONS = ["mean", "amax", "sum-keepdim", "logsumexp", "std"]

@@ -343,6 +343,8 @@ def moved_map(func: Any, examples: torch.Tensor, args: tuple[Any, ...], kwargs: 
         if not isinstance(dim, int) or not isinstance(index, torch.Tensor):
             return outputs(func(examples, *rest, **kwargs))
         moved = values if values.shape[dim] == 1 else values.index_select(dim, index)
+    elif func in (torch.gather, torch.Tensor.gather) and (read := _gathered_alike(values, rest, kwargs)) is not None:
+        moved = read
     elif func in (torch.flip, torch.Tensor.flip, torch.fliplr, torch.Tensor.fliplr, torch.flipud, torch.Tensor.flipud):
         moved = func(values, *rest, **kwargs)
     elif func in (torch.roll, torch.Tensor.roll) and (len(rest) > 1 or kwargs.get("dims") is not None):
@@ -350,6 +352,21 @@ def moved_map(func: Any, examples: torch.Tensor, args: tuple[Any, ...], kwargs: 
     else:
         return outputs(func(examples, *rest, **kwargs))
     return [moved.expand(out.shape)]
+
+
+def _gathered_alike(values: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The map of ``gather(input, dim, index)`` from the values of the input's map (:func:`core`) where they are alike
+    along ``dim`` (DeBERTa's c2p and p2c scores, (B·H, T, 2k), gathered along the last): out[…, j, …] reads the
+    input at index[…, j, …] along ``dim`` and at its own place along every other dimension, so its map is the
+    values' first ``index.shape[k]`` along each other dimension k, broadcast (B·H numbers, not B·H·T²); None
+    otherwise (the gather of the whole map)."""
+    dim = rest[0] if rest else kwargs.get("dim")
+    index = rest[1] if len(rest) > 1 else kwargs.get("index")
+    if not isinstance(dim, int) or not isinstance(index, torch.Tensor) or index.dim() != values.dim():
+        return None
+    if values.dim() == 0 or values.shape[dim] != 1:
+        return None
+    return values[tuple(slice(0, min(n, v)) for n, v in zip(index.shape, values.shape, strict=True))]
 
 
 def before_last(key: Any, dims: int) -> bool:
