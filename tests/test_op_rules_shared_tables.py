@@ -178,3 +178,91 @@ def test_deberta_v3_attention_projects_its_normed_table_by_the_token_layers(drop
     torch.manual_seed(8)
     x = ids_and_mask(5, 7, 30, 0, 33)
     assert_exact_without_the_exact_path(HuggingFace(model), per_example_cross_entropy, x, torch.arange(5) % 3, seed=9)
+
+
+class ScatteredRows(nn.Module):
+    """A table of 10 rows through a Conv1D-style ``addmm`` whose bias is a matrix, one row for each table row (so
+    each output row has a bias row of its own), the keys then scored against the tokens twice: one product's
+    columns 0, 3 and 7 kept (scattered: fewer than half of the 10, gathered), the other's 2, 3, 5 and 6 (a run with
+    a gap: taken as the range 2–6); and row 9 scaled by each example's mean token (a materialised use). Rows 1, 4 and 8
+    reach nothing: their bias rows' gradients are zero for every example."""
+
+    def __init__(self, vocab: int = 13, width: int = 8, rows: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.table = nn.Parameter(torch.randn(rows, width))
+        self.weight = nn.Parameter(torch.randn(width, width) * 0.3)
+        self.bias_rows = nn.Parameter(torch.randn(rows, width) * 0.1)
+        self.out = nn.Linear(3 + 4 + width, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # (B, T, width)
+        keys = torch.addmm(self.bias_rows, self.table, self.weight, alpha=0.7)  # (rows, width): parameters alone
+        scattered = torch.matmul(h, keys.t())[..., [0, 3, 7]]
+        run = torch.matmul(torch.tanh(h), keys.t())[..., [2, 3, 5, 6]]
+        scaled = keys[9] * h.mean(1)  # (B, width)
+        pooled = torch.cat([torch.tanh(scattered).mean(1), torch.tanh(run).mean(1), scaled], 1)
+        return self.out(pooled)
+
+
+def test_a_table_whose_rows_are_reached_in_scattered_places_is_exact_without_the_exact_path() -> None:
+    """Only the rows some use reaches are formed (a gathered set, a range with a gap, a materialised use's row): the
+    clipped sums, the bias matrix's zero rows among them, equal the float64 loop's, nothing on the exact path."""
+    torch.manual_seed(36)
+    model = ScatteredRows()
+    assert_exact_without_the_exact_path(model, per_example_cross_entropy, _ids(6, 5), torch.arange(6) % 3)
+
+
+def _factor(g: torch.Generator, batch: int, positions: int, width: int, dead: str) -> torch.Tensor:
+    """A factor (B, T, width) whose columns are zero for every example as ``dead`` says: none, every other one, all
+    but a run with a gap, or all."""
+    factor = torch.randn(batch, positions, width, generator=g, dtype=torch.float64)
+    keep = torch.ones(width, dtype=torch.bool)
+    if dead == "scattered":
+        keep[1::2] = False
+    elif dead == "run":
+        keep[:] = False
+        keep[width // 3 : width // 3 + max(2, width // 3)] = True
+        keep[width // 3 + 1] = width < 6
+    elif dead == "all":
+        keep[:] = False
+    return factor * keep
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gradients_on_the_reached_rows_equal_those_formed_whole(seed: int) -> None:
+    """dpml.train.rules.linear_on_parameters.gradients_on_reached_rows on random uses of a (P, n) output (factored
+    uses of disjoint random views whose factors have dead columns — none, scattered, a run with a gap, all — and
+    materialised uses with zero entries): the rows it keeps are those of the whole per-example gradients
+    (:func:`dpml.train.rules.combine.per_example_gradients_of`) that are not zero for every example and more, equal
+    to them there, and the rows it leaves out are zero there."""
+    from dpml.train.rules.combine import per_example_gradients_of
+    from dpml.train.rules.linear_on_parameters import gradients_on_reached_rows
+    from dpml.train.rules.registry import Dense, Factored, Tracked
+
+    g = torch.Generator().manual_seed(seed)
+    batch, rows, width = 3, int(torch.randint(4, 12, (), generator=g)), int(torch.randint(2, 7, (), generator=g))
+    output = torch.zeros(rows, width, dtype=torch.float64)
+    places = torch.randperm(output.numel(), generator=g)
+    uses, start = [], 0
+    for k in range(int(torch.randint(1, 4, (), generator=g))):
+        a, b = int(torch.randint(1, 4, (), generator=g)), int(torch.randint(1, 4, (), generator=g))
+        if start + a * b > places.numel():
+            break
+        view = Tracked(output, places[start : start + a * b].view(a, b))  # type: ignore[arg-type]
+        start += a * b
+        if k % 2 == 0:
+            dead = ["none", "scattered", "run", "all"][int(torch.randint(0, 4, (), generator=g))]
+            u, v = _factor(g, batch, 4, a, dead), _factor(g, batch, 4, b, "scattered" if seed % 2 else "none")
+            uses.append((view, Factored(u, v, a, b)))
+        else:
+            grads = torch.randn(batch, a, b, generator=g, dtype=torch.float64)
+            uses.append((view, Dense(grads * (torch.rand(a, b, generator=g) < 0.5))))
+    whole = per_example_gradients_of(uses, output, batch, torch.float64).reshape(batch, rows, width)
+    found, live = gradients_on_reached_rows(uses, output, batch, torch.float64)
+    if live is None:
+        assert torch.equal(found, whole)
+        return
+    left_out = torch.ones(rows, dtype=torch.bool).index_fill_(0, live, False)
+    assert bool((whole[:, left_out] == 0).all())
+    assert torch.allclose(found, whole[:, live], rtol=1e-12, atol=1e-12)

@@ -23,7 +23,11 @@ and B products of the size of the call itself.
 On a CPU the positions where δ_{i,t} = 0 for every example are left out (DeBERTa's c2p and p2c scores gather 2T − 1
 of the table's 2k relative positions: 255 of 512 at 128 tokens): they add nothing to ∇_W or ∇_b, and x_t's gradient
 there is zero for every example (on a GPU that test would wait for the device, as
-:func:`dpml.train.clipping_norms.without_silent_positions`).
+:func:`dpml.train.clipping_norms.without_silent_positions`). They are told from the uses before δ is formed
+(:func:`gradients_on_reached_rows`): a factored use Σ_s u_s v_sᵀ of a view V is zero for every example outside the rows
+r of V where some u_{i,s,r} ≠ 0 and the columns c where some v_{i,s,c} ≠ 0, a materialised one outside its non-zero
+entries; δ is formed on the positions those entries reach only (each factored use's product on its reached rows and
+columns: DeBERTa's heads' products on 255 of the 512 relative positions).
 
 Taken only where the call can be read so: a real floating weight of two dimensions, a parameter or its view; input,
 weight and output of one dtype (no autocast), strided; no operand written in place since the call (the values read now
@@ -31,12 +35,14 @@ are those it read); no operand passed twice. Otherwise the generic pull-back tak
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpml.train.rules.combine import per_example_gradients_of
 from dpml.train.rules.derived import Derived
 from dpml.train.rules.registry import Dense, Factored, Form, Tracked, Use
 
@@ -111,17 +117,15 @@ def _factored_is_smaller(positions: int, weight: torch.Tensor) -> bool:
     return positions * (weight.shape[0] + weight.shape[1]) <= weight.numel()
 
 
-def linear_uses(node: Derived, call: LinearCall, gradients: torch.Tensor) -> list[Use]:
+def linear_uses(node: Derived, call: LinearCall, uses: list[Use], batch: int, dtype: torch.dtype) -> list[Use]:
     """The uses a linear call on parameters alone (``node``, read as ``call``: :func:`linear_call`) hands on (its
     weight's factored or formed, its bias's and its input's materialised, each for the operands that are tracked) from
-    each example's gradients of its output, ``gradients`` (B, *output.shape)."""
+    the ``uses`` of its output (each a form of all ``batch`` examples)."""
     x, weight, bias, layout, alpha, beta = call
-    batch, dtype = gradients.shape[0], gradients.dtype
     tracked = {id(t): view for t, view in node.sources}
-    d = gradients.reshape(batch, -1, gradients.shape[-1])  # (B, T, n_out): the positions t
+    d_live, live = gradients_on_reached_rows(uses, node.output, batch, dtype)  # (B, T', n_out): the positions t
     rows = x.detach().reshape(-1, x.shape[-1]).to(dtype)  # (T, n_in), the same for every example
-    live = _live_positions(d)
-    d_live, rows_live = (d, rows) if live is None else (d.index_select(1, live), rows.index_select(0, live))
+    rows_live = rows if live is None else rows.index_select(0, live)
     w = weight.detach().to(dtype)
     d_scaled = d_live * alpha if layout and alpha != 1.0 else d_live
     form: Form
@@ -134,7 +138,8 @@ def linear_uses(node: Derived, call: LinearCall, gradients: torch.Tensor) -> lis
         form = Factored(d_live, rows_live.expand(batch, *rows_live.shape), w.shape[0], w.shape[1])
     found: list[Use] = [(tracked[id(weight)], form)]
     if isinstance(bias, torch.Tensor) and id(bias) in tracked:
-        found.append((tracked[id(bias)], Dense(_summed_to(gradients * beta if beta != 1.0 else gradients, bias))))
+        summed = _bias_gradients(d_live, live, node.output.shape, bias)
+        found.append((tracked[id(bias)], Dense(summed * beta if beta != 1.0 else summed)))
     if id(x) in tracked:  # (on the live positions' rows of x only: the others' are zero)
         back = d_live @ (w.t() if layout else w)  # (B, T', n_in): α δ Wᵀ (addmm) or δ W (F.linear)
         back = back * alpha if layout and alpha != 1.0 else back
@@ -145,6 +150,105 @@ def linear_uses(node: Derived, call: LinearCall, gradients: torch.Tensor) -> lis
             index = view.flat_index().reshape(-1, x.shape[-1]).index_select(0, live)
             found.append((Tracked(view.param, index, view.shared), Dense(back)))
     return found
+
+
+def gradients_on_reached_rows(
+    uses: list[Use], output: torch.Tensor, batch: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each example's gradients of ``output`` (the sum of its ``uses``) on the rows some use reaches, (B, L, n_out),
+    and those rows' positions among the output's (P, n_out) rows (the module docstring); on a GPU, or where every row
+    is reached, (B, P, n_out) and None. Where a use's zeros cannot be told from its form, the rows on which δ is zero
+    for every example are found on δ formed (:func:`_live_positions`)."""
+    width = output.shape[-1] if output.dim() else 1
+    reached = _reached(uses, output, batch) if output.device.type == "cpu" and output.numel() > width else None
+    if reached is None:
+        d = per_example_gradients_of(uses, output, batch, dtype).reshape(batch, -1, width)
+        live = _live_positions(d)
+        return (d, None) if live is None else (d.index_select(1, live), live)
+    rows = reached.mask.view(-1, width).any(1)
+    if bool(rows.all()):
+        return per_example_gradients_of(uses, output, batch, dtype).reshape(batch, -1, width), None
+    live = rows.nonzero().squeeze(1) if bool(rows.any()) else rows.new_zeros(1, dtype=torch.int64)
+    lookup = torch.full((rows.shape[0],), -1, dtype=torch.int64).index_copy_(0, live, torch.arange(live.shape[0]))
+    total = torch.zeros(batch, live.shape[0] * width, dtype=dtype)
+    for (tracked, form), kept in zip(uses, reached.entries, strict=True):
+        places = tracked.flat_index().reshape(form.rows, form.cols) if isinstance(form, Factored) else None
+        if isinstance(form, Factored):
+            (r, u), (c, v) = kept
+            assert places is not None
+            positions = places[r][:, c].reshape(-1)
+            values = torch.bmm(u.transpose(1, 2), v).reshape(batch, -1)
+        else:
+            assert isinstance(form, Dense)
+            positions = tracked.flat_index().reshape(-1)[kept]
+            values = form.grads.reshape(batch, -1)[:, kept]
+        compact = lookup[positions.div(width, rounding_mode="floor")] * width + positions.remainder(width)
+        total.index_add_(1, compact, values.to(dtype))
+    return total.view(batch, -1, width), live
+
+
+class _Reached(NamedTuple):
+    """The output's entries some use reaches (``mask``, flat), and, for each use, what of its view it reaches: a
+    factored one's rows and columns taken, each with its factor's columns there (:func:`_taken`), a materialised
+    one's entries (a mask, flat)."""
+
+    mask: torch.Tensor
+    entries: list[Any]
+
+
+def _reached(uses: list[Use], output: torch.Tensor, batch: int) -> _Reached | None:
+    """The entries of ``output`` that some example's gradient may reach, told from the uses' forms (a superset: a
+    product of non-zero factors may still add up to zero); None where a use's form does not tell them (a one-hot
+    factor, one formed on demand)."""
+    mask = torch.zeros(output.numel(), dtype=torch.bool)
+    entries: list[Any] = []
+    for tracked, form in uses:
+        index = tracked.flat_index().reshape(-1)
+        if isinstance(form, Dense) and form.grads.numel() == batch * index.numel():
+            kept = form.grads.reshape(batch, -1).ne(0).any(0)
+            mask[index[kept]] = True
+            entries.append(kept)
+        elif isinstance(form, Factored) and form.u.dim() == 3 and form.v.dim() == 3 and _real(form.u, form.v):
+            taken = [_taken(factor.any(dim=(0, 1)), factor) for factor in (form.u, form.v)]
+            mask[index.view(form.rows, form.cols)[taken[0][0]][:, taken[1][0]].reshape(-1)] = True
+            entries.append(taken)
+        else:
+            return None
+    return _Reached(mask, entries)
+
+
+def _taken(reached: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns of a factor (B, T, n) worth taking, given those that are not zero for every example (``reached``):
+    (their indices among the n, the factor's columns there); those from the first reached to the last as a view where
+    they hold at least half of them (DeBERTa's 2T − 1 relative positions), else the reached ones gathered where they
+    are fewer than half, else all (a gathered copy costs more than the products it saves). A column taken may be
+    zero for every example: the entries it reaches are formed, as zeros."""
+    found = reached.nonzero().squeeze(1)
+    if found.numel() == 0:
+        return found, factor[:, :, :0]
+    first, last = int(found[0]), int(found[-1]) + 1
+    if 2 * found.numel() >= last - first and last - first < reached.numel():
+        return torch.arange(first, last), factor[:, :, first:last]
+    if 2 * found.numel() < reached.numel():
+        return found, factor.index_select(2, found)
+    return torch.arange(reached.numel()), factor
+
+
+def _real(*factors: torch.Tensor) -> bool:
+    return all(t.is_floating_point() for t in factors)
+
+
+def _bias_gradients(d: torch.Tensor, live: torch.Tensor | None, shape: torch.Size, bias: torch.Tensor) -> torch.Tensor:
+    """Each example's gradient of a bias broadcast over the output (of ``shape``) from δ on the positions ``live``
+    (all where None), (B, *bias.shape): summed over the positions where the bias is the same at each of them, else
+    δ laid out on all positions first (the others' are zero)."""
+    batch = d.shape[0]
+    if live is None:
+        return _summed_to(d.reshape(batch, *shape), bias)
+    if bias.dim() <= 1 or all(s == 1 for s in bias.shape[:-1]):
+        return _summed_to(d.sum(1), bias.reshape(-1)).reshape(batch, *bias.shape)
+    full = d.new_zeros(batch, math.prod(shape) // d.shape[2], d.shape[2]).index_copy_(1, live, d)
+    return _summed_to(full.reshape(batch, *shape), bias)
 
 
 def _live_positions(d: torch.Tensor) -> torch.Tensor | None:

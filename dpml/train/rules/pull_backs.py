@@ -80,7 +80,7 @@ def pull_back_all(
         if stretch:  # (the computations after it first: its output's per-example gradients complete)
             flush()
         local = [(t, _examples(f, slice(0, batch))) for t, f in uses.get(id(node.output), [])]
-        found = linear_uses(node, call, per_example_gradients_of(local, node.output, batch, dtype))
+        found = linear_uses(node, call, local, batch, dtype)
         closed.update(id(tracked.param) for tracked, _ in found if id(tracked.param) not in ahead)
         hand_on(found)
     if stretch:
