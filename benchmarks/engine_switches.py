@@ -9,6 +9,10 @@ is off:
 - ``silent-positions``: since 948747f a ruled product's norms and clipped sum run on a CPU over the positions where
   neither factor is zero for every example only (``without_silent_positions``: GPT-2's last block, read at one
   token); off, over every position (the factors returned as they are), as before;
+- ``reached-rows``: a linear call on parameters alone (DeBERTa-v3's relative table through each layer's query and key
+  projections) has each example's gradient of its output formed on a CPU on the rows its uses' factors reach only
+  (``gradients_on_reached_rows``: the heads' products on the 2T − 1 relative positions their gathers read); off, formed
+  on every row and the rows zero for every example found on it (``_reached`` returning None), as before;
 - ``trusted-layers``: since 12bda05 the hooked layers whose shortcut a model's last pass took have their own calls
   recorded without rules (``dpml.train.clipping._TRUSTED_LAYERS``, :mod:`dpml.train.rules.recorder`); off, every
   call handed to its rule (a table that remembers no layer), as before.
@@ -35,7 +39,7 @@ from bench_common import cpu_name, current_commit  # noqa: E402
 
 from dpml.devices import keep_freed_cpu_memory  # noqa: E402
 from dpml.train import clipping  # noqa: E402
-from dpml.train.rules import combine  # noqa: E402
+from dpml.train.rules import combine, linear_on_parameters  # noqa: E402
 
 
 class _Forgetful(dict):  # type: ignore[type-arg]
@@ -53,6 +57,13 @@ SWITCHES: dict[str, tuple[Any, str, Any, str, str]] = {  # module, attribute, it
         lambda u, v: (u, v),
         "silent positions left out",
         "all positions",
+    ),
+    "reached-rows": (
+        linear_on_parameters,
+        "_reached",
+        lambda uses, output, batch: None,
+        "formed on the reached rows",
+        "formed on every row",
     ),
     "trusted-layers": (clipping, "_TRUSTED_LAYERS", _Forgetful(), "trusted layers' calls unruled", "every call ruled"),
 }
