@@ -169,8 +169,10 @@ def gradients_on_reached_rows(
     if bool(rows.all()):
         return per_example_gradients_of(uses, output, batch, dtype).reshape(batch, -1, width), None
     live = rows.nonzero().squeeze(1) if bool(rows.any()) else rows.new_zeros(1, dtype=torch.int64)
-    lookup = torch.full((rows.shape[0],), -1, dtype=torch.int64).index_copy_(0, live, torch.arange(live.shape[0]))
-    total = torch.zeros(batch, live.shape[0] * width, dtype=dtype)
+    here = output.device
+    count = torch.arange(live.shape[0], device=here)
+    lookup = torch.full((rows.shape[0],), -1, dtype=torch.int64, device=here).index_copy_(0, live, count)
+    total = torch.zeros(batch, live.shape[0] * width, dtype=dtype, device=here)
     for (tracked, form), kept in zip(uses, reached.entries, strict=True):
         places = tracked.flat_index().reshape(form.rows, form.cols) if isinstance(form, Factored) else None
         if isinstance(form, Factored):
@@ -200,7 +202,7 @@ def _reached(uses: list[Use], output: torch.Tensor, batch: int) -> _Reached | No
     """The entries of ``output`` that some example's gradient may reach, told from the uses' forms (a superset: a
     product of non-zero factors may still add up to zero); None where a use's form does not tell them (a one-hot
     factor, one formed on demand)."""
-    mask = torch.zeros(output.numel(), dtype=torch.bool)
+    mask = torch.zeros(output.numel(), dtype=torch.bool, device=output.device)
     entries: list[Any] = []
     for tracked, form in uses:
         index = tracked.flat_index().reshape(-1)
@@ -228,10 +230,10 @@ def _taken(reached: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, t
         return found, factor[:, :, :0]
     first, last = int(found[0]), int(found[-1]) + 1
     if 2 * found.numel() >= last - first and last - first < reached.numel():
-        return torch.arange(first, last), factor[:, :, first:last]
+        return torch.arange(first, last, device=reached.device), factor[:, :, first:last]
     if 2 * found.numel() < reached.numel():
         return found, factor.index_select(2, found)
-    return torch.arange(reached.numel()), factor
+    return torch.arange(reached.numel(), device=reached.device), factor
 
 
 def _real(*factors: torch.Tensor) -> bool:
