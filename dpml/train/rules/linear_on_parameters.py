@@ -174,16 +174,14 @@ def gradients_on_reached_rows(
     lookup = torch.full((rows.shape[0],), -1, dtype=torch.int64, device=here).index_copy_(0, live, count)
     total = torch.zeros(batch, live.shape[0] * width, dtype=dtype, device=here)
     for (tracked, form), kept in zip(uses, reached.entries, strict=True):
-        places = tracked.flat_index().reshape(form.rows, form.cols) if isinstance(form, Factored) else None
-        if isinstance(form, Factored):
+        flat = tracked.flat_index().reshape(-1)
+        if isinstance(form, Factored):  # (the products on the columns taken: Σ_s u_s v_sᵀ there)
             (r, u), (c, v) = kept
-            assert places is not None
-            positions = places[r][:, c].reshape(-1)
+            positions = flat.view(form.rows, form.cols)[r][:, c].reshape(-1)
             values = torch.bmm(u.transpose(1, 2), v).reshape(batch, -1)
         else:
             assert isinstance(form, Dense)
-            positions = tracked.flat_index().reshape(-1)[kept]
-            values = form.grads.reshape(batch, -1)[:, kept]
+            positions, values = flat[kept], form.grads.reshape(batch, -1)[:, kept]
         compact = lookup[positions.div(width, rounding_mode="floor")] * width + positions.remainder(width)
         total.index_add_(1, compact, values.to(dtype))
     return total.view(batch, -1, width), live
