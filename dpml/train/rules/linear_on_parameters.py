@@ -173,27 +173,25 @@ def gradients_on_reached_rows(
     count = torch.arange(live.shape[0], device=here)
     lookup = torch.full((rows.shape[0],), -1, dtype=torch.int64, device=here).index_copy_(0, live, count)
     total = torch.zeros(batch, live.shape[0] * width, dtype=dtype, device=here)
-    for (tracked, form), kept in zip(uses, reached.entries, strict=True):
-        flat = tracked.flat_index().reshape(-1)
+    for (_, form), (positions, taken) in zip(uses, reached.entries, strict=True):
         if isinstance(form, Factored):  # (the products on the columns taken: Σ_s u_s v_sᵀ there)
-            (r, u), (c, v) = kept
-            positions = flat.view(form.rows, form.cols)[r][:, c].reshape(-1)
+            u, v = (_columns(factor, chosen) for factor, chosen in zip((form.u, form.v), taken, strict=True))
             values = torch.bmm(u.transpose(1, 2), v).reshape(batch, -1)
         else:
             assert isinstance(form, Dense)
-            positions, values = flat[kept], form.grads.reshape(batch, -1)[:, kept]
+            values = form.grads.reshape(batch, -1)[:, taken]
         compact = lookup[positions.div(width, rounding_mode="floor")] * width + positions.remainder(width)
         total.index_add_(1, compact, values.to(dtype))
     return total.view(batch, -1, width), live
 
 
 class _Reached(NamedTuple):
-    """The output's entries some use reaches (``mask``, flat), and, for each use, what of its view it reaches: a
-    factored one's rows and columns taken, each with its factor's columns there (:func:`_taken`), a materialised
-    one's entries (a mask, flat)."""
+    """The output's entries some use reaches (``mask``, flat), and, for each use, the entries of the output it reaches
+    (flat) with what of its view they are: a factored one's columns taken of each factor (:func:`_taken`), a
+    materialised one's entries (a mask, flat)."""
 
     mask: torch.Tensor
-    entries: list[Any]
+    entries: list[tuple[torch.Tensor, Any]]
 
 
 def _reached(uses: list[Use], output: torch.Tensor, batch: int) -> _Reached | None:
@@ -201,41 +199,49 @@ def _reached(uses: list[Use], output: torch.Tensor, batch: int) -> _Reached | No
     product of non-zero factors may still add up to zero); None where a use's form does not tell them (a one-hot
     factor, one formed on demand)."""
     mask = torch.zeros(output.numel(), dtype=torch.bool, device=output.device)
-    entries: list[Any] = []
+    entries: list[tuple[torch.Tensor, Any]] = []
     for tracked, form in uses:
         index = tracked.flat_index().reshape(-1)
         if isinstance(form, Dense) and form.grads.numel() == batch * index.numel():
             kept = form.grads.reshape(batch, -1).ne(0).any(0)
-            mask[index[kept]] = True
-            entries.append(kept)
-        elif isinstance(form, Factored) and form.u.dim() == 3 and form.v.dim() == 3 and _real(form.u, form.v):
-            taken = [_taken(factor.any(dim=(0, 1)), factor) for factor in (form.u, form.v)]
-            mask[index.view(form.rows, form.cols)[taken[0][0]][:, taken[1][0]].reshape(-1)] = True
-            entries.append(taken)
+            entries.append((index[kept], kept))
+        elif (
+            isinstance(form, Factored)
+            and form.u.dim() == form.v.dim() == 3
+            and form.u.is_floating_point()
+            and form.v.is_floating_point()
+        ):
+            r, c = (_taken(factor.any(dim=(0, 1))) for factor in (form.u, form.v))
+            entries.append((index.view(form.rows, form.cols)[r][:, c].reshape(-1), (r, c)))
         else:
             return None
+        mask[entries[-1][0]] = True
     return _Reached(mask, entries)
 
 
-def _taken(reached: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The columns of a factor (B, T, n) worth taking, given those that are not zero for every example (``reached``):
-    (their indices among the n, the factor's columns there); those from the first reached to the last as a view where
-    they hold at least half of them (DeBERTa's 2T − 1 relative positions), else the reached ones gathered where they
-    are fewer than half, else all (a gathered copy costs more than the products it saves). A column taken may be
-    zero for every example: the entries it reaches are formed, as zeros."""
+def _taken(reached: torch.Tensor) -> torch.Tensor:
+    """The columns of a factor worth taking, given those that are not zero for every example (``reached``): those
+    from the first reached to the last where they hold at least half of them (a run, read as a view: DeBERTa's 2T − 1
+    relative positions), else the reached ones where they are fewer than half of all (gathered), else all (a gathered
+    copy costs more than the products it saves). A column taken may be zero for every example: the entries it reaches
+    are formed, as zeros."""
     found = reached.nonzero().squeeze(1)
     if found.numel() == 0:
-        return found, factor[:, :, :0]
+        return found
     first, last = int(found[0]), int(found[-1]) + 1
     if 2 * found.numel() >= last - first and last - first < reached.numel():
-        return torch.arange(first, last, device=reached.device), factor[:, :, first:last]
+        return torch.arange(first, last, device=reached.device)
     if 2 * found.numel() < reached.numel():
-        return found, factor.index_select(2, found)
-    return torch.arange(reached.numel(), device=reached.device), factor
+        return found
+    return torch.arange(reached.numel(), device=reached.device)
 
 
-def _real(*factors: torch.Tensor) -> bool:
-    return all(t.is_floating_point() for t in factors)
+def _columns(factor: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+    """The columns ``taken`` (:func:`_taken`) of a factor (B, T, n): a view where they are a run, else gathered."""
+    count = taken.numel()
+    if count == 0 or int(taken[-1]) - int(taken[0]) + 1 == count:
+        return factor.narrow(2, int(taken[0]) if count else 0, count)
+    return factor.index_select(2, taken)
 
 
 def _bias_gradients(d: torch.Tensor, live: torch.Tensor | None, shape: torch.Size, bias: torch.Tensor) -> torch.Tensor:
